@@ -1,0 +1,334 @@
+"""Shared pieces for the benchmark scripts in ``bench/``: models, fixed gradients, the optimizer registry, state-size
+and timing helpers, and table output.
+
+Import it from a script in this folder (Python puts the script's folder first on ``sys.path``)::
+
+    from common import OPTIMIZERS, build_llama, fixed_grads, run_benchmark, print_table
+
+Run the scripts from outside the repository root: the repo's top-level ``kernels/`` folder would otherwise shadow the
+unrelated ``kernels`` package that bitsandbytes imports.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+__all__ = [
+    "BASELINE",
+    "LLAMA_PRESETS",
+    "OPTIMIZERS",
+    "Result",
+    "build_llama",
+    "fixed_grads",
+    "fresh_params",
+    "machine_info",
+    "print_table",
+    "run_benchmark",
+    "state_bytes",
+    "time_steps",
+]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# models and gradients
+
+#: LLaMA shapes (SwiGLU MLP, untied embeddings). "150m" is GaLore's LLaMA-130M layout with 14 instead of 12 layers
+#: (148.3M parameters; 12 layers give 134.1M); "10m" is a quick configuration with the same kinds of tensors.
+LLAMA_PRESETS: dict[str, dict[str, int]] = {
+    "150m": dict(
+        hidden_size=768, num_hidden_layers=14, intermediate_size=2048, num_attention_heads=12, vocab_size=32000
+    ),
+    "10m": dict(
+        hidden_size=256, num_hidden_layers=6, intermediate_size=688, num_attention_heads=4, vocab_size=12000
+    ),
+}
+
+
+def build_llama(preset: str = "150m", device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised fp32 ``LlamaForCausalLM`` of the given preset (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**LLAMA_PRESETS[preset])
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.float32)
+
+
+def fixed_grads(model: torch.nn.Module, mode: str = "random", seed: int = 0) -> list[torch.Tensor]:
+    """One gradient per parameter of ``model``, made once and reused for every optimizer.
+
+    ``mode="random"``: ``1e-3 * N(0, 1)`` of each parameter's shape (fast; step time does not depend on the values).
+    ``mode="backward"``: one forward/backward of the language-model loss on a random batch of 2 x 128 tokens.
+    """
+    params = list(model.parameters())
+    if mode == "random":
+        gen = torch.Generator(device=params[0].device).manual_seed(seed)
+        return [torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype).mul_(1e-3) for p in params]
+    if mode == "backward":
+        torch.manual_seed(seed)
+        tokens = torch.randint(0, model.config.vocab_size, (2, 128), device=params[0].device)
+        model.zero_grad(set_to_none=True)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        model.zero_grad(set_to_none=True)
+        return grads
+    raise ValueError(f"unknown gradient mode {mode!r} (random, backward)")
+
+
+def fresh_params(reference: Iterable[torch.Tensor], grads: Iterable[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """New leaf parameters holding copies of ``reference``, each with its (shared, read-only) gradient attached."""
+    params = []
+    for ref, g in zip(reference, grads):
+        p = torch.nn.Parameter(ref.detach().clone())
+        p.grad = g
+        params.append(p)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# optimizer registry: name -> factory(params, lr, weight_decay). Imports happen inside the factories, so a missing or
+# broken library fails only its own rows.
+
+
+def _lowmemopt_adamw(bits: int) -> Callable[..., torch.optim.Optimizer]:
+    def make(params, lr, weight_decay):
+        import lowmemopt
+
+        return lowmemopt.AdamW(params, lr=lr, weight_decay=weight_decay, state_bits=bits)
+
+    return make
+
+
+def _torch_adamw(impl: str) -> Callable[..., torch.optim.Optimizer]:
+    def make(params, lr, weight_decay):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **{impl: True})
+
+    return make
+
+
+def _bnb_adamw8bit(params, lr, weight_decay):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+
+
+def _torchao_adamw8bit(params, lr, weight_decay):
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "lowmemopt-adamw-32bit": _lowmemopt_adamw(32),
+    "lowmemopt-adamw-16bit": _lowmemopt_adamw(16),
+    "lowmemopt-adamw-8bit": _lowmemopt_adamw(8),
+    "torch-adamw-fused": _torch_adamw("fused"),
+    "torch-adamw-foreach": _torch_adamw("foreach"),
+    "bnb-adamw8bit": _bnb_adamw8bit,
+    "torchao-adamw8bit": _torchao_adamw8bit,
+}
+
+#: Times are reported as ratios to this optimizer, measured in the same run.
+BASELINE = "torch-adamw-fused"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# measurements
+
+
+def _tensor_storages(obj, out: dict[tuple, int]) -> None:
+    """Collect the real storages under ``obj`` (tensors, wrapper subclasses, containers) as {(device, ptr): nbytes}."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(type(obj), "__tensor_flatten__") and type(obj) is not torch.Tensor:
+            # wrapper subclass (torchao's OptimState8bit holds codes, scale, qmap): count its inner tensors
+            names, _ = obj.__tensor_flatten__()
+            for name in names:
+                _tensor_storages(getattr(obj, name), out)
+            return
+        storage = obj.untyped_storage()
+        if storage.nbytes():
+            out[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensor_storages(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensor_storages(v, out)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state.
+
+    lowmemopt optimizers report their own (``optimizer.state_nbytes()``). For others, every tensor in
+    ``optimizer.state`` is counted by its storage, each storage once: tensor subclasses are opened to the tensors
+    they hold, and tensors shared between parameters (bitsandbytes' quantization maps) count once.
+    """
+    if hasattr(optimizer, "state_nbytes"):
+        return int(optimizer.state_nbytes())
+    storages: dict[tuple, int] = {}
+    for st in optimizer.state.values():
+        _tensor_storages(st, storages)
+    return sum(storages.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(
+    step: Callable[[], object],
+    *,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    max_step_s: float = 60.0,
+) -> tuple[list[float], str]:
+    """Call ``step`` ``warmup`` times, then time it ``steps`` times (``time.perf_counter``, device synchronized).
+
+    The first call (state allocation, compilation) is never judged; after it, if a call takes longer than
+    ``max_step_s``, the rest of the warm-up is skipped and only one step is timed. Returns (timed seconds, note).
+    """
+
+    def timed() -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    note = ""
+    for i in range(warmup):
+        dt = timed()
+        if i >= 1 and dt > max_step_s:
+            steps, note = 1, f"slow ({dt:.1f} s/step): {i + 1} warm-up + 1 timed step"
+            break
+    times: list[float] = []
+    for i in range(steps):
+        dt = timed()
+        times.append(dt)
+        first_call = warmup == 0 and i == 0
+        if not first_call and dt > max_step_s and i + 1 < steps:
+            note = f"slow ({dt:.1f} s/step): {warmup} warm-up + {i + 1} timed step(s)"
+            break
+    return times, note
+
+
+@dataclass
+class Result:
+    """One optimizer's row."""
+
+    name: str
+    state_bytes: int | None = None
+    bytes_per_param: float | None = None
+    times_s: list[float] = field(default_factory=list)
+    median_s: float | None = None
+    ratio: float | None = None  # median_s / baseline median_s
+    note: str = ""
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_benchmark(
+    name: str,
+    reference: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    *,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-2,
+    max_step_s: float = 60.0,
+) -> Result:
+    """Build optimizer ``name`` on fresh copies of ``reference``, time its steps and measure its state.
+
+    Any exception (import, construction, step) is caught and recorded in ``Result.error``. Memory is released
+    before returning.
+    """
+    result = Result(name)
+    n_params = sum(p.numel() for p in reference)
+    params = optimizer = None
+    try:
+        params = fresh_params(reference, grads)
+        optimizer = OPTIMIZERS[name](params, lr=lr, weight_decay=weight_decay)
+        result.times_s, result.note = time_steps(
+            optimizer.step, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s
+        )
+        result.median_s = statistics.median(result.times_s)
+        result.state_bytes = state_bytes(optimizer)
+        result.bytes_per_param = result.state_bytes / n_params
+    except Exception as exc:  # noqa: BLE001 - a failing optimizer becomes a table row, not a crash
+        result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    finally:
+        del optimizer, params
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reporting
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_info(device: torch.device) -> dict[str, object]:
+    """Versions, threads and hardware, for the report header and JSON."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info: dict[str, object] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1m": _load_average(),  # other work on the machine inflates and scatters the timings
+        "device": str(device),
+        "lowmemopt": _version("lowmemopt"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "torchao": _version("torchao"),
+        "transformers": _version("transformers"),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def print_table(results: list[Result]) -> None:
+    """Markdown table: optimizer | state bytes/param | median step (s) | ratio to the baseline | notes."""
+    print(f"| optimizer | state bytes/param | median step (s) | ratio to {BASELINE} | notes |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for r in results:
+        bpp = "—" if r.bytes_per_param is None else f"{r.bytes_per_param:.3f}"
+        med = "—" if r.median_s is None else f"{r.median_s:.3f}"
+        ratio = "—" if r.ratio is None else f"{r.ratio:.2f}x"
+        note = f"FAILED: {r.error}" if r.error else r.note
+        note = note.replace("|", "\\|")
+        print(f"| {r.name} | {bpp} | {med} | {ratio} | {note} |")

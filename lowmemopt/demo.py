@@ -1,0 +1,72 @@
+"""A short, offline training run for trying optimizers: a byte-level language model on the Python standard library's own
+source (present on every machine, no download). Used by ``examples/quickstart.py`` and the end-to-end tests."""
+
+from __future__ import annotations
+
+import sysconfig
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["stdlib_bytes", "ByteMLP", "train_bytes"]
+
+
+def stdlib_bytes(limit: int = 400_000) -> torch.Tensor:
+    """The first ``limit`` bytes of the standard library's top-level ``*.py`` files (sorted by name), as int64."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    if not chunks:
+        raise FileNotFoundError(f"no Python sources found under {root}")
+    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
+
+
+class ByteMLP(torch.nn.Module):
+    """Predicts the next byte from the previous ``context`` bytes: embedding -> GELU MLP -> 256 logits."""
+
+    def __init__(self, context: int = 8, dim: int = 48, hidden: int = 256):
+        super().__init__()
+        self.context = context
+        self.embed = torch.nn.Embedding(256, dim)
+        self.hidden = torch.nn.Linear(context * dim, hidden)
+        self.out = torch.nn.Linear(hidden, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).flatten(1)
+        return self.out(torch.nn.functional.gelu(self.hidden(h)))
+
+
+def train_bytes(
+    make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    steps: int,
+    seed: int = 0,
+    batch: int = 128,
+    data: torch.Tensor | None = None,
+) -> dict:
+    """Train a fresh :class:`ByteMLP`; returns losses, the mean of the last 20, state bytes and mean step time."""
+    data = stdlib_bytes() if data is None else data
+    torch.manual_seed(seed)
+    model = ByteMLP()
+    opt = make_optimizer(list(model.parameters()))
+    gen = torch.Generator().manual_seed(seed + 1)
+    losses, step_time = [], 0.0
+    for _ in range(steps):
+        idx = torch.randint(0, data.numel() - model.context - 1, (batch,), generator=gen)
+        windows = data[idx.unsqueeze(1) + torch.arange(model.context + 1)]
+        loss = torch.nn.functional.cross_entropy(model(windows[:, :-1]), windows[:, -1])
+        opt.zero_grad()
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        step_time += time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+    tail = losses[-20:]
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return dict(losses=losses, final=sum(tail) / len(tail), state_bytes=state, step_s=step_time / max(steps, 1))

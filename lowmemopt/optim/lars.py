@@ -1,0 +1,100 @@
+"""LARS (You et al. 2017, "Large Batch Training of Convolutional Networks"), with ColossalAI ``Lars`` semantics
+(``colossalai.nn.optimizer.Lars``, from NUS-HPC-AI-Lab/LARS-ImageNet-PyTorch):
+
+    trust = clamp(eeta ||p|| / (||g|| + wd ||p|| + epsilon), 0, 50)    (1 if ||p|| or ||g|| is 0, or group lars=False)
+    d = clamp(g + wd p, -10, 10);   b = d (first step), else b = momentum b + d   (when momentum != 0)
+    p <- p - lr * trust * b
+
+The trust ratio depends only on the parameter and the gradient, never on the stored momentum, so 8-bit LARS keeps it
+exactly. (bitsandbytes' ``LARS8bit`` silently drops it and runs plain momentum SGD; ``tests/test_optimizers.py`` shows
+ours does not.) Set ``lars=False`` on a param group (biases, norms) to exclude it from the trust ratio, as in ColossalAI.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..optimizer import LowMemOptimizer, Slot, check_lr, check_nonneg
+
+__all__ = ["LARS", "lars_math"]
+
+
+def lars_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    momentum: float,
+    eeta: float,
+    weight_decay: float,
+    epsilon: float,
+    lars: bool,
+) -> torch.Tensor:
+    """fp32 LARS on a whole tensor: updates ``momentum_buffer`` (momentum != 0) and returns the delta for ``p``."""
+    scale: torch.Tensor | float = -lr
+    d = g
+    if lars:
+        w_norm = torch.linalg.vector_norm(p)
+        g_norm = torch.linalg.vector_norm(g)
+        usable = (w_norm > 0) & (g_norm > 0)
+        trust = torch.where(usable, eeta * w_norm / (g_norm + weight_decay * w_norm + epsilon), 1.0).clamp_(0.0, 50.0)
+        scale = trust * -lr
+        if weight_decay != 0:
+            d = d.add(p, alpha=weight_decay)
+    d = torch.clamp(d, -10.0, 10.0)
+    if momentum != 0:
+        buf = state["momentum_buffer"]
+        if step == 1:
+            buf.copy_(d)
+        else:
+            buf.mul_(momentum).add_(d)
+        d = buf
+    return d.mul(scale)
+
+
+class LARS(LowMemOptimizer):
+    """LARS with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
+
+    elementwise = False  # the trust ratio needs whole-tensor norms
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        eeta: float = 1e-3,
+        weight_decay: float = 0.0,
+        epsilon: float = 0.0,
+        **storage: Any,
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay, epsilon=epsilon, lars=True)
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_lr(group["lr"])
+        check_nonneg("momentum value", group["momentum"])
+        check_nonneg("weight_decay value", group["weight_decay"])
+        check_nonneg("epsilon value", group["epsilon"])
+        if not 0 < group["eeta"] <= 1:
+            raise ValueError(f"Invalid eeta value: {group['eeta']} (must be in (0, 1])")
+
+    def _slots(self, group, param):
+        return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
+
+    def _update(self, p, g, state, group, step):
+        return lars_math(
+            p,
+            g,
+            state,
+            step=step,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            eeta=group["eeta"],
+            weight_decay=group["weight_decay"],
+            epsilon=group["epsilon"],
+            lars=group["lars"],
+        )

@@ -1,0 +1,64 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), matching ``lion_pytorch.Lion``.
+
+    p <- p (1 - lr wd)  -  lr sign(beta1 m + (1 - beta1) g);      m = beta2 m + (1 - beta2) g
+    With ``decoupled_weight_decay=True`` the decay is ``wd / initial lr`` (lion-pytorch's convention).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..optimizer import LowMemOptimizer, Slot, check_betas, check_lr, check_nonneg
+
+__all__ = ["Lion", "lion_math"]
+
+
+def lion_math(
+    p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float, beta1: float, beta2: float
+) -> torch.Tensor:
+    """fp32 Lion: updates ``state['exp_avg']`` in place and returns the delta for ``p`` (the caller applies the
+    decoupled decay ``p *= 1 - lr wd`` first)."""
+    m = state["exp_avg"]
+    delta = torch.mul(m, beta1).add_(g, alpha=1 - beta1).sign_().mul_(-lr)
+    m.mul_(beta2).add_(g, alpha=1 - beta2)
+    return delta
+
+
+class Lion(LowMemOptimizer):
+    """Lion with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        **storage: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay, initial_lr=lr
+        )
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_lr(group["lr"])
+        check_betas(group["betas"])
+        check_nonneg("weight_decay value", group["weight_decay"])
+        if group["decoupled_weight_decay"] and not group["initial_lr"] > 0:
+            raise ValueError("decoupled_weight_decay needs a positive initial learning rate")
+
+    def _slots(self, group, param):
+        return {"exp_avg": Slot(signed=True)}
+
+    def _decay_factor(self, group):
+        wd = group["weight_decay"]
+        if group["decoupled_weight_decay"]:
+            wd = wd / group["initial_lr"]
+        return 1.0 - group["lr"] * wd
+
+    def _update(self, p, g, state, group, step):
+        beta1, beta2 = group["betas"]
+        return lion_math(p, g, state, lr=group["lr"], beta1=beta1, beta2=beta2)

@@ -1,0 +1,88 @@
+"""SGD with momentum, dampening and Nesterov, matching ``torch.optim.SGD``.
+
+    d = g + wd p;   b = d (first step), else b = mu b + (1 - dampening) d;   d = d + mu b (nesterov) or b
+    p <- p - lr d
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..optimizer import LowMemOptimizer, Slot, check_lr, check_nonneg
+
+__all__ = ["SGD", "sgd_math"]
+
+
+def sgd_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, float]:
+    """fp32 SGD: updates ``state['momentum_buffer']`` (when momentum != 0); returns ``(d, -lr)``, delta = -lr d."""
+    d = -g if maximize else g
+    if weight_decay != 0:
+        d = d.add(p, alpha=weight_decay)
+    if momentum != 0:
+        buf = state["momentum_buffer"]
+        if step == 1:
+            buf.copy_(d)
+        else:
+            buf.mul_(momentum).add_(d, alpha=1 - dampening)
+        d = d.add(buf, alpha=momentum) if nesterov else buf
+    return d, -lr
+
+
+class SGD(LowMemOptimizer):
+    """SGD with 32/16/8-bit momentum; same signature and 32-bit results as ``torch.optim.SGD``."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        **storage: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize
+        )
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_lr(group["lr"])
+        check_nonneg("momentum value", group["momentum"])
+        check_nonneg("dampening value", group["dampening"])
+        check_nonneg("weight_decay value", group["weight_decay"])
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def _slots(self, group, param):
+        return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
+
+    def _update(self, p, g, state, group, step):
+        return sgd_math(
+            p,
+            g,
+            state,
+            step=step,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )

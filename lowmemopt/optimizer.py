@@ -1,0 +1,347 @@
+"""LowMemOptimizer: the base class every lowmemopt optimizer derives from.
+
+It owns param groups, lazy state, storage formats and the step loop; an algorithm subclass supplies only its slots and
+its fp32 math::
+
+    for each param with a finite gradient:
+        decode state (fp32)  ->  delta = algorithm(p, g, state, group, step)  ->  encode state  ->  p += delta
+
+Elementwise algorithms run over the flattened parameter in block-aligned chunks (``CHUNK_NUMEL`` elements), so no
+full-size fp32 temporaries are made per step; algorithms that need whole-tensor reductions (LAMB, LARS, Adafactor) get
+whole tensors.
+
+Storage options (constructor keywords, also settable per param group):
+
+* ``state_bits``: 32 (fp32 state), 16 (bf16) or 8 (block-wise dynamic quantization, see :mod:`lowmemopt.quant`).
+* ``block_size`` (256): elements per quantization block (a power of two).
+* ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
+
+Non-finite gradients (policy): before updating, ``step()`` checks every gradient with one fused inf-norm per device
+(one host synchronization per step, none per parameter). A parameter whose gradient holds a NaN or an Inf is **skipped**:
+its value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
+would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
+
+State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
+``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
+cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook and restoring them, moved to the
+parameter's device but never cast or copied in fp32, in a post-hook.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from itertools import chain
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+
+from .quant.formats import choose_format, format_of
+
+__all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS"]
+
+FORMAT_VERSION = 1
+STORAGE_DEFAULTS = dict(state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None)
+CHUNK_NUMEL = 1 << 18
+
+
+class Slot(NamedTuple):
+    """One named state tensor of an algorithm."""
+
+    signed: bool  # may hold negative values (selects the signed or unsigned 8-bit map)
+    quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
+    shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# argument checks shared by the algorithms
+
+
+def check_lr(lr: Any, required: bool = True) -> None:
+    if lr is None and not required:
+        return
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Invalid learning rate: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
+        return
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise TypeError(f"Invalid learning rate: expected a number, got {type(lr).__name__}")
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+
+
+def check_nonneg(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
+    if not value >= 0.0:
+        raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
+
+
+def check_betas(betas: Any, n: int = 2) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != n:
+        raise ValueError(f"Invalid betas: expected a tuple of {n} numbers, got {betas!r}")
+    for i, b in enumerate(betas):
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"Invalid beta parameter at index {i}: expected a number, got {type(b).__name__}")
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+
+
+def check_storage(group: dict) -> None:
+    bits = group["state_bits"]
+    if isinstance(bits, bool) or bits not in (32, 16, 8):
+        raise ValueError(f"Invalid state_bits: {bits!r} (supported: 32, 16, 8)")
+    bs = group["block_size"]
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
+        raise ValueError(f"Invalid block_size: {bs!r} (must be a power of two >= 16)")
+    mq = group["min_quant_numel"]
+    if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
+        raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
+    if group["paged"] not in (False, None):
+        raise NotImplementedError(
+            f"paged={group['paged']!r}: paged optimizer state is not available in this version of lowmemopt; "
+            "use paged=False"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class LowMemOptimizer(torch.optim.Optimizer):
+    """Base class: a ``torch.optim.Optimizer`` with lazily created, format-aware state. See the module docstring."""
+
+    #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
+    elementwise: bool = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        state_bits: int = 32,
+        block_size: int = 256,
+        min_quant_numel: int = 4096,
+        paged: bool | str = False,
+        offload_dir: str | None = None,
+    ) -> None:
+        defaults = dict(defaults)
+        defaults.update(
+            state_bits=state_bits,
+            block_size=block_size,
+            min_quant_numel=min_quant_numel,
+            paged=paged,
+            offload_dir=offload_dir,
+        )
+        check_storage(defaults)
+        self._check_group(defaults)
+        self.nonfinite_skips = 0
+        self._load_stash: tuple[dict, dict] | None = None
+        super().__init__(params, defaults)
+        self.register_state_dict_post_hook(_state_dict_post_hook)
+        self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+        self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+
+    # -- what an algorithm subclass provides ----------------------------------------------------------------------
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Validate the algorithm's hyper-parameters in ``group`` (raise ValueError / TypeError)."""
+
+    def _slots(self, group: dict[str, Any], param: torch.Tensor) -> dict[str, Slot]:
+        """The state slots this parameter needs, by name."""
+        raise NotImplementedError
+
+    def _update(
+        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int
+    ) -> torch.Tensor | tuple[torch.Tensor, float]:
+        """fp32 math: update ``state`` in place and return the delta to add to ``p`` (do not modify ``p``), or
+        ``(direction, alpha)`` meaning ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does)."""
+        raise NotImplementedError
+
+    def _decay_factor(self, group: dict[str, Any]) -> float:
+        """Decoupled weight decay: ``p`` is multiplied by this before the delta is added (1.0: none)."""
+        return 1.0
+
+    # -- param groups ----------------------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            check_storage(group)
+            self._check_group(group)
+            for p in group["params"]:
+                if p.is_complex():
+                    raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
+                if not p.is_floating_point():
+                    raise TypeError(f"{type(self).__name__} needs floating-point parameters (got {p.dtype})")
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step (optionally re-evaluating the loss with ``closure``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+                work.append((p, group))
+        if not work:
+            return loss
+        finite = _finite_flags([p.grad for p, _ in work])
+        skipped = 0
+        for (p, group), ok in zip(work, finite):
+            if ok:
+                self._step_param(p, p.grad, group)
+            else:
+                skipped += 1
+        if skipped:
+            self.nonfinite_skips += skipped
+            warnings.warn(
+                f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients this step "
+                "(their values and optimizer state are unchanged)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return loss
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot]) -> dict[str, Any]:
+        state = self.state[p]
+        state["step"] = 0
+        for name, slot in slots.items():
+            shape = p.shape if slot.shape is None else torch.Size(slot.shape)
+            fmt = choose_format(group["state_bits"], shape.numel(), group["min_quant_numel"], slot.quantize)
+            fmt.init(state, name, shape, p.device, group["block_size"])
+        return state
+
+    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        slots = self._slots(group, p)
+        state = self.state[p]
+        if "step" not in state:
+            state = self._init_state(p, group, slots)
+        state["step"] += 1
+        step = state["step"]
+        bs = group["block_size"]
+        formats = {name: format_of(state, name) for name in slots}
+        decay = self._decay_factor(group)
+
+        target = p if p.is_contiguous() else p.contiguous()
+        pflat = target.view(-1)
+        gflat = grad.reshape(-1)
+        n = pflat.numel()
+        if self.elementwise:
+            chunk = max(bs, (CHUNK_NUMEL // bs) * bs)
+        else:
+            chunk = max(n, 1)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            p32 = pflat[lo:hi].float()
+            g32 = gflat[lo:hi].float()
+            if self.elementwise:
+                st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
+            else:
+                st = {k: self._decode_whole(state, k, s, formats[k], p, bs) for k, s in slots.items()}
+                p32, g32 = p32.view(p.shape), g32.view(p.shape)
+            delta = self._update(p32, g32, st, group, step)
+            delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
+            for k, s in slots.items():
+                value = st[k].reshape(-1)
+                formats[k].encode(state, k, lo, lo + value.numel(), value, s.signed, bs)
+            if decay != 1.0:
+                p32.mul_(decay)
+            p32.add_(delta, alpha=alpha)
+            dst = pflat[lo:hi]
+            if dst.data_ptr() != p32.data_ptr():
+                dst.copy_(p32.view(-1))
+        if target is not p:
+            p.copy_(target)
+
+    @staticmethod
+    def _decode_whole(state, name, slot, fmt, p, bs):
+        shape = p.shape if slot.shape is None else torch.Size(slot.shape)
+        return fmt.decode(state, name, 0, shape.numel(), slot.signed, bs).view(shape)
+
+    # -- introspection -------------------------------------------------------------------------------------------------
+
+    def state_nbytes(self) -> int:
+        """Bytes held by optimizer state tensors (all params)."""
+        return sum(
+            v.numel() * v.element_size() for st in self.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """One bool per gradient: all finite? One fused inf-norm and one host sync per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    flags = [True] * len(grads)
+    for idx in by_device.values():
+        norms = torch._foreach_norm([grads[i] for i in idx], ord=math.inf)
+        ok = torch.stack([n.float() for n in norms]).isfinite().tolist()
+        for i, f in zip(idx, ok):
+            flags[i] = f
+    return flags
+
+
+def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    state_dict["lowmemopt_format"] = FORMAT_VERSION
+    return state_dict
+
+
+def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    version = state_dict.get("lowmemopt_format", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"optimizer state has lowmemopt_format={version!r}; this version of lowmemopt reads format {FORMAT_VERSION}"
+        )
+    state_dict = dict(state_dict)
+    state_dict.pop("lowmemopt_format", None)
+    saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+    params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
+    if len(saved_ids) != len(params):
+        return state_dict  # torch raises its own, clear error for this
+    id_map = dict(zip(saved_ids, params))
+    kept, stash = {}, {}
+    for key, value in state_dict["state"].items():
+        if key in id_map and isinstance(value, dict):
+            stash[key] = {k: v for k, v in value.items() if isinstance(v, torch.Tensor)}
+            kept[key] = {k: v for k, v in value.items() if not isinstance(v, torch.Tensor)}
+        else:
+            kept[key] = value
+    state_dict["state"] = kept
+    optimizer._load_stash = (stash, id_map)
+    return state_dict
+
+
+def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
+    for group in optimizer.param_groups:  # groups from torch.optim optimizers lack our keys
+        for k, v in optimizer.defaults.items():
+            group.setdefault(k, v)
+    if optimizer._load_stash is None:
+        return
+    stash, id_map = optimizer._load_stash
+    optimizer._load_stash = None
+    for key, tensors in stash.items():
+        p = id_map[key]
+        st = optimizer.state[p]
+        for name, t in tensors.items():
+            if name == "step":
+                st["step"] = int(t.item())  # torch.optim stores step as a tensor
+            else:
+                st[name] = t.to(device=p.device)
+        if "step" in st and not isinstance(st["step"], int):
+            st["step"] = int(st["step"])

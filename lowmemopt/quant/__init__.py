@@ -1,0 +1,22 @@
+"""Optimizer-state storage formats: dynamic code books, block-wise 8-bit codec, and per-slot StateFormat."""
+
+from .blockwise import dequantize_blockwise, num_blocks, quantize_blockwise, quantize_blockwise_reference
+from .formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of
+from .maps import code_book, dynamic_map, nearest_code_reference
+
+__all__ = [
+    "BF16",
+    "FORMATS",
+    "FP32",
+    "Q8",
+    "StateFormat",
+    "choose_format",
+    "code_book",
+    "dequantize_blockwise",
+    "dynamic_map",
+    "format_of",
+    "nearest_code_reference",
+    "num_blocks",
+    "quantize_blockwise",
+    "quantize_blockwise_reference",
+]

@@ -1,0 +1,130 @@
+"""State formats: how one named state slot (``exp_avg``, ``exp_avg_sq``, ...) is stored.
+
+=======  =========================================  ======================================
+format   state keys                                  bytes / element
+=======  =========================================  ======================================
+fp32     ``<slot>`` fp32, parameter's shape          4
+bf16     ``<slot>`` bf16, parameter's shape          2   (round to nearest even)
+q8       ``<slot>.codes`` uint8 [numel]              1 + 4 / block_size
+         ``<slot>.absmax`` fp32 [ceil(numel / bs)]
+=======  =========================================  ======================================
+
+The format of a stored slot is read back from its keys and dtype, so state is self-describing plain tensors. Signed slots
+(first moments, momentum) use the ``dynamic`` map; non-negative slots (second moments) use ``udynamic``.
+
+The optimizer works on contiguous ranges ``[lo, hi)`` of the flattened slot (chunks aligned to the block size):
+:meth:`StateFormat.decode` returns fp32 values the algorithm may update in place (for fp32 storage, a view of the
+storage itself), and :meth:`StateFormat.encode` writes them back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blockwise import decode_into, encode_into, num_blocks
+
+__all__ = ["StateFormat", "FP32", "BF16", "Q8", "FORMATS", "choose_format", "format_of", "slot_keys", "map_for"]
+
+
+def map_for(signed: bool) -> str:
+    return "dynamic" if signed else "udynamic"
+
+
+class StateFormat:
+    name: str = ""
+    bits: int = 32
+
+    def keys(self, slot: str) -> tuple[str, ...]:
+        return (slot,)
+
+    def init(self, state: dict, slot: str, shape: torch.Size, device: torch.device, block_size: int) -> None:
+        """Create the slot's zero state (``shape``: the slot's logical shape)."""
+        raise NotImplementedError
+
+    def decode(self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int) -> None:
+        raise NotImplementedError
+
+    def nbytes(self, numel: int, block_size: int) -> int:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"StateFormat({self.name})"
+
+
+class _Dense(StateFormat):
+    dtype: torch.dtype = torch.float32
+
+    def init(self, state, slot, shape, device, block_size):
+        state[slot] = torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def decode(self, state, slot, lo, hi, signed, block_size):
+        return state[slot].view(-1)[lo:hi].float()  # fp32 storage: a view, updated in place
+
+    def encode(self, state, slot, lo, hi, value, signed, block_size):
+        dst = state[slot].view(-1)[lo:hi]
+        if dst.data_ptr() != value.data_ptr():
+            dst.copy_(value)
+
+    def nbytes(self, numel, block_size):
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _FP32(_Dense):
+    name, bits, dtype = "fp32", 32, torch.float32
+
+
+class _BF16(_Dense):
+    name, bits, dtype = "bf16", 16, torch.bfloat16
+
+
+class _Q8(StateFormat):
+    name, bits = "q8", 8
+
+    def keys(self, slot):
+        return (slot + ".codes", slot + ".absmax")
+
+    def init(self, state, slot, shape, device, block_size):
+        n = torch.Size(shape).numel()
+        state[slot + ".codes"] = torch.zeros(n, dtype=torch.uint8, device=device)
+        state[slot + ".absmax"] = torch.zeros(num_blocks(n, block_size), dtype=torch.float32, device=device)
+
+    def decode(self, state, slot, lo, hi, signed, block_size):
+        out = torch.empty(hi - lo, dtype=torch.float32, device=state[slot + ".codes"].device)
+        b0, b1 = lo // block_size, num_blocks(hi, block_size)
+        decode_into(state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1], map_for(signed), block_size, out)
+        return out
+
+    def encode(self, state, slot, lo, hi, value, signed, block_size):
+        b0, b1 = lo // block_size, num_blocks(hi, block_size)
+        encode_into(value, map_for(signed), block_size, state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1])
+
+    def nbytes(self, numel, block_size):
+        return numel + 4 * num_blocks(numel, block_size)
+
+
+FP32, BF16, Q8 = _FP32(), _BF16(), _Q8()
+FORMATS = {f.name: f for f in (FP32, BF16, Q8)}
+
+
+def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True) -> StateFormat:
+    """The format a new slot gets: tensors below ``min_quant_numel`` elements and non-quantizable slots stay fp32."""
+    if not quantizable or state_bits == 32 or numel < min_quant_numel:
+        return FP32
+    return BF16 if state_bits == 16 else Q8
+
+
+def format_of(state: dict, slot: str) -> StateFormat:
+    """The format a stored slot is in, read from its keys and dtype."""
+    if slot + ".codes" in state:
+        return Q8
+    t = state[slot]
+    if t.dtype == torch.bfloat16:
+        return BF16
+    return FP32
+
+
+def slot_keys(state: dict, slot: str) -> tuple[str, ...]:
+    return format_of(state, slot).keys(slot)

@@ -1,0 +1,44 @@
+"""Deterministic problems shared by the tests: parameters, gradients, and runs of an optimizer over them."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def make_params(shapes: Sequence[tuple[int, ...]], dtype=torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def clone_params(params: Sequence[torch.Tensor]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def set_grads(params: Sequence[torch.Tensor], step: int, seed: int = 1, noise: float = 0.5) -> None:
+    """Gradient of a quadratic pulling each parameter towards a fixed random target, plus step-seeded noise. Depends
+    only on (parameter value, step, seed), so a resumed run sees the same gradients as an uninterrupted one."""
+    for i, p in enumerate(params):
+        gen = torch.Generator().manual_seed(seed * 1000003 + i)
+        target = torch.randn(p.shape, generator=gen)
+        gen.manual_seed(seed * 7919 + step * 104729 + i)
+        eps = torch.randn(p.shape, generator=gen)
+        p.grad = ((p.detach().float() - target) + noise * eps).to(p.dtype)
+
+
+def run(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], steps: int, start: int = 0, seed: int = 1) -> None:
+    for t in range(start, start + steps):
+        set_grads(params, t, seed)
+        opt.step()
+
+
+def trajectory_error(params: Sequence[torch.Tensor], twin: Sequence[torch.Tensor], start: Sequence[torch.Tensor]) -> float:
+    """||p - p_twin|| / ||p_twin - p_0|| over all parameters: the error relative to the distance travelled."""
+    num = sum(float((a.detach().float() - b.detach().float()).pow(2).sum()) for a, b in zip(params, twin))
+    den = sum(float((b.detach().float() - s.detach().float()).pow(2).sum()) for b, s in zip(twin, start))
+    return (num / den) ** 0.5
+
+
+def build(cls: Callable, params, **kwargs) -> torch.optim.Optimizer:
+    return cls(params, **kwargs)

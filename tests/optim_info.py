@@ -1,0 +1,183 @@
+"""The table of optimizers the common suite runs on (in the spirit of torch's ``OptimizerInfo``).
+
+Each entry names the lowmemopt class, the hyper-parameter variants checked for 32-bit parity, how to build the
+reference optimizer for a variant, the 8-bit error bound against the 32-bit twin, and bad inputs with their errors.
+A new optimizer joins the whole suite (parity, 8-bit bounds, state bytes, resume, bad inputs) by adding an entry here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import lowmemopt
+
+
+def _colossalai_module(name: str):
+    """Load ColossalAI's pure-PyTorch optimizer file ``name`` (lamb, lars) without importing the heavy package."""
+    try:
+        dist = importlib.metadata.distribution("colossalai")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("colossalai is not installed (test dependency; .ci/run installs it with --no-deps)")
+    files = [f for f in dist.files or [] if str(f).replace("\\", "/").endswith(f"colossalai/nn/optimizer/{name}.py")]
+    if not files:
+        pytest.skip(f"colossalai/nn/optimizer/{name}.py not found")
+    spec = importlib.util.spec_from_file_location(f"_colossalai_{name}", dist.locate_file(files[0]))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _lion_reference(params, **kw):
+    lion_pytorch = pytest.importorskip("lion_pytorch")
+    return lion_pytorch.Lion(params, **kw)
+
+
+def _lamb_reference(params, **kw):
+    return _colossalai_module("lamb").Lamb(params, **kw)
+
+
+def _lars_reference(params, **kw):
+    return _colossalai_module("lars").Lars(params, **kw)
+
+
+@dataclass
+class OptimizerInfo:
+    name: str
+    cls: type
+    reference: Callable[..., torch.optim.Optimizer]
+    variants: list[dict[str, Any]]  # hyper-parameters; each is checked for 32-bit parity
+    slots: Callable[[dict[str, Any]], int]  # number of full-size state slots for a variant
+    bound8: float  # 8-bit: max relative error of the 50-step trajectory vs the 32-bit twin
+    bad_inputs: list[tuple[dict[str, Any], type, str]] = field(default_factory=list)
+    grad_scale: float = 1.0
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_COMMON_BAD = [
+    (dict(lr=-1e-3), ValueError, "Invalid learning rate"),
+    (dict(state_bits=7), ValueError, "Invalid state_bits"),
+    (dict(state_bits=True), ValueError, "Invalid state_bits"),
+    (dict(block_size=100), ValueError, "Invalid block_size"),
+    (dict(min_quant_numel=-1), ValueError, "Invalid min_quant_numel"),
+]
+_BAD_BETAS = [
+    (dict(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0"),
+    (dict(betas=(0.9, -0.1)), ValueError, "Invalid beta parameter at index 1"),
+    (dict(betas=(0.9,)), ValueError, "Invalid betas"),
+]
+
+OPTIMIZERS: list[OptimizerInfo] = [
+    OptimizerInfo(
+        "AdamW",
+        lowmemopt.AdamW,
+        torch.optim.AdamW,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+            dict(lr=1e-2, amsgrad=True, weight_decay=0.05),
+            dict(lr=1e-2, maximize=True),
+        ],
+        slots=lambda kw: 3 if kw.get("amsgrad") else 2,
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(eps=-1.0), ValueError, "Invalid epsilon")],
+    ),
+    OptimizerInfo(
+        "Adam",
+        lowmemopt.Adam,
+        torch.optim.Adam,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, weight_decay=0.1),
+            dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+            dict(lr=1e-2, amsgrad=True),
+        ],
+        slots=lambda kw: 3 if kw.get("amsgrad") else 2,
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(weight_decay=-0.1), ValueError, "Invalid weight_decay")],
+    ),
+    OptimizerInfo(
+        "SGD",
+        lowmemopt.SGD,
+        torch.optim.SGD,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, momentum=0.9),
+            dict(lr=1e-2, momentum=0.9, dampening=0.3, weight_decay=0.01),
+            dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+            dict(lr=1e-2, momentum=0.9, maximize=True),
+        ],
+        slots=lambda kw: 1 if kw.get("momentum", 0) else 0,
+        bound8=0.01,
+        bad_inputs=_COMMON_BAD
+        + [
+            (dict(momentum=-0.5), ValueError, "Invalid momentum"),
+            (dict(nesterov=True), ValueError, "Nesterov momentum requires"),
+        ],
+    ),
+    OptimizerInfo(
+        "Lion",
+        lowmemopt.Lion,
+        _lion_reference,
+        [
+            dict(lr=1e-3),
+            dict(lr=1e-3, betas=(0.95, 0.98), weight_decay=0.1),
+            dict(lr=1e-3, weight_decay=1e-4, decoupled_weight_decay=True),
+        ],
+        slots=lambda kw: 1,
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD + _BAD_BETAS,
+    ),
+    OptimizerInfo(
+        "LAMB",
+        lowmemopt.LAMB,
+        _lamb_reference,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, weight_decay=0.1, bias_correction=True),
+            dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, adam=True),
+        ],
+        slots=lambda kw: 2,
+        bound8=0.04,
+        bad_inputs=_COMMON_BAD + _BAD_BETAS,
+    ),
+    OptimizerInfo(
+        "LARS",
+        lowmemopt.LARS,
+        _lars_reference,
+        [
+            dict(lr=1e-1),
+            dict(lr=1e-1, momentum=0.9),
+            dict(lr=1e-1, momentum=0.9, weight_decay=1e-2, eeta=1e-2, epsilon=1e-8),
+        ],
+        slots=lambda kw: 1 if kw.get("momentum", 0) else 0,
+        bound8=0.025,
+        bad_inputs=_COMMON_BAD
+        + [
+            (dict(eeta=0.0), ValueError, "Invalid eeta"),
+            (dict(momentum=-1.0), ValueError, "Invalid momentum"),
+        ],
+    ),
+]
+
+#: the variant each optimizer uses in the storage-format tests (resume, 8-bit bounds): one with state slots.
+STATEFUL = {
+    "AdamW": dict(lr=1e-2, weight_decay=0.1),
+    "Adam": dict(lr=1e-2, amsgrad=True),
+    "SGD": dict(lr=1e-2, momentum=0.9, nesterov=True),
+    "Lion": dict(lr=1e-3, weight_decay=0.1),
+    "LAMB": dict(lr=1e-2, weight_decay=0.01, bias_correction=True),
+    "LARS": dict(lr=1e-1, momentum=0.9, weight_decay=1e-3, eeta=1e-2),
+}
+
+BY_NAME = {info.name: info for info in OPTIMIZERS}
+
+#: odd shapes: 1-D, 2-D, 3-D; sizes not multiples of the block size; two of them above min_quant_numel (4096).
+SHAPES = [(300,), (37, 53), (5, 7, 129), (70, 91)]

@@ -1,0 +1,149 @@
+"""state_dict / load_state_dict: plain types only, bit-exact resume in a fresh process, dtype-safe loading."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import clone_params, make_params, run
+from optim_info import OPTIMIZERS, STATEFUL
+
+import lowmemopt
+from lowmemopt.optimizer import FORMAT_VERSION
+
+SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129)]
+RESUME_CASES = [
+    (info.name, bits, dtype) for info in OPTIMIZERS for bits in (32, 16, 8) for dtype in ("float32",)
+] + [(info.name, bits, "bfloat16") for info in OPTIMIZERS[:1] + OPTIMIZERS[-2:] for bits in (32, 8)]
+
+
+def _case_id(case):
+    return "-".join(map(str, case))
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Run every case 10 steps here, 10 more in one fresh subprocess; return {case: (resumed, uninterrupted)}."""
+    tmp = tmp_path_factory.mktemp("resume")
+    specs, expected = [], {}
+    for case in RESUME_CASES:
+        name, bits, dtype = case
+        cls, kwargs = lowmemopt.__dict__[name], STATEFUL[name]
+        start = make_params(SHAPES, dtype=getattr(torch, dtype))
+        full = clone_params(start)
+        run(cls(full, state_bits=bits, **kwargs), full, 20)
+        half = clone_params(start)
+        opt = cls(half, state_bits=bits, **kwargs)
+        run(opt, half, 10)
+        stem = tmp / _case_id(case)
+        torch.save(opt.state_dict(), f"{stem}.opt.pt")
+        torch.save([p.detach() for p in half], f"{stem}.params.pt")
+        specs.append(
+            dict(optimizer=name, bits=bits, kwargs=kwargs, state=f"{stem}.opt.pt", params=f"{stem}.params.pt",
+                 out=f"{stem}.out.pt", start=10, steps=10)
+        )
+        expected[case] = ([p.detach() for p in full], f"{stem}.out.pt")
+    cases_file = tmp / "cases.json"
+    cases_file.write_text(json.dumps(specs))
+    worker = os.path.join(os.path.dirname(__file__), "resume_worker.py")
+    proc = subprocess.run([sys.executable, worker, str(cases_file)], capture_output=True, text=True, cwd=str(tmp))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {case: (torch.load(out, weights_only=True), full) for case, (full, out) in expected.items()}
+
+
+@pytest.mark.parametrize("case", RESUME_CASES, ids=_case_id)
+def test_resume_in_fresh_process_is_bit_exact(resumed, case):
+    got, want = resumed[case]
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+
+
+def _walk(obj, path="state_dict"):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            assert isinstance(k, (str, int)), f"{path}: key {k!r}"
+            yield from _walk(v, f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_state_dict_holds_plain_types_and_version(info):
+    params = make_params(SHAPES)
+    opt = info.cls(params, state_bits=8, **STATEFUL[info.name])
+    run(opt, params, 2)
+    sd = opt.state_dict()
+    assert sd["lowmemopt_format"] == FORMAT_VERSION
+    for path, value in _walk(sd):
+        assert value is None or isinstance(value, (torch.Tensor, int, float, str, bool)), (path, type(value))
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8])
+def test_load_keeps_dtypes_with_bf16_params_and_makes_no_copies(bits):
+    """torch casts floating state to the param dtype on load; ours keeps uint8 codes, fp32 absmax and fp32 state exactly,
+    and (same device) loads the very tensors given, so no transient fp32 copy of the state is made."""
+    params = make_params(SHAPES, dtype=torch.bfloat16)
+    opt = lowmemopt.AdamW(params, state_bits=bits)
+    run(opt, params, 3)
+    sd = opt.state_dict()
+    fresh = lowmemopt.AdamW(clone_params(params), state_bits=bits)
+    fresh.load_state_dict(sd)
+    for p_old, p_new in zip(opt.param_groups[0]["params"], fresh.param_groups[0]["params"]):
+        old, new = opt.state[p_old], fresh.state[p_new]
+        assert old.keys() == new.keys()
+        for k, v in old.items():
+            if isinstance(v, torch.Tensor):
+                assert new[k].dtype == v.dtype and torch.equal(new[k], v), k
+                assert new[k].data_ptr() == v.data_ptr(), k
+            else:
+                assert new[k] == v and type(new[k]) is int
+    if bits == 8:
+        assert any(k.endswith(".absmax") for k in fresh.state[fresh.param_groups[0]["params"][0]])
+
+
+def test_unknown_format_version_is_rejected_and_state_untouched():
+    params = make_params(SHAPES)
+    opt = lowmemopt.AdamW(params, state_bits=8)
+    run(opt, params, 2)
+    before = {k: v.clone() for k, v in opt.state[params[0]].items() if isinstance(v, torch.Tensor)}
+    sd = opt.state_dict()
+    sd["lowmemopt_format"] = 99
+    with pytest.raises(ValueError, match="lowmemopt_format=99"):
+        opt.load_state_dict(sd)
+    for k, v in before.items():
+        assert torch.equal(opt.state[params[0]][k], v)
+
+
+def test_load_torch_adamw_state_at_32bit_continues_identically():
+    start = make_params(SHAPES)
+    ref = clone_params(start)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    run(torch_opt, ref, 5)
+    ours = clone_params(ref)
+    opt = lowmemopt.AdamW(ours, lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # in-process loads share tensors, as in torch
+    assert isinstance(opt.state[ours[0]]["step"], int) and opt.defaults["state_bits"] == 32
+    run(torch_opt, ref, 5, start=5)
+    run(opt, ours, 5, start=5)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_lr_scheduler_changes_take_effect():
+    p = make_params([(10,)])
+    opt = lowmemopt.SGD(p, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 1 else 1.0)
+    run(opt, p, 1)
+    sched.step()
+    before = p[0].detach().clone()
+    run(opt, p, 1, start=1)
+    assert torch.equal(p[0], before)
