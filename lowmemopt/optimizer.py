@@ -29,20 +29,22 @@ parameter's device but never cast or copied in fp32, in a post-hook.
 
 from __future__ import annotations
 
-import math
 import warnings
 from itertools import chain
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from .quant.formats import choose_format, format_of
+from . import compiled
+from .quant.formats import Q8, choose_format, format_of, map_for
+from .quant.maps import code_book, encode_table
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS"]
 
 FORMAT_VERSION = 1
 STORAGE_DEFAULTS = dict(state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None)
-CHUNK_NUMEL = 1 << 18
+CHUNK_NUMEL = 1 << 18  # eager path: elements per chunk (1 MiB of fp32 per temporary)
+COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
 
 
 class Slot(NamedTuple):
@@ -230,19 +232,25 @@ class LowMemOptimizer(torch.optim.Optimizer):
             state = self._init_state(p, group, slots)
         state["step"] += 1
         step = state["step"]
-        bs = group["block_size"]
         formats = {name: format_of(state, name) for name in slots}
         decay = self._decay_factor(group)
 
         target = p if p.is_contiguous() else p.contiguous()
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
+        start = 0
+        if self.elementwise and compiled.applies(p):
+            start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
+        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start)
+        if target is not p:
+            p.copy_(target)
+
+    def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start):
+        """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise)."""
+        bs = group["block_size"]
         n = pflat.numel()
-        if self.elementwise:
-            chunk = max(bs, (CHUNK_NUMEL // bs) * bs)
-        else:
-            chunk = max(n, 1)
-        for lo in range(0, n, chunk):
+        chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if self.elementwise else max(n, 1)
+        for lo in range(start, n, chunk):
             hi = min(n, lo + chunk)
             p32 = pflat[lo:hi].float()
             g32 = gflat[lo:hi].float()
@@ -262,8 +270,30 @@ class LowMemOptimizer(torch.optim.Optimizer):
             dst = pflat[lo:hi]
             if dst.data_ptr() != p32.data_ptr():
                 dst.copy_(p32.view(-1))
-        if target is not p:
-            p.copy_(target)
+
+    def _step_compiled(self, pflat, gflat, state, slots, formats, group, step, decay) -> int:
+        """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
+        bs = group["block_size"]
+        rows_total = pflat.numel() // bs
+        rows_per_chunk = max(1, COMPILED_CHUNK_NUMEL // bs)
+        for r0 in range(0, rows_total, rows_per_chunk):
+            r1 = min(rows_total, r0 + rows_per_chunk)
+            lo, hi = r0 * bs, r1 * bs
+            rows = []
+            for k, s in slots.items():
+                fmt = formats[k]
+                if fmt is Q8:
+                    name = map_for(s.signed)
+                    rows.append((k, "q8", s.signed, state[k + ".codes"][lo:hi].view(-1, bs),
+                                 state[k + ".absmax"][r0:r1], code_book(name, pflat.device),
+                                 encode_table(name, pflat.device).packed))
+                else:
+                    rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
+            ok = compiled.step_rows(self._update, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs), tuple(rows),
+                                    group, step, decay)
+            if not ok:
+                return lo
+        return rows_total * bs
 
     @staticmethod
     def _decode_whole(state, name, slot, fmt, p, bs):
@@ -284,13 +314,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
 
 def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """One bool per gradient: all finite? One fused inf-norm and one host sync per device."""
+    """One bool per gradient: is its L2 norm finite? False for any NaN/Inf element, and for elements so large (~1e19)
+    that their square overflows fp32 (they would turn a second moment into Inf). One fused multi-tensor norm (the
+    cheapest reduction here: 2.3 ms on 16M elements, against 80 ms for an Inf-norm) and one host sync per device."""
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):
         by_device.setdefault(g.device, []).append(i)
     flags = [True] * len(grads)
     for idx in by_device.values():
-        norms = torch._foreach_norm([grads[i] for i in idx], ord=math.inf)
+        norms = torch._foreach_norm([grads[i] for i in idx])
         ok = torch.stack([n.float() for n in norms]).isfinite().tolist()
         for i, f in zip(idx, ok):
             flags[i] = f

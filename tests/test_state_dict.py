@@ -16,7 +16,7 @@ from optim_info import OPTIMIZERS, STATEFUL
 import lowmemopt
 from lowmemopt.optimizer import FORMAT_VERSION
 
-SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129)]
+SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129), (300, 257)]  # the last takes the compiled fast path
 RESUME_CASES = [
     (info.name, bits, dtype) for info in OPTIMIZERS for bits in (32, 16, 8) for dtype in ("float32",)
 ] + [(info.name, bits, "bfloat16") for info in OPTIMIZERS[:1] + OPTIMIZERS[-2:] for bits in (32, 8)]
@@ -134,8 +134,8 @@ def test_load_torch_adamw_state_at_32bit_continues_identically():
     assert isinstance(opt.state[ours[0]]["step"], int) and opt.defaults["state_bits"] == 32
     run(torch_opt, ref, 5, start=5)
     run(opt, ours, 5, start=5)
-    for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
+    for a, b in zip(ours, ref):  # bit-exact on the eager path; the compiled path (last shape) fuses lerp into an FMA
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_lr_scheduler_changes_take_effect():

@@ -46,7 +46,7 @@ def adam_math(
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
     if amsgrad:
         v_max = state["max_exp_avg_sq"]
-        torch.maximum(v_max, v, out=v_max)
+        v_max.copy_(torch.maximum(v_max, v))
         v = v_max
     denom = v.sqrt().div_(bias_correction2_sqrt).add_(eps)
     return torch.mul(m, -lr / bias_correction1).div_(denom)

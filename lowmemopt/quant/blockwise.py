@@ -30,6 +30,9 @@ __all__ = [
     "quantize_blockwise_reference",
     "encode_into",
     "decode_into",
+    "encode_rows",
+    "decode_rows",
+    "block_scale",
 ]
 
 
@@ -49,25 +52,38 @@ def _block_views(flat: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     return views
 
 
-def block_scale(x: torch.Tensor, name: str) -> torch.Tensor:
+def block_scale(x: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
     """Per-row scale of fp32 blocks ``x`` [nb, bs] so that both extremes are representable (see module docstring)."""
-    book = code_book(name, x.device)
     low, high = torch.aminmax(x, dim=1)
-    if name == "udynamic":
-        return high.clamp_min_(0.0)
+    if not signed:
+        return high.clamp_min(0.0)
     return torch.maximum(high / book[-1], low / book[0])
+
+
+def encode_rows(
+    x: torch.Tensor, book: torch.Tensor, packed: torch.Tensor, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize fp32 blocks ``x`` [nb, bs] -> (codes uint8 [nb, bs], scale fp32 [nb]). Pure tensor ops (traceable by
+    torch.compile), one table lookup per element (see :mod:`lowmemopt.quant.maps`)."""
+    scale = block_scale(x, book, signed)
+    y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    u = y.view(torch.int32)
+    entry = packed[torch.bitwise_right_shift(u, 16).bitwise_and(0xFFFF)]
+    t = u.bitwise_and(0xFFFF).bitwise_xor(torch.bitwise_right_shift(u, 31).bitwise_and(0xFFFF))
+    code = torch.bitwise_right_shift(entry, 17) + (t >= entry.bitwise_and(0x1FFFF)).to(torch.int32)
+    return code.to(torch.uint8), scale
+
+
+def decode_rows(codes: torch.Tensor, scale: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    """Dequantize codes [nb, bs] with per-row ``scale`` [nb] -> fp32 [nb, bs]. Pure tensor ops."""
+    return book[codes.to(torch.int32)] * scale.unsqueeze(1)
 
 
 def _encode_blocks(x: torch.Tensor, name: str, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """x: fp32 [nb, bs]; writes codes (uint8 [nb, bs]) and absmax (fp32 [nb])."""
-    absmax.copy_(block_scale(x, name))
-    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    y = x / scale.unsqueeze(1)
-    table = encode_table(name, x.device)
-    bucket = torch.bitwise_right_shift(y.view(torch.int32), 16).bitwise_and_(0xFFFF)
-    code = table.lo[bucket]
-    code += y >= table.threshold[bucket]
+    code, scale = encode_rows(x, code_book(name, x.device), encode_table(name, x.device).packed, name == "dynamic")
     codes.copy_(code)
+    absmax.copy_(scale)
 
 
 def encode_into(x: torch.Tensor, name: str, block_size: int, codes: torch.Tensor, absmax: torch.Tensor) -> None:
@@ -126,7 +142,7 @@ def quantize_blockwise_reference(
     padded[:n] = flat
     blocks = padded.view(nb, block_size)
     # the padding zeros cannot change a block's scale: it is >= 0 and zeros lie inside [min, max] scaled
-    absmax = block_scale(blocks, name)
+    absmax = block_scale(blocks, code_book(name, x.device), name == "dynamic")
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = blocks / scale.unsqueeze(1)
     codes = nearest_code_reference(y, name).to(torch.uint8).reshape(-1)[:n]

@@ -18,9 +18,13 @@ any block that holds an outlier and its update becomes m/eps, up to ~1e4 too lar
 over-estimated, which can only shrink that element's step. A true 0 still encodes to 0.
 
 Fast encoding (no 256-way search, no binary search): the top 16 bits of ``y``'s fp32 pattern select one of 65536 buckets,
-each a contiguous interval of floats. Each bucket holds at most one decision point of the rounding rule, so two table
-lookups give the code: ``code = lo[bucket] + (y >= threshold[bucket])``. The thresholds are the exact first float at which
-the rule switches, found by bisection over float bit patterns when the table is built.
+each a contiguous interval of floats. Each bucket holds at most one decision point of the rounding rule, the exact first
+float at which the rule switches (found by bisection over float bit patterns when the table is built), so
+``code = lo[bucket] + (y >= threshold[bucket])``. The threshold lies in its bucket, so only its low 16 bits matter: one
+int32 per bucket, ``packed = lo << 17 | t_thr``, holds both, and one lookup encodes a value::
+
+    u = bits(y);  t = (u & 0xFFFF) ^ (0xFFFF if y < 0 else 0)      # position inside the bucket, increasing with y
+    e = packed[u >> 16];  code = (e >> 17) + (t >= (e & 0x1FFFF))   # t_thr = 0x10000: no switch in this bucket
 """
 
 from __future__ import annotations
@@ -90,10 +94,21 @@ class EncodeTable:
     def __init__(self, name: str, lo: torch.Tensor, threshold: torch.Tensor):
         self.name = name
         self.lo = lo  # uint8 [65536]: code chosen below the threshold
-        self.threshold = threshold  # fp32 [65536]: first float that takes code lo + 1 (+inf: none in bucket)
+        self.threshold = threshold  # fp32 [65536]: first float that takes code lo + 1 (+inf: none, -inf: all)
+        self.packed = _pack(lo, threshold)  # int32 [65536]: lo << 17 | threshold's position in its bucket
 
     def to(self, device: torch.device) -> "EncodeTable":
         return EncodeTable(self.name, self.lo.to(device), self.threshold.to(device))
+
+
+def _pack(lo: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    bits = threshold.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    negative = torch.arange(65536, device=lo.device) >= 32768
+    t = bits & 0xFFFF
+    t = torch.where(negative, t ^ 0xFFFF, t)
+    t = torch.where(torch.isposinf(threshold), torch.full_like(t, 0x10000), t)
+    t = torch.where(torch.isneginf(threshold), torch.zeros_like(t), t)
+    return ((lo.to(torch.int64) << 17) | t).to(torch.int32)
 
 
 def _choose(y: torch.Tensor, name: str) -> torch.Tensor:

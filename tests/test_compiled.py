@@ -1,0 +1,106 @@
+"""The torch.compile fast path (lowmemopt.compiled) against the eager decode -> math -> encode composition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import clone_params, make_params, run
+from optim_info import OPTIMIZERS, STATEFUL
+
+import lowmemopt.compiled as compiled
+from lowmemopt.quant import dequantize_blockwise
+
+ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.elementwise]
+SHAPE = (300, 257)  # 77100 elements: >= MIN_NUMEL, 301 full blocks + a ragged 44-element tail
+
+
+def _run(info, bits, enabled, monkeypatch, dtype=torch.float32):
+    monkeypatch.setattr(compiled, "ENABLED", enabled)
+    params = make_params([SHAPE], dtype=dtype)
+    opt = info.cls(params, state_bits=bits, **STATEFUL[info.name])
+    run(opt, params, 6)
+    return params[0].detach(), opt.state[params[0]]
+
+
+@pytest.mark.parametrize("info", ELEMENTWISE, ids=repr)
+@pytest.mark.parametrize("bits", [32, 16])
+def test_compiled_matches_eager_dense(info, bits, monkeypatch):
+    """fp32 state: equal to the eager path up to fp32 rounding (inductor fuses lerp into an FMA); bf16 state: that
+    rounding may flip a bf16 rounding, a 0.4% change of one moment, so params agree to a small fraction of lr."""
+    assert SHAPE[0] * SHAPE[1] >= compiled.MIN_NUMEL
+    p_c, st_c = _run(info, bits, True, monkeypatch)
+    p_e, st_e = _run(info, bits, False, monkeypatch)
+    atol = 1e-6 if bits == 32 else 0.01 * STATEFUL[info.name]["lr"]
+    torch.testing.assert_close(p_c, p_e, rtol=1e-6, atol=atol)
+    for k, v in st_e.items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(st_c[k].float(), v.float(), rtol=1e-2 if bits == 16 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("info", ELEMENTWISE, ids=repr)
+def test_compiled_matches_eager_8bit(info, monkeypatch):
+    """q8 state: codes within one code step of the eager path's, scales and params close."""
+    p_c, st_c = _run(info, 8, True, monkeypatch)
+    p_e, st_e = _run(info, 8, False, monkeypatch)
+    for k, v in st_e.items():
+        if k.endswith(".codes"):
+            diff = (st_c[k].int() - v.int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (k, int(diff.max()))
+        elif k.endswith(".absmax"):
+            torch.testing.assert_close(st_c[k], v, rtol=2e-2, atol=1e-9)
+    torch.testing.assert_close(p_c, p_e, rtol=0, atol=3 * STATEFUL[info.name]["lr"])
+
+
+def test_compiled_path_really_runs(monkeypatch):
+    """The fast path is taken for large CPU tensors (a graph gets compiled for this optimizer)."""
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    before = len(compiled._kernels)
+    params = make_params([SHAPE])
+    info = ELEMENTWISE[0]
+    opt = info.cls(params, state_bits=8, lr=1e-3, weight_decay=0.0, amsgrad=True, maximize=True)
+    run(opt, params, 2)
+    assert len(compiled._kernels) > before
+    st = opt.state[params[0]]
+    v = dequantize_blockwise(st["exp_avg_sq.codes"], st["exp_avg_sq.absmax"], "udynamic", 256)
+    assert torch.isfinite(v).all() and (v >= 0).all()
+
+
+def test_lr_schedule_does_not_recompile(monkeypatch):
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    torch._dynamo.utils.counters.clear()
+    params = make_params([SHAPE])
+    opt = ELEMENTWISE[0].cls(params, lr=1e-3, state_bits=8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for t in range(8):
+        run(opt, params, 1, start=t)
+        sched.step()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert frames <= 3, f"{frames} graphs compiled for 8 steps with a changing lr"
+
+
+def test_bf16_params_compiled(monkeypatch):
+    p_c, _ = _run(ELEMENTWISE[0], 8, True, monkeypatch, dtype=torch.bfloat16)
+    p_e, _ = _run(ELEMENTWISE[0], 8, False, monkeypatch, dtype=torch.bfloat16)
+    assert p_c.dtype == torch.bfloat16
+    torch.testing.assert_close(p_c.float(), p_e.float(), rtol=0, atol=0.05)
+
+
+def test_unavailable_compiler_falls_back_to_eager(monkeypatch):
+    """If torch.compile fails, lowmemopt warns once and the step still happens (eagerly), with the same result."""
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    monkeypatch.setattr(compiled, "_warned", False)
+
+    def broken(key):
+        def fail(*args, **kwargs):
+            raise RuntimeError("no C++ compiler")
+
+        return fail
+
+    monkeypatch.setattr(compiled, "_kernel", broken)
+    start = make_params([SHAPE])
+    a, b = clone_params(start), clone_params(start)
+    with pytest.warns(RuntimeWarning, match="fast path unavailable"):
+        run(ELEMENTWISE[0].cls(a, lr=1e-2), a, 2)
+    assert compiled.ENABLED is False
+    run(ELEMENTWISE[0].cls(b, lr=1e-2), b, 2)
+    assert torch.equal(a[0], b[0])
