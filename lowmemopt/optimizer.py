@@ -16,10 +16,15 @@ Storage options (constructor keywords, also settable per param group):
 * ``block_size`` (256): elements per quantization block (a power of two).
 * ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
 
-Non-finite gradients (policy): before updating, ``step()`` checks every gradient with one fused inf-norm per device
-(one host synchronization per step, none per parameter). A parameter whose gradient holds a NaN or an Inf is **skipped**:
-its value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
-would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
+Non-finite gradients (policy): before updating, ``step()`` checks every gradient with one fused multi-tensor L2 norm per
+device (one host synchronization per step, none per parameter). A parameter whose gradient norm is not finite (a NaN or
+an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its value, its state and its step
+count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that would poison a quantization block
+for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
+
+CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
+fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
+the eager path below. Both call the same ``_update``.
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
