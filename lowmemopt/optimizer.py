@@ -119,6 +119,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     elementwise: bool = True
+    #: the algorithm's pure fp32 function ``math(p, g, state, *, step, **hyper)`` and the group keys it takes
+    math: Callable[..., Any] | None = None
+    hyper: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -161,8 +164,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int
     ) -> torch.Tensor | tuple[torch.Tensor, float]:
         """fp32 math: update ``state`` in place and return the delta to add to ``p`` (do not modify ``p``), or
-        ``(direction, alpha)`` meaning ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does)."""
-        raise NotImplementedError
+        ``(direction, alpha)`` meaning ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does).
+        By default: ``self.math`` called with the group's ``self.hyper`` entries."""
+        return self.math(p, g, state, step=step, **{k: group[k] for k in self.hyper})
 
     def _decay_factor(self, group: dict[str, Any]) -> float:
         """Decoupled weight decay: ``p`` is multiplied by this before the delta is added (1.0: none)."""

@@ -24,20 +24,20 @@ def adam_math(
     *,
     step: int,
     lr: float,
-    beta1: float,
-    beta2: float,
+    betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    decoupled: bool,
+    decoupled_weight_decay: bool,
     amsgrad: bool,
     maximize: bool,
 ) -> torch.Tensor:
     """fp32 Adam/AdamW: updates ``state['exp_avg']``, ``state['exp_avg_sq']`` (and ``max_exp_avg_sq``) in place and
     returns the delta for ``p``; decoupled decay (``p *= 1 - lr wd``) is applied by the caller before adding it.
     Operation order follows torch.optim's single-tensor implementation, so 32-bit results are bit-identical."""
+    beta1, beta2 = betas
     if maximize:
         g = -g
-    if weight_decay != 0 and not decoupled:
+    if weight_decay != 0 and not decoupled_weight_decay:
         g = g.add(p, alpha=weight_decay)
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.lerp_(g, 1 - beta1)
@@ -60,6 +60,8 @@ class Adam(LowMemOptimizer):
     """
 
     _decoupled_default = False
+    math = staticmethod(adam_math)
+    hyper = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad", "maximize")
 
     def __init__(
         self,
@@ -102,22 +104,6 @@ class Adam(LowMemOptimizer):
     def _decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"] if group["decoupled_weight_decay"] else 1.0
 
-    def _update(self, p, g, state, group, step):
-        beta1, beta2 = group["betas"]
-        return adam_math(
-            p,
-            g,
-            state,
-            step=step,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled=group["decoupled_weight_decay"],
-            amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-        )
 
 
 class AdamW(Adam):

@@ -30,14 +30,14 @@ def lamb_math(
     *,
     step: int,
     lr: float,
-    beta1: float,
-    beta2: float,
+    betas: tuple[float, float],
     eps: float,
     weight_decay: float,
     bias_correction: bool,
     adam: bool,
 ) -> torch.Tensor:
     """fp32 LAMB on a whole tensor: updates ``exp_avg`` / ``exp_avg_sq`` in place and returns the delta for ``p``."""
+    beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -60,6 +60,8 @@ class LAMB(LowMemOptimizer):
     """LAMB with 32/16/8-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
 
     elementwise = False  # the trust ratio needs whole-tensor norms
+    math = staticmethod(lamb_math)
+    hyper = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam")
 
     def __init__(
         self,
@@ -84,18 +86,3 @@ class LAMB(LowMemOptimizer):
     def _slots(self, group, param):
         return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
 
-    def _update(self, p, g, state, group, step):
-        beta1, beta2 = group["betas"]
-        return lamb_math(
-            p,
-            g,
-            state,
-            step=step,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=group["bias_correction"],
-            adam=group["adam"],
-        )

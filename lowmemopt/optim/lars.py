@@ -60,6 +60,8 @@ class LARS(LowMemOptimizer):
     """LARS with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
 
     elementwise = False  # the trust ratio needs whole-tensor norms
+    math = staticmethod(lars_math)
+    hyper = ("lr", "momentum", "eeta", "weight_decay", "epsilon", "lars")
 
     def __init__(
         self,
@@ -85,16 +87,3 @@ class LARS(LowMemOptimizer):
     def _slots(self, group, param):
         return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
 
-    def _update(self, p, g, state, group, step):
-        return lars_math(
-            p,
-            g,
-            state,
-            step=step,
-            lr=group["lr"],
-            momentum=group["momentum"],
-            eeta=group["eeta"],
-            weight_decay=group["weight_decay"],
-            epsilon=group["epsilon"],
-            lars=group["lars"],
-        )

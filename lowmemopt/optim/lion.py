@@ -16,10 +16,11 @@ __all__ = ["Lion", "lion_math"]
 
 
 def lion_math(
-    p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float, beta1: float, beta2: float
+    p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, step: int, lr: float, betas: tuple[float, float]
 ) -> torch.Tensor:
     """fp32 Lion: updates ``state['exp_avg']`` in place and returns the delta for ``p`` (the caller applies the
     decoupled decay ``p *= 1 - lr wd`` first)."""
+    beta1, beta2 = betas
     m = state["exp_avg"]
     delta = torch.mul(m, beta1).add_(g, alpha=1 - beta1).sign_().mul_(-lr)
     m.mul_(beta2).add_(g, alpha=1 - beta2)
@@ -28,6 +29,9 @@ def lion_math(
 
 class Lion(LowMemOptimizer):
     """Lion with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``."""
+
+    math = staticmethod(lion_math)
+    hyper = ("lr", "betas")
 
     def __init__(
         self,
@@ -59,6 +63,3 @@ class Lion(LowMemOptimizer):
             wd = wd / group["initial_lr"]
         return 1.0 - group["lr"] * wd
 
-    def _update(self, p, g, state, group, step):
-        beta1, beta2 = group["betas"]
-        return lion_math(p, g, state, lr=group["lr"], beta1=beta1, beta2=beta2)

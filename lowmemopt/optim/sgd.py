@@ -45,6 +45,9 @@ def sgd_math(
 class SGD(LowMemOptimizer):
     """SGD with 32/16/8-bit momentum; same signature and 32-bit results as ``torch.optim.SGD``."""
 
+    math = staticmethod(sgd_math)
+    hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -73,16 +76,3 @@ class SGD(LowMemOptimizer):
     def _slots(self, group, param):
         return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
 
-    def _update(self, p, g, state, group, step):
-        return sgd_math(
-            p,
-            g,
-            state,
-            step=step,
-            lr=group["lr"],
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-        )
