@@ -2,12 +2,14 @@
 
 The eager step runs each of those as separate ATen ops over the chunk (about 40 passes for AdamW at 8 bits). Compiled,
 inductor fuses them into a few vectorized loops over 256-element blocks, with no change to the math: the function
-compiled here calls the optimizer's ``_update`` (the same pure function the eager path and the tests use) and the same
+compiled here calls the optimizer's ``math`` (the same pure function the eager path and the tests use) and the same
 :func:`~lowmemopt.quant.blockwise.encode_rows` / ``decode_rows`` codec. Inductor keeps IEEE division and square root
 and does not contract multiply-adds, so results equal the eager path's.
 
 When it applies: CPU parameters of elementwise algorithms with at least :data:`MIN_NUMEL` elements (smaller tensors
-do not repay the compile). Hyper-parameters and the step count are traced as symbols, so LR schedules do not recompile;
+do not repay the compile). Hyper-parameters and step-dependent scalars (bias corrections, computed on the host: inside
+the kernel ``beta ** step`` would be re-evaluated for every vector) become symbols after their first change, so LR
+schedules do not keep recompiling;
 the row count is dynamic, so one graph serves every tensor size. The first step of each (algorithm, formats) pair pays
 a one-time compile (seconds). If compiling fails (no C++ compiler, say), lowmemopt warns once and stays eager.
 Set ``LOWMEMOPT_COMPILE=0`` to turn it off.
@@ -38,9 +40,7 @@ def applies(param: torch.Tensor) -> bool:
 SlotRows = tuple[str, str, bool, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def _rows_update(
-    update: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, group: dict, step: int, decay: float
-) -> None:
+def _rows_update(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float) -> None:
     p32, g32 = p.float(), g.float()
     state = {}
     for name, kind, signed, rows, absmax, book, table in slots:
@@ -48,7 +48,7 @@ def _rows_update(
             state[name] = decode_rows(rows, absmax, book)
         else:
             state[name] = rows.float()  # fp32 storage: the rows themselves, updated in place
-    out = update(p32, g32, state, group, step)
+    out = math(p32, g32, state, **kwargs)
     delta, alpha = out if isinstance(out, tuple) else (out, 1.0)
     for name, kind, signed, rows, absmax, book, table in slots:
         if kind == "q8":
@@ -76,15 +76,16 @@ def _kernel(key: tuple) -> Callable:
 
 
 def step_rows(
-    update: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, group: dict[str, Any], step: int, decay: float
+    math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict[str, Any], decay: float
 ) -> bool:
-    """Run one compiled chunk update; False if the compiled path is unavailable (the caller then runs eagerly)."""
+    """Run one compiled chunk update: ``math(p, g, state, **kwargs)`` on rows of blocks, state decoded and encoded
+    around it, then ``p = p * decay + delta``. False if the compiled path is unavailable (the caller runs eagerly)."""
     global _warned, ENABLED
-    key = (type(update.__self__), tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype)
+    key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype)
     for t in (p, g) + tuple(s[3] for s in slots) + tuple(s[4] for s in slots if s[4] is not None):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     try:
-        _kernel(key)(update, p, g, slots, group, step, float(decay))
+        _kernel(key)(math, p, g, slots, kwargs, float(decay))
     except Exception as exc:  # compile failures surface on the first call, before anything is written
         ENABLED = False
         if not _warned:

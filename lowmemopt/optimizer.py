@@ -119,7 +119,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     elementwise: bool = True
-    #: the algorithm's pure fp32 function ``math(p, g, state, *, step, **hyper)`` and the group keys it takes
+    #: the algorithm's pure fp32 function ``math(p, g, state, **hyper, **step_scalars)`` and the group keys it takes
     math: Callable[..., Any] | None = None
     hyper: tuple[str, ...] = ()
 
@@ -165,8 +165,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor | tuple[torch.Tensor, float]:
         """fp32 math: update ``state`` in place and return the delta to add to ``p`` (do not modify ``p``), or
         ``(direction, alpha)`` meaning ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does).
-        By default: ``self.math`` called with the group's ``self.hyper`` entries."""
-        return self.math(p, g, state, step=step, **{k: group[k] for k in self.hyper})
+        By default: ``self.math`` called with :meth:`_math_kwargs`."""
+        return self.math(p, g, state, **self._math_kwargs(group, step))
+
+    def _math_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        """Keyword arguments of ``self.math``: the group's ``self.hyper`` entries plus :meth:`_step_scalars`."""
+        kwargs = {k: group[k] for k in self.hyper}
+        kwargs.update(self._step_scalars(group, step))
+        return kwargs
+
+    def _step_scalars(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        """Scalars that depend on the step count (bias corrections, first-step flags), computed on the host so that
+        compiled kernels receive them as plain numbers instead of evaluating ``beta ** step`` per element."""
+        return {}
 
     def _decay_factor(self, group: dict[str, Any]) -> float:
         """Decoupled weight decay: ``p`` is multiplied by this before the delta is added (1.0: none)."""
@@ -248,7 +259,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
         start = 0
-        if self.elementwise and compiled.applies(p):
+        if self.elementwise and self.math is not None and compiled.applies(p):
             start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
         self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start)
         if target is not p:
@@ -298,8 +309,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                  encode_table(name, pflat.device).packed))
                 else:
                     rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
-            ok = compiled.step_rows(self._update, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs), tuple(rows),
-                                    group, step, decay)
+            ok = compiled.step_rows(type(self).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),
+                                    tuple(rows), self._math_kwargs(group, step), decay)
             if not ok:
                 return lo
         return rows_total * bs

@@ -22,7 +22,6 @@ def adam_math(
     g: torch.Tensor,
     state: dict[str, torch.Tensor],
     *,
-    step: int,
     lr: float,
     betas: tuple[float, float],
     eps: float,
@@ -30,6 +29,8 @@ def adam_math(
     decoupled_weight_decay: bool,
     amsgrad: bool,
     maximize: bool,
+    bias_correction1: float,
+    bias_correction2_sqrt: float,
 ) -> torch.Tensor:
     """fp32 Adam/AdamW: updates ``state['exp_avg']``, ``state['exp_avg_sq']`` (and ``max_exp_avg_sq``) in place and
     returns the delta for ``p``; decoupled decay (``p *= 1 - lr wd``) is applied by the caller before adding it.
@@ -42,8 +43,6 @@ def adam_math(
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
     if amsgrad:
         v_max = state["max_exp_avg_sq"]
         v_max.copy_(torch.maximum(v_max, v))
@@ -100,6 +99,10 @@ class Adam(LowMemOptimizer):
         if group["amsgrad"]:
             slots["max_exp_avg_sq"] = Slot(signed=False)
         return slots
+
+    def _step_scalars(self, group, step):
+        beta1, beta2 = group["betas"]
+        return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=math.sqrt(1 - beta2**step))
 
     def _decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"] if group["decoupled_weight_decay"] else 1.0

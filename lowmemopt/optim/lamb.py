@@ -28,22 +28,19 @@ def lamb_math(
     g: torch.Tensor,
     state: dict[str, torch.Tensor],
     *,
-    step: int,
     lr: float,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    bias_correction: bool,
     adam: bool,
+    lr_scale: float,
 ) -> torch.Tensor:
     """fp32 LAMB on a whole tensor: updates ``exp_avg`` / ``exp_avg_sq`` in place and returns the delta for ``p``."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    scaled_lr = lr
-    if bias_correction:
-        scaled_lr *= math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    scaled_lr = lr * lr_scale
     r = m / v.sqrt().add_(eps)
     if weight_decay != 0:
         r.add_(p, alpha=weight_decay)
@@ -61,7 +58,14 @@ class LAMB(LowMemOptimizer):
 
     elementwise = False  # the trust ratio needs whole-tensor norms
     math = staticmethod(lamb_math)
-    hyper = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam")
+    hyper = ("lr", "betas", "eps", "weight_decay", "adam")
+
+    def _step_scalars(self, group, step):
+        """Debiasing folded into the learning rate (ColossalAI): sqrt(1 - beta2^t) / (1 - beta1^t), or 1."""
+        if not group["bias_correction"]:
+            return dict(lr_scale=1.0)
+        beta1, beta2 = group["betas"]
+        return dict(lr_scale=math.sqrt(1 - beta2**step) / (1 - beta1**step))
 
     def __init__(
         self,

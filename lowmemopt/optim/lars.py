@@ -26,13 +26,13 @@ def lars_math(
     g: torch.Tensor,
     state: dict[str, torch.Tensor],
     *,
-    step: int,
     lr: float,
     momentum: float,
     eeta: float,
     weight_decay: float,
     epsilon: float,
     lars: bool,
+    first_step: bool,
 ) -> torch.Tensor:
     """fp32 LARS on a whole tensor: updates ``momentum_buffer`` (momentum != 0) and returns the delta for ``p``."""
     scale: torch.Tensor | float = -lr
@@ -48,7 +48,7 @@ def lars_math(
     d = torch.clamp(d, -10.0, 10.0)
     if momentum != 0:
         buf = state["momentum_buffer"]
-        if step == 1:
+        if first_step:
             buf.copy_(d)
         else:
             buf.mul_(momentum).add_(d)
@@ -62,6 +62,9 @@ class LARS(LowMemOptimizer):
     elementwise = False  # the trust ratio needs whole-tensor norms
     math = staticmethod(lars_math)
     hyper = ("lr", "momentum", "eeta", "weight_decay", "epsilon", "lars")
+
+    def _step_scalars(self, group, step):
+        return dict(first_step=step == 1)
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ __all__ = ["Lion", "lion_math"]
 
 
 def lion_math(
-    p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, step: int, lr: float, betas: tuple[float, float]
+    p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float, betas: tuple[float, float]
 ) -> torch.Tensor:
     """fp32 Lion: updates ``state['exp_avg']`` in place and returns the delta for ``p`` (the caller applies the
     decoupled decay ``p *= 1 - lr wd`` first)."""

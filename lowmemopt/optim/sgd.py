@@ -20,13 +20,13 @@ def sgd_math(
     g: torch.Tensor,
     state: dict[str, torch.Tensor],
     *,
-    step: int,
     lr: float,
     momentum: float,
     dampening: float,
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
+    first_step: bool,
 ) -> tuple[torch.Tensor, float]:
     """fp32 SGD: updates ``state['momentum_buffer']`` (when momentum != 0); returns ``(d, -lr)``, delta = -lr d."""
     d = -g if maximize else g
@@ -34,7 +34,7 @@ def sgd_math(
         d = d.add(p, alpha=weight_decay)
     if momentum != 0:
         buf = state["momentum_buffer"]
-        if step == 1:
+        if first_step:
             buf.copy_(d)
         else:
             buf.mul_(momentum).add_(d, alpha=1 - dampening)
@@ -47,6 +47,9 @@ class SGD(LowMemOptimizer):
 
     math = staticmethod(sgd_math)
     hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
+    def _step_scalars(self, group, step):
+        return dict(first_step=step == 1)
 
     def __init__(
         self,
