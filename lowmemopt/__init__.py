@@ -1,6 +1,7 @@
 """lowmemopt: memory-efficient PyTorch optimizers (8/16/32-bit state) that drop in for torch.optim."""
 
 from .aliases import Adam8bit, AdamW8bit, LAMB8bit, LARS8bit, Lion8bit
+from .checkpoint import load_state, save_state
 from .optim import LAMB, LARS, SGD, Adam, AdamW, Lion
 
 __version__ = "0.1.0"
@@ -17,4 +18,6 @@ __all__ = [
     "Lion",
     "Lion8bit",
     "SGD",
+    "load_state",
+    "save_state",
 ]

@@ -29,13 +29,16 @@ the eager path below. Both call the same ``_update``.
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
 cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook and restoring them, moved to the
-parameter's device but never cast or copied in fp32, in a post-hook.
+parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
+asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
+state; see :func:`lowmemopt.checkpoint.convert_param_state`). Slots already in that format are kept as they are, with no
+copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)
+stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 """
 
 from __future__ import annotations
 
 import warnings
-from itertools import chain
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
@@ -355,6 +358,10 @@ def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]
 
 
 def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Set the state's tensors aside (torch would cast them to the param dtype), converted to this optimizer's formats.
+
+    Runs before torch changes anything: a state that cannot be converted raises and leaves the optimizer as it was."""
+    optimizer._load_stash = None
     version = state_dict.get("lowmemopt_format", FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise ValueError(
@@ -362,38 +369,40 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
         )
     state_dict = dict(state_dict)
     state_dict.pop("lowmemopt_format", None)
-    saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-    params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
-    if len(saved_ids) != len(params):
+    saved_groups = state_dict["param_groups"]
+    groups = optimizer.param_groups
+    sizes_differ = any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, groups))
+    if len(saved_groups) != len(groups) or sizes_differ:
         return state_dict  # torch raises its own, clear error for this
-    id_map = dict(zip(saved_ids, params))
-    kept, stash = {}, {}
-    for key, value in state_dict["state"].items():
-        if key in id_map and isinstance(value, dict):
-            stash[key] = {k: v for k, v in value.items() if isinstance(v, torch.Tensor)}
-            kept[key] = {k: v for k, v in value.items() if not isinstance(v, torch.Tensor)}
-        else:
-            kept[key] = value
-    state_dict["state"] = kept
-    optimizer._load_stash = (stash, id_map)
+    from .checkpoint import convert_param_state  # deferred: lowmemopt.checkpoint imports this module
+
+    id_map, converted = {}, {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
+        target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
+        target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
+        for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
+            id_map[key] = p
+            value = state_dict["state"].get(key)
+            if isinstance(value, dict):
+                where = f"load_state_dict: parameter {i} of param group {gi}"
+                converted[key] = convert_param_state(optimizer, p, value, saved, target, where)
+    state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in converted}
+    storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
+    optimizer._load_stash = (converted, id_map, storage)
     return state_dict
 
 
 def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
+    stash, optimizer._load_stash = optimizer._load_stash, None
+    if stash is not None:
+        converted, id_map, storage = stash
+        for group, options in zip(optimizer.param_groups, storage):
+            group.update(options)
     for group in optimizer.param_groups:  # groups from torch.optim optimizers lack our keys
         for k, v in optimizer.defaults.items():
             group.setdefault(k, v)
-    if optimizer._load_stash is None:
+    if stash is None:
         return
-    stash, id_map = optimizer._load_stash
-    optimizer._load_stash = None
-    for key, tensors in stash.items():
+    for key, state in converted.items():
         p = id_map[key]
-        st = optimizer.state[p]
-        for name, t in tensors.items():
-            if name == "step":
-                st["step"] = int(t.item())  # torch.optim stores step as a tensor
-            else:
-                st[name] = t.to(device=p.device)
-        if "step" in st and not isinstance(st["step"], int):
-            st["step"] = int(st["step"])
+        optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -50,6 +50,11 @@ class StateFormat:
     def nbytes(self, numel: int, block_size: int) -> int:
         raise NotImplementedError
 
+    def key_ranges(self, slot: str, lo: int, hi: int, block_size: int) -> dict[str, tuple[int, int]]:
+        """The flat element range of each stored tensor that holds elements ``[lo, hi)`` of the slot (``lo`` aligned
+        to the block size). Lets a converter stream a slot chunk by chunk through :meth:`decode` / :meth:`encode`."""
+        return {slot: (lo, hi)}
+
     def __repr__(self) -> str:
         return f"StateFormat({self.name})"
 
@@ -103,6 +108,9 @@ class _Q8(StateFormat):
 
     def nbytes(self, numel, block_size):
         return numel + 4 * num_blocks(numel, block_size)
+
+    def key_ranges(self, slot, lo, hi, block_size):
+        return {slot + ".codes": (lo, hi), slot + ".absmax": (lo // block_size, num_blocks(hi, block_size))}
 
 
 FP32, BF16, Q8 = _FP32(), _BF16(), _Q8()

@@ -1,0 +1,729 @@
+"""Checkpoints: optimizer state in one safetensors file, validated on load and converted between state formats.
+
+    lowmemopt.save_state(opt, "opt.safetensors", model=model)       # keys: parameter names (positions without a model)
+    report = lowmemopt.load_state(opt, "opt.safetensors", model=model)
+
+The file holds every state tensor under ``<param>/<state key>`` (``lm_head.weight/exp_avg.codes``) and a JSON header
+under the safetensors metadata key ``lowmemopt`` (format version, param groups' hyper-parameters, each param's shape,
+step and per-slot format, and a CRC-32 of every tensor). No pickle is involved anywhere. See ``docs/state_format.md``.
+
+Saving is atomic: the file is written next to its destination, fsynced, then renamed over it, so an interrupted save
+leaves the previous checkpoint intact. Loading validates the whole file and plans every parameter before it changes
+anything; the new state is built aside (the file memory-mapped and streamed in chunks, checksummed as it is read) and
+swapped in at the end, so a bad file raises :class:`CheckpointError` and leaves the optimizer exactly as it was.
+
+Conversion: each slot is loaded into the format the loading optimizer's param group asks for (``state_bits``,
+``min_quant_numel``, ``block_size``), decoding and re-encoding with :mod:`lowmemopt.quant.formats`: fp32 / bf16 / q8 in
+any direction. One exception: q8 state is never re-quantized to a different block size (that would add a second rounding
+to state that is otherwise exact); it is a mismatch. :func:`convert_param_state` does the same for in-memory state dicts
+(lowmemopt, ``torch.optim``, bitsandbytes layouts); ``LowMemOptimizer.load_state_dict`` uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import secrets
+import sys
+import zlib
+from contextlib import contextmanager, suppress
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
+from .quant.blockwise import num_blocks
+from .quant.formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of, map_for
+from .quant.maps import MAP_NAMES, code_book
+
+__all__ = [
+    "CheckpointError",
+    "LoadReport",
+    "FILE_FORMAT",
+    "FILE_VERSION",
+    "save_state",
+    "load_state",
+    "read_metadata",
+    "convert_param_state",
+]
+
+FILE_FORMAT = "lowmemopt.optimizer_state"
+FILE_VERSION = 1
+META_KEY = "lowmemopt"
+CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
+_DTYPES = {FP32: "F32", BF16: "BF16"}  # safetensors dtype names of the dense formats
+_BNB_QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests its 8-bit tensors under this key
+_BNB_SCRATCH = {"unorm_vec", "gnorm_vec"}  # bitsandbytes per-step buffers, recomputed every step
+
+
+class CheckpointError(ValueError):
+    """A state file or state dict that cannot be loaded as asked. The optimizer was not changed."""
+
+
+class LoadReport(NamedTuple):
+    """What :func:`load_state` did. With ``strict=True`` the first three are always empty (it raises instead)."""
+
+    missing: list[str]  # the optimizer's params absent from the file: their state was left as it was
+    unexpected: list[str]  # params in the file that the optimizer does not have
+    mismatched: dict[str, str]  # param -> why its state was not loaded (shape, slots, block size)
+    converted: list[str]  # "param/slot: fp32 -> q8" for each slot stored in another format than the optimizer's
+    hyperparameters_restored: bool  # groups' hyper-parameters taken from the file (only when the group layout matches)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# slot conversion (shared by load_state and load_state_dict)
+
+Reader = Callable[[str, int, int], torch.Tensor]  # (state key, a, b) -> flat elements [a, b) of that stored tensor
+
+
+def _reformat(
+    read: Reader,
+    out: dict[str, torch.Tensor],
+    slot: str,
+    shape: torch.Size,
+    signed: bool,
+    src: StateFormat,
+    src_bs: int,
+    dst: StateFormat,
+    dst_bs: int,
+    device: torch.device,
+    verbatim: bool,
+) -> None:
+    """Write slot ``slot``, stored as ``src`` (read through ``read``), into ``out``'s tensors for it, already made by
+    ``dst.init``; streamed in block-aligned chunks so no full-size fp32 copy is made. ``verbatim``: same format, dtype
+    and block size, copy the bytes."""
+    n = shape.numel()
+    align = max(src_bs, dst_bs)
+    step = max(align, CHUNK_NUMEL // align * align)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        if verbatim:
+            for key, (a, b) in dst.key_ranges(slot, lo, hi, dst_bs).items():
+                out[key].view(-1)[a:b].copy_(read(key, a, b))
+        else:
+            chunk = {key: read(key, a, b).to(device) for key, (a, b) in src.key_ranges(slot, lo, hi, src_bs).items()}
+            value = src.decode(chunk, slot, 0, hi - lo, signed, src_bs)
+            dst.encode(out, slot, lo, hi, value.contiguous(), signed, dst_bs)
+
+
+def _target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat:
+    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize)
+
+
+def _slot_shape(slot: Slot, param: torch.Tensor) -> torch.Size:
+    return param.shape if slot.shape is None else torch.Size(slot.shape)
+
+
+def _dense_format(t: torch.Tensor) -> StateFormat:
+    return BF16 if t.dtype == torch.bfloat16 else FP32  # other floats (torch.optim, fp16 params) decode as fp32
+
+
+def convert_param_state(
+    optimizer: LowMemOptimizer,
+    param: torch.Tensor,
+    state: dict[str, Any],
+    saved_group: dict[str, Any],
+    group: dict[str, Any],
+    where: str,
+) -> dict[str, Any]:
+    """One parameter's state from a state dict, in the formats ``group`` asks for.
+
+    ``state`` may be lowmemopt state in any format (q8 needs ``saved_group["block_size"]``), ``torch.optim`` state
+    (``exp_avg``, tensor ``step``, any float dtype) or bitsandbytes state (``state1``/``state2`` + ``absmax``/``qmap``,
+    nested or not), whose N-th state is the optimizer's N-th slot (AdamW: ``exp_avg``, ``exp_avg_sq``). Slots already in
+    the target format are returned as they are (no copy); others are decoded and re-encoded. Raises CheckpointError
+    naming ``where`` and the problem."""
+    state = {k: v for k, v in state.items() if v is not None}  # torch.optim may store None buffers
+    if not state:
+        return {}
+    slots = optimizer._slots(group, param)
+    if "state1" in state or _BNB_QUANT_KEY in state:
+        sources = _bnb_sources(state, slots, where)
+    else:
+        sources = _lowmemopt_sources(state, slots, saved_group, where)
+    if "step" not in state:
+        raise CheckpointError(f"{where}: the state has slots {sorted(sources)} but no 'step' count")
+    step = state["step"]
+    out: dict[str, Any] = {"step": int(step.item() if isinstance(step, torch.Tensor) else step)}
+    dst_bs = group["block_size"]
+    for name, slot in slots.items():
+        src, src_bs, tensors = sources[name]
+        shape = _slot_shape(slot, param)
+        numel = shape.numel()
+        _check_source(src, src_bs, tensors, name, numel, where)
+        dst = _target_format(group, slot, numel)
+        if src is Q8 and dst is Q8 and src_bs != dst_bs:
+            raise CheckpointError(
+                f"{where}: '{name}' is 8-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
+                "(re-quantizing would add error); construct the optimizer with the saved block_size"
+            )
+        if src is dst and all(t.dtype == _storage_dtype(dst, k) for k, t in tensors.items()):
+            for key, t in tensors.items():  # already in place: keep the very tensors (views for bitsandbytes codes)
+                out[key] = t.reshape(shape) if dst is not Q8 else t.reshape(-1)
+            continue
+        flat = {k: t.reshape(-1) for k, t in tensors.items()}
+        read = lambda key, a, b, flat=flat: flat[key][a:b]  # noqa: E731
+        device = next(iter(tensors.values())).device
+        dst.init(out, name, shape, device, dst_bs)
+        _reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False)
+    return out
+
+
+def _storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
+    if fmt is Q8:
+        return torch.uint8 if key.endswith(".codes") else torch.float32
+    return torch.bfloat16 if fmt is BF16 else torch.float32
+
+
+def _check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, numel: int, where: str):
+    """Raise CheckpointError unless ``tensors`` hold slot ``name`` of ``numel`` elements in format ``src``."""
+    if src is Q8:
+        codes, absmax = tensors[name + ".codes"], tensors[name + ".absmax"]
+        if codes.dtype != torch.uint8 or codes.numel() != numel:
+            raise CheckpointError(
+                f"{where}: '{name}.codes' is {codes.dtype} with {codes.numel()} elements, expected uint8 with {numel}"
+            )
+        if absmax.numel() != num_blocks(numel, bs):
+            raise CheckpointError(
+                f"{where}: '{name}.absmax' has {absmax.numel()} blocks; {numel} elements at block_size {bs} need "
+                f"{num_blocks(numel, bs)} (block-size mismatch)"
+            )
+        return
+    t = tensors[name]
+    if not t.is_floating_point() or t.numel() != numel:
+        raise CheckpointError(f"{where}: '{name}' is {t.dtype} of shape {tuple(t.shape)}, expected {numel} floats")
+
+
+def _lowmemopt_sources(state, slots, saved_group, where):
+    sources, used = {}, {"step"}
+    for name in slots:
+        if name + ".codes" in state:
+            keys = Q8.keys(name)
+            if keys[1] not in state:
+                raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
+            bs = saved_group.get("block_size")
+            if not isinstance(bs, int):
+                raise CheckpointError(f"{where}: 8-bit state '{name}' but the saved param group has no block_size")
+            sources[name] = (Q8, bs, {k: state[k] for k in keys})
+        elif name in state:
+            keys = (name,)
+            sources[name] = (_dense_format(state[name]), 1, {name: state[name]})
+        else:
+            raise CheckpointError(f"{where}: the state has no slot '{name}' (has {sorted(state)})")
+        used.update(keys)
+    extra = sorted(set(state) - used)
+    if extra:
+        raise CheckpointError(f"{where}: unexpected state {extra}; the optimizer's slots are {sorted(slots)}")
+    return sources
+
+
+def _bnb_sources(state, slots, where):
+    state = dict(state)
+    state.update(state.pop(_BNB_QUANT_KEY, {}))
+    for key in ("max1", "max2", "new_max1", "new_max2"):
+        if key in state:
+            raise CheckpointError(f"{where}: bitsandbytes non-blockwise 8-bit state ('{key}') is not supported")
+    n_states = sum(1 for i in (1, 2, 3) if f"state{i}" in state)
+    if n_states != len(slots):
+        raise CheckpointError(
+            f"{where}: bitsandbytes state has {n_states} state tensor(s), the optimizer has {len(slots)} slot(s) "
+            f"{list(slots)}"
+        )
+    sources, used = {}, {"step"} | _BNB_SCRATCH
+    for i, (name, slot) in enumerate(slots.items(), start=1):
+        t = state[f"state{i}"]
+        used.add(f"state{i}")
+        if t.dtype != torch.uint8:
+            sources[name] = (_dense_format(t), 1, {name: t})
+            continue
+        used.update((f"qmap{i}", f"absmax{i}"))
+        if f"absmax{i}" not in state or f"qmap{i}" not in state:
+            raise CheckpointError(f"{where}: bitsandbytes 8-bit 'state{i}' without 'absmax{i}' / 'qmap{i}'")
+        qmap, book = state[f"qmap{i}"], code_book(map_for(slot.signed))
+        if not torch.equal(qmap.detach().float().cpu().reshape(-1), book):
+            raise CheckpointError(
+                f"{where}: bitsandbytes 'qmap{i}' is not the {map_for(slot.signed)} map lowmemopt uses for '{name}'"
+            )
+        sources[name] = (Q8, 256, {name + ".codes": t.reshape(-1), name + ".absmax": state[f"absmax{i}"]})  # bnb: 256
+    extra = sorted(set(state) - used)
+    if extra:
+        raise CheckpointError(f"{where}: unexpected bitsandbytes state {extra}")
+    return sources
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# names and hyper-parameters
+
+
+def _param_names(optimizer: LowMemOptimizer, model: torch.nn.Module | None) -> list[tuple[str, int, torch.Tensor]]:
+    """(name, group index, param) for every param of the optimizer, in group order."""
+    names = {}
+    if model is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if model is None:
+                out.append((f"{g}/{i}", g, p))
+            elif id(p) in names:
+                out.append((names[id(p)], g, p))
+            else:
+                raise CheckpointError(
+                    f"parameter {i} of param group {g} (shape {tuple(p.shape)}) is not in model.named_parameters()"
+                )
+    return out
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    return {"__repr__": repr(value)}  # recorded for inspection, never restored
+
+
+def _from_json(value: Any, current: Any) -> Any:
+    if isinstance(current, torch.Tensor) and isinstance(value, (int, float)):
+        return torch.tensor(value, dtype=current.dtype, device=current.device)
+    if isinstance(value, list) and isinstance(current, tuple):
+        return tuple(value)
+    return value
+
+
+def _restorable(key: str, value: Any) -> bool:
+    return key != "params" and key not in STORAGE_DEFAULTS and not (isinstance(value, dict) and "__repr__" in value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# saving
+
+
+def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
+    """Write ``optimizer``'s state to one safetensors file at ``path``, atomically.
+
+    Tensors are keyed ``<param>/<state key>``, where ``<param>`` is the name in ``model.named_parameters()`` when a
+    model is given (the file then survives changes of parameter order and param-group layout), else ``<group>/<index>``.
+    State stays in its stored format (8-bit state is written 8-bit); the metadata records formats, shapes, steps,
+    hyper-parameters and checksums. On any failure the previous file at ``path`` is left untouched."""
+    from . import __version__  # deferred: lowmemopt/__init__.py imports this module
+
+    _check_optimizer(optimizer)
+    names = _param_names(optimizer, model)
+    tensors: dict[str, torch.Tensor] = {}
+    params = {name: _save_entry(optimizer, name, g, p, tensors) for name, g, p in names}
+    groups = []
+    for g, group in enumerate(optimizer.param_groups):
+        hyper = {k: _to_json(v) for k, v in group.items() if k != "params"}
+        hyper["params"] = [n for n, gi, _ in names if gi == g]
+        groups.append(hyper)
+    meta = {
+        "format": FILE_FORMAT,
+        "format_version": FILE_VERSION,
+        "lowmemopt_version": __version__,
+        "optimizer": type(optimizer).__name__,
+        "keys": "names" if model is not None else "positions",
+        "param_groups": groups,
+        "params": params,
+        "crc32": {key: _crc32(t) for key, t in tensors.items()},
+    }
+    _atomic_save_file(tensors, os.fspath(path), {META_KEY: json.dumps(meta)})
+
+
+def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, tensors: dict) -> dict[str, Any]:
+    """The metadata entry of one param; adds its state tensors (on the CPU) to ``tensors``."""
+    group = optimizer.param_groups[g]
+    entry: dict[str, Any] = {"group": g, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+    entry.update(step=None, slots={})
+    state = optimizer.state.get(p) or {}
+    if not state:
+        return entry
+    where = f"cannot save '{name}'"
+    slots = optimizer._slots(group, p)
+    used = {"step"}
+    for slot_name, slot in slots.items():
+        if slot_name not in state and slot_name + ".codes" not in state:
+            raise CheckpointError(f"{where}: its state has no slot '{slot_name}'")
+        fmt = format_of(state, slot_name)
+        shape = _slot_shape(slot, p)
+        stored = {k: state[k] for k in fmt.keys(slot_name)}
+        for key, t in stored.items():
+            if t.dtype != _storage_dtype(fmt, key):
+                raise CheckpointError(f"{where}: state '{key}' is {t.dtype}, not a lowmemopt storage format")
+        _check_source(fmt, group["block_size"], stored, slot_name, shape.numel(), where)
+        info: dict[str, Any] = {"format": fmt.name, "shape": list(shape)}
+        if fmt is Q8:
+            info.update(block_size=group["block_size"], map=map_for(slot.signed))
+        entry["slots"][slot_name] = info
+        for key, t in stored.items():
+            tensors[f"{name}/{key}"] = t.detach().cpu().contiguous()
+        used.update(stored)
+    extra = sorted(set(state) - used)
+    if extra:
+        raise CheckpointError(f"{where}: state {extra} is not in the optimizer's slots {list(slots)}")
+    entry["step"] = int(state["step"])
+    return entry
+
+
+def _crc32(t: torch.Tensor, value: int = 0) -> int:
+    if t.numel() == 0:
+        return value
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), value)
+
+
+def _atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """save_file to a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # reserve the name; mode follows the umask
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with suppress(OSError):  # make the rename durable (not possible on every platform)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reading the header
+
+
+@contextmanager
+def _open(path: str) -> Iterator[Any]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no optimizer state file at {path!r}")
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: truncated or corrupt state file ({e})") from None
+    with handle as f:
+        yield f
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The validated JSON header of a state file, plus ``"tensors"``: {key: (dtype, shape)} from the safetensors header.
+    Reads no tensor data. Raises CheckpointError for a file that is not a readable lowmemopt state file."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        meta = _validated_meta(f, path)
+        meta["tensors"] = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+    return meta
+
+
+def _validated_meta(f: Any, path: str) -> dict[str, Any]:
+    """Parse the header and check it against the tensors in the file: every problem is a CheckpointError."""
+    raw = (f.metadata() or {}).get(META_KEY)
+    if raw is None:
+        raise CheckpointError(f"{path}: not a lowmemopt state file (no '{META_KEY}' metadata)")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FILE_FORMAT:
+        raise CheckpointError(f"{path}: not a lowmemopt state file (format {meta.get('format')!r})")
+    version = meta.get("format_version")
+    if version != FILE_VERSION:
+        raise CheckpointError(
+            f"{path}: unknown state file format_version {version!r}; this lowmemopt reads format_version {FILE_VERSION}"
+            + (" (the file is newer: upgrade lowmemopt)" if isinstance(version, int) and version > FILE_VERSION else "")
+        )
+    try:
+        expected = {}
+        for name, entry in meta["params"].items():
+            _ = [int(d) for d in entry["shape"]], entry["group"]
+            if entry["step"] is not None and not isinstance(entry["step"], int):
+                raise TypeError(f"step {entry['step']!r}")
+            for slot, info in entry["slots"].items():
+                fmt = FORMATS[info["format"]]
+                numel = torch.Size(info["shape"]).numel()
+                if fmt is Q8:
+                    bs = info["block_size"]
+                    if not isinstance(bs, int) or bs < 1 or info["map"] not in MAP_NAMES:
+                        raise ValueError(f"slot '{slot}': block_size {bs!r}, map {info['map']!r}")
+                    expected[f"{name}/{slot}.codes"] = ("U8", [numel])
+                    expected[f"{name}/{slot}.absmax"] = ("F32", [num_blocks(numel, bs)])
+                else:
+                    expected[f"{name}/{slot}"] = (_DTYPES[fmt], list(info["shape"]))
+        groups = meta["param_groups"]
+        for group in groups:
+            for n in group["params"]:
+                if n not in meta["params"]:
+                    raise KeyError(n)
+        crc = {k: int(v) for k, v in meta["crc32"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: corrupt metadata ({type(e).__name__}: {e})") from None
+    keys = set(f.keys())
+    if keys != set(expected) or set(crc) != keys:
+        missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
+        raise CheckpointError(f"{path}: corrupt state file: tensors missing {missing[:5]}, not described {extra[:5]}")
+    for key, (dtype, shape) in expected.items():
+        got = f.get_slice(key)
+        if got.get_dtype() != dtype or list(got.get_shape()) != shape:
+            param, _, skey = key.rpartition("/")
+            raise CheckpointError(
+                f"{path}: parameter '{param}': tensor '{skey}' is {got.get_dtype()} {got.get_shape()} in the file, "
+                f"the metadata needs {dtype} {shape}"
+                + (" (block-size mismatch)" if skey.endswith(".absmax") else "")
+            )
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# loading
+
+
+class _Plan(NamedTuple):
+    name: str
+    param: torch.Tensor
+    entry: dict[str, Any]
+    group: dict[str, Any]  # the effective group (hyper-parameters as they will be after the load)
+    slots: dict[str, Slot]
+
+
+def load_state(
+    optimizer: LowMemOptimizer,
+    path: str | os.PathLike,
+    model: torch.nn.Module | None = None,
+    strict: bool = True,
+) -> LoadReport:
+    """Load a state file written by :func:`save_state` into ``optimizer``, converting formats as needed.
+
+    Everything is validated before the optimizer is touched; a problem raises :class:`CheckpointError` naming the
+    parameter and leaves the optimizer unchanged. ``strict=True`` also raises for missing / unexpected params and
+    mismatched ones (shape, slots, block size); ``strict=False`` loads what matches and reports the rest. Unreadable,
+    corrupt or unknown-version files always raise. Param groups' hyper-parameters are restored from the file when the
+    optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
+    ...) are always the optimizer's own, and state is converted to them."""
+    _check_optimizer(optimizer)
+    path = os.fspath(path)
+    with _open(path) as f:
+        meta = _validated_meta(f, path)
+        plans, report = _plan(optimizer, meta, model, path)
+        if strict and (report.missing or report.unexpected or report.mismatched):
+            raise CheckpointError(_describe_problems(path, report, meta, model))
+        release = _page_releaser(f, path)
+        # allocate all the new state first, then stream the file into it: chunk temporaries then reuse one small
+        # region instead of fragmenting the heap between state tensors
+        new_states = {plan.param: _allocate(plan) for plan in plans}
+        for plan in plans:
+            _read_param(f, plan, new_states[plan.param], meta["crc32"], path, release, report.converted)
+    # everything is read and checked: swap it in
+    for plan in plans:
+        if new_states[plan.param]:
+            optimizer.state[plan.param] = new_states[plan.param]
+        else:
+            optimizer.state.pop(plan.param, None)
+    if report.hyperparameters_restored:
+        for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+            for k, v in saved.items():
+                if _restorable(k, v):
+                    group[k] = _from_json(v, group.get(k))
+    return report
+
+
+def _plan(optimizer, meta, model, path):
+    names = _param_names(optimizer, model)
+    saved = meta["params"]
+    current = {n for n, _, _ in names}
+    missing = [n for n, _, _ in names if n not in saved]
+    unexpected = [n for n in saved if n not in current]
+    groups = meta["param_groups"]
+    same_layout = len(groups) == len(optimizer.param_groups) and all(
+        set(sg["params"]) == {n for n, gi, _ in names if gi == g} for g, sg in enumerate(groups)
+    )
+    effective = []
+    for g, group in enumerate(optimizer.param_groups):
+        eff = dict(group)
+        if same_layout:
+            eff.update({k: _from_json(v, group.get(k)) for k, v in groups[g].items() if _restorable(k, v)})
+            try:
+                optimizer._check_group(eff)
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"{path}: param group {g}'s saved hyper-parameters are invalid: {e}") from None
+        effective.append(eff)
+    plans, mismatched = [], {}
+    for name, g, p in names:
+        if name not in saved:
+            continue
+        entry, group = saved[name], effective[g]
+        problem = _check_entry(optimizer, entry, group, p)
+        if problem:
+            mismatched[name] = problem
+        else:
+            slots = optimizer._slots(group, p) if entry["step"] is not None else {}
+            plans.append(_Plan(name, p, entry, group, slots))
+    return plans, LoadReport(missing, unexpected, mismatched, [], same_layout)
+
+
+def _check_entry(optimizer, entry, group, p) -> str | None:
+    """Why this saved param's state cannot load into ``p`` (None: it can)."""
+    if tuple(entry["shape"]) != tuple(p.shape):
+        return f"shape {tuple(entry['shape'])} in the file, {tuple(p.shape)} in the optimizer"
+    if entry["step"] is None:
+        return None
+    slots = optimizer._slots(group, p)
+    if set(entry["slots"]) != set(slots):
+        return f"state slots {sorted(entry['slots'])} in the file, {type(optimizer).__name__} needs {sorted(slots)}"
+    for name, slot in slots.items():
+        info = entry["slots"][name]
+        shape = _slot_shape(slot, p)
+        if tuple(info["shape"]) != tuple(shape):
+            return f"slot '{name}' has shape {tuple(info['shape'])} in the file, expected {tuple(shape)}"
+        src = FORMATS[info["format"]]
+        if src is Q8 and info["map"] != map_for(slot.signed):
+            return f"slot '{name}' uses the {info['map']} map in the file, expected {map_for(slot.signed)}"
+        dst = _target_format(group, slot, shape.numel())
+        if src is Q8 and dst is Q8 and info["block_size"] != group["block_size"]:
+            return (
+                f"block-size mismatch: slot '{name}' is 8-bit at block_size {info['block_size']} in the file, the "
+                f"optimizer uses block_size {group['block_size']}"
+            )
+    return None
+
+
+def _describe_problems(path, report, meta, model) -> str:
+    lines = [f"{path}: cannot load the optimizer state (strict=True; the optimizer is unchanged):"]
+
+    def some(names):
+        return ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+    if report.missing:
+        lines.append(f"  missing from the file: {some(report.missing)}")
+    if report.unexpected:
+        lines.append(f"  in the file but not in the optimizer: {some(report.unexpected)}")
+    for name, why in list(report.mismatched.items())[:8]:
+        lines.append(f"  '{name}': {why}")
+    if report.missing and report.unexpected:
+        if meta.get("keys") == "names" and model is None:
+            lines.append("  (the file is keyed by parameter names: pass model=)")
+        elif meta.get("keys") == "positions" and model is not None:
+            lines.append("  (the file is keyed by positions: it was saved without a model; pass model=None)")
+    lines.append("  load_state(..., strict=False) loads what matches and reports the rest")
+    return "\n".join(lines)
+
+
+def _allocate(plan: _Plan) -> dict[str, Any]:
+    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it)."""
+    if plan.entry["step"] is None:
+        return {}
+    state: dict[str, Any] = {"step": plan.entry["step"]}
+    for name, slot in plan.slots.items():
+        shape = _slot_shape(slot, plan.param)
+        fmt = _target_format(plan.group, slot, shape.numel())
+        fmt.init(state, name, shape, plan.param.device, plan.group["block_size"])
+    return state
+
+
+def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, converted: list[str]) -> None:
+    """Fill ``state`` (from :func:`_allocate`) from the file, converting formats; checks every tensor's CRC-32."""
+    entry, p, group = plan.entry, plan.param, plan.group
+    for name, slot in plan.slots.items():
+        info = entry["slots"][name]
+        shape = _slot_shape(slot, p)
+        src = FORMATS[info["format"]]
+        src_bs = info.get("block_size", 1)
+        dst = _target_format(group, slot, shape.numel())
+        dst_bs = group["block_size"]
+        sources = {}
+        for key in src.keys(name):
+            fkey = f"{plan.name}/{key}"
+            sources[key] = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
+        read = lambda key, a, b, sources=sources: sources[key].read(a, b)  # noqa: E731
+        _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, p.device, verbatim=src is dst)
+        for source in sources.values():
+            source.finish()
+        if src is not dst:
+            converted.append(f"{plan.name}/{name}: {src.name} -> {dst.name}")
+
+
+class _FileTensor:
+    """A memory-mapped tensor of the file, read front to back: checksummed as it goes, and the pages already read are
+    dropped from the process (``release``) so a load never holds the file's pages and the new state at once."""
+
+    def __init__(self, view: torch.Tensor, key: str, crc: int, path: str, release: Callable[[int, int], None]):
+        self.flat, self.key, self.expected, self.path, self.release = view.reshape(-1), key, crc, path, release
+        self.crc = 0
+        self.pos = 0
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        assert a == self.pos, (self.key, a, self.pos)  # consumed strictly in order
+        self._release_until(a)
+        chunk = self.flat[a:b]
+        self.crc = _crc32(chunk, self.crc)
+        self.pos = b
+        return chunk
+
+    def finish(self) -> None:
+        assert self.pos == self.flat.numel(), (self.key, self.pos)
+        self._release_until(self.pos)
+        if self.crc != self.expected:
+            param, _, key = self.key.rpartition("/")
+            raise CheckpointError(
+                f"{self.path}: parameter '{param}': tensor '{key}' fails its CRC-32 check: the file is corrupt"
+            )
+
+    def _release_until(self, end: int) -> None:
+        if end and self.flat.numel():
+            self.release(self.flat.data_ptr(), self.flat.data_ptr() + end * self.flat.element_size())
+
+
+def _page_releaser(f: Any, path: str) -> Callable[[int, int], None]:
+    """madvise(MADV_DONTNEED) for pages of the file's private read-only mapping, Linux only (elsewhere a no-op).
+
+    Only enabled after checking that safe_open's tensors really are views of a mapping of this file, so it can only
+    ever drop clean file pages, which the kernel re-reads from the file if they are touched again."""
+    if not sys.platform.startswith("linux"):
+        return lambda a, b: None
+    keys = [k for k in f.keys() if 0 not in f.get_slice(k).get_shape()]
+    if not keys:
+        return lambda a, b: None
+    ptr = f.get_tensor(keys[0]).data_ptr()
+    inode = os.stat(path).st_ino
+    try:
+        with open("/proc/self/maps") as maps:
+            mapped = any(_maps_line_covers(line, ptr, inode) for line in maps)
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return lambda a, b: None
+    if not mapped:
+        return lambda a, b: None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, dontneed = mmap.PAGESIZE, 4  # MADV_DONTNEED
+
+    def release(a: int, b: int) -> None:
+        a, b = -(-a // page) * page, b // page * page  # whole pages inside [a, b) only
+        if b > a:
+            madvise(a, b - a, dontneed)
+
+    return release
+
+
+def _maps_line_covers(line: str, ptr: int, inode: int) -> bool:
+    fields = line.split()
+    if len(fields) < 6 or fields[4] != str(inode):
+        return False
+    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+    return lo <= ptr < hi
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, LowMemOptimizer):
+        raise TypeError(
+            f"expected a lowmemopt optimizer, got {type(optimizer).__name__}; to convert a torch.optim or bitsandbytes "
+            "state, load its state_dict() into the lowmemopt optimizer with load_state_dict, then save_state"
+        )

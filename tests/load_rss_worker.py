@@ -1,0 +1,81 @@
+"""Subprocess halves of the load-memory test (each in a fresh process, so freed memory cannot hide a peak).
+
+    python load_rss_worker.py save NUMEL BITS PATH    AdamW state of NUMEL elements at BITS (random, no step) -> PATH
+    python load_rss_worker.py load NUMEL BITS PATH    load PATH into a fresh AdamW at BITS; print JSON: state bytes,
+                                                      peak RSS growth during load_state, seconds
+
+Peak RSS growth is VmHWM after resetting it (``/proc/self/clear_refs``, Linux) just before the load, minus VmRSS at that
+point, after a warm-up (the same load on a small file: code pages and codec tables, a few tens of MB that do not grow
+with the state) and a malloc_trim. Parameters are zeros (calloc: never touched, so never resident). One thread: on a
+shared machine OpenMP threads that wait for each other make small ops 100x slower, which would only blur the timing.
+"""
+
+import ctypes
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+import lowmemopt
+from lowmemopt.checkpoint import read_metadata
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _optimizer(numel: int, bits: int, fill: bool) -> lowmemopt.AdamW:
+    params = [torch.nn.Parameter(torch.zeros(numel // 4)) for _ in range(4)]
+    opt = lowmemopt.AdamW(params, state_bits=bits)
+    if fill:  # random state, made without running a step
+        gen = torch.Generator().manual_seed(0)
+        group = opt.param_groups[0]
+        for p in params:
+            state = opt._init_state(p, group, opt._slots(group, p))
+            state["step"] = 7
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
+                    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+                elif isinstance(t, torch.Tensor):
+                    t.copy_(torch.rand(t.shape, generator=gen))
+    return opt
+
+
+def save(numel: int, bits: int, path: str) -> None:
+    opt = _optimizer(numel, bits, fill=True)
+    t0 = time.perf_counter()
+    lowmemopt.save_state(opt, path)
+    print(json.dumps(dict(state_bytes=opt.state_nbytes(), save_s=time.perf_counter() - t0)))
+
+
+def load(numel: int, bits: int, path: str) -> None:
+    # warm-up: the same conversion on a small file (code pages of the kernels it runs, codec tables: a few tens of MB
+    # that do not grow with the state)
+    src_bits = read_metadata(path)["param_groups"][0]["state_bits"]
+    warm = path + ".warm"
+    lowmemopt.save_state(_optimizer(1 << 16, src_bits, fill=True), warm)
+    lowmemopt.load_state(_optimizer(1 << 16, bits, fill=False), warm)
+    os.unlink(warm)
+    fresh = _optimizer(numel, bits, fill=False)
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # hand freed heap memory back, so reusing it cannot hide part of the peak
+    base = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    t0 = time.perf_counter()
+    lowmemopt.load_state(fresh, path)
+    load_s = time.perf_counter() - t0
+    peak = _status_kib("VmHWM")
+    print(json.dumps(dict(state_bytes=fresh.state_nbytes(), peak_growth=(peak - base) * 1024, load_s=load_s)))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    {"save": save, "load": load}[sys.argv[1]](int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
