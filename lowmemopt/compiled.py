@@ -40,57 +40,93 @@ def applies(param: torch.Tensor) -> bool:
 SlotRows = tuple[str, str, bool, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def _rows_update(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float) -> None:
+def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float) -> None:
+    """Phase 1: decode, math, write ``p``; dense slots are written back, q8 slots' new fp32 values go to scratch."""
     p32, g32 = p.float(), g.float()
     state = {}
-    for name, kind, signed, rows, absmax, book, table in slots:
-        if kind == "q8":
-            state[name] = decode_rows(rows, absmax, book)
-        else:
-            state[name] = rows.float()  # fp32 storage: the rows themselves, updated in place
+    for name, kind, signed, rows, absmax, book, table, scratch in slots:
+        state[name] = decode_rows(rows, absmax, book) if kind == "q8" else rows.float()
     out = math(p32, g32, state, **kwargs)
     delta, alpha = out if isinstance(out, tuple) else (out, 1.0)
-    for name, kind, signed, rows, absmax, book, table in slots:
+    for name, kind, signed, rows, absmax, book, table, scratch in slots:
         if kind == "q8":
-            codes, scale = encode_rows(state[name], book, table, signed)
-            rows.copy_(codes)
-            absmax.copy_(scale)
+            scratch.copy_(state[name])
         elif kind == "bf16":
-            rows.copy_(state[name])
+            rows.copy_(state[name])  # fp32 storage: the rows themselves were updated in place
     # no branches on decay / alpha: they change with the LR schedule and must stay symbolic (x * 1.0 is exact)
     p.copy_(p32 * decay + delta * alpha)
 
 
-_kernels: dict[tuple, Callable] = {}
+def _rows_encode(slots: tuple) -> None:
+    """Phase 2: encode the q8 slots from scratch. A separate graph, so the decode in phase 1 is not recomputed for
+    the block reductions (inductor lowers every table lookup to a scalar gather: they dominate the cost)."""
+    for name, kind, signed, rows, absmax, book, table, scratch in slots:
+        if kind == "q8":
+            codes, scale = encode_rows(scratch, book, table, signed)
+            rows.copy_(codes)
+            absmax.copy_(scale)
+
+
+_kernels: dict[tuple, tuple[Callable, Callable]] = {}
+_scratch: dict[tuple, torch.Tensor] = {}
 _warned = False
 
 
-def _kernel(key: tuple) -> Callable:
-    """A compiled copy of :func:`_rows_update` per (algorithm, slot formats): dynamo caches graphs per code object, so
-    separate code objects keep one optimizer's graphs from evicting another's (its recompile limit is 8 per code)."""
+def _fresh(fn: Callable, name: str) -> Callable:
+    """A copy of ``fn`` with its own code object: dynamo caches graphs per code object (at most 8 each), so separate
+    copies keep one optimizer's graphs from evicting another's."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name)
+
+
+def _kernel(key: tuple) -> tuple[Callable, Callable]:
     if key not in _kernels:
-        code = _rows_update.__code__.replace(co_name=f"_rows_update_{len(_kernels)}")
-        fn = types.FunctionType(code, _rows_update.__globals__, code.co_name)
-        _kernels[key] = torch.compile(fn, fullgraph=True)
+        n = len(_kernels)
+        _kernels[key] = (
+            torch.compile(_fresh(_rows_math, f"_rows_math_{n}"), fullgraph=True),
+            torch.compile(_fresh(_rows_encode, f"_rows_encode_{n}"), fullgraph=True),
+        )
     return _kernels[key]
+
+
+def scratch_rows(index: int, like: torch.Tensor) -> torch.Tensor:
+    """A reused fp32 buffer shaped like ``like`` (rows of blocks) for the ``index``-th q8 slot: allocated once per
+    size, so steps do not pay fresh-page faults."""
+    key = (index, like.device)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < like.numel():
+        buf = _scratch[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+    return buf[: like.numel()].view(like.shape)
 
 
 def step_rows(
     math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict[str, Any], decay: float
 ) -> bool:
     """Run one compiled chunk update: ``math(p, g, state, **kwargs)`` on rows of blocks, state decoded and encoded
-    around it, then ``p = p * decay + delta``. False if the compiled path is unavailable (the caller runs eagerly)."""
-    global _warned, ENABLED
+    around it, then ``p = p * decay + delta``. ``slots``: (name, kind, signed, rows, absmax, book, table) per slot.
+    False if the compiled path is unavailable (the caller then runs eagerly)."""
     key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype)
-    for t in (p, g) + tuple(s[3] for s in slots) + tuple(s[4] for s in slots if s[4] is not None):
+    slots = tuple(s + (scratch_rows(i, s[3]) if s[1] == "q8" else None,) for i, s in enumerate(slots))
+    for t in (p, g) + tuple(t for s in slots for t in (s[3], s[4], s[7]) if t is not None):
         torch._dynamo.maybe_mark_dynamic(t, 0)
+    run_math, run_encode = _kernel(key)
     try:
-        _kernel(key)(math, p, g, slots, kwargs, float(decay))
+        run_math(math, p, g, slots, kwargs, float(decay))
     except Exception as exc:  # compile failures surface on the first call, before anything is written
-        ENABLED = False
-        if not _warned:
-            _warned = True
-            warnings.warn(f"lowmemopt: torch.compile fast path unavailable ({type(exc).__name__}: {exc}); using eager "
-                          "steps", RuntimeWarning, stacklevel=3)
+        _disable(exc)
         return False
+    try:
+        run_encode(slots)
+    except Exception as exc:  # p is already updated: finish this chunk eagerly from the scratch values
+        _disable(exc)
+        _rows_encode(slots)
     return True
+
+
+def _disable(exc: Exception) -> None:
+    global _warned, ENABLED
+    ENABLED = False
+    if not _warned:
+        _warned = True
+        warnings.warn(f"lowmemopt: torch.compile fast path unavailable ({type(exc).__name__}: {exc}); using eager steps",
+                      RuntimeWarning, stacklevel=4)

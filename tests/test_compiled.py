@@ -80,6 +80,34 @@ def test_lr_schedule_does_not_recompile(monkeypatch):
     assert frames <= 3, f"{frames} graphs compiled for 8 steps with a changing lr"
 
 
+def test_encode_phase_failure_finishes_eagerly(monkeypatch):
+    """If only the second (encode) graph fails, the chunk is finished eagerly: nothing is applied twice."""
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    monkeypatch.setattr(compiled, "_warned", False)
+    real = compiled._kernel
+
+    def half_broken(key):
+        run_math, _ = real(key)
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("encode graph failed")
+
+        return run_math, fail
+
+    start = make_params([SHAPE])
+    ref = clone_params(start)
+    run(ELEMENTWISE[0].cls(ref, lr=1e-2, state_bits=8), ref, 2)
+    x = clone_params(start)
+    opt = ELEMENTWISE[0].cls(x, lr=1e-2, state_bits=8)
+    monkeypatch.setattr(compiled, "_kernel", half_broken)
+    with pytest.warns(RuntimeWarning, match="fast path unavailable"):
+        run(opt, x, 1)
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    monkeypatch.setattr(compiled, "_kernel", real)
+    run(opt, x, 1, start=1)
+    torch.testing.assert_close(x[0], ref[0], rtol=0, atol=1e-6)
+
+
 def test_bf16_params_compiled(monkeypatch):
     p_c, _ = _run(ELEMENTWISE[0], 8, True, monkeypatch, dtype=torch.bfloat16)
     p_e, _ = _run(ELEMENTWISE[0], 8, False, monkeypatch, dtype=torch.bfloat16)
@@ -96,7 +124,7 @@ def test_unavailable_compiler_falls_back_to_eager(monkeypatch):
         def fail(*args, **kwargs):
             raise RuntimeError("no C++ compiler")
 
-        return fail
+        return fail, fail
 
     monkeypatch.setattr(compiled, "_kernel", broken)
     start = make_params([SHAPE])
