@@ -292,8 +292,8 @@ def test_info_table_covers_every_public_optimizer():
 
 
 class _NoScalarReads(TorchDispatchMode):
-    """Fails on ``aten._local_scalar_dense``: what ``.item()``, ``float(t)``, ``bool(t)`` and a tensor passed as a Python
-    scalar (``alpha=t``) all run; each is a host synchronization on a GPU."""
+    """Fails on ``aten._local_scalar_dense``, which ``.item()``, ``float(t)``, ``bool(t)`` and a tensor passed as a
+    Python scalar (``alpha=t``) all run: each is a host synchronization on a GPU."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
