@@ -8,8 +8,8 @@ A new optimizer joins the whole suite (parity, 8-bit bounds, state bytes, resume
 from __future__ import annotations
 
 import importlib.metadata
-import math
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
