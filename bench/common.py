@@ -249,8 +249,10 @@ def run_benchmark(
     lr: float = 1e-3,
     weight_decay: float = 1e-2,
     max_step_s: float = 60.0,
+    factory: Callable[..., torch.optim.Optimizer] | None = None,
 ) -> Result:
-    """Build optimizer ``name`` on fresh copies of ``reference``, time its steps and measure its state.
+    """Build optimizer ``name`` (``factory``, default ``OPTIMIZERS[name]``) on fresh copies of ``reference``, time its
+    steps and measure its state.
 
     Any exception (import, construction, step) is caught and recorded in ``Result.error``. Memory is released
     before returning.
@@ -260,7 +262,7 @@ def run_benchmark(
     params = optimizer = None
     try:
         params = fresh_params(reference, grads)
-        optimizer = OPTIMIZERS[name](params, lr=lr, weight_decay=weight_decay)
+        optimizer = (factory or OPTIMIZERS[name])(params, lr=lr, weight_decay=weight_decay)
         result.times_s, result.note = time_steps(
             optimizer.step, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s
         )

@@ -1,16 +1,21 @@
 """lowmemopt: memory-efficient PyTorch optimizers (8/16/32-bit state) that drop in for torch.optim."""
 
-from .aliases import Adam8bit, AdamW8bit, LAMB8bit, LARS8bit, Lion8bit
+from .aliases import Adafactor8bit, Adam8bit, AdamW8bit, CAME8bit, LAMB8bit, LARS8bit, Lion8bit
 from .checkpoint import load_state, save_state
-from .optim import LAMB, LARS, SGD, Adam, AdamW, Lion
+from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW, Lion
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adafactor",
+    "Adafactor8bit",
+    "AdafactorTorch",
     "Adam",
     "Adam8bit",
     "AdamW",
     "AdamW8bit",
+    "CAME",
+    "CAME8bit",
     "LAMB",
     "LAMB8bit",
     "LARS",

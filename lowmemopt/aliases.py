@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .optim import LAMB, LARS, Adam, AdamW, Lion
+from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, Lion
 
-__all__ = ["Adam8bit", "AdamW8bit", "LAMB8bit", "LARS8bit", "Lion8bit"]
+__all__ = ["Adafactor8bit", "Adam8bit", "AdamW8bit", "CAME8bit", "LAMB8bit", "LARS8bit", "Lion8bit"]
 
 
 def _alias(base: type, name: str, **fixed: Any) -> type:
@@ -28,3 +28,5 @@ AdamW8bit = _alias(AdamW, "AdamW8bit", state_bits=8)
 LAMB8bit = _alias(LAMB, "LAMB8bit", state_bits=8)
 LARS8bit = _alias(LARS, "LARS8bit", state_bits=8)
 Lion8bit = _alias(Lion, "Lion8bit", state_bits=8)
+Adafactor8bit = _alias(Adafactor, "Adafactor8bit", state_bits=8)
+CAME8bit = _alias(CAME, "CAME8bit", state_bits=8)

@@ -1,5 +1,6 @@
 """A short, offline training run for trying optimizers: a byte-level language model on the Python standard library's own
-source (present on every machine, no download). Used by ``examples/quickstart.py`` and the end-to-end tests."""
+source (present on every machine, no download): a small MLP (:func:`train_bytes`) or a LLaMA-style transformer
+(:func:`train_llama_bytes`, needs transformers). Used by ``examples/quickstart.py`` and the end-to-end tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["stdlib_bytes", "ByteMLP", "train_bytes"]
+__all__ = ["stdlib_bytes", "ByteMLP", "LLAMA_BYTES", "train_bytes", "train_llama_bytes"]
 
 
 def stdlib_bytes(limit: int = 400_000) -> torch.Tensor:
@@ -43,6 +44,18 @@ class ByteMLP(torch.nn.Module):
         return self.out(torch.nn.functional.gelu(self.hidden(h)))
 
 
+#: a LLaMA-style byte-level LM (1.9M parameters): transformers' LlamaForCausalLM over the 256 byte values
+LLAMA_BYTES = dict(
+    vocab_size=256,
+    hidden_size=192,
+    num_hidden_layers=4,
+    intermediate_size=512,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
 def train_bytes(
     make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     steps: int,
@@ -51,16 +64,48 @@ def train_bytes(
     data: torch.Tensor | None = None,
 ) -> dict:
     """Train a fresh :class:`ByteMLP`; returns losses, the mean of the last 20, state bytes and mean step time."""
-    data = stdlib_bytes() if data is None else data
     torch.manual_seed(seed)
     model = ByteMLP()
+
+    def loss_of(windows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(windows[:, :-1]), windows[:, -1])
+
+    return _fit(model, loss_of, make_optimizer, steps, seed, batch, model.context + 1, data)
+
+
+def train_llama_bytes(
+    make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    steps: int,
+    seed: int = 0,
+    batch: int = 8,
+    seq: int = 64,
+    data: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> dict:
+    """Train a fresh, randomly initialised ``LlamaForCausalLM`` (:data:`LLAMA_BYTES`, overridden by ``config``) on
+    windows of ``seq`` bytes, next-byte loss at every position. Needs ``transformers``. Returns what
+    :func:`train_bytes` returns."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_BYTES, **(config or {})}))
+
+    def loss_of(windows: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=windows, labels=windows).loss
+
+    return _fit(model, loss_of, make_optimizer, steps, seed, batch, seq, data)
+
+
+def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data) -> dict:
+    """The training loop: random windows of ``width`` bytes (seeded), ``loss_of(windows)``, one optimizer step each."""
+    data = stdlib_bytes() if data is None else data
     opt = make_optimizer(list(model.parameters()))
     gen = torch.Generator().manual_seed(seed + 1)
     losses, step_time = [], 0.0
     for _ in range(steps):
-        idx = torch.randint(0, data.numel() - model.context - 1, (batch,), generator=gen)
-        windows = data[idx.unsqueeze(1) + torch.arange(model.context + 1)]
-        loss = torch.nn.functional.cross_entropy(model(windows[:, :-1]), windows[:, -1])
+        idx = torch.randint(0, data.numel() - width, (batch,), generator=gen)
+        windows = data[idx.unsqueeze(1) + torch.arange(width)]
+        loss = loss_of(windows)
         opt.zero_grad()
         loss.backward()
         t0 = time.perf_counter()

@@ -97,6 +97,21 @@ def check_betas(betas: Any, n: int = 2) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
 
 
+def check_positive(name: str, value: Any) -> None:
+    check_nonneg(name, value)
+    if not value > 0.0:
+        raise ValueError(f"Invalid {name}: {value} (must be > 0)")
+
+
+def check_eps_pair(eps: Any, first_optional: bool = False) -> None:
+    """A pair of non-negative numbers (Adafactor, CAME); ``first_optional``: ``eps[0]`` may be None."""
+    if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+        raise ValueError(f"Invalid eps: expected a tuple of 2 numbers, got {eps!r}")
+    for i, e in enumerate(eps):
+        if not (first_optional and i == 0 and e is None):
+            check_nonneg(f"eps[{i}] (epsilon value)", e)
+
+
 def check_storage(group: dict) -> None:
     bits = group["state_bits"]
     if isinstance(bits, bool) or bits not in (32, 16, 8):
@@ -166,9 +181,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def _update(
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int
     ) -> torch.Tensor | tuple[torch.Tensor, float]:
-        """fp32 math: update ``state`` in place and return the delta to add to ``p`` (do not modify ``p``), or
-        ``(direction, alpha)`` meaning ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does).
-        By default: ``self.math`` called with :meth:`_math_kwargs`."""
+        """fp32 math: update ``state`` in place and return the delta to add to ``p``, or ``(direction, alpha)`` meaning
+        ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does). By default: ``self.math``
+        called with :meth:`_math_kwargs`.
+
+        ``p`` is the fp32 working copy that the step writes back. Leave it unchanged, except for weight decay that a
+        constant ``_decay_factor`` cannot express (Adafactor's decay scales with RMS(p)): that may be applied to ``p``
+        in place, in the reference's order; it is then followed by the ``_decay_factor`` multiply and the delta."""
         return self.math(p, g, state, **self._math_kwargs(group, step))
 
     def _math_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:

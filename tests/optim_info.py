@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,6 +39,16 @@ def _lion_reference(params, **kw):
     return lion_pytorch.Lion(params, **kw)
 
 
+def _adafactor_reference(params, **kw):
+    transformers_optimization = pytest.importorskip("transformers.optimization")
+    return transformers_optimization.Adafactor(params, **kw)
+
+
+def _came_reference(params, **kw):
+    came_pytorch = pytest.importorskip("came_pytorch")
+    return came_pytorch.CAME(params, **kw)
+
+
 def _lamb_reference(params, **kw):
     return _colossalai_module("lamb").Lamb(params, **kw)
 
@@ -46,19 +57,54 @@ def _lars_reference(params, **kw):
     return _colossalai_module("lars").Lars(params, **kw)
 
 
+def slot_bytes(numel: int, bits: int, block_size: int = 256) -> int:
+    """Bytes of one full-size slot of ``numel`` elements (>= min_quant_numel) at ``bits``: 4, 2 or 1 + 4/block."""
+    return {32: 4 * numel, 16: 2 * numel, 8: numel + 4 * -(-numel // block_size)}[bits]
+
+
+def factored_bytes(shape: tuple[int, ...], pairs: int) -> int:
+    """Bytes of ``pairs`` fp32 (row, column) statistics of a parameter factored over its last two dims."""
+    batch = math.prod(shape[:-2])
+    return 4 * pairs * batch * (shape[-2] + shape[-1])
+
+
 @dataclass
 class OptimizerInfo:
     name: str
     cls: type
     reference: Callable[..., torch.optim.Optimizer]
     variants: list[dict[str, Any]]  # hyper-parameters; each is checked for 32-bit parity
-    slots: Callable[[dict[str, Any]], int]  # number of full-size state slots for a variant
+    slots: Callable[[dict[str, Any]], int] | None  # number of full-size state slots for a variant (None: see below)
     bound8: float  # 8-bit: max relative error of the 50-step trajectory vs the 32-bit twin
     bad_inputs: list[tuple[dict[str, Any], type, str]] = field(default_factory=list)
     grad_scale: float = 1.0
+    #: exact state bytes of one large parameter: (shape, bits, kwargs) -> bytes. Default: slots x full-slot bytes.
+    state_bytes: Callable[[tuple[int, ...], int, dict[str, Any]], int] | None = None
+
+    def expected_state_bytes(self, shape: tuple[int, ...], bits: int, kwargs: dict[str, Any]) -> int:
+        if self.state_bytes is not None:
+            return self.state_bytes(tuple(shape), bits, kwargs)
+        return self.slots(kwargs) * slot_bytes(math.prod(shape), bits)
 
     def __repr__(self) -> str:
         return self.name
+
+
+def _adafactor_bytes(shape, bits, kw):
+    first = slot_bytes(math.prod(shape), bits) if kw.get("beta1") is not None else 0
+    if len(shape) >= 2:
+        return first + factored_bytes(shape, 1)
+    return first + slot_bytes(math.prod(shape), bits)
+
+
+def _came_bytes(shape, bits, kw):
+    if len(shape) >= 2:
+        return slot_bytes(math.prod(shape), bits) + factored_bytes(shape, 2)
+    return 2 * slot_bytes(math.prod(shape), bits)
+
+
+def _adafactor_torch_bytes(shape, bits, kw):
+    return factored_bytes(shape, 1) if len(shape) >= 2 else slot_bytes(math.prod(shape), bits)
 
 
 _COMMON_BAD = [
@@ -165,6 +211,72 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(momentum=-1.0), ValueError, "Invalid momentum"),
         ],
     ),
+    OptimizerInfo(
+        "Adafactor",
+        lowmemopt.Adafactor,
+        _adafactor_reference,
+        [  # every flag combination on 1-D..4-D shapes: tests/test_adafactor.py
+            dict(lr=1e-2, relative_step=False, scale_parameter=False),
+            dict(),
+            dict(beta1=0.9, weight_decay=0.01),
+            dict(warmup_init=True, beta1=0.9, clip_threshold=0.5),
+            dict(lr=3e-2, relative_step=False, beta1=0.8, weight_decay=0.1, decay_rate=-0.5, eps=(1e-20, 1e-2)),
+        ],
+        slots=None,
+        state_bytes=_adafactor_bytes,
+        bound8=0.02,
+        bad_inputs=_COMMON_BAD
+        + [
+            (dict(relative_step=True), ValueError, "Cannot combine manual `lr` and `relative_step=True`"),
+            (dict(warmup_init=True), ValueError, "`warmup_init=True` requires `relative_step=True`"),
+            (dict(lr=None), ValueError, "`relative_step=False` needs a manual `lr`"),
+            (dict(beta1=1.0), ValueError, "Invalid beta1"),
+            (dict(decay_rate=0.5), ValueError, "Invalid decay_rate"),
+            (dict(eps=(1e-30,)), ValueError, "Invalid eps"),
+            (dict(clip_threshold=0.0), ValueError, "Invalid clip_threshold"),
+            (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
+        ],
+    ),
+    OptimizerInfo(
+        "AdafactorTorch",
+        lowmemopt.AdafactorTorch,
+        torch.optim.Adafactor,
+        [
+            dict(lr=1e-2),
+            dict(lr=3e-2, weight_decay=0.1, beta2_decay=-0.5, d=2.0),
+            dict(lr=1e-2, eps=(1e-3, 1e-2), maximize=True),
+        ],
+        slots=None,
+        state_bytes=_adafactor_torch_bytes,
+        bound8=0.008,
+        bad_inputs=_COMMON_BAD
+        + [
+            (dict(beta2_decay=0.5), ValueError, "Invalid beta2_decay"),
+            (dict(d=0.5), ValueError, "Invalid d"),
+            (dict(eps=(-1.0, 1e-3)), ValueError, "Invalid eps"),
+        ],
+    ),
+    OptimizerInfo(
+        "CAME",
+        lowmemopt.CAME,
+        _came_reference,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99, 0.999)),
+            dict(lr=3e-2, clip_threshold=0.5, eps=(1e-20, 1e-10)),
+        ],
+        slots=None,
+        state_bytes=_came_bytes,
+        bound8=0.01,
+        bad_inputs=_COMMON_BAD
+        + [
+            (dict(lr=None), TypeError, "CAME: lr is required"),
+            (dict(betas=(0.9, 0.999)), ValueError, "Invalid betas"),
+            (dict(betas=(0.9, 1.0, 0.9999)), ValueError, "Invalid beta parameter at index 1"),
+            (dict(eps=(1e-30, -1.0)), ValueError, "Invalid eps"),
+            (dict(clip_threshold=-1.0), ValueError, "Invalid clip_threshold"),
+        ],
+    ),
 ]
 
 #: the variant each optimizer uses in the storage-format tests (resume, 8-bit bounds): one with state slots.
@@ -175,6 +287,9 @@ STATEFUL = {
     "Lion": dict(lr=1e-3, weight_decay=0.1),
     "LAMB": dict(lr=1e-2, weight_decay=0.01, bias_correction=True),
     "LARS": dict(lr=1e-1, momentum=0.9, weight_decay=1e-3, eeta=1e-2),
+    "Adafactor": dict(beta1=0.9, weight_decay=0.01),
+    "AdafactorTorch": dict(lr=1e-2, weight_decay=0.01),
+    "CAME": dict(lr=1e-2, weight_decay=0.01),
 }
 
 BY_NAME = {info.name: info for info in OPTIMIZERS}

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import clone_params, make_params, run, set_grads, trajectory_error
 from optim_info import BY_NAME, OPTIMIZERS, SHAPES, STATEFUL
 
 import lowmemopt
-from lowmemopt.quant import FORMATS
 
 PARITY_CASES = [(info, i) for info in OPTIMIZERS for i in range(len(info.variants))]
 
@@ -66,15 +66,16 @@ def test_adamw8bit_no_worse_than_bitsandbytes():
 
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
 @pytest.mark.parametrize("bits", [32, 16, 8])
-def test_state_bytes_exact(info, bits):
-    """State bytes of a 1024x1024 parameter are exactly slots x format bytes (8-bit: 1 + 4/256 B per element)."""
+@pytest.mark.parametrize("shape", [(1024, 1024), (1 << 20,)], ids=["matrix", "vector"])
+def test_state_bytes_exact(info, bits, shape):
+    """State bytes of a 1M-element parameter are exactly what the entry states: full-size slots x format bytes
+    (8-bit: 1 + 4/256 B per element), plus fp32 row/column statistics for factored optimizers."""
     kwargs = STATEFUL[info.name]
-    p = torch.nn.Parameter(torch.zeros(1024, 1024))
+    p = torch.nn.Parameter(torch.zeros(shape))
     opt = info.cls([p], state_bits=bits, **kwargs)
     p.grad = torch.ones_like(p)
     opt.step()
-    fmt = FORMATS[{32: "fp32", 16: "bf16", 8: "q8"}[bits]]
-    assert opt.state_nbytes() == info.slots(kwargs) * fmt.nbytes(p.numel(), 256)
+    assert opt.state_nbytes() == info.expected_state_bytes(shape, bits, kwargs)
 
 
 def test_adamw8bit_bytes_per_param():
@@ -289,3 +290,29 @@ def test_info_table_covers_every_public_optimizer():
     public = {n for n in classes if issubclass(getattr(lowmemopt, n), torch.optim.Optimizer) and not n.endswith("8bit")}
     assert {"AdamW", "SGD", "Lion"} <= public
     assert public <= set(BY_NAME), public - set(BY_NAME)
+
+
+
+class _NoScalarReads(TorchDispatchMode):
+    """Fails on ``aten._local_scalar_dense``, which ``.item()``, ``float(t)``, ``bool(t)`` and a tensor passed as a
+    Python scalar (``alpha=t``) all run: each is a host synchronization on a GPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a tensor value was read on the host inside step()")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("bits", [32, 8])
+def test_step_reads_no_tensor_values_on_the_host(info, bits):
+    """No per-parameter host sync in ``step()``: the one allowed read per step is the batched finite check
+    (``tolist``, which this mode does not see)."""
+    params = make_params([(80, 64), (4099,), (7,)])
+    opt = info.cls(params, state_bits=bits, **STATEFUL[info.name])
+    run(opt, params, 1)
+    set_grads(params, 1)
+    before = [p.detach().clone() for p in params]
+    with _NoScalarReads():
+        opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))

@@ -1,9 +1,11 @@
 """One module per algorithm: the user-facing class (reference signature) and its fp32 math as a pure function."""
 
+from .adafactor import Adafactor, AdafactorTorch
 from .adamw import Adam, AdamW
+from .came import CAME
 from .lamb import LAMB
 from .lars import LARS
 from .lion import Lion
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "LAMB", "LARS", "Lion", "SGD"]
+__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD"]

@@ -1,0 +1,302 @@
+"""Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost").
+
+``Adafactor`` matches ``transformers.optimization.Adafactor`` (same signature, defaults and flags)::
+
+    beta2_t = 1 - t^decay_rate;   V = beta2_t V + (1 - beta2_t) (g^2 + eps1)   factored: V ~ R C / mean(R), R, C the row
+    u = g / sqrt(V);   u /= max(1, RMS(u) / clip_threshold)                    and column means of V (last two dims)
+    a = rho_t * max(eps2, RMS(p)) [scale_parameter],  rho_t = lr or min(1e-2 | 1e-6 t [warmup_init], 1/sqrt(t))
+    m = beta1 m + (1 - beta1) a u  [beta1 given];     p <- p - a wd p - (m or a u)
+
+``AdafactorTorch`` matches ``torch.optim.Adafactor``, which differs in four ways: eps1 clamps the variance estimate
+(``V >= eps1^2``, eps1 defaults to the dtype's machine epsilon) instead of being added to g^2; the step is always
+relative (``rho_t = min(lr, 1/sqrt(t))``) and always scaled by ``max(eps2, RMS(p))``; weight decay is
+``p *= 1 - lr wd`` (the raw lr, not ``a``); and there is no first moment. Its state keys (``row_var``, ``col_var``,
+``variance``) and shapes are torch's, so a ``torch.optim.Adafactor`` state dict loads into it.
+
+Row and column statistics stay fp32 at every ``state_bits``; 16/8-bit storage applies to the full-size slots (the first
+moment, and the unfactored second moment of 1-D parameters). All math is fp32 and stays on the device (no host sync).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ..optimizer import LowMemOptimizer, Slot, check_eps_pair, check_lr, check_nonneg, check_positive
+
+__all__ = ["Adafactor", "AdafactorTorch", "adafactor_math", "adafactor_torch_math"]
+
+Scalar = float | torch.Tensor  # a Python number or a 0-dim tensor on the parameter's device
+
+
+def rms(t: torch.Tensor) -> torch.Tensor:
+    """Root mean square, as a 0-dim tensor (no host sync)."""
+    return torch.linalg.vector_norm(t) / math.sqrt(t.numel())
+
+
+def approx_rsqrt(row: torch.Tensor, col: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(V)`` for the factored ``V = row col / mean(row)``, written into ``out`` (shape ``[..., R, C]``)."""
+    r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+    c_factor = col.unsqueeze(-2).rsqrt()
+    return torch.mul(r_factor, c_factor, out=out)
+
+
+def add_scaled_(out: torch.Tensor, t: torch.Tensor, s: Scalar) -> torch.Tensor:
+    """``out += s * t`` for a Python or a 0-dim tensor ``s``, without a host sync (both round as ``add_(alpha=s)``)."""
+    return out.addcmul_(t, s) if isinstance(s, torch.Tensor) else out.add_(t, alpha=s)
+
+
+def factored_shapes(shape: torch.Size) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Row and column statistic shapes of a parameter of >= 2 dims (leading dims are a batch)."""
+    return tuple(shape[:-1]), tuple(shape[:-2]) + (shape[-1],)
+
+
+def adafactor_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    step: int,
+    lr: Scalar | None,
+    eps1: float,
+    eps2: float,
+    clip_threshold: float,
+    decay_rate: float,
+    beta1: float | None,
+    weight_decay: float,
+    scale_parameter: bool,
+    relative_step: bool,
+    warmup_init: bool,
+) -> torch.Tensor:
+    """fp32 Adafactor (transformers semantics) on a whole tensor: updates the state in place, applies the weight decay
+    ``p -= a wd p`` to the fp32 working copy ``p`` in place (``a`` depends on RMS(p), so it is not a constant factor),
+    and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` holds ``exp_avg_sq_row``; momentum iff ``exp_avg``.
+    Operation order follows transformers, so 32-bit results are bit-identical."""
+    rho = lr
+    if relative_step:
+        rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
+    alpha = rms(p).clamp_(min=eps2) * rho if scale_parameter else rho
+
+    beta2t = 1.0 - math.pow(step, decay_rate)
+    u = g.square().add_(eps1)
+    if "exp_avg_sq_row" in state:
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        row.mul_(beta2t).add_(u.mean(dim=-1), alpha=1.0 - beta2t)
+        col.mul_(beta2t).add_(u.mean(dim=-2), alpha=1.0 - beta2t)
+        approx_rsqrt(row, col, out=u).mul_(g)
+    else:
+        v = state["exp_avg_sq"]
+        v.mul_(beta2t).add_(u, alpha=1.0 - beta2t)
+        torch.rsqrt(v, out=u).mul_(g)
+    u.div_((rms(u) / clip_threshold).clamp_(min=1.0))
+    u.mul_(alpha)
+
+    if beta1 is not None:
+        m = state["exp_avg"]
+        m.mul_(beta1).add_(u, alpha=1 - beta1)
+        u = m
+    if weight_decay != 0:
+        add_scaled_(p, p, -weight_decay * alpha)
+    return u
+
+
+def adafactor_torch_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    step: int,
+    lr: Scalar,
+    beta2_decay: float,
+    eps1: float,
+    eps2: float,
+    d: float,
+    maximize: bool,
+) -> torch.Tensor:
+    """fp32 Adafactor (``torch.optim.Adafactor`` semantics): updates the state in place and returns ``u`` with
+    ``p_new = p * (1 - lr wd) - u`` (the caller applies the decay). Factored iff ``state`` holds ``row_var``."""
+    if maximize:
+        g = -g
+    one_minus_beta2_t = step**beta2_decay
+    bound = 1.0 / math.sqrt(step)
+    rho = lr.clamp(max=bound) if isinstance(lr, torch.Tensor) else min(lr, bound)
+    alpha = rms(p).clamp_(min=eps2) * rho
+
+    if "row_var" in state:
+        row_var, col_var = state["row_var"], state["col_var"]  # [..., R, 1] and [..., 1, C]
+        row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
+        row_var.lerp_(row_mean, one_minus_beta2_t)
+        col_mean = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
+        col_var.lerp_(col_mean, one_minus_beta2_t)
+        var = torch.matmul(row_var, col_var)
+        var.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+    else:
+        variance = state["variance"]
+        var = g * g
+        variance.lerp_(var, one_minus_beta2_t)
+        var.copy_(variance)
+    u = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
+    denom = (rms(u) / d).clamp_(min=1.0)
+    return u.mul_(alpha / denom)
+
+
+class Adafactor(LowMemOptimizer):
+    """Adafactor with 32/16/8-bit state; same signature, defaults, errors and 32-bit results as
+    ``transformers.optimization.Adafactor``. See the module docstring for the update and for ``AdafactorTorch``.
+
+    ``lr=None`` with ``relative_step=True`` (the default) uses the time-dependent step ``min(1e-2, 1/sqrt(t))``; for an
+    external schedule pass ``lr`` with ``relative_step=False`` and ``scale_parameter=False``. Factored over the last two
+    dims (leading dims as a batch) for params of >= 2 dims; 1-D params keep a full second moment.
+    """
+
+    elementwise = False  # row/column means and RMS clipping need the whole tensor
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor | None = None,
+        eps: tuple[float, float] = (1e-30, 1e-3),
+        clip_threshold: float = 1.0,
+        decay_rate: float = -0.8,
+        beta1: float | None = None,
+        weight_decay: float = 0.0,
+        scale_parameter: bool = True,
+        relative_step: bool = True,
+        warmup_init: bool = False,
+        **storage: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            eps=eps,
+            clip_threshold=clip_threshold,
+            decay_rate=decay_rate,
+            beta1=beta1,
+            weight_decay=weight_decay,
+            scale_parameter=scale_parameter,
+            relative_step=relative_step,
+            warmup_init=warmup_init,
+        )
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_lr(group["lr"], required=False)
+        if group["lr"] is not None and group["relative_step"]:
+            raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
+        if group["warmup_init"] and not group["relative_step"]:
+            raise ValueError("`warmup_init=True` requires `relative_step=True`")
+        if group["lr"] is None and not group["relative_step"]:
+            raise ValueError("Invalid learning rate: `relative_step=False` needs a manual `lr`")
+        check_eps_pair(group["eps"])
+        check_positive("clip_threshold", group["clip_threshold"])
+        check_nonneg("weight_decay value", group["weight_decay"])
+        if isinstance(group["decay_rate"], bool) or not isinstance(group["decay_rate"], (int, float)):
+            raise TypeError(f"Invalid decay_rate: expected a number, got {type(group['decay_rate']).__name__}")
+        if not group["decay_rate"] <= 0.0:
+            raise ValueError(f"Invalid decay_rate: {group['decay_rate']} (must be <= 0)")
+        beta1 = group["beta1"]
+        if beta1 is not None:
+            if isinstance(beta1, bool) or not isinstance(beta1, (int, float)):
+                raise TypeError(f"Invalid beta1: expected a number or None, got {type(beta1).__name__}")
+            if not 0.0 <= beta1 < 1.0:
+                raise ValueError(f"Invalid beta1: {beta1} (must be in [0, 1) or None)")
+
+    def _slots(self, group, param):
+        slots = {}
+        if group["beta1"] is not None:
+            slots["exp_avg"] = Slot(signed=True)
+        if param.dim() >= 2:
+            row, col = factored_shapes(param.shape)
+            slots["exp_avg_sq_row"] = Slot(signed=False, quantize=False, shape=row)
+            slots["exp_avg_sq_col"] = Slot(signed=False, quantize=False, shape=col)
+        else:
+            slots["exp_avg_sq"] = Slot(signed=False)
+        return slots
+
+    def _update(self, p, g, state, group, step):
+        eps1, eps2 = group["eps"]
+        u = adafactor_math(
+            p,
+            g,
+            state,
+            step=step,
+            lr=group["lr"],
+            eps1=eps1,
+            eps2=eps2,
+            clip_threshold=group["clip_threshold"],
+            decay_rate=group["decay_rate"],
+            beta1=group["beta1"],
+            weight_decay=group["weight_decay"],
+            scale_parameter=group["scale_parameter"],
+            relative_step=group["relative_step"],
+            warmup_init=group["warmup_init"],
+        )
+        return u, -1.0
+
+
+class AdafactorTorch(LowMemOptimizer):
+    """Adafactor with ``torch.optim.Adafactor``'s signature, defaults and 32-bit results, and 32/16/8-bit state.
+
+    ``eps=(None, 1e-3)``: ``None`` means float32's machine epsilon (the math is fp32 for every parameter dtype; torch
+    uses the parameter dtype's, so bf16 parameters differ). No ``foreach``: there is one implementation.
+    """
+
+    elementwise = False
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        **storage: Any,
+    ) -> None:
+        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_lr(group["lr"])
+        if isinstance(group["beta2_decay"], bool) or not isinstance(group["beta2_decay"], (int, float)):
+            raise TypeError(f"Invalid beta2_decay: expected a number, got {type(group['beta2_decay']).__name__}")
+        if not group["beta2_decay"] <= 0.0:
+            raise ValueError(f"Invalid beta2_decay: {group['beta2_decay']} (must be <= 0)")
+        check_eps_pair(group["eps"], first_optional=True)
+        check_nonneg("d", group["d"])
+        if not group["d"] >= 1.0:
+            raise ValueError(f"Invalid d (clipping threshold): {group['d']} (must be >= 1)")
+        check_nonneg("weight_decay value", group["weight_decay"])
+
+    def _slots(self, group, param):
+        if param.dim() >= 2:
+            row, col = list(param.shape), list(param.shape)
+            row[-1], col[-2] = 1, 1
+            return {
+                "row_var": Slot(signed=False, quantize=False, shape=tuple(row)),
+                "col_var": Slot(signed=False, quantize=False, shape=tuple(col)),
+            }
+        return {"variance": Slot(signed=False)}
+
+    def _decay_factor(self, group):
+        return 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
+
+    def _update(self, p, g, state, group, step):
+        eps1, eps2 = group["eps"]
+        u = adafactor_torch_math(
+            p,
+            g,
+            state,
+            step=step,
+            lr=group["lr"],
+            beta2_decay=group["beta2_decay"],
+            eps1=torch.finfo(torch.float32).eps if eps1 is None else eps1,
+            eps2=eps2,
+            d=group["d"],
+            maximize=group["maximize"],
+        )
+        return u, -1.0
+

@@ -1,0 +1,128 @@
+"""CAME (Luo et al. 2023, "CAME: Confidence-guided Adaptive Memory Efficient Optimization"), matching
+``came_pytorch.CAME``::
+
+    V = b2 V + (1 - b2)(g^2 + eps1)   (factored over the last two dims: V ~ R C / mean(R));   u = g / sqrt(V)
+    u /= max(1, RMS(u) / clip_threshold);   m = b1 m + (1 - b1) u
+    factored: U = b3 U + (1 - b3)((u - m)^2 + eps2) (factored likewise);  p <- p - lr wd p - lr m / sqrt(U)
+    1-D:      p <- p - lr wd p - lr m                                       (the confidence term needs factoring)
+
+Row and column statistics stay fp32 at every ``state_bits``; 16/8-bit storage applies to the first moment and to the
+full second moment of 1-D parameters. The update is computed from the fp32 (decoded, updated) state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..optimizer import LowMemOptimizer, Slot, check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
+from .adafactor import add_scaled_, approx_rsqrt, factored_shapes, rms
+
+__all__ = ["CAME", "came_math"]
+
+
+def came_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    eps1: float,
+    eps2: float,
+    clip_threshold: float,
+    beta1: float,
+    beta2: float,
+    beta3: float,
+    weight_decay: float,
+) -> torch.Tensor:
+    """fp32 CAME on a whole tensor: updates the state in place, applies the weight decay ``p -= lr wd p`` to the fp32
+    working copy ``p`` in place, and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` holds
+    ``exp_avg_sq_row``. Operation order follows ``came_pytorch.CAME``, so 32-bit results are bit-identical."""
+    factored = "exp_avg_sq_row" in state
+    u = g.square().add_(eps1)
+    if factored:
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        row.mul_(beta2).add_(u.mean(dim=-1), alpha=1.0 - beta2)
+        col.mul_(beta2).add_(u.mean(dim=-2), alpha=1.0 - beta2)
+        approx_rsqrt(row, col, out=u).mul_(g)
+    else:
+        v = state["exp_avg_sq"]
+        v.mul_(beta2).add_(u, alpha=1.0 - beta2)
+        torch.rsqrt(v, out=u).mul_(g)
+    u.div_((rms(u) / clip_threshold).clamp_(min=1.0))
+
+    m = state["exp_avg"]
+    m.mul_(beta1).add_(u, alpha=1 - beta1)
+    if factored:
+        res = u.sub_(m).square_().add_(eps2)  # instability (u - m)^2 + eps2
+        res_row, res_col = state["exp_avg_res_row"], state["exp_avg_res_col"]
+        res_row.mul_(beta3).add_(res.mean(dim=-1), alpha=1.0 - beta3)
+        res_col.mul_(beta3).add_(res.mean(dim=-2), alpha=1.0 - beta3)
+        approx_rsqrt(res_row, res_col, out=u).mul_(m)
+    else:
+        u.copy_(m)
+    if weight_decay != 0:
+        add_scaled_(p, p, -weight_decay * lr)
+    return u.mul_(lr)
+
+
+class CAME(LowMemOptimizer):
+    """CAME with 32/16/8-bit state; same signature, defaults and 32-bit results as ``came_pytorch.CAME``.
+
+    ``lr`` has no default (``came_pytorch`` asserts one is given): a missing ``lr`` raises a TypeError here. Weight
+    decay is ``p -= lr wd p`` before the update, as in the reference.
+    """
+
+    elementwise = False  # row/column means and RMS clipping need the whole tensor
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor | None = None,
+        eps: tuple[float, float] = (1e-30, 1e-16),
+        clip_threshold: float = 1.0,
+        betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+        weight_decay: float = 0.0,
+        **storage: Any,
+    ) -> None:
+        defaults = dict(lr=lr, eps=eps, clip_threshold=clip_threshold, betas=betas, weight_decay=weight_decay)
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        if group["lr"] is None:
+            raise TypeError("CAME: lr is required (came_pytorch.CAME has no default learning rate), e.g. lr=2e-4")
+        check_lr(group["lr"])
+        check_eps_pair(group["eps"])
+        check_positive("clip_threshold", group["clip_threshold"])
+        check_betas(group["betas"], n=3)
+        check_nonneg("weight_decay value", group["weight_decay"])
+
+    def _slots(self, group, param):
+        slots = {"exp_avg": Slot(signed=True)}
+        if param.dim() >= 2:
+            row, col = factored_shapes(param.shape)
+            for name in ("exp_avg_sq", "exp_avg_res"):
+                slots[name + "_row"] = Slot(signed=False, quantize=False, shape=row)
+                slots[name + "_col"] = Slot(signed=False, quantize=False, shape=col)
+        else:
+            slots["exp_avg_sq"] = Slot(signed=False)
+        return slots
+
+    def _update(self, p, g, state, group, step):
+        eps1, eps2 = group["eps"]
+        beta1, beta2, beta3 = group["betas"]
+        u = came_math(
+            p,
+            g,
+            state,
+            lr=group["lr"],
+            eps1=eps1,
+            eps2=eps2,
+            clip_threshold=group["clip_threshold"],
+            beta1=beta1,
+            beta2=beta2,
+            beta3=beta3,
+            weight_decay=group["weight_decay"],
+        )
+        return u, -1.0
