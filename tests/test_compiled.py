@@ -134,3 +134,21 @@ def test_unavailable_compiler_falls_back_to_eager(monkeypatch):
     assert compiled.ENABLED is False
     run(ELEMENTWISE[0].cls(b, lr=1e-2), b, 2)
     assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("name", ["dynamic", "udynamic"])
+def test_compiled_codec_equals_eager_codec(name, monkeypatch):
+    """The compiled 8-bit codec (used for large tensors of non-elementwise optimizers) is bit-identical to eager."""
+    from lowmemopt.quant import quantize_blockwise
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(compiled.MIN_NUMEL * 2 + 77, generator=gen) * torch.logspace(-8, 1, compiled.MIN_NUMEL * 2 + 77)
+    x = x.abs() if name == "udynamic" else x
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    codes_c, absmax_c = quantize_blockwise(x, name)
+    y_c = dequantize_blockwise(codes_c, absmax_c, name, 256)
+    assert compiled._codec, "the compiled codec did not run"
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    codes_e, absmax_e = quantize_blockwise(x, name)
+    y_e = dequantize_blockwise(codes_e, absmax_e, name, 256)
+    assert torch.equal(codes_c, codes_e) and torch.equal(absmax_c, absmax_e) and torch.equal(y_c, y_e)

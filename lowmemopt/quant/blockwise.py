@@ -79,9 +79,21 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, book: torch.Tensor) ->
     return book[codes.to(torch.int32)] * scale.unsqueeze(1)
 
 
+def _fast_codec(x: torch.Tensor):
+    """The compiled codec module when it applies to ``x`` (large CPU tensors), else None. Imported lazily: it sits
+    above the storage layer."""
+    from .. import compiled
+
+    return compiled if compiled.applies(x) else None
+
+
 def _encode_blocks(x: torch.Tensor, name: str, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """x: fp32 [nb, bs]; writes codes (uint8 [nb, bs]) and absmax (fp32 [nb])."""
-    code, scale = encode_rows(x, code_book(name, x.device), encode_table(name, x.device).packed, name == "dynamic")
+    book, table = code_book(name, x.device), encode_table(name, x.device).packed
+    fast = _fast_codec(x)
+    if fast is not None and fast.encode_rows_into(x, codes, absmax, book, table, name == "dynamic"):
+        return
+    code, scale = encode_rows(x, book, table, name == "dynamic")
     codes.copy_(code)
     absmax.copy_(scale)
 
@@ -97,11 +109,15 @@ def encode_into(x: torch.Tensor, name: str, block_size: int, codes: torch.Tensor
 def decode_into(codes: torch.Tensor, absmax: torch.Tensor, name: str, block_size: int, out: torch.Tensor) -> None:
     """Dequantize flat ``codes`` with per-block ``absmax`` into the flat fp32 tensor ``out``."""
     book = code_book(name, codes.device)
-    torch.index_select(book, 0, codes.int(), out=out)
+    fast = _fast_codec(out)
     first = 0
-    for ov in _block_views(out, block_size):
-        ov.mul_(absmax[first : first + ov.shape[0]].unsqueeze(1))
+    for cv, ov in zip(_block_views(codes, block_size), _block_views(out, block_size)):
+        scale = absmax[first : first + ov.shape[0]]
         first += ov.shape[0]
+        if ov.shape[1] == block_size and fast is not None and fast.decode_rows_into(cv, scale, ov, book):
+            continue
+        torch.index_select(book, 0, cv.reshape(-1).int(), out=ov.view(-1))
+        ov.mul_(scale.unsqueeze(1))
 
 
 def quantize_blockwise(x: torch.Tensor, name: str = "dynamic", block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
