@@ -148,7 +148,7 @@ def test_closure(info):
         return loss
 
     loss = opt.step(closure)
-    assert calls == [1] and float(loss) == 5.0
+    assert calls == [1] and float(loss.detach()) == 5.0
     assert not torch.equal(p.detach(), torch.ones(5))
 
 
