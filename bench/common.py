@@ -11,6 +11,7 @@ unrelated ``kernels`` package that bitsandbytes imports.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib.metadata
 import os
@@ -334,3 +335,37 @@ def print_table(results: list[Result]) -> None:
         note = f"FAILED: {r.error}" if r.error else r.note
         note = note.replace("|", "\\|")
         print(f"| {r.name} | {bpp} | {med} | {ratio} | {note} |")
+
+
+def parse_bench_args(description: str, choices: Iterable[str], argv: list[str] | None = None) -> argparse.Namespace:
+    """The options every bench script shares; ``choices``: the optimizer names ``--optimizers`` may pick from.
+    Sets ``args.names`` (the chosen names, with the baseline first)."""
+    choices = list(choices)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--optimizers",
+        default=",".join(choices),
+        help="comma-separated subset of: " + ", ".join(choices) + f"\n({BASELINE} is always run: it is the baseline)",
+    )
+    parser.add_argument("--small", action="store_true", help="~11M-parameter model instead of ~148M, for a quick run")
+    parser.add_argument("--grads", choices=["random", "backward"], default="random",
+                        help="fixed gradients: random normal (default) or one forward/backward on random tokens")
+    parser.add_argument("--max-step-s", type=float, default=60.0,
+                        help="an optimizer slower than this per step (after its first) is timed for 1 step only")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        parser.error(f"unknown optimizer(s) {', '.join(unknown)}; choose from {', '.join(choices)}")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)
+    args.names = names
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda requested but CUDA is not available")
+    return args

@@ -133,3 +133,29 @@ def test_signed_scale_makes_negative_extreme_exact():
     for _ in range(50):  # an EMA sitting at its fixed point -1 must stay there
         m = dequantize_blockwise(*quantize_blockwise(0.9 * m + 0.1 * g, "dynamic", 256), "dynamic", 256)
     assert -1.0001 < m[0] < -0.9999
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=700),
+    block=st.sampled_from([16, 64, 256]),
+    signed=st.booleans(),
+)
+def test_property_brute_force(data, block, signed):
+    x = torch.tensor(data, dtype=torch.float32)
+    name = "dynamic" if signed else "udynamic"
+    if not signed:
+        x = x.abs()
+    codes, absmax = quantize_blockwise(x, name, block)
+    ref_codes, ref_absmax = quantize_blockwise_reference(x, name, block)
+    assert torch.equal(codes, ref_codes) and torch.equal(absmax, ref_absmax)
+
+
+def test_dequantize_validates_inputs():
+    codes, absmax = quantize_blockwise(torch.randn(1000), "dynamic", 256)
+    with pytest.raises(ValueError, match="blocks"):
+        dequantize_blockwise(codes, absmax, "dynamic", 128)
+    with pytest.raises(TypeError, match="uint8"):
+        dequantize_blockwise(codes.int(), absmax, "dynamic", 256)
+    with pytest.raises(ValueError, match="unknown quantization map"):
+        quantize_blockwise(torch.randn(10), "nf4", 256)
