@@ -27,11 +27,11 @@ def main() -> None:
     args = parser.parse_args()
     data = stdlib_bytes()
     print(f"byte-level LM on {data.numel():,} bytes of Python stdlib source, {args.steps} steps, batch 128\n")
-    print(f"| {'optimizer':26} | state KiB | step ms | final loss |")
-    print(f"| {'-' * 26} | --------: | ------: | ---------: |")
+    print(f"| {'optimizer':26} | state KiB | median step ms | final loss |")
+    print(f"| {'-' * 26} | --------: | -------------: | ---------: |")
     for name, make in CHOICES.items():
         r = train_bytes(make, args.steps, data=data)
-        print(f"| {name:26} | {r['state_bytes'] / 1024:9.1f} | {r['step_s'] * 1e3:7.2f} | {r['final']:10.4f} |")
+        print(f"| {name:26} | {r['state_bytes'] / 1024:9.1f} | {r['step_s'] * 1e3:14.2f} | {r['final']:10.4f} |")
 
 
 if __name__ == "__main__":
