@@ -33,6 +33,19 @@ def run(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], steps: int, 
         opt.step()
 
 
+def run_with_reference(
+    opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], ref: torch.optim.Optimizer,
+    ref_params: Sequence[torch.Tensor], steps: int, seed: int = 1,
+) -> None:
+    """Step ``opt`` and a reference optimizer side by side; the reference gets copies of ``opt``'s gradients."""
+    for t in range(steps):
+        set_grads(params, t, seed)
+        for p, r in zip(params, ref_params):
+            r.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+
+
 def trajectory_error(params: Sequence[torch.Tensor], twin: Sequence[torch.Tensor], start: Sequence[torch.Tensor]) -> float:
     """||p - p_twin|| / ||p_twin - p_0|| over all parameters: the error relative to the distance travelled."""
     num = sum(float((a.detach().float() - b.detach().float()).pow(2).sum()) for a, b in zip(params, twin))

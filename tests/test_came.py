@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import clone_params, make_params, set_grads
+from helpers import clone_params, make_params, run_with_reference
 
 import lowmemopt
 
@@ -23,12 +23,7 @@ def test_bit_exact_with_came_pytorch(kwargs):
     params = make_params(SHAPES)
     ref_params = clone_params(params)
     ours, ref = lowmemopt.CAME(params, **kwargs), came_pytorch.CAME(ref_params, **kwargs)
-    for t in range(20):
-        set_grads(params, t)
-        for p, r in zip(params, ref_params):
-            r.grad = p.grad.clone()
-        ours.step()
-        ref.step()
+    run_with_reference(ours, params, ref, ref_params, 20)
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)
         ours_state, ref_state = ours.state[p], ref.state[r]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from helpers import clone_params, make_params, run, set_grads, trajectory_error
+from helpers import clone_params, make_params, run, run_with_reference, set_grads, trajectory_error
 from optim_info import BY_NAME, OPTIMIZERS, SHAPES, STATEFUL
 
 import lowmemopt
@@ -24,12 +24,7 @@ def test_parity_32bit(info, variant):
     ref_params = clone_params(params)
     ours = info.cls(params, **kwargs)
     ref = info.reference(ref_params, **kwargs)
-    for t in range(20):
-        set_grads(params, t)
-        for p, r in zip(params, ref_params):
-            r.grad = p.grad.clone()
-        ours.step()
-        ref.step()
+    run_with_reference(ours, params, ref, ref_params, 20)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, rtol=2e-6, atol=2e-6)
 
