@@ -48,6 +48,30 @@ def add_scaled_(out: torch.Tensor, t: torch.Tensor, s: Scalar) -> torch.Tensor:
     return out.addcmul_(t, s) if isinstance(s, torch.Tensor) else out.add_(t, alpha=s)
 
 
+def ema_factored_(row: torch.Tensor, col: torch.Tensor, x: torch.Tensor, beta: float) -> None:
+    """Row/column statistics of ``x`` (means over the last and second-to-last dims) as EMAs, in place."""
+    row.mul_(beta).add_(x.mean(dim=-1), alpha=1.0 - beta)
+    col.mul_(beta).add_(x.mean(dim=-2), alpha=1.0 - beta)
+
+
+def clipped_preconditioned(
+    g: torch.Tensor, state: dict[str, torch.Tensor], eps1: float, beta2: float, clip_threshold: float
+) -> torch.Tensor:
+    """Adafactor/CAME's update direction: ``V`` = EMA of ``g^2 + eps1`` (factored over the last two dims iff
+    ``state`` holds ``exp_avg_sq_row``, else the full ``exp_avg_sq``), ``u = g / sqrt(V)`` clipped so that
+    ``RMS(u) <= clip_threshold``. Updates the state in place; returns ``u`` (a new tensor)."""
+    u = g.square().add_(eps1)
+    if "exp_avg_sq_row" in state:
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        ema_factored_(row, col, u, beta2)
+        approx_rsqrt(row, col, out=u).mul_(g)
+    else:
+        v = state["exp_avg_sq"]
+        v.mul_(beta2).add_(u, alpha=1.0 - beta2)
+        torch.rsqrt(v, out=u).mul_(g)
+    return u.div_((rms(u) / clip_threshold).clamp_(min=1.0))
+
+
 def factored_shapes(shape: torch.Size) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Row and column statistic shapes of a parameter of >= 2 dims (leading dims are a batch)."""
     return tuple(shape[:-1]), tuple(shape[:-2]) + (shape[-1],)
@@ -80,17 +104,7 @@ def adafactor_math(
     alpha = rms(p).clamp_(min=eps2) * rho if scale_parameter else rho
 
     beta2t = 1.0 - math.pow(step, decay_rate)
-    u = g.square().add_(eps1)
-    if "exp_avg_sq_row" in state:
-        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-        row.mul_(beta2t).add_(u.mean(dim=-1), alpha=1.0 - beta2t)
-        col.mul_(beta2t).add_(u.mean(dim=-2), alpha=1.0 - beta2t)
-        approx_rsqrt(row, col, out=u).mul_(g)
-    else:
-        v = state["exp_avg_sq"]
-        v.mul_(beta2t).add_(u, alpha=1.0 - beta2t)
-        torch.rsqrt(v, out=u).mul_(g)
-    u.div_((rms(u) / clip_threshold).clamp_(min=1.0))
+    u = clipped_preconditioned(g, state, eps1, beta2t, clip_threshold)
     u.mul_(alpha)
 
     if beta1 is not None:

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import torch
 
 from ..optimizer import LowMemOptimizer, Slot, check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
-from .adafactor import add_scaled_, approx_rsqrt, factored_shapes, rms
+from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_shapes
 
 __all__ = ["CAME", "came_math"]
 
@@ -40,25 +40,14 @@ def came_math(
     working copy ``p`` in place, and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` holds
     ``exp_avg_sq_row``. Operation order follows ``came_pytorch.CAME``, so 32-bit results are bit-identical."""
     factored = "exp_avg_sq_row" in state
-    u = g.square().add_(eps1)
-    if factored:
-        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-        row.mul_(beta2).add_(u.mean(dim=-1), alpha=1.0 - beta2)
-        col.mul_(beta2).add_(u.mean(dim=-2), alpha=1.0 - beta2)
-        approx_rsqrt(row, col, out=u).mul_(g)
-    else:
-        v = state["exp_avg_sq"]
-        v.mul_(beta2).add_(u, alpha=1.0 - beta2)
-        torch.rsqrt(v, out=u).mul_(g)
-    u.div_((rms(u) / clip_threshold).clamp_(min=1.0))
+    u = clipped_preconditioned(g, state, eps1, beta2, clip_threshold)
 
     m = state["exp_avg"]
     m.mul_(beta1).add_(u, alpha=1 - beta1)
     if factored:
         res = u.sub_(m).square_().add_(eps2)  # instability (u - m)^2 + eps2
         res_row, res_col = state["exp_avg_res_row"], state["exp_avg_res_col"]
-        res_row.mul_(beta3).add_(res.mean(dim=-1), alpha=1.0 - beta3)
-        res_col.mul_(beta3).add_(res.mean(dim=-2), alpha=1.0 - beta3)
+        ema_factored_(res_row, res_col, res, beta3)
         approx_rsqrt(res_row, res_col, out=u).mul_(m)
     else:
         u.copy_(m)
