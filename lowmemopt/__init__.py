@@ -1,6 +1,16 @@
 """lowmemopt: memory-efficient PyTorch optimizers (8/16/32-bit state) that drop in for torch.optim."""
 
-from .aliases import Adafactor8bit, Adam8bit, AdamW8bit, CAME8bit, LAMB8bit, LARS8bit, Lion8bit
+from .aliases import (
+    Adafactor8bit,
+    Adam8bit,
+    AdamW8bit,
+    CAME8bit,
+    LAMB8bit,
+    LARS8bit,
+    Lion8bit,
+    PagedAdamW,
+    PagedAdamW8bit,
+)
 from .checkpoint import load_state, save_state
 from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW, Lion
 
@@ -22,6 +32,8 @@ __all__ = [
     "LARS8bit",
     "Lion",
     "Lion8bit",
+    "PagedAdamW",
+    "PagedAdamW8bit",
     "SGD",
     "load_state",
     "save_state",
