@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["Homes", "copy_paged", "drop_pages", "will_need", "COPY_CHUNK_BYTES"]
 
-COPY_CHUNK_BYTES = 8 << 20  # host copies touching a file go this many bytes at a time, dropping the pages behind them
+COPY_CHUNK_BYTES = 2 << 20  # host copies touching a file go this many bytes at a time, dropping the pages behind them
 _PAGE = mmap.PAGESIZE
 _MADV_WILLNEED, _MADV_DONTNEED = 3, 4
 

@@ -27,7 +27,8 @@ def tier_of(group: dict[str, Any]) -> str | None:
 
 
 def check_paging(group: dict[str, Any]) -> None:
-    """Raise ValueError / TypeError / PermissionError for bad paging options in ``group``."""
+    """Raise ValueError / TypeError / PermissionError for bad paging options in ``group``. Stores ``offload_dir`` as
+    a ``str`` (state dicts hold plain types only)."""
     paged = group.get("paged", False)
     if paged is not None and paged is not False and (not isinstance(paged, (bool, str)) or paged not in _TIERS):
         raise ValueError(f"Invalid paged: {paged!r} (supported: False, True, 'cpu', 'disk')")
@@ -35,13 +36,15 @@ def check_paging(group: dict[str, Any]) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"Invalid page_budget_bytes: {budget!r} (must be an int >= 0)")
     offload_dir = group.get("offload_dir")
-    if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
-        raise TypeError(f"Invalid offload_dir: expected a path, got {type(offload_dir).__name__}")
+    if offload_dir is not None:
+        if not isinstance(offload_dir, (str, os.PathLike)):
+            raise TypeError(f"Invalid offload_dir: expected a path, got {type(offload_dir).__name__}")
+        offload_dir = group["offload_dir"] = os.fspath(offload_dir)
     if tier_of(group) != "disk":
         return
     if offload_dir is None:
         raise ValueError("paged='disk' needs offload_dir=: a directory on a disk with room for the optimizer state")
-    check_writable(os.fspath(offload_dir))
+    check_writable(offload_dir)
 
 
 def check_writable(path: str) -> None:

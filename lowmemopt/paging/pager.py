@@ -234,9 +234,10 @@ class Pager:
                         entry.state = {k: self._on_device(v, p.device) for k, v in state.items()}
                     continue
                 layout = layouts[p] or {}
-                homes = {k: self._alloc(entry, k, t) for k, t in layout.items()}
+                homes = entry.reserved = {}  # filled one by one, so that a failure frees what was made
+                for k, t in layout.items():
+                    homes[k] = self._alloc(entry, k, t)
                 if state is None:
-                    entry.reserved = homes
                     continue
                 for k, t in layout.items():
                     if t.device.type == "meta":
@@ -247,7 +248,7 @@ class Pager:
                     else:
                         homes[k].copy_(t)
                     drop_pages(self.homes, homes[k])
-                entry.state = {k: homes.get(k, v) for k, v in state.items()}
+                entry.state, entry.reserved = {k: homes.get(k, v) for k, v in state.items()}, None
         except BaseException:
             for entry in made.values():
                 self._free(entry)
