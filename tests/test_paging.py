@@ -439,6 +439,43 @@ def test_close_can_keep_the_files_with_a_manifest(tmp_path):
     assert torch.equal(torch.from_file(entry["file"], size=codes.numel(), dtype=torch.uint8), codes)
 
 
+class _FakeCudart:
+    """Stands in for torch.cuda.cudart(): records page-lock registrations like CUDA would check them."""
+
+    def __init__(self):
+        self.live: dict[int, int] = {}
+        self.calls = 0
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls += 1
+        page = 4096
+        if ptr % page or size % page:
+            return 1  # we always pass whole pages
+        if any(ptr < p + n and p < ptr + size for p, n in self.live.items()):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered: ranges may not share a page
+        self.live[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        return 0 if self.live.pop(ptr, None) is not None else 713
+
+
+def test_pinned_homes_are_whole_pages_each_and_all_unregistered(monkeypatch):
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    homes = paging.homes.Homes()
+    shapes = [(3,), (25,), (1,), (5000,), (70, 91), (0,), (2, 3)]
+    made = [homes.host(torch.Size(s), dtype, pin=True) for s in shapes for dtype in (torch.float32, torch.uint8)]
+    assert fake.calls == len(made) - 2 and len(fake.live) == len(made) - 2  # nothing to lock for empty tensors
+    for t, (s, dtype) in zip(made, [(s, d) for s in shapes for d in (torch.float32, torch.uint8)]):
+        assert t.shape == s and t.dtype == dtype and t.is_contiguous()
+        t.fill_(1)  # writable over its whole extent
+    homes.free(made[0])
+    assert len(fake.live) == len(made) - 3
+    homes.close(made[1:])
+    assert fake.live == {}
+
+
 def test_unpaged_optimizer_has_no_pager_and_close_is_harmless():
     params = make_params(SHAPES)
     opt = lowmemopt.AdamW(params, state_bits=8)

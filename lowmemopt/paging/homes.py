@@ -25,7 +25,7 @@ import re
 import secrets
 import shutil
 import sys
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -55,7 +55,7 @@ class _Owned(NamedTuple):
     """What a home tensor's storage needs when it is freed."""
 
     path: str | None  # its file (disk tier)
-    pinned: bool  # registered with cudaHostRegister
+    pinned: int  # address registered with cudaHostRegister (0: none)
     mapped_bytes: int  # bytes of its file mapping (disk tier), 0 otherwise
 
 
@@ -70,15 +70,24 @@ class Homes:
     # -- allocation ----------------------------------------------------------------------------------------------
 
     def host(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        """An uninitialized host tensor; page-locked (exact size, unregistered when freed) if ``pin``."""
-        t = torch.empty(shape, dtype=dtype)
-        pinned = False
-        if pin and t.numel():
-            code = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0))
-            if code != 0:
-                raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed with CUDA error {code}")
-            pinned = True
-        self._owned[t.untyped_storage().data_ptr()] = _Owned(None, pinned, 0)
+        """An uninitialized host tensor; page-locked if ``pin`` (unregistered when freed).
+
+        A pinned home is a page-aligned view into its own buffer padded to whole pages: CUDA locks whole pages, and
+        two registrations may not share one (small tensors from the heap would)."""
+        numel = torch.Size(shape).numel()
+        if not (pin and numel):
+            t = torch.empty(shape, dtype=dtype)
+            self._owned[t.untyped_storage().data_ptr()] = _Owned(None, 0, 0)
+            return t
+        nbytes = numel * dtype.itemsize
+        locked = -(-nbytes // _PAGE) * _PAGE
+        buf = torch.empty(locked + _PAGE, dtype=torch.uint8)
+        offset = -buf.data_ptr() % _PAGE
+        t = buf[offset : offset + nbytes].view(dtype).view(shape)
+        code = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), locked, 0))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {locked} bytes of optimizer state failed with CUDA error {code}")
+        self._owned[buf.untyped_storage().data_ptr()] = _Owned(None, t.data_ptr(), 0)
         return t
 
     def file(self, shape: torch.Size, dtype: torch.dtype, offload_dir: str, label: str) -> torch.Tensor:
@@ -113,7 +122,7 @@ class Homes:
                 f"{offload_dir!r} ({why}); the optimizer state was left as it was: free some space or choose "
                 "another offload_dir",
             ) from e
-        self._owned[t.untyped_storage().data_ptr()] = _Owned(path, False, -(-nbytes // _PAGE) * _PAGE)
+        self._owned[t.untyped_storage().data_ptr()] = _Owned(path, 0, -(-nbytes // _PAGE) * _PAGE)
         return t
 
     def _directory(self, offload_dir: str) -> str:
@@ -165,7 +174,7 @@ class Homes:
                     pass
         if owned.pinned:
             try:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+                torch.cuda.cudart().cudaHostUnregister(owned.pinned)
             except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the memory is freed anyway
                 pass
 
@@ -248,5 +257,3 @@ def copy_paged(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
                         _MADV_DONTNEED)
 
 
-def describe(t: torch.Tensor) -> dict[str, Any]:
-    return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
