@@ -6,9 +6,13 @@
   cached after it is freed).
 * A file (``paged="disk"``): one file per state tensor in ``<offload_dir>/lowmemopt-<pid>-<random>/``. Its space is
   reserved with ``posix_fallocate``, so a full disk fails there, while nothing has changed yet, and never later as a
-  SIGBUS on a write through the mapping. The file is mapped shared (``torch.from_file``): the home tensor *is* the file.
-  Pages that the process touches count in its RSS while they stay mapped; :func:`drop_pages` hands them back to the
-  page cache (``madvise(MADV_DONTNEED)``; dirty pages stay in the page cache and reach the file as usual).
+  SIGBUS on a write through the mapping. The file is mapped shared (``torch.from_file``): the home tensor *is* the file,
+  so ``optimizer.state`` still holds real tensors. The step itself moves data with ``pread`` / ``pwrite``
+  (:func:`transfer`), which copy between the page cache and the working buffer without mapping a single page into the
+  process: measured here, 8 MiB each way in ~5 ms instead of ~100 ms through re-faulted mapped pages, and the
+  process's RSS never holds the file. Pages that other readers of the mapping touch (a ``state_dict()``, a save) count
+  in RSS while mapped; :func:`drop_pages` hands them back to the page cache (``madvise(MADV_DONTNEED)``; dirty pages
+  stay in the page cache and reach the file as usual).
 
 :class:`Homes` allocates and frees them and remembers what it made, so that everything it allocated is freed by
 :meth:`Homes.close` (files deleted, pinned memory unregistered).
@@ -29,9 +33,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Homes", "copy_paged", "drop_pages", "will_need", "COPY_CHUNK_BYTES"]
+__all__ = ["Homes", "transfer", "drop_pages", "will_need", "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
 
-COPY_CHUNK_BYTES = 2 << 20  # host copies touching a file go this many bytes at a time, dropping the pages behind them
+COPY_CHUNK_BYTES = 2 << 20  # copies through a mapping (no pread/pwrite) go this far at a time, dropping pages behind
+IO_CHUNK_BYTES = 1 << 30  # one pread / pwrite call at most (Linux caps a single call near 2 GiB)
 _PAGE = mmap.PAGESIZE
 _MADV_WILLNEED, _MADV_DONTNEED = 3, 4
 
@@ -237,14 +242,49 @@ def will_need(homes: Homes, t: torch.Tensor) -> None:
         _advise(mapping[0], mapping[1], 0, mapping[1], _MADV_WILLNEED)
 
 
-def copy_paged(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for host tensors of one shape and dtype. When either is file-backed, the copy goes
-    :data:`COPY_CHUNK_BYTES` at a time and drops the file's pages behind it, so it never holds more than one chunk
-    of the file in the process."""
-    dst_map, src_map = homes.mapping_of(dst), homes.mapping_of(src)
-    if dst_map is None and src_map is None:
+def transfer(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for host tensors of one shape and dtype, where either may be a file home. A file is read
+    or written with ``pread`` / ``pwrite`` (nothing mapped into the process); elsewhere (no ``os.pwrite``) through
+    the mapping, :data:`COPY_CHUNK_BYTES` at a time with the pages dropped behind."""
+    dst_path, src_path = homes.path(dst), homes.path(src)
+    for t, path in ((dst, dst_path), (src, src_path)):
+        if path is not None and t.data_ptr() != t.untyped_storage().data_ptr():
+            raise ValueError("transfer() takes whole file homes, not views into them")
+    if dst_path is None and src_path is None:
         dst.copy_(src)
+    elif hasattr(os, "pwrite") and (dst_path is None or src_path is None):
+        if src_path is not None:
+            target = dst if dst.is_contiguous() else torch.empty_like(dst, memory_format=torch.contiguous_format)
+            _file_io(src_path, target, write=False)
+            if target is not dst:
+                dst.copy_(target)
+        else:
+            _file_io(dst_path, src if src.is_contiguous() else src.contiguous(), write=True)
+    else:
+        _copy_mapped(homes, dst, src)
+
+
+def _file_io(path: str, t: torch.Tensor, write: bool) -> None:
+    """Write contiguous ``t`` to the file at ``path`` from offset 0, or read it from there."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
         return
+    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+    try:
+        done, base = 0, t.data_ptr()
+        while done < nbytes:
+            n = min(IO_CHUNK_BYTES, nbytes - done)
+            view = (ctypes.c_char * n).from_address(base + done)
+            got = os.pwrite(fd, view, done) if write else os.preadv(fd, [view], done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"lowmemopt paging: short {'write to' if write else 'read from'} {path}")
+            done += got
+    finally:
+        os.close(fd)
+
+
+def _copy_mapped(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst_map, src_map = homes.mapping_of(dst), homes.mapping_of(src)
     d, s = dst.view(-1), src.reshape(-1)
     step = max(1, COPY_CHUNK_BYTES // max(1, dst.element_size()))
     for lo in range(0, d.numel(), step):
@@ -255,5 +295,3 @@ def copy_paged(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
                 off = t.data_ptr() - mapping[0]
                 _advise(mapping[0], mapping[1], off + lo * t.element_size(), off + hi * t.element_size(),
                         _MADV_DONTNEED)
-
-

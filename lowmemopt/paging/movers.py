@@ -3,9 +3,11 @@
 A mover brings a home (a dict of host or file-backed tensors) to the device as *working* tensors the optimizer updates,
 and writes them back afterwards. One mover per device:
 
-* :class:`HostMover`, parameters on the CPU: plain copies in the calling thread. File-backed homes are copied a chunk
-  at a time with the pages dropped behind (:func:`~lowmemopt.paging.homes.copy_paged`); the prefetch of the next
-  parameter asks the kernel to read its files ahead (``MADV_WILLNEED``), which costs the process no memory.
+* :class:`HostMover`, parameters on the CPU: plain copies in the calling thread, into one reused working buffer (the
+  largest parameter's state: a fresh large allocation per parameter would pay its first-touch page faults every
+  step). Files are read and written with ``pread`` / ``pwrite`` (:func:`~lowmemopt.paging.homes.transfer`); the
+  prefetch of the next parameter asks the kernel to read its files ahead (``MADV_WILLNEED``), which costs the process
+  no memory.
 * :class:`CudaMover`, parameters on a CUDA device: host-to-device copies on a side stream (``h2d``), so the next
   parameter's state arrives while the current one updates; write-back on another side stream (``d2h``) after an event
   recorded on the compute stream, so it overlaps the next parameter's update. Nothing waits on the host per
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .homes import Homes, copy_paged, will_need
+from .homes import Homes, transfer, will_need
 
 if TYPE_CHECKING:
     from .pager import Entry
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["HostMover", "CudaMover", "MAX_DEFERRED", "mover_for"]
 
 MAX_DEFERRED = 4  # CUDA + disk: write-backs waiting in staging before the host waits for the oldest
+_ALIGN = 64  # working tensors in the CPU arena start on cache-line (and SIMD) boundaries
 
 Tensors = dict[str, torch.Tensor]
 
@@ -43,6 +46,7 @@ class HostMover:
 
     def __init__(self, homes: Homes, device: torch.device) -> None:
         self.homes, self.device = homes, device
+        self.arena: torch.Tensor | None = None  # the working buffer, grown to the largest state loaded
 
     def prefetch(self, entry: Entry) -> Any:
         for t in entry.home_tensors().values():
@@ -50,15 +54,24 @@ class HostMover:
         return None
 
     def load(self, entry: Entry, handle: Any) -> Tensors:
+        homes = entry.home_tensors()
+        offsets, total = [], 0
+        for home in homes.values():
+            offsets.append(total)
+            total += -(-home.numel() * home.element_size() // _ALIGN) * _ALIGN
+        if self.arena is None or self.arena.numel() < total:
+            self.arena = None  # free the old one first
+            self.arena = torch.empty(total, dtype=torch.uint8, device=self.device)
         working = {}
-        for key, home in entry.home_tensors().items():
-            working[key] = torch.empty_like(home, device=self.device, memory_format=torch.contiguous_format)
-            copy_paged(self.homes, working[key], home)
+        for (key, home), offset in zip(homes.items(), offsets):
+            flat = self.arena[offset : offset + home.numel() * home.element_size()].view(home.dtype)
+            working[key] = flat.view(home.shape)
+            transfer(self.homes, working[key], home)
         return working
 
     def store(self, entry: Entry, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for working, home in pairs:
-            copy_paged(self.homes, home, working)
+            transfer(self.homes, home, working)
 
     def discard(self, handle: Any) -> None:
         pass
@@ -88,7 +101,7 @@ class CudaMover:
             sources = {}
             for key, home in homes.items():
                 sources[key] = torch.empty(home.shape, dtype=home.dtype, pin_memory=True)
-                copy_paged(self.homes, sources[key], home)
+                transfer(self.homes, sources[key], home)
         else:
             sources = homes
         with torch.cuda.stream(self.h2d):
@@ -166,7 +179,7 @@ class CudaMover:
                 return
             done.synchronize()
             for staging, home in staged:
-                copy_paged(self.homes, home, staging)
+                transfer(self.homes, home, staging)
             self.deferred.popleft()
 
     def _finish_writes(self, entry: Entry) -> None:

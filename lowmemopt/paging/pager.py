@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .homes import Homes, copy_paged, drop_pages
+from .homes import Homes, drop_pages, transfer
 from .movers import CudaMover, HostMover, mover_for
 from .options import tier_of
 
@@ -244,7 +244,7 @@ class Pager:
                         if not self.homes.is_file(homes[k]):
                             homes[k].zero_()
                     elif t.device.type == "cpu":
-                        copy_paged(self.homes, homes[k], t)
+                        transfer(self.homes, homes[k], t)
                     else:
                         homes[k].copy_(t)
                     drop_pages(self.homes, homes[k])
@@ -375,7 +375,7 @@ class Pager:
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and self.homes.is_file(v):
                         copy[k] = torch.empty_like(v)
-                        copy_paged(self.homes, copy[k], v)
+                        transfer(self.homes, copy[k], v)
                     else:
                         copy[k] = v
                 state_dict["state"][key] = copy
@@ -435,6 +435,7 @@ class Pager:
         self.entries.clear()
         self.staged = {}
         self.inflight.clear()
+        self.movers.clear()  # streams, the CPU working buffer
         self.homes.close(tensors, keep_files=keep_files, manifest=manifest)
         self._finalizer.detach()
 
