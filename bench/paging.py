@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "temporary directory; use a real disk: /tmp may be RAM-backed)")
     parser.add_argument("--budget-frac", type=float, default=0.25,
                         help="GPU: page_budget_bytes as a fraction of the unpaged state (default 0.25)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="CPU: run the configurations this many times, interleaved; report each one's best\n"
+                             "median (a shared machine's load changes between runs)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one CPU configuration, print JSON
     args = parser.parse_args(argv)
@@ -61,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.config_list if c not in known]
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; choose from {known}")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeat < 1:
+        parser.error("--steps and --repeat must be >= 1, --warmup >= 0")
     return args
 
 
@@ -108,6 +111,19 @@ def cpu_worker(args: argparse.Namespace) -> None:
 
 
 def run_cpu(args: argparse.Namespace) -> list[dict]:
+    runs: dict[str, list[dict]] = {c: [] for c in args.config_list}
+    for _ in range(args.repeat):
+        for config, result in zip(args.config_list, _run_cpu_once(args)):
+            runs[config].append(result)
+    results = []
+    for config, rows in runs.items():
+        ok = [r for r in rows if "error" not in r]
+        best = min(ok, key=lambda r: r["median_s"]) if ok else rows[0]
+        results.append(dict(best, runs=len(rows), medians_s=[r["median_s"] for r in ok]))
+    return results
+
+
+def _run_cpu_once(args: argparse.Namespace) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
         for config in args.config_list:

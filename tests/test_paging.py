@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run
+from helpers import clone_params, make_params, run, set_grads
 from optim_info import OPTIMIZERS, SHAPES, STATEFUL
 
 import lowmemopt
@@ -402,6 +402,34 @@ def test_failure_inside_the_update_keeps_that_parameters_home_state(tmp_path, mo
     assert _state_equal(opt.state[params[1]], states[1]) and torch.equal(params[1], values[1])
     assert paging.where_state_lives(opt, params[1]) == "cpu"
     assert opt.state[params[1]] is paging.pager_of(opt).entries[params[1]].state  # the home, not a working copy
+
+
+def test_failed_write_back_keeps_the_updated_state_on_the_device(tmp_path, monkeypatch):
+    """An I/O error writing a parameter's state back to its file (after its update) raises; the updated state stays
+    with the parameter (resident), consistent with its new value, and training can go on."""
+    paged, plain = make_params([(70, 91)]), make_params([(70, 91)])
+    opt = lowmemopt.AdamW(paged, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
+    ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
+    run(opt, paged, 1)
+    run(ref, plain, 1)
+    real = paging.homes._file_io
+
+    def failing(path, t, write):
+        if write:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, t, write)
+
+    monkeypatch.setattr(paging.homes, "_file_io", failing)
+    set_grads(paged, 1)
+    with pytest.raises(OSError, match="Input/output error"):
+        opt.step()
+    monkeypatch.undo()
+    run(ref, plain, 1, start=1)
+    _assert_same(opt, paged, ref, plain)
+    assert paging.where_state_lives(opt, paged[0]) == "device" and _files(tmp_path) == []
+    run(opt, paged, 2, start=2)
+    run(ref, plain, 2, start=2)
+    _assert_same(opt, paged, ref, plain)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

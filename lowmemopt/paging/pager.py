@@ -106,8 +106,11 @@ class Pager:
                     "made; the state was left as it was. Move the parameter back, or re-home the state after moving "
                     "it: optimizer.load_state_dict(optimizer.state_dict())"
                 )
-            if type(p) not in (torch.Tensor, torch.nn.Parameter):
-                raise TypeError(f"paged optimizer state needs plain tensors as parameters, got {type(p).__name__}")
+            if type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+                raise TypeError(
+                    f"paged optimizer state needs plain tensors as parameters; {self._where(p)} is a "
+                    f"{type(p).__name__} (a tensor subclass such as DTensor): use paged=False for its group"
+                )
             current = opt.state.get(p)
             if entry is not None:
                 if entry.resident or current is entry.state or (entry.state is None and not current):
@@ -188,7 +191,12 @@ class Pager:
             for t in stale:
                 self.homes.free(t)
         homes.update(made)
-        self._mover(p).store(entry, [(t, homes[k]) for k, t in tensors.items()])
+        try:
+            self._mover(p).store(entry, [(t, homes[k]) for k, t in tensors.items()])
+        except BaseException:
+            # the write-back failed (an I/O error): the updated state stays on the device, where it is consistent
+            self._make_resident(p, entry, working)
+            raise
         state = entry.state if entry.state is not None else {}
         state.clear()
         state.update({k: homes[k] if k in tensors else v for k, v in working.items()})
@@ -204,7 +212,10 @@ class Pager:
 
     def _make_resident(self, p: torch.Tensor, entry: Entry, working: dict[str, Any]) -> None:
         self._free(entry)
+        # own copies: working tensors may be views into a buffer the mover reuses for the next parameter
+        working = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in working.items()}
         entry.state, entry.reserved, entry.resident = working, None, True
+        entry.nbytes = _nbytes(_tensors(working))
         self._opt().state[p] = working
 
     # -- placement ---------------------------------------------------------------------------------------------------
