@@ -179,6 +179,31 @@ def test_any_state_tensor_is_paged_whatever_its_name_and_shape_changes(tier, tmp
         assert _is_file_backed(opt, state["galore.seen"])
 
 
+def test_no_room_for_a_reshaped_tensor_keeps_the_updated_state_resident(tmp_path, monkeypatch):
+    """A state tensor that changes shape needs a new file at write-back, after the update: with the disk full, the
+    step raises, the parameter keeps its updated state on its device, and no file is left behind."""
+    paged, plain = make_params([(40, 30)]), make_params([(40, 30)])
+    opt = _Renamer(paged, state_bits=8, min_quant_numel=16, paged="disk", offload_dir=tmp_path)
+    ref = _Renamer(plain, state_bits=8, min_quant_numel=16)
+    run(opt, paged, 2)
+    run(ref, plain, 2)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    set_grads(paged, 2)
+    with pytest.raises(OSError, match="no space left on the disk"):
+        opt.step()
+    monkeypatch.undo()
+    run(ref, plain, 1, start=2)
+    _assert_same(opt, paged, ref, plain)
+    assert paging.where_state_lives(opt, paged[0]) == "device" and _files(tmp_path) == []
+    run(opt, paged, 1, start=3)
+    run(ref, plain, 1, start=3)
+    _assert_same(opt, paged, ref, plain)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # state_dict, load_state_dict, save_state / load_state
 

@@ -179,22 +179,22 @@ class Pager:
         homes = entry.home_tensors()
         changed = {k: t for k, t in tensors.items() if k not in homes or homes[k].shape != t.shape
                    or homes[k].dtype != t.dtype}
+        made: dict[str, torch.Tensor] = {}
         try:
-            made = {k: self._alloc(entry, k, t) for k, t in changed.items()} if changed else {}
-        except BaseException:
-            # no home for the new layout (disk full, say): keep the updated state where it is, on the device
-            self._make_resident(p, entry, working)
-            raise
-        stale = [homes[k] for k in homes if k not in tensors or k in made]
-        if stale:  # keys gone or re-shaped since the last write-back (rare): their old homes go
-            self._settle(entry)
-            for t in stale:
-                self.homes.free(t)
-        homes.update(made)
-        try:
+            for k, t in changed.items():  # tensors new or re-shaped since the last write-back (rare)
+                made[k] = self._alloc(entry, k, t)
+            stale = [homes[k] for k in homes if k not in tensors or k in made]
+            if stale:
+                self._settle(entry)
+                for t in stale:
+                    self.homes.free(t)
+            homes.update(made)
             self._mover(p).store(entry, [(t, homes[k]) for k, t in tensors.items()])
         except BaseException:
-            # the write-back failed (an I/O error): the updated state stays on the device, where it is consistent
+            # no room for a new home (disk full) or an I/O error: the updated state stays with the parameter, on its
+            # device, where it is consistent with the parameter's new value
+            for t in made.values():
+                self.homes.free(t)
             self._make_resident(p, entry, working)
             raise
         state = entry.state if entry.state is not None else {}
