@@ -198,3 +198,43 @@ def warn_refresh_failed(optimizer: Any, where: str) -> None:
         RuntimeWarning,
         stacklevel=5,
     )
+
+
+# -- the projector in state dicts and state files (used by lowmemopt.checkpoint) -------------------------------------
+
+
+def split_projector_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(projector entries, the rest)`` of one parameter's state."""
+    projector = {k: v for k, v in state.items() if k.startswith("galore.")}
+    return projector, {k: v for k, v in state.items() if not k.startswith("galore.")}
+
+
+def projector_problem(projector: dict[str, Any], group: dict[str, Any], shape: torch.Size) -> str | None:
+    """Why ``projector`` (a parameter's ``galore.*`` state, tensors or ``(dtype, shape)`` descriptions) cannot be the
+    projector of a parameter of ``shape`` in ``group`` (None: it can). Tensors are described by their shape only."""
+    projected = group.get("rank") is not None
+    if not projector:
+        return "its param group has rank (GaLore) but the state has no projector" if projected else None
+    if not projected:
+        return f"the state has a GaLore projector ({sorted(projector)}) but its param group has no rank"
+    unknown = sorted(set(projector) - set(PROJECTOR_KEYS))
+    if unknown:
+        return f"unknown projector state {unknown}"
+    for key in PROJECTOR_INTS:
+        value = projector.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"projector entry '{key}' must be an int, got {value!r}"
+    side = projector[SIDE]
+    if side not in SIDE_NAMES:
+        return f"projector side {side} (expected 0 left, 1 right or 2 both)"
+    m, n = matrix_shape(shape)
+    expected = basis_shapes(m, n, group["rank"], side)
+    got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in projector.items()
+           if k in PROJECTOR_TENSORS}
+    if got != expected:
+        return f"projector bases {got}, rank {group['rank']} on a {m}x{n} matrix (side {SIDE_NAMES[side]}) needs {expected}"
+    for key in expected:
+        t = projector[key]
+        if isinstance(t, torch.Tensor) and not t.is_floating_point():
+            return f"projector basis '{key}' is {t.dtype}, expected float"
+    return None
