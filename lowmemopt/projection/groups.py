@@ -4,7 +4,6 @@ Trainer's ``optim_target_modules`` selects them."""
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any, Sequence
 
 import torch
@@ -43,7 +42,7 @@ def galore_param_groups(
     ``target_modules``: a str is a regex that must match the whole module name (``re.fullmatch``, e.g.
     ``r".*\\.(q|k|v|o)_proj"``); a list selects module names equal to or containing one of its strings (or fully
     matching one as a regex), e.g. ``["attn", "mlp"]``; ``"all-linear"`` selects every ``nn.Linear``. Matched modules
-    that are not ``nn.Linear`` are skipped with a warning (for a list or a plain name). No match raises ValueError.
+    that are not ``nn.Linear`` (containers, norms) are skipped; no ``nn.Linear`` match raises ValueError.
 
     ``weight_decay``: None leaves every group without a ``weight_decay`` key (the optimizer's default applies);
     a number sets it on the projected group and on the other parameters of >= 2 dims, and sets 0.0 on the 1-D ones
@@ -81,14 +80,9 @@ def galore_param_groups(
             continue
         if module.weight.requires_grad:
             targets.add(id(module.weight))
-    if skipped:
-        warnings.warn(
-            f"galore_param_groups: {', '.join(skipped[:8])} matched {target_modules!r} but are not nn.Linear: skipped",
-            UserWarning,
-            stacklevel=2,
-        )
     if not targets:
-        raise ValueError(f"galore_param_groups: no nn.Linear module matches target_modules={target_modules!r}")
+        also = f"; these matched but are not nn.Linear: {', '.join(skipped[:8])}" if skipped else ""
+        raise ValueError(f"galore_param_groups: no nn.Linear module matches target_modules={target_modules!r}{also}")
 
     projected, decay, no_decay, seen = [], [], [], set()
     for _, p in model.named_parameters():

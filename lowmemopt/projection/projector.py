@@ -14,7 +14,7 @@ back, which fails for ``reverse_std`` with rank >= rows.
 
 Refresh: the basis is recomputed from the current gradient (fp32, on its device) when the step count (before this
 step) reaches ``galore.next_refresh``: at step 0, then every ``update_proj_gap`` steps, as galore-torch does. With
-``proj_stagger`` the i-th of N projected parameters refreshes next at step ``round(i * gap / N)`` after its first, then
+``proj_stagger`` the i-th of N projected parameters refreshes next at step ``floor(i * gap / N)`` after its first, then
 every ``gap`` steps, so the SVD cost spreads over the steps instead of landing on one.
 
 A refresh whose gradient or SVD is not finite, or whose SVD raises ``torch.linalg.LinAlgError``, keeps the previous

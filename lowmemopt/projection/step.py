@@ -107,10 +107,10 @@ def _coupled_decay(optimizer: LowMemOptimizer, group: dict[str, Any]) -> bool:
 
 
 def _stagger_offset(optimizer: LowMemOptimizer, p: torch.Tensor, gap: int) -> int:
-    """``round(i * gap / N)`` for the i-th of the N projected parameters (in param-group order)."""
+    """``floor(i * gap / N)`` for the i-th of the N projected parameters (in param-group order)."""
     projected = [q for g in optimizer.param_groups if g.get("rank") is not None for q in g["params"]]
     i = next(i for i, q in enumerate(projected) if q is p)
-    return round(i * gap / len(projected))
+    return i * gap // len(projected)
 
 
 def _refresh(optimizer: LowMemOptimizer, p: torch.Tensor, g: torch.Tensor, state: dict, slots: dict[str, Slot],
