@@ -22,6 +22,10 @@ an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipp
 count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that would poison a quantization block
 for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
 
+GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projection.step.step_projected` instead: the
+same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
+gradient, the update projected back and applied through :meth:`LowMemOptimizer._apply_update`.
+
 CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
 fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
 the eager path below. Both call the same ``_update``.
