@@ -5,6 +5,9 @@ from .aliases import (
     Adam8bit,
     AdamW8bit,
     CAME8bit,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
     LAMB8bit,
     LARS8bit,
     Lion8bit,
@@ -13,6 +16,8 @@ from .aliases import (
 )
 from .checkpoint import load_state, save_state
 from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW, Lion
+from .per_layer import step_in_backward
+from .projection import galore_param_groups
 
 __version__ = "0.1.0"
 
@@ -26,6 +31,9 @@ __all__ = [
     "AdamW8bit",
     "CAME",
     "CAME8bit",
+    "GaLoreAdafactor",
+    "GaLoreAdamW",
+    "GaLoreAdamW8bit",
     "LAMB",
     "LAMB8bit",
     "LARS",
@@ -35,6 +43,8 @@ __all__ = [
     "PagedAdamW",
     "PagedAdamW8bit",
     "SGD",
+    "galore_param_groups",
     "load_state",
     "save_state",
+    "step_in_backward",
 ]

@@ -292,10 +292,15 @@ class Pager:
 
     @staticmethod
     def _initial_layout(opt: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """The tensors the optimizer's ``_init_state`` will make for ``p``, as meta tensors (no memory), found by
-        running it on a meta twin of ``p``. None if that fails (the homes are then made at the first write-back)."""
+        """The tensors ``p``'s first step will make, as meta tensors (no memory), found by running the optimizer's
+        own initialization on a meta twin of ``p``: ``_init_state``, or GaLore's for a group with ``rank``. None if
+        that fails (the homes are then made at the first write-back)."""
         twin = torch.empty_like(p, device="meta")
         try:
+            if group.get("rank") is not None:
+                from ..projection.step import init_projected_state
+
+                return _tensors(init_projected_state(opt, twin, group))
             return _tensors(opt._init_state(twin, group, opt._slots(group, twin)))
         except Exception:  # noqa: BLE001 - an algorithm whose state needs more than shapes
             return None
