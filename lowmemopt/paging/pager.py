@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -57,7 +57,6 @@ class Entry:
     state: dict[str, Any] | None = None  # the home state installed in optimizer.state (None before the first step)
     reserved: dict[str, torch.Tensor] | None = None  # homes made ahead of the state's first write-back
     written: Any = None  # CUDA: event of the last write-back
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def home_tensors(self) -> dict[str, torch.Tensor]:
         if self.state is None:
