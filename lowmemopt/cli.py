@@ -1,6 +1,9 @@
 """The ``lowmemopt`` command.
 
-    lowmemopt inspect opt.safetensors [--params]     metadata and per-format summary of a state file
+    lowmemopt demo [--steps N] [--optimizers a,b] [--data PATH] [--out DIR]   train a small LLaMA, compare optimizers
+    lowmemopt estimate CONFIG.json [--optimizer a,b] [--state-bits 8] ...     memory of weights, grads and state
+    lowmemopt bench [--full]                                                  step time and state vs other libraries
+    lowmemopt inspect opt.safetensors [--params]                              metadata and summary of a state file
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
 the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``.
@@ -9,6 +12,8 @@ the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``.
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -126,7 +131,102 @@ def _short(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_inspect]
+# ---------------------------------------------------------------------------------------------------------------------
+# estimate
+
+_ESTIMATE_DEFAULT_OPTIMIZERS = "adamw,lion,came,adafactor"
+
+
+def _add_estimate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="memory of weights, gradients and optimizer state for a model config and optimizer choice",
+        description="Bytes of weights, gradients and optimizer state of training the model a transformers "
+        "config.json describes, for each optimizer x state format (and GaLore), and whether the total fits. The "
+        "model is built on the meta device (nothing is allocated); the state figure is exact: each optimizer lays "
+        "out its own state. Activations and framework overhead are not included.",
+    )
+    p.add_argument("config", help="a transformers config.json (needs the 'model_type' key)")
+    p.add_argument("--optimizer", default=_ESTIMATE_DEFAULT_OPTIMIZERS,
+                   help=f"optimizer name(s), comma-separated (default {_ESTIMATE_DEFAULT_OPTIMIZERS})")
+    p.add_argument("--state-bits", type=int, choices=[32, 16, 8], action="append",
+                   help="state format(s); repeat for several (default: the name's own, e.g. 8 for adamw8bit, "
+                   "else 32, 16 and 8)")
+    p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R on all Linear layers")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="dtype of weights and gradients (default fp32)")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="memory to fit in, e.g. 24GiB or 80GB (default: the CUDA device's, if there is one)")
+    p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an optimizer keyword, e.g. beta1=0.9 or momentum=0.9 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON (exact bytes) instead of a table")
+    p.set_defaults(func=_estimate)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .estimate import DTYPES, default_state_bits, estimate, format_bytes, model_from_config, parse_bytes
+
+    try:
+        budget = parse_bytes(args.gpu_memory) if args.gpu_memory else _cuda_memory()
+        if args.galore_rank is not None and args.galore_rank < 1:
+            raise ValueError(f"--galore-rank must be >= 1, got {args.galore_rank}")
+        opt_kwargs = dict(_key_value(kv) for kv in args.opt_arg)
+        names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
+        if not names:
+            raise ValueError("--optimizer: give at least one optimizer name")
+        model = model_from_config(args.config, DTYPES[args.dtype])
+        ranks = [None] if args.galore_rank is None else [None, args.galore_rank]
+        rows = [estimate(model, name, bits, galore_rank=rank, **opt_kwargs)
+                for name in names for bits in _bits_for(name, args.state_bits, default_state_bits)
+                for rank in ranks]
+    except (ValueError, TypeError, OSError, NotImplementedError) as e:
+        print(f"lowmemopt estimate: {e}", file=sys.stderr)
+        return 1
+
+    if args.json:
+        out = [dict(r._asdict(), total=r.total, fits=None if budget is None else r.total <= budget,
+                    dtype=args.dtype, gpu_memory=budget) for r in rows]
+        print(json.dumps(out, indent=2))
+        return 0
+    n = rows[0].params
+    print(f"{type(model).__name__} from {args.config}: {n / 1e9:.3f}B trainable parameters, {args.dtype} "
+          "weights and gradients")
+    fits_head = f" fits in {format_bytes(budget)} |" if budget is not None else ""
+    print(f"| optimizer | state | GaLore | weights | grads | optimizer state | total |{fits_head}")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |" + (" --- |" if budget is not None else ""))
+    for r in rows:
+        fits = (" yes |" if r.total <= budget else " no |") if budget is not None else ""
+        print(f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {format_bytes(r.weights)} | "
+              f"{format_bytes(r.grads)} | {format_bytes(r.state)} | {format_bytes(r.total)} |{fits}")
+    print("Not included: activations, temporaries, CUDA context and allocator caching.")
+    return 0
+
+
+def _bits_for(name: str, asked: list[int] | None, default_state_bits: Callable[[str], int]) -> list[int]:
+    """--state-bits if given; else the name's own bits ("adamw8bit": 8), or all three for a plain name."""
+    if asked:
+        return list(dict.fromkeys(asked))
+    bits = default_state_bits(name)
+    return [32, 16, 8] if bits == 32 else [bits]
+
+
+def _cuda_memory() -> int | None:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--opt-arg expects KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), value.strip()  # a bare string
+
+
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_estimate, _add_inspect]
 
 
 if __name__ == "__main__":

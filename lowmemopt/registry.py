@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Resolved", "optimizer_classes", "optimizer_names", "resolve"]
+__all__ = ["Resolved", "instantiate", "optimizer_classes", "optimizer_names", "resolve"]
 
 
 class Resolved(NamedTuple):
@@ -68,3 +68,13 @@ def resolve(name: str) -> Resolved:
         f"unknown optimizer {name!r}; choose one of {', '.join(optimizer_names())} (case-insensitive; "
         "'_' and '-' are ignored; prefix 'galore_' and/or 'paged_' for GaLore groups / paged state)"
     )
+
+
+def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """``cls(params, **kwargs)`` with a placeholder ``lr=1e-3`` when none is given (CAME requires one; Adafactor with
+    ``relative_step=True``, its default, takes none). For validating keywords and laying out state, not training."""
+    from .optim import Adafactor
+
+    if "lr" not in kwargs and not (issubclass(cls, Adafactor) and kwargs.get("relative_step", True)):
+        kwargs["lr"] = 1e-3
+    return cls(params, **kwargs)

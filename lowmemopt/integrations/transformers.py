@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..registry import resolve
+from ..registry import instantiate, resolve
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -259,9 +259,7 @@ def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tor
 def _probe(cls: type, kwargs: Mapping[str, Any]) -> torch.optim.Optimizer:
     """A throw-away instance on one dummy parameter: validates ``kwargs`` and exposes the defaults they give."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("paged", "offload_dir")}
-    if not kwargs.get("relative_step", False):
-        kwargs.setdefault("lr", 1e-3)  # CAME needs an lr; the real one comes from TrainingArguments
-    return cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    return instantiate(cls, [torch.nn.Parameter(torch.zeros(1))], **kwargs)
 
 
 def _relative_step_capable(cls: type) -> bool:
