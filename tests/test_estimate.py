@@ -106,7 +106,7 @@ def test_cli_estimate_table(tmp_path, capsys):
     out = capsys.readouterr().out
     state = estimate(model_from_config(CONFIG, torch.bfloat16), "adamw8bit", 8).state
     row = next(line for line in out.splitlines() if line.startswith("| AdamW8bit"))
-    assert f"| 8-bit | — |" in row and f"| {format_bytes(state)} |" in row and row.endswith("| yes |")
+    assert "| 8-bit | — |" in row and f"| {format_bytes(state)} |" in row and row.endswith("| yes |")
     assert len([line for line in out.splitlines() if line.startswith("| AdamW8bit")]) == 1  # its own 8 bits only
 
 
