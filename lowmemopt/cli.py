@@ -132,6 +132,95 @@ def _short(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# demo
+
+_DEMO_NEEDS = {"transformers": "transformers", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+
+
+def _add_demo(subparsers: Any) -> None:
+    from .demo import DEMO_CHOICES
+
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small LLaMA-style model with a few optimizers; print memory, speed and loss; plot them",
+        description="Train a small LLaMA-style byte-level language model (1.9M parameters, built from a config, "
+        "random init) on offline text (by default the source of Python's standard library) with each optimizer: "
+        "same init, same batches. Prints state memory, peak memory, step time and final loss, and writes a PNG of "
+        "the loss curves and memory plus the numbers as JSON. Needs transformers, matplotlib and tqdm "
+        "(pip install 'lowmemopt[demo]').",
+    )
+    p.add_argument("--steps", type=int, default=300, help="training steps per optimizer (default 300)")
+    p.add_argument("--optimizers", default=",".join(DEMO_CHOICES),
+                   help=f"comma-separated (default {','.join(DEMO_CHOICES)}); any lowmemopt optimizer name works "
+                   "(lr 1e-3 unless --lr)")
+    p.add_argument("--data", metavar="PATH", help="train on this text file instead of the standard library's source")
+    p.add_argument("--out", metavar="DIR", default="lowmemopt-demo",
+                   help="where to write demo.png and demo.json (default ./lowmemopt-demo)")
+    p.add_argument("--lr", type=float, help="learning rate for every optimizer (default: each one's preset)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [pkg for mod, pkg in _DEMO_NEEDS.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        print(f"lowmemopt demo needs {', '.join(missing)}: pip install 'lowmemopt[demo]' "
+              f"(or pip install {' '.join(missing)})", file=sys.stderr)
+        return 1
+    import torch
+
+    from . import demo
+
+    try:
+        if args.steps < 1 or args.batch < 1 or args.seq < 2:
+            raise ValueError("--steps and --batch must be >= 1 and --seq >= 2")
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available")
+        choices = [demo.choice(n, args.lr) for n in args.optimizers.split(",") if n.strip()]
+        if not choices:
+            raise ValueError("--optimizers: give at least one optimizer name")
+        data = demo.file_bytes(args.data) if args.data else demo.stdlib_bytes()
+    except (ValueError, OSError) as e:
+        print(f"lowmemopt demo: {e}", file=sys.stderr)
+        return 1
+
+    source = args.data or "the Python standard library's source"
+    n_params = sum(p.numel() for p in demo._llama(args.seed).parameters())
+    print(f"LLaMA-style byte-level LM, {n_params / 1e6:.2f}M parameters, on {data.numel():,} bytes of {source}; "
+          f"{args.steps} steps of {args.batch} x {args.seq} bytes, {device}\n", flush=True)
+    results = demo.compare(choices, args.steps, data=data, seed=args.seed, batch=args.batch, seq=args.seq,
+                           device=device)
+    print()
+    print(demo.table(results))
+    for r in results:
+        if "skipped" in r:
+            print(f"note: {r['label']} skipped: {r['skipped']}")
+    print(f"\npeak memory: {_PEAK_NOTE[device.split(':')[0]]}")
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    png = demo.plot(results, os.path.join(out, "demo.png"),
+                    title=f"{n_params / 1e6:.1f}M-parameter LLaMA, {args.steps} steps on {os.path.basename(source)}")
+    with open(os.path.join(out, "demo.json"), "w") as f:
+        json.dump(dict(steps=args.steps, batch=args.batch, seq=args.seq, device=device, data=source,
+                       params=n_params, results=results), f, indent=1)
+    print(f"wrote {png} and {os.path.join(out, 'demo.json')}")
+    return 0
+
+
+_PEAK_NOTE = {
+    "cpu": "memory in use (C heap) at its highest, sampled after forward, backward and step, above what was in use "
+    "before the model was built: weights, gradients, optimizer state and activations",
+    "cuda": "torch.cuda.max_memory_allocated above what was allocated before the model was built",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # estimate
 
 _ESTIMATE_DEFAULT_OPTIMIZERS = "adamw,lion,came,adafactor"
@@ -226,7 +315,7 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key.strip(), value.strip()  # a bare string
 
 
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_estimate, _add_inspect]
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_demo, _add_estimate, _add_inspect]
 
 
 if __name__ == "__main__":
