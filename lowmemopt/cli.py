@@ -221,6 +221,63 @@ _PEAK_NOTE = {
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# bench
+
+
+def _add_bench(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="step time and state size against torch, bitsandbytes, torchao, transformers, came-pytorch (quick)",
+        description="The quick version of the repository's bench/ suite (lowmemopt.benchmark): optimizer step time "
+        "(median, as a ratio to torch's fused AdamW measured in the same run) and state bytes per parameter on a "
+        "randomly initialised LLaMA (~11M parameters; --full: ~148M), with fixed gradients. Suites: 'step' (AdamW: "
+        "lowmemopt 32/16/8-bit, torch fused/foreach, bitsandbytes, torchao) and 'factored' (Adafactor, CAME: "
+        "lowmemopt, transformers, torch, came-pytorch, pytorch-optimizer). Libraries that are not installed show as "
+        "failed rows. Needs transformers.",
+    )
+    p.add_argument("--suite", default="step,factored", help="comma-separated: step, factored (default both)")
+    p.add_argument("--optimizers", help="comma-separated subset of the suites' row names (default all)")
+    p.add_argument("--full", action="store_true", help="the ~148M-parameter model, 2 warm-up + 5 timed steps")
+    p.add_argument("--steps", type=int, help="timed steps per optimizer (default 3; --full: 5)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 2)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--max-step-s", type=float, default=60.0,
+                   help="an optimizer slower than this per step (after its first) is timed for 1 step only")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        print("lowmemopt bench needs transformers (its LLaMA model): pip install 'lowmemopt[bench]'", file=sys.stderr)
+        return 1
+    import torch
+
+    from . import benchmark
+
+    suites = [s.strip() for s in args.suite.split(",") if s.strip()]
+    names = None if args.optimizers is None else [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    known = {n for _, registry, _ in benchmark.SUITES.values() for n in registry}
+    problems = [f"unknown suite {s!r} (step, factored)" for s in suites if s not in benchmark.SUITES]
+    problems += [f"unknown optimizer {n!r}" for n in names or () if n not in known]
+    steps = args.steps if args.steps is not None else (5 if args.full else benchmark.QUICK["steps"])
+    warmup = args.warmup if args.warmup is not None else (2 if args.full else benchmark.QUICK["warmup"])
+    if steps < 1 or warmup < 0:
+        problems.append("--steps must be >= 1 and --warmup >= 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append("--device cuda: CUDA is not available")
+    if problems or not suites:
+        print(f"lowmemopt bench: {'; '.join(problems) or 'no suite given'}", file=sys.stderr)
+        if names and any("optimizer" in p for p in problems):
+            print(f"known optimizers: {', '.join(sorted(known))}", file=sys.stderr)
+        return 1
+    benchmark.quick(suites, preset="150m" if args.full else benchmark.QUICK["preset"], steps=steps, warmup=warmup,
+                    device=args.device, names=names, max_step_s=args.max_step_s)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # estimate
 
 _ESTIMATE_DEFAULT_OPTIMIZERS = "adamw,lion,came,adafactor"
@@ -315,7 +372,7 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key.strip(), value.strip()  # a bare string
 
 
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_demo, _add_estimate, _add_inspect]
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_demo, _add_estimate, _add_bench, _add_inspect]
 
 
 if __name__ == "__main__":

@@ -117,3 +117,39 @@ def test_cli_demo_names_missing_packages(monkeypatch, capsys):
     assert cli_main(["demo"]) == 1
     err = capsys.readouterr().err
     assert "lowmemopt demo needs matplotlib" in err and "pip install 'lowmemopt[demo]'" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bench
+
+
+def test_cli_bench_quick_table(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from lowmemopt import benchmark
+
+    monkeypatch.setitem(benchmark.LLAMA_PRESETS, "10m", dict(hidden_size=32, num_hidden_layers=1, intermediate_size=48,
+                                                              num_attention_heads=2, vocab_size=64))
+
+    def missing_library(params, lr, weight_decay):
+        raise ImportError("No module named 'came_pytorch'")
+
+    monkeypatch.setitem(benchmark.FACTORED, "came-pytorch", missing_library)
+    monkeypatch.setattr("lowmemopt.compiled.ENABLED", False)
+    assert cli_main(["bench", "--suite", "factored", "--optimizers", "lowmemopt-came-8bit,came-pytorch",
+                     "--steps", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "### Factored optimizers: step time and state" in out and "fp32, 0.0M parameters" in out
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"optimizer", "---", "torch-adamw-fused", "lowmemopt-came-8bit", "came-pytorch"}
+    assert "| 8.0" in rows["torch-adamw-fused"] and "| 1.00x |" in rows["torch-adamw-fused"]  # + step tensors
+    assert "FAILED: ImportError: No module named 'came_pytorch'" in rows["came-pytorch"]
+    assert "### Optimizer step benchmark" not in out
+
+
+def test_cli_bench_bad_input(capsys):
+    pytest.importorskip("transformers")
+    assert cli_main(["bench", "--suite", "steps"]) == 1
+    assert "unknown suite 'steps'" in capsys.readouterr().err
+    assert cli_main(["bench", "--optimizers", "adamw"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown optimizer 'adamw'" in err and "lowmemopt-adamw-8bit" in err
