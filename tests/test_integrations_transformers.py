@@ -22,6 +22,7 @@ os.environ.setdefault("LOWMEMOPT_COMPILE", "0")  # the Trainer runs tiny tensors
 SMALL_BLOCKS = dict(min_quant_numel=256, block_size=64)
 HAS_GALORE = hasattr(lowmemopt, "galore_param_groups")
 HAS_PAGED = hasattr(lowmemopt, "PagedAdamW")
+HAS_PER_LAYER = hasattr(lowmemopt, "step_in_backward")
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -56,8 +57,8 @@ def training_args(out, **overrides) -> TrainingArguments:
     return TrainingArguments(**kw)
 
 
-def train(out, spec, resume=None) -> tuple[Trainer, dict[str, torch.Tensor]]:
-    trainer = Trainer(model=tiny_llama(), args=training_args(out), train_dataset=Tokens(),
+def train(out, spec, resume=None, **overrides) -> tuple[Trainer, dict[str, torch.Tensor]]:
+    trainer = Trainer(model=tiny_llama(), args=training_args(out, **overrides), train_dataset=Tokens(),
                       optimizer_cls_and_kwargs=spec)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -78,14 +79,20 @@ RESUME_CASES = {
         lambda: optimizer("paged_adamw", **SMALL_BLOCKS),
         marks=pytest.mark.skipif(not HAS_PAGED, reason="paged state (lowmemopt.PagedAdamW) has not landed"),
     ),
+    "came8bit_per_layer": pytest.param(
+        lambda: optimizer("came8bit", step_in_backward=True, **SMALL_BLOCKS),
+        marks=pytest.mark.skipif(not HAS_PER_LAYER, reason="lowmemopt.step_in_backward has not landed"),
+    ),
 }
+NO_CLIPPING = {"came8bit_per_layer"}  # per-layer updates cannot clip by global norm
 
 
 @pytest.mark.parametrize("make_spec", list(RESUME_CASES.values()), ids=list(RESUME_CASES))
-def test_resume_from_checkpoint_is_exact(tmp_path, make_spec):
+def test_resume_from_checkpoint_is_exact(tmp_path, make_spec, request):
     """6 steps straight == 3 steps, save, a fresh Trainer resuming from step 3 for the other 3: identical parameters
     (and identical optimizer state, so every later step matches too)."""
-    full, want = train(tmp_path / "full", make_spec())
+    overrides = dict(max_grad_norm=0.0) if request.node.callspec.id in NO_CLIPPING else {}
+    full, want = train(tmp_path / "full", make_spec(), **overrides)
     assert full.state.global_step == 6
     ckpt = tmp_path / "full" / "checkpoint-3"
     assert (ckpt / "optimizer.pt").is_file()
@@ -94,7 +101,7 @@ def test_resume_from_checkpoint_is_exact(tmp_path, make_spec):
     codes = [v for st in saved["state"].values() for k, v in st.items() if k.endswith(".codes")]
     assert codes and all(c.dtype == torch.uint8 for c in codes)
 
-    resumed, got = train(tmp_path / "resumed", make_spec(), resume=str(ckpt))
+    resumed, got = train(tmp_path / "resumed", make_spec(), resume=str(ckpt), **overrides)
     assert resumed.state.global_step == 6
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -104,6 +111,30 @@ def test_resume_from_checkpoint_is_exact(tmp_path, make_spec):
             if isinstance(v, torch.Tensor):
                 ref = full.optimizer.optimizer.state[_same_param(full, resumed, p)][k]
                 assert v.dtype == ref.dtype and torch.equal(v, ref), k
+
+
+@pytest.mark.skipif(not HAS_PER_LAYER, reason="lowmemopt.step_in_backward has not landed")
+def test_per_layer_mode_in_the_trainer(tmp_path):
+    """step_in_backward=True: the same parameters as ordinary stepping (no clipping in either), the stepper's position
+    saved in optimizer.pt, gradient accumulation honoured, and clipping refused with a clear message."""
+    _, plain = train(tmp_path / "plain", optimizer("adamw8bit", **SMALL_BLOCKS), max_grad_norm=0.0, save_steps=6)
+    trainer, per_layer = train(tmp_path / "per_layer", optimizer("adamw8bit", step_in_backward=True, **SMALL_BLOCKS),
+                               max_grad_norm=0.0, save_steps=6)
+    for name in plain:
+        assert torch.equal(per_layer[name], plain[name]), name
+    assert all(p.grad is None for p in trainer.model.parameters())  # freed inside backward
+    saved = torch.load(tmp_path / "per_layer" / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    assert saved["step_in_backward"]["steps"] == 6 and saved["step_in_backward"]["micro_step"] == 0
+
+    _, acc_plain = train(tmp_path / "acc_plain", optimizer("adamw8bit", **SMALL_BLOCKS), max_grad_norm=0.0,
+                         save_steps=6, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    _, acc = train(tmp_path / "acc", optimizer("adamw8bit", step_in_backward=True, **SMALL_BLOCKS), max_grad_norm=0.0,
+                   save_steps=6, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    for name in acc_plain:
+        torch.testing.assert_close(acc[name], acc_plain[name], rtol=1e-5, atol=1e-7)  # loss scaling order may differ
+
+    with pytest.raises(ValueError, match="max_grad_norm=0"):
+        train(tmp_path / "clip", optimizer("adamw8bit", step_in_backward=True))  # default max_grad_norm=1.0
 
 
 def _same_param(full: Trainer, resumed: Trainer, p: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,11 @@ def optimizer(
         galore: GaLore settings, keys ``target_modules`` (required) and ``rank``, ``update_proj_gap``, ``scale``,
             ``proj_type`` (see :func:`lowmemopt.galore_param_groups`). Required for ``galore_*`` names.
         embedding_state_bits: state bits for embedding weights (default 32); None: like every other parameter.
-        step_in_backward: step each parameter as soon as its gradient is ready (per-layer mode: no full set of
-            gradients is ever held); the Trainer's ``optimizer.step()`` is then a no-op. Needs
-            ``gradient_accumulation_steps=1``.
+        step_in_backward: step each parameter inside ``backward()`` as soon as its gradient is ready and free that
+            gradient (per-layer updates, :func:`lowmemopt.step_in_backward`: the full set of gradients is never
+            held); the Trainer's ``optimizer.step()`` then finds no gradients and does nothing. Gradient
+            accumulation is honoured; gradient clipping cannot be (set ``TrainingArguments(max_grad_norm=0)``). The
+            stepper's position is saved in the optimizer's state dict, so checkpoints hold it.
         args: the ``TrainingArguments`` to read hyper-parameters from; default: those of the calling Trainer.
         **kwargs: any other keyword of the optimizer (``lr``, ``betas``, ``block_size``, ``paged``...); these win over
             ``TrainingArguments``.
@@ -158,9 +160,7 @@ def build(
     )
     opt = cls(groups, **ctor)
     if step_in_backward:
-        if getattr(args, "gradient_accumulation_steps", 1) != 1:
-            raise ValueError("step_in_backward steps at every backward pass: it needs gradient_accumulation_steps=1")
-        opt = _step_in_backward(model, opt)
+        opt = _step_in_backward(model, opt, args)
     return opt
 
 
@@ -246,13 +246,37 @@ def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[
     return make(model, **galore)
 
 
-def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any) -> torch.optim.Optimizer:
+    """Attach :func:`lowmemopt.step_in_backward` (accumulating over ``args.gradient_accumulation_steps``) and make the
+    stepper's position part of ``opt.state_dict()`` (key ``"step_in_backward"``), so the Trainer's ``optimizer.pt``
+    holds it and ``resume_from_checkpoint`` restores it."""
     import lowmemopt
 
     attach = getattr(lowmemopt, "step_in_backward", None)
     if attach is None:
-        raise NotImplementedError("per-layer stepping is not available in this version of lowmemopt")
-    attach(model, opt)
+        raise NotImplementedError("per-layer stepping (step_in_backward) is not available in this version of lowmemopt")
+    try:
+        stepper = attach(model, opt, accumulation_steps=args.gradient_accumulation_steps,
+                         max_grad_norm=args.max_grad_norm)
+    except ValueError as e:
+        if args.max_grad_norm:
+            raise ValueError(f"step_in_backward=True needs TrainingArguments(max_grad_norm=0): {e}") from e
+        raise
+
+    def save(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict["step_in_backward"] = stepper.state_dict()
+        return state_dict
+
+    def load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("step_in_backward", None)
+        if saved is not None:
+            stepper.load_state_dict(saved)
+        return state_dict
+
+    opt.register_state_dict_post_hook(save)
+    opt.register_load_state_dict_pre_hook(load, prepend=True)
+    opt.backward_stepper = stepper  # keep it reachable (and alive) with the optimizer
     return opt
 
 
