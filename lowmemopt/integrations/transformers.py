@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainerOptimizerFactory", "optimizer", "param_groups"]
 
-_GALORE_KEYS = {"target_modules", "rank", "update_proj_gap", "scale", "proj_type"}
 
 
 def optimizer(
@@ -65,8 +64,9 @@ def optimizer(
         name: any lowmemopt optimizer, case-insensitive (``"adamw"``, ``"AdamW8bit"``, ``"came"``, ``"lion8bit"``,
             ``"galore_adamw_8bit"``...; see :mod:`lowmemopt.registry`).
         state_bits: 32, 16 or 8; None keeps the name's default (``"adamw8bit"``: 8, ``"adamw"``: 32).
-        galore: GaLore settings, keys ``target_modules`` (required) and ``rank``, ``update_proj_gap``, ``scale``,
-            ``proj_type`` (see :func:`lowmemopt.galore_param_groups`). Required for ``galore_*`` names.
+        galore: GaLore settings: ``target_modules`` and ``rank`` (required), optionally ``update_proj_gap``,
+            ``scale``, ``proj_type``..., the keywords of :func:`lowmemopt.galore_param_groups`. Required for
+            ``galore_*`` names.
         embedding_state_bits: state bits for embedding weights (default 32); None: like every other parameter.
         step_in_backward: step each parameter inside ``backward()`` as soon as its gradient is ready and free that
             gradient (per-layer updates, :func:`lowmemopt.step_in_backward`: the full set of gradients is never
@@ -227,14 +227,16 @@ def param_groups(
 
 
 def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
+    """Check GaLore settings now, with :func:`lowmemopt.galore_param_groups`'s own checks (on a one-Linear model)."""
     if not isinstance(galore, Mapping):
         raise TypeError(f"galore must be a dict of GaLore settings, got {type(galore).__name__}")
-    unknown = set(galore) - _GALORE_KEYS
-    if unknown:
-        raise ValueError(f"unknown galore setting(s) {sorted(unknown)}; known: {sorted(_GALORE_KEYS)}")
-    if "target_modules" not in galore:
-        raise ValueError("galore needs target_modules (e.g. 'all-linear', a list of module names, or a regex)")
-    return dict(galore)
+    missing = [k for k in ("target_modules", "rank") if k not in galore]
+    if missing:
+        raise ValueError(f"galore needs {' and '.join(missing)}, e.g. galore=dict(target_modules='all-linear', "
+                         "rank=128) (target_modules as in TrainingArguments.optim_target_modules)")
+    galore = dict(galore)
+    _galore_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**galore, "target_modules": "all-linear"})
+    return galore
 
 
 def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[str, Any]]:
