@@ -298,7 +298,10 @@ def _add_estimate(subparsers: Any) -> None:
     p.add_argument("--state-bits", type=int, choices=[32, 16, 8], action="append",
                    help="state format(s); repeat for several (default: the name's own, e.g. 8 for adamw8bit, "
                    "else 32, 16 and 8)")
-    p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R on all Linear layers")
+    p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R")
+    p.add_argument("--galore-target", default="all-linear", metavar="MODULES",
+                   help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names "
+                   "(e.g. attn,mlp)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="dtype of weights and gradients (default fp32)")
     p.add_argument("--gpu-memory", metavar="SIZE",
@@ -322,7 +325,9 @@ def _estimate(args: argparse.Namespace) -> int:
             raise ValueError("--optimizer: give at least one optimizer name")
         model = model_from_config(args.config, DTYPES[args.dtype])
         ranks = [None] if args.galore_rank is None else [None, args.galore_rank]
-        rows = [estimate(model, name, bits, galore_rank=rank, **opt_kwargs)
+        target = args.galore_target if args.galore_target == "all-linear" or "," not in args.galore_target \
+            else [t.strip() for t in args.galore_target.split(",") if t.strip()]
+        rows = [estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
                 for name in names for bits in _bits_for(name, args.state_bits, default_state_bits)
                 for rank in ranks]
     except (ValueError, TypeError, OSError, NotImplementedError) as e:

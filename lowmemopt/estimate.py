@@ -80,7 +80,12 @@ def state_nbytes_after_first_step(optimizer: torch.optim.Optimizer) -> int:
     shadow = instantiate(type(optimizer), [g for g in groups if g["params"]])  # groups keep their own lr
     for group in shadow.param_groups:
         for p in group["params"]:
-            shadow._init_state(p, group, shadow._slots(group, p))
+            if group.get("rank") is not None:  # GaLore: low-rank slots and the projector
+                from .projection.step import init_projected_state
+
+                init_projected_state(shadow, p, group)
+            else:
+                shadow._init_state(p, group, shadow._slots(group, p))
     return shadow.state_nbytes()
 
 

@@ -30,7 +30,6 @@ raises there.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 

@@ -98,6 +98,22 @@ def test_cli_estimate_json_matches_a_real_step(tmp_path, capsys):
     assert rows[0]["total"] == total and rows[0]["fits"] is (total <= 1024**2) and rows[0]["gpu_memory"] == 1024**2
 
 
+@pytest.mark.skipif(not hasattr(lowmemopt, "galore_param_groups"), reason="GaLore has not landed")
+def test_cli_estimate_galore_rows(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "came8bit", "--galore-rank", "8", "--galore-target",
+                     "self_attn,mlp", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["galore_rank"] for r in rows] == [None, 8]
+    model = real_model()
+    opt = lowmemopt.CAME8bit(lowmemopt.galore_param_groups(model, ["self_attn", "mlp"], rank=8), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert rows[1]["state"] == opt.state_nbytes() < rows[0]["state"]
+
+
 def test_cli_estimate_table(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
