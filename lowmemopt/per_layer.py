@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from . import paging
 from .optimizer import LowMemOptimizer, _finite_flags
 
 __all__ = ["BackwardStepper", "step_in_backward"]
@@ -84,7 +85,7 @@ class BackwardStepper:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
         if _finite_flags([grad])[0]:
             with torch.no_grad():
-                self.optimizer._step_param(p, grad, self._group_of[p])
+                paging.step_param(self.optimizer, p, grad, self._group_of[p])  # paged state: fetched, written back
         else:
             self._skipped += 1
         p.grad = None
