@@ -22,6 +22,10 @@ an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipp
 count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that would poison a quantization block
 for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
 
+GPU fast path: on CUDA, parameters whose (algorithm, state format) has a fused Triton kernel are stepped by
+multi-tensor kernel launches instead (:mod:`lowmemopt.kernels`, see ``docs/kernels.md``); everything else takes the
+reference path below.
+
 CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
 fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
 the eager path below. Both call the same ``_update``.
@@ -242,12 +246,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if not work:
             return loss
         finite = _finite_flags([p.grad for p, _ in work])
-        skipped = 0
-        for (p, group), ok in zip(work, finite):
-            if ok:
-                self._step_param(p, p.grad, group)
-            else:
-                skipped += 1
+        todo = [item for item, ok in zip(work, finite) if ok]
+        skipped = len(work) - len(todo)
+        from .kernels.dispatch import step_fused  # fused Triton kernels take what they support (CUDA tensors)
+
+        for p, group in step_fused(self, todo):
+            self._step_param(p, p.grad, group)
         if skipped:
             self.nonfinite_skips += skipped
             warnings.warn(
