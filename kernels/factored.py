@@ -162,8 +162,8 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     for c0 in range(0, C, FB):
         i = c0 + tl.arange(0, FB)
         mask = i < C
-        new = tl.fma(tl.math.div_rn(tl.load(csum + coff + i, mask=mask, other=0.0), Rf), one_minus_beta,
-                     tl.load(col_stat + i, mask=mask, other=0.0) * beta)
+        new = tl.fma(tl.math.div_rn(tl.load(csum + coff + i, mask=mask, other=1.0), Rf), one_minus_beta,
+                     tl.load(col_stat + i, mask=mask, other=1.0) * beta)
         tl.store(col_stat + i, new, mask=mask)
         tl.store(cfac + coff + i, tl.math.div_rn(1.0, tl.sqrt_rn(new)), mask=mask)
 
