@@ -20,10 +20,12 @@ pass   tiles                what                                                
 6      flat                 recompute ``u``, ``m'`` (bit-identical), update: write p (and m)                 12 (+2)
 =====  ===================  ==============================================================================  ========
 
-CAME-8bit: 4 + 4 + 5 + 14 = 27 B/element (AdamW-8bit: 14). Adafactor without beta1: 4 + 8 + 12 = 24.
+CAME-8bit: 4 + 4 + 5 + 14 = 27 B/element (AdamW-8bit: 16). Adafactor without beta1: 4 + 8 + 12 = 24 (20 without
+scale_parameter; + 2 with an 8-bit first moment).
 
 1-D parameters (full-size ``v``, q8 capable): pass A, flat: ``v' = b2 v + (1-b2)(g^2+eps1)``, ``u = g/sqrt(v')``:
-sum(u^2) and sum(p^2) (reads p, g, v: 9 B); pass B, flat: recompute, clip, update, write p, v, m (reads 10, writes 6).
+sum(u^2), and sum(p^2) for Adafactor's RMS(p) (reads g, v (, p): 5 or 9 B); pass B, flat: recompute, clip, update,
+write p, v, m (reads 10, writes 6).
 
 Statistics EMAs are written in pass 2/5; p and m only in the last pass, from values recomputed in registers, so the
 update uses the fp32 state before it is re-encoded. The sums are fp32 atomics: their rounding (not their value) can

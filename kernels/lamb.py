@@ -9,7 +9,7 @@
    write p, m', v'. Reads 10, writes 6 B/element (fp32 params, q8).
 
 Recomputing in pass 2 keeps the update computed from the fp32 state before it is re-encoded (the numerical rule) at
-the cost of reading the inputs twice: 26 B/element against AdamW's 14. With ``adam=True`` there is no trust ratio
+the cost of reading the inputs twice: 26 B/element against AdamW's 16. With ``adam=True`` there is no trust ratio
 and pass 1 is skipped. The sums are fp32 atomics, so their rounding (not their value) can vary between runs.
 """
 

@@ -4,7 +4,8 @@
     d = clamp(g + wd p, -10, 10);   b = d (first step) or momentum b + d;   p <- p - lr * trust * b
 
 1. norm pre-pass: sum(p^2) and sum(g^2) per tensor (atomics). Reads param + grad: 8 B/element (fp32 params).
-2. apply: reads param, grad, momentum; writes param, momentum: 8 + 1 + 4 + 1 B/element (fp32 params, q8).
+2. apply: reads param, grad, momentum; writes param, momentum: 4 + 4 + 1 + 4 + 1 = 14 B/element (fp32 params, q8);
+   22 in all.
 
 The trust ratio depends only on p and g, so pass 1 reads no state. A group with ``lars=False`` skips pass 1.
 """
