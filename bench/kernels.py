@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 t, state, note = time_optimizer(factory, shapes, device, args.steps, args.warmup)
             except Exception as exc:  # noqa: BLE001 - a failing optimizer is a row, not a crash
-                print(f"| {name} | — | — | — | — | FAILED: {type(exc).__name__}: {str(exc)[:120]} |", flush=True)
+                error = f"{type(exc).__name__}: {str(exc)[:120]}"
+                print(f"| {name} | — | — | — | — | FAILED: {error} |", flush=True)
                 gc.collect()
                 torch.cuda.empty_cache()
                 continue
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"- target 8-bit AdamW <= 1.0x bitsandbytes: {ours / bnb:.2f}x -> "
                   f"{'PASS' if ours <= bnb else 'FAIL'}")
         if ours is not None and came is not None:
-            print(f"- target CAME-8bit <= 2x 8-bit AdamW: {came / ours:.2f}x -> {'PASS' if came <= 2 * ours else 'FAIL'}")
+            verdict = "PASS" if came <= 2 * ours else "FAIL"
+            print(f"- target CAME-8bit <= 2x 8-bit AdamW: {came / ours:.2f}x -> {verdict}")
         print()
     if args.json:
         with open(args.json, "w") as f:

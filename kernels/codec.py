@@ -208,7 +208,8 @@ def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.con
 
 
 def _check_block(block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool)
+    if not ok or block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
 
 
@@ -223,7 +224,9 @@ def _check_device(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), got {t.device}")
 
 
-def quantize_blockwise(x: torch.Tensor, name: str = "dynamic", block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    x: torch.Tensor, name: str = "dynamic", block_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`: ``x`` (any shape, floating dtype) -> (codes uint8
     [numel], absmax fp32 [n_blocks]), identical to the reference's."""
     signed = _check_map(name)

@@ -51,12 +51,12 @@ def rows_per_tile(block: int) -> int:
 
 
 def device_ok(device: torch.device) -> bool:
-    """Can a kernel run on tensors of ``device``? CUDA with Triton (compiled or interpreted), or CPU under the
-    interpreter when a test asked for it with :func:`cpu_interpreter`."""
+    """Can a kernel run on tensors of ``device``? CUDA with compiled Triton kernels, or CPU under the interpreter when
+    a test asked for it with :func:`cpu_interpreter`."""
     if not (HAS_TRITON and ENABLED):
         return False
-    if device.type == "cuda":
-        return True
+    if device.type == "cuda":  # the interpreter cannot follow the launch tables' raw device addresses
+        return not INTERPRET
     return device.type == "cpu" and INTERPRET and _cpu_interpreter
 
 
