@@ -43,27 +43,42 @@ def adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay,
 
 
 @triton.jit
+def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
+               w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
+               FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+               AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+    if AMSGRAD:
+        vmax = load_slot(row, 7, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+    else:
+        vmax = v
+    m, v, vmax, delta = adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay, step_size,
+                                    bc2_sqrt, AMSGRAD, MAXIMIZE, L2_DECAY)
+    store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+    store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+    if AMSGRAD:
+        store_slot(vmax, row, 7, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+    store_param(p * decay + delta, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
+@triton.jit
 def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
-    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
-    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, FMT, ALIGNED)
-    if AMSGRAD:
-        vmax = load_slot(row, 7, offs, mask, blocks, bmask, book_u, FMT, ALIGNED)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
+                   weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
+                   L2_DECAY, False)
     else:
-        vmax = v
-    m, v, vmax, delta = adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay, step_size,
-                                    bc2_sqrt, AMSGRAD, MAXIMIZE, L2_DECAY)
-    store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED)
-    store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED)
-    if AMSGRAD:
-        store_slot(vmax, row, 7, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED)
-    store_param(p * decay + delta, row, offs, mask, P_DTYPE, ALIGNED)
+        _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
+                   weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
+                   L2_DECAY, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:

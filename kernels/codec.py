@@ -99,25 +99,47 @@ def encode_q8(x, book, lut, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book):
-    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] whose block indices are ``blocks`` [ROWS]; 0 where masked."""
-    codes = tl.load(codes_ptr + offs, mask=mask, other=0)
-    scale = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
-    x = tl.load(book + codes.to(tl.int32)) * scale[:, None]
-    return tl.where(mask, x, 0.0)
+def ld(ptrs, mask, MASKED: tl.constexpr):
+    """Load; masked lanes read 0. ``MASKED=False`` (a tile entirely inside its tensor) drops the mask: a launch-table
+    size has no known divisibility, so a mask would keep Triton from vectorizing the accesses."""
+    if MASKED:
+        x = tl.load(ptrs, mask=mask, other=0)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
-def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, FMT: tl.constexpr, ALIGNED: tl.constexpr):
+def st(ptrs, x, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, x, mask=mask)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MASKED: tl.constexpr):
+    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] whose block indices are ``blocks`` [ROWS]; 0 where masked."""
+    codes = ld(codes_ptr + offs, mask, MASKED)
+    scale = ld(absmax_ptr + blocks, block_mask, MASKED)
+    x = tl.load(book + codes.to(tl.int32)) * scale[:, None]
+    if MASKED:
+        x = tl.where(mask, x, 0.0)
+    return x
+
+
+@triton.jit
+def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, FMT: tl.constexpr, ALIGNED: tl.constexpr,
+              MASKED: tl.constexpr):
     """A state slot's fp32 values at ``offs`` (0 where masked). ``row``: the tensor's launch-table row; the slot's
     address is at column ``COL`` (q8: codes at COL, absmax at COL + 1)."""
     if FMT == 2:
         x = decode_q8(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
-                      offs, mask, blocks, block_mask, book)
+                      offs, mask, blocks, block_mask, book, MASKED)
     elif FMT == 1:
-        x = tl.load(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+        x = ld(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     else:
-        x = tl.load(typed(tl.load(row + COL), tl.float32, ALIGNED) + offs, mask=mask, other=0.0)
+        x = ld(typed(tl.load(row + COL), tl.float32, ALIGNED) + offs, mask, MASKED)
     return x
 
 
@@ -138,48 +160,51 @@ def load_slot_at(row, COL: tl.constexpr, offs, mask, book, QBLOCK: tl.constexpr,
 
 @triton.jit
 def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
-               FMT: tl.constexpr, ALIGNED: tl.constexpr):
+               FMT: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
     """Write fp32 ``x`` [ROWS, BLOCK] to a state slot (bf16: round to nearest even; q8: encode each row)."""
     if FMT == 2:
-        codes, scale = encode_q8(tl.where(mask, x, 0.0), book, lut, SIGNED)
-        tl.store(typed(tl.load(row + COL), tl.uint8, ALIGNED) + offs, codes, mask=mask)
-        tl.store(typed(tl.load(row + COL + 1), tl.float32, False) + blocks, scale, mask=block_mask)
+        if MASKED:
+            x = tl.where(mask, x, 0.0)
+        codes, scale = encode_q8(x, book, lut, SIGNED)
+        st(typed(tl.load(row + COL), tl.uint8, ALIGNED) + offs, codes, mask, MASKED)
+        st(typed(tl.load(row + COL + 1), tl.float32, False) + blocks, scale, block_mask, MASKED)
     elif FMT == 1:
-        tl.store(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, bf16_rne(x), mask=mask)
+        st(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, bf16_rne(x), mask, MASKED)
     else:
-        tl.store(typed(tl.load(row + COL), tl.float32, ALIGNED) + offs, x, mask=mask)
+        st(typed(tl.load(row + COL), tl.float32, ALIGNED) + offs, x, mask, MASKED)
 
 
 @triton.jit
 def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """This program's tensor (index ``t``, its launch-table ``row`` pointer and ``numel``, at column 2) and its tile:
-    element offsets [ROWS, BLOCK] (int64), their mask, block indices [ROWS] and the block mask."""
+    element offsets [ROWS, BLOCK] (int64), their mask, block indices [ROWS], the block mask, and ``full``: the whole
+    tile lies inside the tensor (kernels then take their unmasked, vectorizable variant)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
-    tile = tl.load(units + tl.num_programs(0) + pid)
+    tile = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
     row = table + t.to(tl.int64) * W
     numel = tl.load(row + 2)
-    blocks = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blocks = tile * ROWS + tl.arange(0, ROWS)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    return t, row, numel, offs, offs < numel, blocks, blocks * BLOCK < numel
+    return t, row, numel, offs, offs < numel, blocks, blocks * BLOCK < numel, (tile + 1) * (ROWS * BLOCK) <= numel
 
 
 @triton.jit
-def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
     """The parameter (column 0) as fp32."""
-    return tl.load(typed(tl.load(row), DTYPE, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+    return ld(typed(tl.load(row), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
 
 
 @triton.jit
-def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
     """The gradient (column 1) as fp32."""
-    return tl.load(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+    return ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
 
 
 @triton.jit
-def store_param(p, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+def store_param(p, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
     """Write the fp32 working copy back to the parameter (rounded to its dtype, nearest even)."""
-    tl.store(typed(tl.load(row), DTYPE, ALIGNED) + offs, rounded(p, DTYPE), mask=mask)
+    st(typed(tl.load(row), DTYPE, ALIGNED) + offs, rounded(p, DTYPE), mask, MASKED)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,7 +228,7 @@ def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.con
     blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < numel
-    x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book)
+    x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True)
     tl.store(out_ptr + offs, x, mask=mask)
 
 

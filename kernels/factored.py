@@ -48,8 +48,8 @@ from .launch import TL_DTYPES, Bucket, scalar
 
 __all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launch_came"]
 
-# launch-table columns (one row per tensor)
-_M, _V, _R, _C, _SQ, _RES, _ROFF, _COFF = 3, 5, 7, 8, 9, 11, 13, 14
+# launch-table columns (one row per tensor); constexpr so that kernels may read them
+_M, _V, _R, _C, _SQ, _RES, _ROFF, _COFF = (tl.constexpr(i) for i in (3, 5, 7, 8, 9, 11, 13, 14))
 _W = 15
 
 
@@ -115,7 +115,7 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
     mask = r_mask[:, None] & c_mask[None, :]
     grow = b * R + r
     offs = grow[:, None] * C + c[None, :]
-    g = load_grad(row, offs, mask, G_DTYPE, False)
+    g = load_grad(row, offs, mask, G_DTYPE, False, True)
     if RESIDUAL:
         u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
              * tl.load(cfac + coff + b * C + c, mask=c_mask, other=0.0)[None, :]) * g
@@ -171,41 +171,47 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
 
 
 @triton.jit
+def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
+                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+                FACTORED: tl.constexpr, SUM_P: tl.constexpr, MASKED: tl.constexpr):
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    if FACTORED:
+        u = factored_precondition(g, offs, mask, rfac, cfac, tl.load(row + _ROFF), tl.load(row + _COFF),
+                                  tl.load(row + _R), tl.load(row + _C))
+    else:
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+        v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
+    if MASKED:
+        u = tl.where(mask, u, 0.0)
+    tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(u * u, axis=1), axis=0))
+    if SUM_P:
+        p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+        tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
+
+
+@triton.jit
 def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
                   W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                   ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   FACTORED: tl.constexpr, SUM_P: tl.constexpr):
     """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
-    if FACTORED:
-        u = factored_precondition(g, offs, mask, rfac, cfac, tl.load(row + _ROFF), tl.load(row + _COFF),
-                                  tl.load(row + _R), tl.load(row + _C))
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
+                    P_DTYPE, G_DTYPE, ALIGNED, FACTORED, SUM_P, False)
     else:
-        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED)
-        v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
-    u = tl.where(mask, u, 0.0)
-    tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(u * u, axis=1), axis=0))
-    if SUM_P:
-        p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-        tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
+        _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
+                    P_DTYPE, G_DTYPE, ALIGNED, FACTORED, SUM_P, True)
 
 
 @triton.jit
-def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2, sums,
-                  eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd, neg_wd_lr,
-                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                  FACTORED: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr,
-                  DECAY: tl.constexpr):
-    """Last pass (flat tiles): recompute u, clip, (m), update p; write p, m and (1-D) v.
-
-    Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
-    ``m = b1 m + (1-b1) u; u = m`` if HAS_M; ``p += p * (-wd a)``; ``p -= u``.
-    CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m); ``p += p (-wd lr)``; ``p -= lr u``."""
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
+def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
+                sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
+                neg_wd_lr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+                FACTORED: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr,
+                DECAY: tl.constexpr, MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if FACTORED:
         roff = tl.load(row + _ROFF)
         coff = tl.load(row + _COFF)
@@ -213,14 +219,14 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
         C = tl.load(row + _C)
         u = factored_precondition(g, offs, mask, rfac, cfac, roff, coff, R, C)
     else:
-        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED)
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
         v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
-        store_slot(v, row, _V, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED)
+        store_slot(v, row, _V, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
     u = tl.math.div_rn(u, clip_denominator(sums, t, numel, clip_threshold))
     if CAME:
-        m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
+        m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
         m = tl.fma(u, one_minus_beta1, m * beta1)
-        store_slot(m, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED)
+        store_slot(m, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
         if FACTORED:
             u = factored_precondition(m, offs, mask, rfac2, cfac2, roff, coff, R, C)
         else:
@@ -236,16 +242,39 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
             alpha = lr
         u = u * alpha
         if HAS_M:
-            m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
+            m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
             u = tl.fma(u, one_minus_beta1, m * beta1)
-            store_slot(u, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED)
+            store_slot(u, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
         if DECAY:
             if SCALE_PARAM:
                 p = tl.fma(p, neg_wd * alpha, p)
             else:
                 p = tl.fma(p, neg_wd_lr, p)
         p = p - u
-    store_param(p, row, offs, mask, P_DTYPE, ALIGNED)
+    store_param(p, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
+@triton.jit
+def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2, sums,
+                  eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd, neg_wd_lr,
+                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  FACTORED: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr,
+                  DECAY: tl.constexpr):
+    """Last pass (flat tiles): recompute u, clip, (m), update p; write p, m and (1-D) v.
+
+    Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
+    ``m = b1 m + (1-b1) u; u = m`` if HAS_M; ``p += p * (-wd a)``; ``p -= u``.
+    CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m); ``p += p (-wd lr)``; ``p -= lr u``."""
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
+                    sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
+                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, False)
+    else:
+        _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
+                    sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
+                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -330,14 +359,14 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
         bucket.launch(_stats_kernel, rows, counts_2d, (rsum, csum, rfac, cfac, sums, eps1, beta1, 1.0 - beta1, clip),
                       writes=False, RESIDUAL=False, **stats)
         bucket.launch(_factors_kernel, rows, counts_mat, (rsum, csum, rfac, cfac, beta2, 1.0 - beta2), writes=True,
-                      STAT=_SQ, FB=runtime.STATS_BLOCK)
+                      STAT=_SQ.value, FB=runtime.STATS_BLOCK)
     bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
                   FACTORED=factored, SUM_P=scale_param and not came, **flat)
     if factored and came:
         bucket.launch(_stats_kernel, rows, counts_2d, (rsum2, csum2, rfac, cfac, sums, eps2, beta1, 1.0 - beta1, clip),
                       writes=False, RESIDUAL=True, **stats)
         bucket.launch(_factors_kernel, rows, counts_mat, (rsum2, csum2, rfac2, cfac2, beta3, 1.0 - beta3),
-                      writes=True, STAT=_RES, FB=runtime.STATS_BLOCK)
+                      writes=True, STAT=_RES.value, FB=runtime.STATS_BLOCK)
     args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
             neg_wd_lr)
     bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, FACTORED=factored, CAME=came, HAS_M=has_m,

@@ -37,43 +37,49 @@ def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, e
 
 
 @triton.jit
-def _lamb_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
-                       beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                       W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
-    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
-    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, FMT, ALIGNED)
+def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums,
+               beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
+               FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+               DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, MASKED: tl.constexpr):
+    """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums. Pass 2: update p, m, v."""
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
     m, v, r = lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, DECAY)
-    r = tl.where(mask, r, 0.0)
-    tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
-    tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(r * r, axis=1), axis=0))
+    if APPLY:
+        coef = neg_lr
+        if TRUST:
+            w_norm = tl.sqrt_rn(tl.load(sums + 2 * t))
+            r_norm = tl.sqrt_rn(tl.load(sums + 2 * t + 1))
+            usable = (w_norm > 0) & (r_norm > 0)
+            trust = tl.where(usable, tl.math.div_rn(w_norm, tl.where(usable, r_norm, 1.0)), 1.0)
+            coef = trust * neg_lr
+        store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+        store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+        store_param(p + r * coef, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    else:
+        if MASKED:
+            r = tl.where(mask, r, 0.0)
+        tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
+        tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(r * r, axis=1), axis=0))
 
 
 @triton.jit
-def _lamb_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
-                       beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
-                       W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
-                       TRUST: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
-    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
-    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, FMT, ALIGNED)
-    m, v, r = lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, DECAY)
-    coef = neg_lr
-    if TRUST:
-        w_norm = tl.sqrt_rn(tl.load(sums + 2 * t))
-        r_norm = tl.sqrt_rn(tl.load(sums + 2 * t + 1))
-        usable = (w_norm > 0) & (r_norm > 0)
-        trust = tl.where(usable, tl.math.div_rn(w_norm, tl.where(usable, r_norm, 1.0)), 1.0)
-        coef = trust * neg_lr
-    store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED)
-    store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED)
-    store_param(p + r * coef, row, offs, mask, P_DTYPE, ALIGNED)
+def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
+                 beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
+                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
+                 TRUST: tl.constexpr, APPLY: tl.constexpr):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
+                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
+                   APPLY, False)
+    else:
+        _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
+                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
+                   APPLY, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -84,11 +90,9 @@ def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
     kw = opt._math_kwargs(group, step)
     beta1, beta2 = kw["betas"]
     wd = scalar(kw["weight_decay"])
-    args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd)
     neg_lr = -(scalar(kw["lr"]) * kw["lr_scale"])
+    args = (bucket.accumulators(2), beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
     trust = not kw["adam"]
-    sums = bucket.accumulators(2)
     if trust:
-        bucket.tile_launch(_lamb_norms_kernel, slots(group), (sums,) + args, writes=False, DECAY=wd != 0)
-    bucket.tile_launch(_lamb_apply_kernel, slots(group), (sums,) + args + (neg_lr,), writes=True, DECAY=wd != 0,
-                       TRUST=trust)
+        bucket.tile_launch(_lamb_kernel, slots(group), args, writes=False, DECAY=wd != 0, TRUST=True, APPLY=False)
+    bucket.tile_launch(_lamb_kernel, slots(group), args, writes=True, DECAY=wd != 0, TRUST=trust, APPLY=True)

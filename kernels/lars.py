@@ -35,27 +35,34 @@ def lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM: tl.cons
 
 
 @triton.jit
-def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
-                       W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
+def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+                     MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
     tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(g * g, axis=1), axis=0))
 
 
-@triton.jit(do_not_specialize=["first_step"])
-def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
-                       neg_lr, momentum, eeta, weight_decay, epsilon, first_step,
+@triton.jit
+def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                       MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
+                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, False)
+    else:
+        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, True)
+
+
+@triton.jit
+def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
+                     epsilon, first_step, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                     ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr,
+                     MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
-        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
+        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
     else:
         buf = g
     d, buf = lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM, DECAY)
@@ -68,8 +75,23 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
         trust = tl.minimum(tl.maximum(tl.where(usable, ratio, 1.0), 0.0), 50.0)
         scale = trust * neg_lr
     if MOMENTUM:
-        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED)
-    store_param(p + d * scale, row, offs, mask, P_DTYPE, ALIGNED)
+        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+    store_param(p + d * scale, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
+@triton.jit(do_not_specialize=["first_step"])
+def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
+                       neg_lr, momentum, eeta, weight_decay, epsilon, first_step,
+                       W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
+                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, False)
+    else:
+        _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
+                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:

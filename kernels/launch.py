@@ -113,8 +113,9 @@ class Bucket:
         units = unit_map(counts, self.device)
         if writes:
             self.written = True
+        # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
         kernel[(sum(counts),)](units, table, *maps(self.device), *args, W=len(rows[0]), **meta,
-                               num_warps=runtime.NUM_WARPS)
+                               num_warps=runtime.NUM_WARPS, enable_fp_fusion=False)
 
     def accumulators(self, n: int) -> torch.Tensor:
         """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""

@@ -25,17 +25,29 @@ def lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr):
 
 
 @triton.jit
+def _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr,
+               decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+               MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+    m, delta = lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr)
+    store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+    store_param(p * decay + delta, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
+@triton.jit
 def _lion_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
-    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
-    m, delta = lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr)
-    store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED)
-    store_param(p * decay + delta, row, offs, mask, P_DTYPE, ALIGNED)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, False)
+    else:
+        _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:

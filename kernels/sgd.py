@@ -35,24 +35,37 @@ def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_ste
     return d, buf
 
 
+@triton.jit
+def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
+              first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+              ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+              DECAY: tl.constexpr, MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    if MOMENTUM:
+        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+    else:
+        buf = g
+    d, buf = sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM, NESTEROV,
+                        MAXIMIZE, DECAY)
+    if MOMENTUM:
+        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+    store_param(tl.fma(d, neg_lr, p * decay), row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
 @triton.jit(do_not_specialize=["first_step"])  # a runtime flag: step 1 and later steps share one compiled kernel
 def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 neg_lr, momentum, one_minus_dampening, weight_decay, first_step, decay,
                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask = tile_coords(units, table, W, ROWS, BLOCK)
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED)
-    if MOMENTUM:
-        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, False)
     else:
-        buf = g
-    d, buf = sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM, NESTEROV,
-                        MAXIMIZE, DECAY)
-    if MOMENTUM:
-        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED)
-    store_param(tl.fma(d, neg_lr, p * decay), row, offs, mask, P_DTYPE, ALIGNED)
+        _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:
