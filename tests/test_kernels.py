@@ -5,8 +5,8 @@ machines without CUDA): each test sends CPU tensors through them with ``runtime.
 the same optimizer's eager path (``_step_param``) started from an exact copy of the kernel's params and state, so
 every check is one step of decode -> math -> encode. Rules checked (docs/kernels.md):
 
-* fp32 state and params: equal to fp32 rounding (a few ulps: GPUs fuse multiply-adds, torch's AVX-512 ``sqrt`` is not
-  correctly rounded, atomics sum norms in another order);
+* fp32 state and params: equal to fp32 rounding (a few ulps: torch's AVX-512 ``sqrt`` is not correctly rounded,
+  atomics sum norms in another order);
 * bf16 state: within one bf16 rounding step; 8-bit state: codes within one code step of the reference, and only a few
   of them off at all; absmax to fp32 rounding.
 
