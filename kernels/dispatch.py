@@ -32,7 +32,7 @@ from lowmemopt.quant.formats import choose_format, format_of
 
 __all__ = ["step_fused", "stats"]
 
-#: launches per (algorithm, format) since import (tests check that the fused path really ran)
+#: buckets stepped by a kernel, per (algorithm, format), since import (tests check that the fused path really ran)
 stats: dict[tuple[str, str], int] = {}
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -107,6 +107,8 @@ def _kernel_for(optimizer, registry, algorithm: str, p: torch.Tensor, group: dic
     # the format the full-size slots have (or will get): a param without any counts as fp32
     full = [name for name, s in slots.items() if s.quantize and s.shape is None]
     state = optimizer.state[p]
+    if not isinstance(state.get("step", 0), int):  # e.g. a tensor step from a foreign state dict
+        return None
     if "step" in state:
         try:
             formats = {format_of(state, name).name for name in full}
