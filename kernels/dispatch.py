@@ -8,7 +8,8 @@ that will be stepped. It returns the ones it did not take; the optimizer steps t
   test runs the Triton interpreter, see :class:`~lowmemopt.kernels.runtime.cpu_interpreter`);
 * the optimizer runs a registered algorithm (:func:`~lowmemopt.kernels.registry.algorithm_of`) and the base class's
   ``_step_param`` (a subclass that replaces it, e.g. to project gradients, keeps it);
-* its group has no ``rank`` (GaLore projects those gradients: the reference path does that) and is not paged;
+* it is not a GaLore parameter (its group has a ``rank``, or its state a projector: the projected path steps it) and
+  its group is not paged;
 * parameter and gradient are contiguous, of the same shape and device, in fp32, bf16 or fp16;
 * its state has exactly the slots the kernel expects, contiguous on the parameter's device, and its full-size slots
   share one format that the registry has a kernel for.
@@ -97,7 +98,9 @@ def _kernel_for(optimizer, registry, algorithm: str, p: torch.Tensor, group: dic
     from . import runtime
 
     g = p.grad
-    if "rank" in group or group.get("paged") not in (False, None):
+    if group.get("rank") is not None or "galore.side" in optimizer.state.get(p, ()):  # GaLore: projected steps
+        return None
+    if group.get("paged") not in (False, None):
         return None
     if not runtime.device_ok(p.device) or p.dtype not in _DTYPES or g.dtype not in _DTYPES:
         return None

@@ -2,7 +2,8 @@
 
 An *algorithm* is named by the pure math an optimizer class runs: its ``math`` function when it uses the base class's
 ``_update`` (AdamW/Adam, SGD, Lion, LAMB, LARS), else its ``_update`` method (Adafactor, CAME). A subclass that
-changes either gets no kernel (it would no longer be the math the kernel reproduces) and takes the reference path.
+changes either, or how the update is applied (``_apply_update``, e.g. transformers-style AdamW's decay after the
+update), gets no kernel (it would no longer be the math the kernel reproduces) and takes the reference path.
 A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16`` or ``q8`` (a parameter
 without full-size slots, e.g. SGD without momentum, counts as ``fp32``).
 
@@ -71,10 +72,14 @@ def _load() -> None:
     _loaded = True
 
 
-def algorithm_of(optimizer: LowMemOptimizer) -> str | None:
-    """The registered algorithm ``optimizer`` runs, or None."""
+def algorithm_of(optimizer: LowMemOptimizer | type) -> str | None:
+    """The registered algorithm an optimizer (instance or class) runs, or None. A class that overrides how the update
+    is computed or applied (``_run_update``, ``_apply_update``) runs something the kernels do not reproduce."""
     _load()
-    cls = type(optimizer)
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for hook in ("_run_update", "_apply_update"):
+        if getattr(cls, hook, None) is not getattr(LowMemOptimizer, hook, None):
+            return None
     fn = cls._update
     if fn is LowMemOptimizer._update:
         fn = cls.math
