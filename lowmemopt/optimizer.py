@@ -29,6 +29,10 @@ GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projec
 same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
 gradient, the update projected back and applied through :meth:`LowMemOptimizer._apply_update`.
 
+GPU fast path: on CUDA, parameters whose (algorithm, state format) has a fused Triton kernel are stepped by
+multi-tensor kernel launches instead (:mod:`lowmemopt.kernels`, see ``docs/kernels.md``); everything else takes the
+reference path below.
+
 CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
 fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
 the eager path below. Both call the same ``_update``.
@@ -259,6 +263,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         finite = _finite_flags([p.grad for p, _ in work])
         todo = [item for item, ok in zip(work, finite) if ok]
         skipped = len(work) - len(todo)
+        if pager is None:  # fused Triton kernels take what they support (CUDA); paged state goes param by param
+            from .kernels.dispatch import step_fused
+
+            todo = step_fused(self, todo)
         for p, group in todo if pager is None else pager.steps(todo):  # paged: state fetched, then written back
             self._step_param(p, p.grad, group)
         if skipped:
