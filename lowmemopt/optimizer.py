@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from . import compiled
+from .distributed.reduction import LOCAL, Reduction
+from .distributed.sharding import agree_finite, is_dtensor, local_tensor, local_view, localize_state, present_state
 from .quant.formats import Q8, choose_format, format_of, map_for
 from .quant.maps import code_book, encode_table
 
@@ -61,6 +63,7 @@ class Slot(NamedTuple):
     signed: bool  # may hold negative values (selects the signed or unsigned 8-bit map)
     quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
     shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
+    dims: tuple[int | None, ...] | None = None  # with shape: the parameter dim each dim runs along (sharded layouts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,16 +182,27 @@ class LowMemOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _update(
-        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        group: dict[str, Any],
+        step: int,
+        reduce: Reduction = LOCAL,
     ) -> torch.Tensor | tuple[torch.Tensor, float]:
         """fp32 math: update ``state`` in place and return the delta to add to ``p``, or ``(direction, alpha)`` meaning
         ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does). By default: ``self.math``
-        called with :meth:`_math_kwargs`.
+        called with :meth:`_math_kwargs` (and ``reduce=`` unless elementwise).
+
+        ``reduce`` (:mod:`lowmemopt.distributed.reduction`): how whole-tensor reductions are taken when ``p`` is the
+        local shard of a sharded parameter; non-elementwise math must do every norm and mean through it.
 
         ``p`` is the fp32 working copy that the step writes back. Leave it unchanged, except for weight decay that a
         constant ``_decay_factor`` cannot express (Adafactor's decay scales with RMS(p)): that may be applied to ``p``
         in place, in the reference's order; it is then followed by the ``_decay_factor`` multiply and the delta."""
-        return self.math(p, g, state, **self._math_kwargs(group, step))
+        if self.elementwise:
+            return self.math(p, g, state, **self._math_kwargs(group, step))
+        return self.math(p, g, state, **self._math_kwargs(group, step), reduce=reduce)
 
     def _math_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         """Keyword arguments of ``self.math``: the group's ``self.hyper`` entries plus :meth:`_step_scalars`."""
@@ -241,7 +255,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 work.append((p, group))
         if not work:
             return loss
-        finite = _finite_flags([p.grad for p, _ in work])
+        grads = [local_tensor(p.grad) for p, _ in work]
+        finite = agree_finite(_finite_flags(grads), [p for p, _ in work], grads)
         skipped = 0
         for (p, group), ok in zip(work, finite):
             if ok:
@@ -258,8 +273,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
             )
         return loss
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot]) -> dict[str, Any]:
-        state = self.state[p]
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Zero state for ``p`` (a DTensor's local shard, whose ``state`` is then given) in ``slots``' formats."""
+        state = self.state[p] if state is None else state
         state["step"] = 0
         for name, slot in slots.items():
             shape = p.shape if slot.shape is None else torch.Size(slot.shape)
@@ -268,10 +286,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return state
 
     def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
-        slots = self._slots(group, p)
         state = self.state[p]
+        p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
+        slots = self._slots(group, p)
         if "step" not in state:
-            state = self._init_state(p, group, slots)
+            state = self._init_state(p, group, slots, state)
         state["step"] += 1
         step = state["step"]
         formats = {name: format_of(state, name) for name in slots}
@@ -283,16 +302,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
         start = 0
         if self.elementwise and self.math is not None and compiled.applies(p):
             start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
-        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start)
+        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         if target is not p:
             p.copy_(target)
 
-    def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start):
-        """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise)."""
+    def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce=LOCAL):
+        """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise).
+        A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
+        for this rank's (zero) contribution."""
         bs = group["block_size"]
         n = pflat.numel()
         chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if self.elementwise else max(n, 1)
-        for lo in range(start, n, chunk):
+        stop = 1 if n == 0 and reduce.distributed and not self.elementwise else n
+        for lo in range(start, stop, chunk):
             hi = min(n, lo + chunk)
             p32 = pflat[lo:hi].float()
             g32 = gflat[lo:hi].float()
@@ -301,7 +323,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             else:
                 st = {k: self._decode_whole(state, k, s, formats[k], p, bs) for k, s in slots.items()}
                 p32, g32 = p32.view(p.shape), g32.view(p.shape)
-            delta = self._update(p32, g32, st, group, step)
+            delta = self._update(p32, g32, st, group, step, reduce)
             delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
             for k, s in slots.items():
                 value = st[k].reshape(-1)
@@ -373,6 +395,12 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
 
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state_dict["lowmemopt_format"] = FORMAT_VERSION
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(is_dtensor(p) for p in params):  # sharded state as DTensors (lowmemopt.distributed.sharding.present_state)
+        state = state_dict["state"] = dict(state_dict["state"])
+        for index, p in enumerate(params):
+            if is_dtensor(p) and index in state:
+                state[index] = present_state(optimizer, p, state[index])
     return state_dict
 
 
@@ -404,7 +432,8 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
             value = state_dict["state"].get(key)
             if isinstance(value, dict):
                 where = f"load_state_dict: parameter {i} of param group {gi}"
-                converted[key] = convert_param_state(optimizer, p, value, saved, target, where)
+                local, value = localize_state(p, value)  # DTensor state -> the local shard's
+                converted[key] = convert_param_state(optimizer, local, value, saved, target, where)
     state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in converted}
     storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)

@@ -1,0 +1,7 @@
+"""torch.distributed support: FSDP2 / DTensor parameters (state on the local shard, reductions over the shards),
+DDP (plain replicated parameters: nothing to do), torch.distributed.checkpoint. See ``docs/distributed.md``."""
+
+from .reduction import LOCAL, Reduction, ShardedReduction
+from .sharding import is_dtensor, local_tensor
+
+__all__ = ["LOCAL", "Reduction", "ShardedReduction", "is_dtensor", "local_tensor"]
