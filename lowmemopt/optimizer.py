@@ -45,7 +45,14 @@ import torch
 
 from . import compiled
 from .distributed.reduction import LOCAL, Reduction
-from .distributed.sharding import agree_finite, is_dtensor, local_tensor, local_view, localize_state, present_state
+from .distributed.sharding import (
+    agree_finite,
+    local_tensor,
+    local_view,
+    localize_state,
+    present_state,
+    presented_params,
+)
 from .quant.formats import Q8, choose_format, format_of, map_for
 from .quant.maps import code_book, encode_table
 
@@ -395,11 +402,11 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
 
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state_dict["lowmemopt_format"] = FORMAT_VERSION
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(is_dtensor(p) for p in params):  # sharded state as DTensors (lowmemopt.distributed.sharding.present_state)
+    presented = presented_params(optimizer)  # DTensor params: state as DTensors (lowmemopt.distributed.sharding)
+    if presented:
         state = state_dict["state"] = dict(state_dict["state"])
-        for index, p in enumerate(params):
-            if is_dtensor(p) and index in state:
+        for index, p in presented:
+            if index in state:
                 state[index] = present_state(optimizer, p, state[index])
     return state_dict
 

@@ -521,8 +521,7 @@ def dcp_reshard(ctx):
         tgts = targets(shapes)
         for t in range(start, start + steps):
             for i, p in enumerate(model.parameters()):
-                g = grad_for(full(p), tgts[i], t, i)
-                p.grad = distribute_tensor(g.to(ctx.device), p.device_mesh, p.placements)
+                set_grad(p, grad_for(full(p), tgts[i], t, i).to(ctx.device))
             opt.step()
 
     def same(a, b, kw, what):
@@ -564,14 +563,28 @@ def dcp_reshard(ctx):
             check(opt1.state[next(iter(model1.parameters()))]["step"] == 3, f"{what}: step not restored")
             save(model1, opt1, path1, solo_group)
             saved1 = got
+            # an unsharded model (plain tensors, no FSDP): the same checkpoint entries under dense_state_dict
+            plain = Holder([t.to(ctx.device) for t in tensors])
+            opt_p = cls(plain.parameters(), **kw)
+            with lowmemopt.distributed.dense_state_dict(opt_p):
+                load(plain, opt_p, path2, solo_group)
+                same(saved2, full_state(plain, opt_p), kw, f"{what} 2->1 unsharded")
+                train_steps(plain, opt_p, 3, 1)
+                saved_plain = full_state(plain, opt_p)
+                save(plain, opt_p, path1 + "-plain", solo_group)
+            check(any(k.endswith(".codes") for k in opt_p.state_dict()["state"][0]) == (kw.get("state_bits") == 8),
+                  f"{what}: outside dense_state_dict an unsharded optimizer's state_dict is compact again")
         else:
-            saved1 = None
+            saved1 = saved_plain = None
         dist.barrier()
-        holder = [saved1]
+        holder = [saved1, saved_plain]
         dist.broadcast_object_list(holder, src=0)
         model_c, opt_c = fresh(ctx.mesh, cls, kw)
         load(model_c, opt_c, path1)
         same(holder[0], full_state(model_c, opt_c), kw, f"{what} 1->2")
+        model_e, opt_e = fresh(ctx.mesh, cls, kw)
+        load(model_e, opt_e, path1 + "-plain")
+        same(holder[1], full_state(model_e, opt_e), kw, f"{what} unsharded 1->2")
         if kw.get("state_bits", 32) == 32:  # a 32-bit reload continues exactly like the uninterrupted run
             model_d, opt_d = fresh(ctx.mesh, cls, kw)
             load(model_d, opt_d, path2)

@@ -3,6 +3,15 @@ DDP (plain replicated parameters: nothing to do), torch.distributed.checkpoint. 
 
 from .files import process_rank, rank_path
 from .reduction import LOCAL, Reduction, ShardedReduction
-from .sharding import is_dtensor, local_tensor
+from .sharding import dense_state_dict, is_dtensor, local_tensor
 
-__all__ = ["LOCAL", "Reduction", "ShardedReduction", "is_dtensor", "local_tensor", "process_rank", "rank_path"]
+__all__ = [
+    "LOCAL",
+    "Reduction",
+    "ShardedReduction",
+    "dense_state_dict",
+    "is_dtensor",
+    "local_tensor",
+    "process_rank",
+    "rank_path",
+]

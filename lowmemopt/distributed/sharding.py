@@ -16,7 +16,8 @@ a DTensor before that module is loaded.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,8 @@ __all__ = [
     "agree_finite",
     "slot_layout",
     "present_state",
+    "presented_params",
+    "dense_state_dict",
     "localize_state",
     "shard_layout",
 ]
@@ -122,32 +125,42 @@ def slot_layout(p, slot: "Slot", global_shape: torch.Size) -> tuple[list, torch.
 
 
 def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dict[str, Any]:
-    """One DTensor parameter's state as ``state_dict()`` shows it: every slot a DTensor laid out like the parameter
-    (q8 slots decoded to fp32: 8-bit blocks are laid over each local shard, so codes and per-block absmax mean nothing
-    at another sharding, while the fp32 values reshard like any tensor), ``step`` an int. Dense slots are wrapped
-    without a copy; q8 slots cost an fp32 copy of the local shard."""
-    from torch.distributed.tensor import DTensor
+    """One parameter's state as ``state_dict()`` shows it for ``torch.distributed.checkpoint``: every slot a tensor
+    laid out like the parameter (a DTensor for a DTensor parameter), q8 slots decoded to fp32, ``step`` an int.
 
+    Why fp32: 8-bit blocks are laid over each local shard, so codes and per-block absmax mean nothing at another
+    sharding, while fp32 values reshard like any tensor; ``load_state_dict`` re-encodes them into the loading
+    optimizer's blocks. Dense (fp32 / bf16) slots are shown without a copy; q8 slots cost an fp32 copy of the local
+    shard while the state dict lives."""
     from ..quant.formats import Q8, format_of
 
     group = _group_of(optimizer, p)
-    local = p.to_local()
+    local = local_tensor(p)
     local_slots = optimizer._slots(group, local)
-    global_slots = optimizer._slots(group, p)
     out: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    if not any(name in state or name + ".codes" in state for name in local_slots):
+        return dict(state)  # no state yet (or not ours): shown as it is
+    global_slots = optimizer._slots(group, p) if is_dtensor(p) else local_slots
     for name, slot in local_slots.items():
         shape = local.shape if slot.shape is None else torch.Size(slot.shape)
         fmt = format_of(state, name)
         if fmt is Q8:
             value = fmt.decode(state, name, 0, shape.numel(), slot.signed, group["block_size"]).view(shape)
         else:
-            value = state[name]  # fp32 or bf16, the local shard's shape: wrapped as it is
-        gshape = p.shape if slot.shape is None else torch.Size(global_slots[name].shape)
-        placements, gshape = slot_layout(p, slot, gshape)
-        out[name] = DTensor.from_local(
-            value, p.device_mesh, placements, run_check=False, shape=gshape, stride=_contiguous_stride(gshape)
-        )
+            value = state[name]  # fp32 or bf16, the local shard's shape: shown as it is
+        out[name] = _as_dtensor(p, slot, global_slots[name], value) if is_dtensor(p) else value
     return out
+
+
+def _as_dtensor(p, slot: "Slot", global_slot: "Slot", local_value: torch.Tensor):
+    """``local_value`` (a slot of ``p``'s local shard) as a DTensor laid out like ``p`` (no copy)."""
+    from torch.distributed.tensor import DTensor
+
+    gshape = p.shape if slot.shape is None else torch.Size(global_slot.shape)
+    placements, gshape = slot_layout(p, slot, gshape)
+    return DTensor.from_local(
+        local_value, p.device_mesh, placements, run_check=False, shape=gshape, stride=_contiguous_stride(gshape)
+    )
 
 
 def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -172,6 +185,33 @@ def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, An
             )
         out[key] = value
     return p.to_local(), out
+
+
+@contextmanager
+def dense_state_dict(optimizer: "LowMemOptimizer") -> Iterator["LowMemOptimizer"]:
+    """While active, ``optimizer.state_dict()`` shows the state of *every* parameter as for a sharded one: q8 slots
+    decoded to fp32, each slot a tensor of the parameter's layout. Use it around ``get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict`` and ``torch.distributed.checkpoint`` with an unsharded (plain-tensor) model, so its
+    checkpoint entries match a sharded run's (DTensor parameters are always shown that way)::
+
+        with lowmemopt.distributed.dense_state_dict(opt):
+            sd = {"optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(sd, checkpoint_id=path)
+            set_optimizer_state_dict(model, opt, sd["optim"])
+    """
+    previous = getattr(optimizer, "_dense_state_dict", False)
+    optimizer._dense_state_dict = True
+    try:
+        yield optimizer
+    finally:
+        optimizer._dense_state_dict = previous
+
+
+def presented_params(optimizer: "LowMemOptimizer") -> list[tuple[int, Any]]:
+    """(state-dict index, param) of the parameters whose state ``state_dict()`` shows with :func:`present_state`."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    dense = getattr(optimizer, "_dense_state_dict", False)
+    return [(i, p) for i, p in enumerate(params) if dense or is_dtensor(p)]
 
 
 def _group_of(optimizer, p) -> dict[str, Any]:
