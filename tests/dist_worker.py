@@ -305,6 +305,27 @@ def factored_shard_columns(ctx):
 
 
 @case
+def partial_gradients(ctx):
+    """Tensor-parallel style: a replicated parameter whose gradient is a pending sum (Partial) over the ranks; the
+    optimizer reduces it to the parameter's placement first, and the step equals one process's on the summed gradient."""
+    from torch.distributed.tensor import Partial
+
+    for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2)), (lowmemopt.CAME, dict(lr=1e-3))]:
+        tensors = full_params([(6, 5)])
+        params = dtensor_params(ctx, tensors, [[Replicate()]])
+        ref_params = plain_params(tensors)
+        opt, ref_opt = cls(params, **kw), cls(ref_params, **kw)
+        for t in range(3):
+            g = grad_for(ref_params[0], targets([(6, 5)])[0], t, 0)
+            ref_params[0].grad = g.clone()
+            part = g * (ctx.rank + 1) / sum(range(1, ctx.world + 1))  # shares that sum to g
+            params[0].grad = DTensor.from_local(part.to(ctx.device), ctx.mesh, [Partial()])
+            opt.step()
+            ref_opt.step()
+        compare(params, ref_params, f"{cls.__name__} Partial gradient", rtol=1e-5, atol=1e-6)
+
+
+@case
 def factored_column_reduction_matters(ctx):
     """The test above can fail: skipping the column statistic's sum over row shards (ColossalAI's distributed
     Adafactor/CAME) gives a visibly different result on full-rank gradients."""
