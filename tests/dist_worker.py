@@ -72,15 +72,17 @@ class Holder(torch.nn.Module):
             self.register_parameter(f"p{i}", torch.nn.Parameter(t.clone()))
 
 
-def fsdp_params(ctx, tensors):
-    """FSDP2-sharded (Shard(0), padded uneven shards) parameters holding ``tensors``; returns (module, params)."""
+def fsdp_params(ctx, tensors, mesh=None):
+    """FSDP2-sharded (Shard(0), padded uneven shards; HSDP on a 2-D mesh) parameters holding ``tensors``; returns
+    (module, params)."""
     module = Holder([t.to(ctx.device) for t in tensors])
-    fully_shard(module, mesh=ctx.mesh)
+    fully_shard(module, mesh=ctx.mesh if mesh is None else mesh)
     return module, list(module.parameters())
 
 
-def dtensor_params(ctx, tensors, placements):
-    return [torch.nn.Parameter(distribute_tensor(t.to(ctx.device), ctx.mesh, pl)) for t, pl in zip(tensors, placements)]
+def dtensor_params(ctx, tensors, placements, mesh=None):
+    mesh = ctx.mesh if mesh is None else mesh
+    return [torch.nn.Parameter(distribute_tensor(t.to(ctx.device), mesh, pl)) for t, pl in zip(tensors, placements)]
 
 
 def plain_params(tensors):
@@ -158,13 +160,13 @@ def compare_state(opt, params, ref_opt, ref_params, what, exact=False, rtol=1e-5
 UNEVEN = [(7, 5), (9, 3), (5, 3, 3, 3), (7,), (1, 6)]
 
 
-def run_pair(ctx, cls, kwargs, shapes, steps, placements=None):
+def run_pair(ctx, cls, kwargs, shapes, steps, placements=None, mesh=None):
     """Sharded (FSDP2, or DTensors with ``placements``) and single-process runs of ``cls(**kwargs)``."""
     tensors = full_params(shapes)
     if placements is None:
-        _, params = fsdp_params(ctx, tensors)
+        _, params = fsdp_params(ctx, tensors, mesh)
     else:
-        params = dtensor_params(ctx, tensors, placements)
+        params = dtensor_params(ctx, tensors, placements, mesh)
     ref_params = plain_params(tensors)
     opt, ref_opt = cls(params, **kwargs), cls(ref_params, **kwargs)
     step_both(opt, params, ref_opt, ref_params, targets(shapes), steps)
@@ -355,6 +357,32 @@ def factored_8bit(ctx):
         opt, params, ref_opt, ref_params = run_pair(
             ctx, cls, dict(kw, state_bits=8, block_size=16, min_quant_numel=0), [(8, 32), (6, 48)], 10)
         compare(params, ref_params, what, rtol=1e-4, atol=1e-5)
+
+
+FOUR_RANK_CASES = ["mesh_2d"]
+
+
+@case
+def mesh_2d(ctx):
+    """A 2 x 2 mesh (4 ranks): a tensor sharded on two dims at once (rows over one mesh dim, columns over the other:
+    each statistic sums over the right one), and HSDP (Replicate x Shard(0))."""
+    check(ctx.world == 4, "mesh_2d needs 4 ranks")
+    mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    shapes = [(7, 5), (9, 3), (2, 7, 5), (5, 7)]
+    placements = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(1), Shard(2)], [Replicate(), Shard(1)]]
+    for cls, kw in FACTORED + [(lowmemopt.LAMB, dict(lr=1e-2)), (lowmemopt.LARS, dict(lr=1e-1, momentum=0.9))]:
+        what = f"{cls.__name__} {kw} 2-D sharded"
+        opt, params, ref_opt, ref_params = run_pair(ctx, cls, kw, shapes, 10, placements=placements, mesh=mesh)
+        compare(params, ref_params, what)
+        if cls not in (lowmemopt.LAMB, lowmemopt.LARS):
+            compare_state(opt, params, ref_opt, ref_params, what, rtol=1e-5, atol=1e-7)
+    for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2, state_bits=16)), (lowmemopt.Adafactor, dict(beta1=0.9)),
+                    (lowmemopt.CAME, dict(lr=1e-3))]:
+        what = f"{cls.__name__} HSDP"
+        opt, params, ref_opt, ref_params = run_pair(ctx, cls, kw, UNEVEN, 10, mesh=mesh)
+        check(tuple(params[0].placements) == (Replicate(), Shard(0)), f"HSDP placements {params[0].placements}")
+        compare(params, ref_params, what, exact=cls is lowmemopt.AdamW)
+        compare_state(opt, params, ref_opt, ref_params, what, exact=cls is lowmemopt.AdamW)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -44,14 +44,24 @@ def _check(results, name):
         pytest.fail("\n".join(problems), pytrace=False)
 
 
+TWO_RANK_CASES = [c for c in dist_worker.CASES if c not in dist_worker.FOUR_RANK_CASES]
+
+
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
-    return _run_job(tmp_path_factory.mktemp("gloo"), 2, "gloo", list(dist_worker.CASES))
+    return _run_job(tmp_path_factory.mktemp("gloo"), 2, "gloo", TWO_RANK_CASES)
 
 
-@pytest.mark.parametrize("name", list(dist_worker.CASES))
+@pytest.mark.parametrize("name", TWO_RANK_CASES)
 def test_gloo_two_ranks(gloo_results, name):
     _check(gloo_results, name)
+
+
+def test_gloo_four_ranks_2d_mesh(tmp_path):
+    """Tensors sharded over two mesh dims at once, and HSDP: 4 processes (~1 minute on 2 cores)."""
+    results = _run_job(tmp_path, 4, "gloo", dist_worker.FOUR_RANK_CASES)
+    for name in dist_worker.FOUR_RANK_CASES:
+        _check(results, name)
 
 
 # cases that need two ranks to mean anything (reshard 2 <-> 1, a reduction that must differ, a foreign layout)
@@ -62,7 +72,7 @@ _TWO_RANKS_ONLY = {"dcp_reshard", "factored_column_reduction_matters", "save_sta
 def test_nccl(tmp_path):
     """The same cases over NCCL on CUDA: two ranks with two GPUs, else one rank (collectives on a mesh of one)."""
     world = min(2, torch.cuda.device_count())
-    cases = [c for c in dist_worker.CASES if world == 2 or c not in _TWO_RANKS_ONLY]
+    cases = [c for c in TWO_RANK_CASES if world == 2 or c not in _TWO_RANKS_ONLY]
     results = _run_job(tmp_path, world, "nccl", cases)
     for name in cases:
         _check(results, name)
