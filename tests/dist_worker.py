@@ -669,6 +669,10 @@ def save_state_per_rank(ctx):
         meta = lowmemopt.checkpoint.read_metadata(mine)
         check(meta["sharding"]["rank"] == ctx.rank and meta["sharding"]["world_size"] == ctx.world,
               f"sharding metadata {meta.get('sharding')}")
+        from lowmemopt.cli import _describe
+
+        text = _describe(mine, meta, list_params=True)
+        check(f"rank {ctx.rank} of world size {ctx.world}" in text, f"lowmemopt inspect does not say the rank:\n{text}")
         model2, params2 = fsdp_params(ctx, [full(p) for p in params])
         opt2 = cls(params2, **kw)
         lowmemopt.load_state(opt2, path, model=model2)
