@@ -202,7 +202,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         called with :meth:`_math_kwargs` (and ``reduce=`` unless elementwise).
 
         ``reduce`` (:mod:`lowmemopt.distributed.reduction`): how whole-tensor reductions are taken when ``p`` is the
-        local shard of a sharded parameter; non-elementwise math must do every norm and mean through it.
+        local shard of a sharded parameter; non-elementwise math must do every norm and mean through it. It is passed
+        only for sharded parameters, so an override without it still works on plain tensors.
 
         ``p`` is the fp32 working copy that the step writes back. Leave it unchanged, except for weight decay that a
         constant ``_decay_factor`` cannot express (Adafactor's decay scales with RMS(p)): that may be applied to ``p``
@@ -330,7 +331,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             else:
                 st = {k: self._decode_whole(state, k, s, formats[k], p, bs) for k, s in slots.items()}
                 p32, g32 = p32.view(p.shape), g32.view(p.shape)
-            delta = self._update(p32, g32, st, group, step, reduce)
+            delta = self._update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
             delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
             for k, s in slots.items():
                 value = st[k].reshape(-1)
