@@ -99,11 +99,13 @@ def agree_finite(flags: list[bool], params: Sequence[torch.Tensor], grads: Seque
 # state_dict presentation: local state <-> DTensors laid out like the parameter
 
 
-def slot_layout(p, slot: "Slot", global_shape: torch.Size) -> tuple[list, torch.Size]:
-    """``(placements, global shape)`` of a slot of DTensor parameter ``p``. A parameter-shaped slot is placed like
-    ``p``. A slot with its own shape (a factored statistic) has ``slot.dims``: the parameter dim each of its dims runs
-    along; a mesh dim that shards parameter dim ``d`` shards the statistic's dim that runs along ``d``, and replicates
-    it if none does (the statistic was reduced over ``d``, so every shard holds the same values)."""
+def slot_layout(p, slot: "Slot", local_shape: torch.Size) -> tuple[list, torch.Size]:
+    """``(placements, global shape)`` of a slot of DTensor parameter ``p`` whose local tensor has ``local_shape``.
+
+    A parameter-shaped slot is placed like ``p``. A slot with its own shape (a factored statistic, a low-rank state)
+    has ``slot.dims``: the parameter dim each of its dims runs along (None: none). A mesh dim that shards parameter dim
+    ``d`` shards the slot's dim that runs along ``d`` (whose global size is then ``p``'s), and replicates the slot if
+    none does (it was reduced over ``d``, or does not depend on it: every shard holds the same values)."""
     from torch.distributed.tensor import Replicate, Shard
 
     if slot.shape is None:
@@ -112,16 +114,20 @@ def slot_layout(p, slot: "Slot", global_shape: torch.Size) -> tuple[list, torch.
         raise ValueError(f"slot of shape {slot.shape} declares no dims: cannot lay it out like a sharded parameter")
     ndim = p.dim()
     dims = [None if d is None else d % ndim for d in slot.dims]
-    placements = []
+    placements, shape = [], list(local_shape)
     for placement in p.placements:
         if placement.is_replicate():
             placements.append(Replicate())
         elif placement.is_shard():
             d = placement.dim % ndim
-            placements.append(Shard(dims.index(d)) if d in dims else Replicate())
+            if d in dims:
+                placements.append(Shard(dims.index(d)))
+                shape[dims.index(d)] = p.shape[d]
+            else:
+                placements.append(Replicate())
         else:
             raise ValueError(f"cannot lay out optimizer state for a parameter placed {placement}")
-    return placements, global_shape
+    return placements, torch.Size(shape)
 
 
 def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dict[str, Any]:
@@ -140,27 +146,36 @@ def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dic
     out: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     if not any(name in state or name + ".codes" in state for name in local_slots):
         return dict(state)  # no state yet (or not ours): shown as it is
-    global_slots = optimizer._slots(group, p) if is_dtensor(p) else local_slots
+    keys = set()
     for name, slot in local_slots.items():
         shape = local.shape if slot.shape is None else torch.Size(slot.shape)
         fmt = format_of(state, name)
+        keys.update(fmt.keys(name))
         if fmt is Q8:
             value = fmt.decode(state, name, 0, shape.numel(), slot.signed, group["block_size"]).view(shape)
         else:
             value = state[name]  # fp32 or bf16, the local shard's shape: shown as it is
-        out[name] = _as_dtensor(p, slot, global_slots[name], value) if is_dtensor(p) else value
+        out[name] = _as_dtensor(p, slot, value) if is_dtensor(p) else value
+    for key, value in state.items():  # other tensors (not laid out like the parameter): the same on every rank
+        if isinstance(value, torch.Tensor) and key not in keys:
+            out[key] = _replicated(p, value) if is_dtensor(p) else value
     return out
 
 
-def _as_dtensor(p, slot: "Slot", global_slot: "Slot", local_value: torch.Tensor):
+def _as_dtensor(p, slot: "Slot", local_value: torch.Tensor):
     """``local_value`` (a slot of ``p``'s local shard) as a DTensor laid out like ``p`` (no copy)."""
     from torch.distributed.tensor import DTensor
 
-    gshape = p.shape if slot.shape is None else torch.Size(global_slot.shape)
-    placements, gshape = slot_layout(p, slot, gshape)
+    placements, gshape = slot_layout(p, slot, local_value.shape)
     return DTensor.from_local(
         local_value, p.device_mesh, placements, run_check=False, shape=gshape, stride=_contiguous_stride(gshape)
     )
+
+
+def _replicated(p, value: torch.Tensor):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(value, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
 
 
 def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
