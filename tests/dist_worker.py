@@ -19,8 +19,6 @@ import sys
 import tempfile
 import traceback
 
-os.environ.setdefault("LOWMEMOPT_COMPILE", "0")  # the compiled CPU path is tested elsewhere; it compiles slowly
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -765,6 +763,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="lowmemopt-dist-")
     os.makedirs(out, exist_ok=True)
+    os.environ.setdefault("LOWMEMOPT_COMPILE", "0")  # for the spawned ranks: the compiled CPU path is tested elsewhere
     names = [n for n in args.cases.split(",") if n]
     unknown = sorted(set(names) - set(CASES))
     if unknown:
