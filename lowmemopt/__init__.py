@@ -1,8 +1,21 @@
 """lowmemopt: memory-efficient PyTorch optimizers (8/16/32-bit state) that drop in for torch.optim."""
 
-from .aliases import Adafactor8bit, Adam8bit, AdamW8bit, CAME8bit, LAMB8bit, LARS8bit, Lion8bit
+from .aliases import (
+    Adafactor8bit,
+    Adam8bit,
+    AdamW8bit,
+    CAME8bit,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    LAMB8bit,
+    LARS8bit,
+    Lion8bit,
+)
 from .checkpoint import load_state, save_state
 from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW, Lion
+from .per_layer import step_in_backward
+from .projection import galore_param_groups
 
 __version__ = "0.1.0"
 
@@ -16,6 +29,9 @@ __all__ = [
     "AdamW8bit",
     "CAME",
     "CAME8bit",
+    "GaLoreAdafactor",
+    "GaLoreAdamW",
+    "GaLoreAdamW8bit",
     "LAMB",
     "LAMB8bit",
     "LARS",
@@ -23,6 +39,8 @@ __all__ = [
     "Lion",
     "Lion8bit",
     "SGD",
+    "galore_param_groups",
     "load_state",
     "save_state",
+    "step_in_backward",
 ]

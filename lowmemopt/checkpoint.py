@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from .distributed.files import process_rank, rank_path
 from .distributed.sharding import is_dtensor, local_tensor, shard_layout
 from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
+from .projection.projector import projector_problem, split_projector_state
 from .quant.blockwise import num_blocks
 from .quant.formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of, map_for
 from .quant.maps import MAP_NAMES, code_book
@@ -117,7 +118,8 @@ def _target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat
 
 
 def _slot_shape(slot: Slot, param: torch.Tensor) -> torch.Size:
-    return param.shape if slot.shape is None else torch.Size(slot.shape)
+    """The stored shape of a slot of ``param`` (a DTensor's: its local shard's)."""
+    return local_tensor(param).shape if slot.shape is None else torch.Size(slot.shape)
 
 
 def _dense_format(t: torch.Tensor) -> StateFormat:
@@ -138,11 +140,16 @@ def convert_param_state(
     (``exp_avg``, tensor ``step``, any float dtype) or bitsandbytes state (``state1``/``state2`` + ``absmax``/``qmap``,
     nested or not), whose N-th state is the optimizer's N-th slot (AdamW: ``exp_avg``, ``exp_avg_sq``). Slots already in
     the target format are returned as they are (no copy); others are decoded and re-encoded. Raises CheckpointError
-    naming ``where`` and the problem."""
+    naming ``where`` and the problem. A GaLore projector (``galore.*``: fp32 bases and ints) is checked against the
+    group and kept as it is."""
     state = {k: v for k, v in state.items() if v is not None}  # torch.optim may store None buffers
     if not state:
         return {}
-    slots = optimizer._slots(group, param)
+    projector, state = split_projector_state(state)
+    problem = projector_problem(projector, group, param.shape)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    slots = optimizer._state_slots(group, param)
     if "state1" in state or _BNB_QUANT_KEY in state:
         sources = _bnb_sources(state, slots, where)
     else:
@@ -151,6 +158,7 @@ def convert_param_state(
         raise CheckpointError(f"{where}: the state has slots {sorted(sources)} but no 'step' count")
     step = state["step"]
     out: dict[str, Any] = {"step": int(step.item() if isinstance(step, torch.Tensor) else step)}
+    out.update({k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()})  # fp32: no copy
     dst_bs = group["block_size"]
     for name, slot in slots.items():
         src, src_bs, tensors = sources[name]
@@ -365,13 +373,22 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
     if not state:
         return entry
     where = f"cannot save '{name}'"
-    slots = optimizer._slots(group, local)
-    used = {"step"}
+    slots = optimizer._state_slots(group, p)
+    projector, _ = split_projector_state(state)
+    problem = projector_problem(projector, group, p.shape)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    used = {"step"} | set(projector)
+    if projector:  # GaLore: fp32 bases as tensors, the ints in the metadata
+        entry["projector"] = {k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in projector.items()}
+        for key, t in projector.items():
+            if isinstance(t, torch.Tensor):
+                tensors[f"{name}/{key}"] = t.detach().float().cpu().contiguous()
     for slot_name, slot in slots.items():
         if slot_name not in state and slot_name + ".codes" not in state:
             raise CheckpointError(f"{where}: its state has no slot '{slot_name}'")
         fmt = format_of(state, slot_name)
-        shape = _slot_shape(slot, local)
+        shape = _slot_shape(slot, p)
         stored = {k: state[k] for k in fmt.keys(slot_name)}
         for key, t in stored.items():
             if t.dtype != _storage_dtype(fmt, key):
@@ -479,6 +496,11 @@ def _validated_meta(f: Any, path: str) -> dict[str, Any]:
                     expected[f"{name}/{slot}.absmax"] = ("F32", [num_blocks(numel, bs)])
                 else:
                     expected[f"{name}/{slot}"] = (_DTYPES[fmt], list(info["shape"]))
+            for key, value in entry.get("projector", {}).items():
+                if isinstance(value, list):
+                    expected[f"{name}/{key}"] = ("F32", [int(d) for d in value])
+                elif isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"projector entry {key!r}: {value!r}")
         groups = meta["param_groups"]
         for group in groups:
             for n in group["params"]:
@@ -596,7 +618,7 @@ def _plan(optimizer, meta, model, path):
         if problem:
             mismatched[name] = problem
         else:
-            slots = optimizer._slots(group, local_tensor(p)) if entry["step"] is not None else {}
+            slots = optimizer._state_slots(group, p) if entry["step"] is not None else {}
             plans.append(_Plan(name, p, entry, group, slots))
     return plans, LoadReport(missing, unexpected, mismatched, [], same_layout)
 
@@ -610,12 +632,15 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
             f"sharded differently: shard {_describe_layout(saved)} in the file, {_describe_layout(layout)} here (a "
             "per-rank file loads only at the same sharding; to reshard use torch.distributed.checkpoint)"
         )
-    p = local_tensor(p)
-    if tuple(entry["shape"]) != tuple(p.shape):
-        return f"shape {tuple(entry['shape'])} in the file, {tuple(p.shape)} in the optimizer"
+    local = local_tensor(p)
+    if tuple(entry["shape"]) != tuple(local.shape):
+        return f"shape {tuple(entry['shape'])} in the file, {tuple(local.shape)} in the optimizer"
     if entry["step"] is None:
         return None
-    slots = optimizer._slots(group, p)
+    problem = projector_problem(entry.get("projector", {}), group, p.shape)
+    if problem:
+        return problem
+    slots = optimizer._state_slots(group, p)
     if set(entry["slots"]) != set(slots):
         return f"state slots {sorted(entry['slots'])} in the file, {type(optimizer).__name__} needs {sorted(slots)}"
     for name, slot in slots.items():
@@ -670,8 +695,10 @@ def _allocate(plan: _Plan) -> dict[str, Any]:
     if plan.entry["step"] is None:
         return {}
     state: dict[str, Any] = {"step": plan.entry["step"]}
+    for key, value in plan.entry.get("projector", {}).items():  # GaLore: ints as they are, fp32 bases to fill
+        state[key] = torch.zeros(value, dtype=torch.float32, device=plan.param.device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
-        shape = _slot_shape(slot, local_tensor(plan.param))
+        shape = _slot_shape(slot, plan.param)
         fmt = _target_format(plan.group, slot, shape.numel())
         fmt.init(state, name, shape, plan.param.device, plan.group["block_size"])
     return state
@@ -697,6 +724,12 @@ def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, conv
             source.finish()
         if src is not dst:
             converted.append(f"{plan.name}/{name}: {src.name} -> {dst.name}")
+    for key, value in entry.get("projector", {}).items():
+        if isinstance(value, list):
+            fkey = f"{plan.name}/{key}"
+            source = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
+            state[key].view(-1).copy_(source.read(0, state[key].numel()))
+            source.finish()
 
 
 class _FileTensor:

@@ -22,6 +22,10 @@ an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipp
 count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that would poison a quantization block
 for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
 
+GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projection.step.step_projected` instead: the
+same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
+gradient, the update projected back and applied through :meth:`LowMemOptimizer._apply_update`.
+
 CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
 fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
 the eager path below. Both call the same ``_update``.
@@ -235,6 +239,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         try:
             check_storage(group)
             self._check_group(group)
+            if group.get("rank") is not None:  # a GaLore group: fill its defaults and check them
+                from .projection.step import check_group
+
+                check_group(group)
             for p in group["params"]:
                 if p.is_complex():
                     raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
@@ -293,7 +301,20 @@ class LowMemOptimizer(torch.optim.Optimizer):
             fmt.init(state, name, shape, p.device, group["block_size"])
         return state
 
+    def _state_slots(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Slot]:
+        """The slots ``p``'s state holds: the algorithm's :meth:`_slots`, or for a parameter of a GaLore group (one
+        with ``rank``) the same slots shaped for its low-rank gradient (:mod:`lowmemopt.projection`)."""
+        if group.get("rank") is not None:
+            from .projection.step import projected_slots
+
+            return projected_slots(self, group, p)
+        return self._slots(group, local_tensor(p))  # a DTensor's state is its local shard's
+
     def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        if group.get("rank") is not None or "galore.side" in self.state.get(p, ()):
+            from .projection.step import step_projected
+
+            return step_projected(self, p, grad, group)
         state = self.state[p]
         p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
         slots = self._slots(group, p)
@@ -326,22 +347,37 @@ class LowMemOptimizer(torch.optim.Optimizer):
             hi = min(n, lo + chunk)
             p32 = pflat[lo:hi].float()
             g32 = gflat[lo:hi].float()
-            if self.elementwise:
-                st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
-            else:
-                st = {k: self._decode_whole(state, k, s, formats[k], p, bs) for k, s in slots.items()}
-                p32, g32 = p32.view(p.shape), g32.view(p.shape)
-            delta = self._update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
-            delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
-            for k, s in slots.items():
-                value = st[k].reshape(-1)
-                formats[k].encode(state, k, lo, lo + value.numel(), value, s.signed, bs)
-            if decay != 1.0:
-                p32.mul_(decay)
-            p32.add_(delta, alpha=alpha)
+            like = None
+            if not self.elementwise:
+                p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
+            delta, alpha = self._run_update(p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
+            self._apply_update(p32, delta, alpha, decay, group)
             dst = pflat[lo:hi]
             if dst.data_ptr() != p32.data_ptr():
                 dst.copy_(p32.view(-1))
+
+    def _run_update(self, p32, g32, state, slots, formats, group, step, lo, hi, like=None, reduce=LOCAL):
+        """Decode -> :meth:`_update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements ``[lo, hi)`` of
+        every slot, flat (elementwise chunks); else whole slots in their declared shapes (``like``'s shape for slots
+        without one). Also the core of the GaLore step, on low-rank slots. ``reduce``: see :meth:`_update`."""
+        bs = group["block_size"]
+        if like is None:
+            st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
+        else:
+            st = {k: self._decode_whole(state, k, s, formats[k], like, bs) for k, s in slots.items()}
+        delta = self._update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
+        delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
+        for k, s in slots.items():
+            value = st[k].reshape(-1)
+            formats[k].encode(state, k, lo, lo + value.numel(), value, s.signed, bs)
+        return delta, alpha
+
+    def _apply_update(self, p32: torch.Tensor, delta: torch.Tensor, alpha: float, decay: float, group: dict) -> None:
+        """Write the step into the fp32 working copy: ``p = p * decay + alpha * delta`` (decay first, as torch does).
+        An algorithm whose reference decays after the update overrides this (it then has no compiled fast path)."""
+        if decay != 1.0:
+            p32.mul_(decay)
+        p32.add_(delta, alpha=alpha)
 
     def _step_compiled(self, pflat, gflat, state, slots, formats, group, step, decay) -> int:
         """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
@@ -440,8 +476,8 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
             value = state_dict["state"].get(key)
             if isinstance(value, dict):
                 where = f"load_state_dict: parameter {i} of param group {gi}"
-                local, value = localize_state(p, value)  # DTensor state -> the local shard's
-                converted[key] = convert_param_state(optimizer, local, value, saved, target, where)
+                _, value = localize_state(p, value)  # DTensor state -> the local shard's
+                converted[key] = convert_param_state(optimizer, p, value, saved, target, where)
     state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in converted}
     storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)
