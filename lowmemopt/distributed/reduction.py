@@ -98,6 +98,10 @@ class ShardedReduction(Reduction):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return t
 
+    def sum_over(self, t: torch.Tensor, pdim: int) -> torch.Tensor:
+        """All-reduce (sum, in place) a partial sum ``t`` over the process groups that shard parameter dim ``pdim``."""
+        return self._sum(t, self._groups(pdim))
+
     def norm(self, x):
         if not self._all:
             return torch.linalg.vector_norm(x)

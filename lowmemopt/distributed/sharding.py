@@ -142,7 +142,7 @@ def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dic
 
     group = _group_of(optimizer, p)
     local = local_tensor(p)
-    local_slots = optimizer._slots(group, local)
+    local_slots = optimizer._state_slots(group, p)  # a DTensor: its local shard's (GaLore: low-rank) slots
     out: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     if not any(name in state or name + ".codes" in state for name in local_slots):
         return dict(state)  # no state yet (or not ours): shown as it is
