@@ -33,6 +33,7 @@ import warnings
 
 import torch
 
+from . import paging
 from .optimizer import LowMemOptimizer, _finite_flags
 
 __all__ = ["BackwardStepper", "step_in_backward"]
@@ -85,7 +86,7 @@ class BackwardStepper:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
         if _finite_flags([grad])[0]:
             with torch.no_grad():
-                self.optimizer._step_param(p, grad, self.optimizer.param_groups[self._group_of[p]])
+                paging.step_param(self.optimizer, p, grad, self.optimizer.param_groups[self._group_of[p]])  # paged state: fetched, written back
         else:
             self._skipped += 1
         p.grad = None
