@@ -22,9 +22,10 @@ an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipp
 count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that would poison a quantization block
 for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
 
-CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
-fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
-the eager path below. Both call the same ``_update``.
+CPU fast paths: elementwise algorithms on CPU run the full blocks of each parameter through a native C kernel that fuses
+decode -> math -> encode (:mod:`lowmemopt.cpu`, built at first use), or, where it is unavailable, each chunk of large
+tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged
+last block, takes the eager path below. All give the eager path's results.
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
@@ -43,7 +44,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled
+from . import compiled, cpu
 from .quant.formats import Q8, choose_format, format_of, map_for
 from .quant.maps import code_book, encode_table
 
@@ -281,8 +282,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
         start = 0
-        if self.elementwise and self.math is not None and compiled.applies(p):
-            start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
+        if self.elementwise and self.math is not None and p.device.type == "cpu":
+            start = cpu.step_elementwise(type(self).math, pflat, gflat, state, slots, formats, group["block_size"],
+                                         self._math_kwargs(group, step), decay)
+            if start == 0 and compiled.applies(p):
+                start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
         self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start)
         if target is not p:
             p.copy_(target)

@@ -1,0 +1,610 @@
+/* lowmemopt CPU kernels: one fused pass per parameter, decode -> fp32 math -> encode, over rows of quantization blocks.
+ *
+ * Built at first use by lowmemopt/cpu/build.py with the system C compiler (no torch headers) and called through ctypes
+ * with raw pointers. Each kernel is a fused implementation of one algorithm for any (parameter dtype, state format)
+ * combination; the pure PyTorch composition (StateFormat.decode -> the algorithm's math -> StateFormat.encode) is the
+ * reference it is tested against, value for value:
+ *
+ *   - The fp32 math repeats torch's CPU kernels operation for operation, rounding included: torch evaluates
+ *     `a.add_(b, alpha=s)` as fma(b, s, a), `lerp` as fma(w, end - start, start) (w < 0.5) or fma(w - 1, end - start,
+ *     end), `addcmul_(t, t, value=s)` as fma(s * t, t, a), and casts Python scalars to float first. The build uses
+ *     -ffp-contract=off so that the compiler adds no fused multiply-add of its own.
+ *   - 8-bit encoding is the exact rounding rule of lowmemopt.quant.maps (nearest code in fp32, ties to the lower code,
+ *     positive values never to udynamic's zero code), expressed as 255 decision thresholds: thr[i] is the first float
+ *     that takes a code above i, so code(y) = #{i : y >= thr[i]}, found by an 8-level branchless binary search.
+ *   - Block scales: unsigned max(max x, 0); signed max(max x / book[255], min x / book[0]); y = x / scale (IEEE
+ *     division, scale 0 -> 1), as lowmemopt.quant.blockwise.block_scale / encode_rows.
+ *
+ * With AVX-512 the 16-lane vectors are zmm registers and both table lookups are register permutes (vpermi2ps); without
+ * it the same code runs on a 16-float struct that the compiler vectorizes as it can. Results are identical either way.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define LMO_ABI_VERSION 3
+#define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
+#define LMO_MAX_SLOTS 4
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };  /* parameter / gradient dtypes */
+enum { ST_F32 = 0, ST_BF16 = 1, ST_Q8 = 2 };   /* state slot storage */
+enum { LMO_OK = 0, LMO_EBADARG = 1 };
+
+/* The arithmetic encoder (see encode_arith): a value's binade class b picks a decade, the decade a linear position
+ * t = |y| S - A whose integer part is the code's offset in the decade. Built by lowmemopt/cpu/codec.py. */
+typedef struct lmo_arith {
+    int32_t bin_decade[32];   /* per binade class: decade index (k + 1) at the class's low end */
+    float bin_bound[32];      /* the first float of the next decade, if inside this binade (else NaN) */
+    float dec_s[16], dec_a[16];
+    int32_t dec_base[16];     /* code of offset 0 (the positive side) */
+    int32_t dec_nmax[16];     /* largest offset */
+    int32_t bin_bias;         /* binade class = clamp(biased exponent - bin_bias, 0, bin_max) */
+    int32_t bin_max;
+    float eps;                /* positions within eps of an integer are resolved exactly (table lookup) */
+    int32_t mirror;           /* signed map: a negative y takes code mirror - code(|y|) */
+} lmo_arith;
+
+typedef struct {
+    void *data;         /* fp32 / bf16 values, or uint8 codes */
+    float *absmax;      /* q8: one scale per block row */
+    const float *book;  /* q8: the 256 code values, ascending */
+    const int32_t *packed;     /* q8: lowmemopt.quant.maps' 65536-entry bucket table (exact, one lookup) */
+    const struct lmo_arith *arith; /* q8: the arithmetic encoder's tables (lowmemopt/cpu/codec.py) */
+    int32_t kind;       /* ST_* */
+    int32_t is_signed;  /* q8: signed map (its scale covers both extremes) */
+} lmo_slot;
+
+typedef struct {
+    void *p;             /* parameter, rows of bs elements, p_dtype */
+    const void *g;       /* gradient, same layout, g_dtype */
+    int64_t nrows;
+    int32_t bs;          /* elements per row (the quantization block size) */
+    int32_t p_dtype, g_dtype;
+    int32_t nthreads;
+    int32_t nslots;
+    int32_t flags;       /* algorithm-specific switches */
+    lmo_slot slot[LMO_MAX_SLOTS];
+    double h[16];        /* algorithm-specific hyper-parameters (cast to float where torch casts them) */
+} lmo_args;
+
+int lmo_abi_version(void) { return LMO_ABI_VERSION; }
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* 16-lane vectors                                                                                                     */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define LMO_AVX512 1
+#include <immintrin.h>
+
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __mmask16 vm;
+
+static inline vf v_set(float x) { return _mm512_set1_ps(x); }
+static inline vf v_load(const float *x) { return _mm512_loadu_ps(x); }
+static inline void v_store(float *x, vf a) { _mm512_storeu_ps(x, a); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf v_sqrt(vf a) { return _mm512_sqrt_ps(a); }
+static inline vf v_neg(vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000))); }
+/* torch.maximum / aminmax: a NaN operand gives NaN */
+static inline vf v_max(vf a, vf b) {
+    vf m = _mm512_max_ps(a, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), m, _mm512_add_ps(a, b));
+}
+static inline vf v_min(vf a, vf b) {
+    vf m = _mm512_min_ps(a, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), m, _mm512_add_ps(a, b));
+}
+static inline float v_hmax(vf a) {
+    float t[16]; float r; int i;
+    _mm512_storeu_ps(t, a); r = t[0];
+    for (i = 1; i < 16; i++) r = (r != r || t[i] != t[i]) ? r + t[i] : (t[i] > r ? t[i] : r);
+    return r;
+}
+static inline float v_hmin(vf a) {
+    float t[16]; float r; int i;
+    _mm512_storeu_ps(t, a); r = t[0];
+    for (i = 1; i < 16; i++) r = (r != r || t[i] != t[i]) ? r + t[i] : (t[i] < r ? t[i] : r);
+    return r;
+}
+/* torch.sign: (0 < x) - (x < 0), so +-0 -> +0 */
+static inline vf v_sign(vf a) {
+    vf z = _mm512_setzero_ps();
+    vf pos = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, a, _CMP_LT_OQ), z, v_set(1.0f));
+    vf neg = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, z, _CMP_LT_OQ), z, v_set(1.0f));
+    return _mm512_sub_ps(pos, neg);
+}
+
+static inline vf load_bf16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+static inline void store_bf16(uint16_t *x, vf a) {
+    /* round to nearest even; NaN -> 0x7FC0 (c10::BFloat16) */
+    vi u = _mm512_castps_si512(a);
+    vi lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    vi r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)x, _mm512_cvtepi32_epi16(r));
+}
+static inline vf load_f16(const uint16_t *x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)x)); }
+static inline void store_f16(uint16_t *x, vf a) {
+    _mm256_storeu_si256((__m256i *)x, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* A 256-entry fp32 table held as 16 registers; lookups are register permutes (no memory gathers). */
+typedef struct { vf r[16]; } lut256;
+static inline void lut256_init(lut256 *t, const float *x) { int i; for (i = 0; i < 16; i++) t->r[i] = _mm512_loadu_ps(x + 16 * i); }
+static inline vf lut256_get(const lut256 *t, vi idx) {
+    vf a0 = _mm512_permutex2var_ps(t->r[0], idx, t->r[1]);
+    vf a1 = _mm512_permutex2var_ps(t->r[2], idx, t->r[3]);
+    vf a2 = _mm512_permutex2var_ps(t->r[4], idx, t->r[5]);
+    vf a3 = _mm512_permutex2var_ps(t->r[6], idx, t->r[7]);
+    vf a4 = _mm512_permutex2var_ps(t->r[8], idx, t->r[9]);
+    vf a5 = _mm512_permutex2var_ps(t->r[10], idx, t->r[11]);
+    vf a6 = _mm512_permutex2var_ps(t->r[12], idx, t->r[13]);
+    vf a7 = _mm512_permutex2var_ps(t->r[14], idx, t->r[15]);
+    vm b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    vm b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    vm b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+    vf c0 = _mm512_mask_blend_ps(b5, a0, a1), c1 = _mm512_mask_blend_ps(b5, a2, a3);
+    vf c2 = _mm512_mask_blend_ps(b5, a4, a5), c3 = _mm512_mask_blend_ps(b5, a6, a7);
+    vf d0 = _mm512_mask_blend_ps(b6, c0, c1), d1 = _mm512_mask_blend_ps(b6, c2, c3);
+    return _mm512_mask_blend_ps(b7, d0, d1);
+}
+
+/* lowmemopt.quant.maps' bucket table: e = packed[bits >> 16]; code = (e >> 17) + (t >= (e & 0x1FFFF)) */
+static inline vi packed_code(const int32_t *packed, vf y) {
+    vi u = _mm512_castps_si512(y);
+    vi e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, 16), packed, 4);
+    vi t = _mm512_xor_si512(_mm512_and_si512(u, _mm512_set1_epi32(0xFFFF)),
+                            _mm512_srli_epi32(_mm512_srai_epi32(u, 31), 16));
+    vm ge = _mm512_cmpge_epi32_mask(t, _mm512_and_si512(e, _mm512_set1_epi32(0x1FFFF)));
+    vi c = _mm512_srli_epi32(e, 17);
+    return _mm512_mask_add_epi32(c, ge, c, _mm512_set1_epi32(1));
+}
+/* Nearest code without a table lookup per element. The dynamic maps are decades 10^(k-6) [0.1, 1] of n_k evenly
+ * spaced codes, so within decade k the code's offset is floor(t), t = |y| S_k - A_k, away from the boundaries. The
+ * decade comes from |y|'s binade (each binade meets at most two decades) and one compare with the exact decision
+ * threshold between them. Lanes where t lies within eps of an integer, or |y| within 4 ulps of a decade threshold (the
+ * mirrored thresholds of negative values differ by up to 2 ulps), are ambiguous: if any, the whole vector takes the
+ * exact table lookup. eps (2^-10) is ~100x the largest gap between an exact threshold and its position t in fp32. */
+static inline vi encode_vec(const lmo_arith *T, const int32_t *packed, vf y, int is_signed) {
+    const vi ia = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
+    const vf a = _mm512_castsi512_ps(ia), eps = _mm512_set1_ps(T->eps);
+    vi b = _mm512_sub_epi32(_mm512_srli_epi32(ia, 23), _mm512_set1_epi32(T->bin_bias));
+    vi k, j1, j2, code, nmax;
+    vf bound, t;
+    vm amb, neg;
+    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(T->bin_max));
+    k = _mm512_permutex2var_epi32(_mm512_loadu_si512(T->bin_decade), b, _mm512_loadu_si512(T->bin_decade + 16));
+    bound = _mm512_permutex2var_ps(_mm512_loadu_ps(T->bin_bound), b, _mm512_loadu_ps(T->bin_bound + 16));
+    k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(a, bound, _CMP_GE_OQ), k, _mm512_set1_epi32(1));
+    t = _mm512_fmsub_ps(a, _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_s)), _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_a)));
+    nmax = _mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_nmax));
+    j1 = _mm512_cvt_roundps_epi32(_mm512_sub_ps(t, eps), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    j2 = _mm512_cvt_roundps_epi32(_mm512_add_ps(t, eps), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    j1 = _mm512_min_epi32(_mm512_max_epi32(j1, _mm512_setzero_si512()), nmax);
+    j2 = _mm512_min_epi32(_mm512_max_epi32(j2, _mm512_setzero_si512()), nmax);
+    amb = _mm512_cmpneq_epi32_mask(j1, j2);
+    amb |= _mm512_cmple_epu32_mask(_mm512_abs_epi32(_mm512_sub_epi32(ia, _mm512_castps_si512(bound))), _mm512_set1_epi32(4));
+    code = _mm512_add_epi32(_mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_base)), j1);
+    neg = _mm512_movepi32_mask(_mm512_castps_si512(y)); /* sign bit, -0 included (it encodes like +0) */
+    if (is_signed)
+        code = _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
+    else
+        code = _mm512_mask_mov_epi32(code, neg, _mm512_setzero_si512());
+    if (__builtin_expect(amb != 0, 0)) return packed_code(packed, y);
+    return code;
+}
+
+static inline vi load_codes(const uint8_t *c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)); }
+static inline void store_codes(uint8_t *c, vi code) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(code)); }
+
+#else /* portable: a 16-float struct, vectorized by the compiler where it can */
+#define LMO_AVX512 0
+
+typedef struct { float x[16]; } vf;
+typedef struct { int32_t x[16]; } vi;
+#define LMO_MAP1(expr) vf r; int i; for (i = 0; i < 16; i++) r.x[i] = (expr); return r
+static inline vf v_set(float s) { LMO_MAP1(s); }
+static inline vf v_load(const float *p) { LMO_MAP1(p[i]); }
+static inline void v_store(float *p, vf a) { int i; for (i = 0; i < 16; i++) p[i] = a.x[i]; }
+static inline vf v_add(vf a, vf b) { LMO_MAP1(a.x[i] + b.x[i]); }
+static inline vf v_sub(vf a, vf b) { LMO_MAP1(a.x[i] - b.x[i]); }
+static inline vf v_mul(vf a, vf b) { LMO_MAP1(a.x[i] * b.x[i]); }
+static inline vf v_div(vf a, vf b) { LMO_MAP1(a.x[i] / b.x[i]); }
+static inline vf v_fma(vf a, vf b, vf c) { LMO_MAP1(fmaf(a.x[i], b.x[i], c.x[i])); }
+static inline vf v_sqrt(vf a) { LMO_MAP1(sqrtf(a.x[i])); }
+static inline vf v_neg(vf a) { LMO_MAP1(-a.x[i]); }
+static inline float s_max(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
+static inline float s_min(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
+static inline vf v_max(vf a, vf b) { LMO_MAP1(s_max(a.x[i], b.x[i])); }
+static inline vf v_min(vf a, vf b) { LMO_MAP1(s_min(a.x[i], b.x[i])); }
+static inline vf v_sign(vf a) { LMO_MAP1((float)(0.0f < a.x[i]) - (float)(a.x[i] < 0.0f)); }
+static inline float v_hmax(vf a) { float r = a.x[0]; int i; for (i = 1; i < 16; i++) r = s_max(r, a.x[i]); return r; }
+static inline float v_hmin(vf a) { float r = a.x[0]; int i; for (i = 1; i < 16; i++) r = s_min(r, a.x[i]); return r; }
+
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline vf load_bf16(const uint16_t *x) { LMO_MAP1(f32_of_bits((uint32_t)x[i] << 16)); }
+static inline void store_bf16(uint16_t *x, vf a) {
+    int i;
+    for (i = 0; i < 16; i++) {
+        uint32_t u = bits_of_f32(a.x[i]);
+        x[i] = (a.x[i] != a.x[i]) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+}
+/* IEEE half <-> float, round to nearest even (as c10::Half) */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0x1F) return f32_of_bits(sign | 0x7F800000 | (man << 13));
+    if (exp == 0) {
+        float f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    return f32_of_bits(sign | ((exp + 112) << 23) | (man << 13));
+}
+static inline uint16_t float_to_half(float f) {
+    uint32_t u = bits_of_f32(f), sign = (u >> 16) & 0x8000, au = u & 0x7FFFFFFF;
+    if (au > 0x7F800000) return (uint16_t)(sign | 0x7E00);           /* NaN */
+    if (au >= 0x477FF000) return (uint16_t)(sign | 0x7C00);           /* rounds to >= 65520: Inf */
+    if (au < 0x38800000) {                                            /* below 2^-14: subnormal half */
+        float a = f32_of_bits(au) + 0.5f;                             /* the FPU rounds to a multiple of 2^-24 */
+        return (uint16_t)(sign | (bits_of_f32(a) - bits_of_f32(0.5f)));
+    }
+    {
+        uint32_t r = au + 0xFFF + ((au >> 13) & 1) - (112u << 23);
+        return (uint16_t)(sign | (r >> 13));
+    }
+}
+static inline vf load_f16(const uint16_t *x) { LMO_MAP1(half_to_float(x[i])); }
+static inline void store_f16(uint16_t *x, vf a) { int i; for (i = 0; i < 16; i++) x[i] = float_to_half(a.x[i]); }
+
+typedef struct { float t[256]; } lut256;
+static inline void lut256_init(lut256 *t, const float *x) { memcpy(t->t, x, sizeof t->t); }
+static inline vf lut256_get(const lut256 *t, vi idx) { LMO_MAP1(t->t[idx.x[i] & 255]); }
+
+static inline vi packed_code(const int32_t *packed, vf y) {
+    vi r; int i;
+    for (i = 0; i < 16; i++) {
+        uint32_t u = bits_of_f32(y.x[i]), t = (u & 0xFFFF) ^ ((u >> 31) ? 0xFFFF : 0);
+        int32_t e = packed[u >> 16];
+        r.x[i] = (e >> 17) + ((int32_t)t >= (e & 0x1FFFF));
+    }
+    return r;
+}
+static inline vi encode_vec(const struct lmo_arith *T, const int32_t *packed, vf y, int is_signed) {
+    (void)T; (void)is_signed;
+    return packed_code(packed, y);
+}
+static inline vi load_codes(const uint8_t *c) { vi r; int i; for (i = 0; i < 16; i++) r.x[i] = c[i]; return r; }
+static inline void store_codes(uint8_t *c, vi code) { int i; for (i = 0; i < 16; i++) c[i] = (uint8_t)code.x[i]; }
+#undef LMO_MAP1
+#endif
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* parameters, gradients and state slots                                                                              */
+
+static inline vf load_dt(int dt, const void *base, int64_t i) {
+    if (dt == DT_F32) return v_load((const float *)base + i);
+    if (dt == DT_BF16) return load_bf16((const uint16_t *)base + i);
+    return load_f16((const uint16_t *)base + i);
+}
+static inline void store_dt(int dt, void *base, int64_t i, vf x) {
+    if (dt == DT_F32) v_store((float *)base + i, x);
+    else if (dt == DT_BF16) store_bf16((uint16_t *)base + i, x);
+    else store_f16((uint16_t *)base + i, x);
+}
+
+/* One slot as a row loop sees it. The kind is a compile-time constant wherever these inline into a specialized row
+ * function; the running max / min of a q8 row stay in the caller's registers. */
+typedef struct {
+    lut256 book;              /* q8: decode table */
+    void *data;
+    float *absmax;
+    const int32_t *packed;
+    const lmo_arith *arith;
+    float *buf;               /* q8: the row's new fp32 values, encoded at the end of the row */
+    float book_lo, book_hi;   /* q8: book[0], book[255] */
+    int is_signed;
+} slot_rt;
+
+typedef struct { vf scale, hi, lo; } rowacc;
+
+static void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
+    r->data = s->data;
+    r->absmax = s->absmax;
+    r->packed = s->packed;
+    r->arith = s->arith;
+    r->buf = buf;
+    r->is_signed = s->is_signed;
+    if (s->kind == ST_Q8) {
+        lut256_init(&r->book, s->book);
+        r->book_lo = s->book[0];
+        r->book_hi = s->book[255];
+    }
+}
+static inline __attribute__((always_inline)) void slot_row_begin(const int kind, const slot_rt *r, int64_t row, rowacc *acc) {
+    if (kind == ST_Q8) {
+        acc->scale = v_set(r->absmax[row]);
+        acc->hi = v_set(-INFINITY);
+        acc->lo = v_set(INFINITY);
+    }
+}
+/* element i of the flattened slot */
+static inline __attribute__((always_inline)) vf slot_load(const int kind, const slot_rt *r, int64_t i, const rowacc *acc) {
+    if (kind == ST_F32) return v_load((const float *)r->data + i);
+    if (kind == ST_BF16) return load_bf16((const uint16_t *)r->data + i);
+#ifdef LMO_X_NODEC
+    return v_mul(_mm512_cvtepi32_ps(load_codes((const uint8_t *)r->data + i)), acc->scale);
+#else
+    return v_mul(lut256_get(&r->book, load_codes((const uint8_t *)r->data + i)), acc->scale);
+#endif
+}
+/* element i of the flattened slot, j its position in the row */
+static inline __attribute__((always_inline)) void slot_store(const int kind, const slot_rt *r, int64_t i, int j, vf x, rowacc *acc) {
+    if (kind == ST_F32) {
+        v_store((float *)r->data + i, x);
+    } else if (kind == ST_BF16) {
+        store_bf16((uint16_t *)r->data + i, x);
+    } else {
+        v_store(r->buf + j, x);
+        acc->hi = v_max(acc->hi, x);
+        acc->lo = v_min(acc->lo, x);
+    }
+}
+/* q8: the row's scale, then every value's code */
+static inline __attribute__((always_inline)) void slot_row_end(const int kind, const slot_rt *r, int64_t row, int bs, const rowacc *acc) {
+    float hi, lo, scale;
+    uint8_t *codes;
+    vf div;
+    int j;
+    if (kind != ST_Q8) return;
+    hi = v_hmax(acc->hi);
+    lo = v_hmin(acc->lo);
+    if (r->is_signed) {
+        float a = hi / r->book_hi, b = lo / r->book_lo;
+        scale = (a != a || b != b) ? a + b : (a > b ? a : b);
+    } else {
+        scale = (hi != hi) ? hi : (hi > 0.0f ? hi : 0.0f);
+    }
+    div = v_set(scale > 0.0f ? scale : 1.0f);
+    codes = (uint8_t *)r->data + row * (int64_t)bs;
+#ifdef LMO_X_NOENC
+    for (j = 0; j < bs; j += 16) store_codes(codes + j, _mm512_castps_si512(v_div(v_load(r->buf + j), div)));
+#else
+    for (j = 0; j < bs; j += 16)
+        store_codes(codes + j, encode_vec(r->arith, r->packed, v_div(v_load(r->buf + j), div), r->is_signed));
+#endif
+    r->absmax[row] = scale;
+}
+
+/* Run rows(args, rt, r0, r1) over [0, nrows) split into one contiguous range per thread. */
+typedef void (*rows_fn)(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1);
+
+static int run_rows(const lmo_args *a, rows_fn fn) {
+    int nt = a->nthreads < 1 ? 1 : a->nthreads;
+    int64_t min_rows = (65536 + a->bs - 1) / a->bs; /* below ~64K elements per thread, threads do not pay */
+    if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return LMO_EBADARG;
+    if (a->nrows <= 0) return LMO_OK;
+    if ((int64_t)nt * min_rows > a->nrows) nt = (int)(a->nrows / min_rows) > 0 ? (int)(a->nrows / min_rows) : 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        int t = 0, n = 1;
+#endif
+        float bufs[LMO_MAX_SLOTS * a->bs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
+        slot_rt rt[LMO_MAX_SLOTS];
+        int k;
+        int64_t r0 = a->nrows * t / n, r1 = a->nrows * (t + 1) / n;
+        for (k = 0; k < a->nslots; k++) slot_rt_init(&rt[k], &a->slot[k], bufs + k * a->bs);
+        if (r1 > r0) fn(a, rt, r0, r1);
+    }
+    return LMO_OK;
+}
+
+/* The slots' storage kind (all slots of a parameter share one: they are chosen by the same rule), or -1. */
+static int common_kind(const lmo_args *a) {
+    int k;
+    for (k = 1; k < a->nslots; k++)
+        if (a->slot[k].kind != a->slot[0].kind) return -1;
+    return a->nslots ? a->slot[0].kind : ST_F32;
+}
+
+/* Instantiate rows function BODY(a, rt, r0, r1, KIND) for each storage kind; dispatch on the slots' kind. */
+#define LMO_SPECIALIZE(name)                                                                                          \
+    static void name##_f32(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_F32); } \
+    static void name##_bf16(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_BF16); } \
+    static void name##_q8(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_Q8); } \
+    static int name##_run(const lmo_args *a) {                                                                         \
+        switch (common_kind(a)) {                                                                                      \
+        case ST_F32: return run_rows(a, name##_f32);                                                                   \
+        case ST_BF16: return run_rows(a, name##_bf16);                                                                 \
+        case ST_Q8: return run_rows(a, name##_q8);                                                                     \
+        default: return LMO_EBADARG;                                                                                   \
+        }                                                                                                              \
+    }
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Adam / AdamW (lowmemopt.optim.adamw.adam_math), slots: exp_avg, exp_avg_sq[, max_exp_avg_sq]                        */
+
+/* h: 0 weight_decay (L2, added to g; 0: none)  1 1 - beta1  2 beta2  3 1 - beta2  4 bias_correction2_sqrt  5 eps
+ *    6 -lr / bias_correction1  7 decay factor (p *= decay)          flags: 1 maximize  2 amsgrad */
+static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                              int64_t r1, const int K) {
+    const float w1 = (float)a->h[1];
+    const int l2 = a->h[0] != 0.0, maximize = a->flags & 1, amsgrad = a->flags & 2, small = fabsf(w1) < 0.5f;
+    const vf wd = v_set((float)a->h[0]), coef = v_set(small ? w1 : w1 - 1.0f), beta2 = v_set((float)a->h[2]);
+    const vf omb2 = v_set((float)a->h[3]), bc2s = v_set((float)a->h[4]), eps = v_set((float)a->h[5]);
+    const vf step = v_set((float)a->h[6]), decay = v_set((float)a->h[7]);
+    const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
+    slot_rt sm = rt[0], sv = rt[1], sx = rt[amsgrad ? 2 : 1];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc am, av, ax;
+        slot_row_begin(K, &sm, row, &am);
+        slot_row_begin(K, &sv, row, &av);
+        slot_row_begin(K, &sx, row, &ax); /* without amsgrad: an unused copy of exp_avg_sq's */
+        for (j = 0; j < bs; j += 16) {
+            const int64_t i = row * bs + j;
+            vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i);
+            vf m = slot_load(K, &sm, i, &am), v = slot_load(K, &sv, i, &av), d;
+            if (maximize) g = v_neg(g);
+            if (l2) g = v_fma(p, wd, g);                                  /* g.add(p, alpha=wd) */
+            d = v_sub(g, m);                                               /* m.lerp_(g, 1 - beta1) */
+            m = v_fma(coef, d, small ? m : g);
+            v = v_fma(v_mul(omb2, g), g, v_mul(v, beta2));                 /* v.mul_(b2).addcmul_(g, g, 1 - b2) */
+            slot_store(K, &sm, i, j, m, &am);
+            slot_store(K, &sv, i, j, v, &av);
+            if (amsgrad) {                                                 /* v_max = maximum(v_max, v) */
+                v = v_max(slot_load(K, &sx, i, &ax), v);
+                slot_store(K, &sx, i, j, v, &ax);
+            }
+            d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
+            store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));             /* p * decay + delta */
+        }
+        slot_row_end(K, &sm, row, bs, &am);
+        slot_row_end(K, &sv, row, bs, &av);
+        if (amsgrad) slot_row_end(K, &sx, row, bs, &ax);
+    }
+}
+LMO_SPECIALIZE(adam_rows)
+
+int lmo_adam(const lmo_args *a) {
+    if (a->nslots != ((a->flags & 2) ? 3 : 2)) return LMO_EBADARG;
+    return adam_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Lion (lowmemopt.optim.lion.lion_math), slot: exp_avg                                                                */
+
+/* h: 0 beta1  1 1 - beta1  2 beta2  3 1 - beta2  4 -lr  5 decay factor */
+static inline __attribute__((always_inline)) void lion_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                              int64_t r1, const int K) {
+    const vf b1 = v_set((float)a->h[0]), omb1 = v_set((float)a->h[1]), b2 = v_set((float)a->h[2]);
+    const vf omb2 = v_set((float)a->h[3]), nlr = v_set((float)a->h[4]), decay = v_set((float)a->h[5]);
+    const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
+    slot_rt sm = rt[0];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc am;
+        slot_row_begin(K, &sm, row, &am);
+        for (j = 0; j < bs; j += 16) {
+            const int64_t i = row * bs + j;
+            vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = slot_load(K, &sm, i, &am);
+            vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
+            slot_store(K, &sm, i, j, v_fma(g, omb2, v_mul(m, b2)), &am);   /* m.mul_(b2).add_(g, alpha=1 - b2) */
+            store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));
+        }
+        slot_row_end(K, &sm, row, bs, &am);
+    }
+}
+LMO_SPECIALIZE(lion_rows)
+
+int lmo_lion(const lmo_args *a) {
+    if (a->nslots != 1) return LMO_EBADARG;
+    return lion_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* SGD (lowmemopt.optim.sgd.sgd_math), slot: momentum_buffer (when momentum != 0)                                      */
+
+/* h: 0 weight_decay  1 momentum  2 1 - dampening  3 -lr  4 decay factor
+ * flags: 1 maximize  2 nesterov  4 first step (buf = d)  8 momentum != 0 */
+static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                             int64_t r1, const int K) {
+    const vf wd = v_set((float)a->h[0]), mom = v_set((float)a->h[1]), omd = v_set((float)a->h[2]);
+    const vf nlr = v_set((float)a->h[3]), decay = v_set((float)a->h[4]);
+    const int l2 = a->h[0] != 0.0, maximize = a->flags & 1, nesterov = a->flags & 2, first = a->flags & 4;
+    const int has_buf = a->flags & 8;
+    const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
+    slot_rt sb;
+    int64_t row;
+    int j;
+    memset(&sb, 0, sizeof sb);
+    if (has_buf) sb = rt[0];
+    for (row = r0; row < r1; row++) {
+        rowacc ab;
+        memset(&ab, 0, sizeof ab);
+        if (has_buf) slot_row_begin(K, &sb, row, &ab);
+        for (j = 0; j < bs; j += 16) {
+            const int64_t i = row * bs + j;
+            vf p = load_dt(pdt, a->p, i), d = load_dt(gdt, a->g, i);
+            if (maximize) d = v_neg(d);
+            if (l2) d = v_fma(p, wd, d);                                   /* d.add(p, alpha=wd) */
+            if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
+                vf buf = first ? d : v_fma(d, omd, v_mul(slot_load(K, &sb, i, &ab), mom));
+                slot_store(K, &sb, i, j, buf, &ab);
+                d = nesterov ? v_fma(buf, mom, d) : buf;
+            }
+            store_dt(pdt, a->p, i, v_fma(d, nlr, v_mul(p, decay)));       /* p.add_(d, alpha=-lr) */
+        }
+        if (has_buf) slot_row_end(K, &sb, row, bs, &ab);
+    }
+}
+LMO_SPECIALIZE(sgd_rows)
+
+int lmo_sgd(const lmo_args *a) {
+    if (a->nslots != ((a->flags & 8) ? 1 : 0)) return LMO_EBADARG;
+    return sgd_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* The 8-bit codec alone: slot[0] <-> fp32 rows (tests; the full-size slots of non-elementwise optimizers)            */
+
+static inline __attribute__((always_inline)) void encode_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                                int64_t r1, const int K) {
+    const float *x = (const float *)a->g;
+    const int bs = a->bs;
+    slot_rt s = rt[0];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc acc;
+        slot_row_begin(K, &s, row, &acc);
+        for (j = 0; j < bs; j += 16) slot_store(K, &s, row * bs + j, j, v_load(x + row * bs + j), &acc);
+        slot_row_end(K, &s, row, bs, &acc);
+    }
+}
+LMO_SPECIALIZE(encode_rows)
+
+static inline __attribute__((always_inline)) void decode_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                                int64_t r1, const int K) {
+    float *x = (float *)a->p;
+    const int bs = a->bs;
+    slot_rt s = rt[0];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc acc;
+        slot_row_begin(K, &s, row, &acc);
+        for (j = 0; j < bs; j += 16) v_store(x + row * bs + j, slot_load(K, &s, row * bs + j, &acc));
+    }
+}
+LMO_SPECIALIZE(decode_rows)
+
+/* slot[0] <- encode(g as fp32 rows) */
+int lmo_encode(const lmo_args *a) {
+    if (a->nslots != 1) return LMO_EBADARG;
+    return encode_rows_run(a);
+}
+
+/* p as fp32 rows <- decode(slot[0]) */
+int lmo_decode(const lmo_args *a) {
+    if (a->nslots != 1) return LMO_EBADARG;
+    return decode_rows_run(a);
+}
