@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["ABI_VERSION", "SOURCE", "library", "build_error", "cache_dir"]
+__all__ = ["ABI_VERSION", "SOURCE", "build_error", "cache_dir", "compile_library", "library"]
 
 ABI_VERSION = 3  # must equal LMO_ABI_VERSION in kernels.c
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -70,14 +70,16 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> None:
             os.unlink(tmp.name)
 
 
-def _build_and_load() -> ctypes.CDLL:
+def compile_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (or find in the cache) and load the kernels with ``extra_flags`` appended to the compiler flags (the
+    tests build a variant without AVX-512 this way). Raises RuntimeError if no build works."""
     cc = shlex.split(os.environ.get("CC", "cc"))
-    if shutil.which(cc[0]) is None:
-        raise RuntimeError(f"no C compiler ({cc[0]!r} not found; set $CC)")
+    if not cc or shutil.which(cc[0]) is None:
+        raise RuntimeError(f"no C compiler ({(cc or [''])[0]!r} not found; set $CC)")
     source = SOURCE.read_bytes()
     version = _compiler_version(cc)
     errors = []
-    for flags in (FLAGS + OPENMP, FLAGS):
+    for flags in (FLAGS + OPENMP + list(extra_flags), FLAGS + list(extra_flags)):
         key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in
                                         (source, " ".join(cc), version, " ".join(flags), _cpu_signature())))
         out = cache_dir() / f"cpu-{key.hexdigest()[:20]}" / "lowmemopt_cpu.so"
@@ -100,7 +102,7 @@ def library() -> ctypes.CDLL | None:
     if not _tried:
         _tried = True
         try:
-            _lib = _build_and_load()
+            _lib = compile_library()
         except Exception as exc:  # noqa: BLE001 - any failure means: no C kernels, fall back
             build_error = str(exc)
             _lib = None
