@@ -24,8 +24,9 @@ for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
 
 CPU fast paths: elementwise algorithms on CPU run the full blocks of each parameter through a native C kernel that fuses
 decode -> math -> encode (:mod:`lowmemopt.cpu`, built at first use), or, where it is unavailable, each chunk of large
-tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged
-last block, takes the eager path below. All give the eager path's results.
+tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); large 2-D parameters of the factored
+optimizers (Adafactor, CAME) take a few fused native passes (:mod:`lowmemopt.cpu.factored`); everything else, and any
+tensor's ragged last block, takes the eager path below. All give the eager path's results (to fp32 rounding).
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
@@ -287,6 +288,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                          self._math_kwargs(group, step), decay)
             if start == 0 and compiled.applies(p):
                 start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
+        elif not self.elementwise and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
+            start = pflat.numel()
         self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start)
         if target is not p:
             p.copy_(target)

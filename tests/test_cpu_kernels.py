@@ -212,3 +212,93 @@ def test_environment_variable_disables():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "LOWMEMOPT_CPU_KERNELS": "0"})
     assert out.stdout.split() == ["False", "False"]
+
+
+# -- the factored optimizers (lowmemopt.cpu.factored) ------------------------------------------------------------------
+
+FACTORED_SHAPES = [(300, 272), (520, 256), (37, 53)]  # two native (>= 2^16 elements, 16 | columns), one eager
+
+
+def _factored_pair(cls, kwargs, bits, monkeypatch, steps, dtype=torch.float32):
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    start = make_params(FACTORED_SHAPES, dtype=dtype)
+    out = []
+    for native in (True, False):
+        monkeypatch.setattr(cpu, "ENABLED", native)
+        params = clone_params(start)
+        opt = cls(params, state_bits=bits, **kwargs)
+        run(opt, params, steps)
+        out.append((params, opt))
+    return out
+
+
+FACTORED_VARIANTS = [
+    (lowmemopt.Adafactor, dict()),
+    (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01, clip_threshold=0.5)),
+    (lowmemopt.Adafactor, dict(lr=1e-2, relative_step=False, scale_parameter=False, weight_decay=0.01)),
+    (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1)),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs", FACTORED_VARIANTS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_factored_native_equals_eager_32bit(lib, cls, kwargs, monkeypatch):
+    """32-bit state: parameters and statistics equal the eager path to fp32 rounding (the row / column means and the
+    RMS are summed in another order); the parameter the native path skips (37 x 53) stays bit-identical."""
+    calls = []
+    real = cpu.step_factored
+    monkeypatch.setattr(cpu, "step_factored", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    (p_n, opt_n), (p_e, opt_e) = _factored_pair(cls, kwargs, 32, monkeypatch, steps=6)
+    assert calls[:3] == [True, True, False]
+    for a, b in zip(p_n, p_e):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        for k, v in opt_n.state[a].items():
+            if isinstance(v, torch.Tensor):  # relative to the tensor's scale: a moment near 0 has no relative precision
+                w = opt_e.state[b][k]
+                assert float((v - w).abs().max()) <= 1e-5 * float(w.abs().max()), k
+    assert torch.equal(p_n[2], p_e[2])
+
+
+@pytest.mark.parametrize("cls,kwargs", FACTORED_VARIANTS[1:2] + FACTORED_VARIANTS[3:], ids=["Adafactor-m", "CAME"])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_factored_native_low_bit(lib, cls, kwargs, bits, monkeypatch):
+    """bf16 / q8 first moment: after one step equal to the eager path to fp32 rounding, with at most a rare one-step
+    difference of the stored moment (a value at a rounding boundary); over more steps the trajectories stay close."""
+    (p_n, opt_n), (p_e, opt_e) = _factored_pair(cls, kwargs, bits, monkeypatch, steps=1)
+    for a, b in zip(p_n, p_e):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        sa, sb = opt_n.state[a], opt_e.state[b]
+        if "exp_avg.codes" in sa:
+            diff = (sa["exp_avg.codes"].int() - sb["exp_avg.codes"].int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+        else:
+            ma, mb = sa["exp_avg"].float(), sb["exp_avg"].float()
+            assert ((ma - mb).abs() > 1e-6 * mb.abs().max()).float().mean() < 1e-3
+    (p_n, _), (p_e, _) = _factored_pair(cls, kwargs, bits, monkeypatch, steps=5)
+    start = make_params(FACTORED_SHAPES)
+    from helpers import trajectory_error
+
+    assert trajectory_error(p_n, p_e, start) < 0.02
+
+
+def test_factored_native_bf16_params(lib, monkeypatch):
+    (p_n, _), (p_e, _) = _factored_pair(lowmemopt.CAME, dict(lr=1e-2), 32, monkeypatch, steps=3, dtype=torch.bfloat16)
+    for a, b in zip(p_n, p_e):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0.02)
+
+
+@pytest.mark.parametrize("cls,ref,kwargs", [
+    (lowmemopt.Adafactor, "transformers.optimization:Adafactor", dict(beta1=0.9, weight_decay=0.01)),
+    (lowmemopt.CAME, "came_pytorch:CAME", dict(lr=1e-2, weight_decay=0.01)),
+])
+def test_factored_native_matches_reference(lib, cls, ref, kwargs):
+    """The native path against the reference library over 20 steps, to fp32 rounding (as the common parity test)."""
+    module, name = ref.split(":")
+    ref_cls = getattr(pytest.importorskip(module), name)
+    params = make_params(FACTORED_SHAPES[:1])
+    ref_params = clone_params(params)
+    ours, theirs = cls(params, **kwargs), ref_cls(ref_params, **kwargs)
+    from helpers import run_with_reference
+
+    run_with_reference(ours, params, theirs, ref_params, 20)
+    torch.testing.assert_close(params[0], ref_params[0], rtol=2e-6, atol=2e-6)

@@ -8,8 +8,9 @@ them). What runs here:
 
 * elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the optimizer's step calls
   :func:`step_elementwise` for CPU parameters before the ``torch.compile`` path (:mod:`lowmemopt.compiled`);
-* the 8-bit codec alone (:func:`encode_rows_into`, :func:`decode_rows_into`), for the full-size slots of the
-  optimizers whose math needs whole tensors.
+* the factored optimizers (Adafactor, CAME) on large 2-D parameters: :func:`step_factored`
+  (:mod:`lowmemopt.cpu.factored`), a few fused passes instead of the eager whole-tensor math;
+* the 8-bit codec alone (:func:`encode_rows_into`, :func:`decode_rows_into`).
 
 If there is no C compiler or the build fails, lowmemopt warns once and keeps to the compiled / eager paths. Set
 ``LOWMEMOPT_CPU_KERNELS=0`` to turn the native kernels off.
@@ -24,7 +25,7 @@ import torch
 
 from . import build
 
-__all__ = ["ENABLED", "available", "applies", "step_elementwise", "encode_rows_into", "decode_rows_into"]
+__all__ = ["ENABLED", "available", "applies", "step_elementwise", "step_factored", "encode_rows_into", "decode_rows_into"]
 
 ENABLED = os.environ.get("LOWMEMOPT_CPU_KERNELS", "1") != "0"
 _warned = False
@@ -51,6 +52,15 @@ def applies(t: torch.Tensor) -> bool:
 def step_elementwise(*args, **kwargs) -> int:
     """See :func:`lowmemopt.cpu.elementwise.step`."""
     from .elementwise import step
+
+    return step(*args, **kwargs)
+
+
+def step_factored(*args, **kwargs) -> bool:
+    """See :func:`lowmemopt.cpu.factored.step`."""
+    if not ENABLED:
+        return False
+    from .factored import step
 
     return step(*args, **kwargs)
 

@@ -205,6 +205,28 @@ static inline vi encode_vec(const lmo_arith *T, const int32_t *packed, vf y, int
     return code;
 }
 
+/* 16 fp64 lanes: sums of fp32 values (row / column statistics, squared norms) */
+typedef struct { __m512d lo, hi; } vd;
+static inline __m512d lo_pd(vf x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
+static inline __m512d hi_pd(vf x) { return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))); }
+static inline vd vd_zero(void) { vd r; r.lo = r.hi = _mm512_setzero_pd(); return r; }
+static inline vd vd_add(vd a, vf x) { a.lo = _mm512_add_pd(a.lo, lo_pd(x)); a.hi = _mm512_add_pd(a.hi, hi_pd(x)); return a; }
+static inline vd vd_add_sq(vd a, vf x) {
+    __m512d l = lo_pd(x), h = hi_pd(x);
+    a.lo = _mm512_fmadd_pd(l, l, a.lo);
+    a.hi = _mm512_fmadd_pd(h, h, a.hi);
+    return a;
+}
+static inline double vd_sum(vd a) {
+    double t[16], r = 0.0; int i;
+    _mm512_storeu_pd(t, a.lo); _mm512_storeu_pd(t + 8, a.hi);
+    for (i = 0; i < 16; i++) r += t[i];
+    return r;
+}
+static inline void vd_accumulate(double *d, vf x) {
+    _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), lo_pd(x)));
+    _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), hi_pd(x)));
+}
 static inline vi load_codes(const uint8_t *c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)); }
 static inline void store_codes(uint8_t *c, vi code) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(code)); }
 
@@ -286,6 +308,13 @@ static inline vi encode_vec(const struct lmo_arith *T, const int32_t *packed, vf
     return packed_code(packed, y);
 }
 static inline vi load_codes(const uint8_t *c) { vi r; int i; for (i = 0; i < 16; i++) r.x[i] = c[i]; return r; }
+
+typedef struct { double x[16]; } vd;
+static inline vd vd_zero(void) { vd r; memset(&r, 0, sizeof r); return r; }
+static inline vd vd_add(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] += (double)x.x[i]; return a; }
+static inline vd vd_add_sq(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] = fma((double)x.x[i], (double)x.x[i], a.x[i]); return a; }
+static inline double vd_sum(vd a) { double r = 0.0; int i; for (i = 0; i < 16; i++) r += a.x[i]; return r; }
+static inline void vd_accumulate(double *d, vf x) { int i; for (i = 0; i < 16; i++) d[i] += (double)x.x[i]; }
 static inline void store_codes(uint8_t *c, vi code) { int i; for (i = 0; i < 16; i++) c[i] = (uint8_t)code.x[i]; }
 #undef LMO_MAP1
 #endif
@@ -343,11 +372,7 @@ static inline __attribute__((always_inline)) void slot_row_begin(const int kind,
 static inline __attribute__((always_inline)) vf slot_load(const int kind, const slot_rt *r, int64_t i, const rowacc *acc) {
     if (kind == ST_F32) return v_load((const float *)r->data + i);
     if (kind == ST_BF16) return load_bf16((const uint16_t *)r->data + i);
-#ifdef LMO_X_NODEC
-    return v_mul(_mm512_cvtepi32_ps(load_codes((const uint8_t *)r->data + i)), acc->scale);
-#else
     return v_mul(lut256_get(&r->book, load_codes((const uint8_t *)r->data + i)), acc->scale);
-#endif
 }
 /* element i of the flattened slot, j its position in the row */
 static inline __attribute__((always_inline)) void slot_store(const int kind, const slot_rt *r, int64_t i, int j, vf x, rowacc *acc) {
@@ -362,7 +387,8 @@ static inline __attribute__((always_inline)) void slot_store(const int kind, con
     }
 }
 /* q8: the row's scale, then every value's code */
-static inline __attribute__((always_inline)) void slot_row_end(const int kind, const slot_rt *r, int64_t row, int bs, const rowacc *acc) {
+static inline __attribute__((always_inline)) void slot_block_end(const int kind, const slot_rt *r, int64_t row, int64_t start,
+                                                                   int len, const rowacc *acc) {
     float hi, lo, scale;
     uint8_t *codes;
     vf div;
@@ -377,14 +403,15 @@ static inline __attribute__((always_inline)) void slot_row_end(const int kind, c
         scale = (hi != hi) ? hi : (hi > 0.0f ? hi : 0.0f);
     }
     div = v_set(scale > 0.0f ? scale : 1.0f);
-    codes = (uint8_t *)r->data + row * (int64_t)bs;
-#ifdef LMO_X_NOENC
-    for (j = 0; j < bs; j += 16) store_codes(codes + j, _mm512_castps_si512(v_div(v_load(r->buf + j), div)));
-#else
-    for (j = 0; j < bs; j += 16)
+    codes = (uint8_t *)r->data + start;
+    for (j = 0; j < len; j += 16)
         store_codes(codes + j, encode_vec(r->arith, r->packed, v_div(v_load(r->buf + j), div), r->is_signed));
-#endif
     r->absmax[row] = scale;
+}
+/* q8: block `row` of a tensor cut into rows of bs elements */
+static inline __attribute__((always_inline)) void slot_row_end(const int kind, const slot_rt *r, int64_t row, int bs,
+                                                                 const rowacc *acc) {
+    slot_block_end(kind, r, row, row * (int64_t)bs, bs, acc);
 }
 
 /* Run rows(args, rt, r0, r1) over [0, nrows) split into one contiguous range per thread. */
@@ -607,4 +634,280 @@ int lmo_encode(const lmo_args *a) {
 int lmo_decode(const lmo_args *a) {
     if (a->nslots != 1) return LMO_EBADARG;
     return decode_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Factored second moments (lowmemopt.optim.adafactor / came): whole-tensor passes over a 2-D parameter [R, C] with   */
+/* C % 16 == 0. Row / column means and squared norms are summed in fp64 (torch sums fp32 in another order: results  */
+/* agree with the eager path to fp32 rounding); everything elementwise repeats the eager operations exactly.          */
+
+#define LMO_NSEG 16 /* fixed row segments: sums do not depend on the thread count */
+
+typedef struct {
+    void *p;
+    const void *g;
+    int64_t R, C;
+    int32_t p_dtype, g_dtype, nthreads;
+    int32_t bs;                  /* the momentum slot's block size (q8), else 16 */
+    int32_t has_m;               /* the full-size first moment is slot m */
+    int32_t flags;               /* 1: weight decay */
+    lmo_slot m;
+    const float *rf, *cf;        /* factors of V^-1/2: u = (rf[r] cf[c]) g */
+    const float *rf2, *cf2;      /* CAME: factors of the instability's U^-1/2 */
+    float *row_out, *col_out;    /* means [R], [C] */
+    double *work;                /* LMO_NSEG * (C + 1) doubles */
+    double *result;              /* sum of squares */
+    double h[8];
+} lmo_fact;
+
+static int64_t gcd64(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
+
+/* Segment s of the rows: whole rows and whole blocks (boundaries at multiples of lcm(C, bs) elements). */
+static void fact_segment(const lmo_fact *f, int s, int64_t *r0, int64_t *r1) {
+    const int64_t unit = f->bs / gcd64(f->C, f->bs); /* rows per lcm(C, bs) */
+    const int64_t units = (f->R + unit - 1) / unit;
+    int64_t a = units * s / LMO_NSEG * unit, b = units * (s + 1) / LMO_NSEG * unit;
+    *r0 = a < f->R ? a : f->R;
+    *r1 = b < f->R ? b : f->R;
+}
+
+static int fact_check(const lmo_fact *f) {
+    if (f->C <= 0 || f->C % 16 || f->R <= 0 || f->bs < 16 || f->bs % 16 || f->bs > LMO_MAX_BS) return LMO_EBADARG;
+    return LMO_OK;
+}
+
+static int fact_threads(const lmo_fact *f) {
+    int nt = f->nthreads < 1 ? 1 : f->nthreads;
+    int64_t most = f->R * f->C / 65536 + 1;
+    return nt > most ? (int)most : nt;
+}
+
+/* Row and column means of x(g) = g^2 + eps1 (h[0] = eps1) into row_out / col_out. */
+int lmo_fact_sq_means(const lmo_fact *f) {
+    const int64_t R = f->R, C = f->C;
+    const vf eps1 = v_set((float)f->h[0]);
+    if (fact_check(f)) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+        int64_t c;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) {
+            double *colp = f->work + (int64_t)s * C;
+            int64_t r0, r1, r;
+            fact_segment(f, s, &r0, &r1);
+            memset(colp, 0, sizeof(double) * C);
+            for (r = r0; r < r1; r++) {
+                vd acc = vd_zero();
+                for (c = 0; c < C; c += 16) {
+                    vf g = load_dt(f->g_dtype, f->g, r * C + c);
+                    vf x = v_add(v_mul(g, g), eps1);
+                    acc = vd_add(acc, x);
+                    vd_accumulate(colp + c, x);
+                }
+                f->row_out[r] = (float)(vd_sum(acc) / (double)C);
+            }
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (c = 0; c < C; c++) {
+            double t = 0.0;
+            for (s = 0; s < LMO_NSEG; s++) t += f->work[(int64_t)s * C + c];
+            f->col_out[c] = (float)(t / (double)R);
+        }
+    }
+    return LMO_OK;
+}
+
+/* result[0] = sum of u^2, u = (rf[r] cf[c]) g */
+int lmo_fact_sumsq(const lmo_fact *f) {
+    const int64_t C = f->C;
+    if (fact_check(f)) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) {
+            int64_t r0, r1, r, c;
+            vd acc = vd_zero();
+            fact_segment(f, s, &r0, &r1);
+            for (r = r0; r < r1; r++) {
+                const vf rf = v_set(f->rf[r]);
+                for (c = 0; c < C; c += 16)
+                    acc = vd_add_sq(acc, v_mul(v_mul(rf, v_load(f->cf + c)), load_dt(f->g_dtype, f->g, r * C + c)));
+            }
+            f->work[s] = vd_sum(acc);
+        }
+    }
+    {
+        double t = 0.0;
+        int s;
+        for (s = 0; s < LMO_NSEG; s++) t += f->work[s];
+        f->result[0] = t;
+    }
+    return LMO_OK;
+}
+
+/* Walk segment s in blocks of bs elements (whole rows per segment, C % 16 == 0): BODY sees i (flat index), r, c
+ * (row, column of the 16 lanes), j (lane offset in the block); BLOCK_BEGIN / BLOCK_END(len) bracket each block. */
+#define LMO_FACT_WALK(f, s, BLOCK_BEGIN, BODY, BLOCK_END)                                                            \
+    do {                                                                                                              \
+        int64_t r0_, r1_, i_, end_, r, c;                                                                             \
+        fact_segment((f), (s), &r0_, &r1_);                                                                           \
+        r = r0_;                                                                                                      \
+        c = 0;                                                                                                        \
+        end_ = r1_ * (f)->C;                                                                                          \
+        for (i_ = r0_ * (f)->C; i_ < end_; i_ += (f)->bs) {                                                           \
+            const int64_t blk = i_ / (f)->bs;                                                                         \
+            const int len = (int)((end_ - i_) < (f)->bs ? (end_ - i_) : (f)->bs);                                    \
+            int j;                                                                                                    \
+            (void)blk;                                                                                                \
+            BLOCK_BEGIN;                                                                                              \
+            for (j = 0; j < len; j += 16) {                                                                           \
+                const int64_t i = i_ + j;                                                                             \
+                BODY;                                                                                                 \
+                c += 16;                                                                                              \
+                if (c == (f)->C) { c = 0; r++; }                                                                      \
+            }                                                                                                         \
+            BLOCK_END;                                                                                                \
+        }                                                                                                             \
+    } while (0)
+
+/* Adafactor's update (lowmemopt.optim.adafactor.adafactor_math after the statistics):
+ *   u = (rf[r] cf[c]) g / denom * alpha;  [m = beta1 m + (1 - beta1) u; u = m];  [p += s p];  p -= u
+ * h: 0 denom  1 alpha  2 beta1  3 1 - beta1  4 s = -wd alpha */
+static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_fact *f, const slot_rt *rt, int s,
+                                                                       const int K) {
+    const vf denom = v_set((float)f->h[0]), alpha = v_set((float)f->h[1]), b1 = v_set((float)f->h[2]);
+    const vf omb1 = v_set((float)f->h[3]), sdecay = v_set((float)f->h[4]);
+    const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype;
+    slot_rt sm;
+    rowacc am;
+    if (has_m) sm = rt[0];
+    else memset(&sm, 0, sizeof sm);
+    memset(&am, 0, sizeof am);
+    LMO_FACT_WALK(f, s, if (has_m) slot_row_begin(K, &sm, blk, &am), {
+        vf u = v_mul(v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom), alpha);
+        vf p = load_dt(pdt, f->p, i);
+        if (has_m) {
+            u = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
+            slot_store(K, &sm, i, j, u, &am);
+        }
+        if (wd) p = v_fma(p, sdecay, p);
+        store_dt(pdt, f->p, i, v_sub(p, u));
+    }, if (has_m) slot_block_end(K, &sm, blk, i_, len, &am));
+}
+
+/* CAME's instability statistics (lowmemopt.optim.came.came_math): with u = (rf[r] cf[c]) g / denom and the new first
+ * moment m' = beta1 m + (1 - beta1) u (not stored here), row / column means of (u - m')^2 + eps2.
+ * h: 0 denom  2 beta1  3 1 - beta1  5 eps2 */
+static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
+    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
+    const vf eps2 = v_set((float)f->h[5]);
+    const int gdt = f->g_dtype;
+    const int64_t C = f->C;
+    double *colp = f->work + (int64_t)s * C;
+    slot_rt sm = rt[0];
+    rowacc am;
+    vd racc = vd_zero();
+    memset(colp, 0, sizeof(double) * C);
+    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), {
+        vf u = v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom);
+        vf m = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
+        vf d = v_sub(u, m);
+        vf x = v_add(v_mul(d, d), eps2);
+        racc = vd_add(racc, x);
+        vd_accumulate(colp + c, x);
+        if (c + 16 == C) {
+            f->row_out[r] = (float)(vd_sum(racc) / (double)C);
+            racc = vd_zero();
+        }
+    }, (void)0);
+}
+
+/* CAME's update: m' as above (stored), u2 = (rf2[r] cf2[c]) m';  [p += s p];  p -= u2 lr
+ * h: 0 denom  2 beta1  3 1 - beta1  4 s = -wd lr  6 lr */
+static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
+    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
+    const vf sdecay = v_set((float)f->h[4]), lr = v_set((float)f->h[6]);
+    const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype;
+    slot_rt sm = rt[0];
+    rowacc am;
+    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), {
+        vf u = v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom);
+        vf m = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
+        vf p = load_dt(pdt, f->p, i);
+        slot_store(K, &sm, i, j, m, &am);
+        u = v_mul(v_mul(v_set(f->rf2[r]), v_load(f->cf2 + c)), m);
+        if (wd) p = v_fma(p, sdecay, p);
+        store_dt(pdt, f->p, i, v_sub(p, v_mul(u, lr)));
+    }, slot_block_end(K, &sm, blk, i_, len, &am));
+}
+
+typedef void (*fact_seg_fn)(const lmo_fact *f, const slot_rt *rt, int s);
+
+static int fact_run(const lmo_fact *f, fact_seg_fn fn) {
+    if (fact_check(f)) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        float buf[f->bs] __attribute__((aligned(64)));
+        slot_rt rt[1];
+        int s;
+        if (f->has_m) slot_rt_init(&rt[0], &f->m, buf);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) fn(f, rt, s);
+    }
+    return LMO_OK;
+}
+
+#define LMO_FACT_SPECIALIZE(name)                                                                                   \
+    static void name##_f32(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_F32); }                 \
+    static void name##_bf16(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_BF16); }               \
+    static void name##_q8(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_Q8); }                   \
+    static int name##_run(const lmo_fact *f) {                                                                       \
+        switch (f->has_m ? f->m.kind : ST_F32) {                                                                      \
+        case ST_F32: return fact_run(f, name##_f32);                                                                  \
+        case ST_BF16: return fact_run(f, name##_bf16);                                                                \
+        case ST_Q8: return fact_run(f, name##_q8);                                                                    \
+        default: return LMO_EBADARG;                                                                                  \
+        }                                                                                                             \
+    }
+
+LMO_FACT_SPECIALIZE(adafactor_apply_seg)
+LMO_FACT_SPECIALIZE(came_res_seg)
+LMO_FACT_SPECIALIZE(came_apply_seg)
+
+int lmo_adafactor_apply(const lmo_fact *f) { return adafactor_apply_seg_run(f); }
+
+int lmo_came_res_means(const lmo_fact *f) {
+    int rc;
+    int64_t c;
+    int s;
+    if (!f->has_m) return LMO_EBADARG;
+    rc = came_res_seg_run(f);
+    if (rc) return rc;
+    for (c = 0; c < f->C; c++) {
+        double t = 0.0;
+        for (s = 0; s < LMO_NSEG; s++) t += f->work[(int64_t)s * f->C + c];
+        f->col_out[c] = (float)(t / (double)f->R);
+    }
+    return LMO_OK;
+}
+
+int lmo_came_apply(const lmo_fact *f) {
+    if (!f->has_m) return LMO_EBADARG;
+    return came_apply_seg_run(f);
 }
