@@ -63,11 +63,12 @@ def decision_thresholds(name: str) -> torch.Tensor:
     return thr
 
 
-#: a position t within EPS of an integer is near a code boundary: resolved by the exact table
-EPS = 2.0**-10
-#: binade class of |y| = clamp(biased fp32 exponent - BIN_BIAS, 0, BIN_MAX): class 0 holds everything below 2^-22
-#: (below the first decade of both maps), class BIN_MAX everything from 1 up
-BIN_BIAS, BIN_MAX = 104, 23
+#: a position t within EPS of an integer is near a code boundary: resolved by the exact table (2^-16 still gives the
+#: exact codes for every float; 2^-14 leaves a margin and sends ~3% of 256-element blocks to the table)
+EPS = 2.0**-14
+#: binade class of |y| = biased fp32 exponent - BIN_BIAS, saturated at 0: class 0 holds everything below 2^-30 (below
+#: the first decade of both maps), class 31 is [1, 2) (|y| <= 1 after scaling)
+BIN_BIAS, BIN_CLASSES = 96, 32
 
 
 class ArithTables(ctypes.Structure):
@@ -77,15 +78,19 @@ class ArithTables(ctypes.Structure):
     _fields_ = [
         ("bin_decade", ctypes.c_int32 * 32),
         ("bin_bound", ctypes.c_float * 32),
+        ("bin_bound_neg", ctypes.c_float * 32),
         ("dec_s", ctypes.c_float * 16),
         ("dec_a", ctypes.c_float * 16),
         ("dec_base", ctypes.c_int32 * 16),
         ("dec_nmax", ctypes.c_int32 * 16),
-        ("bin_bias", ctypes.c_int32),
-        ("bin_max", ctypes.c_int32),
         ("eps", ctypes.c_float),
         ("mirror", ctypes.c_int32),
     ]
+
+
+def _next_up(x: float) -> float:
+    t = torch.tensor(x, dtype=torch.float32)
+    return float(torch.nextafter(t, torch.tensor(float("inf"))))
 
 
 def arith_tables(name: str) -> ArithTables:
@@ -95,7 +100,7 @@ def arith_tables(name: str) -> ArithTables:
     zero = int(torch.nonzero(book == 0)[0])
     t = ArithTables()
     # decades on the positive side: index d = k + 1, codes base .. base + n - 1 = 10^(k-6) mids(linspace(0.1, 1, n+1))
-    starts = []  # first float of decade index d = 1..8
+    starts, starts_neg = [], []  # first |y| of decade index d = 1..8, for positive and for negative y
     base = zero + 1
     for d in range(16):
         t.dec_s[d], t.dec_a[d], t.dec_base[d], t.dec_nmax[d] = 0.0, -0.5, zero, 0  # t = 0.5: offset 0, no boundary
@@ -106,23 +111,26 @@ def arith_tables(name: str) -> ArithTables:
         t.dec_a[k + 1] = 0.1 * n / 0.9
         t.dec_base[k + 1], t.dec_nmax[k + 1] = base, n - 1
         starts.append(float(thr[base - 1]))
+        # a negative y < thr[254 - base] takes a code of decade k or below: |y| >= next_up(|thr[254 - base]|)
+        starts_neg.append(_next_up(-float(thr[254 - base])) if signed else starts[-1])
         base += n
     if base != 255:
         raise AssertionError(f"code book {name!r} is not a dynamic map")
     t.dec_base[8] = 255
     starts.append(float(thr[254]))
+    starts_neg.append(starts[-1])  # no negative code beyond the most negative decade: both give code 0
     for b in range(32):
-        t.bin_decade[b], t.bin_bound[b] = 0, float("nan")
-    for b in range(BIN_MAX + 1):
         low = 0.0 if b == 0 else 2.0 ** (b + BIN_BIAS - 127)
-        high = float("inf") if b == BIN_MAX else 2.0 ** (b + 1 + BIN_BIAS - 127)
-        t.bin_decade[b] = sum(s <= low for s in starts)
-        inside = [s for s in starts if low < s < high]
-        if len(inside) > 1:
-            raise AssertionError(f"code book {name!r}: binade class {b} meets more than two decades")
-        if inside:
-            t.bin_bound[b] = inside[0]
-    t.bin_bias, t.bin_max, t.eps, t.mirror = BIN_BIAS, BIN_MAX, EPS, 254 if signed else 0
+        high = 2.0 ** (b + 1 + BIN_BIAS - 127)
+        t.bin_decade[b] = sum(x <= low for x in starts)
+        if t.bin_decade[b] != sum(x <= low for x in starts_neg):
+            raise AssertionError(f"code book {name!r}: a mirrored decade threshold crosses a binade")
+        for bounds, field in ((starts, t.bin_bound), (starts_neg, t.bin_bound_neg)):
+            inside = [x for x in bounds if low < x < high]
+            if len(inside) > 1:
+                raise AssertionError(f"code book {name!r}: binade class {b} meets more than two decades")
+            field[b] = inside[0] if inside else float("nan")
+    t.eps, t.mirror = EPS, 254 if signed else 0
     return t
 
 

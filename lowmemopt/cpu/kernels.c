@@ -38,12 +38,11 @@ enum { LMO_OK = 0, LMO_EBADARG = 1 };
  * t = |y| S - A whose integer part is the code's offset in the decade. Built by lowmemopt/cpu/codec.py. */
 typedef struct lmo_arith {
     int32_t bin_decade[32];   /* per binade class: decade index (k + 1) at the class's low end */
-    float bin_bound[32];      /* the first float of the next decade, if inside this binade (else NaN) */
+    float bin_bound[32];      /* positive y: the first |y| of the next decade, if inside this binade (else NaN) */
+    float bin_bound_neg[32];  /* negative y (signed map): the same for the mirrored thresholds */
     float dec_s[16], dec_a[16];
     int32_t dec_base[16];     /* code of offset 0 (the positive side) */
     int32_t dec_nmax[16];     /* largest offset */
-    int32_t bin_bias;         /* binade class = clamp(biased exponent - bin_bias, 0, bin_max) */
-    int32_t bin_max;
     float eps;                /* positions within eps of an integer are resolved exactly (table lookup) */
     int32_t mirror;           /* signed map: a negative y takes code mirror - code(|y|) */
 } lmo_arith;
@@ -94,27 +93,13 @@ static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_sqrt(vf a) { return _mm512_sqrt_ps(a); }
 static inline vf v_neg(vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000))); }
-/* torch.maximum / aminmax: a NaN operand gives NaN */
-static inline vf v_max(vf a, vf b) {
-    vf m = _mm512_max_ps(a, b);
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), m, _mm512_add_ps(a, b));
-}
-static inline vf v_min(vf a, vf b) {
-    vf m = _mm512_min_ps(a, b);
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), m, _mm512_add_ps(a, b));
-}
-static inline float v_hmax(vf a) {
-    float t[16]; float r; int i;
-    _mm512_storeu_ps(t, a); r = t[0];
-    for (i = 1; i < 16; i++) r = (r != r || t[i] != t[i]) ? r + t[i] : (t[i] > r ? t[i] : r);
-    return r;
-}
-static inline float v_hmin(vf a) {
-    float t[16]; float r; int i;
-    _mm512_storeu_ps(t, a); r = t[0];
-    for (i = 1; i < 16; i++) r = (r != r || t[i] != t[i]) ? r + t[i] : (t[i] < r ? t[i] : r);
-    return r;
-}
+/* max / min (vrangeps; a NaN operand is not propagated: see slot_store for the NaN check) */
+static inline vf v_max(vf a, vf b) { return _mm512_range_ps(a, b, 0x05); }
+static inline vf v_min(vf a, vf b) { return _mm512_range_ps(a, b, 0x04); }
+static inline int v_anynan(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+/* horizontal max / min of vectors that hold no NaN (v_max / v_min drop them; slot_store checks separately) */
+static inline float v_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+static inline float v_hmin(vf a) { return _mm512_reduce_min_ps(a); }
 /* torch.sign: (0 < x) - (x < 0), so +-0 -> +0 */
 static inline vf v_sign(vf a) {
     vf z = _mm512_setzero_ps();
@@ -139,9 +124,32 @@ static inline void store_f16(uint16_t *x, vf a) {
     _mm256_storeu_si256((__m256i *)x, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* A 256-entry fp32 table held as 16 registers; lookups are register permutes (no memory gathers). */
-typedef struct { vf r[16]; } lut256;
-static inline void lut256_init(lut256 *t, const float *x) { int i; for (i = 0; i < 16; i++) t->r[i] = _mm512_loadu_ps(x + 16 * i); }
+/* A 256-entry fp32 table held as 16 registers; lookups are register permutes (no memory gathers). With VBMI, 64
+ * codes at a time go through the table's four byte planes (two 128-entry byte permutes each), which the unpacks
+ * reassemble into floats; the codes are permuted first so that the floats come out in order. */
+typedef struct {
+    vf r[16];
+#ifdef __AVX512VBMI__
+    vi plane[4][4]; /* plane[k][q]: byte k of book[64 q .. 64 q + 63] */
+#endif
+} lut256;
+static inline void lut256_init(lut256 *t, const float *x) {
+    int i;
+    for (i = 0; i < 16; i++) t->r[i] = _mm512_loadu_ps(x + 16 * i);
+#ifdef __AVX512VBMI__
+    {
+        uint8_t b[4][256];
+        int k;
+        for (i = 0; i < 256; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            for (k = 0; k < 4; k++) b[k][i] = (uint8_t)(u >> (8 * k));
+        }
+        for (k = 0; k < 4; k++)
+            for (i = 0; i < 4; i++) t->plane[k][i] = _mm512_loadu_si512(b[k] + 64 * i);
+    }
+#endif
+}
 static inline vf lut256_get(const lut256 *t, vi idx) {
     vf a0 = _mm512_permutex2var_ps(t->r[0], idx, t->r[1]);
     vf a1 = _mm512_permutex2var_ps(t->r[2], idx, t->r[3]);
@@ -159,6 +167,35 @@ static inline vf lut256_get(const lut256 *t, vi idx) {
     vf d0 = _mm512_mask_blend_ps(b6, c0, c1), d1 = _mm512_mask_blend_ps(b6, c2, c3);
     return _mm512_mask_blend_ps(b7, d0, d1);
 }
+/* out[q] = table[codes[16 q .. 16 q + 15]] for q < 4 */
+static inline void lut256_get64(const lut256 *t, const uint8_t *codes, vf out[4]) {
+#ifdef __AVX512VBMI__
+    /* position 16 L + 4 q + s of the permuted codes holds code 16 q + 4 L + s: the in-lane unpacks below then put
+     * codes 16 q .. 16 q + 15 in order into out[q] */
+    static const uint8_t order[64] = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39,
+        52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31,
+        44, 45, 46, 47, 60, 61, 62, 63};
+    const vi c = _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(codes));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    vi p[4], lo01, hi01, lo23, hi23;
+    int k;
+    for (k = 0; k < 4; k++)
+        p[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t->plane[k][0], c, t->plane[k][1]),
+                                      _mm512_permutex2var_epi8(t->plane[k][2], c, t->plane[k][3]));
+    lo01 = _mm512_unpacklo_epi8(p[0], p[1]);
+    hi01 = _mm512_unpackhi_epi8(p[0], p[1]);
+    lo23 = _mm512_unpacklo_epi8(p[2], p[3]);
+    hi23 = _mm512_unpackhi_epi8(p[2], p[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+#else
+    int q;
+    for (q = 0; q < 4; q++) out[q] = lut256_get(t, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q))));
+#endif
+}
 
 /* lowmemopt.quant.maps' bucket table: e = packed[bits >> 16]; code = (e >> 17) + (t >= (e & 0x1FFFF)) */
 static inline vi packed_code(const int32_t *packed, vf y) {
@@ -170,39 +207,53 @@ static inline vi packed_code(const int32_t *packed, vf y) {
     vi c = _mm512_srli_epi32(e, 17);
     return _mm512_mask_add_epi32(c, ge, c, _mm512_set1_epi32(1));
 }
+static inline vi load_codes(const uint8_t *c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)); }
+static inline void store_codes(uint8_t *c, vi code) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(code)); }
+
 /* Nearest code without a table lookup per element. The dynamic maps are decades 10^(k-6) [0.1, 1] of n_k evenly
  * spaced codes, so within decade k the code's offset is floor(t), t = |y| S_k - A_k, away from the boundaries. The
- * decade comes from |y|'s binade (each binade meets at most two decades) and one compare with the exact decision
- * threshold between them. Lanes where t lies within eps of an integer, or |y| within 4 ulps of a decade threshold (the
- * mirrored thresholds of negative values differ by up to 2 ulps), are ambiguous: if any, the whole vector takes the
- * exact table lookup. eps (2^-10) is ~100x the largest gap between an exact threshold and its position t in fp32. */
-static inline vi encode_vec(const lmo_arith *T, const int32_t *packed, vf y, int is_signed) {
-    const vi ia = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
-    const vf a = _mm512_castsi512_ps(ia), eps = _mm512_set1_ps(T->eps);
-    vi b = _mm512_sub_epi32(_mm512_srli_epi32(ia, 23), _mm512_set1_epi32(T->bin_bias));
-    vi k, j1, j2, code, nmax;
-    vf bound, t;
-    vm amb, neg;
-    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(T->bin_max));
+ * decade comes from |y|'s binade (class = biased exponent - 96, saturated at 0; |y| <= 1 here, so classes stay below
+ * 32, and each binade meets at most two decades) and one compare with the exact decision threshold between them (the
+ * mirrored one for negative y). A lane whose t lies within eps of an integer is ambiguous: its sign bit is or-ed into
+ * *amb and the caller re-encodes the block with the exact table. t is monotone in |y|, so unambiguous lanes are right
+ * for every float iff they are right at each threshold and the float below it: the tests check exactly those (and an
+ * offline run checked all 2^31 floats below 2 in magnitude). */
+static inline vi arith_code(const lmo_arith *T, vf y, const int is_signed, vi *amb) {
+    const vi sign = _mm512_set1_epi32((int)0x80000000);
+    const vi ia = _mm512_andnot_si512(sign, _mm512_castps_si512(y));
+    const vf a = _mm512_castsi512_ps(ia);
+    const vm neg = _mm512_movepi32_mask(_mm512_castps_si512(y)); /* sign bit: -0 encodes like +0 */
+    const vi b = _mm512_subs_epu16(_mm512_srli_epi32(ia, 23), _mm512_set1_epi32(96));
+    vi k, j, code;
+    vf bound, t, r;
     k = _mm512_permutex2var_epi32(_mm512_loadu_si512(T->bin_decade), b, _mm512_loadu_si512(T->bin_decade + 16));
     bound = _mm512_permutex2var_ps(_mm512_loadu_ps(T->bin_bound), b, _mm512_loadu_ps(T->bin_bound + 16));
+    if (is_signed)
+        bound = _mm512_mask_mov_ps(bound, neg, _mm512_permutex2var_ps(_mm512_loadu_ps(T->bin_bound_neg), b,
+                                                                      _mm512_loadu_ps(T->bin_bound_neg + 16)));
     k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(a, bound, _CMP_GE_OQ), k, _mm512_set1_epi32(1));
     t = _mm512_fmsub_ps(a, _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_s)), _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_a)));
-    nmax = _mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_nmax));
-    j1 = _mm512_cvt_roundps_epi32(_mm512_sub_ps(t, eps), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    j2 = _mm512_cvt_roundps_epi32(_mm512_add_ps(t, eps), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    j1 = _mm512_min_epi32(_mm512_max_epi32(j1, _mm512_setzero_si512()), nmax);
-    j2 = _mm512_min_epi32(_mm512_max_epi32(j2, _mm512_setzero_si512()), nmax);
-    amb = _mm512_cmpneq_epi32_mask(j1, j2);
-    amb |= _mm512_cmple_epu32_mask(_mm512_abs_epi32(_mm512_sub_epi32(ia, _mm512_castps_si512(bound))), _mm512_set1_epi32(4));
-    code = _mm512_add_epi32(_mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_base)), j1);
-    neg = _mm512_movepi32_mask(_mm512_castps_si512(y)); /* sign bit, -0 included (it encodes like +0) */
+    r = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* t - round(t), exact */
+    *amb = _mm512_or_si512(*amb, _mm512_castps_si512(_mm512_sub_ps(_mm512_abs_ps(r), _mm512_set1_ps(T->eps))));
+    j = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    j = _mm512_min_epi32(_mm512_max_epi32(j, _mm512_setzero_si512()), _mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_nmax)));
+    code = _mm512_add_epi32(_mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_base)), j);
+    if (is_signed) /* negative y: the mirrored code (0 below the most negative code) */
+        return _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
+    return _mm512_mask_mov_epi32(code, neg, _mm512_setzero_si512());
+}
+
+/* codes[0, len) <- nearest codes of buf[j] / div */
+static inline void encode_block(const lmo_arith *T, const int32_t *packed, int is_signed, const float *buf, int len,
+                                vf div, uint8_t *codes) {
+    vi amb = _mm512_setzero_si512();
+    int j;
     if (is_signed)
-        code = _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
+        for (j = 0; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), 1, &amb));
     else
-        code = _mm512_mask_mov_epi32(code, neg, _mm512_setzero_si512());
-    if (__builtin_expect(amb != 0, 0)) return packed_code(packed, y);
-    return code;
+        for (j = 0; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), 0, &amb));
+    if (__builtin_expect(_mm512_movepi32_mask(amb) != 0, 0))
+        for (j = 0; j < len; j += 16) store_codes(codes + j, packed_code(packed, v_div(v_load(buf + j), div)));
 }
 
 /* 16 fp64 lanes: sums of fp32 values (row / column statistics, squared norms) */
@@ -227,8 +278,6 @@ static inline void vd_accumulate(double *d, vf x) {
     _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), lo_pd(x)));
     _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), hi_pd(x)));
 }
-static inline vi load_codes(const uint8_t *c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)); }
-static inline void store_codes(uint8_t *c, vi code) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(code)); }
 
 #else /* portable: a 16-float struct, vectorized by the compiler where it can */
 #define LMO_AVX512 0
@@ -251,6 +300,7 @@ static inline float s_min(float a, float b) { return (a != a || b != b) ? a + b 
 static inline vf v_max(vf a, vf b) { LMO_MAP1(s_max(a.x[i], b.x[i])); }
 static inline vf v_min(vf a, vf b) { LMO_MAP1(s_min(a.x[i], b.x[i])); }
 static inline vf v_sign(vf a) { LMO_MAP1((float)(0.0f < a.x[i]) - (float)(a.x[i] < 0.0f)); }
+static inline int v_anynan(vf a) { int i, r = 0; for (i = 0; i < 16; i++) r |= a.x[i] != a.x[i]; return r; }
 static inline float v_hmax(vf a) { float r = a.x[0]; int i; for (i = 1; i < 16; i++) r = s_max(r, a.x[i]); return r; }
 static inline float v_hmin(vf a) { float r = a.x[0]; int i; for (i = 1; i < 16; i++) r = s_min(r, a.x[i]); return r; }
 
@@ -293,6 +343,11 @@ static inline void store_f16(uint16_t *x, vf a) { int i; for (i = 0; i < 16; i++
 typedef struct { float t[256]; } lut256;
 static inline void lut256_init(lut256 *t, const float *x) { memcpy(t->t, x, sizeof t->t); }
 static inline vf lut256_get(const lut256 *t, vi idx) { LMO_MAP1(t->t[idx.x[i] & 255]); }
+static inline void lut256_get64(const lut256 *t, const uint8_t *codes, vf out[4]) {
+    int q, i;
+    for (q = 0; q < 4; q++)
+        for (i = 0; i < 16; i++) out[q].x[i] = t->t[codes[16 * q + i]];
+}
 
 static inline vi packed_code(const int32_t *packed, vf y) {
     vi r; int i;
@@ -303,11 +358,14 @@ static inline vi packed_code(const int32_t *packed, vf y) {
     }
     return r;
 }
-static inline vi encode_vec(const struct lmo_arith *T, const int32_t *packed, vf y, int is_signed) {
-    (void)T; (void)is_signed;
-    return packed_code(packed, y);
-}
 static inline vi load_codes(const uint8_t *c) { vi r; int i; for (i = 0; i < 16; i++) r.x[i] = c[i]; return r; }
+static inline void store_codes(uint8_t *c, vi code) { int i; for (i = 0; i < 16; i++) c[i] = (uint8_t)code.x[i]; }
+static inline void encode_block(const struct lmo_arith *T, const int32_t *packed, int is_signed, const float *buf,
+                                int len, vf div, uint8_t *codes) {
+    int j;
+    (void)T; (void)is_signed;
+    for (j = 0; j < len; j += 16) store_codes(codes + j, packed_code(packed, v_div(v_load(buf + j), div)));
+}
 
 typedef struct { double x[16]; } vd;
 static inline vd vd_zero(void) { vd r; memset(&r, 0, sizeof r); return r; }
@@ -315,7 +373,6 @@ static inline vd vd_add(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] += 
 static inline vd vd_add_sq(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] = fma((double)x.x[i], (double)x.x[i], a.x[i]); return a; }
 static inline double vd_sum(vd a) { double r = 0.0; int i; for (i = 0; i < 16; i++) r += a.x[i]; return r; }
 static inline void vd_accumulate(double *d, vf x) { int i; for (i = 0; i < 16; i++) d[i] += (double)x.x[i]; }
-static inline void store_codes(uint8_t *c, vi code) { int i; for (i = 0; i < 16; i++) c[i] = (uint8_t)code.x[i]; }
 #undef LMO_MAP1
 #endif
 
@@ -346,7 +403,7 @@ typedef struct {
     int is_signed;
 } slot_rt;
 
-typedef struct { vf scale, hi, lo; } rowacc;
+typedef struct { vf scale, hi, lo, sum; } rowacc; /* sum: NaN if the block may hold a NaN */
 
 static void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
     r->data = s->data;
@@ -366,6 +423,7 @@ static inline __attribute__((always_inline)) void slot_row_begin(const int kind,
         acc->scale = v_set(r->absmax[row]);
         acc->hi = v_set(-INFINITY);
         acc->lo = v_set(INFINITY);
+        acc->sum = v_set(0.0f);
     }
 }
 /* element i of the flattened slot */
@@ -373,6 +431,17 @@ static inline __attribute__((always_inline)) vf slot_load(const int kind, const 
     if (kind == ST_F32) return v_load((const float *)r->data + i);
     if (kind == ST_BF16) return load_bf16((const uint16_t *)r->data + i);
     return v_mul(lut256_get(&r->book, load_codes((const uint8_t *)r->data + i)), acc->scale);
+}
+/* n (1..4) consecutive vectors from element i */
+static inline __attribute__((always_inline)) void slot_loadn(const int kind, const slot_rt *r, int64_t i, int n,
+                                                               const rowacc *acc, vf out[4]) {
+    int u;
+    if (kind == ST_Q8 && n == 4) {
+        lut256_get64(&r->book, (const uint8_t *)r->data + i, out);
+        for (u = 0; u < 4; u++) out[u] = v_mul(out[u], acc->scale);
+        return;
+    }
+    for (u = 0; u < n; u++) out[u] = slot_load(kind, r, i + 16 * u, acc);
 }
 /* element i of the flattened slot, j its position in the row */
 static inline __attribute__((always_inline)) void slot_store(const int kind, const slot_rt *r, int64_t i, int j, vf x, rowacc *acc) {
@@ -384,6 +453,7 @@ static inline __attribute__((always_inline)) void slot_store(const int kind, con
         v_store(r->buf + j, x);
         acc->hi = v_max(acc->hi, x);
         acc->lo = v_min(acc->lo, x);
+        acc->sum = v_add(acc->sum, x);
     }
 }
 /* q8: the row's scale, then every value's code */
@@ -392,10 +462,19 @@ static inline __attribute__((always_inline)) void slot_block_end(const int kind,
     float hi, lo, scale;
     uint8_t *codes;
     vf div;
-    int j;
     if (kind != ST_Q8) return;
     hi = v_hmax(acc->hi);
     lo = v_hmin(acc->lo);
+    if (__builtin_expect(v_anynan(acc->sum), 0)) { /* a NaN (or +inf and -inf): exact aminmax */
+        int j;
+        hi = -INFINITY;
+        lo = INFINITY;
+        for (j = 0; j < len; j++) {
+            float x = r->buf[j];
+            hi = (hi != hi || x != x) ? hi + x : (x > hi ? x : hi);
+            lo = (lo != lo || x != x) ? lo + x : (x < lo ? x : lo);
+        }
+    }
     if (r->is_signed) {
         float a = hi / r->book_hi, b = lo / r->book_lo;
         scale = (a != a || b != b) ? a + b : (a > b ? a : b);
@@ -404,8 +483,7 @@ static inline __attribute__((always_inline)) void slot_block_end(const int kind,
     }
     div = v_set(scale > 0.0f ? scale : 1.0f);
     codes = (uint8_t *)r->data + start;
-    for (j = 0; j < len; j += 16)
-        store_codes(codes + j, encode_vec(r->arith, r->packed, v_div(v_load(r->buf + j), div), r->is_signed));
+    encode_block(r->arith, r->packed, r->is_signed, r->buf, len, div, codes);
     r->absmax[row] = scale;
 }
 /* q8: block `row` of a tensor cut into rows of bs elements */
@@ -485,23 +563,30 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
         slot_row_begin(K, &sm, row, &am);
         slot_row_begin(K, &sv, row, &av);
         slot_row_begin(K, &sx, row, &ax); /* without amsgrad: an unused copy of exp_avg_sq's */
-        for (j = 0; j < bs; j += 16) {
-            const int64_t i = row * bs + j;
-            vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i);
-            vf m = slot_load(K, &sm, i, &am), v = slot_load(K, &sv, i, &av), d;
-            if (maximize) g = v_neg(g);
-            if (l2) g = v_fma(p, wd, g);                                  /* g.add(p, alpha=wd) */
-            d = v_sub(g, m);                                               /* m.lerp_(g, 1 - beta1) */
-            m = v_fma(coef, d, small ? m : g);
-            v = v_fma(v_mul(omb2, g), g, v_mul(v, beta2));                 /* v.mul_(b2).addcmul_(g, g, 1 - b2) */
-            slot_store(K, &sm, i, j, m, &am);
-            slot_store(K, &sv, i, j, v, &av);
-            if (amsgrad) {                                                 /* v_max = maximum(v_max, v) */
-                v = v_max(slot_load(K, &sx, i, &ax), v);
-                slot_store(K, &sx, i, j, v, &ax);
+        for (j = 0; j < bs; j += 64) { /* groups of 4 vectors: 64 codes decode at once */
+            const int n = bs - j >= 64 ? 4 : (bs - j) / 16;
+            vf M[4], V[4], X[4];
+            int u;
+            slot_loadn(K, &sm, row * bs + j, n, &am, M);
+            slot_loadn(K, &sv, row * bs + j, n, &av, V);
+            if (amsgrad) slot_loadn(K, &sx, row * bs + j, n, &ax, X);
+            for (u = 0; u < n; u++) {
+                const int64_t i = row * bs + j + 16 * u;
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u], v = V[u], d;
+                if (maximize) g = v_neg(g);
+                if (l2) g = v_fma(p, wd, g);                                  /* g.add(p, alpha=wd) */
+                d = v_sub(g, m);                                               /* m.lerp_(g, 1 - beta1) */
+                m = v_fma(coef, d, small ? m : g);
+                v = v_fma(v_mul(omb2, g), g, v_mul(v, beta2));                 /* v.mul_(b2).addcmul_(g, g, 1 - b2) */
+                slot_store(K, &sm, i, j + 16 * u, m, &am);
+                slot_store(K, &sv, i, j + 16 * u, v, &av);
+                if (amsgrad) {                                                 /* v_max = maximum(v_max, v) */
+                    v = v_max(X[u], v);
+                    slot_store(K, &sx, i, j + 16 * u, v, &ax);
+                }
+                d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
+                store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));             /* p * decay + delta */
             }
-            d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
-            store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));             /* p * decay + delta */
         }
         slot_row_end(K, &sm, row, bs, &am);
         slot_row_end(K, &sv, row, bs, &av);
@@ -530,12 +615,18 @@ static inline __attribute__((always_inline)) void lion_rows(const lmo_args *a, c
     for (row = r0; row < r1; row++) {
         rowacc am;
         slot_row_begin(K, &sm, row, &am);
-        for (j = 0; j < bs; j += 16) {
-            const int64_t i = row * bs + j;
-            vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = slot_load(K, &sm, i, &am);
-            vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
-            slot_store(K, &sm, i, j, v_fma(g, omb2, v_mul(m, b2)), &am);   /* m.mul_(b2).add_(g, alpha=1 - b2) */
-            store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));
+        for (j = 0; j < bs; j += 64) {
+            const int n = bs - j >= 64 ? 4 : (bs - j) / 16;
+            vf M[4];
+            int u;
+            slot_loadn(K, &sm, row * bs + j, n, &am, M);
+            for (u = 0; u < n; u++) {
+                const int64_t i = row * bs + j + 16 * u;
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u];
+                vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
+                slot_store(K, &sm, i, j + 16 * u, v_fma(g, omb2, v_mul(m, b2)), &am); /* m.mul_(b2).add_(g, 1 - b2) */
+                store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));
+            }
         }
         slot_row_end(K, &sm, row, bs, &am);
     }
@@ -568,17 +659,23 @@ static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, co
         rowacc ab;
         memset(&ab, 0, sizeof ab);
         if (has_buf) slot_row_begin(K, &sb, row, &ab);
-        for (j = 0; j < bs; j += 16) {
-            const int64_t i = row * bs + j;
-            vf p = load_dt(pdt, a->p, i), d = load_dt(gdt, a->g, i);
-            if (maximize) d = v_neg(d);
-            if (l2) d = v_fma(p, wd, d);                                   /* d.add(p, alpha=wd) */
-            if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
-                vf buf = first ? d : v_fma(d, omd, v_mul(slot_load(K, &sb, i, &ab), mom));
-                slot_store(K, &sb, i, j, buf, &ab);
-                d = nesterov ? v_fma(buf, mom, d) : buf;
+        for (j = 0; j < bs; j += 64) {
+            const int n = bs - j >= 64 ? 4 : (bs - j) / 16;
+            vf B[4];
+            int u;
+            if (has_buf && !first) slot_loadn(K, &sb, row * bs + j, n, &ab, B);
+            for (u = 0; u < n; u++) {
+                const int64_t i = row * bs + j + 16 * u;
+                vf p = load_dt(pdt, a->p, i), d = load_dt(gdt, a->g, i);
+                if (maximize) d = v_neg(d);
+                if (l2) d = v_fma(p, wd, d);                                   /* d.add(p, alpha=wd) */
+                if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
+                    vf buf = first ? d : v_fma(d, omd, v_mul(B[u], mom));
+                    slot_store(K, &sb, i, j + 16 * u, buf, &ab);
+                    d = nesterov ? v_fma(buf, mom, d) : buf;
+                }
+                store_dt(pdt, a->p, i, v_fma(d, nlr, v_mul(p, decay)));       /* p.add_(d, alpha=-lr) */
             }
-            store_dt(pdt, a->p, i, v_fma(d, nlr, v_mul(p, decay)));       /* p.add_(d, alpha=-lr) */
         }
         if (has_buf) slot_row_end(K, &sb, row, bs, &ab);
     }
