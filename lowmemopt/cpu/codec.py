@@ -136,6 +136,7 @@ def arith_tables(name: str) -> ArithTables:
 
 class Tables(NamedTuple):
     book: torch.Tensor  # fp32 [256]: decode
+    planes: torch.Tensor  # uint8 [4, 256]: the book's bytes, plane k = byte k (little-endian) of each value
     packed: torch.Tensor  # int32 [65536]: exact encode (lowmemopt.quant.maps)
     arith: ArithTables  # fast encode
 
@@ -144,7 +145,9 @@ class Tables(NamedTuple):
 def tables(signed: bool) -> Tables:
     """The tables of the map a slot of this signedness uses, kept alive here (the kernels receive their addresses)."""
     name = map_for(signed)
-    return Tables(code_book(name).contiguous(), encode_table(name).packed.contiguous(), arith_tables(name))
+    book = code_book(name).contiguous()
+    planes = book.view(torch.uint8).view(256, 4).t().contiguous()
+    return Tables(book, planes, encode_table(name).packed.contiguous(), arith_tables(name))
 
 
 def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> bool:

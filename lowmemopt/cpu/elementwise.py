@@ -59,8 +59,13 @@ KERNELS: dict[Callable, Kernel] = {
 }
 
 
+_SCALARS = (float, int, bool)
+
+
 def _is_number(v: Any) -> bool:
-    return not isinstance(v, torch.Tensor) and not (isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v))
+    """A Python number, or a tuple / list of them (betas): what the kernels take as runtime scalars."""
+    t = type(v)
+    return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
 
 
 def step(math: Callable, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], slots: dict[str, Any],
@@ -73,7 +78,7 @@ def step(math: Callable, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[s
         return 0
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return 0
-    if not all(_is_number(v) for v in kwargs.values()) or isinstance(decay, torch.Tensor):
+    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
         return 0
     names = kernel.slots(kwargs)
     if set(names) != set(slots):

@@ -22,6 +22,7 @@ class Slot(ctypes.Structure):
         ("data", ctypes.c_void_p),
         ("absmax", ctypes.c_void_p),
         ("book", ctypes.c_void_p),
+        ("planes", ctypes.c_void_p),
         ("packed", ctypes.c_void_p),
         ("arith", ctypes.c_void_p),
         ("kind", ctypes.c_int32),
@@ -48,12 +49,12 @@ class Args(ctypes.Structure):
 def slot_dense(values: torch.Tensor) -> Slot:
     """An fp32 or bf16 slot (contiguous, any shape)."""
     kind = ST_F32 if values.dtype == torch.float32 else ST_BF16
-    return Slot(values.data_ptr(), None, None, None, None, kind, 0)
+    return Slot(values.data_ptr(), None, None, None, None, None, kind, 0)
 
 
 def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
     t = tables(signed)
-    return Slot(codes.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), t.packed.data_ptr(),
+    return Slot(codes.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), t.planes.data_ptr(), t.packed.data_ptr(),
                 ctypes.addressof(t.arith), ST_Q8, int(signed))
 
 

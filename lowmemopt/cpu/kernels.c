@@ -3,20 +3,23 @@
  * Built at first use by lowmemopt/cpu/build.py with the system C compiler (no torch headers) and called through ctypes
  * with raw pointers. Each kernel is a fused implementation of one algorithm for any (parameter dtype, state format)
  * combination; the pure PyTorch composition (StateFormat.decode -> the algorithm's math -> StateFormat.encode) is the
- * reference it is tested against, value for value:
+ * reference it is tested against:
  *
  *   - The fp32 math repeats torch's CPU kernels operation for operation, rounding included: torch evaluates
  *     `a.add_(b, alpha=s)` as fma(b, s, a), `lerp` as fma(w, end - start, start) (w < 0.5) or fma(w - 1, end - start,
  *     end), `addcmul_(t, t, value=s)` as fma(s * t, t, a), and casts Python scalars to float first. The build uses
- *     -ffp-contract=off so that the compiler adds no fused multiply-add of its own.
- *   - 8-bit encoding is the exact rounding rule of lowmemopt.quant.maps (nearest code in fp32, ties to the lower code,
- *     positive values never to udynamic's zero code), expressed as 255 decision thresholds: thr[i] is the first float
- *     that takes a code above i, so code(y) = #{i : y >= thr[i]}, found by an 8-level branchless binary search.
+ *     -ffp-contract=off so that the compiler adds no fused multiply-add of its own. One difference: sqrt here is IEEE
+ *     (correctly rounded, as in torch's fused AdamW and in inductor); torch's eager CPU Tensor.sqrt is MKL's, within
+ *     one ulp. With a correctly rounded sqrt in the eager path, results are identical bit for bit.
+ *   - 8-bit codes are the exact rounding rule of lowmemopt.quant.maps (nearest code in fp32, ties to the lower code,
+ *     positive values never to udynamic's zero code): an arithmetic encoder (arith_code) whose rare ambiguous blocks
+ *     fall back to the exact bucket table of lowmemopt.quant.maps.
  *   - Block scales: unsigned max(max x, 0); signed max(max x / book[255], min x / book[0]); y = x / scale (IEEE
  *     division, scale 0 -> 1), as lowmemopt.quant.blockwise.block_scale / encode_rows.
  *
- * With AVX-512 the 16-lane vectors are zmm registers and both table lookups are register permutes (vpermi2ps); without
- * it the same code runs on a 16-float struct that the compiler vectorizes as it can. Results are identical either way.
+ * With AVX-512 the 16-lane vectors are zmm registers and the decode table lives in registers (permutes, no gathers);
+ * without it the same code runs on a 16-float struct that the compiler vectorizes as it can, with the exact table
+ * for encoding. Results are identical either way.
  */
 
 #include <math.h>
@@ -26,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 3
+#define LMO_ABI_VERSION 5
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -34,7 +37,7 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };  /* parameter / gradient dtypes */
 enum { ST_F32 = 0, ST_BF16 = 1, ST_Q8 = 2 };   /* state slot storage */
 enum { LMO_OK = 0, LMO_EBADARG = 1 };
 
-/* The arithmetic encoder (see encode_arith): a value's binade class b picks a decade, the decade a linear position
+/* The arithmetic encoder (see arith_code): a value's binade class picks a decade, the decade a linear position
  * t = |y| S - A whose integer part is the code's offset in the decade. Built by lowmemopt/cpu/codec.py. */
 typedef struct lmo_arith {
     int32_t bin_decade[32];   /* per binade class: decade index (k + 1) at the class's low end */
@@ -51,6 +54,7 @@ typedef struct {
     void *data;         /* fp32 / bf16 values, or uint8 codes */
     float *absmax;      /* q8: one scale per block row */
     const float *book;  /* q8: the 256 code values, ascending */
+    const uint8_t *planes; /* q8: the code values' bytes, planes[256 k + i] = byte k of book[i] */
     const int32_t *packed;     /* q8: lowmemopt.quant.maps' 65536-entry bucket table (exact, one lookup) */
     const struct lmo_arith *arith; /* q8: the arithmetic encoder's tables (lowmemopt/cpu/codec.py) */
     int32_t kind;       /* ST_* */
@@ -133,21 +137,13 @@ typedef struct {
     vi plane[4][4]; /* plane[k][q]: byte k of book[64 q .. 64 q + 63] */
 #endif
 } lut256;
-static inline void lut256_init(lut256 *t, const float *x) {
+static inline void lut256_init(lut256 *t, const float *x, const uint8_t *planes) {
     int i;
     for (i = 0; i < 16; i++) t->r[i] = _mm512_loadu_ps(x + 16 * i);
 #ifdef __AVX512VBMI__
-    {
-        uint8_t b[4][256];
-        int k;
-        for (i = 0; i < 256; i++) {
-            uint32_t u;
-            memcpy(&u, x + i, 4);
-            for (k = 0; k < 4; k++) b[k][i] = (uint8_t)(u >> (8 * k));
-        }
-        for (k = 0; k < 4; k++)
-            for (i = 0; i < 4; i++) t->plane[k][i] = _mm512_loadu_si512(b[k] + 64 * i);
-    }
+    for (i = 0; i < 16; i++) t->plane[i / 4][i % 4] = _mm512_loadu_si512(planes + 64 * i);
+#else
+    (void)planes;
 #endif
 }
 static inline vf lut256_get(const lut256 *t, vi idx) {
@@ -243,18 +239,33 @@ static inline vi arith_code(const lmo_arith *T, vf y, const int is_signed, vi *a
     return _mm512_mask_mov_epi32(code, neg, _mm512_setzero_si512());
 }
 
-/* codes[0, len) <- nearest codes of buf[j] / div */
+/* codes[0, len) <- nearest codes of buf[j] / div. Four vectors per iteration: the encoder is a long dependency chain,
+ * and independent chains side by side keep the out-of-order window busy. */
+#define LMO_ENC4(SIGNED)                                                                                              \
+    for (j = 0; j + 64 <= len; j += 64) {                                                                             \
+        vi c0 = arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb);                                             \
+        vi c1 = arith_code(T, v_div(v_load(buf + j + 16), div), SIGNED, &amb);                                        \
+        vi c2 = arith_code(T, v_div(v_load(buf + j + 32), div), SIGNED, &amb);                                        \
+        vi c3 = arith_code(T, v_div(v_load(buf + j + 48), div), SIGNED, &amb);                                        \
+        store_codes(codes + j, c0);                                                                                   \
+        store_codes(codes + j + 16, c1);                                                                              \
+        store_codes(codes + j + 32, c2);                                                                              \
+        store_codes(codes + j + 48, c3);                                                                              \
+    }                                                                                                                 \
+    for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb))
 static inline void encode_block(const lmo_arith *T, const int32_t *packed, int is_signed, const float *buf, int len,
                                 vf div, uint8_t *codes) {
     vi amb = _mm512_setzero_si512();
     int j;
-    if (is_signed)
-        for (j = 0; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), 1, &amb));
-    else
-        for (j = 0; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), 0, &amb));
+    if (is_signed) {
+        LMO_ENC4(1);
+    } else {
+        LMO_ENC4(0);
+    }
     if (__builtin_expect(_mm512_movepi32_mask(amb) != 0, 0))
         for (j = 0; j < len; j += 16) store_codes(codes + j, packed_code(packed, v_div(v_load(buf + j), div)));
 }
+#undef LMO_ENC4
 
 /* 16 fp64 lanes: sums of fp32 values (row / column statistics, squared norms) */
 typedef struct { __m512d lo, hi; } vd;
@@ -341,7 +352,7 @@ static inline vf load_f16(const uint16_t *x) { LMO_MAP1(half_to_float(x[i])); }
 static inline void store_f16(uint16_t *x, vf a) { int i; for (i = 0; i < 16; i++) x[i] = float_to_half(a.x[i]); }
 
 typedef struct { float t[256]; } lut256;
-static inline void lut256_init(lut256 *t, const float *x) { memcpy(t->t, x, sizeof t->t); }
+static inline void lut256_init(lut256 *t, const float *x, const uint8_t *planes) { (void)planes; memcpy(t->t, x, sizeof t->t); }
 static inline vf lut256_get(const lut256 *t, vi idx) { LMO_MAP1(t->t[idx.x[i] & 255]); }
 static inline void lut256_get64(const lut256 *t, const uint8_t *codes, vf out[4]) {
     int q, i;
@@ -413,7 +424,7 @@ static void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
     r->buf = buf;
     r->is_signed = s->is_signed;
     if (s->kind == ST_Q8) {
-        lut256_init(&r->book, s->book);
+        lut256_init(&r->book, s->book, s->planes);
         r->book_lo = s->book[0];
         r->book_hi = s->book[255];
     }
