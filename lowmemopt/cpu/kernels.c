@@ -205,6 +205,12 @@ static inline vi packed_code(const int32_t *packed, vf y) {
 }
 static inline vi load_codes(const uint8_t *c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)); }
 static inline void store_codes(uint8_t *c, vi code) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(code)); }
+/* 64 codes (each 0..255) at once: two packs (in-lane) and one permute back to order */
+static inline void store_codes4(uint8_t *c, vi c0, vi c1, vi c2, vi c3) {
+    const vi order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    vi w = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    _mm512_storeu_si512(c, _mm512_permutexvar_epi32(order, w));
+}
 
 /* Nearest code without a table lookup per element. The dynamic maps are decades 10^(k-6) [0.1, 1] of n_k evenly
  * spaced codes, so within decade k the code's offset is floor(t), t = |y| S_k - A_k, away from the boundaries. The
@@ -247,10 +253,7 @@ static inline vi arith_code(const lmo_arith *T, vf y, const int is_signed, vi *a
         vi c1 = arith_code(T, v_div(v_load(buf + j + 16), div), SIGNED, &amb);                                        \
         vi c2 = arith_code(T, v_div(v_load(buf + j + 32), div), SIGNED, &amb);                                        \
         vi c3 = arith_code(T, v_div(v_load(buf + j + 48), div), SIGNED, &amb);                                        \
-        store_codes(codes + j, c0);                                                                                   \
-        store_codes(codes + j + 16, c1);                                                                              \
-        store_codes(codes + j + 32, c2);                                                                              \
-        store_codes(codes + j + 48, c3);                                                                              \
+        store_codes4(codes + j, c0, c1, c2, c3);                                                                      \
     }                                                                                                                 \
     for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb))
 static inline void encode_block(const lmo_arith *T, const int32_t *packed, int is_signed, const float *buf, int len,
