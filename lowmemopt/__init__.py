@@ -1,8 +1,23 @@
 """lowmemopt: memory-efficient PyTorch optimizers (8/16/32-bit state) that drop in for torch.optim."""
 
-from .aliases import Adafactor8bit, Adam8bit, AdamW8bit, CAME8bit, LAMB8bit, LARS8bit, Lion8bit
+from .aliases import (
+    Adafactor8bit,
+    Adam8bit,
+    AdamW8bit,
+    CAME8bit,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    LAMB8bit,
+    LARS8bit,
+    Lion8bit,
+    PagedAdamW,
+    PagedAdamW8bit,
+)
 from .checkpoint import load_state, save_state
 from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW, Lion
+from .per_layer import step_in_backward
+from .projection import galore_param_groups
 
 __version__ = "0.1.0"
 
@@ -16,13 +31,20 @@ __all__ = [
     "AdamW8bit",
     "CAME",
     "CAME8bit",
+    "GaLoreAdafactor",
+    "GaLoreAdamW",
+    "GaLoreAdamW8bit",
     "LAMB",
     "LAMB8bit",
     "LARS",
     "LARS8bit",
     "Lion",
     "Lion8bit",
+    "PagedAdamW",
+    "PagedAdamW8bit",
     "SGD",
+    "galore_param_groups",
     "load_state",
     "save_state",
+    "step_in_backward",
 ]

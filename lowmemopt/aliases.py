@@ -1,15 +1,38 @@
 """Drop-in names for users migrating from bitsandbytes, galore-torch and friends: each is a change of defaults only.
 
 ``AdamW8bit(params, lr=...)`` is exactly ``AdamW(params, lr=..., state_bits=8)``; any keyword may still be overridden.
+
+galore-torch's names: GaLore itself is not a class here but a param-group option (a group with ``rank`` is projected,
+in every optimizer; see :mod:`lowmemopt.projection`), so its aliases name the inner algorithm galore-torch uses:
+``GaLoreAdamW`` is transformers' legacy AdamW (:class:`~lowmemopt.optim.HFAdamW`: eps added to sqrt(v), weight
+decay after the update), ``GaLoreAdafactor`` transformers' Adafactor, and ``GaLoreAdamW8bit`` bitsandbytes'
+``AdamW8bit``, i.e. torch's AdamW with 8-bit state (its weight decay is applied before the update, as for every
+``AdamW``; galore-torch's applies it after the update on projected params, an O(lr^2 wd) difference).
+
+``PagedAdamW`` / ``PagedAdamW8bit`` (bitsandbytes' names) add ``paged=True``: state in host RAM between steps
+(:mod:`lowmemopt.paging`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, Lion
+from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, HFAdamW, Lion
 
-__all__ = ["Adafactor8bit", "Adam8bit", "AdamW8bit", "CAME8bit", "LAMB8bit", "LARS8bit", "Lion8bit"]
+__all__ = [
+    "Adafactor8bit",
+    "Adam8bit",
+    "AdamW8bit",
+    "CAME8bit",
+    "GaLoreAdafactor",
+    "GaLoreAdamW",
+    "GaLoreAdamW8bit",
+    "LAMB8bit",
+    "LARS8bit",
+    "Lion8bit",
+    "PagedAdamW",
+    "PagedAdamW8bit",
+]
 
 
 def _alias(base: type, name: str, **fixed: Any) -> type:
@@ -19,7 +42,8 @@ def _alias(base: type, name: str, **fixed: Any) -> type:
         base.__init__(self, params, *args, **kwargs)
 
     settings = ", ".join(f"{k}={v!r}" for k, v in fixed.items())
-    doc = f"``{base.__name__}`` with ``{settings}`` by default (a drop-in alias).\n\n{base.__doc__}"
+    what = f"``{base.__name__}`` with ``{settings}`` by default" if fixed else f"``{base.__name__}`` under another name"
+    doc = f"{what} (a drop-in alias).\n\n{base.__doc__}"
     return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
 
 
@@ -30,3 +54,13 @@ LARS8bit = _alias(LARS, "LARS8bit", state_bits=8)
 Lion8bit = _alias(Lion, "Lion8bit", state_bits=8)
 Adafactor8bit = _alias(Adafactor, "Adafactor8bit", state_bits=8)
 CAME8bit = _alias(CAME, "CAME8bit", state_bits=8)
+
+# galore-torch's names (projection: a param group with ``rank``, in any optimizer)
+GaLoreAdamW = _alias(HFAdamW, "GaLoreAdamW")
+GaLoreAdamW8bit = _alias(AdamW, "GaLoreAdamW8bit", state_bits=8)
+GaLoreAdafactor = _alias(Adafactor, "GaLoreAdafactor")
+
+# bitsandbytes' paged optimizers keep state in CUDA managed memory; ours page it to pinned host RAM (see
+# docs/paging.md): paged="disk" with offload_dir= and page_budget_bytes= are available on any optimizer
+PagedAdamW = _alias(AdamW, "PagedAdamW", paged=True)
+PagedAdamW8bit = _alias(AdamW, "PagedAdamW8bit", state_bits=8, paged=True)

@@ -35,7 +35,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from . import paging
+from .distributed.files import process_rank, rank_path
+from .distributed.sharding import is_dtensor, local_tensor, shard_layout
 from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
+from .projection.projector import projector_problem, split_projector_state
 from .quant.blockwise import num_blocks
 from .quant.formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of, map_for
 from .quant.maps import MAP_NAMES, code_book
@@ -115,7 +119,8 @@ def _target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat
 
 
 def _slot_shape(slot: Slot, param: torch.Tensor) -> torch.Size:
-    return param.shape if slot.shape is None else torch.Size(slot.shape)
+    """The stored shape of a slot of ``param`` (a DTensor's: its local shard's)."""
+    return local_tensor(param).shape if slot.shape is None else torch.Size(slot.shape)
 
 
 def _dense_format(t: torch.Tensor) -> StateFormat:
@@ -136,11 +141,16 @@ def convert_param_state(
     (``exp_avg``, tensor ``step``, any float dtype) or bitsandbytes state (``state1``/``state2`` + ``absmax``/``qmap``,
     nested or not), whose N-th state is the optimizer's N-th slot (AdamW: ``exp_avg``, ``exp_avg_sq``). Slots already in
     the target format are returned as they are (no copy); others are decoded and re-encoded. Raises CheckpointError
-    naming ``where`` and the problem."""
+    naming ``where`` and the problem. A GaLore projector (``galore.*``: fp32 bases and ints) is checked against the
+    group and kept as it is."""
     state = {k: v for k, v in state.items() if v is not None}  # torch.optim may store None buffers
     if not state:
         return {}
-    slots = optimizer._slots(group, param)
+    projector, state = split_projector_state(state)
+    problem = projector_problem(projector, group, param.shape)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    slots = optimizer._state_slots(group, param)
     if "state1" in state or _BNB_QUANT_KEY in state:
         sources = _bnb_sources(state, slots, where)
     else:
@@ -149,6 +159,7 @@ def convert_param_state(
         raise CheckpointError(f"{where}: the state has slots {sorted(sources)} but no 'step' count")
     step = state["step"]
     out: dict[str, Any] = {"step": int(step.item() if isinstance(step, torch.Tensor) else step)}
+    out.update({k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()})  # fp32: no copy
     dst_bs = group["block_size"]
     for name, slot in slots.items():
         src, src_bs, tensors = sources[name]
@@ -310,10 +321,16 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
     Tensors are keyed ``<param>/<state key>``, where ``<param>`` is the name in ``model.named_parameters()`` when a
     model is given (the file then survives changes of parameter order and param-group layout), else ``<group>/<index>``.
     State stays in its stored format (8-bit state is written 8-bit); the metadata records formats, shapes, steps,
-    hyper-parameters and checksums. On any failure the previous file at ``path`` is left untouched."""
+    hyper-parameters and checksums. On any failure the previous file at ``path`` is left untouched.
+
+    Sharded (DTensor) parameters: every rank writes its own shards' state to its own file,
+    ``<path stem>.rank<r>-of-<W><suffix>`` (:func:`lowmemopt.distributed.rank_path`), recording where each shard
+    sits; :func:`load_state` reads it back at the same sharding only (``docs/distributed.md``)."""
     from . import __version__  # deferred: lowmemopt/__init__.py imports this module
 
     _check_optimizer(optimizer)
+    paging.settle(optimizer)  # paged state: every write-back has reached its home
+    path, sharding = _sharded_path(optimizer, path)
     names = _param_names(optimizer, model)
     tensors: dict[str, torch.Tensor] = {}
     params = {name: _save_entry(optimizer, name, g, p, tensors) for name, g, p in names}
@@ -332,20 +349,44 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
         "params": params,
         "crc32": {key: _crc32(t) for key, t in tensors.items()},
     }
+    if sharding is not None:
+        meta["sharding"] = sharding
     _atomic_save_file(tensors, os.fspath(path), {META_KEY: json.dumps(meta)})
+    paging.drop_pages(optimizer)  # state files were read whole: hand their pages back
+
+
+def _sharded_path(optimizer: LowMemOptimizer, path: str | os.PathLike) -> tuple[str, dict[str, int] | None]:
+    """This rank's file for an optimizer with DTensor parameters (and its ``sharding`` record), else ``path``."""
+    if not any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+        return os.fspath(path), None
+    rank, world = process_rank()
+    return rank_path(path, rank, world), {"rank": rank, "world_size": world}
 
 
 def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, tensors: dict) -> dict[str, Any]:
     """The metadata entry of one param; adds its state tensors (on the CPU) to ``tensors``."""
     group = optimizer.param_groups[g]
-    entry: dict[str, Any] = {"group": g, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+    local = local_tensor(p)  # a DTensor's state is its local shard's
+    entry: dict[str, Any] = {"group": g, "shape": list(local.shape), "dtype": str(p.dtype).replace("torch.", "")}
+    layout = shard_layout(p)
+    if layout is not None:
+        entry["layout"] = layout
     entry.update(step=None, slots={})
     state = optimizer.state.get(p) or {}
     if not state:
         return entry
     where = f"cannot save '{name}'"
-    slots = optimizer._slots(group, p)
-    used = {"step"}
+    slots = optimizer._state_slots(group, p)
+    projector, _ = split_projector_state(state)
+    problem = projector_problem(projector, group, p.shape)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    used = {"step"} | set(projector)
+    if projector:  # GaLore: fp32 bases as tensors, the ints in the metadata
+        entry["projector"] = {k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in projector.items()}
+        for key, t in projector.items():
+            if isinstance(t, torch.Tensor):
+                tensors[f"{name}/{key}"] = t.detach().float().cpu().contiguous()
     for slot_name, slot in slots.items():
         if slot_name not in state and slot_name + ".codes" not in state:
             raise CheckpointError(f"{where}: its state has no slot '{slot_name}'")
@@ -458,6 +499,11 @@ def _validated_meta(f: Any, path: str) -> dict[str, Any]:
                     expected[f"{name}/{slot}.absmax"] = ("F32", [num_blocks(numel, bs)])
                 else:
                     expected[f"{name}/{slot}"] = (_DTYPES[fmt], list(info["shape"]))
+            for key, value in entry.get("projector", {}).items():
+                if isinstance(value, list):
+                    expected[f"{name}/{key}"] = ("F32", [int(d) for d in value])
+                elif isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"projector entry {key!r}: {value!r}")
         groups = meta["param_groups"]
         for group in groups:
             for n in group["params"]:
@@ -509,24 +555,42 @@ def load_state(
     optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
     ...) are always the optimizer's own, and state is converted to them."""
     _check_optimizer(optimizer)
-    path = os.fspath(path)
+    path, sharding = _sharded_path(optimizer, path)
+    if sharding is not None and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"no per-rank optimizer state file at {path!r} for rank {sharding['rank']} of world size "
+            f"{sharding['world_size']}; per-rank files load only at the world size that saved them (to change it, "
+            "use torch.distributed.checkpoint: docs/distributed.md)"
+        )
     with _open(path) as f:
         meta = _validated_meta(f, path)
+        if meta.get("sharding", sharding) != sharding:
+            raise CheckpointError(
+                f"{path}: saved by rank/world size {meta.get('sharding')}, loading at {sharding} (per-rank files load "
+                "only at the same sharding; to change it use torch.distributed.checkpoint: docs/distributed.md)"
+            )
         plans, report = _plan(optimizer, meta, model, path)
         if strict and (report.missing or report.unexpected or report.mismatched):
             raise CheckpointError(_describe_problems(path, report, meta, model))
         release = _page_releaser(f, path)
         # allocate all the new state first, then stream the file into it: chunk temporaries then reuse one small
-        # region instead of fragmenting the heap between state tensors
+        # region instead of fragmenting the heap between state tensors. Paged params' state goes to new homes.
         new_states = {plan.param: _allocate(plan) for plan in plans}
-        for plan in plans:
-            _read_param(f, plan, new_states[plan.param], meta["crc32"], path, release, report.converted)
+        new_states.update(paging.stage(optimizer, [(plan.param, plan.group, new_states[plan.param]) for plan in plans]))
+        try:
+            for plan in plans:
+                _read_param(f, plan, new_states[plan.param], meta["crc32"], path, release, report.converted)
+                paging.drop_pages(optimizer, new_states[plan.param])
+        except BaseException:
+            paging.discard_staged(optimizer)
+            raise
     # everything is read and checked: swap it in
     for plan in plans:
         if new_states[plan.param]:
             optimizer.state[plan.param] = new_states[plan.param]
         else:
             optimizer.state.pop(plan.param, None)
+    paging.reconcile(optimizer)  # paged: adopt the new homes, free the replaced ones
     if report.hyperparameters_restored:
         for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
@@ -564,18 +628,29 @@ def _plan(optimizer, meta, model, path):
         if problem:
             mismatched[name] = problem
         else:
-            slots = optimizer._slots(group, p) if entry["step"] is not None else {}
+            slots = optimizer._state_slots(group, p) if entry["step"] is not None else {}
             plans.append(_Plan(name, p, entry, group, slots))
     return plans, LoadReport(missing, unexpected, mismatched, [], same_layout)
 
 
 def _check_entry(optimizer, entry, group, p) -> str | None:
     """Why this saved param's state cannot load into ``p`` (None: it can)."""
-    if tuple(entry["shape"]) != tuple(p.shape):
-        return f"shape {tuple(entry['shape'])} in the file, {tuple(p.shape)} in the optimizer"
+    layout = shard_layout(p)
+    if entry.get("layout") != layout:
+        saved = entry.get("layout")
+        return (
+            f"sharded differently: shard {_describe_layout(saved)} in the file, {_describe_layout(layout)} here (a "
+            "per-rank file loads only at the same sharding; to reshard use torch.distributed.checkpoint)"
+        )
+    local = local_tensor(p)
+    if tuple(entry["shape"]) != tuple(local.shape):
+        return f"shape {tuple(entry['shape'])} in the file, {tuple(local.shape)} in the optimizer"
     if entry["step"] is None:
         return None
-    slots = optimizer._slots(group, p)
+    problem = projector_problem(entry.get("projector", {}), group, p.shape)
+    if problem:
+        return problem
+    slots = optimizer._state_slots(group, p)
     if set(entry["slots"]) != set(slots):
         return f"state slots {sorted(entry['slots'])} in the file, {type(optimizer).__name__} needs {sorted(slots)}"
     for name, slot in slots.items():
@@ -593,6 +668,15 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
                 f"optimizer uses block_size {group['block_size']}"
             )
     return None
+
+
+def _describe_layout(layout: dict[str, Any] | None) -> str:
+    if layout is None:
+        return "none (a whole, unsharded tensor)"
+    return (
+        f"{layout['local_shape']} at offset {layout['offset']} of {layout['global_shape']} "
+        f"({', '.join(layout['placements'])} on a mesh of shape {layout['mesh']})"
+    )
 
 
 def _describe_problems(path, report, meta, model) -> str:
@@ -617,20 +701,25 @@ def _describe_problems(path, report, meta, model) -> str:
 
 
 def _allocate(plan: _Plan) -> dict[str, Any]:
-    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it)."""
+    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it). Paged
+    params get meta tensors here: :func:`lowmemopt.paging.stage` then puts them in new homes."""
     if plan.entry["step"] is None:
         return {}
     state: dict[str, Any] = {"step": plan.entry["step"]}
+    device = torch.device("meta") if paging.tier_of(plan.group) else plan.param.device
+    for key, value in plan.entry.get("projector", {}).items():  # GaLore: ints as they are, fp32 bases to fill
+        state[key] = torch.zeros(value, dtype=torch.float32, device=device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
         shape = _slot_shape(slot, plan.param)
         fmt = _target_format(plan.group, slot, shape.numel())
-        fmt.init(state, name, shape, plan.param.device, plan.group["block_size"])
+        fmt.init(state, name, shape, device, plan.group["block_size"])
     return state
 
 
 def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, converted: list[str]) -> None:
     """Fill ``state`` (from :func:`_allocate`) from the file, converting formats; checks every tensor's CRC-32."""
-    entry, p, group = plan.entry, plan.param, plan.group
+    entry, p, group = plan.entry, local_tensor(plan.param), plan.group
+    device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), p.device)  # paged: the home's
     for name, slot in plan.slots.items():
         info = entry["slots"][name]
         shape = _slot_shape(slot, p)
@@ -643,11 +732,17 @@ def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, conv
             fkey = f"{plan.name}/{key}"
             sources[key] = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
         read = lambda key, a, b, sources=sources: sources[key].read(a, b)  # noqa: E731
-        _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, p.device, verbatim=src is dst)
+        _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=src is dst)
         for source in sources.values():
             source.finish()
         if src is not dst:
             converted.append(f"{plan.name}/{name}: {src.name} -> {dst.name}")
+    for key, value in entry.get("projector", {}).items():
+        if isinstance(value, list):
+            fkey = f"{plan.name}/{key}"
+            source = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
+            state[key].view(-1).copy_(source.read(0, state[key].numel()))
+            source.finish()
 
 
 class _FileTensor:

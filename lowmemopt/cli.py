@@ -67,8 +67,11 @@ def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:
         f"{path}: lowmemopt optimizer state, format_version {meta['format_version']} "
         f"(written by lowmemopt {meta.get('lowmemopt_version', '?')})",
         f"optimizer: {meta['optimizer']}    keys: {keyed}",
-        "param groups:",
     ]
+    if meta.get("sharding"):  # a per-rank file of a sharded optimizer (docs/distributed.md)
+        shard = meta["sharding"]
+        lines.append(f"sharded: rank {shard['rank']} of world size {shard['world_size']} (shapes are this rank's shards)")
+    lines.append("param groups:")
     for g, group in enumerate(meta["param_groups"]):
         hyper = "  ".join(f"{k}={_short(v)}" for k, v in group.items() if k != "params")
         lines.append(f"  {g}: {len(group['params'])} params  {hyper}")

@@ -15,6 +15,9 @@ Storage options (constructor keywords, also settable per param group):
 * ``state_bits``: 32 (fp32 state), 16 (bf16) or 8 (block-wise dynamic quantization, see :mod:`lowmemopt.quant`).
 * ``block_size`` (256): elements per quantization block (a power of two).
 * ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
+* ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
+  files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
+  (:mod:`lowmemopt.paging`; ``step()`` calls it around ``_step_param``, the load and state_dict hooks keep it paged).
 
 Non-finite gradients (policy): before updating, ``step()`` checks every gradient with one fused multi-tensor L2 norm per
 device (one host synchronization per step, none per parameter). A parameter whose gradient norm is not finite (a NaN or
@@ -22,11 +25,19 @@ an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipp
 count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that would poison a quantization block
 for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
 
+GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projection.step.step_projected` instead: the
+same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
+gradient, the update projected back and applied through :meth:`LowMemOptimizer._apply_update`.
+
+GPU fast path: on CUDA, parameters whose (algorithm, state format) has a fused Triton kernel are stepped by
+multi-tensor kernel launches instead (:mod:`lowmemopt.kernels`, see ``docs/kernels.md``); everything else takes the
+reference path below.
+
 CPU fast paths: elementwise algorithms on CPU run the full blocks of each parameter through a native C kernel that fuses
 decode -> math -> encode (:mod:`lowmemopt.cpu`, built at first use), or, where it is unavailable, each chunk of large
-tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); large 2-D parameters of the factored
-optimizers (Adafactor, CAME) take a few fused native passes (:mod:`lowmemopt.cpu.factored`); everything else, and any
-tensor's ragged last block, takes the eager path below. All give the eager path's results (to fp32 rounding).
+tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); large unsharded 2-D parameters of the
+factored optimizers (Adafactor, CAME) take a few fused native passes (:mod:`lowmemopt.cpu.factored`); everything else,
+and any tensor's ragged last block, takes the eager path below. All give the eager path's results (to fp32 rounding).
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
@@ -40,19 +51,32 @@ stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled, cpu
+from . import compiled, cpu, paging
+from .distributed.reduction import LOCAL, Reduction
+from .distributed.sharding import (
+    agree_finite,
+    is_dtensor,
+    local_tensor,
+    local_view,
+    localize_state,
+    present_state,
+    presented_params,
+)
 from .quant.formats import Q8, choose_format, format_of, map_for
 from .quant.maps import code_book, encode_table
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS"]
 
 FORMAT_VERSION = 1
-STORAGE_DEFAULTS = dict(state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None)
+STORAGE_DEFAULTS = dict(
+    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0
+)
 CHUNK_NUMEL = 1 << 18  # eager path: elements per chunk (1 MiB of fp32 per temporary)
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
 
@@ -63,6 +87,7 @@ class Slot(NamedTuple):
     signed: bool  # may hold negative values (selects the signed or unsigned 8-bit map)
     quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
     shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
+    dims: tuple[int | None, ...] | None = None  # with shape: the parameter dim each dim runs along (sharded layouts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -124,11 +149,7 @@ def check_storage(group: dict) -> None:
     mq = group["min_quant_numel"]
     if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
         raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
-    if group["paged"] not in (False, None):
-        raise NotImplementedError(
-            f"paged={group['paged']!r}: paged optimizer state is not available in this version of lowmemopt; "
-            "use paged=False"
-        )
+    paging.check_paging(group)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -152,7 +173,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         block_size: int = 256,
         min_quant_numel: int = 4096,
         paged: bool | str = False,
-        offload_dir: str | None = None,
+        offload_dir: str | os.PathLike | None = None,
+        page_budget_bytes: int = 0,
     ) -> None:
         defaults = dict(defaults)
         defaults.update(
@@ -161,6 +183,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             min_quant_numel=min_quant_numel,
             paged=paged,
             offload_dir=offload_dir,
+            page_budget_bytes=page_budget_bytes,
         )
         check_storage(defaults)
         self._check_group(defaults)
@@ -181,16 +204,28 @@ class LowMemOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _update(
-        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        group: dict[str, Any],
+        step: int,
+        reduce: Reduction = LOCAL,
     ) -> torch.Tensor | tuple[torch.Tensor, float]:
         """fp32 math: update ``state`` in place and return the delta to add to ``p``, or ``(direction, alpha)`` meaning
         ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does). By default: ``self.math``
-        called with :meth:`_math_kwargs`.
+        called with :meth:`_math_kwargs` (and ``reduce=`` unless elementwise).
+
+        ``reduce`` (:mod:`lowmemopt.distributed.reduction`): how whole-tensor reductions are taken when ``p`` is the
+        local shard of a sharded parameter; non-elementwise math must do every norm and mean through it. It is passed
+        only for sharded parameters, so an override without it still works on plain tensors.
 
         ``p`` is the fp32 working copy that the step writes back. Leave it unchanged, except for weight decay that a
         constant ``_decay_factor`` cannot express (Adafactor's decay scales with RMS(p)): that may be applied to ``p``
         in place, in the reference's order; it is then followed by the ``_decay_factor`` multiply and the delta."""
-        return self.math(p, g, state, **self._math_kwargs(group, step))
+        if self.elementwise:
+            return self.math(p, g, state, **self._math_kwargs(group, step))
+        return self.math(p, g, state, **self._math_kwargs(group, step), reduce=reduce)
 
     def _math_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         """Keyword arguments of ``self.math``: the group's ``self.hyper`` entries plus :meth:`_step_scalars`."""
@@ -215,6 +250,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         try:
             check_storage(group)
             self._check_group(group)
+            if group.get("rank") is not None:  # a GaLore group: fill its defaults and check them
+                from .projection.step import check_group
+
+                check_group(group)
             for p in group["params"]:
                 if p.is_complex():
                     raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
@@ -243,13 +282,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 work.append((p, group))
         if not work:
             return loss
-        finite = _finite_flags([p.grad for p, _ in work])
-        skipped = 0
-        for (p, group), ok in zip(work, finite):
-            if ok:
-                self._step_param(p, p.grad, group)
-            else:
-                skipped += 1
+        pager = paging.pager_of(self)  # None unless a param group is paged
+        if pager is not None:
+            pager.begin(work)  # checks devices, makes homes for new state: raises before anything changes
+        grads = [local_tensor(p.grad) for p, _ in work]
+        finite = agree_finite(_finite_flags(grads), [p for p, _ in work], grads)
+        todo = [item for item, ok in zip(work, finite) if ok]
+        skipped = len(work) - len(todo)
+        if pager is None and not any(is_dtensor(p) for p, _ in todo):
+            from .kernels.dispatch import step_fused  # fused Triton kernels take what they support (CUDA tensors)
+
+            todo = step_fused(self, todo)
+        for p, group in todo if pager is None else pager.steps(todo):  # paged: state fetched, then written back
+            self._step_param(p, p.grad, group)
         if skipped:
             self.nonfinite_skips += skipped
             warnings.warn(
@@ -260,8 +305,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
             )
         return loss
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot]) -> dict[str, Any]:
-        state = self.state[p]
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Zero state for ``p`` (a DTensor's local shard, whose ``state`` is then given) in ``slots``' formats."""
+        state = self.state[p] if state is None else state
         state["step"] = 0
         for name, slot in slots.items():
             shape = p.shape if slot.shape is None else torch.Size(slot.shape)
@@ -269,11 +317,25 @@ class LowMemOptimizer(torch.optim.Optimizer):
             fmt.init(state, name, shape, p.device, group["block_size"])
         return state
 
+    def _state_slots(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Slot]:
+        """The slots ``p``'s state holds: the algorithm's :meth:`_slots`, or for a parameter of a GaLore group (one
+        with ``rank``) the same slots shaped for its low-rank gradient (:mod:`lowmemopt.projection`)."""
+        if group.get("rank") is not None:
+            from .projection.step import projected_slots
+
+            return projected_slots(self, group, p)
+        return self._slots(group, local_tensor(p))  # a DTensor's state is its local shard's
+
     def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
-        slots = self._slots(group, p)
+        if group.get("rank") is not None or "galore.side" in self.state.get(p, ()):
+            from .projection.step import step_projected
+
+            return step_projected(self, p, grad, group)
         state = self.state[p]
+        p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
+        slots = self._slots(group, p)
         if "step" not in state:
-            state = self._init_state(p, group, slots)
+            state = self._init_state(p, group, slots, state)
         state["step"] += 1
         step = state["step"]
         formats = {name: format_of(state, name) for name in slots}
@@ -283,42 +345,60 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
         start = 0
-        if self.elementwise and self.math is not None and p.device.type == "cpu":
-            start = cpu.step_elementwise(type(self).math, pflat, gflat, state, slots, formats, group["block_size"],
-                                         self._math_kwargs(group, step), decay)
-            if start == 0 and compiled.applies(p):
-                start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
-        elif not self.elementwise and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
-            start = pflat.numel()
-        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start)
+        if p.device.type == "cpu" and cpu.applies_to(self):  # native C kernels (lowmemopt.cpu)
+            if self.elementwise:
+                start = cpu.step_elementwise(self, pflat, gflat, state, slots, formats, group, step, decay)
+            elif reduce is LOCAL and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
+                start = pflat.numel()
+        if start == 0 and self.elementwise and self.math is not None and compiled.applies(p):
+            start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
+        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         if target is not p:
             p.copy_(target)
 
-    def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start):
-        """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise)."""
+    def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce=LOCAL):
+        """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise).
+        A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
+        for this rank's (zero) contribution."""
         bs = group["block_size"]
         n = pflat.numel()
         chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if self.elementwise else max(n, 1)
-        for lo in range(start, n, chunk):
+        stop = 1 if n == 0 and reduce.distributed and not self.elementwise else n
+        for lo in range(start, stop, chunk):
             hi = min(n, lo + chunk)
             p32 = pflat[lo:hi].float()
             g32 = gflat[lo:hi].float()
-            if self.elementwise:
-                st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
-            else:
-                st = {k: self._decode_whole(state, k, s, formats[k], p, bs) for k, s in slots.items()}
-                p32, g32 = p32.view(p.shape), g32.view(p.shape)
-            delta = self._update(p32, g32, st, group, step)
-            delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
-            for k, s in slots.items():
-                value = st[k].reshape(-1)
-                formats[k].encode(state, k, lo, lo + value.numel(), value, s.signed, bs)
-            if decay != 1.0:
-                p32.mul_(decay)
-            p32.add_(delta, alpha=alpha)
+            like = None
+            if not self.elementwise:
+                p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
+            delta, alpha = self._run_update(p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
+            self._apply_update(p32, delta, alpha, decay, group)
             dst = pflat[lo:hi]
             if dst.data_ptr() != p32.data_ptr():
                 dst.copy_(p32.view(-1))
+
+    def _run_update(self, p32, g32, state, slots, formats, group, step, lo, hi, like=None, reduce=LOCAL):
+        """Decode -> :meth:`_update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements ``[lo, hi)`` of
+        every slot, flat (elementwise chunks); else whole slots in their declared shapes (``like``'s shape for slots
+        without one). Also the core of the GaLore step, on low-rank slots. ``reduce``: see :meth:`_update`."""
+        bs = group["block_size"]
+        if like is None:
+            st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
+        else:
+            st = {k: self._decode_whole(state, k, s, formats[k], like, bs) for k, s in slots.items()}
+        delta = self._update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
+        delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
+        for k, s in slots.items():
+            value = st[k].reshape(-1)
+            formats[k].encode(state, k, lo, lo + value.numel(), value, s.signed, bs)
+        return delta, alpha
+
+    def _apply_update(self, p32: torch.Tensor, delta: torch.Tensor, alpha: float, decay: float, group: dict) -> None:
+        """Write the step into the fp32 working copy: ``p = p * decay + alpha * delta`` (decay first, as torch does).
+        An algorithm whose reference decays after the update overrides this (it then has no compiled fast path)."""
+        if decay != 1.0:
+            p32.mul_(decay)
+        p32.add_(delta, alpha=alpha)
 
     def _step_compiled(self, pflat, gflat, state, slots, formats, group, step, decay) -> int:
         """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
@@ -348,6 +428,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def _decode_whole(state, name, slot, fmt, p, bs):
         shape = p.shape if slot.shape is None else torch.Size(slot.shape)
         return fmt.decode(state, name, 0, shape.numel(), slot.signed, bs).view(shape)
+
+    def close(self, *, keep_files: bool = False) -> None:
+        """Free what paged state holds: its host memory and its files in ``offload_dir`` (``keep_files=True`` keeps
+        the files, described by a ``manifest.json``). The paged state is dropped and the optimizer cannot step again.
+        Also done when the optimizer is garbage-collected or Python exits. Nothing to do for an unpaged optimizer."""
+        paging.close(self, keep_files=keep_files)
 
     # -- introspection -------------------------------------------------------------------------------------------------
 
@@ -380,6 +466,13 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
 
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state_dict["lowmemopt_format"] = FORMAT_VERSION
+    paging.detach_files(optimizer, state_dict)  # copies, not views of state files that the next step rewrites
+    presented = presented_params(optimizer)  # DTensor params: state as DTensors (lowmemopt.distributed.sharding)
+    if presented:
+        state = state_dict["state"] = dict(state_dict["state"])
+        for index, p in presented:
+            if index in state:
+                state[index] = present_state(optimizer, p, state[index])
     return state_dict
 
 
@@ -402,7 +495,7 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
         return state_dict  # torch raises its own, clear error for this
     from .checkpoint import convert_param_state  # deferred: lowmemopt.checkpoint imports this module
 
-    id_map, converted = {}, {}
+    id_map, converted, targets = {}, {}, {}
     for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
         target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
         target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
@@ -411,7 +504,12 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
             value = state_dict["state"].get(key)
             if isinstance(value, dict):
                 where = f"load_state_dict: parameter {i} of param group {gi}"
+                _, value = localize_state(p, value)  # DTensor state -> the local shard's
                 converted[key] = convert_param_state(optimizer, p, value, saved, target, where)
+                targets[key] = group
+    # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
+    staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
+    converted = {k: staged.get(id_map[k], st) for k, st in converted.items()}
     state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in converted}
     storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)
@@ -431,4 +529,8 @@ def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
         return
     for key, state in converted.items():
         p = id_map[key]
-        optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        if paging.is_staged(optimizer, p, state):  # already where it lives (home or device)
+            optimizer.state[p] = state
+        else:
+            optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    paging.reconcile(optimizer)  # adopt the staged homes, free the replaced ones

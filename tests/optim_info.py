@@ -49,6 +49,16 @@ def _came_reference(params, **kw):
     return came_pytorch.CAME(params, **kw)
 
 
+def _galore_adamw_reference(params, **kw):
+    galore_torch = pytest.importorskip("galore_torch")  # unprojected params: transformers' legacy AdamW
+    return galore_torch.GaLoreAdamW(params, no_deprecation_warning=True, **kw)
+
+
+def _galore_adafactor_reference(params, **kw):
+    galore_torch = pytest.importorskip("galore_torch")  # unprojected params: transformers' Adafactor
+    return galore_torch.GaLoreAdafactor(params, **kw)
+
+
 def _lamb_reference(params, **kw):
     return _colossalai_module("lamb").Lamb(params, **kw)
 
@@ -113,6 +123,8 @@ _COMMON_BAD = [
     (dict(state_bits=True), ValueError, "Invalid state_bits"),
     (dict(block_size=100), ValueError, "Invalid block_size"),
     (dict(min_quant_numel=-1), ValueError, "Invalid min_quant_numel"),
+    (dict(paged="gpu"), ValueError, "Invalid paged"),
+    (dict(paged="disk"), ValueError, "needs offload_dir"),
 ]
 _BAD_BETAS = [
     (dict(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0"),
@@ -256,6 +268,29 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(eps=(-1.0, 1e-3)), ValueError, "Invalid eps"),
         ],
     ),
+    OptimizerInfo(  # GaLore projection itself (param groups with rank): tests/test_galore.py
+        "GaLoreAdamW",
+        lowmemopt.GaLoreAdamW,
+        _galore_adamw_reference,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1),
+            dict(lr=1e-2, weight_decay=0.05, correct_bias=False),
+        ],
+        slots=lambda kw: 2,
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(eps=-1.0), ValueError, "Invalid epsilon")],
+    ),
+    OptimizerInfo(
+        "GaLoreAdafactor",
+        lowmemopt.GaLoreAdafactor,
+        _galore_adafactor_reference,
+        [dict(), dict(lr=1e-2, relative_step=False, beta1=0.9, weight_decay=0.1)],
+        slots=None,
+        state_bytes=_adafactor_bytes,
+        bound8=0.02,
+        bad_inputs=_COMMON_BAD,
+    ),
     OptimizerInfo(
         "CAME",
         lowmemopt.CAME,
@@ -290,6 +325,8 @@ STATEFUL = {
     "Adafactor": dict(beta1=0.9, weight_decay=0.01),
     "AdafactorTorch": dict(lr=1e-2, weight_decay=0.01),
     "CAME": dict(lr=1e-2, weight_decay=0.01),
+    "GaLoreAdamW": dict(lr=1e-2, weight_decay=0.1),
+    "GaLoreAdafactor": dict(beta1=0.9, weight_decay=0.01),
 }
 
 BY_NAME = {info.name: info for info in OPTIMIZERS}

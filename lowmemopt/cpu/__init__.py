@@ -25,7 +25,16 @@ import torch
 
 from . import build
 
-__all__ = ["ENABLED", "available", "applies", "step_elementwise", "step_factored", "encode_rows_into", "decode_rows_into"]
+__all__ = [
+    "ENABLED",
+    "available",
+    "applies",
+    "applies_to",
+    "step_elementwise",
+    "step_factored",
+    "encode_rows_into",
+    "decode_rows_into",
+]
 
 ENABLED = os.environ.get("LOWMEMOPT_CPU_KERNELS", "1") != "0"
 _warned = False
@@ -47,6 +56,15 @@ def available() -> bool:
 
 def applies(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and available()
+
+
+def applies_to(opt) -> bool:
+    """Whether native kernels may step optimizer ``opt`` at all: enabled, and ``opt`` applies its update the standard
+    way (``p = p * decay + alpha * delta``; a subclass that overrides ``_apply_update`` keeps to the torch paths). Does
+    not build anything."""
+    from ..optimizer import LowMemOptimizer
+
+    return ENABLED and type(opt)._apply_update is LowMemOptimizer._apply_update
 
 
 def step_elementwise(*args, **kwargs) -> int:

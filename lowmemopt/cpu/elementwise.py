@@ -68,16 +68,22 @@ def _is_number(v: Any) -> bool:
     return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
 
 
-def step(math: Callable, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], slots: dict[str, Any],
-         formats: dict[str, StateFormat], block_size: int, kwargs: dict[str, Any], decay: float) -> int:
-    """Run ``math``'s fused kernel over the leading full rows of the flat parameter ``pflat`` (contiguous; updated in
-    place) with gradient ``gflat``, state slots decoded and encoded around it, ``p = p * decay + delta``. Returns how
-    many leading elements it did (0: the kernel does not apply here; the caller runs the rest)."""
+def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], slots: dict[str, Any],
+         formats: dict[str, StateFormat], group: dict[str, Any], step: int, decay: float) -> int:
+    """Run the fused kernel of ``opt``'s math over the leading full rows of the flat parameter ``pflat`` (contiguous;
+    updated in place) with gradient ``gflat``, state slots decoded and encoded around it, ``p = p * decay + delta``.
+    Returns how many leading elements it did (0: the kernel does not apply here; the caller runs the rest)."""
+    from ..optimizer import LowMemOptimizer
+
+    if type(opt)._update is not LowMemOptimizer._update:  # the math is not what the step runs
+        return 0
+    math = type(opt).math
     kernel = KERNELS.get(math)
     if kernel is None or not applies(pflat) or gflat.device != pflat.device:
         return 0
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return 0
+    kwargs = opt._math_kwargs(group, step)
     if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
         return 0
     names = kernel.slots(kwargs)
@@ -88,6 +94,7 @@ def step(math: Callable, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[s
         return 0
     fmt = kinds.pop() if kinds else FP32
     if fmt is Q8:
+        block_size = group["block_size"]
         rows, bs = pflat.numel() // block_size, block_size
         if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
             return 0

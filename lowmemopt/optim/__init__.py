@@ -3,9 +3,10 @@
 from .adafactor import Adafactor, AdafactorTorch
 from .adamw import Adam, AdamW
 from .came import CAME
+from .hf_adamw import HFAdamW
 from .lamb import LAMB
 from .lars import LARS
 from .lion import Lion
 from .sgd import SGD
 
-__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD"]
+__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "HFAdamW", "LAMB", "LARS", "Lion", "SGD"]

@@ -1,0 +1,80 @@
+"""AdamW as transformers' legacy ``transformers.AdamW`` defined it (and as galore-torch's ``GaLoreAdamW`` copies it)::
+
+    m = beta1 m + (1 - beta1) g;    v = beta2 v + (1 - beta2) g^2
+    p <- p - lr sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps)     (no bias correction: p - lr m / (...))
+    p <- p - lr wd p                                                         (weight decay after the update)
+
+It differs from ``torch.optim.AdamW`` in where eps sits (added to sqrt(v) before the bias correction is folded into the
+step size), in the default eps (1e-6) and weight decay (0), and in decaying the weights after the update instead of
+before. ``lowmemopt.GaLoreAdamW`` is this class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ..optimizer import LowMemOptimizer, Slot, check_betas, check_lr, check_nonneg
+
+__all__ = ["HFAdamW", "hf_adamw_math"]
+
+
+def hf_adamw_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    betas: tuple[float, float],
+    eps: float,
+    step_size: float,
+) -> tuple[torch.Tensor, float]:
+    """fp32 AdamW (transformers semantics): updates ``exp_avg`` / ``exp_avg_sq`` in place and returns
+    ``(m / (sqrt(v) + eps), -step_size)``; the caller adds it to ``p`` and then applies the weight decay. Operation
+    order follows galore-torch's ``AdamW.step``, so 32-bit results are bit-identical."""
+    beta1, beta2 = betas
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = v.sqrt().add_(eps)
+    return m / denom, -step_size
+
+
+class HFAdamW(LowMemOptimizer):
+    """AdamW with transformers' legacy semantics (module docstring) and 32/16/8-bit state; same signature, defaults
+    and 32-bit results as galore-torch's ``GaLoreAdamW`` (``no_deprecation_warning`` is not taken: nothing warns)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        correct_bias: bool = True,
+        **storage: Any,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias)
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_lr(group["lr"])
+        check_nonneg("epsilon value", group["eps"])
+        check_betas(group["betas"])
+        check_nonneg("weight_decay value", group["weight_decay"])
+
+    def _slots(self, group, param):
+        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
+
+    def _update(self, p, g, state, group, step):
+        beta1, beta2 = group["betas"]
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size = step_size * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        return hf_adamw_math(p, g, state, betas=group["betas"], eps=group["eps"], step_size=step_size)
+
+    def _apply_update(self, p32, delta, alpha, decay, group):
+        p32.add_(delta, alpha=alpha)
+        if group["weight_decay"] > 0.0:
+            p32.add_(p32, alpha=-group["lr"] * group["weight_decay"])

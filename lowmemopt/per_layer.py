@@ -1,0 +1,174 @@
+"""Per-layer updates inside the backward pass (the GaLore paper's "per-layer weight updates"): each parameter is
+stepped as soon as its gradient is complete, in a post-accumulate-grad hook, and its gradient is freed at once, so
+at most one parameter's gradient (plus those autograd is still producing) is alive instead of all of them.
+
+    stepper = lowmemopt.step_in_backward(model, optimizer, accumulation_steps=4)
+    for batch in batches:
+        (model(batch).loss / 4).backward()    # every 4th backward updates the parameters and frees their gradients
+        # no optimizer.step() / zero_grad() needed (at a step boundary optimizer.step() is a no-op: no gradients)
+    torch.save({"opt": optimizer.state_dict(), "stepper": stepper.state_dict()}, path)
+
+Gradient accumulation: the hooks count backward passes (a callback queued at the end of each one); gradients of the
+first ``accumulation_steps - 1`` accumulate in ``.grad`` as usual and the last one steps. Accumulating gradients keeps
+them all alive, which is what per-layer updates save: with accumulation the memory gain is only on the last
+micro-batch.
+
+Gradient clipping by global norm is refused: it needs every gradient before the first update, and here the first
+update happens before the last gradient exists. Pass ``max_grad_norm`` only as None / 0 (a positive value raises);
+``torch.nn.utils.clip_grad_norm_`` after ``backward()`` would see no gradients (they are freed) and clip nothing.
+
+Non-finite gradients: as in ``optimizer.step()``, a parameter whose gradient has a NaN/Inf is skipped (value and state
+unchanged, counted in ``optimizer.nonfinite_skips``, one warning per backward). That check costs one host
+synchronization per parameter here (``step()`` batches it per device).
+
+Checkpointing: the optimizer's state is its ``state_dict()``; the stepper's (the micro-batch position) is
+:meth:`BackwardStepper.state_dict`, restored with :meth:`BackwardStepper.load_state_dict`. Save at a step boundary:
+mid-accumulation, the partial gradients live in ``.grad`` and are not part of any state dict, so ``state_dict()``
+raises there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from . import paging
+from .optimizer import LowMemOptimizer, _finite_flags
+
+__all__ = ["BackwardStepper", "step_in_backward"]
+
+
+class BackwardStepper:
+    """The handle :func:`step_in_backward` returns: hook bookkeeping, ``state_dict`` / ``load_state_dict``,
+    ``remove``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: LowMemOptimizer, accumulation_steps: int) -> None:
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.micro_step = 0  # backward passes done since the last update (0 .. accumulation_steps - 1)
+        self.steps = 0  # updates done
+        self._in_backward = False
+        self._skipped = 0
+        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        names = {id(p): n for n, p in model.named_parameters()}
+        for gi, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in names:
+                    raise ValueError(
+                        f"step_in_backward: parameter {i} of param group {gi} (shape {tuple(p.shape)}) is not a "
+                        "parameter of the model"
+                    )
+                self._group_of[p] = group
+        in_opt = {id(p) for p in self._group_of}
+        loose = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_opt]
+        if loose:
+            warnings.warn(
+                f"step_in_backward: trainable parameters not in the optimizer keep their gradients: {loose[:5]}",
+                UserWarning,
+                stacklevel=3,
+            )
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._group_of if p.requires_grad]
+        self._handles.append(optimizer.register_step_pre_hook(self._step_pre_hook))
+
+    # -- hooks ---------------------------------------------------------------------------------------------------------
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.micro_step + 1 < self.accumulation_steps or p.grad is None:
+            return  # accumulating: the gradient stays in .grad
+        grad = p.grad
+        if grad.is_sparse:
+            raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
+        if _finite_flags([grad])[0]:
+            with torch.no_grad():
+                paging.step_param(self.optimizer, p, grad, self._group_of[p])  # paged state: fetched, written back
+        else:
+            self._skipped += 1
+        p.grad = None
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        self.micro_step += 1
+        if self.micro_step == self.accumulation_steps:
+            self.micro_step = 0
+            self.steps += 1
+        if self._skipped:
+            self.optimizer.nonfinite_skips += self._skipped
+            warnings.warn(
+                f"{type(self.optimizer).__name__} (step_in_backward): skipped {self._skipped} parameter(s) with NaN/Inf "
+                "gradients this step (their values and optimizer state are unchanged)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._skipped = 0
+
+    def _step_pre_hook(self, optimizer, args, kwargs) -> None:
+        if self.micro_step != 0:
+            raise RuntimeError(
+                "optimizer.step() called between micro-batches while step_in_backward accumulates gradients "
+                f"({self.micro_step} of {self.accumulation_steps} backward passes done): the update happens in the "
+                "last backward pass; do not call step() (or zero_grad()) in between"
+            )
+
+    # -- state -----------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """The stepper's position: ``{"accumulation_steps", "micro_step", "steps"}`` (ints). Raises RuntimeError
+        mid-accumulation (see the module docstring)."""
+        if self.micro_step != 0:
+            raise RuntimeError(
+                f"step_in_backward: state_dict() after {self.micro_step} of {self.accumulation_steps} micro-batches; "
+                "their gradients are in .grad and would be lost: save at a step boundary"
+            )
+        return {"accumulation_steps": self.accumulation_steps, "micro_step": self.micro_step, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("accumulation_steps", "micro_step", "steps"):
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"step_in_backward state: {key!r} must be an int >= 0, got {value!r}")
+        if state["accumulation_steps"] != self.accumulation_steps:
+            raise ValueError(
+                f"step_in_backward state was saved with accumulation_steps={state['accumulation_steps']}, this stepper "
+                f"uses {self.accumulation_steps}"
+            )
+        if state["micro_step"] >= self.accumulation_steps:
+            raise ValueError(f"step_in_backward state: micro_step {state['micro_step']} >= accumulation_steps")
+        self.micro_step, self.steps = state["micro_step"], state["steps"]
+
+    def remove(self) -> None:
+        """Remove the hooks: the model and optimizer go back to ordinary ``backward()`` + ``step()``."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def step_in_backward(
+    model: torch.nn.Module,
+    optimizer: LowMemOptimizer,
+    *,
+    accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+) -> BackwardStepper:
+    """Step every parameter of ``optimizer`` inside ``backward()``, as soon as its gradient is complete, and free the
+    gradient (module docstring). Works with every lowmemopt optimizer and with GaLore groups. Returns the
+    :class:`BackwardStepper` (keep it: its ``state_dict`` belongs in checkpoints; ``remove()`` undoes this).
+
+    ``accumulation_steps``: update on every N-th backward pass (gradients of the others accumulate in ``.grad``).
+    ``max_grad_norm``: global-norm gradient clipping cannot be done per layer; a positive value raises ValueError."""
+    if not isinstance(optimizer, LowMemOptimizer):
+        raise TypeError(f"step_in_backward needs a lowmemopt optimizer, got {type(optimizer).__name__}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (must be an int >= 1)")
+    if max_grad_norm:
+        raise ValueError(
+            f"step_in_backward cannot clip gradients by global norm (max_grad_norm={max_grad_norm}): each parameter is "
+            "updated as soon as its own gradient is ready, before the others (and so the global norm) exist. Train "
+            "without clipping (max_grad_norm=None / 0), or without per-layer updates (backward(), clip, "
+            "optimizer.step())"
+        )
+    return BackwardStepper(model, optimizer, accumulation_steps)

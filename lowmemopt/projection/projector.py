@@ -1,0 +1,242 @@
+"""The GaLore projector (Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection"):
+which side a matrix is projected on, the projection and its inverse, and the refresh of the basis.
+
+A parameter of shape (m, n) (more dims: (shape[0], rest) as a matrix) with ``rank`` r, k = min(r, m, n)::
+
+    side left  (P = U_k, m x k):          G_low = P^T G      (k x n)    update = scale * P U_low
+    side right (Q = V_k^T, k x n):        G_low = G Q^T      (m x k)    update = scale * U_low Q
+    side both  (P, Q; proj_type "full"):  G_low = P^T G Q^T  (k x k)    update = scale * P U_low Q
+
+``proj_type`` picks the side once, when the state is created, and the side is **stored** (``galore.side``):
+``std`` projects the smaller dimension (right if m >= n, else left), ``reverse_std`` the larger one, ``left`` /
+``right`` / ``full`` as named. galore-torch instead re-infers the side from the low-rank tensor's shape when projecting
+back, which fails for ``reverse_std`` with rank >= rows.
+
+Refresh: the basis is recomputed from the current gradient (fp32, on its device) when the step count (before this
+step) reaches ``galore.next_refresh``: at step 0, then every ``update_proj_gap`` steps, as galore-torch does. With
+``proj_stagger`` the i-th of N projected parameters refreshes next at step ``floor(i * gap / N)`` after its first, then
+every ``gap`` steps, so the SVD cost spreads over the steps instead of landing on one.
+
+A refresh whose gradient or SVD is not finite, or whose SVD raises ``torch.linalg.LinAlgError``, keeps the previous
+basis (warned once per optimizer); a parameter with no basis yet then skips that step (value and state unchanged).
+
+Moments on a subspace switch (group key ``proj_moments``):
+
+* ``"keep"`` (default, galore-torch's behaviour): the low-rank state carries over as it is, although its coordinates
+  now refer to the new basis.
+* ``"reset"``: every slot of the inner algorithm is zeroed (the step count, and so bias correction, continues).
+* ``"project"``: first-moment-like slots (signed, low-rank shaped: ``exp_avg``, ``momentum_buffer``) are rotated into
+  the new basis, ``M <- (P_new^T P_old) M (Q_old Q_new^T)``; non-negative statistics (second moments, factored rows
+  and columns) have no linear change of basis and are kept.
+
+State keys (plain tensors and ints, fp32 at every ``state_bits``): ``galore.proj`` (P for sides left and both, Q for
+side right), ``galore.proj_right`` (Q, side both only), ``galore.side`` (0 left, 1 right, 2 both),
+``galore.next_refresh`` and ``galore.refreshed_at`` (step of the last successful refresh; -1: none yet). A basis is
+stored **transposed**: ``galore.proj`` is P^T (k x m) or Q^T (n x k), contiguous. That is the column-major layout LAPACK
+returns the singular vectors in, so the products below run the same BLAS kernels as galore-torch's (which projects
+with views of ``torch.linalg.svd``'s outputs) and give bit-identical results on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from .basis import randomized_svd_basis, svd_basis
+
+__all__ = [
+    "LEFT",
+    "RIGHT",
+    "BOTH",
+    "PROJ_TYPES",
+    "PROJECTOR_KEYS",
+    "matrix_shape",
+    "choose_side",
+    "low_rank_shape",
+    "init_projector",
+    "bases",
+    "project",
+    "project_back_rows",
+    "compute_basis",
+]
+
+LEFT, RIGHT, BOTH = 0, 1, 2
+SIDE_NAMES = {LEFT: "left", RIGHT: "right", BOTH: "both"}
+PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
+
+PROJ = "galore.proj"
+PROJ_RIGHT = "galore.proj_right"
+SIDE = "galore.side"
+NEXT_REFRESH = "galore.next_refresh"
+REFRESHED_AT = "galore.refreshed_at"
+PROJECTOR_TENSORS = (PROJ, PROJ_RIGHT)
+PROJECTOR_INTS = (SIDE, NEXT_REFRESH, REFRESHED_AT)
+PROJECTOR_KEYS = PROJECTOR_TENSORS + PROJECTOR_INTS
+
+
+def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """The (rows, cols) a parameter of >= 2 dims is projected as: ``(shape[0], prod(shape[1:]))``."""
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def choose_side(proj_type: str, m: int, n: int) -> int:
+    """The projected side of an m x n matrix for ``proj_type`` (module docstring)."""
+    if proj_type == "std":
+        return RIGHT if m >= n else LEFT
+    if proj_type == "reverse_std":
+        return LEFT if m >= n else RIGHT
+    sides = {"left": LEFT, "right": RIGHT, "full": BOTH}
+    if proj_type not in sides:
+        raise ValueError(f"Invalid proj_type: {proj_type!r} (expected one of {', '.join(PROJ_TYPES)})")
+    return sides[proj_type]
+
+
+def low_rank_shape(m: int, n: int, rank: int, side: int) -> tuple[int, int]:
+    """Shape of the projected gradient (and of the inner algorithm's state) of an m x n matrix."""
+    k = min(rank, m, n)
+    return {LEFT: (k, n), RIGHT: (m, k), BOTH: (k, k)}[side]
+
+
+def basis_shapes(m: int, n: int, rank: int, side: int) -> dict[str, tuple[int, int]]:
+    """Shapes of the stored (transposed) basis tensors."""
+    k = min(rank, m, n)
+    if side == LEFT:
+        return {PROJ: (k, m)}
+    if side == RIGHT:
+        return {PROJ: (n, k)}
+    return {PROJ: (k, m), PROJ_RIGHT: (n, k)}
+
+
+def init_projector(state: dict[str, Any], m: int, n: int, rank: int, side: int, device: torch.device) -> None:
+    """Add an empty projector (zero basis, refresh due at step 0) to a parameter's state."""
+    for key, shape in basis_shapes(m, n, rank, side).items():
+        state[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+    state[SIDE] = side
+    state[NEXT_REFRESH] = 0
+    state[REFRESHED_AT] = -1
+
+
+def bases(state: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(P, Q)``: the left basis (m x k) and the right basis (k x n) as views of the stored tensors (None: that side
+    is not projected)."""
+    side = state[SIDE]
+    if side == LEFT:
+        return state[PROJ].t(), None
+    if side == RIGHT:
+        return None, state[PROJ].t()
+    return state[PROJ].t(), state[PROJ_RIGHT].t()
+
+
+def project(g: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+    """The low-rank gradient of the fp32 matrix ``g`` in the stored basis (the same products as galore-torch)."""
+    p, q = bases(state)
+    if q is None:
+        return torch.matmul(p.t(), g)
+    if p is None:
+        return torch.matmul(g, q.t())
+    return torch.matmul(p.t(), g) @ q.t()
+
+
+def project_back_rows(u: torch.Tensor, state: dict[str, Any], r0: int, r1: int, row0: int = 0) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of the full-rank update ``P u`` / ``u Q`` / ``P u Q`` (unscaled), so that the full-size
+    update is never materialized at once. (Row blocks of a product are the product's rows: bit-identical on CPU.)
+    ``row0``: the matrix is a row shard starting at row ``row0`` of the whole one (rows of ``P`` are offset by it;
+    a side-right ``u`` holds the shard's rows only). See :mod:`lowmemopt.distributed.galore`."""
+    p, q = bases(state)
+    if q is None:
+        return torch.matmul(p[row0 + r0:row0 + r1], u)
+    if p is None:
+        return torch.matmul(u[r0:r1], q)
+    return torch.matmul(p[row0 + r0:row0 + r1], u) @ q
+
+
+def compute_basis(
+    g: torch.Tensor, rank: int, side: int, method: str, seed: int
+) -> dict[str, torch.Tensor] | None:
+    """A new basis for the fp32 matrix ``g``, as stored: ``{galore.proj: P^T or Q^T, [galore.proj_right: Q^T]}``
+    (views; the caller copies them into the state), or None if the
+    gradient or its SVD is not finite or the SVD fails to converge. One host synchronization (the finiteness check)."""
+    try:
+        if method == "randomized":
+            u, vh = randomized_svd_basis(g, rank, seed=seed)
+        else:
+            u, vh = svd_basis(g, rank)
+    except torch.linalg.LinAlgError:
+        return None
+    if side == LEFT:
+        new = {PROJ: u.t()}
+    elif side == RIGHT:
+        new = {PROJ: vh.t()}
+    else:
+        new = {PROJ: u.t(), PROJ_RIGHT: vh.t()}
+    finite = torch.stack([t.isfinite().all() for t in new.values()]).all()
+    if not bool(finite):
+        return None
+    return new
+
+
+def change_of_basis(old: dict[str, Any], new: dict[str, Any]):
+    """The maps ``M -> L M R`` that carry low-rank coordinates from the ``old`` basis into the ``new`` one (both
+    projector states, or stored-basis dicts with ``galore.side``): ``(L, R)`` with ``L = P_new^T P_old`` (None for
+    side right) and ``R = Q_old Q_new^T`` (None for side left)."""
+    p_old, q_old = bases(old)
+    p_new, q_new = bases(new)
+    left = None if p_old is None else p_new.t() @ p_old
+    right = None if q_old is None else q_old @ q_new.t()
+    return left, right
+
+
+def warn_refresh_failed(optimizer: Any, where: str) -> None:
+    if getattr(optimizer, "_galore_refresh_warned", False):
+        return
+    optimizer._galore_refresh_warned = True
+    warnings.warn(
+        f"{type(optimizer).__name__}: GaLore projector refresh failed for {where} (non-finite gradient or SVD, or the "
+        "SVD did not converge); keeping the previous basis (a parameter with no basis yet skips its step). "
+        "Warned once per optimizer; optimizer.galore_refresh_failures counts them.",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+# -- the projector in state dicts and state files (used by lowmemopt.checkpoint) -------------------------------------
+
+
+def split_projector_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(projector entries, the rest)`` of one parameter's state."""
+    projector = {k: v for k, v in state.items() if k.startswith("galore.")}
+    return projector, {k: v for k, v in state.items() if not k.startswith("galore.")}
+
+
+def projector_problem(projector: dict[str, Any], group: dict[str, Any], shape: torch.Size) -> str | None:
+    """Why ``projector`` (a parameter's ``galore.*`` state, tensors or ``(dtype, shape)`` descriptions) cannot be the
+    projector of a parameter of ``shape`` in ``group`` (None: it can). Tensors are described by their shape only."""
+    projected = group.get("rank") is not None
+    if not projector:
+        return "its param group has rank (GaLore) but the state has no projector" if projected else None
+    if not projected:
+        return f"the state has a GaLore projector ({sorted(projector)}) but its param group has no rank"
+    unknown = sorted(set(projector) - set(PROJECTOR_KEYS))
+    if unknown:
+        return f"unknown projector state {unknown}"
+    for key in PROJECTOR_INTS:
+        value = projector.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"projector entry '{key}' must be an int, got {value!r}"
+    side = projector[SIDE]
+    if side not in SIDE_NAMES:
+        return f"projector side {side} (expected 0 left, 1 right or 2 both)"
+    m, n = matrix_shape(shape)
+    expected = basis_shapes(m, n, group["rank"], side)
+    got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in projector.items()
+           if k in PROJECTOR_TENSORS}
+    if got != expected:
+        return f"projector bases {got}, rank {group['rank']} on a {m}x{n} matrix (side {SIDE_NAMES[side]}) needs {expected}"
+    for key in expected:
+        t = projector[key]
+        if isinstance(t, torch.Tensor) and not t.is_floating_point():
+            return f"projector basis '{key}' is {t.dtype}, expected float"
+    return None
