@@ -33,9 +33,11 @@ GPU fast path: on CUDA, parameters whose (algorithm, state format) has a fused T
 multi-tensor kernel launches instead (:mod:`lowmemopt.kernels`, see ``docs/kernels.md``); everything else takes the
 reference path below.
 
-CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
-fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
-the eager path below. Both call the same ``_update``.
+CPU fast paths: elementwise algorithms on CPU run the full blocks of each parameter through a native C kernel that fuses
+decode -> math -> encode (:mod:`lowmemopt.cpu`, built at first use), or, where it is unavailable, each chunk of large
+tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); large unsharded 2-D parameters of the
+factored optimizers (Adafactor, CAME) take a few fused native passes (:mod:`lowmemopt.cpu.factored`); everything else,
+and any tensor's ragged last block, takes the eager path below. All give the eager path's results (to fp32 rounding).
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
@@ -55,7 +57,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled, paging
+from . import compiled, cpu, paging
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import (
     agree_finite,
@@ -343,7 +345,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
         start = 0
-        if self.elementwise and self.math is not None and compiled.applies(p):
+        if p.device.type == "cpu" and cpu.applies_to(self):  # native C kernels (lowmemopt.cpu)
+            if self.elementwise:
+                start = cpu.step_elementwise(self, pflat, gflat, state, slots, formats, group, step, decay)
+            elif reduce is LOCAL and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
+                start = pflat.numel()
+        if start == 0 and self.elementwise and self.math is not None and compiled.applies(p):
             start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
         self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         if target is not p:
