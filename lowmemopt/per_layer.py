@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
 
 __all__ = ["BackwardStepper", "step_in_backward"]
@@ -82,7 +83,8 @@ class BackwardStepper:
         grad = p.grad
         if grad.is_sparse:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
-        if _finite_flags([grad])[0]:
+        local = local_tensor(grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
+        if agree_finite(_finite_flags([local]), [p], [grad])[0]:
             with torch.no_grad():
                 self.optimizer._step_param(p, grad, self._group_of[p])
         else:
