@@ -11,6 +11,8 @@ from .aliases import (
     LAMB8bit,
     LARS8bit,
     Lion8bit,
+    PagedAdamW,
+    PagedAdamW8bit,
 )
 from .checkpoint import load_state, save_state
 from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW, Lion
@@ -38,6 +40,8 @@ __all__ = [
     "LARS8bit",
     "Lion",
     "Lion8bit",
+    "PagedAdamW",
+    "PagedAdamW8bit",
     "SGD",
     "galore_param_groups",
     "load_state",

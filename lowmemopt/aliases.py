@@ -8,6 +8,9 @@ in every optimizer; see :mod:`lowmemopt.projection`), so its aliases name the in
 decay after the update), ``GaLoreAdafactor`` transformers' Adafactor, and ``GaLoreAdamW8bit`` bitsandbytes'
 ``AdamW8bit``, i.e. torch's AdamW with 8-bit state (its weight decay is applied before the update, as for every
 ``AdamW``; galore-torch's applies it after the update on projected params, an O(lr^2 wd) difference).
+
+``PagedAdamW`` / ``PagedAdamW8bit`` (bitsandbytes' names) add ``paged=True``: state in host RAM between steps
+(:mod:`lowmemopt.paging`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ __all__ = [
     "LAMB8bit",
     "LARS8bit",
     "Lion8bit",
+    "PagedAdamW",
+    "PagedAdamW8bit",
 ]
 
 
@@ -54,3 +59,8 @@ CAME8bit = _alias(CAME, "CAME8bit", state_bits=8)
 GaLoreAdamW = _alias(HFAdamW, "GaLoreAdamW")
 GaLoreAdamW8bit = _alias(AdamW, "GaLoreAdamW8bit", state_bits=8)
 GaLoreAdafactor = _alias(Adafactor, "GaLoreAdafactor")
+
+# bitsandbytes' paged optimizers keep state in CUDA managed memory; ours page it to pinned host RAM (see
+# docs/paging.md): paged="disk" with offload_dir= and page_budget_bytes= are available on any optimizer
+PagedAdamW = _alias(AdamW, "PagedAdamW", paged=True)
+PagedAdamW8bit = _alias(AdamW, "PagedAdamW8bit", state_bits=8, paged=True)

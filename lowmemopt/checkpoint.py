@@ -35,6 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from . import paging
 from .distributed.files import process_rank, rank_path
 from .distributed.sharding import is_dtensor, local_tensor, shard_layout
 from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
@@ -328,6 +329,7 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
     from . import __version__  # deferred: lowmemopt/__init__.py imports this module
 
     _check_optimizer(optimizer)
+    paging.settle(optimizer)  # paged state: every write-back has reached its home
     path, sharding = _sharded_path(optimizer, path)
     names = _param_names(optimizer, model)
     tensors: dict[str, torch.Tensor] = {}
@@ -350,6 +352,7 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
     if sharding is not None:
         meta["sharding"] = sharding
     _atomic_save_file(tensors, os.fspath(path), {META_KEY: json.dumps(meta)})
+    paging.drop_pages(optimizer)  # state files were read whole: hand their pages back
 
 
 def _sharded_path(optimizer: LowMemOptimizer, path: str | os.PathLike) -> tuple[str, dict[str, int] | None]:
@@ -571,16 +574,23 @@ def load_state(
             raise CheckpointError(_describe_problems(path, report, meta, model))
         release = _page_releaser(f, path)
         # allocate all the new state first, then stream the file into it: chunk temporaries then reuse one small
-        # region instead of fragmenting the heap between state tensors
+        # region instead of fragmenting the heap between state tensors. Paged params' state goes to new homes.
         new_states = {plan.param: _allocate(plan) for plan in plans}
-        for plan in plans:
-            _read_param(f, plan, new_states[plan.param], meta["crc32"], path, release, report.converted)
+        new_states.update(paging.stage(optimizer, [(plan.param, plan.group, new_states[plan.param]) for plan in plans]))
+        try:
+            for plan in plans:
+                _read_param(f, plan, new_states[plan.param], meta["crc32"], path, release, report.converted)
+                paging.drop_pages(optimizer, new_states[plan.param])
+        except BaseException:
+            paging.discard_staged(optimizer)
+            raise
     # everything is read and checked: swap it in
     for plan in plans:
         if new_states[plan.param]:
             optimizer.state[plan.param] = new_states[plan.param]
         else:
             optimizer.state.pop(plan.param, None)
+    paging.reconcile(optimizer)  # paged: adopt the new homes, free the replaced ones
     if report.hyperparameters_restored:
         for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
@@ -691,22 +701,25 @@ def _describe_problems(path, report, meta, model) -> str:
 
 
 def _allocate(plan: _Plan) -> dict[str, Any]:
-    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it)."""
+    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it). Paged
+    params get meta tensors here: :func:`lowmemopt.paging.stage` then puts them in new homes."""
     if plan.entry["step"] is None:
         return {}
     state: dict[str, Any] = {"step": plan.entry["step"]}
+    device = torch.device("meta") if paging.tier_of(plan.group) else plan.param.device
     for key, value in plan.entry.get("projector", {}).items():  # GaLore: ints as they are, fp32 bases to fill
-        state[key] = torch.zeros(value, dtype=torch.float32, device=plan.param.device) if isinstance(value, list) else value
+        state[key] = torch.zeros(value, dtype=torch.float32, device=device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
         shape = _slot_shape(slot, plan.param)
         fmt = _target_format(plan.group, slot, shape.numel())
-        fmt.init(state, name, shape, plan.param.device, plan.group["block_size"])
+        fmt.init(state, name, shape, device, plan.group["block_size"])
     return state
 
 
 def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, converted: list[str]) -> None:
     """Fill ``state`` (from :func:`_allocate`) from the file, converting formats; checks every tensor's CRC-32."""
     entry, p, group = plan.entry, local_tensor(plan.param), plan.group
+    device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), p.device)  # paged: the home's
     for name, slot in plan.slots.items():
         info = entry["slots"][name]
         shape = _slot_shape(slot, p)
@@ -719,7 +732,7 @@ def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, conv
             fkey = f"{plan.name}/{key}"
             sources[key] = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
         read = lambda key, a, b, sources=sources: sources[key].read(a, b)  # noqa: E731
-        _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, p.device, verbatim=src is dst)
+        _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=src is dst)
         for source in sources.values():
             source.finish()
         if src is not dst:

@@ -15,6 +15,9 @@ Storage options (constructor keywords, also settable per param group):
 * ``state_bits``: 32 (fp32 state), 16 (bf16) or 8 (block-wise dynamic quantization, see :mod:`lowmemopt.quant`).
 * ``block_size`` (256): elements per quantization block (a power of two).
 * ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
+* ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
+  files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
+  (:mod:`lowmemopt.paging`; ``step()`` calls it around ``_step_param``, the load and state_dict hooks keep it paged).
 
 Non-finite gradients (policy): before updating, ``step()`` checks every gradient with one fused multi-tensor L2 norm per
 device (one host synchronization per step, none per parameter). A parameter whose gradient norm is not finite (a NaN or
@@ -26,9 +29,15 @@ GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projec
 same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
 gradient, the update projected back and applied through :meth:`LowMemOptimizer._apply_update`.
 
-CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
-fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
-the eager path below. Both call the same ``_update``.
+GPU fast path: on CUDA, parameters whose (algorithm, state format) has a fused Triton kernel are stepped by
+multi-tensor kernel launches instead (:mod:`lowmemopt.kernels`, see ``docs/kernels.md``); everything else takes the
+reference path below.
+
+CPU fast paths: elementwise algorithms on CPU run the full blocks of each parameter through a native C kernel that fuses
+decode -> math -> encode (:mod:`lowmemopt.cpu`, built at first use), or, where it is unavailable, each chunk of large
+tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); large unsharded 2-D parameters of the
+factored optimizers (Adafactor, CAME) take a few fused native passes (:mod:`lowmemopt.cpu.factored`); everything else,
+and any tensor's ragged last block, takes the eager path below. All give the eager path's results (to fp32 rounding).
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
@@ -42,15 +51,17 @@ stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled
+from . import compiled, cpu, paging
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import (
     agree_finite,
+    is_dtensor,
     local_tensor,
     local_view,
     localize_state,
@@ -63,7 +74,9 @@ from .quant.maps import code_book, encode_table
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS"]
 
 FORMAT_VERSION = 1
-STORAGE_DEFAULTS = dict(state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None)
+STORAGE_DEFAULTS = dict(
+    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0
+)
 CHUNK_NUMEL = 1 << 18  # eager path: elements per chunk (1 MiB of fp32 per temporary)
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
 
@@ -136,11 +149,7 @@ def check_storage(group: dict) -> None:
     mq = group["min_quant_numel"]
     if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
         raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
-    if group["paged"] not in (False, None):
-        raise NotImplementedError(
-            f"paged={group['paged']!r}: paged optimizer state is not available in this version of lowmemopt; "
-            "use paged=False"
-        )
+    paging.check_paging(group)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -164,7 +173,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         block_size: int = 256,
         min_quant_numel: int = 4096,
         paged: bool | str = False,
-        offload_dir: str | None = None,
+        offload_dir: str | os.PathLike | None = None,
+        page_budget_bytes: int = 0,
     ) -> None:
         defaults = dict(defaults)
         defaults.update(
@@ -173,6 +183,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             min_quant_numel=min_quant_numel,
             paged=paged,
             offload_dir=offload_dir,
+            page_budget_bytes=page_budget_bytes,
         )
         check_storage(defaults)
         self._check_group(defaults)
@@ -271,14 +282,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 work.append((p, group))
         if not work:
             return loss
+        pager = paging.pager_of(self)  # None unless a param group is paged
+        if pager is not None:
+            pager.begin(work)  # checks devices, makes homes for new state: raises before anything changes
         grads = [local_tensor(p.grad) for p, _ in work]
         finite = agree_finite(_finite_flags(grads), [p for p, _ in work], grads)
-        skipped = 0
-        for (p, group), ok in zip(work, finite):
-            if ok:
-                self._step_param(p, p.grad, group)
-            else:
-                skipped += 1
+        todo = [item for item, ok in zip(work, finite) if ok]
+        skipped = len(work) - len(todo)
+        if pager is None and not any(is_dtensor(p) for p, _ in todo):
+            from .kernels.dispatch import step_fused  # fused Triton kernels take what they support (CUDA tensors)
+
+            todo = step_fused(self, todo)
+        for p, group in todo if pager is None else pager.steps(todo):  # paged: state fetched, then written back
+            self._step_param(p, p.grad, group)
         if skipped:
             self.nonfinite_skips += skipped
             warnings.warn(
@@ -329,7 +345,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
         start = 0
-        if self.elementwise and self.math is not None and compiled.applies(p):
+        if p.device.type == "cpu" and cpu.applies_to(self):  # native C kernels (lowmemopt.cpu)
+            if self.elementwise:
+                start = cpu.step_elementwise(self, pflat, gflat, state, slots, formats, group, step, decay)
+            elif reduce is LOCAL and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
+                start = pflat.numel()
+        if start == 0 and self.elementwise and self.math is not None and compiled.applies(p):
             start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
         self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         if target is not p:
@@ -408,6 +429,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
         shape = p.shape if slot.shape is None else torch.Size(slot.shape)
         return fmt.decode(state, name, 0, shape.numel(), slot.signed, bs).view(shape)
 
+    def close(self, *, keep_files: bool = False) -> None:
+        """Free what paged state holds: its host memory and its files in ``offload_dir`` (``keep_files=True`` keeps
+        the files, described by a ``manifest.json``). The paged state is dropped and the optimizer cannot step again.
+        Also done when the optimizer is garbage-collected or Python exits. Nothing to do for an unpaged optimizer."""
+        paging.close(self, keep_files=keep_files)
+
     # -- introspection -------------------------------------------------------------------------------------------------
 
     def state_nbytes(self) -> int:
@@ -439,6 +466,7 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
 
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state_dict["lowmemopt_format"] = FORMAT_VERSION
+    paging.detach_files(optimizer, state_dict)  # copies, not views of state files that the next step rewrites
     presented = presented_params(optimizer)  # DTensor params: state as DTensors (lowmemopt.distributed.sharding)
     if presented:
         state = state_dict["state"] = dict(state_dict["state"])
@@ -467,7 +495,7 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
         return state_dict  # torch raises its own, clear error for this
     from .checkpoint import convert_param_state  # deferred: lowmemopt.checkpoint imports this module
 
-    id_map, converted = {}, {}
+    id_map, converted, targets = {}, {}, {}
     for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
         target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
         target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
@@ -478,6 +506,10 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
                 where = f"load_state_dict: parameter {i} of param group {gi}"
                 _, value = localize_state(p, value)  # DTensor state -> the local shard's
                 converted[key] = convert_param_state(optimizer, p, value, saved, target, where)
+                targets[key] = group
+    # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
+    staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
+    converted = {k: staged.get(id_map[k], st) for k, st in converted.items()}
     state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in converted}
     storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)
@@ -497,4 +529,8 @@ def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
         return
     for key, state in converted.items():
         p = id_map[key]
-        optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        if paging.is_staged(optimizer, p, state):  # already where it lives (home or device)
+            optimizer.state[p] = state
+        else:
+            optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    paging.reconcile(optimizer)  # adopt the staged homes, free the replaced ones

@@ -123,6 +123,8 @@ _COMMON_BAD = [
     (dict(state_bits=True), ValueError, "Invalid state_bits"),
     (dict(block_size=100), ValueError, "Invalid block_size"),
     (dict(min_quant_numel=-1), ValueError, "Invalid min_quant_numel"),
+    (dict(paged="gpu"), ValueError, "Invalid paged"),
+    (dict(paged="disk"), ValueError, "needs offload_dir"),
 ]
 _BAD_BETAS = [
     (dict(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0"),

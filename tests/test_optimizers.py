@@ -247,7 +247,8 @@ def test_non_contiguous_param():
         p.grad, ref.grad = g.clone(), g.clone()
         opt.step()
         ref_opt.step()
-    torch.testing.assert_close(p, ref, rtol=0, atol=0)
+    # to fp32 rounding: torch's CPU Tensor.sqrt (MKL) is not correctly rounded, lowmemopt's native kernel's sqrt is
+    torch.testing.assert_close(p, ref, rtol=2e-6, atol=2e-6)
 
 
 def test_aliases_are_default_changes():
@@ -282,7 +283,8 @@ def test_lamb_trust_ratio_is_a_tensor_without_sync():
 
 def test_info_table_covers_every_public_optimizer():
     classes = {n for n in lowmemopt.__all__ if isinstance(getattr(lowmemopt, n), type)}
-    public = {n for n in classes if issubclass(getattr(lowmemopt, n), torch.optim.Optimizer) and not n.endswith("8bit")}
+    aliases = set(lowmemopt.aliases.__all__)  # drop-in names: a change of defaults of a class in the table
+    public = {n for n in classes if issubclass(getattr(lowmemopt, n), torch.optim.Optimizer) and n not in aliases}
     assert {"AdamW", "SGD", "Lion"} <= public
     assert public <= set(BY_NAME), public - set(BY_NAME)
 

@@ -38,7 +38,7 @@ from ..optimizer import CHUNK_NUMEL, LowMemOptimizer, Slot
 from ..quant.formats import format_of
 from . import projector as pj
 
-__all__ = ["GROUP_DEFAULTS", "check_group", "projected_slots", "step_projected"]
+__all__ = ["GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected"]
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
     update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False
@@ -169,6 +169,17 @@ def _carry_moments(state: dict, slots: dict[str, Slot], group: dict[str, Any], n
         fmt.encode(state, name, 0, numel, m.reshape(-1).contiguous(), True, bs)
 
 
+def init_projected_state(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any],
+                         slots: dict[str, Slot] | None = None) -> dict[str, Any]:
+    """Make ``p``'s first GaLore state in ``optimizer.state[p]``: the inner algorithm's low-rank slots and an empty
+    projector (also used, on a meta twin of ``p``, by :mod:`lowmemopt.paging` to learn the layout ahead)."""
+    slots = projected_slots(optimizer, group, p) if slots is None else slots
+    m, n = pj.matrix_shape(p.shape)
+    state = optimizer._init_state(p, group, slots)
+    pj.init_projector(state, m, n, group["rank"], pj.choose_side(group["proj_type"], m, n), p.device)
+    return state
+
+
 def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
     """One GaLore step of parameter ``p`` (module docstring). Called by ``LowMemOptimizer._step_param``."""
     state = optimizer.state[p]
@@ -185,9 +196,7 @@ def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tens
                 f"a parameter of shape {tuple(p.shape)} has full-rank optimizer state but its param group has "
                 f"rank={group['rank']}; reset this parameter's state to project it"
             )
-        optimizer._init_state(p, group, slots)
-        side = pj.choose_side(group["proj_type"], m, n)
-        pj.init_projector(state, m, n, group["rank"], side, p.device)
+        init_projected_state(optimizer, p, group, slots)
 
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
     m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)

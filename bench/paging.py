@@ -1,0 +1,303 @@
+"""Paged optimizer state: memory and step time of lowmemopt's paged AdamW (disk and host-RAM tiers) against the same
+optimizer unpaged and, on a GPU, bitsandbytes' PagedAdamW8bit / PagedAdamW, in one run.
+
+    cd /tmp && python /path/to/repo/bench/paging.py --small          # CPU, ~11M parameters: RSS and step time
+    cd /tmp && python /path/to/repo/bench/paging.py                  # CPU, ~148M parameters
+    cd /tmp && python /path/to/repo/bench/paging.py --device cuda    # GPU: device memory and step time
+
+CPU: each configuration runs in its own process (so one's freed memory cannot hide another's peak) on a LLaMA-style
+model with fixed random gradients. Reported: the optimizer state's size, the process's RSS above the model + gradients
+after the warm-up steps, its peak during the timed steps (``VmHWM`` reset by ``/proc/self/clear_refs``), and the median
+step time. GPU: the same model on the device; paged configurations get a budget of ``--budget-frac`` of the unpaged
+state, so the state does not fit it. Reported: device memory held between steps by the optimizer (torch's allocator),
+the peak during a step, the device's own used-memory (``cudaMemGetInfo``, which also sees bitsandbytes' managed memory)
+and the median step time. Without CUDA, ``--device cuda`` stops with an error.
+
+(Run from outside the repository root; see bench/README.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from common import LLAMA_PRESETS, build_llama, fixed_grads, fresh_params, machine_info, time_steps
+
+CPU_CONFIGS = ["unpaged", "disk", "cpu"]
+GPU_CONFIGS = ["unpaged", "cpu", "disk", "bnb-unpaged", "bnb-paged"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--small", action="store_true", help="~11M-parameter model instead of ~148M")
+    parser.add_argument("--bits", type=int, default=8, choices=[32, 16, 8], help="state_bits (default 8)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--configs", help="comma-separated subset (CPU: " + ", ".join(CPU_CONFIGS) + "; GPU: "
+                        + ", ".join(GPU_CONFIGS) + ")")
+    parser.add_argument("--offload-dir", help="directory for the disk tier (default: a new one under the system's "
+                        "temporary directory; use a real disk: /tmp may be RAM-backed)")
+    parser.add_argument("--budget-frac", type=float, default=0.25,
+                        help="GPU: page_budget_bytes as a fraction of the unpaged state (default 0.25)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="CPU: run the configurations this many times, interleaved; report each one's best\n"
+                             "median (a shared machine's load changes between runs)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one CPU configuration, print JSON
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine; the GPU part needs a CUDA device "
+                     "(run without --device for the CPU part)")
+    known = GPU_CONFIGS if args.device.startswith("cuda") else CPU_CONFIGS
+    args.config_list = [c.strip() for c in (args.configs or ",".join(known)).split(",") if c.strip()]
+    unknown = [c for c in args.config_list if c not in known]
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; choose from {known}")
+    if args.steps < 1 or args.warmup < 0 or args.repeat < 1:
+        parser.error("--steps and --repeat must be >= 1, --warmup >= 0")
+    return args
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _lowmemopt(params, config: str, bits: int, offload_dir: str | None, budget: int = 0):
+    import lowmemopt
+
+    paging = {} if config == "unpaged" else dict(paged=config, offload_dir=offload_dir, page_budget_bytes=budget)
+    return lowmemopt.AdamW(params, lr=1e-3, weight_decay=1e-2, state_bits=bits, **paging)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: one process per configuration
+
+
+def cpu_worker(args: argparse.Namespace) -> None:
+    preset = "10m" if args.small else "150m"
+    model = build_llama(preset)
+    grads = fixed_grads(model)
+    params = fresh_params([p.detach() for p in model.parameters()], grads)
+    del model
+    gc.collect()
+    base = _kib("VmRSS")
+    opt = _lowmemopt(params, args.worker, args.bits, args.offload_dir)
+    times, _ = time_steps(opt.step, steps=0, warmup=args.warmup, device=torch.device("cpu"))
+    after_warmup = _kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    times, note = time_steps(opt.step, steps=args.steps, warmup=0, device=torch.device("cpu"))
+    peak = _kib("VmHWM")
+    out = dict(config=args.worker, state_bytes=opt.state_nbytes(), n_params=sum(p.numel() for p in params),
+               rss_after_warmup=(after_warmup - base) * 1024, peak_rss=(peak - base) * 1024,
+               times_s=times, median_s=statistics.median(times), note=note)
+    opt.close()
+    print(json.dumps(out))
+
+
+def run_cpu(args: argparse.Namespace) -> list[dict]:
+    runs: dict[str, list[dict]] = {c: [] for c in args.config_list}
+    for _ in range(args.repeat):
+        for config, result in zip(args.config_list, _run_cpu_once(args)):
+            runs[config].append(result)
+    results = []
+    for config, rows in runs.items():
+        ok = [r for r in rows if "error" not in r]
+        best = min(ok, key=lambda r: r["median_s"]) if ok else rows[0]
+        results.append(dict(best, runs=len(rows), medians_s=[r["median_s"] for r in ok]))
+    return results
+
+
+def _run_cpu_once(args: argparse.Namespace) -> list[dict]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
+        for config in args.config_list:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--bits", str(args.bits),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--offload-dir", offload_dir]
+            if args.small:
+                cmd.append("--small")
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                results.append(dict(config=config, error=proc.stderr.strip().splitlines()[-1][:200]))
+            else:
+                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"  {config}: done", file=sys.stderr)
+    return results
+
+
+def print_cpu_table(results: list[dict]) -> None:
+    ref = next((r for r in results if r.get("config") == "unpaged" and "median_s" in r), None)
+    print("| configuration | state (MB) | RSS above model+grads after warm-up (MB) | peak during steps (MB) "
+          "| median step (s) | vs unpaged |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['config']} | — | — | — | — | FAILED: {r['error']} |")
+            continue
+        ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "—"
+        print(f"| {_cpu_name(r['config'])} | {r['state_bytes'] / 1e6:.1f} | {r['rss_after_warmup'] / 1e6:.1f} "
+              f"| {r['peak_rss'] / 1e6:.1f} | {r['median_s']:.3f} | {ratio} |")
+
+
+def _cpu_name(config: str) -> str:
+    return {"unpaged": "unpaged", "disk": 'paged="disk"', "cpu": 'paged="cpu"'}[config]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: in one process, memory released between configurations
+
+
+def _bnb(params, config: str, bits: int):
+    import bitsandbytes as bnb
+
+    cls = {("bnb-unpaged", 8): bnb.optim.AdamW8bit, ("bnb-paged", 8): bnb.optim.PagedAdamW8bit,
+           ("bnb-unpaged", 32): bnb.optim.AdamW, ("bnb-paged", 32): bnb.optim.PagedAdamW}.get((config, bits))
+    if cls is None:
+        raise ValueError(f"bitsandbytes has no {bits}-bit AdamW")
+    return cls(params, lr=1e-3, weight_decay=1e-2)
+
+
+def _device_used(device: torch.device) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def run_gpu(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    preset = "10m" if args.small else "150m"
+    model = build_llama(preset, device=device)
+    grads = fixed_grads(model)
+    reference = [p.detach() for p in model.parameters()]
+    del model
+    unpaged_state = _expected_state_bytes(reference, args.bits)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
+        for config in args.config_list:
+            row: dict = dict(config=config)
+            params = opt = None
+            try:
+                params = fresh_params(reference, grads)
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.synchronize(device)
+                base_alloc, base_used = torch.cuda.memory_allocated(device), _device_used(device)
+                budget = int(args.budget_frac * unpaged_state)
+                if config.startswith("bnb"):
+                    opt = _bnb(params, config, args.bits)
+                else:
+                    opt = _lowmemopt(params, config, args.bits, offload_dir, budget)
+                row.update(_measure_gpu(opt, args, device, base_alloc, base_used))
+                row["budget"] = None if config.startswith("bnb") else budget
+            except Exception as exc:  # noqa: BLE001 - a failing configuration becomes a table row
+                row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            finally:
+                if opt is not None and hasattr(opt, "close"):
+                    opt.close()
+                del opt, params
+                gc.collect()
+                torch.cuda.empty_cache()
+            results.append(row)
+            print(f"  {config}: done", file=sys.stderr)
+    return results
+
+
+def _measure_gpu(opt, args: argparse.Namespace, device: torch.device, base_alloc: int, base_used: int) -> dict:
+    time_steps(opt.step, steps=0, warmup=args.warmup, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    used = []
+
+    def step():
+        opt.step()
+        used.append(_device_used(device))
+
+    times, note = time_steps(step, steps=args.steps, warmup=0, device=device)
+    return dict(
+        state_bytes=_state_bytes(opt), held_between_steps=torch.cuda.memory_allocated(device) - base_alloc,
+        peak_in_step=torch.cuda.max_memory_allocated(device) - base_alloc, device_used=max(used) - base_used,
+        times_s=times, median_s=statistics.median(times), note=note,
+    )
+
+
+def _expected_state_bytes(reference: list[torch.Tensor], bits: int) -> int:
+    """lowmemopt AdamW's state size for these parameters at ``bits``, from its layout on meta tensors (no memory)."""
+    meta = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in reference]
+    opt = _lowmemopt(meta, "unpaged", bits, None)
+    group = opt.param_groups[0]
+    return sum(t.nbytes for p in meta for t in opt._init_state(p, group, opt._slots(group, p)).values()
+               if isinstance(t, torch.Tensor))
+
+
+def _state_bytes(opt) -> int:
+    if hasattr(opt, "state_nbytes"):
+        return int(opt.state_nbytes())
+    from common import state_bytes
+
+    return state_bytes(opt)
+
+
+def print_gpu_table(results: list[dict], bits: int) -> None:
+    ref = next((r for r in results if r.get("config") == "unpaged" and "median_s" in r), None)
+    names = {"unpaged": "lowmemopt unpaged", "cpu": 'lowmemopt paged="cpu"', "disk": 'lowmemopt paged="disk"',
+             "bnb-unpaged": f"bnb AdamW{'8bit' if bits == 8 else ''}",
+             "bnb-paged": f"bnb PagedAdamW{'8bit' if bits == 8 else ''}"}
+    print("| configuration | state (MB) | budget (MB) | held on device between steps (MB) | peak in step (MB) "
+          "| device used (MB) | median step (s) | vs unpaged |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        name = names[r["config"]]
+        if "error" in r:
+            print(f"| {name} | — | — | — | — | — | — | FAILED: {r['error']} |")
+            continue
+        ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "—"
+        budget = "—" if r["budget"] is None else f"{r['budget'] / 1e6:.1f}"
+        print(f"| {name} | {r['state_bytes'] / 1e6:.1f} | {budget} | {r['held_between_steps'] / 1e6:.1f} "
+              f"| {r['peak_in_step'] / 1e6:.1f} | {r['device_used'] / 1e6:.1f} | {r['median_s']:.4f} | {ratio} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        cpu_worker(args)
+        return 0
+    device = torch.device(args.device)
+    preset = "10m" if args.small else "150m"
+    print("## Paged optimizer state benchmark\n")
+    for key, value in machine_info(device).items():
+        print(f"- {key}: {value}")
+    print(f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32; AdamW at {args.bits} bits; warm-up "
+          f"{args.warmup}, timed {args.steps} steps, median reported; LOWMEMOPT_COMPILE="
+          f"{os.environ.get('LOWMEMOPT_COMPILE', '1')}\n")
+    sys.stdout.flush()
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        results = run_gpu(args)
+        print_gpu_table(results, args.bits)
+    else:
+        results = run_cpu(args)
+        print_cpu_table(results)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    print(f"\n- wall time {time.perf_counter() - t0:.0f} s; load average (1 min) at the end: {load}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=machine_info(device), args=vars(args), results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Paged optimizer state: between steps, a paged parameter's state lives in host RAM or in files, and comes to the
+parameter's device only while that parameter updates.
+
+    opt = lowmemopt.AdamW(model.parameters(), state_bits=8, paged="disk", offload_dir="/scratch/opt")
+    opt = lowmemopt.PagedAdamW8bit(model.parameters(), page_budget_bytes=2 << 30)   # paged="cpu", 2 GiB resident
+
+Options (keyword-only on every optimizer, settable per param group): ``paged=False | True | "cpu" | "disk"``,
+``offload_dir=`` (for ``"disk"``), ``page_budget_bytes=0``. See ``docs/paging.md``.
+
+Modules: :mod:`.options` (checks), :mod:`.homes` (host and file homes, page handling), :mod:`.movers` (host and CUDA
+transfers), :mod:`.pager` (the residency manager). The functions below are the hooks the optimizer and the checkpoint
+code call; each is a no-op for an optimizer without paged groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .options import check_paging, tier_of
+from .pager import Entry, Pager
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..optimizer import LowMemOptimizer
+
+__all__ = [
+    "Entry",
+    "Pager",
+    "check_paging",
+    "close",
+    "detach_files",
+    "discard_staged",
+    "drop_pages",
+    "is_staged",
+    "pager_of",
+    "reconcile",
+    "settle",
+    "stage",
+    "step_param",
+    "tier_of",
+    "where_state_lives",
+]
+
+
+def pager_of(optimizer: LowMemOptimizer) -> Pager | None:
+    """The optimizer's residency manager, made on first use; None if no param group is paged."""
+    pager = optimizer.__dict__.get("_pager")
+    if pager is None and any(tier_of(g) for g in optimizer.param_groups):
+        pager = optimizer.__dict__["_pager"] = Pager(optimizer)
+    return pager
+
+
+def _existing(optimizer: Any) -> Pager | None:
+    return getattr(optimizer, "__dict__", {}).get("_pager")
+
+
+def step_param(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+    """``optimizer._step_param(p, grad, group)`` with ``p``'s state fetched and written back when it is paged: for
+    callers that step one parameter at a time outside ``step()`` (:func:`lowmemopt.step_in_backward`)."""
+    pager = pager_of(optimizer)
+    if pager is None or tier_of(group) is None:
+        optimizer._step_param(p, grad, group)
+        return
+    pager.begin([(p, group)])
+    for q, g in pager.steps([(p, group)]):
+        optimizer._step_param(q, grad, g)
+
+
+def stage(optimizer: LowMemOptimizer, items: list[tuple[torch.Tensor, dict, dict]]) -> dict[torch.Tensor, dict]:
+    """Loaded state of paged params placed in new homes (see :meth:`Pager.stage`); {} when nothing is paged."""
+    pager = pager_of(optimizer)
+    return pager.stage(items) if pager is not None else {}
+
+
+def is_staged(optimizer: LowMemOptimizer, p: torch.Tensor, state: Any) -> bool:
+    pager = _existing(optimizer)
+    return pager is not None and pager.is_staged(p, state)
+
+
+def reconcile(optimizer: LowMemOptimizer) -> None:
+    """After a load swapped the state: adopt staged homes, free replaced ones."""
+    pager = _existing(optimizer)
+    if pager is not None:
+        pager.reconcile()
+
+
+def discard_staged(optimizer: LowMemOptimizer) -> None:
+    pager = _existing(optimizer)
+    if pager is not None:
+        pager.discard_staged()
+
+
+def settle(optimizer: LowMemOptimizer) -> None:
+    """Wait for every write-back to reach its home, so host code can read the state (CUDA; no-op on CPU)."""
+    pager = _existing(optimizer)
+    if pager is not None:
+        pager.settle()
+
+
+def detach_files(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> None:
+    """In ``state_dict()``'s output: ordinary tensors instead of views of state files."""
+    pager = _existing(optimizer)
+    if pager is not None:
+        pager.detach_files(state_dict)
+
+
+def drop_pages(optimizer: LowMemOptimizer, state: dict | None = None) -> None:
+    """Unmap state files' pages from the process (after reading them in bulk, e.g. to save a checkpoint)."""
+    pager = _existing(optimizer)
+    if pager is not None:
+        pager.drop_pages(state)
+
+
+def where_state_lives(optimizer: LowMemOptimizer, p: torch.Tensor) -> str:
+    """``"device"``, ``"cpu"`` or ``"disk"``: where ``p``'s optimizer state is kept between steps."""
+    pager = _existing(optimizer)
+    return "device" if pager is None else pager.where_state_lives(p)
+
+
+def close(optimizer: LowMemOptimizer, keep_files: bool = False) -> None:
+    pager = _existing(optimizer)
+    if pager is not None:
+        pager.close(keep_files=keep_files)

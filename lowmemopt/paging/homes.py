@@ -1,0 +1,297 @@
+"""Homes of paged state: where each state tensor lives between steps, and copies that keep the process's memory small.
+
+* Host RAM (``paged="cpu"``): a plain CPU tensor; for a parameter on a CUDA device it is page-locked with
+  ``cudaHostRegister``, so copies to and from the device are asynchronous DMA. Sizes are exact and the registration is
+  undone when the home is freed (torch's pinned allocator rounds every allocation up to a power of two and keeps it
+  cached after it is freed).
+* A file (``paged="disk"``): one file per state tensor in ``<offload_dir>/lowmemopt-<pid>-<random>/``. Its space is
+  reserved with ``posix_fallocate``, so a full disk fails there, while nothing has changed yet, and never later as a
+  SIGBUS on a write through the mapping. The file is mapped shared (``torch.from_file``): the home tensor *is* the file,
+  so ``optimizer.state`` still holds real tensors. The step itself moves data with ``pread`` / ``pwrite``
+  (:func:`transfer`), which copy between the page cache and the working buffer without mapping a single page into the
+  process: measured here, 8 MiB each way in ~5 ms instead of ~100 ms through re-faulted mapped pages, and the
+  process's RSS never holds the file. Pages that other readers of the mapping touch (a ``state_dict()``, a save) count
+  in RSS while mapped; :func:`drop_pages` hands them back to the page cache (``madvise(MADV_DONTNEED)``; dirty pages
+  stay in the page cache and reach the file as usual).
+
+:class:`Homes` allocates and frees them and remembers what it made, so that everything it allocated is freed by
+:meth:`Homes.close` (files deleted, pinned memory unregistered).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import mmap
+import os
+import re
+import secrets
+import shutil
+import sys
+from typing import Callable, NamedTuple
+
+import torch
+
+__all__ = ["Homes", "transfer", "drop_pages", "will_need", "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
+
+COPY_CHUNK_BYTES = 2 << 20  # copies through a mapping (no pread/pwrite) go this far at a time, dropping pages behind
+IO_CHUNK_BYTES = 1 << 30  # one pread / pwrite call at most (Linux caps a single call near 2 GiB)
+_PAGE = mmap.PAGESIZE
+_MADV_WILLNEED, _MADV_DONTNEED = 3, 4
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None  # elsewhere pages are left to the kernel
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+class _Owned(NamedTuple):
+    """What a home tensor's storage needs when it is freed."""
+
+    path: str | None  # its file (disk tier)
+    pinned: int  # address registered with cudaHostRegister (0: none)
+    mapped_bytes: int  # bytes of its file mapping (disk tier), 0 otherwise
+
+
+class Homes:
+    """Allocator of home tensors for one optimizer. Tracks each by its storage's address."""
+
+    def __init__(self) -> None:
+        self._owned: dict[int, _Owned] = {}
+        self._dirs: dict[str, str] = {}  # offload_dir -> this optimizer's directory in it
+        self._count = 0
+
+    # -- allocation ----------------------------------------------------------------------------------------------
+
+    def host(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """An uninitialized host tensor; page-locked if ``pin`` (unregistered when freed).
+
+        A pinned home is a page-aligned view into its own buffer padded to whole pages: CUDA locks whole pages, and
+        two registrations may not share one (small tensors from the heap would)."""
+        numel = torch.Size(shape).numel()
+        if not (pin and numel):
+            t = torch.empty(shape, dtype=dtype)
+            self._owned[t.untyped_storage().data_ptr()] = _Owned(None, 0, 0)
+            return t
+        nbytes = numel * dtype.itemsize
+        locked = -(-nbytes // _PAGE) * _PAGE
+        buf = torch.empty(locked + _PAGE, dtype=torch.uint8)
+        offset = -buf.data_ptr() % _PAGE
+        t = buf[offset : offset + nbytes].view(dtype).view(shape)
+        code = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), locked, 0))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {locked} bytes of optimizer state failed with CUDA error {code}")
+        self._owned[buf.untyped_storage().data_ptr()] = _Owned(None, t.data_ptr(), 0)
+        return t
+
+    def file(self, shape: torch.Size, dtype: torch.dtype, offload_dir: str, label: str) -> torch.Tensor:
+        """A zero-filled tensor mapped from a new file under ``offload_dir``, its space reserved on the disk.
+
+        Raises OSError (errno kept) naming the directory and the size when the file cannot be made or the disk has
+        no room; nothing is left behind then."""
+        numel = torch.Size(shape).numel()
+        nbytes = numel * dtype.itemsize
+        if numel == 0:  # nothing to map
+            return self.host(shape, dtype, pin=False)
+        directory = self._directory(os.fspath(offload_dir))
+        self._count += 1
+        path = os.path.join(directory, f"{self._count:06d}-{re.sub(r'[^A-Za-z0-9._-]', '_', label)}.bin")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _reserve(fd, nbytes)
+            finally:
+                os.close(fd)
+            t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+        except (OSError, RuntimeError) as e:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            code = getattr(e, "errno", None) or errno.EIO
+            why = "no space left on the disk" if code == errno.ENOSPC else f"{type(e).__name__}: {e}"
+            raise OSError(
+                code,
+                f"lowmemopt paging: cannot reserve {nbytes / 2**20:.1f} MiB for optimizer state in offload_dir "
+                f"{offload_dir!r} ({why}); the optimizer state was left as it was: free some space or choose "
+                "another offload_dir",
+            ) from e
+        self._owned[t.untyped_storage().data_ptr()] = _Owned(path, 0, -(-nbytes // _PAGE) * _PAGE)
+        return t
+
+    def _directory(self, offload_dir: str) -> str:
+        directory = self._dirs.get(offload_dir)
+        if directory is None or not os.path.isdir(directory):
+            try:
+                os.makedirs(offload_dir, exist_ok=True)
+                directory = os.path.join(offload_dir, f"lowmemopt-{os.getpid()}-{secrets.token_hex(4)}")
+                os.mkdir(directory, 0o700)
+            except OSError as e:
+                raise PermissionError(
+                    f"offload_dir {offload_dir!r} is not a writable directory ({type(e).__name__}: "
+                    f"{e.strerror or e}); the optimizer state was left as it was"
+                ) from e
+            self._dirs[offload_dir] = directory
+        return directory
+
+    # -- queries -------------------------------------------------------------------------------------------------
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._owned
+
+    def is_file(self, t: torch.Tensor) -> bool:
+        owned = self._owned.get(t.untyped_storage().data_ptr())
+        return owned is not None and owned.path is not None
+
+    def path(self, t: torch.Tensor) -> str | None:
+        owned = self._owned.get(t.untyped_storage().data_ptr())
+        return None if owned is None else owned.path
+
+    def directories(self) -> list[str]:
+        return list(self._dirs.values())
+
+    # -- release -------------------------------------------------------------------------------------------------
+
+    def free(self, t: torch.Tensor, keep_file: bool = False) -> None:
+        """Give back what ``t``'s home holds: its file is deleted (the mapping stays valid for anyone still holding
+        the tensor), its page-lock undone. The caller makes sure no copy into or out of it is still in flight."""
+        ptr = t.untyped_storage().data_ptr()
+        owned = self._owned.pop(ptr, None)
+        if owned is None:
+            return
+        if owned.path is not None:
+            _advise(ptr, owned.mapped_bytes, 0, owned.mapped_bytes, _MADV_DONTNEED)
+            if not keep_file:
+                try:
+                    os.unlink(owned.path)
+                except FileNotFoundError:
+                    pass
+        if owned.pinned:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(owned.pinned)
+            except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the memory is freed anyway
+                pass
+
+    def close(self, tensors: list[torch.Tensor], keep_files: bool = False, manifest: list[dict] | None = None) -> None:
+        """Free ``tensors`` and anything else still owned; delete this optimizer's directories (unless
+        ``keep_files``: then the files stay, described by ``manifest.json``)."""
+        for t in tensors:
+            self.free(t, keep_file=keep_files)
+        self._owned.clear()
+        for directory in self._dirs.values():
+            if keep_files:
+                if manifest is not None and os.path.isdir(directory):
+                    with open(os.path.join(directory, "manifest.json"), "w") as f:
+                        json.dump([m for m in manifest if os.path.dirname(m["file"]) == directory], f, indent=1)
+            else:
+                shutil.rmtree(directory, ignore_errors=True)
+        self._dirs.clear()
+
+    # -- pages ---------------------------------------------------------------------------------------------------
+
+    def mapping_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(address, bytes) of the file mapping that holds ``t``, or None if ``t`` is not file-backed."""
+        ptr = t.untyped_storage().data_ptr()
+        owned = self._owned.get(ptr)
+        if owned is None or owned.path is None:
+            return None
+        return ptr, owned.mapped_bytes
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate ``nbytes`` of disk blocks for the file (zeros): ENOSPC now rather than SIGBUS later."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, nbytes)
+    else:  # macOS: no posix_fallocate; a sparse file (a full disk then shows up on write)
+        os.ftruncate(fd, nbytes)
+
+
+def _advise(base: int, length: int, lo: int, hi: int, advice: int) -> None:
+    """madvise whole pages of ``[base + lo, base + hi)`` rounded outwards, clamped to the mapping ``[base, base +
+    length)`` (page-aligned, as every mapping is)."""
+    if _madvise is None or hi <= lo:
+        return
+    a = max(0, lo // _PAGE * _PAGE)
+    b = min(length, -(-hi // _PAGE) * _PAGE)
+    if b > a:
+        _madvise(base + a, b - a, advice)
+
+
+def drop_pages(homes: Homes, t: torch.Tensor) -> None:
+    """Unmap the pages of ``t``'s file from this process (they stay in the page cache). No-op unless file-backed."""
+    mapping = homes.mapping_of(t)
+    if mapping is not None:
+        _advise(mapping[0], mapping[1], 0, mapping[1], _MADV_DONTNEED)
+
+
+def will_need(homes: Homes, t: torch.Tensor) -> None:
+    """Ask the kernel to read ``t``'s file ahead into the page cache (asynchronous; maps nothing)."""
+    mapping = homes.mapping_of(t)
+    if mapping is not None:
+        _advise(mapping[0], mapping[1], 0, mapping[1], _MADV_WILLNEED)
+
+
+def transfer(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for host tensors of one shape and dtype, where either may be a file home. A file is read
+    or written with ``pread`` / ``pwrite`` (nothing mapped into the process); elsewhere (no ``os.pwrite``) through
+    the mapping, :data:`COPY_CHUNK_BYTES` at a time with the pages dropped behind."""
+    dst_path, src_path = homes.path(dst), homes.path(src)
+    for t, path in ((dst, dst_path), (src, src_path)):
+        if path is not None and t.data_ptr() != t.untyped_storage().data_ptr():
+            raise ValueError("transfer() takes whole file homes, not views into them")
+    if dst_path is None and src_path is None:
+        dst.copy_(src)
+    elif hasattr(os, "pwrite") and (dst_path is None or src_path is None):
+        if src_path is not None:
+            target = dst if dst.is_contiguous() else torch.empty_like(dst, memory_format=torch.contiguous_format)
+            _file_io(src_path, target, write=False)
+            if target is not dst:
+                dst.copy_(target)
+        else:
+            _file_io(dst_path, src if src.is_contiguous() else src.contiguous(), write=True)
+    else:
+        _copy_mapped(homes, dst, src)
+
+
+def _file_io(path: str, t: torch.Tensor, write: bool) -> None:
+    """Write contiguous ``t`` to the file at ``path`` from offset 0, or read it from there."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return
+    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+    try:
+        done, base = 0, t.data_ptr()
+        while done < nbytes:
+            n = min(IO_CHUNK_BYTES, nbytes - done)
+            view = (ctypes.c_char * n).from_address(base + done)
+            got = os.pwrite(fd, view, done) if write else os.preadv(fd, [view], done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"lowmemopt paging: short {'write to' if write else 'read from'} {path}")
+            done += got
+    finally:
+        os.close(fd)
+
+
+def _copy_mapped(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst_map, src_map = homes.mapping_of(dst), homes.mapping_of(src)
+    d, s = dst.view(-1), src.reshape(-1)
+    step = max(1, COPY_CHUNK_BYTES // max(1, dst.element_size()))
+    for lo in range(0, d.numel(), step):
+        hi = min(d.numel(), lo + step)
+        d[lo:hi].copy_(s[lo:hi])
+        for mapping, t in ((dst_map, d), (src_map, s)):
+            if mapping is not None:
+                off = t.data_ptr() - mapping[0]
+                _advise(mapping[0], mapping[1], off + lo * t.element_size(), off + hi * t.element_size(),
+                        _MADV_DONTNEED)

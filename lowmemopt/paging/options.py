@@ -1,0 +1,61 @@
+"""The paging options of a param group, checked once when the optimizer (or the group) is created.
+
+* ``paged``: ``False`` / ``None`` (state on the parameter's device), ``True`` or ``"cpu"`` (home: host RAM, pinned when
+  the parameter is on a CUDA device), ``"disk"`` (home: memory-mapped files under ``offload_dir``).
+* ``offload_dir``: a directory for ``paged="disk"`` (required there, created if missing, must be writable).
+* ``page_budget_bytes``: bytes of this group's paged state that may stay resident on the parameter's device (0: all of
+  it pages).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+__all__ = ["tier_of", "check_paging"]
+
+_TIERS = {True: "cpu", "cpu": "cpu", "disk": "disk"}
+
+
+def tier_of(group: dict[str, Any]) -> str | None:
+    """The group's paging tier, ``"cpu"`` or ``"disk"``, or None when its state is not paged."""
+    paged = group.get("paged", False)
+    if paged is None or paged is False:
+        return None
+    return _TIERS[paged]
+
+
+def check_paging(group: dict[str, Any]) -> None:
+    """Raise ValueError / TypeError / PermissionError for bad paging options in ``group``. Stores ``offload_dir`` as
+    a ``str`` (state dicts hold plain types only)."""
+    paged = group.get("paged", False)
+    if paged is not None and paged is not False and (not isinstance(paged, (bool, str)) or paged not in _TIERS):
+        raise ValueError(f"Invalid paged: {paged!r} (supported: False, True, 'cpu', 'disk')")
+    budget = group.get("page_budget_bytes", 0)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"Invalid page_budget_bytes: {budget!r} (must be an int >= 0)")
+    offload_dir = group.get("offload_dir")
+    if offload_dir is not None:
+        if not isinstance(offload_dir, (str, os.PathLike)):
+            raise TypeError(f"Invalid offload_dir: expected a path, got {type(offload_dir).__name__}")
+        offload_dir = group["offload_dir"] = os.fspath(offload_dir)
+    if tier_of(group) != "disk":
+        return
+    if offload_dir is None:
+        raise ValueError("paged='disk' needs offload_dir=: a directory on a disk with room for the optimizer state")
+    check_writable(offload_dir)
+
+
+def check_writable(path: str) -> None:
+    """Create ``path`` if needed and prove that a file can be made in it; PermissionError saying why if not."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".lowmemopt-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(
+            f"offload_dir {path!r} is not a writable directory ({type(e).__name__}: {e.strerror or e}); "
+            "paged='disk' keeps the optimizer state in files there"
+        ) from e
