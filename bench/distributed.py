@@ -39,6 +39,12 @@ def _lowmemopt(name: str, **kw):
     return make
 
 
+def _galore_adamw(params):
+    import lowmemopt
+
+    return lowmemopt.AdamW(params, lr=1e-3, weight_decay=1e-2)
+
+
 def _torch_adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
 
@@ -58,11 +64,26 @@ OPTIMIZERS = {
     "lowmemopt-adamw-8bit": _lowmemopt("AdamW", lr=1e-3, weight_decay=1e-2, state_bits=8),
     "lowmemopt-adafactor": _lowmemopt("Adafactor"),
     "lowmemopt-came-8bit": _lowmemopt("CAME", lr=2e-4, state_bits=8),
+    "lowmemopt-galore-adamw": _galore_adamw,  # rank 64 on the attention and MLP weights (see _param_groups)
+    "lowmemopt-galore-adamw-right": _galore_adamw,  # the same with proj_type="right"
     "torch-adamw": _torch_adamw,
     "torch-adafactor": _torch_adafactor,
     "bnb-adamw8bit": _bnb_adamw8bit,
 }
 DEFAULT = ["lowmemopt-adamw-32bit", "lowmemopt-adamw-8bit", "lowmemopt-adafactor", "lowmemopt-came-8bit", "torch-adamw"]
+
+
+def _param_groups(name: str, model: torch.nn.Module, params: list) -> list:
+    """All parameters; for the GaLore rows, GaLore's usual groups: rank 64 (a quarter of the 10m preset's hidden size;
+    update_proj_gap 200, scale 0.25) on the attention and MLP weights, everything else unprojected. ``proj_type``
+    "std" projects a wide matrix on its left side, whose low-rank state is replicated under FSDP2; "right" projects
+    every matrix on its right side, whose state is sharded by rows (docs/distributed.md)."""
+    if "galore" not in name:
+        return params
+    import lowmemopt
+
+    proj_type = "right" if name.endswith("-right") else "std"
+    return lowmemopt.galore_param_groups(model, target_modules=["attn", "mlp"], rank=64, proj_type=proj_type)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -89,7 +110,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             for p in params:
                 g = torch.randn(p.shape, generator=gen).mul_(1e-3)
                 p.grad = distribute_tensor(g, mesh, p.placements)
-            opt = OPTIMIZERS[name](params)
+            opt = OPTIMIZERS[name](_param_groups(name, model, params))
             times = []
             for i in range(args.warmup + args.steps):
                 dist.barrier()

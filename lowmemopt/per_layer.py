@@ -34,6 +34,7 @@ import warnings
 import torch
 
 from . import paging
+from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
 
 __all__ = ["BackwardStepper", "step_in_backward"]
@@ -84,7 +85,8 @@ class BackwardStepper:
         grad = p.grad
         if grad.is_sparse:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
-        if _finite_flags([grad])[0]:
+        local = local_tensor(grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
+        if agree_finite(_finite_flags([local]), [p], [grad])[0]:
             with torch.no_grad():
                 paging.step_param(self.optimizer, p, grad, self.optimizer.param_groups[self._group_of[p]])  # paged state: fetched, written back
         else:

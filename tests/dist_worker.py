@@ -628,6 +628,36 @@ def ddp_training(ctx):
             check(torch.equal(other, p), f"DDP {cls.__name__}: replicas diverged")
 
 
+@case
+def step_in_backward_fsdp2(ctx):
+    """lowmemopt.step_in_backward (per-layer updates in FSDP2's post-reduce-scatter hooks), GaLore groups included."""
+    data = batches(5)
+
+    def groups(model):
+        return lowmemopt.galore_param_groups(model, target_modules="all-linear", rank=4, update_proj_gap=2)
+
+    for cls, kw, galore in [(lowmemopt.AdamW, dict(lr=1e-2), False), (lowmemopt.Adafactor, dict(beta1=0.9), False),
+                            (lowmemopt.AdamW, dict(lr=1e-2), True)]:
+        ref = mlp()
+        lowmemopt.step_in_backward(ref, cls(groups(ref) if galore else ref.parameters(), **kw))
+        model = mlp().to(ctx.device)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=ctx.mesh)
+        fully_shard(model, mesh=ctx.mesh)
+        opt = cls(groups(model) if galore else model.parameters(), **kw)
+        stepper = lowmemopt.step_in_backward(model, opt)
+        for i, (x, y) in enumerate(data):
+            n = x.shape[0] // ctx.world
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            xs, ys = x[ctx.rank * n:(ctx.rank + 1) * n].to(ctx.device), y[ctx.rank * n:(ctx.rank + 1) * n].to(ctx.device)
+            torch.nn.functional.mse_loss(model(xs), ys).backward()
+        check(stepper.steps == len(data), f"{stepper.steps} per-layer updates, expected {len(data)}")
+        check(all(p.grad is None for p in model.parameters()), "gradients were not freed")
+        what = f"step_in_backward {cls.__name__}{' GaLore' if galore else ''}"
+        compare(list(model.parameters()), list(ref.parameters()), what, rtol=2e-4, atol=2e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # state_dict, torch.distributed.checkpoint, save_state
 
