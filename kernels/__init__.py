@@ -1,1 +1,47 @@
-"""Fused Triton kernels for lowmemopt (installed as ``lowmemopt.kernels``)."""
+"""Fused Triton kernels for lowmemopt (installed as ``lowmemopt.kernels``; see ``docs/kernels.md``).
+
+Each kernel decodes an optimizer's state, runs the algorithm's fp32 math and encodes the state again in one pass per
+tile, in registers, for every parameter of a param group in one multi-tensor launch (a few passes for LAMB, LARS,
+Adafactor and CAME, whose norms and row/column statistics are reductions). ``LowMemOptimizer.step()`` calls
+:func:`~lowmemopt.kernels.dispatch.step_fused` for CUDA parameters; everything without a kernel takes the reference
+path. Modules:
+
+* ``codec``: block-wise 8-bit encode/decode device functions; standalone :func:`quantize_blockwise` /
+  :func:`dequantize_blockwise` kernels (code-for-code twins of :mod:`lowmemopt.quant`'s).
+* ``adamw``, ``sgd``, ``lion``, ``lamb``, ``lars``, ``factored`` (Adafactor, CAME): kernels and their launchers.
+* ``table``, ``launch``: multi-tensor launch tables and buckets; ``registry``: (algorithm, format) -> kernel;
+  ``dispatch``: which parameters take a kernel; ``runtime``: Triton availability, the interpreter, tile sizes.
+
+Importing this package does not import Triton; the names below load it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["available", "cpu_interpreter", "dequantize_blockwise", "quantize_blockwise", "registered"]
+
+
+def available(device: Any = "cuda") -> bool:
+    """Would tensors on ``device`` take the fused kernels (Triton importable, kernels enabled, a CUDA device)?"""
+    import torch
+
+    from . import runtime
+
+    return runtime.device_ok(torch.device(device))
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("quantize_blockwise", "dequantize_blockwise"):
+        from . import codec
+
+        return getattr(codec, name)
+    if name == "registered":
+        from .registry import registered
+
+        return registered
+    if name == "cpu_interpreter":
+        from .runtime import cpu_interpreter
+
+        return cpu_interpreter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,6 +36,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import paging
+from .distributed.files import process_rank, rank_path
+from .distributed.sharding import is_dtensor, local_tensor, shard_layout
 from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
 from .projection.projector import projector_problem, split_projector_state
 from .quant.blockwise import num_blocks
@@ -117,7 +119,8 @@ def _target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat
 
 
 def _slot_shape(slot: Slot, param: torch.Tensor) -> torch.Size:
-    return param.shape if slot.shape is None else torch.Size(slot.shape)
+    """The stored shape of a slot of ``param`` (a DTensor's: its local shard's)."""
+    return local_tensor(param).shape if slot.shape is None else torch.Size(slot.shape)
 
 
 def _dense_format(t: torch.Tensor) -> StateFormat:
@@ -318,11 +321,16 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
     Tensors are keyed ``<param>/<state key>``, where ``<param>`` is the name in ``model.named_parameters()`` when a
     model is given (the file then survives changes of parameter order and param-group layout), else ``<group>/<index>``.
     State stays in its stored format (8-bit state is written 8-bit); the metadata records formats, shapes, steps,
-    hyper-parameters and checksums. On any failure the previous file at ``path`` is left untouched."""
+    hyper-parameters and checksums. On any failure the previous file at ``path`` is left untouched.
+
+    Sharded (DTensor) parameters: every rank writes its own shards' state to its own file,
+    ``<path stem>.rank<r>-of-<W><suffix>`` (:func:`lowmemopt.distributed.rank_path`), recording where each shard
+    sits; :func:`load_state` reads it back at the same sharding only (``docs/distributed.md``)."""
     from . import __version__  # deferred: lowmemopt/__init__.py imports this module
 
     _check_optimizer(optimizer)
     paging.settle(optimizer)  # paged state: every write-back has reached its home
+    path, sharding = _sharded_path(optimizer, path)
     names = _param_names(optimizer, model)
     tensors: dict[str, torch.Tensor] = {}
     params = {name: _save_entry(optimizer, name, g, p, tensors) for name, g, p in names}
@@ -341,14 +349,28 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
         "params": params,
         "crc32": {key: _crc32(t) for key, t in tensors.items()},
     }
+    if sharding is not None:
+        meta["sharding"] = sharding
     _atomic_save_file(tensors, os.fspath(path), {META_KEY: json.dumps(meta)})
     paging.drop_pages(optimizer)  # state files were read whole: hand their pages back
+
+
+def _sharded_path(optimizer: LowMemOptimizer, path: str | os.PathLike) -> tuple[str, dict[str, int] | None]:
+    """This rank's file for an optimizer with DTensor parameters (and its ``sharding`` record), else ``path``."""
+    if not any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+        return os.fspath(path), None
+    rank, world = process_rank()
+    return rank_path(path, rank, world), {"rank": rank, "world_size": world}
 
 
 def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, tensors: dict) -> dict[str, Any]:
     """The metadata entry of one param; adds its state tensors (on the CPU) to ``tensors``."""
     group = optimizer.param_groups[g]
-    entry: dict[str, Any] = {"group": g, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+    local = local_tensor(p)  # a DTensor's state is its local shard's
+    entry: dict[str, Any] = {"group": g, "shape": list(local.shape), "dtype": str(p.dtype).replace("torch.", "")}
+    layout = shard_layout(p)
+    if layout is not None:
+        entry["layout"] = layout
     entry.update(step=None, slots={})
     state = optimizer.state.get(p) or {}
     if not state:
@@ -533,9 +555,20 @@ def load_state(
     optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
     ...) are always the optimizer's own, and state is converted to them."""
     _check_optimizer(optimizer)
-    path = os.fspath(path)
+    path, sharding = _sharded_path(optimizer, path)
+    if sharding is not None and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"no per-rank optimizer state file at {path!r} for rank {sharding['rank']} of world size "
+            f"{sharding['world_size']}; per-rank files load only at the world size that saved them (to change it, "
+            "use torch.distributed.checkpoint: docs/distributed.md)"
+        )
     with _open(path) as f:
         meta = _validated_meta(f, path)
+        if meta.get("sharding", sharding) != sharding:
+            raise CheckpointError(
+                f"{path}: saved by rank/world size {meta.get('sharding')}, loading at {sharding} (per-rank files load "
+                "only at the same sharding; to change it use torch.distributed.checkpoint: docs/distributed.md)"
+            )
         plans, report = _plan(optimizer, meta, model, path)
         if strict and (report.missing or report.unexpected or report.mismatched):
             raise CheckpointError(_describe_problems(path, report, meta, model))
@@ -602,8 +635,16 @@ def _plan(optimizer, meta, model, path):
 
 def _check_entry(optimizer, entry, group, p) -> str | None:
     """Why this saved param's state cannot load into ``p`` (None: it can)."""
-    if tuple(entry["shape"]) != tuple(p.shape):
-        return f"shape {tuple(entry['shape'])} in the file, {tuple(p.shape)} in the optimizer"
+    layout = shard_layout(p)
+    if entry.get("layout") != layout:
+        saved = entry.get("layout")
+        return (
+            f"sharded differently: shard {_describe_layout(saved)} in the file, {_describe_layout(layout)} here (a "
+            "per-rank file loads only at the same sharding; to reshard use torch.distributed.checkpoint)"
+        )
+    local = local_tensor(p)
+    if tuple(entry["shape"]) != tuple(local.shape):
+        return f"shape {tuple(entry['shape'])} in the file, {tuple(local.shape)} in the optimizer"
     if entry["step"] is None:
         return None
     problem = projector_problem(entry.get("projector", {}), group, p.shape)
@@ -627,6 +668,15 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
                 f"optimizer uses block_size {group['block_size']}"
             )
     return None
+
+
+def _describe_layout(layout: dict[str, Any] | None) -> str:
+    if layout is None:
+        return "none (a whole, unsharded tensor)"
+    return (
+        f"{layout['local_shape']} at offset {layout['offset']} of {layout['global_shape']} "
+        f"({', '.join(layout['placements'])} on a mesh of shape {layout['mesh']})"
+    )
 
 
 def _describe_problems(path, report, meta, model) -> str:
@@ -668,7 +718,7 @@ def _allocate(plan: _Plan) -> dict[str, Any]:
 
 def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, converted: list[str]) -> None:
     """Fill ``state`` (from :func:`_allocate`) from the file, converting formats; checks every tensor's CRC-32."""
-    entry, p, group = plan.entry, plan.param, plan.group
+    entry, p, group = plan.entry, local_tensor(plan.param), plan.group
     device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), p.device)  # paged: the home's
     for name, slot in plan.slots.items():
         info = entry["slots"][name]

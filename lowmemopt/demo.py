@@ -1,18 +1,23 @@
 """A short, offline training run for trying optimizers: a byte-level language model on the Python standard library's own
 source (present on every machine, no download): a small MLP (:func:`train_bytes`) or a LLaMA-style transformer
-(:func:`train_llama_bytes`, needs transformers). Used by ``examples/quickstart.py`` and the end-to-end tests."""
+(:func:`train_llama_bytes`, needs transformers). :func:`compare` runs several optimizers on the LLaMA model for
+``lowmemopt demo``, measuring state and peak memory (:mod:`lowmemopt.memory`), step time and loss; :func:`table` and
+:func:`plot` show the results. Also used by ``examples/quickstart.py`` and the end-to-end tests."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sysconfig
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["stdlib_bytes", "ByteMLP", "LLAMA_BYTES", "train_bytes", "train_llama_bytes"]
+__all__ = ["stdlib_bytes", "file_bytes", "ByteMLP", "LLAMA_BYTES", "train_bytes", "train_llama_bytes", "Choice",
+           "DEMO_CHOICES", "choice", "compare", "table", "plot"]
 
 
 def stdlib_bytes(limit: int = 400_000) -> torch.Tensor:
@@ -28,6 +33,14 @@ def stdlib_bytes(limit: int = 400_000) -> torch.Tensor:
     if not chunks:
         raise FileNotFoundError(f"no Python sources found under {root}")
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
+
+
+def file_bytes(path: str | Path) -> torch.Tensor:
+    """A text (any) file's bytes as int64, for training on your own data; raises ValueError if it is too short."""
+    data = Path(path).read_bytes()
+    if len(data) < 1024:
+        raise ValueError(f"{path}: {len(data)} bytes; the demo needs at least 1024 bytes of text")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 class ByteMLP(torch.nn.Module):
@@ -86,10 +99,7 @@ def train_llama_bytes(
     """Train a fresh, randomly initialised ``LlamaForCausalLM`` (:data:`LLAMA_BYTES`, overridden by ``config``) on
     windows of ``seq`` bytes, next-byte loss at every position. Needs ``transformers``. Returns what
     :func:`train_bytes` returns."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_BYTES, **(config or {})}))
+    model = _llama(seed, config)
 
     def loss_of(windows: torch.Tensor) -> torch.Tensor:
         return model(input_ids=windows, labels=windows).loss
@@ -97,24 +107,231 @@ def train_llama_bytes(
     return _fit(model, loss_of, make_optimizer, steps, seed, batch, seq, data)
 
 
-def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data) -> dict:
-    """The training loop: random windows of ``width`` bytes (seeded), ``loss_of(windows)``, one optimizer step each."""
+def _llama(seed: int, config: dict | None = None, device: str | torch.device = "cpu") -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BYTES, **(config or {})})).to(device)
+
+
+def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_step=None, memory=None) -> dict:
+    """The training loop: random windows of ``width`` bytes (seeded: every run sees the same batches),
+    ``loss_of(windows)``, one optimizer step each. ``make_optimizer(list of params)``; ``on_step(step, loss)`` after
+    every step; ``memory`` (a :class:`~lowmemopt.memory.PeakMemory`) is sampled after forward, backward and step."""
     data = stdlib_bytes() if data is None else data
     opt = make_optimizer(list(model.parameters()))
+    sample = memory.sample if memory is not None else (lambda: None)
     gen = torch.Generator().manual_seed(seed + 1)
-    losses, step_times = [], []
-    for _ in range(steps):
+    losses, step_times, times = [], [], []
+    for t in range(steps):
+        t_start = time.perf_counter()
         idx = torch.randint(0, data.numel() - width, (batch,), generator=gen)
-        windows = data[idx.unsqueeze(1) + torch.arange(width)]
+        windows = data[idx.unsqueeze(1) + torch.arange(width)].to(_device_of(model))
         loss = loss_of(windows)
+        sample()
         opt.zero_grad()
         loss.backward()
+        sample()
         t0 = time.perf_counter()
         opt.step()
-        step_times.append(time.perf_counter() - t0)
+        _sync(model)
+        t1 = time.perf_counter()
+        sample()
+        step_times.append(t1 - t0)
+        times.append(t1 - t_start)
         losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(t, losses[-1])
     tail = losses[-20:]
     state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     # median: the first steps may compile the CPU fast path (seconds, once)
     step_s = statistics.median(step_times) if step_times else 0.0
-    return dict(losses=losses, final=sum(tail) / len(tail), state_bytes=state, step_s=step_s)
+    train_step_s = statistics.median(times) if times else 0.0
+    return dict(losses=losses, final=sum(tail) / len(tail), state_bytes=state, step_s=step_s,
+                train_step_s=train_step_s)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sync(model: torch.nn.Module) -> None:
+    device = _device_of(model)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# lowmemopt demo: several optimizers on the LLaMA model, same batches
+
+
+@dataclass
+class Choice:
+    """One optimizer of the demo: a registry name (:mod:`lowmemopt.registry`), its keywords, optional GaLore groups."""
+
+    name: str
+    label: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    galore: dict[str, Any] | None = None
+
+    def make(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        import lowmemopt
+        from .registry import resolve
+
+        resolved = resolve(self.name)
+        if self.galore is not None:
+            params: Any = lowmemopt.galore_param_groups(model, **self.galore)
+        else:
+            params = model.parameters()
+        return resolved.cls(params, **{**resolved.kwargs, **self.kwargs})
+
+
+#: the demo's default optimizers. CAME's lr: 5e-4 and up are unstable on this model (see tests/test_training.py).
+DEMO_CHOICES: dict[str, Choice] = {
+    "adamw": Choice("adamw", "AdamW 32-bit", dict(lr=2e-3, weight_decay=0.01)),
+    "adamw8bit": Choice("adamw8bit", "AdamW 8-bit", dict(lr=2e-3, weight_decay=0.01)),
+    "came8bit": Choice("came8bit", "CAME 8-bit", dict(lr=2e-4, weight_decay=0.01)),
+    "galore_came8bit": Choice("came8bit", "GaLore-CAME 8-bit", dict(lr=2e-4, weight_decay=0.01),
+                              galore=dict(target_modules="all-linear", rank=48, update_proj_gap=100, scale=1.0)),
+}
+
+
+def choice(name: str, lr: float | None = None) -> Choice:
+    """The demo's preset for ``name`` (see :data:`DEMO_CHOICES`), else any lowmemopt optimizer by name with
+    ``lr=1e-3``; ``lr`` overrides the learning rate. Raises ValueError for unknown names."""
+    from .registry import resolve
+
+    key = name.strip().lower().replace("-", "_")
+    if key in DEMO_CHOICES:
+        c = DEMO_CHOICES[key]
+        c = Choice(c.name, c.label, dict(c.kwargs), None if c.galore is None else dict(c.galore))
+    else:
+        resolved = resolve(name)
+        galore = dict(target_modules="all-linear", rank=48, update_proj_gap=100, scale=1.0) if resolved.galore else None
+        c = Choice(name, name, dict(lr=1e-3), galore)
+    if lr is not None:
+        c.kwargs["lr"] = lr
+    return c
+
+
+def compare(
+    choices: Sequence[Choice],
+    steps: int = 300,
+    *,
+    data: torch.Tensor | None = None,
+    seed: int = 0,
+    batch: int = 8,
+    seq: int = 64,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Train a fresh :data:`LLAMA_BYTES` model (same init, same batches) with each choice for ``steps`` steps.
+
+    Each result: ``label``, ``losses``, ``final`` (mean of the last 20), ``state_bytes``, ``peak_bytes`` (peak memory
+    in use above what was in use before the model was built: weights, gradients, state, activations; None where it
+    cannot be measured), ``step_s`` (median ``optimizer.step()``) and ``train_step_s`` (median whole step), or
+    ``skipped`` (a reason) for a choice this lowmemopt cannot run (GaLore before it is available). Before measuring,
+    each choice takes three steps on a throw-away model, so one-time compilation stays out of the time and memory."""
+    import lowmemopt
+    from .memory import PeakMemory
+
+    data = stdlib_bytes() if data is None else data
+    if data.numel() <= seq + 1:
+        raise ValueError(f"the data has {data.numel()} bytes; it needs more than seq + 1 = {seq + 1}")
+    results = []
+    for c in choices:
+        if c.galore is not None and not hasattr(lowmemopt, "galore_param_groups"):
+            results.append(dict(label=c.label, skipped="GaLore is not available in this version of lowmemopt"))
+            continue
+        _run_choice(c, 3, data, seed, batch, seq, device, None, None)  # warm-up: compile (2 graphs), first touch
+        gc.collect()
+        memory = PeakMemory(device)
+        bar = _progress(steps, c.label) if progress else None
+        try:
+            r = _run_choice(c, steps, data, seed, batch, seq, device, bar, memory)
+        finally:
+            if bar is not None:
+                bar.close()
+        results.append(dict(label=c.label, name=c.name, peak_bytes=memory.peak, **r))
+        gc.collect()
+    return results
+
+
+def _run_choice(c: Choice, steps, data, seed, batch, seq, device, bar, memory) -> dict:
+    model = _llama(seed, device=device)
+
+    def loss_of(windows: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=windows, labels=windows).loss
+
+    def on_step(t: int, loss: float) -> None:
+        bar.update(1)
+        if t % 10 == 0 or t == steps - 1:
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    return _fit(model, loss_of, lambda params: c.make(model), steps, seed, batch, seq, data,
+                on_step=on_step if bar is not None else None, memory=memory)
+
+
+def _progress(steps: int, label: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, desc=f"{label:<18}", unit="step", dynamic_ncols=True)
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of :func:`compare`'s results."""
+    lines = ["| optimizer | state memory | peak memory | optimizer step | train step | final loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['label']} | — | — | — | — | skipped: {r['skipped']} |")
+            continue
+        peak = "n/a" if r["peak_bytes"] is None else _mib(r["peak_bytes"])
+        lines.append(f"| {r['label']} | {_mib(r['state_bytes'])} | {peak} | {r['step_s'] * 1e3:.1f} ms | "
+                     f"{r['train_step_s'] * 1e3:.1f} ms | {r['final']:.4f} |")
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def plot(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Write a PNG: loss curves (a 20-step moving average over the raw loss) and state / peak memory per optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in results if "skipped" not in r]
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw=dict(width_ratios=[3, 2]))
+    for r in ran:
+        losses = torch.tensor(r["losses"])
+        k = min(20, len(losses))
+        smooth = losses.unfold(0, k, 1).mean(1) if k > 1 else losses
+        (line,) = ax_loss.plot(range(k, len(losses) + 1), smooth.tolist(), label=r["label"], lw=1.6)
+        ax_loss.plot(range(1, len(losses) + 1), losses.tolist(), color=line.get_color(), alpha=0.15, lw=0.8)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("training loss (nats/byte)")
+    ax_loss.set_title("loss (20-step moving average)")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    x = range(len(ran))
+    state = [r["state_bytes"] / 2**20 for r in ran]
+    peak = [(r["peak_bytes"] or 0) / 2**20 for r in ran]
+    ax_mem.bar([i - 0.2 for i in x], state, width=0.4, label="optimizer state")
+    if any(r["peak_bytes"] is not None for r in ran):
+        ax_mem.bar([i + 0.2 for i in x], peak, width=0.4, label="peak memory")
+    ax_mem.set_xticks(list(x), [r["label"].replace(" ", "\n", 1) for r in ran], fontsize=8)
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_title("memory")
+    ax_mem.legend()
+    ax_mem.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -29,9 +29,15 @@ GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projec
 same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
 gradient, the update projected back and applied through :meth:`LowMemOptimizer._apply_update`.
 
-CPU fast path: elementwise algorithms on large CPU tensors run each chunk through one ``torch.compile``-d function that
-fuses decode -> math -> encode (:mod:`lowmemopt.compiled`); everything else, and any tensor's ragged last block, takes
-the eager path below. Both call the same ``_update``.
+GPU fast path: on CUDA, parameters whose (algorithm, state format) has a fused Triton kernel are stepped by
+multi-tensor kernel launches instead (:mod:`lowmemopt.kernels`, see ``docs/kernels.md``); everything else takes the
+reference path below.
+
+CPU fast paths: elementwise algorithms on CPU run the full blocks of each parameter through a native C kernel that fuses
+decode -> math -> encode (:mod:`lowmemopt.cpu`, built at first use), or, where it is unavailable, each chunk of large
+tensors through one ``torch.compile``-d function (:mod:`lowmemopt.compiled`); large unsharded 2-D parameters of the
+factored optimizers (Adafactor, CAME) take a few fused native passes (:mod:`lowmemopt.cpu.factored`); everything else,
+and any tensor's ragged last block, takes the eager path below. All give the eager path's results (to fp32 rounding).
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
@@ -51,7 +57,17 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled, paging
+from . import compiled, cpu, paging
+from .distributed.reduction import LOCAL, Reduction
+from .distributed.sharding import (
+    agree_finite,
+    is_dtensor,
+    local_tensor,
+    local_view,
+    localize_state,
+    present_state,
+    presented_params,
+)
 from .quant.formats import Q8, choose_format, format_of, map_for
 from .quant.maps import code_book, encode_table
 
@@ -71,6 +87,7 @@ class Slot(NamedTuple):
     signed: bool  # may hold negative values (selects the signed or unsigned 8-bit map)
     quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
     shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
+    dims: tuple[int | None, ...] | None = None  # with shape: the parameter dim each dim runs along (sharded layouts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -187,16 +204,28 @@ class LowMemOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _update(
-        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        group: dict[str, Any],
+        step: int,
+        reduce: Reduction = LOCAL,
     ) -> torch.Tensor | tuple[torch.Tensor, float]:
         """fp32 math: update ``state`` in place and return the delta to add to ``p``, or ``(direction, alpha)`` meaning
         ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does). By default: ``self.math``
-        called with :meth:`_math_kwargs`.
+        called with :meth:`_math_kwargs` (and ``reduce=`` unless elementwise).
+
+        ``reduce`` (:mod:`lowmemopt.distributed.reduction`): how whole-tensor reductions are taken when ``p`` is the
+        local shard of a sharded parameter; non-elementwise math must do every norm and mean through it. It is passed
+        only for sharded parameters, so an override without it still works on plain tensors.
 
         ``p`` is the fp32 working copy that the step writes back. Leave it unchanged, except for weight decay that a
         constant ``_decay_factor`` cannot express (Adafactor's decay scales with RMS(p)): that may be applied to ``p``
         in place, in the reference's order; it is then followed by the ``_decay_factor`` multiply and the delta."""
-        return self.math(p, g, state, **self._math_kwargs(group, step))
+        if self.elementwise:
+            return self.math(p, g, state, **self._math_kwargs(group, step))
+        return self.math(p, g, state, **self._math_kwargs(group, step), reduce=reduce)
 
     def _math_kwargs(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         """Keyword arguments of ``self.math``: the group's ``self.hyper`` entries plus :meth:`_step_scalars`."""
@@ -256,9 +285,14 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
             pager.begin(work)  # checks devices, makes homes for new state: raises before anything changes
-        finite = _finite_flags([p.grad for p, _ in work])
+        grads = [local_tensor(p.grad) for p, _ in work]
+        finite = agree_finite(_finite_flags(grads), [p for p, _ in work], grads)
         todo = [item for item, ok in zip(work, finite) if ok]
         skipped = len(work) - len(todo)
+        if pager is None and not any(is_dtensor(p) for p, _ in todo):
+            from .kernels.dispatch import step_fused  # fused Triton kernels take what they support (CUDA tensors)
+
+            todo = step_fused(self, todo)
         for p, group in todo if pager is None else pager.steps(todo):  # paged: state fetched, then written back
             self._step_param(p, p.grad, group)
         if skipped:
@@ -271,8 +305,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
             )
         return loss
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot]) -> dict[str, Any]:
-        state = self.state[p]
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Zero state for ``p`` (a DTensor's local shard, whose ``state`` is then given) in ``slots``' formats."""
+        state = self.state[p] if state is None else state
         state["step"] = 0
         for name, slot in slots.items():
             shape = p.shape if slot.shape is None else torch.Size(slot.shape)
@@ -287,17 +324,18 @@ class LowMemOptimizer(torch.optim.Optimizer):
             from .projection.step import projected_slots
 
             return projected_slots(self, group, p)
-        return self._slots(group, p)
+        return self._slots(group, local_tensor(p))  # a DTensor's state is its local shard's
 
     def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
         if group.get("rank") is not None or "galore.side" in self.state.get(p, ()):
             from .projection.step import step_projected
 
             return step_projected(self, p, grad, group)
-        slots = self._slots(group, p)
         state = self.state[p]
+        p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
+        slots = self._slots(group, p)
         if "step" not in state:
-            state = self._init_state(p, group, slots)
+            state = self._init_state(p, group, slots, state)
         state["step"] += 1
         step = state["step"]
         formats = {name: format_of(state, name) for name in slots}
@@ -307,40 +345,48 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
         start = 0
-        if self.elementwise and self.math is not None and compiled.applies(p):
+        if p.device.type == "cpu" and cpu.applies_to(self):  # native C kernels (lowmemopt.cpu)
+            if self.elementwise:
+                start = cpu.step_elementwise(self, pflat, gflat, state, slots, formats, group, step, decay)
+            elif reduce is LOCAL and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
+                start = pflat.numel()
+        if start == 0 and self.elementwise and self.math is not None and compiled.applies(p):
             start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
-        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start)
+        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         if target is not p:
             p.copy_(target)
 
-    def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start):
-        """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise)."""
+    def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce=LOCAL):
+        """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise).
+        A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
+        for this rank's (zero) contribution."""
         bs = group["block_size"]
         n = pflat.numel()
         chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if self.elementwise else max(n, 1)
-        for lo in range(start, n, chunk):
+        stop = 1 if n == 0 and reduce.distributed and not self.elementwise else n
+        for lo in range(start, stop, chunk):
             hi = min(n, lo + chunk)
             p32 = pflat[lo:hi].float()
             g32 = gflat[lo:hi].float()
             like = None
             if not self.elementwise:
                 p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
-            delta, alpha = self._run_update(p32, g32, state, slots, formats, group, step, lo, hi, like)
+            delta, alpha = self._run_update(p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
             self._apply_update(p32, delta, alpha, decay, group)
             dst = pflat[lo:hi]
             if dst.data_ptr() != p32.data_ptr():
                 dst.copy_(p32.view(-1))
 
-    def _run_update(self, p32, g32, state, slots, formats, group, step, lo, hi, like=None):
+    def _run_update(self, p32, g32, state, slots, formats, group, step, lo, hi, like=None, reduce=LOCAL):
         """Decode -> :meth:`_update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements ``[lo, hi)`` of
         every slot, flat (elementwise chunks); else whole slots in their declared shapes (``like``'s shape for slots
-        without one). Also the core of the GaLore step, on low-rank slots."""
+        without one). Also the core of the GaLore step, on low-rank slots. ``reduce``: see :meth:`_update`."""
         bs = group["block_size"]
         if like is None:
             st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
         else:
             st = {k: self._decode_whole(state, k, s, formats[k], like, bs) for k, s in slots.items()}
-        delta = self._update(p32, g32, st, group, step)
+        delta = self._update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
         delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
         for k, s in slots.items():
             value = st[k].reshape(-1)
@@ -421,6 +467,12 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state_dict["lowmemopt_format"] = FORMAT_VERSION
     paging.detach_files(optimizer, state_dict)  # copies, not views of state files that the next step rewrites
+    presented = presented_params(optimizer)  # DTensor params: state as DTensors (lowmemopt.distributed.sharding)
+    if presented:
+        state = state_dict["state"] = dict(state_dict["state"])
+        for index, p in presented:
+            if index in state:
+                state[index] = present_state(optimizer, p, state[index])
     return state_dict
 
 
@@ -452,6 +504,7 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
             value = state_dict["state"].get(key)
             if isinstance(value, dict):
                 where = f"load_state_dict: parameter {i} of param group {gi}"
+                _, value = localize_state(p, value)  # DTensor state -> the local shard's
                 converted[key] = convert_param_state(optimizer, p, value, saved, target, where)
                 targets[key] = group
     # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)

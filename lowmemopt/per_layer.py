@@ -30,11 +30,11 @@ raises there.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 
 from . import paging
+from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
 
 __all__ = ["BackwardStepper", "step_in_backward"]
@@ -51,7 +51,9 @@ class BackwardStepper:
         self.steps = 0  # updates done
         self._in_backward = False
         self._skipped = 0
-        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        # param -> index of its group: the group dict is looked up at each step, because load_state_dict (a resume,
+        # accelerate's prepare) replaces the optimizer's group dicts, and an LR scheduler updates the new ones
+        self._group_of: dict[torch.Tensor, int] = {}
         names = {id(p): n for n, p in model.named_parameters()}
         for gi, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -60,7 +62,7 @@ class BackwardStepper:
                         f"step_in_backward: parameter {i} of param group {gi} (shape {tuple(p.shape)}) is not a "
                         "parameter of the model"
                     )
-                self._group_of[p] = group
+                self._group_of[p] = gi
         in_opt = {id(p) for p in self._group_of}
         loose = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_opt]
         if loose:
@@ -83,9 +85,10 @@ class BackwardStepper:
         grad = p.grad
         if grad.is_sparse:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
-        if _finite_flags([grad])[0]:
+        local = local_tensor(grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
+        if agree_finite(_finite_flags([local]), [p], [grad])[0]:
             with torch.no_grad():
-                paging.step_param(self.optimizer, p, grad, self._group_of[p])  # paged state: fetched, written back
+                paging.step_param(self.optimizer, p, grad, self.optimizer.param_groups[self._group_of[p]])  # paged state: fetched, written back
         else:
             self._skipped += 1
         p.grad = None

@@ -58,3 +58,98 @@ def test_console_script_is_registered():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     with open(ROOT / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["project"]["scripts"]["lowmemopt"] == "lowmemopt.cli:main"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# demo
+
+
+def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr("lowmemopt.compiled.ENABLED", False)  # the eager path: no compile in a 4-step run
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    out = tmp_path / "out"
+    names = "adamw,adamw8bit,came8bit,galore_came8bit"
+    assert cli_main(["demo", "--steps", "4", "--optimizers", names, "--data", str(text), "--out", str(out),
+                     "--batch", "2", "--seq", "16", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert f"on {text.stat().st_size:,} bytes of {text}" in printed and "4 steps of 2 x 16 bytes" in printed
+    assert "| optimizer | state memory | peak memory | optimizer step | train step | final loss |" in printed
+    for label in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit", "GaLore-CAME 8-bit"):
+        assert f"| {label} |" in printed
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import json
+
+    report = json.loads((out / "demo.json").read_text())
+    runs = {r["label"]: r for r in report["results"]}
+    assert report["steps"] == 4 and report["data"] == str(text)
+    for label in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit"):
+        r = runs[label]
+        assert len(r["losses"]) == 4 and all(x == x for x in r["losses"]) and r["step_s"] > 0
+        if r["peak_bytes"] is not None:  # measured (glibc / CUDA): holds at least the weights, grads and state
+            assert r["peak_bytes"] > r["state_bytes"]
+    assert runs["AdamW 8-bit"]["state_bytes"] < runs["AdamW 32-bit"]["state_bytes"] / 3
+    assert runs["AdamW 8-bit"]["losses"][0] == runs["AdamW 32-bit"]["losses"][0]  # same init, same first batch
+    if hasattr(lowmemopt, "galore_param_groups"):
+        assert runs["GaLore-CAME 8-bit"]["state_bytes"] < runs["CAME 8-bit"]["state_bytes"]
+    else:
+        assert "skipped" in runs["GaLore-CAME 8-bit"] and "note: GaLore-CAME 8-bit skipped" in printed
+
+
+def test_cli_demo_bad_input(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    assert cli_main(["demo", "--optimizers", "adamz"]) == 1
+    assert "unknown optimizer 'adamz'" in capsys.readouterr().err
+    assert cli_main(["demo", "--data", str(tmp_path / "missing.txt")]) == 1
+    assert "lowmemopt demo:" in capsys.readouterr().err
+    assert cli_main(["demo", "--steps", "0"]) == 1
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_cli_demo_names_missing_packages(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli_main(["demo"]) == 1
+    err = capsys.readouterr().err
+    assert "lowmemopt demo needs matplotlib" in err and "pip install 'lowmemopt[demo]'" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bench
+
+
+def test_cli_bench_quick_table(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from lowmemopt import benchmark
+
+    monkeypatch.setitem(benchmark.LLAMA_PRESETS, "10m", dict(hidden_size=32, num_hidden_layers=1, intermediate_size=48,
+                                                              num_attention_heads=2, vocab_size=64))
+
+    def missing_library(params, lr, weight_decay):
+        raise ImportError("No module named 'came_pytorch'")
+
+    monkeypatch.setitem(benchmark.FACTORED, "came-pytorch", missing_library)
+    monkeypatch.setattr("lowmemopt.compiled.ENABLED", False)
+    assert cli_main(["bench", "--suite", "factored", "--optimizers", "lowmemopt-came-8bit,came-pytorch",
+                     "--steps", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "### Factored optimizers: step time and state" in out and "fp32, 0.0M parameters" in out
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"optimizer", "---", "torch-adamw-fused", "lowmemopt-came-8bit", "came-pytorch"}
+    assert "| 8.0" in rows["torch-adamw-fused"] and "| 1.00x |" in rows["torch-adamw-fused"]  # + step tensors
+    assert "FAILED: ImportError: No module named 'came_pytorch'" in rows["came-pytorch"]
+    assert "### Optimizer step benchmark" not in out
+
+
+def test_cli_bench_bad_input(capsys):
+    pytest.importorskip("transformers")
+    assert cli_main(["bench", "--suite", "steps"]) == 1
+    assert "unknown suite 'steps'" in capsys.readouterr().err
+    assert cli_main(["bench", "--optimizers", "adamw"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown optimizer 'adamw'" in err and "lowmemopt-adamw-8bit" in err

@@ -8,10 +8,17 @@ from helpers import clone_params, make_params, run
 from optim_info import OPTIMIZERS, STATEFUL
 
 import lowmemopt.compiled as compiled
+import lowmemopt.cpu as cpu
 from lowmemopt.quant import dequantize_blockwise
 
 ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.elementwise]
 SHAPE = (300, 257)  # 77100 elements: >= MIN_NUMEL, 301 full blocks + a ragged 44-element tail
+
+
+@pytest.fixture(autouse=True)
+def _no_native_kernels(monkeypatch):
+    """The native C kernels (lowmemopt.cpu) come first where they build; these tests are about the compiled path."""
+    monkeypatch.setattr(cpu, "ENABLED", False)
 
 
 def _run(info, bits, enabled, monkeypatch, dtype=torch.float32):

@@ -247,7 +247,8 @@ def test_non_contiguous_param():
         p.grad, ref.grad = g.clone(), g.clone()
         opt.step()
         ref_opt.step()
-    torch.testing.assert_close(p, ref, rtol=0, atol=0)
+    # to fp32 rounding: torch's CPU Tensor.sqrt (MKL) is not correctly rounded, lowmemopt's native kernel's sqrt is
+    torch.testing.assert_close(p, ref, rtol=2e-6, atol=2e-6)
 
 
 def test_aliases_are_default_changes():

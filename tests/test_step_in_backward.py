@@ -187,3 +187,19 @@ def test_remove_restores_ordinary_training():
         warnings.simplefilter("error")
         opt.step()
     assert not torch.equal(model[0].weight, before[0])
+
+
+def test_group_dicts_replaced_by_load_state_dict_are_followed():
+    """load_state_dict (a resume, accelerate's prepare) replaces the optimizer's group dicts and an LR scheduler then
+    updates the new ones: the hooks must step with the current groups, not the ones seen at attach time."""
+    model = _model()
+    opt = lowmemopt.AdamW(model.parameters(), lr=1e-2)
+    lowmemopt.step_in_backward(model, opt)
+    opt.load_state_dict(opt.state_dict())  # new group dicts
+    opt.param_groups[0]["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    _loss(model, 0).backward()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # lr 0: nothing moved
+    opt.param_groups[0]["lr"] = 1e-2
+    _loss(model, 1).backward()
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))

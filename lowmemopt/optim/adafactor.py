@@ -24,21 +24,23 @@ from typing import Any, Iterable
 
 import torch
 
+from ..distributed.reduction import LOCAL, Reduction
 from ..optimizer import LowMemOptimizer, Slot, check_eps_pair, check_lr, check_nonneg, check_positive
 
-__all__ = ["Adafactor", "AdafactorTorch", "adafactor_math", "adafactor_torch_math"]
+__all__ = ["Adafactor", "AdafactorTorch", "adafactor_math", "adafactor_torch_math", "factored_slots"]
 
 Scalar = float | torch.Tensor  # a Python number or a 0-dim tensor on the parameter's device
 
 
-def rms(t: torch.Tensor) -> torch.Tensor:
-    """Root mean square, as a 0-dim tensor (no host sync)."""
-    return torch.linalg.vector_norm(t) / math.sqrt(t.numel())
+def rms(t: torch.Tensor, reduce: Reduction = LOCAL) -> torch.Tensor:
+    """Root mean square of the whole (global) tensor, as a 0-dim tensor (no host sync)."""
+    return reduce.norm(t) / math.sqrt(reduce.numel(t))
 
 
-def approx_rsqrt(row: torch.Tensor, col: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``1 / sqrt(V)`` for the factored ``V = row col / mean(row)``, written into ``out`` (shape ``[..., R, C]``)."""
-    r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+def approx_rsqrt(row: torch.Tensor, col: torch.Tensor, out: torch.Tensor, reduce: Reduction = LOCAL) -> torch.Tensor:
+    """``1 / sqrt(V)`` for the factored ``V = row col / mean(row)``, written into ``out`` (shape ``[..., R, C]``).
+    ``mean(row)`` runs over the parameter's dim -2 (all R rows, also those of other shards)."""
+    r_factor = (row / reduce.mean(row, dim=-1, pdim=-2, keepdim=True)).rsqrt_().unsqueeze(-1)
     c_factor = col.unsqueeze(-2).rsqrt()
     return torch.mul(r_factor, c_factor, out=out)
 
@@ -48,14 +50,19 @@ def add_scaled_(out: torch.Tensor, t: torch.Tensor, s: Scalar) -> torch.Tensor:
     return out.addcmul_(t, s) if isinstance(s, torch.Tensor) else out.add_(t, alpha=s)
 
 
-def ema_factored_(row: torch.Tensor, col: torch.Tensor, x: torch.Tensor, beta: float) -> None:
+def ema_factored_(row: torch.Tensor, col: torch.Tensor, x: torch.Tensor, beta: float, reduce: Reduction = LOCAL) -> None:
     """Row/column statistics of ``x`` (means over the last and second-to-last dims) as EMAs, in place."""
-    row.mul_(beta).add_(x.mean(dim=-1), alpha=1.0 - beta)
-    col.mul_(beta).add_(x.mean(dim=-2), alpha=1.0 - beta)
+    row.mul_(beta).add_(reduce.mean(x, dim=-1, pdim=-1), alpha=1.0 - beta)
+    col.mul_(beta).add_(reduce.mean(x, dim=-2, pdim=-2), alpha=1.0 - beta)
 
 
 def clipped_preconditioned(
-    g: torch.Tensor, state: dict[str, torch.Tensor], eps1: float, beta2: float, clip_threshold: float
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    eps1: float,
+    beta2: float,
+    clip_threshold: float,
+    reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
     """Adafactor/CAME's update direction: ``V`` = EMA of ``g^2 + eps1`` (factored over the last two dims iff
     ``state`` holds ``exp_avg_sq_row``, else the full ``exp_avg_sq``), ``u = g / sqrt(V)`` clipped so that
@@ -63,18 +70,29 @@ def clipped_preconditioned(
     u = g.square().add_(eps1)
     if "exp_avg_sq_row" in state:
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-        ema_factored_(row, col, u, beta2)
-        approx_rsqrt(row, col, out=u).mul_(g)
+        ema_factored_(row, col, u, beta2, reduce)
+        approx_rsqrt(row, col, u, reduce).mul_(g)
     else:
         v = state["exp_avg_sq"]
         v.mul_(beta2).add_(u, alpha=1.0 - beta2)
         torch.rsqrt(v, out=u).mul_(g)
-    return u.div_((rms(u) / clip_threshold).clamp_(min=1.0))
+    return u.div_((rms(u, reduce) / clip_threshold).clamp_(min=1.0))
 
 
 def factored_shapes(shape: torch.Size) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Row and column statistic shapes of a parameter of >= 2 dims (leading dims are a batch)."""
     return tuple(shape[:-1]), tuple(shape[:-2]) + (shape[-1],)
+
+
+def factored_slots(shape: torch.Size, prefix: str) -> dict[str, Slot]:
+    """fp32 row (``<prefix>_row``, the mean over the last dim) and column (``<prefix>_col``, over dim -2) statistic
+    slots of a parameter of >= 2 dims, each dim tagged with the parameter dim it runs along."""
+    row, col = factored_shapes(shape)
+    n = len(shape)
+    return {
+        prefix + "_row": Slot(signed=False, quantize=False, shape=row, dims=tuple(range(n - 1))),
+        prefix + "_col": Slot(signed=False, quantize=False, shape=col, dims=tuple(range(n - 2)) + (n - 1,)),
+    }
 
 
 def adafactor_math(
@@ -93,6 +111,7 @@ def adafactor_math(
     scale_parameter: bool,
     relative_step: bool,
     warmup_init: bool,
+    reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
     """fp32 Adafactor (transformers semantics) on a whole tensor: updates the state in place, applies the weight decay
     ``p -= a wd p`` to the fp32 working copy ``p`` in place (``a`` depends on RMS(p), so it is not a constant factor),
@@ -101,10 +120,10 @@ def adafactor_math(
     rho = lr
     if relative_step:
         rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
-    alpha = rms(p).clamp_(min=eps2) * rho if scale_parameter else rho
+    alpha = rms(p, reduce).clamp_(min=eps2) * rho if scale_parameter else rho
 
     beta2t = 1.0 - math.pow(step, decay_rate)
-    u = clipped_preconditioned(g, state, eps1, beta2t, clip_threshold)
+    u = clipped_preconditioned(g, state, eps1, beta2t, clip_threshold, reduce)
     u.mul_(alpha)
 
     if beta1 is not None:
@@ -128,6 +147,7 @@ def adafactor_torch_math(
     eps2: float,
     d: float,
     maximize: bool,
+    reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
     """fp32 Adafactor (``torch.optim.Adafactor`` semantics): updates the state in place and returns ``u`` with
     ``p_new = p * (1 - lr wd) - u`` (the caller applies the decay). Factored iff ``state`` holds ``row_var``."""
@@ -136,23 +156,23 @@ def adafactor_torch_math(
     one_minus_beta2_t = step**beta2_decay
     bound = 1.0 / math.sqrt(step)
     rho = lr.clamp(max=bound) if isinstance(lr, torch.Tensor) else min(lr, bound)
-    alpha = rms(p).clamp_(min=eps2) * rho
+    alpha = rms(p, reduce).clamp_(min=eps2) * rho
 
     if "row_var" in state:
         row_var, col_var = state["row_var"], state["col_var"]  # [..., R, 1] and [..., 1, C]
-        row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
+        row_mean = reduce.norm_along(g, -1, -1, keepdim=True).square_().div_(reduce.size(g, -1, -1))
         row_var.lerp_(row_mean, one_minus_beta2_t)
-        col_mean = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
+        col_mean = reduce.norm_along(g, -2, -2, keepdim=True).square_().div_(reduce.size(g, -2, -2))
         col_var.lerp_(col_mean, one_minus_beta2_t)
         var = torch.matmul(row_var, col_var)
-        var.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        var.div_(reduce.mean(row_var, dim=-2, pdim=-2, keepdim=True).clamp_(min=eps1))
     else:
         variance = state["variance"]
         var = g * g
         variance.lerp_(var, one_minus_beta2_t)
         var.copy_(variance)
     u = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
-    denom = (rms(u) / d).clamp_(min=1.0)
+    denom = (rms(u, reduce) / d).clamp_(min=1.0)
     return u.mul_(alpha / denom)
 
 
@@ -221,14 +241,12 @@ class Adafactor(LowMemOptimizer):
         if group["beta1"] is not None:
             slots["exp_avg"] = Slot(signed=True)
         if param.dim() >= 2:
-            row, col = factored_shapes(param.shape)
-            slots["exp_avg_sq_row"] = Slot(signed=False, quantize=False, shape=row)
-            slots["exp_avg_sq_col"] = Slot(signed=False, quantize=False, shape=col)
+            slots.update(factored_slots(param.shape, "exp_avg_sq"))
         else:
             slots["exp_avg_sq"] = Slot(signed=False)
         return slots
 
-    def _update(self, p, g, state, group, step):
+    def _update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         u = adafactor_math(
             p,
@@ -245,6 +263,7 @@ class Adafactor(LowMemOptimizer):
             scale_parameter=group["scale_parameter"],
             relative_step=group["relative_step"],
             warmup_init=group["warmup_init"],
+            reduce=reduce,
         )
         return u, -1.0
 
@@ -287,18 +306,20 @@ class AdafactorTorch(LowMemOptimizer):
 
     def _slots(self, group, param):
         if param.dim() >= 2:
+            n = param.dim()
             row, col = list(param.shape), list(param.shape)
             row[-1], col[-2] = 1, 1
-            return {
-                "row_var": Slot(signed=False, quantize=False, shape=tuple(row)),
-                "col_var": Slot(signed=False, quantize=False, shape=tuple(col)),
+            dims = tuple(range(n))
+            return {  # keepdim statistics: dim i runs along parameter dim i, except the reduced one (size 1)
+                "row_var": Slot(signed=False, quantize=False, shape=tuple(row), dims=dims[:-1] + (None,)),
+                "col_var": Slot(signed=False, quantize=False, shape=tuple(col), dims=dims[:-2] + (None, n - 1)),
             }
         return {"variance": Slot(signed=False)}
 
     def _decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
 
-    def _update(self, p, g, state, group, step):
+    def _update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         u = adafactor_torch_math(
             p,
@@ -311,6 +332,7 @@ class AdafactorTorch(LowMemOptimizer):
             eps2=eps2,
             d=group["d"],
             maximize=group["maximize"],
+            reduce=reduce,
         )
         return u, -1.0
 

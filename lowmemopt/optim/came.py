@@ -16,8 +16,9 @@ from typing import Any, Iterable
 
 import torch
 
+from ..distributed.reduction import LOCAL, Reduction
 from ..optimizer import LowMemOptimizer, Slot, check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
-from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_shapes
+from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_slots
 
 __all__ = ["CAME", "came_math"]
 
@@ -35,20 +36,21 @@ def came_math(
     beta2: float,
     beta3: float,
     weight_decay: float,
+    reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
     """fp32 CAME on a whole tensor: updates the state in place, applies the weight decay ``p -= lr wd p`` to the fp32
     working copy ``p`` in place, and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` holds
     ``exp_avg_sq_row``. Operation order follows ``came_pytorch.CAME``, so 32-bit results are bit-identical."""
     factored = "exp_avg_sq_row" in state
-    u = clipped_preconditioned(g, state, eps1, beta2, clip_threshold)
+    u = clipped_preconditioned(g, state, eps1, beta2, clip_threshold, reduce)
 
     m = state["exp_avg"]
     m.mul_(beta1).add_(u, alpha=1 - beta1)
     if factored:
         res = u.sub_(m).square_().add_(eps2)  # instability (u - m)^2 + eps2
         res_row, res_col = state["exp_avg_res_row"], state["exp_avg_res_col"]
-        ema_factored_(res_row, res_col, res, beta3)
-        approx_rsqrt(res_row, res_col, out=u).mul_(m)
+        ema_factored_(res_row, res_col, res, beta3, reduce)
+        approx_rsqrt(res_row, res_col, u, reduce).mul_(m)
     else:
         u.copy_(m)
     if weight_decay != 0:
@@ -90,15 +92,13 @@ class CAME(LowMemOptimizer):
     def _slots(self, group, param):
         slots = {"exp_avg": Slot(signed=True)}
         if param.dim() >= 2:
-            row, col = factored_shapes(param.shape)
-            for name in ("exp_avg_sq", "exp_avg_res"):
-                slots[name + "_row"] = Slot(signed=False, quantize=False, shape=row)
-                slots[name + "_col"] = Slot(signed=False, quantize=False, shape=col)
+            slots.update(factored_slots(param.shape, "exp_avg_sq"))
+            slots.update(factored_slots(param.shape, "exp_avg_res"))
         else:
             slots["exp_avg_sq"] = Slot(signed=False)
         return slots
 
-    def _update(self, p, g, state, group, step):
+    def _update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         beta1, beta2, beta3 = group["betas"]
         u = came_math(
@@ -113,5 +113,6 @@ class CAME(LowMemOptimizer):
             beta2=beta2,
             beta3=beta3,
             weight_decay=group["weight_decay"],
+            reduce=reduce,
         )
         return u, -1.0

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..distributed.reduction import LOCAL, Reduction
 from ..optimizer import LowMemOptimizer, Slot, check_betas, check_lr, check_nonneg
 
 __all__ = ["LAMB", "lamb_math"]
@@ -34,8 +35,10 @@ def lamb_math(
     weight_decay: float,
     adam: bool,
     lr_scale: float,
+    reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
-    """fp32 LAMB on a whole tensor: updates ``exp_avg`` / ``exp_avg_sq`` in place and returns the delta for ``p``."""
+    """fp32 LAMB on a whole tensor: updates ``exp_avg`` / ``exp_avg_sq`` in place and returns the delta for ``p``.
+    ``||p||`` and ``||r||`` are norms of the whole parameter (``reduce`` sums them over shards)."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.mul_(beta1).add_(g, alpha=1 - beta1)
@@ -46,8 +49,8 @@ def lamb_math(
         r.add_(p, alpha=weight_decay)
     if adam:
         return r.mul_(-scaled_lr)
-    weight_norm = torch.linalg.vector_norm(p)
-    r_norm = torch.linalg.vector_norm(r)
+    weight_norm = reduce.norm(p)
+    r_norm = reduce.norm(r)
     usable = (weight_norm > 0) & (r_norm > 0)
     trust = torch.where(usable, weight_norm / torch.where(usable, r_norm, 1.0), 1.0)
     return r.mul_(trust * -scaled_lr)

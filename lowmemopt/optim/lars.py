@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..distributed.reduction import LOCAL, Reduction
 from ..optimizer import LowMemOptimizer, Slot, check_lr, check_nonneg
 
 __all__ = ["LARS", "lars_math"]
@@ -33,13 +34,15 @@ def lars_math(
     epsilon: float,
     lars: bool,
     first_step: bool,
+    reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
-    """fp32 LARS on a whole tensor: updates ``momentum_buffer`` (momentum != 0) and returns the delta for ``p``."""
+    """fp32 LARS on a whole tensor: updates ``momentum_buffer`` (momentum != 0) and returns the delta for ``p``.
+    ``||p||`` and ``||g||`` are norms of the whole parameter (``reduce`` sums them over shards)."""
     scale: torch.Tensor | float = -lr
     d = g
     if lars:
-        w_norm = torch.linalg.vector_norm(p)
-        g_norm = torch.linalg.vector_norm(g)
+        w_norm = reduce.norm(p)
+        g_norm = reduce.norm(g)
         usable = (w_norm > 0) & (g_norm > 0)
         trust = torch.where(usable, eeta * w_norm / (g_norm + weight_decay * w_norm + epsilon), 1.0).clamp_(0.0, 50.0)
         scale = trust * -lr

@@ -140,15 +140,17 @@ def project(g: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     return torch.matmul(p.t(), g) @ q.t()
 
 
-def project_back_rows(u: torch.Tensor, state: dict[str, Any], r0: int, r1: int) -> torch.Tensor:
+def project_back_rows(u: torch.Tensor, state: dict[str, Any], r0: int, r1: int, row0: int = 0) -> torch.Tensor:
     """Rows ``[r0, r1)`` of the full-rank update ``P u`` / ``u Q`` / ``P u Q`` (unscaled), so that the full-size
-    update is never materialized at once. (Row blocks of a product are the product's rows: bit-identical on CPU.)"""
+    update is never materialized at once. (Row blocks of a product are the product's rows: bit-identical on CPU.)
+    ``row0``: the matrix is a row shard starting at row ``row0`` of the whole one (rows of ``P`` are offset by it;
+    a side-right ``u`` holds the shard's rows only). See :mod:`lowmemopt.distributed.galore`."""
     p, q = bases(state)
     if q is None:
-        return torch.matmul(p[r0:r1], u)
+        return torch.matmul(p[row0 + r0:row0 + r1], u)
     if p is None:
         return torch.matmul(u[r0:r1], q)
-    return torch.matmul(p[r0:r1], u) @ q
+    return torch.matmul(p[row0 + r0:row0 + r1], u) @ q
 
 
 def compute_basis(

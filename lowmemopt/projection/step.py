@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ..distributed.galore import low_rank_layout, row_shards
+from ..distributed.reduction import LOCAL
 from ..optimizer import CHUNK_NUMEL, LowMemOptimizer, Slot
 from ..quant.formats import format_of
 from . import projector as pj
@@ -92,9 +94,14 @@ def projected_slots(optimizer: LowMemOptimizer, group: dict[str, Any], p: torch.
     """The inner algorithm's slots for ``p``'s low-rank gradient, every one with an explicit shape (the algorithm's
     ``_slots`` asked about a tensor of the low-rank shape)."""
     m, n = pj.matrix_shape(p.shape)
-    low = pj.low_rank_shape(m, n, group["rank"], _side(optimizer, group, p))
+    side = _side(optimizer, group, p)
+    low, dims = low_rank_layout(p, pj.low_rank_shape(m, n, group["rank"], side), side)  # a DTensor: its local rows
     slots = optimizer._slots(group, torch.empty(low, dtype=p.dtype, device="meta"))
-    return {k: s if s.shape is not None else s._replace(shape=low) for k, s in slots.items()}
+    return {
+        k: s._replace(shape=low, dims=dims) if s.shape is None
+        else s._replace(dims=None if s.dims is None else tuple(None if d is None else dims[d] for d in s.dims))
+        for k, s in slots.items()
+    }
 
 
 def _coupled_decay(optimizer: LowMemOptimizer, group: dict[str, Any]) -> bool:
@@ -191,11 +198,16 @@ def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tens
             )
         init_projected_state(optimizer, p, group, slots)
 
-    g = grad.reshape(m, n).float()
+    shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
+    m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)
+    g = (grad if shards is None else shards.grad).reshape(m_local, n).float()
     t = state["step"]
-    if t >= state[pj.NEXT_REFRESH] and not _refresh(optimizer, p, g, state, slots, group, t):
-        return  # no basis yet: skip this step, as for a non-finite gradient
-    g_low = pj.project(g, state)
+    if t >= state[pj.NEXT_REFRESH]:
+        full = g if shards is None else shards.full_gradient()  # the basis comes from the whole gradient
+        if not _refresh(optimizer, p, full, state, slots, group, t):
+            return  # no basis yet: skip this step, as for a non-finite gradient
+        del full
+    g_low = pj.project(g, state) if shards is None else shards.project(g, state, pj.bases)
 
     state["step"] = t + 1
     step = t + 1
@@ -206,17 +218,20 @@ def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tens
         inner = dict(group, weight_decay=0.0)
         decay = 1.0 - group["lr"] * group["weight_decay"]
 
-    target = p if p.is_contiguous() else p.contiguous()
-    p2d = target.view(m, n)
+    local = p if shards is None else shards.param
+    target = local if local.is_contiguous() else local.contiguous()
+    p2d = target.view(m_local, n)
     p32 = p2d.float()  # fp32 params: p itself; the inner math may read it (RMS, norms) and decay it in place
-    delta, alpha = optimizer._run_update(p32, g_low, state, slots, formats, inner, step, 0, g_low.numel(), g_low)
+    reduce = LOCAL if shards is None else shards.reduction(p32)
+    delta, alpha = optimizer._run_update(p32, g_low, state, slots, formats, inner, step, 0, g_low.numel(), g_low,
+                                         reduce)
     rows = max(1, CHUNK_NUMEL // max(n, 1))
     scale = group["scale"]
-    for r0 in range(0, m, rows):
-        r1 = min(m, r0 + rows)
-        update = pj.project_back_rows(delta, state, r0, r1).mul_(scale)
+    for r0 in range(0, m_local, rows):
+        r1 = min(m_local, r0 + rows)
+        update = pj.project_back_rows(delta, state, r0, r1, row0).mul_(scale)
         optimizer._apply_update(p32[r0:r1], update, alpha, decay, group)
     if p32.data_ptr() != p2d.data_ptr():
         p2d.copy_(p32)
-    if target is not p:
-        p.copy_(target)
+    if target is not local:
+        local.copy_(target)

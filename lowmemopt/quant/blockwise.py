@@ -14,7 +14,8 @@ unchanged.
 
 The last block may be shorter than ``block_size`` (ragged). Inputs of any layout are accepted (non-contiguous ones are
 copied). :func:`quantize_blockwise` is the fast path (two table lookups per element);
-:func:`quantize_blockwise_reference` is the brute-force specification it is tested against, code for code.
+:func:`quantize_blockwise_reference` is the brute-force specification it is tested against, code for code. On CPU the
+full blocks go through the native codec of :mod:`lowmemopt.cpu` where it is built (the same codes).
 """
 
 from __future__ import annotations
@@ -87,8 +88,21 @@ def _fast_codec(x: torch.Tensor):
     return compiled if compiled.applies(x) else None
 
 
+def _native_codec(x: torch.Tensor):
+    """The native CPU codec module (:mod:`lowmemopt.cpu`) for CPU tensors, else None. Imported lazily, like
+    :func:`_fast_codec`."""
+    if x.device.type != "cpu":
+        return None
+    from .. import cpu
+
+    return cpu if cpu.ENABLED else None
+
+
 def _encode_blocks(x: torch.Tensor, name: str, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """x: fp32 [nb, bs]; writes codes (uint8 [nb, bs]) and absmax (fp32 [nb])."""
+    native = _native_codec(x)
+    if native is not None and native.encode_rows_into(x, codes, absmax, name == "dynamic"):
+        return
     book, table = code_book(name, x.device), encode_table(name, x.device).packed
     fast = _fast_codec(x)
     if fast is not None and fast.encode_rows_into(x, codes, absmax, book, table, name == "dynamic"):
@@ -109,11 +123,13 @@ def encode_into(x: torch.Tensor, name: str, block_size: int, codes: torch.Tensor
 def decode_into(codes: torch.Tensor, absmax: torch.Tensor, name: str, block_size: int, out: torch.Tensor) -> None:
     """Dequantize flat ``codes`` with per-block ``absmax`` into the flat fp32 tensor ``out``."""
     book = code_book(name, codes.device)
-    fast = _fast_codec(out)
+    fast, native = _fast_codec(out), _native_codec(out)
     first = 0
     for cv, ov in zip(_block_views(codes, block_size), _block_views(out, block_size)):
         scale = absmax[first : first + ov.shape[0]]
         first += ov.shape[0]
+        if ov.shape[1] == block_size and native is not None and native.decode_rows_into(cv, scale, ov, name == "dynamic"):
+            continue
         if ov.shape[1] == block_size and fast is not None and fast.decode_rows_into(cv, scale, ov, book):
             continue
         torch.index_select(book, 0, cv.reshape(-1).int(), out=ov.view(-1))

@@ -1,0 +1,236 @@
+"""Fused Triton kernels on a GPU: optimizer step time of lowmemopt's kernels against bitsandbytes (AdamW8bit, Lion8bit,
+LAMB8bit), torch's fused AdamW and torchao's AdamW8bit, at 10M to 1B parameters, with the achieved memory bandwidth as
+a percentage of the device's measured device-to-device copy bandwidth (the roofline of these memory-bound steps).
+
+    cd /tmp && python /path/to/repo/bench/kernels.py                       # 10M, 100M, 1B parameters
+    cd /tmp && python /path/to/repo/bench/kernels.py --sizes 100M --json kernels.json
+
+Needs a CUDA GPU (it refuses to run without one). Run from outside the repository root (see bench/README.md).
+
+Model: ``--sizes`` parameters as a transformer-like set of fp32 tensors: square ``h x h`` matrices (4 per layer),
+``h x 4h`` MLP matrices (2 per layer) and two ``h`` vectors per layer (norms: small tensors, fp32 state at every
+``state_bits``), so a launch covers hundreds of tensors of mixed sizes. Gradients are fixed random normals.
+
+Bandwidth: each optimizer is credited with the bytes a single ideal pass moves per parameter (``IDEAL_BYTES``: read p,
+g and the state, write p and the state; 8-bit state 1 byte per slot, absmax ignored), divided by its median step
+time, as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``). lowmemopt's multi-pass kernels move
+more than that (docs/kernels.md lists the bytes per pass), which this metric charges them for.
+
+Targets (issue 7): 8-bit AdamW >= 80% of the roofline at <= 1.0x bitsandbytes AdamW8bit's time; CAME-8bit <= 2x
+8-bit AdamW's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Callable
+
+# This file shares its name with HuggingFace's ``kernels`` package (which bitsandbytes may import): keep its folder
+# off sys.path so that such an import cannot find this script instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import torch  # noqa: E402
+
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+LR, WD = 1e-3, 1e-2
+
+#: bytes per parameter of one ideal pass (fp32 params and grads): p read + write 8, g read 4, state read + write
+IDEAL_BYTES = {
+    "adamw-32": 8 + 4 + 16, "adamw-16": 8 + 4 + 8, "adamw-8": 8 + 4 + 4, "lion-8": 8 + 4 + 2, "lamb-8": 8 + 4 + 4,
+    "lars-8": 8 + 4 + 2, "sgd-8": 8 + 4 + 2, "came-8": 8 + 4 + 2, "adafactor-8": 8 + 4 + 2, "adafactor": 8 + 4,
+}
+
+
+def _lowmemopt(cls: str, bits: int, **kw) -> Factory:
+    def make(params):
+        import lowmemopt
+
+        return getattr(lowmemopt, cls)(params, lr=LR, weight_decay=WD, state_bits=bits, **kw)
+
+    return make
+
+
+def _bnb(cls: str) -> Factory:
+    def make(params):
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, cls)(params, lr=LR, weight_decay=WD)
+
+    return make
+
+
+def _torch_fused(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+
+
+def _torchao(params):
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(params, lr=LR, weight_decay=WD)
+
+
+#: name -> (factory, IDEAL_BYTES key)
+OPTIMIZERS: dict[str, tuple[Factory, str]] = {
+    "lowmemopt-adamw-8bit": (_lowmemopt("AdamW", 8), "adamw-8"),
+    "lowmemopt-adamw-16bit": (_lowmemopt("AdamW", 16), "adamw-16"),
+    "lowmemopt-adamw-32bit": (_lowmemopt("AdamW", 32), "adamw-32"),
+    "lowmemopt-lion-8bit": (_lowmemopt("Lion", 8), "lion-8"),
+    "lowmemopt-lamb-8bit": (_lowmemopt("LAMB", 8), "lamb-8"),
+    "lowmemopt-lars-8bit": (_lowmemopt("LARS", 8, momentum=0.9), "lars-8"),
+    "lowmemopt-sgd-8bit": (_lowmemopt("SGD", 8, momentum=0.9), "sgd-8"),
+    "lowmemopt-came-8bit": (_lowmemopt("CAME", 8), "came-8"),
+    "lowmemopt-adafactor-m-8bit": (_lowmemopt("Adafactor", 8, beta1=0.9, relative_step=False, scale_parameter=False),
+                                   "adafactor-8"),
+    "lowmemopt-adafactor": (_lowmemopt("Adafactor", 32, relative_step=False, scale_parameter=False), "adafactor"),
+    "bnb-adamw8bit": (_bnb("AdamW8bit"), "adamw-8"),
+    "bnb-lion8bit": (_bnb("Lion8bit"), "lion-8"),
+    "bnb-lamb8bit": (_bnb("LAMB8bit"), "lamb-8"),
+    "torch-adamw-fused": (_torch_fused, "adamw-32"),
+    "torchao-adamw8bit": (_torchao, "adamw-8"),
+}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMBG")) * scale)
+
+
+def model_shapes(n_params: int) -> list[tuple[int, ...]]:
+    """A transformer-like layout of about ``n_params``: per layer 4 (h, h) + 2 (h, 4h) matrices and 2 (h,) vectors;
+    h grows with the size (multiple of 64), 16-48 layers."""
+    layers = 16 if n_params < 5e8 else 48
+    h = max(64, int(math.sqrt(n_params / (12 * layers)) // 64 * 64))
+    shapes: list[tuple[int, ...]] = []
+    while sum(math.prod(s) for s in shapes) + 12 * h * h <= n_params:
+        shapes += [(h, h)] * 4 + [(h, 4 * h)] * 2 + [(h,)] * 2
+    return shapes
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), best of ``reps``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int) -> tuple[float, int, str]:
+    """Median step time (s), state bytes, and the kernel path taken (lowmemopt: launches per step)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.randn(s, generator=gen, device=device).mul_(0.02))
+        p.grad = torch.randn(s, generator=gen, device=device).mul_(1e-3)
+        params.append(p)
+    opt = factory(params)
+    for _ in range(warmup):
+        opt.step()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    note = ""
+    if hasattr(opt, "state_nbytes"):
+        from lowmemopt.kernels import dispatch
+
+        before = sum(dispatch.stats.values())
+        opt.step()
+        note = f"{sum(dispatch.stats.values()) - before} fused bucket(s)/step"
+        state = int(opt.state_nbytes())
+    else:
+        state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+    del opt, params
+    gc.collect()
+    torch.cuda.empty_cache()
+    return statistics.median(times), state, note
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10M,100M,1B", help="parameter counts (default 10M,100M,1B)")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: "
+                        + ", ".join(OPTIMIZERS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles the kernels)")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU: the fused Triton kernels run only on CUDA tensors "
+              "(CPU tensors take lowmemopt's reference path; see bench/step.py for CPU timings).", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown:
+        parser.error(f"unknown optimizer(s): {', '.join(unknown)}")
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    print(f"## Fused kernel benchmark\n\n- GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(f"- device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (the roofline)\n")
+    results = []
+    for size in [parse_size(s) for s in args.sizes.split(",")]:
+        shapes = model_shapes(size)
+        n = sum(math.prod(s) for s in shapes)
+        print(f"### {n / 1e6:.0f}M parameters in {len(shapes)} tensors\n")
+        print("| optimizer | median step (ms) | state B/param | ideal B/param | % of copy bandwidth | notes |")
+        print("| --- | ---: | ---: | ---: | ---: | --- |")
+        rows = {}
+        for name in names:
+            factory, key = OPTIMIZERS[name]
+            try:
+                t, state, note = time_optimizer(factory, shapes, device, args.steps, args.warmup)
+            except Exception as exc:  # noqa: BLE001 - a failing optimizer is a row, not a crash
+                error = f"{type(exc).__name__}: {str(exc)[:120]}"
+                print(f"| {name} | — | — | — | — | FAILED: {error} |", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
+            pct = 100 * IDEAL_BYTES[key] * n / t / bw
+            rows[name] = t
+            results.append(dict(size=n, tensors=len(shapes), optimizer=name, median_s=t, state_bytes=state,
+                                ideal_bytes_per_param=IDEAL_BYTES[key], pct_copy_bandwidth=pct, note=note))
+            print(f"| {name} | {1e3 * t:.2f} | {state / n:.3f} | {IDEAL_BYTES[key]} | {pct:.0f}% | {note} |",
+                  flush=True)
+        print()
+        ours, bnb, came = rows.get("lowmemopt-adamw-8bit"), rows.get("bnb-adamw8bit"), rows.get("lowmemopt-came-8bit")
+        if ours is not None:
+            pct = 100 * IDEAL_BYTES["adamw-8"] * n / ours / bw
+            print(f"- target 8-bit AdamW >= 80% of copy bandwidth: {pct:.0f}% -> {'PASS' if pct >= 80 else 'FAIL'}")
+        if ours is not None and bnb is not None:
+            print(f"- target 8-bit AdamW <= 1.0x bitsandbytes: {ours / bnb:.2f}x -> "
+                  f"{'PASS' if ours <= bnb else 'FAIL'}")
+        if ours is not None and came is not None:
+            verdict = "PASS" if came <= 2 * ours else "FAIL"
+            print(f"- target CAME-8bit <= 2x 8-bit AdamW: {came / ours:.2f}x -> {verdict}")
+        print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(device), copy_bandwidth=bw, results=results), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Block-wise 8-bit codec in Triton: device functions the optimizer kernels call in registers, and standalone
+quantize / dequantize kernels.
+
+They reproduce :mod:`lowmemopt.quant.blockwise` code for code (the tests compare them exactly):
+
+    scale_b = max(max_b x / book[-1], min_b x / book[0])   (signed map; unsigned: max(max_b x, 0))
+    y = x / (scale_b if scale_b > 0 else 1);   code = lo[bucket(y)] + (y >= threshold[bucket(y)])
+    decode: x ~= book[code] * scale_b
+
+``bucket(y)`` is the top 16 bits of ``y``'s fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB
+of int32, one L2-resident gather per element) holds the lower code and the threshold's low 16 bits, so one lookup
+gives the exact nearest code, with the unsigned map's rule that a positive value never takes code 0
+(see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use the IEEE-rounded forms
+(``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
+
+A tile is ``[ROWS, BLOCK]``: one quantization block per row, so a block's scale is a row reduction in registers.
+Masked (ragged) elements are zero before the reduction; zeros never change a block's scale (they lie between the
+block's min and max once scaled, and the unsigned scale is clamped at 0), so a ragged last block encodes exactly as
+the reference's shorter block does.
+
+Slot formats in kernels are compile-time codes: ``FP32`` (0), ``BF16`` (1), ``Q8`` (2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowmemopt.quant.blockwise import num_blocks
+from lowmemopt.quant.maps import code_book, encode_table
+
+from . import runtime
+
+__all__ = ["FP32", "BF16", "Q8", "FORMAT_CODES", "maps", "quantize_blockwise", "dequantize_blockwise"]
+
+FP32, BF16, Q8 = 0, 1, 2
+FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8}
+
+
+def maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(signed book, signed packed table, unsigned book, unsigned packed table) on ``device`` (cached)."""
+    return (
+        code_book("dynamic", device),
+        encode_table("dynamic", device).packed,
+        code_book("udynamic", device),
+        encode_table("udynamic", device).packed,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# device functions
+
+
+@triton.jit
+def typed(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """An int64 address from a launch table as a pointer to ``DTYPE``; ``ALIGNED``: the launcher checked that it is
+    16-byte aligned, so accesses may be vectorized."""
+    ptr = addr.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, by integer arithmetic on the bits (finite inputs; inf stays inf). The same
+    in compiled and interpreted kernels: the Triton interpreter's own fp32 -> bf16 cast truncates."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (nearest even), as torch's ``copy_`` rounds."""
+    if DTYPE == tl.bfloat16:
+        y = bf16_rne(x)
+    else:
+        y = x.to(DTYPE)
+    return y
+
+
+@triton.jit
+def encode_q8(x, book, lut, SIGNED: tl.constexpr):
+    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (uint8 codes [ROWS, BLOCK], fp32 scale [ROWS])."""
+    if SIGNED:
+        first = tl.load(book)
+        last = tl.load(book + 255)
+        scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
+    else:
+        scale = tl.maximum(tl.max(x, axis=1), 0.0)
+    y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+    u = y.to(tl.int32, bitcast=True)
+    entry = tl.load(lut + ((u >> 16) & 0xFFFF))
+    t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
+    code = (entry >> 17) + (t >= (entry & 0x1FFFF)).to(tl.int32)
+    return code.to(tl.uint8), scale
+
+
+@triton.jit
+def ld(ptrs, mask, MASKED: tl.constexpr):
+    """Load; masked lanes read 0. ``MASKED=False`` (a tile entirely inside its tensor) drops the mask: a launch-table
+    size has no known divisibility, so a mask would keep Triton from vectorizing the accesses."""
+    if MASKED:
+        x = tl.load(ptrs, mask=mask, other=0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def st(ptrs, x, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, x, mask=mask)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MASKED: tl.constexpr):
+    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] whose block indices are ``blocks`` [ROWS]; 0 where masked."""
+    codes = ld(codes_ptr + offs, mask, MASKED)
+    scale = ld(absmax_ptr + blocks, block_mask, MASKED)
+    x = tl.load(book + codes.to(tl.int32)) * scale[:, None]
+    if MASKED:
+        x = tl.where(mask, x, 0.0)
+    return x
+
+
+@triton.jit
+def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, FMT: tl.constexpr, ALIGNED: tl.constexpr,
+              MASKED: tl.constexpr):
+    """A state slot's fp32 values at ``offs`` (0 where masked). ``row``: the tensor's launch-table row; the slot's
+    address is at column ``COL`` (q8: codes at COL, absmax at COL + 1)."""
+    if FMT == 2:
+        x = decode_q8(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
+                      offs, mask, blocks, block_mask, book, MASKED)
+    elif FMT == 1:
+        x = ld(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, mask, MASKED).to(tl.float32)
+    else:
+        x = ld(typed(tl.load(row + COL), tl.float32, ALIGNED) + offs, mask, MASKED)
+    return x
+
+
+@triton.jit
+def load_slot_at(row, COL: tl.constexpr, offs, mask, book, QBLOCK: tl.constexpr, FMT: tl.constexpr):
+    """Like :func:`load_slot` for a tile of any shape that need not align with quantization blocks: the absmax of
+    each element is gathered at ``offs // QBLOCK`` (the factored passes' 2-D tiles)."""
+    if FMT == 2:
+        codes = tl.load(typed(tl.load(row + COL), tl.uint8, False) + offs, mask=mask, other=0)
+        scale = tl.load(typed(tl.load(row + COL + 1), tl.float32, False) + offs // QBLOCK, mask=mask, other=0.0)
+        x = tl.where(mask, tl.load(book + codes.to(tl.int32)) * scale, 0.0)
+    elif FMT == 1:
+        x = tl.load(typed(tl.load(row + COL), tl.bfloat16, False) + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(typed(tl.load(row + COL), tl.float32, False) + offs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
+               FMT: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    """Write fp32 ``x`` [ROWS, BLOCK] to a state slot (bf16: round to nearest even; q8: encode each row)."""
+    if FMT == 2:
+        if MASKED:
+            x = tl.where(mask, x, 0.0)
+        codes, scale = encode_q8(x, book, lut, SIGNED)
+        st(typed(tl.load(row + COL), tl.uint8, ALIGNED) + offs, codes, mask, MASKED)
+        st(typed(tl.load(row + COL + 1), tl.float32, False) + blocks, scale, block_mask, MASKED)
+    elif FMT == 1:
+        st(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, bf16_rne(x), mask, MASKED)
+    else:
+        st(typed(tl.load(row + COL), tl.float32, ALIGNED) + offs, x, mask, MASKED)
+
+
+@triton.jit
+def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's tensor (index ``t``, its launch-table ``row`` pointer and ``numel``, at column 2) and its tile:
+    element offsets [ROWS, BLOCK] (int64), their mask, block indices [ROWS], the block mask, and ``full``: the whole
+    tile lies inside the tensor (kernels then take their unmasked, vectorizable variant)."""
+    pid = tl.program_id(0)
+    t = tl.load(units + pid)
+    tile = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
+    row = table + t.to(tl.int64) * W
+    numel = tl.load(row + 2)
+    blocks = tile * ROWS + tl.arange(0, ROWS)
+    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return t, row, numel, offs, offs < numel, blocks, blocks * BLOCK < numel, (tile + 1) * (ROWS * BLOCK) <= numel
+
+
+@triton.jit
+def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    """The parameter (column 0) as fp32."""
+    return ld(typed(tl.load(row), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
+
+
+@triton.jit
+def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    """The gradient (column 1) as fp32."""
+    return ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
+
+
+@triton.jit
+def store_param(p, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    """Write the fp32 working copy back to the parameter (rounded to its dtype, nearest even)."""
+    st(typed(tl.load(row), DTYPE, ALIGNED) + offs, rounded(p, DTYPE), mask, MASKED)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# standalone codec kernels
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    codes, scale = encode_q8(x, book, lut, SIGNED)
+    tl.store(codes_ptr + offs, codes, mask=mask)
+    tl.store(absmax_ptr + blocks, scale, mask=blocks * BLOCK < numel)
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offs < numel
+    x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True)
+    tl.store(out_ptr + offs, x, mask=mask)
+
+
+def _check_block(block_size: int) -> None:
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool)
+    if not ok or block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
+
+
+def _check_map(name: str) -> bool:
+    if name not in ("dynamic", "udynamic"):
+        raise ValueError(f"unknown quantization map {name!r}; expected 'dynamic' or 'udynamic'")
+    return name == "dynamic"
+
+
+def _check_device(t: torch.Tensor, what: str) -> None:
+    if not (t.device.type == "cuda" or (t.device.type == "cpu" and runtime.INTERPRET)):
+        raise ValueError(f"{what} must be a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), got {t.device}")
+
+
+def quantize_blockwise(
+    x: torch.Tensor, name: str = "dynamic", block_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`: ``x`` (any shape, floating dtype) -> (codes uint8
+    [numel], absmax fp32 [n_blocks]), identical to the reference's."""
+    signed = _check_map(name)
+    _check_block(block_size)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_blockwise needs a floating-point tensor, got {x.dtype}")
+    _check_device(x, "x")
+    flat = x.detach().reshape(-1).contiguous()
+    n = flat.numel()
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
+    if n:
+        book_s, lut_s, book_u, lut_u = maps(x.device)
+        rows = runtime.rows_per_tile(block_size)
+        grid = (triton.cdiv(absmax.numel(), rows),)
+        _quantize_kernel[grid](flat, codes, absmax, n, book_s if signed else book_u, lut_s if signed else lut_u,
+                               SIGNED=signed, ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
+    return codes, absmax
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor, absmax: torch.Tensor, name: str = "dynamic", block_size: int = 256, shape=None
+) -> torch.Tensor:
+    """Triton twin of :func:`lowmemopt.quant.dequantize_blockwise`: fp32 values ``book[code] * absmax[block]``."""
+    _check_map(name)
+    _check_block(block_size)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if absmax.dtype != torch.float32:
+        raise TypeError(f"absmax must be float32, got {absmax.dtype}")
+    if absmax.numel() != num_blocks(codes.numel(), block_size):
+        raise ValueError(
+            f"absmax has {absmax.numel()} blocks but {codes.numel()} codes at block_size={block_size} "
+            f"need {num_blocks(codes.numel(), block_size)}"
+        )
+    _check_device(codes, "codes")
+    if absmax.device != codes.device:
+        raise ValueError(f"codes and absmax must be on one device, got {codes.device} and {absmax.device}")
+    flat = codes.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
+    if flat.numel():
+        book = code_book(name, codes.device)
+        rows = runtime.rows_per_tile(block_size)
+        grid = (triton.cdiv(absmax.numel(), rows),)
+        _dequantize_kernel[grid](flat, absmax.contiguous(), out, flat.numel(), book, ROWS=rows, BLOCK=block_size,
+                                 num_warps=runtime.NUM_WARPS)
+    return out if shape is None else out.view(shape)

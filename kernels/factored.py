@@ -1,0 +1,399 @@
+"""Fused Adafactor and CAME steps (references: :func:`lowmemopt.optim.adafactor.adafactor_math`,
+:func:`lowmemopt.optim.came.came_math`), in several multi-tensor passes.
+
+Both precondition the gradient by a second moment ``V`` (factored over a matrix's last two dims, leading dims a batch:
+``V ~ R C / mean(R)``; full-size for 1-D params), clip the result to ``RMS(u) <= clip_threshold``, and CAME adds a
+factored confidence term. Row/column means and whole-tensor RMS values are reductions, hence the passes. Bytes per
+element below are for fp32 params and q8 state (``m``: 1 byte, absmax negligible); bf16 params move 2 bytes less per
+param access.
+
+Factored parameters (shape ``[..., R, C]``, per pass):
+
+=====  ===================  ==============================================================================  ========
+pass   tiles                what                                                                            bytes/el
+=====  ===================  ==============================================================================  ========
+1      2-D [rows, cols]     row and column sums of ``g^2 + eps1`` (fp32 atomics into scratch)                4
+2      one per matrix       V's row/column EMA -> state; factors ``1/sqrt(row/mean(row))``, ``1/sqrt(col)``  ~0
+3      flat                 ``u = factors * g``: sum(u^2) per tensor; sum(p^2) (Adafactor's RMS(p))          4 (+4)
+4      2-D (CAME only)      ``m' = b1 m + (1-b1) u/clip``; row/col sums of ``(u/clip - m')^2 + eps2``        5
+5      one per matrix       (CAME only) the same EMA and factors for the residual statistics                 ~0
+6      flat                 recompute ``u``, ``m'`` (bit-identical), update: write p (and m)                 12 (+2)
+=====  ===================  ==============================================================================  ========
+
+CAME-8bit: 4 + 4 + 5 + 14 = 27 B/element (AdamW-8bit: 16). Adafactor without beta1: 4 + 8 + 12 = 24 (20 without
+scale_parameter; + 2 with an 8-bit first moment).
+
+1-D parameters (full-size ``v``, q8 capable): pass A, flat: ``v' = b2 v + (1-b2)(g^2+eps1)``, ``u = g/sqrt(v')``:
+sum(u^2), and sum(p^2) for Adafactor's RMS(p) (reads g, v (, p): 5 or 9 B); pass B, flat: recompute, clip, update,
+write p, v, m (reads 10, writes 6).
+
+Statistics EMAs are written in pass 2/5; p and m only in the last pass, from values recomputed in registers, so the
+update uses the fp32 state before it is re-encoded. The sums are fp32 atomics: their rounding (not their value) can
+vary between runs. Small matrices with many batch rows (conv kernels ``[O, I, 3, 3]``) use their 2-D tiles poorly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
+                    tile_coords, typed)
+from .launch import TL_DTYPES, Bucket, scalar
+
+__all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launch_came"]
+
+# launch-table columns (one row per tensor); constexpr so that kernels may read them
+_M, _V, _R, _C, _SQ, _RES, _ROFF, _COFF = (tl.constexpr(i) for i in (3, 5, 7, 8, 9, 11, 13, 14))
+_W = 15
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# device functions: math
+
+
+@triton.jit
+def sqrt_numel(numel):
+    """fp32(sqrt(numel)) computed in fp64, as the reference's ``math.sqrt(t.numel())``."""
+    return tl.sqrt(numel.to(tl.float64)).to(tl.float32)  # fp64 sqrt is correctly rounded
+
+
+@triton.jit
+def clip_denominator(sums, t, numel, clip_threshold):
+    """``max(RMS(u) / clip_threshold, 1)`` from the tensor's sum(u^2)."""
+    rms = tl.math.div_rn(tl.sqrt_rn(tl.load(sums + 2 * t + 1)), sqrt_numel(numel))
+    return tl.maximum(tl.math.div_rn(rms, clip_threshold), 1.0)
+
+
+@triton.jit
+def factored_precondition(x, offs, mask, rfac, cfac, roff, coff, R, C):
+    """``rfac[row(i)] * cfac[col(i)] * x``: the factored ``x / sqrt(V)`` at flat offsets ``offs``."""
+    r_idx = roff + offs // C
+    c_idx = coff + (offs // (R * C)) * C + offs % C
+    return (tl.load(rfac + r_idx, mask=mask, other=0.0) * tl.load(cfac + c_idx, mask=mask, other=0.0)) * x
+
+
+@triton.jit
+def full_precondition(g, v, eps1, beta2, one_minus_beta2):
+    """1-D params: ``v' = beta2 v + (1 - beta2)(g^2 + eps1)``; returns (v', g / sqrt(v'))."""
+    v = tl.fma(g * g + eps1, one_minus_beta2, v * beta2)
+    return v, tl.math.div_rn(1.0, tl.sqrt_rn(v)) * g
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums,
+                  eps, beta1, one_minus_beta1, clip_threshold,
+                  W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
+                  TR: tl.constexpr, BC: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Pass 1 / 4 (2-D tiles of one matrix of the batch): row and column sums of ``x`` into ``rsum`` / ``csum``;
+    ``x = g^2 + eps`` or, with ``RESIDUAL`` (CAME), ``(u - m')^2 + eps`` for the clipped ``u`` and new ``m'``."""
+    pid = tl.program_id(0)
+    t = tl.load(units + pid)
+    local = tl.load(units + tl.num_programs(0) + pid)
+    row = table + t.to(tl.int64) * W
+    R = tl.load(row + _R)
+    C = tl.load(row + _C)
+    roff = tl.load(row + _ROFF)
+    coff = tl.load(row + _COFF)
+    n_rt = tl.cdiv(R, TR)
+    n_ct = tl.cdiv(C, BC)
+    b = local // (n_rt * n_ct)
+    rest = local % (n_rt * n_ct)
+    r = (rest // n_ct) * TR + tl.arange(0, TR)
+    c = (rest % n_ct) * BC + tl.arange(0, BC)
+    r_mask = r < R
+    c_mask = c < C
+    mask = r_mask[:, None] & c_mask[None, :]
+    grow = b * R + r
+    offs = grow[:, None] * C + c[None, :]
+    g = load_grad(row, offs, mask, G_DTYPE, False, True)
+    if RESIDUAL:
+        u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
+             * tl.load(cfac + coff + b * C + c, mask=c_mask, other=0.0)[None, :]) * g
+        u = tl.math.div_rn(u, clip_denominator(sums, t, tl.load(row + 2), clip_threshold))
+        m = load_slot_at(row, _M, offs, mask, book_s, QBLOCK, FMT)
+        d = u - tl.fma(u, one_minus_beta1, m * beta1)
+        x = d * d + eps
+    else:
+        x = g * g + eps
+    x = tl.where(mask, x, 0.0)
+    tl.atomic_add(rsum + roff + grow, tl.sum(x, axis=1), mask=r_mask)
+    tl.atomic_add(csum + coff + b * C + c, tl.sum(x, axis=0), mask=c_mask)
+
+
+@triton.jit
+def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, beta, one_minus_beta,
+                    W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr):
+    """Pass 2 / 5 (one program per matrix of the batch): ``row = beta row + (1-beta) rsum / C`` and likewise the
+    columns (state, at table columns STAT, STAT + 1); ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``."""
+    pid = tl.program_id(0)
+    t = tl.load(units + pid)
+    b = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
+    row = table + t.to(tl.int64) * W
+    R = tl.load(row + _R)
+    C = tl.load(row + _C)
+    roff = tl.load(row + _ROFF) + b * R
+    coff = tl.load(row + _COFF) + b * C
+    row_stat = typed(tl.load(row + STAT), tl.float32, False) + b * R
+    col_stat = typed(tl.load(row + STAT + 1), tl.float32, False) + b * C
+    Rf = R.to(tl.float32)
+    Cf = C.to(tl.float32)
+    acc = tl.zeros([FB], dtype=tl.float32)
+    for r0 in range(0, R, FB):
+        i = r0 + tl.arange(0, FB)
+        mask = i < R
+        new = tl.fma(tl.math.div_rn(tl.load(rsum + roff + i, mask=mask, other=0.0), Cf), one_minus_beta,
+                     tl.load(row_stat + i, mask=mask, other=0.0) * beta)
+        tl.store(row_stat + i, new, mask=mask)
+        acc += tl.where(mask, new, 0.0)
+    mean = tl.math.div_rn(tl.sum(acc, axis=0), Rf)
+    for r0 in range(0, R, FB):
+        i = r0 + tl.arange(0, FB)
+        mask = i < R
+        new = tl.load(row_stat + i, mask=mask, other=1.0)
+        tl.store(rfac + roff + i, tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(new, mean))), mask=mask)
+    for c0 in range(0, C, FB):
+        i = c0 + tl.arange(0, FB)
+        mask = i < C
+        new = tl.fma(tl.math.div_rn(tl.load(csum + coff + i, mask=mask, other=1.0), Rf), one_minus_beta,
+                     tl.load(col_stat + i, mask=mask, other=1.0) * beta)
+        tl.store(col_stat + i, new, mask=mask)
+        tl.store(cfac + coff + i, tl.math.div_rn(1.0, tl.sqrt_rn(new)), mask=mask)
+
+
+@triton.jit
+def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
+                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+                FACTORED: tl.constexpr, SUM_P: tl.constexpr, MASKED: tl.constexpr):
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    if FACTORED:
+        u = factored_precondition(g, offs, mask, rfac, cfac, tl.load(row + _ROFF), tl.load(row + _COFF),
+                                  tl.load(row + _R), tl.load(row + _C))
+    else:
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+        v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
+    if MASKED:
+        u = tl.where(mask, u, 0.0)
+    tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(u * u, axis=1), axis=0))
+    if SUM_P:
+        p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+        tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
+
+
+@triton.jit
+def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
+                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  FACTORED: tl.constexpr, SUM_P: tl.constexpr):
+    """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
+                    P_DTYPE, G_DTYPE, ALIGNED, FACTORED, SUM_P, False)
+    else:
+        _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
+                    P_DTYPE, G_DTYPE, ALIGNED, FACTORED, SUM_P, True)
+
+
+@triton.jit
+def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
+                sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
+                neg_wd_lr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+                FACTORED: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr,
+                DECAY: tl.constexpr, MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    if FACTORED:
+        roff = tl.load(row + _ROFF)
+        coff = tl.load(row + _COFF)
+        R = tl.load(row + _R)
+        C = tl.load(row + _C)
+        u = factored_precondition(g, offs, mask, rfac, cfac, roff, coff, R, C)
+    else:
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+        v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
+        store_slot(v, row, _V, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+    u = tl.math.div_rn(u, clip_denominator(sums, t, numel, clip_threshold))
+    if CAME:
+        m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+        m = tl.fma(u, one_minus_beta1, m * beta1)
+        store_slot(m, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+        if FACTORED:
+            u = factored_precondition(m, offs, mask, rfac2, cfac2, roff, coff, R, C)
+        else:
+            u = m
+        if DECAY:
+            p = tl.fma(p, neg_wd_lr, p)
+        p = p - u * lr
+    else:
+        if SCALE_PARAM:
+            rms_p = tl.math.div_rn(tl.sqrt_rn(tl.load(sums + 2 * t)), sqrt_numel(numel))
+            alpha = tl.maximum(rms_p, eps2) * lr
+        else:
+            alpha = lr
+        u = u * alpha
+        if HAS_M:
+            m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+            u = tl.fma(u, one_minus_beta1, m * beta1)
+            store_slot(u, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+        if DECAY:
+            if SCALE_PARAM:
+                p = tl.fma(p, neg_wd * alpha, p)
+            else:
+                p = tl.fma(p, neg_wd_lr, p)
+        p = p - u
+    store_param(p, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
+@triton.jit
+def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2, sums,
+                  eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd, neg_wd_lr,
+                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  FACTORED: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr,
+                  DECAY: tl.constexpr):
+    """Last pass (flat tiles): recompute u, clip, (m), update p; write p, m and (1-D) v.
+
+    Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
+    ``m = b1 m + (1-b1) u; u = m`` if HAS_M; ``p += p * (-wd a)``; ``p -= u``.
+    CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m); ``p += p (-wd lr)``; ``p -= lr u``."""
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
+                    sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
+                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, False)
+    else:
+        _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
+                    sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
+                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# host side
+
+
+def adafactor_slots(group: dict, p: torch.Tensor) -> tuple[str, ...]:
+    first = ("exp_avg",) if group["beta1"] is not None else ()
+    return first + (("exp_avg_sq_row", "exp_avg_sq_col") if p.dim() >= 2 else ("exp_avg_sq",))
+
+
+def came_slots(group: dict, p: torch.Tensor) -> tuple[str, ...]:
+    if p.dim() >= 2:
+        return ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col")
+    return ("exp_avg", "exp_avg_sq")
+
+
+def layout(p: torch.Tensor) -> bool:
+    """Factored (>= 2 dims) and 1-D parameters take separate launches."""
+    return p.dim() >= 2
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[int, int, int]], int, int]:
+    """Launch-table rows (columns: see ``_M`` ... ``_COFF``), (batch, R, C) per tensor, and the scratch sizes."""
+    rows, shapes = [], []
+    n_rows = n_cols = 0
+    for p, st in zip(bucket.params, bucket.states):
+        def slot(name):
+            if name + ".codes" in st:
+                return [st[name + ".codes"].data_ptr(), st[name + ".absmax"].data_ptr()]
+            return [_ptr(st.get(name)), 0]
+
+        row = [p.data_ptr(), p.grad.data_ptr(), p.numel()] + slot("exp_avg")
+        if factored:
+            batch, R, C = math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]
+            row += [0, 0, R, C, _ptr(st["exp_avg_sq_row"]), _ptr(st["exp_avg_sq_col"]),
+                    _ptr(st.get("exp_avg_res_row")), _ptr(st.get("exp_avg_res_col")), n_rows, n_cols]
+            shapes.append((batch, R, C))
+            n_rows += batch * R
+            n_cols += batch * C
+        else:
+            row += slot("exp_avg_sq") + [0] * 8
+            shapes.append((1, 1, p.numel()))
+        rows.append(row)
+    return rows, shapes, n_rows, n_cols
+
+
+def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay: bool, eps1: float, eps2: float,
+            beta1: float, beta2: float, beta3: float, clip: float, lr: float, neg_wd: float, neg_wd_lr: float) -> None:
+    dev = bucket.device
+    factored = bucket.params[0].dim() >= 2
+    rows, shapes, n_rows, n_cols = _rows(bucket, factored)
+    flat = bucket.constexprs(())
+    flat["ALIGNED"] = bucket.aligned(()) and all(
+        t.data_ptr() % 16 == 0 for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor))
+    tile = flat["ROWS"] * flat["BLOCK"]
+    flat_counts = [triton.cdiv(p.numel(), tile) for p in bucket.params]
+    sums = bucket.accumulators(2)
+    n_pairs = 2 if came else 1
+    zeros = torch.zeros(n_pairs * (n_rows + n_cols), dtype=torch.float32, device=dev)
+    factors = torch.empty_like(zeros)
+    rsum, csum = zeros[:n_rows], zeros[n_rows:n_rows + n_cols]
+    rfac, cfac = factors[:n_rows], factors[n_rows:n_rows + n_cols]
+    rsum2, csum2, rfac2, cfac2 = rsum, csum, rfac, cfac
+    if came:
+        rsum2, csum2 = zeros[n_rows + n_cols:2 * n_rows + n_cols], zeros[2 * n_rows + n_cols:]
+        rfac2, cfac2 = factors[n_rows + n_cols:2 * n_rows + n_cols], factors[2 * n_rows + n_cols:]
+    if not factored:  # the scratch pointers are unused; any valid tensor will do
+        rsum = csum = rfac = cfac = rsum2 = csum2 = rfac2 = cfac2 = sums
+    g_dtype = TL_DTYPES[bucket.params[0].grad.dtype]
+    fmt = FORMAT_CODES[bucket.fmt]
+
+    if factored:
+        tr, bc = runtime.TILE_2D
+        counts_2d = [b * triton.cdiv(R, tr) * triton.cdiv(C, bc) for b, R, C in shapes]
+        counts_mat = [b for b, _, _ in shapes]
+        stats = dict(FMT=fmt, G_DTYPE=g_dtype, QBLOCK=bucket.block_size, TR=tr, BC=bc)
+        bucket.launch(_stats_kernel, rows, counts_2d, (rsum, csum, rfac, cfac, sums, eps1, beta1, 1.0 - beta1, clip),
+                      writes=False, RESIDUAL=False, **stats)
+        bucket.launch(_factors_kernel, rows, counts_mat, (rsum, csum, rfac, cfac, beta2, 1.0 - beta2), writes=True,
+                      STAT=_SQ.value, FB=runtime.STATS_BLOCK)
+    bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
+                  FACTORED=factored, SUM_P=scale_param and not came, **flat)
+    if factored and came:
+        bucket.launch(_stats_kernel, rows, counts_2d, (rsum2, csum2, rfac, cfac, sums, eps2, beta1, 1.0 - beta1, clip),
+                      writes=False, RESIDUAL=True, **stats)
+        bucket.launch(_factors_kernel, rows, counts_mat, (rsum2, csum2, rfac2, cfac2, beta3, 1.0 - beta3),
+                      writes=True, STAT=_RES.value, FB=runtime.STATS_BLOCK)
+    args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
+            neg_wd_lr)
+    bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, FACTORED=factored, CAME=came, HAS_M=has_m,
+                  SCALE_PARAM=scale_param and not came, DECAY=decay, **flat)
+
+
+def launch_adafactor(opt, group: dict[str, Any], bucket: Bucket, step: int) -> None:
+    """Adafactor (transformers semantics): step-dependent scalars as in ``adafactor_math``."""
+    eps1, eps2 = group["eps"]
+    rho = group["lr"]
+    if group["relative_step"]:
+        rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
+    rho = scalar(rho)
+    wd = scalar(group["weight_decay"])
+    beta1 = group["beta1"]
+    _launch(bucket, came=False, has_m=beta1 is not None, scale_param=bool(group["scale_parameter"]), decay=wd != 0,
+            eps1=eps1, eps2=eps2, beta1=0.0 if beta1 is None else beta1,
+            beta2=1.0 - math.pow(step, group["decay_rate"]), beta3=0.0, clip=scalar(group["clip_threshold"]),
+            lr=rho, neg_wd=-wd, neg_wd_lr=-wd * rho)
+
+
+def launch_came(opt, group: dict[str, Any], bucket: Bucket, step: int) -> None:
+    """CAME (came_pytorch semantics)."""
+    eps1, eps2 = group["eps"]
+    beta1, beta2, beta3 = group["betas"]
+    lr = scalar(group["lr"])
+    wd = scalar(group["weight_decay"])
+    _launch(bucket, came=True, has_m=True, scale_param=False, decay=wd != 0, eps1=eps1, eps2=eps2, beta1=beta1,
+            beta2=beta2, beta3=beta3, clip=scalar(group["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr)
+

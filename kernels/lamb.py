@@ -1,0 +1,98 @@
+"""Fused LAMB step (reference: :func:`lowmemopt.optim.lamb.lamb_math`, ColossalAI semantics) in two passes:
+
+    m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2;   r = m / (sqrt(v) + eps) + wd p
+    trust = ||p|| / ||r|| (1 if either is 0, or adam=True);        p <- p - lr * lr_scale * trust * r
+
+1. norm pre-pass: decode m, v, compute m', v', r in registers and add sum(p^2), sum(r^2) of the tile to the tensor's
+   accumulators (atomics); writes nothing else. Reads param + grad + state: 4 + 4 + 2 B/element (fp32 params, q8).
+2. apply: recompute the same m', v', r (same code, same inputs: bit-identical), scale by the tensor's trust ratio,
+   write p, m', v'. Reads 10, writes 6 B/element (fp32 params, q8).
+
+Recomputing in pass 2 keeps the update computed from the fp32 state before it is re-encoded (the numerical rule) at
+the cost of reading the inputs twice: 26 B/element against AdamW's 16. With ``adam=True`` there is no trust ratio
+and pass 1 is skipped. The sums are fp32 atomics, so their rounding (not their value) can vary between runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
+from .launch import Bucket, scalar
+
+__all__ = ["lamb_direction", "launch", "slots"]
+
+
+@triton.jit
+def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                   DECAY: tl.constexpr):
+    """fp32 LAMB math on a tile: returns (m, v, r), the update before the trust ratio."""
+    m = tl.fma(g, one_minus_beta1, m * beta1)
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch's addcmul: fma(value * t1, t2, self)
+    r = tl.math.div_rn(m, tl.sqrt_rn(v) + eps)
+    if DECAY:
+        r = tl.fma(p, weight_decay, r)
+    return m, v, r
+
+
+@triton.jit
+def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums,
+               beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
+               FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+               DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, MASKED: tl.constexpr):
+    """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums. Pass 2: update p, m, v."""
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+    m, v, r = lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, DECAY)
+    if APPLY:
+        coef = neg_lr
+        if TRUST:
+            w_norm = tl.sqrt_rn(tl.load(sums + 2 * t))
+            r_norm = tl.sqrt_rn(tl.load(sums + 2 * t + 1))
+            usable = (w_norm > 0) & (r_norm > 0)
+            trust = tl.where(usable, tl.math.div_rn(w_norm, tl.where(usable, r_norm, 1.0)), 1.0)
+            coef = trust * neg_lr
+        store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+        store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+        store_param(p + r * coef, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    else:
+        if MASKED:
+            r = tl.where(mask, r, 0.0)
+        tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
+        tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(r * r, axis=1), axis=0))
+
+
+@triton.jit
+def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
+                 beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
+                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
+                 TRUST: tl.constexpr, APPLY: tl.constexpr):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
+                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
+                   APPLY, False)
+    else:
+        _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
+                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
+                   APPLY, True)
+
+
+def slots(group: dict) -> tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq")
+
+
+def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
+    kw = opt._math_kwargs(group, step)
+    beta1, beta2 = kw["betas"]
+    wd = scalar(kw["weight_decay"])
+    neg_lr = -(scalar(kw["lr"]) * kw["lr_scale"])
+    args = (bucket.accumulators(2), beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
+    trust = not kw["adam"]
+    if trust:
+        bucket.tile_launch(_lamb_kernel, slots(group), args, writes=False, DECAY=wd != 0, TRUST=True, APPLY=False)
+    bucket.tile_launch(_lamb_kernel, slots(group), args, writes=True, DECAY=wd != 0, TRUST=trust, APPLY=True)

@@ -1,0 +1,122 @@
+"""Host side of a fused step: a *bucket* (the parameters of one param group that share device, dtypes, state format
+and step count) becomes launch tables and kernel launches.
+
+Launch-table layout for tile passes (see :mod:`lowmemopt.kernels.table`): one row per tensor,
+``[param, grad, numel, slot0, slot0_aux, slot1, slot1_aux, ...]``; a q8 slot's two columns are its codes and absmax, a
+dense slot's are its data and 0. Algorithms may append columns (row/column statistics of factored parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from .codec import FORMAT_CODES, maps
+from .table import aligned, device_table, unit_map
+
+__all__ = ["Bucket", "Unsupported", "scalar", "TL_DTYPES"]
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class Unsupported(Exception):
+    """This bucket cannot take the kernel path; raised before anything is written, so the reference path takes it."""
+
+
+def scalar(x: Any) -> float:
+    """A hyper-parameter as a Python float. A CPU tensor is read (no device sync); a device tensor is Unsupported."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise Unsupported("hyper-parameter is a device tensor (reading it would synchronize)")
+        return float(x)
+    return float(x)
+
+
+@dataclass
+class Bucket:
+    """Parameters stepped by one set of launches. ``states``: their optimizer-state dicts (already initialized)."""
+
+    params: list[torch.Tensor]
+    states: list[dict[str, Any]]
+    fmt: str  # "fp32" | "bf16" | "q8": format of the full-size state slots
+    block_size: int
+    written: bool = field(default=False)  # a launch that writes params or state has started
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params]
+
+    def slot_tensors(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(data, absmax or None) of slot ``name`` for every parameter."""
+        if self.fmt == "q8":
+            return [(st[name + ".codes"], st[name + ".absmax"]) for st in self.states]
+        return [(st[name], None) for st in self.states]
+
+    def rows(self, slots: Sequence[str], extra: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+        """Launch-table rows: param, grad, numel, two columns per slot, then ``extra[i]``."""
+        cols = [self.slot_tensors(name) for name in slots]
+        out = []
+        for i, p in enumerate(self.params):
+            row = [p.data_ptr(), p.grad.data_ptr(), p.numel()]
+            for slot in cols:
+                data, aux = slot[i]
+                row += [data.data_ptr(), 0 if aux is None else aux.data_ptr()]
+            if extra is not None:
+                row += list(extra[i])
+            out.append(row)
+        return out
+
+    def aligned(self, slots: Sequence[str]) -> bool:
+        tensors: list[torch.Tensor | None] = list(self.params) + self.grads
+        for name in slots:
+            tensors += [data for data, _ in self.slot_tensors(name)]
+        return aligned(tensors)
+
+    def constexprs(self, slots: Sequence[str]) -> dict[str, Any]:
+        """Compile-time arguments shared by the tile kernels: formats, dtypes, alignment, tile shape."""
+        block = self.block_size
+        return dict(
+            FMT=FORMAT_CODES[self.fmt],
+            P_DTYPE=TL_DTYPES[self.params[0].dtype],
+            G_DTYPE=TL_DTYPES[self.params[0].grad.dtype],
+            ALIGNED=self.aligned(slots),
+            ROWS=runtime.rows_per_tile(block),
+            BLOCK=block,
+        )
+
+    def tile_launch(self, kernel, slots: Sequence[str], args: Sequence[Any], *, writes: bool,
+                    extra: Sequence[Sequence[int]] | None = None, **flags: Any) -> None:
+        """Launch ``kernel`` over every tile of every tensor: ``kernel(units, table, *maps, *args, W=..., ...,
+        **flags)``; the table rows are :meth:`rows` ``(slots, extra)``. ``writes``: this pass writes params or state
+        (see :class:`Unsupported`)."""
+        meta = self.constexprs(slots)
+        tile = meta["ROWS"] * meta["BLOCK"]
+        counts = [triton.cdiv(p.numel(), tile) for p in self.params]
+        self.launch(kernel, self.rows(slots, extra), counts, args, writes=writes, **meta, **flags)
+
+    def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
+               **meta: Any) -> None:
+        """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i`` (table row ``rows[i]``):
+        ``kernel(units, table, *maps, *args, W=len(row), **meta)``."""
+        if not sum(counts):
+            return
+        table = device_table(rows, self.device)
+        units = unit_map(counts, self.device)
+        if writes:
+            self.written = True
+        # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
+        kernel[(sum(counts),)](units, table, *maps(self.device), *args, W=len(rows[0]), **meta,
+                               num_warps=runtime.NUM_WARPS, enable_fp_fusion=False)
+
+    def accumulators(self, n: int) -> torch.Tensor:
+        """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""
+        return torch.zeros(len(self.params), n, dtype=torch.float32, device=self.device)

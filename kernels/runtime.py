@@ -1,0 +1,86 @@
+"""Where the kernels can run, and how they are launched.
+
+* ``HAS_TRITON``: Triton imports. Without it every step takes the reference path.
+* ``INTERPRET``: ``TRITON_INTERPRET=1`` was set when this module was imported. Triton decides at decoration time
+  (``@triton.jit``) whether a kernel is compiled or interpreted, so the variable must be set before anything imports
+  ``lowmemopt.kernels``' kernel modules (the test suite sets it in ``tests/conftest.py`` on machines without CUDA).
+  The interpreter runs the kernels on CPU tensors with numpy: that is how CI tests them.
+* ``ENABLED``: ``LOWMEMOPT_KERNELS=0`` turns the fused path off (every step takes the reference path).
+
+Launch shapes (tuning facts, not semantics): a program handles one *tile* of ``rows x block`` elements, where ``block``
+is the quantization block size for 8-bit state (a row is one block: its absmax is a row reduction) and a whole tile
+for dense state. 2048 elements per tile with 4 warps keeps 16 fp32 values per thread in flight, enough to saturate
+HBM on A100/H100 class GPUs for these memory-bound kernels (124 registers per thread for 8-bit AdamW at sm_90: four
+programs per SM).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "rows_per_tile", "device_ok",
+    "cpu_interpreter",
+]
+
+try:
+    import triton
+
+    HAS_TRITON = hasattr(triton, "jit")
+except Exception:  # ImportError, or a broken install: the reference path still works
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ENABLED = os.environ.get("LOWMEMOPT_KERNELS", "1") != "0"
+
+#: elements per program for elementwise passes. The interpreter uses the same shapes, so that the tests run the
+#: code paths the GPU runs (full tiles take an unmasked variant, the last tile of a tensor a masked one).
+TILE = 2048
+#: rows x columns of the 2-D tiles of the factored (Adafactor, CAME) reduction passes, and the vector width of their
+#: per-row/column statistics pass
+TILE_2D = (16, 128)
+STATS_BLOCK = 1024
+NUM_WARPS = 4
+
+_cpu_interpreter = False  # tests: route CPU tensors through the interpreted kernels (see cpu_interpreter())
+
+
+def rows_per_tile(block: int) -> int:
+    """Rows of ``block`` elements per program (at least one)."""
+    return max(1, TILE // block)
+
+
+def device_ok(device: torch.device) -> bool:
+    """Can a kernel run on tensors of ``device``? CUDA with compiled Triton kernels, or CPU under the interpreter when
+    a test asked for it with :func:`cpu_interpreter`."""
+    if not (HAS_TRITON and ENABLED):
+        return False
+    if device.type == "cuda":  # the interpreter cannot follow the launch tables' raw device addresses
+        return not INTERPRET
+    return device.type == "cpu" and INTERPRET and _cpu_interpreter
+
+
+class cpu_interpreter:
+    """Context manager (tests): send CPU tensors through the kernels, which the Triton interpreter runs on CPU.
+
+    Raises RuntimeError unless Triton is importable and ``TRITON_INTERPRET=1`` was set before ``lowmemopt.kernels``
+    was imported."""
+
+    def __enter__(self) -> "cpu_interpreter":
+        global _cpu_interpreter
+        if not HAS_TRITON:
+            raise RuntimeError("lowmemopt.kernels: Triton is not installed")
+        if not INTERPRET:
+            raise RuntimeError(
+                "lowmemopt.kernels: CPU tensors need the Triton interpreter; set TRITON_INTERPRET=1 before importing "
+                "lowmemopt"
+            )
+        self._saved = _cpu_interpreter
+        _cpu_interpreter = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _cpu_interpreter
+        _cpu_interpreter = self._saved

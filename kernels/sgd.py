@@ -1,0 +1,81 @@
+"""Fused SGD step (reference: :func:`lowmemopt.optim.sgd.sgd_math`), one pass per tile in registers::
+
+    d = g + wd p;   b = d (first step) or momentum b + (1 - dampening) d;   d = d + momentum b (nesterov) or b
+    p <- p - lr d
+
+Bytes per element: param 2x(2|4) + grad (2|4) + momentum read and written (fp32 8, bf16 4, q8 2 + absmax).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
+from .launch import Bucket, scalar
+
+__all__ = ["sgd_update", "launch", "slots"]
+
+
+@triton.jit
+def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM: tl.constexpr,
+               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr):
+    """fp32 SGD math on a tile: returns (direction d, momentum buffer); ``p_new = p - lr d``."""
+    d = g
+    if MAXIMIZE:
+        d = -g
+    if DECAY:
+        d = tl.fma(p, weight_decay, d)
+    if MOMENTUM:
+        buf = tl.where(first_step != 0, d, tl.fma(d, one_minus_dampening, buf * momentum))
+        if NESTEROV:
+            d = tl.fma(buf, momentum, d)
+        else:
+            d = buf
+    return d, buf
+
+
+@triton.jit
+def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
+              first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+              ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+              DECAY: tl.constexpr, MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    if MOMENTUM:
+        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+    else:
+        buf = g
+    d, buf = sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM, NESTEROV,
+                        MAXIMIZE, DECAY)
+    if MOMENTUM:
+        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+    store_param(tl.fma(d, neg_lr, p * decay), row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
+@triton.jit(do_not_specialize=["first_step"])  # a runtime flag: step 1 and later steps share one compiled kernel
+def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
+                neg_lr, momentum, one_minus_dampening, weight_decay, first_step, decay,
+                W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, False)
+    else:
+        _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, True)
+
+
+def slots(group: dict) -> tuple[str, ...]:
+    return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+
+def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
+    kw = opt._math_kwargs(group, step)
+    wd = scalar(kw["weight_decay"])
+    args = (-scalar(kw["lr"]), scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, int(bool(kw["first_step"])),
+            scalar(opt._decay_factor(group)))
+    bucket.tile_launch(_sgd_kernel, slots(group), args, writes=True, MOMENTUM=kw["momentum"] != 0,
+                       NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]), DECAY=wd != 0)

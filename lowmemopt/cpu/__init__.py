@@ -1,0 +1,103 @@
+"""Native CPU kernels: each fuses decode -> an algorithm's fp32 math -> encode for one parameter in one pass.
+
+The C source (``kernels.c``) is compiled at first use with the system C compiler and loaded with ctypes
+(:mod:`lowmemopt.cpu.build`); there is no build step at install time. Each kernel is a fused implementation of one
+algorithm for every (parameter dtype, state format) pair, written to give the same fp32 results, bit for bit, as the
+eager composition ``StateFormat.decode -> math -> StateFormat.encode`` that stays the reference (the tests compare
+them). What runs here:
+
+* elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the optimizer's step calls
+  :func:`step_elementwise` for CPU parameters before the ``torch.compile`` path (:mod:`lowmemopt.compiled`);
+* the factored optimizers (Adafactor, CAME) on large 2-D parameters: :func:`step_factored`
+  (:mod:`lowmemopt.cpu.factored`), a few fused passes instead of the eager whole-tensor math;
+* the 8-bit codec alone (:func:`encode_rows_into`, :func:`decode_rows_into`).
+
+If there is no C compiler or the build fails, lowmemopt warns once and keeps to the compiled / eager paths. Set
+``LOWMEMOPT_CPU_KERNELS=0`` to turn the native kernels off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import build
+
+__all__ = [
+    "ENABLED",
+    "available",
+    "applies",
+    "applies_to",
+    "step_elementwise",
+    "step_factored",
+    "encode_rows_into",
+    "decode_rows_into",
+]
+
+ENABLED = os.environ.get("LOWMEMOPT_CPU_KERNELS", "1") != "0"
+_warned = False
+
+
+def available() -> bool:
+    """True if the native kernels are enabled and built (building them on first call)."""
+    global _warned
+    if not ENABLED:
+        return False
+    if build.library() is None:
+        if not _warned:
+            _warned = True
+            warnings.warn(f"lowmemopt: native CPU kernels unavailable ({build.build_error}); using the torch paths",
+                          RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def applies(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and available()
+
+
+def applies_to(opt) -> bool:
+    """Whether native kernels may step optimizer ``opt`` at all: enabled, and ``opt`` applies its update the standard
+    way (``p = p * decay + alpha * delta``; an override of ``_apply_update``, in a subclass or on the instance, keeps to
+    the torch paths). Does not build anything."""
+    from ..optimizer import LowMemOptimizer
+
+    return ENABLED and _method_is(opt, "_apply_update", LowMemOptimizer._apply_update)
+
+
+def _method_is(opt, name: str, fn) -> bool:
+    """``opt.<name>`` is ``fn``, not overridden by a subclass or on the instance."""
+    return getattr(getattr(opt, name), "__func__", None) is fn
+
+
+def step_elementwise(*args, **kwargs) -> int:
+    """See :func:`lowmemopt.cpu.elementwise.step`."""
+    from .elementwise import step
+
+    return step(*args, **kwargs)
+
+
+def step_factored(*args, **kwargs) -> bool:
+    """See :func:`lowmemopt.cpu.factored.step`."""
+    if not ENABLED:
+        return False
+    from .factored import step
+
+    return step(*args, **kwargs)
+
+
+def encode_rows_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> bool:
+    """Quantize fp32 rows ``x`` [nb, bs] into ``codes`` (uint8 [nb, bs]) and ``absmax`` (fp32 [nb]), exactly as
+    :func:`lowmemopt.quant.blockwise.encode_rows`. False: not done (unavailable or unsupported layout)."""
+    from .codec import run_codec
+
+    return run_codec("lmo_encode", x, codes, absmax, signed)
+
+
+def decode_rows_into(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> bool:
+    """Dequantize ``codes`` [nb, bs] with ``absmax`` [nb] into fp32 ``out`` [nb, bs]; False: not done."""
+    from .codec import run_codec
+
+    return run_codec("lmo_decode", out, codes, absmax, signed)

@@ -1,0 +1,127 @@
+"""Native kernels for the elementwise algorithms: which C function implements which ``math``, and how its
+hyper-parameters are passed.
+
+Each entry maps an algorithm's pure fp32 function (``adam_math``, ``lion_math``, ``sgd_math``) to its fused kernel in
+``kernels.c`` and to a function that turns the math's keyword arguments (the group's hyper-parameters plus the
+optimizer's ``_step_scalars``) into the kernel's scalars. Scalars are computed here with the same Python expressions the
+math uses (``-lr / bias_correction1``, ``1 - beta1``, ...) and cast to float in C, as torch casts Python scalars, so the
+kernel's results equal the eager path's. A tensor hyper-parameter (a 0-dim ``lr``) is not taken: the torch paths run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..optim.adamw import adam_math
+from ..optim.lion import lion_math
+from ..optim.sgd import sgd_math
+from ..quant.formats import BF16, FP32, Q8, StateFormat
+from . import applies, build, ffi
+
+__all__ = ["KERNELS", "Kernel", "step"]
+
+#: rows of this many elements for fp32 / bf16 state (any size works; q8 rows are the quantization blocks); the
+#: kernel also does the last partial row, so every element of a parameter takes the same arithmetic (a sharded
+#: parameter's local shards step exactly as the whole one)
+DENSE_ROW = 64
+
+
+class Kernel(NamedTuple):
+    name: str  # exported C function
+    scalars: Callable[[dict[str, Any], float], tuple[tuple[float, ...], int]]  # (math kwargs, decay) -> (h, flags)
+    slots: Callable[[dict[str, Any]], tuple[str, ...]]  # the slots, in the kernel's order
+
+
+def _adam(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    beta1, beta2 = kw["betas"]
+    l2 = kw["weight_decay"] if kw["weight_decay"] != 0 and not kw["decoupled_weight_decay"] else 0.0
+    h = (l2, 1 - beta1, beta2, 1 - beta2, kw["bias_correction2_sqrt"], kw["eps"], -kw["lr"] / kw["bias_correction1"],
+         decay)
+    return h, int(bool(kw["maximize"])) | int(bool(kw["amsgrad"])) << 1
+
+
+def _lion(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    beta1, beta2 = kw["betas"]
+    return (beta1, 1 - beta1, beta2, 1 - beta2, -kw["lr"], decay), 0
+
+
+def _sgd(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    flags = (int(bool(kw["maximize"])) | int(bool(kw["nesterov"])) << 1 | int(bool(kw["first_step"])) << 2
+             | int(kw["momentum"] != 0) << 3)
+    return (kw["weight_decay"], kw["momentum"], 1 - kw["dampening"], -kw["lr"], decay), flags
+
+
+KERNELS: dict[Callable, Kernel] = {
+    adam_math: Kernel("lmo_adam", _adam,
+                      lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ())),
+    lion_math: Kernel("lmo_lion", _lion, lambda kw: ("exp_avg",)),
+    sgd_math: Kernel("lmo_sgd", _sgd, lambda kw: ("momentum_buffer",) if kw["momentum"] != 0 else ()),
+}
+
+
+_SCALARS = (float, int, bool)
+
+
+def _is_number(v: Any) -> bool:
+    """A Python number, or a tuple / list of them (betas): what the kernels take as runtime scalars."""
+    t = type(v)
+    return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
+
+
+def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], slots: dict[str, Any],
+         formats: dict[str, StateFormat], group: dict[str, Any], step: int, decay: float) -> int:
+    """Run the fused kernel of ``opt``'s math over the flat parameter ``pflat`` (contiguous; updated in place) with
+    gradient ``gflat``, state slots decoded and encoded around it, ``p = p * decay + delta``: all of it for fp32 / bf16
+    state, the full blocks for 8-bit state. Returns how many leading elements it did (0: the kernel does not apply
+    here; the caller runs the rest)."""
+    from ..optimizer import LowMemOptimizer
+    from . import _method_is
+
+    if not _method_is(opt, "_update", LowMemOptimizer._update):  # the math is not what the step runs
+        return 0
+    math = type(opt).math
+    kernel = KERNELS.get(math)
+    if kernel is None or not applies(pflat) or gflat.device != pflat.device:
+        return 0
+    if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
+        return 0
+    kwargs = opt._math_kwargs(group, step)
+    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
+        return 0
+    names = kernel.slots(kwargs)
+    if set(names) != set(slots):
+        return 0
+    kinds = {formats[k] for k in names}
+    if len(kinds) > 1:
+        return 0
+    fmt = kinds.pop() if kinds else FP32
+    if fmt is Q8:
+        block_size = group["block_size"]
+        rows, bs = pflat.numel() // block_size, block_size
+        if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
+            return 0
+    elif fmt in (FP32, BF16):
+        rows, bs = pflat.numel() // DENSE_ROW, DENSE_ROW
+    else:
+        return 0
+    tail = pflat.numel() - rows * bs if fmt is not Q8 else 0
+    if rows == 0 and tail == 0:
+        return 0
+    cslots = []
+    for k in names:
+        signed = slots[k].signed
+        if fmt is Q8:
+            codes, absmax = state[k + ".codes"], state[k + ".absmax"]
+            if not (codes.is_contiguous() and absmax.is_contiguous() and absmax.dtype == torch.float32):
+                return 0
+            cslots.append(ffi.slot_q8(codes, absmax, signed))
+        else:
+            t = state[k]
+            if not t.is_contiguous() or t.dtype != (torch.float32 if fmt is FP32 else torch.bfloat16):
+                return 0
+            cslots.append(ffi.slot_dense(t))
+    h, flags = kernel.scalars(kwargs, decay)
+    ffi.call(getattr(build.library(), kernel.name), ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail))
+    return rows * bs + tail

@@ -1,0 +1,214 @@
+"""Native steps for the factored optimizers (Adafactor, CAME) on large 2-D CPU parameters.
+
+The eager math (:func:`~lowmemopt.optim.adafactor.adafactor_math`, :func:`~lowmemopt.optim.came.came_math`) makes
+about ten full-size passes and a full-size temporary per step. Here the full-size work is a few fused C passes over
+the gradient, the first moment (decoded and encoded in place) and the parameter, with the small row / column vectors
+and the scalars computed by the same torch expressions as the eager math:
+
+    Adafactor:  A: row / column means of g^2 + eps1   B: sum of u^2, u = (r c) g   C: u / max(1, RMS(u)/d) -> p, m
+    CAME:       A, B as Adafactor;  C: row / column means of (u - m')^2 + eps2;  D: m', p
+
+Elementwise, every operation is the eager one (same order, same roundings, fused multiply-adds where torch has them);
+the row and column means and the sum of squares are summed in fp64 in a fixed order, where torch sums fp32 in its own
+order. So results equal the eager path to fp32 rounding, not bit for bit, and do not depend on the thread count. Only
+parameters of at least :data:`MIN_NUMEL` elements take this path (smaller ones stay bit-identical to the references).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..optim.adafactor import Adafactor
+from ..optim.came import CAME
+from ..quant.formats import BF16, FP32, Q8
+from . import applies, build, ffi
+
+__all__ = ["MIN_NUMEL", "STEPS", "step"]
+
+MIN_NUMEL = 1 << 16
+NSEG = 16  # LMO_NSEG
+
+
+class Fact(ctypes.Structure):
+    """Mirror of ``lmo_fact`` in ``kernels.c``."""
+
+    _fields_ = [
+        ("p", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("R", ctypes.c_int64),
+        ("C", ctypes.c_int64),
+        ("p_dtype", ctypes.c_int32),
+        ("g_dtype", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+        ("bs", ctypes.c_int32),
+        ("has_m", ctypes.c_int32),
+        ("flags", ctypes.c_int32),
+        ("m", ffi.Slot),
+        ("rf", ctypes.c_void_p),
+        ("cf", ctypes.c_void_p),
+        ("rf2", ctypes.c_void_p),
+        ("cf2", ctypes.c_void_p),
+        ("row_out", ctypes.c_void_p),
+        ("col_out", ctypes.c_void_p),
+        ("work", ctypes.c_void_p),
+        ("result", ctypes.c_void_p),
+        ("h", ctypes.c_double * 8),
+    ]
+
+
+def _call(name: str, f: Fact) -> None:
+    ffi.call(getattr(build.library(), name), f)
+
+
+class _Pass:
+    """One parameter's argument struct and its small buffers."""
+
+    def __init__(self, p: torch.Tensor, g: torch.Tensor, shape: torch.Size, m: ffi.Slot | None, bs: int):
+        rows, cols = shape
+        self.work = torch.empty(NSEG * (cols + 1), dtype=torch.float64)
+        self.result = torch.zeros(1, dtype=torch.float64)
+        self.f = f = Fact()
+        f.p, f.g, f.R, f.C = p.data_ptr(), g.data_ptr(), rows, cols
+        f.p_dtype, f.g_dtype, f.nthreads = ffi.DTYPES[p.dtype], ffi.DTYPES[g.dtype], torch.get_num_threads()
+        f.bs, f.has_m = bs, m is not None
+        if m is not None:
+            f.m = m
+        f.work, f.result = self.work.data_ptr(), self.result.data_ptr()
+        self.keep: list[torch.Tensor] = []  # tensors whose addresses the struct holds
+
+    def set(self, **tensors: torch.Tensor) -> None:
+        for k, t in tensors.items():
+            t = t.contiguous()
+            self.keep.append(t)
+            setattr(self.f, k, t.data_ptr())
+
+    def means(self, name: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row, col = torch.empty(rows), torch.empty(cols)
+        self.set(row_out=row, col_out=col)
+        _call(name, self.f)
+        return row, col
+
+    def clip_denom(self, numel: int, clip_threshold: float) -> torch.Tensor:
+        """``(RMS(u) / clip_threshold).clamp(min=1)`` from the kernel's sum of squares, as fp32 0-dim tensors (the
+        eager math's ``rms(u)`` is ``vector_norm(u) / sqrt(numel)``)."""
+        _call("lmo_fact_sumsq", self.f)
+        norm = torch.tensor(math.sqrt(float(self.result[0])), dtype=torch.float32)
+        return (norm / math.sqrt(numel) / clip_threshold).clamp_(min=1.0)
+
+
+def _factors(row: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of :func:`~lowmemopt.optim.adafactor.approx_rsqrt`: ``V^-1/2 = r_factor[:, None] c_factor[None]``."""
+    return (row / row.mean(dim=-1, keepdim=True)).rsqrt_(), col.rsqrt()
+
+
+def _ema(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_mean: torch.Tensor, beta: float) -> None:
+    """:func:`~lowmemopt.optim.adafactor.ema_factored_` from precomputed means."""
+    row.mul_(beta).add_(row_mean, alpha=1.0 - beta)
+    col.mul_(beta).add_(col_mean, alpha=1.0 - beta)
+
+
+def _momentum_slot(state: dict[str, Any], fmt, block_size: int, numel: int) -> tuple[ffi.Slot, int] | None:
+    """The first moment as a kernel slot, and the walk's block size; None if its storage is not supported."""
+    if fmt is Q8:
+        codes, absmax = state["exp_avg.codes"], state["exp_avg.absmax"]
+        if not (16 <= block_size <= ffi.MAX_BLOCK and block_size % 16 == 0 and codes.is_contiguous()
+                and absmax.is_contiguous() and absmax.dtype == torch.float32):
+            return None
+        return ffi.slot_q8(codes, absmax, True), block_size
+    t = state["exp_avg"]
+    want = {FP32: torch.float32, BF16: torch.bfloat16}.get(fmt)
+    if want is None or t.dtype != want or not t.is_contiguous():
+        return None
+    return ffi.slot_dense(t), 16
+
+
+def _adafactor(opt, p, pflat, gflat, state, formats, group, step) -> bool:
+    rows, cols = p.shape
+    eps1, eps2 = group["eps"]
+    m = None
+    if group["beta1"] is not None:
+        m = _momentum_slot(state, formats["exp_avg"], group["block_size"], p.numel())
+        if m is None:
+            return False
+    rho = group["lr"]
+    if group["relative_step"]:
+        rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
+    if group["scale_parameter"]:
+        p32 = p.float()
+        alpha = (torch.linalg.vector_norm(p32) / math.sqrt(p32.numel())).clamp_(min=eps2) * rho
+    else:
+        alpha = rho
+    beta2t = 1.0 - math.pow(step, group["decay_rate"])
+
+    run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16)
+    run.f.h[0] = eps1
+    row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
+    _ema(state["exp_avg_sq_row"], state["exp_avg_sq_col"], row_mean, col_mean, beta2t)
+    rf, cf = _factors(state["exp_avg_sq_row"], state["exp_avg_sq_col"])
+    run.set(rf=rf, cf=cf)
+    denom = run.clip_denom(p.numel(), group["clip_threshold"])
+    wd = group["weight_decay"]
+    f = run.f
+    f.h[0], f.h[1] = float(denom), float(alpha)
+    if group["beta1"] is not None:
+        f.h[2], f.h[3] = group["beta1"], 1 - group["beta1"]
+    if wd != 0:
+        f.flags, f.h[4] = 1, float(-wd * alpha)
+    _call("lmo_adafactor_apply", f)
+    return True
+
+
+def _came(opt, p, pflat, gflat, state, formats, group, step) -> bool:
+    rows, cols = p.shape
+    eps1, eps2 = group["eps"]
+    beta1, beta2, beta3 = group["betas"]
+    m = _momentum_slot(state, formats["exp_avg"], group["block_size"], p.numel())
+    if m is None:
+        return False
+    lr = group["lr"]
+
+    run = _Pass(pflat, gflat, p.shape, m[0], m[1])
+    f = run.f
+    f.h[0] = eps1
+    row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
+    _ema(state["exp_avg_sq_row"], state["exp_avg_sq_col"], row_mean, col_mean, beta2)
+    rf, cf = _factors(state["exp_avg_sq_row"], state["exp_avg_sq_col"])
+    run.set(rf=rf, cf=cf)
+    denom = run.clip_denom(p.numel(), group["clip_threshold"])
+    f.h[0], f.h[2], f.h[3], f.h[5], f.h[6] = float(denom), beta1, 1 - beta1, eps2, float(lr)
+    res_row, res_col = run.means("lmo_came_res_means", rows, cols)
+    _ema(state["exp_avg_res_row"], state["exp_avg_res_col"], res_row, res_col, beta3)
+    rf2, cf2 = _factors(state["exp_avg_res_row"], state["exp_avg_res_col"])
+    run.set(rf2=rf2, cf2=cf2)
+    if group["weight_decay"] != 0:
+        f.flags, f.h[4] = 1, float(-group["weight_decay"] * lr)
+    _call("lmo_came_apply", f)
+    return True
+
+
+#: the native step of each algorithm, keyed by the ``_update`` it replaces (a subclass that overrides ``_update``
+#: gets none)
+STEPS: dict[Callable, Callable[..., bool]] = {Adafactor._update: _adafactor, CAME._update: _came}
+
+
+def step(opt, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
+         formats: dict[str, Any], group: dict[str, Any], step: int, decay: float) -> bool:
+    """One native step of ``opt``'s algorithm for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
+    place). False if it does not apply (the caller runs the eager path); state is untouched then."""
+    fn = STEPS.get(getattr(opt._update, "__func__", None))  # an override (subclass or instance) has no native step
+    if fn is None or decay != 1.0 or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
+        return False
+    if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
+        return False
+    if gflat.device != pflat.device or not gflat.is_contiguous() or "exp_avg_sq_row" not in state:
+        return False
+    stats = [state[k] for k in state if k.endswith(("_row", "_col"))]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):
+        return False
+    if isinstance(group.get("lr"), torch.Tensor):
+        return False
+    return fn(opt, p, pflat, gflat, state, formats, group, step)

@@ -1,0 +1,83 @@
+"""ctypes mirror of the argument structs in ``kernels.c`` and the helpers that fill them from tensors."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .codec import tables
+
+__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "args_for", "call"]
+
+MAX_SLOTS = 4
+MAX_BLOCK = 4096  # LMO_MAX_BS
+ST_F32, ST_BF16, ST_Q8 = 0, 1, 2
+#: parameter / gradient dtypes the kernels read and write
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class Slot(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("absmax", ctypes.c_void_p),
+        ("book", ctypes.c_void_p),
+        ("planes", ctypes.c_void_p),
+        ("packed", ctypes.c_void_p),
+        ("arith", ctypes.c_void_p),
+        ("kind", ctypes.c_int32),
+        ("is_signed", ctypes.c_int32),
+    ]
+
+
+class Args(ctypes.Structure):
+    _fields_ = [
+        ("p", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("nrows", ctypes.c_int64),
+        ("bs", ctypes.c_int32),
+        ("p_dtype", ctypes.c_int32),
+        ("g_dtype", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+        ("nslots", ctypes.c_int32),
+        ("flags", ctypes.c_int32),
+        ("tail", ctypes.c_int32),
+        ("slot", Slot * MAX_SLOTS),
+        ("h", ctypes.c_double * 16),
+    ]
+
+
+def slot_dense(values: torch.Tensor) -> Slot:
+    """An fp32 or bf16 slot (contiguous, any shape)."""
+    kind = ST_F32 if values.dtype == torch.float32 else ST_BF16
+    return Slot(values.data_ptr(), None, None, None, None, None, kind, 0)
+
+
+def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
+    t = tables(signed)
+    return Slot(codes.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), t.planes.data_ptr(), t.packed.data_ptr(),
+                ctypes.addressof(t.arith), ST_Q8, int(signed))
+
+
+def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],
+             hyper: tuple[float, ...] = (), flags: int = 0, tail: int = 0) -> Args:
+    a = Args()
+    a.p = None if p is None else p.data_ptr()
+    a.g = None if g is None else g.data_ptr()
+    a.nrows, a.bs = nrows, bs
+    a.p_dtype = DTYPES[p.dtype] if p is not None else 0
+    a.g_dtype = DTYPES[g.dtype] if g is not None else 0
+    a.nthreads = torch.get_num_threads()
+    a.nslots = len(slots)
+    for i, s in enumerate(slots):
+        a.slot[i] = s
+    for i, h in enumerate(hyper):
+        a.h[i] = h
+    a.flags, a.tail = flags, tail
+    return a
+
+
+def call(fn, args: Args) -> None:
+    rc = fn(ctypes.byref(args))
+    if rc != 0:
+        raise RuntimeError(f"lowmemopt C kernel {fn.__name__} rejected its arguments (code {rc})")

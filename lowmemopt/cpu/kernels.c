@@ -1,0 +1,1065 @@
+/* lowmemopt CPU kernels: one fused pass per parameter, decode -> fp32 math -> encode, over rows of quantization blocks.
+ *
+ * Built at first use by lowmemopt/cpu/build.py with the system C compiler (no torch headers) and called through ctypes
+ * with raw pointers. Each kernel is a fused implementation of one algorithm for any (parameter dtype, state format)
+ * combination; the pure PyTorch composition (StateFormat.decode -> the algorithm's math -> StateFormat.encode) is the
+ * reference it is tested against:
+ *
+ *   - The fp32 math repeats torch's CPU kernels operation for operation, rounding included: torch evaluates
+ *     `a.add_(b, alpha=s)` as fma(b, s, a), `lerp` as fma(w, end - start, start) (w < 0.5) or fma(w - 1, end - start,
+ *     end), `addcmul_(t, t, value=s)` as fma(s * t, t, a), and casts Python scalars to float first. The build uses
+ *     -ffp-contract=off so that the compiler adds no fused multiply-add of its own. One difference: sqrt here is IEEE
+ *     (correctly rounded, as in torch's fused AdamW and in inductor); torch's eager CPU Tensor.sqrt is MKL's, within
+ *     one ulp. With a correctly rounded sqrt in the eager path, results are identical bit for bit.
+ *   - 8-bit codes are the exact rounding rule of lowmemopt.quant.maps (nearest code in fp32, ties to the lower code,
+ *     positive values never to udynamic's zero code): an arithmetic encoder (arith_code) whose rare ambiguous blocks
+ *     fall back to the exact bucket table of lowmemopt.quant.maps.
+ *   - Block scales: unsigned max(max x, 0); signed max(max x / book[255], min x / book[0]); y = x / scale (IEEE
+ *     division, scale 0 -> 1), as lowmemopt.quant.blockwise.block_scale / encode_rows.
+ *
+ * With AVX-512 the 16-lane vectors are zmm registers and the decode table lives in registers (permutes, no gathers);
+ * without it the same code runs on a 16-float struct that the compiler vectorizes as it can, with the exact table
+ * for encoding. Results are identical either way.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define LMO_ABI_VERSION 6
+#define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
+#define LMO_MAX_SLOTS 4
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };  /* parameter / gradient dtypes */
+enum { ST_F32 = 0, ST_BF16 = 1, ST_Q8 = 2 };   /* state slot storage */
+enum { LMO_OK = 0, LMO_EBADARG = 1 };
+
+/* The arithmetic encoder (see arith_code): a value's binade class picks a decade, the decade a linear position
+ * t = |y| S - A whose integer part is the code's offset in the decade. Built by lowmemopt/cpu/codec.py. */
+typedef struct lmo_arith {
+    int32_t bin_decade[32];   /* per binade class: decade index (k + 1) at the class's low end */
+    float bin_bound[32];      /* positive y: the first |y| of the next decade, if inside this binade (else NaN) */
+    float bin_bound_neg[32];  /* negative y (signed map): the same for the mirrored thresholds */
+    float dec_s[16], dec_a[16];
+    int32_t dec_base[16];     /* code of offset 0 (the positive side) */
+    int32_t dec_nmax[16];     /* largest offset */
+    float eps;                /* positions within eps of an integer are resolved exactly (table lookup) */
+    int32_t mirror;           /* signed map: a negative y takes code mirror - code(|y|) */
+} lmo_arith;
+
+typedef struct {
+    void *data;         /* fp32 / bf16 values, or uint8 codes */
+    float *absmax;      /* q8: one scale per block row */
+    const float *book;  /* q8: the 256 code values, ascending */
+    const uint8_t *planes; /* q8: the code values' bytes, planes[256 k + i] = byte k of book[i] */
+    const int32_t *packed;     /* q8: lowmemopt.quant.maps' 65536-entry bucket table (exact, one lookup) */
+    const struct lmo_arith *arith; /* q8: the arithmetic encoder's tables (lowmemopt/cpu/codec.py) */
+    int32_t kind;       /* ST_* */
+    int32_t is_signed;  /* q8: signed map (its scale covers both extremes) */
+} lmo_slot;
+
+typedef struct {
+    void *p;             /* parameter, rows of bs elements, p_dtype */
+    const void *g;       /* gradient, same layout, g_dtype */
+    int64_t nrows;
+    int32_t bs;          /* elements per row (the quantization block size) */
+    int32_t p_dtype, g_dtype;
+    int32_t nthreads;
+    int32_t nslots;
+    int32_t flags;       /* algorithm-specific switches */
+    int32_t tail;        /* fp32 / bf16 state: elements after the nrows full rows, done too (0 <= tail < bs <= 64) */
+    lmo_slot slot[LMO_MAX_SLOTS];
+    double h[16];        /* algorithm-specific hyper-parameters (cast to float where torch casts them) */
+} lmo_args;
+
+int lmo_abi_version(void) { return LMO_ABI_VERSION; }
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* 16-lane vectors                                                                                                     */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define LMO_AVX512 1
+#include <immintrin.h>
+
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __mmask16 vm;
+
+static inline vf v_set(float x) { return _mm512_set1_ps(x); }
+static inline vf v_load(const float *x) { return _mm512_loadu_ps(x); }
+static inline void v_store(float *x, vf a) { _mm512_storeu_ps(x, a); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf v_sqrt(vf a) { return _mm512_sqrt_ps(a); }
+static inline vf v_neg(vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000))); }
+/* max / min (vrangeps; a NaN operand is not propagated: see slot_store for the NaN check) */
+static inline vf v_max(vf a, vf b) { return _mm512_range_ps(a, b, 0x05); }
+static inline vf v_min(vf a, vf b) { return _mm512_range_ps(a, b, 0x04); }
+static inline int v_anynan(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+/* horizontal max / min of vectors that hold no NaN (v_max / v_min drop them; slot_store checks separately) */
+static inline float v_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+static inline float v_hmin(vf a) { return _mm512_reduce_min_ps(a); }
+/* torch.sign: (0 < x) - (x < 0), so +-0 -> +0 */
+static inline vf v_sign(vf a) {
+    vf z = _mm512_setzero_ps();
+    vf pos = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, a, _CMP_LT_OQ), z, v_set(1.0f));
+    vf neg = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, z, _CMP_LT_OQ), z, v_set(1.0f));
+    return _mm512_sub_ps(pos, neg);
+}
+
+static inline vf load_bf16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+static inline void store_bf16(uint16_t *x, vf a) {
+    /* round to nearest even; NaN -> 0x7FC0 (c10::BFloat16) */
+    vi u = _mm512_castps_si512(a);
+    vi lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    vi r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)x, _mm512_cvtepi32_epi16(r));
+}
+static inline vf load_f16(const uint16_t *x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)x)); }
+static inline void store_f16(uint16_t *x, vf a) {
+    _mm256_storeu_si256((__m256i *)x, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* A 256-entry fp32 table held as 16 registers; lookups are register permutes (no memory gathers). With VBMI, 64
+ * codes at a time go through the table's four byte planes (two 128-entry byte permutes each), which the unpacks
+ * reassemble into floats; the codes are permuted first so that the floats come out in order. */
+typedef struct {
+    vf r[16];
+#ifdef __AVX512VBMI__
+    vi plane[4][4]; /* plane[k][q]: byte k of book[64 q .. 64 q + 63] */
+#endif
+} lut256;
+static inline void lut256_init(lut256 *t, const float *x, const uint8_t *planes) {
+    int i;
+    for (i = 0; i < 16; i++) t->r[i] = _mm512_loadu_ps(x + 16 * i);
+#ifdef __AVX512VBMI__
+    for (i = 0; i < 16; i++) t->plane[i / 4][i % 4] = _mm512_loadu_si512(planes + 64 * i);
+#else
+    (void)planes;
+#endif
+}
+static inline vf lut256_get(const lut256 *t, vi idx) {
+    vf a0 = _mm512_permutex2var_ps(t->r[0], idx, t->r[1]);
+    vf a1 = _mm512_permutex2var_ps(t->r[2], idx, t->r[3]);
+    vf a2 = _mm512_permutex2var_ps(t->r[4], idx, t->r[5]);
+    vf a3 = _mm512_permutex2var_ps(t->r[6], idx, t->r[7]);
+    vf a4 = _mm512_permutex2var_ps(t->r[8], idx, t->r[9]);
+    vf a5 = _mm512_permutex2var_ps(t->r[10], idx, t->r[11]);
+    vf a6 = _mm512_permutex2var_ps(t->r[12], idx, t->r[13]);
+    vf a7 = _mm512_permutex2var_ps(t->r[14], idx, t->r[15]);
+    vm b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    vm b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    vm b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+    vf c0 = _mm512_mask_blend_ps(b5, a0, a1), c1 = _mm512_mask_blend_ps(b5, a2, a3);
+    vf c2 = _mm512_mask_blend_ps(b5, a4, a5), c3 = _mm512_mask_blend_ps(b5, a6, a7);
+    vf d0 = _mm512_mask_blend_ps(b6, c0, c1), d1 = _mm512_mask_blend_ps(b6, c2, c3);
+    return _mm512_mask_blend_ps(b7, d0, d1);
+}
+/* out[q] = table[codes[16 q .. 16 q + 15]] for q < 4 */
+static inline void lut256_get64(const lut256 *t, const uint8_t *codes, vf out[4]) {
+#ifdef __AVX512VBMI__
+    /* position 16 L + 4 q + s of the permuted codes holds code 16 q + 4 L + s: the in-lane unpacks below then put
+     * codes 16 q .. 16 q + 15 in order into out[q] */
+    static const uint8_t order[64] = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39,
+        52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31,
+        44, 45, 46, 47, 60, 61, 62, 63};
+    const vi c = _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(codes));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    vi p[4], lo01, hi01, lo23, hi23;
+    int k;
+    for (k = 0; k < 4; k++)
+        p[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t->plane[k][0], c, t->plane[k][1]),
+                                      _mm512_permutex2var_epi8(t->plane[k][2], c, t->plane[k][3]));
+    lo01 = _mm512_unpacklo_epi8(p[0], p[1]);
+    hi01 = _mm512_unpackhi_epi8(p[0], p[1]);
+    lo23 = _mm512_unpacklo_epi8(p[2], p[3]);
+    hi23 = _mm512_unpackhi_epi8(p[2], p[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+#else
+    int q;
+    for (q = 0; q < 4; q++) out[q] = lut256_get(t, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q))));
+#endif
+}
+
+/* lowmemopt.quant.maps' bucket table: e = packed[bits >> 16]; code = (e >> 17) + (t >= (e & 0x1FFFF)) */
+static inline vi packed_code(const int32_t *packed, vf y) {
+    vi u = _mm512_castps_si512(y);
+    vi e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, 16), packed, 4);
+    vi t = _mm512_xor_si512(_mm512_and_si512(u, _mm512_set1_epi32(0xFFFF)),
+                            _mm512_srli_epi32(_mm512_srai_epi32(u, 31), 16));
+    vm ge = _mm512_cmpge_epi32_mask(t, _mm512_and_si512(e, _mm512_set1_epi32(0x1FFFF)));
+    vi c = _mm512_srli_epi32(e, 17);
+    return _mm512_mask_add_epi32(c, ge, c, _mm512_set1_epi32(1));
+}
+static inline vi load_codes(const uint8_t *c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)); }
+static inline void store_codes(uint8_t *c, vi code) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(code)); }
+/* 64 codes (each 0..255) at once: two packs (in-lane) and one permute back to order */
+static inline void store_codes4(uint8_t *c, vi c0, vi c1, vi c2, vi c3) {
+    const vi order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    vi w = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    _mm512_storeu_si512(c, _mm512_permutexvar_epi32(order, w));
+}
+
+/* Nearest code without a table lookup per element. The dynamic maps are decades 10^(k-6) [0.1, 1] of n_k evenly
+ * spaced codes, so within decade k the code's offset is floor(t), t = |y| S_k - A_k, away from the boundaries. The
+ * decade comes from |y|'s binade (class = biased exponent - 96, saturated at 0; |y| <= 1 here, so classes stay below
+ * 32, and each binade meets at most two decades) and one compare with the exact decision threshold between them (the
+ * mirrored one for negative y). A lane whose t lies within eps of an integer is ambiguous: its sign bit is or-ed into
+ * *amb and the caller re-encodes the block with the exact table. t is monotone in |y|, so unambiguous lanes are right
+ * for every float iff they are right at each threshold and the float below it: the tests check exactly those (and an
+ * offline run checked all 2^31 floats below 2 in magnitude). */
+static inline vi arith_code(const lmo_arith *T, vf y, const int is_signed, vi *amb) {
+    const vi sign = _mm512_set1_epi32((int)0x80000000);
+    const vi ia = _mm512_andnot_si512(sign, _mm512_castps_si512(y));
+    const vf a = _mm512_castsi512_ps(ia);
+    const vm neg = _mm512_movepi32_mask(_mm512_castps_si512(y)); /* sign bit: -0 encodes like +0 */
+    const vi b = _mm512_subs_epu16(_mm512_srli_epi32(ia, 23), _mm512_set1_epi32(96));
+    vi k, j, code;
+    vf bound, t, r;
+    k = _mm512_permutex2var_epi32(_mm512_loadu_si512(T->bin_decade), b, _mm512_loadu_si512(T->bin_decade + 16));
+    bound = _mm512_permutex2var_ps(_mm512_loadu_ps(T->bin_bound), b, _mm512_loadu_ps(T->bin_bound + 16));
+    if (is_signed)
+        bound = _mm512_mask_mov_ps(bound, neg, _mm512_permutex2var_ps(_mm512_loadu_ps(T->bin_bound_neg), b,
+                                                                      _mm512_loadu_ps(T->bin_bound_neg + 16)));
+    k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(a, bound, _CMP_GE_OQ), k, _mm512_set1_epi32(1));
+    t = _mm512_fmsub_ps(a, _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_s)), _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_a)));
+    r = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* t - round(t), exact */
+    *amb = _mm512_or_si512(*amb, _mm512_castps_si512(_mm512_sub_ps(_mm512_abs_ps(r), _mm512_set1_ps(T->eps))));
+    j = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    j = _mm512_min_epi32(_mm512_max_epi32(j, _mm512_setzero_si512()), _mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_nmax)));
+    code = _mm512_add_epi32(_mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_base)), j);
+    if (is_signed) /* negative y: the mirrored code (0 below the most negative code) */
+        return _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
+    return _mm512_mask_mov_epi32(code, neg, _mm512_setzero_si512());
+}
+
+/* codes[0, len) <- nearest codes of buf[j] / div. Four vectors per iteration: the encoder is a long dependency chain,
+ * and independent chains side by side keep the out-of-order window busy. */
+#define LMO_ENC4(SIGNED)                                                                                              \
+    for (j = 0; j + 64 <= len; j += 64) {                                                                             \
+        vi c0 = arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb);                                             \
+        vi c1 = arith_code(T, v_div(v_load(buf + j + 16), div), SIGNED, &amb);                                        \
+        vi c2 = arith_code(T, v_div(v_load(buf + j + 32), div), SIGNED, &amb);                                        \
+        vi c3 = arith_code(T, v_div(v_load(buf + j + 48), div), SIGNED, &amb);                                        \
+        store_codes4(codes + j, c0, c1, c2, c3);                                                                      \
+    }                                                                                                                 \
+    for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb))
+static inline void encode_block(const lmo_arith *T, const int32_t *packed, int is_signed, const float *buf, int len,
+                                vf div, uint8_t *codes) {
+    vi amb = _mm512_setzero_si512();
+    int j;
+    if (is_signed) {
+        LMO_ENC4(1);
+    } else {
+        LMO_ENC4(0);
+    }
+    if (__builtin_expect(_mm512_movepi32_mask(amb) != 0, 0))
+        for (j = 0; j < len; j += 16) store_codes(codes + j, packed_code(packed, v_div(v_load(buf + j), div)));
+}
+#undef LMO_ENC4
+
+/* 16 fp64 lanes: sums of fp32 values (row / column statistics, squared norms) */
+typedef struct { __m512d lo, hi; } vd;
+static inline __m512d lo_pd(vf x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
+static inline __m512d hi_pd(vf x) { return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))); }
+static inline vd vd_zero(void) { vd r; r.lo = r.hi = _mm512_setzero_pd(); return r; }
+static inline vd vd_add(vd a, vf x) { a.lo = _mm512_add_pd(a.lo, lo_pd(x)); a.hi = _mm512_add_pd(a.hi, hi_pd(x)); return a; }
+static inline vd vd_add_sq(vd a, vf x) {
+    __m512d l = lo_pd(x), h = hi_pd(x);
+    a.lo = _mm512_fmadd_pd(l, l, a.lo);
+    a.hi = _mm512_fmadd_pd(h, h, a.hi);
+    return a;
+}
+static inline double vd_sum(vd a) {
+    double t[16], r = 0.0; int i;
+    _mm512_storeu_pd(t, a.lo); _mm512_storeu_pd(t + 8, a.hi);
+    for (i = 0; i < 16; i++) r += t[i];
+    return r;
+}
+static inline void vd_accumulate(double *d, vf x) {
+    _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), lo_pd(x)));
+    _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), hi_pd(x)));
+}
+
+#else /* portable: a 16-float struct, vectorized by the compiler where it can */
+#define LMO_AVX512 0
+
+typedef struct { float x[16]; } vf;
+typedef struct { int32_t x[16]; } vi;
+#define LMO_MAP1(expr) vf r; int i; for (i = 0; i < 16; i++) r.x[i] = (expr); return r
+static inline vf v_set(float s) { LMO_MAP1(s); }
+static inline vf v_load(const float *p) { LMO_MAP1(p[i]); }
+static inline void v_store(float *p, vf a) { int i; for (i = 0; i < 16; i++) p[i] = a.x[i]; }
+static inline vf v_add(vf a, vf b) { LMO_MAP1(a.x[i] + b.x[i]); }
+static inline vf v_sub(vf a, vf b) { LMO_MAP1(a.x[i] - b.x[i]); }
+static inline vf v_mul(vf a, vf b) { LMO_MAP1(a.x[i] * b.x[i]); }
+static inline vf v_div(vf a, vf b) { LMO_MAP1(a.x[i] / b.x[i]); }
+static inline vf v_fma(vf a, vf b, vf c) { LMO_MAP1(fmaf(a.x[i], b.x[i], c.x[i])); }
+static inline vf v_sqrt(vf a) { LMO_MAP1(sqrtf(a.x[i])); }
+static inline vf v_neg(vf a) { LMO_MAP1(-a.x[i]); }
+static inline float s_max(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
+static inline float s_min(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
+static inline vf v_max(vf a, vf b) { LMO_MAP1(s_max(a.x[i], b.x[i])); }
+static inline vf v_min(vf a, vf b) { LMO_MAP1(s_min(a.x[i], b.x[i])); }
+static inline vf v_sign(vf a) { LMO_MAP1((float)(0.0f < a.x[i]) - (float)(a.x[i] < 0.0f)); }
+static inline int v_anynan(vf a) { int i, r = 0; for (i = 0; i < 16; i++) r |= a.x[i] != a.x[i]; return r; }
+static inline float v_hmax(vf a) { float r = a.x[0]; int i; for (i = 1; i < 16; i++) r = s_max(r, a.x[i]); return r; }
+static inline float v_hmin(vf a) { float r = a.x[0]; int i; for (i = 1; i < 16; i++) r = s_min(r, a.x[i]); return r; }
+
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline vf load_bf16(const uint16_t *x) { LMO_MAP1(f32_of_bits((uint32_t)x[i] << 16)); }
+static inline void store_bf16(uint16_t *x, vf a) {
+    int i;
+    for (i = 0; i < 16; i++) {
+        uint32_t u = bits_of_f32(a.x[i]);
+        x[i] = (a.x[i] != a.x[i]) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+}
+/* IEEE half <-> float, round to nearest even (as c10::Half) */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0x1F) return f32_of_bits(sign | 0x7F800000 | (man << 13));
+    if (exp == 0) {
+        float f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    return f32_of_bits(sign | ((exp + 112) << 23) | (man << 13));
+}
+static inline uint16_t float_to_half(float f) {
+    uint32_t u = bits_of_f32(f), sign = (u >> 16) & 0x8000, au = u & 0x7FFFFFFF;
+    if (au > 0x7F800000) return (uint16_t)(sign | 0x7E00);           /* NaN */
+    if (au >= 0x477FF000) return (uint16_t)(sign | 0x7C00);           /* rounds to >= 65520: Inf */
+    if (au < 0x38800000) {                                            /* below 2^-14: subnormal half */
+        float a = f32_of_bits(au) + 0.5f;                             /* the FPU rounds to a multiple of 2^-24 */
+        return (uint16_t)(sign | (bits_of_f32(a) - bits_of_f32(0.5f)));
+    }
+    {
+        uint32_t r = au + 0xFFF + ((au >> 13) & 1) - (112u << 23);
+        return (uint16_t)(sign | (r >> 13));
+    }
+}
+static inline vf load_f16(const uint16_t *x) { LMO_MAP1(half_to_float(x[i])); }
+static inline void store_f16(uint16_t *x, vf a) { int i; for (i = 0; i < 16; i++) x[i] = float_to_half(a.x[i]); }
+
+typedef struct { float t[256]; } lut256;
+static inline void lut256_init(lut256 *t, const float *x, const uint8_t *planes) { (void)planes; memcpy(t->t, x, sizeof t->t); }
+static inline vf lut256_get(const lut256 *t, vi idx) { LMO_MAP1(t->t[idx.x[i] & 255]); }
+static inline void lut256_get64(const lut256 *t, const uint8_t *codes, vf out[4]) {
+    int q, i;
+    for (q = 0; q < 4; q++)
+        for (i = 0; i < 16; i++) out[q].x[i] = t->t[codes[16 * q + i]];
+}
+
+static inline vi packed_code(const int32_t *packed, vf y) {
+    vi r; int i;
+    for (i = 0; i < 16; i++) {
+        uint32_t u = bits_of_f32(y.x[i]), t = (u & 0xFFFF) ^ ((u >> 31) ? 0xFFFF : 0);
+        int32_t e = packed[u >> 16];
+        r.x[i] = (e >> 17) + ((int32_t)t >= (e & 0x1FFFF));
+    }
+    return r;
+}
+static inline vi load_codes(const uint8_t *c) { vi r; int i; for (i = 0; i < 16; i++) r.x[i] = c[i]; return r; }
+static inline void store_codes(uint8_t *c, vi code) { int i; for (i = 0; i < 16; i++) c[i] = (uint8_t)code.x[i]; }
+static inline void encode_block(const struct lmo_arith *T, const int32_t *packed, int is_signed, const float *buf,
+                                int len, vf div, uint8_t *codes) {
+    int j;
+    (void)T; (void)is_signed;
+    for (j = 0; j < len; j += 16) store_codes(codes + j, packed_code(packed, v_div(v_load(buf + j), div)));
+}
+
+typedef struct { double x[16]; } vd;
+static inline vd vd_zero(void) { vd r; memset(&r, 0, sizeof r); return r; }
+static inline vd vd_add(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] += (double)x.x[i]; return a; }
+static inline vd vd_add_sq(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] = fma((double)x.x[i], (double)x.x[i], a.x[i]); return a; }
+static inline double vd_sum(vd a) { double r = 0.0; int i; for (i = 0; i < 16; i++) r += a.x[i]; return r; }
+static inline void vd_accumulate(double *d, vf x) { int i; for (i = 0; i < 16; i++) d[i] += (double)x.x[i]; }
+#undef LMO_MAP1
+#endif
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* parameters, gradients and state slots                                                                              */
+
+static inline vf load_dt(int dt, const void *base, int64_t i) {
+    if (dt == DT_F32) return v_load((const float *)base + i);
+    if (dt == DT_BF16) return load_bf16((const uint16_t *)base + i);
+    return load_f16((const uint16_t *)base + i);
+}
+static inline void store_dt(int dt, void *base, int64_t i, vf x) {
+    if (dt == DT_F32) v_store((float *)base + i, x);
+    else if (dt == DT_BF16) store_bf16((uint16_t *)base + i, x);
+    else store_f16((uint16_t *)base + i, x);
+}
+
+/* One slot as a row loop sees it. The kind is a compile-time constant wherever these inline into a specialized row
+ * function; the running max / min of a q8 row stay in the caller's registers. */
+typedef struct {
+    lut256 book;              /* q8: decode table */
+    void *data;
+    float *absmax;
+    const int32_t *packed;
+    const lmo_arith *arith;
+    float *buf;               /* q8: the row's new fp32 values, encoded at the end of the row */
+    float book_lo, book_hi;   /* q8: book[0], book[255] */
+    int is_signed;
+} slot_rt;
+
+typedef struct { vf scale, hi, lo, sum; } rowacc; /* sum: NaN if the block may hold a NaN */
+
+static void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
+    r->data = s->data;
+    r->absmax = s->absmax;
+    r->packed = s->packed;
+    r->arith = s->arith;
+    r->buf = buf;
+    r->is_signed = s->is_signed;
+    if (s->kind == ST_Q8) {
+        lut256_init(&r->book, s->book, s->planes);
+        r->book_lo = s->book[0];
+        r->book_hi = s->book[255];
+    }
+}
+static inline __attribute__((always_inline)) void slot_row_begin(const int kind, const slot_rt *r, int64_t row, rowacc *acc) {
+    if (kind == ST_Q8) {
+        acc->scale = v_set(r->absmax[row]);
+        acc->hi = v_set(-INFINITY);
+        acc->lo = v_set(INFINITY);
+        acc->sum = v_set(0.0f);
+    }
+}
+/* element i of the flattened slot */
+static inline __attribute__((always_inline)) vf slot_load(const int kind, const slot_rt *r, int64_t i, const rowacc *acc) {
+    if (kind == ST_F32) return v_load((const float *)r->data + i);
+    if (kind == ST_BF16) return load_bf16((const uint16_t *)r->data + i);
+    return v_mul(lut256_get(&r->book, load_codes((const uint8_t *)r->data + i)), acc->scale);
+}
+/* n (1..4) consecutive vectors from element i */
+static inline __attribute__((always_inline)) void slot_loadn(const int kind, const slot_rt *r, int64_t i, int n,
+                                                               const rowacc *acc, vf out[4]) {
+    int u;
+    if (kind == ST_Q8 && n == 4) {
+        lut256_get64(&r->book, (const uint8_t *)r->data + i, out);
+        for (u = 0; u < 4; u++) out[u] = v_mul(out[u], acc->scale);
+        return;
+    }
+    for (u = 0; u < n; u++) out[u] = slot_load(kind, r, i + 16 * u, acc);
+}
+/* element i of the flattened slot, j its position in the row */
+static inline __attribute__((always_inline)) void slot_store(const int kind, const slot_rt *r, int64_t i, int j, vf x, rowacc *acc) {
+    if (kind == ST_F32) {
+        v_store((float *)r->data + i, x);
+    } else if (kind == ST_BF16) {
+        store_bf16((uint16_t *)r->data + i, x);
+    } else {
+        v_store(r->buf + j, x);
+        acc->hi = v_max(acc->hi, x);
+        acc->lo = v_min(acc->lo, x);
+        acc->sum = v_add(acc->sum, x);
+    }
+}
+/* q8: the row's scale, then every value's code */
+static inline __attribute__((always_inline)) void slot_block_end(const int kind, const slot_rt *r, int64_t row, int64_t start,
+                                                                   int len, const rowacc *acc) {
+    float hi, lo, scale;
+    uint8_t *codes;
+    vf div;
+    if (kind != ST_Q8) return;
+    hi = v_hmax(acc->hi);
+    lo = v_hmin(acc->lo);
+    if (__builtin_expect(v_anynan(acc->sum), 0)) { /* a NaN (or +inf and -inf): exact aminmax */
+        int j;
+        hi = -INFINITY;
+        lo = INFINITY;
+        for (j = 0; j < len; j++) {
+            float x = r->buf[j];
+            hi = (hi != hi || x != x) ? hi + x : (x > hi ? x : hi);
+            lo = (lo != lo || x != x) ? lo + x : (x < lo ? x : lo);
+        }
+    }
+    if (r->is_signed) {
+        float a = hi / r->book_hi, b = lo / r->book_lo;
+        scale = (a != a || b != b) ? a + b : (a > b ? a : b);
+    } else {
+        scale = (hi != hi) ? hi : (hi > 0.0f ? hi : 0.0f);
+    }
+    div = v_set(scale > 0.0f ? scale : 1.0f);
+    codes = (uint8_t *)r->data + start;
+    encode_block(r->arith, r->packed, r->is_signed, r->buf, len, div, codes);
+    r->absmax[row] = scale;
+}
+/* q8: block `row` of a tensor cut into rows of bs elements */
+static inline __attribute__((always_inline)) void slot_row_end(const int kind, const slot_rt *r, int64_t row, int bs,
+                                                                 const rowacc *acc) {
+    slot_block_end(kind, r, row, row * (int64_t)bs, bs, acc);
+}
+
+/* Run rows(args, rt, r0, r1) over [0, nrows) split into one contiguous range per thread. */
+typedef void (*rows_fn)(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1);
+
+static size_t dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+/* The tail (fewer than bs <= 64 elements, dense state only): copied into zero-padded row buffers, stepped as one row,
+ * copied back. Elementwise math, so the padding does not touch the real elements. */
+static void run_tail(const lmo_args *a, rows_fn fn) {
+    unsigned char pb[64 * 4] __attribute__((aligned(64))), gb[64 * 4] __attribute__((aligned(64)));
+    unsigned char sb[LMO_MAX_SLOTS][64 * 4] __attribute__((aligned(64)));
+    const int64_t at = a->nrows * a->bs;
+    const size_t pe = dt_size(a->p_dtype), ge = dt_size(a->g_dtype);
+    lmo_args t = *a;
+    slot_rt rt[LMO_MAX_SLOTS];
+    int k;
+    memset(pb, 0, sizeof pb);
+    memset(gb, 0, sizeof gb);
+    memset(sb, 0, sizeof sb);
+    memcpy(pb, (const char *)a->p + at * pe, a->tail * pe);
+    memcpy(gb, (const char *)a->g + at * ge, a->tail * ge);
+    t.p = pb;
+    t.g = gb;
+    t.nrows = 1;
+    t.tail = 0;
+    for (k = 0; k < a->nslots; k++) {
+        const size_t se = a->slot[k].kind == ST_F32 ? 4 : 2;
+        memcpy(sb[k], (const char *)a->slot[k].data + at * se, a->tail * se);
+        t.slot[k].data = sb[k];
+        slot_rt_init(&rt[k], &t.slot[k], NULL);
+    }
+    fn(&t, rt, 0, 1);
+    memcpy((char *)a->p + at * pe, pb, a->tail * pe);
+    for (k = 0; k < a->nslots; k++) {
+        const size_t se = a->slot[k].kind == ST_F32 ? 4 : 2;
+        memcpy((char *)a->slot[k].data + at * se, sb[k], a->tail * se);
+    }
+}
+
+static int run_rows(const lmo_args *a, rows_fn fn) {
+    int nt = a->nthreads < 1 ? 1 : a->nthreads, k;
+    int64_t min_rows = (65536 + a->bs - 1) / a->bs; /* below ~64K elements per thread, threads do not pay */
+    if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return LMO_EBADARG;
+    if (a->tail < 0 || a->tail >= a->bs || (a->tail && a->bs > 64)) return LMO_EBADARG;
+    for (k = 0; k < a->nslots; k++)
+        if (a->tail && a->slot[k].kind == ST_Q8) return LMO_EBADARG;
+    if ((int64_t)nt * min_rows > a->nrows) nt = (int)(a->nrows / min_rows) > 0 ? (int)(a->nrows / min_rows) : 1;
+    if (a->nrows > 0) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+        {
+#ifdef _OPENMP
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+            int t = 0, n = 1;
+#endif
+            float bufs[LMO_MAX_SLOTS * a->bs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
+            slot_rt rt[LMO_MAX_SLOTS];
+            int j;
+            int64_t r0 = a->nrows * t / n, r1 = a->nrows * (t + 1) / n;
+            for (j = 0; j < a->nslots; j++) slot_rt_init(&rt[j], &a->slot[j], bufs + j * a->bs);
+            if (r1 > r0) fn(a, rt, r0, r1);
+        }
+    }
+    if (a->tail) run_tail(a, fn);
+    return LMO_OK;
+}
+
+/* The slots' storage kind (all slots of a parameter share one: they are chosen by the same rule), or -1. */
+static int common_kind(const lmo_args *a) {
+    int k;
+    for (k = 1; k < a->nslots; k++)
+        if (a->slot[k].kind != a->slot[0].kind) return -1;
+    return a->nslots ? a->slot[0].kind : ST_F32;
+}
+
+/* Instantiate rows function BODY(a, rt, r0, r1, KIND) for each storage kind; dispatch on the slots' kind. */
+#define LMO_SPECIALIZE(name)                                                                                          \
+    static void name##_f32(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_F32); } \
+    static void name##_bf16(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_BF16); } \
+    static void name##_q8(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_Q8); } \
+    static int name##_run(const lmo_args *a) {                                                                         \
+        switch (common_kind(a)) {                                                                                      \
+        case ST_F32: return run_rows(a, name##_f32);                                                                   \
+        case ST_BF16: return run_rows(a, name##_bf16);                                                                 \
+        case ST_Q8: return run_rows(a, name##_q8);                                                                     \
+        default: return LMO_EBADARG;                                                                                   \
+        }                                                                                                              \
+    }
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Adam / AdamW (lowmemopt.optim.adamw.adam_math), slots: exp_avg, exp_avg_sq[, max_exp_avg_sq]                        */
+
+/* h: 0 weight_decay (L2, added to g; 0: none)  1 1 - beta1  2 beta2  3 1 - beta2  4 bias_correction2_sqrt  5 eps
+ *    6 -lr / bias_correction1  7 decay factor (p *= decay)          flags: 1 maximize  2 amsgrad */
+static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                              int64_t r1, const int K) {
+    const float w1 = (float)a->h[1];
+    const int l2 = a->h[0] != 0.0, maximize = a->flags & 1, amsgrad = a->flags & 2, small = fabsf(w1) < 0.5f;
+    const vf wd = v_set((float)a->h[0]), coef = v_set(small ? w1 : w1 - 1.0f), beta2 = v_set((float)a->h[2]);
+    const vf omb2 = v_set((float)a->h[3]), bc2s = v_set((float)a->h[4]), eps = v_set((float)a->h[5]);
+    const vf step = v_set((float)a->h[6]), decay = v_set((float)a->h[7]);
+    const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
+    slot_rt sm = rt[0], sv = rt[1], sx = rt[amsgrad ? 2 : 1];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc am, av, ax;
+        slot_row_begin(K, &sm, row, &am);
+        slot_row_begin(K, &sv, row, &av);
+        slot_row_begin(K, &sx, row, &ax); /* without amsgrad: an unused copy of exp_avg_sq's */
+        for (j = 0; j < bs; j += 64) { /* groups of 4 vectors: 64 codes decode at once */
+            const int n = bs - j >= 64 ? 4 : (bs - j) / 16;
+            vf M[4], V[4], X[4];
+            int u;
+            slot_loadn(K, &sm, row * bs + j, n, &am, M);
+            slot_loadn(K, &sv, row * bs + j, n, &av, V);
+            if (amsgrad) slot_loadn(K, &sx, row * bs + j, n, &ax, X);
+            for (u = 0; u < n; u++) {
+                const int64_t i = row * bs + j + 16 * u;
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u], v = V[u], d;
+                if (maximize) g = v_neg(g);
+                if (l2) g = v_fma(p, wd, g);                                  /* g.add(p, alpha=wd) */
+                d = v_sub(g, m);                                               /* m.lerp_(g, 1 - beta1) */
+                m = v_fma(coef, d, small ? m : g);
+                v = v_fma(v_mul(omb2, g), g, v_mul(v, beta2));                 /* v.mul_(b2).addcmul_(g, g, 1 - b2) */
+                slot_store(K, &sm, i, j + 16 * u, m, &am);
+                slot_store(K, &sv, i, j + 16 * u, v, &av);
+                if (amsgrad) {                                                 /* v_max = maximum(v_max, v) */
+                    v = v_max(X[u], v);
+                    slot_store(K, &sx, i, j + 16 * u, v, &ax);
+                }
+                d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
+                store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));             /* p * decay + delta */
+            }
+        }
+        slot_row_end(K, &sm, row, bs, &am);
+        slot_row_end(K, &sv, row, bs, &av);
+        if (amsgrad) slot_row_end(K, &sx, row, bs, &ax);
+    }
+}
+LMO_SPECIALIZE(adam_rows)
+
+int lmo_adam(const lmo_args *a) {
+    if (a->nslots != ((a->flags & 2) ? 3 : 2)) return LMO_EBADARG;
+    return adam_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Lion (lowmemopt.optim.lion.lion_math), slot: exp_avg                                                                */
+
+/* h: 0 beta1  1 1 - beta1  2 beta2  3 1 - beta2  4 -lr  5 decay factor */
+static inline __attribute__((always_inline)) void lion_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                              int64_t r1, const int K) {
+    const vf b1 = v_set((float)a->h[0]), omb1 = v_set((float)a->h[1]), b2 = v_set((float)a->h[2]);
+    const vf omb2 = v_set((float)a->h[3]), nlr = v_set((float)a->h[4]), decay = v_set((float)a->h[5]);
+    const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
+    slot_rt sm = rt[0];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc am;
+        slot_row_begin(K, &sm, row, &am);
+        for (j = 0; j < bs; j += 64) {
+            const int n = bs - j >= 64 ? 4 : (bs - j) / 16;
+            vf M[4];
+            int u;
+            slot_loadn(K, &sm, row * bs + j, n, &am, M);
+            for (u = 0; u < n; u++) {
+                const int64_t i = row * bs + j + 16 * u;
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u];
+                vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
+                slot_store(K, &sm, i, j + 16 * u, v_fma(g, omb2, v_mul(m, b2)), &am); /* m.mul_(b2).add_(g, 1 - b2) */
+                store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));
+            }
+        }
+        slot_row_end(K, &sm, row, bs, &am);
+    }
+}
+LMO_SPECIALIZE(lion_rows)
+
+int lmo_lion(const lmo_args *a) {
+    if (a->nslots != 1) return LMO_EBADARG;
+    return lion_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* SGD (lowmemopt.optim.sgd.sgd_math), slot: momentum_buffer (when momentum != 0)                                      */
+
+/* h: 0 weight_decay  1 momentum  2 1 - dampening  3 -lr  4 decay factor
+ * flags: 1 maximize  2 nesterov  4 first step (buf = d)  8 momentum != 0 */
+static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                             int64_t r1, const int K) {
+    const vf wd = v_set((float)a->h[0]), mom = v_set((float)a->h[1]), omd = v_set((float)a->h[2]);
+    const vf nlr = v_set((float)a->h[3]), decay = v_set((float)a->h[4]);
+    const int l2 = a->h[0] != 0.0, maximize = a->flags & 1, nesterov = a->flags & 2, first = a->flags & 4;
+    const int has_buf = a->flags & 8;
+    const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
+    slot_rt sb;
+    int64_t row;
+    int j;
+    memset(&sb, 0, sizeof sb);
+    if (has_buf) sb = rt[0];
+    for (row = r0; row < r1; row++) {
+        rowacc ab;
+        memset(&ab, 0, sizeof ab);
+        if (has_buf) slot_row_begin(K, &sb, row, &ab);
+        for (j = 0; j < bs; j += 64) {
+            const int n = bs - j >= 64 ? 4 : (bs - j) / 16;
+            vf B[4];
+            int u;
+            if (has_buf && !first) slot_loadn(K, &sb, row * bs + j, n, &ab, B);
+            for (u = 0; u < n; u++) {
+                const int64_t i = row * bs + j + 16 * u;
+                vf p = load_dt(pdt, a->p, i), d = load_dt(gdt, a->g, i);
+                if (maximize) d = v_neg(d);
+                if (l2) d = v_fma(p, wd, d);                                   /* d.add(p, alpha=wd) */
+                if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
+                    vf buf = first ? d : v_fma(d, omd, v_mul(B[u], mom));
+                    slot_store(K, &sb, i, j + 16 * u, buf, &ab);
+                    d = nesterov ? v_fma(buf, mom, d) : buf;
+                }
+                store_dt(pdt, a->p, i, v_fma(d, nlr, v_mul(p, decay)));       /* p.add_(d, alpha=-lr) */
+            }
+        }
+        if (has_buf) slot_row_end(K, &sb, row, bs, &ab);
+    }
+}
+LMO_SPECIALIZE(sgd_rows)
+
+int lmo_sgd(const lmo_args *a) {
+    if (a->nslots != ((a->flags & 8) ? 1 : 0)) return LMO_EBADARG;
+    return sgd_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* The 8-bit codec alone: slot[0] <-> fp32 rows (tests; the full-size slots of non-elementwise optimizers)            */
+
+static inline __attribute__((always_inline)) void encode_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                                int64_t r1, const int K) {
+    const float *x = (const float *)a->g;
+    const int bs = a->bs;
+    slot_rt s = rt[0];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc acc;
+        slot_row_begin(K, &s, row, &acc);
+        for (j = 0; j < bs; j += 16) slot_store(K, &s, row * bs + j, j, v_load(x + row * bs + j), &acc);
+        slot_row_end(K, &s, row, bs, &acc);
+    }
+}
+LMO_SPECIALIZE(encode_rows)
+
+static inline __attribute__((always_inline)) void decode_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
+                                                                int64_t r1, const int K) {
+    float *x = (float *)a->p;
+    const int bs = a->bs;
+    slot_rt s = rt[0];
+    int64_t row;
+    int j;
+    for (row = r0; row < r1; row++) {
+        rowacc acc;
+        slot_row_begin(K, &s, row, &acc);
+        for (j = 0; j < bs; j += 16) v_store(x + row * bs + j, slot_load(K, &s, row * bs + j, &acc));
+    }
+}
+LMO_SPECIALIZE(decode_rows)
+
+/* slot[0] <- encode(g as fp32 rows) */
+int lmo_encode(const lmo_args *a) {
+    if (a->nslots != 1) return LMO_EBADARG;
+    return encode_rows_run(a);
+}
+
+/* p as fp32 rows <- decode(slot[0]) */
+int lmo_decode(const lmo_args *a) {
+    if (a->nslots != 1) return LMO_EBADARG;
+    return decode_rows_run(a);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Factored second moments (lowmemopt.optim.adafactor / came): whole-tensor passes over a 2-D parameter [R, C] with   */
+/* C % 16 == 0. Row / column means and squared norms are summed in fp64 (torch sums fp32 in another order: results  */
+/* agree with the eager path to fp32 rounding); everything elementwise repeats the eager operations exactly.          */
+
+#define LMO_NSEG 16 /* fixed row segments: sums do not depend on the thread count */
+
+typedef struct {
+    void *p;
+    const void *g;
+    int64_t R, C;
+    int32_t p_dtype, g_dtype, nthreads;
+    int32_t bs;                  /* the momentum slot's block size (q8), else 16 */
+    int32_t has_m;               /* the full-size first moment is slot m */
+    int32_t flags;               /* 1: weight decay */
+    lmo_slot m;
+    const float *rf, *cf;        /* factors of V^-1/2: u = (rf[r] cf[c]) g */
+    const float *rf2, *cf2;      /* CAME: factors of the instability's U^-1/2 */
+    float *row_out, *col_out;    /* means [R], [C] */
+    double *work;                /* LMO_NSEG * (C + 1) doubles */
+    double *result;              /* sum of squares */
+    double h[8];
+} lmo_fact;
+
+static int64_t gcd64(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
+
+/* Segment s of the rows: whole rows and whole blocks (boundaries at multiples of lcm(C, bs) elements). */
+static void fact_segment(const lmo_fact *f, int s, int64_t *r0, int64_t *r1) {
+    const int64_t unit = f->bs / gcd64(f->C, f->bs); /* rows per lcm(C, bs) */
+    const int64_t units = (f->R + unit - 1) / unit;
+    int64_t a = units * s / LMO_NSEG * unit, b = units * (s + 1) / LMO_NSEG * unit;
+    *r0 = a < f->R ? a : f->R;
+    *r1 = b < f->R ? b : f->R;
+}
+
+static int fact_check(const lmo_fact *f) {
+    if (f->C <= 0 || f->C % 16 || f->R <= 0 || f->bs < 16 || f->bs % 16 || f->bs > LMO_MAX_BS) return LMO_EBADARG;
+    return LMO_OK;
+}
+
+static int fact_threads(const lmo_fact *f) {
+    int nt = f->nthreads < 1 ? 1 : f->nthreads;
+    int64_t most = f->R * f->C / 65536 + 1;
+    return nt > most ? (int)most : nt;
+}
+
+/* Row and column means of x(g) = g^2 + eps1 (h[0] = eps1) into row_out / col_out. */
+int lmo_fact_sq_means(const lmo_fact *f) {
+    const int64_t R = f->R, C = f->C;
+    const vf eps1 = v_set((float)f->h[0]);
+    if (fact_check(f)) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+        int64_t c;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) {
+            double *colp = f->work + (int64_t)s * C;
+            int64_t r0, r1, r;
+            fact_segment(f, s, &r0, &r1);
+            memset(colp, 0, sizeof(double) * C);
+            for (r = r0; r < r1; r++) {
+                vd acc = vd_zero();
+                for (c = 0; c < C; c += 16) {
+                    vf g = load_dt(f->g_dtype, f->g, r * C + c);
+                    vf x = v_add(v_mul(g, g), eps1);
+                    acc = vd_add(acc, x);
+                    vd_accumulate(colp + c, x);
+                }
+                f->row_out[r] = (float)(vd_sum(acc) / (double)C);
+            }
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (c = 0; c < C; c++) {
+            double t = 0.0;
+            for (s = 0; s < LMO_NSEG; s++) t += f->work[(int64_t)s * C + c];
+            f->col_out[c] = (float)(t / (double)R);
+        }
+    }
+    return LMO_OK;
+}
+
+/* result[0] = sum of u^2, u = (rf[r] cf[c]) g */
+int lmo_fact_sumsq(const lmo_fact *f) {
+    const int64_t C = f->C;
+    if (fact_check(f)) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) {
+            int64_t r0, r1, r, c;
+            vd acc = vd_zero();
+            fact_segment(f, s, &r0, &r1);
+            for (r = r0; r < r1; r++) {
+                const vf rf = v_set(f->rf[r]);
+                for (c = 0; c < C; c += 16)
+                    acc = vd_add_sq(acc, v_mul(v_mul(rf, v_load(f->cf + c)), load_dt(f->g_dtype, f->g, r * C + c)));
+            }
+            f->work[s] = vd_sum(acc);
+        }
+    }
+    {
+        double t = 0.0;
+        int s;
+        for (s = 0; s < LMO_NSEG; s++) t += f->work[s];
+        f->result[0] = t;
+    }
+    return LMO_OK;
+}
+
+/* Walk segment s in blocks of bs elements (whole rows per segment, C % 16 == 0): BODY sees i (flat index), r, c
+ * (row, column of the 16 lanes), j (lane offset in the block); BLOCK_BEGIN / BLOCK_END(len) bracket each block. */
+#define LMO_FACT_WALK(f, s, BLOCK_BEGIN, BODY, BLOCK_END)                                                            \
+    do {                                                                                                              \
+        int64_t r0_, r1_, i_, end_, r, c;                                                                             \
+        fact_segment((f), (s), &r0_, &r1_);                                                                           \
+        r = r0_;                                                                                                      \
+        c = 0;                                                                                                        \
+        end_ = r1_ * (f)->C;                                                                                          \
+        for (i_ = r0_ * (f)->C; i_ < end_; i_ += (f)->bs) {                                                           \
+            const int64_t blk = i_ / (f)->bs;                                                                         \
+            const int len = (int)((end_ - i_) < (f)->bs ? (end_ - i_) : (f)->bs);                                    \
+            int j;                                                                                                    \
+            (void)blk;                                                                                                \
+            BLOCK_BEGIN;                                                                                              \
+            for (j = 0; j < len; j += 16) {                                                                           \
+                const int64_t i = i_ + j;                                                                             \
+                BODY;                                                                                                 \
+                c += 16;                                                                                              \
+                if (c == (f)->C) { c = 0; r++; }                                                                      \
+            }                                                                                                         \
+            BLOCK_END;                                                                                                \
+        }                                                                                                             \
+    } while (0)
+
+/* Adafactor's update (lowmemopt.optim.adafactor.adafactor_math after the statistics):
+ *   u = (rf[r] cf[c]) g / denom * alpha;  [m = beta1 m + (1 - beta1) u; u = m];  [p += s p];  p -= u
+ * h: 0 denom  1 alpha  2 beta1  3 1 - beta1  4 s = -wd alpha */
+static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_fact *f, const slot_rt *rt, int s,
+                                                                       const int K) {
+    const vf denom = v_set((float)f->h[0]), alpha = v_set((float)f->h[1]), b1 = v_set((float)f->h[2]);
+    const vf omb1 = v_set((float)f->h[3]), sdecay = v_set((float)f->h[4]);
+    const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype;
+    slot_rt sm;
+    rowacc am;
+    if (has_m) sm = rt[0];
+    else memset(&sm, 0, sizeof sm);
+    memset(&am, 0, sizeof am);
+    LMO_FACT_WALK(f, s, if (has_m) slot_row_begin(K, &sm, blk, &am), {
+        vf u = v_mul(v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom), alpha);
+        vf p = load_dt(pdt, f->p, i);
+        if (has_m) {
+            u = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
+            slot_store(K, &sm, i, j, u, &am);
+        }
+        if (wd) p = v_fma(p, sdecay, p);
+        store_dt(pdt, f->p, i, v_sub(p, u));
+    }, if (has_m) slot_block_end(K, &sm, blk, i_, len, &am));
+}
+
+/* CAME's instability statistics (lowmemopt.optim.came.came_math): with u = (rf[r] cf[c]) g / denom and the new first
+ * moment m' = beta1 m + (1 - beta1) u (not stored here), row / column means of (u - m')^2 + eps2.
+ * h: 0 denom  2 beta1  3 1 - beta1  5 eps2 */
+static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
+    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
+    const vf eps2 = v_set((float)f->h[5]);
+    const int gdt = f->g_dtype;
+    const int64_t C = f->C;
+    double *colp = f->work + (int64_t)s * C;
+    slot_rt sm = rt[0];
+    rowacc am;
+    vd racc = vd_zero();
+    memset(colp, 0, sizeof(double) * C);
+    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), {
+        vf u = v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom);
+        vf m = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
+        vf d = v_sub(u, m);
+        vf x = v_add(v_mul(d, d), eps2);
+        racc = vd_add(racc, x);
+        vd_accumulate(colp + c, x);
+        if (c + 16 == C) {
+            f->row_out[r] = (float)(vd_sum(racc) / (double)C);
+            racc = vd_zero();
+        }
+    }, (void)0);
+}
+
+/* CAME's update: m' as above (stored), u2 = (rf2[r] cf2[c]) m';  [p += s p];  p -= u2 lr
+ * h: 0 denom  2 beta1  3 1 - beta1  4 s = -wd lr  6 lr */
+static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
+    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
+    const vf sdecay = v_set((float)f->h[4]), lr = v_set((float)f->h[6]);
+    const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype;
+    slot_rt sm = rt[0];
+    rowacc am;
+    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), {
+        vf u = v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom);
+        vf m = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
+        vf p = load_dt(pdt, f->p, i);
+        slot_store(K, &sm, i, j, m, &am);
+        u = v_mul(v_mul(v_set(f->rf2[r]), v_load(f->cf2 + c)), m);
+        if (wd) p = v_fma(p, sdecay, p);
+        store_dt(pdt, f->p, i, v_sub(p, v_mul(u, lr)));
+    }, slot_block_end(K, &sm, blk, i_, len, &am));
+}
+
+typedef void (*fact_seg_fn)(const lmo_fact *f, const slot_rt *rt, int s);
+
+static int fact_run(const lmo_fact *f, fact_seg_fn fn) {
+    if (fact_check(f)) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        float buf[f->bs] __attribute__((aligned(64)));
+        slot_rt rt[1];
+        int s;
+        if (f->has_m) slot_rt_init(&rt[0], &f->m, buf);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) fn(f, rt, s);
+    }
+    return LMO_OK;
+}
+
+#define LMO_FACT_SPECIALIZE(name)                                                                                   \
+    static void name##_f32(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_F32); }                 \
+    static void name##_bf16(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_BF16); }               \
+    static void name##_q8(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_Q8); }                   \
+    static int name##_run(const lmo_fact *f) {                                                                       \
+        switch (f->has_m ? f->m.kind : ST_F32) {                                                                      \
+        case ST_F32: return fact_run(f, name##_f32);                                                                  \
+        case ST_BF16: return fact_run(f, name##_bf16);                                                                \
+        case ST_Q8: return fact_run(f, name##_q8);                                                                    \
+        default: return LMO_EBADARG;                                                                                  \
+        }                                                                                                             \
+    }
+
+LMO_FACT_SPECIALIZE(adafactor_apply_seg)
+LMO_FACT_SPECIALIZE(came_res_seg)
+LMO_FACT_SPECIALIZE(came_apply_seg)
+
+int lmo_adafactor_apply(const lmo_fact *f) { return adafactor_apply_seg_run(f); }
+
+int lmo_came_res_means(const lmo_fact *f) {
+    int rc;
+    int64_t c;
+    int s;
+    if (!f->has_m) return LMO_EBADARG;
+    rc = came_res_seg_run(f);
+    if (rc) return rc;
+    for (c = 0; c < f->C; c++) {
+        double t = 0.0;
+        for (s = 0; s < LMO_NSEG; s++) t += f->work[(int64_t)s * f->C + c];
+        f->col_out[c] = (float)(t / (double)f->R);
+    }
+    return LMO_OK;
+}
+
+int lmo_came_apply(const lmo_fact *f) {
+    if (!f->has_m) return LMO_EBADARG;
+    return came_apply_seg_run(f);
+}

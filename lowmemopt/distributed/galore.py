@@ -1,0 +1,128 @@
+"""GaLore (param groups with ``rank``) on DTensor parameters sharded by rows: FSDP2's ``Shard(0)``, and HSDP's
+``(Replicate, Shard(0))``.
+
+A parameter is projected as the matrix ``(m, n) = (shape[0], prod(shape[1:]))``, so a ``Shard(0)`` rank holds rows
+``[r0, r0 + m_local)`` of ``G``. With ``P`` (m x k) and ``Q`` (k x n) the bases::
+
+    refresh (every update_proj_gap steps):  G = all-gather of the gradient; P, Q = SVD(G)    (the same on every rank)
+    right   (G_low = G Q^T, m x k):  local rows G_r Q^T                      -> the low-rank state is sharded by rows too
+    left    (G_low = P^T G, k x n):  sum over the row shards of P_r^T G_r   -> G_low and its state are replicated
+    both    (G_low = P^T G Q^T):     (sum over the row shards of P_r^T G_r) Q^T
+    update rows: right U_r Q; left P_r U; both P_r U Q                      (P_r: the rows of P this rank holds)
+
+So the projector is computed from the **full** gradient, gathered on refresh steps only, and is replicated (identical
+on every rank: the same input, the same SVD). The inner algorithm runs on the low-rank tensor: for side right through
+a :class:`~lowmemopt.distributed.reduction.ShardedReduction` of the ``(m, k)`` tensor (its rows are sharded like the
+parameter's), for sides left and both locally (every rank holds the same ``G_low`` and does the same step).
+Statistics of the full-rank parameter that the inner math takes (Adafactor's ``RMS(p)``, LAMB's and LARS's ``||p||``)
+are reduced over the parameter's shards: :class:`SplitReduction` routes each reduction by the tensor it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .reduction import LOCAL, Reduction, ShardedReduction
+from .sharding import is_dtensor, local_view
+
+__all__ = ["RowShards", "SplitReduction", "row_shards", "low_rank_layout"]
+
+LEFT, RIGHT, BOTH = 0, 1, 2  # lowmemopt.projection.projector's side codes
+
+
+def _check_placements(p) -> None:
+    for i, placement in enumerate(p.placements):
+        if placement.is_replicate() or (placement.is_shard() and placement.dim % p.dim() == 0):
+            continue
+        raise NotImplementedError(
+            f"GaLore on a DTensor parameter {tuple(p.shape)} placed {tuple(p.placements)}: only row sharding "
+            "(Shard(0), FSDP2's default) and Replicate are supported; keep this parameter out of the rank group "
+            f"(mesh dim {i} is {placement})"
+        )
+
+
+def _local_rows(p) -> tuple[int, int]:
+    """(first global row, number of rows) of this rank's shard."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]), int(shape[0])
+
+
+def low_rank_layout(p, low: tuple[int, int], side: int) -> tuple[tuple[int, int], tuple[int | None, int | None]]:
+    """``(local low-rank shape, dims)`` of the low-rank state of parameter ``p`` whose global low-rank shape is
+    ``low``. ``dims``: the parameter dim each low-rank dim runs along (:class:`~lowmemopt.optimizer.Slot`'s ``dims``):
+    side right keeps the rows (dim 0), which a row-sharded parameter shards; left and both are replicated."""
+    dims = (0, None) if side == RIGHT else (None, None)
+    if not is_dtensor(p) or side != RIGHT:
+        return low, dims
+    _check_placements(p)
+    return (_local_rows(p)[1], low[1]), dims
+
+
+class SplitReduction(Reduction):
+    """The reductions of a GaLore step: those of the full-rank parameter ``param`` (the very tensor the inner math is
+    given as ``p``) over its shards, every other one (the low-rank gradient, update and state) by ``low``."""
+
+    distributed = True
+
+    def __init__(self, param: torch.Tensor, param_reduce: Reduction, low: Reduction) -> None:
+        self.param, self.param_reduce, self.low = param, param_reduce, low
+
+    def _of(self, x: torch.Tensor) -> Reduction:
+        return self.param_reduce if x is self.param else self.low
+
+    def norm(self, x):
+        return self._of(x).norm(x)
+
+    def norm_along(self, x, dim, pdim, keepdim=False):
+        return self._of(x).norm_along(x, dim, pdim, keepdim)
+
+    def mean(self, x, dim, pdim, keepdim=False):
+        return self._of(x).mean(x, dim, pdim, keepdim)
+
+    def size(self, x, dim, pdim):
+        return self._of(x).size(x, dim, pdim)
+
+    def numel(self, x):
+        return self._of(x).numel(x)
+
+
+class RowShards:
+    """One GaLore step's view of a row-sharded DTensor parameter (see the module docstring)."""
+
+    def __init__(self, p, grad, m: int, n: int, side: int, rank: int) -> None:
+        _check_placements(p)
+        self.dtensor_grad = grad
+        self.param, self.grad, self.param_reduce = local_view(p, grad)
+        self.row0, self.m_local = _local_rows(p)
+        self.m, self.n, self.side = m, n, side
+        k = min(rank, m, n)
+        self.rows = ShardedReduction(p.device_mesh, p.placements, torch.Size((m, k)))  # low-rank (m, k), side right
+
+    def full_gradient(self) -> torch.Tensor:
+        """The whole gradient as an fp32 (m, n) matrix on every rank (an all-gather: refresh steps only)."""
+        return self.dtensor_grad.full_tensor().reshape(self.m, self.n).float()
+
+    def project(self, g: torch.Tensor, state: dict[str, Any], bases) -> torch.Tensor:
+        """The low-rank gradient of the local rows ``g`` (m_local x n, fp32): local rows for side right, the whole
+        (replicated) ``G_low`` for left and both."""
+        p, q = bases(state)
+        if p is None:
+            return torch.matmul(g, q.t())
+        low = torch.matmul(p[self.row0: self.row0 + self.m_local].t(), g)
+        self.rows.sum_over(low, 0)
+        return low if q is None else low @ q.t()
+
+    def reduction(self, p32: torch.Tensor) -> Reduction:
+        """Reductions for the inner math, given the fp32 working copy ``p32`` of the local rows it will be passed."""
+        return SplitReduction(p32, self.param_reduce, self.rows if self.side == RIGHT else LOCAL)
+
+
+def row_shards(p, grad, m: int, n: int, side: int, rank: int) -> RowShards | None:
+    """:class:`RowShards` for a DTensor parameter, None for a plain tensor."""
+    if not is_dtensor(p):
+        return None
+    return RowShards(p, grad, m, n, side, rank)

@@ -1,0 +1,131 @@
+"""Whole-tensor reductions of the optimizer math, for tensors a process may hold only a shard of.
+
+Algorithms that need more than element-wise math (LAMB and LARS norms; Adafactor and CAME row / column means and RMS)
+take a ``reduce`` argument and do every reduction through it. The math stays one function, whatever the sharding:
+
+* :data:`LOCAL` (a :class:`Reduction`): the single-process case. Each method is exactly the torch call the math made
+  before this interface existed, so single-process results are bit-identical.
+* :class:`ShardedReduction`: the parameter is a DTensor and the math sees its local shard. A reduction over parameter
+  dims that some mesh dims shard is computed as a local partial sum, all-reduced (sum) over the process groups of those
+  mesh dims, then normalized by the *global* size (uneven shards, and ranks holding an empty shard, are exact). A
+  reduction over dims that no mesh dim shards stays local, and is the single-process op.
+
+Tensors passed in are local parts of a tensor whose dims follow the parameter's: ``x`` of the parameter's shape, or a
+statistic whose dim ``dim`` runs along parameter dim ``pdim`` (Adafactor's row statistic ``R[..., i]`` runs along the
+parameter's dim -2). Negative ``pdim`` counts from the parameter's last dim.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Reduction", "ShardedReduction", "LOCAL", "is_shard"]
+
+
+class Reduction:
+    """Single process: every reduction is local (the identity of the interface)."""
+
+    distributed = False
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """``||x||_2`` over the whole (global) tensor, 0-dim."""
+        return torch.linalg.vector_norm(x)
+
+    def norm_along(self, x: torch.Tensor, dim: int, pdim: int, keepdim: bool = False) -> torch.Tensor:
+        """``||x||_2`` along ``dim`` (which runs along parameter dim ``pdim``)."""
+        return torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim)
+
+    def mean(self, x: torch.Tensor, dim: int, pdim: int, keepdim: bool = False) -> torch.Tensor:
+        """Mean along ``dim`` (which runs along parameter dim ``pdim``) over the global extent of that dim."""
+        return x.mean(dim=dim, keepdim=keepdim)
+
+    def size(self, x: torch.Tensor, dim: int, pdim: int) -> int:
+        """Global size of ``x``'s dim ``dim`` (parameter dim ``pdim``)."""
+        return x.size(dim)
+
+    def numel(self, x: torch.Tensor) -> int:
+        """Global number of elements of a parameter-shaped ``x``."""
+        return x.numel()
+
+    def __repr__(self) -> str:
+        return "Reduction(local)"
+
+
+LOCAL = Reduction()
+
+
+def is_shard(placement) -> bool:
+    """``Shard(d)`` or ``_StridedShard(d, ...)`` (FSDP2 over tensor parallelism): parameter dim ``d`` is split over
+    the mesh dim. For a sum over ``d`` the order of the pieces does not matter, so both reduce the same way."""
+    return placement.is_shard() or (type(placement).__name__ == "_StridedShard" and hasattr(placement, "dim"))
+
+
+class ShardedReduction(Reduction):
+    """Reductions over a tensor laid out like a DTensor parameter (``mesh``, ``placements``, global ``shape``).
+
+    ``Shard(d)`` on mesh dim ``i``: parameter dim ``d`` is split over mesh dim ``i``'s process group, so a reduction
+    over ``d`` sums over that group. ``Replicate()``: nothing to sum. ``Partial`` parameters are rejected (a parameter
+    is never a pending sum)."""
+
+    distributed = True
+
+    def __init__(self, mesh, placements: Sequence, shape: torch.Size) -> None:
+        self.shape = torch.Size(shape)
+        ndim = len(self.shape)
+        self._by_dim: dict[int, list] = {}  # parameter dim -> the process groups that shard it
+        for i, placement in enumerate(placements):
+            if is_shard(placement):
+                d = placement.dim % ndim
+                self._by_dim.setdefault(d, []).append(mesh.get_group(i))
+            elif not placement.is_replicate():
+                raise ValueError(
+                    f"cannot optimize a DTensor parameter with placement {placement} on mesh dim {i}: parameters "
+                    "must be Shard or Replicate (a Partial tensor is an unreduced sum)"
+                )
+        self._all = [g for groups in self._by_dim.values() for g in groups]
+
+    def _groups(self, pdim: int | None) -> list:
+        if pdim is None:
+            return self._all
+        return self._by_dim.get(pdim % len(self.shape), [])
+
+    @staticmethod
+    def _sum(t: torch.Tensor, groups: list) -> torch.Tensor:
+        for group in groups:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+
+    def sum_over(self, t: torch.Tensor, pdim: int) -> torch.Tensor:
+        """All-reduce (sum, in place) a partial sum ``t`` over the process groups that shard parameter dim ``pdim``."""
+        return self._sum(t, self._groups(pdim))
+
+    def norm(self, x):
+        if not self._all:
+            return torch.linalg.vector_norm(x)
+        return self._sum(torch.linalg.vector_norm(x).square_(), self._all).sqrt_()
+
+    def norm_along(self, x, dim, pdim, keepdim=False):
+        groups = self._groups(pdim)
+        if not groups:
+            return torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim)
+        return self._sum(torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim).square_(), groups).sqrt_()
+
+    def mean(self, x, dim, pdim, keepdim=False):
+        groups = self._groups(pdim)
+        if not groups:
+            return x.mean(dim=dim, keepdim=keepdim)
+        return self._sum(x.sum(dim=dim, keepdim=keepdim), groups).div_(self.shape[pdim])
+
+    def size(self, x, dim, pdim):
+        return self.shape[pdim]
+
+    def numel(self, x):
+        return self.shape.numel()
+
+    def __repr__(self) -> str:
+        sharded = {d: [dist.get_world_size(g) for g in gs] for d, gs in self._by_dim.items()}
+        return f"ShardedReduction(shape={tuple(self.shape)}, sharded dims -> group sizes {sharded})"
+

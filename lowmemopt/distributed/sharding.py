@@ -1,0 +1,266 @@
+"""DTensor parameters (FSDP2 ``fully_shard``, tensor parallelism): state on the local shard.
+
+A DTensor parameter's optimizer state lives on its local shard: every state tensor is a plain tensor shaped like
+``p.to_local()`` (q8 codes and per-block absmax of the local shard's flattening; factored statistics of the local rows
+and columns), and the step runs the single-process code on ``p.to_local()`` and ``p.grad.to_local()``. Whole-tensor
+reductions go through a :class:`~lowmemopt.distributed.reduction.ShardedReduction` built here.
+
+``optimizer.state_dict()`` presents that state as DTensors laid out like the parameter (what
+``torch.distributed.checkpoint`` needs to save shards and to reshard on load), see :func:`present_state`;
+``load_state_dict`` takes DTensor state back to local tensors, see :func:`localize_state`.
+
+``torch.distributed.tensor`` is imported only once some DTensor exists (it costs ~0.7 s to import): a tensor cannot be
+a DTensor before that module is loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .reduction import LOCAL, Reduction, ShardedReduction
+
+if TYPE_CHECKING:
+    from ..optimizer import LowMemOptimizer, Slot
+
+__all__ = [
+    "is_dtensor",
+    "local_tensor",
+    "local_view",
+    "agree_finite",
+    "slot_layout",
+    "present_state",
+    "presented_params",
+    "dense_state_dict",
+    "localize_state",
+    "shard_layout",
+]
+
+
+def is_dtensor(t: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: writing to it writes the DTensor), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_view(p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Reduction]:
+    """``(p_local, grad_local, reduce)`` for one step. A plain parameter is returned as it is with :data:`LOCAL`.
+
+    A DTensor gradient laid out differently from its parameter (e.g. ``Partial`` after a tensor-parallel backward) is
+    redistributed to the parameter's placements first (a collective: every rank steps the same parameters)."""
+    if not is_dtensor(p):
+        if is_dtensor(grad):
+            raise TypeError("a plain tensor parameter has a DTensor gradient; shard the parameter like its gradient")
+        return p, grad, LOCAL
+    if not is_dtensor(grad):
+        raise TypeError(
+            f"a DTensor parameter {tuple(p.shape)} {p.placements} has a plain-tensor gradient: set p.grad to a DTensor "
+            "with the parameter's mesh and placements"
+        )
+    if grad.device_mesh != p.device_mesh:
+        raise ValueError(f"gradient mesh {grad.device_mesh} differs from its parameter's mesh {p.device_mesh}")
+    if tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return p.to_local(), grad.to_local(), ShardedReduction(p.device_mesh, p.placements, p.shape)
+
+
+def agree_finite(flags: list[bool], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[bool]:
+    """Make the non-finite-gradient skip decision the same on every rank that holds a shard of a parameter.
+
+    Each rank checked only its shard; a NaN in one shard must skip the whole parameter everywhere (else its shards
+    would step apart, and ranks would disagree on which collectives the step makes). One MIN all-reduce of the flags
+    per mesh dim per step, none when no parameter is a DTensor."""
+    by_mesh: dict[Any, list[int]] = {}
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            by_mesh.setdefault(p.device_mesh, []).append(i)
+    if not by_mesh:
+        return flags
+    flags = list(flags)
+    for mesh, idx in by_mesh.items():
+        device = local_tensor(grads[idx[0]]).device
+        ok = torch.tensor([int(flags[i]) for i in idx], dtype=torch.int32, device=device)
+        for d in range(mesh.ndim):
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
+        for i, f in zip(idx, ok.tolist()):
+            flags[i] = bool(f)
+    return flags
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# state_dict presentation: local state <-> DTensors laid out like the parameter
+
+
+def slot_layout(p, slot: "Slot", local_shape: torch.Size) -> tuple[list, torch.Size]:
+    """``(placements, global shape)`` of a slot of DTensor parameter ``p`` whose local tensor has ``local_shape``.
+
+    A parameter-shaped slot is placed like ``p``. A slot with its own shape (a factored statistic, a low-rank state)
+    has ``slot.dims``: the parameter dim each of its dims runs along (None: none). A mesh dim that shards parameter dim
+    ``d`` shards the slot's dim that runs along ``d`` (whose global size is then ``p``'s), and replicates the slot if
+    none does (it was reduced over ``d``, or does not depend on it: every shard holds the same values)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if slot.shape is None:
+        return list(p.placements), p.shape
+    if slot.dims is None:
+        raise ValueError(f"slot of shape {slot.shape} declares no dims: cannot lay it out like a sharded parameter")
+    ndim = p.dim()
+    dims = [None if d is None else d % ndim for d in slot.dims]
+    placements, shape = [], list(local_shape)
+    for placement in p.placements:
+        if placement.is_replicate():
+            placements.append(Replicate())
+        elif placement.is_shard():
+            d = placement.dim % ndim
+            if d in dims:
+                placements.append(Shard(dims.index(d)))
+                shape[dims.index(d)] = p.shape[d]
+            else:
+                placements.append(Replicate())
+        else:
+            raise ValueError(f"cannot lay out optimizer state for a parameter placed {placement}")
+    return placements, torch.Size(shape)
+
+
+def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's state as ``state_dict()`` shows it for ``torch.distributed.checkpoint``: every slot a tensor
+    laid out like the parameter (a DTensor for a DTensor parameter), q8 slots decoded to fp32, ``step`` an int.
+
+    Why fp32: 8-bit blocks are laid over each local shard, so codes and per-block absmax mean nothing at another
+    sharding, while fp32 values reshard like any tensor; ``load_state_dict`` re-encodes them into the loading
+    optimizer's blocks. Dense (fp32 / bf16) slots are shown without a copy; q8 slots cost an fp32 copy of the local
+    shard while the state dict lives."""
+    from ..quant.formats import Q8, format_of
+
+    group = _group_of(optimizer, p)
+    local = local_tensor(p)
+    local_slots = optimizer._state_slots(group, p)  # a DTensor: its local shard's (GaLore: low-rank) slots
+    out: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    if not any(name in state or name + ".codes" in state for name in local_slots):
+        return dict(state)  # no state yet (or not ours): shown as it is
+    keys = set()
+    for name, slot in local_slots.items():
+        shape = local.shape if slot.shape is None else torch.Size(slot.shape)
+        fmt = format_of(state, name)
+        keys.update(fmt.keys(name))
+        if fmt is Q8:
+            value = fmt.decode(state, name, 0, shape.numel(), slot.signed, group["block_size"]).view(shape)
+        else:
+            value = state[name]  # fp32 or bf16, the local shard's shape: shown as it is
+        out[name] = _as_dtensor(p, slot, value) if is_dtensor(p) else value
+    for key, value in state.items():  # other tensors (not laid out like the parameter): the same on every rank
+        if isinstance(value, torch.Tensor) and key not in keys:
+            out[key] = _replicated(p, value) if is_dtensor(p) else value
+    return out
+
+
+def _as_dtensor(p, slot: "Slot", local_value: torch.Tensor):
+    """``local_value`` (a slot of ``p``'s local shard) as a DTensor laid out like ``p`` (no copy)."""
+    from torch.distributed.tensor import DTensor
+
+    placements, gshape = slot_layout(p, slot, local_value.shape)
+    return DTensor.from_local(
+        local_value, p.device_mesh, placements, run_check=False, shape=gshape, stride=_contiguous_stride(gshape)
+    )
+
+
+def _replicated(p, value: torch.Tensor):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(value, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+
+
+def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(p_local, state)`` with every DTensor in ``state`` brought to ``p``'s layout and replaced by its local shard.
+    The state may come from :func:`present_state` at any world size: ``torch.distributed.checkpoint`` has already
+    resharded it to this optimizer's layout, which :func:`present_state` gave it."""
+    if not is_dtensor(p):
+        bad = [k for k, v in state.items() if is_dtensor(v)]
+        if bad:
+            raise TypeError(f"state {bad} are DTensors but the parameter {tuple(p.shape)} is a plain tensor")
+        return p, state
+    out = {}
+    for key, value in state.items():
+        if is_dtensor(value):
+            if value.device_mesh != p.device_mesh:
+                raise ValueError(f"state '{key}' is on mesh {value.device_mesh}, its parameter on {p.device_mesh}")
+            value = value.to_local()
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape and p.shape != p.to_local().shape:
+            raise TypeError(
+                f"state '{key}' is a full-size plain tensor {tuple(value.shape)} for a sharded parameter: load "
+                "optimizer state through torch.distributed.checkpoint (get/set_optimizer_state_dict), which shards it"
+            )
+        out[key] = value
+    return p.to_local(), out
+
+
+@contextmanager
+def dense_state_dict(optimizer: "LowMemOptimizer") -> Iterator["LowMemOptimizer"]:
+    """While active, ``optimizer.state_dict()`` shows the state of *every* parameter as for a sharded one: q8 slots
+    decoded to fp32, each slot a tensor of the parameter's layout. Use it around ``get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict`` and ``torch.distributed.checkpoint`` with an unsharded (plain-tensor) model, so its
+    checkpoint entries match a sharded run's (DTensor parameters are always shown that way)::
+
+        with lowmemopt.distributed.dense_state_dict(opt):
+            sd = {"optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(sd, checkpoint_id=path)
+            set_optimizer_state_dict(model, opt, sd["optim"])
+    """
+    previous = getattr(optimizer, "_dense_state_dict", False)
+    optimizer._dense_state_dict = True
+    try:
+        yield optimizer
+    finally:
+        optimizer._dense_state_dict = previous
+
+
+def presented_params(optimizer: "LowMemOptimizer") -> list[tuple[int, Any]]:
+    """(state-dict index, param) of the parameters whose state ``state_dict()`` shows with :func:`present_state`."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    dense = getattr(optimizer, "_dense_state_dict", False)
+    return [(i, p) for i, p in enumerate(params) if dense or is_dtensor(p)]
+
+
+def _group_of(optimizer, p) -> dict[str, Any]:
+    for group in optimizer.param_groups:
+        if any(q is p for q in group["params"]):
+            return group
+    raise KeyError("parameter not in the optimizer")
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-rank files
+
+
+def shard_layout(p) -> dict[str, Any] | None:
+    """Where a DTensor parameter's local shard sits: global shape, local offset and shape, placements, mesh. None for
+    a plain tensor. Recorded in per-rank state files, whose state is only valid for the same layout."""
+    if not is_dtensor(p):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return {
+        "global_shape": list(p.shape),
+        "local_shape": list(shape),
+        "offset": list(offset),
+        "placements": [str(pl) for pl in p.placements],
+        "mesh": list(p.device_mesh.shape),
+    }
+

@@ -1,0 +1,319 @@
+"""The HuggingFace ``Trainer`` with lowmemopt optimizers: one argument switches a Trainer script to any of them.
+
+    from lowmemopt.integrations.transformers import optimizer
+
+    trainer = Trainer(model=model, args=training_args, train_dataset=data,
+                      optimizer_cls_and_kwargs=optimizer("came", state_bits=8,
+                                                         galore=dict(target_modules="all-linear", rank=64)))
+
+:func:`optimizer` returns ``(TrainerOptimizerFactory, config)``. The Trainer sees a factory (not an Optimizer class)
+and calls ``TrainerOptimizerFactory()(model, **config)`` when it creates its optimizer (transformers >= 5.3; older
+versions call ``TrainerOptimizerFactory(param_groups, **config)``, which is handled the same way). That call builds the
+param groups from the model:
+
+* hyper-parameters from ``TrainingArguments``, wherever the optimizer has them: ``learning_rate`` -> ``lr``,
+  ``weight_decay``, ``adam_beta1``/``adam_beta2`` -> the first two ``betas`` (AdamW, Adam, LAMB, Lion, CAME), and
+  ``adam_epsilon`` -> a scalar ``eps`` (AdamW, Adam, LAMB; Adafactor's and CAME's ``eps`` pairs mean something
+  else). Keywords given to :func:`optimizer` win over them;
+* the Trainer's no-decay rule: parameters that ``Trainer.get_decay_parameter_names`` leaves out (biases, norm
+  weights) get ``weight_decay=0``;
+* embedding weights (``nn.Embedding``) keep 32-bit state (``embedding_state_bits``), as the Trainer does for
+  bitsandbytes' 8-bit optimizers;
+* GaLore: with ``galore=dict(target_modules=..., rank=...)`` (the Trainer's ``optim_target_modules`` syntax, e.g.
+  ``"all-linear"`` or a list of names / a regex) the matching Linear weights go into groups with ``rank``, built by
+  :func:`lowmemopt.galore_param_groups`.
+
+The Trainer's factory call passes the model only, so the factory reads the ``TrainingArguments`` (and the decay rule,
+honouring a Trainer subclass that overrides ``get_decay_parameter_names``) from the Trainer that called it, found on
+the call stack; pass ``args=`` to :func:`optimizer` to give them explicitly (and to use the factory outside a Trainer).
+
+Checkpoints: lowmemopt state is plain tensors and ints, so the Trainer's ``torch.save`` of ``optimizer.pt`` and its
+``torch.load(weights_only=True)`` on ``resume_from_checkpoint`` restore it exactly (uint8 codes and fp32 scales come
+back unchanged); the param groups are rebuilt in the same order from the same model, so they line up.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from ..registry import instantiate, resolve
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
+__all__ = ["TrainerOptimizerFactory", "optimizer", "param_groups"]
+
+
+
+def optimizer(
+    name: str,
+    *,
+    state_bits: int | None = None,
+    galore: Mapping[str, Any] | None = None,
+    embedding_state_bits: int | None = 32,
+    step_in_backward: bool = False,
+    args: TrainingArguments | None = None,
+    **kwargs: Any,
+) -> tuple[type, dict[str, Any]]:
+    """What ``Trainer(..., optimizer_cls_and_kwargs=...)`` takes to train with lowmemopt optimizer ``name``.
+
+    Args:
+        name: any lowmemopt optimizer, case-insensitive (``"adamw"``, ``"AdamW8bit"``, ``"came"``, ``"lion8bit"``,
+            ``"galore_adamw_8bit"``...; see :mod:`lowmemopt.registry`).
+        state_bits: 32, 16 or 8; None keeps the name's default (``"adamw8bit"``: 8, ``"adamw"``: 32).
+        galore: GaLore settings: ``target_modules`` and ``rank`` (required), optionally ``update_proj_gap``,
+            ``scale``, ``proj_type``..., the keywords of :func:`lowmemopt.galore_param_groups`. Required for
+            ``galore_*`` names.
+        embedding_state_bits: state bits for embedding weights (default 32); None: like every other parameter.
+        step_in_backward: step each parameter inside ``backward()`` as soon as its gradient is ready and free that
+            gradient (per-layer updates, :func:`lowmemopt.step_in_backward`: the full set of gradients is never
+            held); the Trainer's ``optimizer.step()`` then finds no gradients and does nothing. Gradient
+            accumulation is honoured; gradient clipping cannot be (set ``TrainingArguments(max_grad_norm=0)``). The
+            stepper's position is saved in the optimizer's state dict, so checkpoints hold it.
+        args: the ``TrainingArguments`` to read hyper-parameters from; default: those of the calling Trainer.
+        **kwargs: any other keyword of the optimizer (``lr``, ``betas``, ``block_size``, ``paged``...); these win over
+            ``TrainingArguments``.
+
+    The name, bits and keywords are checked now (ValueError / TypeError), so a typo fails before training starts.
+    """
+    resolved = resolve(name)
+    if galore is None and resolved.galore:
+        raise ValueError(
+            f"optimizer {name!r} runs in GaLore groups: pass galore=dict(target_modules=..., rank=...) "
+            "(target_modules as in TrainingArguments.optim_target_modules, e.g. 'all-linear')"
+        )
+    if galore is not None:
+        galore = _check_galore(galore)
+    if embedding_state_bits is not None and embedding_state_bits not in (32, 16, 8):
+        raise ValueError(f"embedding_state_bits must be 32, 16, 8 or None, got {embedding_state_bits!r}")
+    if not isinstance(step_in_backward, bool):
+        raise TypeError(f"step_in_backward must be a bool, got {type(step_in_backward).__name__}")
+    ctor = {**resolved.kwargs, **kwargs}
+    if _relative_step_capable(resolved.cls):  # as the Trainer's optim="adafactor": an external, scheduled lr
+        ctor.setdefault("relative_step", False)
+        ctor.setdefault("scale_parameter", False)
+    if state_bits is not None:
+        ctor["state_bits"] = state_bits
+    _probe(resolved.cls, ctor)  # validates the keywords now
+    config = dict(
+        name=name,
+        optimizer_kwargs=ctor,
+        galore=galore,
+        embedding_state_bits=embedding_state_bits,
+        step_in_backward=step_in_backward,
+        training_args=args,
+    )
+    return TrainerOptimizerFactory, config
+
+
+class TrainerOptimizerFactory:
+    """The first element of :func:`optimizer`'s result: the Trainer instantiates it and calls it with the model and
+    :func:`optimizer`'s config. Calling the class with param groups (transformers < 5.3, which treats every
+    ``optimizer_cls`` as a class) builds the optimizer the same way, from the calling Trainer's model."""
+
+    def __new__(cls, params: Any = None, **config: Any) -> Any:
+        if params is None:
+            return super().__new__(cls)
+        trainer, model = _calling_trainer()
+        if model is None:
+            raise TypeError(
+                "TrainerOptimizerFactory(params, ...) builds its groups from a model: call it as "
+                "TrainerOptimizerFactory()(model, **config), or from inside a transformers Trainer"
+            )
+        return build(model, trainer=trainer, **config)
+
+    def __call__(self, model: torch.nn.Module, **config: Any) -> torch.optim.Optimizer:
+        trainer, _ = _calling_trainer()
+        return build(model, trainer=trainer, **config)
+
+
+def build(
+    model: torch.nn.Module,
+    *,
+    name: str,
+    optimizer_kwargs: dict[str, Any],
+    galore: dict[str, Any] | None,
+    embedding_state_bits: int | None,
+    step_in_backward: bool,
+    training_args: TrainingArguments | None,
+    trainer: Any = None,
+) -> torch.optim.Optimizer:
+    """Make the optimizer for ``model`` (what the factory does; see the module docstring)."""
+    args = training_args if training_args is not None else getattr(trainer, "args", None)
+    if args is None:
+        raise TypeError(
+            "lowmemopt optimizer factory called outside a transformers Trainer: pass args=TrainingArguments(...) "
+            "to lowmemopt.integrations.transformers.optimizer()"
+        )
+    cls = resolve(name).cls
+    ctor = {**from_training_args(cls, args, optimizer_kwargs), **optimizer_kwargs}
+    weight_decay = ctor.pop("weight_decay", args.weight_decay)
+    groups = param_groups(
+        model,
+        weight_decay=weight_decay,
+        decay_names=_decay_names(trainer, model),
+        galore=galore,
+        embedding_state_bits=embedding_state_bits,
+    )
+    opt = cls(groups, **ctor)
+    if step_in_backward:
+        opt = _step_in_backward(model, opt, args)
+    return opt
+
+
+def from_training_args(cls: type, args: Any, explicit: Mapping[str, Any] = ()) -> dict[str, Any]:
+    """The keywords of ``cls`` that ``TrainingArguments`` set: ``lr`` (unless Adafactor computes its own:
+    ``relative_step=True``) and ``weight_decay``; ``betas`` (first two entries, the rest keep the optimizer's
+    defaults) and a scalar ``eps`` where ``cls`` has them."""
+    out: dict[str, Any] = {"weight_decay": args.weight_decay}
+    if not explicit.get("relative_step", False):
+        out["lr"] = args.learning_rate
+    defaults = _probe(cls, {**out, **explicit}).defaults
+    betas = defaults.get("betas")
+    if isinstance(betas, (tuple, list)) and len(betas) >= 2:
+        out["betas"] = (args.adam_beta1, args.adam_beta2, *betas[2:])
+    eps = defaults.get("eps")
+    if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+        out["eps"] = args.adam_epsilon
+    return out
+
+
+def param_groups(
+    model: torch.nn.Module,
+    *,
+    weight_decay: float,
+    decay_names: set[str] | list[str] | None = None,
+    galore: Mapping[str, Any] | None = None,
+    embedding_state_bits: int | None = 32,
+) -> list[dict[str, Any]]:
+    """``model``'s trainable parameters as param groups: GaLore groups first split off (when ``galore`` is given),
+    then each group split by (decay, embedding): ``weight_decay`` for the names in ``decay_names`` (default: every
+    parameter), 0 for the others; ``state_bits=embedding_state_bits`` for ``nn.Embedding`` weights. Empty groups are
+    dropped; the order is deterministic (model order), so a resumed run's groups match a saved state dict."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no trainable parameters")
+    names = {id(p): n for n, p in named}
+    decay = set(names.values()) if decay_names is None else set(decay_names)
+    embedding = {id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                 for p in m.parameters(recurse=False)}
+    if galore is not None:
+        base = _galore_groups(model, dict(galore))
+    else:
+        base = [{"params": [p for _, p in named]}]
+    groups: list[dict[str, Any]] = []
+    for group in base:
+        buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {}
+        for p in group["params"]:
+            if id(p) not in names:
+                continue  # frozen
+            is_embedding = embedding_state_bits is not None and id(p) in embedding
+            buckets.setdefault((names[id(p)] in decay, is_embedding), []).append(p)
+        for (decays, is_embedding), params in buckets.items():
+            sub = {k: v for k, v in group.items() if k != "params"}
+            sub["params"] = params
+            sub["weight_decay"] = weight_decay if decays else 0.0
+            if is_embedding:
+                sub["state_bits"] = embedding_state_bits
+            groups.append(sub)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
+    """Check GaLore settings now, with :func:`lowmemopt.galore_param_groups`'s own checks (on a one-Linear model)."""
+    if not isinstance(galore, Mapping):
+        raise TypeError(f"galore must be a dict of GaLore settings, got {type(galore).__name__}")
+    missing = [k for k in ("target_modules", "rank") if k not in galore]
+    if missing:
+        raise ValueError(f"galore needs {' and '.join(missing)}, e.g. galore=dict(target_modules='all-linear', "
+                         "rank=128) (target_modules as in TrainingArguments.optim_target_modules)")
+    galore = dict(galore)
+    _galore_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**galore, "target_modules": "all-linear"})
+    return galore
+
+
+def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[str, Any]]:
+    import lowmemopt
+
+    make = getattr(lowmemopt, "galore_param_groups", None)
+    if make is None:
+        raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
+    return make(model, **galore)
+
+
+def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any) -> torch.optim.Optimizer:
+    """Attach :func:`lowmemopt.step_in_backward` (accumulating over ``args.gradient_accumulation_steps``) and make the
+    stepper's position part of ``opt.state_dict()`` (key ``"step_in_backward"``), so the Trainer's ``optimizer.pt``
+    holds it and ``resume_from_checkpoint`` restores it."""
+    import lowmemopt
+
+    attach = getattr(lowmemopt, "step_in_backward", None)
+    if attach is None:
+        raise NotImplementedError("per-layer stepping (step_in_backward) is not available in this version of lowmemopt")
+    try:
+        stepper = attach(model, opt, accumulation_steps=args.gradient_accumulation_steps,
+                         max_grad_norm=args.max_grad_norm)
+    except ValueError as e:
+        if args.max_grad_norm:
+            raise ValueError(f"step_in_backward=True needs TrainingArguments(max_grad_norm=0): {e}") from e
+        raise
+
+    def save(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict["step_in_backward"] = stepper.state_dict()
+        return state_dict
+
+    def load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("step_in_backward", None)
+        if saved is not None:
+            stepper.load_state_dict(saved)
+        return state_dict
+
+    opt.register_state_dict_post_hook(save)
+    opt.register_load_state_dict_pre_hook(load, prepend=True)
+    opt.backward_stepper = stepper  # keep it reachable (and alive) with the optimizer
+    return opt
+
+
+def _probe(cls: type, kwargs: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """A throw-away instance on one dummy parameter: validates ``kwargs`` and exposes the defaults they give."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("paged", "offload_dir")}
+    return instantiate(cls, [torch.nn.Parameter(torch.zeros(1))], **kwargs)
+
+
+def _relative_step_capable(cls: type) -> bool:
+    from ..optim import Adafactor
+
+    return issubclass(cls, Adafactor)
+
+
+def _calling_trainer() -> tuple[Any, torch.nn.Module | None]:
+    """The ``transformers.Trainer`` whose method is on the call stack, and the model it is building an optimizer for
+    (``create_optimizer``'s ``opt_model``); (None, None) outside a Trainer."""
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return None, None
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj, frame.f_locals.get("opt_model", getattr(obj, "model", None))
+        frame = frame.f_back
+    return None, None
+
+
+def _decay_names(trainer: Any, model: torch.nn.Module) -> list[str]:
+    """The Trainer's no-decay rule: its ``get_decay_parameter_names`` (a subclass's override included)."""
+    if trainer is not None:
+        return trainer.get_decay_parameter_names(model)
+    from transformers import Trainer
+
+    return Trainer.get_decay_parameter_names(None, model)  # does not use ``self``

@@ -1,0 +1,80 @@
+"""Optimizers by name, for the Trainer integration and the ``lowmemopt`` command.
+
+Every optimizer class exported by :mod:`lowmemopt` (``AdamW``, ``CAME``, the drop-in aliases such as ``AdamW8bit``...)
+is reachable by its name, case-insensitively and ignoring ``_``, ``-`` and spaces: ``"adamw"``, ``"AdamW8bit"``,
+``"adamw_8bit"`` and ``"ADAMW-8BIT"`` all name ``lowmemopt.AdamW8bit``. Names that are not a class may carry the
+prefixes ``galore`` (the optimizer is to run in GaLore's projected subspace: the caller builds GaLore param groups) and
+``paged`` (``paged=True``), in that order: ``"galore_came8bit"`` is ``CAME8bit`` in GaLore groups,
+``"paged_lion8bit"`` is ``Lion8bit(paged=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Resolved", "instantiate", "optimizer_classes", "optimizer_names", "resolve"]
+
+
+class Resolved(NamedTuple):
+    """What a name means: the class, whether it asks for GaLore groups, and keyword defaults the name implies."""
+
+    cls: type[torch.optim.Optimizer]
+    galore: bool
+    kwargs: dict[str, Any]
+
+
+def _key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch not in "_- ")
+
+
+def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """Every optimizer class in ``lowmemopt.__all__``, by class name."""
+    import lowmemopt
+
+    classes = {}
+    for name in lowmemopt.__all__:
+        obj = getattr(lowmemopt, name)
+        if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer):
+            classes[name] = obj
+    return classes
+
+
+def optimizer_names() -> list[str]:
+    """The class names :func:`resolve` accepts (prefixed forms aside), sorted."""
+    return sorted(optimizer_classes(), key=str.lower)
+
+
+def resolve(name: str) -> Resolved:
+    """Look ``name`` up (see the module docstring); raises ValueError, listing the known names, if it names nothing."""
+    if not isinstance(name, str):
+        raise TypeError(f"optimizer name must be a string, got {type(name).__name__}")
+    by_key = {_key(n): cls for n, cls in optimizer_classes().items()}
+    key = _key(name)
+    if key in by_key:
+        cls = by_key[key]
+        return Resolved(cls, cls.__name__.lower().startswith("galore"), {})
+    galore = paged = False
+    rest = key
+    if rest.startswith("galore"):
+        galore, rest = True, rest[len("galore"):]
+    if rest.startswith("paged"):
+        paged, rest = True, rest[len("paged"):]
+    if (galore or paged) and rest in by_key:
+        return Resolved(by_key[rest], galore or by_key[rest].__name__.lower().startswith("galore"),
+                        {"paged": True} if paged else {})
+    raise ValueError(
+        f"unknown optimizer {name!r}; choose one of {', '.join(optimizer_names())} (case-insensitive; "
+        "'_' and '-' are ignored; prefix 'galore_' and/or 'paged_' for GaLore groups / paged state)"
+    )
+
+
+def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """``cls(params, **kwargs)`` with a placeholder ``lr=1e-3`` when none is given (CAME requires one; Adafactor with
+    ``relative_step=True``, its default, takes none). For validating keywords and laying out state, not training."""
+    from .optim import Adafactor
+
+    if "lr" not in kwargs and not (issubclass(cls, Adafactor) and kwargs.get("relative_step", True)):
+        kwargs["lr"] = 1e-3
+    return cls(params, **kwargs)

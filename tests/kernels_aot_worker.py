@@ -1,0 +1,78 @@
+"""Subprocess half of the GPU-compile test: compile every lowmemopt kernel ahead of time for an NVIDIA target (sm_90)
+with Triton's own compiler and ptxas, without a GPU, and print one JSON line per kernel variant:
+``{"kernel": label, "ok": bool, "error": str, "v4": number of 128-bit global loads and stores}``.
+
+Runs without ``TRITON_INTERPRET`` (the parent removes it), so the kernels are real ``JITFunction`` objects. Catches what
+the interpreter cannot: code that the GPU compiler rejects (non-constexpr globals, type errors), and lost
+vectorization in the unmasked (full-tile) variants. Usage: python kernels_aot_worker.py
+"""
+
+import json
+import re
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lowmemopt.kernels import adamw, codec, factored, lamb, lars, lion, sgd
+
+POINTERS = {"units": "*i32", "table": "*i64", "lut_s": "*i32", "lut_u": "*i32", "lut": "*i32", "codes_ptr": "*u8"}
+FP32_POINTERS = {"book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cfac", "rfac2", "cfac2", "absmax_ptr",
+                 "out_ptr", "x_ptr"}
+INTS = {"first_step": "i32", "numel": "i64"}
+
+
+def signature(fn) -> dict:
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in POINTERS:
+            sig[p.name] = POINTERS[p.name]
+        elif p.name in FP32_POINTERS:
+            sig[p.name] = "*fp32"
+        else:
+            sig[p.name] = INTS.get(p.name, "fp32")  # hyper-parameters: runtime fp32 scalars
+    return sig
+
+
+def tile(**flags):
+    return dict(W=15, FMT=2, P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, ALIGNED=True, ROWS=8, BLOCK=256, **flags)
+
+
+VARIANTS = [
+    ("adam", adamw._adam_kernel, tile(AMSGRAD=True, MAXIMIZE=True, L2_DECAY=True)),
+    ("adam-fp32-state", adamw._adam_kernel, {**tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False), "FMT": 0}),
+    ("sgd", sgd._sgd_kernel, {**tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True), "FMT": 1}),
+    ("lion", lion._lion_kernel, tile()),
+    ("lamb", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True)),
+    ("lars-norms", lars._lars_norms_kernel, tile()),
+    ("lars", lars._lars_apply_kernel, tile(MOMENTUM=True, DECAY=True, TRUST=True)),
+    ("stats", factored._stats_kernel, dict(W=15, FMT=2, G_DTYPE=tl.float32, QBLOCK=256, TR=16, BC=128, RESIDUAL=True)),
+    ("factors", factored._factors_kernel, dict(W=15, STAT=9, FB=1024)),
+    ("sumsq", factored._sumsq_kernel, tile(FACTORED=False, SUM_P=True)),
+    ("apply-came", factored._apply_kernel, tile(FACTORED=True, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
+    ("apply-adafactor", factored._apply_kernel,
+     tile(FACTORED=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
+    ("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=8, BLOCK=256)),
+    ("dequantize", codec._dequantize_kernel, dict(ROWS=8, BLOCK=256)),
+]
+
+
+def main() -> None:
+    target = GPUTarget("cuda", 90, 32)
+    for label, kernel, constexprs in VARIANTS:
+        result = dict(kernel=label, ok=False, error="", v4=0)
+        try:
+            src = ASTSource(fn=kernel, signature=signature(kernel), constexprs=constexprs)
+            compiled = triton.compile(src, target=target, options=dict(num_warps=4, enable_fp_fusion=False))
+            result["v4"] = len(re.findall(r"(?:ld|st)\.global[\.\w]*\.v4", compiled.asm["ptx"]))
+            result["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            result["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

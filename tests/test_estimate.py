@@ -1,0 +1,148 @@
+"""lowmemopt.estimate and `lowmemopt estimate`: the state figure equals what a real optimizer holds after one step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lowmemopt
+from lowmemopt.cli import main as cli_main
+from lowmemopt.estimate import estimate, format_bytes, model_from_config, parse_bytes, state_nbytes_after_first_step
+from lowmemopt.registry import instantiate, optimizer_classes
+
+pytest.importorskip("transformers")
+
+# ragged shapes: vocab 301 x 64 = 19264 elements (75.25 blocks of 256), q/k/v/o 64 x 64 = 4096 (min_quant_numel,
+# the boundary), MLP 64 x 88 = 5632, norms 64 (fp32 state at every state_bits)
+CONFIG = dict(model_type="llama", vocab_size=301, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+
+# keywords that give an optimizer all of its slots (momentum buffers, Adafactor's first moment, AMSGrad's v_max)
+FULL_STATE = {"SGD": dict(momentum=0.9), "LARS": dict(momentum=0.9), "Adafactor": dict(beta1=0.9),
+              "Adam": dict(amsgrad=True)}
+
+
+def real_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    data = dict(CONFIG)
+    data.pop("model_type")
+    return LlamaForCausalLM(LlamaConfig(**data))
+
+
+def state_after_one_step(cls, state_bits: int, **kwargs) -> int:
+    model = real_model()
+    opt = instantiate(cls, model.parameters(), state_bits=state_bits, **kwargs)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt.state_nbytes()
+
+
+def _base_name(cls) -> str:
+    return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("lowmemopt.optim"))
+
+
+@pytest.mark.parametrize("state_bits", [32, 16, 8])
+def test_estimate_is_exact_for_every_optimizer(state_bits):
+    meta = model_from_config(CONFIG)
+    assert all(p.is_meta for p in meta.parameters())
+    n = sum(p.numel() for p in real_model().parameters())
+    for name, cls in optimizer_classes().items():
+        if name.lower().startswith("galore"):
+            continue  # needs GaLore groups: see the GaLore test
+        kwargs = FULL_STATE.get(_base_name(cls), {})
+        got = estimate(meta, name, state_bits, **kwargs)
+        assert got.state == state_after_one_step(cls, state_bits, **kwargs), (name, state_bits)
+        assert got.params == n and got.weights == 4 * n and got.grads == 4 * n
+        assert got.total == got.weights + got.grads + got.state
+
+
+def test_estimate_counts_bf16_weights_and_leaves_the_optimizer_alone():
+    got = estimate(model_from_config(CONFIG, torch.bfloat16), "adamw8bit", 8)
+    n = got.params
+    assert got.weights == 2 * n and got.grads == 2 * n
+    model = real_model()
+    opt = lowmemopt.AdamW8bit(model.parameters())
+    assert state_nbytes_after_first_step(opt) == got.state
+    assert not opt.state  # laid out on a shadow optimizer on the meta device
+
+
+@pytest.mark.skipif(not hasattr(lowmemopt, "galore_param_groups"), reason="GaLore has not landed")
+@pytest.mark.parametrize("name", ["adamw8bit", "came8bit"])
+def test_estimate_is_exact_with_galore(name):
+    got = estimate(model_from_config(CONFIG), name, 8, galore_rank=8)
+    model = real_model()
+    groups = lowmemopt.galore_param_groups(model, target_modules="all-linear", rank=8)
+    opt = instantiate(optimizer_classes()[{"adamw8bit": "AdamW8bit", "came8bit": "CAME8bit"}[name]], groups)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert got.state == opt.state_nbytes()
+    assert got.state < estimate(model_from_config(CONFIG), name, 8).state
+
+
+def test_cli_estimate_json_matches_a_real_step(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "came8bit,lion", "--state-bits", "8",
+                     "--gpu-memory", "1MiB", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["optimizer"], r["state_bits"]) for r in rows] == [("CAME8bit", 8), ("Lion", 8)]
+    assert rows[0]["state"] == state_after_one_step(lowmemopt.CAME8bit, 8)
+    assert rows[1]["state"] == state_after_one_step(lowmemopt.Lion, 8)
+    total = rows[0]["weights"] + rows[0]["grads"] + rows[0]["state"]
+    assert rows[0]["total"] == total and rows[0]["fits"] is (total <= 1024**2) and rows[0]["gpu_memory"] == 1024**2
+
+
+@pytest.mark.skipif(not hasattr(lowmemopt, "galore_param_groups"), reason="GaLore has not landed")
+def test_cli_estimate_galore_rows(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "came8bit", "--galore-rank", "8", "--galore-target",
+                     "self_attn,mlp", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["galore_rank"] for r in rows] == [None, 8]
+    model = real_model()
+    opt = lowmemopt.CAME8bit(lowmemopt.galore_param_groups(model, ["self_attn", "mlp"], rank=8), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert rows[1]["state"] == opt.state_nbytes() < rows[0]["state"]
+
+
+def test_cli_estimate_table(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit", "--dtype", "bf16",
+                     "--gpu-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    state = estimate(model_from_config(CONFIG, torch.bfloat16), "adamw8bit", 8).state
+    row = next(line for line in out.splitlines() if line.startswith("| AdamW8bit"))
+    assert "| 8-bit | — |" in row and f"| {format_bytes(state)} |" in row and row.endswith("| yes |")
+    assert len([line for line in out.splitlines() if line.startswith("| AdamW8bit")]) == 1  # its own 8 bits only
+
+
+def test_cli_estimate_bad_input(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 8}))
+    assert cli_main(["estimate", str(path)]) == 1
+    assert "model_type" in capsys.readouterr().err
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "adamz"]) == 1
+    assert "unknown optimizer 'adamz'" in capsys.readouterr().err
+    assert cli_main(["estimate", str(path), "--gpu-memory", "lots"]) == 1
+    assert "memory size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["estimate", str(path), "--state-bits", "4"])
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 1024**3 and parse_bytes("24G") == 24 * 1024**3
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1.5 MiB") == 1.5 * 1024**2 and parse_bytes("512") == 512
+    for bad in ("", "GiB", "12 parsecs", "-1GB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
