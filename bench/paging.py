@@ -7,8 +7,9 @@ optimizer unpaged and, on a GPU, bitsandbytes' PagedAdamW8bit / PagedAdamW, in o
 
 CPU: each configuration runs in its own process (so one's freed memory cannot hide another's peak) on a LLaMA-style
 model with fixed random gradients. Reported: the optimizer state's size, the process's RSS above the model + gradients
-after the warm-up steps, its peak during the timed steps (``VmHWM`` reset by ``/proc/self/clear_refs``), and the median
-step time. GPU: the same model on the device; paged configurations get a budget of ``--budget-frac`` of the unpaged
+after the warm-up steps, its peak during the timed steps (``VmHWM`` reset by ``/proc/self/clear_refs``), the median
+step time, and the median process CPU time per step (all threads: less sensitive than wall time to other work on a
+shared machine). GPU: the same model on the device; paged configurations get a budget of ``--budget-frac`` of the unpaged
 state, so the state does not fit it. Reported: device memory held between steps by the optimizer (torch's allocator),
 the peak during a step, the device's own used-memory (``cudaMemGetInfo``, which also sees bitsandbytes' managed memory)
 and the median step time. Without CUDA, ``--device cuda`` stops with an error.
@@ -101,11 +102,18 @@ def cpu_worker(args: argparse.Namespace) -> None:
     after_warmup = _kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    times, note = time_steps(opt.step, steps=args.steps, warmup=0, device=torch.device("cpu"))
+    cpu_times = []
+
+    def step():
+        c0 = time.process_time()
+        opt.step()
+        cpu_times.append(time.process_time() - c0)
+
+    times, note = time_steps(step, steps=args.steps, warmup=0, device=torch.device("cpu"))
     peak = _kib("VmHWM")
     out = dict(config=args.worker, state_bytes=opt.state_nbytes(), n_params=sum(p.numel() for p in params),
                rss_after_warmup=(after_warmup - base) * 1024, peak_rss=(peak - base) * 1024,
-               times_s=times, median_s=statistics.median(times), note=note)
+               times_s=times, median_s=statistics.median(times), cpu_s=statistics.median(cpu_times), note=note)
     opt.close()
     print(json.dumps(out))
 
@@ -143,15 +151,16 @@ def _run_cpu_once(args: argparse.Namespace) -> list[dict]:
 def print_cpu_table(results: list[dict]) -> None:
     ref = next((r for r in results if r.get("config") == "unpaged" and "median_s" in r), None)
     print("| configuration | state (MB) | RSS above model+grads after warm-up (MB) | peak during steps (MB) "
-          "| median step (s) | vs unpaged |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+          "| median step (s) | vs unpaged | process CPU s / step | vs unpaged |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         if "error" in r:
-            print(f"| {r['config']} | — | — | — | — | FAILED: {r['error']} |")
+            print(f"| {r['config']} | — | — | — | — | — | — | FAILED: {r['error']} |")
             continue
         ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "—"
+        cpu_ratio = f"{r['cpu_s'] / ref['cpu_s']:.2f}x" if ref else "—"
         print(f"| {_cpu_name(r['config'])} | {r['state_bytes'] / 1e6:.1f} | {r['rss_after_warmup'] / 1e6:.1f} "
-              f"| {r['peak_rss'] / 1e6:.1f} | {r['median_s']:.3f} | {ratio} |")
+              f"| {r['peak_rss'] / 1e6:.1f} | {r['median_s']:.3f} | {ratio} | {r['cpu_s']:.3f} | {cpu_ratio} |")
 
 
 def _cpu_name(config: str) -> str:

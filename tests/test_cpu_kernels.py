@@ -160,14 +160,15 @@ def test_adam_variants(lib, variant, monkeypatch, correctly_rounded_sqrt):
 
 
 def test_native_path_runs_and_tensor_lr_falls_back(lib, monkeypatch):
-    """Large and small CPU parameters take the kernel (all full blocks); a 0-dim tensor lr is left to the torch path."""
+    """Large and small CPU parameters take the kernel (8-bit: the full blocks; fp32 state: every element); a 0-dim
+    tensor lr is left to the torch path."""
     done = []
     real = elementwise.step
     monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)) or done[-1])
     monkeypatch.setattr(compiled, "ENABLED", False)
     params = make_params([(300, 257), (40,)])
     run(lowmemopt.AdamW(params, lr=1e-3, state_bits=8), params, 1)
-    assert done == [300 * 257 // 256 * 256, 0]  # the 40-element vector has no full 64-element row: eager
+    assert done == [300 * 257 // 256 * 256, 40]  # the 40-element vector keeps fp32 state (< min_quant_numel)
     done.clear()
     run(lowmemopt.AdamW(params, lr=torch.tensor(1e-3)), params, 1)
     assert done == [0, 0]

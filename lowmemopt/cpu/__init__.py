@@ -60,11 +60,16 @@ def applies(t: torch.Tensor) -> bool:
 
 def applies_to(opt) -> bool:
     """Whether native kernels may step optimizer ``opt`` at all: enabled, and ``opt`` applies its update the standard
-    way (``p = p * decay + alpha * delta``; a subclass that overrides ``_apply_update`` keeps to the torch paths). Does
-    not build anything."""
+    way (``p = p * decay + alpha * delta``; an override of ``_apply_update``, in a subclass or on the instance, keeps to
+    the torch paths). Does not build anything."""
     from ..optimizer import LowMemOptimizer
 
-    return ENABLED and type(opt)._apply_update is LowMemOptimizer._apply_update
+    return ENABLED and _method_is(opt, "_apply_update", LowMemOptimizer._apply_update)
+
+
+def _method_is(opt, name: str, fn) -> bool:
+    """``opt.<name>`` is ``fn``, not overridden by a subclass or on the instance."""
+    return getattr(getattr(opt, name), "__func__", None) is fn
 
 
 def step_elementwise(*args, **kwargs) -> int:

@@ -22,7 +22,9 @@ from . import applies, build, ffi
 
 __all__ = ["KERNELS", "Kernel", "step"]
 
-#: rows of this many elements for fp32 / bf16 state (any size works; q8 rows are the quantization blocks)
+#: rows of this many elements for fp32 / bf16 state (any size works; q8 rows are the quantization blocks); the
+#: kernel also does the last partial row, so every element of a parameter takes the same arithmetic (a sharded
+#: parameter's local shards step exactly as the whole one)
 DENSE_ROW = 64
 
 
@@ -70,12 +72,14 @@ def _is_number(v: Any) -> bool:
 
 def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], slots: dict[str, Any],
          formats: dict[str, StateFormat], group: dict[str, Any], step: int, decay: float) -> int:
-    """Run the fused kernel of ``opt``'s math over the leading full rows of the flat parameter ``pflat`` (contiguous;
-    updated in place) with gradient ``gflat``, state slots decoded and encoded around it, ``p = p * decay + delta``.
-    Returns how many leading elements it did (0: the kernel does not apply here; the caller runs the rest)."""
+    """Run the fused kernel of ``opt``'s math over the flat parameter ``pflat`` (contiguous; updated in place) with
+    gradient ``gflat``, state slots decoded and encoded around it, ``p = p * decay + delta``: all of it for fp32 / bf16
+    state, the full blocks for 8-bit state. Returns how many leading elements it did (0: the kernel does not apply
+    here; the caller runs the rest)."""
     from ..optimizer import LowMemOptimizer
+    from . import _method_is
 
-    if type(opt)._update is not LowMemOptimizer._update:  # the math is not what the step runs
+    if not _method_is(opt, "_update", LowMemOptimizer._update):  # the math is not what the step runs
         return 0
     math = type(opt).math
     kernel = KERNELS.get(math)
@@ -102,7 +106,8 @@ def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], s
         rows, bs = pflat.numel() // DENSE_ROW, DENSE_ROW
     else:
         return 0
-    if rows == 0:
+    tail = pflat.numel() - rows * bs if fmt is not Q8 else 0
+    if rows == 0 and tail == 0:
         return 0
     cslots = []
     for k in names:
@@ -118,5 +123,5 @@ def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], s
                 return 0
             cslots.append(ffi.slot_dense(t))
     h, flags = kernel.scalars(kwargs, decay)
-    ffi.call(getattr(build.library(), kernel.name), ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags))
-    return rows * bs
+    ffi.call(getattr(build.library(), kernel.name), ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail))
+    return rows * bs + tail

@@ -199,7 +199,7 @@ def step(opt, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: 
          formats: dict[str, Any], group: dict[str, Any], step: int, decay: float) -> bool:
     """One native step of ``opt``'s algorithm for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
     place). False if it does not apply (the caller runs the eager path); state is untouched then."""
-    fn = STEPS.get(getattr(type(opt), "_update", None))
+    fn = STEPS.get(getattr(opt._update, "__func__", None))  # an override (subclass or instance) has no native step
     if fn is None or decay != 1.0 or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
         return False
     if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:

@@ -41,6 +41,7 @@ class Args(ctypes.Structure):
         ("nthreads", ctypes.c_int32),
         ("nslots", ctypes.c_int32),
         ("flags", ctypes.c_int32),
+        ("tail", ctypes.c_int32),
         ("slot", Slot * MAX_SLOTS),
         ("h", ctypes.c_double * 16),
     ]
@@ -59,7 +60,7 @@ def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
 
 
 def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],
-             hyper: tuple[float, ...] = (), flags: int = 0) -> Args:
+             hyper: tuple[float, ...] = (), flags: int = 0, tail: int = 0) -> Args:
     a = Args()
     a.p = None if p is None else p.data_ptr()
     a.g = None if g is None else g.data_ptr()
@@ -72,7 +73,7 @@ def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int
         a.slot[i] = s
     for i, h in enumerate(hyper):
         a.h[i] = h
-    a.flags = flags
+    a.flags, a.tail = flags, tail
     return a
 
 

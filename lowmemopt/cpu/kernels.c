@@ -29,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 5
+#define LMO_ABI_VERSION 6
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -70,6 +70,7 @@ typedef struct {
     int32_t nthreads;
     int32_t nslots;
     int32_t flags;       /* algorithm-specific switches */
+    int32_t tail;        /* fp32 / bf16 state: elements after the nrows full rows, done too (0 <= tail < bs <= 64) */
     lmo_slot slot[LMO_MAX_SLOTS];
     double h[16];        /* algorithm-specific hyper-parameters (cast to float where torch casts them) */
 } lmo_args;
@@ -509,28 +510,68 @@ static inline __attribute__((always_inline)) void slot_row_end(const int kind, c
 /* Run rows(args, rt, r0, r1) over [0, nrows) split into one contiguous range per thread. */
 typedef void (*rows_fn)(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1);
 
+static size_t dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+/* The tail (fewer than bs <= 64 elements, dense state only): copied into zero-padded row buffers, stepped as one row,
+ * copied back. Elementwise math, so the padding does not touch the real elements. */
+static void run_tail(const lmo_args *a, rows_fn fn) {
+    unsigned char pb[64 * 4] __attribute__((aligned(64))), gb[64 * 4] __attribute__((aligned(64)));
+    unsigned char sb[LMO_MAX_SLOTS][64 * 4] __attribute__((aligned(64)));
+    const int64_t at = a->nrows * a->bs;
+    const size_t pe = dt_size(a->p_dtype), ge = dt_size(a->g_dtype);
+    lmo_args t = *a;
+    slot_rt rt[LMO_MAX_SLOTS];
+    int k;
+    memset(pb, 0, sizeof pb);
+    memset(gb, 0, sizeof gb);
+    memset(sb, 0, sizeof sb);
+    memcpy(pb, (const char *)a->p + at * pe, a->tail * pe);
+    memcpy(gb, (const char *)a->g + at * ge, a->tail * ge);
+    t.p = pb;
+    t.g = gb;
+    t.nrows = 1;
+    t.tail = 0;
+    for (k = 0; k < a->nslots; k++) {
+        const size_t se = a->slot[k].kind == ST_F32 ? 4 : 2;
+        memcpy(sb[k], (const char *)a->slot[k].data + at * se, a->tail * se);
+        t.slot[k].data = sb[k];
+        slot_rt_init(&rt[k], &t.slot[k], NULL);
+    }
+    fn(&t, rt, 0, 1);
+    memcpy((char *)a->p + at * pe, pb, a->tail * pe);
+    for (k = 0; k < a->nslots; k++) {
+        const size_t se = a->slot[k].kind == ST_F32 ? 4 : 2;
+        memcpy((char *)a->slot[k].data + at * se, sb[k], a->tail * se);
+    }
+}
+
 static int run_rows(const lmo_args *a, rows_fn fn) {
-    int nt = a->nthreads < 1 ? 1 : a->nthreads;
+    int nt = a->nthreads < 1 ? 1 : a->nthreads, k;
     int64_t min_rows = (65536 + a->bs - 1) / a->bs; /* below ~64K elements per thread, threads do not pay */
     if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return LMO_EBADARG;
-    if (a->nrows <= 0) return LMO_OK;
+    if (a->tail < 0 || a->tail >= a->bs || (a->tail && a->bs > 64)) return LMO_EBADARG;
+    for (k = 0; k < a->nslots; k++)
+        if (a->tail && a->slot[k].kind == ST_Q8) return LMO_EBADARG;
     if ((int64_t)nt * min_rows > a->nrows) nt = (int)(a->nrows / min_rows) > 0 ? (int)(a->nrows / min_rows) : 1;
+    if (a->nrows > 0) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
-    {
+        {
 #ifdef _OPENMP
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
 #else
-        int t = 0, n = 1;
+            int t = 0, n = 1;
 #endif
-        float bufs[LMO_MAX_SLOTS * a->bs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
-        slot_rt rt[LMO_MAX_SLOTS];
-        int k;
-        int64_t r0 = a->nrows * t / n, r1 = a->nrows * (t + 1) / n;
-        for (k = 0; k < a->nslots; k++) slot_rt_init(&rt[k], &a->slot[k], bufs + k * a->bs);
-        if (r1 > r0) fn(a, rt, r0, r1);
+            float bufs[LMO_MAX_SLOTS * a->bs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
+            slot_rt rt[LMO_MAX_SLOTS];
+            int j;
+            int64_t r0 = a->nrows * t / n, r1 = a->nrows * (t + 1) / n;
+            for (j = 0; j < a->nslots; j++) slot_rt_init(&rt[j], &a->slot[j], bufs + j * a->bs);
+            if (r1 > r0) fn(a, rt, r0, r1);
+        }
     }
+    if (a->tail) run_tail(a, fn);
     return LMO_OK;
 }
 

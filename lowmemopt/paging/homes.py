@@ -124,8 +124,7 @@ class Homes:
             raise OSError(
                 code,
                 f"lowmemopt paging: cannot reserve {nbytes / 2**20:.1f} MiB for optimizer state in offload_dir "
-                f"{offload_dir!r} ({why}); the optimizer state was left as it was: free some space or choose "
-                "another offload_dir",
+                f"{offload_dir!r} ({why}); free some space or choose another offload_dir",
             ) from e
         self._owned[t.untyped_storage().data_ptr()] = _Owned(path, 0, -(-nbytes // _PAGE) * _PAGE)
         return t
@@ -139,8 +138,8 @@ class Homes:
                 os.mkdir(directory, 0o700)
             except OSError as e:
                 raise PermissionError(
-                    f"offload_dir {offload_dir!r} is not a writable directory ({type(e).__name__}: "
-                    f"{e.strerror or e}); the optimizer state was left as it was"
+                    e.errno or errno.EACCES,
+                    f"offload_dir {offload_dir!r} is not a writable directory ({type(e).__name__}: {e.strerror or e})",
                 ) from e
             self._dirs[offload_dir] = directory
         return directory

@@ -68,6 +68,13 @@ def _tensors(state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
     return {k: v for k, v in (state or {}).items() if isinstance(v, torch.Tensor)}
 
 
+def _reraise(e: BaseException, note: str) -> None:
+    """Raise ``e`` again; an OSError gets ``note`` (what happened to the state) added to its message."""
+    if isinstance(e, OSError) and e.errno is not None:
+        raise type(e)(e.errno, f"{e.strerror}; {note}") from e
+    raise e
+
+
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -189,13 +196,13 @@ class Pager:
                     self.homes.free(t)
             homes.update(made)
             self._mover(p).store(entry, [(t, homes[k]) for k, t in tensors.items()])
-        except BaseException:
+        except BaseException as e:
             # no room for a new home (disk full) or an I/O error: the updated state stays with the parameter, on its
             # device, where it is consistent with the parameter's new value
             for t in made.values():
                 self.homes.free(t)
             self._make_resident(p, entry, working)
-            raise
+            _reraise(e, f"{self._where(p)} was updated; its state stays on {p.device}, no longer paged")
         state = entry.state if entry.state is not None else {}
         state.clear()
         state.update({k: homes[k] if k in tensors else v for k, v in working.items()})
@@ -259,10 +266,10 @@ class Pager:
                         homes[k].copy_(t)
                     drop_pages(self.homes, homes[k])
                 entry.state, entry.reserved = {k: homes.get(k, v) for k, v in state.items()}, None
-        except BaseException:
+        except BaseException as e:
             for entry in made.values():
                 self._free(entry)
-            raise
+            _reraise(e, "the optimizer and its state were left as they were")
         return made
 
     def _budget(self, items, layouts, index) -> set[torch.Tensor]:
