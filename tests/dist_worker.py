@@ -10,6 +10,7 @@ distributed run, in the same process, on plain tensors with the same gradients.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -176,6 +177,20 @@ def run_pair(ctx, cls, kwargs, shapes, steps, placements=None, mesh=None):
 # element-wise optimizers
 
 
+@contextlib.contextmanager
+def torch_paths_only():
+    """Step through the torch (eager) path only, not the native CPU kernels (lowmemopt.cpu) or the compiled path: so
+    that a bit-exact comparison covers the torch path too (the native kernels are tested as they run by default)."""
+    from lowmemopt import compiled, cpu
+
+    saved = cpu.ENABLED, compiled.ENABLED
+    cpu.ENABLED = compiled.ENABLED = False
+    try:
+        yield
+    finally:
+        cpu.ENABLED, compiled.ENABLED = saved
+
+
 ELEMENTWISE = [
     (lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     (lowmemopt.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.05)),
@@ -186,12 +201,14 @@ ELEMENTWISE = [
 
 @case
 def elementwise_32_16_exact(ctx):
-    """32- and 16-bit state: the local shard's element-wise step is the single process's, bit for bit."""
+    """32- and 16-bit state: the local shard's element-wise step is the single process's, bit for bit, on the torch
+    path and on the native CPU kernels (which step a shard's ragged tail as they step the whole tensor's rows)."""
     for cls, kw in ELEMENTWISE:
-        for bits in (32, 16):
-            what = f"{cls.__name__} {bits}-bit"
-            opt, params, ref_opt, ref_params = run_pair(ctx, cls, dict(kw, state_bits=bits, min_quant_numel=0),
-                                                        UNEVEN, 10)
+        for bits, native in ((32, False), (16, False), (32, True), (16, True)):
+            what = f"{cls.__name__} {bits}-bit" + (" native CPU kernels" if native else "")
+            with contextlib.nullcontext() if native else torch_paths_only():
+                opt, params, ref_opt, ref_params = run_pair(ctx, cls, dict(kw, state_bits=bits, min_quant_numel=0),
+                                                            UNEVEN, 10)
             compare(params, ref_params, what, exact=True)
             compare_state(opt, params, ref_opt, ref_params, what, exact=True)
             local = params[0].to_local()
@@ -378,7 +395,8 @@ def mesh_2d(ctx):
     for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2, state_bits=16)), (lowmemopt.Adafactor, dict(beta1=0.9)),
                     (lowmemopt.CAME, dict(lr=1e-3))]:
         what = f"{cls.__name__} HSDP"
-        opt, params, ref_opt, ref_params = run_pair(ctx, cls, kw, UNEVEN, 10, mesh=mesh)
+        with torch_paths_only():
+            opt, params, ref_opt, ref_params = run_pair(ctx, cls, kw, UNEVEN, 10, mesh=mesh)
         check(tuple(params[0].placements) == (Replicate(), Shard(0)), f"HSDP placements {params[0].placements}")
         compare(params, ref_params, what, exact=cls is lowmemopt.AdamW)
         compare_state(opt, params, ref_opt, ref_params, what, exact=cls is lowmemopt.AdamW)
