@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import socket
-import sys
 import tempfile
 import traceback
 
@@ -27,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowmemopt  # noqa: E402
 
 CASES = {}
