@@ -558,17 +558,22 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
 #pragma omp parallel num_threads(nt)
 #endif
         {
-#ifdef _OPENMP
-            int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-            int t = 0, n = 1;
-#endif
+            /* chunks of ~16K elements handed out dynamically: a thread that the OS preempts (a shared machine)
+             * does not hold up the others at the end */
+            const int64_t rows_per_chunk = (16384 + a->bs - 1) / a->bs;
+            const int64_t nchunks = (a->nrows + rows_per_chunk - 1) / rows_per_chunk;
             float bufs[LMO_MAX_SLOTS * a->bs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
             slot_rt rt[LMO_MAX_SLOTS];
             int j;
-            int64_t r0 = a->nrows * t / n, r1 = a->nrows * (t + 1) / n;
+            int64_t c;
             for (j = 0; j < a->nslots; j++) slot_rt_init(&rt[j], &a->slot[j], bufs + j * a->bs);
-            if (r1 > r0) fn(a, rt, r0, r1);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+            for (c = 0; c < nchunks; c++) {
+                const int64_t r0 = c * rows_per_chunk, r1 = r0 + rows_per_chunk < a->nrows ? r0 + rows_per_chunk : a->nrows;
+                fn(a, rt, r0, r1);
+            }
         }
     }
     if (a->tail) run_tail(a, fn);
@@ -846,7 +851,7 @@ int lmo_fact_sq_means(const lmo_fact *f) {
         int s;
         int64_t c;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
         for (s = 0; s < LMO_NSEG; s++) {
             double *colp = f->work + (int64_t)s * C;
@@ -886,7 +891,7 @@ int lmo_fact_sumsq(const lmo_fact *f) {
     {
         int s;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
         for (s = 0; s < LMO_NSEG; s++) {
             int64_t r0, r1, r, c;
@@ -1018,7 +1023,7 @@ static int fact_run(const lmo_fact *f, fact_seg_fn fn) {
         int s;
         if (f->has_m) slot_rt_init(&rt[0], &f->m, buf);
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
         for (s = 0; s < LMO_NSEG; s++) fn(f, rt, s);
     }
