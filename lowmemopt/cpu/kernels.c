@@ -442,16 +442,24 @@ static inline __attribute__((always_inline)) vf slot_load(const int kind, const 
     if (kind == ST_BF16) return load_bf16((const uint16_t *)r->data + i);
     return v_mul(lut256_get(&r->book, load_codes((const uint8_t *)r->data + i)), acc->scale);
 }
-/* n (1..4) consecutive vectors from element i */
+/* q8: decode n (1..4) consecutive vectors from element i into out (64 codes at once); dense slots load each vector
+ * where it is used (slot_get) instead: loading fp32 / bf16 state ahead of the stores to other arrays lets a load
+ * alias an in-flight store in the low 12 address bits (4K aliasing), which costs up to 2x on some array offsets. */
 static inline __attribute__((always_inline)) void slot_loadn(const int kind, const slot_rt *r, int64_t i, int n,
                                                                const rowacc *acc, vf out[4]) {
     int u;
-    if (kind == ST_Q8 && n == 4) {
+    if (kind != ST_Q8) return;
+    if (n == 4) {
         lut256_get64(&r->book, (const uint8_t *)r->data + i, out);
         for (u = 0; u < 4; u++) out[u] = v_mul(out[u], acc->scale);
         return;
     }
     for (u = 0; u < n; u++) out[u] = slot_load(kind, r, i + 16 * u, acc);
+}
+/* vector u of a group that starts at element i - 16 u (q8: from slot_loadn's out) */
+static inline __attribute__((always_inline)) vf slot_get(const int kind, const slot_rt *r, int64_t i, const rowacc *acc,
+                                                          const vf out[4], int u) {
+    return kind == ST_Q8 ? out[u] : slot_load(kind, r, i, acc);
 }
 /* element i of the flattened slot, j its position in the row */
 static inline __attribute__((always_inline)) void slot_store(const int kind, const slot_rt *r, int64_t i, int j, vf x, rowacc *acc) {
@@ -627,7 +635,8 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
             if (amsgrad) slot_loadn(K, &sx, row * bs + j, n, &ax, X);
             for (u = 0; u < n; u++) {
                 const int64_t i = row * bs + j + 16 * u;
-                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u], v = V[u], d;
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), d;
+                vf m = slot_get(K, &sm, i, &am, M, u), v = slot_get(K, &sv, i, &av, V, u);
                 if (maximize) g = v_neg(g);
                 if (l2) g = v_fma(p, wd, g);                                  /* g.add(p, alpha=wd) */
                 d = v_sub(g, m);                                               /* m.lerp_(g, 1 - beta1) */
@@ -636,7 +645,7 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
                 slot_store(K, &sm, i, j + 16 * u, m, &am);
                 slot_store(K, &sv, i, j + 16 * u, v, &av);
                 if (amsgrad) {                                                 /* v_max = maximum(v_max, v) */
-                    v = v_max(X[u], v);
+                    v = v_max(slot_get(K, &sx, i, &ax, X, u), v);
                     slot_store(K, &sx, i, j + 16 * u, v, &ax);
                 }
                 d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
@@ -677,7 +686,7 @@ static inline __attribute__((always_inline)) void lion_rows(const lmo_args *a, c
             slot_loadn(K, &sm, row * bs + j, n, &am, M);
             for (u = 0; u < n; u++) {
                 const int64_t i = row * bs + j + 16 * u;
-                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u];
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = slot_get(K, &sm, i, &am, M, u);
                 vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
                 slot_store(K, &sm, i, j + 16 * u, v_fma(g, omb2, v_mul(m, b2)), &am); /* m.mul_(b2).add_(g, 1 - b2) */
                 store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));
@@ -725,7 +734,7 @@ static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, co
                 if (maximize) d = v_neg(d);
                 if (l2) d = v_fma(p, wd, d);                                   /* d.add(p, alpha=wd) */
                 if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
-                    vf buf = first ? d : v_fma(d, omd, v_mul(B[u], mom));
+                    vf buf = first ? d : v_fma(d, omd, v_mul(slot_get(K, &sb, i, &ab, B, u), mom));
                     slot_store(K, &sb, i, j + 16 * u, buf, &ab);
                     d = nesterov ? v_fma(buf, mom, d) : buf;
                 }
@@ -971,7 +980,7 @@ static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_
         if (clip) u = v_div(u, denom);
         u = v_mul(u, alpha);
         if (has_m) {
-            u = v_fma(u, omb1, v_mul(M[q_], b1));
+            u = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
             slot_store(K, &sm, i, j, u, &am);
         }
         if (wd) p = v_fma(p, sdecay, p);
@@ -997,7 +1006,7 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf m, d, x;
         if (clip) u = v_div(u, denom);
-        m = v_fma(u, omb1, v_mul(M[q_], b1));
+        m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
         d = v_sub(u, m);
         x = v_add(v_mul(d, d), eps2);
         racc = vd_add(racc, x);
@@ -1023,7 +1032,7 @@ static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact 
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf m, p = load_dt(pdt, f->p, i);
         if (clip) u = v_div(u, denom);
-        m = v_fma(u, omb1, v_mul(M[q_], b1));
+        m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
         slot_store(K, &sm, i, j, m, &am);
         u = v_rc(f->rf2, f->cf2, r, c, m);
         if (wd) p = v_fma(p, sdecay, p);
