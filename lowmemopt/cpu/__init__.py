@@ -2,9 +2,10 @@
 
 The C source (``kernels.c``) is compiled at first use with the system C compiler and loaded with ctypes
 (:mod:`lowmemopt.cpu.build`); there is no build step at install time. Each kernel is a fused implementation of one
-algorithm for every (parameter dtype, state format) pair, written to give the same fp32 results, bit for bit, as the
-eager composition ``StateFormat.decode -> math -> StateFormat.encode`` that stays the reference (the tests compare
-them). What runs here:
+algorithm for every (parameter dtype, state format) pair, tested against the eager composition ``StateFormat.decode ->
+math -> StateFormat.encode``, which stays the reference: elementwise results are bit-identical to it (given a correctly
+rounded sqrt, see ``docs/cpu_kernels.md``), 8-bit codes are the reference encoder's, and the factored optimizers agree
+to fp32 rounding. What runs here:
 
 * elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the optimizer's step calls
   :func:`step_elementwise` for CPU parameters before the ``torch.compile`` path (:mod:`lowmemopt.compiled`);

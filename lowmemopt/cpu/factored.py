@@ -9,9 +9,10 @@ and the scalars computed by the same torch expressions as the eager math:
     CAME:       A, B as Adafactor;  C: row / column means of (u - m')^2 + eps2;  D: m', p
 
 Elementwise, every operation is the eager one (same order, same roundings, fused multiply-adds where torch has them);
-the row and column means and the sum of squares are summed in fp64 in a fixed order, where torch sums fp32 in its own
-order. So results equal the eager path to fp32 rounding, not bit for bit, and do not depend on the thread count. Only
-parameters of at least :data:`MIN_NUMEL` elements take this path (smaller ones stay bit-identical to the references).
+the row means and the sum of squares are summed in fp64, the column means in fp32 within 16 fixed row segments and in
+fp64 across them, where torch sums fp32 in its own order. So results equal the eager path to fp32 rounding, not bit
+for bit, and do not depend on the thread count. Only unsharded parameters of at least :data:`MIN_NUMEL` elements take
+this path (smaller ones stay bit-identical to the references; a sharded one needs the distributed reductions).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _ema(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_mean:
     col.mul_(beta).add_(col_mean, alpha=1.0 - beta)
 
 
-def _momentum_slot(state: dict[str, Any], fmt, block_size: int, numel: int) -> tuple[ffi.Slot, int] | None:
+def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slot, int] | None:
     """The first moment as a kernel slot, and the walk's block size; None if its storage is not supported."""
     if fmt is Q8:
         codes, absmax = state["exp_avg.codes"], state["exp_avg.absmax"]
@@ -131,7 +132,7 @@ def _adafactor(opt, p, pflat, gflat, state, formats, group, step) -> bool:
     eps1, eps2 = group["eps"]
     m = None
     if group["beta1"] is not None:
-        m = _momentum_slot(state, formats["exp_avg"], group["block_size"], p.numel())
+        m = _momentum_slot(state, formats["exp_avg"], group["block_size"])
         if m is None:
             return False
     rho = group["lr"]
@@ -166,7 +167,7 @@ def _came(opt, p, pflat, gflat, state, formats, group, step) -> bool:
     rows, cols = p.shape
     eps1, eps2 = group["eps"]
     beta1, beta2, beta3 = group["betas"]
-    m = _momentum_slot(state, formats["exp_avg"], group["block_size"], p.numel())
+    m = _momentum_slot(state, formats["exp_avg"], group["block_size"])
     if m is None:
         return False
     lr = group["lr"]

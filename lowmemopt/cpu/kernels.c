@@ -289,10 +289,6 @@ static inline double vd_sum(vd a) {
     for (i = 0; i < 16; i++) r += t[i];
     return r;
 }
-static inline void vd_accumulate(double *d, vf x) {
-    _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), lo_pd(x)));
-    _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), hi_pd(x)));
-}
 
 #else /* portable: a 16-float struct, vectorized by the compiler where it can */
 #define LMO_AVX512 0
@@ -387,7 +383,6 @@ static inline vd vd_zero(void) { vd r; memset(&r, 0, sizeof r); return r; }
 static inline vd vd_add(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] += (double)x.x[i]; return a; }
 static inline vd vd_add_sq(vd a, vf x) { int i; for (i = 0; i < 16; i++) a.x[i] = fma((double)x.x[i], (double)x.x[i], a.x[i]); return a; }
 static inline double vd_sum(vd a) { double r = 0.0; int i; for (i = 0; i < 16; i++) r += a.x[i]; return r; }
-static inline void vd_accumulate(double *d, vf x) { int i; for (i = 0; i < 16; i++) d[i] += (double)x.x[i]; }
 #undef LMO_MAP1
 #endif
 
@@ -447,16 +442,24 @@ static inline __attribute__((always_inline)) vf slot_load(const int kind, const 
     if (kind == ST_BF16) return load_bf16((const uint16_t *)r->data + i);
     return v_mul(lut256_get(&r->book, load_codes((const uint8_t *)r->data + i)), acc->scale);
 }
-/* n (1..4) consecutive vectors from element i */
+/* q8: decode n (1..4) consecutive vectors from element i into out (64 codes at once); dense slots load each vector
+ * where it is used (slot_get) instead: loading fp32 / bf16 state ahead of the stores to other arrays lets a load
+ * alias an in-flight store in the low 12 address bits (4K aliasing), which costs up to 2x on some array offsets. */
 static inline __attribute__((always_inline)) void slot_loadn(const int kind, const slot_rt *r, int64_t i, int n,
                                                                const rowacc *acc, vf out[4]) {
     int u;
-    if (kind == ST_Q8 && n == 4) {
+    if (kind != ST_Q8) return;
+    if (n == 4) {
         lut256_get64(&r->book, (const uint8_t *)r->data + i, out);
         for (u = 0; u < 4; u++) out[u] = v_mul(out[u], acc->scale);
         return;
     }
     for (u = 0; u < n; u++) out[u] = slot_load(kind, r, i + 16 * u, acc);
+}
+/* vector u of a group that starts at element i - 16 u (q8: from slot_loadn's out) */
+static inline __attribute__((always_inline)) vf slot_get(const int kind, const slot_rt *r, int64_t i, const rowacc *acc,
+                                                          const vf out[4], int u) {
+    return kind == ST_Q8 ? out[u] : slot_load(kind, r, i, acc);
 }
 /* element i of the flattened slot, j its position in the row */
 static inline __attribute__((always_inline)) void slot_store(const int kind, const slot_rt *r, int64_t i, int j, vf x, rowacc *acc) {
@@ -558,17 +561,22 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
 #pragma omp parallel num_threads(nt)
 #endif
         {
-#ifdef _OPENMP
-            int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-            int t = 0, n = 1;
-#endif
+            /* chunks of ~16K elements handed out dynamically: a thread that the OS preempts (a shared machine)
+             * does not hold up the others at the end */
+            const int64_t rows_per_chunk = (16384 + a->bs - 1) / a->bs;
+            const int64_t nchunks = (a->nrows + rows_per_chunk - 1) / rows_per_chunk;
             float bufs[LMO_MAX_SLOTS * a->bs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
             slot_rt rt[LMO_MAX_SLOTS];
             int j;
-            int64_t r0 = a->nrows * t / n, r1 = a->nrows * (t + 1) / n;
+            int64_t c;
             for (j = 0; j < a->nslots; j++) slot_rt_init(&rt[j], &a->slot[j], bufs + j * a->bs);
-            if (r1 > r0) fn(a, rt, r0, r1);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+            for (c = 0; c < nchunks; c++) {
+                const int64_t r0 = c * rows_per_chunk, r1 = r0 + rows_per_chunk < a->nrows ? r0 + rows_per_chunk : a->nrows;
+                fn(a, rt, r0, r1);
+            }
         }
     }
     if (a->tail) run_tail(a, fn);
@@ -627,7 +635,8 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
             if (amsgrad) slot_loadn(K, &sx, row * bs + j, n, &ax, X);
             for (u = 0; u < n; u++) {
                 const int64_t i = row * bs + j + 16 * u;
-                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u], v = V[u], d;
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), d;
+                vf m = slot_get(K, &sm, i, &am, M, u), v = slot_get(K, &sv, i, &av, V, u);
                 if (maximize) g = v_neg(g);
                 if (l2) g = v_fma(p, wd, g);                                  /* g.add(p, alpha=wd) */
                 d = v_sub(g, m);                                               /* m.lerp_(g, 1 - beta1) */
@@ -636,7 +645,7 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
                 slot_store(K, &sm, i, j + 16 * u, m, &am);
                 slot_store(K, &sv, i, j + 16 * u, v, &av);
                 if (amsgrad) {                                                 /* v_max = maximum(v_max, v) */
-                    v = v_max(X[u], v);
+                    v = v_max(slot_get(K, &sx, i, &ax, X, u), v);
                     slot_store(K, &sx, i, j + 16 * u, v, &ax);
                 }
                 d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
@@ -677,7 +686,7 @@ static inline __attribute__((always_inline)) void lion_rows(const lmo_args *a, c
             slot_loadn(K, &sm, row * bs + j, n, &am, M);
             for (u = 0; u < n; u++) {
                 const int64_t i = row * bs + j + 16 * u;
-                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = M[u];
+                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = slot_get(K, &sm, i, &am, M, u);
                 vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
                 slot_store(K, &sm, i, j + 16 * u, v_fma(g, omb2, v_mul(m, b2)), &am); /* m.mul_(b2).add_(g, 1 - b2) */
                 store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));
@@ -725,7 +734,7 @@ static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, co
                 if (maximize) d = v_neg(d);
                 if (l2) d = v_fma(p, wd, d);                                   /* d.add(p, alpha=wd) */
                 if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
-                    vf buf = first ? d : v_fma(d, omd, v_mul(B[u], mom));
+                    vf buf = first ? d : v_fma(d, omd, v_mul(slot_get(K, &sb, i, &ab, B, u), mom));
                     slot_store(K, &sb, i, j + 16 * u, buf, &ab);
                     d = nesterov ? v_fma(buf, mom, d) : buf;
                 }
@@ -790,8 +799,9 @@ int lmo_decode(const lmo_args *a) {
 
 /* ------------------------------------------------------------------------------------------------------------------ */
 /* Factored second moments (lowmemopt.optim.adafactor / came): whole-tensor passes over a 2-D parameter [R, C] with   */
-/* C % 16 == 0. Row / column means and squared norms are summed in fp64 (torch sums fp32 in another order: results  */
-/* agree with the eager path to fp32 rounding); everything elementwise repeats the eager operations exactly.          */
+/* C % 16 == 0. Row sums and squared norms are summed in fp64, column sums in fp32 within each of LMO_NSEG fixed row */
+/* segments and fp64 across them (torch sums fp32 in its own order: results agree with the eager path to fp32        */
+/* rounding); everything elementwise repeats the eager operations exactly.                                            */
 
 #define LMO_NSEG 16 /* fixed row segments: sums do not depend on the thread count */
 
@@ -807,7 +817,7 @@ typedef struct {
     const float *rf, *cf;        /* factors of V^-1/2: u = (rf[r] cf[c]) g */
     const float *rf2, *cf2;      /* CAME: factors of the instability's U^-1/2 */
     float *row_out, *col_out;    /* means [R], [C] */
-    double *work;                /* LMO_NSEG * (C + 1) doubles */
+    double *work;                /* LMO_NSEG * (C + 1) doubles: per-segment partial sums */
     double *result;              /* sum of squares */
     double h[8];
 } lmo_fact;
@@ -846,20 +856,20 @@ int lmo_fact_sq_means(const lmo_fact *f) {
         int s;
         int64_t c;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
         for (s = 0; s < LMO_NSEG; s++) {
-            double *colp = f->work + (int64_t)s * C;
+            float *colp = (float *)(f->work + (int64_t)s * C);
             int64_t r0, r1, r;
             fact_segment(f, s, &r0, &r1);
-            memset(colp, 0, sizeof(double) * C);
+            memset(colp, 0, sizeof(float) * C);
             for (r = r0; r < r1; r++) {
                 vd acc = vd_zero();
                 for (c = 0; c < C; c += 16) {
                     vf g = load_dt(f->g_dtype, f->g, r * C + c);
                     vf x = v_add(v_mul(g, g), eps1);
                     acc = vd_add(acc, x);
-                    vd_accumulate(colp + c, x);
+                    v_store(colp + c, v_add(v_load(colp + c), x));
                 }
                 f->row_out[r] = (float)(vd_sum(acc) / (double)C);
             }
@@ -869,7 +879,7 @@ int lmo_fact_sq_means(const lmo_fact *f) {
 #endif
         for (c = 0; c < C; c++) {
             double t = 0.0;
-            for (s = 0; s < LMO_NSEG; s++) t += f->work[(int64_t)s * C + c];
+            for (s = 0; s < LMO_NSEG; s++) t += ((const float *)(f->work + (int64_t)s * C))[c];
             f->col_out[c] = (float)(t / (double)R);
         }
     }
@@ -886,7 +896,7 @@ int lmo_fact_sumsq(const lmo_fact *f) {
     {
         int s;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
         for (s = 0; s < LMO_NSEG; s++) {
             int64_t r0, r1, r, c;
@@ -909,9 +919,12 @@ int lmo_fact_sumsq(const lmo_fact *f) {
     return LMO_OK;
 }
 
-/* Walk segment s in blocks of bs elements (whole rows per segment, C % 16 == 0): BODY sees i (flat index), r, c
- * (row, column of the 16 lanes), j (lane offset in the block); BLOCK_BEGIN / BLOCK_END(len) bracket each block. */
-#define LMO_FACT_WALK(f, s, BLOCK_BEGIN, BODY, BLOCK_END)                                                            \
+/* Walk segment s in blocks of bs elements (whole rows per segment, C % 16 == 0), in groups of up to 4 vectors (64
+ * codes decode at once): GROUP runs first for each group (i_ + g_: its first element, n: its vectors), then the body
+ * (the last argument) for each of its vectors, which sees q_ (the vector's index in the group), i (its flat index),
+ * r, c (row and column of its 16 lanes) and j (its offset in the block); BLOCK_BEGIN / BLOCK_END bracket each block
+ * (len: its length). */
+#define LMO_FACT_WALK(f, s, BLOCK_BEGIN, GROUP, BLOCK_END, ...)                                                 \
     do {                                                                                                              \
         int64_t r0_, r1_, i_, end_, r, c;                                                                             \
         fact_segment((f), (s), &r0_, &r1_);                                                                           \
@@ -921,69 +934,88 @@ int lmo_fact_sumsq(const lmo_fact *f) {
         for (i_ = r0_ * (f)->C; i_ < end_; i_ += (f)->bs) {                                                           \
             const int64_t blk = i_ / (f)->bs;                                                                         \
             const int len = (int)((end_ - i_) < (f)->bs ? (end_ - i_) : (f)->bs);                                    \
-            int j;                                                                                                    \
+            int g_;                                                                                                   \
             (void)blk;                                                                                                \
             BLOCK_BEGIN;                                                                                              \
-            for (j = 0; j < len; j += 16) {                                                                           \
-                const int64_t i = i_ + j;                                                                             \
-                BODY;                                                                                                 \
-                c += 16;                                                                                              \
-                if (c == (f)->C) { c = 0; r++; }                                                                      \
+            for (g_ = 0; g_ < len; g_ += 64) {                                                                        \
+                const int n = len - g_ >= 64 ? 4 : (len - g_) / 16;                                                   \
+                int q_;                                                                                               \
+                GROUP;                                                                                                \
+                for (q_ = 0; q_ < n; q_++) {                                                                          \
+                    const int j = g_ + 16 * q_;                                                                       \
+                    const int64_t i = i_ + j;                                                                         \
+                    __VA_ARGS__;                                                                                      \
+                    c += 16;                                                                                          \
+                    if (c == (f)->C) { c = 0; r++; }                                                                  \
+                }                                                                                                     \
             }                                                                                                         \
             BLOCK_END;                                                                                                \
         }                                                                                                             \
     } while (0)
 
+/* (rf[r] cf[c]) g: approx_rsqrt's factor product, then the multiply by g (two roundings, as the eager math) */
+static inline vf v_rc(const float *rf, const float *cf, int64_t r, int64_t c, vf g) {
+    return v_mul(v_mul(v_set(rf[r]), v_load(cf + c)), g);
+}
+
 /* Adafactor's update (lowmemopt.optim.adafactor.adafactor_math after the statistics):
  *   u = (rf[r] cf[c]) g / denom * alpha;  [m = beta1 m + (1 - beta1) u; u = m];  [p += s p];  p -= u
- * h: 0 denom  1 alpha  2 beta1  3 1 - beta1  4 s = -wd alpha */
+ * h: 0 denom  1 alpha  2 beta1  3 1 - beta1  4 s = -wd alpha. A denom of exactly 1 (no clipping) divides by nothing. */
 static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_fact *f, const slot_rt *rt, int s,
                                                                        const int K) {
     const vf denom = v_set((float)f->h[0]), alpha = v_set((float)f->h[1]), b1 = v_set((float)f->h[2]);
     const vf omb1 = v_set((float)f->h[3]), sdecay = v_set((float)f->h[4]);
-    const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype;
+    const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
     slot_rt sm;
     rowacc am;
+    vf M[4];
     if (has_m) sm = rt[0];
     else memset(&sm, 0, sizeof sm);
     memset(&am, 0, sizeof am);
-    LMO_FACT_WALK(f, s, if (has_m) slot_row_begin(K, &sm, blk, &am), {
-        vf u = v_mul(v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom), alpha);
+    memset(M, 0, sizeof M);
+    LMO_FACT_WALK(f, s, if (has_m) slot_row_begin(K, &sm, blk, &am), if (has_m) slot_loadn(K, &sm, i_ + g_, n, &am, M),
+                  if (has_m) slot_block_end(K, &sm, blk, i_, len, &am), {
+        vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf p = load_dt(pdt, f->p, i);
+        if (clip) u = v_div(u, denom);
+        u = v_mul(u, alpha);
         if (has_m) {
-            u = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
+            u = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
             slot_store(K, &sm, i, j, u, &am);
         }
         if (wd) p = v_fma(p, sdecay, p);
         store_dt(pdt, f->p, i, v_sub(p, u));
-    }, if (has_m) slot_block_end(K, &sm, blk, i_, len, &am));
+    });
 }
 
 /* CAME's instability statistics (lowmemopt.optim.came.came_math): with u = (rf[r] cf[c]) g / denom and the new first
  * moment m' = beta1 m + (1 - beta1) u (not stored here), row / column means of (u - m')^2 + eps2.
- * h: 0 denom  2 beta1  3 1 - beta1  5 eps2 */
+ * h: 0 denom  2 beta1  3 1 - beta1  5 eps2. Column sums: fp32 within the segment, fp64 across segments. */
 static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
     const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
     const vf eps2 = v_set((float)f->h[5]);
-    const int gdt = f->g_dtype;
+    const int gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
     const int64_t C = f->C;
-    double *colp = f->work + (int64_t)s * C;
+    float *colp = (float *)(f->work + (int64_t)s * C);
     slot_rt sm = rt[0];
     rowacc am;
+    vf M[4];
     vd racc = vd_zero();
-    memset(colp, 0, sizeof(double) * C);
-    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), {
-        vf u = v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom);
-        vf m = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
-        vf d = v_sub(u, m);
-        vf x = v_add(v_mul(d, d), eps2);
+    memset(colp, 0, sizeof(float) * C);
+    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M), (void)0, {
+        vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
+        vf m, d, x;
+        if (clip) u = v_div(u, denom);
+        m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
+        d = v_sub(u, m);
+        x = v_add(v_mul(d, d), eps2);
         racc = vd_add(racc, x);
-        vd_accumulate(colp + c, x);
+        v_store(colp + c, v_add(v_load(colp + c), x));
         if (c + 16 == C) {
             f->row_out[r] = (float)(vd_sum(racc) / (double)C);
             racc = vd_zero();
         }
-    }, (void)0);
+    });
 }
 
 /* CAME's update: m' as above (stored), u2 = (rf2[r] cf2[c]) m';  [p += s p];  p -= u2 lr
@@ -991,18 +1023,21 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
 static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
     const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
     const vf sdecay = v_set((float)f->h[4]), lr = v_set((float)f->h[6]);
-    const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype;
+    const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
     slot_rt sm = rt[0];
     rowacc am;
-    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), {
-        vf u = v_div(v_mul(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), load_dt(gdt, f->g, i)), denom);
-        vf m = v_fma(u, omb1, v_mul(slot_load(K, &sm, i, &am), b1));
-        vf p = load_dt(pdt, f->p, i);
+    vf M[4];
+    LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M),
+                  slot_block_end(K, &sm, blk, i_, len, &am), {
+        vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
+        vf m, p = load_dt(pdt, f->p, i);
+        if (clip) u = v_div(u, denom);
+        m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
         slot_store(K, &sm, i, j, m, &am);
-        u = v_mul(v_mul(v_set(f->rf2[r]), v_load(f->cf2 + c)), m);
+        u = v_rc(f->rf2, f->cf2, r, c, m);
         if (wd) p = v_fma(p, sdecay, p);
         store_dt(pdt, f->p, i, v_sub(p, v_mul(u, lr)));
-    }, slot_block_end(K, &sm, blk, i_, len, &am));
+    });
 }
 
 typedef void (*fact_seg_fn)(const lmo_fact *f, const slot_rt *rt, int s);
@@ -1018,7 +1053,7 @@ static int fact_run(const lmo_fact *f, fact_seg_fn fn) {
         int s;
         if (f->has_m) slot_rt_init(&rt[0], &f->m, buf);
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
         for (s = 0; s < LMO_NSEG; s++) fn(f, rt, s);
     }
@@ -1053,7 +1088,7 @@ int lmo_came_res_means(const lmo_fact *f) {
     if (rc) return rc;
     for (c = 0; c < f->C; c++) {
         double t = 0.0;
-        for (s = 0; s < LMO_NSEG; s++) t += f->work[(int64_t)s * f->C + c];
+        for (s = 0; s < LMO_NSEG; s++) t += ((const float *)(f->work + (int64_t)s * f->C))[c];
         f->col_out[c] = (float)(t / (double)f->R);
     }
     return LMO_OK;
