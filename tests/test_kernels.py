@@ -559,12 +559,12 @@ def test_gpu_codec_matches_reference():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_bench_refuses_without_cuda(tmp_path):
-    """bench/kernels.py is GPU-only and says so (exit code 2), instead of timing the CPU reference path."""
+    """bench/fused_kernels.py is GPU-only and says so (exit code 2), instead of timing the CPU reference path."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
+    script = Path(__file__).resolve().parent.parent / "bench" / "fused_kernels.py"
     out = subprocess.run([sys.executable, str(script), "--sizes", "10M"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]

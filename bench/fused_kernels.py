@@ -2,8 +2,8 @@
 LAMB8bit), torch's fused AdamW and torchao's AdamW8bit, at 10M to 1B parameters, with the achieved memory bandwidth as
 a percentage of the device's measured device-to-device copy bandwidth (the roofline of these memory-bound steps).
 
-    cd /tmp && python /path/to/repo/bench/kernels.py                       # 10M, 100M, 1B parameters
-    cd /tmp && python /path/to/repo/bench/kernels.py --sizes 100M --json kernels.json
+    cd /tmp && python /path/to/repo/bench/fused_kernels.py                       # 10M, 100M, 1B parameters
+    cd /tmp && python /path/to/repo/bench/fused_kernels.py --sizes 100M --json kernels.json
 
 Needs a CUDA GPU (it refuses to run without one). Run from outside the repository root (see bench/README.md).
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU: the fused Triton kernels run only on CUDA tensors "
+        print("bench/fused_kernels.py needs a CUDA GPU: the fused Triton kernels run only on CUDA tensors "
               "(CPU tensors take lowmemopt's reference path; see bench/step.py for CPU timings).", file=sys.stderr)
         return 2
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
