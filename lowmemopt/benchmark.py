@@ -257,11 +257,17 @@ def time_steps(
     warmup: int,
     device: torch.device,
     max_step_s: float = 60.0,
+    partner: Callable[[], object] | None = None,
+    partner_times: list[float] | None = None,
 ) -> tuple[list[float], str]:
     """Call ``step`` ``warmup`` times, then time it ``steps`` times (``time.perf_counter``, device synchronized).
 
     The first call (state allocation, compilation) is never judged; after it, if a call takes longer than
     ``max_step_s``, the rest of the warm-up is skipped and only one step is timed. Returns (timed seconds, note).
+
+    ``partner`` (the baseline's step): timed right after each timed step, its times appended to ``partner_times``.
+    Alternating the two exposes both to the same machine conditions, so their ratio stays put when other work on a
+    shared machine slows everything down for a while.
     """
 
     def timed() -> float:
@@ -281,6 +287,13 @@ def time_steps(
     for i in range(steps):
         dt = timed()
         times.append(dt)
+        if partner is not None:
+            _sync(device)
+            t0 = time.perf_counter()
+            partner()
+            _sync(device)
+            if partner_times is not None:
+                partner_times.append(time.perf_counter() - t0)
         first_call = warmup == 0 and i == 0
         if not first_call and dt > max_step_s and i + 1 < steps:
             note = f"slow ({dt:.1f} s/step): {warmup} warm-up + {i + 1} timed step(s)"
@@ -297,7 +310,8 @@ class Result:
     bytes_per_param: float | None = None
     times_s: list[float] = field(default_factory=list)
     median_s: float | None = None
-    ratio: float | None = None  # median_s / baseline median_s
+    baseline_s: float | None = None  # median of the baseline's steps interleaved with these (paired runs)
+    ratio: float | None = None  # median_s / baseline_s (paired) or / the baseline row's median_s
     note: str = ""
     error: str = ""
 
@@ -317,9 +331,11 @@ def run_benchmark(
     weight_decay: float = 1e-2,
     max_step_s: float = 60.0,
     factory: Callable[..., torch.optim.Optimizer] | None = None,
+    partner: Callable[[], object] | None = None,
 ) -> Result:
     """Build optimizer ``name`` (``factory``, default ``OPTIMIZERS[name]``) on fresh copies of ``reference``, time its
-    steps and measure its state.
+    steps and measure its state. ``partner``: the baseline's step, timed alternately with this one's
+    (:func:`time_steps`); its median becomes ``Result.baseline_s``.
 
     Any exception (import, construction, step) is caught and recorded in ``Result.error``. Memory is released
     before returning.
@@ -330,10 +346,14 @@ def run_benchmark(
     try:
         params = fresh_params(reference, grads)
         optimizer = (factory or OPTIMIZERS[name])(params, lr=lr, weight_decay=weight_decay)
+        partner_times: list[float] = []
         result.times_s, result.note = time_steps(
-            optimizer.step, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s
+            optimizer.step, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s, partner=partner,
+            partner_times=partner_times,
         )
         result.median_s = statistics.median(result.times_s)
+        if partner_times:
+            result.baseline_s = statistics.median(partner_times)
         result.state_bytes = state_bytes(optimizer)
         result.bytes_per_param = result.state_bytes / n_params
     except Exception as exc:  # noqa: BLE001 - a failing optimizer becomes a table row, not a crash
@@ -414,33 +434,46 @@ def run_suite(
     device: torch.device,
     grads: str = "random",
     max_step_s: float = 60.0,
+    paired: bool = True,
     out=sys.stdout,
 ) -> tuple[list[Result], dict[str, object]]:
     """Build the ``preset`` model once, make one set of ``grads``, run each optimizer ``names[i]`` of ``registry`` on
-    fresh copies (:func:`run_benchmark`) and set each result's ratio to :data:`BASELINE` (when it ran). Prints the
-    model and settings to ``out`` and progress to stderr; returns the results and a description of the model."""
+    fresh copies (:func:`run_benchmark`) and set each result's ratio to :data:`BASELINE`. Prints the model and
+    settings to ``out`` and progress to stderr; returns the results and a description of the model.
+
+    ``paired`` (default): a second :data:`BASELINE` optimizer on its own copies stays alive, and each optimizer's
+    timed steps alternate with baseline steps; the ratio is to those. Else the ratio is to the baseline's own row."""
     model = build_llama(preset, device=device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32, {n_params / 1e6:.1f}M parameters "
           f"in {len(list(model.parameters()))} tensors", file=out)
     print(f"- gradients: {grads} (the same for every optimizer); warm-up {warmup}, timed {steps} steps, "
-          "median reported\n", file=out, flush=True)
+          "median reported", file=out)
+    print("- ratios: to the baseline's steps timed alternately with each optimizer's (paired)\n" if paired else
+          "- ratios: to the baseline's own row\n", file=out, flush=True)
     fixed = fixed_grads(model, mode=grads)
     reference = [p.detach() for p in model.parameters()]
     del model
 
+    partner = None
+    if paired and BASELINE in registry:
+        partner = registry[BASELINE](fresh_params(reference, fixed), lr=1e-3, weight_decay=1e-2)
+        time_steps(partner.step, steps=0, warmup=2, device=device)
     results = []
     for name in names:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         r = run_benchmark(name, reference, fixed, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s,
-                          factory=registry[name])
+                          factory=registry[name], partner=None if name == BASELINE or partner is None else partner.step)
         print(f"  {name}: median {r.median_s} s, {r.bytes_per_param} B/param {r.error or r.note}",
               file=sys.stderr, flush=True)
         results.append(r)
+    del partner
+    gc.collect()
     base = next((r.median_s for r in results if r.name == BASELINE), None)
     for r in results:
-        if base and r.median_s is not None:
-            r.ratio = r.median_s / base
+        ref = r.baseline_s if r.baseline_s is not None else base
+        if ref and r.median_s is not None:
+            r.ratio = r.median_s / ref
     return results, {"preset": preset, "config": LLAMA_PRESETS[preset], "n_params": n_params}
 
 
@@ -458,7 +491,7 @@ def script_main(suite: str, argv: list[str] | None = None, description: str | No
     for key, value in info.items():
         print(f"- {key}: {value}")
     results, model = run_suite(args.names, registry, preset=preset, steps=args.steps, warmup=args.warmup,
-                               device=device, grads=args.grads, max_step_s=args.max_step_s)
+                               device=device, grads=args.grads, max_step_s=args.max_step_s, paired=not args.unpaired)
     print_table(results)
     info["load_avg_1m_end"] = _load_average()
     print(f"\nload average (1 min) at start {info['load_avg_1m']}, at end {info['load_avg_1m_end']} "
@@ -468,6 +501,7 @@ def script_main(suite: str, argv: list[str] | None = None, description: str | No
             "machine": info,
             "model": model,
             "settings": {"steps": args.steps, "warmup": args.warmup, "grads": args.grads, "baseline": BASELINE,
+                         "paired": not args.unpaired,
                          "lr": 1e-3, "weight_decay": 1e-2},
             "results": [r.to_dict() for r in results],
         }
@@ -533,6 +567,9 @@ def parse_bench_args(description: str, choices: Iterable[str], argv: list[str] |
                         help="fixed gradients: random normal (default) or one forward/backward on random tokens")
     parser.add_argument("--max-step-s", type=float, default=60.0,
                         help="an optimizer slower than this per step (after its first) is timed for 1 step only")
+    parser.add_argument("--unpaired", action="store_true",
+                        help="ratios to the baseline's own row, instead of to baseline steps timed alternately with "
+                             "each optimizer's (which needs a second copy of the model's parameters and AdamW state)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:

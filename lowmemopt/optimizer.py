@@ -52,6 +52,7 @@ stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -286,15 +287,37 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if pager is not None:
             pager.begin(work)  # checks devices, makes homes for new state: raises before anything changes
         grads = [local_tensor(p.grad) for p, _ in work]
-        finite = agree_finite(_finite_flags(grads), [p for p, _ in work], grads)
-        todo = [item for item, ok in zip(work, finite) if ok]
-        skipped = len(work) - len(todo)
-        if pager is None and not any(is_dtensor(p) for p, _ in todo):
+        # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
+        # pipeline instead of up front: each kernel also scans the next such gradient (_CpuFiniteChecks).
+        pipe = _CpuFiniteChecks(self, work, grads) if pager is None else None
+        finite: list[bool | None] = [None] * len(work)
+        upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
+        flags = agree_finite(_finite_flags([grads[i] for i in upfront]), [work[i][0] for i in upfront],
+                             [grads[i] for i in upfront])
+        for i, ok in zip(upfront, flags):
+            finite[i] = ok
+        todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
+        if pager is None and not any(is_dtensor(p) for _, p, _ in todo):
             from .kernels.dispatch import step_fused  # fused Triton kernels take what they support (CUDA tensors)
 
-            todo = step_fused(self, todo)
-        for p, group in todo if pager is None else pager.steps(todo):  # paged: state fetched, then written back
-            self._step_param(p, p.grad, group)
+            checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined ones (None) stay with us
+            left = {id(p) for p, _ in step_fused(self, checked)}
+            todo = [item for item in todo if finite[item[0]] is None or id(item[1]) in left]
+        if pager is not None:
+            for p, group in pager.steps([(p, group) for _, p, group in todo]):  # paged: state fetched, written back
+                self._step_param(p, p.grad, group)
+        else:
+            for k, (i, p, group) in enumerate(todo):
+                if finite[i] is None:  # a pipelined CPU gradient that the previous kernel did not scan
+                    finite[i] = pipe.check(i)
+                if not finite[i]:  # found by that check, or by the previous kernel's scan
+                    continue
+                nxt = todo[k + 1][0] if k + 1 < len(todo) else None
+                if nxt is not None and finite[nxt] is None and self._plain_step_param:
+                    finite[nxt] = self._step_param(p, p.grad, group, scan=grads[nxt])
+                else:
+                    self._step_param(p, p.grad, group)
+        skipped = sum(f is False for f in finite)
         if skipped:
             self.nonfinite_skips += skipped
             warnings.warn(
@@ -326,11 +349,20 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return projected_slots(self, group, p)
         return self._slots(group, local_tensor(p))  # a DTensor's state is its local shard's
 
-    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    @property
+    def _plain_step_param(self) -> bool:
+        """``_step_param`` is this class's (it takes ``scan``), not a subclass's or an instance's replacement."""
+        return getattr(self._step_param, "__func__", None) is LowMemOptimizer._step_param
+
+    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+                    scan: torch.Tensor | None = None) -> bool | None:
+        """Step one parameter. ``scan``: another gradient that a native CPU kernel checks for NaN/Inf while it steps
+        this one; returns that check's result (None: not done)."""
         if group.get("rank") is not None or "galore.side" in self.state.get(p, ()):
             from .projection.step import step_projected
 
-            return step_projected(self, p, grad, group)
+            step_projected(self, p, grad, group)
+            return None
         state = self.state[p]
         p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
         slots = self._slots(group, p)
@@ -344,10 +376,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         target = p if p.is_contiguous() else p.contiguous()
         pflat = target.view(-1)
         gflat = grad.reshape(-1)
-        start = 0
+        start, scanned = 0, None
         if p.device.type == "cpu" and cpu.applies_to(self):  # native C kernels (lowmemopt.cpu)
             if self.elementwise:
-                start = cpu.step_elementwise(self, pflat, gflat, state, slots, formats, group, step, decay)
+                start, scanned = cpu.step_elementwise(self, pflat, gflat, state, slots, formats, group, step, decay,
+                                                      scan)
             elif reduce is LOCAL and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
                 start = pflat.numel()
         if start == 0 and self.elementwise and self.math is not None and compiled.applies(p):
@@ -355,6 +388,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         if target is not p:
             p.copy_(target)
+        return scanned
 
     def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce=LOCAL):
         """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise).
@@ -462,6 +496,31 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
         for i, f in zip(idx, ok):
             flags[i] = f
     return flags
+
+
+class _CpuFiniteChecks:
+    """The non-finite check of plain CPU gradients, pipelined with the native kernels.
+
+    Checking every gradient up front reads all of them once more before the step (on a 148M-parameter model, 20 ms
+    against a 70 ms fused AdamW step). Instead, the kernel that steps one CPU parameter also sums the squares of the
+    next parameter's gradient, in the same parallel loop, so those reads overlap its arithmetic; a gradient no kernel
+    scanned is checked just before its step (:meth:`check`). The condition is the up-front one (the fp32 sum of
+    squares is finite), and a parameter is still checked before anything of it changes. Off when a parameter is a
+    DTensor (the ranks agree on all flags up front) or without the native kernels."""
+
+    def __init__(self, opt: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor]):
+        self.grads = grads
+        self.indices: set[int] = set()
+        if cpu.ENABLED and any(p.device.type == "cpu" for p, _ in work) and not any(is_dtensor(p) for p, _ in work):
+            runtime = sys.modules.get("lowmemopt.kernels.runtime")
+            if cpu.available() and not getattr(runtime, "_cpu_interpreter", False):  # (tests: Triton on CPU)
+                from .cpu import ffi
+
+                self.indices = {i for i, (p, _) in enumerate(work) if p.device.type == "cpu" and ffi.can_scan(grads[i])}
+
+    def check(self, i: int) -> bool:
+        ok = cpu.grad_is_finite(self.grads[i])
+        return _finite_flags([self.grads[i]])[0] if ok is None else ok
 
 
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -99,6 +99,23 @@ def test_arithmetic_encoder_at_every_threshold(lib, name):
 
 
 @pytest.mark.parametrize("name", ["dynamic", "udynamic"])
+@pytest.mark.parametrize("scale", [0.37, 3.1e-5, 7.77e3, 1.0 / 3.0])
+def test_encoder_division_at_every_threshold_under_odd_scales(lib, name, scale):
+    """The encoder divides by the block scale without the divider (a correctly rounded reciprocal and one fused
+    multiply-add correction, Markstein's theorem): at every decision threshold and its neighbours, scaled by a scale
+    that is not a power of two, the codes still equal the brute-force search on ``x / absmax`` (IEEE division)."""
+    signed = name == "dynamic"
+    y = _adversarial(name)
+    blocks = torch.zeros(y.numel(), 16)
+    blocks[:, 0], blocks[:, 1], blocks[:, 2] = y, 1.0, code_book(name)[0]
+    x = (blocks * scale).reshape(-1).contiguous()
+    codes, absmax = _encode(lib, x, signed, 16)
+    ref_codes, ref_absmax = quantize_blockwise_reference(x, name, 16)
+    assert torch.equal(absmax, ref_absmax)
+    assert torch.equal(codes, ref_codes), int((codes != ref_codes).sum())
+
+
+@pytest.mark.parametrize("name", ["dynamic", "udynamic"])
 @pytest.mark.parametrize("bs", [16, 256, 4096])
 def test_encode_equals_brute_force(lib, name, bs):
     """Code for code (and absmax for absmax) equal to the brute-force nearest-code search on random blocks over ten
@@ -164,7 +181,7 @@ def test_native_path_runs_and_tensor_lr_falls_back(lib, monkeypatch):
     tensor lr is left to the torch path."""
     done = []
     real = elementwise.step
-    monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)) or done[-1])
+    monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)[0]) or (done[-1], None))
     monkeypatch.setattr(compiled, "ENABLED", False)
     params = make_params([(300, 257), (40,)])
     run(lowmemopt.AdamW(params, lr=1e-3, state_bits=8), params, 1)
@@ -312,3 +329,78 @@ def test_factored_native_matches_reference(lib, cls, ref, kwargs):
 
     run_with_reference(ours, params, theirs, ref_params, 20)
     torch.testing.assert_close(params[0], ref_params[0], rtol=2e-6, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the non-finite gradient check, native and pipelined (lowmemopt.optimizer._CpuFiniteChecks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 31, 32, 16384, 16385, 100_003])
+def test_native_finite_check_equals_torch_check(lib, dtype, n):
+    """``cpu.grad_is_finite``: the same verdict as the torch check (``_finite_flags``) for clean gradients and a NaN or
+    an Inf anywhere (the vector loop, the zero-padded tail, a later 16K piece). A finite element whose square
+    overflows fp32 (it would make a second moment Inf) fails it too: the fp32 sum of squares overflows (torch's norm
+    rescales some short vectors and may call one such element finite)."""
+    from lowmemopt.optimizer import _finite_flags
+
+    gen = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=gen).to(dtype)
+    cases = [base]
+    for pos in {0, n // 2, n - 1}:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            g = base.clone()
+            g[pos] = bad
+            cases.append(g)
+    for g in cases:
+        assert cpu.grad_is_finite(g) == _finite_flags([g])[0]
+    if dtype != torch.float16:  # fp16 cannot hold 3e19
+        g = base.clone()
+        g[n - 1] = 3e19  # finite, but its square overflows fp32
+        assert cpu.grad_is_finite(g) is False
+    assert cpu.grad_is_finite(base.view(-1)[::2] if n > 1 else base.t()) in (None, True)  # non-contiguous: not done
+    assert cpu.grad_is_finite(torch.randn(64, 64, generator=gen).t()) is None
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, monkeypatch):
+    """Each native kernel checks the next parameter's gradient while it steps; a NaN in any position (the first,
+    checked alone; a middle or the last one, checked by the kernel before it) skips that parameter, state and values
+    unchanged, and the others step as they would have without it. Only the first gradient, and one after a skipped
+    parameter, need a check of their own."""
+    from lowmemopt.optimizer import LowMemOptimizer
+
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    alone = []
+    real = cpu.grad_is_finite
+    monkeypatch.setattr(cpu, "grad_is_finite", lambda g: alone.append(g.numel()) or real(g))
+    shapes = [(300, 256), (128, 257), (5000,)]
+    start = make_params(shapes)
+    runs = []
+    for poison in (False, True):
+        params = clone_params(start)
+        opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8)
+        run(opt, params, 2)
+        before = [p.detach().clone() for p in params]
+        state_before = {k: v.clone() for k, v in opt.state[params[bad]].items() if isinstance(v, torch.Tensor)}
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i))
+        if poison:
+            params[bad].grad.view(-1)[7] = float("nan")
+        alone.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        # the others were checked by the kernel stepping the one before (a skipped parameter's successor: alone)
+        after_skip = [params[bad + 1].numel()] if poison and bad + 1 < len(params) else []
+        assert alone == [params[0].numel()] + after_skip
+        runs.append((params, opt, before, state_before, [str(w.message) for w in caught]))
+    (clean, _, _, _, _), (params, opt, before, state_before, messages) = runs
+    assert opt.nonfinite_skips == 1 and any("NaN/Inf" in m for m in messages)
+    assert torch.equal(params[bad], before[bad])
+    for k, v in state_before.items():
+        assert torch.equal(opt.state[params[bad]][k], v), k
+    for i in range(len(shapes)):
+        if i != bad:
+            assert torch.equal(params[i], clean[i])
+    assert type(opt)._step_param is LowMemOptimizer._step_param

@@ -33,6 +33,7 @@ __all__ = [
     "applies_to",
     "step_elementwise",
     "step_factored",
+    "grad_is_finite",
     "encode_rows_into",
     "decode_rows_into",
 ]
@@ -73,7 +74,7 @@ def _method_is(opt, name: str, fn) -> bool:
     return getattr(getattr(opt, name), "__func__", None) is fn
 
 
-def step_elementwise(*args, **kwargs) -> int:
+def step_elementwise(*args, **kwargs) -> tuple[int, bool | None]:
     """See :func:`lowmemopt.cpu.elementwise.step`."""
     from .elementwise import step
 
@@ -87,6 +88,18 @@ def step_factored(*args, **kwargs) -> bool:
     from .factored import step
 
     return step(*args, **kwargs)
+
+
+def grad_is_finite(g: torch.Tensor) -> bool | None:
+    """The optimizer's non-finite gradient check for one CPU tensor, natively: is the fp32 sum of squares of ``g``
+    finite? None: not done here (kernels unavailable, or ``g`` is not a contiguous fp32 / bf16 / fp16 CPU tensor)."""
+    from . import ffi
+
+    if not (ffi.can_scan(g) and available()):
+        return None
+    args = ffi.args_for(None, None, 0, 16, [], scan=g)
+    ffi.call(build.library().lmo_scan, args)
+    return ffi.scan_result(args)
 
 
 def encode_rows_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> bool:

@@ -71,57 +71,66 @@ def _is_number(v: Any) -> bool:
 
 
 def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], slots: dict[str, Any],
-         formats: dict[str, StateFormat], group: dict[str, Any], step: int, decay: float) -> int:
+         formats: dict[str, StateFormat], group: dict[str, Any], step: int, decay: float,
+         scan: torch.Tensor | None = None) -> tuple[int, bool | None]:
     """Run the fused kernel of ``opt``'s math over the flat parameter ``pflat`` (contiguous; updated in place) with
     gradient ``gflat``, state slots decoded and encoded around it, ``p = p * decay + delta``: all of it for fp32 / bf16
-    state, the full blocks for 8-bit state. Returns how many leading elements it did (0: the kernel does not apply
-    here; the caller runs the rest)."""
+    state, the full blocks for 8-bit state.
+
+    ``scan``: another gradient (the next parameter's) whose finiteness the kernel checks in the same parallel loop
+    (:func:`lowmemopt.cpu.ffi.scan_result`), its reads overlapping this kernel's arithmetic.
+
+    Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
+    the rest), and whether ``scan`` is finite (None: not scanned)."""
     from ..optimizer import LowMemOptimizer
     from . import _method_is
 
     if not _method_is(opt, "_update", LowMemOptimizer._update):  # the math is not what the step runs
-        return 0
+        return 0, None
     math = type(opt).math
     kernel = KERNELS.get(math)
     if kernel is None or not applies(pflat) or gflat.device != pflat.device:
-        return 0
+        return 0, None
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
-        return 0
+        return 0, None
     kwargs = opt._math_kwargs(group, step)
     if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
-        return 0
+        return 0, None
     names = kernel.slots(kwargs)
     if set(names) != set(slots):
-        return 0
+        return 0, None
     kinds = {formats[k] for k in names}
     if len(kinds) > 1:
-        return 0
+        return 0, None
     fmt = kinds.pop() if kinds else FP32
     if fmt is Q8:
         block_size = group["block_size"]
         rows, bs = pflat.numel() // block_size, block_size
         if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
-            return 0
+            return 0, None
     elif fmt in (FP32, BF16):
         rows, bs = pflat.numel() // DENSE_ROW, DENSE_ROW
     else:
-        return 0
+        return 0, None
     tail = pflat.numel() - rows * bs if fmt is not Q8 else 0
     if rows == 0 and tail == 0:
-        return 0
+        return 0, None
     cslots = []
     for k in names:
         signed = slots[k].signed
         if fmt is Q8:
             codes, absmax = state[k + ".codes"], state[k + ".absmax"]
             if not (codes.is_contiguous() and absmax.is_contiguous() and absmax.dtype == torch.float32):
-                return 0
+                return 0, None
             cslots.append(ffi.slot_q8(codes, absmax, signed))
         else:
             t = state[k]
             if not t.is_contiguous() or t.dtype != (torch.float32 if fmt is FP32 else torch.bfloat16):
-                return 0
+                return 0, None
             cslots.append(ffi.slot_dense(t))
     h, flags = kernel.scalars(kwargs, decay)
-    ffi.call(getattr(build.library(), kernel.name), ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail))
-    return rows * bs + tail
+    if scan is not None and not ffi.can_scan(scan):
+        scan = None
+    args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
+    ffi.call(getattr(build.library(), kernel.name), args)
+    return rows * bs + tail, (None if scan is None else ffi.scan_result(args))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
 from .codec import tables
 
-__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "args_for", "call"]
+__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "args_for", "call", "can_scan", "scan_result"]
 
 MAX_SLOTS = 4
 MAX_BLOCK = 4096  # LMO_MAX_BS
@@ -44,6 +45,11 @@ class Args(ctypes.Structure):
         ("tail", ctypes.c_int32),
         ("slot", Slot * MAX_SLOTS),
         ("h", ctypes.c_double * 16),
+        ("scan", ctypes.c_void_p),
+        ("scan_n", ctypes.c_int64),
+        ("scan_dtype", ctypes.c_int32),
+        ("scan_pad", ctypes.c_int32),
+        ("scan_sumsq", ctypes.c_void_p),
     ]
 
 
@@ -60,7 +66,9 @@ def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
 
 
 def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],
-             hyper: tuple[float, ...] = (), flags: int = 0, tail: int = 0) -> Args:
+             hyper: tuple[float, ...] = (), flags: int = 0, tail: int = 0, scan: torch.Tensor | None = None) -> Args:
+    """The kernel arguments; ``scan``: a contiguous tensor of a :data:`DTYPES` dtype whose fp32 sum of squares the
+    kernel also computes (read it with :func:`scan_result` after the call)."""
     a = Args()
     a.p = None if p is None else p.data_ptr()
     a.g = None if g is None else g.data_ptr()
@@ -74,7 +82,22 @@ def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int
     for i, h in enumerate(hyper):
         a.h[i] = h
     a.flags, a.tail = flags, tail
+    if scan is not None:
+        a._sumsq = ctypes.c_float(0.0)  # kept alive with the struct
+        a.scan, a.scan_n, a.scan_dtype = scan.data_ptr(), scan.numel(), DTYPES[scan.dtype]
+        a.scan_sumsq = ctypes.addressof(a._sumsq)
     return a
+
+
+def can_scan(t: torch.Tensor) -> bool:
+    """Whether a kernel can scan ``t`` (a contiguous CPU tensor of a supported dtype)."""
+    return not t.is_sparse and t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous()
+
+
+def scan_result(args: Args) -> bool:
+    """After a call with ``scan``: True if the scanned tensor's fp32 sum of squares is finite (no NaN / Inf element,
+    no overflow: the condition of the optimizer's non-finite gradient check)."""
+    return math.isfinite(args._sumsq.value)
 
 
 def call(fn, args: Args) -> None:

@@ -29,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 6
+#define LMO_ABI_VERSION 7
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -73,6 +73,13 @@ typedef struct {
     int32_t tail;        /* fp32 / bf16 state: elements after the nrows full rows, done too (0 <= tail < bs <= 64) */
     lmo_slot slot[LMO_MAX_SLOTS];
     double h[16];        /* algorithm-specific hyper-parameters (cast to float where torch casts them) */
+    /* optional, any kernel that runs on run_rows: the sum of squares of another tensor (the next parameter's
+     * gradient), computed in the same parallel loop so that its memory reads overlap this kernel's arithmetic */
+    const void *scan;    /* NULL: none */
+    int64_t scan_n;      /* its elements */
+    int32_t scan_dtype;  /* DT_* */
+    int32_t scan_pad;
+    float *scan_sumsq;   /* out: fp32 sum of squares (Inf / NaN if it overflows or holds a NaN / Inf) */
 } lmo_args;
 
 int lmo_abi_version(void) { return LMO_ABI_VERSION; }
@@ -97,6 +104,14 @@ static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_sqrt(vf a) { return _mm512_sqrt_ps(a); }
+/* x / b, correctly rounded, from rb = 1 / b (correctly rounded) without the divider: q = x rb is within an ulp of
+ * x / b, its remainder x - q b is exact in one fused multiply-add, and q + remainder * rb rounds to x / b (Markstein's
+ * theorem, for normal results; tests/test_cpu_kernels.py checks it against the division). An Inf / NaN remainder
+ * (x or q not finite) keeps q. */
+static inline vf v_div_by(vf x, vf b, vf rb) {
+    const vf q = _mm512_mul_ps(x, rb), e = _mm512_fnmadd_ps(q, b, x);
+    return _mm512_mask_mov_ps(_mm512_fmadd_ps(e, rb, q), _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q), q);
+}
 static inline vf v_neg(vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000))); }
 /* max / min (vrangeps; a NaN operand is not propagated: see slot_store for the NaN check) */
 static inline vf v_max(vf a, vf b) { return _mm512_range_ps(a, b, 0x05); }
@@ -250,15 +265,16 @@ static inline vi arith_code(const lmo_arith *T, vf y, const int is_signed, vi *a
  * and independent chains side by side keep the out-of-order window busy. */
 #define LMO_ENC4(SIGNED)                                                                                              \
     for (j = 0; j + 64 <= len; j += 64) {                                                                             \
-        vi c0 = arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb);                                             \
-        vi c1 = arith_code(T, v_div(v_load(buf + j + 16), div), SIGNED, &amb);                                        \
-        vi c2 = arith_code(T, v_div(v_load(buf + j + 32), div), SIGNED, &amb);                                        \
-        vi c3 = arith_code(T, v_div(v_load(buf + j + 48), div), SIGNED, &amb);                                        \
+        vi c0 = arith_code(T, v_div_by(v_load(buf + j), div, rdiv), SIGNED, &amb);                                       \
+        vi c1 = arith_code(T, v_div_by(v_load(buf + j + 16), div, rdiv), SIGNED, &amb);                                        \
+        vi c2 = arith_code(T, v_div_by(v_load(buf + j + 32), div, rdiv), SIGNED, &amb);                                        \
+        vi c3 = arith_code(T, v_div_by(v_load(buf + j + 48), div, rdiv), SIGNED, &amb);                                        \
         store_codes4(codes + j, c0, c1, c2, c3);                                                                      \
     }                                                                                                                 \
-    for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb))
+    for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div_by(v_load(buf + j), div, rdiv), SIGNED, &amb))
 static inline void encode_block(const lmo_arith *T, const int32_t *packed, int is_signed, const float *buf, int len,
                                 vf div, uint8_t *codes) {
+    const vf rdiv = v_div(v_set(1.0f), div);
     vi amb = _mm512_setzero_si512();
     int j;
     if (is_signed) {
@@ -305,6 +321,7 @@ static inline vf v_mul(vf a, vf b) { LMO_MAP1(a.x[i] * b.x[i]); }
 static inline vf v_div(vf a, vf b) { LMO_MAP1(a.x[i] / b.x[i]); }
 static inline vf v_fma(vf a, vf b, vf c) { LMO_MAP1(fmaf(a.x[i], b.x[i], c.x[i])); }
 static inline vf v_sqrt(vf a) { LMO_MAP1(sqrtf(a.x[i])); }
+static inline vf v_div_by(vf x, vf b, vf rb) { (void)rb; return v_div(x, b); }
 static inline vf v_neg(vf a) { LMO_MAP1(-a.x[i]); }
 static inline float s_max(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
 static inline float s_min(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
@@ -548,39 +565,96 @@ static void run_tail(const lmo_args *a, rows_fn fn) {
     }
 }
 
+/* Sum of squares of x[lo, hi) in fp32, 16 lanes of fused multiply-adds: Inf / NaN iff an element is Inf / NaN or
+ * the sum overflows fp32 (as torch's fp32 norm does, up to summation order). */
+static float sumsq_range(int dt, const void *x, int64_t lo, int64_t hi) {
+    vf acc0 = v_set(0.0f), acc1 = v_set(0.0f);
+    float r = 0.0f, lanes[16];
+    int64_t i = lo;
+    int k;
+    for (; i + 32 <= hi; i += 32) {
+        vf a = load_dt(dt, x, i), b = load_dt(dt, x, i + 16);
+        acc0 = v_fma(a, a, acc0);
+        acc1 = v_fma(b, b, acc1);
+    }
+    v_store(lanes, v_add(acc0, acc1));
+    for (k = 0; k < 16; k++) r += lanes[k];
+    if (i < hi) { /* the last < 32 elements, zero-padded */
+        unsigned char tmp[32 * 4] __attribute__((aligned(64)));
+        const size_t es = dt == DT_F32 ? 4 : 2;
+        vf a, b;
+        memset(tmp, 0, sizeof tmp);
+        memcpy(tmp, (const char *)x + i * es, (size_t)(hi - i) * es);
+        a = load_dt(dt, tmp, 0);
+        b = load_dt(dt, tmp, 16);
+        v_store(lanes, v_fma(b, b, v_mul(a, a)));
+        for (k = 0; k < 16; k++) r += lanes[k];
+    }
+    return r;
+}
+
+#define LMO_ROW_CHUNK 16384  /* elements per dynamically scheduled task */
+
+/* Run fn over rows [0, nrows) in chunks of ~16K elements handed out dynamically (a thread that the OS preempts does
+ * not hold up the others), then the tail; with a->scan, also the scan's sum of squares in pieces of 16K elements,
+ * task c doing row chunk c and scan piece c. */
 static int run_rows(const lmo_args *a, rows_fn fn) {
     int nt = a->nthreads < 1 ? 1 : a->nthreads, k;
-    int64_t min_rows = (65536 + a->bs - 1) / a->bs; /* below ~64K elements per thread, threads do not pay */
+    const int64_t rows_per_chunk = (LMO_ROW_CHUNK + a->bs - 1) / a->bs;
+    const int64_t nchunks = a->bs > 0 ? (a->nrows + rows_per_chunk - 1) / rows_per_chunk : 0;
+    const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK;
+    const int64_t ntasks = nchunks > npieces ? nchunks : npieces;
+    const int64_t work = a->nrows * a->bs + scan_n;
+    float sumsq = 0.0f;
     if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return LMO_EBADARG;
     if (a->tail < 0 || a->tail >= a->bs || (a->tail && a->bs > 64)) return LMO_EBADARG;
+    if (a->scan && (a->scan_n < 0 || !a->scan_sumsq || a->scan_dtype < DT_F32 || a->scan_dtype > DT_F16)) return LMO_EBADARG;
     for (k = 0; k < a->nslots; k++)
         if (a->tail && a->slot[k].kind == ST_Q8) return LMO_EBADARG;
-    if ((int64_t)nt * min_rows > a->nrows) nt = (int)(a->nrows / min_rows) > 0 ? (int)(a->nrows / min_rows) : 1;
-    if (a->nrows > 0) {
+    if ((int64_t)nt * 65536 > work) nt = work / 65536 > 0 ? (int)(work / 65536) : 1; /* below ~64K elements per thread, threads do not pay */
+    if (ntasks > 0) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
         {
-            /* chunks of ~16K elements handed out dynamically: a thread that the OS preempts (a shared machine)
-             * does not hold up the others at the end */
-            const int64_t rows_per_chunk = (16384 + a->bs - 1) / a->bs;
-            const int64_t nchunks = (a->nrows + rows_per_chunk - 1) / rows_per_chunk;
             float bufs[LMO_MAX_SLOTS * a->bs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
             slot_rt rt[LMO_MAX_SLOTS];
+            float part = 0.0f;
             int j;
             int64_t c;
             for (j = 0; j < a->nslots; j++) slot_rt_init(&rt[j], &a->slot[j], bufs + j * a->bs);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-            for (c = 0; c < nchunks; c++) {
-                const int64_t r0 = c * rows_per_chunk, r1 = r0 + rows_per_chunk < a->nrows ? r0 + rows_per_chunk : a->nrows;
-                fn(a, rt, r0, r1);
+            for (c = 0; c < ntasks; c++) {
+                if (c < nchunks) {
+                    const int64_t r0 = c * rows_per_chunk;
+                    fn(a, rt, r0, r0 + rows_per_chunk < a->nrows ? r0 + rows_per_chunk : a->nrows);
+                }
+                if (c < npieces) {
+                    const int64_t lo = c * LMO_ROW_CHUNK;
+                    part += sumsq_range(a->scan_dtype, a->scan, lo, lo + LMO_ROW_CHUNK < scan_n ? lo + LMO_ROW_CHUNK : scan_n);
+                }
+            }
+            if (a->scan) {
+#ifdef _OPENMP
+#pragma omp critical(lmo_scan)
+#endif
+                sumsq += part;
             }
         }
     }
+    if (a->scan) *a->scan_sumsq = sumsq;
     if (a->tail) run_tail(a, fn);
     return LMO_OK;
+}
+
+static void no_rows(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { (void)a; (void)rt; (void)r0; (void)r1; }
+
+/* Only the scan (nrows 0, no slots): the sum of squares of a->scan, for a gradient no kernel steps with it. */
+int lmo_scan(const lmo_args *a) {
+    if (!a->scan || a->nrows != 0 || a->nslots != 0 || a->tail != 0) return LMO_EBADARG;
+    return run_rows(a, no_rows);
 }
 
 /* The slots' storage kind (all slots of a parameter share one: they are chosen by the same rule), or -1. */
@@ -616,6 +690,7 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
     const int l2 = a->h[0] != 0.0, maximize = a->flags & 1, amsgrad = a->flags & 2, small = fabsf(w1) < 0.5f;
     const vf wd = v_set((float)a->h[0]), coef = v_set(small ? w1 : w1 - 1.0f), beta2 = v_set((float)a->h[2]);
     const vf omb2 = v_set((float)a->h[3]), bc2s = v_set((float)a->h[4]), eps = v_set((float)a->h[5]);
+    const vf rbc2s = v_div(v_set(1.0f), bc2s);
     const vf step = v_set((float)a->h[6]), decay = v_set((float)a->h[7]);
     const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
     slot_rt sm = rt[0], sv = rt[1], sx = rt[amsgrad ? 2 : 1];
@@ -648,7 +723,7 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
                     v = v_max(slot_get(K, &sx, i, &ax, X, u), v);
                     slot_store(K, &sx, i, j + 16 * u, v, &ax);
                 }
-                d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
+                d = v_div(v_mul(m, step), v_add(v_div_by(v_sqrt(v), bc2s, rbc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
                 store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));             /* p * decay + delta */
             }
         }
@@ -963,7 +1038,8 @@ static inline vf v_rc(const float *rf, const float *cf, int64_t r, int64_t c, vf
  * h: 0 denom  1 alpha  2 beta1  3 1 - beta1  4 s = -wd alpha. A denom of exactly 1 (no clipping) divides by nothing. */
 static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_fact *f, const slot_rt *rt, int s,
                                                                        const int K) {
-    const vf denom = v_set((float)f->h[0]), alpha = v_set((float)f->h[1]), b1 = v_set((float)f->h[2]);
+    const vf denom = v_set((float)f->h[0]), rdenom = v_div(v_set(1.0f), denom), alpha = v_set((float)f->h[1]);
+    const vf b1 = v_set((float)f->h[2]);
     const vf omb1 = v_set((float)f->h[3]), sdecay = v_set((float)f->h[4]);
     const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
     slot_rt sm;
@@ -977,7 +1053,7 @@ static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_
                   if (has_m) slot_block_end(K, &sm, blk, i_, len, &am), {
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf p = load_dt(pdt, f->p, i);
-        if (clip) u = v_div(u, denom);
+        if (clip) u = v_div_by(u, denom, rdenom);
         u = v_mul(u, alpha);
         if (has_m) {
             u = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
@@ -992,7 +1068,8 @@ static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_
  * moment m' = beta1 m + (1 - beta1) u (not stored here), row / column means of (u - m')^2 + eps2.
  * h: 0 denom  2 beta1  3 1 - beta1  5 eps2. Column sums: fp32 within the segment, fp64 across segments. */
 static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
-    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
+    const vf denom = v_set((float)f->h[0]), rdenom = v_div(v_set(1.0f), denom), b1 = v_set((float)f->h[2]);
+    const vf omb1 = v_set((float)f->h[3]);
     const vf eps2 = v_set((float)f->h[5]);
     const int gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
     const int64_t C = f->C;
@@ -1005,7 +1082,7 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
     LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M), (void)0, {
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf m, d, x;
-        if (clip) u = v_div(u, denom);
+        if (clip) u = v_div_by(u, denom, rdenom);
         m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
         d = v_sub(u, m);
         x = v_add(v_mul(d, d), eps2);
@@ -1021,7 +1098,8 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
 /* CAME's update: m' as above (stored), u2 = (rf2[r] cf2[c]) m';  [p += s p];  p -= u2 lr
  * h: 0 denom  2 beta1  3 1 - beta1  4 s = -wd lr  6 lr */
 static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
-    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]), omb1 = v_set((float)f->h[3]);
+    const vf denom = v_set((float)f->h[0]), rdenom = v_div(v_set(1.0f), denom), b1 = v_set((float)f->h[2]);
+    const vf omb1 = v_set((float)f->h[3]);
     const vf sdecay = v_set((float)f->h[4]), lr = v_set((float)f->h[6]);
     const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
     slot_rt sm = rt[0];
@@ -1031,7 +1109,7 @@ static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact 
                   slot_block_end(K, &sm, blk, i_, len, &am), {
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf m, p = load_dt(pdt, f->p, i);
-        if (clip) u = v_div(u, denom);
+        if (clip) u = v_div_by(u, denom, rdenom);
         m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
         slot_store(K, &sm, i, j, m, &am);
         u = v_rc(f->rf2, f->cf2, r, c, m);
