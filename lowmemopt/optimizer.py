@@ -19,11 +19,13 @@ Storage options (constructor keywords, also settable per param group):
   files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
   (:mod:`lowmemopt.paging`; ``step()`` calls it around ``_step_param``, the load and state_dict hooks keep it paged).
 
-Non-finite gradients (policy): before updating, ``step()`` checks every gradient with one fused multi-tensor L2 norm per
-device (one host synchronization per step, none per parameter). A parameter whose gradient norm is not finite (a NaN or
-an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its value, its state and its step
-count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that would poison a quantization block
-for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about.
+Non-finite gradients (policy): before updating a parameter, ``step()`` checks its gradient. A parameter whose gradient
+norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its
+value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
+would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about. The
+check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),
+except for CPU parameters stepped by the native kernels: there each kernel also sums the squares of the next gradient
+while it steps (:class:`_CpuFiniteChecks`), which saves a separate pass over all gradients.
 
 GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projection.step.step_projected` instead: the
 same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
