@@ -101,9 +101,8 @@ def test_arithmetic_encoder_at_every_threshold(lib, name):
 @pytest.mark.parametrize("name", ["dynamic", "udynamic"])
 @pytest.mark.parametrize("scale", [0.37, 3.1e-5, 7.77e3, 1.0 / 3.0])
 def test_encoder_division_at_every_threshold_under_odd_scales(lib, name, scale):
-    """The encoder divides by the block scale without the divider (a correctly rounded reciprocal and one fused
-    multiply-add correction, Markstein's theorem): at every decision threshold and its neighbours, scaled by a scale
-    that is not a power of two, the codes still equal the brute-force search on ``x / absmax`` (IEEE division)."""
+    """Every decision threshold and its neighbours, scaled by a block scale that is not a power of two (so that
+    ``x / absmax`` rounds): the codes equal the brute-force search on the same division."""
     signed = name == "dynamic"
     y = _adversarial(name)
     blocks = torch.zeros(y.numel(), 16)

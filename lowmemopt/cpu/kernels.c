@@ -104,14 +104,6 @@ static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_sqrt(vf a) { return _mm512_sqrt_ps(a); }
-/* x / b, correctly rounded, from rb = 1 / b (correctly rounded) without the divider: q = x rb is within an ulp of
- * x / b, its remainder x - q b is exact in one fused multiply-add, and q + remainder * rb rounds to x / b (Markstein's
- * theorem, for normal results; tests/test_cpu_kernels.py checks it against the division). An Inf / NaN remainder
- * (x or q not finite) keeps q. */
-static inline vf v_div_by(vf x, vf b, vf rb) {
-    const vf q = _mm512_mul_ps(x, rb), e = _mm512_fnmadd_ps(q, b, x);
-    return _mm512_mask_mov_ps(_mm512_fmadd_ps(e, rb, q), _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q), q);
-}
 static inline vf v_neg(vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000))); }
 /* max / min (vrangeps; a NaN operand is not propagated: see slot_store for the NaN check) */
 static inline vf v_max(vf a, vf b) { return _mm512_range_ps(a, b, 0x05); }
@@ -265,16 +257,15 @@ static inline vi arith_code(const lmo_arith *T, vf y, const int is_signed, vi *a
  * and independent chains side by side keep the out-of-order window busy. */
 #define LMO_ENC4(SIGNED)                                                                                              \
     for (j = 0; j + 64 <= len; j += 64) {                                                                             \
-        vi c0 = arith_code(T, v_div_by(v_load(buf + j), div, rdiv), SIGNED, &amb);                                       \
-        vi c1 = arith_code(T, v_div_by(v_load(buf + j + 16), div, rdiv), SIGNED, &amb);                                        \
-        vi c2 = arith_code(T, v_div_by(v_load(buf + j + 32), div, rdiv), SIGNED, &amb);                                        \
-        vi c3 = arith_code(T, v_div_by(v_load(buf + j + 48), div, rdiv), SIGNED, &amb);                                        \
+        vi c0 = arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb);                                             \
+        vi c1 = arith_code(T, v_div(v_load(buf + j + 16), div), SIGNED, &amb);                                        \
+        vi c2 = arith_code(T, v_div(v_load(buf + j + 32), div), SIGNED, &amb);                                        \
+        vi c3 = arith_code(T, v_div(v_load(buf + j + 48), div), SIGNED, &amb);                                        \
         store_codes4(codes + j, c0, c1, c2, c3);                                                                      \
     }                                                                                                                 \
-    for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div_by(v_load(buf + j), div, rdiv), SIGNED, &amb))
+    for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb))
 static inline void encode_block(const lmo_arith *T, const int32_t *packed, int is_signed, const float *buf, int len,
                                 vf div, uint8_t *codes) {
-    const vf rdiv = v_div(v_set(1.0f), div);
     vi amb = _mm512_setzero_si512();
     int j;
     if (is_signed) {
@@ -321,7 +312,6 @@ static inline vf v_mul(vf a, vf b) { LMO_MAP1(a.x[i] * b.x[i]); }
 static inline vf v_div(vf a, vf b) { LMO_MAP1(a.x[i] / b.x[i]); }
 static inline vf v_fma(vf a, vf b, vf c) { LMO_MAP1(fmaf(a.x[i], b.x[i], c.x[i])); }
 static inline vf v_sqrt(vf a) { LMO_MAP1(sqrtf(a.x[i])); }
-static inline vf v_div_by(vf x, vf b, vf rb) { (void)rb; return v_div(x, b); }
 static inline vf v_neg(vf a) { LMO_MAP1(-a.x[i]); }
 static inline float s_max(float a, float b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
 static inline float s_min(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
@@ -690,7 +680,6 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
     const int l2 = a->h[0] != 0.0, maximize = a->flags & 1, amsgrad = a->flags & 2, small = fabsf(w1) < 0.5f;
     const vf wd = v_set((float)a->h[0]), coef = v_set(small ? w1 : w1 - 1.0f), beta2 = v_set((float)a->h[2]);
     const vf omb2 = v_set((float)a->h[3]), bc2s = v_set((float)a->h[4]), eps = v_set((float)a->h[5]);
-    const vf rbc2s = v_div(v_set(1.0f), bc2s);
     const vf step = v_set((float)a->h[6]), decay = v_set((float)a->h[7]);
     const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
     slot_rt sm = rt[0], sv = rt[1], sx = rt[amsgrad ? 2 : 1];
@@ -723,7 +712,7 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
                     v = v_max(slot_get(K, &sx, i, &ax, X, u), v);
                     slot_store(K, &sx, i, j + 16 * u, v, &ax);
                 }
-                d = v_div(v_mul(m, step), v_add(v_div_by(v_sqrt(v), bc2s, rbc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
+                d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
                 store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));             /* p * decay + delta */
             }
         }
@@ -1038,7 +1027,7 @@ static inline vf v_rc(const float *rf, const float *cf, int64_t r, int64_t c, vf
  * h: 0 denom  1 alpha  2 beta1  3 1 - beta1  4 s = -wd alpha. A denom of exactly 1 (no clipping) divides by nothing. */
 static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_fact *f, const slot_rt *rt, int s,
                                                                        const int K) {
-    const vf denom = v_set((float)f->h[0]), rdenom = v_div(v_set(1.0f), denom), alpha = v_set((float)f->h[1]);
+    const vf denom = v_set((float)f->h[0]), alpha = v_set((float)f->h[1]);
     const vf b1 = v_set((float)f->h[2]);
     const vf omb1 = v_set((float)f->h[3]), sdecay = v_set((float)f->h[4]);
     const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
@@ -1053,7 +1042,7 @@ static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_
                   if (has_m) slot_block_end(K, &sm, blk, i_, len, &am), {
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf p = load_dt(pdt, f->p, i);
-        if (clip) u = v_div_by(u, denom, rdenom);
+        if (clip) u = v_div(u, denom);
         u = v_mul(u, alpha);
         if (has_m) {
             u = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
@@ -1068,7 +1057,7 @@ static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_
  * moment m' = beta1 m + (1 - beta1) u (not stored here), row / column means of (u - m')^2 + eps2.
  * h: 0 denom  2 beta1  3 1 - beta1  5 eps2. Column sums: fp32 within the segment, fp64 across segments. */
 static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
-    const vf denom = v_set((float)f->h[0]), rdenom = v_div(v_set(1.0f), denom), b1 = v_set((float)f->h[2]);
+    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]);
     const vf omb1 = v_set((float)f->h[3]);
     const vf eps2 = v_set((float)f->h[5]);
     const int gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
@@ -1082,7 +1071,7 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
     LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M), (void)0, {
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf m, d, x;
-        if (clip) u = v_div_by(u, denom, rdenom);
+        if (clip) u = v_div(u, denom);
         m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
         d = v_sub(u, m);
         x = v_add(v_mul(d, d), eps2);
@@ -1098,7 +1087,7 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
 /* CAME's update: m' as above (stored), u2 = (rf2[r] cf2[c]) m';  [p += s p];  p -= u2 lr
  * h: 0 denom  2 beta1  3 1 - beta1  4 s = -wd lr  6 lr */
 static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
-    const vf denom = v_set((float)f->h[0]), rdenom = v_div(v_set(1.0f), denom), b1 = v_set((float)f->h[2]);
+    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]);
     const vf omb1 = v_set((float)f->h[3]);
     const vf sdecay = v_set((float)f->h[4]), lr = v_set((float)f->h[6]);
     const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
@@ -1109,7 +1098,7 @@ static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact 
                   slot_block_end(K, &sm, blk, i_, len, &am), {
         vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
         vf m, p = load_dt(pdt, f->p, i);
-        if (clip) u = v_div_by(u, denom, rdenom);
+        if (clip) u = v_div(u, denom);
         m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
         slot_store(K, &sm, i, j, m, &am);
         u = v_rc(f->rf2, f->cf2, r, c, m);
