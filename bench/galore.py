@@ -40,6 +40,7 @@ from common import (
     Result,
     build_llama,
     fixed_grads,
+    fresh_params,
     machine_info,
     parse_bench_args,
     print_table,
@@ -129,9 +130,10 @@ def galore_state_bytes(optimizer) -> int:
     return total
 
 
-def _run(name: str, reference, grads, args, device) -> Result:
-    """run_benchmark, plus galore-torch's projector bytes and the first (refresh) step's time in the note."""
-    import common
+def _run(name: str, reference, grads, args, device, partner=None) -> Result:
+    """run_benchmark, plus galore-torch's projector bytes and the first (refresh) step's time in the note.
+    ``partner``: the baseline's step, timed alternately (paired ratios, see lowmemopt.benchmark.time_steps)."""
+    import lowmemopt.benchmark as common  # run_benchmark looks these two up in its own module
 
     first: list[float] = []
     real_time_steps = common.time_steps
@@ -148,7 +150,7 @@ def _run(name: str, reference, grads, args, device) -> Result:
     common.time_steps, common.state_bytes = time_steps, galore_state_bytes
     try:
         r = run_benchmark(name, reference, grads, steps=args.steps, warmup=args.warmup, device=device,
-                          max_step_s=args.max_step_s, factory=GALORE[name])
+                          max_step_s=args.max_step_s, factory=GALORE[name], partner=partner)
     finally:
         common.time_steps, common.state_bytes = real_time_steps, real_state_bytes
     if first and not r.error:
@@ -239,24 +241,33 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(names)} tensors; {len(projected_ids)} matrices ({n_proj / 1e6:.1f}M parameters) projected at rank "
           f"{rank} (target_modules={TARGETS})")
     print(f"- gradients: {args.grads} (the same for every optimizer); warm-up {args.warmup}, timed {args.steps} steps, "
-          "median reported\n")
+          "median reported")
+    print("- ratios: to the baseline's own row\n" if args.unpaired else
+          "- ratios: to the baseline's steps timed alternately with each optimizer's (paired)\n")
     sys.stdout.flush()
 
     grads = fixed_grads(model, mode=args.grads)
     reference = [p.detach() for p in model.parameters()]
     del model
 
+    partner = None
+    if not args.unpaired:  # a second baseline optimizer whose steps alternate with each optimizer's
+        partner = GALORE[BASELINE](fresh_params(reference, grads), lr=1e-3, weight_decay=1e-2)
+        partner.step()
+        partner.step()
     results = []
     for name in args.names:
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        r = _run(name, reference, grads, args, device)
+        r = _run(name, reference, grads, args, device, None if name == BASELINE or partner is None else partner.step)
         print(f"  {name}: median {r.median_s} s, {r.bytes_per_param} B/param {r.error or r.note}",
               file=sys.stderr, flush=True)
         results.append(r)
+    del partner
     base = next((r.median_s for r in results if r.name == BASELINE), None)
     for r in results:
-        if base and r.median_s is not None:
-            r.ratio = r.median_s / base
+        ref = r.baseline_s if r.baseline_s is not None else base
+        if ref and r.median_s is not None:
+            r.ratio = r.median_s / ref
     print_table(results)
     by_name = {r.name: r for r in results}
     pairs = [("lowmemopt-galore-adamw-32bit", "galore-torch-adamw"),
