@@ -309,16 +309,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             for p, group in pager.steps([(p, group) for _, p, group in todo]):  # paged: state fetched, written back
                 self._step_param(p, p.grad, group)
         else:
-            for k, (i, p, group) in enumerate(todo):
-                if finite[i] is None:  # a pipelined CPU gradient that the previous kernel did not scan
-                    finite[i] = pipe.check(i)
-                if not finite[i]:  # found by that check, or by the previous kernel's scan
-                    continue
-                nxt = todo[k + 1][0] if k + 1 < len(todo) else None
-                if nxt is not None and finite[nxt] is None and self._plain_step_param:
-                    finite[nxt] = self._step_param(p, p.grad, group, scan=grads[nxt])
-                else:
-                    self._step_param(p, p.grad, group)
+            self._step_in_order(todo, finite, grads, pipe)
         skipped = sum(f is False for f in finite)
         if skipped:
             self.nonfinite_skips += skipped
@@ -329,6 +320,22 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
         return loss
+
+    def _step_in_order(self, todo: list, finite: list[bool | None], grads: list[torch.Tensor],
+                       pipe: _CpuFiniteChecks) -> None:
+        """Step ``todo`` ((index, param, group), in order) with the pipelined non-finite check: a gradient not checked
+        yet (``finite[i] is None``) is checked just before its step, unless the kernel that stepped the parameter
+        before it scanned it; ``finite`` is filled in as it goes."""
+        for k, (i, p, group) in enumerate(todo):
+            if finite[i] is None:  # a pipelined CPU gradient that the previous kernel did not scan
+                finite[i] = pipe.check(i)
+            if not finite[i]:  # found by that check, or by the previous kernel's scan
+                continue
+            nxt = todo[k + 1][0] if k + 1 < len(todo) else None
+            if nxt is not None and finite[nxt] is None and self._plain_step_param:
+                finite[nxt] = self._step_param(p, p.grad, group, scan=grads[nxt])
+            else:
+                self._step_param(p, p.grad, group)
 
     def _init_state(
         self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any] | None = None

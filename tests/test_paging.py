@@ -611,8 +611,8 @@ def _rss_run(tmp_path, paged: str, nparams: int, numel: int, steps: int = 2) -> 
 def test_disk_tier_peak_rss_stays_under_a_quarter_of_the_state_plus_two_parameters(tmp_path):
     """AdamW8bit over 100M parameters (4 x 25M): 200M elements of 8-bit state (203 MB). During two steps (the first
     creates the state and writes it to the files, the second reads it back, updates and writes it), the process's
-    peak RSS growth stays under 25% of the state plus two parameters' state (current + prefetched); unpaged it is the whole state plus the
-    codec's temporaries (~213 MB, see the slow test)."""
+    peak RSS growth stays under 25% of the state plus two parameters' state (current + prefetched); unpaged it is the
+    whole state plus the codec's temporaries (~213 MB, see the slow test)."""
     got = _rss_run(tmp_path, "disk", 4, 25_000_000)
     # the working set: the param being updated and the next one's state being prefetched (double buffering); on a
     # quiet machine the growth is ~55-80 MB, under load write-backs can lag and it has reached ~103 MB
@@ -630,5 +630,5 @@ def test_disk_tier_rss_against_unpaged_and_cpu_tier(tmp_path):
     cpu = _rss_run(tmp_path, "cpu", 4, 25_000_000, steps=3)
     assert plain["peak_growth"] > plain["state_bytes"]  # the state itself, plus temporaries
     assert cpu["peak_growth"] > cpu["state_bytes"]  # host RAM home + one working copy
-    assert disk["peak_growth"] < disk["state_bytes"] // 4 + disk["param_state_bytes"]
+    assert disk["peak_growth"] < disk["state_bytes"] // 4 + 2 * disk["param_state_bytes"]  # as the test above
     assert disk["peak_growth"] < plain["peak_growth"] / 2
