@@ -435,7 +435,7 @@ def run_suite(
     grads: str = "random",
     max_step_s: float = 60.0,
     paired: bool = True,
-    out=sys.stdout,
+    out=None,
 ) -> tuple[list[Result], dict[str, object]]:
     """Build the ``preset`` model once, make one set of ``grads``, run each optimizer ``names[i]`` of ``registry`` on
     fresh copies (:func:`run_benchmark`) and set each result's ratio to :data:`BASELINE`. Prints the model and
@@ -443,6 +443,7 @@ def run_suite(
 
     ``paired`` (default): a second :data:`BASELINE` optimizer on its own copies stays alive, and each optimizer's
     timed steps alternate with baseline steps; the ratio is to those. Else the ratio is to the baseline's own row."""
+    out = out or sys.stdout  # looked up per call: a default bound at import would miss a redirected stdout
     model = build_llama(preset, device=device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32, {n_params / 1e6:.1f}M parameters "
@@ -524,10 +525,11 @@ def quick(
     device: str | torch.device = "cpu",
     names: Sequence[str] | None = None,
     max_step_s: float = 60.0,
-    out=sys.stdout,
+    out=None,
 ) -> dict[str, list[Result]]:
     """``lowmemopt bench``: each suite on the ``preset`` model (default the ~11M-parameter one, 2 warm-up and 3 timed
     steps), printing a comparison table per suite. ``names`` restricts the optimizers (the baseline always runs)."""
+    out = out or sys.stdout
     device = torch.device(device)
     info = machine_info(device)
     print("## lowmemopt bench\n", file=out)
