@@ -263,6 +263,8 @@ FACTORED_VARIANTS = [
     (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01, clip_threshold=0.5)),
     (lowmemopt.Adafactor, dict(lr=1e-2, relative_step=False, scale_parameter=False, weight_decay=0.01)),
     (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.AdafactorTorch, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.AdafactorTorch, dict(maximize=True, d=1.5, eps=(1e-3, 1e-3), beta2_decay=-0.5)),
 ]
 
 
@@ -284,7 +286,7 @@ def test_factored_native_equals_eager_32bit(lib, cls, kwargs, monkeypatch):
     assert torch.equal(p_n[2], p_e[2])
 
 
-@pytest.mark.parametrize("cls,kwargs", FACTORED_VARIANTS[1:2] + FACTORED_VARIANTS[3:], ids=["Adafactor-m", "CAME"])
+@pytest.mark.parametrize("cls,kwargs", FACTORED_VARIANTS[1:2] + FACTORED_VARIANTS[3:4], ids=["Adafactor-m", "CAME"])
 @pytest.mark.parametrize("bits", [16, 8])
 def test_factored_native_low_bit(lib, cls, kwargs, bits, monkeypatch):
     """bf16 / q8 first moment: after one step equal to the eager path to fp32 rounding, with at most a rare one-step
@@ -316,6 +318,7 @@ def test_factored_native_bf16_params(lib, monkeypatch):
 @pytest.mark.parametrize("cls,ref,kwargs", [
     (lowmemopt.Adafactor, "transformers.optimization:Adafactor", dict(beta1=0.9, weight_decay=0.01)),
     (lowmemopt.CAME, "came_pytorch:CAME", dict(lr=1e-2, weight_decay=0.01)),
+    (lowmemopt.AdafactorTorch, "torch.optim:Adafactor", dict(lr=1e-2, weight_decay=0.01)),
 ])
 def test_factored_native_matches_reference(lib, cls, ref, kwargs):
     """The native path against the reference library over 20 steps, to fp32 rounding (as the common parity test)."""

@@ -1,4 +1,4 @@
-"""Native steps for the factored optimizers (Adafactor, CAME) on large 2-D CPU parameters.
+"""Native steps for the factored optimizers (Adafactor, CAME, AdafactorTorch) on large 2-D CPU parameters.
 
 The eager math (:func:`~lowmemopt.optim.adafactor.adafactor_math`, :func:`~lowmemopt.optim.came.came_math`) makes
 about ten full-size passes and a full-size temporary per step. Here the full-size work is a few fused C passes over
@@ -7,6 +7,8 @@ and the scalars computed by the same torch expressions as the eager math:
 
     Adafactor:  A: row / column means of g^2 + eps1   B: sum of u^2, u = (r c) g   C: u / max(1, RMS(u)/d) -> p, m
     CAME:       A, B as Adafactor;  C: row / column means of (u - m')^2 + eps2;  D: m', p
+    AdafactorTorch (torch.optim.Adafactor): A with eps1 = 0;  B: sum of u^2, u = g rsqrt(max(r c / mean(r), eps1^2));
+                C: p (1 - lr wd) - u alpha / max(1, RMS(u)/d)
 
 Elementwise, every operation is the eager one (same order, same roundings, fused multiply-adds where torch has them);
 the row means and the sum of squares are summed in fp64, the column means in fp32 within 16 fixed row segments and in
@@ -23,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..optim.adafactor import Adafactor
+from ..optim.adafactor import Adafactor, AdafactorTorch
 from ..optim.came import CAME
 from ..quant.formats import BF16, FP32, Q8
 from . import applies, build, ffi
@@ -93,10 +95,10 @@ class _Pass:
         _call(name, self.f)
         return row, col
 
-    def clip_denom(self, numel: int, clip_threshold: float) -> torch.Tensor:
-        """``(RMS(u) / clip_threshold).clamp(min=1)`` from the kernel's sum of squares, as fp32 0-dim tensors (the
-        eager math's ``rms(u)`` is ``vector_norm(u) / sqrt(numel)``)."""
-        _call("lmo_fact_sumsq", self.f)
+    def clip_denom(self, numel: int, clip_threshold: float, kernel: str = "lmo_fact_sumsq") -> torch.Tensor:
+        """``(RMS(u) / clip_threshold).clamp(min=1)`` from the sum of squares of u that ``kernel`` computes, as fp32
+        0-dim tensors (the eager math's ``rms(u)`` is ``vector_norm(u) / sqrt(numel)``)."""
+        _call(kernel, self.f)
         norm = torch.tensor(math.sqrt(float(self.result[0])), dtype=torch.float32)
         return (norm / math.sqrt(numel) / clip_threshold).clamp_(min=1.0)
 
@@ -127,7 +129,9 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
     return ffi.slot_dense(t), 16
 
 
-def _adafactor(opt, p, pflat, gflat, state, formats, group, step) -> bool:
+def _adafactor(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool:
+    if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
+        return False
     rows, cols = p.shape
     eps1, eps2 = group["eps"]
     m = None
@@ -163,7 +167,9 @@ def _adafactor(opt, p, pflat, gflat, state, formats, group, step) -> bool:
     return True
 
 
-def _came(opt, p, pflat, gflat, state, formats, group, step) -> bool:
+def _came(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool:
+    if decay != 1.0 or "exp_avg_sq_row" not in state:
+        return False
     rows, cols = p.shape
     eps1, eps2 = group["eps"]
     beta1, beta2, beta3 = group["betas"]
@@ -191,9 +197,41 @@ def _came(opt, p, pflat, gflat, state, formats, group, step) -> bool:
     return True
 
 
+def _adafactor_torch(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool:
+    """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
+    parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
+    sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
+    if "row_var" not in state:
+        return False
+    rows, cols = p.shape
+    eps1, eps2 = group["eps"]
+    eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
+    one_minus_beta2_t = step ** group["beta2_decay"]
+    rho = min(group["lr"], 1.0 / math.sqrt(step))
+    p32 = p.float()
+    alpha = (torch.linalg.vector_norm(p32) / math.sqrt(p32.numel())).clamp_(min=eps2) * rho
+
+    run = _Pass(pflat, gflat, p.shape, None, 16)
+    run.f.h[0] = 0.0
+    row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
+    row_var, col_var = state["row_var"].view(-1), state["col_var"].view(-1)
+    row_var.lerp_(row_mean, one_minus_beta2_t)
+    col_var.lerp_(col_mean, one_minus_beta2_t)
+    run.set(rf=row_var, cf=col_var)
+    f = run.f
+    f.h[0], f.h[1] = float(row_var.mean().clamp_(min=eps1)), eps1 * eps1
+    denom = run.clip_denom(p.numel(), group["d"], "lmo_adafactor_torch_sumsq")
+    scale = alpha / denom
+    f.h[2], f.h[3] = float(-scale if group["maximize"] else scale), float(decay)
+    _call("lmo_adafactor_torch_apply", f)
+    return True
+
+
 #: the native step of each algorithm, keyed by the ``_update`` it replaces (a subclass that overrides ``_update``
 #: gets none)
-STEPS: dict[Callable, Callable[..., bool]] = {Adafactor._update: _adafactor, CAME._update: _came}
+STEPS: dict[Callable, Callable[..., bool]] = {
+    Adafactor._update: _adafactor, CAME._update: _came, AdafactorTorch._update: _adafactor_torch,
+}
 
 
 def step(opt, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
@@ -201,15 +239,15 @@ def step(opt, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: 
     """One native step of ``opt``'s algorithm for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
     place). False if it does not apply (the caller runs the eager path); state is untouched then."""
     fn = STEPS.get(getattr(opt._update, "__func__", None))  # an override (subclass or instance) has no native step
-    if fn is None or decay != 1.0 or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
+    if fn is None or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
         return False
     if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
         return False
-    if gflat.device != pflat.device or not gflat.is_contiguous() or "exp_avg_sq_row" not in state:
+    if gflat.device != pflat.device or not gflat.is_contiguous():
         return False
-    stats = [state[k] for k in state if k.endswith(("_row", "_col"))]
+    stats = [state[k] for k in state if k.endswith(("_row", "_col", "_var"))]
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):
         return False
     if isinstance(group.get("lr"), torch.Tensor):
         return False
-    return fn(opt, p, pflat, gflat, state, formats, group, step)
+    return fn(opt, p, pflat, gflat, state, formats, group, step, decay)

@@ -1165,3 +1165,76 @@ int lmo_came_apply(const lmo_fact *f) {
     if (!f->has_m) return LMO_EBADARG;
     return came_apply_seg_run(f);
 }
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Adafactor with torch.optim.Adafactor's semantics (lowmemopt.optim.adafactor.adafactor_torch_math), no first moment:
+ *   u = g rsqrt(max((rv[r] cv[c]) / rmean, eps1^2))        (rf = row_var, cf = col_var; h: 0 rmean  1 eps1^2)
+ * lmo_adafactor_torch_sumsq: result[0] = sum of u^2.
+ * lmo_adafactor_torch_apply: p = p decay - u scale         (h: 2 scale = +-alpha / denom  3 decay)
+ * torch's CPU rsqrt is 1 / sqrt (two roundings), repeated here. */
+
+static inline vf torch_u(const lmo_fact *f, int64_t r, int64_t c, vf g, vf rmean, vf eps2) {
+    const vf var = v_div(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), rmean);
+    return v_mul(v_div(v_set(1.0f), v_sqrt(v_max(var, eps2))), g);
+}
+
+int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
+    const int64_t C = f->C;
+    const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]);
+    if (fact_check(f) || f->has_m) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) {
+            int64_t r0, r1, r, c;
+            vd acc = vd_zero();
+            fact_segment(f, s, &r0, &r1);
+            for (r = r0; r < r1; r++)
+                for (c = 0; c < C; c += 16)
+                    acc = vd_add_sq(acc, torch_u(f, r, c, load_dt(f->g_dtype, f->g, r * C + c), rmean, eps2));
+            f->work[s] = vd_sum(acc);
+        }
+    }
+    {
+        double t = 0.0;
+        int s;
+        for (s = 0; s < LMO_NSEG; s++) t += f->work[s];
+        f->result[0] = t;
+    }
+    return LMO_OK;
+}
+
+int lmo_adafactor_torch_apply(const lmo_fact *f) {
+    const int64_t C = f->C;
+    const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]), scale = v_set((float)f->h[2]);
+    const vf decay = v_set((float)f->h[3]);
+    const int pdt = f->p_dtype, gdt = f->g_dtype, decays = (float)f->h[3] != 1.0f;
+    if (fact_check(f) || f->has_m) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) {
+            int64_t r0, r1, r, c;
+            fact_segment(f, s, &r0, &r1);
+            for (r = r0; r < r1; r++)
+                for (c = 0; c < C; c += 16) {
+                    const int64_t i = r * C + c;
+                    const vf u = v_mul(torch_u(f, r, c, load_dt(gdt, f->g, i), rmean, eps2), scale);
+                    vf p = load_dt(pdt, f->p, i);
+                    if (decays) p = v_mul(p, decay);
+                    store_dt(pdt, f->p, i, v_sub(p, u));
+                }
+        }
+    }
+    return LMO_OK;
+}
