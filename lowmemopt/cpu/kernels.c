@@ -950,39 +950,6 @@ int lmo_fact_sq_means(const lmo_fact *f) {
     return LMO_OK;
 }
 
-/* result[0] = sum of u^2, u = (rf[r] cf[c]) g */
-int lmo_fact_sumsq(const lmo_fact *f) {
-    const int64_t C = f->C;
-    if (fact_check(f)) return LMO_EBADARG;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(fact_threads(f))
-#endif
-    {
-        int s;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) {
-            int64_t r0, r1, r, c;
-            vd acc = vd_zero();
-            fact_segment(f, s, &r0, &r1);
-            for (r = r0; r < r1; r++) {
-                const vf rf = v_set(f->rf[r]);
-                for (c = 0; c < C; c += 16)
-                    acc = vd_add_sq(acc, v_mul(v_mul(rf, v_load(f->cf + c)), load_dt(f->g_dtype, f->g, r * C + c)));
-            }
-            f->work[s] = vd_sum(acc);
-        }
-    }
-    {
-        double t = 0.0;
-        int s;
-        for (s = 0; s < LMO_NSEG; s++) t += f->work[s];
-        f->result[0] = t;
-    }
-    return LMO_OK;
-}
-
 /* Walk segment s in blocks of bs elements (whole rows per segment, C % 16 == 0), in groups of up to 4 vectors (64
  * codes decode at once): GROUP runs first for each group (i_ + g_: its first element, n: its vectors), then the body
  * (the last argument) for each of its vectors, which sees q_ (the vector's index in the group), i (its flat index),
@@ -1178,10 +1145,12 @@ static inline vf torch_u(const lmo_fact *f, int64_t r, int64_t c, vf g, vf rmean
     return v_mul(v_div(v_set(1.0f), v_sqrt(v_max(var, eps2))), g);
 }
 
-int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
+/* result[0] = sum of u^2 over the whole tensor: u = (rf[r] cf[c]) g (torch_semantics 0: lmo_fact_sumsq), or torch_u
+ * (1: h 0 rmean, 1 eps1^2). Per segment in fp64, then across segments in order. */
+static inline __attribute__((always_inline)) int fact_sumsq(const lmo_fact *f, const int torch_semantics) {
     const int64_t C = f->C;
     const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]);
-    if (fact_check(f) || f->has_m) return LMO_EBADARG;
+    if (fact_check(f)) return LMO_EBADARG;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(fact_threads(f))
 #endif
@@ -1195,8 +1164,11 @@ int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
             vd acc = vd_zero();
             fact_segment(f, s, &r0, &r1);
             for (r = r0; r < r1; r++)
-                for (c = 0; c < C; c += 16)
-                    acc = vd_add_sq(acc, torch_u(f, r, c, load_dt(f->g_dtype, f->g, r * C + c), rmean, eps2));
+                for (c = 0; c < C; c += 16) {
+                    const vf g = load_dt(f->g_dtype, f->g, r * C + c);
+                    const vf u = torch_semantics ? torch_u(f, r, c, g, rmean, eps2) : v_rc(f->rf, f->cf, r, c, g);
+                    acc = vd_add_sq(acc, u);
+                }
             f->work[s] = vd_sum(acc);
         }
     }
@@ -1209,32 +1181,32 @@ int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
     return LMO_OK;
 }
 
-int lmo_adafactor_torch_apply(const lmo_fact *f) {
+int lmo_fact_sumsq(const lmo_fact *f) { return fact_sumsq(f, 0); }
+
+int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
+    if (f->has_m) return LMO_EBADARG;
+    return fact_sumsq(f, 1);
+}
+
+static void adafactor_torch_apply_seg(const lmo_fact *f, const slot_rt *rt, int s) {
     const int64_t C = f->C;
     const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]), scale = v_set((float)f->h[2]);
     const vf decay = v_set((float)f->h[3]);
     const int pdt = f->p_dtype, gdt = f->g_dtype, decays = (float)f->h[3] != 1.0f;
-    if (fact_check(f) || f->has_m) return LMO_EBADARG;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(fact_threads(f))
-#endif
-    {
-        int s;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) {
-            int64_t r0, r1, r, c;
-            fact_segment(f, s, &r0, &r1);
-            for (r = r0; r < r1; r++)
-                for (c = 0; c < C; c += 16) {
-                    const int64_t i = r * C + c;
-                    const vf u = v_mul(torch_u(f, r, c, load_dt(gdt, f->g, i), rmean, eps2), scale);
-                    vf p = load_dt(pdt, f->p, i);
-                    if (decays) p = v_mul(p, decay);
-                    store_dt(pdt, f->p, i, v_sub(p, u));
-                }
+    int64_t r0, r1, r, c;
+    (void)rt;
+    fact_segment(f, s, &r0, &r1);
+    for (r = r0; r < r1; r++)
+        for (c = 0; c < C; c += 16) {
+            const int64_t i = r * C + c;
+            const vf u = v_mul(torch_u(f, r, c, load_dt(gdt, f->g, i), rmean, eps2), scale);
+            vf p = load_dt(pdt, f->p, i);
+            if (decays) p = v_mul(p, decay);
+            store_dt(pdt, f->p, i, v_sub(p, u));
         }
-    }
-    return LMO_OK;
+}
+
+int lmo_adafactor_torch_apply(const lmo_fact *f) {
+    if (f->has_m) return LMO_EBADARG;
+    return fact_run(f, adafactor_torch_apply_seg);
 }
