@@ -77,14 +77,16 @@ def train_bytes(
     batch: int = 128,
     data: torch.Tensor | None = None,
 ) -> dict:
-    """Train a fresh :class:`ByteMLP`; returns losses, the mean of the last 20, state bytes and mean step time."""
+    """Train a fresh :class:`ByteMLP`; returns the losses, the mean of the last 20 (``final``), the held-out loss
+    (:func:`heldout_loss`), state bytes and the median step times."""
     torch.manual_seed(seed)
     model = ByteMLP()
 
     def loss_of(windows: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(model(windows[:, :-1]), windows[:, -1])
 
-    return _fit(model, loss_of, make_optimizer, steps, seed, batch, model.context + 1, data)
+    # one prediction per window: 4096 windows, as many predictions as the LLaMA's 64 windows of 64 bytes
+    return _fit(model, loss_of, make_optimizer, steps, seed, batch, model.context + 1, data, heldout_windows=4096)
 
 
 def train_llama_bytes(
@@ -114,10 +116,12 @@ def _llama(seed: int, config: dict | None = None, device: str | torch.device = "
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BYTES, **(config or {})})).to(device)
 
 
-def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_step=None, memory=None) -> dict:
+def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_step=None, memory=None,
+         heldout_windows: int = 64) -> dict:
     """The training loop: random windows of ``width`` bytes (seeded: every run sees the same batches),
     ``loss_of(windows)``, one optimizer step each. ``make_optimizer(list of params)``; ``on_step(step, loss)`` after
-    every step; ``memory`` (a :class:`~lowmemopt.memory.PeakMemory`) is sampled after forward, backward and step."""
+    every step; ``memory`` (a :class:`~lowmemopt.memory.PeakMemory`) is sampled after forward, backward and step;
+    ``heldout_windows``: how many windows :func:`heldout_loss` averages over."""
     data = stdlib_bytes() if data is None else data
     opt = make_optimizer(list(model.parameters()))
     sample = memory.sample if memory is not None else (lambda: None)
@@ -143,12 +147,28 @@ def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_ste
         if on_step is not None:
             on_step(t, losses[-1])
     tail = losses[-20:]
+    heldout = heldout_loss(loss_of, data, width, _device_of(model), heldout_windows)
     state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     # median: the first steps may compile the CPU fast path (seconds, once)
     step_s = statistics.median(step_times) if step_times else 0.0
     train_step_s = statistics.median(times) if times else 0.0
-    return dict(losses=losses, final=sum(tail) / len(tail), state_bytes=state, step_s=step_s,
+    return dict(losses=losses, final=sum(tail) / len(tail), heldout=heldout, state_bytes=state, step_s=step_s,
                 train_step_s=train_step_s)
+
+
+#: the held-out windows' generator seed: a fixed set of windows, the same for every run and not drawn from the
+#: training stream's generator
+HELDOUT_SEED = 12345
+
+
+def heldout_loss(loss_of: Callable[[torch.Tensor], torch.Tensor], data: torch.Tensor, width: int,
+                 device: torch.device | str = "cpu", n: int = 64) -> float:
+    """The loss on ``n`` fixed windows of ``width`` bytes (:data:`HELDOUT_SEED`), without gradients: a final loss
+    that does not depend on which batches happened to come last in training."""
+    gen = torch.Generator().manual_seed(HELDOUT_SEED)
+    idx = torch.randint(0, data.numel() - width, (n,), generator=gen)
+    with torch.no_grad():
+        return float(loss_of(data[idx.unsqueeze(1) + torch.arange(width)].to(device)))
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -227,9 +247,9 @@ def compare(
 ) -> list[dict[str, Any]]:
     """Train a fresh :data:`LLAMA_BYTES` model (same init, same batches) with each choice for ``steps`` steps.
 
-    Each result: ``label``, ``losses``, ``final`` (mean of the last 20), ``state_bytes``, ``peak_bytes`` (peak memory
-    in use above what was in use before the model was built: weights, gradients, state, activations; None where it
-    cannot be measured), ``step_s`` (median ``optimizer.step()``) and ``train_step_s`` (median whole step), or
+    Each result: ``label``, ``losses``, ``final`` (mean of the last 20), ``heldout`` (:func:`heldout_loss`),
+    ``state_bytes``, ``peak_bytes`` (peak memory in use above what was in use before the model was built: weights,
+    gradients, state, activations; None where it cannot be measured), ``step_s`` (median ``optimizer.step()``) and ``train_step_s`` (median whole step), or
     ``skipped`` (a reason) for a choice this lowmemopt cannot run (GaLore before it is available). Before measuring,
     each choice takes three steps on a throw-away model, so one-time compilation stays out of the time and memory."""
     import lowmemopt
@@ -280,15 +300,15 @@ def _progress(steps: int, label: str):
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of :func:`compare`'s results."""
-    lines = ["| optimizer | state memory | peak memory | optimizer step | train step | final loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| optimizer | state memory | peak memory | optimizer step | train step | final loss | held-out loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['label']} | — | — | — | — | skipped: {r['skipped']} |")
+            lines.append(f"| {r['label']} | — | — | — | — | — | skipped: {r['skipped']} |")
             continue
         peak = "n/a" if r["peak_bytes"] is None else _mib(r["peak_bytes"])
         lines.append(f"| {r['label']} | {_mib(r['state_bytes'])} | {peak} | {r['step_s'] * 1e3:.1f} ms | "
-                     f"{r['train_step_s'] * 1e3:.1f} ms | {r['final']:.4f} |")
+                     f"{r['train_step_s'] * 1e3:.1f} ms | {r['final']:.4f} | {r['heldout']:.4f} |")
     return "\n".join(lines)
 
 

@@ -77,7 +77,8 @@ def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
                      "--batch", "2", "--seq", "16", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert f"on {text.stat().st_size:,} bytes of {text}" in printed and "4 steps of 2 x 16 bytes" in printed
-    assert "| optimizer | state memory | peak memory | optimizer step | train step | final loss |" in printed
+    assert ("| optimizer | state memory | peak memory | optimizer step | train step | final loss | held-out loss |"
+            in printed)
     for label in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit", "GaLore-CAME 8-bit"):
         assert f"| {label} |" in printed
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,6 @@
 """End-to-end: a small byte-level language model trained on real text (the Python standard library's source, present
-offline on every machine). Each 8-bit optimizer's final loss must stay within a stated tolerance of its 32-bit twin.
+offline on every machine). Each 8-bit optimizer's final loss must stay within a stated tolerance of its 32-bit twin: the
+mean of the last 20 training batches for the byte MLP, the loss on fixed held-out windows for the LLaMA-style LM.
 The fast tests train a byte-level MLP; the slow ones train longer, and a LLaMA-style transformer for the factored
 optimizers."""
 
@@ -60,9 +61,13 @@ def test_8bit_training_matches_32bit_llama(name):
     pytest.importorskip("transformers")
     cls = {info.name: info.cls for info in OPTIMIZERS}[name]
     runs = {bits: train_llama_bytes(lambda p: cls(p, state_bits=bits, **LLAMA_KW[name]), 300) for bits in (32, 8)}
-    l32, l8 = runs[32]["final"], runs[8]["final"]
+    # the final model's loss on fixed held-out windows (lowmemopt.demo.heldout_loss): CAME at this lr is near its
+    # stability edge and its training loss swings from step to step, which the mean of the last 20 batches carries
+    # (seeds 0, 1, 2, CAME 8- vs 32-bit: held-out +0.8%, +1.6%, +1.0%; last 20 batches +2.3%, +1.5%, +1.4%)
+    l32, l8 = runs[32]["heldout"], runs[8]["heldout"]
     initial = runs[32]["losses"][0]
-    print(f"{name} LLaMA {LLAMA_BYTES}: first {initial:.4f}, final 32-bit {l32:.4f}, 8-bit {l8:.4f}, "
+    print(f"{name} LLaMA {LLAMA_BYTES}: first {initial:.4f}, held-out 32-bit {l32:.4f}, 8-bit {l8:.4f} (last 20 "
+          f"batches {runs[32]['final']:.4f}, {runs[8]['final']:.4f}), "
           f"state {runs[32]['state_bytes']} -> {runs[8]['state_bytes']} B")
     assert runs[8]["state_bytes"] < runs[32]["state_bytes"]  # the 8-bit run really held quantized state
     assert l32 < 0.8 * initial, f"{name} did not train: {initial:.3f} -> {l32:.3f}"
