@@ -625,9 +625,12 @@ def test_disk_tier_peak_rss_stays_under_a_quarter_of_the_state_plus_two_paramete
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM reset needs Linux /proc/self/clear_refs")
 def test_disk_tier_rss_against_unpaged_and_cpu_tier(tmp_path):
-    disk = _rss_run(tmp_path, "disk", 4, 25_000_000, steps=3)
-    plain = _rss_run(tmp_path, "none", 4, 25_000_000, steps=3)
-    cpu = _rss_run(tmp_path, "cpu", 4, 25_000_000, steps=3)
+    """The same 100M parameters as 8 x 12.5M: the disk tier's working set (the current parameter and the prefetched
+    next one) is then a quarter of the state, so "under half of unpaged" has a margin (with 4 x 25M it is half the
+    state by construction, and measured 103 MB against 102 MB)."""
+    disk = _rss_run(tmp_path, "disk", 8, 12_500_000, steps=3)
+    plain = _rss_run(tmp_path, "none", 8, 12_500_000, steps=3)
+    cpu = _rss_run(tmp_path, "cpu", 8, 12_500_000, steps=3)
     assert plain["peak_growth"] > plain["state_bytes"]  # the state itself, plus temporaries
     assert cpu["peak_growth"] > cpu["state_bytes"]  # host RAM home + one working copy
     assert disk["peak_growth"] < disk["state_bytes"] // 4 + 2 * disk["param_state_bytes"]  # as the test above
