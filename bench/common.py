@@ -20,11 +20,12 @@ from lowmemopt.benchmark import (
     parse_bench_args,
     print_table,
     run_benchmark,
+    run_rows,
     run_suite,
     state_bytes,
     time_steps,
 )
 
 __all__ = ["BASELINE", "FACTORED", "LLAMA_PRESETS", "OPTIMIZERS", "Result", "build_llama", "fixed_grads",
-           "fresh_params", "machine_info", "parse_bench_args", "print_table", "run_benchmark", "run_suite",
+           "fresh_params", "machine_info", "parse_bench_args", "print_table", "run_benchmark", "run_rows", "run_suite",
            "state_bytes", "time_steps"]

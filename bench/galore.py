@@ -40,11 +40,11 @@ from common import (
     Result,
     build_llama,
     fixed_grads,
-    fresh_params,
     machine_info,
     parse_bench_args,
     print_table,
     run_benchmark,
+    run_rows,
     state_bytes as _common_state_bytes,
 )
 
@@ -250,24 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     reference = [p.detach() for p in model.parameters()]
     del model
 
-    partner = None
-    if not args.unpaired:  # a second baseline optimizer whose steps alternate with each optimizer's
-        partner = GALORE[BASELINE](fresh_params(reference, grads), lr=1e-3, weight_decay=1e-2)
-        partner.step()
-        partner.step()
-    results = []
-    for name in args.names:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        r = _run(name, reference, grads, args, device, None if name == BASELINE or partner is None else partner.step)
-        print(f"  {name}: median {r.median_s} s, {r.bytes_per_param} B/param {r.error or r.note}",
-              file=sys.stderr, flush=True)
-        results.append(r)
-    del partner
-    base = next((r.median_s for r in results if r.name == BASELINE), None)
-    for r in results:
-        ref = r.baseline_s if r.baseline_s is not None else base
-        if ref and r.median_s is not None:
-            r.ratio = r.median_s / ref
+    results = run_rows(args.names, lambda name, partner: _run(name, reference, grads, args, device, partner),
+                       None if args.unpaired else GALORE[BASELINE], reference, grads, device)
     print_table(results)
     by_name = {r.name: r for r in results}
     pairs = [("lowmemopt-galore-adamw-32bit", "galore-torch-adamw"),

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from lowmemopt.memory import proc_status_bytes, reset_peak_rss
+
 from common import LLAMA_PRESETS, build_llama, fixed_grads, fresh_params, machine_info, time_steps
 
 CPU_CONFIGS = ["unpaged", "disk", "cpu"]
@@ -70,14 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _lowmemopt(params, config: str, bits: int, offload_dir: str | None, budget: int = 0):
     import lowmemopt
 
@@ -96,12 +90,11 @@ def cpu_worker(args: argparse.Namespace) -> None:
     params = fresh_params([p.detach() for p in model.parameters()], grads)
     del model
     gc.collect()
-    base = _kib("VmRSS")
+    base = proc_status_bytes("VmRSS")
     opt = _lowmemopt(params, args.worker, args.bits, args.offload_dir)
     times, _ = time_steps(opt.step, steps=0, warmup=args.warmup, device=torch.device("cpu"))
-    after_warmup = _kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    after_warmup = proc_status_bytes("VmRSS")
+    reset_peak_rss()
     cpu_times = []
 
     def step():
@@ -110,9 +103,9 @@ def cpu_worker(args: argparse.Namespace) -> None:
         cpu_times.append(time.process_time() - c0)
 
     times, note = time_steps(step, steps=args.steps, warmup=0, device=torch.device("cpu"))
-    peak = _kib("VmHWM")
+    peak = proc_status_bytes("VmHWM")
     out = dict(config=args.worker, state_bytes=opt.state_nbytes(), n_params=sum(p.numel() for p in params),
-               rss_after_warmup=(after_warmup - base) * 1024, peak_rss=(peak - base) * 1024,
+               rss_after_warmup=after_warmup - base, peak_rss=peak - base,
                times_s=times, median_s=statistics.median(times), cpu_s=statistics.median(cpu_times), note=note)
     opt.close()
     print(json.dumps(out))

@@ -38,6 +38,7 @@ __all__ = [
     "print_table",
     "quick",
     "run_benchmark",
+    "run_rows",
     "run_suite",
     "script_main",
     "state_bytes",
@@ -456,15 +457,35 @@ def run_suite(
     reference = [p.detach() for p in model.parameters()]
     del model
 
+    def run_one(name: str, partner: Callable[[], object] | None) -> Result:
+        return run_benchmark(name, reference, fixed, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s,
+                             factory=registry[name], partner=partner)
+
+    baseline = registry.get(BASELINE) if paired else None
+    results = run_rows(names, run_one, baseline, reference, fixed, device)
+    return results, {"preset": preset, "config": LLAMA_PRESETS[preset], "n_params": n_params}
+
+
+def run_rows(
+    names: Sequence[str],
+    run_one: Callable[[str, Callable[[], object] | None], Result],
+    baseline: Callable[..., torch.optim.Optimizer] | None,
+    reference: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    device: torch.device,
+) -> list[Result]:
+    """``run_one(name, partner)`` for each name, with progress on stderr, then each result's ratio to
+    :data:`BASELINE`. ``baseline`` (its factory; None: unpaired): a second baseline optimizer on fresh copies of
+    ``reference`` stays alive and its ``step`` is every other row's ``partner`` (:func:`time_steps`), so ratios are to
+    baseline steps timed alternately with the row's; unpaired, to the baseline row's median."""
     partner = None
-    if paired and BASELINE in registry:
-        partner = registry[BASELINE](fresh_params(reference, fixed), lr=1e-3, weight_decay=1e-2)
+    if baseline is not None:
+        partner = baseline(fresh_params(reference, grads), lr=1e-3, weight_decay=1e-2)
         time_steps(partner.step, steps=0, warmup=2, device=device)
     results = []
     for name in names:
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        r = run_benchmark(name, reference, fixed, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s,
-                          factory=registry[name], partner=None if name == BASELINE or partner is None else partner.step)
+        r = run_one(name, None if name == BASELINE or partner is None else partner.step)
         print(f"  {name}: median {r.median_s} s, {r.bytes_per_param} B/param {r.error or r.note}",
               file=sys.stderr, flush=True)
         results.append(r)
@@ -475,7 +496,7 @@ def run_suite(
         ref = r.baseline_s if r.baseline_s is not None else base
         if ref and r.median_s is not None:
             r.ratio = r.median_s / ref
-    return results, {"preset": preset, "config": LLAMA_PRESETS[preset], "n_params": n_params}
+    return results
 
 
 def script_main(suite: str, argv: list[str] | None = None, description: str | None = None) -> int:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["PeakMemory", "live_bytes"]
+__all__ = ["PeakMemory", "live_bytes", "proc_status_bytes", "reset_peak_rss"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -82,3 +82,23 @@ class PeakMemory:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
         return self._max - self.baseline
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the process's resident set (Linux /proc): what the paging and checkpoint-loading memory tests and bench/paging.py read
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory line of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes. Linux only (OSError elsewhere);
+    KeyError if the field is missing."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Reset the peak resident set (``VmHWM``) to the current one (``/proc/self/clear_refs``, Linux only)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

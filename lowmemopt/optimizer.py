@@ -127,6 +127,15 @@ def check_betas(betas: Any, n: int = 2) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
 
 
+def check_adam_group(group: dict[str, Any]) -> None:
+    """The hyper-parameters every Adam-style group has (AdamW, the transformers-style AdamW, LAMB): ``lr``, ``eps`` >=
+    0, two ``betas`` in [0, 1), ``weight_decay`` >= 0."""
+    check_lr(group["lr"])
+    check_nonneg("epsilon value", group["eps"])
+    check_betas(group["betas"])
+    check_nonneg("weight_decay value", group["weight_decay"])
+
+
 def check_positive(name: str, value: Any) -> None:
     check_nonneg(name, value)
     if not value > 0.0:
@@ -326,13 +335,14 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """Step ``todo`` ((index, param, group), in order) with the pipelined non-finite check: a gradient not checked
         yet (``finite[i] is None``) is checked just before its step, unless the kernel that stepped the parameter
         before it scanned it; ``finite`` is filled in as it goes."""
+        plain = self._plain_step_param  # only this class's _step_param takes ``scan``
         for k, (i, p, group) in enumerate(todo):
             if finite[i] is None:  # a pipelined CPU gradient that the previous kernel did not scan
                 finite[i] = pipe.check(i)
             if not finite[i]:  # found by that check, or by the previous kernel's scan
                 continue
             nxt = todo[k + 1][0] if k + 1 < len(todo) else None
-            if nxt is not None and finite[nxt] is None and self._plain_step_param:
+            if nxt is not None and finite[nxt] is None and plain:
                 finite[nxt] = self._step_param(p, p.grad, group, scan=grads[nxt])
             else:
                 self._step_param(p, p.grad, group)

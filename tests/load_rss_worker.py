@@ -21,14 +21,7 @@ import torch
 
 import lowmemopt
 from lowmemopt.checkpoint import read_metadata
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+from lowmemopt.memory import proc_status_bytes, reset_peak_rss
 
 
 def _optimizer(numel: int, bits: int, fill: bool) -> lowmemopt.AdamW:
@@ -66,14 +59,13 @@ def load(numel: int, bits: int, path: str) -> None:
     fresh = _optimizer(numel, bits, fill=False)
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)  # hand freed heap memory back, so reusing it cannot hide part of the peak
-    base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
     t0 = time.perf_counter()
     lowmemopt.load_state(fresh, path)
     load_s = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
-    print(json.dumps(dict(state_bytes=fresh.state_nbytes(), peak_growth=(peak - base) * 1024, load_s=load_s)))
+    peak = proc_status_bytes("VmHWM")
+    print(json.dumps(dict(state_bytes=fresh.state_nbytes(), peak_growth=peak - base, load_s=load_s)))
 
 
 if __name__ == "__main__":

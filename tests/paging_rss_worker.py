@@ -22,14 +22,7 @@ import time
 import torch
 
 import lowmemopt
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+from lowmemopt.memory import proc_status_bytes, reset_peak_rss
 
 
 def _build(params, paged: str, directory: str):
@@ -54,20 +47,19 @@ def main(paged: str, nparams: int, numel: int, directory: str, steps: int) -> No
         del warm_opt, warm
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
-    base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-    peak = _status_kib("VmHWM")
+    peak = proc_status_bytes("VmHWM")
     state_bytes = opt.state_nbytes()
     largest = max(sum(v.nbytes for v in st.values() if isinstance(v, torch.Tensor)) for st in opt.state.values())
     files = sum(len(fs) for _, _, fs in os.walk(directory))
     opt.close()
-    print(json.dumps(dict(state_bytes=state_bytes, param_state_bytes=largest, peak_growth=(peak - base) * 1024,
+    print(json.dumps(dict(state_bytes=state_bytes, param_state_bytes=largest, peak_growth=peak - base,
                           step_s=times, files=files)))
 
 

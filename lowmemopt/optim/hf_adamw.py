@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, check_betas, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, Slot, check_adam_group
 
 __all__ = ["HFAdamW", "hf_adamw_math"]
 
@@ -59,10 +59,7 @@ class HFAdamW(LowMemOptimizer):
         super().__init__(params, defaults, **storage)
 
     def _check_group(self, group):
-        check_lr(group["lr"])
-        check_nonneg("epsilon value", group["eps"])
-        check_betas(group["betas"])
-        check_nonneg("weight_decay value", group["weight_decay"])
+        check_adam_group(group)
 
     def _slots(self, group, param):
         return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}

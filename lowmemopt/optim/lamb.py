@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, check_betas, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, Slot, check_adam_group
 
 __all__ = ["LAMB", "lamb_math"]
 
@@ -85,10 +85,7 @@ class LAMB(LowMemOptimizer):
         super().__init__(params, defaults, **storage)
 
     def _check_group(self, group):
-        check_lr(group["lr"])
-        check_nonneg("epsilon value", group["eps"])
-        check_betas(group["betas"])
-        check_nonneg("weight_decay value", group["weight_decay"])
+        check_adam_group(group)
 
     def _slots(self, group, param):
         return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
