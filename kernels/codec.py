@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from lowmemopt.quant.blockwise import num_blocks
-from lowmemopt.quant.maps import code_book, encode_table
+from lowmemopt.quant.formats import map_for
+from lowmemopt.quant.maps import MAP_NAMES, code_book, encode_table, is_signed_map
 
 from . import runtime
 
@@ -39,12 +40,13 @@ FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8}
 
 
 def maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(signed book, signed packed table, unsigned book, unsigned packed table) on ``device`` (cached)."""
+    """(signed book, signed packed table, unsigned book, unsigned packed table) of the state maps on ``device``
+    (cached)."""
     return (
-        code_book("dynamic", device),
-        encode_table("dynamic", device).packed,
-        code_book("udynamic", device),
-        encode_table("udynamic", device).packed,
+        code_book(map_for(True), device),
+        encode_table(map_for(True), device).packed,
+        code_book(map_for(False), device),
+        encode_table(map_for(False), device).packed,
     )
 
 
@@ -239,9 +241,9 @@ def _check_block(block_size: int) -> None:
 
 
 def _check_map(name: str) -> bool:
-    if name not in ("dynamic", "udynamic"):
-        raise ValueError(f"unknown quantization map {name!r}; expected 'dynamic' or 'udynamic'")
-    return name == "dynamic"
+    if name not in MAP_NAMES:
+        raise ValueError(f"unknown quantization map {name!r}; expected one of {MAP_NAMES}")
+    return is_signed_map(name)
 
 
 def _check_device(t: torch.Tensor, what: str) -> None:
@@ -250,7 +252,7 @@ def _check_device(t: torch.Tensor, what: str) -> None:
 
 
 def quantize_blockwise(
-    x: torch.Tensor, name: str = "dynamic", block_size: int = 256
+    x: torch.Tensor, name: str = "pow2", block_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`: ``x`` (any shape, floating dtype) -> (codes uint8
     [numel], absmax fp32 [n_blocks]), identical to the reference's."""
@@ -264,16 +266,16 @@ def quantize_blockwise(
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
     if n:
-        book_s, lut_s, book_u, lut_u = maps(x.device)
+        book, lut = code_book(name, x.device), encode_table(name, x.device).packed
         rows = runtime.rows_per_tile(block_size)
         grid = (triton.cdiv(absmax.numel(), rows),)
-        _quantize_kernel[grid](flat, codes, absmax, n, book_s if signed else book_u, lut_s if signed else lut_u,
+        _quantize_kernel[grid](flat, codes, absmax, n, book, lut,
                                SIGNED=signed, ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
     return codes, absmax
 
 
 def dequantize_blockwise(
-    codes: torch.Tensor, absmax: torch.Tensor, name: str = "dynamic", block_size: int = 256, shape=None
+    codes: torch.Tensor, absmax: torch.Tensor, name: str = "pow2", block_size: int = 256, shape=None
 ) -> torch.Tensor:
     """Triton twin of :func:`lowmemopt.quant.dequantize_blockwise`: fp32 values ``book[code] * absmax[block]``."""
     _check_map(name)

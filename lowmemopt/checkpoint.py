@@ -41,7 +41,7 @@ from .distributed.sharding import is_dtensor, local_tensor, shard_layout
 from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
 from .projection.projector import projector_problem, split_projector_state
 from .quant.blockwise import num_blocks
-from .quant.formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of, map_for
+from .quant.formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of, legacy_map_for, map_for
 from .quant.maps import MAP_NAMES, code_book
 
 __all__ = [
@@ -96,10 +96,11 @@ def _reformat(
     dst_bs: int,
     device: torch.device,
     verbatim: bool,
+    src_map: str | None = None,
 ) -> None:
-    """Write slot ``slot``, stored as ``src`` (read through ``read``), into ``out``'s tensors for it, already made by
-    ``dst.init``; streamed in block-aligned chunks so no full-size fp32 copy is made. ``verbatim``: same format, dtype
-    and block size, copy the bytes."""
+    """Write slot ``slot``, stored as ``src`` (read through ``read``; 8-bit codes in map ``src_map``, default the state
+    map), into ``out``'s tensors for it, already made by ``dst.init``; streamed in block-aligned chunks so no full-size
+    fp32 copy is made. ``verbatim``: same format, dtype, block size and map, copy the bytes."""
     n = shape.numel()
     align = max(src_bs, dst_bs)
     step = max(align, CHUNK_NUMEL // align * align)
@@ -110,7 +111,7 @@ def _reformat(
                 out[key].view(-1)[a:b].copy_(read(key, a, b))
         else:
             chunk = {key: read(key, a, b).to(device) for key, (a, b) in src.key_ranges(slot, lo, hi, src_bs).items()}
-            value = src.decode(chunk, slot, 0, hi - lo, signed, src_bs)
+            value = src.decode(chunk, slot, 0, hi - lo, signed, src_bs, qmap=src_map)
             dst.encode(out, slot, lo, hi, value.contiguous(), signed, dst_bs)
 
 
@@ -134,13 +135,16 @@ def convert_param_state(
     saved_group: dict[str, Any],
     group: dict[str, Any],
     where: str,
+    legacy_maps: bool = False,
 ) -> dict[str, Any]:
     """One parameter's state from a state dict, in the formats ``group`` asks for.
 
     ``state`` may be lowmemopt state in any format (q8 needs ``saved_group["block_size"]``), ``torch.optim`` state
     (``exp_avg``, tensor ``step``, any float dtype) or bitsandbytes state (``state1``/``state2`` + ``absmax``/``qmap``,
     nested or not), whose N-th state is the optimizer's N-th slot (AdamW: ``exp_avg``, ``exp_avg_sq``). Slots already in
-    the target format are returned as they are (no copy); others are decoded and re-encoded. Raises CheckpointError
+    the target format are returned as they are (no copy); others are decoded and re-encoded. 8-bit state in
+    bitsandbytes' dynamic maps (bitsandbytes state, and lowmemopt state with ``legacy_maps``: ``lowmemopt_format`` 1) is
+    re-encoded into the state maps (one rounding to the nearest code of the new map). Raises CheckpointError
     naming ``where`` and the problem. A GaLore projector (``galore.*``: fp32 bases and ints) is checked against the
     group and kept as it is."""
     state = {k: v for k, v in state.items() if v is not None}  # torch.optim may store None buffers
@@ -154,7 +158,7 @@ def convert_param_state(
     if "state1" in state or _BNB_QUANT_KEY in state:
         sources = _bnb_sources(state, slots, where)
     else:
-        sources = _lowmemopt_sources(state, slots, saved_group, where)
+        sources = _lowmemopt_sources(state, slots, saved_group, where, legacy_maps)
     if "step" not in state:
         raise CheckpointError(f"{where}: the state has slots {sorted(sources)} but no 'step' count")
     step = state["step"]
@@ -162,17 +166,18 @@ def convert_param_state(
     out.update({k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()})  # fp32: no copy
     dst_bs = group["block_size"]
     for name, slot in slots.items():
-        src, src_bs, tensors = sources[name]
+        src, src_bs, tensors, src_map = sources[name]
         shape = _slot_shape(slot, param)
         numel = shape.numel()
         _check_source(src, src_bs, tensors, name, numel, where)
         dst = _target_format(group, slot, numel)
-        if src is Q8 and dst is Q8 and src_bs != dst_bs:
+        same_map = src_map in (None, map_for(slot.signed))
+        if src is Q8 and dst is Q8 and src_bs != dst_bs and same_map:
             raise CheckpointError(
                 f"{where}: '{name}' is 8-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
                 "(re-quantizing would add error); construct the optimizer with the saved block_size"
             )
-        if src is dst and all(t.dtype == _storage_dtype(dst, k) for k, t in tensors.items()):
+        if src is dst and same_map and all(t.dtype == _storage_dtype(dst, k) for k, t in tensors.items()):
             for key, t in tensors.items():  # already in place: keep the very tensors (views for bitsandbytes codes)
                 out[key] = t.reshape(shape) if dst is not Q8 else t.reshape(-1)
             continue
@@ -180,7 +185,7 @@ def convert_param_state(
         read = lambda key, a, b, flat=flat: flat[key][a:b]  # noqa: E731
         device = next(iter(tensors.values())).device
         dst.init(out, name, shape, device, dst_bs)
-        _reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False)
+        _reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False, src_map=src_map)
     return out
 
 
@@ -209,9 +214,10 @@ def _check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], n
         raise CheckpointError(f"{where}: '{name}' is {t.dtype} of shape {tuple(t.shape)}, expected {numel} floats")
 
 
-def _lowmemopt_sources(state, slots, saved_group, where):
+def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
+    """slot -> (format, block size, tensors, 8-bit map or None)"""
     sources, used = {}, {"step"}
-    for name in slots:
+    for name, slot in slots.items():
         if name + ".codes" in state:
             keys = Q8.keys(name)
             if keys[1] not in state:
@@ -219,10 +225,11 @@ def _lowmemopt_sources(state, slots, saved_group, where):
             bs = saved_group.get("block_size")
             if not isinstance(bs, int):
                 raise CheckpointError(f"{where}: 8-bit state '{name}' but the saved param group has no block_size")
-            sources[name] = (Q8, bs, {k: state[k] for k in keys})
+            qmap = legacy_map_for(slot.signed) if legacy_maps else map_for(slot.signed)
+            sources[name] = (Q8, bs, {k: state[k] for k in keys}, qmap)
         elif name in state:
             keys = (name,)
-            sources[name] = (_dense_format(state[name]), 1, {name: state[name]})
+            sources[name] = (_dense_format(state[name]), 1, {name: state[name]}, None)
         else:
             raise CheckpointError(f"{where}: the state has no slot '{name}' (has {sorted(state)})")
         used.update(keys)
@@ -249,17 +256,18 @@ def _bnb_sources(state, slots, where):
         t = state[f"state{i}"]
         used.add(f"state{i}")
         if t.dtype != torch.uint8:
-            sources[name] = (_dense_format(t), 1, {name: t})
+            sources[name] = (_dense_format(t), 1, {name: t}, None)
             continue
         used.update((f"qmap{i}", f"absmax{i}"))
         if f"absmax{i}" not in state or f"qmap{i}" not in state:
             raise CheckpointError(f"{where}: bitsandbytes 8-bit 'state{i}' without 'absmax{i}' / 'qmap{i}'")
-        qmap, book = state[f"qmap{i}"], code_book(map_for(slot.signed))
-        if not torch.equal(qmap.detach().float().cpu().reshape(-1), book):
+        bnb_map = legacy_map_for(slot.signed)
+        if not torch.equal(state[f"qmap{i}"].detach().float().cpu().reshape(-1), code_book(bnb_map)):
             raise CheckpointError(
-                f"{where}: bitsandbytes 'qmap{i}' is not the {map_for(slot.signed)} map lowmemopt uses for '{name}'"
+                f"{where}: bitsandbytes 'qmap{i}' is not bitsandbytes' {bnb_map} map, which lowmemopt reads for '{name}'"
             )
-        sources[name] = (Q8, 256, {name + ".codes": t.reshape(-1), name + ".absmax": state[f"absmax{i}"]})  # bnb: 256
+        tensors = {name + ".codes": t.reshape(-1), name + ".absmax": state[f"absmax{i}"]}
+        sources[name] = (Q8, 256, tensors, bnb_map)  # bitsandbytes: blocks of 256
     extra = sorted(set(state) - used)
     if extra:
         raise CheckpointError(f"{where}: unexpected bitsandbytes state {extra}")
@@ -659,10 +667,11 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
         if tuple(info["shape"]) != tuple(shape):
             return f"slot '{name}' has shape {tuple(info['shape'])} in the file, expected {tuple(shape)}"
         src = FORMATS[info["format"]]
-        if src is Q8 and info["map"] != map_for(slot.signed):
+        if src is Q8 and info["map"] not in (map_for(slot.signed), legacy_map_for(slot.signed)):
             return f"slot '{name}' uses the {info['map']} map in the file, expected {map_for(slot.signed)}"
         dst = _target_format(group, slot, shape.numel())
-        if src is Q8 and dst is Q8 and info["block_size"] != group["block_size"]:
+        same_map = src is not Q8 or info["map"] == map_for(slot.signed)
+        if src is Q8 and dst is Q8 and info["block_size"] != group["block_size"] and same_map:
             return (
                 f"block-size mismatch: slot '{name}' is 8-bit at block_size {info['block_size']} in the file, the "
                 f"optimizer uses block_size {group['block_size']}"
@@ -732,11 +741,15 @@ def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, conv
             fkey = f"{plan.name}/{key}"
             sources[key] = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
         read = lambda key, a, b, sources=sources: sources[key].read(a, b)  # noqa: E731
-        _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=src is dst)
+        src_map = info.get("map")  # 8-bit: the file's map (files before format 2 of the state: the dynamic maps)
+        remap = src is Q8 and src_map != map_for(slot.signed)
+        _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device,
+                  verbatim=src is dst and not remap, src_map=src_map)
         for source in sources.values():
             source.finish()
-        if src is not dst:
-            converted.append(f"{plan.name}/{name}: {src.name} -> {dst.name}")
+        if src is not dst or remap:
+            where = f" ({src_map} map)" if remap else ""
+            converted.append(f"{plan.name}/{name}: {src.name}{where} -> {dst.name}")
     for key, value in entry.get("projector", {}).items():
         if isinstance(value, list):
             fkey = f"{plan.name}/{key}"

@@ -12,7 +12,7 @@ whole tensors.
 
 Storage options (constructor keywords, also settable per param group):
 
-* ``state_bits``: 32 (fp32 state), 16 (bf16) or 8 (block-wise dynamic quantization, see :mod:`lowmemopt.quant`).
+* ``state_bits``: 32 (fp32 state), 16 (bf16) or 8 (block-wise quantization, see :mod:`lowmemopt.quant`).
 * ``block_size`` (256): elements per quantization block (a power of two).
 * ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
 * ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
@@ -42,7 +42,8 @@ factored optimizers (Adafactor, CAME) take a few fused native passes (:mod:`lowm
 and any tensor's ragged last block, takes the eager path below. All give the eager path's results (to fp32 rounding).
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
-``state_dict()["lowmemopt_format"]``. ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
+``state_dict()["lowmemopt_format"]`` (:data:`FORMAT_VERSION`; format 1, whose 8-bit state is in bitsandbytes' dynamic
+maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
 cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook and restoring them, moved to the
 parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
 asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
@@ -76,7 +77,9 @@ from .quant.maps import code_book, encode_table
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS"]
 
-FORMAT_VERSION = 1
+#: 2: 8-bit state in the pow2 maps; 1: in bitsandbytes' dynamic maps (still read: re-encoded on load)
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 STORAGE_DEFAULTS = dict(
     state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0
 )
@@ -560,9 +563,11 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     Runs before torch changes anything: a state that cannot be converted raises and leaves the optimizer as it was."""
     optimizer._load_stash = None
     version = state_dict.get("lowmemopt_format", FORMAT_VERSION)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMATS:
         raise ValueError(
-            f"optimizer state has lowmemopt_format={version!r}; this version of lowmemopt reads format {FORMAT_VERSION}"
+            f"optimizer state has lowmemopt_format={version!r}; this version of lowmemopt reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))}" + (" (the state is newer: upgrade lowmemopt)"
+                                                         if isinstance(version, int) and version > FORMAT_VERSION else "")
         )
     state_dict = dict(state_dict)
     state_dict.pop("lowmemopt_format", None)
@@ -583,7 +588,7 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
             if isinstance(value, dict):
                 where = f"load_state_dict: parameter {i} of param group {gi}"
                 _, value = localize_state(p, value)  # DTensor state -> the local shard's
-                converted[key] = convert_param_state(optimizer, p, value, saved, target, where)
+                converted[key] = convert_param_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
                 targets[key] = group
     # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
     staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])

@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 import lowmemopt
 import lowmemopt.checkpoint as checkpoint
 from lowmemopt.checkpoint import CheckpointError, load_state, save_state
-from lowmemopt.quant import code_book, format_of, quantize_blockwise
-from lowmemopt.quant.formats import map_for
+from lowmemopt.quant import code_book, dequantize_blockwise, format_of, quantize_blockwise
+from lowmemopt.quant.formats import legacy_map_for, map_for
 
 SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129)]  # 2 quantized at 8 bits (one ragged), 1 small (fp32), 1 3-D
 
@@ -223,6 +223,49 @@ def test_conversion_on_load_equals_the_formats_codec(tmp_path, src, dst, path):
     run(dst_opt, dst_params, 2, start=5)  # the converted state is usable
 
 
+def _legacy(opt):
+    """Rewrite ``opt``'s 8-bit state as lowmemopt format 1 held it: codes in bitsandbytes' dynamic maps (each slot's
+    decoded values encoded once more). Returns the fp32 values the legacy codes decode to, per (param, slot)."""
+    values = {}
+    for p in opt.param_groups[0]["params"]:
+        for slot, spec in opt._slots(opt.param_groups[0], p).items():
+            state = opt.state[p]
+            if slot + ".codes" in state:
+                name = legacy_map_for(spec.signed)
+                codes, absmax = quantize_blockwise(_decode(opt, p, slot), name, 256)
+                state[slot + ".codes"].copy_(codes)
+                state[slot + ".absmax"].copy_(absmax)
+                values[(p, slot)] = dequantize_blockwise(codes, absmax, name, 256)
+    return values
+
+
+@pytest.mark.parametrize("path", ["file", "state_dict"])
+def test_format_1_state_in_the_dynamic_maps_is_re_encoded(tmp_path, path, monkeypatch):
+    """8-bit state saved before the pow2 maps (state dicts with lowmemopt_format 1, files whose slots say map
+    'dynamic' / 'udynamic') loads: each slot decoded in its old map and encoded once into the pow2 maps."""
+    src_opt, params = _stepped(8, lr=1e-2, amsgrad=True)
+    legacy = _legacy(src_opt)
+    dst_params = clone_params(params)
+    dst_opt = lowmemopt.AdamW(dst_params, lr=1e-2, state_bits=8, amsgrad=True)
+    if path == "file":
+        monkeypatch.setattr(checkpoint, "map_for", legacy_map_for)  # what an older lowmemopt wrote
+        save_state(src_opt, tmp_path / "old.safetensors")
+        monkeypatch.undo()
+        report = load_state(dst_opt, tmp_path / "old.safetensors")
+        assert len(report.converted) == 3 * 3 and all("map) -> q8" in c for c in report.converted)
+    else:
+        sd = src_opt.state_dict()
+        sd["lowmemopt_format"] = 1
+        dst_opt.load_state_dict(sd)
+    for (p, slot), value in legacy.items():
+        q = dst_params[next(i for i, x in enumerate(params) if x is p)]
+        signed = slot == "exp_avg"
+        codes, absmax = quantize_blockwise(value, map_for(signed), 256)
+        assert torch.equal(dst_opt.state[q][slot + ".codes"], codes), slot
+        assert torch.equal(dst_opt.state[q][slot + ".absmax"], absmax), slot
+    run(dst_opt, dst_params, 2, start=5)
+
+
 @pytest.mark.parametrize("slot,signed", [("exp_avg", True), ("exp_avg_sq", False)])
 def test_fp32_to_8bit_to_fp32_round_trip_error(tmp_path, slot, signed):
     """The one lossy step is the 8-bit encoding: each value ends within half a code gap (times its block's scale)."""
@@ -291,10 +334,10 @@ def _bnb_adamw8bit(shapes=SHAPES, steps=5):
 
 
 @pytest.mark.parametrize("bits", [8, 32])
-def test_bitsandbytes_adamw8bit_state_loads_losslessly(bits):
-    """bitsandbytes' codes index the same sorted books, so its state1/state2 + absmax decode to the identical fp32
-    values in ours. (Our encoder picks a block's scale differently for negative extremes, so the next re-encode may
-    choose other codes; "lossless" is about the loaded values.)"""
+def test_bitsandbytes_adamw8bit_state_loads(bits):
+    """bitsandbytes' codes index its dynamic maps, which lowmemopt knows value for value: its state1/state2 + absmax
+    decode to the identical fp32 values (32-bit: stored as they are), and at 8 bits they are re-encoded once into the
+    pow2 maps, exactly as the codec encodes those values."""
     bnb, bnb_opt, params = _bnb_adamw8bit()
     ours = clone_params(params)
     opt = lowmemopt.AdamW(ours, state_bits=bits)
@@ -304,15 +347,18 @@ def test_bitsandbytes_adamw8bit_state_loads_losslessly(bits):
     for p, q in zip(params, ours):
         theirs = bnb_opt.state[p]
         assert opt.state[q]["step"] == theirs["step"] == 5
-        for i, slot in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        for i, (slot, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False)), start=1):
             t = theirs[f"state{i}"]
             if t.dtype == torch.uint8:
                 quantized += 1
                 absmax, code = theirs[f"absmax{i}"], theirs[f"qmap{i}"]
                 want = bnb.functional.dequantize_blockwise(t, absmax=absmax, code=code, blocksize=256)
+                assert torch.equal(want.reshape(-1), dequantize_blockwise(t.reshape(-1), absmax, "dynamic" if signed else "udynamic", 256))
                 if bits == 8:
-                    assert torch.equal(opt.state[q][slot + ".codes"], t.reshape(-1))
-                    assert torch.equal(opt.state[q][slot + ".absmax"], theirs[f"absmax{i}"])
+                    codes, scale = quantize_blockwise(want, map_for(signed), 256)
+                    assert torch.equal(opt.state[q][slot + ".codes"], codes)
+                    assert torch.equal(opt.state[q][slot + ".absmax"], scale)
+                    want = dequantize_blockwise(codes, scale, map_for(signed), 256)
             else:
                 want = t
             assert torch.equal(_decode(opt, q, slot), want.view(p.shape)), (slot, p.shape)
@@ -336,7 +382,7 @@ def test_bitsandbytes_state_with_a_foreign_code_book_is_refused():
     quant = sd["state"][0]["__bnb_optimizer_quant_state__"]
     quant["qmap1"] = torch.linspace(-1, 1, 256)
     opt = lowmemopt.AdamW8bit(clone_params(params))
-    with pytest.raises(CheckpointError, match=r"parameter 0 of param group 0: bitsandbytes 'qmap1' is not the dynamic"):
+    with pytest.raises(CheckpointError, match=r"parameter 0 of param group 0: bitsandbytes 'qmap1' is not bitsandbytes' dynamic map"):
         opt.load_state_dict(sd)
     assert not opt.state
 

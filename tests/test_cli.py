@@ -41,7 +41,7 @@ def test_cli_inspect_prints_metadata_and_format_summary(tmp_path, capsys):
     assert rows["fp32"][1:] == ["4", "2", "1,584", "6,336"]  # proj.bias 72, head.weight 720: 2 x 792 x 4 bytes
     assert rows["total"][1:] == ["8", "4", "23,344", "28,440"]
     assert f"file: {os.path.getsize(path):,} bytes" in out
-    assert "proj.weight  (72, 80) float32  step=3  exp_avg=q8[dynamic, block 256, 23 blocks]" in out
+    assert "proj.weight  (72, 80) float32  step=3  exp_avg=q8[pow2, block 256, 23 blocks]" in out
 
 
 def test_cli_inspect_bad_file_fails_cleanly(tmp_path, capsys):

@@ -138,7 +138,7 @@ def check_against_reference(cls, kwargs, bits, *, steps=3, shapes=SHAPES, dtype=
 
 
 @interpreted
-@pytest.mark.parametrize("name", ["dynamic", "udynamic"])
+@pytest.mark.parametrize("name", ["pow2", "upow2", "dynamic", "udynamic"])
 @pytest.mark.parametrize("block_size", [64, 256])
 def test_codec_matches_reference_exactly(name, block_size):
     """Codes and absmax equal :mod:`lowmemopt.quant`'s code for code: ragged last block, all-zero blocks, outliers,
@@ -149,11 +149,11 @@ def test_codec_matches_reference_exactly(name, block_size):
     gen = torch.Generator().manual_seed(1)
     for n in (1, 17, block_size, 3 * block_size + 5, 1000):
         x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 6
-        if name == "udynamic":
+        if name.startswith("u"):
             x = x.abs()
         x[: min(n, block_size)] = 0  # an all-zero block
         if n > block_size + 3:
-            x[block_size + 3] = 1e4 if name == "udynamic" else -1e4  # an outlier
+            x[block_size + 3] = 1e4 if name.startswith("u") else -1e4  # an outlier
             x[block_size + 4] = 1e-9  # a value the unsigned map must not flush to 0
         for inp in (x, x.bfloat16()):
             codes, absmax = codec.quantize_blockwise(inp, name, block_size)
@@ -161,7 +161,7 @@ def test_codec_matches_reference_exactly(name, block_size):
             assert torch.equal(codes, ref_codes) and torch.equal(absmax, ref_absmax), (name, n, inp.dtype)
             out = codec.dequantize_blockwise(codes, absmax, name, block_size)
             assert torch.equal(out, dequantize_blockwise(ref_codes, ref_absmax, name, block_size))
-    if name == "udynamic":
+    if name.startswith("u"):
         assert int(codes[block_size + 4]) > 0
 
 
@@ -551,7 +551,7 @@ def test_gpu_codec_matches_reference():
     x = torch.randn(1 << 20) * torch.rand(1 << 20) ** 6
     x[:256] = 0
     x[1000] = 1e4
-    for name, inp in (("dynamic", x), ("udynamic", x.abs())):
+    for name, inp in (("pow2", x), ("upow2", x.abs()), ("dynamic", x), ("udynamic", x.abs())):
         codes, absmax = codec.quantize_blockwise(inp.cuda(), name)
         ref_codes, ref_absmax = quantize_blockwise(inp, name)
         assert torch.equal(codes.cpu(), ref_codes) and torch.equal(absmax.cpu(), ref_absmax)

@@ -1,17 +1,16 @@
 """The 8-bit code books in the forms the C kernels use.
 
 lowmemopt's rounding rule (:mod:`lowmemopt.quant.maps`: nearest code in fp32 arithmetic, ties to the lower code, a
-positive value never takes ``udynamic``'s zero code) is monotone in the value: between neighbouring codes ``i`` and
+positive value never takes an unsigned map's zero code) is monotone in the value: between neighbouring codes ``i`` and
 ``i + 1`` there is one first float that takes ``i + 1``, the decision threshold ``thr[i]``. They are found here by
 bisection over the ordered fp32 bit patterns against :func:`~lowmemopt.quant.maps.nearest_code_reference` (the brute
-force specification), so they are that rule and nothing else.
+force specification), so they are that rule and nothing else; the tests check the kernels' codes at every threshold
+and its neighbours.
 
-The kernels encode with arithmetic instead of a lookup per element (:class:`ArithTables`): the dynamic maps are decades
-``10^(k-6) [0.1, 1]`` of ``n_k`` evenly spaced codes, so inside decade ``k`` the code's offset is ``floor(|y| S_k -
-A_k)``, and the decade follows from ``|y|``'s binary exponent and one compare with the exact threshold between the two
-decades a binade can meet. Values that land within ``eps`` of a boundary are resolved by the exact bucket table of
-:mod:`lowmemopt.quant.maps`. The tests compare the kernels' codes with the brute force search on random values and on
-every threshold and its neighbours.
+The kernels encode the state maps (``pow2`` / ``upow2``) with integer operations on the float's bits instead of a
+lookup per element (:class:`Pow2Tables`, ``pow2_code`` in ``kernels.c``): the codes of binade ``[2^e, 2^(e+1))`` are the
+floats there with ``b_e`` mantissa bits, so the nearest code is ``(bits + half_e) >> (23 - b_e)`` plus an offset, with
+three 32-entry tables indexed by the binade. Decoding uses the 256-value book of any map.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from typing import NamedTuple
 import torch
 
 from ..quant.formats import map_for
-from ..quant.maps import code_book, encode_table, nearest_code_reference
+from ..quant.maps import POW2_BITS, code_book, encode_table, is_signed_map, nearest_code_reference
 
-__all__ = ["ArithTables", "Tables", "arith_tables", "decision_thresholds", "tables"]
+__all__ = ["Pow2Tables", "Tables", "pow2_tables", "decision_thresholds", "tables"]
 
 
 def _key(x: torch.Tensor) -> torch.Tensor:
@@ -63,82 +62,61 @@ def decision_thresholds(name: str) -> torch.Tensor:
     return thr
 
 
-#: a position t within EPS of an integer is near a code boundary: resolved by the exact table (2^-16 still gives the
-#: exact codes for every float; 2^-14 leaves a margin and sends ~3% of 256-element blocks to the table)
-EPS = 2.0**-14
-#: binade class of |y| = biased fp32 exponent - BIN_BIAS, saturated at 0: class 0 holds everything below 2^-30 (below
-#: the first decade of both maps), class 31 is [1, 2) (|y| <= 1 after scaling)
-BIN_BIAS, BIN_CLASSES = 96, 32
-
-
-class ArithTables(ctypes.Structure):
-    """Mirror of ``struct lmo_arith`` in ``kernels.c``. Decade index ``d``: 0 the zero code, 1..7 the decades
-    ``k = d - 1``, 8 the code 1.0."""
+class Pow2Tables(ctypes.Structure):
+    """Mirror of ``struct lmo_pow2`` in ``kernels.c``: per binade class ``c`` (biased exponent of ``|y|`` minus
+    ``e_lo``, saturated at 0), ``code = ((bits(|y|) + neg + half[c]) >> shift[c]) + off[c]``; negative ``y`` (signed
+    map) takes ``mirror - code``."""
 
     _fields_ = [
-        ("bin_decade", ctypes.c_int32 * 32),
-        ("bin_bound", ctypes.c_float * 32),
-        ("bin_bound_neg", ctypes.c_float * 32),
-        ("dec_s", ctypes.c_float * 16),
-        ("dec_a", ctypes.c_float * 16),
-        ("dec_base", ctypes.c_int32 * 16),
-        ("dec_nmax", ctypes.c_int32 * 16),
-        ("eps", ctypes.c_float),
+        ("half", ctypes.c_int32 * 32),
+        ("shift", ctypes.c_int32 * 32),
+        ("off", ctypes.c_int32 * 32),
+        ("e_lo", ctypes.c_int32),
         ("mirror", ctypes.c_int32),
     ]
 
 
-def _next_up(x: float) -> float:
-    t = torch.tensor(x, dtype=torch.float32)
-    return float(torch.nextafter(t, torch.tensor(float("inf"))))
+def pow2_tables(name: str) -> Pow2Tables:
+    """The bit encoder's tables for ``pow2`` / ``upow2`` (derivation in ``pow2_code``, ``kernels.c``).
 
-
-def arith_tables(name: str) -> ArithTables:
-    """The arithmetic encoder's tables for map ``name`` (positive side; a signed map mirrors negatives)."""
-    signed = name == "dynamic"
-    book, thr = code_book(name), decision_thresholds(name)
-    zero = int(torch.nonzero(book == 0)[0])
-    t = ArithTables()
-    # decades on the positive side: index d = k + 1, codes base .. base + n - 1 = 10^(k-6) mids(linspace(0.1, 1, n+1))
-    starts, starts_neg = [], []  # first |y| of decade index d = 1..8, for positive and for negative y
-    base = zero + 1
-    for d in range(16):
-        t.dec_s[d], t.dec_a[d], t.dec_base[d], t.dec_nmax[d] = 0.0, -0.5, zero, 0  # t = 0.5: offset 0, no boundary
-    for k in range(7):
-        n = 2**k if signed else 2 ** (k + 1)
-        scale = 10.0 ** (k - 6)
-        t.dec_s[k + 1] = n / (0.9 * scale)
-        t.dec_a[k + 1] = 0.1 * n / 0.9
-        t.dec_base[k + 1], t.dec_nmax[k + 1] = base, n - 1
-        starts.append(float(thr[base - 1]))
-        # a negative y < thr[254 - base] takes a code of decade k or below: |y| >= next_up(|thr[254 - base]|)
-        starts_neg.append(_next_up(-float(thr[254 - base])) if signed else starts[-1])
-        base += n
-    if base != 255:
-        raise AssertionError(f"code book {name!r} is not a dynamic map")
-    t.dec_base[8] = 255
-    starts.append(float(thr[254]))
-    starts_neg.append(starts[-1])  # no negative code beyond the most negative decade: both give code 0
-    for b in range(32):
-        low = 0.0 if b == 0 else 2.0 ** (b + BIN_BIAS - 127)
-        high = 2.0 ** (b + 1 + BIN_BIAS - 127)
-        t.bin_decade[b] = sum(x <= low for x in starts)
-        if t.bin_decade[b] != sum(x <= low for x in starts_neg):
-            raise AssertionError(f"code book {name!r}: a mirrored decade threshold crosses a binade")
-        for bounds, field in ((starts, t.bin_bound), (starts_neg, t.bin_bound_neg)):
-            inside = [x for x in bounds if low < x < high]
-            if len(inside) > 1:
-                raise AssertionError(f"code book {name!r}: binade class {b} meets more than two decades")
-            field[b] = inside[0] if inside else float("nan")
-    t.eps, t.mirror = EPS, 254 if signed else 0
+    Classes, with ``nb`` binades of codes (binade ``k`` = ``[2^-(k+1), 2^-k)``, biased exponent ``126 - k``):
+    ``nb + 1 - k`` for binade ``k``; 1 for the binade below the lowest (0 or the smallest code, split at its start);
+    0 for everything smaller; ``nb + 2`` and up for ``|y| >= 1`` (the code 1.0)."""
+    if name not in POW2_BITS:
+        raise ValueError(f"no bit encoder for map {name!r}")
+    bits = POW2_BITS[name]
+    signed = is_signed_map(name)
+    nb = len(bits)
+    if nb + 2 > 32:
+        raise AssertionError(f"map {name!r}: {nb} binades do not fit 32 classes")
+    zero = int(torch.nonzero(code_book(name) == 0)[0])  # signed: magnitude m has code zero + m
+    t = Pow2Tables()
+    t.e_lo = 126 - nb - 1
+    top = 1 + sum(2**b for b in bits)  # magnitude index of 1.0
+    for c in range(32):  # default: |y| >= 1 -> 1.0 ((bits + neg) >> 31 == 0 for every finite |y|)
+        t.half[c], t.shift[c], t.off[c] = 0, 31, zero + top
+    base = 1  # magnitude index of the lowest binade's first code
+    for k in range(nb - 1, -1, -1):
+        e, b = 126 - k, bits[k]
+        c = e - t.e_lo
+        t.shift[c] = 23 - b
+        t.half[c] = (1 << (22 - b)) - 1
+        t.off[c] = zero + base - (e << b)
+        base += 2**b
+    e_p = t.e_lo + 1  # [m_1 / 2, m_1): the mid point of 0 and m_1 is its first float
+    t.shift[1], t.off[1] = 23, zero - e_p
+    t.half[1] = (1 << 23) if not signed else (1 << 23) - 1  # unsigned: always m_1; signed: m_1 unless y == m_1 / 2
+    t.shift[0], t.off[0] = 31, zero
+    t.half[0] = 0 if signed else (1 << 31) - 1  # unsigned: any positive value takes m_1
+    t.mirror = 2 * zero if signed else 0
     return t
 
 
 class Tables(NamedTuple):
     book: torch.Tensor  # fp32 [256]: decode
     planes: torch.Tensor  # uint8 [4, 256]: the book's bytes, plane k = byte k (little-endian) of each value
-    packed: torch.Tensor  # int32 [65536]: exact encode (lowmemopt.quant.maps)
-    arith: ArithTables  # fast encode
+    packed: torch.Tensor  # int32 [65536]: exact encode (lowmemopt.quant.maps; the portable build)
+    pow2: Pow2Tables  # the bit encoder (the AVX-512 build)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,15 +125,18 @@ def tables(signed: bool) -> Tables:
     name = map_for(signed)
     book = code_book(name).contiguous()
     planes = book.view(torch.uint8).view(256, 4).t().contiguous()
-    return Tables(book, planes, encode_table(name).packed.contiguous(), arith_tables(name))
+    return Tables(book, planes, encode_table(name).packed.contiguous(), pow2_tables(name))
 
 
-def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> bool:
-    """``lmo_encode`` (fp32 rows ``x`` -> codes, absmax) or ``lmo_decode`` (codes, absmax -> fp32 rows ``x``)."""
+def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
+    """``lmo_encode`` (fp32 rows ``x`` -> codes, absmax) or ``lmo_decode`` (codes, absmax -> fp32 rows ``x``) in map
+    ``name``; False (not done) for maps other than the state maps, or an unsupported layout."""
     from . import applies, build, ffi
 
+    signed = is_signed_map(name)
     ok = (
-        applies(x)
+        name == map_for(signed)
+        and applies(x)
         and x.dim() == 2
         and x.dtype == torch.float32
         and codes.dtype == torch.uint8

@@ -25,7 +25,7 @@ class Slot(ctypes.Structure):
         ("book", ctypes.c_void_p),
         ("planes", ctypes.c_void_p),
         ("packed", ctypes.c_void_p),
-        ("arith", ctypes.c_void_p),
+        ("pow2", ctypes.c_void_p),
         ("kind", ctypes.c_int32),
         ("is_signed", ctypes.c_int32),
     ]
@@ -62,7 +62,7 @@ def slot_dense(values: torch.Tensor) -> Slot:
 def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
     t = tables(signed)
     return Slot(codes.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), t.planes.data_ptr(), t.packed.data_ptr(),
-                ctypes.addressof(t.arith), ST_Q8, int(signed))
+                ctypes.addressof(t.pow2), ST_Q8, int(signed))
 
 
 def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],

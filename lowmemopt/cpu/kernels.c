@@ -12,8 +12,8 @@
  *     (correctly rounded, as in torch's fused AdamW and in inductor); torch's eager CPU Tensor.sqrt is MKL's, within
  *     one ulp. With a correctly rounded sqrt in the eager path, results are identical bit for bit.
  *   - 8-bit codes are the exact rounding rule of lowmemopt.quant.maps (nearest code in fp32, ties to the lower code,
- *     positive values never to udynamic's zero code): an arithmetic encoder (arith_code) whose rare ambiguous blocks
- *     fall back to the exact bucket table of lowmemopt.quant.maps.
+ *     positive values never to upow2's zero code), computed on the float's bits (pow2_code): the state maps' codes
+ *     are floats with a few mantissa bits per binade, so the nearest code is a rounding add and a shift.
  *   - Block scales: unsigned max(max x, 0); signed max(max x / book[255], min x / book[0]); y = x / scale (IEEE
  *     division, scale 0 -> 1), as lowmemopt.quant.blockwise.block_scale / encode_rows.
  *
@@ -29,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 7
+#define LMO_ABI_VERSION 8
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -37,18 +37,15 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };  /* parameter / gradient dtypes */
 enum { ST_F32 = 0, ST_BF16 = 1, ST_Q8 = 2 };   /* state slot storage */
 enum { LMO_OK = 0, LMO_EBADARG = 1 };
 
-/* The arithmetic encoder (see arith_code): a value's binade class picks a decade, the decade a linear position
- * t = |y| S - A whose integer part is the code's offset in the decade. Built by lowmemopt/cpu/codec.py. */
-typedef struct lmo_arith {
-    int32_t bin_decade[32];   /* per binade class: decade index (k + 1) at the class's low end */
-    float bin_bound[32];      /* positive y: the first |y| of the next decade, if inside this binade (else NaN) */
-    float bin_bound_neg[32];  /* negative y (signed map): the same for the mirrored thresholds */
-    float dec_s[16], dec_a[16];
-    int32_t dec_base[16];     /* code of offset 0 (the positive side) */
-    int32_t dec_nmax[16];     /* largest offset */
-    float eps;                /* positions within eps of an integer are resolved exactly (table lookup) */
-    int32_t mirror;           /* signed map: a negative y takes code mirror - code(|y|) */
-} lmo_arith;
+/* The pow2 maps' encoder (see pow2_code), per binade class c = biased exponent of |y| - e_lo (saturated at 0): code
+ * = ((bits(|y|) + neg + half[c]) >> shift[c]) + off[c]. Built by lowmemopt/cpu/codec.py. */
+typedef struct lmo_pow2 {
+    int32_t half[32];   /* rounding addend: half an output step, less one (ties go to the lower magnitude) */
+    int32_t shift[32];  /* 23 - mantissa bits of the class's codes (31: a class with one code) */
+    int32_t off[32];    /* code of the class's first code, less its exponent's contribution */
+    int32_t e_lo;       /* biased exponent of class 0 (everything at or below it) */
+    int32_t mirror;     /* signed map: a negative y takes code mirror - code(|y|) (0: unsigned) */
+} lmo_pow2;
 
 typedef struct {
     void *data;         /* fp32 / bf16 values, or uint8 codes */
@@ -56,7 +53,7 @@ typedef struct {
     const float *book;  /* q8: the 256 code values, ascending */
     const uint8_t *planes; /* q8: the code values' bytes, planes[256 k + i] = byte k of book[i] */
     const int32_t *packed;     /* q8: lowmemopt.quant.maps' 65536-entry bucket table (exact, one lookup) */
-    const struct lmo_arith *arith; /* q8: the arithmetic encoder's tables (lowmemopt/cpu/codec.py) */
+    const struct lmo_pow2 *pow2; /* q8: the pow2 encoder's tables (lowmemopt/cpu/codec.py) */
     int32_t kind;       /* ST_* */
     int32_t is_signed;  /* q8: signed map (its scale covers both extremes) */
 } lmo_slot;
@@ -201,16 +198,6 @@ static inline void lut256_get64(const lut256 *t, const uint8_t *codes, vf out[4]
 #endif
 }
 
-/* lowmemopt.quant.maps' bucket table: e = packed[bits >> 16]; code = (e >> 17) + (t >= (e & 0x1FFFF)) */
-static inline vi packed_code(const int32_t *packed, vf y) {
-    vi u = _mm512_castps_si512(y);
-    vi e = _mm512_i32gather_epi32(_mm512_srli_epi32(u, 16), packed, 4);
-    vi t = _mm512_xor_si512(_mm512_and_si512(u, _mm512_set1_epi32(0xFFFF)),
-                            _mm512_srli_epi32(_mm512_srai_epi32(u, 31), 16));
-    vm ge = _mm512_cmpge_epi32_mask(t, _mm512_and_si512(e, _mm512_set1_epi32(0x1FFFF)));
-    vi c = _mm512_srli_epi32(e, 17);
-    return _mm512_mask_add_epi32(c, ge, c, _mm512_set1_epi32(1));
-}
 static inline vi load_codes(const uint8_t *c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)); }
 static inline void store_codes(uint8_t *c, vi code) { _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(code)); }
 /* 64 codes (each 0..255) at once: two packs (in-lane) and one permute back to order */
@@ -220,61 +207,51 @@ static inline void store_codes4(uint8_t *c, vi c0, vi c1, vi c2, vi c3) {
     _mm512_storeu_si512(c, _mm512_permutexvar_epi32(order, w));
 }
 
-/* Nearest code without a table lookup per element. The dynamic maps are decades 10^(k-6) [0.1, 1] of n_k evenly
- * spaced codes, so within decade k the code's offset is floor(t), t = |y| S_k - A_k, away from the boundaries. The
- * decade comes from |y|'s binade (class = biased exponent - 96, saturated at 0; |y| <= 1 here, so classes stay below
- * 32, and each binade meets at most two decades) and one compare with the exact decision threshold between them (the
- * mirrored one for negative y). A lane whose t lies within eps of an integer is ambiguous: its sign bit is or-ed into
- * *amb and the caller re-encodes the block with the exact table. t is monotone in |y|, so unambiguous lanes are right
- * for every float iff they are right at each threshold and the float below it: the tests check exactly those (and an
- * offline run checked all 2^31 floats below 2 in magnitude). */
-static inline vi arith_code(const lmo_arith *T, vf y, const int is_signed, vi *amb) {
-    const vi sign = _mm512_set1_epi32((int)0x80000000);
-    const vi ia = _mm512_andnot_si512(sign, _mm512_castps_si512(y));
-    const vf a = _mm512_castsi512_ps(ia);
-    const vm neg = _mm512_movepi32_mask(_mm512_castps_si512(y)); /* sign bit: -0 encodes like +0 */
-    const vi b = _mm512_subs_epu16(_mm512_srli_epi32(ia, 23), _mm512_set1_epi32(96));
-    vi k, j, code;
-    vf bound, t, r;
-    k = _mm512_permutex2var_epi32(_mm512_loadu_si512(T->bin_decade), b, _mm512_loadu_si512(T->bin_decade + 16));
-    bound = _mm512_permutex2var_ps(_mm512_loadu_ps(T->bin_bound), b, _mm512_loadu_ps(T->bin_bound + 16));
-    if (is_signed)
-        bound = _mm512_mask_mov_ps(bound, neg, _mm512_permutex2var_ps(_mm512_loadu_ps(T->bin_bound_neg), b,
-                                                                      _mm512_loadu_ps(T->bin_bound_neg + 16)));
-    k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(a, bound, _CMP_GE_OQ), k, _mm512_set1_epi32(1));
-    t = _mm512_fmsub_ps(a, _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_s)), _mm512_permutexvar_ps(k, _mm512_loadu_ps(T->dec_a)));
-    r = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* t - round(t), exact */
-    *amb = _mm512_or_si512(*amb, _mm512_castps_si512(_mm512_sub_ps(_mm512_abs_ps(r), _mm512_set1_ps(T->eps))));
-    j = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    j = _mm512_min_epi32(_mm512_max_epi32(j, _mm512_setzero_si512()), _mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_nmax)));
-    code = _mm512_add_epi32(_mm512_permutexvar_epi32(k, _mm512_loadu_si512(T->dec_base)), j);
-    if (is_signed) /* negative y: the mirrored code (0 below the most negative code) */
+/* Nearest code of a pow2 map without a table lookup per element. The codes of binade [2^e, 2^(e+1)) are the floats
+ * there with b_e mantissa bits, so the nearest one is the float rounded to b_e bits: add half an output step to the
+ * bit pattern and shift (a carry out of the mantissa lands on the next binade's first code, as it should). Both
+ * distances are exact in fp32 (Sterbenz), so this is the fp32 nearest-code rule itself; the "- 1" in half makes ties
+ * go to the lower magnitude, and + neg (1 for negative y) to the larger one, which is the lower code. One class below
+ * the lowest binade decides between 0 and the smallest code, class 0 holds everything smaller (the unsigned map's
+ * half there makes any positive value take the smallest code), classes above [0.5, 1) give the code 1.0. |y| <= 1
+ * after scaling, so classes stay below 32. The tests check every threshold and its neighbours against the brute force
+ * rule (and an offline run checked every float in [-1, 1]). */
+/* t[c & 31] per lane (a two-register permute; the tables stay in registers across a block) */
+static inline vi lookup32(const int32_t *t, vi c) {
+    return _mm512_permutex2var_epi32(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 16));
+}
+static inline vi pow2_code(const lmo_pow2 *T, vf y, const int is_signed) {
+    const vi u = _mm512_castps_si512(y);
+    const vi ia = _mm512_andnot_si512(_mm512_set1_epi32((int)0x80000000), u);
+    const vm neg = _mm512_movepi32_mask(u); /* sign bit: -0 encodes like +0 */
+    const vi c = _mm512_subs_epu16(_mm512_srli_epi32(ia, 23), _mm512_set1_epi32(T->e_lo));
+    vi w = is_signed ? _mm512_add_epi32(ia, _mm512_srli_epi32(u, 31)) : ia, code;
+    w = _mm512_add_epi32(w, lookup32(T->half, c));
+    code = _mm512_add_epi32(_mm512_srlv_epi32(w, lookup32(T->shift, c)), lookup32(T->off, c));
+    if (is_signed) /* negative y: the mirrored code */
         return _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
     return _mm512_mask_mov_epi32(code, neg, _mm512_setzero_si512());
 }
 
-/* codes[0, len) <- nearest codes of buf[j] / div. Four vectors per iteration: the encoder is a long dependency chain,
- * and independent chains side by side keep the out-of-order window busy. */
+/* codes[0, len) <- nearest codes of buf[j] / div, four vectors per iteration */
 #define LMO_ENC4(SIGNED)                                                                                              \
     for (j = 0; j + 64 <= len; j += 64) {                                                                             \
-        vi c0 = arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb);                                             \
-        vi c1 = arith_code(T, v_div(v_load(buf + j + 16), div), SIGNED, &amb);                                        \
-        vi c2 = arith_code(T, v_div(v_load(buf + j + 32), div), SIGNED, &amb);                                        \
-        vi c3 = arith_code(T, v_div(v_load(buf + j + 48), div), SIGNED, &amb);                                        \
+        vi c0 = pow2_code(T, v_div(v_load(buf + j), div), SIGNED);                                                    \
+        vi c1 = pow2_code(T, v_div(v_load(buf + j + 16), div), SIGNED);                                               \
+        vi c2 = pow2_code(T, v_div(v_load(buf + j + 32), div), SIGNED);                                               \
+        vi c3 = pow2_code(T, v_div(v_load(buf + j + 48), div), SIGNED);                                               \
         store_codes4(codes + j, c0, c1, c2, c3);                                                                      \
     }                                                                                                                 \
-    for (; j < len; j += 16) store_codes(codes + j, arith_code(T, v_div(v_load(buf + j), div), SIGNED, &amb))
-static inline void encode_block(const lmo_arith *T, const int32_t *packed, int is_signed, const float *buf, int len,
+    for (; j < len; j += 16) store_codes(codes + j, pow2_code(T, v_div(v_load(buf + j), div), SIGNED))
+static inline void encode_block(const lmo_pow2 *T, const int32_t *packed, int is_signed, const float *buf, int len,
                                 vf div, uint8_t *codes) {
-    vi amb = _mm512_setzero_si512();
     int j;
+    (void)packed;
     if (is_signed) {
         LMO_ENC4(1);
     } else {
         LMO_ENC4(0);
     }
-    if (__builtin_expect(_mm512_movepi32_mask(amb) != 0, 0))
-        for (j = 0; j < len; j += 16) store_codes(codes + j, packed_code(packed, v_div(v_load(buf + j), div)));
 }
 #undef LMO_ENC4
 
@@ -378,7 +355,7 @@ static inline vi packed_code(const int32_t *packed, vf y) {
 }
 static inline vi load_codes(const uint8_t *c) { vi r; int i; for (i = 0; i < 16; i++) r.x[i] = c[i]; return r; }
 static inline void store_codes(uint8_t *c, vi code) { int i; for (i = 0; i < 16; i++) c[i] = (uint8_t)code.x[i]; }
-static inline void encode_block(const struct lmo_arith *T, const int32_t *packed, int is_signed, const float *buf,
+static inline void encode_block(const struct lmo_pow2 *T, const int32_t *packed, int is_signed, const float *buf,
                                 int len, vf div, uint8_t *codes) {
     int j;
     (void)T; (void)is_signed;
@@ -414,7 +391,7 @@ typedef struct {
     void *data;
     float *absmax;
     const int32_t *packed;
-    const lmo_arith *arith;
+    const lmo_pow2 *pow2;
     float *buf;               /* q8: the row's new fp32 values, encoded at the end of the row */
     float book_lo, book_hi;   /* q8: book[0], book[255] */
     int is_signed;
@@ -426,7 +403,7 @@ static void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
     r->data = s->data;
     r->absmax = s->absmax;
     r->packed = s->packed;
-    r->arith = s->arith;
+    r->pow2 = s->pow2;
     r->buf = buf;
     r->is_signed = s->is_signed;
     if (s->kind == ST_Q8) {
@@ -508,7 +485,7 @@ static inline __attribute__((always_inline)) void slot_block_end(const int kind,
     }
     div = v_set(scale > 0.0f ? scale : 1.0f);
     codes = (uint8_t *)r->data + start;
-    encode_block(r->arith, r->packed, r->is_signed, r->buf, len, div, codes);
+    encode_block(r->pow2, r->packed, r->is_signed, r->buf, len, div, codes);
     r->absmax[row] = scale;
 }
 /* q8: block `row` of a tensor cut into rows of bs elements */

@@ -55,7 +55,7 @@ class Adam(LowMemOptimizer):
     """Adam with 32/16/8-bit state; same signature and 32-bit results as ``torch.optim.Adam``.
 
     Storage keywords: ``state_bits``, ``block_size``, ``min_quant_numel`` (see :class:`~lowmemopt.LowMemOptimizer`).
-    At 8 bits ``exp_avg`` uses the signed dynamic map and ``exp_avg_sq`` / ``max_exp_avg_sq`` the unsigned one.
+    At 8 bits ``exp_avg`` uses the signed ``pow2`` map and ``exp_avg_sq`` / ``max_exp_avg_sq`` the unsigned one.
     """
 
     _decoupled_default = False

@@ -1,16 +1,16 @@
 """Block-wise 8-bit quantization: one fp32 scale (``absmax``) per block of ``block_size`` consecutive elements of the
-flattened tensor, each element stored as the uint8 index of its nearest code in a dynamic map (see
+flattened tensor, each element stored as the uint8 index of its nearest code in an 8-bit map (see
 :mod:`lowmemopt.quant.maps`).
 
     encode:  absmax_b = max(max_b x / book[-1], min_b x / book[0])     (signed map; unsigned: max_b x)
              code_i = nearest(x_i / absmax_b)                           (absmax_b = 0: the block is all 0)
     decode:  x_i ~= book[code_i] * absmax_b
 
-For the signed map ``book[-1] = 1`` and ``book[0] = -0.99297`` (bitsandbytes' map is asymmetric), so ``absmax`` is the
-block's absolute maximum unless the extreme is negative, where it is ``|min| / 0.99297``: both extremes are then
-representable. With the plain absmax, a block's most negative first moment would shrink by 0.7% at every re-encode, a
-bias that compounds to ~7% at beta1 = 0.9. Decoding is the same formula either way, so bitsandbytes' codes decode
-unchanged.
+For the signed maps ``book[-1] = 1`` and ``book[0] = -0.984`` (``pow2``) or ``-0.99297`` (``dynamic``; the maps are
+asymmetric), so ``absmax`` is the block's absolute maximum unless the extreme is negative, where it is ``|min| /
+|book[0]|``: both extremes are then representable. With the plain absmax, a block's most negative first moment would
+shrink at every re-encode, a bias that compounds over steps. Decoding is the same formula either way, so
+bitsandbytes' codes decode unchanged.
 
 The last block may be shorter than ``block_size`` (ragged). Inputs of any layout are accepted (non-contiguous ones are
 copied). :func:`quantize_blockwise` is the fast path (two table lookups per element);
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .maps import code_book, encode_table, nearest_code_reference
+from .maps import code_book, encode_table, is_signed_map, nearest_code_reference
 
 __all__ = [
     "num_blocks",
@@ -101,13 +101,13 @@ def _native_codec(x: torch.Tensor):
 def _encode_blocks(x: torch.Tensor, name: str, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """x: fp32 [nb, bs]; writes codes (uint8 [nb, bs]) and absmax (fp32 [nb])."""
     native = _native_codec(x)
-    if native is not None and native.encode_rows_into(x, codes, absmax, name == "dynamic"):
+    if native is not None and native.encode_rows_into(x, codes, absmax, name):
         return
-    book, table = code_book(name, x.device), encode_table(name, x.device).packed
+    book, table, signed = code_book(name, x.device), encode_table(name, x.device).packed, is_signed_map(name)
     fast = _fast_codec(x)
-    if fast is not None and fast.encode_rows_into(x, codes, absmax, book, table, name == "dynamic"):
+    if fast is not None and fast.encode_rows_into(x, codes, absmax, book, table, signed):
         return
-    code, scale = encode_rows(x, book, table, name == "dynamic")
+    code, scale = encode_rows(x, book, table, signed)
     codes.copy_(code)
     absmax.copy_(scale)
 
@@ -128,7 +128,7 @@ def decode_into(codes: torch.Tensor, absmax: torch.Tensor, name: str, block_size
     for cv, ov in zip(_block_views(codes, block_size), _block_views(out, block_size)):
         scale = absmax[first : first + ov.shape[0]]
         first += ov.shape[0]
-        if ov.shape[1] == block_size and native is not None and native.decode_rows_into(cv, scale, ov, name == "dynamic"):
+        if ov.shape[1] == block_size and native is not None and native.decode_rows_into(cv, scale, ov, name):
             continue
         if ov.shape[1] == block_size and fast is not None and fast.decode_rows_into(cv, scale, ov, book):
             continue
@@ -136,7 +136,7 @@ def decode_into(codes: torch.Tensor, absmax: torch.Tensor, name: str, block_size
         ov.mul_(scale.unsqueeze(1))
 
 
-def quantize_blockwise(x: torch.Tensor, name: str = "dynamic", block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, name: str = "pow2", block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (any shape, layout, floating dtype) to (codes: uint8 [numel], absmax: fp32 [n_blocks])."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -148,7 +148,7 @@ def quantize_blockwise(x: torch.Tensor, name: str = "dynamic", block_size: int =
 
 
 def dequantize_blockwise(
-    codes: torch.Tensor, absmax: torch.Tensor, name: str = "dynamic", block_size: int = 256, shape=None
+    codes: torch.Tensor, absmax: torch.Tensor, name: str = "pow2", block_size: int = 256, shape=None
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise` (up to rounding); returns fp32 of ``shape`` (default: flat)."""
     if codes.dtype != torch.uint8:
@@ -164,7 +164,7 @@ def dequantize_blockwise(
 
 
 def quantize_blockwise_reference(
-    x: torch.Tensor, name: str = "dynamic", block_size: int = 256
+    x: torch.Tensor, name: str = "pow2", block_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The specification: per-block absmax, then a brute-force nearest-code search (slow; for tests)."""
     flat = x.detach().reshape(-1).float()
@@ -174,7 +174,7 @@ def quantize_blockwise_reference(
     padded[:n] = flat
     blocks = padded.view(nb, block_size)
     # the padding zeros cannot change a block's scale: it is >= 0 and zeros lie inside [min, max] scaled
-    absmax = block_scale(blocks, code_book(name, x.device), name == "dynamic")
+    absmax = block_scale(blocks, code_book(name, x.device), is_signed_map(name))
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = blocks / scale.unsqueeze(1)
     codes = nearest_code_reference(y, name).to(torch.uint8).reshape(-1)[:n]

@@ -10,7 +10,9 @@ q8       ``<slot>.codes`` uint8 [numel]              1 + 4 / block_size
 =======  =========================================  ======================================
 
 The format of a stored slot is read back from its keys and dtype, so state is self-describing plain tensors. Signed slots
-(first moments, momentum) use the ``dynamic`` map; non-negative slots (second moments) use ``udynamic``.
+(first moments, momentum) use the ``pow2`` map; non-negative slots (second moments) use ``upow2``
+(:mod:`lowmemopt.quant.maps`). State of ``lowmemopt_format`` 1 used the ``dynamic`` / ``udynamic`` maps
+(:func:`legacy_map_for`); the checkpoint layer re-encodes it on load.
 
 The optimizer works on contiguous ranges ``[lo, hi)`` of the flattened slot (chunks aligned to the block size):
 :meth:`StateFormat.decode` returns fp32 values the algorithm may update in place (for fp32 storage, a view of the
@@ -23,10 +25,18 @@ import torch
 
 from .blockwise import decode_into, encode_into, num_blocks
 
-__all__ = ["StateFormat", "FP32", "BF16", "Q8", "FORMATS", "choose_format", "format_of", "slot_keys", "map_for"]
+__all__ = [
+    "StateFormat", "FP32", "BF16", "Q8", "FORMATS", "choose_format", "format_of", "slot_keys", "map_for", "legacy_map_for"
+]
 
 
 def map_for(signed: bool) -> str:
+    """The map 8-bit state of a slot of this signedness is stored in."""
+    return "pow2" if signed else "upow2"
+
+
+def legacy_map_for(signed: bool) -> str:
+    """The map of ``lowmemopt_format`` 1 state and of bitsandbytes' 8-bit state (bitsandbytes' dynamic maps)."""
     return "dynamic" if signed else "udynamic"
 
 
@@ -41,10 +51,14 @@ class StateFormat:
         """Create the slot's zero state (``shape``: the slot's logical shape)."""
         raise NotImplementedError
 
-    def decode(self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int) -> torch.Tensor:
+    def decode(self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int,
+               qmap: str | None = None) -> torch.Tensor:
+        """fp32 values of elements ``[lo, hi)``; ``qmap``: the 8-bit map the codes are in (default
+        ``map_for(signed)``)."""
         raise NotImplementedError
 
-    def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int) -> None:
+    def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int,
+               qmap: str | None = None) -> None:
         raise NotImplementedError
 
     def nbytes(self, numel: int, block_size: int) -> int:
@@ -65,10 +79,10 @@ class _Dense(StateFormat):
     def init(self, state, slot, shape, device, block_size):
         state[slot] = torch.zeros(shape, dtype=self.dtype, device=device)
 
-    def decode(self, state, slot, lo, hi, signed, block_size):
+    def decode(self, state, slot, lo, hi, signed, block_size, qmap=None):
         return state[slot].view(-1)[lo:hi].float()  # fp32 storage: a view, updated in place
 
-    def encode(self, state, slot, lo, hi, value, signed, block_size):
+    def encode(self, state, slot, lo, hi, value, signed, block_size, qmap=None):
         dst = state[slot].view(-1)[lo:hi]
         if dst.data_ptr() != value.data_ptr():
             dst.copy_(value)
@@ -96,15 +110,17 @@ class _Q8(StateFormat):
         state[slot + ".codes"] = torch.zeros(n, dtype=torch.uint8, device=device)
         state[slot + ".absmax"] = torch.zeros(num_blocks(n, block_size), dtype=torch.float32, device=device)
 
-    def decode(self, state, slot, lo, hi, signed, block_size):
+    def decode(self, state, slot, lo, hi, signed, block_size, qmap=None):
         out = torch.empty(hi - lo, dtype=torch.float32, device=state[slot + ".codes"].device)
         b0, b1 = lo // block_size, num_blocks(hi, block_size)
-        decode_into(state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1], map_for(signed), block_size, out)
+        codes, absmax = state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1]
+        decode_into(codes, absmax, qmap or map_for(signed), block_size, out)
         return out
 
-    def encode(self, state, slot, lo, hi, value, signed, block_size):
+    def encode(self, state, slot, lo, hi, value, signed, block_size, qmap=None):
         b0, b1 = lo // block_size, num_blocks(hi, block_size)
-        encode_into(value, map_for(signed), block_size, state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1])
+        codes, absmax = state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1]
+        encode_into(value, qmap or map_for(signed), block_size, codes, absmax)
 
     def nbytes(self, numel, block_size):
         return numel + 4 * num_blocks(numel, block_size)
