@@ -56,7 +56,10 @@ __all__ = [
 ]
 
 FILE_FORMAT = "lowmemopt.optimizer_state"
-FILE_VERSION = 1
+#: 2: 8-bit slots in the pow2 maps; 1: in bitsandbytes' dynamic maps (still read, re-encoded on load). Each slot's
+#: metadata names its map either way.
+FILE_VERSION = 2
+READABLE_FILE_VERSIONS = (1, 2)
 META_KEY = "lowmemopt"
 CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
 _DTYPES = {FP32: "F32", BF16: "BF16"}  # safetensors dtype names of the dense formats
@@ -485,9 +488,10 @@ def _validated_meta(f: Any, path: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FILE_FORMAT:
         raise CheckpointError(f"{path}: not a lowmemopt state file (format {meta.get('format')!r})")
     version = meta.get("format_version")
-    if version != FILE_VERSION:
+    if version not in READABLE_FILE_VERSIONS:
         raise CheckpointError(
-            f"{path}: unknown state file format_version {version!r}; this lowmemopt reads format_version {FILE_VERSION}"
+            f"{path}: unknown state file format_version {version!r}; this lowmemopt reads format_version "
+            f"{', '.join(map(str, READABLE_FILE_VERSIONS))}"
             + (" (the file is newer: upgrade lowmemopt)" if isinstance(version, int) and version > FILE_VERSION else "")
         )
     try:

@@ -249,6 +249,7 @@ def test_format_1_state_in_the_dynamic_maps_is_re_encoded(tmp_path, path, monkey
     dst_opt = lowmemopt.AdamW(dst_params, lr=1e-2, state_bits=8, amsgrad=True)
     if path == "file":
         monkeypatch.setattr(checkpoint, "map_for", legacy_map_for)  # what an older lowmemopt wrote
+        monkeypatch.setattr(checkpoint, "FILE_VERSION", 1)
         save_state(src_opt, tmp_path / "old.safetensors")
         monkeypatch.undo()
         report = load_state(dst_opt, tmp_path / "old.safetensors")

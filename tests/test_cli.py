@@ -32,7 +32,7 @@ def test_cli_inspect_prints_metadata_and_format_summary(tmp_path, capsys):
     lowmemopt.save_state(opt, path, model=net)
     assert cli_main(["inspect", str(path), "--params"]) == 0
     out = capsys.readouterr().out
-    assert "format_version 1" in out and "optimizer: AdamW" in out and "keys: parameter names" in out
+    assert "format_version 2" in out and "optimizer: AdamW" in out and "keys: parameter names" in out
     assert "lr=0.002" in out and "state_bits=8" in out
     assert "params: 4 (4 with state), step 3" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
