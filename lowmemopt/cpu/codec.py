@@ -9,8 +9,8 @@ and its neighbours.
 
 The kernels encode the state maps (``pow2`` / ``upow2``) with integer operations on the float's bits instead of a
 lookup per element (:class:`Pow2Tables`, ``pow2_code`` in ``kernels.c``): the codes of binade ``[2^e, 2^(e+1))`` are the
-floats there with ``b_e`` mantissa bits, so the nearest code is ``(bits + half_e) >> (23 - b_e)`` plus an offset, with
-three 32-entry tables indexed by the binade. Decoding uses the 256-value book of any map.
+floats there with ``b_e`` mantissa bits, so the nearest code is ``(bits + add_e) >> (23 - b_e)``, with two 32-entry
+tables indexed by the exponent. Decoding uses the 256-value book of any map.
 """
 
 from __future__ import annotations
@@ -63,14 +63,13 @@ def decision_thresholds(name: str) -> torch.Tensor:
 
 
 class Pow2Tables(ctypes.Structure):
-    """Mirror of ``struct lmo_pow2`` in ``kernels.c``: per binade class ``c`` (biased exponent of ``|y|`` minus
-    ``e_lo``, saturated at 0), ``code = ((bits(|y|) + neg + half[c]) >> shift[c]) + off[c]``; negative ``y`` (signed
-    map) takes ``mirror - code``."""
+    """Mirror of ``struct lmo_pow2`` in ``kernels.c``: with ``b`` = ``|y|``'s bits clamped to ``[e_lo << 23, 1.0]`` and
+    ``e = b >> 23``, ``code = (b + neg + add[e & 31]) >> shift[e & 31]`` (``neg``: 1 for negative ``y``, signed map);
+    negative ``y`` takes ``mirror - code``."""
 
     _fields_ = [
-        ("half", ctypes.c_int32 * 32),
-        ("shift", ctypes.c_int32 * 32),
-        ("off", ctypes.c_int32 * 32),
+        ("add", ctypes.c_uint32 * 32),
+        ("shift", ctypes.c_uint32 * 32),
         ("e_lo", ctypes.c_int32),
         ("mirror", ctypes.c_int32),
     ]
@@ -79,36 +78,38 @@ class Pow2Tables(ctypes.Structure):
 def pow2_tables(name: str) -> Pow2Tables:
     """The bit encoder's tables for ``pow2`` / ``upow2`` (derivation in ``pow2_code``, ``kernels.c``).
 
-    Classes, with ``nb`` binades of codes (binade ``k`` = ``[2^-(k+1), 2^-k)``, biased exponent ``126 - k``):
-    ``nb + 1 - k`` for binade ``k``; 1 for the binade below the lowest (0 or the smallest code, split at its start);
-    0 for everything smaller; ``nb + 2`` and up for ``|y| >= 1`` (the code 1.0)."""
+    With ``nb`` binades of codes (binade ``k`` = ``[2^-(k+1), 2^-k)``, biased exponent ``126 - k``) the exponent classes
+    are: ``e_lo = 125 - nb``, every value that takes the zero code (unsigned: the smallest code); ``e_lo + 1``, where
+    the mid point of 0 and the smallest code ``2^(e_lo + 2 - 127)`` is the first float; the binades; 127, the code 1.0.
+    Each class's addend folds its first code in: ``code * 2^shift`` plus the rounding addend, so that
+    ``(bits + add) >> shift`` is the code itself (mod 2^32; the true sum stays below ``256 * 2^shift <= 2^32``)."""
     if name not in POW2_BITS:
         raise ValueError(f"no bit encoder for map {name!r}")
     bits = POW2_BITS[name]
     signed = is_signed_map(name)
     nb = len(bits)
-    if nb + 2 > 32:
-        raise AssertionError(f"map {name!r}: {nb} binades do not fit 32 classes")
+    e_lo = 125 - nb
+    if 127 - e_lo >= 32:
+        raise AssertionError(f"map {name!r}: {nb} binades do not fit 32 exponent classes")
     zero = int(torch.nonzero(code_book(name) == 0)[0])  # signed: magnitude m has code zero + m
     t = Pow2Tables()
-    t.e_lo = 126 - nb - 1
-    top = 1 + sum(2**b for b in bits)  # magnitude index of 1.0
-    for c in range(32):  # default: |y| >= 1 -> 1.0 ((bits + neg) >> 31 == 0 for every finite |y|)
-        t.half[c], t.shift[c], t.off[c] = 0, 31, zero + top
+    t.e_lo, t.mirror = e_lo, 2 * zero if signed else 0
+
+    def put(e: int, shift: int, rounding: int, first_code: int) -> None:
+        # (e << 23 + mantissa + neg + add) >> shift == first_code + ((mantissa + neg + rounding) >> shift)
+        t.add[e & 31] = (rounding + (first_code << shift) - (e << 23)) % 2**32
+        t.shift[e & 31] = shift
+
+    put(e_lo, 24, 0, zero if signed else 1)  # (mantissa + neg) < 2^24: one code
+    # the smallest code m_1 = 2^(e_lo + 2 - 127): its class's first float is the mid point of 0 and m_1 (a tie: the
+    # lower code, 0 for positive y, -m_1 for negative y); unsigned: always m_1
+    put(e_lo + 1, 23, (1 << 23) - 1 if signed else 1 << 23, zero)
     base = 1  # magnitude index of the lowest binade's first code
     for k in range(nb - 1, -1, -1):
-        e, b = 126 - k, bits[k]
-        c = e - t.e_lo
-        t.shift[c] = 23 - b
-        t.half[c] = (1 << (22 - b)) - 1
-        t.off[c] = zero + base - (e << b)
+        b = bits[k]
+        put(126 - k, 23 - b, (1 << (22 - b)) - 1, zero + base)
         base += 2**b
-    e_p = t.e_lo + 1  # [m_1 / 2, m_1): the mid point of 0 and m_1 is its first float
-    t.shift[1], t.off[1] = 23, zero - e_p
-    t.half[1] = (1 << 23) if not signed else (1 << 23) - 1  # unsigned: always m_1; signed: m_1 unless y == m_1 / 2
-    t.shift[0], t.off[0] = 31, zero
-    t.half[0] = 0 if signed else (1 << 31) - 1  # unsigned: any positive value takes m_1
-    t.mirror = 2 * zero if signed else 0
+    put(127, 24, 0, zero + base)  # 1.0 (base: its magnitude index)
     return t
 
 

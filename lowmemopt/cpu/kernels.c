@@ -29,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 8
+#define LMO_ABI_VERSION 9
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -37,13 +37,12 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };  /* parameter / gradient dtypes */
 enum { ST_F32 = 0, ST_BF16 = 1, ST_Q8 = 2 };   /* state slot storage */
 enum { LMO_OK = 0, LMO_EBADARG = 1 };
 
-/* The pow2 maps' encoder (see pow2_code), per binade class c = biased exponent of |y| - e_lo (saturated at 0): code
- * = ((bits(|y|) + neg + half[c]) >> shift[c]) + off[c]. Built by lowmemopt/cpu/codec.py. */
+/* The pow2 maps' encoder (see pow2_code). |y|'s bits are clamped to [e_lo << 23, 1.0]; then, per biased exponent e
+ * (table entry e & 31), code = (bits + neg + add[e]) >> shift[e]. Built by lowmemopt/cpu/codec.py. */
 typedef struct lmo_pow2 {
-    int32_t half[32];   /* rounding addend: half an output step, less one (ties go to the lower magnitude) */
-    int32_t shift[32];  /* 23 - mantissa bits of the class's codes (31: a class with one code) */
-    int32_t off[32];    /* code of the class's first code, less its exponent's contribution */
-    int32_t e_lo;       /* biased exponent of class 0 (everything at or below it) */
+    uint32_t add[32];   /* rounding addend (half an output step, less one) plus the code offset << shift */
+    uint32_t shift[32]; /* 23 - mantissa bits of the binade's codes (24: one code for the whole class) */
+    int32_t e_lo;       /* lowest exponent class: everything below it is clamped into it */
     int32_t mirror;     /* signed map: a negative y takes code mirror - code(|y|) (0: unsigned) */
 } lmo_pow2;
 
@@ -209,28 +208,35 @@ static inline void store_codes4(uint8_t *c, vi c0, vi c1, vi c2, vi c3) {
 
 /* Nearest code of a pow2 map without a table lookup per element. The codes of binade [2^e, 2^(e+1)) are the floats
  * there with b_e mantissa bits, so the nearest one is the float rounded to b_e bits: add half an output step to the
- * bit pattern and shift (a carry out of the mantissa lands on the next binade's first code, as it should). Both
- * distances are exact in fp32 (Sterbenz), so this is the fp32 nearest-code rule itself; the "- 1" in half makes ties
- * go to the lower magnitude, and + neg (1 for negative y) to the larger one, which is the lower code. One class below
- * the lowest binade decides between 0 and the smallest code, class 0 holds everything smaller (the unsigned map's
- * half there makes any positive value take the smallest code), classes above [0.5, 1) give the code 1.0. |y| <= 1
- * after scaling, so classes stay below 32. The tests check every threshold and its neighbours against the brute force
- * rule (and an offline run checked every float in [-1, 1]). */
+ * bit pattern and shift (a carry out of the mantissa lands on the next binade's first code, as it should); the code
+ * of the binade's first value, shifted up, is folded into the addend. Both distances to the neighbouring codes are
+ * exact in fp32 (Sterbenz), so this is the fp32 nearest-code rule itself; the "- 1" in the addend makes ties go to the
+ * lower magnitude, and + neg (1 for negative y) to the larger one, which is the lower code. |y| is first clamped to
+ * [2^(e_lo - 127), 1]: the class e_lo then holds every value that takes the zero code (unsigned: the smallest code;
+ * y <= 0 takes 0 after), the class above it decides between 0 and the smallest code, and 1.0 is the top code. The
+ * clamped exponents span at most 32 classes, so e & 31 indexes the tables. The tests check every threshold, its
+ * neighbours and every binade edge against the brute force rule (and an offline run checked every float in
+ * [book[0], 1]). */
 /* t[c & 31] per lane (a two-register permute; the tables stay in registers across a block) */
-static inline vi lookup32(const int32_t *t, vi c) {
+static inline vi lookup32(const uint32_t *t, vi c) {
     return _mm512_permutex2var_epi32(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 16));
 }
 static inline vi pow2_code(const lmo_pow2 *T, vf y, const int is_signed) {
-    const vi u = _mm512_castps_si512(y);
-    const vi ia = _mm512_andnot_si512(_mm512_set1_epi32((int)0x80000000), u);
-    const vm neg = _mm512_movepi32_mask(u); /* sign bit: -0 encodes like +0 */
-    const vi c = _mm512_subs_epu16(_mm512_srli_epi32(ia, 23), _mm512_set1_epi32(T->e_lo));
-    vi w = is_signed ? _mm512_add_epi32(ia, _mm512_srli_epi32(u, 31)) : ia, code;
-    w = _mm512_add_epi32(w, lookup32(T->half, c));
-    code = _mm512_add_epi32(_mm512_srlv_epi32(w, lookup32(T->shift, c)), lookup32(T->off, c));
-    if (is_signed) /* negative y: the mirrored code */
+    const vi u = _mm512_castps_si512(y), lo = _mm512_set1_epi32(T->e_lo << 23), one = _mm512_set1_epi32(127 << 23);
+    vi a, e, code;
+    if (is_signed) {
+        const vm neg = _mm512_movepi32_mask(u); /* sign bit: -0 encodes like +0 */
+        a = _mm512_andnot_si512(_mm512_set1_epi32((int)0x80000000), u);
+        a = _mm512_min_epu32(_mm512_max_epu32(a, lo), one);
+        e = _mm512_srli_epi32(a, 23);
+        a = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_srli_epi32(u, 31)), lookup32(T->add, e));
+        code = _mm512_srlv_epi32(a, lookup32(T->shift, e));
         return _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
-    return _mm512_mask_mov_epi32(code, neg, _mm512_setzero_si512());
+    }
+    a = _mm512_min_epu32(_mm512_max_epu32(u, lo), one); /* negative y (sign bit set) clamps to 1.0, masked below */
+    e = _mm512_srli_epi32(a, 23);
+    code = _mm512_srlv_epi32(_mm512_add_epi32(a, lookup32(T->add, e)), lookup32(T->shift, e));
+    return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LE_OQ), _mm512_setzero_si512());
 }
 
 /* codes[0, len) <- nearest codes of buf[j] / div, four vectors per iteration */
