@@ -118,6 +118,12 @@ def _reformat(
             dst.encode(out, slot, lo, hi, value.contiguous(), signed, dst_bs)
 
 
+def _remaps(src: StateFormat, src_map: str | None, slot: Slot) -> bool:
+    """8-bit state in a map other than the state map (bitsandbytes' dynamic maps, as in bitsandbytes state and
+    lowmemopt format 1): it is decoded in its map and encoded into the state map, never copied as it is."""
+    return src is Q8 and src_map != map_for(slot.signed)
+
+
 def _target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat:
     return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize)
 
@@ -174,13 +180,13 @@ def convert_param_state(
         numel = shape.numel()
         _check_source(src, src_bs, tensors, name, numel, where)
         dst = _target_format(group, slot, numel)
-        same_map = src_map in (None, map_for(slot.signed))
-        if src is Q8 and dst is Q8 and src_bs != dst_bs and same_map:
+        remap = _remaps(src, src_map, slot)
+        if src is Q8 and dst is Q8 and src_bs != dst_bs and not remap:
             raise CheckpointError(
                 f"{where}: '{name}' is 8-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
                 "(re-quantizing would add error); construct the optimizer with the saved block_size"
             )
-        if src is dst and same_map and all(t.dtype == _storage_dtype(dst, k) for k, t in tensors.items()):
+        if src is dst and not remap and all(t.dtype == _storage_dtype(dst, k) for k, t in tensors.items()):
             for key, t in tensors.items():  # already in place: keep the very tensors (views for bitsandbytes codes)
                 out[key] = t.reshape(shape) if dst is not Q8 else t.reshape(-1)
             continue
@@ -188,7 +194,8 @@ def convert_param_state(
         read = lambda key, a, b, flat=flat: flat[key][a:b]  # noqa: E731
         device = next(iter(tensors.values())).device
         dst.init(out, name, shape, device, dst_bs)
-        _reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False, src_map=src_map)
+        _reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False,
+                  src_map=src_map)
     return out
 
 
@@ -267,7 +274,8 @@ def _bnb_sources(state, slots, where):
         bnb_map = legacy_map_for(slot.signed)
         if not torch.equal(state[f"qmap{i}"].detach().float().cpu().reshape(-1), code_book(bnb_map)):
             raise CheckpointError(
-                f"{where}: bitsandbytes 'qmap{i}' is not bitsandbytes' {bnb_map} map, which lowmemopt reads for '{name}'"
+                f"{where}: bitsandbytes 'qmap{i}' is not bitsandbytes' {bnb_map} map, which lowmemopt reads for "
+                f"'{name}'"
             )
         tensors = {name + ".codes": t.reshape(-1), name + ".absmax": state[f"absmax{i}"]}
         sources[name] = (Q8, 256, tensors, bnb_map)  # bitsandbytes: blocks of 256
@@ -674,8 +682,8 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
         if src is Q8 and info["map"] not in (map_for(slot.signed), legacy_map_for(slot.signed)):
             return f"slot '{name}' uses the {info['map']} map in the file, expected {map_for(slot.signed)}"
         dst = _target_format(group, slot, shape.numel())
-        same_map = src is not Q8 or info["map"] == map_for(slot.signed)
-        if src is Q8 and dst is Q8 and info["block_size"] != group["block_size"] and same_map:
+        remap = _remaps(src, info["map"] if src is Q8 else None, slot)
+        if src is Q8 and dst is Q8 and info["block_size"] != group["block_size"] and not remap:
             return (
                 f"block-size mismatch: slot '{name}' is 8-bit at block_size {info['block_size']} in the file, the "
                 f"optimizer uses block_size {group['block_size']}"
@@ -746,7 +754,7 @@ def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, conv
             sources[key] = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
         read = lambda key, a, b, sources=sources: sources[key].read(a, b)  # noqa: E731
         src_map = info.get("map")  # 8-bit: the file's map (files before format 2 of the state: the dynamic maps)
-        remap = src is Q8 and src_map != map_for(slot.signed)
+        remap = _remaps(src, src_map, slot)
         _reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device,
                   verbatim=src is dst and not remap, src_map=src_map)
         for source in sources.values():

@@ -43,9 +43,9 @@ and any tensor's ragged last block, takes the eager path below. All give the eag
 
 State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
 ``state_dict()["lowmemopt_format"]`` (:data:`FORMAT_VERSION`; format 1, whose 8-bit state is in bitsandbytes' dynamic
-maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict`` keeps uint8 codes and fp32 state exactly as saved (torch would
-cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook and restoring them, moved to the
-parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
+maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict`` keeps uint8 codes and fp32 state
+exactly as saved (torch would cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook
+and restoring them, moved to the parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
 asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
 state; see :func:`lowmemopt.checkpoint.convert_param_state`). Slots already in that format are kept as they are, with no
 copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)

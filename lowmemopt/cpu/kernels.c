@@ -206,6 +206,10 @@ static inline void store_codes4(uint8_t *c, vi c0, vi c1, vi c2, vi c3) {
     _mm512_storeu_si512(c, _mm512_permutexvar_epi32(order, w));
 }
 
+/* t[c & 31] per lane (a two-register permute; the tables stay in registers across a block) */
+static inline vi lookup32(const uint32_t *t, vi c) {
+    return _mm512_permutex2var_epi32(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 16));
+}
 /* Nearest code of a pow2 map without a table lookup per element. The codes of binade [2^e, 2^(e+1)) are the floats
  * there with b_e mantissa bits, so the nearest one is the float rounded to b_e bits: add half an output step to the
  * bit pattern and shift (a carry out of the mantissa lands on the next binade's first code, as it should); the code
@@ -217,10 +221,6 @@ static inline void store_codes4(uint8_t *c, vi c0, vi c1, vi c2, vi c3) {
  * clamped exponents span at most 32 classes, so e & 31 indexes the tables. The tests check every threshold, its
  * neighbours and every binade edge against the brute force rule (and an offline run checked every float in
  * [book[0], 1]). */
-/* t[c & 31] per lane (a two-register permute; the tables stay in registers across a block) */
-static inline vi lookup32(const uint32_t *t, vi c) {
-    return _mm512_permutex2var_epi32(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 16));
-}
 static inline vi pow2_code(const lmo_pow2 *T, vf y, const int is_signed) {
     const vi u = _mm512_castps_si512(y), lo = _mm512_set1_epi32(T->e_lo << 23), one = _mm512_set1_epi32(127 << 23);
     vi a, e, code;

@@ -26,7 +26,16 @@ import torch
 from .blockwise import decode_into, encode_into, num_blocks
 
 __all__ = [
-    "StateFormat", "FP32", "BF16", "Q8", "FORMATS", "choose_format", "format_of", "slot_keys", "map_for", "legacy_map_for"
+    "StateFormat",
+    "FP32",
+    "BF16",
+    "Q8",
+    "FORMATS",
+    "choose_format",
+    "format_of",
+    "slot_keys",
+    "map_for",
+    "legacy_map_for",
 ]
 
 
@@ -57,8 +66,8 @@ class StateFormat:
         ``map_for(signed)``)."""
         raise NotImplementedError
 
-    def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int,
-               qmap: str | None = None) -> None:
+    def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int) -> None:
+        """Write ``value`` as elements ``[lo, hi)`` (8-bit: in the state map ``map_for(signed)``)."""
         raise NotImplementedError
 
     def nbytes(self, numel: int, block_size: int) -> int:
@@ -82,7 +91,7 @@ class _Dense(StateFormat):
     def decode(self, state, slot, lo, hi, signed, block_size, qmap=None):
         return state[slot].view(-1)[lo:hi].float()  # fp32 storage: a view, updated in place
 
-    def encode(self, state, slot, lo, hi, value, signed, block_size, qmap=None):
+    def encode(self, state, slot, lo, hi, value, signed, block_size):
         dst = state[slot].view(-1)[lo:hi]
         if dst.data_ptr() != value.data_ptr():
             dst.copy_(value)
@@ -117,10 +126,10 @@ class _Q8(StateFormat):
         decode_into(codes, absmax, qmap or map_for(signed), block_size, out)
         return out
 
-    def encode(self, state, slot, lo, hi, value, signed, block_size, qmap=None):
+    def encode(self, state, slot, lo, hi, value, signed, block_size):
         b0, b1 = lo // block_size, num_blocks(hi, block_size)
         codes, absmax = state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1]
-        encode_into(value, qmap or map_for(signed), block_size, codes, absmax)
+        encode_into(value, map_for(signed), block_size, codes, absmax)
 
     def nbytes(self, numel, block_size):
         return numel + 4 * num_blocks(numel, block_size)
