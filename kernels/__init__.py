@@ -2,15 +2,16 @@
 
 Each kernel decodes an optimizer's state, runs the algorithm's fp32 math and encodes the state again in one pass per
 tile, in registers, for every parameter of a param group in one multi-tensor launch (a few passes for LAMB, LARS,
-Adafactor and CAME, whose norms and row/column statistics are reductions). ``LowMemOptimizer.step()`` calls
-:func:`~lowmemopt.kernels.dispatch.step_fused` for CUDA parameters; everything without a kernel takes the reference
-path. Modules:
+Adafactor and CAME, whose norms and row/column statistics are reductions). The step pipeline (:mod:`lowmemopt.pipeline`)
+calls :func:`~lowmemopt.kernels.dispatch.step_items` with the CUDA tensors of a step (plain, paged, FSDP2 shards, GaLore
+low-rank updates); everything without a kernel takes the reference path. Nothing here imports the optimizer classes.
+Modules:
 
 * ``codec``: block-wise 8-bit encode/decode device functions; standalone :func:`quantize_blockwise` /
   :func:`dequantize_blockwise` kernels (code-for-code twins of :mod:`lowmemopt.quant`'s).
 * ``adamw``, ``sgd``, ``lion``, ``lamb``, ``lars``, ``factored`` (Adafactor, CAME): kernels and their launchers.
 * ``table``, ``launch``: multi-tensor launch tables and buckets; ``registry``: (algorithm, format) -> kernel;
-  ``dispatch``: which parameters take a kernel; ``runtime``: Triton availability, the interpreter, tile sizes.
+  ``dispatch``: which items take a kernel; ``runtime``: Triton availability, the interpreter, tile sizes.
 
 Importing this package does not import Triton; the names below load it on first use.
 """

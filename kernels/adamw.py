@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
-from .launch import Bucket, scalar
+from .launch import Bucket, Update, scalar
 
 __all__ = ["adam_update", "launch", "slots"]
 
@@ -85,14 +85,14 @@ def slots(group: dict) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
 
-def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
-    """One multi-tensor launch; scalars are the optimizer's own (``_math_kwargs``, ``_decay_factor``)."""
-    kw = opt._math_kwargs(group, step)
+def launch(u: Update, bucket: Bucket) -> None:
+    """One multi-tensor launch over the bucket."""
+    kw = u.kwargs
     beta1, beta2 = kw["betas"]
     lr = scalar(kw["lr"])
     wd = scalar(kw["weight_decay"])
     args = (1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, -lr / kw["bias_correction1"],
-            kw["bias_correction2_sqrt"], scalar(opt._decay_factor(group)))
-    names = slots(group)
+            kw["bias_correction2_sqrt"], scalar(u.decay))
+    names = slots(u.group)
     bucket.tile_launch(_adam_kernel, names, args, writes=True, AMSGRAD=bool(kw["amsgrad"]),
                        MAXIMIZE=bool(kw["maximize"]), L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"])

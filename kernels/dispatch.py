@@ -1,37 +1,38 @@
-"""Which parameters of a step take a fused kernel, and the launches that step them.
+"""The Triton backend of the step pipeline: which items take a fused kernel, and the launches that step them.
 
-:func:`step_fused` is called by ``LowMemOptimizer.step()`` after the non-finite gradient check, with the parameters
-that will be stepped. It returns the ones it did not take; the optimizer steps those on the reference path
-(``_step_param``). A parameter takes the kernel path when all of these hold:
+:func:`step_items` is the pipeline's update stage on CUDA (:mod:`lowmemopt.pipeline`): it receives *items* (plain
+tensors: the tensor to update, its gradient, its initialized state dict and declared slots; see
+:class:`~lowmemopt.pipeline.items.Item`) of one optimizer, steps what it can and returns the rest, untouched, for the
+per-tensor backends. It never sees the optimizer: hyper-parameters come as an :class:`~lowmemopt.pipeline.items.Update`
+from the ``update_for`` callback. An item takes the kernel path when all of these hold:
 
-* Triton imports, ``LOWMEMOPT_KERNELS`` is not ``0``, and the parameter is a CUDA tensor (or a CPU tensor while a
-  test runs the Triton interpreter, see :class:`~lowmemopt.kernels.runtime.cpu_interpreter`);
-* the optimizer runs a registered algorithm (:func:`~lowmemopt.kernels.registry.algorithm_of`) and the base class's
-  ``_step_param`` (a subclass that replaces it, e.g. to project gradients, keeps it);
-* it is not a GaLore parameter (its group has a ``rank``, or its state a projector: the projected path steps it) and
-  its group is not paged;
-* parameter and gradient are contiguous, of the same shape and device, in fp32, bf16 or fp16;
-* its state has exactly the slots the kernel expects, contiguous on the parameter's device, and its full-size slots
-  share one format that the registry has a kernel for.
+* Triton imports, ``LOWMEMOPT_KERNELS`` is not ``0``, and the tensors are on CUDA (or on the CPU while a test runs the
+  Triton interpreter, see :class:`~lowmemopt.kernels.runtime.cpu_interpreter`);
+* target and gradient are contiguous, of the same shape and device, in fp32, bf16 or fp16;
+* its state has exactly the slots the kernel expects, contiguous on the target's device, and its full-size slots share
+  one format that the registry has a kernel for.
 
-Parameters that qualify are grouped into *buckets* (param group, format, dtypes, step count, layout) and each bucket is
-stepped by one kernel's launches (one to four passes, each a single multi-tensor launch). The step count is written only
-after the launches. A launch that fails before writing anything (a Triton compile error, say) turns the kernel path off
-for the process with a warning and its bucket takes the reference path; a failure after writing is raised.
+Where the item comes from does not matter: a plain parameter, a paged one whose state the staging stage brought to the
+device, an FSDP2 local shard, or a GaLore low-rank buffer. Items are grouped into *buckets* (param group, projected or
+not, format, dtypes, device, step count, layout) and each bucket is stepped by one kernel's launches (one to four
+passes, each a single multi-tensor launch). The step count is written only after the launches. A launch that fails
+before writing anything (a Triton compile error, say) turns the kernel path off for the process with a warning and its
+bucket goes back to the caller; a failure after writing is raised.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from lowmemopt.optimizer import LowMemOptimizer
-from lowmemopt.quant.formats import choose_format, format_of
+from lowmemopt.pipeline.items import Item, Update
+from lowmemopt.quant.formats import format_of
 
-__all__ = ["step_fused", "stats"]
+__all__ = ["step_items", "stats"]
 
 #: buckets stepped by a kernel, per (algorithm, format), since import (tests check that the fused path really ran)
 stats: dict[tuple[str, str], int] = {}
@@ -39,45 +40,50 @@ stats: dict[tuple[str, str], int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def step_fused(optimizer: LowMemOptimizer, todo: list[tuple[torch.Tensor, dict[str, Any]]]) -> list:
-    """Step what the kernels can in ``todo`` ((param, group) pairs with finite gradients); return the rest."""
-    if not any(p.is_cuda for p, _ in todo):  # CPU-only steps never import Triton (unless a test asked for it)
+def available_for(items: list[Item]) -> bool:
+    """Could any of ``items`` take a kernel (Triton usable on one of their devices)? Imports Triton only for CUDA
+    tensors, or for CPU tensors while a test runs the interpreter."""
+    if not any(it.target.is_cuda for it in items):
         rt = sys.modules.get(__package__ + ".runtime")
         if rt is None or not rt._cpu_interpreter:
-            return todo
+            return False
     from . import runtime
 
-    if not (runtime.HAS_TRITON and runtime.ENABLED) or not any(runtime.device_ok(p.device) for p, _ in todo):
-        return todo
-    if type(optimizer)._step_param is not LowMemOptimizer._step_param:
-        return todo
-    from . import registry
+    return runtime.HAS_TRITON and runtime.ENABLED and any(runtime.device_ok(it.target.device) for it in items)
+
+
+def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, int], Update]) -> list[Item]:
+    """Step what the kernels can of ``items`` (all of one optimizer, running ``algorithm``); return the rest.
+    ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket."""
+    if not items or not available_for(items):
+        return items
+    from . import registry, runtime
     from .launch import Bucket, Unsupported
 
-    algorithm = registry.algorithm_of(optimizer)
-    if algorithm is None:
-        return todo
-    rest = []
-    buckets: dict[tuple, tuple[Any, dict, list[torch.Tensor]]] = {}
-    for p, group in todo:
-        found = _kernel_for(optimizer, registry, algorithm, p, group)
-        if found is None:
-            rest.append((p, group))
+    rest: list[Item] = []
+    buckets: dict[tuple, tuple[Any, list[Item]]] = {}
+    for it in items:
+        kernel = _kernel_for(registry, algorithm, it)
+        if kernel is None:
+            rest.append(it)
             continue
-        kernel, fmt = found
-        key = (id(group), fmt, p.dtype, p.grad.dtype, p.device, optimizer.state[p]["step"], kernel.layout(p))
-        buckets.setdefault(key, (kernel, group, []))[2].append(p)
+        t = it.target
+        key = (id(it.group), it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, it.state["step"],
+               kernel.layout(t))
+        buckets.setdefault(key, (kernel, []))[1].append(it)
 
-    for key, (kernel, group, params) in buckets.items():
+    for key, (kernel, members) in buckets.items():
         if not runtime.ENABLED:  # turned off by a failure in an earlier bucket
-            rest += [(p, group) for p in params]
+            rest += members
             continue
-        step = key[5] + 1
-        bucket = Bucket(params, [optimizer.state[p] for p in params], key[1], group["block_size"])
+        step = key[6] + 1
+        update = update_for(members[0], step)
+        bucket = Bucket([it.target for it in members], [it.grad for it in members], [it.state for it in members],
+                        kernel.fmt, update.block_size)
         try:
-            kernel.launch(optimizer, group, bucket, step)
+            kernel.launch(update, bucket)
         except Unsupported:
-            rest += [(p, group) for p in params]
+            rest += members
             continue
         except Exception as exc:
             if bucket.written:
@@ -85,48 +91,38 @@ def step_fused(optimizer: LowMemOptimizer, todo: list[tuple[torch.Tensor, dict[s
             runtime.ENABLED = False
             warnings.warn(f"lowmemopt: fused Triton kernels unavailable ({type(exc).__name__}: {exc}); "
                           "using the reference step", RuntimeWarning, stacklevel=3)
-            rest += [(p, group) for p in params]
+            rest += members
             continue
-        for p in params:
-            optimizer.state[p]["step"] = step
+        for it in members:
+            it.state["step"] = step
         stats[(kernel.algorithm, kernel.fmt)] = stats.get((kernel.algorithm, kernel.fmt), 0) + 1
     return rest
 
 
-def _kernel_for(optimizer, registry, algorithm: str, p: torch.Tensor, group: dict[str, Any]):
-    """(kernel, format) for this parameter, or None: it takes the reference path."""
+def _kernel_for(registry, algorithm: str, it: Item):
+    """The kernel for this item, or None: it takes a per-tensor backend."""
     from . import runtime
 
-    g = p.grad
-    if group.get("rank") is not None or "galore.side" in optimizer.state.get(p, ()):  # GaLore: projected steps
+    t, g, state = it.target, it.grad, it.state
+    if not runtime.device_ok(t.device) or t.dtype not in _DTYPES or g.dtype not in _DTYPES:
         return None
-    if group.get("paged") not in (False, None):
+    if g.shape != t.shape or g.device != t.device or not (t.is_contiguous() and g.is_contiguous()):
         return None
-    if not runtime.device_ok(p.device) or p.dtype not in _DTYPES or g.dtype not in _DTYPES:
+    if not isinstance(state.get("step"), int):  # e.g. a tensor step from a foreign state dict
         return None
-    if g.shape != p.shape or g.device != p.device or not (p.is_contiguous() and g.is_contiguous()):
+    # the format of the target-sized slots (a target without any counts as fp32)
+    full = [name for name, s in it.slots.items()
+            if s.quantize and (s.shape is None or math.prod(s.shape) == t.numel())]
+    try:
+        formats = {format_of(state, name).name for name in full}
+    except KeyError:  # a slot is missing: the reference path reports it
         return None
-    slots = optimizer._slots(group, p)
-    # the format the full-size slots have (or will get): a param without any counts as fp32
-    full = [name for name, s in slots.items() if s.quantize and s.shape is None]
-    state = optimizer.state[p]
-    if not isinstance(state.get("step", 0), int):  # e.g. a tensor step from a foreign state dict
-        return None
-    if "step" in state:
-        try:
-            formats = {format_of(state, name).name for name in full}
-        except KeyError:  # a slot is missing: the reference path reports it
-            return None
-    else:
-        formats = {choose_format(group["state_bits"], p.numel(), group["min_quant_numel"]).name} if full else set()
     if len(formats) > 1:
         return None
     kernel = registry.lookup(algorithm, formats.pop() if formats else "fp32")
-    if kernel is None or tuple(sorted(kernel.slots(group, p))) != tuple(sorted(slots)):
+    if kernel is None or tuple(sorted(kernel.slots(it.group, t))) != tuple(sorted(it.slots)):
         return None
-    if "step" not in state:
-        state = optimizer._init_state(p, group, slots)
     for value in state.values():
-        if isinstance(value, torch.Tensor) and (value.device != p.device or not value.is_contiguous()):
+        if isinstance(value, torch.Tensor) and (value.device != t.device or not value.is_contiguous()):
             return None
-    return kernel, kernel.fmt
+    return kernel

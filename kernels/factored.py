@@ -44,7 +44,7 @@ import triton.language as tl
 from . import runtime
 from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
                     tile_coords, typed)
-from .launch import TL_DTYPES, Bucket, scalar
+from .launch import TL_DTYPES, Bucket, Update, scalar
 
 __all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launch_came"]
 
@@ -305,13 +305,13 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
     """Launch-table rows (columns: see ``_M`` ... ``_COFF``), (batch, R, C) per tensor, and the scratch sizes."""
     rows, shapes = [], []
     n_rows = n_cols = 0
-    for p, st in zip(bucket.params, bucket.states):
+    for p, g, st in zip(bucket.params, bucket.grads, bucket.states):
         def slot(name):
             if name + ".codes" in st:
                 return [st[name + ".codes"].data_ptr(), st[name + ".absmax"].data_ptr()]
             return [_ptr(st.get(name)), 0]
 
-        row = [p.data_ptr(), p.grad.data_ptr(), p.numel()] + slot("exp_avg")
+        row = [p.data_ptr(), g.data_ptr(), p.numel()] + slot("exp_avg")
         if factored:
             batch, R, C = math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]
             row += [0, 0, R, C, _ptr(st["exp_avg_sq_row"]), _ptr(st["exp_avg_sq_col"]),
@@ -348,7 +348,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
         rfac2, cfac2 = factors[n_rows + n_cols:2 * n_rows + n_cols], factors[2 * n_rows + n_cols:]
     if not factored:  # the scratch pointers are unused; any valid tensor will do
         rsum = csum = rfac = cfac = rsum2 = csum2 = rfac2 = cfac2 = sums
-    g_dtype = TL_DTYPES[bucket.params[0].grad.dtype]
+    g_dtype = TL_DTYPES[bucket.grads[0].dtype]
     fmt = FORMAT_CODES[bucket.fmt]
 
     if factored:
@@ -373,8 +373,9 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
                   SCALE_PARAM=scale_param and not came, DECAY=decay, **flat)
 
 
-def launch_adafactor(opt, group: dict[str, Any], bucket: Bucket, step: int) -> None:
+def launch_adafactor(u: Update, bucket: Bucket) -> None:
     """Adafactor (transformers semantics): step-dependent scalars as in ``adafactor_math``."""
+    group, step = u.group, u.step
     eps1, eps2 = group["eps"]
     rho = group["lr"]
     if group["relative_step"]:
@@ -388,8 +389,9 @@ def launch_adafactor(opt, group: dict[str, Any], bucket: Bucket, step: int) -> N
             lr=rho, neg_wd=-wd, neg_wd_lr=-wd * rho)
 
 
-def launch_came(opt, group: dict[str, Any], bucket: Bucket, step: int) -> None:
+def launch_came(u: Update, bucket: Bucket) -> None:
     """CAME (came_pytorch semantics)."""
+    group = u.group
     eps1, eps2 = group["eps"]
     beta1, beta2, beta3 = group["betas"]
     lr = scalar(group["lr"])

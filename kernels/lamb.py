@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
-from .launch import Bucket, scalar
+from .launch import Bucket, Update, scalar
 
 __all__ = ["lamb_direction", "launch", "slots"]
 
@@ -86,13 +86,13 @@ def slots(group: dict) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
-def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
-    kw = opt._math_kwargs(group, step)
+def launch(u: Update, bucket: Bucket) -> None:
+    kw = u.kwargs
     beta1, beta2 = kw["betas"]
     wd = scalar(kw["weight_decay"])
     neg_lr = -(scalar(kw["lr"]) * kw["lr_scale"])
     args = (bucket.accumulators(2), beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
     trust = not kw["adam"]
     if trust:
-        bucket.tile_launch(_lamb_kernel, slots(group), args, writes=False, DECAY=wd != 0, TRUST=True, APPLY=False)
-    bucket.tile_launch(_lamb_kernel, slots(group), args, writes=True, DECAY=wd != 0, TRUST=trust, APPLY=True)
+        bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=False, DECAY=wd != 0, TRUST=True, APPLY=False)
+    bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=True, DECAY=wd != 0, TRUST=trust, APPLY=True)

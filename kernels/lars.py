@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
-from .launch import Bucket, scalar
+from .launch import Bucket, Update, scalar
 
 __all__ = ["lars_update", "launch", "slots"]
 
@@ -98,12 +98,12 @@ def slots(group: dict) -> tuple[str, ...]:
     return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
 
-def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
-    kw = opt._math_kwargs(group, step)
+def launch(u: Update, bucket: Bucket) -> None:
+    kw = u.kwargs
     trust = bool(kw["lars"])
     wd = scalar(kw["weight_decay"])
     sums = bucket.accumulators(2)
-    names = slots(group)
+    names = slots(u.group)
     if trust:
         bucket.tile_launch(_lars_norms_kernel, names, (sums,), writes=False)
     args = (sums, -scalar(kw["lr"]), scalar(kw["momentum"]), scalar(kw["eeta"]), wd, scalar(kw["epsilon"]),

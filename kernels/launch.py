@@ -17,9 +17,11 @@ import triton.language as tl
 
 from . import runtime
 from .codec import FORMAT_CODES, maps
+from lowmemopt.pipeline.items import Update
+
 from .table import aligned, device_table, unit_map
 
-__all__ = ["Bucket", "Unsupported", "scalar", "TL_DTYPES"]
+__all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -39,9 +41,11 @@ def scalar(x: Any) -> float:
 
 @dataclass
 class Bucket:
-    """Parameters stepped by one set of launches. ``states``: their optimizer-state dicts (already initialized)."""
+    """Tensors stepped by one set of launches: ``params`` (what the kernel updates in place: parameters, or GaLore's
+    low-rank update buffers), their gradients and their optimizer-state dicts (already initialized)."""
 
     params: list[torch.Tensor]
+    grads: list[torch.Tensor]
     states: list[dict[str, Any]]
     fmt: str  # "fp32" | "bf16" | "q8": format of the full-size state slots
     block_size: int
@@ -50,10 +54,6 @@ class Bucket:
     @property
     def device(self) -> torch.device:
         return self.params[0].device
-
-    @property
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params]
 
     def slot_tensors(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(data, absmax or None) of slot ``name`` for every parameter."""
@@ -65,8 +65,8 @@ class Bucket:
         """Launch-table rows: param, grad, numel, two columns per slot, then ``extra[i]``."""
         cols = [self.slot_tensors(name) for name in slots]
         out = []
-        for i, p in enumerate(self.params):
-            row = [p.data_ptr(), p.grad.data_ptr(), p.numel()]
+        for i, (p, g) in enumerate(zip(self.params, self.grads)):
+            row = [p.data_ptr(), g.data_ptr(), p.numel()]
             for slot in cols:
                 data, aux = slot[i]
                 row += [data.data_ptr(), 0 if aux is None else aux.data_ptr()]
@@ -87,7 +87,7 @@ class Bucket:
         return dict(
             FMT=FORMAT_CODES[self.fmt],
             P_DTYPE=TL_DTYPES[self.params[0].dtype],
-            G_DTYPE=TL_DTYPES[self.params[0].grad.dtype],
+            G_DTYPE=TL_DTYPES[self.grads[0].dtype],
             ALIGNED=self.aligned(slots),
             ROWS=runtime.rows_per_tile(block),
             BLOCK=block,

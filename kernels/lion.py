@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
-from .launch import Bucket, scalar
+from .launch import Bucket, Update, scalar
 
 __all__ = ["lion_update", "launch", "slots"]
 
@@ -54,8 +54,8 @@ def slots(group: dict) -> tuple[str, ...]:
     return ("exp_avg",)
 
 
-def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
-    kw = opt._math_kwargs(group, step)
+def launch(u: Update, bucket: Bucket) -> None:
+    kw = u.kwargs
     beta1, beta2 = kw["betas"]
-    args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, -scalar(kw["lr"]), scalar(opt._decay_factor(group)))
-    bucket.tile_launch(_lion_kernel, slots(group), args, writes=True)
+    args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, -scalar(kw["lr"]), scalar(u.decay))
+    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True)

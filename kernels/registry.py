@@ -1,14 +1,14 @@
 """The dispatch registry: (algorithm, format) -> fused kernel.
 
-An *algorithm* is named by the pure math an optimizer class runs: its ``math`` function when it uses the base class's
-``_update`` (AdamW/Adam, SGD, Lion, LAMB, LARS), else its ``_update`` method (Adafactor, CAME). A subclass that
-changes either, or how the update is applied (``_apply_update``, e.g. transformers-style AdamW's decay after the
-update), gets no kernel (it would no longer be the math the kernel reproduces) and takes the reference path.
+An *algorithm* is a name (``"adam"``, ``"sgd"``, ``"lion"``, ``"lamb"``, ``"lars"``, ``"adafactor"``, ``"came"``) that
+an optimizer class declares on its pure math (:func:`lowmemopt.optimizer.algorithm`); the optimizer decides which name
+it runs (:func:`lowmemopt.optimizer.kernel_algorithm`: a subclass that changes the math or how the update is applied
+runs none). Nothing here knows the optimizer classes.
 A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16`` or ``q8`` (a parameter
 without full-size slots, e.g. SGD without momentum, counts as ``fp32``).
 
-A :class:`Kernel` names the state slots it expects for a param group (the dispatcher checks the optimizer's
-``_slots`` against them) and launches one bucket.
+A :class:`Kernel` names the state slots it expects for a param group (the dispatcher checks the declared slots
+against them) and launches one bucket.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from lowmemopt.optimizer import LowMemOptimizer
+__all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS"]
 
-__all__ = ["Kernel", "register", "lookup", "algorithm_of", "registered"]
+#: every algorithm name a kernel exists for
+ALGORITHMS = ("adam", "sgd", "lion", "lamb", "lars", "adafactor", "came")
 
 
 @dataclass(frozen=True)
@@ -27,14 +28,13 @@ class Kernel:
     fmt: str
     #: the slot names the kernel reads and writes, in launch-table order, for a param group and parameter
     slots: Callable[[dict[str, Any], Any], tuple[str, ...]]
-    #: launch(optimizer, group, bucket, step): run the fused step for every parameter of the bucket
+    #: launch(update, bucket): run the fused step for every tensor of the bucket (update: a pipeline ``Update``)
     launch: Callable[..., None]
     #: bucket(p) -> hashable: parameters with different values take separate launches (e.g. factored or not)
     layout: Callable[[Any], Any] = lambda p: None
 
 
 _REGISTRY: dict[tuple[str, str], Kernel] = {}
-_ALGORITHMS: dict[Callable, str] = {}
 _loaded = False
 
 
@@ -48,19 +48,8 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    from lowmemopt.optim import CAME, Adafactor
-    from lowmemopt.optim.adamw import adam_math
-    from lowmemopt.optim.lamb import lamb_math
-    from lowmemopt.optim.lars import lars_math
-    from lowmemopt.optim.lion import lion_math
-    from lowmemopt.optim.sgd import sgd_math
-
     from . import adamw, factored, lamb, lars, lion, sgd
 
-    _ALGORITHMS.update({
-        adam_math: "adam", sgd_math: "sgd", lion_math: "lion", lamb_math: "lamb", lars_math: "lars",
-        Adafactor._update: "adafactor", CAME._update: "came",
-    })
     for fmt in ("fp32", "bf16", "q8"):
         register(Kernel("adam", fmt, lambda g, p: adamw.slots(g), adamw.launch))
         register(Kernel("sgd", fmt, lambda g, p: sgd.slots(g), sgd.launch))
@@ -70,20 +59,6 @@ def _load() -> None:
         register(Kernel("adafactor", fmt, factored.adafactor_slots, factored.launch_adafactor, factored.layout))
         register(Kernel("came", fmt, factored.came_slots, factored.launch_came, factored.layout))
     _loaded = True
-
-
-def algorithm_of(optimizer: LowMemOptimizer | type) -> str | None:
-    """The registered algorithm an optimizer (instance or class) runs, or None. A class that overrides how the update
-    is computed or applied (``_run_update``, ``_apply_update``) runs something the kernels do not reproduce."""
-    _load()
-    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    for hook in ("_run_update", "_apply_update"):
-        if getattr(cls, hook, None) is not getattr(LowMemOptimizer, hook, None):
-            return None
-    fn = cls._update
-    if fn is LowMemOptimizer._update:
-        fn = cls.math
-    return _ALGORITHMS.get(fn)
 
 
 def lookup(algorithm: str, fmt: str) -> Kernel | None:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
-from .launch import Bucket, scalar
+from .launch import Bucket, Update, scalar
 
 __all__ = ["sgd_update", "launch", "slots"]
 
@@ -72,10 +72,10 @@ def slots(group: dict) -> tuple[str, ...]:
     return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
 
-def launch(opt, group: dict, bucket: Bucket, step: int) -> None:
-    kw = opt._math_kwargs(group, step)
+def launch(u: Update, bucket: Bucket) -> None:
+    kw = u.kwargs
     wd = scalar(kw["weight_decay"])
     args = (-scalar(kw["lr"]), scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, int(bool(kw["first_step"])),
-            scalar(opt._decay_factor(group)))
-    bucket.tile_launch(_sgd_kernel, slots(group), args, writes=True, MOMENTUM=kw["momentum"] != 0,
+            scalar(u.decay))
+    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, MOMENTUM=kw["momentum"] != 0,
                        NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]), DECAY=wd != 0)

@@ -19,7 +19,7 @@ from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW
 from .per_layer import step_in_backward
 from .projection import galore_param_groups
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "Adafactor",

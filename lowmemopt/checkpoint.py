@@ -39,6 +39,7 @@ from . import paging
 from .distributed.files import process_rank, rank_path
 from .distributed.sharding import is_dtensor, local_tensor, shard_layout
 from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
+from .version import __version__
 from .projection.projector import projector_problem, split_projector_state
 from .quant.blockwise import num_blocks
 from .quant.formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of, legacy_map_for, map_for
@@ -345,7 +346,6 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
     Sharded (DTensor) parameters: every rank writes its own shards' state to its own file,
     ``<path stem>.rank<r>-of-<W><suffix>`` (:func:`lowmemopt.distributed.rank_path`), recording where each shard
     sits; :func:`load_state` reads it back at the same sharding only (``docs/distributed.md``)."""
-    from . import __version__  # deferred: lowmemopt/__init__.py imports this module
 
     _check_optimizer(optimizer)
     paging.settle(optimizer)  # paged state: every write-back has reached its home

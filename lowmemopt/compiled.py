@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from .quant.blockwise import decode_rows, encode_rows
+from .quant.blockwise import decode_rows, encode_rows, register_row_codec
+from .quant.maps import code_book, encode_table, is_signed_map
 
 __all__ = ["ENABLED", "MIN_NUMEL", "applies", "step_rows", "encode_rows_into", "decode_rows_into"]
 
@@ -174,3 +175,19 @@ def _disable(exc: Exception) -> None:
         _warned = True
         warnings.warn(f"lowmemopt: torch.compile fast path unavailable ({type(exc).__name__}: {exc}); using eager steps",
                       RuntimeWarning, stacklevel=4)
+
+
+class _CompiledCodec:
+    """The compiled codec as a :class:`~lowmemopt.quant.blockwise.RowCodec` (large CPU tensors)."""
+
+    def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
+        if not applies(x):
+            return False
+        return encode_rows_into(x, codes, absmax, code_book(name, x.device), encode_table(name, x.device).packed,
+                                is_signed_map(name))
+
+    def decode(self, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, name: str) -> bool:
+        return applies(out) and decode_rows_into(codes, absmax, out, code_book(name, out.device))
+
+
+register_row_codec(_CompiledCodec(), priority=10)

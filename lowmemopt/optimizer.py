@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled, cpu, paging
+from . import compiled, cpu, paging, pipeline
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import (
     agree_finite,
@@ -75,7 +75,7 @@ from .distributed.sharding import (
 from .quant.formats import Q8, choose_format, format_of, map_for
 from .quant.maps import code_book, encode_table
 
-__all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS"]
+__all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
 
 #: 2: 8-bit state in the pow2 maps; 1: in bitsandbytes' dynamic maps (still read: re-encoded on load)
 FORMAT_VERSION = 2
@@ -83,7 +83,7 @@ READABLE_FORMATS = (1, 2)
 STORAGE_DEFAULTS = dict(
     state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0
 )
-CHUNK_NUMEL = 1 << 18  # eager path: elements per chunk (1 MiB of fp32 per temporary)
+CHUNK_NUMEL = pipeline.CHUNK_NUMEL  # eager path: elements per chunk (1 MiB of fp32 per temporary)
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
 
 
@@ -94,6 +94,35 @@ class Slot(NamedTuple):
     quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
     shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
     dims: tuple[int | None, ...] | None = None  # with shape: the parameter dim each dim runs along (sharded layouts)
+
+
+def algorithm(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` (an algorithm's pure ``math`` function, or its ``_update`` method) is the algorithm that the
+    fused backends know as ``name`` (the Triton registry, :mod:`lowmemopt.kernels.registry`; the native CPU kernels,
+    :mod:`lowmemopt.cpu`). The backends then never import the optimizer classes: they key on the name."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.fused_algorithm = name
+        return fn
+
+    return mark
+
+
+def kernel_algorithm(optimizer: "LowMemOptimizer | type") -> str | None:
+    """The name of the fused algorithm an optimizer (instance or class) runs, or None. The math is the base class's
+    ``_update`` calling ``math``, or an ``_update`` marked with :func:`algorithm`; a class or instance that overrides
+    how the update is computed or applied (``_run_update``, ``_apply_update``, an unmarked ``_update``) runs something
+    the kernels do not reproduce."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    instance = {} if isinstance(optimizer, type) else vars(optimizer)
+    for hook in ("_run_update", "_apply_update"):
+        if getattr(cls, hook, None) is not getattr(LowMemOptimizer, hook) or hook in instance:
+            return None
+    fn = instance.get("_update", cls._update)
+    fn = getattr(fn, "__func__", fn)
+    if fn is LowMemOptimizer._update:
+        fn = cls.math
+    return getattr(fn, "fused_algorithm", None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -175,6 +204,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     elementwise: bool = True
+    #: True: the math reads the parameter only for a coupled weight decay (``g + wd * p``), so a GaLore step can run
+    #: it on a zeroed low-rank stand-in through the fused backends (:func:`lowmemopt.projection.step.param_free`)
+    param_free_math: bool = False
     #: the algorithm's pure fp32 function ``math(p, g, state, **hyper, **step_scalars)`` and the group keys it takes
     math: Callable[..., Any] | None = None
     hyper: tuple[str, ...] = ()
@@ -257,6 +289,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """Decoupled weight decay: ``p`` is multiplied by this before the delta is added (1.0: none)."""
         return 1.0
 
+    def _coupled_weight_decay(self, group: dict[str, Any]) -> bool:
+        """Does the math add ``wd * p`` to a gradient-shaped tensor (L2 penalty)? A GaLore step turns that into the
+        decoupled ``p <- p (1 - lr wd)`` on the full parameter (:func:`lowmemopt.projection.step.inner_group`)."""
+        return False
+
+    def _fused_algorithm(self) -> str | None:
+        """:func:`kernel_algorithm` of this optimizer."""
+        return kernel_algorithm(self)
+
     # -- param groups ----------------------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -311,17 +352,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         for i, ok in zip(upfront, flags):
             finite[i] = ok
         todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
-        if pager is None and not any(is_dtensor(p) for _, p, _ in todo):
-            from .kernels.dispatch import step_fused  # fused Triton kernels take what they support (CUDA tensors)
-
-            checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined ones (None) stay with us
-            left = {id(p) for p, _ in step_fused(self, checked)}
-            todo = [item for item in todo if finite[item[0]] is None or id(item[1]) in left]
-        if pager is not None:
-            for p, group in pager.steps([(p, group) for _, p, group in todo]):  # paged: state fetched, written back
-                self._step_param(p, p.grad, group)
-        else:
-            self._step_in_order(todo, finite, grads, pipe)
+        self._run_pipeline(todo, finite, grads, pipe, pager)
         skipped = sum(f is False for f in finite)
         if skipped:
             self.nonfinite_skips += skipped
@@ -332,6 +363,26 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
         return loss
+
+    def _run_pipeline(self, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
+                      grads: list[torch.Tensor], pipe: _CpuFiniteChecks | None, pager: Any) -> None:
+        """Hand ``todo`` to the step pipeline (:func:`lowmemopt.pipeline.run`) with what it needs to know of this
+        optimizer: its fused algorithm (none for a subclass that steps its parameters itself) and the GaLore stage
+        when a parameter is projected."""
+        galore = None
+        if any(g.get("rank") is not None or "galore.side" in self.state.get(p, ()) for _, p, g in todo):
+            from .projection import step as galore
+        bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
+        pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore)
+
+    def _step_alone(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Step one parameter whose gradient (``p.grad``) is known to be finite, through the same pipeline as
+        ``step()`` (paged state fetched and written back; the fused kernels where its device has them): the
+        per-layer updates inside ``backward()`` (:func:`lowmemopt.step_in_backward`)."""
+        pager = paging.pager_of(self) if paging.tier_of(group) is not None else None
+        if pager is not None:
+            pager.begin([(p, group)])
+        self._run_pipeline([(0, p, group)], [True], [local_tensor(p.grad)], None, pager)
 
     def _step_in_order(self, todo: list, finite: list[bool | None], grads: list[torch.Tensor],
                        pipe: _CpuFiniteChecks) -> None:
@@ -362,6 +413,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
             fmt.init(state, name, shape, p.device, group["block_size"])
         return state
 
+    def _first_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Make ``p``'s state as its first step would (a GaLore group: the low-rank slots and an empty projector), in
+        ``self.state[p]``; the paging manager calls it on a meta twin of ``p`` to learn the layout ahead."""
+        if group.get("rank") is not None:
+            from .projection.step import init_projected_state
+
+            return init_projected_state(self, p, group)
+        return self._init_state(p, group, self._slots(group, p))
+
     def _state_slots(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Slot]:
         """The slots ``p``'s state holds: the algorithm's :meth:`_slots`, or for a parameter of a GaLore group (one
         with ``rank``) the same slots shaped for its low-rank gradient (:mod:`lowmemopt.projection`)."""
@@ -378,8 +438,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
                     scan: torch.Tensor | None = None) -> bool | None:
-        """Step one parameter. ``scan``: another gradient that a native CPU kernel checks for NaN/Inf while it steps
-        this one; returns that check's result (None: not done)."""
+        """Step one parameter through the per-tensor backends (:meth:`_update_flat`; GaLore:
+        :func:`~lowmemopt.projection.step.step_projected`). ``scan``: another gradient that a native CPU kernel checks
+        for NaN/Inf while it steps this one; returns that check's result (None: not done)."""
         if group.get("rank") is not None or "galore.side" in self.state.get(p, ()):
             from .projection.step import step_projected
 
@@ -391,25 +452,34 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if "step" not in state:
             state = self._init_state(p, group, slots, state)
         state["step"] += 1
-        step = state["step"]
-        formats = {name: format_of(state, name) for name in slots}
-        decay = self._decay_factor(group)
-
         target = p if p.is_contiguous() else p.contiguous()
-        pflat = target.view(-1)
-        gflat = grad.reshape(-1)
-        start, scanned = 0, None
-        if p.device.type == "cpu" and cpu.applies_to(self):  # native C kernels (lowmemopt.cpu)
-            if self.elementwise:
-                start, scanned = cpu.step_elementwise(self, pflat, gflat, state, slots, formats, group, step, decay,
-                                                      scan)
-            elif reduce is LOCAL and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
-                start = pflat.numel()
-        if start == 0 and self.elementwise and self.math is not None and compiled.applies(p):
-            start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
-        self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
+        scanned = self._update_flat(p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],
+                                    self._decay_factor(group), reduce, scan)
         if target is not p:
             p.copy_(target)
+        return scanned
+
+    def _update_flat(self, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
+                     slots: dict[str, Slot], group: dict[str, Any], step: int, decay: float,
+                     reduce: Reduction = LOCAL, scan: torch.Tensor | None = None) -> bool | None:
+        """The per-tensor update backends: ``pflat <- pflat * decay + delta`` (``pflat``: contiguous, flat, updated
+        in place; ``like``: a tensor of its logical shape) with the state decoded and encoded around the math. The
+        native C kernel where it applies (CPU), else the ``torch.compile``-d function, and the eager reference for
+        whatever they leave (a ragged last 8-bit block, say). Returns the ``scan`` result (see :meth:`_step_param`)."""
+        formats = {name: format_of(state, name) for name in slots}
+        start, scanned = 0, None
+        if pflat.device.type == "cpu" and cpu.ENABLED:  # native C kernels (lowmemopt.cpu)
+            name = kernel_algorithm(self)
+            if name is None:
+                pass
+            elif self.elementwise:
+                start, scanned = cpu.step_elementwise(name, self._math_kwargs(group, step), pflat, gflat, state,
+                                                      slots, formats, group["block_size"], decay, scan)
+            elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, group, step, decay):
+                start = pflat.numel()
+        if start == 0 and self.elementwise and self.math is not None and compiled.applies(like):
+            start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
+        self._step_eager(like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         return scanned
 
     def _step_eager(self, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce=LOCAL):

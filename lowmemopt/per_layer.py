@@ -33,7 +33,6 @@ import warnings
 
 import torch
 
-from . import paging
 from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
 
@@ -87,8 +86,8 @@ class BackwardStepper:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
         local = local_tensor(grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
         if agree_finite(_finite_flags([local]), [p], [grad])[0]:
-            with torch.no_grad():
-                paging.step_param(self.optimizer, p, grad, self.optimizer.param_groups[self._group_of[p]])  # paged state: fetched, written back
+            with torch.no_grad():  # through the step pipeline: paged state fetched and written back, fused kernels
+                self.optimizer._step_alone(p, self.optimizer.param_groups[self._group_of[p]])
         else:
             self._skipped += 1
         p.grad = None

@@ -55,3 +55,32 @@ def trajectory_error(params: Sequence[torch.Tensor], twin: Sequence[torch.Tensor
 
 def build(cls: Callable, params, **kwargs) -> torch.optim.Optimizer:
     return cls(params, **kwargs)
+
+
+def assert_state_close(ours: dict, ref: dict, what: str) -> None:
+    """A fused backend's state against the reference's: 8-bit codes within one step (at most 2% of them off), bf16
+    within one rounding, fp32 within fp32 rounding of a few operations."""
+    assert ours.keys() == ref.keys(), what
+    for key, r in ref.items():
+        o = ours[key]
+        if not isinstance(r, torch.Tensor):
+            assert o == r, (what, key)
+            continue
+        assert o.dtype == r.dtype and o.shape == r.shape, (what, key)
+        if key.endswith(".codes"):
+            diff = (o.int() - r.int()).abs()
+            assert int(diff.max()) <= 1, f"{what} {key}: codes differ by {int(diff.max())} steps"
+            assert float((diff > 0).float().mean()) <= 0.02, f"{what} {key}: {int((diff > 0).sum())} codes differ"
+        elif r.dtype == torch.bfloat16:  # one bf16 rounding step
+            torch.testing.assert_close(o.float(), r.float(), rtol=2 ** -7, atol=1e-30, msg=f"{what} {key}")
+        else:
+            torch.testing.assert_close(o, r, rtol=2e-5, atol=1e-7, msg=f"{what} {key}")
+
+
+def assert_params_close(ours, ref, lr: float, lowbit: bool, what: str) -> None:
+    """Parameters after fused steps against the reference's (``lowbit``: 8-bit state, whose code steps move them)."""
+    for i, (o, r) in enumerate(zip(ours, ref)):
+        if o.dtype != torch.float32:
+            torch.testing.assert_close(o.float(), r.float(), rtol=2 ** -7, atol=0.05 * lr, msg=f"{what} param {i}")
+        else:
+            torch.testing.assert_close(o, r, rtol=1e-5, atol=(0.05 if lowbit else 1e-4) * lr, msg=f"{what} param {i}")

@@ -18,11 +18,12 @@ import lowmemopt.compiled as compiled
 import lowmemopt.cpu as cpu
 from lowmemopt.cpu import build, elementwise, ffi
 from lowmemopt.cpu.codec import decision_thresholds
+from lowmemopt.optimizer import kernel_algorithm
 from lowmemopt.quant import dequantize_blockwise, quantize_blockwise_reference
 from lowmemopt.quant.maps import code_book, is_signed_map, nearest_code_reference
 
 ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.elementwise]
-NATIVE = [info for info in ELEMENTWISE if info.cls.math in elementwise.KERNELS]
+NATIVE = [info for info in ELEMENTWISE if kernel_algorithm(info.cls) in elementwise.KERNELS]
 SHAPES = [(300, 257), (5000,), (3, 7)]  # full blocks + ragged tails, a 1-D vector, a tensor below one block
 
 
@@ -31,19 +32,6 @@ def lib():
     if not cpu.available():
         pytest.skip(f"native CPU kernels unavailable: {build.build_error}")
     return build.library()
-
-
-@pytest.fixture
-def correctly_rounded_sqrt(monkeypatch):
-    """torch's CPU ``Tensor.sqrt`` is MKL's VML sqrt, within 1 ulp but not correctly rounded (on ~16% of values here);
-    the kernels use IEEE sqrt, as ``torch.optim.AdamW(fused=True)`` and inductor do. For bit-exact comparisons the
-    eager reference gets a correctly rounded sqrt (fp64 sqrt rounded to fp32 is)."""
-    real = torch.Tensor.sqrt
-
-    def sqrt(self):
-        return self.double().sqrt().to(self.dtype) if self.dtype == torch.float32 else real(self)
-
-    monkeypatch.setattr(torch.Tensor, "sqrt", sqrt)
 
 
 def _ulps(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,8 +7,8 @@ math -> StateFormat.encode``, which stays the reference: elementwise results are
 rounded sqrt, see ``docs/cpu_kernels.md``), 8-bit codes are the reference encoder's, and the factored optimizers agree
 to fp32 rounding. What runs here:
 
-* elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the optimizer's step calls
-  :func:`step_elementwise` for CPU parameters before the ``torch.compile`` path (:mod:`lowmemopt.compiled`);
+* elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the step pipeline's per-tensor
+  backend calls :func:`step_elementwise` for CPU tensors before the ``torch.compile`` path (:mod:`lowmemopt.compiled`);
 * the factored optimizers (Adafactor, CAME) on large 2-D parameters: :func:`step_factored`
   (:mod:`lowmemopt.cpu.factored`), a few fused passes instead of the eager whole-tensor math;
 * the 8-bit codec alone (:func:`encode_rows_into`, :func:`decode_rows_into`).
@@ -24,13 +24,13 @@ import warnings
 
 import torch
 
+from ..quant.blockwise import register_row_codec
 from . import build
 
 __all__ = [
     "ENABLED",
     "available",
     "applies",
-    "applies_to",
     "step_elementwise",
     "step_factored",
     "grad_is_finite",
@@ -58,20 +58,6 @@ def available() -> bool:
 
 def applies(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and available()
-
-
-def applies_to(opt) -> bool:
-    """Whether native kernels may step optimizer ``opt`` at all: enabled, and ``opt`` applies its update the standard
-    way (``p = p * decay + alpha * delta``; an override of ``_apply_update``, in a subclass or on the instance, keeps to
-    the torch paths). Does not build anything."""
-    from ..optimizer import LowMemOptimizer
-
-    return ENABLED and _method_is(opt, "_apply_update", LowMemOptimizer._apply_update)
-
-
-def _method_is(opt, name: str, fn) -> bool:
-    """``opt.<name>`` is ``fn``, not overridden by a subclass or on the instance."""
-    return getattr(getattr(opt, name), "__func__", None) is fn
 
 
 def step_elementwise(*args, **kwargs) -> tuple[int, bool | None]:
@@ -116,3 +102,16 @@ def decode_rows_into(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tenso
     from .codec import run_codec
 
     return run_codec("lmo_decode", out, codes, absmax, name)
+
+
+class _NativeCodec:
+    """The native codec as a :class:`~lowmemopt.quant.blockwise.RowCodec` (CPU tensors, the state maps)."""
+
+    def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
+        return x.device.type == "cpu" and ENABLED and encode_rows_into(x, codes, absmax, name)
+
+    def decode(self, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, name: str) -> bool:
+        return out.device.type == "cpu" and ENABLED and decode_rows_into(codes, absmax, out, name)
+
+
+register_row_codec(_NativeCodec(), priority=0)

@@ -1,11 +1,12 @@
 """Native kernels for the elementwise algorithms: which C function implements which ``math``, and how its
 hyper-parameters are passed.
 
-Each entry maps an algorithm's pure fp32 function (``adam_math``, ``lion_math``, ``sgd_math``) to its fused kernel in
-``kernels.c`` and to a function that turns the math's keyword arguments (the group's hyper-parameters plus the
-optimizer's ``_step_scalars``) into the kernel's scalars. Scalars are computed here with the same Python expressions the
-math uses (``-lr / bias_correction1``, ``1 - beta1``, ...) and cast to float in C, as torch casts Python scalars, so the
-kernel's results equal the eager path's. A tensor hyper-parameter (a 0-dim ``lr``) is not taken: the torch paths run.
+Each entry maps an algorithm's name (``"adam"``, ``"lion"``, ``"sgd"``: what the optimizer declares on its pure fp32
+math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``kernels.c`` and to a function that turns the
+math's keyword arguments (the group's hyper-parameters plus the optimizer's ``_step_scalars``) into the kernel's
+scalars. Scalars are computed here with the same Python expressions the math uses (``-lr / bias_correction1``,
+``1 - beta1``, ...) and cast to float in C, as torch casts Python scalars, so the kernel's results equal the eager
+path's. A tensor hyper-parameter (a 0-dim ``lr``) is not taken: the torch paths run.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..optim.adamw import adam_math
-from ..optim.lion import lion_math
-from ..optim.sgd import sgd_math
 from ..quant.formats import BF16, FP32, Q8, StateFormat
 from . import applies, build, ffi
 
@@ -53,11 +51,11 @@ def _sgd(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
     return (kw["weight_decay"], kw["momentum"], 1 - kw["dampening"], -kw["lr"], decay), flags
 
 
-KERNELS: dict[Callable, Kernel] = {
-    adam_math: Kernel("lmo_adam", _adam,
+KERNELS: dict[str, Kernel] = {
+    "adam": Kernel("lmo_adam", _adam,
                       lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ())),
-    lion_math: Kernel("lmo_lion", _lion, lambda kw: ("exp_avg",)),
-    sgd_math: Kernel("lmo_sgd", _sgd, lambda kw: ("momentum_buffer",) if kw["momentum"] != 0 else ()),
+    "lion": Kernel("lmo_lion", _lion, lambda kw: ("exp_avg",)),
+    "sgd": Kernel("lmo_sgd", _sgd, lambda kw: ("momentum_buffer",) if kw["momentum"] != 0 else ()),
 }
 
 
@@ -70,30 +68,23 @@ def _is_number(v: Any) -> bool:
     return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
 
 
-def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], slots: dict[str, Any],
-         formats: dict[str, StateFormat], group: dict[str, Any], step: int, decay: float,
-         scan: torch.Tensor | None = None) -> tuple[int, bool | None]:
-    """Run the fused kernel of ``opt``'s math over the flat parameter ``pflat`` (contiguous; updated in place) with
-    gradient ``gflat``, state slots decoded and encoded around it, ``p = p * decay + delta``: all of it for fp32 / bf16
-    state, the full blocks for 8-bit state.
+def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
+         state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], block_size: int,
+         decay: float, scan: torch.Tensor | None = None) -> tuple[int, bool | None]:
+    """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``) over the flat tensor
+    ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
+    ``p = p * decay + delta``: all of it for fp32 / bf16 state, the full blocks for 8-bit state.
 
     ``scan``: another gradient (the next parameter's) whose finiteness the kernel checks in the same parallel loop
     (:func:`lowmemopt.cpu.ffi.scan_result`), its reads overlapping this kernel's arithmetic.
 
     Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
     the rest), and whether ``scan`` is finite (None: not scanned)."""
-    from ..optimizer import LowMemOptimizer
-    from . import _method_is
-
-    if not _method_is(opt, "_update", LowMemOptimizer._update):  # the math is not what the step runs
-        return 0, None
-    math = type(opt).math
-    kernel = KERNELS.get(math)
+    kernel = KERNELS.get(algorithm)
     if kernel is None or not applies(pflat) or gflat.device != pflat.device:
         return 0, None
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return 0, None
-    kwargs = opt._math_kwargs(group, step)
     if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
         return 0, None
     names = kernel.slots(kwargs)
@@ -104,7 +95,6 @@ def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], s
         return 0, None
     fmt = kinds.pop() if kinds else FP32
     if fmt is Q8:
-        block_size = group["block_size"]
         rows, bs = pflat.numel() // block_size, block_size
         if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
             return 0, None

@@ -25,8 +25,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..optim.adafactor import Adafactor, AdafactorTorch
-from ..optim.came import CAME
 from ..quant.formats import BF16, FP32, Q8
 from . import applies, build, ffi
 
@@ -129,7 +127,7 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
     return ffi.slot_dense(t), 16
 
 
-def _adafactor(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool:
+def _adafactor(p, pflat, gflat, state, formats, group, step, decay) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
         return False
     rows, cols = p.shape
@@ -167,7 +165,7 @@ def _adafactor(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool
     return True
 
 
-def _came(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool:
+def _came(p, pflat, gflat, state, formats, group, step, decay) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:
         return False
     rows, cols = p.shape
@@ -197,7 +195,7 @@ def _came(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool:
     return True
 
 
-def _adafactor_torch(opt, p, pflat, gflat, state, formats, group, step, decay) -> bool:
+def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay) -> bool:
     """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
     parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
     sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
@@ -227,18 +225,16 @@ def _adafactor_torch(opt, p, pflat, gflat, state, formats, group, step, decay) -
     return True
 
 
-#: the native step of each algorithm, keyed by the ``_update`` it replaces (a subclass that overrides ``_update``
-#: gets none)
-STEPS: dict[Callable, Callable[..., bool]] = {
-    Adafactor._update: _adafactor, CAME._update: _came, AdafactorTorch._update: _adafactor_torch,
-}
+#: the native step of each algorithm, keyed by the name the optimizer declares on its ``_update``
+#: (:func:`lowmemopt.optimizer.algorithm`; a subclass that overrides ``_update`` runs none)
+STEPS: dict[str, Callable[..., bool]] = {"adafactor": _adafactor, "came": _came, "adafactor_torch": _adafactor_torch}
 
 
-def step(opt, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
+def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
          formats: dict[str, Any], group: dict[str, Any], step: int, decay: float) -> bool:
-    """One native step of ``opt``'s algorithm for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
+    """One native step of ``algorithm`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
     place). False if it does not apply (the caller runs the eager path); state is untouched then."""
-    fn = STEPS.get(getattr(opt._update, "__func__", None))  # an override (subclass or instance) has no native step
+    fn = STEPS.get(algorithm)
     if fn is None or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
         return False
     if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
@@ -250,4 +246,4 @@ def step(opt, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: 
         return False
     if isinstance(group.get("lr"), torch.Tensor):
         return False
-    return fn(opt, p, pflat, gflat, state, formats, group, step, decay)
+    return fn(p, pflat, gflat, state, formats, group, step, decay)

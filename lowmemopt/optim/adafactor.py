@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_eps_pair, check_lr, check_nonneg, check_positive
 
 __all__ = ["Adafactor", "AdafactorTorch", "adafactor_math", "adafactor_torch_math", "factored_slots"]
 
@@ -246,6 +246,7 @@ class Adafactor(LowMemOptimizer):
             slots["exp_avg_sq"] = Slot(signed=False)
         return slots
 
+    @algorithm("adafactor")
     def _update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         u = adafactor_math(
@@ -319,6 +320,7 @@ class AdafactorTorch(LowMemOptimizer):
     def _decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
 
+    @algorithm("adafactor_torch")
     def _update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         u = adafactor_torch_math(

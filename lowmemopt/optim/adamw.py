@@ -12,11 +12,12 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, check_adam_group
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group
 
 __all__ = ["Adam", "AdamW", "adam_math"]
 
 
+@algorithm("adam")
 def adam_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -58,6 +59,8 @@ class Adam(LowMemOptimizer):
     At 8 bits ``exp_avg`` uses the signed ``pow2`` map and ``exp_avg_sq`` / ``max_exp_avg_sq`` the unsigned one.
     """
 
+    param_free_math = True  # reads p only for the L2 / coupled weight decay
+
     _decoupled_default = False
     math = staticmethod(adam_math)
     hyper = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad", "maximize")
@@ -87,6 +90,9 @@ class Adam(LowMemOptimizer):
             decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults, **storage)
+
+    def _coupled_weight_decay(self, group):
+        return not group.get("decoupled_weight_decay", True)
 
     def _check_group(self, group):
         check_adam_group(group)

@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..optimizer import (LowMemOptimizer, Slot, algorithm, check_betas, check_eps_pair, check_lr, check_nonneg,
+                         check_positive)
 from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_slots
 
 __all__ = ["CAME", "came_math"]
@@ -98,6 +99,7 @@ class CAME(LowMemOptimizer):
             slots["exp_avg_sq"] = Slot(signed=False)
         return slots
 
+    @algorithm("came")
     def _update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         beta1, beta2, beta3 = group["betas"]

@@ -19,11 +19,12 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, check_adam_group
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group
 
 __all__ = ["LAMB", "lamb_math"]
 
 
+@algorithm("lamb")
 def lamb_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -83,6 +84,9 @@ class LAMB(LowMemOptimizer):
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam, bias_correction=bias_correction)
         super().__init__(params, defaults, **storage)
+
+    def _coupled_weight_decay(self, group):
+        return True
 
     def _check_group(self, group):
         check_adam_group(group)

@@ -17,11 +17,12 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_lr, check_nonneg
 
 __all__ = ["LARS", "lars_math"]
 
 
+@algorithm("lars")
 def lars_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -81,6 +82,9 @@ class LARS(LowMemOptimizer):
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay, epsilon=epsilon, lars=True)
         super().__init__(params, defaults, **storage)
+
+    def _coupled_weight_decay(self, group):
+        return True
 
     def _check_group(self, group):
         check_lr(group["lr"])

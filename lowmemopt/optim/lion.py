@@ -10,11 +10,12 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, check_betas, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_betas, check_lr, check_nonneg
 
 __all__ = ["Lion", "lion_math"]
 
 
+@algorithm("lion")
 def lion_math(
     p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float, betas: tuple[float, float]
 ) -> torch.Tensor:
@@ -29,6 +30,8 @@ def lion_math(
 
 class Lion(LowMemOptimizer):
     """Lion with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``."""
+
+    param_free_math = True  # decay is decoupled (``_decay_factor``)
 
     math = staticmethod(lion_math)
     hyper = ("lr", "betas")

@@ -10,11 +10,12 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_lr, check_nonneg
 
 __all__ = ["SGD", "sgd_math"]
 
 
+@algorithm("sgd")
 def sgd_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -45,6 +46,8 @@ def sgd_math(
 class SGD(LowMemOptimizer):
     """SGD with 32/16/8-bit momentum; same signature and 32-bit results as ``torch.optim.SGD``."""
 
+    param_free_math = True  # reads p only for the L2 / coupled weight decay
+
     math = staticmethod(sgd_math)
     hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
 
@@ -67,6 +70,9 @@ class SGD(LowMemOptimizer):
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize
         )
         super().__init__(params, defaults, **storage)
+
+    def _coupled_weight_decay(self, group):
+        return True
 
     def _check_group(self, group):
         check_lr(group["lr"])

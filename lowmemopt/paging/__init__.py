@@ -37,7 +37,6 @@ __all__ = [
     "reconcile",
     "settle",
     "stage",
-    "step_param",
     "tier_of",
     "where_state_lives",
 ]
@@ -53,18 +52,6 @@ def pager_of(optimizer: LowMemOptimizer) -> Pager | None:
 
 def _existing(optimizer: Any) -> Pager | None:
     return getattr(optimizer, "__dict__", {}).get("_pager")
-
-
-def step_param(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
-    """``optimizer._step_param(p, grad, group)`` with ``p``'s state fetched and written back when it is paged: for
-    callers that step one parameter at a time outside ``step()`` (:func:`lowmemopt.step_in_backward`)."""
-    pager = pager_of(optimizer)
-    if pager is None or tier_of(group) is None:
-        optimizer._step_param(p, grad, group)
-        return
-    pager.begin([(p, group)])
-    for q, g in pager.steps([(p, group)]):
-        optimizer._step_param(q, grad, g)
 
 
 def stage(optimizer: LowMemOptimizer, items: list[tuple[torch.Tensor, dict, dict]]) -> dict[torch.Tensor, dict]:

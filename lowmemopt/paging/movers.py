@@ -46,25 +46,29 @@ class HostMover:
 
     def __init__(self, homes: Homes, device: torch.device) -> None:
         self.homes, self.device = homes, device
-        self.arena: torch.Tensor | None = None  # the working buffer, grown to the largest state loaded
+        #: the working buffers, one per position in a batch, each grown to the largest state loaded there
+        self.arenas: list[torch.Tensor | None] = []
 
     def prefetch(self, entry: Entry) -> Any:
         for t in entry.home_tensors().values():
             will_need(self.homes, t)
         return None
 
-    def load(self, entry: Entry, handle: Any) -> Tensors:
+    def load(self, entry: Entry, handle: Any, slot: int = 0) -> Tensors:
+        """Copy ``entry``'s homes into working buffer ``slot`` (a batch's params use distinct slots)."""
         homes = entry.home_tensors()
         offsets, total = [], 0
         for home in homes.values():
             offsets.append(total)
             total += -(-home.numel() * home.element_size() // _ALIGN) * _ALIGN
-        if self.arena is None or self.arena.numel() < total:
-            self.arena = None  # free the old one first
-            self.arena = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self.arenas += [None] * (slot + 1 - len(self.arenas))
+        arena = self.arenas[slot]
+        if arena is None or arena.numel() < total:
+            self.arenas[slot] = arena = None  # free the old one first
+            self.arenas[slot] = arena = torch.empty(total, dtype=torch.uint8, device=self.device)
         working = {}
         for (key, home), offset in zip(homes.items(), offsets):
-            flat = self.arena[offset : offset + home.numel() * home.element_size()].view(home.dtype)
+            flat = arena[offset : offset + home.numel() * home.element_size()].view(home.dtype)
             working[key] = flat.view(home.shape)
             transfer(self.homes, working[key], home)
         return working
@@ -115,7 +119,7 @@ class CudaMover:
             ready.record(self.h2d)
         return working, ready
 
-    def load(self, entry: Entry, handle: tuple[Tensors, torch.cuda.Event] | None) -> Tensors:
+    def load(self, entry: Entry, handle: tuple[Tensors, torch.cuda.Event] | None, slot: int = 0) -> Tensors:
         working, ready = handle if handle is not None else self.prefetch(entry)
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(ready)

@@ -4,12 +4,14 @@ Between steps, a paged parameter's entry in ``optimizer.state`` holds its *home*
 see :mod:`~lowmemopt.paging.homes`) and its ints, under the usual keys: the state is still plain named tensors, whatever
 they are called (``exp_avg.codes``, a GaLore projector, ...). Nothing here looks at slot names.
 
-During ``step()`` (see :meth:`Pager.steps`), for each parameter in turn::
+During ``step()`` (see :meth:`Pager.batches`), for each batch of parameters in turn (the step pipeline's *stage*
+and *write back*, :mod:`lowmemopt.pipeline`)::
 
-    fetch(p):    optimizer.state[p] = working copy on p's device (already prefetched, or loaded now);
-                 start prefetching the next parameter's state
-    the optimizer's own _step_param(p): decode -> math -> encode, on the working copy
-    release(p):  write the working copy back to the home (asynchronously on CUDA); optimizer.state[p] = home state
+    fetch(batch):   optimizer.state[p] = working copy on p's device (already prefetched, or loaded now);
+                    start prefetching the next batch's state
+    the pipeline's update of the batch: one fused backend call per bucket (or the per-parameter path)
+    release(batch): write the working copies back to their homes (asynchronously on CUDA);
+                    optimizer.state[p] = home state
 
 Before anything changes, :meth:`Pager.begin` checks every parameter (its device is the one its state was made for)
 and makes room for state that does not exist yet (files are created and their space reserved), so a full disk or an
@@ -137,26 +139,41 @@ class Pager:
         """Yield each (param, group) of ``todo`` with its state on the param's device in ``optimizer.state``, the
         next one's already on its way; write it back when the caller asks for the next. If the caller fails during a
         param, that param's home keeps the state it had before the step."""
-        paged = [p for p, _ in todo if self._moves(p)]
-        following = {a: b for a, b in zip(paged, paged[1:])}
+        for batch in self.batches(todo, 0):
+            yield from batch
+
+    def batches(self, todo: list[tuple[torch.Tensor, dict[str, Any]]],
+                bucket_bytes: int) -> Iterator[list[tuple[torch.Tensor, dict[str, Any]]]]:
+        """Yield ``todo`` in consecutive batches, each with the state of its params on their device in
+        ``optimizer.state`` (working copies), so that a backend can step the whole batch at once: the step
+        pipeline's *stage* and *write back*. A batch holds paged params until their state reaches ``bucket_bytes``
+        (at least one; 0: one param per batch); params whose state does not move (resident within the budget, or of an
+        unpaged group) ride along in the first batch. While the caller steps one batch, the next one's state is
+        already on its way (CUDA: on a side stream); a batch is written back when the caller asks for the next.
+
+        Device memory for moving state is at most two batches (the one stepping and the one prefetched). If the
+        caller fails during a batch, every param of that batch keeps in its home the state it had before the
+        step."""
+        chunks = self._chunks(todo, bucket_bytes)
         try:
-            for p, group in todo:
-                if not self._moves(p):
-                    yield p, group
-                    continue
-                self._fetch(p)
-                nxt = following.get(p)
-                if nxt is not None and nxt not in self.inflight and self.entries[nxt].state is not None:
-                    self.inflight[nxt] = self._mover(nxt).prefetch(self.entries[nxt])
+            for k, chunk in enumerate(chunks):
+                moving = [p for p, _ in chunk if self._moves(p)]
+                for slot, p in enumerate(moving):
+                    self._fetch(p, slot)
+                if k + 1 < len(chunks):
+                    for q, _ in chunks[k + 1]:
+                        if self._moves(q) and q not in self.inflight and self.entries[q].state is not None:
+                            self.inflight[q] = self._mover(q).prefetch(self.entries[q])
                 done = False
                 try:
-                    yield p, group
+                    yield chunk
                     done = True
                 finally:
                     if done:
-                        self._release(p)
+                        self._release_all(moving)
                     else:
-                        self._abort(p)
+                        for p in moving:
+                            self._abort(p)
             for mover in self.movers.values():
                 mover.poll()
         finally:
@@ -164,18 +181,52 @@ class Pager:
                 self._mover(p).discard(handle)
             self.inflight.clear()
 
+    def _chunks(self, todo: list[tuple[torch.Tensor, dict[str, Any]]],
+                bucket_bytes: int) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
+        """Consecutive batches of ``todo`` (see :meth:`batches`)."""
+        still = [item for item in todo if not self._moves(item[0])]
+        chunks: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []
+        size = 0
+        for item in todo:
+            if not self._moves(item[0]):
+                continue
+            nbytes = _nbytes(self.entries[item[0]].home_tensors())
+            if not chunks or size + nbytes > bucket_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(item)
+            size += nbytes
+        if still:
+            if chunks:
+                chunks[0] = still + chunks[0]
+            else:
+                chunks.append(still)
+        return chunks
+
+    def _release_all(self, moving: list[torch.Tensor]) -> None:
+        """Write back every param of a batch; the first failure is raised after the others are written back."""
+        error: BaseException | None = None
+        for p in moving:
+            try:
+                self._release(p)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, once the rest of the batch is home
+                error = error or e
+        if error is not None:
+            raise error
+
     def _moves(self, p: torch.Tensor) -> bool:
         entry = self.entries.get(p)
         return entry is not None and not entry.resident
 
-    def _fetch(self, p: torch.Tensor) -> None:
+    def _fetch(self, p: torch.Tensor, slot: int = 0) -> None:
+        """Install ``p``'s working state (``slot``: its position in the batch, for movers that reuse buffers)."""
         entry, opt = self.entries[p], self._opt()
         handle = self.inflight.pop(p, None)
         if entry.state is None:  # first step: the optimizer makes the state, in this dict, on the device
             self._mover(p).discard(handle)
             opt.state[p] = {}
             return
-        tensors = self._mover(p).load(entry, handle)
+        tensors = self._mover(p).load(entry, handle, slot)
         opt.state[p] = {k: tensors.get(k, v) for k, v in entry.state.items()}
 
     def _release(self, p: torch.Tensor) -> None:
@@ -299,15 +350,11 @@ class Pager:
     @staticmethod
     def _initial_layout(opt: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """The tensors ``p``'s first step will make, as meta tensors (no memory), found by running the optimizer's
-        own initialization on a meta twin of ``p``: ``_init_state``, or GaLore's for a group with ``rank``. None if
+        own initialization on a meta twin of ``p`` (``_first_state``: GaLore's for a group with ``rank``). None if
         that fails (the homes are then made at the first write-back)."""
         twin = torch.empty_like(p, device="meta")
         try:
-            if group.get("rank") is not None:
-                from ..projection.step import init_projected_state
-
-                return _tensors(init_projected_state(opt, twin, group))
-            return _tensors(opt._init_state(twin, group, opt._slots(group, twin)))
+            return _tensors(opt._first_state(twin, group))
         except Exception:  # noqa: BLE001 - an algorithm whose state needs more than shapes
             return None
         finally:

@@ -28,17 +28,36 @@ Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..distributed.galore import low_rank_layout, row_shards
 from ..distributed.reduction import LOCAL
-from ..optimizer import CHUNK_NUMEL, LowMemOptimizer, Slot
+from ..pipeline import CHUNK_NUMEL
+from ..pipeline.items import Item
 from ..quant.formats import format_of
 from . import projector as pj
 
-__all__ = ["GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected"]
+if TYPE_CHECKING:
+    from ..optimizer import LowMemOptimizer, Slot
+
+__all__ = [
+    "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
+    "param_free", "stand_ins", "finish", "inner_group",
+]
+
+#: CUDA: elements of the stacked gradients in one batched projection (64 MiB of fp32)
+BATCH_NUMEL = 1 << 24
+
+
+def _batches(t: torch.Tensor) -> bool:
+    """Are matrices on ``t``'s device projected in batches? On CUDA (launches cost there; the CPU keeps galore-torch's
+    products, bit for bit). Tests set :data:`BATCH_ON_CPU` to run the batched code on the CPU."""
+    return t.is_cuda or BATCH_ON_CPU
+
+
+BATCH_ON_CPU = False
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
     update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False
@@ -102,15 +121,6 @@ def projected_slots(optimizer: LowMemOptimizer, group: dict[str, Any], p: torch.
         else s._replace(dims=None if s.dims is None else tuple(None if d is None else dims[d] for d in s.dims))
         for k, s in slots.items()
     }
-
-
-def _coupled_decay(optimizer: LowMemOptimizer, group: dict[str, Any]) -> bool:
-    """Does the algorithm add ``wd * p`` to a gradient-shaped tensor (so that it becomes decoupled here)?"""
-    from ..optim import LAMB, LARS, SGD, Adam
-
-    if isinstance(optimizer, (SGD, LAMB, LARS)):
-        return True
-    return isinstance(optimizer, Adam) and not group.get("decoupled_weight_decay", True)
 
 
 def _stagger_offset(optimizer: LowMemOptimizer, p: torch.Tensor, gap: int) -> int:
@@ -180,8 +190,22 @@ def init_projected_state(optimizer: LowMemOptimizer, p: torch.Tensor, group: dic
     return state
 
 
-def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
-    """One GaLore step of parameter ``p`` (module docstring). Called by ``LowMemOptimizer._step_param``."""
+def inner_group(optimizer: LowMemOptimizer, group: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """``(group the inner math runs with, decay factor of the full-rank parameter)``: an algorithm that adds
+    ``wd * p`` to a gradient-shaped tensor gets ``weight_decay=0`` inside and the decoupled ``1 - lr wd`` outside
+    (module docstring); every other algorithm its own group and ``_decay_factor``."""
+    if group.get("weight_decay") and optimizer._coupled_weight_decay(group):
+        return dict(group, weight_decay=0.0), 1.0 - group["lr"] * group["weight_decay"]
+    return group, optimizer._decay_factor(group)
+
+
+def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+            inner: dict[int, tuple[dict[str, Any], float]] | None = None) -> Item | None:
+    """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when
+    due, and an :class:`~lowmemopt.pipeline.items.Item` whose ``grad`` is not projected yet (:func:`project`) and
+    whose ``target`` is not set. None: no basis yet (the first refresh failed), the step is skipped as for a
+    non-finite gradient. ``inner``: a cache of :func:`inner_group` by group id, so the items of one param group share
+    one inner group (one bucket)."""
     state = optimizer.state[p]
     if group.get("rank") is None:
         raise ValueError(
@@ -205,27 +229,84 @@ def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tens
     if t >= state[pj.NEXT_REFRESH]:
         full = g if shards is None else shards.full_gradient()  # the basis comes from the whole gradient
         if not _refresh(optimizer, p, full, state, slots, group, t):
-            return  # no basis yet: skip this step, as for a non-finite gradient
+            return None  # no basis yet: skip this step, as for a non-finite gradient
         del full
-    g_low = pj.project(g, state) if shards is None else shards.project(g, state, pj.bases)
+    if inner is None:
+        inner = {}
+    if id(group) not in inner:
+        inner[id(group)] = inner_group(optimizer, group)
+    group_in, decay = inner[id(group)]
+    return Item(param=p, group=group_in, target=None, grad=None, state=state, slots=slots, projected=True,
+                extra=dict(g=g, shards=shards, m_local=m_local, n=n, row0=row0, decay=decay, outer=group))
 
-    state["step"] = t + 1
-    step = t + 1
-    formats = {name: format_of(state, name) for name in slots}
-    inner = group
-    decay = optimizer._decay_factor(group)
-    if group.get("weight_decay") and _coupled_decay(optimizer, group):
-        inner = dict(group, weight_decay=0.0)
-        decay = 1.0 - group["lr"] * group["weight_decay"]
 
-    local = p if shards is None else shards.param
+def project(items: list[Item]) -> None:
+    """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32). On CUDA,
+    unsharded matrices of one shape and side take one batched product (``torch.bmm``) per group of
+    :data:`BATCH_NUMEL` elements instead of one product each; on the CPU every matrix takes the product galore-torch
+    makes (bit-identical results)."""
+    batches: dict[tuple, list[Item]] = {}
+    for it in items:
+        g, shards = it.extra["g"], it.extra["shards"]
+        if shards is None and _batches(g) and it.state[pj.SIDE] != pj.BOTH:
+            batches.setdefault((g.device, tuple(g.shape), it.state[pj.SIDE],
+                                tuple(it.state[pj.PROJ].shape)), []).append(it)
+            continue
+        low = pj.project(g, it.state) if shards is None else shards.project(g, it.state, pj.bases)
+        it.grad = low.contiguous()
+    for (_, shape, side, _), members in batches.items():
+        per = max(1, BATCH_NUMEL // math.prod(shape))
+        for i in range(0, len(members), per):
+            chunk = members[i:i + per]
+            if len(chunk) == 1:
+                chunk[0].grad = pj.project(chunk[0].extra["g"], chunk[0].state).contiguous()
+                continue
+            g = torch.stack([it.extra["g"] for it in chunk])
+            basis = torch.stack([it.state[pj.PROJ] for it in chunk])  # P^T (k x m) or Q^T (n x k)
+            low = torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)
+            for it, x in zip(chunk, low.unbind(0)):
+                it.grad = x
+
+
+def param_free(optimizer: LowMemOptimizer) -> bool:
+    """Can the inner algorithm run on a zeroed stand-in for the parameter (the low-rank update then lands in it)?
+    True for a fused algorithm (:func:`~lowmemopt.optimizer.kernel_algorithm`) whose math reads the parameter only
+    for a coupled weight decay, which :func:`inner_group` takes out (``param_free_math``: AdamW / Adam, SGD, Lion).
+    Algorithms that read statistics of the full parameter (LAMB's and LARS's ``||p||``, Adafactor's ``RMS(p)``) or
+    decay it inside their math (Adafactor, CAME) take the reference core instead."""
+    return optimizer.param_free_math and optimizer._fused_algorithm() is not None
+
+
+def stand_ins(items: list[Item]) -> None:
+    """Zeroed low-rank targets for ``items`` (one allocation, 16-byte aligned views)."""
+    if not items:
+        return
+    by_device: dict[torch.device, list[Item]] = {}
+    for it in items:
+        by_device.setdefault(it.grad.device, []).append(it)
+    for device, members in by_device.items():
+        sizes = [-(-it.grad.numel() // 4) * 4 for it in members]
+        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        offset = 0
+        for it, size in zip(members, sizes):
+            it.target = flat[offset:offset + it.grad.numel()].view(it.grad.shape)
+            offset += size
+
+
+def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = None, alpha: float = 1.0,
+           p32: torch.Tensor | None = None) -> None:
+    """The pipeline's *unproject* and *apply*: ``p <- p * decay + alpha * scale * project_back(delta)`` on the full
+    parameter (``delta``: the low-rank update, by default the item's target), in row blocks on the CPU (no
+    full-size temporary) and whole on CUDA. ``p32``: the fp32 working copy the reference core already used."""
+    delta = it.target if delta is None else delta
+    group, state, shards = it.extra["outer"], it.state, it.extra["shards"]
+    m_local, n, row0, decay = it.extra["m_local"], it.extra["n"], it.extra["row0"], it.extra["decay"]
+    local = it.param if shards is None else shards.param
     target = local if local.is_contiguous() else local.contiguous()
     p2d = target.view(m_local, n)
-    p32 = p2d.float()  # fp32 params: p itself; the inner math may read it (RMS, norms) and decay it in place
-    reduce = LOCAL if shards is None else shards.reduction(p32)
-    delta, alpha = optimizer._run_update(p32, g_low, state, slots, formats, inner, step, 0, g_low.numel(), g_low,
-                                         reduce)
-    rows = max(1, CHUNK_NUMEL // max(n, 1))
+    if p32 is None:
+        p32 = p2d.float()  # fp32 params: p itself
+    rows = m_local if p32.is_cuda else max(1, CHUNK_NUMEL // max(n, 1))
     scale = group["scale"]
     for r0 in range(0, m_local, rows):
         r1 = min(m_local, r0 + rows)
@@ -235,3 +316,73 @@ def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tens
         p2d.copy_(p32)
     if target is not local:
         local.copy_(target)
+
+
+def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
+    """:func:`finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
+    unsharded matrices of one shape, side, dtype and param group are finished together: one batched product back
+    (``torch.bmm``), the scale, the decay and the add on the stacked tensors, and one multi-tensor copy into the
+    parameters per :data:`BATCH_NUMEL` elements, so a step's launches grow with the shape classes, not the matrices.
+    (The sums are the per-matrix ones, in another kernel: equal within fp32 rounding.) Elsewhere one by one."""
+    batches: dict[tuple, list[Item]] = {}
+    for it in items:
+        p = it.param
+        if it.extra["shards"] is None and _batches(p) and p.is_contiguous() and it.state[pj.SIDE] != pj.BOTH:
+            key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
+                   id(it.extra["outer"]))
+            batches.setdefault(key, []).append(it)
+        else:
+            finish(optimizer, it)
+    for (_, _, shape, side, _, _), members in batches.items():
+        per = max(1, BATCH_NUMEL // math.prod(shape))
+        for i in range(0, len(members), per):
+            chunk = members[i:i + per]
+            if len(chunk) == 1:
+                finish(optimizer, chunk[0])
+                continue
+            m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
+            basis = torch.stack([it.state[pj.PROJ] for it in chunk]).transpose(1, 2)  # P (m x k) or Q (k x n)
+            low = torch.stack([it.target for it in chunk])
+            update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
+            update.mul_(chunk[0].extra["outer"]["scale"])
+            params = [it.param.view(m, n) for it in chunk]
+            decay = chunk[0].extra["decay"]
+            if params[0].dtype == torch.float32:
+                if decay != 1.0:
+                    torch._foreach_mul_(params, decay)
+                torch._foreach_add_(params, list(update.unbind(0)))
+            else:
+                p32 = torch.stack(params).float()
+                if decay != 1.0:
+                    p32.mul_(decay)
+                p32.add_(update)
+                torch._foreach_copy_(params, list(p32.unbind(0)))
+
+
+def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    """One GaLore step of parameter ``p`` (module docstring), alone: the pipeline's stages for one item, the update
+    through the per-tensor backends (the native CPU kernels where they apply). Called by
+    ``LowMemOptimizer._step_param``."""
+    it = prepare(optimizer, p, grad, group)
+    if it is None:
+        return
+    project([it])
+    state = it.state
+    if param_free(optimizer):
+        stand_ins([it])
+        state["step"] += 1
+        optimizer._update_flat(it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.group,
+                               state["step"], 1.0)
+        finish(optimizer, it)
+        return
+    # the reference core: the inner math sees the full-rank fp32 parameter (it may read or decay it)
+    state["step"] += 1
+    formats = {name: format_of(state, name) for name in it.slots}
+    shards = it.extra["shards"]
+    local = p if shards is None else shards.param
+    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"]).float()
+    reduce = LOCAL if shards is None else shards.reduction(p32)
+    g_low = it.grad
+    delta, alpha = optimizer._run_update(p32, g_low, state, it.slots, formats, it.group, state["step"], 0,
+                                         g_low.numel(), g_low, reduce)
+    finish(optimizer, it, delta, alpha, p32)

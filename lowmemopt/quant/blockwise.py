@@ -20,6 +20,8 @@ full blocks go through the native codec of :mod:`lowmemopt.cpu` where it is buil
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .maps import code_book, encode_table, is_signed_map, nearest_code_reference
@@ -80,33 +82,33 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, book: torch.Tensor) ->
     return book[codes.to(torch.int32)] * scale.unsqueeze(1)
 
 
-def _fast_codec(x: torch.Tensor):
-    """The compiled codec module when it applies to ``x`` (large CPU tensors), else None. Imported lazily: it sits
-    above the storage layer."""
-    from .. import compiled
+class RowCodec(Protocol):
+    """A faster implementation of :func:`encode_rows` / :func:`decode_rows` for some tensors (full blocks, rows of
+    ``block_size``); each returns False where it does not apply, and the next one (finally the torch code) runs."""
 
-    return compiled if compiled.applies(x) else None
+    def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool: ...
+
+    def decode(self, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, name: str) -> bool: ...
 
 
-def _native_codec(x: torch.Tensor):
-    """The native CPU codec module (:mod:`lowmemopt.cpu`) for CPU tensors, else None. Imported lazily, like
-    :func:`_fast_codec`."""
-    if x.device.type != "cpu":
-        return None
-    from .. import cpu
+#: the registered row codecs, tried in order of priority: the native CPU kernels (:mod:`lowmemopt.cpu`, priority 0),
+#: the ``torch.compile``-d codec (:mod:`lowmemopt.compiled`, 10). They register themselves when imported, so this
+#: storage layer imports no backend.
+ROW_CODECS: list[tuple[int, RowCodec]] = []
 
-    return cpu if cpu.ENABLED else None
+
+def register_row_codec(codec: RowCodec, priority: int) -> None:
+    """Add ``codec`` to :data:`ROW_CODECS` (lower ``priority`` tried first)."""
+    ROW_CODECS.append((priority, codec))
+    ROW_CODECS.sort(key=lambda pc: pc[0])
 
 
 def _encode_blocks(x: torch.Tensor, name: str, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """x: fp32 [nb, bs]; writes codes (uint8 [nb, bs]) and absmax (fp32 [nb])."""
-    native = _native_codec(x)
-    if native is not None and native.encode_rows_into(x, codes, absmax, name):
-        return
+    for _, codec in ROW_CODECS:
+        if codec.encode(x, codes, absmax, name):
+            return
     book, table, signed = code_book(name, x.device), encode_table(name, x.device).packed, is_signed_map(name)
-    fast = _fast_codec(x)
-    if fast is not None and fast.encode_rows_into(x, codes, absmax, book, table, signed):
-        return
     code, scale = encode_rows(x, book, table, signed)
     codes.copy_(code)
     absmax.copy_(scale)
@@ -123,14 +125,11 @@ def encode_into(x: torch.Tensor, name: str, block_size: int, codes: torch.Tensor
 def decode_into(codes: torch.Tensor, absmax: torch.Tensor, name: str, block_size: int, out: torch.Tensor) -> None:
     """Dequantize flat ``codes`` with per-block ``absmax`` into the flat fp32 tensor ``out``."""
     book = code_book(name, codes.device)
-    fast, native = _fast_codec(out), _native_codec(out)
     first = 0
     for cv, ov in zip(_block_views(codes, block_size), _block_views(out, block_size)):
         scale = absmax[first : first + ov.shape[0]]
         first += ov.shape[0]
-        if ov.shape[1] == block_size and native is not None and native.decode_rows_into(cv, scale, ov, name):
-            continue
-        if ov.shape[1] == block_size and fast is not None and fast.decode_rows_into(cv, scale, ov, book):
+        if ov.shape[1] == block_size and any(codec.decode(cv, scale, ov, name) for _, codec in ROW_CODECS):
             continue
         torch.index_select(book, 0, cv.reshape(-1).int(), out=ov.view(-1))
         ov.mul_(scale.unsqueeze(1))

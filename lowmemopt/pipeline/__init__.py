@@ -1,0 +1,139 @@
+"""The step pipeline (``DESIGN.md`` §1.1): one ``step()`` is one pass of buckets of parameters through small stages,
+each of which sees plain tensors and knows nothing of the others::
+
+    gather     params with finite gradients -> items: local tensors (an FSDP2 shard's local part), initialized state
+    stage      paging: bring a batch's state to the device, the next batch's on its way    (Pager.batches, or no-op)
+    project    GaLore: low-rank gradients, batched products per shape on CUDA          (projection.step, or no-op)
+    update     one backend call per bucket: Triton (kernels.dispatch) on CUDA, else per tensor: native C (CPU),
+               torch.compile, the eager reference                                    (LowMemOptimizer._update_flat)
+    unproject  GaLore: the full-size update, weight decay on the full weight                 (projection.step.finish)
+    apply      the parameter write
+    write back paging: the batch's state home, asynchronously                                 (Pager.batches)
+
+Whatever a parameter is (plain, paged, projected, a DTensor shard), the fused kernels take it when its device has them:
+a backend is chosen per bucket, never by the feature a parameter uses. Parameters that no bucketed backend takes go
+through the per-parameter path (``LowMemOptimizer._step_param``), which runs the same stages for one parameter with the
+per-tensor backends; it is also the eager reference that every combination is tested against.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .items import Item, Update
+
+if TYPE_CHECKING:
+    from ..optimizer import LowMemOptimizer
+
+__all__ = ["Item", "Update", "run", "step_buckets", "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
+
+#: elements per chunk of the per-tensor eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
+CHUNK_NUMEL = 1 << 18
+#: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
+#: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
+PAGE_BUCKET_BYTES = 64 << 20
+
+Work = list[tuple[torch.Tensor, dict[str, Any]]]
+
+
+def triton_usable(devices: set[torch.device]) -> bool:
+    """May the Triton backend take tensors on ``devices``? CUDA with Triton, or the CPU while a test runs the
+    interpreter. CPU-only steps never import Triton otherwise."""
+    if not any(d.type == "cuda" for d in devices):
+        runtime = sys.modules.get("lowmemopt.kernels.runtime")
+        if runtime is None or not runtime._cpu_interpreter:
+            return False
+    from ..kernels import runtime
+
+    return runtime.HAS_TRITON and runtime.ENABLED and any(runtime.device_ok(d) for d in devices)
+
+
+def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
+        grads: list[torch.Tensor], pipe: Any, pager: Any, name: str | None, galore: Any) -> None:
+    """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
+    gradient checked in the native kernels' pipeline (``optimizer._step_in_order``); ``pager``: the paging manager,
+    or None when nothing is paged; ``name``: the optimizer's fused algorithm (None: no bucketed backend, e.g. a
+    subclass that steps its parameters itself); ``galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or
+    None when no param group is projected."""
+    from ..kernels.registry import ALGORITHMS
+
+    if name not in ALGORITHMS or not triton_usable({p.device for _, p, _ in todo}):
+        name = None
+    if pager is None:
+        if name is not None:
+            checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
+            left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore)}
+            todo = [t for t in todo if finite[t[0]] is None or id(t[1]) in left]
+        optimizer._step_in_order(todo, finite, grads, pipe)
+        return
+    work = [(p, group) for _, p, group in todo]
+    for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None else 0):
+        left = step_buckets(optimizer, name, batch, galore) if name is not None else batch
+        for p, group in left:
+            optimizer._step_param(p, p.grad, group)
+
+
+def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any) -> Work:
+    """Gather ``work`` into items, project the GaLore ones, step what the Triton kernels take (one launch set per
+    bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path."""
+    from ..kernels.dispatch import step_items
+
+    rest: Work = []
+    plain: list[Item] = []
+    projected: list[Item] = []
+    inner: dict[int, tuple[dict, float]] = {}
+    fused_galore = galore is not None and galore.param_free(optimizer)
+    for p, group in work:
+        if group.get("rank") is not None or "galore.side" in optimizer.state.get(p, ()):
+            if not fused_galore:
+                rest.append((p, group))
+                continue
+            it = galore.prepare(optimizer, p, p.grad, group, inner)
+            if it is not None:  # None: no basis yet, the step is skipped
+                projected.append(it)
+            continue
+        it = _plain_item(optimizer, p, group)
+        if it is None:
+            rest.append((p, group))
+        else:
+            plain.append(it)
+    if projected:
+        galore.project(projected)
+        galore.stand_ins(projected)
+
+    def update_for(it: Item, step: int) -> Update:
+        decay = 1.0 if it.projected else optimizer._decay_factor(it.group)
+        return Update(name, optimizer._math_kwargs(it.group, step), it.group, decay, step, it.group["block_size"])
+
+    left = step_items(name, plain + projected, update_for)
+    for it in left:
+        if not it.projected:
+            rest.append((it.param, it.group))
+            continue
+        it.state["step"] += 1  # a projected item no kernel took: the per-tensor backends on its stand-in
+        optimizer._update_flat(it.target, it.target.view(-1), it.grad.view(-1), it.state, it.slots, it.group,
+                               it.state["step"], 1.0)
+    if projected:
+        galore.finish_many(optimizer, projected)
+    return rest
+
+
+def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any]) -> Item | None:
+    """A full-rank parameter as an item (its local shard for a DTensor), state made on the first step; None if no
+    bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards)."""
+    from ..distributed.reduction import LOCAL
+    from ..distributed.sharding import local_view
+
+    local, grad, reduce = local_view(p, p.grad)
+    if reduce is not LOCAL and not optimizer.elementwise:
+        return None
+    if not (local.is_contiguous() and grad.is_contiguous()) or grad.shape != local.shape:
+        return None
+    state = optimizer.state[p]
+    slots = optimizer._slots(group, local)
+    if "step" not in state:
+        state = optimizer._init_state(local, group, slots, state)
+    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots)

@@ -1,0 +1,50 @@
+"""What the stages of a step pass to each other: plain tensors and plain numbers, never the optimizer.
+
+An :class:`Item` is one tensor to update: the tensor a backend writes (a parameter's local storage, or for a
+GaLore-projected parameter a low-rank buffer that receives the update), its gradient, its state dict and the slots the
+algorithm declares for it. An :class:`Update` is everything a backend needs to know about the algorithm for one bucket:
+its registered name, its hyper-parameters (the param group's, plus the step-dependent scalars) and the decay factor the
+parameter is multiplied by before the update is added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Item", "Update"]
+
+
+@dataclass(eq=False)
+class Item:
+    """One tensor a backend updates in place: ``target <- target * decay + delta(grad, state)``.
+
+    ``param``: the optimizer's parameter (the key of its state; a DTensor for FSDP2 shards). ``target`` and ``grad``
+    are plain contiguous tensors of one shape: the parameter's local storage and gradient, or for a GaLore parameter a
+    zeroed low-rank buffer (decay 1), which then holds the low-rank update, and the projected gradient."""
+
+    param: torch.Tensor
+    group: dict[str, Any]  # the param group (hyper-parameters, storage options)
+    target: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, Any]  # initialized: has "step" and every slot
+    slots: dict[str, Any]  # name -> Slot (signed, quantize, shape, dims)
+    projected: bool = False  # a GaLore item: target is the low-rank update buffer
+    extra: dict[str, Any] = field(default_factory=dict)  # stage-private data (GaLore: projector views, shards)
+
+
+@dataclass(frozen=True)
+class Update:
+    """The algorithm's side of one bucket: ``kwargs`` are the pure math's keyword arguments (hyper-parameters and
+    step scalars, e.g. bias corrections), ``group`` the param group they came from (what kernels read directly:
+    Adafactor's ``relative_step``, ...), ``decay`` the decoupled weight-decay factor, ``step`` the step number being
+    taken (1 on the first step)."""
+
+    algorithm: str
+    kwargs: dict[str, Any]
+    group: dict[str, Any]
+    decay: float
+    step: int
+    block_size: int

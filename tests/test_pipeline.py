@@ -1,0 +1,205 @@
+"""The step pipeline (``lowmemopt.pipeline``): every combination of residency (plain, paged in RAM, paged on disk),
+projection (full rank, GaLore) and state format (32, 16, 8 bits) through every backend (eager reference, native CPU
+kernels, Triton kernels under the interpreter), for every optimizer, against the eager reference.
+
+* Paging never changes a result: paged runs equal the unpaged run on the same backend, bit for bit.
+* A backend equals the eager reference bit for bit where it is exact (the native kernels of the elementwise
+  algorithms, full rank or GaLore-projected), and within the fused-kernel bounds otherwise (8-bit codes within one
+  step, fp32 within rounding; ``helpers.assert_state_close``).
+* The Triton backend really steps paged and projected parameters (the kernel statistics move), in O(buckets) launches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_params_close, assert_state_close, make_params, set_grads
+from optim_info import BY_NAME, STATEFUL
+
+import lowmemopt
+from lowmemopt import cpu
+from lowmemopt.kernels import runtime
+
+NAMES = ["AdamW", "Adam", "SGD", "Lion", "LAMB", "LARS", "Adafactor", "AdafactorTorch", "CAME", "GaLoreAdamW"]
+#: 2-D shapes for the projected group (ragged 8-bit blocks at min_quant_numel=64), a 1-D one in a full-rank group
+MATRICES = [(37, 53), (24, 40), (40, 24)]
+VECTOR = (300,)
+MIN_QUANT = 64
+STEPS = 3
+#: (algorithm, projected) pairs whose native CPU step equals the eager one bit for bit
+NATIVE_EXACT = {("AdamW", False), ("Adam", False), ("SGD", False), ("Lion", False), ("AdamW", True), ("Adam", True),
+                ("Lion", True)}
+
+interpreted = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET),
+                                 reason="needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported")
+
+
+def _groups(params, rank):
+    matrices, vector = params[:-1], params[-1:]
+    if rank is None:
+        return [dict(params=matrices), dict(params=vector)]
+    return [dict(params=matrices, rank=rank, update_proj_gap=2), dict(params=vector)]
+
+
+def _run(name, bits, rank, backend, paged, tmp_path, monkeypatch):
+    info = BY_NAME[name]
+    kwargs = dict(STATEFUL[name])
+    params = make_params(MATRICES + [VECTOR])
+    storage = dict(state_bits=bits, min_quant_numel=MIN_QUANT)
+    if paged:
+        storage.update(paged=paged, offload_dir=tmp_path / f"{name}-{bits}-{rank}-{backend}")
+    opt = info.cls(_groups(params, rank), **kwargs, **storage)
+    with monkeypatch.context() as m:
+        if backend == "eager":
+            m.setattr(cpu, "ENABLED", False)
+        for t in range(STEPS):
+            set_grads(params, t)
+            if backend == "triton":
+                with runtime.cpu_interpreter():
+                    opt.step()
+            else:
+                opt.step()
+    lowmemopt.paging.settle(opt)
+    return params, opt
+
+
+def _state(opt, p):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+
+
+def _assert_identical(a_params, a_opt, b_params, b_opt, what):
+    for i, (a, b) in enumerate(zip(a_params, b_params)):
+        assert torch.equal(a, b), f"{what}: param {i}"
+        sa, sb = _state(a_opt, a), _state(b_opt, b)
+        assert sa.keys() == sb.keys(), what
+        for k, v in sb.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(sa[k], v), f"{what}: param {i} {k}"
+            else:
+                assert sa[k] == v, f"{what}: param {i} {k}"
+
+
+@pytest.mark.parametrize("backend", ["eager", "native", pytest.param("triton", marks=interpreted)])
+@pytest.mark.parametrize("rank", [None, 4], ids=["full", "galore"])
+@pytest.mark.parametrize("bits", [32, 16, 8])
+@pytest.mark.parametrize("name", NAMES)
+def test_every_combination_equals_the_eager_reference(name, bits, rank, backend, tmp_path, monkeypatch,
+                                                      correctly_rounded_sqrt):
+    """(``correctly_rounded_sqrt``: the eager reference's sqrt rounds as the kernels' does, so that exact backends
+    compare bit for bit.)"""
+    if backend == "triton":
+        from lowmemopt.kernels import dispatch
+
+        before = sum(dispatch.stats.values())
+    plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch)
+    if backend == "triton" and BY_NAME[name].cls is not lowmemopt.AdafactorTorch and name != "GaLoreAdamW":
+        assert sum(dispatch.stats.values()) > before, "the Triton backend did not run"
+    for tier in ("cpu", "disk"):  # paging never changes a result
+        paged, paged_opt = _run(name, bits, rank, backend, tier, tmp_path, monkeypatch)
+        _assert_identical(paged, paged_opt, plain, plain_opt, f"{name} {bits}-bit {backend} paged={tier}")
+        for p in paged:
+            assert lowmemopt.paging.where_state_lives(paged_opt, p) == tier
+        paged_opt.close()
+    if backend == "eager":
+        return
+    what = f"{name} {bits}-bit {'GaLore' if rank else 'full rank'} {backend}"
+    ref, ref_opt = _run(name, bits, rank, "eager", False, tmp_path, monkeypatch)
+    if backend == "native" and (name, rank is not None) in NATIVE_EXACT:
+        _assert_identical(plain, plain_opt, ref, ref_opt, what)
+        return
+    for i, (p, r) in enumerate(zip(plain, ref)):
+        assert_state_close(_state(plain_opt, p), _state(ref_opt, r), f"{what} param {i}")
+    lr = float(STATEFUL[name].get("lr") or 1e-2)
+    assert_params_close(plain, ref, lr, bits == 8, what)
+
+
+def _launch_counter(monkeypatch) -> list:
+    from lowmemopt.kernels.launch import Bucket
+
+    seen = []
+    real = Bucket.launch
+
+    def launch(self, kernel, rows, counts, *args, **kwargs):
+        if sum(counts):
+            seen.append(len(rows))
+        return real(self, kernel, rows, counts, *args, **kwargs)
+
+    monkeypatch.setattr(Bucket, "launch", launch)
+    return seen
+
+
+@interpreted
+@pytest.mark.parametrize("mode", ["plain", "paged", "galore"])
+def test_launches_per_step_do_not_grow_with_the_number_of_parameters(mode, tmp_path, monkeypatch):
+    """N parameters of one param group (one bucket) take one AdamW launch per step however large N is: paged ones
+    (brought to the device in one batch) and GaLore-projected ones too."""
+    seen = _launch_counter(monkeypatch)
+    counts = []
+    for n in (3, 12):
+        params = make_params([(24, 40)] * n)
+        group = dict(params=params, rank=4) if mode == "galore" else dict(params=params)
+        storage = dict(paged="cpu") if mode == "paged" else {}
+        opt = lowmemopt.AdamW([group], state_bits=8, min_quant_numel=MIN_QUANT, **storage)
+        for t in range(2):
+            set_grads(params, t)
+            seen.clear()
+            with runtime.cpu_interpreter():
+                opt.step()
+        counts.append(list(seen))
+    assert counts[0] == [3] and counts[1] == [12], counts  # one launch, its table holding every parameter
+
+
+@interpreted
+def test_paged_batches_keep_to_the_bucket_size(tmp_path, monkeypatch):
+    """Paged state moves through the device in batches of at most PAGE_BUCKET_BYTES (at least one parameter each):
+    the working copies of one batch are on the device together, never the whole state."""
+    from lowmemopt import pipeline
+
+    params = make_params([(64, 64)] * 6)
+    opt = lowmemopt.AdamW(params, state_bits=8, min_quant_numel=MIN_QUANT, paged="cpu")
+    per_param = 2 * 64 * 64 + 2 * 4 * (64 * 64 // 256)  # m and v codes + absmax
+    monkeypatch.setattr(pipeline, "PAGE_BUCKET_BYTES", 2 * per_param)
+    seen = _launch_counter(monkeypatch)
+    set_grads(params, 0)
+    with runtime.cpu_interpreter():
+        opt.step()  # first step: state made on the device, homes written
+    seen.clear()
+    set_grads(params, 1)
+    with runtime.cpu_interpreter():
+        opt.step()
+    assert seen == [2, 2, 2]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_projections_equal_the_per_matrix_ones(dtype, monkeypatch):
+    """The CUDA code path of GaLore buckets (matrices of one shape projected and projected back by ``torch.bmm``,
+    decay and add on the stacked tensors), run on the CPU: within fp32 rounding of the per-matrix reference. (One
+    basis, from the first gradient: a refresh from slightly different parameters may rotate the singular vectors of
+    near-equal singular values, which says nothing about the products.)"""
+    from lowmemopt.projection import step as galore_step
+
+    shapes = [(24, 40)] * 3 + [(40, 24)] * 2 + [(37, 53)]
+    bmm = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: bmm.append(1) or real_bmm(*a, **k))
+    monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
+    runs = []
+    for fused in (True, False):
+        params = make_params(shapes, dtype=dtype)
+        opt = lowmemopt.AdamW([dict(params=params, rank=4)], lr=1e-2, weight_decay=0.1,
+                              state_bits=8, min_quant_numel=MIN_QUANT)
+        for t in range(STEPS):
+            set_grads(params, t)
+            if fused:
+                with runtime.cpu_interpreter():
+                    opt.step()
+            else:
+                opt.step()
+        runs.append((params, opt))
+        if fused:
+            assert len(bmm) == 4 * STEPS  # per step: two shape classes, each projected and projected back once
+    (ours, opt), (ref, ref_opt) = runs
+    for i, (p, r) in enumerate(zip(ours, ref)):
+        assert_state_close(_state(opt, p), _state(ref_opt, r), f"param {i}")
+    assert_params_close(ours, ref, 1e-2, True, f"GaLore AdamW 8-bit, batched, {dtype}")
