@@ -31,6 +31,8 @@ import torch
 from lowmemopt.optimizer import LowMemOptimizer
 from lowmemopt.quant.formats import choose_format, format_of
 
+from .launch import UPDATE_ALGORITHMS
+
 __all__ = ["step_fused", "stats"]
 
 #: buckets stepped by a kernel, per (algorithm, format), since import (tests check that the fused path really ran)
@@ -124,6 +126,8 @@ def _kernel_for(optimizer, registry, algorithm: str, p: torch.Tensor, group: dic
     kernel = registry.lookup(algorithm, formats.pop() if formats else "fp32")
     if kernel is None or tuple(sorted(kernel.slots(group, p))) != tuple(sorted(slots)):
         return None
+    if group.get("bf16_update", "nearest") != "nearest" and p.dtype == torch.bfloat16 and algorithm not in UPDATE_ALGORITHMS:
+        return None  # this kernel writes bf16 parameters rounded to nearest only: the reference path rounds as asked
     if "step" not in state:
         state = optimizer._init_state(p, group, slots)
     for value in state.values():

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled, cpu, paging
+from . import compiled, cpu, paging, rounding
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import (
     agree_finite,
@@ -81,7 +81,8 @@ __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS"]
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 STORAGE_DEFAULTS = dict(
-    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0
+    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0,
+    bf16_update="nearest",
 )
 CHUNK_NUMEL = 1 << 18  # eager path: elements per chunk (1 MiB of fp32 per temporary)
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
@@ -165,6 +166,7 @@ def check_storage(group: dict) -> None:
     if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
         raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
     paging.check_paging(group)
+    rounding.check_mode(group.get("bf16_update", "nearest"))  # bfloat16 parameters: nearest | stochastic | kahan
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,6 +192,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         paged: bool | str = False,
         offload_dir: str | os.PathLike | None = None,
         page_budget_bytes: int = 0,
+        bf16_update: str = "nearest",
     ) -> None:
         defaults = dict(defaults)
         defaults.update(
@@ -199,6 +202,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             paged=paged,
             offload_dir=offload_dir,
             page_budget_bytes=page_budget_bytes,
+            bf16_update=bf16_update,
         )
         check_storage(defaults)
         self._check_group(defaults)
@@ -360,6 +364,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             shape = p.shape if slot.shape is None else torch.Size(slot.shape)
             fmt = choose_format(group["state_bits"], shape.numel(), group["min_quant_numel"], slot.quantize)
             fmt.init(state, name, shape, p.device, group["block_size"])
+        rounding.init_state(state, local_tensor(p), group)  # bf16_update: a seed or a Kahan buffer (bf16 params)
         return state
 
     def _state_slots(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Slot]:
@@ -405,7 +410,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                                       scan)
             elif reduce is LOCAL and cpu.step_factored(self, p, pflat, gflat, state, formats, group, step, decay):
                 start = pflat.numel()
-        if start == 0 and self.elementwise and self.math is not None and compiled.applies(p):
+        exact = rounding.mode_of(group, p) == "nearest"  # the compiled path rounds to nearest only
+        if start == 0 and exact and self.elementwise and self.math is not None and compiled.applies(p):
             start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
         self._step_eager(p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         if target is not p:
@@ -429,9 +435,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
             delta, alpha = self._run_update(p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
             self._apply_update(p32, delta, alpha, decay, group)
-            dst = pflat[lo:hi]
-            if dst.data_ptr() != p32.data_ptr():
-                dst.copy_(p32.view(-1))
+            rounding.store(pflat[lo:hi], p32.view(-1), state, group, lo)  # bf16: nearest / stochastic / Kahan
 
     def _run_update(self, p32, g32, state, slots, formats, group, step, lo, hi, like=None, reduce=LOCAL):
         """Decode -> :meth:`_update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements ``[lo, hi)`` of

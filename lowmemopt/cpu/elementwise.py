@@ -17,6 +17,7 @@ import torch
 from ..optim.adamw import adam_math
 from ..optim.lion import lion_math
 from ..optim.sgd import sgd_math
+from .. import rounding
 from ..quant.formats import BF16, FP32, Q8, StateFormat
 from . import applies, build, ffi
 
@@ -132,5 +133,14 @@ def step(opt, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any], s
     if scan is not None and not ffi.can_scan(scan):
         scan = None
     args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
+    mode = rounding.mode_of(group, pflat)  # bf16 parameters: nearest / stochastic / Kahan, as the eager path
+    if mode != "nearest":
+        rounding.init_state(state, pflat, group)
+        kahan = state.get(rounding.KAHAN) if mode == "kahan" else None
+        if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == torch.bfloat16
+                                      and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
+            return 0, None
+        key = rounding.step_key(state[rounding.SEED], step) if mode == "stochastic" else 0
+        ffi.set_update(args, mode, key, 0, kahan)
     ffi.call(getattr(build.library(), kernel.name), args)
     return rows * bs + tail, (None if scan is None else ffi.scan_result(args))

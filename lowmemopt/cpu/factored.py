@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import rounding
 from ..optim.adafactor import Adafactor, AdafactorTorch
 from ..optim.came import CAME
 from ..quant.formats import BF16, FP32, Q8
@@ -244,6 +245,8 @@ def step(opt, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: 
     if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
         return False
     if gflat.device != pflat.device or not gflat.is_contiguous():
+        return False
+    if rounding.mode_of(group, pflat) != "nearest":  # bf16_update: these passes round to nearest only
         return False
     stats = [state[k] for k in state if k.endswith(("_row", "_col", "_var"))]
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):
