@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import rounding
 from ..distributed.galore import low_rank_layout, row_shards
 from ..distributed.reduction import LOCAL
 from ..optimizer import CHUNK_NUMEL, LowMemOptimizer, Slot
@@ -231,7 +232,6 @@ def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tens
         r1 = min(m_local, r0 + rows)
         update = pj.project_back_rows(delta, state, r0, r1, row0).mul_(scale)
         optimizer._apply_update(p32[r0:r1], update, alpha, decay, group)
-    if p32.data_ptr() != p2d.data_ptr():
-        p2d.copy_(p32)
+    rounding.store(p2d, p32, state, group)  # bf16 params: the group's bf16_update (a copy unless fp32)
     if target is not local:
         local.copy_(target)
