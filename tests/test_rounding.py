@@ -234,3 +234,58 @@ def test_galore_full_weight_is_compensated():
     assert c.shape == w.shape and c.abs().max() > 0
     moved = (w.double() + c.double() - w0.double()).abs().max()
     assert moved > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# training: bf16 weights reach the fp32-weights loss (bench/bf16_update.py)
+
+
+def _bench():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "bf16_update.py")
+    spec = importlib.util.spec_from_file_location("bench_bf16_update", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check_training(r):
+    ref = r["fp32"]["loss"]
+    assert r["start"] - ref > 0.02 * ref  # the fine-tune moves the loss (the test could fail)
+    for mode in ("stochastic", "kahan"):
+        assert abs(r[mode]["loss"] / ref - 1) < 0.01, (mode, r)
+    assert r["nearest"]["loss"] / ref - 1 > 0.01, r  # round-to-nearest loses the small updates
+
+
+def test_training_reaches_fp32_loss():
+    """A fine-tune of the byte MLP at lr 1e-4 (most updates below half a bf16 ulp), reduced."""
+    _check_training(_bench().run("mlp", pre_steps=100, steps=100, lr=1e-4, batch=32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+def test_training_reaches_fp32_loss_full(kind):
+    pytest.importorskip("transformers") if kind == "llama" else None
+    _check_training(_bench().run(kind, pre_steps=300, steps=300, lr=1e-4 if kind == "mlp" else 3e-5))
+
+
+def test_estimate_counts_the_kahan_buffer():
+    from lowmemopt.estimate import estimate
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).to(BF16)
+    n = sum(p.numel() for p in model.parameters())
+    near = estimate(model, "adamw", 8, min_quant_numel=0).state
+    assert estimate(model, "adamw", 8, min_quant_numel=0, bf16_update="kahan").state == near + 2 * n
+    assert estimate(model, "adamw", 8, min_quant_numel=0, bf16_update="stochastic").state == near
+
+
+def test_trainer_factory_passes_it_through():
+    pytest.importorskip("transformers")
+    from lowmemopt.integrations.transformers import optimizer
+
+    _, config = optimizer("adamw", bf16_update="stochastic")
+    assert config["optimizer_kwargs"]["bf16_update"] == "stochastic"
+    with pytest.raises(ValueError, match="Invalid bf16_update"):
+        optimizer("adamw", bf16_update="up")
