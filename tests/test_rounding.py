@@ -112,7 +112,7 @@ CASES = [
 ]
 
 
-def _run(cls, kw, mode, backend, monkeypatch, n=2048 + 64 * 3 + 13, steps=3, state_bits=32, paged=False):
+def _run(cls, kw, mode, backend, monkeypatch, n=2048 + 64 + 13, steps=2, state_bits=32, paged=False):
     from lowmemopt.kernels import runtime
 
     monkeypatch.setattr(cpu, "ENABLED", backend == "native")
