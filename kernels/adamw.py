@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["adam_update", "launch", "slots"]
@@ -46,7 +46,8 @@ def adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay,
 def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
                w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-               AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, MASKED: tl.constexpr):
+               AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
+               MASKED: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
@@ -61,24 +62,24 @@ def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
     store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
     if AMSGRAD:
         store_slot(vmax, row, 7, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
-    store_param(p * decay + delta, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    store_param_as(p * decay + delta, p, row, offs, mask, P_DTYPE, ALIGNED, MASKED, UPDATE, W)
 
 
 @triton.jit
 def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, False)
+                   L2_DECAY, UPDATE, W, False)
     else:
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, True)
+                   L2_DECAY, UPDATE, W, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -94,5 +95,6 @@ def launch(u: Update, bucket: Bucket) -> None:
     args = (1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, -lr / kw["bias_correction1"],
             kw["bias_correction2_sqrt"], scalar(u.decay))
     names = slots(u.group)
-    bucket.tile_launch(_adam_kernel, names, args, writes=True, AMSGRAD=bool(kw["amsgrad"]),
+    extra, update = bucket.param_update(u.group, u.step)
+    bucket.tile_launch(_adam_kernel, names, args, writes=True, extra=extra, UPDATE=update, AMSGRAD=bool(kw["amsgrad"]),
                        MAXIMIZE=bool(kw["maximize"]), L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"])

@@ -33,9 +33,11 @@ from lowmemopt.quant.maps import MAP_NAMES, code_book, encode_table, is_signed_m
 
 from . import runtime
 
-__all__ = ["FP32", "BF16", "Q8", "FORMAT_CODES", "maps", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["FP32", "BF16", "Q8", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise", "dequantize_blockwise"]
 
 FP32, BF16, Q8 = 0, 1, 2
+#: ``bf16_update`` codes of :func:`store_param_as` (:mod:`lowmemopt.rounding`)
+NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
 FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8}
 
 
@@ -207,6 +209,49 @@ def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKE
 def store_param(p, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
     """Write the fp32 working copy back to the parameter (rounded to its dtype, nearest even)."""
     st(typed(tl.load(row), DTYPE, ALIGNED) + offs, rounded(p, DTYPE), mask, MASKED)
+
+
+@triton.jit
+def mix32(x):
+    """murmur3's fmix32 on uint32 (wrapping multiplies), as :mod:`lowmemopt.rounding`."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def bf16_bits_rne(x):
+    """fp32 -> bf16 bit pattern (uint32), nearest even; NaN -> 0x7FC0 (as torch and the C kernels)."""
+    u = x.to(tl.uint32, bitcast=True)
+    return tl.where(x != x, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+@triton.jit
+def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
+                   UPDATE: tl.constexpr, W: tl.constexpr):
+    """:func:`store_param` with a bf16 parameter's ``bf16_update`` (:mod:`lowmemopt.rounding`): ``NEAREST``;
+    ``STOCHASTIC``: 16 hash bits of (key at column ``W - 2``, the element's offset) added before truncation;
+    ``KAHAN``: the bf16 compensation buffer at column ``W - 1``. ``p_old``: the parameter before the step (fp32)."""
+    if UPDATE == NEAREST or DTYPE != tl.bfloat16:
+        store_param(p_new, row, offs, mask, DTYPE, ALIGNED, MASKED)
+    else:
+        dst = typed(tl.load(row), tl.uint16, ALIGNED) + offs
+        if UPDATE == STOCHASTIC:
+            key = tl.load(row + W - 2).to(tl.uint32)
+            r = mix32(offs.to(tl.uint32) ^ key) >> 16
+            u = p_new.to(tl.uint32, bitcast=True)
+            out = tl.where(p_new != p_new, 0x7FC0, (u + r) >> 16)
+        else:
+            cptr = typed(tl.load(row + W - 1), tl.uint16, False) + offs
+            c = (ld(cptr, mask, MASKED).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            y = (p_new - p_old) + c
+            out = bf16_bits_rne(p_old + y)
+            comp = y - ((out << 16).to(tl.float32, bitcast=True) - p_old)
+            comp = tl.where(comp - comp == 0.0, comp, 0.0)
+            st(cptr, bf16_bits_rne(comp).to(tl.uint16), mask, MASKED)
+        st(dst, out.to(tl.uint16), mask, MASKED)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
 def _kernel_for(registry, algorithm: str, it: Item):
     """The kernel for this item, or None: it takes a per-tensor backend."""
     from . import runtime
+    from .launch import UPDATE_ALGORITHMS
 
     t, g, state = it.target, it.grad, it.state
     if not runtime.device_ok(t.device) or t.dtype not in _DTYPES or g.dtype not in _DTYPES:
@@ -122,6 +123,9 @@ def _kernel_for(registry, algorithm: str, it: Item):
     kernel = registry.lookup(algorithm, formats.pop() if formats else "fp32")
     if kernel is None or tuple(sorted(kernel.slots(it.group, t))) != tuple(sorted(it.slots)):
         return None
+    if it.group.get("bf16_update", "nearest") != "nearest" and t.dtype == torch.bfloat16 \
+            and algorithm not in UPDATE_ALGORITHMS:
+        return None  # this kernel writes bf16 parameters rounded to nearest only: the reference path rounds as asked
     for value in state.values():
         if isinstance(value, torch.Tensor) and (value.device != t.device or not value.is_contiguous()):
             return None

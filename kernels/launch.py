@@ -15,13 +15,20 @@ import torch
 import triton
 import triton.language as tl
 
+from lowmemopt import rounding
+
 from . import runtime
-from .codec import FORMAT_CODES, maps
 from lowmemopt.pipeline.items import Update
 
+from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
 from .table import aligned, device_table, unit_map
 
-__all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES"]
+__all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES", "UPDATE_ALGORITHMS"]
+
+#: algorithms whose kernels write bf16 parameters with any ``bf16_update`` (:func:`.codec.store_param_as`); the
+#: others round to nearest only, so the dispatcher leaves a bf16 parameter with another mode to the reference path
+UPDATE_ALGORITHMS = frozenset({"adam", "sgd", "lion"})
+_UPDATE_CODES = {"nearest": NEAREST, "stochastic": STOCHASTIC, "kahan": KAHAN}
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -74,6 +81,25 @@ class Bucket:
                 row += list(extra[i])
             out.append(row)
         return out
+
+    def param_update(self, group: dict[str, Any], step: int) -> tuple[list[list[int]] | None, int]:
+        """``(extra table columns, UPDATE code)`` for :func:`.codec.store_param_as`: per parameter its stochastic
+        hash key of this step and its Kahan buffer's address (the row's last two columns); ``(None, NEAREST)`` when
+        the bucket's parameters round to nearest. Makes missing ``bf16_update`` state (a mode changed since)."""
+        mode = rounding.mode_of(group, self.params[0])
+        if mode == "nearest":
+            return None, NEAREST
+        cols = []
+        for p, st in zip(self.params, self.states):
+            rounding.init_state(st, p, group)
+            if mode == "stochastic":
+                cols.append([rounding.step_key(st[rounding.SEED], step), 0])
+            else:
+                c = st[rounding.KAHAN]
+                if c.dtype != torch.bfloat16 or c.shape != p.shape or c.device != p.device or not c.is_contiguous():
+                    raise Unsupported("Kahan buffer not laid out as its parameter")
+                cols.append([0, c.data_ptr()])
+        return cols, _UPDATE_CODES[mode]
 
     def aligned(self, slots: Sequence[str]) -> bool:
         tensors: list[torch.Tensor | None] = list(self.params) + self.grads

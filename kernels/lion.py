@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["lion_update", "launch", "slots"]
@@ -27,27 +27,28 @@ def lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr):
 @triton.jit
 def _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr,
                decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+               UPDATE: tl.constexpr, W: tl.constexpr,
                MASKED: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
     m, delta = lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr)
     store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
-    store_param(p * decay + delta, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    store_param_as(p * decay + delta, p, row, offs, mask, P_DTYPE, ALIGNED, MASKED, UPDATE, W)
 
 
 @triton.jit
 def _lion_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
         _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, False)
+                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, False)
     else:
         _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, True)
+                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -58,4 +59,5 @@ def launch(u: Update, bucket: Bucket) -> None:
     kw = u.kwargs
     beta1, beta2 = kw["betas"]
     args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, -scalar(kw["lr"]), scalar(u.decay))
-    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True)
+    extra, update = bucket.param_update(u.group, u.step)
+    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["sgd_update", "launch", "slots"]
@@ -39,7 +39,8 @@ def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_ste
 def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
               first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
               ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-              DECAY: tl.constexpr, MASKED: tl.constexpr):
+              DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
+               MASKED: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
@@ -50,22 +51,22 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
                         MAXIMIZE, DECAY)
     if MOMENTUM:
         store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
-    store_param(tl.fma(d, neg_lr, p * decay), row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    store_param_as(tl.fma(d, neg_lr, p * decay), p, row, offs, mask, P_DTYPE, ALIGNED, MASKED, UPDATE, W)
 
 
 @triton.jit(do_not_specialize=["first_step"])  # a runtime flag: step 1 and later steps share one compiled kernel
 def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 neg_lr, momentum, one_minus_dampening, weight_decay, first_step, decay,
                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
-                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, False)
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W, False)
     else:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
-                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, True)
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -77,5 +78,7 @@ def launch(u: Update, bucket: Bucket) -> None:
     wd = scalar(kw["weight_decay"])
     args = (-scalar(kw["lr"]), scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, int(bool(kw["first_step"])),
             scalar(u.decay))
-    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, MOMENTUM=kw["momentum"] != 0,
+    extra, update = bucket.param_update(u.group, u.step)
+    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
+                       MOMENTUM=kw["momentum"] != 0,
                        NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]), DECAY=wd != 0)

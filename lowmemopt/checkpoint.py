@@ -35,7 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from . import paging
+from . import paging, rounding
 from .distributed.files import process_rank, rank_path
 from .distributed.sharding import is_dtensor, local_tensor, shard_layout
 from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
@@ -164,6 +164,7 @@ def convert_param_state(
     problem = projector_problem(projector, group, param.shape)
     if problem:
         raise CheckpointError(f"{where}: {problem}")
+    rounding_state, state = rounding.split_state(state)  # bf16_update: a seed, a Kahan buffer; kept as they are
     slots = optimizer._state_slots(group, param)
     if "state1" in state or _BNB_QUANT_KEY in state:
         sources = _bnb_sources(state, slots, where)
@@ -174,6 +175,7 @@ def convert_param_state(
     step = state["step"]
     out: dict[str, Any] = {"step": int(step.item() if isinstance(step, torch.Tensor) else step)}
     out.update({k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()})  # fp32: no copy
+    out.update(rounding_state)
     dst_bs = group["block_size"]
     for name, slot in slots.items():
         src, src_bs, tensors, src_map = sources[name]
@@ -401,6 +403,13 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
     if problem:
         raise CheckpointError(f"{where}: {problem}")
     used = {"step"} | set(projector)
+    rounding_state, _ = rounding.split_state(state)  # bf16_update: ints in the metadata, the Kahan buffer as a tensor
+    if rounding_state:
+        used |= set(rounding_state)
+        entry["bf16_update"] = {k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in rounding_state.items()}
+        for key, t in rounding_state.items():
+            if isinstance(t, torch.Tensor):
+                tensors[f"{name}/{key}"] = t.detach().cpu().contiguous()
     if projector:  # GaLore: fp32 bases as tensors, the ints in the metadata
         entry["projector"] = {k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in projector.items()}
         for key, t in projector.items():
@@ -524,6 +533,11 @@ def _validated_meta(f: Any, path: str) -> dict[str, Any]:
                     expected[f"{name}/{key}"] = ("F32", [int(d) for d in value])
                 elif isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"projector entry {key!r}: {value!r}")
+            for key, value in entry.get("bf16_update", {}).items():  # a seed; a bf16 Kahan buffer
+                if isinstance(value, list):
+                    expected[f"{name}/{key}"] = ("BF16", [int(d) for d in value])
+                elif isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"bf16_update entry {key!r}: {value!r}")
         groups = meta["param_groups"]
         for group in groups:
             for n in group["params"]:
@@ -730,6 +744,8 @@ def _allocate(plan: _Plan) -> dict[str, Any]:
     device = torch.device("meta") if paging.tier_of(plan.group) else plan.param.device
     for key, value in plan.entry.get("projector", {}).items():  # GaLore: ints as they are, fp32 bases to fill
         state[key] = torch.zeros(value, dtype=torch.float32, device=device) if isinstance(value, list) else value
+    for key, value in plan.entry.get("bf16_update", {}).items():  # a seed; a bf16 Kahan buffer to fill
+        state[key] = torch.zeros(value, dtype=torch.bfloat16, device=device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
         shape = _slot_shape(slot, plan.param)
         fmt = _target_format(plan.group, slot, shape.numel())
@@ -762,7 +778,7 @@ def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, conv
         if src is not dst or remap:
             where = f" ({src_map} map)" if remap else ""
             converted.append(f"{plan.name}/{name}: {src.name}{where} -> {dst.name}")
-    for key, value in entry.get("projector", {}).items():
+    for key, value in list(entry.get("projector", {}).items()) + list(entry.get("bf16_update", {}).items()):
         if isinstance(value, list):
             fkey = f"{plan.name}/{key}"
             source = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)

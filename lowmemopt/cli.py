@@ -307,6 +307,8 @@ def _add_estimate(subparsers: Any) -> None:
                    "(e.g. attn,mlp)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="dtype of weights and gradients (default fp32)")
+    p.add_argument("--bf16-update", choices=["nearest", "stochastic", "kahan"],
+                   help="how bf16 weights are updated (kahan: +2 bytes per bf16 parameter of state)")
     p.add_argument("--gpu-memory", metavar="SIZE",
                    help="memory to fit in, e.g. 24GiB or 80GB (default: the CUDA device's, if there is one)")
     p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -323,6 +325,8 @@ def _estimate(args: argparse.Namespace) -> int:
         if args.galore_rank is not None and args.galore_rank < 1:
             raise ValueError(f"--galore-rank must be >= 1, got {args.galore_rank}")
         opt_kwargs = dict(_key_value(kv) for kv in args.opt_arg)
+        if args.bf16_update:
+            opt_kwargs["bf16_update"] = args.bf16_update
         names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
         if not names:
             raise ValueError("--optimizer: give at least one optimizer name")

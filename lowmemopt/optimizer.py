@@ -18,6 +18,8 @@ Storage options (constructor keywords, also settable per param group):
 * ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
   files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
   (:mod:`lowmemopt.paging`; ``step()`` calls it around ``_step_param``, the load and state_dict hooks keep it paged).
+* ``bf16_update`` ("nearest"): how a bfloat16 parameter takes the fp32 result, round to nearest, ``"stochastic"`` or
+  ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
 
 Non-finite gradients (policy): before updating a parameter, ``step()`` checks its gradient. A parameter whose gradient
 norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its
@@ -61,7 +63,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import compiled, cpu, paging, pipeline
+from . import compiled, cpu, paging, pipeline, rounding
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import (
     agree_finite,
@@ -81,7 +83,8 @@ __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "alg
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 STORAGE_DEFAULTS = dict(
-    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0
+    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0,
+    bf16_update="nearest",
 )
 CHUNK_NUMEL = pipeline.CHUNK_NUMEL  # eager path: elements per chunk (1 MiB of fp32 per temporary)
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
@@ -194,6 +197,7 @@ def check_storage(group: dict) -> None:
     if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
         raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
     paging.check_paging(group)
+    rounding.check_mode(group.get("bf16_update", "nearest"))  # bfloat16 parameters: nearest | stochastic | kahan
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -222,6 +226,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         paged: bool | str = False,
         offload_dir: str | os.PathLike | None = None,
         page_budget_bytes: int = 0,
+        bf16_update: str = "nearest",
     ) -> None:
         defaults = dict(defaults)
         defaults.update(
@@ -231,6 +236,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             paged=paged,
             offload_dir=offload_dir,
             page_budget_bytes=page_budget_bytes,
+            bf16_update=bf16_update,
         )
         check_storage(defaults)
         self._check_group(defaults)
@@ -411,6 +417,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             shape = p.shape if slot.shape is None else torch.Size(slot.shape)
             fmt = choose_format(group["state_bits"], shape.numel(), group["min_quant_numel"], slot.quantize)
             fmt.init(state, name, shape, p.device, group["block_size"])
+        rounding.init_state(state, local_tensor(p), group)  # bf16_update: a seed or a Kahan buffer (bf16 params)
         return state
 
     def _first_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -474,10 +481,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 pass
             elif self.elementwise:
                 start, scanned = cpu.step_elementwise(name, self._math_kwargs(group, step), pflat, gflat, state,
-                                                      slots, formats, group["block_size"], decay, scan)
+                                                      slots, formats, group, step, decay, scan)
             elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, group, step, decay):
                 start = pflat.numel()
-        if start == 0 and self.elementwise and self.math is not None and compiled.applies(like):
+        exact = rounding.mode_of(group, like) == "nearest"  # the compiled path rounds to nearest only
+        if start == 0 and exact and self.elementwise and self.math is not None and compiled.applies(like):
             start = self._step_compiled(pflat, gflat, state, slots, formats, group, step, decay)
         self._step_eager(like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
         return scanned
@@ -499,9 +507,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
             delta, alpha = self._run_update(p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
             self._apply_update(p32, delta, alpha, decay, group)
-            dst = pflat[lo:hi]
-            if dst.data_ptr() != p32.data_ptr():
-                dst.copy_(p32.view(-1))
+            rounding.store(pflat[lo:hi], p32.view(-1), state, group, lo)  # bf16: nearest / stochastic / Kahan
 
     def _run_update(self, p32, g32, state, slots, formats, group, step, lo, hi, like=None, reduce=LOCAL):
         """Decode -> :meth:`_update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements ``[lo, hi)`` of

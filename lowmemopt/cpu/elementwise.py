@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .. import rounding
 from ..quant.formats import BF16, FP32, Q8, StateFormat
 from . import applies, build, ffi
 
@@ -69,9 +70,10 @@ def _is_number(v: Any) -> bool:
 
 
 def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
-         state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], block_size: int,
-         decay: float, scan: torch.Tensor | None = None) -> tuple[int, bool | None]:
-    """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``) over the flat tensor
+         state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
+         step: int, decay: float, scan: torch.Tensor | None = None) -> tuple[int, bool | None]:
+    """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``; ``group``: the param
+    group's storage options, ``step``: the step being taken) over the flat tensor
     ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
     ``p = p * decay + delta``: all of it for fp32 / bf16 state, the full blocks for 8-bit state.
 
@@ -95,6 +97,7 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
         return 0, None
     fmt = kinds.pop() if kinds else FP32
     if fmt is Q8:
+        block_size = group["block_size"]
         rows, bs = pflat.numel() // block_size, block_size
         if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
             return 0, None
@@ -122,5 +125,14 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
     if scan is not None and not ffi.can_scan(scan):
         scan = None
     args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
+    mode = rounding.mode_of(group, pflat)  # bf16 parameters: nearest / stochastic / Kahan, as the eager path
+    if mode != "nearest":
+        rounding.init_state(state, pflat, group)
+        kahan = state.get(rounding.KAHAN) if mode == "kahan" else None
+        if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == torch.bfloat16
+                                      and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
+            return 0, None
+        key = rounding.step_key(state[rounding.SEED], step) if mode == "stochastic" else 0
+        ffi.set_update(args, mode, key, 0, kahan)
     ffi.call(getattr(build.library(), kernel.name), args)
     return rows * bs + tail, (None if scan is None else ffi.scan_result(args))

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import rounding
 from ..quant.formats import BF16, FP32, Q8
 from . import applies, build, ffi
 
@@ -240,6 +241,8 @@ def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: tor
     if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
         return False
     if gflat.device != pflat.device or not gflat.is_contiguous():
+        return False
+    if rounding.mode_of(group, pflat) != "nearest":  # bf16_update: these passes round to nearest only
         return False
     stats = [state[k] for k in state if k.endswith(("_row", "_col", "_var"))]
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):

@@ -50,6 +50,10 @@ class Args(ctypes.Structure):
         ("scan_dtype", ctypes.c_int32),
         ("scan_pad", ctypes.c_int32),
         ("scan_sumsq", ctypes.c_void_p),
+        ("p_update", ctypes.c_int32),
+        ("sr_key", ctypes.c_uint32),
+        ("p_offset", ctypes.c_int64),
+        ("kahan", ctypes.c_void_p),
     ]
 
 
@@ -86,6 +90,19 @@ def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int
         a._sumsq = ctypes.c_float(0.0)  # kept alive with the struct
         a.scan, a.scan_n, a.scan_dtype = scan.data_ptr(), scan.numel(), DTYPES[scan.dtype]
         a.scan_sumsq = ctypes.addressof(a._sumsq)
+    return a
+
+
+#: ``bf16_update`` -> the kernels' UPD_* code
+UPDATES = {"nearest": 0, "stochastic": 1, "kahan": 2}
+
+
+def set_update(a: Args, mode: str, key: int = 0, offset: int = 0, kahan: torch.Tensor | None = None) -> Args:
+    """How the kernel writes a bf16 parameter (:mod:`lowmemopt.rounding`): ``key`` (stochastic: the hash key of this
+    step), ``offset`` (the flat index of the kernel's first element in its parameter), ``kahan`` (the compensation
+    buffer, contiguous bf16, laid out as the kernel's parameter)."""
+    a.p_update, a.sr_key, a.p_offset = UPDATES[mode], key, offset
+    a.kahan = None if kahan is None else kahan.data_ptr()
     return a
 
 

@@ -29,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 9
+#define LMO_ABI_VERSION 10
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -76,7 +76,14 @@ typedef struct {
     int32_t scan_dtype;  /* DT_* */
     int32_t scan_pad;
     float *scan_sumsq;   /* out: fp32 sum of squares (Inf / NaN if it overflows or holds a NaN / Inf) */
+    /* how a bf16 parameter takes its fp32 result (lowmemopt.rounding; fp32 / fp16 parameters: always nearest) */
+    int32_t p_update;    /* UPD_NEAREST | UPD_STOCHASTIC | UPD_KAHAN */
+    uint32_t sr_key;     /* stochastic: the hash key of (seed, step) */
+    int64_t p_offset;    /* stochastic: flat index in its parameter of element 0 of p (the hash's counter) */
+    uint16_t *kahan;     /* kahan: bf16 compensation buffer, laid out as p */
 } lmo_args;
+
+enum { UPD_NEAREST = 0, UPD_STOCHASTIC = 1, UPD_KAHAN = 2 };
 
 int lmo_abi_version(void) { return LMO_ABI_VERSION; }
 
@@ -510,6 +517,7 @@ static size_t dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 static void run_tail(const lmo_args *a, rows_fn fn) {
     unsigned char pb[64 * 4] __attribute__((aligned(64))), gb[64 * 4] __attribute__((aligned(64)));
     unsigned char sb[LMO_MAX_SLOTS][64 * 4] __attribute__((aligned(64)));
+    uint16_t kb[64] __attribute__((aligned(64)));
     const int64_t at = a->nrows * a->bs;
     const size_t pe = dt_size(a->p_dtype), ge = dt_size(a->g_dtype);
     lmo_args t = *a;
@@ -524,6 +532,12 @@ static void run_tail(const lmo_args *a, rows_fn fn) {
     t.g = gb;
     t.nrows = 1;
     t.tail = 0;
+    t.p_offset = a->p_offset + at;
+    if (a->kahan) {
+        memset(kb, 0, sizeof kb);
+        memcpy(kb, a->kahan + at, a->tail * 2);
+        t.kahan = kb;
+    }
     for (k = 0; k < a->nslots; k++) {
         const size_t se = a->slot[k].kind == ST_F32 ? 4 : 2;
         memcpy(sb[k], (const char *)a->slot[k].data + at * se, a->tail * se);
@@ -532,6 +546,7 @@ static void run_tail(const lmo_args *a, rows_fn fn) {
     }
     fn(&t, rt, 0, 1);
     memcpy((char *)a->p + at * pe, pb, a->tail * pe);
+    if (a->kahan) memcpy(a->kahan + at, kb, a->tail * 2);
     for (k = 0; k < a->nslots; k++) {
         const size_t se = a->slot[k].kind == ST_F32 ? 4 : 2;
         memcpy((char *)a->slot[k].data + at * se, sb[k], a->tail * se);
@@ -581,6 +596,7 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
     float sumsq = 0.0f;
     if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return LMO_EBADARG;
     if (a->tail < 0 || a->tail >= a->bs || (a->tail && a->bs > 64)) return LMO_EBADARG;
+    if (a->p_update < UPD_NEAREST || a->p_update > UPD_KAHAN || (a->p_update == UPD_KAHAN && !a->kahan)) return LMO_EBADARG;
     if (a->scan && (a->scan_n < 0 || !a->scan_sumsq || a->scan_dtype < DT_F32 || a->scan_dtype > DT_F16)) return LMO_EBADARG;
     for (k = 0; k < a->nslots; k++)
         if (a->tail && a->slot[k].kind == ST_Q8) return LMO_EBADARG;
@@ -653,6 +669,55 @@ static int common_kind(const lmo_args *a) {
     }
 
 /* ------------------------------------------------------------------------------------------------------------------ */
+/* the parameter write: round to nearest, stochastically, or with Kahan compensation (lowmemopt.rounding)            */
+
+static inline uint32_t lmo_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float lmo_u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t lmo_bf16_rne(float f) {
+    const uint32_t u = lmo_f2u(f);
+    return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+/* murmur3's fmix32 */
+static inline uint32_t lmo_mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    return x ^ (x >> 16);
+}
+
+/* p[i .. i + 15] <- x (fp32 result); p_old: the parameter's values before the step, as fp32 */
+static inline __attribute__((always_inline)) void store_param(const lmo_args *a, int64_t i, vf p_old, vf x) {
+    float xs[16], ps[16];
+    uint16_t *dst;
+    int k;
+    if (a->p_update == UPD_NEAREST || a->p_dtype != DT_BF16) {
+        store_dt(a->p_dtype, a->p, i, x);
+        return;
+    }
+    dst = (uint16_t *)a->p + i;
+    v_store(xs, x);
+    if (a->p_update == UPD_STOCHASTIC) {
+        const uint32_t key = a->sr_key, base = (uint32_t)(a->p_offset + i); /* indices mod 2^32 */
+        for (k = 0; k < 16; k++) {
+            const uint32_t r = lmo_mix32((base + (uint32_t)k) ^ key) >> 16;
+            dst[k] = xs[k] != xs[k] ? 0x7FC0 : (uint16_t)((lmo_f2u(xs[k]) + r) >> 16);
+        }
+        return;
+    }
+    v_store(ps, p_old);
+    for (k = 0; k < 16; k++) { /* y = (p32 - p) + c; p' = bf16(p + y); c = bf16(y - (p' - p)), 0 if not finite */
+        uint16_t *c = a->kahan + i + k;
+        const float y = (xs[k] - ps[k]) + lmo_u2f((uint32_t)*c << 16);
+        const uint16_t nb = lmo_bf16_rne(ps[k] + y);
+        float comp = y - (lmo_u2f((uint32_t)nb << 16) - ps[k]);
+        if (!(comp - comp == 0.0f)) comp = 0.0f;
+        dst[k] = nb;
+        *c = lmo_bf16_rne(comp);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------------ */
 /* Adam / AdamW (lowmemopt.optim.adamw.adam_math), slots: exp_avg, exp_avg_sq[, max_exp_avg_sq]                        */
 
 /* h: 0 weight_decay (L2, added to g; 0: none)  1 1 - beta1  2 beta2  3 1 - beta2  4 bias_correction2_sqrt  5 eps
@@ -696,7 +761,7 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
                     slot_store(K, &sx, i, j + 16 * u, v, &ax);
                 }
                 d = v_div(v_mul(m, step), v_add(v_div(v_sqrt(v), bc2s), eps)); /* m (-lr / bc1) / (sqrt(v) / bc2s + eps) */
-                store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));             /* p * decay + delta */
+                store_param(a, i, p, v_add(v_mul(p, decay), d));              /* p * decay + delta */
             }
         }
         slot_row_end(K, &sm, row, bs, &am);
@@ -736,7 +801,7 @@ static inline __attribute__((always_inline)) void lion_rows(const lmo_args *a, c
                 vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = slot_get(K, &sm, i, &am, M, u);
                 vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
                 slot_store(K, &sm, i, j + 16 * u, v_fma(g, omb2, v_mul(m, b2)), &am); /* m.mul_(b2).add_(g, 1 - b2) */
-                store_dt(pdt, a->p, i, v_add(v_mul(p, decay), d));
+                store_param(a, i, p, v_add(v_mul(p, decay), d));
             }
         }
         slot_row_end(K, &sm, row, bs, &am);
@@ -785,7 +850,7 @@ static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, co
                     slot_store(K, &sb, i, j + 16 * u, buf, &ab);
                     d = nesterov ? v_fma(buf, mom, d) : buf;
                 }
-                store_dt(pdt, a->p, i, v_fma(d, nlr, v_mul(p, decay)));       /* p.add_(d, alpha=-lr) */
+                store_param(a, i, p, v_fma(d, nlr, v_mul(p, decay)));         /* p.add_(d, alpha=-lr) */
             }
         }
         if (has_buf) slot_row_end(K, &sb, row, bs, &ab);

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import rounding
 from ..distributed.galore import low_rank_layout, row_shards
 from ..distributed.reduction import LOCAL
 from ..pipeline import CHUNK_NUMEL
@@ -312,8 +313,7 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
         r1 = min(m_local, r0 + rows)
         update = pj.project_back_rows(delta, state, r0, r1, row0).mul_(scale)
         optimizer._apply_update(p32[r0:r1], update, alpha, decay, group)
-    if p32.data_ptr() != p2d.data_ptr():
-        p2d.copy_(p32)
+    rounding.store(p2d, p32, state, group)  # bf16 params: the group's bf16_update (a copy unless fp32)
     if target is not local:
         local.copy_(target)
 
@@ -327,7 +327,8 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
     batches: dict[tuple, list[Item]] = {}
     for it in items:
         p = it.param
-        if it.extra["shards"] is None and _batches(p) and p.is_contiguous() and it.state[pj.SIDE] != pj.BOTH:
+        if (it.extra["shards"] is None and _batches(p) and p.is_contiguous() and it.state[pj.SIDE] != pj.BOTH
+                and rounding.mode_of(it.extra["outer"], p) == "nearest"):  # stochastic / Kahan: one by one
             key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
                    id(it.extra["outer"]))
             batches.setdefault(key, []).append(it)
