@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import secrets
+import stat
 import sys
 import zlib
 from contextlib import contextmanager, suppress
@@ -437,12 +438,18 @@ def _crc32(t: torch.Tensor, value: int = 0) -> int:
 
 
 def _atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    """save_file to a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the directory."""
+    """save_file to a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the directory. The file
+    gets the mode a plain ``open(path, "w")`` would give it (0o666 less the umask), as ``torch.save``'s files do."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # reserve the name; mode follows the umask
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # reserve the name; the umask applies
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # read here: the umask without os.umask's process-wide race
+    finally:
+        os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)  # safetensors (0.8) replaces the file with a 0o600 one of its own
+        os.chmod(tmp, mode)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

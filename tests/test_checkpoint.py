@@ -592,6 +592,21 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     load_state(lowmemopt.AdamW(clone_params(params), state_bits=8), path)  # and it still loads
 
 
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_saved_file_mode_follows_the_umask_like_torch_save(tmp_path, umask):
+    opt, _ = _stepped(8)
+    old = os.umask(umask)
+    try:
+        save_state(opt, tmp_path / "s.safetensors")
+        save_state(opt, tmp_path / "s.safetensors")  # replacing a file: the same mode again
+        torch.save(opt.state_dict(), tmp_path / "s.pt")
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "s.safetensors").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask == (tmp_path / "s.pt").stat().st_mode & 0o777
+
+
 def test_no_pickle_anywhere(tmp_path, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("pickle used")
