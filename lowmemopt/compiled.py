@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._stacklevel import external_stacklevel
 from .quant.blockwise import decode_rows, encode_rows
 
 __all__ = ["ENABLED", "MIN_NUMEL", "applies", "step_rows", "encode_rows_into", "decode_rows_into"]
@@ -173,4 +174,4 @@ def _disable(exc: Exception) -> None:
     if not _warned:
         _warned = True
         warnings.warn(f"lowmemopt: torch.compile fast path unavailable ({type(exc).__name__}: {exc}); using eager steps",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=external_stacklevel())

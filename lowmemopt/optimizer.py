@@ -325,11 +325,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         skipped = sum(f is False for f in finite)
         if skipped:
             self.nonfinite_skips += skipped
+            from ._stacklevel import external_stacklevel  # the user's step() line, past torch's wrappers
+
             warnings.warn(
                 f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients this step "
                 "(their values and optimizer state are unchanged)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=external_stacklevel(),
             )
         return loss
 
