@@ -54,6 +54,47 @@ def test_cli_inspect_bad_file_fails_cleanly(tmp_path, capsys):
         cli_main([])  # a subcommand is required
 
 
+def test_cli_inspect_summarises_a_torch_save_state_dict(tmp_path, capsys):
+    net = Net()
+    opt = lowmemopt.AdamW(net.parameters(), lr=2e-3, state_bits=8)
+    run(opt, list(net.parameters()), 3)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")  # README's file
+    assert cli_main(["inspect", str(tmp_path / "opt.pt"), "--params"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state_dict() saved with torch.save (lowmemopt state, lowmemopt_format 2)" in out
+    assert "lr=0.002" in out and "state_bits=8" in out and "params: 4 (4 with state), step 3" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    q8 = next(line for line in out.splitlines() if line.startswith("q8 (block 256)")).split()
+    assert q8[3:] == ["4", "2", "21,760", "22,104"]  # the same figures as the safetensors file's summary
+    assert rows["fp32"][1:] == ["4", "2", "1,584", "6,336"] and rows["total"][1:] == ["8", "4", "23,344", "28,440"]
+    assert "exp_avg=q8 (block 256) (5,760)" in out  # --params: proj.weight's slots
+
+    # torch.optim state one level down in a dict (as README's GaLore example saves), in the legacy format
+    ref = torch.optim.AdamW(Net().parameters())
+    run(ref, [p for g in ref.param_groups for p in g["params"]], 2)
+    torch.save({"opt": ref.state_dict(), "epoch": 3}, tmp_path / "ref.pt", _use_new_zipfile_serialization=False)
+    assert cli_main(["inspect", str(tmp_path / "ref.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "ref.pt (key 'opt'): optimizer state_dict() saved with torch.save (no lowmemopt_format" in out
+    assert next(line for line in out.splitlines() if line.startswith("fp32")).split()[1:] == [
+        "8", "4", "23,344", "93,376"]  # 2 x 11,672 fp32 elements
+
+
+def test_cli_inspect_says_what_it_expects_of_other_torch_files(tmp_path, capsys):
+    torch.save(Net().state_dict(), tmp_path / "model.pt")
+    assert cli_main(["inspect", str(tmp_path / "model.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "a torch.save file holding 4 tensors (a model's state_dict()?), not an optimizer state_dict()" in err
+    assert "a .safetensors file written by lowmemopt.save_state" in err
+    torch.save({"when": __import__("datetime").date(2024, 1, 1)}, tmp_path / "pickled.pt")  # not weights_only-safe
+    assert cli_main(["inspect", str(tmp_path / "pickled.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "torch.load(weights_only=True) cannot read (UnpicklingError: WeightsUnpickler error" in err
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "model.pt").read_bytes()[:300])
+    assert cli_main(["inspect", str(tmp_path / "cut.pt")]) == 1
+    assert "truncated or corrupt?" in capsys.readouterr().err
+
+
 def test_console_script_is_registered():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     with open(ROOT / "pyproject.toml", "rb") as f:
