@@ -438,7 +438,9 @@ def _add_estimate(subparsers: Any) -> None:
         description="Bytes of weights, gradients and optimizer state of training the model a transformers "
         "config.json describes, for each optimizer x state format (and GaLore), and whether the total fits. The "
         "model is built on the meta device (nothing is allocated); the state figure is exact: each optimizer lays "
-        "out its own state. Activations and framework overhead are not included.",
+        "out its own state. Activations and framework overhead are not included. When an optimizer does not fit "
+        "--gpu-memory as asked, the cheapest combinations of state bits, GaLore rank, paged state and per-layer "
+        "updates that do fit are listed, each with its total.",
     )
     p.add_argument("config", help="a transformers config.json (needs the 'model_type' key)")
     p.add_argument("--optimizer", default=_ESTIMATE_DEFAULT_OPTIMIZERS,
@@ -450,8 +452,8 @@ def _add_estimate(subparsers: Any) -> None:
     p.add_argument("--galore-target", default="all-linear", metavar="MODULES",
                    help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names "
                    "(e.g. attn,mlp)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="dtype of weights and gradients (default fp32)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="dtype of weights and gradients (default: the config's torch_dtype, else fp32)")
     p.add_argument("--gpu-memory", metavar="SIZE",
                    help="memory to fit in, e.g. 24GiB or 80GB (default: the CUDA device's, if there is one)")
     p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -461,7 +463,8 @@ def _add_estimate(subparsers: Any) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .estimate import DTYPES, default_state_bits, estimate, format_bytes, model_from_config, parse_bytes
+    from .estimate import (DTYPES, cheapest_fits, config_dtype, default_state_bits, estimate, format_bytes,
+                           model_from_config, parse_bytes)
 
     try:
         budget = parse_bytes(args.gpu_memory) if args.gpu_memory else _cuda_memory()
@@ -471,24 +474,38 @@ def _estimate(args: argparse.Namespace) -> int:
         names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
         if not names:
             raise ValueError("--optimizer: give at least one optimizer name")
-        model = model_from_config(args.config, DTYPES[args.dtype])
+        dtype, dtype_note = args.dtype, ""
+        if dtype is None:
+            dtype = config_dtype(args.config)
+            dtype_note = " (the config's torch_dtype)" if dtype else " (the config names no torch_dtype; see --dtype)"
+            dtype = dtype or "fp32"
+        model = model_from_config(args.config, DTYPES[dtype])
         ranks = [None] if args.galore_rank is None else [None, args.galore_rank]
         target = args.galore_target if args.galore_target == "all-linear" or "," not in args.galore_target \
             else [t.strip() for t in args.galore_target.split(",") if t.strip()]
-        rows = [estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
-                for name in names for bits in _bits_for(name, args.state_bits, default_state_bits)
-                for rank in ranks]
+        rows_of = {name: [estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
+                          for bits in _bits_for(name, args.state_bits, default_state_bits) for rank in ranks]
+                   for name in names}
+        rows = [r for name in names for r in rows_of[name]]
+        fits_of = {}  # name -> the cheapest combinations that fit, for a name none of whose rows fits
+        if budget is not None:
+            for name, its_rows in rows_of.items():
+                if all(r.total > budget for r in its_rows):
+                    asked = [args.galore_rank] if args.galore_rank is not None else None
+                    fits_of[name] = cheapest_fits(model, name, budget, state_bits=[32, 16, 8] if max(
+                        r.state_bits for r in its_rows) == 32 else sorted({r.state_bits for r in its_rows}),
+                        ranks=asked, galore_target_modules=target, **opt_kwargs)
     except (ValueError, TypeError, OSError, NotImplementedError) as e:
         print(f"lowmemopt estimate: {e}", file=sys.stderr)
         return 1
 
     if args.json:
         out = [dict(r._asdict(), total=r.total, fits=None if budget is None else r.total <= budget,
-                    dtype=args.dtype, gpu_memory=budget) for r in rows]
+                    dtype=dtype, gpu_memory=budget) for r in rows]
         print(json.dumps(out, indent=2))
         return 0
     n = rows[0].params
-    print(f"{type(model).__name__} from {args.config}: {n / 1e9:.3f}B trainable parameters, {args.dtype} "
+    print(f"{type(model).__name__} from {args.config}: {n / 1e9:.3f}B trainable parameters, {dtype}{dtype_note} "
           "weights and gradients")
     fits_head = f" fits in {format_bytes(budget)} |" if budget is not None else ""
     print(f"| optimizer | state | GaLore | weights | grads | optimizer state | total |{fits_head}")
@@ -498,6 +515,25 @@ def _estimate(args: argparse.Namespace) -> int:
         print(f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {format_bytes(r.weights)} | "
               f"{format_bytes(r.grads)} | {format_bytes(r.state)} | {format_bytes(r.total)} |{fits}")
     print("Not included: activations, temporaries, CUDA context and allocator caching.")
+    for name, fits in fits_of.items():
+        optimizer = rows_of[name][0].optimizer
+        if not fits:
+            print(f"\n{optimizer} does not fit in {format_bytes(budget)} with any combination of state bits, GaLore "
+                  f"rank, paged state and per-layer updates (the weights alone: {format_bytes(rows[0].weights)}).")
+            continue
+        print(f"\n{optimizer} does not fit in {format_bytes(budget)} as asked; the cheapest combinations that do "
+              "(fewest changes first):")
+        print("| state | GaLore | paged | per-layer | weights | grads | optimizer state | total |")
+        print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+        for r in fits:
+            print(f"| {r.state_bits}-bit | {r.galore_rank or '—'} | {'yes' if r.paged else 'no'} | "
+                  f"{'yes' if r.per_layer else 'no'} | {format_bytes(r.weights)} | {format_bytes(r.grads)} | "
+                  f"{format_bytes(r.state)} | {format_bytes(r.total)} |")
+    if any(fits_of.values()):
+        print("state: state_bits=N; GaLore rank R: lowmemopt.galore_param_groups(model, rank=R) as the params; paged: "
+              "paged=True (state in host RAM, the device holds 3 parameters' state at a time); per-layer: "
+              "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no global-norm "
+              "clipping). See README.md.")
     return 0
 
 
