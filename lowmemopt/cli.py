@@ -284,6 +284,9 @@ def _short(value: Any) -> str:
 
 _DEMO_NEEDS = {"transformers": "transformers", "matplotlib": "matplotlib", "tqdm": "tqdm"}
 
+#: ``lowmemopt demo``'s default output folder, in the current directory
+DEMO_OUT = "lowmemopt-demo-output"
+
 
 def _add_demo(subparsers: Any) -> None:
     from .demo import DEMO_CHOICES
@@ -302,8 +305,8 @@ def _add_demo(subparsers: Any) -> None:
                    help=f"comma-separated (default {','.join(DEMO_CHOICES)}); any lowmemopt optimizer name works "
                    "(lr 1e-3 unless --lr)")
     p.add_argument("--data", metavar="PATH", help="train on this text file instead of the standard library's source")
-    p.add_argument("--out", metavar="DIR", default="lowmemopt-demo",
-                   help="where to write demo.png and demo.json (default ./lowmemopt-demo)")
+    p.add_argument("--out", metavar="DIR", default=DEMO_OUT,
+                   help=f"where to write demo.png and demo.json (default ./{DEMO_OUT}, which ignores itself in git)")
     p.add_argument("--lr", type=float, help="learning rate for every optimizer (default: each one's preset)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
@@ -334,6 +337,7 @@ def _demo(args: argparse.Namespace) -> int:
         if not choices:
             raise ValueError("--optimizers: give at least one optimizer name")
         data = demo.file_bytes(args.data) if args.data else demo.stdlib_bytes()
+        out = _demo_out_dir(args.out)  # before training: an unwritable folder fails now, not after the run
     except (ValueError, OSError) as e:
         print(f"lowmemopt demo: {e}", file=sys.stderr)
         return 1
@@ -341,7 +345,7 @@ def _demo(args: argparse.Namespace) -> int:
     source = args.data or "the Python standard library's source"
     n_params = sum(p.numel() for p in demo._llama(args.seed).parameters())
     print(f"LLaMA-style byte-level LM, {n_params / 1e6:.2f}M parameters, on {data.numel():,} bytes of {source}; "
-          f"{args.steps} steps of {args.batch} x {args.seq} bytes, {device}\n", flush=True)
+          f"{args.steps} steps of {args.batch} x {args.seq} bytes, {device}; output to {out}\n", flush=True)
     results = demo.compare(choices, args.steps, data=data, seed=args.seed, batch=args.batch, seq=args.seq,
                            device=device)
     print()
@@ -350,15 +354,26 @@ def _demo(args: argparse.Namespace) -> int:
         if "skipped" in r:
             print(f"note: {r['label']} skipped: {r['skipped']}")
     print(f"\npeak memory: {_PEAK_NOTE[device.split(':')[0]]}")
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
     png = demo.plot(results, os.path.join(out, "demo.png"),
                     title=f"{n_params / 1e6:.1f}M-parameter LLaMA, {args.steps} steps on {os.path.basename(source)}")
     with open(os.path.join(out, "demo.json"), "w") as f:
         json.dump(dict(steps=args.steps, batch=args.batch, seq=args.seq, device=device, data=source,
                        params=n_params, results=results), f, indent=1)
-    print(f"wrote {png} and {os.path.join(out, 'demo.json')}")
+    print(f"\nwrote the plot to {png}\n  and the numbers to {os.path.join(out, 'demo.json')}")
     return 0
+
+
+
+def _demo_out_dir(out: str) -> str:
+    """Make the output folder; the default one, when made here, gets a ``.gitignore`` of ``*`` (as pytest does for its
+    cache) so that a run inside any git checkout leaves no untracked files."""
+    path = os.path.abspath(out)
+    new = not os.path.isdir(path)
+    os.makedirs(path, exist_ok=True)
+    if new and os.path.normpath(out) == DEMO_OUT:
+        with open(os.path.join(path, ".gitignore"), "w") as f:
+            f.write("# written by lowmemopt demo: its output stays out of git\n*\n")
+    return path
 
 
 _PEAK_NOTE = {

@@ -118,8 +118,9 @@ def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
                      "--batch", "2", "--seq", "16", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert f"on {text.stat().st_size:,} bytes of {text}" in printed and "4 steps of 2 x 16 bytes" in printed
-    assert ("| optimizer | state memory | peak memory | optimizer step | train step | final loss | held-out loss |"
-            in printed)
+    assert ("| optimizer | state memory | peak memory | optimizer step | train step | final loss (mean of last 20 steps) "
+            "| held-out loss |" in printed)
+    assert f"wrote the plot to {out / 'demo.png'}" in printed
     for label in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit", "GaLore-CAME 8-bit"):
         assert f"| {label} |" in printed
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -135,10 +136,79 @@ def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
             assert r["peak_bytes"] > r["state_bytes"]
     assert runs["AdamW 8-bit"]["state_bytes"] < runs["AdamW 32-bit"]["state_bytes"] / 3
     assert runs["AdamW 8-bit"]["losses"][0] == runs["AdamW 32-bit"]["losses"][0]  # same init, same first batch
+    assert (runs["AdamW 8-bit"]["algorithm"], runs["AdamW 8-bit"]["state_bits"]) == ("AdamW", 8)
+    assert (runs["AdamW 32-bit"]["algorithm"], runs["AdamW 32-bit"]["state_bits"]) == ("AdamW", 32)
     if hasattr(lowmemopt, "galore_param_groups"):
         assert runs["GaLore-CAME 8-bit"]["state_bytes"] < runs["CAME 8-bit"]["state_bytes"]
     else:
         assert "skipped" in runs["GaLore-CAME 8-bit"] and "note: GaLore-CAME 8-bit skipped" in printed
+
+
+def _fake_results(steps: int = 60) -> list[dict]:
+    """compare()'s results for three runs, two of whose curves coincide (AdamW 32-bit and 8-bit)."""
+    losses = [3.0 - 0.01 * t for t in range(steps)]
+
+    def run(label, algorithm, bits, curve, state, peak):
+        return dict(label=label, name=label, algorithm=algorithm, state_bits=bits, losses=curve, final=curve[-1],
+                    heldout=curve[-1], state_bytes=state, peak_bytes=peak, step_s=0.01, train_step_s=0.02)
+
+    return [run("AdamW 32-bit", "AdamW", 32, losses, 14 * 2**20, 61 * 2**20),
+            run("AdamW 8-bit", "AdamW", 8, [x + 0.02 for x in losses], int(3.6 * 2**20), 51 * 2**20),
+            run("CAME 8-bit", "CAME", 8, [x + 0.5 for x in losses], int(1.9 * 2**20), 49 * 2**20),
+            dict(label="GaLore-X", skipped="not here")]
+
+
+def test_demo_plot_shows_coinciding_curves_their_difference_and_labelled_memory(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from lowmemopt import demo
+
+    results = _fake_results()
+    assert [(a["label"], b["label"]) for a, b in demo.twins(results)] == [("AdamW 8-bit", "AdamW 32-bit")]
+    fig = demo.figure(results, "title")
+    ax_loss, ax_diff, ax_mem = fig.axes
+    curves = [line for line in ax_loss.get_lines() if line.get_label() in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit")]
+    assert len(curves) == 3
+    assert len({(line.get_linestyle(), line.get_marker()) for line in curves}) == 3  # each curve its own look
+    (diff,) = [line for line in ax_diff.get_lines() if line.get_label().startswith("AdamW 8-bit")]
+    assert diff.get_ydata() == pytest.approx([0.02] * len(diff.get_ydata()))  # 8-bit minus 32-bit, smoothed
+    assert "8-bit − 32-bit" in ax_diff.get_title()
+    labels = {t.get_text() for t in ax_mem.texts}
+    assert {"14.0", "3.6", "1.9", "61.0", "51.0", "49.0"} <= labels  # every bar carries its MiB
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    path = demo.plot(results, tmp_path / "demo.png")
+    with Image.open(path) as image:
+        assert min(image.info["dpi"]) >= 150 and image.size[0] >= 1500
+    # without a 32-bit twin there is no difference panel
+    fig = demo.figure([r for r in results if r.get("label") != "AdamW 32-bit"])
+    assert len(fig.axes) == 2
+    plt.close(fig)
+
+
+def test_cli_demo_default_output_folder_ignores_itself(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    from lowmemopt import demo
+    from lowmemopt.cli import DEMO_OUT
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "compare", lambda *a, **k: _fake_results(4))
+    assert cli_main(["demo", "--steps", "4", "--optimizers", "adamw,adamw8bit", "--device", "cpu"]) == 0
+    folder = tmp_path / DEMO_OUT
+    assert (folder / "demo.png").exists() and (folder / "demo.json").exists()
+    assert (folder / ".gitignore").read_text().splitlines()[-1] == "*"
+    printed = capsys.readouterr().out
+    assert f"output to {folder}" in printed and f"wrote the plot to {folder / 'demo.png'}" in printed
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert f"/{DEMO_OUT}/" in gitignore  # and the checkout's own .gitignore names it
+    assert f"`{DEMO_OUT}/demo.png`" in (ROOT / "README.md").read_text()  # where README says the plot goes
+    # a folder the user names gets no .gitignore
+    assert cli_main(["demo", "--steps", "4", "--optimizers", "adamw", "--device", "cpu", "--out", "mine"]) == 0
+    assert (tmp_path / "mine" / "demo.png").exists() and not (tmp_path / "mine" / ".gitignore").exists()
 
 
 def test_cli_demo_bad_input(tmp_path, capsys):
