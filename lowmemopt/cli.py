@@ -3,7 +3,7 @@
     lowmemopt demo [--steps N] [--optimizers a,b] [--data PATH] [--out DIR]   train a small LLaMA, compare optimizers
     lowmemopt estimate CONFIG.json [--optimizer a,b] [--state-bits 8] ...     memory of weights, grads and state
     lowmemopt bench [--full]                                                  step time and state vs other libraries
-    lowmemopt inspect opt.safetensors [--params]                              metadata and summary of a state file
+    lowmemopt inspect opt.safetensors|opt.pt [--params]                       metadata and summary of a state file
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
 the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``.
@@ -71,12 +71,15 @@ _EXPECTED = ("lowmemopt inspect reads a .safetensors file written by lowmemopt.s
 
 
 def _is_torch_file(path: str) -> bool:
-    """A ``torch.save`` file: a zip archive (torch >= 1.6) or a pickle stream (the legacy format)."""
+    """A ``torch.save`` file: a zip archive (torch >= 1.6) or a pickle stream (the legacy format). Not a safetensors
+    file, whose 8-byte header length (which may begin like either) is followed by its JSON header's ``{``."""
     try:
         with open(path, "rb") as f:
-            head = f.read(4)
+            head = f.read(9)
     except OSError:
         return False  # read_metadata names the problem
+    if head[8:9] == b"{":
+        return False
     return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
 
 

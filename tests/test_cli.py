@@ -95,6 +95,18 @@ def test_cli_inspect_says_what_it_expects_of_other_torch_files(tmp_path, capsys)
     assert "truncated or corrupt?" in capsys.readouterr().err
 
 
+def test_cli_inspect_tells_torch_files_from_safetensors_by_content(tmp_path):
+    from lowmemopt.cli import _is_torch_file
+
+    torch.save({"a": torch.zeros(2)}, tmp_path / "zip.bin")
+    torch.save({"a": torch.zeros(2)}, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    # a safetensors header of 640 bytes: its length field begins with the bytes of a pickle's protocol 2 opcode
+    (tmp_path / "st.bin").write_bytes((640).to_bytes(8, "little") + b"{" + b" " * 639)
+    assert _is_torch_file(str(tmp_path / "zip.bin")) and _is_torch_file(str(tmp_path / "legacy.bin"))
+    assert (tmp_path / "st.bin").read_bytes()[:2] == b"\x80\x02" and not _is_torch_file(str(tmp_path / "st.bin"))
+    assert not _is_torch_file(str(tmp_path / "missing"))
+
+
 def test_console_script_is_registered():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     with open(ROOT / "pyproject.toml", "rb") as f:
