@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from lowmemopt._stacklevel import external_stacklevel
 from lowmemopt.pipeline.items import Item, Update
 from lowmemopt.quant.formats import format_of
 
@@ -90,7 +91,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
                 raise
             runtime.ENABLED = False
             warnings.warn(f"lowmemopt: fused Triton kernels unavailable ({type(exc).__name__}: {exc}); "
-                          "using the reference step", RuntimeWarning, stacklevel=3)
+                          "using the reference step", RuntimeWarning, stacklevel=external_stacklevel())
             rest += members
             continue
         for it in members:

@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import secrets
+import stat
 import sys
 import zlib
 from contextlib import contextmanager, suppress
@@ -181,7 +182,7 @@ def convert_param_state(
         src, src_bs, tensors, src_map = sources[name]
         shape = _slot_shape(slot, param)
         numel = shape.numel()
-        _check_source(src, src_bs, tensors, name, numel, where)
+        _check_source(src, src_bs, tensors, name, shape, where, local_tensor(param).shape)
         dst = _target_format(group, slot, numel)
         remap = _remaps(src, src_map, slot)
         if src is Q8 and dst is Q8 and src_bs != dst_bs and not remap:
@@ -208,13 +209,25 @@ def _storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
     return torch.bfloat16 if fmt is BF16 else torch.float32
 
 
-def _check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, numel: int, where: str):
-    """Raise CheckpointError unless ``tensors`` hold slot ``name`` of ``numel`` elements in format ``src``."""
+def _check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
+                  where: str, param_shape: torch.Size | None = None, source: str = "the state dict"):
+    """Raise CheckpointError unless ``tensors`` (from ``source``) hold slot ``name`` of ``shape`` in format ``src``; a
+    size mismatch names the shapes: the parameter's (``param_shape``, where the slot's differs: GaLore) and the
+    slot's."""
+    numel = shape.numel()
+    param_shape = shape if param_shape is None else param_shape
+    ours = f"the optimizer's parameter has shape {tuple(param_shape)}"
+    if tuple(param_shape) != tuple(shape):
+        ours += f" and its '{name}' {tuple(shape)}"
+    hint = "; is it the state of another model, or of the parameters in another order?"
     if src is Q8:
         codes, absmax = tensors[name + ".codes"], tensors[name + ".absmax"]
-        if codes.dtype != torch.uint8 or codes.numel() != numel:
+        if codes.dtype != torch.uint8:
+            raise CheckpointError(f"{where}: '{name}.codes' is {codes.dtype} in {source}, expected uint8 8-bit codes")
+        if codes.numel() != numel:
             raise CheckpointError(
-                f"{where}: '{name}.codes' is {codes.dtype} with {codes.numel()} elements, expected uint8 with {numel}"
+                f"{where}: '{name}' has {codes.numel():,} elements in {source} (8-bit codes, stored flat); {ours} "
+                f"({numel:,} elements){hint}"
             )
         if absmax.numel() != num_blocks(numel, bs):
             raise CheckpointError(
@@ -223,8 +236,10 @@ def _check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], n
             )
         return
     t = tensors[name]
-    if not t.is_floating_point() or t.numel() != numel:
-        raise CheckpointError(f"{where}: '{name}' is {t.dtype} of shape {tuple(t.shape)}, expected {numel} floats")
+    if not t.is_floating_point():
+        raise CheckpointError(f"{where}: '{name}' is {t.dtype} in {source}, expected floating-point state")
+    if t.numel() != numel:
+        raise CheckpointError(f"{where}: '{name}' has shape {tuple(t.shape)} in {source}; {ours}{hint}")
 
 
 def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
@@ -424,7 +439,7 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
         for key, t in stored.items():
             if t.dtype != _storage_dtype(fmt, key):
                 raise CheckpointError(f"{where}: state '{key}' is {t.dtype}, not a lowmemopt storage format")
-        _check_source(fmt, group["block_size"], stored, slot_name, shape.numel(), where)
+        _check_source(fmt, group["block_size"], stored, slot_name, shape, where, local.shape, "its state")
         info: dict[str, Any] = {"format": fmt.name, "shape": list(shape)}
         if fmt is Q8:
             info.update(block_size=group["block_size"], map=map_for(slot.signed))
@@ -446,12 +461,18 @@ def _crc32(t: torch.Tensor, value: int = 0) -> int:
 
 
 def _atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    """save_file to a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the directory."""
+    """save_file to a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the directory. The file
+    gets the mode a plain ``open(path, "w")`` would give it (0o666 less the umask), as ``torch.save``'s files do."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # reserve the name; mode follows the umask
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # reserve the name; the umask applies
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # read here: the umask without os.umask's process-wide race
+    finally:
+        os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)  # safetensors (0.8) replaces the file with a 0o600 one of its own
+        os.chmod(tmp, mode)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -3,7 +3,7 @@
     lowmemopt demo [--steps N] [--optimizers a,b] [--data PATH] [--out DIR]   train a small LLaMA, compare optimizers
     lowmemopt estimate CONFIG.json [--optimizer a,b] [--state-bits 8] ...     memory of weights, grads and state
     lowmemopt bench [--full]                                                  step time and state vs other libraries
-    lowmemopt inspect opt.safetensors [--params]                              metadata and summary of a state file
+    lowmemopt inspect opt.safetensors|opt.pt [--params]                       metadata and summary of a state file
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
 the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``.
@@ -41,10 +41,12 @@ def _add_inspect(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "inspect",
         help="print a state file's metadata and a per-format summary",
-        description="Print the metadata of a lowmemopt state file (lowmemopt.save_state) and a summary per format: "
-        "slots, params, elements and bytes. Reads the header only.",
+        description="Print the metadata of a lowmemopt state file (lowmemopt.save_state; reads the header only) or "
+        "of a torch.save file of optimizer.state_dict() (lowmemopt's, torch.optim's or bitsandbytes'; loaded with "
+        "weights_only=True), and a summary per format: slots, params, elements and bytes.",
     )
-    p.add_argument("path", help="a .safetensors file written by lowmemopt.save_state")
+    p.add_argument("path", help="a .safetensors file written by lowmemopt.save_state, or a torch.save file of "
+                   "optimizer.state_dict() (also one level down in a dict, as {'opt': opt.state_dict(), ...})")
     p.add_argument("--params", action="store_true", help="also list every parameter: shape, step, slot formats")
     p.set_defaults(func=_inspect)
 
@@ -53,12 +55,162 @@ def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError, read_metadata
 
     try:
+        if _is_torch_file(args.path):
+            print(_describe_torch_file(args.path, args.params))
+            return 0
         meta = read_metadata(args.path)
-    except (CheckpointError, OSError) as e:
+    except (CheckpointError, OSError, ValueError) as e:
         print(f"lowmemopt inspect: {e}", file=sys.stderr)
         return 1
     print(_describe(args.path, meta, args.params))
     return 0
+
+
+_EXPECTED = ("lowmemopt inspect reads a .safetensors file written by lowmemopt.save_state, or a torch.save file of "
+             "optimizer.state_dict()")
+
+
+def _is_torch_file(path: str) -> bool:
+    """A ``torch.save`` file: a zip archive (torch >= 1.6) or a pickle stream (the legacy format). Not a safetensors
+    file, whose 8-byte header length (which may begin like either) is followed by its JSON header's ``{``."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False  # read_metadata names the problem
+    if head[8:9] == b"{":
+        return False
+    return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
+def _describe_torch_file(path: str, list_params: bool) -> str:
+    """A summary of each optimizer ``state_dict()`` in a ``torch.save`` file (the object itself, or the values of a
+    dict that are state dicts); ValueError naming what the file holds otherwise."""
+    import pickle
+    import re
+    import zipfile
+
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile) as e:
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(e).splitlines() if line.strip()]
+        reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else repr(e))
+        damaged = "" if isinstance(e, pickle.UnpicklingError) else ", truncated or corrupt?"
+        raise ValueError(f"{path}: a torch.save file that torch.load(weights_only=True) cannot read "
+                         f"({type(e).__name__}: {reason}{damaged}); {_EXPECTED}") from None
+    found = [("", obj)] if _is_state_dict(obj) else \
+        [(k, v) for k, v in obj.items() if _is_state_dict(v)] if isinstance(obj, dict) else []
+    if not found:
+        raise ValueError(f"{path}: a torch.save file holding {_what(obj)}, not an optimizer state_dict(); {_EXPECTED}")
+    return "\n\n".join(_describe_state_dict(path, key, sd, list_params) for key, sd in found)
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)
+
+
+def _what(obj: Any) -> str:
+    import torch
+
+    if isinstance(obj, dict):
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return f"{len(obj)} tensors (a model's state_dict()?)"
+        keys = list(obj)
+        return f"a dict with keys {keys[:8]}" + (" ..." if len(keys) > 8 else "")
+    return f"a {type(obj).__name__}"
+
+
+def _describe_state_dict(path: str, key: str, sd: dict[str, Any], list_params: bool) -> str:
+    import torch
+
+    version = sd.get("lowmemopt_format")
+    state, groups = sd["state"], sd["param_groups"]
+    where = f" (key {key!r})" if key else ""
+    kind = f"lowmemopt state, lowmemopt_format {version}" if version is not None else \
+        "bitsandbytes state" if any("state1" in s or "__bnb_optimizer_quant_state__" in s for s in state.values()) \
+        else "no lowmemopt_format: torch.optim or another library's state"
+    lines = [f"{path}{where}: optimizer state_dict() saved with torch.save ({kind})", "param groups:"]
+    group_of = {}
+    for g, group in enumerate(groups):
+        group_of.update({i: g for i in group.get("params", [])})
+        hyper = "  ".join(f"{k}={_short(v)}" for k, v in group.items() if k != "params")
+        lines.append(f"  {g}: {len(group.get('params', []))} params  {hyper}")
+    steps = sorted({int(s["step"]) for s in state.values() if isinstance(s, dict) and "step" in s})
+    step_text = "no steps" if not steps else f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+    n_params = sum(len(group.get("params", [])) for group in groups)
+    lines.append(f"params: {n_params} ({len(state)} with state), {step_text}")
+    rows: dict[str, list[int]] = {}
+    names_by_format: dict[str, set[Any]] = {}
+    listing = []
+    for pid, st in state.items():
+        if not isinstance(st, dict):
+            continue
+        block = groups[group_of[pid]].get("block_size", 256) if pid in group_of else 256
+        slots = []
+        for fmt, slot, elements, nbytes in _state_slots(st, block):
+            row = rows.setdefault(fmt, [0, 0, 0, 0])
+            row[0] += 1
+            row[2] += elements
+            row[3] += nbytes
+            names_by_format.setdefault(fmt, set()).add(pid)
+            slots.append(f"{slot}={fmt} ({elements:,})")
+        step = st.get("step")
+        listing.append(f"  {pid}  group {group_of.get(pid, '?')}  step={'-' if step is None else int(step)}  "
+                       f"{', '.join(slots) or 'no state'}")
+    for fmt, names in names_by_format.items():
+        rows[fmt][1] = len(names)
+    lines += _table_lines(rows, len(state))
+    total = sum(r[3] for r in rows.values())
+    if not key:
+        size = os.path.getsize(path)
+        lines.append(f"file: {size:,} bytes" + (f" ({size / total:.3f}x the state bytes)" if total else ""))
+    if list_params:
+        lines += ["params (by state_dict id; elements in parentheses):"] + listing
+    return "\n".join(lines)
+
+
+def _state_slots(st: dict[str, Any], block: int) -> list[tuple[str, str, int, int]]:
+    """(format, slot, elements, bytes) of one parameter's state dict entry: lowmemopt 8-bit slots (``X.codes`` +
+    ``X.absmax``), dense slots by dtype, bitsandbytes 8-bit ``stateN`` (+ ``absmaxN``, ``qmapN``), GaLore projectors."""
+    import torch
+
+    st = dict(st)
+    st.update(st.pop("__bnb_optimizer_quant_state__", None) or {})
+    tensors = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"}
+    out, used = [], set()
+    for k, t in tensors.items():
+        if k.endswith(".codes"):
+            slot = k[: -len(".codes")]
+            absmax = tensors.get(slot + ".absmax")
+            nbytes = t.nbytes + (absmax.nbytes if absmax is not None else 0)
+            out.append((f"q8 (block {block})", slot, t.numel(), nbytes))
+            used.update((k, slot + ".absmax"))
+        elif k.startswith("state") and k[5:].isdigit() and t.dtype == torch.uint8:  # bitsandbytes 8-bit
+            extra = [tensors[x] for x in (f"absmax{k[5:]}", f"qmap{k[5:]}") if x in tensors]
+            out.append(("bitsandbytes q8", k, t.numel(), t.nbytes + sum(x.nbytes for x in extra)))
+            used.update((k, f"absmax{k[5:]}", f"qmap{k[5:]}"))
+    for k, t in tensors.items():
+        if k in used or k in ("unorm_vec", "gnorm_vec"):
+            continue
+        dtype = str(t.dtype)
+        fmt = "GaLore projector" if k.startswith("galore.") else _DTYPE_NAMES.get(dtype, dtype.replace("torch.", ""))
+        out.append((fmt, k, t.numel(), t.nbytes))
+    return out
+
+
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:
+    """The per-format table: rows of format -> [slots, params, elements, bytes], and their total."""
+    lines = [f"{'format':<18}{'slots':>7}{'params':>8}{'elements':>16}{'bytes':>16}"]
+    for fmt, (slots, nparams, elements, nbytes) in sorted(rows.items()):
+        lines.append(f"{fmt:<18}{slots:>7}{nparams:>8}{elements:>16,}{nbytes:>16,}")
+    lines.append(f"{'total':<18}{sum(r[0] for r in rows.values()):>7}{stateful:>8}"
+                 f"{sum(r[2] for r in rows.values()):>16,}{sum(r[3] for r in rows.values()):>16,}")
+    return lines
 
 
 _BYTES = {"F32": 4, "BF16": 2, "U8": 1}
@@ -98,12 +250,8 @@ def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:
             names_by_format.setdefault(fmt, set()).add(name)
     for fmt, names in names_by_format.items():
         rows[fmt][1] = len(names)
-    lines.append(f"{'format':<16}{'slots':>7}{'params':>8}{'elements':>16}{'bytes':>16}")
-    for fmt, (slots, nparams, elements, nbytes) in sorted(rows.items()):
-        lines.append(f"{fmt:<16}{slots:>7}{nparams:>8}{elements:>16,}{nbytes:>16,}")
+    lines += _table_lines(rows, stateful)
     total = sum(r[3] for r in rows.values())
-    lines.append(f"{'total':<16}{sum(r[0] for r in rows.values()):>7}{stateful:>8}"
-                 f"{sum(r[2] for r in rows.values()):>16,}{total:>16,}")
     ratio = f", {size / total:.3f}x the state bytes" if total else ""
     lines.append(f"file: {size:,} bytes (header {size - total:,}{ratio})")
     if list_params:
@@ -139,6 +287,9 @@ def _short(value: Any) -> str:
 
 _DEMO_NEEDS = {"transformers": "transformers", "matplotlib": "matplotlib", "tqdm": "tqdm"}
 
+#: ``lowmemopt demo``'s default output folder, in the current directory
+DEMO_OUT = "lowmemopt-demo-output"
+
 
 def _add_demo(subparsers: Any) -> None:
     from .demo import DEMO_CHOICES
@@ -157,8 +308,8 @@ def _add_demo(subparsers: Any) -> None:
                    help=f"comma-separated (default {','.join(DEMO_CHOICES)}); any lowmemopt optimizer name works "
                    "(lr 1e-3 unless --lr)")
     p.add_argument("--data", metavar="PATH", help="train on this text file instead of the standard library's source")
-    p.add_argument("--out", metavar="DIR", default="lowmemopt-demo",
-                   help="where to write demo.png and demo.json (default ./lowmemopt-demo)")
+    p.add_argument("--out", metavar="DIR", default=DEMO_OUT,
+                   help=f"where to write demo.png and demo.json (default ./{DEMO_OUT}, which ignores itself in git)")
     p.add_argument("--lr", type=float, help="learning rate for every optimizer (default: each one's preset)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
@@ -189,6 +340,7 @@ def _demo(args: argparse.Namespace) -> int:
         if not choices:
             raise ValueError("--optimizers: give at least one optimizer name")
         data = demo.file_bytes(args.data) if args.data else demo.stdlib_bytes()
+        out = _demo_out_dir(args.out)  # before training: an unwritable folder fails now, not after the run
     except (ValueError, OSError) as e:
         print(f"lowmemopt demo: {e}", file=sys.stderr)
         return 1
@@ -196,7 +348,7 @@ def _demo(args: argparse.Namespace) -> int:
     source = args.data or "the Python standard library's source"
     n_params = sum(p.numel() for p in demo._llama(args.seed).parameters())
     print(f"LLaMA-style byte-level LM, {n_params / 1e6:.2f}M parameters, on {data.numel():,} bytes of {source}; "
-          f"{args.steps} steps of {args.batch} x {args.seq} bytes, {device}\n", flush=True)
+          f"{args.steps} steps of {args.batch} x {args.seq} bytes, {device}; output to {out}\n", flush=True)
     results = demo.compare(choices, args.steps, data=data, seed=args.seed, batch=args.batch, seq=args.seq,
                            device=device)
     print()
@@ -205,15 +357,26 @@ def _demo(args: argparse.Namespace) -> int:
         if "skipped" in r:
             print(f"note: {r['label']} skipped: {r['skipped']}")
     print(f"\npeak memory: {_PEAK_NOTE[device.split(':')[0]]}")
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
     png = demo.plot(results, os.path.join(out, "demo.png"),
                     title=f"{n_params / 1e6:.1f}M-parameter LLaMA, {args.steps} steps on {os.path.basename(source)}")
     with open(os.path.join(out, "demo.json"), "w") as f:
         json.dump(dict(steps=args.steps, batch=args.batch, seq=args.seq, device=device, data=source,
                        params=n_params, results=results), f, indent=1)
-    print(f"wrote {png} and {os.path.join(out, 'demo.json')}")
+    print(f"\nwrote the plot to {png}\n  and the numbers to {os.path.join(out, 'demo.json')}")
     return 0
+
+
+
+def _demo_out_dir(out: str) -> str:
+    """Make the output folder; the default one, when made here, gets a ``.gitignore`` of ``*`` (as pytest does for its
+    cache) so that a run inside any git checkout leaves no untracked files."""
+    path = os.path.abspath(out)
+    new = not os.path.isdir(path)
+    os.makedirs(path, exist_ok=True)
+    if new and os.path.normpath(out) == DEMO_OUT:
+        with open(os.path.join(path, ".gitignore"), "w") as f:
+            f.write("# written by lowmemopt demo: its output stays out of git\n*\n")
+    return path
 
 
 _PEAK_NOTE = {
@@ -293,7 +456,9 @@ def _add_estimate(subparsers: Any) -> None:
         description="Bytes of weights, gradients and optimizer state of training the model a transformers "
         "config.json describes, for each optimizer x state format (and GaLore), and whether the total fits. The "
         "model is built on the meta device (nothing is allocated); the state figure is exact: each optimizer lays "
-        "out its own state. Activations and framework overhead are not included.",
+        "out its own state. Activations and framework overhead are not included. When an optimizer does not fit "
+        "--gpu-memory as asked, the cheapest combinations of state bits, GaLore rank, paged state and per-layer "
+        "updates that do fit are listed, each with its total.",
     )
     p.add_argument("config", help="a transformers config.json (needs the 'model_type' key)")
     p.add_argument("--optimizer", default=_ESTIMATE_DEFAULT_OPTIMIZERS,
@@ -305,8 +470,8 @@ def _add_estimate(subparsers: Any) -> None:
     p.add_argument("--galore-target", default="all-linear", metavar="MODULES",
                    help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names "
                    "(e.g. attn,mlp)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="dtype of weights and gradients (default fp32)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="dtype of weights and gradients (default: the config's torch_dtype, else fp32)")
     p.add_argument("--bf16-update", choices=["nearest", "stochastic", "kahan"],
                    help="how bf16 weights are updated (kahan: +2 bytes per bf16 parameter of state)")
     p.add_argument("--gpu-memory", metavar="SIZE",
@@ -318,7 +483,8 @@ def _add_estimate(subparsers: Any) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .estimate import DTYPES, default_state_bits, estimate, format_bytes, model_from_config, parse_bytes
+    from .estimate import (DTYPES, cheapest_fits, config_dtype, default_state_bits, estimate, format_bytes,
+                           model_from_config, parse_bytes)
 
     try:
         budget = parse_bytes(args.gpu_memory) if args.gpu_memory else _cuda_memory()
@@ -330,24 +496,38 @@ def _estimate(args: argparse.Namespace) -> int:
         names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
         if not names:
             raise ValueError("--optimizer: give at least one optimizer name")
-        model = model_from_config(args.config, DTYPES[args.dtype])
+        dtype, dtype_note = args.dtype, ""
+        if dtype is None:
+            dtype = config_dtype(args.config)
+            dtype_note = " (the config's torch_dtype)" if dtype else " (the config names no torch_dtype; see --dtype)"
+            dtype = dtype or "fp32"
+        model = model_from_config(args.config, DTYPES[dtype])
         ranks = [None] if args.galore_rank is None else [None, args.galore_rank]
         target = args.galore_target if args.galore_target == "all-linear" or "," not in args.galore_target \
             else [t.strip() for t in args.galore_target.split(",") if t.strip()]
-        rows = [estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
-                for name in names for bits in _bits_for(name, args.state_bits, default_state_bits)
-                for rank in ranks]
+        rows_of = {name: [estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
+                          for bits in _bits_for(name, args.state_bits, default_state_bits) for rank in ranks]
+                   for name in names}
+        rows = [r for name in names for r in rows_of[name]]
+        fits_of = {}  # name -> the cheapest combinations that fit, for a name none of whose rows fits
+        if budget is not None:
+            for name, its_rows in rows_of.items():
+                if all(r.total > budget for r in its_rows):
+                    asked = [args.galore_rank] if args.galore_rank is not None else None
+                    fits_of[name] = cheapest_fits(model, name, budget, state_bits=[32, 16, 8] if max(
+                        r.state_bits for r in its_rows) == 32 else sorted({r.state_bits for r in its_rows}),
+                        ranks=asked, galore_target_modules=target, **opt_kwargs)
     except (ValueError, TypeError, OSError, NotImplementedError) as e:
         print(f"lowmemopt estimate: {e}", file=sys.stderr)
         return 1
 
     if args.json:
         out = [dict(r._asdict(), total=r.total, fits=None if budget is None else r.total <= budget,
-                    dtype=args.dtype, gpu_memory=budget) for r in rows]
+                    dtype=dtype, gpu_memory=budget) for r in rows]
         print(json.dumps(out, indent=2))
         return 0
     n = rows[0].params
-    print(f"{type(model).__name__} from {args.config}: {n / 1e9:.3f}B trainable parameters, {args.dtype} "
+    print(f"{type(model).__name__} from {args.config}: {n / 1e9:.3f}B trainable parameters, {dtype}{dtype_note} "
           "weights and gradients")
     fits_head = f" fits in {format_bytes(budget)} |" if budget is not None else ""
     print(f"| optimizer | state | GaLore | weights | grads | optimizer state | total |{fits_head}")
@@ -357,6 +537,25 @@ def _estimate(args: argparse.Namespace) -> int:
         print(f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {format_bytes(r.weights)} | "
               f"{format_bytes(r.grads)} | {format_bytes(r.state)} | {format_bytes(r.total)} |{fits}")
     print("Not included: activations, temporaries, CUDA context and allocator caching.")
+    for name, fits in fits_of.items():
+        optimizer = rows_of[name][0].optimizer
+        if not fits:
+            print(f"\n{optimizer} does not fit in {format_bytes(budget)} with any combination of state bits, GaLore "
+                  f"rank, paged state and per-layer updates (the weights alone: {format_bytes(rows[0].weights)}).")
+            continue
+        print(f"\n{optimizer} does not fit in {format_bytes(budget)} as asked; the cheapest combinations that do "
+              "(fewest changes first):")
+        print("| state | GaLore | paged | per-layer | weights | grads | optimizer state | total |")
+        print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+        for r in fits:
+            print(f"| {r.state_bits}-bit | {r.galore_rank or '—'} | {'yes' if r.paged else 'no'} | "
+                  f"{'yes' if r.per_layer else 'no'} | {format_bytes(r.weights)} | {format_bytes(r.grads)} | "
+                  f"{format_bytes(r.state)} | {format_bytes(r.total)} |")
+    if any(fits_of.values()):
+        print("state: state_bits=N; GaLore rank R: lowmemopt.galore_param_groups(model, rank=R) as the params; paged: "
+              "paged=True (state in host RAM, the device holds 3 parameters' state at a time); per-layer: "
+              "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no global-norm "
+              "clipping). See README.md.")
     return 0
 
 

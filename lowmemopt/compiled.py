@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._stacklevel import external_stacklevel
 from .quant.blockwise import decode_rows, encode_rows, register_row_codec
 from .quant.maps import code_book, encode_table, is_signed_map
 
@@ -174,7 +175,7 @@ def _disable(exc: Exception) -> None:
     if not _warned:
         _warned = True
         warnings.warn(f"lowmemopt: torch.compile fast path unavailable ({type(exc).__name__}: {exc}); using eager steps",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=external_stacklevel())
 
 
 class _CompiledCodec:

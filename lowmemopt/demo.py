@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = ["stdlib_bytes", "file_bytes", "ByteMLP", "LLAMA_BYTES", "train_bytes", "train_llama_bytes", "Choice",
-           "DEMO_CHOICES", "choice", "compare", "table", "plot"]
+           "DEMO_CHOICES", "choice", "compare", "table", "figure", "plot", "twins"]
 
 
 def stdlib_bytes(limit: int = 400_000) -> torch.Tensor:
@@ -153,7 +153,7 @@ def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_ste
     step_s = statistics.median(step_times) if step_times else 0.0
     train_step_s = statistics.median(times) if times else 0.0
     return dict(losses=losses, final=sum(tail) / len(tail), heldout=heldout, state_bytes=state, step_s=step_s,
-                train_step_s=train_step_s)
+                train_step_s=train_step_s, state_bits=opt.defaults.get("state_bits"))
 
 
 #: the held-out windows' generator seed: a fixed set of windows, the same for every run and not drawn from the
@@ -205,6 +205,15 @@ class Choice:
             params = model.parameters()
         return resolved.cls(params, **{**resolved.kwargs, **self.kwargs})
 
+    def algorithm(self) -> str:
+        """The algorithm's class name (``AdamW`` for ``adamw8bit``), ``GaLore-`` in front for GaLore groups: runs with
+        the same algorithm differ only in their storage options."""
+        from .registry import resolve
+
+        cls = resolve(self.name).cls
+        base = next((k for k in cls.__mro__ if k.__module__.startswith("lowmemopt.optim.")), cls)
+        return ("GaLore-" if self.galore is not None else "") + base.__name__
+
 
 #: the demo's default optimizers. CAME's lr: 5e-4 and up are unstable on this model (see tests/test_training.py).
 DEMO_CHOICES: dict[str, Choice] = {
@@ -247,7 +256,8 @@ def compare(
 ) -> list[dict[str, Any]]:
     """Train a fresh :data:`LLAMA_BYTES` model (same init, same batches) with each choice for ``steps`` steps.
 
-    Each result: ``label``, ``losses``, ``final`` (mean of the last 20), ``heldout`` (:func:`heldout_loss`),
+    Each result: ``label``, ``name``, ``algorithm`` (:meth:`Choice.algorithm`), ``state_bits``, ``losses``, ``final``
+    (mean of the last 20 steps' losses), ``heldout`` (:func:`heldout_loss`),
     ``state_bytes``, ``peak_bytes`` (peak memory in use above what was in use before the model was built: weights,
     gradients, state, activations; None where it cannot be measured), ``step_s`` (median ``optimizer.step()``) and ``train_step_s`` (median whole step), or
     ``skipped`` (a reason) for a choice this lowmemopt cannot run (GaLore before it is available). Before measuring,
@@ -272,7 +282,7 @@ def compare(
         finally:
             if bar is not None:
                 bar.close()
-        results.append(dict(label=c.label, name=c.name, peak_bytes=memory.peak, **r))
+        results.append(dict(label=c.label, name=c.name, algorithm=c.algorithm(), peak_bytes=memory.peak, **r))
         gc.collect()
     return results
 
@@ -300,7 +310,8 @@ def _progress(steps: int, label: str):
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of :func:`compare`'s results."""
-    lines = ["| optimizer | state memory | peak memory | optimizer step | train step | final loss | held-out loss |",
+    lines = ["| optimizer | state memory | peak memory | optimizer step | train step | final loss (mean of last 20 steps) "
+             "| held-out loss |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         if "skipped" in r:
@@ -316,42 +327,111 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def plot(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Write a PNG: loss curves (a 20-step moving average over the raw loss) and state / peak memory per optimizer."""
+#: line style and marker per curve, in order: curves that lie on top of each other (AdamW 32-bit under 8-bit) still
+#: show as different lines
+_STYLES = [("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 1)), "P")]
+
+
+def twins(results: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(low-bit result, its 32-bit twin) pairs of :func:`compare`'s results: same ``algorithm`` (optimizer class and
+    GaLore or not), the first at 16 or 8 bits, the second at 32."""
+    ran = [r for r in results if "skipped" not in r and r.get("algorithm") and r.get("state_bits")]
+    full = {r["algorithm"]: r for r in ran if r["state_bits"] == 32}
+    return [(r, full[r["algorithm"]]) for r in ran if r["state_bits"] < 32 and r["algorithm"] in full]
+
+
+def _smooth(losses: Sequence[float], k: int = 20) -> tuple[list[int], list[float]]:
+    """Steps and the ``k``-step moving average (the average of steps ``t-k+1..t`` plotted at ``t``)."""
+    x = torch.tensor(losses, dtype=torch.float64)
+    k = max(1, min(k, len(x)))
+    return list(range(k, len(x) + 1)), x.unfold(0, k, 1).mean(1).tolist()
+
+
+def figure(results: Sequence[dict[str, Any]], title: str = ""):
+    """The demo's matplotlib figure: loss curves (a 20-step moving average over the faint raw loss), each in its own
+    line style and marker; the 8-bit (16-bit) minus 32-bit loss of each optimizer run at both (:func:`twins`), if
+    any; optimizer state and peak memory per optimizer, each bar labelled with its MiB."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ran = [r for r in results if "skipped" not in r]
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw=dict(width_ratios=[3, 2]))
-    for r in ran:
-        losses = torch.tensor(r["losses"])
-        k = min(20, len(losses))
-        smooth = losses.unfold(0, k, 1).mean(1) if k > 1 else losses
-        (line,) = ax_loss.plot(range(k, len(losses) + 1), smooth.tolist(), label=r["label"], lw=1.6)
-        ax_loss.plot(range(1, len(losses) + 1), losses.tolist(), color=line.get_color(), alpha=0.15, lw=0.8)
+    pairs = twins(ran)
+    widths = [3, 2, 2] if pairs else [3, 2]
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.4 * len(widths), 4.2), gridspec_kw=dict(width_ratios=widths))
+    ax_loss, ax_mem = axes[0], axes[-1]
+    colors = {}
+    n = max((len(r["losses"]) for r in ran), default=1)
+    for i, r in enumerate(ran):
+        style, marker = _STYLES[i % len(_STYLES)]
+        x, y = _smooth(r["losses"])
+        every = max(1, n // 8)
+        (line,) = ax_loss.plot(x, y, label=r["label"], ls=style, marker=marker, ms=5, lw=max(1.0, 2.6 - 0.35 * i),
+                               markevery=(min(len(x) - 1, i * every // max(1, len(ran))), every), zorder=3 + i,
+                               markerfacecolor="none" if i % 2 else None)
+        colors[r["label"]] = line.get_color()
+        ax_loss.plot(range(1, len(r["losses"]) + 1), r["losses"], color=line.get_color(), alpha=0.12, lw=0.8)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss (nats/byte)")
     ax_loss.set_title("loss (20-step moving average)")
     ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
+    ax_loss.legend(fontsize=8)
+    if pairs:
+        ax_diff = axes[1]
+        ax_diff.axhline(0.0, color="0.3", lw=0.8)
+        for low, full in pairs:
+            m = min(len(low["losses"]), len(full["losses"]))
+            x, y = _smooth([a - b for a, b in zip(low["losses"][:m], full["losses"][:m])])
+            ax_diff.plot(x, y, color=colors[low["label"]], lw=1.6, label=f"{low['label']} − {full['label']}")
+        ax_diff.set_xlabel("step")
+        ax_diff.set_ylabel("loss difference (nats/byte)")
+        low_bits = "/".join(f"{b}-bit" for b in sorted({low["state_bits"] for low, _ in pairs}, reverse=True))
+        ax_diff.set_title(f"{low_bits} − 32-bit loss (20-step average)")
+        ax_diff.grid(alpha=0.3)
+        ax_diff.legend(fontsize=8)
     x = range(len(ran))
     state = [r["state_bytes"] / 2**20 for r in ran]
-    peak = [(r["peak_bytes"] or 0) / 2**20 for r in ran]
-    ax_mem.bar([i - 0.2 for i in x], state, width=0.4, label="optimizer state")
-    if any(r["peak_bytes"] is not None for r in ran):
-        ax_mem.bar([i + 0.2 for i in x], peak, width=0.4, label="peak memory")
+    bars = [ax_mem.bar([i - 0.2 for i in x], state, width=0.4, label="optimizer state")]
+    if any(r.get("peak_bytes") is not None for r in ran):
+        peak = [(r["peak_bytes"] or 0) / 2**20 for r in ran]
+        bars.append(ax_mem.bar([i + 0.2 for i in x], peak, width=0.4, label="peak memory"))
+    for b in bars:
+        ax_mem.bar_label(b, fmt="%.1f", fontsize=7, padding=1)
     ax_mem.set_xticks(list(x), [r["label"].replace(" ", "\n", 1) for r in ran], fontsize=8)
     ax_mem.set_ylabel("MiB")
-    ax_mem.set_title("memory")
-    ax_mem.legend()
+    ax_mem.set_title("memory (MiB)")
+    ax_mem.margins(y=0.12)
+    ax_mem.legend(fontsize=8)
     ax_mem.grid(axis="y", alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+#: the PNG's resolution (dots per inch) and palette size: a plot of a few flat colours keeps its look in 128 colours at
+#: about a third of the bytes of full RGBA (76 KB instead of 210 KB for the default demo)
+DPI = 150
+PALETTE_COLORS = 128
+
+
+def plot(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Write :func:`figure` as a PNG at :data:`DPI` (a palette image of :data:`PALETTE_COLORS`); returns the path."""
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image  # a dependency of matplotlib
+
+    fig = figure(results, title)
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, dpi=DPI, format="png")
+    finally:
+        plt.close(fig)
+    buffer.seek(0)
+    image = Image.open(buffer).convert("RGB").quantize(PALETTE_COLORS, dither=Image.Dither.NONE)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    image.save(path, format="png", optimize=True, dpi=(DPI, DPI))
     return path

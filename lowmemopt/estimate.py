@@ -6,6 +6,12 @@ formats, block sizes and ``min_quant_numel``), still on the meta device; the sta
 ``state_nbytes()``. So the number is exact by construction and follows any optimizer or format change, with no
 per-optimizer formula to keep in step. Activations, temporaries and framework overhead (CUDA context, allocator
 caching) are not included.
+
+Two options change what the device holds rather than what exists: ``paged`` (state in host RAM or files between steps,
+:mod:`lowmemopt.paging`): the device holds at most three parameters' state at a time (the one updating, the next
+arriving, the last being written back); ``per_layer`` (:func:`lowmemopt.step_in_backward`): each gradient is applied and
+freed as soon as it is produced, so one gradient (the largest) is held at a time. :func:`cheapest_fits` searches state
+bits, GaLore rank, paging and per-layer updates for the combinations that fit a budget with the fewest changes.
 """
 
 from __future__ import annotations
@@ -13,32 +19,59 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
 from .registry import instantiate, resolve
 
-__all__ = ["MemoryEstimate", "default_state_bits", "estimate", "format_bytes", "model_from_config", "parse_bytes", "state_nbytes_after_first_step"]
+__all__ = ["MemoryEstimate", "cheapest_fits", "config_dtype", "default_state_bits", "estimate", "format_bytes",
+           "galore_ranks", "model_from_config", "parse_bytes", "state_nbytes_after_first_step"]
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
+SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+#: device-resident parameters' state when paged: the one updating, the next arriving, the last being written back
+PAGED_IN_FLIGHT = 3
 
 
 class MemoryEstimate(NamedTuple):
-    """Bytes of one (optimizer, state_bits, GaLore rank) choice for one model."""
+    """Bytes of one (optimizer, state_bits, GaLore rank, paging, per-layer) choice for one model, on the device."""
 
     optimizer: str
     state_bits: int
     galore_rank: int | None
     params: int  # trainable parameter count
     weights: int
-    grads: int
-    state: int
+    grads: int  # all gradients; per_layer: the largest one
+    state: int  # all state; paged: the PAGED_IN_FLIGHT largest parameters' state
+    paged: bool = False
+    per_layer: bool = False
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.state
+
+
+def _config_dict(config: str | os.PathLike | Mapping[str, Any]) -> Any:
+    if isinstance(config, Mapping):
+        return dict(config)
+    with open(config) as f:
+        return json.load(f)
+
+
+def config_dtype(config: str | os.PathLike | Mapping[str, Any]) -> str | None:
+    """The weights' dtype a transformers config names (``torch_dtype``, or ``dtype`` in newer configs) as ``"fp32"``,
+    ``"bf16"`` or ``"fp16"``; None if it names none (or ``"auto"``, or another dtype)."""
+    data = _config_dict(config)
+    if not isinstance(data, dict):
+        return None
+    name = data.get("torch_dtype") or data.get("dtype")
+    if not isinstance(name, str):
+        return None
+    dtype = DTYPES.get(name.removeprefix("torch."))
+    return None if dtype is None else SHORT_DTYPE_NAMES[dtype]
 
 
 def model_from_config(config: str | os.PathLike | Mapping[str, Any], dtype: torch.dtype = torch.float32
@@ -47,11 +80,7 @@ def model_from_config(config: str | os.PathLike | Mapping[str, Any], dtype: torc
     on the meta device: every parameter has its real shape and ``dtype`` and no storage."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    if isinstance(config, Mapping):
-        data = dict(config)
-    else:
-        with open(config) as f:
-            data = json.load(f)
+    data = _config_dict(config)
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{config!r}: not a transformers model config (a JSON object with a 'model_type')")
     data = dict(data)
@@ -68,6 +97,11 @@ def state_nbytes_after_first_step(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of state ``optimizer`` holds once every parameter with ``requires_grad`` has taken a step, computed by
     letting it create that state on the meta device (its parameters may be real or meta; nothing real is allocated
     and the optimizer's own state is left untouched)."""
+    return sum(_state_nbytes_per_param(optimizer))
+
+
+def _state_nbytes_per_param(optimizer: torch.optim.Optimizer) -> list[int]:
+    """:func:`state_nbytes_after_first_step`, one figure per parameter that has state."""
     meta: dict[torch.Tensor, torch.Tensor] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -86,7 +120,8 @@ def state_nbytes_after_first_step(optimizer: torch.optim.Optimizer) -> int:
                 init_projected_state(shadow, p, group)
             else:
                 shadow._init_state(p, group, shadow._slots(group, p))
-    return shadow.state_nbytes()
+    return [sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
+            for st in shadow.state.values()]
 
 
 def estimate(
@@ -96,11 +131,36 @@ def estimate(
     *,
     galore_rank: int | None = None,
     galore_target_modules: Any = "all-linear",
+    paged: bool = False,
+    per_layer: bool = False,
     **optimizer_kwargs: Any,
 ) -> MemoryEstimate:
     """Weights, gradients (one per trainable parameter, in its dtype) and optimizer state of training ``model``
     (meta or real) with ``optimizer`` (a name, see :mod:`lowmemopt.registry`) at ``state_bits``, optionally with
-    GaLore groups of ``galore_rank`` over ``galore_target_modules``."""
+    GaLore groups of ``galore_rank`` over ``galore_target_modules``; ``paged`` and ``per_layer`` count what the device
+    holds then (module docstring)."""
+    layout = _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs)
+    return _variant(layout, paged, per_layer)
+
+
+class _Layout(NamedTuple):
+    optimizer: str
+    state_bits: int
+    galore_rank: int | None
+    params: int
+    weights: int
+    grads: list[int]  # bytes per trainable parameter's gradient
+    state: list[int]  # bytes per parameter's state
+
+
+def _variant(layout: _Layout, paged: bool, per_layer: bool) -> MemoryEstimate:
+    state = sum(sorted(layout.state)[-PAGED_IN_FLIGHT:]) if paged else sum(layout.state)
+    grads = max(layout.grads, default=0) if per_layer else sum(layout.grads)
+    return MemoryEstimate(layout.optimizer, layout.state_bits, layout.galore_rank, layout.params, layout.weights,
+                          grads, state, paged, per_layer)
+
+
+def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs) -> _Layout:
     resolved = resolve(optimizer)
     named = list(model.named_parameters())
     trainable = [p for _, p in named if p.requires_grad]
@@ -116,15 +176,58 @@ def estimate(
         opt = instantiate(resolved.cls, params, **{**resolved.kwargs, **optimizer_kwargs, "state_bits": state_bits})
     except TypeError as e:
         raise TypeError(f"{resolved.cls.__name__}: {e}") from e
-    return MemoryEstimate(
+    return _Layout(
         optimizer=resolved.cls.__name__,
         state_bits=state_bits,
         galore_rank=galore_rank,
         params=sum(p.numel() for p in trainable),
         weights=sum(p.numel() * p.element_size() for _, p in named),
-        grads=sum(p.numel() * p.element_size() for p in trainable),
-        state=state_nbytes_after_first_step(opt),
+        grads=[p.numel() * p.element_size() for p in trainable],
+        state=_state_nbytes_per_param(opt),
     )
+
+
+def galore_ranks(model: torch.nn.Module, target_modules: Any = "all-linear", count: int = 3) -> list[int]:
+    """GaLore ranks worth trying on ``model``: the ``count`` largest powers of two from 1024 down to 8 that are at most
+    a quarter of the largest target matrix's smaller side (the hidden size, for a transformer)."""
+    import lowmemopt
+
+    groups = lowmemopt.galore_param_groups(model, target_modules=target_modules, rank=1)
+    sides = [min(p.shape) for g in groups if "rank" in g for p in g["params"]]
+    top = max(sides, default=0) // 4
+    return [r for r in (1024, 512, 256, 128, 64, 32, 16, 8) if r <= top][:count]
+
+
+def cheapest_fits(
+    model: torch.nn.Module,
+    optimizer: str,
+    budget: int,
+    *,
+    state_bits: Sequence[int] = (32, 16, 8),
+    ranks: Sequence[int] | None = None,
+    galore_target_modules: Any = "all-linear",
+    limit: int = 5,
+    **optimizer_kwargs: Any,
+) -> list[MemoryEstimate]:
+    """The combinations of ``state_bits``, GaLore rank (none or one of ``ranks``, default :func:`galore_ranks`),
+    paging and per-layer updates whose total fits ``budget`` bytes with the fewest changes: a combination is left out
+    when another that fits gives up no more on every count (more state bits, a larger or no GaLore rank, unpaged,
+    whole-model steps are each better). Sorted by the number of changes, then by total; at most ``limit``."""
+    ranks = galore_ranks(model, galore_target_modules) if ranks is None else sorted(set(ranks), reverse=True)
+    bits = sorted(set(state_bits), reverse=True)
+    fits = []
+    for b in bits:
+        for r in [None, *ranks]:
+            layout = _layout(model, optimizer, b, r, galore_target_modules, optimizer_kwargs)
+            for paged in (False, True):
+                for per_layer in (False, True):
+                    e = _variant(layout, paged, per_layer)
+                    if e.total <= budget:
+                        cost = (bits.index(b), 0 if r is None else 1 + ranks.index(r), int(paged), int(per_layer))
+                        fits.append((cost, e))
+    best = [(c, e) for c, e in fits if not any(d != c and all(x <= y for x, y in zip(d, c)) for d, _ in fits)]
+    best.sort(key=lambda ce: (sum(1 for x in ce[0] if x), ce[1].total))
+    return [e for _, e in best[:limit]]
 
 
 def default_state_bits(optimizer: str) -> int:

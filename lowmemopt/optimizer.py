@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from . import compiled, cpu, paging, pipeline, rounding
+from ._stacklevel import external_stacklevel
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import (
     agree_finite,
@@ -366,7 +367,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients this step "
                 "(their values and optimizer state are unchanged)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
             )
         return loss
 

@@ -33,6 +33,7 @@ import warnings
 
 import torch
 
+from ._stacklevel import external_stacklevel
 from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
 
@@ -68,7 +69,7 @@ class BackwardStepper:
             warnings.warn(
                 f"step_in_backward: trainable parameters not in the optimizer keep their gradients: {loose[:5]}",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=external_stacklevel(),
             )
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._group_of if p.requires_grad]
         self._handles.append(optimizer.register_step_pre_hook(self._step_pre_hook))
@@ -104,7 +105,7 @@ class BackwardStepper:
                 f"{type(self.optimizer).__name__} (step_in_backward): skipped {self._skipped} parameter(s) with NaN/Inf "
                 "gradients this step (their values and optimizer state are unchanged)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=external_stacklevel(),  # the user's backward() line
             )
             self._skipped = 0
 

@@ -552,6 +552,25 @@ def test_load_state_dict_conversion_error_changes_nothing():
     assert _same_state(target, before) and target.param_groups[0]["block_size"] == 256
 
 
+@pytest.mark.parametrize("bits", [8, 32])
+def test_load_state_dict_of_another_model_names_the_shapes(bits):
+    saved, _ = _stepped(bits, shapes=[(128, 96)], steps=1)
+    target, _ = _stepped(bits, shapes=[(64, 96)], steps=1)
+    before = _snapshot(target)
+    theirs = "has 12,288 elements in the state dict (8-bit codes, stored flat)" if bits == 8 else \
+        "has shape (128, 96) in the state dict"
+    ours = "the optimizer's parameter has shape (64, 96)" + (" (6,144 elements)" if bits == 8 else "")
+    with pytest.raises(CheckpointError) as e:
+        target.load_state_dict(saved.state_dict())
+    assert str(e.value).startswith(f"load_state_dict: parameter 0 of param group 0: 'exp_avg' {theirs}; {ours}; ")
+    assert "another model" in str(e.value) and _same_state(target, before)
+    # a slot shaped otherwise than its parameter (Adafactor's factored rows): both shapes
+    saved, _ = _stepped(bits, shapes=[(128, 96)], steps=1, cls=lowmemopt.Adafactor)
+    target, _ = _stepped(bits, shapes=[(64, 96)], steps=1, cls=lowmemopt.Adafactor)
+    with pytest.raises(CheckpointError, match=r"parameter has shape \(64, 96\) and its 'exp_avg_sq_row' \(64,\)"):
+        target.load_state_dict(saved.state_dict())
+
+
 def test_only_lowmemopt_optimizers_are_saved(tmp_path):
     opt = torch.optim.AdamW(make_params([(3,)]))
     with pytest.raises(TypeError, match="load its state_dict"):
@@ -590,6 +609,21 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     assert path.read_bytes() == good
     assert os.listdir(tmp_path) == ["s.safetensors"]  # no temporary file left behind
     load_state(lowmemopt.AdamW(clone_params(params), state_bits=8), path)  # and it still loads
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_saved_file_mode_follows_the_umask_like_torch_save(tmp_path, umask):
+    opt, _ = _stepped(8)
+    old = os.umask(umask)
+    try:
+        save_state(opt, tmp_path / "s.safetensors")
+        save_state(opt, tmp_path / "s.safetensors")  # replacing a file: the same mode again
+        torch.save(opt.state_dict(), tmp_path / "s.pt")
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "s.safetensors").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask == (tmp_path / "s.pt").stat().st_mode & 0o777
 
 
 def test_no_pickle_anywhere(tmp_path, monkeypatch):

@@ -54,6 +54,59 @@ def test_cli_inspect_bad_file_fails_cleanly(tmp_path, capsys):
         cli_main([])  # a subcommand is required
 
 
+def test_cli_inspect_summarises_a_torch_save_state_dict(tmp_path, capsys):
+    net = Net()
+    opt = lowmemopt.AdamW(net.parameters(), lr=2e-3, state_bits=8)
+    run(opt, list(net.parameters()), 3)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")  # README's file
+    assert cli_main(["inspect", str(tmp_path / "opt.pt"), "--params"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state_dict() saved with torch.save (lowmemopt state, lowmemopt_format 2)" in out
+    assert "lr=0.002" in out and "state_bits=8" in out and "params: 4 (4 with state), step 3" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    q8 = next(line for line in out.splitlines() if line.startswith("q8 (block 256)")).split()
+    assert q8[3:] == ["4", "2", "21,760", "22,104"]  # the same figures as the safetensors file's summary
+    assert rows["fp32"][1:] == ["4", "2", "1,584", "6,336"] and rows["total"][1:] == ["8", "4", "23,344", "28,440"]
+    assert "exp_avg=q8 (block 256) (5,760)" in out  # --params: proj.weight's slots
+
+    # torch.optim state one level down in a dict (as README's GaLore example saves), in the legacy format
+    ref = torch.optim.AdamW(Net().parameters())
+    run(ref, [p for g in ref.param_groups for p in g["params"]], 2)
+    torch.save({"opt": ref.state_dict(), "epoch": 3}, tmp_path / "ref.pt", _use_new_zipfile_serialization=False)
+    assert cli_main(["inspect", str(tmp_path / "ref.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "ref.pt (key 'opt'): optimizer state_dict() saved with torch.save (no lowmemopt_format" in out
+    assert next(line for line in out.splitlines() if line.startswith("fp32")).split()[1:] == [
+        "8", "4", "23,344", "93,376"]  # 2 x 11,672 fp32 elements
+
+
+def test_cli_inspect_says_what_it_expects_of_other_torch_files(tmp_path, capsys):
+    torch.save(Net().state_dict(), tmp_path / "model.pt")
+    assert cli_main(["inspect", str(tmp_path / "model.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "a torch.save file holding 4 tensors (a model's state_dict()?), not an optimizer state_dict()" in err
+    assert "a .safetensors file written by lowmemopt.save_state" in err
+    torch.save({"when": __import__("datetime").date(2024, 1, 1)}, tmp_path / "pickled.pt")  # not weights_only-safe
+    assert cli_main(["inspect", str(tmp_path / "pickled.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "torch.load(weights_only=True) cannot read (UnpicklingError: WeightsUnpickler error" in err
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "model.pt").read_bytes()[:300])
+    assert cli_main(["inspect", str(tmp_path / "cut.pt")]) == 1
+    assert "truncated or corrupt?" in capsys.readouterr().err
+
+
+def test_cli_inspect_tells_torch_files_from_safetensors_by_content(tmp_path):
+    from lowmemopt.cli import _is_torch_file
+
+    torch.save({"a": torch.zeros(2)}, tmp_path / "zip.bin")
+    torch.save({"a": torch.zeros(2)}, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    # a safetensors header of 640 bytes: its length field begins with the bytes of a pickle's protocol 2 opcode
+    (tmp_path / "st.bin").write_bytes((640).to_bytes(8, "little") + b"{" + b" " * 639)
+    assert _is_torch_file(str(tmp_path / "zip.bin")) and _is_torch_file(str(tmp_path / "legacy.bin"))
+    assert (tmp_path / "st.bin").read_bytes()[:2] == b"\x80\x02" and not _is_torch_file(str(tmp_path / "st.bin"))
+    assert not _is_torch_file(str(tmp_path / "missing"))
+
+
 def test_console_script_is_registered():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     with open(ROOT / "pyproject.toml", "rb") as f:
@@ -77,8 +130,9 @@ def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
                      "--batch", "2", "--seq", "16", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert f"on {text.stat().st_size:,} bytes of {text}" in printed and "4 steps of 2 x 16 bytes" in printed
-    assert ("| optimizer | state memory | peak memory | optimizer step | train step | final loss | held-out loss |"
-            in printed)
+    assert ("| optimizer | state memory | peak memory | optimizer step | train step | final loss (mean of last 20 steps) "
+            "| held-out loss |" in printed)
+    assert f"wrote the plot to {out / 'demo.png'}" in printed
     for label in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit", "GaLore-CAME 8-bit"):
         assert f"| {label} |" in printed
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -94,10 +148,79 @@ def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
             assert r["peak_bytes"] > r["state_bytes"]
     assert runs["AdamW 8-bit"]["state_bytes"] < runs["AdamW 32-bit"]["state_bytes"] / 3
     assert runs["AdamW 8-bit"]["losses"][0] == runs["AdamW 32-bit"]["losses"][0]  # same init, same first batch
+    assert (runs["AdamW 8-bit"]["algorithm"], runs["AdamW 8-bit"]["state_bits"]) == ("AdamW", 8)
+    assert (runs["AdamW 32-bit"]["algorithm"], runs["AdamW 32-bit"]["state_bits"]) == ("AdamW", 32)
     if hasattr(lowmemopt, "galore_param_groups"):
         assert runs["GaLore-CAME 8-bit"]["state_bytes"] < runs["CAME 8-bit"]["state_bytes"]
     else:
         assert "skipped" in runs["GaLore-CAME 8-bit"] and "note: GaLore-CAME 8-bit skipped" in printed
+
+
+def _fake_results(steps: int = 60) -> list[dict]:
+    """compare()'s results for three runs, two of whose curves coincide (AdamW 32-bit and 8-bit)."""
+    losses = [3.0 - 0.01 * t for t in range(steps)]
+
+    def run(label, algorithm, bits, curve, state, peak):
+        return dict(label=label, name=label, algorithm=algorithm, state_bits=bits, losses=curve, final=curve[-1],
+                    heldout=curve[-1], state_bytes=state, peak_bytes=peak, step_s=0.01, train_step_s=0.02)
+
+    return [run("AdamW 32-bit", "AdamW", 32, losses, 14 * 2**20, 61 * 2**20),
+            run("AdamW 8-bit", "AdamW", 8, [x + 0.02 for x in losses], int(3.6 * 2**20), 51 * 2**20),
+            run("CAME 8-bit", "CAME", 8, [x + 0.5 for x in losses], int(1.9 * 2**20), 49 * 2**20),
+            dict(label="GaLore-X", skipped="not here")]
+
+
+def test_demo_plot_shows_coinciding_curves_their_difference_and_labelled_memory(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from lowmemopt import demo
+
+    results = _fake_results()
+    assert [(a["label"], b["label"]) for a, b in demo.twins(results)] == [("AdamW 8-bit", "AdamW 32-bit")]
+    fig = demo.figure(results, "title")
+    ax_loss, ax_diff, ax_mem = fig.axes
+    curves = [line for line in ax_loss.get_lines() if line.get_label() in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit")]
+    assert len(curves) == 3
+    assert len({(line.get_linestyle(), line.get_marker()) for line in curves}) == 3  # each curve its own look
+    (diff,) = [line for line in ax_diff.get_lines() if line.get_label().startswith("AdamW 8-bit")]
+    assert diff.get_ydata() == pytest.approx([0.02] * len(diff.get_ydata()))  # 8-bit minus 32-bit, smoothed
+    assert "8-bit − 32-bit" in ax_diff.get_title()
+    labels = {t.get_text() for t in ax_mem.texts}
+    assert {"14.0", "3.6", "1.9", "61.0", "51.0", "49.0"} <= labels  # every bar carries its MiB
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    path = demo.plot(results, tmp_path / "demo.png")
+    with Image.open(path) as image:
+        assert min(image.info["dpi"]) >= 150 and image.size[0] >= 1500
+    # without a 32-bit twin there is no difference panel
+    fig = demo.figure([r for r in results if r.get("label") != "AdamW 32-bit"])
+    assert len(fig.axes) == 2
+    plt.close(fig)
+
+
+def test_cli_demo_default_output_folder_ignores_itself(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    from lowmemopt import demo
+    from lowmemopt.cli import DEMO_OUT
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "compare", lambda *a, **k: _fake_results(4))
+    assert cli_main(["demo", "--steps", "4", "--optimizers", "adamw,adamw8bit", "--device", "cpu"]) == 0
+    folder = tmp_path / DEMO_OUT
+    assert (folder / "demo.png").exists() and (folder / "demo.json").exists()
+    assert (folder / ".gitignore").read_text().splitlines()[-1] == "*"
+    printed = capsys.readouterr().out
+    assert f"output to {folder}" in printed and f"wrote the plot to {folder / 'demo.png'}" in printed
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert f"/{DEMO_OUT}/" in gitignore  # and the checkout's own .gitignore names it
+    assert f"`{DEMO_OUT}/demo.png`" in (ROOT / "README.md").read_text()  # where README says the plot goes
+    # a folder the user names gets no .gitignore
+    assert cli_main(["demo", "--steps", "4", "--optimizers", "adamw", "--device", "cpu", "--out", "mine"]) == 0
+    assert (tmp_path / "mine" / "demo.png").exists() and not (tmp_path / "mine" / ".gitignore").exists()
 
 
 def test_cli_demo_bad_input(tmp_path, capsys):

@@ -146,3 +146,75 @@ def test_parse_bytes():
     for bad in ("", "GiB", "12 parsecs", "-1GB"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_cli_estimate_defaults_to_the_configs_dtype(tmp_path, capsys, key):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, key: "bfloat16"}))
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["dtype"] == "bf16" and row["weights"] == row["grads"] == 2 * row["params"]
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit"]) == 0
+    assert "bf16 (the config's torch_dtype) weights and gradients" in capsys.readouterr().out
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit", "--dtype", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["weights"] == 4 * row["params"]  # --dtype wins
+    path.write_text(json.dumps(CONFIG))  # no dtype named: fp32, and it says so
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit"]) == 0
+    assert "fp32 (the config names no torch_dtype; see --dtype)" in capsys.readouterr().out
+
+
+def test_paged_and_per_layer_estimates_count_what_the_device_holds():
+    meta = model_from_config(CONFIG)
+    whole = estimate(meta, "adamw", 32)
+    lean = estimate(meta, "adamw", 32, paged=True, per_layer=True)
+    model = real_model()
+    opt = lowmemopt.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    per_param = sorted(sum(v.nbytes for v in st.values() if isinstance(v, torch.Tensor)) for st in opt.state.values())
+    assert lean.state == sum(per_param[-3:]) < whole.state == sum(per_param)  # in flight: 3 parameters' state
+    assert lean.grads == max(p.numel() * 4 for p in model.parameters()) < whole.grads  # one gradient at a time
+    assert lean.weights == whole.weights and (lean.paged, lean.per_layer) == (True, True)
+
+
+def test_cli_estimate_lists_the_cheapest_combinations_that_fit(tmp_path, capsys):
+    from lowmemopt.estimate import cheapest_fits
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    budget = 1000 * 1024  # 8-bit AdamW needs 1001.97 KiB: nothing fits as asked
+    meta = model_from_config(CONFIG)
+    fits = cheapest_fits(meta, "adamw", budget, ranks=[16, 8])
+    assert fits and all(f.total <= budget for f in fits)
+    # brute force: every combination, and which fit
+    combos = {(b, r, pg, pl): estimate(meta, "adamw", b, galore_rank=r, paged=pg, per_layer=pl)
+              for b in (32, 16, 8) for r in (None, 16, 8) for pg in (False, True) for pl in (False, True)}
+    assert not any(e.total <= budget for (b, r, pg, pl), e in combos.items() if (r, pg, pl) == (None, False, False))
+
+    def changes(e):
+        return (e.state_bits != 32) + (e.galore_rank is not None) + e.paged + e.per_layer
+
+    fewest = min(changes(e) for e in combos.values() if e.total <= budget)
+    assert changes(fits[0]) == fewest
+    for f in fits:  # each is one of the combinations, and none that fits changes less on every count
+        assert combos[(f.state_bits, f.galore_rank, f.paged, f.per_layer)] == f
+        for e in combos.values():
+            if e.total <= budget and e != f:
+                assert not (e.state_bits >= f.state_bits and e.paged <= f.paged and e.per_layer <= f.per_layer and
+                            (e.galore_rank is None or (f.galore_rank is not None and e.galore_rank >= f.galore_rank)))
+
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "1000KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW does not fit in 1000.00 KiB as asked; the cheapest combinations that do" in out
+    listed = [line for line in out.split("fewest changes first):")[1].splitlines() if line.startswith("| ") and "-bit" in line]
+    assert listed and len(listed) == len(fits)
+    first = fits[0]
+    assert listed[0] == (f"| {first.state_bits}-bit | {first.galore_rank or '—'} | {'yes' if first.paged else 'no'} | "
+                         f"{'yes' if first.per_layer else 'no'} | {format_bytes(first.weights)} | "
+                         f"{format_bytes(first.grads)} | {format_bytes(first.state)} | {format_bytes(first.total)} |")
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "100KiB"]) == 0
+    assert "does not fit in 100.00 KiB with any combination" in capsys.readouterr().out
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "80GB"]) == 0
+    assert "cheapest combinations" not in capsys.readouterr().out  # it fits: nothing to suggest

@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from .._stacklevel import external_stacklevel
 from ..quant.blockwise import register_row_codec
 from . import build
 
@@ -51,7 +52,7 @@ def available() -> bool:
         if not _warned:
             _warned = True
             warnings.warn(f"lowmemopt: native CPU kernels unavailable ({build.build_error}); using the torch paths",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=external_stacklevel())
         return False
     return True
 

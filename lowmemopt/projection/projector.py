@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from .._stacklevel import external_stacklevel
 from .basis import randomized_svd_basis, svd_basis
 
 __all__ = [
@@ -198,7 +199,7 @@ def warn_refresh_failed(optimizer: Any, where: str) -> None:
         "SVD did not converge); keeping the previous basis (a parameter with no basis yet skips its step). "
         "Warned once per optimizer; optimizer.galore_refresh_failures counts them.",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=external_stacklevel(),
     )
 
 

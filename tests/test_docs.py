@@ -1,0 +1,58 @@
+"""Every image and relative link in README.md and docs/*.md points at a file of the repository (and a heading there)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.S | re.M)
+_CODE_SPAN = re.compile(r"(`+).+?\1", flags=re.S)
+_INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", flags=re.M)
+_HTML = re.compile(r"<(?:img|a)\b[^>]*?\b(?:src|href)=\"([^\"]+)\"", flags=re.I)
+
+
+def targets(text: str) -> list[str]:
+    """Link and image targets of a Markdown text, outside code blocks and code spans."""
+    text = _CODE_SPAN.sub("", _FENCE.sub("", text))
+    return [m.group(1) for pattern in (_INLINE, _REFERENCE, _HTML) for m in pattern.finditer(text)]
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown text's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", _FENCE.sub("", text), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_the_link_finder_sees_links_images_and_references_but_not_code():
+    text = ("![plot](docs/demo.png) [a](x.md#part \"title\")\n[b]: ref.md\n<img src=\"pic.png\">\n"
+            "`[no](skip.md)`\n```\n[no](skip2.md)\n```\n[web](https://example.org)")
+    assert targets(text) == ["docs/demo.png", "x.md#part", "https://example.org", "ref.md", "pic.png"]
+    assert anchors("# Set up\n## GaLore: low-rank gradient projection\n") == {
+        "set-up", "galore-low-rank-gradient-projection"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_images_resolve(page):
+    broken = []
+    for target in targets(page.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, flags=re.I):  # https:, mailto:, ...
+            continue
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists() or ROOT not in file.parents:
+            broken.append(f"{target}: no such file in the repository")
+        elif fragment and file.suffix == ".md" and fragment.lower() not in anchors(file.read_text()):
+            broken.append(f"{target}: no heading #{fragment} in {file.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_readme_demo_image_is_a_small_png():
+    png = ROOT / "docs" / "demo.png"
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 300_000
