@@ -8,8 +8,9 @@ per-optimizer formula to keep in step. Activations, temporaries and framework ov
 caching) are not included.
 
 Two options change what the device holds rather than what exists: ``paged`` (state in host RAM or files between steps,
-:mod:`lowmemopt.paging`): the device holds at most three parameters' state at a time (the one updating, the next
-arriving, the last being written back); ``per_layer`` (:func:`lowmemopt.step_in_backward`): each gradient is applied and
+:mod:`lowmemopt.paging`): the device holds at most three batches of state at a time (the one updating, the next
+arriving, the last being written back), each ``lowmemopt.pipeline.PAGE_BUCKET_BYTES`` or one parameter's state,
+whichever is larger; ``per_layer`` (:func:`lowmemopt.step_in_backward`): each gradient is applied and
 freed as soon as it is produced, so one gradient (the largest) is held at a time. :func:`cheapest_fits` searches state
 bits, GaLore rank, paging and per-layer updates for the combinations that fit a budget with the fewest changes.
 """
@@ -23,6 +24,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
+from .pipeline import PAGE_BUCKET_BYTES
 from .registry import instantiate, resolve
 
 __all__ = ["MemoryEstimate", "cheapest_fits", "config_dtype", "default_state_bits", "estimate", "format_bytes",
@@ -32,7 +34,7 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-#: device-resident parameters' state when paged: the one updating, the next arriving, the last being written back
+#: device-resident batches of state when paged: the one updating, the next arriving, the last being written back
 PAGED_IN_FLIGHT = 3
 
 
@@ -45,7 +47,7 @@ class MemoryEstimate(NamedTuple):
     params: int  # trainable parameter count
     weights: int
     grads: int  # all gradients; per_layer: the largest one
-    state: int  # all state; paged: the PAGED_IN_FLIGHT largest parameters' state
+    state: int  # all state; paged: PAGED_IN_FLIGHT batches (see the module docstring), at most all of it
     paged: bool = False
     per_layer: bool = False
 
@@ -154,7 +156,9 @@ class _Layout(NamedTuple):
 
 
 def _variant(layout: _Layout, paged: bool, per_layer: bool) -> MemoryEstimate:
-    state = sum(sorted(layout.state)[-PAGED_IN_FLIGHT:]) if paged else sum(layout.state)
+    state = sum(layout.state)
+    if paged:
+        state = min(state, PAGED_IN_FLIGHT * max(PAGE_BUCKET_BYTES, max(layout.state, default=0)))
     grads = max(layout.grads, default=0) if per_layer else sum(layout.grads)
     return MemoryEstimate(layout.optimizer, layout.state_bits, layout.galore_rank, layout.params, layout.weights,
                           grads, state, paged, per_layer)
