@@ -98,18 +98,21 @@ class TestSummary:
 
 
 def read_parts(work: str) -> list[Part]:
-    parts = []
+    """The parts in the order they first ran; a part run again (same kind and name: a later run into the same work
+    folder) keeps its last entry."""
+    parts: dict[tuple[str, str], Part] = {}
     path = os.path.join(work, "parts.tsv")
     if not os.path.exists(path):
-        return parts
+        return []
     with open(path) as fh:
         for line in fh:
             cols = line.rstrip("\n").split("\t")
             if len(cols) < 5:
                 continue
             kind, name, rc, seconds, command = cols[0], cols[1], cols[2], cols[3], "\t".join(cols[4:])
-            parts.append(Part(kind, name, int(rc or 0), float(seconds or 0), command))
-    return parts
+            key = (kind, command if kind == "note" else name)
+            parts[key] = Part(kind, name, int(rc or 0), float(seconds or 0), command)
+    return list(parts.values())
 
 
 def _test_id(case: ET.Element) -> str:

@@ -114,6 +114,16 @@ def test_report_from_fixture_outputs(tmp_path):
     assert "RuntimeError" not in text  # a benchmark that succeeded shows no log
 
 
+def test_a_part_run_again_replaces_its_entry(tmp_path):
+    """Two runs into one work folder (tests, then benchmarks; or a benchmark repeated): one row per part, the last."""
+    work = _fixture_work(tmp_path, bench_rc=1)
+    with open(work / "parts.tsv", "a") as fh:
+        fh.write("bench\tfused_kernels\t0\t40\tpython bench/fused_kernels.py --sizes 10M\n")
+    parts = report.read_parts(str(work))
+    assert [(p.kind, p.name, p.rc) for p in parts] == [("note", "-", 0), ("tests", "not-slow", 1),
+                                                         ("bench", "fused_kernels", 0)]
+
+
 def test_report_records_a_failed_benchmark_and_a_crashed_test_run(tmp_path):
     work = _fixture_work(tmp_path, bench_rc=124, with_xml=False)
     text, tests_bad, bench_bad = report.assemble(str(work))
