@@ -130,6 +130,12 @@ def _target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat
     return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize)
 
 
+def _format_numel(slot: Slot, param: torch.Tensor) -> int:
+    """The size that picks a slot's format: the whole parameter's (a DTensor's too) for slots shaped like it, as
+    :meth:`LowMemOptimizer._init_state` does, so that a shard's format does not depend on the world size."""
+    return param.numel() if slot.shape is None else torch.Size(slot.shape).numel()
+
+
 def _slot_shape(slot: Slot, param: torch.Tensor) -> torch.Size:
     """The stored shape of a slot of ``param`` (a DTensor's: its local shard's)."""
     return local_tensor(param).shape if slot.shape is None else torch.Size(slot.shape)
@@ -183,7 +189,7 @@ def convert_param_state(
         shape = _slot_shape(slot, param)
         numel = shape.numel()
         _check_source(src, src_bs, tensors, name, shape, where, local_tensor(param).shape)
-        dst = _target_format(group, slot, numel)
+        dst = _target_format(group, slot, _format_numel(slot, param))
         remap = _remaps(src, src_map, slot)
         if src is Q8 and dst is Q8 and src_bs != dst_bs and not remap:
             raise CheckpointError(
@@ -716,7 +722,7 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
         src = FORMATS[info["format"]]
         if src is Q8 and info["map"] not in (map_for(slot.signed), legacy_map_for(slot.signed)):
             return f"slot '{name}' uses the {info['map']} map in the file, expected {map_for(slot.signed)}"
-        dst = _target_format(group, slot, shape.numel())
+        dst = _target_format(group, slot, _format_numel(slot, p))
         remap = _remaps(src, info["map"] if src is Q8 else None, slot)
         if src is Q8 and dst is Q8 and info["block_size"] != group["block_size"] and not remap:
             return (
@@ -769,7 +775,7 @@ def _allocate(plan: _Plan) -> dict[str, Any]:
         state[key] = torch.zeros(value, dtype=torch.bfloat16, device=device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
         shape = _slot_shape(slot, plan.param)
-        fmt = _target_format(plan.group, slot, shape.numel())
+        fmt = _target_format(plan.group, slot, _format_numel(slot, plan.param))
         fmt.init(state, name, shape, device, plan.group["block_size"])
     return state
 
@@ -783,7 +789,7 @@ def _read_param(f, plan: _Plan, state: dict[str, Any], crcs, path, release, conv
         shape = _slot_shape(slot, p)
         src = FORMATS[info["format"]]
         src_bs = info.get("block_size", 1)
-        dst = _target_format(group, slot, shape.numel())
+        dst = _target_format(group, slot, _format_numel(slot, p))
         dst_bs = group["block_size"]
         sources = {}
         for key in src.keys(name):

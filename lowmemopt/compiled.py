@@ -7,10 +7,13 @@ compiled here calls the optimizer's ``math`` (the same pure function the eager p
 and does not contract multiply-adds, so results equal the eager path's.
 
 When it applies: CPU parameters of elementwise algorithms with at least :data:`MIN_NUMEL` elements (smaller tensors
-do not repay the compile). Hyper-parameters and step-dependent scalars (bias corrections, computed on the host: inside
-the kernel ``beta ** step`` would be re-evaluated for every vector) become symbols after their first change, so LR
-schedules do not keep recompiling;
-the row count is dynamic, so one graph serves every tensor size. The first step of each (algorithm, formats) pair pays
+do not repay the compile). The scalars that change during training (:data:`RUNTIME_SCALARS`: the learning rate, the
+step-dependent bias corrections computed on the host, the decoupled-decay factor) enter the graph as 0-dim float64
+CPU tensors, so an LR schedule never recompiles: a Python float would be guarded on its value, and whether dynamo
+turns a changing float into a symbol (and when) differs between torch releases (torch 2.11 compiled a graph per
+step). float64 keeps the host's double arithmetic on them (``-lr / bias_correction1``), then the ops round to fp32
+as they do for a Python scalar, so results equal the eager path's. The other hyper-parameters (betas, eps, weight
+decay) are constants of the graph: branches test them. The row count is dynamic, so one graph serves every tensor size. The first step of each (algorithm, formats) pair pays
 a one-time compile (seconds). If compiling fails (no C++ compiler, say), lowmemopt warns once and stays eager.
 Set ``LOWMEMOPT_COMPILE=0`` to turn it off.
 """
@@ -28,10 +31,13 @@ from ._stacklevel import external_stacklevel
 from .quant.blockwise import decode_rows, encode_rows, register_row_codec
 from .quant.maps import code_book, encode_table, is_signed_map
 
-__all__ = ["ENABLED", "MIN_NUMEL", "applies", "step_rows", "encode_rows_into", "decode_rows_into"]
+__all__ = ["ENABLED", "MIN_NUMEL", "RUNTIME_SCALARS", "applies", "step_rows", "encode_rows_into", "decode_rows_into"]
 
 ENABLED = os.environ.get("LOWMEMOPT_COMPILE", "1") != "0"
 MIN_NUMEL = 1 << 16
+#: math keyword arguments passed to the compiled graph as 0-dim tensors (they change between steps; the math functions
+#: only compute with them, never branch on them)
+RUNTIME_SCALARS = frozenset({"lr", "bias_correction1", "bias_correction2_sqrt", "lr_scale"})
 
 
 def applies(param: torch.Tensor) -> bool:
@@ -101,6 +107,13 @@ def scratch_rows(index: int, like: torch.Tensor) -> torch.Tensor:
     return buf[: like.numel()].view(like.shape)
 
 
+def _runtime_scalar(x: Any) -> Any:
+    """A Python number as a 0-dim float64 CPU tensor (a graph input, not a guarded constant); tensors unchanged."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return x
+    return torch.tensor(float(x), dtype=torch.float64)
+
+
 def step_rows(
     math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict[str, Any], decay: float
 ) -> bool:
@@ -108,12 +121,13 @@ def step_rows(
     around it, then ``p = p * decay + delta``. ``slots``: (name, kind, signed, rows, absmax, book, table) per slot.
     False if the compiled path is unavailable (the caller then runs eagerly)."""
     key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype)
+    kwargs = {k: _runtime_scalar(v) if k in RUNTIME_SCALARS else v for k, v in kwargs.items()}
     slots = tuple(s + (scratch_rows(i, s[3]) if s[1] == "q8" else None,) for i, s in enumerate(slots))
     for t in (p, g) + tuple(t for s in slots for t in (s[3], s[4], s[7]) if t is not None):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     run_math, run_encode = _kernel(key)
     try:
-        run_math(math, p, g, slots, kwargs, float(decay))
+        run_math(math, p, g, slots, kwargs, _runtime_scalar(decay))
     except Exception as exc:  # compile failures surface on the first call, before anything is written
         _disable(exc)
         return False

@@ -409,14 +409,18 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 self._step_param(p, p.grad, group)
 
     def _init_state(
-        self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any] | None = None
+        self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any] | None = None,
+        numel: int | None = None,
     ) -> dict[str, Any]:
-        """Zero state for ``p`` (a DTensor's local shard, whose ``state`` is then given) in ``slots``' formats."""
+        """Zero state for ``p`` (a DTensor's local shard, whose ``state`` is then given) in ``slots``' formats.
+        ``numel``: the whole parameter's size (a DTensor's), which picks the format of slots shaped like it, so that
+        a shard keeps the format the parameter has in one process (``min_quant_numel``)."""
         state = self.state[p] if state is None else state
         state["step"] = 0
         for name, slot in slots.items():
             shape = p.shape if slot.shape is None else torch.Size(slot.shape)
-            fmt = choose_format(group["state_bits"], shape.numel(), group["min_quant_numel"], slot.quantize)
+            size = (numel if numel is not None else p.numel()) if slot.shape is None else shape.numel()
+            fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize)
             fmt.init(state, name, shape, p.device, group["block_size"])
         rounding.init_state(state, local_tensor(p), group)  # bf16_update: a seed or a Kahan buffer (bf16 params)
         return state
@@ -455,10 +459,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
             step_projected(self, p, grad, group)
             return None
         state = self.state[p]
+        numel = p.numel()  # a DTensor's whole size: it picks the state format
         p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
         slots = self._slots(group, p)
         if "step" not in state:
-            state = self._init_state(p, group, slots, state)
+            state = self._init_state(p, group, slots, state, numel=numel)
         state["step"] += 1
         target = p if p.is_contiguous() else p.contiguous()
         scanned = self._update_flat(p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],

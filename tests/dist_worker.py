@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -114,11 +115,20 @@ def check(cond, msg):
         raise AssertionError(msg)
 
 
+def _where(a, b):
+    """Where two tensors differ: count, the largest difference, its index and both values (for a machine we cannot
+    reproduce on: which element, and whether it is one ulp)."""
+    d = (a - b).abs()
+    j = int(d.flatten().argmax())
+    return (f"{int((d > 0).sum())} of {d.numel()} elements, max |d| {float(d.max()):.3g} at flat index {j}: "
+            f"{float(a.flatten()[j])!r} vs {float(b.flatten()[j])!r}")
+
+
 def compare(params, ref_params, what, exact=False, rtol=1e-5, atol=1e-6):
     for i, (p, r) in enumerate(zip(params, ref_params)):
         a, b = full(p).float(), full(r).float()
         if exact:
-            check(torch.equal(a, b), f"{what}: param {i} {tuple(b.shape)} differs, max |d| {(a - b).abs().max():.3g}")
+            check(torch.equal(a, b), f"{what}: param {i} {tuple(b.shape)} differs, {_where(a, b)}")
         else:
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: param {i}: {m}")
 
@@ -140,6 +150,10 @@ def dense_state(opt, p, ref=False):
     return {k: full(v).float() for k, v in sd["state"][index].items() if isinstance(v, torch.Tensor)}
 
 
+#: reduction-derived state's absolute slack as a fraction of the slot's largest value (16 fp32 ulps)
+STATE_CANCEL = 2.0 ** -20
+
+
 def compare_state(opt, params, ref_opt, ref_params, what, exact=False, rtol=1e-5, atol=1e-6):
     for i, (p, r) in enumerate(zip(params, ref_params)):
         mine, ref = dense_state(opt, p), dense_state(ref_opt, r, ref=True)
@@ -149,9 +163,13 @@ def compare_state(opt, params, ref_opt, ref_params, what, exact=False, rtol=1e-5
             a, b = mine[k], ref[k]
             check(a.shape == b.shape, f"{what}: param {i} slot {k}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
             if exact:
-                check(torch.equal(a, b), f"{what}: param {i} slot {k} differs: max |d| {(a - b).abs().max():.3g}")
+                check(torch.equal(a, b), f"{what}: param {i} slot {k} differs: {_where(a, b)}")
             else:
-                torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: param {i} {k}: {m}")
+                # a sum over shards rounds in another order: a value that cancels (b1 m + (1-b1) u, u from a
+                # reduction) keeps the absolute error of its terms, a few ulps of the slot's scale (STATE_CANCEL)
+                scale = float(b.abs().max()) if b.numel() else 0.0
+                torch.testing.assert_close(a, b, rtol=rtol, atol=max(atol, STATE_CANCEL * scale),
+                                           msg=lambda m: f"{what}: param {i} {k}: {m}")
 
 
 # shapes that shard unevenly over 2 ranks (Shard(0): 4+3, 5+4, 3+2 conv filters, 4+3, and 1+0: an empty shard)
@@ -400,7 +418,11 @@ def mesh_2d(ctx):
         compare_state(opt, params, ref_opt, ref_params, what, exact=cls is lowmemopt.AdamW)
     for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2)), (lowmemopt.Adafactor, dict(beta1=0.9))]:
         _, params, _, ref_params = galore_pair(ctx, cls, kw, 8, mesh=mesh)
-        compare(params, ref_params, f"GaLore {cls.__name__} HSDP", rtol=1e-5, atol=2e-5)
+        noisy = _sign_noise_params(cls)
+        keep = [i for i in range(len(params)) if i not in noisy]
+        compare([params[i] for i in keep], [ref_params[i] for i in keep], f"GaLore {cls.__name__} HSDP", rtol=1e-5,
+                atol=2e-5)
+        _compare_sign_noise(params, ref_params, noisy, kw.get("lr", 0.0), 8, f"GaLore {cls.__name__} HSDP")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -437,6 +459,24 @@ def galore_pair(ctx, cls, kw, steps, mesh=None, **group_kw):
     return opt, params, ref_opt, ref_params
 
 
+# proj_type="full" (GALORE_SHAPES[2], group scale 0.5): at a refresh step G_low = P^T G Q^T is diagonal in exact
+# arithmetic (the top singular values); its off-diagonal entries are fp32 rounding (~3e-7 of |G| ~ 11 here), far above
+# Adam's eps, so an Adam-type inner step (AdamW, LAMB) normalizes them to about +-1: an update of ~lr * scale along
+# P_i Q_j whose sign is that rounding. Two summation orders of P^T G (shards vs one matmul, or two BLAS builds: the
+# H100 machine's CPU) can flip it, and the trajectories then part by up to ~lr * scale per step: what is checked.
+GALORE_FULL = 2
+
+
+def _sign_noise_params(cls) -> set[int]:
+    return {GALORE_FULL} if cls in (lowmemopt.AdamW, lowmemopt.LAMB) else set()
+
+
+def _compare_sign_noise(params, ref_params, noisy, lr, steps, what, scale=0.5):
+    for i in sorted(noisy):
+        d = float((full(params[i]).float() - full(ref_params[i]).float()).abs().max())
+        check(d <= lr * scale * steps, f"{what}: param {i} (proj_type full) off by {d:.3g} > lr * scale * steps")
+
+
 @case
 def galore_fsdp2(ctx):
     """GaLore groups on FSDP2 parameters, 10 steps with refreshes at steps 0, 3, 6, 9 (and 0, 4, 8): projectors equal
@@ -449,7 +489,11 @@ def galore_fsdp2(ctx):
         # sides left / both sum P_r^T G_r over the row shards: fp32 rounding of G_low, which Adam-like normalization
         # magnifies in near-zero low-rank coordinates (measured: up to 5e-6 on parameters of size ~1, lr 1e-2)
         # 8-bit: the side-right low-rank state's shards (12 and 9 elements) split 16-element blocks
-        compare(params, ref_params, what, rtol=1e-5, atol=1e-3 if kw.get("state_bits") == 8 else 2e-5)
+        noisy = _sign_noise_params(cls)
+        keep = [i for i in range(len(params)) if i not in noisy]
+        compare([params[i] for i in keep], [ref_params[i] for i in keep], what, rtol=1e-5,
+                atol=1e-3 if kw.get("state_bits") == 8 else 2e-5)
+        _compare_sign_noise(params, ref_params, noisy, kw.get("lr", 0.0), 10, what)
         for i, (p, r) in enumerate(zip(params, ref_params)):
             a, b = opt.state[p], ref_opt.state[r]
             check(a[pj.SIDE] == b[pj.SIDE] and a[pj.REFRESHED_AT] == b[pj.REFRESHED_AT] == (9 if i != 2 else 8),
@@ -459,7 +503,8 @@ def galore_fsdp2(ctx):
                     torch.testing.assert_close(a[key].cpu(), b[key], rtol=1e-5, atol=1e-6,
                                                msg=lambda m: f"{what}: param {i} {key}: {m}")
         if kw.get("state_bits", 32) == 32:
-            compare_state(opt, params, ref_opt, ref_params, what, rtol=1e-4, atol=1e-5)
+            compare_state(opt, [params[i] for i in keep], ref_opt, [ref_params[i] for i in keep], what, rtol=1e-4,
+                          atol=1e-5)
     # the side-right low-rank state is sharded by rows like its parameter: memory per rank falls with the world size
     opt, params, _, ref_params = galore_pair(ctx, lowmemopt.AdamW, dict(lr=1e-2), 1)
     local_rows = params[0].to_local().shape[0]
@@ -473,7 +518,9 @@ def galore_moment_policies(ctx):
     for group_kw in (dict(proj_moments="project"), dict(proj_moments="reset"), dict(proj_svd="randomized")):
         what = f"GaLore AdamW {group_kw}"
         opt, params, ref_opt, ref_params = galore_pair(ctx, lowmemopt.AdamW, dict(lr=1e-2), 8, **group_kw)
-        compare(params, ref_params, what, rtol=1e-5, atol=2e-5)
+        keep = [i for i in range(len(params)) if i != GALORE_FULL]
+        compare([params[i] for i in keep], [ref_params[i] for i in keep], what, rtol=1e-5, atol=2e-5)
+        _compare_sign_noise(params, ref_params, {GALORE_FULL}, 1e-2, 8, what)
 
 
 @case
@@ -625,6 +672,61 @@ def fsdp2_training(ctx):
         fully_shard(model, mesh=ctx.mesh)
         train(model, cls(model.parameters(), **kw), data, ctx.rank, ctx.world, ctx.device)
         compare(list(model.parameters()), list(ref.parameters()), f"FSDP2 {cls.__name__} {kw}", rtol=2e-4, atol=atol)
+
+
+def mlp3(seed=0):
+    """The issue's model: three Linear layers 37 -> 130 -> 75 -> 9 (weights of 4810, 9750 and 675 elements)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(37, 130), torch.nn.Tanh(), torch.nn.Linear(130, 75), torch.nn.Tanh(),
+                               torch.nn.Linear(75, 9))
+
+
+def mlp3_batches(steps, n=16, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 37, generator=gen), torch.randn(n, 9, generator=gen)) for _ in range(steps)]
+
+
+def _max_diff(a, b):
+    return max(float((full(x).float() - full(y).float()).abs().max()) for x, y in zip(a, b))
+
+
+@case
+def came_8bit_fsdp2(ctx):
+    """CAME at 8 bits on FSDP2 against one process (the issue's 37 -> 130 -> 75 -> 9 MLP, lr 1e-2, 8 steps).
+
+    The 8-bit format is chosen by the whole parameter's size, as in one process (it was the local shard's: the
+    130 x 37 weight, 4810 elements, has 2405-element shards below ``min_quant_numel`` = 4096, so it kept fp32 state
+    under FSDP2 and 8-bit state alone). The blocks of a shard start at the shard (65 x 37 and 38 x 130 rows are not
+    multiples of 256), so codes differ from one process's: the sharded 8-bit run must be as close to the fp32 run as
+    the one-process 8-bit run is, and close to it."""
+    data = mlp3_batches(8)
+    kw = dict(lr=1e-2)
+    runs = {}
+    for name, bits, sharded in (("fp32", 32, False), ("q8", 8, False), ("q8 sharded", 8, True)):
+        model = mlp3().to(ctx.device) if sharded else mlp3()
+        if sharded:
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=ctx.mesh)
+            fully_shard(model, mesh=ctx.mesh)
+        opt = lowmemopt.CAME(model.parameters(), state_bits=bits, **kw)
+        train(model, opt, data, ctx.rank if sharded else 0, ctx.world if sharded else 1, ctx.device)
+        runs[name] = (model, opt)
+    params = {k: list(m.parameters()) for k, (m, _) in runs.items()}
+    d_single = _max_diff(params["q8"], params["fp32"])
+    d_sharded = _max_diff(params["q8 sharded"], params["fp32"])
+    d_between = _max_diff(params["q8 sharded"], params["q8"])
+    if ctx.rank == 0:
+        print(f"came_8bit_fsdp2: max |8-bit - fp32| one process {d_single:.4g}, sharded {d_sharded:.4g}; "
+              f"sharded vs one process {d_between:.4g}", file=sys.stderr)
+    single, sharded = runs["q8"], runs["q8 sharded"]
+    for p, r in zip(sharded[0].parameters(), single[0].parameters()):
+        for key in single[1].state[r]:
+            check((key in sharded[1].state[p]),
+                  f"slot {key} of a {tuple(r.shape)} parameter: 8-bit in one process, not under FSDP2 "
+                  f"({sorted(sharded[1].state[p])})")
+    check(d_sharded <= 1.5 * d_single, f"8-bit CAME sharded is {d_sharded:.4g} from fp32, one process {d_single:.4g}")
+    check(d_between <= 1.5 * d_single, f"8-bit CAME sharded vs one process {d_between:.4g} (8-bit vs fp32 {d_single:.4g})")
 
 
 @case

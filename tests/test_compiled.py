@@ -74,17 +74,28 @@ def test_compiled_path_really_runs(monkeypatch):
     assert torch.isfinite(v).all() and (v >= 0).all()
 
 
-def test_lr_schedule_does_not_recompile(monkeypatch):
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_lr_schedule_does_not_recompile(name, monkeypatch):
+    """A changing lr (and AdamW's bias corrections, and the decay factor) compile nothing after the first step, also
+    where dynamo guards on Python floats' values (``specialize_float=True``; torch 2.11 compiled 9 graphs for 8 steps
+    here, torch 2.13 3: one more after the first change makes a float symbolic). Graphs: the math and the encode phase of this optimizer's key, compiled afresh here, and SGD's first step
+    (``first_step``: the momentum buffer is copied, a branch)."""
+    from optim_info import BY_NAME
+
     monkeypatch.setattr(compiled, "ENABLED", True)
+    monkeypatch.setattr(compiled, "_kernels", {})
+    torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     params = make_params([SHAPE])
-    opt = ELEMENTWISE[0].cls(params, lr=1e-3, state_bits=8)
+    kwargs = dict(STATEFUL[name], lr=1e-3)
+    opt = BY_NAME[name].cls(params, state_bits=8, **kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    for t in range(8):
-        run(opt, params, 1, start=t)
-        sched.step()
+    with torch._dynamo.config.patch(specialize_float=True):
+        for t in range(8):
+            run(opt, params, 1, start=t)
+            sched.step()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert frames <= 3, f"{frames} graphs compiled for 8 steps with a changing lr"
+    assert compiled.ENABLED and frames == 2 + (name == "SGD"), f"{frames} graphs compiled for 8 steps with a changing lr"
 
 
 def test_encode_phase_failure_finishes_eagerly(monkeypatch):
@@ -103,9 +114,12 @@ def test_encode_phase_failure_finishes_eagerly(monkeypatch):
 
     start = make_params([SHAPE])
     ref = clone_params(start)
+    monkeypatch.setattr(compiled, "ENABLED", False)  # the eager reference: nothing compiled or warned before the step
     run(ELEMENTWISE[0].cls(ref, lr=1e-2, state_bits=8), ref, 2)
     x = clone_params(start)
     opt = ELEMENTWISE[0].cls(x, lr=1e-2, state_bits=8)
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    monkeypatch.setattr(compiled, "_warned", False)
     monkeypatch.setattr(compiled, "_kernel", half_broken)
     with pytest.warns(RuntimeWarning, match="fast path unavailable"):
         run(opt, x, 1)

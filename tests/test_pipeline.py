@@ -110,7 +110,7 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
     for i, (p, r) in enumerate(zip(plain, ref)):
         assert_state_close(_state(plain_opt, p), _state(ref_opt, r), f"{what} param {i}")
     lr = float(STATEFUL[name].get("lr") or 1e-2)
-    assert_params_close(plain, ref, lr, bits == 8, what)
+    assert_params_close(plain, ref, lr, bits < 32, what)  # 16 and 8 bits: a state step moves the update
 
 
 def _launch_counter(monkeypatch) -> list:

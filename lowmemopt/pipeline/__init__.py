@@ -134,6 +134,6 @@ def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, An
         return None
     state = optimizer.state[p]
     slots = optimizer._slots(group, local)
-    if "step" not in state:
-        state = optimizer._init_state(local, group, slots, state)
+    if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
+        state = optimizer._init_state(local, group, slots, state, numel=p.numel())
     return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots)

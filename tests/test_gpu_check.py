@@ -1,0 +1,186 @@
+"""``scripts/gpu-check`` and its report (``bench/report.py``), and the end-to-end benchmark (``bench/e2e.py``), on CPU:
+the check refuses cleanly without CUDA, the report is assembled from fixture outputs, and e2e runs a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "gpu-check")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(REPO, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load("report")
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="1" failures="2" skipped="1" tests="6" time="12.5">
+<testcase classname="tests.test_kernels" name="test_gpu_kernels_match_cpu_reference[bf16-16-Adafactor]" time="1.0">
+  <failure message="AssertionError: Adafactor bits=16 step 2 exp_avg&#10;Mismatched elements: 1 / 4099">trace</failure>
+</testcase>
+<testcase classname="tests.test_compiled" name="test_lr_schedule_does_not_recompile[AdamW]" time="2.0">
+  <failure message="AssertionError: 9 graphs compiled for 8 steps with a changing lr">trace</failure>
+</testcase>
+<testcase classname="tests.test_paging.TestResume" name="test_resume" time="0.5">
+  <error message="fixture 'tmp_path' failed">trace</error>
+</testcase>
+<testcase classname="tests.test_quant" name="test_ok" time="0.1"/>
+<testcase classname="tests.test_quant" name="test_ok2[x]" time="0.1"/>
+<testcase classname="tests.test_cli" name="test_gpu_only" time="0.0"><skipped message="needs a CUDA device"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def _fixture_work(tmp_path, bench_rc=0, with_xml=True):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "parts.tsv").write_text(
+        "note\t-\t0\t0\tinstalled 3 wheel(s) from .whl into a temporary folder (offline)\n"
+        'tests\tnot-slow\t1\t301\tpytest -m "not slow"\n'
+        f"bench\tfused_kernels\t{bench_rc}\t42\tpython bench/fused_kernels.py --sizes 10M\n")
+    if with_xml:
+        (work / "tests-not-slow.xml").write_text(JUNIT)
+    (work / "tests-not-slow.log").write_text("... 3 failed, 2 passed, 1 skipped\n")
+    (work / "bench-fused_kernels.md").write_text(
+        "## Fused kernel benchmark\n\n### 10M parameters in 42 tensors\n\n| optimizer | median step (ms) |\n"
+        "| --- | ---: |\n| lowmemopt-adamw-8bit | 0.11 |\n")
+    (work / "bench-fused_kernels.log").write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
+    (work / "env.json").write_text(json.dumps(dict(
+        gpu="NVIDIA H100 80GB HBM3", gpu_memory_gib=79.2, capability="9.0", sms=132, gpu_count=1, driver="580.159.04",
+        torch="2.11.0+cu130", torch_cuda="13.0", triton="3.6.0", python="3.12.3", platform="Linux", cpu_count=16,
+        lowmemopt="0.1.0", anchors={"bitsandbytes": "0.50.2", "torchao": None})))
+    (work / "meta.json").write_text(json.dumps(dict(date="2026-11-23 10:00 UTC", commit="abc1234", mode="quick",
+                                                    command="scripts/gpu-check --quick")))
+    return work
+
+
+def test_junit_counts_and_ids(tmp_path):
+    path = tmp_path / "r.xml"
+    path.write_text(JUNIT)
+    s = report.parse_junit(str(path))
+    assert (s.tests, s.passed, s.failed, s.errors, s.skipped) == (6, 2, 2, 1, 1)
+    assert s.failing == [
+        ("tests/test_kernels.py::test_gpu_kernels_match_cpu_reference[bf16-16-Adafactor]",
+         "AssertionError: Adafactor bits=16 step 2 exp_avg"),
+        ("tests/test_compiled.py::test_lr_schedule_does_not_recompile[AdamW]",
+         "AssertionError: 9 graphs compiled for 8 steps with a changing lr"),
+        ("tests/test_paging.py::TestResume::test_resume", "fixture 'tmp_path' failed"),
+    ]
+
+
+def test_report_from_fixture_outputs(tmp_path):
+    work = _fixture_work(tmp_path)
+    text, tests_bad, bench_bad = report.assemble(str(work))
+    assert tests_bad and not bench_bad
+    expected_lines = [
+        "# lowmemopt GPU check",
+        "- commit: abc1234",
+        "- mode: quick",
+        "- result: **tests FAILED**",
+        "- installed 3 wheel(s) from .whl into a temporary folder (offline)",
+        "| GPU | NVIDIA H100 80GB HBM3, 79.2 GiB, compute capability 9.0, 132 SMs |",
+        "| driver | 580.159.04 |",
+        "| torch | 2.11.0+cu130 (CUDA 13.0) |",
+        "| triton | 3.6.0 |",
+        "| anchor libraries | bitsandbytes 0.50.2; torchao not installed (its rows are skipped) |",
+        '| `pytest -m "not slow"` | exit 1 | 2 | 2 | 1 | 1 | 301 |',
+        "- `tests/test_kernels.py::test_gpu_kernels_match_cpu_reference[bf16-16-Adafactor]`: AssertionError: "
+        "Adafactor bits=16 step 2 exp_avg",
+        "- `tests/test_paging.py::TestResume::test_resume`: fixture 'tmp_path' failed",
+        "### fused_kernels",
+        "`python bench/fused_kernels.py --sizes 10M`: ok, 42 s",
+        "##### Fused kernel benchmark",  # the bench's own headings sit below the report's
+        "###### 10M parameters in 42 tensors",
+        "| lowmemopt-adamw-8bit | 0.11 |",
+    ]
+    lines = text.splitlines()
+    for line in expected_lines:
+        assert line in lines, line
+    assert lines.index("## Environment") < lines.index("## Tests") < lines.index("## Benchmarks")
+    assert "RuntimeError" not in text  # a benchmark that succeeded shows no log
+
+
+def test_a_part_run_again_replaces_its_entry(tmp_path):
+    """Two runs into one work folder (tests, then benchmarks; or a benchmark repeated): one row per part, the last."""
+    work = _fixture_work(tmp_path, bench_rc=1)
+    with open(work / "parts.tsv", "a") as fh:
+        fh.write("bench\tfused_kernels\t0\t40\tpython bench/fused_kernels.py --sizes 10M\n")
+    parts = report.read_parts(str(work))
+    assert [(p.kind, p.name, p.rc) for p in parts] == [("note", "-", 0), ("tests", "not-slow", 1),
+                                                         ("bench", "fused_kernels", 0)]
+
+
+def test_report_records_a_failed_benchmark_and_a_crashed_test_run(tmp_path):
+    work = _fixture_work(tmp_path, bench_rc=124, with_xml=False)
+    text, tests_bad, bench_bad = report.assemble(str(work))
+    assert tests_bad and bench_bad
+    assert '| `pytest -m "not slow"` | no result: exit 1 | — | — | — | — | 301 |' in text.splitlines()
+    assert "`python bench/fused_kernels.py --sizes 10M`: exit 124 (timed out), 42 s" in text
+    assert "RuntimeError: CUDA out of memory" in text  # the end of the failed benchmark's log
+    assert "result: **tests FAILED; a benchmark failed (see below)**" in text
+    out = tmp_path / "report.md"
+    assert report.main(["assemble", str(work), "--out", str(out)]) == 1  # a failed test run: non-zero
+    assert out.read_text() == text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_gpu_check_refuses_without_cuda(tmp_path):
+    out = tmp_path / "r.md"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", SCRIPT, "--report", str(out)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "gpu-check: no CUDA GPU: torch" in proc.stderr and "sees no CUDA device" in proc.stderr
+    assert not out.exists()  # nothing ran, nothing reported
+    assert os.access(SCRIPT, os.X_OK)
+
+
+def test_gpu_check_rejects_unknown_options(tmp_path):
+    proc = subprocess.run(["bash", SCRIPT, "--bogus"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
+
+
+def test_e2e_bench_runs_tiny_on_cpu(tmp_path):
+    """Two rows, each in its own process, on a 1-layer model: the table, ratios to torch's fused AdamW, JSON."""
+    js = tmp_path / "e2e.json"
+    cmd = [sys.executable, os.path.join(REPO, "bench", "e2e.py"), "--device", "cpu", "--layers", "1", "--hidden", "32",
+           "--intermediate", "64", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--batch", "2", "--seq", "16",
+           "--steps", "2", "--warmup", "1", "--optimizers", "lowmemopt-adamw-8bit,torch-adamw-fused",
+           "--json", str(js)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(js.read_text())["rows"]}
+    assert set(rows) == {"torch-adamw-fused", "lowmemopt-adamw-8bit"}
+    for r in rows.values():
+        assert not r.get("error"), r
+        assert r["opt_step_s"] > 0 and r["full_step_s"] >= r["opt_step_s"] and r["peak_bytes"] > 0
+        assert len(r["opt_times_s"]) == 2 and torch.isfinite(torch.tensor(r["loss"]))
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert table[2].startswith("| torch-adamw-fused | 0.0003 |") and "| 1.00x |" in table[2]  # the baseline first
+    assert table[3].startswith("| lowmemopt-adamw-8bit |")
+
+
+def test_e2e_missing_library_row():
+    e2e = _load("e2e")
+    rows = [dict(name="torch-adamw-fused", lr=3e-4, peak_bytes=2**30, full_step_s=0.2, opt_step_s=0.01, loss=1.0,
+                 first_loss=5.0, peak_kind="device"),
+            dict(name="torchao-adamw8bit", error="not installed (torchao)")]
+    table = e2e.markdown_table(rows, 10).splitlines()
+    assert "peak device memory (GiB)" in table[0] and "loss after 10 steps" in table[0]
+    assert table[2] == "| torch-adamw-fused | 0.0003 | 1.00 | 1.00x | 200.0 | 1.00x | 10.00 | 1.00x | 1.000 (from 5.00) | |"
+    assert table[3] == "| torchao-adamw8bit | — | — | — | — | — | — | — | — | not installed (torchao) |"
