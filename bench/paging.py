@@ -188,7 +188,12 @@ def run_gpu(args: argparse.Namespace) -> list[dict]:
     del model
     unpaged_state = _expected_state_bytes(reference, args.bits)
     results = []
+    copies = copy_bandwidth(device)
     with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
+        files = file_bandwidth(offload_dir) if "disk" in args.config_list else None
+        print(f"- pinned copy bandwidth: host->device {copies['h2d'] / 1e9:.1f} GB/s, device->host "
+              f"{copies['d2h'] / 1e9:.1f} GB/s" + ("" if files is None else f"; offload_dir files: write "
+              f"{files['write'] / 1e9:.2f} GB/s, read {files['read'] / 1e9:.2f} GB/s") + "\n")
         for config in args.config_list:
             row: dict = dict(config=config)
             params = opt = None
@@ -205,6 +210,7 @@ def run_gpu(args: argparse.Namespace) -> list[dict]:
                     opt = _lowmemopt(params, config, args.bits, offload_dir, budget)
                 row.update(_measure_gpu(opt, args, device, base_alloc, base_used))
                 row["budget"] = None if config.startswith("bnb") else budget
+                row["floor_s"] = transfer_floor(row["moved"], config, copies, files) if row["moved"] else None
             except Exception as exc:  # noqa: BLE001 - a failing configuration becomes a table row
                 row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             finally:
@@ -218,6 +224,52 @@ def run_gpu(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
+    """Measured bytes/s of page-locked host -> device and device -> host copies (CUDA events), the floor of paged
+    state's transfers."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        out[name] = reps * nbytes / (start.elapsed_time(end) / 1e3)
+    return out
+
+
+def file_bandwidth(directory: str, nbytes: int = 256 << 20) -> dict[str, float]:
+    """Measured bytes/s of ``pwrite`` / ``pread`` of a file in ``directory`` (the disk tier's path: through the page
+    cache, as the pager does)."""
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()
+    path = os.path.join(directory, "bandwidth.probe")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        t0 = time.perf_counter()
+        os.pwrite(fd, data, 0)
+        t1 = time.perf_counter()
+        os.pread(fd, nbytes, 0)
+        t2 = time.perf_counter()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return dict(write=nbytes / (t1 - t0), read=nbytes / (t2 - t1))
+
+
+def transfer_floor(moved: int, config: str, copies: dict[str, float], files: dict[str, float] | None) -> float:
+    """Seconds a step cannot beat: ``moved`` bytes each way at the measured copy bandwidths (the two directions run
+    on separate copy engines, so the slower one bounds), plus for the disk tier the file read and write, which the
+    host does in turn."""
+    floor = max(moved / copies["h2d"], moved / copies["d2h"])
+    if config == "disk" and files is not None:
+        floor = max(floor, moved / files["read"] + moved / files["write"])
+    return floor
+
+
 def _measure_gpu(opt, args: argparse.Namespace, device: torch.device, base_alloc: int, base_used: int) -> dict:
     time_steps(opt.step, steps=0, warmup=args.warmup, device=device)
     torch.cuda.synchronize(device)
@@ -229,7 +281,10 @@ def _measure_gpu(opt, args: argparse.Namespace, device: torch.device, base_alloc
         used.append(_device_used(device))
 
     times, note = time_steps(step, steps=args.steps, warmup=0, device=device)
+    from lowmemopt import paging
+
     return dict(
+        moved=paging.moving_bytes(opt) if hasattr(opt, "state_nbytes") else 0,
         state_bytes=_state_bytes(opt), held_between_steps=torch.cuda.memory_allocated(device) - base_alloc,
         peak_in_step=torch.cuda.max_memory_allocated(device) - base_alloc, device_used=max(used) - base_used,
         times_s=times, median_s=statistics.median(times), note=note,
@@ -259,17 +314,22 @@ def print_gpu_table(results: list[dict], bits: int) -> None:
              "bnb-unpaged": f"bnb AdamW{'8bit' if bits == 8 else ''}",
              "bnb-paged": f"bnb PagedAdamW{'8bit' if bits == 8 else ''}"}
     print("| configuration | state (MB) | budget (MB) | held on device between steps (MB) | peak in step (MB) "
-          "| device used (MB) | median step (s) | vs unpaged |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| device used (MB) | median step (s) | vs unpaged | moved per step, each way (MB) | achieved (GB/s) "
+          "| transfer floor (s) | vs floor |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         name = names[r["config"]]
         if "error" in r:
-            print(f"| {name} | — | — | — | — | — | — | FAILED: {r['error']} |")
+            print(f"| {name} | — | — | — | — | — | — | FAILED: {r['error']} | — | — | — | — |")
             continue
         ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "—"
         budget = "—" if r["budget"] is None else f"{r['budget'] / 1e6:.1f}"
+        moved, floor = r.get("moved", 0), r.get("floor_s")
+        flow = "—" if not moved else f"{2 * moved / r['median_s'] / 1e9:.1f}"
+        vs_floor = "—" if floor is None else f"{r['median_s'] / floor:.2f}x"
         print(f"| {name} | {r['state_bytes'] / 1e6:.1f} | {budget} | {r['held_between_steps'] / 1e6:.1f} "
-              f"| {r['peak_in_step'] / 1e6:.1f} | {r['device_used'] / 1e6:.1f} | {r['median_s']:.4f} | {ratio} |")
+              f"| {r['peak_in_step'] / 1e6:.1f} | {r['device_used'] / 1e6:.1f} | {r['median_s']:.4f} | {ratio} "
+              f"| {moved / 1e6:.1f} | {flow} | {'—' if floor is None else f'{floor:.4f}'} | {vs_floor} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -234,11 +234,11 @@ def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: 
     """:func:`store_param` with a bf16 parameter's ``bf16_update`` (:mod:`lowmemopt.rounding`): ``NEAREST``;
     ``STOCHASTIC``: 16 hash bits of (key at column ``W - 2``, the element's offset) added before truncation;
     ``KAHAN``: the bf16 compensation buffer at column ``W - 1``. ``p_old``: the parameter before the step (fp32)."""
-    if UPDATE == NEAREST or DTYPE != tl.bfloat16:
+    if UPDATE == 0 or DTYPE != tl.bfloat16:  # NEAREST (module globals are not constexpr inside a kernel)
         store_param(p_new, row, offs, mask, DTYPE, ALIGNED, MASKED)
     else:
         dst = typed(tl.load(row), tl.uint16, ALIGNED) + offs
-        if UPDATE == STOCHASTIC:
+        if UPDATE == 1:  # STOCHASTIC
             key = tl.load(row + W - 2).to(tl.uint32)
             r = mix32(offs.to(tl.uint32) ^ key) >> 16
             u = p_new.to(tl.uint32, bitcast=True)

@@ -38,14 +38,18 @@ def signature(fn) -> dict:
 
 
 def tile(**flags):
-    return dict(W=15, FMT=2, P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, ALIGNED=True, ROWS=8, BLOCK=256, **flags)
+    return {**dict(W=15, FMT=2, P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, ALIGNED=True, ROWS=8, BLOCK=256), **flags}
 
 
 VARIANTS = [
-    ("adam", adamw._adam_kernel, tile(AMSGRAD=True, MAXIMIZE=True, L2_DECAY=True)),
-    ("adam-fp32-state", adamw._adam_kernel, {**tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False), "FMT": 0}),
-    ("sgd", sgd._sgd_kernel, {**tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True), "FMT": 1}),
-    ("lion", lion._lion_kernel, tile()),
+    ("adam", adamw._adam_kernel, tile(AMSGRAD=True, MAXIMIZE=True, L2_DECAY=True, UPDATE=codec.NEAREST)),
+    ("adam-stochastic", adamw._adam_kernel, tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=codec.STOCHASTIC,
+                                                 W=17)),
+    ("adam-fp32-state", adamw._adam_kernel,
+     {**tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=codec.NEAREST), "FMT": 0}),
+    ("sgd", sgd._sgd_kernel,
+     {**tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True, UPDATE=codec.KAHAN, W=17), "FMT": 1}),
+    ("lion", lion._lion_kernel, tile(UPDATE=codec.NEAREST)),
     ("lamb", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True)),
     ("lars-norms", lars._lars_norms_kernel, tile()),
     ("lars", lars._lars_apply_kernel, tile(MOMENTUM=True, DECAY=True, TRUST=True)),

@@ -635,3 +635,35 @@ def test_disk_tier_rss_against_unpaged_and_cpu_tier(tmp_path):
     assert cpu["peak_growth"] > cpu["state_bytes"]  # host RAM home + one working copy
     assert disk["peak_growth"] < disk["state_bytes"] // 4 + 2 * disk["param_state_bytes"]  # as the test above
     assert disk["peak_growth"] < plain["peak_growth"] / 2
+
+
+def test_moving_bytes_counts_what_travels_each_step(tmp_path):
+    """``paging.moving_bytes``: the bytes of state that leave their homes each step (resident state within the budget
+    does not move), and the transfer floor the GPU benchmark derives from it."""
+    import importlib.util
+
+    params = make_params([(64, 64), (32, 32)])
+    opt = lowmemopt.AdamW(params, state_bits=8, min_quant_numel=16, paged="cpu")
+    run(opt, params, 1)
+    per = {p: sum(t.nbytes for t in opt.state[p].values() if isinstance(t, torch.Tensor)) for p in params}
+    assert paging.moving_bytes(opt) == sum(per.values())
+    small = lowmemopt.AdamW(make_params([(64, 64), (32, 32)]), state_bits=8, min_quant_numel=16, paged="cpu",
+                            page_budget_bytes=per[params[1]])  # the smaller parameter's state stays resident
+    run(small, small.param_groups[0]["params"], 1)
+    assert paging.moving_bytes(small) == per[params[0]]
+    assert paging.moving_bytes(lowmemopt.AdamW(make_params([(8,)]))) == 0
+
+    bench = os.path.join(os.path.dirname(__file__), os.pardir, "bench")
+    sys.path.insert(0, bench)
+    try:
+        spec = importlib.util.spec_from_file_location("_bench_paging", os.path.join(bench, "paging.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(bench)
+    copies = dict(h2d=20e9, d2h=10e9)
+    assert module.transfer_floor(10**9, "cpu", copies, None) == pytest.approx(0.1)  # the slower direction
+    files = module.file_bandwidth(str(tmp_path), nbytes=1 << 20)
+    assert files["read"] > 0 and files["write"] > 0 and not os.listdir(tmp_path)
+    disk = module.transfer_floor(10**9, "disk", copies, dict(read=1e9, write=1e9))
+    assert disk == pytest.approx(2.0)

@@ -33,6 +33,7 @@ __all__ = [
     "discard_staged",
     "drop_pages",
     "is_staged",
+    "moving_bytes",
     "pager_of",
     "reconcile",
     "settle",
@@ -97,6 +98,16 @@ def drop_pages(optimizer: LowMemOptimizer, state: dict | None = None) -> None:
     pager = _existing(optimizer)
     if pager is not None:
         pager.drop_pages(state)
+
+
+def moving_bytes(optimizer: LowMemOptimizer) -> int:
+    """Bytes of paged state that travel between their homes and the device each step, each way (resident state
+    within the budget does not move): what a step's transfers are bounded by."""
+    pager = _existing(optimizer)
+    if pager is None:
+        return 0
+    return sum(t.numel() * t.element_size() for e in pager.entries.values() if not e.resident
+               for t in e.home_tensors().values())
 
 
 def where_state_lives(optimizer: LowMemOptimizer, p: torch.Tensor) -> str:
