@@ -393,3 +393,20 @@ def test_4bit_training_matches_32bit(name):
     assert runs[4]["state_bytes"] < runs[32]["state_bytes"] / 3.5
     assert runs[32]["losses"][-1] < 0.8 * runs[32]["losses"][0]
     assert abs(l4 - l32) / l32 < 0.02, (l4, l32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["AdamW", "CAME"])
+def test_4bit_training_matches_32bit_llama(name):
+    """The full version (bench/fourbit.py's LLaMA rows): the demo LLaMA, 300 steps, held-out loss within 2%."""
+    pytest.importorskip("transformers")
+    from lowmemopt.demo import train_llama_bytes
+
+    kw = {"AdamW": dict(lr=1e-3, weight_decay=0.01), "CAME": dict(lr=2e-4, weight_decay=0.01)}[name]
+    cls = getattr(lowmemopt, name)
+    runs = {bits: train_llama_bytes(lambda p: cls(p, state_bits=bits, **kw), 300) for bits in (32, 4)}
+    l32, l4 = runs[32]["heldout"], runs[4]["heldout"]
+    print(f"{name} LLaMA: held-out 32-bit {l32:.4f}, 4-bit {l4:.4f} ({100 * (l4 - l32) / l32:+.2f}%), "
+          f"state {runs[32]['state_bytes']} -> {runs[4]['state_bytes']} B")
+    assert runs[4]["state_bytes"] < runs[32]["state_bytes"] / 3
+    assert abs(l4 - l32) / l32 < 0.02, (l4, l32)
