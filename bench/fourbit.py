@@ -191,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.maps:
         print(map_errors(args.steps, args.model))
         return 0
-    torch.set_num_threads(torch.get_num_threads())
     names = [n.strip() for n in args.optimizers.split(",")] if args.optimizers else None
     rows = run(args.model, args.steps, args.seed, names, torchao=not args.no_torchao)
     print(f"{args.model}, {args.steps} steps, seed {args.seed}, {n_params(args.model):,} parameters, "

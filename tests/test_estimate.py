@@ -137,7 +137,7 @@ def test_cli_estimate_bad_input(tmp_path, capsys):
     assert cli_main(["estimate", str(path), "--gpu-memory", "lots"]) == 1
     assert "memory size" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli_main(["estimate", str(path), "--state-bits", "4"])
+        cli_main(["estimate", str(path), "--state-bits", "3"])
 
 
 def test_parse_bytes():
