@@ -20,6 +20,15 @@ from typing import Any
 from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, HFAdamW, Lion
 
 __all__ = [
+    "Adafactor4bit",
+    "Adam4bit",
+    "AdamW4bit",
+    "CAME4bit",
+    "GaLoreAdamW4bit",
+    "LAMB4bit",
+    "LARS4bit",
+    "Lion4bit",
+    "PagedAdamW4bit",
     "Adafactor8bit",
     "Adam8bit",
     "AdamW8bit",
