@@ -382,16 +382,16 @@ def test_cli_estimate_state_bits_4(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["AdamW", "CAME"])
 def test_4bit_training_matches_32bit(name):
-    """The byte MLP of lowmemopt.demo, 100 steps: the 4-bit run's held-out loss within 2% of the 32-bit run's
-    (measured: AdamW +0.06%, CAME -0.2%; bench/fourbit.py has the LLaMA and torchao's AdamW4bit)."""
+    """The byte MLP of lowmemopt.demo, 60 steps: the 4-bit run's held-out loss within 2% of the 32-bit run's
+    (measured: AdamW -0.4%, CAME -0.8%; bench/fourbit.py has the LLaMA and torchao's AdamW4bit)."""
     from lowmemopt.demo import train_bytes
 
     kw = {"AdamW": dict(lr=3e-3, weight_decay=0.01), "CAME": dict(lr=1e-3, weight_decay=0.01)}[name]
     cls = getattr(lowmemopt, name)
-    runs = {bits: train_bytes(lambda p: cls(p, state_bits=bits, **kw), 100) for bits in (32, 4)}
+    runs = {bits: train_bytes(lambda p: cls(p, state_bits=bits, **kw), 60) for bits in (32, 4)}
     l32, l4 = runs[32]["heldout"], runs[4]["heldout"]
     assert runs[4]["state_bytes"] < runs[32]["state_bytes"] / 3.5
-    assert runs[32]["losses"][-1] < 0.8 * runs[32]["losses"][0]
+    assert runs[32]["losses"][-1] < 0.6 * runs[32]["losses"][0]  # it trains: 5.61 -> 2.41 (AdamW), 2.51 (CAME)
     assert abs(l4 - l32) / l32 < 0.02, (l4, l32)
 
 
