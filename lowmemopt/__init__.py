@@ -1,6 +1,15 @@
-"""lowmemopt: memory-efficient PyTorch optimizers (8/16/32-bit state) that drop in for torch.optim."""
+"""lowmemopt: memory-efficient PyTorch optimizers (4/8/16/32-bit state) that drop in for torch.optim."""
 
 from .aliases import (
+    Adafactor4bit,
+    Adam4bit,
+    AdamW4bit,
+    CAME4bit,
+    GaLoreAdamW4bit,
+    LAMB4bit,
+    LARS4bit,
+    Lion4bit,
+    PagedAdamW4bit,
     Adafactor8bit,
     Adam8bit,
     AdamW8bit,
@@ -22,6 +31,15 @@ from .projection import galore_param_groups
 from .version import __version__
 
 __all__ = [
+    "Adafactor4bit",
+    "Adam4bit",
+    "AdamW4bit",
+    "CAME4bit",
+    "GaLoreAdamW4bit",
+    "LAMB4bit",
+    "LARS4bit",
+    "Lion4bit",
+    "PagedAdamW4bit",
     "Adafactor",
     "Adafactor8bit",
     "AdafactorTorch",

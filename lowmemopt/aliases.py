@@ -20,6 +20,15 @@ from typing import Any
 from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, HFAdamW, Lion
 
 __all__ = [
+    "Adafactor4bit",
+    "Adam4bit",
+    "AdamW4bit",
+    "CAME4bit",
+    "GaLoreAdamW4bit",
+    "LAMB4bit",
+    "LARS4bit",
+    "Lion4bit",
+    "PagedAdamW4bit",
     "Adafactor8bit",
     "Adam8bit",
     "AdamW8bit",
@@ -55,12 +64,23 @@ Lion8bit = _alias(Lion, "Lion8bit", state_bits=8)
 Adafactor8bit = _alias(Adafactor, "Adafactor8bit", state_bits=8)
 CAME8bit = _alias(CAME, "CAME8bit", state_bits=8)
 
+# 4-bit state (lowmemopt.quant.q4; block 128 by default)
+Adam4bit = _alias(Adam, "Adam4bit", state_bits=4)
+AdamW4bit = _alias(AdamW, "AdamW4bit", state_bits=4)
+LAMB4bit = _alias(LAMB, "LAMB4bit", state_bits=4)
+LARS4bit = _alias(LARS, "LARS4bit", state_bits=4)
+Lion4bit = _alias(Lion, "Lion4bit", state_bits=4)
+Adafactor4bit = _alias(Adafactor, "Adafactor4bit", state_bits=4)
+CAME4bit = _alias(CAME, "CAME4bit", state_bits=4)
+
 # galore-torch's names (projection: a param group with ``rank``, in any optimizer)
 GaLoreAdamW = _alias(HFAdamW, "GaLoreAdamW")
 GaLoreAdamW8bit = _alias(AdamW, "GaLoreAdamW8bit", state_bits=8)
+GaLoreAdamW4bit = _alias(AdamW, "GaLoreAdamW4bit", state_bits=4)
 GaLoreAdafactor = _alias(Adafactor, "GaLoreAdafactor")
 
 # bitsandbytes' paged optimizers keep state in CUDA managed memory; ours page it to pinned host RAM (see
 # docs/paging.md): paged="disk" with offload_dir= and page_budget_bytes= are available on any optimizer
 PagedAdamW = _alias(AdamW, "PagedAdamW", paged=True)
 PagedAdamW8bit = _alias(AdamW, "PagedAdamW8bit", state_bits=8, paged=True)
+PagedAdamW4bit = _alias(AdamW, "PagedAdamW4bit", state_bits=4, paged=True)

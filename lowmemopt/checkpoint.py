@@ -13,9 +13,9 @@ anything; the new state is built aside (the file memory-mapped and streamed in c
 swapped in at the end, so a bad file raises :class:`CheckpointError` and leaves the optimizer exactly as it was.
 
 Conversion: each slot is loaded into the format the loading optimizer's param group asks for (``state_bits``,
-``min_quant_numel``, ``block_size``), decoding and re-encoding with :mod:`lowmemopt.quant.formats`: fp32 / bf16 / q8 in
-any direction. One exception: q8 state is never re-quantized to a different block size (that would add a second rounding
-to state that is otherwise exact); it is a mismatch. :func:`convert_param_state` does the same for in-memory state dicts
+``min_quant_numel``, ``block_size``), decoding and re-encoding with :mod:`lowmemopt.quant.formats`: fp32 / bf16 / q8 /
+q4 in any direction. One exception: q8 (q4) state is never re-quantized to q8 (q4) at a different block size (that would
+add a second rounding to state that is otherwise exact); it is a mismatch. :func:`convert_param_state` does the same for in-memory state dicts
 (lowmemopt, ``torch.optim``, bitsandbytes layouts); ``LowMemOptimizer.load_state_dict`` uses it.
 """
 
@@ -43,7 +43,9 @@ from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
 from .version import __version__
 from .projection.projector import projector_problem, split_projector_state
 from .quant.blockwise import num_blocks
-from .quant.formats import BF16, FORMATS, FP32, Q8, StateFormat, choose_format, format_of, legacy_map_for, map_for
+from .quant import q4
+from .quant.formats import (BF16, FORMATS, FP32, Q4, Q8, QUANTIZED, StateFormat, choose_format, format_of,
+                            legacy_map_for, map_for)
 from .quant.maps import MAP_NAMES, code_book
 
 __all__ = [
@@ -103,8 +105,8 @@ def _reformat(
     verbatim: bool,
     src_map: str | None = None,
 ) -> None:
-    """Write slot ``slot``, stored as ``src`` (read through ``read``; 8-bit codes in map ``src_map``, default the state
-    map), into ``out``'s tensors for it, already made by ``dst.init``; streamed in block-aligned chunks so no full-size
+    """Write slot ``slot``, stored as ``src`` (read through ``read``; 8- or 4-bit codes in map ``src_map``, default the
+    state map), into ``out``'s tensors for it, already made by ``dst.init``; streamed in block-aligned chunks so no full-size
     fp32 copy is made. ``verbatim``: same format, dtype, block size and map, copy the bytes."""
     n = shape.numel()
     align = max(src_bs, dst_bs)
@@ -124,6 +126,11 @@ def _remaps(src: StateFormat, src_map: str | None, slot: Slot) -> bool:
     """8-bit state in a map other than the state map (bitsandbytes' dynamic maps, as in bitsandbytes state and
     lowmemopt format 1): it is decoded in its map and encoded into the state map, never copied as it is."""
     return src is Q8 and src_map != map_for(slot.signed)
+
+
+def _state_map(fmt: StateFormat, slot: Slot) -> str | None:
+    """The map a slot of format ``fmt`` is stored in (None: not quantized)."""
+    return map_for(slot.signed) if fmt is Q8 else q4.map4_for(slot.signed) if fmt is Q4 else None
 
 
 def _target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat:
@@ -191,14 +198,14 @@ def convert_param_state(
         _check_source(src, src_bs, tensors, name, shape, where, local_tensor(param).shape)
         dst = _target_format(group, slot, _format_numel(slot, param))
         remap = _remaps(src, src_map, slot)
-        if src is Q8 and dst is Q8 and src_bs != dst_bs and not remap:
+        if src is dst and src in QUANTIZED and src_bs != dst_bs and not remap:
             raise CheckpointError(
-                f"{where}: '{name}' is 8-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
+                f"{where}: '{name}' is {src.bits}-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
                 "(re-quantizing would add error); construct the optimizer with the saved block_size"
             )
         if src is dst and not remap and all(t.dtype == _storage_dtype(dst, k) for k, t in tensors.items()):
             for key, t in tensors.items():  # already in place: keep the very tensors (views for bitsandbytes codes)
-                out[key] = t.reshape(shape) if dst is not Q8 else t.reshape(-1)
+                out[key] = t.reshape(shape) if dst not in QUANTIZED else t.reshape(-1)
             continue
         flat = {k: t.reshape(-1) for k, t in tensors.items()}
         read = lambda key, a, b, flat=flat: flat[key][a:b]  # noqa: E731
@@ -210,8 +217,8 @@ def convert_param_state(
 
 
 def _storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
-    if fmt is Q8:
-        return torch.uint8 if key.endswith(".codes") else torch.float32
+    if fmt in QUANTIZED:
+        return torch.uint8 if key.endswith((".codes", ".nibbles")) else torch.float32
     return torch.bfloat16 if fmt is BF16 else torch.float32
 
 
@@ -241,6 +248,19 @@ def _check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], n
                 f"{num_blocks(numel, bs)} (block-size mismatch)"
             )
         return
+    if src is Q4:
+        nibbles, absmax = tensors[name + ".nibbles"], tensors[name + ".absmax"]
+        if nibbles.dtype != torch.uint8 or nibbles.numel() != q4.packed_len(numel):
+            raise CheckpointError(
+                f"{where}: '{name}.nibbles' is {nibbles.dtype} with {nibbles.numel()} elements, expected uint8 with "
+                f"{q4.packed_len(numel)} (two 4-bit codes per byte for {numel} elements)"
+            )
+        if absmax.numel() != num_blocks(numel, bs):
+            raise CheckpointError(
+                f"{where}: '{name}.absmax' has {absmax.numel()} blocks; {numel} elements at block_size {bs} need "
+                f"{num_blocks(numel, bs)} (block-size mismatch)"
+            )
+        return
     t = tensors[name]
     if not t.is_floating_point():
         raise CheckpointError(f"{where}: '{name}' is {t.dtype} in {source}, expected floating-point state")
@@ -261,6 +281,14 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
                 raise CheckpointError(f"{where}: 8-bit state '{name}' but the saved param group has no block_size")
             qmap = legacy_map_for(slot.signed) if legacy_maps else map_for(slot.signed)
             sources[name] = (Q8, bs, {k: state[k] for k in keys}, qmap)
+        elif name + ".nibbles" in state:
+            keys = Q4.keys(name)
+            if keys[1] not in state:
+                raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
+            bs = saved_group.get("block_size")
+            if not isinstance(bs, int) or bs < 2 or bs % 2:
+                raise CheckpointError(f"{where}: 4-bit state '{name}' but the saved param group has no even block_size")
+            sources[name] = (Q4, bs, {k: state[k] for k in keys}, q4.map4_for(slot.signed))
         elif name in state:
             keys = (name,)
             sources[name] = (_dense_format(state[name]), 1, {name: state[name]}, None)
@@ -437,7 +465,7 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
             if isinstance(t, torch.Tensor):
                 tensors[f"{name}/{key}"] = t.detach().float().cpu().contiguous()
     for slot_name, slot in slots.items():
-        if slot_name not in state and slot_name + ".codes" not in state:
+        if not any(k in state for k in (slot_name, slot_name + ".codes", slot_name + ".nibbles")):
             raise CheckpointError(f"{where}: its state has no slot '{slot_name}'")
         fmt = format_of(state, slot_name)
         shape = _slot_shape(slot, p)
@@ -447,8 +475,8 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
                 raise CheckpointError(f"{where}: state '{key}' is {t.dtype}, not a lowmemopt storage format")
         _check_source(fmt, group["block_size"], stored, slot_name, shape, where, local.shape, "its state")
         info: dict[str, Any] = {"format": fmt.name, "shape": list(shape)}
-        if fmt is Q8:
-            info.update(block_size=group["block_size"], map=map_for(slot.signed))
+        if fmt in QUANTIZED:
+            info.update(block_size=group["block_size"], map=_state_map(fmt, slot))
         entry["slots"][slot_name] = info
         for key, t in stored.items():
             tensors[f"{name}/{key}"] = t.detach().cpu().contiguous()
@@ -552,6 +580,12 @@ def _validated_meta(f: Any, path: str) -> dict[str, Any]:
                     if not isinstance(bs, int) or bs < 1 or info["map"] not in MAP_NAMES:
                         raise ValueError(f"slot '{slot}': block_size {bs!r}, map {info['map']!r}")
                     expected[f"{name}/{slot}.codes"] = ("U8", [numel])
+                    expected[f"{name}/{slot}.absmax"] = ("F32", [num_blocks(numel, bs)])
+                elif fmt is Q4:
+                    bs = info["block_size"]
+                    if not isinstance(bs, int) or bs < 2 or bs % 2 or info["map"] not in q4.MAPS:
+                        raise ValueError(f"slot '{slot}': block_size {bs!r}, map {info['map']!r}")
+                    expected[f"{name}/{slot}.nibbles"] = ("U8", [q4.packed_len(numel)])
                     expected[f"{name}/{slot}.absmax"] = ("F32", [num_blocks(numel, bs)])
                 else:
                     expected[f"{name}/{slot}"] = (_DTYPES[fmt], list(info["shape"]))
@@ -722,12 +756,14 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
         src = FORMATS[info["format"]]
         if src is Q8 and info["map"] not in (map_for(slot.signed), legacy_map_for(slot.signed)):
             return f"slot '{name}' uses the {info['map']} map in the file, expected {map_for(slot.signed)}"
+        if src is Q4 and info["map"] != q4.map4_for(slot.signed):
+            return f"slot '{name}' uses the {info['map']} map in the file, expected {q4.map4_for(slot.signed)}"
         dst = _target_format(group, slot, _format_numel(slot, p))
         remap = _remaps(src, info["map"] if src is Q8 else None, slot)
-        if src is Q8 and dst is Q8 and info["block_size"] != group["block_size"] and not remap:
+        if src is dst and src in QUANTIZED and info["block_size"] != group["block_size"] and not remap:
             return (
-                f"block-size mismatch: slot '{name}' is 8-bit at block_size {info['block_size']} in the file, the "
-                f"optimizer uses block_size {group['block_size']}"
+                f"block-size mismatch: slot '{name}' is {src.bits}-bit at block_size {info['block_size']} in the "
+                f"file, the optimizer uses block_size {group['block_size']}"
             )
     return None
 

@@ -241,9 +241,11 @@ def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:
     names_by_format: dict[str, set[str]] = {}
     for name, entry in params.items():
         for slot, info in entry["slots"].items():
-            fmt = info["format"] if info["format"] != "q8" else f"q8 (block {info['block_size']})"
+            quantized = info["format"] in ("q8", "q4")
+            fmt = f"{info['format']} (block {info['block_size']})" if quantized else info["format"]
             row = rows.setdefault(fmt, [0, 0, 0, 0])
-            keys = [f"{name}/{slot}"] if info["format"] != "q8" else [f"{name}/{slot}.codes", f"{name}/{slot}.absmax"]
+            codes = ".codes" if info["format"] == "q8" else ".nibbles"
+            keys = [f"{name}/{slot}{codes}", f"{name}/{slot}.absmax"] if quantized else [f"{name}/{slot}"]
             row[0] += 1
             row[2] += _numel(info["shape"])
             row[3] += sum(_BYTES[meta["tensors"][k][0]] * _numel(meta["tensors"][k][1]) for k in keys)
@@ -270,10 +272,10 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _slot_text(info: dict[str, Any]) -> str:
-    if info["format"] != "q8":
+    if info["format"] not in ("q8", "q4"):
         return info["format"]
     blocks = num_blocks(_numel(info["shape"]), info["block_size"])
-    return f"q8[{info['map']}, block {info['block_size']}, {blocks} blocks]"
+    return f"{info['format']}[{info['map']}, block {info['block_size']}, {blocks} blocks]"
 
 
 def _short(value: Any) -> str:
@@ -463,9 +465,9 @@ def _add_estimate(subparsers: Any) -> None:
     p.add_argument("config", help="a transformers config.json (needs the 'model_type' key)")
     p.add_argument("--optimizer", default=_ESTIMATE_DEFAULT_OPTIMIZERS,
                    help=f"optimizer name(s), comma-separated (default {_ESTIMATE_DEFAULT_OPTIMIZERS})")
-    p.add_argument("--state-bits", type=int, choices=[32, 16, 8], action="append",
+    p.add_argument("--state-bits", type=int, choices=[32, 16, 8, 4], action="append",
                    help="state format(s); repeat for several (default: the name's own, e.g. 8 for adamw8bit, "
-                   "else 32, 16 and 8)")
+                   "else 32, 16, 8 and 4)")
     p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R")
     p.add_argument("--galore-target", default="all-linear", metavar="MODULES",
                    help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names "
@@ -514,7 +516,7 @@ def _estimate(args: argparse.Namespace) -> int:
             for name, its_rows in rows_of.items():
                 if all(r.total > budget for r in its_rows):
                     asked = [args.galore_rank] if args.galore_rank is not None else None
-                    fits_of[name] = cheapest_fits(model, name, budget, state_bits=[32, 16, 8] if max(
+                    fits_of[name] = cheapest_fits(model, name, budget, state_bits=[32, 16, 8, 4] if max(
                         r.state_bits for r in its_rows) == 32 else sorted({r.state_bits for r in its_rows}),
                         ranks=asked, galore_target_modules=target, **opt_kwargs)
     except (ValueError, TypeError, OSError, NotImplementedError) as e:
@@ -560,11 +562,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _bits_for(name: str, asked: list[int] | None, default_state_bits: Callable[[str], int]) -> list[int]:
-    """--state-bits if given; else the name's own bits ("adamw8bit": 8), or all three for a plain name."""
+    """--state-bits if given; else the name's own bits ("adamw8bit": 8), or all four for a plain name."""
     if asked:
         return list(dict.fromkeys(asked))
     bits = default_state_bits(name)
-    return [32, 16, 8] if bits == 32 else [bits]
+    return [32, 16, 8, 4] if bits == 32 else [bits]
 
 
 def _cuda_memory() -> int | None:

@@ -207,7 +207,7 @@ def cheapest_fits(
     optimizer: str,
     budget: int,
     *,
-    state_bits: Sequence[int] = (32, 16, 8),
+    state_bits: Sequence[int] = (32, 16, 8, 4),
     ranks: Sequence[int] | None = None,
     galore_target_modules: Any = "all-linear",
     limit: int = 5,

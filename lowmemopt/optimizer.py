@@ -12,8 +12,10 @@ whole tensors.
 
 Storage options (constructor keywords, also settable per param group):
 
-* ``state_bits``: 32 (fp32 state), 16 (bf16) or 8 (block-wise quantization, see :mod:`lowmemopt.quant`).
-* ``block_size`` (256): elements per quantization block (a power of two).
+* ``state_bits``: 32 (fp32 state), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
+  state has no fused kernel yet and takes the eager path).
+* ``block_size``: elements per quantization block (a power of two >= 16); default (None) 256, or 128 where
+  ``state_bits`` is 4 (a param group that sets ``state_bits`` and no ``block_size`` gets its bits' default).
 * ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
 * ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
   files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
@@ -75,7 +77,7 @@ from .distributed.sharding import (
     present_state,
     presented_params,
 )
-from .quant.formats import Q8, choose_format, format_of, map_for
+from .quant.formats import Q4, Q8, choose_format, default_block_size, format_of, map_for
 from .quant.maps import code_book, encode_table
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
@@ -189,8 +191,8 @@ def check_eps_pair(eps: Any, first_optional: bool = False) -> None:
 
 def check_storage(group: dict) -> None:
     bits = group["state_bits"]
-    if isinstance(bits, bool) or bits not in (32, 16, 8):
-        raise ValueError(f"Invalid state_bits: {bits!r} (supported: 32, 16, 8)")
+    if isinstance(bits, bool) or bits not in (32, 16, 8, 4):
+        raise ValueError(f"Invalid state_bits: {bits!r} (supported: 32, 16, 8, 4)")
     bs = group["block_size"]
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
         raise ValueError(f"Invalid block_size: {bs!r} (must be a power of two >= 16)")
@@ -222,7 +224,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         *,
         state_bits: int = 32,
-        block_size: int = 256,
+        block_size: int | None = None,
         min_quant_numel: int = 4096,
         paged: bool | str = False,
         offload_dir: str | os.PathLike | None = None,
@@ -230,6 +232,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         bf16_update: str = "nearest",
     ) -> None:
         defaults = dict(defaults)
+        self._default_block_size = block_size is None  # groups that set state_bits get their bits' block size
+        if block_size is None and isinstance(state_bits, int):
+            block_size = default_block_size(state_bits)
         defaults.update(
             state_bits=state_bits,
             block_size=block_size,
@@ -308,6 +313,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
     # -- param groups ----------------------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if (getattr(self, "_default_block_size", False) and isinstance(param_group, dict)
+                and "state_bits" in param_group and param_group.get("block_size") is None):
+            param_group = {**param_group, "block_size": default_block_size(param_group["state_bits"])}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -540,6 +548,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _step_compiled(self, pflat, gflat, state, slots, formats, group, step, decay) -> int:
         """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
+        if Q4 in formats.values():  # no compiled 4-bit codec: the eager path steps it
+            return 0
         bs = group["block_size"]
         rows_total = pflat.numel() // bs
         rows_per_chunk = max(1, COMPILED_CHUNK_NUMEL // bs)

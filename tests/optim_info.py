@@ -68,7 +68,10 @@ def _lars_reference(params, **kw):
 
 
 def slot_bytes(numel: int, bits: int, block_size: int = 256) -> int:
-    """Bytes of one full-size slot of ``numel`` elements (>= min_quant_numel) at ``bits``: 4, 2 or 1 + 4/block."""
+    """Bytes of one full-size slot of ``numel`` elements (>= min_quant_numel) at ``bits``: 4, 2, 1 + 4/block or
+    (4 bits, block 128 by default) 1/2 + 4/128."""
+    if bits == 4:
+        return (numel + 1) // 2 + 4 * -(-numel // 128)
     return {32: 4 * numel, 16: 2 * numel, 8: numel + 4 * -(-numel // block_size)}[bits]
 
 

@@ -250,7 +250,7 @@ def test_bad_input_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="unknown optimizer 'adamz'.*AdamW"):
         optimizer("adamz")
     with pytest.raises(ValueError, match="state_bits"):
-        optimizer("adamw", state_bits=4)
+        optimizer("adamw", state_bits=3)
     with pytest.raises(TypeError):
         optimizer("adamw", betass=(0.9, 0.99))
     with pytest.raises(ValueError, match="galore needs target_modules"):
@@ -260,7 +260,7 @@ def test_bad_input_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="runs in GaLore groups"):
         optimizer("galore_adamw")
     with pytest.raises(ValueError, match="embedding_state_bits"):
-        optimizer("came", embedding_state_bits=4)
+        optimizer("came", embedding_state_bits=3)
     if HAS_GALORE:
         with pytest.raises(TypeError, match="rnak"):
             optimizer("came", galore=dict(target_modules="all-linear", rank=8, rnak=8))

@@ -107,7 +107,7 @@ def test_bad_hyperparameters(info, case):
 def test_bad_param_group_rejected_and_optimizer_unchanged(info):
     opt = info.cls([torch.nn.Parameter(torch.zeros(3))], **info.variants[0])
     with pytest.raises(ValueError, match="Invalid state_bits"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "state_bits": 4})
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "state_bits": 3})
     assert len(opt.param_groups) == 1
 
 

@@ -121,9 +121,11 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
                 and absmax.is_contiguous() and absmax.dtype == torch.float32):
             return None
         return ffi.slot_q8(codes, absmax, True), block_size
-    t = state["exp_avg"]
     want = {FP32: torch.float32, BF16: torch.bfloat16}.get(fmt)
-    if want is None or t.dtype != want or not t.is_contiguous():
+    if want is None:  # a format without a native codec (4-bit): the eager path steps it
+        return None
+    t = state["exp_avg"]
+    if t.dtype != want or not t.is_contiguous():
         return None
     return ffi.slot_dense(t), 16
 

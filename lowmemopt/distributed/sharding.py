@@ -132,26 +132,26 @@ def slot_layout(p, slot: "Slot", local_shape: torch.Size) -> tuple[list, torch.S
 
 def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dict[str, Any]:
     """One parameter's state as ``state_dict()`` shows it for ``torch.distributed.checkpoint``: every slot a tensor
-    laid out like the parameter (a DTensor for a DTensor parameter), q8 slots decoded to fp32, ``step`` an int.
+    laid out like the parameter (a DTensor for a DTensor parameter), q8 / q4 slots decoded to fp32, ``step`` an int.
 
-    Why fp32: 8-bit blocks are laid over each local shard, so codes and per-block absmax mean nothing at another
+    Why fp32: 8- and 4-bit blocks are laid over each local shard, so codes and per-block absmax mean nothing at another
     sharding, while fp32 values reshard like any tensor; ``load_state_dict`` re-encodes them into the loading
     optimizer's blocks. Dense (fp32 / bf16) slots are shown without a copy; q8 slots cost an fp32 copy of the local
     shard while the state dict lives."""
-    from ..quant.formats import Q8, format_of
+    from ..quant.formats import QUANTIZED, format_of
 
     group = _group_of(optimizer, p)
     local = local_tensor(p)
     local_slots = optimizer._state_slots(group, p)  # a DTensor: its local shard's (GaLore: low-rank) slots
     out: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-    if not any(name in state or name + ".codes" in state for name in local_slots):
+    if not any(name in state or name + ".codes" in state or name + ".nibbles" in state for name in local_slots):
         return dict(state)  # no state yet (or not ours): shown as it is
     keys = set()
     for name, slot in local_slots.items():
         shape = local.shape if slot.shape is None else torch.Size(slot.shape)
         fmt = format_of(state, name)
         keys.update(fmt.keys(name))
-        if fmt is Q8:
+        if fmt in QUANTIZED:
             value = fmt.decode(state, name, 0, shape.numel(), slot.signed, group["block_size"]).view(shape)
         else:
             value = state[name]  # fp32 or bf16, the local shard's shape: shown as it is

@@ -63,7 +63,7 @@ def optimizer(
     Args:
         name: any lowmemopt optimizer, case-insensitive (``"adamw"``, ``"AdamW8bit"``, ``"came"``, ``"lion8bit"``,
             ``"galore_adamw_8bit"``...; see :mod:`lowmemopt.registry`).
-        state_bits: 32, 16 or 8; None keeps the name's default (``"adamw8bit"``: 8, ``"adamw"``: 32).
+        state_bits: 32, 16, 8 or 4; None keeps the name's default (``"adamw4bit"``: 4, ``"adamw"``: 32).
         galore: GaLore settings: ``target_modules`` and ``rank`` (required), optionally ``update_proj_gap``,
             ``scale``, ``proj_type``..., the keywords of :func:`lowmemopt.galore_param_groups`. Required for
             ``galore_*`` names.
@@ -87,8 +87,8 @@ def optimizer(
         )
     if galore is not None:
         galore = _check_galore(galore)
-    if embedding_state_bits is not None and embedding_state_bits not in (32, 16, 8):
-        raise ValueError(f"embedding_state_bits must be 32, 16, 8 or None, got {embedding_state_bits!r}")
+    if embedding_state_bits is not None and embedding_state_bits not in (32, 16, 8, 4):
+        raise ValueError(f"embedding_state_bits must be 32, 16, 8, 4 or None, got {embedding_state_bits!r}")
     if not isinstance(step_in_backward, bool):
         raise TypeError(f"step_in_backward must be a bool, got {type(step_in_backward).__name__}")
     ctor = {**resolved.kwargs, **kwargs}

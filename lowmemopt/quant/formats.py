@@ -7,12 +7,15 @@ fp32     ``<slot>`` fp32, parameter's shape          4
 bf16     ``<slot>`` bf16, parameter's shape          2   (round to nearest even)
 q8       ``<slot>.codes`` uint8 [numel]              1 + 4 / block_size
          ``<slot>.absmax`` fp32 [ceil(numel / bs)]
+q4       ``<slot>.nibbles`` uint8 [ceil(numel / 2)]  1/2 + 4 / block_size
+         ``<slot>.absmax`` fp32 [ceil(numel / bs)]
 =======  =========================================  ======================================
 
 The format of a stored slot is read back from its keys and dtype, so state is self-describing plain tensors. Signed slots
 (first moments, momentum) use the ``pow2`` map; non-negative slots (second moments) use ``upow2``
 (:mod:`lowmemopt.quant.maps`). State of ``lowmemopt_format`` 1 used the ``dynamic`` / ``udynamic`` maps
-(:func:`legacy_map_for`); the checkpoint layer re-encodes it on load.
+(:func:`legacy_map_for`); the checkpoint layer re-encodes it on load. 4-bit slots use the ``pow2x4`` (signed) and the
+zero-free ``upow2x4`` (non-negative) maps of :mod:`lowmemopt.quant.q4`, two codes per byte.
 
 The optimizer works on contiguous ranges ``[lo, hi)`` of the flattened slot (chunks aligned to the block size):
 :meth:`StateFormat.decode` returns fp32 values the algorithm may update in place (for fp32 storage, a view of the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from . import q4
 from .blockwise import decode_into, encode_into, num_blocks
 
 __all__ = [
@@ -30,12 +34,15 @@ __all__ = [
     "FP32",
     "BF16",
     "Q8",
+    "Q4",
+    "QUANTIZED",
     "FORMATS",
     "choose_format",
     "format_of",
     "slot_keys",
     "map_for",
     "legacy_map_for",
+    "default_block_size",
 ]
 
 
@@ -138,21 +145,70 @@ class _Q8(StateFormat):
         return {slot + ".codes": (lo, hi), slot + ".absmax": (lo // block_size, num_blocks(hi, block_size))}
 
 
-FP32, BF16, Q8 = _FP32(), _BF16(), _Q8()
-FORMATS = {f.name: f for f in (FP32, BF16, Q8)}
+class _Q4(StateFormat):
+    """Two 4-bit codes per byte (element ``2i`` in the low nibble of byte ``i``) and an fp32 scale per block:
+    :mod:`lowmemopt.quant.q4`. A block-aligned element range ``[lo, hi)`` is the byte range ``[lo / 2, ceil(hi /
+    2))``, so chunks, shards and conversions cut bytes where they cut blocks."""
+
+    name, bits = "q4", 4
+
+    def keys(self, slot):
+        return (slot + ".nibbles", slot + ".absmax")
+
+    def init(self, state, slot, shape, device, block_size):
+        n = torch.Size(shape).numel()
+        state[slot + ".nibbles"] = torch.zeros(q4.packed_len(n), dtype=torch.uint8, device=device)
+        state[slot + ".absmax"] = torch.zeros(num_blocks(n, block_size), dtype=torch.float32, device=device)
+
+    def decode(self, state, slot, lo, hi, signed, block_size, qmap=None):
+        out = torch.empty(hi - lo, dtype=torch.float32, device=state[slot + ".nibbles"].device)
+        ranges = self.key_ranges(slot, lo, hi, block_size)
+        (a, b), (c, d) = ranges[slot + ".nibbles"], ranges[slot + ".absmax"]
+        q4.decode_into(state[slot + ".nibbles"][a:b], state[slot + ".absmax"][c:d], qmap or q4.map4_for(signed),
+                       block_size, out)
+        return out
+
+    def encode(self, state, slot, lo, hi, value, signed, block_size):
+        ranges = self.key_ranges(slot, lo, hi, block_size)
+        (a, b), (c, d) = ranges[slot + ".nibbles"], ranges[slot + ".absmax"]
+        q4.encode_into(value, q4.map4_for(signed), block_size, state[slot + ".nibbles"][a:b],
+                       state[slot + ".absmax"][c:d])
+
+    def nbytes(self, numel, block_size):
+        return q4.packed_len(numel) + 4 * num_blocks(numel, block_size)
+
+    def key_ranges(self, slot, lo, hi, block_size):
+        if lo % 2:
+            raise ValueError(f"a 4-bit range must start on a byte (an even element), got {lo}")
+        return {slot + ".nibbles": (lo // 2, q4.packed_len(hi)), slot + ".absmax": (lo // block_size,
+                                                                                     num_blocks(hi, block_size))}
+
+
+FP32, BF16, Q8, Q4 = _FP32(), _BF16(), _Q8(), _Q4()
+FORMATS = {f.name: f for f in (FP32, BF16, Q8, Q4)}
+#: the block-wise quantized formats (codes + per-block absmax)
+QUANTIZED = (Q8, Q4)
+
+
+def default_block_size(state_bits: int) -> int:
+    """The block size when none is given: 128 for 4-bit state (its scales weigh twice as much per element as at 8 bits
+    for the same block, but 4-bit codes gain more from a local scale), 256 otherwise."""
+    return 128 if state_bits == 4 else 256
 
 
 def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True) -> StateFormat:
     """The format a new slot gets: tensors below ``min_quant_numel`` elements and non-quantizable slots stay fp32."""
     if not quantizable or state_bits == 32 or numel < min_quant_numel:
         return FP32
-    return BF16 if state_bits == 16 else Q8
+    return {16: BF16, 8: Q8, 4: Q4}[state_bits]
 
 
 def format_of(state: dict, slot: str) -> StateFormat:
     """The format a stored slot is in, read from its keys and dtype."""
     if slot + ".codes" in state:
         return Q8
+    if slot + ".nibbles" in state:
+        return Q4
     t = state[slot]
     if t.dtype == torch.bfloat16:
         return BF16
