@@ -605,9 +605,15 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
         by_device.setdefault(g.device, []).append(i)
     flags = [True] * len(grads)
     for idx in by_device.values():
-        norms = torch._foreach_norm([grads[i] for i in idx])
-        ok = torch.stack([n.float() for n in norms]).isfinite().tolist()
-        for i, f in zip(idx, ok):
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in idx:
+            by_dtype.setdefault(grads[i].dtype, []).append(i)
+        order, checks = [], []
+        for members in by_dtype.values():  # a norm has its gradient's dtype (bf16 keeps fp32's exponent range)
+            checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members])).isfinite())
+            order += members
+        ok = torch.cat(checks).tolist()  # a few launches per dtype, whatever the number of gradients
+        for i, f in zip(order, ok):
             flags[i] = f
     return flags
 

@@ -211,3 +211,13 @@ def test_batched_projections_equal_the_per_matrix_ones(dtype, monkeypatch):
     for i, (p, r) in enumerate(zip(ours, ref)):
         assert_state_close(_state(opt, p), _state(ref_opt, r), f"param {i}")
     assert_params_close(ours, ref, 1e-2, True, f"GaLore AdamW 8-bit, batched, {dtype}")
+
+
+def test_finite_flags_of_mixed_dtypes_keep_their_order():
+    """The up-front non-finite check takes one fused norm per (device, dtype) and returns the flags in the gradients'
+    order, whatever dtypes are interleaved."""
+    from lowmemopt.optimizer import _finite_flags
+
+    grads = [torch.ones(5), torch.ones(7, dtype=torch.bfloat16), torch.tensor([1.0, float("nan")]),
+             torch.tensor([float("inf")], dtype=torch.bfloat16), torch.full((3,), 3e19), torch.ones(2)]
+    assert _finite_flags(grads) == [True, True, False, False, False, True]  # 3e19 squared overflows fp32

@@ -225,10 +225,10 @@ def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, gro
 
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
     m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)
-    g = (grad if shards is None else shards.grad).reshape(m_local, n).float()
+    g = (grad if shards is None else shards.grad).reshape(m_local, n)  # in its dtype: project() makes it fp32
     t = state["step"]
     if t >= state[pj.NEXT_REFRESH]:
-        full = g if shards is None else shards.full_gradient()  # the basis comes from the whole gradient
+        full = g.float() if shards is None else shards.full_gradient()  # the basis comes from the whole gradient
         if not _refresh(optimizer, p, full, state, slots, group, t):
             return None  # no basis yet: skip this step, as for a non-finite gradient
         del full
@@ -253,6 +253,7 @@ def project(items: list[Item]) -> None:
             batches.setdefault((g.device, tuple(g.shape), it.state[pj.SIDE],
                                 tuple(it.state[pj.PROJ].shape)), []).append(it)
             continue
+        g = g.float()
         low = pj.project(g, it.state) if shards is None else shards.project(g, it.state, pj.bases)
         it.grad = low.contiguous()
     for (_, shape, side, _), members in batches.items():
@@ -260,9 +261,9 @@ def project(items: list[Item]) -> None:
         for i in range(0, len(members), per):
             chunk = members[i:i + per]
             if len(chunk) == 1:
-                chunk[0].grad = pj.project(chunk[0].extra["g"], chunk[0].state).contiguous()
+                chunk[0].grad = pj.project(chunk[0].extra["g"].float(), chunk[0].state).contiguous()
                 continue
-            g = torch.stack([it.extra["g"] for it in chunk])
+            g = torch.stack([it.extra["g"] for it in chunk]).float()  # bf16 gradients: one cast for the chunk
             basis = torch.stack([it.state[pj.PROJ] for it in chunk])  # P^T (k x m) or Q^T (n x k)
             low = torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)
             for it, x in zip(chunk, low.unbind(0)):
