@@ -20,6 +20,12 @@ decay applies to the full-rank parameter and is never projected:
   added to a low-rank tensor, so for projected parameters their weight decay becomes the decoupled
   ``p <- p (1 - lr wd)`` on the full parameter (for SGD without momentum this is the same as L2).
 
+As stages of the step pipeline (:mod:`lowmemopt.pipeline`): :func:`prepare` (gather: state, basis refresh),
+:func:`project` (batched ``torch.bmm`` per shape class on CUDA), the update, and :func:`finish` / :func:`finish_many`
+(unproject and apply). Where the inner math reads the parameter only for a coupled decay (:func:`param_free`: AdamW /
+Adam, SGD, Lion), the update runs through the fused backends on a zeroed low-rank stand-in (:func:`stand_ins`) that
+receives ``delta_low``; otherwise through the reference core above (:func:`step_projected`).
+
 Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_gap=200``, ``scale=0.25``,
 ``proj_type="std"`` as in galore-torch and the HF Trainer, and lowmemopt's ``proj_svd="full" | "randomized"``,
 ``proj_moments="keep" | "reset" | "project"`` and ``proj_stagger=False`` (see :mod:`.projector`).
