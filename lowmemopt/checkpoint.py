@@ -233,27 +233,16 @@ def _check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], n
     if tuple(param_shape) != tuple(shape):
         ours += f" and its '{name}' {tuple(shape)}"
     hint = "; is it the state of another model, or of the parameters in another order?"
-    if src is Q8:
-        codes, absmax = tensors[name + ".codes"], tensors[name + ".absmax"]
+    if src is Q8 or src is Q4:
+        key, stored, unit, kind = ((".codes", numel, "elements", "8-bit codes") if src is Q8 else
+                                   (".nibbles", q4.packed_len(numel), "bytes", "4-bit codes, two per byte"))
+        codes, absmax = tensors[name + key], tensors[name + ".absmax"]
         if codes.dtype != torch.uint8:
-            raise CheckpointError(f"{where}: '{name}.codes' is {codes.dtype} in {source}, expected uint8 8-bit codes")
-        if codes.numel() != numel:
+            raise CheckpointError(f"{where}: '{name}{key}' is {codes.dtype} in {source}, expected uint8 {kind}")
+        if codes.numel() != stored:
             raise CheckpointError(
-                f"{where}: '{name}' has {codes.numel():,} elements in {source} (8-bit codes, stored flat); {ours} "
-                f"({numel:,} elements){hint}"
-            )
-        if absmax.numel() != num_blocks(numel, bs):
-            raise CheckpointError(
-                f"{where}: '{name}.absmax' has {absmax.numel()} blocks; {numel} elements at block_size {bs} need "
-                f"{num_blocks(numel, bs)} (block-size mismatch)"
-            )
-        return
-    if src is Q4:
-        nibbles, absmax = tensors[name + ".nibbles"], tensors[name + ".absmax"]
-        if nibbles.dtype != torch.uint8 or nibbles.numel() != q4.packed_len(numel):
-            raise CheckpointError(
-                f"{where}: '{name}.nibbles' is {nibbles.dtype} with {nibbles.numel()} elements, expected uint8 with "
-                f"{q4.packed_len(numel)} (two 4-bit codes per byte for {numel} elements)"
+                f"{where}: '{name}' has {codes.numel():,} {unit} in {source} ({kind}, stored flat); {ours} "
+                f"({numel:,} elements{'' if src is Q8 else f', {stored:,} bytes'}){hint}"
             )
         if absmax.numel() != num_blocks(numel, bs):
             raise CheckpointError(

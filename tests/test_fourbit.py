@@ -416,3 +416,20 @@ def test_4bit_training_matches_32bit_llama(name):
               f"state {runs[32]['state_bytes']} -> {runs[4]['state_bytes']} B")
         assert runs[4]["state_bytes"] < runs[32]["state_bytes"] / 3
     assert abs(sum(rel) / len(rel)) < 0.02 and max(map(abs, rel)) < 0.03, rel
+
+
+def test_another_models_4bit_state_is_refused_naming_the_shapes():
+    """4-bit state of another model: the error names the optimizer's parameter shape and both sizes (as at 8 bits),
+    and the optimizer is left as it was."""
+    a = [torch.nn.Parameter(torch.randn(64, 96))]
+    b = [torch.nn.Parameter(torch.randn(32, 48))]
+    src, dst = lowmemopt.AdamW(a, state_bits=4), lowmemopt.AdamW(b, state_bits=4)
+    for opt, params in ((src, a), (dst, b)):
+        params[0].grad = torch.randn_like(params[0])
+        opt.step()
+    before = {k: v.clone() for k, v in dst.state[b[0]].items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"'exp_avg' has 3,072 bytes in the state dict \(4-bit codes, two per byte, "
+                                         r"stored flat\); the optimizer's parameter has shape \(32, 48\) \(1,536 "
+                                         r"elements, 768 bytes\)"):
+        dst.load_state_dict(src.state_dict())
+    assert all(torch.equal(dst.state[b[0]][k], v) for k, v in before.items())
