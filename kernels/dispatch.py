@@ -23,13 +23,13 @@ bucket goes back to the caller; a failure after writing is raised.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from typing import Any, Callable
 
 import torch
 
 from lowmemopt._stacklevel import external_stacklevel
+from lowmemopt.pipeline import triton_usable
 from lowmemopt.pipeline.items import Item, Update
 from lowmemopt.quant.formats import format_of
 
@@ -41,22 +41,10 @@ stats: dict[tuple[str, str], int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def available_for(items: list[Item]) -> bool:
-    """Could any of ``items`` take a kernel (Triton usable on one of their devices)? Imports Triton only for CUDA
-    tensors, or for CPU tensors while a test runs the interpreter."""
-    if not any(it.target.is_cuda for it in items):
-        rt = sys.modules.get(__package__ + ".runtime")
-        if rt is None or not rt._cpu_interpreter:
-            return False
-    from . import runtime
-
-    return runtime.HAS_TRITON and runtime.ENABLED and any(runtime.device_ok(it.target.device) for it in items)
-
-
 def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, int], Update]) -> list[Item]:
     """Step what the kernels can of ``items`` (all of one optimizer, running ``algorithm``); return the rest.
     ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket."""
-    if not items or not available_for(items):
+    if not items or not triton_usable({it.target.device for it in items}):
         return items
     from . import registry, runtime
     from .launch import Bucket, Unsupported
