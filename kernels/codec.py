@@ -232,7 +232,8 @@ def bf16_bits_rne(x):
 def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
                    UPDATE: tl.constexpr, W: tl.constexpr):
     """:func:`store_param` with a bf16 parameter's ``bf16_update`` (:mod:`lowmemopt.rounding`): ``NEAREST``;
-    ``STOCHASTIC``: 16 hash bits of (key at column ``W - 2``, the element's offset) added before truncation;
+    ``STOCHASTIC``: 16 hash bits of (key at column ``W - 2``, the element's index in the whole parameter: its offset
+    plus column ``W - 1``) added before truncation;
     ``KAHAN``: the bf16 compensation buffer at column ``W - 1``. ``p_old``: the parameter before the step (fp32)."""
     if UPDATE == 0 or DTYPE != tl.bfloat16:  # NEAREST (module globals are not constexpr inside a kernel)
         store_param(p_new, row, offs, mask, DTYPE, ALIGNED, MASKED)
@@ -240,7 +241,7 @@ def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: 
         dst = typed(tl.load(row), tl.uint16, ALIGNED) + offs
         if UPDATE == 1:  # STOCHASTIC
             key = tl.load(row + W - 2).to(tl.uint32)
-            r = mix32(offs.to(tl.uint32) ^ key) >> 16
+            r = mix32((offs + tl.load(row + W - 1)).to(tl.uint32) ^ key) >> 16
             u = p_new.to(tl.uint32, bitcast=True)
             out = tl.where(p_new != p_new, 0x7FC0, (u + r) >> 16)
         else:

@@ -68,7 +68,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
         step = key[6] + 1
         update = update_for(members[0], step)
         bucket = Bucket([it.target for it in members], [it.grad for it in members], [it.state for it in members],
-                        kernel.fmt, update.block_size)
+                        kernel.fmt, update.block_size, index_bases=[it.index_base for it in members])
         try:
             kernel.launch(update, bucket)
         except Unsupported:

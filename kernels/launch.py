@@ -57,6 +57,9 @@ class Bucket:
     fmt: str  # "fp32" | "bf16" | "q8": format of the full-size state slots
     block_size: int
     written: bool = field(default=False)  # a launch that writes params or state has started
+    #: per param, the flat index of its first element in the whole parameter (an FSDP2 shard's offset: the stochastic
+    #: rounding hash's counter; None: not one range, so no stochastic rounding here); empty: all 0
+    index_bases: list[int | None] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
@@ -83,17 +86,21 @@ class Bucket:
         return out
 
     def param_update(self, group: dict[str, Any], step: int) -> tuple[list[list[int]] | None, int]:
-        """``(extra table columns, UPDATE code)`` for :func:`.codec.store_param_as`: per parameter its stochastic
-        hash key of this step and its Kahan buffer's address (the row's last two columns); ``(None, NEAREST)`` when
-        the bucket's parameters round to nearest. Makes missing ``bf16_update`` state (a mode changed since)."""
+        """``(extra table columns, UPDATE code)`` for :func:`.codec.store_param_as`: per parameter the row's last two
+        columns, its stochastic hash key of this step and its first element's index in the whole parameter, or 0 and
+        its Kahan buffer's address; ``(None, NEAREST)`` when the bucket's parameters round to nearest. Makes missing
+        ``bf16_update`` state (a mode changed since)."""
         mode = rounding.mode_of(group, self.params[0])
         if mode == "nearest":
             return None, NEAREST
         cols = []
-        for p, st in zip(self.params, self.states):
+        bases = self.index_bases or [0] * len(self.params)
+        for p, st, base in zip(self.params, self.states, bases):
             rounding.init_state(st, p, group)
             if mode == "stochastic":
-                cols.append([rounding.step_key(st[rounding.SEED], step), 0])
+                if base is None:
+                    raise Unsupported("a shard whose elements are not one range of its parameter")
+                cols.append([rounding.step_key(st[rounding.SEED], step), base])
             else:
                 c = st[rounding.KAHAN]
                 if c.dtype != torch.bfloat16 or c.shape != p.shape or c.device != p.device or not c.is_contiguous():

@@ -418,11 +418,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _init_state(
         self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any] | None = None,
-        numel: int | None = None,
+        numel: int | None = None, reduce: Reduction = LOCAL,
     ) -> dict[str, Any]:
         """Zero state for ``p`` (a DTensor's local shard, whose ``state`` is then given) in ``slots``' formats.
         ``numel``: the whole parameter's size (a DTensor's), which picks the format of slots shaped like it, so that
-        a shard keeps the format the parameter has in one process (``min_quant_numel``)."""
+        a shard keeps the format the parameter has in one process (``min_quant_numel``); ``reduce``: the shard's
+        reductions (its ranks agree on a stochastic-rounding seed)."""
         state = self.state[p] if state is None else state
         state["step"] = 0
         for name, slot in slots.items():
@@ -430,7 +431,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             size = (numel if numel is not None else p.numel()) if slot.shape is None else shape.numel()
             fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize)
             fmt.init(state, name, shape, p.device, group["block_size"])
-        rounding.init_state(state, local_tensor(p), group)  # bf16_update: a seed or a Kahan buffer (bf16 params)
+        rounding.init_state(state, local_tensor(p), group, reduce.agree)  # bf16_update: a seed or a Kahan buffer
         return state
 
     def _first_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -471,7 +472,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
         slots = self._slots(group, p)
         if "step" not in state:
-            state = self._init_state(p, group, slots, state, numel=numel)
+            state = self._init_state(p, group, slots, state, numel=numel, reduce=reduce)
+        elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
+            rounding.init_state(state, p, group, reduce.agree)
         state["step"] += 1
         target = p if p.is_contiguous() else p.contiguous()
         scanned = self._update_flat(p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],
@@ -493,9 +496,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
             name = kernel_algorithm(self)
             if name is None:
                 pass
-            elif self.elementwise:
+            elif self.elementwise:  # (a shard's stochastic rounding hashes its elements' indices in the parameter)
                 start, scanned = cpu.step_elementwise(name, self._math_kwargs(group, step), pflat, gflat, state,
-                                                      slots, formats, group, step, decay, scan)
+                                                      slots, formats, group, step, decay, scan,
+                                                      index_base=reduce.flat_offset() if reduce.distributed else 0)
             elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, group, step, decay):
                 start = pflat.numel()
         exact = rounding.mode_of(group, like) == "nearest"  # the compiled path rounds to nearest only
@@ -512,6 +516,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         n = pflat.numel()
         chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if self.elementwise else max(n, 1)
         stop = 1 if n == 0 and reduce.distributed and not self.elementwise else n
+        stochastic = rounding.mode_of(group, pflat) == "stochastic"
         for lo in range(start, stop, chunk):
             hi = min(n, lo + chunk)
             p32 = pflat[lo:hi].float()
@@ -521,7 +526,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
             delta, alpha = self._run_update(p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
             self._apply_update(p32, delta, alpha, decay, group)
-            rounding.store(pflat[lo:hi], p32.view(-1), state, group, lo)  # bf16: nearest / stochastic / Kahan
+            # bf16: nearest / stochastic / Kahan; a shard's stochastic bits are its elements' in the whole parameter
+            index = reduce.element_index(lo, hi - lo, p32.device) if reduce.distributed and stochastic else None
+            rounding.store(pflat[lo:hi], p32.view(-1), state, group, lo, index)
 
     def _run_update(self, p32, g32, state, slots, formats, group, step, lo, hi, like=None, reduce=LOCAL):
         """Decode -> :meth:`_update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements ``[lo, hi)`` of

@@ -32,12 +32,17 @@ The hash (32-bit unsigned arithmetic, which torch int64 ops, C ``uint32_t`` and 
     bits(i) = mix((i mod 2^32) ^ key) >> 16                        (per element, i: its flat index)
     bf16    = (bits_of(p32) + bits(i)) >> 16                       (NaN: 0x7FC0)
 
-Indices are taken mod 2^32, so a parameter of more than 4G elements reuses its stream once per 4G elements.
+Indices are taken mod 2^32, so a parameter of more than 4G elements reuses its stream once per 4G elements. ``i`` is
+the element's index in the *whole* parameter: an FSDP2 / tensor-parallel shard hashes its elements' global indices
+(:meth:`lowmemopt.distributed.reduction.Reduction.element_index`), and the seed is made the same on every rank that
+holds a part or a copy of the parameter (the largest of the ranks' draws), so a sharded run rounds exactly as the
+one-process run with that seed, and replicas (HSDP) stay identical. (A strided shard, FSDP2 over tensor parallelism,
+hashes its local indices.)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,12 +70,15 @@ def mode_of(group: dict[str, Any], p: torch.Tensor) -> str:
     return group.get("bf16_update", "nearest")
 
 
-def init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+def init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
+               agree: Callable[[int], int] | None = None) -> dict[str, Any]:
     """Add what ``p``'s mode needs to its state, if missing: the stochastic seed (an int from torch's default
-    generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer."""
+    generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer. ``agree``: makes a
+    new seed the same on every rank that holds part of the parameter (a collective: every such rank calls it)."""
     mode = mode_of(group, p)
     if mode == "stochastic" and SEED not in state:
-        state[SEED] = 0 if p.device.type == "meta" else int(torch.randint(0, 1 << 31, (1,)).item())
+        seed = 0 if p.device.type == "meta" else int(torch.randint(0, 1 << 31, (1,)).item())
+        state[SEED] = seed if agree is None else agree(seed)
     elif mode == "kahan" and KAHAN not in state:
         state[KAHAN] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
     return state
@@ -113,9 +121,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(key: int, lo: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """16 random bits (int64 in [0, 65536)) of elements ``lo .. lo + n - 1``."""
-    idx = torch.arange(lo, lo + n, dtype=torch.int64, device=device) & M32
+def random_bits(key: int, lo: int | torch.Tensor, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """16 random bits (int64 in [0, 65536)) of elements ``lo .. lo + n - 1`` of a parameter, or of the elements whose
+    flat indices ``lo`` (an int64 tensor of ``n``) holds."""
+    if isinstance(lo, torch.Tensor):
+        idx = lo.to(device=device, dtype=torch.int64).reshape(-1) & M32
+    else:
+        idx = torch.arange(lo, lo + n, dtype=torch.int64, device=device) & M32
     return _mix(idx ^ key) >> 16
 
 
@@ -123,8 +135,9 @@ def random_bits(key: int, lo: int, n: int, device: torch.device | str = "cpu") -
 # the roundings (pure: fp32 in, bf16 out)
 
 
-def stochastic_round(p32: torch.Tensor, key: int, lo: int = 0) -> torch.Tensor:
-    """``p32`` (fp32, flat elements ``lo ..`` of their parameter) rounded stochastically to bfloat16."""
+def stochastic_round(p32: torch.Tensor, key: int, lo: int | torch.Tensor = 0) -> torch.Tensor:
+    """``p32`` (fp32, flat elements ``lo ..`` of their parameter, or those at the flat indices ``lo`` holds) rounded
+    stochastically to bfloat16."""
     bits = p32.reshape(-1).view(torch.int32).to(torch.int64) & M32
     out = (bits + random_bits(key, lo, bits.numel(), p32.device)) >> 16  # <= 0xFFFF: only a NaN's bits carry out
     out = torch.where(torch.isnan(p32.reshape(-1)), 0x7FC0, out)
@@ -143,9 +156,13 @@ def kahan_round(p: torch.Tensor, p32: torch.Tensor, c: torch.Tensor) -> tuple[to
     return new, comp.to(torch.bfloat16)
 
 
-def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], group: dict[str, Any], lo: int = 0) -> None:
-    """Write the fp32 result ``p32`` into ``dst`` (elements ``lo ..`` of the flat parameter whose state is ``state``,
-    in the same shape as ``p32``), rounded as the group's ``bf16_update`` says. ``state["step"]`` is this step's."""
+def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], group: dict[str, Any], lo: int = 0,
+          index: int | torch.Tensor | None = None) -> None:
+    """Write the fp32 result ``p32`` into ``dst`` (elements ``lo ..`` of the flat tensor whose state is ``state``, in
+    the same shape as ``p32``), rounded as the group's ``bf16_update`` says. ``state["step"]`` is this step's.
+    ``index``: where those elements sit in the whole parameter when the tensor is a shard of it (the stochastic
+    hash's counter: a first flat index, or one per element; see
+    :meth:`lowmemopt.distributed.reduction.Reduction.element_index`); by default ``lo``."""
     mode = mode_of(group, dst)
     if mode == "nearest" or p32.dtype != torch.float32:
         if dst.data_ptr() != p32.data_ptr():
@@ -153,7 +170,7 @@ def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], group: di
         return
     init_state(state, dst, group)
     if mode == "stochastic":
-        dst.copy_(stochastic_round(p32, step_key(state[SEED], state["step"]), lo))
+        dst.copy_(stochastic_round(p32, step_key(state[SEED], state["step"]), lo if index is None else index))
     else:
         c = state[KAHAN].view(-1)[lo:lo + dst.numel()].view(dst.shape)
         new, comp = kahan_round(dst, p32, c)

@@ -235,6 +235,51 @@ def elementwise_32_16_exact(ctx):
 
 
 @case
+def bf16_stochastic_global_index(ctx):
+    """bf16 parameters with ``bf16_update="stochastic"``: a shard hashes its elements' indices in the whole parameter
+    and its ranks agree on the seed, so FSDP2 shards (contiguous ranges) and column shards (Shard(1): an index per
+    element) round exactly as one process with that seed does; on the torch path and the native CPU kernels."""
+    shapes = UNEVEN[:2] + [(6, 10)]
+    tensors = [t.bfloat16() for t in full_params(shapes)]
+    tgts = targets(shapes)
+    for cls, kw in ELEMENTWISE:
+        kw = dict(kw, lr=0.05, bf16_update="stochastic")
+        for layout, native in (("fsdp2", False), ("fsdp2", True), ("shard1", False)):
+            what = f"{cls.__name__} bf16 stochastic {layout}" + (" native CPU kernels" if native else "")
+            ref_params = plain_params(tensors)
+            if layout == "fsdp2":
+                _, params = fsdp_params(ctx, tensors)
+            else:
+                params = dtensor_params(ctx, tensors, [[Shard(1)]] * len(tensors))
+            with contextlib.nullcontext() if native else torch_paths_only():
+                opt, ref_opt = cls(params, **kw), cls(ref_params, **kw)
+                for t in range(4):  # the reference's gradients; torch's generator reseeded before the seeds are drawn
+                    for i, (p, r, tg) in enumerate(zip(params, ref_params, tgts)):
+                        g = grad_for(full(r).float(), tg, t, i).bfloat16()
+                        set_grad(p, g)
+                        set_grad(r, g)
+                    for o in (opt, ref_opt):
+                        if t == 0:
+                            torch.manual_seed(1234)  # every rank draws the one-process run's seeds
+                        o.step()
+            compare(params, ref_params, what, exact=True)
+            moved = sum(int((full(p).float() != t.float()).sum()) for p, t in zip(params, tensors))
+            check(moved > 0, f"{what}: nothing moved")
+    # ranks that draw different seeds agree on one (the largest), so shards of a parameter share one stream
+    ref = plain_params(tensors)
+    _, params = fsdp_params(ctx, tensors)
+    opt = lowmemopt.AdamW(params, lr=0.05, bf16_update="stochastic")
+    for i, (p, r, tg) in enumerate(zip(params, ref, tgts)):
+        set_grad(p, grad_for(full(r).float(), tg, 0, i).bfloat16())
+    torch.manual_seed(100 + ctx.rank)
+    opt.step()
+    seeds = torch.tensor([opt.state[p]["bf16_update.seed"] for p in params], dtype=torch.int64)
+    gathered = [torch.empty_like(seeds) for _ in range(ctx.world)]
+    dist.all_gather(gathered, seeds)
+    check(all(torch.equal(g, gathered[0]) for g in gathered), f"seeds differ across ranks: {gathered}")
+
+
+@case
 def elementwise_8bit_block_aligned_exact(ctx):
     """8- and 4-bit state, every shard a whole number of blocks: the blocks are the single process's, so results are
     equal (4 bits: a shard's bytes are the single process's bytes, blocks being byte-aligned)."""

@@ -161,6 +161,63 @@ def test_8bit_state_native_and_eager_agree(mode, monkeypatch):
     assert torch.equal(_bits(a), _bits(b))
 
 
+class _Shard:
+    """A stand-in for a sharded parameter's reductions: its local elements are ``lo ..`` of the whole parameter."""
+
+    distributed = True
+
+    def __init__(self, lo: int) -> None:
+        self.lo = lo
+
+    def flat_offset(self) -> int:
+        return self.lo
+
+    def element_index(self, lo, n, device="cpu"):
+        return self.lo + lo
+
+    def agree(self, value):
+        return value
+
+
+@pytest.mark.parametrize("backend", ["eager", "native", "triton"])
+def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, monkeypatch):
+    # stochastic rounding hashes an element's index in the whole parameter: a shard [lo, hi) stepped with its offset
+    # (FSDP2: Reduction.flat_offset; the pipeline's Item.index_base) gets the whole parameter's bits there
+    from lowmemopt.kernels import dispatch, runtime
+    from lowmemopt.pipeline import _plain_item
+    from lowmemopt.pipeline.items import Update
+
+    if backend == "triton" and not (runtime.HAS_TRITON and runtime.INTERPRET):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    n, lo, hi = 3000, 1100, 2600
+    whole, wopt = _run(lowmemopt.AdamW, dict(lr=1e-4), "stochastic", "eager", monkeypatch, n=n, steps=1)
+    seed = wopt.state[whole][rounding.SEED]
+    torch.manual_seed(0)
+    start = torch.randn(n, dtype=BF16)
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(BF16)
+    monkeypatch.setattr(cpu, "ENABLED", backend == "native")
+    for shifted in (True, False):
+        shard = torch.nn.Parameter(start[lo:hi].clone())
+        shard.grad = grad[lo:hi].clone()
+        opt = lowmemopt.AdamW([shard], lr=1e-4, bf16_update="stochastic")
+        group = opt.param_groups[0]
+        if backend == "triton":
+            with runtime.cpu_interpreter():
+                item = _plain_item(opt, shard, group)
+                item.state[rounding.SEED] = seed
+                item.index_base = lo if shifted else 0
+                update = Update("adam", opt._math_kwargs(group, 1), group, opt._decay_factor(group), 1, 256)
+                assert dispatch.step_items("adam", [item], lambda it, step: update) == []
+        else:
+            state = opt._init_state(shard, group, opt._slots(group, shard))
+            state[rounding.SEED] = seed
+            state["step"] = 1
+            opt._update_flat(shard, shard.data.view(-1), shard.grad.view(-1), state, opt._slots(group, shard), group,
+                             1, opt._decay_factor(group), _Shard(lo if shifted else 0))
+        same = torch.equal(_bits(shard), _bits(whole[lo:hi]))
+        assert same == shifted, f"shifted={shifted}"
+
+
 def test_fp32_params_ignore_it(monkeypatch):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(100))

@@ -71,7 +71,8 @@ def _is_number(v: Any) -> bool:
 
 def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
          state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
-         step: int, decay: float, scan: torch.Tensor | None = None) -> tuple[int, bool | None]:
+         step: int, decay: float, scan: torch.Tensor | None = None,
+         index_base: int | None = 0) -> tuple[int, bool | None]:
     """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``; ``group``: the param
     group's storage options, ``step``: the step being taken) over the flat tensor
     ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
@@ -79,6 +80,9 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
 
     ``scan``: another gradient (the next parameter's) whose finiteness the kernel checks in the same parallel loop
     (:func:`lowmemopt.cpu.ffi.scan_result`), its reads overlapping this kernel's arithmetic.
+
+    ``index_base``: the flat index of ``pflat``'s first element in its whole parameter (a shard's offset), which
+    stochastic rounding hashes; None: the elements are not one range of it (the kernel declines stochastic rounding).
 
     Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
     the rest), and whether ``scan`` is finite (None: not scanned)."""
@@ -132,7 +136,9 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
         if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == torch.bfloat16
                                       and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
             return 0, None
+        if mode == "stochastic" and index_base is None:
+            return 0, None
         key = rounding.step_key(state[rounding.SEED], step) if mode == "stochastic" else 0
-        ffi.set_update(args, mode, key, 0, kahan)
+        ffi.set_update(args, mode, key, index_base or 0, kahan)
     ffi.call(getattr(build.library(), kernel.name), args)
     return rows * bs + tail, (None if scan is None else ffi.scan_result(args))

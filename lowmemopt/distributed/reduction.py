@@ -50,6 +50,23 @@ class Reduction:
         """Global number of elements of a parameter-shaped ``x``."""
         return x.numel()
 
+    def flat_offset(self) -> int | None:
+        """The flat (row-major) index in the whole parameter of the local tensor's first element, when the local
+        elements are one contiguous range of the whole parameter's; None when they are not (the per-element
+        :meth:`element_index` then says where each one is). Single process: 0."""
+        return 0
+
+    def element_index(self, lo: int, n: int, device: torch.device | str = "cpu") -> int | torch.Tensor:
+        """Where local flat elements ``lo .. lo + n - 1`` sit in the whole parameter: the first one's flat index (an
+        int: they are consecutive), or an int64 tensor of ``n`` indices. What stochastic rounding hashes, so that a
+        sharded parameter takes the bits the whole one takes in one process (:mod:`lowmemopt.rounding`)."""
+        return lo
+
+    def agree(self, value: int) -> int:
+        """``value`` made the same on every process that holds a part or a copy of the parameter (the largest one).
+        Single process: ``value``."""
+        return value
+
     def __repr__(self) -> str:
         return "Reduction(local)"
 
@@ -74,6 +91,8 @@ class ShardedReduction(Reduction):
 
     def __init__(self, mesh, placements: Sequence, shape: torch.Size) -> None:
         self.shape = torch.Size(shape)
+        self.mesh, self.placements = mesh, tuple(placements)
+        self._box: tuple[list[int], list[int]] | None = None  # (local shape, global offset), made when asked
         ndim = len(self.shape)
         self._by_dim: dict[int, list] = {}  # parameter dim -> the process groups that shard it
         for i, placement in enumerate(placements):
@@ -124,6 +143,59 @@ class ShardedReduction(Reduction):
 
     def numel(self, x):
         return self.shape.numel()
+
+    def _local_box(self) -> tuple[list[int], list[int]] | None:
+        """(local shape, its offset in the parameter) of this rank's shard; None for a strided shard (FSDP2 over
+        tensor parallelism), whose elements are no box of the parameter."""
+        if any(type(pl).__name__ == "_StridedShard" for pl in self.placements):
+            return None
+        if self._box is None:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local, offset = compute_local_shape_and_global_offset(self.shape, self.mesh, self.placements)
+            self._box = (list(local), list(offset))
+        return self._box
+
+    def _strides(self) -> list[int]:
+        strides, acc = [], 1
+        for s in reversed(self.shape):
+            strides.append(acc)
+            acc *= s
+        return strides[::-1]
+
+    def flat_offset(self):
+        box = self._local_box()
+        if box is None:
+            return None
+        local, offset = box
+        if 0 in local:
+            return 0
+        # a box is a contiguous range iff the dims after the first split one are whole and the ones before it single
+        split = [d for d in range(len(local)) if local[d] != self.shape[d]]
+        if split and (any(local[d] != 1 for d in range(split[0])) or split[1:]):
+            return None
+        return sum(o * s for o, s in zip(offset, self._strides()))
+
+    def element_index(self, lo, n, device="cpu"):
+        base = self.flat_offset()
+        if base is not None:
+            return base + lo
+        box = self._local_box()
+        if box is None:  # a strided shard: local indices (its stochastic rounding differs from the one-process run's)
+            return lo
+        local, offset = box
+        flat = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
+        index = torch.zeros_like(flat)
+        for size, off, stride in reversed(list(zip(local, offset, self._strides()))):
+            index += (flat % size + off) * stride
+            flat = flat // size
+        return index
+
+    def agree(self, value):
+        t = torch.tensor([value], dtype=torch.int64, device=self.mesh.device_type)
+        for i in range(self.mesh.ndim):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.get_group(i))
+        return int(t.item())
 
     def __repr__(self) -> str:
         sharded = {d: [dist.get_world_size(g) for g in gs] for d, gs in self._by_dim.items()}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import rounding
 from .items import Item, Update
 
 if TYPE_CHECKING:
@@ -135,5 +136,8 @@ def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, An
     state = optimizer.state[p]
     slots = optimizer._slots(group, local)
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
-        state = optimizer._init_state(local, group, slots, state, numel=p.numel())
-    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots)
+        state = optimizer._init_state(local, group, slots, state, numel=p.numel(), reduce=reduce)
+    elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
+        rounding.init_state(state, local, group, reduce.agree)
+    base = reduce.flat_offset() if reduce.distributed and rounding.mode_of(group, local) == "stochastic" else 0
+    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, index_base=base)

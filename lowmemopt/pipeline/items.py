@@ -32,6 +32,9 @@ class Item:
     state: dict[str, Any]  # initialized: has "step" and every slot
     slots: dict[str, Any]  # name -> Slot (signed, quantize, shape, dims)
     projected: bool = False  # a GaLore item: target is the low-rank update buffer
+    #: flat index in the whole parameter of ``target``'s first element (an FSDP2 shard's offset; stochastic rounding
+    #: hashes it), or None when the target's elements are not one range of the parameter's
+    index_base: int | None = 0
     extra: dict[str, Any] = field(default_factory=dict)  # stage-private data (GaLore: projector views, shards)
 
 

@@ -40,7 +40,8 @@ import torch
 
 from .. import rounding
 from ..distributed.galore import low_rank_layout, row_shards
-from ..distributed.reduction import LOCAL
+from ..distributed.reduction import LOCAL, ShardedReduction
+from ..distributed.sharding import is_dtensor
 from ..pipeline import CHUNK_NUMEL
 from ..pipeline.items import Item
 from ..quant.formats import format_of
@@ -192,7 +193,10 @@ def init_projected_state(optimizer: LowMemOptimizer, p: torch.Tensor, group: dic
     projector (also used, on a meta twin of ``p``, by :mod:`lowmemopt.paging` to learn the layout ahead)."""
     slots = projected_slots(optimizer, group, p) if slots is None else slots
     m, n = pj.matrix_shape(p.shape)
-    state = optimizer._init_state(p, group, slots)
+    reduce = LOCAL  # a DTensor's ranks agree on its stochastic-rounding seed
+    if is_dtensor(p) and p.device.type != "meta":
+        reduce = ShardedReduction(p.device_mesh, p.placements, p.shape)
+    state = optimizer._init_state(p, group, slots, reduce=reduce)
     pj.init_projector(state, m, n, group["rank"], pj.choose_side(group["proj_type"], m, n), p.device)
     return state
 
@@ -230,6 +234,8 @@ def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, gro
         init_projected_state(optimizer, p, group, slots)
 
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
+    if shards is not None:  # bf16_update changed since: the ranks make the seed together
+        rounding.init_state(state, shards.param, group, shards.param_reduce.agree)
     m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)
     g = (grad if shards is None else shards.grad).reshape(m_local, n)  # in its dtype: project() makes it fp32
     t = state["step"]
@@ -320,7 +326,8 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
         r1 = min(m_local, r0 + rows)
         update = pj.project_back_rows(delta, state, r0, r1, row0).mul_(scale)
         optimizer._apply_update(p32[r0:r1], update, alpha, decay, group)
-    rounding.store(p2d, p32, state, group)  # bf16 params: the group's bf16_update (a copy unless fp32)
+    # bf16 params: the group's bf16_update (a copy unless fp32); a shard of rows hashes its elements' global indices
+    rounding.store(p2d, p32, state, group, index=None if shards is None else row0 * n)
     if target is not local:
         local.copy_(target)
 
