@@ -3,6 +3,7 @@
     cd /tmp && python /path/to/lowmemopt/bench/fourbit.py                # LLaMA (demo config), 300 steps, ~5 min on CPU
     python /path/to/lowmemopt/bench/fourbit.py --model mlp --steps 150   # the byte MLP: seconds
     python /path/to/lowmemopt/bench/fourbit.py --maps                    # the 4-bit map candidates' error on Adam state
+    python /path/to/lowmemopt/bench/fourbit.py --seeds 0,1,2 --optimizers 'CAME 32-bit,CAME 4-bit'  # gaps per seed
 
 Training: a fresh, randomly initialised model of :mod:`lowmemopt.demo` (``llama``: ``LLAMA_BYTES``, 1.9M parameters;
 ``mlp``: the byte MLP) on the Python standard library's source, the same batches for every optimizer; the loss is the
@@ -113,6 +114,28 @@ def table(rows: list[dict], numel: int) -> str:
     return "\n".join(lines)
 
 
+def _gaps(rows: list[dict]) -> dict[str, float]:
+    """Each row's held-out loss relative to its 32-bit twin's, in percent (rows without a twin are left out)."""
+    base = {r["name"].split()[0]: r["heldout"] for r in rows if r["name"].endswith("32-bit")}
+    out = {}
+    for r in rows:
+        ref = base.get("AdamW" if "AdamW" in r["name"] else r["name"].split()[0])
+        if ref and not r["name"].endswith("32-bit"):
+            out[r["name"]] = 100 * (r["heldout"] - ref) / ref
+    return out
+
+
+def gap_table(per_seed: list[list[dict]], seeds: list[int]) -> str:
+    """Loss gap to the 32-bit twin per seed, and the mean over seeds."""
+    gaps = [_gaps(rows) for rows in per_seed]
+    lines = ["| optimizer | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+             "| --- |" + " ---: |" * (len(seeds) + 1)]
+    for name in gaps[0]:
+        vals = [g[name] for g in gaps]
+        lines.append(f"| {name} | " + " | ".join(f"{v:+.2f}%" for v in vals) + f" | {sum(vals) / len(vals):+.2f}% |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # map candidates
 
@@ -184,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=("llama", "mlp"), default="llama")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", help="comma-separated seeds (e.g. 0,1,2): a table per seed, then each row's loss gap "
+                                    "to its 32-bit twin per seed and its mean (one seed's gap is mostly the run's noise)")
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--optimizers", help="comma-separated subset of the rows, e.g. 'AdamW 32-bit,AdamW 4-bit'")
     ap.add_argument("--maps", action="store_true", help="measure the 4-bit map candidates instead")
@@ -192,10 +217,16 @@ def main(argv: list[str] | None = None) -> int:
         print(map_errors(args.steps, args.model))
         return 0
     names = [n.strip() for n in args.optimizers.split(",")] if args.optimizers else None
-    rows = run(args.model, args.steps, args.seed, names, torchao=not args.no_torchao)
-    print(f"{args.model}, {args.steps} steps, seed {args.seed}, {n_params(args.model):,} parameters, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(table(rows, n_params(args.model)))
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    per_seed = []
+    for seed in seeds:
+        rows = run(args.model, args.steps, seed, names, torchao=not args.no_torchao)
+        print(f"{args.model}, {args.steps} steps, seed {seed}, {n_params(args.model):,} parameters, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print(table(rows, n_params(args.model)))
+        per_seed.append(rows)
+    if len(seeds) > 1:
+        print(gap_table(per_seed, seeds))
     return 0
 
 
