@@ -871,6 +871,7 @@ DCP_CONFIGS = [
     (lowmemopt.AdamW, dict(lr=1e-2)),
     (lowmemopt.Adafactor, dict(beta1=0.9, state_bits=8, block_size=16, min_quant_numel=0)),
     (lowmemopt.CAME, dict(lr=1e-3)),
+    (lowmemopt.AdamW, dict(lr=1e-2, bf16_update="kahan")),  # bf16 params: the Kahan buffer reshards like them
 ]
 
 
@@ -896,7 +897,7 @@ def dcp_reshard(ctx):
                 for k, st in sd["state"].items()}
 
     def fresh(mesh, cls, kw):
-        model = _dcp_model(mesh, ctx.device, tensors)
+        model = _dcp_model(mesh, ctx.device, [t.bfloat16() for t in tensors] if "bf16_update" in kw else tensors)
         opt = cls(model.parameters(), **kw)
         return model, opt
 
@@ -914,7 +915,7 @@ def dcp_reshard(ctx):
         tgts = targets(shapes)
         for t in range(start, start + steps):
             for i, p in enumerate(model.parameters()):
-                set_grad(p, grad_for(full(p), tgts[i], t, i).to(ctx.device))
+                set_grad(p, grad_for(full(p).float(), tgts[i], t, i).to(ctx.device, p.dtype))
             opt.step()
 
     def same(a, b, kw, what):
@@ -957,7 +958,7 @@ def dcp_reshard(ctx):
             save(model1, opt1, path1, solo_group)
             saved1 = got
             # an unsharded model (plain tensors, no FSDP): the same checkpoint entries under dense_state_dict
-            plain = Holder([t.to(ctx.device) for t in tensors])
+            plain = Holder([t.to(ctx.device, next(model.parameters()).dtype) for t in tensors])
             opt_p = cls(plain.parameters(), **kw)
             with lowmemopt.distributed.dense_state_dict(opt_p):
                 load(plain, opt_p, path2, solo_group)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import rounding
 from .reduction import LOCAL, Reduction, ShardedReduction
 
 if TYPE_CHECKING:
@@ -156,10 +157,24 @@ def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dic
         else:
             value = state[name]  # fp32 or bf16, the local shard's shape: shown as it is
         out[name] = _as_dtensor(p, slot, value) if is_dtensor(p) else value
-    for key, value in state.items():  # other tensors (not laid out like the parameter): the same on every rank
-        if isinstance(value, torch.Tensor) and key not in keys:
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) or key in keys:
+            continue
+        if key == rounding.KAHAN and is_dtensor(p):  # bf16_update="kahan": a buffer of the local shard's shape
+            out[key] = _as_dtensor(p, _PARAM_SHAPED, value)
+        else:  # other tensors (not laid out like the parameter): the same on every rank
             out[key] = _replicated(p, value) if is_dtensor(p) else value
     return out
+
+
+class _ParamShaped:
+    """A slot laid out like its parameter (for :func:`slot_layout`)."""
+
+    shape = None
+    dims = None
+
+
+_PARAM_SHAPED = _ParamShaped()
 
 
 def _as_dtensor(p, slot: "Slot", local_value: torch.Tensor):
