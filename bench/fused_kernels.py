@@ -12,9 +12,9 @@ Model: ``--sizes`` parameters as a transformer-like set of fp32 tensors: square 
 ``state_bits``), so a launch covers hundreds of tensors of mixed sizes. Gradients are fixed random normals.
 
 Bandwidth: each optimizer is credited with the bytes a single ideal pass moves per parameter (``IDEAL_BYTES``: read p,
-g and the state, write p and the state; 8-bit state 1 byte per slot, 4-bit half a byte, absmax ignored), divided by its median step
-time, as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``). lowmemopt's multi-pass kernels move
-more than that (docs/kernels.md lists the bytes per pass), which this metric charges them for.
+g and the state, write p and the state; 8-bit state 1 byte per slot, 4-bit half a byte, absmax ignored), divided by
+its median step time, as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``). lowmemopt's
+multi-pass kernels move more than that (docs/kernels.md lists the bytes per pass), which this metric charges them for.
 
 Targets (issue 7): 8-bit AdamW >= 80% of the roofline at <= 1.0x bitsandbytes AdamW8bit's time; CAME-8bit <= 2x
 8-bit AdamW's time.

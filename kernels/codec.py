@@ -175,7 +175,7 @@ def evens(x):
 
 @triton.jit
 def pack_nibbles(codes):
-    """int32 codes [ROWS, BLOCK] in 0..15 -> uint8 [ROWS, BLOCK / 2]: byte ``i`` = ``codes[2i] | codes[2i + 1] << 4``."""
+    """int32 codes [ROWS, BLOCK] in 0..15 -> uint8 [ROWS, BLOCK / 2]: byte i = ``codes[2i] | codes[2i + 1] << 4``."""
     lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], codes.shape[1] // 2, 2]))
     return (lo | (hi << 4)).to(tl.uint8)
 

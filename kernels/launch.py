@@ -3,7 +3,8 @@ and step count) becomes launch tables and kernel launches.
 
 Launch-table layout for tile passes (see :mod:`lowmemopt.kernels.table`): one row per tensor,
 ``[param, grad, numel, slot0, slot0_aux, slot1, slot1_aux, ...]``; a q8 slot's two columns are its codes and absmax, a
-q4 slot's its nibbles and absmax, a dense slot's its data and 0. Algorithms may append columns (row/column statistics of factored parameters).
+q4 slot's its nibbles and absmax, a dense slot's its data and 0. Algorithms may append columns (row/column statistics
+of factored parameters).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ class Bucket:
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
                **meta: Any) -> None:
         """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i`` (table row ``rows[i]``):
-        ``kernel(units, table, *maps, *args, W=len(row), **meta)``; ``maps``: the bucket format's (:func:`.codec.maps`)."""
+        ``kernel(units, table, *maps, *args, W=len(row), **meta)``; ``maps``: the bucket format's books and tables
+        (:func:`.codec.maps`)."""
         if not sum(counts):
             return
         table = device_table(rows, self.device)

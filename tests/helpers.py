@@ -64,8 +64,8 @@ BF16_CANCEL = 2.0 ** -20
 
 
 def assert_state_close(ours: dict, ref: dict, what: str, before: dict | None = None) -> None:
-    """A fused backend's state against the reference's: 8- and 4-bit codes within one step (at most 2% of them off), bf16
-    within one rounding (or a few fp32 ulps of the terms of a cancelling sum), fp32 within fp32 rounding of a few
+    """A fused backend's state against the reference's: 8- and 4-bit codes within one step (at most 2% of them off),
+    bf16 within one rounding (or a few fp32 ulps of the terms of a cancelling sum), fp32 within fp32 rounding of a few
     operations. ``before``: the state the step started from (its scale bounds the terms of a cancelling sum)."""
     assert ours.keys() == ref.keys(), what
     for key, r in ref.items():

@@ -1,4 +1,4 @@
-"""4-bit state in the fused Triton kernels (``FMT == Q4``) against the eager 4-bit reference (:mod:`lowmemopt.quant.q4`).
+"""4-bit state in the fused Triton kernels (``FMT == Q4``) against the eager 4-bit path (:mod:`lowmemopt.quant.q4`).
 
 Under the Triton interpreter on CPU tensors, as ``test_kernels.py``: the standalone codec kernels
 (``quantize_blockwise4`` / ``dequantize_blockwise4``) equal ``q4.quantize`` / ``q4.dequantize`` code for code and bit
