@@ -12,9 +12,9 @@ Model: ``--sizes`` parameters as a transformer-like set of fp32 tensors: square 
 ``state_bits``), so a launch covers hundreds of tensors of mixed sizes. Gradients are fixed random normals.
 
 Bandwidth: each optimizer is credited with the bytes a single ideal pass moves per parameter (``IDEAL_BYTES``: read p,
-g and the state, write p and the state; 8-bit state 1 byte per slot, absmax ignored), divided by its median step
-time, as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``). lowmemopt's multi-pass kernels move
-more than that (docs/kernels.md lists the bytes per pass), which this metric charges them for.
+g and the state, write p and the state; 8-bit state 1 byte per slot, 4-bit half a byte, absmax ignored), divided by
+its median step time, as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``). lowmemopt's
+multi-pass kernels move more than that (docs/kernels.md lists the bytes per pass), which this metric charges them for.
 
 Targets (issue 7): 8-bit AdamW >= 80% of the roofline at <= 1.0x bitsandbytes AdamW8bit's time; CAME-8bit <= 2x
 8-bit AdamW's time.
@@ -45,6 +45,7 @@ LR, WD = 1e-3, 1e-2
 IDEAL_BYTES = {
     "adamw-32": 8 + 4 + 16, "adamw-16": 8 + 4 + 8, "adamw-8": 8 + 4 + 4, "lion-8": 8 + 4 + 2, "lamb-8": 8 + 4 + 4,
     "lars-8": 8 + 4 + 2, "sgd-8": 8 + 4 + 2, "came-8": 8 + 4 + 2, "adafactor-8": 8 + 4 + 2, "adafactor": 8 + 4,
+    "adamw-4": 8 + 4 + 2,
 }
 
 
@@ -79,6 +80,7 @@ def _torchao(params):
 #: name -> (factory, IDEAL_BYTES key)
 OPTIMIZERS: dict[str, tuple[Factory, str]] = {
     "lowmemopt-adamw-8bit": (_lowmemopt("AdamW", 8), "adamw-8"),
+    "lowmemopt-adamw-4bit": (_lowmemopt("AdamW", 4), "adamw-4"),
     "lowmemopt-adamw-16bit": (_lowmemopt("AdamW", 16), "adamw-16"),
     "lowmemopt-adamw-32bit": (_lowmemopt("AdamW", 32), "adamw-32"),
     "lowmemopt-lion-8bit": (_lowmemopt("Lion", 8), "lion-8"),

@@ -7,8 +7,9 @@ calls :func:`~lowmemopt.kernels.dispatch.step_items` with the CUDA tensors of a 
 low-rank updates); everything without a kernel takes the reference path. Nothing here imports the optimizer classes.
 Modules:
 
-* ``codec``: block-wise 8-bit encode/decode device functions; standalone :func:`quantize_blockwise` /
-  :func:`dequantize_blockwise` kernels (code-for-code twins of :mod:`lowmemopt.quant`'s).
+* ``codec``: block-wise 8- and 4-bit encode/decode device functions; standalone :func:`quantize_blockwise` /
+  :func:`dequantize_blockwise` and :func:`quantize_blockwise4` / :func:`dequantize_blockwise4` kernels (code-for-code
+  twins of :mod:`lowmemopt.quant`'s and :mod:`lowmemopt.quant.q4`'s).
 * ``adamw``, ``sgd``, ``lion``, ``lamb``, ``lars``, ``factored`` (Adafactor, CAME): kernels and their launchers.
 * ``table``, ``launch``: multi-tensor launch tables and buckets; ``registry``: (algorithm, format) -> kernel;
   ``dispatch``: which items take a kernel; ``runtime``: Triton availability, the interpreter, tile sizes.
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["available", "cpu_interpreter", "dequantize_blockwise", "quantize_blockwise", "registered"]
+__all__ = ["available", "cpu_interpreter", "dequantize_blockwise", "dequantize_blockwise4", "quantize_blockwise",
+           "quantize_blockwise4", "registered"]
 
 
 def available(device: Any = "cuda") -> bool:
@@ -33,7 +35,7 @@ def available(device: Any = "cuda") -> bool:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("quantize_blockwise", "dequantize_blockwise"):
+    if name in ("quantize_blockwise", "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"):
         from . import codec
 
         return getattr(codec, name)

@@ -18,7 +18,17 @@ Masked (ragged) elements are zero before the reduction; zeros never change a blo
 block's min and max once scaled, and the unsigned scale is clamped at 0), so a ragged last block encodes exactly as
 the reference's shorter block does.
 
-Slot formats in kernels are compile-time codes: ``FP32`` (0), ``BF16`` (1), ``Q8`` (2).
+4-bit state (:mod:`lowmemopt.quant.q4`, format ``Q4``) is the same arithmetic with a 16-code map: the scale rule
+with ``book[15]`` as the last code, the same bucket-table lookup (``q4.encode_table(name)``, one threshold per bucket at
+most), then two codes per byte, element ``2i`` in the low nibble of byte ``i``. A tile ``[ROWS, BLOCK]`` of codes is
+packed as bytes ``[ROWS, BLOCK / 2]`` (reshape to ``[ROWS, BLOCK / 2, 2]``, split, ``lo | hi << 4``) and unpacked by the
+inverse join. In a ragged tile a byte is written iff its first (even) element is in range, and a masked element's
+code is forced to 0 first (for the signed map code 0 is -3/4, not 0), so an odd numel leaves the last byte's high
+nibble 0 as the reference does. Strided 2-D gathers (:func:`load_slot_at`) read byte ``offs // 2`` and its nibble
+``offs & 1``.
+
+Slot formats in kernels are compile-time codes: ``FP32`` (0), ``BF16`` (1), ``Q8`` (2), ``Q4`` (3). The launch passes
+the signed and unsigned map (book, table) of the bucket's format: :func:`maps`.
 """
 
 from __future__ import annotations
@@ -27,23 +37,30 @@ import torch
 import triton
 import triton.language as tl
 
+from lowmemopt.quant import q4
 from lowmemopt.quant.blockwise import num_blocks
 from lowmemopt.quant.formats import map_for
 from lowmemopt.quant.maps import MAP_NAMES, code_book, encode_table, is_signed_map
 
 from . import runtime
 
-__all__ = ["FP32", "BF16", "Q8", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["FP32", "BF16", "Q8", "Q4", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise",
+           "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"]
 
-FP32, BF16, Q8 = 0, 1, 2
+FP32, BF16, Q8, Q4 = 0, 1, 2, 3
 #: ``bf16_update`` codes of :func:`store_param_as` (:mod:`lowmemopt.rounding`)
 NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
-FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8}
+FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8, "q4": Q4}
 
 
-def maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(signed book, signed packed table, unsigned book, unsigned packed table) of the state maps on ``device``
-    (cached)."""
+    (cached): the 4-bit maps (``pow2x4``, ``upow2x4``) for ``fmt == "q4"``, the 8-bit ones otherwise (dense formats
+    ignore them)."""
+    if fmt == "q4":
+        signed, unsigned = q4.map4_for(True), q4.map4_for(False)
+        return (q4.code_book(signed, device), q4.encode_table(signed, device),
+                q4.code_book(unsigned, device), q4.encode_table(unsigned, device))
     return (
         code_book(map_for(True), device),
         encode_table(map_for(True), device).packed,
@@ -133,11 +150,90 @@ def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MASKE
 
 
 @triton.jit
+def encode_q4(x, book, lut, SIGNED: tl.constexpr):
+    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (int32 4-bit codes [ROWS, BLOCK], fp32 scale
+    [ROWS]): :func:`encode_q8`'s arithmetic with a 16-code ``book`` and the 4-bit map's bucket table ``lut``."""
+    if SIGNED:
+        first = tl.load(book)
+        last = tl.load(book + 15)
+        scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
+    else:
+        scale = tl.maximum(tl.max(x, axis=1), 0.0)
+    y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+    u = y.to(tl.int32, bitcast=True)
+    entry = tl.load(lut + ((u >> 16) & 0xFFFF))
+    t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
+    return (entry >> 17) + (t >= (entry & 0x1FFFF)).to(tl.int32), scale
+
+
+@triton.jit
+def evens(x):
+    """The even columns of a tile ``x`` [ROWS, BLOCK] -> [ROWS, BLOCK / 2] (the first element of each byte)."""
+    lo, hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    return lo
+
+
+@triton.jit
+def pack_nibbles(codes):
+    """int32 codes [ROWS, BLOCK] in 0..15 -> uint8 [ROWS, BLOCK / 2]: byte i = ``codes[2i] | codes[2i + 1] << 4``."""
+    lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], codes.shape[1] // 2, 2]))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def unpack_nibbles(packed):
+    """uint8 [ROWS, BLOCK / 2] -> int32 codes [ROWS, BLOCK] (inverse of :func:`pack_nibbles`)."""
+    b = packed.to(tl.int32)
+    return tl.reshape(tl.join(b & 15, b >> 4), [b.shape[0], b.shape[1] * 2])
+
+
+@triton.jit
+def byte_offsets(blocks, BLOCK: tl.constexpr):
+    """Byte offsets [ROWS, BLOCK / 2] of the nibbles of blocks ``blocks`` [ROWS] (a block starts on a byte)."""
+    return blocks[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+
+
+@triton.jit
+def decode_q4(nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MASKED: tl.constexpr):
+    """fp32 values of the 4-bit codes of the elements ``offs`` [ROWS, BLOCK] (blocks ``blocks`` [ROWS]); 0 where
+    masked."""
+    ptrs = nibbles_ptr + byte_offsets(blocks, offs.shape[1])
+    if MASKED:
+        packed = tl.load(ptrs, mask=evens(mask), other=0)
+    else:
+        packed = tl.load(ptrs)
+    scale = ld(absmax_ptr + blocks, block_mask, MASKED)
+    x = tl.load(book + unpack_nibbles(packed)) * scale[:, None]
+    if MASKED:
+        x = tl.where(mask, x, 0.0)
+    return x
+
+
+@triton.jit
+def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """Encode fp32 ``x`` [ROWS, BLOCK] (one block per row) and write its nibbles and scales. Masked elements encode as
+    0 (the scale ignores them) and their code is 0: a byte is written iff its even element is in range."""
+    if MASKED:
+        x = tl.where(mask, x, 0.0)
+    codes, scale = encode_q4(x, book, lut, SIGNED)
+    ptrs = nibbles_ptr + byte_offsets(blocks, offs.shape[1])
+    if MASKED:
+        tl.store(ptrs, pack_nibbles(tl.where(mask, codes, 0)), mask=evens(mask))
+    else:
+        tl.store(ptrs, pack_nibbles(codes))
+    st(absmax_ptr + blocks, scale, block_mask, MASKED)
+
+
+@triton.jit
 def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, FMT: tl.constexpr, ALIGNED: tl.constexpr,
               MASKED: tl.constexpr):
     """A state slot's fp32 values at ``offs`` (0 where masked). ``row``: the tensor's launch-table row; the slot's
-    address is at column ``COL`` (q8: codes at COL, absmax at COL + 1)."""
-    if FMT == 2:
+    address is at column ``COL`` (q8: codes at COL, absmax at COL + 1; q4: nibbles at COL, absmax at COL + 1)."""
+    if FMT == 3:
+        x = decode_q4(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
+                      offs, mask, blocks, block_mask, book, MASKED)
+    elif FMT == 2:
         x = decode_q8(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
                       offs, mask, blocks, block_mask, book, MASKED)
     elif FMT == 1:
@@ -150,8 +246,14 @@ def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, FMT:
 @triton.jit
 def load_slot_at(row, COL: tl.constexpr, offs, mask, book, QBLOCK: tl.constexpr, FMT: tl.constexpr):
     """Like :func:`load_slot` for a tile of any shape that need not align with quantization blocks: the absmax of
-    each element is gathered at ``offs // QBLOCK`` (the factored passes' 2-D tiles)."""
-    if FMT == 2:
+    each element is gathered at ``offs // QBLOCK`` (the factored passes' 2-D tiles); a 4-bit code is the nibble
+    ``offs & 1`` of byte ``offs // 2``."""
+    if FMT == 3:
+        packed = tl.load(typed(tl.load(row + COL), tl.uint8, False) + offs // 2, mask=mask, other=0).to(tl.int32)
+        codes = (packed >> ((offs & 1) * 4).to(tl.int32)) & 15
+        scale = tl.load(typed(tl.load(row + COL + 1), tl.float32, False) + offs // QBLOCK, mask=mask, other=0)
+        x = tl.where(mask, tl.load(book + codes) * scale, 0.0)
+    elif FMT == 2:
         codes = tl.load(typed(tl.load(row + COL), tl.uint8, False) + offs, mask=mask, other=0)
         scale = tl.load(typed(tl.load(row + COL + 1), tl.float32, False) + offs // QBLOCK, mask=mask, other=0.0)
         x = tl.where(mask, tl.load(book + codes.to(tl.int32)) * scale, 0.0)
@@ -165,8 +267,12 @@ def load_slot_at(row, COL: tl.constexpr, offs, mask, book, QBLOCK: tl.constexpr,
 @triton.jit
 def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
                FMT: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
-    """Write fp32 ``x`` [ROWS, BLOCK] to a state slot (bf16: round to nearest even; q8: encode each row)."""
-    if FMT == 2:
+    """Write fp32 ``x`` [ROWS, BLOCK] to a state slot (bf16: round to nearest even; q8, q4: encode each row)."""
+    if FMT == 3:
+        encode_store_q4(x, typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32,
+                                                                              False),
+                        offs, mask, blocks, block_mask, book, lut, SIGNED, MASKED)
+    elif FMT == 2:
         if MASKED:
             x = tl.where(mask, x, 0.0)
         codes, scale = encode_q8(x, book, lut, SIGNED)
@@ -280,6 +386,25 @@ def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.con
     tl.store(out_ptr + offs, x, mask=mask)
 
 
+@triton.jit
+def _quantize4_kernel(x_ptr, nibbles_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, lut, SIGNED, True)
+
+
+@triton.jit
+def _dequantize4_kernel(nibbles_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offs < numel
+    x = decode_q4(nibbles_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True)
+    tl.store(out_ptr + offs, x, mask=mask)
+
+
 def _check_block(block_size: int) -> None:
     ok = isinstance(block_size, int) and not isinstance(block_size, bool)
     if not ok or block_size < 16 or block_size & (block_size - 1):
@@ -347,3 +472,57 @@ def dequantize_blockwise(
         _dequantize_kernel[grid](flat, absmax.contiguous(), out, flat.numel(), book, ROWS=rows, BLOCK=block_size,
                                  num_warps=runtime.NUM_WARPS)
     return out if shape is None else out.view(shape)
+
+
+def _check_map4(name: str) -> bool:
+    if name not in q4.MAPS:
+        raise ValueError(f"unknown 4-bit map {name!r}; expected one of {sorted(q4.MAPS)}")
+    return q4.is_signed(name)
+
+
+def quantize_blockwise4(
+    x: torch.Tensor, name: str = "pow2x4", block_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`lowmemopt.quant.q4.quantize`: ``x`` (any shape, floating dtype) -> (nibbles uint8
+    [ceil(numel / 2)], absmax fp32 [n_blocks]), identical to the reference's."""
+    signed = _check_map4(name)
+    _check_block(block_size)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_blockwise4 needs a floating-point tensor, got {x.dtype}")
+    _check_device(x, "x")
+    flat = x.detach().reshape(-1).contiguous()
+    n = flat.numel()
+    nibbles = torch.empty(q4.packed_len(n), dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
+    if n:
+        rows = runtime.rows_per_tile(block_size)
+        _quantize4_kernel[(triton.cdiv(absmax.numel(), rows),)](
+            flat, nibbles, absmax, n, q4.code_book(name, x.device), q4.encode_table(name, x.device),
+            SIGNED=signed, ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
+    return nibbles, absmax
+
+
+def dequantize_blockwise4(
+    nibbles: torch.Tensor, absmax: torch.Tensor, numel: int, name: str = "pow2x4", block_size: int = 128
+) -> torch.Tensor:
+    """Triton twin of :func:`lowmemopt.quant.q4.dequantize`: fp32 [numel], ``book[code] * absmax[block]``."""
+    _check_map4(name)
+    _check_block(block_size)
+    if nibbles.dtype != torch.uint8 or nibbles.numel() != q4.packed_len(numel):
+        raise ValueError(f"nibbles must be uint8 with {q4.packed_len(numel)} bytes for {numel} elements, got "
+                         f"{nibbles.dtype} with {nibbles.numel()}")
+    if absmax.dtype != torch.float32:
+        raise TypeError(f"absmax must be float32, got {absmax.dtype}")
+    if absmax.numel() != num_blocks(numel, block_size):
+        raise ValueError(f"absmax has {absmax.numel()} blocks; {numel} elements at block_size {block_size} need "
+                         f"{num_blocks(numel, block_size)}")
+    _check_device(nibbles, "nibbles")
+    if absmax.device != nibbles.device:
+        raise ValueError(f"nibbles and absmax must be on one device, got {nibbles.device} and {absmax.device}")
+    out = torch.empty(numel, dtype=torch.float32, device=nibbles.device)
+    if numel:
+        rows = runtime.rows_per_tile(block_size)
+        _dequantize4_kernel[(triton.cdiv(absmax.numel(), rows),)](
+            nibbles.reshape(-1).contiguous(), absmax.contiguous(), out, numel, q4.code_book(name, nibbles.device),
+            ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
+    return out

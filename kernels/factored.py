@@ -309,6 +309,8 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
         def slot(name):
             if name + ".codes" in st:
                 return [st[name + ".codes"].data_ptr(), st[name + ".absmax"].data_ptr()]
+            if name + ".nibbles" in st:
+                return [st[name + ".nibbles"].data_ptr(), st[name + ".absmax"].data_ptr()]
             return [_ptr(st.get(name)), 0]
 
         row = [p.data_ptr(), g.data_ptr(), p.numel()] + slot("exp_avg")

@@ -3,7 +3,8 @@ and step count) becomes launch tables and kernel launches.
 
 Launch-table layout for tile passes (see :mod:`lowmemopt.kernels.table`): one row per tensor,
 ``[param, grad, numel, slot0, slot0_aux, slot1, slot1_aux, ...]``; a q8 slot's two columns are its codes and absmax, a
-dense slot's are its data and 0. Algorithms may append columns (row/column statistics of factored parameters).
+q4 slot's its nibbles and absmax, a dense slot's its data and 0. Algorithms may append columns (row/column statistics
+of factored parameters).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ class Bucket:
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     states: list[dict[str, Any]]
-    fmt: str  # "fp32" | "bf16" | "q8": format of the full-size state slots
-    block_size: int
+    fmt: str  # "fp32" | "bf16" | "q8" | "q4": format of the full-size state slots
+    block_size: int  # the quantization block (q8, q4): one row of a tile
     written: bool = field(default=False)  # a launch that writes params or state has started
     #: per param, the flat index of its first element in the whole parameter (an FSDP2 shard's offset: the stochastic
     #: rounding hash's counter; None: not one range, so no stochastic rounding here); empty: all 0
@@ -69,6 +70,8 @@ class Bucket:
         """(data, absmax or None) of slot ``name`` for every parameter."""
         if self.fmt == "q8":
             return [(st[name + ".codes"], st[name + ".absmax"]) for st in self.states]
+        if self.fmt == "q4":
+            return [(st[name + ".nibbles"], st[name + ".absmax"]) for st in self.states]
         return [(st[name], None) for st in self.states]
 
     def rows(self, slots: Sequence[str], extra: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
@@ -139,7 +142,8 @@ class Bucket:
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
                **meta: Any) -> None:
         """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i`` (table row ``rows[i]``):
-        ``kernel(units, table, *maps, *args, W=len(row), **meta)``."""
+        ``kernel(units, table, *maps, *args, W=len(row), **meta)``; ``maps``: the bucket format's books and tables
+        (:func:`.codec.maps`)."""
         if not sum(counts):
             return
         table = device_table(rows, self.device)
@@ -147,7 +151,7 @@ class Bucket:
         if writes:
             self.written = True
         # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
-        kernel[(sum(counts),)](units, table, *maps(self.device), *args, W=len(rows[0]), **meta,
+        kernel[(sum(counts),)](units, table, *maps(self.device, self.fmt), *args, W=len(rows[0]), **meta,
                                num_warps=runtime.NUM_WARPS, enable_fp_fusion=False)
 
     def accumulators(self, n: int) -> torch.Tensor:

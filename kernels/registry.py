@@ -4,8 +4,10 @@ An *algorithm* is a name (``"adam"``, ``"sgd"``, ``"lion"``, ``"lamb"``, ``"lars
 an optimizer class declares on its pure math (:func:`lowmemopt.optimizer.algorithm`); the optimizer decides which name
 it runs (:func:`lowmemopt.optimizer.kernel_algorithm`: a subclass that changes the math or how the update is applied
 runs none). Nothing here knows the optimizer classes.
-A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16`` or ``q8`` (a parameter
-without full-size slots, e.g. SGD without momentum, counts as ``fp32``).
+A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16``, ``q8`` or ``q4`` (a
+parameter without full-size slots, e.g. SGD without momentum, counts as ``fp32``). Every algorithm has a kernel for
+every format: the kernels' slot access (:func:`.codec.load_slot`, :func:`.codec.store_slot`,
+:func:`.codec.load_slot_at`) takes the format as a compile-time code.
 
 A :class:`Kernel` names the state slots it expects for a param group (the dispatcher checks the declared slots
 against them) and launches one bucket.
@@ -16,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS"]
+__all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS", "FORMATS"]
 
 #: every algorithm name a kernel exists for
 ALGORITHMS = ("adam", "sgd", "lion", "lamb", "lars", "adafactor", "came")
+#: every state format a kernel exists for (:data:`.codec.FORMAT_CODES`)
+FORMATS = ("fp32", "bf16", "q8", "q4")
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ def _load() -> None:
         return
     from . import adamw, factored, lamb, lars, lion, sgd
 
-    for fmt in ("fp32", "bf16", "q8"):
+    for fmt in FORMATS:
         register(Kernel("adam", fmt, lambda g, p: adamw.slots(g), adamw.launch))
         register(Kernel("sgd", fmt, lambda g, p: sgd.slots(g), sgd.launch))
         register(Kernel("lion", fmt, lambda g, p: lion.slots(g), lion.launch))

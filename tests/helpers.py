@@ -64,8 +64,8 @@ BF16_CANCEL = 2.0 ** -20
 
 
 def assert_state_close(ours: dict, ref: dict, what: str, before: dict | None = None) -> None:
-    """A fused backend's state against the reference's: 8-bit codes within one step (at most 2% of them off), bf16
-    within one rounding (or a few fp32 ulps of the terms of a cancelling sum), fp32 within fp32 rounding of a few
+    """A fused backend's state against the reference's: 8- and 4-bit codes within one step (at most 2% of them off),
+    bf16 within one rounding (or a few fp32 ulps of the terms of a cancelling sum), fp32 within fp32 rounding of a few
     operations. ``before``: the state the step started from (its scale bounds the terms of a cancelling sum)."""
     assert ours.keys() == ref.keys(), what
     for key, r in ref.items():
@@ -74,7 +74,9 @@ def assert_state_close(ours: dict, ref: dict, what: str, before: dict | None = N
             assert o == r, (what, key)
             continue
         assert o.dtype == r.dtype and o.shape == r.shape, (what, key)
-        if key.endswith(".codes"):
+        if key.endswith((".codes", ".nibbles")):
+            if key.endswith(".nibbles"):  # 4-bit codes, two per byte (an odd numel's padding nibble compares too)
+                o, r = torch.stack((o & 15, o >> 4), 1), torch.stack((r & 15, r >> 4), 1)
             diff = (o.int() - r.int()).abs()
             assert int(diff.max()) <= 1, f"{what} {key}: codes differ by {int(diff.max())} steps"
             assert float((diff > 0).float().mean()) <= 0.02, f"{what} {key}: {int((diff > 0).sum())} codes differ"

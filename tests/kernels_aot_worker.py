@@ -17,7 +17,8 @@ from triton.compiler import ASTSource
 
 from lowmemopt.kernels import adamw, codec, factored, lamb, lars, lion, sgd
 
-POINTERS = {"units": "*i32", "table": "*i64", "lut_s": "*i32", "lut_u": "*i32", "lut": "*i32", "codes_ptr": "*u8"}
+POINTERS = {"units": "*i32", "table": "*i64", "lut_s": "*i32", "lut_u": "*i32", "lut": "*i32", "codes_ptr": "*u8",
+            "nibbles_ptr": "*u8"}
 FP32_POINTERS = {"book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cfac", "rfac2", "cfac2", "absmax_ptr",
                  "out_ptr", "x_ptr"}
 INTS = {"first_step": "i32", "numel": "i64"}
@@ -61,6 +62,16 @@ VARIANTS = [
      tile(FACTORED=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
     ("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=8, BLOCK=256)),
     ("dequantize", codec._dequantize_kernel, dict(ROWS=8, BLOCK=256)),
+    # 4-bit state (FMT 3, block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
+    ("adam-q4", adamw._adam_kernel,
+     {**tile(AMSGRAD=True, MAXIMIZE=False, L2_DECAY=False, UPDATE=codec.NEAREST), "FMT": 3, "ROWS": 16, "BLOCK": 128}),
+    ("stats-q4", factored._stats_kernel,
+     dict(W=15, FMT=3, G_DTYPE=tl.float32, QBLOCK=128, TR=16, BC=128, RESIDUAL=True)),
+    ("apply-came-q4", factored._apply_kernel,
+     {**tile(FACTORED=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True), "FMT": 3, "ROWS": 16,
+      "BLOCK": 128}),
+    ("quantize4", codec._quantize4_kernel, dict(SIGNED=True, ROWS=16, BLOCK=128)),
+    ("dequantize4", codec._dequantize4_kernel, dict(ROWS=16, BLOCK=128)),
 ]
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "MAPS",
     "map4_for",
     "code_book",
+    "encode_table",
     "thresholds",
     "nearest_code_reference",
     "packed_len",
@@ -232,6 +233,12 @@ def _table(name: str) -> torch.Tensor:
     inside = finite & (c_high > c_low)
     threshold = torch.where(inside, thr[c_low.clamp(max=14)], torch.tensor(float("inf")))
     return EncodeTable(name, torch.where(finite, c_low, 0).to(torch.uint8), threshold).packed
+
+
+def encode_table(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`_table` of map ``name`` on ``device`` (int32 [65536], cached; do not modify): what the Triton kernels
+    look codes up in, as the 8-bit ones do in :func:`lowmemopt.quant.maps.encode_table`'s ``packed``."""
+    return _on("table", name, device, _table)
 
 
 def _encode_rows(x: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[torch.Tensor,
