@@ -47,12 +47,13 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
     if not items or not triton_usable({it.target.device for it in items}):
         return items
     from . import registry, runtime
-    from .launch import Bucket, Unsupported
+    from .launch import UPDATE_ALGORITHMS, Bucket, Unsupported
 
     rest: list[Item] = []
     buckets: dict[tuple, tuple[Any, list[Item]]] = {}
+    usable: dict[torch.device, bool] = {}  # runtime.device_ok per device
     for it in items:
-        kernel = _kernel_for(registry, algorithm, it)
+        kernel = _kernel_for(registry, runtime, usable, UPDATE_ALGORITHMS, algorithm, it)
         if kernel is None:
             rest.append(it)
             continue
@@ -88,15 +89,17 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
     return rest
 
 
-def _kernel_for(registry, algorithm: str, it: Item):
-    """The kernel for this item, or None: it takes a per-tensor backend."""
-    from . import runtime
-    from .launch import UPDATE_ALGORITHMS
-
+def _kernel_for(registry, runtime, usable: dict, update_algorithms, algorithm: str, it: Item):
+    """The kernel for this item, or None: it takes a per-tensor backend. ``usable``: a per-call cache of
+    ``runtime.device_ok`` by device (host work per item is what a step pays per parameter)."""
     t, g, state = it.target, it.grad, it.state
-    if not runtime.device_ok(t.device) or t.dtype not in _DTYPES or g.dtype not in _DTYPES:
+    device = t.device
+    ok = usable.get(device)
+    if ok is None:
+        ok = usable[device] = runtime.device_ok(device)
+    if not ok or t.dtype not in _DTYPES or g.dtype not in _DTYPES:
         return None
-    if g.shape != t.shape or g.device != t.device or not (t.is_contiguous() and g.is_contiguous()):
+    if g.shape != t.shape or g.device != device or not (t.is_contiguous() and g.is_contiguous()):
         return None
     if not isinstance(state.get("step"), int):  # e.g. a tensor step from a foreign state dict
         return None
@@ -113,9 +116,9 @@ def _kernel_for(registry, algorithm: str, it: Item):
     if kernel is None or tuple(sorted(kernel.slots(it.group, t))) != tuple(sorted(it.slots)):
         return None
     if it.group.get("bf16_update", "nearest") != "nearest" and t.dtype == torch.bfloat16 \
-            and algorithm not in UPDATE_ALGORITHMS:
+            and algorithm not in update_algorithms:
         return None  # this kernel writes bf16 parameters rounded to nearest only: the reference path rounds as asked
     for value in state.values():
-        if isinstance(value, torch.Tensor) and (value.device != t.device or not value.is_contiguous()):
+        if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):
             return None
     return kernel

@@ -45,6 +45,7 @@ from . import runtime
 from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
                     tile_coords, typed)
 from .launch import TL_DTYPES, Bucket, Update, scalar
+from .table import ceil_div
 
 __all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launch_came"]
 
@@ -337,7 +338,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     flat["ALIGNED"] = bucket.aligned(()) and all(
         t.data_ptr() % 16 == 0 for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor))
     tile = flat["ROWS"] * flat["BLOCK"]
-    flat_counts = [triton.cdiv(p.numel(), tile) for p in bucket.params]
+    flat_counts = [ceil_div(p.numel(), tile) for p in bucket.params]
     sums = bucket.accumulators(2)
     n_pairs = 2 if came else 1
     zeros = torch.zeros(n_pairs * (n_rows + n_cols), dtype=torch.float32, device=dev)
@@ -355,7 +356,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
 
     if factored:
         tr, bc = runtime.TILE_2D
-        counts_2d = [b * triton.cdiv(R, tr) * triton.cdiv(C, bc) for b, R, C in shapes]
+        counts_2d = [b * ceil_div(R, tr) * ceil_div(C, bc) for b, R, C in shapes]
         counts_mat = [b for b, _, _ in shapes]
         stats = dict(FMT=fmt, G_DTYPE=g_dtype, QBLOCK=bucket.block_size, TR=tr, BC=bc)
         bucket.launch(_stats_kernel, rows, counts_2d, (rsum, csum, rfac, cfac, sums, eps1, beta1, 1.0 - beta1, clip),

@@ -22,7 +22,7 @@ from . import runtime
 from lowmemopt.pipeline.items import Update
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
-from .table import aligned, device_table, unit_map
+from .table import aligned, ceil_div, device_table, unit_map
 
 __all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES", "UPDATE_ALGORITHMS"]
 
@@ -136,7 +136,7 @@ class Bucket:
         (see :class:`Unsupported`)."""
         meta = self.constexprs(slots)
         tile = meta["ROWS"] * meta["BLOCK"]
-        counts = [triton.cdiv(p.numel(), tile) for p in self.params]
+        counts = [ceil_div(p.numel(), tile) for p in self.params]
         self.launch(kernel, self.rows(slots, extra), counts, args, writes=writes, **meta, **flags)
 
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,

