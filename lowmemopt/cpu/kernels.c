@@ -14,6 +14,8 @@
  *   - 8-bit codes are the exact rounding rule of lowmemopt.quant.maps (nearest code in fp32, ties to the lower code,
  *     positive values never to upow2's zero code), computed on the float's bits (pow2_code): the state maps' codes
  *     are floats with a few mantissa bits per binade, so the nearest code is a rounding add and a shift.
+ *   - 4-bit codes (ST_Q4, lowmemopt.quant.q4: two per byte, element 2i in the low nibble) are q4's encoder's: the
+ *     count of the map's decision thresholds <= y, a 4-step binary search in registers (q4_code).
  *   - Block scales: unsigned max(max x, 0); signed max(max x / book[255], min x / book[0]); y = x / scale (IEEE
  *     division, scale 0 -> 1), as lowmemopt.quant.blockwise.block_scale / encode_rows.
  *
@@ -929,7 +931,7 @@ int lmo_sgd(const lmo_args *a) {
 }
 
 /* ------------------------------------------------------------------------------------------------------------------ */
-/* The 8-bit codec alone: slot[0] <-> fp32 rows (tests; the full-size slots of non-elementwise optimizers)            */
+/* The 8- / 4-bit codec alone: slot[0] <-> fp32 rows (tests; the full-size slots of non-elementwise optimizers)       */
 
 static inline __attribute__((always_inline)) void encode_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
                                                                 int64_t r1, const int K) {
