@@ -4,7 +4,9 @@ The eager step runs each of those as separate ATen ops over the chunk (about 40 
 inductor fuses them into a few vectorized loops over 256-element blocks, with no change to the math: the function
 compiled here calls the optimizer's ``math`` (the same pure function the eager path and the tests use) and the same
 :func:`~lowmemopt.quant.blockwise.encode_rows` / ``decode_rows`` codec. Inductor keeps IEEE division and square root
-and does not contract multiply-adds, so results equal the eager path's.
+and does not contract multiply-adds, so results equal the eager path's. 4-bit slots go through the same codec on unpacked nibble rows
+(:func:`unpack_nibbles` / :func:`pack_nibbles`, :mod:`lowmemopt.quant.q4`'s book and bucket table): the same codes from
+the same values.
 
 When it applies: CPU parameters of elementwise algorithms with at least :data:`MIN_NUMEL` elements (smaller tensors
 do not repay the compile). The scalars that change during training (:data:`RUNTIME_SCALARS`: the learning rate, the
