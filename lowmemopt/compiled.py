@@ -4,7 +4,9 @@ The eager step runs each of those as separate ATen ops over the chunk (about 40 
 inductor fuses them into a few vectorized loops over 256-element blocks, with no change to the math: the function
 compiled here calls the optimizer's ``math`` (the same pure function the eager path and the tests use) and the same
 :func:`~lowmemopt.quant.blockwise.encode_rows` / ``decode_rows`` codec. Inductor keeps IEEE division and square root
-and does not contract multiply-adds, so results equal the eager path's.
+and does not contract multiply-adds, so results equal the eager path's. 4-bit slots go through the same codec on unpacked nibble rows
+(:func:`unpack_nibbles` / :func:`pack_nibbles`, :mod:`lowmemopt.quant.q4`'s book and bucket table): the same codes from
+the same values.
 
 When it applies: CPU parameters of elementwise algorithms with at least :data:`MIN_NUMEL` elements (smaller tensors
 do not repay the compile). The scalars that change during training (:data:`RUNTIME_SCALARS`: the learning rate, the
@@ -44,8 +46,22 @@ def applies(param: torch.Tensor) -> bool:
     return ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL
 
 
-# A slot as handed to the compiled function: (name, kind, signed, storage rows, absmax rows or None, book, table)
+# A slot as handed to the compiled function: (name, kind, signed, storage rows, absmax rows or None, book, table).
+# kind "q8": rows of codes [nb, bs]; "q4": rows of nibbles [nb, bs / 2] (lowmemopt.quant.q4's layout, the book and
+# bucket table of its 4-bit map); "fp32" / "bf16": rows of values.
 SlotRows = tuple[str, str, bool, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
+QUANTIZED = ("q8", "q4")
+
+
+def unpack_nibbles(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [nb, bs / 2] -> uint8 codes [nb, bs]: element 2i is the low nibble of byte i, 2i + 1 the high one."""
+    return torch.stack((rows & 15, rows >> 4), dim=2).reshape(rows.shape[0], -1)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [nb, bs] (each < 16) -> uint8 [nb, bs / 2], the inverse of :func:`unpack_nibbles`."""
+    pairs = codes.reshape(codes.shape[0], -1, 2)
+    return pairs[:, :, 0] | (pairs[:, :, 1] << 4)
 
 
 def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float) -> None:
@@ -53,11 +69,14 @@ def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, k
     p32, g32 = p.float(), g.float()
     state = {}
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
-        state[name] = decode_rows(rows, absmax, book) if kind == "q8" else rows.float()
+        if kind in QUANTIZED:
+            state[name] = decode_rows(rows if kind == "q8" else unpack_nibbles(rows), absmax, book)
+        else:
+            state[name] = rows.float()
     out = math(p32, g32, state, **kwargs)
     delta, alpha = out if isinstance(out, tuple) else (out, 1.0)
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
-        if kind == "q8":
+        if kind in QUANTIZED:
             scratch.copy_(state[name])
         elif kind == "bf16":
             rows.copy_(state[name])  # fp32 storage: the rows themselves were updated in place
@@ -66,12 +85,12 @@ def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, k
 
 
 def _rows_encode(slots: tuple) -> None:
-    """Phase 2: encode the q8 slots from scratch. A separate graph, so the decode in phase 1 is not recomputed for
+    """Phase 2: encode the q8 / q4 slots from scratch (the eager codec's :func:`encode_rows`, then q4's packing). A separate graph, so the decode in phase 1 is not recomputed for
     the block reductions (inductor lowers every table lookup to a scalar gather: they dominate the cost)."""
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
-        if kind == "q8":
+        if kind in QUANTIZED:
             codes, scale = encode_rows(scratch, book, table, signed)
-            rows.copy_(codes)
+            rows.copy_(codes if kind == "q8" else pack_nibbles(codes))
             absmax.copy_(scale)
 
 
@@ -98,8 +117,8 @@ def _kernel(key: tuple) -> tuple[Callable, Callable]:
 
 
 def scratch_rows(index: int, like: torch.Tensor) -> torch.Tensor:
-    """A reused fp32 buffer shaped like ``like`` (rows of blocks) for the ``index``-th q8 slot: allocated once per
-    size, so steps do not pay fresh-page faults."""
+    """A reused fp32 buffer shaped like ``like`` (rows of blocks) for the ``index``-th quantized slot: allocated once
+    per size, so steps do not pay fresh-page faults."""
     key = (index, like.device)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < like.numel():
@@ -122,7 +141,7 @@ def step_rows(
     False if the compiled path is unavailable (the caller then runs eagerly)."""
     key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype)
     kwargs = {k: _runtime_scalar(v) if k in RUNTIME_SCALARS else v for k, v in kwargs.items()}
-    slots = tuple(s + (scratch_rows(i, s[3]) if s[1] == "q8" else None,) for i, s in enumerate(slots))
+    slots = tuple(s + (scratch_rows(i, p) if s[1] in QUANTIZED else None,) for i, s in enumerate(slots))
     for t in (p, g) + tuple(t for s in slots for t in (s[3], s[4], s[7]) if t is not None):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     run_math, run_encode = _kernel(key)

@@ -77,6 +77,7 @@ from .distributed.sharding import (
     present_state,
     presented_params,
 )
+from .quant import q4
 from .quant.formats import Q4, Q8, choose_format, default_block_size, format_of, map_for
 from .quant.maps import code_book, encode_table
 
@@ -555,8 +556,6 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _step_compiled(self, pflat, gflat, state, slots, formats, group, step, decay) -> int:
         """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
-        if Q4 in formats.values():  # no compiled 4-bit codec: the eager path steps it
-            return 0
         bs = group["block_size"]
         rows_total = pflat.numel() // bs
         rows_per_chunk = max(1, COMPILED_CHUNK_NUMEL // bs)
@@ -571,6 +570,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
                     rows.append((k, "q8", s.signed, state[k + ".codes"][lo:hi].view(-1, bs),
                                  state[k + ".absmax"][r0:r1], code_book(name, pflat.device),
                                  encode_table(name, pflat.device).packed))
+                elif fmt is Q4:  # nibble rows: a block of bs elements is bs / 2 bytes
+                    name = q4.map4_for(s.signed)
+                    rows.append((k, "q4", s.signed, state[k + ".nibbles"][lo // 2 : hi // 2].view(-1, bs // 2),
+                                 state[k + ".absmax"][r0:r1], q4.code_book(name, pflat.device),
+                                 q4._on("table", name, pflat.device, q4._table)))
                 else:
                     rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
             ok = compiled.step_rows(type(self).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),

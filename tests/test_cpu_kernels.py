@@ -19,7 +19,7 @@ import lowmemopt.cpu as cpu
 from lowmemopt.cpu import build, elementwise, ffi
 from lowmemopt.cpu.codec import decision_thresholds
 from lowmemopt.optimizer import kernel_algorithm
-from lowmemopt.quant import dequantize_blockwise, quantize_blockwise_reference
+from lowmemopt.quant import dequantize_blockwise, q4, quantize_blockwise_reference
 from lowmemopt.quant.maps import code_book, is_signed_map, nearest_code_reference
 
 ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.elementwise]
@@ -233,6 +233,160 @@ def test_environment_variable_disables():
     assert out.stdout.split() == ["False", "False"]
 
 
+# -- 4-bit state (lowmemopt.quant.q4): ST_Q4 slots ------------------------------------------------------------------
+
+Q4_MAPS = ("pow2x4", "upow2x4")
+
+
+def _encode4(lib, x: torch.Tensor, signed: bool, bs: int):
+    """The native codec alone on a 4-bit slot: fp32 rows of ``bs`` -> (nibbles, absmax)."""
+    nibbles = torch.full((x.numel() // 2,), 0xAA, dtype=torch.uint8)  # (garbage: every byte must be written)
+    absmax = torch.full((x.numel() // bs,), float("nan"))
+    ffi.call(lib.lmo_encode, ffi.args_for(None, x, x.numel() // bs, bs, [ffi.slot_q4(nibbles, absmax, signed)]))
+    return nibbles, absmax
+
+
+def _adversarial4(name: str) -> torch.Tensor:
+    """Every decision threshold of a 4-bit map and 3 floats either side, every code and mid point, every binade edge
+    and its neighbours, zeros of both signs, subnormals, and (unsigned map) negative values."""
+    book, thr = q4.code_book(name), q4.thresholds(name)
+    edges = torch.tensor([2.0**-k for k in range(0, 40)])
+    vals = [thr, book, (book[1:] + book[:-1]) / 2, edges, -edges]
+    vals += [_ulps(t, k) for t in (thr, edges, -edges) for k in (-3, -2, -1, 1, 2, 3)]
+    vals.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1e-30, 1.0, book[0].item(), 2e-7, -2e-7]))
+    y = torch.cat(vals)
+    return y[(y >= book[0]) & (y <= 1.0)] if q4.is_signed(name) else y[(y >= -1.0) & (y <= 1.0)]
+
+
+@pytest.mark.parametrize("name", Q4_MAPS)
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.1e-5, 7.77e3, 1.0 / 3.0])
+def test_q4_encoder_at_every_threshold(lib, name, scale):
+    """Each adversarial value alone in a 16-element block with exact codes (1, book[0], zeros), so that the block's
+    scale is ``scale`` (not a power of two: ``x / absmax`` rounds): nibbles and absmax equal the eager codec's and the
+    brute-force search's. The encoder counts thresholds (``code = #{t <= y}``), so right at every threshold and the
+    float below it means right for every float (an offline run over every float of [book[0], 1] agreed too)."""
+    signed = q4.is_signed(name)
+    y = _adversarial4(name)
+    blocks = torch.zeros(y.numel(), 16)
+    blocks[:, 0], blocks[:, 1], blocks[:, 2] = y, 1.0, q4.code_book(name)[0] if signed else 0.0
+    x = (blocks * scale).reshape(-1).contiguous()
+    nibbles, absmax = _encode4(lib, x, signed, 16)
+    ref_nibbles, ref_absmax = q4.quantize(x, name, 16)
+    assert torch.equal(absmax, ref_absmax)
+    assert torch.equal(nibbles, ref_nibbles), int((nibbles != ref_nibbles).sum())
+    brute, _ = q4.quantize_reference(x, name, 16)
+    assert torch.equal(q4._unpack(nibbles, x.numel()), brute)
+
+
+@pytest.mark.parametrize("name", Q4_MAPS)
+@pytest.mark.parametrize("bs", [16, 128, 4096])
+def test_q4_codec_equals_eager_codec(lib, name, bs):
+    """Random blocks over ten decades, an all-zero block (absmax 0, decodes to 0), an outlier block, -0 and negatives
+    in an unsigned slot (code 0, the smallest code): nibbles and absmax equal ``q4.quantize``; decoding equals
+    ``q4.dequantize``."""
+    signed = q4.is_signed(name)
+    gen = torch.Generator().manual_seed(bs)
+    n = min(64 * bs, 1 << 16)
+    x = torch.randn(n, generator=gen) * torch.logspace(-10, 0, n)[torch.randperm(n, generator=gen)]
+    x = x if signed else x.abs()
+    x.view(-1, bs)[1] = 0.0
+    x.view(-1, bs)[2, 5] = 1e4
+    x.view(-1, bs)[3, :4] = torch.tensor([-0.0, -1e-3, -5.0, -1e-30]) if not signed else torch.tensor([-0.0] * 4)
+    nibbles, absmax = _encode4(lib, x, signed, bs)
+    ref_nibbles, ref_absmax = q4.quantize(x, name, bs)
+    assert torch.equal(absmax, ref_absmax) and absmax[1] == 0
+    assert torch.equal(nibbles, ref_nibbles), int((nibbles != ref_nibbles).sum())
+    out = torch.full_like(x, float("nan"))
+    ffi.call(lib.lmo_decode, ffi.args_for(out, None, n // bs, bs, [ffi.slot_q4(nibbles, absmax, signed)]))
+    assert torch.equal(out, q4.dequantize(ref_nibbles, ref_absmax, n, name, bs))
+    assert bool((out.view(-1, bs)[1] == 0).all())
+
+
+#: full blocks + a ragged tail (even, and odd: the last byte's high nibble), a vector below one block of quantized
+#: state (fp32 state), and one exactly at whole blocks (4-bit blocks are 128)
+SHAPES4 = [(300, 257), (4099,), (3, 7), (8, 128)]
+
+
+def _assert_runs_identical(p_n, opt_n, p_e, opt_e, dtype=None):
+    for a, b in zip(p_n, p_e):
+        assert (dtype is None or a.dtype == dtype) and torch.equal(a, b), tuple(a.shape)
+        sa, sb = opt_n.state[a], opt_e.state[b]
+        assert set(sa) == set(sb)
+        for k, v in sa.items():
+            assert (torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k]), (k, tuple(a.shape))
+
+
+@pytest.mark.parametrize("info", NATIVE, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_equals_eager_composition_4bit(lib, info, dtype, monkeypatch, correctly_rounded_sqrt):
+    """4-bit state: parameters, nibbles and scales bit-identical to the eager path over 4 steps (AdamW, Adam with
+    amsgrad, SGD with nesterov momentum, Lion), the ragged last blocks on the eager path in both runs."""
+    (p_n, opt_n), (p_e, opt_e) = _run_pair(info, 4, dtype, monkeypatch, shapes=SHAPES4)
+    assert "exp_avg.nibbles" in opt_n.state[p_n[0]] or "momentum_buffer.nibbles" in opt_n.state[p_n[0]]
+    assert opt_n.state[p_n[1]][next(k for k in opt_n.state[p_n[1]] if k.endswith(".nibbles"))][-1] < 16  # odd n
+    _assert_runs_identical(p_n, opt_n, p_e, opt_e, dtype)
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (lowmemopt.Adam, dict(lr=1e-2, amsgrad=True, maximize=True, betas=(0.6, 0.99))),
+    (lowmemopt.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, maximize=True)),
+], ids=["adam-amsgrad-max", "adam-l2", "sgd-momentum", "sgd-nesterov"])
+def test_4bit_variants(lib, cls, kwargs, monkeypatch, correctly_rounded_sqrt):
+    """amsgrad (three 4-bit slots), maximize, lerp weights >= 0.5, L2 weight decay, dampened and nesterov momentum."""
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    start = make_params(SHAPES4[:2])
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(cpu, "ENABLED", native)
+        params = clone_params(start)
+        opt = cls(params, state_bits=4, **kwargs)
+        run(opt, params, 4)
+        runs.append((params, opt))
+    _assert_runs_identical(*runs[0], *runs[1])
+
+
+def test_native_4bit_path_really_runs(lib, monkeypatch):
+    """A 4-bit parameter's full blocks take the kernel (and its ragged last block the eager path); a block size the
+    kernels cannot take (above their 4096-element row buffers) leaves the whole parameter to the eager path."""
+    done = []
+    real = elementwise.step
+    monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)[0]) or (done[-1], None))
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    params = make_params([(300, 257), (40,)])
+    opt = lowmemopt.AdamW(params, lr=1e-3, state_bits=4)
+    run(opt, params, 1)
+    assert opt.state[params[0]]["exp_avg.nibbles"].numel() == 300 * 257 // 2
+    assert done == [300 * 257 // 128 * 128, 40]  # the 40-element vector keeps fp32 state (< min_quant_numel)
+    done.clear()
+    run(lowmemopt.AdamW(params, lr=1e-3, state_bits=4, block_size=8192), params, 1)
+    assert done == [0, 40]
+
+
+def test_4bit_portable_build_equals_avx512_build(lib, monkeypatch, correctly_rounded_sqrt):
+    """The plain-C build (exact bucket table) and the AVX-512 build (threshold search) give the same nibbles and the
+    same steps."""
+    try:
+        portable = build.compile_library(("-mno-avx512f",))
+    except RuntimeError as exc:
+        pytest.skip(f"cannot build without AVX-512: {exc}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(128 * 64, generator=gen) * torch.logspace(-9, 0, 128 * 64)
+    x = torch.cat([x, _adversarial4("pow2x4")[: 128 * 8]])
+    x = x[: x.numel() // 128 * 128].contiguous()
+    for signed in (True, False):
+        v = x if signed else x.abs()
+        assert all(torch.equal(a, b) for a, b in zip(_encode4(lib, v, signed, 128), _encode4(portable, v, signed, 128)))
+    results = []
+    for library in (lib, portable):
+        monkeypatch.setattr(build, "_lib", library)
+        (p, opt), _ = _run_pair(NATIVE[0], 4, torch.bfloat16, monkeypatch, steps=2, shapes=[(64, 80)])
+        results.append((p[0], opt.state[p[0]]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(v, results[1][1][k]) for k, v in results[0][1].items() if isinstance(v, torch.Tensor))
+
+
 # -- the factored optimizers (lowmemopt.cpu.factored) ------------------------------------------------------------------
 
 FACTORED_SHAPES = [(300, 272), (520, 256), (37, 53)]  # two native (>= 2^16 elements, 16 | columns), one eager
@@ -280,16 +434,21 @@ def test_factored_native_equals_eager_32bit(lib, cls, kwargs, monkeypatch):
 
 
 @pytest.mark.parametrize("cls,kwargs", FACTORED_VARIANTS[1:2] + FACTORED_VARIANTS[3:4], ids=["Adafactor-m", "CAME"])
-@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("bits", [16, 8, 4])
 def test_factored_native_low_bit(lib, cls, kwargs, bits, monkeypatch):
-    """bf16 / q8 first moment: after one step equal to the eager path to fp32 rounding, with at most a rare one-step
+    """bf16 / q8 / q4 first moment (the q4 one stepped natively too): after one step equal to the eager path to fp32 rounding, with at most a rare one-step
     difference of the stored moment (a value at a rounding boundary); over more steps the trajectories stay close."""
     (p_n, opt_n), (p_e, opt_e) = _factored_pair(cls, kwargs, bits, monkeypatch, steps=1)
     for a, b in zip(p_n, p_e):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         sa, sb = opt_n.state[a], opt_e.state[b]
-        if "exp_avg.codes" in sa:
-            diff = (sa["exp_avg.codes"].int() - sb["exp_avg.codes"].int()).abs()
+        if "exp_avg.codes" in sa or "exp_avg.nibbles" in sa:
+            if bits == 4:
+                n = a.numel()
+                ca, cb = q4._unpack(sa["exp_avg.nibbles"], n), q4._unpack(sb["exp_avg.nibbles"], n)
+            else:
+                ca, cb = sa["exp_avg.codes"], sb["exp_avg.codes"]
+            diff = (ca.int() - cb.int()).abs()
             assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
         else:
             ma, mb = sa["exp_avg"].float(), sb["exp_avg"].float()

@@ -91,7 +91,15 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
         from lowmemopt.kernels import dispatch
 
         before = dict(dispatch.stats)
+    native_steps = []  # elements each native elementwise kernel call stepped
+    if backend == "native":
+        from lowmemopt.cpu import elementwise
+
+        real = elementwise.step
+        monkeypatch.setattr(elementwise, "step", lambda *a, **k: native_steps.append(r := real(*a, **k)) or r)
     plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch)
+    if backend == "native" and (name, rank is not None) in NATIVE_EXACT and cpu.available():
+        assert any(done for done, _ in native_steps), "the native kernels did not run"  # 4 bits included
     if backend == "triton" and name not in ("AdafactorTorch", "GaLoreAdamW"):
         assert sum(dispatch.stats.values()) > sum(before.values()), "the Triton backend did not run"
         if bits == 4:  # the quantized slots' buckets took the 4-bit kernels

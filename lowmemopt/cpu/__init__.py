@@ -4,7 +4,7 @@ The C source (``kernels.c``) is compiled at first use with the system C compiler
 (:mod:`lowmemopt.cpu.build`); there is no build step at install time. Each kernel is a fused implementation of one
 algorithm for every (parameter dtype, state format) pair, tested against the eager composition ``StateFormat.decode ->
 math -> StateFormat.encode``, which stays the reference: elementwise results are bit-identical to it (given a correctly
-rounded sqrt, see ``docs/cpu_kernels.md``), 8-bit codes are the reference encoder's, and the factored optimizers agree
+rounded sqrt, see ``docs/cpu_kernels.md``), 8- and 4-bit codes are the reference encoders', and the factored optimizers agree
 to fp32 rounding. What runs here:
 
 * elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the step pipeline's per-tensor

@@ -24,7 +24,7 @@ from pathlib import Path
 
 __all__ = ["ABI_VERSION", "SOURCE", "build_error", "cache_dir", "compile_library", "library"]
 
-ABI_VERSION = 10  # must equal LMO_ABI_VERSION in kernels.c
+ABI_VERSION = 11  # must equal LMO_ABI_VERSION in kernels.c
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 OPENMP = ["-fopenmp"]

@@ -21,10 +21,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..quant import q4
 from ..quant.formats import map_for
 from ..quant.maps import POW2_BITS, code_book, encode_table, is_signed_map, nearest_code_reference
 
-__all__ = ["Pow2Tables", "Tables", "pow2_tables", "decision_thresholds", "tables"]
+__all__ = ["Pow2Tables", "Tables", "Tables4", "pow2_tables", "decision_thresholds", "tables", "tables4"]
 
 
 def _key(x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +128,20 @@ def tables(signed: bool) -> Tables:
     book = code_book(name).contiguous()
     planes = book.view(torch.uint8).view(256, 4).t().contiguous()
     return Tables(book, planes, encode_table(name).packed.contiguous(), pow2_tables(name))
+
+
+class Tables4(NamedTuple):
+    book: torch.Tensor  # fp32 [16]: decode
+    thr: torch.Tensor  # fp32 [16]: q4.thresholds (code(y) = #{thr <= y}), then NaN (the AVX-512 encoder)
+    packed: torch.Tensor  # int32 [65536]: q4's exact bucket table (the portable build's encoder)
+
+
+@functools.lru_cache(maxsize=None)
+def tables4(signed: bool) -> Tables4:
+    """The 4-bit map of a slot of this signedness (``q4.map4_for``) in the kernels' forms, kept alive here."""
+    name = q4.map4_for(signed)
+    thr = torch.cat([q4.thresholds(name), torch.tensor([float("nan")])]).contiguous()
+    return Tables4(q4.code_book(name).clone().contiguous(), thr, q4._table(name).contiguous())
 
 
 def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:

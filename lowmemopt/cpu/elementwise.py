@@ -16,12 +16,13 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import rounding
-from ..quant.formats import BF16, FP32, Q8, StateFormat
+from ..quant import q4
+from ..quant.formats import BF16, FP32, Q4, Q8, StateFormat
 from . import applies, build, ffi
 
 __all__ = ["KERNELS", "Kernel", "step"]
 
-#: rows of this many elements for fp32 / bf16 state (any size works; q8 rows are the quantization blocks); the
+#: rows of this many elements for fp32 / bf16 state (any size works; q8 / q4 rows are the quantization blocks); the
 #: kernel also does the last partial row, so every element of a parameter takes the same arithmetic (a sharded
 #: parameter's local shards step exactly as the whole one)
 DENSE_ROW = 64
@@ -76,7 +77,8 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
     """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``; ``group``: the param
     group's storage options, ``step``: the step being taken) over the flat tensor
     ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
-    ``p = p * decay + delta``: all of it for fp32 / bf16 state, the full blocks for 8-bit state.
+    ``p = p * decay + delta``: all of it for fp32 / bf16 state, the full blocks for 8- and 4-bit state (a ragged
+    last block is the caller's, as on the eager path).
 
     ``scan``: another gradient (the next parameter's) whose finiteness the kernel checks in the same parallel loop
     (:func:`lowmemopt.cpu.ffi.scan_result`), its reads overlapping this kernel's arithmetic.
@@ -100,7 +102,8 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
     if len(kinds) > 1:
         return 0, None
     fmt = kinds.pop() if kinds else FP32
-    if fmt is Q8:
+    quantized = fmt is Q8 or fmt is Q4
+    if quantized:
         block_size = group["block_size"]
         rows, bs = pflat.numel() // block_size, block_size
         if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
@@ -109,7 +112,7 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
         rows, bs = pflat.numel() // DENSE_ROW, DENSE_ROW
     else:
         return 0, None
-    tail = pflat.numel() - rows * bs if fmt is not Q8 else 0
+    tail = pflat.numel() - rows * bs if not quantized else 0
     if rows == 0 and tail == 0:
         return 0, None
     cslots = []
@@ -120,6 +123,13 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
             if not (codes.is_contiguous() and absmax.is_contiguous() and absmax.dtype == torch.float32):
                 return 0, None
             cslots.append(ffi.slot_q8(codes, absmax, signed))
+        elif fmt is Q4:
+            nibbles, absmax = state[k + ".nibbles"], state[k + ".absmax"]
+            if not (nibbles.is_contiguous() and nibbles.dtype == torch.uint8 and absmax.is_contiguous()
+                    and absmax.dtype == torch.float32 and nibbles.numel() >= q4.packed_len(rows * bs)
+                    and absmax.numel() >= rows):
+                return 0, None
+            cslots.append(ffi.slot_q4(nibbles, absmax, signed))
         else:
             t = state[k]
             if not t.is_contiguous() or t.dtype != (torch.float32 if fmt is FP32 else torch.bfloat16):

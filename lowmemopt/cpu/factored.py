@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .. import rounding
-from ..quant.formats import BF16, FP32, Q8
+from ..quant.formats import BF16, FP32, Q4, Q8
 from . import applies, build, ffi
 
 __all__ = ["MIN_NUMEL", "STEPS", "step"]
@@ -115,14 +115,14 @@ def _ema(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_mean:
 
 def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slot, int] | None:
     """The first moment as a kernel slot, and the walk's block size; None if its storage is not supported."""
-    if fmt is Q8:
-        codes, absmax = state["exp_avg.codes"], state["exp_avg.absmax"]
+    if fmt is Q8 or fmt is Q4:
+        codes, absmax = state["exp_avg" + (".codes" if fmt is Q8 else ".nibbles")], state["exp_avg.absmax"]
         if not (16 <= block_size <= ffi.MAX_BLOCK and block_size % 16 == 0 and codes.is_contiguous()
                 and absmax.is_contiguous() and absmax.dtype == torch.float32):
             return None
-        return ffi.slot_q8(codes, absmax, True), block_size
+        return (ffi.slot_q8 if fmt is Q8 else ffi.slot_q4)(codes, absmax, True), block_size
     want = {FP32: torch.float32, BF16: torch.bfloat16}.get(fmt)
-    if want is None:  # a format without a native codec (4-bit): the eager path steps it
+    if want is None:  # a format without a native codec: the eager path steps it
         return None
     t = state["exp_avg"]
     if t.dtype != want or not t.is_contiguous():

@@ -7,13 +7,13 @@ import math
 
 import torch
 
-from .codec import tables
+from .codec import tables, tables4
 
-__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "args_for", "call", "can_scan", "scan_result"]
+__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "call", "can_scan", "scan_result"]
 
 MAX_SLOTS = 4
 MAX_BLOCK = 4096  # LMO_MAX_BS
-ST_F32, ST_BF16, ST_Q8 = 0, 1, 2
+ST_F32, ST_BF16, ST_Q8, ST_Q4 = 0, 1, 2, 3
 #: parameter / gradient dtypes the kernels read and write
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -26,6 +26,7 @@ class Slot(ctypes.Structure):
         ("planes", ctypes.c_void_p),
         ("packed", ctypes.c_void_p),
         ("pow2", ctypes.c_void_p),
+        ("thr", ctypes.c_void_p),
         ("kind", ctypes.c_int32),
         ("is_signed", ctypes.c_int32),
     ]
@@ -60,13 +61,21 @@ class Args(ctypes.Structure):
 def slot_dense(values: torch.Tensor) -> Slot:
     """An fp32 or bf16 slot (contiguous, any shape)."""
     kind = ST_F32 if values.dtype == torch.float32 else ST_BF16
-    return Slot(values.data_ptr(), None, None, None, None, None, kind, 0)
+    return Slot(values.data_ptr(), None, None, None, None, None, None, kind, 0)
 
 
 def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
     t = tables(signed)
     return Slot(codes.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), t.planes.data_ptr(), t.packed.data_ptr(),
-                ctypes.addressof(t.pow2), ST_Q8, int(signed))
+                ctypes.addressof(t.pow2), None, ST_Q8, int(signed))
+
+
+def slot_q4(nibbles: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
+    """A 4-bit slot (:mod:`lowmemopt.quant.q4`): ``nibbles`` uint8 (element 2i in the low nibble of byte i) and one
+    fp32 ``absmax`` per block row, in the map ``q4.map4_for(signed)``."""
+    t = tables4(signed)
+    return Slot(nibbles.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), None, t.packed.data_ptr(), None,
+                t.thr.data_ptr(), ST_Q4, int(signed))
 
 
 def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],

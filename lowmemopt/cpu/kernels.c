@@ -14,6 +14,8 @@
  *   - 8-bit codes are the exact rounding rule of lowmemopt.quant.maps (nearest code in fp32, ties to the lower code,
  *     positive values never to upow2's zero code), computed on the float's bits (pow2_code): the state maps' codes
  *     are floats with a few mantissa bits per binade, so the nearest code is a rounding add and a shift.
+ *   - 4-bit codes (ST_Q4, lowmemopt.quant.q4: two per byte, element 2i in the low nibble) are q4's encoder's: the
+ *     count of the map's decision thresholds <= y, a 4-step binary search in registers (q4_code).
  *   - Block scales: unsigned max(max x, 0); signed max(max x / book[255], min x / book[0]); y = x / scale (IEEE
  *     division, scale 0 -> 1), as lowmemopt.quant.blockwise.block_scale / encode_rows.
  *
@@ -29,12 +31,12 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 10
+#define LMO_ABI_VERSION 11
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };  /* parameter / gradient dtypes */
-enum { ST_F32 = 0, ST_BF16 = 1, ST_Q8 = 2 };   /* state slot storage */
+enum { ST_F32 = 0, ST_BF16 = 1, ST_Q8 = 2, ST_Q4 = 3 }; /* state slot storage */
 enum { LMO_OK = 0, LMO_EBADARG = 1 };
 
 /* The pow2 maps' encoder (see pow2_code). |y|'s bits are clamped to [e_lo << 23, 1.0]; then, per biased exponent e
@@ -47,14 +49,15 @@ typedef struct lmo_pow2 {
 } lmo_pow2;
 
 typedef struct {
-    void *data;         /* fp32 / bf16 values, or uint8 codes */
-    float *absmax;      /* q8: one scale per block row */
-    const float *book;  /* q8: the 256 code values, ascending */
+    void *data;         /* fp32 / bf16 values, uint8 codes (q8), or uint8 nibbles (q4: element 2i low, 2i + 1 high) */
+    float *absmax;      /* q8 / q4: one scale per block row */
+    const float *book;  /* q8: the 256 code values, ascending; q4: the 16 */
     const uint8_t *planes; /* q8: the code values' bytes, planes[256 k + i] = byte k of book[i] */
-    const int32_t *packed;     /* q8: lowmemopt.quant.maps' 65536-entry bucket table (exact, one lookup) */
+    const int32_t *packed;     /* q8 / q4: the map's 65536-entry bucket table (exact, one lookup; the portable build) */
     const struct lmo_pow2 *pow2; /* q8: the pow2 encoder's tables (lowmemopt/cpu/codec.py) */
+    const float *thr;   /* q4: the 15 decision thresholds, ascending, then NaN: code(y) = #{k: thr[k] <= y} */
     int32_t kind;       /* ST_* */
-    int32_t is_signed;  /* q8: signed map (its scale covers both extremes) */
+    int32_t is_signed;  /* q8 / q4: signed map (its scale covers both extremes) */
 } lmo_slot;
 
 typedef struct {
@@ -268,6 +271,31 @@ static inline void encode_block(const lmo_pow2 *T, const int32_t *packed, int is
 }
 #undef LMO_ENC4
 
+/* 4-bit codes. A q4 map's 16 values and its 15 decision thresholds live in registers (lowmemopt.quant.q4.thresholds:
+ * code(y) = #{k: thr[k] <= y}, exact for every float): decoding is one permute, encoding a 4-step binary search over
+ * the thresholds, each step a permute and a compare (t1, t3: thr shifted by 1 and 3 places, NaN beyond the end, so the
+ * running code indexes them directly). +inf takes code 0 as in the reference's bucket table (it cannot occur: a block
+ * holding +inf has scale inf, and inf / inf is NaN, which takes code 0 in both). */
+typedef struct { vf book, t0, t1, t3, t7; } q4tab;
+static inline vf q4_decode(const q4tab *t, vi code) { return _mm512_permutexvar_ps(code, t->book); }
+static inline vi q4_code(const q4tab *t, const int32_t *packed, vf y) {
+    vi c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, t->t7, _CMP_GE_OQ), _mm512_set1_epi32(8));
+    (void)packed;
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(c, t->t3), _CMP_GE_OQ), c, _mm512_set1_epi32(4));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(c, t->t1), _CMP_GE_OQ), c, _mm512_set1_epi32(2));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(c, t->t0), _CMP_GE_OQ), c, _mm512_set1_epi32(1));
+    return _mm512_mask_mov_epi32(c, _mm512_cmp_ps_mask(y, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ), _mm512_setzero_si512());
+}
+/* 16 codes from 8 bytes: element 2i is the low nibble of byte i, 2i + 1 the high one */
+static inline vi q4_load_codes(const uint8_t *b) {
+    const __m128i x = _mm_loadl_epi64((const __m128i *)b), m = _mm_set1_epi8(0x0F);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m)));
+}
+/* each 64-bit lane holds (c_2i, c_2i+1): c_2i | c_2i+1 << 4 in its low byte, which vpmovqb keeps */
+static inline void q4_store_codes(uint8_t *b, vi c) {
+    _mm_storel_epi64((__m128i *)b, _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28))));
+}
+
 /* 16 fp64 lanes: sums of fp32 values (row / column statistics, squared norms) */
 typedef struct { __m512d lo, hi; } vd;
 static inline __m512d lo_pd(vf x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
@@ -367,6 +395,20 @@ static inline vi packed_code(const int32_t *packed, vf y) {
     return r;
 }
 static inline vi load_codes(const uint8_t *c) { vi r; int i; for (i = 0; i < 16; i++) r.x[i] = c[i]; return r; }
+
+/* 4-bit codes (see the AVX-512 versions): decoding indexes the 16 values, encoding is the exact bucket table */
+typedef struct { vf book, t0, t1, t3, t7; } q4tab;
+static inline vf q4_decode(const q4tab *t, vi code) { LMO_MAP1(t->book.x[code.x[i] & 15]); }
+static inline vi q4_code(const q4tab *t, const int32_t *packed, vf y) { (void)t; return packed_code(packed, y); }
+static inline vi q4_load_codes(const uint8_t *b) {
+    vi r; int i;
+    for (i = 0; i < 8; i++) { r.x[2 * i] = b[i] & 15; r.x[2 * i + 1] = b[i] >> 4; }
+    return r;
+}
+static inline void q4_store_codes(uint8_t *b, vi c) {
+    int i;
+    for (i = 0; i < 8; i++) b[i] = (uint8_t)(c.x[2 * i] | c.x[2 * i + 1] << 4);
+}
 static inline void store_codes(uint8_t *c, vi code) { int i; for (i = 0; i < 16; i++) c[i] = (uint8_t)code.x[i]; }
 static inline void encode_block(const struct lmo_pow2 *T, const int32_t *packed, int is_signed, const float *buf,
                                 int len, vf div, uint8_t *codes) {
@@ -405,8 +447,9 @@ typedef struct {
     float *absmax;
     const int32_t *packed;
     const lmo_pow2 *pow2;
-    float *buf;               /* q8: the row's new fp32 values, encoded at the end of the row */
-    float book_lo, book_hi;   /* q8: book[0], book[255] */
+    q4tab q4;                 /* q4: the values and thresholds */
+    float *buf;               /* q8 / q4: the row's new fp32 values, encoded at the end of the row */
+    float book_lo, book_hi;   /* q8 / q4: the smallest and largest code value */
     int is_signed;
 } slot_rt;
 
@@ -423,10 +466,25 @@ static void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
         lut256_init(&r->book, s->book, s->planes);
         r->book_lo = s->book[0];
         r->book_hi = s->book[255];
+    } else if (s->kind == ST_Q4) {
+        float t[3][16];
+        int k;
+        for (k = 0; k < 16; k++) {
+            t[0][k] = s->thr[k];
+            t[1][k] = k + 1 < 16 ? s->thr[k + 1] : NAN;
+            t[2][k] = k + 3 < 16 ? s->thr[k + 3] : NAN;
+        }
+        r->q4.book = v_load(s->book);
+        r->q4.t0 = v_load(t[0]);
+        r->q4.t1 = v_load(t[1]);
+        r->q4.t3 = v_load(t[2]);
+        r->q4.t7 = v_set(s->thr[7]);
+        r->book_lo = s->book[0];
+        r->book_hi = s->book[15];
     }
 }
 static inline __attribute__((always_inline)) void slot_row_begin(const int kind, const slot_rt *r, int64_t row, rowacc *acc) {
-    if (kind == ST_Q8) {
+    if (kind == ST_Q8 || kind == ST_Q4) {
         acc->scale = v_set(r->absmax[row]);
         acc->hi = v_set(-INFINITY);
         acc->lo = v_set(INFINITY);
@@ -437,6 +495,7 @@ static inline __attribute__((always_inline)) void slot_row_begin(const int kind,
 static inline __attribute__((always_inline)) vf slot_load(const int kind, const slot_rt *r, int64_t i, const rowacc *acc) {
     if (kind == ST_F32) return v_load((const float *)r->data + i);
     if (kind == ST_BF16) return load_bf16((const uint16_t *)r->data + i);
+    if (kind == ST_Q4) return v_mul(q4_decode(&r->q4, q4_load_codes((const uint8_t *)r->data + i / 2)), acc->scale);
     return v_mul(lut256_get(&r->book, load_codes((const uint8_t *)r->data + i)), acc->scale);
 }
 /* q8: decode n (1..4) consecutive vectors from element i into out (64 codes at once); dense slots load each vector
@@ -445,8 +504,8 @@ static inline __attribute__((always_inline)) vf slot_load(const int kind, const 
 static inline __attribute__((always_inline)) void slot_loadn(const int kind, const slot_rt *r, int64_t i, int n,
                                                                const rowacc *acc, vf out[4]) {
     int u;
-    if (kind != ST_Q8) return;
-    if (n == 4) {
+    if (kind != ST_Q8 && kind != ST_Q4) return;
+    if (kind == ST_Q8 && n == 4) {
         lut256_get64(&r->book, (const uint8_t *)r->data + i, out);
         for (u = 0; u < 4; u++) out[u] = v_mul(out[u], acc->scale);
         return;
@@ -456,7 +515,7 @@ static inline __attribute__((always_inline)) void slot_loadn(const int kind, con
 /* vector u of a group that starts at element i - 16 u (q8: from slot_loadn's out) */
 static inline __attribute__((always_inline)) vf slot_get(const int kind, const slot_rt *r, int64_t i, const rowacc *acc,
                                                           const vf out[4], int u) {
-    return kind == ST_Q8 ? out[u] : slot_load(kind, r, i, acc);
+    return kind == ST_Q8 || kind == ST_Q4 ? out[u] : slot_load(kind, r, i, acc);
 }
 /* element i of the flattened slot, j its position in the row */
 static inline __attribute__((always_inline)) void slot_store(const int kind, const slot_rt *r, int64_t i, int j, vf x, rowacc *acc) {
@@ -477,7 +536,7 @@ static inline __attribute__((always_inline)) void slot_block_end(const int kind,
     float hi, lo, scale;
     uint8_t *codes;
     vf div;
-    if (kind != ST_Q8) return;
+    if (kind != ST_Q8 && kind != ST_Q4) return;
     hi = v_hmax(acc->hi);
     lo = v_hmin(acc->lo);
     if (__builtin_expect(v_anynan(acc->sum), 0)) { /* a NaN (or +inf and -inf): exact aminmax */
@@ -497,8 +556,14 @@ static inline __attribute__((always_inline)) void slot_block_end(const int kind,
         scale = (hi != hi) ? hi : (hi > 0.0f ? hi : 0.0f);
     }
     div = v_set(scale > 0.0f ? scale : 1.0f);
-    codes = (uint8_t *)r->data + start;
-    encode_block(r->pow2, r->packed, r->is_signed, r->buf, len, div, codes);
+    if (kind == ST_Q4) { /* start and len are even (multiples of 16): whole bytes */
+        int j;
+        codes = (uint8_t *)r->data + start / 2;
+        for (j = 0; j < len; j += 16) q4_store_codes(codes + j / 2, q4_code(&r->q4, r->packed, v_div(v_load(r->buf + j), div)));
+    } else {
+        codes = (uint8_t *)r->data + start;
+        encode_block(r->pow2, r->packed, r->is_signed, r->buf, len, div, codes);
+    }
     r->absmax[row] = scale;
 }
 /* q8: block `row` of a tensor cut into rows of bs elements */
@@ -599,7 +664,7 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
     if (a->p_update < UPD_NEAREST || a->p_update > UPD_KAHAN || (a->p_update == UPD_KAHAN && !a->kahan)) return LMO_EBADARG;
     if (a->scan && (a->scan_n < 0 || !a->scan_sumsq || a->scan_dtype < DT_F32 || a->scan_dtype > DT_F16)) return LMO_EBADARG;
     for (k = 0; k < a->nslots; k++)
-        if (a->tail && a->slot[k].kind == ST_Q8) return LMO_EBADARG;
+        if (a->tail && (a->slot[k].kind == ST_Q8 || a->slot[k].kind == ST_Q4)) return LMO_EBADARG;
     if ((int64_t)nt * 65536 > work) nt = work / 65536 > 0 ? (int)(work / 65536) : 1; /* below ~64K elements per thread, threads do not pay */
     if (ntasks > 0) {
 #ifdef _OPENMP
@@ -659,11 +724,13 @@ static int common_kind(const lmo_args *a) {
     static void name##_f32(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_F32); } \
     static void name##_bf16(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_BF16); } \
     static void name##_q8(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_Q8); } \
+    static void name##_q4(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_Q4); } \
     static int name##_run(const lmo_args *a) {                                                                         \
         switch (common_kind(a)) {                                                                                      \
         case ST_F32: return run_rows(a, name##_f32);                                                                   \
         case ST_BF16: return run_rows(a, name##_bf16);                                                                 \
         case ST_Q8: return run_rows(a, name##_q8);                                                                     \
+        case ST_Q4: return run_rows(a, name##_q4);                                                                     \
         default: return LMO_EBADARG;                                                                                   \
         }                                                                                                              \
     }
@@ -864,7 +931,7 @@ int lmo_sgd(const lmo_args *a) {
 }
 
 /* ------------------------------------------------------------------------------------------------------------------ */
-/* The 8-bit codec alone: slot[0] <-> fp32 rows (tests; the full-size slots of non-elementwise optimizers)            */
+/* The 8- / 4-bit codec alone: slot[0] <-> fp32 rows (tests; the full-size slots of non-elementwise optimizers)       */
 
 static inline __attribute__((always_inline)) void encode_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
                                                                 int64_t r1, const int K) {
@@ -1146,11 +1213,13 @@ static int fact_run(const lmo_fact *f, fact_seg_fn fn) {
     static void name##_f32(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_F32); }                 \
     static void name##_bf16(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_BF16); }               \
     static void name##_q8(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_Q8); }                   \
+    static void name##_q4(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_Q4); }                   \
     static int name##_run(const lmo_fact *f) {                                                                       \
         switch (f->has_m ? f->m.kind : ST_F32) {                                                                      \
         case ST_F32: return fact_run(f, name##_f32);                                                                  \
         case ST_BF16: return fact_run(f, name##_bf16);                                                                \
         case ST_Q8: return fact_run(f, name##_q8);                                                                    \
+        case ST_Q4: return fact_run(f, name##_q4);                                                                    \
         default: return LMO_EBADARG;                                                                                  \
         }                                                                                                             \
     }
