@@ -57,6 +57,8 @@ class Bucket:
     fmt: str  # "fp32" | "bf16" | "q8": format of the full-size state slots
     block_size: int
     written: bool = field(default=False)  # a launch that writes params or state has started
+    #: GaLore stand-ins: per tensor, the statistic of the full weight that the math reads (||p||, RMS(p)), fp32 [T]
+    weights: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:

@@ -29,26 +29,31 @@ STEPS = 3
 #: (algorithm, projected) pairs whose native CPU step equals the eager one bit for bit
 NATIVE_EXACT = {("AdamW", False), ("Adam", False), ("SGD", False), ("Lion", False), ("AdamW", True), ("Adam", True),
                 ("Lion", True)}
+#: GaLore algorithms whose math reads the weight (its norm, its RMS, a decay inside the math): their stand-ins take the
+#: Triton kernels given the full weight's statistic, within fp32 rounding of the reference core (norms summed in
+#: another order), so their Triton runs keep one basis: a refresh from parameters an ulp apart may rotate the singular
+#: vectors (the cross test's other runs refresh at step 2)
+WEIGHT_STAT = {"LAMB", "LARS", "Adafactor", "CAME"}
 
 interpreted = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET),
                                  reason="needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported")
 
 
-def _groups(params, rank):
+def _groups(params, rank, gap=2):
     matrices, vector = params[:-1], params[-1:]
     if rank is None:
         return [dict(params=matrices), dict(params=vector)]
-    return [dict(params=matrices, rank=rank, update_proj_gap=2), dict(params=vector)]
+    return [dict(params=matrices, rank=rank, update_proj_gap=gap), dict(params=vector)]
 
 
-def _run(name, bits, rank, backend, paged, tmp_path, monkeypatch):
+def _run(name, bits, rank, backend, paged, tmp_path, monkeypatch, gap=2):
     info = BY_NAME[name]
     kwargs = dict(STATEFUL[name])
     params = make_params(MATRICES + [VECTOR])
     storage = dict(state_bits=bits, min_quant_numel=MIN_QUANT)
     if paged:
         storage.update(paged=paged, offload_dir=tmp_path / f"{name}-{bits}-{rank}-{backend}")
-    opt = info.cls(_groups(params, rank), **kwargs, **storage)
+    opt = info.cls(_groups(params, rank, gap), **kwargs, **storage)
     with monkeypatch.context() as m:
         if backend == "eager":
             m.setattr(cpu, "ENABLED", False)
@@ -91,11 +96,12 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
         from lowmemopt.kernels import dispatch
 
         before = sum(dispatch.stats.values())
-    plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch)
+    gap = STEPS + 1 if backend == "triton" and name in WEIGHT_STAT else 2
+    plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch, gap)
     if backend == "triton" and name not in ("AdafactorTorch", "GaLoreAdamW") and bits != 4:  # (no 4-bit kernels)
         assert sum(dispatch.stats.values()) > before, "the Triton backend did not run"
     for tier in ("cpu", "disk"):  # paging never changes a result
-        paged, paged_opt = _run(name, bits, rank, backend, tier, tmp_path, monkeypatch)
+        paged, paged_opt = _run(name, bits, rank, backend, tier, tmp_path, monkeypatch, gap)
         _assert_identical(paged, paged_opt, plain, plain_opt, f"{name} {bits}-bit {backend} paged={tier}")
         for p in paged:
             assert lowmemopt.paging.where_state_lives(paged_opt, p) == tier
@@ -103,7 +109,7 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
     if backend == "eager":
         return
     what = f"{name} {bits}-bit {'GaLore' if rank else 'full rank'} {backend}"
-    ref, ref_opt = _run(name, bits, rank, "eager", False, tmp_path, monkeypatch)
+    ref, ref_opt = _run(name, bits, rank, "eager", False, tmp_path, monkeypatch, gap)
     if backend == "native" and (name, rank is not None) in NATIVE_EXACT:
         _assert_identical(plain, plain_opt, ref, ref_opt, what)
         return

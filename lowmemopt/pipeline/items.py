@@ -32,6 +32,9 @@ class Item:
     state: dict[str, Any]  # initialized: has "step" and every slot
     slots: dict[str, Any]  # name -> Slot (signed, quantize, shape, dims)
     projected: bool = False  # a GaLore item: target is the low-rank update buffer
+    #: a GaLore stand-in whose math reads a statistic of the weight (LAMB's ||p||, Adafactor's RMS(p)): that of the
+    #: full weight, a 0-dim fp32 tensor on the target's device, which the backends read in place of the stand-in's
+    weight: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # stage-private data (GaLore: projector views, shards)
 
 
