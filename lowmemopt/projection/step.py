@@ -32,7 +32,9 @@ the full weight as the math would have. Everything else takes the reference core
 
 Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_gap=200``, ``scale=0.25``,
 ``proj_type="std"`` as in galore-torch and the HF Trainer, and lowmemopt's ``proj_svd="full" | "randomized"``,
-``proj_moments="keep" | "reset" | "project"`` and ``proj_stagger=False`` (see :mod:`.projector`).
+``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
+``proj_dtype="float32" | "param"``: the projection and back-projection products in fp32 (default), or in the
+parameter's dtype where it is bf16 (:func:`proj_dtype`; bf16 matmuls with fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -71,10 +73,22 @@ def _batches(t: torch.Tensor) -> bool:
 BATCH_ON_CPU = False
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
-    update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False
+    update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False,
+    proj_dtype="float32",
 )
 SVD_METHODS = ("full", "randomized")
 MOMENT_POLICIES = ("keep", "reset", "project")
+PROJ_DTYPES = ("float32", "param")
+
+
+def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
+    """The dtype of ``p``'s projection products: None (fp32, the default), or bf16 for a bf16 parameter of a group
+    with ``proj_dtype="param"`` (the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
+    low-rank gradient and the update rounded to bf16 once). fp16 and fp32 parameters keep fp32 products (fp16's
+    range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner math stay fp32."""
+    if group.get("proj_dtype", "float32") == "param" and p.dtype == torch.bfloat16:
+        return torch.bfloat16
+    return None
 
 
 def check_group(group: dict[str, Any]) -> None:
@@ -104,6 +118,8 @@ def check_group(group: dict[str, Any]) -> None:
         )
     if not isinstance(group["proj_stagger"], bool):
         raise TypeError(f"Invalid proj_stagger: expected a bool, got {type(group['proj_stagger']).__name__}")
+    if group["proj_dtype"] not in PROJ_DTYPES:
+        raise ValueError(f"Invalid proj_dtype: {group['proj_dtype']!r} (expected one of {', '.join(PROJ_DTYPES)})")
     for i, p in enumerate(group["params"]):
         if p.dim() < 2:
             raise ValueError(
@@ -253,7 +269,7 @@ def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, gro
     group_in, core, decay = inner[id(group)]
     return Item(param=p, group=group_in, target=None, grad=None, state=state, slots=slots, projected=True,
                 extra=dict(g=g, shards=shards, m_local=m_local, n=n, row0=row0, decay=decay, outer=group, core=core,
-                           math_decay=None))
+                           math_decay=None, dtype=None if shards is not None else proj_dtype(group, p)))
 
 
 def project(items: list[Item]) -> None:
@@ -263,24 +279,28 @@ def project(items: list[Item]) -> None:
     makes (bit-identical results)."""
     batches: dict[tuple, list[Item]] = {}
     for it in items:
-        g, shards = it.extra["g"], it.extra["shards"]
+        g, shards, dtype = it.extra["g"], it.extra["shards"], it.extra["dtype"]
         if shards is None and _batches(g) and it.state[pj.SIDE] != pj.BOTH:
-            batches.setdefault((g.device, tuple(g.shape), it.state[pj.SIDE],
-                                tuple(it.state[pj.PROJ].shape)), []).append(it)
+            batches.setdefault((g.device, tuple(g.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
+                                dtype), []).append(it)
             continue
-        g = g.float()
-        low = pj.project(g, it.state) if shards is None else shards.project(g, it.state, pj.bases)
+        if shards is None:
+            low = pj.project(g.float() if dtype is None else g, it.state, dtype).float()
+        else:
+            low = shards.project(g.float(), it.state, pj.bases)
         it.grad = low.contiguous()
-    for (_, shape, side, _), members in batches.items():
+    for (_, shape, side, _, dtype), members in batches.items():
         per = max(1, BATCH_NUMEL // math.prod(shape))
         for i in range(0, len(members), per):
             chunk = members[i:i + per]
             if len(chunk) == 1:
-                chunk[0].grad = pj.project(chunk[0].extra["g"].float(), chunk[0].state).contiguous()
+                g = chunk[0].extra["g"]
+                low = pj.project(g.float() if dtype is None else g, chunk[0].state, dtype)
+                chunk[0].grad = low.float().contiguous()
                 continue
-            g = torch.stack([it.extra["g"] for it in chunk]).float()  # bf16 gradients: one cast for the chunk
-            basis = torch.stack([it.state[pj.PROJ] for it in chunk])  # P^T (k x m) or Q^T (n x k)
-            low = torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)
+            g = torch.stack([it.extra["g"] for it in chunk]).to(dtype or torch.float32)  # one cast for the chunk
+            basis = torch.stack([it.state[pj.PROJ] for it in chunk]).to(dtype or torch.float32)  # P^T or Q^T
+            low = (torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)).float()
             for it, x in zip(chunk, low.unbind(0)):
                 it.grad = x
 
@@ -379,7 +399,7 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
     scale = group["scale"]
     for r0 in range(0, m_local, rows):
         r1 = min(m_local, r0 + rows)
-        update = pj.project_back_rows(delta, state, r0, r1, row0).mul_(scale)
+        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).float().mul_(scale)
         if math_decay is not None:
             _decay_rows(p32[r0:r1], math_decay)
         optimizer._apply_update(p32[r0:r1], update, alpha, decay, group)
@@ -400,11 +420,11 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
         if (it.extra["shards"] is None and _batches(p) and p.is_contiguous() and it.state[pj.SIDE] != pj.BOTH
                 and rounding.mode_of(it.extra["outer"], p) == "nearest"):  # stochastic / Kahan: one by one
             key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
-                   id(it.extra["outer"]))
+                   id(it.extra["outer"]), it.extra["dtype"])
             batches.setdefault(key, []).append(it)
         else:
             finish(optimizer, it)
-    for (_, _, shape, side, _, _), members in batches.items():
+    for (_, _, shape, side, _, _, dtype), members in batches.items():
         per = max(1, BATCH_NUMEL // math.prod(shape))
         for i in range(0, len(members), per):
             chunk = members[i:i + per]
@@ -414,7 +434,9 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
             m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
             basis = torch.stack([it.state[pj.PROJ] for it in chunk]).transpose(1, 2)  # P (m x k) or Q (k x n)
             low = torch.stack([it.target for it in chunk])
-            update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
+            if dtype is not None:  # proj_dtype="param"
+                basis, low = basis.to(dtype), low.to(dtype)
+            update = (torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)).float()
             update.mul_(chunk[0].extra["outer"]["scale"])
             params = [it.param.view(m, n) for it in chunk]
             decay = chunk[0].extra["decay"]
