@@ -1,12 +1,13 @@
-"""GaLore on a LLaMA-style model: lowmemopt's GaLore (AdamW 32/8-bit, Adafactor, CAME 8-bit) against galore-torch's
-GaLoreAdamW, GaLoreAdamW8bit and GaLoreAdafactor in one run: state bytes and step time (ratios to torch's fused AdamW
+"""GaLore on a LLaMA-style model: lowmemopt's GaLore (AdamW 32/8-bit, Adafactor, CAME, LAMB, LARS 8-bit) against
+galore-torch's GaLoreAdamW, GaLoreAdamW8bit and GaLoreAdafactor in one run: state bytes and step time (ratios to torch's fused AdamW
 measured in the same run), then the SVD cost of one projector refresh of every layer, full against randomized SVD,
 with the randomized subspace's quality (principal angles, captured gradient energy).
 
 The attention and MLP weights (``target_modules=["attn", "mlp"]``) are projected at ``--rank`` (GaLore's setting for
 its 130M LLaMA: 256; 64 with ``--small``), ``update_proj_gap=200``, ``scale=0.25``; embeddings, norms and the LM head
 are plain groups. lr 1e-3, weight decay 1e-2 everywhere; Adafactor with an external lr (``relative_step=False``,
-``scale_parameter=False``, as the HF Trainer sets it for GaLore).
+``scale_parameter=False``, as the HF Trainer sets it for GaLore; the ``-scaled`` row keeps ``scale_parameter``, so its
+step reads RMS(p) of the full weights); LARS with momentum 0.9.
 
     cd /tmp && python /path/to/repo/bench/galore.py --small --grads backward           # ~11M parameters, quick
     cd /tmp && python /path/to/repo/bench/galore.py --grads backward --json galore.json  # ~148M parameters
@@ -114,6 +115,9 @@ GALORE: dict[str, Factory] = {
     "galore-torch-adafactor": _galore_torch("GaLoreAdafactor", **_EXTERNAL_LR),
     "lowmemopt-galore-adafactor-32bit": _lowmemopt("GaLoreAdafactor", **_EXTERNAL_LR),
     "lowmemopt-galore-came-8bit": _lowmemopt("CAME", 8),
+    "lowmemopt-galore-adafactor-8bit-scaled": _lowmemopt("Adafactor", 8, beta1=0.9, relative_step=False),
+    "lowmemopt-galore-lamb-8bit": _lowmemopt("LAMB", 8),
+    "lowmemopt-galore-lars-8bit": _lowmemopt("LARS", 8, momentum=0.9),
 }
 
 

@@ -59,7 +59,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
             continue
         t = it.target
         key = (id(it.group), it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, it.state["step"],
-               kernel.layout(t))
+               kernel.layout(t), it.weight is not None)
         buckets.setdefault(key, (kernel, []))[1].append(it)
 
     for key, (kernel, members) in buckets.items():
@@ -70,6 +70,8 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
         update = update_for(members[0], step)
         bucket = Bucket([it.target for it in members], [it.grad for it in members], [it.state for it in members],
                         kernel.fmt, update.block_size, index_bases=[it.index_base for it in members])
+        if key[-1]:  # GaLore stand-ins: the full weights' statistics, read in place of the stand-ins'
+            bucket.weights = torch.stack([it.weight for it in members])
         try:
             kernel.launch(update, bucket)
         except Unsupported:

@@ -30,6 +30,8 @@ write p, v, m (reads 10, writes 6).
 Statistics EMAs are written in pass 2/5; p and m only in the last pass, from values recomputed in registers, so the
 update uses the fp32 state before it is re-encoded. The sums are fp32 atomics: their rounding (not their value) can
 vary between runs. Small matrices with many batch rows (conv kernels ``[O, I, 3, 3]``) use their 2-D tiles poorly.
+A GaLore stand-in (``bucket.weights``, ``WEIGHT``) takes RMS(p) of its full weight from there instead of sum(p^2)
+(pass 3 / A then reads no p).
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
                 sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
                 neg_wd_lr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                 FACTORED: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr,
-                DECAY: tl.constexpr, MASKED: tl.constexpr):
+                DECAY: tl.constexpr, WEIGHT: tl.constexpr, MASKED: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if FACTORED:
@@ -237,7 +239,10 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
         p = p - u * lr
     else:
         if SCALE_PARAM:
-            rms_p = tl.math.div_rn(tl.sqrt_rn(tl.load(sums + 2 * t)), sqrt_numel(numel))
+            if WEIGHT:
+                rms_p = tl.load(sums + 2 * t)
+            else:
+                rms_p = tl.math.div_rn(tl.sqrt_rn(tl.load(sums + 2 * t)), sqrt_numel(numel))
             alpha = tl.maximum(rms_p, eps2) * lr
         else:
             alpha = lr
@@ -261,7 +266,7 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
                   W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                   ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   FACTORED: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr,
-                  DECAY: tl.constexpr):
+                  DECAY: tl.constexpr, WEIGHT: tl.constexpr):
     """Last pass (flat tiles): recompute u, clip, (m), update p; write p, m and (1-D) v.
 
     Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
@@ -271,11 +276,11 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
     if full:
         _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
                     sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
-                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, False)
+                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, WEIGHT, False)
     else:
         _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
                     sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
-                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, True)
+                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, FACTORED, CAME, HAS_M, SCALE_PARAM, DECAY, WEIGHT, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -340,6 +345,9 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     tile = flat["ROWS"] * flat["BLOCK"]
     flat_counts = [ceil_div(p.numel(), tile) for p in bucket.params]
     sums = bucket.accumulators(2)
+    weight = bucket.weights is not None and scale_param and not came
+    if weight:
+        sums[:, 0] = bucket.weights
     n_pairs = 2 if came else 1
     zeros = torch.zeros(n_pairs * (n_rows + n_cols), dtype=torch.float32, device=dev)
     factors = torch.empty_like(zeros)
@@ -364,7 +372,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
         bucket.launch(_factors_kernel, rows, counts_mat, (rsum, csum, rfac, cfac, beta2, 1.0 - beta2), writes=True,
                       STAT=_SQ.value, FB=runtime.STATS_BLOCK)
     bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
-                  FACTORED=factored, SUM_P=scale_param and not came, **flat)
+                  FACTORED=factored, SUM_P=scale_param and not came and not weight, **flat)
     if factored and came:
         bucket.launch(_stats_kernel, rows, counts_2d, (rsum2, csum2, rfac, cfac, sums, eps2, beta1, 1.0 - beta1, clip),
                       writes=False, RESIDUAL=True, **stats)
@@ -373,7 +381,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
             neg_wd_lr)
     bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, FACTORED=factored, CAME=came, HAS_M=has_m,
-                  SCALE_PARAM=scale_param and not came, DECAY=decay, **flat)
+                  SCALE_PARAM=scale_param and not came, DECAY=decay, WEIGHT=weight, **flat)
 
 
 def launch_adafactor(u: Update, bucket: Bucket) -> None:

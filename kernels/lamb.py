@@ -11,6 +11,7 @@
 Recomputing in pass 2 keeps the update computed from the fp32 state before it is re-encoded (the numerical rule) at
 the cost of reading the inputs twice: 26 B/element against AdamW's 16. With ``adam=True`` there is no trust ratio
 and pass 1 is skipped. The sums are fp32 atomics, so their rounding (not their value) can vary between runs.
+A GaLore stand-in (``bucket.weights``, ``WEIGHT``) takes ||p|| of its full weight from there instead of sum(p^2).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, e
 def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums,
                beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-               DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, MASKED: tl.constexpr):
-    """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums. Pass 2: update p, m, v."""
+               DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums. Pass 2: update p, m, v. ``WEIGHT``:
+    the first sum holds ||p|| already (given)."""
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
@@ -50,7 +53,10 @@ def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, 
     if APPLY:
         coef = neg_lr
         if TRUST:
-            w_norm = tl.sqrt_rn(tl.load(sums + 2 * t))
+            if WEIGHT:
+                w_norm = tl.load(sums + 2 * t)
+            else:
+                w_norm = tl.sqrt_rn(tl.load(sums + 2 * t))
             r_norm = tl.sqrt_rn(tl.load(sums + 2 * t + 1))
             usable = (w_norm > 0) & (r_norm > 0)
             trust = tl.where(usable, tl.math.div_rn(w_norm, tl.where(usable, r_norm, 1.0)), 1.0)
@@ -61,7 +67,8 @@ def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, 
     else:
         if MASKED:
             r = tl.where(mask, r, 0.0)
-        tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
+        if not WEIGHT:
+            tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
         tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(r * r, axis=1), axis=0))
 
 
@@ -70,16 +77,16 @@ def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                  beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
-                 TRUST: tl.constexpr, APPLY: tl.constexpr):
+                 TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
-                   APPLY, False)
+                   APPLY, WEIGHT, False)
     else:
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
-                   APPLY, True)
+                   APPLY, WEIGHT, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -91,8 +98,13 @@ def launch(u: Update, bucket: Bucket) -> None:
     beta1, beta2 = kw["betas"]
     wd = scalar(kw["weight_decay"])
     neg_lr = -(scalar(kw["lr"]) * kw["lr_scale"])
-    args = (bucket.accumulators(2), beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
+    sums = bucket.accumulators(2)
+    weight = bucket.weights is not None
+    if weight:
+        sums[:, 0] = bucket.weights
+    args = (sums, beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
     trust = not kw["adam"]
+    flags = dict(DECAY=wd != 0, WEIGHT=weight)
     if trust:
-        bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=False, DECAY=wd != 0, TRUST=True, APPLY=False)
-    bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=True, DECAY=wd != 0, TRUST=trust, APPLY=True)
+        bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=False, TRUST=True, APPLY=False, **flags)
+    bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=True, TRUST=trust, APPLY=True, **flags)

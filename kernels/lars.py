@@ -7,7 +7,8 @@
 2. apply: reads param, grad, momentum; writes param, momentum: 4 + 4 + 1 + 4 + 1 = 14 B/element (fp32 params, q8);
    22 in all.
 
-The trust ratio depends only on p and g, so pass 1 reads no state. A group with ``lars=False`` skips pass 1.
+The trust ratio depends only on p and g, so pass 1 reads no state. A group with ``lars=False`` skips pass 1. A GaLore
+stand-in (``bucket.weights``, ``WEIGHT``) takes ||p|| of its full weight from there instead of sum(p^2).
 """
 
 from __future__ import annotations
@@ -36,29 +37,30 @@ def lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM: tl.cons
 
 @triton.jit
 def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-                     MASKED: tl.constexpr):
-    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+                     WEIGHT: tl.constexpr, MASKED: tl.constexpr):
+    if not WEIGHT:
+        p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+        tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
-    tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
     tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(g * g, axis=1), axis=0))
 
 
 @triton.jit
 def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, False)
+        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, False)
     else:
-        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, True)
+        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, True)
 
 
 @triton.jit
 def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                      epsilon, first_step, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                      ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr,
-                     MASKED: tl.constexpr):
+                     WEIGHT: tl.constexpr, MASKED: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
@@ -68,7 +70,10 @@ def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg
     d, buf = lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM, DECAY)
     scale = neg_lr
     if TRUST:
-        w_norm = tl.sqrt_rn(tl.load(sums + 2 * t))
+        if WEIGHT:
+            w_norm = tl.load(sums + 2 * t)
+        else:
+            w_norm = tl.sqrt_rn(tl.load(sums + 2 * t))
         g_norm = tl.sqrt_rn(tl.load(sums + 2 * t + 1))
         usable = (w_norm > 0) & (g_norm > 0)
         ratio = tl.math.div_rn(eeta * w_norm, g_norm + weight_decay * w_norm + epsilon)
@@ -84,14 +89,14 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        neg_lr, momentum, eeta, weight_decay, epsilon, first_step,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                       MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr):
+                       MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr, WEIGHT: tl.constexpr):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
-                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, False)
+                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, False)
     else:
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
-                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, True)
+                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, True)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -103,10 +108,13 @@ def launch(u: Update, bucket: Bucket) -> None:
     trust = bool(kw["lars"])
     wd = scalar(kw["weight_decay"])
     sums = bucket.accumulators(2)
+    weight = bucket.weights is not None
+    if weight:
+        sums[:, 0] = bucket.weights
     names = slots(u.group)
     if trust:
-        bucket.tile_launch(_lars_norms_kernel, names, (sums,), writes=False)
+        bucket.tile_launch(_lars_norms_kernel, names, (sums,), writes=False, WEIGHT=weight)
     args = (sums, -scalar(kw["lr"]), scalar(kw["momentum"]), scalar(kw["eeta"]), wd, scalar(kw["epsilon"]),
             int(bool(kw["first_step"])))
     bucket.tile_launch(_lars_apply_kernel, names, args, writes=True, MOMENTUM=kw["momentum"] != 0,
-                       DECAY=trust and wd != 0, TRUST=trust)
+                       DECAY=trust and wd != 0, TRUST=trust, WEIGHT=weight)

@@ -61,6 +61,8 @@ class Bucket:
     #: per param, the flat index of its first element in the whole parameter (an FSDP2 shard's offset: the stochastic
     #: rounding hash's counter; None: not one range, so no stochastic rounding here); empty: all 0
     index_bases: list[int | None] = field(default_factory=list)
+    #: GaLore stand-ins: per tensor, the statistic of the full weight that the math reads (||p||, RMS(p)), fp32 [T]
+    weights: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:

@@ -215,6 +215,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: True: the math reads the parameter only for a coupled weight decay (``g + wd * p``), so a GaLore step can run
     #: it on a zeroed low-rank stand-in through the fused backends (:func:`lowmemopt.projection.step.param_free`)
     param_free_math: bool = False
+    #: True: the math reads the parameter only through one statistic of it (:meth:`_weight_statistic`: ``||p||``,
+    #: ``RMS(p)``), a decay it applies to it in place (:meth:`_math_decay`) and a coupled weight decay, so a GaLore
+    #: step can run it on a zeroed stand-in through the fused kernels, given the full weight's statistic
+    #: (:func:`lowmemopt.projection.step.weights`; LAMB, LARS, Adafactor, CAME)
+    weight_stat_math: bool = False
     #: the algorithm's pure fp32 function ``math(p, g, state, **hyper, **step_scalars)`` and the group keys it takes
     math: Callable[..., Any] | None = None
     hyper: tuple[str, ...] = ()
@@ -306,6 +311,17 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """Does the math add ``wd * p`` to a gradient-shaped tensor (L2 penalty)? A GaLore step turns that into the
         decoupled ``p <- p (1 - lr wd)`` on the full parameter (:func:`lowmemopt.projection.step.inner_group`)."""
         return False
+
+    def _weight_statistic(self, group: dict[str, Any]) -> str | None:
+        """The statistic of the parameter that the math reads (``weight_stat_math``): ``"norm"`` (``||p||``),
+        ``"rms"`` (``||p|| / sqrt(numel)``) or None."""
+        return None
+
+    def _math_decay(self, group: dict[str, Any], step: int, stat: torch.Tensor | None) -> Any:
+        """``c`` of the decay ``p <- p + c p`` that the math applies to the parameter in place before its update
+        (``weight_stat_math``), rounded as the math rounds it (:func:`lowmemopt.optim.adafactor.add_scaled_`): a
+        number, or a tensor of one ``c`` per parameter given the stacked statistics ``stat``; None: no such decay."""
+        return None
 
     def _fused_algorithm(self) -> str | None:
         """:func:`kernel_algorithm` of this optimizer."""

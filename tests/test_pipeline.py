@@ -11,6 +11,8 @@ kernels, Triton kernels under the interpreter), for every optimizer, against the
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_params_close, assert_state_close, make_params, set_grads
@@ -29,26 +31,31 @@ STEPS = 3
 #: (algorithm, projected) pairs whose native CPU step equals the eager one bit for bit
 NATIVE_EXACT = {("AdamW", False), ("Adam", False), ("SGD", False), ("Lion", False), ("AdamW", True), ("Adam", True),
                 ("Lion", True)}
+#: GaLore algorithms whose math reads the weight (its norm, its RMS, a decay inside the math): their stand-ins take the
+#: Triton kernels given the full weight's statistic, within fp32 rounding of the reference core (norms summed in
+#: another order), so their Triton runs keep one basis: a refresh from parameters an ulp apart may rotate the singular
+#: vectors (the cross test's other runs refresh at step 2)
+WEIGHT_STAT = {"LAMB", "LARS", "Adafactor", "CAME"}
 
 interpreted = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET),
                                  reason="needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported")
 
 
-def _groups(params, rank):
+def _groups(params, rank, gap=2):
     matrices, vector = params[:-1], params[-1:]
     if rank is None:
         return [dict(params=matrices), dict(params=vector)]
-    return [dict(params=matrices, rank=rank, update_proj_gap=2), dict(params=vector)]
+    return [dict(params=matrices, rank=rank, update_proj_gap=gap), dict(params=vector)]
 
 
-def _run(name, bits, rank, backend, paged, tmp_path, monkeypatch):
+def _run(name, bits, rank, backend, paged, tmp_path, monkeypatch, gap=2):
     info = BY_NAME[name]
     kwargs = dict(STATEFUL[name])
     params = make_params(MATRICES + [VECTOR])
     storage = dict(state_bits=bits, min_quant_numel=MIN_QUANT)
     if paged:
         storage.update(paged=paged, offload_dir=tmp_path / f"{name}-{bits}-{rank}-{backend}")
-    opt = info.cls(_groups(params, rank), **kwargs, **storage)
+    opt = info.cls(_groups(params, rank, gap), **kwargs, **storage)
     with monkeypatch.context() as m:
         if backend == "eager":
             m.setattr(cpu, "ENABLED", False)
@@ -97,7 +104,8 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
 
         real = elementwise.step
         monkeypatch.setattr(elementwise, "step", lambda *a, **k: native_steps.append(r := real(*a, **k)) or r)
-    plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch)
+    gap = STEPS + 1 if backend == "triton" and name in WEIGHT_STAT else 2
+    plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch, gap)
     if backend == "native" and (name, rank is not None) in NATIVE_EXACT and cpu.available():
         assert any(done for done, _ in native_steps), "the native kernels did not run"  # 4 bits included
     if backend == "triton" and name not in ("AdafactorTorch", "GaLoreAdamW"):
@@ -105,7 +113,7 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
         if bits == 4:  # the quantized slots' buckets took the 4-bit kernels
             assert any(n > before.get(key, 0) for key, n in dispatch.stats.items() if key[1] == "q4"), dispatch.stats
     for tier in ("cpu", "disk"):  # paging never changes a result
-        paged, paged_opt = _run(name, bits, rank, backend, tier, tmp_path, monkeypatch)
+        paged, paged_opt = _run(name, bits, rank, backend, tier, tmp_path, monkeypatch, gap)
         _assert_identical(paged, paged_opt, plain, plain_opt, f"{name} {bits}-bit {backend} paged={tier}")
         for p in paged:
             assert lowmemopt.paging.where_state_lives(paged_opt, p) == tier
@@ -113,7 +121,7 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
     if backend == "eager":
         return
     what = f"{name} {bits}-bit {'GaLore' if rank else 'full rank'} {backend}"
-    ref, ref_opt = _run(name, bits, rank, "eager", False, tmp_path, monkeypatch)
+    ref, ref_opt = _run(name, bits, rank, "eager", False, tmp_path, monkeypatch, gap)
     if backend == "native" and (name, rank is not None) in NATIVE_EXACT:
         _assert_identical(plain, plain_opt, ref, ref_opt, what)
         return
@@ -180,11 +188,17 @@ def test_paged_batches_keep_to_the_bucket_size(tmp_path, monkeypatch):
     assert seen == [2, 2, 2]
 
 
+BATCHED = [("AdamW", dict(lr=1e-2, weight_decay=0.1)),  # decay: the factor 1 - lr wd
+           ("Adafactor", dict(beta1=0.9, weight_decay=0.1)),  # p += c p, c per matrix (from its RMS(p))
+           ("CAME", dict(lr=1e-2, weight_decay=0.1))]  # p += c p, one c for the group
+
+
 @interpreted
+@pytest.mark.parametrize("name,kw", BATCHED, ids=[n for n, _ in BATCHED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_projections_equal_the_per_matrix_ones(dtype, monkeypatch):
+def test_batched_projections_equal_the_per_matrix_ones(dtype, name, kw, monkeypatch):
     """The CUDA code path of GaLore buckets (matrices of one shape projected and projected back by ``torch.bmm``,
-    decay and add on the stacked tensors), run on the CPU: within fp32 rounding of the per-matrix reference. (One
+    decays and add on the stacked tensors), run on the CPU: within fp32 rounding of the per-matrix reference. (One
     basis, from the first gradient: a refresh from slightly different parameters may rotate the singular vectors of
     near-equal singular values, which says nothing about the products.)"""
     from lowmemopt.projection import step as galore_step
@@ -197,8 +211,7 @@ def test_batched_projections_equal_the_per_matrix_ones(dtype, monkeypatch):
     runs = []
     for fused in (True, False):
         params = make_params(shapes, dtype=dtype)
-        opt = lowmemopt.AdamW([dict(params=params, rank=4)], lr=1e-2, weight_decay=0.1,
-                              state_bits=8, min_quant_numel=MIN_QUANT)
+        opt = getattr(lowmemopt, name)([dict(params=params, rank=4)], state_bits=8, min_quant_numel=MIN_QUANT, **kw)
         for t in range(STEPS):
             set_grads(params, t)
             if fused:
@@ -212,7 +225,7 @@ def test_batched_projections_equal_the_per_matrix_ones(dtype, monkeypatch):
     (ours, opt), (ref, ref_opt) = runs
     for i, (p, r) in enumerate(zip(ours, ref)):
         assert_state_close(_state(opt, p), _state(ref_opt, r), f"param {i}")
-    assert_params_close(ours, ref, 1e-2, True, f"GaLore AdamW 8-bit, batched, {dtype}")
+    assert_params_close(ours, ref, 1e-2, True, f"GaLore {name} 8-bit, batched, {dtype}")
 
 
 def test_finite_flags_of_mixed_dtypes_keep_their_order():
@@ -223,3 +236,90 @@ def test_finite_flags_of_mixed_dtypes_keep_their_order():
     grads = [torch.ones(5), torch.ones(7, dtype=torch.bfloat16), torch.tensor([1.0, float("nan")]),
              torch.tensor([float("inf")], dtype=torch.bfloat16), torch.full((3,), 3e19), torch.ones(2)]
     assert _finite_flags(grads) == [True, True, False, False, False, True]  # 3e19 squared overflows fp32
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GaLore stand-ins of algorithms whose math reads the weight: the fused kernels, given the full weight's statistic
+
+#: (name, hyper-parameters): each reads the weight (LAMB / LARS: ||p|| in the trust ratio, Adafactor: RMS(p) in its
+#: step size and ``p -= a wd p``, CAME: ``p -= lr wd p``), with weight decay, which the stand-in's math must not apply
+STAND_IN = [
+    ("LAMB", dict(lr=1e-2, weight_decay=0.1)),
+    ("LARS", dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
+    ("Adafactor", dict(beta1=0.9, weight_decay=0.1)),  # relative step with scale_parameter: RMS(p)
+    ("CAME", dict(lr=1e-2, weight_decay=0.1)),
+]
+
+
+def _stand_in_run(name, kw, bits, shapes, fused, dtype=torch.float32):
+    """3 steps of a GaLore group (one basis: no refresh after the first), through the fused backends (``fused``: the
+    Triton interpreter when the ``runtime.cpu_interpreter`` context is given, else the native CPU kernels) or the
+    reference core (native kernels off)."""
+    params = make_params(shapes, dtype=dtype)
+    opt = getattr(lowmemopt, name)([dict(params=params, rank=16 if shapes[0][0] > 40 else 4)], state_bits=bits,
+                                   min_quant_numel=MIN_QUANT, **kw)
+    for t in range(STEPS):
+        set_grads(params, t)
+        with fused():
+            opt.step()
+    return params, opt
+
+
+def _assert_stand_in_close(ours, opt, ref, ref_opt, bits, what):
+    for i, (p, r) in enumerate(zip(ours, ref)):
+        assert_state_close(_state(opt, p), _state(ref_opt, r), f"{what} param {i}")
+    assert_params_close(ours, ref, 1e-2, bits < 32, what)
+    if bits == 32 and ours[0].dtype == torch.float32:  # fp32 rounding of the norms and sums, not more
+        for p, r in zip(ours, ref):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("bits", [32, 16, 8])
+@pytest.mark.parametrize("name,kw", STAND_IN, ids=[n for n, _ in STAND_IN])
+def test_galore_weight_reading_algorithms_take_the_triton_kernels(name, kw, bits, monkeypatch):
+    """LAMB, LARS, Adafactor and CAME GaLore steps run on zeroed low-rank stand-ins through the Triton kernels, given
+    the full weight's ||p|| / RMS(p) (a stand-in's own would be 0): one bucket per step for the three matrices, the
+    reference core never, and the result within fp32 rounding (8-bit: one code step) of the reference core's."""
+    from lowmemopt.kernels import dispatch
+    from lowmemopt.projection import step as galore_step
+
+    core = []
+    real = galore_step.update_alone
+    monkeypatch.setattr(galore_step, "update_alone", lambda opt, it: core.append(it) or real(opt, it))
+    monkeypatch.setattr(cpu, "ENABLED", False)
+    algorithm = lowmemopt.optimizer.kernel_algorithm(getattr(lowmemopt, name))
+    fmt = {32: "fp32", 16: "bf16", 8: "q8"}[bits]
+    before = dispatch.stats.get((algorithm, fmt), 0)
+    ours, opt = _stand_in_run(name, kw, bits, MATRICES, runtime.cpu_interpreter)
+    assert dispatch.stats.get((algorithm, fmt), 0) - before == STEPS
+    assert core == []
+    ref, ref_opt = _stand_in_run(name, kw, bits, MATRICES, contextlib.nullcontext)
+    assert len(core) == STEPS * len(MATRICES)  # the reference run: the reference core
+    _assert_stand_in_close(ours, opt, ref, ref_opt, bits, f"GaLore {name} {bits}-bit Triton")
+
+
+#: low-rank shapes the native factored kernels take (16 | columns) once MIN_NUMEL is lowered: (64, 48) -> 64 x 16
+#: (right), (48, 80) -> 16 x 80 (left)
+NATIVE_SHAPES = [(64, 48), (48, 80), (64, 48)]
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8])
+@pytest.mark.parametrize("name,kw", STAND_IN[2:] + [("AdafactorTorch", dict(lr=1e-2, weight_decay=0.1))],
+                         ids=["Adafactor", "CAME", "AdafactorTorch"])
+def test_galore_factored_stand_ins_take_the_native_kernels(name, kw, bits, monkeypatch):
+    """On the CPU, Adafactor, CAME and AdafactorTorch GaLore stand-ins take the native factored kernels (given the
+    full weight's RMS(p); the decay applied to the full weight), within fp32 rounding of the reference core."""
+    from lowmemopt.cpu import factored
+
+    if not cpu.available():
+        pytest.skip("no native CPU kernels")
+    monkeypatch.setattr(factored, "MIN_NUMEL", 256)
+    calls = []
+    real = cpu.step_factored
+    monkeypatch.setattr(cpu, "step_factored", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    ours, opt = _stand_in_run(name, kw, bits, NATIVE_SHAPES, contextlib.nullcontext)
+    assert calls == [True] * (STEPS * len(NATIVE_SHAPES))
+    monkeypatch.setattr(cpu, "ENABLED", False)
+    ref, ref_opt = _stand_in_run(name, kw, bits, NATIVE_SHAPES, contextlib.nullcontext)
+    _assert_stand_in_close(ours, opt, ref, ref_opt, bits, f"GaLore {name} {bits}-bit native")

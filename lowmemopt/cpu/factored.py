@@ -102,6 +102,11 @@ class _Pass:
         return (norm / math.sqrt(numel) / clip_threshold).clamp_(min=1.0)
 
 
+def _rms(p: torch.Tensor) -> torch.Tensor:
+    """RMS(p) as the eager math's ``rms``: ``vector_norm(p) / sqrt(numel)``, fp32."""
+    return torch.linalg.vector_norm(p.float()) / math.sqrt(p.numel())
+
+
 def _factors(row: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The factors of :func:`~lowmemopt.optim.adafactor.approx_rsqrt`: ``V^-1/2 = r_factor[:, None] c_factor[None]``."""
     return (row / row.mean(dim=-1, keepdim=True)).rsqrt_(), col.rsqrt()
@@ -130,7 +135,7 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
     return ffi.slot_dense(t), 16
 
 
-def _adafactor(p, pflat, gflat, state, formats, group, step, decay) -> bool:
+def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
         return False
     rows, cols = p.shape
@@ -144,8 +149,8 @@ def _adafactor(p, pflat, gflat, state, formats, group, step, decay) -> bool:
     if group["relative_step"]:
         rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
     if group["scale_parameter"]:
-        p32 = p.float()
-        alpha = (torch.linalg.vector_norm(p32) / math.sqrt(p32.numel())).clamp_(min=eps2) * rho
+        rms_p = _rms(p) if weight is None else weight
+        alpha = rms_p.clamp(min=eps2) * rho
     else:
         alpha = rho
     beta2t = 1.0 - math.pow(step, group["decay_rate"])
@@ -168,7 +173,7 @@ def _adafactor(p, pflat, gflat, state, formats, group, step, decay) -> bool:
     return True
 
 
-def _came(p, pflat, gflat, state, formats, group, step, decay) -> bool:
+def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:
         return False
     rows, cols = p.shape
@@ -198,7 +203,7 @@ def _came(p, pflat, gflat, state, formats, group, step, decay) -> bool:
     return True
 
 
-def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay) -> bool:
+def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> bool:
     """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
     parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
     sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
@@ -209,8 +214,7 @@ def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay) -> boo
     eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
     one_minus_beta2_t = step ** group["beta2_decay"]
     rho = min(group["lr"], 1.0 / math.sqrt(step))
-    p32 = p.float()
-    alpha = (torch.linalg.vector_norm(p32) / math.sqrt(p32.numel())).clamp_(min=eps2) * rho
+    alpha = (_rms(p) if weight is None else weight).clamp(min=eps2) * rho
 
     run = _Pass(pflat, gflat, p.shape, None, 16)
     run.f.h[0] = 0.0
@@ -234,9 +238,11 @@ STEPS: dict[str, Callable[..., bool]] = {"adafactor": _adafactor, "came": _came,
 
 
 def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
-         formats: dict[str, Any], group: dict[str, Any], step: int, decay: float) -> bool:
+         formats: dict[str, Any], group: dict[str, Any], step: int, decay: float,
+         weight: torch.Tensor | None = None) -> bool:
     """One native step of ``algorithm`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
-    place). False if it does not apply (the caller runs the eager path); state is untouched then."""
+    place). False if it does not apply (the caller runs the eager path); state is untouched then. ``weight``: a
+    GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.step.weights``)."""
     fn = STEPS.get(algorithm)
     if fn is None or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
         return False
@@ -251,4 +257,4 @@ def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: tor
         return False
     if isinstance(group.get("lr"), torch.Tensor):
         return False
-    return fn(p, pflat, gflat, state, formats, group, step, decay)
+    return fn(p, pflat, gflat, state, formats, group, step, decay, weight)

@@ -95,6 +95,16 @@ def factored_slots(shape: torch.Size, prefix: str) -> dict[str, Slot]:
     }
 
 
+def step_size(rms_p: torch.Tensor | None, *, step: int, lr: Scalar | None, eps2: float, scale_parameter: bool,
+              relative_step: bool, warmup_init: bool) -> Scalar:
+    """Adafactor's step size ``a = rho_t * max(eps2, RMS(p))`` (``rho_t`` alone without ``scale_parameter``; then
+    ``rms_p`` is not read). ``rms_p`` is not modified."""
+    rho = lr
+    if relative_step:
+        rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
+    return rms_p.clamp(min=eps2) * rho if scale_parameter else rho
+
+
 def adafactor_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -117,10 +127,8 @@ def adafactor_math(
     ``p -= a wd p`` to the fp32 working copy ``p`` in place (``a`` depends on RMS(p), so it is not a constant factor),
     and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` holds ``exp_avg_sq_row``; momentum iff ``exp_avg``.
     Operation order follows transformers, so 32-bit results are bit-identical."""
-    rho = lr
-    if relative_step:
-        rho = min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
-    alpha = rms(p, reduce).clamp_(min=eps2) * rho if scale_parameter else rho
+    alpha = step_size(rms(p, reduce) if scale_parameter else None, step=step, lr=lr, eps2=eps2,
+                      scale_parameter=scale_parameter, relative_step=relative_step, warmup_init=warmup_init)
 
     beta2t = 1.0 - math.pow(step, decay_rate)
     u = clipped_preconditioned(g, state, eps1, beta2t, clip_threshold, reduce)
@@ -186,6 +194,7 @@ class Adafactor(LowMemOptimizer):
     """
 
     elementwise = False  # row/column means and RMS clipping need the whole tensor
+    weight_stat_math = True  # reads p for RMS(p) and its decay p -= a wd p
 
     def __init__(
         self,
@@ -246,6 +255,17 @@ class Adafactor(LowMemOptimizer):
             slots["exp_avg_sq"] = Slot(signed=False)
         return slots
 
+    def _weight_statistic(self, group):
+        return "rms" if group["scale_parameter"] else None
+
+    def _math_decay(self, group, step, stat):
+        if group["weight_decay"] == 0:
+            return None
+        alpha = step_size(stat, step=step, lr=group["lr"], eps2=group["eps"][1],
+                          scale_parameter=group["scale_parameter"], relative_step=group["relative_step"],
+                          warmup_init=group["warmup_init"])
+        return -group["weight_decay"] * alpha
+
     @algorithm("adafactor")
     def _update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
@@ -277,6 +297,7 @@ class AdafactorTorch(LowMemOptimizer):
     """
 
     elementwise = False
+    weight_stat_math = True  # reads p for RMS(p); its decay is the factor 1 - lr wd
 
     def __init__(
         self,
@@ -319,6 +340,9 @@ class AdafactorTorch(LowMemOptimizer):
 
     def _decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
+
+    def _weight_statistic(self, group):
+        return "rms"
 
     @algorithm("adafactor_torch")
     def _update(self, p, g, state, group, step, reduce=LOCAL):

@@ -67,6 +67,11 @@ class CAME(LowMemOptimizer):
     """
 
     elementwise = False  # row/column means and RMS clipping need the whole tensor
+    weight_stat_math = True  # reads p only for its decay p -= lr wd p
+
+    def _math_decay(self, group, step, stat):
+        wd = group["weight_decay"]
+        return None if wd == 0 else -wd * group["lr"]
 
     def __init__(
         self,

@@ -61,6 +61,7 @@ class LAMB(LowMemOptimizer):
     """LAMB with 32/16/8-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
 
     elementwise = False  # the trust ratio needs whole-tensor norms
+    weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lamb_math)
     hyper = ("lr", "betas", "eps", "weight_decay", "adam")
 
@@ -87,6 +88,9 @@ class LAMB(LowMemOptimizer):
 
     def _coupled_weight_decay(self, group):
         return True
+
+    def _weight_statistic(self, group):
+        return None if group["adam"] else "norm"
 
     def _check_group(self, group):
         check_adam_group(group)

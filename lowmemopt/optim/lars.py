@@ -64,6 +64,7 @@ class LARS(LowMemOptimizer):
     """LARS with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
 
     elementwise = False  # the trust ratio needs whole-tensor norms
+    weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lars_math)
     hyper = ("lr", "momentum", "eeta", "weight_decay", "epsilon", "lars")
 
@@ -85,6 +86,9 @@ class LARS(LowMemOptimizer):
 
     def _coupled_weight_decay(self, group):
         return True
+
+    def _weight_statistic(self, group):
+        return "norm" if group["lars"] else None
 
     def _check_group(self, group):
         check_lr(group["lr"])

@@ -87,8 +87,8 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any)
     rest: Work = []
     plain: list[Item] = []
     projected: list[Item] = []
-    inner: dict[int, tuple[dict, float]] = {}
-    fused_galore = galore is not None and galore.param_free(optimizer)
+    inner: dict[int, tuple[dict, dict, float]] = {}
+    fused_galore = galore is not None and galore.fused(optimizer)
     for p, group in work:
         if group.get("rank") is not None or "galore.side" in optimizer.state.get(p, ()):
             if not fused_galore:
@@ -105,22 +105,26 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any)
             plain.append(it)
     if projected:
         galore.project(projected)
+        alone = [it for it in projected if not galore.stands_in(optimizer, it)]  # the reference core
+        projected = [it for it in projected if galore.stands_in(optimizer, it)]
+        for it in alone:
+            galore.update_alone(optimizer, it)
         galore.stand_ins(projected)
+        galore.weights(optimizer, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
     def update_for(it: Item, step: int) -> Update:
         decay = 1.0 if it.projected else optimizer._decay_factor(it.group)
         return Update(name, optimizer._math_kwargs(it.group, step), it.group, decay, step, it.group["block_size"])
 
     left = step_items(name, plain + projected, update_for)
+    finished: set[int] = set()
     for it in left:
         if not it.projected:
             rest.append((it.param, it.group))
-            continue
-        it.state["step"] += 1  # a projected item no kernel took: the per-tensor backends on its stand-in
-        optimizer._update_flat(it.target, it.target.view(-1), it.grad.view(-1), it.state, it.slots, it.group,
-                               it.state["step"], 1.0)
+        elif not galore.update_alone(optimizer, it):  # no kernel took it: the per-tensor backends, or the core
+            finished.add(id(it))
     if projected:
-        galore.finish_many(optimizer, projected)
+        galore.finish_many(optimizer, [it for it in projected if id(it) not in finished])
     return rest
 
 

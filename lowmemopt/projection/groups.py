@@ -12,7 +12,7 @@ from .step import check_group
 
 __all__ = ["galore_param_groups"]
 
-_EXTRA_KEYS = {"proj_svd", "proj_moments", "proj_stagger"}
+_EXTRA_KEYS = {"proj_svd", "proj_moments", "proj_stagger", "proj_dtype"}
 
 
 def _matches(target: str | Sequence[str], name: str) -> tuple[bool, bool]:
@@ -48,7 +48,7 @@ def galore_param_groups(
     a number sets it on the projected group and on the other parameters of >= 2 dims, and sets 0.0 on the 1-D ones
     (biases, norm weights), as the Trainer does for its decay / no-decay split.
 
-    ``projection``: other GaLore group keys (``proj_svd``, ``proj_moments``, ``proj_stagger``; see
+    ``projection``: other GaLore group keys (``proj_svd``, ``proj_moments``, ``proj_stagger``, ``proj_dtype``; see
     :mod:`lowmemopt.projection.step`). Frozen parameters (``requires_grad=False``) are left out; a parameter shared by
     several modules appears once.
     """

@@ -31,7 +31,9 @@ Moments on a subspace switch (group key ``proj_moments``):
 
 State keys (plain tensors and ints, fp32 at every ``state_bits``): ``galore.proj`` (P for sides left and both, Q for
 side right), ``galore.proj_right`` (Q, side both only), ``galore.side`` (0 left, 1 right, 2 both),
-``galore.next_refresh`` and ``galore.refreshed_at`` (step of the last successful refresh; -1: none yet). A basis is
+``galore.next_refresh`` and ``galore.refreshed_at`` (step of the last successful refresh; -1: none yet). The basis
+stays fp32 at every ``proj_dtype`` (with ``"param"``, :func:`project` and :func:`project_back_rows` cast it for the
+products of a bf16 parameter). A basis is
 stored **transposed**: ``galore.proj`` is P^T (k x m) or Q^T (n x k), contiguous. That is the column-major layout LAPACK
 returns the singular vectors in, so the products below run the same BLAS kernels as galore-torch's (which projects
 with views of ``torch.linalg.svd``'s outputs) and give bit-identical results on CPU.
@@ -131,9 +133,16 @@ def bases(state: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | No
     return state[PROJ].t(), state[PROJ_RIGHT].t()
 
 
-def project(g: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-    """The low-rank gradient of the fp32 matrix ``g`` in the stored basis (the same products as galore-torch)."""
-    p, q = bases(state)
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None else t.to(dtype)
+
+
+def project(g: torch.Tensor, state: dict[str, Any], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The low-rank gradient of the fp32 matrix ``g`` in the stored basis (the same products as galore-torch).
+    ``dtype`` (bf16): the products in that dtype instead (``g`` and the basis cast to it; the matmul accumulates in
+    fp32 and rounds its result to ``dtype``)."""
+    p, q = (_cast(t, dtype) for t in bases(state))
+    g = _cast(g, dtype)
     if q is None:
         return torch.matmul(p.t(), g)
     if p is None:
@@ -141,17 +150,19 @@ def project(g: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     return torch.matmul(p.t(), g) @ q.t()
 
 
-def project_back_rows(u: torch.Tensor, state: dict[str, Any], r0: int, r1: int, row0: int = 0) -> torch.Tensor:
+def project_back_rows(u: torch.Tensor, state: dict[str, Any], r0: int, r1: int, row0: int = 0,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rows ``[r0, r1)`` of the full-rank update ``P u`` / ``u Q`` / ``P u Q`` (unscaled), so that the full-size
     update is never materialized at once. (Row blocks of a product are the product's rows: bit-identical on CPU.)
     ``row0``: the matrix is a row shard starting at row ``row0`` of the whole one (rows of ``P`` are offset by it;
-    a side-right ``u`` holds the shard's rows only). See :mod:`lowmemopt.distributed.galore`."""
+    a side-right ``u`` holds the shard's rows only). See :mod:`lowmemopt.distributed.galore`. ``dtype``: as for
+    :func:`project` (the result in ``dtype``)."""
     p, q = bases(state)
     if q is None:
-        return torch.matmul(p[row0 + r0:row0 + r1], u)
+        return torch.matmul(_cast(p[row0 + r0:row0 + r1], dtype), _cast(u, dtype))
     if p is None:
-        return torch.matmul(u[r0:r1], q)
-    return torch.matmul(p[row0 + r0:row0 + r1], u) @ q
+        return torch.matmul(_cast(u[r0:r1], dtype), _cast(q, dtype))
+    return torch.matmul(_cast(p[row0 + r0:row0 + r1], dtype), _cast(u, dtype)) @ _cast(q, dtype)
 
 
 def compute_basis(

@@ -24,11 +24,17 @@ As stages of the step pipeline (:mod:`lowmemopt.pipeline`): :func:`prepare` (gat
 :func:`project` (batched ``torch.bmm`` per shape class on CUDA), the update, and :func:`finish` / :func:`finish_many`
 (unproject and apply). Where the inner math reads the parameter only for a coupled decay (:func:`param_free`: AdamW /
 Adam, SGD, Lion), the update runs through the fused backends on a zeroed low-rank stand-in (:func:`stand_ins`) that
-receives ``delta_low``; otherwise through the reference core above (:func:`step_projected`).
+receives ``delta_low``. Where it reads the parameter only through one statistic of it and a decay it applies to it
+(``weight_stat_math``: LAMB's and LARS's ``||p||``, Adafactor's ``RMS(p)`` and ``p -= a wd p``, CAME's
+``p -= lr wd p``), the fused kernels (Triton; the native CPU kernels of Adafactor and CAME) run it on the stand-in,
+given that statistic of the full weight (:func:`weights`: ``Item.weight``), and :func:`finish` applies the decay to
+the full weight as the math would have. Everything else takes the reference core above (:func:`update_alone`).
 
 Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_gap=200``, ``scale=0.25``,
 ``proj_type="std"`` as in galore-torch and the HF Trainer, and lowmemopt's ``proj_svd="full" | "randomized"``,
-``proj_moments="keep" | "reset" | "project"`` and ``proj_stagger=False`` (see :mod:`.projector`).
+``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
+``proj_dtype="float32" | "param"``: the projection and back-projection products in fp32 (default), or in the
+parameter's dtype where it is bf16 (:func:`proj_dtype`; bf16 matmuls with fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import rounding
+from .. import cpu, rounding
 from ..distributed.galore import low_rank_layout, row_shards
 from ..distributed.reduction import LOCAL, ShardedReduction
 from ..distributed.sharding import is_dtensor
@@ -52,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
-    "param_free", "stand_ins", "finish", "inner_group",
+    "param_free", "fused", "stands_in", "stand_ins", "weights", "update_alone", "finish", "finish_many", "inner_group",
 ]
 
 #: CUDA: elements of the stacked gradients in one batched projection (64 MiB of fp32)
@@ -68,10 +74,22 @@ def _batches(t: torch.Tensor) -> bool:
 BATCH_ON_CPU = False
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
-    update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False
+    update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False,
+    proj_dtype="float32",
 )
 SVD_METHODS = ("full", "randomized")
 MOMENT_POLICIES = ("keep", "reset", "project")
+PROJ_DTYPES = ("float32", "param")
+
+
+def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
+    """The dtype of ``p``'s projection products: None (fp32, the default), or bf16 for a bf16 parameter of a group
+    with ``proj_dtype="param"`` (the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
+    low-rank gradient and the update rounded to bf16 once). fp16 and fp32 parameters keep fp32 products (fp16's
+    range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner math stay fp32."""
+    if group.get("proj_dtype", "float32") == "param" and p.dtype == torch.bfloat16:
+        return torch.bfloat16
+    return None
 
 
 def check_group(group: dict[str, Any]) -> None:
@@ -101,6 +119,8 @@ def check_group(group: dict[str, Any]) -> None:
         )
     if not isinstance(group["proj_stagger"], bool):
         raise TypeError(f"Invalid proj_stagger: expected a bool, got {type(group['proj_stagger']).__name__}")
+    if group["proj_dtype"] not in PROJ_DTYPES:
+        raise ValueError(f"Invalid proj_dtype: {group['proj_dtype']!r} (expected one of {', '.join(PROJ_DTYPES)})")
     for i, p in enumerate(group["params"]):
         if p.dim() < 2:
             raise ValueError(
@@ -211,12 +231,14 @@ def inner_group(optimizer: LowMemOptimizer, group: dict[str, Any]) -> tuple[dict
 
 
 def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-            inner: dict[int, tuple[dict[str, Any], float]] | None = None) -> Item | None:
+            inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] | None = None) -> Item | None:
     """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when
     due, and an :class:`~lowmemopt.pipeline.items.Item` whose ``grad`` is not projected yet (:func:`project`) and
     whose ``target`` is not set. None: no basis yet (the first refresh failed), the step is skipped as for a
-    non-finite gradient. ``inner``: a cache of :func:`inner_group` by group id, so the items of one param group share
-    one inner group (one bucket)."""
+    non-finite gradient. ``inner``: a cache of the inner groups by group id, so the items of one param group share
+    one inner group (one bucket). The item's ``group`` is the one its stand-in's math runs with (:func:`inner_group`,
+    and no weight decay where the math decays the weight itself: :func:`finish` applies it to the full weight);
+    ``extra["core"]`` the one the reference core runs with."""
     state = optimizer.state[p]
     if group.get("rank") is None:
         raise ValueError(
@@ -247,10 +269,13 @@ def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, gro
     if inner is None:
         inner = {}
     if id(group) not in inner:
-        inner[id(group)] = inner_group(optimizer, group)
-    group_in, decay = inner[id(group)]
+        core, decay = inner_group(optimizer, group)
+        group_in = dict(core, weight_decay=0.0) if optimizer.weight_stat_math and core.get("weight_decay") else core
+        inner[id(group)] = group_in, core, decay
+    group_in, core, decay = inner[id(group)]
     return Item(param=p, group=group_in, target=None, grad=None, state=state, slots=slots, projected=True,
-                extra=dict(g=g, shards=shards, m_local=m_local, n=n, row0=row0, decay=decay, outer=group))
+                extra=dict(g=g, shards=shards, m_local=m_local, n=n, row0=row0, decay=decay, outer=group, core=core,
+                           math_decay=None, dtype=None if shards is not None else proj_dtype(group, p)))
 
 
 def project(items: list[Item]) -> None:
@@ -260,24 +285,28 @@ def project(items: list[Item]) -> None:
     makes (bit-identical results)."""
     batches: dict[tuple, list[Item]] = {}
     for it in items:
-        g, shards = it.extra["g"], it.extra["shards"]
+        g, shards, dtype = it.extra["g"], it.extra["shards"], it.extra["dtype"]
         if shards is None and _batches(g) and it.state[pj.SIDE] != pj.BOTH:
-            batches.setdefault((g.device, tuple(g.shape), it.state[pj.SIDE],
-                                tuple(it.state[pj.PROJ].shape)), []).append(it)
+            batches.setdefault((g.device, tuple(g.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
+                                dtype), []).append(it)
             continue
-        g = g.float()
-        low = pj.project(g, it.state) if shards is None else shards.project(g, it.state, pj.bases)
+        if shards is None:
+            low = pj.project(g.float() if dtype is None else g, it.state, dtype).float()
+        else:
+            low = shards.project(g.float(), it.state, pj.bases)
         it.grad = low.contiguous()
-    for (_, shape, side, _), members in batches.items():
+    for (_, shape, side, _, dtype), members in batches.items():
         per = max(1, BATCH_NUMEL // math.prod(shape))
         for i in range(0, len(members), per):
             chunk = members[i:i + per]
             if len(chunk) == 1:
-                chunk[0].grad = pj.project(chunk[0].extra["g"].float(), chunk[0].state).contiguous()
+                g = chunk[0].extra["g"]
+                low = pj.project(g.float() if dtype is None else g, chunk[0].state, dtype)
+                chunk[0].grad = low.float().contiguous()
                 continue
-            g = torch.stack([it.extra["g"] for it in chunk]).float()  # bf16 gradients: one cast for the chunk
-            basis = torch.stack([it.state[pj.PROJ] for it in chunk])  # P^T (k x m) or Q^T (n x k)
-            low = torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)
+            g = torch.stack([it.extra["g"] for it in chunk]).to(dtype or torch.float32)  # one cast for the chunk
+            basis = torch.stack([it.state[pj.PROJ] for it in chunk]).to(dtype or torch.float32)  # P^T or Q^T
+            low = (torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)).float()
             for it, x in zip(chunk, low.unbind(0)):
                 it.grad = x
 
@@ -289,6 +318,20 @@ def param_free(optimizer: LowMemOptimizer) -> bool:
     Algorithms that read statistics of the full parameter (LAMB's and LARS's ``||p||``, Adafactor's ``RMS(p)``) or
     decay it inside their math (Adafactor, CAME) take the reference core instead."""
     return optimizer.param_free_math and optimizer._fused_algorithm() is not None
+
+
+def fused(optimizer: LowMemOptimizer) -> bool:
+    """Can the inner algorithm run on a stand-in through the fused kernels? :func:`param_free` algorithms through
+    every backend; ``weight_stat_math`` ones (LAMB, LARS, Adafactor, CAME), given the full weight's statistic
+    (:func:`weights`), through the kernels that take it: Triton, and the native CPU kernels of Adafactor and CAME
+    (the per-tensor eager path would read the stand-in: those take the reference core)."""
+    return (optimizer.param_free_math or optimizer.weight_stat_math) and optimizer._fused_algorithm() is not None
+
+
+def stands_in(optimizer: LowMemOptimizer, it: Item) -> bool:
+    """Does this item's update run on a stand-in (:func:`fused`)? Not a row shard of a DTensor whose math reads
+    the weight (its statistics would need reductions over the shards): that one takes the reference core."""
+    return param_free(optimizer) or (fused(optimizer) and it.extra["shards"] is None)
 
 
 def stand_ins(items: list[Item]) -> None:
@@ -307,11 +350,49 @@ def stand_ins(items: list[Item]) -> None:
             offset += size
 
 
+def weights(optimizer: LowMemOptimizer, items: list[Item]) -> None:
+    """For an algorithm whose math reads the weight (``weight_stat_math``): each stand-in's full-weight statistic
+    (``it.weight``: ``||p||`` or ``RMS(p) = ||p|| / sqrt(numel)``, :meth:`~lowmemopt.LowMemOptimizer._weight_statistic`)
+    and the decay its math applies to the weight (``extra["math_decay"]``: ``c`` of ``p <- p + c p``), per shape class
+    of a param group: one multi-tensor norm (``torch._foreach_norm``: one launch on CUDA; on the CPU the reference's
+    ``vector_norm`` per tensor, so the statistic is bit-identical to the reference core's), one stack, one division."""
+    if not optimizer.weight_stat_math:
+        return
+    classes: dict[tuple, list[Item]] = {}
+    for it in items:
+        key = (id(it.extra["outer"]), it.state["step"] + 1, it.param.device, it.param.dtype, it.param.numel())
+        classes.setdefault(key, []).append(it)
+    for (_, step, _, _, numel), members in classes.items():
+        group = members[0].extra["outer"]
+        kind = optimizer._weight_statistic(group)
+        stat = None
+        if kind is not None:
+            stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=torch.float32))
+            if kind == "rms":
+                stat = stat / math.sqrt(numel)  # rms(): the norm over sqrt(numel) rounded to fp32, as for 0-dim
+            for it, s in zip(members, stat.unbind(0)):
+                it.weight = s
+        c = optimizer._math_decay(group, step, stat)
+        for i, it in enumerate(members):
+            it.extra["math_decay"] = c[i] if isinstance(c, torch.Tensor) and c.dim() else c
+
+
+def _decay_rows(rows: torch.Tensor, c: Any) -> None:
+    """``rows += c * rows`` rounded as the math's ``add_scaled_`` (:mod:`lowmemopt.optim.adafactor`)."""
+    if isinstance(c, torch.Tensor):
+        rows.addcmul_(rows, c)
+    else:
+        rows.add_(rows, alpha=c)
+
+
 def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = None, alpha: float = 1.0,
            p32: torch.Tensor | None = None) -> None:
     """The pipeline's *unproject* and *apply*: ``p <- p * decay + alpha * scale * project_back(delta)`` on the full
     parameter (``delta``: the low-rank update, by default the item's target), in row blocks on the CPU (no
-    full-size temporary) and whole on CUDA. ``p32``: the fp32 working copy the reference core already used."""
+    full-size temporary) and whole on CUDA. ``p32``: the fp32 working copy the reference core already used. The
+    stand-in's update (no ``delta``) first takes the decay its math would have applied (``p <- p + c p``,
+    :func:`weights`); the reference core's math has applied it already."""
+    math_decay = it.extra["math_decay"] if delta is None else None
     delta = it.target if delta is None else delta
     group, state, shards = it.extra["outer"], it.state, it.extra["shards"]
     m_local, n, row0, decay = it.extra["m_local"], it.extra["n"], it.extra["row0"], it.extra["decay"]
@@ -324,7 +405,9 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
     scale = group["scale"]
     for r0 in range(0, m_local, rows):
         r1 = min(m_local, r0 + rows)
-        update = pj.project_back_rows(delta, state, r0, r1, row0).mul_(scale)
+        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).float().mul_(scale)
+        if math_decay is not None:
+            _decay_rows(p32[r0:r1], math_decay)
         optimizer._apply_update(p32[r0:r1], update, alpha, decay, group)
     # bf16 params: the group's bf16_update (a copy unless fp32); a shard of rows hashes its elements' global indices
     rounding.store(p2d, p32, state, group, index=None if shards is None else row0 * n)
@@ -344,11 +427,11 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
         if (it.extra["shards"] is None and _batches(p) and p.is_contiguous() and it.state[pj.SIDE] != pj.BOTH
                 and rounding.mode_of(it.extra["outer"], p) == "nearest"):  # stochastic / Kahan: one by one
             key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
-                   id(it.extra["outer"]))
+                   id(it.extra["outer"]), it.extra["dtype"])
             batches.setdefault(key, []).append(it)
         else:
             finish(optimizer, it)
-    for (_, _, shape, side, _, _), members in batches.items():
+    for (_, _, shape, side, _, _, dtype), members in batches.items():
         per = max(1, BATCH_NUMEL // math.prod(shape))
         for i in range(0, len(members), per):
             chunk = members[i:i + per]
@@ -358,46 +441,84 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
             m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
             basis = torch.stack([it.state[pj.PROJ] for it in chunk]).transpose(1, 2)  # P (m x k) or Q (k x n)
             low = torch.stack([it.target for it in chunk])
-            update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
+            if dtype is not None:  # proj_dtype="param"
+                basis, low = basis.to(dtype), low.to(dtype)
+            update = (torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)).float()
             update.mul_(chunk[0].extra["outer"]["scale"])
             params = [it.param.view(m, n) for it in chunk]
             decay = chunk[0].extra["decay"]
+            c = chunk[0].extra["math_decay"]  # per matrix (a 0-dim tensor each) or one number for the group
+            if isinstance(c, torch.Tensor):
+                c = torch.stack([it.extra["math_decay"] for it in chunk])
             if params[0].dtype == torch.float32:
+                if c is not None:
+                    if isinstance(c, torch.Tensor):
+                        torch._foreach_addcmul_(params, params, list(c.unbind(0)))
+                    else:
+                        torch._foreach_add_(params, params, alpha=c)
                 if decay != 1.0:
                     torch._foreach_mul_(params, decay)
                 torch._foreach_add_(params, list(update.unbind(0)))
             else:
                 p32 = torch.stack(params).float()
+                if c is not None:
+                    _decay_rows(p32, c.view(-1, 1, 1) if isinstance(c, torch.Tensor) else c)
                 if decay != 1.0:
                     p32.mul_(decay)
                 p32.add_(update)
                 torch._foreach_copy_(params, list(p32.unbind(0)))
 
 
+def update_alone(optimizer: LowMemOptimizer, it: Item) -> bool:
+    """The update stage of one projected item (after :func:`project`) through the per-tensor backends. With a
+    stand-in (:func:`stands_in`): the backends of :meth:`~lowmemopt.LowMemOptimizer._update_flat` for a
+    :func:`param_free` algorithm, the native factored CPU kernels (:func:`lowmemopt.cpu.step_factored`, given the
+    weight's statistic) for the others; returns True, and :func:`finish` then applies the stand-in's update. Else
+    the reference core steps the item and finishes it (the math sees the full-rank fp32 parameter): False."""
+    state = it.state
+    if it.target is not None and param_free(optimizer):
+        state["step"] += 1
+        optimizer._update_flat(it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.group,
+                               state["step"], 1.0)
+        return True
+    if it.target is not None and it.target.device.type == "cpu" and cpu.ENABLED:
+        formats = {name: format_of(state, name) for name in it.slots}
+        t = state["step"] + 1
+        if cpu.step_factored(optimizer._fused_algorithm(), it.target, it.target.view(-1), it.grad.view(-1), state,
+                             formats, it.group, t, 1.0, weight=it.weight):
+            state["step"] = t
+            return True
+    state["step"] += 1
+    formats = {name: format_of(state, name) for name in it.slots}
+    shards = it.extra["shards"]
+    local = it.param if shards is None else shards.param
+    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"]).float()
+    reduce = LOCAL if shards is None else shards.reduction(p32)
+    g_low = it.grad
+    delta, alpha = optimizer._run_update(p32, g_low, state, it.slots, formats, it.extra["core"], state["step"], 0,
+                                         g_low.numel(), g_low, reduce)
+    finish(optimizer, it, delta, alpha, p32)
+    return False
+
+
 def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
     """One GaLore step of parameter ``p`` (module docstring), alone: the pipeline's stages for one item, the update
-    through the per-tensor backends (the native CPU kernels where they apply). Called by
-    ``LowMemOptimizer._step_param``."""
+    through the per-tensor backends (:func:`update_alone`). Called by ``LowMemOptimizer._step_param``."""
     it = prepare(optimizer, p, grad, group)
     if it is None:
         return
     project([it])
-    state = it.state
-    if param_free(optimizer):
+    if stands_in(optimizer, it) and (param_free(optimizer) or _native_may_take(optimizer, it)):
         stand_ins([it])
-        state["step"] += 1
-        optimizer._update_flat(it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.group,
-                               state["step"], 1.0)
+        weights(optimizer, [it])
+    if update_alone(optimizer, it):
         finish(optimizer, it)
-        return
-    # the reference core: the inner math sees the full-rank fp32 parameter (it may read or decay it)
-    state["step"] += 1
-    formats = {name: format_of(state, name) for name in it.slots}
-    shards = it.extra["shards"]
-    local = p if shards is None else shards.param
-    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"]).float()
-    reduce = LOCAL if shards is None else shards.reduction(p32)
-    g_low = it.grad
-    delta, alpha = optimizer._run_update(p32, g_low, state, it.slots, formats, it.group, state["step"], 0,
-                                         g_low.numel(), g_low, reduce)
-    finish(optimizer, it, delta, alpha, p32)
+
+
+def _native_may_take(optimizer: LowMemOptimizer, it: Item) -> bool:
+    """Is there a native CPU kernel for this stand-in's algorithm (Adafactor, CAME; it still checks the shape)?"""
+    if it.grad.device.type != "cpu" or not cpu.ENABLED:
+        return False
+    from ..cpu.factored import STEPS
+
+    return optimizer._fused_algorithm() in STEPS
