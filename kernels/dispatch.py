@@ -41,9 +41,12 @@ stats: dict[tuple[str, str], int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, int], Update]) -> list[Item]:
+def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, int], Update],
+               flags: torch.Tensor | None = None) -> list[Item]:
     """Step what the kernels can of ``items`` (all of one optimizer, running ``algorithm``); return the rest.
-    ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket."""
+    ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket. ``flags``: the step's gradient
+    finiteness on the device (uint8, :mod:`lowmemopt.pipeline.finite`); an item with a ``flag`` row is stepped only
+    where it is 1, decided by the kernels (its step count is written here all the same: the caller undoes a skip's)."""
     if not items or not triton_usable({it.target.device for it in items}):
         return items
     from . import registry, runtime
@@ -59,7 +62,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
             continue
         t = it.target
         key = (id(it.group), it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, it.state["step"],
-               kernel.layout(t), it.weight is not None)
+               kernel.layout(t), it.flag is not None, it.weight is not None)
         buckets.setdefault(key, (kernel, []))[1].append(it)
 
     for key, (kernel, members) in buckets.items():
@@ -72,6 +75,8 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
                         kernel.fmt, update.block_size, index_bases=[it.index_base for it in members])
         if key[-1]:  # GaLore stand-ins: the full weights' statistics, read in place of the stand-ins'
             bucket.weights = torch.stack([it.weight for it in members])
+        if flags is not None and members[0].flag is not None:  # device-side finiteness (pipeline.finite)
+            bucket.flags, bucket.flag_rows = flags, [it.flag for it in members]
         try:
             kernel.launch(update, bucket)
         except Unsupported:

@@ -22,7 +22,7 @@ from . import runtime
 from lowmemopt.pipeline.items import Update
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
-from .table import aligned, ceil_div, device_table, unit_map
+from .table import aligned, ceil_div, device_index, device_table, unit_map
 
 __all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES", "UPDATE_ALGORITHMS"]
 
@@ -63,6 +63,10 @@ class Bucket:
     index_bases: list[int | None] = field(default_factory=list)
     #: GaLore stand-ins: per tensor, the statistic of the full weight that the math reads (||p||, RMS(p)), fp32 [T]
     weights: torch.Tensor | None = None
+    #: the step's gradient finiteness flags on the device (uint8, :mod:`lowmemopt.pipeline.finite`) and each tensor's
+    #: row in them: a launch multiplies the tensors' element counts by their flags (0: every access masked off)
+    flags: torch.Tensor | None = None
+    flag_rows: list[int] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
@@ -149,6 +153,9 @@ class Bucket:
         if not sum(counts):
             return
         table = device_table(rows, self.device)
+        if self.flags is not None:  # skipped on the device: a non-finite gradient's tensor counts 0 elements
+            table = table.clone()
+            table[:, 2] *= self.flags.index_select(0, device_index(self.flag_rows, self.device))
         units = unit_map(counts, self.device)
         if writes:
             self.written = True

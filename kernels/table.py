@@ -20,11 +20,12 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["device_table", "unit_map", "aligned", "ceil_div"]
+__all__ = ["device_table", "device_index", "unit_map", "aligned", "ceil_div"]
 
 _CACHE_SIZE = 64
 _tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _units: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_indices: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 
 
 def _cached(cache: OrderedDict, key: tuple, make) -> torch.Tensor:
@@ -42,6 +43,12 @@ def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.T
     """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W)."""
     key = (device, tuple(tuple(r) for r in rows))
     return _cached(_tables, key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
+
+
+def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 ``index`` on ``device`` (cached by content, as the tables)."""
+    key = (device, tuple(index))
+    return _cached(_indices, key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
 
 
 def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:

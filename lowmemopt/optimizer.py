@@ -28,8 +28,11 @@ norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squa
 value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
 would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about. The
 check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),
-except for CPU parameters stepped by the native kernels: there each kernel also sums the squares of the next gradient
-while it steps (:class:`_CpuFiniteChecks`), which saves a separate pass over all gradients.
+except in two cases. CPU parameters stepped by the native kernels: each kernel also sums the squares of the next
+gradient while it steps (:class:`_CpuFiniteChecks`), which saves a separate pass over all gradients. Parameters of one
+GPU that the element-wise Triton kernels (AdamW / Adam, SGD, Lion) step, nothing paged, projected or sharded: the skip
+is decided on the device (:mod:`lowmemopt.pipeline.finite`: the kernels read the flags), and the host reads the flags
+only after every launch, so the GPU never waits for the host to build the step.
 
 GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projection.step.step_projected` instead: the
 same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
@@ -68,6 +71,7 @@ import torch
 from . import compiled, cpu, paging, pipeline, rounding
 from ._stacklevel import external_stacklevel
 from .distributed.reduction import LOCAL, Reduction
+from .pipeline.finite import DEFERRED_ALGORITHMS, DeviceFlags
 from .distributed.sharding import (
     agree_finite,
     is_dtensor,
@@ -91,6 +95,9 @@ STORAGE_DEFAULTS = dict(
     bf16_update="nearest",
 )
 CHUNK_NUMEL = pipeline.CHUNK_NUMEL  # eager path: elements per chunk (1 MiB of fp32 per temporary)
+#: the non-finite check decided on the device where the kernels allow it (:mod:`lowmemopt.pipeline.finite`); False:
+#: always on the host, before the step (tests compare both)
+DEFER_FINITE_CHECK = True
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
 
 
@@ -378,13 +385,21 @@ class LowMemOptimizer(torch.optim.Optimizer):
         # pipeline instead of up front: each kernel also scans the next such gradient (_CpuFiniteChecks).
         pipe = _CpuFiniteChecks(self, work, grads) if pager is None else None
         finite: list[bool | None] = [None] * len(work)
-        upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
-        flags = agree_finite(_finite_flags([grads[i] for i in upfront]), [work[i][0] for i in upfront],
-                             [grads[i] for i in upfront])
-        for i, ok in zip(upfront, flags):
-            finite[i] = ok
-        todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
-        self._run_pipeline(todo, finite, grads, pipe, pager)
+        if self._check_on_device(work, grads, pager, pipe):  # no synchronization before the launches
+            on_device = DeviceFlags([p for p, _ in work], grads)
+            finite = [True] * len(work)  # provisionally: the kernels read the device's flags
+            self._run_pipeline([(i, p, group) for i, (p, group) in enumerate(work)], finite, grads, pipe, pager,
+                               on_device)
+            on_device.undo_skipped()
+            finite = [on_device.finite(p) for p, _ in work]
+        else:
+            upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
+            flags = agree_finite(_finite_flags([grads[i] for i in upfront]), [work[i][0] for i in upfront],
+                                 [grads[i] for i in upfront])
+            for i, ok in zip(upfront, flags):
+                finite[i] = ok
+            todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
+            self._run_pipeline(todo, finite, grads, pipe, pager)
         skipped = sum(f is False for f in finite)
         if skipped:
             self.nonfinite_skips += skipped
@@ -396,16 +411,32 @@ class LowMemOptimizer(torch.optim.Optimizer):
             )
         return loss
 
+    def _check_on_device(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
+                         pipe: _CpuFiniteChecks | None) -> bool:
+        """May this step's non-finite check stay on the device (:mod:`lowmemopt.pipeline.finite`)? Its fused kernels
+        mask by element count, one device that the Triton backend takes, and nothing paged, projected or sharded."""
+        if not DEFER_FINITE_CHECK or pager is not None or (pipe is not None and pipe.indices):
+            return False
+        if type(self)._step_param is not LowMemOptimizer._step_param or kernel_algorithm(self) not in DEFERRED_ALGORITHMS:
+            return False
+        devices = {g.device for g in grads}
+        if len(devices) != 1 or not pipeline.triton_usable(devices):
+            return False
+        state = self.state
+        return not any(is_dtensor(p) or group.get("rank") is not None or "galore.side" in state.get(p, ())
+                       for p, group in work)
+
     def _run_pipeline(self, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
-                      grads: list[torch.Tensor], pipe: _CpuFiniteChecks | None, pager: Any) -> None:
+                      grads: list[torch.Tensor], pipe: _CpuFiniteChecks | None, pager: Any,
+                      flags: DeviceFlags | None = None) -> None:
         """Hand ``todo`` to the step pipeline (:func:`lowmemopt.pipeline.run`) with what it needs to know of this
         optimizer: its fused algorithm (none for a subclass that steps its parameters itself) and the GaLore stage
-        when a parameter is projected."""
+        when a parameter is projected. ``flags``: the finiteness check on the device (:meth:`_check_on_device`)."""
         galore = None
         if any(g.get("rank") is not None or "galore.side" in self.state.get(p, ()) for _, p, g in todo):
             from .projection import step as galore
         bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
-        pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore)
+        pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
 
     def _step_alone(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         """Step one parameter whose gradient (``p.grad``) is known to be finite, through the same pipeline as

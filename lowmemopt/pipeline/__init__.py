@@ -26,6 +26,7 @@ import torch
 from .. import rounding
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import local_view
+from .finite import DeviceFlags
 from .items import Item, Update
 
 if TYPE_CHECKING:
@@ -55,12 +56,14 @@ def triton_usable(devices: set[torch.device]) -> bool:
 
 
 def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
-        grads: list[torch.Tensor], pipe: Any, pager: Any, name: str | None, galore: Any) -> None:
+        grads: list[torch.Tensor], pipe: Any, pager: Any, name: str | None, galore: Any,
+        flags: DeviceFlags | None = None) -> None:
     """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
     gradient checked in the native kernels' pipeline (``optimizer._step_in_order``); ``pager``: the paging manager,
     or None when nothing is paged; ``name``: the optimizer's fused algorithm (None: no bucketed backend, e.g. a
     subclass that steps its parameters itself); ``galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or
-    None when no param group is projected."""
+    None when no param group is projected; ``flags``: the gradients' finiteness on the device (:mod:`.finite`;
+    ``finite`` then says True for all, provisionally), read on the host only after the kernels are launched."""
     from ..kernels.registry import ALGORITHMS
 
     if name not in ALGORITHMS or not triton_usable({p.device for _, p, _ in todo}):
@@ -68,8 +71,12 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
     if pager is None:
         if name is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
-            left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore)}
+            left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore, flags)}
             todo = [t for t in todo if finite[t[0]] is None or id(t[1]) in left]
+        if flags is not None:  # the per-tensor backends need the decision on the host (after the launches)
+            for i, p, _ in todo:
+                finite[i] = flags.finite(p)
+            todo = [t for t in todo if finite[t[0]]]
         optimizer._step_in_order(todo, finite, grads, pipe)
         return
     work = [(p, group) for _, p, group in todo]
@@ -79,9 +86,11 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
             optimizer._step_param(p, p.grad, group)
 
 
-def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any) -> Work:
+def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
+                 flags: DeviceFlags | None = None) -> Work:
     """Gather ``work`` into items, project the GaLore ones, step what the Triton kernels take (one launch set per
-    bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path."""
+    bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
+    the step's device-side finiteness flags (plain items only), which the launches read."""
     from ..kernels.dispatch import step_items
 
     rest: Work = []
@@ -98,10 +107,14 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any)
             if it is not None:  # None: no basis yet, the step is skipped
                 projected.append(it)
             continue
+        fresh = flags is not None and "step" not in optimizer.state.get(p, ())
         it = _plain_item(optimizer, p, group)
         if it is None:
             rest.append((p, group))
         else:
+            if flags is not None:  # stepped provisionally: the kernels read the flag, the host undoes a skip's count
+                it.flag = flags.position[id(p)]
+                flags.note(p, it.state, fresh)
             plain.append(it)
     if projected:
         galore.project(projected)
@@ -116,7 +129,7 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any)
         decay = 1.0 if it.projected else optimizer._decay_factor(it.group)
         return Update(name, optimizer._math_kwargs(it.group, step), it.group, decay, step, it.group["block_size"])
 
-    left = step_items(name, plain + projected, update_for)
+    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor)
     finished: set[int] = set()
     for it in left:
         if not it.projected:

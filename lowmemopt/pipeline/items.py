@@ -35,6 +35,9 @@ class Item:
     #: flat index in the whole parameter of ``target``'s first element (an FSDP2 shard's offset; stochastic rounding
     #: hashes it), or None when the target's elements are not one range of the parameter's
     index_base: int | None = 0
+    #: the row of this item's gradient in the step's device-side finiteness flags (:mod:`.finite`), or None (the
+    #: host checked it)
+    flag: int | None = None
     #: a GaLore stand-in whose math reads a statistic of the weight (LAMB's ||p||, Adafactor's RMS(p)): that of the
     #: full weight, a 0-dim fp32 tensor on the target's device, which the backends read in place of the stand-in's
     weight: torch.Tensor | None = None

@@ -1,0 +1,70 @@
+"""The non-finite-gradient check with the skip decided on the device: no host synchronization before the kernels.
+
+The policy is the optimizer's (:mod:`lowmemopt.optimizer`): a parameter whose gradient has a NaN / Inf element (or an
+fp32 sum of squares that overflows) is skipped this step, its values and state unchanged, and a warning counts the
+skips. Deciding that on the host means reading the check back before anything is launched: the host then waits for
+the GPU to finish the backward pass, and the GPU waits while the host builds the step (its items and launch tables).
+
+With :class:`DeviceFlags` the check stays on the device. One fused multi-tensor norm per gradient dtype gives a uint8
+flag per gradient; each kernel launch multiplies its tensors' element counts in its launch table by their flags (one
+``index_select`` and one multiply on the device), so a skipped tensor's programs mask off every load and store and
+leave its parameter and state as they were. The host reads the flags once, after every launch of the step: to undo
+the step count of the skipped parameters (the dispatcher counts a bucket's step when it launches), to warn, and
+before any parameter that no kernel took goes to the per-tensor backends (which need the decision first).
+
+It applies when every stored value of a kernel is masked by the tensor's element count: the single-pass element-wise
+kernels (AdamW / Adam, SGD, Lion) at every state format, on one device, with nothing paged, projected (GaLore) or
+sharded (FSDP2: the ranks agree on the flags on the host). Elsewhere the check stays on the host, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags"]
+
+#: fused algorithms whose kernels store nothing outside ``offs < numel`` (a tensor with element count 0 is untouched)
+DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "lion"})
+
+
+class DeviceFlags:
+    """Per-gradient finiteness on the device: ``tensor`` (uint8 [n], 1: finite), ``position[id(param)]`` its row."""
+
+    def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        order: list[int] = []
+        checks = []
+        for members in by_dtype.values():  # a norm has its gradient's dtype (bf16 keeps fp32's exponent range)
+            checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members])).isfinite())
+            order += members
+        self.tensor = torch.cat(checks).to(torch.uint8)
+        self.position = {id(params[i]): pos for pos, i in enumerate(order)}
+        self._host: list[bool] | None = None
+        #: params stepped provisionally: id -> (state, its step count before this step, made by this step)
+        self.provisional: dict[int, tuple[dict[str, Any], int, bool]] = {}
+
+    def note(self, param: torch.Tensor, state: dict[str, Any], fresh: bool) -> None:
+        """Record ``param``'s step count before it is stepped provisionally (``fresh``: its state is made now)."""
+        self.provisional[id(param)] = (state, state.get("step", 0), fresh)
+
+    def finite(self, param: torch.Tensor) -> bool:
+        """The host's copy of ``param``'s flag (the first call reads all of them: a synchronization)."""
+        if self._host is None:
+            self._host = [bool(f) for f in self.tensor.tolist()]
+        return self._host[self.position[id(param)]]
+
+    def undo_skipped(self) -> None:
+        """For every provisionally stepped parameter whose gradient was not finite: the step count it had (the
+        kernel wrote nothing of it), or no state at all when this step made it (as the host-side check leaves it)."""
+        for pid, (state, step, fresh) in self.provisional.items():
+            if self._host is None:
+                self._host = [bool(f) for f in self.tensor.tolist()]
+            if not self._host[self.position[pid]]:
+                if fresh:
+                    state.clear()
+                else:
+                    state["step"] = step

@@ -1,0 +1,115 @@
+"""The non-finite-gradient check decided on the device (lowmemopt.pipeline.finite), under the Triton interpreter.
+
+The policy is unchanged: a parameter with a NaN / Inf gradient keeps its value, state and step count (no state at all
+if that was its first step), others step, the skips are counted and warned about. Here every such step must equal the
+host-side check's, bit for bit, and the host must read the flags only after the kernels were launched."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lowmemopt
+from lowmemopt import optimizer as optimizer_module
+from lowmemopt.kernels import dispatch, runtime
+
+pytestmark = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET), reason="needs TRITON_INTERPRET=1")
+
+SHAPES = [(33, 17), (300,), (8, 8), (5,)]
+CASES = [
+    (lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    (lowmemopt.Lion, dict(lr=1e-3, weight_decay=0.1)),
+]
+#: (step, param, what): the gradients made non-finite
+BAD = {(0, 3): float("nan"), (1, 0): float("inf"), (2, 1): float("nan"), (2, 2): -float("inf")}
+
+
+def _run(cls, kw, bits, on_device, monkeypatch, dtype=torch.float32):
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
+    opt = cls(params, state_bits=bits, min_quant_numel=0, block_size=16 if bits == 4 else 32, **kw)
+    gen = torch.Generator().manual_seed(1)
+    caught = []
+    with runtime.cpu_interpreter():
+        for step in range(4):
+            for i, p in enumerate(params):
+                g = torch.randn(p.shape, generator=gen)
+                if (step, i) in BAD:
+                    g.view(-1)[3] = BAD[(step, i)]
+                p.grad = g.to(dtype)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                opt.step()
+            caught.append(sum("NaN/Inf" in str(x.message) for x in w))
+    return params, opt, caught
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
+def test_equals_the_host_check(cls, kw, bits, monkeypatch):
+    before = sum(dispatch.stats.values())
+    a, opt_a, warned_a = _run(cls, kw, bits, True, monkeypatch)
+    assert sum(dispatch.stats.values()) > before  # the kernels stepped
+    b, opt_b, warned_b = _run(cls, kw, bits, False, monkeypatch)
+    assert warned_a == warned_b == [1, 1, 1, 0]
+    assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 4
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+        assert sorted(sa) == sorted(sb)
+        for k in sa:
+            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
+    steps = [opt_a.state[p]["step"] for p in a]
+    assert steps == [3, 3, 3, 3]  # 4 steps, one skipped each (param 3's first: no state then, made at step 2)
+
+
+def test_a_skipped_first_step_leaves_no_state(monkeypatch):
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
+    p, q = torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(40))
+    opt = lowmemopt.AdamW([p, q], lr=1e-2, state_bits=8, min_quant_numel=0, block_size=16)
+    p.grad, q.grad = torch.full((40,), float("nan")), torch.ones(40)
+    before = p.detach().clone()
+    with runtime.cpu_interpreter(), pytest.warns(RuntimeWarning, match="skipped 1 parameter"):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state.get(p)
+    assert opt.state[q]["step"] == 1 and not torch.equal(q, torch.ones(40))
+
+
+def test_the_host_reads_the_flags_after_the_launches(monkeypatch):
+    from lowmemopt.kernels import launch
+    from lowmemopt.pipeline import finite
+
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
+    log = []
+    real_launch, real_read = launch.Bucket.launch, finite.DeviceFlags.finite
+    monkeypatch.setattr(launch.Bucket, "launch", lambda self, *a, **k: log.append("launch") or real_launch(self, *a, **k))
+    monkeypatch.setattr(finite.DeviceFlags, "finite", lambda self, p: log.append("read") or real_read(self, p))
+    monkeypatch.setattr(finite.DeviceFlags, "undo_skipped",
+                        lambda self, real=finite.DeviceFlags.undo_skipped: log.append("read") or real(self))
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = lowmemopt.AdamW(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with runtime.cpu_interpreter():
+        opt.step()
+    assert "launch" in log and "read" in log
+    assert log.index("read") > max(i for i, x in enumerate(log) if x == "launch"), log
+
+
+def test_lamb_keeps_the_host_check(monkeypatch):
+    # LAMB's kernels have per-tensor passes that are not masked by the element count: the host decides first
+    from lowmemopt.pipeline import finite
+
+    made = []
+    real = finite.DeviceFlags.__init__
+    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = lowmemopt.LAMB([p], lr=1e-2)
+    p.grad = torch.randn(64)
+    with runtime.cpu_interpreter():
+        opt.step()
+    assert not made
