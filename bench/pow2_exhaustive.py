@@ -100,7 +100,8 @@ def sample(name: str, n: int, seed: int) -> dict:
     y = to_bits(torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)).view(torch.float32)
     unit = torch.rand(n, generator=gen) * 2 - 1
     unit = unit * torch.exp2(-torch.randint(0, 40, (n,), generator=gen).float())  # every binade of the map
-    y = torch.cat([y[~(torch.isfinite(y) & (y.abs() > 1))], unit if is_signed_map(name) else torch.cat([unit.abs(), unit])])
+    unit = unit if is_signed_map(name) else torch.cat([unit.abs(), unit])
+    y = torch.cat([y[~(torch.isfinite(y) & (y.abs() > 1))], unit])
     got = pow2.codes(y, name).to(torch.int64)
     ref, emu = table_codes(y.view(torch.int32), packed), emulate(y.view(torch.int32), name)
     return dict(values=y.numel(), triton_vs_table=int((got != ref).sum()), triton_vs_emulation=int((got != emu).sum()))

@@ -12,8 +12,8 @@ bits (:mod:`.pow2`: a rounding add and a shift per binade class, no memory acces
 maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits of ``y``'s
 fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per element) holds
 the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's rule that a
-positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use the IEEE-rounded forms
-(``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
+positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use
+the IEEE-rounded forms (``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
 
 A tile is ``[ROWS, BLOCK]``: one quantization block per row, so a block's scale is a row reduction in registers.
 Masked (ragged) elements are zero before the reduction; zeros never change a block's scale (they lie between the

@@ -12,7 +12,8 @@ from lowmemopt.cpu.codec import decision_thresholds
 from lowmemopt.kernels import runtime
 from lowmemopt.quant.maps import code_book, encode_table, is_signed_map, nearest_code_reference
 
-pytestmark = pytest.mark.skipif(not runtime.INTERPRET, reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)")
+pytestmark = pytest.mark.skipif(not runtime.INTERPRET,
+                                reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)")
 MAPS = ["pow2", "upow2"]
 
 
