@@ -21,8 +21,9 @@ of the same run). lowmemopt's multi-pass kernels move more than that (docs/kerne
 this metric charges them for.
 
 Tile sweep (``--sweep``): lowmemopt's 8-bit AdamW over a grid of tile shapes, quantization blocks (rows) per program x
-``num_warps`` (:mod:`lowmemopt.kernels.runtime`: ``rows_per_tile``, ``NUM_WARPS``, patched for the run), for each
-dtype and size, with the same GB/s columns; the best shape per size and dtype is marked. Results go to ``--json``.
+``num_warps`` (:mod:`lowmemopt.kernels.runtime`: the GPU's ``TILE_SHAPES`` entry, set for the run), for each dtype and
+size, with the same GB/s columns; the best shape per size and dtype is marked (the entry to add to ``TILE_SHAPES``).
+Results go to ``--json``.
 
 Targets (issue 7): 8-bit AdamW >= 80% of the roofline at <= 1.0x bitsandbytes AdamW8bit's time; CAME-8bit <= 2x
 8-bit AdamW's time.
@@ -252,12 +253,14 @@ def _targets(rows: dict[str, float], n: int, ideal: int, bw: float) -> None:
 
 
 def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int, warmup: int) -> list[dict]:
-    """lowmemopt's 8-bit AdamW at every tile shape of :func:`sweep_grid` (the runtime's tile size and warps patched
-    for each, then restored)."""
+    """lowmemopt's 8-bit AdamW at every tile shape of :func:`sweep_grid` (the device's ``runtime.TILE_SHAPES`` entry
+    set for each, then restored)."""
     from lowmemopt.kernels import runtime
 
     factory, key = OPTIMIZERS["lowmemopt-adamw-8bit"]
-    saved = runtime.TILE, runtime.NUM_WARPS
+    saved = runtime.tile_shape(device)
+    cap = tuple(torch.cuda.get_device_capability(device))
+    entry = runtime.TILE_SHAPES.get(cap)
     block = 256  # lowmemopt's default block_size: one quantization block per tile row
     results = []
     try:
@@ -272,7 +275,7 @@ def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int
                 print("| ---: | ---: | ---: | ---: | ---: | ---: |")
                 found = []
                 for rows, warps in sweep_grid(block):
-                    runtime.TILE, runtime.NUM_WARPS = rows * block, warps
+                    runtime.TILE_SHAPES[cap] = (rows * block, warps)
                     try:
                         t, _, note = time_optimizer(factory, shapes, device, steps, warmup, DTYPES[dname])
                     except Exception as exc:  # noqa: BLE001 - a shape that fails to compile or run is a row
@@ -287,10 +290,14 @@ def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int
                           f"{gbs / 1e9:.0f} | {100 * gbs / bw:.0f}% |", flush=True)
                 if found:
                     t, rows, warps = min(found)
-                    print(f"\n- best: {rows} rows x {warps} warps (TILE={rows * block}, NUM_WARPS={warps}): "
+                    print(f"\n- best: {rows} rows x {warps} warps (runtime.TILE_SHAPES[{cap}] = "
+                          f"({rows * block}, {warps})): "
                           f"{1e3 * t:.3f} ms, {100 * ideal * n / t / bw:.0f}% of copy bandwidth\n")
     finally:
-        runtime.TILE, runtime.NUM_WARPS = saved
+        if entry is None:
+            runtime.TILE_SHAPES.pop(cap, None)
+        else:
+            runtime.TILE_SHAPES[cap] = entry
     return results
 
 

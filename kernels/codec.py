@@ -316,10 +316,10 @@ def quantize_blockwise(
     if n:
         book = code_book(name, x.device)
         lut = None if name in POW2_BITS else encode_table(name, x.device).packed  # pow2 maps: arithmetic encoder
-        rows = runtime.rows_per_tile(block_size)
+        rows = runtime.rows_per_tile(block_size, x.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
-        _quantize_kernel[grid](flat, codes, absmax, n, book, lut,
-                               SIGNED=signed, ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
+        _quantize_kernel[grid](flat, codes, absmax, n, book, lut, SIGNED=signed, ROWS=rows, BLOCK=block_size,
+                               num_warps=runtime.tile_shape(x.device)[1])
     return codes, absmax
 
 
@@ -345,8 +345,8 @@ def dequantize_blockwise(
     out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
     if flat.numel():
         book = code_book(name, codes.device)
-        rows = runtime.rows_per_tile(block_size)
+        rows = runtime.rows_per_tile(block_size, codes.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
         _dequantize_kernel[grid](flat, absmax.contiguous(), out, flat.numel(), book, ROWS=rows, BLOCK=block_size,
-                                 num_warps=runtime.NUM_WARPS)
+                                 num_warps=runtime.tile_shape(codes.device)[1])
     return out if shape is None else out.view(shape)

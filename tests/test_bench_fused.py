@@ -42,6 +42,18 @@ def test_sweep_grid_holds_the_current_shape(bench):
     assert all(1 <= rows * 256 // (32 * warps) <= 64 for rows, warps in grid)
 
 
+def test_tile_shape_per_capability(monkeypatch):
+    """A capability listed in TILE_SHAPES takes its shape; others, CPU tensors and no device take (TILE, NUM_WARPS)."""
+    monkeypatch.setattr(runtime, "_capability", lambda index: (9, 0) if index == 0 else (8, 0))
+    monkeypatch.setattr(runtime, "TILE_SHAPES", {(9, 0): (4096, 8)})
+    default = (runtime.TILE, runtime.NUM_WARPS)
+    assert runtime.tile_shape(torch.device("cuda", 0)) == (4096, 8)
+    assert runtime.rows_per_tile(256, torch.device("cuda", 0)) == 16
+    assert runtime.tile_shape(torch.device("cuda", 1)) == default
+    assert runtime.tile_shape(torch.device("cpu")) == runtime.tile_shape() == default
+    assert runtime.rows_per_tile(256) == runtime.TILE // 256
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 @pytest.mark.parametrize("extra", [[], ["--sweep", "--dtypes", "bf16"]])
 def test_refuses_without_cuda(tmp_path, extra):
