@@ -18,7 +18,8 @@ takes code 0, as the reference's table does (the brute-force rule's argmin over 
 
 Exact: ``tests/test_pow2_code.py`` checks every decision threshold +-3 ulp, binade edges, -0, negatives and random
 blocks under the interpreter against :func:`lowmemopt.quant.maps.nearest_code_reference`; ``bench/pow2_exhaustive.py``
-checks all 2^32 bit patterns against the reference table.
+checks every bit pattern a kernel can encode (``|y| <= 1`` of both signs, subnormals, zeros, non-finite: 2^31 + 2^24)
+against the reference table and the brute-force thresholds.
 
 :func:`pow2_value` is the inverse (code -> fp32 code value, by bit construction): the kernels decode with a gather
 from the 1 KiB book (``decode_q8``, L1-resident); this is the table-free alternative, exact over all 256 codes of both

@@ -1,7 +1,8 @@
 """The Triton arithmetic encoder / decoder of the pow2 state maps (lowmemopt.kernels.pow2) under the interpreter:
 code for code equal to the brute-force nearest-code rule (lowmemopt.quant.maps) at every decision threshold +-3 ulp,
 every binade edge, zeros of both signs, negatives in the unsigned map, non-finite values and random blocks; the
-decoder over all 256 codes. ``bench/pow2_exhaustive.py`` runs the same check over every fp32 bit pattern."""
+decoder over all 256 codes. ``bench/pow2_exhaustive.py`` runs the same check over every fp32 bit pattern with
+``|y| <= 1`` or non-finite (scaled block values lie in [-1, 1])."""
 
 from __future__ import annotations
 
