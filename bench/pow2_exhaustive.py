@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         c = exhaustive(name, args.chunks, args.above_one)
         t1 = time.time()
-        s = sample(name, args.sample, seed=17)
-        t2 = time.time()
         print(f"{name}: {c['patterns']:,} bit patterns emulated ({t1 - t0:.0f} s): {c['in_range']:,} with |y| <= 1 "
               f"or non-finite -> {c['vs_table']} mismatches vs the reference table, {c['vs_thresholds']} vs the "
               f"brute-force thresholds (|y| <= 1); {c['above_one']:,} finite |y| > 1 (unreachable), "
-              f"{c['above_one_vs_table']:,} of them coded differently from the table")
+              f"{c['above_one_vs_table']:,} of them coded differently from the table", flush=True)
+        s = sample(name, args.sample, seed=17)
+        t2 = time.time()
         print(f"{name}: Triton pow2_code interpreted on {s['values']:,} sampled values ({t2 - t1:.0f} s): "
               f"{s['triton_vs_table']} mismatches vs the table, {s['triton_vs_emulation']} vs the emulation")
         bad += c["vs_table"] + c["vs_thresholds"] + s["triton_vs_table"] + s["triton_vs_emulation"]
