@@ -2,19 +2,28 @@
 LAMB8bit), torch's fused AdamW and torchao's AdamW8bit, at 10M to 1B parameters, with the achieved memory bandwidth as
 a percentage of the device's measured device-to-device copy bandwidth (the roofline of these memory-bound steps).
 
-    cd /tmp && python /path/to/repo/bench/fused_kernels.py                       # 10M, 100M, 1B parameters
-    cd /tmp && python /path/to/repo/bench/fused_kernels.py --sizes 100M --json kernels.json
+    cd /tmp && python /path/to/repo/bench/fused_kernels.py                       # 10M, 100M, 1B; fp32 and bf16
+    cd /tmp && python /path/to/repo/bench/fused_kernels.py --sizes 100M --dtypes bf16 --json kernels.json
+    cd /tmp && python /path/to/repo/bench/fused_kernels.py --sweep --sizes 100M  # AdamW-8bit over tile shapes
 
 Needs a CUDA GPU (it refuses to run without one). Run from outside the repository root (see bench/README.md).
 
-Model: ``--sizes`` parameters as a transformer-like set of fp32 tensors: square ``h x h`` matrices (4 per layer),
-``h x 4h`` MLP matrices (2 per layer) and two ``h`` vectors per layer (norms: small tensors, fp32 state at every
-``state_bits``), so a launch covers hundreds of tensors of mixed sizes. Gradients are fixed random normals.
+Model: ``--sizes`` parameters as a transformer-like set of tensors of each ``--dtypes`` (fp32: fp32 parameters and
+gradients; bf16: bf16 parameters and gradients, the end-to-end mixed-precision case): square ``h x h`` matrices (4 per
+layer), ``h x 4h`` MLP matrices (2 per layer) and two ``h`` vectors per layer (norms: small tensors, fp32 state at
+every ``state_bits``), so a launch covers hundreds of tensors of mixed sizes. Gradients are fixed random normals.
 
-Bandwidth: each optimizer is credited with the bytes a single ideal pass moves per parameter (``IDEAL_BYTES``: read p,
-g and the state, write p and the state; 8-bit state 1 byte per slot, 4-bit half a byte, absmax ignored), divided by
-its median step time, as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``). lowmemopt's
-multi-pass kernels move more than that (docs/kernels.md lists the bytes per pass), which this metric charges them for.
+Bandwidth: each optimizer is credited with the bytes a single ideal pass moves per parameter (:func:`ideal_bytes`:
+read p, g and the state, write p and the state; 8-bit state 1 byte per slot, 4-bit half a byte, absmax ignored;
+2-byte parameters and gradients move 3 bytes less than fp32 ones), times the parameter count, divided by its median step time: the achieved
+GB/s of each row, also as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``, measured at the start
+of the same run). lowmemopt's multi-pass kernels move more than that (docs/kernels.md lists the bytes per pass), which
+this metric charges them for.
+
+Tile sweep (``--sweep``): lowmemopt's 8-bit AdamW over a grid of tile shapes, quantization blocks (rows) per program x
+``num_warps`` (:mod:`lowmemopt.kernels.runtime`: the GPU's ``TILE_SHAPES`` entry, set for the run), for each dtype and
+size, with the same GB/s columns; the best shape per size and dtype is marked (the entry to add to ``TILE_SHAPES``).
+Results go to ``--json``.
 
 Targets (issue 7): 8-bit AdamW >= 80% of the roofline at <= 1.0x bitsandbytes AdamW8bit's time; CAME-8bit <= 2x
 8-bit AdamW's time.
@@ -41,12 +50,33 @@ import torch  # noqa: E402
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 LR, WD = 1e-3, 1e-2
 
-#: bytes per parameter of one ideal pass (fp32 params and grads): p read + write 8, g read 4, state read + write
+#: bytes per parameter of one ideal pass with fp32 params and grads: p read + write 8, g read 4, state read + write
 IDEAL_BYTES = {
     "adamw-32": 8 + 4 + 16, "adamw-16": 8 + 4 + 8, "adamw-8": 8 + 4 + 4, "lion-8": 8 + 4 + 2, "lamb-8": 8 + 4 + 4,
     "lars-8": 8 + 4 + 2, "sgd-8": 8 + 4 + 2, "came-8": 8 + 4 + 2, "adafactor-8": 8 + 4 + 2, "adafactor": 8 + 4,
     "adamw-4": 8 + 4 + 2,
 }
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+#: the sweep's grid: quantization blocks (rows of 256) per program, and warps per program
+SWEEP_ROWS = (1, 2, 4, 8, 16, 32)
+SWEEP_WARPS = (1, 2, 4, 8, 16)
+
+
+def ideal_bytes(key: str, dtype: torch.dtype) -> int:
+    """Bytes per parameter of one ideal pass of optimizer ``key`` with parameters and gradients of ``dtype``: the
+    fp32 figure less 2 bytes per parameter access (read and write) and per gradient read for 2-byte dtypes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return IDEAL_BYTES[key] - 3 * (4 - size)
+
+
+def sweep_grid(block: int = 256, max_per_thread: int = 64) -> list[tuple[int, int]]:
+    """(rows, num_warps) shapes of the sweep whose tile gives every thread between 1 and ``max_per_thread`` elements
+    (fewer leave threads idle, more spill registers)."""
+    return [(rows, warps) for rows in SWEEP_ROWS for warps in SWEEP_WARPS
+            if 1 <= rows * block // (32 * warps) <= max_per_thread]
 
 
 def _lowmemopt(cls: str, bits: int, **kw) -> Factory:
@@ -133,13 +163,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) 
     return 2 * nbytes / best
 
 
-def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int) -> tuple[float, int, str]:
+def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int,
+                   dtype: torch.dtype = torch.float32) -> tuple[float, int, str]:
     """Median step time (s), state bytes, and the kernel path taken (lowmemopt: launches per step)."""
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
     for s in shapes:
-        p = torch.nn.Parameter(torch.randn(s, generator=gen, device=device).mul_(0.02))
-        p.grad = torch.randn(s, generator=gen, device=device).mul_(1e-3)
+        p = torch.nn.Parameter(torch.randn(s, generator=gen, device=device).mul_(0.02).to(dtype))
+        p.grad = torch.randn(s, generator=gen, device=device).mul_(1e-3).to(dtype)
         params.append(p)
     opt = factory(params)
     for _ in range(warmup):
@@ -170,66 +201,147 @@ def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int) ->
     return statistics.median(times), state, note
 
 
+def _row(name: str, t: float, state: int, n: int, ideal: int, bw: float, note: str) -> str:
+    gbs = ideal * n / t
+    return (f"| {name} | {1e3 * t:.2f} | {state / n:.3f} | {ideal} | {gbs / 1e9:.0f} | {100 * gbs / bw:.0f}% | "
+            f"{note} |")
+
+
+HEADER = ("| optimizer | median step (ms) | state B/param | ideal B/param | GB/s | % of copy bandwidth | notes |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+
+
+def run_optimizers(names: list[str], sizes: list[int], dtypes: list[str], device, bw: float, steps: int,
+                   warmup: int) -> list[dict]:
+    results = []
+    for size in sizes:
+        shapes = model_shapes(size)
+        n = sum(math.prod(s) for s in shapes)
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            print(f"### {n / 1e6:.0f}M {dname} parameters and gradients in {len(shapes)} tensors\n\n{HEADER}")
+            rows = {}
+            for name in names:
+                factory, key = OPTIMIZERS[name]
+                ideal = ideal_bytes(key, dtype)
+                try:
+                    t, state, note = time_optimizer(factory, shapes, device, steps, warmup, dtype)
+                except Exception as exc:  # noqa: BLE001 - a failing optimizer is a row, not a crash
+                    error = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    print(f"| {name} | — | — | {ideal} | — | — | FAILED: {error} |", flush=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
+                rows[name] = t
+                results.append(dict(size=n, tensors=len(shapes), dtype=dname, optimizer=name, median_s=t,
+                                    state_bytes=state, ideal_bytes_per_param=ideal, gb_per_s=ideal * n / t / 1e9,
+                                    pct_copy_bandwidth=100 * ideal * n / t / bw, note=note))
+                print(_row(name, t, state, n, ideal, bw, note), flush=True)
+            print()
+            _targets(rows, n, ideal_bytes("adamw-8", dtype), bw)
+    return results
+
+
+def _targets(rows: dict[str, float], n: int, ideal: int, bw: float) -> None:
+    ours, bnb, came = rows.get("lowmemopt-adamw-8bit"), rows.get("bnb-adamw8bit"), rows.get("lowmemopt-came-8bit")
+    if ours is not None:
+        pct = 100 * ideal * n / ours / bw
+        print(f"- target 8-bit AdamW >= 80% of copy bandwidth: {pct:.0f}% -> {'PASS' if pct >= 80 else 'FAIL'}")
+    if ours is not None and bnb is not None:
+        print(f"- target 8-bit AdamW <= 1.0x bitsandbytes: {ours / bnb:.2f}x -> {'PASS' if ours <= bnb else 'FAIL'}")
+    if ours is not None and came is not None:
+        print(f"- target CAME-8bit <= 2x 8-bit AdamW: {came / ours:.2f}x -> {'PASS' if came <= 2 * ours else 'FAIL'}")
+    print()
+
+
+def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int, warmup: int) -> list[dict]:
+    """lowmemopt's 8-bit AdamW at every tile shape of :func:`sweep_grid` (the device's ``runtime.TILE_SHAPES`` entry
+    set for each, then restored)."""
+    from lowmemopt.kernels import runtime
+
+    factory, key = OPTIMIZERS["lowmemopt-adamw-8bit"]
+    saved = runtime.tile_shape(device)
+    cap = tuple(torch.cuda.get_device_capability(device))
+    entry = runtime.TILE_SHAPES.get(cap)
+    block = 256  # lowmemopt's default block_size: one quantization block per tile row
+    results = []
+    try:
+        for size in sizes:
+            shapes = model_shapes(size)
+            n = sum(math.prod(s) for s in shapes)
+            for dname in dtypes:
+                ideal = ideal_bytes(key, DTYPES[dname])
+                print(f"### tile sweep: 8-bit AdamW, {n / 1e6:.0f}M {dname} parameters in {len(shapes)} tensors "
+                      f"(current: {saved[0] // block} rows x {saved[1]} warps)\n")
+                print("| rows x block | num_warps | elements/thread | median step (ms) | GB/s | % of copy bandwidth |")
+                print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+                found = []
+                for rows, warps in sweep_grid(block):
+                    runtime.TILE_SHAPES[cap] = (rows * block, warps)
+                    try:
+                        t, _, note = time_optimizer(factory, shapes, device, steps, warmup, DTYPES[dname])
+                    except Exception as exc:  # noqa: BLE001 - a shape that fails to compile or run is a row
+                        print(f"| {rows} x {block} | {warps} | {rows * block // (32 * warps)} | — | — | FAILED: "
+                              f"{type(exc).__name__}: {str(exc)[:100]} |", flush=True)
+                        continue
+                    gbs = ideal * n / t
+                    found.append((t, rows, warps))
+                    results.append(dict(size=n, dtype=dname, rows=rows, block=block, num_warps=warps, median_s=t,
+                                        gb_per_s=gbs / 1e9, pct_copy_bandwidth=100 * gbs / bw, note=note))
+                    print(f"| {rows} x {block} | {warps} | {rows * block // (32 * warps)} | {1e3 * t:.3f} | "
+                          f"{gbs / 1e9:.0f} | {100 * gbs / bw:.0f}% |", flush=True)
+                if found:
+                    t, rows, warps = min(found)
+                    print(f"\n- best: {rows} rows x {warps} warps (runtime.TILE_SHAPES[{cap}] = "
+                          f"({rows * block}, {warps})): "
+                          f"{1e3 * t:.3f} ms, {100 * ideal * n / t / bw:.0f}% of copy bandwidth\n")
+    finally:
+        if entry is None:
+            runtime.TILE_SHAPES.pop(cap, None)
+        else:
+            runtime.TILE_SHAPES[cap] = entry
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10M,100M,1B", help="parameter counts (default 10M,100M,1B)")
+    parser.add_argument("--dtypes", default="fp32,bf16",
+                        help="parameter and gradient dtypes: fp32, bf16 (default: both)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: "
                         + ", ".join(OPTIMIZERS))
+    parser.add_argument("--sweep", action="store_true",
+                        help="time lowmemopt's 8-bit AdamW over a grid of tile shapes (rows per program x num_warps) "
+                             "instead of the optimizer table")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles the kernels)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/fused_kernels.py needs a CUDA GPU: the fused Triton kernels run only on CUDA tensors "
-              "(CPU tensors take lowmemopt's reference path; see bench/step.py for CPU timings).", file=sys.stderr)
-        return 2
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     unknown = [n for n in names if n not in OPTIMIZERS]
     if unknown:
         parser.error(f"unknown optimizer(s): {', '.join(unknown)}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if any(d not in DTYPES for d in dtypes):
+        parser.error(f"--dtypes takes {', '.join(DTYPES)}, got {args.dtypes!r}")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if not torch.cuda.is_available():
+        print("bench/fused_kernels.py needs a CUDA GPU: the fused Triton kernels run only on CUDA tensors "
+              "(CPU tensors take lowmemopt's reference path; see bench/step.py for CPU timings).", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
-    print(f"## Fused kernel benchmark\n\n- GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(f"## Fused kernel benchmark\n\n- GPU: {torch.cuda.get_device_name(device)} (capability "
+          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}), torch {torch.__version__}")
     print(f"- device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (the roofline)\n")
-    results = []
-    for size in [parse_size(s) for s in args.sizes.split(",")]:
-        shapes = model_shapes(size)
-        n = sum(math.prod(s) for s in shapes)
-        print(f"### {n / 1e6:.0f}M parameters in {len(shapes)} tensors\n")
-        print("| optimizer | median step (ms) | state B/param | ideal B/param | % of copy bandwidth | notes |")
-        print("| --- | ---: | ---: | ---: | ---: | --- |")
-        rows = {}
-        for name in names:
-            factory, key = OPTIMIZERS[name]
-            try:
-                t, state, note = time_optimizer(factory, shapes, device, args.steps, args.warmup)
-            except Exception as exc:  # noqa: BLE001 - a failing optimizer is a row, not a crash
-                error = f"{type(exc).__name__}: {str(exc)[:120]}"
-                print(f"| {name} | — | — | — | — | FAILED: {error} |", flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-                continue
-            pct = 100 * IDEAL_BYTES[key] * n / t / bw
-            rows[name] = t
-            results.append(dict(size=n, tensors=len(shapes), optimizer=name, median_s=t, state_bytes=state,
-                                ideal_bytes_per_param=IDEAL_BYTES[key], pct_copy_bandwidth=pct, note=note))
-            print(f"| {name} | {1e3 * t:.2f} | {state / n:.3f} | {IDEAL_BYTES[key]} | {pct:.0f}% | {note} |",
-                  flush=True)
-        print()
-        ours, bnb, came = rows.get("lowmemopt-adamw-8bit"), rows.get("bnb-adamw8bit"), rows.get("lowmemopt-came-8bit")
-        if ours is not None:
-            pct = 100 * IDEAL_BYTES["adamw-8"] * n / ours / bw
-            print(f"- target 8-bit AdamW >= 80% of copy bandwidth: {pct:.0f}% -> {'PASS' if pct >= 80 else 'FAIL'}")
-        if ours is not None and bnb is not None:
-            print(f"- target 8-bit AdamW <= 1.0x bitsandbytes: {ours / bnb:.2f}x -> "
-                  f"{'PASS' if ours <= bnb else 'FAIL'}")
-        if ours is not None and came is not None:
-            verdict = "PASS" if came <= 2 * ours else "FAIL"
-            print(f"- target CAME-8bit <= 2x 8-bit AdamW: {came / ours:.2f}x -> {verdict}")
-        print()
+    if args.sweep:
+        results = run_sweep(sizes, dtypes, device, bw, args.steps, args.warmup)
+    else:
+        results = run_optimizers(names, sizes, dtypes, device, bw, args.steps, args.warmup)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(device), copy_bandwidth=bw, results=results), f, indent=2)
+            json.dump(dict(gpu=torch.cuda.get_device_name(device), capability=torch.cuda.get_device_capability(device),
+                           copy_bandwidth=bw, sweep=args.sweep, results=results), f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

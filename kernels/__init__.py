@@ -10,6 +10,7 @@ Modules:
 * ``codec``: block-wise 8- and 4-bit encode/decode device functions; standalone :func:`quantize_blockwise` /
   :func:`dequantize_blockwise` and :func:`quantize_blockwise4` / :func:`dequantize_blockwise4` kernels (code-for-code
   twins of :mod:`lowmemopt.quant`'s and :mod:`lowmemopt.quant.q4`'s).
+* ``pow2``: the state maps' nearest code by integer arithmetic on the float's bits (no table), and its inverse.
 * ``adamw``, ``sgd``, ``lion``, ``lamb``, ``lars``, ``factored`` (Adafactor, CAME): kernels and their launchers.
 * ``table``, ``launch``: multi-tensor launch tables and buckets; ``registry``: (algorithm, format) -> kernel;
   ``dispatch``: which items take a kernel; ``runtime``: Triton availability, the interpreter, tile sizes.

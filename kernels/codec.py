@@ -7,11 +7,13 @@ They reproduce :mod:`lowmemopt.quant.blockwise` code for code (the tests compare
     y = x / (scale_b if scale_b > 0 else 1);   code = lo[bucket(y)] + (y >= threshold[bucket(y)])
     decode: x ~= book[code] * scale_b
 
-``bucket(y)`` is the top 16 bits of ``y``'s fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB
-of int32, one L2-resident gather per element) holds the lower code and the threshold's low 16 bits, so one lookup
-gives the exact nearest code, with the unsigned map's rule that a positive value never takes code 0
-(see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use the IEEE-rounded forms
-(``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
+The state maps (``pow2`` / ``upow2``, every optimizer kernel) find the nearest code by integer arithmetic on ``y``'s
+bits (:mod:`.pow2`: a rounding add and a shift per binade class, no memory access). Other maps (the legacy dynamic
+maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits of ``y``'s
+fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per element) holds
+the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's rule that a
+positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use
+the IEEE-rounded forms (``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
 
 A tile is ``[ROWS, BLOCK]``: one quantization block per row, so a block's scale is a row reduction in registers.
 Masked (ragged) elements are zero before the reduction; zeros never change a block's scale (they lie between the
@@ -40,9 +42,10 @@ import triton.language as tl
 from lowmemopt.quant import q4
 from lowmemopt.quant.blockwise import num_blocks
 from lowmemopt.quant.formats import map_for
-from lowmemopt.quant.maps import MAP_NAMES, code_book, encode_table, is_signed_map
+from lowmemopt.quant.maps import MAP_NAMES, POW2_BITS, code_book, encode_table, is_signed_map
 
 from . import runtime
+from .pow2 import pow2_code
 
 __all__ = ["FP32", "BF16", "Q8", "Q4", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise",
            "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"]
@@ -53,20 +56,17 @@ NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
 FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8, "q4": Q4}
 
 
-def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(signed book, signed packed table, unsigned book, unsigned packed table) of the state maps on ``device``
-    (cached): the 4-bit maps (``pow2x4``, ``upow2x4``) for ``fmt == "q4"``, the 8-bit ones otherwise (dense formats
+def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                          torch.Tensor | None]:
+    """(signed book, signed encode table, unsigned book, unsigned encode table) of the state maps on ``device``
+    (cached): the 4-bit maps (``pow2x4``, ``upow2x4``) and their packed tables for ``fmt == "q4"``; otherwise the
+    8-bit books and no tables (None: the 8-bit state maps are encoded by arithmetic, :func:`encode_q8`; dense formats
     ignore them)."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
         return (q4.code_book(signed, device), q4.encode_table(signed, device),
                 q4.code_book(unsigned, device), q4.encode_table(unsigned, device))
-    return (
-        code_book(map_for(True), device),
-        encode_table(map_for(True), device).packed,
-        code_book(map_for(False), device),
-        encode_table(map_for(False), device).packed,
-    )
+    return code_book(map_for(True), device), None, code_book(map_for(False), device), None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -104,7 +104,9 @@ def rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr):
-    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (uint8 codes [ROWS, BLOCK], fp32 scale [ROWS])."""
+    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (uint8 codes [ROWS, BLOCK], fp32 scale [ROWS]).
+    ``lut``: the map's packed bucket table, or None for the state maps (``pow2`` / ``upow2``), which
+    :func:`.pow2.pow2_code` encodes by arithmetic on the bits (no gather)."""
     if SIGNED:
         first = tl.load(book)
         last = tl.load(book + 255)
@@ -112,10 +114,13 @@ def encode_q8(x, book, lut, SIGNED: tl.constexpr):
     else:
         scale = tl.maximum(tl.max(x, axis=1), 0.0)
     y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
-    u = y.to(tl.int32, bitcast=True)
-    entry = tl.load(lut + ((u >> 16) & 0xFFFF))
-    t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
-    code = (entry >> 17) + (t >= (entry & 0x1FFFF)).to(tl.int32)
+    if lut is None:
+        code = pow2_code(y, SIGNED)
+    else:
+        u = y.to(tl.int32, bitcast=True)
+        entry = tl.load(lut + ((u >> 16) & 0xFFFF))
+        t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
+        code = (entry >> 17) + (t >= (entry & 0x1FFFF)).to(tl.int32)
     return code.to(tl.uint8), scale
 
 
@@ -437,11 +442,12 @@ def quantize_blockwise(
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
     if n:
-        book, lut = code_book(name, x.device), encode_table(name, x.device).packed
-        rows = runtime.rows_per_tile(block_size)
+        book = code_book(name, x.device)
+        lut = None if name in POW2_BITS else encode_table(name, x.device).packed  # pow2 maps: arithmetic encoder
+        rows = runtime.rows_per_tile(block_size, x.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
-        _quantize_kernel[grid](flat, codes, absmax, n, book, lut,
-                               SIGNED=signed, ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
+        _quantize_kernel[grid](flat, codes, absmax, n, book, lut, SIGNED=signed, ROWS=rows, BLOCK=block_size,
+                               num_warps=runtime.tile_shape(x.device)[1])
     return codes, absmax
 
 
@@ -467,10 +473,10 @@ def dequantize_blockwise(
     out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
     if flat.numel():
         book = code_book(name, codes.device)
-        rows = runtime.rows_per_tile(block_size)
+        rows = runtime.rows_per_tile(block_size, codes.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
         _dequantize_kernel[grid](flat, absmax.contiguous(), out, flat.numel(), book, ROWS=rows, BLOCK=block_size,
-                                 num_warps=runtime.NUM_WARPS)
+                                 num_warps=runtime.tile_shape(codes.device)[1])
     return out if shape is None else out.view(shape)
 
 

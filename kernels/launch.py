@@ -131,7 +131,7 @@ class Bucket:
             P_DTYPE=TL_DTYPES[self.params[0].dtype],
             G_DTYPE=TL_DTYPES[self.grads[0].dtype],
             ALIGNED=self.aligned(slots),
-            ROWS=runtime.rows_per_tile(block),
+            ROWS=runtime.rows_per_tile(block, self.device),
             BLOCK=block,
         )
 
@@ -161,7 +161,7 @@ class Bucket:
             self.written = True
         # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
         kernel[(sum(counts),)](units, table, *maps(self.device, self.fmt), *args, W=len(rows[0]), **meta,
-                               num_warps=runtime.NUM_WARPS, enable_fp_fusion=False)
+                               num_warps=runtime.tile_shape(self.device)[1], enable_fp_fusion=False)
 
     def accumulators(self, n: int) -> torch.Tensor:
         """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""

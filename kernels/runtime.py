@@ -11,18 +11,20 @@ Launch shapes (tuning facts, not semantics): a program handles one *tile* of ``r
 is the quantization block size for 8-bit state (a row is one block: its absmax is a row reduction) and a whole tile
 for dense state. 2048 elements per tile with 4 warps keeps 16 fp32 values per thread in flight, enough to saturate
 HBM on A100/H100 class GPUs for these memory-bound kernels (124 registers per thread for 8-bit AdamW at sm_90: four
-programs per SM).
+programs per SM). A GPU model may take another shape (:data:`TILE_SHAPES`, by compute capability, filled from
+``bench/fused_kernels.py --sweep`` measurements); the shape changes speed only, never results.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 __all__ = [
-    "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "rows_per_tile", "device_ok",
-    "cpu_interpreter",
+    "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "TILE_SHAPES", "tile_shape",
+    "rows_per_tile", "device_ok", "cpu_interpreter",
 ]
 
 try:
@@ -43,13 +45,33 @@ TILE = 2048
 TILE_2D = (16, 128)
 STATS_BLOCK = 1024
 NUM_WARPS = 4
+#: (elements per tile, warps per program) of the elementwise passes by CUDA compute capability ``(major, minor)``;
+#: a capability not listed (and the interpreter) takes ``(TILE, NUM_WARPS)``. Entries are measurements of
+#: ``bench/fused_kernels.py --sweep`` on that GPU, never guesses: none yet.
+TILE_SHAPES: dict[tuple[int, int], tuple[int, int]] = {}
 
 _cpu_interpreter = False  # tests: route CPU tensors through the interpreted kernels (see cpu_interpreter())
 
 
-def rows_per_tile(block: int) -> int:
-    """Rows of ``block`` elements per program (at least one)."""
-    return max(1, TILE // block)
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
+    """(elements per tile, num_warps) of the elementwise passes on ``device``: its :data:`TILE_SHAPES` entry, else
+    ``(TILE, NUM_WARPS)``."""
+    if device is not None and device.type == "cuda" and TILE_SHAPES:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        shape = TILE_SHAPES.get(_capability(index))
+        if shape is not None:
+            return shape
+    return TILE, NUM_WARPS
+
+
+def rows_per_tile(block: int, device: torch.device | None = None) -> int:
+    """Rows of ``block`` elements per program (at least one) on ``device`` (:func:`tile_shape`)."""
+    return max(1, tile_shape(device)[0] // block)
 
 
 def device_ok(device: torch.device) -> bool:

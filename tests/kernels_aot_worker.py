@@ -24,10 +24,14 @@ FP32_POINTERS = {"book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cf
 INTS = {"first_step": "i32", "numel": "i64"}
 
 
-def signature(fn) -> dict:
+#: the state maps' encode tables: None at run time (codec.maps; the pow2 maps are encoded by arithmetic)
+NONE_ARGS = {"lut_s": None, "lut_u": None}
+
+
+def signature(fn, constexprs: dict) -> dict:
     sig = {}
     for p in fn.params:
-        if p.is_constexpr:
+        if p.is_constexpr or p.name in constexprs:
             sig[p.name] = "constexpr"
         elif p.name in POINTERS:
             sig[p.name] = POINTERS[p.name]
@@ -60,7 +64,8 @@ VARIANTS = [
     ("apply-came", factored._apply_kernel, tile(FACTORED=True, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
     ("apply-adafactor", factored._apply_kernel,
      tile(FACTORED=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
-    ("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=8, BLOCK=256)),
+    ("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=8, BLOCK=256, lut=None)),
+    ("quantize-table", codec._quantize_kernel, dict(SIGNED=True, ROWS=8, BLOCK=256)),
     ("dequantize", codec._dequantize_kernel, dict(ROWS=8, BLOCK=256)),
     # 4-bit state (FMT 3, block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
     ("adam-q4", adamw._adam_kernel,
@@ -80,7 +85,9 @@ def main() -> None:
     for label, kernel, constexprs in VARIANTS:
         result = dict(kernel=label, ok=False, error="", v4=0)
         try:
-            src = ASTSource(fn=kernel, signature=signature(kernel), constexprs=constexprs)
+            none = {} if constexprs.get("FMT") == 3 else NONE_ARGS  # 4-bit encodes through its table
+            constexprs = {**{k: v for k, v in none.items() if k in kernel.arg_names}, **constexprs}
+            src = ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs)
             compiled = triton.compile(src, target=target, options=dict(num_warps=4, enable_fp_fusion=False))
             result["v4"] = len(re.findall(r"(?:ld|st)\.global[\.\w]*\.v4", compiled.asm["ptx"]))
             result["ok"] = True

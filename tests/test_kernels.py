@@ -487,7 +487,7 @@ def test_kernels_compile_for_gpu(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 20, out.stdout[-3000:]
+    assert len(results) == 21, out.stdout[-3000:]
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
     vectorized = {r["kernel"]: r["v4"] for r in results}

@@ -1,0 +1,200 @@
+"""Nearest code of the ``pow2`` / ``upow2`` state maps by integer arithmetic on the float's bits, in Triton: no table
+gather per element (the generic encoder of :mod:`.codec` reads a 256 KiB bucket table, one L2 gather per element).
+
+The codes of binade ``[2^e, 2^(e+1))`` are the floats there with ``b_e`` mantissa bits (:data:`POW2_BITS`), so the
+nearest code of ``|y|`` is its bit pattern rounded to ``b_e`` bits (the derivation is ``pow2_code`` in
+``lowmemopt/cpu/kernels.c``, the C twin of this encoder)::
+
+    a = |y|'s bits clamped to [e_lo << 23, 1.0];   code = (a + neg + add_c) >> shift_c        (uint32)
+
+where ``neg`` is 1 for a negative ``y`` (signed map: ties go to the larger magnitude, the lower code), and class ``c``
+is the run of binades that holds ``a``. Consecutive binades with the same ``b`` form one class: their codes are
+consecutive in ``(exponent, top b mantissa bits)``, so one addend and shift serve them all (a rounding carry lands on
+the next binade's first code). Each map has 6 classes (``e_lo`` and ``e_lo + 1``, which decide between the zero code
+and the smallest one, then one per run of equal ``b``; 1.0 continues the top class), picked by 5 compares against
+compile-time constants: the whole encoder is ~20 integer operations on registers. A negative ``y`` of the signed map
+takes ``mirror - code`` (at least 0: the map has no -1); for the unsigned map ``y <= 0`` takes 0. Non-finite ``y``
+takes code 0, as the reference's table does (the brute-force rule's argmin over NaN / infinite distances).
+
+Exact: ``tests/test_pow2_code.py`` checks every decision threshold +-3 ulp, binade edges, -0, negatives and random
+blocks under the interpreter against :func:`lowmemopt.quant.maps.nearest_code_reference`; ``bench/pow2_exhaustive.py``
+checks every bit pattern a kernel can encode (``|y| <= 1`` of both signs, subnormals, zeros, non-finite: 2^31 + 2^24)
+against the reference table and the brute-force thresholds.
+
+:func:`pow2_value` is the inverse (code -> fp32 code value, by bit construction): the kernels decode with a gather
+from the 1 KiB book (``decode_q8``, L1-resident); this is the table-free alternative, exact over all 256 codes of both
+maps (tested), not wired in until a GPU measurement shows it faster.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from lowmemopt.quant.maps import POW2_BITS, is_signed_map
+
+__all__ = ["encode_classes", "decode_classes", "pow2_code", "pow2_value", "codes", "values", "NCLASSES"]
+
+_ONE = 127 << 23  # fp32 bits of 1.0
+_NEVER = 0x7FFFFFFF  # a class bound that no clamped |y| reaches (padding)
+NCLASSES = 6
+
+
+@functools.lru_cache(maxsize=None)
+def encode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
+    """The encoder's classes of ``name`` ("pow2" | "upow2"), ascending: ``(first bits, add, shift)``, ``add`` as a
+    wrapped int32; plus derived checks. ``(a + neg + add) >> shift`` (mod 2^32) is the code of clamped bits ``a``."""
+    if name not in POW2_BITS:
+        raise ValueError(f"no bit encoder for map {name!r}")
+    bits, signed = POW2_BITS[name], is_signed_map(name)
+    nb = len(bits)
+    e_lo = 125 - nb
+    zero = 127 if signed else 0  # index of the zero code: the signed book holds 127 negative codes
+    classes: list[tuple[int, int, int]] = []
+    sums: list[int] = []  # rounding + first code << shift: the true sum at the class's first float
+
+    def put(e: int, shift: int, rounding: int, first_code: int) -> None:
+        # (e << 23 + m + neg + add) >> shift == first_code + ((m + neg + rounding) >> shift), m: bits above e << 23
+        add = (rounding + (first_code << shift) - (e << 23)) % 2**32
+        classes.append((e << 23, add - 2**32 if add >= 2**31 else add, shift))
+        sums.append(rounding + (first_code << shift))
+
+    # e_lo and e_lo + 1: below the smallest code m_1 = 2^(e_lo + 2 - 127). Signed: the zero code up to the mid point
+    # 2^(e_lo + 1 - 127) (a tie: 0 for positive y, -m_1 for negative y), m_1 above; unsigned: always m_1.
+    put(e_lo, 24, (1 << 23) - 1 if signed else 0, zero if signed else 1)
+    code = zero + 1  # the code of the lowest binade's first value
+    k = nb - 1
+    while k >= 0:  # runs of binades with equal mantissa bits, lowest first (binade k has exponent 126 - k)
+        b = bits[k]
+        put(126 - k, 23 - b, (1 << (22 - b)) - 1, code)
+        while k >= 0 and bits[k] == b:
+            code += 2**b
+            k -= 1
+    if code != 255 or len(classes) > NCLASSES:
+        raise AssertionError(f"map {name!r}: 1.0 takes code {code}, {len(classes)} classes")
+    # the true sums (a - first bits + neg + rounding + first code << shift, a < next class) stay below 2^32: the
+    # wrapped uint32 addition gives them exactly
+    for (lo, _, _), hi, first_sum in zip(classes, [c[0] for c in classes[1:]] + [_ONE + 1], sums):
+        if first_sum + hi - lo >= 2**32:
+            raise AssertionError(f"map {name!r}: class at {lo:#x} overflows")
+    return tuple(classes) + ((_NEVER, 0, 0),) * (NCLASSES - len(classes))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
+    """The inverse's classes: ``(first magnitude index, bits offset, shift)``; magnitude index ``i >= 1`` (code
+    ``zero + i``, or ``zero - i``) has the value bits ``offset + (i << shift)``."""
+    out = []
+    for lo, add, shift in encode_classes(name)[1:]:
+        if lo == _NEVER:
+            out.append((1 << 30, 0, 0))
+            continue
+        first = ((lo + add % 2**32) % 2**32) >> shift  # the code of the class's first float, a code value
+        i = first - (2**7 - 1 if is_signed_map(name) else 0)
+        out.append((i, lo - (i << shift), shift))
+    return tuple(out)
+
+
+E_LO_S: tl.constexpr = tl.constexpr(encode_classes("pow2")[0][0])
+E_LO_U: tl.constexpr = tl.constexpr(encode_classes("upow2")[0][0])
+ENC_S: tl.constexpr = tl.constexpr(encode_classes("pow2"))
+ENC_U: tl.constexpr = tl.constexpr(encode_classes("upow2"))
+DEC_S: tl.constexpr = tl.constexpr(decode_classes("pow2"))
+DEC_U: tl.constexpr = tl.constexpr(decode_classes("upow2"))
+NCLS: tl.constexpr = tl.constexpr(NCLASSES)
+
+
+@triton.jit
+def _class_of(a, CLASSES: tl.constexpr, N: tl.constexpr):
+    """(add, shift) of the class holding ``a`` (int32 >= 0): the last of ``CLASSES[:N]`` whose first entry is <= a."""
+    add = tl.full(a.shape, CLASSES[0][1], tl.int32)
+    shift = tl.full(a.shape, CLASSES[0][2], tl.int32)
+    for i in tl.static_range(1, N):
+        hit = a >= CLASSES[i][0]
+        add = tl.where(hit, CLASSES[i][1], add)
+        shift = tl.where(hit, CLASSES[i][2], shift)
+    return add, shift
+
+
+@triton.jit
+def pow2_code(y, SIGNED: tl.constexpr):
+    """int32 nearest code of fp32 ``y`` in ``pow2`` (``SIGNED``) or ``upow2``: the rounding rule of
+    :mod:`lowmemopt.quant.maps` (ties to the lower code; unsigned: a positive ``y`` never takes code 0)."""
+    u = y.to(tl.int32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    if SIGNED:
+        neg = (u >> 31) & 1
+        c = tl.minimum(tl.maximum(a, E_LO_S), 0x3F800000)  # 1.0
+        add, shift = _class_of(c, ENC_S, NCLS)
+    else:
+        neg = u & 0  # y <= 0 is masked below
+        c = tl.minimum(tl.maximum(a, E_LO_U), 0x3F800000)
+        add, shift = _class_of(c, ENC_U, NCLS)
+    s = (c + neg).to(tl.uint32, bitcast=True) + add.to(tl.uint32, bitcast=True)
+    code = (s >> shift.to(tl.uint32)).to(tl.int32, bitcast=True)
+    if SIGNED:
+        code = tl.where(neg != 0, tl.maximum(254 - code, 0), code)
+        code = tl.where(a < 0x7F800000, code, 0)
+    else:
+        code = tl.where((u > 0) & (u < 0x7F800000), code, 0)
+    return code
+
+
+@triton.jit
+def pow2_value(code, SIGNED: tl.constexpr):
+    """fp32 value of int32 ``code`` (0..255) in ``pow2`` (``SIGNED``) or ``upow2``, built from its bits."""
+    if SIGNED:
+        i = tl.abs(code - 127)
+        off, shift = _class_of(i, DEC_S, NCLS - 1)
+        bits = tl.where(i > 0, off + (i << shift), 0) | ((code < 127).to(tl.int32) << 31)
+    else:
+        off, shift = _class_of(code, DEC_U, NCLS - 1)
+        bits = tl.where(code > 0, off + (code << shift), 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# standalone launchers (tests, the exhaustive check)
+
+
+@triton.jit
+def _code_kernel(y_ptr, out_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, pow2_code(tl.load(y_ptr + offs, mask=mask, other=0.0), SIGNED), mask=mask)
+
+
+@triton.jit
+def _value_kernel(code_ptr, out_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, pow2_value(tl.load(code_ptr + offs, mask=mask, other=0), SIGNED), mask=mask)
+
+
+def codes(y: torch.Tensor, name: str, block: int = 1024) -> torch.Tensor:
+    """int32 codes of the fp32 values ``y`` (flat) by :func:`pow2_code` (CUDA, or CPU under the interpreter)."""
+    y = y.reshape(-1).contiguous()
+    if y.dtype != torch.float32:
+        raise TypeError(f"pow2 codes need fp32 values, got {y.dtype}")
+    out = torch.empty(y.numel(), dtype=torch.int32, device=y.device)
+    if y.numel():
+        _code_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), SIGNED=_signed(name), BLOCK=block)
+    return out
+
+
+def values(c: torch.Tensor, name: str) -> torch.Tensor:
+    """fp32 values of int32 codes ``c`` (flat) by :func:`pow2_value`."""
+    c = c.reshape(-1).to(torch.int32).contiguous()
+    out = torch.empty(c.numel(), dtype=torch.float32, device=c.device)
+    if c.numel():
+        _value_kernel[(triton.cdiv(c.numel(), 256),)](c, out, c.numel(), SIGNED=_signed(name), BLOCK=256)
+    return out
+
+
+def _signed(name: str) -> bool:
+    if name not in POW2_BITS:
+        raise ValueError(f"no bit encoder for map {name!r}")
+    return is_signed_map(name)
