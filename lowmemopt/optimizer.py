@@ -386,7 +386,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pipe = _CpuFiniteChecks(self, work, grads) if pager is None else None
         finite: list[bool | None] = [None] * len(work)
         if self._check_on_device(work, grads, pager, pipe):  # no synchronization before the launches
-            on_device = DeviceFlags([p for p, _ in work], grads)
+            on_device = DeviceFlags([p for p, _ in work], grads)  # (``device_flags``; the pager is known here)
             finite = [True] * len(work)  # provisionally: the kernels read the device's flags
             self._run_pipeline([(i, p, group) for i, (p, group) in enumerate(work)], finite, grads, pipe, pager,
                                on_device)
@@ -438,14 +438,28 @@ class LowMemOptimizer(torch.optim.Optimizer):
         bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
         pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
 
-    def _step_alone(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """Step one parameter whose gradient (``p.grad``) is known to be finite, through the same pipeline as
-        ``step()`` (paged state fetched and written back; the fused kernels where its device has them): the
-        per-layer updates inside ``backward()`` (:func:`lowmemopt.step_in_backward`)."""
-        pager = paging.pager_of(self) if paging.tier_of(group) is not None else None
+    def _step_alone(self, p: torch.Tensor, group: dict[str, Any], flags: DeviceFlags | None = None) -> None:
+        """Step one parameter whose gradient (``p.grad``) is known to be finite, or whose finiteness ``flags`` holds
+        on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state fetched and written
+        back; the fused kernels where its device has them): the per-layer updates inside ``backward()``
+        (:func:`lowmemopt.step_in_backward`)."""
+        pager = self._pager_for(group)
         if pager is not None:
             pager.begin([(p, group)])
-        self._run_pipeline([(0, p, group)], [True], [local_tensor(p.grad)], None, pager)
+        self._run_pipeline([(0, p, group)], [True], [local_tensor(p.grad)], None, pager, flags)
+
+    def _pager_for(self, group: dict[str, Any]) -> Any:
+        return paging.pager_of(self) if paging.tier_of(group) is not None else None
+
+    def device_flags(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor]) -> DeviceFlags | None:
+        """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
+        (:mod:`lowmemopt.pipeline.finite`); None where the check must be decided on the host first."""
+        pager = None
+        for _, group in work:
+            pager = pager or self._pager_for(group)
+        if not self._check_on_device(work, grads, pager, None):
+            return None
+        return DeviceFlags([p for p, _ in work], grads)
 
     def _step_in_order(self, todo: list, finite: list[bool | None], grads: list[torch.Tensor],
                        pipe: _CpuFiniteChecks) -> None:

@@ -18,8 +18,10 @@ update happens before the last gradient exists. Pass ``max_grad_norm`` only as N
 ``torch.nn.utils.clip_grad_norm_`` after ``backward()`` would see no gradients (they are freed) and clip nothing.
 
 Non-finite gradients: as in ``optimizer.step()``, a parameter whose gradient has a NaN/Inf is skipped (value and state
-unchanged, counted in ``optimizer.nonfinite_skips``, one warning per backward). That check costs one host
-synchronization per parameter here (``step()`` batches it per device).
+unchanged, counted in ``optimizer.nonfinite_skips``, one warning per backward). Where the element-wise Triton kernels
+step the parameter (AdamW / Adam, SGD, Lion on a GPU, nothing paged, projected or sharded), the skip is decided on the
+device (:mod:`lowmemopt.pipeline.finite`) and the flags are read once, at the end of the backward pass; elsewhere the
+check costs one host synchronization per parameter (``step()`` batches it per device).
 
 Checkpointing: the optimizer's state is its ``state_dict()``; the stepper's (the micro-batch position) is
 :meth:`BackwardStepper.state_dict`, restored with :meth:`BackwardStepper.load_state_dict`. Save at a step boundary:
@@ -36,6 +38,7 @@ import torch
 from ._stacklevel import external_stacklevel
 from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
+from .pipeline.finite import DeviceFlags, resolve
 
 __all__ = ["BackwardStepper", "step_in_backward"]
 
@@ -51,6 +54,7 @@ class BackwardStepper:
         self.steps = 0  # updates done
         self._in_backward = False
         self._skipped = 0
+        self._pending: list[DeviceFlags] = []  # this backward's device-side finiteness checks (pipeline.finite)
         # param -> index of its group: the group dict is looked up at each step, because load_state_dict (a resume,
         # accelerate's prepare) replaces the optimizer's group dicts, and an LR scheduler updates the new ones
         self._group_of: dict[torch.Tensor, int] = {}
@@ -86,15 +90,22 @@ class BackwardStepper:
         if grad.is_sparse:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
         local = local_tensor(grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
-        if agree_finite(_finite_flags([local]), [p], [grad])[0]:
-            with torch.no_grad():  # through the step pipeline: paged state fetched and written back, fused kernels
-                self.optimizer._step_alone(p, self.optimizer.param_groups[self._group_of[p]])
-        else:
-            self._skipped += 1
+        group = self.optimizer.param_groups[self._group_of[p]]
+        with torch.no_grad():  # through the step pipeline: paged state fetched and written back, fused kernels
+            flags = self.optimizer.device_flags([(p, group)], [local])
+            if flags is not None:  # decided by the kernel on the device; read at the end of the backward pass
+                self.optimizer._step_alone(p, group, flags)
+                self._pending.append(flags)
+            elif agree_finite(_finite_flags([local]), [p], [grad])[0]:
+                self.optimizer._step_alone(p, group)
+            else:
+                self._skipped += 1
         p.grad = None
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
+        self._skipped += resolve(self._pending)  # one synchronization per backward pass, none per parameter
+        self._pending = []
         self.micro_step += 1
         if self.micro_step == self.accumulation_steps:
             self.micro_step = 0

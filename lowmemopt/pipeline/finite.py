@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags"]
+__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "resolve"]
 
 #: fused algorithms whose kernels store nothing outside ``offs < numel`` (a tensor with element count 0 is untouched)
 DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "lion"})
@@ -68,3 +68,21 @@ class DeviceFlags:
                     state.clear()
                 else:
                     state["step"] = step
+
+
+def resolve(pending: list[DeviceFlags]) -> int:
+    """Read the flags of several checks with one synchronization (one host copy of all of them), undo their skipped
+    parameters' provisional steps, and return how many parameters were skipped: the per-layer updates
+    (:mod:`lowmemopt.per_layer`) check each parameter on the device in its hook and resolve once per backward pass."""
+    if not pending:
+        return 0
+    values = torch.cat([f.tensor for f in pending]).tolist()
+    at = 0
+    skipped = 0
+    for f in pending:
+        n = f.tensor.numel()
+        f._host = [bool(v) for v in values[at:at + n]]
+        at += n
+        f.undo_skipped()
+        skipped += n - sum(f._host)
+    return skipped
