@@ -107,21 +107,36 @@ def encode_q8(x, book, lut, SIGNED: tl.constexpr):
     """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (uint8 codes [ROWS, BLOCK], fp32 scale [ROWS]).
     ``lut``: the map's packed bucket table, or None for the state maps (``pow2`` / ``upow2``), which
     :func:`.pow2.pow2_code` encodes by arithmetic on the bits (no gather)."""
-    if SIGNED:
-        first = tl.load(book)
-        last = tl.load(book + 255)
-        scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
-    else:
-        scale = tl.maximum(tl.max(x, axis=1), 0.0)
-    y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+    y, scale = block_scaled(x, book, 255, SIGNED)
     if lut is None:
         code = pow2_code(y, SIGNED)
     else:
-        u = y.to(tl.int32, bitcast=True)
-        entry = tl.load(lut + ((u >> 16) & 0xFFFF))
-        t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
-        code = (entry >> 17) + (t >= (entry & 0x1FFFF)).to(tl.int32)
+        code = table_code(y, lut)
     return code.to(tl.uint8), scale
+
+
+@triton.jit
+def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
+    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks: the scale makes
+    both extremes representable in a book whose last code is ``book[LAST]`` (signed: ``max(max x / book[LAST], min x
+    / book[0])``; unsigned: ``max(max x, 0)``); an all-zero row keeps scale 0 and divides by 1."""
+    if SIGNED:
+        first = tl.load(book)
+        last = tl.load(book + LAST)
+        scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
+    else:
+        scale = tl.maximum(tl.max(x, axis=1), 0.0)
+    return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
+
+
+@triton.jit
+def table_code(y, lut):
+    """The nearest code of scaled ``y`` (int32) from a map's packed bucket table (:mod:`lowmemopt.quant.maps`): the top
+    16 bits of ``y``'s pattern select a bucket holding the lower code and its threshold's low 16 bits."""
+    u = y.to(tl.int32, bitcast=True)
+    entry = tl.load(lut + ((u >> 16) & 0xFFFF))
+    t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
+    return (entry >> 17) + (t >= (entry & 0x1FFFF)).to(tl.int32)
 
 
 @triton.jit
@@ -157,18 +172,9 @@ def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MASKE
 @triton.jit
 def encode_q4(x, book, lut, SIGNED: tl.constexpr):
     """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (int32 4-bit codes [ROWS, BLOCK], fp32 scale
-    [ROWS]): :func:`encode_q8`'s arithmetic with a 16-code ``book`` and the 4-bit map's bucket table ``lut``."""
-    if SIGNED:
-        first = tl.load(book)
-        last = tl.load(book + 15)
-        scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
-    else:
-        scale = tl.maximum(tl.max(x, axis=1), 0.0)
-    y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
-    u = y.to(tl.int32, bitcast=True)
-    entry = tl.load(lut + ((u >> 16) & 0xFFFF))
-    t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
-    return (entry >> 17) + (t >= (entry & 0x1FFFF)).to(tl.int32), scale
+    [ROWS]): :func:`encode_q8`'s scale with a 16-code ``book``, and the 4-bit map's bucket table ``lut``."""
+    y, scale = block_scaled(x, book, 15, SIGNED)
+    return table_code(y, lut), scale
 
 
 @triton.jit
