@@ -377,11 +377,18 @@ def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: 
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def block_tile(numel, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ``ROWS`` quantization blocks of a flat tensor: block indices [ROWS], element offsets
+    [ROWS, BLOCK] and their mask."""
     blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = offs < numel
+    return blocks, offs, offs < numel
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     codes, scale = encode_q8(x, book, lut, SIGNED)
     tl.store(codes_ptr + offs, codes, mask=mask)
@@ -390,9 +397,7 @@ def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = offs < numel
+    blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True)
     tl.store(out_ptr + offs, x, mask=mask)
 
@@ -400,18 +405,14 @@ def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.con
 @triton.jit
 def _quantize4_kernel(x_ptr, nibbles_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
                       BLOCK: tl.constexpr):
-    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = offs < numel
+    blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, lut, SIGNED, True)
 
 
 @triton.jit
 def _dequantize4_kernel(nibbles_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = offs < numel
+    blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = decode_q4(nibbles_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True)
     tl.store(out_ptr + offs, x, mask=mask)
 
