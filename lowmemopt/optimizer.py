@@ -71,7 +71,7 @@ import torch
 from . import compiled, cpu, paging, pipeline, rounding
 from ._stacklevel import external_stacklevel
 from .distributed.reduction import LOCAL, Reduction
-from .pipeline.finite import DEFERRED_ALGORITHMS, DeviceFlags
+from .pipeline.finite import DEFERRED_ALGORITHMS, DeviceFlags, finite_norms
 from .distributed.sharding import (
     agree_finite,
     is_dtensor,
@@ -385,8 +385,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         # pipeline instead of up front: each kernel also scans the next such gradient (_CpuFiniteChecks).
         pipe = _CpuFiniteChecks(self, work, grads) if pager is None else None
         finite: list[bool | None] = [None] * len(work)
-        if self._check_on_device(work, grads, pager, pipe):  # no synchronization before the launches
-            on_device = DeviceFlags([p for p, _ in work], grads)  # (``device_flags``; the pager is known here)
+        on_device = self.device_flags(work, grads, pager, pipe)
+        if on_device is not None:  # no synchronization before the launches
             finite = [True] * len(work)  # provisionally: the kernels read the device's flags
             self._run_pipeline([(i, p, group) for i, (p, group) in enumerate(work)], finite, grads, pipe, pager,
                                on_device)
@@ -411,27 +411,31 @@ class LowMemOptimizer(torch.optim.Optimizer):
             )
         return loss
 
-    def _check_on_device(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
-                         pipe: _CpuFiniteChecks | None) -> bool:
-        """May this step's non-finite check stay on the device (:mod:`lowmemopt.pipeline.finite`)? Its fused kernels
-        mask by element count, one device that the Triton backend takes, and nothing paged, projected or sharded."""
+    def device_flags(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
+                     pipe: _CpuFiniteChecks | None = None) -> DeviceFlags | None:
+        """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
+        (:mod:`lowmemopt.pipeline.finite`); None where the check must be decided on the host first: anything but
+        one device that the Triton backend takes with kernels that mask by element count, or anything paged,
+        projected or sharded."""
         if not DEFER_FINITE_CHECK or pager is not None or (pipe is not None and pipe.indices):
-            return False
+            return None
         if type(self)._step_param is not LowMemOptimizer._step_param or kernel_algorithm(self) not in DEFERRED_ALGORITHMS:
-            return False
+            return None
         devices = {g.device for g in grads}
         if len(devices) != 1 or not pipeline.triton_usable(devices):
-            return False
+            return None
         state = self.state
-        return not any(is_dtensor(p) or group.get("rank") is not None or "galore.side" in state.get(p, ())
-                       for p, group in work)
+        if any(is_dtensor(p) or group.get("rank") is not None or "galore.side" in state.get(p, ())
+               for p, group in work):
+            return None
+        return DeviceFlags([p for p, _ in work], grads)
 
     def _run_pipeline(self, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                       grads: list[torch.Tensor], pipe: _CpuFiniteChecks | None, pager: Any,
                       flags: DeviceFlags | None = None) -> None:
         """Hand ``todo`` to the step pipeline (:func:`lowmemopt.pipeline.run`) with what it needs to know of this
         optimizer: its fused algorithm (none for a subclass that steps its parameters itself) and the GaLore stage
-        when a parameter is projected. ``flags``: the finiteness check on the device (:meth:`_check_on_device`)."""
+        when a parameter is projected. ``flags``: the finiteness check on the device (:meth:`device_flags`)."""
         galore = None
         if any(g.get("rank") is not None or "galore.side" in self.state.get(p, ()) for _, p, g in todo):
             from .projection import step as galore
@@ -450,16 +454,6 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _pager_for(self, group: dict[str, Any]) -> Any:
         return paging.pager_of(self) if paging.tier_of(group) is not None else None
-
-    def device_flags(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor]) -> DeviceFlags | None:
-        """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
-        (:mod:`lowmemopt.pipeline.finite`); None where the check must be decided on the host first."""
-        pager = None
-        for _, group in work:
-            pager = pager or self._pager_for(group)
-        if not self._check_on_device(work, grads, pager, None):
-            return None
-        return DeviceFlags([p for p, _ in work], grads)
 
     def _step_in_order(self, todo: list, finite: list[bool | None], grads: list[torch.Tensor],
                        pipe: _CpuFiniteChecks) -> None:
@@ -635,7 +629,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                     name = q4.map4_for(s.signed)
                     rows.append((k, "q4", s.signed, state[k + ".nibbles"][lo // 2 : hi // 2].view(-1, bs // 2),
                                  state[k + ".absmax"][r0:r1], q4.code_book(name, pflat.device),
-                                 q4._on("table", name, pflat.device, q4._table)))
+                                 q4.encode_table(name, pflat.device)))
                 else:
                     rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
             ok = compiled.step_rows(type(self).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),
@@ -677,16 +671,9 @@ def _finite_flags(grads: list[torch.Tensor]) -> list[bool]:
         by_device.setdefault(g.device, []).append(i)
     flags = [True] * len(grads)
     for idx in by_device.values():
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in idx:
-            by_dtype.setdefault(grads[i].dtype, []).append(i)
-        order, checks = [], []
-        for members in by_dtype.values():  # a norm has its gradient's dtype (bf16 keeps fp32's exponent range)
-            checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members])).isfinite())
-            order += members
-        ok = torch.cat(checks).tolist()  # a few launches per dtype, whatever the number of gradients
-        for i, f in zip(order, ok):
-            flags[i] = f
+        order, ok = finite_norms([grads[i] for i in idx])
+        for k, f in zip(order, ok.tolist()):
+            flags[idx[k]] = f
     return flags
 
 

@@ -92,7 +92,7 @@ class BackwardStepper:
         local = local_tensor(grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
         group = self.optimizer.param_groups[self._group_of[p]]
         with torch.no_grad():  # through the step pipeline: paged state fetched and written back, fused kernels
-            flags = self.optimizer.device_flags([(p, group)], [local])
+            flags = self.optimizer.device_flags([(p, group)], [local], self.optimizer._pager_for(group))
             if flags is not None:  # decided by the kernel on the device; read at the end of the backward pass
                 self.optimizer._step_alone(p, group, flags)
                 self._pending.append(flags)

@@ -218,7 +218,7 @@ def test_compiled_4bit_codec_equals_eager(signed, monkeypatch):
     x[3] = 0.0
     x[5, 7] = 1e5
     x[6, :3] = torch.tensor([-0.0, -0.0, 0.0]) if signed else torch.tensor([-0.0, -1e-3, -2.0])
-    book, table = q4.code_book(name), q4._on("table", name, "cpu", q4._table)
+    book, table = q4.code_book(name), q4.encode_table(name, "cpu")
     nibbles, absmax = torch.zeros(nb, bs // 2, dtype=torch.uint8), torch.zeros(nb)
     slot = ("m", "q4", signed, nibbles, absmax, book, table, x.clone())
     torch.compile(compiled._rows_encode, fullgraph=True)((slot,))

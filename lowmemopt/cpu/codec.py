@@ -141,7 +141,7 @@ def tables4(signed: bool) -> Tables4:
     """The 4-bit map of a slot of this signedness (``q4.map4_for``) in the kernels' forms, kept alive here."""
     name = q4.map4_for(signed)
     thr = torch.cat([q4.thresholds(name), torch.tensor([float("nan")])]).contiguous()
-    return Tables4(q4.code_book(name).clone().contiguous(), thr, q4._table(name).contiguous())
+    return Tables4(q4.code_book(name).clone().contiguous(), thr, q4.encode_table(name).contiguous())
 
 
 def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:

@@ -23,25 +23,34 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "resolve"]
+__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "finite_norms", "resolve"]
 
 #: fused algorithms whose kernels store nothing outside ``offs < numel`` (a tensor with element count 0 is untouched)
 DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "lion"})
+
+
+def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """``(order, ok)``: whether each gradient's L2 norm is finite, as a bool tensor on the gradients' (one) device,
+    ``ok[k]`` for gradient ``order[k]``. One fused multi-tensor norm per dtype (a norm has its gradient's dtype; bf16
+    keeps fp32's exponent range): a few launches, whatever the number of gradients. The condition of the optimizer's
+    non-finite check (:func:`lowmemopt.optimizer._finite_flags` reads it on the host)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    order: list[int] = []
+    checks = []
+    for members in by_dtype.values():
+        checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members])).isfinite())
+        order += members
+    return order, torch.cat(checks)
 
 
 class DeviceFlags:
     """Per-gradient finiteness on the device: ``tensor`` (uint8 [n], 1: finite), ``position[id(param)]`` its row."""
 
     def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_dtype.setdefault(g.dtype, []).append(i)
-        order: list[int] = []
-        checks = []
-        for members in by_dtype.values():  # a norm has its gradient's dtype (bf16 keeps fp32's exponent range)
-            checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members])).isfinite())
-            order += members
-        self.tensor = torch.cat(checks).to(torch.uint8)
+        order, ok = finite_norms(grads)
+        self.tensor = ok.to(torch.uint8)
         self.position = {id(params[i]): pos for pos, i in enumerate(order)}
         self._host: list[bool] | None = None
         #: params stepped provisionally: id -> (state, its step count before this step, made by this step)
@@ -51,23 +60,28 @@ class DeviceFlags:
         """Record ``param``'s step count before it is stepped provisionally (``fresh``: its state is made now)."""
         self.provisional[id(param)] = (state, state.get("step", 0), fresh)
 
-    def finite(self, param: torch.Tensor) -> bool:
-        """The host's copy of ``param``'s flag (the first call reads all of them: a synchronization)."""
+    def host(self) -> list[bool]:
+        """The flags on the host, by row (the first call reads them: a synchronization)."""
         if self._host is None:
             self._host = [bool(f) for f in self.tensor.tolist()]
-        return self._host[self.position[id(param)]]
+        return self._host
 
-    def undo_skipped(self) -> None:
+    def finite(self, param: torch.Tensor) -> bool:
+        """The host's copy of ``param``'s flag."""
+        return self.host()[self.position[id(param)]]
+
+    def undo_skipped(self) -> int:
         """For every provisionally stepped parameter whose gradient was not finite: the step count it had (the
-        kernel wrote nothing of it), or no state at all when this step made it (as the host-side check leaves it)."""
+        kernel wrote nothing of it), or no state at all when this step made it (as the host-side check leaves it).
+        Returns how many gradients were not finite."""
+        flags = self.host()
         for pid, (state, step, fresh) in self.provisional.items():
-            if self._host is None:
-                self._host = [bool(f) for f in self.tensor.tolist()]
-            if not self._host[self.position[pid]]:
+            if not flags[self.position[pid]]:
                 if fresh:
                     state.clear()
                 else:
                     state["step"] = step
+        return flags.count(False)
 
 
 def resolve(pending: list[DeviceFlags]) -> int:
@@ -78,11 +92,8 @@ def resolve(pending: list[DeviceFlags]) -> int:
         return 0
     values = torch.cat([f.tensor for f in pending]).tolist()
     at = 0
-    skipped = 0
     for f in pending:
         n = f.tensor.numel()
         f._host = [bool(v) for v in values[at:at + n]]
         at += n
-        f.undo_skipped()
-        skipped += n - sum(f._host)
-    return skipped
+    return sum(f.undo_skipped() for f in pending)

@@ -236,8 +236,9 @@ def _table(name: str) -> torch.Tensor:
 
 
 def encode_table(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`_table` of map ``name`` on ``device`` (int32 [65536], cached; do not modify): what the Triton kernels
-    look codes up in, as the 8-bit ones do in :func:`lowmemopt.quant.maps.encode_table`'s ``packed``."""
+    """:func:`_table` of map ``name`` on ``device`` (int32 [65536], cached; do not modify): what the encoder here and
+    the kernels (Triton, the portable native build, the compiled path) look codes up in, as the 8-bit ones do in
+    :func:`lowmemopt.quant.maps.encode_table`'s ``packed``."""
     return _on("table", name, device, _table)
 
 
@@ -257,7 +258,7 @@ def encode_into(x: torch.Tensor, name: str, block_size: int, nibbles: torch.Tens
     n = x.numel()
     if n == 0:
         return
-    book, thr, signed = code_book(name, x.device), _on("table", name, x.device, _table), is_signed(name)
+    book, thr, signed = code_book(name, x.device), encode_table(name, x.device), is_signed(name)
     full = n // block_size
     parts, scales = [], []
     if full:
