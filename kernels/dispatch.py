@@ -33,6 +33,8 @@ from lowmemopt.pipeline import triton_usable
 from lowmemopt.pipeline.items import Item, Update
 from lowmemopt.quant.formats import format_of
 
+from . import registry, runtime
+
 __all__ = ["step_items", "stats"]
 
 #: buckets stepped by a kernel, per (algorithm, format), since import (tests check that the fused path really ran)
@@ -49,14 +51,13 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
     where it is 1, decided by the kernels (its step count is written here all the same: the caller undoes a skip's)."""
     if not items or not triton_usable({it.target.device for it in items}):
         return items
-    from . import registry, runtime
-    from .launch import UPDATE_ALGORITHMS, Bucket, Unsupported
+    from .launch import Bucket, Unsupported
 
     rest: list[Item] = []
     buckets: dict[tuple, tuple[Any, list[Item]]] = {}
     usable: dict[torch.device, bool] = {}  # runtime.device_ok per device
     for it in items:
-        kernel = _kernel_for(registry, runtime, usable, UPDATE_ALGORITHMS, algorithm, it)
+        kernel = _kernel_for(algorithm, it, usable)
         if kernel is None:
             rest.append(it)
             continue
@@ -96,7 +97,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
     return rest
 
 
-def _kernel_for(registry, runtime, usable: dict, update_algorithms, algorithm: str, it: Item):
+def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool]):
     """The kernel for this item, or None: it takes a per-tensor backend. ``usable``: a per-call cache of
     ``runtime.device_ok`` by device (host work per item is what a step pays per parameter)."""
     t, g, state = it.target, it.grad, it.state
@@ -123,7 +124,7 @@ def _kernel_for(registry, runtime, usable: dict, update_algorithms, algorithm: s
     if kernel is None or tuple(sorted(kernel.slots(it.group, t))) != tuple(sorted(it.slots)):
         return None
     if it.group.get("bf16_update", "nearest") != "nearest" and t.dtype == torch.bfloat16 \
-            and algorithm not in update_algorithms:
+            and algorithm not in registry.UPDATE_ALGORITHMS:
         return None  # this kernel writes bf16 parameters rounded to nearest only: the reference path rounds as asked
     for value in state.values():
         if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):

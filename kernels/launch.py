@@ -24,11 +24,8 @@ from lowmemopt.pipeline.items import Update
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
 from .table import aligned, ceil_div, device_index, device_table, unit_map
 
-__all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES", "UPDATE_ALGORITHMS"]
+__all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES"]
 
-#: algorithms whose kernels write bf16 parameters with any ``bf16_update`` (:func:`.codec.store_param_as`); the
-#: others round to nearest only, so the dispatcher leaves a bf16 parameter with another mode to the reference path
-UPDATE_ALGORITHMS = frozenset({"adam", "sgd", "lion"})
 _UPDATE_CODES = {"nearest": NEAREST, "stochastic": STOCHASTIC, "kahan": KAHAN}
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
