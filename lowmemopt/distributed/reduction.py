@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Reduction", "ShardedReduction", "LOCAL", "is_shard"]
+__all__ = ["Reduction", "ShardedReduction", "LOCAL", "is_shard", "contiguous_strides"]
 
 
 class Reduction:
@@ -72,6 +72,15 @@ class Reduction:
 
 
 LOCAL = Reduction()
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape`` (a 0-size dim counts as 1)."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
 
 
 def is_shard(placement) -> bool:
@@ -156,13 +165,6 @@ class ShardedReduction(Reduction):
             self._box = (list(local), list(offset))
         return self._box
 
-    def _strides(self) -> list[int]:
-        strides, acc = [], 1
-        for s in reversed(self.shape):
-            strides.append(acc)
-            acc *= s
-        return strides[::-1]
-
     def flat_offset(self):
         box = self._local_box()
         if box is None:
@@ -174,7 +176,7 @@ class ShardedReduction(Reduction):
         split = [d for d in range(len(local)) if local[d] != self.shape[d]]
         if split and (any(local[d] != 1 for d in range(split[0])) or split[1:]):
             return None
-        return sum(o * s for o, s in zip(offset, self._strides()))
+        return sum(o * s for o, s in zip(offset, contiguous_strides(self.shape)))
 
     def element_index(self, lo, n, device="cpu"):
         base = self.flat_offset()
@@ -186,7 +188,7 @@ class ShardedReduction(Reduction):
         local, offset = box
         flat = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
         index = torch.zeros_like(flat)
-        for size, off, stride in reversed(list(zip(local, offset, self._strides()))):
+        for size, off, stride in reversed(list(zip(local, offset, contiguous_strides(self.shape)))):
             index += (flat % size + off) * stride
             flat = flat // size
         return index
@@ -200,4 +202,5 @@ class ShardedReduction(Reduction):
     def __repr__(self) -> str:
         sharded = {d: [dist.get_world_size(g) for g in gs] for d, gs in self._by_dim.items()}
         return f"ShardedReduction(shape={tuple(self.shape)}, sharded dims -> group sizes {sharded})"
+
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import rounding
-from .reduction import LOCAL, Reduction, ShardedReduction
+from .reduction import LOCAL, Reduction, ShardedReduction, contiguous_strides
 
 if TYPE_CHECKING:
     from ..optimizer import LowMemOptimizer, Slot
@@ -70,7 +70,13 @@ def local_view(p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch
         raise ValueError(f"gradient mesh {grad.device_mesh} differs from its parameter's mesh {p.device_mesh}")
     if tuple(grad.placements) != tuple(p.placements):
         grad = grad.redistribute(p.device_mesh, p.placements)
-    return p.to_local(), grad.to_local(), ShardedReduction(p.device_mesh, p.placements, p.shape)
+    return p.to_local(), grad.to_local(), reduction_of(p)
+
+
+def reduction_of(p: torch.Tensor) -> Reduction:
+    """How the math reduces over parameter ``p``: laid out like a DTensor ``p`` (:class:`ShardedReduction`), else
+    :data:`LOCAL`."""
+    return ShardedReduction(p.device_mesh, p.placements, p.shape) if is_dtensor(p) else LOCAL
 
 
 def agree_finite(flags: list[bool], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[bool]:
@@ -183,7 +189,7 @@ def _as_dtensor(p, slot: "Slot", local_value: torch.Tensor):
 
     placements, gshape = slot_layout(p, slot, local_value.shape)
     return DTensor.from_local(
-        local_value, p.device_mesh, placements, run_check=False, shape=gshape, stride=_contiguous_stride(gshape)
+        local_value, p.device_mesh, placements, run_check=False, shape=gshape, stride=contiguous_strides(gshape)
     )
 
 
@@ -251,12 +257,6 @@ def _group_of(optimizer, p) -> dict[str, Any]:
     raise KeyError("parameter not in the optimizer")
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

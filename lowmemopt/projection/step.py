@@ -46,8 +46,8 @@ import torch
 
 from .. import cpu, rounding
 from ..distributed.galore import low_rank_layout, row_shards
-from ..distributed.reduction import LOCAL, ShardedReduction
-from ..distributed.sharding import is_dtensor
+from ..distributed.reduction import LOCAL
+from ..distributed.sharding import reduction_of
 from ..pipeline import CHUNK_NUMEL
 from ..pipeline.items import Item
 from ..quant.formats import format_of
@@ -213,10 +213,8 @@ def init_projected_state(optimizer: LowMemOptimizer, p: torch.Tensor, group: dic
     projector (also used, on a meta twin of ``p``, by :mod:`lowmemopt.paging` to learn the layout ahead)."""
     slots = projected_slots(optimizer, group, p) if slots is None else slots
     m, n = pj.matrix_shape(p.shape)
-    reduce = LOCAL  # a DTensor's ranks agree on its stochastic-rounding seed
-    if is_dtensor(p) and p.device.type != "meta":
-        reduce = ShardedReduction(p.device_mesh, p.placements, p.shape)
-    state = optimizer._init_state(p, group, slots, reduce=reduce)
+    # a DTensor's ranks agree on its stochastic-rounding seed (not the paging layout probe's meta twin)
+    state = optimizer._init_state(p, group, slots, reduce=LOCAL if p.device.type == "meta" else reduction_of(p))
     pj.init_projector(state, m, n, group["rank"], pj.choose_side(group["proj_type"], m, n), p.device)
     return state
 
