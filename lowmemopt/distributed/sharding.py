@@ -167,27 +167,18 @@ def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dic
         if not isinstance(value, torch.Tensor) or key in keys:
             continue
         if key == rounding.KAHAN and is_dtensor(p):  # bf16_update="kahan": a buffer of the local shard's shape
-            out[key] = _as_dtensor(p, _PARAM_SHAPED, value)
+            out[key] = _as_dtensor(p, None, value)
         else:  # other tensors (not laid out like the parameter): the same on every rank
             out[key] = _replicated(p, value) if is_dtensor(p) else value
     return out
 
 
-class _ParamShaped:
-    """A slot laid out like its parameter (for :func:`slot_layout`)."""
-
-    shape = None
-    dims = None
-
-
-_PARAM_SHAPED = _ParamShaped()
-
-
-def _as_dtensor(p, slot: "Slot", local_value: torch.Tensor):
-    """``local_value`` (a slot of ``p``'s local shard) as a DTensor laid out like ``p`` (no copy)."""
+def _as_dtensor(p, slot: "Slot | None", local_value: torch.Tensor):
+    """``local_value`` (a slot of ``p``'s local shard; None: a tensor of the local shard's shape) as a DTensor laid
+    out like ``p`` (no copy)."""
     from torch.distributed.tensor import DTensor
 
-    placements, gshape = slot_layout(p, slot, local_value.shape)
+    placements, gshape = (list(p.placements), p.shape) if slot is None else slot_layout(p, slot, local_value.shape)
     return DTensor.from_local(
         local_value, p.device_mesh, placements, run_check=False, shape=gshape, stride=contiguous_strides(gshape)
     )
