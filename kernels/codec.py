@@ -178,16 +178,22 @@ def encode_q4(x, book, lut, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def pairs(x):
+    """A tile ``x`` [ROWS, BLOCK] as its (even, odd) columns, each [ROWS, BLOCK / 2]: the two elements of each byte."""
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+
+
+@triton.jit
 def evens(x):
     """The even columns of a tile ``x`` [ROWS, BLOCK] -> [ROWS, BLOCK / 2] (the first element of each byte)."""
-    lo, hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    lo, hi = pairs(x)
     return lo
 
 
 @triton.jit
 def pack_nibbles(codes):
     """int32 codes [ROWS, BLOCK] in 0..15 -> uint8 [ROWS, BLOCK / 2]: byte i = ``codes[2i] | codes[2i + 1] << 4``."""
-    lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], codes.shape[1] // 2, 2]))
+    lo, hi = pairs(codes)
     return (lo | (hi << 4)).to(tl.uint8)
 
 
