@@ -14,22 +14,28 @@ pass   tiles                what                                                
 =====  ===================  ==============================================================================  ========
 1      2-D [rows, cols]     row and column sums of ``g^2 + eps1`` (fp32 atomics into scratch)                4
 2      one per matrix       V's row/column EMA -> state; factors ``1/sqrt(row/mean(row))``, ``1/sqrt(col)``  ~0
-3      flat                 ``u = factors * g``: sum(u^2) per tensor; sum(p^2) (Adafactor's RMS(p))          4 (+4)
-4      2-D (CAME only)      ``m' = b1 m + (1-b1) u/clip``; row/col sums of ``(u/clip - m')^2 + eps2``        5
-5      one per matrix       (CAME only) the same EMA and factors for the residual statistics                 ~0
-6      flat                 recompute ``u``, ``m'`` (bit-identical), update: write p (and m)                 12 (+2)
+3      flat (Adafactor)     ``u = factors * g``: sum(u^2) per tensor; sum(p^2) (Adafactor's RMS(p))          4 (+4)
+3      2-D (CAME)           the same sum(u^2), and row/col sums of ``u^2``, ``u m``, ``m^2`` in fp64         5
+4      one per matrix       (CAME only) the instability's row/col means from them, EMA and factors           ~0
+5      flat                 recompute ``u``, ``m'`` (bit-identical), update: write p (and m)                 12 (+2)
 =====  ===================  ==============================================================================  ========
 
-CAME-8bit: 4 + 4 + 5 + 14 = 27 B/element (AdamW-8bit: 16). Adafactor without beta1: 4 + 8 + 12 = 24 (20 without
+CAME-8bit: 4 + 5 + 14 = 23 B/element (AdamW-8bit: 16). Adafactor without beta1: 4 + 8 + 12 = 24 (20 without
 scale_parameter; + 2 with an 8-bit first moment).
+
+CAME's instability ``(u/c - m')^2`` needs the clip ``c``, known only once the whole tensor's sum(u^2) is: with
+``m' = b1 m + (1 - b1) u/c``, ``u/c - m' = b1 (u/c - m)``, so its row sum is ``b1^2 (S_uu / c^2 - 2 S_um / c + S_mm)``
+over the pass-3 moments. A product of two fp32 values is exact in fp64 and only the fp64 sums round, so this form
+keeps the residual where ``u/c`` and ``m`` nearly cancel (an fp32 one loses it); it saves the pass over g and m that
+the direct form needs after the clip.
 
 1-D parameters (full-size ``v``, q8 capable): pass A, flat: ``v' = b2 v + (1-b2)(g^2+eps1)``, ``u = g/sqrt(v')``:
 sum(u^2), and sum(p^2) for Adafactor's RMS(p) (reads g, v (, p): 5 or 9 B); pass B, flat: recompute, clip, update,
 write p, v, m (reads 10, writes 6).
 
-Statistics EMAs are written in pass 2/5; p and m only in the last pass, from values recomputed in registers, so the
-update uses the fp32 state before it is re-encoded. The sums are fp32 atomics: their rounding (not their value) can
-vary between runs. Small matrices with many batch rows (conv kernels ``[O, I, 3, 3]``) use their 2-D tiles poorly.
+Statistics EMAs are written in pass 2/4; p and m only in the last pass, from values recomputed in registers, so the
+update uses the fp32 state before it is re-encoded. The sums are fp32 atomics (CAME's moments fp64): their rounding
+(not their value) can vary between runs. Small matrices with many batch rows (conv kernels ``[O, I, 3, 3]``) use their 2-D tiles poorly.
 A GaLore stand-in (``bucket.weights``, ``WEIGHT``) takes RMS(p) of its full weight from there instead of sum(p^2)
 (pass 3 / A then reads no p).
 """
@@ -93,20 +99,16 @@ def full_precondition(g, v, eps1, beta2, one_minus_beta2):
 
 
 @triton.jit
-def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums,
-                  eps, beta1, one_minus_beta1, clip_threshold,
-                  W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
-                  TR: tl.constexpr, BC: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Pass 1 / 4 (2-D tiles of one matrix of the batch): row and column sums of ``x`` into ``rsum`` / ``csum``;
-    ``x = g^2 + eps`` or, with ``RESIDUAL`` (CAME), ``(u - m')^2 + eps`` for the clipped ``u`` and new ``m'``."""
+def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constexpr):
+    """A 2-D tile [TR, BC] of one matrix of a tensor's batch: (tensor index, its table row, flat offsets, mask, the
+    tile's batch-global rows ``grow`` (into the row scratch at ``roff + grow``) and its column scratch index
+    ``cidx`` (at ``coff + cidx``), and their masks)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     local = tl.load(units + tl.num_programs(0) + pid)
     row = table + t.to(tl.int64) * W
     R = tl.load(row + _R)
     C = tl.load(row + _C)
-    roff = tl.load(row + _ROFF)
-    coff = tl.load(row + _COFF)
     n_rt = tl.cdiv(R, TR)
     n_ct = tl.cdiv(C, BC)
     b = local // (n_rt * n_ct)
@@ -118,26 +120,81 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
     mask = r_mask[:, None] & c_mask[None, :]
     grow = b * R + r
     offs = grow[:, None] * C + c[None, :]
-    g = load_grad(row, offs, mask, G_DTYPE, False, True)
-    if RESIDUAL:
-        u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
-             * tl.load(cfac + coff + b * C + c, mask=c_mask, other=0.0)[None, :]) * g
-        u = tl.math.div_rn(u, clip_denominator(sums, t, tl.load(row + 2), clip_threshold))
-        m = load_slot_at(row, _M, offs, mask, book_s, QBLOCK, FMT)
-        d = u - tl.fma(u, one_minus_beta1, m * beta1)
-        x = d * d + eps
-    else:
-        x = g * g + eps
-    x = tl.where(mask, x, 0.0)
-    tl.atomic_add(rsum + roff + grow, tl.sum(x, axis=1), mask=r_mask)
-    tl.atomic_add(csum + coff + b * C + c, tl.sum(x, axis=0), mask=c_mask)
+    return t, row, offs, mask, grow, b * C + c, r_mask, c_mask
 
 
 @triton.jit
-def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, beta, one_minus_beta,
-                    W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr):
-    """Pass 2 / 5 (one program per matrix of the batch): ``row = beta row + (1-beta) rsum / C`` and likewise the
-    columns (state, at table columns STAT, STAT + 1); ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``."""
+def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, eps,
+                  W: tl.constexpr, G_DTYPE: tl.constexpr, TR: tl.constexpr, BC: tl.constexpr):
+    """Pass 1 (2-D tiles of one matrix of the batch): row and column sums of ``g^2 + eps`` into ``rsum`` /
+    ``csum``."""
+    t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
+    g = load_grad(row, offs, mask, G_DTYPE, False, True)
+    x = tl.where(mask, g * g + eps, 0.0)
+    tl.atomic_add(rsum + tl.load(row + _ROFF) + grow, tl.sum(x, axis=1), mask=r_mask)
+    tl.atomic_add(csum + tl.load(row + _COFF) + cidx, tl.sum(x, axis=0), mask=c_mask)
+
+
+@triton.jit
+def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, rmom, cmom,
+                    W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
+                    TR: tl.constexpr, BC: tl.constexpr):
+    """CAME's pass 3 (2-D tiles): ``u = rfac cfac g`` (the preconditioned gradient, before the clip) and the old
+    first moment ``m``: ``sum(u^2)`` per tensor (the clip's RMS, ``sums[2t + 1]``) and the row and column sums of
+    ``u^2``, ``u m`` and ``m^2`` in fp64 (``rmom[3 i + k]``, ``cmom[3 j + k]``), from which :func:`_residual_sum`
+    forms the residual's sums once the clip is known. A product of two fp32 values is exact in fp64, so only the
+    sums round (fp64)."""
+    t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
+    roff = tl.load(row + _ROFF)
+    coff = tl.load(row + _COFF)
+    g = load_grad(row, offs, mask, G_DTYPE, False, True)
+    u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
+         * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g  # as factored_precondition
+    u = tl.where(mask, u, 0.0).to(tl.float64)
+    m = load_slot_at(row, _M, offs, mask, book_s, QBLOCK, FMT).to(tl.float64)  # 0 where masked
+    uu = u * u
+    um = u * m
+    mm = m * m
+    tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(uu, axis=1), axis=0).to(tl.float32))
+    rows = rmom + 3 * (roff + grow)
+    cols = cmom + 3 * (coff + cidx)
+    tl.atomic_add(rows, tl.sum(uu, axis=1), mask=r_mask)
+    tl.atomic_add(rows + 1, tl.sum(um, axis=1), mask=r_mask)
+    tl.atomic_add(rows + 2, tl.sum(mm, axis=1), mask=r_mask)
+    tl.atomic_add(cols, tl.sum(uu, axis=0), mask=c_mask)
+    tl.atomic_add(cols + 1, tl.sum(um, axis=0), mask=c_mask)
+    tl.atomic_add(cols + 2, tl.sum(mm, axis=0), mask=c_mask)
+
+
+@triton.jit
+def _residual_sum(mom, i, mask, inv_c, beta1_sq):
+    """fp64 ``sum((u/c - m')^2)`` over a row (or column) from its moment sums ``mom[3 i + (0, 1, 2)]``: with
+    ``m' = b1 m + (1 - b1) u/c``, ``u/c - m' = b1 (u/c - m)``, so the sum is
+    ``b1^2 (sum(u^2) / c^2 - 2 sum(u m) / c + sum(m^2))`` (clamped at 0 against rounding)."""
+    uu = tl.load(mom + 3 * i, mask=mask, other=0.0)
+    um = tl.load(mom + 3 * i + 1, mask=mask, other=0.0)
+    mm = tl.load(mom + 3 * i + 2, mask=mask, other=0.0)
+    return tl.maximum((uu * inv_c - 2.0 * um) * inv_c + mm, 0.0) * beta1_sq
+
+
+@triton.jit
+def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, RESIDUAL: tl.constexpr):
+    """fp32 mean of row (``n = C``) or column (``n = R``) ``i`` of the statistic: ``sum / n`` (pass 1's sums hold
+    the ``+ eps``); ``RESIDUAL``: ``sum((u/c - m')^2) / n + eps`` from the fp64 moment sums (:func:`_residual_sum`)."""
+    if RESIDUAL:
+        return (_residual_sum(sum_ptr, i, mask, inv_c, beta1_sq) / n.to(tl.float64) + eps).to(tl.float32)
+    else:
+        return tl.math.div_rn(tl.load(sum_ptr + i, mask=mask, other=1.0), n.to(tl.float32))
+
+
+@triton.jit
+def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums, beta, one_minus_beta,
+                    eps, beta1, clip_threshold, W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr,
+                    RESIDUAL: tl.constexpr):
+    """Pass 2 / 4 (one program per matrix of the batch): ``row = beta row + (1-beta) mean_row`` and likewise the
+    columns (state, at table columns STAT, STAT + 1); ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``.
+    ``mean_row``: see :func:`_mean` (``RESIDUAL``: CAME's instability, ``rsum`` / ``csum`` the moment sums of
+    :func:`_moments_kernel`, the clip ``c`` from the tensor's ``sum(u^2)``)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     b = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -148,17 +205,20 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     coff = tl.load(row + _COFF) + b * C
     row_stat = typed(tl.load(row + STAT), tl.float32, False) + b * R
     col_stat = typed(tl.load(row + STAT + 1), tl.float32, False) + b * C
-    Rf = R.to(tl.float32)
-    Cf = C.to(tl.float32)
+    inv_c = 0.0
+    beta1_sq = 0.0
+    if RESIDUAL:
+        inv_c = 1.0 / clip_denominator(sums, t, tl.load(row + 2), clip_threshold).to(tl.float64)
+        beta1_sq = tl.cast(beta1, tl.float64) * tl.cast(beta1, tl.float64)
     acc = tl.zeros([FB], dtype=tl.float32)
     for r0 in range(0, R, FB):
         i = r0 + tl.arange(0, FB)
         mask = i < R
-        new = tl.fma(tl.math.div_rn(tl.load(rsum + roff + i, mask=mask, other=0.0), Cf), one_minus_beta,
+        new = tl.fma(_mean(rsum, roff + i, mask, C, eps, inv_c, beta1_sq, RESIDUAL), one_minus_beta,
                      tl.load(row_stat + i, mask=mask, other=0.0) * beta)
         tl.store(row_stat + i, new, mask=mask)
         acc += tl.where(mask, new, 0.0)
-    mean = tl.math.div_rn(tl.sum(acc, axis=0), Rf)
+    mean = tl.math.div_rn(tl.sum(acc, axis=0), R.to(tl.float32))
     for r0 in range(0, R, FB):
         i = r0 + tl.arange(0, FB)
         mask = i < R
@@ -167,7 +227,7 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     for c0 in range(0, C, FB):
         i = c0 + tl.arange(0, FB)
         mask = i < C
-        new = tl.fma(tl.math.div_rn(tl.load(csum + coff + i, mask=mask, other=1.0), Rf), one_minus_beta,
+        new = tl.fma(_mean(csum, coff + i, mask, R, eps, inv_c, beta1_sq, RESIDUAL), one_minus_beta,
                      tl.load(col_stat + i, mask=mask, other=1.0) * beta)
         tl.store(col_stat + i, new, mask=mask)
         tl.store(cfac + coff + i, tl.math.div_rn(1.0, tl.sqrt_rn(new)), mask=mask)
@@ -348,17 +408,15 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     weight = bucket.weights is not None and scale_param and not came
     if weight:
         sums[:, 0] = bucket.weights
-    n_pairs = 2 if came else 1
-    zeros = torch.zeros(n_pairs * (n_rows + n_cols), dtype=torch.float32, device=dev)
-    factors = torch.empty_like(zeros)
-    rsum, csum = zeros[:n_rows], zeros[n_rows:n_rows + n_cols]
-    rfac, cfac = factors[:n_rows], factors[n_rows:n_rows + n_cols]
-    rsum2, csum2, rfac2, cfac2 = rsum, csum, rfac, cfac
-    if came:
-        rsum2, csum2 = zeros[n_rows + n_cols:2 * n_rows + n_cols], zeros[2 * n_rows + n_cols:]
-        rfac2, cfac2 = factors[n_rows + n_cols:2 * n_rows + n_cols], factors[2 * n_rows + n_cols:]
+    n = n_rows + n_cols
+    fused_residual = factored and came  # CAME's moments pass replaces the flat sum(u^2) pass
+    scratch = torch.zeros(n, dtype=torch.float32, device=dev)  # pass 1's row / column sums
+    factors = torch.empty((2 if came else 1) * n, dtype=torch.float32, device=dev)
+    rsum, csum = scratch[:n_rows], scratch[n_rows:]
+    rfac, cfac = factors[:n_rows], factors[n_rows:n]
+    rfac2, cfac2 = (factors[n:n + n_rows], factors[n + n_rows:]) if came else (rfac, cfac)
     if not factored:  # the scratch pointers are unused; any valid tensor will do
-        rsum = csum = rfac = cfac = rsum2 = csum2 = rfac2 = cfac2 = sums
+        rsum = csum = rfac = cfac = rfac2 = cfac2 = sums
     g_dtype = TL_DTYPES[bucket.grads[0].dtype]
     fmt = FORMAT_CODES[bucket.fmt]
 
@@ -366,18 +424,21 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
         tr, bc = runtime.TILE_2D
         counts_2d = [b * ceil_div(R, tr) * ceil_div(C, bc) for b, R, C in shapes]
         counts_mat = [b for b, _, _ in shapes]
-        stats = dict(FMT=fmt, G_DTYPE=g_dtype, QBLOCK=bucket.block_size, TR=tr, BC=bc)
-        bucket.launch(_stats_kernel, rows, counts_2d, (rsum, csum, rfac, cfac, sums, eps1, beta1, 1.0 - beta1, clip),
-                      writes=False, RESIDUAL=False, **stats)
-        bucket.launch(_factors_kernel, rows, counts_mat, (rsum, csum, rfac, cfac, beta2, 1.0 - beta2), writes=True,
-                      STAT=_SQ.value, FB=runtime.STATS_BLOCK)
-    bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
-                  FACTORED=factored, SUM_P=scale_param and not came and not weight, **flat)
-    if factored and came:
-        bucket.launch(_stats_kernel, rows, counts_2d, (rsum2, csum2, rfac, cfac, sums, eps2, beta1, 1.0 - beta1, clip),
-                      writes=False, RESIDUAL=True, **stats)
-        bucket.launch(_factors_kernel, rows, counts_mat, (rsum2, csum2, rfac2, cfac2, beta3, 1.0 - beta3),
-                      writes=True, STAT=_RES.value, FB=runtime.STATS_BLOCK)
+        bucket.launch(_stats_kernel, rows, counts_2d, (rsum, csum, eps1), writes=False, G_DTYPE=g_dtype, TR=tr, BC=bc)
+        bucket.launch(_factors_kernel, rows, counts_mat, (rsum, csum, rfac, cfac, sums, beta2, 1.0 - beta2, 0.0, 0.0,
+                                                          1.0), writes=True, STAT=_SQ.value, FB=runtime.STATS_BLOCK,
+                      RESIDUAL=False)
+    if fused_residual:
+        moments = torch.zeros(3 * n, dtype=torch.float64, device=dev)  # [row or column, (u^2, u m, m^2)]
+        rmom, cmom = moments[:3 * n_rows], moments[3 * n_rows:]
+        bucket.launch(_moments_kernel, rows, counts_2d, (rfac, cfac, sums, rmom, cmom), writes=False, FMT=fmt,
+                      G_DTYPE=g_dtype, QBLOCK=bucket.block_size, TR=tr, BC=bc)
+        bucket.launch(_factors_kernel, rows, counts_mat, (rmom, cmom, rfac2, cfac2, sums, beta3, 1.0 - beta3, eps2,
+                                                          beta1, clip), writes=True, STAT=_RES.value,
+                      FB=runtime.STATS_BLOCK, RESIDUAL=True)
+    else:
+        bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
+                      FACTORED=factored, SUM_P=scale_param and not came and not weight, **flat)
     args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
             neg_wd_lr)
     bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, FACTORED=factored, CAME=came, HAS_M=has_m,
