@@ -27,7 +27,10 @@ CAME's instability ``(u/c - m')^2`` needs the clip ``c``, known only once the wh
 ``m' = b1 m + (1 - b1) u/c``, ``u/c - m' = b1 (u/c - m)``, so its row sum is ``b1^2 (S_uu / c^2 - 2 S_um / c + S_mm)``
 over the pass-3 moments. A product of two fp32 values is exact in fp64 and only the fp64 sums round, so this form
 keeps the residual where ``u/c`` and ``m`` nearly cancel (an fp32 one loses it); it saves the pass over g and m that
-the direct form needs after the clip.
+the direct form needs after the clip. fp64 is ~9 operations per element: on GPUs whose fp64 runs at 1/32 - 1/64 of
+fp32 (GeForce / RTX, L4 / L40: :func:`.runtime.fast_fp64` is False) that would make the pass compute-bound, so there
+CAME keeps the direct form: pass 3 flat as Adafactor's, then row/col sums of ``(u/c - m')^2 + eps2`` on 2-D tiles
+over g and m (5 B), and the EMA pass (27 B/element in all).
 
 1-D parameters (full-size ``v``, q8 capable): pass A, flat: ``v' = b2 v + (1-b2)(g^2+eps1)``, ``u = g/sqrt(v')``:
 sum(u^2), and sum(p^2) for Adafactor's RMS(p) (reads g, v (, p): 5 or 9 B); pass B, flat: recompute, clip, update,
@@ -124,15 +127,29 @@ def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, eps,
-                  W: tl.constexpr, G_DTYPE: tl.constexpr, TR: tl.constexpr, BC: tl.constexpr):
-    """Pass 1 (2-D tiles of one matrix of the batch): row and column sums of ``g^2 + eps`` into ``rsum`` /
-    ``csum``."""
+def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums,
+                  eps, beta1, one_minus_beta1, clip_threshold,
+                  W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
+                  TR: tl.constexpr, BC: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Pass 1 (2-D tiles of one matrix of the batch): row and column sums of ``x`` into ``rsum`` / ``csum``; ``x =
+    g^2 + eps`` or, with ``RESIDUAL`` (CAME's direct instability pass, where fp64 is slow), ``(u - m')^2 + eps`` for
+    the clipped ``u`` and the new ``m'``."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
+    roff = tl.load(row + _ROFF)
+    coff = tl.load(row + _COFF)
     g = load_grad(row, offs, mask, G_DTYPE, False, True)
-    x = tl.where(mask, g * g + eps, 0.0)
-    tl.atomic_add(rsum + tl.load(row + _ROFF) + grow, tl.sum(x, axis=1), mask=r_mask)
-    tl.atomic_add(csum + tl.load(row + _COFF) + cidx, tl.sum(x, axis=0), mask=c_mask)
+    if RESIDUAL:
+        u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
+             * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g  # as factored_precondition
+        u = tl.math.div_rn(u, clip_denominator(sums, t, tl.load(row + 2), clip_threshold))
+        m = load_slot_at(row, _M, offs, mask, book_s, QBLOCK, FMT)
+        d = u - tl.fma(u, one_minus_beta1, m * beta1)
+        x = d * d + eps
+    else:
+        x = g * g + eps
+    x = tl.where(mask, x, 0.0)
+    tl.atomic_add(rsum + roff + grow, tl.sum(x, axis=1), mask=r_mask)
+    tl.atomic_add(csum + coff + cidx, tl.sum(x, axis=0), mask=c_mask)
 
 
 @triton.jit
@@ -178,10 +195,11 @@ def _residual_sum(mom, i, mask, inv_c, beta1_sq):
 
 
 @triton.jit
-def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, RESIDUAL: tl.constexpr):
-    """fp32 mean of row (``n = C``) or column (``n = R``) ``i`` of the statistic: ``sum / n`` (pass 1's sums hold
-    the ``+ eps``); ``RESIDUAL``: ``sum((u/c - m')^2) / n + eps`` from the fp64 moment sums (:func:`_residual_sum`)."""
-    if RESIDUAL:
+def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, MOMENTS: tl.constexpr):
+    """fp32 mean of row (``n = C``) or column (``n = R``) ``i`` of the statistic: ``sum / n`` (the sums of
+    :func:`_stats_kernel` hold the ``+ eps``); ``MOMENTS``: ``sum((u/c - m')^2) / n + eps`` from the fp64 moment sums
+    (:func:`_residual_sum`)."""
+    if MOMENTS:
         return (_residual_sum(sum_ptr, i, mask, inv_c, beta1_sq) / n.to(tl.float64) + eps).to(tl.float32)
     else:
         return tl.math.div_rn(tl.load(sum_ptr + i, mask=mask, other=1.0), n.to(tl.float32))
@@ -190,10 +208,10 @@ def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, RESIDUAL: tl.constexpr):
 @triton.jit
 def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums, beta, one_minus_beta,
                     eps, beta1, clip_threshold, W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr,
-                    RESIDUAL: tl.constexpr):
+                    MOMENTS: tl.constexpr):
     """Pass 2 / 4 (one program per matrix of the batch): ``row = beta row + (1-beta) mean_row`` and likewise the
     columns (state, at table columns STAT, STAT + 1); ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``.
-    ``mean_row``: see :func:`_mean` (``RESIDUAL``: CAME's instability, ``rsum`` / ``csum`` the moment sums of
+    ``mean_row``: see :func:`_mean` (``MOMENTS``: CAME's instability, ``rsum`` / ``csum`` the moment sums of
     :func:`_moments_kernel`, the clip ``c`` from the tensor's ``sum(u^2)``)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
@@ -207,14 +225,14 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     col_stat = typed(tl.load(row + STAT + 1), tl.float32, False) + b * C
     inv_c = 0.0
     beta1_sq = 0.0
-    if RESIDUAL:
+    if MOMENTS:
         inv_c = 1.0 / clip_denominator(sums, t, tl.load(row + 2), clip_threshold).to(tl.float64)
         beta1_sq = tl.cast(beta1, tl.float64) * tl.cast(beta1, tl.float64)
     acc = tl.zeros([FB], dtype=tl.float32)
     for r0 in range(0, R, FB):
         i = r0 + tl.arange(0, FB)
         mask = i < R
-        new = tl.fma(_mean(rsum, roff + i, mask, C, eps, inv_c, beta1_sq, RESIDUAL), one_minus_beta,
+        new = tl.fma(_mean(rsum, roff + i, mask, C, eps, inv_c, beta1_sq, MOMENTS), one_minus_beta,
                      tl.load(row_stat + i, mask=mask, other=0.0) * beta)
         tl.store(row_stat + i, new, mask=mask)
         acc += tl.where(mask, new, 0.0)
@@ -227,7 +245,7 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     for c0 in range(0, C, FB):
         i = c0 + tl.arange(0, FB)
         mask = i < C
-        new = tl.fma(_mean(csum, coff + i, mask, R, eps, inv_c, beta1_sq, RESIDUAL), one_minus_beta,
+        new = tl.fma(_mean(csum, coff + i, mask, R, eps, inv_c, beta1_sq, MOMENTS), one_minus_beta,
                      tl.load(col_stat + i, mask=mask, other=1.0) * beta)
         tl.store(col_stat + i, new, mask=mask)
         tl.store(cfac + coff + i, tl.math.div_rn(1.0, tl.sqrt_rn(new)), mask=mask)
@@ -409,36 +427,46 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     if weight:
         sums[:, 0] = bucket.weights
     n = n_rows + n_cols
-    fused_residual = factored and came  # CAME's moments pass replaces the flat sum(u^2) pass
-    scratch = torch.zeros(n, dtype=torch.float32, device=dev)  # pass 1's row / column sums
+    # CAME's instability from fp64 moments in the clip pass (one pass over g and m fewer), where fp64 is fast
+    moments = factored and came and runtime.fast_fp64(dev)
+    scratch = torch.zeros((2 if came and not moments else 1) * n, dtype=torch.float32, device=dev)  # row/col sums
     factors = torch.empty((2 if came else 1) * n, dtype=torch.float32, device=dev)
-    rsum, csum = scratch[:n_rows], scratch[n_rows:]
+    rsum, csum = scratch[:n_rows], scratch[n_rows:n]
+    rsum2, csum2 = (scratch[n:n + n_rows], scratch[n + n_rows:]) if came and not moments else (rsum, csum)
     rfac, cfac = factors[:n_rows], factors[n_rows:n]
     rfac2, cfac2 = (factors[n:n + n_rows], factors[n + n_rows:]) if came else (rfac, cfac)
     if not factored:  # the scratch pointers are unused; any valid tensor will do
-        rsum = csum = rfac = cfac = rfac2 = cfac2 = sums
+        rsum = csum = rsum2 = csum2 = rfac = cfac = rfac2 = cfac2 = sums
     g_dtype = TL_DTYPES[bucket.grads[0].dtype]
     fmt = FORMAT_CODES[bucket.fmt]
+    tr, bc = runtime.TILE_2D
+    counts_2d = [b * ceil_div(R, tr) * ceil_div(C, bc) for b, R, C in shapes]
+    counts_mat = [b for b, _, _ in shapes]
+    tiles_2d = dict(FMT=fmt, G_DTYPE=g_dtype, QBLOCK=bucket.block_size, TR=tr, BC=bc)
+    by_matrix = dict(FB=runtime.STATS_BLOCK)
+
+    def stats(rs, cs, eps, residual):  # pass 1, or CAME's direct instability pass
+        bucket.launch(_stats_kernel, rows, counts_2d, (rs, cs, rfac, cfac, sums, eps, beta1, 1.0 - beta1, clip),
+                      writes=False, RESIDUAL=residual, **tiles_2d)
+
+    def factors_of(rs, cs, rf, cf, stat, beta, eps=0.0, from_moments=False):  # pass 2 / 4
+        bucket.launch(_factors_kernel, rows, counts_mat, (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
+                      writes=True, STAT=stat, MOMENTS=from_moments, **by_matrix)
 
     if factored:
-        tr, bc = runtime.TILE_2D
-        counts_2d = [b * ceil_div(R, tr) * ceil_div(C, bc) for b, R, C in shapes]
-        counts_mat = [b for b, _, _ in shapes]
-        bucket.launch(_stats_kernel, rows, counts_2d, (rsum, csum, eps1), writes=False, G_DTYPE=g_dtype, TR=tr, BC=bc)
-        bucket.launch(_factors_kernel, rows, counts_mat, (rsum, csum, rfac, cfac, sums, beta2, 1.0 - beta2, 0.0, 0.0,
-                                                          1.0), writes=True, STAT=_SQ.value, FB=runtime.STATS_BLOCK,
-                      RESIDUAL=False)
-    if fused_residual:
-        moments = torch.zeros(3 * n, dtype=torch.float64, device=dev)  # [row or column, (u^2, u m, m^2)]
-        rmom, cmom = moments[:3 * n_rows], moments[3 * n_rows:]
-        bucket.launch(_moments_kernel, rows, counts_2d, (rfac, cfac, sums, rmom, cmom), writes=False, FMT=fmt,
-                      G_DTYPE=g_dtype, QBLOCK=bucket.block_size, TR=tr, BC=bc)
-        bucket.launch(_factors_kernel, rows, counts_mat, (rmom, cmom, rfac2, cfac2, sums, beta3, 1.0 - beta3, eps2,
-                                                          beta1, clip), writes=True, STAT=_RES.value,
-                      FB=runtime.STATS_BLOCK, RESIDUAL=True)
+        stats(rsum, csum, eps1, False)
+        factors_of(rsum, csum, rfac, cfac, _SQ.value, beta2)
+    if moments:
+        sums_64 = torch.zeros(3 * n, dtype=torch.float64, device=dev)  # [row or column, (u^2, u m, m^2)]
+        rmom, cmom = sums_64[:3 * n_rows], sums_64[3 * n_rows:]
+        bucket.launch(_moments_kernel, rows, counts_2d, (rfac, cfac, sums, rmom, cmom), writes=False, **tiles_2d)
+        factors_of(rmom, cmom, rfac2, cfac2, _RES.value, beta3, eps2, True)
     else:
         bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
                       FACTORED=factored, SUM_P=scale_param and not came and not weight, **flat)
+        if factored and came:
+            stats(rsum2, csum2, eps2, True)
+            factors_of(rsum2, csum2, rfac2, cfac2, _RES.value, beta3)
     args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
             neg_wd_lr)
     bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, FACTORED=factored, CAME=came, HAS_M=has_m,

@@ -24,7 +24,7 @@ import torch
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "TILE_SHAPES", "tile_shape",
-    "rows_per_tile", "device_ok", "cpu_interpreter",
+    "rows_per_tile", "fast_fp64", "device_ok", "cpu_interpreter",
 ]
 
 try:
@@ -72,6 +72,23 @@ def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
 def rows_per_tile(block: int, device: torch.device | None = None) -> int:
     """Rows of ``block`` elements per program (at least one) on ``device`` (:func:`tile_shape`)."""
     return max(1, tile_shape(device)[0] // block)
+
+
+#: compute capabilities whose fp64 arithmetic runs at half the fp32 rate (the data-centre GPUs: P100, V100, A100, H100,
+#: B200); the others (GeForce / RTX, L4 / L40, Jetson) run it at 1/32 to 1/64 of fp32, where a pass that sums fp64
+#: products per element is compute-bound
+FAST_FP64_CAPABILITIES = frozenset({(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)})
+#: tests: what the interpreter (CPU tensors) reports for :func:`fast_fp64`
+INTERPRETER_FAST_FP64 = True
+
+
+def fast_fp64(device: torch.device) -> bool:
+    """Does ``device`` run fp64 arithmetic at a rate that a memory-bound pass can afford (CUDA: its capability is in
+    :data:`FAST_FP64_CAPABILITIES`)? Picks CAME's instability passes (:mod:`.factored`)."""
+    if device.type != "cuda":
+        return INTERPRETER_FAST_FP64
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) in FAST_FP64_CAPABILITIES
 
 
 def device_ok(device: torch.device) -> bool:

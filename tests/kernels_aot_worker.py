@@ -36,7 +36,7 @@ def signature(fn, constexprs: dict) -> dict:
             sig[p.name] = "constexpr"
         elif p.name in POINTERS:
             sig[p.name] = POINTERS[p.name]
-        elif p.name in FP64_POINTERS or (p.name in ("rsum", "csum") and constexprs.get("RESIDUAL")):
+        elif p.name in FP64_POINTERS or (p.name in ("rsum", "csum") and constexprs.get("MOMENTS")):
             sig[p.name] = "*fp64"
         elif p.name in FP32_POINTERS:
             sig[p.name] = "*fp32"
@@ -61,10 +61,13 @@ VARIANTS = [
     ("lamb", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True)),
     ("lars-norms", lars._lars_norms_kernel, tile()),
     ("lars", lars._lars_apply_kernel, tile(MOMENTUM=True, DECAY=True, TRUST=True)),
-    ("stats", factored._stats_kernel, dict(W=15, G_DTYPE=tl.bfloat16, TR=16, BC=128)),
+    ("stats", factored._stats_kernel, dict(W=15, FMT=2, G_DTYPE=tl.bfloat16, QBLOCK=256, TR=16, BC=128,
+                                           RESIDUAL=False)),
+    ("stats-residual", factored._stats_kernel, dict(W=15, FMT=2, G_DTYPE=tl.float32, QBLOCK=256, TR=16, BC=128,
+                                                    RESIDUAL=True)),
     ("moments", factored._moments_kernel, dict(W=15, FMT=2, G_DTYPE=tl.float32, QBLOCK=256, TR=16, BC=128)),
-    ("factors", factored._factors_kernel, dict(W=15, STAT=9, FB=1024, RESIDUAL=False)),
-    ("factors-residual", factored._factors_kernel, dict(W=15, STAT=11, FB=1024, RESIDUAL=True)),
+    ("factors", factored._factors_kernel, dict(W=15, STAT=9, FB=1024, MOMENTS=False)),
+    ("factors-moments", factored._factors_kernel, dict(W=15, STAT=11, FB=1024, MOMENTS=True)),
     ("sumsq", factored._sumsq_kernel, tile(FACTORED=False, SUM_P=True)),
     ("apply-came", factored._apply_kernel, tile(FACTORED=True, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
     ("apply-adafactor", factored._apply_kernel,
@@ -75,6 +78,8 @@ VARIANTS = [
     # 4-bit state (FMT 3, block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
     ("adam-q4", adamw._adam_kernel,
      {**tile(AMSGRAD=True, MAXIMIZE=False, L2_DECAY=False, UPDATE=codec.NEAREST), "FMT": 3, "ROWS": 16, "BLOCK": 128}),
+    ("stats-q4", factored._stats_kernel,
+     dict(W=15, FMT=3, G_DTYPE=tl.float32, QBLOCK=128, TR=16, BC=128, RESIDUAL=True)),
     ("moments-q4", factored._moments_kernel, dict(W=15, FMT=3, G_DTYPE=tl.float32, QBLOCK=128, TR=16, BC=128)),
     ("apply-came-q4", factored._apply_kernel,
      {**tile(FACTORED=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True), "FMT": 3, "ROWS": 16,

@@ -218,14 +218,32 @@ def test_bf16_first_moment_under_cancellation(name):
 
 
 @interpreted
+@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+def test_came_direct_instability_pass(bits, monkeypatch):
+    """Where fp64 is slow (GeForce-class GPUs: ``runtime.fast_fp64``), CAME computes its instability in a second 2-D
+    pass over g and m after the clip, as the reference does: every CAME variant against the reference."""
+    monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", False)
+    seen = _launches(monkeypatch)
+    info = BY_NAME["CAME"]
+    for kwargs in info.variants:
+        check_against_reference(info.cls, kwargs, bits, steps=2)
+    assert "_moments_kernel" not in seen and seen.count("_stats_kernel") >= 2, seen
+
+
+@interpreted
+@pytest.mark.parametrize("fast_fp64", [True, False], ids=["moments", "direct"])
 @pytest.mark.parametrize("delta", [1e-2, 1e-3])
-def test_came_residual_under_cancellation(delta):
+def test_came_residual_under_cancellation(delta, fast_fp64, monkeypatch):
     """CAME's instability ``(u/c - m')^2`` with the old first moment within ``delta`` of the clipped update: the
-    residual is ~``delta^2`` of ``u^2``. The kernel forms its row and column sums from fp64 sums of ``u^2``, ``u m``
-    and ``m^2`` (one pass over g and m instead of two); an fp32 expansion would lose it to cancellation (relative
-    error ~1e-7 / delta^2). The new statistics (beta3 = 0: the new means alone) agree with the reference to 1e-3.
-    ``u`` differs by a few ulps between the two (square roots, the order of sums), which a residual ``delta`` of
-    ``u`` magnifies ~1/delta times: 1e-3 leaves room for that and none for a lost residual."""
+    residual is ~``delta^2`` of ``u^2``. Where fp64 is fast the kernel forms its row and column sums from fp64 sums of
+    ``u^2``, ``u m`` and ``m^2`` (one pass over g and m instead of two); an fp32 expansion would lose it to
+    cancellation (relative error ~1e-7 / delta^2; checked: 0.4% and 27% off). Elsewhere a second pass computes it
+    directly, as the reference. Either way the new statistics (beta3 = 0: the new means alone) agree with the
+    reference to 1e-3. ``u`` differs by a few ulps between the two (square roots, the order of sums), which a residual
+    ``delta`` of ``u`` magnifies ~1/delta times (measured 8e-6 and 7.5e-5): 1e-3 leaves room for that and none for a
+    lost residual."""
+    seen = _launches(monkeypatch)
+    monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", fast_fp64)
     kw = dict(lr=1e-3, betas=(0.9, 0.999, 0.0), state_bits=32)
     params = make_params([(64, 96), (3, 16, 40)], seed=3)
     ref_params = clone_params(params)
@@ -257,6 +275,7 @@ def test_came_residual_under_cancellation(delta):
             got, want = opt.state[p][key], ref.state[r][key]
             assert 0.3 < float(want.mean()) / (0.81 * delta ** 2 * u2) < 3, "the residual did not cancel as set up"
             torch.testing.assert_close(got, want, rtol=1e-3, atol=0, msg=lambda m: f"{key}: {m}")
+    assert ("_moments_kernel" in seen) == fast_fp64, seen
 
 
 @interpreted
@@ -312,7 +331,8 @@ def test_full_tiles_take_the_unmasked_variant(monkeypatch):
 
 @interpreted
 def test_multi_tensor_launch_counts(monkeypatch):
-    """Many small tensors take one launch per pass: AdamW 1 for 200 tensors; LAMB 2, LARS 2, CAME (matrices) 5.
+    """Many small tensors take one launch per pass: AdamW 1 for 200 tensors; LAMB 2, LARS 2, CAME (matrices) 5 (6
+    where fp64 is slow: ``runtime.fast_fp64``).
     (The interpreter runs ~25 ms per program, so the multi-pass ones use fewer tensors.)"""
     seen = _launches(monkeypatch)
     cases = [(lowmemopt.AdamW, dict(lr=1e-3), 200, 1), (lowmemopt.LAMB, dict(lr=1e-3), 20, 2),
@@ -326,13 +346,18 @@ def test_multi_tensor_launch_counts(monkeypatch):
             opt.step()
         assert len(seen) == passes, (cls.__name__, seen)
         assert all(opt.state[p]["step"] == 1 for p in params)
-    params = make_params([(5 + i % 3, 7 + i % 5) for i in range(12)])
-    opt = lowmemopt.CAME(params, lr=1e-3)
-    set_grads(params, 0)
-    seen.clear()
-    with runtime.cpu_interpreter():
-        opt.step()
-    assert len(seen) == 5, seen
+    for fast_fp64, passes in ((True, ["_stats_kernel", "_factors_kernel", "_moments_kernel", "_factors_kernel",
+                                      "_apply_kernel"]),
+                              (False, ["_stats_kernel", "_factors_kernel", "_sumsq_kernel", "_stats_kernel",
+                                       "_factors_kernel", "_apply_kernel"])):
+        monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", fast_fp64)
+        params = make_params([(5 + i % 3, 7 + i % 5) for i in range(12)])
+        opt = lowmemopt.CAME(params, lr=1e-3)
+        set_grads(params, 0)
+        seen.clear()
+        with runtime.cpu_interpreter():
+            opt.step()
+        assert seen == passes, seen
 
 
 @interpreted
@@ -471,6 +496,19 @@ def test_nonfinite_gradient_skips_only_that_parameter(monkeypatch):
     assert opt.state[params[0]]["step"] == 1
 
 
+def test_fast_fp64_by_capability(monkeypatch):
+    """Data-centre GPUs (fp64 at half the fp32 rate) take CAME's fp64 moments pass; GeForce / RTX, L4 / L40 and Jetson
+    (1/32 to 1/64) keep the direct pass."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for cap, fast in {(6, 0): True, (7, 0): True, (8, 0): True, (9, 0): True, (10, 0): True, (6, 1): False,
+                      (7, 5): False, (8, 6): False, (8, 7): False, (8, 9): False, (12, 0): False}.items():
+        monkeypatch.setattr(runtime, "_capability", lambda index, cap=cap: cap)
+        assert runtime.fast_fp64(torch.device("cuda")) is fast, cap
+        assert runtime.fast_fp64(torch.device("cuda", 1)) is fast, cap
+    monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", False)
+    assert runtime.fast_fp64(torch.device("cpu")) is False
+
+
 def test_cpu_interpreter_needs_the_interpreter(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -530,7 +568,7 @@ def test_kernels_compile_for_gpu(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 23, out.stdout[-3000:]
+    assert len(results) == 25, out.stdout[-3000:]
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
     vectorized = {r["kernel"]: r["v4"] for r in results}
