@@ -61,12 +61,12 @@ def _lm_paged(model, lr, args):
     return lowmemopt.AdamW(model.parameters(), lr=lr, state_bits=8, paged="cpu", page_budget_bytes=budget)
 
 
-def _lm_galore(cls_name: str, **kw) -> Callable:
+def _lm_galore(cls_name: str, projection: dict | None = None, **kw) -> Callable:
     def make(model, lr, args):
         import lowmemopt
 
         groups = lowmemopt.galore_param_groups(model, target_modules=["attn", "mlp"], rank=args.rank,
-                                               update_proj_gap=200, scale=0.25)
+                                               update_proj_gap=200, scale=0.25, **(projection or {}))
         return getattr(lowmemopt, cls_name)(groups, lr=lr, state_bits=8, **kw)
 
     return make
@@ -129,6 +129,9 @@ ROWS: dict[str, tuple[float, Callable]] = {
     "lowmemopt-paged-adamw-8bit": (3e-4, _lm_paged),
     "lowmemopt-galore-adamw-8bit": (3e-4, _lm_galore("AdamW", weight_decay=0.0)),
     "lowmemopt-galore-came-8bit": (2e-4, _lm_galore("CAME")),
+    # the projections in the parameters' dtype (bf16 matmuls, fp32 accumulation), as galore-torch does for bf16
+    "lowmemopt-galore-adamw-8bit-bf16proj": (3e-4, _lm_galore("AdamW", dict(proj_dtype="param"), weight_decay=0.0)),
+    "lowmemopt-galore-came-8bit-bf16proj": (2e-4, _lm_galore("CAME", dict(proj_dtype="param"))),
 }
 
 
