@@ -15,12 +15,12 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lowmemopt.kernels import adamw, codec, factored, lamb, lars, lion, sgd
+from lowmemopt.kernels import adamw, codec, factored, lamb, lars, lion, sgd, unproject
 
 POINTERS = {"units": "*i32", "table": "*i64", "lut_s": "*i32", "lut_u": "*i32", "lut": "*i32", "codes_ptr": "*u8",
             "nibbles_ptr": "*u8"}
 FP64_POINTERS = {"rmom", "cmom"}
-FP32_POINTERS = {"book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cfac", "rfac2", "cfac2", "absmax_ptr",
+FP32_POINTERS = {"c_ptr", "book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cfac", "rfac2", "cfac2", "absmax_ptr",
                  "out_ptr", "x_ptr"}
 INTS = {"first_step": "i32", "numel": "i64"}
 
@@ -86,6 +86,9 @@ VARIANTS = [
       "BLOCK": 128}),
     ("quantize4", codec._quantize4_kernel, dict(SIGNED=True, ROWS=16, BLOCK=128)),
     ("dequantize4", codec._dequantize4_kernel, dict(ROWS=16, BLOCK=128)),
+    # GaLore's apply pass after the batched product back: bf16 params, fp32 products, a decay per matrix
+    ("unproject", unproject._apply_kernel, dict(W=3, P_DTYPE=tl.bfloat16, U_DTYPE=tl.float32, ALIGNED=True, ROWS=8,
+                                                BLOCK=256, MATH=2, DECAY=True)),
 ]
 
 

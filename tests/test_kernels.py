@@ -568,11 +568,11 @@ def test_kernels_compile_for_gpu(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 25, out.stdout[-3000:]
+    assert len(results) == 26, out.stdout[-3000:]
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
     vectorized = {r["kernel"]: r["v4"] for r in results}
-    for name in ("adam", "adam-fp32-state", "lion", "lamb", "apply-came", "adam-q4", "apply-came-q4"):
+    for name in ("adam", "adam-fp32-state", "lion", "lamb", "apply-came", "adam-q4", "apply-came-q4", "unproject"):
         assert vectorized[name] > 0, vectorized
 
 
@@ -667,3 +667,40 @@ def test_bench_refuses_without_cuda(tmp_path):
     out = subprocess.run([sys.executable, str(script), "--sizes", "10M"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GaLore's apply pass after the batched product back (kernels/unproject.py)
+
+
+@interpreted
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=["p32", "pbf16"])
+@pytest.mark.parametrize("u_dtype", [torch.float32, torch.bfloat16], ids=["u32", "ubf16"])
+@pytest.mark.parametrize("math_decay", [None, -0.03, "per-matrix"])
+@pytest.mark.parametrize("decay", [1.0, 0.999])
+def test_unproject_apply_matches_the_torch_path(p_dtype, u_dtype, math_decay, decay):
+    """``p <- round(((p + c p) decay) + scale U)`` for a batch of matrices (a ragged last tile, a full tile) against
+    the torch path of ``finish_many`` (an fp32 working copy, one rounding): within fp32 rounding (the kernel's
+    ``p + c p`` is one fused multiply-add), so bf16 parameters are equal but for a rounding tie's ulp."""
+    from lowmemopt.kernels.unproject import apply_updates
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(37, 53), (64, 32)]:  # 1961 elements (one masked tile); 2048 (one full tile)
+        params = [torch.randn(shape, generator=gen).to(p_dtype) for _ in range(3)]
+        updates = (torch.randn((3, *shape), generator=gen) * 1e-2).to(u_dtype)
+        c = torch.tensor([-0.01, -0.02, 0.0]) if math_decay == "per-matrix" else math_decay
+        want = []
+        for i, p in enumerate(params):
+            p32 = p.float()
+            if c is not None:
+                p32 = p32 + (c[i] if isinstance(c, torch.Tensor) else c) * p32
+            p32 = p32 * decay
+            want.append((p32 + updates[i].float() * 0.25).to(p_dtype))
+        with runtime.cpu_interpreter():
+            apply_updates(params, updates, 0.25, decay, c)
+        for got, ref in zip(params, want):
+            if p_dtype == torch.float32:
+                torch.testing.assert_close(got, ref, rtol=2e-7, atol=1e-8)
+            else:
+                diff = (got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)
+                assert float(diff.max()) <= 2 ** -8 and int((got != ref).sum()) <= 2, (shape, int((got != ref).sum()))

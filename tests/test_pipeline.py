@@ -198,16 +198,23 @@ BATCHED = [("AdamW", dict(lr=1e-2, weight_decay=0.1)),  # decay: the factor 1 - 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_projections_equal_the_per_matrix_ones(dtype, name, kw, monkeypatch):
     """The CUDA code path of GaLore buckets (matrices of one shape projected and projected back by ``torch.bmm``,
-    decays and add on the stacked tensors), run on the CPU: within fp32 rounding of the per-matrix reference. (One
+    decays and add in one fused pass, :mod:`lowmemopt.kernels.unproject`), run on the CPU under the interpreter:
+    within fp32 rounding of the per-matrix reference. (One
     basis, from the first gradient: a refresh from slightly different parameters may rotate the singular vectors of
     near-equal singular values, which says nothing about the products.)"""
     from lowmemopt.projection import step as galore_step
+
+    from lowmemopt.kernels import unproject
 
     shapes = [(24, 40)] * 3 + [(40, 24)] * 2 + [(37, 53)]
     bmm = []
     real_bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a, **k: bmm.append(1) or real_bmm(*a, **k))
     monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
+    applied = []
+    real_apply = unproject.apply_updates
+    monkeypatch.setattr(unproject, "apply_updates", lambda params, *a: applied.append(len(params)) or real_apply(
+        params, *a))
     runs = []
     for fused in (True, False):
         params = make_params(shapes, dtype=dtype)
@@ -222,6 +229,7 @@ def test_batched_projections_equal_the_per_matrix_ones(dtype, name, kw, monkeypa
         runs.append((params, opt))
         if fused:
             assert len(bmm) == 4 * STEPS  # per step: two shape classes, each projected and projected back once
+            assert applied == [3, 2] * STEPS  # and applied by one fused pass each
     (ours, opt), (ref, ref_opt) = runs
     for i, (p, r) in enumerate(zip(ours, ref)):
         assert_state_close(_state(opt, p), _state(ref_opt, r), f"param {i}")

@@ -302,11 +302,21 @@ def project(items: list[Item]) -> None:
                 low = pj.project(g.float() if dtype is None else g, chunk[0].state, dtype)
                 chunk[0].grad = low.float().contiguous()
                 continue
-            g = torch.stack([it.extra["g"] for it in chunk]).to(dtype or torch.float32)  # one cast for the chunk
-            basis = torch.stack([it.state[pj.PROJ] for it in chunk]).to(dtype or torch.float32)  # P^T or Q^T
+            g = _stacked([it.extra["g"] for it in chunk], dtype or torch.float32)  # one cast for the chunk
+            basis = _stacked([it.state[pj.PROJ] for it in chunk], dtype or torch.float32)  # P^T or Q^T
             low = (torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)).float()
             for it, x in zip(chunk, low.unbind(0)):
                 it.grad = x
+
+
+def _stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.stack(tensors).to(dtype)`` in one pass: a multi-tensor copy that casts, into the stacked tensor (the
+    values are the cast's; no stacked copy in the source dtype first)."""
+    if tensors[0].dtype == dtype:
+        return torch.stack(tensors)
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=tensors[0].device)
+    torch._foreach_copy_(list(out.unbind(0)), tensors)
+    return out
 
 
 def param_free(optimizer: LowMemOptimizer) -> bool:
@@ -415,10 +425,12 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
 
 def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
     """:func:`finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
-    unsharded matrices of one shape, side, dtype and param group are finished together: one batched product back
-    (``torch.bmm``), the scale, the decay and the add on the stacked tensors, and one multi-tensor copy into the
-    parameters per :data:`BATCH_NUMEL` elements, so a step's launches grow with the shape classes, not the matrices.
-    (The sums are the per-matrix ones, in another kernel: equal within fp32 rounding.) Elsewhere one by one."""
+    unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
+    elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
+    one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p), or without
+    Triton on stacked fp32 copies and one multi-tensor copy into the parameters; so a step's launches grow with the
+    shape classes, not the matrices. (The sums are the per-matrix ones, in another kernel: equal within fp32
+    rounding.) Elsewhere one by one."""
     batches: dict[tuple, list[Item]] = {}
     for it in items:
         p = it.param
@@ -437,17 +449,22 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
                 finish(optimizer, chunk[0])
                 continue
             m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
-            basis = torch.stack([it.state[pj.PROJ] for it in chunk]).transpose(1, 2)  # P (m x k) or Q (k x n)
-            low = torch.stack([it.target for it in chunk])
-            if dtype is not None:  # proj_dtype="param"
-                basis, low = basis.to(dtype), low.to(dtype)
-            update = (torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)).float()
-            update.mul_(chunk[0].extra["outer"]["scale"])
+            target = dtype or torch.float32  # proj_dtype="param": bf16 products
+            basis = _stacked([it.state[pj.PROJ] for it in chunk], target).transpose(1, 2)  # P (m x k) or Q (k x n)
+            low = _stacked([it.target for it in chunk], target)
+            update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
+            scale = chunk[0].extra["outer"]["scale"]
             params = [it.param.view(m, n) for it in chunk]
             decay = chunk[0].extra["decay"]
             c = chunk[0].extra["math_decay"]  # per matrix (a 0-dim tensor each) or one number for the group
             if isinstance(c, torch.Tensor):
                 c = torch.stack([it.extra["math_decay"] for it in chunk])
+            if _fused_apply(update.device, params[0].dtype):  # one pass: read U and p, write p
+                from ..kernels.unproject import apply_updates
+
+                apply_updates(params, update, scale, decay, c)
+                continue
+            update = update.float().mul_(scale)
             if params[0].dtype == torch.float32:
                 if c is not None:
                     if isinstance(c, torch.Tensor):
@@ -465,6 +482,18 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
                     p32.mul_(decay)
                 p32.add_(update)
                 torch._foreach_copy_(params, list(p32.unbind(0)))
+
+
+def _fused_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does the fused apply kernel (:mod:`lowmemopt.kernels.unproject`) take a batch of ``dtype`` matrices on
+    ``device`` (a CUDA device with Triton, or the CPU under a test's interpreter)?"""
+    from ..pipeline import triton_usable
+
+    if not triton_usable({device}):
+        return False
+    from ..kernels.unproject import usable
+
+    return usable(device, dtype)
 
 
 def update_alone(optimizer: LowMemOptimizer, it: Item) -> bool:

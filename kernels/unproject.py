@@ -1,0 +1,91 @@
+"""GaLore's apply stage after a batched product back (:func:`lowmemopt.projection.step.finish_many`), one pass per
+tile over every matrix of a shape class (a multi-tensor launch)::
+
+    p <- round_p( ((p + c p) * decay) + scale * U )
+
+``U``: the full-size update ``P u`` / ``u Q`` of each matrix (the ``torch.bmm`` result: fp32, or bf16 with
+``proj_dtype="param"``), ``scale``: GaLore's scale, ``decay``: the decoupled weight decay factor, ``c``: the decay the
+inner algorithm's math applies to the weight (CAME's ``-lr wd``, Adafactor's ``-wd a``: one number, or one per matrix
+from its weight statistic), each rounded as the torch path rounds it (``fp32`` working copy, one rounding to the
+parameter's dtype at the end). The torch path makes a stacked fp32 copy of the parameters and runs scale, decay, add
+and a copy back over it: about 40 bytes per element for bf16 parameters; this pass reads ``U`` (4 or 2 bytes) and
+``p`` (2 or 4) and writes ``p``: 8 bytes for bf16 parameters and fp32 products, 12 for fp32 parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from .codec import load_grad, load_param, store_param, tile_coords
+from .launch import TL_DTYPES
+from .table import aligned, ceil_div, device_table, unit_map
+
+__all__ = ["apply_updates", "usable"]
+
+#: the decay the inner math applies to the weight: none, one number for the batch, one per matrix
+NO_DECAY, SCALAR_DECAY, PER_TENSOR_DECAY = 0, 1, 2
+_BLOCK = 256
+
+
+@triton.jit
+def _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE: tl.constexpr, U_DTYPE: tl.constexpr,
+                ALIGNED: tl.constexpr, MATH: tl.constexpr, DECAY: tl.constexpr, MASKED: tl.constexpr):
+    p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+    if MATH == 2:
+        p = tl.fma(p, tl.load(c_ptr + t), p)  # _decay_rows: p + c p
+    elif MATH == 1:
+        p = tl.fma(p, c, p)
+    if DECAY:
+        p = p * decay
+    u = load_grad(row, offs, mask, U_DTYPE, ALIGNED, MASKED)  # the update sits in the table's gradient column
+    store_param(p + u * scale, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
+
+
+@triton.jit
+def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE: tl.constexpr,
+                  U_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  MATH: tl.constexpr, DECAY: tl.constexpr):
+    """One tile of one matrix: ``p <- round(((p + c p) decay) + scale U)`` (module docstring). Table rows:
+    ``[p, U, numel]``."""
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if full:
+        _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, False)
+    else:
+        _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, True)
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Can :func:`apply_updates` take parameters of ``dtype`` on ``device``?"""
+    return dtype in TL_DTYPES and runtime.device_ok(device)
+
+
+def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: float, decay: float,
+                  math_decay: float | torch.Tensor | None) -> None:
+    """``params[i] <- round(((p + c_i p) * decay) + scale * updates[i])`` in one launch (module docstring).
+
+    ``params``: contiguous matrices of one shape, dtype and device; ``updates``: ``[len(params), *shape]``, contiguous,
+    fp32 or bf16; ``math_decay``: None, a number, or an fp32 tensor ``[len(params)]``."""
+    device = updates.device
+    p_dtype = params[0].dtype
+    if isinstance(math_decay, torch.Tensor):
+        math, c_ptr, c = PER_TENSOR_DECAY, math_decay.to(device=device, dtype=torch.float32).contiguous(), 0.0
+    elif math_decay is None:
+        math, c_ptr, c = NO_DECAY, updates, 0.0
+    else:
+        math, c_ptr, c = SCALAR_DECAY, updates, float(math_decay)
+    updates = updates.contiguous()
+    rows = [[p.data_ptr(), u.data_ptr(), p.numel()] for p, u in zip(params, updates.unbind(0))]
+    block = _BLOCK
+    tile_rows = runtime.rows_per_tile(block, device)
+    counts = [ceil_div(p.numel(), tile_rows * block) for p in params]
+    units = unit_map(counts, device)
+    table = device_table(rows, device)
+    _apply_kernel[(sum(counts),)](
+        units, table, c_ptr, c, float(scale), float(decay), W=3, P_DTYPE=TL_DTYPES[p_dtype],
+        U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=aligned(list(params) + list(updates.unbind(0))), ROWS=tile_rows,
+        BLOCK=block, MATH=math, DECAY=decay != 1.0, num_warps=runtime.tile_shape(device)[1], enable_fp_fusion=False)
