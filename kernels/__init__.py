@@ -14,6 +14,8 @@ Modules:
 * ``adamw``, ``sgd``, ``lion``, ``lamb``, ``lars``, ``factored`` (Adafactor, CAME): kernels and their launchers.
 * ``table``, ``launch``: multi-tensor launch tables and buckets; ``registry``: (algorithm, format) -> kernel;
   ``dispatch``: which items take a kernel; ``runtime``: Triton availability, the interpreter, tile sizes.
+* ``variants``: every kernel's compile-time variants and their ahead-of-time compile for sm_90 without a GPU (the
+  GPU-compile test, ``bench/kernel_resources.py``).
 
 Importing this package does not import Triton; the names below load it on first use.
 """

@@ -19,8 +19,10 @@ against the CPU reference; they skip without CUDA.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -552,28 +554,133 @@ def _nvidia_backend() -> bool:
         return False
 
 
+RESOURCES_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "kernel_resources.py"
+
+
+def _resources_module():
+    """bench/kernel_resources.py as a module (standard library only at import: its parsing and occupancy helpers)."""
+    import sys
+
+    name = "kernel_resources_bench"
+    if name not in sys.modules:  # registered first: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, RESOURCES_SCRIPT)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton's NVIDIA backend (ptxas) is not available")
 def test_kernels_compile_for_gpu(tmp_path):
-    """Every kernel compiles for sm_90 with Triton's real compiler and ptxas (no GPU needed; in a subprocess without
-    TRITON_INTERPRET), and the full-tile variants keep 128-bit vector loads/stores: the interpreter checks neither."""
+    """Every kernel variant (``lowmemopt.kernels.variants``) compiles for sm_90 with Triton's real compiler and ptxas
+    (no GPU needed), through ``bench/kernel_resources.py --no-sweep`` (worker processes without TRITON_INTERPRET): the
+    report runs, the full-tile paths keep 128-bit vector loads, and the main kernels do not spill registers at their
+    default tile and num_warps. The interpreter checks none of this."""
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    worker = Path(__file__).resolve().parent / "kernels_aot_worker.py"
-    out = subprocess.run([sys.executable, str(worker)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    from lowmemopt.kernels.variants import VARIANTS
+
+    out = subprocess.run([sys.executable, str(RESOURCES_SCRIPT), "--no-sweep", "--json", str(tmp_path / "r.json")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 26, out.stdout[-3000:]
-    failed = [r for r in results if not r["ok"]]
+    assert "| variant | tile | warps | regs | spill st/ld |" in out.stdout
+    records = json.loads((tmp_path / "r.json").read_text())["variants"]
+    assert [r["label"] for r in records] == [v.label for v in VARIANTS], out.stdout[-3000:]
+    failed = [(r["label"], r["error"]) for r in records if not r["ok"]]
     assert not failed, failed
-    vectorized = {r["kernel"]: r["v4"] for r in results}
+    by_label = {r["label"]: r for r in records}
     for name in ("adam", "adam-fp32-state", "lion", "lamb", "apply-came", "adam-q4", "apply-came-q4", "unproject"):
-        assert vectorized[name] > 0, vectorized
+        r = by_label[name]
+        assert r["path"] == "full" and r["ld_global"]["128"] > 0, (name, r["path"], r["ld_global"])
+    for name in ("adam", "adam-q4", "lion", "sgd", "apply-came"):
+        r = by_label[name]
+        assert r["num_warps"] == runtime.NUM_WARPS and r["registers"] is not None, r
+        assert (r["spill_stores"], r["spill_loads"]) == (0, 0), (
+            f"{name} spills at tile {r['tile']}, {r['num_warps']} warps: {r['registers']} registers, "
+            f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads")
+
+
+_PTX = """\
+.visible .entry k(
+)
+{
+	.loc	1 10 5
+	ld.global.b64 	{ %rd1 }, [ %rd0 + 0 ];
+	.loc	1 11 5                          // k.py:11:5
+	@!%p1 bra 	$L__BB0_1;
+	.loc	2 7 3, function_name $L__info_string0, inlined_at 1 14 9
+	@%p2 ld.global.b32 	{ %r1 }, [ %rd2 + 0 ];
+	@%p2 ld.global.b8 	{ %rs1 }, [ %rd2 + 0 ];
+	bar.sync 	0;
+	bra.uni 	$L__BB0_3;
+$L__BB0_1:
+	.loc	2 7 3, function_name $L__info_string0, inlined_at 1 12 9
+	ld.global.v4.b32 	{ %r2, %r3, %r4, %r5 }, [ %rd3 + 0 ];
+	ld.global.v2.b16 	{ %rs2, %rs3 }, [ %rd3 + 0 ];
+	st.global.v4.b32 	[ %rd4 + 0 ], { %r2, %r3, %r4, %r5 };
+	st.shared.b32 	[%r7], %r6;
+	ld.shared.v4.b32 	{ %r2, %r3, %r4, %r5 }, [%r7];
+	red.global.add.f32 	[ %rd5 + 0 ], %r6;
+$L__BB0_3:
+	ret;
+$L__func_end0:
+}
+	.file	1 "/src/k.py"
+	.file	2 "/src/codec.py"
+"""
+
+
+def test_kernel_resources_ptx_paths_counts_and_occupancy():
+    """bench/kernel_resources.py's static analysis on a hand-written PTX (no compiler): the full-tile path leaves out
+    the masked side of ``if full:``, memory instructions count by width, and the occupancy follows CUDA's calculator
+    for sm_90."""
+    res = _resources_module()
+    branch = ("/src/k.py", 11, range(12, 13), range(14, 15))  # if full: (11) / then (12) / else: (13) / else body (14)
+    path, lines = res.full_tile_path(_PTX, branch)
+    assert path == "full"
+    full = res.memory_counts(lines)
+    assert full["ld_global"] == {128: 1, 64: 1, 32: 1, 16: 0} and full["st_global"] == {128: 1, 64: 0, 32: 0, 16: 0}
+    assert (full["ld_shared"], full["st_shared"], full["bar_sync"], full["atomics"]) == (1, 1, 0, 1)
+    assert full["load_bytes"] == 8 + 16 + 4  # v2.b16: one 32-bit access
+    whole = res.memory_counts(res.entry_body(_PTX))
+    assert whole["ld_global"] == {128: 1, 64: 1, 32: 2, 16: 1} and whole["bar_sync"] == 1
+    assert res.full_tile_path(_PTX, None)[0] == "all"  # a kernel without `if full:`
+    assert res.full_tile_path(_PTX, ("/src/other.py", 11, range(12, 13), range(14, 15)))[0] == "all"
+
+    # registers are allocated per warp in units of 256: 160 -> 5120 per warp, 12 warps fit; 3 blocks of 4 warps
+    occ = res.occupancy(160, 4096, 4)
+    assert (occ.blocks, occ.warps, occ.limiter) == (3, 12, "regs")
+    assert res.occupancy(254, 0, 4).warps == 8 and res.occupancy(128, 8192, 8).warps == 16
+    assert (res.occupancy(24, 0, 4).warps, res.occupancy(24, 0, 4).limiter) == (64, "threads")
+    assert res.occupancy(32, 0, 4).limiter == "regs+threads"  # 1024 registers per warp: exactly 64 warps
+    assert res.occupancy(32, 100 * 1024, 4).limiter == "smem"  # 2 blocks of 101 KiB in 228 KiB
+    assert res.occupancy(16, 0, 1).limiter == "blocks"
+
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
+           "    368 bytes stack frame, 648 bytes spill stores, 804 bytes spill loads\n"
+           "ptxas info    : Used 64 registers, used 1 barriers, 368 bytes cumulative stack size\n")
+    assert res.parse_ptxas_log(log, "k") == dict(registers=64, barriers=1, stack=368, spill_stores=648,
+                                                 spill_loads=804)
+    usage = ("Resource usage:\n Common:\n  GLOBAL:0\n Function k:\n  REG:160 STACK:0 SHARED:1024 LOCAL:0 "
+             "CONSTANT[0]:608 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    assert res.parse_resource_usage(usage, "k") == dict(reg=160, stack=0, shared=1024, local=0)
+
+
+def test_kernel_resources_finds_the_full_branch_of_a_tile_kernel():
+    """The ``if full:`` of a real tile kernel's source and its then / else bodies (the lines the PTX's ``.loc``
+    directives name)."""
+    import linecache
+
+    from lowmemopt.kernels import adamw, codec
+
+    res = _resources_module()
+    path, if_line, then_lines, else_lines = res.full_branch_lines(adamw._adam_kernel)
+    assert linecache.getline(path, if_line).strip() == "if full:"
+    assert linecache.getline(path, then_lines.stop).strip() == "else:"
+    assert "_adam_tile(" in linecache.getline(path, then_lines.start)
+    assert "_adam_tile(" in linecache.getline(path, else_lines.start)
+    assert res.full_branch_lines(codec._quantize_kernel) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
