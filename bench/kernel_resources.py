@@ -356,17 +356,21 @@ def memory_counts(lines: Iterable[str]) -> dict[str, Any]:
 
 def sweep_variants() -> list[Any]:
     """8-bit and 4-bit AdamW (no amsgrad, decoupled decay, nearest rounding) over :data:`SWEEP_TILES` x
-    :data:`SWEEP_WARPS`."""
+    :data:`SWEEP_WARPS`; 8-bit with each decode (``runtime.Q8_DECODE``: the code-book gather, ``-arith`` without
+    books)."""
     from lowmemopt.kernels import adamw, variants
     from lowmemopt.kernels.codec import NEAREST, Q4, Q8
 
     flags = dict(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST)
     out = []
     for fmt, shapes in SWEEP_TILES.items():
-        for rows, block in shapes:
-            for warps in SWEEP_WARPS:
-                constexprs = variants.tile(block, **flags, FMT=Q4 if fmt == "q4" else Q8, ROWS=rows)
-                out.append(variants.Variant(f"adamw-{fmt}", adamw._adam_kernel, constexprs, warps))
+        for decode in (("table", "arithmetic") if fmt == "q8" else ("table",)):
+            books = dict(book_s=None, book_u=None) if decode == "arithmetic" else {}
+            for rows, block in shapes:
+                for warps in SWEEP_WARPS:
+                    constexprs = variants.tile(block, **flags, **books, FMT=Q4 if fmt == "q4" else Q8, ROWS=rows)
+                    label = f"adamw-{fmt}" + ("-arith" if books else "")
+                    out.append(variants.Variant(label, adamw._adam_kernel, constexprs, warps))
     return out
 
 

@@ -50,10 +50,10 @@ def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
                MASKED: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
-    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
-    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
+    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
     if AMSGRAD:
-        vmax = load_slot(row, 7, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+        vmax = load_slot(row, 7, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
     else:
         vmax = v
     m, v, vmax, delta = adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay, step_size,

@@ -45,7 +45,7 @@ from lowmemopt.quant.formats import map_for
 from lowmemopt.quant.maps import MAP_NAMES, POW2_BITS, code_book, encode_table, is_signed_map
 
 from . import runtime
-from .pow2 import pow2_code
+from .pow2 import pow2_code, pow2_value
 
 __all__ = ["FP32", "BF16", "Q8", "Q4", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise",
            "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"]
@@ -61,11 +61,14 @@ def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Ten
     """(signed book, signed encode table, unsigned book, unsigned encode table) of the state maps on ``device``
     (cached): the 4-bit maps (``pow2x4``, ``upow2x4``) and their packed tables for ``fmt == "q4"``; otherwise the
     8-bit books and no tables (None: the 8-bit state maps are encoded by arithmetic, :func:`encode_q8`; dense formats
-    ignore them)."""
+    ignore them). With :data:`.runtime.Q8_DECODE` ``"arithmetic"``, q8 gets no books either: its codes are decoded
+    from their bits (:func:`code_values`), the same values without the book gather."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
         return (q4.code_book(signed, device), q4.encode_table(signed, device),
                 q4.code_book(unsigned, device), q4.encode_table(unsigned, device))
+    if fmt == "q8" and runtime.Q8_DECODE == "arithmetic":
+        return None, None, None, None  # codes decoded from their bits (code_values)
     return code_book(map_for(True), device), None, code_book(map_for(False), device), None
 
 
@@ -121,8 +124,12 @@ def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
     both extremes representable in a book whose last code is ``book[LAST]`` (signed: ``max(max x / book[LAST], min x
     / book[0])``; unsigned: ``max(max x, 0)``); an all-zero row keeps scale 0 and divides by 1."""
     if SIGNED:
-        first = tl.load(book)
-        last = tl.load(book + LAST)
+        if book is None:  # the pow2 map (8-bit state, arithmetic codes)
+            first = pow2_value(tl.full([], 0, tl.int32), True)
+            last = pow2_value(tl.full([], LAST, tl.int32), True)
+        else:
+            first = tl.load(book)
+            last = tl.load(book + LAST)
         scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
     else:
         scale = tl.maximum(tl.max(x, axis=1), 0.0)
@@ -159,11 +166,24 @@ def st(ptrs, x, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MASKED: tl.constexpr):
-    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] whose block indices are ``blocks`` [ROWS]; 0 where masked."""
+def code_values(codes, book, SIGNED: tl.constexpr):
+    """fp32 values of int32 8-bit ``codes`` of a state map: gathered from its code ``book``, or with ``book=None``
+    built from the code's bits (:func:`.pow2.pow2_value`, exact for every code of ``pow2`` / ``upow2``)."""
+    if book is None:
+        x = pow2_value(codes, SIGNED)
+    else:
+        x = tl.load(book + codes)
+    return x
+
+
+@triton.jit
+def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr,
+              MASKED: tl.constexpr):
+    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] whose block indices are ``blocks`` [ROWS]; 0 where masked.
+    ``book``: the map's code book, or None (:func:`code_values`)."""
     codes = ld(codes_ptr + offs, mask, MASKED)
     scale = ld(absmax_ptr + blocks, block_mask, MASKED)
-    x = tl.load(book + codes.to(tl.int32)) * scale[:, None]
+    x = code_values(codes.to(tl.int32), book, SIGNED) * scale[:, None]
     if MASKED:
         x = tl.where(mask, x, 0.0)
     return x
@@ -243,16 +263,17 @@ def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, 
 
 
 @triton.jit
-def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, FMT: tl.constexpr, ALIGNED: tl.constexpr,
-              MASKED: tl.constexpr):
+def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr, FMT: tl.constexpr,
+              ALIGNED: tl.constexpr, MASKED: tl.constexpr):
     """A state slot's fp32 values at ``offs`` (0 where masked). ``row``: the tensor's launch-table row; the slot's
-    address is at column ``COL`` (q8: codes at COL, absmax at COL + 1; q4: nibbles at COL, absmax at COL + 1)."""
+    address is at column ``COL`` (q8: codes at COL, absmax at COL + 1; q4: nibbles at COL, absmax at COL + 1);
+    ``book``, ``SIGNED``: its map's code book (q8: None decodes by arithmetic) and sign."""
     if FMT == 3:
         x = decode_q4(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
                       offs, mask, blocks, block_mask, book, MASKED)
     elif FMT == 2:
         x = decode_q8(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
-                      offs, mask, blocks, block_mask, book, MASKED)
+                      offs, mask, blocks, block_mask, book, SIGNED, MASKED)
     elif FMT == 1:
         x = ld(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     else:
@@ -261,7 +282,8 @@ def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, FMT:
 
 
 @triton.jit
-def load_slot_at(row, COL: tl.constexpr, offs, mask, book, QBLOCK: tl.constexpr, FMT: tl.constexpr):
+def load_slot_at(row, COL: tl.constexpr, offs, mask, book, SIGNED: tl.constexpr, QBLOCK: tl.constexpr,
+                 FMT: tl.constexpr):
     """Like :func:`load_slot` for a tile of any shape that need not align with quantization blocks: the absmax of
     each element is gathered at ``offs // QBLOCK`` (the factored passes' 2-D tiles); a 4-bit code is the nibble
     ``offs & 1`` of byte ``offs // 2``."""
@@ -273,7 +295,7 @@ def load_slot_at(row, COL: tl.constexpr, offs, mask, book, QBLOCK: tl.constexpr,
     elif FMT == 2:
         codes = tl.load(typed(tl.load(row + COL), tl.uint8, False) + offs, mask=mask, other=0)
         scale = tl.load(typed(tl.load(row + COL + 1), tl.float32, False) + offs // QBLOCK, mask=mask, other=0.0)
-        x = tl.where(mask, tl.load(book + codes.to(tl.int32)) * scale, 0.0)
+        x = tl.where(mask, code_values(codes.to(tl.int32), book, SIGNED) * scale, 0.0)
     elif FMT == 1:
         x = tl.load(typed(tl.load(row + COL), tl.bfloat16, False) + offs, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -404,7 +426,8 @@ def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.
 @triton.jit
 def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
-    x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True)
+    # any map, always through its book (SIGNED only matters without one)
+    x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True, True)
     tl.store(out_ptr + offs, x, mask=mask)
 
 

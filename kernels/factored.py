@@ -142,7 +142,7 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
         u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
              * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g  # as factored_precondition
         u = tl.math.div_rn(u, clip_denominator(sums, t, tl.load(row + 2), clip_threshold))
-        m = load_slot_at(row, _M, offs, mask, book_s, QBLOCK, FMT)
+        m = load_slot_at(row, _M, offs, mask, book_s, True, QBLOCK, FMT)
         d = u - tl.fma(u, one_minus_beta1, m * beta1)
         x = d * d + eps
     else:
@@ -168,7 +168,7 @@ def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums
     u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
          * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g  # as factored_precondition
     u = tl.where(mask, u, 0.0).to(tl.float64)
-    m = load_slot_at(row, _M, offs, mask, book_s, QBLOCK, FMT).to(tl.float64)  # 0 where masked
+    m = load_slot_at(row, _M, offs, mask, book_s, True, QBLOCK, FMT).to(tl.float64)  # 0 where masked
     uu = u * u
     um = u * m
     mm = m * m
@@ -260,7 +260,7 @@ def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps
         u = factored_precondition(g, offs, mask, rfac, cfac, tl.load(row + _ROFF), tl.load(row + _COFF),
                                   tl.load(row + _R), tl.load(row + _C))
     else:
-        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
         v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
     if MASKED:
         u = tl.where(mask, u, 0.0)
@@ -300,12 +300,12 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
         C = tl.load(row + _C)
         u = factored_precondition(g, offs, mask, rfac, cfac, roff, coff, R, C)
     else:
-        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, FMT, ALIGNED, MASKED)
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
         v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
         store_slot(v, row, _V, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
     u = tl.math.div_rn(u, clip_denominator(sums, t, numel, clip_threshold))
     if CAME:
-        m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+        m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
         m = tl.fma(u, one_minus_beta1, m * beta1)
         store_slot(m, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
         if FACTORED:
@@ -326,7 +326,7 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
             alpha = lr
         u = u * alpha
         if HAS_M:
-            m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+            m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
             u = tl.fma(u, one_minus_beta1, m * beta1)
             store_slot(u, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
         if DECAY:

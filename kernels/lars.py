@@ -64,7 +64,7 @@ def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
-        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, FMT, ALIGNED, MASKED)
+        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
     else:
         buf = g
     d, buf = lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM, DECAY)

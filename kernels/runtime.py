@@ -24,7 +24,7 @@ import torch
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "TILE_SHAPES", "tile_shape",
-    "rows_per_tile", "fast_fp64", "device_ok", "cpu_interpreter",
+    "rows_per_tile", "fast_fp64", "device_ok", "cpu_interpreter", "Q8_DECODE",
 ]
 
 try:
@@ -49,6 +49,15 @@ NUM_WARPS = 4
 #: a capability not listed (and the interpreter) takes ``(TILE, NUM_WARPS)``. Entries are measurements of
 #: ``bench/fused_kernels.py --sweep`` on that GPU, never guesses: none yet.
 TILE_SHAPES: dict[tuple[int, int], tuple[int, int]] = {}
+
+#: how the kernels decode 8-bit state codes: ``"table"`` gathers each code's value from the map's 1 KiB code book
+#: (one dependent scalar load per element and slot after the codes arrive); ``"arithmetic"`` builds it from the
+#: code's bits (:func:`.pow2.pow2_value`: a few integer operations, the same fp32 value for every code). Which is
+#: faster is a GPU measurement (``bench/fused_kernels.py --sweep`` times both); until one is made, the table.
+#: Read at each launch (a change takes effect at the next step; each mode compiles its own kernels).
+Q8_DECODE = os.environ.get("LOWMEMOPT_Q8_DECODE", "table")
+if Q8_DECODE not in ("table", "arithmetic"):
+    raise ValueError(f"LOWMEMOPT_Q8_DECODE={Q8_DECODE!r}: expected 'table' or 'arithmetic'")
 
 _cpu_interpreter = False  # tests: route CPU tensors through the interpreted kernels (see cpu_interpreter())
 

@@ -102,6 +102,8 @@ VARIANTS = [
     Variant("adam", adamw._adam_kernel, tile(AMSGRAD=True, MAXIMIZE=True, L2_DECAY=True, UPDATE=NEAREST)),
     Variant("adam-stochastic", adamw._adam_kernel,
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=STOCHASTIC, W=17)),
+    Variant("adam-arith", adamw._adam_kernel,  # runtime.Q8_DECODE = "arithmetic": no code books
+            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, book_s=None, book_u=None)),
     Variant("adam-fp32-state", adamw._adam_kernel,
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, FMT=FP32)),
     Variant("sgd", sgd._sgd_kernel,

@@ -95,3 +95,55 @@ def test_swept_tile_shapes_give_identical_results(monkeypatch, dtype):
         assert all(torch.equal(a, b) for a, b in zip(got_p, base_p)), (tile, warps)
         for a, b in zip(got_s, base_s):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (tile, warps)
+
+
+def test_targets_are_issue_17s(bench, capsys):
+    """The PASS / FAIL lines: each 8-bit elementwise optimizer against 70% of the copy bandwidth, CAME against 1.3x and
+    LAMB against 1.2x 8-bit AdamW's time, 8-bit AdamW against bitsandbytes."""
+    n, bw = 10**9, 3e12
+    ideal = bench.ideal_bytes("adamw-8", torch.bfloat16)  # 10 B/param: 10 GB per step
+    rows = {"lowmemopt-adamw-8bit": 10e9 / (0.75 * bw), "lowmemopt-lion-8bit": 8e9 / (0.5 * bw),
+            "lowmemopt-came-8bit": 1.25 * 10e9 / (0.75 * bw), "lowmemopt-lamb-8bit": 1.25 * 10e9 / (0.75 * bw),
+            "bnb-adamw8bit": 1.0}
+    bench._targets(rows, n, ideal, bw, torch.bfloat16)
+    out = capsys.readouterr().out
+    assert "lowmemopt-adamw-8bit >= 70% of copy bandwidth: 75% -> PASS" in out
+    assert "lowmemopt-lion-8bit >= 70% of copy bandwidth: 50% -> FAIL" in out
+    assert "lowmemopt-came-8bit <= 1.3x 8-bit AdamW: 1.25x -> PASS" in out
+    assert "lowmemopt-lamb-8bit <= 1.2x 8-bit AdamW: 1.25x -> FAIL" in out
+    assert "8-bit AdamW <= 1.0x bitsandbytes: 0.00x -> PASS" in out
+    assert "sgd" not in out  # a row that did not run has no line
+
+
+@pytest.mark.skipif(not runtime.INTERPRET, reason="needs TRITON_INTERPRET=1 (the kernels on CPU tensors)")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_q8_decode_modes_are_bit_identical(bits, monkeypatch):
+    """``runtime.Q8_DECODE = "arithmetic"`` (codes decoded from their bits, no code-book gather) gives the table's
+    results bit for bit: every 8-bit kernel optimizer, 2 steps, params and state; 4-bit state keeps its books."""
+    from lowmemopt.kernels import codec, registry
+    from lowmemopt.optimizer import kernel_algorithm
+    from optim_info import OPTIMIZERS, STATEFUL
+
+    shapes = [(300,), (47, 53), (3, 5, 70)]
+    for info in OPTIMIZERS:
+        if info.name not in STATEFUL or kernel_algorithm(info.cls) not in registry.ALGORITHMS:
+            continue
+        runs = []
+        for mode in ("table", "arithmetic"):
+            monkeypatch.setattr(runtime, "Q8_DECODE", mode)
+            assert (codec.maps(torch.device("cpu"), "q8") == (None,) * 4) == (mode == "arithmetic")
+            params = make_params(shapes, seed=2)
+            opt = info.cls(params, state_bits=bits, min_quant_numel=64, **STATEFUL[info.name])
+            dispatch.stats.clear()
+            for t in range(2):
+                set_grads(params, t)
+                with runtime.cpu_interpreter():
+                    opt.step()
+            assert dispatch.stats, info.name
+            runs.append((params, opt))
+        (a, opt_a), (b, opt_b) = runs
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), info.name
+            for key, value in opt_a.state[p].items():
+                other = opt_b.state[q][key]
+                assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (info.name, key)
