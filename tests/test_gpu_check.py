@@ -155,6 +155,28 @@ def test_gpu_check_rejects_unknown_options(tmp_path):
     assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
 
 
+def test_gpu_check_lists_its_benchmarks_and_selects_with_only(tmp_path):
+    """``--list`` prints the plan without a GPU: every benchmark but the opt-in sweep; ``--only`` selects (the sweep
+    only when named), in the plan's order; an unknown name is refused before anything runs."""
+
+    def plan(*args):
+        proc = subprocess.run(["bash", SCRIPT, "--list", *args], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [line.split("\t") for line in proc.stdout.splitlines()]
+
+    full = plan()
+    assert [n for n, _ in full] == ["kernel_resources", "fused_kernels", "e2e", "paging", "galore", "host_overhead",
+                                    "profile_step"]
+    assert dict(full)["e2e"] == "python bench/e2e.py --steps 10 --warmup 3 --json $WORK/e2e.json"
+    picked = plan("--quick", "--only", "sweep,e2e")
+    assert [n for n, _ in picked] == ["e2e", "sweep"] and "--sweep" in dict(picked)["sweep"]
+    assert "--layers 4" in dict(picked)["e2e"]
+    proc = subprocess.run(["bash", SCRIPT, "--only", "e2e,bogus"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=60)
+    assert proc.returncode == 2 and "unknown benchmark 'bogus'" in proc.stderr
+
+
 def test_e2e_bench_runs_tiny_on_cpu(tmp_path):
     """Two rows, each in its own process, on a 1-layer model: the table, ratios to torch's fused AdamW, JSON."""
     js = tmp_path / "e2e.json"
