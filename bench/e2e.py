@@ -282,22 +282,28 @@ def markdown_table(rows: list[dict[str, Any]], steps: int) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser, batch: int = 4, seq: int = 1024) -> None:
+    """The model's options (TinyLlama's layout by default), the batch, the GaLore rank and the dtype: shared with
+    ``profile_step.py``, which builds the same model."""
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    ap.add_argument("--optimizers", default=",".join(ROWS), help="comma-separated rows (default: all)")
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up (default 20)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (state allocation, compiles)")
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--seq", type=int, default=seq)
     ap.add_argument("--rank", type=int, default=256, help="GaLore rank of the attention and MLP weights")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--optimizers", default=",".join(ROWS), help="comma-separated rows (default: all)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up (default 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (state allocation, compiles)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per row")
     ap.add_argument("--json", default=None, help="write every row (all step times) here")
     ap.add_argument("--markdown", default=None, help="also write the table here")

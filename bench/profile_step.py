@@ -285,19 +285,9 @@ def op_table(row: dict[str, Any], top: int) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    e2e.add_model_args(ap, batch=1, seq=256)  # the batch and sequence of the one backward that makes the gradients
     ap.add_argument("--optimizers", default=",".join(DEFAULT_ROWS),
                     help=f"comma-separated rows of bench/e2e.py (default: {','.join(DEFAULT_ROWS)})")
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=5632)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=1, help="batch of the one backward that makes the gradients")
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--rank", type=int, default=256, help="GaLore rank (the galore rows)")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before profiling (state, compiles)")
     ap.add_argument("--top", type=int, default=12, help="rows of the kernel and operator tables")
