@@ -220,6 +220,29 @@ def test_bf16_first_moment_under_cancellation(name):
 
 
 @interpreted
+@pytest.mark.parametrize("name", ["Adafactor", "CAME"])
+@pytest.mark.parametrize("bits", [32, 8])
+def test_factor_indices_per_segment_equal_per_element(name, bits, monkeypatch):
+    """Matrices whose rows are at least a tile row long (``factored.wide``) index their row and column factors once
+    per segment (:func:`lowmemopt.kernels.factored.factor_index`, ``WIDE``) instead of dividing per element: the same
+    indices, so bit-identical results, on rows and matrices that segments cross (3 x 5 x 300: a segment crosses a row
+    and a matrix boundary; 2 x 257; 4 x 256: none), and within the kernel bounds of the reference."""
+    from lowmemopt.kernels import factored
+
+    seen = []
+    real_wide = factored.wide
+    monkeypatch.setattr(factored, "wide", lambda *a: seen.append(real_wide(*a)) or seen[-1])
+    shapes = [(3, 5, 300), (2, 257), (4, 256)]
+    info = BY_NAME[name]
+    params, _ = check_against_reference(info.cls, STATEFUL[name], bits, steps=2, shapes=shapes)
+    assert seen and all(seen), seen
+    monkeypatch.setattr(factored, "wide", lambda *a: False)  # the per-element divisions
+    narrow, _ = check_against_reference(info.cls, STATEFUL[name], bits, steps=2, shapes=shapes)
+    for a, b in zip(params, narrow):
+        assert torch.equal(a, b)
+
+
+@interpreted
 @pytest.mark.parametrize("bits", [32, 16, 8, 4])
 def test_came_direct_instability_pass(bits, monkeypatch):
     """Where fp64 is slow (GeForce-class GPUs: ``runtime.fast_fp64``), CAME computes its instability in a second 2-D
