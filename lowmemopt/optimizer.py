@@ -415,9 +415,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
                      pipe: _CpuFiniteChecks | None = None) -> DeviceFlags | None:
         """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
         (:mod:`lowmemopt.pipeline.finite`); None where the check must be decided on the host first: anything but
-        one device that the Triton backend takes with kernels that mask by element count, or anything paged,
-        projected or sharded."""
-        if not DEFER_FINITE_CHECK or pager is not None or (pipe is not None and pipe.indices):
+        one device that the Triton backend takes with kernels that mask by element count, or anything whose state
+        moves (paged beyond the budget: state resident within it steps as unpaged), projected or sharded."""
+        if not DEFER_FINITE_CHECK or (pipe is not None and pipe.indices):
+            return None
+        if pager is not None and pager.moves_any(work):
             return None
         if type(self)._step_param is not LowMemOptimizer._step_param or kernel_algorithm(self) not in DEFERRED_ALGORITHMS:
             return None

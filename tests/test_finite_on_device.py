@@ -154,3 +154,30 @@ def test_per_layer_updates_check_on_the_device_and_read_once_per_backward(bits, 
         assert sorted(sa) == sorted(sb) and sa["step"] == sb["step"]
         assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
     assert opt_a.state[a[2].weight]["step"] == 2
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_paged_state_resident_within_the_budget_checks_on_the_device(tier, tmp_path, monkeypatch):
+    """Paged state that the budget keeps resident moves nowhere, so its step is the unpaged one: the finiteness check
+    stays on the device (no synchronization before the launches), with the host check's results bit for bit. A budget
+    below the state moves it, and the host decides first. (Issue 15: budget >= state at unpaged speed.)"""
+    from lowmemopt.pipeline import finite
+
+    made = []
+    real = finite.DeviceFlags.__init__
+    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    paging = dict(paged=tier, offload_dir=str(tmp_path)) if tier == "disk" else dict(paged=True)
+    runs = {}
+    for name, budget in (("resident", 1 << 30), ("moving", 0), ("unpaged", None)):
+        made.clear()
+        extra = {} if budget is None else dict(paging, page_budget_bytes=budget)
+        params, opt, warned = _run(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1, **extra), 8, True, monkeypatch)
+        runs[name] = (params, opt, warned, len(made))
+        if budget is not None:
+            opt.close()
+    assert runs["resident"][3] == runs["unpaged"][3] == 4 and runs["moving"][3] == 0  # DeviceFlags per step
+    for name in ("resident", "moving"):
+        params, _, warned, _ = runs[name]
+        assert warned == runs["unpaged"][2] == [1, 1, 1, 0]
+        for a, b in zip(params, runs["unpaged"][0]):
+            assert torch.equal(a, b), name

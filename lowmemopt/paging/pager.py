@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
@@ -213,6 +213,18 @@ class Pager:
                 error = error or e
         if error is not None:
             raise error
+
+    def moves_any(self, work: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> bool:
+        """May the state of any (param, group) of ``work`` move this step: paged and not resident within the budget,
+        or paged and not placed yet (:meth:`begin` decides its residency)? When none does, a step runs exactly as
+        unpaged (the pipeline's stage and write-back have nothing to do)."""
+        for p, group in work:
+            if tier_of(group) is None:
+                continue
+            entry = self.entries.get(p)
+            if entry is None or not entry.resident:
+                return True
+        return False
 
     def _moves(self, p: torch.Tensor) -> bool:
         entry = self.entries.get(p)

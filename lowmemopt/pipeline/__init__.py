@@ -80,10 +80,12 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
         optimizer._step_in_order(todo, finite, grads, pipe)
         return
     work = [(p, group) for _, p, group in todo]
+    # flags: nothing moves (optimizer.device_flags: state resident within the budget), so this is the unpaged step
     for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None else 0):
-        left = step_buckets(optimizer, name, batch, galore) if name is not None else batch
+        left = step_buckets(optimizer, name, batch, galore, flags) if name is not None else batch
         for p, group in left:
-            optimizer._step_param(p, p.grad, group)
+            if flags is None or flags.finite(p):  # the per-tensor backends need the decision on the host
+                optimizer._step_param(p, p.grad, group)
 
 
 def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
