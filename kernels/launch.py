@@ -149,16 +149,21 @@ class Bucket:
         (:func:`.codec.maps`)."""
         if not sum(counts):
             return
-        table = device_table(rows, self.device)
-        if self.flags is not None:  # skipped on the device: a non-finite gradient's tensor counts 0 elements
-            table = table.clone()
-            table[:, 2] *= self.flags.index_select(0, device_index(self.flag_rows, self.device))
-        units = unit_map(counts, self.device)
+        table, units = self.tables(rows, counts)
         if writes:
             self.written = True
         # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
         kernel[(sum(counts),)](units, table, *maps(self.device, self.fmt), *args, W=len(rows[0]), **meta,
                                num_warps=runtime.tile_shape(self.device)[1], enable_fp_fusion=False)
+
+    def tables(self, rows: list[list[int]], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launch's ``(table, units)`` on the device (:func:`.table.device_table`, :func:`.table.unit_map`),
+        the table's element counts multiplied by the tensors' finiteness flags where the bucket has them."""
+        table = device_table(rows, self.device)
+        if self.flags is not None:  # skipped on the device: a non-finite gradient's tensor counts 0 elements
+            table = table.clone()
+            table[:, 2] *= self.flags.index_select(0, device_index(self.flag_rows, self.device))
+        return table, unit_map(counts, self.device)
 
     def accumulators(self, n: int) -> torch.Tensor:
         """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""
