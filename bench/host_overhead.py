@@ -96,8 +96,9 @@ def param_groups(params: list[torch.nn.Parameter], rank: int | None) -> list:
 
 def per_layer(opt) -> Callable[[], None]:
     """One step as ``step_in_backward`` takes it: each parameter in backward order (reversed) through
-    :func:`lowmemopt.per_layer.step_one`, as its post-accumulate-grad hook does, then the end of the backward pass's
-    one :func:`~lowmemopt.pipeline.finite.resolve` (gradients are kept here, to step again)."""
+    :func:`lowmemopt.per_layer.step_one`, as its post-accumulate-grad hook does (grad mode off, as in backward()),
+    then the end of the backward pass's one :func:`~lowmemopt.pipeline.finite.resolve` (gradients are kept here, to
+    step again)."""
     from lowmemopt.per_layer import step_one
     from lowmemopt.pipeline.finite import resolve
 
@@ -105,8 +106,9 @@ def per_layer(opt) -> Callable[[], None]:
 
     def run() -> None:
         pending: list = []
-        for p, group in order:
-            step_one(opt, p, group, pending)
+        with torch.no_grad():  # as in backward(), whose hooks run with grad mode off
+            for p, group in order:
+                step_one(opt, p, group, pending)
         resolve(pending)
 
     return run

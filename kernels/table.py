@@ -20,10 +20,13 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["device_table", "device_index", "unit_map", "aligned", "ceil_div"]
+__all__ = ["device_table", "device_tables", "device_index", "unit_map", "aligned", "ceil_div"]
 
-_CACHE_SIZE = 64
+#: entries per cache: more than the tensors of a large model, because the per-layer updates (``step_in_backward``)
+#: build one single-row table per parameter per step (a cache smaller than the parameter count would never hit)
+_CACHE_SIZE = 2048
 _tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_pairs: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
 _units: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _indices: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 
@@ -41,8 +44,22 @@ def _cached(cache: OrderedDict, key: tuple, make) -> torch.Tensor:
 
 def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W)."""
-    key = (device, tuple(tuple(r) for r in rows))
+    key = (device, tuple(map(tuple, rows)))
     return _cached(_tables, key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
+
+
+def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`device_table` of ``rows``, and the same table with every element count (column 2) 0: a launch picks
+    each row from one or the other by the tensors' finiteness flags (one ``torch.where`` on the device)."""
+    key = (device, tuple(map(tuple, rows)))
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.tensor(key[1], dtype=torch.int64)
+        skipped = table.clone()
+        skipped[:, 2] = 0
+        return table.to(device), skipped.to(device)
+
+    return _cached(_pairs, key, make)
 
 
 def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:

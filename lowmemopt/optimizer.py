@@ -425,9 +425,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if len(devices) != 1 or not pipeline.triton_usable(devices):
             return None
         state = self.state
-        if any(is_dtensor(p) or group.get("rank") is not None or "galore.side" in state.get(p, ())
-               for p, group in work):
-            return None
+        for p, group in work:
+            if group.get("rank") is not None or is_dtensor(p) or "galore.side" in state.get(p, ()):
+                return None
         return DeviceFlags([p for p, _ in work], grads)
 
     def _run_pipeline(self, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
@@ -437,8 +437,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         optimizer: its fused algorithm (none for a subclass that steps its parameters itself) and the GaLore stage
         when a parameter is projected. ``flags``: the finiteness check on the device (:meth:`device_flags`)."""
         galore = None
-        if any(g.get("rank") is not None or "galore.side" in self.state.get(p, ()) for _, p, g in todo):
-            from .projection import step as galore
+        state = self.state
+        for _, p, g in todo:
+            if g.get("rank") is not None or "galore.side" in state.get(p, ()):
+                from .projection import step as galore
+                break
         bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
         pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
 

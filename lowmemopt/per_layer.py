@@ -49,16 +49,18 @@ def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: 
     the device where the kernels allow it (the flags are appended to ``pending``, for one :func:`resolve` at the end
     of the backward pass), else on the host now (a DTensor's ranks agree on it). Returns False when the host skipped
     ``p`` for a non-finite gradient. ``bench/host_overhead.py --mode per-layer`` measures this."""
+    if torch.is_grad_enabled():  # (a hook inside backward() runs with grad mode off already)
+        with torch.no_grad():
+            return step_one(optimizer, p, group, pending)
     local = local_tensor(p.grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
-    with torch.no_grad():
-        flags = optimizer.device_flags([(p, group)], [local], optimizer._pager_for(group))
-        if flags is not None:  # decided by the kernel on the device; read at the end of the backward pass
-            optimizer._step_alone(p, group, flags)
-            pending.append(flags)
-        elif agree_finite(_finite_flags([local]), [p], [p.grad])[0]:
-            optimizer._step_alone(p, group)
-        else:
-            return False
+    flags = optimizer.device_flags([(p, group)], [local], optimizer._pager_for(group))
+    if flags is not None:  # decided by the kernel on the device; read at the end of the backward pass
+        optimizer._step_alone(p, group, flags)
+        pending.append(flags)
+    elif agree_finite(_finite_flags([local]), [p], [p.grad])[0]:
+        optimizer._step_alone(p, group)
+    else:
+        return False
     return True
 
 

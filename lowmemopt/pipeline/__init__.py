@@ -26,6 +26,7 @@ import torch
 from .. import rounding
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import local_view
+from ..kernels.registry import ALGORITHMS
 from .finite import DeviceFlags
 from .items import Item, Update
 
@@ -46,13 +47,18 @@ Work = list[tuple[torch.Tensor, dict[str, Any]]]
 def triton_usable(devices: set[torch.device]) -> bool:
     """May the Triton backend take tensors on ``devices``? CUDA with Triton, or the CPU while a test runs the
     interpreter. CPU-only steps never import Triton otherwise."""
-    if not any(d.type == "cuda" for d in devices):
-        runtime = sys.modules.get("lowmemopt.kernels.runtime")
-        if runtime is None or not runtime._cpu_interpreter:
+    runtime = sys.modules.get("lowmemopt.kernels.runtime")
+    if runtime is None or not runtime._cpu_interpreter:
+        if not any(d.type == "cuda" for d in devices):
             return False
-    from ..kernels import runtime
-
-    return runtime.HAS_TRITON and runtime.ENABLED and any(runtime.device_ok(d) for d in devices)
+        if runtime is None:
+            from ..kernels import runtime
+    if not (runtime.HAS_TRITON and runtime.ENABLED):
+        return False
+    for d in devices:  # (a loop, not any(): this runs a few times per parameter in the per-layer updates)
+        if runtime.device_ok(d):
+            return True
+    return False
 
 
 def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
@@ -64,20 +70,19 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
     subclass that steps its parameters itself); ``galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or
     None when no param group is projected; ``flags``: the gradients' finiteness on the device (:mod:`.finite`;
     ``finite`` then says True for all, provisionally), read on the host only after the kernels are launched."""
-    from ..kernels.registry import ALGORITHMS
-
-    if name not in ALGORITHMS or not triton_usable({p.device for _, p, _ in todo}):
+    if name is not None and (name not in ALGORITHMS or not triton_usable({p.device for _, p, _ in todo})):
         name = None
     if pager is None:
         if name is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
             left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore, flags)}
             todo = [t for t in todo if finite[t[0]] is None or id(t[1]) in left]
-        if flags is not None:  # the per-tensor backends need the decision on the host (after the launches)
+        if flags is not None and todo:  # the per-tensor backends need the decision on the host (after the launches)
             for i, p, _ in todo:
                 finite[i] = flags.finite(p)
             todo = [t for t in todo if finite[t[0]]]
-        optimizer._step_in_order(todo, finite, grads, pipe)
+        if todo:
+            optimizer._step_in_order(todo, finite, grads, pipe)
         return
     work = [(p, group) for _, p, group in todo]
     for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None else 0):
