@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = {k: v for k, v in rows.items() if k in wanted}
     if args.device == "cpu":
         _stub_launches()
+        # one intra-op thread: the tensors are tiny, and on a loaded machine the timed thread would count the
+        # OpenMP barriers' spinning of torch's worker threads (GaLore's batched products), 2-6x the host work
+        torch.set_num_threads(1)
         if args.galore is not None:  # the batched products CUDA takes (the CPU's own are per matrix)
             from lowmemopt.projection import step as galore_step
 

@@ -123,8 +123,9 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
             plain.append(it)
     if projected:
         galore.project(projected)
-        alone = [it for it in projected if not galore.stands_in(optimizer, it)]  # the reference core
-        projected = [it for it in projected if galore.stands_in(optimizer, it)]
+        stands_in = [galore.stands_in(optimizer, it) for it in projected]
+        alone = [it for it, s in zip(projected, stands_in) if not s]  # the reference core
+        projected = [it for it, s in zip(projected, stands_in) if s]
         for it in alone:
             galore.update_alone(optimizer, it)
         galore.stand_ins(projected)
