@@ -450,6 +450,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state fetched and written
         back; the fused kernels where its device has them): the per-layer updates inside ``backward()``
         (:func:`lowmemopt.step_in_backward`)."""
+        if flags is not None:  # device_flags vouches: nothing paged, projected or sharded; the bucketed kernels' math
+            pipeline.run(self, [(0, p, group)], [True], [p.grad], None, None, kernel_algorithm(self), None, flags)
+            return
         pager = self._pager_for(group)
         if pager is not None:
             pager.begin([(p, group)])
