@@ -102,9 +102,13 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
     plain: list[Item] = []
     projected: list[Item] = []
     inner: dict[int, tuple[dict, dict, float]] = {}
-    fused_galore = galore is not None and galore.fused(optimizer)
+    fused_galore = None  # asked at the first projected parameter
+    states = optimizer.state
     for p, group in work:
-        if group.get("rank") is not None or "galore.side" in optimizer.state.get(p, ()):
+        state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
+        if group.get("rank") is not None or (state is not None and "galore.side" in state):
+            if fused_galore is None:
+                fused_galore = galore is not None and galore.fused(optimizer)
             if not fused_galore:
                 rest.append((p, group))
                 continue
@@ -112,8 +116,8 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
             if it is not None:  # None: no basis yet, the step is skipped
                 projected.append(it)
             continue
-        fresh = flags is not None and "step" not in optimizer.state.get(p, ())
-        it = _plain_item(optimizer, p, group)
+        fresh = flags is not None and (state is None or "step" not in state)
+        it = _plain_item(optimizer, p, group, state)
         if it is None:
             rest.append((p, group))
         else:
@@ -147,15 +151,18 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
     return rest
 
 
-def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any]) -> Item | None:
+def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any],
+                state: dict[str, Any] | None = None) -> Item | None:
     """A full-rank parameter as an item (its local shard for a DTensor), state made on the first step; None if no
-    bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards)."""
+    bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards).
+    ``state``: ``optimizer.state[p]`` when the caller has it already."""
     local, grad, reduce = local_view(p, p.grad)
     if reduce is not LOCAL and not optimizer.elementwise:
         return None
     if not (local.is_contiguous() and grad.is_contiguous()) or grad.shape != local.shape:
         return None
-    state = optimizer.state[p]
+    if state is None:
+        state = optimizer.state[p]
     slots = optimizer._slots(group, local)
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
         state = optimizer._init_state(local, group, slots, state, numel=p.numel(), reduce=reduce)
