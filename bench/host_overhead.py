@@ -176,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
 
             galore_step.BATCH_ON_CPU = True
     modes = ("step", "per-layer") if args.mode == "both" else (args.mode,)
-    galore = "" if args.galore is None else f", GaLore rank {args.galore} on {sum(len(s) == 2 for s in shapes) - 2} matrices"
+    matrices = sum(len(s) == 2 for s in shapes) - 2  # (not the embedding and the head)
+    galore = "" if args.galore is None else f", GaLore rank {args.galore} on {matrices} matrices"
     lines = [f"{len(shapes)} tensors ({args.layers} layers, hidden {args.hidden}){galore}, {args.dtype}, "
              f"{args.device}, torch {torch.__version__}",
-             "| optimizer | mode | host ms / step | µs / parameter | × step() |", "| --- | --- | ---: | ---: | ---: |"]
+             "| optimizer | mode | host ms / step | µs / parameter | × step() |",
+             "| --- | --- | ---: | ---: | ---: |"]
     for name, make in rows.items():
         anchor = name in ANCHORS
         if anchor and "step" not in modes:

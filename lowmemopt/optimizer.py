@@ -435,8 +435,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
                       flags: DeviceFlags | None = None) -> None:
         """Hand ``todo`` to the step pipeline (:func:`lowmemopt.pipeline.run`) with what it needs to know of this
         optimizer: its fused algorithm (none for a subclass that steps its parameters itself) and the GaLore stage
-        (which the pipeline asks only of projected parameters). ``flags``: the finiteness check on the device (:meth:`device_flags`)."""
-        from .projection import step as galore  # (step_buckets asks it only of projected parameters)
+        (which the pipeline asks only of projected parameters). ``flags``: the finiteness check on the device
+        (:meth:`device_flags`)."""
+        from .projection import step as galore
 
         bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
         pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
