@@ -4,6 +4,7 @@ number of parameters).
 
     cd /tmp && python /path/to/lowmemopt/bench/host_overhead.py                  # CPU: kernels gated, not launched
     python /path/to/lowmemopt/bench/host_overhead.py --device cuda --layers 22     # GPU: real launches (asynchronous)
+    python /path/to/lowmemopt/bench/host_overhead.py --galore 16 --optimizers "lowmemopt AdamW 8-bit"
 
 On a GPU the kernels are launched for real; kernel launches are asynchronous, so the step's CPU time (the thread's
 CPU time, ``time.thread_time``: not the wall time, which a loaded machine inflates) is the host's share, and the
@@ -13,7 +14,14 @@ launch replaced by building its launch table: everything the host does on a GPU 
 (no anchors: torch's CPU optimizers do their arithmetic on the host). Tensors are small (``--hidden``): host work does
 not depend on their size.
 
-Columns: parameters, host ms per step (median of ``--repeat`` rounds of ``--steps`` steps), and µs per parameter.
+``--mode``: ``step`` (``opt.step()``), ``per-layer`` (the per-layer updates of ``step_in_backward``: every parameter
+stepped alone, in backward order, as its hook does, through :func:`lowmemopt.per_layer.step_one`, then the end of the
+backward pass's one flag read), or ``both`` (default; their rounds alternate, on one optimizer). ``--galore RANK``:
+the attention and MLP matrices in a GaLore group (basis refreshed on the first step only); on the CPU the batched
+products CUDA takes run there (``lowmemopt.projection.step.BATCH_ON_CPU``), so the host work is CUDA's.
+
+Columns: host ms per step (median of ``--repeat`` rounds of ``--steps`` steps), µs per parameter, and for the
+per-layer updates their ratio to ``opt.step()`` (``both``).
 """
 
 from __future__ import annotations
@@ -56,38 +64,77 @@ def llama_shapes(layers: int, hidden: int, vocab: int) -> list[tuple[int, ...]]:
 
 
 def _stub_launches() -> None:
-    """CPU: every kernel launch only builds its launch tables (the host's part of it)."""
+    """CPU: every kernel launch only builds its launch tables (the host's part of it: with the device-side
+    finiteness flags, the masked table too)."""
     from lowmemopt.kernels import launch
-    from lowmemopt.kernels.table import device_table, unit_map
 
     def launch_tables_only(self, kernel, rows, counts, args, *, writes, **meta):
         if sum(counts):
-            device_table(rows, self.device)
-            unit_map(counts, self.device)
+            self.tables(rows, counts)
             self.written = self.written or writes
 
     launch.Bucket.launch = launch_tables_only
 
 
-def host_ms(make: Callable, shapes, device: str, dtype: torch.dtype, steps: int, repeat: int) -> float:
-    """Median over ``repeat`` rounds of the thread's CPU time per ``opt.step()``, in ms."""
+def make_params(shapes, device: str, dtype: torch.dtype) -> list[torch.nn.Parameter]:
     params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype)) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = make(params)
-    for _ in range(3):  # state made, kernels compiled, tables cached
-        opt.step()
+    return params
+
+
+def param_groups(params: list[torch.nn.Parameter], rank: int | None) -> list:
+    """The parameters as ``make`` takes them: a plain list, or with ``rank`` two groups, the attention and MLP
+    matrices (every 2-D tensor but the embedding and the head, as ``galore_param_groups`` picks them) in a GaLore
+    group whose basis is refreshed on the first step only (host work per step, not SVDs), the rest full rank."""
+    if rank is None:
+        return params
+    mats = [p for p in params[1:-1] if p.dim() == 2]
+    rest = [params[0]] + [p for p in params[1:-1] if p.dim() != 2] + [params[-1]]
+    return [{"params": mats, "rank": rank, "update_proj_gap": 10**9}, {"params": rest}]
+
+
+def per_layer(opt) -> Callable[[], None]:
+    """One step as ``step_in_backward`` takes it: each parameter in backward order (reversed) through
+    :func:`lowmemopt.per_layer.step_one`, as its post-accumulate-grad hook does (grad mode off, as in backward()),
+    then the end of the backward pass's one :func:`~lowmemopt.pipeline.finite.resolve` (gradients are kept here, to
+    step again)."""
+    from lowmemopt.per_layer import step_one
+    from lowmemopt.pipeline.finite import resolve
+
+    order = [(p, g) for g in opt.param_groups for p in g["params"]][::-1]
+
+    def run() -> None:
+        pending: list = []
+        with torch.no_grad():  # as in backward(), whose hooks run with grad mode off
+            for p, group in order:
+                step_one(opt, p, group, pending)
+        resolve(pending)
+
+    return run
+
+
+def host_ms(make: Callable, shapes, device: str, dtype: torch.dtype, steps: int, repeat: int, modes: tuple[str, ...],
+            rank: int | None = None) -> dict[str, float]:
+    """Per mode (``"step"``: ``opt.step()``; ``"per-layer"``: :func:`per_layer`), the median over ``repeat`` rounds of
+    the thread's CPU time per step, in ms. The modes' rounds alternate, on one optimizer."""
+    opt = make(param_groups(make_params(shapes, device, dtype), rank))
+    runs = {"step": opt.step, "per-layer": per_layer(opt) if "per-layer" in modes else None}
+    for mode in modes:
+        for _ in range(3):  # state made, kernels compiled, tables cached
+            runs[mode]()
     if device == "cuda":
         torch.cuda.synchronize()
-    rounds = []
+    rounds: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(repeat):
-        t = time.thread_time()
-        for _ in range(steps):
-            opt.step()
-        rounds.append((time.thread_time() - t) / steps * 1e3)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    return statistics.median(rounds)
+        for mode in modes:
+            t = time.thread_time()
+            for _ in range(steps):
+                runs[mode]()
+            rounds[mode].append((time.thread_time() - t) / steps * 1e3)
+            if device == "cuda":
+                torch.cuda.synchronize()
+    return {mode: statistics.median(r) for mode, r in rounds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--optimizers", help="comma-separated subset of the rows")
+    ap.add_argument("--mode", choices=("step", "per-layer", "both"), default="both",
+                    help="opt.step(), the per-layer updates of step_in_backward, or both (alternated)")
+    ap.add_argument("--galore", type=int, metavar="RANK",
+                    help="the attention and MLP matrices in a GaLore group of this rank")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
@@ -117,16 +168,34 @@ def main(argv: list[str] | None = None) -> int:
         rows = {k: v for k, v in rows.items() if k in wanted}
     if args.device == "cpu":
         _stub_launches()
-    lines = [f"{len(shapes)} tensors ({args.layers} layers, hidden {args.hidden}), {args.dtype}, {args.device}, "
-             f"torch {torch.__version__}",
-             "| optimizer | host ms / step | µs / parameter |", "| --- | ---: | ---: |"]
+        # one intra-op thread: the tensors are tiny, and on a loaded machine the timed thread would count the
+        # OpenMP barriers' spinning of torch's worker threads (GaLore's batched products), 2-6x the host work
+        torch.set_num_threads(1)
+        if args.galore is not None:  # the batched products CUDA takes (the CPU's own are per matrix)
+            from lowmemopt.projection import step as galore_step
+
+            galore_step.BATCH_ON_CPU = True
+    modes = ("step", "per-layer") if args.mode == "both" else (args.mode,)
+    matrices = sum(len(s) == 2 for s in shapes) - 2  # (not the embedding and the head)
+    galore = "" if args.galore is None else f", GaLore rank {args.galore} on {matrices} matrices"
+    lines = [f"{len(shapes)} tensors ({args.layers} layers, hidden {args.hidden}){galore}, {args.dtype}, "
+             f"{args.device}, torch {torch.__version__}",
+             "| optimizer | mode | host ms / step | µs / parameter | × step() |",
+             "| --- | --- | ---: | ---: | ---: |"]
     for name, make in rows.items():
+        anchor = name in ANCHORS
+        if anchor and "step" not in modes:
+            continue
+        wanted = ("step",) if anchor else modes  # per-layer updates are lowmemopt's (step_in_backward)
         if args.device == "cpu":
             with runtime.cpu_interpreter():
-                ms = host_ms(make, shapes, "cpu", dtype, args.steps, args.repeat)
+                ms = host_ms(make, shapes, "cpu", dtype, args.steps, args.repeat, wanted, args.galore)
         else:
-            ms = host_ms(make, shapes, "cuda", dtype, args.steps, args.repeat)
-        lines.append(f"| {name} | {ms:.2f} | {1e3 * ms / len(shapes):.1f} |")
+            ms = host_ms(make, shapes, "cuda", dtype, args.steps, args.repeat, wanted, args.galore)
+        for mode, value in ms.items():
+            ratio = f"{value / ms['step']:.2f}" if mode != "step" and "step" in ms else ""
+            lines.append(f"| {name} | {'step()' if mode == 'step' else mode} | {value:.2f} | "
+                         f"{1e3 * value / len(shapes):.1f} | {ratio} |")
     print("\n".join(lines))
     return 0
 

@@ -111,17 +111,20 @@ def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool]):
         return None
     if not isinstance(state.get("step"), int):  # e.g. a tensor step from a foreign state dict
         return None
-    # the format of the target-sized slots (a target without any counts as fp32)
-    full = [name for name, s in it.slots.items()
-            if s.quantize and (s.shape is None or math.prod(s.shape) == t.numel())]
-    try:
-        formats = {format_of(state, name).name for name in full}
-    except KeyError:  # a slot is missing: the reference path reports it
-        return None
-    if len(formats) > 1:
-        return None
-    kernel = registry.lookup(algorithm, formats.pop() if formats else "fp32")
-    if kernel is None or tuple(sorted(kernel.slots(it.group, t))) != tuple(sorted(it.slots)):
+    # the format of the target-sized slots, all one (a target without any counts as fp32)
+    numel, fmt = t.numel(), None
+    for name, s in it.slots.items():
+        if s.quantize and (s.shape is None or math.prod(s.shape) == numel):
+            try:
+                slot_fmt = format_of(state, name).name
+            except KeyError:  # a slot is missing: the reference path reports it
+                return None
+            if fmt is None:
+                fmt = slot_fmt
+            elif slot_fmt != fmt:
+                return None
+    kernel = registry.lookup(algorithm, fmt or "fp32")
+    if kernel is None or sorted(kernel.slots(it.group, t)) != sorted(it.slots):
         return None
     if it.group.get("bf16_update", "nearest") != "nearest" and t.dtype == torch.bfloat16 \
             and algorithm not in registry.UPDATE_ALGORITHMS:

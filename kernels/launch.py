@@ -22,7 +22,7 @@ from . import runtime
 from lowmemopt.pipeline.items import Update
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
-from .table import aligned, ceil_div, device_index, device_table, unit_map
+from .table import aligned, ceil_div, device_index, device_table, device_tables, unit_map
 
 __all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES"]
 
@@ -42,6 +42,19 @@ def scalar(x: Any) -> float:
             raise Unsupported("hyper-parameter is a device tensor (reading it would synchronize)")
         return float(x)
     return float(x)
+
+
+_SLOT_KEYS: dict[tuple[str, tuple[str, ...]], tuple[tuple[str, str | None], ...]] = {}
+
+
+def _slot_keys(fmt: str, slots: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
+    """The state keys of each slot's two table columns in format ``fmt`` (as :meth:`Bucket.slot_tensors`), memoized
+    (a few formats x slot lists): the rows of a launch look them up per tensor."""
+    keys = _SLOT_KEYS.get((fmt, slots))
+    if keys is None:
+        data, aux = {"q8": (".codes", ".absmax"), "q4": (".nibbles", ".absmax")}.get(fmt, ("", None))
+        keys = _SLOT_KEYS[(fmt, slots)] = tuple((name + data, None if aux is None else name + aux) for name in slots)
+    return keys
 
 
 @dataclass
@@ -78,16 +91,16 @@ class Bucket:
         return [(st[name], None) for st in self.states]
 
     def rows(self, slots: Sequence[str], extra: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
-        """Launch-table rows: param, grad, numel, two columns per slot, then ``extra[i]``."""
-        cols = [self.slot_tensors(name) for name in slots]
+        """Launch-table rows: param, grad, numel, two columns per slot (:meth:`slot_tensors`), then ``extra[i]``."""
+        keys = _slot_keys(self.fmt, tuple(slots))
         out = []
-        for i, (p, g) in enumerate(zip(self.params, self.grads)):
+        for i, (p, g, st) in enumerate(zip(self.params, self.grads, self.states)):
             row = [p.data_ptr(), g.data_ptr(), p.numel()]
-            for slot in cols:
-                data, aux = slot[i]
-                row += [data.data_ptr(), 0 if aux is None else aux.data_ptr()]
+            for data, aux in keys:
+                row.append(st[data].data_ptr())
+                row.append(0 if aux is None else st[aux].data_ptr())
             if extra is not None:
-                row += list(extra[i])
+                row += extra[i]
             out.append(row)
         return out
 
@@ -120,14 +133,15 @@ class Bucket:
             tensors += [data for data, _ in self.slot_tensors(name)]
         return aligned(tensors)
 
-    def constexprs(self, slots: Sequence[str]) -> dict[str, Any]:
-        """Compile-time arguments shared by the tile kernels: formats, dtypes, alignment, tile shape."""
+    def constexprs(self, slots: Sequence[str], aligned: bool | None = None) -> dict[str, Any]:
+        """Compile-time arguments shared by the tile kernels: formats, dtypes, alignment (``aligned``, or
+        :meth:`aligned` of ``slots``), tile shape."""
         block = self.block_size
         return dict(
             FMT=FORMAT_CODES[self.fmt],
             P_DTYPE=TL_DTYPES[self.params[0].dtype],
             G_DTYPE=TL_DTYPES[self.grads[0].dtype],
-            ALIGNED=self.aligned(slots),
+            ALIGNED=self.aligned(slots) if aligned is None else aligned,
             ROWS=runtime.rows_per_tile(block, self.device),
             BLOCK=block,
         )
@@ -137,10 +151,13 @@ class Bucket:
         """Launch ``kernel`` over every tile of every tensor: ``kernel(units, table, *maps, *args, W=..., ...,
         **flags)``; the table rows are :meth:`rows` ``(slots, extra)``. ``writes``: this pass writes params or state
         (see :class:`Unsupported`)."""
-        meta = self.constexprs(slots)
+        rows = self.rows(slots, extra)
+        # :meth:`aligned` read off the rows' addresses: param, grad and each slot's data (columns 0, 1, 3, 5, ...)
+        columns = (0, 1, *range(3, 3 + 2 * len(slots), 2))
+        meta = self.constexprs(slots, all(row[c] % 16 == 0 for row in rows for c in columns))
         tile = meta["ROWS"] * meta["BLOCK"]
-        counts = [ceil_div(p.numel(), tile) for p in self.params]
-        self.launch(kernel, self.rows(slots, extra), counts, args, writes=writes, **meta, **flags)
+        counts = [ceil_div(row[2], tile) for row in rows]
+        self.launch(kernel, rows, counts, args, writes=writes, **meta, **flags)
 
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
                **meta: Any) -> None:
@@ -149,16 +166,27 @@ class Bucket:
         (:func:`.codec.maps`)."""
         if not sum(counts):
             return
-        table = device_table(rows, self.device)
-        if self.flags is not None:  # skipped on the device: a non-finite gradient's tensor counts 0 elements
-            table = table.clone()
-            table[:, 2] *= self.flags.index_select(0, device_index(self.flag_rows, self.device))
-        units = unit_map(counts, self.device)
+        table, units = self.tables(rows, counts)
         if writes:
             self.written = True
         # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
         kernel[(sum(counts),)](units, table, *maps(self.device, self.fmt), *args, W=len(rows[0]), **meta,
                                num_warps=runtime.tile_shape(self.device)[1], enable_fp_fusion=False)
+
+    def tables(self, rows: list[list[int]], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launch's ``(table, units)`` on the device (:func:`.table.device_table`, :func:`.table.unit_map`),
+        the table's element counts multiplied by the tensors' finiteness flags where the bucket has them."""
+        device = self.device
+        flags = self.flags
+        if flags is None:
+            table = device_table(rows, device)
+        else:  # skipped on the device: a non-finite gradient's tensor counts 0 elements (one op on the device)
+            table, skipped = device_tables(rows, device)
+            n = len(self.flag_rows)
+            if n != len(flags) or self.flag_rows != list(range(n)):  # (a per-layer hook's one tensor: row 0 of 1)
+                flags = flags.index_select(0, device_index(self.flag_rows, device))
+            table = torch.where(flags.view(torch.bool).unsqueeze(1), table, skipped)
+        return table, unit_map(counts, device)
 
     def accumulators(self, n: int) -> torch.Tensor:
         """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""

@@ -20,35 +20,68 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["device_table", "device_index", "unit_map", "aligned", "ceil_div"]
+__all__ = ["device_table", "device_tables", "device_index", "unit_map", "aligned", "ceil_div"]
+
+
+class _Cache:
+    """A least-recently-used cache of device tensors by content, bounded by entries and by their bytes."""
+
+    def __init__(self, entries: int, nbytes: int | None = None) -> None:
+        self.limit, self.byte_limit = entries, nbytes
+        self.entries: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: tuple, make):
+        hit = self.entries.get(key)
+        if hit is not None:
+            self.entries.move_to_end(key)
+            return hit[0]
+        value = make()
+        size = sum(t.numel() * t.element_size() for t in (value if isinstance(value, tuple) else (value,)))
+        self.entries[key] = (value, size)
+        self.nbytes += size
+        while len(self.entries) > self.limit or (
+                self.byte_limit is not None and self.nbytes > self.byte_limit and len(self.entries) > 1):
+            self.nbytes -= self.entries.popitem(last=False)[1][1]
+        return value
+
 
 _CACHE_SIZE = 64
-_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_units: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_indices: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-
-
-def _cached(cache: OrderedDict, key: tuple, make) -> torch.Tensor:
-    hit = cache.get(key)
-    if hit is not None:
-        cache.move_to_end(key)
-        return hit
-    value = cache[key] = make()
-    if len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
-    return value
+#: tables: more entries than the tensors of a large model, because the per-layer updates (``step_in_backward``) build
+#: a one-row table per parameter per step (a cache smaller than the parameter count would never hit), and a byte
+#: bound for steps whose buckets change from step to step (a table is a row of ~10 int64 per tensor)
+_TABLE_CACHE_SIZE = 2048
+_TABLE_CACHE_BYTES = 64 << 20
+_tables = _Cache(_TABLE_CACHE_SIZE, _TABLE_CACHE_BYTES)
+_pairs = _Cache(_TABLE_CACHE_SIZE, _TABLE_CACHE_BYTES)
+_units = _Cache(_CACHE_SIZE)  # (a unit map has an entry per tile: a few per bucket)
+_indices = _Cache(_CACHE_SIZE)
 
 
 def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W)."""
-    key = (device, tuple(tuple(r) for r in rows))
-    return _cached(_tables, key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
+    key = (device, tuple(map(tuple, rows)))
+    return _tables.get(key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
+
+
+def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`device_table` of ``rows``, and the same table with every element count (column 2) 0: a launch picks
+    each row from one or the other by the tensors' finiteness flags (one ``torch.where`` on the device)."""
+    key = (device, tuple(map(tuple, rows)))
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.tensor(key[1], dtype=torch.int64)
+        skipped = table.clone()
+        skipped[:, 2] = 0
+        return table.to(device), skipped.to(device)
+
+    return _pairs.get(key, make)
 
 
 def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:
     """int64 ``index`` on ``device`` (cached by content, as the tables)."""
     key = (device, tuple(index))
-    return _cached(_indices, key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
+    return _indices.get(key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
 
 
 def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -62,7 +95,7 @@ def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
         local = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)
         return torch.stack([tensor, local]).to(torch.int32).to(device)
 
-    return _cached(_units, key, make)
+    return _units.get(key, make)
 
 
 def ceil_div(a: int, b: int) -> int:

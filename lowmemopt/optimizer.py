@@ -427,9 +427,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if len(devices) != 1 or not pipeline.triton_usable(devices):
             return None
         state = self.state
-        if any(is_dtensor(p) or group.get("rank") is not None or "galore.side" in state.get(p, ())
-               for p, group in work):
-            return None
+        for p, group in work:
+            if group.get("rank") is not None or is_dtensor(p) or "galore.side" in state.get(p, ()):
+                return None
         return DeviceFlags([p for p, _ in work], grads)
 
     def _run_pipeline(self, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
@@ -437,10 +437,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
                       flags: DeviceFlags | None = None) -> None:
         """Hand ``todo`` to the step pipeline (:func:`lowmemopt.pipeline.run`) with what it needs to know of this
         optimizer: its fused algorithm (none for a subclass that steps its parameters itself) and the GaLore stage
-        when a parameter is projected. ``flags``: the finiteness check on the device (:meth:`device_flags`)."""
-        galore = None
-        if any(g.get("rank") is not None or "galore.side" in self.state.get(p, ()) for _, p, g in todo):
-            from .projection import step as galore
+        (which the pipeline asks only of projected parameters). ``flags``: the finiteness check on the device
+        (:meth:`device_flags`)."""
+        from .projection import step as galore
+
         bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
         pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
 
@@ -449,6 +449,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state fetched and written
         back; the fused kernels where its device has them): the per-layer updates inside ``backward()``
         (:func:`lowmemopt.step_in_backward`)."""
+        if flags is not None:  # device_flags vouches: nothing moves (resident paged state is unpaged state), nothing
+            # projected or sharded; the bucketed kernels' math
+            pipeline.run(self, [(0, p, group)], [True], [p.grad], None, None, kernel_algorithm(self), None, flags)
+            return
         pager = self._pager_for(group)
         if pager is not None:
             pager.begin([(p, group)])

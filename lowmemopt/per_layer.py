@@ -40,7 +40,28 @@ from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
 from .pipeline.finite import DeviceFlags, resolve
 
-__all__ = ["BackwardStepper", "step_in_backward"]
+__all__ = ["BackwardStepper", "step_in_backward", "step_one"]
+
+
+def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: list[DeviceFlags]) -> bool:
+    """Step ``p`` with its gradient ``p.grad`` (not sparse) as a per-layer hook does, through the step pipeline (paged
+    state fetched and written back, the fused kernels where its device has them). The non-finite check: decided on
+    the device where the kernels allow it (the flags are appended to ``pending``, for one :func:`resolve` at the end
+    of the backward pass), else on the host now (a DTensor's ranks agree on it). Returns False when the host skipped
+    ``p`` for a non-finite gradient. ``bench/host_overhead.py --mode per-layer`` measures this."""
+    if torch.is_grad_enabled():  # (a hook inside backward() runs with grad mode off already)
+        with torch.no_grad():
+            return step_one(optimizer, p, group, pending)
+    local = local_tensor(p.grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
+    flags = optimizer.device_flags([(p, group)], [local], optimizer._pager_for(group))
+    if flags is not None:  # decided by the kernel on the device; read at the end of the backward pass
+        optimizer._step_alone(p, group, flags)
+        pending.append(flags)
+    elif agree_finite(_finite_flags([local]), [p], [p.grad])[0]:
+        optimizer._step_alone(p, group)
+    else:
+        return False
+    return True
 
 
 class BackwardStepper:
@@ -86,20 +107,10 @@ class BackwardStepper:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.micro_step + 1 < self.accumulation_steps or p.grad is None:
             return  # accumulating: the gradient stays in .grad
-        grad = p.grad
-        if grad.is_sparse:
+        if p.grad.is_sparse:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
-        local = local_tensor(grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
-        group = self.optimizer.param_groups[self._group_of[p]]
-        with torch.no_grad():  # through the step pipeline: paged state fetched and written back, fused kernels
-            flags = self.optimizer.device_flags([(p, group)], [local], self.optimizer._pager_for(group))
-            if flags is not None:  # decided by the kernel on the device; read at the end of the backward pass
-                self.optimizer._step_alone(p, group, flags)
-                self._pending.append(flags)
-            elif agree_finite(_finite_flags([local]), [p], [grad])[0]:
-                self.optimizer._step_alone(p, group)
-            else:
-                self._skipped += 1
+        if not step_one(self.optimizer, p, self.optimizer.param_groups[self._group_of[p]], self._pending):
+            self._skipped += 1
         p.grad = None
 
     def _end_of_backward(self) -> None:

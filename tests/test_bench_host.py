@@ -29,7 +29,22 @@ def test_cpu_run_prints_a_row_per_optimizer(tmp_path):
                           "--optimizers", "lowmemopt AdamW 8-bit,lowmemopt CAME 8-bit"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| lowmemopt")]
-    assert [r.split("|")[1].strip() for r in rows] == ["lowmemopt AdamW 8-bit", "lowmemopt CAME 8-bit"]
-    assert all(float(r.split("|")[2]) > 0 for r in rows)
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
+            if line.startswith("| lowmemopt")]
+    assert [r[:2] for r in rows] == [["lowmemopt AdamW 8-bit", "step()"], ["lowmemopt AdamW 8-bit", "per-layer"],
+                                     ["lowmemopt CAME 8-bit", "step()"], ["lowmemopt CAME 8-bit", "per-layer"]]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    assert all(float(r[4]) > 0 for r in rows if r[1] == "per-layer")  # the ratio to step()
     assert "21 tensors" in out.stdout
+
+
+def test_cpu_run_galore_per_layer(tmp_path):
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--layers", "2", "--steps", "1", "--repeat", "1",
+                          "--mode", "per-layer", "--galore", "4", "--optimizers", "lowmemopt AdamW 8-bit"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
+            if line.startswith("| lowmemopt")]
+    assert [r[:2] for r in rows] == [["lowmemopt AdamW 8-bit", "per-layer"]] and float(rows[0][2]) > 0
+    assert "GaLore rank 4 on 14 matrices" in out.stdout

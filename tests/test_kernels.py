@@ -534,6 +534,33 @@ def test_fast_fp64_by_capability(monkeypatch):
     assert runtime.fast_fp64(torch.device("cpu")) is False
 
 
+def test_launch_table_caches_are_bounded():
+    """The launch-table caches (kernels.table) hold tables by content, least recently used first out, within their
+    entry and byte bounds; a hit is the very tensor."""
+    from lowmemopt.kernels import table
+
+    cache = table._Cache(3, 48)  # 3 entries, 48 bytes
+    made = []
+    make = lambda n: lambda: made.append(n) or torch.zeros(n, dtype=torch.int64)  # noqa: E731
+    a = cache.get(("a",), make(1))
+    assert cache.get(("a",), make(1)) is a and made == [1]
+    cache.get(("b",), make(2))
+    cache.get(("c",), make(2))  # 40 bytes in 3 entries
+    cache.get(("a",), make(1))  # a is the most recent now
+    cache.get(("d",), make(1))  # 4 entries: b goes
+    assert list(cache.entries) == [("c",), ("a",), ("d",)] and cache.nbytes == 32
+    cache.get(("e",), make(3))  # 4 entries, 56 bytes: c goes
+    assert list(cache.entries) == [("a",), ("d",), ("e",)] and cache.nbytes == 40
+    big = cache.get(("f",), make(10))  # alone over the byte bound: kept, alone
+    assert list(cache.entries) == [("f",)] and cache.get(("f",), make(10)) is big
+    cache.get(("g",), make(1))  # 2 entries but 88 bytes: f goes
+    assert list(cache.entries) == [("g",)] and cache.nbytes == 8
+    rows = [[1, 2, 3], [4, 5, 6]]
+    t, skipped = table.device_tables(rows, torch.device("cpu"))
+    assert t.tolist() == rows and skipped.tolist() == [[1, 2, 0], [4, 5, 0]]
+    assert table.device_table(rows, torch.device("cpu")).tolist() == rows
+
+
 def test_cpu_interpreter_needs_the_interpreter(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

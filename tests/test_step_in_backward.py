@@ -203,3 +203,97 @@ def test_group_dicts_replaced_by_load_state_dict_are_followed():
     opt.param_groups[0]["lr"] = 1e-2
     _loss(model, 1).backward()
     assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def _host_work_optimizer(name, params, extra=()):
+    """An 8-bit optimizer over ``params`` (GaLore: the matrices in a rank-4 group) for the per-parameter tests."""
+    kw = dict(lr=1e-2, weight_decay=0.1, state_bits=8, min_quant_numel=0, block_size=32)
+    if name == "GaLoreAdamW8bit":
+        groups = [{"params": [p for p in params if p.dim() == 2], "rank": 4, "update_proj_gap": 2},
+                  {"params": [p for p in params if p.dim() != 2]}]
+    else:
+        groups = [{"params": list(params)}]
+    cls = lowmemopt.CAME if name == "CAME8bit" else lowmemopt.AdamW
+    opt = cls(groups, **kw)
+    for group in extra:
+        opt.add_param_group(dict(group))
+    return opt
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "CAME8bit", "GaLoreAdamW8bit"])
+def test_per_parameter_steps_follow_changes_between_steps(name):
+    """The per-layer path (``per_layer.step_one``: one parameter per call, through the Triton kernels under the
+    interpreter; AdamW's finiteness flags on the device) keeps nothing stale between steps: hyper-parameters changed
+    (an LR scheduler), ``load_state_dict`` (new group dicts and state tensors), a parameter's storage replaced by a
+    new tensor, then by one of another dtype, a param group added. Every step equals ``step()`` of a twin, bit for bit,
+    whose optimizer is made afresh from the state dict at the reload."""
+    from lowmemopt.kernels import dispatch, runtime
+    from lowmemopt.per_layer import step_one
+    from lowmemopt.pipeline.finite import resolve
+
+    if not (runtime.HAS_TRITON and runtime.INTERPRET):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    shapes = [(24, 16), (16, 24), (16,), (8, 8)]
+    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_a, opt_b = _host_work_optimizer(name, a), _host_work_optimizer(name, b)
+    added: list[dict] = []
+    gen = torch.Generator().manual_seed(1)
+    with runtime.cpu_interpreter():
+        for t in range(7):
+            if t == 2:  # an LR scheduler, and a weight decay changed between steps
+                for opt in (opt_a, opt_b):
+                    for group in opt.param_groups:
+                        group["lr"] *= 0.5
+                        group["weight_decay"] = 0.3
+            if t == 3:  # a reload: new group dicts and state tensors; the twin is a fresh optimizer
+                opt_a.load_state_dict(opt_a.state_dict())
+                saved = opt_b.state_dict()
+                opt_b = _host_work_optimizer(name, b)
+                opt_b.load_state_dict(saved)
+            if t == 4:  # new storage (the launch tables hold addresses)
+                for params in (a, b):
+                    params[0].data = params[0].data.clone()
+            if t == 5:  # another dtype
+                for params in (a, b):
+                    params[1].data = params[1].data.to(torch.bfloat16)
+            if t == 6:  # a param group added
+                new = torch.randn(12)
+                for opt, params in ((opt_a, a), (opt_b, b)):
+                    params.append(torch.nn.Parameter(new.clone()))
+                    opt.add_param_group({"params": [params[-1]], "lr": 5e-3})
+            for pa, pb in zip(a, b):
+                g = torch.randn(pa.shape, generator=gen).to(pa.dtype)
+                pa.grad, pb.grad = g, g.clone()
+            before = sum(dispatch.stats.values())
+            pending: list = []
+            work = [(p, group) for group in opt_a.param_groups for p in group["params"]]
+            for p, group in reversed(work):
+                assert step_one(opt_a, p, group, pending)
+            assert resolve(pending) == 0
+            full_rank = sum(group.get("rank") is None for _, group in work)
+            assert len(pending) == (0 if name == "CAME8bit" else full_rank)  # AdamW's decided on the device
+            assert sum(dispatch.stats.values()) - before >= len(work) // 2  # (GaLore: a bucket per group of a hook)
+            opt_b.step()
+            for pa, pb in zip(a, b):
+                assert pa.dtype == pb.dtype and torch.equal(pa, pb), (t, tuple(pa.shape))
+                sa, sb = opt_a.state[pa], opt_b.state[pb]
+                assert sorted(sa) == sorted(sb) and sa["step"] == sb["step"] == (t + 1 if pa.numel() != 12 else 1)
+                for k in sa:
+                    if isinstance(sa[k], torch.Tensor):
+                        assert torch.equal(sa[k], sb[k]), (t, k)
+                    else:
+                        assert sa[k] == sb[k], (t, k)
+
+
+def test_low_rank_slots_with_unhashable_fields():
+    """A GaLore parameter's low-rank slots are memoized by value; a slot that cannot be a key is derived anyway."""
+    from lowmemopt.optimizer import Slot
+    from lowmemopt.projection import step
+
+    slot = Slot(signed=True, shape=[3, 2], dims=[0, None])  # lists: unhashable
+    assert step._low_rank_slot(slot, (4, 2), (0, None)) == Slot(True, True, [3, 2], (0, None))
+    plain = Slot(signed=False)
+    assert step._low_rank_slot(plain, (4, 2), (0, None)) == Slot(False, True, (4, 2), (0, None))
+    assert step._low_rank_slot(plain, (4, 2), (0, None)) is step._low_rank_slot(Slot(signed=False), (4, 2), (0, None))

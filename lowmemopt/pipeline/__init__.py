@@ -26,6 +26,7 @@ import torch
 from .. import rounding
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import local_view
+from ..kernels.registry import ALGORITHMS
 from .finite import DeviceFlags
 from .items import Item, Update
 
@@ -46,13 +47,18 @@ Work = list[tuple[torch.Tensor, dict[str, Any]]]
 def triton_usable(devices: set[torch.device]) -> bool:
     """May the Triton backend take tensors on ``devices``? CUDA with Triton, or the CPU while a test runs the
     interpreter. CPU-only steps never import Triton otherwise."""
-    if not any(d.type == "cuda" for d in devices):
-        runtime = sys.modules.get("lowmemopt.kernels.runtime")
-        if runtime is None or not runtime._cpu_interpreter:
+    runtime = sys.modules.get("lowmemopt.kernels.runtime")
+    if runtime is None or not runtime._cpu_interpreter:
+        if not any(d.type == "cuda" for d in devices):
             return False
-    from ..kernels import runtime
-
-    return runtime.HAS_TRITON and runtime.ENABLED and any(runtime.device_ok(d) for d in devices)
+        if runtime is None:
+            from ..kernels import runtime
+    if not (runtime.HAS_TRITON and runtime.ENABLED):
+        return False
+    for d in devices:  # (a loop, not any(): this runs a few times per parameter in the per-layer updates)
+        if runtime.device_ok(d):
+            return True
+    return False
 
 
 def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
@@ -64,20 +70,19 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
     subclass that steps its parameters itself); ``galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or
     None when no param group is projected; ``flags``: the gradients' finiteness on the device (:mod:`.finite`;
     ``finite`` then says True for all, provisionally), read on the host only after the kernels are launched."""
-    from ..kernels.registry import ALGORITHMS
-
-    if name not in ALGORITHMS or not triton_usable({p.device for _, p, _ in todo}):
+    if name is not None and (name not in ALGORITHMS or not triton_usable({p.device for _, p, _ in todo})):
         name = None
     if pager is None:
         if name is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
             left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore, flags)}
             todo = [t for t in todo if finite[t[0]] is None or id(t[1]) in left]
-        if flags is not None:  # the per-tensor backends need the decision on the host (after the launches)
+        if flags is not None and todo:  # the per-tensor backends need the decision on the host (after the launches)
             for i, p, _ in todo:
                 finite[i] = flags.finite(p)
             todo = [t for t in todo if finite[t[0]]]
-        optimizer._step_in_order(todo, finite, grads, pipe)
+        if todo:
+            optimizer._step_in_order(todo, finite, grads, pipe)
         return
     work = [(p, group) for _, p, group in todo]
     # flags: nothing moves (optimizer.device_flags: state resident within the budget), so this is the unpaged step
@@ -99,9 +104,13 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
     plain: list[Item] = []
     projected: list[Item] = []
     inner: dict[int, tuple[dict, dict, float]] = {}
-    fused_galore = galore is not None and galore.fused(optimizer)
+    fused_galore = None  # asked at the first projected parameter
+    states = optimizer.state
     for p, group in work:
-        if group.get("rank") is not None or "galore.side" in optimizer.state.get(p, ()):
+        state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
+        if group.get("rank") is not None or (state is not None and "galore.side" in state):
+            if fused_galore is None:
+                fused_galore = galore is not None and galore.fused(optimizer)
             if not fused_galore:
                 rest.append((p, group))
                 continue
@@ -109,8 +118,8 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
             if it is not None:  # None: no basis yet, the step is skipped
                 projected.append(it)
             continue
-        fresh = flags is not None and "step" not in optimizer.state.get(p, ())
-        it = _plain_item(optimizer, p, group)
+        fresh = flags is not None and (state is None or "step" not in state)
+        it = _plain_item(optimizer, p, group, state)
         if it is None:
             rest.append((p, group))
         else:
@@ -120,8 +129,9 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
             plain.append(it)
     if projected:
         galore.project(projected)
-        alone = [it for it in projected if not galore.stands_in(optimizer, it)]  # the reference core
-        projected = [it for it in projected if galore.stands_in(optimizer, it)]
+        stands_in = [galore.stands_in(optimizer, it) for it in projected]
+        alone = [it for it, s in zip(projected, stands_in) if not s]  # the reference core
+        projected = [it for it, s in zip(projected, stands_in) if s]
         for it in alone:
             galore.update_alone(optimizer, it)
         galore.stand_ins(projected)
@@ -143,15 +153,18 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
     return rest
 
 
-def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any]) -> Item | None:
+def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any],
+                state: dict[str, Any] | None = None) -> Item | None:
     """A full-rank parameter as an item (its local shard for a DTensor), state made on the first step; None if no
-    bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards)."""
+    bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards).
+    ``state``: ``optimizer.state[p]`` when the caller has it already."""
     local, grad, reduce = local_view(p, p.grad)
     if reduce is not LOCAL and not optimizer.elementwise:
         return None
     if not (local.is_contiguous() and grad.is_contiguous()) or grad.shape != local.shape:
         return None
-    state = optimizer.state[p]
+    if state is None:
+        state = optimizer.state[p]
     slots = optimizer._slots(group, local)
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
         state = optimizer._init_state(local, group, slots, state, numel=p.numel(), reduce=reduce)

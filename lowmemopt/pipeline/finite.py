@@ -19,6 +19,7 @@ sharded (FSDP2: the ranks agree on the flags on the host). Elsewhere the check s
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -33,16 +34,21 @@ def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor
     """``(order, ok)``: whether each gradient's L2 norm is finite, as a bool tensor on the gradients' (one) device,
     ``ok[k]`` for gradient ``order[k]``. One fused multi-tensor norm per dtype (a norm has its gradient's dtype; bf16
     keeps fp32's exponent range): a few launches, whatever the number of gradients. The condition of the optimizer's
-    non-finite check (:func:`lowmemopt.optimizer._finite_flags` reads it on the host)."""
+    non-finite check (:func:`lowmemopt.optimizer._finite_flags` reads it on the host).
+
+    A norm is >= 0, +Inf or NaN, so ``norm < inf`` is ``isfinite(norm)`` in one comparison (``isfinite`` of a float
+    tensor is four: ``(x == x) * (x.abs() != inf)``)."""
+    if len(grads) == 1:  # one gradient (a per-layer hook's): no stack, no cat
+        return [0], (torch._foreach_norm(list(grads))[0] < math.inf).view(1)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     order: list[int] = []
     checks = []
     for members in by_dtype.values():
-        checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members])).isfinite())
+        checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members])) < math.inf)
         order += members
-    return order, torch.cat(checks)
+    return order, checks[0] if len(checks) == 1 else torch.cat(checks)
 
 
 class DeviceFlags:
@@ -50,7 +56,7 @@ class DeviceFlags:
 
     def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         order, ok = finite_norms(grads)
-        self.tensor = ok.to(torch.uint8)
+        self.tensor = ok.view(torch.uint8)  # bool is one byte, 0 or 1: a view, no copy
         self.position = {id(params[i]): pos for pos, i in enumerate(order)}
         self._host: list[bool] | None = None
         #: params stepped provisionally: id -> (state, its step count before this step, made by this step)

@@ -82,6 +82,8 @@ PROJECTOR_KEYS = PROJECTOR_TENSORS + PROJECTOR_INTS
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     """The (rows, cols) a parameter of >= 2 dims is projected as: ``(shape[0], prod(shape[1:]))``."""
+    if len(shape) == 2:  # (a step asks this of every projected matrix)
+        return int(shape[0]), int(shape[1])
     return int(shape[0]), int(math.prod(shape[1:]))
 
 
@@ -100,7 +102,13 @@ def choose_side(proj_type: str, m: int, n: int) -> int:
 def low_rank_shape(m: int, n: int, rank: int, side: int) -> tuple[int, int]:
     """Shape of the projected gradient (and of the inner algorithm's state) of an m x n matrix."""
     k = min(rank, m, n)
-    return {LEFT: (k, n), RIGHT: (m, k), BOTH: (k, k)}[side]
+    if side == LEFT:
+        return k, n
+    if side == RIGHT:
+        return m, k
+    if side == BOTH:
+        return k, k
+    raise KeyError(side)
 
 
 def basis_shapes(m: int, n: int, rank: int, side: int) -> dict[str, tuple[int, int]]:

@@ -143,12 +143,37 @@ def projected_slots(optimizer: LowMemOptimizer, group: dict[str, Any], p: torch.
     m, n = pj.matrix_shape(p.shape)
     side = _side(optimizer, group, p)
     low, dims = low_rank_layout(p, pj.low_rank_shape(m, n, group["rank"], side), side)  # a DTensor: its local rows
-    slots = optimizer._slots(group, torch.empty(low, dtype=p.dtype, device="meta"))
-    return {
-        k: s._replace(shape=low, dims=dims) if s.shape is None
-        else s._replace(dims=None if s.dims is None else tuple(None if d is None else dims[d] for d in s.dims))
-        for k, s in slots.items()
-    }
+    slots = optimizer._slots(group, _meta(low, p.dtype))
+    return {k: _low_rank_slot(s, low, dims) for k, s in slots.items()}
+
+
+_METAS: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+_LOW_RANK_SLOTS: dict[tuple, Any] = {}
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of this shape and dtype (no storage: what ``_slots`` is asked about), one per shape and dtype
+    (a step asks for every projected matrix; making one costs more than the rest of the question)."""
+    t = _METAS.get((shape, dtype))
+    if t is None:
+        t = _METAS[(shape, dtype)] = torch.empty(shape, dtype=dtype, device="meta")
+    return t
+
+
+def _low_rank_slot(s: Slot, low: tuple[int, ...], dims: tuple[int | None, ...]) -> Slot:
+    """Slot ``s`` of the low-rank state: shaped ``low`` if it had the parameter's shape, its dims mapped by ``dims``
+    (memoized by value: a few slots x shapes)."""
+    key = (s, low, dims)
+    try:
+        shaped = _LOW_RANK_SLOTS.get(key)
+    except TypeError:  # an algorithm's slot with unhashable fields (a list shape): not memoized
+        key = shaped = None
+    if shaped is None:
+        shaped = s._replace(shape=low, dims=dims) if s.shape is None else s._replace(
+            dims=None if s.dims is None else tuple(None if d is None else dims[d] for d in s.dims))
+        if key is not None:
+            _LOW_RANK_SLOTS[key] = shaped
+    return shaped
 
 
 def _stagger_offset(optimizer: LowMemOptimizer, p: torch.Tensor, gap: int) -> int:
@@ -257,7 +282,9 @@ def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, gro
     if shards is not None:  # bf16_update changed since: the ranks make the seed together
         rounding.init_state(state, shards.param, group, shards.param_reduce.agree)
     m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)
-    g = (grad if shards is None else shards.grad).reshape(m_local, n)  # in its dtype: project() makes it fp32
+    g = grad if shards is None else shards.grad  # in its dtype: project() makes it fp32
+    if g.shape != (m_local, n):
+        g = g.reshape(m_local, n)
     t = state["step"]
     if t >= state[pj.NEXT_REFRESH]:
         full = g.float() if shards is None else shards.full_gradient()  # the basis comes from the whole gradient
@@ -346,16 +373,29 @@ def stand_ins(items: list[Item]) -> None:
     """Zeroed low-rank targets for ``items`` (one allocation, 16-byte aligned views)."""
     if not items:
         return
-    by_device: dict[torch.device, list[Item]] = {}
+    if len(items) == 1:  # (a per-layer hook's one matrix)
+        it = items[0]
+        it.target = torch.zeros(it.grad.shape, dtype=torch.float32, device=it.grad.device)
+        return
+    by_device: dict[torch.device, dict[torch.Size, list[Item]]] = {}
     for it in items:
-        by_device.setdefault(it.grad.device, []).append(it)
-    for device, members in by_device.items():
-        sizes = [-(-it.grad.numel() // 4) * 4 for it in members]
-        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        by_device.setdefault(it.grad.device, {}).setdefault(it.grad.shape, []).append(it)
+    for device, shapes in by_device.items():
+        sizes = {shape: -(-shape.numel() // 4) * 4 for shape in shapes}  # each target 16-byte aligned
+        flat = torch.zeros(sum(sizes[shape] * len(members) for shape, members in shapes.items()),
+                           dtype=torch.float32, device=device)
         offset = 0
-        for it, size in zip(members, sizes):
-            it.target = flat[offset:offset + it.grad.numel()].view(it.grad.shape)
-            offset += size
+        for shape, members in shapes.items():
+            size, numel = sizes[shape], shape.numel()
+            if size == numel:  # no padding: one view of the class, unbound into its targets (no view per item)
+                views = flat[offset:offset + size * len(members)].view(len(members), *shape).unbind(0)
+                for it, view in zip(members, views):
+                    it.target = view
+                offset += size * len(members)
+                continue
+            for it in members:
+                it.target = flat[offset:offset + numel].view(shape)
+                offset += size
 
 
 def weights(optimizer: LowMemOptimizer, items: list[Item]) -> None:
@@ -454,7 +494,7 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
             low = _stacked([it.target for it in chunk], target)
             update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
             scale = chunk[0].extra["outer"]["scale"]
-            params = [it.param.view(m, n) for it in chunk]
+            params = [it.param if it.param.shape == (m, n) else it.param.view(m, n) for it in chunk]
             decay = chunk[0].extra["decay"]
             c = chunk[0].extra["math_decay"]  # per matrix (a 0-dim tensor each) or one number for the group
             if isinstance(c, torch.Tensor):
