@@ -181,3 +181,44 @@ def test_paged_state_resident_within_the_budget_checks_on_the_device(tier, tmp_p
         assert warned == runs["unpaged"][2] == [1, 1, 1, 0]
         for a, b in zip(params, runs["unpaged"][0]):
             assert torch.equal(a, b), name
+
+
+def test_per_layer_updates_of_resident_paged_state_check_on_the_device(monkeypatch):
+    """step_in_backward with paged state that the budget keeps resident: the first backward places the state (host
+    check: residency is decided then), later ones check on the device with one read per backward, and the run equals
+    the unpaged one bit for bit (a NaN gradient in the second backward)."""
+    from lowmemopt import per_layer
+    from lowmemopt.pipeline import finite
+
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
+
+    def run(**paging):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32, **paging)
+        lowmemopt.step_in_backward(model, opt)
+        reads, host_checks = [], []
+        real_resolve, real_flags = finite.resolve, optimizer_module._finite_flags
+        monkeypatch.setattr(per_layer, "resolve", lambda pending: reads.append(len(pending)) or real_resolve(pending))
+        monkeypatch.setattr(per_layer, "_finite_flags", lambda g: host_checks.append(1) or real_flags(g))
+        gen = torch.Generator().manual_seed(3)
+        with runtime.cpu_interpreter():
+            for step in range(3):
+                x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+                handle = model[2].weight.register_hook(lambda g: g * float("nan")) if step == 1 else None
+                with warnings.catch_warnings(record=True):
+                    warnings.simplefilter("always")
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                if handle is not None:
+                    handle.remove()
+        return model, opt, reads, host_checks
+
+    a, opt_a, reads, host_checks = run(paged=True, page_budget_bytes=1 << 30)
+    assert len(host_checks) == 4 and [n for n in reads if n] == [4, 4]  # backward 1 on the host, then the device
+    assert all(opt_a._pager_for(g).where_state_lives(p) == "device" for g in opt_a.param_groups for p in g["params"])
+    b, opt_b, _, _ = run()
+    assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+        assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"]
+    opt_a.close()
