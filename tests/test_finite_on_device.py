@@ -115,34 +115,40 @@ def test_lamb_keeps_the_host_check(monkeypatch):
     assert not made
 
 
+def _per_layer_run(monkeypatch, on_device: bool, bits: int, **paging):
+    """Three backward passes of a small MLP with step_in_backward (a NaN gradient in the second), recording the
+    end-of-backward flag reads (their sizes) and the host-side checks: (model, optimizer, reads, host checks)."""
+    from lowmemopt import per_layer
+    from lowmemopt.pipeline import finite
+
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_quant_numel=0, block_size=32, **paging)
+    lowmemopt.step_in_backward(model, opt)
+    reads, host_checks = [], []
+    real_resolve, real_flags = finite.resolve, optimizer_module._finite_flags
+    monkeypatch.setattr(per_layer, "resolve", lambda pending: reads.append(len(pending)) or real_resolve(pending))
+    monkeypatch.setattr(per_layer, "_finite_flags", lambda g: host_checks.append(1) or real_flags(g))
+    gen = torch.Generator().manual_seed(3)
+    with runtime.cpu_interpreter():
+        for step in range(3):
+            x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+            handle = model[2].weight.register_hook(lambda g: g * float("nan")) if step == 1 else None
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            if handle is not None:
+                handle.remove()
+    return model, opt, reads, host_checks
+
+
 @pytest.mark.parametrize("bits", [32, 8])
 def test_per_layer_updates_check_on_the_device_and_read_once_per_backward(bits, monkeypatch):
     # step_in_backward: each hook launches its parameter's kernel with its flag; the flags of a backward pass are read
     # in one go at its end (not one synchronization per parameter), and the result is the host check's
-    from lowmemopt import per_layer
-    from lowmemopt.pipeline import finite
-
     def run(on_device):
-        monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-        opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_quant_numel=0, block_size=32)
-        lowmemopt.step_in_backward(model, opt)
-        reads, host_checks = [], []
-        real_resolve, real_flags = finite.resolve, optimizer_module._finite_flags
-        monkeypatch.setattr(per_layer, "resolve", lambda pending: reads.append(len(pending)) or real_resolve(pending))
-        monkeypatch.setattr(per_layer, "_finite_flags", lambda g: host_checks.append(1) or real_flags(g))
-        gen = torch.Generator().manual_seed(3)
-        with runtime.cpu_interpreter():
-            for step in range(3):
-                x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
-                handle = model[2].weight.register_hook(lambda g: g * float("nan")) if step == 1 else None
-                with warnings.catch_warnings(record=True):
-                    warnings.simplefilter("always")
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                if handle is not None:
-                    handle.remove()
-        return model, opt, reads, host_checks
+        return _per_layer_run(monkeypatch, on_device, bits)
 
     a, opt_a, reads, host_checks = run(True)
     assert not host_checks and [n for n in reads if n] == [4, 4, 4]  # 4 parameters, one read per backward
@@ -187,31 +193,9 @@ def test_per_layer_updates_of_resident_paged_state_check_on_the_device(monkeypat
     """step_in_backward with paged state that the budget keeps resident: the first backward places the state (host
     check: residency is decided then), later ones check on the device with one read per backward, and the run equals
     the unpaged one bit for bit (a NaN gradient in the second backward)."""
-    from lowmemopt import per_layer
-    from lowmemopt.pipeline import finite
-
-    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
 
     def run(**paging):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-        opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32, **paging)
-        lowmemopt.step_in_backward(model, opt)
-        reads, host_checks = [], []
-        real_resolve, real_flags = finite.resolve, optimizer_module._finite_flags
-        monkeypatch.setattr(per_layer, "resolve", lambda pending: reads.append(len(pending)) or real_resolve(pending))
-        monkeypatch.setattr(per_layer, "_finite_flags", lambda g: host_checks.append(1) or real_flags(g))
-        gen = torch.Generator().manual_seed(3)
-        with runtime.cpu_interpreter():
-            for step in range(3):
-                x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
-                handle = model[2].weight.register_hook(lambda g: g * float("nan")) if step == 1 else None
-                with warnings.catch_warnings(record=True):
-                    warnings.simplefilter("always")
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                if handle is not None:
-                    handle.remove()
-        return model, opt, reads, host_checks
+        return _per_layer_run(monkeypatch, True, 8, **paging)
 
     a, opt_a, reads, host_checks = run(paged=True, page_budget_bytes=1 << 30)
     assert len(host_checks) == 4 and [n for n in reads if n] == [4, 4]  # backward 1 on the host, then the device
