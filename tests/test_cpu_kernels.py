@@ -558,3 +558,21 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, monkey
         if i != bad:
             assert torch.equal(params[i], clean[i])
     assert type(opt)._step_param is LowMemOptimizer._step_param
+
+
+def test_a_cpu_step_imports_no_kernels_package():
+    """From a source tree (``kernels/`` is installed as ``lowmemopt.kernels`` and absent here), lowmemopt imports and
+    steps CPU parameters: nothing on the CPU path imports the Triton kernels package at module level."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import torch, lowmemopt\n"
+            "p = torch.nn.Parameter(torch.randn(300)); p.grad = torch.randn(300)\n"
+            "lowmemopt.AdamW([p], lr=1e-3, state_bits=8, min_quant_numel=0).step()\n"
+            "import sys; print(lowmemopt.__file__, 'lowmemopt.kernels' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    path, imported = out.stdout.split()
+    assert Path(path).resolve() == root / "lowmemopt" / "__init__.py" and imported == "False"

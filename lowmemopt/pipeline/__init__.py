@@ -26,7 +26,6 @@ import torch
 from .. import rounding
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import local_view
-from ..kernels.registry import ALGORITHMS
 from .finite import DeviceFlags
 from .items import Item, Update
 
@@ -70,8 +69,13 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
     subclass that steps its parameters itself); ``galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or
     None when no param group is projected; ``flags``: the gradients' finiteness on the device (:mod:`.finite`;
     ``finite`` then says True for all, provisionally), read on the host only after the kernels are launched."""
-    if name is not None and (name not in ALGORITHMS or not triton_usable({p.device for _, p, _ in todo})):
+    if name is not None and not triton_usable({p.device for _, p, _ in todo}):
         name = None
+    if name is not None:  # (imported here: lowmemopt imports without its kernels package, e.g. from a source tree)
+        from ..kernels.registry import ALGORITHMS
+
+        if name not in ALGORITHMS:
+            name = None
     if pager is None:
         if name is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
