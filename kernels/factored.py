@@ -44,8 +44,10 @@ A GaLore stand-in (``bucket.weights``, ``WEIGHT``) takes RMS(p) of its full weig
 
 The flat passes find each element's row and column factors from its flat offset. Where every matrix's rows are at
 least a tile row long (``WIDE``: ``C >= BLOCK``, LLM weights), a tile row crosses at most one matrix row, so the
-divisions are made once per tile row (:func:`factor_index`); per element they were three int64 divisions (66 of them
-in the PTX of CAME's last pass, 7,080 SASS instructions against 5,416 without, 248 registers against 224).
+divisions are made once per tile row, the row factor is loaded once per tile row (and its next row's), and each
+element selects one (:func:`factor_coords`). Per element they were three int64 divisions and four scalar gathers:
+CAME's last pass had 66 int64 div/rem in its PTX; sm_90, 8x256, 4 warps: 7,080 -> 5,496 SASS instructions, 86 -> 58
+scalar loads per thread, 248 -> 168 registers (8 -> 12 warps per SM).
 """
 
 from __future__ import annotations
@@ -88,12 +90,15 @@ def clip_denominator(sums, t, numel, clip_threshold):
 
 
 @triton.jit
-def factor_index(row, offs, blocks, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """Scratch indices (row ``roff + offs // C``, column ``coff + (offs // (R C)) C + offs % C``) [ROWS, BLOCK] of
-    the elements at flat offsets ``offs`` of a ``[..., R, C]`` tensor, whose tile rows are the ``BLOCK``-element
-    segments starting at ``blocks * BLOCK``. ``WIDE`` (``C >= BLOCK``): a segment crosses at most one matrix row, so
-    the divisions are made once per segment and each element adds a compare and a select (an int64 division per
-    element, three of them here, costs more instructions than the pass has time for per byte); else per element."""
+def factor_coords(row, offs, blocks, bmask, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """Where the row and column factors of the elements at flat offsets ``offs`` of a ``[..., R, C]`` tensor are
+    (row scratch index ``roff + offs // C``, column ``coff + (offs // (R C)) C + offs % C``), for
+    :func:`factored_precondition`. Tile rows are the ``BLOCK``-element segments starting at ``blocks * BLOCK``
+    (``bmask``: inside the tensor). ``WIDE`` (``C >= BLOCK``): a segment crosses at most one matrix row, so the
+    divisions are made once per segment: ``rows`` [ROWS] is each segment's first row, ``wrap`` [ROWS, BLOCK] whether
+    an element is on the next one, ``after`` [ROWS] whether that next row exists; the column index adds a compare and
+    a select per element (three int64 divisions per element, otherwise, cost more instructions than the pass has time
+    for per byte). Else per element: ``rows`` [ROWS, BLOCK] (``wrap``, ``after``: unused)."""
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
     R = tl.load(row + _R)
@@ -103,21 +108,31 @@ def factor_index(row, offs, blocks, BLOCK: tl.constexpr, WIDE: tl.constexpr):
         q = start // C  # its row in the whole batch of matrices
         mi = q // R  # its matrix
         c = (start - q * C)[:, None] + tl.arange(0, BLOCK)[None, :]
-        wrap = (c >= C).to(tl.int64)  # past the row's end: the next row (of the next matrix after row R - 1)
-        c = c - wrap * C
-        nxt = ((q - mi * R)[:, None] + wrap >= R).to(tl.int64)
-        r_idx = roff + q[:, None] + wrap
-        c_idx = coff + (mi[:, None] + nxt) * C + c
+        wrap = c >= C  # past the row's end: the next row (of the next matrix after row R - 1)
+        c = tl.where(wrap, c - C, c)
+        nxt = (q - mi * R)[:, None] + wrap.to(tl.int64) >= R
+        rows = roff + q
+        after = bmask & (q + 1 < tl.load(row + 2) // C)
+        cols = coff + (mi[:, None] + nxt.to(tl.int64)) * C + c
     else:
-        r_idx = roff + offs // C
-        c_idx = coff + (offs // (R * C)) * C + offs % C
-    return r_idx, c_idx
+        rows = roff + offs // C
+        wrap = offs < 0  # (unused)
+        after = bmask
+        cols = coff + (offs // (R * C)) * C + offs % C
+    return rows, wrap, after, cols
 
 
 @triton.jit
-def factored_precondition(x, mask, rfac, cfac, r_idx, c_idx):
-    """``rfac[row(i)] * cfac[col(i)] * x``: the factored ``x / sqrt(V)`` (indices: :func:`factor_index`)."""
-    return (tl.load(rfac + r_idx, mask=mask, other=0.0) * tl.load(cfac + c_idx, mask=mask, other=0.0)) * x
+def factored_precondition(x, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE: tl.constexpr):
+    """``rfac[row(i)] * cfac[col(i)] * x``: the factored ``x / sqrt(V)`` at :func:`factor_coords`' places (``WIDE``:
+    a segment's row factor and its next row's are loaded once, and each element selects one)."""
+    if WIDE:
+        here = tl.load(rfac + rows, mask=bmask, other=0.0)
+        nxt = tl.load(rfac + rows + 1, mask=after, other=0.0)
+        r = tl.where(wrap, nxt[:, None], here[:, None])
+    else:
+        r = tl.load(rfac + rows, mask=mask, other=0.0)
+    return (r * tl.load(cfac + cols, mask=mask, other=0.0)) * x
 
 
 @triton.jit
@@ -288,8 +303,8 @@ def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps
                 MASKED: tl.constexpr):
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if FACTORED:
-        r_idx, c_idx = factor_index(row, offs, blocks, BLOCK, WIDE)
-        u = factored_precondition(g, mask, rfac, cfac, r_idx, c_idx)
+        rows, wrap, after, cols = factor_coords(row, offs, blocks, bmask, BLOCK, WIDE)
+        u = factored_precondition(g, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE)
     else:
         v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
         v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
@@ -326,8 +341,8 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if FACTORED:
-        r_idx, c_idx = factor_index(row, offs, blocks, BLOCK, WIDE)
-        u = factored_precondition(g, mask, rfac, cfac, r_idx, c_idx)
+        rows, wrap, after, cols = factor_coords(row, offs, blocks, bmask, BLOCK, WIDE)
+        u = factored_precondition(g, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE)
     else:
         v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
         v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
@@ -338,7 +353,7 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
         m = tl.fma(u, one_minus_beta1, m * beta1)
         store_slot(m, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
         if FACTORED:
-            u = factored_precondition(m, mask, rfac2, cfac2, r_idx, c_idx)
+            u = factored_precondition(m, rfac2, cfac2, rows, wrap, after, cols, mask, bmask, WIDE)
         else:
             u = m
         if DECAY:
@@ -413,7 +428,7 @@ def layout(p: torch.Tensor) -> bool:
 
 
 def wide(params: list[torch.Tensor], block: int) -> bool:
-    """Do the flat passes index the factors of every matrix of ``params`` per segment (:func:`factor_index`'s
+    """Do the flat passes index the factors of every matrix of ``params`` per segment (:func:`factor_coords`'s
     ``WIDE``: rows of at least ``block`` elements)?"""
     return all(p.shape[-1] >= block for p in params)
 

@@ -224,7 +224,7 @@ def test_bf16_first_moment_under_cancellation(name):
 @pytest.mark.parametrize("bits", [32, 8])
 def test_factor_indices_per_segment_equal_per_element(name, bits, monkeypatch):
     """Matrices whose rows are at least a tile row long (``factored.wide``) index their row and column factors once
-    per segment (:func:`lowmemopt.kernels.factored.factor_index`, ``WIDE``) instead of dividing per element: the same
+    per segment (:func:`lowmemopt.kernels.factored.factor_coords`, ``WIDE``) instead of dividing per element: the same
     indices, so bit-identical results, on rows and matrices that segments cross (3 x 5 x 300: a segment crosses a row
     and a matrix boundary; 2 x 257; 4 x 256: none), and within the kernel bounds of the reference."""
     from lowmemopt.kernels import factored
