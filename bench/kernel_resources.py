@@ -381,9 +381,13 @@ def all_variants(sweep: bool) -> list[Any]:
     return list(variants.VARIANTS) + (sweep_variants() if sweep else [])
 
 
+_PTXAS_LOGS: dict[str, str] = {}  # compiled kernel hash -> its ptxas report (a variant equal to an earlier one)
+
+
 def compile_logged(variant: Any) -> tuple[Any, str]:
     """(compiled kernel, ptxas's ``-v`` report of that compile): Triton prints the report when its
-    ``dump_ptxas_log`` knob is on and ptxas runs (a fresh cache)."""
+    ``dump_ptxas_log`` knob is on and ptxas runs (a fresh cache); a variant that compiles to a kernel compiled
+    earlier in this process (Triton's cache: no ptxas run) takes that compile's report."""
     from triton import knobs
 
     from lowmemopt.kernels import variants
@@ -392,7 +396,10 @@ def compile_logged(variant: Any) -> tuple[Any, str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         compiled = variants.compile_variant(variant)
-    return compiled, out.getvalue()
+    log, key = out.getvalue(), getattr(compiled.metadata, "hash", None)
+    if key is not None:
+        log = _PTXAS_LOGS.setdefault(key, log) if log else _PTXAS_LOGS.get(key, log)
+    return compiled, log
 
 
 def tile_elements(tile: str) -> int | None:
@@ -469,16 +476,17 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
 
 
 def run_workers(jobs: int, sweep: bool, timeout: float = 900) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
-    """Run ``jobs`` worker processes (without ``TRITON_INTERPRET``, one fresh Triton cache, output to files) and
-    gather their lines: (info, records in variant order, error text: fatal messages and failed workers)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    """Run ``jobs`` worker processes (without ``TRITON_INTERPRET``, each with a fresh Triton cache of its own, so
+    that every compile runs ptxas in the process that reports it; output to files) and gather their lines: (info,
+    records in variant order, error text: fatal messages and failed workers)."""
+    base_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     info: dict[str, Any] = {}
     records, errors = [], []
     with tempfile.TemporaryDirectory(prefix="kernel-resources-") as work:
-        env["TRITON_CACHE_DIR"] = os.path.join(work, "cache")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker"]
         procs = []
         for i in range(jobs):
+            env = dict(base_env, TRITON_CACHE_DIR=os.path.join(work, f"cache-{i}"))
             with open(os.path.join(work, f"{i}.out"), "w") as out, open(os.path.join(work, f"{i}.err"), "w") as err:
                 procs.append(subprocess.Popen(cmd + [str(i), str(jobs)] + ([] if sweep else ["--no-sweep"]), env=env,
                                               cwd=work, stdout=out, stderr=err, text=True))

@@ -126,6 +126,8 @@ VARIANTS = [
             tile(FACTORED=True, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
     Variant("apply-adafactor", factored._apply_kernel,
             tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
+    Variant("apply-adafactor-factored", factored._apply_kernel,
+            tile(FACTORED=True, WIDE=True, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
     Variant("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256, lut=None)),
     Variant("quantize-table", codec._quantize_kernel, dict(SIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256)),
     Variant("dequantize", codec._dequantize_kernel, dict(ROWS=runtime.TILE // 256, BLOCK=256)),
