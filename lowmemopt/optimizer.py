@@ -449,8 +449,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state fetched and written
         back; the fused kernels where its device has them): the per-layer updates inside ``backward()``
         (:func:`lowmemopt.step_in_backward`)."""
-        if flags is not None:  # device_flags vouches: nothing moves (resident paged state is unpaged state), nothing
-            # projected or sharded; the bucketed kernels' math
+        if flags is not None:  # device_flags vouches that nothing moves (resident paged state is unpaged state) and
+            # nothing is projected or sharded: the bucketed kernels' step, without a pager or a GaLore stage
             pipeline.run(self, [(0, p, group)], [True], [p.grad], None, None, kernel_algorithm(self), None, flags)
             return
         pager = self._pager_for(group)
