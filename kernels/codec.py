@@ -463,17 +463,35 @@ def _check_device(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), got {t.device}")
 
 
+def _values(x: torch.Tensor, block_size: int, fn: str) -> torch.Tensor:
+    """The flat contiguous values a quantizer ``fn`` encodes, after checking the block size, the dtype and the
+    device."""
+    _check_block(block_size)
+    if not x.is_floating_point():
+        raise TypeError(f"{fn} needs a floating-point tensor, got {x.dtype}")
+    _check_device(x, "x")
+    return x.detach().reshape(-1).contiguous()
+
+
+def _check_absmax(absmax: torch.Tensor, data: torch.Tensor, what: str, blocks: int, of: str) -> None:
+    """A dequantizer's scales: fp32, ``blocks`` of them (for ``of``), on ``data``'s device (which must take the
+    kernels)."""
+    if absmax.dtype != torch.float32:
+        raise TypeError(f"absmax must be float32, got {absmax.dtype}")
+    if absmax.numel() != blocks:
+        raise ValueError(f"absmax has {absmax.numel()} blocks but {of} need {blocks}")
+    _check_device(data, what)
+    if absmax.device != data.device:
+        raise ValueError(f"{what} and absmax must be on one device, got {data.device} and {absmax.device}")
+
+
 def quantize_blockwise(
     x: torch.Tensor, name: str = "pow2", block_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`: ``x`` (any shape, floating dtype) -> (codes uint8
     [numel], absmax fp32 [n_blocks]), identical to the reference's."""
     signed = _check_map(name)
-    _check_block(block_size)
-    if not x.is_floating_point():
-        raise TypeError(f"quantize_blockwise needs a floating-point tensor, got {x.dtype}")
-    _check_device(x, "x")
-    flat = x.detach().reshape(-1).contiguous()
+    flat = _values(x, block_size, "quantize_blockwise")
     n = flat.numel()
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
@@ -495,16 +513,8 @@ def dequantize_blockwise(
     _check_block(block_size)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
-    if absmax.dtype != torch.float32:
-        raise TypeError(f"absmax must be float32, got {absmax.dtype}")
-    if absmax.numel() != num_blocks(codes.numel(), block_size):
-        raise ValueError(
-            f"absmax has {absmax.numel()} blocks but {codes.numel()} codes at block_size={block_size} "
-            f"need {num_blocks(codes.numel(), block_size)}"
-        )
-    _check_device(codes, "codes")
-    if absmax.device != codes.device:
-        raise ValueError(f"codes and absmax must be on one device, got {codes.device} and {absmax.device}")
+    _check_absmax(absmax, codes, "codes", num_blocks(codes.numel(), block_size),
+                  f"{codes.numel()} codes at block_size={block_size}")
     flat = codes.reshape(-1).contiguous()
     out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
     if flat.numel():
@@ -528,11 +538,7 @@ def quantize_blockwise4(
     """Triton twin of :func:`lowmemopt.quant.q4.quantize`: ``x`` (any shape, floating dtype) -> (nibbles uint8
     [ceil(numel / 2)], absmax fp32 [n_blocks]), identical to the reference's."""
     signed = _check_map4(name)
-    _check_block(block_size)
-    if not x.is_floating_point():
-        raise TypeError(f"quantize_blockwise4 needs a floating-point tensor, got {x.dtype}")
-    _check_device(x, "x")
-    flat = x.detach().reshape(-1).contiguous()
+    flat = _values(x, block_size, "quantize_blockwise4")
     n = flat.numel()
     nibbles = torch.empty(q4.packed_len(n), dtype=torch.uint8, device=x.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
@@ -553,14 +559,8 @@ def dequantize_blockwise4(
     if nibbles.dtype != torch.uint8 or nibbles.numel() != q4.packed_len(numel):
         raise ValueError(f"nibbles must be uint8 with {q4.packed_len(numel)} bytes for {numel} elements, got "
                          f"{nibbles.dtype} with {nibbles.numel()}")
-    if absmax.dtype != torch.float32:
-        raise TypeError(f"absmax must be float32, got {absmax.dtype}")
-    if absmax.numel() != num_blocks(numel, block_size):
-        raise ValueError(f"absmax has {absmax.numel()} blocks; {numel} elements at block_size {block_size} need "
-                         f"{num_blocks(numel, block_size)}")
-    _check_device(nibbles, "nibbles")
-    if absmax.device != nibbles.device:
-        raise ValueError(f"nibbles and absmax must be on one device, got {nibbles.device} and {absmax.device}")
+    _check_absmax(absmax, nibbles, "nibbles", num_blocks(numel, block_size),
+                  f"{numel} elements at block_size={block_size}")
     out = torch.empty(numel, dtype=torch.float32, device=nibbles.device)
     if numel:
         rows = runtime.rows_per_tile(block_size)

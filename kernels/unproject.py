@@ -25,11 +25,13 @@ from .codec import load_grad, load_param, store_param, tile_coords
 from .launch import TL_DTYPES
 from .table import aligned, ceil_div, device_table, unit_map
 
-__all__ = ["apply_updates", "usable"]
+__all__ = ["DTYPES", "apply_updates"]
 
 #: the decay the inner math applies to the weight: none, one number for the batch, one per matrix
 NO_DECAY, SCALAR_DECAY, PER_TENSOR_DECAY = 0, 1, 2
 _BLOCK = 256
+#: parameter dtypes the pass takes (where Triton may run at all: ``lowmemopt.pipeline.triton_usable``)
+DTYPES = frozenset(TL_DTYPES)
 
 
 @triton.jit
@@ -57,11 +59,6 @@ def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, False)
     else:
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, True)
-
-
-def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Can :func:`apply_updates` take parameters of ``dtype`` on ``device``?"""
-    return dtype in TL_DTYPES and runtime.device_ok(device)
 
 
 def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: float, decay: float,

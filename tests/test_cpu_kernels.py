@@ -183,12 +183,17 @@ def test_native_path_runs_and_tensor_lr_falls_back(lib, monkeypatch):
     assert done == [0, 0]
 
 
-def test_portable_build_equals_avx512_build(lib, monkeypatch, correctly_rounded_sqrt):
-    """The plain-C fallback (a build without AVX-512) gives the same codes and steps as the native build."""
+def _portable_library():
+    """The native library built without AVX-512 (the plain-C fallback); skips the test where it cannot be built."""
     try:
-        portable = build.compile_library(("-mno-avx512f",))
+        return build.compile_library(("-mno-avx512f",))
     except RuntimeError as exc:
         pytest.skip(f"cannot build without AVX-512: {exc}")
+
+
+def test_portable_build_equals_avx512_build(lib, monkeypatch, correctly_rounded_sqrt):
+    """The plain-C fallback (a build without AVX-512) gives the same codes and steps as the native build."""
+    portable = _portable_library()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256 * 64, generator=gen) * torch.logspace(-9, 0, 256 * 64)
     for signed in (True, False):
@@ -367,10 +372,7 @@ def test_native_4bit_path_really_runs(lib, monkeypatch):
 def test_4bit_portable_build_equals_avx512_build(lib, monkeypatch, correctly_rounded_sqrt):
     """The plain-C build (exact bucket table) and the AVX-512 build (threshold search) give the same nibbles and the
     same steps."""
-    try:
-        portable = build.compile_library(("-mno-avx512f",))
-    except RuntimeError as exc:
-        pytest.skip(f"cannot build without AVX-512: {exc}")
+    portable = _portable_library()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(128 * 64, generator=gen) * torch.logspace(-9, 0, 128 * 64)
     x = torch.cat([x, _adversarial4("pow2x4")[: 128 * 8]])
