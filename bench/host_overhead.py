@@ -65,8 +65,8 @@ def llama_shapes(layers: int, hidden: int, vocab: int) -> list[tuple[int, ...]]:
 
 def _stub_launches() -> None:
     """CPU: every kernel launch only builds its launch tables (the host's part of it: with the device-side
-    finiteness flags, the masked table too)."""
-    from lowmemopt.kernels import launch
+    finiteness flags, the masked table too); GaLore's apply pass builds its tables and launches nothing."""
+    from lowmemopt.kernels import launch, unproject
 
     def launch_tables_only(self, kernel, rows, counts, args, *, writes, **meta):
         if sum(counts):
@@ -74,6 +74,12 @@ def _stub_launches() -> None:
             self.written = self.written or writes
 
     launch.Bucket.launch = launch_tables_only
+
+    class _NoLaunch:  # GaLore's apply pass launches its kernel itself (after building its tables): not the launch
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    unproject._apply_kernel = _NoLaunch()
 
 
 def make_params(shapes, device: str, dtype: torch.dtype) -> list[torch.nn.Parameter]:
