@@ -264,6 +264,11 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     row = table + t.to(tl.int64) * W
     R = tl.load(row + _R)
     C = tl.load(row + _C)
+    # a tensor with element count 0 (skipped for a non-finite gradient, pipeline.finite) keeps its statistics: the
+    # loops that write them run 0 times (the passes before write only scratch, the flat passes mask by the count)
+    live = tl.load(row + 2) > 0
+    R_live = tl.where(live, R, 0)
+    C_live = tl.where(live, C, 0)
     roff = tl.load(row + _ROFF) + b * R
     coff = tl.load(row + _COFF) + b * C
     row_stat = typed(tl.load(row + STAT), tl.float32, False) + b * R
@@ -274,7 +279,7 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
         inv_c = 1.0 / clip_denominator(sums, t, tl.load(row + 2), clip_threshold).to(tl.float64)
         beta1_sq = tl.cast(beta1, tl.float64) * tl.cast(beta1, tl.float64)
     acc = tl.zeros([FB], dtype=tl.float32)
-    for r0 in range(0, R, FB):
+    for r0 in range(0, R_live, FB):
         i = r0 + tl.arange(0, FB)
         mask = i < R
         new = tl.fma(_mean(rsum, roff + i, mask, C, eps, inv_c, beta1_sq, MOMENTS), one_minus_beta,
@@ -282,12 +287,12 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
         tl.store(row_stat + i, new, mask=mask)
         acc += tl.where(mask, new, 0.0)
     mean = tl.math.div_rn(tl.sum(acc, axis=0), R.to(tl.float32))
-    for r0 in range(0, R, FB):
+    for r0 in range(0, R_live, FB):
         i = r0 + tl.arange(0, FB)
         mask = i < R
         new = tl.load(row_stat + i, mask=mask, other=1.0)
         tl.store(rfac + roff + i, tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(new, mean))), mask=mask)
-    for c0 in range(0, C, FB):
+    for c0 in range(0, C_live, FB):
         i = c0 + tl.arange(0, FB)
         mask = i < C
         new = tl.fma(_mean(csum, coff + i, mask, R, eps, inv_c, beta1_sq, MOMENTS), one_minus_beta,

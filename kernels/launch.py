@@ -22,7 +22,7 @@ from . import runtime
 from lowmemopt.pipeline.items import Update
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
-from .table import aligned, ceil_div, device_index, device_table, device_tables, unit_map
+from .table import aligned, ceil_div, device_table, flagged_table, unit_map
 
 __all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES"]
 
@@ -77,6 +77,8 @@ class Bucket:
     #: row in them: a launch multiplies the tensors' element counts by their flags (0: every access masked off)
     flags: torch.Tensor | None = None
     flag_rows: list[int] = field(default_factory=list)
+    #: the flagged tables made so far (:func:`.table.flagged_table`): a bucket's passes share their rows
+    flagged: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -177,15 +179,10 @@ class Bucket:
         """The launch's ``(table, units)`` on the device (:func:`.table.device_table`, :func:`.table.unit_map`),
         the table's element counts multiplied by the tensors' finiteness flags where the bucket has them."""
         device = self.device
-        flags = self.flags
-        if flags is None:
+        if self.flags is None:
             table = device_table(rows, device)
         else:  # skipped on the device: a non-finite gradient's tensor counts 0 elements (one op on the device)
-            table, skipped = device_tables(rows, device)
-            n = len(self.flag_rows)
-            if n != len(flags) or self.flag_rows != list(range(n)):  # (a per-layer hook's one tensor: row 0 of 1)
-                flags = flags.index_select(0, device_index(self.flag_rows, device))
-            table = torch.where(flags.view(torch.bool).unsqueeze(1), table, skipped)
+            table = flagged_table(rows, device, self.flags, self.flag_rows, self.flagged)
         return table, unit_map(counts, device)
 
     def accumulators(self, n: int) -> torch.Tensor:

@@ -16,11 +16,11 @@ addresses), so a training loop whose gradients keep their storage reuses them wi
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["device_table", "device_tables", "device_index", "unit_map", "aligned", "ceil_div"]
+__all__ = ["device_table", "device_tables", "flagged_table", "device_index", "unit_map", "aligned", "ceil_div"]
 
 
 class _Cache:
@@ -70,12 +70,36 @@ def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[
     key = (device, tuple(map(tuple, rows)))
 
     def make() -> tuple[torch.Tensor, torch.Tensor]:
-        table = torch.tensor(key[1], dtype=torch.int64)
-        skipped = table.clone()
-        skipped[:, 2] = 0
-        return table.to(device), skipped.to(device)
+        both = torch.tensor(key[1], dtype=torch.int64).expand(2, -1, -1).clone()
+        both[1, :, 2] = 0
+        both = both.to(device)  # (one copy to the device)
+        return both[0], both[1]
 
     return _pairs.get(key, make)
+
+
+def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: torch.Tensor,
+                  flag_rows: Sequence[int], memo: dict[int, tuple[Any, torch.Tensor]] | None = None) -> torch.Tensor:
+    """:func:`device_table` of ``rows`` with the element count (column 2) of row ``i`` multiplied by
+    ``flags[flag_rows[i]]`` (uint8 on ``device``, 0 or 1: a gradient's finiteness, :mod:`lowmemopt.pipeline.finite`):
+    a kernel then masks off every access of a skipped tensor. One ``torch.where`` on the device (and an
+    ``index_select`` unless the rows are the flags in order): no host synchronization. ``memo``: the results of one
+    set of flags so far, so that the passes of one bucket (the same rows) make it once."""
+    hit = None if memo is None else memo.get(id(rows))  # (a multi-pass launcher passes one rows list to each pass)
+    if hit is not None and hit[0] is rows:
+        return hit[1]
+    table, skipped = device_tables(rows, device)
+    hit = None if memo is None else memo.get(id(table))
+    if hit is not None:
+        return hit[1]
+    n = len(flag_rows)
+    if n != len(flags) or list(flag_rows) != list(range(n)):  # (a per-layer hook's one tensor: row 0 of 1)
+        flags = flags.index_select(0, device_index(flag_rows, device))
+    out = torch.where(flags.view(torch.bool).unsqueeze(1), table, skipped)
+    if memo is not None:  # (each key's object kept alive with it, so that its id stays its own)
+        memo[id(table)] = (table, out)
+        memo[id(rows)] = (rows, out)
+    return out
 
 
 def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:

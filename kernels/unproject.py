@@ -23,7 +23,7 @@ import triton.language as tl
 from . import runtime
 from .codec import load_grad, load_param, store_param, tile_coords
 from .launch import TL_DTYPES
-from .table import aligned, ceil_div, device_table, unit_map
+from .table import aligned, ceil_div, device_table, flagged_table, unit_map
 
 __all__ = ["DTYPES", "apply_updates"]
 
@@ -62,11 +62,14 @@ def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE
 
 
 def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: float, decay: float,
-                  math_decay: float | torch.Tensor | None) -> None:
+                  math_decay: float | torch.Tensor | None, flags: torch.Tensor | None = None,
+                  flag_rows: Sequence[int] = ()) -> None:
     """``params[i] <- round(((p + c_i p) * decay) + scale * updates[i])`` in one launch (module docstring).
 
     ``params``: contiguous matrices of one shape, dtype and device; ``updates``: ``[len(params), *shape]``, contiguous,
-    fp32 or bf16; ``math_decay``: None, a number, or an fp32 tensor ``[len(params)]``."""
+    fp32 or bf16; ``math_decay``: None, a number, or an fp32 tensor ``[len(params)]``. ``flags``: the step's gradient
+    finiteness on the device (:mod:`lowmemopt.pipeline.finite`), ``flag_rows[i]`` the row of ``params[i]``'s: a
+    parameter whose flag is 0 is left as it is (decided by the kernel, no synchronization)."""
     device = updates.device
     p_dtype = params[0].dtype
     if isinstance(math_decay, torch.Tensor):
@@ -81,7 +84,7 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
     tile_rows = runtime.rows_per_tile(block, device)
     counts = [ceil_div(p.numel(), tile_rows * block) for p in params]
     units = unit_map(counts, device)
-    table = device_table(rows, device)
+    table = device_table(rows, device) if flags is None else flagged_table(rows, device, flags, flag_rows)
     _apply_kernel[(sum(counts),)](
         units, table, c_ptr, c, float(scale), float(decay), W=3, P_DTYPE=TL_DTYPES[p_dtype],
         U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=aligned(list(params) + list(updates.unbind(0))), ROWS=tile_rows,

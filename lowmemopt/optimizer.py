@@ -416,7 +416,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
         (:mod:`lowmemopt.pipeline.finite`); None where the check must be decided on the host first: anything but
         one device that the Triton backend takes with kernels that mask by element count, or anything whose state
-        moves (paged beyond the budget: state resident within it steps as unpaged), projected or sharded."""
+        moves (paged beyond the budget: state resident within it steps as unpaged), sharded, or projected where a
+        stage would ignore the flags (a basis refresh due, the first step: :func:`.projection.step.device_checkable`)."""
         if not DEFER_FINITE_CHECK or (pipe is not None and pipe.indices):
             return None
         if pager is not None and pager.moves_any(work):
@@ -427,8 +428,17 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if len(devices) != 1 or not pipeline.triton_usable(devices):
             return None
         state = self.state
+        galore = None
         for p, group in work:
-            if group.get("rank") is not None or is_dtensor(p) or "galore.side" in state.get(p, ()):
+            if is_dtensor(p):
+                return None
+            st = state.get(p)
+            if group.get("rank") is not None:
+                if galore is None:
+                    from .projection import step as galore
+                if st is None or not galore.device_checkable(self, p, group, st):
+                    return None
+            elif st is not None and "galore.side" in st:  # (a group that lost its rank: the step reports it)
                 return None
         return DeviceFlags([p for p, _ in work], grads)
 
@@ -449,9 +459,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state fetched and written
         back; the fused kernels where its device has them): the per-layer updates inside ``backward()``
         (:func:`lowmemopt.step_in_backward`)."""
-        if flags is not None:  # device_flags vouches that nothing moves (resident paged state is unpaged state) and
-            # nothing is projected or sharded: the bucketed kernels' step, without a pager or a GaLore stage
-            pipeline.run(self, [(0, p, group)], [True], [p.grad], None, None, kernel_algorithm(self), None, flags)
+        if flags is not None:  # device_flags vouches that nothing moves (resident paged state is unpaged state),
+            # nothing is sharded, and a projected parameter's stages all read the flag: the bucketed kernels' step
+            # without a pager
+            galore = None
+            if group.get("rank") is not None:
+                from .projection import step as galore
+            pipeline.run(self, [(0, p, group)], [True], [p.grad], None, None, kernel_algorithm(self), galore, flags)
             return
         pager = self._pager_for(group)
         if pager is not None:

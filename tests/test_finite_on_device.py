@@ -22,13 +22,25 @@ CASES = [
     (lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
     (lowmemopt.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    # multi-pass kernels: per-tensor reductions into scratch, then the update (and the factored statistics' pass)
+    (lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.LARS, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
+    (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.1)),  # relative step, RMS(p) scaling
+    (lowmemopt.CAME, dict(lr=1e-3, weight_decay=0.1)),
 ]
 #: (step, param, what): the gradients made non-finite
 BAD = {(0, 3): float("nan"), (1, 0): float("inf"), (2, 1): float("nan"), (2, 2): -float("inf")}
 
 
-def _run(cls, kw, bits, on_device, monkeypatch, dtype=torch.float32):
+def _run(cls, kw, bits, on_device, monkeypatch, dtype=torch.float32, checks=None):
+    """Four steps of ``cls`` with the gradients of ``BAD`` non-finite: (params, optimizer, warnings per step).
+    ``checks``: a list that gets one entry per device-side check made."""
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
+    if checks is not None:
+        from lowmemopt.pipeline import finite
+
+        real = finite.DeviceFlags.__init__
+        monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: checks.append(1) or real(self, *a))
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
     opt = cls(params, state_bits=bits, min_quant_numel=0, block_size=16 if bits == 4 else 32, **kw)
@@ -52,8 +64,10 @@ def _run(cls, kw, bits, on_device, monkeypatch, dtype=torch.float32):
 @pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
 def test_equals_the_host_check(cls, kw, bits, monkeypatch):
     before = sum(dispatch.stats.values())
-    a, opt_a, warned_a = _run(cls, kw, bits, True, monkeypatch)
+    checks: list = []
+    a, opt_a, warned_a = _run(cls, kw, bits, True, monkeypatch, checks=checks)
     assert sum(dispatch.stats.values()) > before  # the kernels stepped
+    assert len(checks) == 4  # each step checked on the device
     b, opt_b, warned_b = _run(cls, kw, bits, False, monkeypatch)
     assert warned_a == warned_b == [1, 1, 1, 0]
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 4
@@ -65,6 +79,21 @@ def test_equals_the_host_check(cls, kw, bits, monkeypatch):
             assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
     steps = [opt_a.state[p]["step"] for p in a]
     assert steps == [3, 3, 3, 3]  # 4 steps, one skipped each (param 3's first: no state then, made at step 2)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_came_direct_instability_pass_equals_the_host_check(bits, monkeypatch):
+    # where fp64 is slow CAME takes the instability's direct pass over g and m (2-D tiles into scratch), then the same
+    # statistics pass: a skipped tensor's statistics stay as they were there too
+    monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", False)
+    a, opt_a, warned_a = _run(lowmemopt.CAME, dict(lr=1e-3), bits, True, monkeypatch)
+    b, opt_b, warned_b = _run(lowmemopt.CAME, dict(lr=1e-3), bits, False, monkeypatch)
+    assert warned_a == warned_b == [1, 1, 1, 0]
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sorted(sa) == sorted(sb)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
 
 
 def test_a_skipped_first_step_leaves_no_state(monkeypatch):
@@ -100,19 +129,116 @@ def test_the_host_reads_the_flags_after_the_launches(monkeypatch):
     assert log.index("read") > max(i for i, x in enumerate(log) if x == "launch"), log
 
 
-def test_lamb_keeps_the_host_check(monkeypatch):
-    # LAMB's kernels have per-tensor passes that are not masked by the element count: the host decides first
+GALORE_SHAPES = [(16, 12), (16, 12), (16, 12), (20, 8), (12,)]  # a class of 3 matrices, one alone, a bias
+#: (step, param): non-finite gradients of the GaLore runs (step 3 refreshes the bases: checked on the host)
+GALORE_BAD = {(1, 0): float("nan"), (2, 3): float("inf"), (3, 2): float("nan"), (4, 4): float("nan"),
+              (5, 1): -float("inf")}
+GALORE_CASES = [
+    (lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    (lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.1)),
+    (lowmemopt.CAME, dict(lr=1e-3, weight_decay=0.1)),
+]
+
+
+def _galore_run(cls, kw, bits, on_device, monkeypatch, per_layer=False):
+    """Six steps with the matrices in a GaLore group (rank 4, bases refreshed at steps 0 and 3) through the batched
+    products and the fused apply pass, the gradients of ``GALORE_BAD`` non-finite: (params, optimizer, warnings per
+    step, device-side checks made). ``per_layer``: each parameter stepped alone, as step_in_backward's hooks do."""
+    from lowmemopt.per_layer import step_one
+    from lowmemopt.pipeline import finite
+    from lowmemopt.projection import step as galore_step
+
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
+    monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
+    checks: list = []
+    real = finite.DeviceFlags.__init__
+    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: checks.append(1) or real(self, *a))
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in GALORE_SHAPES]
+    opt = cls([{"params": params[:4], "rank": 4, "update_proj_gap": 3}, {"params": params[4:]}], state_bits=bits,
+              min_quant_numel=0, block_size=32, **kw)
+    gen = torch.Generator().manual_seed(1)
+    caught = []
+    with runtime.cpu_interpreter():
+        for step in range(6):
+            for i, p in enumerate(params):
+                g = torch.randn(p.shape, generator=gen)
+                if (step, i) in GALORE_BAD:
+                    g.view(-1)[5] = GALORE_BAD[(step, i)]
+                p.grad = g
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                if per_layer:
+                    pending: list = []
+                    skipped = 0
+                    for group in opt.param_groups:
+                        for p in group["params"]:
+                            skipped += not step_one(opt, p, group, pending)
+                    skipped += finite.resolve(pending)
+                    caught.append(skipped)
+                else:
+                    opt.step()
+            if not per_layer:
+                caught.append(sum("NaN/Inf" in str(x.message) for x in w))
+    return params, opt, caught, len(checks)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("cls,kw", GALORE_CASES, ids=[c.__name__ for c, _ in GALORE_CASES])
+def test_galore_equals_the_host_check(cls, kw, bits, monkeypatch):
+    # the projected parameters' kernels and their batched apply pass (kernels.unproject) read the flags; a step with a
+    # basis refresh due (the first, the fourth) takes the host check, since the SVD would read the gradient
+    a, opt_a, warned_a, checks_a = _galore_run(cls, kw, bits, True, monkeypatch)
+    b, opt_b, warned_b, checks_b = _galore_run(cls, kw, bits, False, monkeypatch)
+    # on the device: steps 1, 2 and 5; the bases refresh at step 3 (params 1, 2) and 4 (0, 2, 3: a skipped step
+    # delays a parameter's refresh by one)
+    assert checks_a == 3 and checks_b == 0
+    assert warned_a == warned_b == [0, 1, 1, 1, 1, 1]
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb), tuple(pa.shape)
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sorted(sa) == sorted(sb)
+        for k in sa:
+            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
+    assert [opt_a.state[p]["step"] for p in a] == [5] * 5  # each skipped once
+
+
+def test_galore_per_layer_updates_check_on_the_device(monkeypatch):
+    # step_in_backward's hooks: a projected parameter's step is decided on the device too (no refresh due)
+    a, opt_a, skipped_a, checks_a = _galore_run(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, True,
+                                                monkeypatch, per_layer=True)
+    b, opt_b, skipped_b, checks_b = _galore_run(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, False,
+                                                monkeypatch, per_layer=True)
+    assert skipped_a == skipped_b == [0, 1, 1, 1, 1, 1]
+    # one check per parameter on the device where no refresh is due: step 0 the bias; steps 1, 2, 5 all five; step 3
+    # params 0, 3 and the bias (1, 2 refresh); step 4 param 1 and the bias (0, 2, 3 refresh, a skip later)
+    assert checks_a == 1 + 5 + 5 + 3 + 2 + 5 and checks_b == 0
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb), tuple(pa.shape)
+        assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"]
+
+
+def test_galore_on_the_cpu_keeps_the_host_check(monkeypatch):
+    # the CPU's GaLore products are per matrix (galore-torch's, bit for bit) and its apply is not the flagged pass
     from lowmemopt.pipeline import finite
 
     made = []
     real = finite.DeviceFlags.__init__
     monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
-    p = torch.nn.Parameter(torch.randn(64))
-    opt = lowmemopt.LAMB([p], lr=1e-2)
-    p.grad = torch.randn(64)
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
+    w, b = torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12))
+    opt = lowmemopt.AdamW([{"params": [w], "rank": 4}, {"params": [b]}], lr=1e-2)
+    with runtime.cpu_interpreter():
+        for _ in range(2):
+            w.grad, b.grad = torch.randn(16, 12), torch.randn(12)
+            opt.step()
+    assert not made
+    opt = lowmemopt.AdamW([b], lr=1e-2)
     with runtime.cpu_interpreter():
         opt.step()
-    assert not made
+    assert made == [1]  # (the same step without the projected group checks on the device)
 
 
 def _per_layer_run(monkeypatch, on_device: bool, bits: int, **paging):

@@ -101,7 +101,7 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
                  flags: DeviceFlags | None = None) -> Work:
     """Gather ``work`` into items, project the GaLore ones, step what the Triton kernels take (one launch set per
     bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
-    the step's device-side finiteness flags (plain items only), which the launches read."""
+    the step's device-side finiteness flags, which the launches (and GaLore's apply pass) read."""
     from ..kernels.dispatch import step_items
 
     rest: Work = []
@@ -120,6 +120,9 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
                 continue
             it = galore.prepare(optimizer, p, p.grad, group, inner)
             if it is not None:  # None: no basis yet, the step is skipped
+                if flags is not None:  # (galore.device_checkable: a basis, no refresh due) as a plain item's below
+                    it.flag = flags.position[id(p)]
+                    flags.note(p, it.state, False)
                 projected.append(it)
             continue
         fresh = flags is not None and (state is None or "step" not in state)
@@ -137,7 +140,8 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
         alone = [it for it, s in zip(projected, stands_in) if not s]  # the reference core
         projected = [it for it, s in zip(projected, stands_in) if s]
         for it in alone:
-            galore.update_alone(optimizer, it)
+            if it.flag is None or flags.finite(it.param):  # the per-tensor backends need the decision first
+                galore.update_alone(optimizer, it)
         galore.stand_ins(projected)
         galore.weights(optimizer, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
@@ -150,10 +154,13 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
     for it in left:
         if not it.projected:
             rest.append((it.param, it.group))
+        elif it.flag is not None and not flags.finite(it.param):  # the per-tensor backends need the decision first
+            finished.add(id(it))  # skipped: nothing to apply
         elif not galore.update_alone(optimizer, it):  # no kernel took it: the per-tensor backends, or the core
             finished.add(id(it))
     if projected:
-        galore.finish_many(optimizer, [it for it in projected if id(it) not in finished])
+        galore.finish_many(optimizer, [it for it in projected if id(it) not in finished],
+                           None if flags is None else flags.tensor)
     return rest
 
 

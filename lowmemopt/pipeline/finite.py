@@ -12,9 +12,15 @@ leave its parameter and state as they were. The host reads the flags once, after
 the step count of the skipped parameters (the dispatcher counts a bucket's step when it launches), to warn, and
 before any parameter that no kernel took goes to the per-tensor backends (which need the decision first).
 
-It applies when every stored value of a kernel is masked by the tensor's element count: the single-pass element-wise
-kernels (AdamW / Adam, SGD, Lion) at every state format, on one device, with nothing paged, projected (GaLore) or
-sharded (FSDP2: the ranks agree on the flags on the host). Elsewhere the check stays on the host, as before.
+It applies when every value a kernel stores in a parameter or its state is masked by the tensor's element count:
+every fused algorithm at every state format. The element-wise passes mask by it; the per-tensor reductions (LAMB's
+and LARS's norms, Adafactor's and CAME's row/column sums, clip RMS and moments) write only the launch's scratch; the
+per-matrix pass that writes Adafactor's and CAME's row/column statistics runs no iteration for a count of 0. A GaLore
+parameter's low-rank update runs on a stand-in through the same kernels and reaches the weight through the batched
+apply pass (:mod:`lowmemopt.kernels.unproject`), which reads the flags too; the projections write nothing but
+temporaries. It needs one device, nothing moving or sharded (FSDP2: the ranks agree on the flags on the host), and for
+a GaLore parameter a basis already made, no refresh due (the SVD would read the gradient) and the batched products
+(CUDA): :func:`lowmemopt.projection.step.device_checkable`. Elsewhere the check stays on the host, as before.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import torch
 
 __all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "finite_norms", "resolve"]
 
-#: fused algorithms whose kernels store nothing outside ``offs < numel`` (a tensor with element count 0 is untouched)
-DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "lion"})
+#: fused algorithms whose kernels store nothing of a tensor with element count 0 (its parameter and state untouched)
+DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "lion", "lamb", "lars", "adafactor", "came"})
 
 
 def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
     "param_free", "fused", "stands_in", "stand_ins", "weights", "update_alone", "finish", "finish_many", "inner_group",
+    "device_checkable",
 ]
 
 #: CUDA: elements of the stacked gradients in one batched projection (64 MiB of fp32)
@@ -463,14 +464,26 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
         local.copy_(target)
 
 
-def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
+def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> bool:
+    """May this step of projected parameter ``p`` leave its non-finite check to the device
+    (:mod:`lowmemopt.pipeline.finite`)? Where every stage that writes is masked by the flags: no basis refresh due
+    (it would take the SVD of the gradient), the update on a stand-in through the kernels, and the apply through the
+    batched fused pass (:func:`finish_many`). Elsewhere the host decides first."""
+    return (fused(optimizer) and "step" in state and state[pj.REFRESHED_AT] >= 0
+            and state["step"] < state[pj.NEXT_REFRESH] and state[pj.SIDE] != pj.BOTH and _batches(p)
+            and p.is_contiguous() and rounding.mode_of(group, p) == "nearest" and _fused_apply(p.device, p.dtype))
+
+
+def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tensor | None = None) -> None:
     """:func:`finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
     unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
     elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
-    one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p), or without
-    Triton on stacked fp32 copies and one multi-tensor copy into the parameters; so a step's launches grow with the
-    shape classes, not the matrices. (The sums are the per-matrix ones, in another kernel: equal within fp32
-    rounding.) Elsewhere one by one."""
+    one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p; a matrix alone in its
+    class too), or without Triton on stacked fp32 copies and one multi-tensor copy into the parameters; so a step's
+    launches grow with the shape classes, not the matrices. (The sums are the per-matrix ones, in another kernel:
+    equal within fp32 rounding.) Elsewhere one by one. ``flags``: the step's finiteness flags on the device, for the
+    items with a ``flag`` row (:func:`device_checkable` sent them here): the fused pass leaves a skipped one as it
+    is."""
     batches: dict[tuple, list[Item]] = {}
     for it in items:
         p = it.param
@@ -481,11 +494,12 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
             batches.setdefault(key, []).append(it)
         else:
             finish(optimizer, it)
-    for (_, _, shape, side, _, _, dtype), members in batches.items():
+    for (device, p_dtype, shape, side, _, _, dtype), members in batches.items():
         per = max(1, BATCH_NUMEL // math.prod(shape))
+        fused_apply = _fused_apply(device, p_dtype)
         for i in range(0, len(members), per):
             chunk = members[i:i + per]
-            if len(chunk) == 1:
+            if len(chunk) == 1 and not fused_apply:
                 finish(optimizer, chunk[0])
                 continue
             m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
@@ -499,11 +513,17 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item]) -> None:
             c = chunk[0].extra["math_decay"]  # per matrix (a 0-dim tensor each) or one number for the group
             if isinstance(c, torch.Tensor):
                 c = torch.stack([it.extra["math_decay"] for it in chunk])
-            if _fused_apply(update.device, params[0].dtype):  # one pass: read U and p, write p
+            flagged = flags is not None and chunk[0].flag is not None
+            if fused_apply:  # one pass: read U and p, write p
                 from ..kernels.unproject import apply_updates
 
-                apply_updates(params, update, scale, decay, c)
+                if flagged:
+                    apply_updates(params, update, scale, decay, c, flags, [it.flag for it in chunk])
+                else:
+                    apply_updates(params, update, scale, decay, c)
                 continue
+            if flagged:  # (device_checkable sends only what the fused pass takes)
+                raise RuntimeError("GaLore: a parameter checked on the device reached an apply that ignores its flag")
             update = update.float().mul_(scale)
             if params[0].dtype == torch.float32:
                 if c is not None:
