@@ -11,7 +11,8 @@ loss after ``--steps`` steps says whether an optimizer trains at all.
 Columns: peak device memory (``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS), the median full
 step (forward, backward, ``opt.step()``, ``zero_grad``) and the median ``opt.step()`` alone (CUDA events around it;
 on CPU ``perf_counter``), both over the steps after ``--warmup``, and the loss of the last step (mean of the last
-three). Ratios are to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
+three). The ``-per-layer`` rows update each weight inside ``backward()`` (``step_in_backward``): their full step is
+the one to compare (their ``opt.step()`` has nothing left to do), and their peak holds no full set of gradients. Ratios are to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
 "not installed"; a row that fails says why; the run goes on.
 
     cd /tmp && python /path/to/lowmemopt/bench/e2e.py                          # 1.1B, every row (CUDA)
@@ -70,6 +71,25 @@ def _lm_galore(cls_name: str, projection: dict | None = None, **kw) -> Callable:
         return getattr(lowmemopt, cls_name)(groups, lr=lr, state_bits=8, **kw)
 
     return make
+
+
+def _lm_per_layer(cls_name: str, galore: bool = False, **kw) -> Callable:
+    """The optimizer with ``step_in_backward``: each weight updated inside ``backward()`` as its gradient is made, and
+    the gradient freed (no full-size gradients held at once); ``opt.step()`` then has nothing left to do."""
+    inner = _lm_galore(cls_name, **kw) if galore else _lm(cls_name, **kw)
+
+    def make(model, lr, args):
+        import lowmemopt
+
+        opt = inner(model, lr, args)
+        opt.bench_stepper = lowmemopt.step_in_backward(model, opt)  # (kept with the optimizer: its hooks' handle)
+        return opt
+
+    return make
+
+
+#: rows whose updates run inside backward(): their "full step" is the figure to compare
+PER_LAYER_NOTE = "updates inside backward() (step_in_backward): compare the full step"
 
 
 def _torch_fused(model, lr, args):
@@ -132,6 +152,10 @@ ROWS: dict[str, tuple[float, Callable]] = {
     # the projections in the parameters' dtype (bf16 matmuls, fp32 accumulation), as galore-torch does for bf16
     "lowmemopt-galore-adamw-8bit-bf16proj": (3e-4, _lm_galore("AdamW", dict(proj_dtype="param"), weight_decay=0.0)),
     "lowmemopt-galore-came-8bit-bf16proj": (2e-4, _lm_galore("CAME", dict(proj_dtype="param"))),
+    # per-layer updates: the finiteness check of each hook stays on the device (no synchronization per parameter)
+    "lowmemopt-adamw-8bit-per-layer": (3e-4, _lm_per_layer("AdamW", weight_decay=0.0)),
+    "lowmemopt-came-8bit-per-layer": (2e-4, _lm_per_layer("CAME")),
+    "lowmemopt-galore-adamw-8bit-per-layer": (3e-4, _lm_per_layer("AdamW", galore=True, weight_decay=0.0)),
 }
 
 
@@ -230,7 +254,8 @@ def run_row(name: str, args) -> dict[str, Any]:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
     return dict(name=name, n_params=n_params, lr=lr, peak_bytes=peak, peak_kind="device" if use_events else "rss",
                 full_step_s=statistics.median(full_s), opt_step_s=statistics.median(opt_s), full_times_s=full_s,
-                opt_times_s=opt_s, first_loss=losses[0], loss=statistics.fmean(losses[-3:]), steps=len(losses))
+                opt_times_s=opt_s, first_loss=losses[0], loss=statistics.fmean(losses[-3:]), steps=len(losses),
+                note=PER_LAYER_NOTE if hasattr(opt, "bench_stepper") else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -278,7 +303,7 @@ def markdown_table(rows: list[dict[str, Any]], steps: int) -> str:
             f"| {r['name']} | {r['lr']:g} | {gib:.2f} | {_fmt(ratio(r, 'peak_bytes'), '.2f')}x "
             f"| {r['full_step_s'] * 1e3:.1f} | {_fmt(ratio(r, 'full_step_s'), '.2f')}x "
             f"| {r['opt_step_s'] * 1e3:.2f} | {_fmt(ratio(r, 'opt_step_s'), '.2f')}x "
-            f"| {r['loss']:.3f} (from {r['first_loss']:.2f}) | |")
+            f"| {r['loss']:.3f} (from {r['first_loss']:.2f}) |" + (f" {r['note']} |" if r.get("note") else " |"))
     return "\n".join(lines)
 
 

@@ -182,19 +182,24 @@ def test_e2e_bench_runs_tiny_on_cpu(tmp_path):
     js = tmp_path / "e2e.json"
     cmd = [sys.executable, os.path.join(REPO, "bench", "e2e.py"), "--device", "cpu", "--layers", "1", "--hidden", "32",
            "--intermediate", "64", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--batch", "2", "--seq", "16",
-           "--steps", "2", "--warmup", "1", "--optimizers", "lowmemopt-adamw-8bit,torch-adamw-fused",
-           "--json", str(js)]
+           "--steps", "2", "--warmup", "1", "--optimizers",
+           "lowmemopt-adamw-8bit,torch-adamw-fused,lowmemopt-adamw-8bit-per-layer", "--json", str(js)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(js.read_text())["rows"]}
-    assert set(rows) == {"torch-adamw-fused", "lowmemopt-adamw-8bit"}
+    assert set(rows) == {"torch-adamw-fused", "lowmemopt-adamw-8bit", "lowmemopt-adamw-8bit-per-layer"}
     for r in rows.values():
         assert not r.get("error"), r
         assert r["opt_step_s"] > 0 and r["full_step_s"] >= r["opt_step_s"] and r["peak_bytes"] > 0
         assert len(r["opt_times_s"]) == 2 and torch.isfinite(torch.tensor(r["loss"]))
+    # the per-layer row updated the weights inside backward: the same first loss, then its own (it trained)
+    per_layer = rows["lowmemopt-adamw-8bit-per-layer"]
+    assert per_layer["first_loss"] == rows["lowmemopt-adamw-8bit"]["first_loss"]
+    assert per_layer["loss"] != per_layer["first_loss"] and "step_in_backward" in per_layer["note"]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert table[2].startswith("| torch-adamw-fused | 0.0003 |") and "| 1.00x |" in table[2]  # the baseline first
     assert table[3].startswith("| lowmemopt-adamw-8bit |")
+    assert table[4].startswith("| lowmemopt-adamw-8bit-per-layer |") and table[4].endswith("compare the full step |")
 
 
 def test_e2e_missing_library_row():

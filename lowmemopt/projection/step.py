@@ -479,7 +479,7 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tens
     unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
     elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
     one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p; a matrix alone in its
-    class too), or without Triton on stacked fp32 copies and one multi-tensor copy into the parameters; so a step's
+    class too, after one plain product), or without Triton on stacked fp32 copies and one multi-tensor copy into the parameters; so a step's
     launches grow with the shape classes, not the matrices. (The sums are the per-matrix ones, in another kernel:
     equal within fp32 rounding.) Elsewhere one by one. ``flags``: the step's finiteness flags on the device, for the
     items with a ``flag`` row (:func:`device_checkable` sent them here): the fused pass leaves a skipped one as it
@@ -504,9 +504,13 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tens
                 continue
             m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
             target = dtype or torch.float32  # proj_dtype="param": bf16 products
-            basis = _stacked([it.state[pj.PROJ] for it in chunk], target).transpose(1, 2)  # P (m x k) or Q (k x n)
-            low = _stacked([it.target for it in chunk], target)
-            update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
+            if len(chunk) == 1:  # one product, no stacked copies (a per-layer hook's matrix, a class of one)
+                basis, low = chunk[0].state[pj.PROJ].to(target).t(), chunk[0].target.to(target)
+                update = (basis @ low if side == pj.LEFT else low @ basis).unsqueeze(0)
+            else:
+                basis = _stacked([it.state[pj.PROJ] for it in chunk], target).transpose(1, 2)  # P (m x k) or Q (k x n)
+                low = _stacked([it.target for it in chunk], target)
+                update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
             scale = chunk[0].extra["outer"]["scale"]
             params = [it.param if it.param.shape == (m, n) else it.param.view(m, n) for it in chunk]
             decay = chunk[0].extra["decay"]

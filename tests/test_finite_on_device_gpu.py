@@ -1,0 +1,110 @@
+"""The non-finite check decided on the device (lowmemopt.pipeline.finite) with compiled kernels on a CUDA device: a
+parameter whose gradient has a NaN / Inf keeps its value, state and step count, bit for bit, without any host
+synchronization before the launches; the others step as with the host-side check. (``test_finite_on_device.py`` runs
+the same under the interpreter on the CPU, bit for bit against the host check; here the multi-pass kernels' fp32
+atomics may round their sums differently between two runs, so the stepped parameters are compared within rounding.)
+Skipped without a CUDA device (conftest.py skips the ``gpu`` marker)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lowmemopt
+from lowmemopt import optimizer as optimizer_module
+from lowmemopt.pipeline import finite
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(96, 160), (96, 160), (300,), (40, 72), (5,)]
+#: (step, param): the gradients made non-finite; params 0, 1 and 3 are GaLore's matrices in the projected runs
+BAD = {(1, 0): float("nan"), (2, 3): float("inf"), (4, 2): float("nan"), (5, 1): -float("inf")}
+CASES = [
+    (lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9)),
+    (lowmemopt.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    (lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.LARS, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
+    (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.1)),
+    (lowmemopt.CAME, dict(lr=1e-3, weight_decay=0.1)),
+]
+#: kernels without atomics: the device-side run equals the host-side one bit for bit
+EXACT = {lowmemopt.AdamW, lowmemopt.SGD, lowmemopt.Lion}
+
+
+def _snapshot(opt, p):
+    state = opt.state.get(p, {})
+    return p.detach().clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def _run(cls, kw, bits, on_device, monkeypatch, galore=False):
+    """Six steps on CUDA with the gradients of ``BAD`` non-finite. Checks at each step that a skipped parameter and
+    its state are untouched. Returns (params, optimizer, warnings per step, device-side checks made)."""
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
+    checks: list = []
+    real = finite.DeviceFlags.__init__
+    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: checks.append(1) or real(self, *a))
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
+    if galore:
+        matrices = [params[0], params[1], params[3]]
+        groups = [{"params": matrices, "rank": 8, "update_proj_gap": 100},
+                  {"params": [params[2], params[4]]}]
+    else:
+        groups = [{"params": params}]
+    opt = cls(groups, state_bits=bits, min_quant_numel=0, **kw)
+    gen = torch.Generator().manual_seed(1)
+    caught = []
+    for step in range(6):
+        bad = []
+        for i, p in enumerate(params):
+            g = torch.randn(p.shape, generator=gen)
+            if (step, i) in BAD:
+                g.view(-1)[7] = BAD[(step, i)]
+                bad.append((p, _snapshot(opt, p)))
+            p.grad = g.cuda()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            opt.step()
+        caught.append(sum("NaN/Inf" in str(x.message) for x in w))
+        for p, (value, state) in bad:
+            assert torch.equal(p, value), (step, tuple(p.shape))
+            now = opt.state.get(p, {})
+            assert sorted(now) == sorted(state), (step, tuple(p.shape))
+            for k, v in state.items():
+                assert (torch.equal(now[k], v) if isinstance(v, torch.Tensor) else now[k] == v), (step, k)
+    torch.cuda.synchronize()
+    return params, opt, caught, len(checks)
+
+
+def _compare(cls, a, opt_a, b, opt_b):
+    for pa, pb in zip(a, b):
+        assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"]
+        if cls in EXACT:
+            assert torch.equal(pa, pb), tuple(pa.shape)
+        else:
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
+def test_skipped_parameters_are_untouched_on_cuda(cls, kw, bits, monkeypatch):
+    a, opt_a, warned_a, checks_a = _run(cls, kw, bits, True, monkeypatch)
+    b, opt_b, warned_b, checks_b = _run(cls, kw, bits, False, monkeypatch)
+    assert checks_a == 6 and checks_b == 0  # every step decided on the device
+    assert warned_a == warned_b == [0, 1, 1, 0, 1, 1]
+    _compare(cls, a, opt_a, b, opt_b)
+    assert [opt_a.state[p]["step"] for p in a] == [5, 5, 5, 5, 6]
+
+
+@pytest.mark.parametrize("cls,kw", [CASES[0], CASES[6]], ids=["AdamW", "CAME"])
+def test_galore_skipped_parameters_are_untouched_on_cuda(cls, kw, monkeypatch):
+    # the projected matrices' low-rank kernels and the batched apply pass read the flags; the first step (the bases
+    # are made) takes the host check
+    a, opt_a, warned_a, checks_a = _run(cls, kw, 8, True, monkeypatch, galore=True)
+    b, opt_b, warned_b, checks_b = _run(cls, kw, 8, False, monkeypatch, galore=True)
+    assert checks_a == 5 and checks_b == 0
+    assert warned_a == warned_b == [0, 1, 1, 0, 1, 1]
+    _compare(cls, a, opt_a, b, opt_b)
