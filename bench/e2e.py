@@ -73,16 +73,18 @@ def _lm_galore(cls_name: str, projection: dict | None = None, **kw) -> Callable:
     return make
 
 
-def _lm_per_layer(cls_name: str, galore: bool = False, **kw) -> Callable:
+def _lm_per_layer(cls_name: str, galore: bool = False, bucket_bytes: int = 0, **kw) -> Callable:
     """The optimizer with ``step_in_backward``: each weight updated inside ``backward()`` as its gradient is made, and
-    the gradient freed (no full-size gradients held at once); ``opt.step()`` then has nothing left to do."""
+    the gradient freed (no full-size gradients held at once), or with ``bucket_bytes`` in buckets of that many
+    gradient bytes; ``opt.step()`` then has nothing left to do."""
     inner = _lm_galore(cls_name, **kw) if galore else _lm(cls_name, **kw)
 
     def make(model, lr, args):
         import lowmemopt
 
         opt = inner(model, lr, args)
-        opt.bench_stepper = lowmemopt.step_in_backward(model, opt)  # (kept with the optimizer: its hooks' handle)
+        # (the stepper kept with the optimizer: its hooks' handle)
+        opt.bench_stepper = lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket_bytes)
         return opt
 
     return make
@@ -154,6 +156,7 @@ ROWS: dict[str, tuple[float, Callable]] = {
     "lowmemopt-galore-came-8bit-bf16proj": (2e-4, _lm_galore("CAME", dict(proj_dtype="param"))),
     # per-layer updates: the finiteness check of each hook stays on the device (no synchronization per parameter)
     "lowmemopt-adamw-8bit-per-layer": (3e-4, _lm_per_layer("AdamW", weight_decay=0.0)),
+    "lowmemopt-adamw-8bit-per-layer-32mib": (3e-4, _lm_per_layer("AdamW", bucket_bytes=32 << 20, weight_decay=0.0)),
     "lowmemopt-came-8bit-per-layer": (2e-4, _lm_per_layer("CAME")),
     "lowmemopt-galore-adamw-8bit-per-layer": (3e-4, _lm_per_layer("AdamW", galore=True, weight_decay=0.0)),
 }

@@ -15,8 +15,9 @@ launch replaced by building its launch table: everything the host does on a GPU 
 not depend on their size.
 
 ``--mode``: ``step`` (``opt.step()``), ``per-layer`` (the per-layer updates of ``step_in_backward``: every parameter
-stepped alone, in backward order, as its hook does, through :func:`lowmemopt.per_layer.step_one`, then the end of the
-backward pass's one flag read), or ``both`` (default; their rounds alternate, on one optimizer). ``--galore RANK``:
+handed over in backward order, as its hook does, to :class:`lowmemopt.per_layer.PerLayerSteps`: stepped alone, or
+with ``--bucket-bytes`` held and stepped in buckets; then the end of the backward pass's one flag read), or ``both``
+(default; their rounds alternate, on one optimizer). ``--galore RANK``:
 the attention and MLP matrices in a GaLore group (basis refreshed on the first step only); on the CPU the batched
 products CUDA takes run there (``lowmemopt.projection.step.BATCH_ON_CPU``), so the host work is CUDA's.
 
@@ -100,32 +101,35 @@ def param_groups(params: list[torch.nn.Parameter], rank: int | None) -> list:
     return [{"params": mats, "rank": rank, "update_proj_gap": 10**9}, {"params": rest}]
 
 
-def per_layer(opt) -> Callable[[], None]:
-    """One step as ``step_in_backward`` takes it: each parameter in backward order (reversed) through
-    :func:`lowmemopt.per_layer.step_one`, as its post-accumulate-grad hook does (grad mode off, as in backward()),
-    then the end of the backward pass's one :func:`~lowmemopt.pipeline.finite.resolve` (gradients are kept here, to
-    step again)."""
-    from lowmemopt.per_layer import step_one
-    from lowmemopt.pipeline.finite import resolve
+def per_layer(opt, bucket_bytes: int = 0) -> Callable[[], None]:
+    """One step as ``step_in_backward`` takes it: each parameter in backward order (reversed) handed to
+    :class:`lowmemopt.per_layer.PerLayerSteps` as its post-accumulate-grad hook does (grad mode off, as in
+    backward()): stepped alone, or held and stepped in buckets of ``bucket_bytes``; then the end of the backward
+    pass (the held ones, the one flag read). The updates free the gradients: each round puts them back at its end (a
+    few hundred attribute writes, counted)."""
+    from lowmemopt.per_layer import PerLayerSteps
 
     order = [(p, g) for g in opt.param_groups for p in g["params"]][::-1]
+    grads = [p.grad for p, _ in order]
+    updates = PerLayerSteps(opt, bucket_bytes)
 
     def run() -> None:
-        pending: list = []
         with torch.no_grad():  # as in backward(), whose hooks run with grad mode off
             for p, group in order:
-                step_one(opt, p, group, pending)
-        resolve(pending)
+                updates.add(p, group)
+        updates.finish()
+        for (p, _), g in zip(order, grads):  # (for the next round, and for opt.step()'s)
+            p.grad = g
 
     return run
 
 
 def host_ms(make: Callable, shapes, device: str, dtype: torch.dtype, steps: int, repeat: int, modes: tuple[str, ...],
-            rank: int | None = None) -> dict[str, float]:
+            rank: int | None = None, bucket_bytes: int = 0) -> dict[str, float]:
     """Per mode (``"step"``: ``opt.step()``; ``"per-layer"``: :func:`per_layer`), the median over ``repeat`` rounds of
     the thread's CPU time per step, in ms. The modes' rounds alternate, on one optimizer."""
     opt = make(param_groups(make_params(shapes, device, dtype), rank))
-    runs = {"step": opt.step, "per-layer": per_layer(opt) if "per-layer" in modes else None}
+    runs = {"step": opt.step, "per-layer": per_layer(opt, bucket_bytes) if "per-layer" in modes else None}
     for mode in modes:
         for _ in range(3):  # state made, kernels compiled, tables cached
             runs[mode]()
@@ -157,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="opt.step(), the per-layer updates of step_in_backward, or both (alternated)")
     ap.add_argument("--galore", type=int, metavar="RANK",
                     help="the attention and MLP matrices in a GaLore group of this rank")
+    ap.add_argument("--bucket-bytes", type=int, default=0,
+                    help="per-layer updates held and stepped in buckets of this many gradient bytes "
+                         "(step_in_backward's bucket_bytes; 0: each parameter alone)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
@@ -184,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = ("step", "per-layer") if args.mode == "both" else (args.mode,)
     matrices = sum(len(s) == 2 for s in shapes) - 2  # (not the embedding and the head)
     galore = "" if args.galore is None else f", GaLore rank {args.galore} on {matrices} matrices"
+    if args.bucket_bytes and "per-layer" in modes:
+        galore += f", per-layer buckets of {args.bucket_bytes} bytes"
     lines = [f"{len(shapes)} tensors ({args.layers} layers, hidden {args.hidden}){galore}, {args.dtype}, "
              f"{args.device}, torch {torch.__version__}",
              "| optimizer | mode | host ms / step | µs / parameter | × step() |",
@@ -195,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         wanted = ("step",) if anchor else modes  # per-layer updates are lowmemopt's (step_in_backward)
         if args.device == "cpu":
             with runtime.cpu_interpreter():
-                ms = host_ms(make, shapes, "cpu", dtype, args.steps, args.repeat, wanted, args.galore)
+                ms = host_ms(make, shapes, "cpu", dtype, args.steps, args.repeat, wanted, args.galore,
+                             args.bucket_bytes)
         else:
-            ms = host_ms(make, shapes, "cuda", dtype, args.steps, args.repeat, wanted, args.galore)
+            ms = host_ms(make, shapes, "cuda", dtype, args.steps, args.repeat, wanted, args.galore, args.bucket_bytes)
         for mode, value in ms.items():
             ratio = f"{value / ms['step']:.2f}" if mode != "step" and "step" in ms else ""
             lines.append(f"| {name} | {'step()' if mode == 'step' else mode} | {value:.2f} | "

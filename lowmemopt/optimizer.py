@@ -30,9 +30,10 @@ would poison a quantization block for good. Skips are counted in ``optimizer.non
 check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),
 except in two cases. CPU parameters stepped by the native kernels: each kernel also sums the squares of the next
 gradient while it steps (:class:`_CpuFiniteChecks`), which saves a separate pass over all gradients. Parameters of one
-GPU that the element-wise Triton kernels (AdamW / Adam, SGD, Lion) step, nothing paged, projected or sharded: the skip
-is decided on the device (:mod:`lowmemopt.pipeline.finite`: the kernels read the flags), and the host reads the flags
-only after every launch, so the GPU never waits for the host to build the step.
+GPU that the Triton kernels step (every algorithm; GaLore parameters between basis refreshes), with no state moving
+between host and device and nothing sharded: the skip is decided on the device (:mod:`lowmemopt.pipeline.finite`: the
+kernels read the flags), and the host reads the flags only after every launch, so the GPU never waits for the host to
+build the step.
 
 GaLore: a parameter of a param group with ``rank`` takes :func:`lowmemopt.projection.step.step_projected` instead: the
 same decode -> ``_update`` -> encode core (:meth:`LowMemOptimizer._run_update`) on state shaped for its projected
@@ -455,22 +456,29 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
 
     def _step_alone(self, p: torch.Tensor, group: dict[str, Any], flags: DeviceFlags | None = None) -> None:
-        """Step one parameter whose gradient (``p.grad``) is known to be finite, or whose finiteness ``flags`` holds
-        on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state fetched and written
-        back; the fused kernels where its device has them): the per-layer updates inside ``backward()``
-        (:func:`lowmemopt.step_in_backward`)."""
+        """:meth:`_step_some` of one parameter."""
+        self._step_some([(p, group)], flags)
+
+    def _step_some(self, work: list[tuple[torch.Tensor, dict[str, Any]]], flags: DeviceFlags | None = None) -> None:
+        """Step ``work``'s parameters, whose gradients (``p.grad``) are known to be finite, or whose finiteness
+        ``flags`` holds on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state
+        fetched and written back; the fused kernels where their device has them, one launch set per bucket): the
+        per-layer updates inside ``backward()`` (:func:`lowmemopt.step_in_backward`), one parameter or a bucket of
+        them at a time."""
+        todo = [(i, p, group) for i, (p, group) in enumerate(work)]
         if flags is not None:  # device_flags vouches that nothing moves (resident paged state is unpaged state),
             # nothing is sharded, and a projected parameter's stages all read the flag: the bucketed kernels' step
             # without a pager
             galore = None
-            if group.get("rank") is not None:
+            if any(group.get("rank") is not None for _, group in work):
                 from .projection import step as galore
-            pipeline.run(self, [(0, p, group)], [True], [p.grad], None, None, kernel_algorithm(self), galore, flags)
+            pipeline.run(self, todo, [True] * len(work), [p.grad for p, _ in work], None, None,
+                         kernel_algorithm(self), galore, flags)
             return
-        pager = self._pager_for(group)
+        pager = paging.pager_of(self) if any(paging.tier_of(group) is not None for _, group in work) else None
         if pager is not None:
-            pager.begin([(p, group)])
-        self._run_pipeline([(0, p, group)], [True], [local_tensor(p.grad)], None, pager, flags)
+            pager.begin(work)
+        self._run_pipeline(todo, [True] * len(work), [local_tensor(p.grad) for p, _ in work], None, pager, flags)
 
     def _pager_for(self, group: dict[str, Any]) -> Any:
         return paging.pager_of(self) if paging.tier_of(group) is not None else None

@@ -8,6 +8,11 @@ at most one parameter's gradient (plus those autograd is still producing) is ali
         # no optimizer.step() / zero_grad() needed (at a step boundary optimizer.step() is a no-op: no gradients)
     torch.save({"opt": optimizer.state_dict(), "stepper": stepper.state_dict()}, path)
 
+Buckets: ``step_in_backward(..., bucket_bytes=N)`` holds completed gradients until they add up to N bytes, then steps
+them together (:class:`PerLayerSteps`, :func:`step_many`): one pass through the step pipeline, so one launch set per
+kernel bucket instead of one per parameter, at the cost of at most about N bytes of gradients waiting. ``bench/
+host_overhead.py --mode per-layer --bucket-bytes N`` measures the host work.
+
 Gradient accumulation: the hooks count backward passes (a callback queued at the end of each one); gradients of the
 first ``accumulation_steps - 1`` accumulate in ``.grad`` as usual and the last one steps. Accumulating gradients keeps
 them all alive, which is what per-layer updates save: with accumulation the memory gain is only on the last
@@ -18,10 +23,11 @@ update happens before the last gradient exists. Pass ``max_grad_norm`` only as N
 ``torch.nn.utils.clip_grad_norm_`` after ``backward()`` would see no gradients (they are freed) and clip nothing.
 
 Non-finite gradients: as in ``optimizer.step()``, a parameter whose gradient has a NaN/Inf is skipped (value and state
-unchanged, counted in ``optimizer.nonfinite_skips``, one warning per backward). Where the element-wise Triton kernels
-step the parameter (AdamW / Adam, SGD, Lion on a GPU, nothing paged, projected or sharded), the skip is decided on the
-device (:mod:`lowmemopt.pipeline.finite`) and the flags are read once, at the end of the backward pass; elsewhere the
-check costs one host synchronization per parameter (``step()`` batches it per device).
+unchanged, counted in ``optimizer.nonfinite_skips``, one warning per backward). Where the Triton kernels step the
+parameter (every algorithm on a GPU; a GaLore parameter between basis refreshes), the skip is decided on the device
+(:mod:`lowmemopt.pipeline.finite`) and the flags are read once, at the end of the backward pass; elsewhere (the CPU,
+state that moves between host and device, FSDP2 shards, a GaLore basis refresh) the check costs one host
+synchronization per parameter (``step()`` batches it per device).
 
 Checkpointing: the optimizer's state is its ``state_dict()``; the stepper's (the micro-batch position) is
 :meth:`BackwardStepper.state_dict`, restored with :meth:`BackwardStepper.load_state_dict`. Save at a step boundary:
@@ -35,12 +41,80 @@ import warnings
 
 import torch
 
+from . import paging
 from ._stacklevel import external_stacklevel
 from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
 from .pipeline.finite import DeviceFlags, resolve
 
-__all__ = ["BackwardStepper", "step_in_backward", "step_one"]
+__all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_many", "step_one"]
+
+
+def step_many(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]], pending: list[DeviceFlags]) -> int:
+    """Step ``work``'s parameters together with their gradients (``p.grad``, not sparse), as a per-layer bucket does:
+    one pass through the step pipeline (one launch set per kernel bucket, as ``step()``). The non-finite check as in
+    :func:`step_one`, for all of them at once. Returns how many the host skipped for a non-finite gradient."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return step_many(optimizer, work, pending)
+    grads = [local_tensor(p.grad) for p, _ in work]
+    pager = paging.pager_of(optimizer) if any(paging.tier_of(group) is not None for _, group in work) else None
+    flags = optimizer.device_flags(work, grads, pager)
+    if flags is not None:
+        optimizer._step_some(work, flags)
+        pending.append(flags)
+        return 0
+    finite = agree_finite(_finite_flags(grads), [p for p, _ in work], [p.grad for p, _ in work])
+    todo = [w for w, ok in zip(work, finite) if ok]
+    if todo:
+        optimizer._step_some(todo)
+    return len(work) - len(todo)
+
+
+class PerLayerSteps:
+    """The per-layer updates of one backward pass: :meth:`add` a parameter when its gradient is complete; it is
+    stepped at once and its gradient freed (``bucket_bytes`` 0), or held with the others until their gradients reach
+    ``bucket_bytes`` and stepped with them (:func:`step_many`: one launch set for the bucket instead of one per
+    parameter). :meth:`finish` at the end of the backward pass steps what is held and reads the device-side
+    finiteness checks once."""
+
+    def __init__(self, optimizer: LowMemOptimizer, bucket_bytes: int = 0) -> None:
+        self.optimizer = optimizer
+        self.bucket_bytes = bucket_bytes
+        self.held: list[tuple[torch.Tensor, dict]] = []
+        self.held_bytes = 0
+        self.pending: list[DeviceFlags] = []  # this backward's device-side finiteness checks (pipeline.finite)
+        self.skipped = 0
+
+    def add(self, p: torch.Tensor, group: dict) -> None:
+        if self.bucket_bytes <= 0:
+            if not step_one(self.optimizer, p, group, self.pending):
+                self.skipped += 1
+            p.grad = None
+            return
+        self.held.append((p, group))
+        # the whole gradient's size (a DTensor's too): every rank of a sharded model cuts its buckets at the same
+        # parameters, so that their collectives (agree_finite) pair up
+        self.held_bytes += p.grad.numel() * p.grad.element_size()
+        if self.held_bytes >= self.bucket_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Step the held parameters and free their gradients."""
+        if not self.held:
+            return
+        held, self.held, self.held_bytes = self.held, [], 0
+        self.skipped += step_many(self.optimizer, held, self.pending)
+        for p, _ in held:
+            p.grad = None
+
+    def finish(self) -> int:
+        """Flush, read the device-side checks (one synchronization), and return how many parameters were skipped
+        for a non-finite gradient in this backward pass."""
+        self.flush()
+        skipped = self.skipped + resolve(self.pending)
+        self.pending, self.skipped = [], 0
+        return skipped
 
 
 def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: list[DeviceFlags]) -> bool:
@@ -68,14 +142,14 @@ class BackwardStepper:
     """The handle :func:`step_in_backward` returns: hook bookkeeping, ``state_dict`` / ``load_state_dict``,
     ``remove``."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: LowMemOptimizer, accumulation_steps: int) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: LowMemOptimizer, accumulation_steps: int,
+                 bucket_bytes: int = 0) -> None:
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.micro_step = 0  # backward passes done since the last update (0 .. accumulation_steps - 1)
         self.steps = 0  # updates done
         self._in_backward = False
-        self._skipped = 0
-        self._pending: list[DeviceFlags] = []  # this backward's device-side finiteness checks (pipeline.finite)
+        self._updates = PerLayerSteps(optimizer, bucket_bytes)
         # param -> index of its group: the group dict is looked up at each step, because load_state_dict (a resume,
         # accelerate's prepare) replaces the optimizer's group dicts, and an LR scheduler updates the new ones
         self._group_of: dict[torch.Tensor, int] = {}
@@ -109,27 +183,23 @@ class BackwardStepper:
             return  # accumulating: the gradient stays in .grad
         if p.grad.is_sparse:
             raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
-        if not step_one(self.optimizer, p, self.optimizer.param_groups[self._group_of[p]], self._pending):
-            self._skipped += 1
-        p.grad = None
+        self._updates.add(p, self.optimizer.param_groups[self._group_of[p]])
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
-        self._skipped += resolve(self._pending)  # one synchronization per backward pass, none per parameter
-        self._pending = []
+        skipped = self._updates.finish()  # one synchronization per backward pass, none per parameter
         self.micro_step += 1
         if self.micro_step == self.accumulation_steps:
             self.micro_step = 0
             self.steps += 1
-        if self._skipped:
-            self.optimizer.nonfinite_skips += self._skipped
+        if skipped:
+            self.optimizer.nonfinite_skips += skipped
             warnings.warn(
-                f"{type(self.optimizer).__name__} (step_in_backward): skipped {self._skipped} parameter(s) with NaN/Inf "
+                f"{type(self.optimizer).__name__} (step_in_backward): skipped {skipped} parameter(s) with NaN/Inf "
                 "gradients this step (their values and optimizer state are unchanged)",
                 RuntimeWarning,
                 stacklevel=external_stacklevel(),  # the user's backward() line
             )
-            self._skipped = 0
 
     def _step_pre_hook(self, optimizer, args, kwargs) -> None:
         if self.micro_step != 0:
@@ -178,13 +248,18 @@ def step_in_backward(
     *,
     accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
+    bucket_bytes: int = 0,
 ) -> BackwardStepper:
     """Step every parameter of ``optimizer`` inside ``backward()``, as soon as its gradient is complete, and free the
     gradient (module docstring). Works with every lowmemopt optimizer and with GaLore groups. Returns the
     :class:`BackwardStepper` (keep it: its ``state_dict`` belongs in checkpoints; ``remove()`` undoes this).
 
     ``accumulation_steps``: update on every N-th backward pass (gradients of the others accumulate in ``.grad``).
-    ``max_grad_norm``: global-norm gradient clipping cannot be done per layer; a positive value raises ValueError."""
+    ``max_grad_norm``: global-norm gradient clipping cannot be done per layer; a positive value raises ValueError.
+    ``bucket_bytes``: 0 (default) steps each parameter alone as soon as its gradient is complete; a positive value
+    holds completed gradients until they add up to this many bytes and steps them together (one launch set per
+    bucket, as ``step()``: far less host work per parameter), so at most about ``bucket_bytes`` plus one gradient
+    wait for their update."""
     if not isinstance(optimizer, LowMemOptimizer):
         raise TypeError(f"step_in_backward needs a lowmemopt optimizer, got {type(optimizer).__name__}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -196,4 +271,6 @@ def step_in_backward(
             "without clipping (max_grad_norm=None / 0), or without per-layer updates (backward(), clip, "
             "optimizer.step())"
         )
-    return BackwardStepper(model, optimizer, accumulation_steps)
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (must be an int >= 0)")
+    return BackwardStepper(model, optimizer, accumulation_steps, bucket_bytes)

@@ -800,8 +800,14 @@ def step_in_backward_fsdp2(ctx):
     def groups(model):
         return lowmemopt.galore_param_groups(model, target_modules="all-linear", rank=4, update_proj_gap=2)
 
-    for cls, kw, galore in [(lowmemopt.AdamW, dict(lr=1e-2), False), (lowmemopt.Adafactor, dict(beta1=0.9), False),
-                            (lowmemopt.AdamW, dict(lr=1e-2), True)]:
+    # bucket_bytes: completed gradients held and stepped together; the buckets are cut by whole-gradient sizes, so
+    # every rank cuts them at the same parameters (their finiteness checks are collectives)
+    for cls, kw, galore, bucket in [(lowmemopt.AdamW, dict(lr=1e-2), False, 0),
+                                    (lowmemopt.Adafactor, dict(beta1=0.9), False, 0),
+                                    (lowmemopt.AdamW, dict(lr=1e-2), True, 0),
+                                    (lowmemopt.AdamW, dict(lr=1e-2), False, 600),
+                                    (lowmemopt.Adafactor, dict(beta1=0.9), False, 600),
+                                    (lowmemopt.AdamW, dict(lr=1e-2), True, 600)]:
         ref = mlp()
         lowmemopt.step_in_backward(ref, cls(groups(ref) if galore else ref.parameters(), **kw))
         model = mlp().to(ctx.device)
@@ -810,7 +816,7 @@ def step_in_backward_fsdp2(ctx):
                 fully_shard(layer, mesh=ctx.mesh)
         fully_shard(model, mesh=ctx.mesh)
         opt = cls(groups(model) if galore else model.parameters(), **kw)
-        stepper = lowmemopt.step_in_backward(model, opt)
+        stepper = lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket)
         for i, (x, y) in enumerate(data):
             n = x.shape[0] // ctx.world
             torch.nn.functional.mse_loss(ref(x), y).backward()
@@ -818,7 +824,7 @@ def step_in_backward_fsdp2(ctx):
             torch.nn.functional.mse_loss(model(xs), ys).backward()
         check(stepper.steps == len(data), f"{stepper.steps} per-layer updates, expected {len(data)}")
         check(all(p.grad is None for p in model.parameters()), "gradients were not freed")
-        what = f"step_in_backward {cls.__name__}{' GaLore' if galore else ''}"
+        what = f"step_in_backward {cls.__name__}{' GaLore' if galore else ''} bucket_bytes={bucket}"
         compare(list(model.parameters()), list(ref.parameters()), what, rtol=2e-4, atol=2e-5)
 
 

@@ -50,6 +50,18 @@ def test_cpu_run_galore_per_layer(tmp_path):
     assert "GaLore rank 4 on 14 matrices" in out.stdout
 
 
+def test_cpu_run_per_layer_buckets(tmp_path):
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--layers", "2", "--steps", "2", "--repeat", "1",
+                          "--bucket-bytes", "4096", "--optimizers", "lowmemopt AdamW 8-bit"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
+            if line.startswith("| lowmemopt")]
+    assert [r[:2] for r in rows] == [["lowmemopt AdamW 8-bit", "step()"], ["lowmemopt AdamW 8-bit", "per-layer"]]
+    assert all(float(r[2]) > 0 for r in rows) and "per-layer buckets of 4096 bytes" in out.stdout
+
+
 _NO_KERNEL_RUNS = """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"

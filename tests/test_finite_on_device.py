@@ -241,7 +241,7 @@ def test_galore_on_the_cpu_keeps_the_host_check(monkeypatch):
     assert made == [1]  # (the same step without the projected group checks on the device)
 
 
-def _per_layer_run(monkeypatch, on_device: bool, bits: int, **paging):
+def _per_layer_run(monkeypatch, on_device: bool, bits: int, bucket_bytes: int = 0, **paging):
     """Three backward passes of a small MLP with step_in_backward (a NaN gradient in the second), recording the
     end-of-backward flag reads (their sizes) and the host-side checks: (model, optimizer, reads, host checks)."""
     from lowmemopt import per_layer
@@ -251,7 +251,7 @@ def _per_layer_run(monkeypatch, on_device: bool, bits: int, **paging):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
     opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_quant_numel=0, block_size=32, **paging)
-    lowmemopt.step_in_backward(model, opt)
+    lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket_bytes)
     reads, host_checks = [], []
     real_resolve, real_flags = finite.resolve, optimizer_module._finite_flags
     monkeypatch.setattr(per_layer, "resolve", lambda pending: reads.append(len(pending)) or real_resolve(pending))
@@ -286,6 +286,22 @@ def test_per_layer_updates_check_on_the_device_and_read_once_per_backward(bits, 
         assert sorted(sa) == sorted(sb) and sa["step"] == sb["step"]
         assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
     assert opt_a.state[a[2].weight]["step"] == 2
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_per_layer_buckets_check_on_the_device(bits, monkeypatch):
+    # step_in_backward(bucket_bytes=...): one device-side check per bucket (here all four parameters), read at the end
+    # of the backward pass; the result is the host check's and the per-parameter hooks', bit for bit
+    a, opt_a, reads, host_checks = _per_layer_run(monkeypatch, True, bits, bucket_bytes=1 << 20)
+    assert not host_checks and [n for n in reads if n] == [1, 1, 1]  # one bucket's flags per backward
+    for on_device, bucket in ((False, 1 << 20), (True, 0)):
+        b, opt_b, _, _ = _per_layer_run(monkeypatch, on_device, bits, bucket_bytes=bucket)
+        assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+            sa, sb = opt_a.state[pa], opt_b.state[pb]
+            assert sorted(sa) == sorted(sb) and sa["step"] == sb["step"]
+            assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])

@@ -297,3 +297,78 @@ def test_low_rank_slots_with_unhashable_fields():
     plain = Slot(signed=False)
     assert step._low_rank_slot(plain, (4, 2), (0, None)) == Slot(False, True, (4, 2), (0, None))
     assert step._low_rank_slot(plain, (4, 2), (0, None)) is step._low_rank_slot(Slot(signed=False), (4, 2), (0, None))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("bucket_bytes", [600, 1 << 20])
+def test_buckets_equal_ordinary_steps_and_hold_at_most_a_bucket(name, bucket_bytes):
+    """bucket_bytes: completed gradients are held until they add up to the bucket, then stepped together (one
+    pipeline pass); the result is ordinary backward() + step()'s bit for bit, every gradient is freed by the end of
+    the backward pass, and while it runs at most a bucket (plus the gradient that fills it) waits: with 600 bytes the
+    last layer (32 x 8 + 8 floats: 1,056 bytes) is stepped before the first layer's gradient exists; with 1 MiB
+    everything waits for the end of the backward pass."""
+    make = OPTIMIZERS[name]
+    model = _model()
+    opt = make(model)
+    stepper = lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket_bytes)
+    held = []
+
+    def watch(p):
+        held.append(sum(q.grad.numel() * q.grad.element_size() for q in model.parameters() if q.grad is not None))
+
+    for q in model.parameters():
+        q.register_post_accumulate_grad_hook(watch)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(model[2].weight.grad is None))
+    for t in range(7):
+        _loss(model, t).backward()
+        assert all(p.grad is None for p in model.parameters())
+    assert seen == [bucket_bytes < 1056] * 7 and stepper.steps == 7
+    largest = max(p.numel() * 4 for p in model.parameters())
+    assert max(held) <= (bucket_bytes + largest if bucket_bytes < 1056 else sum(p.numel() * 4 for p in model.parameters()))
+    ref = _reference(make, 7)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, r)
+
+
+def test_a_bucket_is_one_pipeline_pass(monkeypatch):
+    # the held parameters go through the step pipeline together: one call per bucket, not one per parameter
+    from lowmemopt import pipeline
+
+    calls = []
+    real = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda opt, todo, *a, **k: calls.append(len(todo)) or real(opt, todo, *a, **k))
+    model = _model()
+    opt = lowmemopt.AdamW(model.parameters(), lr=1e-2)
+    lowmemopt.step_in_backward(model, opt, bucket_bytes=1 << 20)
+    _loss(model, 0).backward()
+    assert calls == [4]
+    calls.clear()
+    model2 = _model()
+    lowmemopt.step_in_backward(model2, lowmemopt.AdamW(model2.parameters(), lr=1e-2))
+    _loss(model2, 0).backward()
+    assert calls == [1, 1, 1, 1]
+
+
+def test_buckets_skip_nonfinite_gradients():
+    model = _model()
+    opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, state_bits=8, min_quant_numel=32)
+    lowmemopt.step_in_backward(model, opt, bucket_bytes=1 << 20)
+    _loss(model, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model[2].weight].items() if isinstance(v, torch.Tensor)}
+    handle = model[2].weight.register_hook(lambda g: g * float("nan"))
+    with pytest.warns(RuntimeWarning, match="skipped 1 parameter"):
+        _loss(model, 1).backward()
+    handle.remove()
+    assert torch.equal(model[2].weight, before[2]) and opt.nonfinite_skips == 1
+    assert opt.state[model[2].weight]["step"] == 1
+    assert all(torch.equal(opt.state[model[2].weight][k], v) for k, v in state.items())
+    assert not torch.equal(model[0].weight, before[0]) and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
+def test_bad_bucket_bytes(bad):
+    model = _model()
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        lowmemopt.step_in_backward(model, lowmemopt.AdamW(model.parameters()), bucket_bytes=bad)
