@@ -124,6 +124,11 @@ def test_per_layer_mode_in_the_trainer(tmp_path):
     for name in plain:
         assert torch.equal(per_layer[name], plain[name]), name
     assert all(p.grad is None for p in trainer.model.parameters())  # freed inside backward
+    trainer, bucketed = train(tmp_path / "bucketed", optimizer("adamw8bit", step_in_backward=dict(bucket_bytes=1 << 14),
+                                                               **SMALL_BLOCKS), max_grad_norm=0.0, save_steps=6)
+    for name in plain:  # held in buckets of 16 KiB of gradients, stepped together: the same parameters
+        assert torch.equal(bucketed[name], plain[name]), name
+    assert trainer.optimizer.optimizer.backward_stepper._updates.bucket_bytes == 1 << 14
     saved = torch.load(tmp_path / "per_layer" / "checkpoint-6" / "optimizer.pt", weights_only=True)
     assert saved["step_in_backward"]["steps"] == 6 and saved["step_in_backward"]["micro_step"] == 0
 
@@ -261,6 +266,12 @@ def test_bad_input_fails_before_training(tmp_path):
         optimizer("galore_adamw")
     with pytest.raises(ValueError, match="embedding_state_bits"):
         optimizer("came", embedding_state_bits=3)
+    with pytest.raises(TypeError, match="step_in_backward must be a bool or a dict"):
+        optimizer("adamw", step_in_backward="yes")
+    with pytest.raises(TypeError, match="unknown options \\['bucket'\\]"):
+        optimizer("adamw", step_in_backward=dict(bucket=1 << 20))
+    with pytest.raises(ValueError, match="bucket_bytes must be an int >= 0"):
+        optimizer("adamw", step_in_backward=dict(bucket_bytes=-1))
     if HAS_GALORE:
         with pytest.raises(TypeError, match="rnak"):
             optimizer("came", galore=dict(target_modules="all-linear", rank=8, rnak=8))

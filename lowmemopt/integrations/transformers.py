@@ -54,7 +54,7 @@ def optimizer(
     state_bits: int | None = None,
     galore: Mapping[str, Any] | None = None,
     embedding_state_bits: int | None = 32,
-    step_in_backward: bool = False,
+    step_in_backward: bool | Mapping[str, Any] = False,
     args: TrainingArguments | None = None,
     **kwargs: Any,
 ) -> tuple[type, dict[str, Any]]:
@@ -72,7 +72,9 @@ def optimizer(
             gradient (per-layer updates, :func:`lowmemopt.step_in_backward`: the full set of gradients is never
             held); the Trainer's ``optimizer.step()`` then finds no gradients and does nothing. Gradient
             accumulation is honoured; gradient clipping cannot be (set ``TrainingArguments(max_grad_norm=0)``). The
-            stepper's position is saved in the optimizer's state dict, so checkpoints hold it.
+            stepper's position is saved in the optimizer's state dict, so checkpoints hold it. A mapping turns it on
+            with :func:`lowmemopt.step_in_backward`'s options: ``dict(bucket_bytes=32 << 20)`` steps the parameters
+            in buckets of that many gradient bytes (less host work per parameter).
         args: the ``TrainingArguments`` to read hyper-parameters from; default: those of the calling Trainer.
         **kwargs: any other keyword of the optimizer (``lr``, ``betas``, ``block_size``, ``paged``...); these win over
             ``TrainingArguments``.
@@ -89,8 +91,7 @@ def optimizer(
         galore = _check_galore(galore)
     if embedding_state_bits is not None and embedding_state_bits not in (32, 16, 8, 4):
         raise ValueError(f"embedding_state_bits must be 32, 16, 8, 4 or None, got {embedding_state_bits!r}")
-    if not isinstance(step_in_backward, bool):
-        raise TypeError(f"step_in_backward must be a bool, got {type(step_in_backward).__name__}")
+    step_in_backward = _check_step_in_backward(step_in_backward)
     ctor = {**resolved.kwargs, **kwargs}
     if _relative_step_capable(resolved.cls):  # as the Trainer's optim="adafactor": an external, scheduled lr
         ctor.setdefault("relative_step", False)
@@ -137,7 +138,7 @@ def build(
     optimizer_kwargs: dict[str, Any],
     galore: dict[str, Any] | None,
     embedding_state_bits: int | None,
-    step_in_backward: bool,
+    step_in_backward: bool | dict[str, Any] | None,
     training_args: TrainingArguments | None,
     trainer: Any = None,
 ) -> torch.optim.Optimizer:
@@ -159,9 +160,25 @@ def build(
         embedding_state_bits=embedding_state_bits,
     )
     opt = cls(groups, **ctor)
-    if step_in_backward:
-        opt = _step_in_backward(model, opt, args)
+    if step_in_backward is not None and step_in_backward is not False:  # ({} and True: on, default options)
+        opt = _step_in_backward(model, opt, args, {} if step_in_backward is True else step_in_backward)
     return opt
+
+
+def _check_step_in_backward(value: Any) -> dict[str, Any] | None:
+    """:func:`optimizer`'s ``step_in_backward``: None (off), or the options for :func:`lowmemopt.step_in_backward`."""
+    if isinstance(value, bool):
+        return {} if value else None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"step_in_backward must be a bool or a dict of options, got {type(value).__name__}")
+    unknown = sorted(set(value) - {"bucket_bytes"})
+    if unknown:
+        raise TypeError(f"step_in_backward: unknown options {unknown} (known: 'bucket_bytes'; accumulation_steps and "
+                        "max_grad_norm come from the TrainingArguments)")
+    bucket = value.get("bucket_bytes", 0)
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+        raise ValueError(f"step_in_backward: bucket_bytes must be an int >= 0, got {bucket!r}")
+    return dict(value)
 
 
 def from_training_args(cls: type, args: Any, explicit: Mapping[str, Any] = ()) -> dict[str, Any]:
@@ -248,10 +265,11 @@ def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[
     return make(model, **galore)
 
 
-def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any) -> torch.optim.Optimizer:
-    """Attach :func:`lowmemopt.step_in_backward` (accumulating over ``args.gradient_accumulation_steps``) and make the
-    stepper's position part of ``opt.state_dict()`` (key ``"step_in_backward"``), so the Trainer's ``optimizer.pt``
-    holds it and ``resume_from_checkpoint`` restores it."""
+def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any,
+                      options: Mapping[str, Any] = ()) -> torch.optim.Optimizer:
+    """Attach :func:`lowmemopt.step_in_backward` (accumulating over ``args.gradient_accumulation_steps``; ``options``:
+    its other keywords) and make the stepper's position part of ``opt.state_dict()`` (key ``"step_in_backward"``), so
+    the Trainer's ``optimizer.pt`` holds it and ``resume_from_checkpoint`` restores it."""
     import lowmemopt
 
     attach = getattr(lowmemopt, "step_in_backward", None)
@@ -259,7 +277,7 @@ def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: 
         raise NotImplementedError("per-layer stepping (step_in_backward) is not available in this version of lowmemopt")
     try:
         stepper = attach(model, opt, accumulation_steps=args.gradient_accumulation_steps,
-                         max_grad_norm=args.max_grad_norm)
+                         max_grad_norm=args.max_grad_norm, **dict(options))
     except ValueError as e:
         if args.max_grad_norm:
             raise ValueError(f"step_in_backward=True needs TrainingArguments(max_grad_norm=0): {e}") from e
