@@ -11,6 +11,8 @@ A launch gets two device tensors:
 
 Both are built on the host and copied to the device with one small transfer each; they are cached by content (the
 addresses), so a training loop whose gradients keep their storage reuses them without any host work beyond the key.
+A transfer to a CUDA device goes from page-locked memory, asynchronously (:func:`upload`): a table made in the middle
+of a step (new addresses: fresh gradients, GaLore's stand-ins and products) never makes the host wait for the GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["device_table", "device_tables", "flagged_table", "device_index", "unit_map", "aligned", "ceil_div"]
+__all__ = ["upload", "device_table", "device_tables", "flagged_table", "device_index", "unit_map", "aligned", "ceil_div"]
 
 
 class _Cache:
@@ -58,10 +60,19 @@ _units = _Cache(_CACHE_SIZE)  # (a unit map has an entry per tile: a few per buc
 _indices = _Cache(_CACHE_SIZE)
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``. To a CUDA device from page-locked memory and ``non_blocking``: a copy from
+    pageable memory synchronizes the host with the stream (the host would wait for every kernel queued before it).
+    The page-locked block is not reused before the copy has run (torch's caching host allocator records it)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W)."""
     key = (device, tuple(map(tuple, rows)))
-    return _tables.get(key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
+    return _tables.get(key, lambda: upload(torch.tensor(key[1], dtype=torch.int64), device))
 
 
 def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +83,7 @@ def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.tensor(key[1], dtype=torch.int64).expand(2, -1, -1).clone()
         both[1, :, 2] = 0
-        both = both.to(device)  # (one copy to the device)
+        both = upload(both, device)  # (one copy to the device)
         return both[0], both[1]
 
     return _pairs.get(key, make)
@@ -105,7 +116,7 @@ def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: to
 def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:
     """int64 ``index`` on ``device`` (cached by content, as the tables)."""
     key = (device, tuple(index))
-    return _indices.get(key, lambda: torch.tensor(key[1], dtype=torch.int64).to(device))
+    return _indices.get(key, lambda: upload(torch.tensor(key[1], dtype=torch.int64), device))
 
 
 def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -117,7 +128,7 @@ def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
         tensor = torch.repeat_interleave(torch.arange(len(counts)), n)
         first = torch.cumsum(n, 0) - n
         local = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)
-        return torch.stack([tensor, local]).to(torch.int32).to(device)
+        return upload(torch.stack([tensor, local]).to(torch.int32), device)
 
     return _units.get(key, make)
 

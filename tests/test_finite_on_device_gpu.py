@@ -108,3 +108,56 @@ def test_galore_skipped_parameters_are_untouched_on_cuda(cls, kw, monkeypatch):
     assert checks_a == 5 and checks_b == 0
     assert warned_a == warned_b == [0, 1, 1, 0, 1, 1]
     _compare(cls, a, opt_a, b, opt_b)
+
+
+def _synchronizations(fn) -> list[str]:
+    """The host-device synchronizations ``fn()`` makes (torch's sync debug mode, as warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+
+
+@pytest.mark.parametrize("galore", [False, True], ids=["full-rank", "galore"])
+@pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
+def test_a_step_synchronizes_once(cls, kw, galore):
+    """After the warm-up (state made, kernels compiled, GaLore's bases computed), a step synchronizes the host with
+    the device once: the flags read after every launch. Nothing before the launches waits for the GPU, not even a
+    launch table made for new addresses (each step's gradients are fresh tensors, as after zero_grad())."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
+    groups = ([{"params": [params[0], params[1], params[3]], "rank": 8, "update_proj_gap": 100},
+               {"params": [params[2], params[4]]}] if galore else [{"params": params}])
+    opt = cls(groups, state_bits=8, min_quant_numel=0, **kw)
+
+    def fresh_grads():
+        for p in params:
+            p.grad = torch.randn_like(p)
+
+    for _ in range(3):
+        fresh_grads()
+        opt.step()
+    fresh_grads()
+    syncs = _synchronizations(opt.step)
+    assert len(syncs) == 1, syncs
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20])
+@pytest.mark.parametrize("cls,kw", [CASES[0], CASES[6]], ids=["AdamW", "CAME"])
+def test_per_layer_updates_synchronize_once_per_backward(cls, kw, bucket_bytes):
+    # step_in_backward: the hooks' updates (alone or in buckets) wait for nothing; the flags are read at the end
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    opt = cls(model.parameters(), state_bits=8, min_quant_numel=0, **kw)
+    lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket_bytes)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    syncs = _synchronizations(loss.backward)
+    assert len(syncs) == 1, syncs
