@@ -284,30 +284,37 @@ def _fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
 
-def markdown_table(rows: list[dict[str, Any]], steps: int) -> str:
-    """One markdown table; ratios to the baseline row (when it ran)."""
-    base = next((r for r in rows if r["name"] == BASELINE and not r.get("error")), None)
+def _table_header(rows: list[dict[str, Any]], steps: int) -> list[str]:
+    kind = "peak device memory" if any(r.get("peak_kind") == "device" for r in rows) else "peak RSS"
+    return [f"| optimizer | lr | {kind} (GiB) | vs torch | full step (ms) | vs torch | `opt.step()` (ms) | vs torch "
+            f"| loss after {steps} steps | notes |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
 
-    def ratio(r, key):
+
+def _table_row(r: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """One row's markdown line; ratios to ``base`` (the baseline row, when it ran)."""
+    def ratio(key):
         if base is None or r.get(key) is None or not base.get(key):
             return None
         return r[key] / base[key]
 
-    kind = "peak device memory" if any(r.get("peak_kind") == "device" for r in rows) else "peak RSS"
-    lines = [f"| optimizer | lr | {kind} (GiB) | vs torch | full step (ms) | vs torch | `opt.step()` (ms) | vs torch "
-             f"| loss after {steps} steps | notes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['name']} | — | — | — | — | — | — | — | — | {r['error'].replace('|', '/')} |")
-            continue
-        gib = r["peak_bytes"] / 2**30
-        lines.append(
-            f"| {r['name']} | {r['lr']:g} | {gib:.2f} | {_fmt(ratio(r, 'peak_bytes'), '.2f')}x "
-            f"| {r['full_step_s'] * 1e3:.1f} | {_fmt(ratio(r, 'full_step_s'), '.2f')}x "
-            f"| {r['opt_step_s'] * 1e3:.2f} | {_fmt(ratio(r, 'opt_step_s'), '.2f')}x "
+    if r.get("error"):
+        return f"| {r['name']} | — | — | — | — | — | — | — | — | {r['error'].replace('|', '/')} |"
+    gib = r["peak_bytes"] / 2**30
+    return (f"| {r['name']} | {r['lr']:g} | {gib:.2f} | {_fmt(ratio('peak_bytes'), '.2f')}x "
+            f"| {r['full_step_s'] * 1e3:.1f} | {_fmt(ratio('full_step_s'), '.2f')}x "
+            f"| {r['opt_step_s'] * 1e3:.2f} | {_fmt(ratio('opt_step_s'), '.2f')}x "
             f"| {r['loss']:.3f} (from {r['first_loss']:.2f}) |" + (f" {r['note']} |" if r.get("note") else " |"))
-    return "\n".join(lines)
+
+
+def _baseline(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in rows if r["name"] == BASELINE and not r.get("error")), None)
+
+
+def markdown_table(rows: list[dict[str, Any]], steps: int) -> str:
+    """One markdown table; ratios to the baseline row (when it ran)."""
+    base = _baseline(rows)
+    return "\n".join(_table_header(rows, steps) + [_table_row(r, base) for r in rows])
 
 
 def add_model_args(ap: argparse.ArgumentParser, batch: int = 4, seq: int = 1024) -> None:
@@ -366,24 +373,28 @@ def main(argv=None) -> int:
           f"heads, {args.kv_heads} kv heads, vocab {args.vocab}; ~{n / 1e9:.2f}B parameters), {args.dtype}, batch "
           f"{args.batch} x {args.seq}, {args.warmup} warm-up + {args.steps} timed steps, device {args.device}\n",
           flush=True)
+    info = dict(torch=torch.__version__, device=args.device,
+                gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
+    steps = args.steps + args.warmup
+    kind = [dict(peak_kind="device")] if args.device.startswith("cuda") else []
+    print("\n".join(_table_header(kind, steps)), flush=True)
     rows = []
     for name in names:
         t0 = time.perf_counter()
         row = _subprocess_row(name, argv, args.timeout)
         rows.append(row)
-        status = row.get("error") or f"{row['opt_step_s'] * 1e3:.2f} ms opt.step, loss {row['loss']:.3f}"
+        # each row as it completes (a run cut short keeps the rows done: the table here, and the JSON)
+        print(_table_row(row, _baseline(rows)), flush=True)
+        status = row.get("error") or (f"{row['full_step_s'] * 1e3:.1f} ms full step, {row['opt_step_s'] * 1e3:.2f} ms "
+                                      f"opt.step, loss {row['loss']:.3f}")
         print(f"  {name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    table = markdown_table(rows, args.steps + args.warmup)
-    print(table)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(dict(machine=info, args={k: v for k, v in vars(args).items() if not k.startswith("worker")},
+                               rows=rows), fh, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as fh:
-            fh.write(table + "\n")
-    if args.json:
-        info = dict(torch=torch.__version__, device=args.device,
-                    gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
-        with open(args.json, "w") as fh:
-            json.dump(dict(machine=info, args={k: v for k, v in vars(args).items() if not k.startswith("worker")},
-                           rows=rows), fh, indent=1)
+            fh.write(markdown_table(rows, steps) + "\n")
     return 0
 
 
