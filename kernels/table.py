@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["upload", "device_table", "device_tables", "flagged_table", "device_index", "unit_map", "aligned", "ceil_div"]
+__all__ = ["upload", "device_table", "device_tables", "flagged_table", "device_index", "unit_map", "aligned",
+           "ceil_div"]
 
 
 class _Cache:

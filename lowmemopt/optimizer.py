@@ -418,7 +418,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         (:mod:`lowmemopt.pipeline.finite`); None where the check must be decided on the host first: anything but
         one device that the Triton backend takes with kernels that mask by element count, or anything whose state
         moves (paged beyond the budget: state resident within it steps as unpaged), sharded, or projected where a
-        stage would ignore the flags (a basis refresh due, the first step: :func:`.projection.step.device_checkable`)."""
+        stage would ignore the flags (a basis refresh due, the first step:
+        :func:`.projection.step.device_checkable`)."""
         if not DEFER_FINITE_CHECK or (pipe is not None and pipe.indices):
             return None
         if pager is not None and pager.moves_any(work):

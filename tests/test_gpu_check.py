@@ -153,6 +153,9 @@ def test_gpu_check_refuses_without_cuda(tmp_path):
 def test_gpu_check_rejects_unknown_options(tmp_path):
     proc = subprocess.run(["bash", SCRIPT, "--bogus"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
+    proc = subprocess.run(["bash", SCRIPT, "--tests", "fast"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=60)
+    assert proc.returncode == 2 and "--tests: unknown part 'fast' (known: all gpu rest)" in proc.stderr
 
 
 def test_gpu_check_lists_its_benchmarks_and_selects_with_only(tmp_path):

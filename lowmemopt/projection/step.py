@@ -464,7 +464,8 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
         local.copy_(target)
 
 
-def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> bool:
+def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any],
+                     state: dict[str, Any]) -> bool:
     """May this step of projected parameter ``p`` leave its non-finite check to the device
     (:mod:`lowmemopt.pipeline.finite`)? Where every stage that writes is masked by the flags: no basis refresh due
     (it would take the SVD of the gradient), the update on a stand-in through the kernels, and the apply through the
@@ -479,11 +480,11 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tens
     unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
     elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
     one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p; a matrix alone in its
-    class too, after one plain product), or without Triton on stacked fp32 copies and one multi-tensor copy into the parameters; so a step's
-    launches grow with the shape classes, not the matrices. (The sums are the per-matrix ones, in another kernel:
-    equal within fp32 rounding.) Elsewhere one by one. ``flags``: the step's finiteness flags on the device, for the
-    items with a ``flag`` row (:func:`device_checkable` sent them here): the fused pass leaves a skipped one as it
-    is."""
+    class too, after one plain product), or without Triton on stacked fp32 copies and one multi-tensor copy into the
+    parameters; so a step's launches grow with the shape classes, not the matrices. (The sums are the per-matrix
+    ones, in another kernel: equal within fp32 rounding.) Elsewhere one by one. ``flags``: the step's finiteness
+    flags on the device, for the items with a ``flag`` row (:func:`device_checkable` sent them here): the fused pass
+    leaves a skipped one as it is."""
     batches: dict[tuple, list[Item]] = {}
     for it in items:
         p = it.param
