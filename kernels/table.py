@@ -66,7 +66,11 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     pageable memory synchronizes the host with the stream (the host would wait for every kernel queued before it).
     The page-locked block is not reused before the copy has run (torch's caching host allocator records it)."""
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+        try:
+            t = t.pin_memory()
+        except RuntimeError:  # (no page-locked memory to be had: the blocking copy)
+            return t.to(device)
+        return t.to(device, non_blocking=True)
     return t.to(device)
 
 

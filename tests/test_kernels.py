@@ -561,6 +561,31 @@ def test_launch_table_caches_are_bounded():
     assert table.device_table(rows, torch.device("cpu")).tolist() == rows
 
 
+def test_tables_reach_a_cuda_device_without_blocking(monkeypatch):
+    """A launch table goes to a CUDA device from page-locked memory with ``non_blocking`` (a copy from pageable memory
+    would make the host wait for the stream); without page-locked memory, the blocking copy. (Mocked: no GPU here.)"""
+    from lowmemopt.kernels import table
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: calls.append(
+        (str(device), non_blocking)) or self)
+    rows = torch.tensor([[1, 2, 3]])
+    assert table.upload(rows, torch.device("cuda")) is rows
+    assert calls == ["pin", ("cuda", True)]
+
+    def no_pinned(self):
+        raise RuntimeError("cannot pin")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", no_pinned)
+    calls.clear()
+    table.upload(rows, torch.device("cuda"))
+    assert calls == [("cuda", False)]
+    calls.clear()
+    table.upload(rows, torch.device("cpu"))
+    assert calls == [("cpu", False)]
+
+
 def test_cpu_interpreter_needs_the_interpreter(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
