@@ -32,32 +32,59 @@ CASES = [
 BAD = {(0, 3): float("nan"), (1, 0): float("inf"), (2, 1): float("nan"), (2, 2): -float("inf")}
 
 
+def _count_device_checks(monkeypatch) -> list:
+    """A list that gets one entry per device-side check (a ``DeviceFlags``) made from now on."""
+    from lowmemopt.pipeline import finite
+
+    made: list = []
+    real = finite.DeviceFlags.__init__
+    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    return made
+
+
+def _steps(opt, params, bad: dict, steps: int, at: int, dtype=torch.float32, one_step=None) -> list[int]:
+    """``steps`` steps with random gradients, ``bad[(step, i)]`` written at flat index ``at`` of param ``i``'s;
+    ``one_step()`` (default ``opt.step``) takes each step. Returns the NaN/Inf warnings of each step (or what
+    ``one_step()`` returns, if an int: the skips it counted)."""
+    gen = torch.Generator().manual_seed(1)
+    caught = []
+    with runtime.cpu_interpreter():
+        for step in range(steps):
+            for i, p in enumerate(params):
+                g = torch.randn(p.shape, generator=gen)
+                if (step, i) in bad:
+                    g.view(-1)[at] = bad[(step, i)]
+                p.grad = g.to(dtype)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                skipped = (one_step or opt.step)()
+            caught.append(skipped if isinstance(skipped, int) else sum("NaN/Inf" in str(x.message) for x in w))
+    return caught
+
+
 def _run(cls, kw, bits, on_device, monkeypatch, dtype=torch.float32, checks=None):
     """Four steps of ``cls`` with the gradients of ``BAD`` non-finite: (params, optimizer, warnings per step).
     ``checks``: a list that gets one entry per device-side check made."""
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
     if checks is not None:
-        from lowmemopt.pipeline import finite
-
-        real = finite.DeviceFlags.__init__
-        monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: checks.append(1) or real(self, *a))
+        made = _count_device_checks(monkeypatch)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
     opt = cls(params, state_bits=bits, min_quant_numel=0, block_size=16 if bits == 4 else 32, **kw)
-    gen = torch.Generator().manual_seed(1)
-    caught = []
-    with runtime.cpu_interpreter():
-        for step in range(4):
-            for i, p in enumerate(params):
-                g = torch.randn(p.shape, generator=gen)
-                if (step, i) in BAD:
-                    g.view(-1)[3] = BAD[(step, i)]
-                p.grad = g.to(dtype)
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                opt.step()
-            caught.append(sum("NaN/Inf" in str(x.message) for x in w))
+    caught = _steps(opt, params, BAD, 4, 3, dtype)
+    if checks is not None:
+        checks += made
     return params, opt, caught
+
+
+def _assert_same(a, opt_a, b, opt_b) -> None:
+    """Two runs ended alike, bit for bit: every parameter, and its state (keys, tensors, step count)."""
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb), tuple(pa.shape)
+        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+        assert sorted(sa) == sorted(sb)
+        for k in sa:
+            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
 
 
 @pytest.mark.parametrize("bits", [32, 8, 4])
@@ -71,12 +98,7 @@ def test_equals_the_host_check(cls, kw, bits, monkeypatch):
     b, opt_b, warned_b = _run(cls, kw, bits, False, monkeypatch)
     assert warned_a == warned_b == [1, 1, 1, 0]
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 4
-    for pa, pb in zip(a, b):
-        assert torch.equal(pa, pb)
-        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
-        assert sorted(sa) == sorted(sb)
-        for k in sa:
-            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
+    _assert_same(a, opt_a, b, opt_b)
     steps = [opt_a.state[p]["step"] for p in a]
     assert steps == [3, 3, 3, 3]  # 4 steps, one skipped each (param 3's first: no state then, made at step 2)
 
@@ -89,11 +111,7 @@ def test_came_direct_instability_pass_equals_the_host_check(bits, monkeypatch):
     a, opt_a, warned_a = _run(lowmemopt.CAME, dict(lr=1e-3), bits, True, monkeypatch)
     b, opt_b, warned_b = _run(lowmemopt.CAME, dict(lr=1e-3), bits, False, monkeypatch)
     assert warned_a == warned_b == [1, 1, 1, 0]
-    for pa, pb in zip(a, b):
-        assert torch.equal(pa, pb)
-        sa, sb = opt_a.state[pa], opt_b.state[pb]
-        assert sorted(sa) == sorted(sb)
-        assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+    _assert_same(a, opt_a, b, opt_b)
 
 
 def test_a_skipped_first_step_leaves_no_state(monkeypatch):
@@ -152,36 +170,18 @@ def _galore_run(cls, kw, bits, on_device, monkeypatch, per_layer=False):
 
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
     monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
-    checks: list = []
-    real = finite.DeviceFlags.__init__
-    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: checks.append(1) or real(self, *a))
+    checks = _count_device_checks(monkeypatch)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in GALORE_SHAPES]
     opt = cls([{"params": params[:4], "rank": 4, "update_proj_gap": 3}, {"params": params[4:]}], state_bits=bits,
               min_quant_numel=0, block_size=32, **kw)
-    gen = torch.Generator().manual_seed(1)
-    caught = []
-    with runtime.cpu_interpreter():
-        for step in range(6):
-            for i, p in enumerate(params):
-                g = torch.randn(p.shape, generator=gen)
-                if (step, i) in GALORE_BAD:
-                    g.view(-1)[5] = GALORE_BAD[(step, i)]
-                p.grad = g
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                if per_layer:
-                    pending: list = []
-                    skipped = 0
-                    for group in opt.param_groups:
-                        for p in group["params"]:
-                            skipped += not step_one(opt, p, group, pending)
-                    skipped += finite.resolve(pending)
-                    caught.append(skipped)
-                else:
-                    opt.step()
-            if not per_layer:
-                caught.append(sum("NaN/Inf" in str(x.message) for x in w))
+
+    def hooks() -> int:  # every parameter alone, then the end of the backward pass's read
+        pending: list = []
+        skipped = sum(not step_one(opt, p, group, pending) for group in opt.param_groups for p in group["params"])
+        return skipped + finite.resolve(pending)
+
+    caught = _steps(opt, params, GALORE_BAD, 6, 5, one_step=hooks if per_layer else None)
     return params, opt, caught, len(checks)
 
 
@@ -196,12 +196,7 @@ def test_galore_equals_the_host_check(cls, kw, bits, monkeypatch):
     # delays a parameter's refresh by one)
     assert checks_a == 3 and checks_b == 0
     assert warned_a == warned_b == [0, 1, 1, 1, 1, 1]
-    for pa, pb in zip(a, b):
-        assert torch.equal(pa, pb), tuple(pa.shape)
-        sa, sb = opt_a.state[pa], opt_b.state[pb]
-        assert sorted(sa) == sorted(sb)
-        for k in sa:
-            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
+    _assert_same(a, opt_a, b, opt_b)
     assert [opt_a.state[p]["step"] for p in a] == [5] * 5  # each skipped once
 
 
@@ -222,11 +217,7 @@ def test_galore_per_layer_updates_check_on_the_device(monkeypatch):
 
 def test_galore_on_the_cpu_keeps_the_host_check(monkeypatch):
     # the CPU's GaLore products are per matrix (galore-torch's, bit for bit) and its apply is not the flagged pass
-    from lowmemopt.pipeline import finite
-
-    made = []
-    real = finite.DeviceFlags.__init__
-    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    made = _count_device_checks(monkeypatch)
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
     w, b = torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12))
     opt = lowmemopt.AdamW([{"params": [w], "rank": 4}, {"params": [b]}], lr=1e-2)
@@ -280,11 +271,7 @@ def test_per_layer_updates_check_on_the_device_and_read_once_per_backward(bits, 
     assert not host_checks and [n for n in reads if n] == [4, 4, 4]  # 4 parameters, one read per backward
     b, opt_b, _, _ = run(False)
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
-        sa, sb = opt_a.state[pa], opt_b.state[pb]
-        assert sorted(sa) == sorted(sb) and sa["step"] == sb["step"]
-        assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+    _assert_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
     assert opt_a.state[a[2].weight]["step"] == 2
 
 
@@ -297,11 +284,7 @@ def test_per_layer_buckets_check_on_the_device(bits, monkeypatch):
     for on_device, bucket in ((False, 1 << 20), (True, 0)):
         b, opt_b, _, _ = _per_layer_run(monkeypatch, on_device, bits, bucket_bytes=bucket)
         assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
-        for pa, pb in zip(a.parameters(), b.parameters()):
-            assert torch.equal(pa, pb)
-            sa, sb = opt_a.state[pa], opt_b.state[pb]
-            assert sorted(sa) == sorted(sb) and sa["step"] == sb["step"]
-            assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+        _assert_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
@@ -309,11 +292,7 @@ def test_paged_state_resident_within_the_budget_checks_on_the_device(tier, tmp_p
     """Paged state that the budget keeps resident moves nowhere, so its step is the unpaged one: the finiteness check
     stays on the device (no synchronization before the launches), with the host check's results bit for bit. A budget
     below the state moves it, and the host decides first. (Issue 15: budget >= state at unpaged speed.)"""
-    from lowmemopt.pipeline import finite
-
-    made = []
-    real = finite.DeviceFlags.__init__
-    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    made = _count_device_checks(monkeypatch)
     paging = dict(paged=tier, offload_dir=str(tmp_path)) if tier == "disk" else dict(paged=True)
     runs = {}
     for name, budget in (("resident", 1 << 30), ("moving", 0), ("unpaged", None)):
