@@ -204,10 +204,12 @@ def test_no_room_for_a_reshaped_tensor_keeps_the_updated_state_resident(tmp_path
     _assert_same(opt, paged, ref, plain)
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, 4096], ids=["alone", "bucketed"])
 @pytest.mark.parametrize("tier", TIERS)
-def test_galore_groups_and_per_layer_steps_are_paged_and_bit_identical(tier, tmp_path):
+def test_galore_groups_and_per_layer_steps_are_paged_and_bit_identical(tier, bucket_bytes, tmp_path):
     """GaLore (low-rank slots + projector, made ahead on a meta twin) under step_in_backward (one parameter at a time
-    from backward hooks): paged like any state, and the same results as unpaged."""
+    from backward hooks, or in buckets of 4 KiB of gradients: three parameters, then the last one): paged like any
+    state, and the same results as unpaged."""
     def build(seed=0):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
@@ -216,7 +218,7 @@ def test_galore_groups_and_per_layer_steps_are_paged_and_bit_identical(tier, tmp
     def train(model, **paging_kw):
         groups = lowmemopt.galore_param_groups(model, target_modules="all-linear", rank=4, update_proj_gap=2)
         opt = lowmemopt.AdamW(groups, lr=1e-2, state_bits=8, min_quant_numel=64, **paging_kw)
-        lowmemopt.step_in_backward(model, opt)
+        lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket_bytes)
         gen = torch.Generator().manual_seed(1)
         for _ in range(5):
             x = torch.randn(8, 24, generator=gen)
