@@ -431,6 +431,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return None
         state = self.state
         galore = None
+        memo: dict = {}  # (device_checkable's answers per device and dtype)
         for p, group in work:
             if is_dtensor(p):
                 return None
@@ -438,7 +439,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             if group.get("rank") is not None:
                 if galore is None:
                     from .projection import step as galore
-                if st is None or not galore.device_checkable(self, p, group, st):
+                if st is None or not galore.device_checkable(self, p, group, st, memo):
                     return None
             elif st is not None and "galore.side" in st:  # (a group that lost its rank: the step reports it)
                 return None

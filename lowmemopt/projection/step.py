@@ -464,15 +464,24 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
         local.copy_(target)
 
 
-def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any],
-                     state: dict[str, Any]) -> bool:
+def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
+                     memo: dict[Any, bool] | None = None) -> bool:
     """May this step of projected parameter ``p`` leave its non-finite check to the device
     (:mod:`lowmemopt.pipeline.finite`)? Where every stage that writes is masked by the flags: no basis refresh due
     (it would take the SVD of the gradient), the update on a stand-in through the kernels, and the apply through the
-    batched fused pass (:func:`finish_many`). Elsewhere the host decides first."""
-    return (fused(optimizer) and "step" in state and state[pj.REFRESHED_AT] >= 0
-            and state["step"] < state[pj.NEXT_REFRESH] and state[pj.SIDE] != pj.BOTH and _batches(p)
-            and p.is_contiguous() and rounding.mode_of(group, p) == "nearest" and _fused_apply(p.device, p.dtype))
+    batched fused pass (:func:`finish_many`). Elsewhere the host decides first. ``memo``: the answers that depend on
+    the optimizer, device and dtype only, kept by the caller for the parameters of one step."""
+    if not ("step" in state and state[pj.REFRESHED_AT] >= 0 and state["step"] < state[pj.NEXT_REFRESH]
+            and state[pj.SIDE] != pj.BOTH and _batches(p) and p.is_contiguous()
+            and rounding.mode_of(group, p) == "nearest"):
+        return False
+    key = (p.device, p.dtype)
+    ok = None if memo is None else memo.get(key)
+    if ok is None:
+        ok = fused(optimizer) and _fused_apply(p.device, p.dtype)
+        if memo is not None:
+            memo[key] = ok
+    return ok
 
 
 def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tensor | None = None) -> None:
