@@ -172,6 +172,14 @@ def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
+def _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask):
+    """:func:`factored_precondition` on a 2-D tile of :func:`_matrix_tile`: ``rfac[row] cfac[col] g``, each factor
+    loaded once per tile row or column (the tensor's scratch at ``roff`` / ``coff``)."""
+    return (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
+            * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g
+
+
+@triton.jit
 def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums,
                   eps, beta1, one_minus_beta1, clip_threshold,
                   W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
@@ -184,8 +192,7 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
     coff = tl.load(row + _COFF)
     g = load_grad(row, offs, mask, G_DTYPE, False, True)
     if RESIDUAL:
-        u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
-             * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g  # as factored_precondition
+        u = _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask)
         u = tl.math.div_rn(u, clip_denominator(sums, t, tl.load(row + 2), clip_threshold))
         m = load_slot_at(row, _M, offs, mask, book_s, True, QBLOCK, FMT)
         d = u - tl.fma(u, one_minus_beta1, m * beta1)
@@ -210,9 +217,7 @@ def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
     g = load_grad(row, offs, mask, G_DTYPE, False, True)
-    u = (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
-         * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g  # as factored_precondition
-    u = tl.where(mask, u, 0.0).to(tl.float64)
+    u = tl.where(mask, _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask), 0.0).to(tl.float64)
     m = load_slot_at(row, _M, offs, mask, book_s, True, QBLOCK, FMT).to(tl.float64)  # 0 where masked
     uu = u * u
     um = u * m
@@ -266,7 +271,8 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     C = tl.load(row + _C)
     # a tensor with element count 0 (skipped for a non-finite gradient, pipeline.finite) keeps its statistics: the
     # loops that write them run 0 times (the passes before write only scratch, the flat passes mask by the count)
-    live = tl.load(row + 2) > 0
+    numel = tl.load(row + 2)
+    live = numel > 0
     R_live = tl.where(live, R, 0)
     C_live = tl.where(live, C, 0)
     roff = tl.load(row + _ROFF) + b * R
@@ -276,7 +282,7 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     inv_c = 0.0
     beta1_sq = 0.0
     if MOMENTS:
-        inv_c = 1.0 / clip_denominator(sums, t, tl.load(row + 2), clip_threshold).to(tl.float64)
+        inv_c = 1.0 / clip_denominator(sums, t, numel, clip_threshold).to(tl.float64)
         beta1_sq = tl.cast(beta1, tl.float64) * tl.cast(beta1, tl.float64)
     acc = tl.zeros([FB], dtype=tl.float32)
     for r0 in range(0, R_live, FB):

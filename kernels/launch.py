@@ -78,7 +78,7 @@ class Bucket:
     flags: torch.Tensor | None = None
     flag_rows: list[int] = field(default_factory=list)
     #: the flagged tables made so far (:func:`.table.flagged_table`): a bucket's passes share their rows
-    flagged: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    flagged: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -86,11 +86,8 @@ class Bucket:
 
     def slot_tensors(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(data, absmax or None) of slot ``name`` for every parameter."""
-        if self.fmt == "q8":
-            return [(st[name + ".codes"], st[name + ".absmax"]) for st in self.states]
-        if self.fmt == "q4":
-            return [(st[name + ".nibbles"], st[name + ".absmax"]) for st in self.states]
-        return [(st[name], None) for st in self.states]
+        (data, aux), = _slot_keys(self.fmt, (name,))
+        return [(st[data], None if aux is None else st[aux]) for st in self.states]
 
     def rows(self, slots: Sequence[str], extra: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
         """Launch-table rows: param, grad, numel, two columns per slot (:meth:`slot_tensors`), then ``extra[i]``."""

@@ -18,11 +18,11 @@ of a step (new addresses: fresh gradients, GaLore's stand-ins and products) neve
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-__all__ = ["upload", "device_table", "device_tables", "flagged_table", "device_index", "unit_map", "aligned",
+__all__ = ["upload", "device_tables", "device_table", "flagged_table", "device_index", "unit_map", "aligned",
            "ceil_div"]
 
 
@@ -56,7 +56,6 @@ _CACHE_SIZE = 64
 _TABLE_CACHE_SIZE = 2048
 _TABLE_CACHE_BYTES = 64 << 20
 _tables = _Cache(_TABLE_CACHE_SIZE, _TABLE_CACHE_BYTES)
-_pairs = _Cache(_TABLE_CACHE_SIZE, _TABLE_CACHE_BYTES)
 _units = _Cache(_CACHE_SIZE)  # (a unit map has an entry per tile: a few per bucket)
 _indices = _Cache(_CACHE_SIZE)
 
@@ -74,36 +73,34 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W)."""
-    key = (device, tuple(map(tuple, rows)))
-    return _tables.get(key, lambda: upload(torch.tensor(key[1], dtype=torch.int64), device))
-
-
 def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`device_table` of ``rows``, and the same table with every element count (column 2) 0: a launch picks
-    each row from one or the other by the tensors' finiteness flags (one ``torch.where`` on the device)."""
+    """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W), and the same table with
+    every element count (column 2) 0: a launch with finiteness flags picks each row from one or the other (one
+    ``torch.where`` on the device, :func:`flagged_table`). Both in one copy to the device."""
     key = (device, tuple(map(tuple, rows)))
 
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.tensor(key[1], dtype=torch.int64).expand(2, -1, -1).clone()
         both[1, :, 2] = 0
-        both = upload(both, device)  # (one copy to the device)
+        both = upload(both, device)
         return both[0], both[1]
 
-    return _pairs.get(key, make)
+    return _tables.get(key, make)
+
+
+def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (:func:`device_tables`' first)."""
+    return device_tables(rows, device)[0]
 
 
 def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: torch.Tensor,
-                  flag_rows: Sequence[int], memo: dict[int, tuple[Any, torch.Tensor]] | None = None) -> torch.Tensor:
+                  flag_rows: Sequence[int], memo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+                  ) -> torch.Tensor:
     """:func:`device_table` of ``rows`` with the element count (column 2) of row ``i`` multiplied by
     ``flags[flag_rows[i]]`` (uint8 on ``device``, 0 or 1: a gradient's finiteness, :mod:`lowmemopt.pipeline.finite`):
     a kernel then masks off every access of a skipped tensor. One ``torch.where`` on the device (and an
     ``index_select`` unless the rows are the flags in order): no host synchronization. ``memo``: the results of one
-    set of flags so far, so that the passes of one bucket (the same rows) make it once."""
-    hit = None if memo is None else memo.get(id(rows))  # (a multi-pass launcher passes one rows list to each pass)
-    if hit is not None and hit[0] is rows:
-        return hit[1]
+    set of flags so far, by table, so that the passes of one bucket (the same rows) make it once."""
     table, skipped = device_tables(rows, device)
     hit = None if memo is None else memo.get(id(table))
     if hit is not None:
@@ -112,9 +109,8 @@ def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: to
     if n != len(flags) or list(flag_rows) != list(range(n)):  # (a per-layer hook's one tensor: row 0 of 1)
         flags = flags.index_select(0, device_index(flag_rows, device))
     out = torch.where(flags.view(torch.bool).unsqueeze(1), table, skipped)
-    if memo is not None:  # (each key's object kept alive with it, so that its id stays its own)
-        memo[id(table)] = (table, out)
-        memo[id(rows)] = (rows, out)
+    if memo is not None:
+        memo[id(table)] = (table, out)  # (the table kept alive with its id)
     return out
 
 

@@ -457,33 +457,23 @@ class LowMemOptimizer(torch.optim.Optimizer):
         bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
         pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
 
-    def _step_alone(self, p: torch.Tensor, group: dict[str, Any], flags: DeviceFlags | None = None) -> None:
-        """:meth:`_step_some` of one parameter."""
-        self._step_some([(p, group)], flags)
-
     def _step_some(self, work: list[tuple[torch.Tensor, dict[str, Any]]], flags: DeviceFlags | None = None) -> None:
         """Step ``work``'s parameters, whose gradients (``p.grad``) are known to be finite, or whose finiteness
         ``flags`` holds on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state
         fetched and written back; the fused kernels where their device has them, one launch set per bucket): the
         per-layer updates inside ``backward()`` (:func:`lowmemopt.step_in_backward`), one parameter or a bucket of
         them at a time."""
-        todo = [(i, p, group) for i, (p, group) in enumerate(work)]
-        if flags is not None:  # device_flags vouches that nothing moves (resident paged state is unpaged state),
-            # nothing is sharded, and a projected parameter's stages all read the flag: the bucketed kernels' step
-            # without a pager
-            galore = None
-            if any(group.get("rank") is not None for _, group in work):
-                from .projection import step as galore
-            pipeline.run(self, todo, [True] * len(work), [p.grad for p, _ in work], None, None,
-                         kernel_algorithm(self), galore, flags)
-            return
-        pager = paging.pager_of(self) if any(paging.tier_of(group) is not None for _, group in work) else None
-        if pager is not None:
-            pager.begin(work)
-        self._run_pipeline(todo, [True] * len(work), [local_tensor(p.grad) for p, _ in work], None, pager, flags)
+        pager = None
+        if flags is None:  # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
+            pager = self._pager_for(work)
+            if pager is not None:
+                pager.begin(work)
+        self._run_pipeline([(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
+                           [local_tensor(p.grad) for p, _ in work], None, pager, flags)
 
-    def _pager_for(self, group: dict[str, Any]) -> Any:
-        return paging.pager_of(self) if paging.tier_of(group) is not None else None
+    def _pager_for(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> Any:
+        """The optimizer's pager if a param group of ``work`` is paged, else None."""
+        return paging.pager_of(self) if any(paging.tier_of(group) is not None for _, group in work) else None
 
     def _step_in_order(self, todo: list, finite: list[bool | None], grads: list[torch.Tensor],
                        pipe: _CpuFiniteChecks) -> None:

@@ -41,7 +41,6 @@ import warnings
 
 import torch
 
-from . import paging
 from ._stacklevel import external_stacklevel
 from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer, _finite_flags
@@ -51,16 +50,18 @@ __all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_many", 
 
 
 def step_many(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]], pending: list[DeviceFlags]) -> int:
-    """Step ``work``'s parameters together with their gradients (``p.grad``, not sparse), as a per-layer bucket does:
-    one pass through the step pipeline (one launch set per kernel bucket, as ``step()``). The non-finite check as in
-    :func:`step_one`, for all of them at once. Returns how many the host skipped for a non-finite gradient."""
-    if torch.is_grad_enabled():
+    """Step ``work``'s parameters with their gradients (``p.grad``, not sparse) as a per-layer hook (one parameter)
+    or bucket does: one pass through the step pipeline (paged state fetched and written back; the fused kernels
+    where their device has them, one launch set per kernel bucket, as ``step()``). The non-finite check: decided on
+    the device where the kernels allow it (the flags are appended to ``pending``, for one :func:`resolve` at the end
+    of the backward pass), else on the host now (a DTensor's ranks agree on it). Returns how many the host skipped
+    for a non-finite gradient. ``bench/host_overhead.py --mode per-layer`` measures this."""
+    if torch.is_grad_enabled():  # (a hook inside backward() runs with grad mode off already)
         with torch.no_grad():
             return step_many(optimizer, work, pending)
-    grads = [local_tensor(p.grad) for p, _ in work]
-    pager = paging.pager_of(optimizer) if any(paging.tier_of(group) is not None for _, group in work) else None
-    flags = optimizer.device_flags(work, grads, pager)
-    if flags is not None:
+    grads = [local_tensor(p.grad) for p, _ in work]  # a DTensor (FSDP2): check the local shard, then agree
+    flags = optimizer.device_flags(work, grads, optimizer._pager_for(work))
+    if flags is not None:  # decided by the kernels on the device; read at the end of the backward pass
         optimizer._step_some(work, flags)
         pending.append(flags)
         return 0
@@ -69,6 +70,11 @@ def step_many(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]],
     if todo:
         optimizer._step_some(todo)
     return len(work) - len(todo)
+
+
+def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: list[DeviceFlags]) -> bool:
+    """:func:`step_many` of one parameter, ``p``: False when the host skipped it for a non-finite gradient."""
+    return step_many(optimizer, [(p, group)], pending) == 0
 
 
 class PerLayerSteps:
@@ -115,27 +121,6 @@ class PerLayerSteps:
         skipped = self.skipped + resolve(self.pending)
         self.pending, self.skipped = [], 0
         return skipped
-
-
-def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: list[DeviceFlags]) -> bool:
-    """Step ``p`` with its gradient ``p.grad`` (not sparse) as a per-layer hook does, through the step pipeline (paged
-    state fetched and written back, the fused kernels where its device has them). The non-finite check: decided on
-    the device where the kernels allow it (the flags are appended to ``pending``, for one :func:`resolve` at the end
-    of the backward pass), else on the host now (a DTensor's ranks agree on it). Returns False when the host skipped
-    ``p`` for a non-finite gradient. ``bench/host_overhead.py --mode per-layer`` measures this."""
-    if torch.is_grad_enabled():  # (a hook inside backward() runs with grad mode off already)
-        with torch.no_grad():
-            return step_one(optimizer, p, group, pending)
-    local = local_tensor(p.grad)  # a DTensor (FSDP2): check the local shard, then agree across its ranks
-    flags = optimizer.device_flags([(p, group)], [local], optimizer._pager_for(group))
-    if flags is not None:  # decided by the kernel on the device; read at the end of the backward pass
-        optimizer._step_alone(p, group, flags)
-        pending.append(flags)
-    elif agree_finite(_finite_flags([local]), [p], [p.grad])[0]:
-        optimizer._step_alone(p, group)
-    else:
-        return False
-    return True
 
 
 class BackwardStepper:

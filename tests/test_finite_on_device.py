@@ -320,7 +320,8 @@ def test_per_layer_updates_of_resident_paged_state_check_on_the_device(monkeypat
 
     a, opt_a, reads, host_checks = run(paged=True, page_budget_bytes=1 << 30)
     assert len(host_checks) == 4 and [n for n in reads if n] == [4, 4]  # backward 1 on the host, then the device
-    assert all(opt_a._pager_for(g).where_state_lives(p) == "device" for g in opt_a.param_groups for p in g["params"])
+    assert all(opt_a._pager_for([(p, g)]).where_state_lives(p) == "device" for g in opt_a.param_groups
+               for p in g["params"])
     b, opt_b, _, _ = run()
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
     for pa, pb in zip(a.parameters(), b.parameters()):

@@ -472,8 +472,7 @@ def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[st
     batched fused pass (:func:`finish_many`). Elsewhere the host decides first. ``memo``: the answers that depend on
     the optimizer, device and dtype only, kept by the caller for the parameters of one step."""
     if not ("step" in state and state[pj.REFRESHED_AT] >= 0 and state["step"] < state[pj.NEXT_REFRESH]
-            and state[pj.SIDE] != pj.BOTH and _batches(p) and p.is_contiguous()
-            and rounding.mode_of(group, p) == "nearest"):
+            and _finished_in_batches(p, state, group)):
         return False
     key = (p.device, p.dtype)
     ok = None if memo is None else memo.get(key)
@@ -482,6 +481,12 @@ def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[st
         if memo is not None:
             memo[key] = ok
     return ok
+
+
+def _finished_in_batches(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> bool:
+    """Does :func:`finish_many` take unsharded matrix ``p`` in a batch of its shape class (CUDA, contiguous, one
+    side projected, rounded to nearest), rather than alone?"""
+    return _batches(p) and p.is_contiguous() and state[pj.SIDE] != pj.BOTH and rounding.mode_of(group, p) == "nearest"
 
 
 def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tensor | None = None) -> None:
@@ -497,8 +502,7 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tens
     batches: dict[tuple, list[Item]] = {}
     for it in items:
         p = it.param
-        if (it.extra["shards"] is None and _batches(p) and p.is_contiguous() and it.state[pj.SIDE] != pj.BOTH
-                and rounding.mode_of(it.extra["outer"], p) == "nearest"):  # stochastic / Kahan: one by one
+        if it.extra["shards"] is None and _finished_in_batches(p, it.state, it.extra["outer"]):
             key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
                    id(it.extra["outer"]), it.extra["dtype"])
             batches.setdefault(key, []).append(it)
@@ -531,10 +535,8 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tens
             if fused_apply:  # one pass: read U and p, write p
                 from ..kernels.unproject import apply_updates
 
-                if flagged:
-                    apply_updates(params, update, scale, decay, c, flags, [it.flag for it in chunk])
-                else:
-                    apply_updates(params, update, scale, decay, c)
+                apply_updates(params, update, scale, decay, c, flags if flagged else None,
+                              [it.flag for it in chunk] if flagged else ())
                 continue
             if flagged:  # (device_checkable sends only what the fused pass takes)
                 raise RuntimeError("GaLore: a parameter checked on the device reached an apply that ignores its flag")
