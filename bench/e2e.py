@@ -284,8 +284,8 @@ def _fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
 
-def _table_header(rows: list[dict[str, Any]], steps: int) -> list[str]:
-    kind = "peak device memory" if any(r.get("peak_kind") == "device" for r in rows) else "peak RSS"
+def _table_header(device_memory: bool, steps: int) -> list[str]:
+    kind = "peak device memory" if device_memory else "peak RSS"
     return [f"| optimizer | lr | {kind} (GiB) | vs torch | full step (ms) | vs torch | `opt.step()` (ms) | vs torch "
             f"| loss after {steps} steps | notes |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -314,7 +314,8 @@ def _baseline(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def markdown_table(rows: list[dict[str, Any]], steps: int) -> str:
     """One markdown table; ratios to the baseline row (when it ran)."""
     base = _baseline(rows)
-    return "\n".join(_table_header(rows, steps) + [_table_row(r, base) for r in rows])
+    device_memory = any(r.get("peak_kind") == "device" for r in rows)
+    return "\n".join(_table_header(device_memory, steps) + [_table_row(r, base) for r in rows])
 
 
 def add_model_args(ap: argparse.ArgumentParser, batch: int = 4, seq: int = 1024) -> None:
@@ -376,8 +377,7 @@ def main(argv=None) -> int:
     info = dict(torch=torch.__version__, device=args.device,
                 gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
     steps = args.steps + args.warmup
-    kind = [dict(peak_kind="device")] if args.device.startswith("cuda") else []
-    print("\n".join(_table_header(kind, steps)), flush=True)
+    print("\n".join(_table_header(args.device.startswith("cuda"), steps)), flush=True)
     rows = []
     for name in names:
         t0 = time.perf_counter()

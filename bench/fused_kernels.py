@@ -239,17 +239,16 @@ def run_optimizers(names: list[str], sizes: list[int], dtypes: list[str], device
                                     pct_copy_bandwidth=100 * ideal * n / t / bw, note=note))
                 print(_row(name, t, state, n, ideal, bw, note), flush=True)
             print()
-            _targets(rows, n, ideal_bytes("adamw-8", dtype), bw, dtype)
+            _targets(rows, n, bw, dtype)
     return results
 
 
-def _targets(rows: dict[str, float], n: int, ideal: int, bw: float, dtype: torch.dtype) -> None:
+def _targets(rows: dict[str, float], n: int, bw: float, dtype: torch.dtype) -> None:
     """Issue 17's kernel targets, from this table's rows (those that ran)."""
     ours, bnb = rows.get("lowmemopt-adamw-8bit"), rows.get("bnb-adamw8bit")
-    for name, key in (("lowmemopt-adamw-8bit", "adamw-8"), ("lowmemopt-lion-8bit", "lion-8"),
-                      ("lowmemopt-sgd-8bit", "sgd-8"), ("lowmemopt-lars-8bit", "lars-8")):
+    for name in ("lowmemopt-adamw-8bit", "lowmemopt-lion-8bit", "lowmemopt-sgd-8bit", "lowmemopt-lars-8bit"):
         if rows.get(name) is not None:
-            pct = 100 * ideal_bytes(key, dtype) * n / rows[name] / bw
+            pct = 100 * ideal_bytes(OPTIMIZERS[name][1], dtype) * n / rows[name] / bw
             print(f"- target {name} >= 70% of copy bandwidth: {pct:.0f}% -> {'PASS' if pct >= 70 else 'FAIL'}")
     if ours is not None and bnb is not None:
         print(f"- target 8-bit AdamW <= 1.0x bitsandbytes: {ours / bnb:.2f}x -> {'PASS' if ours <= bnb else 'FAIL'}")

@@ -28,6 +28,7 @@ per-layer updates their ratio to ``opt.step()`` (``both``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
             galore_step.BATCH_ON_CPU = True
     modes = ("step", "per-layer") if args.mode == "both" else (args.mode,)
-    matrices = sum(len(s) == 2 for s in shapes) - 2  # (not the embedding and the head)
+    matrices = sum(len(s) == 2 for s in shapes[1:-1])  # (param_groups' selection: not the embedding and the head)
     galore = "" if args.galore is None else f", GaLore rank {args.galore} on {matrices} matrices"
     if args.bucket_bytes and "per-layer" in modes:
         galore += f", per-layer buckets of {args.bucket_bytes} bytes"
@@ -201,13 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         anchor = name in ANCHORS
         if anchor and "step" not in modes:
             continue
-        wanted = ("step",) if anchor else modes  # per-layer updates are lowmemopt's (step_in_backward)
-        if args.device == "cpu":
-            with runtime.cpu_interpreter():
-                ms = host_ms(make, shapes, "cpu", dtype, args.steps, args.repeat, wanted, args.galore,
-                             args.bucket_bytes)
-        else:
-            ms = host_ms(make, shapes, "cuda", dtype, args.steps, args.repeat, wanted, args.galore, args.bucket_bytes)
+        row_modes = ("step",) if anchor else modes  # per-layer updates are lowmemopt's (step_in_backward)
+        with runtime.cpu_interpreter() if args.device == "cpu" else contextlib.nullcontext():
+            ms = host_ms(make, shapes, args.device, dtype, args.steps, args.repeat, row_modes, args.galore,
+                         args.bucket_bytes)
         for mode, value in ms.items():
             ratio = f"{value / ms['step']:.2f}" if mode != "step" and "step" in ms else ""
             lines.append(f"| {name} | {'step()' if mode == 'step' else mode} | {value:.2f} | "

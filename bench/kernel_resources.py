@@ -287,12 +287,14 @@ def _last_loc(lines: list[str]) -> tuple[int, int] | None:
     return None
 
 
-def full_tile_path(ptx: str, branch: tuple[str, int, range, range] | None) -> tuple[str, list[str]]:
+def full_tile_path(ptx: str, branch: tuple[str, int, range, range] | None,
+                   body: list[str] | None = None) -> tuple[str, list[str]]:
     """("full", the PTX lines a full tile executes) for a tile kernel whose ``if full:`` is ``branch``
     (:func:`full_branch_lines`): every block except those only the branch's masked side reaches (the side whose
     ``.loc`` lines point into the ``else:`` body); ("all", every line) without that branch, or if it cannot be found
-    in the PTX."""
-    body = entry_body(ptx)
+    in the PTX. ``body``: :func:`entry_body` of ``ptx``, when the caller has it."""
+    if body is None:
+        body = entry_body(ptx)
     files = {path: int(i) for i, path in _FILE.findall(ptx)}
     file_id = next((i for path, i in files.items() if branch and os.path.realpath(path) == branch[0]), None)
     if branch is None or file_id is None:
@@ -402,12 +404,6 @@ def compile_logged(variant: Any) -> tuple[Any, str]:
     return compiled, log
 
 
-def tile_elements(tile: str) -> int | None:
-    """Elements of a ``"RxC"`` tile; None for other tiles."""
-    dims = tile.split("x")
-    return int(dims[0]) * int(dims[1]) if len(dims) == 2 else None
-
-
 def measure(variant: Any, cuobjdump: str | None) -> dict[str, Any]:
     """Everything the report shows about one variant (see the module docstring); ``ok`` False and ``error`` if it
     does not compile."""
@@ -425,12 +421,13 @@ def measure(variant: Any, cuobjdump: str | None) -> dict[str, Any]:
         rec["registers"] = cubin.get("reg")
     rec.update(shared_dynamic=compiled.metadata.shared, shared_static=cubin.get("shared"), local=cubin.get("local"))
     ptx = compiled.asm["ptx"]
-    rec["path"], lines = full_tile_path(ptx, full_branch_lines(variant.kernel))
+    body = entry_body(ptx)
+    rec["path"], lines = full_tile_path(ptx, full_branch_lines(variant.kernel), body)
     rec.update(memory_counts(lines))
-    rec["whole_kernel"] = memory_counts(entry_body(ptx))
+    rec["whole_kernel"] = memory_counts(body)
     threads = variant.num_warps * 32
     rec["load_bytes_per_program"] = rec["load_bytes"] * threads
-    elements = tile_elements(rec["tile"])
+    elements = variant.elements()
     rec["load_bytes_per_element"] = rec["load_bytes_per_program"] / elements if elements else None
     if rec["registers"] is not None:
         occ = occupancy(rec["registers"], rec["shared_dynamic"] + (rec["shared_static"] or 0), variant.num_warps)
@@ -445,7 +442,8 @@ def worker(index: int, count: int, sweep: bool) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print(json.dumps(dict(fatal="TRITON_INTERPRET=1: the kernels would be interpreted, not compiled")), flush=True)
         return 2
-    if ptxas_path() is None:
+    ptxas = ptxas_path()
+    if ptxas is None:
         print(json.dumps(dict(fatal="Triton's NVIDIA backend (ptxas) is not available")), flush=True)
         return 2
     import triton
@@ -453,7 +451,7 @@ def worker(index: int, count: int, sweep: bool) -> int:
     from lowmemopt.kernels import variants
 
     cuobjdump = cuobjdump_path()
-    print(json.dumps(dict(info=dict(triton=triton.__version__, ptxas=ptxas_path(), cuobjdump=cuobjdump,
+    print(json.dumps(dict(info=dict(triton=triton.__version__, ptxas=ptxas, cuobjdump=cuobjdump,
                                     target=f"sm_{variants.SM90.arch}"))), flush=True)
     for i, variant in enumerate(all_variants(sweep)):
         if i % count == index:

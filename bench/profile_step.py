@@ -114,25 +114,33 @@ def summarize(events: Iterable[Any], steps: int) -> dict[str, Any]:
     )
 
 
+def _warmed_up(name: str, args, warmup: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.device]:
+    """Row ``name``'s model and optimizer with gradients made once (real ones, kept: every later step sees the same),
+    stepped ``warmup`` times (state made, kernels compiled), the device synchronized. Raises ImportError when the
+    row's library is missing."""
+    device = torch.device(args.device)
+    lr, factory = e2e.ROWS[name]
+    model = e2e.build_model(args, device)
+    opt = factory(model, lr, args)
+    x = e2e.make_batches(args, 1)[0].to(device)
+    model(input_ids=x, labels=x).loss.backward()
+    for _ in range(warmup):
+        opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return model, opt, device
+
+
 def profile_row(name: str, args) -> dict[str, Any]:
     """Build the model and optimizer of row ``name``, make gradients once, step ``warmup`` times, then profile
     ``steps`` steps: the summary of :func:`summarize`, plus wall and thread CPU time per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device(args.device)
-    lr, factory = e2e.ROWS[name]
-    model = e2e.build_model(args, device)
     try:
-        opt = factory(model, lr, args)
+        model, opt, device = _warmed_up(name, args, args.warmup)
     except ImportError as exc:
         return dict(name=name, error=f"not installed ({exc.name or exc})")
-    x = e2e.make_batches(args, 1)[0].to(device)
-    model(input_ids=x, labels=x).loss.backward()  # real gradients, kept: every step below sees the same ones
     cuda = device.type == "cuda"
-    for _ in range(args.warmup):
-        opt.step()
-    if cuda:
-        torch.cuda.synchronize(device)
     walls, cpus = [], []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -153,7 +161,7 @@ def profile_row(name: str, args) -> dict[str, Any]:
                 cpus.append(time.thread_time() - c0)
     out = summarize(prof.events(), args.steps)
     out.update(name=name, step_ms=statistics.median(walls) * 1e3, cpu_ms=statistics.median(cpus) * 1e3,
-               n_params=sum(p.numel() for p in model.parameters()), tensors=len(list(model.parameters())))
+               n_params=sum(p.numel() for p in model.parameters()))
     return out
 
 
@@ -216,15 +224,7 @@ def ncu_table(rows: list[dict[str, Any]]) -> str:
 
 def _ncu_worker(name: str, args) -> None:
     """Under ncu: the row's warm-up steps, then one step inside :data:`NVTX_RANGE` (the only one ncu profiles)."""
-    device = torch.device(args.device)
-    lr, factory = e2e.ROWS[name]
-    model = e2e.build_model(args, device)
-    opt = factory(model, lr, args)
-    x = e2e.make_batches(args, 1)[0].to(device)
-    model(input_ids=x, labels=x).loss.backward()
-    for _ in range(max(1, args.warmup)):
-        opt.step()
-    torch.cuda.synchronize(device)
+    _, opt, device = _warmed_up(name, args, max(1, args.warmup))
     with torch.cuda.nvtx.range(NVTX_RANGE):
         opt.step()
     torch.cuda.synchronize(device)
@@ -235,7 +235,10 @@ def run_ncu(name: str, argv: list[str], args) -> str:
         return "ncu is not on the PATH: no Nsight Compute table"
     report = os.path.join(args.ncu_dir, f"{name}.csv")
     cmd = ncu_command(name, argv, report, args.ncu_kernels, args.ncu_launches)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"ncu timed out after {args.timeout:.0f} s: no Nsight Compute table for {name}"
     text = open(report).read() if os.path.exists(report) else proc.stdout
     rows = parse_ncu_csv(text)
     if not rows:
@@ -291,13 +294,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before profiling (state, compiles)")
     ap.add_argument("--top", type=int, default=12, help="rows of the kernel and operator tables")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per row")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per row's ncu run")
     ap.add_argument("--ncu", action="store_true", help="also profile lowmemopt's kernels with Nsight Compute")
     ap.add_argument("--ncu-kernels", default=LOWMEMOPT_KERNELS, help="ncu --kernel-name filter")
     ap.add_argument("--ncu-launches", type=int, default=20, help="kernel launches ncu profiles per row")
     ap.add_argument("--ncu-dir", default=".", help="where ncu's CSV files go")
     ap.add_argument("--markdown", default=None, help="also write the report here")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ncu-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     unknown = [n for n in args.optimizers.split(",") if n and n not in e2e.ROWS]
@@ -315,7 +317,7 @@ def _strip_driver_args(argv: list[str]) -> list[str]:
             continue
         if a in ("--ncu",):
             continue
-        if a in ("--markdown", "--optimizers", "--worker", "--ncu-worker"):
+        if a in ("--markdown", "--optimizers", "--ncu-worker"):
             skip = True
             continue
         if a.split("=")[0] in ("--markdown", "--optimizers"):

@@ -60,6 +60,15 @@ class Variant:
             return f"{c['TR']}x{c['BC']}"
         return str(c.get("FB", "-"))
 
+    def elements(self) -> int | None:
+        """Elements of the program's 2-D tile (flat ``ROWS x BLOCK`` or ``TR x BC``); None for vector programs."""
+        c = self.constexprs
+        if "ROWS" in c:
+            return c["ROWS"] * c["BLOCK"]
+        if "TR" in c:
+            return c["TR"] * c["BC"]
+        return None
+
 
 def signature(kernel: Any, constexprs: dict[str, Any]) -> dict[str, str]:
     """Triton's argument types of ``kernel``: ``constexpr`` for compile-time arguments, pointer types by name, fp32
