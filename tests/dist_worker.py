@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import itertools
 import json
 import os
 import socket
@@ -802,12 +803,9 @@ def step_in_backward_fsdp2(ctx):
 
     # bucket_bytes: completed gradients held and stepped together; the buckets are cut by whole-gradient sizes, so
     # every rank cuts them at the same parameters (their finiteness checks are collectives)
-    for cls, kw, galore, bucket in [(lowmemopt.AdamW, dict(lr=1e-2), False, 0),
-                                    (lowmemopt.Adafactor, dict(beta1=0.9), False, 0),
-                                    (lowmemopt.AdamW, dict(lr=1e-2), True, 0),
-                                    (lowmemopt.AdamW, dict(lr=1e-2), False, 600),
-                                    (lowmemopt.Adafactor, dict(beta1=0.9), False, 600),
-                                    (lowmemopt.AdamW, dict(lr=1e-2), True, 600)]:
+    configs = [(lowmemopt.AdamW, dict(lr=1e-2), False), (lowmemopt.Adafactor, dict(beta1=0.9), False),
+               (lowmemopt.AdamW, dict(lr=1e-2), True)]
+    for bucket, (cls, kw, galore) in itertools.product((0, 600), configs):
         ref = mlp()
         lowmemopt.step_in_backward(ref, cls(groups(ref) if galore else ref.parameters(), **kw))
         model = mlp().to(ctx.device)

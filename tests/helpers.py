@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Callable, Sequence
 
 import torch
@@ -97,3 +101,36 @@ def assert_params_close(ours, ref, lr: float, lowbit: bool, what: str) -> None:
             torch.testing.assert_close(o.float(), r.float(), rtol=2 ** -7, atol=0.05 * lr, msg=f"{what} param {i}")
         else:
             torch.testing.assert_close(o, r, rtol=1e-5, atol=(0.05 if lowbit else 1e-4) * lr, msg=f"{what} param {i}")
+
+
+def count_device_checks(monkeypatch) -> list:
+    """A list that gets one entry per device-side non-finite check (a ``lowmemopt.pipeline.finite.DeviceFlags``) made
+    from now on."""
+    from lowmemopt.pipeline import finite
+
+    made: list = []
+    real = finite.DeviceFlags.__init__
+    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    return made
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module, loaded once (registered in ``sys.modules`` as ``bench_<name>`` before it runs:
+    its dataclasses look their module up), with ``bench/`` on the path while it imports (``common``)."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        sys.modules[key] = module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(BENCH))
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[key]
+            raise
+        finally:
+            if str(BENCH) in sys.path:  # (a script may take its own folder off the path)
+                sys.path.remove(str(BENCH))
+    return sys.modules[key]

@@ -4,14 +4,13 @@ the CPU reference path (``--sweep`` too), and that the tile shapes it sweeps giv
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_params, set_grads
+from helpers import load_bench, make_params, set_grads
 
 import lowmemopt
 from lowmemopt.kernels import dispatch, runtime
@@ -21,10 +20,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "fused_kernels.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("fused_kernels_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("fused_kernels")
 
 
 def test_ideal_bytes_per_dtype(bench):

@@ -3,7 +3,6 @@ profiler's events, and its parser of Nsight Compute's CSV."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,21 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import load_bench
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "profile_step.py"
 SMALL = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads",
          "2", "--vocab", "256", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1", "--top", "4"]
-
-
-def _module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("profile_step_bench", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return module
 
 
 def test_cpu_run_prints_the_summary_and_operator_tables(tmp_path):
@@ -48,7 +37,7 @@ def test_cpu_run_prints_the_summary_and_operator_tables(tmp_path):
 
 
 def test_summarize_counts_kernels_copies_syncs_and_operators():
-    m = _module()
+    m = load_bench("profile_step")
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
     def ev(name, device=cpu, us=0.0):
@@ -75,7 +64,7 @@ NCU_CSV = '''==PROF== Connected to process 123 (/usr/bin/python3)
 
 
 def test_parse_ncu_csv_and_table():
-    m = _module()
+    m = load_bench("profile_step")
     rows = m.parse_ncu_csv(NCU_CSV)
     assert [r["kernel"] for r in rows] == ["_adam_kernel", "_adam_kernel", "_apply_kernel"]
     assert rows[0]["duration"] == 15812 and rows[0]["dram %"] == 71.3 and rows[0]["registers"] == 40
@@ -86,7 +75,7 @@ def test_parse_ncu_csv_and_table():
 
 
 def test_ncu_command_profiles_one_step_of_the_row():
-    m = _module()
+    m = load_bench("profile_step")
     cmd = m.ncu_command("lowmemopt-came-8bit", ["--layers", "2"], "out.csv", m.LOWMEMOPT_KERNELS, 7)
     assert cmd[:3] == ["ncu", "--clock-control", "none"]
     assert cmd[cmd.index("--nvtx-include") + 1] == m.NVTX_RANGE + "/"

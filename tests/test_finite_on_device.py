@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import count_device_checks
 
 import lowmemopt
 from lowmemopt import optimizer as optimizer_module
@@ -32,17 +33,7 @@ CASES = [
 BAD = {(0, 3): float("nan"), (1, 0): float("inf"), (2, 1): float("nan"), (2, 2): -float("inf")}
 
 
-def _count_device_checks(monkeypatch) -> list:
-    """A list that gets one entry per device-side check (a ``DeviceFlags``) made from now on."""
-    from lowmemopt.pipeline import finite
-
-    made: list = []
-    real = finite.DeviceFlags.__init__
-    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
-    return made
-
-
-def _steps(opt, params, bad: dict, steps: int, at: int, dtype=torch.float32, one_step=None) -> list[int]:
+def _steps(opt, params, bad: dict, steps: int, at: int, one_step=None) -> list[int]:
     """``steps`` steps with random gradients, ``bad[(step, i)]`` written at flat index ``at`` of param ``i``'s;
     ``one_step()`` (default ``opt.step``) takes each step. Returns the NaN/Inf warnings of each step (or what
     ``one_step()`` returns, if an int: the skips it counted)."""
@@ -54,7 +45,7 @@ def _steps(opt, params, bad: dict, steps: int, at: int, dtype=torch.float32, one
                 g = torch.randn(p.shape, generator=gen)
                 if (step, i) in bad:
                     g.view(-1)[at] = bad[(step, i)]
-                p.grad = g.to(dtype)
+                p.grad = g
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
                 skipped = (one_step or opt.step)()
@@ -62,19 +53,15 @@ def _steps(opt, params, bad: dict, steps: int, at: int, dtype=torch.float32, one
     return caught
 
 
-def _run(cls, kw, bits, on_device, monkeypatch, dtype=torch.float32, checks=None):
-    """Four steps of ``cls`` with the gradients of ``BAD`` non-finite: (params, optimizer, warnings per step).
-    ``checks``: a list that gets one entry per device-side check made."""
+def _run(cls, kw, bits, on_device, monkeypatch):
+    """Four steps of ``cls`` with the gradients of ``BAD`` non-finite: (params, optimizer, warnings per step,
+    device-side checks made)."""
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
-    if checks is not None:
-        made = _count_device_checks(monkeypatch)
+    checks = count_device_checks(monkeypatch)
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = cls(params, state_bits=bits, min_quant_numel=0, block_size=16 if bits == 4 else 32, **kw)
-    caught = _steps(opt, params, BAD, 4, 3, dtype)
-    if checks is not None:
-        checks += made
-    return params, opt, caught
+    return params, opt, _steps(opt, params, BAD, 4, 3), len(checks)
 
 
 def _assert_same(a, opt_a, b, opt_b) -> None:
@@ -91,11 +78,10 @@ def _assert_same(a, opt_a, b, opt_b) -> None:
 @pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
 def test_equals_the_host_check(cls, kw, bits, monkeypatch):
     before = sum(dispatch.stats.values())
-    checks: list = []
-    a, opt_a, warned_a = _run(cls, kw, bits, True, monkeypatch, checks=checks)
+    a, opt_a, warned_a, checks = _run(cls, kw, bits, True, monkeypatch)
     assert sum(dispatch.stats.values()) > before  # the kernels stepped
-    assert len(checks) == 4  # each step checked on the device
-    b, opt_b, warned_b = _run(cls, kw, bits, False, monkeypatch)
+    assert checks == 4  # each step checked on the device
+    b, opt_b, warned_b, _ = _run(cls, kw, bits, False, monkeypatch)
     assert warned_a == warned_b == [1, 1, 1, 0]
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 4
     _assert_same(a, opt_a, b, opt_b)
@@ -108,8 +94,8 @@ def test_came_direct_instability_pass_equals_the_host_check(bits, monkeypatch):
     # where fp64 is slow CAME takes the instability's direct pass over g and m (2-D tiles into scratch), then the same
     # statistics pass: a skipped tensor's statistics stay as they were there too
     monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", False)
-    a, opt_a, warned_a = _run(lowmemopt.CAME, dict(lr=1e-3), bits, True, monkeypatch)
-    b, opt_b, warned_b = _run(lowmemopt.CAME, dict(lr=1e-3), bits, False, monkeypatch)
+    a, opt_a, warned_a, _ = _run(lowmemopt.CAME, dict(lr=1e-3), bits, True, monkeypatch)
+    b, opt_b, warned_b, _ = _run(lowmemopt.CAME, dict(lr=1e-3), bits, False, monkeypatch)
     assert warned_a == warned_b == [1, 1, 1, 0]
     _assert_same(a, opt_a, b, opt_b)
 
@@ -170,7 +156,7 @@ def _galore_run(cls, kw, bits, on_device, monkeypatch, per_layer=False):
 
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
     monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
-    checks = _count_device_checks(monkeypatch)
+    checks = count_device_checks(monkeypatch)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in GALORE_SHAPES]
     opt = cls([{"params": params[:4], "rank": 4, "update_proj_gap": 3}, {"params": params[4:]}], state_bits=bits,
@@ -210,14 +196,12 @@ def test_galore_per_layer_updates_check_on_the_device(monkeypatch):
     # one check per parameter on the device where no refresh is due: step 0 the bias; steps 1, 2, 5 all five; step 3
     # params 0, 3 and the bias (1, 2 refresh); step 4 param 1 and the bias (0, 2, 3 refresh, a skip later)
     assert checks_a == 1 + 5 + 5 + 3 + 2 + 5 and checks_b == 0
-    for pa, pb in zip(a, b):
-        assert torch.equal(pa, pb), tuple(pa.shape)
-        assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"]
+    _assert_same(a, opt_a, b, opt_b)
 
 
 def test_galore_on_the_cpu_keeps_the_host_check(monkeypatch):
     # the CPU's GaLore products are per matrix (galore-torch's, bit for bit) and its apply is not the flagged pass
-    made = _count_device_checks(monkeypatch)
+    made = count_device_checks(monkeypatch)
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
     w, b = torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12))
     opt = lowmemopt.AdamW([{"params": [w], "rank": 4}, {"params": [b]}], lr=1e-2)
@@ -260,31 +244,19 @@ def _per_layer_run(monkeypatch, on_device: bool, bits: int, bucket_bytes: int = 
     return model, opt, reads, host_checks
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20], ids=["alone", "bucketed"])
 @pytest.mark.parametrize("bits", [32, 8])
-def test_per_layer_updates_check_on_the_device_and_read_once_per_backward(bits, monkeypatch):
-    # step_in_backward: each hook launches its parameter's kernel with its flag; the flags of a backward pass are read
-    # in one go at its end (not one synchronization per parameter), and the result is the host check's
-    def run(on_device):
-        return _per_layer_run(monkeypatch, on_device, bits)
-
-    a, opt_a, reads, host_checks = run(True)
-    assert not host_checks and [n for n in reads if n] == [4, 4, 4]  # 4 parameters, one read per backward
-    b, opt_b, _, _ = run(False)
-    assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
-    _assert_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
-    assert opt_a.state[a[2].weight]["step"] == 2
-
-
-@pytest.mark.parametrize("bits", [32, 8])
-def test_per_layer_buckets_check_on_the_device(bits, monkeypatch):
-    # step_in_backward(bucket_bytes=...): one device-side check per bucket (here all four parameters), read at the end
-    # of the backward pass; the result is the host check's and the per-parameter hooks', bit for bit
-    a, opt_a, reads, host_checks = _per_layer_run(monkeypatch, True, bits, bucket_bytes=1 << 20)
-    assert not host_checks and [n for n in reads if n] == [1, 1, 1]  # one bucket's flags per backward
-    for on_device, bucket in ((False, 1 << 20), (True, 0)):
-        b, opt_b, _, _ = _per_layer_run(monkeypatch, on_device, bits, bucket_bytes=bucket)
+def test_per_layer_updates_check_on_the_device_and_read_once_per_backward(bits, bucket_bytes, monkeypatch):
+    # step_in_backward: each hook (or bucket: here all four parameters) launches its kernels with its flags; the flags
+    # of a backward pass are read in one go at its end (not one synchronization per parameter), and the result is the
+    # host check's (and, in buckets, the per-parameter hooks'), bit for bit
+    a, opt_a, reads, host_checks = _per_layer_run(monkeypatch, True, bits, bucket_bytes)
+    assert not host_checks and [n for n in reads if n] == [1 if bucket_bytes else 4] * 3  # one read per backward
+    for on_device, bucket in [(False, bucket_bytes)] + ([(True, 0)] if bucket_bytes else []):
+        b, opt_b, _, _ = _per_layer_run(monkeypatch, on_device, bits, bucket)
         assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
         _assert_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
+    assert opt_a.state[a[2].weight]["step"] == 2
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
@@ -292,16 +264,13 @@ def test_paged_state_resident_within_the_budget_checks_on_the_device(tier, tmp_p
     """Paged state that the budget keeps resident moves nowhere, so its step is the unpaged one: the finiteness check
     stays on the device (no synchronization before the launches), with the host check's results bit for bit. A budget
     below the state moves it, and the host decides first. (Issue 15: budget >= state at unpaged speed.)"""
-    made = _count_device_checks(monkeypatch)
     paging = dict(paged=tier, offload_dir=str(tmp_path)) if tier == "disk" else dict(paged=True)
     runs = {}
     for name, budget in (("resident", 1 << 30), ("moving", 0), ("unpaged", None)):
-        made.clear()
         extra = {} if budget is None else dict(paging, page_budget_bytes=budget)
-        params, opt, warned = _run(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1, **extra), 8, True, monkeypatch)
-        runs[name] = (params, opt, warned, len(made))
+        runs[name] = _run(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1, **extra), 8, True, monkeypatch)
         if budget is not None:
-            opt.close()
+            runs[name][1].close()
     assert runs["resident"][3] == runs["unpaged"][3] == 4 and runs["moving"][3] == 0  # DeviceFlags per step
     for name in ("resident", "moving"):
         params, _, warned, _ = runs[name]
@@ -314,17 +283,11 @@ def test_per_layer_updates_of_resident_paged_state_check_on_the_device(monkeypat
     """step_in_backward with paged state that the budget keeps resident: the first backward places the state (host
     check: residency is decided then), later ones check on the device with one read per backward, and the run equals
     the unpaged one bit for bit (a NaN gradient in the second backward)."""
-
-    def run(**paging):
-        return _per_layer_run(monkeypatch, True, 8, **paging)
-
-    a, opt_a, reads, host_checks = run(paged=True, page_budget_bytes=1 << 30)
+    a, opt_a, reads, host_checks = _per_layer_run(monkeypatch, True, 8, paged=True, page_budget_bytes=1 << 30)
     assert len(host_checks) == 4 and [n for n in reads if n] == [4, 4]  # backward 1 on the host, then the device
     assert all(opt_a._pager_for([(p, g)]).where_state_lives(p) == "device" for g in opt_a.param_groups
                for p in g["params"])
-    b, opt_b, _, _ = run()
+    b, opt_b, _, _ = _per_layer_run(monkeypatch, True, 8)
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
-        assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"]
+    _assert_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
     opt_a.close()

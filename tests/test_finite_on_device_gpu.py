@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import count_device_checks
 
 import lowmemopt
 from lowmemopt import optimizer as optimizer_module
-from lowmemopt.pipeline import finite
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +34,15 @@ CASES = [
 EXACT = {lowmemopt.AdamW, lowmemopt.SGD, lowmemopt.Lion}
 
 
+def _groups(params, galore: bool) -> list[dict]:
+    """The param groups: all in one, or (``galore``) params 0, 1 and 3 in a rank-8 GaLore group (bases made at the
+    first step only)."""
+    if not galore:
+        return [{"params": params}]
+    return [{"params": [params[0], params[1], params[3]], "rank": 8, "update_proj_gap": 100},
+            {"params": [params[2], params[4]]}]
+
+
 def _snapshot(opt, p):
     state = opt.state.get(p, {})
     return p.detach().clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
@@ -43,18 +52,10 @@ def _run(cls, kw, bits, on_device, monkeypatch, galore=False):
     """Six steps on CUDA with the gradients of ``BAD`` non-finite. Checks at each step that a skipped parameter and
     its state are untouched. Returns (params, optimizer, warnings per step, device-side checks made)."""
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
-    checks: list = []
-    real = finite.DeviceFlags.__init__
-    monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: checks.append(1) or real(self, *a))
+    checks = count_device_checks(monkeypatch)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
-    if galore:
-        matrices = [params[0], params[1], params[3]]
-        groups = [{"params": matrices, "rank": 8, "update_proj_gap": 100},
-                  {"params": [params[2], params[4]]}]
-    else:
-        groups = [{"params": params}]
-    opt = cls(groups, state_bits=bits, min_quant_numel=0, **kw)
+    opt = cls(_groups(params, galore), state_bits=bits, min_quant_numel=0, **kw)
     gen = torch.Generator().manual_seed(1)
     caught = []
     for step in range(6):
@@ -88,26 +89,22 @@ def _compare(cls, a, opt_a, b, opt_b):
             torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [32, 8])
-@pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
-def test_skipped_parameters_are_untouched_on_cuda(cls, kw, bits, monkeypatch):
-    a, opt_a, warned_a, checks_a = _run(cls, kw, bits, True, monkeypatch)
-    b, opt_b, warned_b, checks_b = _run(cls, kw, bits, False, monkeypatch)
-    assert checks_a == 6 and checks_b == 0  # every step decided on the device
+#: (cls, kw, bits, galore): every algorithm at 32 and 8 bits; GaLore (AdamW, CAME) at 8
+SKIP_CASES = [(cls, kw, bits, False) for cls, kw in CASES for bits in (32, 8)] + [
+    (CASES[0][0], CASES[0][1], 8, True), (CASES[6][0], CASES[6][1], 8, True)]
+
+
+@pytest.mark.parametrize("cls,kw,bits,galore", SKIP_CASES,
+                         ids=[f"{c.__name__}-{b}{'-galore' if g else ''}" for c, _, b, g in SKIP_CASES])
+def test_skipped_parameters_are_untouched_on_cuda(cls, kw, bits, galore, monkeypatch):
+    # GaLore: the projected matrices' low-rank kernels and the batched apply pass read the flags; the first step (the
+    # bases are made) takes the host check
+    a, opt_a, warned_a, checks_a = _run(cls, kw, bits, True, monkeypatch, galore)
+    b, opt_b, warned_b, checks_b = _run(cls, kw, bits, False, monkeypatch, galore)
+    assert checks_a == (5 if galore else 6) and checks_b == 0  # every step decided on the device (GaLore's first not)
     assert warned_a == warned_b == [0, 1, 1, 0, 1, 1]
     _compare(cls, a, opt_a, b, opt_b)
     assert [opt_a.state[p]["step"] for p in a] == [5, 5, 5, 5, 6]
-
-
-@pytest.mark.parametrize("cls,kw", [CASES[0], CASES[6]], ids=["AdamW", "CAME"])
-def test_galore_skipped_parameters_are_untouched_on_cuda(cls, kw, monkeypatch):
-    # the projected matrices' low-rank kernels and the batched apply pass read the flags; the first step (the bases
-    # are made) takes the host check
-    a, opt_a, warned_a, checks_a = _run(cls, kw, 8, True, monkeypatch, galore=True)
-    b, opt_b, warned_b, checks_b = _run(cls, kw, 8, False, monkeypatch, galore=True)
-    assert checks_a == 5 and checks_b == 0
-    assert warned_a == warned_b == [0, 1, 1, 0, 1, 1]
-    _compare(cls, a, opt_a, b, opt_b)
 
 
 def _synchronizations(fn) -> list[str]:
@@ -131,9 +128,7 @@ def test_a_step_synchronizes_once(cls, kw, galore):
     launch table made for new addresses (each step's gradients are fresh tensors, as after zero_grad())."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
-    groups = ([{"params": [params[0], params[1], params[3]], "rank": 8, "update_proj_gap": 100},
-               {"params": [params[2], params[4]]}] if galore else [{"params": params}])
-    opt = cls(groups, state_bits=8, min_quant_numel=0, **kw)
+    opt = cls(_groups(params, galore), state_bits=8, min_quant_numel=0, **kw)
 
     def fresh_grads():
         for p in params:

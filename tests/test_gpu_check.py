@@ -3,7 +3,6 @@ the check refuses cleanly without CUDA, the report is assembled from fixture out
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,20 +11,13 @@ import sys
 
 import pytest
 import torch
+from helpers import load_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "gpu-check")
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(REPO, "bench", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _load("report")
+report = load_bench("report")
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="2" skipped="1" tests="6" time="12.5">
@@ -206,7 +198,7 @@ def test_e2e_bench_runs_tiny_on_cpu(tmp_path):
 
 
 def test_e2e_missing_library_row():
-    e2e = _load("e2e")
+    e2e = load_bench("e2e")
     rows = [dict(name="torch-adamw-fused", lr=3e-4, peak_bytes=2**30, full_step_s=0.2, opt_step_s=0.01, loss=1.0,
                  first_loss=5.0, peak_kind="device"),
             dict(name="torchao-adamw8bit", error="not installed (torchao)")]

@@ -19,14 +19,12 @@ against the CPU reference; they skip without CUDA.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import inspect
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_params_close, assert_state_close, clone_params, make_params, set_grads
+from helpers import assert_params_close, assert_state_close, clone_params, load_bench, make_params, set_grads
 from optim_info import BY_NAME, OPTIMIZERS, STATEFUL
 
 import lowmemopt
@@ -619,29 +617,17 @@ def test_launch_failure_before_writing_falls_back(monkeypatch):
     assert opt.state[params[0]]["step"] == 1
 
 
-def _nvidia_backend() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        takes_arch = "arch" in inspect.signature(get_ptxas).parameters
-        return bool((get_ptxas(90) if takes_arch else get_ptxas()).path)
-    except Exception:  # noqa: BLE001 - no NVIDIA backend or no ptxas in this Triton install
-        return False
-
-
 RESOURCES_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "kernel_resources.py"
 
 
 def _resources_module():
     """bench/kernel_resources.py as a module (standard library only at import: its parsing and occupancy helpers)."""
-    import sys
+    return load_bench("kernel_resources")
 
-    name = "kernel_resources_bench"
-    if name not in sys.modules:  # registered first: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, RESOURCES_SCRIPT)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+
+def _nvidia_backend() -> bool:
+    """Is there Triton's NVIDIA backend, with its ptxas (the one the compile test compiles with)?"""
+    return _resources_module().ptxas_path() is not None
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton's NVIDIA backend (ptxas) is not available")

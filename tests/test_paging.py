@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run, set_grads
+from helpers import clone_params, load_bench, make_params, run, set_grads
 from optim_info import OPTIMIZERS, SHAPES, STATEFUL
 
 import lowmemopt
@@ -642,8 +642,6 @@ def test_disk_tier_rss_against_unpaged_and_cpu_tier(tmp_path):
 def test_moving_bytes_counts_what_travels_each_step(tmp_path):
     """``paging.moving_bytes``: the bytes of state that leave their homes each step (resident state within the budget
     does not move), and the transfer floor the GPU benchmark derives from it."""
-    import importlib.util
-
     params = make_params([(64, 64), (32, 32)])
     opt = lowmemopt.AdamW(params, state_bits=8, min_quant_numel=16, paged="cpu")
     run(opt, params, 1)
@@ -655,14 +653,7 @@ def test_moving_bytes_counts_what_travels_each_step(tmp_path):
     assert paging.moving_bytes(small) == per[params[0]]
     assert paging.moving_bytes(lowmemopt.AdamW(make_params([(8,)]))) == 0
 
-    bench = os.path.join(os.path.dirname(__file__), os.pardir, "bench")
-    sys.path.insert(0, bench)
-    try:
-        spec = importlib.util.spec_from_file_location("_bench_paging", os.path.join(bench, "paging.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(bench)
+    module = load_bench("paging")
     copies = dict(h2d=20e9, d2h=10e9)
     assert module.transfer_floor(10**9, "cpu", copies, None) == pytest.approx(0.1)  # the slower direction
     files = module.file_bandwidth(str(tmp_path), nbytes=1 << 20)

@@ -6,10 +6,10 @@ on CPU) must give the same bf16 bits, and the same Kahan buffer."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from helpers import load_bench
 
 import lowmemopt
 from lowmemopt import cpu, rounding
@@ -298,13 +298,7 @@ def test_galore_full_weight_is_compensated():
 
 
 def _bench():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "bf16_update.py")
-    spec = importlib.util.spec_from_file_location("bench_bf16_update", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bf16_update")
 
 
 def _check_training(r):
