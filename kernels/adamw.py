@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
+from .divide import div_by, reciprocal
 from .launch import Bucket, Update, scalar
 
 __all__ = ["adam_update", "launch", "slots"]
@@ -36,9 +37,11 @@ def adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay,
     v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch's addcmul: fma(value * t1, t2, self)
     if AMSGRAD:
         vmax = tl.maximum(vmax, v)
-        denom = tl.math.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+        root = tl.sqrt_rn(vmax)
     else:
-        denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        root = tl.sqrt_rn(v)
+    # sqrt(v) is 0 or at least 2^-75: div_by is IEEE's division there, with one reciprocal per program
+    denom = div_by(root, bc2_sqrt, reciprocal(bc2_sqrt)) + eps
     return m, v, vmax, tl.math.div_rn(m * step_size, denom)
 
 

@@ -14,6 +14,8 @@ fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int
 the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's rule that a
 positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use
 the IEEE-rounded forms (``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
+The state maps' ``x / scale`` takes one reciprocal per block and a 3-operation correction per element
+(:mod:`.divide`), the same quotient wherever a code can tell.
 
 A tile is ``[ROWS, BLOCK]``: one quantization block per row, so a block's scale is a row reduction in registers.
 Masked (ragged) elements are zero before the reduction; zeros never change a block's scale (they lie between the
@@ -45,6 +47,7 @@ from lowmemopt.quant.formats import map_for
 from lowmemopt.quant.maps import MAP_NAMES, POW2_BITS, code_book, encode_table, is_signed_map
 
 from . import runtime
+from .divide import quotient_positive, row_quotients
 from .pow2 import pow2_code, pow2_value
 
 __all__ = ["FP32", "BF16", "Q8", "Q4", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise",
@@ -110,19 +113,34 @@ def encode_q8(x, book, lut, SIGNED: tl.constexpr):
     """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (uint8 codes [ROWS, BLOCK], fp32 scale [ROWS]).
     ``lut``: the map's packed bucket table, or None for the state maps (``pow2`` / ``upow2``), which
     :func:`.pow2.pow2_code` encodes by arithmetic on the bits (no gather)."""
-    y, scale = block_scaled(x, book, 255, SIGNED)
     if lut is None:
-        code = pow2_code(y, SIGNED)
+        # one reciprocal per block, not a division per element (.divide): exact wherever a code can tell
+        scale = block_scale(x, book, 255, SIGNED)
+        s = tl.where(scale > 0, scale, 1.0)
+        y = row_quotients(x, s)
+        if SIGNED:
+            code = pow2_code(y, True, None)
+        else:
+            code = pow2_code(y, False, quotient_positive(x, s))
     else:
+        y, scale = block_scaled(x, book, 255, SIGNED)
         code = table_code(y, lut)
     return code.to(tl.uint8), scale
 
 
 @triton.jit
 def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
-    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks: the scale makes
-    both extremes representable in a book whose last code is ``book[LAST]`` (signed: ``max(max x / book[LAST], min x
-    / book[0])``; unsigned: ``max(max x, 0)``); an all-zero row keeps scale 0 and divides by 1."""
+    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks
+    (:func:`block_scale`); an all-zero row keeps scale 0 and divides by 1."""
+    scale = block_scale(x, book, LAST, SIGNED)
+    return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
+
+
+@triton.jit
+def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
+    """The scale [ROWS] of a tile [ROWS, BLOCK] whose rows are quantization blocks: it makes both extremes
+    representable in a book whose last code is ``book[LAST]`` (signed: ``max(max x / book[LAST], min x / book[0])``;
+    unsigned: ``max(max x, 0)``)."""
     if SIGNED:
         if book is None:  # the pow2 map (8-bit state, arithmetic codes)
             first = pow2_value(tl.full([], 0, tl.int32), True)
@@ -133,7 +151,7 @@ def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
         scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
     else:
         scale = tl.maximum(tl.max(x, axis=1), 0.0)
-    return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
+    return scale
 
 
 @triton.jit

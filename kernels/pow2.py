@@ -120,9 +120,11 @@ def _class_of(a, CLASSES: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def pow2_code(y, SIGNED: tl.constexpr):
+def pow2_code(y, SIGNED: tl.constexpr, positive):
     """int32 nearest code of fp32 ``y`` in ``pow2`` (``SIGNED``) or ``upow2``: the rounding rule of
-    :mod:`lowmemopt.quant.maps` (ties to the lower code; unsigned: a positive ``y`` never takes code 0)."""
+    :mod:`lowmemopt.quant.maps` (ties to the lower code; unsigned: a positive ``y`` never takes code 0).
+    ``positive`` (unsigned; None: ``y > 0``): whether ``y`` counts as positive, for a quotient whose sign and
+    zeroness were decided exactly but whose subnormal bits may not be (:func:`.divide.quotient_positive`)."""
     u = y.to(tl.int32, bitcast=True)
     a = u & 0x7FFFFFFF
     if SIGNED:
@@ -139,7 +141,9 @@ def pow2_code(y, SIGNED: tl.constexpr):
         code = tl.where(neg != 0, tl.maximum(254 - code, 0), code)
         code = tl.where(a < 0x7F800000, code, 0)
     else:
-        code = tl.where((u > 0) & (u < 0x7F800000), code, 0)
+        if positive is None:
+            positive = u > 0
+        code = tl.where(positive & (u < 0x7F800000), code, 0)
     return code
 
 
@@ -164,7 +168,7 @@ def pow2_value(code, SIGNED: tl.constexpr):
 def _code_kernel(y_ptr, out_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    tl.store(out_ptr + offs, pow2_code(tl.load(y_ptr + offs, mask=mask, other=0.0), SIGNED), mask=mask)
+    tl.store(out_ptr + offs, pow2_code(tl.load(y_ptr + offs, mask=mask, other=0.0), SIGNED, None), mask=mask)
 
 
 @triton.jit

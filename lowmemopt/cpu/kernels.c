@@ -236,17 +236,21 @@ static inline vi pow2_code(const lmo_pow2 *T, vf y, const int is_signed) {
     vi a, e, code;
     if (is_signed) {
         const vm neg = _mm512_movepi32_mask(u); /* sign bit: -0 encodes like +0 */
-        a = _mm512_andnot_si512(_mm512_set1_epi32((int)0x80000000), u);
-        a = _mm512_min_epu32(_mm512_max_epu32(a, lo), one);
+        const vi mag = _mm512_andnot_si512(_mm512_set1_epi32((int)0x80000000), u);
+        const vm finite = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(0x7F800000)); /* NaN and +-inf take code 0 */
+        a = _mm512_min_epu32(_mm512_max_epu32(mag, lo), one);
         e = _mm512_srli_epi32(a, 23);
         a = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_srli_epi32(u, 31)), lookup32(T->add, e));
         code = _mm512_srlv_epi32(a, lookup32(T->shift, e));
-        return _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
+        code = _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
+        return _mm512_maskz_mov_epi32(finite, code);
     }
     a = _mm512_min_epu32(_mm512_max_epu32(u, lo), one); /* negative y (sign bit set) clamps to 1.0, masked below */
     e = _mm512_srli_epi32(a, 23);
     code = _mm512_srlv_epi32(_mm512_add_epi32(a, lookup32(T->add, e)), lookup32(T->shift, e));
-    return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LE_OQ), _mm512_setzero_si512());
+    /* only 0 < y < inf keeps its code: y <= 0 (-0 too), NaN and +inf take 0, as the bucket table gives */
+    return _mm512_maskz_mov_epi32(_mm512_cmplt_epu32_mask(_mm512_sub_epi32(u, _mm512_set1_epi32(1)),
+                                                          _mm512_set1_epi32(0x7F7FFFFF)), code);
 }
 
 /* codes[0, len) <- nearest codes of buf[j] / div, four vectors per iteration */
