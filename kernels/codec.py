@@ -8,8 +8,8 @@ They reproduce :mod:`lowmemopt.quant.blockwise` code for code (the tests compare
     decode: x ~= book[code] * scale_b
 
 The state maps (``pow2`` / ``upow2``, every optimizer kernel) find the nearest code by integer arithmetic on ``y``'s
-bits (:mod:`.pow2`: a rounding add and a shift per binade class, no memory access). Other maps (the legacy dynamic
-maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits of ``y``'s
+bits (:mod:`.pow2`: a rounding add and a shift per binade class, read from a 184-byte class table). Other maps (the
+legacy dynamic maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits of ``y``'s
 fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per element) holds
 the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's rule that a
 positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use
@@ -48,7 +48,7 @@ from lowmemopt.quant.maps import MAP_NAMES, POW2_BITS, code_book, encode_table, 
 
 from . import runtime
 from .divide import quotient_positive, row_quotients
-from .pow2 import pow2_code, pow2_value
+from .pow2 import class_table, pow2_code, pow2_value
 
 __all__ = ["FP32", "BF16", "Q8", "Q4", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise",
            "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"]
@@ -63,16 +63,19 @@ def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Ten
                                                           torch.Tensor | None]:
     """(signed book, signed encode table, unsigned book, unsigned encode table) of the state maps on ``device``
     (cached): the 4-bit maps (``pow2x4``, ``upow2x4``) and their packed tables for ``fmt == "q4"``; otherwise the
-    8-bit books and no tables (None: the 8-bit state maps are encoded by arithmetic, :func:`encode_q8`; dense formats
-    ignore them). With :data:`.runtime.Q8_DECODE` ``"arithmetic"``, q8 gets no books either: its codes are decoded
-    from their bits (:func:`code_values`), the same values without the book gather."""
+    8-bit books and the ``pow2`` maps' class tables (:func:`.pow2.class_table`: the 8-bit state maps are encoded by
+    arithmetic, :func:`encode_q8`; dense formats ignore both). With :data:`.runtime.Q8_DECODE` ``"arithmetic"``, q8
+    gets no books: its codes are decoded from their bits (:func:`code_values`), the same values without the book
+    gather."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
         return (q4.code_book(signed, device), q4.encode_table(signed, device),
                 q4.code_book(unsigned, device), q4.encode_table(unsigned, device))
+    signed, unsigned = map_for(True), map_for(False)
+    tables = class_table(signed, device), class_table(unsigned, device)
     if fmt == "q8" and runtime.Q8_DECODE == "arithmetic":
-        return None, None, None, None  # codes decoded from their bits (code_values)
-    return code_book(map_for(True), device), None, code_book(map_for(False), device), None
+        return None, tables[0], None, tables[1]  # codes decoded from their bits (code_values)
+    return code_book(signed, device), tables[0], code_book(unsigned, device), tables[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -111,21 +114,31 @@ def rounded(x, DTYPE: tl.constexpr):
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr):
     """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (uint8 codes [ROWS, BLOCK], fp32 scale [ROWS]).
-    ``lut``: the map's packed bucket table, or None for the state maps (``pow2`` / ``upow2``), which
-    :func:`.pow2.pow2_code` encodes by arithmetic on the bits (no gather)."""
+    ``lut``: for the state maps (``pow2`` / ``upow2``, encoded by arithmetic on the bits by :func:`.pow2.pow2_code`)
+    their int64 class table (:func:`.pow2.class_table`: one small gather per element) or None (compares); for
+    other maps their int32 packed bucket table."""
     if lut is None:
-        # one reciprocal per block, not a division per element (.divide): exact wherever a code can tell
-        scale = block_scale(x, book, 255, SIGNED)
-        s = tl.where(scale > 0, scale, 1.0)
-        y = row_quotients(x, s)
-        if SIGNED:
-            code = pow2_code(y, True, None)
-        else:
-            code = pow2_code(y, False, quotient_positive(x, s))
+        code, scale = encode_pow2(x, book, None, SIGNED)
+    elif lut.dtype.element_ty == tl.int64:
+        code, scale = encode_pow2(x, book, lut, SIGNED)
     else:
         y, scale = block_scaled(x, book, 255, SIGNED)
         code = table_code(y, lut)
     return code.to(tl.uint8), scale
+
+
+@triton.jit
+def encode_pow2(x, book, table, SIGNED: tl.constexpr):
+    """(int32 codes, scale [ROWS]) of a tile in a state map: one reciprocal per block, not a division per element
+    (:mod:`.divide`: the quotients are IEEE's wherever a code can tell), then :func:`.pow2.pow2_code`."""
+    scale = block_scale(x, book, 255, SIGNED)
+    s = tl.where(scale > 0, scale, 1.0)
+    y = row_quotients(x, s)
+    if SIGNED:
+        code = pow2_code(y, True, None, table)
+    else:
+        code = pow2_code(y, False, quotient_positive(x, s), table)
+    return code, scale
 
 
 @triton.jit
@@ -515,7 +528,8 @@ def quantize_blockwise(
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
     if n:
         book = code_book(name, x.device)
-        lut = None if name in POW2_BITS else encode_table(name, x.device).packed  # pow2 maps: arithmetic encoder
+        # pow2 maps: the arithmetic encoder and its class table
+        lut = class_table(name, x.device) if name in POW2_BITS else encode_table(name, x.device).packed
         rows = runtime.rows_per_tile(block_size, x.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
         _quantize_kernel[grid](flat, codes, absmax, n, book, lut, SIGNED=signed, ROWS=rows, BLOCK=block_size,

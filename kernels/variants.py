@@ -36,8 +36,11 @@ FP64_POINTERS = {"rmom", "cmom"}
 FP32_POINTERS = {"c_ptr", "book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cfac", "rfac2", "cfac2", "absmax_ptr",
                  "out_ptr", "x_ptr"}
 INTS = {"first_step": "i32", "numel": "i64"}
-#: the 8-bit state maps' encode tables: None at run time (:func:`.codec.maps`; the pow2 maps encode by arithmetic)
+#: the encode tables of the dense formats: None (they have none); 8-bit state has the pow2 maps' int64 class tables
+#: (:func:`.codec.maps`), 4-bit state its int32 bucket tables
 NONE_ARGS = {"lut_s": None, "lut_u": None}
+#: pointer types that depend on the variant: the q8 class tables
+Q8_POINTERS = {"lut_s": "*i64", "lut_u": "*i64"}
 #: the 4-bit quantization block (the launchers' default for q4 state)
 Q4_BLOCK = 128
 
@@ -50,6 +53,7 @@ class Variant:
     kernel: Any  # triton.JITFunction
     constexprs: dict[str, Any] = field(hash=False)
     num_warps: int = runtime.NUM_WARPS
+    pointers: dict[str, str] = field(default_factory=dict, hash=False)  # argument types that differ from POINTERS
 
     def tile(self) -> str:
         """The program's tile as text: ``ROWSxBLOCK`` (flat tiles), ``TRxBC`` (2-D tiles) or ``FB`` (vectors)."""
@@ -70,13 +74,17 @@ class Variant:
         return None
 
 
-def signature(kernel: Any, constexprs: dict[str, Any]) -> dict[str, str]:
-    """Triton's argument types of ``kernel``: ``constexpr`` for compile-time arguments, pointer types by name, fp32
-    scalars for the hyper-parameters (runtime arguments, never constexpr)."""
+def signature(kernel: Any, constexprs: dict[str, Any], pointers: dict[str, str] | None = None) -> dict[str, str]:
+    """Triton's argument types of ``kernel``: ``constexpr`` for compile-time arguments, pointer types by name (8-bit
+    state: int64 class tables; ``pointers`` overrides), fp32 scalars for the hyper-parameters (runtime arguments,
+    never constexpr)."""
     sig = {}
+    pointers = {**(Q8_POINTERS if constexprs.get("FMT") == Q8 else {}), **(pointers or {})}
     for p in kernel.params:
         if p.is_constexpr or p.name in constexprs:
             sig[p.name] = "constexpr"
+        elif p.name in pointers:
+            sig[p.name] = pointers[p.name]
         elif p.name in POINTERS:
             sig[p.name] = POINTERS[p.name]
         elif p.name in FP64_POINTERS or (p.name in ("rsum", "csum") and constexprs.get("MOMENTS")):
@@ -137,7 +145,8 @@ VARIANTS = [
             tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
     Variant("apply-adafactor-factored", factored._apply_kernel,
             tile(FACTORED=True, WIDE=True, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
-    Variant("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256, lut=None)),
+    Variant("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256),
+            pointers=dict(lut="*i64")),
     Variant("quantize-table", codec._quantize_kernel, dict(SIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256)),
     Variant("dequantize", codec._dequantize_kernel, dict(ROWS=runtime.TILE // 256, BLOCK=256)),
     # 4-bit state (block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
@@ -157,10 +166,10 @@ VARIANTS = [
 
 def compile_variant(variant: Variant, target: GPUTarget = SM90) -> Any:
     """``variant`` compiled by Triton for ``target`` (a ``CompiledKernel``: ``asm["ptx"]``, ``asm["cubin"]``,
-    ``metadata``), with the launchers' options (no FP contraction). 8-bit and dense formats get ``None`` encode tables
-    (as at run time); 4-bit ones encode through their table."""
+    ``metadata``), with the launchers' options (no FP contraction). Dense formats get ``None`` encode tables (as at
+    run time); 8-bit ones their class tables, 4-bit ones their bucket tables."""
     kernel = variant.kernel
-    none = {} if variant.constexprs.get("FMT") == Q4 else NONE_ARGS
+    none = NONE_ARGS if variant.constexprs.get("FMT") in (FP32, BF16) else {}
     constexprs = {**{k: v for k, v in none.items() if k in kernel.arg_names}, **variant.constexprs}
-    src = ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs)
+    src = ASTSource(fn=kernel, signature=signature(kernel, constexprs, variant.pointers), constexprs=constexprs)
     return triton.compile(src, target=target, options=dict(num_warps=variant.num_warps, enable_fp_fusion=False))

@@ -127,7 +127,8 @@ def test_q8_decode_modes_are_bit_identical(bits, monkeypatch):
         runs = []
         for mode in ("table", "arithmetic"):
             monkeypatch.setattr(runtime, "Q8_DECODE", mode)
-            assert (codec.maps(torch.device("cpu"), "q8") == (None,) * 4) == (mode == "arithmetic")
+            books = codec.maps(torch.device("cpu"), "q8")[::2]
+            assert (books == (None, None)) == (mode == "arithmetic")
             params = make_params(shapes, seed=2)
             opt = info.cls(params, state_bits=bits, min_quant_numel=64, **STATEFUL[info.name])
             dispatch.stats.clear()

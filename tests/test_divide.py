@@ -12,7 +12,8 @@ import torch
 
 from lowmemopt.kernels import runtime
 
-pytestmark = pytest.mark.skipif(not runtime.INTERPRET, reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)")
+pytestmark = pytest.mark.skipif(not runtime.INTERPRET,
+                                reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)")
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 

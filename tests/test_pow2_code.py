@@ -40,12 +40,14 @@ def _adversarial(name: str) -> torch.Tensor:
     return torch.cat([y, -y]) if not is_signed_map(name) else y
 
 
+@pytest.mark.parametrize("table", [True, False], ids=["class-table", "compares"])
 @pytest.mark.parametrize("name", MAPS)
-def test_encoder_at_every_threshold_and_edge(name):
+def test_encoder_at_every_threshold_and_edge(name, table):
+    """Both ways of finding a value's class: the kernels' gather from the class table and the compares."""
     from lowmemopt.kernels import pow2
 
     y = _adversarial(name)
-    got = pow2.codes(y, name)
+    got = pow2.codes(y, name, table=table)
     want = nearest_code_reference(y, name)
     bad = got != want
     assert not bad.any(), (int(bad.sum()), y[bad][:8].tolist(), got[bad][:8].tolist(), want[bad][:8].tolist())
@@ -57,8 +59,9 @@ def test_encoder_at_every_threshold_and_edge(name):
     assert torch.equal(got, (entry >> 17) + (t >= (entry & 0x1FFFF)).int())
 
 
+@pytest.mark.parametrize("table", [True, False], ids=["class-table", "compares"])
 @pytest.mark.parametrize("name", MAPS)
-def test_encoder_on_random_blocks(name):
+def test_encoder_on_random_blocks(name, table):
     """Random values over 30 binades, scaled into blocks as the kernels do (x / absmax): codes equal the brute force."""
     from lowmemopt.kernels import pow2
 
@@ -69,7 +72,7 @@ def test_encoder_on_random_blocks(name):
     scale = x.abs().amax(dim=1, keepdim=True) * torch.rand(x.shape[0], 1, generator=gen).add(1.0)
     y = (x / scale).reshape(-1)
     y = y if is_signed_map(name) else y.abs()
-    assert torch.equal(pow2.codes(y, name), nearest_code_reference(y, name))
+    assert torch.equal(pow2.codes(y, name, table=table), nearest_code_reference(y, name))
 
 
 @pytest.mark.parametrize("name", MAPS)
@@ -108,3 +111,19 @@ def test_class_tables():
         assert starts == sorted(starts) and all(18 <= c[2] <= 24 for c in classes)
     with pytest.raises(ValueError, match="no bit encoder"):
         pow2.encode_classes("dynamic")
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_class_table_rows_are_the_classes_of_each_binade(name):
+    """One int64 row per binade from the lowest class's to 1.0's: the class whose range holds the binade (compared
+    against a scan of the class bounds), add in the low 32 bits, shift in the high ones."""
+    from lowmemopt.kernels import pow2
+
+    classes = [c for c in pow2.encode_classes(name) if c[0] != 0x7FFFFFFF]
+    rows = pow2.class_table(name).tolist()
+    e_lo = classes[0][0] >> 23
+    assert len(rows) == 128 - e_lo
+    for e, row in zip(range(e_lo, 128), rows):
+        lo, add, shift = max((c for c in classes if c[0] <= e << 23), key=lambda c: c[0])
+        assert (row >> 32, row & 0xFFFFFFFF) == (shift, add % 2**32)
+    assert pow2.class_table(name) is pow2.class_table(name, "cpu")  # cached

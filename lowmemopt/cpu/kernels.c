@@ -242,7 +242,8 @@ static inline vi pow2_code(const lmo_pow2 *T, vf y, const int is_signed) {
         e = _mm512_srli_epi32(a, 23);
         a = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_srli_epi32(u, 31)), lookup32(T->add, e));
         code = _mm512_srlv_epi32(a, lookup32(T->shift, e));
-        code = _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code), _mm512_setzero_si512());
+        code = _mm512_max_epi32(_mm512_mask_sub_epi32(code, neg, _mm512_set1_epi32(T->mirror), code),
+                                _mm512_setzero_si512());
         return _mm512_maskz_mov_epi32(finite, code);
     }
     a = _mm512_min_epu32(_mm512_max_epu32(u, lo), one); /* negative y (sign bit set) clamps to 1.0, masked below */
