@@ -20,7 +20,11 @@ ptxas runs and its ``-v`` report can be read). Per variant:
   it). Static counts: each instruction once, loops once;
 * load bytes per program: the counted loads' widths x threads per program, and per tile element. That is what a
   program asks of the memory system (code-book gathers included, which should hit L1), not HBM traffic; when the
-  loads issue relative to their first use is not derived.
+  loads issue relative to their first use is not derived;
+* SASS instructions per thread on the same path and per tile element (``nvdisasm -gi``, Triton's bundled one): the
+  issue budget. An H100 SM issues 128 thread instructions per clock and receives about 14.5 bytes of HBM bandwidth
+  per clock, so a kernel that moves B bytes per element cannot reach the bandwidth above about 9 B instructions per
+  element (8-bit AdamW, bf16 parameters and gradients: 10 B/element, 90).
 
 Exit status: 0, 1 if a variant failed to compile, 2 without Triton's NVIDIA backend (ptxas).
 """
@@ -129,6 +133,13 @@ def cuobjdump_path() -> str | None:
     ptxas = ptxas_path()
     beside = os.path.join(os.path.dirname(ptxas), "cuobjdump") if ptxas else ""
     return beside if os.access(beside, os.X_OK) else shutil.which("cuobjdump")
+
+
+def nvdisasm_path() -> str | None:
+    """Triton's nvdisasm, beside its ptxas, else one on ``PATH``; None if there is none."""
+    ptxas = ptxas_path()
+    beside = os.path.join(os.path.dirname(ptxas), "nvdisasm") if ptxas else ""
+    return beside if os.access(beside, os.X_OK) else shutil.which("nvdisasm")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -353,6 +364,51 @@ def memory_counts(lines: Iterable[str]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# SASS: the machine instructions of the full-tile path
+
+_SASS_INSN = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_LOC = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
+_SASS_INLINED = re.compile(r'inlined at "([^"]+)", line (\d+)')
+#: the label of a slow-path subroutine (IEEE division, square root) that ptxas places after the kernel's body
+_SASS_SUBROUTINE = re.compile(r"^\$__internal\S*:$")
+
+
+def sass_text(cubin: bytes, nvdisasm: str) -> str:
+    """The cubin's SASS with the source location of every instruction, inlined call sites included
+    (``nvdisasm -c -gi``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as fh:
+            fh.write(cubin)
+        out = subprocess.run([nvdisasm, "-c", "-gi", path], capture_output=True, text=True, timeout=300)
+    return out.stdout
+
+
+def sass_full_path(text: str, branch: tuple[str, int, range, range] | None) -> tuple[str, int]:
+    """("full", instructions on the full-tile path) of :func:`sass_text`'s listing for a tile kernel whose ``if full:``
+    is ``branch``: every instruction of the kernel body except those whose source location, or a call site it was
+    inlined at, lies in the branch's ``else:`` body; ("all", every instruction) without that branch or when no
+    instruction comes from it. ``NOP`` padding and the slow-path subroutines after the body are not counted; the
+    call sites of those subroutines are (static counts: an instruction once, whether or not a tile executes it)."""
+    masked_lines = set(branch[3]) if branch else set()
+    path = os.path.realpath(branch[0]) if branch else None
+    full = total = 0
+    in_else = False
+    for line in text.splitlines():
+        if _SASS_SUBROUTINE.match(line.strip()):
+            break
+        if (loc := _SASS_LOC.match(line)) is not None:
+            frames = [(loc[1], int(loc[2]))] + [(f, int(n)) for f, n in _SASS_INLINED.findall(line)]
+            in_else = any(n in masked_lines and os.path.realpath(f) == path for f, n in frames)
+            continue
+        if (insn := _SASS_INSN.match(line)) is None or insn[1] == "NOP":
+            continue
+        total += 1
+        full += not in_else
+    return ("full", full) if branch and full < total else ("all", total)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # one variant (worker side: needs compiled Triton kernels)
 
 
@@ -404,7 +460,7 @@ def compile_logged(variant: Any) -> tuple[Any, str]:
     return compiled, log
 
 
-def measure(variant: Any, cuobjdump: str | None) -> dict[str, Any]:
+def measure(variant: Any, cuobjdump: str | None, nvdisasm: str | None = None) -> dict[str, Any]:
     """Everything the report shows about one variant (see the module docstring); ``ok`` False and ``error`` if it
     does not compile."""
     rec: dict[str, Any] = dict(label=variant.label, kernel=variant.kernel.fn.__name__, tile=variant.tile(),
@@ -422,13 +478,17 @@ def measure(variant: Any, cuobjdump: str | None) -> dict[str, Any]:
     rec.update(shared_dynamic=compiled.metadata.shared, shared_static=cubin.get("shared"), local=cubin.get("local"))
     ptx = compiled.asm["ptx"]
     body = entry_body(ptx)
-    rec["path"], lines = full_tile_path(ptx, full_branch_lines(variant.kernel), body)
+    branch = full_branch_lines(variant.kernel)
+    rec["path"], lines = full_tile_path(ptx, branch, body)
     rec.update(memory_counts(lines))
     rec["whole_kernel"] = memory_counts(body)
     threads = variant.num_warps * 32
     rec["load_bytes_per_program"] = rec["load_bytes"] * threads
     elements = variant.elements()
     rec["load_bytes_per_element"] = rec["load_bytes_per_program"] / elements if elements else None
+    rec["sass_path"], rec["sass"] = sass_full_path(sass_text(compiled.asm["cubin"], nvdisasm), branch) \
+        if nvdisasm else (None, None)
+    rec["sass_per_element"] = rec["sass"] * threads / elements if elements and rec["sass"] else None
     if rec["registers"] is not None:
         occ = occupancy(rec["registers"], rec["shared_dynamic"] + (rec["shared_static"] or 0), variant.num_warps)
         rec["occupancy"] = asdict(occ)
@@ -450,12 +510,12 @@ def worker(index: int, count: int, sweep: bool) -> int:
 
     from lowmemopt.kernels import variants
 
-    cuobjdump = cuobjdump_path()
-    print(json.dumps(dict(info=dict(triton=triton.__version__, ptxas=ptxas, cuobjdump=cuobjdump,
+    cuobjdump, nvdisasm = cuobjdump_path(), nvdisasm_path()
+    print(json.dumps(dict(info=dict(triton=triton.__version__, ptxas=ptxas, cuobjdump=cuobjdump, nvdisasm=nvdisasm,
                                     target=f"sm_{variants.SM90.arch}"))), flush=True)
     for i, variant in enumerate(all_variants(sweep)):
         if i % count == index:
-            print(json.dumps(dict(index=i, **measure(variant, cuobjdump))), flush=True)
+            print(json.dumps(dict(index=i, **measure(variant, cuobjdump, nvdisasm))), flush=True)
     return 0
 
 
@@ -511,17 +571,19 @@ def table_row(r: dict[str, Any]) -> str:
     """One markdown table row of a measured variant."""
     head = f"| {r['label']} | {r['tile']} | {r['num_warps']} |"
     if not r["ok"]:
-        return head + f" compile error: {r['error'].splitlines()[0][:120] if r['error'] else '?'} |" + " |" * 11
+        return head + f" compile error: {r['error'].splitlines()[0][:120] if r['error'] else '?'} |" + " |" * 12
     spill = "?" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
     smem = r["shared_dynamic"] + (r["shared_static"] or 0)
     occ = r.get("occupancy")
     warps = f"{occ['warps']} ({occ['fraction']:.0%})" if occ else "?"
     per_el = r["load_bytes_per_element"]
+    sass = "?" if r.get("sass") is None else f"{r['sass']:,}" + (
+        f" ({r['sass_per_element']:.1f})" if r.get("sass_per_element") is not None else "")
     return head + "".join(f" {x} |" for x in (
         r["registers"] if r["registers"] is not None else "?", spill, smem, warps, occ["limiter"] if occ else "?",
         r["path"], _widths(r["ld_global"]), _widths(r["st_global"]), r["atomics"],
         f"{r['ld_shared']}/{r['st_shared']}", r["bar_sync"],
-        f"{r['load_bytes_per_program']:,}" + (f" ({per_el:.1f})" if per_el is not None else "")))
+        f"{r['load_bytes_per_program']:,}" + (f" ({per_el:.1f})" if per_el is not None else ""), sass))
 
 
 LEGEND = """\
@@ -540,6 +602,12 @@ LEGEND = """\
   element. Code-book gathers (`book[codes]` from a 1 KiB or 64 B table) and loads that several threads repeat
   (absmax, launch-table entries) count in full, though they are expected to hit L1: what the loads request, not HBM
   bytes.
+- **SASS (per elem)**: machine instructions per thread on the same path (`nvdisasm -gi`: an instruction whose source
+  location or inlined call site is the `else:` body is the masked side's), and per tile element (x threads /
+  elements). Static: each instruction once, a division's slow-path call site counted though a tile rarely takes it.
+  An H100 SM issues 4 warp instructions (128 thread instructions) per clock; at 3.35 TB/s over 132 SMs it delivers
+  about 14.5 bytes per clock, so a kernel moving B bytes per element is issue-bound above about 9 x B instructions
+  per element (8-bit AdamW with bf16 parameters and gradients: 10 B, 90 instructions).
 - Not measured: time, achieved bandwidth, cache hit rates, instruction latency or issue order (whether the loads are
   all in flight before their first use): a static report of the compiled code, not a profile.
 """
@@ -554,8 +622,8 @@ def render(info: dict[str, Any], records: list[dict[str, Any]]) -> str:
                 "not counted.\n"
     cols = ["variant", "tile", "warps", "regs", "spill st/ld", "smem", "warps/SM", "limiter", "path",
             "ld.global 128/64/32/16", "st.global 128/64/32/16", "atom", "ld/st.shared", "bar.sync",
-            "load B/program (B/elem)"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * 3 + " ---: |" * 4 + " --- | --- |" + " ---: |" * 6]
+            "load B/program (B/elem)", "SASS (per elem)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * 3 + " ---: |" * 4 + " --- | --- |" + " ---: |" * 7]
     return "\n".join([head, *lines, *(table_row(r) for r in records), "", LEGEND])
 
 
