@@ -21,7 +21,7 @@ ptxas runs and its ``-v`` report can be read). Per variant:
 * load bytes per program: the counted loads' widths x threads per program, and per tile element. That is what a
   program asks of the memory system (code-book gathers included, which should hit L1), not HBM traffic; when the
   loads issue relative to their first use is not derived;
-* SASS instructions per thread on the same path and per tile element (``nvdisasm -gi``, Triton's bundled one): the
+* SASS instructions per thread on the same path and per tile element (``nvdisasm -gp``, Triton's bundled one): the
   issue budget. An H100 SM issues 128 thread instructions per clock and receives about 14.5 bytes of HBM bandwidth
   per clock, so a kernel that moves B bytes per element cannot reach the bandwidth above about 9 B instructions per
   element (8-bit AdamW, bf16 parameters and gradients: 10 B/element, 90).
@@ -202,32 +202,42 @@ class Block:
     lines: list[str] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)
     falls_through: bool = True
+    numbers: list[int] = field(default_factory=list)  # the lines' 1-based line numbers in the PTX text
 
 
-def entry_body(ptx: str) -> list[str]:
-    """The instruction and directive lines of the PTX's (first) entry function, comments and blanks removed."""
+def _numbered_body(ptx: str) -> list[tuple[int, str]]:
+    """(1-based line number in ``ptx``, line) of :func:`entry_body`'s lines."""
     start = ptx.index("{", ptx.index(".entry"))
+    first = ptx.count("\n", 0, start) + 2  # the line after the one holding the "{"
     lines = []
-    for raw in ptx[start + 1:].splitlines():
+    for number, raw in enumerate(ptx[start + 1:].splitlines()[1:], first):
         line = raw.split("//", 1)[0].strip()
         if line == "}":
             break
         if line:
-            lines.append(line)
+            lines.append((number, line))
     return lines
 
 
-def basic_blocks(body: list[str]) -> list[Block]:
-    """``body`` split into basic blocks at branch targets and after branches and returns."""
+def entry_body(ptx: str) -> list[str]:
+    """The instruction and directive lines of the PTX's (first) entry function, comments and blanks removed."""
+    return [line for _, line in _numbered_body(ptx)]
+
+
+def basic_blocks(body: list[str], numbers: list[int] | None = None) -> list[Block]:
+    """``body`` split into basic blocks at branch targets and after branches and returns; ``numbers``: the lines'
+    line numbers, kept in :attr:`Block.numbers`."""
     targets = {m[2] for line in body if (m := _BRANCH.match(line))}
     blocks = [Block("#0")]
-    for line in body:
+    for i, line in enumerate(body):
         label = _LABEL.match(line)
         if label and label[1] in targets:
             blocks.append(Block(label[1]))
             continue
         cur = blocks[-1]
         cur.lines.append(line)
+        if numbers is not None:
+            cur.numbers.append(numbers[i])
         branch = _BRANCH.match(line)
         if branch or _END.match(line):
             if branch:
@@ -306,12 +316,29 @@ def full_tile_path(ptx: str, branch: tuple[str, int, range, range] | None,
     in the PTX. ``body``: :func:`entry_body` of ``ptx``, when the caller has it."""
     if body is None:
         body = entry_body(ptx)
+    blocks, masked = _masked_blocks(ptx, branch, body)
+    if masked is None:
+        return "all", body
+    return "full", [ln for blk in blocks if blk.name not in masked for ln in blk.lines]
+
+
+def masked_ptx_lines(ptx: str, branch: tuple[str, int, range, range] | None) -> set[int] | None:
+    """Line numbers of the PTX text that only the masked side of ``branch`` reaches (:func:`full_tile_path`'s
+    complement); None where :func:`full_tile_path` finds no branch."""
+    numbered = _numbered_body(ptx)
+    blocks, masked = _masked_blocks(ptx, branch, [line for _, line in numbered], [n for n, _ in numbered])
+    return None if masked is None else {n for blk in blocks if blk.name in masked for n in blk.numbers}
+
+
+def _masked_blocks(ptx: str, branch: tuple[str, int, range, range] | None, body: list[str],
+                   numbers: list[int] | None = None) -> tuple[list[Block], set[str] | None]:
+    """(the body's basic blocks, names of those only the masked side of ``branch`` reaches, or None)."""
     files = {path: int(i) for i, path in _FILE.findall(ptx)}
     file_id = next((i for path, i in files.items() if branch and os.path.realpath(path) == branch[0]), None)
     if branch is None or file_id is None:
-        return "all", body
+        return [], None
     _, if_line, then_lines, else_lines = branch
-    blocks = basic_blocks(body)
+    blocks = basic_blocks(body, numbers)
     succ = successors(blocks)
     by_name = {b.name: b for b in blocks}
     for i, b in enumerate(blocks):
@@ -325,9 +352,8 @@ def full_tile_path(ptx: str, branch: tuple[str, int, range, range] | None,
             score.append(sum(r in then_lines for r in refs) - sum(r in else_lines for r in refs))
         if (score[0] > 0) == (score[1] > 0):
             continue  # not told apart
-        masked = only[0] if score[0] < score[1] else only[1]
-        return "full", [ln for blk in blocks if blk.name not in masked for ln in blk.lines]
-    return "all", body
+        return blocks, only[0] if score[0] < score[1] else only[1]
+    return blocks, None
 
 
 def access_bits(modifiers: str) -> int:
@@ -367,45 +393,39 @@ def memory_counts(lines: Iterable[str]) -> dict[str, Any]:
 # SASS: the machine instructions of the full-tile path
 
 _SASS_INSN = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
-_SASS_LOC = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
-_SASS_INLINED = re.compile(r'inlined at "([^"]+)", line (\d+)')
+#: the PTX line an instruction comes from (``nvdisasm -gp``: line numbers of the embedded PTX text)
+_SASS_PTX_LINE = re.compile(r'^\s*//## File "[^"]*", line (\d+)')
 #: the label of a slow-path subroutine (IEEE division, square root) that ptxas places after the kernel's body
 _SASS_SUBROUTINE = re.compile(r"^\$__internal\S*:$")
 
 
 def sass_text(cubin: bytes, nvdisasm: str) -> str:
-    """The cubin's SASS with the source location of every instruction, inlined call sites included
-    (``nvdisasm -c -gi``)."""
+    """The cubin's SASS with the PTX line every instruction comes from (``nvdisasm -c -gp``)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as fh:
             fh.write(cubin)
-        out = subprocess.run([nvdisasm, "-c", "-gi", path], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([nvdisasm, "-c", "-gp", path], capture_output=True, text=True, timeout=300)
     return out.stdout
 
 
-def sass_full_path(text: str, branch: tuple[str, int, range, range] | None) -> tuple[str, int]:
-    """("full", instructions on the full-tile path) of :func:`sass_text`'s listing for a tile kernel whose ``if full:``
-    is ``branch``: every instruction of the kernel body except those whose source location, or a call site it was
-    inlined at, lies in the branch's ``else:`` body; ("all", every instruction) without that branch or when no
-    instruction comes from it. ``NOP`` padding and the slow-path subroutines after the body are not counted; the
-    call sites of those subroutines are (static counts: an instruction once, whether or not a tile executes it)."""
-    masked_lines = set(branch[3]) if branch else set()
-    path = os.path.realpath(branch[0]) if branch else None
-    full = total = 0
-    in_else = False
-    for line in text.splitlines():
-        if _SASS_SUBROUTINE.match(line.strip()):
+def sass_full_path(text: str, masked: set[int] | None) -> tuple[str, int]:
+    """("full", instructions on the full-tile path) of :func:`sass_text`'s listing: every instruction of the kernel
+    body except those made from a PTX line only the masked side reaches (``masked``: :func:`masked_ptx_lines`);
+    ("all", every instruction) where ``masked`` is None. ``NOP`` padding and the slow-path subroutines after the
+    body are not counted; their call sites are (static counts: an instruction once, whether or not a tile runs it)."""
+    count = 0
+    line = 0
+    for raw in text.splitlines():
+        if _SASS_SUBROUTINE.match(raw.strip()):
             break
-        if (loc := _SASS_LOC.match(line)) is not None:
-            frames = [(loc[1], int(loc[2]))] + [(f, int(n)) for f, n in _SASS_INLINED.findall(line)]
-            in_else = any(n in masked_lines and os.path.realpath(f) == path for f, n in frames)
+        if (loc := _SASS_PTX_LINE.match(raw)) is not None:
+            line = int(loc[1])
             continue
-        if (insn := _SASS_INSN.match(line)) is None or insn[1] == "NOP":
+        if (insn := _SASS_INSN.match(raw)) is None or insn[1] == "NOP":
             continue
-        total += 1
-        full += not in_else
-    return ("full", full) if branch and full < total else ("all", total)
+        count += not masked or line not in masked
+    return ("all" if masked is None else "full"), count
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -486,8 +506,8 @@ def measure(variant: Any, cuobjdump: str | None, nvdisasm: str | None = None) ->
     rec["load_bytes_per_program"] = rec["load_bytes"] * threads
     elements = variant.elements()
     rec["load_bytes_per_element"] = rec["load_bytes_per_program"] / elements if elements else None
-    rec["sass_path"], rec["sass"] = sass_full_path(sass_text(compiled.asm["cubin"], nvdisasm), branch) \
-        if nvdisasm else (None, None)
+    rec["sass_path"], rec["sass"] = sass_full_path(sass_text(compiled.asm["cubin"], nvdisasm),
+                                                   masked_ptx_lines(ptx, branch)) if nvdisasm else (None, None)
     rec["sass_per_element"] = rec["sass"] * threads / elements if elements and rec["sass"] else None
     if rec["registers"] is not None:
         occ = occupancy(rec["registers"], rec["shared_dynamic"] + (rec["shared_static"] or 0), variant.num_warps)
@@ -602,9 +622,9 @@ LEGEND = """\
   element. Code-book gathers (`book[codes]` from a 1 KiB or 64 B table) and loads that several threads repeat
   (absmax, launch-table entries) count in full, though they are expected to hit L1: what the loads request, not HBM
   bytes.
-- **SASS (per elem)**: machine instructions per thread on the same path (`nvdisasm -gi`: an instruction whose source
-  location or inlined call site is the `else:` body is the masked side's), and per tile element (x threads /
-  elements). Static: each instruction once, a division's slow-path call site counted though a tile rarely takes it.
+- **SASS (per elem)**: machine instructions per thread on the same path (`nvdisasm -gp` names the PTX line each
+  comes from; those of the masked side's PTX blocks are left out), and per tile element (x threads / elements).
+  Static: each instruction once, a division's slow-path call site counted though a tile rarely takes it.
   An H100 SM issues 4 warp instructions (128 thread instructions) per clock; at 3.35 TB/s over 132 SMs it delivers
   about 14.5 bytes per clock, so a kernel moving B bytes per element is issue-bound above about 9 x B instructions
   per element (8-bit AdamW with bf16 parameters and gradients: 10 B, 90 instructions).

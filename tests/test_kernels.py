@@ -734,33 +734,36 @@ def test_kernel_resources_ptx_paths_counts_and_occupancy():
 
 _SASS = """\
 .text.k:
-	//## File "/src/k.py", line 10
+	//## File ".nv_debug_ptx_txt", line 4
         /*0000*/                   LDC R1, c[0x0][0x28] ;
         /*0010*/              @!P0 BRA `(.L_x_1) ;
-	//## File "/src/codec.py", line 7 inlined at "/src/k.py", line 12
-        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
-        /*0030*/                   FFMA R4, R4, R5, R6 ;
-        /*0040*/                   CALL.REL.NOINC `($__internal_0_$__cuda_sm3x_div_rn_noftz_f32_slowpath) ;
-	//## File "/src/codec.py", line 7 inlined at "/src/k.py", line 14
-        /*0050*/              @P1 LDG.E.U8 R7, desc[UR4][R2.64] ;
-        /*0060*/                   FFMA R4, R4, R5, R6 ;
-	//## File "/src/k.py", line 15
-        /*0070*/                   EXIT ;
-        /*0080*/                   NOP;
+	//## File ".nv_debug_ptx_txt", line 9
+        /*0020*/              @P2 LDG.E R4, desc[UR4][R2.64] ;
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+	//## File ".nv_debug_ptx_txt", line 15
+        /*0040*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0050*/                   CALL.REL.NOINC `($__internal_0_$__cuda_sm3x_div_rn_noftz_f32_slowpath) ;
+	//## File ".nv_debug_ptx_txt", line 22
+        /*0060*/                   EXIT ;
+        /*0070*/                   NOP;
 $__internal_0_$__cuda_sm3x_div_rn_noftz_f32_slowpath:
-        /*0090*/                   FCHK P0, R4, R5 ;
-        /*00a0*/                   RET.REL.NODEC R2 `(k) ;
+        /*0080*/                   FCHK P0, R4, R5 ;
+        /*0090*/                   RET.REL.NODEC R2 `(k) ;
 """
 
 
 def test_kernel_resources_counts_the_sass_of_the_full_tile_path():
-    """bench/kernel_resources.py's SASS count on a hand-written ``nvdisasm -gi`` listing: instructions whose location
-    or inlined call site is the ``else:`` body are left out, and so are NOP padding and the slow-path subroutines."""
+    """bench/kernel_resources.py's SASS count on a hand-written ``nvdisasm -gp`` listing of :data:`_PTX`'s kernel:
+    instructions made from the PTX lines only the masked side of ``if full:`` reaches are left out, and so are NOP
+    padding and the slow-path subroutines."""
     res = _resources_module()
     branch = ("/src/k.py", 11, range(12, 13), range(14, 15))
-    assert res.sass_full_path(_SASS, branch) == ("full", 6)  # LDC BRA LDG FFMA CALL EXIT
-    assert res.sass_full_path(_SASS, None) == ("all", 8)
-    assert res.sass_full_path(_SASS, ("/src/other.py", 11, range(12, 13), range(14, 15))) == ("all", 8)
+    masked = res.masked_ptx_lines(_PTX, branch)
+    lines = _PTX.splitlines()
+    assert masked == set(range(8, 13)) and lines[7].strip().startswith(".loc")  # the masked block: .loc .. bra.uni
+    assert res.sass_full_path(_SASS, masked) == ("full", 5)  # LDC BRA LDG.128 CALL EXIT
+    assert res.sass_full_path(_SASS, None) == ("all", 7)
+    assert res.masked_ptx_lines(_PTX, None) is None
 
 
 def test_kernel_resources_finds_the_full_branch_of_a_tile_kernel():
