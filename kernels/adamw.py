@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords, tile_masks
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
 from .divide import div_by, reciprocal
 from .launch import Bucket, Update, scalar
 
@@ -74,14 +74,12 @@ def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr):
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
                    L2_DECAY, UPDATE, W, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
                    L2_DECAY, UPDATE, W, True)

@@ -9,9 +9,8 @@ They reproduce :mod:`lowmemopt.quant.blockwise` code for code (the tests compare
 
 The state maps (``pow2`` / ``upow2``, every optimizer kernel) find the nearest code by integer arithmetic on ``y``'s
 bits (:mod:`.pow2`: a rounding add and a shift per binade class, read from a 184-byte class table). Other maps (the
-legacy dynamic maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16
-bits of ``y``'s fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per
-element) holds
+legacy dynamic maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits of ``y``'s
+fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per element) holds
 the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's rule that a
 positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use
 the IEEE-rounded forms (``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
@@ -358,8 +357,8 @@ def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, 
 @triton.jit
 def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """This program's tensor (index ``t``, its launch-table ``row`` pointer and ``numel``, at column 2) and its tile:
-    element offsets [ROWS, BLOCK] (int64), block indices [ROWS], and ``full``: the whole tile lies inside the tensor
-    (kernels then take their unmasked, vectorizable variant; each side makes its masks with :func:`tile_masks`)."""
+    element offsets [ROWS, BLOCK] (int64), their mask, block indices [ROWS], the block mask, and ``full``: the whole
+    tile lies inside the tensor (kernels then take their unmasked, vectorizable variant)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     tile = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -367,22 +366,7 @@ def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.con
     numel = tl.load(row + 2)
     blocks = tile * ROWS + tl.arange(0, ROWS)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    return t, row, numel, offs, blocks, (tile + 1) * (ROWS * BLOCK) <= numel
-
-
-@triton.jit
-def tile_masks(offs, blocks, numel, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """(element mask [ROWS, BLOCK], block mask [ROWS]) of a tile: ``offs < numel`` and ``blocks * BLOCK < numel``, or,
-    for a full tile (``MASKED`` False), constants true. Made inside each side of the kernels' ``if full:``: masks
-    computed before the branch cost the full tiles 6 instructions per element on sm_90 (compares of the int64 offsets,
-    kept in predicate registers for the masked side)."""
-    if MASKED:
-        mask = offs < numel
-        bmask = blocks * BLOCK < numel
-    else:
-        mask = tl.full(offs.shape, 1, tl.int1)
-        bmask = tl.full(blocks.shape, 1, tl.int1)
-    return mask, bmask
+    return t, row, numel, offs, offs < numel, blocks, blocks * BLOCK < numel, (tile + 1) * (ROWS * BLOCK) <= numel
 
 
 @triton.jit

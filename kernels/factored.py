@@ -60,8 +60,8 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot, tile_coords,
-                     tile_masks, typed)
+from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
+                    tile_coords, typed)
 from .launch import TL_DTYPES, Bucket, Update, scalar
 from .table import ceil_div
 
@@ -333,13 +333,11 @@ def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, 
                   ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr):
     """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
                     P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
                     P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, True)
 
@@ -407,17 +405,13 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
     Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
     ``m = b1 m + (1-b1) u; u = m`` if HAS_M; ``p += p * (-wd a)``; ``p -= u``.
     CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m); ``p += p (-wd lr)``; ``p -= lr u``."""
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        # real masks on the full side too: with constant ones ptxas hoists the factor gathers, and CAME's pass takes
-        # 244 registers (8 warps per SM) instead of 167 (12) to save 5 of 159 instructions per element
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
                     sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
                     neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, CAME, HAS_M, SCALE_PARAM, DECAY,
                     WEIGHT, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
                     sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
                     neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, CAME, HAS_M, SCALE_PARAM, DECAY,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords, tile_masks
+from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["lamb_direction", "launch", "slots"]
@@ -78,14 +78,12 @@ def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
                  TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr):
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
                    APPLY, WEIGHT, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
                    APPLY, WEIGHT, True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords, tile_masks
+from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["lars_update", "launch", "slots"]
@@ -49,12 +49,10 @@ def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: t
 def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, True)
 
 
@@ -92,13 +90,11 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                        MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr, WEIGHT: tl.constexpr):
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                          epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                          epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, True)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords, tile_masks
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["lion_update", "launch", "slots"]
@@ -42,13 +42,11 @@ def _lion_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr):
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
                    neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
                    neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True)
 

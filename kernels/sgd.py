@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords, tile_masks
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["sgd_update", "launch", "slots"]
@@ -60,13 +60,11 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr):
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W, True)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .codec import load_grad, load_param, store_param, tile_coords, tile_masks
+from .codec import load_grad, load_param, store_param, tile_coords
 from .launch import TL_DTYPES
 from .table import ceil_div, device_table, flagged_table, unit_map
 
@@ -54,12 +54,10 @@ def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE
                   MATH: tl.constexpr, DECAY: tl.constexpr):
     """One tile of one matrix: ``p <- round(((p + c p) decay) + scale U)`` (module docstring). Table rows:
     ``[p, U, numel]``."""
-    t, row, numel, offs, blocks, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
     if full:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, False)
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, False)
     else:
-        mask, bmask = tile_masks(offs, blocks, numel, BLOCK, True)
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, True)
 
 
