@@ -14,11 +14,11 @@ the next binade's first code). Each map has 6 classes (``e_lo`` and ``e_lo + 1``
 and the smallest one, then one per run of equal ``b``; 1.0 continues the top class). The optimizer kernels read a
 value's ``(add, shift)`` from the map's :func:`class_table`, one int64 per binade (23 or 26 rows, 184 or 208 bytes:
 L1-resident), indexed by the clamped exponent: one gather and ~8 integer operations per element. Without a table
-(``pow2_code(..., table=None)``) 5 compares against compile-time constants and 10 selects pick the class: 13 more
-instructions per element on sm_90 (the 8-bit AdamW kernel's full tile: 140 -> 118.5 SASS instructions per element
-with the table). A negative ``y`` of the signed map
-takes ``mirror - code`` (at least 0: the map has no -1); for the unsigned map ``y <= 0`` takes 0. Non-finite ``y``
-takes code 0, as the reference's table does (the brute-force rule's argmin over NaN / infinite distances).
+(``pow2_code(..., table=None)``) 5 compares against compile-time constants and 10 selects pick the class: about 11
+more SASS instructions per element and slot (measured on 8-bit AdamW's full tile, sm_90). A negative ``y`` of the
+signed map takes ``mirror - code`` (at least 0: the map has no -1); for the unsigned map ``y <= 0`` takes 0.
+Non-finite ``y`` takes code 0, as the reference's table does (the brute-force rule's argmin over NaN / infinite
+distances).
 
 Exact: ``tests/test_pow2_code.py`` checks every decision threshold +-3 ulp, binade edges, -0, negatives and random
 blocks under the interpreter against :func:`lowmemopt.quant.maps.nearest_code_reference`; ``bench/pow2_exhaustive.py``

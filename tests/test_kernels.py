@@ -661,9 +661,9 @@ def test_kernels_compile_for_gpu(tmp_path):
             f"{name} spills at tile {r['tile']}, {r['num_warps']} warps: {r['registers']} registers, "
             f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads")
     # the instruction budget of the 8-bit update (SASS per element on the full-tile path; issue-bound with bf16
-    # parameters): 8-bit AdamW with amsgrad took 228 with a division per element and class compares, 158 without
+    # parameters): 8-bit AdamW with amsgrad took 218 with a division per element and class compares, 150 without
     sass = {name: by_label[name]["sass_per_element"] for name in ("adam", "lion", "quantize")}
-    assert sass["adam"] < 175 and sass["lion"] < 75 and sass["quantize"] < 65, sass
+    assert sass["adam"] < 160 and sass["lion"] < 62 and sass["quantize"] < 60, sass
 
 
 _PTX = """\
