@@ -113,17 +113,10 @@ def rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr):
-    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (uint8 codes [ROWS, BLOCK], fp32 scale [ROWS]).
-    ``lut``: for the state maps (``pow2`` / ``upow2``, encoded by arithmetic on the bits by :func:`.pow2.pow2_code`)
-    their int64 class table (:func:`.pow2.class_table`: one small gather per element) or None (compares); for
-    other maps their int32 packed bucket table."""
-    if lut is None:
-        code, scale = encode_pow2(x, book, None, SIGNED)
-    elif lut.dtype.element_ty == tl.int64:
-        code, scale = encode_pow2(x, book, lut, SIGNED)
-    else:
-        y, scale = block_scaled(x, book, 255, SIGNED)
-        code = table_code(y, lut)
+    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) of a state map (``pow2`` / ``upow2``) -> (uint8 codes
+    [ROWS, BLOCK], fp32 scale [ROWS]): :func:`encode_pow2` with ``lut`` the map's class table
+    (:func:`.pow2.class_table`: one small gather per element) or None (compares against the class bounds)."""
+    code, scale = encode_pow2(x, book, lut, SIGNED)
     return code.to(tl.uint8), scale
 
 
@@ -446,10 +439,15 @@ def block_tile(numel, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, POW2: tl.constexpr):
+    """``POW2``: a state map, ``lut`` its class table; otherwise ``lut`` is the map's bucket table."""
     blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    codes, scale = encode_q8(x, book, lut, SIGNED)
+    if POW2:
+        codes, scale = encode_q8(x, book, lut, SIGNED)
+    else:
+        y, scale = block_scaled(x, book, 255, SIGNED)
+        codes = table_code(y, lut).to(tl.uint8)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(absmax_ptr + blocks, scale, mask=blocks * BLOCK < numel)
 
@@ -533,7 +531,7 @@ def quantize_blockwise(
         rows = runtime.rows_per_tile(block_size, x.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
         _quantize_kernel[grid](flat, codes, absmax, n, book, lut, SIGNED=signed, ROWS=rows, BLOCK=block_size,
-                               num_warps=runtime.tile_shape(x.device)[1])
+                               POW2=name in POW2_BITS, num_warps=runtime.tile_shape(x.device)[1])
     return codes, absmax
 
 

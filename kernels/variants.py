@@ -39,8 +39,6 @@ INTS = {"first_step": "i32", "numel": "i64"}
 #: the encode tables of the dense formats: None (they have none); 8-bit state has the pow2 maps' int64 class tables
 #: (:func:`.codec.maps`), 4-bit state its int32 bucket tables
 NONE_ARGS = {"lut_s": None, "lut_u": None}
-#: pointer types that depend on the variant: the q8 class tables
-Q8_POINTERS = {"lut_s": "*i64", "lut_u": "*i64"}
 #: the 4-bit quantization block (the launchers' default for q4 state)
 Q4_BLOCK = 128
 
@@ -53,7 +51,6 @@ class Variant:
     kernel: Any  # triton.JITFunction
     constexprs: dict[str, Any] = field(hash=False)
     num_warps: int = runtime.NUM_WARPS
-    pointers: dict[str, str] = field(default_factory=dict, hash=False)  # argument types that differ from POINTERS
 
     def tile(self) -> str:
         """The program's tile as text: ``ROWSxBLOCK`` (flat tiles), ``TRxBC`` (2-D tiles) or ``FB`` (vectors)."""
@@ -74,17 +71,17 @@ class Variant:
         return None
 
 
-def signature(kernel: Any, constexprs: dict[str, Any], pointers: dict[str, str] | None = None) -> dict[str, str]:
-    """Triton's argument types of ``kernel``: ``constexpr`` for compile-time arguments, pointer types by name (8-bit
-    state: int64 class tables; ``pointers`` overrides), fp32 scalars for the hyper-parameters (runtime arguments,
-    never constexpr)."""
+def signature(kernel: Any, constexprs: dict[str, Any]) -> dict[str, str]:
+    """Triton's argument types of ``kernel``: ``constexpr`` for compile-time arguments, pointer types by name (the
+    encode tables of 8-bit state maps, :func:`.pow2.class_table`, are int64), fp32 scalars for the hyper-parameters
+    (runtime arguments, never constexpr)."""
     sig = {}
-    pointers = {**(Q8_POINTERS if constexprs.get("FMT") == Q8 else {}), **(pointers or {})}
+    class_tables = ("lut_s", "lut_u") if constexprs.get("FMT") == Q8 else ("lut",) if constexprs.get("POW2") else ()
     for p in kernel.params:
         if p.is_constexpr or p.name in constexprs:
             sig[p.name] = "constexpr"
-        elif p.name in pointers:
-            sig[p.name] = pointers[p.name]
+        elif p.name in class_tables:
+            sig[p.name] = "*i64"
         elif p.name in POINTERS:
             sig[p.name] = POINTERS[p.name]
         elif p.name in FP64_POINTERS or (p.name in ("rsum", "csum") and constexprs.get("MOMENTS")):
@@ -145,9 +142,9 @@ VARIANTS = [
             tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
     Variant("apply-adafactor-factored", factored._apply_kernel,
             tile(FACTORED=True, WIDE=True, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
-    Variant("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256),
-            pointers=dict(lut="*i64")),
-    Variant("quantize-table", codec._quantize_kernel, dict(SIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256)),
+    Variant("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256, POW2=True)),
+    Variant("quantize-table", codec._quantize_kernel,
+            dict(SIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256, POW2=False)),
     Variant("dequantize", codec._dequantize_kernel, dict(ROWS=runtime.TILE // 256, BLOCK=256)),
     # 4-bit state (block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
     Variant("adam-q4", adamw._adam_kernel, tile4(AMSGRAD=True, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST)),
@@ -171,5 +168,5 @@ def compile_variant(variant: Variant, target: GPUTarget = SM90) -> Any:
     kernel = variant.kernel
     none = NONE_ARGS if variant.constexprs.get("FMT") in (FP32, BF16) else {}
     constexprs = {**{k: v for k, v in none.items() if k in kernel.arg_names}, **variant.constexprs}
-    src = ASTSource(fn=kernel, signature=signature(kernel, constexprs, variant.pointers), constexprs=constexprs)
+    src = ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs)
     return triton.compile(src, target=target, options=dict(num_warps=variant.num_warps, enable_fp_fusion=False))
