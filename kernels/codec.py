@@ -9,12 +9,12 @@ They reproduce :mod:`lowmemopt.quant.blockwise` code for code (the tests compare
 
 The state maps (``pow2`` / ``upow2``, every optimizer kernel) find the nearest code by integer arithmetic on ``y``'s
 bits (:mod:`.pow2`: a rounding add and a shift per binade class, read from a 184-byte class table). Other maps (the
-legacy dynamic maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits of ``y``'s
-fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per element) holds
-the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's rule that a
-positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the kernels use
-the IEEE-rounded forms (``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on NVIDIA GPUs.
-The state maps' ``x / scale`` takes one reciprocal per block and a 3-operation correction per element
+legacy dynamic maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits
+of ``y``'s fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per
+element) holds the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's
+rule that a positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the
+kernels use the IEEE-rounded forms (``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on
+NVIDIA GPUs. The state maps' ``x / scale`` takes one reciprocal per block and a 3-operation correction per element
 (:mod:`.divide`), the same quotient wherever a code can tell.
 
 A tile is ``[ROWS, BLOCK]``: one quantization block per row, so a block's scale is a row reduction in registers.
