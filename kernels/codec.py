@@ -114,24 +114,17 @@ def rounded(x, DTYPE: tl.constexpr):
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr):
     """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) of a state map (``pow2`` / ``upow2``) -> (uint8 codes
-    [ROWS, BLOCK], fp32 scale [ROWS]): :func:`encode_pow2` with ``lut`` the map's class table
+    [ROWS, BLOCK], fp32 scale [ROWS]): one reciprocal per block, not a division per element (:mod:`.divide`: the
+    quotients are IEEE's wherever a code can tell), then :func:`.pow2.pow2_code` with ``lut`` the map's class table
     (:func:`.pow2.class_table`: one small gather per element) or None (compares against the class bounds)."""
-    code, scale = encode_pow2(x, book, lut, SIGNED)
-    return code.to(tl.uint8), scale
-
-
-@triton.jit
-def encode_pow2(x, book, table, SIGNED: tl.constexpr):
-    """(int32 codes, scale [ROWS]) of a tile in a state map: one reciprocal per block, not a division per element
-    (:mod:`.divide`: the quotients are IEEE's wherever a code can tell), then :func:`.pow2.pow2_code`."""
     scale = block_scale(x, book, 255, SIGNED)
     s = tl.where(scale > 0, scale, 1.0)
     y = row_quotients(x, s)
     if SIGNED:
-        code = pow2_code(y, True, None, table)
+        code = pow2_code(y, True, None, lut)
     else:
-        code = pow2_code(y, False, quotient_positive(x, s), table)
-    return code, scale
+        code = pow2_code(y, False, quotient_positive(x, s), lut)
+    return code.to(tl.uint8), scale
 
 
 @triton.jit

@@ -151,10 +151,15 @@ def _class_of(a, CLASSES: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _class_at(c, table, E_LO: tl.constexpr):
-    """(add, shift) of the class holding ``c`` (clamped bits) from the map's :func:`class_table`."""
-    entry = tl.load(table + ((c >> 23) - (E_LO >> 23)))
-    return entry.to(tl.int32), (entry >> 32).to(tl.int32)
+def _class(c, table, CLASSES: tl.constexpr, E_LO: tl.constexpr):
+    """(add, shift) of the class holding ``c`` (clamped bits): the row of its exponent in the map's
+    :func:`class_table`, or, ``table`` None, by compares against the bounds of ``CLASSES`` (:func:`_class_of`)."""
+    if table is None:
+        add, shift = _class_of(c, CLASSES, NCLS)
+    else:
+        entry = tl.load(table + ((c >> 23) - (E_LO >> 23)))
+        add, shift = entry.to(tl.int32), (entry >> 32).to(tl.int32)
+    return add, shift
 
 
 @triton.jit
@@ -170,17 +175,11 @@ def pow2_code(y, SIGNED: tl.constexpr, positive, table):
     if SIGNED:
         neg = (u >> 31) & 1
         c = tl.minimum(tl.maximum(a, E_LO_S), 0x3F800000)  # 1.0
-        if table is None:
-            add, shift = _class_of(c, ENC_S, NCLS)
-        else:
-            add, shift = _class_at(c, table, E_LO_S)
+        add, shift = _class(c, table, ENC_S, E_LO_S)
     else:
         neg = u & 0  # y <= 0 is masked below
         c = tl.minimum(tl.maximum(a, E_LO_U), 0x3F800000)
-        if table is None:
-            add, shift = _class_of(c, ENC_U, NCLS)
-        else:
-            add, shift = _class_at(c, table, E_LO_U)
+        add, shift = _class(c, table, ENC_U, E_LO_U)
     s = (c + neg).to(tl.uint32, bitcast=True) + add.to(tl.uint32, bitcast=True)
     code = (s >> shift.to(tl.uint32)).to(tl.int32, bitcast=True)
     if SIGNED:

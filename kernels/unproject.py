@@ -23,7 +23,7 @@ import triton.language as tl
 from . import runtime
 from .codec import load_grad, load_param, store_param, tile_coords
 from .launch import TL_DTYPES
-from .table import ceil_div, device_table, flagged_table, unit_map
+from .table import aligned, ceil_div, device_table, flagged_table, unit_map
 
 __all__ = ["DTYPES", "apply_updates"]
 
@@ -79,8 +79,8 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
     else:
         math, c_ptr, c = SCALAR_DECAY, updates, float(math_decay)
     updates = updates.contiguous()
-    rows = [[p.data_ptr(), u.data_ptr(), p.numel()] for p, u in zip(params, updates.unbind(0))]
-    aligned = all(row[0] % 16 == 0 and row[1] % 16 == 0 for row in rows)  # (table.aligned of params and updates)
+    each = updates.unbind(0)
+    rows = [[p.data_ptr(), u.data_ptr(), p.numel()] for p, u in zip(params, each)]
     block = _BLOCK
     tile_rows = runtime.rows_per_tile(block, device)
     counts = [ceil_div(p.numel(), tile_rows * block) for p in params]
@@ -88,5 +88,5 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
     table = device_table(rows, device) if flags is None else flagged_table(rows, device, flags, flag_rows)
     _apply_kernel[(sum(counts),)](
         units, table, c_ptr, c, float(scale), float(decay), W=3, P_DTYPE=TL_DTYPES[p_dtype],
-        U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=aligned, ROWS=tile_rows,
+        U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=aligned([*params, *each]), ROWS=tile_rows,
         BLOCK=block, MATH=math, DECAY=decay != 1.0, num_warps=runtime.tile_shape(device)[1], enable_fp_fusion=False)

@@ -38,6 +38,7 @@ raises there.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -93,11 +94,6 @@ class PerLayerSteps:
         self.skipped = 0
 
     def add(self, p: torch.Tensor, group: dict) -> None:
-        if self.bucket_bytes <= 0:
-            if not step_one(self.optimizer, p, group, self.pending):
-                self.skipped += 1
-            p.grad = None
-            return
         self.held.append((p, group))
         # the whole gradient's size (a DTensor's too): every rank of a sharded model cuts its buckets at the same
         # parameters, so that their collectives (agree_finite) pair up
@@ -256,6 +252,11 @@ def step_in_backward(
             "without clipping (max_grad_norm=None / 0), or without per-layer updates (backward(), clip, "
             "optimizer.step())"
         )
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (must be an int >= 0)")
-    return BackwardStepper(model, optimizer, accumulation_steps, bucket_bytes)
+    return BackwardStepper(model, optimizer, accumulation_steps, check_bucket_bytes(bucket_bytes))
+
+
+def check_bucket_bytes(value: Any) -> int:
+    """``bucket_bytes`` of :func:`step_in_backward`, checked: an int >= 0 (ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"step_in_backward: bucket_bytes must be an int >= 0, got {value!r}")
+    return value

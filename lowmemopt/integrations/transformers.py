@@ -175,9 +175,9 @@ def _check_step_in_backward(value: Any) -> dict[str, Any] | None:
     if unknown:
         raise TypeError(f"step_in_backward: unknown options {unknown} (known: 'bucket_bytes'; accumulation_steps and "
                         "max_grad_norm come from the TrainingArguments)")
-    bucket = value.get("bucket_bytes", 0)
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
-        raise ValueError(f"step_in_backward: bucket_bytes must be an int >= 0, got {bucket!r}")
+    from ..per_layer import check_bucket_bytes
+
+    check_bucket_bytes(value.get("bucket_bytes", 0))
     return dict(value)
 
 
