@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tensor_scalar, tile_coords
 from .divide import div_by, reciprocal
 from .launch import Bucket, Update, scalar
 
@@ -73,8 +73,13 @@ def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
-                 AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr):
+                 AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, scal=None,
+                 DEVICE_SCALARS: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if DEVICE_SCALARS:  # a capturable step: each tensor's (step size, bias correction, decay) from the device
+        step_size = tensor_scalar(scal, t, 3, 0)
+        bc2_sqrt = tensor_scalar(scal, t, 3, 1)
+        decay = tensor_scalar(scal, t, 3, 2)
     if full:
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
@@ -90,14 +95,19 @@ def slots(group: dict) -> tuple[str, ...]:
 
 
 def launch(u: Update, bucket: Bucket) -> None:
-    """One multi-tensor launch over the bucket."""
+    """One multi-tensor launch over the bucket (a capturable step: the step-dependent scalars per tensor, made on the
+    device, :attr:`Update.steps`)."""
     kw = u.kwargs
     beta1, beta2 = kw["betas"]
-    lr = scalar(kw["lr"])
     wd = scalar(kw["weight_decay"])
-    args = (1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, -lr / kw["bias_correction1"],
-            kw["bias_correction2_sqrt"], scalar(u.decay))
+    if u.steps is None:
+        stepping, scal = (-scalar(kw["lr"]) / kw["bias_correction1"], kw["bias_correction2_sqrt"], scalar(u.decay)), None
+    else:
+        stepping = (0.0, 0.0, 0.0)  # read from scal
+        scal = bucket.scalars(-kw["lr"] / kw["bias_correction1"], kw["bias_correction2_sqrt"], u.decay)
+    args = (1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, *stepping)
     names = slots(u.group)
     extra, update = bucket.param_update(u.group, u.step)
     bucket.tile_launch(_adam_kernel, names, args, writes=True, extra=extra, UPDATE=update, AMSGRAD=bool(kw["amsgrad"]),
+                       scal=scal, DEVICE_SCALARS=scal is not None,
                        MAXIMIZE=bool(kw["maximize"]), L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"])

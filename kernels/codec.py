@@ -356,6 +356,14 @@ def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
+def tensor_scalar(scal, t, K: tl.constexpr, I: tl.constexpr):
+    """Scalar ``I`` of tensor ``t`` in a launch's device scalars ``scal`` (fp32 ``[T, K]``,
+    :meth:`.launch.Bucket.scalars`): the step's values a captured step cannot take as arguments (learning rate, bias
+    corrections, decay), made on the device by the launcher."""
+    return tl.load(scal + t.to(tl.int64) * K + I)
+
+
+@triton.jit
 def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
     """The parameter (column 0) as fp32."""
     return ld(typed(tl.load(row), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)

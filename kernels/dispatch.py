@@ -29,11 +29,12 @@ from typing import Any, Callable
 import torch
 
 from lowmemopt._stacklevel import external_stacklevel
-from lowmemopt.pipeline import triton_usable
+from lowmemopt.pipeline import capture, triton_usable
 from lowmemopt.pipeline.items import Item, Update
 from lowmemopt.quant.formats import format_of
 
 from . import registry, runtime
+from .table import device_index
 
 __all__ = ["step_items", "stats"]
 
@@ -43,13 +44,20 @@ stats: dict[tuple[str, str], int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, int], Update],
-               flags: torch.Tensor | None = None) -> list[Item]:
+def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, Any], Update],
+               flags: torch.Tensor | None = None, device_steps: bool = False) -> list[Item]:
     """Step what the kernels can of ``items`` (all of one optimizer, running ``algorithm``); return the rest.
     ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket. ``flags``: the step's gradient
     finiteness on the device (uint8, :mod:`lowmemopt.pipeline.finite`); an item with a ``flag`` row is stepped only
-    where it is 1, decided by the kernels (its step count is written here all the same: the caller undoes a skip's)."""
+    where it is 1, decided by the kernels (its step count is written here all the same: the caller undoes a skip's).
+
+    ``device_steps`` (a capturable step, :mod:`lowmemopt.pipeline.capture`): the step counts are tensors on the
+    device, ``update_for`` gets each bucket's steps as an fp64 ``[T]`` tensor, and the counts advance on the device by
+    the flags. Nothing may be left to the per-tensor backends (they need the host's counts and flags): an item no
+    kernel takes raises ValueError before anything is launched, and a failed launch raises."""
     if not items or not triton_usable({it.target.device for it in items}):
+        if device_steps and items:
+            raise ValueError("capturable=True needs the fused Triton kernels, which this device does not have")
         return items
     from .launch import Bucket, Unsupported
 
@@ -57,20 +65,31 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
     buckets: dict[tuple, tuple[Any, list[Item]]] = {}
     usable: dict[torch.device, bool] = {}  # runtime.device_ok per device
     for it in items:
-        kernel = _kernel_for(algorithm, it, usable)
+        kernel = _kernel_for(algorithm, it, usable, device_steps)
         if kernel is None:
+            if device_steps:
+                raise ValueError(f"capturable=True: no fused kernel takes a parameter of shape {tuple(it.target.shape)} "
+                                 f"({it.target.dtype}, gradient {it.grad.dtype}, contiguous: "
+                                 f"{it.target.is_contiguous() and it.grad.is_contiguous()}); a capturable step "
+                                 "cannot fall back to the per-tensor path")
             rest.append(it)
             continue
         t = it.target
-        key = (id(it.group), it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, it.state["step"],
-               kernel.layout(t), it.flag is not None, it.weight is not None)
+        key = (id(it.group), it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device,
+               None if device_steps else it.state["step"], kernel.layout(t), it.flag is not None, it.weight is not None)
         buckets.setdefault(key, (kernel, []))[1].append(it)
 
     for key, (kernel, members) in buckets.items():
         if not runtime.ENABLED:  # turned off by a failure in an earlier bucket
+            if device_steps:
+                raise RuntimeError("capturable=True: the fused Triton kernels were turned off by an earlier failure")
             rest += members
             continue
-        step = key[6] + 1
+        if device_steps:
+            counters = capture.counters([it.state for it in members], members[0].target.device)
+            step = torch.stack(counters).to(torch.float64) + 1  # the step each tensor takes
+        else:
+            step = key[6] + 1
         update = update_for(members[0], step)
         bucket = Bucket([it.target for it in members], [it.grad for it in members], [it.state for it in members],
                         kernel.fmt, update.block_size, index_bases=[it.index_base for it in members])
@@ -80,26 +99,33 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, in
             bucket.flags, bucket.flag_rows = flags, [it.flag for it in members]
         try:
             kernel.launch(update, bucket)
-        except Unsupported:
+        except Unsupported as exc:
+            if device_steps:
+                raise ValueError(f"capturable=True: {exc}") from None
             rest += members
             continue
         except Exception as exc:
-            if bucket.written:
+            if bucket.written or device_steps:
                 raise
             runtime.ENABLED = False
             warnings.warn(f"lowmemopt: fused Triton kernels unavailable ({type(exc).__name__}: {exc}); "
                           "using the reference step", RuntimeWarning, stacklevel=external_stacklevel())
             rest += members
             continue
-        for it in members:
-            it.state["step"] = step
+        if device_steps:  # a skipped tensor's count stays: it advances by its flag
+            capture.advance(counters, None if bucket.flags is None else flags.index_select(
+                0, device_index(bucket.flag_rows, bucket.device)))
+        else:
+            for it in members:
+                it.state["step"] = step
         stats[(kernel.algorithm, kernel.fmt)] = stats.get((kernel.algorithm, kernel.fmt), 0) + 1
     return rest
 
 
-def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool]):
+def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], device_steps: bool = False):
     """The kernel for this item, or None: it takes a per-tensor backend. ``usable``: a per-call cache of
-    ``runtime.device_ok`` by device (host work per item is what a step pays per parameter)."""
+    ``runtime.device_ok`` by device (host work per item is what a step pays per parameter); ``device_steps``: the
+    step count is a tensor on the device (a capturable step), not an int."""
     t, g, state = it.target, it.grad, it.state
     device = t.device
     ok = usable.get(device)
@@ -109,7 +135,7 @@ def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool]):
         return None
     if g.shape != t.shape or g.device != device or not (t.is_contiguous() and g.is_contiguous()):
         return None
-    if not isinstance(state.get("step"), int):  # e.g. a tensor step from a foreign state dict
+    if not device_steps and not isinstance(state.get("step"), int):  # e.g. a tensor step from a foreign state dict
         return None
     # the format of the target-sized slots, all one (a target without any counts as fp32)
     numel, fmt = t.numel(), None

@@ -182,6 +182,16 @@ class Bucket:
             table = flagged_table(rows, device, self.flags, self.flag_rows, self.flagged)
         return table, unit_map(counts, device)
 
+    def scalars(self, *columns: Any) -> torch.Tensor:
+        """A capturable step's per-tensor scalars (:func:`.codec.tensor_scalar`): fp32 ``[T, K]`` on the device, column
+        ``k`` ``columns[k]`` for every tensor (a ``[T]`` or 0-dim tensor on the device, or a number), made in fp64 and
+        rounded to fp32 once, as a Python float argument is: the same values as the host's. Device operations only
+        (fills and copies), so a captured graph recomputes them from the step counters and the learning rate."""
+        out = torch.empty(len(self.params), len(columns), dtype=torch.float64, device=self.device)
+        for k, column in enumerate(columns):
+            out[:, k] = column
+        return out.to(torch.float32)
+
     def accumulators(self, n: int) -> torch.Tensor:
         """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""
         return torch.zeros(len(self.params), n, dtype=torch.float32, device=self.device)

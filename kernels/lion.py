@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["lion_update", "launch", "slots"]
@@ -41,8 +41,12 @@ def _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_b
 def _lion_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr):
+                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr, scal=None,
+                 DEVICE_SCALARS: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if DEVICE_SCALARS:  # a capturable step: (-lr, decay) from the device
+        neg_lr = tensor_scalar(scal, t, 2, 0)
+        decay = tensor_scalar(scal, t, 2, 1)
     if full:
         _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
                    neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, False)
@@ -58,6 +62,11 @@ def slots(group: dict) -> tuple[str, ...]:
 def launch(u: Update, bucket: Bucket) -> None:
     kw = u.kwargs
     beta1, beta2 = kw["betas"]
-    args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, -scalar(kw["lr"]), scalar(u.decay))
+    if u.steps is None:
+        stepping, scal = (-scalar(kw["lr"]), scalar(u.decay)), None
+    else:  # a capturable step: read from scal
+        stepping, scal = (0.0, 0.0), bucket.scalars(-kw["lr"], u.decay)
+    args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, *stepping)
     extra, update = bucket.param_update(u.group, u.step)
-    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update)
+    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update, scal=scal,
+                       DEVICE_SCALARS=scal is not None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["sgd_update", "launch", "slots"]
@@ -59,8 +59,13 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 neg_lr, momentum, one_minus_dampening, weight_decay, first_step, decay,
                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
-                MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr):
+                MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr,
+                scal=None, DEVICE_SCALARS: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor, decay) from the device
+        neg_lr = tensor_scalar(scal, t, 3, 0)
+        first_step = tensor_scalar(scal, t, 3, 1)
+        decay = tensor_scalar(scal, t, 3, 2)
     if full:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W, False)
@@ -76,9 +81,14 @@ def slots(group: dict) -> tuple[str, ...]:
 def launch(u: Update, bucket: Bucket) -> None:
     kw = u.kwargs
     wd = scalar(kw["weight_decay"])
-    args = (-scalar(kw["lr"]), scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, int(bool(kw["first_step"])),
-            scalar(u.decay))
+    if u.steps is None:
+        neg_lr, first, decay, scal = -scalar(kw["lr"]), int(bool(kw["first_step"])), scalar(u.decay), None
+    else:  # a capturable step: read from scal
+        neg_lr, first, decay = 0.0, 0, 0.0
+        scal = bucket.scalars(-kw["lr"], kw["first_step"], u.decay)
+    args = (neg_lr, scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, first, decay)
     extra, update = bucket.param_update(u.group, u.step)
-    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
+    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update, scal=scal,
+                       DEVICE_SCALARS=scal is not None,
                        MOMENTUM=kw["momentum"] != 0,
                        NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]), DECAY=wd != 0)

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from lowmemopt.pipeline import capture
+
 __all__ = ["upload", "device_tables", "device_table", "flagged_table", "device_index", "unit_map", "aligned",
            "ceil_div"]
 
@@ -35,12 +37,20 @@ class _Cache:
         self.nbytes = 0
 
     def get(self, key: tuple, make):
+        """The entry of ``key``, made by ``make()`` if missing. An entry returned while its device's stream captures a
+        CUDA graph is kept for the process (:func:`lowmemopt.pipeline.capture.keep`): the graph reads it by address
+        at every replay, after this cache may have dropped it."""
         hit = self.entries.get(key)
         if hit is not None:
             self.entries.move_to_end(key)
-            return hit[0]
+            value = hit[0]
+            tensors = value if isinstance(value, tuple) else (value,)
+            capture.keep(tensors[0].device, *tensors)
+            return value
         value = make()
-        size = sum(t.numel() * t.element_size() for t in (value if isinstance(value, tuple) else (value,)))
+        tensors = value if isinstance(value, tuple) else (value,)
+        capture.keep(tensors[0].device, *tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors)
         self.entries[key] = (value, size)
         self.nbytes += size
         while len(self.entries) > self.limit or (
@@ -63,12 +73,14 @@ _indices = _Cache(_CACHE_SIZE)
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor ``t`` on ``device``. To a CUDA device from page-locked memory and ``non_blocking``: a copy from
     pageable memory synchronizes the host with the stream (the host would wait for every kernel queued before it).
-    The page-locked block is not reused before the copy has run (torch's caching host allocator records it)."""
+    The page-locked block is not reused before the copy has run (torch's caching host allocator records it), and
+    during a graph capture it is kept for the process: every replay copies from it again."""
     if device.type == "cuda":
         try:
             t = t.pin_memory()
         except RuntimeError:  # (no page-locked memory to be had: the blocking copy)
             return t.to(device)
+        capture.keep(device, t)
         return t.to(device, non_blocking=True)
     return t.to(device)
 

@@ -34,7 +34,7 @@ POINTERS = {"units": "*i32", "table": "*i64", "lut_s": "*i32", "lut_u": "*i32", 
 #: CAME's fp64 row/column moment sums (and ``rsum`` / ``csum`` of the factors pass that reads them: ``MOMENTS``)
 FP64_POINTERS = {"rmom", "cmom"}
 FP32_POINTERS = {"c_ptr", "book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cfac", "rfac2", "cfac2", "absmax_ptr",
-                 "out_ptr", "x_ptr"}
+                 "out_ptr", "x_ptr", "scal"}
 INTS = {"first_step": "i32", "numel": "i64"}
 #: the encode tables of the dense formats: None (they have none); 8-bit state has the pow2 maps' int64 class tables
 #: (:func:`.codec.maps`), 4-bit state its int32 bucket tables
@@ -118,6 +118,9 @@ VARIANTS = [
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=STOCHASTIC, W=17)),
     Variant("adam-arith", adamw._adam_kernel,  # runtime.Q8_DECODE = "arithmetic": no code books
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, book_s=None, book_u=None)),
+    # a capturable step: the step's scalars read per tensor from the device (lowmemopt.pipeline.capture)
+    Variant("adam-capturable", adamw._adam_kernel,
+            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, DEVICE_SCALARS=True)),
     Variant("adam-fp32-state", adamw._adam_kernel,
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, FMT=FP32)),
     Variant("sgd", sgd._sgd_kernel,
@@ -166,7 +169,9 @@ def compile_variant(variant: Variant, target: GPUTarget = SM90) -> Any:
     ``metadata``), with the launchers' options (no FP contraction). Dense formats get ``None`` encode tables (as at
     run time); 8-bit ones their class tables, 4-bit ones their bucket tables."""
     kernel = variant.kernel
-    none = NONE_ARGS if variant.constexprs.get("FMT") in (FP32, BF16) else {}
+    none = dict(NONE_ARGS) if variant.constexprs.get("FMT") in (FP32, BF16) else {}
+    if not variant.constexprs.get("DEVICE_SCALARS"):
+        none["scal"] = None  # (the ordinary launch: the step's scalars are arguments)
     constexprs = {**{k: v for k, v in none.items() if k in kernel.arg_names}, **variant.constexprs}
     src = ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs)
     return triton.compile(src, target=target, options=dict(num_warps=variant.num_warps, enable_fp_fusion=False))

@@ -72,6 +72,7 @@ import torch
 from . import compiled, cpu, paging, pipeline, rounding
 from ._stacklevel import external_stacklevel
 from .distributed.reduction import LOCAL, Reduction
+from .pipeline.capture import CAPTURABLE_ALGORITHMS
 from .pipeline.finite import DEFERRED_ALGORITHMS, DeviceFlags, finite_norms
 from .distributed.sharding import (
     agree_finite,
@@ -91,9 +92,11 @@ __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "alg
 #: 2: 8-bit state in the pow2 maps; 1: in bitsandbytes' dynamic maps (still read: re-encoded on load)
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
+#: storage and execution options: keyword-only on every optimizer, settable per param group, and this optimizer's
+#: own when a state dict is loaded (not the checkpoint's)
 STORAGE_DEFAULTS = dict(
     state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0,
-    bf16_update="nearest",
+    bf16_update="nearest", capturable=False,
 )
 CHUNK_NUMEL = pipeline.CHUNK_NUMEL  # eager path: elements per chunk (1 MiB of fp32 per temporary)
 #: the non-finite check decided on the device where the kernels allow it (:mod:`lowmemopt.pipeline.finite`); False:
@@ -210,6 +213,14 @@ def check_storage(group: dict) -> None:
         raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
     paging.check_paging(group)
     rounding.check_mode(group.get("bf16_update", "nearest"))  # bfloat16 parameters: nearest | stochastic | kahan
+    capturable = group.get("capturable", False)
+    if not isinstance(capturable, bool):
+        raise TypeError(f"Invalid capturable: expected a bool, got {type(capturable).__name__}")
+    if capturable and paging.tier_of(group) is not None:
+        raise ValueError("capturable=True cannot page state: a captured step cannot move it between host and device")
+    if capturable and group.get("bf16_update", "nearest") == "stochastic":
+        raise ValueError("capturable=True cannot round bf16 parameters stochastically (each step's hash key is made "
+                         "on the host); use bf16_update='nearest' or 'kahan'")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -244,6 +255,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         offload_dir: str | os.PathLike | None = None,
         page_budget_bytes: int = 0,
         bf16_update: str = "nearest",
+        capturable: bool = False,
     ) -> None:
         defaults = dict(defaults)
         self._default_block_size = block_size is None  # groups that set state_bits get their bits' block size
@@ -257,10 +269,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
             offload_dir=offload_dir,
             page_budget_bytes=page_budget_bytes,
             bf16_update=bf16_update,
+            capturable=capturable,
         )
         check_storage(defaults)
         self._check_group(defaults)
-        self.nonfinite_skips = 0
+        self._nonfinite_skips = 0
+        self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_state_dict_post_hook)
@@ -346,6 +360,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         try:
             check_storage(group)
             self._check_group(group)
+            if group.get("capturable") and (kernel_algorithm(self) not in CAPTURABLE_ALGORITHMS
+                                            or type(self)._step_param is not LowMemOptimizer._step_param):
+                raise ValueError(f"{type(self).__name__} does not support capturable=True (Adam, AdamW, Lion and SGD "
+                                 "do: their fused kernels read the step's scalars on the device)")
+            if group.get("capturable") and group.get("rank") is not None:
+                raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD "
+                                 "that synchronizes)")
             if group.get("rank") is not None:  # a GaLore group: fill its defaults and check them
                 from .projection.step import check_group
 
@@ -378,6 +399,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 work.append((p, group))
         if not work:
             return loss
+        if self._capturable(work):
+            return self._capturable_step(work, loss)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
             pager.begin(work)  # checks devices, makes homes for new state: raises before anything changes
@@ -403,13 +426,71 @@ class LowMemOptimizer(torch.optim.Optimizer):
             self._run_pipeline(todo, finite, grads, pipe, pager)
         skipped = sum(f is False for f in finite)
         if skipped:
-            self.nonfinite_skips += skipped
+            self._nonfinite_skips += skipped
             warnings.warn(
                 f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients this step "
                 "(their values and optimizer state are unchanged)",
                 RuntimeWarning,
                 stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
             )
+        return loss
+
+    @property
+    def nonfinite_skips(self) -> int:
+        """Parameters skipped for a NaN/Inf gradient so far (see the module docstring). Capturable steps count theirs
+        on the device: reading this then waits for the device."""
+        n = self._nonfinite_skips
+        if self._device_skips is not None:
+            n += int(self._device_skips.item())
+        return n
+
+    @nonfinite_skips.setter
+    def nonfinite_skips(self, value: int) -> None:
+        self._nonfinite_skips = int(value)
+        self._device_skips = None
+
+    def _capturable(self, work: list[tuple[torch.Tensor, dict]]) -> bool:
+        """Is this a capturable step (``capturable=True``, :mod:`lowmemopt.pipeline.capture`)? Raises ValueError
+        before anything changes where one cannot be made: some groups capturable and others not, several devices,
+        no fused kernels there, DTensor shards, or a group changed since construction (paged, GaLore)."""
+        first = work[0][1].get("capturable", False)
+        mixed = any(group.get("capturable", False) != first for _, group in work)
+        if not first and not mixed:
+            return False
+        if mixed:
+            raise ValueError("capturable=True is set in some param groups and not in others: a step is captured whole")
+        for group in {id(g): g for _, g in work}.values():
+            check_storage(group)  # (paging, stochastic rounding: changed since the group was added)
+            if group.get("rank") is not None:
+                raise ValueError("capturable=True does not apply to GaLore param groups")
+        devices = {p.device for p, _ in work}
+        if len(devices) != 1 or not pipeline.triton_usable(devices):
+            raise ValueError(f"capturable=True needs every parameter on one CUDA device with the fused Triton kernels "
+                             f"(got {sorted(map(str, devices))})")
+        if not DEFER_FINITE_CHECK:
+            raise ValueError("capturable=True needs the non-finite check on the device (DEFER_FINITE_CHECK)")
+        state = self.state
+        for p, _ in work:
+            if is_dtensor(p):
+                raise ValueError("capturable=True does not take DTensor (FSDP2) parameters")
+            if "galore.side" in state.get(p, ()):
+                raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
+        return True
+
+    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], loss: Any) -> Any:
+        """A step that reads nothing back from the device (:mod:`lowmemopt.pipeline.capture`): the non-finite check,
+        the step counts and the step's scalars stay there, and skips are counted in a device tensor, not warned
+        about."""
+        grads = [local_tensor(p.grad) for p, _ in work]
+        flags = DeviceFlags([p for p, _ in work], grads)
+        self._run_pipeline([(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work), grads, None, None,
+                           flags, device_steps=True)
+        skipped = (flags.tensor == 0).sum()
+        if self._device_skips is None or self._device_skips.device != skipped.device:
+            if self._device_skips is not None:  # (moved to another device: fold the old count in, once)
+                self._nonfinite_skips += int(self._device_skips.item())
+            self._device_skips = torch.zeros((), dtype=torch.int64, device=skipped.device)
+        self._device_skips.add_(skipped)
         return loss
 
     def device_flags(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
@@ -447,15 +528,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _run_pipeline(self, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                       grads: list[torch.Tensor], pipe: _CpuFiniteChecks | None, pager: Any,
-                      flags: DeviceFlags | None = None) -> None:
+                      flags: DeviceFlags | None = None, device_steps: bool = False) -> None:
         """Hand ``todo`` to the step pipeline (:func:`lowmemopt.pipeline.run`) with what it needs to know of this
         optimizer: its fused algorithm (none for a subclass that steps its parameters itself) and the GaLore stage
         (which the pipeline asks only of projected parameters). ``flags``: the finiteness check on the device
-        (:meth:`device_flags`)."""
+        (:meth:`device_flags`); ``device_steps``: a capturable step (:meth:`_capturable_step`)."""
         from .projection import step as galore
 
         bucketed = kernel_algorithm(self) if type(self)._step_param is LowMemOptimizer._step_param else None
-        pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags)
+        pipeline.run(self, todo, finite, grads, pipe, pager, bucketed, galore, flags, device_steps)
 
     def _step_some(self, work: list[tuple[torch.Tensor, dict[str, Any]]], flags: DeviceFlags | None = None) -> None:
         """Step ``work``'s parameters, whose gradients (``p.grad``) are known to be finite, or whose finiteness
@@ -463,6 +544,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         fetched and written back; the fused kernels where their device has them, one launch set per bucket): the
         per-layer updates inside ``backward()`` (:func:`lowmemopt.step_in_backward`), one parameter or a bucket of
         them at a time."""
+        if any(group.get("capturable") for _, group in work):
+            raise ValueError("capturable=True param groups step in optimizer.step() only, not in per-layer updates")
         pager = None
         if flags is None:  # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
             pager = self._pager_for(work)
@@ -551,6 +634,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
             state = self._init_state(p, group, slots, state, numel=numel, reduce=reduce)
         elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
             rounding.init_state(state, p, group, reduce.agree)
+        if isinstance(state["step"], torch.Tensor):  # a capturable step's count, back on the host (once)
+            state["step"] = int(state["step"].item())
         state["step"] += 1
         target = p if p.is_contiguous() else p.contiguous()
         scanned = self._update_flat(p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],

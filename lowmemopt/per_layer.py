@@ -174,7 +174,7 @@ class BackwardStepper:
             self.micro_step = 0
             self.steps += 1
         if skipped:
-            self.optimizer.nonfinite_skips += skipped
+            self.optimizer._nonfinite_skips += skipped
             warnings.warn(
                 f"{type(self.optimizer).__name__} (step_in_backward): skipped {skipped} parameter(s) with NaN/Inf "
                 "gradients this step (their values and optimizer state are unchanged)",
@@ -252,6 +252,9 @@ def step_in_backward(
             "without clipping (max_grad_norm=None / 0), or without per-layer updates (backward(), clip, "
             "optimizer.step())"
         )
+    if any(group.get("capturable") for group in optimizer.param_groups):
+        raise ValueError("step_in_backward does not take capturable=True param groups: a capturable step is one "
+                         "optimizer.step() (a CUDA graph captures it whole), not updates inside backward()")
     return BackwardStepper(model, optimizer, accumulation_steps, check_bucket_bytes(bucket_bytes))
 
 

@@ -206,3 +206,11 @@ def test_e2e_missing_library_row():
     assert "peak device memory (GiB)" in table[0] and "loss after 10 steps" in table[0]
     assert table[2] == "| torch-adamw-fused | 0.0003 | 1.00 | 1.00x | 200.0 | 1.00x | 10.00 | 1.00x | 1.000 (from 5.00) | |"
     assert table[3] == "| torchao-adamw8bit | — | — | — | — | — | — | — | — | not installed (torchao) |"
+
+
+def test_e2e_graph_row_needs_cuda():
+    """The ``-graph`` row captures ``opt.step()`` in a CUDA graph: on the CPU its factory says why it cannot run."""
+    e2e = load_bench("e2e")
+    lr, make = e2e.ROWS["lowmemopt-adamw-8bit-graph"]
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        make(torch.nn.Linear(4, 4), lr, None)

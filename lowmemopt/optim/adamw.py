@@ -104,8 +104,10 @@ class Adam(LowMemOptimizer):
         return slots
 
     def _step_scalars(self, group, step):
-        beta1, beta2 = group["betas"]
-        return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=math.sqrt(1 - beta2**step))
+        beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
+        bc2 = 1 - beta2**step
+        return dict(bias_correction1=1 - beta1**step,
+                    bias_correction2_sqrt=bc2.sqrt() if isinstance(bc2, torch.Tensor) else math.sqrt(bc2))
 
     def _decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"] if group["decoupled_weight_decay"] else 1.0

@@ -26,6 +26,7 @@ import torch
 from .. import rounding
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import local_view
+from . import capture
 from .finite import DeviceFlags
 from .items import Item, Update
 
@@ -62,13 +63,14 @@ def triton_usable(devices: set[torch.device]) -> bool:
 
 def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
         grads: list[torch.Tensor], pipe: Any, pager: Any, name: str | None, galore: Any,
-        flags: DeviceFlags | None = None) -> None:
+        flags: DeviceFlags | None = None, device_steps: bool = False) -> None:
     """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
     gradient checked in the native kernels' pipeline (``optimizer._step_in_order``); ``pager``: the paging manager,
     or None when nothing is paged; ``name``: the optimizer's fused algorithm (None: no bucketed backend, e.g. a
     subclass that steps its parameters itself); ``galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or
     None when no param group is projected; ``flags``: the gradients' finiteness on the device (:mod:`.finite`;
-    ``finite`` then says True for all, provisionally), read on the host only after the kernels are launched."""
+    ``finite`` then says True for all, provisionally), read on the host only after the kernels are launched.
+    ``device_steps``: a capturable step (:mod:`.capture`): everything through the kernels, nothing read back."""
     if name is not None and not triton_usable({p.device for _, p, _ in todo}):
         name = None
     if name is not None:  # (imported here: lowmemopt imports without its kernels package, e.g. from a source tree)
@@ -76,10 +78,13 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
 
         if name not in ALGORITHMS:
             name = None
+    if device_steps and (name is None or pager is not None or flags is None):
+        raise ValueError("capturable=True needs the fused Triton kernels, unpaged state and the device-side "
+                         "non-finite check")
     if pager is None:
         if name is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
-            left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore, flags)}
+            left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore, flags, device_steps)}
             todo = [t for t in todo if finite[t[0]] is None or id(t[1]) in left]
         if flags is not None and todo:  # the per-tensor backends need the decision on the host (after the launches)
             for i, p, _ in todo:
@@ -98,10 +103,11 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
 
 
 def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
-                 flags: DeviceFlags | None = None) -> Work:
+                 flags: DeviceFlags | None = None, device_steps: bool = False) -> Work:
     """Gather ``work`` into items, project the GaLore ones, step what the Triton kernels take (one launch set per
     bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
-    the step's device-side finiteness flags, which the launches (and GaLore's apply pass) read."""
+    the step's device-side finiteness flags, which the launches (and GaLore's apply pass) read. ``device_steps``: a
+    capturable step (:mod:`.capture`: step counts and the step's scalars on the device); it leaves nothing."""
     from ..kernels.dispatch import step_items
 
     rest: Work = []
@@ -128,8 +134,18 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
         fresh = flags is not None and (state is None or "step" not in state)
         it = _plain_item(optimizer, p, group, state)
         if it is None:
+            if device_steps:
+                raise ValueError(f"capturable=True: a parameter of shape {tuple(p.shape)} cannot take the fused "
+                                 "kernels (not contiguous, or a shard whose math needs the whole tensor)")
             rest.append((p, group))
         else:
+            if device_steps:  # the count stays on the device and advances by the flag (capture.advance)
+                it.flag = flags.position[id(p)]
+                capture.counters([it.state], it.target.device)
+                plain.append(it)
+                continue
+            if isinstance(it.state["step"], torch.Tensor):  # a capturable step's count, back on the host (once)
+                it.state["step"] = int(it.state["step"].item())
             if flags is not None:  # stepped provisionally: the kernels read the flag, the host undoes a skip's count
                 it.flag = flags.position[id(p)]
                 flags.note(p, it.state, fresh)
@@ -145,11 +161,16 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
         galore.stand_ins(projected)
         galore.weights(optimizer, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
-    def update_for(it: Item, step: int) -> Update:
-        decay = 1.0 if it.projected else optimizer._decay_factor(it.group)
-        return Update(name, optimizer._math_kwargs(it.group, step), it.group, decay, step, it.group["block_size"])
+    def update_for(it: Item, step: Any) -> Update:
+        group = it.group
+        if device_steps:  # step: each tensor's, fp64 [T] on the device; a tensor lr is read there too
+            group = dict(group, lr=capture.device_value(group["lr"], it.target.device))
+        decay = 1.0 if it.projected else optimizer._decay_factor(group)
+        if device_steps:
+            return Update(name, optimizer._math_kwargs(group, step), it.group, decay, 0, group["block_size"], step)
+        return Update(name, optimizer._math_kwargs(group, step), group, decay, step, group["block_size"])
 
-    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor)
+    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps)
     finished: set[int] = set()
     for it in left:
         if not it.projected:

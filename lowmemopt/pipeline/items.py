@@ -4,7 +4,8 @@ An :class:`Item` is one tensor to update: the tensor a backend writes (a paramet
 GaLore-projected parameter a low-rank buffer that receives the update), its gradient, its state dict and the slots the
 algorithm declares for it. An :class:`Update` is everything a backend needs to know about the algorithm for one bucket:
 its registered name, its hyper-parameters (the param group's, plus the step-dependent scalars) and the decay factor the
-parameter is multiplied by before the update is added.
+parameter is multiplied by before the update is added. In a capturable step (``capturable=True``) the step counts
+live on the device, so the step-dependent values are tensors there (:attr:`Update.steps`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ class Update:
     """The algorithm's side of one bucket: ``kwargs`` are the pure math's keyword arguments (hyper-parameters and
     step scalars, e.g. bias corrections), ``group`` the param group they came from (what kernels read directly:
     Adafactor's ``relative_step``, ...), ``decay`` the decoupled weight-decay factor, ``step`` the step number being
-    taken (1 on the first step)."""
+    taken (1 on the first step).
+
+    ``steps`` (a capturable step): the step each tensor of the bucket takes, fp64 ``[T]`` on the device, and ``step``
+    is 0. The step scalars in ``kwargs`` are then ``[T]`` tensors, and ``lr`` and ``decay`` may be tensors on the
+    device (a learning rate given as one); the kernels read them per tensor (:meth:`Bucket.scalars`)."""
 
     algorithm: str
     kwargs: dict[str, Any]
@@ -57,3 +62,4 @@ class Update:
     decay: float
     step: int
     block_size: int
+    steps: torch.Tensor | None = None

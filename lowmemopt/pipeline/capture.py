@@ -1,0 +1,97 @@
+"""Capturable steps (``capturable=True``): a ``step()`` that reads nothing back from the device, so a CUDA graph can
+capture it and replay it without the host.
+
+An ordinary step keeps its step counts on the host (Python ints) and hands the kernels the step's scalars as
+arguments (bias corrections, the learning rate, the decay factor). It reads one thing back at its end, the
+non-finite flags, to count skips and warn. Replayed from a graph, none of that host work would run: the counts would
+stay put and the scalars would be those of the captured step. A capturable step therefore
+
+* keeps each parameter's step count on its device (``state["step"]``: a 0-dim fp32 tensor, as ``torch.optim`` does
+  with ``capturable=True``; exact to 2^24 steps) and adds the parameter's finiteness flag to it after the launches
+  (one ``_foreach_add_``): a skipped parameter's count stays;
+* computes the step's scalars on the device from those counts and from ``lr`` (a number, or a tensor on the device
+  that a scheduler changes in place), in fp64 and rounded once to fp32, the values an ordinary step passes
+  (:meth:`lowmemopt.kernels.launch.Bucket.scalars`); the kernels read them per tensor;
+* decides the non-finite skip on the device (:mod:`.finite`) and counts skips in a device tensor
+  (``optimizer.nonfinite_skips`` reads it: a synchronization when asked, never in ``step()``). It does not warn.
+
+So a capturable step gives the same parameters and state as an ordinary one, bit for bit. It takes the fused Triton
+kernels of :data:`CAPTURABLE_ALGORITHMS` only, on one device, with nothing paged, projected (GaLore) or sharded
+(DTensor) and no stochastic rounding (its per-step hash key is made on the host); anything else raises before the
+step changes anything (:func:`lowmemopt.optimizer.LowMemOptimizer.step`).
+
+A graph replays device memory by address. Launch tables and index maps come from caches (:mod:`lowmemopt.kernels.table`)
+that may free an entry later; every cached tensor a step uses while its stream is capturing is kept for the life of
+the process (:func:`keep`), and so are the page-locked host buffers of uploads made during a capture.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["CAPTURABLE_ALGORITHMS", "capturing", "keep", "device_value", "counters", "advance"]
+
+#: fused algorithms whose kernels read the step's scalars from the device (:func:`lowmemopt.kernels.codec.tensor_scalar`)
+CAPTURABLE_ALGORITHMS = frozenset({"adam", "lion", "sgd"})
+
+#: tensors a captured graph reads by address (launch tables, index maps, upload buffers): kept for the process
+_KEPT: list[torch.Tensor] = []
+
+
+_cuda: bool | None = None  # torch.cuda.is_available(), asked once (a CPU build cannot ask about capture at all)
+
+
+def capturing(device: torch.device) -> bool:
+    """Is the current stream of ``device`` capturing a CUDA graph?"""
+    global _cuda
+    if device.type != "cuda":
+        return False
+    if _cuda is None:
+        _cuda = torch.cuda.is_available()
+    return _cuda and torch.cuda.is_current_stream_capturing()
+
+
+def keep(device: torch.device, *tensors: torch.Tensor) -> None:
+    """Keep ``tensors`` alive for the process if ``device``'s stream is capturing (a graph may read them at every
+    replay); nothing otherwise."""
+    if capturing(device):
+        _KEPT.extend(tensors)
+
+
+def device_value(x: Any, device: torch.device) -> Any:
+    """A hyper-parameter for a capturable step's device arithmetic: a tensor on ``device`` as fp64 (a device
+    operation: a graph replays it, so a scheduler's in-place change counts), a number or a CPU tensor as a Python
+    float (a constant of the graph)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu" and device.type != "cpu":
+            return float(x)
+        return x.to(device=device, dtype=torch.float64)
+    return float(x)
+
+
+def counters(states: Sequence[dict[str, Any]], device: torch.device) -> list[torch.Tensor]:
+    """The step counters of ``states`` as 0-dim fp32 tensors on ``device``, made in place from an int count (a new
+    state, one loaded from a checkpoint, or one an ordinary step kept) by a fill on the device (no host copy)."""
+    out = []
+    for st in states:
+        step = st["step"]
+        if not isinstance(step, torch.Tensor) or step.device != device or step.dtype != torch.float32:
+            value = float(step) if not isinstance(step, torch.Tensor) else step
+            if isinstance(value, float) and not (0 <= value <= 2**24 and value == math.floor(value)):
+                raise ValueError(f"step count {step!r} cannot be kept exactly in a capturable step (fp32)")
+            step = st["step"] = (torch.full((), value, dtype=torch.float32, device=device)
+                                 if isinstance(value, float) else value.to(device=device, dtype=torch.float32))
+        out.append(step)
+    return out
+
+
+def advance(steps: list[torch.Tensor], flags: torch.Tensor | None) -> None:
+    """Add 1 to each counter of ``steps``, or its finiteness flag (``flags``: uint8 ``[T]`` on the device, 0 for a
+    skipped tensor): one multi-tensor add."""
+    if flags is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        torch._foreach_add_(steps, list(flags.to(torch.float32).unbind()))
