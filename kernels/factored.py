@@ -59,8 +59,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lowmemopt.pipeline import capture
+
 from . import runtime
 from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
+                    tensor_scalar,
                     tile_coords, typed)
 from .launch import TL_DTYPES, Bucket, Update, scalar
 from .table import ceil_div
@@ -258,7 +261,7 @@ def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, MOMENTS: tl.constexpr):
 @triton.jit
 def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums, beta, one_minus_beta,
                     eps, beta1, clip_threshold, W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr,
-                    MOMENTS: tl.constexpr):
+                    MOMENTS: tl.constexpr, scal=None, DEVICE_SCALARS: tl.constexpr = False):
     """Pass 2 / 4 (one program per matrix of the batch): ``row = beta row + (1-beta) mean_row`` and likewise the
     columns (state, at table columns STAT, STAT + 1); ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``.
     ``mean_row``: see :func:`_mean` (``MOMENTS``: CAME's instability, ``rsum`` / ``csum`` the moment sums of
@@ -266,6 +269,9 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     b = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
+    if DEVICE_SCALARS:  # a capturable step: (beta, 1 - beta) of this tensor from the device (_SCAL_BETA2)
+        beta = tensor_scalar(scal, t, 4, 2)
+        one_minus_beta = tensor_scalar(scal, t, 4, 3)
     row = table + t.to(tl.int64) * W
     R = tl.load(row + _R)
     C = tl.load(row + _C)
@@ -331,9 +337,13 @@ def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps
 def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
                   W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                   ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                  FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr):
+                  FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr, scal=None,
+                  DEVICE_SCALARS: tl.constexpr = False):
     """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if DEVICE_SCALARS:  # a capturable step: (beta2, 1 - beta2) of this tensor from the device (_SCAL_BETA2)
+        beta2 = tensor_scalar(scal, t, 4, 2)
+        one_minus_beta2 = tensor_scalar(scal, t, 4, 3)
     if full:
         _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
                     P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, False)
@@ -399,13 +409,19 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
                   W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                   ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   FACTORED: tl.constexpr, WIDE: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr,
-                  SCALE_PARAM: tl.constexpr, DECAY: tl.constexpr, WEIGHT: tl.constexpr):
+                  SCALE_PARAM: tl.constexpr, DECAY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
+                  DEVICE_SCALARS: tl.constexpr = False):
     """Last pass (flat tiles): recompute u, clip, (m), update p; write p, m and (1-D) v.
 
     Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
     ``m = b1 m + (1-b1) u; u = m`` if HAS_M; ``p += p * (-wd a)``; ``p -= u``.
     CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m); ``p += p (-wd lr)``; ``p -= lr u``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if DEVICE_SCALARS:  # a capturable step: (lr, -wd lr, beta2, 1 - beta2) of this tensor from the device
+        lr = tensor_scalar(scal, t, 4, 0)
+        neg_wd_lr = tensor_scalar(scal, t, 4, 1)
+        beta2 = tensor_scalar(scal, t, 4, 2)
+        one_minus_beta2 = tensor_scalar(scal, t, 4, 3)
     if full:
         _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
                     sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
@@ -476,7 +492,11 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
 
 
 def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay: bool, eps1: float, eps2: float,
-            beta1: float, beta2: float, beta3: float, clip: float, lr: float, neg_wd: float, neg_wd_lr: float) -> None:
+            beta1: float, beta2: float, beta3: float, clip: float, lr: float, neg_wd: float, neg_wd_lr: float,
+            scal: torch.Tensor | None = None) -> None:
+    """The passes of one bucket. ``scal`` (a capturable step): the per-tensor ``(lr, neg_wd_lr, beta2, 1 - beta2)``
+    on the device, read by the passes in place of those arguments (:meth:`.launch.Bucket.scalars`)."""
+    device = dict(scal=scal, DEVICE_SCALARS=scal is not None)
     dev = bucket.device
     factored = bucket.params[0].dim() >= 2
     rows, shapes, n_rows, n_cols = _rows(bucket, factored)
@@ -514,8 +534,9 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
                       writes=False, RESIDUAL=residual, **tiles_2d)
 
     def factors_of(rs, cs, rf, cf, stat, beta, eps=0.0, from_moments=False):  # pass 2 / 4
+        step_beta = device if stat == _SQ.value else {}  # (CAME's beta3 is a constant)
         bucket.launch(_factors_kernel, rows, counts_mat, (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
-                      writes=True, STAT=stat, MOMENTS=from_moments, **by_matrix)
+                      writes=True, STAT=stat, MOMENTS=from_moments, **by_matrix, **step_beta)
 
     if factored:
         stats(rsum, csum, eps1, False)
@@ -527,30 +548,42 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
         factors_of(rmom, cmom, rfac2, cfac2, _RES.value, beta3, eps2, True)
     else:
         bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
-                      FACTORED=factored, SUM_P=scale_param and not came and not weight, **flat)
+                      FACTORED=factored, SUM_P=scale_param and not came and not weight, **flat, **device)
         if factored and came:
             stats(rsum2, csum2, eps2, True)
             factors_of(rsum2, csum2, rfac2, cfac2, _RES.value, beta3)
     args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
             neg_wd_lr)
     bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, FACTORED=factored, CAME=came, HAS_M=has_m,
-                  SCALE_PARAM=scale_param and not came, DECAY=decay, WEIGHT=weight, **flat)
+                  SCALE_PARAM=scale_param and not came, DECAY=decay, WEIGHT=weight, **flat, **device)
 
 
 def launch_adafactor(u: Update, bucket: Bucket) -> None:
-    """Adafactor (transformers semantics): step-dependent scalars as in ``adafactor_math``."""
+    """Adafactor (transformers semantics): step-dependent scalars as in ``adafactor_math`` (a capturable step: the
+    same, per tensor, from its count on the device)."""
     group, step = u.group, u.step
     eps1, eps2 = group["eps"]
-    rho = group["lr"]
-    if group["relative_step"]:
-        rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
-    rho = scalar(rho)
     wd = scalar(group["weight_decay"])
     beta1 = group["beta1"]
+    scal = None
+    if u.steps is None:
+        rho = group["lr"]
+        if group["relative_step"]:
+            rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
+        rho = scalar(rho)
+        beta2 = 1.0 - math.pow(step, group["decay_rate"])
+    else:
+        steps = u.steps
+        rho = capture.device_value(group["lr"], bucket.device)
+        if group["relative_step"]:
+            rho = torch.minimum(1e-6 * steps, 1.0 / steps.sqrt()) if group["warmup_init"] else \
+                (1.0 / steps.sqrt()).clamp(max=1e-2)
+        beta2_t = 1.0 - steps.pow(group["decay_rate"])
+        scal = bucket.scalars(rho, -wd * rho, beta2_t, 1.0 - beta2_t)
+        rho = beta2 = 0.0  # read from scal
     _launch(bucket, came=False, has_m=beta1 is not None, scale_param=bool(group["scale_parameter"]), decay=wd != 0,
-            eps1=eps1, eps2=eps2, beta1=0.0 if beta1 is None else beta1,
-            beta2=1.0 - math.pow(step, group["decay_rate"]), beta3=0.0, clip=scalar(group["clip_threshold"]),
-            lr=rho, neg_wd=-wd, neg_wd_lr=-wd * rho)
+            eps1=eps1, eps2=eps2, beta1=0.0 if beta1 is None else beta1, beta2=beta2, beta3=0.0,
+            clip=scalar(group["clip_threshold"]), lr=rho, neg_wd=-wd, neg_wd_lr=-wd * rho, scal=scal)
 
 
 def launch_came(u: Update, bucket: Bucket) -> None:
@@ -558,8 +591,14 @@ def launch_came(u: Update, bucket: Bucket) -> None:
     group = u.group
     eps1, eps2 = group["eps"]
     beta1, beta2, beta3 = group["betas"]
-    lr = scalar(group["lr"])
     wd = scalar(group["weight_decay"])
+    if u.steps is None:
+        lr, scal = scalar(group["lr"]), None
+    else:  # a capturable step: the lr from the device (CAME's other scalars do not change with the step)
+        lr = capture.device_value(group["lr"], bucket.device)
+        scal = bucket.scalars(lr, -wd * lr, beta2, 1.0 - beta2)
+        lr = 0.0
     _launch(bucket, came=True, has_m=True, scale_param=False, decay=wd != 0, eps1=eps1, eps2=eps2, beta1=beta1,
-            beta2=beta2, beta3=beta3, clip=scalar(group["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr)
+            beta2=beta2, beta3=beta3, clip=scalar(group["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr,
+            scal=scal)
 

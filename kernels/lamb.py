@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["lamb_direction", "launch", "slots"]
@@ -77,8 +77,11 @@ def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                  beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
-                 TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr):
+                 TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
+                 DEVICE_SCALARS: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if DEVICE_SCALARS:  # a capturable step: -lr (bias corrections folded in) from the device
+        neg_lr = tensor_scalar(scal, t, 1, 0)
     if full:
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
@@ -97,14 +100,17 @@ def launch(u: Update, bucket: Bucket) -> None:
     kw = u.kwargs
     beta1, beta2 = kw["betas"]
     wd = scalar(kw["weight_decay"])
-    neg_lr = -(scalar(kw["lr"]) * kw["lr_scale"])
+    if u.steps is None:
+        neg_lr, scal = -(scalar(kw["lr"]) * kw["lr_scale"]), None
+    else:  # a capturable step: read from scal
+        neg_lr, scal = 0.0, bucket.scalars(-(kw["lr"] * kw["lr_scale"]))
     sums = bucket.accumulators(2)
     weight = bucket.weights is not None
     if weight:
         sums[:, 0] = bucket.weights
     args = (sums, beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
     trust = not kw["adam"]
-    flags = dict(DECAY=wd != 0, WEIGHT=weight)
+    flags = dict(DECAY=wd != 0, WEIGHT=weight, scal=scal, DEVICE_SCALARS=scal is not None)
     if trust:
         bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=False, TRUST=True, APPLY=False, **flags)
     bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=True, TRUST=trust, APPLY=True, **flags)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codec import load_grad, load_param, load_slot, store_param, store_slot, tile_coords
+from .codec import load_grad, load_param, load_slot, store_param, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Update, scalar
 
 __all__ = ["lars_update", "launch", "slots"]
@@ -89,8 +89,12 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        neg_lr, momentum, eeta, weight_decay, epsilon, first_step,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                       MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr, WEIGHT: tl.constexpr):
+                       MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr, WEIGHT: tl.constexpr,
+                       scal=None, DEVICE_SCALARS: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor) from the device
+        neg_lr = tensor_scalar(scal, t, 2, 0)
+        first_step = tensor_scalar(scal, t, 2, 1)
     if full:
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                          epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, False)
@@ -114,7 +118,10 @@ def launch(u: Update, bucket: Bucket) -> None:
     names = slots(u.group)
     if trust:
         bucket.tile_launch(_lars_norms_kernel, names, (sums,), writes=False, WEIGHT=weight)
-    args = (sums, -scalar(kw["lr"]), scalar(kw["momentum"]), scalar(kw["eeta"]), wd, scalar(kw["epsilon"]),
-            int(bool(kw["first_step"])))
+    if u.steps is None:
+        neg_lr, first, scal = -scalar(kw["lr"]), int(bool(kw["first_step"])), None
+    else:  # a capturable step: read from scal
+        neg_lr, first, scal = 0.0, 0, bucket.scalars(-kw["lr"], kw["first_step"])
+    args = (sums, neg_lr, scalar(kw["momentum"]), scalar(kw["eeta"]), wd, scalar(kw["epsilon"]), first)
     bucket.tile_launch(_lars_apply_kernel, names, args, writes=True, MOMENTUM=kw["momentum"] != 0,
-                       DECAY=trust and wd != 0, TRUST=trust, WEIGHT=weight)
+                       DECAY=trust and wd != 0, TRUST=trust, WEIGHT=weight, scal=scal, DEVICE_SCALARS=scal is not None)

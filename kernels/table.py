@@ -140,7 +140,7 @@ def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
         n = torch.tensor(counts, dtype=torch.int64)
         tensor = torch.repeat_interleave(torch.arange(len(counts)), n)
         first = torch.cumsum(n, 0) - n
-        local = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)
+        local = torch.arange(sum(counts)) - torch.repeat_interleave(first, n)
         return upload(torch.stack([tensor, local]).to(torch.int32), device)
 
     return _units.get(key, make)

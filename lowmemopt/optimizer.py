@@ -362,8 +362,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
             self._check_group(group)
             if group.get("capturable") and (kernel_algorithm(self) not in CAPTURABLE_ALGORITHMS
                                             or type(self)._step_param is not LowMemOptimizer._step_param):
-                raise ValueError(f"{type(self).__name__} does not support capturable=True (Adam, AdamW, Lion and SGD "
-                                 "do: their fused kernels read the step's scalars on the device)")
+                raise ValueError(f"{type(self).__name__} does not support capturable=True (it has no fused kernel that "
+                                 "reads the step's scalars on the device)")
             if group.get("capturable") and group.get("rank") is not None:
                 raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD "
                                  "that synchronizes)")

@@ -25,6 +25,11 @@ CASES = [
     (lowmemopt.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),  # L2 decay in the math, a third slot
     (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),  # the first step per tensor
     (lowmemopt.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    # multi-pass kernels: the trust ratio (bias corrections folded into lr), the first step; the factored passes
+    (lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.LARS, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
+    (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.1)),  # relative step, RMS(p) scaling, beta2 by step
+    (lowmemopt.CAME, dict(lr=1e-3, weight_decay=0.1)),
 ]
 #: (step, param): the gradients made non-finite; param 3 is skipped on its first step
 BAD = {(0, 3): float("nan"), (1, 0): float("inf"), (2, 1): float("nan")}
@@ -87,9 +92,11 @@ def test_equals_an_ordinary_step(cls, kw, bits):
     a, opt_a, warned_a = _run(cls, kw, False, bits, bad=BAD)
     mid = sum(dispatch.stats.values())
     b, opt_b, warned_b = _run(cls, kw, True, bits, bad=BAD)
-    # both through the kernels; one bucket per capturable step (the counts are on the device, so tensors whose counts
-    # differ share it), one per step count in ordinary steps
-    assert sum(dispatch.stats.values()) - mid == 4 and mid - before > 4
+    # both through the kernels; one bucket per layout (factored matrices and vectors take separate launches) and
+    # capturable step (the counts are on the device: tensors whose counts differ share it), one per step count in
+    # ordinary steps
+    layouts = 2 if cls in (lowmemopt.Adafactor, lowmemopt.CAME) else 1
+    assert sum(dispatch.stats.values()) - mid == 4 * layouts and mid - before > 4 * layouts
     _assert_same(a, opt_a, b, opt_b)
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 3
     assert warned_a == [1, 1, 1, 0] and warned_b == [0, 0, 0, 0]  # a capturable step counts, it does not warn
@@ -103,24 +110,28 @@ def test_bf16_parameters(update):
     _assert_same(a, opt_a, b, opt_b)
 
 
-@pytest.mark.parametrize("cls,kw", [CASES[0], CASES[2], CASES[3]], ids=["AdamW", "SGD", "Lion"])
+LR_CASES = [CASES[0], CASES[2], CASES[3], CASES[4], CASES[5], (lowmemopt.Adafactor, dict(
+    lr=1e-2, relative_step=False, scale_parameter=False, warmup_init=False, weight_decay=0.1)), CASES[7]]
+
+
+@pytest.mark.parametrize("cls,kw", LR_CASES, ids=[c.__name__ for c, _ in LR_CASES])
 def test_a_learning_rate_tensor_changed_in_place(cls, kw):
     """A scheduler writes a tensor lr in place (a captured graph reads it at every replay): the steps follow it as
     ordinary steps follow a number, bit for bit."""
     lrs = [1e-2, 3e-3, 7e-4, 2e-2]
-    kw = dict(kw, lr=1.0)
     a, opt_a, _ = _run(cls, kw, False, lrs=lrs)
-    b, opt_b, _ = _run(cls, dict(kw, lr=torch.tensor(1.0)), True, lrs=lrs)
+    b, opt_b, _ = _run(cls, dict(kw, lr=torch.tensor(kw["lr"])), True, lrs=lrs)
     _assert_same(a, opt_a, b, opt_b)
 
 
-def test_reads_nothing_back(monkeypatch):
+@pytest.mark.parametrize("cls", [lowmemopt.AdamW, lowmemopt.LAMB, lowmemopt.Adafactor, lowmemopt.CAME])
+def test_reads_nothing_back(cls, monkeypatch):
     """No host read of a tensor's value from lowmemopt's code during a capturable step (on a GPU each would be a
     synchronization, and is not allowed in a capture): ``item``, ``tolist``, ``bool``, ``float``, ``int``."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-    opt = lowmemopt.AdamW(params, lr=torch.tensor(1e-2), state_bits=8, min_quant_numel=0, block_size=32,
-                          capturable=True)
+    kw = {} if cls is lowmemopt.Adafactor else dict(lr=torch.tensor(1e-2))
+    opt = cls(params, state_bits=8, min_quant_numel=0, block_size=32, capturable=True, **kw)
     reads = []
 
     def guard(name):
@@ -185,11 +196,23 @@ def test_state_dict_round_trip_and_back_to_ordinary_steps():
         assert int(opt_a.state[p]["step"]) == opt_b.state[q]["step"] == 4
 
 
-@pytest.mark.parametrize("cls", [lowmemopt.LAMB, lowmemopt.LARS, lowmemopt.Adafactor, lowmemopt.CAME])
-def test_other_algorithms_refuse_at_construction(cls):
-    kw = {} if cls is lowmemopt.Adafactor else dict(lr=1e-3)
+def test_adafactor_warmup_init():
+    kw = dict(beta1=None, warmup_init=True)  # rho = min(1e-6 t, 1 / sqrt(t)); no first moment
+    a, opt_a, _ = _run(lowmemopt.Adafactor, kw, False, bad=BAD)
+    b, opt_b, _ = _run(lowmemopt.Adafactor, kw, True, bad=BAD)
+    _assert_same(a, opt_a, b, opt_b)
+
+
+def test_optimizers_without_such_kernels_refuse_at_construction():
     with pytest.raises(ValueError, match="does not support capturable=True"):
-        cls([torch.nn.Parameter(torch.zeros(4))], capturable=True, **kw)
+        lowmemopt.AdafactorTorch([torch.nn.Parameter(torch.zeros(4))], capturable=True)
+
+    class Custom(lowmemopt.AdamW):  # steps its parameters itself: no fused kernel
+        def _step_param(self, p, grad, group, scan=None):
+            return super()._step_param(p, grad, group, scan)
+
+    with pytest.raises(ValueError, match="does not support capturable=True"):
+        Custom([torch.nn.Parameter(torch.zeros(4))], capturable=True)
 
 
 @pytest.mark.parametrize("opts,match", [

@@ -17,7 +17,15 @@ CASES = [
     (lowmemopt.AdamW, dict(weight_decay=0.1)),
     (lowmemopt.SGD, dict(momentum=0.9, nesterov=True)),
     (lowmemopt.Lion, dict(weight_decay=0.1)),
+    (lowmemopt.LAMB, dict(weight_decay=0.1)),
+    (lowmemopt.LARS, dict(momentum=0.9, weight_decay=1e-3)),
+    (lowmemopt.Adafactor, dict(beta1=0.9, relative_step=False, scale_parameter=True, warmup_init=False,
+                               weight_decay=0.1)),
+    (lowmemopt.CAME, dict(weight_decay=0.1)),
 ]
+#: kernels without atomics: a replay equals the eager step bit for bit (the others' fp32 atomic sums may round
+#: differently from one run to the next: within rounding)
+EXACT = {lowmemopt.AdamW, lowmemopt.SGD, lowmemopt.Lion}
 LRS = [1e-2, 5e-3, 2e-3, 1e-3, 3e-3, 8e-3]
 #: (replay, param): gradients made non-finite
 BAD = {(1, 0): float("nan"), (3, 2): float("inf"), (4, 0): float("nan")}
@@ -76,11 +84,15 @@ def test_a_captured_step_replays_as_eager_steps(cls, kw, bits, dtype):
         opt_e.step()
     torch.cuda.synchronize()
     for a, b in zip(eager, graphed):
-        assert torch.equal(a, b), tuple(a.shape)
         sa, sb = opt_e.state[a], opt_g.state[b]
         assert sorted(sa) == sorted(sb)
-        for key in sa:
-            assert torch.equal(sa[key], sb[key]), key
+        if cls in EXACT:
+            assert torch.equal(a, b), tuple(a.shape)
+            for key in sa:
+                assert torch.equal(sa[key], sb[key]), key
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3 if dtype == torch.float32 else 2e-2)
+            assert torch.equal(sa["step"], sb["step"])
     assert [int(opt_g.state[p]["step"]) for p in graphed] == [4, 6, 5, 6, 6]
     assert opt_g.nonfinite_skips == opt_e.nonfinite_skips == 3
 

@@ -69,8 +69,9 @@ class LAMB(LowMemOptimizer):
         """Debiasing folded into the learning rate (ColossalAI): sqrt(1 - beta2^t) / (1 - beta1^t), or 1."""
         if not group["bias_correction"]:
             return dict(lr_scale=1.0)
-        beta1, beta2 = group["betas"]
-        return dict(lr_scale=math.sqrt(1 - beta2**step) / (1 - beta1**step))
+        beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
+        bc2 = 1 - beta2**step
+        return dict(lr_scale=(bc2.sqrt() if isinstance(bc2, torch.Tensor) else math.sqrt(bc2)) / (1 - beta1**step))
 
     def __init__(
         self,

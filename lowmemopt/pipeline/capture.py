@@ -16,7 +16,7 @@ stay put and the scalars would be those of the captured step. A capturable step 
   (``optimizer.nonfinite_skips`` reads it: a synchronization when asked, never in ``step()``). It does not warn.
 
 So a capturable step gives the same parameters and state as an ordinary one, bit for bit. It takes the fused Triton
-kernels of :data:`CAPTURABLE_ALGORITHMS` only, on one device, with nothing paged, projected (GaLore) or sharded
+kernels of :data:`CAPTURABLE_ALGORITHMS` only (every fused algorithm), on one device, with nothing paged, projected (GaLore) or sharded
 (DTensor) and no stochastic rounding (its per-step hash key is made on the host); anything else raises before the
 step changes anything (:func:`lowmemopt.optimizer.LowMemOptimizer.step`).
 
@@ -35,7 +35,7 @@ import torch
 __all__ = ["CAPTURABLE_ALGORITHMS", "capturing", "keep", "device_value", "counters", "advance"]
 
 #: fused algorithms whose kernels read the step's scalars from the device (:func:`lowmemopt.kernels.codec.tensor_scalar`)
-CAPTURABLE_ALGORITHMS = frozenset({"adam", "lion", "sgd"})
+CAPTURABLE_ALGORITHMS = frozenset({"adam", "lion", "sgd", "lamb", "lars", "adafactor", "came"})
 
 #: tensors a captured graph reads by address (launch tables, index maps, upload buffers): kept for the process
 _KEPT: list[torch.Tensor] = []
@@ -64,12 +64,12 @@ def keep(device: torch.device, *tensors: torch.Tensor) -> None:
 def device_value(x: Any, device: torch.device) -> Any:
     """A hyper-parameter for a capturable step's device arithmetic: a tensor on ``device`` as fp64 (a device
     operation: a graph replays it, so a scheduler's in-place change counts), a number or a CPU tensor as a Python
-    float (a constant of the graph)."""
+    float (a constant of the graph), None as None."""
     if isinstance(x, torch.Tensor):
         if x.device.type == "cpu" and device.type != "cpu":
             return float(x)
         return x.to(device=device, dtype=torch.float64)
-    return float(x)
+    return None if x is None else float(x)  # (None: Adafactor's relative step)
 
 
 def counters(states: Sequence[dict[str, Any]], device: torch.device) -> list[torch.Tensor]:
