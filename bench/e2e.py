@@ -13,8 +13,8 @@ step (forward, backward, ``opt.step()``, ``zero_grad``) and the median ``opt.ste
 on CPU ``perf_counter``), both over the steps after ``--warmup``, and the loss of the last step (mean of the last
 three). The ``-per-layer`` rows update each weight inside ``backward()`` (``step_in_backward``): their full step is
 the one to compare (their ``opt.step()`` has nothing left to do), and their peak holds no full set of gradients. The
-``-graph`` row captures ``opt.step()`` in a CUDA graph after two eager steps (``capturable=True``) and replays it:
-its ``opt.step()`` is the GPU's time alone (CUDA only; its gradients are zeroed in place, not freed). Ratios are to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
+``-graph`` rows capture ``opt.step()`` in a CUDA graph after two eager steps (``capturable=True``) and replay it:
+their ``opt.step()`` is the GPU's time alone (CUDA only; their gradients are zeroed in place, not freed). Ratios are to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
 "not installed"; a row that fails says why; the run goes on.
 
     cd /tmp && python /path/to/lowmemopt/bench/e2e.py                          # 1.1B, every row (CUDA)
@@ -195,6 +195,7 @@ ROWS: dict[str, tuple[float, Callable]] = {
     "lowmemopt-lars-8bit": (1e-1, _lm("LARS", momentum=0.9)),
     "lowmemopt-adafactor-8bit": (1e-3, _lm("Adafactor", beta1=0.9, **_EXT)),
     "lowmemopt-came-8bit": (2e-4, _lm("CAME")),
+    "lowmemopt-came-8bit-graph": (2e-4, _lm_graphed("CAME")),
     "lowmemopt-paged-adamw-8bit": (3e-4, _lm_paged),
     "lowmemopt-galore-adamw-8bit": (3e-4, _lm_galore("AdamW", weight_decay=0.0)),
     "lowmemopt-galore-came-8bit": (2e-4, _lm_galore("CAME")),

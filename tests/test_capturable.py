@@ -272,3 +272,22 @@ def test_per_layer_updates_refuse():
     opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, capturable=True)
     with pytest.raises(ValueError, match="capturable"):
         lowmemopt.step_in_backward(model, opt)
+
+
+def test_safetensors_save_and_load(tmp_path):
+    """``save_state`` of a capturable optimizer (device counts written as ints) and ``load_state`` into another
+    capturable optimizer continue as one run."""
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    whole, opt_whole, _ = _run(lowmemopt.CAME, kw, True, steps=4, bad=BAD)
+    first, opt_first, _ = _run(lowmemopt.CAME, kw, True, steps=2, bad=BAD)
+    lowmemopt.save_state(opt_first, tmp_path / "opt.safetensors")
+    params = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    opt = lowmemopt.CAME(params, state_bits=8, min_quant_numel=0, block_size=32, capturable=True, **kw)
+    lowmemopt.load_state(opt, tmp_path / "opt.safetensors")
+    with runtime.cpu_interpreter():
+        for step in (2, 3):
+            _grads(params, step, BAD)
+            opt.step()
+    for p, q in zip(whole, params):
+        assert torch.equal(p, q)
+        assert torch.equal(opt_whole.state[p]["step"], opt.state[q]["step"])
