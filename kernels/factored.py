@@ -534,7 +534,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
                       writes=False, RESIDUAL=residual, **tiles_2d)
 
     def factors_of(rs, cs, rf, cf, stat, beta, eps=0.0, from_moments=False):  # pass 2 / 4
-        step_beta = device if stat == _SQ.value else {}  # (CAME's beta3 is a constant)
+        step_beta = device if stat == _SQ.value else dict(scal=None, DEVICE_SCALARS=False)  # (CAME's beta3: constant)
         bucket.launch(_factors_kernel, rows, counts_mat, (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
                       writes=True, STAT=stat, MOMENTS=from_moments, **by_matrix, **step_beta)
 
