@@ -14,6 +14,9 @@ launch replaced by building its launch table: everything the host does on a GPU 
 (no anchors: torch's CPU optimizers do their arithmetic on the host). Tensors are small (``--hidden``): host work does
 not depend on their size.
 
+The ``capturable`` rows take ``capturable=True`` steps eagerly (``opt.step()`` only; no GaLore): the host work a step
+does when it is not replayed from a CUDA graph (captured, it does none).
+
 ``--mode``: ``step`` (``opt.step()``), ``per-layer`` (the per-layer updates of ``step_in_backward``: every parameter
 handed over in backward order, as its hook does, to :class:`lowmemopt.per_layer.PerLayerSteps`: stepped alone, or
 with ``--bucket-bytes`` held and stepped in buckets; then the end of the backward pass's one flag read), or ``both``
@@ -49,11 +52,24 @@ OPTIMIZERS: dict[str, Callable] = {
                                                         min_quant_numel=0),
     "lowmemopt Lion 8-bit": lambda ps: lowmemopt.Lion(ps, lr=1e-5, state_bits=8, min_quant_numel=0),
     "lowmemopt CAME 8-bit": lambda ps: lowmemopt.CAME(ps, lr=1e-4, state_bits=8, min_quant_numel=0),
+    # capturable=True taken eagerly (not captured): what the device-side counts and scalars cost the host
+    "lowmemopt AdamW 8-bit capturable": lambda ps: lowmemopt.AdamW(
+        ps, lr=_lr_tensor(ps, 1e-4), weight_decay=0.01, state_bits=8, min_quant_numel=0, capturable=True),
+    "lowmemopt CAME 8-bit capturable": lambda ps: lowmemopt.CAME(
+        ps, lr=_lr_tensor(ps, 1e-4), state_bits=8, min_quant_numel=0, capturable=True),
 }
+#: rows that take opt.step() only (per-layer updates and GaLore groups do not take capturable=True)
+STEP_ONLY = {name for name in OPTIMIZERS if name.endswith("capturable")}
 ANCHORS: dict[str, Callable] = {
     "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True),
     "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, foreach=True),
 }
+
+
+def _lr_tensor(groups: list, lr: float) -> torch.Tensor:
+    """A learning rate as a 0-dim tensor on the parameters' device (a scheduler can change it in place)."""
+    first = groups[0]["params"][0] if isinstance(groups[0], dict) else groups[0]
+    return torch.tensor(lr, device=first.device)
 
 
 def llama_shapes(layers: int, hidden: int, vocab: int) -> list[tuple[int, ...]]:
@@ -199,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
              "| optimizer | mode | host ms / step | µs / parameter | × step() |",
              "| --- | --- | ---: | ---: | ---: |"]
     for name, make in rows.items():
-        anchor = name in ANCHORS
-        if anchor and "step" not in modes:
+        step_only = name in ANCHORS or name in STEP_ONLY  # (per-layer updates are lowmemopt's: step_in_backward)
+        if (step_only and "step" not in modes) or (name in STEP_ONLY and args.galore is not None):
             continue
-        row_modes = ("step",) if anchor else modes  # per-layer updates are lowmemopt's (step_in_backward)
+        row_modes = ("step",) if step_only else modes
         with runtime.cpu_interpreter() if args.device == "cpu" else contextlib.nullcontext():
             ms = host_ms(make, shapes, args.device, dtype, args.steps, args.repeat, row_modes, args.galore,
                          args.bucket_bytes)

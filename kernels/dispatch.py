@@ -85,8 +85,8 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
                 raise RuntimeError("capturable=True: the fused Triton kernels were turned off by an earlier failure")
             rest += members
             continue
-        if device_steps:
-            counters = capture.counters([it.state for it in members], members[0].target.device)
+        if device_steps:  # (the pipeline's gather stage made each count a tensor on the device: capture.counters)
+            counters = [it.state["step"] for it in members]
             step = torch.stack(counters).to(torch.float64) + 1  # the step each tensor takes
         else:
             step = key[6] + 1
