@@ -14,7 +14,8 @@ on CPU ``perf_counter``), both over the steps after ``--warmup``, and the loss o
 three). The ``-per-layer`` rows update each weight inside ``backward()`` (``step_in_backward``): their full step is
 the one to compare (their ``opt.step()`` has nothing left to do), and their peak holds no full set of gradients. The
 ``-graph`` rows capture ``opt.step()`` in a CUDA graph after two eager steps (``capturable=True``) and replay it:
-their ``opt.step()`` is the GPU's time alone (CUDA only; their gradients are zeroed in place, not freed). Ratios are to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
+their ``opt.step()`` is the GPU's time alone (CUDA only; their gradients are zeroed in place, not freed). Ratios are
+to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
 "not installed"; a row that fails says why; the run goes on.
 
     cd /tmp && python /path/to/lowmemopt/bench/e2e.py                          # 1.1B, every row (CUDA)

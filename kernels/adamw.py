@@ -101,7 +101,8 @@ def launch(u: Update, bucket: Bucket) -> None:
     beta1, beta2 = kw["betas"]
     wd = scalar(kw["weight_decay"])
     if u.steps is None:
-        stepping, scal = (-scalar(kw["lr"]) / kw["bias_correction1"], kw["bias_correction2_sqrt"], scalar(u.decay)), None
+        stepping = (-scalar(kw["lr"]) / kw["bias_correction1"], kw["bias_correction2_sqrt"], scalar(u.decay))
+        scal = None
     else:
         stepping = (0.0, 0.0, 0.0)  # read from scal
         scal = bucket.scalars(-kw["lr"] / kw["bias_correction1"], kw["bias_correction2_sqrt"], u.decay)

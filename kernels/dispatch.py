@@ -68,8 +68,8 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
         kernel = _kernel_for(algorithm, it, usable, device_steps)
         if kernel is None:
             if device_steps:
-                raise ValueError(f"capturable=True: no fused kernel takes a parameter of shape {tuple(it.target.shape)} "
-                                 f"({it.target.dtype}, gradient {it.grad.dtype}, contiguous: "
+                raise ValueError(f"capturable=True: no fused kernel takes a parameter of shape "
+                                 f"{tuple(it.target.shape)} ({it.target.dtype}, gradient {it.grad.dtype}, contiguous: "
                                  f"{it.target.is_contiguous() and it.grad.is_contiguous()}); a capturable step "
                                  "cannot fall back to the per-tensor path")
             rest.append(it)

@@ -63,8 +63,7 @@ from lowmemopt.pipeline import capture
 
 from . import runtime
 from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
-                    tensor_scalar,
-                    tile_coords, typed)
+                    tensor_scalar, tile_coords, typed)
 from .launch import TL_DTYPES, Bucket, Update, scalar
 from .table import ceil_div
 
@@ -269,7 +268,7 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     b = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
-    if DEVICE_SCALARS:  # a capturable step: (beta, 1 - beta) of this tensor from the device (_SCAL_BETA2)
+    if DEVICE_SCALARS:  # a capturable step: this tensor's (beta2, 1 - beta2), columns 2, 3 of _launch's scal
         beta = tensor_scalar(scal, t, 4, 2)
         one_minus_beta = tensor_scalar(scal, t, 4, 3)
     row = table + t.to(tl.int64) * W
@@ -341,7 +340,7 @@ def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, 
                   DEVICE_SCALARS: tl.constexpr = False):
     """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
-    if DEVICE_SCALARS:  # a capturable step: (beta2, 1 - beta2) of this tensor from the device (_SCAL_BETA2)
+    if DEVICE_SCALARS:  # a capturable step: this tensor's (beta2, 1 - beta2), columns 2, 3 of _launch's scal
         beta2 = tensor_scalar(scal, t, 4, 2)
         one_minus_beta2 = tensor_scalar(scal, t, 4, 3)
     if full:

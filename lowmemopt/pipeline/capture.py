@@ -16,9 +16,9 @@ stay put and the scalars would be those of the captured step. A capturable step 
   (``optimizer.nonfinite_skips`` reads it: a synchronization when asked, never in ``step()``). It does not warn.
 
 So a capturable step gives the same parameters and state as an ordinary one, bit for bit. It takes the fused Triton
-kernels of :data:`CAPTURABLE_ALGORITHMS` only (every fused algorithm), on one device, with nothing paged, projected (GaLore) or sharded
-(DTensor) and no stochastic rounding (its per-step hash key is made on the host); anything else raises before the
-step changes anything (:func:`lowmemopt.optimizer.LowMemOptimizer.step`).
+kernels of :data:`CAPTURABLE_ALGORITHMS` only (every fused algorithm), on one device, with nothing paged, projected
+(GaLore) or sharded (DTensor) and no stochastic rounding (its per-step hash key is made on the host); anything else
+raises before the step changes anything (:func:`lowmemopt.optimizer.LowMemOptimizer.step`).
 
 A graph replays device memory by address. Launch tables and index maps come from caches (:mod:`lowmemopt.kernels.table`)
 that may free an entry later; every cached tensor a step uses while its stream is capturing is kept for the life of
@@ -34,7 +34,8 @@ import torch
 
 __all__ = ["CAPTURABLE_ALGORITHMS", "capturing", "keep", "device_value", "counters", "advance"]
 
-#: fused algorithms whose kernels read the step's scalars from the device (:func:`lowmemopt.kernels.codec.tensor_scalar`)
+#: fused algorithms whose kernels read the step's scalars from the device
+#: (:func:`lowmemopt.kernels.codec.tensor_scalar`)
 CAPTURABLE_ALGORITHMS = frozenset({"adam", "lion", "sgd", "lamb", "lars", "adafactor", "came"})
 
 #: tensors a captured graph reads by address (launch tables, index maps, upload buffers): kept for the process
