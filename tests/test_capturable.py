@@ -291,3 +291,25 @@ def test_safetensors_save_and_load(tmp_path):
     for p, q in zip(whole, params):
         assert torch.equal(p, q)
         assert torch.equal(opt_whole.state[p]["step"], opt.state[q]["step"])
+
+
+def test_an_lr_scheduler_fills_the_tensor_in_place():
+    """torch's schedulers write a tensor lr in place (``fill_``), which a captured graph reads at every replay: a
+    capturable run under ``LambdaLR`` equals an ordinary one under it, bit for bit."""
+    runs = []
+    for capturable in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+        opt = lowmemopt.AdamW(params, lr=torch.tensor(1e-2), weight_decay=0.1, state_bits=8, min_quant_numel=0,
+                              block_size=32, capturable=capturable)
+        lr = opt.param_groups[0]["lr"]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.7**epoch)
+        with runtime.cpu_interpreter():
+            for step in range(4):
+                _grads(params, step, {})
+                opt.step()
+                sched.step()
+        assert opt.param_groups[0]["lr"] is lr  # the same tensor, changed in place
+        runs.append(params)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
