@@ -267,7 +267,7 @@ def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int
     factory, key = OPTIMIZERS["lowmemopt-adamw-8bit"]
     saved = runtime.tile_shape(device)
     cap = tuple(torch.cuda.get_device_capability(device))
-    entry, decode_saved = runtime.TILE_SHAPES.get(cap), runtime.Q8_DECODE
+    entry, decode_saved, decode_now = runtime.TILE_SHAPES.get(cap), runtime.Q8_DECODE, runtime.q8_decode(device)
     block = 256  # lowmemopt's default block_size: one quantization block per tile row
     results = []
     try:
@@ -277,7 +277,7 @@ def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int
             for dname in dtypes:
                 ideal = ideal_bytes(key, DTYPES[dname])
                 print(f"### tile sweep: 8-bit AdamW, {n / 1e6:.0f}M {dname} parameters in {len(shapes)} tensors "
-                      f"(current: {saved[0] // block} rows x {saved[1]} warps, {decode_saved} decode)\n")
+                      f"(current: {saved[0] // block} rows x {saved[1]} warps, {decode_now} decode)\n")
                 print("| rows x block | num_warps | elements/thread | decode | median step (ms) | GB/s | "
                       "% of copy bandwidth |")
                 print("| ---: | ---: | ---: | --- | ---: | ---: | ---: |")

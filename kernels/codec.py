@@ -64,8 +64,8 @@ def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Ten
     """(signed book, signed encode table, unsigned book, unsigned encode table) of the state maps on ``device``
     (cached): the 4-bit maps (``pow2x4``, ``upow2x4``) and their packed tables for ``fmt == "q4"``; otherwise the
     8-bit books and the ``pow2`` maps' class tables (:func:`.pow2.class_table`: the 8-bit state maps are encoded by
-    arithmetic, :func:`encode_q8`; dense formats ignore both). With :data:`.runtime.Q8_DECODE` ``"arithmetic"``, q8
-    gets no books: its codes are decoded from their bits (:func:`code_values`), the same values without the book
+    arithmetic, :func:`encode_q8`; dense formats ignore both). Where :func:`.runtime.q8_decode` is ``"arithmetic"``,
+    q8 gets no books: its codes are decoded from their bits (:func:`code_values`), the same values without the book
     gather."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
@@ -73,7 +73,7 @@ def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Ten
                 q4.code_book(unsigned, device), q4.encode_table(unsigned, device))
     signed, unsigned = map_for(True), map_for(False)
     tables = class_table(signed, device), class_table(unsigned, device)
-    if fmt == "q8" and runtime.Q8_DECODE == "arithmetic":
+    if fmt == "q8" and runtime.q8_decode(device) == "arithmetic":
         return None, tables[0], None, tables[1]  # codes decoded from their bits (code_values)
     return code_book(signed, device), tables[0], code_book(unsigned, device), tables[1]
 

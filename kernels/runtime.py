@@ -11,8 +11,9 @@ Launch shapes (tuning facts, not semantics): a program handles one *tile* of ``r
 is the quantization block size for 8-bit state (a row is one block: its absmax is a row reduction) and a whole tile
 for dense state. 2048 elements per tile with 4 warps keeps 16 fp32 values per thread in flight, enough to saturate
 HBM on A100/H100 class GPUs for these memory-bound kernels (124 registers per thread for 8-bit AdamW at sm_90: four
-programs per SM). A GPU model may take another shape (:data:`TILE_SHAPES`, by compute capability, filled from
-``bench/fused_kernels.py --sweep`` measurements); the shape changes speed only, never results.
+programs per SM). A GPU model may take another shape: a :data:`TILE_SHAPES` entry (by compute capability, set in
+code), or the shape ``lowmemopt tune`` measured fastest on that GPU (:mod:`.tuning`, a cache file); the shape changes
+speed only, never results.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "TILE_SHAPES", "tile_shape",
-    "rows_per_tile", "fast_fp64", "device_ok", "cpu_interpreter", "Q8_DECODE",
+    "rows_per_tile", "fast_fp64", "device_ok", "cpu_interpreter", "Q8_DECODE", "q8_decode", "launch_shape",
 ]
 
 try:
@@ -45,19 +46,23 @@ TILE = 2048
 TILE_2D = (16, 128)
 STATS_BLOCK = 1024
 NUM_WARPS = 4
-#: (elements per tile, warps per program) of the elementwise passes by CUDA compute capability ``(major, minor)``;
-#: a capability not listed (and the interpreter) takes ``(TILE, NUM_WARPS)``. Entries are measurements of
-#: ``bench/fused_kernels.py --sweep`` on that GPU, never guesses: none yet.
+#: (elements per tile, warps per program) of the elementwise passes by CUDA compute capability ``(major, minor)``,
+#: set in code (it wins over a tuned shape); a device with neither takes ``(TILE, NUM_WARPS)``. Entries are
+#: measurements (``bench/fused_kernels.py --sweep``, ``lowmemopt tune``), never guesses: none yet.
 TILE_SHAPES: dict[tuple[int, int], tuple[int, int]] = {}
 
 #: how the kernels decode 8-bit state codes: ``"table"`` gathers each code's value from the map's 1 KiB code book
 #: (one dependent scalar load per element and slot after the codes arrive); ``"arithmetic"`` builds it from the
 #: code's bits (:func:`.pow2.pow2_value`: a few integer operations, the same fp32 value for every code). Which is
-#: faster is a GPU measurement (``bench/fused_kernels.py --sweep`` times both); until one is made, the table.
-#: Read at each launch (a change takes effect at the next step; each mode compiles its own kernels).
-Q8_DECODE = os.environ.get("LOWMEMOPT_Q8_DECODE", "table")
-if Q8_DECODE not in ("table", "arithmetic"):
+#: faster is a GPU measurement. None (``LOWMEMOPT_Q8_DECODE`` unset): what ``lowmemopt tune`` measured on the device
+#: (:func:`q8_decode`), else the table. Read at each launch (a change takes effect at the next step; each mode
+#: compiles its own kernels).
+Q8_DECODE: str | None = os.environ.get("LOWMEMOPT_Q8_DECODE") or None
+if Q8_DECODE not in (None, "table", "arithmetic"):
     raise ValueError(f"LOWMEMOPT_Q8_DECODE={Q8_DECODE!r}: expected 'table' or 'arithmetic'")
+
+#: a shape and decode forced for every device (:func:`launch_shape`: the tuner's measurements)
+_forced: tuple[tuple[int, int], str] | None = None
 
 _cpu_interpreter = False  # tests: route CPU tensors through the interpreted kernels (see cpu_interpreter())
 
@@ -67,15 +72,67 @@ def _capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
+def _tuned(device: torch.device) -> dict | None:
+    """``lowmemopt tune``'s measurement for CUDA ``device`` (:func:`.tuning.tuned`), or None (none, or no CUDA)."""
+    from . import tuning
+
+    index = device.index
+    if index is None:
+        if not torch.cuda.is_available():
+            return None
+        index = torch.cuda.current_device()
+    return tuning.tuned(index)  # (cached per device index: a launch asks this)
+
+
 def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
-    """(elements per tile, num_warps) of the elementwise passes on ``device``: its :data:`TILE_SHAPES` entry, else
+    """(elements per tile, num_warps) of the elementwise passes on ``device``: a shape :func:`launch_shape` forces,
+    else its :data:`TILE_SHAPES` entry, else the shape ``lowmemopt tune`` measured on it, else
     ``(TILE, NUM_WARPS)``."""
-    if device is not None and device.type == "cuda" and TILE_SHAPES:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        shape = TILE_SHAPES.get(_capability(index))
-        if shape is not None:
-            return shape
+    if _forced is not None:
+        return _forced[0]
+    if device is not None and device.type == "cuda":
+        if TILE_SHAPES:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            shape = TILE_SHAPES.get(_capability(index))
+            if shape is not None:
+                return shape
+        entry = _tuned(device)
+        if entry is not None:
+            return entry["tile"], entry["num_warps"]
     return TILE, NUM_WARPS
+
+
+def q8_decode(device: torch.device | None = None) -> str:
+    """How the kernels on ``device`` decode 8-bit codes: a decode :func:`launch_shape` forces, else :data:`Q8_DECODE`
+    (``LOWMEMOPT_Q8_DECODE``), else what ``lowmemopt tune`` measured on the device, else ``"table"``."""
+    if _forced is not None:
+        return _forced[1]
+    if Q8_DECODE is not None:
+        return Q8_DECODE
+    if device is not None and device.type == "cuda":
+        entry = _tuned(device)
+        if entry is not None:
+            return entry["decode"]
+    return "table"
+
+
+class launch_shape:
+    """Context manager: every launch inside takes ``shape`` (elements per tile, num_warps) and the 8-bit ``decode``,
+    on every device (the tuner's measurements, :mod:`.tuning`)."""
+
+    def __init__(self, shape: tuple[int, int], decode: str = "table") -> None:
+        if decode not in ("table", "arithmetic"):
+            raise ValueError(f"decode must be 'table' or 'arithmetic', got {decode!r}")
+        self.value = (tuple(shape), decode)
+
+    def __enter__(self) -> "launch_shape":
+        global _forced
+        self._saved, _forced = _forced, self.value
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _forced
+        _forced = self._saved
 
 
 def rows_per_tile(block: int, device: torch.device | None = None) -> int:

@@ -4,6 +4,7 @@
     lowmemopt estimate CONFIG.json [--optimizer a,b] [--state-bits 8] ...     memory of weights, grads and state
     lowmemopt bench [--full]                                                  step time and state vs other libraries
     lowmemopt inspect opt.safetensors|opt.pt [--params]                       metadata and summary of a state file
+    lowmemopt tune [--device cuda:0]                                          measure the kernels' launch shape here
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
 the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``.
@@ -585,7 +586,81 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key.strip(), value.strip()  # a bare string
 
 
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_demo, _add_estimate, _add_bench, _add_inspect]
+# ---------------------------------------------------------------------------------------------------------------------
+# tune
+
+
+def _add_tune(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "tune",
+        help="measure the fused kernels' fastest launch shape on this GPU and keep it (lowmemopt.kernels.tuning)",
+        description="Times 8-bit AdamW (bf16 parameters) on this GPU at every candidate tile shape (elements and warps "
+        "per program) and 8-bit decode (code-book gather or arithmetic), prints the table, and keeps the fastest in "
+        "the tuning cache ($LOWMEMOPT_CACHE_DIR/tuning.json, default ~/.cache/lowmemopt), which the kernels then use "
+        "on this GPU model with this Triton version. Speed only: results are the same at every shape. About a minute "
+        "on an H100. LOWMEMOPT_TUNING=0 ignores the cache.",
+    )
+    p.add_argument("--device", default="cuda", help="the CUDA device to measure (default: the current one)")
+    p.add_argument("--numel", type=int, help="parameters in the measurement (default 2^27, about 0.8 GB in all)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median; default 20)")
+    p.add_argument("--no-save", action="store_true", help="measure and print only; keep the cache as it is")
+    p.add_argument("--json", metavar="PATH", help="also write every measurement here")
+    p.set_defaults(func=_tune)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        print(f"lowmemopt tune: --device {args.device!r}: {exc}", file=sys.stderr)
+        return 2
+    if device.type != "cuda" or not torch.cuda.is_available():
+        print(f"lowmemopt tune: needs a CUDA device (got {args.device}; CUDA available: "
+              f"{torch.cuda.is_available()}). There is nothing to tune on the CPU.", file=sys.stderr)
+        return 2
+    from .kernels import runtime, tuning
+
+    if not runtime.HAS_TRITON or runtime.INTERPRET:
+        print("lowmemopt tune: needs Triton's compiled kernels (Triton installed, TRITON_INTERPRET unset)",
+              file=sys.stderr)
+        return 2
+    numel = args.numel if args.numel is not None else tuning.DEFAULT_NUMEL
+    if numel < 4096 or args.steps < 1:
+        print("lowmemopt tune: --numel must be >= 4096 and --steps >= 1", file=sys.stderr)
+        return 2
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    print(f"{tuning.device_key(index)}: 8-bit AdamW, {numel / 1e6:.0f}M bf16 parameters, median of {args.steps} steps")
+    print("| elements / program | warps | decode | step (ms) | GB/s |")
+    print("| ---: | ---: | --- | ---: | ---: |")
+
+    def row(r: dict) -> None:
+        if "error" in r:
+            print(f"| {r['tile']} | {r['num_warps']} | {r['decode']} | — | failed: {r['error'][:80]} |", flush=True)
+        else:
+            print(f"| {r['tile']} | {r['num_warps']} | {r['decode']} | {1e3 * r['seconds']:.3f} | "
+                  f"{r['bytes_per_s'] / 1e9:.0f} |", flush=True)
+
+    try:
+        entry, records = tuning.tune(torch.device("cuda", index), numel, args.steps, write=not args.no_save,
+                                     progress=row)
+    except ValueError as exc:
+        print(f"lowmemopt tune: {exc}", file=sys.stderr)
+        return 1
+    default = next((r for r in records if "seconds" in r and (r["tile"], r["num_warps"], r["decode"])
+                    == (runtime.TILE, runtime.NUM_WARPS, "table")), None)
+    gain = f" ({default['seconds'] / min(r['seconds'] for r in records if 'seconds' in r):.2f}x the default's speed)" \
+        if default else ""
+    print(f"\nfastest: {entry['tile']} elements x {entry['num_warps']} warps, {entry['decode']} decode{gain}")
+    print("kept in " + str(tuning.cache_path()) if not args.no_save else "not saved (--no-save)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": tuning.device_key(index), "best": entry}, fh, indent=1)
+    return 0
+
+
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_demo, _add_estimate, _add_bench, _add_inspect, _add_tune]
 
 
 if __name__ == "__main__":
