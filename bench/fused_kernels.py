@@ -37,7 +37,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 from typing import Callable
 
@@ -167,6 +166,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) 
 def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int,
                    dtype: torch.dtype = torch.float32) -> tuple[float, int, str]:
     """Median step time (s), state bytes, and the kernel path taken (lowmemopt: launches per step)."""
+    from lowmemopt.kernels.tuning import time_steps
+
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
     for s in shapes:
@@ -174,17 +175,7 @@ def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int,
         p.grad = torch.randn(s, generator=gen, device=device).mul_(1e-3).to(dtype)
         params.append(p)
     opt = factory(params)
-    for _ in range(warmup):
-        opt.step()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        opt.step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    median = time_steps(opt, device, steps, warmup)
     note = ""
     if hasattr(opt, "state_nbytes"):
         from lowmemopt.kernels import dispatch
@@ -199,7 +190,7 @@ def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int,
     del opt, params
     gc.collect()
     torch.cuda.empty_cache()
-    return statistics.median(times), state, note
+    return median, state, note
 
 
 def _row(name: str, t: float, state: int, n: int, ideal: int, bw: float, note: str) -> str:

@@ -36,7 +36,7 @@ import torch
 
 from . import runtime
 
-__all__ = ["TILES", "WARPS", "DECODES", "cache_path", "device_key", "tuned", "measure", "tune", "forget"]
+__all__ = ["TILES", "WARPS", "DECODES", "cache_path", "device_key", "tuned", "measure", "tune", "forget", "time_steps"]
 
 #: candidate elements per program (rows of the 256-element quantization block: 4, 8 and 16 rows)
 TILES = (1024, 2048, 4096)
@@ -128,9 +128,14 @@ def _problem(numel: int, device: torch.device, dtype: torch.dtype) -> list[torch
     return params
 
 
-def _time_steps(opt: torch.optim.Optimizer, device: torch.device, steps: int) -> float:
-    """Median seconds of ``steps`` steps (CUDA events on a GPU, the wall clock elsewhere) after one untimed step."""
-    opt.step()
+def time_steps(opt: torch.optim.Optimizer, device: torch.device, steps: int, warmup: int = 1) -> float:
+    """Median seconds of ``steps`` steps of ``opt`` (CUDA events on a GPU, the wall clock elsewhere) after ``warmup``
+    untimed ones."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     times = []
     for _ in range(steps):
         if device.type == "cuda":
@@ -167,7 +172,7 @@ def measure(device: torch.device, numel: int = DEFAULT_NUMEL, steps: int = 20, d
                 try:
                     with runtime.launch_shape((tile, warps), decode):
                         opt = lowmemopt.AdamW(params, lr=1e-4, weight_decay=0.0, state_bits=8, min_quant_numel=0)
-                        seconds = _time_steps(opt, device, steps)
+                        seconds = time_steps(opt, device, steps)
                     record.update(seconds=seconds, bytes_per_s=ideal / seconds)
                 except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is a record, not the end
                     record["error"] = f"{type(exc).__name__}: {exc}"[:300]
