@@ -72,6 +72,7 @@ import torch
 from . import compiled, cpu, paging, pipeline, rounding
 from ._stacklevel import external_stacklevel
 from .distributed.reduction import LOCAL, Reduction
+from .pipeline import capture
 from .pipeline.capture import CAPTURABLE_ALGORITHMS
 from .pipeline.finite import DEFERRED_ALGORITHMS, DeviceFlags, finite_norms
 from .distributed.sharding import (
@@ -482,6 +483,16 @@ class LowMemOptimizer(torch.optim.Optimizer):
         the step counts and the step's scalars stay there, and skips are counted in a device tensor, not warned
         about."""
         grads = [local_tensor(p.grad) for p, _ in work]
+        device = grads[0].device
+        if capture.capturing(device):
+            for group in {id(g): g for _, g in work}.values():
+                lr = group["lr"]
+                if lr is not None and not (isinstance(lr, torch.Tensor) and lr.device == device):
+                    warnings.warn(f"{type(self).__name__}: lr={lr!r} is not a tensor on {device}: the captured step "
+                                  "keeps this value at every replay. Give lr as a tensor on the device (a scheduler "
+                                  "fills it in place) to change it between replays", RuntimeWarning,
+                                  stacklevel=external_stacklevel())
+                    break
         flags = DeviceFlags([p for p, _ in work], grads)
         self._run_pipeline([(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work), grads, None, None,
                            flags, device_steps=True)

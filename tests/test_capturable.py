@@ -313,3 +313,23 @@ def test_an_lr_scheduler_fills_the_tensor_in_place():
         runs.append(params)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_a_number_lr_warns_when_captured(monkeypatch):
+    """While a stream captures, a learning rate that is not a tensor on the device would be a constant of the graph:
+    the step warns. (Capture stood in for: no GPU here.)"""
+    from lowmemopt.pipeline import capture
+
+    params = [torch.nn.Parameter(torch.randn(64))]
+    for lr, warns in ((1e-2, True), (torch.tensor(1e-2), False)):
+        opt = lowmemopt.AdamW(params, lr=lr, state_bits=8, min_quant_numel=0, block_size=32, capturable=True)
+        params[0].grad = torch.randn(64)
+        with runtime.cpu_interpreter():
+            opt.step()  # (not capturing: no warning either way)
+            monkeypatch.setattr(capture, "capturing", lambda device: True)
+            monkeypatch.setattr(capture, "_KEPT", [])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            monkeypatch.undo()
+        assert any("keeps this value at every replay" in str(w.message) for w in caught) is warns
