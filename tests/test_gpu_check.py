@@ -209,8 +209,12 @@ def test_e2e_missing_library_row():
 
 
 def test_e2e_graph_row_needs_cuda():
-    """The ``-graph`` row captures ``opt.step()`` in a CUDA graph: on the CPU its factory says why it cannot run."""
+    """The ``-graph`` row captures ``opt.step()`` in a CUDA graph: on the CPU its factory says why it cannot run; the
+    ``-capturable`` row takes the same optimizer eagerly."""
     e2e = load_bench("e2e")
     lr, make = e2e.ROWS["lowmemopt-adamw-8bit-graph"]
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         make(torch.nn.Linear(4, 4), lr, None)
+    lr, make = e2e.ROWS["lowmemopt-adamw-8bit-capturable"]  # eager: made; its step then needs the fused kernels
+    opt = make(torch.nn.Linear(4, 4), lr, None)
+    assert opt.param_groups[0]["capturable"] and isinstance(opt.param_groups[0]["lr"], torch.Tensor)
