@@ -15,7 +15,8 @@ three). The ``-per-layer`` rows update each weight inside ``backward()`` (``step
 the one to compare (their ``opt.step()`` has nothing left to do), and their peak holds no full set of gradients. The
 ``-graph`` rows capture ``opt.step()`` in a CUDA graph after two eager steps (``capturable=True``) and replay it:
 their ``opt.step()`` is the GPU's time alone (CUDA only; their gradients are zeroed in place, not freed). The
-``-capturable`` row takes the same steps eagerly: no synchronization, an ordinary step's host work. Ratios are
+``-capturable`` row takes the same steps eagerly: no synchronization, an ordinary step's host work. After the table,
+the issues' targets on ``opt.step()`` (:data:`TARGETS`) whose rows both ran, with their ratios, PASS / FAIL on a GPU. Ratios are
 to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
 "not installed"; a row that fails says why; the run goes on.
 
@@ -370,6 +371,32 @@ def markdown_table(rows: list[dict[str, Any]], steps: int) -> str:
     return "\n".join(_table_header(device_memory, steps) + [_table_row(r, base) for r in rows])
 
 
+#: the issues' end-to-end targets on ``opt.step()`` (1.1B bf16 on a GPU): (issue, row, anchor row, bound on the ratio)
+TARGETS = [
+    (17, "lowmemopt-adamw-8bit", BASELINE, 1.0),
+    (17, "lowmemopt-adamw-8bit-graph", BASELINE, 1.0),
+    (17, "lowmemopt-adamw-8bit", "bnb-adamw8bit", 0.5),
+    (15, "lowmemopt-paged-adamw-8bit", "bnb-paged-adamw8bit", 1.5),
+    (16, "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit", 0.8),
+    (16, "lowmemopt-galore-adamw-8bit-bf16proj", "galore-torch-adamw8bit", 0.8),
+    (16, "lowmemopt-galore-came-8bit", "galore-torch-adamw8bit", 1.0),
+    (16, "lowmemopt-galore-came-8bit-bf16proj", "galore-torch-adamw8bit", 1.0),
+]
+
+
+def target_lines(rows: list[dict[str, Any]], gpu: bool) -> list[str]:
+    """One line per target of :data:`TARGETS` whose rows both ran: the ``opt.step()`` ratio, and PASS / FAIL on a GPU
+    (a CPU run's ratios are shown, judged by nothing: the targets are GPU figures)."""
+    ran = {r["name"]: r for r in rows if not r.get("error") and r.get("opt_step_s")}
+    out = []
+    for issue, name, anchor, bound in TARGETS:
+        if name in ran and anchor in ran:
+            ratio = ran[name]["opt_step_s"] / ran[anchor]["opt_step_s"]
+            verdict = ("PASS" if ratio <= bound else "FAIL") if gpu else "not judged (CPU)"
+            out.append(f"- issue {issue}: {name} opt.step() <= {bound}x {anchor}: {ratio:.2f}x -> {verdict}")
+    return out
+
+
 def add_model_args(ap: argparse.ArgumentParser, batch: int = 4, seq: int = 1024) -> None:
     """The model's options (TinyLlama's layout by default), the batch, the GaLore rank and the dtype: shared with
     ``profile_step.py``, which builds the same model."""
@@ -444,9 +471,12 @@ def main(argv=None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(dict(machine=info, args={k: v for k, v in vars(args).items() if not k.startswith("worker")},
                                rows=rows), fh, indent=1)
+    targets = target_lines(rows, args.device.startswith("cuda"))
+    if targets:
+        print("\nTargets (the issues', on opt.step()):\n" + "\n".join(targets), flush=True)
     if args.markdown:
         with open(args.markdown, "w") as fh:
-            fh.write(markdown_table(rows, steps) + "\n")
+            fh.write(markdown_table(rows, steps) + "\n" + "".join(f"{line}\n" for line in targets))
     return 0
 
 
