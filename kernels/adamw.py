@@ -110,5 +110,5 @@ def launch(u: Update, bucket: Bucket) -> None:
     names = slots(u.group)
     extra, update = bucket.param_update(u.group, u.step)
     bucket.tile_launch(_adam_kernel, names, args, writes=True, extra=extra, UPDATE=update, AMSGRAD=bool(kw["amsgrad"]),
-                       scal=scal, DEVICE_SCALARS=scal is not None,
+                       **bucket.scalar_args(scal),
                        MAXIMIZE=bool(kw["maximize"]), L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"])

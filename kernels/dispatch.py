@@ -34,7 +34,7 @@ from lowmemopt.pipeline.items import Item, Update
 from lowmemopt.quant.formats import format_of
 
 from . import registry, runtime
-from .table import device_index
+from .table import select_flags
 
 __all__ = ["step_items", "stats"]
 
@@ -85,7 +85,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
                 raise RuntimeError("capturable=True: the fused Triton kernels were turned off by an earlier failure")
             rest += members
             continue
-        if device_steps:  # (the pipeline's gather stage made each count a tensor on the device: capture.counters)
+        if device_steps:  # (the gather stage made each count a device tensor: capture.device_count)
             counters = [it.state["step"] for it in members]
             step = torch.stack(counters).to(torch.float64) + 1  # the step each tensor takes
         else:
@@ -113,8 +113,8 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
             rest += members
             continue
         if device_steps:  # a skipped tensor's count stays: it advances by its flag
-            capture.advance(counters, None if bucket.flags is None else flags.index_select(
-                0, device_index(bucket.flag_rows, bucket.device)))
+            capture.advance(counters, None if bucket.flags is None else select_flags(flags, bucket.flag_rows,
+                                                                                     bucket.device))
         else:
             for it in members:
                 it.state["step"] = step

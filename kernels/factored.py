@@ -495,7 +495,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
             scal: torch.Tensor | None = None) -> None:
     """The passes of one bucket. ``scal`` (a capturable step): the per-tensor ``(lr, neg_wd_lr, beta2, 1 - beta2)``
     on the device, read by the passes in place of those arguments (:meth:`.launch.Bucket.scalars`)."""
-    device = dict(scal=scal, DEVICE_SCALARS=scal is not None)
+    device = bucket.scalar_args(scal)
     dev = bucket.device
     factored = bucket.params[0].dim() >= 2
     rows, shapes, n_rows, n_cols = _rows(bucket, factored)
@@ -533,7 +533,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
                       writes=False, RESIDUAL=residual, **tiles_2d)
 
     def factors_of(rs, cs, rf, cf, stat, beta, eps=0.0, from_moments=False):  # pass 2 / 4
-        step_beta = device if stat == _SQ.value else dict(scal=None, DEVICE_SCALARS=False)  # (CAME's beta3: constant)
+        step_beta = device if stat == _SQ.value else bucket.scalar_args(None)  # (CAME's beta3: a constant)
         bucket.launch(_factors_kernel, rows, counts_mat, (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
                       writes=True, STAT=stat, MOMENTS=from_moments, **by_matrix, **step_beta)
 

@@ -110,7 +110,7 @@ def launch(u: Update, bucket: Bucket) -> None:
         sums[:, 0] = bucket.weights
     args = (sums, beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
     trust = not kw["adam"]
-    flags = dict(DECAY=wd != 0, WEIGHT=weight, scal=scal, DEVICE_SCALARS=scal is not None)
+    flags = dict(DECAY=wd != 0, WEIGHT=weight, **bucket.scalar_args(scal))
     if trust:
         bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=False, TRUST=True, APPLY=False, **flags)
     bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=True, TRUST=trust, APPLY=True, **flags)

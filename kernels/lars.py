@@ -124,4 +124,4 @@ def launch(u: Update, bucket: Bucket) -> None:
         neg_lr, first, scal = 0.0, 0, bucket.scalars(-kw["lr"], kw["first_step"])
     args = (sums, neg_lr, scalar(kw["momentum"]), scalar(kw["eeta"]), wd, scalar(kw["epsilon"]), first)
     bucket.tile_launch(_lars_apply_kernel, names, args, writes=True, MOMENTUM=kw["momentum"] != 0,
-                       DECAY=trust and wd != 0, TRUST=trust, WEIGHT=weight, scal=scal, DEVICE_SCALARS=scal is not None)
+                       DECAY=trust and wd != 0, TRUST=trust, WEIGHT=weight, **bucket.scalar_args(scal))

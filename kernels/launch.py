@@ -192,6 +192,12 @@ class Bucket:
             out[:, k] = column
         return out.to(torch.float32)
 
+    @staticmethod
+    def scalar_args(scal: torch.Tensor | None) -> dict[str, Any]:
+        """The launch keywords of a kernel that takes device scalars: ``scal`` (:meth:`scalars`, or None for an
+        ordinary step, whose scalars are arguments) and its ``DEVICE_SCALARS`` flag."""
+        return dict(scal=scal, DEVICE_SCALARS=scal is not None)
+
     def accumulators(self, n: int) -> torch.Tensor:
         """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""
         return torch.zeros(len(self.params), n, dtype=torch.float32, device=self.device)

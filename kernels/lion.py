@@ -68,5 +68,5 @@ def launch(u: Update, bucket: Bucket) -> None:
         stepping, scal = (0.0, 0.0), bucket.scalars(-kw["lr"], u.decay)
     args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, *stepping)
     extra, update = bucket.param_update(u.group, u.step)
-    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update, scal=scal,
-                       DEVICE_SCALARS=scal is not None)
+    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
+                       **bucket.scalar_args(scal))

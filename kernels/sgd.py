@@ -88,7 +88,6 @@ def launch(u: Update, bucket: Bucket) -> None:
         scal = bucket.scalars(-kw["lr"], kw["first_step"], u.decay)
     args = (neg_lr, scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, first, decay)
     extra, update = bucket.param_update(u.group, u.step)
-    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update, scal=scal,
-                       DEVICE_SCALARS=scal is not None,
-                       MOMENTUM=kw["momentum"] != 0,
-                       NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]), DECAY=wd != 0)
+    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
+                       MOMENTUM=kw["momentum"] != 0, NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]),
+                       DECAY=wd != 0, **bucket.scalar_args(scal))

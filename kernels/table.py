@@ -24,8 +24,8 @@ import torch
 
 from lowmemopt.pipeline import capture
 
-__all__ = ["upload", "device_tables", "device_table", "flagged_table", "device_index", "unit_map", "aligned",
-           "ceil_div"]
+__all__ = ["upload", "device_tables", "device_table", "flagged_table", "select_flags", "device_index", "unit_map",
+           "aligned", "ceil_div"]
 
 
 class _Cache:
@@ -45,17 +45,16 @@ class _Cache:
             self.entries.move_to_end(key)
             value = hit[0]
             tensors = value if isinstance(value, tuple) else (value,)
-            capture.keep(tensors[0].device, *tensors)
-            return value
-        value = make()
-        tensors = value if isinstance(value, tuple) else (value,)
+        else:
+            value = make()
+            tensors = value if isinstance(value, tuple) else (value,)
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            self.entries[key] = (value, size)
+            self.nbytes += size
+            while len(self.entries) > self.limit or (
+                    self.byte_limit is not None and self.nbytes > self.byte_limit and len(self.entries) > 1):
+                self.nbytes -= self.entries.popitem(last=False)[1][1]
         capture.keep(tensors[0].device, *tensors)
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        self.entries[key] = (value, size)
-        self.nbytes += size
-        while len(self.entries) > self.limit or (
-                self.byte_limit is not None and self.nbytes > self.byte_limit and len(self.entries) > 1):
-            self.nbytes -= self.entries.popitem(last=False)[1][1]
         return value
 
 
@@ -117,13 +116,19 @@ def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: to
     hit = None if memo is None else memo.get(id(table))
     if hit is not None:
         return hit[1]
-    n = len(flag_rows)
-    if n != len(flags) or list(flag_rows) != list(range(n)):  # (a per-layer hook's one tensor: row 0 of 1)
-        flags = flags.index_select(0, device_index(flag_rows, device))
-    out = torch.where(flags.view(torch.bool).unsqueeze(1), table, skipped)
+    out = torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
     if memo is not None:
         memo[id(table)] = (table, out)  # (the table kept alive with its id)
     return out
+
+
+def select_flags(flags: torch.Tensor, flag_rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``flags[flag_rows]`` on the device: one ``index_select``, none when the rows are the flags in order (a
+    per-layer hook's one tensor: row 0 of 1)."""
+    n = len(flag_rows)
+    if n == len(flags) and list(flag_rows) == list(range(n)):
+        return flags
+    return flags.index_select(0, device_index(flag_rows, device))
 
 
 def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -71,23 +71,25 @@ def forget() -> None:
     _by_index.clear()
 
 
-def _read() -> dict[str, Any]:
-    """The cache file's ``devices`` (empty if there is none, or it cannot be read: then one warning)."""
+def _read(warn: bool = True) -> dict[str, Any]:
+    """The cache file's ``devices``: empty if there is none, or if it cannot be read (then, with ``warn``, one
+    warning)."""
     path = cache_path()
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        warnings.warn(f"lowmemopt: ignoring the tuning cache {path} ({type(exc).__name__}: {exc}); "
-                      "run `lowmemopt tune` to measure again", RuntimeWarning, stacklevel=3)
-        return {}
-    devices = data.get("devices") if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
-    if not isinstance(devices, dict):
-        warnings.warn(f"lowmemopt: ignoring the tuning cache {path} (not a version {CACHE_VERSION} cache); run "
-                      "`lowmemopt tune` to measure again", RuntimeWarning, stacklevel=3)
-        return {}
-    return devices
+        problem = f"{type(exc).__name__}: {exc}"
+    else:
+        devices = data.get("devices") if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
+        if isinstance(devices, dict):
+            return devices
+        problem = f"not a version {CACHE_VERSION} cache"
+    if warn:
+        warnings.warn(f"lowmemopt: ignoring the tuning cache {path} ({problem}); run `lowmemopt tune` to measure "
+                      "again", RuntimeWarning, stacklevel=3)
+    return {}
 
 
 def _valid(entry: Any) -> bool:
@@ -194,13 +196,7 @@ def save(key: str, entry: dict[str, Any]) -> Path:
     """Write ``entry`` for device ``key`` into the cache (other devices' entries kept), atomically."""
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    devices: dict[str, Any] = {}
-    try:
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and data.get("version") == CACHE_VERSION and isinstance(data.get("devices"), dict):
-            devices = data["devices"]
-    except (OSError, ValueError):
-        pass  # (none yet, or unreadable: replaced whole)
+    devices = _read(warn=False)  # (none yet, or unreadable: replaced whole)
     devices[key] = entry
     fd, tmp = tempfile.mkstemp(prefix=".tuning.", suffix=".json", dir=path.parent)
     try:

@@ -648,12 +648,11 @@ def _tune(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lowmemopt tune: {exc}", file=sys.stderr)
         return 1
-    default = next((r for r in records if "seconds" in r and (r["tile"], r["num_warps"], r["decode"])
-                    == (runtime.TILE, runtime.NUM_WARPS, "table")), None)
-    gain = f" ({default['seconds'] / min(r['seconds'] for r in records if 'seconds' in r):.2f}x the default's speed)" \
-        if default else ""
+    default = next((r for r in records if "seconds" in r
+                    and (r["tile"], r["num_warps"], r["decode"]) == (runtime.TILE, runtime.NUM_WARPS, "table")), None)
+    gain = f" ({default['seconds'] / tuning.best(records)['seconds']:.2f}x the default's speed)" if default else ""
     print(f"\nfastest: {entry['tile']} elements x {entry['num_warps']} warps, {entry['decode']} decode{gain}")
-    print("kept in " + str(tuning.cache_path()) if not args.no_save else "not saved (--no-save)")
+    print("not saved (--no-save)" if args.no_save else f"kept in {tuning.cache_path()}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": tuning.device_key(index), "best": entry}, fh, indent=1)

@@ -62,6 +62,7 @@ stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -187,6 +188,12 @@ def check_adam_group(group: dict[str, Any]) -> None:
     check_nonneg("weight_decay value", group["weight_decay"])
 
 
+def sqrt_of(x: Any) -> Any:
+    """The correctly rounded square root of a step scalar: a number (``math.sqrt``), or a capturable step's tensor of
+    them (one per tensor, on the device)."""
+    return x.sqrt() if isinstance(x, torch.Tensor) else math.sqrt(x)
+
+
 def check_positive(name: str, value: Any) -> None:
     check_nonneg(name, value)
     if not value > 0.0:
@@ -222,6 +229,9 @@ def check_storage(group: dict) -> None:
     if capturable and group.get("bf16_update", "nearest") == "stochastic":
         raise ValueError("capturable=True cannot round bf16 parameters stochastically (each step's hash key is made "
                          "on the host); use bf16_update='nearest' or 'kahan'")
+    if capturable and group.get("rank") is not None:
+        raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD that "
+                         "synchronizes)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -365,9 +375,6 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                             or type(self)._step_param is not LowMemOptimizer._step_param):
                 raise ValueError(f"{type(self).__name__} does not support capturable=True (it has no fused kernel that "
                                  "reads the step's scalars on the device)")
-            if group.get("capturable") and group.get("rank") is not None:
-                raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD "
-                                 "that synchronizes)")
             if group.get("rank") is not None:  # a GaLore group: fill its defaults and check them
                 from .projection.step import check_group
 
@@ -391,17 +398,21 @@ class LowMemOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
+        groups = []  # the groups with gradients this step
         for group in self.param_groups:
+            n = len(work)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
                 work.append((p, group))
+            if len(work) > n:
+                groups.append(group)
         if not work:
             return loss
-        if self._capturable(work):
-            return self._capturable_step(work, loss)
+        if self._capturable(work, groups):
+            return self._capturable_step(work, groups, loss)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
             pager.begin(work)  # checks devices, makes homes for new state: raises before anything changes
@@ -450,20 +461,18 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self._nonfinite_skips = int(value)
         self._device_skips = None
 
-    def _capturable(self, work: list[tuple[torch.Tensor, dict]]) -> bool:
-        """Is this a capturable step (``capturable=True``, :mod:`lowmemopt.pipeline.capture`)? Raises ValueError
-        before anything changes where one cannot be made: some groups capturable and others not, several devices,
-        no fused kernels there, DTensor shards, or a group changed since construction (paged, GaLore)."""
-        first = work[0][1].get("capturable", False)
-        mixed = any(group.get("capturable", False) != first for _, group in work)
-        if not first and not mixed:
+    def _capturable(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict]) -> bool:
+        """Is this a capturable step (``capturable=True``, :mod:`lowmemopt.pipeline.capture`)? ``groups``: those of
+        ``work``. Raises ValueError before anything changes where one cannot be made: some groups capturable and
+        others not, several devices, no fused kernels there, DTensor shards, or a group changed since construction
+        (paged, GaLore)."""
+        modes = {bool(group.get("capturable", False)) for group in groups}
+        if modes == {False}:
             return False
-        if mixed:
+        if len(modes) > 1:
             raise ValueError("capturable=True is set in some param groups and not in others: a step is captured whole")
-        for group in {id(g): g for _, g in work}.values():
-            check_storage(group)  # (paging, stochastic rounding: changed since the group was added)
-            if group.get("rank") is not None:
-                raise ValueError("capturable=True does not apply to GaLore param groups")
+        for group in groups:
+            check_storage(group)  # (paging, stochastic rounding, GaLore: changed since the group was added)
         devices = {p.device for p, _ in work}
         if len(devices) != 1 or not pipeline.triton_usable(devices):
             raise ValueError(f"capturable=True needs every parameter on one CUDA device with the fused Triton kernels "
@@ -478,14 +487,14 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
         return True
 
-    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], loss: Any) -> Any:
+    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any) -> Any:
         """A step that reads nothing back from the device (:mod:`lowmemopt.pipeline.capture`): the non-finite check,
         the step counts and the step's scalars stay there, and skips are counted in a device tensor, not warned
-        about."""
+        about. ``groups``: those of ``work``."""
         grads = [local_tensor(p.grad) for p, _ in work]
         device = grads[0].device
         if capture.capturing(device):
-            for group in {id(g): g for _, g in work}.values():
+            for group in groups:
                 lr = group["lr"]
                 if lr is not None and not (isinstance(lr, torch.Tensor) and lr.device == device):
                     warnings.warn(f"{type(self).__name__}: lr={lr!r} is not a tensor on {device}: the captured step "
@@ -645,8 +654,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             state = self._init_state(p, group, slots, state, numel=numel, reduce=reduce)
         elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
             rounding.init_state(state, p, group, reduce.agree)
-        if isinstance(state["step"], torch.Tensor):  # a capturable step's count, back on the host (once)
-            state["step"] = int(state["step"].item())
+        capture.host_count(state)  # (a capturable step's count: back to an int)
         state["step"] += 1
         target = p if p.is_contiguous() else p.contiguous()
         scanned = self._update_flat(p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],

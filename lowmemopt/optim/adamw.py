@@ -7,12 +7,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group, sqrt_of
 
 __all__ = ["Adam", "AdamW", "adam_math"]
 
@@ -105,9 +104,7 @@ class Adam(LowMemOptimizer):
 
     def _step_scalars(self, group, step):
         beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
-        bc2 = 1 - beta2**step
-        return dict(bias_correction1=1 - beta1**step,
-                    bias_correction2_sqrt=bc2.sqrt() if isinstance(bc2, torch.Tensor) else math.sqrt(bc2))
+        return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=sqrt_of(1 - beta2**step))
 
     def _decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"] if group["decoupled_weight_decay"] else 1.0

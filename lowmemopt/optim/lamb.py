@@ -13,13 +13,12 @@ state format: 8-bit LAMB is still LAMB. (bitsandbytes' LAMB instead caps the Ada
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group
+from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group, sqrt_of
 
 __all__ = ["LAMB", "lamb_math"]
 
@@ -70,8 +69,7 @@ class LAMB(LowMemOptimizer):
         if not group["bias_correction"]:
             return dict(lr_scale=1.0)
         beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
-        bc2 = 1 - beta2**step
-        return dict(lr_scale=(bc2.sqrt() if isinstance(bc2, torch.Tensor) else math.sqrt(bc2)) / (1 - beta1**step))
+        return dict(lr_scale=sqrt_of(1 - beta2**step) / (1 - beta1**step))
 
     def __init__(
         self,

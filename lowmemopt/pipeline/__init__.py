@@ -139,16 +139,14 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
                                  "kernels (not contiguous, or a shard whose math needs the whole tensor)")
             rest.append((p, group))
         else:
+            if flags is not None:  # the kernels read the flag
+                it.flag = flags.position[id(p)]
             if device_steps:  # the count stays on the device and advances by the flag (capture.advance)
-                it.flag = flags.position[id(p)]
-                capture.counters([it.state], it.target.device)
-                plain.append(it)
-                continue
-            if isinstance(it.state["step"], torch.Tensor):  # a capturable step's count, back on the host (once)
-                it.state["step"] = int(it.state["step"].item())
-            if flags is not None:  # stepped provisionally: the kernels read the flag, the host undoes a skip's count
-                it.flag = flags.position[id(p)]
-                flags.note(p, it.state, fresh)
+                capture.device_count(it.state, it.target.device)
+            else:
+                capture.host_count(it.state)
+                if flags is not None:  # stepped provisionally: the host undoes a skip's count
+                    flags.note(p, it.state, fresh)
             plain.append(it)
     if projected:
         galore.project(projected)
@@ -166,9 +164,8 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
         if device_steps:  # step: each tensor's, fp64 [T] on the device; a tensor lr is read there too
             group = dict(group, lr=capture.device_value(group["lr"], it.target.device))
         decay = 1.0 if it.projected else optimizer._decay_factor(group)
-        if device_steps:
-            return Update(name, optimizer._math_kwargs(group, step), it.group, decay, 0, group["block_size"], step)
-        return Update(name, optimizer._math_kwargs(group, step), group, decay, step, group["block_size"])
+        return Update(name, optimizer._math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
+                      it.group["block_size"], step if device_steps else None)
 
     left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps)
     finished: set[int] = set()

@@ -27,12 +27,11 @@ the process (:func:`keep`), and so are the page-locked host buffers of uploads m
 
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["CAPTURABLE_ALGORITHMS", "capturing", "keep", "device_value", "counters", "advance"]
+__all__ = ["CAPTURABLE_ALGORITHMS", "capturing", "keep", "device_value", "device_count", "host_count", "advance"]
 
 #: fused algorithms whose kernels read the step's scalars from the device
 #: (:func:`lowmemopt.kernels.codec.tensor_scalar`)
@@ -73,20 +72,25 @@ def device_value(x: Any, device: torch.device) -> Any:
     return None if x is None else float(x)  # (None: Adafactor's relative step)
 
 
-def counters(states: Sequence[dict[str, Any]], device: torch.device) -> list[torch.Tensor]:
-    """The step counters of ``states`` as 0-dim fp32 tensors on ``device``, made in place from an int count (a new
-    state, one loaded from a checkpoint, or one an ordinary step kept) by a fill on the device (no host copy)."""
-    out = []
-    for st in states:
-        step = st["step"]
-        if not isinstance(step, torch.Tensor) or step.device != device or step.dtype != torch.float32:
-            value = float(step) if not isinstance(step, torch.Tensor) else step
-            if isinstance(value, float) and not (0 <= value <= 2**24 and value == math.floor(value)):
-                raise ValueError(f"step count {step!r} cannot be kept exactly in a capturable step (fp32)")
-            step = st["step"] = (torch.full((), value, dtype=torch.float32, device=device)
-                                 if isinstance(value, float) else value.to(device=device, dtype=torch.float32))
-        out.append(step)
-    return out
+def device_count(state: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """``state["step"]`` as a 0-dim fp32 tensor on ``device``, made in place from an int count (a new state, one
+    loaded from a checkpoint, or one an ordinary step kept) by a fill on the device (no host copy)."""
+    step = state["step"]
+    if isinstance(step, torch.Tensor):
+        if step.device != device or step.dtype != torch.float32:
+            step = state["step"] = step.to(device=device, dtype=torch.float32)
+        return step
+    if not 0 <= step <= 2**24:
+        raise ValueError(f"step count {step!r} cannot be kept exactly in a capturable step (fp32)")
+    step = state["step"] = torch.full((), float(step), dtype=torch.float32, device=device)
+    return step
+
+
+def host_count(state: dict[str, Any]) -> None:
+    """``state["step"]`` back to an int where a capturable step left a tensor (read once, when an ordinary step
+    takes the parameter again)."""
+    if isinstance(state["step"], torch.Tensor):
+        state["step"] = int(state["step"].item())
 
 
 def advance(steps: list[torch.Tensor], flags: torch.Tensor | None) -> None:
