@@ -190,6 +190,7 @@ _END = re.compile(r"^(?:@!?%\w+\s+)?(?:ret|exit|trap)\b")
 _LOC = re.compile(r"^\.loc\s+(\d+)\s+(\d+)\s+\d+")
 _INLINED = re.compile(r"inlined_at\s+(\d+)\s+(\d+)")
 _FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', flags=re.M)
+_CALL_SITE = re.compile(r"([\w.+-]+\.py):(\d+):(\d+)")  # a call site in a .loc comment (file.py:line:column)
 _MEM = re.compile(r"^(?:@!?%\w+\s+)?(ld|st|atom|red)\.(global|shared)(?:::\w+)?((?:\.[\w:]+)*)\s")
 _BAR = re.compile(r"^(?:@!?%\w+\s+)?(?:bar|barrier)(?:\.cta)?\.sync\b")
 
@@ -206,17 +207,42 @@ class Block:
 
 
 def _numbered_body(ptx: str) -> list[tuple[int, str]]:
-    """(1-based line number in ``ptx``, line) of :func:`entry_body`'s lines."""
+    """(1-based line number in ``ptx``, line) of :func:`entry_body`'s lines. A ``.loc`` line whose call sites are
+    only in its comment (Triton 3.6 and older: ``// codec.py:355:92 @[ adamw.py:78:88 ]``; newer ones write
+    ``inlined_at 1 78 88``) gets them as ``inlined_at`` clauses (:func:`_comment_call_sites`)."""
     start = ptx.index("{", ptx.index(".entry"))
     first = ptx.count("\n", 0, start) + 2  # the line after the one holding the "{"
+    ids = _file_ids_by_name(ptx)
     lines = []
     for number, raw in enumerate(ptx[start + 1:].splitlines()[1:], first):
-        line = raw.split("//", 1)[0].strip()
+        line, _, comment = raw.partition("//")
+        line = line.strip()
         if line == "}":
             break
+        if line.startswith(".loc") and "inlined_at" not in line:
+            line += _comment_call_sites(comment, ids)
         if line:
             lines.append((number, line))
     return lines
+
+
+def _file_ids_by_name(ptx: str) -> dict[str, int]:
+    """File id of each ``.file`` directive's base name (names that two files share are left out: ambiguous)."""
+    ids: dict[str, int] = {}
+    for i, path in _FILE.findall(ptx):
+        name = os.path.basename(path)
+        ids[name] = -1 if name in ids else int(i)
+    return {name: i for name, i in ids.items() if i >= 0}
+
+
+def _comment_call_sites(comment: str, ids: dict[str, int]) -> str:
+    """``, inlined_at F L C`` for each call site in a ``.loc`` comment's ``@[ file.py:L:C @[ ... ] ]`` chain whose
+    file name is in ``ids``; "" if it has none."""
+    _, at, chain = comment.partition("@[")
+    if not at:
+        return ""
+    return "".join(f", inlined_at {ids[name]} {ln} {col}" for name, ln, col in _CALL_SITE.findall(chain)
+                   if name in ids)
 
 
 def entry_body(ptx: str) -> list[str]:

@@ -186,12 +186,23 @@ def env_section(env: dict) -> list[str]:
             gpu += f" ({env['gpu_count']} GPUs; the check uses one)"
     anchors = env.get("anchors", {})
     rows = [("GPU", gpu), ("driver", env.get("driver") or "unknown"),
-            ("torch", f"{env.get('torch')} (CUDA {env.get('torch_cuda')})"), ("triton", env.get("triton")),
+            ("torch", f"{env.get('torch')} (CUDA {env.get('torch_cuda')})"),
+            ("triton", _triton_row(env.get("triton"))),
             ("python", f"{env.get('python')} on {env.get('platform')}, {env.get('cpu_count')} CPUs"),
             ("lowmemopt", env.get("lowmemopt")),
             ("anchor libraries", "; ".join(f"{k} {v}" if v else f"{k} not installed (its rows are skipped)"
                                            for k, v in anchors.items()) or "none checked")]
     return ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
+
+
+def _triton_row(version: str | None) -> str | None:
+    """The Triton version, with a caution before 3.7: it lays the 8- and 4-bit kernels' tiles out for their gathers,
+    with shared-memory round trips (docs/kernels.md, "Triton versions"), so their times are not 3.7's."""
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    if match and (int(match[1]), int(match[2])) < (3, 7):
+        return (f"{version} (before 3.7: the 8- and 4-bit kernels compile to the gather layout, about twice the "
+                "registers and shared-memory round trips; docs/kernels.md, \"Triton versions\")")
+    return version
 
 
 def tests_section(work: str, parts: list[Part]) -> tuple[list[str], bool]:

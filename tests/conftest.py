@@ -16,6 +16,26 @@ def pytest_configure(config):
     torch.manual_seed(0)
 
 
+def pytest_report_header(config):
+    """The Triton the kernels run on, and what an older interpreter cannot do (docs/kernels.md, "Triton versions")."""
+    from lowmemopt.kernels import runtime
+
+    if not runtime.HAS_TRITON:
+        return "triton: not installed (the Triton kernel tests skip)"
+    import numpy
+    import triton
+    from helpers import interpreter_fma_rounds_once, version_of
+
+    lines = [f"triton {triton.__version__} ({'interpreted' if runtime.INTERPRET else 'compiled'} kernels)"]
+    if runtime.INTERPRET and not interpreter_fma_rounds_once():
+        lines.append("  its interpreter rounds tl.fma twice: the bit-for-bit comparisons of interpreted kernels with "
+                     "IEEE arithmetic skip (Triton 3.9 rounds once, as a GPU)")
+    if runtime.INTERPRET and version_of(triton.__version__) < (3, 7) and version_of(numpy.__version__) >= (2, 4):
+        lines.append(f"  with numpy {numpy.__version__}, this interpreter fails on loops whose bounds a kernel loads "
+                     "(the factored passes): use triton >= 3.7 or numpy < 2.4")
+    return lines
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -134,3 +136,34 @@ def load_bench(name: str) -> ModuleType:
             if str(BENCH) in sys.path:  # (a script may take its own folder off the path)
                 sys.path.remove(str(BENCH))
     return sys.modules[key]
+
+
+
+def version_of(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``3.6.0``, ``3.10.0rc1`` or ``2.4.6+git1234``."""
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_fma_rounds_once() -> bool:
+    """Does the Triton interpreter's ``tl.fma`` round once, as a GPU's does? Triton 3.9's does; older interpreters
+    compute ``x * y + z`` with two roundings, so interpreted kernels then differ in the last bit from IEEE arithmetic
+    (and from a GPU) wherever an fma's product is inexact. Tests that compare interpreted kernels bit for bit with
+    IEEE arithmetic skip on those (what they check holds on a GPU). Probed once: ``(1 + 2^-12)^2 - (1 + 2^-11)`` is
+    ``2^-24`` rounded once and 0 rounded twice. True where kernels are compiled (no interpreter)."""
+    from lowmemopt.kernels import runtime
+
+    if not (runtime.HAS_TRITON and runtime.INTERPRET):
+        return True
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fma_kernel(out):
+        one = tl.full([1], 1.0 + 2.0 ** -12, tl.float32)
+        tl.store(out + tl.arange(0, 1), tl.fma(one, one, tl.full([1], -(1.0 + 2.0 ** -11), tl.float32)))
+
+    out = torch.zeros(1)
+    fma_kernel[(1,)](out)
+    return float(out) == 2.0 ** -24

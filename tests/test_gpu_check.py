@@ -87,7 +87,8 @@ def test_report_from_fixture_outputs(tmp_path):
         "| GPU | NVIDIA H100 80GB HBM3, 79.2 GiB, compute capability 9.0, 132 SMs |",
         "| driver | 580.159.04 |",
         "| torch | 2.11.0+cu130 (CUDA 13.0) |",
-        "| triton | 3.6.0 |",
+        "| triton | 3.6.0 (before 3.7: the 8- and 4-bit kernels compile to the gather layout, about twice the "
+        'registers and shared-memory round trips; docs/kernels.md, "Triton versions") |',
         "| anchor libraries | bitsandbytes 0.50.2; torchao not installed (its rows are skipped) |",
         '| `pytest -m "not slow"` | exit 1 | 2 | 2 | 1 | 1 | 301 |',
         "- `tests/test_kernels.py::test_gpu_kernels_match_cpu_reference[bf16-16-Adafactor]`: AssertionError: "
@@ -104,6 +105,14 @@ def test_report_from_fixture_outputs(tmp_path):
         assert line in lines, line
     assert lines.index("## Environment") < lines.index("## Tests") < lines.index("## Benchmarks")
     assert "RuntimeError" not in text  # a benchmark that succeeded shows no log
+
+
+def test_report_cautions_about_triton_before_3_7():
+    """The kernels' 8- and 4-bit times on Triton 3.6 are not 3.7's (docs/kernels.md, "Triton versions")."""
+    assert report._triton_row("3.6.0").startswith("3.6.0 (before 3.7:")
+    assert report._triton_row("3.5.1+git9c2f1a").startswith("3.5.1+git9c2f1a (before 3.7:")
+    for version in ("3.7.0", "3.9.0", "3.10.1", "4.0.0", None, "not installed"):
+        assert report._triton_row(version) == version
 
 
 def test_a_part_run_again_replaces_its_entry(tmp_path):

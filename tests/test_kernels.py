@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_params_close, assert_state_close, clone_params, load_bench, make_params, set_grads
+from helpers import (assert_params_close, assert_state_close, clone_params, load_bench, make_params, set_grads,
+                     version_of)
 from optim_info import BY_NAME, OPTIMIZERS, STATEFUL
 
 import lowmemopt
@@ -640,6 +641,8 @@ def test_kernels_compile_for_gpu(tmp_path):
     import subprocess
     import sys
 
+    import triton
+
     from lowmemopt.kernels.variants import VARIANTS
 
     out = subprocess.run([sys.executable, str(RESOURCES_SCRIPT), "--no-sweep", "--json", str(tmp_path / "r.json")],
@@ -661,9 +664,14 @@ def test_kernels_compile_for_gpu(tmp_path):
             f"{name} spills at tile {r['tile']}, {r['num_warps']} warps: {r['registers']} registers, "
             f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads")
     # the instruction budget of the 8-bit update (SASS per element on the full-tile path; issue-bound with bf16
-    # parameters): 8-bit AdamW with amsgrad took 218 with a division per element and class compares, 150 without
+    # parameters): 8-bit AdamW with amsgrad took 218 with a division per element and class compares, 150 without.
+    # Triton before 3.7 lays the tile's gathers (code book, class table) out with its rows fastest and converts the
+    # tile to that layout through shared memory (docs/kernels.md, "Triton versions"): 173.8 / 68.4 / 68.5 with 3.6
     sass = {name: by_label[name]["sass_per_element"] for name in ("adam", "lion", "quantize")}
-    assert sass["adam"] < 160 and sass["lion"] < 62 and sass["quantize"] < 60, sass
+    limits = dict(adam=160, lion=62, quantize=60)
+    if version_of(triton.__version__) < (3, 7):
+        limits = dict(adam=185, lion=75, quantize=75)
+    assert all(sass[name] < limit for name, limit in limits.items()), (sass, limits)
 
 
 _PTX = """\
@@ -712,6 +720,13 @@ def test_kernel_resources_ptx_paths_counts_and_occupancy():
     assert whole["ld_global"] == {128: 1, 64: 1, 32: 2, 16: 1} and whole["bar_sync"] == 1
     assert res.full_tile_path(_PTX, None)[0] == "all"  # a kernel without `if full:`
     assert res.full_tile_path(_PTX, ("/src/other.py", 11, range(12, 13), range(14, 15)))[0] == "all"
+    # Triton 3.6 and older write the call sites only in the .loc comment: the same path and counts
+    old_style = (_PTX.replace(", function_name $L__info_string0, inlined_at 1 14 9", "  // codec.py:7:3 @[ k.py:14:9 ]")
+                 .replace(", function_name $L__info_string0, inlined_at 1 12 9", "  // codec.py:7:3 @[ k.py:12:9 ]"))
+    assert "inlined_at" not in old_style
+    path_old, lines_old = res.full_tile_path(old_style, branch)
+    assert path_old == "full" and res.memory_counts(lines_old) == full
+    assert res.masked_ptx_lines(old_style, branch) == res.masked_ptx_lines(_PTX, branch)
 
     # registers are allocated per warp in units of 256: 160 -> 5120 per warp, 12 warps fit; 3 blocks of 4 warps
     occ = res.occupancy(160, 4096, 4)

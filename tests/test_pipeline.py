@@ -15,7 +15,8 @@ import contextlib
 
 import pytest
 import torch
-from helpers import assert_params_close, assert_state_close, make_params, set_grads
+from helpers import (assert_params_close, assert_state_close, interpreter_fma_rounds_once, make_params,
+                     set_grads)
 from optim_info import BY_NAME, STATEFUL
 
 import lowmemopt
@@ -97,6 +98,9 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
     if backend == "triton":
         from lowmemopt.kernels import dispatch
 
+        if rank is not None and not interpreter_fma_rounds_once():
+            pytest.skip("this Triton's interpreter rounds tl.fma twice (before Triton 3.9): the parameters drift "
+                        "from the reference by an ulp, and GaLore's SVD of the next gradient magnifies it")
         before = dict(dispatch.stats)
     native_steps = []  # elements each native elementwise kernel call stepped
     if backend == "native":

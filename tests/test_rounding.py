@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import load_bench
+from helpers import interpreter_fma_rounds_once, load_bench
 
 import lowmemopt
 from lowmemopt import cpu, rounding
@@ -144,7 +144,8 @@ def test_backends_bit_identical(cls, kw, mode, monkeypatch):
     nat, nopt = _run(cls, kw, mode, "native", monkeypatch)
     near, _ = _run(cls, kw, "nearest", "eager", monkeypatch)
     assert not torch.equal(_bits(ref), _bits(near))
-    for p, opt in ((tri, topt), (nat, nopt)):
+    # (an interpreter whose tl.fma rounds twice, before Triton 3.9, cannot give the kernels' bits: native C only)
+    for p, opt in ((tri, topt), (nat, nopt))[0 if interpreter_fma_rounds_once() else 1:]:
         assert torch.equal(_bits(p), _bits(ref))
         if mode == "kahan":
             assert torch.equal(_bits(opt.state[p][rounding.KAHAN]), _bits(ropt.state[ref][rounding.KAHAN]))
