@@ -461,8 +461,8 @@ def sass_full_path(text: str, masked: set[int] | None) -> tuple[str, int]:
 def sweep_variants() -> list[Any]:
     """8-bit and 4-bit AdamW (no amsgrad, decoupled decay, nearest rounding) over :data:`SWEEP_TILES` x
     :data:`SWEEP_WARPS`; 8-bit with each decode (``runtime.Q8_DECODE``: the code-book gather, ``-arith`` without
-    books)."""
-    from lowmemopt.kernels import adamw, variants
+    books), in the tile layout the launchers give the installed Triton (``runtime.column_tiles``)."""
+    from lowmemopt.kernels import adamw, runtime, variants
     from lowmemopt.kernels.codec import NEAREST, Q4, Q8
 
     flags = dict(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST)
@@ -472,7 +472,8 @@ def sweep_variants() -> list[Any]:
             books = dict(book_s=None, book_u=None) if decode == "arithmetic" else {}
             for rows, block in shapes:
                 for warps in SWEEP_WARPS:
-                    constexprs = variants.tile(block, **flags, **books, FMT=Q4 if fmt == "q4" else Q8, ROWS=rows)
+                    constexprs = variants.tile(block, **flags, **books, FMT=Q4 if fmt == "q4" else Q8, ROWS=rows,
+                                               COLS=runtime.column_tiles(fmt))
                     label = f"adamw-{fmt}" + ("-arith" if books else "")
                     out.append(variants.Variant(label, adamw._adam_kernel, constexprs, warps))
     return out

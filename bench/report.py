@@ -196,12 +196,12 @@ def env_section(env: dict) -> list[str]:
 
 
 def _triton_row(version: str | None) -> str | None:
-    """The Triton version, with a caution before 3.7: it lays the 8- and 4-bit kernels' tiles out for their gathers,
-    with shared-memory round trips (docs/kernels.md, "Triton versions"), so their times are not 3.7's."""
+    """The Triton version, with a caution before 3.7: it lays a tile's gathers out rows-first, so the kernels that keep
+    row tiles there make shared-memory round trips (docs/kernels.md, "Triton versions"): their times are not 3.7's."""
     match = re.match(r"(\d+)\.(\d+)", version or "")
     if match and (int(match[1]), int(match[2])) < (3, 7):
-        return (f"{version} (before 3.7: the 8- and 4-bit kernels compile to the gather layout, about twice the "
-                "registers and shared-memory round trips; docs/kernels.md, \"Triton versions\")")
+        return (f"{version} (before 3.7: 8-bit AdamW/SGD/Lion/LAMB/LARS take column tiles; the 4-bit and "
+                "Adafactor/CAME kernels make shared-memory round trips; docs/kernels.md, \"Triton versions\")")
     return version
 
 

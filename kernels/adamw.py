@@ -50,21 +50,21 @@ def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
                w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, COLS: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
-    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
-    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
+    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
+    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
     if AMSGRAD:
-        vmax = load_slot(row, 7, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
+        vmax = load_slot(row, 7, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
     else:
         vmax = v
     m, v, vmax, delta = adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay, step_size,
                                     bc2_sqrt, AMSGRAD, MAXIMIZE, L2_DECAY)
-    store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
-    store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+    store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
+    store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED, COLS)
     if AMSGRAD:
-        store_slot(vmax, row, 7, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+        store_slot(vmax, row, 7, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED, COLS)
     store_param_as(p * decay + delta, p, row, offs, mask, P_DTYPE, ALIGNED, MASKED, UPDATE, W)
 
 
@@ -74,8 +74,8 @@ def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False):
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: each tensor's (step size, bias correction, decay) from the device
         step_size = tensor_scalar(scal, t, 3, 0)
         bc2_sqrt = tensor_scalar(scal, t, 3, 1)
@@ -83,11 +83,11 @@ def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
     if full:
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, UPDATE, W, False)
+                   L2_DECAY, UPDATE, W, False, COLS)
     else:
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, UPDATE, W, True)
+                   L2_DECAY, UPDATE, W, True, COLS)
 
 
 def slots(group: dict) -> tuple[str, ...]:

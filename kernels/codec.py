@@ -47,7 +47,7 @@ from lowmemopt.quant.formats import map_for
 from lowmemopt.quant.maps import MAP_NAMES, POW2_BITS, code_book, encode_table, is_signed_map
 
 from . import runtime
-from .divide import quotient_positive, row_quotients
+from .divide import per_block, quotient_positive, row_quotients
 from .pow2 import class_table, pow2_code, pow2_value
 
 __all__ = ["FP32", "BF16", "Q8", "Q4", "FORMAT_CODES", "NEAREST", "STOCHASTIC", "KAHAN", "maps", "quantize_blockwise",
@@ -112,34 +112,35 @@ def rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def encode_q8(x, book, lut, SIGNED: tl.constexpr):
-    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) of a state map (``pow2`` / ``upow2``) -> (uint8 codes
-    [ROWS, BLOCK], fp32 scale [ROWS]): one reciprocal per block, not a division per element (:mod:`.divide`: the
-    quotients are IEEE's wherever a code can tell), then :func:`.pow2.pow2_code` with ``lut`` the map's class table
-    (:func:`.pow2.class_table`: one small gather per element) or None (compares against the class bounds)."""
-    scale = block_scale(x, book, 255, SIGNED)
+def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
+    """fp32 tile ``x`` [ROWS, BLOCK] (``COLS``: [BLOCK, ROWS]; masked elements already 0) of a state map (``pow2`` /
+    ``upow2``) -> (uint8 codes shaped as ``x``, fp32 scale [ROWS]): one reciprocal per block, not a division per
+    element (:mod:`.divide`: the quotients are IEEE's wherever a code can tell), then :func:`.pow2.pow2_code` with
+    ``lut`` the map's class table (:func:`.pow2.class_table`: one small gather per element) or None (compares against
+    the class bounds)."""
+    scale = block_scale(x, book, 255, SIGNED, COLS)
     s = tl.where(scale > 0, scale, 1.0)
-    y = row_quotients(x, s)
+    y = row_quotients(x, s, COLS)
     if SIGNED:
         code = pow2_code(y, True, None, lut)
     else:
-        code = pow2_code(y, False, quotient_positive(x, s), lut)
+        code = pow2_code(y, False, quotient_positive(x, s, COLS), lut)
     return code.to(tl.uint8), scale
 
 
 @triton.jit
-def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
-    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks
-    (:func:`block_scale`); an all-zero row keeps scale 0 and divides by 1."""
-    scale = block_scale(x, book, LAST, SIGNED)
-    return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
+def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
+    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks (``COLS``: a tile
+    [BLOCK, ROWS] whose columns are; :func:`block_scale`); an all-zero block keeps scale 0 and divides by 1."""
+    scale = block_scale(x, book, LAST, SIGNED, COLS)
+    return tl.math.div_rn(x, per_block(tl.where(scale > 0, scale, 1.0), COLS)), scale
 
 
 @triton.jit
-def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
-    """The scale [ROWS] of a tile [ROWS, BLOCK] whose rows are quantization blocks: it makes both extremes
-    representable in a book whose last code is ``book[LAST]`` (signed: ``max(max x / book[LAST], min x / book[0])``;
-    unsigned: ``max(max x, 0)``)."""
+def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
+    """The scale [ROWS] of a tile [ROWS, BLOCK] whose rows are quantization blocks (``COLS``: [BLOCK, ROWS], blocks
+    down the columns): it makes both extremes representable in a book whose last code is ``book[LAST]`` (signed:
+    ``max(max x / book[LAST], min x / book[0])``; unsigned: ``max(max x, 0)``)."""
     if SIGNED:
         if book is None:  # the pow2 map (8-bit state, arithmetic codes)
             first = pow2_value(tl.full([], 0, tl.int32), True)
@@ -147,10 +148,23 @@ def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
         else:
             first = tl.load(book)
             last = tl.load(book + LAST)
-        scale = tl.maximum(tl.math.div_rn(tl.max(x, axis=1), last), tl.math.div_rn(tl.min(x, axis=1), first))
+        scale = tl.maximum(tl.math.div_rn(block_extreme(x, COLS, True), last),
+                           tl.math.div_rn(block_extreme(x, COLS, False), first))
     else:
-        scale = tl.maximum(tl.max(x, axis=1), 0.0)
+        scale = tl.maximum(block_extreme(x, COLS, True), 0.0)
     return scale
+
+
+@triton.jit
+def block_extreme(x, COLS: tl.constexpr, MAX: tl.constexpr):
+    """Each quantization block's maximum (``MAX``) or minimum [ROWS] of a tile [ROWS, BLOCK] (``COLS``: [BLOCK,
+    ROWS])."""
+    AXIS: tl.constexpr = 0 if COLS else 1
+    if MAX:
+        m = tl.max(x, axis=AXIS)
+    else:
+        m = tl.min(x, axis=AXIS)
+    return m
 
 
 @triton.jit
@@ -195,12 +209,12 @@ def code_values(codes, book, SIGNED: tl.constexpr):
 
 @triton.jit
 def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr,
-              MASKED: tl.constexpr):
-    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] whose block indices are ``blocks`` [ROWS]; 0 where masked.
-    ``book``: the map's code book, or None (:func:`code_values`)."""
+              MASKED: tl.constexpr, COLS: tl.constexpr):
+    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] (``COLS``: [BLOCK, ROWS]) whose block indices are ``blocks``
+    [ROWS]; 0 where masked. ``book``: the map's code book, or None (:func:`code_values`)."""
     codes = ld(codes_ptr + offs, mask, MASKED)
     scale = ld(absmax_ptr + blocks, block_mask, MASKED)
-    x = code_values(codes.to(tl.int32), book, SIGNED) * scale[:, None]
+    x = code_values(codes.to(tl.int32), book, SIGNED) * per_block(scale, COLS)
     if MASKED:
         x = tl.where(mask, x, 0.0)
     return x
@@ -210,7 +224,7 @@ def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, SIGNE
 def encode_q4(x, book, lut, SIGNED: tl.constexpr):
     """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (int32 4-bit codes [ROWS, BLOCK], fp32 scale
     [ROWS]): :func:`encode_q8`'s scale with a 16-code ``book``, and the 4-bit map's bucket table ``lut``."""
-    y, scale = block_scaled(x, book, 15, SIGNED)
+    y, scale = block_scaled(x, book, 15, SIGNED, False)
     return table_code(y, lut), scale
 
 
@@ -281,7 +295,7 @@ def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, 
 
 @triton.jit
 def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr, FMT: tl.constexpr,
-              ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+              ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
     """A state slot's fp32 values at ``offs`` (0 where masked). ``row``: the tensor's launch-table row; the slot's
     address is at column ``COL`` (q8: codes at COL, absmax at COL + 1; q4: nibbles at COL, absmax at COL + 1);
     ``book``, ``SIGNED``: its map's code book (q8: None decodes by arithmetic) and sign."""
@@ -290,7 +304,7 @@ def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGN
                       offs, mask, blocks, block_mask, book, MASKED)
     elif FMT == 2:
         x = decode_q8(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
-                      offs, mask, blocks, block_mask, book, SIGNED, MASKED)
+                      offs, mask, blocks, block_mask, book, SIGNED, MASKED, COLS)
     elif FMT == 1:
         x = ld(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     else:
@@ -322,7 +336,7 @@ def load_slot_at(row, COL: tl.constexpr, offs, mask, book, SIGNED: tl.constexpr,
 
 @triton.jit
 def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
-               FMT: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+               FMT: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
     """Write fp32 ``x`` [ROWS, BLOCK] to a state slot (bf16: round to nearest even; q8, q4: encode each row)."""
     if FMT == 3:
         encode_store_q4(x, typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32,
@@ -331,7 +345,7 @@ def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, 
     elif FMT == 2:
         if MASKED:
             x = tl.where(mask, x, 0.0)
-        codes, scale = encode_q8(x, book, lut, SIGNED)
+        codes, scale = encode_q8(x, book, lut, SIGNED, COLS)
         st(typed(tl.load(row + COL), tl.uint8, ALIGNED) + offs, codes, mask, MASKED)
         st(typed(tl.load(row + COL + 1), tl.float32, False) + blocks, scale, block_mask, MASKED)
     elif FMT == 1:
@@ -341,7 +355,7 @@ def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, 
 
 
 @triton.jit
-def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr):
     """This program's tensor (index ``t``, its launch-table ``row`` pointer and ``numel``, at column 2) and its tile:
     element offsets [ROWS, BLOCK] (int64), their mask, block indices [ROWS], the block mask, and ``full``: the whole
     tile lies inside the tensor (kernels then take their unmasked, vectorizable variant)."""
@@ -351,7 +365,10 @@ def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.con
     row = table + t.to(tl.int64) * W
     numel = tl.load(row + 2)
     blocks = tile * ROWS + tl.arange(0, ROWS)
-    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if COLS:
+        offs = blocks[None, :] * BLOCK + tl.arange(0, BLOCK)[:, None]
+    else:
+        offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     return t, row, numel, offs, offs < numel, blocks, blocks * BLOCK < numel, (tile + 1) * (ROWS * BLOCK) <= numel
 
 
@@ -445,9 +462,9 @@ def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.
     blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if POW2:
-        codes, scale = encode_q8(x, book, lut, SIGNED)
+        codes, scale = encode_q8(x, book, lut, SIGNED, False)
     else:
-        y, scale = block_scaled(x, book, 255, SIGNED)
+        y, scale = block_scaled(x, book, 255, SIGNED, False)
         codes = table_code(y, lut).to(tl.uint8)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(absmax_ptr + blocks, scale, mask=blocks * BLOCK < numel)
@@ -457,7 +474,7 @@ def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.
 def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     # any map, always through its book (SIGNED only matters without one)
-    x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True, True)
+    x = decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, True, True, False)
     tl.store(out_ptr + offs, x, mask=mask)
 
 

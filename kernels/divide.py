@@ -45,32 +45,44 @@ def div_by(x, b, r):
 
 
 @triton.jit
-def row_quotients(x, s):
-    """``x / s[:, None]`` for a tile ``x`` [ROWS, BLOCK] and divisors ``s`` [ROWS] in ``(0, inf]`` with
-    ``|x| <= 2 s``: exact wherever ``|x / s| >= 2^-30`` (module docstring), 0 for finite ``x`` in an infinite row
-    and NaN for infinite ``x``, as IEEE division gives. The row's power of two ``f = 2^(191 - e_s)`` (at most
-    ``2^127``; ``e_s`` the biased exponent) moves ``s`` to ``[2^64, 2^65)``, or, below ``2^-63``, to at least
-    ``2^-22``: ``x f`` and ``s f`` are exact and their quotient is the same."""
+def per_block(v, COLS: tl.constexpr):
+    """A tile's per-block values ``v`` [ROWS] broadcastable against the tile: ``[ROWS, 1]`` for a tile [ROWS, BLOCK],
+    ``[1, ROWS]`` for a column tile [BLOCK, ROWS] (``COLS``, :func:`.codec.tile_coords`)."""
+    if COLS:
+        out = v[None, :]
+    else:
+        out = v[:, None]
+    return out
+
+
+@triton.jit
+def row_quotients(x, s, COLS: tl.constexpr):
+    """``x / s[:, None]`` for a tile ``x`` [ROWS, BLOCK] (``COLS``: ``x / s[None, :]`` for [BLOCK, ROWS]) and divisors
+    ``s`` [ROWS] in ``(0, inf]`` with ``|x| <= 2 s``: exact wherever ``|x / s| >= 2^-30`` (module docstring), 0 for
+    finite ``x`` in an infinite row and NaN for infinite ``x``, as IEEE division gives. The row's power of two ``f =
+    2^(191 - e_s)`` (at most ``2^127``; ``e_s`` the biased exponent) moves ``s`` to ``[2^64, 2^65)``, or, below
+    ``2^-63``, to at least ``2^-22``: ``x f`` and ``s f`` are exact and their quotient is the same."""
     es = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
     f = (tl.minimum(318 - es, 254) << 23).to(tl.float32, bitcast=True)
     sn = s * f
     finite = es < 255
     r = tl.where(finite, reciprocal(sn), 0.0)  # an infinite row: q0 = 0, e = x, q = 0 (NaN for infinite x)
     b = tl.where(finite, sn, 0.0)
-    xn = x * f[:, None]
-    q0 = xn * r[:, None]
-    return tl.fma(tl.fma(-q0, b[:, None], xn), r[:, None], q0)
+    xn = x * per_block(f, COLS)
+    q0 = xn * per_block(r, COLS)
+    return tl.fma(tl.fma(-q0, per_block(b, COLS), xn), per_block(r, COLS), q0)
 
 
 @triton.jit
-def quotient_positive(x, s):
-    """Whether ``RN(x / s[:, None]) > 0`` for ``x`` [ROWS, BLOCK] and ``s`` [ROWS] in ``(0, inf]``, exactly: ``x >
-    s 2^-150`` (2^-150 is half the smallest subnormal; a tie rounds to 0), compared on the bit patterns. Where ``s
-    2^-150`` is normal its pattern is ``s``'s less ``150 << 23``; below, a positive ``x`` exceeds it iff its pattern
-    (``x / 2^-149`` for a subnormal) exceeds ``floor(s / 2)``. False for ``x <= 0`` and in an infinite row (``x /
-    inf`` is 0, ``inf / inf`` NaN); true for a NaN of positive sign, whose quotient is NaN: the caller rejects it."""
+def quotient_positive(x, s, COLS: tl.constexpr):
+    """Whether ``RN(x / s[:, None]) > 0`` for ``x`` [ROWS, BLOCK] (``COLS``: [BLOCK, ROWS], :func:`per_block`) and ``s``
+    [ROWS] in ``(0, inf]``, exactly: ``x > s 2^-150`` (2^-150 is half the smallest subnormal; a tie rounds to 0),
+    compared on the bit patterns. Where ``s 2^-150`` is normal its pattern is ``s``'s less ``150 << 23``; below, a
+    positive ``x`` exceeds it iff its pattern (``x / 2^-149`` for a subnormal) exceeds ``floor(s / 2)``. False for ``x
+    <= 0`` and in an infinite row (``x / inf`` is 0, ``inf / inf`` NaN); true for a NaN of positive sign, whose quotient
+    is NaN: the caller rejects it."""
     sb = s.to(tl.int32, bitcast=True)
     es = (sb >> 23) & 0xFF
     t = tl.where(es >= 151, sb - (150 << 23), tl.minimum(s, 16777216.0).to(tl.int32) >> 1)
     t = tl.where(es == 255, 0x7FFFFFFF, t)
-    return x.to(tl.int32, bitcast=True) > t[:, None]
+    return x.to(tl.int32, bitcast=True) > per_block(t, COLS)

@@ -322,7 +322,7 @@ def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps
         rows, wrap, after, cols = factor_coords(row, offs, blocks, bmask, BLOCK, WIDE)
         u = factored_precondition(g, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE)
     else:
-        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, False)
         v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
     if MASKED:
         u = tl.where(mask, u, 0.0)
@@ -339,7 +339,7 @@ def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, 
                   FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr, scal=None,
                   DEVICE_SCALARS: tl.constexpr = False):
     """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if DEVICE_SCALARS:  # a capturable step: this tensor's (beta2, 1 - beta2), columns 2, 3 of _launch's scal
         beta2 = tensor_scalar(scal, t, 4, 2)
         one_minus_beta2 = tensor_scalar(scal, t, 4, 3)
@@ -364,14 +364,14 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
         rows, wrap, after, cols = factor_coords(row, offs, blocks, bmask, BLOCK, WIDE)
         u = factored_precondition(g, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE)
     else:
-        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
+        v = load_slot(row, _V, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, False)
         v, u = full_precondition(g, v, eps1, beta2, one_minus_beta2)
-        store_slot(v, row, _V, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+        store_slot(v, row, _V, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED, False)
     u = tl.math.div_rn(u, clip_denominator(sums, t, numel, clip_threshold))
     if CAME:
-        m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
+        m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, False)
         m = tl.fma(u, one_minus_beta1, m * beta1)
-        store_slot(m, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+        store_slot(m, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, False)
         if FACTORED:
             u = factored_precondition(m, rfac2, cfac2, rows, wrap, after, cols, mask, bmask, WIDE)
         else:
@@ -390,9 +390,9 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
             alpha = lr
         u = u * alpha
         if HAS_M:
-            m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
+            m = load_slot(row, _M, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, False)
             u = tl.fma(u, one_minus_beta1, m * beta1)
-            store_slot(u, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+            store_slot(u, row, _M, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, False)
         if DECAY:
             if SCALE_PARAM:
                 p = tl.fma(p, neg_wd * alpha, p)
@@ -415,7 +415,7 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
     Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
     ``m = b1 m + (1-b1) u; u = m`` if HAS_M; ``p += p * (-wd a)``; ``p -= u``.
     CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m); ``p += p (-wd lr)``; ``p -= lr u``."""
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if DEVICE_SCALARS:  # a capturable step: (lr, -wd lr, beta2, 1 - beta2) of this tensor from the device
         lr = tensor_scalar(scal, t, 4, 0)
         neg_wd_lr = tensor_scalar(scal, t, 4, 1)

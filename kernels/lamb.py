@@ -42,13 +42,13 @@ def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, 
                beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, COLS: tl.constexpr):
     """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums. Pass 2: update p, m, v. ``WEIGHT``:
     the first sum holds ||p|| already (given)."""
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
-    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
-    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED)
+    m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
+    v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
     m, v, r = lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, DECAY)
     if APPLY:
         coef = neg_lr
@@ -61,8 +61,8 @@ def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, 
             usable = (w_norm > 0) & (r_norm > 0)
             trust = tl.where(usable, tl.math.div_rn(w_norm, tl.where(usable, r_norm, 1.0)), 1.0)
             coef = trust * neg_lr
-        store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
-        store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED)
+        store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
+        store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED, COLS)
         store_param(p + r * coef, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     else:
         if MASKED:
@@ -78,18 +78,18 @@ def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
                  TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False):
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: -lr (bias corrections folded in) from the device
         neg_lr = tensor_scalar(scal, t, 1, 0)
     if full:
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
-                   APPLY, WEIGHT, False)
+                   APPLY, WEIGHT, False, COLS)
     else:
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
-                   APPLY, WEIGHT, True)
+                   APPLY, WEIGHT, True, COLS)
 
 
 def slots(group: dict) -> tuple[str, ...]:

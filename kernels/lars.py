@@ -48,8 +48,9 @@ def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: t
 @triton.jit
 def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr,
+                       COLS: tl.constexpr = False):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if full:
         _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, False)
     else:
@@ -60,11 +61,11 @@ def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
 def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                      epsilon, first_step, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                      ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr,
-                     WEIGHT: tl.constexpr, MASKED: tl.constexpr):
+                     WEIGHT: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
-        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
+        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     else:
         buf = g
     d, buf = lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM, DECAY)
@@ -80,7 +81,7 @@ def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg
         trust = tl.minimum(tl.maximum(tl.where(usable, ratio, 1.0), 0.0), 50.0)
         scale = trust * neg_lr
     if MOMENTUM:
-        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
     store_param(p + d * scale, row, offs, mask, P_DTYPE, ALIGNED, MASKED)
 
 
@@ -90,17 +91,19 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                        MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr, WEIGHT: tl.constexpr,
-                       scal=None, DEVICE_SCALARS: tl.constexpr = False):
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+                       scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor) from the device
         neg_lr = tensor_scalar(scal, t, 2, 0)
         first_step = tensor_scalar(scal, t, 2, 1)
     if full:
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
-                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, False)
+                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, False,
+                         COLS)
     else:
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
-                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, True)
+                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, True,
+                         COLS)
 
 
 def slots(group: dict) -> tuple[str, ...]:

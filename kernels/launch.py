@@ -148,15 +148,16 @@ class Bucket:
     def tile_launch(self, kernel, slots: Sequence[str], args: Sequence[Any], *, writes: bool,
                     extra: Sequence[Sequence[int]] | None = None, **flags: Any) -> None:
         """Launch ``kernel`` over every tile of every tensor: ``kernel(units, table, *maps, *args, W=..., ...,
-        **flags)``; the table rows are :meth:`rows` ``(slots, extra)``. ``writes``: this pass writes params or state
-        (see :class:`Unsupported`)."""
+        COLS=..., **flags)``; the table rows are :meth:`rows` ``(slots, extra)``; ``COLS``: the tiles' layout for the
+        bucket's state format (:func:`.runtime.column_tiles`). ``writes``: this pass writes params or state (see
+        :class:`Unsupported`)."""
         rows = self.rows(slots, extra)
         # :meth:`aligned` read off the rows' addresses: param, grad and each slot's data (columns 0, 1, 3, 5, ...)
         columns = (0, 1, *range(3, 3 + 2 * len(slots), 2))
         meta = self.constexprs(slots, all(row[c] % 16 == 0 for row in rows for c in columns))
         tile = meta["ROWS"] * meta["BLOCK"]
         counts = [ceil_div(row[2], tile) for row in rows]
-        self.launch(kernel, rows, counts, args, writes=writes, **meta, **flags)
+        self.launch(kernel, rows, counts, args, writes=writes, **meta, COLS=runtime.column_tiles(self.fmt), **flags)
 
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
                **meta: Any) -> None:

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "TILE_SHAPES", "tile_shape",
     "rows_per_tile", "fast_fp64", "device_ok", "cpu_interpreter", "Q8_DECODE", "q8_decode", "launch_shape",
+    "TILE_LAYOUT", "column_tiles",
 ]
 
 try:
@@ -50,6 +52,14 @@ NUM_WARPS = 4
 #: set in code (it wins over a tuned shape); a device with neither takes ``(TILE, NUM_WARPS)``. Entries are
 #: measurements (``bench/fused_kernels.py --sweep``, ``lowmemopt tune``), never guesses: none yet.
 TILE_SHAPES: dict[tuple[int, int], tuple[int, int]] = {}
+
+#: how the elementwise kernels lay out an 8-bit state tile: ``"rows"`` ([ROWS, BLOCK], a quantization block per row)
+#: or ``"columns"`` ([BLOCK, ROWS], a block per column). The same values either way; what differs is what the compiler
+#: makes of the code-book and class-table gathers. Triton before 3.7 lays a gather out with its first axis fastest,
+#: which only column tiles match (otherwise the whole tile goes through shared memory); 3.7 and later lay it out as
+#: the contiguous accesses beside it, which row tiles match (docs/kernels.md, "Triton versions"). None
+#: (``LOWMEMOPT_TILE_LAYOUT`` unset): chosen by the installed Triton's version. Read at each launch.
+TILE_LAYOUT: str | None = os.environ.get("LOWMEMOPT_TILE_LAYOUT") or None
 
 #: how the kernels decode 8-bit state codes: ``"table"`` gathers each code's value from the map's 1 KiB code book
 #: (one dependent scalar load per element and slot after the codes arrive); ``"arithmetic"`` builds it from the
@@ -100,6 +110,25 @@ def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
         if entry is not None:
             return entry["tile"], entry["num_warps"]
     return TILE, NUM_WARPS
+
+
+def column_tiles(fmt: str) -> bool:
+    """Whether a launch over ``fmt`` state (``"q8"``, ``"q4"``, ``"bf16"``, ``"fp32"``) lays its tiles out in columns
+    (:data:`TILE_LAYOUT`): only 8-bit state, whose tiles gather; the 4-bit kernels pack nibbles along rows."""
+    if fmt != "q8":
+        return False
+    layout = TILE_LAYOUT or ("columns" if _triton_before(3, 7) else "rows")
+    if layout not in ("rows", "columns"):
+        raise ValueError(f"LOWMEMOPT_TILE_LAYOUT must be 'rows' or 'columns', got {layout!r}")
+    return layout == "columns"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_before(major: int, minor: int) -> bool:
+    if not HAS_TRITON:
+        return False
+    found = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return found is not None and (int(found[1]), int(found[2])) < (major, minor)
 
 
 def q8_decode(device: torch.device | None = None) -> str:

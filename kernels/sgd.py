@@ -40,17 +40,17 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
               first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
               ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
               DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, COLS: tl.constexpr):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
-        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED)
+        buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     else:
         buf = g
     d, buf = sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM, NESTEROV,
                         MAXIMIZE, DECAY)
     if MOMENTUM:
-        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED)
+        store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
     store_param_as(tl.fma(d, neg_lr, p * decay), p, row, offs, mask, P_DTYPE, ALIGNED, MASKED, UPDATE, W)
 
 
@@ -60,18 +60,20 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr,
-                scal=None, DEVICE_SCALARS: tl.constexpr = False):
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+                scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor, decay) from the device
         neg_lr = tensor_scalar(scal, t, 3, 0)
         first_step = tensor_scalar(scal, t, 3, 1)
         decay = tensor_scalar(scal, t, 3, 2)
     if full:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
-                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W, False)
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
+                  False, COLS)
     else:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
-                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W, True)
+                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
+                  True, COLS)
 
 
 def slots(group: dict) -> tuple[str, ...]:

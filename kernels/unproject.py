@@ -54,7 +54,7 @@ def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE
                   MATH: tl.constexpr, DECAY: tl.constexpr):
     """One tile of one matrix: ``p <- round(((p + c p) decay) + scale U)`` (module docstring). Table rows:
     ``[p, U, numel]``."""
-    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK)
+    t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if full:
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, False)
     else:

@@ -121,6 +121,11 @@ VARIANTS = [
     # a capturable step: the step's scalars read per tensor from the device (lowmemopt.pipeline.capture)
     Variant("adam-capturable", adamw._adam_kernel,
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, DEVICE_SCALARS=True)),
+    # 8-bit tiles laid out [BLOCK, ROWS] (runtime.column_tiles: the default before Triton 3.7)
+    Variant("adam-cols", adamw._adam_kernel,
+            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, COLS=True)),
+    Variant("lion-cols", lion._lion_kernel, tile(UPDATE=NEAREST, COLS=True)),
+    Variant("lamb-cols", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True, COLS=True)),
     Variant("adam-fp32-state", adamw._adam_kernel,
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, FMT=FP32)),
     Variant("sgd", sgd._sgd_kernel,

@@ -33,8 +33,8 @@ def _rows_kernel(x_ptr, s_ptr, q_ptr, pos_ptr, BLOCK: tl.constexpr):
     offs = row * BLOCK + tl.arange(0, BLOCK)[None, :]
     s = tl.load(s_ptr + row + tl.arange(0, 1))
     x = tl.load(x_ptr + offs)
-    tl.store(q_ptr + offs, divide.row_quotients(x, s))
-    tl.store(pos_ptr + offs, divide.quotient_positive(x, s).to(tl.int8))
+    tl.store(q_ptr + offs, divide.row_quotients(x, s, False))
+    tl.store(pos_ptr + offs, divide.quotient_positive(x, s, False).to(tl.int8))
 
 
 @triton.jit

@@ -87,8 +87,8 @@ def test_report_from_fixture_outputs(tmp_path):
         "| GPU | NVIDIA H100 80GB HBM3, 79.2 GiB, compute capability 9.0, 132 SMs |",
         "| driver | 580.159.04 |",
         "| torch | 2.11.0+cu130 (CUDA 13.0) |",
-        "| triton | 3.6.0 (before 3.7: the 8- and 4-bit kernels compile to the gather layout, about twice the "
-        'registers and shared-memory round trips; docs/kernels.md, "Triton versions") |',
+        "| triton | 3.6.0 (before 3.7: 8-bit AdamW/SGD/Lion/LAMB/LARS take column tiles; the 4-bit and "
+        'Adafactor/CAME kernels make shared-memory round trips; docs/kernels.md, "Triton versions") |',
         "| anchor libraries | bitsandbytes 0.50.2; torchao not installed (its rows are skipped) |",
         '| `pytest -m "not slow"` | exit 1 | 2 | 2 | 1 | 1 | 301 |',
         "- `tests/test_kernels.py::test_gpu_kernels_match_cpu_reference[bf16-16-Adafactor]`: AssertionError: "

@@ -183,6 +183,65 @@ def test_kernel_matches_reference(info, variant, bits, monkeypatch):
     assert seen, "the kernel path did not run"
 
 
+def _column_launches(monkeypatch) -> list:
+    """Record every kernel launch's ``COLS`` flag (None for kernels that take none)."""
+    from lowmemopt.kernels.launch import Bucket
+
+    seen = []
+    real = Bucket.launch
+
+    def spy(self, kernel, *args, **meta):
+        seen.append(meta.get("COLS"))
+        return real(self, kernel, *args, **meta)
+
+    monkeypatch.setattr(Bucket, "launch", spy)
+    return seen
+
+
+# (SGD and LARS without momentum keep no state: nothing to lay out)
+COLUMN_CASES = [(info, i) for info in KERNEL_OPTIMIZERS if info.name in ("AdamW", "Adam", "SGD", "Lion", "LAMB", "LARS")
+                for i, kw in enumerate(info.variants) if info.name not in ("SGD", "LARS") or kw.get("momentum", 0)]
+
+
+@interpreted
+@pytest.mark.parametrize("info,variant", COLUMN_CASES, ids=[f"{i.name}-v{v}" for i, v in COLUMN_CASES])
+def test_column_tiles_match_the_reference_and_row_tiles(info, variant, monkeypatch):
+    """8-bit state in tiles laid out [BLOCK, ROWS] (``runtime.column_tiles``: the layout Triton before 3.7 compiles
+    without shared-memory round trips) against the reference, and against row tiles: the same bits wherever a
+    tile's arithmetic is elementwise and per block (LAMB's and LARS's tensor norms sum in another order)."""
+    kwargs = info.variants[variant]
+    monkeypatch.setattr(runtime, "TILE_LAYOUT", "rows")
+    rows_params, rows_opt = check_against_reference(info.cls, kwargs, 8)
+    seen = _column_launches(monkeypatch)
+    monkeypatch.setattr(runtime, "TILE_LAYOUT", "columns")
+    cols_params, cols_opt = check_against_reference(info.cls, kwargs, 8)
+    assert True in seen, "no launch took column tiles"
+    if info.name in ("LAMB", "LARS"):
+        return
+    for a, b in zip(rows_params, cols_params):
+        assert torch.equal(a, b)
+        for key, value in rows_opt.state[a].items():
+            other = cols_opt.state[b][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+
+
+def test_column_tiles_choice(monkeypatch):
+    """Column tiles for 8-bit state only, by Triton version unless ``LOWMEMOPT_TILE_LAYOUT`` says; a bad value is an
+    error that names the variable."""
+    monkeypatch.setattr(runtime, "TILE_LAYOUT", None)
+    for before_3_7 in (True, False):
+        monkeypatch.setattr(runtime, "_triton_before", lambda major, minor, b=before_3_7: b)
+        assert runtime.column_tiles("q8") is before_3_7
+        assert not any(runtime.column_tiles(fmt) for fmt in ("q4", "bf16", "fp32"))
+    monkeypatch.setattr(runtime, "TILE_LAYOUT", "rows")
+    assert not runtime.column_tiles("q8")
+    monkeypatch.setattr(runtime, "TILE_LAYOUT", "columns")
+    assert runtime.column_tiles("q8") and not runtime.column_tiles("q4")
+    monkeypatch.setattr(runtime, "TILE_LAYOUT", "diagonal")
+    with pytest.raises(ValueError, match="LOWMEMOPT_TILE_LAYOUT"):
+        runtime.column_tiles("q8")
+
+
 @interpreted
 @pytest.mark.parametrize("name", ["Adafactor", "CAME"])
 def test_bf16_first_moment_under_cancellation(name):
@@ -345,7 +404,7 @@ def test_full_tiles_take_the_unmasked_variant(monkeypatch):
     real = adamw._adam_tile
 
     def spy(*args):
-        masked.append(bool(args[-1]))
+        masked.append(bool(args[-2]))  # (..., MASKED, COLS)
         return real(*args)
 
     monkeypatch.setattr(adamw, "_adam_tile", spy)
@@ -672,6 +731,11 @@ def test_kernels_compile_for_gpu(tmp_path):
     if version_of(triton.__version__) < (3, 7):
         limits = dict(adam=185, lion=75, quantize=75)
     assert all(sass[name] < limit for name, limit in limits.items()), (sass, limits)
+    # the tile layout the installed Triton is given (runtime.column_tiles) keeps its gathers out of shared memory:
+    # no layout conversion of the whole tile (3.6, row tiles: 70 shared loads and 24 barriers per program)
+    native = ("adam-cols", "lion-cols", "lamb-cols") if runtime.column_tiles("q8") else ("adam", "lion", "lamb")
+    round_trips = {name: (by_label[name]["ld_shared"], by_label[name]["st_shared"]) for name in native}
+    assert all(max(ld_st) <= 8 for ld_st in round_trips.values()), round_trips
 
 
 _PTX = """\
