@@ -129,11 +129,11 @@ def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
-    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks (``COLS``: a tile
-    [BLOCK, ROWS] whose columns are; :func:`block_scale`); an all-zero block keeps scale 0 and divides by 1."""
-    scale = block_scale(x, book, LAST, SIGNED, COLS)
-    return tl.math.div_rn(x, per_block(tl.where(scale > 0, scale, 1.0), COLS)), scale
+def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
+    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks
+    (:func:`block_scale`); an all-zero row keeps scale 0 and divides by 1."""
+    scale = block_scale(x, book, LAST, SIGNED, False)
+    return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
 
 
 @triton.jit
@@ -224,7 +224,7 @@ def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, SIGNE
 def encode_q4(x, book, lut, SIGNED: tl.constexpr):
     """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (int32 4-bit codes [ROWS, BLOCK], fp32 scale
     [ROWS]): :func:`encode_q8`'s scale with a 16-code ``book``, and the 4-bit map's bucket table ``lut``."""
-    y, scale = block_scaled(x, book, 15, SIGNED, False)
+    y, scale = block_scaled(x, book, 15, SIGNED)
     return table_code(y, lut), scale
 
 
@@ -464,7 +464,7 @@ def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.
     if POW2:
         codes, scale = encode_q8(x, book, lut, SIGNED, False)
     else:
-        y, scale = block_scaled(x, book, 255, SIGNED, False)
+        y, scale = block_scaled(x, book, 255, SIGNED)
         codes = table_code(y, lut).to(tl.uint8)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(absmax_ptr + blocks, scale, mask=blocks * BLOCK < numel)

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (assert_params_close, assert_state_close, clone_params, load_bench, make_params, set_grads,
-                     version_of)
+from helpers import assert_params_close, assert_state_close, clone_params, load_bench, make_params, set_grads
 from optim_info import BY_NAME, OPTIMIZERS, STATEFUL
 
 import lowmemopt
@@ -700,8 +699,6 @@ def test_kernels_compile_for_gpu(tmp_path):
     import subprocess
     import sys
 
-    import triton
-
     from lowmemopt.kernels.variants import VARIANTS
 
     out = subprocess.run([sys.executable, str(RESOURCES_SCRIPT), "--no-sweep", "--json", str(tmp_path / "r.json")],
@@ -728,7 +725,7 @@ def test_kernels_compile_for_gpu(tmp_path):
     # tile to that layout through shared memory (docs/kernels.md, "Triton versions"): 173.8 / 68.4 / 68.5 with 3.6
     sass = {name: by_label[name]["sass_per_element"] for name in ("adam", "lion", "quantize")}
     limits = dict(adam=160, lion=62, quantize=60)
-    if version_of(triton.__version__) < (3, 7):
+    if runtime._triton_before(3, 7):
         limits = dict(adam=185, lion=75, quantize=75)
     assert all(sass[name] < limit for name, limit in limits.items()), (sass, limits)
     # the tile layout the installed Triton is given (runtime.column_tiles) keeps its gathers out of shared memory:
