@@ -416,7 +416,9 @@ def add_model_args(ap: argparse.ArgumentParser, batch: int = 4, seq: int = 1024)
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--optimizers", default=",".join(ROWS), help="comma-separated rows (default: all)")
+    ap.add_argument("--optimizers", default=",".join(ROWS),
+                    help="comma-separated rows (default: all); 'targets' stands for the rows the issues' targets "
+                         "compare (TARGETS), the first thing to measure when GPU time is short")
     ap.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (state allocation, compiles)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per row")
@@ -425,10 +427,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    unknown = [n for n in args.optimizers.split(",") if n and n not in ROWS]
+    args.optimizers = ",".join(expand_rows(args.optimizers))
+    unknown = [n for n in args.optimizers.split(",") if n not in ROWS]
     if unknown:
-        ap.error(f"unknown optimizers {unknown}; known: {', '.join(ROWS)}")
+        ap.error(f"unknown optimizers {unknown}; known: {', '.join(ROWS)}, or 'targets'")
     return args
+
+
+def target_rows() -> list[str]:
+    """The rows :data:`TARGETS` compares, each once, the baseline first."""
+    names = [BASELINE]
+    for _, name, anchor, _ in TARGETS:
+        names += [n for n in (anchor, name) if n not in names]
+    return names
+
+
+def expand_rows(spec: str) -> list[str]:
+    """``--optimizers``' comma-separated names, ``targets`` replaced by :func:`target_rows`, each name once."""
+    names: list[str] = []
+    for name in (n.strip() for n in spec.split(",")):
+        names += [n for n in (target_rows() if name == "targets" else [name] if name else []) if n not in names]
+    return names
 
 
 def main(argv=None) -> int:
@@ -457,27 +476,33 @@ def main(argv=None) -> int:
                 gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
     steps = args.steps + args.warmup
     print("\n".join(_table_header(args.device.startswith("cuda"), steps)), flush=True)
-    rows = []
-    for name in names:
-        t0 = time.perf_counter()
-        row = _subprocess_row(name, argv, args.timeout)
-        rows.append(row)
-        # each row as it completes (a run cut short keeps the rows done: the table here, and the JSON)
-        print(_table_row(row, _baseline(rows)), flush=True)
-        status = row.get("error") or (f"{row['full_step_s'] * 1e3:.1f} ms full step, {row['opt_step_s'] * 1e3:.2f} ms "
-                                      f"opt.step, loss {row['loss']:.3f}")
-        print(f"  {name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(dict(machine=info, args={k: v for k, v in vars(args).items() if not k.startswith("worker")},
-                               rows=rows), fh, indent=1)
+    rows, rc = [], 0
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            row = _subprocess_row(name, argv, args.timeout)
+            rows.append(row)
+            # each row as it completes (a run cut short keeps the rows done: the table here, and the JSON)
+            print(_table_row(row, _baseline(rows)), flush=True)
+            status = row.get("error") or (f"{row['full_step_s'] * 1e3:.1f} ms full step, "
+                                          f"{row['opt_step_s'] * 1e3:.2f} ms opt.step, loss {row['loss']:.3f}")
+            print(f"  {name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(dict(machine=info, rows=rows,
+                                   args={k: v for k, v in vars(args).items() if not k.startswith("worker")}),
+                              fh, indent=1)
+    except KeyboardInterrupt:  # (Ctrl-C, or gpu-check's deadline): the verdicts of the rows done, then stop
+        print(f"\nInterrupted after {len(rows)} of {len(names)} rows; not run: {', '.join(names[len(rows):])}",
+              flush=True)
+        rc = 130
     targets = target_lines(rows, args.device.startswith("cuda"))
     if targets:
         print("\nTargets (the issues', on opt.step()):\n" + "\n".join(targets), flush=True)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(markdown_table(rows, steps) + "\n" + "".join(f"{line}\n" for line in targets))
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -157,6 +157,9 @@ def test_gpu_check_rejects_unknown_options(tmp_path):
     proc = subprocess.run(["bash", SCRIPT, "--tests", "fast"], capture_output=True, text=True, cwd=tmp_path,
                           timeout=60)
     assert proc.returncode == 2 and "--tests: unknown part 'fast' (known: all gpu rest)" in proc.stderr
+    proc = subprocess.run(["bash", SCRIPT, "--deadline", "10m"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=60)
+    assert proc.returncode == 2 and "--deadline takes whole seconds, got '10m'" in proc.stderr
 
 
 def test_gpu_check_lists_its_benchmarks_and_selects_with_only(tmp_path):
@@ -244,3 +247,138 @@ def test_e2e_target_verdicts():
         "- issue 17: lowmemopt-adamw-8bit opt.step() <= 0.5x bnb-adamw8bit: 0.40x -> PASS",
     ]
     assert all(line.endswith("not judged (CPU)") for line in e2e.target_lines(rows, gpu=False))
+
+
+def test_e2e_targets_names_the_rows_the_targets_compare():
+    """``--optimizers targets``: the baseline first, then every row a target compares, each once; mixed with names,
+    nothing twice; an unknown name is refused."""
+    e2e = load_bench("e2e")
+    rows = e2e.target_rows()
+    assert rows[0] == e2e.BASELINE and len(rows) == len(set(rows))
+    assert set(rows) == {e2e.BASELINE} | {n for _, name, anchor, _ in e2e.TARGETS for n in (name, anchor)}
+    assert set(rows) <= set(e2e.ROWS)
+    assert {"bnb-paged-adamw8bit", "galore-torch-adamw8bit", "lowmemopt-adamw-8bit-graph"} <= set(rows)
+    assert e2e.expand_rows("lowmemopt-came-8bit,targets,torch-adamw-fused,") == ["lowmemopt-came-8bit", *rows]
+    assert e2e.parse_args(["--optimizers", "targets"]).optimizers.split(",") == rows
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--optimizers", "targets,bogus"])
+
+
+def test_gpu_check_e2e_rows(tmp_path):
+    """``--e2e-rows`` reaches bench/e2e.py as ``--optimizers``; a misspelt row is refused before anything runs
+    (before the CUDA check: here, on a CPU)."""
+    proc = subprocess.run(["bash", SCRIPT, "--list", "--only", "e2e", "--e2e-rows", "targets"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "e2e\tpython bench/e2e.py --steps 10 --warmup 3 --optimizers targets --json $WORK/e2e.json\n"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", SCRIPT, "--skip-tests", "--e2e-rows=targets,lowmemopt-adamw-9bit"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "--e2e-rows: unknown row(s) lowmemopt-adamw-9bit; known: targets, torch-adamw-fused" in proc.stderr
+
+
+WHEELS = os.path.join(REPO, "scripts", "gpu-wheels")
+
+
+def _wheels(*args, cwd):
+    return subprocess.run(["bash", WHEELS, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_gpu_wheels_lists_what_it_would_fetch(tmp_path):
+    """``--list``: every package gpu-check's runs import and the device image lacks, for the device's Python, with the
+    pip command; nothing fetched."""
+    proc = _wheels("--list", "--dest", str(tmp_path / "w"), "--python-version", "3.13", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {name: (kind, cmd) for name, kind, cmd in (line.split("\t") for line in proc.stdout.splitlines())}
+    assert set(rows) == {"bitsandbytes", "torchao", "galore-torch", "came-pytorch", "lion-pytorch",
+                         "pytorch-optimizer", "colossalai"}
+    kind, cmd = rows["bitsandbytes"]
+    assert kind == "binary" and "--only-binary=:all: --python-version 3.13" in cmd and "--no-deps" in cmd
+    assert cmd.endswith(f"-d {tmp_path / 'w'} bitsandbytes")
+    assert rows["colossalai"][0] == "from source" and "pip wheel --no-deps" in rows["colossalai"][1]
+    assert not (tmp_path / "w").exists()
+    assert os.access(WHEELS, os.X_OK)
+
+
+def test_gpu_wheels_checks_the_carry_budget(tmp_path):
+    """``--check`` adds the wheels to the working tree that travels with them and refuses a sum over the budget."""
+    dest = tmp_path / "w"
+    dest.mkdir()
+    (dest / "a-1.0-py3-none-any.whl").write_bytes(b"x" * (3 << 20))
+    proc = _wheels("--check", "--dest", str(dest), "--budget", "64", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "3.00 MiB  a-1.0-py3-none-any.whl" in proc.stdout and "of 64 MiB" in proc.stdout
+    assert "ready" in proc.stderr
+    proc = _wheels("--check", "--dest", str(dest), "--budget", "2", cwd=tmp_path)
+    assert proc.returncode == 1 and "over the budget" in proc.stderr
+    proc = _wheels("--check", "--dest", str(tmp_path / "empty"), cwd=tmp_path)
+    assert proc.returncode == 1 and "no wheels in" in proc.stderr
+    for bad, message in ((["--budget", "lots"], "--budget takes whole MiB"),
+                         (["--python-version", "312"], "--python-version takes X.Y"), (["--bogus"], "unknown option")):
+        proc = _wheels(*bad, cwd=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# a stand-in interpreter: a GPU for gpu-check's CUDA check, a pytest that hangs until Ctrl-C (then writes its JUnit
+# file and exits as pytest does when interrupted); everything else goes to the real interpreter
+case "$*" in
+  *torch.cuda.is_available*) echo "Stand-in GPU"; exit 0 ;;
+  *"-m pytest"*)
+    junit=""; prev=""
+    for a in "$@"; do [ "$prev" = --junitxml ] && junit=$a; prev=$a; done
+    echo "$*" >> "{calls}"
+    trap 'kill $sleeper 2>/dev/null; printf "%s" "<testsuites><testsuite tests=\\"1\\" failures=\\"0\\" errors=\\"0\\" \\
+skipped=\\"0\\"><testcase classname=\\"t\\" name=\\"ok\\"/></testsuite></testsuites>" > "$junit"; \\
+echo "1 passed (interrupted)"; exit 2' INT
+    sleep 600 & sleeper=$!
+    wait $sleeper; exit 0 ;;
+  *) exec "{python}" "$@" ;;
+esac
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash, timeout")
+def test_gpu_check_deadline_interrupts_a_part_and_keeps_its_results(tmp_path):
+    """``--deadline``: a part that would run past it is interrupted with SIGINT in time for the report (pytest still
+    writes what it has), a part with too little time left is not started and says so, and the whole check ends
+    within the deadline. The paths are relative (the parts run in other folders: they must still mean the same)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.replace("{python}", sys.executable).replace("{calls}", str(tmp_path / "calls")))
+    fake.chmod(0o755)
+    keep = tmp_path / "keep"
+    proc = subprocess.run(["bash", SCRIPT, "--python", "./python", "--skip-bench", "--tests", "gpu", "--deadline", "55",
+                           "--report", "r.md", "--keep", "keep"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    parts = [line.split("\t") for line in (keep / "parts.tsv").read_text().splitlines()]
+    elapsed = [float(seconds) for kind, _, _, seconds, _ in parts if kind == "tests"]
+    report = (tmp_path / "r.md").read_text()
+    assert proc.returncode == 1, proc.stderr  # a part that timed out is not a passed check
+    assert (tmp_path / "calls").read_text().count("-m pytest") == 1  # the second part was never started
+    assert 'pytest -m "gpu and not slow"' in report and "exit 124 (timed out)" in report
+    assert (keep / "tests-gpu.xml").exists()  # written on the interrupt: the results it had are in the report
+    assert 'not run: pytest -m "gpu and slow"' in report and "of the 55 s deadline were left" in report
+    assert len(elapsed) == 1 and 25 <= elapsed[0] <= 40  # its limit: 55 s less the report's 20 less the start
+
+
+def test_e2e_interrupted_keeps_the_verdicts_of_the_rows_done(monkeypatch, capsys, tmp_path):
+    """An e2e run cut short (Ctrl-C, gpu-check's deadline) still prints the targets of the rows it finished, says
+    which rows did not run, keeps its JSON, and exits 130."""
+    e2e = load_bench("e2e")
+    done = {"torch-adamw-fused": 0.010, "lowmemopt-adamw-8bit": 0.008}
+
+    def row(name, argv, timeout):
+        if name not in done:
+            raise KeyboardInterrupt
+        return dict(name=name, lr=3e-4, peak_bytes=2**20, full_step_s=0.1, opt_step_s=done[name], loss=1.0,
+                    first_loss=2.0, peak_kind="rss")
+
+    monkeypatch.setattr(e2e, "_subprocess_row", row)
+    js = tmp_path / "e.json"
+    assert e2e.main(["--device", "cpu", "--optimizers", "targets", "--json", str(js)]) == 130
+    out = capsys.readouterr().out
+    rest = e2e.target_rows()[2:]
+    assert f"Interrupted after 2 of {len(rest) + 2} rows; not run: {', '.join(rest)}" in out
+    assert "- issue 17: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 0.80x -> not judged (CPU)" in out
+    assert [r["name"] for r in json.loads(js.read_text())["rows"]] == list(done)
