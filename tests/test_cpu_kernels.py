@@ -573,8 +573,9 @@ def test_a_cpu_step_imports_no_kernels_package():
             "p = torch.nn.Parameter(torch.randn(300)); p.grad = torch.randn(300)\n"
             "lowmemopt.AdamW([p], lr=1e-3, state_bits=8, min_quant_numel=0).step()\n"
             "import sys; print(lowmemopt.__file__, 'lowmemopt.kernels' in sys.modules)")
+    # the source tree is the working folder, which PYTHONSAFEPATH (set by scripts/gpu-check) would leave off sys.path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                         env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")})
     assert out.returncode == 0, out.stderr[-2000:]
     path, imported = out.stdout.split()
     assert Path(path).resolve() == root / "lowmemopt" / "__init__.py" and imported == "False"
