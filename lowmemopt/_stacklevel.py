@@ -23,11 +23,12 @@ __all__ = ["external_stacklevel", "internal_prefixes"]
 
 def internal_prefixes() -> tuple[str, ...]:
     """Folders whose frames are skipped: torch's, lowmemopt's and lowmemopt's kernels' (a folder of its own in an
-    editable install)."""
+    editable install), as their real paths. A module file is resolved before its folder is taken: a package reached
+    through links to its files (``scripts/gpu-check``'s folder of links) has its real folder elsewhere."""
     kernels = importlib.util.find_spec("lowmemopt.kernels")  # found, not imported
-    folders = {os.path.dirname(torch.__file__), os.path.dirname(__file__)}
-    folders.update(kernels.submodule_search_locations or () if kernels is not None else ())
-    return tuple(os.path.join(os.path.realpath(f), "") for f in sorted(folders))
+    folders = {os.path.dirname(os.path.realpath(torch.__file__)), os.path.dirname(os.path.realpath(__file__))}
+    folders.update(os.path.realpath(f) for f in (kernels.submodule_search_locations or () if kernels else ()))
+    return tuple(os.path.join(f, "") for f in sorted(folders))
 
 
 _prefixes: tuple[str, ...] | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import warnings
 
@@ -84,5 +86,40 @@ def test_galore_refresh_failure_warning_points_at_the_step_call(monkeypatch):
 def test_external_stacklevel_counts_internal_frames_only():
     assert external_stacklevel() == 1  # called from outside torch and lowmemopt: this very line
     assert not any(__file__.startswith(prefix) for prefix in internal_prefixes())
-    assert any(torch.__file__.startswith(prefix) for prefix in internal_prefixes())
-    assert any(lowmemopt.__file__.startswith(prefix) for prefix in internal_prefixes())
+    assert any(os.path.realpath(torch.__file__).startswith(prefix) for prefix in internal_prefixes())
+    assert any(os.path.realpath(lowmemopt.__file__).startswith(prefix) for prefix in internal_prefixes())
+
+
+LINKED_USER = """import sys, warnings, torch, lowmemopt
+assert lowmemopt.__file__.startswith(sys.argv[1]), lowmemopt.__file__  # (the package through the links)
+p = torch.nn.Parameter(torch.randn(300))
+p.grad = torch.full((300,), float("nan"))
+opt = lowmemopt.AdamW([p], lr=1e-3, state_bits=8, min_quant_numel=0)
+with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    opt.step()
+(w,) = [w for w in record if "NaN/Inf" in str(w.message)]
+print(w.filename, w.lineno)
+"""
+
+
+def test_warnings_point_at_the_user_through_a_folder_of_links(tmp_path):
+    """lowmemopt reached through a folder of links to its files (as ``scripts/gpu-check`` uses a source tree): its
+    frames are still its own, so a warning names the user's line (line 8 of the script), not lowmemopt's."""
+    import importlib.util
+
+    package = os.path.dirname(os.path.realpath(lowmemopt.__file__))
+    links = tmp_path / "links" / "lowmemopt"
+    links.mkdir(parents=True)
+    for name in os.listdir(package):
+        (links / name).symlink_to(os.path.join(package, name))
+    if not (links / "kernels").exists():  # an editable install: the kernels folder lives beside the package
+        (links / "kernels").symlink_to(importlib.util.find_spec("lowmemopt.kernels").submodule_search_locations[0])
+    script = tmp_path / "user.py"
+    script.write_text(LINKED_USER)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH",)}
+    env["PYTHONPATH"] = os.pathsep.join([str(links.parent), *filter(None, [env.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, str(script), str(links)], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(script), "8"]
