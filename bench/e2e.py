@@ -427,10 +427,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.optimizers = ",".join(expand_rows(args.optimizers))
-    unknown = [n for n in args.optimizers.split(",") if n not in ROWS]
-    if unknown:
-        ap.error(f"unknown optimizers {unknown}; known: {', '.join(ROWS)}, or 'targets'")
+    try:
+        args.optimizers = ",".join(checked_rows(args.optimizers))
+    except ValueError as exc:
+        ap.error(str(exc))
     return args
 
 
@@ -447,6 +447,15 @@ def expand_rows(spec: str) -> list[str]:
     names: list[str] = []
     for name in (n.strip() for n in spec.split(",")):
         names += [n for n in (target_rows() if name == "targets" else [name] if name else []) if n not in names]
+    return names
+
+
+def checked_rows(spec: str) -> list[str]:
+    """:func:`expand_rows`, or ValueError naming the unknown rows (``scripts/gpu-check --e2e-rows`` asks too)."""
+    names = expand_rows(spec)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown row(s) {', '.join(unknown)}; known: targets, {', '.join(ROWS)}")
     return names
 
 

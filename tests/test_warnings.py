@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -106,8 +107,6 @@ print(w.filename, w.lineno)
 def test_warnings_point_at_the_user_through_a_folder_of_links(tmp_path):
     """lowmemopt reached through a folder of links to its files (as ``scripts/gpu-check`` uses a source tree): its
     frames are still its own, so a warning names the user's line (line 8 of the script), not lowmemopt's."""
-    import importlib.util
-
     package = os.path.dirname(os.path.realpath(lowmemopt.__file__))
     links = tmp_path / "links" / "lowmemopt"
     links.mkdir(parents=True)
@@ -117,7 +116,7 @@ def test_warnings_point_at_the_user_through_a_folder_of_links(tmp_path):
         (links / "kernels").symlink_to(importlib.util.find_spec("lowmemopt.kernels").submodule_search_locations[0])
     script = tmp_path / "user.py"
     script.write_text(LINKED_USER)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH",)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     env["PYTHONPATH"] = os.pathsep.join([str(links.parent), *filter(None, [env.get("PYTHONPATH")])])
     out = subprocess.run([sys.executable, str(script), str(links)], capture_output=True, text=True, cwd=tmp_path,
                          env=env, timeout=300)
