@@ -39,7 +39,8 @@ from safetensors.torch import save_file
 from . import paging, rounding
 from .distributed.files import process_rank, rank_path
 from .distributed.sharding import is_dtensor, local_tensor, shard_layout
-from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer, Slot
+from .optimizer import STORAGE_DEFAULTS, LowMemOptimizer
+from .quant.formats import Slot
 from .version import __version__
 from .projection.projector import projector_problem, split_projector_state
 from .quant.blockwise import num_blocks

@@ -66,7 +66,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -86,7 +86,7 @@ from .distributed.sharding import (
     presented_params,
 )
 from .quant import q4
-from .quant.formats import Q4, Q8, choose_format, default_block_size, format_of, map_for
+from .quant.formats import Q4, Q8, Slot, choose_format, default_block_size, format_of, map_for
 from .quant.maps import code_book, encode_table
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
@@ -105,15 +105,6 @@ CHUNK_NUMEL = pipeline.CHUNK_NUMEL  # eager path: elements per chunk (1 MiB of f
 #: always on the host, before the step (tests compare both)
 DEFER_FINITE_CHECK = True
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
-
-
-class Slot(NamedTuple):
-    """One named state tensor of an algorithm."""
-
-    signed: bool  # may hold negative values (selects the signed or unsigned 8-bit map)
-    quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
-    shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
-    dims: tuple[int | None, ...] | None = None  # with shape: the parameter dim each dim runs along (sharded layouts)
 
 
 def algorithm(name: str) -> Callable[[Callable], Callable]:

@@ -26,7 +26,8 @@ from .. import rounding
 from .reduction import LOCAL, Reduction, ShardedReduction, contiguous_strides
 
 if TYPE_CHECKING:
-    from ..optimizer import LowMemOptimizer, Slot
+    from ..optimizer import LowMemOptimizer
+    from ..quant.formats import Slot
 
 __all__ = [
     "is_dtensor",

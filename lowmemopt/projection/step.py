@@ -54,7 +54,8 @@ from ..quant.formats import format_of
 from . import projector as pj
 
 if TYPE_CHECKING:
-    from ..optimizer import LowMemOptimizer, Slot
+    from ..optimizer import LowMemOptimizer
+    from ..quant.formats import Slot
 
 __all__ = [
     "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",

@@ -24,12 +24,15 @@ storage itself), and :meth:`StateFormat.encode` writes them back.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import q4
 from .blockwise import decode_into, encode_into, num_blocks
 
 __all__ = [
+    "Slot",
     "StateFormat",
     "FP32",
     "BF16",
@@ -44,6 +47,15 @@ __all__ = [
     "legacy_map_for",
     "default_block_size",
 ]
+
+
+class Slot(NamedTuple):
+    """One named state tensor of an algorithm: what a format needs to know to store it."""
+
+    signed: bool  # may hold negative values (selects the signed or unsigned 8-bit map)
+    quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
+    shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
+    dims: tuple[int | None, ...] | None = None  # with shape: the parameter dim each dim runs along (sharded layouts)
 
 
 def map_for(signed: bool) -> str:
