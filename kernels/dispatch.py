@@ -2,8 +2,8 @@
 
 :func:`step_items` is the pipeline's update stage on CUDA (:mod:`lowmemopt.pipeline`): it receives *items* (plain
 tensors: the tensor to update, its gradient, its initialized state dict and declared slots; see
-:class:`~lowmemopt.pipeline.items.Item`) of one optimizer, steps what it can and returns the rest, untouched, for the
-per-tensor backends. It never sees the optimizer: hyper-parameters come as an :class:`~lowmemopt.pipeline.items.Update`
+:class:`~lowmemopt.work.items.Item`) of one optimizer, steps what it can and returns the rest, untouched, for the
+per-tensor backends. It never sees the optimizer: hyper-parameters come as an :class:`~lowmemopt.work.items.Update`
 from the ``update_for`` callback. An item takes the kernel path when all of these hold:
 
 * Triton imports, ``LOWMEMOPT_KERNELS`` is not ``0``, and the tensors are on CUDA (or on the CPU while a test runs the
@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 
 from lowmemopt._stacklevel import external_stacklevel
-from lowmemopt.pipeline import capture, triton_usable
-from lowmemopt.pipeline.items import Item, Update
+from lowmemopt.work import capture
+from lowmemopt.work.items import Item, Update
 from lowmemopt.quant.formats import format_of
 
 from . import registry, runtime
@@ -51,11 +51,11 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
     finiteness on the device (uint8, :mod:`lowmemopt.pipeline.finite`); an item with a ``flag`` row is stepped only
     where it is 1, decided by the kernels (its step count is written here all the same: the caller undoes a skip's).
 
-    ``device_steps`` (a capturable step, :mod:`lowmemopt.pipeline.capture`): the step counts are tensors on the
+    ``device_steps`` (a capturable step, :mod:`lowmemopt.work.capture`): the step counts are tensors on the
     device, ``update_for`` gets each bucket's steps as an fp64 ``[T]`` tensor, and the counts advance on the device by
     the flags. Nothing may be left to the per-tensor backends (they need the host's counts and flags): an item no
     kernel takes raises ValueError before anything is launched, and a failed launch raises."""
-    if not items or not triton_usable({it.target.device for it in items}):
+    if not items or not _usable({it.target.device for it in items}):
         if device_steps and items:
             raise ValueError("capturable=True needs the fused Triton kernels, which this device does not have")
         return items
@@ -159,3 +159,9 @@ def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], devi
         if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):
             return None
     return kernel
+
+
+def _usable(devices: set[torch.device]) -> bool:
+    """May these kernels take tensors on ``devices``? Triton enabled and one device it runs on (a CUDA device, or the
+    CPU under the interpreter: :func:`~lowmemopt.kernels.runtime.device_ok`)."""
+    return any(runtime.device_ok(d) for d in devices)

@@ -53,13 +53,12 @@ scalar loads per thread, 248 -> 168 registers (8 -> 12 warps per SM).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from lowmemopt.pipeline import capture
+from lowmemopt.work import capture
 
 from . import runtime
 from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,

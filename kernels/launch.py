@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import triton
 import triton.language as tl
 
 from lowmemopt import rounding
 
 from . import runtime
-from lowmemopt.pipeline.items import Update
+from lowmemopt.work.items import Update
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
 from .table import aligned, ceil_div, device_table, flagged_table, unit_map

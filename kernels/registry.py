@@ -1,9 +1,9 @@
 """The dispatch registry: (algorithm, format) -> fused kernel.
 
 An *algorithm* is a name (``"adam"``, ``"sgd"``, ``"lion"``, ``"lamb"``, ``"lars"``, ``"adafactor"``, ``"came"``) that
-an optimizer class declares on its pure math (:func:`lowmemopt.optimizer.algorithm`); the optimizer decides which name
-it runs (:func:`lowmemopt.optimizer.kernel_algorithm`: a subclass that changes the math or how the update is applied
-runs none). Nothing here knows the optimizer classes.
+an algorithm marks its pure math with (:func:`lowmemopt.pipeline.algorithm.fused`); the algorithm decides which name
+it runs (:func:`lowmemopt.pipeline.algorithm.fused_name`: one that changes the math or how the update is applied runs
+none). Nothing here knows the optimizer classes.
 A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16``, ``q8`` or ``q4`` (a
 parameter without full-size slots, e.g. SGD without momentum, counts as ``fp32``). Every algorithm has a kernel for
 every format: the kernels' slot access (:func:`.codec.load_slot`, :func:`.codec.store_slot`,

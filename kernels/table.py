@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from lowmemopt.pipeline import capture
+from lowmemopt.work import capture
 
 __all__ = ["upload", "device_tables", "device_table", "flagged_table", "select_flags", "device_index", "unit_map",
            "aligned", "ceil_div"]
@@ -38,7 +38,7 @@ class _Cache:
 
     def get(self, key: tuple, make):
         """The entry of ``key``, made by ``make()`` if missing. An entry returned while its device's stream captures a
-        CUDA graph is kept for the process (:func:`lowmemopt.pipeline.capture.keep`): the graph reads it by address
+        CUDA graph is kept for the process (:func:`lowmemopt.work.capture.keep`): the graph reads it by address
         at every replay, after this cache may have dropped it."""
         hit = self.entries.get(key)
         if hit is not None:

@@ -118,7 +118,7 @@ VARIANTS = [
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=STOCHASTIC, W=17)),
     Variant("adam-arith", adamw._adam_kernel,  # runtime.Q8_DECODE = "arithmetic": no code books
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, book_s=None, book_u=None)),
-    # a capturable step: the step's scalars read per tensor from the device (lowmemopt.pipeline.capture)
+    # a capturable step: the step's scalars read per tensor from the device (lowmemopt.work.capture)
     Variant("adam-capturable", adamw._adam_kernel,
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, DEVICE_SCALARS=True)),
     # 8-bit tiles laid out [BLOCK, ROWS] (runtime.column_tiles: the default before Triton 3.7)

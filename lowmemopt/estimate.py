@@ -116,12 +116,7 @@ def _state_nbytes_per_param(optimizer: torch.optim.Optimizer) -> list[int]:
     shadow = instantiate(type(optimizer), [g for g in groups if g["params"]])  # groups keep their own lr
     for group in shadow.param_groups:
         for p in group["params"]:
-            if group.get("rank") is not None:  # GaLore: low-rank slots and the projector
-                from .projection.step import init_projected_state
-
-                init_projected_state(shadow, p, group)
-            else:
-                shadow._init_state(p, group, shadow._slots(group, p))
+            shadow._first_state(p, group)  # GaLore: low-rank slots and the projector
     return [sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
             for st in shadow.state.values()]
 

@@ -44,7 +44,8 @@ import torch
 
 from ._stacklevel import external_stacklevel
 from .distributed.sharding import agree_finite, local_tensor
-from .optimizer import LowMemOptimizer, _finite_flags
+from .optimizer import LowMemOptimizer
+from .pipeline.finite import host_flags as _finite_flags
 from .pipeline.finite import DeviceFlags, resolve
 
 __all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_many", "step_one"]

@@ -1,4 +1,4 @@
-"""Capturable steps (``capturable=True``, lowmemopt.pipeline.capture) under the Triton interpreter.
+"""Capturable steps (``capturable=True``, lowmemopt.work.capture) under the Triton interpreter.
 
 A capturable step keeps the step counts on the device, computes the step's scalars there and decides non-finite skips
 there, so it reads nothing back and a CUDA graph can capture it (tests/test_capturable_gpu.py captures and replays
@@ -16,6 +16,7 @@ import torch
 
 import lowmemopt
 from lowmemopt.kernels import dispatch, runtime
+from lowmemopt.optim.adamw import AdamAlgorithm
 
 pytestmark = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET), reason="needs TRITON_INTERPRET=1")
 
@@ -207,9 +208,12 @@ def test_optimizers_without_such_kernels_refuse_at_construction():
     with pytest.raises(ValueError, match="does not support capturable=True"):
         lowmemopt.AdafactorTorch([torch.nn.Parameter(torch.zeros(4))], capturable=True)
 
-    class Custom(lowmemopt.AdamW):  # steps its parameters itself: no fused kernel
-        def _step_param(self, p, grad, group, scan=None):
-            return super()._step_param(p, grad, group, scan)
+    class CustomMath(AdamAlgorithm):  # computes its update itself: no fused kernel
+        def update(self, p, g, state, group, step, reduce=None):
+            return super().update(p, g, state, group, step)
+
+    class Custom(lowmemopt.AdamW):
+        algorithm = CustomMath()
 
     with pytest.raises(ValueError, match="does not support capturable=True"):
         Custom([torch.nn.Parameter(torch.zeros(4))], capturable=True)
@@ -318,7 +322,7 @@ def test_an_lr_scheduler_fills_the_tensor_in_place():
 def test_a_number_lr_warns_when_captured(monkeypatch):
     """While a stream captures, a learning rate that is not a tensor on the device would be a constant of the graph:
     the step warns. (Capture stood in for: no GPU here.)"""
-    from lowmemopt.pipeline import capture
+    from lowmemopt.work import capture
 
     params = [torch.nn.Parameter(torch.randn(64))]
     for lr, warns in ((1e-2, True), (torch.tensor(1e-2), False)):

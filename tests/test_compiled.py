@@ -11,7 +11,7 @@ import lowmemopt.compiled as compiled
 import lowmemopt.cpu as cpu
 from lowmemopt.quant import dequantize_blockwise
 
-ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.elementwise]
+ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.algorithm.elementwise]
 SHAPE = (300, 257)  # 77100 elements: >= MIN_NUMEL, 301 full blocks + a ragged 44-element tail
 
 

@@ -228,7 +228,7 @@ def _per_layer_run(monkeypatch, on_device: bool, bits: int, bucket_bytes: int = 
     opt = lowmemopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_quant_numel=0, block_size=32, **paging)
     lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket_bytes)
     reads, host_checks = [], []
-    real_resolve, real_flags = finite.resolve, optimizer_module._finite_flags
+    real_resolve, real_flags = finite.resolve, finite.host_flags
     monkeypatch.setattr(per_layer, "resolve", lambda pending: reads.append(len(pending)) or real_resolve(pending))
     monkeypatch.setattr(per_layer, "_finite_flags", lambda g: host_checks.append(1) or real_flags(g))
     gen = torch.Generator().manual_seed(3)

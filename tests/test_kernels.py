@@ -2,7 +2,7 @@
 
 On CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set by CI and by ``conftest.py`` on
 machines without CUDA): each test sends CPU tensors through them with ``runtime.cpu_interpreter()``. The reference is
-the same optimizer's eager path (``_step_param``) started from an exact copy of the kernel's params and state, so
+the same optimizer's eager path (``lowmemopt.pipeline.step_param``) started from an exact copy of the kernel's params and state, so
 every check is one step of decode -> math -> encode. Rules checked (docs/kernels.md):
 
 * fp32 state and params: equal to fp32 rounding (a few ulps: torch's AVX-512 ``sqrt`` is not correctly rounded,
@@ -29,6 +29,7 @@ from optim_info import BY_NAME, OPTIMIZERS, STATEFUL
 
 import lowmemopt
 from lowmemopt.kernels import runtime
+from lowmemopt.optim.adamw import AdamAlgorithm
 from lowmemopt.optimizer import kernel_algorithm
 
 pytestmark = pytest.mark.skipif(not runtime.HAS_TRITON, reason="triton is not installed")
@@ -520,9 +521,12 @@ def test_registry_covers_every_pair():
         opt = cls(p, lr=1e-3) if cls is not lowmemopt.Adafactor else cls(p)
         assert kernel_algorithm(opt) == algorithm, cls
 
-    class Custom(lowmemopt.AdamW):  # changes the math: no kernel reproduces it
-        def _update(self, p, g, state, group, step):
-            return super()._update(p, g, state, group, step)
+    class CustomMath(AdamAlgorithm):  # changes the math: no kernel reproduces it
+        def update(self, p, g, state, group, step, reduce=None):
+            return super().update(p, g, state, group, step)
+
+    class Custom(lowmemopt.AdamW):
+        algorithm = CustomMath()
 
     assert kernel_algorithm(Custom(p)) is None
     assert "adafactor_torch" not in registry.ALGORITHMS  # a native CPU kernel only

@@ -15,8 +15,9 @@ from helpers import clone_params, load_bench, make_params, run, set_grads
 from optim_info import OPTIMIZERS, SHAPES, STATEFUL
 
 import lowmemopt
-from lowmemopt import paging
+from lowmemopt import paging, pipeline
 from lowmemopt.optimizer import LowMemOptimizer, Slot
+from lowmemopt.pipeline.algorithm import Algorithm
 
 TIERS = ["cpu", "disk"]
 
@@ -138,27 +139,44 @@ class _no_warning:
         return False
 
 
-class _Renamer(LowMemOptimizer):
-    """A toy whose state has slot names nothing in lowmemopt knows, a low-rank-shaped slot, and a tensor that the
-    step replaces by one of a new shape (as a projector refresh would): paging must move them all, generically."""
-
+class _RenamerMath(Algorithm):
     elementwise = False
 
-    def __init__(self, params, lr=0.1, **storage):
-        super().__init__(params, dict(lr=lr), **storage)
-
-    def _slots(self, group, param):
+    def slots(self, group, param):
         return {"galore.momentum": Slot(signed=True), "galore.proj": Slot(signed=True, quantize=False, shape=(4, 3))}
 
-    def _update(self, p, g, state, group, step):
+    def update(self, p, g, state, group, step, reduce=None):
         state["galore.momentum"].mul_(0.9).add_(g)
         state["galore.proj"].add_(g.reshape(-1)[:12].view(4, 3))
         return state["galore.momentum"] * -group["lr"] + state["galore.proj"].sum()
 
-    def _step_param(self, p, grad, group):
-        super()._step_param(p, grad, group)
-        step = self.state[p]["step"]
-        self.state[p]["galore.seen"] = torch.arange(step, dtype=torch.float64) * grad.sum().double()
+
+class _Renamer(LowMemOptimizer):
+    """A toy whose state has slot names nothing in lowmemopt knows, a low-rank-shaped slot, and a tensor that the
+    step replaces by one of a new shape (as a projector refresh would; added by :func:`_seen`, the per-parameter step
+    with one more write): paging must move them all, generically."""
+
+    algorithm = _RenamerMath()
+
+    def __init__(self, params, lr=0.1, **storage):
+        super().__init__(params, dict(lr=lr), **storage)
+
+
+@pytest.fixture(autouse=True)
+def _seen():
+    """The per-parameter step of a :class:`_Renamer` also writes ``galore.seen``, a tensor one longer each step (a
+    patch of its own: tests undo their ``monkeypatch`` mid-way)."""
+    step_param = pipeline.step_param
+
+    def stepped(plan, p, grad, group, scan=None):
+        result = step_param(plan, p, grad, group, scan)
+        if isinstance(plan.algorithm, _RenamerMath):
+            plan.state[p]["galore.seen"] = torch.arange(plan.state[p]["step"], dtype=torch.float64) * grad.sum().double()
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "step_param", stepped)
+        yield
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -442,15 +460,15 @@ def test_failure_inside_the_update_keeps_that_parameters_home_state(tmp_path, mo
     run(opt, params, 2)
     states, values = _snapshot(opt, params)
     calls = []
-    real = opt._update
 
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return real(*args, **kwargs)
+    class Flaky(type(opt.algorithm)):  # its own update: the per-tensor reference path
+        def update(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return super().update(*args, **kwargs)
 
-    monkeypatch.setattr(opt, "_update", flaky)
+    monkeypatch.setattr(opt, "algorithm", Flaky())
     for p in params:
         p.grad = torch.ones_like(p)
     with pytest.raises(RuntimeError, match="boom"):

@@ -245,7 +245,7 @@ def test_batched_projections_equal_the_per_matrix_ones(dtype, name, kw, monkeypa
 def test_finite_flags_of_mixed_dtypes_keep_their_order():
     """The up-front non-finite check takes one fused norm per (device, dtype) and returns the flags in the gradients'
     order, whatever dtypes are interleaved."""
-    from lowmemopt.optimizer import _finite_flags
+    from lowmemopt.pipeline.finite import host_flags as _finite_flags
 
     grads = [torch.ones(5), torch.ones(7, dtype=torch.bfloat16), torch.tensor([1.0, float("nan")]),
              torch.tensor([float("inf")], dtype=torch.bfloat16), torch.full((3,), 3e19), torch.ones(2)]

@@ -13,6 +13,7 @@ from helpers import interpreter_fma_rounds_once, load_bench
 
 import lowmemopt
 from lowmemopt import cpu, rounding
+from lowmemopt.pipeline.backends import update_flat
 
 BF16 = torch.bfloat16
 
@@ -186,7 +187,7 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, monkeypatch)
     # (FSDP2: Reduction.flat_offset; the pipeline's Item.index_base) gets the whole parameter's bits there
     from lowmemopt.kernels import dispatch, runtime
     from lowmemopt.pipeline import _plain_item
-    from lowmemopt.pipeline.items import Update
+    from lowmemopt.work.items import Update
 
     if backend == "triton" and not (runtime.HAS_TRITON and runtime.INTERPRET):
         pytest.skip("needs TRITON_INTERPRET=1")
@@ -204,17 +205,17 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, monkeypatch)
         group = opt.param_groups[0]
         if backend == "triton":
             with runtime.cpu_interpreter():
-                item = _plain_item(opt, shard, group)
+                item = _plain_item(opt._plan(), shard, group)
                 item.state[rounding.SEED] = seed
                 item.index_base = lo if shifted else 0
-                update = Update("adam", opt._math_kwargs(group, 1), group, opt._decay_factor(group), 1, 256)
+                update = Update("adam", opt.algorithm.math_kwargs(group, 1), group, opt.algorithm.decay_factor(group), 1, 256)
                 assert dispatch.step_items("adam", [item], lambda it, step: update) == []
         else:
             state = opt._init_state(shard, group, opt._slots(group, shard))
             state[rounding.SEED] = seed
             state["step"] = 1
-            opt._update_flat(shard, shard.data.view(-1), shard.grad.view(-1), state, opt._slots(group, shard), group,
-                             1, opt._decay_factor(group), _Shard(lo if shifted else 0))
+            update_flat(opt.algorithm, shard, shard.data.view(-1), shard.grad.view(-1), state, opt._slots(group, shard),
+                        group, 1, opt.algorithm.decay_factor(group), _Shard(lo if shifted else 0))
         same = torch.equal(_bits(shard), _bits(whole[lo:hi]))
         assert same == shifted, f"shifted={shifted}"
 

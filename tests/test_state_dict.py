@@ -20,7 +20,7 @@ SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129), (300, 257)]  # the last takes 
 RESUME_CASES = [
     (info.name, bits, dtype) for info in OPTIMIZERS for bits in (32, 16, 8) for dtype in ("float32",)
 ] + [  # bf16 params: one elementwise optimizer and every whole-tensor one (they take a different path)
-    (info.name, bits, "bfloat16") for info in OPTIMIZERS[:1] + [i for i in OPTIMIZERS if not i.cls.elementwise]
+    (info.name, bits, "bfloat16") for info in OPTIMIZERS[:1] + [i for i in OPTIMIZERS if not i.cls.algorithm.elementwise]
     for bits in (32, 8)
 ]
 

@@ -93,14 +93,14 @@ def encode_rows_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
     """Quantize fp32 rows ``x`` [nb, bs] into ``codes`` (uint8 [nb, bs]) and ``absmax`` (fp32 [nb]) in map ``name``,
     exactly as :func:`lowmemopt.quant.blockwise.encode_rows`. False: not done (unavailable, a map other than the state
     maps, or an unsupported layout)."""
-    from .codec import run_codec
+    from .ffi import run_codec
 
     return run_codec("lmo_encode", x, codes, absmax, name)
 
 
 def decode_rows_into(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, name: str) -> bool:
     """Dequantize ``codes`` [nb, bs] with ``absmax`` [nb] into fp32 ``out`` [nb, bs]; False: not done."""
-    from .codec import run_codec
+    from .ffi import run_codec
 
     return run_codec("lmo_decode", out, codes, absmax, name)
 

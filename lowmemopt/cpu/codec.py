@@ -142,29 +142,3 @@ def tables4(signed: bool) -> Tables4:
     name = q4.map4_for(signed)
     thr = torch.cat([q4.thresholds(name), torch.tensor([float("nan")])]).contiguous()
     return Tables4(q4.code_book(name).clone().contiguous(), thr, q4.encode_table(name).contiguous())
-
-
-def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
-    """``lmo_encode`` (fp32 rows ``x`` -> codes, absmax) or ``lmo_decode`` (codes, absmax -> fp32 rows ``x``) in map
-    ``name``; False (not done) for maps other than the state maps, or an unsupported layout."""
-    from . import applies, build, ffi
-
-    signed = is_signed_map(name)
-    ok = (
-        name == map_for(signed)
-        and applies(x)
-        and x.dim() == 2
-        and x.dtype == torch.float32
-        and codes.dtype == torch.uint8
-        and absmax.dtype == torch.float32
-        and x.shape == codes.shape
-        and absmax.shape == x.shape[:1]
-        and 16 <= x.shape[1] <= ffi.MAX_BLOCK
-        and x.shape[1] % 16 == 0
-        and all(t.is_contiguous() and t.device.type == "cpu" for t in (x, codes, absmax))
-    )
-    if not ok:
-        return False
-    p, g = (None, x) if fn == "lmo_encode" else (x, None)
-    ffi.call(getattr(build.library(), fn), ffi.args_for(p, g, x.shape[0], x.shape[1], [ffi.slot_q8(codes, absmax, signed)]))
-    return True

@@ -7,9 +7,13 @@ import math
 
 import torch
 
+from ..quant.formats import map_for
+from ..quant.maps import is_signed_map
+from . import build
 from .codec import tables, tables4
 
-__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "call", "can_scan", "scan_result"]
+__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "call", "can_scan", "scan_result",
+           "run_codec"]
 
 MAX_SLOTS = 4
 MAX_BLOCK = 4096  # LMO_MAX_BS
@@ -130,3 +134,29 @@ def call(fn, args: Args) -> None:
     rc = fn(ctypes.byref(args))
     if rc != 0:
         raise RuntimeError(f"lowmemopt C kernel {fn.__name__} rejected its arguments (code {rc})")
+
+
+def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
+    """``lmo_encode`` (fp32 rows ``x`` -> codes, absmax) or ``lmo_decode`` (codes, absmax -> fp32 rows ``x``) in map
+    ``name``; False (not done) for maps other than the state maps, or an unsupported layout."""
+    from . import applies
+
+    signed = is_signed_map(name)
+    ok = (
+        name == map_for(signed)
+        and applies(x)
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and codes.dtype == torch.uint8
+        and absmax.dtype == torch.float32
+        and x.shape == codes.shape
+        and absmax.shape == x.shape[:1]
+        and 16 <= x.shape[1] <= MAX_BLOCK
+        and x.shape[1] % 16 == 0
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (x, codes, absmax))
+    )
+    if not ok:
+        return False
+    p, g = (None, x) if fn == "lmo_encode" else (x, None)
+    call(getattr(build.library(), fn), args_for(p, g, x.shape[0], x.shape[1], [slot_q8(codes, absmax, signed)]))
+    return True

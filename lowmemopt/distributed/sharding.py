@@ -26,7 +26,6 @@ from .. import rounding
 from .reduction import LOCAL, Reduction, ShardedReduction, contiguous_strides
 
 if TYPE_CHECKING:
-    from ..optimizer import LowMemOptimizer
     from ..quant.formats import Slot
 
 __all__ = [
@@ -138,19 +137,18 @@ def slot_layout(p, slot: "Slot", local_shape: torch.Size) -> tuple[list, torch.S
     return placements, torch.Size(shape)
 
 
-def present_state(optimizer: "LowMemOptimizer", p, state: dict[str, Any]) -> dict[str, Any]:
+def present_state(p, state: dict[str, Any], group: dict[str, Any], local_slots: dict[str, "Slot"]) -> dict[str, Any]:
     """One parameter's state as ``state_dict()`` shows it for ``torch.distributed.checkpoint``: every slot a tensor
     laid out like the parameter (a DTensor for a DTensor parameter), q8 / q4 slots decoded to fp32, ``step`` an int.
 
     Why fp32: 8- and 4-bit blocks are laid over each local shard, so codes and per-block absmax mean nothing at another
     sharding, while fp32 values reshard like any tensor; ``load_state_dict`` re-encodes them into the loading
     optimizer's blocks. Dense (fp32 / bf16) slots are shown without a copy; q8 slots cost an fp32 copy of the local
-    shard while the state dict lives."""
+    shard while the state dict lives. ``group``: ``p``'s param group; ``local_slots``: the slots its state holds (a
+    DTensor: its local shard's; GaLore: low-rank)."""
     from ..quant.formats import QUANTIZED, format_of
 
-    group = _group_of(optimizer, p)
     local = local_tensor(p)
-    local_slots = optimizer._state_slots(group, p)  # a DTensor: its local shard's (GaLore: low-rank) slots
     out: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     if not any(name in state or name + ".codes" in state or name + ".nibbles" in state for name in local_slots):
         return dict(state)  # no state yet (or not ours): shown as it is
@@ -216,7 +214,7 @@ def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, An
 
 
 @contextmanager
-def dense_state_dict(optimizer: "LowMemOptimizer") -> Iterator["LowMemOptimizer"]:
+def dense_state_dict(optimizer: torch.optim.Optimizer) -> Iterator[torch.optim.Optimizer]:
     """While active, ``optimizer.state_dict()`` shows the state of *every* parameter as for a sharded one: q8 slots
     decoded to fp32, each slot a tensor of the parameter's layout. Use it around ``get_optimizer_state_dict`` /
     ``set_optimizer_state_dict`` and ``torch.distributed.checkpoint`` with an unsharded (plain-tensor) model, so its
@@ -235,18 +233,11 @@ def dense_state_dict(optimizer: "LowMemOptimizer") -> Iterator["LowMemOptimizer"
         optimizer._dense_state_dict = previous
 
 
-def presented_params(optimizer: "LowMemOptimizer") -> list[tuple[int, Any]]:
+def presented_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, Any]]:
     """(state-dict index, param) of the parameters whose state ``state_dict()`` shows with :func:`present_state`."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     dense = getattr(optimizer, "_dense_state_dict", False)
     return [(i, p) for i, p in enumerate(params) if dense or is_dtensor(p)]
-
-
-def _group_of(optimizer, p) -> dict[str, Any]:
-    for group in optimizer.param_groups:
-        if any(q is p for q in group["params"]):
-            return group
-    raise KeyError("parameter not in the optimizer")
 
 
 

@@ -25,7 +25,9 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..optimizer import LowMemOptimizer, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
 
 __all__ = ["Adafactor", "AdafactorTorch", "adafactor_math", "adafactor_torch_math", "factored_slots"]
 
@@ -184,6 +186,56 @@ def adafactor_torch_math(
     return u.mul_(alpha / denom)
 
 
+class AdafactorAlgorithm(Algorithm):
+    """Adafactor for the step pipeline: its slots, math, step scalars and decay rules."""
+
+    elementwise = False  # row/column means and RMS clipping need the whole tensor
+    weight_stat_math = True  # reads p for RMS(p) and its decay p -= a wd p
+
+    def slots(self, group, param):
+        slots = {}
+        if group["beta1"] is not None:
+            slots["exp_avg"] = Slot(signed=True)
+        if param.dim() >= 2:
+            slots.update(factored_slots(param.shape, "exp_avg_sq"))
+        else:
+            slots["exp_avg_sq"] = Slot(signed=False)
+        return slots
+
+    def weight_statistic(self, group):
+        return "rms" if group["scale_parameter"] else None
+
+    def math_decay(self, group, step, stat):
+        if group["weight_decay"] == 0:
+            return None
+        alpha = step_size(stat, step=step, lr=group["lr"], eps2=group["eps"][1],
+                          scale_parameter=group["scale_parameter"], relative_step=group["relative_step"],
+                          warmup_init=group["warmup_init"])
+        return -group["weight_decay"] * alpha
+
+    @fused("adafactor")
+    def update(self, p, g, state, group, step, reduce=LOCAL):
+        eps1, eps2 = group["eps"]
+        u = adafactor_math(
+            p,
+            g,
+            state,
+            step=step,
+            lr=group["lr"],
+            eps1=eps1,
+            eps2=eps2,
+            clip_threshold=group["clip_threshold"],
+            decay_rate=group["decay_rate"],
+            beta1=group["beta1"],
+            weight_decay=group["weight_decay"],
+            scale_parameter=group["scale_parameter"],
+            relative_step=group["relative_step"],
+            warmup_init=group["warmup_init"],
+            reduce=reduce,
+        )
+        return u, -1.0
+
+
 class Adafactor(LowMemOptimizer):
     """Adafactor with 32/16/8-bit state; same signature, defaults, errors and 32-bit results as
     ``transformers.optimization.Adafactor``. See the module docstring for the update and for ``AdafactorTorch``.
@@ -193,8 +245,7 @@ class Adafactor(LowMemOptimizer):
     dims (leading dims as a batch) for params of >= 2 dims; 1-D params keep a full second moment.
     """
 
-    elementwise = False  # row/column means and RMS clipping need the whole tensor
-    weight_stat_math = True  # reads p for RMS(p) and its decay p -= a wd p
+    algorithm = AdafactorAlgorithm()
 
     def __init__(
         self,
@@ -245,45 +296,48 @@ class Adafactor(LowMemOptimizer):
             if not 0.0 <= beta1 < 1.0:
                 raise ValueError(f"Invalid beta1: {beta1} (must be in [0, 1) or None)")
 
-    def _slots(self, group, param):
-        slots = {}
-        if group["beta1"] is not None:
-            slots["exp_avg"] = Slot(signed=True)
+
+
+
+
+class AdafactorTorchAlgorithm(Algorithm):
+    """AdafactorTorch for the step pipeline: its slots, math, step scalars and decay rules."""
+
+    elementwise = False
+    weight_stat_math = True  # reads p for RMS(p); its decay is the factor 1 - lr wd
+
+    def slots(self, group, param):
         if param.dim() >= 2:
-            slots.update(factored_slots(param.shape, "exp_avg_sq"))
-        else:
-            slots["exp_avg_sq"] = Slot(signed=False)
-        return slots
+            n = param.dim()
+            row, col = list(param.shape), list(param.shape)
+            row[-1], col[-2] = 1, 1
+            dims = tuple(range(n))
+            return {  # keepdim statistics: dim i runs along parameter dim i, except the reduced one (size 1)
+                "row_var": Slot(signed=False, quantize=False, shape=tuple(row), dims=dims[:-1] + (None,)),
+                "col_var": Slot(signed=False, quantize=False, shape=tuple(col), dims=dims[:-2] + (None, n - 1)),
+            }
+        return {"variance": Slot(signed=False)}
 
-    def _weight_statistic(self, group):
-        return "rms" if group["scale_parameter"] else None
+    def decay_factor(self, group):
+        return 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
 
-    def _math_decay(self, group, step, stat):
-        if group["weight_decay"] == 0:
-            return None
-        alpha = step_size(stat, step=step, lr=group["lr"], eps2=group["eps"][1],
-                          scale_parameter=group["scale_parameter"], relative_step=group["relative_step"],
-                          warmup_init=group["warmup_init"])
-        return -group["weight_decay"] * alpha
+    def weight_statistic(self, group):
+        return "rms"
 
-    @algorithm("adafactor")
-    def _update(self, p, g, state, group, step, reduce=LOCAL):
+    @fused("adafactor_torch")
+    def update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
-        u = adafactor_math(
+        u = adafactor_torch_math(
             p,
             g,
             state,
             step=step,
             lr=group["lr"],
-            eps1=eps1,
+            beta2_decay=group["beta2_decay"],
+            eps1=torch.finfo(torch.float32).eps if eps1 is None else eps1,
             eps2=eps2,
-            clip_threshold=group["clip_threshold"],
-            decay_rate=group["decay_rate"],
-            beta1=group["beta1"],
-            weight_decay=group["weight_decay"],
-            scale_parameter=group["scale_parameter"],
-            relative_step=group["relative_step"],
-            warmup_init=group["warmup_init"],
+            d=group["d"],
+            maximize=group["maximize"],
             reduce=reduce,
         )
         return u, -1.0
@@ -296,8 +350,7 @@ class AdafactorTorch(LowMemOptimizer):
     uses the parameter dtype's, so bf16 parameters differ). No ``foreach``: there is one implementation.
     """
 
-    elementwise = False
-    weight_stat_math = True  # reads p for RMS(p); its decay is the factor 1 - lr wd
+    algorithm = AdafactorTorchAlgorithm()
 
     def __init__(
         self,
@@ -325,40 +378,3 @@ class AdafactorTorch(LowMemOptimizer):
         if not group["d"] >= 1.0:
             raise ValueError(f"Invalid d (clipping threshold): {group['d']} (must be >= 1)")
         check_nonneg("weight_decay value", group["weight_decay"])
-
-    def _slots(self, group, param):
-        if param.dim() >= 2:
-            n = param.dim()
-            row, col = list(param.shape), list(param.shape)
-            row[-1], col[-2] = 1, 1
-            dims = tuple(range(n))
-            return {  # keepdim statistics: dim i runs along parameter dim i, except the reduced one (size 1)
-                "row_var": Slot(signed=False, quantize=False, shape=tuple(row), dims=dims[:-1] + (None,)),
-                "col_var": Slot(signed=False, quantize=False, shape=tuple(col), dims=dims[:-2] + (None, n - 1)),
-            }
-        return {"variance": Slot(signed=False)}
-
-    def _decay_factor(self, group):
-        return 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
-
-    def _weight_statistic(self, group):
-        return "rms"
-
-    @algorithm("adafactor_torch")
-    def _update(self, p, g, state, group, step, reduce=LOCAL):
-        eps1, eps2 = group["eps"]
-        u = adafactor_torch_math(
-            p,
-            g,
-            state,
-            step=step,
-            lr=group["lr"],
-            beta2_decay=group["beta2_decay"],
-            eps1=torch.finfo(torch.float32).eps if eps1 is None else eps1,
-            eps2=eps2,
-            d=group["d"],
-            maximize=group["maximize"],
-            reduce=reduce,
-        )
-        return u, -1.0
-

@@ -11,12 +11,14 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group, sqrt_of
+from ..optimizer import LowMemOptimizer, check_adam_group, sqrt_of
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
 
-__all__ = ["Adam", "AdamW", "adam_math"]
+__all__ = ["Adam", "AdamW", "AdamAlgorithm", "adam_math"]
 
 
-@algorithm("adam")
+@fused("adam")
 def adam_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -51,6 +53,30 @@ def adam_math(
     return torch.mul(m, -lr / bias_correction1).div_(denom)
 
 
+class AdamAlgorithm(Algorithm):
+    """Adam / AdamW for the step pipeline: :func:`adam_math`, its bias corrections and the decoupled decay."""
+
+    param_free_math = True  # reads p only for the L2 / coupled weight decay
+    math = staticmethod(adam_math)
+    hyper = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad", "maximize")
+
+    def coupled_weight_decay(self, group):
+        return not group.get("decoupled_weight_decay", True)
+
+    def slots(self, group, param):
+        slots = {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
+        if group["amsgrad"]:
+            slots["max_exp_avg_sq"] = Slot(signed=False)
+        return slots
+
+    def step_scalars(self, group, step):
+        beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
+        return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=sqrt_of(1 - beta2**step))
+
+    def decay_factor(self, group):
+        return 1 - group["lr"] * group["weight_decay"] if group["decoupled_weight_decay"] else 1.0
+
+
 class Adam(LowMemOptimizer):
     """Adam with 32/16/8-bit state; same signature and 32-bit results as ``torch.optim.Adam``.
 
@@ -58,11 +84,8 @@ class Adam(LowMemOptimizer):
     At 8 bits ``exp_avg`` uses the signed ``pow2`` map and ``exp_avg_sq`` / ``max_exp_avg_sq`` the unsigned one.
     """
 
-    param_free_math = True  # reads p only for the L2 / coupled weight decay
-
+    algorithm = AdamAlgorithm()
     _decoupled_default = False
-    math = staticmethod(adam_math)
-    hyper = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad", "maximize")
 
     def __init__(
         self,
@@ -90,25 +113,8 @@ class Adam(LowMemOptimizer):
         )
         super().__init__(params, defaults, **storage)
 
-    def _coupled_weight_decay(self, group):
-        return not group.get("decoupled_weight_decay", True)
-
     def _check_group(self, group):
         check_adam_group(group)
-
-    def _slots(self, group, param):
-        slots = {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
-        if group["amsgrad"]:
-            slots["max_exp_avg_sq"] = Slot(signed=False)
-        return slots
-
-    def _step_scalars(self, group, step):
-        beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
-        return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=sqrt_of(1 - beta2**step))
-
-    def _decay_factor(self, group):
-        return 1 - group["lr"] * group["weight_decay"] if group["decoupled_weight_decay"] else 1.0
-
 
 
 class AdamW(Adam):

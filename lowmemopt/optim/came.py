@@ -17,8 +17,9 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import (LowMemOptimizer, Slot, algorithm, check_betas, check_eps_pair, check_lr, check_nonneg,
-                         check_positive)
+from ..optimizer import LowMemOptimizer, check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
 from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_slots
 
 __all__ = ["CAME", "came_math"]
@@ -59,6 +60,46 @@ def came_math(
     return u.mul_(lr)
 
 
+class CAMEAlgorithm(Algorithm):
+    """CAME for the step pipeline: its slots, math, step scalars and decay rules."""
+
+    elementwise = False  # row/column means and RMS clipping need the whole tensor
+    weight_stat_math = True  # reads p only for its decay p -= lr wd p
+
+    def math_decay(self, group, step, stat):
+        wd = group["weight_decay"]
+        return None if wd == 0 else -wd * group["lr"]
+
+    def slots(self, group, param):
+        slots = {"exp_avg": Slot(signed=True)}
+        if param.dim() >= 2:
+            slots.update(factored_slots(param.shape, "exp_avg_sq"))
+            slots.update(factored_slots(param.shape, "exp_avg_res"))
+        else:
+            slots["exp_avg_sq"] = Slot(signed=False)
+        return slots
+
+    @fused("came")
+    def update(self, p, g, state, group, step, reduce=LOCAL):
+        eps1, eps2 = group["eps"]
+        beta1, beta2, beta3 = group["betas"]
+        u = came_math(
+            p,
+            g,
+            state,
+            lr=group["lr"],
+            eps1=eps1,
+            eps2=eps2,
+            clip_threshold=group["clip_threshold"],
+            beta1=beta1,
+            beta2=beta2,
+            beta3=beta3,
+            weight_decay=group["weight_decay"],
+            reduce=reduce,
+        )
+        return u, -1.0
+
+
 class CAME(LowMemOptimizer):
     """CAME with 32/16/8-bit state; same signature, defaults and 32-bit results as ``came_pytorch.CAME``.
 
@@ -66,12 +107,7 @@ class CAME(LowMemOptimizer):
     decay is ``p -= lr wd p`` before the update, as in the reference.
     """
 
-    elementwise = False  # row/column means and RMS clipping need the whole tensor
-    weight_stat_math = True  # reads p only for its decay p -= lr wd p
-
-    def _math_decay(self, group, step, stat):
-        wd = group["weight_decay"]
-        return None if wd == 0 else -wd * group["lr"]
+    algorithm = CAMEAlgorithm()
 
     def __init__(
         self,
@@ -94,32 +130,3 @@ class CAME(LowMemOptimizer):
         check_positive("clip_threshold", group["clip_threshold"])
         check_betas(group["betas"], n=3)
         check_nonneg("weight_decay value", group["weight_decay"])
-
-    def _slots(self, group, param):
-        slots = {"exp_avg": Slot(signed=True)}
-        if param.dim() >= 2:
-            slots.update(factored_slots(param.shape, "exp_avg_sq"))
-            slots.update(factored_slots(param.shape, "exp_avg_res"))
-        else:
-            slots["exp_avg_sq"] = Slot(signed=False)
-        return slots
-
-    @algorithm("came")
-    def _update(self, p, g, state, group, step, reduce=LOCAL):
-        eps1, eps2 = group["eps"]
-        beta1, beta2, beta3 = group["betas"]
-        u = came_math(
-            p,
-            g,
-            state,
-            lr=group["lr"],
-            eps1=eps1,
-            eps2=eps2,
-            clip_threshold=group["clip_threshold"],
-            beta1=beta1,
-            beta2=beta2,
-            beta3=beta3,
-            weight_decay=group["weight_decay"],
-            reduce=reduce,
-        )
-        return u, -1.0

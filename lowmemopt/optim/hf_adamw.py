@@ -16,7 +16,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, check_adam_group
+from ..optimizer import LowMemOptimizer, check_adam_group
+from ..pipeline.algorithm import Algorithm
+from ..quant.formats import Slot
 
 __all__ = ["HFAdamW", "hf_adamw_math"]
 
@@ -41,9 +43,30 @@ def hf_adamw_math(
     return m / denom, -step_size
 
 
+class HFAdamWAlgorithm(Algorithm):
+    """HFAdamW for the step pipeline: its slots, math, step scalars and decay rules."""
+
+    def slots(self, group, param):
+        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
+
+    def update(self, p, g, state, group, step):
+        beta1, beta2 = group["betas"]
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size = step_size * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        return hf_adamw_math(p, g, state, betas=group["betas"], eps=group["eps"], step_size=step_size)
+
+    def apply_update(self, p32, delta, alpha, decay, group):
+        p32.add_(delta, alpha=alpha)
+        if group["weight_decay"] > 0.0:
+            p32.add_(p32, alpha=-group["lr"] * group["weight_decay"])
+
+
 class HFAdamW(LowMemOptimizer):
     """AdamW with transformers' legacy semantics (module docstring) and 32/16/8-bit state; same signature, defaults
     and 32-bit results as galore-torch's ``GaLoreAdamW`` (``no_deprecation_warning`` is not taken: nothing warns)."""
+
+    algorithm = HFAdamWAlgorithm()
 
     def __init__(
         self,
@@ -60,18 +83,3 @@ class HFAdamW(LowMemOptimizer):
 
     def _check_group(self, group):
         check_adam_group(group)
-
-    def _slots(self, group, param):
-        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
-
-    def _update(self, p, g, state, group, step):
-        beta1, beta2 = group["betas"]
-        step_size = group["lr"]
-        if group["correct_bias"]:
-            step_size = step_size * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
-        return hf_adamw_math(p, g, state, betas=group["betas"], eps=group["eps"], step_size=step_size)
-
-    def _apply_update(self, p32, delta, alpha, decay, group):
-        p32.add_(delta, alpha=alpha)
-        if group["weight_decay"] > 0.0:
-            p32.add_(p32, alpha=-group["lr"] * group["weight_decay"])

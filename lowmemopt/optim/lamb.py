@@ -18,12 +18,14 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_adam_group, sqrt_of
+from ..optimizer import LowMemOptimizer, check_adam_group, sqrt_of
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
 
 __all__ = ["LAMB", "lamb_math"]
 
 
-@algorithm("lamb")
+@fused("lamb")
 def lamb_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -56,20 +58,35 @@ def lamb_math(
     return r.mul_(trust * -scaled_lr)
 
 
-class LAMB(LowMemOptimizer):
-    """LAMB with 32/16/8-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
+class LAMBAlgorithm(Algorithm):
+    """LAMB for the step pipeline: its slots, math, step scalars and decay rules."""
 
     elementwise = False  # the trust ratio needs whole-tensor norms
     weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lamb_math)
     hyper = ("lr", "betas", "eps", "weight_decay", "adam")
 
-    def _step_scalars(self, group, step):
+    def step_scalars(self, group, step):
         """Debiasing folded into the learning rate (ColossalAI): sqrt(1 - beta2^t) / (1 - beta1^t), or 1."""
         if not group["bias_correction"]:
             return dict(lr_scale=1.0)
         beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
         return dict(lr_scale=sqrt_of(1 - beta2**step) / (1 - beta1**step))
+
+    def coupled_weight_decay(self, group):
+        return True
+
+    def weight_statistic(self, group):
+        return None if group["adam"] else "norm"
+
+    def slots(self, group, param):
+        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
+
+
+class LAMB(LowMemOptimizer):
+    """LAMB with 32/16/8-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
+
+    algorithm = LAMBAlgorithm()
 
     def __init__(
         self,
@@ -85,15 +102,5 @@ class LAMB(LowMemOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam, bias_correction=bias_correction)
         super().__init__(params, defaults, **storage)
 
-    def _coupled_weight_decay(self, group):
-        return True
-
-    def _weight_statistic(self, group):
-        return None if group["adam"] else "norm"
-
     def _check_group(self, group):
         check_adam_group(group)
-
-    def _slots(self, group, param):
-        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
-

@@ -17,12 +17,14 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, check_lr, check_nonneg
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
 
 __all__ = ["LARS", "lars_math"]
 
 
-@algorithm("lars")
+@fused("lars")
 def lars_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -60,16 +62,31 @@ def lars_math(
     return d.mul(scale)
 
 
-class LARS(LowMemOptimizer):
-    """LARS with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
+class LARSAlgorithm(Algorithm):
+    """LARS for the step pipeline: its slots, math, step scalars and decay rules."""
 
     elementwise = False  # the trust ratio needs whole-tensor norms
     weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lars_math)
     hyper = ("lr", "momentum", "eeta", "weight_decay", "epsilon", "lars")
 
-    def _step_scalars(self, group, step):
+    def step_scalars(self, group, step):
         return dict(first_step=step == 1)
+
+    def coupled_weight_decay(self, group):
+        return True
+
+    def weight_statistic(self, group):
+        return "norm" if group["lars"] else None
+
+    def slots(self, group, param):
+        return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
+
+
+class LARS(LowMemOptimizer):
+    """LARS with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
+
+    algorithm = LARSAlgorithm()
 
     def __init__(
         self,
@@ -84,12 +101,6 @@ class LARS(LowMemOptimizer):
         defaults = dict(lr=lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay, epsilon=epsilon, lars=True)
         super().__init__(params, defaults, **storage)
 
-    def _coupled_weight_decay(self, group):
-        return True
-
-    def _weight_statistic(self, group):
-        return "norm" if group["lars"] else None
-
     def _check_group(self, group):
         check_lr(group["lr"])
         check_nonneg("momentum value", group["momentum"])
@@ -97,7 +108,3 @@ class LARS(LowMemOptimizer):
         check_nonneg("epsilon value", group["epsilon"])
         if not 0 < group["eeta"] <= 1:
             raise ValueError(f"Invalid eeta value: {group['eeta']} (must be in (0, 1])")
-
-    def _slots(self, group, param):
-        return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
-

@@ -10,12 +10,14 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_betas, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, check_betas, check_lr, check_nonneg
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
 
 __all__ = ["Lion", "lion_math"]
 
 
-@algorithm("lion")
+@fused("lion")
 def lion_math(
     p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float, betas: tuple[float, float]
 ) -> torch.Tensor:
@@ -28,13 +30,27 @@ def lion_math(
     return delta
 
 
+class LionAlgorithm(Algorithm):
+    """Lion for the step pipeline: its slots, math, step scalars and decay rules."""
+
+    param_free_math = True  # decay is decoupled (``_decay_factor``)
+    math = staticmethod(lion_math)
+    hyper = ("lr", "betas")
+
+    def slots(self, group, param):
+        return {"exp_avg": Slot(signed=True)}
+
+    def decay_factor(self, group):
+        wd = group["weight_decay"]
+        if group["decoupled_weight_decay"]:
+            wd = wd / group["initial_lr"]
+        return 1.0 - group["lr"] * wd
+
+
 class Lion(LowMemOptimizer):
     """Lion with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``."""
 
-    param_free_math = True  # decay is decoupled (``_decay_factor``)
-
-    math = staticmethod(lion_math)
-    hyper = ("lr", "betas")
+    algorithm = LionAlgorithm()
 
     def __init__(
         self,
@@ -56,13 +72,3 @@ class Lion(LowMemOptimizer):
         check_nonneg("weight_decay value", group["weight_decay"])
         if group["decoupled_weight_decay"] and not group["initial_lr"] > 0:
             raise ValueError("decoupled_weight_decay needs a positive initial learning rate")
-
-    def _slots(self, group, param):
-        return {"exp_avg": Slot(signed=True)}
-
-    def _decay_factor(self, group):
-        wd = group["weight_decay"]
-        if group["decoupled_weight_decay"]:
-            wd = wd / group["initial_lr"]
-        return 1.0 - group["lr"] * wd
-

@@ -10,12 +10,14 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, Slot, algorithm, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer, check_lr, check_nonneg
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
 
 __all__ = ["SGD", "sgd_math"]
 
 
-@algorithm("sgd")
+@fused("sgd")
 def sgd_math(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -43,16 +45,27 @@ def sgd_math(
     return d, -lr
 
 
-class SGD(LowMemOptimizer):
-    """SGD with 32/16/8-bit momentum; same signature and 32-bit results as ``torch.optim.SGD``."""
+class SGDAlgorithm(Algorithm):
+    """SGD for the step pipeline: its slots, math, step scalars and decay rules."""
 
     param_free_math = True  # reads p only for the L2 / coupled weight decay
-
     math = staticmethod(sgd_math)
     hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
 
-    def _step_scalars(self, group, step):
+    def step_scalars(self, group, step):
         return dict(first_step=step == 1)
+
+    def coupled_weight_decay(self, group):
+        return True
+
+    def slots(self, group, param):
+        return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
+
+
+class SGD(LowMemOptimizer):
+    """SGD with 32/16/8-bit momentum; same signature and 32-bit results as ``torch.optim.SGD``."""
+
+    algorithm = SGDAlgorithm()
 
     def __init__(
         self,
@@ -71,9 +84,6 @@ class SGD(LowMemOptimizer):
         )
         super().__init__(params, defaults, **storage)
 
-    def _coupled_weight_decay(self, group):
-        return True
-
     def _check_group(self, group):
         check_lr(group["lr"])
         check_nonneg("momentum value", group["momentum"])
@@ -81,7 +91,3 @@ class SGD(LowMemOptimizer):
         check_nonneg("weight_decay value", group["weight_decay"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-    def _slots(self, group, param):
-        return {"momentum_buffer": Slot(signed=True)} if group["momentum"] != 0 else {}
-

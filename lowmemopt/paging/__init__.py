@@ -17,16 +17,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .options import check_paging, tier_of
-from .pager import Entry, Pager
+from .entry import Entry
+from .pager import Pager, StateOwner
 
 if TYPE_CHECKING:
     import torch
 
-    from ..optimizer import LowMemOptimizer
-
 __all__ = [
     "Entry",
     "Pager",
+    "StateOwner",
     "check_paging",
     "close",
     "detach_files",
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-def pager_of(optimizer: LowMemOptimizer) -> Pager | None:
+def pager_of(optimizer: StateOwner) -> Pager | None:
     """The optimizer's residency manager, made on first use; None if no param group is paged."""
     pager = optimizer.__dict__.get("_pager")
     if pager is None and any(tier_of(g) for g in optimizer.param_groups):
@@ -55,52 +55,52 @@ def _existing(optimizer: Any) -> Pager | None:
     return getattr(optimizer, "__dict__", {}).get("_pager")
 
 
-def stage(optimizer: LowMemOptimizer, items: list[tuple[torch.Tensor, dict, dict]]) -> dict[torch.Tensor, dict]:
+def stage(optimizer: StateOwner, items: list[tuple[torch.Tensor, dict, dict]]) -> dict[torch.Tensor, dict]:
     """Loaded state of paged params placed in new homes (see :meth:`Pager.stage`); {} when nothing is paged."""
     pager = pager_of(optimizer)
     return pager.stage(items) if pager is not None else {}
 
 
-def is_staged(optimizer: LowMemOptimizer, p: torch.Tensor, state: Any) -> bool:
+def is_staged(optimizer: StateOwner, p: torch.Tensor, state: Any) -> bool:
     pager = _existing(optimizer)
     return pager is not None and pager.is_staged(p, state)
 
 
-def reconcile(optimizer: LowMemOptimizer) -> None:
+def reconcile(optimizer: StateOwner) -> None:
     """After a load swapped the state: adopt staged homes, free replaced ones."""
     pager = _existing(optimizer)
     if pager is not None:
         pager.reconcile()
 
 
-def discard_staged(optimizer: LowMemOptimizer) -> None:
+def discard_staged(optimizer: StateOwner) -> None:
     pager = _existing(optimizer)
     if pager is not None:
         pager.discard_staged()
 
 
-def settle(optimizer: LowMemOptimizer) -> None:
+def settle(optimizer: StateOwner) -> None:
     """Wait for every write-back to reach its home, so host code can read the state (CUDA; no-op on CPU)."""
     pager = _existing(optimizer)
     if pager is not None:
         pager.settle()
 
 
-def detach_files(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> None:
+def detach_files(optimizer: StateOwner, state_dict: dict[str, Any]) -> None:
     """In ``state_dict()``'s output: ordinary tensors instead of views of state files."""
     pager = _existing(optimizer)
     if pager is not None:
         pager.detach_files(state_dict)
 
 
-def drop_pages(optimizer: LowMemOptimizer, state: dict | None = None) -> None:
+def drop_pages(optimizer: StateOwner, state: dict | None = None) -> None:
     """Unmap state files' pages from the process (after reading them in bulk, e.g. to save a checkpoint)."""
     pager = _existing(optimizer)
     if pager is not None:
         pager.drop_pages(state)
 
 
-def moving_bytes(optimizer: LowMemOptimizer) -> int:
+def moving_bytes(optimizer: StateOwner) -> int:
     """Bytes of paged state that travel between their homes and the device each step, each way (resident state
     within the budget does not move): what a step's transfers are bounded by."""
     pager = _existing(optimizer)
@@ -110,13 +110,13 @@ def moving_bytes(optimizer: LowMemOptimizer) -> int:
                for t in e.home_tensors().values())
 
 
-def where_state_lives(optimizer: LowMemOptimizer, p: torch.Tensor) -> str:
+def where_state_lives(optimizer: StateOwner, p: torch.Tensor) -> str:
     """``"device"``, ``"cpu"`` or ``"disk"``: where ``p``'s optimizer state is kept between steps."""
     pager = _existing(optimizer)
     return "device" if pager is None else pager.where_state_lives(p)
 
 
-def close(optimizer: LowMemOptimizer, keep_files: bool = False) -> None:
+def close(optimizer: StateOwner, keep_files: bool = False) -> None:
     pager = _existing(optimizer)
     if pager is not None:
         pager.close(keep_files=keep_files)

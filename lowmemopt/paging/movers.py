@@ -24,14 +24,12 @@ and writes them back afterwards. One mover per device:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .entry import Entry
 from .homes import Homes, transfer, will_need
-
-if TYPE_CHECKING:
-    from .pager import Entry
 
 __all__ = ["HostMover", "CudaMover", "MAX_DEFERRED", "mover_for"]
 

@@ -31,39 +31,27 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
+from .entry import Entry
 from .homes import Homes, drop_pages, transfer
 from .movers import CudaMover, HostMover, mover_for
 from .options import tier_of
 
-if TYPE_CHECKING:
-    from ..optimizer import LowMemOptimizer
-
-__all__ = ["Entry", "Pager"]
+__all__ = ["Entry", "Pager", "StateOwner"]
 
 
-@dataclass(eq=False)
-class Entry:
-    """What the manager knows of one paged parameter."""
+class StateOwner(Protocol):
+    """What the pager reads of the optimizer whose state it keeps (held by a weak reference): the state dict it
+    installs working copies and homes in, the param groups (options, labels of files), and the state a parameter's
+    first step makes, which ``_first_state`` builds on a meta twin so that homes can be made ahead."""
 
-    tier: str  # "cpu" | "disk"
-    device: torch.device  # the parameter's device when its state was made
-    resident: bool  # state kept on the device (within the budget): never moved
-    offload_dir: str | None
-    label: str  # "g0.p3": param group and position, for file names and messages
-    nbytes: int = 0  # bytes of its state when placed (what a resident entry takes of the budget)
-    state: dict[str, Any] | None = None  # the home state installed in optimizer.state (None before the first step)
-    reserved: dict[str, torch.Tensor] | None = None  # homes made ahead of the state's first write-back
-    written: Any = None  # CUDA: event of the last write-back
+    state: Any
+    param_groups: list[dict[str, Any]]
 
-    def home_tensors(self) -> dict[str, torch.Tensor]:
-        if self.state is None:
-            return dict(self.reserved or {})
-        return {k: v for k, v in self.state.items() if isinstance(v, torch.Tensor)}
+    def _first_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]: ...
 
 
 def _tensors(state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
@@ -84,7 +72,7 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 class Pager:
     """Residency manager of one optimizer's paged state. See the module docstring."""
 
-    def __init__(self, optimizer: LowMemOptimizer) -> None:
+    def __init__(self, optimizer: StateOwner) -> None:
         self._optimizer = weakref.ref(optimizer)  # no strong reference: the finalizer below must not keep it alive
         self.homes = Homes()
         self.entries: dict[torch.Tensor, Entry] = {}
@@ -360,7 +348,7 @@ class Pager:
         return resident
 
     @staticmethod
-    def _initial_layout(opt: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    def _initial_layout(opt: StateOwner, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """The tensors ``p``'s first step will make, as meta tensors (no memory), found by running the optimizer's
         own initialization on a meta twin of ``p`` (``_first_state``: GaLore's for a group with ``rank``). None if
         that fails (the homes are then made at the first write-back)."""
@@ -522,7 +510,7 @@ class Pager:
 
     # -- helpers -----------------------------------------------------------------------------------------------------
 
-    def _opt(self) -> LowMemOptimizer:
+    def _opt(self) -> StateOwner:
         opt = self._optimizer()
         if opt is None:
             raise RuntimeError("the optimizer of this pager no longer exists")

@@ -5,38 +5,37 @@ each of which sees plain tensors and knows nothing of the others::
     stage      paging: bring a batch's state to the device, the next batch's on its way    (Pager.batches, or no-op)
     project    GaLore: low-rank gradients, batched products per shape on CUDA          (projection.step, or no-op)
     update     one backend call per bucket: Triton (kernels.dispatch) on CUDA, else per tensor: native C (CPU),
-               torch.compile, the eager reference                                    (LowMemOptimizer._update_flat)
+               torch.compile, the eager reference                                        (.backends.update_flat)
     unproject  GaLore: the full-size update, weight decay on the full weight                 (projection.step.finish)
     apply      the parameter write
     write back paging: the batch's state home, asynchronously                                 (Pager.batches)
 
 Whatever a parameter is (plain, paged, projected, a DTensor shard), the fused kernels take it when its device has them:
 a backend is chosen per bucket, never by the feature a parameter uses. Parameters that no bucketed backend takes go
-through the per-parameter path (``LowMemOptimizer._step_param``), which runs the same stages for one parameter with the
-per-tensor backends; it is also the eager reference that every combination is tested against.
+through the per-parameter path (:func:`step_param`), which runs the same stages for one parameter with the per-tensor
+backends (:mod:`.backends`); it is also the eager reference that every combination is tested against.
+
+The optimizer hands the pipeline a :class:`~.plan.Plan` (the algorithm, the state dict, the param groups, the fused
+backend's name, the projection stage) and plain tensors; no stage receives the optimizer or calls back into it.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import rounding
 from ..distributed.reduction import LOCAL
-from ..distributed.sharding import local_view
-from . import capture
-from .finite import DeviceFlags
-from .items import Item, Update
+from ..distributed.sharding import is_dtensor, local_view
+from ..work import Item, Update, capture
+from .backends import CHUNK_NUMEL, init_state, update_flat
+from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
+from .plan import Plan, StepRecord
 
-if TYPE_CHECKING:
-    from ..optimizer import LowMemOptimizer
-
-__all__ = ["Item", "Update", "run", "step_buckets", "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
-
-#: elements per chunk of the per-tensor eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
-CHUNK_NUMEL = 1 << 18
+__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "step_buckets", "step_param", "device_flags",
+           "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
 #: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
 #: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
 PAGE_BUCKET_BYTES = 64 << 20
@@ -61,16 +60,17 @@ def triton_usable(devices: set[torch.device]) -> bool:
     return False
 
 
-def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
-        grads: list[torch.Tensor], pipe: Any, pager: Any, name: str | None, galore: Any,
-        flags: DeviceFlags | None = None, device_steps: bool = False) -> None:
+def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
+        grads: list[torch.Tensor], pipe: CpuFiniteChecks | None, pager: Any, flags: DeviceFlags | None = None,
+        device_steps: bool = False) -> None:
     """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
-    gradient checked in the native kernels' pipeline (``optimizer._step_in_order``); ``pager``: the paging manager,
-    or None when nothing is paged; ``name``: the optimizer's fused algorithm (None: no bucketed backend, e.g. a
-    subclass that steps its parameters itself); ``galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or
-    None when no param group is projected; ``flags``: the gradients' finiteness on the device (:mod:`.finite`;
-    ``finite`` then says True for all, provisionally), read on the host only after the kernels are launched.
-    ``device_steps``: a capturable step (:mod:`.capture`): everything through the kernels, nothing read back."""
+    gradient checked in the native kernels' pipeline (:func:`step_in_order`); ``pager``: the paging manager, or None
+    when nothing is paged; ``plan.fused``: the bucketed backend's algorithm (None: the per-tensor backends only);
+    ``plan.galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or None when no param group is projected;
+    ``flags``: the gradients' finiteness on the device (:mod:`.finite`; ``finite`` then says True for all,
+    provisionally), read on the host only after the kernels are launched. ``device_steps``: a capturable step
+    (:mod:`.capture`): everything through the kernels, nothing read back."""
+    name = plan.fused
     if name is not None and not triton_usable({p.device for _, p, _ in todo}):
         name = None
     if name is not None:  # (imported here: lowmemopt imports without its kernels package, e.g. from a source tree)
@@ -84,26 +84,99 @@ def run(optimizer: LowMemOptimizer, todo: list[tuple[int, torch.Tensor, dict]], 
     if pager is None:
         if name is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
-            left = {id(p) for p, _ in step_buckets(optimizer, name, checked, galore, flags, device_steps)}
+            left = {id(p) for p, _ in step_buckets(plan, name, checked, flags, device_steps)}
             todo = [t for t in todo if finite[t[0]] is None or id(t[1]) in left]
         if flags is not None and todo:  # the per-tensor backends need the decision on the host (after the launches)
             for i, p, _ in todo:
                 finite[i] = flags.finite(p)
             todo = [t for t in todo if finite[t[0]]]
         if todo:
-            optimizer._step_in_order(todo, finite, grads, pipe)
+            step_in_order(plan, todo, finite, grads, pipe)
         return
     work = [(p, group) for _, p, group in todo]
-    # flags: nothing moves (optimizer.device_flags: state resident within the budget), so this is the unpaged step
+    # flags: nothing moves (device_flags: state resident within the budget), so this is the unpaged step
     for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None else 0):
-        left = step_buckets(optimizer, name, batch, galore, flags) if name is not None else batch
+        left = step_buckets(plan, name, batch, flags) if name is not None else batch
         for p, group in left:
             if flags is None or flags.finite(p):  # the per-tensor backends need the decision on the host
-                optimizer._step_param(p, p.grad, group)
+                step_param(plan, p, p.grad, group)
 
 
-def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
-                 flags: DeviceFlags | None = None, device_steps: bool = False) -> Work:
+def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
+                  grads: list[torch.Tensor], pipe: CpuFiniteChecks | None) -> None:
+    """Step ``todo`` ((index, param, group), in order) through the per-parameter path with the pipelined non-finite
+    check: a gradient not checked yet (``finite[i] is None``) is checked just before its step, unless the kernel that
+    stepped the parameter before it scanned it; ``finite`` is filled in as it goes."""
+    for k, (i, p, group) in enumerate(todo):
+        if finite[i] is None:  # a pipelined CPU gradient that the previous kernel did not scan
+            finite[i] = pipe.check(i)
+        if not finite[i]:  # found by that check, or by the previous kernel's scan
+            continue
+        nxt = todo[k + 1][0] if k + 1 < len(todo) else None
+        if nxt is not None and finite[nxt] is None:
+            finite[nxt] = step_param(plan, p, p.grad, group, scan=grads[nxt])
+        else:
+            step_param(plan, p, p.grad, group)
+
+
+def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+               scan: torch.Tensor | None = None) -> bool | None:
+    """Step one parameter through the per-tensor backends (:func:`.backends.update_flat`; GaLore:
+    :func:`~lowmemopt.projection.step.step_projected`). ``scan``: another gradient that a native CPU kernel checks
+    for NaN/Inf while it steps this one; returns that check's result (None: not done)."""
+    state = plan.state[p]
+    if group.get("rank") is not None or "galore.side" in state:
+        plan.galore.step_projected(plan, p, grad, group)
+        return None
+    numel = p.numel()  # a DTensor's whole size: it picks the state format
+    p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
+    slots = plan.algorithm.slots(group, p)
+    if "step" not in state:
+        state = init_state(p, group, slots, state, numel=numel, reduce=reduce)
+    elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
+        rounding.init_state(state, p, group, reduce.agree)
+    capture.host_count(state)  # (a capturable step's count: back to an int)
+    state["step"] += 1
+    target = p if p.is_contiguous() else p.contiguous()
+    scanned = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],
+                          plan.algorithm.decay_factor(group), reduce, scan)
+    if target is not p:
+        p.copy_(target)
+    return scanned
+
+
+def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
+                 pipe: CpuFiniteChecks | None = None) -> DeviceFlags | None:
+    """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
+    (:mod:`.finite`); None where the check must be decided on the host first: anything but one device that the
+    Triton backend takes with kernels that mask by element count, or anything whose state moves (paged beyond the
+    budget: state resident within it steps as unpaged), sharded, or projected where a stage would ignore the flags (a
+    basis refresh due, the first step: :func:`lowmemopt.projection.step.device_checkable`)."""
+    if pipe is not None and pipe.indices:
+        return None
+    if pager is not None and pager.moves_any(work):
+        return None
+    if plan.fused not in DEFERRED_ALGORITHMS:
+        return None
+    devices = {g.device for g in grads}
+    if len(devices) != 1 or not triton_usable(devices):
+        return None
+    state = plan.state
+    memo: dict = {}  # (device_checkable's answers per device and dtype)
+    for p, group in work:
+        if is_dtensor(p):
+            return None
+        st = state.get(p)
+        if group.get("rank") is not None:
+            if st is None or not plan.galore.device_checkable(plan, p, group, st, memo):
+                return None
+        elif st is not None and "galore.side" in st:  # (a group that lost its rank: the step reports it)
+            return None
+    return DeviceFlags([p for p, _ in work], grads)
+
+
+def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = None,
+                 device_steps: bool = False) -> Work:
     """Gather ``work`` into items, project the GaLore ones, step what the Triton kernels take (one launch set per
     bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
     the step's device-side finiteness flags, which the launches (and GaLore's apply pass) read. ``device_steps``: a
@@ -115,16 +188,17 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
     projected: list[Item] = []
     inner: dict[int, tuple[dict, dict, float]] = {}
     fused_galore = None  # asked at the first projected parameter
-    states = optimizer.state
+    galore, algorithm = plan.galore, plan.algorithm
+    states = plan.state
     for p, group in work:
         state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
         if group.get("rank") is not None or (state is not None and "galore.side" in state):
             if fused_galore is None:
-                fused_galore = galore is not None and galore.fused(optimizer)
+                fused_galore = galore is not None and galore.fused(plan)
             if not fused_galore:
                 rest.append((p, group))
                 continue
-            it = galore.prepare(optimizer, p, p.grad, group, inner)
+            it = galore.prepare(plan, p, p.grad, group, inner)
             if it is not None:  # None: no basis yet, the step is skipped
                 if flags is not None:  # (galore.device_checkable: a basis, no refresh due) as a plain item's below
                     it.flag = flags.position[id(p)]
@@ -132,7 +206,7 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
                 projected.append(it)
             continue
         fresh = flags is not None and (state is None or "step" not in state)
-        it = _plain_item(optimizer, p, group, state)
+        it = _plain_item(plan, p, group, state)
         if it is None:
             if device_steps:
                 raise ValueError(f"capturable=True: a parameter of shape {tuple(p.shape)} cannot take the fused "
@@ -150,21 +224,21 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
             plain.append(it)
     if projected:
         galore.project(projected)
-        stands_in = [galore.stands_in(optimizer, it) for it in projected]
+        stands_in = [galore.stands_in(plan, it) for it in projected]
         alone = [it for it, s in zip(projected, stands_in) if not s]  # the reference core
         projected = [it for it, s in zip(projected, stands_in) if s]
         for it in alone:
             if it.flag is None or flags.finite(it.param):  # the per-tensor backends need the decision first
-                galore.update_alone(optimizer, it)
+                galore.update_alone(plan, it)
         galore.stand_ins(projected)
-        galore.weights(optimizer, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
+        galore.weights(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
     def update_for(it: Item, step: Any) -> Update:
         group = it.group
         if device_steps:  # step: each tensor's, fp64 [T] on the device; a tensor lr is read there too
             group = dict(group, lr=capture.device_value(group["lr"], it.target.device))
-        decay = 1.0 if it.projected else optimizer._decay_factor(group)
-        return Update(name, optimizer._math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
+        decay = 1.0 if it.projected else algorithm.decay_factor(group)
+        return Update(name, algorithm.math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
                       it.group["block_size"], step if device_steps else None)
 
     left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps)
@@ -174,29 +248,28 @@ def step_buckets(optimizer: LowMemOptimizer, name: str, work: Work, galore: Any,
             rest.append((it.param, it.group))
         elif it.flag is not None and not flags.finite(it.param):  # the per-tensor backends need the decision first
             finished.add(id(it))  # skipped: nothing to apply
-        elif not galore.update_alone(optimizer, it):  # no kernel took it: the per-tensor backends, or the core
+        elif not galore.update_alone(plan, it):  # no kernel took it: the per-tensor backends, or the core
             finished.add(id(it))
     if projected:
-        galore.finish_many(optimizer, [it for it in projected if id(it) not in finished],
+        galore.finish_many(plan, [it for it in projected if id(it) not in finished],
                            None if flags is None else flags.tensor)
     return rest
 
 
-def _plain_item(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any],
-                state: dict[str, Any] | None = None) -> Item | None:
+def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any] | None = None) -> Item | None:
     """A full-rank parameter as an item (its local shard for a DTensor), state made on the first step; None if no
     bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards).
-    ``state``: ``optimizer.state[p]`` when the caller has it already."""
+    ``state``: ``plan.state[p]`` when the caller has it already."""
     local, grad, reduce = local_view(p, p.grad)
-    if reduce is not LOCAL and not optimizer.elementwise:
+    if reduce is not LOCAL and not plan.algorithm.elementwise:
         return None
     if not (local.is_contiguous() and grad.is_contiguous()) or grad.shape != local.shape:
         return None
     if state is None:
-        state = optimizer.state[p]
-    slots = optimizer._slots(group, local)
+        state = plan.state[p]
+    slots = plan.algorithm.slots(group, local)
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
-        state = optimizer._init_state(local, group, slots, state, numel=p.numel(), reduce=reduce)
+        state = init_state(local, group, slots, state, numel=p.numel(), reduce=reduce)
     elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
         rounding.init_state(state, local, group, reduce.agree)
     base = reduce.flat_offset() if reduce.distributed and rounding.mode_of(group, local) == "stochastic" else 0

@@ -26,11 +26,14 @@ a GaLore parameter a basis already made, no refresh due (the SVD would read the 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "finite_norms", "resolve"]
+from .. import cpu
+
+__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "CpuFiniteChecks", "finite_norms", "host_flags", "resolve"]
 
 #: fused algorithms whose kernels store nothing of a tensor with element count 0 (its parameter and state untouched)
 DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "lion", "lamb", "lars", "adafactor", "came"})
@@ -40,7 +43,7 @@ def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor
     """``(order, ok)``: whether each gradient's L2 norm is finite, as a bool tensor on the gradients' (one) device,
     ``ok[k]`` for gradient ``order[k]``. One fused multi-tensor norm per dtype (a norm has its gradient's dtype; bf16
     keeps fp32's exponent range): a few launches, whatever the number of gradients. The condition of the optimizer's
-    non-finite check (:func:`lowmemopt.optimizer._finite_flags` reads it on the host).
+    non-finite check (:func:`host_flags` reads it on the host).
 
     A norm is >= 0, +Inf or NaN, so ``norm < inf`` is ``isfinite(norm)`` in one comparison (``isfinite`` of a float
     tensor is four: ``(x == x) * (x.abs() != inf)``)."""
@@ -109,3 +112,43 @@ def resolve(pending: list[DeviceFlags]) -> int:
         f._host = [bool(v) for v in values[at:at + n]]
         at += n
     return sum(f.undo_skipped() for f in pending)
+
+
+def host_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """One bool per gradient: is its L2 norm finite? False for any NaN/Inf element, and for elements so large (~1e19)
+    that their square overflows fp32 (they would turn a second moment into Inf). One fused multi-tensor norm (the
+    cheapest reduction here: 2.3 ms on 16M elements, against 80 ms for an Inf-norm) and one host sync per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    flags = [True] * len(grads)
+    for idx in by_device.values():
+        order, ok = finite_norms([grads[i] for i in idx])
+        for k, f in zip(order, ok.tolist()):
+            flags[idx[k]] = f
+    return flags
+
+
+class CpuFiniteChecks:
+    """The non-finite check of plain CPU gradients, pipelined with the native kernels.
+
+    Checking every gradient up front reads all of them once more before the step (on a 148M-parameter model, 20 ms
+    against a 70 ms fused AdamW step). Instead, the kernel that steps one CPU parameter also sums the squares of the
+    next parameter's gradient, in the same parallel loop, so those reads overlap its arithmetic; a gradient no kernel
+    scanned is checked just before its step (:meth:`check`). The condition is the up-front one (the fp32 sum of
+    squares is finite), and a parameter is still checked before anything of it changes. Off when a parameter is a
+    DTensor (``sharded``: the ranks agree on all flags up front) or without the native kernels."""
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], sharded: bool):
+        self.grads = grads
+        self.indices: set[int] = set()
+        if cpu.ENABLED and any(p.device.type == "cpu" for p in params) and not sharded:
+            runtime = sys.modules.get("lowmemopt.kernels.runtime")
+            if cpu.available() and not getattr(runtime, "_cpu_interpreter", False):  # (tests: Triton on CPU)
+                from ..cpu import ffi
+
+                self.indices = {i for i, p in enumerate(params) if p.device.type == "cpu" and ffi.can_scan(grads[i])}
+
+    def check(self, i: int) -> bool:
+        ok = cpu.grad_is_finite(self.grads[i])
+        return host_flags([self.grads[i]])[0] if ok is None else ok

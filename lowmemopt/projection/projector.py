@@ -209,12 +209,13 @@ def change_of_basis(old: dict[str, Any], new: dict[str, Any]):
     return left, right
 
 
-def warn_refresh_failed(optimizer: Any, where: str) -> None:
-    if getattr(optimizer, "_galore_refresh_warned", False):
+def warn_refresh_failed(record: Any, where: str) -> None:
+    """Warn once per optimizer (``record``: its :class:`~lowmemopt.pipeline.plan.StepRecord`) that a refresh failed."""
+    if record.galore_refresh_warned:
         return
-    optimizer._galore_refresh_warned = True
+    record.galore_refresh_warned = True
     warnings.warn(
-        f"{type(optimizer).__name__}: GaLore projector refresh failed for {where} (non-finite gradient or SVD, or the "
+        f"{record.owner}: GaLore projector refresh failed for {where} (non-finite gradient or SVD, or the "
         "SVD did not converge); keeping the previous basis (a parameter with no basis yet skips its step). "
         "Warned once per optimizer; optimizer.galore_refresh_failures counts them.",
         RuntimeWarning,

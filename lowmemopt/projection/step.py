@@ -1,4 +1,4 @@
-"""The GaLore step of a :class:`~lowmemopt.LowMemOptimizer`: how a parameter of a param group with ``rank`` is updated.
+"""The GaLore stage of the step pipeline: how a parameter of a param group with ``rank`` is updated.
 
 ::
 
@@ -7,7 +7,7 @@
     p <- p * decay + alpha * scale * project_back(delta_low)        (row blocks; decay: the algorithm's own rule)
 
 The inner algorithm is the optimizer's own (AdamW, Adafactor, CAME, LAMB, SGD, Lion, ...) running through the same
-decode -> ``_update`` -> encode core as an unprojected parameter (:meth:`LowMemOptimizer._run_update`), on slots
+decode -> ``update`` -> encode core as an unprojected parameter (:func:`lowmemopt.pipeline.backends.run_update`), on slots
 declared for the low-rank shape: ``state_bits`` (16, 8) applies to them as to any slot, and Adafactor / CAME factor
 the low-rank matrix. Only the gradient is projected. The parameter the inner math sees is the **full-rank** fp32
 parameter: statistics of the parameter (Adafactor's RMS(p), LAMB's and LARS's ||p||) are the real ones, and weight
@@ -48,13 +48,13 @@ from .. import cpu, rounding
 from ..distributed.galore import low_rank_layout, row_shards
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import reduction_of
-from ..pipeline import CHUNK_NUMEL
-from ..pipeline.items import Item
+from ..pipeline.backends import CHUNK_NUMEL, init_state, run_update, update_flat
+from ..work.items import Item
+from ..pipeline.plan import Plan
 from ..quant.formats import format_of
 from . import projector as pj
 
 if TYPE_CHECKING:
-    from ..optimizer import LowMemOptimizer
     from ..quant.formats import Slot
 
 __all__ = [
@@ -132,20 +132,20 @@ def check_group(group: dict[str, Any]) -> None:
             )
 
 
-def _side(optimizer: LowMemOptimizer, group: dict[str, Any], p: torch.Tensor) -> int:
-    state = optimizer.state.get(p)
+def _side(plan: Plan, group: dict[str, Any], p: torch.Tensor) -> int:
+    state = plan.state.get(p)
     if state and pj.SIDE in state:
         return state[pj.SIDE]
     return pj.choose_side(group["proj_type"], *pj.matrix_shape(p.shape))
 
 
-def projected_slots(optimizer: LowMemOptimizer, group: dict[str, Any], p: torch.Tensor) -> dict[str, Slot]:
+def projected_slots(plan: Plan, group: dict[str, Any], p: torch.Tensor) -> dict[str, Slot]:
     """The inner algorithm's slots for ``p``'s low-rank gradient, every one with an explicit shape (the algorithm's
     ``_slots`` asked about a tensor of the low-rank shape)."""
     m, n = pj.matrix_shape(p.shape)
-    side = _side(optimizer, group, p)
+    side = _side(plan, group, p)
     low, dims = low_rank_layout(p, pj.low_rank_shape(m, n, group["rank"], side), side)  # a DTensor: its local rows
-    slots = optimizer._slots(group, _meta(low, p.dtype))
+    slots = plan.algorithm.slots(group, _meta(low, p.dtype))
     return {k: _low_rank_slot(s, low, dims) for k, s in slots.items()}
 
 
@@ -178,14 +178,14 @@ def _low_rank_slot(s: Slot, low: tuple[int, ...], dims: tuple[int | None, ...]) 
     return shaped
 
 
-def _stagger_offset(optimizer: LowMemOptimizer, p: torch.Tensor, gap: int) -> int:
+def _stagger_offset(plan: Plan, p: torch.Tensor, gap: int) -> int:
     """``floor(i * gap / N)`` for the i-th of the N projected parameters (in param-group order)."""
-    projected = [q for g in optimizer.param_groups if g.get("rank") is not None for q in g["params"]]
+    projected = [q for g in plan.groups if g.get("rank") is not None for q in g["params"]]
     i = next(i for i, q in enumerate(projected) if q is p)
     return i * gap // len(projected)
 
 
-def _refresh(optimizer: LowMemOptimizer, p: torch.Tensor, g: torch.Tensor, state: dict, slots: dict[str, Slot],
+def _refresh(plan: Plan, p: torch.Tensor, g: torch.Tensor, state: dict, slots: dict[str, Slot],
              group: dict[str, Any], t: int) -> bool:
     """Recompute the basis from the fp32 matrix ``g`` at step ``t`` (before increment). Returns False if the
     parameter has no usable basis (its first refresh failed): the caller then skips the step."""
@@ -193,8 +193,8 @@ def _refresh(optimizer: LowMemOptimizer, p: torch.Tensor, g: torch.Tensor, state
     new = pj.compute_basis(g, group["rank"], state[pj.SIDE], group["proj_svd"], seed=t)
     had_basis = state[pj.REFRESHED_AT] >= 0
     if new is None:
-        optimizer.galore_refresh_failures = getattr(optimizer, "galore_refresh_failures", 0) + 1
-        pj.warn_refresh_failed(optimizer, f"a parameter of shape {tuple(p.shape)} at step {t}")
+        plan.record.galore_refresh_failures += 1
+        pj.warn_refresh_failed(plan.record, f"a parameter of shape {tuple(p.shape)} at step {t}")
         if not had_basis:
             return False
         state[pj.NEXT_REFRESH] = t + gap
@@ -204,7 +204,7 @@ def _refresh(optimizer: LowMemOptimizer, p: torch.Tensor, g: torch.Tensor, state
     for key, value in new.items():
         state[key].copy_(value)
     if not had_basis and group["proj_stagger"]:
-        offset = _stagger_offset(optimizer, p, gap)
+        offset = _stagger_offset(plan, p, gap)
         state[pj.NEXT_REFRESH] = t + (offset if offset > 0 else gap)
     else:
         state[pj.NEXT_REFRESH] = t + gap
@@ -234,43 +234,43 @@ def _carry_moments(state: dict, slots: dict[str, Slot], group: dict[str, Any], n
         fmt.encode(state, name, 0, numel, m.reshape(-1).contiguous(), True, bs)
 
 
-def init_projected_state(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any],
+def init_projected_state(plan: Plan, p: torch.Tensor, group: dict[str, Any],
                          slots: dict[str, Slot] | None = None) -> dict[str, Any]:
-    """Make ``p``'s first GaLore state in ``optimizer.state[p]``: the inner algorithm's low-rank slots and an empty
+    """Make ``p``'s first GaLore state in ``plan.state[p]``: the inner algorithm's low-rank slots and an empty
     projector (also used, on a meta twin of ``p``, by :mod:`lowmemopt.paging` to learn the layout ahead)."""
-    slots = projected_slots(optimizer, group, p) if slots is None else slots
+    slots = projected_slots(plan, group, p) if slots is None else slots
     m, n = pj.matrix_shape(p.shape)
     # a DTensor's ranks agree on its stochastic-rounding seed (not the paging layout probe's meta twin)
-    state = optimizer._init_state(p, group, slots, reduce=LOCAL if p.device.type == "meta" else reduction_of(p))
+    state = init_state(p, group, slots, plan.state[p], reduce=LOCAL if p.device.type == "meta" else reduction_of(p))
     pj.init_projector(state, m, n, group["rank"], pj.choose_side(group["proj_type"], m, n), p.device)
     return state
 
 
-def inner_group(optimizer: LowMemOptimizer, group: dict[str, Any]) -> tuple[dict[str, Any], float]:
+def inner_group(plan: Plan, group: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """``(group the inner math runs with, decay factor of the full-rank parameter)``: an algorithm that adds
     ``wd * p`` to a gradient-shaped tensor gets ``weight_decay=0`` inside and the decoupled ``1 - lr wd`` outside
     (module docstring); every other algorithm its own group and ``_decay_factor``."""
-    if group.get("weight_decay") and optimizer._coupled_weight_decay(group):
+    if group.get("weight_decay") and plan.algorithm.coupled_weight_decay(group):
         return dict(group, weight_decay=0.0), 1.0 - group["lr"] * group["weight_decay"]
-    return group, optimizer._decay_factor(group)
+    return group, plan.algorithm.decay_factor(group)
 
 
-def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
             inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] | None = None) -> Item | None:
     """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when
-    due, and an :class:`~lowmemopt.pipeline.items.Item` whose ``grad`` is not projected yet (:func:`project`) and
+    due, and an :class:`~lowmemopt.work.items.Item` whose ``grad`` is not projected yet (:func:`project`) and
     whose ``target`` is not set. None: no basis yet (the first refresh failed), the step is skipped as for a
     non-finite gradient. ``inner``: a cache of the inner groups by group id, so the items of one param group share
     one inner group (one bucket). The item's ``group`` is the one its stand-in's math runs with (:func:`inner_group`,
     and no weight decay where the math decays the weight itself: :func:`finish` applies it to the full weight);
     ``extra["core"]`` the one the reference core runs with."""
-    state = optimizer.state[p]
+    state = plan.state[p]
     if group.get("rank") is None:
         raise ValueError(
             f"a parameter of shape {tuple(p.shape)} has GaLore (low-rank) state but its param group has no 'rank'; "
             "keep the group's GaLore keys, or reset this parameter's state"
         )
-    slots = projected_slots(optimizer, group, p)
+    slots = projected_slots(plan, group, p)
     m, n = pj.matrix_shape(p.shape)
     if "step" not in state:
         if state:
@@ -278,7 +278,7 @@ def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, gro
                 f"a parameter of shape {tuple(p.shape)} has full-rank optimizer state but its param group has "
                 f"rank={group['rank']}; reset this parameter's state to project it"
             )
-        init_projected_state(optimizer, p, group, slots)
+        init_projected_state(plan, p, group, slots)
 
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
     if shards is not None:  # bf16_update changed since: the ranks make the seed together
@@ -290,14 +290,14 @@ def prepare(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, gro
     t = state["step"]
     if t >= state[pj.NEXT_REFRESH]:
         full = g.float() if shards is None else shards.full_gradient()  # the basis comes from the whole gradient
-        if not _refresh(optimizer, p, full, state, slots, group, t):
+        if not _refresh(plan, p, full, state, slots, group, t):
             return None  # no basis yet: skip this step, as for a non-finite gradient
         del full
     if inner is None:
         inner = {}
     if id(group) not in inner:
-        core, decay = inner_group(optimizer, group)
-        group_in = dict(core, weight_decay=0.0) if optimizer.weight_stat_math and core.get("weight_decay") else core
+        core, decay = inner_group(plan, group)
+        group_in = dict(core, weight_decay=0.0) if plan.algorithm.weight_stat_math and core.get("weight_decay") else core
         inner[id(group)] = group_in, core, decay
     group_in, core, decay = inner[id(group)]
     return Item(param=p, group=group_in, target=None, grad=None, state=state, slots=slots, projected=True,
@@ -348,27 +348,27 @@ def _stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def param_free(optimizer: LowMemOptimizer) -> bool:
+def param_free(plan: Plan) -> bool:
     """Can the inner algorithm run on a zeroed stand-in for the parameter (the low-rank update then lands in it)?
-    True for a fused algorithm (:func:`~lowmemopt.optimizer.kernel_algorithm`) whose math reads the parameter only
+    True for a fused algorithm (``plan.fused``) whose math reads the parameter only
     for a coupled weight decay, which :func:`inner_group` takes out (``param_free_math``: AdamW / Adam, SGD, Lion).
     Algorithms that read statistics of the full parameter (LAMB's and LARS's ``||p||``, Adafactor's ``RMS(p)``) or
     decay it inside their math (Adafactor, CAME) take the reference core instead."""
-    return optimizer.param_free_math and optimizer._fused_algorithm() is not None
+    return plan.algorithm.param_free_math and plan.fused is not None
 
 
-def fused(optimizer: LowMemOptimizer) -> bool:
+def fused(plan: Plan) -> bool:
     """Can the inner algorithm run on a stand-in through the fused kernels? :func:`param_free` algorithms through
     every backend; ``weight_stat_math`` ones (LAMB, LARS, Adafactor, CAME), given the full weight's statistic
     (:func:`weights`), through the kernels that take it: Triton, and the native CPU kernels of Adafactor and CAME
     (the per-tensor eager path would read the stand-in: those take the reference core)."""
-    return (optimizer.param_free_math or optimizer.weight_stat_math) and optimizer._fused_algorithm() is not None
+    return (plan.algorithm.param_free_math or plan.algorithm.weight_stat_math) and plan.fused is not None
 
 
-def stands_in(optimizer: LowMemOptimizer, it: Item) -> bool:
+def stands_in(plan: Plan, it: Item) -> bool:
     """Does this item's update run on a stand-in (:func:`fused`)? Not a row shard of a DTensor whose math reads
     the weight (its statistics would need reductions over the shards): that one takes the reference core."""
-    return param_free(optimizer) or (fused(optimizer) and it.extra["shards"] is None)
+    return param_free(plan) or (fused(plan) and it.extra["shards"] is None)
 
 
 def stand_ins(items: list[Item]) -> None:
@@ -400,13 +400,13 @@ def stand_ins(items: list[Item]) -> None:
                 offset += size
 
 
-def weights(optimizer: LowMemOptimizer, items: list[Item]) -> None:
+def weights(plan: Plan, items: list[Item]) -> None:
     """For an algorithm whose math reads the weight (``weight_stat_math``): each stand-in's full-weight statistic
-    (``it.weight``: ``||p||`` or ``RMS(p) = ||p|| / sqrt(numel)``, :meth:`~lowmemopt.LowMemOptimizer._weight_statistic`)
+    (``it.weight``: ``||p||`` or ``RMS(p) = ||p|| / sqrt(numel)``, :meth:`~lowmemopt.pipeline.algorithm.Algorithm.weight_statistic`)
     and the decay its math applies to the weight (``extra["math_decay"]``: ``c`` of ``p <- p + c p``), per shape class
     of a param group: one multi-tensor norm (``torch._foreach_norm``: one launch on CUDA; on the CPU the reference's
     ``vector_norm`` per tensor, so the statistic is bit-identical to the reference core's), one stack, one division."""
-    if not optimizer.weight_stat_math:
+    if not plan.algorithm.weight_stat_math:
         return
     classes: dict[tuple, list[Item]] = {}
     for it in items:
@@ -414,7 +414,7 @@ def weights(optimizer: LowMemOptimizer, items: list[Item]) -> None:
         classes.setdefault(key, []).append(it)
     for (_, step, _, _, numel), members in classes.items():
         group = members[0].extra["outer"]
-        kind = optimizer._weight_statistic(group)
+        kind = plan.algorithm.weight_statistic(group)
         stat = None
         if kind is not None:
             stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=torch.float32))
@@ -422,7 +422,7 @@ def weights(optimizer: LowMemOptimizer, items: list[Item]) -> None:
                 stat = stat / math.sqrt(numel)  # rms(): the norm over sqrt(numel) rounded to fp32, as for 0-dim
             for it, s in zip(members, stat.unbind(0)):
                 it.weight = s
-        c = optimizer._math_decay(group, step, stat)
+        c = plan.algorithm.math_decay(group, step, stat)
         for i, it in enumerate(members):
             it.extra["math_decay"] = c[i] if isinstance(c, torch.Tensor) and c.dim() else c
 
@@ -435,7 +435,7 @@ def _decay_rows(rows: torch.Tensor, c: Any) -> None:
         rows.add_(rows, alpha=c)
 
 
-def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = None, alpha: float = 1.0,
+def finish(plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float = 1.0,
            p32: torch.Tensor | None = None) -> None:
     """The pipeline's *unproject* and *apply*: ``p <- p * decay + alpha * scale * project_back(delta)`` on the full
     parameter (``delta``: the low-rank update, by default the item's target), in row blocks on the CPU (no
@@ -458,27 +458,27 @@ def finish(optimizer: LowMemOptimizer, it: Item, delta: torch.Tensor | None = No
         update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).float().mul_(scale)
         if math_decay is not None:
             _decay_rows(p32[r0:r1], math_decay)
-        optimizer._apply_update(p32[r0:r1], update, alpha, decay, group)
+        plan.algorithm.apply_update(p32[r0:r1], update, alpha, decay, group)
     # bf16 params: the group's bf16_update (a copy unless fp32); a shard of rows hashes its elements' global indices
     rounding.store(p2d, p32, state, group, index=None if shards is None else row0 * n)
     if target is not local:
         local.copy_(target)
 
 
-def device_checkable(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
+def device_checkable(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
                      memo: dict[Any, bool] | None = None) -> bool:
     """May this step of projected parameter ``p`` leave its non-finite check to the device
     (:mod:`lowmemopt.pipeline.finite`)? Where every stage that writes is masked by the flags: no basis refresh due
     (it would take the SVD of the gradient), the update on a stand-in through the kernels, and the apply through the
     batched fused pass (:func:`finish_many`). Elsewhere the host decides first. ``memo``: the answers that depend on
-    the optimizer, device and dtype only, kept by the caller for the parameters of one step."""
+    the plan, device and dtype only, kept by the caller for the parameters of one step."""
     if not ("step" in state and state[pj.REFRESHED_AT] >= 0 and state["step"] < state[pj.NEXT_REFRESH]
             and _finished_in_batches(p, state, group)):
         return False
     key = (p.device, p.dtype)
     ok = None if memo is None else memo.get(key)
     if ok is None:
-        ok = fused(optimizer) and _fused_apply(p.device, p.dtype)
+        ok = fused(plan) and _fused_apply(p.device, p.dtype)
         if memo is not None:
             memo[key] = ok
     return ok
@@ -490,7 +490,7 @@ def _finished_in_batches(p: torch.Tensor, state: dict[str, Any], group: dict[str
     return _batches(p) and p.is_contiguous() and state[pj.SIDE] != pj.BOTH and rounding.mode_of(group, p) == "nearest"
 
 
-def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tensor | None = None) -> None:
+def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None) -> None:
     """:func:`finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
     unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
     elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
@@ -508,14 +508,14 @@ def finish_many(optimizer: LowMemOptimizer, items: list[Item], flags: torch.Tens
                    id(it.extra["outer"]), it.extra["dtype"])
             batches.setdefault(key, []).append(it)
         else:
-            finish(optimizer, it)
+            finish(plan, it)
     for (device, p_dtype, shape, side, _, _, dtype), members in batches.items():
         per = max(1, BATCH_NUMEL // math.prod(shape))
         fused_apply = _fused_apply(device, p_dtype)
         for i in range(0, len(members), per):
             chunk = members[i:i + per]
             if len(chunk) == 1 and not fused_apply:
-                finish(optimizer, chunk[0])
+                finish(plan, chunk[0])
                 continue
             m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
             target = dtype or torch.float32  # proj_dtype="param": bf16 products
@@ -573,22 +573,22 @@ def _fused_apply(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in DTYPES
 
 
-def update_alone(optimizer: LowMemOptimizer, it: Item) -> bool:
+def update_alone(plan: Plan, it: Item) -> bool:
     """The update stage of one projected item (after :func:`project`) through the per-tensor backends. With a
-    stand-in (:func:`stands_in`): the backends of :meth:`~lowmemopt.LowMemOptimizer._update_flat` for a
+    stand-in (:func:`stands_in`): the backends of :func:`~lowmemopt.pipeline.backends.update_flat` for a
     :func:`param_free` algorithm, the native factored CPU kernels (:func:`lowmemopt.cpu.step_factored`, given the
     weight's statistic) for the others; returns True, and :func:`finish` then applies the stand-in's update. Else
     the reference core steps the item and finishes it (the math sees the full-rank fp32 parameter): False."""
     state = it.state
-    if it.target is not None and param_free(optimizer):
+    if it.target is not None and param_free(plan):
         state["step"] += 1
-        optimizer._update_flat(it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.group,
+        update_flat(plan.algorithm, it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.group,
                                state["step"], 1.0)
         return True
     if it.target is not None and it.target.device.type == "cpu" and cpu.ENABLED:
         formats = {name: format_of(state, name) for name in it.slots}
         t = state["step"] + 1
-        if cpu.step_factored(optimizer._fused_algorithm(), it.target, it.target.view(-1), it.grad.view(-1), state,
+        if cpu.step_factored(plan.fused, it.target, it.target.view(-1), it.grad.view(-1), state,
                              formats, it.group, t, 1.0, weight=it.weight):
             state["step"] = t
             return True
@@ -599,30 +599,30 @@ def update_alone(optimizer: LowMemOptimizer, it: Item) -> bool:
     p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"]).float()
     reduce = LOCAL if shards is None else shards.reduction(p32)
     g_low = it.grad
-    delta, alpha = optimizer._run_update(p32, g_low, state, it.slots, formats, it.extra["core"], state["step"], 0,
+    delta, alpha = run_update(plan.algorithm, p32, g_low, state, it.slots, formats, it.extra["core"], state["step"], 0,
                                          g_low.numel(), g_low, reduce)
-    finish(optimizer, it, delta, alpha, p32)
+    finish(plan, it, delta, alpha, p32)
     return False
 
 
-def step_projected(optimizer: LowMemOptimizer, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+def step_projected(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
     """One GaLore step of parameter ``p`` (module docstring), alone: the pipeline's stages for one item, the update
-    through the per-tensor backends (:func:`update_alone`). Called by ``LowMemOptimizer._step_param``."""
-    it = prepare(optimizer, p, grad, group)
+    through the per-tensor backends (:func:`update_alone`). Called by :func:`lowmemopt.pipeline.step_param`."""
+    it = prepare(plan, p, grad, group)
     if it is None:
         return
     project([it])
-    if stands_in(optimizer, it) and (param_free(optimizer) or _native_may_take(optimizer, it)):
+    if stands_in(plan, it) and (param_free(plan) or _native_may_take(plan, it)):
         stand_ins([it])
-        weights(optimizer, [it])
-    if update_alone(optimizer, it):
-        finish(optimizer, it)
+        weights(plan, [it])
+    if update_alone(plan, it):
+        finish(plan, it)
 
 
-def _native_may_take(optimizer: LowMemOptimizer, it: Item) -> bool:
+def _native_may_take(plan: Plan, it: Item) -> bool:
     """Is there a native CPU kernel for this stand-in's algorithm (Adafactor, CAME; it still checks the shape)?"""
     if it.grad.device.type != "cpu" or not cpu.ENABLED:
         return False
     from ..cpu.factored import STEPS
 
-    return optimizer._fused_algorithm() in STEPS
+    return plan.fused in STEPS

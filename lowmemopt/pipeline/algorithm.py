@@ -1,0 +1,134 @@
+"""What the step pipeline knows of an algorithm: its slots, its fp32 math and the scalars and decay rules around it.
+
+An optimizer class (:mod:`lowmemopt.optim`) holds one :class:`Algorithm` (its ``algorithm`` class attribute) and hands
+it to the pipeline in the step's :class:`~lowmemopt.pipeline.plan.Plan`; the stages call it, never the optimizer. The
+math is a pure function on fp32 tensors::
+
+    delta = math(p, g, state, **hyper, **step_scalars)        state: decoded fp32 slots, updated in place
+    p <- p * decay_factor(group) + delta                       (apply_update; bf16 rounding is the apply stage's)
+
+The fused backends (Triton kernels, native C kernels) know an algorithm by the name :func:`fused` marks its math (or its
+:meth:`Algorithm.update`) with, and reproduce exactly that composition; an algorithm that overrides how the update is
+computed or applied without such a mark steps through the reference backends only (:func:`fused_name`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..distributed.reduction import LOCAL, Reduction
+from ..quant.formats import Slot
+
+__all__ = ["Algorithm", "fused", "fused_name"]
+
+
+def fused(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` (an algorithm's pure ``math`` function, or an :meth:`Algorithm.update` override) is the
+    algorithm that the fused backends know as ``name`` (the Triton registry, :mod:`lowmemopt.kernels.registry`; the
+    native CPU kernels, :mod:`lowmemopt.cpu`). The backends key on the name and import no algorithm class."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.fused_algorithm = name
+        return fn
+
+    return mark
+
+
+class Algorithm:
+    """One algorithm as the stages see it. Subclasses set :attr:`math` and :attr:`hyper` (or override
+    :meth:`update`), :meth:`slots`, and the step scalars and decay rules their reference needs. Stateless: one
+    instance serves every optimizer of its class."""
+
+    #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact)
+    elementwise: bool = True
+    #: True: the math reads the parameter only for a coupled weight decay (``g + wd * p``), so a GaLore step can run
+    #: it on a zeroed low-rank stand-in through the fused backends (:func:`lowmemopt.projection.step.param_free`)
+    param_free_math: bool = False
+    #: True: the math reads the parameter only through one statistic of it (:meth:`weight_statistic`), a decay it
+    #: applies to it in place (:meth:`math_decay`) and a coupled weight decay, so a GaLore step can run it on a zeroed
+    #: stand-in through the fused kernels, given the full weight's statistic (LAMB, LARS, Adafactor, CAME)
+    weight_stat_math: bool = False
+    #: the pure fp32 function ``math(p, g, state, **hyper, **step_scalars)`` and the group keys it takes
+    math: Callable[..., Any] | None = None
+    hyper: tuple[str, ...] = ()
+
+    def slots(self, group: dict[str, Any], param: torch.Tensor) -> dict[str, Slot]:
+        """The state slots ``param`` needs, by name (``param``: the tensor the state is shaped for: a shard, a
+        low-rank stand-in, a meta twin)."""
+        raise NotImplementedError
+
+    def update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any],
+               step: Any, reduce: Reduction = LOCAL) -> torch.Tensor | tuple[torch.Tensor, float]:
+        """fp32 math: update ``state`` in place and return the delta to add to ``p``, or ``(direction, alpha)`` meaning
+        ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does). By default :attr:`math`
+        called with :meth:`math_kwargs` (and ``reduce=`` unless elementwise).
+
+        ``reduce`` (:mod:`lowmemopt.distributed.reduction`): how whole-tensor reductions are taken when ``p`` is the
+        local shard of a sharded parameter; non-elementwise math must take every norm and mean through it.
+
+        ``p`` is the fp32 working copy the step writes back. Leave it unchanged, except for a weight decay that a
+        constant :meth:`decay_factor` cannot express (Adafactor's scales with RMS(p)): that may be applied to ``p`` in
+        place, in the reference's order; the ``decay_factor`` multiply and the delta follow."""
+        if self.elementwise:
+            return self.math(p, g, state, **self.math_kwargs(group, step))
+        return self.math(p, g, state, **self.math_kwargs(group, step), reduce=reduce)
+
+    def math_kwargs(self, group: dict[str, Any], step: Any) -> dict[str, Any]:
+        """Keyword arguments of :attr:`math`: the group's :attr:`hyper` entries plus :meth:`step_scalars`."""
+        kwargs = {k: group[k] for k in self.hyper}
+        kwargs.update(self.step_scalars(group, step))
+        return kwargs
+
+    def step_scalars(self, group: dict[str, Any], step: Any) -> dict[str, Any]:
+        """Scalars that depend on the step count (bias corrections, first-step flags), made on the host so that the
+        kernels receive plain numbers instead of evaluating ``beta ** step`` per element. ``step``: an int, or a
+        capturable step's fp64 tensor of steps on the device."""
+        return {}
+
+    def decay_factor(self, group: dict[str, Any]) -> Any:
+        """Decoupled weight decay: ``p`` is multiplied by this before the delta is added (1.0: none)."""
+        return 1.0
+
+    def coupled_weight_decay(self, group: dict[str, Any]) -> bool:
+        """Does the math add ``wd * p`` to a gradient-shaped tensor (L2 penalty)? A GaLore step turns that into the
+        decoupled ``p <- p (1 - lr wd)`` on the full parameter (:func:`lowmemopt.projection.step.inner_group`)."""
+        return False
+
+    def weight_statistic(self, group: dict[str, Any]) -> str | None:
+        """The statistic of the parameter that the math reads (:attr:`weight_stat_math`): ``"norm"`` (``||p||``),
+        ``"rms"`` (``||p|| / sqrt(numel)``) or None."""
+        return None
+
+    def math_decay(self, group: dict[str, Any], step: Any, stat: torch.Tensor | None) -> Any:
+        """``c`` of the decay ``p <- p + c p`` that the math applies to the parameter in place before its update
+        (:attr:`weight_stat_math`), rounded as the math rounds it: a number, or a tensor of one ``c`` per parameter
+        given the stacked statistics ``stat``; None: no such decay."""
+        return None
+
+    def apply_update(self, p32: torch.Tensor, delta: torch.Tensor, alpha: Any, decay: Any,
+                     group: dict[str, Any]) -> None:
+        """Write the step into the fp32 working copy: ``p = p * decay + alpha * delta`` (decay first, as torch does).
+        An algorithm whose reference decays after the update overrides this (it then has no fused backend)."""
+        if decay != 1.0:
+            p32.mul_(decay)
+        p32.add_(delta, alpha=alpha)
+
+    @property
+    def fused(self) -> str | None:
+        """:func:`fused_name` of this algorithm."""
+        return fused_name(self)
+
+
+def fused_name(algorithm: Algorithm) -> str | None:
+    """The name of the fused algorithm ``algorithm`` runs, or None: the name its :attr:`~Algorithm.math` is marked
+    with (:func:`fused`), or its marked :meth:`~Algorithm.update` override; None where it overrides how the update is
+    computed (an unmarked ``update``) or applied (``apply_update``), which no fused backend reproduces."""
+    cls = type(algorithm)
+    if cls.apply_update is not Algorithm.apply_update:
+        return None
+    fn = cls.update
+    if fn is Algorithm.update:
+        fn = algorithm.math
+    return getattr(fn, "fused_algorithm", None)

@@ -1,0 +1,156 @@
+"""The per-tensor backends of the update stage, and state creation.
+
+A bucket that the Triton kernels do not take is updated one tensor at a time here, by the first backend that applies::
+
+    native C kernel (CPU, elementwise or factored; lowmemopt.cpu)  ->  torch.compile-d chunks (lowmemopt.compiled)
+        ->  eager reference: decode -> Algorithm.update (fp32) -> encode, in block-aligned chunks
+
+Each returns the eager path's results (to fp32 rounding; the 8-bit codes are the reference encoder's). A backend sees
+plain tensors, the param group's dict and the :class:`~lowmemopt.pipeline.algorithm.Algorithm`; never the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import compiled, cpu, rounding
+from ..distributed.reduction import LOCAL, Reduction
+from ..distributed.sharding import local_tensor
+from ..quant import q4
+from ..quant.formats import Q4, Q8, Slot, StateFormat, choose_format, format_of, map_for
+from ..quant.maps import code_book, encode_table
+from .algorithm import Algorithm
+
+__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "update_flat", "run_update", "decode_whole"]
+
+#: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
+CHUNK_NUMEL = 1 << 18
+COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
+
+
+def init_state(p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any],
+               numel: int | None = None, reduce: Reduction = LOCAL) -> dict[str, Any]:
+    """Zero state for ``p`` (a DTensor's local shard) in ``slots``' formats, made in ``state`` (returned).
+    ``numel``: the whole parameter's size (a DTensor's), which picks the format of slots shaped like it, so that a
+    shard keeps the format the parameter has in one process (``min_quant_numel``); ``reduce``: the shard's
+    reductions (its ranks agree on a stochastic-rounding seed)."""
+    state["step"] = 0
+    for name, slot in slots.items():
+        shape = p.shape if slot.shape is None else torch.Size(slot.shape)
+        size = (numel if numel is not None else p.numel()) if slot.shape is None else shape.numel()
+        fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize)
+        fmt.init(state, name, shape, p.device, group["block_size"])
+    rounding.init_state(state, local_tensor(p), group, reduce.agree)  # bf16_update: a seed or a Kahan buffer
+    return state
+
+
+def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
+                state: dict[str, Any], slots: dict[str, Slot], group: dict[str, Any], step: int, decay: float,
+                reduce: Reduction = LOCAL, scan: torch.Tensor | None = None) -> bool | None:
+    """``pflat <- pflat * decay + delta`` (``pflat``: contiguous, flat, updated in place; ``like``: a tensor of its
+    logical shape) with the state decoded and encoded around the math: the native C kernel where it applies (CPU),
+    else the ``torch.compile``-d function, and the eager reference for whatever they leave (a ragged last 8-bit
+    block, say). ``scan``: another gradient that a native kernel checks for NaN/Inf while it steps this one; returns
+    that check's result (None: not done)."""
+    formats = {name: format_of(state, name) for name in slots}
+    start, scanned = 0, None
+    if pflat.device.type == "cpu" and cpu.ENABLED:  # native C kernels (lowmemopt.cpu)
+        name = algorithm.fused
+        if name is None:
+            pass
+        elif algorithm.elementwise:  # (a shard's stochastic rounding hashes its elements' indices in the parameter)
+            start, scanned = cpu.step_elementwise(name, algorithm.math_kwargs(group, step), pflat, gflat, state,
+                                                  slots, formats, group, step, decay, scan,
+                                                  index_base=reduce.flat_offset() if reduce.distributed else 0)
+        elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, group, step, decay):
+            start = pflat.numel()
+    exact = rounding.mode_of(group, like) == "nearest"  # the compiled path rounds to nearest only
+    if start == 0 and exact and algorithm.elementwise and algorithm.math is not None and compiled.applies(like):
+        start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, group, step, decay)
+    _step_eager(algorithm, like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
+    return scanned
+
+
+def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
+                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
+                step: int, decay: float, start: int, reduce: Reduction = LOCAL) -> None:
+    """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise).
+    A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
+    for this rank's (zero) contribution."""
+    bs = group["block_size"]
+    n = pflat.numel()
+    chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if algorithm.elementwise else max(n, 1)
+    stop = 1 if n == 0 and reduce.distributed and not algorithm.elementwise else n
+    stochastic = rounding.mode_of(group, pflat) == "stochastic"
+    for lo in range(start, stop, chunk):
+        hi = min(n, lo + chunk)
+        p32 = pflat[lo:hi].float()
+        g32 = gflat[lo:hi].float()
+        like = None
+        if not algorithm.elementwise:
+            p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
+        delta, alpha = run_update(algorithm, p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
+        algorithm.apply_update(p32, delta, alpha, decay, group)
+        # bf16: nearest / stochastic / Kahan; a shard's stochastic bits are its elements' in the whole parameter
+        index = reduce.element_index(lo, hi - lo, p32.device) if reduce.distributed and stochastic else None
+        rounding.store(pflat[lo:hi], p32.view(-1), state, group, lo, index)
+
+
+def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state: dict[str, Any],
+               slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any], step: int, lo: int,
+               hi: int, like: torch.Tensor | None = None, reduce: Reduction = LOCAL) -> tuple[torch.Tensor, Any]:
+    """Decode -> :meth:`Algorithm.update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements
+    ``[lo, hi)`` of every slot, flat (elementwise chunks); else whole slots in their declared shapes (``like``'s shape
+    for slots without one). Also the core of the GaLore step, on low-rank slots."""
+    bs = group["block_size"]
+    if like is None:
+        st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
+    else:
+        st = {k: decode_whole(state, k, s, formats[k], like, bs) for k, s in slots.items()}
+    delta = algorithm.update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
+    delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
+    for k, s in slots.items():
+        value = st[k].reshape(-1)
+        formats[k].encode(state, k, lo, lo + value.numel(), value, s.signed, bs)
+    return delta, alpha
+
+
+def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
+                   slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any], step: int,
+                   decay: float) -> int:
+    """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
+    bs = group["block_size"]
+    rows_total = pflat.numel() // bs
+    rows_per_chunk = max(1, COMPILED_CHUNK_NUMEL // bs)
+    for r0 in range(0, rows_total, rows_per_chunk):
+        r1 = min(rows_total, r0 + rows_per_chunk)
+        lo, hi = r0 * bs, r1 * bs
+        rows = []
+        for k, s in slots.items():
+            fmt = formats[k]
+            if fmt is Q8:
+                name = map_for(s.signed)
+                rows.append((k, "q8", s.signed, state[k + ".codes"][lo:hi].view(-1, bs),
+                             state[k + ".absmax"][r0:r1], code_book(name, pflat.device),
+                             encode_table(name, pflat.device).packed))
+            elif fmt is Q4:  # nibble rows: a block of bs elements is bs / 2 bytes
+                name = q4.map4_for(s.signed)
+                rows.append((k, "q4", s.signed, state[k + ".nibbles"][lo // 2 : hi // 2].view(-1, bs // 2),
+                             state[k + ".absmax"][r0:r1], q4.code_book(name, pflat.device),
+                             q4.encode_table(name, pflat.device)))
+            else:
+                rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
+        ok = compiled.step_rows(type(algorithm).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),
+                                tuple(rows), algorithm.math_kwargs(group, step), decay)
+        if not ok:
+            return lo
+    return rows_total * bs
+
+
+def decode_whole(state: dict[str, Any], name: str, slot: Slot, fmt: StateFormat, p: torch.Tensor,
+                 bs: int) -> torch.Tensor:
+    """Slot ``name`` decoded whole, in its declared shape (``p``'s for slots without one)."""
+    shape = p.shape if slot.shape is None else torch.Size(slot.shape)
+    return fmt.decode(state, name, 0, shape.numel(), slot.signed, bs).view(shape)
