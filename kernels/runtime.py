@@ -12,8 +12,8 @@ is the quantization block size for 8-bit state (a row is one block: its absmax i
 for dense state. 2048 elements per tile with 4 warps keeps 16 fp32 values per thread in flight, enough to saturate
 HBM on A100/H100 class GPUs for these memory-bound kernels (124 registers per thread for 8-bit AdamW at sm_90: four
 programs per SM). A GPU model may take another shape: a :data:`TILE_SHAPES` entry (by compute capability, set in
-code), or the shape ``lowmemopt tune`` measured fastest on that GPU (:mod:`.tuning`, a cache file); the shape changes
-speed only, never results.
+code), or the shape ``lowmemopt tune`` measured fastest on that GPU (:mod:`.tuning`, which keeps it in the cache file
+that :mod:`.tuning_cache` reads); the shape changes speed only, never results.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import os
 import re
 
 import torch
+
+from . import tuning_cache
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "TILE_SHAPES", "tile_shape",
@@ -83,15 +85,14 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _tuned(device: torch.device) -> dict | None:
-    """``lowmemopt tune``'s measurement for CUDA ``device`` (:func:`.tuning.tuned`), or None (none, or no CUDA)."""
-    from . import tuning
-
+    """``lowmemopt tune``'s measurement for CUDA ``device`` (:func:`.tuning_cache.tuned`), or None (none, or no
+    CUDA)."""
     index = device.index
     if index is None:
         if not torch.cuda.is_available():
             return None
         index = torch.cuda.current_device()
-    return tuning.tuned(index)  # (cached per device index: a launch asks this)
+    return tuning_cache.tuned(index)  # (cached per device index: a launch asks this)
 
 
 def tile_shape(device: torch.device | None = None) -> tuple[int, int]:

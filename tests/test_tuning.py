@@ -4,13 +4,16 @@ it with the documented precedence; bad caches are ignored with a warning. The GP
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from lowmemopt import cli
-from lowmemopt.kernels import launch, runtime, tuning
+from lowmemopt.kernels import adamw, dispatch, launch, runtime, tuning
+from lowmemopt.optimizer import LowMemOptimizer
 
 pytestmark = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET), reason="needs TRITON_INTERPRET=1")
 
@@ -24,6 +27,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.delenv("LOWMEMOPT_TUNING", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(runtime, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(runtime, "TILE_SHAPES", {})
     monkeypatch.setattr(runtime, "Q8_DECODE", None)
@@ -46,21 +50,58 @@ def _records(best_tile=4096, best_warps=8, best_decode="arithmetic"):
 
 
 def test_the_measurement_runs_every_candidate(monkeypatch):
-    """Under the interpreter on the CPU: every (tile, warps, decode) steps 8-bit AdamW with that tile and decode."""
-    seen = set()
+    """Under the interpreter on the CPU: every (tile, warps, decode) launches the 8-bit AdamW kernel with that tile and
+    decode, through the kernels' own launcher (no optimizer: a step of one would fail here), two steps each."""
+    seen = []
     real = launch.Bucket.launch
 
     def spy(self, kernel, rows, counts, args, *, writes, **meta):
-        seen.add((meta["ROWS"] * meta["BLOCK"], runtime.tile_shape(self.device)[1], runtime.q8_decode(self.device)))
+        assert kernel is adamw._adam_kernel and self.fmt == "q8" and len(self.params) == 8
+        assert all(p.dtype == torch.bfloat16 and set(st) == {"step", "exp_avg.codes", "exp_avg.absmax",
+                                                              "exp_avg_sq.codes", "exp_avg_sq.absmax"}
+                   for p, st in zip(self.params, self.states))
+        seen.append((meta["ROWS"] * meta["BLOCK"], runtime.tile_shape(self.device)[1], runtime.q8_decode(self.device),
+                     self.states[0]["step"]))
         return real(self, kernel, rows, counts, args, writes=writes, **meta)
 
+    def no_optimizer(*args, **kwargs):
+        raise AssertionError("the tuner stepped an optimizer")
+
     monkeypatch.setattr(launch.Bucket, "launch", spy)
+    monkeypatch.setattr(LowMemOptimizer, "step", no_optimizer)
     with runtime.cpu_interpreter():
         records = tuning.measure(torch.device("cpu"), numel=4096, steps=1)
     assert len(records) == len(tuning.TILES) * len(tuning.WARPS) * len(tuning.DECODES)
     assert all(r["seconds"] > 0 and r["bytes_per_s"] > 0 for r in records), records
-    assert seen == {(t, w, d) for t in tuning.TILES for w in tuning.WARPS for d in tuning.DECODES}
+    # per candidate, the warm-up step (step 0 -> 1) and the timed one (1 -> 2): fresh state for each candidate
+    assert seen == [(t, w, d, s) for d in tuning.DECODES for t in tuning.TILES for w in tuning.WARPS for s in (0, 1)]
     assert runtime._forced is None  # restored
+
+
+def test_the_measured_step_is_the_optimizers():
+    """The tuner's launched step is ``lowmemopt.AdamW(lr=1e-4, weight_decay=0, state_bits=8)``'s fused step: after two
+    steps the same parameters and 8-bit state, bit for bit, so it times the kernel work of a real step."""
+    from lowmemopt import AdamW
+
+    params, grads = tuning._problem(4096, torch.device("cpu"), torch.bfloat16)
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    with runtime.cpu_interpreter():
+        states = tuning.adamw_q8_state(params)
+        step = tuning.adamw_q8_step(params, grads, states)
+        step()
+        step()
+        opt = AdamW(ps, lr=tuning.GROUP["lr"], weight_decay=0.0, state_bits=8, min_quant_numel=0)
+        before = dispatch.stats.get(("adam", "q8"), 0)
+        opt.step()
+        opt.step()
+    assert dispatch.stats.get(("adam", "q8"), 0) == before + 2  # (the optimizer took the fused kernel too)
+    for p, q, mine in zip(params, ps, states):
+        theirs = opt.state[q]
+        assert torch.equal(p, q.detach()) and mine["step"] == theirs["step"] == 2
+        assert set(mine) == set(theirs)
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine if k != "step")
 
 
 def test_tune_keeps_the_fastest_and_the_runtime_takes_it(fake_gpu, monkeypatch):
@@ -149,3 +190,33 @@ def test_the_command_prints_and_keeps(fake_gpu, monkeypatch, capsys):
     assert "fastest: 2048 elements x 4 warps, table decode (1.00x the default's speed)" in out
     assert "not saved (--no-save)" in out
     assert json.loads((fake_gpu / "t.json").read_text())["best"]["tile"] == 2048
+
+
+def _imports(module) -> set[str]:
+    """Every module ``module``'s source imports (at the top, in functions, under TYPE_CHECKING), relative imports
+    resolved against ``lowmemopt.kernels``."""
+    out = set()
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = "lowmemopt.kernels" if node.level == 1 else node.module if node.level == 0 else "?"
+            if node.level and node.module:
+                base += "." + node.module
+            out.add(base)
+            if node.level == 1 and not node.module:  # from . import x
+                out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def test_the_tuner_and_its_cache_import_nothing_above_the_kernels():
+    """The tuner, the runtime and the cache between them import no optimizer, pipeline stage or the lowmemopt package
+    (only ``lowmemopt.quant`` and ``lowmemopt.kernels``), and the runtime reads the cache without importing the
+    tuner: no cycle."""
+    from lowmemopt.kernels import tuning_cache
+
+    for module in (tuning, runtime, tuning_cache):
+        mine = {m for m in _imports(module) if m == "lowmemopt" or m.startswith("lowmemopt.")}
+        assert all(m.startswith(("lowmemopt.quant", "lowmemopt.kernels")) for m in mine), (module.__name__, mine)
+    assert "lowmemopt.kernels.tuning" not in _imports(runtime) | _imports(tuning_cache)
+    assert {"lowmemopt.kernels.runtime", "lowmemopt.kernels.tuning"}.isdisjoint(_imports(tuning_cache))
