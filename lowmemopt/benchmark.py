@@ -361,14 +361,12 @@ def run_benchmark(
             result.baseline_s = statistics.median(partner_times)
         result.state_bytes = state_bytes(optimizer)
         result.bytes_per_param = result.state_bytes / n_params
-    except ModuleNotFoundError as exc:
-        if _optional_library(exc):
+    except Exception as exc:  # noqa: BLE001 - a failing optimizer becomes a table row, not a crash
+        if isinstance(exc, ModuleNotFoundError) and _optional_library(exc):
             result.missing = exc.name.split(".")[0]
             result.note = f"not installed ({result.missing}): {INSTALL_HINT}"
         else:
             result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-    except Exception as exc:  # noqa: BLE001 - a failing optimizer becomes a table row, not a crash
-        result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     finally:
         del optimizer, params
         gc.collect()
@@ -434,6 +432,10 @@ def _seconds(x: float | None) -> str:
     return "—" if x is None else f"{x:.4g}"
 
 
+def _per_param(r: Result) -> str:
+    return "—" if r.bytes_per_param is None else f"{r.bytes_per_param:.3f}"
+
+
 def print_table(results: list[Result], out=None) -> None:
     """Markdown table: optimizer | state bytes/param | median step (s) | the baseline's median it is compared with (s)
     | ratio (the two medians' quotient) | notes."""
@@ -441,11 +443,11 @@ def print_table(results: list[Result], out=None) -> None:
     print(f"| optimizer | state bytes/param | median step (s) | {BASELINE} median (s) | ratio | notes |", file=out)
     print("| --- | ---: | ---: | ---: | ---: | --- |", file=out)
     for r in results:
-        bpp = "—" if r.bytes_per_param is None else f"{r.bytes_per_param:.3f}"
         ratio = "—" if r.ratio is None else f"{r.ratio:.2f}x"
         note = f"FAILED: {r.error}" if r.error else r.note
         note = note.replace("|", "\\|")
-        print(f"| {r.name} | {bpp} | {_seconds(r.median_s)} | {_seconds(r.baseline_s)} | {ratio} | {note} |", file=out)
+        print(f"| {r.name} | {_per_param(r)} | {_seconds(r.median_s)} | {_seconds(r.baseline_s)} | {ratio} | {note} |",
+              file=out)
 
 
 def progress_line(r: Result) -> str:
@@ -454,8 +456,8 @@ def progress_line(r: Result) -> str:
         return f"  {r.name}: FAILED: {r.error}"
     if r.missing:
         return f"  {r.name}: {r.note}"
-    bpp = "—" if r.bytes_per_param is None else f"{r.bytes_per_param:.3f}"
-    return f"  {r.name}: median {_seconds(r.median_s)} s, {bpp} bytes/param" + (f" ({r.note})" if r.note else "")
+    note = f" ({r.note})" if r.note else ""
+    return f"  {r.name}: median {_seconds(r.median_s)} s, {_per_param(r)} bytes/param{note}"
 
 
 def run_suite(

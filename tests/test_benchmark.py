@@ -87,11 +87,14 @@ def test_quick_measures_the_baseline_once_for_every_table(monkeypatch):
         made.append(1)
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
-    suites = {
-        "one": ("one", {benchmark.BASELINE: baseline, "sgd": lambda p, lr, weight_decay: torch.optim.SGD(p, lr=lr)}, ()),
-        "two": ("two", {benchmark.BASELINE: baseline, "adam": lambda p, lr, weight_decay: torch.optim.Adam(p, lr=lr)},
-                ()),
-    }
+    def sgd(params, lr, weight_decay):
+        return torch.optim.SGD(params, lr=lr)
+
+    def adam(params, lr, weight_decay):
+        return torch.optim.Adam(params, lr=lr)
+
+    suites = {"one": ("one", {benchmark.BASELINE: baseline, "sgd": sgd}, ()),
+              "two": ("two", {benchmark.BASELINE: baseline, "adam": adam}, ())}
     monkeypatch.setattr(benchmark, "SUITES", suites)
     out = io.StringIO()
     tables = benchmark.quick(["one", "two"], preset="tiny", steps=3, warmup=1, out=out)

@@ -285,8 +285,9 @@ def test_cli_bench_bad_input(capsys):
 def test_cli_parses_arguments_without_importing_torch(tmp_path):
     """`lowmemopt --help` (and each subcommand's) imports neither torch nor lowmemopt's optimizers: only the
     subcommand that runs does."""
+    commands = ("demo", "bench", "estimate", "inspect", "tune")
     code = ("import sys\nfrom lowmemopt.cli import main\n"
-            "for argv in ([], ['--help'], *([c, '--help'] for c in ('demo', 'bench', 'estimate', 'inspect', 'tune'))):\n"
+            f"for argv in ([], ['--help'], *([c, '--help'] for c in {commands})):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print('IMPORTED', sorted(m for m in sys.modules if m == 'torch' or m.startswith('lowmemopt.')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,5 @@
-"""Every image and relative link in README.md, bench/README.md and docs/*.md points at a file of the repository (and a heading there)."""
+"""Every image and relative link in README.md, bench/README.md and docs/*.md points at a file of the repository (and a
+heading there); no page speaks of how the project's own work is planned."""
 
 from __future__ import annotations
 
