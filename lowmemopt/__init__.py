@@ -1,26 +1,51 @@
-"""lowmemopt: memory-efficient PyTorch optimizers (4/8/16/32-bit state) that drop in for torch.optim."""
+"""lowmemopt: memory-efficient PyTorch optimizers (4/8/16/32-bit state) that drop in for torch.optim.
 
-from . import aliases
-from .aliases import *  # noqa: F403 - the drop-in names, listed once in aliases.__all__
-from .checkpoint import load_state, save_state
-from .optim import CAME, LAMB, LARS, SGD, Adafactor, AdafactorTorch, Adam, AdamW, Lion
-from .per_layer import step_in_backward
-from .projection import galore_param_groups
+The public names are imported on first use (PEP 562), not by ``import lowmemopt`` itself: the ``lowmemopt`` command
+then parses its arguments (``lowmemopt --help``) without importing torch. ``lowmemopt.AdamW``, ``from lowmemopt import
+AdamW``, ``from lowmemopt import *`` and ``lowmemopt.__all__`` work as with eager imports; the first of them imports
+torch and the optimizers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
 
 from .version import __version__
 
-__all__ = aliases.__all__ + [
-    "Adafactor",
-    "AdafactorTorch",
-    "Adam",
-    "AdamW",
-    "CAME",
-    "LAMB",
-    "LARS",
-    "Lion",
-    "SGD",
-    "galore_param_groups",
-    "load_state",
-    "save_state",
-    "step_in_backward",
-]
+#: the public names besides the optimizer classes and drop-in aliases (which start with a capital letter)
+_FUNCTIONS = {
+    "galore_param_groups": "projection",
+    "load_state": "checkpoint",
+    "save_state": "checkpoint",
+    "step_in_backward": "per_layer",
+}
+_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD"]
+
+
+def _load() -> None:
+    """Import the public names into this module: the optimizer classes, the drop-in aliases (``aliases.__all__``) and
+    the functions of :data:`_FUNCTIONS`."""
+    from . import aliases, optim
+
+    names: dict[str, Any] = {n: getattr(aliases, n) for n in aliases.__all__}
+    names.update({n: getattr(optim, n) for n in _CLASSES})
+    names.update({n: getattr(importlib.import_module(f".{m}", __name__), n) for n, m in _FUNCTIONS.items()})
+    names["__all__"] = aliases.__all__ + sorted(_CLASSES + list(_FUNCTIONS), key=lambda n: (n[0].islower(), n))
+    globals().update(names)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__all__" or name[:1].isupper() or name in _FUNCTIONS:
+        _load()
+        if name in globals():
+            return globals()[name]
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)  # a submodule: lowmemopt.quant, ``from .. import cpu``
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    _load()
+    return sorted(globals())

@@ -19,7 +19,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -36,6 +36,7 @@ __all__ = [
     "machine_info",
     "parse_bench_args",
     "print_table",
+    "progress_line",
     "quick",
     "run_benchmark",
     "run_rows",
@@ -311,10 +312,13 @@ class Result:
     bytes_per_param: float | None = None
     times_s: list[float] = field(default_factory=list)
     median_s: float | None = None
-    baseline_s: float | None = None  # median of the baseline's steps interleaved with these (paired runs)
-    ratio: float | None = None  # median_s / baseline_s (paired) or / the baseline row's median_s
+    #: the baseline median this row's ratio is to: the baseline's steps timed alternately with this row's (paired), or
+    #: the baseline row's median (unpaired, and the baseline row itself)
+    baseline_s: float | None = None
+    ratio: float | None = None  # median_s / baseline_s
     note: str = ""
     error: str = ""
+    missing: str = ""  # an optional library that is not installed (the row did not run)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -358,13 +362,26 @@ def run_benchmark(
         result.state_bytes = state_bytes(optimizer)
         result.bytes_per_param = result.state_bytes / n_params
     except Exception as exc:  # noqa: BLE001 - a failing optimizer becomes a table row, not a crash
-        result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        if isinstance(exc, ModuleNotFoundError) and _optional_library(exc):
+            result.missing = exc.name.split(".")[0]
+            result.note = f"not installed ({result.missing}): {INSTALL_HINT}"
+        else:
+            result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     finally:
         del optimizer, params
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
+
+
+#: how to install the libraries the other rows compare against
+INSTALL_HINT = "pip install '.[bench]'"
+
+
+def _optional_library(exc: ModuleNotFoundError) -> bool:
+    """A missing module that is another library (a row's reference, not installed), not a part of lowmemopt."""
+    return bool(exc.name) and exc.name.split(".")[0] != "lowmemopt"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -411,18 +428,36 @@ def machine_info(device: torch.device) -> dict[str, object]:
     return info
 
 
+def _seconds(x: float | None) -> str:
+    return "—" if x is None else f"{x:.4g}"
+
+
+def _per_param(r: Result) -> str:
+    return "—" if r.bytes_per_param is None else f"{r.bytes_per_param:.3f}"
+
+
 def print_table(results: list[Result], out=None) -> None:
-    """Markdown table: optimizer | state bytes/param | median step (s) | ratio to the baseline | notes."""
+    """Markdown table: optimizer | state bytes/param | median step (s) | the baseline's median it is compared with (s)
+    | ratio (the two medians' quotient) | notes."""
     out = out or sys.stdout
-    print(f"| optimizer | state bytes/param | median step (s) | ratio to {BASELINE} | notes |", file=out)
-    print("| --- | ---: | ---: | ---: | --- |", file=out)
+    print(f"| optimizer | state bytes/param | median step (s) | {BASELINE} median (s) | ratio | notes |", file=out)
+    print("| --- | ---: | ---: | ---: | ---: | --- |", file=out)
     for r in results:
-        bpp = "—" if r.bytes_per_param is None else f"{r.bytes_per_param:.3f}"
-        med = "—" if r.median_s is None else f"{r.median_s:.3f}"
         ratio = "—" if r.ratio is None else f"{r.ratio:.2f}x"
         note = f"FAILED: {r.error}" if r.error else r.note
         note = note.replace("|", "\\|")
-        print(f"| {r.name} | {bpp} | {med} | {ratio} | {note} |", file=out)
+        print(f"| {r.name} | {_per_param(r)} | {_seconds(r.median_s)} | {_seconds(r.baseline_s)} | {ratio} | {note} |",
+              file=out)
+
+
+def progress_line(r: Result) -> str:
+    """One optimizer's line on stderr once it has run: its median, state and note, rounded as in the table."""
+    if r.error:
+        return f"  {r.name}: FAILED: {r.error}"
+    if r.missing:
+        return f"  {r.name}: {r.note}"
+    note = f" ({r.note})" if r.note else ""
+    return f"  {r.name}: median {_seconds(r.median_s)} s, {_per_param(r)} bytes/param{note}"
 
 
 def run_suite(
@@ -437,13 +472,15 @@ def run_suite(
     max_step_s: float = 60.0,
     paired: bool = True,
     out=None,
+    measured: dict[str, Result] | None = None,
 ) -> tuple[list[Result], dict[str, object]]:
     """Build the ``preset`` model once, make one set of ``grads``, run each optimizer ``names[i]`` of ``registry`` on
     fresh copies (:func:`run_benchmark`) and set each result's ratio to :data:`BASELINE`. Prints the model and
     settings to ``out`` and progress to stderr; returns the results and a description of the model.
 
     ``paired`` (default): a second :data:`BASELINE` optimizer on its own copies stays alive, and each optimizer's
-    timed steps alternate with baseline steps; the ratio is to those. Else the ratio is to the baseline's own row."""
+    timed steps alternate with baseline steps; the ratio is to those. Else the ratio is to the baseline's own row.
+    ``measured``: rows already measured in this run on the same model (:func:`run_rows`)."""
     out = out or sys.stdout  # looked up per call: a default bound at import would miss a redirected stdout
     model = build_llama(preset, device=device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -451,8 +488,9 @@ def run_suite(
           f"in {len(list(model.parameters()))} tensors", file=out)
     print(f"- gradients: {grads} (the same for every optimizer); warm-up {warmup}, timed {steps} steps, "
           "median reported", file=out)
-    print("- ratios: to the baseline's steps timed alternately with each optimizer's (paired)\n" if paired else
-          "- ratios: to the baseline's own row\n", file=out, flush=True)
+    print(f"- ratio: each row's median over the {BASELINE} median in that row, the median of baseline steps timed "
+          "alternately with the row's steps (paired)\n" if paired else
+          f"- ratio: each row's median over the {BASELINE} row's median\n", file=out, flush=True)
     fixed = fixed_grads(model, mode=grads)
     reference = [p.detach() for p in model.parameters()]
     del model
@@ -462,7 +500,7 @@ def run_suite(
                              factory=registry[name], partner=partner)
 
     baseline = registry.get(BASELINE) if paired else None
-    results = run_rows(names, run_one, baseline, reference, fixed, device)
+    results = run_rows(names, run_one, baseline, reference, fixed, device, measured=measured)
     return results, {"preset": preset, "config": LLAMA_PRESETS[preset], "n_params": n_params}
 
 
@@ -473,30 +511,45 @@ def run_rows(
     reference: list[torch.Tensor],
     grads: list[torch.Tensor],
     device: torch.device,
+    measured: dict[str, Result] | None = None,
 ) -> list[Result]:
     """``run_one(name, partner)`` for each name, with progress on stderr, then each result's ratio to
     :data:`BASELINE`. ``baseline`` (its factory; None: unpaired): a second baseline optimizer on fresh copies of
     ``reference`` stays alive and its ``step`` is every other row's ``partner`` (:func:`time_steps`), so ratios are to
-    baseline steps timed alternately with the row's; unpaired, to the baseline row's median."""
+    baseline steps timed alternately with the row's; unpaired, to the baseline row's median. Each result's
+    ``baseline_s`` is the median its ratio is to (the baseline row's: its own).
+
+    ``measured``: name -> a result measured earlier in this run on the same model and gradients (the baseline row
+    shared by two suites): that row is not run again, so every table of the run shows the same measurement."""
+    measured = measured or {}
     partner = None
-    if baseline is not None:
+    if baseline is not None and any(n != BASELINE and n not in measured for n in names):
         partner = baseline(fresh_params(reference, grads), lr=1e-3, weight_decay=1e-2)
         time_steps(partner.step, steps=0, warmup=2, device=device)
     results = []
     for name in names:
+        if name in measured:
+            r = replace(measured[name], note=_join(measured[name].note, "the same measurement as above"))
+            print(f"  {name}: measured above, median {_seconds(r.median_s)} s", file=sys.stderr, flush=True)
+            results.append(r)
+            continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
         r = run_one(name, None if name == BASELINE or partner is None else partner.step)
-        print(f"  {name}: median {r.median_s} s, {r.bytes_per_param} B/param {r.error or r.note}",
-              file=sys.stderr, flush=True)
+        print(progress_line(r), file=sys.stderr, flush=True)
         results.append(r)
     del partner
     gc.collect()
     base = next((r.median_s for r in results if r.name == BASELINE), None)
     for r in results:
-        ref = r.baseline_s if r.baseline_s is not None else base
-        if ref and r.median_s is not None:
-            r.ratio = r.median_s / ref
+        if r.name == BASELINE or r.baseline_s is None:
+            r.baseline_s = r.median_s if r.name == BASELINE else base
+        if r.baseline_s and r.median_s is not None:
+            r.ratio = r.median_s / r.baseline_s
     return results
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
 
 
 def script_main(suite: str, argv: list[str] | None = None, description: str | None = None) -> int:
@@ -557,6 +610,7 @@ def quick(
     for key, value in info.items():
         print(f"- {key}: {value}", file=out)
     tables = {}
+    measured: dict[str, Result] = {}  # the baseline row, measured once and shown in every suite's table
     for suite in suites:
         if suite not in SUITES:
             raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
@@ -564,9 +618,10 @@ def quick(
         chosen = [n for n in registry if names is None or n in names or n == BASELINE]
         print(f"\n### {title}\n", file=out)
         results, _ = run_suite(chosen, registry, preset=preset, steps=steps, warmup=warmup, device=device,
-                               max_step_s=max_step_s, out=out)
+                               max_step_s=max_step_s, out=out, measured=measured)
         print_table(results, out=out)
         tables[suite] = results
+        measured.update({r.name: r for r in results if r.name == BASELINE and r.median_s is not None})
     print(f"\nload average (1 min) at start {info['load_avg_1m']}, at end {_load_average()} "
           f"(torch uses {info['torch_threads']} threads; a higher load means contended timings)", file=out)
     return tables

@@ -7,7 +7,8 @@
     lowmemopt tune [--device cuda:0]                                          measure the kernels' launch shape here
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
-the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``.
+the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``. Only ``func`` imports torch and lowmemopt's
+modules, so parsing (``lowmemopt --help``, a usage error) takes a fraction of a second.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import json
 import os
 import sys
 from typing import Any, Callable, Sequence
-
-from .quant.blockwise import num_blocks
 
 __all__ = ["main"]
 
@@ -273,6 +272,8 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _slot_text(info: dict[str, Any]) -> str:
+    from .quant.blockwise import num_blocks
+
     if info["format"] not in ("q8", "q4"):
         return info["format"]
     blocks = num_blocks(_numel(info["shape"]), info["block_size"])
@@ -292,11 +293,11 @@ _DEMO_NEEDS = {"transformers": "transformers", "matplotlib": "matplotlib", "tqdm
 
 #: ``lowmemopt demo``'s default output folder, in the current directory
 DEMO_OUT = "lowmemopt-demo-output"
+#: ``lowmemopt demo``'s default optimizers: the keys of ``lowmemopt.demo.DEMO_CHOICES`` (that module imports torch)
+DEMO_CHOICES = ("adamw", "adamw8bit", "came8bit", "galore_came8bit")
 
 
 def _add_demo(subparsers: Any) -> None:
-    from .demo import DEMO_CHOICES
-
     p = subparsers.add_parser(
         "demo",
         help="train a small LLaMA-style model with a few optimizers; print memory, speed and loss; plot them",
@@ -398,11 +399,11 @@ def _add_bench(subparsers: Any) -> None:
         "bench",
         help="step time and state size against torch, bitsandbytes, torchao, transformers, came-pytorch (quick)",
         description="The quick version of the repository's bench/ suite (lowmemopt.benchmark): optimizer step time "
-        "(median, as a ratio to torch's fused AdamW measured in the same run) and state bytes per parameter on a "
-        "randomly initialised LLaMA (~11M parameters; --full: ~148M), with fixed gradients. Suites: 'step' (AdamW: "
-        "lowmemopt 32/16/8-bit, torch fused/foreach, bitsandbytes, torchao) and 'factored' (Adafactor, CAME: "
-        "lowmemopt, transformers, torch, came-pytorch, pytorch-optimizer). Libraries that are not installed show as "
-        "failed rows. Needs transformers.",
+        "(median, and its ratio to the median of torch's fused AdamW steps timed alternately with it, both in the "
+        "row) and state bytes per parameter on a randomly initialised LLaMA (~11M parameters; --full: ~148M), with "
+        "fixed gradients. Suites: 'step' (AdamW: lowmemopt 32/16/8-bit, torch fused/foreach, bitsandbytes, torchao) "
+        "and 'factored' (Adafactor, CAME: lowmemopt, transformers, torch, came-pytorch, pytorch-optimizer). Rows of "
+        "libraries that are not installed say so (pip install '.[bench]' installs them). Needs transformers.",
     )
     p.add_argument("--suite", default="step,factored", help="comma-separated: step, factored (default both)")
     p.add_argument("--optimizers", help="comma-separated subset of the suites' row names (default all)")

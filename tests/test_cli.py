@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -255,7 +257,7 @@ def test_cli_bench_quick_table(monkeypatch, capsys):
                                                               num_attention_heads=2, vocab_size=64))
 
     def missing_library(params, lr, weight_decay):
-        raise ImportError("No module named 'came_pytorch'")
+        raise ModuleNotFoundError("No module named 'came_pytorch'", name="came_pytorch")
 
     monkeypatch.setitem(benchmark.FACTORED, "came-pytorch", missing_library)
     monkeypatch.setattr("lowmemopt.compiled.ENABLED", False)
@@ -266,7 +268,8 @@ def test_cli_bench_quick_table(monkeypatch, capsys):
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert set(rows) == {"optimizer", "---", "torch-adamw-fused", "lowmemopt-came-8bit", "came-pytorch"}
     assert "| 8.0" in rows["torch-adamw-fused"] and "| 1.00x |" in rows["torch-adamw-fused"]  # + step tensors
-    assert "FAILED: ImportError: No module named 'came_pytorch'" in rows["came-pytorch"]
+    assert "| not installed (came_pytorch): pip install '.[bench]' |" in rows["came-pytorch"]
+    assert "FAILED" not in out
     assert "### Optimizer step benchmark" not in out
 
 
@@ -277,3 +280,36 @@ def test_cli_bench_bad_input(capsys):
     assert cli_main(["bench", "--optimizers", "adamw"]) == 1
     err = capsys.readouterr().err
     assert "unknown optimizer 'adamw'" in err and "lowmemopt-adamw-8bit" in err
+
+
+def test_cli_parses_arguments_without_importing_torch(tmp_path):
+    """`lowmemopt --help` (and each subcommand's) imports neither torch nor lowmemopt's optimizers: only the
+    subcommand that runs does."""
+    commands = ("demo", "bench", "estimate", "inspect", "tune")
+    code = ("import sys\nfrom lowmemopt.cli import main\n"
+            f"for argv in ([], ['--help'], *([c, '--help'] for c in {commands})):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('IMPORTED', sorted(m for m in sys.modules if m == 'torch' or m.startswith('lowmemopt.')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: lowmemopt" in proc.stdout and "lowmemopt demo" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "IMPORTED ['lowmemopt.cli', 'lowmemopt.version']"
+
+
+def test_demo_default_optimizers_are_the_demo_presets():
+    from lowmemopt import demo
+    from lowmemopt.cli import DEMO_CHOICES
+
+    assert DEMO_CHOICES == tuple(demo.DEMO_CHOICES)
+
+
+def test_lazy_package_keeps_its_public_names():
+    """The names ``import lowmemopt`` gives (imported on first use) are those of ``__all__``, and submodules are
+    reachable as attributes."""
+    names: dict = {}
+    exec("from lowmemopt import *", names)
+    assert set(lowmemopt.__all__) <= set(names) and {"AdamW", "AdamW8bit", "save_state", "CAME4bit"} <= set(names)
+    assert lowmemopt.AdamW is names["AdamW"] and lowmemopt.quant.formats.Q8 is not None
+    assert set(lowmemopt.__all__) <= set(dir(lowmemopt))
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        lowmemopt.no_such_name

@@ -1,4 +1,5 @@
-"""Every image and relative link in README.md and docs/*.md points at a file of the repository (and a heading there)."""
+"""Every image and relative link in README.md, bench/README.md and docs/*.md points at a file of the repository (and a
+heading there); no page speaks of how the project's own work is planned."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.S | re.M)
 _CODE_SPAN = re.compile(r"(`+).+?\1", flags=re.S)
@@ -56,3 +57,24 @@ def test_readme_demo_image_is_a_small_png():
     png = ROOT / "docs" / "demo.png"
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 300_000
+
+
+#: how the project's own work is organised, which user-facing pages do not describe: issue numbers, work sessions,
+#: machines lent for a time ("issue" as in a GPU issuing instructions is fine)
+_INTERNAL = re.compile(r"\bissues? #?\d+(?:'s|,| and\b| or\b|\)|\.)|\bissue #\d|\bissues'|"
+                       r"\b(?:the|this|an|open) issues?\b(?!\s+(?:budget|order|slots?|rate|width))|"
+                       r"\bsessions?\b|\blease\b|\blent\b|\bdevice tool\b", flags=re.I)
+
+
+def test_the_internal_word_finder():
+    assert _INTERNAL.search("decide issue 17's targets") and _INTERNAL.search("on a lent GPU: the lease plan")
+    assert _INTERNAL.search("a GPU session puts in its closing note") and _INTERNAL.search("the issues' targets")
+    assert _INTERNAL.search("issues 15, 16 and 17") and _INTERNAL.search("the 0.0385 of the issue is")
+    assert _INTERNAL.search("Measured on the issue's MLP") and _INTERNAL.search("see issue #36")
+    assert not _INTERNAL.search("the issue budget: an H100 SM issues 128 thread instructions; a tile issues 8 loads")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_describe_the_project_not_how_its_work_is_planned(page):
+    found = [m.group(0) for m in _INTERNAL.finditer(page.read_text())]
+    assert not found, f"{page.relative_to(ROOT)} speaks of the project's own work: {found}"
