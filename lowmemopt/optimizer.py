@@ -42,7 +42,7 @@ so neither is stored in the param groups (nor sets ``_step_supports_amp_scaling`
 before ``step()``). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
 parameters and quantized state in place under ``no_grad``); ``capturable`` is a storage keyword (above). As in torch,
 ``lr`` may be a Tensor of one element in any shape (held as its 0-dim view, which an in-place scheduler update
-reaches), and ``betas`` (and ``weight_decay``) one-element Tensors, read once as Python numbers
+reaches; one set on a group later is viewed so before the step), and ``betas`` (and ``weight_decay``) one-element Tensors, read once as Python numbers
 (:func:`torch_scalars`). Complex parameters are refused (TypeError): optimize ``torch.view_as_real`` views, which is
 how torch's Adam, AdamW and SGD step them.
 
@@ -202,17 +202,29 @@ def torch_scalars(group: dict[str, Any]) -> None:
 
     A Tensor of more than one element raises torch's ValueError ("Tensor lr must be 1-element")."""
     for key in ("lr", "initial_lr"):  # (initial_lr: Lion's decoupled decay, torch's schedulers)
-        lr = group.get(key)
-        if isinstance(lr, torch.Tensor):
-            one_element(key, lr)
-            if lr.dim() != 0:
-                group[key] = lr.view(())
+        if isinstance(group.get(key), torch.Tensor):
+            one_element(key, group[key])
+            _lr_view(group, key)
     betas = group.get("betas")
     if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
         group["betas"] = tuple(_as_number(f"betas[{i}]", b) for i, b in enumerate(betas))
     group_wd = group.get("weight_decay")
     if isinstance(group_wd, torch.Tensor):
         group["weight_decay"] = _as_number("weight_decay", group_wd)
+
+
+def _lr_view(group: dict[str, Any], key: str = "lr") -> None:
+    """A one-element Tensor ``group[key]`` of another shape becomes its 0-dim view (shape only: no value is read)."""
+    lr = group.get(key)
+    if isinstance(lr, torch.Tensor) and lr.dim() != 0 and lr.numel() == 1:
+        group[key] = lr.view(())
+
+
+def _lr_views_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before each ``step()``: a Tensor lr that was set on a group after its checks (``group["lr"] =
+    torch.tensor([1e-3])``, as torch allows) is held as its 0-dim view too, as :func:`torch_scalars` holds it."""
+    for group in optimizer.param_groups:
+        _lr_view(group)
 
 
 def _as_number(name: str, x: Any) -> Any:
@@ -361,6 +373,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self.register_state_dict_post_hook(_state_dict_post_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+        self.register_step_pre_hook(_lr_views_pre_hook)
 
     # -- what an algorithm subclass provides ----------------------------------------------------------------------
 

@@ -144,6 +144,53 @@ def test_tensor_lr_of_any_one_element_shape(info):
                 assert torch.equal(p, b), shape
 
 
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_tensor_lr_set_on_a_group_later(info):
+    """torch also takes a one-element Tensor lr of any shape assigned to a group after construction."""
+    variant = info.lr_variant()
+    expected, _ = _run(info.cls, dict(variant, lr=torch.tensor(variant["lr"])))
+    params = make_params(SHAPES)
+    opt = info.cls(params, **variant)
+    opt.param_groups[0]["lr"] = torch.tensor([[variant["lr"]]])
+    run(opt, params, 3)
+    for p, q in zip(params, expected):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("info", [i for i in OPTIMIZERS if i.complex_as_real], ids=repr)
+def test_scheduler_drives_a_shaped_tensor_lr_as_torch(info):
+    """torch's LR schedulers fill a Tensor lr in place: with lr of shape [1], the steps follow the schedule as torch's
+    optimizer follows it."""
+    variant = info.lr_variant()
+    trajectories = []
+    for cls in (info.cls, info.reference_cls()):
+        params = make_params(SHAPES)
+        opt = cls(params, **dict(variant, lr=torch.tensor([variant["lr"]])))
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        for step in range(3):
+            run(opt, params, 1, start=step)
+            sched.step()
+        assert float(opt.param_groups[0]["lr"]) == pytest.approx(variant["lr"] / 8)
+        trajectories.append(params)
+    for p, q in zip(*trajectories):
+        torch.testing.assert_close(p, q)
+
+
+def test_lion_decoupled_decay_keeps_the_initial_lr_of_a_tensor_lr():
+    """Lion's decoupled decay is ``wd / initial lr``: a scheduler's in-place change of a Tensor lr is not the initial
+    lr (it was the same tensor)."""
+    kwargs = dict(weight_decay=0.1, decoupled_weight_decay=True)
+    ours, twin = make_params(SHAPES), make_params(SHAPES)
+    lr = torch.tensor(1e-3)
+    opt, opt_twin = lowmemopt.Lion(ours, lr=lr, **kwargs), lowmemopt.Lion(twin, lr=1e-3, **kwargs)
+    lr.fill_(5e-4)
+    opt_twin.param_groups[0]["lr"] = 5e-4  # (initial_lr stays 1e-3)
+    run(opt, ours, 2)
+    run(opt_twin, twin, 2)
+    for p, q in zip(ours, twin):
+        torch.testing.assert_close(p, q)
+
+
 @pytest.mark.parametrize("info", [i for i in OPTIMIZERS if "betas" in _own_signature(i.cls).parameters], ids=repr)
 def test_tensor_betas(info):
     """Tensor betas (torch's Adam/AdamW take them, of any one-element shape, as in its OptimizerInfo inputs
@@ -206,6 +253,17 @@ def test_duplicate_params_warn_as_torch(info):
     p = _P(torch.randn(2, 2))
     with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
         info.cls([p, p], **info.lr_variant())
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_step_without_gradients_changes_nothing_and_prints(info):
+    """torch's generic checks: a step with no gradients is a no-op (no state made), and the optimizer prints."""
+    params = make_params(SHAPES)
+    before = [p.detach().clone() for p in params]
+    opt = info.cls(params, **STATEFUL[info.name])
+    opt.step()
+    assert len(opt.state) == 0 and all(torch.equal(p, b) for p, b in zip(params, before))
+    assert repr(opt).startswith(info.cls.__name__ + " (")
 
 
 # -- state dicts -----------------------------------------------------------------------------------------------------
