@@ -6,6 +6,7 @@ Bad hyper-parameters with their messages: ``OptimizerInfo.bad_inputs``, run by t
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import warnings
@@ -212,6 +213,26 @@ def test_tensor_betas(info):
             torch.testing.assert_close(p, q)
 
 
+#: what torch refuses only because of its own foreach implementation (common_optimizers' error inputs for Adam and
+#: AdamW): lowmemopt has one implementation, so code that works with torch works here and these work too
+TORCH_ONLY_REFUSALS = [
+    dict(lr=torch.tensor(1e-3), foreach=True),  # "lr as a Tensor is not supported for capturable=False and foreach=True"
+    dict(betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=True),  # "betas[0] as a Tensor is not supported..."
+    dict(betas=(0.9, torch.tensor(0.99))),  # "betas must be either both floats or both Tensors"
+    dict(betas=(torch.tensor(0.9), 0.99)),
+]
+
+
+@pytest.mark.parametrize("info", [i for i in OPTIMIZERS if i.name in ("AdamW", "Adam")], ids=repr)
+@pytest.mark.parametrize("case", range(len(TORCH_ONLY_REFUSALS)))
+def test_what_torch_refuses_for_its_foreach_path_is_taken(info, case):
+    kwargs = TORCH_ONLY_REFUSALS[case]
+    params, _ = _run(info.cls, kwargs, steps=2)
+    expected, _ = _run(info.cls, {k: (tuple(map(float, v)) if k == "betas" else v) for k, v in kwargs.items()}, 2)
+    for p, q in zip(params, expected):
+        assert torch.equal(p, q)
+
+
 def test_sgd_tensor_weight_decay_as_torch():
     """torch's SGD signature takes ``weight_decay`` as a Tensor (its step then fails unless the Tensor requires grad:
     "add(): argument 'alpha' must be Number"); here it steps as its value."""
@@ -309,6 +330,27 @@ def test_state_dict_round_trip_is_stable_with_tensor_lr_and_named_params(info):
     _assert_same(fresh.state_dict(), saved)
 
 
+@pytest.mark.parametrize("info", [i for i in OPTIMIZERS if i.complex_as_real], ids=repr)
+def test_torch_state_dict_with_shaped_tensor_lr_loads_steps_and_round_trips(info):
+    """A torch.optim state dict (its groups carry foreach / fused / differentiable, its lr a [1] tensor) loads, steps
+    as torch steps on, and then round-trips unchanged."""
+    variant = dict(info.lr_variant(), lr=torch.tensor([info.lr_variant()["lr"]]))
+    ref = make_params(SHAPES)
+    ref_opt = info.reference_cls()(ref, **variant)
+    run(ref_opt, ref, 2)
+    ours = clone_params(ref)
+    opt = info.cls(ours, **dict(variant, lr=0.5))
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # (torch's state dict holds its live state)
+    run(opt, ours, 2, start=2)
+    run(ref_opt, ref, 2, start=2)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q)
+    saved = opt.state_dict()
+    fresh = info.cls(clone_params(ours), **variant)
+    fresh.load_state_dict(saved)
+    _assert_same(fresh.state_dict(), saved)
+
+
 @pytest.mark.parametrize("name,alias", ALIASES, ids=[n for n, _ in ALIASES])
 def test_aliases_keep_the_contract(name, alias, tmp_path):
     """Each drop-in alias takes torch's keywords and round-trips its state dict unchanged."""
@@ -321,8 +363,6 @@ def test_aliases_keep_the_contract(name, alias, tmp_path):
 def test_deepcopy_keeps_defaults_clean():
     """torch's ``__setstate__`` (load_state_dict, unpickling, deepcopy) adds ``differentiable`` to the defaults; a
     param group added afterwards must not inherit it."""
-    import copy
-
     opt = copy.deepcopy(lowmemopt.AdamW(make_params(SHAPES[:1])))
     opt.add_param_group({"params": make_params(SHAPES[1:])})
     assert "differentiable" not in opt.defaults and "differentiable" not in opt.param_groups[1]
