@@ -367,9 +367,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
         check_storage(defaults)
         self._check_group(defaults)
         self._nonfinite_skips = 0
+        super().__init__(params, defaults)
+        self._attach()
+
+    def _attach(self) -> None:
+        """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run
+        after unpickling or ``copy.deepcopy`` (:meth:`__setstate__`), which torch restores without hooks: a copy would
+        otherwise load 8-bit codes cast to the parameter's dtype."""
         self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
-        super().__init__(params, defaults)
         self.register_state_dict_post_hook(_state_dict_post_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
@@ -445,11 +451,18 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     # -- param groups ----------------------------------------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # (pickling, deepcopy: torch's keys, and what ours cannot be rebuilt without)
+        state.update(_nonfinite_skips=self.nonfinite_skips, _default_block_size=self._default_block_size)
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # (load_state_dict, unpickling, deepcopy)
         # torch adds ``differentiable`` to the defaults for its own step decorator; lowmemopt has no such option, and
         # the load hook fills groups from the defaults: a loaded state dict would gain the key
         self.defaults.pop("differentiable", None)
+        if "_load_stash" not in self.__dict__:  # unpickled or deep-copied: __init__ did not run
+            self._attach()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if (getattr(self, "_default_block_size", False) and isinstance(param_group, dict)

@@ -368,6 +368,27 @@ def test_deepcopy_keeps_defaults_clean():
     assert "differentiable" not in opt.defaults and "differentiable" not in opt.param_groups[1]
 
 
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_the_contract(info, how):
+    """A deep-copied or unpickled optimizer (torch restores it without hooks) keeps lowmemopt's: its state dict has
+    the format version, a load keeps 8-bit codes uint8 (before: cast to float32), and it steps as the original."""
+    import pickle
+
+    kwargs = dict(STATEFUL[info.name], state_bits=8, min_quant_numel=0)
+    params, opt = _run(info.cls, kwargs)
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    twin_params = [p for group in twin.param_groups for p in group["params"]]
+    assert twin.nonfinite_skips == opt.nonfinite_skips and twin.defaults == opt.defaults
+    _assert_same(twin.state_dict(), opt.state_dict())
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _assert_same(twin.state_dict(), opt.state_dict())
+    run(opt, params, 1, start=3)
+    run(twin, twin_params, 1, start=3)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+
+
 # -- complex parameters ----------------------------------------------------------------------------------------------
 
 
