@@ -197,8 +197,9 @@ def torch_scalars(group: dict[str, Any]) -> None:
     * a Tensor ``lr`` of any one-element shape (``[1]``, ``[1, 1]``) becomes its 0-dim view, as torch's
       ``_to_scalar`` does at each step. A view shares the tensor's storage, so a scheduler that fills it in place (or a
       captured step that reads it) still sees every change;
-    * Tensor ``betas`` (torch's Adam/AdamW) and a Tensor ``weight_decay`` (torch's SGD) are read once, here, as Python
-      numbers: the kernels take them as runtime scalars (a tensor changed in place later is not followed).
+    * Tensor ``betas`` (as torch's Adam/AdamW take them) and a Tensor ``weight_decay`` (torch's SGD) are read once,
+      here, as Python numbers, on every optimizer: the kernels take them as runtime scalars (a tensor changed in place
+      later is not followed).
 
     A Tensor of more than one element raises torch's ValueError ("Tensor lr must be 1-element")."""
     for key in ("lr", "initial_lr"):  # (initial_lr: Lion's decoupled decay, torch's schedulers)

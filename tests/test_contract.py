@@ -107,9 +107,9 @@ def test_torch_fused_training_loop_runs_unchanged(info):
     kwargs = dict(info.variants[0], fused=True)
     ours, ref = make_params(SHAPES), make_params(SHAPES)
     opts = [info.cls(ours, **kwargs), info.reference_cls()(ref, **kwargs)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in opts]
     for step in range(3):
-        for opt, params in zip(opts, (ours, ref)):
-            scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        for opt, scaler, params in zip(opts, scalers, (ours, ref)):
             opt.zero_grad()
             loss = sum((p * (step + 1 + i)).square().sum() for i, p in enumerate(params))
             scaler.scale(loss).backward()
