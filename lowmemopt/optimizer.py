@@ -34,6 +34,17 @@ between host and device and nothing sharded: the skip is decided on the device (
 kernels read the flags), and the host reads the flags only after every launch, so the GPU never waits for the host to
 build the step.
 
+torch.optim's keywords (drop-in): every optimizer also takes ``foreach`` and ``fused`` (None or a bool, not both
+True: torch's RuntimeError), for code written for ``torch.optim``. They choose nothing here: the fused kernels run
+wherever the device has one (Triton on CUDA, native C on CPU) and the eager reference elsewhere, with the same results,
+so neither is stored in the param groups (nor sets ``_step_supports_amp_scaling``: ``torch.amp.GradScaler`` unscales
+before ``step()``). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
+parameters and quantized state in place under ``no_grad``); ``capturable`` is a storage keyword (above). As in torch,
+``lr`` may be a Tensor of one element in any shape (held as its 0-dim view, which an in-place scheduler update
+reaches; one set on a group later is viewed so before the step), and ``betas`` (and ``weight_decay``) one-element Tensors, read once as Python numbers
+(:func:`torch_scalars`). Complex parameters are refused (TypeError): optimize ``torch.view_as_real`` views, which is
+how torch's Adam, AdamW and SGD step them.
+
 GaLore (a param group with ``rank``), paging, FSDP2 shards and the backends (Triton on CUDA, native C on the CPU,
 ``torch.compile``, the eager reference) are stages and backends of the pipeline; all give the eager path's results
 (to fp32 rounding).
@@ -109,12 +120,19 @@ def kernel_algorithm(optimizer: "LowMemOptimizer | type") -> str | None:
 # argument checks shared by the algorithms
 
 
+def one_element(name: str, value: torch.Tensor) -> None:
+    """torch.optim's rule for a hyper-parameter given as a Tensor: any shape, one element (torch's message)."""
+    if value.numel() != 1:
+        raise ValueError(f"Tensor {name} must be 1-element (got shape {tuple(value.shape)})")
+
+
 def check_lr(lr: Any, required: bool = True) -> None:
     if lr is None and not required:
         return
     if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Invalid learning rate: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
+        one_element("lr", lr)
+        if lr.device.type != "meta" and not bool(lr >= 0):  # (as torch: one read, at construction)
+            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
         return
     if isinstance(lr, bool) or not isinstance(lr, (int, float)):
         raise TypeError(f"Invalid learning rate: expected a number, got {type(lr).__name__}")
@@ -130,13 +148,77 @@ def check_nonneg(name: str, value: Any) -> None:
 
 
 def check_betas(betas: Any, n: int = 2) -> None:
+    """``n`` numbers in [0, 1); one-element Tensors are taken, as torch's Adam takes them (:func:`torch_scalars`)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != n:
         raise ValueError(f"Invalid betas: expected a tuple of {n} numbers, got {betas!r}")
     for i, b in enumerate(betas):
+        b = _as_number(f"betas[{i}]", b)
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise TypeError(f"Invalid beta parameter at index {i}: expected a number, got {type(b).__name__}")
         if not 0.0 <= b < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+
+
+def torch_scalars(group: dict[str, Any]) -> None:
+    """Put the hyper-parameters that torch.optim takes as one-element Tensors into the forms the step reads, in place
+    (the contract boundary: a new param group, the constructor's defaults, a loaded state dict's groups):
+
+    * a Tensor ``lr`` of any one-element shape (``[1]``, ``[1, 1]``) becomes its 0-dim view, as torch's
+      ``_to_scalar`` does at each step. A view shares the tensor's storage, so a scheduler that fills it in place (or a
+      captured step that reads it) still sees every change;
+    * Tensor ``betas`` (as torch's Adam/AdamW take them) and a Tensor ``weight_decay`` (torch's SGD) are read once,
+      here, as Python numbers, on every optimizer: the kernels take them as runtime scalars (a tensor changed in place
+      later is not followed).
+
+    A Tensor of more than one element raises torch's ValueError ("Tensor lr must be 1-element")."""
+    for key in ("lr", "initial_lr"):  # (initial_lr: Lion's decoupled decay, torch's schedulers)
+        if isinstance(group.get(key), torch.Tensor):
+            one_element(key, group[key])
+            _lr_view(group, key)
+    betas = group.get("betas")
+    if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
+        group["betas"] = tuple(_as_number(f"betas[{i}]", b) for i, b in enumerate(betas))
+    group_wd = group.get("weight_decay")
+    if isinstance(group_wd, torch.Tensor):
+        group["weight_decay"] = _as_number("weight_decay", group_wd)
+
+
+def _lr_view(group: dict[str, Any], key: str = "lr") -> None:
+    """A one-element Tensor ``group[key]`` of another shape becomes its 0-dim view (shape only: no value is read)."""
+    lr = group.get(key)
+    if isinstance(lr, torch.Tensor) and lr.dim() != 0 and lr.numel() == 1:
+        group[key] = lr.view(())
+
+
+def _lr_views_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before each ``step()``: a Tensor lr that was set on a group after its checks (``group["lr"] =
+    torch.tensor([1e-3])``, as torch allows) is held as its 0-dim view too, as :func:`torch_scalars` holds it."""
+    for group in optimizer.param_groups:
+        _lr_view(group)
+
+
+def _as_number(name: str, x: Any) -> Any:
+    """A one-element Tensor's value as a Python number (anything else as it is)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    one_element(name, x)
+    return x.item()
+
+
+def check_torch_flags(foreach: Any, fused: Any, differentiable: Any) -> None:
+    """torch.optim's implementation keywords (see :class:`LowMemOptimizer`): ``foreach`` and ``fused`` None or a
+    bool, not both True; ``differentiable`` False."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"Invalid {name}: expected a bool or None, got {type(value).__name__}")
+    if not isinstance(differentiable, bool):
+        raise TypeError(f"Invalid differentiable: expected a bool, got {type(differentiable).__name__}")
+    if differentiable:
+        raise ValueError("differentiable=True is not supported: lowmemopt's step runs under torch.no_grad() and "
+                         "writes parameters and (quantized) state in place, so autograd cannot differentiate through "
+                         "it; use torch.optim for a differentiable step")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
 def check_adam_group(group: dict[str, Any]) -> None:
@@ -198,7 +280,12 @@ def check_storage(group: dict) -> None:
 
 
 class LowMemOptimizer(torch.optim.Optimizer):
-    """Base class: a ``torch.optim.Optimizer`` with lazily created, format-aware state. See the module docstring."""
+    """Base class: a ``torch.optim.Optimizer`` with lazily created, format-aware state. See the module docstring.
+
+    Keyword-only, on every optimizer: the storage options (``state_bits``, ``block_size``, ``min_quant_numel``,
+    ``paged``, ``offload_dir``, ``page_budget_bytes``, ``bf16_update``, ``capturable``; also per param group) and
+    torch.optim's ``foreach`` / ``fused`` (accepted, choose nothing: the fused kernels always run where they exist) and
+    ``differentiable`` (False only)."""
 
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     #: the algorithm the pipeline runs for this class: slots, fp32 math, step scalars, decay rules
@@ -217,8 +304,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         page_budget_bytes: int = 0,
         bf16_update: str = "nearest",
         capturable: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
+        check_torch_flags(foreach, fused, differentiable)  # accepted, not stored: see the class docstring
         defaults = dict(defaults)
+        torch_scalars(defaults)
         self._default_block_size = block_size is None  # groups that set state_bits get their bits' block size
         if block_size is None and isinstance(state_bits, int):
             block_size = default_block_size(state_bits)
@@ -235,13 +327,21 @@ class LowMemOptimizer(torch.optim.Optimizer):
         check_storage(defaults)
         self._check_group(defaults)
         self._nonfinite_skips = 0
+        super().__init__(params, defaults)
+        self._attach()
+
+    def _attach(self) -> None:
+        """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run
+        after unpickling or ``copy.deepcopy`` (:meth:`__setstate__`), which torch restores without hooks: a copy would
+        otherwise load 8-bit codes cast to the parameter's dtype."""
         self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
-        self._record = StepRecord(owner=type(self).__name__)  # what steps report (GaLore refresh failures)
-        super().__init__(params, defaults)
+        if "_record" not in self.__dict__:  # (kept by a copy: its refresh failures so far)
+            self._record = StepRecord(owner=type(self).__name__)  # what steps report (GaLore refresh failures)
         self.register_state_dict_post_hook(_state_dict_post_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+        self.register_step_pre_hook(_lr_views_pre_hook)
 
     # -- what an optimizer class provides -------------------------------------------------------------------------
 
@@ -289,6 +389,20 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     # -- param groups ----------------------------------------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # (pickling, deepcopy: torch's keys, and what ours cannot be rebuilt without)
+        state.update(_nonfinite_skips=self.nonfinite_skips, _default_block_size=self._default_block_size,
+                     _record=self._record)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # (load_state_dict, unpickling, deepcopy)
+        # torch adds ``differentiable`` to the defaults for its own step decorator; lowmemopt has no such option, and
+        # the load hook fills groups from the defaults: a loaded state dict would gain the key
+        self.defaults.pop("differentiable", None)
+        if "_load_stash" not in self.__dict__:  # unpickled or deep-copied: __init__ did not run
+            self._attach()
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if (getattr(self, "_default_block_size", False) and isinstance(param_group, dict)
                 and "state_bits" in param_group and param_group.get("block_size") is None):
@@ -296,6 +410,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            torch_scalars(group)
             check_storage(group)
             self._check_group(group)
             if group.get("capturable") and kernel_algorithm(self) not in CAPTURABLE_ALGORITHMS:
@@ -305,7 +420,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 galore.check_group(group)
             for p in group["params"]:
                 if p.is_complex():
-                    raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
+                    raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype}): "
+                                    "optimize a real view instead, nn.Parameter(torch.view_as_real(z)), and use "
+                                    "torch.view_as_complex(param) in the forward pass (torch.optim's Adam, AdamW "
+                                    "and SGD step a complex parameter as exactly that view)")
                 if not p.is_floating_point():
                     raise TypeError(f"{type(self).__name__} needs floating-point parameters (got {p.dtype})")
         except Exception:
@@ -552,6 +670,7 @@ def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
     for group in optimizer.param_groups:  # groups from torch.optim optimizers lack our keys
         for k, v in optimizer.defaults.items():
             group.setdefault(k, v)
+        torch_scalars(group)  # (a torch.optim state dict's lr of shape [1], say)
     if stash is None:
         return
     for key, state in converted.items():

@@ -1,8 +1,10 @@
 """The table of optimizers the common suite runs on (in the spirit of torch's ``OptimizerInfo``).
 
 Each entry names the lowmemopt class, the hyper-parameter variants checked for 32-bit parity, how to build the
-reference optimizer for a variant, the 8-bit error bound against the 32-bit twin, and bad inputs with their errors.
-A new optimizer joins the whole suite (parity, 8-bit bounds, state bytes, resume, bad inputs) by adding an entry here.
+reference optimizer for a variant (and the reference class, whose signature it matches), the 8-bit error bound
+against the 32-bit twin, and bad inputs with their errors. A new optimizer joins the whole suite (parity, 8-bit
+bounds, state bytes, resume, bad inputs: tests/test_optimizers.py; the torch.optim contract: tests/test_contract.py) by
+adding an entry here.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ def _lars_reference(params, **kw):
     return _colossalai_module("lars").Lars(params, **kw)
 
 
+def _reference_class(module: str, name: str) -> Callable[[], type]:
+    """The reference class ``module.name`` (skips the test where its library is not installed)."""
+    return lambda: getattr(pytest.importorskip(module), name)
+
+
 def slot_bytes(numel: int, bits: int, block_size: int = 256) -> int:
     """Bytes of one full-size slot of ``numel`` elements (>= min_quant_numel) at ``bits``: 4, 2, 1 + 4/block or
     (4 bits, block 128 by default) 1/2 + 4/128."""
@@ -93,6 +100,14 @@ class OptimizerInfo:
     grad_scale: float = 1.0
     #: exact state bytes of one large parameter: (shape, bits, kwargs) -> bytes. Default: slots x full-slot bytes.
     state_bytes: Callable[[tuple[int, ...], int, dict[str, Any]], int] | None = None
+    #: the reference class (its signature: positional names, order and defaults, keyword-only names accepted)
+    reference_cls: Callable[[], type] | None = None
+    #: the reference steps complex parameters as their ``torch.view_as_real`` views (torch's Adam, AdamW, SGD)
+    complex_as_real: bool = False
+
+    def lr_variant(self) -> dict[str, Any]:
+        """The first variant that gives a learning rate (Adafactor's relative step takes none)."""
+        return next(v for v in self.variants if v.get("lr") is not None)
 
     def expected_state_bytes(self, shape: tuple[int, ...], bits: int, kwargs: dict[str, Any]) -> int:
         if self.state_bytes is not None:
@@ -122,6 +137,14 @@ def _adafactor_torch_bytes(shape, bits, kw):
 
 _COMMON_BAD = [
     (dict(lr=-1e-3), ValueError, "Invalid learning rate"),
+    (dict(lr=torch.tensor(-1e-3)), ValueError, "Invalid learning rate"),
+    (dict(lr=torch.tensor([1e-3, 1e-3])), ValueError, "Tensor lr must be 1-element"),  # torch's message
+    # torch.optim's implementation keywords (accepted on every optimizer; see LowMemOptimizer's docstring)
+    (dict(differentiable=True), ValueError, "differentiable=True is not supported"),
+    (dict(differentiable=None), TypeError, "Invalid differentiable"),
+    (dict(fused=True, foreach=True), RuntimeError, "`fused` and `foreach` cannot be `True` together"),  # torch's
+    (dict(foreach="yes"), TypeError, "Invalid foreach"),
+    (dict(fused=1), TypeError, "Invalid fused"),
     (dict(state_bits=7), ValueError, "Invalid state_bits"),
     (dict(state_bits=True), ValueError, "Invalid state_bits"),
     (dict(block_size=100), ValueError, "Invalid block_size"),
@@ -133,6 +156,9 @@ _BAD_BETAS = [
     (dict(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0"),
     (dict(betas=(0.9, -0.1)), ValueError, "Invalid beta parameter at index 1"),
     (dict(betas=(0.9,)), ValueError, "Invalid betas"),
+    (dict(betas=(1.0, 0.0)), ValueError, "Invalid beta parameter at index 0: 1.0"),  # torch's
+    (dict(betas=(torch.tensor([0.9, 0.9]), torch.tensor(0.999))), ValueError, r"Tensor betas\[0\] must be 1-element"),
+    (dict(betas=(torch.tensor(0.9), torch.tensor([1.0]))), ValueError, "Invalid beta parameter at index 1"),
 ]
 
 OPTIMIZERS: list[OptimizerInfo] = [
@@ -148,7 +174,12 @@ OPTIMIZERS: list[OptimizerInfo] = [
         ],
         slots=lambda kw: 3 if kw.get("amsgrad") else 2,
         bound8=0.03,
-        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(eps=-1.0), ValueError, "Invalid epsilon")],
+        bad_inputs=_COMMON_BAD + _BAD_BETAS + [
+            (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+            (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),  # torch's
+        ],
+        reference_cls=lambda: torch.optim.AdamW,
+        complex_as_real=True,
     ),
     OptimizerInfo(
         "Adam",
@@ -162,7 +193,9 @@ OPTIMIZERS: list[OptimizerInfo] = [
         ],
         slots=lambda kw: 3 if kw.get("amsgrad") else 2,
         bound8=0.03,
-        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(weight_decay=-0.1), ValueError, "Invalid weight_decay")],
+        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1")],
+        reference_cls=lambda: torch.optim.Adam,
+        complex_as_real=True,
     ),
     OptimizerInfo(
         "SGD",
@@ -179,9 +212,12 @@ OPTIMIZERS: list[OptimizerInfo] = [
         bound8=0.01,
         bad_inputs=_COMMON_BAD
         + [
-            (dict(momentum=-0.5), ValueError, "Invalid momentum"),
+            (dict(momentum=-0.5), ValueError, "Invalid momentum value: -0.5"),  # torch's
             (dict(nesterov=True), ValueError, "Nesterov momentum requires"),
+            (dict(weight_decay=torch.tensor([0.1, 0.1])), ValueError, "Tensor weight_decay must be 1-element"),
         ],
+        reference_cls=lambda: torch.optim.SGD,
+        complex_as_real=True,
     ),
     OptimizerInfo(
         "Lion",
@@ -194,7 +230,8 @@ OPTIMIZERS: list[OptimizerInfo] = [
         ],
         slots=lambda kw: 1,
         bound8=0.03,
-        bad_inputs=_COMMON_BAD + _BAD_BETAS,
+        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(use_triton=None), TypeError, "Invalid use_triton")],
+        reference_cls=_reference_class("lion_pytorch", "Lion"),
     ),
     OptimizerInfo(
         "LAMB",
@@ -208,6 +245,7 @@ OPTIMIZERS: list[OptimizerInfo] = [
         slots=lambda kw: 2,
         bound8=0.04,
         bad_inputs=_COMMON_BAD + _BAD_BETAS,
+        reference_cls=lambda: _colossalai_module("lamb").Lamb,
     ),
     OptimizerInfo(
         "LARS",
@@ -225,6 +263,7 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(eeta=0.0), ValueError, "Invalid eeta"),
             (dict(momentum=-1.0), ValueError, "Invalid momentum"),
         ],
+        reference_cls=lambda: _colossalai_module("lars").Lars,
     ),
     OptimizerInfo(
         "Adafactor",
@@ -251,6 +290,7 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(clip_threshold=0.0), ValueError, "Invalid clip_threshold"),
             (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
         ],
+        reference_cls=_reference_class("transformers.optimization", "Adafactor"),
     ),
     OptimizerInfo(
         "AdafactorTorch",
@@ -269,7 +309,13 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(beta2_decay=0.5), ValueError, "Invalid beta2_decay"),
             (dict(d=0.5), ValueError, "Invalid d"),
             (dict(eps=(-1.0, 1e-3)), ValueError, "Invalid eps"),
+            # torch's messages (common_optimizers.optim_error_inputs_func_adafactor)
+            (dict(eps=(-1e-30, 1e-3)), ValueError, "epsilon1 should be >= 0"),
+            (dict(d=0.0), ValueError, "Clipping threshold d should be >= 1"),
+            (dict(beta2_decay=0.8), ValueError, "beta2_decay should be <= 0"),
+            (dict(capturable=True), ValueError, "does not support capturable=True"),
         ],
+        reference_cls=lambda: torch.optim.Adafactor,
     ),
     OptimizerInfo(  # GaLore projection itself (param groups with rank): tests/test_galore.py
         "GaLoreAdamW",
@@ -283,6 +329,7 @@ OPTIMIZERS: list[OptimizerInfo] = [
         slots=lambda kw: 2,
         bound8=0.03,
         bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(eps=-1.0), ValueError, "Invalid epsilon")],
+        reference_cls=_reference_class("galore_torch", "GaLoreAdamW"),
     ),
     OptimizerInfo(
         "GaLoreAdafactor",
@@ -293,6 +340,7 @@ OPTIMIZERS: list[OptimizerInfo] = [
         state_bytes=_adafactor_bytes,
         bound8=0.02,
         bad_inputs=_COMMON_BAD,
+        reference_cls=_reference_class("galore_torch", "GaLoreAdafactor"),
     ),
     OptimizerInfo(
         "CAME",
@@ -313,7 +361,9 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(betas=(0.9, 1.0, 0.9999)), ValueError, "Invalid beta parameter at index 1"),
             (dict(eps=(1e-30, -1.0)), ValueError, "Invalid eps"),
             (dict(clip_threshold=-1.0), ValueError, "Invalid clip_threshold"),
+            (dict(betas=(0.9, torch.tensor([0.9, 0.9]), 0.9)), ValueError, r"Tensor betas\[1\] must be 1-element"),
         ],
+        reference_cls=_reference_class("came_pytorch", "CAME"),
     ),
 ]
 

@@ -371,10 +371,13 @@ class AdafactorTorch(LowMemOptimizer):
         check_lr(group["lr"])
         if isinstance(group["beta2_decay"], bool) or not isinstance(group["beta2_decay"], (int, float)):
             raise TypeError(f"Invalid beta2_decay: expected a number, got {type(group['beta2_decay']).__name__}")
-        if not group["beta2_decay"] <= 0.0:
-            raise ValueError(f"Invalid beta2_decay: {group['beta2_decay']} (must be <= 0)")
+        if not group["beta2_decay"] <= 0.0:  # (torch's messages, after ours)
+            raise ValueError(f"Invalid beta2_decay: {group['beta2_decay']} (beta2_decay should be <= 0)")
+        eps1 = group["eps"][0] if isinstance(group["eps"], (tuple, list)) and group["eps"] else None
+        if isinstance(eps1, (int, float)) and not isinstance(eps1, bool) and not eps1 >= 0.0:
+            raise ValueError(f"Invalid eps[0]: {eps1} (epsilon1 should be >= 0)")
         check_eps_pair(group["eps"], first_optional=True)
         check_nonneg("d", group["d"])
         if not group["d"] >= 1.0:
-            raise ValueError(f"Invalid d (clipping threshold): {group['d']} (must be >= 1)")
+            raise ValueError(f"Invalid d: {group['d']} (Clipping threshold d should be >= 1)")
         check_nonneg("weight_decay value", group["weight_decay"])

@@ -64,7 +64,8 @@ class HFAdamWAlgorithm(Algorithm):
 
 class HFAdamW(LowMemOptimizer):
     """AdamW with transformers' legacy semantics (module docstring) and 32/16/8-bit state; same signature, defaults
-    and 32-bit results as galore-torch's ``GaLoreAdamW`` (``no_deprecation_warning`` is not taken: nothing warns)."""
+    and 32-bit results as galore-torch's ``GaLoreAdamW`` (``no_deprecation_warning`` is taken for code written for
+    it; nothing here warns)."""
 
     algorithm = HFAdamWAlgorithm()
 
@@ -76,6 +77,7 @@ class HFAdamW(LowMemOptimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.0,
         correct_bias: bool = True,
+        no_deprecation_warning: bool = False,
         **storage: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias)

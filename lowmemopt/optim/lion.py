@@ -48,7 +48,10 @@ class LionAlgorithm(Algorithm):
 
 
 class Lion(LowMemOptimizer):
-    """Lion with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``."""
+    """Lion with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``.
+
+    ``use_triton`` (lion-pytorch's switch to its Triton kernel) is accepted, like torch's ``fused``: the fused kernels
+    run wherever the device has them, whatever it says."""
 
     algorithm = LionAlgorithm()
 
@@ -58,12 +61,15 @@ class Lion(LowMemOptimizer):
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
+        use_triton: bool = False,
         decoupled_weight_decay: bool = False,
         **storage: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr, betas=betas, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay, initial_lr=lr
-        )
+        if not isinstance(use_triton, bool):
+            raise TypeError(f"Invalid use_triton: expected a bool, got {type(use_triton).__name__}")
+        initial_lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr  # (not a scheduler's later lr)
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+                        initial_lr=initial_lr)
         super().__init__(params, defaults, **storage)
 
     def _check_group(self, group):
