@@ -55,7 +55,7 @@ maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict``
 exactly as saved (torch would cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook
 and restoring them, moved to the parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
 asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
-state; see :func:`lowmemopt.checkpoint.convert_param_state`). Slots already in that format are kept as they are, with no
+state; see :func:`lowmemopt.quant.convert.convert_param_state`). Slots already in that format are kept as they are, with no
 copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)
 stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 """
@@ -85,7 +85,9 @@ from .distributed.sharding import (
     present_state,
     presented_params,
 )
+from .projection.projector import projector_problem, split_projector_state
 from .quant import q4
+from .quant.convert import CheckpointError, convert_param_state
 from .quant.formats import Q4, Q8, Slot, choose_format, default_block_size, format_of, map_for
 from .quant.maps import code_book, encode_table
 
@@ -848,8 +850,6 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     sizes_differ = any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, groups))
     if len(saved_groups) != len(groups) or sizes_differ:
         return state_dict  # torch raises its own, clear error for this
-    from .checkpoint import convert_param_state  # deferred: lowmemopt.checkpoint imports this module
-
     id_map, converted, targets = {}, {}, {}
     for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
         target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
@@ -860,7 +860,7 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
             if isinstance(value, dict):
                 where = f"load_state_dict: parameter {i} of param group {gi}"
                 _, value = localize_state(p, value)  # DTensor state -> the local shard's
-                converted[key] = convert_param_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
+                converted[key] = _convert_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
                 targets[key] = group
     # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
     staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
@@ -869,6 +869,24 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)
     return state_dict
+
+
+def _convert_state(optimizer: LowMemOptimizer, p: torch.Tensor, value: dict[str, Any], saved: dict[str, Any],
+                   target: dict[str, Any], where: str, legacy_maps: bool) -> dict[str, Any]:
+    """One parameter's state dict entry in this optimizer's formats (:func:`convert_param_state`); a GaLore projector
+    (``galore.*``: fp32 bases and ints) is checked against the group and kept, as are bf16_update's entries."""
+    value = {k: v for k, v in value.items() if v is not None}  # torch.optim may store None buffers
+    if not value:
+        return {}
+    projector, value = split_projector_state(value)
+    problem = projector_problem(projector, target, p.shape)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    rounding_state, value = rounding.split_state(value)  # bf16_update: a seed, a Kahan buffer; kept as they are
+    kept = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()}  # fp32: no copy
+    kept.update(rounding_state)
+    return convert_param_state(value, optimizer._state_slots(target, p), saved, target, local_tensor(p), where,
+                               legacy_maps, numel=p.numel(), kept=kept)
 
 
 def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:

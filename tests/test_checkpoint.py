@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 import lowmemopt
 import lowmemopt.checkpoint as checkpoint
 from lowmemopt.checkpoint import CheckpointError, load_state, save_state
+from lowmemopt.quant import convert
 from lowmemopt.quant import code_book, dequantize_blockwise, format_of, quantize_blockwise
 from lowmemopt.quant.formats import legacy_map_for, map_for
 
@@ -248,8 +249,8 @@ def test_format_1_state_in_the_dynamic_maps_is_re_encoded(tmp_path, path, monkey
     dst_params = clone_params(params)
     dst_opt = lowmemopt.AdamW(dst_params, lr=1e-2, state_bits=8, amsgrad=True)
     if path == "file":
-        monkeypatch.setattr(checkpoint, "map_for", legacy_map_for)  # what an older lowmemopt wrote
-        monkeypatch.setattr(checkpoint, "FILE_VERSION", 1)
+        monkeypatch.setattr(convert, "map_for", legacy_map_for)  # what an older lowmemopt wrote
+        monkeypatch.setattr(checkpoint.save, "FILE_VERSION", 1)
         save_state(src_opt, tmp_path / "old.safetensors")
         monkeypatch.undo()
         report = load_state(dst_opt, tmp_path / "old.safetensors")
@@ -594,7 +595,7 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
             f.write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save_file", broken_save_file)
+    monkeypatch.setattr(checkpoint.layout, "save_file", broken_save_file)
     with pytest.raises(OSError, match="No space left"):
         save_state(opt, path)
     monkeypatch.undo()
@@ -602,7 +603,7 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("interrupted")
 
-    monkeypatch.setattr(checkpoint.os, "replace", broken_replace)
+    monkeypatch.setattr(checkpoint.layout.os, "replace", broken_replace)
     with pytest.raises(OSError, match="interrupted"):
         save_state(opt, path)
     monkeypatch.undo()
