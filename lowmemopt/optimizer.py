@@ -87,7 +87,7 @@ from .distributed.sharding import (
 )
 from .projection.projector import projector_problem, split_projector_state
 from .quant import q4
-from .quant.convert import CheckpointError, convert_param_state
+from .quant.convert import CheckpointError, check_group, convert_param_state
 from .quant.formats import Q4, Q8, Slot, choose_format, default_block_size, format_of, map_for
 from .quant.maps import code_book, encode_table
 
@@ -204,7 +204,7 @@ def check_eps_pair(eps: Any, first_optional: bool = False) -> None:
 
 def check_storage(group: dict) -> None:
     bits = group["state_bits"]
-    if isinstance(bits, bool) or bits not in (32, 16, 8, 4):
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (32, 16, 8, 4):
         raise ValueError(f"Invalid state_bits: {bits!r} (supported: 32, 16, 8, 4)")
     bs = group["block_size"]
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
@@ -854,11 +854,14 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
         target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
         target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
+        check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
         for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
             id_map[key] = p
             value = state_dict["state"].get(key)
+            where = f"load_state_dict: parameter {i} of param group {gi}"
+            if value is not None and not isinstance(value, dict):
+                raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
             if isinstance(value, dict):
-                where = f"load_state_dict: parameter {i} of param group {gi}"
                 _, value = localize_state(p, value)  # DTensor state -> the local shard's
                 converted[key] = _convert_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
                 targets[key] = group

@@ -11,10 +11,12 @@ import torch
 from .. import paging
 from ..distributed.sharding import local_tensor
 from ..optimizer import LowMemOptimizer
-from ..quant.convert import CheckpointError, format_numel, reformat, remaps, slot_shape, target_format
+from ..quant.convert import (CheckpointError, Reader, check_values, format_numel, reformat, remaps, slot_shape,
+                             target_format)
 from ..quant.formats import FORMATS
-from .layout import crc32, open_state_file, page_releaser, sharded_path
-from .validation import LoadReport, Plan, check_optimizer, describe_problems, from_json, plan_load, restorable, validated_meta
+from .layout import crc32, open_state_file, sharded_path
+from .validation import (LoadReport, Plan, check_optimizer, check_same_optimizer, describe_problems, from_json, plan_load,
+                         restorable, validated_meta)
 
 
 def load_state(
@@ -22,6 +24,8 @@ def load_state(
     path: str | os.PathLike,
     model: torch.nn.Module | None = None,
     strict: bool = True,
+    *,
+    from_optimizer: str | None = None,
 ) -> LoadReport:
     """Load a state file written by :func:`save_state` into ``optimizer``, converting formats as needed.
 
@@ -30,7 +34,11 @@ def load_state(
     mismatched ones (shape, slots, block size); ``strict=False`` loads what matches and reports the rest. Unreadable,
     corrupt or unknown-version files always raise. Param groups' hyper-parameters are restored from the file when the
     optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
-    ...) are always the optimizer's own, and state is converted to them."""
+    ...) are always the optimizer's own, and state is converted to them.
+
+    A file of another optimizer (another algorithm: aliases such as ``AdamW8bit`` count as their base class) is
+    refused, also with ``strict=False``. ``from_optimizer``: the class name of the file's optimizer, to load its state
+    into this one deliberately; slots that match load, hyper-parameters stay this optimizer's."""
     check_optimizer(optimizer)
     path, sharding = sharded_path(optimizer, path)
     if sharding is not None and not os.path.exists(path):
@@ -46,10 +54,11 @@ def load_state(
                 f"{path}: saved by rank/world size {meta.get('sharding')}, loading at {sharding} (per-rank files load "
                 "only at the same sharding; to change it use torch.distributed.checkpoint: docs/distributed.md)"
             )
-        plans, report = plan_load(optimizer, meta, model, path)
+        restore = check_same_optimizer(optimizer, meta, path, from_optimizer)
+        plans, report = plan_load(optimizer, meta, model, path, restore)
         if strict and (report.missing or report.unexpected or report.mismatched):
             raise CheckpointError(describe_problems(path, report, meta, model))
-        release = page_releaser(f, path)
+        release = f.release
         # allocate all the new state first, then stream the file into it: chunk temporaries then reuse one small
         # region instead of fragmenting the heap between state tensors. Paged params' state goes to new homes.
         new_states = {plan.param: _allocate(plan) for plan in plans}
@@ -109,11 +118,11 @@ def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, conve
         for key in src.keys(name):
             fkey = f"{plan.name}/{key}"
             sources[key] = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
-        read = lambda key, a, b, sources=sources: sources[key].read(a, b)  # noqa: E731
+        read = _checked_reader(sources, slot.signed, f"{path}: parameter '{plan.name}'")
         src_map = info.get("map")  # 8-bit: the file's map (files before format 2 of the state: the dynamic maps)
         remap = remaps(src, src_map, slot)
         reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device,
-                  verbatim=src is dst and not remap, src_map=src_map)
+                 verbatim=src is dst and not remap, src_map=src_map)
         for source in sources.values():
             source.finish()
         if src is not dst or remap:
@@ -123,8 +132,20 @@ def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, conve
         if isinstance(value, list):
             fkey = f"{plan.name}/{key}"
             source = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
-            state[key].view(-1).copy_(source.read(0, state[key].numel()))
+            read = _checked_reader({key: source}, True, f"{path}: parameter '{plan.name}'")
+            state[key].view(-1).copy_(read(key, 0, state[key].numel()))
             source.finish()
+
+
+def _checked_reader(sources: dict[str, _FileTensor], signed: bool, where: str) -> Reader:
+    """Read chunks of ``sources``, refusing values that would poison the next step (:func:`check_values`)."""
+
+    def read(key: str, a: int, b: int) -> torch.Tensor:
+        chunk = sources[key].read(a, b)
+        check_values(key, chunk, signed, where)
+        return chunk
+
+    return read
 
 
 class _FileTensor:

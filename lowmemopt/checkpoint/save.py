@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 import torch
@@ -12,11 +13,11 @@ from .. import paging, rounding
 from ..distributed.sharding import local_tensor, shard_layout
 from ..optimizer import LowMemOptimizer
 from ..projection.projector import projector_problem, split_projector_state
-from ..quant.convert import CheckpointError, check_source, slot_shape, state_map, storage_dtype
+from ..quant.convert import CheckpointError, check_source, check_step, slot_shape, state_map, storage_dtype
 from ..quant.formats import QUANTIZED, format_of
 from ..version import __version__
-from .layout import FILE_FORMAT, FILE_VERSION, META_KEY, atomic_save_file, crc32, param_names, sharded_path
-from .validation import check_optimizer
+from .layout import FILE_FORMAT, FILE_VERSION, META_CRC_KEY, META_KEY, atomic_save_file, crc32, param_names, sharded_path
+from .validation import algorithm_name, check_optimizer
 
 
 def _to_json(value: Any) -> Any:
@@ -57,6 +58,7 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
         "format_version": FILE_VERSION,
         "lowmemopt_version": __version__,
         "optimizer": type(optimizer).__name__,
+        "algorithm": algorithm_name(type(optimizer)),
         "keys": "names" if model is not None else "positions",
         "param_groups": groups,
         "params": params,
@@ -64,7 +66,8 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
     }
     if sharding is not None:
         meta["sharding"] = sharding
-    atomic_save_file(tensors, os.fspath(path), {META_KEY: json.dumps(meta)})
+    raw = json.dumps(meta)
+    atomic_save_file(tensors, os.fspath(path), {META_KEY: raw, META_CRC_KEY: str(zlib.crc32(raw.encode()))})
     paging.drop_pages(optimizer)  # state files were read whole: hand their pages back
 
 
@@ -119,5 +122,5 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
     extra = sorted(set(state) - used)
     if extra:
         raise CheckpointError(f"{where}: state {extra} is not in the optimizer's slots {list(slots)}")
-    entry["step"] = int(state["step"])
+    entry["step"] = check_step(state["step"], where)
     return entry

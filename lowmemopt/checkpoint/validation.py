@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any, NamedTuple
 
 import torch
 
+from .. import aliases, optim
 from ..distributed.sharding import local_tensor, shard_layout
 from ..optimizer import STORAGE_DEFAULTS, LowMemOptimizer
 from ..projection.projector import projector_problem
 from ..quant import q4
 from ..quant.blockwise import num_blocks
-from ..quant.convert import CheckpointError, format_numel, remaps, slot_shape, target_format
+from ..quant.convert import CheckpointError, check_group, format_numel, remaps, slot_shape, target_format
 from ..quant.formats import FORMATS, Q4, Q8, QUANTIZED, Slot, legacy_map_for, map_for
 from ..quant.maps import MAP_NAMES
-from .layout import DTYPES, FILE_FORMAT, FILE_VERSION, META_KEY, READABLE_FILE_VERSIONS, open_state_file, param_names
+from .layout import (DTYPES, FILE_FORMAT, FILE_VERSION, META_CRC_KEY, META_KEY, READABLE_FILE_VERSIONS, StateFile,
+                     open_state_file, param_names)
 
 
 class LoadReport(NamedTuple):
@@ -44,34 +47,54 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(path)
     with open_state_file(path) as f:
         meta = validated_meta(f, path)
-        meta["tensors"] = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+        meta["tensors"] = {k: f.dtype_shape(k) for k in f.keys()}
     return meta
 
 
-def validated_meta(f: Any, path: str) -> dict[str, Any]:
-    """Parse the header and check it against the tensors in the file: every problem is a CheckpointError."""
-    raw = (f.metadata() or {}).get(META_KEY)
+def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
+    """Parse the header and check it against the tensors in the file: every problem is a CheckpointError.
+
+    The metadata's own CRC-32 (:data:`META_CRC_KEY`, every file since format 3) is checked before it is parsed, so no
+    changed bit of it (a step, a hyper-parameter, a key) loads; a format-3 file without it is corrupt."""
+    stored = f.metadata()
+    raw = stored.get(META_KEY)
     if raw is None:
         raise CheckpointError(f"{path}: not a lowmemopt state file (no '{META_KEY}' metadata)")
+    crc = stored.get(META_CRC_KEY)
+    if crc is not None and crc != str(zlib.crc32(raw.encode())):
+        raise CheckpointError(f"{path}: the metadata fails its CRC-32 check: the file is corrupt")
+    if set(stored) - {META_KEY, META_CRC_KEY}:
+        raise CheckpointError(f"{path}: corrupt state file (unknown metadata {sorted(set(stored) - {META_KEY, META_CRC_KEY})[:3]})")
     try:
         meta = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupt metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FILE_FORMAT:
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: corrupt metadata ({type(e).__name__}: {e})"[:300]) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a lowmemopt state file (its metadata is a {type(meta).__name__}, not an "
+                              "object)")
+    if meta.get("format") != FILE_FORMAT:
         raise CheckpointError(f"{path}: not a lowmemopt state file (format {meta.get('format')!r})")
     version = meta.get("format_version")
-    if version not in READABLE_FILE_VERSIONS:
+    if isinstance(version, bool) or version not in READABLE_FILE_VERSIONS:
         raise CheckpointError(
             f"{path}: unknown state file format_version {version!r}; this lowmemopt reads format_version "
             f"{', '.join(map(str, READABLE_FILE_VERSIONS))}"
             + (" (the file is newer: upgrade lowmemopt)" if isinstance(version, int) and version > FILE_VERSION else "")
         )
+    if crc is None and version >= 3:
+        raise CheckpointError(f"{path}: the metadata has no CRC-32 (format_version {version} files have one): the file "
+                              "is corrupt")
     try:
+        if not isinstance(meta["optimizer"], str) or not isinstance(meta.get("algorithm", ""), str):
+            raise TypeError(f"optimizer {meta['optimizer']!r}, algorithm {meta.get('algorithm')!r}")
+        if meta["keys"] not in ("names", "positions"):
+            raise ValueError(f"keys {meta['keys']!r}")
         expected = {}
         for name, entry in meta["params"].items():
             _ = [int(d) for d in entry["shape"]], entry["group"]
-            if entry["step"] is not None and not isinstance(entry["step"], int):
-                raise TypeError(f"step {entry['step']!r}")
+            step = entry["step"]
+            if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+                raise ValueError(f"parameter '{name}': step {step!r} (the step count must be a non-negative integer)")
             for slot, info in entry["slots"].items():
                 fmt = FORMATS[info["format"]]
                 numel = torch.Size(info["shape"]).numel()
@@ -112,11 +135,11 @@ def validated_meta(f: Any, path: str) -> dict[str, Any]:
         missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
         raise CheckpointError(f"{path}: corrupt state file: tensors missing {missing[:5]}, not described {extra[:5]}")
     for key, (dtype, shape) in expected.items():
-        got = f.get_slice(key)
-        if got.get_dtype() != dtype or list(got.get_shape()) != shape:
+        got_dtype, got_shape = f.dtype_shape(key)
+        if got_dtype != dtype or list(got_shape) != shape:
             param, _, skey = key.rpartition("/")
             raise CheckpointError(
-                f"{path}: parameter '{param}': tensor '{skey}' is {got.get_dtype()} {got.get_shape()} in the file, "
+                f"{path}: parameter '{param}': tensor '{skey}' is {got_dtype} {got_shape} in the file, "
                 f"the metadata needs {dtype} {shape}"
                 + (" (block-size mismatch)" if skey.endswith(".absmax") else "")
             )
@@ -143,14 +166,42 @@ class Plan(NamedTuple):
     slots: dict[str, Slot]
 
 
-def plan_load(optimizer, meta, model, path):
+def algorithm_name(cls: type) -> str:
+    """The lowmemopt optimizer class whose algorithm ``cls`` runs: itself, or for an alias (``AdamW8bit``) or a user's
+    subclass, the class of :mod:`lowmemopt.optim` it derives from."""
+    return next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("lowmemopt.optim.")), cls.__name__)
+
+
+def check_same_optimizer(optimizer: LowMemOptimizer, meta: dict[str, Any], path: str, from_optimizer: str | None) -> bool:
+    """Raise CheckpointError unless the file holds the state of ``optimizer``'s algorithm, or of ``from_optimizer`` (a
+    deliberate conversion, which loads matching slots but no hyper-parameters). Returns whether the hyper-parameters
+    may be restored (the same algorithm)."""
+    saved = meta.get("algorithm")
+    if saved is None:  # files before format 3 name the class only
+        cls = getattr(aliases, meta["optimizer"], None) or getattr(optim, meta["optimizer"], None)
+        saved = algorithm_name(cls) if isinstance(cls, type) else meta["optimizer"]
+    ours = algorithm_name(type(optimizer))
+    if saved == ours and from_optimizer in (None, meta["optimizer"], saved):
+        return True
+    expected = type(optimizer).__name__ if from_optimizer is None else from_optimizer
+    if from_optimizer is None or from_optimizer not in (meta["optimizer"], saved):
+        raise CheckpointError(
+            f"{path}: holds {meta['optimizer']!r} state, not {expected!r}; a state file loads into the optimizer that "
+            f"saved it (or an alias of it). To load the slots of {meta['optimizer']!r} state into this "
+            f"{type(optimizer).__name__} deliberately, pass from_optimizer={meta['optimizer']!r} (its "
+            "hyper-parameters are then not taken)"
+        )
+    return False
+
+
+def plan_load(optimizer, meta, model, path, restore=True):
     names = param_names(optimizer, model)
     saved = meta["params"]
     current = {n for n, _, _ in names}
     missing = [n for n, _, _ in names if n not in saved]
     unexpected = [n for n in saved if n not in current]
     groups = meta["param_groups"]
-    same_layout = len(groups) == len(optimizer.param_groups) and all(
+    same_layout = restore and len(groups) == len(optimizer.param_groups) and all(
         set(sg["params"]) == {n for n, gi, _ in names if gi == g} for g, sg in enumerate(groups)
     )
     effective = []
@@ -158,10 +209,7 @@ def plan_load(optimizer, meta, model, path):
         eff = dict(group)
         if same_layout:
             eff.update({k: from_json(v, group.get(k)) for k, v in groups[g].items() if restorable(k, v)})
-            try:
-                optimizer._check_group(eff)
-            except (ValueError, TypeError) as e:
-                raise CheckpointError(f"{path}: param group {g}'s saved hyper-parameters are invalid: {e}") from None
+            check_group(optimizer._check_group, eff, f"{path}: param group {g}'s saved hyper-parameters")
         effective.append(eff)
     plans, mismatched = [], {}
     for name, g, p in names:

@@ -8,10 +8,15 @@ param group dicts, the parameter tensor) and imports nothing above :mod:`lowmemo
 Each slot is decoded and re-encoded with :mod:`lowmemopt.quant.formats`: fp32 / bf16 / q8 / q4 in any direction. One
 exception: q8 (q4) state is never re-quantized to q8 (q4) at a different block size (that would add a second rounding to
 state that is otherwise exact); it is a mismatch.
+
+Nothing that would poison the next step loads (:func:`check_values`, :func:`check_step`, :func:`check_group`): a
+non-finite or negative ``absmax``, non-finite state, negative values in a non-negative slot (``exp_avg_sq``), a step
+that is not a non-negative integer, hyper-parameters the optimizer's own checks refuse (NaN ``lr``, ``betas`` >= 1).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -21,7 +26,7 @@ from .blockwise import num_blocks
 from .formats import BF16, FP32, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for, map_for
 from .maps import code_book
 
-__all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source"]
+__all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step", "check_group"]
 
 CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
 _BNB_QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests its 8-bit tensors under this key
@@ -125,14 +130,18 @@ def convert_param_state(
         sources = _lowmemopt_sources(state, slots, saved_group, where, legacy_maps)
     if "step" not in state:
         raise CheckpointError(f"{where}: the state has slots {sorted(sources)} but no 'step' count")
-    step = state["step"]
-    out: dict[str, Any] = {"step": int(step.item() if isinstance(step, torch.Tensor) else step)}
-    out.update(kept or {})
+    out: dict[str, Any] = {"step": check_step(state["step"], where)}
+    for key, value in (kept or {}).items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            check_values(key, value, True, where)
+        out[key] = value
     dst_bs = group["block_size"]
     for name, slot in slots.items():
         src, src_bs, tensors, src_map = sources[name]
         shape = slot_shape(slot, param.shape)
         check_source(src, src_bs, tensors, name, shape, where, param.shape)
+        for key, t in tensors.items():
+            check_values(key, t, slot.signed, where)
         dst = target_format(group, slot, format_numel(slot, numel))
         remap = remaps(src, src_map, slot)
         if src is dst and src in QUANTIZED and src_bs != dst_bs and not remap:
@@ -151,6 +160,44 @@ def convert_param_state(
         reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False,
                  src_map=src_map)
     return out
+
+
+def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
+    """Raise CheckpointError (naming ``where`` and ``key``) unless the floating-point state tensor ``t`` can be stepped
+    from: every value finite, and none negative in an ``absmax`` or a non-negative slot (``signed`` False). Integer
+    tensors (codes) pass. One reduction over ``t``, no temporary of its size; chunks of a tensor may come one by one."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    lo, hi = (float(x) for x in torch.aminmax(t.detach().reshape(-1)))  # NaN propagates to both
+    if math.isnan(lo) or math.isnan(hi):
+        problem = "NaN"
+    elif math.isinf(lo) or math.isinf(hi):
+        problem = "Inf"
+    elif lo < 0 and (key.endswith(".absmax") or not signed):
+        problem = f"negative values (min {lo:g}) where every value is >= 0"
+    else:
+        return
+    raise CheckpointError(f"{where}: state '{key}' holds {problem}; it would poison the next step")
+
+
+def check_step(step: Any, where: str) -> int:
+    """A state's step count as an int (a number, or a one-element tensor as ``torch.optim`` stores it); raise
+    CheckpointError unless it is a non-negative integer."""
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or value != int(value)):
+        shown = value if isinstance(value, (int, float)) else f"of type {type(step).__name__}"
+        raise CheckpointError(f"{where}: step {shown} (the step count must be a non-negative integer)")
+    return int(value)
+
+
+def check_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], where: str) -> None:
+    """Run an optimizer's hyper-parameter check (its ``_check_group``) on a param group about to be loaded; its
+    ValueError or TypeError becomes a CheckpointError: ``"<where> are invalid: <the check's message>"``."""
+    try:
+        check(group)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{where} are invalid: {e}") from None
 
 
 def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
@@ -203,8 +250,9 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
             if keys[1] not in state:
                 raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
             bs = saved_group.get("block_size")
-            if not isinstance(bs, int):
-                raise CheckpointError(f"{where}: 8-bit state '{name}' but the saved param group has no block_size")
+            if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+                raise CheckpointError(f"{where}: 8-bit state '{name}' but the saved param group has no block_size "
+                                      f"(block_size {bs!r})")
             qmap = legacy_map_for(slot.signed) if legacy_maps else map_for(slot.signed)
             sources[name] = (Q8, bs, {k: state[k] for k in keys}, qmap)
         elif name + ".nibbles" in state:
@@ -212,8 +260,9 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
             if keys[1] not in state:
                 raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
             bs = saved_group.get("block_size")
-            if not isinstance(bs, int) or bs < 2 or bs % 2:
-                raise CheckpointError(f"{where}: 4-bit state '{name}' but the saved param group has no even block_size")
+            if isinstance(bs, bool) or not isinstance(bs, int) or bs < 2 or bs % 2:
+                raise CheckpointError(f"{where}: 4-bit state '{name}' but the saved param group has no even block_size "
+                                      f"(block_size {bs!r})")
             sources[name] = (Q4, bs, {k: state[k] for k in keys}, q4.map4_for(slot.signed))
         elif name in state:
             keys = (name,)
