@@ -76,8 +76,8 @@ def crc32(t: torch.Tensor, value: int = 0) -> int:
 
 
 def atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    """Write a safetensors file (:func:`write_safetensors`) to a temporary file beside ``path``, fsync it, rename it over
-    ``path``, fsync the directory: an interrupted save leaves the previous file as it was. The file keeps the mode of
+    """Write a safetensors file (:func:`write_safetensors`) to a temporary file beside ``path``, fsync it, rename it
+    over ``path``, fsync the directory: an interrupted save leaves the previous file as it was. The file keeps the mode of
     the file it replaces (as ``torch.save``, which writes in place, does); a new file gets the mode a plain
     ``open(path, "w")`` would give it (0o666 less the umask). Temporary files of saves that were killed (their process
     gone) are removed first (:func:`_remove_stale_temporaries`)."""

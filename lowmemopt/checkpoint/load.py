@@ -15,8 +15,8 @@ from ..quant.convert import (CheckpointError, Reader, check_values, format_numel
                              target_format)
 from ..quant.formats import FORMATS
 from .layout import crc32, open_state_file, sharded_path
-from .validation import (LoadReport, Plan, check_optimizer, check_same_optimizer, describe_problems, from_json, plan_load,
-                         restorable, validated_meta)
+from .validation import (LoadReport, Plan, check_optimizer, check_same_optimizer, describe_problems, from_json,
+                         plan_load, restorable, validated_meta)
 
 
 def load_state(

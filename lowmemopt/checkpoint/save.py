@@ -16,7 +16,8 @@ from ..projection.projector import projector_problem, split_projector_state
 from ..quant.convert import CheckpointError, check_source, check_step, slot_shape, state_map, storage_dtype
 from ..quant.formats import QUANTIZED, format_of
 from ..version import __version__
-from .layout import FILE_FORMAT, FILE_VERSION, META_CRC_KEY, META_KEY, atomic_save_file, crc32, param_names, sharded_path
+from .layout import (FILE_FORMAT, FILE_VERSION, META_CRC_KEY, META_KEY, atomic_save_file, crc32, param_names,
+                     sharded_path)
 from .validation import algorithm_name, check_optimizer
 
 

@@ -64,7 +64,8 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
     if crc is not None and crc != str(zlib.crc32(raw.encode())):
         raise CheckpointError(f"{path}: the metadata fails its CRC-32 check: the file is corrupt")
     if set(stored) - {META_KEY, META_CRC_KEY}:
-        raise CheckpointError(f"{path}: corrupt state file (unknown metadata {sorted(set(stored) - {META_KEY, META_CRC_KEY})[:3]})")
+        unknown = sorted(set(stored) - {META_KEY, META_CRC_KEY})
+        raise CheckpointError(f"{path}: corrupt state file (unknown metadata {unknown[:3]})")
     try:
         meta = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -172,7 +173,8 @@ def algorithm_name(cls: type) -> str:
     return next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("lowmemopt.optim.")), cls.__name__)
 
 
-def check_same_optimizer(optimizer: LowMemOptimizer, meta: dict[str, Any], path: str, from_optimizer: str | None) -> bool:
+def check_same_optimizer(optimizer: LowMemOptimizer, meta: dict[str, Any], path: str,
+                         from_optimizer: str | None) -> bool:
     """Raise CheckpointError unless the file holds the state of ``optimizer``'s algorithm, or of ``from_optimizer`` (a
     deliberate conversion, which loads matching slots but no hyper-parameters). Returns whether the hyper-parameters
     may be restored (the same algorithm)."""

@@ -26,7 +26,8 @@ from .blockwise import num_blocks
 from .formats import BF16, FP32, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for, map_for
 from .maps import code_book
 
-__all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step", "check_group"]
+__all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step",
+           "check_group"]
 
 CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
 _BNB_QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests its 8-bit tensors under this key
