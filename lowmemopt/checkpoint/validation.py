@@ -60,8 +60,8 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
     raw = stored.get(META_KEY)
     if raw is None:
         raise CheckpointError(f"{path}: not a lowmemopt state file (no '{META_KEY}' metadata)")
-    crc = stored.get(META_CRC_KEY)
-    if crc is not None and crc != str(zlib.crc32(raw.encode())):
+    meta_crc = stored.get(META_CRC_KEY)
+    if meta_crc is not None and meta_crc != str(zlib.crc32(raw.encode())):
         raise CheckpointError(f"{path}: the metadata fails its CRC-32 check: the file is corrupt")
     if set(stored) - {META_KEY, META_CRC_KEY}:
         unknown = sorted(set(stored) - {META_KEY, META_CRC_KEY})
@@ -82,7 +82,7 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
             f"{', '.join(map(str, READABLE_FILE_VERSIONS))}"
             + (" (the file is newer: upgrade lowmemopt)" if isinstance(version, int) and version > FILE_VERSION else "")
         )
-    if crc is None and version >= 3:
+    if meta_crc is None and version >= 3:
         raise CheckpointError(f"{path}: the metadata has no CRC-32 (format_version {version} files have one): the file "
                               "is corrupt")
     try:
