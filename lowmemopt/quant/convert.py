@@ -208,7 +208,7 @@ def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
 
 
 def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
-                  where: str, param_shape: torch.Size | None = None, source: str = "the state dict"):
+                 where: str, param_shape: torch.Size | None = None, source: str = "the state dict"):
     """Raise CheckpointError unless ``tensors`` (from ``source``) hold slot ``name`` of ``shape`` in format ``src``; a
     size mismatch names the shapes: the parameter's (``param_shape``, where the slot's differs: GaLore) and the
     slot's."""
