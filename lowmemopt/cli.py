@@ -56,13 +56,25 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         if _is_torch_file(args.path):
-            print(_describe_torch_file(args.path, args.params))
-            return 0
-        meta = read_metadata(args.path)
+            text = _describe_torch_file(args.path, args.params)
+        else:
+            meta = read_metadata(args.path)
+            try:
+                text = _describe(args.path, meta, args.params)
+            except (KeyError, TypeError, AttributeError, IndexError) as e:  # metadata this version does not know
+                raise ValueError(f"{args.path}: metadata this lowmemopt cannot describe ({type(e).__name__}: {e})")
     except (CheckpointError, OSError, ValueError) as e:
         print(f"lowmemopt inspect: {e}", file=sys.stderr)
         return 1
-    print(_describe(args.path, meta, args.params))
+    return _print(text)
+
+
+def _print(text: str) -> int:
+    """Print ``text``; a reader that stops early (``| head``) ends the output quietly, with status 0."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush at exit goes nowhere
     return 0
 
 
@@ -92,8 +104,11 @@ def _describe_torch_file(path: str, list_params: bool) -> str:
 
     import torch
 
+    by_name = not os.fspath(path).endswith(".safetensors")  # torch.load reads those names as safetensors: pass the file
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        with open(path, "rb") as fh:
+            obj = torch.load(path if by_name else fh, map_location="cpu", weights_only=True,
+                             mmap=by_name and zipfile.is_zipfile(path))
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile) as e:
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(e).splitlines() if line.strip()]
         reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else repr(e))

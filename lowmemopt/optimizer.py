@@ -55,14 +55,13 @@ maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict``
 exactly as saved (torch would cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook
 and restoring them, moved to the parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
 asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
-state; see :func:`lowmemopt.checkpoint.convert_param_state`). Slots already in that format are kept as they are, with no
+state; see :func:`lowmemopt.quant.convert.convert_param_state`). Slots already in that format are kept as they are, with no
 copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)
 stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from typing import Any, Callable, Iterable
@@ -71,6 +70,7 @@ import torch
 
 from . import paging, pipeline, rounding
 from ._stacklevel import external_stacklevel
+from .checks import _lr_views_pre_hook, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import (
     agree_finite,
@@ -80,14 +80,16 @@ from .distributed.sharding import (
     present_state,
     presented_params,
 )
-from .work import capture
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
-from .work.capture import CAPTURABLE_ALGORITHMS
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, host_flags
 from .pipeline.plan import Plan, StepRecord
 from .projection import step as galore
+from .projection.projector import projector_problem, split_projector_state
+from .quant.convert import CheckpointError, check_group, convert_param_state
 from .quant.formats import Slot, default_block_size
+from .work import capture
+from .work.capture import CAPTURABLE_ALGORITHMS
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
 
@@ -114,166 +116,6 @@ def kernel_algorithm(optimizer: "LowMemOptimizer | type") -> str | None:
     :class:`~lowmemopt.pipeline.algorithm.Algorithm`'s (:func:`~lowmemopt.pipeline.algorithm.fused_name`)."""
     alg = optimizer.algorithm
     return None if alg is None else alg.fused
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# argument checks shared by the algorithms
-
-
-def one_element(name: str, value: torch.Tensor) -> None:
-    """torch.optim's rule for a hyper-parameter given as a Tensor: any shape, one element (torch's message)."""
-    if value.numel() != 1:
-        raise ValueError(f"Tensor {name} must be 1-element (got shape {tuple(value.shape)})")
-
-
-def check_lr(lr: Any, required: bool = True) -> None:
-    if lr is None and not required:
-        return
-    if isinstance(lr, torch.Tensor):
-        one_element("lr", lr)
-        if lr.device.type != "meta" and not bool(lr >= 0):  # (as torch: one read, at construction)
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
-        return
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise TypeError(f"Invalid learning rate: expected a number, got {type(lr).__name__}")
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
-
-
-def check_nonneg(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
-    if not value >= 0.0:
-        raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
-
-
-def check_betas(betas: Any, n: int = 2) -> None:
-    """``n`` numbers in [0, 1); one-element Tensors are taken, as torch's Adam takes them (:func:`torch_scalars`)."""
-    if not isinstance(betas, (tuple, list)) or len(betas) != n:
-        raise ValueError(f"Invalid betas: expected a tuple of {n} numbers, got {betas!r}")
-    for i, b in enumerate(betas):
-        b = _as_number(f"betas[{i}]", b)
-        if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise TypeError(f"Invalid beta parameter at index {i}: expected a number, got {type(b).__name__}")
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
-
-
-def torch_scalars(group: dict[str, Any]) -> None:
-    """Put the hyper-parameters that torch.optim takes as one-element Tensors into the forms the step reads, in place
-    (the contract boundary: a new param group, the constructor's defaults, a loaded state dict's groups):
-
-    * a Tensor ``lr`` of any one-element shape (``[1]``, ``[1, 1]``) becomes its 0-dim view, as torch's
-      ``_to_scalar`` does at each step. A view shares the tensor's storage, so a scheduler that fills it in place (or a
-      captured step that reads it) still sees every change;
-    * Tensor ``betas`` (as torch's Adam/AdamW take them) and a Tensor ``weight_decay`` (torch's SGD) are read once,
-      here, as Python numbers, on every optimizer: the kernels take them as runtime scalars (a tensor changed in place
-      later is not followed).
-
-    A Tensor of more than one element raises torch's ValueError ("Tensor lr must be 1-element")."""
-    for key in ("lr", "initial_lr"):  # (initial_lr: Lion's decoupled decay, torch's schedulers)
-        if isinstance(group.get(key), torch.Tensor):
-            one_element(key, group[key])
-            _lr_view(group, key)
-    betas = group.get("betas")
-    if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
-        group["betas"] = tuple(_as_number(f"betas[{i}]", b) for i, b in enumerate(betas))
-    group_wd = group.get("weight_decay")
-    if isinstance(group_wd, torch.Tensor):
-        group["weight_decay"] = _as_number("weight_decay", group_wd)
-
-
-def _lr_view(group: dict[str, Any], key: str = "lr") -> None:
-    """A one-element Tensor ``group[key]`` of another shape becomes its 0-dim view (shape only: no value is read)."""
-    lr = group.get(key)
-    if isinstance(lr, torch.Tensor) and lr.dim() != 0 and lr.numel() == 1:
-        group[key] = lr.view(())
-
-
-def _lr_views_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before each ``step()``: a Tensor lr that was set on a group after its checks (``group["lr"] =
-    torch.tensor([1e-3])``, as torch allows) is held as its 0-dim view too, as :func:`torch_scalars` holds it."""
-    for group in optimizer.param_groups:
-        _lr_view(group)
-
-
-def _as_number(name: str, x: Any) -> Any:
-    """A one-element Tensor's value as a Python number (anything else as it is)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    one_element(name, x)
-    return x.item()
-
-
-def check_torch_flags(foreach: Any, fused: Any, differentiable: Any) -> None:
-    """torch.optim's implementation keywords (see :class:`LowMemOptimizer`): ``foreach`` and ``fused`` None or a
-    bool, not both True; ``differentiable`` False."""
-    for name, value in (("foreach", foreach), ("fused", fused)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"Invalid {name}: expected a bool or None, got {type(value).__name__}")
-    if not isinstance(differentiable, bool):
-        raise TypeError(f"Invalid differentiable: expected a bool, got {type(differentiable).__name__}")
-    if differentiable:
-        raise ValueError("differentiable=True is not supported: lowmemopt's step runs under torch.no_grad() and "
-                         "writes parameters and (quantized) state in place, so autograd cannot differentiate through "
-                         "it; use torch.optim for a differentiable step")
-    if fused and foreach:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-
-
-def check_adam_group(group: dict[str, Any]) -> None:
-    """The hyper-parameters every Adam-style group has (AdamW, the transformers-style AdamW, LAMB): ``lr``, ``eps`` >=
-    0, two ``betas`` in [0, 1), ``weight_decay`` >= 0."""
-    check_lr(group["lr"])
-    check_nonneg("epsilon value", group["eps"])
-    check_betas(group["betas"])
-    check_nonneg("weight_decay value", group["weight_decay"])
-
-
-def sqrt_of(x: Any) -> Any:
-    """The correctly rounded square root of a step scalar: a number (``math.sqrt``), or a capturable step's tensor of
-    them (one per tensor, on the device)."""
-    return x.sqrt() if isinstance(x, torch.Tensor) else math.sqrt(x)
-
-
-def check_positive(name: str, value: Any) -> None:
-    check_nonneg(name, value)
-    if not value > 0.0:
-        raise ValueError(f"Invalid {name}: {value} (must be > 0)")
-
-
-def check_eps_pair(eps: Any, first_optional: bool = False) -> None:
-    """A pair of non-negative numbers (Adafactor, CAME); ``first_optional``: ``eps[0]`` may be None."""
-    if not isinstance(eps, (tuple, list)) or len(eps) != 2:
-        raise ValueError(f"Invalid eps: expected a tuple of 2 numbers, got {eps!r}")
-    for i, e in enumerate(eps):
-        if not (first_optional and i == 0 and e is None):
-            check_nonneg(f"eps[{i}] (epsilon value)", e)
-
-
-def check_storage(group: dict) -> None:
-    bits = group["state_bits"]
-    if isinstance(bits, bool) or bits not in (32, 16, 8, 4):
-        raise ValueError(f"Invalid state_bits: {bits!r} (supported: 32, 16, 8, 4)")
-    bs = group["block_size"]
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
-        raise ValueError(f"Invalid block_size: {bs!r} (must be a power of two >= 16)")
-    mq = group["min_quant_numel"]
-    if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
-        raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
-    paging.check_paging(group)
-    rounding.check_mode(group.get("bf16_update", "nearest"))  # bfloat16 parameters: nearest | stochastic | kahan
-    capturable = group.get("capturable", False)
-    if not isinstance(capturable, bool):
-        raise TypeError(f"Invalid capturable: expected a bool, got {type(capturable).__name__}")
-    if capturable and paging.tier_of(group) is not None:
-        raise ValueError("capturable=True cannot page state: a captured step cannot move it between host and device")
-    if capturable and group.get("bf16_update", "nearest") == "stochastic":
-        raise ValueError("capturable=True cannot round bf16 parameters stochastically (each step's hash key is made "
-                         "on the host); use bf16_update='nearest' or 'kahan'")
-    if capturable and group.get("rank") is not None:
-        raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD that "
-                         "synchronizes)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -638,19 +480,20 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     sizes_differ = any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, groups))
     if len(saved_groups) != len(groups) or sizes_differ:
         return state_dict  # torch raises its own, clear error for this
-    from .checkpoint import convert_param_state  # deferred: lowmemopt.checkpoint imports this module
-
     id_map, converted, targets = {}, {}, {}
     for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
         target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
         target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
+        check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
         for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
             id_map[key] = p
             value = state_dict["state"].get(key)
+            where = f"load_state_dict: parameter {i} of param group {gi}"
+            if value is not None and not isinstance(value, dict):
+                raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
             if isinstance(value, dict):
-                where = f"load_state_dict: parameter {i} of param group {gi}"
                 _, value = localize_state(p, value)  # DTensor state -> the local shard's
-                converted[key] = convert_param_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
+                converted[key] = _convert_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
                 targets[key] = group
     # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
     staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
@@ -659,6 +502,24 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)
     return state_dict
+
+
+def _convert_state(optimizer: LowMemOptimizer, p: torch.Tensor, value: dict[str, Any], saved: dict[str, Any],
+                   target: dict[str, Any], where: str, legacy_maps: bool) -> dict[str, Any]:
+    """One parameter's state dict entry in this optimizer's formats (:func:`convert_param_state`); a GaLore projector
+    (``galore.*``: fp32 bases and ints) is checked against the group and kept, as are bf16_update's entries."""
+    value = {k: v for k, v in value.items() if v is not None}  # torch.optim may store None buffers
+    if not value:
+        return {}
+    projector, value = split_projector_state(value)
+    problem = projector_problem(projector, target, p.shape)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    rounding_state, value = rounding.split_state(value)  # bf16_update: a seed, a Kahan buffer; kept as they are
+    kept = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()}  # fp32: no copy
+    kept.update(rounding_state)
+    return convert_param_state(value, optimizer._state_slots(target, p), saved, target, local_tensor(p), where,
+                               legacy_maps, numel=p.numel(), kept=kept)
 
 
 def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:

@@ -10,6 +10,7 @@ import pickle
 import re
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 import lowmemopt
 import lowmemopt.checkpoint as checkpoint
 from lowmemopt.checkpoint import CheckpointError, load_state, save_state
+from lowmemopt.quant import convert
 from lowmemopt.quant import code_book, dequantize_blockwise, format_of, quantize_blockwise
 from lowmemopt.quant.formats import legacy_map_for, map_for
 
@@ -248,8 +250,8 @@ def test_format_1_state_in_the_dynamic_maps_is_re_encoded(tmp_path, path, monkey
     dst_params = clone_params(params)
     dst_opt = lowmemopt.AdamW(dst_params, lr=1e-2, state_bits=8, amsgrad=True)
     if path == "file":
-        monkeypatch.setattr(checkpoint, "map_for", legacy_map_for)  # what an older lowmemopt wrote
-        monkeypatch.setattr(checkpoint, "FILE_VERSION", 1)
+        monkeypatch.setattr(convert, "map_for", legacy_map_for)  # what an older lowmemopt wrote
+        monkeypatch.setattr(checkpoint.save, "FILE_VERSION", 1)
         save_state(src_opt, tmp_path / "old.safetensors")
         monkeypatch.undo()
         report = load_state(dst_opt, tmp_path / "old.safetensors")
@@ -393,7 +395,8 @@ def test_bitsandbytes_state_with_a_foreign_code_book_is_refused():
 
 
 def _rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
-    """Rewrite a state file with edited metadata and/or tensors (CRCs of edited tensors left stale on purpose)."""
+    """Rewrite a state file with edited metadata and/or tensors (CRCs of edited tensors left stale on purpose; the
+    metadata's own CRC-32 recomputed, so that the checks behind it are what is tested)."""
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["lowmemopt"])
         tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
@@ -401,7 +404,8 @@ def _rewrite(path: Path, edit_meta=None, edit_tensors=None) -> None:
         edit_meta(meta)
     if edit_tensors:
         edit_tensors(tensors)
-    save_file(tensors, str(path), metadata={"lowmemopt": json.dumps(meta)})
+    raw = json.dumps(meta)
+    save_file(tensors, str(path), metadata={"lowmemopt": raw, "lowmemopt.crc32": str(zlib.crc32(raw.encode()))})
 
 
 def _flip_one_code(tensors):
@@ -589,12 +593,11 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     good = path.read_bytes()
     run(opt, params, 1, start=5)
 
-    def broken_save_file(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
+    def broken_write(fh, tensors, metadata):
+        fh.write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save_file", broken_save_file)
+    monkeypatch.setattr(checkpoint.layout, "write_safetensors", broken_write)
     with pytest.raises(OSError, match="No space left"):
         save_state(opt, path)
     monkeypatch.undo()
@@ -602,7 +605,7 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("interrupted")
 
-    monkeypatch.setattr(checkpoint.os, "replace", broken_replace)
+    monkeypatch.setattr(checkpoint.layout.os, "replace", broken_replace)
     with pytest.raises(OSError, match="interrupted"):
         save_state(opt, path)
     monkeypatch.undo()

@@ -34,7 +34,7 @@ def test_cli_inspect_prints_metadata_and_format_summary(tmp_path, capsys):
     lowmemopt.save_state(opt, path, model=net)
     assert cli_main(["inspect", str(path), "--params"]) == 0
     out = capsys.readouterr().out
-    assert "format_version 2" in out and "optimizer: AdamW" in out and "keys: parameter names" in out
+    assert "format_version 3" in out and "optimizer: AdamW" in out and "keys: parameter names" in out
     assert "lr=0.002" in out and "state_bits=8" in out
     assert "params: 4 (4 with state), step 3" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
@@ -313,3 +313,58 @@ def test_lazy_package_keeps_its_public_names():
     assert set(lowmemopt.__all__) <= set(dir(lowmemopt))
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         lowmemopt.no_such_name
+
+
+def _inspect_subprocess(path: Path, pipe: str = "") -> tuple[int, str, str]:
+    """``lowmemopt inspect path --params [| pipe]`` in a shell: (the command's status, its stdout, its stderr)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from lowmemopt.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = f'"{sys.executable}" -c "{code}" inspect "{path}" --params 2>"{path}.err"' + (f" | {pipe}" if pipe else "")
+    done = subprocess.run(["bash", "-c", cmd + '; exit "${PIPESTATUS[0]}"'], capture_output=True, text=True)
+    return done.returncode, done.stdout, Path(f"{path}.err").read_text()
+
+
+def test_cli_inspect_into_head_ends_quietly(tmp_path):
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3000)]  # --params lists 3000 lines: > a pipe's buffer
+    opt = lowmemopt.AdamW(params)
+    run(opt, params, 1)
+    lowmemopt.save_state(opt, tmp_path / "s.safetensors")
+    status, out, err = _inspect_subprocess(tmp_path / "s.safetensors", "head -1")
+    assert (status, err) == (0, "") and out.startswith(str(tmp_path / "s.safetensors"))
+
+
+def _bad_metadata_file(path: Path, raw: str) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(path), metadata={"lowmemopt": raw})
+    return path
+
+
+@pytest.mark.parametrize("what", ["no optimizer and keys", "a list", "deep", "a directory", "a torch file"])
+def test_cli_inspect_odd_files_without_a_traceback(tmp_path, what):
+    path = tmp_path / "s.safetensors"
+    if what == "no optimizer and keys":
+        params = [torch.nn.Parameter(torch.zeros(2))]
+        lowmemopt.save_state(lowmemopt.AdamW(params), tmp_path / "good.safetensors")
+        meta = lowmemopt.checkpoint.read_metadata(tmp_path / "good.safetensors")
+        meta = {k: v for k, v in meta.items() if k not in ("optimizer", "keys", "tensors", "algorithm")}
+        _bad_metadata_file(path, __import__("json").dumps(meta))
+    elif what == "a list":
+        _bad_metadata_file(path, "[1, 2]")
+    elif what == "deep":
+        _bad_metadata_file(path, "[" * 100000 + "]" * 100000)
+    elif what == "a directory":
+        path.mkdir()
+    else:  # a torch.save file named .safetensors (torch.load picks safetensors by the name)
+        params = [torch.nn.Parameter(torch.zeros(2))]
+        opt = lowmemopt.AdamW(params)
+        run(opt, params, 1)
+        torch.save(opt.state_dict(), path)
+    status, out, err = _inspect_subprocess(path)
+    assert "Traceback" not in err, err
+    if what == "a torch file":
+        assert status == 0 and "saved with torch.save" in out
+    else:
+        assert status == 1 and err.startswith("lowmemopt inspect: ") and len(err.splitlines()) == 1, err

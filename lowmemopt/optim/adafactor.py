@@ -25,7 +25,8 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..checks import check_eps_pair, check_lr, check_nonneg, check_positive
+from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 

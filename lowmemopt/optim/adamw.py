@@ -11,7 +11,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, check_adam_group, sqrt_of
+from ..checks import check_adam_group, sqrt_of
+from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 

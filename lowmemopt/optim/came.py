@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..checks import check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
+from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_slots

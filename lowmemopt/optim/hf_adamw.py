@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, check_adam_group
+from ..checks import check_adam_group
+from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm
 from ..quant.formats import Slot
 

@@ -18,7 +18,8 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, check_adam_group, sqrt_of
+from ..checks import check_adam_group, sqrt_of
+from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 

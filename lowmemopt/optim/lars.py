@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed.reduction import LOCAL, Reduction
-from ..optimizer import LowMemOptimizer, check_lr, check_nonneg
+from ..checks import check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 

@@ -10,7 +10,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..optimizer import LowMemOptimizer, check_betas, check_lr, check_nonneg
+from ..checks import check_betas, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 

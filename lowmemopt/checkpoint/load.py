@@ -1,0 +1,179 @@
+"""Loading: a state file into an optimizer, validated and planned first, converted to the optimizer's formats while
+it streams, swapped in at the end (:func:`load_state`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from .. import paging
+from ..distributed.sharding import local_tensor
+from ..optimizer import LowMemOptimizer
+from ..quant.convert import (CheckpointError, Reader, check_values, format_numel, reformat, remaps, slot_shape,
+                             target_format)
+from ..quant.formats import FORMATS
+from .layout import crc32, open_state_file, sharded_path
+from .validation import (LoadReport, Plan, check_optimizer, check_same_optimizer, describe_problems, from_json,
+                         plan_load, restorable, validated_meta)
+
+
+def load_state(
+    optimizer: LowMemOptimizer,
+    path: str | os.PathLike,
+    model: torch.nn.Module | None = None,
+    strict: bool = True,
+    *,
+    from_optimizer: str | None = None,
+) -> LoadReport:
+    """Load a state file written by :func:`save_state` into ``optimizer``, converting formats as needed.
+
+    Everything is validated before the optimizer is touched; a problem raises :class:`CheckpointError` naming the
+    parameter and leaves the optimizer unchanged. ``strict=True`` also raises for missing / unexpected params and
+    mismatched ones (shape, slots, block size); ``strict=False`` loads what matches and reports the rest. Unreadable,
+    corrupt or unknown-version files always raise. Param groups' hyper-parameters are restored from the file when the
+    optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
+    ...) are always the optimizer's own, and state is converted to them.
+
+    A file of another optimizer (another algorithm: aliases such as ``AdamW8bit`` count as their base class) is
+    refused, also with ``strict=False``. ``from_optimizer``: the class name of the file's optimizer, to load its state
+    into this one deliberately; slots that match load, hyper-parameters stay this optimizer's."""
+    check_optimizer(optimizer)
+    path, sharding = sharded_path(optimizer, path)
+    if sharding is not None and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"no per-rank optimizer state file at {path!r} for rank {sharding['rank']} of world size "
+            f"{sharding['world_size']}; per-rank files load only at the world size that saved them (to change it, "
+            "use torch.distributed.checkpoint: docs/distributed.md)"
+        )
+    with open_state_file(path) as f:
+        meta = validated_meta(f, path)
+        if meta.get("sharding", sharding) != sharding:
+            raise CheckpointError(
+                f"{path}: saved by rank/world size {meta.get('sharding')}, loading at {sharding} (per-rank files load "
+                "only at the same sharding; to change it use torch.distributed.checkpoint: docs/distributed.md)"
+            )
+        restore = check_same_optimizer(optimizer, meta, path, from_optimizer)
+        plans, report = plan_load(optimizer, meta, model, path, restore)
+        if strict and (report.missing or report.unexpected or report.mismatched):
+            raise CheckpointError(describe_problems(path, report, meta, model))
+        release = f.release
+        # allocate all the new state first, then stream the file into it: chunk temporaries then reuse one small
+        # region instead of fragmenting the heap between state tensors. Paged params' state goes to new homes.
+        new_states = {plan.param: _allocate(plan) for plan in plans}
+        new_states.update(paging.stage(optimizer, [(plan.param, plan.group, new_states[plan.param]) for plan in plans]))
+        try:
+            for plan in plans:
+                _read_param(f, plan, new_states[plan.param], meta["crc32"], path, release, report.converted)
+                paging.drop_pages(optimizer, new_states[plan.param])
+        except BaseException:
+            paging.discard_staged(optimizer)
+            raise
+    # everything is read and checked: swap it in
+    for plan in plans:
+        if new_states[plan.param]:
+            optimizer.state[plan.param] = new_states[plan.param]
+        else:
+            optimizer.state.pop(plan.param, None)
+    paging.reconcile(optimizer)  # paged: adopt the new homes, free the replaced ones
+    if report.hyperparameters_restored:
+        for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+            for k, v in saved.items():
+                if restorable(k, v):
+                    group[k] = from_json(v, group.get(k))
+    return report
+
+
+def _allocate(plan: Plan) -> dict[str, Any]:
+    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it). Paged
+    params get meta tensors here: :func:`lowmemopt.paging.stage` then puts them in new homes."""
+    if plan.entry["step"] is None:
+        return {}
+    state: dict[str, Any] = {"step": plan.entry["step"]}
+    device = torch.device("meta") if paging.tier_of(plan.group) else plan.param.device
+    for key, value in plan.entry.get("projector", {}).items():  # GaLore: ints as they are, fp32 bases to fill
+        state[key] = torch.zeros(value, dtype=torch.float32, device=device) if isinstance(value, list) else value
+    for key, value in plan.entry.get("bf16_update", {}).items():  # a seed; a bf16 Kahan buffer to fill
+        state[key] = torch.zeros(value, dtype=torch.bfloat16, device=device) if isinstance(value, list) else value
+    for name, slot in plan.slots.items():
+        shape = slot_shape(slot, local_tensor(plan.param).shape)
+        fmt = target_format(plan.group, slot, format_numel(slot, plan.param.numel()))
+        fmt.init(state, name, shape, device, plan.group["block_size"])
+    return state
+
+
+def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, converted: list[str]) -> None:
+    """Fill ``state`` (from :func:`_allocate`) from the file, converting formats; checks every tensor's CRC-32."""
+    entry, p, group = plan.entry, local_tensor(plan.param), plan.group
+    device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), p.device)  # paged: the home's
+    for name, slot in plan.slots.items():
+        info = entry["slots"][name]
+        shape = slot_shape(slot, p.shape)
+        src = FORMATS[info["format"]]
+        src_bs = info.get("block_size", 1)
+        dst = target_format(group, slot, format_numel(slot, plan.param.numel()))
+        dst_bs = group["block_size"]
+        sources = {}
+        for key in src.keys(name):
+            fkey = f"{plan.name}/{key}"
+            sources[key] = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
+        read = _checked_reader(sources, slot.signed, f"{path}: parameter '{plan.name}'")
+        src_map = info.get("map")  # 8-bit: the file's map (files before format 2 of the state: the dynamic maps)
+        remap = remaps(src, src_map, slot)
+        reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device,
+                 verbatim=src is dst and not remap, src_map=src_map)
+        for source in sources.values():
+            source.finish()
+        if src is not dst or remap:
+            where = f" ({src_map} map)" if remap else ""
+            converted.append(f"{plan.name}/{name}: {src.name}{where} -> {dst.name}")
+    for key, value in list(entry.get("projector", {}).items()) + list(entry.get("bf16_update", {}).items()):
+        if isinstance(value, list):
+            fkey = f"{plan.name}/{key}"
+            source = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
+            read = _checked_reader({key: source}, True, f"{path}: parameter '{plan.name}'")
+            state[key].view(-1).copy_(read(key, 0, state[key].numel()))
+            source.finish()
+
+
+def _checked_reader(sources: dict[str, _FileTensor], signed: bool, where: str) -> Reader:
+    """Read chunks of ``sources``, refusing values that would poison the next step (:func:`check_values`)."""
+
+    def read(key: str, a: int, b: int) -> torch.Tensor:
+        chunk = sources[key].read(a, b)
+        check_values(key, chunk, signed, where)
+        return chunk
+
+    return read
+
+
+class _FileTensor:
+    """A memory-mapped tensor of the file, read front to back: checksummed as it goes, and the pages already read are
+    dropped from the process (``release``) so a load never holds the file's pages and the new state at once."""
+
+    def __init__(self, view: torch.Tensor, key: str, crc: int, path: str, release: Callable[[int, int], None]):
+        self.flat, self.key, self.expected, self.path, self.release = view.reshape(-1), key, crc, path, release
+        self.crc = 0
+        self.pos = 0
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        assert a == self.pos, (self.key, a, self.pos)  # consumed strictly in order
+        self._release_until(a)
+        chunk = self.flat[a:b]
+        self.crc = crc32(chunk, self.crc)
+        self.pos = b
+        return chunk
+
+    def finish(self) -> None:
+        assert self.pos == self.flat.numel(), (self.key, self.pos)
+        self._release_until(self.pos)
+        if self.crc != self.expected:
+            param, _, key = self.key.rpartition("/")
+            raise CheckpointError(
+                f"{self.path}: parameter '{param}': tensor '{key}' fails its CRC-32 check: the file is corrupt"
+            )
+
+    def _release_until(self, end: int) -> None:
+        if end and self.flat.numel():
+            self.release(self.flat.data_ptr(), self.flat.data_ptr() + end * self.flat.element_size())

@@ -1,0 +1,313 @@
+"""State-format conversion: one parameter's state, stored in any format, into the formats a param group asks for.
+
+Both ways of loading state use it: :mod:`lowmemopt.checkpoint` (safetensors files, streamed through :func:`reformat`)
+and the optimizer's ``load_state_dict`` pre-hook (in-memory state dicts of lowmemopt, ``torch.optim`` or bitsandbytes,
+through :func:`convert_param_state`). It sits with the formats, below the optimizer: it takes plain data (a slots dict,
+param group dicts, the parameter tensor) and imports nothing above :mod:`lowmemopt.quant`.
+
+Each slot is decoded and re-encoded with :mod:`lowmemopt.quant.formats`: fp32 / bf16 / q8 / q4 in any direction. One
+exception: q8 (q4) state is never re-quantized to q8 (q4) at a different block size (that would add a second rounding to
+state that is otherwise exact); it is a mismatch.
+
+Nothing that would poison the next step loads (:func:`check_values`, :func:`check_step`, :func:`check_group`): a
+non-finite or negative ``absmax``, non-finite state, negative values in a non-negative slot (``exp_avg_sq``), a step
+that is not a non-negative integer, hyper-parameters the optimizer's own checks refuse (NaN ``lr``, ``betas`` >= 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from . import q4
+from .blockwise import num_blocks
+from .formats import BF16, FP32, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for, map_for
+from .maps import code_book
+
+__all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step",
+           "check_group"]
+
+CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
+_BNB_QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests its 8-bit tensors under this key
+_BNB_SCRATCH = {"unorm_vec", "gnorm_vec"}  # bitsandbytes per-step buffers, recomputed every step
+
+
+class CheckpointError(ValueError):
+    """A state file or state dict that cannot be loaded as asked. The optimizer was not changed."""
+
+
+Reader = Callable[[str, int, int], torch.Tensor]  # (state key, a, b) -> flat elements [a, b) of that stored tensor
+
+
+def reformat(
+    read: Reader,
+    out: dict[str, torch.Tensor],
+    slot: str,
+    shape: torch.Size,
+    signed: bool,
+    src: StateFormat,
+    src_bs: int,
+    dst: StateFormat,
+    dst_bs: int,
+    device: torch.device,
+    verbatim: bool,
+    src_map: str | None = None,
+) -> None:
+    """Write slot ``slot``, stored as ``src`` (read through ``read``; 8- or 4-bit codes in map ``src_map``, default the
+    state map), into ``out``'s tensors for it, already made by ``dst.init``; streamed in block-aligned chunks so no full-size
+    fp32 copy is made. ``verbatim``: same format, dtype, block size and map, copy the bytes."""
+    n = shape.numel()
+    align = max(src_bs, dst_bs)
+    step = max(align, CHUNK_NUMEL // align * align)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        if verbatim:
+            for key, (a, b) in dst.key_ranges(slot, lo, hi, dst_bs).items():
+                out[key].view(-1)[a:b].copy_(read(key, a, b))
+        else:
+            chunk = {key: read(key, a, b).to(device) for key, (a, b) in src.key_ranges(slot, lo, hi, src_bs).items()}
+            value = src.decode(chunk, slot, 0, hi - lo, signed, src_bs, qmap=src_map)
+            dst.encode(out, slot, lo, hi, value.contiguous(), signed, dst_bs)
+
+
+def remaps(src: StateFormat, src_map: str | None, slot: Slot) -> bool:
+    """8-bit state in a map other than the state map (bitsandbytes' dynamic maps, as in bitsandbytes state and
+    lowmemopt format 1): it is decoded in its map and encoded into the state map, never copied as it is."""
+    return src is Q8 and src_map != map_for(slot.signed)
+
+
+def state_map(fmt: StateFormat, slot: Slot) -> str | None:
+    """The map a slot of format ``fmt`` is stored in (None: not quantized)."""
+    return map_for(slot.signed) if fmt is Q8 else q4.map4_for(slot.signed) if fmt is Q4 else None
+
+
+def target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat:
+    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize)
+
+
+def format_numel(slot: Slot, numel: int) -> int:
+    """The size that picks a slot's format: the whole parameter's ``numel`` (a DTensor's too) for slots shaped like it,
+    as the optimizer's state creation does, so that a shard's format does not depend on the world size."""
+    return numel if slot.shape is None else torch.Size(slot.shape).numel()
+
+
+def slot_shape(slot: Slot, shape: torch.Size) -> torch.Size:
+    """The stored shape of a slot of a parameter of ``shape`` (a DTensor's: its local shard's)."""
+    return shape if slot.shape is None else torch.Size(slot.shape)
+
+
+def dense_format(t: torch.Tensor) -> StateFormat:
+    return BF16 if t.dtype == torch.bfloat16 else FP32  # other floats (torch.optim, fp16 params) decode as fp32
+
+
+def convert_param_state(
+    state: dict[str, Any],
+    slots: dict[str, Slot],
+    saved_group: dict[str, Any],
+    group: dict[str, Any],
+    param: torch.Tensor,
+    where: str,
+    legacy_maps: bool = False,
+    numel: int | None = None,
+    kept: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One parameter's state from a state dict, in the formats ``group`` asks for ``slots``.
+
+    ``param``: the parameter (a DTensor's local shard); ``numel``: the whole parameter's size, which picks the formats
+    (default ``param.numel()``). ``state`` may be lowmemopt state in any format (q8 needs ``saved_group["block_size"]``),
+    ``torch.optim`` state (``exp_avg``, tensor ``step``, any float dtype) or bitsandbytes state (``state1``/``state2`` +
+    ``absmax``/``qmap``, nested or not), whose N-th state is the N-th slot (AdamW: ``exp_avg``, ``exp_avg_sq``). Slots
+    already in the target format are returned as they are (no copy); others are decoded and re-encoded. 8-bit state in
+    bitsandbytes' dynamic maps (bitsandbytes state, and lowmemopt state with ``legacy_maps``: ``lowmemopt_format`` 1)
+    is re-encoded into the state maps (one rounding to the nearest code of the new map). ``kept``: entries the caller
+    checked (a GaLore projector, bf16_update's), placed after ``step`` as they are. Raises CheckpointError naming
+    ``where`` and the problem."""
+    numel = param.numel() if numel is None else numel
+    if "state1" in state or _BNB_QUANT_KEY in state:
+        sources = _bnb_sources(state, slots, where)
+    else:
+        sources = _lowmemopt_sources(state, slots, saved_group, where, legacy_maps)
+    if "step" not in state:
+        raise CheckpointError(f"{where}: the state has slots {sorted(sources)} but no 'step' count")
+    out: dict[str, Any] = {"step": check_step(state["step"], where)}
+    for key, value in (kept or {}).items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            check_values(key, value, True, where)
+        out[key] = value
+    dst_bs = group["block_size"]
+    for name, slot in slots.items():
+        src, src_bs, tensors, src_map = sources[name]
+        shape = slot_shape(slot, param.shape)
+        check_source(src, src_bs, tensors, name, shape, where, param.shape)
+        for key, t in tensors.items():
+            check_values(key, t, slot.signed, where)
+        dst = target_format(group, slot, format_numel(slot, numel))
+        remap = remaps(src, src_map, slot)
+        if src is dst and src in QUANTIZED and src_bs != dst_bs and not remap:
+            raise CheckpointError(
+                f"{where}: '{name}' is {src.bits}-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
+                "(re-quantizing would add error); construct the optimizer with the saved block_size"
+            )
+        if src is dst and not remap and all(t.dtype == storage_dtype(dst, k) for k, t in tensors.items()):
+            for key, t in tensors.items():  # already in place: keep the very tensors (views for bitsandbytes codes)
+                out[key] = t.reshape(shape) if dst not in QUANTIZED else t.reshape(-1)
+            continue
+        flat = {k: t.reshape(-1) for k, t in tensors.items()}
+        read = lambda key, a, b, flat=flat: flat[key][a:b]  # noqa: E731
+        device = next(iter(tensors.values())).device
+        dst.init(out, name, shape, device, dst_bs)
+        reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False,
+                 src_map=src_map)
+    return out
+
+
+def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
+    """Raise CheckpointError (naming ``where`` and ``key``) unless the floating-point state tensor ``t`` can be stepped
+    from: every value finite, and none negative in an ``absmax`` or a non-negative slot (``signed`` False). Integer
+    tensors (codes) pass. One reduction over ``t``, no temporary of its size; chunks of a tensor may come one by one."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    lo, hi = (float(x) for x in torch.aminmax(t.detach().reshape(-1)))  # NaN propagates to both
+    if math.isnan(lo) or math.isnan(hi):
+        problem = "NaN"
+    elif math.isinf(lo) or math.isinf(hi):
+        problem = "Inf"
+    elif lo < 0 and (key.endswith(".absmax") or not signed):
+        problem = f"negative values (min {lo:g}) where every value is >= 0"
+    else:
+        return
+    raise CheckpointError(f"{where}: state '{key}' holds {problem}; it would poison the next step")
+
+
+def check_step(step: Any, where: str) -> int:
+    """A state's step count as an int (a number, or a one-element tensor as ``torch.optim`` stores it); raise
+    CheckpointError unless it is a non-negative integer."""
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or value != int(value)):
+        shown = value if isinstance(value, (int, float)) else f"of type {type(step).__name__}"
+        raise CheckpointError(f"{where}: step {shown} (the step count must be a non-negative integer)")
+    return int(value)
+
+
+def check_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], where: str) -> None:
+    """Run an optimizer's hyper-parameter check (its ``_check_group``) on a param group about to be loaded; its
+    ValueError or TypeError becomes a CheckpointError: ``"<where> are invalid: <the check's message>"``."""
+    try:
+        check(group)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{where} are invalid: {e}") from None
+
+
+def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
+    if fmt in QUANTIZED:
+        return torch.uint8 if key.endswith((".codes", ".nibbles")) else torch.float32
+    return torch.bfloat16 if fmt is BF16 else torch.float32
+
+
+def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
+                 where: str, param_shape: torch.Size | None = None, source: str = "the state dict"):
+    """Raise CheckpointError unless ``tensors`` (from ``source``) hold slot ``name`` of ``shape`` in format ``src``; a
+    size mismatch names the shapes: the parameter's (``param_shape``, where the slot's differs: GaLore) and the
+    slot's."""
+    numel = shape.numel()
+    param_shape = shape if param_shape is None else param_shape
+    ours = f"the optimizer's parameter has shape {tuple(param_shape)}"
+    if tuple(param_shape) != tuple(shape):
+        ours += f" and its '{name}' {tuple(shape)}"
+    hint = "; is it the state of another model, or of the parameters in another order?"
+    if src is Q8 or src is Q4:
+        key, stored, unit, kind = ((".codes", numel, "elements", "8-bit codes") if src is Q8 else
+                                   (".nibbles", q4.packed_len(numel), "bytes", "4-bit codes, two per byte"))
+        codes, absmax = tensors[name + key], tensors[name + ".absmax"]
+        if codes.dtype != torch.uint8:
+            raise CheckpointError(f"{where}: '{name}{key}' is {codes.dtype} in {source}, expected uint8 {kind}")
+        if codes.numel() != stored:
+            raise CheckpointError(
+                f"{where}: '{name}' has {codes.numel():,} {unit} in {source} ({kind}, stored flat); {ours} "
+                f"({numel:,} elements{'' if src is Q8 else f', {stored:,} bytes'}){hint}"
+            )
+        if absmax.numel() != num_blocks(numel, bs):
+            raise CheckpointError(
+                f"{where}: '{name}.absmax' has {absmax.numel()} blocks; {numel} elements at block_size {bs} need "
+                f"{num_blocks(numel, bs)} (block-size mismatch)"
+            )
+        return
+    t = tensors[name]
+    if not t.is_floating_point():
+        raise CheckpointError(f"{where}: '{name}' is {t.dtype} in {source}, expected floating-point state")
+    if t.numel() != numel:
+        raise CheckpointError(f"{where}: '{name}' has shape {tuple(t.shape)} in {source}; {ours}{hint}")
+
+
+def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
+    """slot -> (format, block size, tensors, 8-bit map or None)"""
+    sources, used = {}, {"step"}
+    for name, slot in slots.items():
+        if name + ".codes" in state:
+            keys = Q8.keys(name)
+            if keys[1] not in state:
+                raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
+            bs = saved_group.get("block_size")
+            if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+                raise CheckpointError(f"{where}: 8-bit state '{name}' but the saved param group has no block_size "
+                                      f"(block_size {bs!r})")
+            qmap = legacy_map_for(slot.signed) if legacy_maps else map_for(slot.signed)
+            sources[name] = (Q8, bs, {k: state[k] for k in keys}, qmap)
+        elif name + ".nibbles" in state:
+            keys = Q4.keys(name)
+            if keys[1] not in state:
+                raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
+            bs = saved_group.get("block_size")
+            if isinstance(bs, bool) or not isinstance(bs, int) or bs < 2 or bs % 2:
+                raise CheckpointError(f"{where}: 4-bit state '{name}' but the saved param group has no even block_size "
+                                      f"(block_size {bs!r})")
+            sources[name] = (Q4, bs, {k: state[k] for k in keys}, q4.map4_for(slot.signed))
+        elif name in state:
+            keys = (name,)
+            sources[name] = (dense_format(state[name]), 1, {name: state[name]}, None)
+        else:
+            raise CheckpointError(f"{where}: the state has no slot '{name}' (has {sorted(state)})")
+        used.update(keys)
+    extra = sorted(set(state) - used)
+    if extra:
+        raise CheckpointError(f"{where}: unexpected state {extra}; the optimizer's slots are {sorted(slots)}")
+    return sources
+
+
+def _bnb_sources(state, slots, where):
+    state = dict(state)
+    state.update(state.pop(_BNB_QUANT_KEY, {}))
+    for key in ("max1", "max2", "new_max1", "new_max2"):
+        if key in state:
+            raise CheckpointError(f"{where}: bitsandbytes non-blockwise 8-bit state ('{key}') is not supported")
+    n_states = sum(1 for i in (1, 2, 3) if f"state{i}" in state)
+    if n_states != len(slots):
+        raise CheckpointError(
+            f"{where}: bitsandbytes state has {n_states} state tensor(s), the optimizer has {len(slots)} slot(s) "
+            f"{list(slots)}"
+        )
+    sources, used = {}, {"step"} | _BNB_SCRATCH
+    for i, (name, slot) in enumerate(slots.items(), start=1):
+        t = state[f"state{i}"]
+        used.add(f"state{i}")
+        if t.dtype != torch.uint8:
+            sources[name] = (dense_format(t), 1, {name: t}, None)
+            continue
+        used.update((f"qmap{i}", f"absmax{i}"))
+        if f"absmax{i}" not in state or f"qmap{i}" not in state:
+            raise CheckpointError(f"{where}: bitsandbytes 8-bit 'state{i}' without 'absmax{i}' / 'qmap{i}'")
+        bnb_map = legacy_map_for(slot.signed)
+        if not torch.equal(state[f"qmap{i}"].detach().float().cpu().reshape(-1), code_book(bnb_map)):
+            raise CheckpointError(
+                f"{where}: bitsandbytes 'qmap{i}' is not bitsandbytes' {bnb_map} map, which lowmemopt reads for "
+                f"'{name}'"
+            )
+        tensors = {name + ".codes": t.reshape(-1), name + ".absmax": state[f"absmax{i}"]}
+        sources[name] = (Q8, 256, tensors, bnb_map)  # bitsandbytes: blocks of 256
+    extra = sorted(set(state) - used)
+    if extra:
+        raise CheckpointError(f"{where}: unexpected bitsandbytes state {extra}")
+    return sources
