@@ -16,8 +16,8 @@ the one to compare (their ``opt.step()`` has nothing left to do), and their peak
 ``-graph`` rows capture ``opt.step()`` in a CUDA graph after two eager steps (``capturable=True``) and replay it:
 their ``opt.step()`` is the GPU's time alone (CUDA only; their gradients are zeroed in place, not freed). The
 ``-capturable`` row takes the same steps eagerly: no synchronization, an ordinary step's host work. After the table,
-the issues' targets on ``opt.step()`` (:data:`TARGETS`) whose rows both ran, with their ratios, PASS / FAIL on a GPU. Ratios are
-to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
+the project's performance targets on ``opt.step()`` (:data:`TARGETS`) whose rows both ran, with their ratios, PASS /
+FAIL on a GPU. Ratios are to ``torch-adamw-fused`` measured in the same run. A row whose library is missing says
 "not installed"; a row that fails says why; the run goes on.
 
     cd /tmp && python /path/to/lowmemopt/bench/e2e.py                          # 1.1B, every row (CUDA)
@@ -371,16 +371,17 @@ def markdown_table(rows: list[dict[str, Any]], steps: int) -> str:
     return "\n".join(_table_header(device_memory, steps) + [_table_row(r, base) for r in rows])
 
 
-#: the issues' end-to-end targets on ``opt.step()`` (1.1B bf16 on a GPU): (issue, row, anchor row, bound on the ratio)
+#: the project's end-to-end performance targets on ``opt.step()`` (1.1B bf16 on a GPU): (short name of the target,
+#: row, anchor row, bound on the ratio of the row's time to the anchor's)
 TARGETS = [
-    (17, "lowmemopt-adamw-8bit", BASELINE, 1.0),
-    (17, "lowmemopt-adamw-8bit-graph", BASELINE, 1.0),
-    (17, "lowmemopt-adamw-8bit", "bnb-adamw8bit", 0.5),
-    (15, "lowmemopt-paged-adamw-8bit", "bnb-paged-adamw8bit", 1.5),
-    (16, "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit", 0.8),
-    (16, "lowmemopt-galore-adamw-8bit-bf16proj", "galore-torch-adamw8bit", 0.8),
-    (16, "lowmemopt-galore-came-8bit", "galore-torch-adamw8bit", 1.0),
-    (16, "lowmemopt-galore-came-8bit-bf16proj", "galore-torch-adamw8bit", 1.0),
+    ("fused 8-bit step", "lowmemopt-adamw-8bit", BASELINE, 1.0),
+    ("fused 8-bit step", "lowmemopt-adamw-8bit-graph", BASELINE, 1.0),
+    ("fused 8-bit step", "lowmemopt-adamw-8bit", "bnb-adamw8bit", 0.5),
+    ("paged step", "lowmemopt-paged-adamw-8bit", "bnb-paged-adamw8bit", 1.5),
+    ("GaLore step", "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit", 0.8),
+    ("GaLore step", "lowmemopt-galore-adamw-8bit-bf16proj", "galore-torch-adamw8bit", 0.8),
+    ("GaLore step", "lowmemopt-galore-came-8bit", "galore-torch-adamw8bit", 1.0),
+    ("GaLore step", "lowmemopt-galore-came-8bit-bf16proj", "galore-torch-adamw8bit", 1.0),
 ]
 
 
@@ -389,11 +390,11 @@ def target_lines(rows: list[dict[str, Any]], gpu: bool) -> list[str]:
     (a CPU run's ratios are shown, judged by nothing: the targets are GPU figures)."""
     ran = {r["name"]: r for r in rows if not r.get("error") and r.get("opt_step_s")}
     out = []
-    for issue, name, anchor, bound in TARGETS:
+    for label, name, anchor, bound in TARGETS:
         if name in ran and anchor in ran:
             ratio = ran[name]["opt_step_s"] / ran[anchor]["opt_step_s"]
             verdict = ("PASS" if ratio <= bound else "FAIL") if gpu else "not judged (CPU)"
-            out.append(f"- issue {issue}: {name} opt.step() <= {bound}x {anchor}: {ratio:.2f}x -> {verdict}")
+            out.append(f"- {label}: {name} opt.step() <= {bound}x {anchor}: {ratio:.2f}x -> {verdict}")
     return out
 
 
@@ -417,8 +418,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--optimizers", default=",".join(ROWS),
-                    help="comma-separated rows (default: all); 'targets' stands for the rows the issues' targets "
-                         "compare (TARGETS), the first thing to measure when GPU time is short")
+                    help="comma-separated rows (default: all); 'targets' stands for the rows the performance "
+                         "targets compare (TARGETS), the first thing to measure when GPU time is short")
     ap.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (state allocation, compiles)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per row")
@@ -507,7 +508,7 @@ def main(argv=None) -> int:
         rc = 130
     targets = target_lines(rows, args.device.startswith("cuda"))
     if targets:
-        print("\nTargets (the issues', on opt.step()):\n" + "\n".join(targets), flush=True)
+        print("\nTargets (performance, on opt.step()):\n" + "\n".join(targets), flush=True)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(markdown_table(rows, steps) + "\n" + "".join(f"{line}\n" for line in targets))

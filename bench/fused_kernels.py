@@ -26,8 +26,8 @@ ways of decoding 8-bit codes (``runtime.Q8_DECODE``: the code-book gather, or ar
 dtype and size, with the same GB/s columns; the best (shape, decode) per size and dtype is marked (the entry to add to
 ``TILE_SHAPES``, and whether to make arithmetic decoding the default). Results go to ``--json``.
 
-Targets (issue 17): 8-bit AdamW, Lion, SGD and LARS >= 70% of the copy bandwidth; CAME-8bit <= 1.3x and LAMB-8bit <=
-1.2x 8-bit AdamW's time; 8-bit AdamW <= 1.0x bitsandbytes AdamW8bit's time.
+Targets (the fused kernels' speed): 8-bit AdamW, Lion, SGD and LARS >= 70% of the copy bandwidth; CAME-8bit <= 1.3x
+and LAMB-8bit <= 1.2x 8-bit AdamW's time; 8-bit AdamW <= 1.0x bitsandbytes AdamW8bit's time.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def run_optimizers(names: list[str], sizes: list[int], dtypes: list[str], device
 
 
 def _targets(rows: dict[str, float], n: int, bw: float, dtype: torch.dtype) -> None:
-    """Issue 17's kernel targets, from this table's rows (those that ran)."""
+    """The fused kernels' performance targets, from this table's rows (those that ran)."""
     ours, bnb = rows.get("lowmemopt-adamw-8bit"), rows.get("bnb-adamw8bit")
     for name in ("lowmemopt-adamw-8bit", "lowmemopt-lion-8bit", "lowmemopt-sgd-8bit", "lowmemopt-lars-8bit"):
         if rows.get(name) is not None:

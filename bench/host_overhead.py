@@ -1,6 +1,6 @@
 """Host work of one optimizer step on the fused-kernel path: the CPU time ``opt.step()`` spends in Python and torch
-dispatch per step, per parameter, with a LLaMA-shaped list of tensors (issue 17: no host work that scales with the
-number of parameters).
+dispatch per step, per parameter, with a LLaMA-shaped list of tensors (the target: no host work that scales with
+the number of parameters).
 
     cd /tmp && python /path/to/lowmemopt/bench/host_overhead.py                  # CPU: kernels gated, not launched
     python /path/to/lowmemopt/bench/host_overhead.py --device cuda --layers 22     # GPU: real launches (asynchronous)

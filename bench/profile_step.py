@@ -1,6 +1,7 @@
 """Where one ``opt.step()`` spends its time: a torch.profiler breakdown of the end-to-end benchmark's optimizer step,
-row by row, in the tables a GPU session's closing note needs (issues 15, 16, 17: launches, copies and host time per
-step, the kernels that take the GPU time), and optionally Nsight Compute's view of lowmemopt's kernels.
+row by row, in the tables that tell why a step meets the performance targets or misses them (paging, GaLore, the
+fused kernels: launches, copies and host time per step, the kernels that take the GPU time), and optionally Nsight
+Compute's view of lowmemopt's kernels.
 
 The model and rows are ``bench/e2e.py``'s (TinyLlama's layout, 1.1B parameters in bf16 by default; the same
 optimizer factories). One forward and backward make real gradients; the optimizer then steps ``--warmup`` times on

@@ -93,7 +93,7 @@ def test_swept_tile_shapes_give_identical_results(monkeypatch, dtype):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (tile, warps)
 
 
-def test_targets_are_issue_17s(bench, capsys):
+def test_kernel_targets(bench, capsys):
     """The PASS / FAIL lines: each 8-bit elementwise optimizer against 70% of the copy bandwidth, CAME against 1.3x and
     LAMB against 1.2x 8-bit AdamW's time, 8-bit AdamW against bitsandbytes."""
     n, bw = 10**9, 3e12

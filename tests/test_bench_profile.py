@@ -1,4 +1,4 @@
-"""bench/profile_step.py: a small CPU run of its tables (the GPU run is the GPU session's), its reading of the
+"""bench/profile_step.py: a small CPU run of its tables (the GPU run needs a GPU), its reading of the
 profiler's events, and its parser of Nsight Compute's CSV."""
 
 from __future__ import annotations

@@ -78,3 +78,25 @@ def test_the_internal_word_finder():
 def test_pages_describe_the_project_not_how_its_work_is_planned(page):
     found = [m.group(0) for m in _INTERNAL.finditer(page.read_text())]
     assert not found, f"{page.relative_to(ROOT)} speaks of the project's own work: {found}"
+
+
+#: the scripts a user runs, whose help text, docstrings, comments and printed lines speak to that user too
+SCRIPTS = [ROOT / "scripts" / "gpu-check", ROOT / "scripts" / "gpu-wheels", *sorted((ROOT / "bench").glob("*.py"))]
+#: in a script, "issue N" is a numbered issue whatever follows it (a printed label "issue 17: ...") ("an SM issues 4
+#: warp instructions" is the GPU's)
+_INTERNAL_IN_SCRIPTS = re.compile(_INTERNAL.pattern + r"|\bissue #?\d", flags=re.I)
+
+
+def test_the_internal_word_finder_in_scripts():
+    assert _INTERNAL_IN_SCRIPTS.search("- issue 17: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused")
+    assert _INTERNAL_IN_SCRIPTS.search("Targets (the issues', on opt.step())")
+    assert _INTERNAL_IN_SCRIPTS.search("on a short GPU lease") and _INTERNAL_IN_SCRIPTS.search("the device tool: 600 s")
+    assert _INTERNAL_IN_SCRIPTS.search("the lent H100/H200 image")
+    assert not _INTERNAL_IN_SCRIPTS.search("issue-bound above 9 x B instructions; the issue budget; issue order")
+    assert not _INTERNAL_IN_SCRIPTS.search("An H100 SM issues 4 warp instructions (128 thread instructions) per clock")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_describe_the_project_not_how_its_work_is_planned(script):
+    found = [m.group(0) for m in _INTERNAL_IN_SCRIPTS.finditer(script.read_text())]
+    assert not found, f"{script.relative_to(ROOT)} speaks of the project's own work: {found}"

@@ -233,8 +233,8 @@ def test_e2e_graph_row_needs_cuda():
 
 
 def test_e2e_target_verdicts():
-    """The issues' opt.step() targets: judged on a GPU run where both rows ran, shown unjudged on a CPU run, left out
-    where a row is missing or failed."""
+    """The performance targets on opt.step(): judged on a GPU run where both rows ran, shown unjudged on a CPU run,
+    left out where a row is missing or failed."""
     e2e = load_bench("e2e")
     rows = [dict(name="torch-adamw-fused", opt_step_s=0.010), dict(name="lowmemopt-adamw-8bit", opt_step_s=0.012),
             dict(name="lowmemopt-adamw-8bit-graph", opt_step_s=0.008), dict(name="bnb-adamw8bit", opt_step_s=0.030),
@@ -242,9 +242,9 @@ def test_e2e_target_verdicts():
             dict(name="lowmemopt-galore-adamw-8bit", opt_step_s=0.05)]
     lines = e2e.target_lines(rows, gpu=True)
     assert lines == [
-        "- issue 17: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 1.20x -> FAIL",
-        "- issue 17: lowmemopt-adamw-8bit-graph opt.step() <= 1.0x torch-adamw-fused: 0.80x -> PASS",
-        "- issue 17: lowmemopt-adamw-8bit opt.step() <= 0.5x bnb-adamw8bit: 0.40x -> PASS",
+        "- fused 8-bit step: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 1.20x -> FAIL",
+        "- fused 8-bit step: lowmemopt-adamw-8bit-graph opt.step() <= 1.0x torch-adamw-fused: 0.80x -> PASS",
+        "- fused 8-bit step: lowmemopt-adamw-8bit opt.step() <= 0.5x bnb-adamw8bit: 0.40x -> PASS",
     ]
     assert all(line.endswith("not judged (CPU)") for line in e2e.target_lines(rows, gpu=False))
 
@@ -380,5 +380,6 @@ def test_e2e_interrupted_keeps_the_verdicts_of_the_rows_done(monkeypatch, capsys
     out = capsys.readouterr().out
     rest = e2e.target_rows()[2:]
     assert f"Interrupted after 2 of {len(rest) + 2} rows; not run: {', '.join(rest)}" in out
-    assert "- issue 17: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 0.80x -> not judged (CPU)" in out
+    assert ("- fused 8-bit step: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 0.80x -> not judged (CPU)"
+            in out)
     assert [r["name"] for r in json.loads(js.read_text())["rows"]] == list(done)
