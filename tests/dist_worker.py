@@ -1018,7 +1018,7 @@ def save_state_per_rank(ctx):
         meta = lowmemopt.checkpoint.read_metadata(mine)
         check(meta["sharding"]["rank"] == ctx.rank and meta["sharding"]["world_size"] == ctx.world,
               f"sharding metadata {meta.get('sharding')}")
-        from lowmemopt.cli import _describe
+        from lowmemopt.inspection import _describe
 
         text = _describe(mine, meta, list_params=True)
         check(f"rank {ctx.rank} of world size {ctx.world}" in text, f"lowmemopt inspect does not say the rank:\n{text}")

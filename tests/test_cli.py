@@ -98,7 +98,7 @@ def test_cli_inspect_says_what_it_expects_of_other_torch_files(tmp_path, capsys)
 
 
 def test_cli_inspect_tells_torch_files_from_safetensors_by_content(tmp_path):
-    from lowmemopt.cli import _is_torch_file
+    from lowmemopt.inspection import _is_torch_file
 
     torch.save({"a": torch.zeros(2)}, tmp_path / "zip.bin")
     torch.save({"a": torch.zeros(2)}, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 700  # "no module over ~600 lines" (the command line, 666, is the longest)
+MAX_LINES = 680  # "no module over ~600 lines": the longest, the bench tool (lowmemopt/benchmark.py), has 664
 
 
 def _package_tree(tmp_path: Path) -> Path:
