@@ -299,7 +299,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return self._capturable_step(work, groups, loss)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
-            pager.begin(work)  # checks devices, makes homes for new state: raises before anything changes
+            pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
         plan = self._plan()
         grads = [local_tensor(p.grad) for p, _ in work]
         # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
@@ -420,7 +420,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if flags is None:  # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
             pager = self._pager_for(work)
             if pager is not None:
-                pager.begin(work)
+                pager.begin(work, self._first_state)
         pipeline.run(self._plan(), [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
                      [local_tensor(p.grad) for p, _ in work], None, pager, flags)
 

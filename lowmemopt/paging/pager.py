@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -45,13 +45,14 @@ __all__ = ["Entry", "Pager", "StateOwner"]
 
 class StateOwner(Protocol):
     """What the pager reads of the optimizer whose state it keeps (held by a weak reference): the state dict it
-    installs working copies and homes in, the param groups (options, labels of files), and the state a parameter's
-    first step makes, which ``_first_state`` builds on a meta twin so that homes can be made ahead."""
+    installs working copies and homes in, and the param groups (options, labels of files)."""
 
     state: Any
     param_groups: list[dict[str, Any]]
 
-    def _first_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]: ...
+
+#: ``first_state(p, group)``: the state ``p``'s first step makes, in ``state[p]`` (on a meta twin: shapes only)
+FirstState = Callable[[torch.Tensor, dict[str, Any]], dict[str, Any]]
 
 
 def _tensors(state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
@@ -84,8 +85,9 @@ class Pager:
 
     # -- the step ----------------------------------------------------------------------------------------------------
 
-    def begin(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
-        """Check the parameters about to step and make homes for state the manager has not placed yet. Raises
+    def begin(self, work: list[tuple[torch.Tensor, dict[str, Any]]], first_state: FirstState | None = None) -> None:
+        """Check the parameters about to step and make homes for state the manager has not placed yet (a parameter
+        without state: homes laid out by ``first_state`` on a meta twin, or made at its first write-back). Raises
         (ValueError, TypeError, OSError) before anything is changed."""
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
@@ -114,7 +116,7 @@ class Pager:
                 # the state was replaced by a route that bypassed the load hooks: give it a home now
             fresh.append((p, group, tier, current if current else None))
         if fresh:
-            made = self._place(fresh)
+            made = self._place(fresh, first_state)
             for p in made:
                 old = self.entries.pop(p, None)
                 if old is not None:
@@ -277,7 +279,8 @@ class Pager:
 
     # -- placement ---------------------------------------------------------------------------------------------------
 
-    def _place(self, items: list[tuple[torch.Tensor, dict[str, Any], str, dict[str, Any] | None]]) -> dict[
+    def _place(self, items: list[tuple[torch.Tensor, dict[str, Any], str, dict[str, Any] | None]],
+               first_state: FirstState | None = None) -> dict[
         torch.Tensor, Entry
     ]:
         """New entries for ``items`` (param, group, tier, state or None for state not made yet): residency by the
@@ -288,7 +291,7 @@ class Pager:
         position = {id(q): pi for g in opt.param_groups for pi, q in enumerate(g["params"])}
         layouts = {}
         for p, group, tier, state in items:
-            layouts[p] = _tensors(state) if state is not None else self._initial_layout(opt, p, group)
+            layouts[p] = _tensors(state) if state is not None else self._initial_layout(opt, p, group, first_state)
         resident = self._budget(items, layouts, index)
         made: dict[torch.Tensor, Entry] = {}
         try:
@@ -348,13 +351,16 @@ class Pager:
         return resident
 
     @staticmethod
-    def _initial_layout(opt: StateOwner, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    def _initial_layout(opt: StateOwner, p: torch.Tensor, group: dict[str, Any],
+                        first_state: FirstState | None) -> dict[str, torch.Tensor] | None:
         """The tensors ``p``'s first step will make, as meta tensors (no memory), found by running the optimizer's
-        own initialization on a meta twin of ``p`` (``_first_state``: GaLore's for a group with ``rank``). None if
+        own initialization on a meta twin of ``p`` (``first_state``: GaLore's for a group with ``rank``). None if
         that fails (the homes are then made at the first write-back)."""
         twin = torch.empty_like(p, device="meta")
         try:
-            return _tensors(opt._first_state(twin, group))
+            if first_state is None:
+                return None
+            return _tensors(first_state(twin, group))
         except Exception:  # noqa: BLE001 - an algorithm whose state needs more than shapes
             return None
         finally:
