@@ -1,0 +1,182 @@
+"""Sparsified gradient exchange with error feedback, as a DDP communication hook.
+
+Stich, Cordonnier and Jaggi, "Sparsified SGD with memory" (NeurIPS 2018): each worker adds its gradient to a local
+memory, sends only ``k`` coordinates of the sum, and keeps the rest for later steps::
+
+    a_t     = m_{t-1} + g_t                      (fp32, one memory per DDP bucket)
+    s_t     = comp_k(a_t)                        (top-k by magnitude, random-k, or a random block of k)
+    m_t     = a_t - s_t                          (what was not sent, including the rounding to the gradient dtype)
+    g_avg_t = (1 / W) sum_r s_t^(r)              (all-gather of (index, value) pairs, scattered back)
+
+so that, on every rank, ``sum_t s_t + m_T = sum_t g_t``: nothing is lost, only delayed. DDP then hands ``g_avg_t`` to
+the optimizer as the gradient, so any optimizer composes with it (``lowmemopt.AdamW`` at 8 bits, ``SGD``, ``Lion``...).
+
+Differences from the paper and from mlbench's ``SparsifiedSGD``:
+
+* The memory holds un-scaled gradients (``m + g``), not ``m + lr * g`` as in the paper's Algorithm 1: a comm hook sees
+  gradients, not the optimizer's step size. With a constant learning rate and plain SGD the two are the same
+  algorithm; under a schedule the delayed coordinates are applied at the learning rate of the step that sends them.
+* Selection runs over a whole DDP bucket (many parameters flattened), not per parameter: ``k`` is a fraction of the
+  bucket, and top-k picks the largest coordinates across the parameters of the bucket.
+* mlbench's ``SparsifiedSGD`` re-initialises the model's weights with ``N(0, 0.01)`` in its constructor and its
+  selection reads only row 0 of each parameter (``memory[0, index]``), so the rest of the memory is never sent.
+  Neither is part of the method; here every coordinate of every parameter can be selected and the weights are left
+  alone.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects (dist.GradBucket).
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+__all__ = ["SparsifiedState", "sparsified_hook", "select"]
+
+METHODS = ("top", "random", "block")
+_INT32_MAX = 2**31 - 1
+
+
+class SparsifiedState:
+    """State of :func:`sparsified_hook`: the compression choice, the error memory of each bucket, the random streams.
+
+    Args:
+        process_group: the group to average over (default: the world).
+        ratio: fraction of each bucket's coordinates sent per step, ``0 < ratio <= 1`` (``k = ceil(ratio * n)``).
+        k: or a fixed number of coordinates per bucket (``min(k, n)``). Exactly one of ``ratio`` and ``k``.
+        method: ``"top"`` (largest ``|a_t|``), ``"random"`` (``k`` distinct coordinates drawn uniformly, independently
+            on each rank) or ``"block"`` (``k`` consecutive coordinates from a random start: one index on the wire).
+        start_iter: iterations of plain all-reduce before compression starts. DDP rebuilds its buckets after the
+            first iteration, so a bucket's memory only exists from then on; as with ``PowerSGDState``, at least 2.
+        seed: seed of the random selection; rank ``r`` draws from ``seed + r``.
+
+    ``error_dict`` maps a bucket index to its fp32 memory (the un-sent residual), like ``PowerSGDState.error_dict``.
+    ``iter`` counts the iterations seen (one per backward). The state pickles without its process group.
+    """
+
+    __slots__ = ("process_group", "ratio", "k", "method", "start_iter", "seed", "iter", "error_dict", "_generators",
+                 "bytes_before", "bytes_sent")
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, ratio: float | None = None,
+                 k: int | None = None, method: str = "top", start_iter: int = 2, seed: int = 0) -> None:
+        if (ratio is None) == (k is None):
+            raise ValueError("give exactly one of ratio= (a fraction of each bucket) and k= (coordinates per bucket)")
+        if ratio is not None and not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+            raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
+            raise ValueError(f"start_iter must be an int >= 2 (DDP rebuilds its buckets after the first iteration, "
+                             f"and the error memory is kept per bucket), got {start_iter!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.process_group = process_group
+        self.ratio, self.k, self.method = ratio, k, method
+        self.start_iter, self.seed, self.iter = start_iter, seed, 0
+        self.error_dict: dict[int, torch.Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self.bytes_before = 0  # gradient bytes the compressed buckets held (per rank, summed over steps)
+        self.bytes_sent = 0  # bytes this rank contributed to the all-gathers
+
+    def k_for(self, numel: int) -> int:
+        """The number of coordinates sent for a bucket of ``numel`` elements."""
+        k = self.k if self.k is not None else math.ceil(self.ratio * numel)
+        return max(1, min(k, numel))
+
+    def compression_stats(self) -> tuple[float, int, int]:
+        """(gradient bytes / bytes sent, gradient bytes, bytes sent) of the compressed steps so far, per rank."""
+        return (self.bytes_before / self.bytes_sent if self.bytes_sent else 0.0), self.bytes_before, self.bytes_sent
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed + rank)
+        return gen
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {s: getattr(self, s) for s in self.__slots__ if s not in ("process_group", "_generators")}
+        state["_generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.process_group = None  # the default group; set it again for another one
+        gens = state.pop("_generators")
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self._generators = {}
+        for dev, gstate in gens.items():
+            gen = self._generators[torch.device(dev)] = torch.Generator(torch.device(dev))
+            gen.set_state(gstate)
+
+
+def select(acc: torch.Tensor, k: int, method: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Indices of the ``k`` coordinates of the flat tensor ``acc`` to send: the ``k`` largest ``|acc|`` (top), ``k``
+    distinct uniform ones (random), or ``[start]`` of a uniform random block ``start .. start + k - 1`` (block)."""
+    n = acc.numel()
+    if method == "top":
+        return torch.topk(acc.abs(), k, sorted=False).indices
+    if method == "random":
+        return torch.randperm(n, generator=generator, device=acc.device)[:k]
+    if method == "block":
+        return torch.randint(0, n - k + 1, (1,), generator=generator, device=acc.device)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _positions(idx: torch.Tensor, k: int, method: str) -> torch.Tensor:
+    """The coordinates that ``select``'s indices stand for (a block's start becomes its ``k`` positions)."""
+    if method == "block":
+        start = idx.reshape(()).long()
+        return start + torch.arange(k, device=idx.device)
+    return idx.long()
+
+
+def sparsified_hook(state: SparsifiedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: send ``k`` coordinates of ``memory + gradient`` per bucket, keep the rest in memory.
+
+    Use: ``ddp_model.register_comm_hook(SparsifiedState(ratio=0.01, method="top"), sparsified_hook)``.
+    One ``all_gather`` per bucket of each rank's (index, value) pairs packed into one byte tensor (indices int32
+    below 2^31 elements, values in the gradient's dtype; ``block`` sends one index); every rank then adds the ranks'
+    values in rank order (deterministic on every device, so replicas stay identical) and divides by the world size.
+    """
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    if state.iter < state.start_iter:
+        if bucket.is_last():
+            state.iter += 1
+        return allreduce_hook(group, bucket)
+    world = group.size()
+    n, dtype, device = buffer.numel(), buffer.dtype, buffer.device
+    memory = state.error_dict.get(bucket.index())
+    if memory is None or memory.numel() != n:
+        memory = state.error_dict[bucket.index()] = torch.zeros(n, dtype=torch.float32, device=device)
+    memory.add_(buffer)  # a_t = m_{t-1} + g_t (fp32)
+    k = state.k_for(n)
+    idx = select(memory, k, state.method, None if state.method == "top" else state.generator(device))
+    pos = _positions(idx, k, state.method)
+    values = memory[pos].to(dtype)
+    memory[pos] -= values.float()  # m_t = a_t - s_t: zero where sent, unless the dtype rounded the value
+    idx = idx.to(torch.int32 if n <= _INT32_MAX else torch.int64)
+    payload = torch.cat([idx.view(torch.uint8), values.view(torch.uint8)])
+    idx_bytes = idx.numel() * idx.element_size()
+    gathered = [torch.empty_like(payload) for _ in range(world)]
+    state.bytes_before += n * buffer.element_size()
+    state.bytes_sent += payload.numel()
+    if bucket.is_last():
+        state.iter += 1
+    work = dist.all_gather(gathered, payload, group=group, async_op=True)
+
+    def scatter(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()
+        buffer.zero_()
+        for got in gathered:  # one rank at a time: its indices are distinct, so index_add_ is deterministic
+            r_idx = got[:idx_bytes].view(idx.dtype)
+            r_val = got[idx_bytes:]
+            r_val = (r_val if idx_bytes % values.element_size() == 0 else r_val.clone()).view(dtype)
+            buffer.index_add_(0, _positions(r_idx, k, state.method), r_val)
+        return buffer.div_(world)
+
+    return work.get_future().then(scatter)

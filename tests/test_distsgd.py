@@ -1,0 +1,176 @@
+"""Distributed SGD recipes: DDP + lowmemopt (mlbench's centralized optimizers), PowerSGD, sparsified SGD with error
+feedback (``lowmemopt.distributed.sparsified``), gossip averaging (``lowmemopt.distributed.gossip``), and the
+GradScaler settings that replace mlbench's FP16Optimizer loss scaler. See ``docs/distributed_recipes.md``.
+
+The multi-process cases live in ``tests/distsgd_worker.py``: one spawned job of 2 gloo processes runs them all, one of
+4 runs those where the number of ranks matters (summation order, graphs with more than one neighbour).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distsgd_worker
+import lowmemopt
+from lowmemopt.distributed.gossip import mixing_weights, ring, torus
+from lowmemopt.distributed.sparsified import SparsifiedState, select
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distsgd_worker.py")
+needs_dist = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+TWO_RANK_CASES = [c for c in distsgd_worker.CASES if c != "gossip_irregular_graph"]  # a 4-node graph
+
+
+def _run_job(out, world: int, cases: list[str]) -> dict[str, list[str]]:
+    env = dict(os.environ, LOWMEMOPT_COMPILE="0")
+    cmd = [sys.executable, WORKER, "--world-size", str(world), "--out", str(out), "--cases", ",".join(cases)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=os.path.dirname(WORKER))
+    results: dict[str, list[str]] = {name: [] for name in cases}
+    for rank in range(world):
+        path = os.path.join(out, f"rank{rank}.json")
+        got = json.load(open(path)) if os.path.exists(path) else {}
+        for name in cases:
+            results[name].append(got.get(name, f"rank {rank} reported nothing (exit {proc.returncode}):\n"
+                                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"))
+    return results
+
+
+def _check(results, name):
+    problems = [f"rank {r}:\n{res}" for r, res in enumerate(results[name]) if res != "ok"]
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _run_job(tmp_path_factory.mktemp("distsgd2"), 2, TWO_RANK_CASES)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _run_job(tmp_path_factory.mktemp("distsgd4"), 4, distsgd_worker.FOUR_RANK_CASES)
+
+
+@needs_dist
+@pytest.mark.parametrize("name", TWO_RANK_CASES)
+def test_two_ranks(two_ranks, name):
+    _check(two_ranks, name)
+
+
+@needs_dist
+@pytest.mark.parametrize("name", distsgd_worker.FOUR_RANK_CASES)
+def test_four_ranks(four_ranks, name):
+    _check(four_ranks, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# single process: selection, graphs, arguments
+
+
+def test_select():
+    acc = torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2, 1.0])
+    assert sorted(select(acc, 2, "top").tolist()) == [1, 3]
+    gen = torch.Generator().manual_seed(0)
+    idx = select(acc, 4, "random", gen)
+    assert len(set(idx.tolist())) == 4 and all(0 <= i < 6 for i in idx.tolist())
+    starts = {int(select(acc, 4, "block", gen)) for _ in range(50)}
+    assert starts == {0, 1, 2}  # every block of 4 inside 6 elements, none past the end
+
+
+def test_sparsified_state():
+    assert SparsifiedState(ratio=0.01).k_for(1000) == 10
+    assert SparsifiedState(ratio=0.01).k_for(50) == 1
+    assert SparsifiedState(k=20).k_for(7) == 7
+    for kw, word in [(dict(), "exactly one"), (dict(ratio=0.1, k=3), "exactly one"), (dict(ratio=0), "ratio"),
+                     (dict(ratio=1.5), "ratio"), (dict(k=0), "k must"), (dict(k=2.5), "k must"),
+                     (dict(ratio=0.1, method="topk"), "method"), (dict(ratio=0.1, start_iter=1), "start_iter")]:
+        with pytest.raises(ValueError, match=word):
+            SparsifiedState(**kw)
+    state = SparsifiedState(ratio=0.5, method="random")
+    state.error_dict[0] = torch.arange(4.0)
+    state.generator(torch.device("cpu"))
+    back = pickle.loads(pickle.dumps(state))
+    assert back.process_group is None and torch.equal(back.error_dict[0], torch.arange(4.0))
+    gen = back.generator(torch.device("cpu"))
+    assert torch.equal(torch.randperm(9, generator=gen), torch.randperm(9, generator=state.generator(torch.device("cpu"))))
+
+
+def test_graphs():
+    assert ring(1) == [[]] and ring(2) == [[1], [0]] and ring(4)[0] == [1, 3]
+    assert torus(2, 3)[0] == [1, 2, 3] and torus(1, 4) == ring(4) and torus(3, 3)[4] == [1, 3, 5, 7]
+    irregular = [[1, 2, 3], [0, 2], [0, 1], [0]]
+    rows = [mixing_weights(irregular, i) for i in range(4)]
+    matrix = torch.tensor([[row.get(j, 0.0) for j in range(4)] for row in rows], dtype=torch.float64)
+    assert torch.allclose(matrix, matrix.T) and torch.allclose(matrix.sum(0), torch.ones(4, dtype=torch.float64))
+    assert (matrix >= 0).all() and torch.allclose(matrix.sum(1), torch.ones(4, dtype=torch.float64))
+    assert mixing_weights(ring(5), 0, "uniform") == {4: 1 / 3, 1: 1 / 3, 0: 1 - 2 / 3}
+    for graph, word in [([[1], [0, 2], [1], [0]], "undirected"), ([[0]], "itself"), ([[1], [0], [3], [2]], "connected"),
+                        ([[5], []], "not a rank"), ([[1, 1], [0]], "twice")]:
+        with pytest.raises(ValueError, match=word):
+            mixing_weights(graph, 0)
+    with pytest.raises(ValueError, match="regular"):
+        mixing_weights(irregular, 0, "uniform")
+    with pytest.raises(ValueError, match="weights"):
+        mixing_weights(ring(3), 0, "equal")
+    with pytest.raises(ValueError, match="rows"):
+        torus(0, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# mlbench's FP16Optimizer loss scaler -> torch.amp.GradScaler
+
+
+class MlbenchScaler:
+    """mlbench's DynamicLossScaler (mlbench_core/optim/pytorch/fp_optimizers.py), restated: the reference."""
+
+    def __init__(self, init_scale, scale_factor, scale_window, max_scale):
+        self.loss_scale, self.factor, self.window, self.max_scale = init_scale, scale_factor, scale_window, max_scale
+        self.iter, self.last_overflow = 0, -1
+
+    def update(self, overflow):
+        if overflow:
+            self.loss_scale /= self.factor
+            self.last_overflow = self.iter
+        elif (self.iter - self.last_overflow) % self.window == 0:
+            self.loss_scale *= self.factor
+            if self.max_scale is not None:
+                self.loss_scale = min(self.loss_scale, self.max_scale)
+        self.iter += 1
+
+
+def test_grad_scaler_replaces_mlbench_fp16_scaler():
+    """GradScaler(init_scale, growth_factor=f, backoff_factor=1/f, growth_interval=window), plus a clamp after
+    update() for max_scale and a check for min_scale: the same scale sequence and the same skipped steps as mlbench's
+    FP16Optimizer, with a lowmemopt optimizer."""
+    init, factor, window, max_scale, min_scale = 1024.0, 2.0, 3, 2048.0, 1e-4
+    overflows = [False] * 7 + [True, False, True, True] + [False] * 9 + [True] + [False] * 4
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = lowmemopt.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=factor, backoff_factor=1 / factor,
+                                  growth_interval=window)
+    ref = MlbenchScaler(init, factor, window, max_scale)
+    clamped = 0
+    for t, overflow in enumerate(overflows):
+        assert scaler.get_scale() == ref.loss_scale, f"step {t}"
+        before = p.detach().clone()
+        opt.zero_grad()
+        scaler.scale((p * p).sum()).backward()
+        if overflow:
+            p.grad[1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() > max_scale:  # max_scale: no GradScaler option
+            scaler.update(new_scale=max_scale)
+            clamped += 1
+        assert scaler.get_scale() > min_scale  # min_scale: mlbench raises there
+        ref.update(overflow)
+        assert torch.equal(p.detach(), before) == overflow, f"step {t}: skipped {torch.equal(p.detach(), before)}"
+    assert scaler.get_scale() == ref.loss_scale and clamped >= 1
