@@ -85,6 +85,28 @@ def test_select():
     assert starts == {0, 1, 2}  # every block of 4 inside 6 elements, none past the end
 
 
+def test_random_k_is_uniform():
+    """random-k draws k distinct coordinates with every coordinate and every pair equally likely (the fast path for
+    k <= n / 4 and the randperm path), and handles buckets of 1e7 elements without an O(n) permutation."""
+    gen = torch.Generator().manual_seed(1)
+    for n, k, draws in ((16, 3, 4000), (7, 3, 3000)):
+        counts = torch.zeros(n)
+        pairs = torch.zeros(n, n)
+        for _ in range(draws):
+            idx = select(torch.zeros(n), k, "random", gen)
+            assert idx.unique().numel() == k
+            counts[idx] += 1
+            pairs[idx[:, None], idx[None, :]] += 1
+        p = k / n
+        sd = (draws * p * (1 - p)) ** 0.5
+        assert (counts - draws * p).abs().max() < 5 * sd, counts
+        off = pairs[~torch.eye(n, dtype=torch.bool)]
+        q = k * (k - 1) / (n * (n - 1))
+        assert (off - draws * q).abs().max() < 5 * (draws * q * (1 - q)) ** 0.5, off
+    big = select(torch.zeros(10_000_000), 1000, "random", gen)
+    assert big.unique().numel() == 1000 and int(big.max()) < 10_000_000
+
+
 def test_sparsified_state():
     assert SparsifiedState(ratio=0.01).k_for(1000) == 10
     assert SparsifiedState(ratio=0.01).k_for(50) == 1
