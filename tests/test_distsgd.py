@@ -85,6 +85,21 @@ def test_select():
     assert starts == {0, 1, 2}  # every block of 4 inside 6 elements, none past the end
 
 
+def test_top_k_of_a_large_bucket_is_exact():
+    """The sampled-threshold top-k (CPU, large buckets) returns exactly torch.topk's set, also when the strided sample
+    misjudges the threshold (only sampled elements are large) or most values tie at zero."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 1 << 18, 1000
+    x = torch.randn(n, generator=gen)
+    assert set(select(x, k, "top").tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+    fooled = torch.rand(n, generator=gen)
+    fooled[:: n // (1 << 16)] += 10.0  # the sample sees only large values: too few candidates, full topk
+    assert set(select(fooled, k, "top").tolist()) == set(torch.topk(fooled, k).indices.tolist())
+    sparse = torch.zeros(n)
+    sparse[torch.randperm(n, generator=gen)[:5000]] = torch.randn(5000, generator=gen)
+    assert set(select(sparse, k, "top").tolist()) == set(torch.topk(sparse.abs(), k).indices.tolist())
+
+
 def test_random_k_is_uniform():
     """random-k draws k distinct coordinates with every coordinate and every pair equally likely (the fast path for
     k <= n / 4 and the randperm path), and handles buckets of 1e7 elements without an O(n) permutation."""

@@ -3,7 +3,7 @@
 Stich, Cordonnier and Jaggi, "Sparsified SGD with memory" (NeurIPS 2018): each worker adds its gradient to a local
 memory, sends only ``k`` coordinates of the sum, and keeps the rest for later steps::
 
-    a_t     = m_{t-1} + g_t                      (fp32, one memory per DDP bucket)
+    a_t     = m_{t-1} + g_t                      (fp32, fp64 for fp64 gradients; one memory per DDP bucket)
     s_t     = comp_k(a_t)                        (top-k by magnitude, random-k, or a random block of k)
     m_t     = a_t - s_t                          (what was not sent, including the rounding to the gradient dtype)
     g_avg_t = (1 / W) sum_r s_t^(r)              (all-gather of (index, value) pairs, scattered back)
@@ -51,8 +51,9 @@ class SparsifiedState:
             first iteration, so a bucket's memory only exists from then on; as with ``PowerSGDState``, at least 2.
         seed: seed of the random selection; rank ``r`` draws from ``seed + r``.
 
-    ``error_dict`` maps a bucket index to its fp32 memory (the un-sent residual), like ``PowerSGDState.error_dict``.
-    ``iter`` counts the iterations seen (one per backward). The state pickles without its process group.
+    ``error_dict`` maps a bucket index to its memory, the un-sent residual (fp32; fp64 for fp64 gradients), like
+    ``PowerSGDState.error_dict``. ``iter`` counts the iterations seen (one per backward). The state pickles without
+    its process group (memory and random streams included).
     """
 
     __slots__ = ("process_group", "ratio", "k", "method", "start_iter", "seed", "iter", "error_dict", "_generators",
@@ -118,12 +119,33 @@ def select(acc: torch.Tensor, k: int, method: str, generator: torch.Generator | 
     distinct uniform ones (random), or ``[start]`` of a uniform random block ``start .. start + k - 1`` (block)."""
     n = acc.numel()
     if method == "top":
-        return torch.topk(acc.abs(), k, sorted=False).indices
+        return _top_k(acc.abs(), k)
     if method == "random":
         return _random_subset(n, k, generator, acc.device)
     if method == "block":
         return torch.randint(0, n - k + 1, (1,), generator=generator, device=acc.device)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+_SAMPLE = 1 << 16
+
+
+def _top_k(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest of ``mag``, exactly, without a ``topk`` over the whole bucket when ``k`` is small:
+    a threshold ``t`` from an evenly strided sample of ``2^16`` elements (its ``1 - 2k / n`` quantile) leaves about
+    ``2k`` candidates ``mag >= t``; if at least ``k`` of them, they hold every one of the ``k`` largest, and ``topk``
+    runs over them only; otherwise (a sample that misjudged), over everything. CPU only (``torch.topk`` of 1% of 4.2M
+    elements: 199 ms on one loaded core, this 33 ms); on a GPU ``topk`` is fast and the candidate count would wait for
+    the device."""
+    n = mag.numel()
+    if mag.device.type == "cpu" and n >= 4 * _SAMPLE and 8 * k <= n:  # on a GPU topk is fast and this would sync
+        sample = mag[:: n // _SAMPLE]
+        rank = max(1, int(sample.numel() * (1 - 2 * k / n)))
+        threshold = torch.kthvalue(sample, rank).values
+        candidates = (mag >= threshold).nonzero().flatten()
+        if candidates.numel() >= k:
+            return candidates[torch.topk(mag[candidates], k, sorted=False).indices]
+    return torch.topk(mag, k, sorted=False).indices
 
 
 def _random_subset(n: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -166,13 +188,14 @@ def sparsified_hook(state: SparsifiedState, bucket: dist.GradBucket) -> torch.fu
     n, dtype, device = buffer.numel(), buffer.dtype, buffer.device
     memory = state.error_dict.get(bucket.index())
     if memory is None or memory.numel() != n:
-        memory = state.error_dict[bucket.index()] = torch.zeros(n, dtype=torch.float32, device=device)
+        wide = torch.promote_types(torch.float32, dtype)  # fp32, or fp64 for fp64 gradients
+        memory = state.error_dict[bucket.index()] = torch.zeros(n, dtype=wide, device=device)
     memory.add_(buffer)  # a_t = m_{t-1} + g_t (fp32)
     k = state.k_for(n)
     idx = select(memory, k, state.method, None if state.method == "top" else state.generator(device))
     pos = _positions(idx, k, state.method)
     values = memory[pos].to(dtype)
-    memory[pos] -= values.float()  # m_t = a_t - s_t: zero where sent, unless the dtype rounded the value
+    memory[pos] -= values.to(memory.dtype)  # m_t = a_t - s_t: zero where sent, unless the dtype rounded the value
     idx = idx.to(torch.int32 if n <= _INT32_MAX else torch.int64)
     payload = torch.cat([idx.view(torch.uint8), values.view(torch.uint8)])
     idx_bytes = idx.numel() * idx.element_size()
