@@ -26,6 +26,7 @@ Differences from the paper and from mlbench's ``SparsifiedSGD``:
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects (dist.GradBucket).
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -187,7 +188,11 @@ def sparsified_hook(state: SparsifiedState, bucket: dist.GradBucket) -> torch.fu
     world = group.size()
     n, dtype, device = buffer.numel(), buffer.dtype, buffer.device
     memory = state.error_dict.get(bucket.index())
-    if memory is None or memory.numel() != n:
+    if memory is not None and memory.numel() != n:
+        warnings.warn(f"sparsified_hook: DDP bucket {bucket.index()} changed size ({memory.numel()} -> {n} elements); "
+                      "its error memory starts again from zero", stacklevel=2)
+        memory = None
+    if memory is None:
         wide = torch.promote_types(torch.float32, dtype)  # fp32, or fp64 for fp64 gradients
         memory = state.error_dict[bucket.index()] = torch.zeros(n, dtype=wide, device=device)
     memory.add_(buffer)  # a_t = m_{t-1} + g_t (fp32)
