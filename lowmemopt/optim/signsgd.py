@@ -83,9 +83,8 @@ class SignSGD(LowMemOptimizer):
         maximize: bool = False,
         **storage: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize
-        )
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize)
         super().__init__(params, defaults, **storage)
 
     def _check_group(self, group):
