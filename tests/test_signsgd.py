@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run, run_with_reference
+from helpers import (assert_params_close, clone_params, interpreter_fma_rounds_once, make_params, run,
+                     run_with_reference, set_grads)
 from optim_info import BY_NAME, SignSGDReference
 
 import lowmemopt
@@ -117,3 +118,39 @@ def test_triton_kernel_zero_direction_and_sign():
             twin.step()
             assert torch.equal(p.detach(), ref.detach()) and torch.equal(p.detach().signbit(), ref.detach().signbit())
     assert torch.equal(p.detach()[:3], values[:3])  # a zero direction: -0.0, 0.0 and 1.5 stay as they were
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_galore_signsgd_through_the_kernel_equals_the_reference_core(bits, monkeypatch):
+    """GaLore groups: the low-rank step runs on a stand-in through the SGD kernel with its SIGN flag (under the
+    interpreter), the stand-in holding ``-lr sign(d)`` of the low-rank direction, projected back: the reference core's
+    step (eager, one matrix at a time) to fp32 rounding of the projection."""
+    from lowmemopt.kernels import runtime
+
+    if not (runtime.HAS_TRITON and runtime.INTERPRET):
+        pytest.skip("needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported")
+    if not interpreter_fma_rounds_once():
+        pytest.skip("this Triton's interpreter rounds tl.fma twice: parameters drift by an ulp from the reference")
+    kw = dict(lr=1e-2, momentum=0.9, weight_decay=0.01, state_bits=bits, min_quant_numel=64)
+
+    def run_steps(kernels):
+        params = make_params([(24, 40), (40, 24), (300,)])
+        opt = lowmemopt.SignSGD([dict(params=params[:2], rank=4, update_proj_gap=10), dict(params=params[2:])], **kw)
+        for t in range(3):
+            set_grads(params, t)
+            if kernels:
+                with runtime.cpu_interpreter():
+                    opt.step()
+            else:
+                with monkeypatch.context() as m:
+                    m.setattr(cpu, "ENABLED", False)
+                    opt.step()
+        return params
+
+    from lowmemopt.kernels.launch import Bucket
+
+    rows, real = [], Bucket.launch
+    monkeypatch.setattr(Bucket, "launch", lambda self, k, r, *a, **m: rows.append(len(r)) or real(self, k, r, *a, **m))
+    fused = run_steps(True)
+    assert rows.count(2) == 3, rows  # the two stand-ins' launch at every step (the vector's takes another)
+    assert_params_close(fused, run_steps(False), 1e-2, bits < 32, f"GaLore SignSGD {bits}-bit")
