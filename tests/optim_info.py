@@ -257,7 +257,6 @@ OPTIMIZERS: list[OptimizerInfo] = [
         SignSGDReference,
         [
             dict(lr=1e-2),
-            dict(lr=1e-2, momentum=0.9),
             dict(lr=1e-2, momentum=0.9, dampening=0.3, weight_decay=0.01),
             dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
             dict(lr=1e-2, momentum=0.9, maximize=True),
