@@ -23,6 +23,8 @@ with ``--bucket-bytes`` held and stepped in buckets; then the end of the backwar
 (default; their rounds alternate, on one optimizer). ``--galore RANK``:
 the attention and MLP matrices in a GaLore group (basis refreshed on the first step only); on the CPU the batched
 products CUDA takes run there (``lowmemopt.projection.step.BATCH_ON_CPU``), so the host work is CUDA's.
+``--per-parameter-groups``: one param group per parameter with equal values (u-muP's layout): buckets go by the
+groups' values, so the launches are those of one group.
 
 Columns: host ms per step (median of ``--repeat`` rounds of ``--steps`` steps), µs per parameter, and for the
 per-layer updates their ratio to ``opt.step()`` (``both``).
@@ -107,10 +109,14 @@ def make_params(shapes, device: str, dtype: torch.dtype) -> list[torch.nn.Parame
     return params
 
 
-def param_groups(params: list[torch.nn.Parameter], rank: int | None) -> list:
+def param_groups(params: list[torch.nn.Parameter], rank: int | None, per_parameter: bool = False) -> list:
     """The parameters as ``make`` takes them: a plain list, or with ``rank`` two groups, the attention and MLP
     matrices (every 2-D tensor but the embedding and the head, as ``galore_param_groups`` picks them) in a GaLore
-    group whose basis is refreshed on the first step only (host work per step, not SVDs), the rest full rank."""
+    group whose basis is refreshed on the first step only (host work per step, not SVDs), the rest full rank.
+    ``per_parameter``: one group per parameter, all with the same values (as u-muP's ``scaled_parameters`` makes
+    them for parameters of one scale): the fused kernels bucket them by value, one launch as for one group."""
+    if per_parameter:
+        return [{"params": [p]} for p in params]
     if rank is None:
         return params
     mats = [p for p in params[1:-1] if p.dim() == 2]
@@ -142,10 +148,10 @@ def per_layer(opt, bucket_bytes: int = 0) -> Callable[[], None]:
 
 
 def host_ms(make: Callable, shapes, device: str, dtype: torch.dtype, steps: int, repeat: int, modes: tuple[str, ...],
-            rank: int | None = None, bucket_bytes: int = 0) -> dict[str, float]:
+            rank: int | None = None, bucket_bytes: int = 0, per_parameter: bool = False) -> dict[str, float]:
     """Per mode (``"step"``: ``opt.step()``; ``"per-layer"``: :func:`per_layer`), the median over ``repeat`` rounds of
     the thread's CPU time per step, in ms. The modes' rounds alternate, on one optimizer."""
-    opt = make(param_groups(make_params(shapes, device, dtype), rank))
+    opt = make(param_groups(make_params(shapes, device, dtype), rank, per_parameter))
     runs = {"step": opt.step, "per-layer": per_layer(opt, bucket_bytes) if "per-layer" in modes else None}
     for mode in modes:
         for _ in range(3):  # state made, kernels compiled, tables cached
@@ -181,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-bytes", type=int, default=0,
                     help="per-layer updates held and stepped in buckets of this many gradient bytes "
                          "(step_in_backward's bucket_bytes; 0: each parameter alone)")
+    ap.add_argument("--per-parameter-groups", action="store_true",
+                    help="one param group per parameter, equal values (u-muP's layout for parameters of one scale)")
     args = ap.parse_args(argv)
+    if args.per_parameter_groups and args.galore is not None:
+        print("--per-parameter-groups and --galore: choose one", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
@@ -210,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     galore = "" if args.galore is None else f", GaLore rank {args.galore} on {matrices} matrices"
     if args.bucket_bytes and "per-layer" in modes:
         galore += f", per-layer buckets of {args.bucket_bytes} bytes"
+    if args.per_parameter_groups:
+        galore += ", one param group per parameter"
     lines = [f"{len(shapes)} tensors ({args.layers} layers, hidden {args.hidden}){galore}, {args.dtype}, "
              f"{args.device}, torch {torch.__version__}",
              "| optimizer | mode | host ms / step | µs / parameter | × step() |",
@@ -221,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         row_modes = ("step",) if step_only else modes
         with runtime.cpu_interpreter() if args.device == "cpu" else contextlib.nullcontext():
             ms = host_ms(make, shapes, args.device, dtype, args.steps, args.repeat, row_modes, args.galore,
-                         args.bucket_bytes)
+                         args.bucket_bytes, args.per_parameter_groups)
         for mode, value in ms.items():
             ratio = f"{value / ms['step']:.2f}" if mode != "step" and "step" in ms else ""
             lines.append(f"| {name} | {'step()' if mode == 'step' else mode} | {value:.2f} | "

@@ -1,7 +1,7 @@
 """Fused Triton kernels for lowmemopt (installed as ``lowmemopt.kernels``; see ``docs/kernels.md``).
 
 Each kernel decodes an optimizer's state, runs the algorithm's fp32 math and encodes the state again in one pass per
-tile, in registers, for every parameter of a param group in one multi-tensor launch (a few passes for LAMB, LARS,
+tile, in registers, for every parameter of the param groups with equal values in one multi-tensor launch (a few passes for LAMB, LARS,
 Adafactor and CAME, whose norms and row/column statistics are reductions). The step pipeline (:mod:`lowmemopt.pipeline`)
 calls :func:`~lowmemopt.kernels.dispatch.step_items` with the CUDA tensors of a step (plain, paged, FSDP2 shards, GaLore
 low-rank updates); everything without a kernel takes the reference path. Nothing here imports the optimizer classes.

@@ -13,11 +13,17 @@ from the ``update_for`` callback. An item takes the kernel path when all of thes
   one format that the registry has a kernel for.
 
 Where the item comes from does not matter: a plain parameter, a paged one whose state the staging stage brought to the
-device, an FSDP2 local shard, or a GaLore low-rank buffer. Items are grouped into *buckets* (param group, projected or
-not, format, dtypes, device, step count, layout) and each bucket is stepped by one kernel's launches (one to four
-passes, each a single multi-tensor launch). The step count is written only after the launches. A launch that fails
-before writing anything (a Triton compile error, say) turns the kernel path off for the process with a warning and its
-bucket goes back to the caller; a failure after writing is raised.
+device, an FSDP2 local shard, or a GaLore low-rank buffer. Items are grouped into *buckets* (param-group values,
+projected or not, format, dtypes, device, step count, layout) and each bucket is stepped by one kernel's launches (one
+to four passes, each a single multi-tensor launch). The step count is written only after the launches. A launch that
+fails before writing anything (a Triton compile error, say) turns the kernel path off for the process with a warning
+and its bucket goes back to the caller; a failure after writing is raised.
+
+Buckets go by the *values* of the param groups, not by the group objects (:func:`group_values`): separate groups
+whose hyper-parameters and storage options are all equal (one group per parameter, as u-muP's ``scaled_parameters``
+makes) share a bucket and its launches, as one group would. The step count is part of the key: parameters whose
+counts differ take separate launches (their step scalars differ), except in a capturable step, whose kernels read each
+tensor's step scalars from the device.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
     rest: list[Item] = []
     buckets: dict[tuple, tuple[Any, list[Item]]] = {}
     usable: dict[torch.device, bool] = {}  # runtime.device_ok per device
+    group_ids: dict[int, int] = {}  # id(param group) -> the number of its values (group_values), one per distinct
+    by_values: dict[tuple, int] = {}
     for it in items:
         kernel = _kernel_for(algorithm, it, usable, device_steps)
         if kernel is None:
@@ -74,8 +82,11 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
                                  "cannot fall back to the per-tensor path")
             rest.append(it)
             continue
-        t = it.target
-        key = (id(it.group), it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device,
+        t, group = it.target, it.group
+        gid = group_ids.get(id(group))
+        if gid is None:  # (once per param group and call: per-parameter groups pay it per item)
+            gid = group_ids[id(group)] = by_values.setdefault(group_values(group), len(by_values))
+        key = (gid, it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device,
                None if device_steps else it.state["step"], kernel.layout(t), it.flag is not None, it.weight is not None)
         buckets.setdefault(key, (kernel, []))[1].append(it)
 
@@ -120,6 +131,47 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
                 it.state["step"] = step
         stats[(kernel.algorithm, kernel.fmt)] = stats.get((kernel.algorithm, kernel.fmt), 0) + 1
     return rest
+
+
+#: param-group entries that are not values a kernel reads: the parameters themselves (and torch's names of them)
+_NOT_VALUES = frozenset({"params", "param_names"})
+
+
+def group_values(group: dict[str, Any]) -> tuple:
+    """A param group's entries as a hashable, parameters left out: equal for groups whose every hyper-parameter,
+    storage option and other entry is equal, so that they share a bucket (one kernel launch) although they are
+    separate groups (u-muP's ``scaled_parameters`` makes one group per parameter). Numbers compare by value, except
+    that -0.0 and NaN stand apart from other floats; a tensor (a learning rate given as one) or any other unhashable
+    value by identity, so groups share it only if they hold the same object (a scheduler's in-place change then
+    reaches them all). Anything a kernel or the ``update_for`` callback reads of a group is one of these entries."""
+    out = []
+    for k, v in group.items():  # (a loop, not a generator of _frozen calls: per-parameter groups pay it per item)
+        t = type(v)
+        if t in _PLAIN or (t is float and v == v and v != 0.0):
+            out += (k, v)
+        elif k not in _NOT_VALUES:
+            out += (k, _frozen(v))
+    return tuple(out)
+
+
+_PLAIN = frozenset({int, bool, str, type(None)})
+
+
+def _frozen(v: Any) -> Any:
+    t = type(v)
+    if t is float:
+        return v if v == v and v != 0.0 else ("float", v.hex())  # -0.0 is not 0.0 here, NaN equals NaN
+    if t is int or t is bool or t is str or v is None:
+        return v
+    if t is tuple or t is list:
+        return (t.__name__,) + tuple(_frozen(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        return ("tensor", id(v))
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", id(v))
+    return (t.__qualname__, v)
 
 
 def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], device_steps: bool = False):

@@ -1,9 +1,10 @@
 """The dispatch registry: (algorithm, format) -> fused kernel.
 
-An *algorithm* is a name (``"adam"``, ``"sgd"``, ``"lion"``, ``"lamb"``, ``"lars"``, ``"adafactor"``, ``"came"``) that
-an algorithm marks its pure math with (:func:`lowmemopt.pipeline.algorithm.fused`); the algorithm decides which name
-it runs (:func:`lowmemopt.pipeline.algorithm.fused_name`: one that changes the math or how the update is applied runs
-none). Nothing here knows the optimizer classes.
+An *algorithm* is a name (``"adam"``, ``"sgd"``, ``"signsgd"`` (SGD's kernel with its ``SIGN`` flag), ``"lion"``,
+``"lamb"``, ``"lars"``, ``"adafactor"``, ``"came"``) that an algorithm marks its pure math with
+(:func:`lowmemopt.pipeline.algorithm.fused`); the algorithm decides which name it runs
+(:func:`lowmemopt.pipeline.algorithm.fused_name`: one that changes the math or how the update is applied runs none).
+Nothing here knows the optimizer classes.
 A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16``, ``q8`` or ``q4`` (a
 parameter without full-size slots, e.g. SGD without momentum, counts as ``fp32``). Every algorithm has a kernel for
 every format: the kernels' slot access (:func:`.codec.load_slot`, :func:`.codec.store_slot`,
@@ -21,10 +22,10 @@ from typing import Any, Callable
 __all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS", "FORMATS"]
 
 #: every algorithm name a kernel exists for
-ALGORITHMS = ("adam", "sgd", "lion", "lamb", "lars", "adafactor", "came")
+ALGORITHMS = ("adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came")
 #: algorithms whose kernels write bf16 parameters with any ``bf16_update`` (:func:`.codec.store_param_as`); the
 #: others round to nearest only, so the dispatcher leaves a bf16 parameter with another mode to the reference path
-UPDATE_ALGORITHMS = frozenset({"adam", "sgd", "lion"})
+UPDATE_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion"})
 #: every state format a kernel exists for (:data:`.codec.FORMAT_CODES`)
 FORMATS = ("fp32", "bf16", "q8", "q4")
 
@@ -60,6 +61,7 @@ def _load() -> None:
     for fmt in FORMATS:
         register(Kernel("adam", fmt, lambda g, p: adamw.slots(g), adamw.launch))
         register(Kernel("sgd", fmt, lambda g, p: sgd.slots(g), sgd.launch))
+        register(Kernel("signsgd", fmt, lambda g, p: sgd.slots(g), sgd.launch))
         register(Kernel("lion", fmt, lambda g, p: lion.slots(g), lion.launch))
         register(Kernel("lamb", fmt, lambda g, p: lamb.slots(g), lamb.launch))
         register(Kernel("lars", fmt, lambda g, p: lars.slots(g), lars.launch))

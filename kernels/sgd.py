@@ -1,7 +1,7 @@
 """Fused SGD step (reference: :func:`lowmemopt.optim.sgd.sgd_math`), one pass per tile in registers::
 
     d = g + wd p;   b = d (first step) or momentum b + (1 - dampening) d;   d = d + momentum b (nesterov) or b
-    p <- p - lr d
+    p <- p - lr d                       (SignSGD, the ``SIGN`` flag: p <- p - lr sign(d))
 
 Bytes per element: param 2x(2|4) + grad (2|4) + momentum read and written (fp32 8, bf16 4, q8 2 + absmax).
 """
@@ -40,7 +40,7 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
               first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
               ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
               DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr):
+               MASKED: tl.constexpr, COLS: tl.constexpr, SIGN: tl.constexpr = False):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
@@ -49,6 +49,8 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
         buf = g
     d, buf = sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM, NESTEROV,
                         MAXIMIZE, DECAY)
+    if SIGN:  # SignSGD: torch.sign(d) (+0 for +-0 and NaN); -lr * sign is exact, so the fma rounds as p.add_ does
+        d = (d > 0).to(tl.float32) - (d < 0).to(tl.float32)
     if MOMENTUM:
         store_slot(buf, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
     store_param_as(tl.fma(d, neg_lr, p * decay), p, row, offs, mask, P_DTYPE, ALIGNED, MASKED, UPDATE, W)
@@ -60,7 +62,8 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr,
-                scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+                scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
+                SIGN: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor, decay) from the device
         neg_lr = tensor_scalar(scal, t, 3, 0)
@@ -69,11 +72,11 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
     if full:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  False, COLS)
+                  False, COLS, SIGN)
     else:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  True, COLS)
+                  True, COLS, SIGN)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -92,4 +95,4 @@ def launch(u: Update, bucket: Bucket) -> None:
     extra, update = bucket.param_update(u.group, u.step)
     bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
                        MOMENTUM=kw["momentum"] != 0, NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]),
-                       DECAY=wd != 0, **bucket.scalar_args(scal))
+                       DECAY=wd != 0, SIGN=u.algorithm == "signsgd", **bucket.scalar_args(scal))

@@ -69,6 +69,38 @@ def _lars_reference(params, **kw):
     return _colossalai_module("lars").Lars(params, **kw)
 
 
+class SignSGDReference(torch.optim.SGD):
+    """mlbench-core's ``SignSGD`` rule (``mlbench_core/optim/pytorch/optim.py``; the package itself needs apex), written
+    out here: a ``torch.optim.SGD`` (its signature) whose step takes torch SGD's direction ``d`` (L2 weight decay,
+    momentum buffer, dampening after the first step, Nesterov; ``maximize`` negates the gradient) and then
+    ``p.add_(torch.sign(d), alpha=-lr)``. mlbench adds the decay into ``p.grad`` in place; here the gradient is left
+    alone (the next step sets a new one either way)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            mu, dampening = group["momentum"], group["dampening"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                d = -p.grad if group["maximize"] else p.grad
+                if group["weight_decay"] != 0:
+                    d = d.add(p, alpha=group["weight_decay"])
+                if mu != 0:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:  # mlbench: zeros * mu + d, i.e. d
+                        buf = state["momentum_buffer"] = torch.zeros_like(p).mul_(mu).add_(d)
+                    else:
+                        buf = state["momentum_buffer"].mul_(mu).add_(d, alpha=1 - dampening)
+                    d = d.add(buf, alpha=mu) if group["nesterov"] else buf
+                p.add_(torch.sign(d), alpha=-group["lr"])
+        return loss
+
+
 def _reference_class(module: str, name: str) -> Callable[[], type]:
     """The reference class ``module.name`` (skips the test where its library is not installed)."""
     return lambda: getattr(pytest.importorskip(module), name)
@@ -218,6 +250,26 @@ OPTIMIZERS: list[OptimizerInfo] = [
         ],
         reference_cls=lambda: torch.optim.SGD,
         complex_as_real=True,
+    ),
+    OptimizerInfo(
+        "SignSGD",
+        lowmemopt.SignSGD,
+        SignSGDReference,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, momentum=0.9, dampening=0.3, weight_decay=0.01),
+            dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+            dict(lr=1e-2, momentum=0.9, maximize=True),
+        ],
+        slots=lambda kw: 1 if kw.get("momentum", 0) else 0,
+        bound8=0.025,  # measured 0.0099 (8-bit), 0.0028 (16-bit): a sign flips where the momentum is near 0
+        bad_inputs=_COMMON_BAD
+        + [
+            (dict(momentum=-0.5), ValueError, "Invalid momentum value: -0.5"),
+            (dict(nesterov=True), ValueError, "Nesterov momentum requires"),
+            (dict(dampening=-0.1), ValueError, "Invalid dampening value"),
+        ],
+        reference_cls=lambda: SignSGDReference,
     ),
     OptimizerInfo(
         "Lion",
@@ -372,6 +424,7 @@ STATEFUL = {
     "AdamW": dict(lr=1e-2, weight_decay=0.1),
     "Adam": dict(lr=1e-2, amsgrad=True),
     "SGD": dict(lr=1e-2, momentum=0.9, nesterov=True),
+    "SignSGD": dict(lr=1e-2, momentum=0.9, nesterov=True),
     "Lion": dict(lr=1e-3, weight_decay=0.1),
     "LAMB": dict(lr=1e-2, weight_decay=0.01, bias_correction=True),
     "LARS": dict(lr=1e-1, momentum=0.9, weight_decay=1e-3, eeta=1e-2),

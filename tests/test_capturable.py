@@ -31,6 +31,7 @@ CASES = [
     (lowmemopt.LARS, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
     (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.1)),  # relative step, RMS(p) scaling, beta2 by step
     (lowmemopt.CAME, dict(lr=1e-3, weight_decay=0.1)),
+    (lowmemopt.SignSGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),  # SGD's kernel with its SIGN flag
 ]
 #: (step, param): the gradients made non-finite; param 3 is skipped on its first step
 BAD = {(0, 3): float("nan"), (1, 0): float("inf"), (2, 1): float("nan")}

@@ -20,7 +20,7 @@ CONFIG = dict(model_type="llama", vocab_size=301, hidden_size=64, intermediate_s
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
 
 # keywords that give an optimizer all of its slots (momentum buffers, Adafactor's first moment, AMSGrad's v_max)
-FULL_STATE = {"SGD": dict(momentum=0.9), "LARS": dict(momentum=0.9), "Adafactor": dict(beta1=0.9),
+FULL_STATE = {"SGD": dict(momentum=0.9), "SignSGD": dict(momentum=0.9), "LARS": dict(momentum=0.9), "Adafactor": dict(beta1=0.9),
               "Adam": dict(amsgrad=True)}
 
 

@@ -171,6 +171,79 @@ def test_launches_per_step_do_not_grow_with_the_number_of_parameters(mode, tmp_p
     assert counts[0] == [3] and counts[1] == [12], counts  # one launch, its table holding every parameter
 
 
+def _per_parameter_groups(params, lrs, **kw):
+    """One param group per parameter (as u-muP's ``scaled_parameters`` makes), ``lrs[i]`` for parameter i."""
+    return [dict(params=[p], lr=lr, **kw) for p, lr in zip(params, lrs)]
+
+
+@interpreted
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(weight_decay=0.1)), ("LAMB", dict(weight_decay=0.01))])
+def test_groups_with_equal_values_share_a_bucket(name, kw, monkeypatch):
+    """N per-parameter groups whose values are equal take the launches of one group of N parameters (buckets go by
+    the groups' values), with the same bits as when each group is its own bucket; groups whose lr differs take
+    launches of their own; equal values again (a schedule) bring them back together."""
+    from lowmemopt.kernels import dispatch
+
+    cls, shapes = getattr(lowmemopt, name), [(8, 12), (12, 8), (9, 9), (100,)]  # all 8-bit state
+    storage = dict(state_bits=8, min_quant_numel=MIN_QUANT)
+    seen = _launch_counter(monkeypatch)
+
+    def steps(groups_of, n=2, by_identity=False):
+        params = make_params(shapes)
+        opt = cls(groups_of(params), **storage)
+        launches = []
+        with monkeypatch.context() as m:
+            if by_identity:  # each group its own bucket: the launches of separate groups
+                m.setattr(dispatch, "group_values", lambda group: ("id", id(group)))
+            for t in range(n):
+                set_grads(params, t)
+                seen.clear()
+                with runtime.cpu_interpreter():
+                    opt.step()
+                launches.append(list(seen))
+        return params, opt, launches
+
+    one, one_opt, one_launches = steps(lambda ps: [dict(params=ps, lr=1e-2, **kw)])
+    per, per_opt, per_launches = steps(lambda ps: _per_parameter_groups(ps, [1e-2] * len(ps), **kw))
+    alone, alone_opt, alone_launches = steps(lambda ps: _per_parameter_groups(ps, [1e-2] * len(ps), **kw),
+                                             by_identity=True)
+    assert per_launches == one_launches, (per_launches, one_launches)
+    passes = len(one_launches[-1])  # launches per bucket (LAMB: norms, apply)
+    assert one_launches[-1] == [len(shapes)] * passes  # one launch per pass, its table holding every parameter
+    assert alone_launches[-1] == [1] * (passes * len(shapes))  # by group: a launch per parameter and pass
+    _assert_identical(per, per_opt, one, one_opt, f"{name}: per-parameter groups vs one group")
+    _assert_identical(per, per_opt, alone, alone_opt, f"{name}: by value vs by group")
+
+    # three distinct learning rates: three buckets; a schedule that makes them equal again: one
+    params = make_params(shapes)
+    opt = cls(_per_parameter_groups(params, [1e-2, 2e-2, 1e-2, 3e-2], **kw), **storage)
+    for t, expected in enumerate(([2, 1, 1] * passes, [len(shapes)] * passes)):
+        if t:
+            for group in opt.param_groups:
+                group["lr"] = 5e-3
+        set_grads(params, t)
+        seen.clear()
+        with runtime.cpu_interpreter():
+            opt.step()
+        assert sorted(seen) == sorted(expected), (t, seen)
+
+
+@pytest.mark.skipif(not runtime.HAS_TRITON, reason="triton is not installed")
+def test_group_values_compare_what_kernels_read():
+    """Groups share a bucket when their values are equal: parameters aside; -0.0 apart from 0.0 (``-lr`` differs in
+    the sign of a zero step); a tensor (an lr a scheduler changes in place) only when it is the same tensor."""
+    from lowmemopt.kernels.dispatch import group_values
+
+    lr = torch.tensor(0.1)
+    a = dict(params=[torch.zeros(2)], lr=0.1, betas=(0.9, 0.999), weight_decay=0.0, state_bits=8, paged=False)
+    assert group_values(a) == group_values(dict(a, params=[torch.ones(3)], param_names=["w"]))
+    assert group_values(a) != group_values(dict(a, lr=0.2)) and group_values(a) != group_values(dict(a, state_bits=4))
+    assert group_values(a) != group_values(dict(a, betas=(0.9, 0.99)))
+    assert group_values(dict(a, weight_decay=-0.0)) != group_values(a)
+    assert group_values(dict(a, lr=lr)) == group_values(dict(a, lr=lr)) != group_values(dict(a, lr=torch.tensor(0.1)))
+    assert group_values(dict(a, extra={"k": 1})) != group_values(dict(a, extra={"k": 1}))  # unhashable: by identity
+
+
 @interpreted
 def test_paged_batches_keep_to_the_bucket_size(tmp_path, monkeypatch):
     """Paged state moves through the device in batches of at most PAGE_BUCKET_BYTES (at least one parameter each):

@@ -8,5 +8,6 @@ from .lamb import LAMB
 from .lars import LARS
 from .lion import Lion
 from .sgd import SGD
+from .signsgd import SignSGD
 
-__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "HFAdamW", "LAMB", "LARS", "Lion", "SGD"]
+__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]

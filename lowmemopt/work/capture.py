@@ -35,7 +35,7 @@ __all__ = ["CAPTURABLE_ALGORITHMS", "capturing", "keep", "device_value", "device
 
 #: fused algorithms whose kernels read the step's scalars from the device
 #: (:func:`lowmemopt.kernels.codec.tensor_scalar`)
-CAPTURABLE_ALGORITHMS = frozenset({"adam", "lion", "sgd", "lamb", "lars", "adafactor", "came"})
+CAPTURABLE_ALGORITHMS = frozenset({"adam", "lion", "sgd", "signsgd", "lamb", "lars", "adafactor", "came"})
 
 #: tensors a captured graph reads by address (launch tables, index maps, upload buffers): kept for the process
 _KEPT: list[torch.Tensor] = []
