@@ -22,6 +22,8 @@ _FUNCTIONS = {
     "step_in_backward": "per_layer",
 }
 _CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD"]
+#: optimizer classes in their own modules of ``lowmemopt.optim`` (not re-exported by it), by module
+_MODULE_CLASSES = {"OnebitAdam": "optim.onebit"}
 
 
 def _load() -> None:
@@ -31,8 +33,9 @@ def _load() -> None:
 
     names: dict[str, Any] = {n: getattr(aliases, n) for n in aliases.__all__}
     names.update({n: getattr(optim, n) for n in _CLASSES})
+    names.update({n: getattr(importlib.import_module(f".{m}", __name__), n) for n, m in _MODULE_CLASSES.items()})
     names.update({n: getattr(importlib.import_module(f".{m}", __name__), n) for n, m in _FUNCTIONS.items()})
-    names["__all__"] = aliases.__all__ + sorted(_CLASSES + list(_FUNCTIONS), key=lambda n: (n[0].islower(), n))
+    names["__all__"] = aliases.__all__ + sorted(_CLASSES + list(_MODULE_CLASSES) + list(_FUNCTIONS), key=lambda n: (n[0].islower(), n))
     globals().update(names)
 
 
