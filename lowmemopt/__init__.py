@@ -23,7 +23,7 @@ _FUNCTIONS = {
 }
 _CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD"]
 #: optimizer classes in their own modules of ``lowmemopt.optim`` (not re-exported by it), by module
-_MODULE_CLASSES = {"OnebitAdam": "optim.onebit"}
+_MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam"}
 
 
 def _load() -> None:

@@ -389,6 +389,175 @@ def onebit_adam_bad_inputs(ctx):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# 0/1 Adam against the paper's algorithm (Lu et al. 2022, Algorithm 1 with DeepSpeed's schedules)
+
+ZO = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, var_freeze_step=6, var_update_scaler=2,
+          local_step_scaler=2, local_step_clipper=4)
+
+
+def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_freeze_step, var_update_scaler,
+                            local_step_scaler, local_step_clipper, bias_correction=True):
+    """Every rank's parameters after each step. Variance steps (t a multiple of an interval that doubles every
+    var_update_scaler of them) average the gradients and update v; the other steps up to var_freeze_step move m by the
+    1-bit mean gradient; afterwards ranks step locally, accumulate their updates and synchronise them, compressed,
+    every local interval (doubling every local_step_scaler steps, at most local_step_clipper)."""
+    b1, b2 = betas
+    n = len(SHAPES)
+    numels = [math.prod(s) for s in SHAPES]
+    ps = [[x.clone() for x in init_params()] for _ in range(world)]
+    ms = [[torch.zeros(s) for s in SHAPES] for _ in range(world)]
+    us = [[torch.zeros(s) for s in SHAPES] for _ in range(world)]
+    vs = [torch.zeros(s) for s in SHAPES]
+
+    def fresh_errors():
+        return ([[torch.zeros(sim_padded(k, world, 8)) for k in numels] for _ in range(world)],
+                [[torch.zeros(sim_padded(k, world, 8) // world) for k in numels] for _ in range(world)])
+
+    werr, serr = fresh_errors()
+    var_interval, var_count, k = 1, 0, 0
+    local_interval, local_count, lrs = 1, 0, 0.0
+    history = []
+    for t in range(1, steps + 1):
+        g = grads_of(t, world)
+        local = t > var_freeze_step
+        if t == var_freeze_step + 1:
+            werr, serr = fresh_errors()
+        full = not local and t % var_interval == 0
+        if full:
+            k += 1
+            avg = []
+            for i in range(n):
+                a = g[0][i]
+                for r in range(1, world):
+                    a = a + g[r][i]
+                avg.append(a / world)
+            feed = [avg for _ in range(world)]
+        elif not local:
+            means = sim_allreduce([[x.reshape(-1) for x in g[r]] for r in range(world)], werr, serr, numels, world)
+            feed = [[mm.view(s) for mm, s in zip(means, SHAPES)] for _ in range(world)]
+        else:
+            feed = g
+        bc1 = 1 - b1 ** t if bias_correction else 1.0
+        bc2s = math.sqrt(1 - b2 ** max(k, 1)) if bias_correction else 1.0
+        denoms = [vs[i].sqrt().div_(bc2s).add_(eps) for i in range(n)]
+        for i in range(n):
+            if full:
+                vs[i].mul_(b2).addcmul_(feed[0][i], feed[0][i], value=1 - b2)
+                denoms[i] = vs[i].sqrt().div_(bc2s).add_(eps)
+            for r in range(world):
+                ms[r][i].mul_(b1).add_(feed[r][i], alpha=1 - b1)
+                upd = torch.div(ms[r][i], denoms[i])
+                if bc1 != 1.0:
+                    upd.div_(bc1)
+                upd.add_(ps[r][i], alpha=weight_decay)
+                d = upd.mul_(-lr)
+                ps[r][i].add_(d)
+                if local:
+                    us[r][i].add_(d)
+        if full:
+            var_count += 1
+            if var_count == var_update_scaler:
+                var_count, var_interval = 0, var_interval * 2
+        if local:
+            lrs += lr / bc1
+            if t % local_interval == 0:
+                msgs = [[(us[r][i] * denoms[i]).reshape(-1) for i in range(n)] for r in range(world)]
+                means = sim_allreduce(msgs, werr, serr, numels, world)
+                for r in range(world):
+                    for i in range(n):
+                        flat = ps[r][i].view(-1)
+                        flat.sub_(us[r][i].view(-1))
+                        flat.add_(means[i] / denoms[i].view(-1))
+                        ms[r][i].copy_(torch.div(means[i], lrs).neg_().view(SHAPES[i]))
+                        us[r][i].zero_()
+                lrs = 0.0
+            local_count += 1
+            if local_count == local_step_scaler:
+                local_count, local_interval = 0, min(local_step_clipper, local_interval * 2)
+        history.append(([[x.clone() for x in ps[r]] for r in range(world)], full, local))
+    return history
+
+
+def run_opt(ctx, cls, steps, opt=None, params=None, start=1, **kw):
+    if params is None:
+        params = [torch.nn.Parameter(p + ctx.rank) for p in init_params()]
+    if opt is None:
+        opt = cls(params, **kw)
+    out = []
+    for t in range(start, start + steps):
+        for p, g in zip(params, grads_of(t, ctx.world)[ctx.rank]):
+            p.grad = g.clone()
+        opt.step()
+        out.append([p.detach().clone() for p in params])
+    return opt, params, out
+
+
+@case
+def zero_one_adam_matches_reference(ctx):
+    import lowmemopt
+
+    steps = 16
+    phases = []
+    for extra in ({}, {"bias_correction": False}):
+        kw = dict(ZO, **extra)
+        ref = reference_zero_one_adam(steps, ctx.world, **kw)
+        opt, params, out = run_opt(ctx, lowmemopt.ZeroOneAdam, steps, **kw)
+        for t, (got, (ps, full, local)) in enumerate(zip(out, ref), 1):
+            phases.append("F" if full else "L" if local else "C")
+            for i, (a, b) in enumerate(zip(got, ps[ctx.rank])):
+                same(a, b, f"{extra} step {t} param {i}")
+    # the schedule the reference ran: variance steps thin out, local steps follow (not a trivial run)
+    assert phases[:steps] == list("FFCFCF") + ["L"] * (steps - 6), phases
+
+
+@case
+def zero_one_adam_resume_and_quantized(ctx):
+    """Resume in the local phase (counters, accumulators, error buffers) bit for bit; 8- and 4-bit m and v through
+    the whole schedule with replicas equal at synchronisations."""
+    import io
+
+    import lowmemopt
+
+    for bits in (32, 8, 4):
+        kw = dict(ZO, state_bits=bits, min_quant_numel=64, block_size=64)
+        _, _, whole = run_opt(ctx, lowmemopt.ZeroOneAdam, 14, **kw)
+        opt, params, first = run_opt(ctx, lowmemopt.ZeroOneAdam, 9, **kw)
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt2 = lowmemopt.ZeroOneAdam(params2, **kw)  # (broadcasts rank 0's parameters)
+        with torch.no_grad():  # between synchronisations each rank has its own: restored after construction
+            for q, p in zip(params2, params):
+                q.copy_(p)
+        opt2.load_state_dict(torch.load(buf, weights_only=True))
+        for p, q in zip(params, params2):
+            for key, value in opt.state[p].items():
+                other = opt2.state[q][key]
+                if isinstance(value, torch.Tensor):
+                    same(other, value, f"loaded {key}")
+                else:
+                    assert value == other, (key, value, other)
+        assert opt2._schedules == opt._schedules, (opt2._schedules, opt._schedules)
+        for key, (lay, _, w, s) in opt._stage.buckets.items():
+            lay2, _, w2, s2 = opt2._stage.buckets[key]
+            assert lay == lay2
+            same(w2, w, "worker error")
+            same(s2, s, "server error")
+        _, _, rest = run_opt(ctx, lowmemopt.ZeroOneAdam, 5, opt=opt2, params=params2, start=10)
+        for t, (a, b) in enumerate(zip(first + rest, whole), 1):
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{bits}-bit resumed 0/1 Adam, step {t} param {i}")
+        # step 12 synchronises (local interval 4 from step 11): replicas agree, to the rounding of p - u
+        for t in whole[11]:
+            got = [torch.empty_like(t) for _ in range(ctx.world)]
+            dist.all_gather(got, t)
+            for x in got:
+                torch.testing.assert_close(x, t, rtol=0, atol=1e-6)
+            assert not torch.equal(whole[10][0], whole[11][0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # harness
 
 

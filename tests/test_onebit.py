@@ -1,4 +1,5 @@
-"""Communication-compressed data parallelism: the compressed all-reduce and 1-bit Adam on gloo, 2 and 4 processes.
+"""Communication-compressed data parallelism: the compressed all-reduce, 1-bit Adam and 0/1 Adam on gloo, 2 and 4
+processes.
 
 The cases live in ``tests/onebit_worker.py``; one spawned job per world size runs them all, and each test here reports
 one case. Every case checks each rank against a single-process simulation of the N workers, bit for bit.
@@ -21,7 +22,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "onebit_worker
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 #: the cases that also run with 4 ranks (padding and rank order with more than two workers)
-FOUR_RANK_CASES = ["compressed_allreduce_matches_simulation", "onebit_adam_matches_reference"]
+FOUR_RANK_CASES = ["compressed_allreduce_matches_simulation", "onebit_adam_matches_reference",
+                   "zero_one_adam_matches_reference"]
 
 
 def _run_job(out, world: int, cases: list[str]) -> dict[str, list[str]]:

@@ -29,7 +29,7 @@ from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm
 from ..quant.formats import Slot, choose_format, format_of
 
-__all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "onebit_adam_math"]
+__all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "OnebitOptimizer", "onebit_adam_math", "adam_denominator"]
 
 
 def onebit_adam_math(
@@ -55,11 +55,15 @@ def onebit_adam_math(
     else:
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return torch.mul(m, -lr / bias_correction1).div_(adam_denominator(v, eps, eps_inside_sqrt, bias_correction2_sqrt))
+
+
+def adam_denominator(v: torch.Tensor, eps: float, eps_inside_sqrt: bool = False,
+                     bias_correction2_sqrt: float = 1.0) -> torch.Tensor:
+    """``sqrt(v) / sqrt(bc2) + eps``, or ``sqrt(v / bc2 + eps)`` with ``eps_inside_sqrt`` (a new tensor)."""
     if eps_inside_sqrt:
-        denom = v.div(bias_correction2_sqrt * bias_correction2_sqrt).add_(eps).sqrt_()
-    else:
-        denom = v.sqrt().div_(bias_correction2_sqrt).add_(eps)
-    return torch.mul(m, -lr / bias_correction1).div_(denom)
+        return v.div(bias_correction2_sqrt * bias_correction2_sqrt).add_(eps).sqrt_()
+    return v.sqrt().div_(bias_correction2_sqrt).add_(eps)
 
 
 class OnebitAdamAlgorithm(Algorithm):
@@ -102,53 +106,22 @@ class OnebitAdamAlgorithm(Algorithm):
         return m.mul(beta1).add_(g32, alpha=1 - beta1)
 
 
-class OnebitAdam(LowMemOptimizer):
-    """1-bit Adam with 32/16/8/4-bit state (DeepSpeed's ``OnebitAdam`` signature and defaults, less ``deepspeed``,
-    ``cuda_aware`` and ``comm_backend_name``, plus ``process_group``). See the module docstring and
-    ``docs/onebit.md``.
+class OnebitOptimizer(LowMemOptimizer):
+    """What the communication-compressed optimizers share (:class:`OnebitAdam`, :class:`~.zero_one_adam.ZeroOneAdam`,
+    :class:`~.onebit_lamb.OnebitLAMB`): the communicate stage (:class:`~lowmemopt.distributed.onebit.OnebitStage`)
+    before the ordinary pipeline, the parameters broadcast at construction, a DDP comm hook that follows the phase,
+    and the error buffers in the state dict. A subclass's algorithm says what each step communicates
+    (``phase(group, step)``, ``message(p, g, state, group)``); :meth:`_after_update` runs what follows the update
+    (0/1 Adam's synchronisation)."""
 
-    Needs ``torch.distributed`` initialized. The parameters are broadcast from the group's first rank at
-    construction; do not wrap the model in DDP, or register :meth:`register_ddp` so that DDP averages the warm-up
-    gradients and leaves the compressed steps to the optimizer. fp32 parameters only (keep fp32 master weights for
-    mixed precision); no FSDP2 / DTensor parameters, GaLore groups, paged state, capturable steps or per-layer
-    updates (``step_in_backward``).
-    """
-
-    algorithm = OnebitAdamAlgorithm()
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        freeze_step: int = 100000,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 0.0,
-        amsgrad: bool = False,
-        *,
-        process_group: Any = None,
-        **storage: Any,
-    ) -> None:
-        if amsgrad:
-            raise ValueError("OnebitAdam does not support amsgrad=True (1-bit Adam freezes the variance)")
-        if max_grad_norm:
-            raise ValueError(f"OnebitAdam: max_grad_norm={max_grad_norm!r} is not supported (DeepSpeed accepted and "
-                             "ignored it); clip the gradients before step(), e.g. torch.nn.utils.clip_grad_norm_")
+    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any, **storage: Any) -> None:
         self._stage = OnebitStage(process_group)  # raises unless torch.distributed is initialized
         self.process_group = process_group
-        defaults = dict(lr=lr, freeze_step=freeze_step, bias_correction=bias_correction, betas=betas, eps=eps,
-                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay)
         super().__init__(params, defaults, **storage)
         broadcast_parameters([p for group in self.param_groups for p in group["params"]], process_group)
 
     def _check_group(self, group):
         check_adam_group(group)
-        fs = group["freeze_step"]
-        if isinstance(fs, bool) or not isinstance(fs, int) or fs < 1:
-            raise ValueError(f"Invalid freeze_step: {fs!r} (must be an int >= 1: the warm-up sets the variance)")
         if group.get("rank") is not None:
             raise ValueError(f"{type(self).__name__} does not support GaLore param groups (rank=...)")
         if group.get("paged"):
@@ -173,21 +146,31 @@ class OnebitAdam(LowMemOptimizer):
                 return int(st["step"])
         return 0
 
-    def next_phase(self) -> str:
-        """The communication phase of the next step of the first param group ("full" or "compressed"): what a DDP comm
-        hook follows (:func:`~lowmemopt.distributed.onebit.onebit_comm_hook`)."""
-        group = self.param_groups[0]
+    def _phase(self, index: int, group: dict[str, Any]) -> str:
+        """The communication phase of ``group``'s next step."""
         return self.algorithm.phase(group, self._group_step(group) + 1)
+
+    def next_phase(self) -> str:
+        """The communication phase of the next step of the first param group ("full", "compressed" or "local"): what
+        a DDP comm hook follows (:func:`~lowmemopt.distributed.onebit.onebit_comm_hook`)."""
+        return self._phase(0, self.param_groups[0])
 
     def register_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register :func:`~lowmemopt.distributed.onebit.onebit_comm_hook` on ``ddp``: DDP averages the gradients of
-        full-precision steps and sends nothing on compressed ones, where this optimizer communicates."""
+        full-precision steps and sends nothing on the others, where this optimizer communicates."""
         ddp.register_comm_hook(self, onebit_comm_hook)
         self._stage.ddp_reduces = True
 
     def _align(self, group: dict[str, Any], p: torch.Tensor) -> int:
+        """The block size that ``p``'s server chunks are multiples of: its first moment's, where quantized."""
         fmt = choose_format(group["state_bits"], p.numel(), group["min_quant_numel"])
         return group["block_size"] if fmt.bits < 16 else 8
+
+    def _begin(self, index: int, group: dict[str, Any], phase: str) -> None:
+        """Before ``group``'s step (its phase known)."""
+
+    def _after_update(self, index: int, group: dict[str, Any], phase: str, params: list[torch.Tensor]) -> None:
+        """After ``group``'s update: what the algorithm does next (nothing, for 1-bit Adam)."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -198,13 +181,16 @@ class OnebitAdam(LowMemOptimizer):
             with torch.enable_grad():
                 loss = closure()
         swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+        phases = []
         try:
             for index, group in enumerate(self.param_groups):
                 params = [p for p in group["params"] if p.grad is not None]
                 if not params:
                     continue
                 grads = [p.grad for p in params]
-                phase = self.algorithm.phase(group, self._group_step(group) + 1)
+                phase = self._phase(index, group)
+                self._begin(index, group, phase)
+                phases.append((index, group, phase, params))
                 message = lambda i, ps=params, gs=grads, g=group: self.algorithm.message(  # noqa: E731
                     ps[i], gs[i], self.state.get(ps[i], {}), g)
                 new = self._stage.communicate(index, phase, grads, message, [self._align(group, p) for p in params])
@@ -216,6 +202,8 @@ class OnebitAdam(LowMemOptimizer):
         finally:
             for p, g in swapped:
                 p.grad = g
+        for index, group, phase, params in phases:
+            self._after_update(index, group, phase, params)
         return loss
 
     def _step_some(self, work, flags=None):
@@ -224,20 +212,82 @@ class OnebitAdam(LowMemOptimizer):
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
 
+    def _extra_state(self) -> dict[str, Any]:
+        """What a subclass keeps beside the state and the error buffers (its schedule's counters)."""
+        return {}
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        pass
+
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"onebit"``: this rank's error buffers (they differ per rank; save one file per
-        rank, e.g. ``lowmemopt.distributed.rank_path``)."""
+        rank, e.g. ``lowmemopt.distributed.rank_path``) and the schedule's counters."""
         sd = super().state_dict()
-        sd["onebit"] = self._stage.errors_state()
+        sd["onebit"] = dict(self._stage.errors_state(), extra=self._extra_state())
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's part and this rank's error buffers; at another world size (or without them) the error
-        buffers restart from zero, with a warning."""
+        """Load torch's part, the schedule's counters and this rank's error buffers; at another world size (or
+        without them) the error buffers restart from zero, with a warning."""
         state_dict = dict(state_dict)
-        errors = state_dict.pop("onebit", None)
+        saved = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
-        why = self._stage.load_errors(errors)
+        self._load_extra_state((saved or {}).get("extra", {}))
+        why = self._stage.load_errors(saved)
         if why is not None:
             warnings.warn(f"{type(self).__name__}: the compression error buffers restart from zero: {why}",
                           RuntimeWarning, stacklevel=2)
+
+
+class OnebitAdam(OnebitOptimizer):
+    """1-bit Adam with 32/16/8/4-bit state (DeepSpeed's ``OnebitAdam`` signature and defaults, less ``deepspeed``,
+    ``cuda_aware`` and ``comm_backend_name``, plus ``process_group``). See the module docstring and
+    ``docs/onebit.md``.
+
+    Needs ``torch.distributed`` initialized. The parameters are broadcast from the group's first rank at
+    construction; do not wrap the model in DDP, or call :meth:`register_ddp` so that DDP averages the warm-up
+    gradients and leaves the compressed steps to the optimizer. fp32 parameters only (keep fp32 master weights for
+    mixed precision); no FSDP2 / DTensor parameters, GaLore groups, paged state, capturable steps or per-layer
+    updates (``step_in_backward``).
+    """
+
+    algorithm = OnebitAdamAlgorithm()
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        process_group: Any = None,
+        **storage: Any,
+    ) -> None:
+        check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
+        defaults = dict(lr=lr, freeze_step=freeze_step, bias_correction=bias_correction, betas=betas, eps=eps,
+                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay)
+        super().__init__(params, defaults, process_group, **storage)
+
+    def _check_group(self, group):
+        super()._check_group(group)
+        check_step_count("freeze_step", group["freeze_step"])
+
+
+def check_unsupported(name: str, amsgrad: bool, max_grad_norm: float) -> None:
+    """DeepSpeed's arguments that these optimizers refuse rather than ignore."""
+    if amsgrad:
+        raise ValueError(f"{name} does not support amsgrad=True (the variance is frozen after the warm-up)")
+    if max_grad_norm:
+        raise ValueError(f"{name}: max_grad_norm={max_grad_norm!r} is not supported (DeepSpeed accepted and "
+                         "ignored it); clip the gradients before step(), e.g. torch.nn.utils.clip_grad_norm_")
+
+
+def check_step_count(name: str, value: Any, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= {least})")
