@@ -23,7 +23,8 @@ _FUNCTIONS = {
 }
 _CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD"]
 #: optimizer classes in their own modules of ``lowmemopt.optim`` (not re-exported by it), by module
-_MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam"}
+_MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam",
+                   "OnebitLAMB": "optim.onebit_lamb", "OnebitLamb": "optim.onebit_lamb"}
 
 
 def _load() -> None:

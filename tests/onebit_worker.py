@@ -558,6 +558,130 @@ def zero_one_adam_resume_and_quantized(ctx):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# 1-bit LAMB against the paper's algorithm (Li et al. 2021, Algorithm 1, with DeepSpeed's coefficient rules)
+
+LB = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, freeze_step=3, max_coeff=10.0, min_coeff=0.01,
+          coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
+
+
+def reference_onebit_lamb(steps, world, lr, betas, eps, weight_decay, freeze_step, max_coeff, min_coeff, coeff_beta,
+                          factor_max, factor_min, factor_threshold, bias_correction=True):
+    b1, b2 = betas
+    n = len(SHAPES)
+    numels = [math.prod(s) for s in SHAPES]
+    ps = init_params()
+    ms = [torch.zeros(s) for s in SHAPES]
+    vs = [torch.zeros(s) for s in SHAPES]
+    fresh = [torch.zeros(s) for s in SHAPES]
+    frozen = [torch.zeros(()) for _ in SHAPES]
+    last = [torch.zeros(()) for _ in SHAPES]
+    scaling = None
+    werr = [[torch.zeros(sim_padded(k, world, 8)) for k in numels] for _ in range(world)]
+    serr = [[torch.zeros(sim_padded(k, world, 8) // world) for k in numels] for _ in range(world)]
+    history = []
+    for t in range(1, steps + 1):
+        g = grads_of(t, world)
+        bc1 = 1 - b1 ** t if bias_correction else 1.0
+        bc2s = math.sqrt(1 - b2 ** min(t, freeze_step)) if bias_correction else 1.0
+        fcs = math.sqrt(1 - b2 ** t) if bias_correction else 1.0
+        if t <= freeze_step:
+            for i in range(n):
+                avg = g[0][i]
+                for r in range(1, world):
+                    avg = avg + g[r][i]
+                avg = avg / world
+                ms[i].mul_(b1).add_(avg, alpha=1 - b1)
+                vs[i].mul_(b2).addcmul_(avg, avg, value=1 - b2)
+                if t == freeze_step:
+                    fresh[i].copy_(vs[i])
+                u = torch.div(ms[i], vs[i].sqrt().div_(bc2s).add_(eps))
+                if bc1 != 1.0:
+                    u.div_(bc1)
+                u.add_(ps[i], alpha=weight_decay)
+                wn, un = torch.linalg.vector_norm(ps[i]), torch.linalg.vector_norm(u)
+                if wn > 0 and un > 0:
+                    c = (wn / un).clamp(min_coeff, max_coeff)
+                else:
+                    c = torch.tensor(1.0)
+                if c != 1.0:
+                    frozen[i] = frozen[i] * coeff_beta + c * (1 - coeff_beta)
+                ps[i].add_(u.mul_(c * -lr))
+        else:
+            if scaling is None:
+                rms = [torch.linalg.vector_norm(m) / math.sqrt(m.numel()) for m in ms]
+                united = torch.stack(rms).mean()
+                scaling = [united / x for x in rms]
+            msgs = [[ms[i].mul(b1).add_(g[r][i], alpha=1 - b1).reshape(-1).mul_(scaling[i]) for i in range(n)]
+                    for r in range(world)]
+            means = sim_allreduce(msgs, werr, serr, numels, world)
+            for i in range(n):
+                new_m = means[i].view(SHAPES[i]) / scaling[i]
+                rebuilt = new_m.sub(ms[i], alpha=b1).div_(1 - b1)
+                ms[i].copy_(new_m)
+                fresh[i].mul_(b2).addcmul_(rebuilt, rebuilt, value=1 - b2)
+                d = vs[i].sqrt().div_(bc2s).add_(eps)
+                u0 = torch.div(ms[i], d)
+                if bc1 != 1.0:
+                    u0.div_(bc1)
+                u = u0.add(ps[i], alpha=weight_decay)
+                f = d.div_(fresh[i].sqrt().div_(fcs).add_(eps)).max()
+                un = torch.linalg.vector_norm(u)
+                ratio = (torch.linalg.vector_norm(u0) / un).clamp(max=1.0)
+                f = f * ratio + (1.0 - ratio)
+                prev = last[i] if last[i] != 0 else torch.tensor(1.0)
+                f = f.clamp(factor_min, factor_max)
+                f = torch.minimum(f, prev * (1.0 + factor_threshold))
+                f = torch.maximum(f, prev * (1.0 - factor_threshold))
+                last[i] = f
+                ps[i].add_(u.mul_(frozen[i] * f * -lr))
+        history.append([p.clone() for p in ps])
+    return history
+
+
+@case
+def onebit_lamb_matches_reference(ctx):
+    import lowmemopt
+
+    assert lowmemopt.OnebitLamb is lowmemopt.OnebitLAMB
+    for extra in ({}, {"bias_correction": False}):
+        kw = dict(LB, **extra)
+        ref = reference_onebit_lamb(7, ctx.world, **kw)
+        opt, params, out = run_opt(ctx, lowmemopt.OnebitLAMB, 7, **kw)
+        for t, (got, want) in enumerate(zip(out, ref), 1):
+            for i, (a, b) in enumerate(zip(got, want)):
+                same(a, b, f"{extra} step {t} param {i}")
+        replicas_equal(ctx, [p.detach() for p in params], f"{extra} parameters")
+
+
+@case
+def onebit_lamb_resume_and_quantized(ctx):
+    import io
+
+    import lowmemopt
+
+    for bits in (32, 8, 4):
+        kw = dict(LB, state_bits=bits, min_quant_numel=64, block_size=64)
+        _, _, whole = run_opt(ctx, lowmemopt.OnebitLAMB, 8, **kw)
+        opt, params, first = run_opt(ctx, lowmemopt.OnebitLAMB, 5, **kw)
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt2 = lowmemopt.OnebitLAMB(params2, **kw)
+        opt2.load_state_dict(torch.load(buf, weights_only=True))
+        _, _, rest = run_opt(ctx, lowmemopt.OnebitLAMB, 3, opt=opt2, params=params2, start=6)
+        for t, (a, b) in enumerate(zip(first + rest, whole), 1):
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{bits}-bit resumed 1-bit LAMB, step {t} param {i}")
+        replicas_equal(ctx, [p.detach() for p in params2], f"{bits}-bit replicas")
+        if bits != 32:
+            _, _, run32 = run_opt(ctx, lowmemopt.OnebitLAMB, 8, **LB)
+            for a, b in zip(whole[-1], run32[-1]):
+                err = ((a - b).norm() / b.norm()).item()
+                assert err < 0.05, f"{bits}-bit: relative distance to 32-bit {err}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # harness
 
 

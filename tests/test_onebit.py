@@ -1,5 +1,5 @@
-"""Communication-compressed data parallelism: the compressed all-reduce, 1-bit Adam and 0/1 Adam on gloo, 2 and 4
-processes.
+"""Communication-compressed data parallelism: the compressed all-reduce, 1-bit Adam, 0/1 Adam and 1-bit LAMB on gloo,
+2 and 4 processes.
 
 The cases live in ``tests/onebit_worker.py``; one spawned job per world size runs them all, and each test here reports
 one case. Every case checks each rank against a single-process simulation of the N workers, bit for bit.
