@@ -109,7 +109,7 @@ class OnebitStage:
                                       worker_error=w.clone(), server_error=s.clone())
         return dict(world=self.world, rank=self.rank, groups=groups)
 
-    def load_errors(self, saved: dict[str, Any] | None) -> str | None:
+    def load_errors(self, saved: dict[str, Any] | None, device: torch.device | str = "cpu") -> str | None:
         """Restore the error buffers of :meth:`errors_state`; returns why they were reset instead (saved at another
         world size or rank, or for other tensors), or None."""
         self.buckets = {}
@@ -125,8 +125,8 @@ class OnebitStage:
                 self.buckets = {}
                 return f"param group {key}'s buffers do not match its tensors"
             op = CompressedAllReduce(layout, self.group)
-            self.buckets[int(key)] = (layout, op, w.detach().clone().float().reshape(-1),
-                                      s.detach().clone().float().reshape(-1))
+            self.buckets[int(key)] = (layout, op, w.detach().to(device, torch.float32, copy=True).reshape(-1),
+                                      s.detach().to(device, torch.float32, copy=True).reshape(-1))
         return None
 
 

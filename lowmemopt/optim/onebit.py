@@ -206,6 +206,9 @@ class OnebitOptimizer(LowMemOptimizer):
             self._after_update(index, group, phase, params)
         return loss
 
+    #: ``lowmemopt.step_in_backward`` refuses these optimizers
+    per_layer_updates = False
+
     def _step_some(self, work, flags=None):
         raise ValueError(f"{type(self).__name__} does not support per-layer updates (step_in_backward): its "
                          "communication moves the whole model's momentum in one bucketed call per step")
@@ -218,6 +221,38 @@ class OnebitOptimizer(LowMemOptimizer):
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         pass
+
+    #: ``lowmemopt.save_state`` writes one file per rank (the error buffers differ per rank)
+    per_rank_files = True
+
+    def file_extra(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """What ``lowmemopt.save_state`` keeps beside the parameters' state: the error buffers (as tensors), the
+        layouts, world size and rank that made them, and the schedule's counters (as metadata)."""
+        errors = self._stage.errors_state()
+        tensors, groups = {}, {}
+        for key, entry in errors["groups"].items():
+            tensors[f"__onebit__/{key}/worker_error"] = entry["worker_error"]
+            tensors[f"__onebit__/{key}/server_error"] = entry["server_error"]
+            groups[key] = dict(numels=entry["numels"], aligns=entry["aligns"])
+        return dict(world=errors["world"], rank=errors["rank"], groups=groups, extra=self._extra_state()), tensors
+
+    def load_file_extra(self, info: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`file_extra`'s part of a state file (``lowmemopt.load_state``)."""
+        saved = None
+        if info is not None:
+            groups = {key: dict(entry, worker_error=tensors[f"__onebit__/{key}/worker_error"],
+                                server_error=tensors[f"__onebit__/{key}/server_error"])
+                      for key, entry in info.get("groups", {}).items()}
+            saved = dict(world=info.get("world"), rank=info.get("rank"), groups=groups, extra=info.get("extra", {}))
+        self._restore(saved)
+
+    def _restore(self, saved: dict[str, Any] | None) -> None:
+        self._load_extra_state((saved or {}).get("extra", {}))
+        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        why = self._stage.load_errors(saved, device)
+        if why is not None:
+            warnings.warn(f"{type(self).__name__}: the compression error buffers restart from zero: {why}",
+                          RuntimeWarning, stacklevel=3)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"onebit"``: this rank's error buffers (they differ per rank; save one file per
@@ -232,11 +267,7 @@ class OnebitOptimizer(LowMemOptimizer):
         state_dict = dict(state_dict)
         saved = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
-        self._load_extra_state((saved or {}).get("extra", {}))
-        why = self._stage.load_errors(saved)
-        if why is not None:
-            warnings.warn(f"{type(self).__name__}: the compression error buffers restart from zero: {why}",
-                          RuntimeWarning, stacklevel=2)
+        self._restore(saved)
 
 
 class OnebitAdam(OnebitOptimizer):
