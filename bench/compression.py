@@ -167,8 +167,8 @@ def onebit_adam(model, args, warmup):
     import lowmemopt
 
     opt = lowmemopt.OnebitAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, freeze_step=warmup,
-                               state_bits=args.state_bits)
-    return Setup(model, opt, f"OnebitAdam {args.state_bits}-bit, freeze_step={warmup}")
+                               state_bits=args.state_bits, bias_correction=args.bias_correction)
+    return Setup(model, opt, f"OnebitAdam {args.state_bits}-bit, freeze_step={warmup}{_bc(args)}")
 
 
 def zero_one_adam(model, args, warmup):
@@ -177,16 +177,21 @@ def zero_one_adam(model, args, warmup):
     kw = dict(var_freeze_step=warmup, var_update_scaler=args.var_update_scaler,
               local_step_scaler=args.local_step_scaler, local_step_clipper=16)
     opt = lowmemopt.ZeroOneAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                state_bits=args.state_bits, **kw)
-    return Setup(model, opt, f"ZeroOneAdam {args.state_bits}-bit, " + ", ".join(f"{k}={v}" for k, v in kw.items()))
+                                state_bits=args.state_bits, bias_correction=args.bias_correction, **kw)
+    return Setup(model, opt, f"ZeroOneAdam {args.state_bits}-bit, "
+                 + ", ".join(f"{k}={v}" for k, v in kw.items()) + _bc(args))
 
 
 def onebit_lamb(model, args, warmup):
     import lowmemopt
 
     opt = lowmemopt.OnebitLAMB(model.parameters(), lr=args.lamb_lr, weight_decay=args.weight_decay,
-                               freeze_step=warmup, state_bits=args.state_bits)
-    return Setup(model, opt, f"OnebitLAMB {args.state_bits}-bit, lr={args.lamb_lr}, freeze_step={warmup}")
+                               freeze_step=warmup, state_bits=args.state_bits, bias_correction=args.bias_correction)
+    return Setup(model, opt, f"OnebitLAMB {args.state_bits}-bit, lr={args.lamb_lr}, freeze_step={warmup}{_bc(args)}")
+
+
+def _bc(args) -> str:
+    return "" if args.bias_correction else ", bias_correction=False"
 
 
 #: the table's rows: a name and what makes the run's model wrapper and optimizer (model, args, warm-up steps)
@@ -280,6 +285,8 @@ def main(argv=None) -> None:
                     help="0/1 Adam's kappa (DeepSpeed's default, 16, suits runs of ~1e5 steps)")
     ap.add_argument("--local-step-scaler", type=int, default=16,
                     help="0/1 Adam's local interval doubling period (DeepSpeed's default is 32678)")
+    ap.add_argument("--no-bias-correction", dest="bias_correction", action="store_false",
+                    help="the 1-bit optimizers without bias correction (DeepSpeed's update)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
