@@ -126,7 +126,8 @@ class OnebitLAMBAlgorithm(OnebitAdamAlgorithm):
             return dict(out, bias_correction1=1.0, bias_correction2_sqrt=1.0, fresh_correction_sqrt=1.0)
         beta1, beta2 = group["betas"]
         return dict(out, bias_correction1=1 - beta1**step,
-                    bias_correction2_sqrt=math.sqrt(1 - beta2 ** min(step, group["freeze_step"])),
+                    bias_correction2_sqrt=math.sqrt(1 - beta2 ** (step if group.get("non_freeze")
+                                                                  else min(step, group["freeze_step"]))),
                     fresh_correction_sqrt=math.sqrt(1 - beta2**step))
 
     def decay_factor(self, group):
