@@ -22,6 +22,11 @@ _FUNCTIONS = {
     "step_in_backward": "per_layer",
 }
 _CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
+#: the communication-compressed optimizers (docs/onebit.md), by module: ``lowmemopt.OnebitAdam`` and ``from lowmemopt
+#: import OnebitAdam`` work, but they are not in ``__all__``, whose classes the registry, ``lowmemopt estimate`` and the
+#: Trainer factory offer: these need an initialized process group and a replicated model
+_MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam",
+                   "OnebitLAMB": "optim.onebit_lamb", "OnebitLamb": "optim.onebit_lamb"}
 
 
 def _load() -> None:
@@ -31,6 +36,7 @@ def _load() -> None:
 
     names: dict[str, Any] = {n: getattr(aliases, n) for n in aliases.__all__}
     names.update({n: getattr(optim, n) for n in _CLASSES})
+    names.update({n: getattr(importlib.import_module(f".{m}", __name__), n) for n, m in _MODULE_CLASSES.items()})
     names.update({n: getattr(importlib.import_module(f".{m}", __name__), n) for n, m in _FUNCTIONS.items()})
     names["__all__"] = aliases.__all__ + sorted(_CLASSES + list(_FUNCTIONS), key=lambda n: (n[0].islower(), n))
     globals().update(names)

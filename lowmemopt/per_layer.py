@@ -244,6 +244,9 @@ def step_in_backward(
     wait for their update."""
     if not isinstance(optimizer, LowMemOptimizer):
         raise TypeError(f"step_in_backward needs a lowmemopt optimizer, got {type(optimizer).__name__}")
+    if not getattr(optimizer, "per_layer_updates", True):  # (the 1-bit optimizers: one communication per step)
+        raise ValueError(f"{type(optimizer).__name__} does not support per-layer updates (step_in_backward): "
+                         "call optimizer.step() after backward()")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (must be an int >= 1)")
     if max_grad_norm:

@@ -62,8 +62,10 @@ def param_names(optimizer: LowMemOptimizer, model: torch.nn.Module | None) -> li
 
 
 def sharded_path(optimizer: LowMemOptimizer, path: str | os.PathLike) -> tuple[str, dict[str, int] | None]:
-    """This rank's file for an optimizer with DTensor parameters (and its ``sharding`` record), else ``path``."""
-    if not any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+    """This rank's file for an optimizer with DTensor parameters or per-rank state (``per_rank_files``: the 1-bit
+    optimizers' error buffers), and its ``sharding`` record; else ``path``."""
+    if not (getattr(optimizer, "per_rank_files", False)
+            or any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])):
         return os.fspath(path), None
     rank, world = process_rank()
     return rank_path(path, rank, world), {"rank": rank, "world_size": world}

@@ -3,12 +3,14 @@ it streams, swapped in at the end (:func:`load_state`)."""
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any, Callable
 
 import torch
 
 from .. import paging
+from ..distributed.files import rank_path
 from ..distributed.sharding import local_tensor
 from ..optimizer import LowMemOptimizer
 from ..quant.convert import (CheckpointError, Reader, check_values, format_numel, reformat, remaps, slot_shape,
@@ -41,6 +43,9 @@ def load_state(
     into this one deliberately; slots that match load, hyper-parameters stay this optimizer's."""
     check_optimizer(optimizer)
     path, sharding = sharded_path(optimizer, path)
+    per_rank = getattr(optimizer, "per_rank_files", False)
+    if per_rank and not os.path.exists(path):  # saved at another world size: any rank's file (replicated state)
+        path, sharding = other_world_path(path, sharding)
     if sharding is not None and not os.path.exists(path):
         raise FileNotFoundError(
             f"no per-rank optimizer state file at {path!r} for rank {sharding['rank']} of world size "
@@ -49,7 +54,7 @@ def load_state(
         )
     with open_state_file(path) as f:
         meta = validated_meta(f, path)
-        if meta.get("sharding", sharding) != sharding:
+        if meta.get("sharding", sharding) != sharding and not per_rank:
             raise CheckpointError(
                 f"{path}: saved by rank/world size {meta.get('sharding')}, loading at {sharding} (per-rank files load "
                 "only at the same sharding; to change it use torch.distributed.checkpoint: docs/distributed.md)"
@@ -58,6 +63,12 @@ def load_state(
         plans, report = plan_load(optimizer, meta, model, path, restore)
         if strict and (report.missing or report.unexpected or report.mismatched):
             raise CheckpointError(describe_problems(path, report, meta, model))
+        extra = meta.get("extra")
+        extra_tensors = {}
+        for key in (extra or {}).get("tensors", {}):
+            extra_tensors[key] = f.get_tensor(key).clone()
+            if crc32(extra_tensors[key]) != int(meta["crc32"][key]):
+                raise CheckpointError(f"{path}: tensor '{key}' fails its checksum")
         release = f.release
         # allocate all the new state first, then stream the file into it: chunk temporaries then reuse one small
         # region instead of fragmenting the heap between state tensors. Paged params' state goes to new homes.
@@ -77,6 +88,9 @@ def load_state(
         else:
             optimizer.state.pop(plan.param, None)
     paging.reconcile(optimizer)  # paged: adopt the new homes, free the replaced ones
+    load_extra = getattr(optimizer, "load_file_extra", None)
+    if load_extra is not None:
+        load_extra(None if extra is None else extra.get("info"), extra_tensors)
     if report.hyperparameters_restored:
         for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
@@ -177,3 +191,15 @@ class _FileTensor:
     def _release_until(self, end: int) -> None:
         if end and self.flat.numel():
             self.release(self.flat.data_ptr(), self.flat.data_ptr() + end * self.flat.element_size())
+
+
+def other_world_path(path: str, sharding: dict[str, int] | None) -> tuple[str, dict[str, int] | None]:
+    """For per-rank files written at another world size: the file of the same rank modulo that world size (the
+    first one found), and its sharding record; else ``path`` unchanged."""
+    rank = 0 if sharding is None else sharding["rank"]
+    stem, ext = os.path.splitext(os.fspath(path))
+    stem = stem.rsplit(".rank", 1)[0]
+    for found in sorted(glob.glob(f"{glob.escape(stem)}.rank00000-of-*{glob.escape(ext)}")):
+        world = int(found[len(stem) + len(".rank00000-of-"):len(found) - len(ext)])
+        return rank_path(f"{stem}{ext}", rank % world, world), dict(rank=rank % world, world_size=world)
+    return path, sharding

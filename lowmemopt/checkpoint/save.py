@@ -54,6 +54,14 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
         hyper = {k: _to_json(v) for k, v in group.items() if k != "params"}
         hyper["params"] = [n for n, gi, _ in names if gi == g]
         groups.append(hyper)
+    extra = getattr(optimizer, "file_extra", None)  # what an optimizer keeps beside its params' state
+    extra_meta = None
+    if extra is not None:
+        info, extra_tensors = extra()
+        extra_meta = dict(info=info, tensors={})
+        for key, t in extra_tensors.items():
+            tensors[key] = t.detach().float().cpu().contiguous()
+            extra_meta["tensors"][key] = ["F32", list(t.shape)]
     meta = {
         "format": FILE_FORMAT,
         "format_version": FILE_VERSION,
@@ -67,6 +75,8 @@ def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch
     }
     if sharding is not None:
         meta["sharding"] = sharding
+    if extra_meta is not None:
+        meta["extra"] = extra_meta
     raw = json.dumps(meta)
     atomic_save_file(tensors, os.fspath(path), {META_KEY: raw, META_CRC_KEY: str(zlib.crc32(raw.encode()))})
     paging.drop_pages(optimizer)  # state files were read whole: hand their pages back

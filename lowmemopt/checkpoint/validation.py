@@ -123,6 +123,8 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
                     expected[f"{name}/{key}"] = ("BF16", [int(d) for d in value])
                 elif isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"bf16_update entry {key!r}: {value!r}")
+        for key, (dtype, shape) in meta.get("extra", {}).get("tensors", {}).items():  # (file_extra's)
+            expected[key] = (dtype, [int(d) for d in shape])
         groups = meta["param_groups"]
         for group in groups:
             for n in group["params"]:

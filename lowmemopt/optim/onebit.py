@@ -1,0 +1,324 @@
+"""1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
+Speed", arXiv 2102.02888): data parallelism that sends 1 bit per element plus a scale after a full-precision warm-up.
+The hyper-parameters and defaults are DeepSpeed's ``OnebitAdam`` (v0.16.5), on ``torch.distributed`` (gloo, NCCL);
+see ``docs/onebit.md`` for where this follows the paper rather than DeepSpeed's code. Every rank steps the whole
+model; each step's update reads, in place of the local gradient g (:mod:`lowmemopt.distributed.onebit`)::
+
+    warm-up, t <= freeze_step      g_avg = mean over ranks of g            (one all-reduce per param group)
+                                   m = beta1 m + (1 - beta1) g_avg;   v = beta2 v + (1 - beta2) g_avg^2
+    compressed, t > freeze_step    m = C[ beta1 m + (1 - beta1) g ]        (C: the compressed mean with error feedback,
+                                   v frozen                                 lowmemopt.distributed.compression)
+    p <- p (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+         bc1 = 1 - beta1^t, bc2 = 1 - beta2^min(t, freeze_step)   (1 and 1 with bias_correction=False, as DeepSpeed)
+
+Any ``state_bits`` for m and v: the compressed mean is +-scale per server chunk, and chunks are padded to whole
+quantization blocks, so 8-bit m holds it exactly (4-bit m to within a rounding of the scale).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterable
+
+import torch
+
+from ..checks import check_adam_group, sqrt_of
+from ..distributed.onebit import OnebitStage, broadcast_parameters, onebit_comm_hook
+from ..distributed.sharding import is_dtensor
+from ..optimizer import LowMemOptimizer
+from ..pipeline.algorithm import Algorithm
+from ..quant.formats import Slot, choose_format, format_of
+
+__all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "OnebitOptimizer", "onebit_adam_math", "adam_denominator"]
+
+
+def onebit_adam_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    eps_inside_sqrt: bool,
+    compressed: bool,
+    bias_correction1: float,
+    bias_correction2_sqrt: float,
+) -> torch.Tensor:
+    """fp32 1-bit Adam: ``g`` is the averaged gradient in the warm-up and the compressed mean momentum afterwards
+    (which becomes ``exp_avg``; ``exp_avg_sq`` stays frozen). Returns the delta for ``p``; the decoupled decay
+    ``p *= 1 - lr wd`` is applied by the caller before adding it."""
+    beta1, beta2 = betas
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if compressed:
+        m.copy_(g)
+    else:
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return torch.mul(m, -lr / bias_correction1).div_(adam_denominator(v, eps, eps_inside_sqrt, bias_correction2_sqrt))
+
+
+def adam_denominator(v: torch.Tensor, eps: float, eps_inside_sqrt: bool = False,
+                     bias_correction2_sqrt: float = 1.0) -> torch.Tensor:
+    """``sqrt(v) / sqrt(bc2) + eps``, or ``sqrt(v / bc2 + eps)`` with ``eps_inside_sqrt`` (a new tensor)."""
+    if eps_inside_sqrt:
+        return v.div(bias_correction2_sqrt * bias_correction2_sqrt).add_(eps).sqrt_()
+    return v.sqrt().div_(bias_correction2_sqrt).add_(eps)
+
+
+class OnebitAdamAlgorithm(Algorithm):
+    """1-bit Adam for the step pipeline: :func:`onebit_adam_math`; its communication (:meth:`phase`,
+    :meth:`message`) is the communicate stage's (:class:`~lowmemopt.distributed.onebit.OnebitStage`)."""
+
+    math = staticmethod(onebit_adam_math)
+    hyper = ("lr", "betas", "eps", "eps_inside_sqrt")
+
+    def slots(self, group, param):
+        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
+
+    def phase(self, group: dict[str, Any], step: int) -> str:
+        """What step ``step`` (1, 2, ...) of ``group`` communicates: "full" gradients in the warm-up (and always in a
+        ``non_freeze`` group), then the "compressed" momentum."""
+        if group.get("non_freeze") or step <= group["freeze_step"]:
+            return "full"
+        return "compressed"
+
+    def step_scalars(self, group, step):
+        compressed = self.phase(group, step) == "compressed"
+        if not group["bias_correction"]:
+            return dict(compressed=compressed, bias_correction1=1.0, bias_correction2_sqrt=1.0)
+        beta1, beta2 = group["betas"]
+        frozen = step if group.get("non_freeze") else min(step, group["freeze_step"])
+        return dict(compressed=compressed, bias_correction1=1 - beta1**step,
+                    bias_correction2_sqrt=sqrt_of(1 - beta2**frozen))
+
+    def decay_factor(self, group):
+        return 1 - group["lr"] * group["weight_decay"]
+
+    def message(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+        """What a rank sends in a compressed step: its local momentum ``beta1 m + (1 - beta1) g`` (fp32, flat;
+        ``m`` decoded from its format, left unchanged)."""
+        beta1 = group["betas"][0]
+        g32 = g.reshape(-1).float()
+        if "exp_avg" not in state and "exp_avg.codes" not in state and "exp_avg.nibbles" not in state:
+            return torch.mul(g32, 1 - beta1)
+        m = format_of(state, "exp_avg").decode(state, "exp_avg", 0, p.numel(), True, group["block_size"])
+        return m.mul(beta1).add_(g32, alpha=1 - beta1)
+
+
+class OnebitOptimizer(LowMemOptimizer):
+    """What the communication-compressed optimizers share (:class:`OnebitAdam`, :class:`~.zero_one_adam.ZeroOneAdam`,
+    :class:`~.onebit_lamb.OnebitLAMB`): the communicate stage (:class:`~lowmemopt.distributed.onebit.OnebitStage`)
+    before the ordinary pipeline, the parameters broadcast at construction, a DDP comm hook that follows the phase,
+    and the error buffers in the state dict. A subclass's algorithm says what each step communicates
+    (``phase(group, step)``, ``message(p, g, state, group)``); :meth:`_after_update` runs what follows the update
+    (0/1 Adam's synchronisation)."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any, **storage: Any) -> None:
+        self._stage = OnebitStage(process_group)  # raises unless torch.distributed is initialized
+        self.process_group = process_group
+        super().__init__(params, defaults, **storage)
+        broadcast_parameters([p for group in self.param_groups for p in group["params"]], process_group)
+
+    def _check_group(self, group):
+        check_adam_group(group)
+        if group.get("rank") is not None:
+            raise ValueError(f"{type(self).__name__} does not support GaLore param groups (rank=...)")
+        if group.get("paged"):
+            raise ValueError(f"{type(self).__name__} does not support paged=... state")
+        if group.get("capturable"):
+            raise ValueError(f"{type(self).__name__} does not support capturable=True")
+        for p in group.get("params", ()):
+            if is_dtensor(p):
+                raise ValueError(f"{type(self).__name__} does not support FSDP2 / DTensor parameters: it replicates "
+                                 "the model on every rank (data parallelism); shard with a plain optimizer instead")
+            if p.dtype != torch.float32:
+                raise ValueError(f"{type(self).__name__} needs fp32 parameters (got {p.dtype}): keep fp32 master "
+                                 "weights for mixed precision")
+
+    # -- the communicate stage ------------------------------------------------------------------------------------------
+
+    def _group_step(self, group: dict[str, Any]) -> int:
+        """The step count of ``group`` (its first parameter's with state; 0 before its first step)."""
+        for p in group["params"]:
+            st = self.state.get(p)
+            if st and "step" in st:
+                return int(st["step"])
+        return 0
+
+    def _phase(self, index: int, group: dict[str, Any]) -> str:
+        """The communication phase of ``group``'s next step."""
+        return self.algorithm.phase(group, self._group_step(group) + 1)
+
+    def next_phase(self) -> str:
+        """The communication phase of the next step of the first param group ("full", "compressed" or "local"): what
+        a DDP comm hook follows (:func:`~lowmemopt.distributed.onebit.onebit_comm_hook`)."""
+        return self._phase(0, self.param_groups[0])
+
+    def register_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Register :func:`~lowmemopt.distributed.onebit.onebit_comm_hook` on ``ddp``: DDP averages the gradients of
+        full-precision steps and sends nothing on the others, where this optimizer communicates."""
+        ddp.register_comm_hook(self, onebit_comm_hook)
+        self._stage.ddp_reduces = True
+
+    def _align(self, group: dict[str, Any], p: torch.Tensor) -> int:
+        """The block size that ``p``'s server chunks are multiples of: its first moment's, where quantized."""
+        fmt = choose_format(group["state_bits"], p.numel(), group["min_quant_numel"])
+        return group["block_size"] if fmt.bits < 16 else 8
+
+    def _begin(self, index: int, group: dict[str, Any], phase: str) -> None:
+        """Before ``group``'s step (its phase known)."""
+
+    def _after_update(self, index: int, group: dict[str, Any], phase: str, params: list[torch.Tensor]) -> None:
+        """After ``group``'s update: what the algorithm does next (nothing, for 1-bit Adam)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One step: the communicate stage replaces each gradient by what the update reads (see the module
+        docstring), then the ordinary pipeline updates the parameters; the gradients are given back afterwards."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+        phases = []
+        try:
+            for index, group in enumerate(self.param_groups):
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                grads = [p.grad for p in params]
+                phase = self._phase(index, group)
+                self._begin(index, group, phase)
+                phases.append((index, group, phase, params))
+                message = lambda i, ps=params, gs=grads, g=group: self.algorithm.message(  # noqa: E731
+                    ps[i], gs[i], self.state.get(ps[i], {}), g)
+                new = self._stage.communicate(index, phase, grads, message, [self._align(group, p) for p in params])
+                if new is not None:
+                    for p, g in zip(params, new):
+                        swapped.append((p, p.grad))
+                        p.grad = g.view_as(p)
+            super().step()
+        finally:
+            for p, g in swapped:
+                p.grad = g
+        for index, group, phase, params in phases:
+            self._after_update(index, group, phase, params)
+        return loss
+
+    #: ``lowmemopt.step_in_backward`` refuses these optimizers
+    per_layer_updates = False
+
+    def _step_some(self, work, flags=None):
+        raise ValueError(f"{type(self).__name__} does not support per-layer updates (step_in_backward): its "
+                         "communication moves the whole model's momentum in one bucketed call per step")
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    def _extra_state(self) -> dict[str, Any]:
+        """What a subclass keeps beside the state and the error buffers (its schedule's counters)."""
+        return {}
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        pass
+
+    #: ``lowmemopt.save_state`` writes one file per rank (the error buffers differ per rank)
+    per_rank_files = True
+
+    def file_extra(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """What ``lowmemopt.save_state`` keeps beside the parameters' state: the error buffers (as tensors), the
+        layouts, world size and rank that made them, and the schedule's counters (as metadata)."""
+        errors = self._stage.errors_state()
+        tensors, groups = {}, {}
+        for key, entry in errors["groups"].items():
+            tensors[f"__onebit__/{key}/worker_error"] = entry["worker_error"]
+            tensors[f"__onebit__/{key}/server_error"] = entry["server_error"]
+            groups[key] = dict(numels=entry["numels"], aligns=entry["aligns"])
+        return dict(world=errors["world"], rank=errors["rank"], groups=groups, extra=self._extra_state()), tensors
+
+    def load_file_extra(self, info: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`file_extra`'s part of a state file (``lowmemopt.load_state``)."""
+        saved = None
+        if info is not None:
+            groups = {key: dict(entry, worker_error=tensors[f"__onebit__/{key}/worker_error"],
+                                server_error=tensors[f"__onebit__/{key}/server_error"])
+                      for key, entry in info.get("groups", {}).items()}
+            saved = dict(world=info.get("world"), rank=info.get("rank"), groups=groups, extra=info.get("extra", {}))
+        self._restore(saved)
+
+    def _restore(self, saved: dict[str, Any] | None) -> None:
+        self._load_extra_state((saved or {}).get("extra", {}))
+        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        why = self._stage.load_errors(saved, device)
+        if why is not None:
+            warnings.warn(f"{type(self).__name__}: the compression error buffers restart from zero: {why}",
+                          RuntimeWarning, stacklevel=3)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus ``"onebit"``: this rank's error buffers (they differ per rank; save one file per
+        rank, e.g. ``lowmemopt.distributed.rank_path``) and the schedule's counters."""
+        sd = super().state_dict()
+        sd["onebit"] = dict(self._stage.errors_state(), extra=self._extra_state())
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's part, the schedule's counters and this rank's error buffers; at another world size (or
+        without them) the error buffers restart from zero, with a warning."""
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("onebit", None)
+        super().load_state_dict(state_dict)
+        self._restore(saved)
+
+
+class OnebitAdam(OnebitOptimizer):
+    """1-bit Adam with 32/16/8/4-bit state (DeepSpeed's ``OnebitAdam`` signature and defaults, less ``deepspeed``,
+    ``cuda_aware`` and ``comm_backend_name``, plus ``process_group``). See the module docstring and
+    ``docs/onebit.md``.
+
+    Needs ``torch.distributed`` initialized. The parameters are broadcast from the group's first rank at
+    construction; do not wrap the model in DDP, or call :meth:`register_ddp` so that DDP averages the warm-up
+    gradients and leaves the compressed steps to the optimizer. fp32 parameters only (keep fp32 master weights for
+    mixed precision); no FSDP2 / DTensor parameters, GaLore groups, paged state, capturable steps or per-layer
+    updates (``step_in_backward``).
+    """
+
+    algorithm = OnebitAdamAlgorithm()
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        process_group: Any = None,
+        **storage: Any,
+    ) -> None:
+        check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
+        defaults = dict(lr=lr, freeze_step=freeze_step, bias_correction=bias_correction, betas=betas, eps=eps,
+                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay)
+        super().__init__(params, defaults, process_group, **storage)
+
+    def _check_group(self, group):
+        super()._check_group(group)
+        check_step_count("freeze_step", group["freeze_step"])
+
+
+def check_unsupported(name: str, amsgrad: bool, max_grad_norm: float) -> None:
+    """DeepSpeed's arguments that these optimizers refuse rather than ignore."""
+    if amsgrad:
+        raise ValueError(f"{name} does not support amsgrad=True (the variance is frozen after the warm-up)")
+    if max_grad_norm:
+        raise ValueError(f"{name}: max_grad_norm={max_grad_norm!r} is not supported (DeepSpeed accepted and "
+                         "ignored it); clip the gradients before step(), e.g. torch.nn.utils.clip_grad_norm_")
+
+
+def check_step_count(name: str, value: Any, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= {least})")

@@ -1,0 +1,218 @@
+"""0/1 Adam (Lu et al. 2022, "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam",
+arXiv 2202.06009), with DeepSpeed's ``ZeroOneAdam`` (v0.16.5) hyper-parameters and defaults, on ``torch.distributed``.
+See ``docs/onebit.md`` for where this follows the paper rather than DeepSpeed's code.
+
+Two ideas on top of 1-bit Adam: the variance is updated only on an exponentially thinning set of steps, and after it is
+frozen the ranks take local steps and synchronise their accumulated updates only now and then. Per step t::
+
+    t <= var_freeze_step (variance phase; var_interval starts at 1 and doubles every var_update_scaler updates of v)
+      t % var_interval == 0:  g = mean of the gradients (full all-reduce)
+                              v = beta2 v + (1 - beta2) g^2;  m = beta1 m + (1 - beta1) g
+      otherwise:              g = C[local gradient] (1-bit compressed mean, error feedback);  m = beta1 m + (1 - beta1) g
+      p <- p - lr (m / bc1 / (sqrt(v) / sqrt(bc2) + eps) + wd p)
+    t > var_freeze_step (local phase; local_step_interval starts at 1 and doubles, up to local_step_clipper, every
+                         local_step_scaler steps)
+      m = beta1 m + (1 - beta1) g_local;  d = -lr (m / bc1 / denom + wd p);  p += d;  u += d;  s += lr / bc1
+      t % local_step_interval == 0 (a synchronisation):
+          w = C[u * denom]    (compressed mean; the error buffers restart from zero when the local phase begins)
+          p <- p - u + w / denom;   m = -w / s;   u = 0;   s = 0
+
+``bc1 = 1 - beta1^t`` and ``bc2 = 1 - beta2^k`` (k: updates of v so far) with ``bias_correction=True``, else 1.
+``u`` is the ``momentum_accumulator`` slot (fp32 whatever ``state_bits`` is: it sums small updates), ``s`` a number
+per param group.
+"""
+
+from __future__ import annotations
+
+import math
+
+from typing import Any, Iterable
+
+import torch
+
+from ..quant.formats import Slot, format_of
+from .onebit import OnebitAdamAlgorithm, OnebitOptimizer, adam_denominator, check_step_count, check_unsupported
+
+__all__ = ["ZeroOneAdam", "ZeroOneAdamAlgorithm", "zero_one_adam_math"]
+
+
+def zero_one_adam_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    eps_inside_sqrt: bool,
+    weight_decay: float,
+    phase: str,
+    bias_correction1: float,
+    bias_correction2_sqrt: float,
+) -> torch.Tensor:
+    """fp32 0/1 Adam, one step before any synchronisation: ``g`` is the averaged gradient ("full": v updated too),
+    the compressed mean gradient ("compressed") or the local one ("local": the delta also goes into the
+    ``momentum_accumulator``). Returns the delta for ``p`` (weight decay included, as a term of the update)."""
+    beta1, beta2 = betas
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if phase == "full":
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    update = torch.div(m, adam_denominator(v, eps, eps_inside_sqrt, bias_correction2_sqrt))
+    if bias_correction1 != 1.0:
+        update.div_(bias_correction1)
+    if weight_decay != 0:
+        update.add_(p, alpha=weight_decay)
+    delta = update.mul_(-lr)
+    if phase == "local":
+        state["momentum_accumulator"].add_(delta)
+    return delta
+
+
+class ZeroOneAdamAlgorithm(OnebitAdamAlgorithm):
+    """0/1 Adam for the step pipeline: :func:`zero_one_adam_math`; the phase of a step is the optimizer's schedule
+    (``group["onebit"]``, set for the step), its synchronisation :meth:`ZeroOneAdam._after_update`."""
+
+    math = staticmethod(zero_one_adam_math)
+    hyper = ("lr", "betas", "eps", "eps_inside_sqrt", "weight_decay")
+
+    def slots(self, group, param):
+        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False),
+                "momentum_accumulator": Slot(signed=True, quantize=False)}
+
+    def step_scalars(self, group, step):
+        sched = group["onebit"]
+        if not group["bias_correction"]:
+            return dict(phase=sched["phase"], bias_correction1=1.0, bias_correction2_sqrt=1.0)
+        beta1, beta2 = group["betas"]
+        return dict(phase=sched["phase"], bias_correction1=1 - beta1**step,
+                    bias_correction2_sqrt=math.sqrt(1 - beta2 ** max(sched["var_updates"], 1)))
+
+    def decay_factor(self, group):
+        return 1.0  # (the decay is a term of the update, which the accumulator sums)
+
+    def message(self, p, g, state, group):
+        """A variance-phase compressed step sends the local gradient."""
+        return g.reshape(-1).float()
+
+
+def new_schedule() -> dict[str, Any]:
+    """A param group's 0/1 Adam counters before its first step."""
+    return dict(step=0, var_interval=1, var_counter=0, var_updates=0, local_interval=1, local_counter=0, lrs=0.0,
+                local=False)
+
+
+class ZeroOneAdam(OnebitOptimizer):
+    """0/1 Adam with 32/16/8/4-bit m and v (DeepSpeed's ``ZeroOneAdam`` signature and defaults, less ``deepspeed``,
+    ``cuda_aware`` and ``comm_backend_name``, plus ``process_group``). See the module docstring, ``docs/onebit.md``
+    and :class:`~lowmemopt.optim.onebit.OnebitAdam` (the same requirements: torch.distributed initialized, fp32
+    parameters, replicated models; :meth:`register_ddp` for a DDP-wrapped model)."""
+
+    algorithm = ZeroOneAdamAlgorithm()
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        amsgrad: bool = False,
+        *,
+        process_group: Any = None,
+        **storage: Any,
+    ) -> None:
+        check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
+        for name, value, least in [("var_freeze_step", var_freeze_step, 1), ("var_update_scaler", var_update_scaler, 1),
+                                   ("local_step_scaler", local_step_scaler, 1),
+                                   ("local_step_clipper", local_step_clipper, 1)]:
+            check_step_count(name, value, least)
+        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
+        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
+        self._schedules: dict[int, dict[str, Any]] = {}
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, eps_inside_sqrt=eps_inside_sqrt,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults, process_group, **storage)
+
+    def _schedule(self, index: int) -> dict[str, Any]:
+        return self._schedules.setdefault(index, new_schedule())
+
+    def _phase(self, index, group):
+        sched = self._schedule(index)
+        t = sched["step"] + 1
+        if t <= self.var_freeze_step:
+            return "full" if t % sched["var_interval"] == 0 else "compressed"
+        return "local"
+
+    def _begin(self, index, group, phase):
+        sched = self._schedule(index)
+        sched["step"] += 1
+        if phase == "full":
+            sched["var_updates"] += 1
+        if phase == "local" and not sched["local"]:  # the error buffers now compress another quantity
+            sched["local"] = True
+            self._stage.buckets.pop(index, None)
+        group["onebit"] = dict(phase=phase, var_updates=sched["var_updates"])
+
+    def _after_update(self, index, group, phase, params):
+        group.pop("onebit", None)
+        sched = self._schedule(index)
+        t = sched["step"]
+        if phase != "local":
+            if phase == "full":
+                sched["var_counter"] += 1
+                if sched["var_counter"] == self.var_update_scaler:
+                    sched["var_counter"] = 0
+                    sched["var_interval"] *= 2
+            return
+        lr = group["lr"]
+        bc1 = 1 - group["betas"][0] ** t if group["bias_correction"] else 1.0
+        sched["lrs"] += float(lr) / bc1
+        if t % sched["local_interval"] == 0:
+            self._synchronise(index, group, params, sched)
+        sched["local_counter"] += 1
+        if sched["local_counter"] == self.local_step_scaler:
+            sched["local_counter"] = 0
+            sched["local_interval"] = min(self.local_step_clipper, sched["local_interval"] * 2)
+
+    def _synchronise(self, index: int, group: dict[str, Any], params: list[torch.Tensor],
+                     sched: dict[str, Any]) -> None:
+        """Average the ranks' accumulated updates (in momentum units, compressed), move every replica to the
+        synchronised point and reset the momentum to the averaged one (see the module docstring)."""
+        bs = group["block_size"]
+        eps, inside = group["eps"], group["eps_inside_sqrt"]
+        bc2s = 1.0
+        if group["bias_correction"]:
+            bc2s = math.sqrt(1 - group["betas"][1] ** max(sched["var_updates"], 1))
+        denoms, accs = [], []
+        for p in params:
+            st = self.state[p]
+            v = format_of(st, "exp_avg_sq").decode(st, "exp_avg_sq", 0, p.numel(), False, bs)
+            denoms.append(adam_denominator(v, eps, inside, bc2s))
+            accs.append(st["momentum_accumulator"].view(-1))
+        messages = [u * d for u, d in zip(accs, denoms)]
+        means = self._stage.communicate(index, "compressed", messages, lambda i: messages[i],
+                                        [self._align(group, p) for p in params])
+        lrs = sched["lrs"]
+        for p, u, d, w in zip(params, accs, denoms, means):
+            flat = p.data.view(-1)
+            flat.sub_(u)
+            flat.add_(w.reshape(-1) / d)
+            st = self.state[p]
+            m = torch.div(w.reshape(-1), lrs).neg_()
+            format_of(st, "exp_avg").encode(st, "exp_avg", 0, p.numel(), m, True, bs)
+            u.zero_()
+        sched["lrs"] = 0.0
+
+    def _extra_state(self):
+        return {str(k): dict(v) for k, v in self._schedules.items()}
+
+    def _load_extra_state(self, extra):
+        self._schedules = {int(k): dict(v) for k, v in extra.items()}
