@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+import dist_worker
 import offload_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offload_worker.py")
@@ -48,3 +51,17 @@ def test_offload(results, name):
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
 
+
+
+def test_docs_examples_run(tmp_path):
+    """docs/offload.md's examples (paged state; FSDP2 CPU offload in one process), in one fresh process: on this
+    machine's GPU if it has one, else on the CPU."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "offload.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    assert len(blocks) == 2 and "paged=" in blocks[0] and "CPUOffloadPolicy" in blocks[1]
+    script = tmp_path / "examples.py"
+    script.write_text("\n".join(blocks) + "\nassert all(int(s['step']) == 10 for s in opt.state.values())\n")
+    env = dict(os.environ, MASTER_PORT=str(dist_worker.free_port()), LOWMEMOPT_COMPILE="0")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
