@@ -8,14 +8,14 @@ and against the memory floor, all measured in one run.
 
 Every optimizer is built once over the same fp32 parameters (one set, stepped by each optimizer in turn: the step's
 time does not depend on the values) with the same fixed gradients; each keeps its own state. Each round times one
-step of every optimizer and one large ``copy_``, in an order that rotates from round to round; a row's ratio is the
-median over the rounds of its step time over torch's fused AdamW step time in the same round, so both sides of every
-ratio ran under the same machine conditions.
+step of every optimizer and one large in-place ``add_``, in an order that rotates from round to round; a row's ratio
+is the median over the rounds of its step time over torch's fused AdamW step time in the same round, so both sides of
+every ratio ran under the same machine conditions.
 
 Bytes moved per step, per parameter: parameter read and write (8) and gradient read (4) with fp32 parameters, plus
 every state byte read and written once (2 x the state's bytes/param: fp32 AdamW 2 x 8 = 16, 28 in all); one ideal
 pass, which multi-pass kernels (Adafactor's and CAME's factored statistics) exceed. The memory floor of a row is those
-bytes over the copy bandwidth measured in the same rounds (a ``copy_`` reads and writes its bytes once each).
+bytes over the memory bandwidth measured in the same rounds (``a.add_(b)``: ``a`` and ``b`` read, ``a`` written).
 (Run from outside the repository root; see bench/README.md.)
 """
 
@@ -122,8 +122,8 @@ class Row:
         return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
-def build(names: list[str], params: list[torch.nn.Parameter], out) -> tuple[dict[str, torch.optim.Optimizer],
-                                                                             dict[str, Row]]:
+def build(names: list[str], params: list[torch.nn.Parameter]) -> tuple[dict[str, torch.optim.Optimizer],
+                                                                        dict[str, Row]]:
     """Each named optimizer over ``params`` (the anchor first), with its state made by one step; a row that cannot be
     built or stepped says why and leaves the run."""
     opts, rows = {}, {}
@@ -150,15 +150,17 @@ def build(names: list[str], params: list[torch.nn.Parameter], out) -> tuple[dict
 
 
 def measure(opts: dict[str, torch.optim.Optimizer], rows: dict[str, Row], rounds: int, warmup: int,
-            copy_numel: int) -> list[float]:
-    """``warmup`` + ``rounds`` rounds of one step of each optimizer and one ``copy_`` of ``copy_numel`` fp32 elements,
-    the order rotating by one each round. Fills the rows' times and per-round ratios; returns the copy bandwidths
-    (bytes read + written per second) of the timed rounds."""
-    src = torch.randn(copy_numel)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch outside the timing
+            stream_numel: int) -> list[float]:
+    """``warmup`` + ``rounds`` rounds of one step of each optimizer and one in-place ``a.add_(b)`` of two
+    ``stream_numel``-element fp32 tensors, the order rotating by one each round. Fills the rows' times and per-round
+    ratios; returns the memory bandwidths of the timed rounds: 3 x the tensor's bytes (``a`` and ``b`` read, ``a``
+    written) per second. In place, like an optimizer step, it writes only lines it has read; a ``copy_`` into another
+    tensor would also read its destination before writing it (write-allocate), traffic that this count would miss."""
+    b = torch.randn(stream_numel)
+    a = torch.zeros_like(b)
+    a.add_(b)  # first touch outside the timing
     tasks: list[tuple[str, Callable[[], object]]] = [(n, o.step) for n, o in opts.items()]
-    tasks.append(("copy", lambda: dst.copy_(src)))
+    tasks.append(("stream", lambda: a.add_(b)))
     bandwidths = []
     for r in range(warmup + rounds):
         shift = r % len(tasks)
@@ -169,10 +171,10 @@ def measure(opts: dict[str, torch.optim.Optimizer], rows: dict[str, Row], rounds
             times[name] = time.perf_counter() - t0
         anchor = f"{ANCHOR} {1e3 * times[ANCHOR]:.1f} ms, " if ANCHOR in times else ""
         print(f"  round {r + 1}/{warmup + rounds}{' (warm-up)' if r < warmup else ''}: {anchor}"
-              f"copy {1e3 * times['copy']:.1f} ms", file=sys.stderr, flush=True)
+              f"add_ {1e3 * times['stream']:.1f} ms", file=sys.stderr, flush=True)
         if r < warmup:
             continue
-        bandwidths.append(2 * src.numel() * src.element_size() / times["copy"])
+        bandwidths.append(3 * b.numel() * b.element_size() / times["stream"])
         for name in opts:
             rows[name].times_s.append(times[name])
             if ANCHOR in times:
@@ -201,27 +203,29 @@ def table(rows: list[Row], n_params: int, bandwidth: float, out) -> None:
     floor = floor_s(ADAMW_FP32_BYTES, n_params, bandwidth)
     ratio = f"{floor / anchor.median_s():.2f}x" if anchor else "—"
     print(f"| {FLOOR} | 8.000 | {ADAMW_FP32_BYTES:.2f} | {1e3 * floor:.4g} | {ratio} | {1e3 * floor:.4g} | 1.00x "
-          f"| {ADAMW_FP32_BYTES} B/param at the copy bandwidth |", file=out)
+          f"| {ADAMW_FP32_BYTES} B/param at the add_ bandwidth |", file=out)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(LLAMA_PRESETS), default=None,
                     help="model (default 150m: ~148M parameters; --quick: 10m)")
-    ap.add_argument("--quick", action="store_true", help="small shapes: the 10m preset, 5 rounds, a 16 MiB copy")
+    ap.add_argument("--quick", action="store_true",
+                    help="small shapes: the 10m preset, 5 rounds, 16 MiB tensors for the bandwidth")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15; --quick 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first step (default 2)")
-    ap.add_argument("--copy-mib", type=float, default=None, help="size of the timed copy (default 512; --quick 16)")
+    ap.add_argument("--stream-mib", type=float, default=None,
+                    help="size of each tensor of the timed add_ (default 512; --quick 16)")
     ap.add_argument("--optimizers", default=None, help=f"comma-separated subset of: {', '.join(OPTIMIZERS)} "
                                                         f"({ANCHOR} always runs)")
     ap.add_argument("--json", default=None, help="write the settings and every timing here")
     args = ap.parse_args(argv)
     args.preset = args.preset or ("10m" if args.quick else "150m")
     args.rounds = args.rounds if args.rounds is not None else (5 if args.quick else 15)
-    args.copy_mib = args.copy_mib if args.copy_mib is not None else (16.0 if args.quick else 512.0)
-    if args.threads < 1 or args.rounds < 1 or args.warmup < 0 or args.copy_mib <= 0:
-        ap.error("--threads and --rounds must be >= 1, --warmup >= 0, --copy-mib > 0")
+    args.stream_mib = args.stream_mib if args.stream_mib is not None else (16.0 if args.quick else 512.0)
+    if args.threads < 1 or args.rounds < 1 or args.warmup < 0 or args.stream_mib <= 0:
+        ap.error("--threads and --rounds must be >= 1, --warmup >= 0, --stream-mib > 0")
     names = list(OPTIMIZERS) if args.optimizers is None else [n for n in args.optimizers.split(",") if n]
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
@@ -242,21 +246,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- parameters: LlamaForCausalLM {LLAMA_PRESETS[args.preset]}'s shapes, fp32, {n_params / 1e6:.1f}M "
           f"parameters in {len(params)} tensors, random gradients; lr {LR}, weight decay {WD}", file=out)
     print(f"- {args.warmup} + {args.rounds} rounds (untimed + timed), each one step of every optimizer and one "
-          f"{args.copy_mib:g} MiB copy_, order rotating; ratio: median of the per-round ratios\n", file=out, flush=True)
-    opts, rows = build(args.names, params, out)
+          f"in-place add_ of two {args.stream_mib:g} MiB tensors, order rotating; ratio: median of the per-round "
+          "ratios\n", file=out, flush=True)
+    opts, rows = build(args.names, params)
     gc.collect()
-    copy_numel = int(args.copy_mib * 2**20) // 4
-    bandwidths = measure(opts, rows, args.rounds, args.warmup, copy_numel)
+    bandwidths = measure(opts, rows, args.rounds, args.warmup, int(args.stream_mib * 2**20) // 4)
     bandwidth = statistics.median(bandwidths)
     table([rows[n] for n in args.names], n_params, bandwidth, out)
     anchor = rows[ANCHOR]
-    print(f"\n{ANCHOR}: median {1e3 * anchor.median_s():.1f} ms per step; copy bandwidth (read + write) median "
-          f"{bandwidth / 1e9:.1f} GB/s (range {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); load average "
-          f"at the end {machine_info(torch.device('cpu'))['load_avg_1m']}", file=out)
+    print(f"\n{ANCHOR}: median {1e3 * anchor.median_s():.1f} ms per step; memory bandwidth (add_: 2 reads + 1 "
+          f"write) median {bandwidth / 1e9:.1f} GB/s (range {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
+          f"load average at the end {machine_info(torch.device('cpu'))['load_avg_1m']}", file=out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "settings": {k: v for k, v in vars(args).items()}, "n_params": n_params,
-                       "copy_bandwidths": bandwidths, "rows": [asdict(rows[n]) for n in args.names]}, f, indent=1)
+            json.dump({"machine": info, "settings": vars(args), "n_params": n_params,
+                       "bandwidths": bandwidths, "rows": [asdict(rows[n]) for n in args.names]}, f, indent=1)
     return 0
 
 

@@ -33,7 +33,7 @@ def test_tiny_run_prints_every_row_and_the_memory_floor(bench, capsys, tmp_path,
 
     monkeypatch.setitem(bench.OPTIMIZERS, "deepspeed-cpuadam", (missing, "DeepSpeedCPUAdam"))
     names = "deepspeed-cpuadam,lowmemopt-adamw-32bit,lowmemopt-adamw-4bit,lowmemopt-came-8bit"
-    assert bench.main(["--preset", "tiny", "--rounds", "3", "--warmup", "0", "--copy-mib", "1", "--threads", "1",
+    assert bench.main(["--preset", "tiny", "--rounds", "3", "--warmup", "0", "--stream-mib", "1", "--threads", "1",
                        "--optimizers", names, "--json", str(tmp_path / "run.json")]) == 0
     rows = _rows(capsys.readouterr().out)
     assert list(rows)[2:] == ["torch-adamw-fused", *names.split(","), bench.FLOOR]  # header, rule
@@ -49,7 +49,7 @@ def test_tiny_run_prints_every_row_and_the_memory_floor(bench, capsys, tmp_path,
     assert floor[2] == floor[4]  # its step time is its floor
     run = json.loads((tmp_path / "run.json").read_text())
     by_name = {r["name"]: r for r in run["rows"]}
-    assert len(run["copy_bandwidths"]) == 3 and all(b > 0 for b in run["copy_bandwidths"])
+    assert len(run["bandwidths"]) == 3 and all(b > 0 for b in run["bandwidths"])
     assert len(by_name["lowmemopt-came-8bit"]["ratios"]) == 3 and by_name["deepspeed-cpuadam"]["times_s"] == []
     assert torch.get_num_threads() == 1
 

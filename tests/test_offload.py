@@ -41,7 +41,8 @@ def results(request, tmp_path_factory) -> list[dict[str, str]]:
         ranks.append(json.loads(path.read_text()) if path.exists() else {})
     missing = [f"rank {r}: {name}" for r, got in enumerate(ranks) for name in offload_worker.OFFLOAD_CASES
                if name not in got]
-    assert not missing, f"no result for {missing} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert not missing, (f"no result for {missing} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-6000:]}")
     return ranks
 
 
