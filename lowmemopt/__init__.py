@@ -21,7 +21,7 @@ _FUNCTIONS = {
     "save_state": "checkpoint",
     "step_in_backward": "per_layer",
 }
-_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD"]
+_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB", "LARS", "Lion", "SGD"]
 
 
 def _load() -> None:
