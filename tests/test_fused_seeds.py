@@ -320,6 +320,8 @@ def test_fused_lamb_arguments():
     with pytest.raises(ValueError, match="max_grad_norm"):
         lowmemopt.FusedLAMB(p, max_grad_norm=-1.0)
     assert lowmemopt.FusedLAMB(p, max_grad_norm=None).defaults["max_grad_norm"] == 0.0
+    with pytest.raises(ValueError, match="bias_correction=False"):
+        lowmemopt.FusedLAMB(p, capturable=True)
     model = torch.nn.Linear(4, 4)
     opt = lowmemopt.FusedLAMB(model.parameters(), lr=1e-2)
     lowmemopt.step_in_backward(model, opt)

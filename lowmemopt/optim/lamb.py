@@ -224,6 +224,7 @@ class FusedLAMB(GradNoneOnZero, LAMB):
     * ``grad_averaging`` (True): ``m = beta1 m + (1 - beta1) g``; False: ``+ g``.
     * ``bias_correction`` (True): ``m / (1 - beta1^t)`` and ``v / (1 - beta2^t)``, eps outside the square root.
     * ``amsgrad=True`` raises, as in Apex. ``set_grad_none`` (True): ``zero_grad()`` sets gradients to None.
+    * ``capturable=True`` (keyword-only) needs ``bias_correction=False``.
     * Keyword-only: the storage options (``state_bits``, ``paged``, GaLore groups, ...).
 
     With ``bias_correction=False, max_grad_norm=0, use_nvlamb=True`` (and the defaults above) this is :class:`LAMB`
@@ -263,6 +264,9 @@ class FusedLAMB(GradNoneOnZero, LAMB):
         norm = group["max_grad_norm"]
         if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm >= 0:
             raise ValueError(f"Invalid max_grad_norm: {norm!r} (a number >= 0; 0 or None: no clipping)")
+        if group.get("capturable") and group["bias_correction"]:
+            raise ValueError("FusedLAMB: capturable=True needs bias_correction=False (its bias corrections are made "
+                             "on the host each step)")
 
     def _step_some(self, work, flags=None):
         if any(group["max_grad_norm"] for _, group in work):
