@@ -47,7 +47,7 @@ def _f32(x: float) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_adam_matches_deepspeed(dtype):
+def test_cpu_adam_matches_deepspeed(dtype, monkeypatch):
     """Every combination of adamw_mode, bias_correction, weight decay and fp32_optimizer_states, each step taken from
     the same parameters and state on both sides (DeepSpeed's values copied back after each comparison, so the bound is
     one step's rounding, not a drift). DeepSpeed works in fp32 throughout: ``1 - beta`` of the fp32 betas, ``beta^t``
@@ -55,6 +55,11 @@ def test_cpu_adam_matches_deepspeed(dtype):
     ``1 - float32(beta2)``, ``rel2`` away from ``1 - beta2`` (1.3e-5 for 0.999): v differs by that relatively, the
     update by half of it, plus a few ulps of rounding (fp32 parameters and state: 2-3 ulps; bf16: one bf16 ulp)."""
     DeepSpeedCPUAdam = _deepspeed_cpu_adam()
+    import functools
+
+    import cpuinfo  # (DeepSpeed's constructor asks for the CPU's description each time: subprocesses, ~1 s)
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", functools.lru_cache(maxsize=None)(cpuinfo.get_cpu_info))
     lr, betas = 1e-2, (0.9, 0.999)
     rel2 = abs((1 - _f32(betas[1])) - (1 - betas[1])) / (1 - betas[1])
     ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-7
