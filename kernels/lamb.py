@@ -12,26 +12,40 @@ Recomputing in pass 2 keeps the update computed from the fp32 state before it is
 the cost of reading the inputs twice: 26 B/element against AdamW's 16. With ``adam=True`` there is no trust ratio
 and pass 1 is skipped. The sums are fp32 atomics, so their rounding (not their value) can vary between runs.
 A GaLore stand-in (``bucket.weights``, ``WEIGHT``) takes ||p|| of its full weight from there instead of sum(p^2).
+
+FusedLAMB's flags (Apex's multi_tensor_lamb): ``CLIP`` divides g by the step's global-norm clip ``c``, read from the
+device (one scalar per launch, never from the host); ``L2`` adds ``wd p`` to the clipped gradient instead of to ``r``;
+``BIAS`` takes ``(m / bc1) / (sqrt(v / bc2) + eps)``; ``grad_averaging=False`` is ``one_minus_beta1 = 1``.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tensor_scalar, tile_coords
-from .launch import Bucket, Update, scalar
+from .launch import Bucket, Unsupported, Update, scalar
 
 __all__ = ["lamb_direction", "launch", "slots"]
 
 
 @triton.jit
 def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                   DECAY: tl.constexpr):
-    """fp32 LAMB math on a tile: returns (m, v, r), the update before the trust ratio."""
+                   DECAY: tl.constexpr, clip=1.0, bc1=1.0, bc2=1.0, CLIP: tl.constexpr = False,
+                   L2: tl.constexpr = False, BIAS: tl.constexpr = False):
+    """fp32 LAMB math on a tile: returns (m, v, r), the update before the trust ratio. ``DECAY``: ``+ wd p`` on
+    ``r`` (decoupled), ``L2``: on the (clipped) gradient; ``CLIP``: ``g / clip``; ``BIAS``: Apex's bias corrections."""
+    if CLIP:
+        g = tl.math.div_rn(g, clip)
+    if L2:
+        g = tl.fma(p, weight_decay, g)
     m = tl.fma(g, one_minus_beta1, m * beta1)
     v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch's addcmul: fma(value * t1, t2, self)
-    r = tl.math.div_rn(m, tl.sqrt_rn(v) + eps)
+    if BIAS:
+        r = tl.math.div_rn(tl.math.div_rn(m, bc1), tl.sqrt_rn(tl.math.div_rn(v, bc2)) + eps)
+    else:
+        r = tl.math.div_rn(m, tl.sqrt_rn(v) + eps)
     if DECAY:
         r = tl.fma(p, weight_decay, r)
     return m, v, r
@@ -39,17 +53,18 @@ def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, e
 
 @triton.jit
 def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums,
-               beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
+               beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr, clip, bc1, bc2,
                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr):
+               MASKED: tl.constexpr, COLS: tl.constexpr, CLIP: tl.constexpr, L2: tl.constexpr, BIAS: tl.constexpr):
     """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums. Pass 2: update p, m, v. ``WEIGHT``:
     the first sum holds ||p|| already (given)."""
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
-    m, v, r = lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, DECAY)
+    m, v, r = lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, DECAY,
+                             clip, bc1, bc2, CLIP, L2, BIAS)
     if APPLY:
         coef = neg_lr
         if TRUST:
@@ -78,18 +93,40 @@ def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
                  TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False, clip_ptr=None, bc1=1.0, bc2=1.0,
+                 CLIP: tl.constexpr = False, L2: tl.constexpr = False, BIAS: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
+    clip = 1.0
+    if CLIP:  # FusedLAMB: the step's global-norm clip, a device scalar
+        clip = tl.load(clip_ptr)
     if DEVICE_SCALARS:  # a capturable step: -lr (bias corrections folded in) from the device
         neg_lr = tensor_scalar(scal, t, 1, 0)
     if full:
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
-                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
-                   APPLY, WEIGHT, False, COLS)
+                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, clip, bc1, bc2, FMT, P_DTYPE, G_DTYPE, ALIGNED,
+                   DECAY, TRUST, APPLY, WEIGHT, False, COLS, CLIP, L2, BIAS)
     else:
         _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
-                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, DECAY, TRUST,
-                   APPLY, WEIGHT, True, COLS)
+                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, clip, bc1, bc2, FMT, P_DTYPE, G_DTYPE, ALIGNED,
+                   DECAY, TRUST, APPLY, WEIGHT, True, COLS, CLIP, L2, BIAS)
+
+
+def _fused_lamb_flags(kw: dict, l2: bool, device_steps: bool, bucket: Bucket) -> dict:
+    """FusedLAMB's launch keywords: the clip divisor's device scalar, L2 mode, Apex's bias corrections."""
+    out = {}
+    clip = kw.get("grad_divisor", 1.0)
+    if not isinstance(clip, (int, float)) or clip != 1.0:
+        if not isinstance(clip, torch.Tensor):
+            clip = torch.tensor(float(clip), dtype=torch.float32, device=bucket.device)
+        out.update(clip_ptr=clip.to(device=bucket.device, dtype=torch.float32), CLIP=True)
+    if l2:
+        out["L2"] = True
+    bc1, bc2 = kw.get("bias_correction1", 1.0), kw.get("bias_correction2", 1.0)
+    if bc1 != 1.0 or bc2 != 1.0:
+        if device_steps or isinstance(bc1, torch.Tensor):
+            raise Unsupported("FusedLAMB's bias corrections are host scalars (not a capturable step)")
+        out.update(bc1=float(bc1), bc2=float(bc2), BIAS=True)
+    return out
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -108,9 +145,12 @@ def launch(u: Update, bucket: Bucket) -> None:
     weight = bucket.weights is not None
     if weight:
         sums[:, 0] = bucket.weights
-    args = (sums, beta1, 1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
+    averaging = kw.get("grad_averaging", True)
+    args = (sums, beta1, 1.0 - beta1 if averaging else 1.0, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
     trust = not kw["adam"]
-    flags = dict(DECAY=wd != 0, WEIGHT=weight, **bucket.scalar_args(scal))
+    decoupled = kw.get("adam_w_mode", True)
+    flags = dict(DECAY=wd != 0 and decoupled, WEIGHT=weight, **bucket.scalar_args(scal))
+    flags.update(_fused_lamb_flags(kw, wd != 0 and not decoupled, u.steps is not None, bucket))
     if trust:
         bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=False, TRUST=True, APPLY=False, **flags)
     bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=True, TRUST=trust, APPLY=True, **flags)

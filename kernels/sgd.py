@@ -2,6 +2,7 @@
 
     d = g + wd p;   b = d (first step) or momentum b + (1 - dampening) d;   d = d + momentum b (nesterov) or b
     p <- p - lr d                       (SignSGD, the ``SIGN`` flag: p <- p - lr sign(d))
+    (``wd_after_momentum``, FusedSGD: ``d + wd p`` after the momentum instead of ``g + wd p`` before it)
 
 Bytes per element: param 2x(2|4) + grad (2|4) + momentum read and written (fp32 8, bf16 4, q8 2 + absmax).
 """
@@ -19,12 +20,13 @@ __all__ = ["sgd_update", "launch", "slots"]
 
 @triton.jit
 def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM: tl.constexpr,
-               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr):
-    """fp32 SGD math on a tile: returns (direction d, momentum buffer); ``p_new = p - lr d``."""
+               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr, WD_AFTER: tl.constexpr = False):
+    """fp32 SGD math on a tile: returns (direction d, momentum buffer); ``p_new = p - lr d``. ``WD_AFTER``: the
+    decay joins ``d`` after the momentum (FusedSGD's ``wd_after_momentum``)."""
     d = g
     if MAXIMIZE:
         d = -g
-    if DECAY:
+    if DECAY and not WD_AFTER:
         d = tl.fma(p, weight_decay, d)
     if MOMENTUM:
         buf = tl.where(first_step != 0, d, tl.fma(d, one_minus_dampening, buf * momentum))
@@ -32,6 +34,8 @@ def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_ste
             d = tl.fma(buf, momentum, d)
         else:
             d = buf
+    if DECAY and WD_AFTER:
+        d = tl.fma(p, weight_decay, d)
     return d, buf
 
 
@@ -40,7 +44,7 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
               first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
               ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
               DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr, SIGN: tl.constexpr = False):
+               MASKED: tl.constexpr, COLS: tl.constexpr, WD_AFTER: tl.constexpr, SIGN: tl.constexpr = False):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
     if MOMENTUM:
@@ -48,7 +52,7 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
     else:
         buf = g
     d, buf = sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM, NESTEROV,
-                        MAXIMIZE, DECAY)
+                        MAXIMIZE, DECAY, WD_AFTER)
     if SIGN:  # SignSGD: torch.sign(d) (+0 for +-0 and NaN); -lr * sign is exact, so the fma rounds as p.add_ does
         d = (d > 0).to(tl.float32) - (d < 0).to(tl.float32)
     if MOMENTUM:
@@ -63,7 +67,7 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr,
                 scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
-                SIGN: tl.constexpr = False):
+                WD_AFTER: tl.constexpr = False, SIGN: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor, decay) from the device
         neg_lr = tensor_scalar(scal, t, 3, 0)
@@ -72,11 +76,11 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
     if full:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  False, COLS, SIGN)
+                  False, COLS, WD_AFTER, SIGN)
     else:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  True, COLS, SIGN)
+                  True, COLS, WD_AFTER, SIGN)
 
 
 def slots(group: dict) -> tuple[str, ...]:
@@ -95,4 +99,5 @@ def launch(u: Update, bucket: Bucket) -> None:
     extra, update = bucket.param_update(u.group, u.step)
     bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
                        MOMENTUM=kw["momentum"] != 0, NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]),
-                       DECAY=wd != 0, SIGN=u.algorithm == "signsgd", **bucket.scalar_args(scal))
+                       DECAY=wd != 0, WD_AFTER=bool(kw.get("wd_after_momentum", False)), SIGN=u.algorithm == "signsgd",
+                       **bucket.scalar_args(scal))

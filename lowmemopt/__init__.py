@@ -21,7 +21,7 @@ _FUNCTIONS = {
     "save_state": "checkpoint",
     "step_in_backward": "per_layer",
 }
-_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
+_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
 #: the communication-compressed optimizers (docs/onebit.md), by module: ``lowmemopt.OnebitAdam`` and ``from lowmemopt
 #: import OnebitAdam`` work, but they are not in ``__all__``, whose classes the registry, ``lowmemopt estimate`` and the
 #: Trainer factory offer: these need an initialized process group and a replicated model

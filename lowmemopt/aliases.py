@@ -9,6 +9,9 @@ decay after the update), ``GaLoreAdafactor`` transformers' Adafactor, and ``GaLo
 ``AdamW8bit``, i.e. torch's AdamW with 8-bit state (its weight decay is applied before the update, as for every
 ``AdamW``; galore-torch's applies it after the update on projected params, an O(lr^2 wd) difference).
 
+DeepSpeed's ``DeepSpeedCPUAdam`` is :class:`~lowmemopt.CPUAdam` under its own name (ColossalAI's ``CPUAdam`` and
+Apex's / DeepSpeed's ``FusedAdam``, ``FusedLAMB``, ``FusedSGD`` are classes of these names: ``docs/migrating.md``).
+
 ``PagedAdamW`` / ``PagedAdamW8bit`` (bitsandbytes' names) add ``paged=True``: state in host RAM between steps
 (:mod:`lowmemopt.paging`).
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, HFAdamW, Lion
+from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, CPUAdam, HFAdamW, Lion
 
 __all__ = [
     "Adafactor4bit",
@@ -33,6 +36,7 @@ __all__ = [
     "Adam8bit",
     "AdamW8bit",
     "CAME8bit",
+    "DeepSpeedCPUAdam",
     "GaLoreAdafactor",
     "GaLoreAdamW",
     "GaLoreAdamW8bit",
@@ -78,6 +82,9 @@ GaLoreAdamW = _alias(HFAdamW, "GaLoreAdamW")
 GaLoreAdamW8bit = _alias(AdamW, "GaLoreAdamW8bit", state_bits=8)
 GaLoreAdamW4bit = _alias(AdamW, "GaLoreAdamW4bit", state_bits=4)
 GaLoreAdafactor = _alias(Adafactor, "GaLoreAdafactor")
+
+# DeepSpeed's name for its CPU Adam (deepspeed.ops.adam.DeepSpeedCPUAdam)
+DeepSpeedCPUAdam = _alias(CPUAdam, "DeepSpeedCPUAdam")
 
 # bitsandbytes' paged optimizers keep state in CUDA managed memory; ours page it to pinned host RAM (see
 # docs/paging.md): paged="disk" with offload_dir= and page_budget_bytes= are available on any optimizer

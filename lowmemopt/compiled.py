@@ -78,7 +78,7 @@ def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, k
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
         if kind in QUANTIZED:
             scratch.copy_(state[name])
-        elif kind == "bf16":
+        elif kind != "fp32":  # bf16, fp16
             rows.copy_(state[name])  # fp32 storage: the rows themselves were updated in place
     # no branches on decay / alpha: they change with the LR schedule and must stay symbolic (x * 1.0 is exact)
     p.copy_(p32 * decay + delta * alpha)

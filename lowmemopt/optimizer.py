@@ -295,6 +295,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 groups.append(group)
         if not work:
             return loss
+        work = self.algorithm.step_work(work)  # (values of the whole step, e.g. a global gradient norm)
         if self._capturable(work, groups):
             return self._capturable_step(work, groups, loss)
         pager = paging.pager_of(self)  # None unless a param group is paged

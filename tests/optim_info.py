@@ -101,6 +101,103 @@ class SignSGDReference(torch.optim.SGD):
         return loss
 
 
+def _torch_adam_for(decoupled_key: str, dropped: tuple[str, ...] = ()) -> Callable[..., torch.optim.Optimizer]:
+    """torch's AdamW (``decoupled_key`` True, the default) or Adam with a seed's flags where they coincide with it."""
+
+    def make(params, **kw):
+        decoupled = kw.pop(decoupled_key, True)
+        for key in dropped:
+            kw.pop(key, None)
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(params, foreach=False, **{"weight_decay": 0.0, **kw})
+
+    return make
+
+
+class ApexSGDReference(torch.optim.Optimizer):
+    """Apex's ``multi_tensor_sgd`` step written out (per tensor, fp32; the first step sets the momentum buffer to the
+    direction): ``g += wd p`` unless ``wd_after_momentum``; ``b = g`` (first step) or ``mu b + (1 - dampening) g``;
+    ``g = g + mu b`` (nesterov) or ``b``; ``g += wd p`` if ``wd_after_momentum``; ``p -= lr g``."""
+
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                 wd_after_momentum=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, wd_after_momentum=wd_after_momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            wd, mu, after = group["weight_decay"], group["momentum"], group["wd_after_momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.clone()
+                if wd != 0 and not after:
+                    g.add_(p, alpha=wd)
+                if mu != 0:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        buf = state["momentum_buffer"] = g.clone()
+                    else:
+                        buf = state["momentum_buffer"].mul_(mu).add_(g, alpha=1 - group["dampening"])
+                    g = g.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
+                if wd != 0 and after:
+                    g.add_(p, alpha=wd)
+                p.add_(g, alpha=-group["lr"])
+
+
+class ApexLAMBReference(torch.optim.Optimizer):
+    """Apex's ``multi_tensor_lamb`` written out per tensor in fp32 (tests/test_fused_seeds.py checks it in float64):
+    ``c = max(1, ||all g|| / max_grad_norm)``; ``g / c`` (+ ``wd p`` in L2 mode); the moments (``beta3 = 1 - beta1``
+    or 1); ``r = (m / bc1) / (sqrt(v / bc2) + eps)`` (+ ``wd p`` decoupled); the trust ratio where ``wd != 0`` or
+    ``use_nvlamb``."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                 amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
+                 use_nvlamb=False):
+        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                                      weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                                      grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
+                                      use_nvlamb=use_nvlamb))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            wd, maxn = group["weight_decay"], group["max_grad_norm"]
+            clip = torch.clamp(norm / maxn, min=1.0) if maxn else 1.0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                st["step"] += 1
+                t = st["step"]
+                bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if group["bias_correction"] else (1.0, 1.0)
+                g = p.grad / clip
+                if wd != 0 and not group["adam_w_mode"]:
+                    g = g.add(p, alpha=wd)
+                st["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1 if group["grad_averaging"] else 1.0)
+                st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                r = (st["exp_avg"] / bc1) / (st["exp_avg_sq"] / bc2).sqrt().add(group["eps"])
+                if wd != 0 and group["adam_w_mode"]:
+                    r.add_(p, alpha=wd)
+                trust = 1.0
+                if wd != 0 or group["use_nvlamb"]:
+                    pn, rn = p.norm(), r.norm()
+                    trust = torch.where((pn > 0) & (rn > 0), pn / rn, 1.0)
+                p.add_(r * (trust * -group["lr"]))
+
+
+def _fused_sgd_reference(params, **kw):
+    if kw.get("wd_after_momentum"):
+        return ApexSGDReference(params, **kw)
+    return torch.optim.SGD(params, foreach=False, **kw)
+
+
 def _reference_class(module: str, name: str) -> Callable[[], type]:
     """The reference class ``module.name`` (skips the test where its library is not installed)."""
     return lambda: getattr(pytest.importorskip(module), name)
@@ -229,6 +326,27 @@ OPTIMIZERS: list[OptimizerInfo] = [
         reference_cls=lambda: torch.optim.Adam,
         complex_as_real=True,
     ),
+    OptimizerInfo(  # bias_correction=False, the DeepSpeed comparison: tests/test_fused_seeds.py
+        "FusedAdam",
+        lowmemopt.FusedAdam,
+        _torch_adam_for("adam_w_mode"),
+        [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, adam_w_mode=False)],
+        slots=lambda kw: 3 if kw.get("amsgrad") else 2,
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD + [(dict(adam_w_mode=1), TypeError, "Invalid adam_w_mode")],
+        reference_cls=_reference_class("deepspeed.ops.adam", "FusedAdam"),
+    ),
+    OptimizerInfo(  # against DeepSpeed's own CPU Adam: tests/test_fused_seeds.py
+        "CPUAdam",
+        lowmemopt.CPUAdam,
+        _torch_adam_for("adamw_mode", ("fp32_optimizer_states",)),
+        [dict(lr=1e-2), dict(lr=1e-2, weight_decay=0.1, adamw_mode=False)],
+        slots=lambda kw: 2,
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD + [(dict(fp32_optimizer_states=False, state_bits=8), ValueError,
+                                   "fp32_optimizer_states=False")],
+        reference_cls=_reference_class("deepspeed.ops.adam", "DeepSpeedCPUAdam"),
+    ),
     OptimizerInfo(
         "SGD",
         lowmemopt.SGD,
@@ -272,6 +390,20 @@ OPTIMIZERS: list[OptimizerInfo] = [
         reference_cls=lambda: SignSGDReference,
     ),
     OptimizerInfo(
+        "FusedSGD",
+        lowmemopt.FusedSGD,
+        _fused_sgd_reference,
+        [
+            dict(lr=1e-2, momentum=0.9, weight_decay=0.01, wd_after_momentum=True),
+            dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, wd_after_momentum=True),
+            dict(lr=1e-2, momentum=0.9, dampening=0.3, weight_decay=0.01),
+        ],
+        slots=lambda kw: 1 if kw.get("momentum", 0) else 0,
+        bound8=0.01,
+        bad_inputs=_COMMON_BAD + [(dict(wd_after_momentum=None), TypeError, "Invalid wd_after_momentum")],
+        reference_cls=lambda: _colossalai_module("fused_sgd").FusedSGD,
+    ),
+    OptimizerInfo(
         "Lion",
         lowmemopt.Lion,
         _lion_reference,
@@ -298,6 +430,20 @@ OPTIMIZERS: list[OptimizerInfo] = [
         bound8=0.04,
         bad_inputs=_COMMON_BAD + _BAD_BETAS,
         reference_cls=lambda: _colossalai_module("lamb").Lamb,
+    ),
+    OptimizerInfo(  # the float64 Apex algorithm, ColossalAI's Lamb, the host-sync check: tests/test_fused_seeds.py
+        "FusedLAMB",
+        lowmemopt.FusedLAMB,
+        ApexLAMBReference,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, weight_decay=0.0, use_nvlamb=True, max_grad_norm=0.5),
+            dict(lr=1e-2, weight_decay=0.1, adam_w_mode=False, grad_averaging=False, bias_correction=False),
+        ],
+        slots=lambda kw: 2,
+        bound8=0.04,
+        bad_inputs=_COMMON_BAD + _BAD_BETAS + [(dict(max_grad_norm=-1.0), ValueError, "Invalid max_grad_norm")],
+        reference_cls=lambda: _colossalai_module("fused_lamb").FusedLAMB,
     ),
     OptimizerInfo(
         "LARS",
@@ -423,10 +569,14 @@ OPTIMIZERS: list[OptimizerInfo] = [
 STATEFUL = {
     "AdamW": dict(lr=1e-2, weight_decay=0.1),
     "Adam": dict(lr=1e-2, amsgrad=True),
+    "FusedAdam": dict(lr=1e-2, weight_decay=0.1, bias_correction=False, betas=(0.9, 0.99)),  # |update| <= lr
+    "CPUAdam": dict(lr=1e-2, weight_decay=0.1),
     "SGD": dict(lr=1e-2, momentum=0.9, nesterov=True),
     "SignSGD": dict(lr=1e-2, momentum=0.9, nesterov=True),
+    "FusedSGD": dict(lr=1e-2, momentum=0.9, weight_decay=0.01, wd_after_momentum=True),
     "Lion": dict(lr=1e-3, weight_decay=0.1),
     "LAMB": dict(lr=1e-2, weight_decay=0.01, bias_correction=True),
+    "FusedLAMB": dict(lr=1e-2, weight_decay=0.01),
     "LARS": dict(lr=1e-1, momentum=0.9, weight_decay=1e-3, eeta=1e-2),
     "Adafactor": dict(beta1=0.9, weight_decay=0.01),
     "AdafactorTorch": dict(lr=1e-2, weight_decay=0.01),

@@ -32,6 +32,9 @@ class Kernel(NamedTuple):
     name: str  # exported C function
     scalars: Callable[[dict[str, Any], float], tuple[tuple[float, ...], int]]  # (math kwargs, decay) -> (h, flags)
     slots: Callable[[dict[str, Any]], tuple[str, ...]]  # the slots, in the kernel's order
+    #: (math kwargs) -> True where the C function does not implement that combination of flags (the caller's torch
+    #: paths step it)
+    declines: Callable[[dict[str, Any]], bool] = lambda kw: False
 
 
 def _adam(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
@@ -57,7 +60,9 @@ KERNELS: dict[str, Kernel] = {
     "adam": Kernel("lmo_adam", _adam,
                       lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ())),
     "lion": Kernel("lmo_lion", _lion, lambda kw: ("exp_avg",)),
-    "sgd": Kernel("lmo_sgd", _sgd, lambda kw: ("momentum_buffer",) if kw["momentum"] != 0 else ()),
+    "sgd": Kernel("lmo_sgd", _sgd, lambda kw: ("momentum_buffer",) if kw["momentum"] != 0 else (),
+                  # FusedSGD's weight decay after the momentum: not in lmo_sgd
+                  lambda kw: bool(kw.get("wd_after_momentum")) and kw["weight_decay"] != 0),
 }
 
 
@@ -93,7 +98,7 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
         return 0, None
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return 0, None
-    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
+    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)) or kernel.declines(kwargs):
         return 0, None
     names = kernel.slots(kwargs)
     if set(names) != set(slots):

@@ -1,13 +1,14 @@
 """One module per algorithm: the user-facing class (reference signature) and its fp32 math as a pure function."""
 
 from .adafactor import Adafactor, AdafactorTorch
-from .adamw import Adam, AdamW
+from .adamw import Adam, AdamW, CPUAdam, FusedAdam
 from .came import CAME
 from .hf_adamw import HFAdamW
-from .lamb import LAMB
+from .lamb import LAMB, FusedLAMB
 from .lars import LARS
 from .lion import Lion
-from .sgd import SGD
+from .sgd import SGD, FusedSGD
 from .signsgd import SignSGD
 
-__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
+__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD",
+           "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]

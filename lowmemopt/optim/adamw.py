@@ -3,6 +3,14 @@
     m = beta1 m + (1 - beta1) g              v = beta2 v + (1 - beta2) g^2          (v_max = max(v_max, v) if amsgrad)
     p <- p (1 - lr wd) [AdamW]  -  lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     Adam adds ``wd * p`` to ``g`` instead (L2 penalty) unless ``decoupled_weight_decay=True``.
+    ``bias_correction=False`` (a param group key of the fused seeds' classes below): both corrections are 1.
+
+The seeds' names, same math: :class:`FusedAdam` (Apex / DeepSpeed / ColossalAI ``FusedAdam``: ``adam_w_mode``,
+``bias_correction``, ``set_grad_none``) and :class:`CPUAdam` (DeepSpeed's ``DeepSpeedCPUAdam``: ``adamw_mode``,
+``fp32_optimizer_states``). Their seeds compute the same quantities in another order (DeepSpeed multiplies
+``sqrt(v)`` by ``1 / sqrt(1 - beta2^t)`` in fp32 and applies the decoupled decay as ``p + (-lr wd) p``); here the
+op sequence is torch's, so each equals ``torch.optim.Adam`` / ``AdamW`` where the flags coincide, as ``AdamW`` does,
+and its seed to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 
-__all__ = ["Adam", "AdamW", "AdamAlgorithm", "adam_math"]
+__all__ = ["Adam", "AdamW", "AdamAlgorithm", "CPUAdam", "FusedAdam", "GradNoneOnZero", "adam_math"]
 
 
 @fused("adam")
@@ -71,6 +79,8 @@ class AdamAlgorithm(Algorithm):
         return slots
 
     def step_scalars(self, group, step):
+        if not group.get("bias_correction", True):  # (the fused seeds' flag: x / 1.0 is exact, so one math serves)
+            return dict(bias_correction1=1.0, bias_correction2_sqrt=1.0)
         beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
         return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=sqrt_of(1 - beta2**step))
 
@@ -137,3 +147,130 @@ class AdamW(Adam):
         **storage: Any,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True, **storage)
+
+
+class GradNoneOnZero:
+    """The seeds' ``set_grad_none``: what ``zero_grad()`` does when called without ``set_to_none`` (True: gradients
+    become None, as torch's default; False: zeroed in place, as Apex's ``FusedSGD``). An explicit
+    ``zero_grad(set_to_none=...)`` still decides."""
+
+    set_grad_none: bool = True
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["set_grad_none"] = self.set_grad_none
+        return state
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name}: expected a bool, got {type(value).__name__}")
+
+
+class FusedAdam(GradNoneOnZero, Adam):
+    """Apex's / DeepSpeed's ``FusedAdam`` (ColossalAI's too) by name, signature and defaults: Adam
+    (``adam_w_mode=False``: L2 penalty added to the gradient) or AdamW (``adam_w_mode=True``, the default: decoupled
+    decay) with optional bias correction, on every device (the Triton kernels on CUDA, the native C kernels on the
+    CPU: ``bias_correction=False`` only changes two step scalars).
+
+    * ``bias_correction=False``: ``p <- p - lr m / (sqrt(v) + eps)`` (no ``1 - beta^t`` corrections).
+    * ``amsgrad=True`` is supported (torch's AMSGrad; the seeds raise).
+    * ``set_grad_none`` (default True): ``zero_grad()`` sets gradients to None (False: zeroes them).
+    * ``adamw_mode``: ColossalAI's spelling of ``adam_w_mode`` (keyword only; give one of them).
+    * Keyword-only: ``maximize`` and the storage options (``state_bits``, ``paged``, GaLore groups, ...).
+
+    With the flags of ``torch.optim.AdamW(weight_decay=wd)`` (or ``Adam`` with ``adam_w_mode=False``) the 32-bit
+    results are torch's, as :class:`AdamW`'s are."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        *,
+        adamw_mode: bool | None = None,
+        maximize: bool = False,
+        **storage: Any,
+    ) -> None:
+        if adamw_mode is not None:
+            _check_flag("adamw_mode", adamw_mode)
+            if adam_w_mode is not True and adam_w_mode != adamw_mode:
+                raise ValueError("FusedAdam: adam_w_mode and adamw_mode (ColossalAI's name) disagree; give one")
+            adam_w_mode = adamw_mode
+        _check_flag("adam_w_mode", adam_w_mode)
+        _check_flag("set_grad_none", set_grad_none)
+        self.set_grad_none = set_grad_none
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=adam_w_mode)
+        LowMemOptimizer.__init__(self, params, defaults, **storage)
+
+    def _check_group(self, group):
+        _check_flag("bias_correction", group["bias_correction"])
+        super()._check_group(group)
+
+
+class CPUAdamAlgorithm(AdamAlgorithm):
+    """Adam with DeepSpeed's ``fp32_optimizer_states=False``: the moments stored in the parameter's dtype."""
+
+    def slots(self, group, param):
+        slots = super().slots(group, param)
+        if group.get("fp32_optimizer_states", True):
+            return slots
+        return {name: slot._replace(dtype=param.dtype) for name, slot in slots.items()}
+
+
+class CPUAdam(Adam):
+    """DeepSpeed's ``DeepSpeedCPUAdam`` (``deepspeed.ops.adam``) by name, signature and defaults: Adam / AdamW
+    (``adamw_mode``, default True) with optional bias correction, stepped on the CPU by the native C kernels (and by
+    the Triton kernels wherever the parameters live on a GPU).
+
+    * ``weight_decay`` defaults to 0; ``adamw_mode=False``: L2 penalty (``g + wd p``), True: decoupled decay.
+    * ``fp32_optimizer_states=False``: ``exp_avg`` / ``exp_avg_sq`` in the parameter's dtype (bf16 or fp16; fp32
+      for fp32 parameters), whatever their size, as DeepSpeed keeps them; it excludes ``state_bits`` other than 32.
+      fp16 state steps through the torch paths (the fused kernels store fp32, bf16, 8- and 4-bit state).
+    * ``amsgrad=True`` is supported (torch's AMSGrad; DeepSpeed raises).
+    * Keyword-only: ``maximize`` and the storage options (``state_bits``, ``paged``, GaLore groups, ...).
+
+    DeepSpeed rounds differently (``1 / sqrt(1 - beta2^t)`` and ``beta^t`` in fp32, fused multiply-adds): the two
+    agree to fp32 rounding (``tests/test_fused_seeds.py`` states the bound); with its flags matching, this is
+    ``torch.optim.AdamW`` / ``Adam`` as :class:`AdamW` is."""
+
+    algorithm = CPUAdamAlgorithm()
+
+    def __init__(
+        self,
+        model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+        *,
+        maximize: bool = False,
+        **storage: Any,
+    ) -> None:
+        _check_flag("adamw_mode", adamw_mode)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=adamw_mode,
+                        fp32_optimizer_states=fp32_optimizer_states)
+        LowMemOptimizer.__init__(self, model_params, defaults, **storage)
+
+    def _check_group(self, group):
+        for key in ("bias_correction", "fp32_optimizer_states"):
+            _check_flag(key, group[key])
+        if not group["fp32_optimizer_states"] and group["state_bits"] != 32:
+            raise ValueError(f"Invalid state_bits: {group['state_bits']} with fp32_optimizer_states=False (the state "
+                             "is kept in the parameter's dtype; leave state_bits at 32)")
+        super()._check_group(group)

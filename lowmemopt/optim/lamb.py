@@ -9,6 +9,18 @@
 The trust ratio is computed from the fp32 (decoded, updated) moments and the fp32 parameter, so it is the same at every
 state format: 8-bit LAMB is still LAMB. (bitsandbytes' LAMB instead caps the Adam update norm at ``max_unorm * ||p||``;
 ``lowmemopt.LAMB8bit`` is this LAMB with 8-bit state.) Norms stay on the device: no host synchronization.
+
+:class:`FusedLAMB` is Apex's ``FusedLAMB`` (NVIDIA ``apex.optimizers``, ``csrc/multi_tensor_lamb.cu``; ColossalAI's is
+the same) by name, signature and defaults, the same math with its flags::
+
+    phase 1   N = ||(g_1, ..., g_n)||  over every gradient of the step;  c = max(1, N / max_grad_norm)
+              g = g / c  (+ wd p: adam_w_mode=False)
+              m = beta1 m + beta3 g  (beta3 = 1 - beta1, or 1 without grad_averaging);  v = beta2 v + (1 - beta2) g^2
+              r = (m / bc1) / (sqrt(v / bc2) + eps)  (+ wd p: adam_w_mode=True)      bc = 1 - beta^t, or 1
+    phase 2   trust = ||p|| / ||r|| where wd != 0 or use_nvlamb (1 if either norm is 0; else 1);  p <- p - lr trust r
+
+``N`` is one reduction per step (``torch._foreach_norm`` per device, summed on the device: no host synchronization);
+``c`` stays a device scalar that the math and the kernels divide by.
 """
 
 from __future__ import annotations
@@ -19,11 +31,16 @@ import torch
 
 from ..distributed.reduction import LOCAL, Reduction
 from ..checks import check_adam_group, sqrt_of
+from ..distributed.sharding import is_dtensor
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
+from .adamw import GradNoneOnZero
 
-__all__ = ["LAMB", "lamb_math"]
+__all__ = ["LAMB", "FusedLAMB", "lamb_math", "GRAD_DIVISOR"]
+
+#: the key under which a step's view of a FusedLAMB param group carries the clip divisor ``c`` (a device scalar)
+GRAD_DIVISOR = "grad_divisor"
 
 
 @fused("lamb")
@@ -39,16 +56,32 @@ def lamb_math(
     adam: bool,
     lr_scale: float,
     reduce: Reduction = LOCAL,
+    grad_averaging: bool = True,
+    adam_w_mode: bool = True,
+    bias_correction1: Any = 1.0,
+    bias_correction2: Any = 1.0,
+    grad_divisor: Any = 1.0,
 ) -> torch.Tensor:
     """fp32 LAMB on a whole tensor: updates ``exp_avg`` / ``exp_avg_sq`` in place and returns the delta for ``p``.
-    ``||p||`` and ``||r||`` are norms of the whole parameter (``reduce`` sums them over shards)."""
+    ``||p||`` and ``||r||`` are norms of the whole parameter (``reduce`` sums them over shards).
+
+    FusedLAMB's flags (the defaults are LAMB's): ``grad_divisor`` (the global-norm clip ``c``: a number or a device
+    scalar), ``grad_averaging`` (False: ``m = beta1 m + g``), ``adam_w_mode`` (False: ``wd p`` joins the gradient,
+    not ``r``), ``bias_correction1/2`` (``m / bc1``, ``v / bc2`` inside the square root, Apex's placement)."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    if isinstance(grad_divisor, torch.Tensor) or grad_divisor != 1.0:
+        g = g / grad_divisor
+    if weight_decay != 0 and not adam_w_mode:
+        g = g.add(p, alpha=weight_decay)
+    m.mul_(beta1).add_(g, alpha=1 - beta1 if grad_averaging else 1.0)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     scaled_lr = lr * lr_scale
-    r = m / v.sqrt().add_(eps)
-    if weight_decay != 0:
+    if isinstance(bias_correction1, torch.Tensor) or bias_correction1 != 1.0 or bias_correction2 != 1.0:
+        r = (m / bias_correction1) / (v / bias_correction2).sqrt_().add_(eps)
+    else:
+        r = m / v.sqrt().add_(eps)
+    if weight_decay != 0 and adam_w_mode:
         r.add_(p, alpha=weight_decay)
     if adam:
         return r.mul_(-scaled_lr)
@@ -105,3 +138,143 @@ class LAMB(LowMemOptimizer):
 
     def _check_group(self, group):
         check_adam_group(group)
+
+
+class FusedLAMBAlgorithm(LAMBAlgorithm):
+    """Apex's LAMB for the step pipeline: :func:`lamb_math` with FusedLAMB's flags, the bias corrections inside the
+    moments, the trust ratio where ``wd != 0`` or ``use_nvlamb``, and the global gradient-norm clip (:meth:`step_work`)."""
+
+    hyper = ("lr", "betas", "eps", "weight_decay", "grad_averaging", "adam_w_mode")
+
+    def step_scalars(self, group, step):
+        beta1, beta2 = group["betas"]
+        if group["bias_correction"]:
+            bc = dict(bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step)
+        else:
+            bc = dict(bias_correction1=1.0, bias_correction2=1.0)
+        return dict(bc, lr_scale=1.0, adam=not self._trust(group), grad_divisor=group.get(GRAD_DIVISOR, 1.0))
+
+    @staticmethod
+    def _trust(group) -> bool:
+        return bool(group["use_nvlamb"]) or group["weight_decay"] != 0
+
+    def weight_statistic(self, group):
+        return "norm" if self._trust(group) else None
+
+    def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """Phase 1's global gradient norm: every group with a ``max_grad_norm`` > 0 steps with a view of itself that
+        carries ``c = max(1, N / max_grad_norm)`` as a device scalar (:data:`GRAD_DIVISOR`); ``N`` is the norm of all
+        of the step's gradients (Apex: over every param group) that are finite (a non-finite one is skipped, by the
+        optimizer's policy, and left out of ``N``). No host synchronization."""
+        clipped = [g for g in {id(g): g for _, g in work}.values() if g["max_grad_norm"]]
+        if not clipped:
+            return work
+        grads = [p.grad for p, _ in work]
+        if any(is_dtensor(g) for g in grads):
+            raise ValueError("FusedLAMB: max_grad_norm with DTensor (FSDP2) parameters is not supported; clip with "
+                             "torch.nn.utils.clip_grad_norm_ before step() and set max_grad_norm=0")
+        norm = global_grad_norm(grads)
+        views = {}
+        for group in clipped:
+            views[id(group)] = dict(group, **{GRAD_DIVISOR: torch.clamp(norm / group["max_grad_norm"], min=1.0)})
+        moved: dict[tuple[int, torch.device], dict[str, Any]] = {}
+        out = []
+        for p, group in work:
+            view = views.get(id(group))
+            if view is None:
+                out.append((p, group))
+                continue
+            if p.device != norm.device:  # one view per (group, device): the divisor on each parameter's device
+                key = (id(group), p.device)
+                if key not in moved:
+                    moved[key] = dict(view, **{GRAD_DIVISOR: view[GRAD_DIVISOR].to(p.device, non_blocking=True)})
+                view = moved[key]
+            out.append((p, view))
+        return out
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all of ``grads`` together, in fp32, on the first gradient's device: one ``torch._foreach_norm``
+    per device and dtype, summed on the device. A gradient whose squared norm is not finite (a NaN or Inf, or a norm
+    beyond ~1e19) is left out, as the step skips its parameter."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    device = grads[0].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (dev, _), group in by_kind.items():
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
+        squares = norms * norms
+        part = torch.where(torch.isfinite(squares), squares, 0.0).sum()
+        total = total + (part if dev == device else part.to(device, non_blocking=True))
+    return total.sqrt()
+
+
+class FusedLAMB(GradNoneOnZero, LAMB):
+    """Apex's ``FusedLAMB`` (``apex.optimizers``; ColossalAI's ``colossalai.nn.optimizer.FusedLAMB``) by name,
+    signature and defaults; the math is the module docstring's, on every device (the Triton kernels on CUDA, the
+    eager path on the CPU).
+
+    * ``max_grad_norm`` (1.0): clip by the global gradient norm of the step, over every param group (Apex reads one
+      value, its default's; here each group may set its own, all against the same norm). ``0`` or None: no clipping
+      (Apex would divide every gradient by infinity there). A step that updates only some parameters (per-layer
+      updates inside ``backward()``) cannot see the global norm: :func:`lowmemopt.step_in_backward` refuses it.
+    * ``use_nvlamb`` (False): the trust ratio also where ``weight_decay == 0`` (NVLAMB).
+    * ``adam_w_mode`` (True): ``wd p`` added to ``r`` (decoupled); False: to the clipped gradient (L2).
+    * ``grad_averaging`` (True): ``m = beta1 m + (1 - beta1) g``; False: ``+ g``.
+    * ``bias_correction`` (True): ``m / (1 - beta1^t)`` and ``v / (1 - beta2^t)``, eps outside the square root.
+    * ``amsgrad=True`` raises, as in Apex. ``set_grad_none`` (True): ``zero_grad()`` sets gradients to None.
+    * ``capturable=True`` (keyword-only) needs ``bias_correction=False``.
+    * Keyword-only: the storage options (``state_bits``, ``paged``, GaLore groups, ...).
+
+    With ``bias_correction=False, max_grad_norm=0, use_nvlamb=True`` (and the defaults above) this is :class:`LAMB`
+    (ColossalAI's ``Lamb``)."""
+
+    algorithm = FusedLAMBAlgorithm()
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float | None = 1.0,
+        use_nvlamb: bool = False,
+        **storage: Any,
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")  # Apex's error
+        _flag("set_grad_none", set_grad_none)
+        self.set_grad_none = set_grad_none
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                        grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
+                        max_grad_norm=0.0 if max_grad_norm is None else max_grad_norm)
+        LowMemOptimizer.__init__(self, params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_adam_group(group)
+        for key in ("bias_correction", "grad_averaging", "adam_w_mode", "use_nvlamb"):
+            _flag(key, group[key])
+        norm = group["max_grad_norm"]
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm >= 0:
+            raise ValueError(f"Invalid max_grad_norm: {norm!r} (a number >= 0; 0 or None: no clipping)")
+        if group.get("capturable") and group["bias_correction"]:
+            raise ValueError("FusedLAMB: capturable=True needs bias_correction=False (its bias corrections are made "
+                             "on the host each step)")
+
+    def _step_some(self, work, flags=None):
+        if any(group["max_grad_norm"] for _, group in work):
+            raise ValueError("FusedLAMB: max_grad_norm clips by the norm of every gradient of the step, which "
+                             "per-layer updates cannot see; set max_grad_norm=0 (or clip before step())")
+        super()._step_some(work, flags)
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name}: expected a bool, got {type(value).__name__}")

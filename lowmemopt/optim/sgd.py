@@ -2,6 +2,10 @@
 
     d = g + wd p;   b = d (first step), else b = mu b + (1 - dampening) d;   d = d + mu b (nesterov) or b
     p <- p - lr d
+
+:class:`FusedSGD` is Apex's / ColossalAI's ``FusedSGD`` by name and signature: the same SGD, plus
+``wd_after_momentum=True``, which adds ``wd p`` to the direction after the momentum instead of to the gradient before
+it (Apex's ``multi_tensor_sgd``): ``b = mu b + (1 - dampening) g;  d = b (or g + mu b);  d = d + wd p``.
 """
 
 from __future__ import annotations
@@ -9,13 +13,15 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+from torch.optim.optimizer import required
 
 from ..checks import check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
+from .adamw import GradNoneOnZero
 
-__all__ = ["SGD", "sgd_math"]
+__all__ = ["SGD", "FusedSGD", "sgd_math"]
 
 
 @fused("sgd")
@@ -31,10 +37,12 @@ def sgd_math(
     nesterov: bool,
     maximize: bool,
     first_step: bool,
+    wd_after_momentum: bool = False,
 ) -> tuple[torch.Tensor, float]:
-    """fp32 SGD: updates ``state['momentum_buffer']`` (when momentum != 0); returns ``(d, -lr)``, delta = -lr d."""
+    """fp32 SGD: updates ``state['momentum_buffer']`` (when momentum != 0); returns ``(d, -lr)``, delta = -lr d.
+    ``wd_after_momentum``: the weight decay term joins ``d`` after the momentum (Apex's ``FusedSGD``)."""
     d = -g if maximize else g
-    if weight_decay != 0:
+    if weight_decay != 0 and not wd_after_momentum:
         d = d.add(p, alpha=weight_decay)
     if momentum != 0:
         buf = state["momentum_buffer"]
@@ -43,6 +51,8 @@ def sgd_math(
         else:
             buf.mul_(momentum).add_(d, alpha=1 - dampening)
         d = d.add(buf, alpha=momentum) if nesterov else buf
+    if weight_decay != 0 and wd_after_momentum:
+        d = d.add(p, alpha=weight_decay)
     return d, -lr
 
 
@@ -92,3 +102,59 @@ class SGD(LowMemOptimizer):
         check_nonneg("weight_decay value", group["weight_decay"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+class FusedSGDAlgorithm(SGDAlgorithm):
+    """SGD with Apex's ``wd_after_momentum`` flag (a param group key)."""
+
+    hyper = SGDAlgorithm.hyper + ("wd_after_momentum",)
+
+
+class FusedSGD(GradNoneOnZero, SGD):
+    """Apex's ``FusedSGD`` (``apex.optimizers``; ColossalAI's has the same first seven parameters) by name, signature
+    and defaults: :class:`SGD` plus
+
+    * ``wd_after_momentum`` (False): True adds ``wd * p`` to the direction after the momentum (see the module
+      docstring) instead of to the gradient. On the CPU that combination (with a weight decay) steps through the
+      ``torch.compile`` / eager paths; the Triton kernels do it on CUDA.
+    * ``materialize_master_grads`` (True): Apex's switch for its amp O2 master weights, which have no counterpart here
+      (there is one copy of each parameter and its gradient); accepted and ignored.
+    * ``set_grad_none`` (False, Apex's default): ``zero_grad()`` zeroes gradients in place; True sets them to None.
+      An explicit ``zero_grad(set_to_none=...)`` decides.
+
+    ``lr`` is required, as in Apex (its default is torch's ``required`` marker). Keyword-only: ``maximize`` and the storage options (``state_bits``, ``paged``,
+    GaLore groups, ...)."""
+
+    algorithm = FusedSGDAlgorithm()
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = required,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
+        set_grad_none: bool = False,
+        *,
+        maximize: bool = False,
+        **storage: Any,
+    ) -> None:
+        if lr is required:
+            raise TypeError("FusedSGD: lr is required (as in Apex)")
+        for name, value in (("wd_after_momentum", wd_after_momentum), ("set_grad_none", set_grad_none),
+                            ("materialize_master_grads", materialize_master_grads)):
+            if not isinstance(value, bool):
+                raise TypeError(f"Invalid {name}: expected a bool, got {type(value).__name__}")
+        self.set_grad_none = set_grad_none
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize, wd_after_momentum=wd_after_momentum)
+        LowMemOptimizer.__init__(self, params, defaults, **storage)
+
+    def _check_group(self, group):
+        if not isinstance(group["wd_after_momentum"], bool):
+            raise TypeError(f"Invalid wd_after_momentum: expected a bool, got "
+                            f"{type(group['wd_after_momentum']).__name__}")
+        super()._check_group(group)

@@ -40,7 +40,7 @@ def init_state(p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], s
     for name, slot in slots.items():
         shape = p.shape if slot.shape is None else torch.Size(slot.shape)
         size = (numel if numel is not None else p.numel()) if slot.shape is None else shape.numel()
-        fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize)
+        fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize, slot.dtype)
         fmt.init(state, name, shape, p.device, group["block_size"])
     rounding.init_state(state, local_tensor(p), group, reduce.agree)  # bf16_update: a seed or a Kahan buffer
     return state

@@ -23,7 +23,7 @@ import torch
 
 from . import q4
 from .blockwise import num_blocks
-from .formats import BF16, FP32, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for, map_for
+from .formats import BF16, FP16, FP32, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for, map_for
 from .maps import code_book
 
 __all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step",
@@ -84,7 +84,7 @@ def state_map(fmt: StateFormat, slot: Slot) -> str | None:
 
 
 def target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat:
-    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize)
+    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize, slot.dtype)
 
 
 def format_numel(slot: Slot, numel: int) -> int:
@@ -99,7 +99,9 @@ def slot_shape(slot: Slot, shape: torch.Size) -> torch.Size:
 
 
 def dense_format(t: torch.Tensor) -> StateFormat:
-    return BF16 if t.dtype == torch.bfloat16 else FP32  # other floats (torch.optim, fp16 params) decode as fp32
+    if t.dtype == torch.float16:  # torch.optim's state of fp16 params, or fp16 state (Slot.dtype)
+        return FP16
+    return BF16 if t.dtype == torch.bfloat16 else FP32  # other floats decode as fp32
 
 
 def convert_param_state(
@@ -204,7 +206,7 @@ def check_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], 
 def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
     if fmt in QUANTIZED:
         return torch.uint8 if key.endswith((".codes", ".nibbles")) else torch.float32
-    return torch.bfloat16 if fmt is BF16 else torch.float32
+    return {BF16: torch.bfloat16, FP16: torch.float16}.get(fmt, torch.float32)
 
 
 def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,

@@ -5,6 +5,7 @@ format   state keys                                  bytes / element
 =======  =========================================  ======================================
 fp32     ``<slot>`` fp32, parameter's shape          4
 bf16     ``<slot>`` bf16, parameter's shape          2   (round to nearest even)
+fp16     ``<slot>`` fp16, parameter's shape          2   (only where a slot asks for it: :attr:`Slot.dtype`)
 q8       ``<slot>.codes`` uint8 [numel]              1 + 4 / block_size
          ``<slot>.absmax`` fp32 [ceil(numel / bs)]
 q4       ``<slot>.nibbles`` uint8 [ceil(numel / 2)]  1/2 + 4 / block_size
@@ -36,6 +37,7 @@ __all__ = [
     "StateFormat",
     "FP32",
     "BF16",
+    "FP16",
     "Q8",
     "Q4",
     "QUANTIZED",
@@ -56,6 +58,10 @@ class Slot(NamedTuple):
     quantize: bool = True  # eligible for bf16 / q8 storage (factored statistics are not)
     shape: tuple[int, ...] | None = None  # logical shape; None: the parameter's shape
     dims: tuple[int | None, ...] | None = None  # with shape: the parameter dim each dim runs along (sharded layouts)
+    #: a floating dtype the slot is stored in whatever ``state_bits`` and ``min_quant_numel`` say (fp32, bf16 or
+    #: fp16: DeepSpeed's ``fp32_optimizer_states=False`` keeps the moments in the parameter's dtype); None: chosen by
+    #: ``state_bits``
+    dtype: torch.dtype | None = None
 
 
 def map_for(signed: bool) -> str:
@@ -127,6 +133,10 @@ class _BF16(_Dense):
     name, bits, dtype = "bf16", 16, torch.bfloat16
 
 
+class _FP16(_Dense):
+    name, bits, dtype = "fp16", 16, torch.float16
+
+
 class _Q8(StateFormat):
     name, bits = "q8", 8
 
@@ -196,8 +206,10 @@ class _Q4(StateFormat):
                                                                                      num_blocks(hi, block_size))}
 
 
-FP32, BF16, Q8, Q4 = _FP32(), _BF16(), _Q8(), _Q4()
-FORMATS = {f.name: f for f in (FP32, BF16, Q8, Q4)}
+FP32, BF16, FP16, Q8, Q4 = _FP32(), _BF16(), _FP16(), _Q8(), _Q4()
+FORMATS = {f.name: f for f in (FP32, BF16, FP16, Q8, Q4)}
+#: the dense format of each floating dtype a slot may ask for (:attr:`Slot.dtype`)
+DENSE = {torch.float32: FP32, torch.bfloat16: BF16, torch.float16: FP16}
 #: the block-wise quantized formats (codes + per-block absmax)
 QUANTIZED = (Q8, Q4)
 
@@ -208,8 +220,14 @@ def default_block_size(state_bits: int) -> int:
     return 128 if state_bits == 4 else 256
 
 
-def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True) -> StateFormat:
-    """The format a new slot gets: tensors below ``min_quant_numel`` elements and non-quantizable slots stay fp32."""
+def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True,
+                  dtype: torch.dtype | None = None) -> StateFormat:
+    """The format a new slot gets: tensors below ``min_quant_numel`` elements and non-quantizable slots stay fp32;
+    ``dtype`` (a quantizable slot's :attr:`Slot.dtype`): the dense format of that dtype, whatever the size."""
+    if dtype is not None and quantizable:
+        if dtype not in DENSE:
+            raise ValueError(f"a state slot cannot be stored in {dtype} (fp32, bf16 or fp16)")
+        return DENSE[dtype]
     if not quantizable or state_bits == 32 or numel < min_quant_numel:
         return FP32
     return {16: BF16, 8: Q8, 4: Q4}[state_bits]
@@ -224,6 +242,8 @@ def format_of(state: dict, slot: str) -> StateFormat:
     t = state[slot]
     if t.dtype == torch.bfloat16:
         return BF16
+    if t.dtype == torch.float16:
+        return FP16
     return FP32
 
 
