@@ -19,9 +19,11 @@
  *   - Block scales: unsigned max(max x, 0); signed max(max x / book[255], min x / book[0]); y = x / scale (IEEE
  *     division, scale 0 -> 1), as lowmemopt.quant.blockwise.block_scale / encode_rows.
  *
- * With AVX-512 the 16-lane vectors are zmm registers and the decode table lives in registers (permutes, no gathers);
- * without it the same code runs on a 16-float struct that the compiler vectorizes as it can, with the exact table
- * for encoding. Results are identical either way.
+ * The 16-lane vectors come in three builds (LMO_ISA, chosen at run time by lowmemopt/cpu/build.py): AVX-512 (zmm
+ * registers, the decode table in registers: permutes, no gathers), AVX2 (two ymm halves; the decode table gathered
+ * from L1, the encoder's 32-entry tables by 8-entry permutes) and the scalar reference (a 16-float struct, the exact
+ * bucket table for encoding). Every kernel below is written once over the vector primitives; results are identical
+ * in every build.
  */
 
 #include <math.h>
@@ -133,6 +135,9 @@ static inline vf v_neg(vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm51
 static inline vf v_max(vf a, vf b) { return _mm512_range_ps(a, b, 0x05); }
 static inline vf v_min(vf a, vf b) { return _mm512_range_ps(a, b, 0x04); }
 static inline int v_anynan(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+/* a block's running max / min (slot_store): NaN need not propagate, slot_block_end redoes a block that holds one */
+static inline vf v_acc_max(vf a, vf b) { return v_max(a, b); }
+static inline vf v_acc_min(vf a, vf b) { return v_min(a, b); }
 /* horizontal max / min of vectors that hold no NaN (v_max / v_min drop them; slot_store checks separately) */
 static inline float v_hmax(vf a) { return _mm512_reduce_max_ps(a); }
 static inline float v_hmin(vf a) { return _mm512_reduce_min_ps(a); }
@@ -282,8 +287,9 @@ static inline vi pow2_code(const lmo_pow2 *T, vf y, const int is_signed) {
         store_codes4(codes + j, c0, c1, c2, c3);                                                                      \
     }                                                                                                                 \
     for (; j < len; j += 16) store_codes(codes + j, pow2_code(T, v_div(v_load(buf + j), div), SIGNED))
-static inline void encode_block(const lmo_pow2 *T, const int32_t *packed, int is_signed, const float *buf, int len,
+static inline void encode_block(const lmo_pow2 *T_, const int32_t *packed, int is_signed, const float *buf, int len,
                                 vf div, uint8_t *codes) {
+    const lmo_pow2 L = *T_, *T = &L; /* a local copy: the code stores cannot alias it, so the tables stay in registers */
     int j;
     (void)packed;
     if (is_signed) {
@@ -372,6 +378,10 @@ static inline __m256 h_min(__m256 x, __m256 y) {
 }
 static inline vf v_max(vf x, vf y) { LMO_V2(h_max(x.a, y.a), h_max(x.b, y.b)); }
 static inline vf v_min(vf x, vf y) { LMO_V2(h_min(x.a, y.a), h_min(x.b, y.b)); }
+/* a block's running max / min (slot_store): x > y ? x : y as s_max without NaN (slot_block_end redoes a block that
+ * holds one) */
+static inline vf v_acc_max(vf x, vf y) { LMO_V2(_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)); }
+static inline vf v_acc_min(vf x, vf y) { LMO_V2(_mm256_min_ps(x.a, y.a), _mm256_min_ps(x.b, y.b)); }
 static inline int v_anynan(vf x) {
     return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.a, x.a, _CMP_UNORD_Q), _mm256_cmp_ps(x.b, x.b, _CMP_UNORD_Q))) != 0;
 }
@@ -478,8 +488,9 @@ static inline __m256i h_pow2_code(const lmo_pow2 *T, __m256 y, const int is_sign
 static inline vi pow2_code(const lmo_pow2 *T, vf y, const int is_signed) {
     LMO_I2(h_pow2_code(T, y.a, is_signed), h_pow2_code(T, y.b, is_signed));
 }
-static inline void encode_block(const lmo_pow2 *T, const int32_t *packed, int is_signed, const float *buf, int len,
+static inline void encode_block(const lmo_pow2 *T_, const int32_t *packed, int is_signed, const float *buf, int len,
                                 vf div, uint8_t *codes) {
+    const lmo_pow2 L = *T_, *T = &L; /* a local copy: the code stores cannot alias it, so the tables stay in registers */
     int j;
     (void)packed;
     if (is_signed) {
@@ -578,6 +589,8 @@ static inline float s_max(float a, float b) { return (a != a || b != b) ? a + b 
 static inline float s_min(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
 static inline vf v_max(vf a, vf b) { LMO_MAP1(s_max(a.x[i], b.x[i])); }
 static inline vf v_min(vf a, vf b) { LMO_MAP1(s_min(a.x[i], b.x[i])); }
+static inline vf v_acc_max(vf a, vf b) { return v_max(a, b); }
+static inline vf v_acc_min(vf a, vf b) { return v_min(a, b); }
 static inline vf v_sign(vf a) { LMO_MAP1((float)(0.0f < a.x[i]) - (float)(a.x[i] < 0.0f)); }
 static inline int v_anynan(vf a) { int i, r = 0; for (i = 0; i < 16; i++) r |= a.x[i] != a.x[i]; return r; }
 static inline float v_hmax(vf a) { float r = a.x[0]; int i; for (i = 1; i < 16; i++) r = s_max(r, a.x[i]); return r; }
@@ -768,8 +781,8 @@ static inline __attribute__((always_inline)) void slot_store(const int kind, con
         store_bf16((uint16_t *)r->data + i, x);
     } else {
         v_store(r->buf + j, x);
-        acc->hi = v_max(acc->hi, x);
-        acc->lo = v_min(acc->lo, x);
+        acc->hi = v_acc_max(acc->hi, x);
+        acc->lo = v_acc_min(acc->lo, x);
         acc->sum = v_add(acc->sum, x);
     }
 }
@@ -962,12 +975,14 @@ static int common_kind(const lmo_args *a) {
     return a->nslots ? a->slot[0].kind : ST_F32;
 }
 
-/* Instantiate rows function BODY(a, rt, r0, r1, KIND) for each storage kind; dispatch on the slots' kind. */
+/* Instantiate rows function BODY(a, rt, r0, r1, KIND) for each storage kind; dispatch on the slots' kind. The body
+ * sees a local copy of the arguments: no store to the parameter or the state can alias it, so its fields (pointers,
+ * dtypes, modes) stay in registers instead of being reloaded after every store. */
 #define LMO_SPECIALIZE(name)                                                                                          \
-    static void name##_f32(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_F32); } \
-    static void name##_bf16(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_BF16); } \
-    static void name##_q8(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_Q8); } \
-    static void name##_q4(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { name(a, rt, r0, r1, ST_Q4); } \
+    static void name##_f32(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { const lmo_args A = *a; name(&A, rt, r0, r1, ST_F32); } \
+    static void name##_bf16(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { const lmo_args A = *a; name(&A, rt, r0, r1, ST_BF16); } \
+    static void name##_q8(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { const lmo_args A = *a; name(&A, rt, r0, r1, ST_Q8); } \
+    static void name##_q4(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { const lmo_args A = *a; name(&A, rt, r0, r1, ST_Q4); } \
     static int name##_run(const lmo_args *a) {                                                                         \
         switch (common_kind(a)) {                                                                                      \
         case ST_F32: return run_rows(a, name##_f32);                                                                   \
