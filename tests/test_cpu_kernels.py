@@ -183,29 +183,81 @@ def test_native_path_runs_and_tensor_lr_falls_back(lib, monkeypatch):
     assert done == [0, 0]
 
 
-def _portable_library():
-    """The native library built without AVX-512 (the plain-C fallback); skips the test where it cannot be built."""
+def _isa_library(isa: str):
+    """The native library built for instruction set ``isa``; skips the test where this CPU (or compiler) lacks it."""
+    if isa not in build.cpu_isas():
+        pytest.skip(f"this CPU does not run {isa}")
     try:
-        return build.compile_library(("-mno-avx512f",))
+        return build.compile_library(isa=isa)
     except RuntimeError as exc:
-        pytest.skip(f"cannot build without AVX-512: {exc}")
+        pytest.skip(f"cannot build for {isa}: {exc}")
 
 
-def test_portable_build_equals_avx512_build(lib, monkeypatch, correctly_rounded_sqrt):
-    """The plain-C fallback (a build without AVX-512) gives the same codes and steps as the native build."""
-    portable = _portable_library()
+def _state_tensors(opt, p):
+    return {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_vector_builds_equal_the_scalar_reference(lib, isa, monkeypatch, correctly_rounded_sqrt):
+    """Each vector build (AVX-512, AVX2) gives the scalar C reference's codes (8- and 4-bit, signed and unsigned, at
+    every decision threshold and its neighbours) and its steps (parameters and every state tensor), bit for bit:
+    elementwise kernels at 32, 8 and 4 bits with fp32 / bf16 / fp16 parameters, and the factored passes. The default
+    build equals the eager composition (the tests above), so every build does."""
+    vec, ref = _isa_library(isa), _isa_library("scalar")
+    assert (build.isa_of(vec), build.isa_of(ref)) == (isa, "scalar")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256 * 64, generator=gen) * torch.logspace(-9, 0, 256 * 64)
+    for signed, name in ((True, "pow2"), (False, "upow2")):
+        adv = _adversarial(name)
+        v = torch.cat([x if signed else x.abs(), adv[: adv.numel() // 256 * 256]]).contiguous()
+        assert all(torch.equal(a, b) for a, b in zip(_encode(vec, v, signed, 256), _encode(ref, v, signed, 256)))
+    x4 = torch.cat([x[: 128 * 64], _adversarial4("pow2x4")[: 128 * 8]])
+    x4 = x4[: x4.numel() // 128 * 128].contiguous()
     for signed in (True, False):
-        v = x if signed else x.abs()
-        assert all(torch.equal(a, b) for a, b in zip(_encode(lib, v, signed, 256), _encode(portable, v, signed, 256)))
-    info = next(i for i in NATIVE if i.cls is lowmemopt.AdamW)
-    results = []
-    for library in (lib, portable):
-        monkeypatch.setattr(build, "_lib", library)
-        (p, _), _ = _run_pair(info, 8, torch.bfloat16, monkeypatch, steps=2, shapes=[(64, 80)])
-        results.append(p[0])
-    assert torch.equal(results[0], results[1])
+        v = x4 if signed else x4.abs()
+        assert all(torch.equal(a, b) for a, b in zip(_encode4(vec, v, signed, 128), _encode4(ref, v, signed, 128)))
+    adamw = next(i for i in NATIVE if i.cls is lowmemopt.AdamW)
+    cases = [(adamw, 32, torch.float32), (adamw, 8, torch.bfloat16), (adamw, 4, torch.float16)]
+    cases += [(i, 8, torch.float32) for i in NATIVE if i.cls in (lowmemopt.Lion, lowmemopt.SGD)]
+    for info, bits, dtype in cases:
+        results = []
+        for library in (vec, ref):
+            monkeypatch.setattr(build, "_lib", library)
+            (p, opt), _ = _run_pair(info, bits, dtype, monkeypatch, steps=2, shapes=[(64, 80), (33,)])
+            results.append([(q, _state_tensors(opt, q)) for q in p])
+        for (pa, sa), (pb, sb) in zip(*results):
+            assert torch.equal(pa, pb), (info.name, bits, dtype)
+            assert all(torch.equal(v, sb[k]) for k, v in sa.items()), (info.name, bits, dtype)
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    start = make_params([(256, 272)])
+    for cls, kwargs in ((lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1)), (lowmemopt.Adafactor, dict(beta1=0.9))):
+        results = []
+        for library in (vec, ref):
+            monkeypatch.setattr(build, "_lib", library)
+            params = clone_params(start)
+            opt = cls(params, state_bits=8, **kwargs)
+            run(opt, params, 2)
+            results.append((params[0], _state_tensors(opt, params[0])))
+        assert torch.equal(results[0][0], results[1][0]), cls.__name__
+        assert all(torch.equal(v, results[1][1][k]) for k, v in results[0][1].items()), cls.__name__
+
+
+def test_isa_is_chosen_by_the_cpu_and_can_be_forced(monkeypatch):
+    """Unforced, the best instruction set the CPU runs is built; ``LOWMEMOPT_CPU_ISA`` forces one (a subprocess
+    reports which it loaded); an unknown name is a ValueError that names the variable."""
+    have = build.cpu_isas()
+    assert have[-1] == "scalar" and have == [i for i in build.ISAS if i in have]
+    code = "from lowmemopt.cpu import build; print(build.isa_of(build.library()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "LOWMEMOPT_CPU_ISA": "scalar"})
+    assert out.stdout.split()[-1] == "scalar", out.stderr[-2000:]
+    if cpu.available() and build.requested_isa() is None:
+        assert build.isa_of(build.library()) == have[0]
+    monkeypatch.setenv("LOWMEMOPT_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="LOWMEMOPT_CPU_ISA"):
+        build.requested_isa()
+    with pytest.raises(ValueError, match="isa="):
+        build.compile_library(isa="sse9")
 
 
 def test_without_a_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
@@ -367,26 +419,6 @@ def test_native_4bit_path_really_runs(lib, monkeypatch):
     done.clear()
     run(lowmemopt.AdamW(params, lr=1e-3, state_bits=4, block_size=8192), params, 1)
     assert done == [0, 40]
-
-
-def test_4bit_portable_build_equals_avx512_build(lib, monkeypatch, correctly_rounded_sqrt):
-    """The plain-C build (exact bucket table) and the AVX-512 build (threshold search) give the same nibbles and the
-    same steps."""
-    portable = _portable_library()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(128 * 64, generator=gen) * torch.logspace(-9, 0, 128 * 64)
-    x = torch.cat([x, _adversarial4("pow2x4")[: 128 * 8]])
-    x = x[: x.numel() // 128 * 128].contiguous()
-    for signed in (True, False):
-        v = x if signed else x.abs()
-        assert all(torch.equal(a, b) for a, b in zip(_encode4(lib, v, signed, 128), _encode4(portable, v, signed, 128)))
-    results = []
-    for library in (lib, portable):
-        monkeypatch.setattr(build, "_lib", library)
-        (p, opt), _ = _run_pair(NATIVE[0], 4, torch.bfloat16, monkeypatch, steps=2, shapes=[(64, 80)])
-        results.append((p[0], opt.state[p[0]]))
-    assert torch.equal(results[0][0], results[1][0])
-    assert all(torch.equal(v, results[1][1][k]) for k, v in results[0][1].items() if isinstance(v, torch.Tensor))
 
 
 # -- the factored optimizers (lowmemopt.cpu.factored) ------------------------------------------------------------------

@@ -7,6 +7,10 @@ are part of the hash. The build writes to a temporary name and renames, so concu
 written library. ``-fopenmp`` links ``libgomp.so.1``, the OpenMP runtime torch's CPU wheels already loaded: the kernels
 share torch's thread pool. A compiler without OpenMP gets a second, single-threaded build.
 
+The vector code is chosen per CPU (:data:`ISAS`): ``avx512`` (AVX-512 F/BW/VL/DQ), ``avx2`` (AVX2, FMA, F16C) or
+``scalar`` (the plain C reference), each a build of its own (``-DLMO_ISA=...``) with its own cache entry; the best one
+the CPU's feature flags allow is built, or the one ``$LOWMEMOPT_CPU_ISA`` names. All give identical results.
+
 If there is no compiler, or the build or the load fails, :func:`library` returns None and says why in
 :data:`build_error`; the callers then keep to the existing (compiled / eager) paths.
 """
@@ -22,9 +26,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["ABI_VERSION", "SOURCE", "build_error", "cache_dir", "compile_library", "library"]
+__all__ = ["ABI_VERSION", "ISAS", "SOURCE", "build_error", "cache_dir", "compile_library", "cpu_isas", "isa_of", "library",
+           "requested_isa"]
 
-ABI_VERSION = 11  # must equal LMO_ABI_VERSION in kernels.c
+ABI_VERSION = 12  # must equal LMO_ABI_VERSION in kernels.c
+#: the kernels' instruction sets, best first: name -> (LMO_ISA in kernels.c, extra compiler flags, CPU flags needed)
+ISAS: dict[str, tuple[int, tuple[str, ...], frozenset[str]]] = {
+    "avx512": (2, ("-DLMO_ISA=2",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    "avx2": (1, ("-mno-avx512f", "-DLMO_ISA=1"), frozenset({"avx2", "fma", "f16c"})),
+    "scalar": (0, ("-DLMO_ISA=0",), frozenset()),
+}
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 OPENMP = ["-fopenmp"]
@@ -51,6 +62,42 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (/proc/cpuinfo), or None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith(("flags", "Features")):
+                    return set(ln.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_isas() -> list[str]:
+    """The instruction sets of :data:`ISAS` this CPU runs, best first (unknown feature flags: all of them, the builds
+    then decide: a build for a target the compiler's ``-march=native`` lacks fails)."""
+    flags = _cpu_flags()
+    return [name for name, (_, _, need) in ISAS.items() if flags is None or need <= flags]
+
+
+def requested_isa() -> str | None:
+    """The instruction set ``$LOWMEMOPT_CPU_ISA`` forces (``avx512``, ``avx2``, ``scalar``), None for ``auto`` / unset.
+    Raises ValueError for another value."""
+    name = os.environ.get("LOWMEMOPT_CPU_ISA", "").strip().lower()
+    if name in ("", "auto"):
+        return None
+    if name not in ISAS:
+        raise ValueError(f"LOWMEMOPT_CPU_ISA={name!r}: expected one of {', '.join(ISAS)} or auto")
+    return name
+
+
+def isa_of(lib: ctypes.CDLL) -> str:
+    """The instruction set a loaded kernel library was built for."""
+    code = lib.lmo_isa()
+    return next(name for name, (c, _, _) in ISAS.items() if c == code)
+
+
 def _compiler_version(cc: list[str]) -> str:
     out = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30)
     return out.stdout + out.stderr
@@ -70,29 +117,44 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> None:
             os.unlink(tmp.name)
 
 
-def compile_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Build (or find in the cache) and load the kernels with ``extra_flags`` appended to the compiler flags (the
-    tests build a variant without AVX-512 this way). Raises RuntimeError if no build works."""
+def compile_library(extra_flags: tuple[str, ...] = (), isa: str | None = None) -> ctypes.CDLL:
+    """Build (or find in the cache) and load the kernels for instruction set ``isa`` (one of :data:`ISAS`; None: the one
+    ``$LOWMEMOPT_CPU_ISA`` forces, else the best this CPU runs), with ``extra_flags`` appended to the compiler flags.
+    Raises RuntimeError if no build works, ValueError for an unknown ``isa``."""
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa={isa!r}: expected one of {', '.join(ISAS)}")
     cc = shlex.split(os.environ.get("CC", "cc"))
     if not cc or shutil.which(cc[0]) is None:
         raise RuntimeError(f"no C compiler ({(cc or [''])[0]!r} not found; set $CC)")
+    forced = isa or requested_isa()
+    if forced is not None:
+        have = cpu_isas()
+        if forced not in have:
+            raise RuntimeError(f"instruction set {forced!r} requested, but this CPU runs only {', '.join(have)}")
+        candidates = [forced]
+    else:
+        candidates = cpu_isas()
     source = SOURCE.read_bytes()
     version = _compiler_version(cc)
     errors = []
-    for flags in (FLAGS + OPENMP + list(extra_flags), FLAGS + list(extra_flags)):
-        key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in
-                                        (source, " ".join(cc), version, " ".join(flags), _cpu_signature())))
-        out = cache_dir() / f"cpu-{key.hexdigest()[:20]}" / "lowmemopt_cpu.so"
-        try:
-            if not out.exists():
-                out.parent.mkdir(parents=True, exist_ok=True)
-                _compile(cc, flags, out)
-            lib = ctypes.CDLL(str(out))
-            if lib.lmo_abi_version() != ABI_VERSION:
-                raise RuntimeError(f"{out}: ABI version {lib.lmo_abi_version()}, expected {ABI_VERSION}")
-            return lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            errors.append(f"{type(exc).__name__}: {exc}")
+    for name in candidates:
+        code, isa_flags, _ = ISAS[name]
+        for flags in (FLAGS + OPENMP + list(isa_flags) + list(extra_flags), FLAGS + list(isa_flags) + list(extra_flags)):
+            key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in
+                                            (source, " ".join(cc), version, " ".join(flags), _cpu_signature())))
+            out = cache_dir() / f"cpu-{key.hexdigest()[:20]}" / "lowmemopt_cpu.so"
+            try:
+                if not out.exists():
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    _compile(cc, flags, out)
+                lib = ctypes.CDLL(str(out))
+                if lib.lmo_abi_version() != ABI_VERSION:
+                    raise RuntimeError(f"{out}: ABI version {lib.lmo_abi_version()}, expected {ABI_VERSION}")
+                if lib.lmo_isa() != code:
+                    raise RuntimeError(f"{out}: built for LMO_ISA {lib.lmo_isa()}, expected {code} ({name})")
+                return lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
     raise RuntimeError("; ".join(errors))
 
 
