@@ -19,31 +19,16 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
 
 __all__ = [
-    "BASELINE",
-    "FACTORED",
-    "LLAMA_PRESETS",
-    "OPTIMIZERS",
-    "Result",
-    "build_llama",
-    "fixed_grads",
-    "fresh_params",
-    "machine_info",
-    "parse_bench_args",
-    "print_table",
-    "progress_line",
-    "quick",
-    "run_benchmark",
-    "run_rows",
-    "run_suite",
-    "script_main",
-    "state_bytes",
-    "time_steps",
+    "BASELINE", "FACTORED", "LLAMA_PRESETS", "OPTIMIZERS", "Result", "build_llama", "fixed_grads", "fresh_params",
+    "host_syncs", "machine_info", "parse_bench_args", "print_table", "progress_line", "quick", "run_benchmark",
+    "run_rows", "run_suite", "script_main", "state_bytes", "time_steps",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -200,6 +185,8 @@ FACTORED: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "lowmemopt-came-32bit": _lowmemopt("CAME", 32),
     "lowmemopt-came-8bit": _lowmemopt("CAME", 8),
 }
+#: FusedLAMB with Apex's global gradient-norm clip: one reduction on the device (GPU rows count host syncs: none)
+OPTIMIZERS["lowmemopt-fusedlamb-8bit"] = _lowmemopt("FusedLAMB", 8, max_grad_norm=1.0)
 
 #: The suites: (title, registry, extra library versions for the header).
 SUITES: dict[str, tuple[str, dict[str, Callable[..., torch.optim.Optimizer]], tuple[str, ...]]] = {
@@ -250,6 +237,21 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_syncs(step: Callable[[], object], device: torch.device) -> int | None:
+    """Host synchronizations in one call of ``step`` on a CUDA device, counted by torch's sync debug mode; None on
+    other devices (nothing to synchronize with)."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def time_steps(
@@ -319,6 +321,7 @@ class Result:
     note: str = ""
     error: str = ""
     missing: str = ""  # an optional library that is not installed (the row did not run)
+    host_syncs: int | None = None  # per step, on a CUDA device (:func:`host_syncs`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -357,6 +360,9 @@ def run_benchmark(
             partner_times=partner_times,
         )
         result.median_s = statistics.median(result.times_s)
+        result.host_syncs = host_syncs(optimizer.step, device)
+        if result.host_syncs:
+            result.note = _join(result.note, f"{result.host_syncs} host sync(s) per step")
         if partner_times:
             result.baseline_s = statistics.median(partner_times)
         result.state_bytes = state_bytes(optimizer)

@@ -137,3 +137,28 @@ def test_progress_lines_are_rounded_as_the_table():
     r.note = "slow"
     assert benchmark.progress_line(r).endswith("bytes/param (slow)")
     assert not re.search(r"\d{6}", benchmark.progress_line(r))
+
+
+def test_host_syncs_are_counted_on_cuda_only(monkeypatch):
+    """``host_syncs`` counts the warnings of torch's sync debug mode during one step and restores the mode; on the CPU
+    there is nothing to count (None)."""
+    import warnings
+
+    modes: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+        warnings.warn("called a synchronizing CUDA operation")
+
+    assert benchmark.host_syncs(step, torch.device("cuda")) == 2 and modes == ["warn", "default"]
+    assert benchmark.host_syncs(step, torch.device("cpu")) is None
+
+
+def test_fused_lamb_row_runs_with_its_clip(monkeypatch):
+    model = _tiny(monkeypatch)
+    ref = [p.detach() for p in model.parameters()]
+    grads = [torch.randn_like(p) for p in ref]
+    r = benchmark.run_benchmark("lowmemopt-fusedlamb-8bit", ref, grads, steps=2, warmup=1, device=torch.device("cpu"))
+    assert not r.error and r.host_syncs is None and len(r.times_s) == 2
