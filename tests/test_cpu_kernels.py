@@ -168,6 +168,33 @@ def test_adam_variants(lib, variant, monkeypatch, correctly_rounded_sqrt):
             assert not isinstance(v, torch.Tensor) or torch.equal(v, opt_e.state[b][k]), k
 
 
+@pytest.mark.parametrize("cls,kwargs", [
+    (lowmemopt.SignSGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01, maximize=True)),
+    (lowmemopt.SignSGD, dict(lr=1e-2, weight_decay=0.01)),
+    (lowmemopt.FusedSGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.05, wd_after_momentum=True)),
+], ids=["signsgd-momentum-max", "signsgd-plain", "fusedsgd-wd-after-nesterov"])
+@pytest.mark.parametrize("bits", [32, 8])
+def test_sgd_flag_variants(lib, cls, kwargs, bits, monkeypatch):
+    """lmo_sgd's SignSGD and weight-decay-after-momentum flags with dampened / Nesterov momentum, maximize and none:
+    parameters and state bit-identical to the eager path (fp32 parameters at 32 bits, bf16 at 8), and the kernel
+    really steps them."""
+    dtype = torch.float32 if bits == 32 else torch.bfloat16
+    done = []
+    real = elementwise.step
+    monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)[0]) or (done[-1], None))
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    start = make_params([(64, 80), (33,)], dtype=dtype)
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(cpu, "ENABLED", native)
+        params = clone_params(start)
+        opt = cls(params, state_bits=bits, min_quant_numel=64, **kwargs)
+        run(opt, params, 3)
+        runs.append((params, opt))
+    assert len(done) == 6 and all(done), done
+    _assert_runs_identical(*runs[0], *runs[1], dtype)
+
+
 def test_native_path_runs_and_tensor_lr_falls_back(lib, monkeypatch):
     """Large and small CPU parameters take the kernel (8-bit: the full blocks; fp32 state: every element); a 0-dim
     tensor lr is left to the torch path."""
@@ -218,7 +245,8 @@ def test_vector_builds_equal_the_scalar_reference(lib, isa, monkeypatch, correct
         assert all(torch.equal(a, b) for a, b in zip(_encode4(vec, v, signed, 128), _encode4(ref, v, signed, 128)))
     adamw = next(i for i in NATIVE if i.cls is lowmemopt.AdamW)
     cases = [(adamw, 32, torch.float32), (adamw, 8, torch.bfloat16), (adamw, 4, torch.float16)]
-    cases += [(i, 8, torch.float32) for i in NATIVE if i.cls in (lowmemopt.Lion, lowmemopt.SGD)]
+    cases += [(i, 8, torch.float32) for i in NATIVE if i.cls in (lowmemopt.Lion, lowmemopt.SGD, lowmemopt.SignSGD,
+                                                                  lowmemopt.FusedSGD)]
     for info, bits, dtype in cases:
         results = []
         for library in (vec, ref):

@@ -187,14 +187,15 @@ def test_fused_adam_names_and_flags():
 
 def test_fused_sgd_weight_decay_after_momentum_on_every_cpu_path(monkeypatch):
     """wd_after_momentum against Apex's step written out (optim_info.ApexSGDReference), on a tensor large enough for
-    the CPU fast paths: the native C kernel declines the combination, the compiled / eager paths take it."""
+    the CPU fast paths: the native C kernel (its flag 16, where it builds) or the compiled / eager paths."""
     from optim_info import ApexSGDReference
 
     from lowmemopt.cpu import elementwise
 
     kw = dict(lr=1e-2, momentum=0.9, weight_decay=0.05, wd_after_momentum=True)
-    assert elementwise.KERNELS["sgd"].declines(dict(kw, first_step=False))
-    assert not elementwise.KERNELS["sgd"].declines(dict(kw, weight_decay=0.0, first_step=False))
+    h, flags = elementwise.KERNELS["sgd"].scalars(dict(kw, dampening=0.0, nesterov=False, maximize=False,
+                                                       first_step=False), 1.0)
+    assert flags & 16 and not elementwise.KERNELS["sgd"].declines(dict(kw, first_step=False))
     ours, theirs = _twins(_params(shapes=((70000,), (33,))))
     opt, ref = lowmemopt.FusedSGD(ours, **kw), ApexSGDReference(theirs, **kw)
     for step in range(4):

@@ -1,12 +1,13 @@
 """Native kernels for the elementwise algorithms: which C function implements which ``math``, and how its
 hyper-parameters are passed.
 
-Each entry maps an algorithm's name (``"adam"``, ``"lion"``, ``"sgd"``: what the optimizer declares on its pure fp32
-math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``kernels.c`` and to a function that turns the
-math's keyword arguments (the group's hyper-parameters plus the algorithm's ``step_scalars``) into the kernel's
-scalars. Scalars are computed here with the same Python expressions the math uses (``-lr / bias_correction1``,
-``1 - beta1``, ...) and cast to float in C, as torch casts Python scalars, so the kernel's results equal the eager
-path's. A tensor hyper-parameter (a 0-dim ``lr``) is not taken: the torch paths run.
+Each entry maps an algorithm's name (``"adam"``, ``"lion"``, ``"sgd"``, ``"signsgd"``: what the optimizer declares
+on its pure fp32 math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``kernels.c`` (SignSGD: the SGD
+kernel with its sign flag) and to a function that turns the math's keyword arguments (the group's hyper-parameters
+plus the algorithm's ``step_scalars``) into the kernel's scalars. Scalars are computed here with the same Python
+expressions the math uses (``-lr / bias_correction1``, ``1 - beta1``, ...) and cast to float in C, as torch casts
+Python scalars, so the kernel's results equal the eager path's. A tensor hyper-parameter (a 0-dim ``lr``) is not
+taken: the torch paths run.
 """
 
 from __future__ import annotations
@@ -52,17 +53,25 @@ def _lion(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
 
 def _sgd(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
     flags = (int(bool(kw["maximize"])) | int(bool(kw["nesterov"])) << 1 | int(bool(kw["first_step"])) << 2
-             | int(kw["momentum"] != 0) << 3)
+             | int(kw["momentum"] != 0) << 3 | int(bool(kw.get("wd_after_momentum", False))) << 4)
     return (kw["weight_decay"], kw["momentum"], 1 - kw["dampening"], -kw["lr"], decay), flags
+
+
+def _signsgd(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    h, flags = _sgd(kw, decay)
+    return h, flags | 32  # lmo_sgd's SignSGD flag: p += -lr sign(d)
+
+
+def _sgd_slots(kw: dict[str, Any]) -> tuple[str, ...]:
+    return ("momentum_buffer",) if kw["momentum"] != 0 else ()
 
 
 KERNELS: dict[str, Kernel] = {
     "adam": Kernel("lmo_adam", _adam,
                       lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ())),
     "lion": Kernel("lmo_lion", _lion, lambda kw: ("exp_avg",)),
-    "sgd": Kernel("lmo_sgd", _sgd, lambda kw: ("momentum_buffer",) if kw["momentum"] != 0 else (),
-                  # FusedSGD's weight decay after the momentum: not in lmo_sgd
-                  lambda kw: bool(kw.get("wd_after_momentum")) and kw["weight_decay"] != 0),
+    "sgd": Kernel("lmo_sgd", _sgd, _sgd_slots),
+    "signsgd": Kernel("lmo_sgd", _signsgd, _sgd_slots),
 }
 
 

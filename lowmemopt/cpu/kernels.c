@@ -1140,16 +1140,20 @@ int lmo_lion(const lmo_args *a) {
 }
 
 /* ------------------------------------------------------------------------------------------------------------------ */
-/* SGD (lowmemopt.optim.sgd.sgd_math), slot: momentum_buffer (when momentum != 0)                                      */
+/* SGD (lowmemopt.optim.sgd.sgd_math) and SignSGD (lowmemopt.optim.signsgd.signsgd_math), slot: momentum_buffer    */
+/* (when momentum != 0)                                                                                               */
 
 /* h: 0 weight_decay  1 momentum  2 1 - dampening  3 -lr  4 decay factor
- * flags: 1 maximize  2 nesterov  4 first step (buf = d)  8 momentum != 0 */
+ * flags: 1 maximize  2 nesterov  4 first step (buf = d)  8 momentum != 0
+ *        16 weight decay after the momentum (FusedSGD's wd_after_momentum: d + wd p, not g + wd p)
+ *        32 SignSGD: p += -lr sign(d) (sign(+-0) = sign(NaN) = +0; -lr * +-1 is exact, so the fma rounds as
+ *           p.add_(sign(d), alpha=-lr)) */
 static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
                                                              int64_t r1, const int K) {
     const vf wd = v_set((float)a->h[0]), mom = v_set((float)a->h[1]), omd = v_set((float)a->h[2]);
     const vf nlr = v_set((float)a->h[3]), decay = v_set((float)a->h[4]);
     const int l2 = a->h[0] != 0.0, maximize = a->flags & 1, nesterov = a->flags & 2, first = a->flags & 4;
-    const int has_buf = a->flags & 8;
+    const int has_buf = a->flags & 8, wd_after = a->flags & 16, sign = a->flags & 32;
     const int bs = a->bs, pdt = a->p_dtype, gdt = a->g_dtype;
     slot_rt sb;
     int64_t row;
@@ -1169,12 +1173,14 @@ static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, co
                 const int64_t i = row * bs + j + 16 * u;
                 vf p = load_dt(pdt, a->p, i), d = load_dt(gdt, a->g, i);
                 if (maximize) d = v_neg(d);
-                if (l2) d = v_fma(p, wd, d);                                   /* d.add(p, alpha=wd) */
+                if (l2 && !wd_after) d = v_fma(p, wd, d);                      /* d.add(p, alpha=wd) */
                 if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
                     vf buf = first ? d : v_fma(d, omd, v_mul(slot_get(K, &sb, i, &ab, B, u), mom));
                     slot_store(K, &sb, i, j + 16 * u, buf, &ab);
                     d = nesterov ? v_fma(buf, mom, d) : buf;
                 }
+                if (l2 && wd_after) d = v_fma(p, wd, d);                       /* after the momentum */
+                if (sign) d = v_sign(d);
                 store_param(a, i, p, v_fma(d, nlr, v_mul(p, decay)));         /* p.add_(d, alpha=-lr) */
             }
         }

@@ -115,8 +115,7 @@ class FusedSGD(GradNoneOnZero, SGD):
     and defaults: :class:`SGD` plus
 
     * ``wd_after_momentum`` (False): True adds ``wd * p`` to the direction after the momentum (see the module
-      docstring) instead of to the gradient. On the CPU that combination (with a weight decay) steps through the
-      ``torch.compile`` / eager paths; the Triton kernels do it on CUDA.
+      docstring) instead of to the gradient. The native CPU kernel and the Triton kernels take it as a flag.
     * ``materialize_master_grads`` (True): Apex's switch for its amp O2 master weights, which have no counterpart here
       (there is one copy of each parameter and its gradient); accepted and ignored.
     * ``set_grad_none`` (False, Apex's default): ``zero_grad()`` zeroes gradients in place; True sets them to None.
