@@ -6,42 +6,21 @@ seconds, so the cases share them) and each test here reports one case. With CUDA
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import dist_worker
+from spawn import check_ranks, run_job
 from lowmemopt.distributed import LOCAL, rank_path
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-def _run_job(out, world: int, backend: str, cases: list[str]) -> dict[str, list[str]]:
-    """Run the worker; {case: [result of each rank]} (a missing result reads as the job's output)."""
-    env = dict(os.environ, LOWMEMOPT_COMPILE="0")
-    cmd = [sys.executable, WORKER, "--world-size", str(world), "--backend", backend, "--out", str(out),
-           "--cases", ",".join(cases)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=os.path.dirname(WORKER))
-    results: dict[str, list[str]] = {name: [] for name in cases}
-    for rank in range(world):
-        path = os.path.join(out, f"rank{rank}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {}
-        for name in cases:
-            results[name].append(got.get(name, f"rank {rank} reported nothing (exit {proc.returncode}):\n"
-                                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"))
-    return results
 
-
-def _check(results, name):
-    problems = [f"rank {r}:\n{res}" for r, res in enumerate(results[name]) if res != "ok"]
-    if problems:
-        pytest.fail("\n".join(problems), pytrace=False)
 
 
 TWO_RANK_CASES = [c for c in dist_worker.CASES if c not in dist_worker.FOUR_RANK_CASES]
@@ -49,19 +28,19 @@ TWO_RANK_CASES = [c for c in dist_worker.CASES if c not in dist_worker.FOUR_RANK
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
-    return _run_job(tmp_path_factory.mktemp("gloo"), 2, "gloo", TWO_RANK_CASES)
+    return run_job(WORKER, tmp_path_factory.mktemp("gloo"), 2, TWO_RANK_CASES, ("--backend", "gloo"), timeout=900)
 
 
 @pytest.mark.parametrize("name", TWO_RANK_CASES)
 def test_gloo_two_ranks(gloo_results, name):
-    _check(gloo_results, name)
+    check_ranks(gloo_results, name)
 
 
 def test_gloo_four_ranks_2d_mesh(tmp_path):
     """Tensors sharded over two mesh dims at once, and HSDP: 4 processes (~1 minute on 2 cores)."""
-    results = _run_job(tmp_path, 4, "gloo", dist_worker.FOUR_RANK_CASES)
+    results = run_job(WORKER, tmp_path, 4, dist_worker.FOUR_RANK_CASES, ("--backend", "gloo"), timeout=900)
     for name in dist_worker.FOUR_RANK_CASES:
-        _check(results, name)
+        check_ranks(results, name)
 
 
 # cases that need two ranks to mean anything (reshard 2 <-> 1, a reduction that must differ, a foreign layout)
@@ -73,9 +52,9 @@ def test_nccl(tmp_path):
     """The same cases over NCCL on CUDA: two ranks with two GPUs, else one rank (collectives on a mesh of one)."""
     world = min(2, torch.cuda.device_count())
     cases = [c for c in TWO_RANK_CASES if world == 2 or c not in _TWO_RANKS_ONLY]
-    results = _run_job(tmp_path, world, "nccl", cases)
+    results = run_job(WORKER, tmp_path, world, cases, ("--backend", "nccl"), timeout=900)
     for name in cases:
-        _check(results, name)
+        check_ranks(results, name)
 
 
 def test_local_reduction_is_the_plain_torch_op():

@@ -8,17 +8,15 @@ The multi-process cases live in ``tests/distsgd_worker.py``: one spawned job of 
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import distsgd_worker
+from spawn import check_ranks, run_job
 import lowmemopt
 from lowmemopt.distributed.gossip import mixing_weights, ring, torus
 from lowmemopt.distributed.sparsified import SparsifiedState, select
@@ -29,46 +27,29 @@ needs_dist = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 TWO_RANK_CASES = [c for c in distsgd_worker.CASES if c != "gossip_irregular_graph"]  # a 4-node graph
 
 
-def _run_job(out, world: int, cases: list[str]) -> dict[str, list[str]]:
-    env = dict(os.environ, LOWMEMOPT_COMPILE="0")
-    cmd = [sys.executable, WORKER, "--world-size", str(world), "--out", str(out), "--cases", ",".join(cases)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=os.path.dirname(WORKER))
-    results: dict[str, list[str]] = {name: [] for name in cases}
-    for rank in range(world):
-        path = os.path.join(out, f"rank{rank}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {}
-        for name in cases:
-            results[name].append(got.get(name, f"rank {rank} reported nothing (exit {proc.returncode}):\n"
-                                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"))
-    return results
 
-
-def _check(results, name):
-    problems = [f"rank {r}:\n{res}" for r, res in enumerate(results[name]) if res != "ok"]
-    if problems:
-        pytest.fail("\n".join(problems), pytrace=False)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return _run_job(tmp_path_factory.mktemp("distsgd2"), 2, TWO_RANK_CASES)
+    return run_job(WORKER, tmp_path_factory.mktemp("distsgd2"), 2, TWO_RANK_CASES)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _run_job(tmp_path_factory.mktemp("distsgd4"), 4, distsgd_worker.FOUR_RANK_CASES)
+    return run_job(WORKER, tmp_path_factory.mktemp("distsgd4"), 4, distsgd_worker.FOUR_RANK_CASES)
 
 
 @needs_dist
 @pytest.mark.parametrize("name", TWO_RANK_CASES)
 def test_two_ranks(two_ranks, name):
-    _check(two_ranks, name)
+    check_ranks(two_ranks, name)
 
 
 @needs_dist
 @pytest.mark.parametrize("name", distsgd_worker.FOUR_RANK_CASES)
 def test_four_ranks(four_ranks, name):
-    _check(four_ranks, name)
+    check_ranks(four_ranks, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -137,7 +118,8 @@ def test_sparsified_state():
     back = pickle.loads(pickle.dumps(state))
     assert back.process_group is None and torch.equal(back.error_dict[0], torch.arange(4.0))
     gen = back.generator(torch.device("cpu"))
-    assert torch.equal(torch.randperm(9, generator=gen), torch.randperm(9, generator=state.generator(torch.device("cpu"))))
+    same = state.generator(torch.device("cpu"))
+    assert torch.equal(torch.randperm(9, generator=gen), torch.randperm(9, generator=same))
 
 
 def test_graphs():

@@ -7,16 +7,14 @@ one case. Every case checks each rank against a single-process simulation of the
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import onebit_worker
+from spawn import check_ranks, run_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "onebit_worker.py")
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -25,44 +23,27 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 FOUR_RANK_CASES = ["compressed_allreduce_matches_simulation", "onebit_adam_matches_reference"]
 
 
-def _run_job(out, world: int, cases: list[str]) -> dict[str, list[str]]:
-    env = dict(os.environ, LOWMEMOPT_COMPILE="0")
-    cmd = [sys.executable, WORKER, "--world-size", str(world), "--out", str(out), "--cases", ",".join(cases)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=os.path.dirname(WORKER))
-    results: dict[str, list[str]] = {name: [] for name in cases}
-    for rank in range(world):
-        path = os.path.join(out, f"rank{rank}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {}
-        for name in cases:
-            results[name].append(got.get(name, f"rank {rank} reported nothing (exit {proc.returncode}):\n"
-                                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"))
-    return results
 
-
-def _check(results, name):
-    problems = [f"rank {r}:\n{res}" for r, res in enumerate(results[name]) if res != "ok"]
-    if problems:
-        pytest.fail("\n".join(problems), pytrace=False)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return _run_job(tmp_path_factory.mktemp("onebit2"), 2, list(onebit_worker.CASES))
+    return run_job(WORKER, tmp_path_factory.mktemp("onebit2"), 2, list(onebit_worker.CASES))
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _run_job(tmp_path_factory.mktemp("onebit4"), 4, FOUR_RANK_CASES)
+    return run_job(WORKER, tmp_path_factory.mktemp("onebit4"), 4, FOUR_RANK_CASES)
 
 
 @pytest.mark.parametrize("name", list(onebit_worker.CASES))
 def test_two_ranks(two_ranks, name):
-    _check(two_ranks, name)
+    check_ranks(two_ranks, name)
 
 
 @pytest.mark.parametrize("name", FOUR_RANK_CASES)
 def test_four_ranks(four_ranks, name):
-    _check(four_ranks, name)
+    check_ranks(four_ranks, name)
 
 
 def test_needs_torch_distributed():
