@@ -21,10 +21,10 @@ _FUNCTIONS = {
     "save_state": "checkpoint",
     "step_in_backward": "per_layer",
 }
-_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
-#: the communication-compressed optimizers (docs/onebit.md), by module: ``lowmemopt.OnebitAdam`` and ``from lowmemopt
-#: import OnebitAdam`` work, but they are not in ``__all__``, whose classes the registry, ``lowmemopt estimate`` and the
-#: Trainer factory offer: these need an initialized process group and a replicated model
+_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB",
+            "LARS", "Lion", "SGD", "SignSGD"]
+#: the communication-compressed optimizers (docs/onebit.md), by module; built on real parameters they need an
+#: initialized process group (``requires_process_group``, read by ``lowmemopt.registry``)
 _MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam",
                    "OnebitLAMB": "optim.onebit_lamb", "OnebitLamb": "optim.onebit_lamb"}
 
@@ -38,7 +38,8 @@ def _load() -> None:
     names.update({n: getattr(optim, n) for n in _CLASSES})
     names.update({n: getattr(importlib.import_module(f".{m}", __name__), n) for n, m in _MODULE_CLASSES.items()})
     names.update({n: getattr(importlib.import_module(f".{m}", __name__), n) for n, m in _FUNCTIONS.items()})
-    names["__all__"] = aliases.__all__ + sorted(_CLASSES + list(_FUNCTIONS), key=lambda n: (n[0].islower(), n))
+    public = _CLASSES + list(_MODULE_CLASSES) + list(_FUNCTIONS)
+    names["__all__"] = aliases.__all__ + sorted(public, key=lambda n: (n[0].islower(), n))
     globals().update(names)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from .pipeline import PAGE_BUCKET_BYTES
-from .registry import instantiate, resolve
+from .registry import instantiate, needs_process_group, resolve
 
 __all__ = ["MemoryEstimate", "cheapest_fits", "config_dtype", "default_state_bits", "estimate", "format_bytes",
            "galore_ranks", "model_from_config", "parse_bytes", "state_nbytes_after_first_step"]
@@ -117,8 +117,12 @@ def _state_nbytes_per_param(optimizer: torch.optim.Optimizer) -> list[int]:
     for group in shadow.param_groups:
         for p in group["params"]:
             shadow._first_state(p, group)  # GaLore: low-rank slots and the projector
-    return [sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-            for st in shadow.state.values()]
+    errors: dict[torch.Tensor, int] = {}
+    if hasattr(shadow, "error_nbytes_per_param"):  # the 1-bit optimizers' compression error buffers
+        stage = getattr(optimizer, "_stage", None)
+        errors = shadow.error_nbytes_per_param(stage.world if stage is not None else None)
+    return [sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor)) + errors.get(p, 0)
+            for p, st in shadow.state.items()]
 
 
 def estimate(
@@ -171,6 +175,8 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
         params: Any = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
     else:
         params = trainable
+    if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group
+        params = _on_meta(params)
     try:
         opt = instantiate(resolved.cls, params, **{**resolved.kwargs, **optimizer_kwargs, "state_bits": state_bits})
     except TypeError as e:
@@ -184,6 +190,14 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
         grads=[p.numel() * p.element_size() for p in trainable],
         state=_state_nbytes_per_param(opt),
     )
+
+
+def _on_meta(params: Any) -> list[Any]:
+    """``params`` (tensors or param group dicts) with each tensor replaced by a meta copy."""
+    def meta(p: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+
+    return [{**g, "params": [meta(p) for p in g["params"]]} if isinstance(g, dict) else meta(g) for g in params]
 
 
 def galore_ranks(model: torch.nn.Module, target_modules: Any = "all-linear", count: int = 3) -> list[int]:
@@ -212,14 +226,19 @@ def cheapest_fits(
     paging and per-layer updates whose total fits ``budget`` bytes with the fewest changes: a combination is left out
     when another that fits gives up no more on every count (more state bits, a larger or no GaLore rank, unpaged,
     whole-model steps are each better). Sorted by the number of changes, then by total; at most ``limit``."""
+    cls = resolve(optimizer).cls
     ranks = galore_ranks(model, galore_target_modules) if ranks is None else sorted(set(ranks), reverse=True)
+    if not getattr(cls, "supports_galore", True):  # (class attributes: what the optimizer refuses)
+        ranks = []
+    pagings = (False, True) if getattr(cls, "supports_paged", True) else (False,)
+    per_layers = (False, True) if getattr(cls, "per_layer_updates", True) else (False,)
     bits = sorted(set(state_bits), reverse=True)
     fits = []
     for b in bits:
         for r in [None, *ranks]:
             layout = _layout(model, optimizer, b, r, galore_target_modules, optimizer_kwargs)
-            for paged in (False, True):
-                for per_layer in (False, True):
+            for paged in pagings:
+                for per_layer in per_layers:
                     e = _variant(layout, paged, per_layer)
                     if e.total <= budget:
                         cost = (bits.index(b), 0 if r is None else 1 + ranks.index(r), int(paged), int(per_layer))

@@ -6,6 +6,11 @@ is reachable by its name, case-insensitively and ignoring ``_``, ``-`` and space
 prefixes ``galore`` (the optimizer is to run in GaLore's projected subspace: the caller builds GaLore param groups) and
 ``paged`` (``paged=True``), in that order: ``"galore_came8bit"`` is ``CAME8bit`` in GaLore groups,
 ``"paged_lion8bit"`` is ``Lion8bit(paged=True)``.
+
+Some classes need ``torch.distributed`` initialized to be built on real parameters (the 1-bit optimizers, whose
+class attribute ``requires_process_group`` is True): :func:`needs_process_group` says which, and
+:func:`check_process_group` raises a clear error where none is initialized. Built on meta parameters they need none
+(a layout: ``lowmemopt estimate``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Resolved", "instantiate", "optimizer_classes", "optimizer_names", "resolve"]
+__all__ = ["Resolved", "check_process_group", "instantiate", "needs_process_group", "optimizer_classes",
+           "optimizer_names", "resolve"]
 
 
 class Resolved(NamedTuple):
@@ -68,6 +74,25 @@ def resolve(name: str) -> Resolved:
         f"unknown optimizer {name!r}; choose one of {', '.join(optimizer_names())} (case-insensitive; "
         "'_' and '-' are ignored; prefix 'galore_' and/or 'paged_' for GaLore groups / paged state)"
     )
+
+
+def needs_process_group(cls: type) -> bool:
+    """Whether ``cls`` needs an initialized ``torch.distributed`` process group to be built on real parameters (its
+    class attribute ``requires_process_group``)."""
+    return bool(getattr(cls, "requires_process_group", False))
+
+
+def check_process_group(cls: type) -> None:
+    """Raise RuntimeError, naming what is missing, if ``cls`` needs a process group and none is initialized."""
+    if not needs_process_group(cls):
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{cls.__name__} needs torch.distributed initialized before it is built: launch with torchrun (the "
+            "Trainer then initializes the process group) or call torch.distributed.init_process_group() first; "
+            "it communicates compressed momentum between data-parallel ranks (docs/onebit.md)")
 
 
 def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:

@@ -9,8 +9,8 @@ import torch
 
 import lowmemopt
 from lowmemopt.cli import main as cli_main
-from lowmemopt.estimate import estimate, format_bytes, model_from_config, parse_bytes, state_nbytes_after_first_step
-from lowmemopt.registry import instantiate, optimizer_classes
+from lowmemopt.estimate import cheapest_fits, estimate, format_bytes, model_from_config, parse_bytes, state_nbytes_after_first_step
+from lowmemopt.registry import instantiate, needs_process_group, optimizer_classes
 
 pytest.importorskip("transformers")
 
@@ -54,11 +54,39 @@ def test_estimate_is_exact_for_every_optimizer(state_bits):
     for name, cls in optimizer_classes().items():
         if name.lower().startswith("galore"):
             continue  # needs GaLore groups: see the GaLore test
+        if needs_process_group(cls):
+            continue  # cannot step without a process group: see test_estimate_of_the_onebit_optimizers
         kwargs = FULL_STATE.get(_base_name(cls), {})
         got = estimate(meta, name, state_bits, **kwargs)
         assert got.state == state_after_one_step(cls, state_bits, **kwargs), (name, state_bits)
         assert got.params == n and got.weights == 4 * n and got.grads == 4 * n
         assert got.total == got.weights + got.grads + got.state
+
+
+def test_estimate_of_the_onebit_optimizers(tmp_path):
+    """Estimated without a process group: the state one step makes (checked on a 1-rank group, which keeps no error
+    buffers) plus fp32 error buffers padded for 2 ranks (a worker error of 2 chunks and a server error of 1 chunk per
+    parameter, each chunk a multiple of 8 and of the quantization block)."""
+    import torch.distributed as dist
+
+    meta = model_from_config(CONFIG)
+    names = ("OnebitAdam", "ZeroOneAdam", "OnebitLAMB")
+    got = {(name, bits): estimate(meta, name, bits).state for name in names for bits in (32, 8)}
+    budget = estimate(meta, "OnebitAdam", 16).total - 1  # per-layer or paged 16-bit would fit: both are refused
+    fits = cheapest_fits(meta, "OnebitAdam", budget, ranks=[8])
+    assert fits and all(e.state_bits <= 8 and not (e.paged or e.per_layer or e.galore_rank) for e in fits), fits
+    with pytest.raises(RuntimeError, match="meta parameters"):
+        lowmemopt.OnebitAdam([torch.nn.Parameter(torch.zeros(2, device="meta"))]).step()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        for (name, bits), state in got.items():
+            errors = 0
+            for p in meta.parameters():
+                align = 256 if bits == 8 and p.numel() >= 4096 else 8
+                errors += 4 * 3 * -(-p.numel() // (2 * align)) * align
+            assert state == state_after_one_step(getattr(lowmemopt, name), bits) + errors, (name, bits)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_estimate_counts_bf16_weights_and_leaves_the_optimizer_alone():

@@ -238,17 +238,40 @@ def test_factory_outside_a_trainer_needs_args(tmp_path):
 
 
 def test_every_optimizer_is_reachable_by_name(tmp_path):
-    from lowmemopt.registry import optimizer_classes
+    from lowmemopt.registry import needs_process_group, optimizer_classes
 
     model = tiny_llama()
     args = training_args(tmp_path)
     for class_name, cls in optimizer_classes().items():
         if class_name.lower().startswith("galore") and not HAS_GALORE:
             continue
+        if needs_process_group(cls):
+            continue  # see test_onebit_optimizers_need_a_process_group
         for name in (class_name, class_name.lower(), class_name.upper()):
             factory, config = optimizer(name, args=args, **({"galore": dict(target_modules="all-linear", rank=4)}
                                                              if class_name.lower().startswith("galore") else {}))
             assert type(factory()(model, **config)) is cls, name
+
+
+def test_onebit_optimizers_need_a_process_group(tmp_path):
+    import torch.distributed as dist
+
+    import lowmemopt
+
+    args = training_args(tmp_path)
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="OnebitAdam needs torch.distributed initialized.*torchrun"):
+        optimizer("onebit_adam", args=args)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)  # as torchrun does
+    try:
+        for name, cls in (("onebit_adam", lowmemopt.OnebitAdam), ("ZeroOneAdam", lowmemopt.ZeroOneAdam),
+                          ("onebit-lamb", lowmemopt.OnebitLAMB)):
+            factory, config = optimizer(name, args=args, freeze_step=5) if cls is not lowmemopt.ZeroOneAdam else \
+                optimizer(name, args=args)
+            opt = factory()(tiny_llama(), **config)
+            assert type(opt) is cls and opt.defaults["lr"] == args.learning_rate
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bad_input_fails_before_training(tmp_path):

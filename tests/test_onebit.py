@@ -83,3 +83,21 @@ def test_state_files_from_another_world_size(tmp_path):
     assert got == (rank_path(base, 1, 2), {"rank": 1, "world_size": 2})
     missing = tmp_path / "none.safetensors"
     assert other_world_path(rank_path(missing, 0, 2), {"rank": 0, "world_size": 2})[0] == rank_path(missing, 0, 2)
+
+
+def test_zero_one_adam_math_traces_with_tensor_scalars():
+    """The compiled CPU step passes ``lr`` and the bias corrections as 0-dim tensors (``compiled.RUNTIME_SCALARS``):
+    the math must not branch on them (a data-dependent branch breaks the graph, and the step falls back to eager)."""
+    from lowmemopt.optim.zero_one_adam import zero_one_adam_math
+
+    def fresh_state():
+        return {"exp_avg": torch.full((8,), 0.1), "exp_avg_sq": torch.full((8,), 0.2),
+                "momentum_accumulator": torch.zeros(8)}
+
+    p, g = torch.linspace(-1, 1, 8), torch.linspace(1, -1, 8)
+    kw = dict(betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.01, phase="local")
+    traced = torch.compile(zero_one_adam_math, backend="eager", fullgraph=True)
+    got = traced(p, g, fresh_state(), lr=torch.tensor(1e-2), bias_correction1=torch.tensor(0.19),
+                 bias_correction2_sqrt=torch.tensor(0.3), **kw)
+    want = zero_one_adam_math(p, g, fresh_state(), lr=1e-2, bias_correction1=0.19, bias_correction2_sqrt=0.3, **kw)
+    torch.testing.assert_close(got, want)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..registry import instantiate, resolve
+from ..registry import check_process_group, instantiate, needs_process_group, resolve
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -303,6 +303,9 @@ def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: 
 def _probe(cls: type, kwargs: Mapping[str, Any]) -> torch.optim.Optimizer:
     """A throw-away instance on one dummy parameter: validates ``kwargs`` and exposes the defaults they give."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("paged", "offload_dir")}
+    if needs_process_group(cls):  # (the 1-bit optimizers) a meta parameter: nothing broadcast by the probe
+        check_process_group(cls)
+        return instantiate(cls, [torch.nn.Parameter(torch.zeros(1, device="meta"))], **kwargs)
     return instantiate(cls, [torch.nn.Parameter(torch.zeros(1))], **kwargs)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from ..checks import check_adam_group, sqrt_of
+from ..distributed.compression import Layout
 from ..distributed.onebit import OnebitStage, broadcast_parameters, onebit_comm_hook
 from ..distributed.sharding import is_dtensor
 from ..optimizer import LowMemOptimizer
@@ -114,11 +115,46 @@ class OnebitOptimizer(LowMemOptimizer):
     (``phase(group, step)``, ``message(p, g, state, group)``); :meth:`_after_update` runs what follows the update
     (0/1 Adam's synchronisation)."""
 
+    #: the registry, ``lowmemopt estimate`` and the Trainer factory read this: constructing one on real parameters
+    #: needs ``torch.distributed`` initialized (``dist.init_process_group``, e.g. under ``torchrun``)
+    requires_process_group = True
+    #: what these refuse (GaLore groups, paged state), left out of ``lowmemopt estimate``'s search for what fits
+    supports_galore = False
+    supports_paged = False
+
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any, **storage: Any) -> None:
-        self._stage = OnebitStage(process_group)  # raises unless torch.distributed is initialized
+        params = _listed(params)
+        #: built on meta parameters only: a layout (``state_nbytes``, ``lowmemopt estimate``), with no process group
+        #: needed and nothing communicated; :meth:`step` refuses
+        self.layout_only = _all_meta(params)
+        self._stage = None if self.layout_only else OnebitStage(process_group)  # raises unless dist is initialized
         self.process_group = process_group
         super().__init__(params, defaults, **storage)
-        broadcast_parameters([p for group in self.param_groups for p in group["params"]], process_group)
+        if not self.layout_only:
+            broadcast_parameters([p for group in self.param_groups for p in group["params"]], process_group)
+
+    def error_nbytes_per_param(self, world_size: int | None = None) -> dict[torch.Tensor, int]:
+        """Bytes of the compression error buffers (fp32) that each parameter's padded segment takes once compressed
+        steps run at ``world_size`` ranks: its worker error (``world_size * chunk`` elements) and its server error
+        (``chunk`` elements; see :class:`~lowmemopt.distributed.compression.Layout`). ``world_size`` defaults to the
+        process group's; a layout-only optimizer without one counts 2 ranks, the most of any world size but for
+        padding (``(world_size + 1) / world_size`` fp32 per element; a world of 1 sends nothing compressed and keeps
+        no buffers)."""
+        if world_size is None:
+            world_size = self._stage.world if self._stage is not None else 2
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        out: dict[torch.Tensor, int] = {}
+        if world_size == 1:
+            return out
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            if not params:
+                continue
+            layout = Layout.of([p.numel() for p in params], world_size, [self._align(group, p) for p in params])
+            for p, chunk in zip(params, layout.chunks):
+                out[p] = 4 * (world_size + 1) * chunk
+        return out
 
     def _check_group(self, group):
         check_adam_group(group)
@@ -176,6 +212,10 @@ class OnebitOptimizer(LowMemOptimizer):
     def step(self, closure: Any = None) -> Any:
         """One step: the communicate stage replaces each gradient by what the update reads (see the module
         docstring), then the ordinary pipeline updates the parameters; the gradients are given back afterwards."""
+        if self._stage is None:
+            raise RuntimeError(f"{type(self).__name__} was built on meta parameters (a layout for state_nbytes / "
+                               "lowmemopt estimate) and cannot step; build it on the model's parameters with "
+                               "torch.distributed initialized")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -308,6 +348,32 @@ class OnebitAdam(OnebitOptimizer):
     def _check_group(self, group):
         super()._check_group(group)
         check_step_count("freeze_step", group["freeze_step"])
+
+
+def _listed(params: Any) -> Any:
+    """``params`` as a list (param group dicts with their ``params`` as lists), so it can be read twice."""
+    if isinstance(params, torch.Tensor):
+        return params  # (LowMemOptimizer raises its own TypeError)
+    out = []
+    for item in params:
+        if isinstance(item, dict) and not isinstance(item.get("params"), (torch.Tensor, type(None))):
+            item = {**item, "params": list(item["params"])}
+        out.append(item)
+    return out
+
+
+def _all_meta(params: Any) -> bool:
+    """Whether ``params`` (tensors or param group dicts) holds at least one tensor, all of them on the meta device."""
+    if isinstance(params, torch.Tensor):
+        return False
+    tensors = []
+    for item in params:
+        if isinstance(item, dict):
+            ps = item.get("params")
+            tensors.extend([ps] if isinstance(ps, torch.Tensor) else list(ps or ()))
+        else:
+            tensors.append(item)
+    return bool(tensors) and all(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
 
 
 def check_unsupported(name: str, amsgrad: bool, max_grad_norm: float) -> None:

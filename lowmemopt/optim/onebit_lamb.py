@@ -69,8 +69,7 @@ def onebit_lamb_math(
         if snapshot:
             fresh.copy_(v)
         update = torch.div(m, v.sqrt().div_(bias_correction2_sqrt).add_(eps))
-        if bias_correction1 != 1.0:
-            update.div_(bias_correction1)
+        update.div_(bias_correction1)  # (exact when 1; a runtime scalar of the compiled step)
         if weight_decay != 0:
             update.add_(p, alpha=weight_decay)
         weight_norm, update_norm = reduce.norm(p), reduce.norm(update)
@@ -86,8 +85,7 @@ def onebit_lamb_math(
     fresh.mul_(beta2).addcmul_(rebuilt, rebuilt, value=1 - beta2)
     denom = v.sqrt().div_(bias_correction2_sqrt).add_(eps)
     prelim = torch.div(m, denom)
-    if bias_correction1 != 1.0:
-        prelim.div_(bias_correction1)
+    prelim.div_(bias_correction1)  # (exact when 1; a runtime scalar of the compiled step)
     update = prelim.add(p, alpha=weight_decay) if weight_decay != 0 else prelim.clone()
     real = fresh.sqrt().div_(fresh_correction_sqrt).add_(eps)
     factor = denom.div_(real).max()  # (whole tensors: the optimizer refuses sharded parameters)

@@ -59,8 +59,7 @@ def zero_one_adam_math(
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     update = torch.div(m, adam_denominator(v, eps, eps_inside_sqrt, bias_correction2_sqrt))
-    if bias_correction1 != 1.0:
-        update.div_(bias_correction1)
+    update.div_(bias_correction1)  # (exact when 1; a runtime scalar of the compiled step: no branch on it)
     if weight_decay != 0:
         update.add_(p, alpha=weight_decay)
     delta = update.mul_(-lr)
