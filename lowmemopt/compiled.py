@@ -15,8 +15,9 @@ CPU tensors, so an LR schedule never recompiles: a Python float would be guarded
 turns a changing float into a symbol (and when) differs between torch releases (torch 2.11 compiled a graph per
 step). float64 keeps the host's double arithmetic on them (``-lr / bias_correction1``), then the ops round to fp32
 as they do for a Python scalar, so results equal the eager path's. The other hyper-parameters (betas, eps, weight
-decay) are constants of the graph: branches test them. The row count is dynamic, so one graph serves every tensor size. The first step of each (algorithm, formats) pair pays
-a one-time compile (seconds). If compiling fails (no C++ compiler, say), lowmemopt warns once and stays eager.
+decay) are constants of the graph: branches test them, and each set of them has a graph of its own (a changed float
+must not recompile into a symbolic input). The row count is dynamic, so one graph serves every tensor size. The first
+step of each (algorithm, formats, constants) set pays a one-time compile (seconds). If compiling fails (no C++ compiler, say), lowmemopt warns once and stays eager.
 Set ``LOWMEMOPT_COMPILE=0`` to turn it off.
 """
 
@@ -126,6 +127,18 @@ def scratch_rows(index: int, like: torch.Tensor) -> torch.Tensor:
     return buf[: like.numel()].view(like.shape)
 
 
+def _constant_key(x: Any) -> Any:
+    """A graph constant (beta, eps, weight decay, a flag) as part of the compiled function's key: each set of constants
+    gets a graph of its own. Sharing one would make dynamo recompile on a changed float and then turn it into a
+    symbolic input (torch's automatic dynamic floats), which changed results (seen with torch 2.13: two optimizers
+    with different betas in one process)."""
+    try:
+        hash(x)
+    except TypeError:
+        return ("id", id(x))
+    return x
+
+
 def _runtime_scalar(x: Any) -> Any:
     """A Python number as a 0-dim float64 CPU tensor (a graph input, not a guarded constant); tensors unchanged."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -139,7 +152,9 @@ def step_rows(
     """Run one compiled chunk update: ``math(p, g, state, **kwargs)`` on rows of blocks, state decoded and encoded
     around it, then ``p = p * decay + delta``. ``slots``: (name, kind, signed, rows, absmax, book, table) per slot.
     False if the compiled path is unavailable (the caller then runs eagerly)."""
-    key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype)
+    constants = tuple((k, _constant_key(v)) for k, v in sorted(kwargs.items())
+                      if k not in RUNTIME_SCALARS and not isinstance(v, bool))  # (a flag's branch: a guard, as usual)
+    key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype, constants)
     kwargs = {k: _runtime_scalar(v) if k in RUNTIME_SCALARS else v for k, v in kwargs.items()}
     slots = tuple(s + (scratch_rows(i, p) if s[1] in QUANTIZED else None,) for i, s in enumerate(slots))
     for t in (p, g) + tuple(t for s in slots for t in (s[3], s[4], s[7]) if t is not None):
