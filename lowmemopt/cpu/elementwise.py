@@ -33,9 +33,6 @@ class Kernel(NamedTuple):
     name: str  # exported C function
     scalars: Callable[[dict[str, Any], float], tuple[tuple[float, ...], int]]  # (math kwargs, decay) -> (h, flags)
     slots: Callable[[dict[str, Any]], tuple[str, ...]]  # the slots, in the kernel's order
-    #: (math kwargs) -> True where the C function does not implement that combination of flags (the caller's torch
-    #: paths step it)
-    declines: Callable[[dict[str, Any]], bool] = lambda kw: False
 
 
 def _adam(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
@@ -107,7 +104,7 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
         return 0, None
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return 0, None
-    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)) or kernel.declines(kwargs):
+    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
         return 0, None
     names = kernel.slots(kwargs)
     if set(names) != set(slots):
