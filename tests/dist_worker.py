@@ -14,16 +14,14 @@ import contextlib
 import copy
 import datetime
 import itertools
-import json
 import os
-import socket
 import sys
 import tempfile
-import traceback
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from spawn import free_port, run_cases  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
@@ -1086,23 +1084,9 @@ def _worker(rank, world, port, out, backend, names):
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     ctx = Ctx(rank, world, device, out)
-    results = {}
-    for name in names:
-        try:
-            CASES[name](ctx)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-            json.dump(results, fh)
-        dist.barrier()
+    run_cases(CASES, names, ctx, out, rank)
     dist.destroy_process_group()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):

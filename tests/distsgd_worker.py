@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import socket
-import sys
 import tempfile
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawn import free_port, run_cases
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -392,26 +388,9 @@ def _worker(rank, world, port, out, names):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     ctx = Ctx(rank, world)
-    results = {}
-    for name in names:
-        start = time.perf_counter()
-        try:
-            CASES[name](ctx)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        if rank == 0:
-            print(f"{name}: {time.perf_counter() - start:.2f} s", file=sys.stderr)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-            json.dump(results, fh)
-        dist.barrier()
+    run_cases(CASES, names, ctx, out, rank)
     dist.destroy_process_group()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):

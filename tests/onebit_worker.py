@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
-import socket
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawn import free_port, run_cases
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -724,27 +722,13 @@ class Ctx:
         self.rank, self.world, self.out = rank, world, out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     ctx = Ctx(rank, world, out)
-    results = {}
-    for name in names:
-        try:
-            CASES[name](ctx)
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    run_cases(CASES, names, ctx, out, rank)
     dist.destroy_process_group()
 
 
