@@ -180,8 +180,8 @@ def test_sgd_flag_variants(lib, cls, kwargs, bits, monkeypatch):
     really steps them."""
     dtype = torch.float32 if bits == 32 else torch.bfloat16
     done = []
-    real = elementwise.step
-    monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)[0]) or (done[-1], None))
+    real = elementwise.prepare  # (both the one-parameter call and the bucket's prepare their arguments here)
+    monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: done.append((r := real(*a, **k))[1]) or r)
     monkeypatch.setattr(compiled, "ENABLED", False)
     start = make_params([(64, 80), (33,)], dtype=dtype)
     runs = []
@@ -199,15 +199,15 @@ def test_native_path_runs_and_tensor_lr_falls_back(lib, monkeypatch):
     """Large and small CPU parameters take the kernel (8-bit: the full blocks; fp32 state: every element); a 0-dim
     tensor lr is left to the torch path."""
     done = []
-    real = elementwise.step
-    monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)[0]) or (done[-1], None))
+    real = elementwise.prepare  # (both the one-parameter call and the bucket's prepare their arguments here)
+    monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: done.append((r := real(*a, **k))[1]) or r)
     monkeypatch.setattr(compiled, "ENABLED", False)
     params = make_params([(300, 257), (40,)])
     run(lowmemopt.AdamW(params, lr=1e-3, state_bits=8), params, 1)
     assert done == [300 * 257 // 256 * 256, 40]  # the 40-element vector keeps fp32 state (< min_quant_numel)
     done.clear()
     run(lowmemopt.AdamW(params, lr=torch.tensor(1e-3)), params, 1)
-    assert done == [0, 0]
+    assert done and not any(done)  # (each declined in the bucket, then again on the per-parameter path)
 
 
 def _isa_library(isa: str):
@@ -436,8 +436,8 @@ def test_native_4bit_path_really_runs(lib, monkeypatch):
     """A 4-bit parameter's full blocks take the kernel (and its ragged last block the eager path); a block size the
     kernels cannot take (above their 4096-element row buffers) leaves the whole parameter to the eager path."""
     done = []
-    real = elementwise.step
-    monkeypatch.setattr(elementwise, "step", lambda *a, **k: done.append(real(*a, **k)[0]) or (done[-1], None))
+    real = elementwise.prepare  # (both the one-parameter call and the bucket's prepare their arguments here)
+    monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: done.append((r := real(*a, **k))[1]) or r)
     monkeypatch.setattr(compiled, "ENABLED", False)
     params = make_params([(300, 257), (40,)])
     opt = lowmemopt.AdamW(params, lr=1e-3, state_bits=4)
@@ -446,7 +446,7 @@ def test_native_4bit_path_really_runs(lib, monkeypatch):
     assert done == [300 * 257 // 128 * 128, 40]  # the 40-element vector keeps fp32 state (< min_quant_numel)
     done.clear()
     run(lowmemopt.AdamW(params, lr=1e-3, state_bits=4, block_size=8192), params, 1)
-    assert done == [0, 40]
+    assert sorted(set(done)) == [0, 40] and done.count(40) == 1
 
 
 # -- the factored optimizers (lowmemopt.cpu.factored) ------------------------------------------------------------------
@@ -580,10 +580,9 @@ def test_native_finite_check_equals_torch_check(lib, dtype, n):
 
 @pytest.mark.parametrize("bad", [0, 1, 2])
 def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, monkeypatch):
-    """Each native kernel checks the next parameter's gradient while it steps; a NaN in any position (the first,
-    checked alone; a middle or the last one, checked by the kernel before it) skips that parameter, state and values
-    unchanged, and the others step as they would have without it. Only the first gradient, and one after a skipped
-    parameter, need a check of their own."""
+    """The bucket's native call checks each gradient just before that parameter's update; a NaN in any position
+    (the first, a middle or the last one) skips that parameter, state and values unchanged, and the others step as
+    they would have without it. No gradient needs a check of its own (a separate pass before the step)."""
     from lowmemopt.optimizer import LowMemOptimizer
 
     monkeypatch.setattr(compiled, "ENABLED", False)
@@ -607,9 +606,7 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, monkey
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
-        # the others were checked by the kernel stepping the one before (a skipped parameter's successor: alone)
-        after_skip = [params[bad + 1].numel()] if poison and bad + 1 < len(params) else []
-        assert alone == [params[0].numel()] + after_skip
+        assert alone == []  # all of them checked inside the bucket's call
         runs.append((params, opt, before, state_before, [str(w.message) for w in caught]))
     (clean, _, _, _, _), (params, opt, before, state_before, messages) = runs
     assert opt.nonfinite_skips == 1 and any("NaN/Inf" in m for m in messages)

@@ -106,8 +106,8 @@ def test_every_combination_equals_the_eager_reference(name, bits, rank, backend,
     if backend == "native":
         from lowmemopt.cpu import elementwise
 
-        real = elementwise.step
-        monkeypatch.setattr(elementwise, "step", lambda *a, **k: native_steps.append(r := real(*a, **k)) or r)
+        real = elementwise.prepare  # (the one-parameter call's and the bucket's arguments)
+        monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: native_steps.append((r := real(*a, **k))[::-1]) or r)
     gap = STEPS + 1 if backend == "triton" and name in WEIGHT_STAT else 2
     plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch, gap)
     if backend == "native" and (name, rank is not None) in NATIVE_EXACT and cpu.available():

@@ -21,7 +21,7 @@ from ..quant import q4
 from ..quant.formats import BF16, FP32, Q4, Q8, StateFormat
 from . import applies, build, ffi
 
-__all__ = ["KERNELS", "Kernel", "step"]
+__all__ = ["KERNELS", "Kernel", "prepare", "step", "step_many"]
 
 #: rows of this many elements for fp32 / bf16 state (any size works; q8 / q4 rows are the quantization blocks); the
 #: kernel also does the last partial row, so every element of a parameter takes the same arithmetic (a sharded
@@ -81,6 +81,77 @@ def _is_number(v: Any) -> bool:
     return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
 
 
+def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
+            state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
+            step: int, decay: float, scan: torch.Tensor | None = None,
+            index_base: int | None = 0) -> tuple[ffi.Args | None, int]:
+    """The fused kernel's arguments for one parameter (see :func:`step`), and how many leading elements the kernel
+    will do; ``(None, 0)`` where the kernel does not apply (the caller runs the torch paths)."""
+    kernel = KERNELS.get(algorithm)
+    if kernel is None or not applies(pflat) or gflat.device != pflat.device:
+        return None, 0
+    if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
+        return None, 0
+    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
+        return None, 0
+    names = kernel.slots(kwargs)
+    if set(names) != set(slots):
+        return None, 0
+    kinds = {formats[k] for k in names}
+    if len(kinds) > 1:
+        return None, 0
+    fmt = kinds.pop() if kinds else FP32
+    quantized = fmt is Q8 or fmt is Q4
+    if quantized:
+        block_size = group["block_size"]
+        rows, bs = pflat.numel() // block_size, block_size
+        if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
+            return None, 0
+    elif fmt in (FP32, BF16):
+        rows, bs = pflat.numel() // DENSE_ROW, DENSE_ROW
+    else:
+        return None, 0
+    tail = pflat.numel() - rows * bs if not quantized else 0
+    if rows == 0 and tail == 0:
+        return None, 0
+    cslots = []
+    for k in names:
+        signed = slots[k].signed
+        if fmt is Q8:
+            codes, absmax = state[k + ".codes"], state[k + ".absmax"]
+            if not (codes.is_contiguous() and absmax.is_contiguous() and absmax.dtype == torch.float32):
+                return None, 0
+            cslots.append(ffi.slot_q8(codes, absmax, signed))
+        elif fmt is Q4:
+            nibbles, absmax = state[k + ".nibbles"], state[k + ".absmax"]
+            if not (nibbles.is_contiguous() and nibbles.dtype == torch.uint8 and absmax.is_contiguous()
+                    and absmax.dtype == torch.float32 and nibbles.numel() >= q4.packed_len(rows * bs)
+                    and absmax.numel() >= rows):
+                return None, 0
+            cslots.append(ffi.slot_q4(nibbles, absmax, signed))
+        else:
+            t = state[k]
+            if not t.is_contiguous() or t.dtype != (torch.float32 if fmt is FP32 else torch.bfloat16):
+                return None, 0
+            cslots.append(ffi.slot_dense(t))
+    h, flags = kernel.scalars(kwargs, decay)
+    if scan is not None and not ffi.can_scan(scan):
+        scan = None
+    args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
+    mode = rounding.mode_of(group, pflat)  # bf16 parameters: nearest / stochastic / Kahan, as the eager path
+    if mode != "nearest":
+        rounding.init_state(state, pflat, group)
+        kahan = state.get(rounding.KAHAN) if mode == "kahan" else None
+        if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == torch.bfloat16
+                                      and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
+            return None, 0
+        if mode == "stochastic" and index_base is None:
+            return None, 0
+        key = rounding.step_key(state[rounding.SEED], step) if mode == "stochastic" else 0
+        ffi.set_update(args, mode, key, index_base or 0, kahan)
+    return args, rows * bs + tail
+
+
 def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
          state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
          step: int, decay: float, scan: torch.Tensor | None = None,
@@ -99,67 +170,17 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
 
     Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
     the rest), and whether ``scan`` is finite (None: not scanned)."""
-    kernel = KERNELS.get(algorithm)
-    if kernel is None or not applies(pflat) or gflat.device != pflat.device:
+    args, done = prepare(algorithm, kwargs, pflat, gflat, state, slots, formats, group, step, decay, scan, index_base)
+    if args is None:
         return 0, None
-    if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
-        return 0, None
-    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
-        return 0, None
-    names = kernel.slots(kwargs)
-    if set(names) != set(slots):
-        return 0, None
-    kinds = {formats[k] for k in names}
-    if len(kinds) > 1:
-        return 0, None
-    fmt = kinds.pop() if kinds else FP32
-    quantized = fmt is Q8 or fmt is Q4
-    if quantized:
-        block_size = group["block_size"]
-        rows, bs = pflat.numel() // block_size, block_size
-        if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
-            return 0, None
-    elif fmt in (FP32, BF16):
-        rows, bs = pflat.numel() // DENSE_ROW, DENSE_ROW
-    else:
-        return 0, None
-    tail = pflat.numel() - rows * bs if not quantized else 0
-    if rows == 0 and tail == 0:
-        return 0, None
-    cslots = []
-    for k in names:
-        signed = slots[k].signed
-        if fmt is Q8:
-            codes, absmax = state[k + ".codes"], state[k + ".absmax"]
-            if not (codes.is_contiguous() and absmax.is_contiguous() and absmax.dtype == torch.float32):
-                return 0, None
-            cslots.append(ffi.slot_q8(codes, absmax, signed))
-        elif fmt is Q4:
-            nibbles, absmax = state[k + ".nibbles"], state[k + ".absmax"]
-            if not (nibbles.is_contiguous() and nibbles.dtype == torch.uint8 and absmax.is_contiguous()
-                    and absmax.dtype == torch.float32 and nibbles.numel() >= q4.packed_len(rows * bs)
-                    and absmax.numel() >= rows):
-                return 0, None
-            cslots.append(ffi.slot_q4(nibbles, absmax, signed))
-        else:
-            t = state[k]
-            if not t.is_contiguous() or t.dtype != (torch.float32 if fmt is FP32 else torch.bfloat16):
-                return 0, None
-            cslots.append(ffi.slot_dense(t))
-    h, flags = kernel.scalars(kwargs, decay)
-    if scan is not None and not ffi.can_scan(scan):
-        scan = None
-    args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
-    mode = rounding.mode_of(group, pflat)  # bf16 parameters: nearest / stochastic / Kahan, as the eager path
-    if mode != "nearest":
-        rounding.init_state(state, pflat, group)
-        kahan = state.get(rounding.KAHAN) if mode == "kahan" else None
-        if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == torch.bfloat16
-                                      and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
-            return 0, None
-        if mode == "stochastic" and index_base is None:
-            return 0, None
-        key = rounding.step_key(state[rounding.SEED], step) if mode == "stochastic" else 0
-        ffi.set_update(args, mode, key, index_base or 0, kahan)
-    ffi.call(getattr(build.library(), kernel.name), args)
-    return rows * bs + tail, (None if scan is None else ffi.scan_result(args))
+    ffi.call(getattr(build.library(), KERNELS[algorithm].name), args)
+    return done, (None if args.scan is None else ffi.scan_result(args))
+
+
+def step_many(algorithm: str, batch: list[ffi.Args]) -> list[bool]:
+    """Run ``algorithm``'s fused kernel over many parameters (each one's arguments from :func:`prepare`) in one
+    parallel region: one fork/join of the threads per bucket instead of one per parameter. An argument set with a
+    ``scan`` of its own gradient is checked just before its update (the update then reads the gradient from the
+    cache); returns per parameter whether it was stepped (False: that check found a NaN / Inf or an overflowing sum
+    of squares, and nothing of the parameter or its state was written)."""
+    return ffi.call_many(getattr(build.library(), KERNELS[algorithm].name + "_many"), batch)

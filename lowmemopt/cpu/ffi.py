@@ -12,7 +12,7 @@ from ..quant.maps import is_signed_map
 from . import build
 from .codec import tables, tables4
 
-__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "call", "can_scan", "scan_result",
+__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "call", "call_many", "can_scan", "scan_result",
            "run_codec"]
 
 MAX_SLOTS = 4
@@ -134,6 +134,20 @@ def call(fn, args: Args) -> None:
     rc = fn(ctypes.byref(args))
     if rc != 0:
         raise RuntimeError(f"lowmemopt C kernel {fn.__name__} rejected its arguments (code {rc})")
+
+
+def call_many(fn, batch: list[Args]) -> list[bool]:
+    """``fn`` (a ``lmo_*_many`` kernel) over the argument sets ``batch`` in one call; per set: stepped (True) or
+    skipped by its own gradient's non-finite check (False)."""
+    n = len(batch)
+    if n == 0:
+        return []
+    arr = (Args * n)(*batch)
+    ok = (ctypes.c_uint8 * n)()
+    rc = fn(arr, ctypes.c_int64(n), ok)
+    if rc != 0:
+        raise RuntimeError(f"lowmemopt C kernel {fn.__name__} rejected its arguments (code {rc})")
+    return [bool(v) for v in ok]
 
 
 def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:

@@ -28,12 +28,14 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 12
+#define LMO_ABI_VERSION 13
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -907,20 +909,26 @@ static float sumsq_range(int dt, const void *x, int64_t lo, int64_t hi) {
 /* Run fn over rows [0, nrows) in chunks of ~16K elements handed out dynamically (a thread that the OS preempts does
  * not hold up the others), then the tail; with a->scan, also the scan's sum of squares in pieces of 16K elements,
  * task c doing row chunk c and scan piece c. */
+static int args_ok(const lmo_args *a) {
+    int k;
+    if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return 0;
+    if (a->nrows < 0 || a->tail < 0 || a->tail >= a->bs || (a->tail && a->bs > 64)) return 0;
+    if (a->p_update < UPD_NEAREST || a->p_update > UPD_KAHAN || (a->p_update == UPD_KAHAN && !a->kahan)) return 0;
+    if (a->scan && (a->scan_n < 0 || !a->scan_sumsq || a->scan_dtype < DT_F32 || a->scan_dtype > DT_F16)) return 0;
+    for (k = 0; k < a->nslots; k++)
+        if (a->tail && (a->slot[k].kind == ST_Q8 || a->slot[k].kind == ST_Q4)) return 0;
+    return 1;
+}
+
 static int run_rows(const lmo_args *a, rows_fn fn) {
-    int nt = a->nthreads < 1 ? 1 : a->nthreads, k;
+    int nt = a->nthreads < 1 ? 1 : a->nthreads;
     const int64_t rows_per_chunk = (LMO_ROW_CHUNK + a->bs - 1) / a->bs;
     const int64_t nchunks = a->bs > 0 ? (a->nrows + rows_per_chunk - 1) / rows_per_chunk : 0;
     const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK;
     const int64_t ntasks = nchunks > npieces ? nchunks : npieces;
     const int64_t work = a->nrows * a->bs + scan_n;
     float sumsq = 0.0f;
-    if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return LMO_EBADARG;
-    if (a->tail < 0 || a->tail >= a->bs || (a->tail && a->bs > 64)) return LMO_EBADARG;
-    if (a->p_update < UPD_NEAREST || a->p_update > UPD_KAHAN || (a->p_update == UPD_KAHAN && !a->kahan)) return LMO_EBADARG;
-    if (a->scan && (a->scan_n < 0 || !a->scan_sumsq || a->scan_dtype < DT_F32 || a->scan_dtype > DT_F16)) return LMO_EBADARG;
-    for (k = 0; k < a->nslots; k++)
-        if (a->tail && (a->slot[k].kind == ST_Q8 || a->slot[k].kind == ST_Q4)) return LMO_EBADARG;
+    if (!args_ok(a)) return LMO_EBADARG;
     if ((int64_t)nt * 65536 > work) nt = work / 65536 > 0 ? (int)(work / 65536) : 1; /* below ~64K elements per thread, threads do not pay */
     if (ntasks > 0) {
 #ifdef _OPENMP
@@ -983,15 +991,149 @@ static int common_kind(const lmo_args *a) {
     static void name##_bf16(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { const lmo_args A = *a; name(&A, rt, r0, r1, ST_BF16); } \
     static void name##_q8(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { const lmo_args A = *a; name(&A, rt, r0, r1, ST_Q8); } \
     static void name##_q4(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1) { const lmo_args A = *a; name(&A, rt, r0, r1, ST_Q4); } \
-    static int name##_run(const lmo_args *a) {                                                                         \
+    static rows_fn name##_pick(const lmo_args *a) {                                                                    \
         switch (common_kind(a)) {                                                                                      \
-        case ST_F32: return run_rows(a, name##_f32);                                                                   \
-        case ST_BF16: return run_rows(a, name##_bf16);                                                                 \
-        case ST_Q8: return run_rows(a, name##_q8);                                                                     \
-        case ST_Q4: return run_rows(a, name##_q4);                                                                     \
-        default: return LMO_EBADARG;                                                                                   \
+        case ST_F32: return name##_f32;                                                                                \
+        case ST_BF16: return name##_bf16;                                                                              \
+        case ST_Q8: return name##_q8;                                                                                  \
+        case ST_Q4: return name##_q4;                                                                                  \
+        default: return NULL;                                                                                          \
         }                                                                                                              \
+    }                                                                                                                  \
+    static int name##_run(const lmo_args *a) {                                                                         \
+        rows_fn fn = name##_pick(a);                                                                                   \
+        return fn ? run_rows(a, fn) : LMO_EBADARG;                                                                     \
     }
+
+/* ------------------------------------------------------------------------------------------------------------------ */
+/* Many parameters of one algorithm in one parallel region (the step's CPU bucket): one fork/join per step instead of */
+/* one per parameter, and each gradient's non-finite check just before its own update, so that for all but the      */
+/* largest tensors the update reads the gradient from the cache the check just filled.                              */
+/*                                                                                                                    */
+/* The work is one list of tasks, handed out in order from a shared counter: for each tensor t, its scan pieces      */
+/* (LMO_ROW_CHUNK elements of a[t].scan: its own gradient, when the caller asks for the check), then its row chunks, */
+/* then its tail. A row chunk or tail of t waits until every scan piece of t is summed (the thread that finishes the */
+/* last piece adds the pieces up in their order, so the sum does not depend on the threads), and does nothing if the */
+/* sum is not finite. Every piece of t is handed out before any chunk of t, and a piece waits for nothing: no        */
+/* deadlock, and the wait is at most one piece long unless a thread is preempted.                                     */
+
+typedef rows_fn (*pick_fn)(const lmo_args *a);
+typedef struct { int32_t t, kind; int64_t c; } lmo_task; /* kind: TASK_* ; c: the piece or the chunk */
+enum { TASK_SCAN = 0, TASK_ROWS = 1, TASK_TAIL = 2 };
+enum { VERDICT_PENDING = 0, VERDICT_FINITE = 1, VERDICT_SKIP = 2 };
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static uint8_t wait_verdict(const uint8_t *v) {
+    uint8_t r;
+    int spins = 0;
+    while ((r = __atomic_load_n(v, __ATOMIC_ACQUIRE)) == VERDICT_PENDING) {
+        if (++spins < 2048) cpu_relax();
+        else sched_yield(); /* the other thread was preempted: give its core back */
+    }
+    return r;
+}
+
+static inline int64_t rows_per_task(int bs) { return (LMO_ROW_CHUNK + bs - 1) / bs; }
+
+/* ok[t] (out): 1 if tensor t was stepped, 0 if its scan found a non-finite sum of squares (nothing of it written).
+ * Each a[t] is what run_rows takes, with scan either NULL (no check) or its own gradient (scan_sumsq: where the sum
+ * goes); a[0].nthreads threads at most. */
+static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
+    int64_t t, ntasks = 0, work = 0, at = 0, maxbs = 16;
+    int nt = n > 0 && a[0].nthreads > 1 ? a[0].nthreads : 1;
+    lmo_task *tasks;
+    int64_t *piece_base, *pending, next = 0;
+    float *parts;
+    uint8_t *verdict;
+    rows_fn *fns;
+    for (t = 0; t < n; t++) {
+        const int64_t chunks = (a[t].nrows + rows_per_task(a[t].bs) - 1) / rows_per_task(a[t].bs);
+        if (!args_ok(&a[t]) || !pick(&a[t])) return LMO_EBADARG;
+        ntasks += chunks + (a[t].tail ? 1 : 0) + (a[t].scan ? (a[t].scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK : 0);
+        work += a[t].nrows * a[t].bs + a[t].tail + (a[t].scan ? a[t].scan_n : 0);
+        if (a[t].bs > maxbs) maxbs = a[t].bs;
+    }
+    if (n == 0) return LMO_OK;
+    tasks = malloc(sizeof *tasks * (ntasks ? ntasks : 1));
+    piece_base = malloc(sizeof *piece_base * n);
+    pending = malloc(sizeof *pending * n);
+    verdict = malloc(n);
+    fns = malloc(sizeof *fns * n);
+    parts = malloc(sizeof *parts * (ntasks ? ntasks : 1));
+    if (!tasks || !piece_base || !pending || !verdict || !fns || !parts) {
+        free(tasks); free(piece_base); free(pending); free(verdict); free(fns); free(parts);
+        return LMO_EBADARG;
+    }
+    for (t = 0; t < n; t++) {
+        const int64_t per = rows_per_task(a[t].bs), pieces = a[t].scan ? (a[t].scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK : 0;
+        int64_t c;
+        fns[t] = pick(&a[t]);
+        piece_base[t] = at; /* the pieces' partial sums: parts[at, at + pieces) */
+        pending[t] = pieces;
+        verdict[t] = VERDICT_FINITE;
+        if (a[t].scan) {
+            verdict[t] = VERDICT_PENDING;
+            if (pieces == 0) { /* an empty gradient: a sum of 0 */
+                *a[t].scan_sumsq = 0.0f;
+                verdict[t] = VERDICT_FINITE;
+            }
+        }
+        for (c = 0; c < pieces; c++) { tasks[at].t = (int32_t)t; tasks[at].kind = TASK_SCAN; tasks[at].c = c; at++; }
+        for (c = 0; c * per < a[t].nrows; c++) { tasks[at].t = (int32_t)t; tasks[at].kind = TASK_ROWS; tasks[at].c = c; at++; }
+        if (a[t].tail) { tasks[at].t = (int32_t)t; tasks[at].kind = TASK_TAIL; tasks[at].c = 0; at++; }
+    }
+    if ((int64_t)nt * 65536 > work) nt = work / 65536 > 0 ? (int)(work / 65536) : 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+        float bufs[LMO_MAX_SLOTS * maxbs] __attribute__((aligned(64))); /* <= 64 KiB of stack */
+        slot_rt rt[LMO_MAX_SLOTS];
+        int64_t k, mine = -1; /* the tensor whose slots rt holds */
+        for (;;) {
+            const int64_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            const lmo_task *task;
+            const lmo_args *x;
+            if (i >= ntasks) break;
+            task = &tasks[i];
+            x = &a[task->t];
+            if (task->kind == TASK_SCAN) {
+                const int64_t lo = task->c * LMO_ROW_CHUNK;
+                parts[piece_base[task->t] + task->c] =
+                    sumsq_range(x->scan_dtype, x->scan, lo, lo + LMO_ROW_CHUNK < x->scan_n ? lo + LMO_ROW_CHUNK : x->scan_n);
+                if (__atomic_sub_fetch(&pending[task->t], 1, __ATOMIC_ACQ_REL) == 0) { /* the last piece: add them up */
+                    const int64_t pieces = (x->scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK;
+                    float sumsq = 0.0f;
+                    for (k = 0; k < pieces; k++) sumsq += parts[piece_base[task->t] + k];
+                    *x->scan_sumsq = sumsq;
+                    __atomic_store_n(&verdict[task->t], isfinite(sumsq) ? VERDICT_FINITE : VERDICT_SKIP, __ATOMIC_RELEASE);
+                }
+                continue;
+            }
+            if (wait_verdict(&verdict[task->t]) != VERDICT_FINITE) continue;
+            if (task->kind == TASK_TAIL) {
+                run_tail(x, fns[task->t]);
+                continue;
+            }
+            if (mine != task->t) {
+                for (k = 0; k < x->nslots; k++) slot_rt_init(&rt[k], &x->slot[k], bufs + k * x->bs);
+                mine = task->t;
+            }
+            {
+                const int64_t per = rows_per_task(x->bs), r0 = task->c * per;
+                fns[task->t](x, rt, r0, r0 + per < x->nrows ? r0 + per : x->nrows);
+            }
+        }
+    }
+    for (t = 0; t < n; t++) ok[t] = verdict[t] == VERDICT_FINITE;
+    free(tasks); free(piece_base); free(pending); free(verdict); free(fns); free(parts);
+    return LMO_OK;
+}
 
 /* ------------------------------------------------------------------------------------------------------------------ */
 /* the parameter write: round to nearest, stochastically, or with Kahan compensation (lowmemopt.rounding)            */
@@ -1101,6 +1243,14 @@ int lmo_adam(const lmo_args *a) {
     return adam_rows_run(a);
 }
 
+/* n parameters in one parallel region (run_many) */
+int lmo_adam_many(const lmo_args *a, int64_t n, uint8_t *ok) {
+    int64_t t;
+    for (t = 0; t < n; t++)
+        if (a[t].nslots != ((a[t].flags & 2) ? 3 : 2)) return LMO_EBADARG;
+    return run_many(a, n, ok, adam_rows_pick);
+}
+
 /* ------------------------------------------------------------------------------------------------------------------ */
 /* Lion (lowmemopt.optim.lion.lion_math), slot: exp_avg                                                                */
 
@@ -1137,6 +1287,14 @@ LMO_SPECIALIZE(lion_rows)
 int lmo_lion(const lmo_args *a) {
     if (a->nslots != 1) return LMO_EBADARG;
     return lion_rows_run(a);
+}
+
+/* n parameters in one parallel region (run_many) */
+int lmo_lion_many(const lmo_args *a, int64_t n, uint8_t *ok) {
+    int64_t t;
+    for (t = 0; t < n; t++)
+        if (a[t].nslots != 1) return LMO_EBADARG;
+    return run_many(a, n, ok, lion_rows_pick);
 }
 
 /* ------------------------------------------------------------------------------------------------------------------ */
@@ -1192,6 +1350,14 @@ LMO_SPECIALIZE(sgd_rows)
 int lmo_sgd(const lmo_args *a) {
     if (a->nslots != ((a->flags & 8) ? 1 : 0)) return LMO_EBADARG;
     return sgd_rows_run(a);
+}
+
+/* n parameters in one parallel region (run_many) */
+int lmo_sgd_many(const lmo_args *a, int64_t n, uint8_t *ok) {
+    int64_t t;
+    for (t = 0; t < n; t++)
+        if (a[t].nslots != ((a[t].flags & 8) ? 1 : 0)) return LMO_EBADARG;
+    return run_many(a, n, ok, sgd_rows_pick);
 }
 
 /* ------------------------------------------------------------------------------------------------------------------ */

@@ -32,6 +32,7 @@ from ..distributed.sharding import is_dtensor, local_view
 from ..work import Item, Update, capture
 from .backends import CHUNK_NUMEL, init_state, update_flat
 from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
+from .native import step_cpu_bucket
 from .plan import Plan, StepRecord
 
 __all__ = ["Item", "Update", "Plan", "StepRecord", "run", "step_buckets", "step_param", "device_flags",
@@ -90,6 +91,8 @@ def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[boo
             for i, p, _ in todo:
                 finite[i] = flags.finite(p)
             todo = [t for t in todo if finite[t[0]]]
+        if todo:  # CPU parameters: one native call for the bucket (.native), the rest one at a time
+            todo = step_cpu_bucket(plan, todo, finite)
         if todo:
             step_in_order(plan, todo, finite, grads, pipe)
         return

@@ -23,7 +23,8 @@ from ..quant.formats import Q4, Q8, Slot, StateFormat, choose_format, format_of,
 from ..quant.maps import code_book, encode_table
 from .algorithm import Algorithm
 
-__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "update_flat", "run_update", "decode_whole"]
+__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "update_flat", "update_rest", "run_update",
+           "decode_whole"]
 
 #: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
 CHUNK_NUMEL = 1 << 18
@@ -71,6 +72,14 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
         start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, group, step, decay)
     _step_eager(algorithm, like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
     return scanned
+
+
+def update_rest(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
+                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
+                step: int, decay: float, start: int) -> None:
+    """Elements ``[start, numel)`` of an elementwise step through the eager reference: what a native kernel left (a
+    ragged last 8- / 4-bit block)."""
+    _step_eager(algorithm, p, pflat, gflat, state, slots, formats, group, step, decay, start)
 
 
 def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,

@@ -1,0 +1,101 @@
+"""The update stage's CPU bucket: many CPU parameters of one elementwise algorithm stepped by one call of its fused C
+kernel (:func:`lowmemopt.cpu.elementwise.step_many`).
+
+Stepping the parameters one call at a time costs, per parameter, a fork/join of the kernel's threads (on a busy
+machine, a wait for the slowest thread) and the Python around the call; one call per bucket costs that once per step.
+The bucket's non-finite gradient check is in the same call: each gradient that the optimizer left to the pipelined
+check (``finite[i] is None``, :class:`~lowmemopt.pipeline.finite.CpuFiniteChecks`) is scanned just before its own
+update, which then reads it from the cache the scan filled (all but the largest gradients), and a parameter whose
+gradient is not finite is left as it was. Its step count advances before the call (the kernel's bias corrections
+read it) and is put back after a skip; state made by this step is dropped again, as the host-side check leaves it.
+
+What the kernels do not take (GaLore groups, DTensor shards, non-contiguous tensors, tensor hyper-parameters, formats
+without a fused kernel) goes on to the per-parameter path, in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import cpu
+from ..distributed.sharding import is_dtensor
+from ..quant.formats import format_of
+from ..work import capture
+from .backends import init_state, update_rest
+from .plan import Plan
+
+__all__ = ["step_cpu_bucket"]
+
+Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
+
+
+def takes(plan: Plan) -> bool:
+    """Does a native many-parameter kernel implement ``plan``'s algorithm here?"""
+    algorithm = plan.algorithm
+    if not (cpu.ENABLED and algorithm.elementwise and algorithm.fused is not None):
+        return False
+    from ..cpu.elementwise import KERNELS
+
+    return algorithm.fused in KERNELS and cpu.available()
+
+
+def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
+    """Step the CPU parameters of ``todo`` ((index, param, group)) that the native kernels take, in one call; fill in
+    ``finite`` for the ones checked here; return the rest, in order, for the per-parameter path."""
+    if not todo or not takes(plan):
+        return todo
+    from ..cpu.elementwise import prepare, step_many
+
+    algorithm, states = plan.algorithm, plan.state
+    name = algorithm.fused
+    rest: Todo = []
+    batch, taken = [], []
+    kwargs_memo: dict[tuple[int, int], dict[str, Any]] = {}  # (group, step) -> the math's keyword arguments
+    for i, p, group in todo:
+        grad = p.grad
+        if (p.device.type != "cpu" or group.get("rank") is not None or is_dtensor(p) or not p.is_contiguous()
+                or grad is None or not grad.is_contiguous() or grad.shape != p.shape):
+            rest.append((i, p, group))
+            continue
+        state = states[p]
+        if "galore.side" in state:
+            rest.append((i, p, group))
+            continue
+        slots = algorithm.slots(group, p)
+        fresh = "step" not in state
+        if fresh:
+            init_state(p, group, slots, state)
+        else:
+            capture.host_count(state)
+        state["step"] += 1
+        step = state["step"]
+        key = (id(group), step)
+        kw = kwargs_memo.get(key)
+        if kw is None:
+            kw = kwargs_memo[key] = algorithm.math_kwargs(group, step)
+        formats = {k: format_of(state, k) for k in slots}
+        pflat, gflat = p.view(-1), grad.view(-1)
+        decay = algorithm.decay_factor(group)
+        args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay,
+                             scan=gflat if finite[i] is None else None)
+        if args is None or (finite[i] is None and args.scan is None):  # the per-parameter path takes it
+            state["step"] -= 1
+            rest.append((i, p, group))
+            continue
+        batch.append(args)
+        taken.append((i, p, group, state, slots, formats, step, decay, done, fresh))
+    if not batch:
+        return rest
+    stepped = step_many(name, batch)
+    for ok, (i, p, group, state, slots, formats, step, decay, done, fresh) in zip(stepped, taken):
+        finite[i] = ok
+        if not ok:  # nothing of it was written
+            if fresh:
+                state.clear()
+            else:
+                state["step"] -= 1
+        elif done < p.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
+            update_rest(algorithm, p, p.view(-1), p.grad.view(-1), state, slots, formats, group, step, decay, done)
+    return rest
