@@ -52,6 +52,29 @@ def _lowmemopt(cls: str, bits: int, **kw) -> Factory:
     return make
 
 
+def _per_parameter(factory: Factory) -> Factory:
+    """``factory``'s optimizer with the bucketed native call turned off during its steps (each CPU parameter its own
+    native call, as before the bucket): what the bucket saves, measured in the same run."""
+    def make(params):
+        from lowmemopt.pipeline import native
+
+        opt = factory(params)
+        step = opt.step
+
+        def per_parameter_step(*args, **kwargs):
+            takes = native.takes
+            native.takes = lambda plan: False
+            try:
+                return step(*args, **kwargs)
+            finally:
+                native.takes = takes
+
+        opt.step = per_parameter_step
+        return opt
+
+    return make
+
+
 def _torch_fused(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
 
@@ -78,6 +101,14 @@ OPTIMIZERS: dict[str, tuple[Factory, str]] = {
     "lowmemopt-adafactor": (_lowmemopt("Adafactor", 32, relative_step=False, scale_parameter=False),
                             "lowmemopt.Adafactor(beta1=None): fp32 rows/columns only"),
 }
+#: rows that run only when named in --optimizers
+EXTRA: dict[str, tuple[Factory, str]] = {
+    "lowmemopt-adamw-32bit-per-param": (_per_parameter(_lowmemopt("AdamW", 32)),
+                                        "lowmemopt.AdamW(state_bits=32), one native call per parameter"),
+    "lowmemopt-adamw-8bit-per-param": (_per_parameter(_lowmemopt("AdamW", 8)),
+                                       "lowmemopt.AdamW(state_bits=8), one native call per parameter"),
+}
+OPTIMIZERS.update(EXTRA)
 
 
 def llama_shapes(preset: str) -> list[tuple[int, ...]]:
@@ -220,7 +251,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stream-mib", type=float, default=None,
                     help="size of each tensor of the timed add_ (default 512; --quick 16)")
     ap.add_argument("--optimizers", default=None, help=f"comma-separated subset of: {', '.join(OPTIMIZERS)} "
-                                                        f"({ANCHOR} always runs)")
+                                                        f"({ANCHOR} always runs; the *-per-param rows only when "
+                                                        "named)")
     ap.add_argument("--json", default=None, help="write the settings and every timing here")
     args = ap.parse_args(argv)
     args.preset = args.preset or ("10m" if args.quick else "150m")
@@ -228,7 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.stream_mib = args.stream_mib if args.stream_mib is not None else (16.0 if args.quick else 512.0)
     if args.threads < 1 or args.rounds < 1 or args.warmup < 0 or args.stream_mib <= 0:
         ap.error("--threads and --rounds must be >= 1, --warmup >= 0, --stream-mib > 0")
-    names = list(OPTIMIZERS) if args.optimizers is None else [n for n in args.optimizers.split(",") if n]
+    names = [n for n in OPTIMIZERS if n not in EXTRA] if args.optimizers is None else [
+        n for n in args.optimizers.split(",") if n]
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
         ap.error(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")

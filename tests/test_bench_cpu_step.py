@@ -70,3 +70,16 @@ def test_bad_arguments(bench):
         bench.parse_args(["--threads", "0"])
     args = bench.parse_args(["--quick", "--optimizers", "lowmemopt-adamw-8bit"])
     assert args.preset == "10m" and args.names == ["torch-adamw-fused", "lowmemopt-adamw-8bit"]
+
+
+def test_per_parameter_rows_run_only_when_named(bench, capsys):
+    """The rows with the bucketed native call turned off are not in a default run; named, they run, and the bucket
+    is back on after each of their steps."""
+    from lowmemopt.pipeline import native
+
+    assert not set(bench.EXTRA) & set(bench.parse_args([]).names)
+    takes = native.takes
+    assert bench.main(["--preset", "tiny", "--rounds", "2", "--warmup", "0", "--stream-mib", "1", "--threads", "1",
+                       "--optimizers", "lowmemopt-adamw-8bit-per-param"]) == 0
+    assert native.takes is takes
+    assert float(_rows(capsys.readouterr().out)["lowmemopt-adamw-8bit-per-param"][2]) > 0

@@ -635,3 +635,51 @@ def test_a_cpu_step_imports_no_kernels_package():
     assert out.returncode == 0, out.stderr[-2000:]
     path, imported = out.stdout.split()
     assert Path(path).resolve() == root / "lowmemopt" / "__init__.py" and imported == "False"
+
+
+@pytest.mark.parametrize("case", [
+    ("AdamW", 32, torch.float32, {}), ("AdamW", 8, torch.float32, {}), ("AdamW", 4, torch.float32, {}),
+    ("AdamW", 16, torch.bfloat16, dict(bf16_update="stochastic")), ("AdamW", 8, torch.bfloat16, dict(bf16_update="kahan")),
+    ("Lion", 8, torch.float32, {}), ("SGD", 8, torch.float32, dict(momentum=0.9)), ("SignSGD", 32, torch.float32, {}),
+], ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{c[3].get('bf16_update', '')}")
+def test_bucket_equals_one_call_per_parameter(lib, case, monkeypatch):
+    """The bucket's one native call (lowmemopt.pipeline.native) steps every parameter exactly as one call per
+    parameter does: values, state and step counts bit for bit, through a step where one gradient has a NaN (that
+    parameter skipped, its fresh state dropped on the first step) and with ragged last blocks; and it is the bucket
+    that steps them (one call per step)."""
+    from lowmemopt.cpu import elementwise
+    from lowmemopt.pipeline import native
+
+    name, bits, dtype, kw = case
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    shapes = [(300, 256), (5000,), (40,), (129, 33)]
+    start = make_params(shapes, dtype=dtype)
+    runs = []
+    for bucket in (True, False):
+        calls = []
+        real = elementwise.step_many
+        monkeypatch.setattr(elementwise, "step_many", lambda *a: calls.append(len(a[1])) or real(*a))
+        monkeypatch.setattr(native, "takes", native.takes if bucket else (lambda plan: False))
+        torch.manual_seed(0)  # (stochastic rounding's seeds)
+        params = clone_params(start)
+        opt = getattr(lowmemopt, name)(params, lr=1e-2, state_bits=bits, min_quant_numel=64, **kw)
+        skipped = []
+        for it in range(4):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * it + i)).to(dtype)
+            if it in (0, 2):
+                params[it // 2 + 1].grad.view(-1)[3] = float("nan")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.step()
+            skipped.append(opt.nonfinite_skips)
+        assert skipped == [1, 1, 2, 2] and opt.state[params[1]]["step"] == 3
+        assert calls == ([len(shapes) - 1] + [len(shapes)] * 3 if bucket else []), calls  # (a fresh bad one: before)
+        runs.append((params, opt))
+    (a, opt_a), (b, opt_b) = runs
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        sa, sb = opt_a.state[x], opt_b.state[y]
+        assert sa.keys() == sb.keys()
+        for k, v in sa.items():
+            assert torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k], k

@@ -84,18 +84,26 @@ def _is_number(v: Any) -> bool:
 def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
             state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
             step: int, decay: float, scan: torch.Tensor | None = None,
-            index_base: int | None = 0) -> tuple[ffi.Args | None, int]:
+            index_base: int | None = 0, memo: dict | None = None) -> tuple[ffi.Args | None, int]:
     """The fused kernel's arguments for one parameter (see :func:`step`), and how many leading elements the kernel
-    will do; ``(None, 0)`` where the kernel does not apply (the caller runs the torch paths)."""
+    will do; ``(None, 0)`` where the kernel does not apply (the caller runs the torch paths). ``memo``: a dict kept
+    while ``kwargs`` and ``decay`` stay the same objects (a bucket's parameters of one group and step), which holds
+    what is derived from them alone."""
     kernel = KERNELS.get(algorithm)
     if kernel is None or not applies(pflat) or gflat.device != pflat.device:
         return None, 0
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return None, 0
-    if not (all(map(_is_number, kwargs.values())) and _is_number(decay)):
+    derived = None if memo is None else memo.get((algorithm, id(kwargs), decay))
+    if derived is None:
+        numbers = all(map(_is_number, kwargs.values())) and _is_number(decay)
+        derived = (numbers, kernel.slots(kwargs) if numbers else (), kernel.scalars(kwargs, decay) if numbers else None)
+        if memo is not None:
+            memo[(algorithm, id(kwargs), decay)] = derived
+    numbers, names, (h, flags) = derived[0], derived[1], derived[2] or ((), 0)
+    if not numbers:
         return None, 0
-    names = kernel.slots(kwargs)
-    if set(names) != set(slots):
+    if len(names) != len(slots) or any(k not in slots for k in names):
         return None, 0
     kinds = {formats[k] for k in names}
     if len(kinds) > 1:
@@ -134,7 +142,6 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
             if not t.is_contiguous() or t.dtype != (torch.float32 if fmt is FP32 else torch.bfloat16):
                 return None, 0
             cslots.append(ffi.slot_dense(t))
-    h, flags = kernel.scalars(kwargs, decay)
     if scan is not None and not ffi.can_scan(scan):
         scan = None
     args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)

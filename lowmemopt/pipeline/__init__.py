@@ -4,8 +4,9 @@ each of which sees plain tensors and knows nothing of the others::
     gather     params with finite gradients -> items: local tensors (an FSDP2 shard's local part), initialized state
     stage      paging: bring a batch's state to the device, the next batch's on its way    (Pager.batches, or no-op)
     project    GaLore: low-rank gradients, batched products per shape on CUDA          (projection.step, or no-op)
-    update     one backend call per bucket: Triton (kernels.dispatch) on CUDA, else per tensor: native C (CPU),
-               torch.compile, the eager reference                                        (.backends.update_flat)
+    update     one backend call per bucket: Triton (kernels.dispatch) on CUDA, native C on the CPU (.native, the
+               elementwise algorithms), else per tensor: native C (CPU), torch.compile, the eager reference
+                                                                                          (.backends.update_flat)
     unproject  GaLore: the full-size update, weight decay on the full weight                 (projection.step.finish)
     apply      the parameter write
     write back paging: the batch's state home, asynchronously                                 (Pager.batches)

@@ -6,8 +6,9 @@ machine, a wait for the slowest thread) and the Python around the call; one call
 The bucket's non-finite gradient check is in the same call: each gradient that the optimizer left to the pipelined
 check (``finite[i] is None``, :class:`~lowmemopt.pipeline.finite.CpuFiniteChecks`) is scanned just before its own
 update, which then reads it from the cache the scan filled (all but the largest gradients), and a parameter whose
-gradient is not finite is left as it was. Its step count advances before the call (the kernel's bias corrections
-read it) and is put back after a skip; state made by this step is dropped again, as the host-side check leaves it.
+gradient is not finite is left as it was: its step count advances before the call (the kernel's bias corrections
+read it) and is put back after a skip. A parameter without state yet is checked before its state is made (a skip
+makes none, as the up-front check leaves it).
 
 What the kernels do not take (GaLore groups, DTensor shards, non-contiguous tensors, tensor hyper-parameters, formats
 without a fused kernel) goes on to the per-parameter path, in order.
@@ -53,6 +54,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     rest: Todo = []
     batch, taken = [], []
     kwargs_memo: dict[tuple[int, int], dict[str, Any]] = {}  # (group, step) -> the math's keyword arguments
+    memo: dict = {}  # what prepare derives from those alone (kept alive with them: ids stay unique)
     for i, p, group in todo:
         grad = p.grad
         if (p.device.type != "cpu" or group.get("rank") is not None or is_dtensor(p) or not p.is_contiguous()
@@ -66,6 +68,13 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         slots = algorithm.slots(group, p)
         fresh = "step" not in state
         if fresh:
+            if finite[i] is None:  # checked before its state is made (a skip makes none, and draws no seed)
+                finite[i] = cpu.grad_is_finite(grad)
+                if finite[i] is None:
+                    rest.append((i, p, group))
+                    continue
+                if not finite[i]:
+                    continue
             init_state(p, group, slots, state)
         else:
             capture.host_count(state)
@@ -79,23 +88,20 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         pflat, gflat = p.view(-1), grad.view(-1)
         decay = algorithm.decay_factor(group)
         args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay,
-                             scan=gflat if finite[i] is None else None)
+                             scan=gflat if finite[i] is None else None, memo=memo)
         if args is None or (finite[i] is None and args.scan is None):  # the per-parameter path takes it
             state["step"] -= 1
             rest.append((i, p, group))
             continue
         batch.append(args)
-        taken.append((i, p, group, state, slots, formats, step, decay, done, fresh))
+        taken.append((i, p, group, state, slots, formats, step, decay, done))
     if not batch:
         return rest
     stepped = step_many(name, batch)
-    for ok, (i, p, group, state, slots, formats, step, decay, done, fresh) in zip(stepped, taken):
+    for ok, (i, p, group, state, slots, formats, step, decay, done) in zip(stepped, taken):
         finite[i] = ok
-        if not ok:  # nothing of it was written
-            if fresh:
-                state.clear()
-            else:
-                state["step"] -= 1
+        if not ok:  # nothing of it was written (a fresh parameter was checked before)
+            state["step"] -= 1
         elif done < p.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
             update_rest(algorithm, p, p.view(-1), p.grad.view(-1), state, slots, formats, group, step, decay, done)
     return rest
