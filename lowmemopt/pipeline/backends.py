@@ -76,10 +76,11 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
 
 def update_rest(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                 state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
-                step: int, decay: float, start: int) -> None:
+                step: int, decay: float, start: int, reduce: Reduction = LOCAL) -> None:
     """Elements ``[start, numel)`` of an elementwise step through the eager reference: what a native kernel left (a
-    ragged last 8- / 4-bit block)."""
-    _step_eager(algorithm, p, pflat, gflat, state, slots, formats, group, step, decay, start)
+    ragged last 8- / 4-bit block). ``reduce``: a shard's (its stochastic rounding hashes indices in the whole
+    parameter)."""
+    _step_eager(algorithm, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
 
 
 def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,

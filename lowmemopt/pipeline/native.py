@@ -10,8 +10,9 @@ gradient is not finite is left as it was: its step count advances before the cal
 read it) and is put back after a skip. A parameter without state yet is checked before its state is made (a skip
 makes none, as the up-front check leaves it).
 
-What the kernels do not take (GaLore groups, DTensor shards, non-contiguous tensors, tensor hyper-parameters, formats
-without a fused kernel) goes on to the per-parameter path, in order.
+An FSDP2 parameter (a DTensor; with ``CPUOffloadPolicy`` its shard is on the CPU) steps its local shard, as on the
+per-parameter path. What the kernels do not take (GaLore groups, non-contiguous tensors, tensor hyper-parameters,
+formats without a fused kernel) goes on to the per-parameter path, in order.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .. import cpu
-from ..distributed.sharding import is_dtensor
+from .. import cpu, rounding
+from ..distributed.sharding import local_view
 from ..quant.formats import format_of
 from ..work import capture
 from .backends import init_state, update_rest
@@ -57,17 +58,20 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     memo: dict = {}  # what prepare derives from those alone (kept alive with them: ids stay unique)
     for i, p, group in todo:
         grad = p.grad
-        if (p.device.type != "cpu" or group.get("rank") is not None or is_dtensor(p) or not p.is_contiguous()
-                or grad is None or not grad.is_contiguous() or grad.shape != p.shape):
+        if p.device.type != "cpu" or group.get("rank") is not None or grad is None:
+            rest.append((i, p, group))
+            continue
+        numel = p.numel()  # a DTensor's whole size: it picks the state format
+        local, grad, reduce = local_view(p, grad)  # a DTensor (FSDP2) steps its local shard
+        if not (local.is_contiguous() and grad.is_contiguous() and grad.shape == local.shape):
             rest.append((i, p, group))
             continue
         state = states[p]
         if "galore.side" in state:
             rest.append((i, p, group))
             continue
-        slots = algorithm.slots(group, p)
-        fresh = "step" not in state
-        if fresh:
+        slots = algorithm.slots(group, local)
+        if "step" not in state:
             if finite[i] is None:  # checked before its state is made (a skip makes none, and draws no seed)
                 finite[i] = cpu.grad_is_finite(grad)
                 if finite[i] is None:
@@ -75,9 +79,11 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
                     continue
                 if not finite[i]:
                     continue
-            init_state(p, group, slots, state)
+            init_state(local, group, slots, state, numel=numel, reduce=reduce)
         else:
             capture.host_count(state)
+            if reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
+                rounding.init_state(state, local, group, reduce.agree)
         state["step"] += 1
         step = state["step"]
         key = (id(group), step)
@@ -85,23 +91,25 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         if kw is None:
             kw = kwargs_memo[key] = algorithm.math_kwargs(group, step)
         formats = {k: format_of(state, k) for k in slots}
-        pflat, gflat = p.view(-1), grad.view(-1)
+        pflat, gflat = local.view(-1), grad.view(-1)
         decay = algorithm.decay_factor(group)
         args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay,
-                             scan=gflat if finite[i] is None else None, memo=memo)
+                             scan=gflat if finite[i] is None else None,
+                             index_base=reduce.flat_offset() if reduce.distributed else 0, memo=memo)
         if args is None or (finite[i] is None and args.scan is None):  # the per-parameter path takes it
             state["step"] -= 1
             rest.append((i, p, group))
             continue
         batch.append(args)
-        taken.append((i, p, group, state, slots, formats, step, decay, done))
+        taken.append((i, local, gflat, group, state, slots, formats, step, decay, done, reduce))
     if not batch:
         return rest
     stepped = step_many(name, batch)
-    for ok, (i, p, group, state, slots, formats, step, decay, done) in zip(stepped, taken):
+    for ok, (i, local, gflat, group, state, slots, formats, step, decay, done, reduce) in zip(stepped, taken):
         finite[i] = ok
         if not ok:  # nothing of it was written (a fresh parameter was checked before)
             state["step"] -= 1
-        elif done < p.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
-            update_rest(algorithm, p, p.view(-1), p.grad.view(-1), state, slots, formats, group, step, decay, done)
+        elif done < local.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
+            update_rest(algorithm, local, local.view(-1), gflat, state, slots, formats, group, step, decay, done,
+                        reduce)
     return rest
