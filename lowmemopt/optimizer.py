@@ -82,8 +82,8 @@ from .distributed.sharding import (
 )
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
-from .pipeline.finite import CpuFiniteChecks, DeviceFlags, host_flags
-from .pipeline.plan import Plan, StepRecord
+from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
+from .pipeline.plan import Plan, StepRecord, inv_scale
 from .projection import step as galore
 from .projection.projector import projector_problem, split_projector_state
 from .quant.convert import CheckpointError, check_group, convert_param_state
@@ -132,6 +132,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     #: the algorithm the pipeline runs for this class: slots, fp32 math, step scalars, decay rules
     algorithm: Algorithm | None = None
+    #: ``torch.amp.GradScaler`` hands ``step()`` the scale and its Inf check (``grad_scale``, ``found_inf``) instead of
+    #: unscaling the gradients itself and reading ``found_inf`` on the host (the module docstring, "Loss scaling")
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -178,8 +181,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         otherwise load 8-bit codes cast to the parameter's dtype."""
         self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
+        self._pending_skip: PendingSkip | None = None  # a loss-scaled step's skip, read at the next step
         if "_record" not in self.__dict__:  # (kept by a copy: its refresh failures so far)
             self._record = StepRecord(owner=type(self).__name__)  # what steps report (GaLore refresh failures)
+        self.register_state_dict_pre_hook(_state_dict_pre_hook)
         self.register_state_dict_post_hook(_state_dict_post_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
@@ -217,11 +222,26 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return galore.init_projected_state(self._plan(), p, group)
         return self._init_state(p, group, self._slots(group, p))
 
-    def _plan(self) -> Plan:
+    def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Plan:
         """The plan handed to the step pipeline: the algorithm, the state dict, the param groups, the fused backend's
-        name and the GaLore stage (:mod:`lowmemopt.pipeline.plan`)."""
+        name and the GaLore stage (:mod:`lowmemopt.pipeline.plan`); a loss-scaled step's gradient multiplier and
+        ``found_inf``."""
         alg = self.algorithm
-        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore)
+        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore, grad_mult, found_inf)
+
+    def _amp_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(gradient multiplier, found_inf)`` that ``torch.amp.GradScaler.step`` set on this optimizer for this
+        step (``grad_scale``: the scale, None once ``unscale_`` ran; ``found_inf``: float, nonzero where a gradient had
+        an Inf / NaN), or Nones. The multiplier is ``unscale_``'s own: ``grad_scale.double().reciprocal().float()``."""
+        grad_scale = getattr(self, "grad_scale", None)
+        return (None if grad_scale is None else inv_scale(grad_scale)), getattr(self, "found_inf", None)
+
+    def _resolve_pending(self) -> None:
+        """Settle the previous loss-scaled step's skip (:class:`~lowmemopt.pipeline.finite.PendingSkip`)."""
+        pending = self.__dict__.get("_pending_skip")
+        if pending is not None:
+            self._pending_skip = None
+            pending.resolve()
 
     @property
     def galore_refresh_failures(self) -> int:
@@ -232,6 +252,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
     # -- param groups ----------------------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
+        self._resolve_pending()
         state = super().__getstate__()  # (pickling, deepcopy: torch's keys, and what ours cannot be rebuilt without)
         state.update(_nonfinite_skips=self.nonfinite_skips, _default_block_size=self._default_block_size,
                      _record=self._record)
@@ -276,7 +297,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step (optionally re-evaluating the loss with ``closure``)."""
+        """Perform one optimization step (optionally re-evaluating the loss with ``closure``). Under
+        ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls it with ``grad_scale`` and ``found_inf`` set (the
+        module docstring, "Loss scaling")."""
+        self._resolve_pending()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -295,14 +319,20 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 groups.append(group)
         if not work:
             return loss
-        work = self.algorithm.step_work(work)  # (values of the whole step, e.g. a global gradient norm)
+        mult, found_inf = self._amp_inputs()
+        if found_inf is not None and found_inf.device.type == "cpu" and found_inf.reshape(-1).tolist()[0] != 0:
+            return loss  # the scaler found an Inf / NaN: skip the step (on the host: nothing to wait for)
+        work = self.algorithm.step_work(work, mult)  # (values of the whole step, e.g. a global gradient norm)
         if self._capturable(work, groups):
-            return self._capturable_step(work, groups, loss)
+            return self._capturable_step(work, groups, loss, mult, found_inf)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
             pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
-        plan = self._plan()
+        plan = self._plan(mult, found_inf)
         grads = [local_tensor(p.grad) for p, _ in work]
+        if found_inf is not None:
+            self._scaled_step(plan, work, grads, pager, found_inf)
+            return loss
         # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
         # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks).
         pipe = None
@@ -375,10 +405,32 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
         return True
 
-    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any) -> Any:
+    def _scaled_step(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
+                     found_inf: torch.Tensor) -> None:
+        """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (not set on the host: a CPU one was read in
+        :meth:`step`). The scaler checked every gradient already, so there is no check of the optimizer's own: the
+        kernels read ``found_inf`` on the device and store nothing when it is set, and the host reads it at the next
+        step (:class:`~lowmemopt.pipeline.finite.PendingSkip`) to restore the step counts. Where the kernels cannot
+        decide it on the device (per-tensor backends, state that moves, several devices) it is read now."""
+        todo = [(i, p, group) for i, (p, group) in enumerate(work)]
+        finite: list[bool | None] = [True] * len(work)
+        flags = None
+        if found_inf.device.type != "cpu" and DEFER_FINITE_CHECK:
+            flags = pipeline.device_flags(plan, work, grads, pager, None, found_inf)
+        if flags is None:
+            if found_inf.device.type != "cpu" and found_inf.reshape(-1).tolist()[0] != 0:  # (a synchronization)
+                return
+            pipeline.run(plan, todo, finite, grads, None, pager)
+            return
+        pipeline.run(plan, todo, finite, grads, None, pager, flags)
+        self._pending_skip = flags.deferred()
+
+    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any,
+                         mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Any:
         """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`): the non-finite check,
         the step counts and the step's scalars stay there, and skips are counted in a device tensor, not warned
-        about. ``groups``: those of ``work``."""
+        about. ``groups``: those of ``work``. Under loss scaling (``mult``, ``found_inf``) the scaler's flag replaces
+        the check and a skipped step is not counted (as ``unscale_`` + ``step()``, which skip the call)."""
         grads = [local_tensor(p.grad) for p, _ in work]
         device = grads[0].device
         if capture.capturing(device):
@@ -390,9 +442,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                   "fills it in place) to change it between replays", RuntimeWarning,
                                   stacklevel=external_stacklevel())
                     break
-        flags = DeviceFlags([p for p, _ in work], grads)
-        pipeline.run(self._plan(), [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work), grads,
-                     None, None, flags, device_steps=True)
+        params = [p for p, _ in work]
+        if found_inf is not None:
+            flags = DeviceFlags.from_found_inf(params, found_inf.to(device, non_blocking=True))
+        else:
+            flags = DeviceFlags(params, grads)
+        pipeline.run(self._plan(mult, found_inf), [(i, p, group) for i, (p, group) in enumerate(work)],
+                     [True] * len(work), grads, None, None, flags, device_steps=True)
+        if found_inf is not None:
+            return loss
         skipped = (flags.tensor == 0).sum()
         if self._device_skips is None or self._device_skips.device != skipped.device:
             if self._device_skips is not None:  # (moved to another device: fold the old count in, once)
@@ -448,6 +506,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
 # helpers
 
 
+def _state_dict_pre_hook(optimizer: LowMemOptimizer) -> None:
+    optimizer._resolve_pending()  # (a skipped loss-scaled step's counts restored first)
+
+
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state_dict["lowmemopt_format"] = FORMAT_VERSION
     paging.detach_files(optimizer, state_dict)  # copies, not views of state files that the next step rewrites
@@ -466,6 +528,7 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     """Set the state's tensors aside (torch would cast them to the param dtype), converted to this optimizer's formats.
 
     Runs before torch changes anything: a state that cannot be converted raises and leaves the optimizer as it was."""
+    optimizer._resolve_pending()
     optimizer._load_stash = None
     version = state_dict.get("lowmemopt_format", FORMAT_VERSION)
     if version not in READABLE_FORMATS:
