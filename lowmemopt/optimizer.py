@@ -34,11 +34,23 @@ between host and device and nothing sharded: the skip is decided on the device (
 kernels read the flags), and the host reads the flags only after every launch, so the GPU never waits for the host to
 build the step.
 
+Loss scaling (``torch.amp.GradScaler``): ``_step_supports_amp_scaling = True``, so ``scaler.step(opt)`` sets
+``opt.grad_scale`` (the scale; None after ``scaler.unscale_(opt)``) and ``opt.found_inf`` (1.0 where a gradient had an
+Inf / NaN) and calls ``step()`` instead of unscaling the gradients in a separate pass and reading ``found_inf`` on the
+host. The plan carries ``grad_scale.double().reciprocal().float()`` (``unscale_``'s multiplier) and ``found_inf``;
+every backend multiplies ``g`` by it as it loads it, rounded to ``g``'s dtype as ``unscale_`` stores it (the Triton
+buckets: one fused in-place unscale with ``unscale_``'s own operation first), so a step equals ``unscale_`` +
+``step()`` bit for bit. The optimizer's own non-finite check is not run (the scaler checked every gradient). A set
+``found_inf`` skips the step: on the CPU it is read directly; on a device the Triton kernels read it (the launches
+masked as by :class:`~lowmemopt.pipeline.finite.DeviceFlags`) and the host restores the step counts at the next step
+(:class:`~lowmemopt.pipeline.finite.PendingSkip`: a non-blocking copy to pinned memory and an event), elsewhere it is
+read before the step. Skipped steps are not counted in :attr:`nonfinite_skips`. fp16 gradients are accepted. The
+1-bit optimizers (:mod:`lowmemopt.optim.onebit`) keep the generic path.
+
 torch.optim's keywords (drop-in): every optimizer also takes ``foreach`` and ``fused`` (None or a bool, not both
 True: torch's RuntimeError), for code written for ``torch.optim``. They choose nothing here: the fused kernels run
 wherever the device has one (Triton on CUDA, native C on CPU) and the eager reference elsewhere, with the same results,
-so neither is stored in the param groups (nor sets ``_step_supports_amp_scaling``: ``torch.amp.GradScaler`` unscales
-before ``step()``). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
+so neither is stored in the param groups (``_step_supports_amp_scaling`` is always set: see "Loss scaling" below). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
 parameters and quantized state in place under ``no_grad``); ``capturable`` is a storage keyword (above). As in torch,
 ``lr`` may be a Tensor of one element in any shape (held as its 0-dim view, which an in-place scheduler update
 reaches; one set on a group later is viewed so before the step), and ``betas`` (and ``weight_decay``) one-element Tensors, read once as Python numbers
@@ -320,7 +332,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if not work:
             return loss
         mult, found_inf = self._amp_inputs()
-        if found_inf is not None and found_inf.device.type == "cpu" and found_inf.reshape(-1).tolist()[0] != 0:
+        if (found_inf is not None and found_inf.device.type == "cpu" and not pipeline.triton_usable({found_inf.device})
+                and found_inf.reshape(-1).tolist()[0] != 0):
             return loss  # the scaler found an Inf / NaN: skip the step (on the host: nothing to wait for)
         work = self.algorithm.step_work(work, mult)  # (values of the whole step, e.g. a global gradient norm)
         if self._capturable(work, groups):
@@ -407,18 +420,16 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _scaled_step(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
                      found_inf: torch.Tensor) -> None:
-        """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (not set on the host: a CPU one was read in
-        :meth:`step`). The scaler checked every gradient already, so there is no check of the optimizer's own: the
+        """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (a set one on the CPU was read in :meth:`step`,
+        unless the Triton kernels take CPU tensors: the interpreter). The scaler checked every gradient already, so there is no check of the optimizer's own: the
         kernels read ``found_inf`` on the device and store nothing when it is set, and the host reads it at the next
         step (:class:`~lowmemopt.pipeline.finite.PendingSkip`) to restore the step counts. Where the kernels cannot
         decide it on the device (per-tensor backends, state that moves, several devices) it is read now."""
         todo = [(i, p, group) for i, (p, group) in enumerate(work)]
         finite: list[bool | None] = [True] * len(work)
-        flags = None
-        if found_inf.device.type != "cpu" and DEFER_FINITE_CHECK:
-            flags = pipeline.device_flags(plan, work, grads, pager, None, found_inf)
+        flags = pipeline.device_flags(plan, work, grads, pager, None, found_inf) if DEFER_FINITE_CHECK else None
         if flags is None:
-            if found_inf.device.type != "cpu" and found_inf.reshape(-1).tolist()[0] != 0:  # (a synchronization)
+            if found_inf.reshape(-1).tolist()[0] != 0:  # (a device's: a synchronization; a CPU one is read directly)
                 return
             pipeline.run(plan, todo, finite, grads, None, pager)
             return
