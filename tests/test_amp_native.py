@@ -28,11 +28,11 @@ INF_STEPS = {1: 0, 3: 2}  # step -> the parameter whose gradient gets an Inf
 
 
 def _run(cls, kw, bits, dtype, native: bool, shapes=SHAPES, unscale_first=False, interpret=False,
-         count=None, **extra):
+         count=None, groups=None, **extra):
     """``STEPS`` GradScaler steps (scale 2^12, growing every 2 clean steps, halved on an Inf)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
-    opt = cls(params, state_bits=bits, min_quant_numel=0, block_size=32, **kw, **extra)
+    opt = cls(params if groups is None else groups(params), state_bits=bits, min_quant_numel=0, block_size=32, **kw, **extra)
     if not native:
         opt._step_supports_amp_scaling = False  # GradScaler's generic path: unscale_, then step() unless Inf
     if count is not None:
@@ -135,6 +135,36 @@ def test_fp16_gradients_take_the_native_path():
         if clean == 2:
             scale, clean = scale * 2, 0
     _assert_same(params, opt, ref, ropt)
+
+
+def _galore(params):
+    return [dict(params=params[:2], rank=8, update_proj_gap=2, scale=0.25, proj_type="std"), dict(params=params[2:])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_galore(dtype):
+    """GaLore (CPU): the basis refresh and the projection see the unscaled gradient, as after ``unscale_``."""
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    shapes = [(64, 48), (40, 24), (37,)]
+    _assert_same(*_run(lowmemopt.AdamW, kw, 32, dtype, True, shapes, groups=_galore),
+                 *_run(lowmemopt.AdamW, kw, 32, dtype, False, shapes, groups=_galore))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [32, 8])
+def test_compiled_path(bits, monkeypatch):
+    """The ``torch.compile`` chunk path (native kernels off): the multiplier is a graph input, one graph per step."""
+    from lowmemopt import compiled, cpu
+
+    monkeypatch.setattr(cpu, "ENABLED", False)
+    monkeypatch.setattr(compiled, "MIN_NUMEL", 0)
+    calls = []
+    real = compiled.step_rows
+    monkeypatch.setattr(compiled, "step_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for dtype in (torch.float32, torch.bfloat16):
+        _assert_same(*_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, True, [(64, 64)]),
+                     *_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, False, [(64, 64)]))
+    assert calls and compiled.ENABLED
 
 
 class _Syncs:
