@@ -38,9 +38,9 @@ Loss scaling (``torch.amp.GradScaler``): ``_step_supports_amp_scaling = True``, 
 ``opt.grad_scale`` (the scale; None after ``scaler.unscale_(opt)``) and ``opt.found_inf`` (1.0 where a gradient had an
 Inf / NaN) and calls ``step()`` instead of unscaling the gradients in a separate pass and reading ``found_inf`` on the
 host. The plan carries ``grad_scale.double().reciprocal().float()`` (``unscale_``'s multiplier) and ``found_inf``;
-every backend multiplies ``g`` by it as it loads it, rounded to ``g``'s dtype as ``unscale_`` stores it (the Triton
-buckets: one fused in-place unscale with ``unscale_``'s own operation first), so a step equals ``unscale_`` +
-``step()`` bit for bit. The optimizer's own non-finite check is not run (the scaler checked every gradient). A set
+every backend multiplies ``g`` by it as it loads it (the Triton kernels read it through a pointer, the native CPU
+kernels as a scalar argument, the compiled path as a graph input), rounded to ``g``'s dtype as ``unscale_`` stores
+it, so a step equals ``unscale_`` + ``step()`` bit for bit. The optimizer's own non-finite check is not run (the scaler checked every gradient). A set
 ``found_inf`` skips the step: on the CPU it is read directly; on a device the Triton kernels read it (the launches
 masked as by :class:`~lowmemopt.pipeline.finite.DeviceFlags`) and the host restores the step counts at the next step
 (:class:`~lowmemopt.pipeline.finite.PendingSkip`: a non-blocking copy to pinned memory and an event), elsewhere it is

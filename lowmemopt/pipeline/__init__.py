@@ -128,9 +128,9 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     if group.get("rank") is not None or "galore.side" in state:
         plan.galore.step_projected(plan, p, grad, group)
         return None
-    mult = plan.mult_of(p, local_view(p, grad)[1]) if plan.grad_mult is not None else None
     numel = p.numel()  # a DTensor's whole size: it picks the state format
     p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
+    mult = None if plan.grad_mult is None else plan.mult(grad.device)  # loss scaling: applied as g is loaded
     slots = plan.algorithm.slots(group, p)
     if "step" not in state:
         state = init_state(p, group, slots, state, numel=numel, reduce=reduce)
@@ -247,9 +247,9 @@ def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = 
         return Update(name, algorithm.math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
                       it.group["block_size"], step if device_steps else None)
 
-    if plain and plan.grad_mult is not None:  # loss scaling: the kernels load the gradients unscaled
-        plan.unscale_in_place([it.param for it in plain], [it.grad for it in plain])
-    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps)
+    mult = None if plan.grad_mult is None else plan.mult  # loss scaling: the kernels apply it as they load gradients
+    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps,
+                      mult)
     finished: set[int] = set()
     for it in left:
         if not it.projected:

@@ -70,30 +70,6 @@ class Plan:
     grad_mult: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     _mults: dict = field(default_factory=dict)
-    #: ids of parameters whose gradients this step unscaled in place (the Triton buckets: :func:`unscale_in_place`)
-    unscaled_ids: set = field(default_factory=set)
-
-    def mult_of(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
-        """The multiplier for ``p``'s gradient ``grad`` as a per-tensor backend loads it: None where there is none or
-        it was applied already (:meth:`unscale_in_place`)."""
-        if self.grad_mult is None or id(p) in self.unscaled_ids:
-            return None
-        return self.mult(grad.device)
-
-    def unscale_in_place(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """Multiply ``grads`` (of ``params``) by ``grad_mult`` in place with ``unscale_``'s own fused operation (one
-        pass per device and dtype, nothing read back), for backends that do not load the gradient through the
-        multiplier (the Triton kernels); later stages then see them unscaled (:meth:`mult_of`)."""
-        if self.grad_mult is None:
-            return
-        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if id(p) not in self.unscaled_ids:
-                kinds.setdefault((g.device, g.dtype), []).append(i)
-        for (device, _), members in kinds.items():
-            scratch = torch.zeros(1, dtype=torch.float32, device=device)  # its own Inf check: not needed
-            torch._amp_foreach_non_finite_check_and_unscale_([grads[i] for i in members], scratch, self.mult(device))
-            self.unscaled_ids.update(id(params[i]) for i in members)
 
     def mult(self, device: torch.device) -> torch.Tensor | None:
         """``grad_mult`` on ``device`` (a non-blocking copy, made once per step and device), or None."""
@@ -103,16 +79,4 @@ class Plan:
         out = self._mults.get(device)
         if out is None:
             out = self._mults[device] = m.to(device, non_blocking=True)
-        return out
-
-    def host_mult(self) -> float | None:
-        """``grad_mult``'s value as a Python float for the native CPU kernels (read directly off a CPU tensor; a
-        device's value is read once per step), or None."""
-        m = self.grad_mult
-        if m is None:
-            return None
-        key = ("host",)
-        out = self._mults.get(key)
-        if out is None:
-            out = self._mults[key] = m.cpu().tolist() if m.device.type != "cpu" else m.tolist()
         return out
