@@ -39,18 +39,19 @@ Loss scaling (``torch.amp.GradScaler``): ``_step_supports_amp_scaling = True``, 
 Inf / NaN) and calls ``step()`` instead of unscaling the gradients in a separate pass and reading ``found_inf`` on the
 host. The plan carries ``grad_scale.double().reciprocal().float()`` (``unscale_``'s multiplier) and ``found_inf``;
 every backend multiplies ``g`` by it as it loads it (the Triton kernels read it through a pointer, the native CPU
-kernels as a scalar argument, the compiled path as a graph input), rounded to ``g``'s dtype as ``unscale_`` stores
-it, so a step equals ``unscale_`` + ``step()`` bit for bit. The optimizer's own non-finite check is not run (the scaler checked every gradient). A set
-``found_inf`` skips the step: on the CPU it is read directly; on a device the Triton kernels read it (the launches
-masked as by :class:`~lowmemopt.pipeline.finite.DeviceFlags`) and the host restores the step counts at the next step
-(:class:`~lowmemopt.pipeline.finite.PendingSkip`: a non-blocking copy to pinned memory and an event), elsewhere it is
-read before the step. Skipped steps are not counted in :attr:`nonfinite_skips`. fp16 gradients are accepted. The
-1-bit optimizers (:mod:`lowmemopt.optim.onebit`) keep the generic path.
+kernels as a scalar argument, the compiled path as a graph input), rounded to ``g``'s dtype as ``unscale_`` stores it,
+so a step equals ``unscale_`` + ``step()`` bit for bit. The optimizer's own non-finite check is not run (the scaler
+checked every gradient). A set ``found_inf`` skips the step: on the CPU it is read directly; on a device the Triton
+kernels read it (the launches masked as by :class:`~lowmemopt.pipeline.finite.DeviceFlags`) and the host restores the
+step counts at the next step (:class:`~lowmemopt.pipeline.finite.PendingSkip`: a non-blocking copy to pinned memory and
+an event), elsewhere it is read before the step. Skipped steps are not counted in :attr:`nonfinite_skips`. fp16
+gradients are accepted. The 1-bit optimizers (:mod:`lowmemopt.optim.onebit`) keep the generic path.
 
 torch.optim's keywords (drop-in): every optimizer also takes ``foreach`` and ``fused`` (None or a bool, not both
 True: torch's RuntimeError), for code written for ``torch.optim``. They choose nothing here: the fused kernels run
 wherever the device has one (Triton on CUDA, native C on CPU) and the eager reference elsewhere, with the same results,
-so neither is stored in the param groups (``_step_supports_amp_scaling`` is always set: see "Loss scaling" below). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
+so neither is stored in the param groups (nor do they change ``_step_supports_amp_scaling``: see "Loss scaling"
+above). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
 parameters and quantized state in place under ``no_grad``); ``capturable`` is a storage keyword (above). As in torch,
 ``lr`` may be a Tensor of one element in any shape (held as its 0-dim view, which an in-place scheduler update
 reaches; one set on a group later is viewed so before the step), and ``betas`` (and ``weight_decay``) one-element Tensors, read once as Python numbers
@@ -335,7 +336,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if (found_inf is not None and found_inf.device.type == "cpu" and not pipeline.triton_usable({found_inf.device})
                 and found_inf.reshape(-1).tolist()[0] != 0):
             return loss  # the scaler found an Inf / NaN: skip the step (on the host: nothing to wait for)
-        work = self.algorithm.step_work(work, mult)  # (values of the whole step, e.g. a global gradient norm)
+        # (values of the whole step, e.g. a global gradient norm; of the unscaled gradients under loss scaling)
+        work = self.algorithm.step_work(work) if mult is None else self.algorithm.step_work(work, mult)
         if self._capturable(work, groups):
             return self._capturable_step(work, groups, loss, mult, found_inf)
         pager = paging.pager_of(self)  # None unless a param group is paged
@@ -421,7 +423,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def _scaled_step(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
                      found_inf: torch.Tensor) -> None:
         """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (a set one on the CPU was read in :meth:`step`,
-        unless the Triton kernels take CPU tensors: the interpreter). The scaler checked every gradient already, so there is no check of the optimizer's own: the
+        unless the Triton kernels take CPU tensors: the interpreter). The scaler checked every gradient already, so
+        there is no check of the optimizer's own: the
         kernels read ``found_inf`` on the device and store nothing when it is set, and the host reads it at the next
         step (:class:`~lowmemopt.pipeline.finite.PendingSkip`) to restore the step counts. Where the kernels cannot
         decide it on the device (per-tensor backends, state that moves, several devices) it is read now."""
