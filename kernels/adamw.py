@@ -50,9 +50,9 @@ def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
                w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr):
+               MASKED: tl.constexpr, COLS: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
     if AMSGRAD:
@@ -74,7 +74,8 @@ def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
+                 gmul=None, G_MULT: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: each tensor's (step size, bias correction, decay) from the device
         step_size = tensor_scalar(scal, t, 3, 0)
@@ -83,11 +84,11 @@ def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
     if full:
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, UPDATE, W, False, COLS)
+                   L2_DECAY, UPDATE, W, False, COLS, gmul=gmul, G_MULT=G_MULT)
     else:
         _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
                    weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, UPDATE, W, True, COLS)
+                   L2_DECAY, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
 
 
 def slots(group: dict) -> tuple[str, ...]:

@@ -387,9 +387,14 @@ def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASK
 
 
 @triton.jit
-def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
-    """The gradient (column 1) as fp32."""
-    return ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
+def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, gmul=None,
+              G_MULT: tl.constexpr = False):
+    """The gradient (column 1) as fp32. ``G_MULT``: loss scaling (``torch.amp.GradScaler``'s native path), times the
+    fp32 multiplier at ``gmul`` (read on the device) and rounded to the gradient's dtype, as ``unscale_`` stores it."""
+    g = ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
+    if G_MULT:
+        g = (g * tl.load(gmul)).to(DTYPE).to(tl.float32)
+    return g
 
 
 @triton.jit

@@ -51,7 +51,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, Any], Update],
-               flags: torch.Tensor | None = None, device_steps: bool = False) -> list[Item]:
+               flags: torch.Tensor | None = None, device_steps: bool = False,
+               grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
     """Step what the kernels can of ``items`` (all of one optimizer, running ``algorithm``); return the rest.
     ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket. ``flags``: the step's gradient
     finiteness on the device (uint8, :mod:`lowmemopt.pipeline.finite`); an item with a ``flag`` row is stepped only
@@ -59,7 +60,9 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
 
     ``device_steps`` (a capturable step, :mod:`lowmemopt.work.capture`): the step counts are tensors on the
     device, ``update_for`` gets each bucket's steps as an fp64 ``[T]`` tensor, and the counts advance on the device by
-    the flags. Nothing may be left to the per-tensor backends (they need the host's counts and flags): an item no
+    the flags. ``grad_mult``: loss scaling, device -> the gradients' multiplier there (fp32), which the kernels of
+    the full-rank items read where they load a gradient (GaLore items' low-rank gradients are unscaled already).
+    Nothing may be left to the per-tensor backends (they need the host's counts and flags): an item no
     kernel takes raises ValueError before anything is launched, and a failed launch raises."""
     if not items or not _usable({it.target.device for it in items}):
         if device_steps and items:
@@ -106,6 +109,8 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
                         kernel.fmt, update.block_size, index_bases=[it.index_base for it in members])
         if key[-1]:  # GaLore stand-ins: the full weights' statistics, read in place of the stand-ins'
             bucket.weights = torch.stack([it.weight for it in members])
+        if grad_mult is not None and not members[0].projected:
+            bucket.grad_mult = grad_mult(bucket.device)
         if flags is not None and members[0].flag is not None:  # device-side finiteness (pipeline.finite)
             bucket.flags, bucket.flag_rows = flags, [it.flag for it in members]
         try:

@@ -184,14 +184,14 @@ def _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask):
 def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums,
                   eps, beta1, one_minus_beta1, clip_threshold,
                   W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
-                  TR: tl.constexpr, BC: tl.constexpr, RESIDUAL: tl.constexpr):
+                  TR: tl.constexpr, BC: tl.constexpr, RESIDUAL: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
     """Pass 1 (2-D tiles of one matrix of the batch): row and column sums of ``x`` into ``rsum`` / ``csum``; ``x =
     g^2 + eps`` or, with ``RESIDUAL`` (CAME's direct instability pass, where fp64 is slow), ``(u - m')^2 + eps`` for
     the clipped ``u`` and the new ``m'``."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
-    g = load_grad(row, offs, mask, G_DTYPE, False, True)
+    g = load_grad(row, offs, mask, G_DTYPE, False, True, gmul, G_MULT)
     if RESIDUAL:
         u = _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask)
         u = tl.math.div_rn(u, clip_denominator(sums, t, tl.load(row + 2), clip_threshold))
@@ -208,7 +208,7 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
 @triton.jit
 def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, rmom, cmom,
                     W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
-                    TR: tl.constexpr, BC: tl.constexpr):
+                    TR: tl.constexpr, BC: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
     """CAME's pass 3 (2-D tiles): ``u = rfac cfac g`` (the preconditioned gradient, before the clip) and the old
     first moment ``m``: ``sum(u^2)`` per tensor (the clip's RMS, ``sums[2t + 1]``) and the row and column sums of
     ``u^2``, ``u m`` and ``m^2`` in fp64 (``rmom[3 i + k]``, ``cmom[3 j + k]``), from which :func:`_residual_sum`
@@ -217,7 +217,7 @@ def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
-    g = load_grad(row, offs, mask, G_DTYPE, False, True)
+    g = load_grad(row, offs, mask, G_DTYPE, False, True, gmul, G_MULT)
     u = tl.where(mask, _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask), 0.0).to(tl.float64)
     m = load_slot_at(row, _M, offs, mask, book_s, True, QBLOCK, FMT).to(tl.float64)  # 0 where masked
     uu = u * u
@@ -315,8 +315,8 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
 def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
                 FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                 BLOCK: tl.constexpr, FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr,
-                MASKED: tl.constexpr):
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+                MASKED: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if FACTORED:
         rows, wrap, after, cols = factor_coords(row, offs, blocks, bmask, BLOCK, WIDE)
         u = factored_precondition(g, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE)
@@ -336,7 +336,7 @@ def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, 
                   W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                   ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr, scal=None,
-                  DEVICE_SCALARS: tl.constexpr = False):
+                  DEVICE_SCALARS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
     """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if DEVICE_SCALARS:  # a capturable step: this tensor's (beta2, 1 - beta2), columns 2, 3 of _launch's scal
@@ -344,10 +344,10 @@ def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, 
         one_minus_beta2 = tensor_scalar(scal, t, 4, 3)
     if full:
         _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
-                    P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, False)
+                    P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, False, gmul=gmul, G_MULT=G_MULT)
     else:
         _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
-                    P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, True)
+                    P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, True, gmul=gmul, G_MULT=G_MULT)
 
 
 @triton.jit
@@ -356,9 +356,9 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
                 neg_wd_lr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                 BLOCK: tl.constexpr, FACTORED: tl.constexpr, WIDE: tl.constexpr, CAME: tl.constexpr,
                 HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr, DECAY: tl.constexpr, WEIGHT: tl.constexpr,
-                MASKED: tl.constexpr):
+                MASKED: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if FACTORED:
         rows, wrap, after, cols = factor_coords(row, offs, blocks, bmask, BLOCK, WIDE)
         u = factored_precondition(g, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE)
@@ -408,7 +408,7 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
                   ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   FACTORED: tl.constexpr, WIDE: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr,
                   SCALE_PARAM: tl.constexpr, DECAY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
-                  DEVICE_SCALARS: tl.constexpr = False):
+                  DEVICE_SCALARS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
     """Last pass (flat tiles): recompute u, clip, (m), update p; write p, m and (1-D) v.
 
     Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
@@ -424,12 +424,12 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
         _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
                     sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
                     neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, CAME, HAS_M, SCALE_PARAM, DECAY,
-                    WEIGHT, False)
+                    WEIGHT, False, gmul=gmul, G_MULT=G_MULT)
     else:
         _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
                     sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
                     neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, CAME, HAS_M, SCALE_PARAM, DECAY,
-                    WEIGHT, True)
+                    WEIGHT, True, gmul=gmul, G_MULT=G_MULT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

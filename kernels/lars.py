@@ -37,11 +37,11 @@ def lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM: tl.cons
 
 @triton.jit
 def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-                     WEIGHT: tl.constexpr, MASKED: tl.constexpr):
+                     WEIGHT: tl.constexpr, MASKED: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
     if not WEIGHT:
         p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
         tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     tl.atomic_add(sums + 2 * t + 1, tl.sum(tl.sum(g * g, axis=1), axis=0))
 
 
@@ -49,21 +49,22 @@ def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: t
 def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr,
-                       COLS: tl.constexpr = False):
+                       COLS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if full:
-        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, False)
+        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, False, gmul=gmul, G_MULT=G_MULT)
     else:
-        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, True)
+        _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, True, gmul=gmul, G_MULT=G_MULT)
 
 
 @triton.jit
 def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                      epsilon, first_step, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                      ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr,
-                     WEIGHT: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
+                     WEIGHT: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr,
+                     gmul=None, G_MULT: tl.constexpr = False):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if MOMENTUM:
         buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     else:
@@ -91,7 +92,8 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                        W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                        MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr, WEIGHT: tl.constexpr,
-                       scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+                       scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
+                       gmul=None, G_MULT: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor) from the device
         neg_lr = tensor_scalar(scal, t, 2, 0)
@@ -99,11 +101,11 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
     if full:
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                          epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, False,
-                         COLS)
+                         COLS, gmul=gmul, G_MULT=G_MULT)
     else:
         _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
                          epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, True,
-                         COLS)
+                         COLS, gmul=gmul, G_MULT=G_MULT)
 
 
 def slots(group: dict) -> tuple[str, ...]:

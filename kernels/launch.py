@@ -78,6 +78,9 @@ class Bucket:
     flag_rows: list[int] = field(default_factory=list)
     #: the flagged tables made so far (:func:`.table.flagged_table`): a bucket's passes share their rows
     flagged: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: loss scaling: the gradients' multiplier (fp32 on the device), passed to every kernel that loads a gradient
+    #: (``gmul``, ``G_MULT``: :func:`.codec.load_grad`)
+    grad_mult: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -168,6 +171,8 @@ class Bucket:
         table, units = self.tables(rows, counts)
         if writes:
             self.written = True
+        if self.grad_mult is not None and "G_MULT" in getattr(kernel, "arg_names", ()):
+            meta = dict(meta, gmul=self.grad_mult, G_MULT=True)
         # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
         kernel[(sum(counts),)](units, table, *maps(self.device, self.fmt), *args, W=len(rows[0]), **meta,
                                num_warps=runtime.tile_shape(self.device)[1], enable_fp_fusion=False)

@@ -28,9 +28,9 @@ def lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr):
 def _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr,
                decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
                UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr):
+               MASKED: tl.constexpr, COLS: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     m, delta = lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr)
     store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
@@ -42,17 +42,18 @@ def _lion_kernel(units, table, book_s, lut_s, book_u, lut_u,
                  beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr, decay,
                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False):
+                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
+                 gmul=None, G_MULT: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, decay) from the device
         neg_lr = tensor_scalar(scal, t, 2, 0)
         decay = tensor_scalar(scal, t, 2, 1)
     if full:
         _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, False, COLS)
+                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, False, COLS, gmul=gmul, G_MULT=G_MULT)
     else:
         _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True, COLS)
+                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
 
 
 def slots(group: dict) -> tuple[str, ...]:

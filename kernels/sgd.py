@@ -44,9 +44,10 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
               first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
               ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
               DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr, WD_AFTER: tl.constexpr, SIGN: tl.constexpr = False):
+               MASKED: tl.constexpr, COLS: tl.constexpr, WD_AFTER: tl.constexpr, SIGN: tl.constexpr = False,
+               gmul=None, G_MULT: tl.constexpr = False):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
-    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED)
+    g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if MOMENTUM:
         buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     else:
@@ -67,7 +68,7 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr,
                 scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
-                WD_AFTER: tl.constexpr = False, SIGN: tl.constexpr = False):
+                WD_AFTER: tl.constexpr = False, SIGN: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor, decay) from the device
         neg_lr = tensor_scalar(scal, t, 3, 0)
@@ -76,11 +77,11 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
     if full:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  False, COLS, WD_AFTER, SIGN)
+                  False, COLS, WD_AFTER, SIGN, gmul=gmul, G_MULT=G_MULT)
     else:
         _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
                   first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  True, COLS, WD_AFTER, SIGN)
+                  True, COLS, WD_AFTER, SIGN, gmul=gmul, G_MULT=G_MULT)
 
 
 def slots(group: dict) -> tuple[str, ...]:

@@ -65,9 +65,16 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return pairs[:, :, 0] | (pairs[:, :, 1] << 4)
 
 
-def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float) -> None:
-    """Phase 1: decode, math, write ``p``; dense slots are written back, q8 slots' new fp32 values go to scratch."""
+def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float,
+               mult: torch.Tensor | None = None) -> None:
+    """Phase 1: decode, math, write ``p``; dense slots are written back, q8 slots' new fp32 values go to scratch.
+    ``mult``: the loss scaling multiplier (a 0-dim fp32 tensor, a graph input), applied to ``g`` as GradScaler's
+    ``unscale_`` does: ``float(g) * mult`` rounded to ``g``'s dtype."""
     p32, g32 = p.float(), g.float()
+    if mult is not None:
+        g32 = g32 * mult
+        if g.dtype != torch.float32:
+            g32 = g32.to(g.dtype).float()
     state = {}
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
         if kind in QUANTIZED:
@@ -147,21 +154,23 @@ def _runtime_scalar(x: Any) -> Any:
 
 
 def step_rows(
-    math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict[str, Any], decay: float
+    math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict[str, Any], decay: float,
+    mult: torch.Tensor | None = None,
 ) -> bool:
     """Run one compiled chunk update: ``math(p, g, state, **kwargs)`` on rows of blocks, state decoded and encoded
     around it, then ``p = p * decay + delta``. ``slots``: (name, kind, signed, rows, absmax, book, table) per slot.
-    False if the compiled path is unavailable (the caller then runs eagerly)."""
+    False if the compiled path is unavailable (the caller then runs eagerly). ``mult``: the gradient's loss scaling
+    multiplier (a 0-dim fp32 tensor: a graph input, so a new scale compiles nothing), or None."""
     constants = tuple((k, _constant_key(v)) for k, v in sorted(kwargs.items())
                       if k not in RUNTIME_SCALARS and not isinstance(v, bool))  # (a flag's branch: a guard, as usual)
-    key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype, constants)
+    key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype, constants, mult is not None)
     kwargs = {k: _runtime_scalar(v) if k in RUNTIME_SCALARS else v for k, v in kwargs.items()}
     slots = tuple(s + (scratch_rows(i, p) if s[1] in QUANTIZED else None,) for i, s in enumerate(slots))
     for t in (p, g) + tuple(t for s in slots for t in (s[3], s[4], s[7]) if t is not None):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     run_math, run_encode = _kernel(key)
     try:
-        run_math(math, p, g, slots, kwargs, _runtime_scalar(decay))
+        run_math(math, p, g, slots, kwargs, _runtime_scalar(decay), mult)
     except Exception as exc:  # compile failures surface on the first call, before anything is written
         _disable(exc)
         return False

@@ -36,11 +36,24 @@ between host and device and nothing sharded: the skip is decided on the device (
 kernels read the flags), and the host reads the flags only after every launch, so the GPU never waits for the host to
 build the step.
 
+Loss scaling (``torch.amp.GradScaler``): ``_step_supports_amp_scaling = True``, so ``scaler.step(opt)`` sets
+``opt.grad_scale`` (the scale; None after ``scaler.unscale_(opt)``) and ``opt.found_inf`` (1.0 where a gradient had an
+Inf / NaN) and calls ``step()`` instead of unscaling the gradients in a separate pass and reading ``found_inf`` on the
+host. The plan carries ``grad_scale.double().reciprocal().float()`` (``unscale_``'s multiplier) and ``found_inf``;
+every backend multiplies ``g`` by it as it loads it (the Triton kernels read it through a pointer, the native CPU
+kernels as a scalar argument, the compiled path as a graph input), rounded to ``g``'s dtype as ``unscale_`` stores it,
+so a step equals ``unscale_`` + ``step()`` bit for bit. The optimizer's own non-finite check is not run (the scaler
+checked every gradient). A set ``found_inf`` skips the step: on the CPU it is read directly; on a device the Triton
+kernels read it (the launches masked as by :class:`~lowmemopt.pipeline.finite.DeviceFlags`) and the host restores the
+step counts at the next step (:class:`~lowmemopt.pipeline.finite.PendingSkip`: a non-blocking copy to pinned memory and
+an event), elsewhere it is read before the step. Skipped steps are not counted in :attr:`nonfinite_skips`. fp16
+gradients are accepted. The 1-bit optimizers (:mod:`lowmemopt.optim.onebit`) keep the generic path.
+
 torch.optim's keywords (drop-in): every optimizer also takes ``foreach`` and ``fused`` (None or a bool, not both
 True: torch's RuntimeError), for code written for ``torch.optim``. They choose nothing here: the fused kernels run
 wherever the device has one (Triton on CUDA, native C on CPU) and the eager reference elsewhere, with the same results,
-so neither is stored in the param groups (nor sets ``_step_supports_amp_scaling``: ``torch.amp.GradScaler`` unscales
-before ``step()``). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
+so neither is stored in the param groups (nor do they change ``_step_supports_amp_scaling``: see "Loss scaling"
+above). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
 parameters and quantized state in place under ``no_grad``); ``capturable`` is a storage keyword (above). As in torch,
 ``lr`` may be a Tensor of one element in any shape (held as its 0-dim view, which an in-place scheduler update
 reaches; one set on a group later is viewed so before the step), and ``betas`` (and ``weight_decay``) one-element Tensors, read once as Python numbers
@@ -84,8 +97,8 @@ from .distributed.sharding import (
 )
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
-from .pipeline.finite import CpuFiniteChecks, DeviceFlags, host_flags
-from .pipeline.plan import Plan, StepRecord
+from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
+from .pipeline.plan import Plan, StepRecord, inv_scale
 from .projection import step as galore
 from .projection.projector import projector_problem, split_projector_state
 from .quant.convert import CheckpointError, check_group, convert_param_state
@@ -134,6 +147,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     #: the algorithm the pipeline runs for this class: slots, fp32 math, step scalars, decay rules
     algorithm: Algorithm | None = None
+    #: ``torch.amp.GradScaler`` hands ``step()`` the scale and its Inf check (``grad_scale``, ``found_inf``) instead of
+    #: unscaling the gradients itself and reading ``found_inf`` on the host (the module docstring, "Loss scaling")
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -180,8 +196,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         otherwise load 8-bit codes cast to the parameter's dtype."""
         self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
+        self._pending_skip: PendingSkip | None = None  # a loss-scaled step's skip, read at the next step
         if "_record" not in self.__dict__:  # (kept by a copy: its refresh failures so far)
             self._record = StepRecord(owner=type(self).__name__)  # what steps report (GaLore refresh failures)
+        self.register_state_dict_pre_hook(_state_dict_pre_hook)
         self.register_state_dict_post_hook(_state_dict_post_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
@@ -219,11 +237,26 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return galore.init_projected_state(self._plan(), p, group)
         return self._init_state(p, group, self._slots(group, p))
 
-    def _plan(self) -> Plan:
+    def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Plan:
         """The plan handed to the step pipeline: the algorithm, the state dict, the param groups, the fused backend's
-        name and the GaLore stage (:mod:`lowmemopt.pipeline.plan`)."""
+        name and the GaLore stage (:mod:`lowmemopt.pipeline.plan`); a loss-scaled step's gradient multiplier and
+        ``found_inf``."""
         alg = self.algorithm
-        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore)
+        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore, grad_mult, found_inf)
+
+    def _amp_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(gradient multiplier, found_inf)`` that ``torch.amp.GradScaler.step`` set on this optimizer for this
+        step (``grad_scale``: the scale, None once ``unscale_`` ran; ``found_inf``: float, nonzero where a gradient had
+        an Inf / NaN), or Nones. The multiplier is ``unscale_``'s own: ``grad_scale.double().reciprocal().float()``."""
+        grad_scale = getattr(self, "grad_scale", None)
+        return (None if grad_scale is None else inv_scale(grad_scale)), getattr(self, "found_inf", None)
+
+    def _resolve_pending(self) -> None:
+        """Settle the previous loss-scaled step's skip (:class:`~lowmemopt.pipeline.finite.PendingSkip`)."""
+        pending = self.__dict__.get("_pending_skip")
+        if pending is not None:
+            self._pending_skip = None
+            pending.resolve()
 
     @property
     def galore_refresh_failures(self) -> int:
@@ -234,6 +267,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
     # -- param groups ----------------------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
+        self._resolve_pending()
         state = super().__getstate__()  # (pickling, deepcopy: torch's keys, and what ours cannot be rebuilt without)
         state.update(_nonfinite_skips=self.nonfinite_skips, _default_block_size=self._default_block_size,
                      _record=self._record)
@@ -278,7 +312,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step (optionally re-evaluating the loss with ``closure``)."""
+        """Perform one optimization step (optionally re-evaluating the loss with ``closure``). Under
+        ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls it with ``grad_scale`` and ``found_inf`` set (the
+        module docstring, "Loss scaling")."""
+        self._resolve_pending()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -297,14 +334,22 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 groups.append(group)
         if not work:
             return loss
-        work = self.algorithm.step_work(work)  # (values of the whole step, e.g. a global gradient norm)
+        mult, found_inf = self._amp_inputs()
+        if (found_inf is not None and found_inf.device.type == "cpu" and not pipeline.triton_usable({found_inf.device})
+                and found_inf.reshape(-1).tolist()[0] != 0):
+            return loss  # the scaler found an Inf / NaN: skip the step (on the host: nothing to wait for)
+        # (values of the whole step, e.g. a global gradient norm; of the unscaled gradients under loss scaling)
+        work = self.algorithm.step_work(work) if mult is None else self.algorithm.step_work(work, mult)
         if self._capturable(work, groups):
-            return self._capturable_step(work, groups, loss)
+            return self._capturable_step(work, groups, loss, mult, found_inf)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
             pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
-        plan = self._plan()
+        plan = self._plan(mult, found_inf)
         grads = [local_tensor(p.grad) for p, _ in work]
+        if found_inf is not None:
+            self._scaled_step(plan, work, grads, pager, found_inf)
+            return loss
         # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
         # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks).
         pipe = None
@@ -377,10 +422,31 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
         return True
 
-    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any) -> Any:
+    def _scaled_step(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
+                     found_inf: torch.Tensor) -> None:
+        """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (a set one on the CPU was read in :meth:`step`,
+        unless the Triton kernels take CPU tensors: the interpreter). The scaler checked every gradient already, so
+        there is no check of the optimizer's own: the
+        kernels read ``found_inf`` on the device and store nothing when it is set, and the host reads it at the next
+        step (:class:`~lowmemopt.pipeline.finite.PendingSkip`) to restore the step counts. Where the kernels cannot
+        decide it on the device (per-tensor backends, state that moves, several devices) it is read now."""
+        todo = [(i, p, group) for i, (p, group) in enumerate(work)]
+        finite: list[bool | None] = [True] * len(work)
+        flags = pipeline.device_flags(plan, work, grads, pager, None, found_inf) if DEFER_FINITE_CHECK else None
+        if flags is None:
+            if found_inf.reshape(-1).tolist()[0] != 0:  # (a device's: a synchronization; a CPU one is read directly)
+                return
+            pipeline.run(plan, todo, finite, grads, None, pager)
+            return
+        pipeline.run(plan, todo, finite, grads, None, pager, flags)
+        self._pending_skip = flags.deferred()
+
+    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any,
+                         mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Any:
         """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`): the non-finite check,
         the step counts and the step's scalars stay there, and skips are counted in a device tensor, not warned
-        about. ``groups``: those of ``work``."""
+        about. ``groups``: those of ``work``. Under loss scaling (``mult``, ``found_inf``) the scaler's flag replaces
+        the check and a skipped step is not counted (as ``unscale_`` + ``step()``, which skip the call)."""
         grads = [local_tensor(p.grad) for p, _ in work]
         device = grads[0].device
         if capture.capturing(device):
@@ -392,9 +458,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                   "fills it in place) to change it between replays", RuntimeWarning,
                                   stacklevel=external_stacklevel())
                     break
-        flags = DeviceFlags([p for p, _ in work], grads)
-        pipeline.run(self._plan(), [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work), grads,
-                     None, None, flags, device_steps=True)
+        params = [p for p, _ in work]
+        if found_inf is not None:
+            flags = DeviceFlags.from_found_inf(params, found_inf.to(device, non_blocking=True))
+        else:
+            flags = DeviceFlags(params, grads)
+        pipeline.run(self._plan(mult, found_inf), [(i, p, group) for i, (p, group) in enumerate(work)],
+                     [True] * len(work), grads, None, None, flags, device_steps=True)
+        if found_inf is not None:
+            return loss
         skipped = (flags.tensor == 0).sum()
         if self._device_skips is None or self._device_skips.device != skipped.device:
             if self._device_skips is not None:  # (moved to another device: fold the old count in, once)
@@ -450,6 +522,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
 # helpers
 
 
+def _state_dict_pre_hook(optimizer: LowMemOptimizer) -> None:
+    optimizer._resolve_pending()  # (a skipped loss-scaled step's counts restored first)
+
+
 def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     state_dict["lowmemopt_format"] = FORMAT_VERSION
     paging.detach_files(optimizer, state_dict)  # copies, not views of state files that the next step rewrites
@@ -468,6 +544,7 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     """Set the state's tensors aside (torch would cast them to the param dtype), converted to this optimizer's formats.
 
     Runs before torch changes anything: a state that cannot be converted raises and leaves the optimizer as it was."""
+    optimizer._resolve_pending()
     optimizer._load_stash = None
     version = state_dict.get("lowmemopt_format", FORMAT_VERSION)
     if version not in READABLE_FORMATS:

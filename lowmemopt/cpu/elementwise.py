@@ -84,7 +84,8 @@ def _is_number(v: Any) -> bool:
 def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
             state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
             step: int, decay: float, scan: torch.Tensor | None = None,
-            index_base: int | None = 0, memo: dict | None = None) -> tuple[ffi.Args | None, int]:
+            index_base: int | None = 0, memo: dict | None = None,
+            grad_mult: float | None = None) -> tuple[ffi.Args | None, int]:
     """The fused kernel's arguments for one parameter (see :func:`step`), and how many leading elements the kernel
     will do; ``(None, 0)`` where the kernel does not apply (the caller runs the torch paths). ``memo``: a dict kept
     while ``kwargs`` and ``decay`` stay the same objects (a bucket's parameters of one group and step), which holds
@@ -145,6 +146,8 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     if scan is not None and not ffi.can_scan(scan):
         scan = None
     args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
+    if grad_mult is not None:
+        args.g_mult = grad_mult
     mode = rounding.mode_of(group, pflat)  # bf16 parameters: nearest / stochastic / Kahan, as the eager path
     if mode != "nearest":
         rounding.init_state(state, pflat, group)
@@ -162,7 +165,7 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
 def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
          state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
          step: int, decay: float, scan: torch.Tensor | None = None,
-         index_base: int | None = 0) -> tuple[int, bool | None]:
+         index_base: int | None = 0, grad_mult: float | None = None) -> tuple[int, bool | None]:
     """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``; ``group``: the param
     group's storage options, ``step``: the step being taken) over the flat tensor
     ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
@@ -175,9 +178,13 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
     ``index_base``: the flat index of ``pflat``'s first element in its whole parameter (a shard's offset), which
     stochastic rounding hashes; None: the elements are not one range of it (the kernel declines stochastic rounding).
 
+    ``grad_mult``: the loss scaling multiplier (``1 / scale``, an fp32 value), applied where the kernel loads the
+    gradient and rounded to its dtype as ``GradScaler.unscale_`` stores it; None: none.
+
     Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
     the rest), and whether ``scan`` is finite (None: not scanned)."""
-    args, done = prepare(algorithm, kwargs, pflat, gflat, state, slots, formats, group, step, decay, scan, index_base)
+    args, done = prepare(algorithm, kwargs, pflat, gflat, state, slots, formats, group, step, decay, scan, index_base,
+                         grad_mult=grad_mult)
     if args is None:
         return 0, None
     ffi.call(getattr(build.library(), KERNELS[algorithm].name), args)

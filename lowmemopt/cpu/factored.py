@@ -59,6 +59,7 @@ class Fact(ctypes.Structure):
         ("work", ctypes.c_void_p),
         ("result", ctypes.c_void_p),
         ("h", ctypes.c_double * 8),
+        ("g_mult", ctypes.c_float),
     ]
 
 
@@ -69,7 +70,8 @@ def _call(name: str, f: Fact) -> None:
 class _Pass:
     """One parameter's argument struct and its small buffers."""
 
-    def __init__(self, p: torch.Tensor, g: torch.Tensor, shape: torch.Size, m: ffi.Slot | None, bs: int):
+    def __init__(self, p: torch.Tensor, g: torch.Tensor, shape: torch.Size, m: ffi.Slot | None, bs: int,
+                 grad_mult: float | None = None):
         rows, cols = shape
         self.work = torch.empty(NSEG * (cols + 1), dtype=torch.float64)
         self.result = torch.zeros(1, dtype=torch.float64)
@@ -80,6 +82,8 @@ class _Pass:
         if m is not None:
             f.m = m
         f.work, f.result = self.work.data_ptr(), self.result.data_ptr()
+        if grad_mult is not None:  # loss scaling: every pass reads g times it, rounded to g's dtype
+            f.g_mult = grad_mult
         self.keep: list[torch.Tensor] = []  # tensors whose addresses the struct holds
 
     def set(self, **tensors: torch.Tensor) -> None:
@@ -135,7 +139,7 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
     return ffi.slot_dense(t), 16
 
 
-def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> bool:
+def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
         return False
     rows, cols = p.shape
@@ -155,7 +159,7 @@ def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None)
         alpha = rho
     beta2t = 1.0 - math.pow(step, group["decay_rate"])
 
-    run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16)
+    run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16, grad_mult)
     run.f.h[0] = eps1
     row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
     _ema(state["exp_avg_sq_row"], state["exp_avg_sq_col"], row_mean, col_mean, beta2t)
@@ -173,7 +177,7 @@ def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None)
     return True
 
 
-def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> bool:
+def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:
         return False
     rows, cols = p.shape
@@ -184,7 +188,7 @@ def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> b
         return False
     lr = group["lr"]
 
-    run = _Pass(pflat, gflat, p.shape, m[0], m[1])
+    run = _Pass(pflat, gflat, p.shape, m[0], m[1], grad_mult)
     f = run.f
     f.h[0] = eps1
     row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
@@ -203,7 +207,7 @@ def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> b
     return True
 
 
-def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight=None) -> bool:
+def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
     """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
     parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
     sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
@@ -216,7 +220,7 @@ def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight
     rho = min(group["lr"], 1.0 / math.sqrt(step))
     alpha = (_rms(p) if weight is None else weight).clamp(min=eps2) * rho
 
-    run = _Pass(pflat, gflat, p.shape, None, 16)
+    run = _Pass(pflat, gflat, p.shape, None, 16, grad_mult)
     run.f.h[0] = 0.0
     row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
     row_var, col_var = state["row_var"].view(-1), state["col_var"].view(-1)
@@ -239,10 +243,11 @@ STEPS: dict[str, Callable[..., bool]] = {"adafactor": _adafactor, "came": _came,
 
 def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
          formats: dict[str, Any], group: dict[str, Any], step: int, decay: float,
-         weight: torch.Tensor | None = None) -> bool:
+         weight: torch.Tensor | None = None, grad_mult: float | None = None) -> bool:
     """One native step of ``algorithm`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
     place). False if it does not apply (the caller runs the eager path); state is untouched then. ``weight``: a
-    GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.step.weights``)."""
+    GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.step.weights``).
+    ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none)."""
     fn = STEPS.get(algorithm)
     if fn is None or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
         return False
@@ -257,4 +262,4 @@ def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: tor
         return False
     if isinstance(group.get("lr"), torch.Tensor):
         return False
-    return fn(p, pflat, gflat, state, formats, group, step, decay, weight)
+    return fn(p, pflat, gflat, state, formats, group, step, decay, weight, grad_mult)

@@ -59,6 +59,7 @@ class Args(ctypes.Structure):
         ("sr_key", ctypes.c_uint32),
         ("p_offset", ctypes.c_int64),
         ("kahan", ctypes.c_void_p),
+        ("g_mult", ctypes.c_float),  # loss scaling: the gradient's multiplier (0 or 1: none)
     ]
 
 

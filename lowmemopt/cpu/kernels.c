@@ -88,6 +88,9 @@ typedef struct {
     uint32_t sr_key;     /* stochastic: the hash key of (seed, step) */
     int64_t p_offset;    /* stochastic: flat index in its parameter of element 0 of p (the hash's counter) */
     uint16_t *kahan;     /* kahan: bf16 compensation buffer, laid out as p */
+    /* loss scaling (torch.amp.GradScaler's native path): the gradient's multiplier 1 / scale, applied where g is
+     * loaded (load_grad); 0 or 1: none */
+    float g_mult;
 } lmo_args;
 
 enum { UPD_NEAREST = 0, UPD_STOCHASTIC = 1, UPD_KAHAN = 2 };
@@ -697,6 +700,18 @@ static inline void store_dt(int dt, void *base, int64_t i, vf x) {
     else store_f16((uint16_t *)base + i, x);
 }
 
+/* The gradient as the step sees it under loss scaling: float(g) * mult rounded to g's dtype and back, as
+ * torch.amp.GradScaler's unscale_ stores it in the gradient (fp32: the product). mult 0 or 1: g itself. */
+static inline vf load_grad(int dt, const void *base, int64_t i, float mult) {
+    uint16_t t[16] __attribute__((aligned(64)));
+    vf g = load_dt(dt, base, i);
+    if (mult == 0.0f || mult == 1.0f) return g;
+    g = v_mul(g, v_set(mult));
+    if (dt == DT_F32) return g;
+    store_dt(dt, t, 0, g);
+    return load_dt(dt, t, 0);
+}
+
 /* One slot as a row loop sees it. The kind is a compile-time constant wherever these inline into a specialized row
  * function; the running max / min of a q8 row stay in the caller's registers. */
 typedef struct {
@@ -1244,7 +1259,7 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
             if (amsgrad) slot_loadn(K, &sx, row * bs + j, n, &ax, X);
             for (u = 0; u < n; u++) {
                 const int64_t i = row * bs + j + 16 * u;
-                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), d;
+                vf p = load_dt(pdt, a->p, i), g = load_grad(gdt, a->g, i, a->g_mult), d;
                 vf m = slot_get(K, &sm, i, &am, M, u), v = slot_get(K, &sv, i, &av, V, u);
                 if (maximize) g = v_neg(g);
                 if (l2) g = v_fma(p, wd, g);                                  /* g.add(p, alpha=wd) */
@@ -1303,7 +1318,7 @@ static inline __attribute__((always_inline)) void lion_rows(const lmo_args *a, c
             slot_loadn(K, &sm, row * bs + j, n, &am, M);
             for (u = 0; u < n; u++) {
                 const int64_t i = row * bs + j + 16 * u;
-                vf p = load_dt(pdt, a->p, i), g = load_dt(gdt, a->g, i), m = slot_get(K, &sm, i, &am, M, u);
+                vf p = load_dt(pdt, a->p, i), g = load_grad(gdt, a->g, i, a->g_mult), m = slot_get(K, &sm, i, &am, M, u);
                 vf d = v_mul(v_sign(v_fma(g, omb1, v_mul(m, b1))), nlr);      /* sign(m b1 + (1 - b1) g) * -lr */
                 slot_store(K, &sm, i, j + 16 * u, v_fma(g, omb2, v_mul(m, b2)), &am); /* m.mul_(b2).add_(g, 1 - b2) */
                 store_param(a, i, p, v_add(v_mul(p, decay), d));
@@ -1359,7 +1374,7 @@ static inline __attribute__((always_inline)) void sgd_rows(const lmo_args *a, co
             if (has_buf && !first) slot_loadn(K, &sb, row * bs + j, n, &ab, B);
             for (u = 0; u < n; u++) {
                 const int64_t i = row * bs + j + 16 * u;
-                vf p = load_dt(pdt, a->p, i), d = load_dt(gdt, a->g, i);
+                vf p = load_dt(pdt, a->p, i), d = load_grad(gdt, a->g, i, a->g_mult);
                 if (maximize) d = v_neg(d);
                 if (l2 && !wd_after) d = v_fma(p, wd, d);                      /* d.add(p, alpha=wd) */
                 if (has_buf) {                                                  /* buf.mul_(mom).add_(d, alpha=1 - damp) */
@@ -1459,6 +1474,7 @@ typedef struct {
     double *work;                /* LMO_NSEG * (C + 1) doubles: per-segment partial sums */
     double *result;              /* sum of squares */
     double h[8];
+    float g_mult;                /* the gradient's loss scaling multiplier, as lmo_args.g_mult (0 or 1: none) */
 } lmo_fact;
 
 static int64_t gcd64(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
@@ -1505,7 +1521,7 @@ int lmo_fact_sq_means(const lmo_fact *f) {
             for (r = r0; r < r1; r++) {
                 vd acc = vd_zero();
                 for (c = 0; c < C; c += 16) {
-                    vf g = load_dt(f->g_dtype, f->g, r * C + c);
+                    vf g = load_grad(f->g_dtype, f->g, r * C + c, f->g_mult);
                     vf x = v_add(v_mul(g, g), eps1);
                     acc = vd_add(acc, x);
                     v_store(colp + c, v_add(v_load(colp + c), x));
@@ -1582,7 +1598,7 @@ static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_
     memset(M, 0, sizeof M);
     LMO_FACT_WALK(f, s, if (has_m) slot_row_begin(K, &sm, blk, &am), if (has_m) slot_loadn(K, &sm, i_ + g_, n, &am, M),
                   if (has_m) slot_block_end(K, &sm, blk, i_, len, &am), {
-        vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
+        vf u = v_rc(f->rf, f->cf, r, c, load_grad(gdt, f->g, i, f->g_mult));
         vf p = load_dt(pdt, f->p, i);
         if (clip) u = v_div(u, denom);
         u = v_mul(u, alpha);
@@ -1611,7 +1627,7 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
     vd racc = vd_zero();
     memset(colp, 0, sizeof(float) * C);
     LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M), (void)0, {
-        vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
+        vf u = v_rc(f->rf, f->cf, r, c, load_grad(gdt, f->g, i, f->g_mult));
         vf m, d, x;
         if (clip) u = v_div(u, denom);
         m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
@@ -1638,7 +1654,7 @@ static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact 
     vf M[4];
     LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M),
                   slot_block_end(K, &sm, blk, i_, len, &am), {
-        vf u = v_rc(f->rf, f->cf, r, c, load_dt(gdt, f->g, i));
+        vf u = v_rc(f->rf, f->cf, r, c, load_grad(gdt, f->g, i, f->g_mult));
         vf m, p = load_dt(pdt, f->p, i);
         if (clip) u = v_div(u, denom);
         m = v_fma(u, omb1, v_mul(slot_get(K, &sm, i, &am, M, q_), b1));
@@ -1742,7 +1758,7 @@ static inline __attribute__((always_inline)) int fact_sumsq(const lmo_fact *f, c
             fact_segment(f, s, &r0, &r1);
             for (r = r0; r < r1; r++)
                 for (c = 0; c < C; c += 16) {
-                    const vf g = load_dt(f->g_dtype, f->g, r * C + c);
+                    const vf g = load_grad(f->g_dtype, f->g, r * C + c, f->g_mult);
                     const vf u = torch_semantics ? torch_u(f, r, c, g, rmean, eps2) : v_rc(f->rf, f->cf, r, c, g);
                     acc = vd_add_sq(acc, u);
                 }
@@ -1776,7 +1792,7 @@ static void adafactor_torch_apply_seg(const lmo_fact *f, const slot_rt *rt, int 
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c += 16) {
             const int64_t i = r * C + c;
-            const vf u = v_mul(torch_u(f, r, c, load_dt(gdt, f->g, i), rmean, eps2), scale);
+            const vf u = v_mul(torch_u(f, r, c, load_grad(gdt, f->g, i, f->g_mult), rmean, eps2), scale);
             vf p = load_dt(pdt, f->p, i);
             if (decays) p = v_mul(p, decay);
             store_dt(pdt, f->p, i, v_sub(p, u));

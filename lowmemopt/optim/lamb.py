@@ -34,6 +34,7 @@ from ..checks import check_adam_group, sqrt_of
 from ..distributed.sharding import is_dtensor
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
+from ..pipeline.plan import unscaled
 from ..quant.formats import Slot
 from .adamw import GradNoneOnZero
 
@@ -161,11 +162,14 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
     def weight_statistic(self, group):
         return "norm" if self._trust(group) else None
 
-    def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
+                  grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """Phase 1's global gradient norm: every group with a ``max_grad_norm`` > 0 steps with a view of itself that
         carries ``c = max(1, N / max_grad_norm)`` as a device scalar (:data:`GRAD_DIVISOR`); ``N`` is the norm of all
         of the step's gradients (Apex: over every param group) that are finite (a non-finite one is skipped, by the
-        optimizer's policy, and left out of ``N``). No host synchronization."""
+        optimizer's policy, and left out of ``N``). No host synchronization. Under loss scaling (``grad_mult``) ``N``
+        is the norm of the unscaled gradients as ``GradScaler.unscale_`` leaves them (each rounded to its dtype): a
+        temporary copy of the gradients, the one extra pass this clip costs there."""
         clipped = [g for g in {id(g): g for _, g in work}.values() if g["max_grad_norm"]]
         if not clipped:
             return work
@@ -173,6 +177,10 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
         if any(is_dtensor(g) for g in grads):
             raise ValueError("FusedLAMB: max_grad_norm with DTensor (FSDP2) parameters is not supported; clip with "
                              "torch.nn.utils.clip_grad_norm_ before step() and set max_grad_norm=0")
+        if grad_mult is not None:
+            mults: dict[torch.device, torch.Tensor] = {}
+            grads = [unscaled(g, mults.setdefault(g.device, grad_mult.to(g.device, non_blocking=True))).to(g.dtype)
+                     for g in grads]
         norm = global_grad_norm(grads)
         views = {}
         for group in clipped:

@@ -115,6 +115,10 @@ class OnebitOptimizer(LowMemOptimizer):
     (``phase(group, step)``, ``message(p, g, state, group)``); :meth:`_after_update` runs what follows the update
     (0/1 Adam's synchronisation)."""
 
+    #: the gradients are compressed and communicated before the update (their error feedback holds the scaled
+    #: values): ``torch.amp.GradScaler`` unscales them first, on its generic path
+    _step_supports_amp_scaling = False
+
     #: the registry, ``lowmemopt estimate`` and the Trainer factory read this: constructing one on real parameters
     #: needs ``torch.distributed`` initialized (``dist.init_process_group``, e.g. under ``torchrun``)
     requires_process_group = True

@@ -134,6 +134,7 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
         return None
     numel = p.numel()  # a DTensor's whole size: it picks the state format
     p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
+    mult = None if plan.grad_mult is None else plan.mult(grad.device)  # loss scaling: applied as g is loaded
     slots = plan.algorithm.slots(group, p)
     if "step" not in state:
         state = init_state(p, group, slots, state, numel=numel, reduce=reduce)
@@ -143,19 +144,21 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     state["step"] += 1
     target = p if p.is_contiguous() else p.contiguous()
     scanned = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],
-                          plan.algorithm.decay_factor(group), reduce, scan)
+                          plan.algorithm.decay_factor(group), reduce, scan, mult)
     if target is not p:
         p.copy_(target)
     return scanned
 
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
-                 pipe: CpuFiniteChecks | None = None) -> DeviceFlags | None:
+                 pipe: CpuFiniteChecks | None = None, found_inf: torch.Tensor | None = None) -> DeviceFlags | None:
     """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
     (:mod:`.finite`); None where the check must be decided on the host first: anything but one device that the
     Triton backend takes with kernels that mask by element count, or anything whose state moves (paged beyond the
     budget: state resident within it steps as unpaged), sharded, or projected where a stage would ignore the flags (a
-    basis refresh due, the first step: :func:`lowmemopt.projection.step.device_checkable`)."""
+    basis refresh due, the first step: :func:`lowmemopt.projection.step.device_checkable`). ``found_inf``: a
+    loss-scaled step's flag (``torch.amp.GradScaler``), which then makes the flags instead of a norm per gradient
+    (:meth:`DeviceFlags.from_found_inf`)."""
     if pipe is not None and pipe.indices:
         return None
     if pager is not None and pager.moves_any(work):
@@ -176,7 +179,10 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
                 return None
         elif st is not None and "galore.side" in st:  # (a group that lost its rank: the step reports it)
             return None
-    return DeviceFlags([p for p, _ in work], grads)
+    params = [p for p, _ in work]
+    if found_inf is not None:
+        return DeviceFlags.from_found_inf(params, found_inf.to(grads[0].device, non_blocking=True))
+    return DeviceFlags(params, grads)
 
 
 def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = None,
@@ -245,7 +251,9 @@ def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = 
         return Update(name, algorithm.math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
                       it.group["block_size"], step if device_steps else None)
 
-    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps)
+    mult = None if plan.grad_mult is None else plan.mult  # loss scaling: the kernels apply it as they load gradients
+    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps,
+                      mult)
     finished: set[int] = set()
     for it in left:
         if not it.projected:

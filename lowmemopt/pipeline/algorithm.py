@@ -87,10 +87,12 @@ class Algorithm:
         capturable step's fp64 tensor of steps on the device."""
         return {}
 
-    def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
+                  grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The step's ``(param, group)`` pairs as the stages see them: for values that depend on every gradient of the
         step (FusedLAMB's global-norm clip), computed once per step on the device before any update and handed to
-        the math as keys of a per-step view (a copy) of the group. By default ``work`` itself."""
+        the math as keys of a per-step view (a copy) of the group. By default ``work`` itself. ``grad_mult``: the
+        step's loss scaling multiplier of the gradients (:attr:`~lowmemopt.pipeline.plan.Plan.grad_mult`), or None."""
         return work
 
     def decay_factor(self, group: dict[str, Any]) -> Any:

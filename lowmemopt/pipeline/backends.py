@@ -22,6 +22,7 @@ from ..quant import q4
 from ..quant.formats import Q4, Q8, Slot, StateFormat, choose_format, format_of, map_for
 from ..quant.maps import code_book, encode_table
 from .algorithm import Algorithm
+from .plan import unscaled
 
 __all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "update_flat", "update_rest", "run_update",
            "decode_whole"]
@@ -49,44 +50,53 @@ def init_state(p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], s
 
 def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                 state: dict[str, Any], slots: dict[str, Slot], group: dict[str, Any], step: int, decay: float,
-                reduce: Reduction = LOCAL, scan: torch.Tensor | None = None) -> bool | None:
+                reduce: Reduction = LOCAL, scan: torch.Tensor | None = None,
+                mult: torch.Tensor | None = None) -> bool | None:
     """``pflat <- pflat * decay + delta`` (``pflat``: contiguous, flat, updated in place; ``like``: a tensor of its
     logical shape) with the state decoded and encoded around the math: the native C kernel where it applies (CPU),
     else the ``torch.compile``-d function, and the eager reference for whatever they leave (a ragged last 8-bit
     block, say). ``scan``: another gradient that a native kernel checks for NaN/Inf while it steps this one; returns
-    that check's result (None: not done)."""
+    that check's result (None: not done). ``mult``: the loss scaling multiplier of ``gflat`` (0-dim fp32 on its
+    device, :attr:`~lowmemopt.pipeline.plan.Plan.grad_mult`), applied as each backend loads the gradient."""
     formats = {name: format_of(state, name) for name in slots}
     start, scanned = 0, None
     if pflat.device.type == "cpu" and cpu.ENABLED:  # native C kernels (lowmemopt.cpu)
         name = algorithm.fused
+        host = None if mult is None else mult.tolist()  # (a CPU tensor: read directly, no device to wait for)
         if name is None:
             pass
         elif algorithm.elementwise:  # (a shard's stochastic rounding hashes its elements' indices in the parameter)
             start, scanned = cpu.step_elementwise(name, algorithm.math_kwargs(group, step), pflat, gflat, state,
                                                   slots, formats, group, step, decay, scan,
-                                                  index_base=reduce.flat_offset() if reduce.distributed else 0)
-        elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, group, step, decay):
+                                                  index_base=reduce.flat_offset() if reduce.distributed else 0,
+                                                  grad_mult=host)
+        elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, group, step, decay,
+                                                   grad_mult=host):
             start = pflat.numel()
     exact = rounding.mode_of(group, like) == "nearest"  # the compiled path rounds to nearest only
     if start == 0 and exact and algorithm.elementwise and algorithm.math is not None and compiled.applies(like):
-        start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, group, step, decay)
-    _step_eager(algorithm, like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
+        start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, group, step, decay, mult)
+    _step_eager(algorithm, like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce, mult)
     return scanned
 
 
 def update_rest(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                 state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
-                step: int, decay: float, start: int, reduce: Reduction = LOCAL) -> None:
+                step: int, decay: float, start: int, reduce: Reduction = LOCAL,
+                mult: torch.Tensor | None = None) -> None:
     """Elements ``[start, numel)`` of an elementwise step through the eager reference: what a native kernel left (a
     ragged last 8- / 4-bit block). ``reduce``: a shard's (its stochastic rounding hashes indices in the whole
-    parameter)."""
-    _step_eager(algorithm, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce)
+    parameter); ``mult``: the loss scaling multiplier (:func:`update_flat`)."""
+    _step_eager(algorithm, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce, mult)
 
 
 def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                 state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
-                step: int, decay: float, start: int, reduce: Reduction = LOCAL) -> None:
+                step: int, decay: float, start: int, reduce: Reduction = LOCAL,
+                mult: torch.Tensor | None = None) -> None:
     """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise).
+    ``mult``: the loss scaling multiplier, applied to each chunk of the gradient as it is loaded
+    (:func:`~lowmemopt.pipeline.plan.unscaled`).
     A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
     for this rank's (zero) contribution."""
     bs = group["block_size"]
@@ -97,7 +107,7 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
     for lo in range(start, stop, chunk):
         hi = min(n, lo + chunk)
         p32 = pflat[lo:hi].float()
-        g32 = gflat[lo:hi].float()
+        g32 = unscaled(gflat[lo:hi], mult)
         like = None
         if not algorithm.elementwise:
             p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
@@ -129,7 +139,7 @@ def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state
 
 def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
                    slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any], step: int,
-                   decay: float) -> int:
+                   decay: float, mult: torch.Tensor | None = None) -> int:
     """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
     bs = group["block_size"]
     rows_total = pflat.numel() // bs
@@ -153,7 +163,7 @@ def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tenso
             else:
                 rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
         ok = compiled.step_rows(type(algorithm).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),
-                                tuple(rows), algorithm.math_kwargs(group, step), decay)
+                                tuple(rows), algorithm.math_kwargs(group, step), decay, mult)
         if not ok:
             return lo
     return rows_total * bs

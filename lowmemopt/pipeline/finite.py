@@ -33,7 +33,7 @@ import torch
 
 from .. import cpu
 
-__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "CpuFiniteChecks", "finite_norms", "host_flags", "resolve"]
+__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "PendingSkip", "CpuFiniteChecks", "finite_norms", "host_flags", "resolve"]
 
 #: fused algorithms whose kernels store nothing of a tensor with element count 0 (its parameter and state untouched)
 DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came"})
@@ -71,6 +71,23 @@ class DeviceFlags:
         #: params stepped provisionally: id -> (state, its step count before this step, made by this step)
         self.provisional: dict[int, tuple[dict[str, Any], int, bool]] = {}
 
+    @classmethod
+    def from_found_inf(cls, params: Sequence[torch.Tensor], found_inf: torch.Tensor) -> "DeviceFlags":
+        """The flags of a loss-scaled step (``torch.amp.GradScaler``'s ``found_inf``, already checked over every
+        gradient by the scaler): every row ``found_inf == 0``, made on its device with no norm and nothing read
+        back. The kernels mask by them as by the optimizer's own check."""
+        self = cls.__new__(cls)
+        self.tensor = (found_inf.reshape(1) == 0).view(torch.uint8).repeat(len(params))
+        self.position = {id(p): i for i, p in enumerate(params)}
+        self._host = None
+        self.provisional = {}
+        return self
+
+    def deferred(self) -> "PendingSkip":
+        """A loss-scaled step's undo, decided later: its one flag copied to host memory without waiting
+        (:class:`PendingSkip`)."""
+        return PendingSkip(self.tensor[:1], self.provisional)
+
     def note(self, param: torch.Tensor, state: dict[str, Any], fresh: bool) -> None:
         """Record ``param``'s step count before it is stepped provisionally (``fresh``: its state is made now)."""
         self.provisional[id(param)] = (state, state.get("step", 0), fresh)
@@ -97,6 +114,39 @@ class DeviceFlags:
                 else:
                     state["step"] = step
         return flags.count(False)
+
+
+class PendingSkip:
+    """A loss-scaled step whose skip (``found_inf``) is read on the host later, so the host never waits for the
+    device: the flag is copied to pinned host memory with a non-blocking copy and an event recorded after it; the
+    optimizer resolves it at its next ``step()`` (or ``state_dict()`` / ``load_state_dict()``), when the device has
+    long finished that copy, and only then restores the step counts of a skipped step (the kernels stored nothing).
+    Until then a skipped step's host step counts read one too many."""
+
+    def __init__(self, flag: torch.Tensor, provisional: dict[int, tuple[dict[str, Any], int, bool]]) -> None:
+        self.provisional = provisional
+        self.event = None
+        if flag.device.type == "cuda":
+            self.host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+            self.host.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:  # (CPU tensors: the interpreter's tests) already on the host
+            self.host = flag.clone()
+
+    def resolve(self) -> bool:
+        """Wait for the copy (long done by now), undo the step counts if the step was skipped; True if it was."""
+        if self.event is not None:
+            self.event.synchronize()
+        skipped = self.host.tolist()[0] == 0
+        if skipped:
+            for state, step, fresh in self.provisional.values():
+                if fresh:
+                    state.clear()
+                else:
+                    state["step"] = step
+        self.provisional = {}
+        return skipped
 
 
 def resolve(pending: list[DeviceFlags]) -> int:

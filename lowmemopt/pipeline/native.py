@@ -56,6 +56,8 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     batch, taken = [], []
     kwargs_memo: dict[tuple[int, int], dict[str, Any]] = {}  # (group, step) -> the math's keyword arguments
     memo: dict = {}  # what prepare derives from those alone (kept alive with them: ids stay unique)
+    mult = None if plan.grad_mult is None else plan.mult(torch.device("cpu"))  # loss scaling: applied as g is loaded
+    host_mult = None if mult is None else mult.tolist()
     for i, p, group in todo:
         grad = p.grad
         if p.device.type != "cpu" or group.get("rank") is not None or grad is None:
@@ -95,7 +97,8 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         decay = algorithm.decay_factor(group)
         args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay,
                              scan=gflat if finite[i] is None else None,
-                             index_base=reduce.flat_offset() if reduce.distributed else 0, memo=memo)
+                             index_base=reduce.flat_offset() if reduce.distributed else 0, memo=memo,
+                             grad_mult=host_mult)
         if args is None or (finite[i] is None and args.scan is None):  # the per-parameter path takes it
             state["step"] -= 1
             rest.append((i, p, group))
@@ -111,5 +114,5 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             state["step"] -= 1
         elif done < local.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
             update_rest(algorithm, local, local.view(-1), gflat, state, slots, formats, group, step, decay, done,
-                        reduce)
+                        reduce, mult)
     return rest

@@ -5,6 +5,12 @@ receives the optimizer or calls back into it. Per bucket a stage reads the algor
 and decay rules: :class:`~lowmemopt.pipeline.algorithm.Algorithm`), the bucketed backend it may use (``fused``), the
 state dict that holds each parameter's slots in their formats, and the param groups (storage options and
 hyper-parameters). What a step reports back (GaLore refresh failures) goes into :class:`StepRecord`.
+
+Loss scaling (``torch.amp.GradScaler``'s native path, :mod:`lowmemopt.optimizer`): the plan carries the step's
+gradient multiplier ``grad_mult`` (``1 / scale`` as GradScaler's ``unscale_`` computes it: the scale in fp64,
+reciprocal, rounded to fp32) and ``found_inf``. Every backend multiplies the gradient by it where it loads it, rounded
+to the gradient's dtype as ``unscale_`` stores it (:func:`unscaled`), so a step equals ``unscale_`` + ``step()`` bit for
+bit with no pass of its own over the gradients.
 """
 
 from __future__ import annotations
@@ -16,7 +22,24 @@ import torch
 
 from .algorithm import Algorithm
 
-__all__ = ["Plan", "StepRecord"]
+__all__ = ["Plan", "StepRecord", "unscaled", "inv_scale"]
+
+
+def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
+    """The gradient multiplier of a loss scale, exactly as ``GradScaler.unscale_`` makes it:
+    ``grad_scale.double().reciprocal().float()`` (a 0-dim fp32 tensor on the scale's device)."""
+    return grad_scale.double().reciprocal().float()
+
+
+def unscaled(g: torch.Tensor, mult: torch.Tensor | float | None) -> torch.Tensor:
+    """``g`` as the step sees it, in fp32: ``float(g) * mult`` rounded to ``g``'s dtype and back (what
+    ``GradScaler.unscale_`` stores in a bf16 / fp16 gradient before the step reads it); ``float(g)`` for ``mult``
+    None. ``mult``: a 0-dim fp32 tensor on ``g``'s device, or its value as a Python float."""
+    g32 = g.float()
+    if mult is None:
+        return g32
+    g32 = g32 * mult
+    return g32 if g.dtype == torch.float32 else g32.to(g.dtype).float()
 
 
 @dataclass
@@ -34,7 +57,9 @@ class Plan:
     """One step's plan. ``state``: parameter -> its state dict (plain named tensors and ints; the optimizer's
     ``state``); ``groups``: the param groups; ``fused``: the algorithm's name in the fused backends' registries, or
     None (no bucketed backend: the per-tensor reference backends only); ``galore``: the projection stage
-    (:mod:`lowmemopt.projection.step`), given where a group may be projected, else None."""
+    (:mod:`lowmemopt.projection.step`), given where a group may be projected, else None. ``grad_mult``: the loss
+    scaling multiplier of the gradients (:func:`inv_scale`, a 0-dim fp32 tensor), None: none; ``found_inf``: the
+    scaler's flag (float, 1.0: a gradient had an Inf / NaN, the step is skipped), None: none given."""
 
     algorithm: Algorithm
     state: dict[torch.Tensor, dict[str, Any]]
@@ -42,3 +67,16 @@ class Plan:
     fused: str | None
     record: StepRecord = field(default_factory=StepRecord)
     galore: Any = None
+    grad_mult: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    _mults: dict = field(default_factory=dict)
+
+    def mult(self, device: torch.device) -> torch.Tensor | None:
+        """``grad_mult`` on ``device`` (a non-blocking copy, made once per step and device), or None."""
+        m = self.grad_mult
+        if m is None or m.device == device:
+            return m
+        out = self._mults.get(device)
+        if out is None:
+            out = self._mults[device] = m.to(device, non_blocking=True)
+        return out

@@ -50,7 +50,7 @@ from ..distributed.reduction import LOCAL
 from ..distributed.sharding import reduction_of
 from ..pipeline.backends import CHUNK_NUMEL, init_state, run_update, update_flat
 from ..work.items import Item
-from ..pipeline.plan import Plan
+from ..pipeline.plan import Plan, unscaled
 from ..quant.formats import format_of
 from . import projector as pj
 
@@ -285,6 +285,8 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
         rounding.init_state(state, shards.param, group, shards.param_reduce.agree)
     m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)
     g = grad if shards is None else shards.grad  # in its dtype: project() makes it fp32
+    if plan.grad_mult is not None:  # loss scaling: the gradient unscale_ would leave (in its dtype), once per step
+        g = unscaled(g, plan.mult(g.device)).to(g.dtype)
     if g.shape != (m_local, n):
         g = g.reshape(m_local, n)
     t = state["step"]
