@@ -8,7 +8,8 @@ factors of approx_rsqrt and the scalars (clipping denominator, Adafactor's RMS(p
 
     Adafactor:  1: g (+ p for RMS(p)) -> row / column EMAs of g^2 + eps1, factors r, c
                 2: g -> sum of u^2, u = (r c) g          3: g, m, p -> u / max(1, RMS(u)/d) -> m, p
-    CAME:       1, 2 as Adafactor;  3: g, m -> row / column EMAs of (u - m')^2 + eps2, their factors;  4: g, m, p -> m', p
+    CAME:       1, 2 as Adafactor;  3: g, m -> row / column EMAs of (u - m')^2 + eps2, their factors
+                4: g, m, p -> m', p
     AdafactorTorch (torch.optim.Adafactor): three calls, the scalars in torch between them: row / column means of g^2;
                 sum of u^2, u = g rsqrt(max(r c / mean(r), eps1^2));  p (1 - lr wd) - u alpha / max(1, RMS(u)/d)
 
