@@ -35,12 +35,10 @@ CONFIGS = {
     "adam-q4": "AdamW, 4-bit state",
     "lion-q8": "Lion, 8-bit state",
     "sgd-q8": "SGD with momentum, 8-bit state",
-    "f-sqmeans": "factored: row / column means of g^2",
-    "f-sumsq": "factored: sum of squares of the update (clipping)",
-    "f-afapply": "Adafactor update, no first moment",
-    "f-afapply-q8": "Adafactor update, 8-bit first moment",
-    "f-cameres-q8": "CAME instability statistics, 8-bit first moment",
-    "f-cameapply-q8": "CAME update, 8-bit first moment",
+    "f-sqmeans": "factored: row / column means of g^2 (AdafactorTorch's first pass)",
+    "f-afstep": "Adafactor step, no first moment (with RMS(p))",
+    "f-afstep-q8": "Adafactor step, 8-bit first moment (with RMS(p))",
+    "f-camestep-q8": "CAME step, 8-bit first moment",
 }
 
 

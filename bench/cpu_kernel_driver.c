@@ -1,5 +1,5 @@
 /* Driver for bench/cpu_instructions.py: #includes lowmemopt/cpu/kernels.c (path in KERNELS), calls one kernel on one
- * parameter of N fp32 elements (N / 1024 rows of 1024 for the factored passes) once to fill its state, then again
+ * parameter of N fp32 elements (N / 1024 rows of 1024 for the factored steps) once to fill its state, then again
  * inside cg_measure (callgrind counts only there); with a third argument, that many more calls, printing the fastest
  * one's time per element. argv: configuration, the tables file the runner wrote, [repeats]. */
 #include KERNELS
@@ -93,19 +93,21 @@ int main(int argc, char **argv) {
     } else {
         lmo_fact fa; memset(&fa, 0, sizeof fa);
         float *rf = malloc(4 * NR), *cf = malloc(4 * NC), *ro = malloc(4 * NR), *co = malloc(4 * NC);
+        float *vr = malloc(4 * NR), *vc = malloc(4 * NC), *vr2 = malloc(4 * NR), *vc2 = malloc(4 * NC);
+        float *rf2 = malloc(4 * NR), *cf2 = malloc(4 * NC);
         double *work = malloc(8 * LMO_NSEG * (NC + 1)), res[1];
-        for (i = 0; i < NR; i++) rf[i] = 1.0f + 0.1f * frand();
-        for (i = 0; i < NC; i++) cf[i] = 1.0f + 0.1f * frand();
+        for (i = 0; i < NR; i++) { vr[i] = 1e-6f * (1.5f + frand()); vr2[i] = 1e-9f * (1.5f + frand()); }
+        for (i = 0; i < NC; i++) { vc[i] = 1e-6f * (1.5f + frand()); vc2[i] = 1e-9f * (1.5f + frand()); }
         fa.p = p; fa.g = g; fa.R = NR; fa.C = NC; fa.p_dtype = fa.g_dtype = DT_F32; fa.nthreads = 1; fa.bs = bits == 32 ? 16 : bs;
-        fa.rf = rf; fa.cf = cf; fa.rf2 = rf; fa.cf2 = cf; fa.row_out = ro; fa.col_out = co; fa.work = work; fa.result = res;
-        double h[8] = {1.5, 1e-3, 0.9, 0.1, 0.0, 1e-16, 1e-4, 0};
+        fa.rf = rf; fa.cf = cf; fa.rf2 = rf2; fa.cf2 = cf2; fa.row_out = ro; fa.col_out = co; fa.work = work; fa.result = res;
+        fa.vr = vr; fa.vc = vc; fa.vr2 = vr2; fa.vc2 = vc2;
+        /* eps1, beta2, beta1, 1 - beta1, decay (-wd lr; Adafactor: -wd with flag 2), clip, lr (Adafactor: rho), eps2, beta3 */
+        double h[12] = {1e-30, 0.999, 0.9, 0.1, -1e-6, 1.0, 1e-4, 1e-3, 0.9999, 0, 0, 0};
         memcpy(fa.h, h, sizeof h);
         int (*fn)(const lmo_fact *);
         if (strstr(cfg, "sqmeans")) fn = lmo_fact_sq_means;
-        else if (strstr(cfg, "sumsq")) fn = lmo_fact_sumsq;
-        else if (strstr(cfg, "afapply")) fn = lmo_adafactor_apply;
-        else if (strstr(cfg, "cameres")) fn = lmo_came_res_means;
-        else fn = lmo_came_apply;
+        else if (strstr(cfg, "afstep")) { fn = lmo_adafactor_step; fa.flags = 2; fa.h[4] = -1e-2; }
+        else fn = lmo_came_step;
         if (bits != 32 || strstr(cfg, "came")) { fa.has_m = 1; fa.m = sl[0]; if (bits == 32) fa.m.kind = ST_F32; }
         if (fn(&fa)) return 3;
         if (measure(cfg, (int (*)(const void *))fn, &fa)) return 3;

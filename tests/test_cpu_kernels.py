@@ -522,6 +522,28 @@ def test_factored_native_low_bit(lib, cls, kwargs, bits, monkeypatch):
     assert trajectory_error(p_n, p_e, start) < 0.02
 
 
+def test_factored_native_same_bits_on_any_thread_count(lib, monkeypatch):
+    """The one-call steps add their sums per fixed row segment and the segments in order: 1 and 3 threads give the
+    same parameters and state, bit for bit (Adafactor with RMS(p) and an 8-bit first moment, CAME)."""
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    start = make_params([(520, 256)])
+    threads = torch.get_num_threads()
+    for cls, kwargs in ((lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01)),
+                        (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1))):
+        results = []
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            try:
+                params = clone_params(start)
+                opt = cls(params, state_bits=8, **kwargs)
+                run(opt, params, 2)
+            finally:
+                torch.set_num_threads(threads)
+            results.append((params[0], _state_tensors(opt, params[0])))
+        assert torch.equal(results[0][0], results[1][0]), cls.__name__
+        assert all(torch.equal(v, results[1][1][k]) for k, v in results[0][1].items()), cls.__name__
+
+
 def test_factored_native_bf16_params(lib, monkeypatch):
     (p_n, _), (p_e, _) = _factored_pair(lowmemopt.CAME, dict(lr=1e-2), 32, monkeypatch, steps=3, dtype=torch.bfloat16)
     for a, b in zip(p_n, p_e):

@@ -10,7 +10,8 @@ to fp32 rounding. What runs here:
 * elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the step pipeline's per-tensor
   backend calls :func:`step_elementwise` for CPU tensors before the ``torch.compile`` path (:mod:`lowmemopt.compiled`);
 * the factored optimizers (Adafactor, CAME) on large 2-D parameters: :func:`step_factored`
-  (:mod:`lowmemopt.cpu.factored`), a few fused passes instead of the eager whole-tensor math;
+  (:mod:`lowmemopt.cpu.factored`), one native call per parameter (a few passes in one parallel region) instead of the
+  eager whole-tensor math;
 * the 8-bit codec alone (:func:`encode_rows_into`, :func:`decode_rows_into`).
 
 If there is no C compiler or the build fails, lowmemopt warns once and keeps to the compiled / eager paths. Set

@@ -1,20 +1,24 @@
 """Native steps for the factored optimizers (Adafactor, CAME, AdafactorTorch) on large 2-D CPU parameters.
 
 The eager math (:func:`~lowmemopt.optim.adafactor.adafactor_math`, :func:`~lowmemopt.optim.came.came_math`) makes
-about ten full-size passes and a full-size temporary per step. Here the full-size work is a few fused C passes over
-the gradient, the first moment (decoded and encoded in place) and the parameter, with the small row / column vectors
-and the scalars computed by the same torch expressions as the eager math:
+about ten full-size passes and a full-size temporary per step. Here Adafactor's and CAME's step of one parameter is one
+C call (``lmo_adafactor_step``, ``lmo_came_step``) and one parallel region: a few passes over the gradient, the first
+moment (decoded and encoded in place) and the parameter, separated by barriers, with the row / column EMAs, the
+factors of approx_rsqrt and the scalars (clipping denominator, Adafactor's RMS(p)) computed in C between them:
 
-    Adafactor:  A: row / column means of g^2 + eps1   B: sum of u^2, u = (r c) g   C: u / max(1, RMS(u)/d) -> p, m
-    CAME:       A, B as Adafactor;  C: row / column means of (u - m')^2 + eps2;  D: m', p
-    AdafactorTorch (torch.optim.Adafactor): A with eps1 = 0;  B: sum of u^2, u = g rsqrt(max(r c / mean(r), eps1^2));
-                C: p (1 - lr wd) - u alpha / max(1, RMS(u)/d)
+    Adafactor:  1: g (+ p for RMS(p)) -> row / column EMAs of g^2 + eps1, factors r, c
+                2: g -> sum of u^2, u = (r c) g          3: g, m, p -> u / max(1, RMS(u)/d) -> m, p
+    CAME:       1, 2 as Adafactor;  3: g, m -> row / column EMAs of (u - m')^2 + eps2, their factors
+                4: g, m, p -> m', p
+    AdafactorTorch (torch.optim.Adafactor): three calls, the scalars in torch between them: row / column means of g^2;
+                sum of u^2, u = g rsqrt(max(r c / mean(r), eps1^2));  p (1 - lr wd) - u alpha / max(1, RMS(u)/d)
 
 Elementwise, every operation is the eager one (same order, same roundings, fused multiply-adds where torch has them);
-the row means and the sum of squares are summed in fp64, the column means in fp32 within 16 fixed row segments and in
-fp64 across them, where torch sums fp32 in its own order. So results equal the eager path to fp32 rounding, not bit
-for bit, and do not depend on the thread count. Only unsharded parameters of at least :data:`MIN_NUMEL` elements take
-this path (smaller ones stay bit-identical to the references; a sharded one needs the distributed reductions).
+the row means, mean(row) and the sums of squares are summed in fp64, the column means in fp32 within 16 fixed row
+segments and in fp64 across them, where torch sums fp32 in its own order. So results equal the eager path to fp32
+rounding, not bit for bit, and do not depend on the thread count. Only unsharded parameters of at least
+:data:`MIN_NUMEL` elements take this path (smaller ones stay bit-identical to the references; a sharded one needs the
+distributed reductions).
 """
 
 from __future__ import annotations
@@ -56,9 +60,13 @@ class Fact(ctypes.Structure):
         ("cf2", ctypes.c_void_p),
         ("row_out", ctypes.c_void_p),
         ("col_out", ctypes.c_void_p),
+        ("vr", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("vr2", ctypes.c_void_p),
+        ("vc2", ctypes.c_void_p),
         ("work", ctypes.c_void_p),
         ("result", ctypes.c_void_p),
-        ("h", ctypes.c_double * 8),
+        ("h", ctypes.c_double * 12),
         ("g_mult", ctypes.c_float),
     ]
 
@@ -68,20 +76,20 @@ def _call(name: str, f: Fact) -> None:
 
 
 class _Pass:
-    """One parameter's argument struct and its small buffers."""
+    """One parameter's argument struct and its small buffers: ``work`` (doubles) holds the kernels' per-segment sums
+    (``NSEG * (C + 1)`` doubles) followed by ``scratch`` fp32 values (the factors a one-call step writes)."""
 
     def __init__(self, p: torch.Tensor, g: torch.Tensor, shape: torch.Size, m: ffi.Slot | None, bs: int,
-                 grad_mult: float | None = None):
+                 scratch: int = 0, grad_mult: float | None = None):
         rows, cols = shape
-        self.work = torch.empty(NSEG * (cols + 1), dtype=torch.float64)
-        self.result = torch.zeros(1, dtype=torch.float64)
+        self.work = torch.empty(NSEG * (cols + 1) + (scratch + 1) // 2, dtype=torch.float64)
         self.f = f = Fact()
         f.p, f.g, f.R, f.C = p.data_ptr(), g.data_ptr(), rows, cols
         f.p_dtype, f.g_dtype, f.nthreads = ffi.DTYPES[p.dtype], ffi.DTYPES[g.dtype], torch.get_num_threads()
         f.bs, f.has_m = bs, m is not None
         if m is not None:
             f.m = m
-        f.work, f.result = self.work.data_ptr(), self.result.data_ptr()
+        f.work = self.work.data_ptr()
         if grad_mult is not None:  # loss scaling: every pass reads g times it, rounded to g's dtype
             f.g_mult = grad_mult
         self.keep: list[torch.Tensor] = []  # tensors whose addresses the struct holds
@@ -92,34 +100,33 @@ class _Pass:
             self.keep.append(t)
             setattr(self.f, k, t.data_ptr())
 
+    def factors(self, *names: str) -> None:
+        """Point the factors of approx_rsqrt that a one-call step writes (``rf``, ``rf2``: R floats; ``cf``,
+        ``cf2``: C floats) into the scratch part of ``work`` (``scratch``: at least their total)."""
+        addr = self.work.data_ptr() + 8 * NSEG * (int(self.f.C) + 1)
+        for k in names:
+            setattr(self.f, k, addr)
+            addr += 4 * int(self.f.R if k.startswith("r") else self.f.C)
+
     def means(self, name: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
         row, col = torch.empty(rows), torch.empty(cols)
         self.set(row_out=row, col_out=col)
         _call(name, self.f)
         return row, col
 
-    def clip_denom(self, numel: int, clip_threshold: float, kernel: str = "lmo_fact_sumsq") -> torch.Tensor:
+    def clip_denom(self, numel: int, clip_threshold: float, kernel: str) -> torch.Tensor:
         """``(RMS(u) / clip_threshold).clamp(min=1)`` from the sum of squares of u that ``kernel`` computes, as fp32
         0-dim tensors (the eager math's ``rms(u)`` is ``vector_norm(u) / sqrt(numel)``)."""
+        result = torch.zeros(1, dtype=torch.float64)
+        self.f.result = result.data_ptr()
         _call(kernel, self.f)
-        norm = torch.tensor(math.sqrt(float(self.result[0])), dtype=torch.float32)
+        norm = torch.tensor(math.sqrt(float(result[0])), dtype=torch.float32)
         return (norm / math.sqrt(numel) / clip_threshold).clamp_(min=1.0)
 
 
 def _rms(p: torch.Tensor) -> torch.Tensor:
     """RMS(p) as the eager math's ``rms``: ``vector_norm(p) / sqrt(numel)``, fp32."""
     return torch.linalg.vector_norm(p.float()) / math.sqrt(p.numel())
-
-
-def _factors(row: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factors of :func:`~lowmemopt.optim.adafactor.approx_rsqrt`: ``V^-1/2 = r_factor[:, None] c_factor[None]``."""
-    return (row / row.mean(dim=-1, keepdim=True)).rsqrt_(), col.rsqrt()
-
-
-def _ema(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor, col_mean: torch.Tensor, beta: float) -> None:
-    """:func:`~lowmemopt.optim.adafactor.ema_factored_` from precomputed means."""
-    row.mul_(beta).add_(row_mean, alpha=1.0 - beta)
-    col.mul_(beta).add_(col_mean, alpha=1.0 - beta)
 
 
 def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slot, int] | None:
@@ -142,7 +149,6 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
 def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
         return False
-    rows, cols = p.shape
     eps1, eps2 = group["eps"]
     m = None
     if group["beta1"] is not None:
@@ -152,35 +158,31 @@ def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None,
     rho = group["lr"]
     if group["relative_step"]:
         rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
-    if group["scale_parameter"]:
-        rms_p = _rms(p) if weight is None else weight
-        alpha = rms_p.clamp(min=eps2) * rho
-    else:
-        alpha = rho
+    alpha = rho
+    if group["scale_parameter"] and weight is not None:  # (else the kernel takes RMS(p) in its first pass)
+        alpha = weight.clamp(min=eps2) * rho
     beta2t = 1.0 - math.pow(step, group["decay_rate"])
 
-    run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16, grad_mult)
-    run.f.h[0] = eps1
-    row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
-    _ema(state["exp_avg_sq_row"], state["exp_avg_sq_col"], row_mean, col_mean, beta2t)
-    rf, cf = _factors(state["exp_avg_sq_row"], state["exp_avg_sq_col"])
-    run.set(rf=rf, cf=cf)
-    denom = run.clip_denom(p.numel(), group["clip_threshold"])
-    wd = group["weight_decay"]
-    f = run.f
-    f.h[0], f.h[1] = float(denom), float(alpha)
+    run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16, sum(p.shape), grad_mult)
+    run.set(vr=state["exp_avg_sq_row"], vc=state["exp_avg_sq_col"])
+    run.factors("rf", "cf")
+    f, wd = run.f, group["weight_decay"]
+    f.h[0], f.h[1], f.h[5], f.h[7] = eps1, beta2t, group["clip_threshold"], eps2
     if group["beta1"] is not None:
         f.h[2], f.h[3] = group["beta1"], 1 - group["beta1"]
+    if group["scale_parameter"] and weight is None:  # RMS(p) from the kernel's first pass
+        f.flags, f.h[4], f.h[6] = 2, -wd, rho
+    else:
+        f.h[4], f.h[6] = float(-wd * alpha), float(alpha)
     if wd != 0:
-        f.flags, f.h[4] = 1, float(-wd * alpha)
-    _call("lmo_adafactor_apply", f)
+        f.flags |= 1
+    _call("lmo_adafactor_step", f)
     return True
 
 
 def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
     if decay != 1.0 or "exp_avg_sq_row" not in state:
         return False
-    rows, cols = p.shape
     eps1, eps2 = group["eps"]
     beta1, beta2, beta3 = group["betas"]
     m = _momentum_slot(state, formats["exp_avg"], group["block_size"])
@@ -188,22 +190,16 @@ def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad
         return False
     lr = group["lr"]
 
-    run = _Pass(pflat, gflat, p.shape, m[0], m[1], grad_mult)
+    run = _Pass(pflat, gflat, p.shape, m[0], m[1], 2 * sum(p.shape), grad_mult)
+    run.set(vr=state["exp_avg_sq_row"], vc=state["exp_avg_sq_col"], vr2=state["exp_avg_res_row"],
+            vc2=state["exp_avg_res_col"])
+    run.factors("rf", "cf", "rf2", "cf2")
     f = run.f
-    f.h[0] = eps1
-    row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
-    _ema(state["exp_avg_sq_row"], state["exp_avg_sq_col"], row_mean, col_mean, beta2)
-    rf, cf = _factors(state["exp_avg_sq_row"], state["exp_avg_sq_col"])
-    run.set(rf=rf, cf=cf)
-    denom = run.clip_denom(p.numel(), group["clip_threshold"])
-    f.h[0], f.h[2], f.h[3], f.h[5], f.h[6] = float(denom), beta1, 1 - beta1, eps2, float(lr)
-    res_row, res_col = run.means("lmo_came_res_means", rows, cols)
-    _ema(state["exp_avg_res_row"], state["exp_avg_res_col"], res_row, res_col, beta3)
-    rf2, cf2 = _factors(state["exp_avg_res_row"], state["exp_avg_res_col"])
-    run.set(rf2=rf2, cf2=cf2)
+    f.h[0], f.h[1], f.h[2], f.h[3] = eps1, beta2, beta1, 1 - beta1
+    f.h[5], f.h[6], f.h[7], f.h[8] = group["clip_threshold"], float(lr), eps2, beta3
     if group["weight_decay"] != 0:
         f.flags, f.h[4] = 1, float(-group["weight_decay"] * lr)
-    _call("lmo_came_apply", f)
+    _call("lmo_came_step", f)
     return True
 
 
@@ -220,7 +216,7 @@ def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight
     rho = min(group["lr"], 1.0 / math.sqrt(step))
     alpha = (_rms(p) if weight is None else weight).clamp(min=eps2) * rho
 
-    run = _Pass(pflat, gflat, p.shape, None, 16, grad_mult)
+    run = _Pass(pflat, gflat, p.shape, None, 16, grad_mult=grad_mult)
     run.f.h[0] = 0.0
     row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
     row_var, col_var = state["row_var"].view(-1), state["col_var"].view(-1)

@@ -35,7 +35,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 13
+#define LMO_ABI_VERSION 14
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -1466,14 +1466,16 @@ typedef struct {
     int32_t p_dtype, g_dtype, nthreads;
     int32_t bs;                  /* the momentum slot's block size (q8), else 16 */
     int32_t has_m;               /* the full-size first moment is slot m */
-    int32_t flags;               /* 1: weight decay */
+    int32_t flags;               /* 1: weight decay; lmo_adafactor_step 2: alpha from RMS(p) */
     lmo_slot m;
-    const float *rf, *cf;        /* factors of V^-1/2: u = (rf[r] cf[c]) g */
-    const float *rf2, *cf2;      /* CAME: factors of the instability's U^-1/2 */
-    float *row_out, *col_out;    /* means [R], [C] */
+    float *rf, *cf;              /* factors of V^-1/2: u = (rf[r] cf[c]) g (the steps write them) */
+    float *rf2, *cf2;            /* CAME: factors of the instability's U^-1/2 */
+    float *row_out, *col_out;    /* lmo_fact_sq_means: means [R], [C] */
+    float *vr, *vc;              /* the steps: the second moment's row / column EMAs [R], [C], updated in place */
+    float *vr2, *vc2;            /* lmo_came_step: the instability's row / column EMAs */
     double *work;                /* LMO_NSEG * (C + 1) doubles: per-segment partial sums */
     double *result;              /* sum of squares */
-    double h[8];
+    double h[12];
     float g_mult;                /* the gradient's loss scaling multiplier, as lmo_args.g_mult (0 or 1: none) */
 } lmo_fact;
 
@@ -1580,15 +1582,118 @@ static inline vf v_rc(const float *rf, const float *cf, int64_t r, int64_t c, vf
     return v_mul(v_mul(v_set(rf[r]), v_load(cf + c)), g);
 }
 
+/* ---- the one-region steps of Adafactor and CAME (lmo_adafactor_step, lmo_came_step) ------------------------------ */
+/* One parallel region per parameter: each pass is an `omp for` over the LMO_NSEG row segments (its end is the barrier
+ * before the next pass), and whatever depends on a whole-tensor sum (the row / column EMAs and the factors of
+ * approx_rsqrt, the clipping denominator, Adafactor's RMS(p)) is computed between passes from per-segment partial sums
+ * added in segment order, by every thread alike: results do not depend on the thread count or the schedule.
+ * work (doubles): [0, LMO_NSEG C / 2) the segments' column sums (fp32), then LMO_NSEG doubles for each of
+ * FW_ROW (sum of a row statistic's new EMA), FW_PSQ (sum of p^2), FW_USQ (sum of u^2), FW_RES (CAME: like FW_ROW). */
+
+#define FW_COL(f) ((float *)(f)->work)
+#define FW_ROW 0
+#define FW_PSQ 1
+#define FW_USQ 2
+#define FW_RES 3
+#define FW_SEG(f, k) ((f)->work + (int64_t)LMO_NSEG * (f)->C / 2 + (int64_t)(k) * LMO_NSEG)
+
+typedef struct {
+    float denom, alpha, b1, omb1, sdecay, eps2, lr;
+} fact_sc;
+
+/* Adds the per-segment sums seg[0..LMO_NSEG) in order. */
+static inline double seg_total(const double *seg) {
+    double t = 0.0;
+    int s;
+    for (s = 0; s < LMO_NSEG; s++) t += seg[s];
+    return t;
+}
+
+/* Pass 1 on segment s: x = g^2 + eps1; each row's mean (fp64 sum / C) folds into the row EMA
+ * row[r] = beta row[r] + (1 - beta) mean (ema_factored_: mul_, then add_ with alpha, one fma), the new row values'
+ * sum into FW_ROW[s], the segment's column sums of x into FW_COL; with psq, the sum of p^2 (RMS(p)) into FW_PSQ[s]. */
+static void fact_sq_seg(const lmo_fact *f, int s, float eps1, float beta, float omb, float *row, int psq) {
+    const int64_t C = f->C;
+    const vf veps1 = v_set(eps1);
+    float *colp = FW_COL(f) + (int64_t)s * C;
+    int64_t r0, r1, r, c;
+    double rows = 0.0;
+    vd pacc = vd_zero();
+    fact_segment(f, s, &r0, &r1);
+    memset(colp, 0, sizeof(float) * C);
+    for (r = r0; r < r1; r++) {
+        vd acc = vd_zero();
+        float mean;
+        for (c = 0; c < C; c += 16) {
+            vf g = load_grad(f->g_dtype, f->g, r * C + c, f->g_mult);
+            vf x = v_add(v_mul(g, g), veps1);
+            acc = vd_add(acc, x);
+            v_store(colp + c, v_add(v_load(colp + c), x));
+            if (psq) pacc = vd_add_sq(pacc, load_dt(f->p_dtype, f->p, r * C + c));
+        }
+        mean = (float)(vd_sum(acc) / (double)C);
+        row[r] = fmaf(mean, omb, row[r] * beta);
+        rows += (double)row[r];
+    }
+    FW_SEG(f, FW_ROW)[s] = rows;
+    if (psq) FW_SEG(f, FW_PSQ)[s] = vd_sum(pacc);
+}
+
+/* Between passes (every thread; ends with a barrier): the column means (the segments' sums in fp64, in segment order,
+ * / R) fold into the column EMA col[c] as the rows did, then approx_rsqrt's factors cf[c] = 1 / sqrt(col[c]) and
+ * rf[r] = 1 / sqrt(row[r] / mean(row)) (torch's rsqrt: two roundings; mean(row): FW seg sums / R). */
+static void fact_factors(const lmo_fact *f, int rowk, float beta, float omb, const float *row, float *col, float *rf,
+                         float *cf) {
+    const int64_t R = f->R, C = f->C;
+    const float rmean = (float)(seg_total(FW_SEG(f, rowk)) / (double)R);
+    const float *colp = FW_COL(f);
+    int64_t c, r;
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+    for (c = 0; c < C; c++) {
+        double t = 0.0;
+        float mean;
+        int s;
+        for (s = 0; s < LMO_NSEG; s++) t += colp[(int64_t)s * C + c];
+        mean = (float)(t / (double)R);
+        col[c] = fmaf(mean, omb, col[c] * beta);
+        cf[c] = 1.0f / sqrtf(col[c]);
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (r = 0; r < R; r++) rf[r] = 1.0f / sqrtf(row[r] / rmean);
+}
+
+/* Pass 2 on segment s: the sum of u^2, u = (rf[r] cf[c]) g, into FW_USQ[s] (fp64). */
+static void fact_usq_seg(const lmo_fact *f, int s) {
+    const int64_t C = f->C;
+    int64_t r0, r1, r, c;
+    vd acc = vd_zero();
+    fact_segment(f, s, &r0, &r1);
+    for (r = r0; r < r1; r++)
+        for (c = 0; c < C; c += 16) acc = vd_add_sq(acc, v_rc(f->rf, f->cf, r, c, load_grad(f->g_dtype, f->g, r * C + c, f->g_mult)));
+    FW_SEG(f, FW_USQ)[s] = vd_sum(acc);
+}
+
+/* The clipping denominator (RMS(u) / clip).clamp(min=1) in fp32 as the eager math's 0-dim tensors: the norm rounded
+ * to fp32, divided by sqrt(numel) and by the threshold, each cast to fp32 (NaN stays NaN). */
+static float fact_denom(const lmo_fact *f, double clip) {
+    float x = (float)sqrt(seg_total(FW_SEG(f, FW_USQ)));
+    x = x / (float)sqrt((double)(f->R * f->C));
+    x = x / (float)clip;
+    return x < 1.0f ? 1.0f : x;
+}
+
 /* Adafactor's update (lowmemopt.optim.adafactor.adafactor_math after the statistics):
- *   u = (rf[r] cf[c]) g / denom * alpha;  [m = beta1 m + (1 - beta1) u; u = m];  [p += s p];  p -= u
- * h: 0 denom  1 alpha  2 beta1  3 1 - beta1  4 s = -wd alpha. A denom of exactly 1 (no clipping) divides by nothing. */
+ *   u = (rf[r] cf[c]) g / denom * alpha;  [m = beta1 m + (1 - beta1) u; u = m];  [p += sdecay p];  p -= u
+ * A denom of exactly 1 (no clipping) divides by nothing. */
 static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_fact *f, const slot_rt *rt, int s,
-                                                                       const int K) {
-    const vf denom = v_set((float)f->h[0]), alpha = v_set((float)f->h[1]);
-    const vf b1 = v_set((float)f->h[2]);
-    const vf omb1 = v_set((float)f->h[3]), sdecay = v_set((float)f->h[4]);
-    const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
+                                                                       const fact_sc *sc, const int K) {
+    const vf denom = v_set(sc->denom), alpha = v_set(sc->alpha), b1 = v_set(sc->b1);
+    const vf omb1 = v_set(sc->omb1), sdecay = v_set(sc->sdecay);
+    const int has_m = f->has_m, wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = sc->denom != 1.0f;
     slot_rt sm;
     rowacc am;
     vf M[4];
@@ -1611,20 +1716,22 @@ static inline __attribute__((always_inline)) void adafactor_apply_seg(const lmo_
     });
 }
 
-/* CAME's instability statistics (lowmemopt.optim.came.came_math): with u = (rf[r] cf[c]) g / denom and the new first
- * moment m' = beta1 m + (1 - beta1) u (not stored here), row / column means of (u - m')^2 + eps2.
- * h: 0 denom  2 beta1  3 1 - beta1  5 eps2. Column sums: fp32 within the segment, fp64 across segments. */
-static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
-    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]);
-    const vf omb1 = v_set((float)f->h[3]);
-    const vf eps2 = v_set((float)f->h[5]);
-    const int gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
+/* CAME's pass 3 (lowmemopt.optim.came.came_math): with u = (rf[r] cf[c]) g / denom and the new first moment
+ * m' = beta1 m + (1 - beta1) u (not stored here), x = (u - m')^2 + eps2; its row means fold into the EMA vr2 (as
+ * fact_sq_seg), its column sums into FW_COL (fp32 within the segment). */
+static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc,
+                                                                float beta, float omb, const int K) {
+    const vf denom = v_set(sc->denom), b1 = v_set(sc->b1), omb1 = v_set(sc->omb1), eps2 = v_set(sc->eps2);
+    const int gdt = f->g_dtype, clip = sc->denom != 1.0f;
     const int64_t C = f->C;
-    float *colp = (float *)(f->work + (int64_t)s * C);
+    float *colp = FW_COL(f) + (int64_t)s * C;
+    float *row = f->vr2;
+    double rows = 0.0;
     slot_rt sm = rt[0];
     rowacc am;
     vf M[4];
     vd racc = vd_zero();
+    memset(&am, 0, sizeof am);
     memset(colp, 0, sizeof(float) * C);
     LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M), (void)0, {
         vf u = v_rc(f->rf, f->cf, r, c, load_grad(gdt, f->g, i, f->g_mult));
@@ -1636,22 +1743,25 @@ static inline __attribute__((always_inline)) void came_res_seg(const lmo_fact *f
         racc = vd_add(racc, x);
         v_store(colp + c, v_add(v_load(colp + c), x));
         if (c + 16 == C) {
-            f->row_out[r] = (float)(vd_sum(racc) / (double)C);
+            const float mean = (float)(vd_sum(racc) / (double)C);
+            row[r] = fmaf(mean, omb, row[r] * beta);
+            rows += (double)row[r];
             racc = vd_zero();
         }
     });
+    FW_SEG(f, FW_RES)[s] = rows;
 }
 
-/* CAME's update: m' as above (stored), u2 = (rf2[r] cf2[c]) m';  [p += s p];  p -= u2 lr
- * h: 0 denom  2 beta1  3 1 - beta1  4 s = -wd lr  6 lr */
-static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact *f, const slot_rt *rt, int s, const int K) {
-    const vf denom = v_set((float)f->h[0]), b1 = v_set((float)f->h[2]);
-    const vf omb1 = v_set((float)f->h[3]);
-    const vf sdecay = v_set((float)f->h[4]), lr = v_set((float)f->h[6]);
-    const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = (float)f->h[0] != 1.0f;
+/* CAME's update: m' as above (stored), u2 = (rf2[r] cf2[c]) m';  [p += sdecay p];  p -= u2 lr */
+static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc,
+                                                                  const int K) {
+    const vf denom = v_set(sc->denom), b1 = v_set(sc->b1), omb1 = v_set(sc->omb1);
+    const vf sdecay = v_set(sc->sdecay), lr = v_set(sc->lr);
+    const int wd = f->flags & 1, pdt = f->p_dtype, gdt = f->g_dtype, clip = sc->denom != 1.0f;
     slot_rt sm = rt[0];
     rowacc am;
     vf M[4];
+    memset(&am, 0, sizeof am);
     LMO_FACT_WALK(f, s, slot_row_begin(K, &sm, blk, &am), slot_loadn(K, &sm, i_ + g_, n, &am, M),
                   slot_block_end(K, &sm, blk, i_, len, &am), {
         vf u = v_rc(f->rf, f->cf, r, c, load_grad(gdt, f->g, i, f->g_mult));
@@ -1665,65 +1775,145 @@ static inline __attribute__((always_inline)) void came_apply_seg(const lmo_fact 
     });
 }
 
-typedef void (*fact_seg_fn)(const lmo_fact *f, const slot_rt *rt, int s);
+/* Each pass specialized for the first moment's storage, a function of its own (the scalar build's 16-float structs
+ * stay in registers only in functions of moderate size). */
+#define LMO_FACT_SPECIALIZE(name, PARAMS, ...)                                                                      \
+    static void name##_f32 PARAMS { name(__VA_ARGS__, ST_F32); }                                                    \
+    static void name##_bf16 PARAMS { name(__VA_ARGS__, ST_BF16); }                                                  \
+    static void name##_q8 PARAMS { name(__VA_ARGS__, ST_Q8); }                                                      \
+    static void name##_q4 PARAMS { name(__VA_ARGS__, ST_Q4); }
 
-static int fact_run(const lmo_fact *f, fact_seg_fn fn) {
+typedef void (*fact_af_fn)(const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc);
+typedef void (*fact_res_fn)(const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc, float beta, float omb);
+typedef void (*fact_came_fn)(const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc);
+LMO_FACT_SPECIALIZE(adafactor_apply_seg, (const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc), f, rt, s, sc)
+LMO_FACT_SPECIALIZE(came_res_seg, (const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc, float beta, float omb),
+                    f, rt, s, sc, beta, omb)
+LMO_FACT_SPECIALIZE(came_apply_seg, (const lmo_fact *f, const slot_rt *rt, int s, const fact_sc *sc), f, rt, s, sc)
+
+/* Passes alternate their direction over the segments (forward, backward, ...): a pass starts on the rows the previous
+ * one read last, which a tensor larger than the last-level cache still finds there. */
+#define LMO_SEG_FWD(s) (s)
+#define LMO_SEG_BWD(s) (LMO_NSEG - 1 - (s))
+
+static int fact_step_check(const lmo_fact *f, int came) {
     if (fact_check(f)) return LMO_EBADARG;
+    if (!f->vr || !f->vc || !f->rf || !f->cf || !f->work) return LMO_EBADARG;
+    if (came && (!f->has_m || !f->vr2 || !f->vc2 || !f->rf2 || !f->cf2)) return LMO_EBADARG;
+    return LMO_OK;
+}
+
+/* Adafactor, the whole step of one parameter (h: 0 eps1  1 beta2t  2 beta1  3 1 - beta1  4 sdecay (flag 2: -wd)
+ * 5 clip threshold  6 alpha (flag 2: rho)  7 eps2; flags: 1 weight decay, 2 alpha = max(RMS(p), eps2) rho with
+ * RMS(p) from pass 1). Passes: 1 g (+ p with flag 2) -> row / column EMAs vr, vc and factors rf, cf;
+ * 2 g -> denom;  3 g, m, p -> m, p. */
+static int adafactor_step_run(const lmo_fact *f, fact_af_fn apply) {
+    const float eps1 = (float)f->h[0], beta = (float)f->h[1], omb = (float)(1.0 - f->h[1]);
+    const int scale = (f->flags & 2) != 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(fact_threads(f))
 #endif
     {
         float buf[f->bs] __attribute__((aligned(64)));
         slot_rt rt[1];
+        fact_sc sc;
         int s;
         if (f->has_m) slot_rt_init(&rt[0], &f->m, buf);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (s = 0; s < LMO_NSEG; s++) fn(f, rt, s);
+        for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, beta, omb, f->vr, scale);
+        fact_factors(f, FW_ROW, beta, omb, f->vr, f->vc, f->rf, f->cf);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) fact_usq_seg(f, LMO_SEG_BWD(s));
+        memset(&sc, 0, sizeof sc);
+        sc.denom = fact_denom(f, f->h[5]);
+        sc.b1 = (float)f->h[2];
+        sc.omb1 = (float)f->h[3];
+        if (scale) { /* step_size: rms_p.clamp(min=eps2) * rho; the decay -wd * alpha, in fp32 as the 0-dim tensors */
+            float rms = (float)sqrt(seg_total(FW_SEG(f, FW_PSQ))) / (float)sqrt((double)(f->R * f->C));
+            const float eps2 = (float)f->h[7];
+            rms = rms < eps2 ? eps2 : rms;
+            sc.alpha = rms * (float)f->h[6];
+            sc.sdecay = sc.alpha * (float)f->h[4];
+        } else {
+            sc.alpha = (float)f->h[6];
+            sc.sdecay = (float)f->h[4];
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) apply(f, rt, LMO_SEG_FWD(s), &sc);
     }
     return LMO_OK;
 }
 
-#define LMO_FACT_SPECIALIZE(name)                                                                                   \
-    static void name##_f32(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_F32); }                 \
-    static void name##_bf16(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_BF16); }               \
-    static void name##_q8(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_Q8); }                   \
-    static void name##_q4(const lmo_fact *f, const slot_rt *rt, int s) { name(f, rt, s, ST_Q4); }                   \
-    static int name##_run(const lmo_fact *f) {                                                                       \
-        switch (f->has_m ? f->m.kind : ST_F32) {                                                                      \
-        case ST_F32: return fact_run(f, name##_f32);                                                                  \
-        case ST_BF16: return fact_run(f, name##_bf16);                                                                \
-        case ST_Q8: return fact_run(f, name##_q8);                                                                    \
-        case ST_Q4: return fact_run(f, name##_q4);                                                                    \
-        default: return LMO_EBADARG;                                                                                  \
-        }                                                                                                             \
-    }
-
-LMO_FACT_SPECIALIZE(adafactor_apply_seg)
-LMO_FACT_SPECIALIZE(came_res_seg)
-LMO_FACT_SPECIALIZE(came_apply_seg)
-
-int lmo_adafactor_apply(const lmo_fact *f) { return adafactor_apply_seg_run(f); }
-
-int lmo_came_res_means(const lmo_fact *f) {
-    int rc;
-    int64_t c;
-    int s;
-    if (!f->has_m) return LMO_EBADARG;
-    rc = came_res_seg_run(f);
-    if (rc) return rc;
-    for (c = 0; c < f->C; c++) {
-        double t = 0.0;
-        for (s = 0; s < LMO_NSEG; s++) t += ((const float *)(f->work + (int64_t)s * f->C))[c];
-        f->col_out[c] = (float)(t / (double)f->R);
+/* CAME, the whole step of one parameter (h: 0 eps1  1 beta2  2 beta1  3 1 - beta1  4 sdecay = -wd lr  5 clip
+ * threshold  6 lr  7 eps2  8 beta3; flags: 1 weight decay). Passes: 1 g -> vr, vc, rf, cf;  2 g -> denom;
+ * 3 g, m -> the instability's EMAs vr2, vc2 and factors rf2, cf2;  4 g, m, p -> m, p. */
+static int came_step_run(const lmo_fact *f, fact_res_fn res, fact_came_fn apply) {
+    const float eps1 = (float)f->h[0], beta2 = (float)f->h[1], omb2 = (float)(1.0 - f->h[1]);
+    const float beta3 = (float)f->h[8], omb3 = (float)(1.0 - f->h[8]);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        float buf[f->bs] __attribute__((aligned(64)));
+        slot_rt rt[1];
+        fact_sc sc;
+        int s;
+        slot_rt_init(&rt[0], &f->m, buf);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, beta2, omb2, f->vr, 0);
+        fact_factors(f, FW_ROW, beta2, omb2, f->vr, f->vc, f->rf, f->cf);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) fact_usq_seg(f, LMO_SEG_BWD(s));
+        memset(&sc, 0, sizeof sc);
+        sc.denom = fact_denom(f, f->h[5]);
+        sc.b1 = (float)f->h[2];
+        sc.omb1 = (float)f->h[3];
+        sc.sdecay = (float)f->h[4];
+        sc.lr = (float)f->h[6];
+        sc.eps2 = (float)f->h[7];
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) res(f, rt, LMO_SEG_FWD(s), &sc, beta3, omb3);
+        fact_factors(f, FW_RES, beta3, omb3, f->vr2, f->vc2, f->rf2, f->cf2);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) apply(f, rt, LMO_SEG_BWD(s), &sc);
     }
     return LMO_OK;
 }
 
-int lmo_came_apply(const lmo_fact *f) {
-    if (!f->has_m) return LMO_EBADARG;
-    return came_apply_seg_run(f);
+int lmo_adafactor_step(const lmo_fact *f) {
+    if (fact_step_check(f, 0)) return LMO_EBADARG;
+    switch (f->has_m ? f->m.kind : ST_F32) {
+    case ST_F32: return adafactor_step_run(f, adafactor_apply_seg_f32);
+    case ST_BF16: return adafactor_step_run(f, adafactor_apply_seg_bf16);
+    case ST_Q8: return adafactor_step_run(f, adafactor_apply_seg_q8);
+    case ST_Q4: return adafactor_step_run(f, adafactor_apply_seg_q4);
+    default: return LMO_EBADARG;
+    }
+}
+
+int lmo_came_step(const lmo_fact *f) {
+    if (fact_step_check(f, 1)) return LMO_EBADARG;
+    switch (f->m.kind) {
+    case ST_F32: return came_step_run(f, came_res_seg_f32, came_apply_seg_f32);
+    case ST_BF16: return came_step_run(f, came_res_seg_bf16, came_apply_seg_bf16);
+    case ST_Q8: return came_step_run(f, came_res_seg_q8, came_apply_seg_q8);
+    case ST_Q4: return came_step_run(f, came_res_seg_q4, came_apply_seg_q4);
+    default: return LMO_EBADARG;
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------------------------ */
@@ -1738,12 +1928,12 @@ static inline vf torch_u(const lmo_fact *f, int64_t r, int64_t c, vf g, vf rmean
     return v_mul(v_div(v_set(1.0f), v_sqrt(v_max(var, eps2))), g);
 }
 
-/* result[0] = sum of u^2 over the whole tensor: u = (rf[r] cf[c]) g (torch_semantics 0: lmo_fact_sumsq), or torch_u
- * (1: h 0 rmean, 1 eps1^2). Per segment in fp64, then across segments in order. */
-static inline __attribute__((always_inline)) int fact_sumsq(const lmo_fact *f, const int torch_semantics) {
+/* result[0] = sum of u^2 over the whole tensor, u = torch_u (h: 0 rmean, 1 eps1^2). Per segment in fp64, then
+ * across segments in order. */
+int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
     const int64_t C = f->C;
     const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]);
-    if (fact_check(f)) return LMO_EBADARG;
+    if (fact_check(f) || f->has_m) return LMO_EBADARG;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(fact_threads(f))
 #endif
@@ -1757,37 +1947,20 @@ static inline __attribute__((always_inline)) int fact_sumsq(const lmo_fact *f, c
             vd acc = vd_zero();
             fact_segment(f, s, &r0, &r1);
             for (r = r0; r < r1; r++)
-                for (c = 0; c < C; c += 16) {
-                    const vf g = load_grad(f->g_dtype, f->g, r * C + c, f->g_mult);
-                    const vf u = torch_semantics ? torch_u(f, r, c, g, rmean, eps2) : v_rc(f->rf, f->cf, r, c, g);
-                    acc = vd_add_sq(acc, u);
-                }
+                for (c = 0; c < C; c += 16) acc = vd_add_sq(acc, torch_u(f, r, c, load_grad(f->g_dtype, f->g, r * C + c, f->g_mult), rmean, eps2));
             f->work[s] = vd_sum(acc);
         }
     }
-    {
-        double t = 0.0;
-        int s;
-        for (s = 0; s < LMO_NSEG; s++) t += f->work[s];
-        f->result[0] = t;
-    }
+    f->result[0] = seg_total(f->work);
     return LMO_OK;
 }
 
-int lmo_fact_sumsq(const lmo_fact *f) { return fact_sumsq(f, 0); }
-
-int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
-    if (f->has_m) return LMO_EBADARG;
-    return fact_sumsq(f, 1);
-}
-
-static void adafactor_torch_apply_seg(const lmo_fact *f, const slot_rt *rt, int s) {
+static void adafactor_torch_apply_seg(const lmo_fact *f, int s) {
     const int64_t C = f->C;
     const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]), scale = v_set((float)f->h[2]);
     const vf decay = v_set((float)f->h[3]);
     const int pdt = f->p_dtype, gdt = f->g_dtype, decays = (float)f->h[3] != 1.0f;
     int64_t r0, r1, r, c;
-    (void)rt;
     fact_segment(f, s, &r0, &r1);
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c += 16) {
@@ -1800,6 +1973,16 @@ static void adafactor_torch_apply_seg(const lmo_fact *f, const slot_rt *rt, int 
 }
 
 int lmo_adafactor_torch_apply(const lmo_fact *f) {
-    if (f->has_m) return LMO_EBADARG;
-    return fact_run(f, adafactor_torch_apply_seg);
+    if (fact_check(f) || f->has_m) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) adafactor_torch_apply_seg(f, s);
+    }
+    return LMO_OK;
 }
