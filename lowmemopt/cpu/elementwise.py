@@ -21,7 +21,7 @@ from ..quant import q4
 from ..quant.formats import BF16, FP32, Q4, Q8, StateFormat
 from . import applies, build, ffi
 
-__all__ = ["KERNELS", "Kernel", "prepare", "step", "step_many"]
+__all__ = ["KERNELS", "Kernel", "prepare", "refresh", "step", "step_many"]
 
 #: rows of this many elements for fp32 / bf16 state (any size works; q8 / q4 rows are the quantization blocks); the
 #: kernel also does the last partial row, so every element of a parameter takes the same arithmetic (a sharded
@@ -81,6 +81,21 @@ def _is_number(v: Any) -> bool:
     return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
 
 
+def _derived(kernel: Kernel, algorithm: str, kwargs: dict[str, Any], decay: float,
+             memo: dict | None) -> tuple[bool, tuple[str, ...], tuple[float, ...], int]:
+    """``(numbers, slot names, h, flags)``: whether the hyper-parameters are plain numbers (a tensor is not taken),
+    the kernel's slots and its scalars; from ``memo`` where this ``kwargs`` object was seen (see :func:`prepare`)."""
+    key = (algorithm, id(kwargs), decay)
+    derived = None if memo is None else memo.get(key)
+    if derived is None:
+        numbers = all(map(_is_number, kwargs.values())) and _is_number(decay)
+        h, flags = kernel.scalars(kwargs, decay) if numbers else ((), 0)
+        derived = (numbers, kernel.slots(kwargs) if numbers else (), h, flags)
+        if memo is not None:
+            memo[key] = derived
+    return derived
+
+
 def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
             state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
             step: int, decay: float, scan: torch.Tensor | None = None,
@@ -95,13 +110,7 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
         return None, 0
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return None, 0
-    derived = None if memo is None else memo.get((algorithm, id(kwargs), decay))
-    if derived is None:
-        numbers = all(map(_is_number, kwargs.values())) and _is_number(decay)
-        derived = (numbers, kernel.slots(kwargs) if numbers else (), kernel.scalars(kwargs, decay) if numbers else None)
-        if memo is not None:
-            memo[(algorithm, id(kwargs), decay)] = derived
-    numbers, names, (h, flags) = derived[0], derived[1], derived[2] or ((), 0)
+    numbers, names, h, flags = _derived(kernel, algorithm, kwargs, decay, memo)
     if not numbers:
         return None, 0
     if len(names) != len(slots) or any(k not in slots for k in names):
@@ -160,6 +169,28 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
         key = rounding.step_key(state[rounding.SEED], step) if mode == "stochastic" else 0
         ffi.set_update(args, mode, key, index_base or 0, kahan)
     return args, rows * bs + tail
+
+
+def refresh(args: ffi.Args, algorithm: str, kwargs: dict[str, Any], gflat: torch.Tensor, state: dict[str, Any],
+            slots: dict[str, Any], step: int, decay: float, scan: torch.Tensor | None = None, memo: dict | None = None,
+            grad_mult: float | None = None) -> bool:
+    """Make ``args``, which :func:`prepare` made for this parameter on an earlier step, this step's: the gradient, the
+    scalars, the check, the stochastic rounding key, the loss scaling multiplier. The caller vouches that nothing else
+    changed (the parameter, its state tensors and their formats, the storage options). False: the hyper-parameters
+    now ask for another kernel setup (call :func:`prepare`)."""
+    kernel = KERNELS[algorithm]
+    numbers, names, h, flags = _derived(kernel, algorithm, kwargs, decay, memo)
+    if not numbers or len(names) != len(slots) or any(k not in slots for k in names):
+        return False
+    args.g = gflat.data_ptr()
+    args.h[:len(h)] = h
+    args.flags = flags
+    args.nthreads = torch.get_num_threads()
+    ffi.set_scan(args, scan)
+    if args.p_update == ffi.UPDATES["stochastic"]:
+        args.sr_key = rounding.step_key(state[rounding.SEED], step)
+    args.g_mult = 0.0 if grad_mult is None else grad_mult
+    return True
 
 
 def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,

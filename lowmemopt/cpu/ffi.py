@@ -12,7 +12,7 @@ from ..quant.maps import is_signed_map
 from . import build
 from .codec import tables, tables4
 
-__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "call", "call_many", "can_scan", "scan_result",
+__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "set_scan", "call", "call_many", "can_scan", "scan_result",
            "run_codec"]
 
 MAX_SLOTS = 4
@@ -100,11 +100,20 @@ def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int
     for i, h in enumerate(hyper):
         a.h[i] = h
     a.flags, a.tail = flags, tail
-    if scan is not None:
-        a._sumsq = ctypes.c_float(0.0)  # kept alive with the struct
-        a.scan, a.scan_n, a.scan_dtype = scan.data_ptr(), scan.numel(), DTYPES[scan.dtype]
-        a.scan_sumsq = ctypes.addressof(a._sumsq)
+    set_scan(a, scan)
     return a
+
+
+def set_scan(a: Args, scan: torch.Tensor | None) -> None:
+    """Point ``a``'s non-finite check at ``scan`` (None: no check); see :func:`args_for`."""
+    if scan is None:
+        a.scan, a.scan_n, a.scan_sumsq = None, 0, None
+        return
+    if getattr(a, "_sumsq", None) is None:
+        a._sumsq = ctypes.c_float(0.0)  # kept alive with the struct
+    a._sumsq.value = 0.0
+    a.scan, a.scan_n, a.scan_dtype = scan.data_ptr(), scan.numel(), DTYPES[scan.dtype]
+    a.scan_sumsq = ctypes.addressof(a._sumsq)
 
 
 #: ``bf16_update`` -> the kernels' UPD_* code

@@ -17,6 +17,7 @@ formats without a fused kernel) goes on to the per-parameter path, in order.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -29,6 +30,15 @@ from .backends import init_state, update_rest
 from .plan import Plan
 
 __all__ = ["step_cpu_bucket"]
+
+#: per parameter: its kernel arguments from the last step and what they were made for (``sig`` in
+#: :func:`step_cpu_bucket`: the state's tensors by address, the parameter, the storage options); a step whose
+#: parameter matches refreshes only what changes per step (:func:`lowmemopt.cpu.elementwise.refresh`)
+_ARGS: dict[int, tuple[weakref.ref, tuple, Any, int]] = {}  # id(param) -> (param, sig, args, done)
+
+
+def _forget(key: int) -> Any:
+    return lambda ref: _ARGS.pop(key, None) if _ARGS.get(key, (None,))[0] is ref else None
 
 Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
 
@@ -48,7 +58,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     ``finite`` for the ones checked here; return the rest, in order, for the per-parameter path."""
     if not todo or not takes(plan):
         return todo
-    from ..cpu.elementwise import prepare, step_many
+    from ..cpu.elementwise import prepare, refresh, step_many
 
     algorithm, states = plan.algorithm, plan.state
     name = algorithm.fused
@@ -95,10 +105,21 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         formats = {k: format_of(state, k) for k in slots}
         pflat, gflat = local.view(-1), grad.view(-1)
         decay = algorithm.decay_factor(group)
-        args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay,
-                             scan=gflat if finite[i] is None else None,
-                             index_base=reduce.flat_offset() if reduce.distributed else 0, memo=memo,
-                             grad_mult=host_mult)
+        index_base = reduce.flat_offset() if reduce.distributed else 0
+        scan = gflat if finite[i] is None else None
+        # the kernel arguments of this parameter's last step, made again only when what they point at changed
+        sig = (name, id(state), tuple(state), *(v.data_ptr() for v in state.values() if type(v) is torch.Tensor),
+               pflat.data_ptr(), pflat.dtype, pflat.numel(), gflat.dtype, group["block_size"],
+               rounding.mode_of(group, local), index_base)
+        cached = _ARGS.get(id(p))
+        if (cached is not None and cached[0]() is p and cached[1] == sig
+                and refresh(cached[2], name, kw, gflat, state, slots, step, decay, scan, memo, host_mult)):
+            args, done = cached[2], cached[3]
+        else:
+            args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay, scan=scan,
+                                 index_base=index_base, memo=memo, grad_mult=host_mult)
+            if args is not None:
+                _ARGS[id(p)] = (weakref.ref(p, _forget(id(p))), sig, args, done)
         if args is None or (finite[i] is None and args.scan is None):  # the per-parameter path takes it
             state["step"] -= 1
             rest.append((i, p, group))
