@@ -15,7 +15,7 @@ import lowmemopt
 from lowmemopt import cpu, rounding
 from lowmemopt.pipeline.backends import update_flat
 
-BF16 = torch.bfloat16
+BF16, FP16 = torch.bfloat16, torch.float16
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -113,16 +113,16 @@ CASES = [
 ]
 
 
-def _run(cls, kw, mode, backend, monkeypatch, n=2048 + 64 + 13, steps=2, state_bits=32, paged=False):
+def _run(cls, kw, mode, backend, monkeypatch, n=2048 + 64 + 13, steps=2, state_bits=32, paged=False, dtype=BF16):
     from lowmemopt.kernels import runtime
 
     monkeypatch.setattr(cpu, "ENABLED", backend == "native")
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(n, dtype=BF16))
+    p = torch.nn.Parameter(torch.randn(n, dtype=dtype))
     opt = cls([p], bf16_update=mode, state_bits=state_bits, min_quant_numel=0, paged=paged, **kw)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        p.grad = torch.randn(n, generator=g).to(BF16)
+        p.grad = torch.randn(n, generator=g).to(dtype)
         if backend == "triton":
             with runtime.cpu_interpreter():
                 opt.step()
@@ -131,19 +131,20 @@ def _run(cls, kw, mode, backend, monkeypatch, n=2048 + 64 + 13, steps=2, state_b
     return p, opt
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
 @pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
-def test_backends_bit_identical(cls, kw, mode, monkeypatch):
+def test_backends_bit_identical(cls, kw, mode, dtype, monkeypatch):
     from lowmemopt.kernels import dispatch, runtime
 
     if not (runtime.HAS_TRITON and runtime.INTERPRET):
         pytest.skip("needs TRITON_INTERPRET=1")
-    ref, ropt = _run(cls, kw, mode, "eager", monkeypatch)
+    ref, ropt = _run(cls, kw, mode, "eager", monkeypatch, dtype=dtype)
     before = sum(dispatch.stats.values())
-    tri, topt = _run(cls, kw, mode, "triton", monkeypatch)
+    tri, topt = _run(cls, kw, mode, "triton", monkeypatch, dtype=dtype)
     assert sum(dispatch.stats.values()) > before  # the fused kernel really ran
-    nat, nopt = _run(cls, kw, mode, "native", monkeypatch)
-    near, _ = _run(cls, kw, "nearest", "eager", monkeypatch)
+    nat, nopt = _run(cls, kw, mode, "native", monkeypatch, dtype=dtype)
+    near, _ = _run(cls, kw, "nearest", "eager", monkeypatch, dtype=dtype)
     assert not torch.equal(_bits(ref), _bits(near))
     # (an interpreter whose tl.fma rounds twice, before Triton 3.9, cannot give the kernels' bits: native C only)
     for p, opt in ((tri, topt), (nat, nopt))[0 if interpreter_fma_rounds_once() else 1:]:
@@ -151,15 +152,17 @@ def test_backends_bit_identical(cls, kw, mode, monkeypatch):
         if mode == "kahan":
             assert torch.equal(_bits(opt.state[p][rounding.KAHAN]), _bits(ropt.state[ref][rounding.KAHAN]))
             assert ropt.state[ref][rounding.KAHAN].abs().max() > 0
+            assert opt.state[p][rounding.KAHAN].dtype == dtype
         else:
             assert opt.state[p][rounding.SEED] == ropt.state[ref][rounding.SEED]
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
-def test_8bit_state_native_and_eager_agree(mode, monkeypatch):
+def test_8bit_state_native_and_eager_agree(mode, dtype, monkeypatch):
     # q8: the native kernel does the full blocks, the eager path the ragged rest at its element offset
-    a, _ = _run(lowmemopt.AdamW, dict(lr=1e-4), mode, "eager", monkeypatch, n=4096 + 100, state_bits=8)
-    b, _ = _run(lowmemopt.AdamW, dict(lr=1e-4), mode, "native", monkeypatch, n=4096 + 100, state_bits=8)
+    a, _ = _run(lowmemopt.AdamW, dict(lr=1e-4), mode, "eager", monkeypatch, n=4096 + 100, state_bits=8, dtype=dtype)
+    b, _ = _run(lowmemopt.AdamW, dict(lr=1e-4), mode, "native", monkeypatch, n=4096 + 100, state_bits=8, dtype=dtype)
     assert torch.equal(_bits(a), _bits(b))
 
 
@@ -181,8 +184,9 @@ class _Shard:
         return value
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("backend", ["eager", "native", "triton"])
-def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, monkeypatch):
+def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, dtype, monkeypatch):
     # stochastic rounding hashes an element's index in the whole parameter: a shard [lo, hi) stepped with its offset
     # (FSDP2: Reduction.flat_offset; the pipeline's Item.index_base) gets the whole parameter's bits there
     from lowmemopt.kernels import dispatch, runtime
@@ -192,11 +196,11 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, monkeypatch)
     if backend == "triton" and not (runtime.HAS_TRITON and runtime.INTERPRET):
         pytest.skip("needs TRITON_INTERPRET=1")
     n, lo, hi = 3000, 1100, 2600
-    whole, wopt = _run(lowmemopt.AdamW, dict(lr=1e-4), "stochastic", "eager", monkeypatch, n=n, steps=1)
+    whole, wopt = _run(lowmemopt.AdamW, dict(lr=1e-4), "stochastic", "eager", monkeypatch, n=n, steps=1, dtype=dtype)
     seed = wopt.state[whole][rounding.SEED]
     torch.manual_seed(0)
-    start = torch.randn(n, dtype=BF16)
-    grad = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(BF16)
+    start = torch.randn(n, dtype=dtype)
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
     monkeypatch.setattr(cpu, "ENABLED", backend == "native")
     for shifted in (True, False):
         shard = torch.nn.Parameter(start[lo:hi].clone())
@@ -242,16 +246,17 @@ def test_paged_matches_unpaged(monkeypatch):
     opt.close()
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
-def test_resume_is_bit_exact(mode, tmp_path):
+def test_resume_is_bit_exact(mode, dtype, tmp_path):
     def make():
         torch.manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(300, dtype=BF16))
+        p = torch.nn.Parameter(torch.randn(300, dtype=dtype))
         return p, lowmemopt.AdamW([p], lr=1e-4, weight_decay=0.1, bf16_update=mode, state_bits=8, min_quant_numel=0)
 
     def steps(p, opt, k, start):
         for i in range(start, start + k):
-            p.grad = torch.randn(300, generator=torch.Generator().manual_seed(i)).to(BF16)
+            p.grad = torch.randn(300, generator=torch.Generator().manual_seed(i)).to(dtype)
             opt.step()
 
     p, opt = make()
@@ -271,6 +276,8 @@ def test_resume_is_bit_exact(mode, tmp_path):
             lowmemopt.load_state(opt2, tmp_path / "s.safetensors")
         key = rounding.SEED if mode == "stochastic" else rounding.KAHAN
         assert key in opt2.state[q]
+        if mode == "kahan":
+            assert opt2.state[q][key].dtype == dtype  # the buffer's dtype follows the parameter
         steps(q, opt2, 3, 3)
         assert torch.equal(_bits(q), _bits(p)), how
 
@@ -281,16 +288,17 @@ def _save(obj, tmp_path):
     return path
 
 
-def test_galore_full_weight_is_compensated():
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_galore_full_weight_is_compensated(dtype):
     torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(32, 48, dtype=BF16))
+    w = torch.nn.Parameter(torch.randn(32, 48, dtype=dtype))
     w0 = w.detach().clone()
     opt = lowmemopt.AdamW([{"params": [w], "rank": 4, "update_proj_gap": 50}], lr=1e-5, bf16_update="kahan")
     for i in range(5):
-        w.grad = torch.randn(32, 48, generator=torch.Generator().manual_seed(i)).to(BF16)
+        w.grad = torch.randn(32, 48, generator=torch.Generator().manual_seed(i)).to(dtype)
         opt.step()
     c = opt.state[w][rounding.KAHAN]
-    assert c.shape == w.shape and c.abs().max() > 0
+    assert c.shape == w.shape and c.dtype == dtype and c.abs().max() > 0
     moved = (w.double() + c.double() - w0.double()).abs().max()
     assert moved > 0
 
