@@ -496,7 +496,8 @@ def _fit(dtype, mode, steps=60, lr=1e-4):
 def test_fp16_weights_track_the_fp32_master_run():
     """fp16 weights without an fp32 master copy: how far each mode ends from the fp32 run, relative to how far that
     run moved. Measured (60 steps): nearest 0.97 (it lost nearly every update), stochastic 0.59, kahan 0.13 (the
-    stochastic roundings' noise is a random walk of about an ulp per weight; Kahan's error stays under an ulp)."""
+    stochastic roundings' errors add up as a random walk, growing as the square root of the steps; Kahan's stays
+    under an ulp)."""
     ref, start = _fit(torch.float32, None)
     moved = (ref - start).norm()
     gap = {mode: ((_fit(FP16, mode)[0] - ref).norm() / moved).item() for mode in ("nearest", "stochastic", "kahan")}

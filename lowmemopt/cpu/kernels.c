@@ -1011,8 +1011,8 @@ static inline uint32_t lmo_mix32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
-/* IEEE half <-> float by integer arithmetic (every build, whatever its vector conversions): round to nearest even,
- * subnormals exact, >= 65520 -> Inf, NaN -> sign | 0x7E00 (as c10::Half) */
+/* float -> IEEE half by integer arithmetic: round to nearest even, subnormals exact, >= 65520 -> Inf, NaN ->
+ * sign | 0x7E00 (as c10::Half; the vector builds' store_f16 gives the same for every non-NaN value) */
 static inline uint16_t lmo_f16_rne(float f) {
     const uint32_t u = lmo_f2u(f), sign = (u >> 16) & 0x8000, au = u & 0x7FFFFFFF;
     uint32_t e, m, s, q, rem, half;
@@ -1028,18 +1028,15 @@ static inline uint16_t lmo_f16_rne(float f) {
     half = 1u << (s - 1);
     return (uint16_t)(sign | (q + (rem > half || (rem == half && (q & 1)))));
 }
-static inline float lmo_f16_value(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    if (e == 0x1F) return lmo_u2f(sign | 0x7F800000 | (m << 13));
-    if (e == 0) return lmo_u2f(sign | lmo_f2u((float)m * 5.9604644775390625e-8f)); /* m * 2^-24, exact */
-    return lmo_u2f(sign | ((e + 112) << 23) | (m << 13));
-}
-/* fp16 stochastic rounding of x with 16 random bits r (lowmemopt.rounding: normal, subnormal, past 65504) */
+/* fp16 stochastic rounding of x with 16 random bits r (lowmemopt.rounding: normal, subnormal, past 65504 as
+ * lmo_f16_rne), without branches so that a loop of it vectorizes */
 static inline uint16_t lmo_f16_sr(float x, uint32_t r) {
     const uint32_t u = lmo_f2u(x), sign = (u >> 16) & 0x8000, au = u & 0x7FFFFFFF;
-    if (au > 0x477FE000) return lmo_f16_rne(x);                                    /* past 65504, Inf, NaN */
-    if (au >= 0x38800000) return (uint16_t)(sign | (((au + (r >> 3)) >> 13) - (112u << 10)));
-    return (uint16_t)(sign | (((uint32_t)(lmo_u2f(au) * 1099511627776.0f) + r) >> 16)); /* a * 2^40 < 2^26 */
+    const uint32_t normal = ((au + (r >> 3)) >> 13) - (112u << 10);
+    const float small = lmo_u2f(au < 0x38800000 ? au : 0x38800000);                  /* the subnormal lanes' |x| */
+    const uint32_t sub = ((uint32_t)(int32_t)(small * 1099511627776.0f) + r) >> 16;  /* |x| * 2^40 <= 2^26 */
+    const uint32_t big = au > 0x7F800000 ? 0x7E00 : au >= 0x477FF000 ? 0x7C00 : 0x7BFF; /* past 65504 */
+    return (uint16_t)(sign | (au > 0x477FE000 ? big : au < 0x38800000 ? sub : normal));
 }
 
 /* p[i .. i + 15] <- x (fp32 result); p_old: the parameter's values before the step, as fp32. A bf16 or fp16
@@ -1065,16 +1062,26 @@ static inline __attribute__((always_inline)) void store_param(const lmo_args *a,
         }
         return;
     }
+    /* Kahan: y = (p32 - p) + c; p' = R(p + y); c = R(y - (p' - p)), 0 if not finite */
+    if (a->p_dtype == DT_F16) { /* the build's fp16 conversions, 16 lanes at a time */
+        uint16_t *c = a->kahan + i;
+        const vf y = v_add(v_sub(x, p_old), load_f16(c));
+        float comp[16];
+        store_f16(dst, v_add(p_old, y));
+        v_store(comp, v_sub(y, v_sub(load_f16(dst), p_old)));
+        for (k = 0; k < 16; k++) comp[k] = comp[k] - comp[k] == 0.0f ? comp[k] : 0.0f;
+        store_f16(c, v_load(comp));
+        return;
+    }
     v_store(ps, p_old);
-    for (k = 0; k < 16; k++) { /* y = (p32 - p) + c; p' = R(p + y); c = R(y - (p' - p)), 0 if not finite */
+    for (k = 0; k < 16; k++) {
         uint16_t *c = a->kahan + i + k;
-        const int bf = a->p_dtype == DT_BF16;
-        const float y = (xs[k] - ps[k]) + (bf ? lmo_u2f((uint32_t)*c << 16) : lmo_f16_value(*c));
-        const uint16_t nb = bf ? lmo_bf16_rne(ps[k] + y) : lmo_f16_rne(ps[k] + y);
-        float comp = y - ((bf ? lmo_u2f((uint32_t)nb << 16) : lmo_f16_value(nb)) - ps[k]);
+        const float y = (xs[k] - ps[k]) + lmo_u2f((uint32_t)*c << 16);
+        const uint16_t nb = lmo_bf16_rne(ps[k] + y);
+        float comp = y - (lmo_u2f((uint32_t)nb << 16) - ps[k]);
         if (!(comp - comp == 0.0f)) comp = 0.0f;
         dst[k] = nb;
-        *c = bf ? lmo_bf16_rne(comp) : lmo_f16_rne(comp);
+        *c = lmo_bf16_rne(comp);
     }
 }
 
