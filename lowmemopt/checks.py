@@ -163,8 +163,8 @@ def check_storage(group: dict) -> None:
     if capturable and paging.tier_of(group) is not None:
         raise ValueError("capturable=True cannot page state: a captured step cannot move it between host and device")
     if capturable and group.get("bf16_update", "nearest") == "stochastic":
-        raise ValueError("capturable=True cannot round bf16 / fp16 parameters stochastically (each step's hash key is made "
-                         "on the host); use bf16_update='nearest' or 'kahan'")
+        raise ValueError("capturable=True cannot round bf16 / fp16 parameters stochastically (each step's hash key is "
+                         "made on the host); use bf16_update='nearest' or 'kahan'")
     if capturable and group.get("rank") is not None:
         raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD that "
                          "synchronizes)")

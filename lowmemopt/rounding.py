@@ -62,13 +62,14 @@ on ``a = |p32|`` with fp32 pattern ``b``:
   the cast's rule keeps finite every value that round to nearest keeps finite. This is the one place fp16
   stochastic rounding is biased (toward zero, by under 16 for values round to nearest keeps at 65504).
 
-The Kahan buffer of an fp16 parameter is fp16 too: ``c`` is at most about half an ulp of ``p`` (the last rounding's
-error) plus the part of this step's update that did not move ``p``, so its magnitude fits fp16's range whenever ``p``
-does, and fp16's 11 significant bits hold it to ``2^-12`` relative where ``c >= 2^-14``. Below that ``c`` is a
-subnormal, held to ``2^-25`` absolute (half its ulp): a parameter near 0.01 (ulp 2^-17) keeps its compensation to 6
-bits, and an update of size ``d`` per step is carried to within ``2^-25 / d`` relative on average (under 1% for
-``d >= 3e-6``). fp32 would hold it exactly but cost 2 more bytes per parameter than the 2 that make the option
-worthwhile; the measured training gap (``bench/bf16_update.py --dtype fp16``) is within that error.
+The Kahan buffer of an fp16 parameter is fp16 too. ``c`` is the last rounding's error, at most half an ulp of ``p``,
+so it fits fp16's range whenever ``p`` does; fp16's 11 significant bits hold it to ``2^-12`` relative where
+``c >= 2^-14``. Below that ``c`` is a subnormal, held to ``2^-25`` absolute (half its ulp): a parameter near 0.01
+(ulp 2^-17) keeps its compensation to 6 bits, and an update of size ``d`` per step is carried to within
+``2^-25 / d`` relative (under 1% for ``d >= 3e-6``). fp32 would hold it exactly for 2 more bytes per parameter; fp16
+is enough in practice: fine-tuning the byte MLP with fp16 weights at lr 1e-5 (``bench/bf16_update.py --dtype fp16
+--lr 1e-5``), Kahan's held-out loss equals the fp32-weights run's to 4 digits (1.8669), where round to nearest ends
+1.3% above it.
 
 Indices are taken mod 2^32, so a parameter of more than 4G elements reuses its stream once per 4G elements. ``i`` is
 the element's index in the *whole* parameter: an FSDP2 / tensor-parallel shard hashes its elements' global indices
@@ -113,8 +114,9 @@ def mode_of(group: dict[str, Any], p: torch.Tensor) -> str:
 def init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
                agree: Callable[[int], int] | None = None) -> dict[str, Any]:
     """Add what ``p``'s mode needs to its state, if missing: the stochastic seed (an int from torch's default
-    generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer (``p``'s dtype). ``agree``: makes a
-    new seed the same on every rank that holds part of the parameter (a collective: every such rank calls it)."""
+    generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer (``p``'s dtype).
+    ``agree``: makes a new seed the same on every rank that holds part of the parameter (a collective: every such rank
+    calls it)."""
     mode = mode_of(group, p)
     if mode == "stochastic" and SEED not in state:
         seed = 0 if p.device.type == "meta" else int(torch.randint(0, 1 << 31, (1,)).item())

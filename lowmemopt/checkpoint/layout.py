@@ -144,9 +144,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def write_safetensors(fh: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` (CPU, contiguous; F32, BF16, F16 or U8) and ``metadata`` to ``fh`` as a safetensors file, byte for
-    byte what ``safetensors.torch.save_file`` writes (tensors ordered by dtype size, then name; the JSON header padded
-    with spaces to 8 bytes), streamed from the tensors' memory without a copy of the whole file."""
+    """Write ``tensors`` (CPU, contiguous; F32, BF16, F16 or U8) and ``metadata`` to ``fh`` as a safetensors file,
+    byte for byte what ``safetensors.torch.save_file`` writes (tensors ordered by dtype, then name; the JSON header
+    padded with spaces to 8 bytes), streamed from the tensors' memory without a copy of the whole file."""
     items = sorted(tensors.items(), key=lambda kv: (_DTYPE_ORDER[kv[1].dtype], kv[0]))
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
