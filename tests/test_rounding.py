@@ -366,6 +366,17 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, dtype, monke
         assert same == shifted, f"shifted={shifted}"
 
 
+def test_which_params_it_applies_to():
+    # bf16 and fp16 take the group's mode (so the compiled path, which rounds to nearest only, leaves them to the
+    # eager / native / Triton paths); fp32 always rounds to nearest
+    group = {"bf16_update": "kahan"}
+    assert [rounding.mode_of(group, torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == \
+        ["kahan", "kahan", "nearest"]
+    assert rounding.mode_of({}, torch.zeros(1, dtype=FP16)) == "nearest"  # the default is unchanged
+    with pytest.raises(TypeError, match="dtype"):
+        rounding.stochastic_round(torch.zeros(2), 1, dtype=torch.float32)
+
+
 def test_fp32_params_ignore_it(monkeypatch):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(100))
@@ -505,11 +516,12 @@ def test_fp16_weights_track_the_fp32_master_run():
     assert gap["kahan"] < 0.25 and gap["kahan"] < gap["nearest"] / 4, gap
     assert gap["stochastic"] < 0.8, gap
 
-def test_estimate_counts_the_kahan_buffer():
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_estimate_counts_the_kahan_buffer(dtype):
     from lowmemopt.estimate import estimate
 
     with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).to(BF16)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).to(dtype)
     n = sum(p.numel() for p in model.parameters())
     near = estimate(model, "adamw", 8, min_quant_numel=0).state
     assert estimate(model, "adamw", 8, min_quant_numel=0, bf16_update="kahan").state == near + 2 * n
