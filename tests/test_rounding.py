@@ -377,6 +377,21 @@ def test_which_params_it_applies_to():
         rounding.stochastic_round(torch.zeros(2), 1, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_fp16_gradient_with_a_norm_past_65504_is_finite(native, monkeypatch):
+    # the non-finite check takes the norm in fp32 on every path: an fp16 norm would overflow and skip the step
+    monkeypatch.setattr(cpu, "ENABLED", native)
+    p = torch.nn.Parameter(torch.zeros(4, dtype=FP16))
+    q = torch.nn.Parameter(torch.zeros(4, dtype=FP16))
+    opt = lowmemopt.SGD([p, q], lr=2**-10)
+    p.grad = torch.full((4,), -40960.0, dtype=FP16)  # norm 81920
+    opt.step()  # one gradient
+    assert p.tolist() == [40.0] * 4
+    q.grad = torch.full((4,), math.inf, dtype=FP16)
+    opt.step()  # two: p's is finite, q's is not
+    assert p.tolist() == [80.0] * 4 and q.tolist() == [0.0] * 4
+
+
 def test_fp32_params_ignore_it(monkeypatch):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(100))
