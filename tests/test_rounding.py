@@ -1,7 +1,7 @@
-"""bf16_update: stochastic rounding and Kahan compensation of bf16 parameters (lowmemopt.rounding).
+"""bf16_update: stochastic rounding and Kahan compensation of bf16 and fp16 parameters (lowmemopt.rounding).
 
 The reference is :mod:`lowmemopt.rounding`; the eager path, the native C kernels and the Triton kernels (interpreted
-on CPU) must give the same bf16 bits, and the same Kahan buffer."""
+on CPU) must give the same 16-bit patterns, and the same Kahan buffer."""
 
 from __future__ import annotations
 
