@@ -1,11 +1,12 @@
-"""bf16 weights without an fp32 master copy: does ``bf16_update`` reach the fp32-weights loss?
+"""bf16 / fp16 weights without an fp32 master copy: does ``bf16_update`` reach the fp32-weights loss?
 
 A fine-tune at a small learning rate, where most AdamW updates are below half a bf16 ulp of their weight: a model is
 first trained in fp32 (AdamW, lr 3e-3), then fine-tuned from that point four ways with the same batches: fp32
-weights, and bf16 weights with ``bf16_update="nearest"`` / ``"stochastic"`` / ``"kahan"``. Printed: the held-out loss
-before and after the fine-tune, the gap to fp32, and the optimizer step time relative to nearest.
+weights, and bf16 (or fp16) weights with ``bf16_update="nearest"`` / ``"stochastic"`` / ``"kahan"``. Printed: the
+held-out loss before and after the fine-tune, the gap to fp32, and the optimizer step time relative to nearest.
 
     python bench/bf16_update.py                      # ByteMLP (seconds)
+    python bench/bf16_update.py --dtype fp16         # fp16 weights (fp16's ulp is 8 times finer: try --lr 1e-5)
     python bench/bf16_update.py --model llama        # the demo's LLaMA (lowmemopt.demo.LLAMA_BYTES), shrunk
 """
 
@@ -58,9 +59,13 @@ def _train(kind, model, width, data, opt, steps, batch, seed):
     return statistics.median(times)
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def run(kind: str = "mlp", pre_steps: int = 300, steps: int = 300, lr: float = 1e-4, batch: int = 64, seed: int = 0,
-        modes=MODES) -> dict:
-    """Losses (held-out, fp32 evaluation of the weights) and median step times per mode."""
+        modes=MODES, dtype: str = "bf16") -> dict:
+    """Losses (held-out, fp32 evaluation of the weights) and median step times per mode; ``dtype``: the 16-bit
+    weights' (``"bf16"`` or ``"fp16"``)."""
     data = stdlib_bytes()
     base, width = _model(kind, seed)
     _train(kind, base, width, data, lowmemopt.AdamW(base.parameters(), lr=3e-3), pre_steps, batch, seed + 1)
@@ -69,7 +74,7 @@ def run(kind: str = "mlp", pre_steps: int = 300, steps: int = 300, lr: float = 1
     for mode in modes:
         model = copy.deepcopy(base)
         if mode != "fp32":
-            model = model.to(torch.bfloat16)
+            model = model.to(DTYPES[dtype])
         opt = lowmemopt.AdamW(model.parameters(), lr=lr, weight_decay=0.0,
                               bf16_update="nearest" if mode == "fp32" else mode)
         step_s = _train(kind, model, width, data, opt, steps, batch, seed + 2)
@@ -84,14 +89,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the 16-bit weights' dtype")
     a = ap.parse_args()
-    r = run(a.model, a.pre_steps, a.steps, a.lr, a.batch)
+    r = run(a.model, a.pre_steps, a.steps, a.lr, a.batch, dtype=a.dtype)
     ref = r["fp32"]["loss"]
     print(f"{a.model}: fine-tune {a.steps} steps at lr {a.lr:g} (AdamW) from held-out loss {r['start']:.4f}")
     print("| weights | held-out loss | vs fp32 | step time vs nearest |")
     print("| --- | --- | --- | --- |")
     for mode in MODES:
-        name = "fp32" if mode == "fp32" else f"bf16 {mode}"
+        name = "fp32" if mode == "fp32" else f"{a.dtype} {mode}"
         ratio = r[mode]["step_s"] / r["nearest"]["step_s"]
         print(f"| {name} | {r[mode]['loss']:.4f} | {100 * (r[mode]['loss'] / ref - 1):+.2f}% | {ratio:.2f}x |")
 

@@ -421,29 +421,68 @@ def bf16_bits_rne(x):
 
 
 @triton.jit
+def f16_bits_rne(x):
+    """fp32 -> fp16 bit pattern (uint32), nearest even (subnormals, Inf past 65519.99, NaN -> 0x7E00 with its sign:
+    the cast, compiled or interpreted)."""
+    return x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def f16_value(h):
+    """fp16 bit pattern (uint16 / uint32) -> fp32, exact."""
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def f16_bits_stochastic(x, r):
+    """fp32 -> fp16 bit pattern (uint32), rounded stochastically with the 16 random bits ``r`` (uint32;
+    :mod:`lowmemopt.rounding`: normal range by the bits, subnormals in units of 2^-40, past 65504 to nearest)."""
+    u = x.to(tl.uint32, bitcast=True)
+    sign = (u >> 16) & 0x8000
+    au = u & 0x7FFFFFFF
+    normal = ((au + (r >> 3)) >> 13) - (112 << 10)
+    small = tl.minimum(au, 0x38800000).to(tl.float32, bitcast=True)  # the subnormal lanes' |x|, others clamped
+    t = (small * 1099511627776.0).to(tl.uint32)  # |x| * 2^40 <= 2^26: exact
+    sub = (t + r) >> 16
+    out = tl.where(au < 0x38800000, sub, normal) | sign
+    return tl.where(au > 0x477FE000, f16_bits_rne(x), out)
+
+
+@triton.jit
 def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
                    UPDATE: tl.constexpr, W: tl.constexpr):
-    """:func:`store_param` with a bf16 parameter's ``bf16_update`` (:mod:`lowmemopt.rounding`): ``NEAREST``;
+    """:func:`store_param` with a bf16 / fp16 parameter's ``bf16_update`` (:mod:`lowmemopt.rounding`): ``NEAREST``;
     ``STOCHASTIC``: 16 hash bits of (key at column ``W - 2``, the element's index in the whole parameter: its offset
     plus column ``W - 1``) added before truncation;
-    ``KAHAN``: the bf16 compensation buffer at column ``W - 1``. ``p_old``: the parameter before the step (fp32)."""
-    if UPDATE == 0 or DTYPE != tl.bfloat16:  # NEAREST (module globals are not constexpr inside a kernel)
+    ``KAHAN``: the compensation buffer (the parameter's dtype) at column ``W - 1``. ``p_old``: the parameter before
+    the step (fp32)."""
+    if UPDATE == 0 or DTYPE == tl.float32:  # NEAREST (module globals are not constexpr inside a kernel)
         store_param(p_new, row, offs, mask, DTYPE, ALIGNED, MASKED)
     else:
         dst = typed(tl.load(row), tl.uint16, ALIGNED) + offs
         if UPDATE == 1:  # STOCHASTIC
             key = tl.load(row + W - 2).to(tl.uint32)
             r = mix32((offs + tl.load(row + W - 1)).to(tl.uint32) ^ key) >> 16
-            u = p_new.to(tl.uint32, bitcast=True)
-            out = tl.where(p_new != p_new, 0x7FC0, (u + r) >> 16)
+            if DTYPE == tl.bfloat16:
+                u = p_new.to(tl.uint32, bitcast=True)
+                out = tl.where(p_new != p_new, 0x7FC0, (u + r) >> 16)
+            else:
+                out = f16_bits_stochastic(p_new, r)
         else:
             cptr = typed(tl.load(row + W - 1), tl.uint16, False) + offs
-            c = (ld(cptr, mask, MASKED).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-            y = (p_new - p_old) + c
-            out = bf16_bits_rne(p_old + y)
-            comp = y - ((out << 16).to(tl.float32, bitcast=True) - p_old)
-            comp = tl.where(comp - comp == 0.0, comp, 0.0)
-            st(cptr, bf16_bits_rne(comp).to(tl.uint16), mask, MASKED)
+            if DTYPE == tl.bfloat16:
+                c = (ld(cptr, mask, MASKED).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                y = (p_new - p_old) + c
+                out = bf16_bits_rne(p_old + y)
+                comp = y - ((out << 16).to(tl.float32, bitcast=True) - p_old)
+                comp = tl.where(comp - comp == 0.0, comp, 0.0)
+                st(cptr, bf16_bits_rne(comp).to(tl.uint16), mask, MASKED)
+            else:
+                y = (p_new - p_old) + f16_value(ld(cptr, mask, MASKED))
+                out = f16_bits_rne(p_old + y)
+                comp = y - (f16_value(out) - p_old)
+                comp = tl.where(comp - comp == 0.0, comp, 0.0)
+                st(cptr, f16_bits_rne(comp).to(tl.uint16), mask, MASKED)
         st(dst, out.to(tl.uint16), mask, MASKED)
 
 

@@ -209,9 +209,9 @@ def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], devi
     kernel = registry.lookup(algorithm, fmt or "fp32")
     if kernel is None or sorted(kernel.slots(it.group, t)) != sorted(it.slots):
         return None
-    if it.group.get("bf16_update", "nearest") != "nearest" and t.dtype == torch.bfloat16 \
+    if it.group.get("bf16_update", "nearest") != "nearest" and t.dtype in (torch.bfloat16, torch.float16) \
             and algorithm not in registry.UPDATE_ALGORITHMS:
-        return None  # this kernel writes bf16 parameters rounded to nearest only: the reference path rounds as asked
+        return None  # this kernel writes 16-bit parameters rounded to nearest only: the reference path rounds as asked
     for value in state.values():
         if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):
             return None

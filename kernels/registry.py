@@ -23,8 +23,8 @@ __all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS", "FORMATS"
 
 #: every algorithm name a kernel exists for
 ALGORITHMS = ("adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came")
-#: algorithms whose kernels write bf16 parameters with any ``bf16_update`` (:func:`.codec.store_param_as`); the
-#: others round to nearest only, so the dispatcher leaves a bf16 parameter with another mode to the reference path
+#: algorithms whose kernels write bf16 / fp16 parameters with any ``bf16_update`` (:func:`.codec.store_param_as`);
+#: the others round to nearest only, so the dispatcher leaves such a parameter with another mode to the reference path
 UPDATE_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion"})
 #: every state format a kernel exists for (:data:`.codec.FORMAT_CODES`)
 FORMATS = ("fp32", "bf16", "q8", "q4")

@@ -130,6 +130,9 @@ VARIANTS = [
             tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, FMT=FP32)),
     Variant("sgd", sgd._sgd_kernel,
             tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True, UPDATE=KAHAN, W=17, FMT=BF16)),
+    # fp16 parameters: bf16_update's fp16 stochastic rounding and fp16 Kahan buffer (codec.store_param_as)
+    Variant("lion-fp16-stochastic", lion._lion_kernel, tile(UPDATE=STOCHASTIC, W=17, P_DTYPE=tl.float16)),
+    Variant("lion-fp16-kahan", lion._lion_kernel, tile(UPDATE=KAHAN, W=17, P_DTYPE=tl.float16)),
     Variant("lion", lion._lion_kernel, tile(UPDATE=NEAREST)),
     Variant("lamb", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True)),
     Variant("lamb-capturable", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True, DEVICE_SCALARS=True)),

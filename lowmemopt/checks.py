@@ -156,15 +156,15 @@ def check_storage(group: dict) -> None:
     if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
         raise ValueError(f"Invalid min_quant_numel: {mq!r} (must be an int >= 0)")
     paging.check_paging(group)
-    rounding.check_mode(group.get("bf16_update", "nearest"))  # bfloat16 parameters: nearest | stochastic | kahan
+    rounding.check_mode(group.get("bf16_update", "nearest"))  # bf16 / fp16 parameters: nearest | stochastic | kahan
     capturable = group.get("capturable", False)
     if not isinstance(capturable, bool):
         raise TypeError(f"Invalid capturable: expected a bool, got {type(capturable).__name__}")
     if capturable and paging.tier_of(group) is not None:
         raise ValueError("capturable=True cannot page state: a captured step cannot move it between host and device")
     if capturable and group.get("bf16_update", "nearest") == "stochastic":
-        raise ValueError("capturable=True cannot round bf16 parameters stochastically (each step's hash key is made "
-                         "on the host); use bf16_update='nearest' or 'kahan'")
+        raise ValueError("capturable=True cannot round bf16 / fp16 parameters stochastically (each step's hash key is "
+                         "made on the host); use bf16_update='nearest' or 'kahan'")
     if capturable and group.get("rank") is not None:
         raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD that "
                          "synchronizes)")

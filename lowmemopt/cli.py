@@ -248,7 +248,7 @@ def _add_estimate(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="dtype of weights and gradients (default: the config's torch_dtype, else fp32)")
     p.add_argument("--bf16-update", choices=["nearest", "stochastic", "kahan"],
-                   help="how bf16 weights are updated (kahan: +2 bytes per bf16 parameter of state)")
+                   help="how bf16 / fp16 weights are updated (kahan: +2 bytes per bf16 / fp16 parameter of state)")
     p.add_argument("--gpu-memory", metavar="SIZE",
                    help="memory to fit in, e.g. 24GiB or 80GB (default: the CUDA device's, if there is one)")
     p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",

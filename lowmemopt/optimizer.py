@@ -19,8 +19,8 @@ Storage options (constructor keywords, also settable per param group):
 * ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
   files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
   (:mod:`lowmemopt.paging`: the pipeline's stage and write-back stages; the load and state_dict hooks keep it paged).
-* ``bf16_update`` ("nearest"): how a bfloat16 parameter takes the fp32 result, round to nearest, ``"stochastic"`` or
-  ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
+* ``bf16_update`` ("nearest"): how a bfloat16 or float16 parameter takes the fp32 result, round to nearest,
+  ``"stochastic"`` or ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
 
 Non-finite gradients (policy): before updating a parameter, ``step()`` checks its gradient. A parameter whose gradient
 norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its

@@ -1,36 +1,75 @@
-"""How a bf16 parameter takes its fp32 result: the ``bf16_update`` storage option.
+"""How a 16-bit float parameter takes its fp32 result: the ``bf16_update`` storage option.
 
 Every backend computes the step in fp32, ``p32 = p * decay + alpha * delta``; this module says how ``p32`` goes back
-into a bfloat16 parameter. The functions here are the reference (eager path, GaLore, the step pipeline's apply stage);
-the native C kernels (``lowmemopt/cpu/kernels.c``, ``store_param``) and the Triton kernels
-(:func:`lowmemopt.kernels.codec.store_param`) reproduce them bit for bit.
+into a bfloat16 or float16 parameter (the option is named for its first use, and applies to both). The functions here
+are the reference (eager path, GaLore, the step pipeline's apply stage); the native C kernels
+(``lowmemopt/cpu/kernels.c``, ``store_param``) and the Triton kernels (:func:`lowmemopt.kernels.codec.store_param_as`)
+reproduce them bit for bit.
 
-* ``"nearest"`` (default): round to nearest even. An update smaller than half a bf16 ulp of ``p`` is lost (at lr 1e-5
-  most of a fine-tune's updates are).
-* ``"stochastic"``: round up with probability equal to the fraction of the gap, so ``E[bf16(p32)] = p32``: add 16
-  random bits to the low half of ``p32``'s bit pattern, then truncate. The bits are a counter-based hash of (the
-  parameter's ``seed``, the step, the element's index in the parameter), so every backend, chunking and tiling gives
-  the same bits; the seed is drawn from torch's generator when the state is made and kept in the state
-  (``bf16_update.seed``, an int), so a resumed run rounds as the uninterrupted one. NaN stays NaN (``0x7FC0``), Inf
-  stays Inf, a finite value never becomes NaN; a value above the largest bf16 may round up to Inf (with the
-  probability of its distance to it, as the unbiased rounding of a value in that last gap must).
-* ``"kahan"``: a compensation buffer ``bf16_update.kahan`` (bf16, shaped like ``p``: 2 bytes per element) keeps what
-  rounding lost and adds it to the next update (as optimi's Kahan summation), in fp32::
+* ``"nearest"`` (default): round to nearest even. An update smaller than half an ulp of ``p`` is lost (at lr 1e-5
+  most of a bf16 fine-tune's updates are; fp16's ulp is 8 times finer, but an fp16 weight near 1 still loses updates
+  below 2^-11 = 4.9e-4).
+* ``"stochastic"``: round away from zero with probability equal to the fraction of the gap, so
+  ``E[round(p32)] = p32``. The random bits are a counter-based hash of (the parameter's ``seed``, the step, the
+  element's index in the parameter), so every backend, chunking and tiling gives the same bits; the seed is drawn from
+  torch's generator when the state is made and kept in the state (``bf16_update.seed``, an int), so a resumed run
+  rounds as the uninterrupted one.
+* ``"kahan"``: a compensation buffer ``bf16_update.kahan`` (in the parameter's dtype, shaped like ``p``: 2 bytes per
+  element) keeps what rounding lost and adds it to the next update (as optimi's Kahan summation), in fp32; ``R`` is
+  round to nearest even into the parameter's dtype::
 
-      y = (p32 - p) + c;   p_new = bf16_nearest(p + y);   c = bf16_nearest(y - (p_new - p))   (0 if not finite)
+      y = (p32 - p) + c;   p_new = R(p + y);   c = R(y - (p_new - p))   (0 if not finite)
 
   ``p32 - p = p * (decay - 1) + alpha * delta``: decoupled weight decay enters as part of the compensated update, so
   a decay too small to move ``p`` accumulates in ``c`` as the gradient's part does.
 
-Only bfloat16 parameters are affected: fp32 parameters need neither, and fp16 parameters (which have 3 more mantissa
-bits, and are usually trained with an fp32 master copy) keep round-to-nearest.
+fp32 parameters need neither and ignore the option.
 
-The hash (32-bit unsigned arithmetic, which torch int64 ops, C ``uint32_t`` and Triton ``uint32`` all reproduce)::
+**The hash** (32-bit unsigned arithmetic, which torch int64 ops, C ``uint32_t`` and Triton ``uint32`` all reproduce)::
 
     mix(x)  = murmur3 fmix32: x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13; x *= 0xC2B2AE35; x ^= x >> 16
     key     = mix(seed ^ mix(step * 0x9E3779B9 mod 2^32))          (once per parameter and step, on the host)
-    bits(i) = mix((i mod 2^32) ^ key) >> 16                        (per element, i: its flat index)
-    bf16    = (bits_of(p32) + bits(i)) >> 16                       (NaN: 0x7FC0)
+    r(i)    = mix((i mod 2^32) ^ key) >> 16                         (per element, i: its flat index; 16 bits)
+
+Both dtypes use one rule: with ``u`` the ulp of the 16-bit grid at ``|p32|`` and ``f = |p32| / u - floor(|p32| / u)``
+the fraction of the gap, ``|p32|`` rounds up iff ``floor(f * 2^16) + r(i) >= 2^16``; the sign is kept. Rounding up
+then happens with probability ``floor(f * 2^16) / 2^16``, which is ``f`` exactly whenever ``f`` has at most 16
+bits below ``u``.
+
+**bf16** (8 exponent bits: no subnormal or overflow concern beyond fp32's own): the 16 bits below the ulp are the low
+half of ``p32``'s pattern, so ``bf16 = (bits(p32) + r(i)) >> 16`` (NaN: ``0x7FC0``). Exact for every fp32 input. Inf
+stays Inf, a finite value never becomes NaN; a value above the largest bf16 may round up to Inf (with the
+probability of its distance to it, as the unbiased rounding of a value in that last gap must).
+
+**fp16** (5 exponent bits, 10 mantissa bits; normal from 2^-14 = 6.1e-5 to 65504, subnormals multiples of 2^-24),
+on ``a = |p32|`` with fp32 pattern ``b``:
+
+* normal range, ``2^-14 <= a <= 65504``: the ulp is ``2^(e - 10)``, 13 bits of ``b`` lie below it, and
+  ``floor(f * 2^16) + r >= 2^16`` is ``low13(b) + (r >> 3) >= 2^13``, so
+  ``h = ((b + (r >> 3)) >> 13) - (112 << 10)`` (fp32's exponent bias 127 less fp16's 15, at fp16's exponent
+  position). A carry into the exponent is the next binade's first value, as it must be. Exactly unbiased.
+* subnormal range, ``a < 2^-14``: the ulp is ``2^-24``; ``t = floor(a * 2^40)`` (exact in fp32, then truncated to an
+  integer: ``t < 2^26``) holds ``a`` in units of ``2^-40``, ``h = (t + r) >> 16``: the subnormal's pattern, or
+  ``0x0400`` (2^-14, the least normal) for a carry. ``f`` of a subnormal result has up to 23 significant bits below
+  the ulp (more for fp32 values below 2^-24); those past the 16th are dropped, so rounding up is less likely than
+  ``f`` by less than ``2^-16`` of the ulp: a bias toward zero of under ``2^-40`` (9.1e-13) in absolute value, per
+  rounding. Values below ``2^-40`` always round to 0 (they would round up with probability under ``2^-16``). Small
+  updates to small fp16 weights therefore survive in expectation down to that floor, where round to nearest drops
+  everything below ``2^-25``.
+* past 65504 (and Inf, NaN): round to nearest, as a cast does: ``65504 < a < 65520`` gives 65504, ``a >= 65520``
+  gives Inf, NaN gives NaN. Rounding stochastically toward the next grid point above 65504 (``2^16``, which fp16
+  cannot hold) would turn a weight just past the largest finite fp16 into Inf with probability ``(a - 65504) / 32``;
+  the cast's rule keeps finite every value that round to nearest keeps finite. This is the one place fp16
+  stochastic rounding is biased (toward zero, by under 16 for values round to nearest keeps at 65504).
+
+The Kahan buffer of an fp16 parameter is fp16 too. ``c`` is the last rounding's error, at most half an ulp of ``p``,
+so it fits fp16's range whenever ``p`` does; fp16's 11 significant bits hold it to ``2^-12`` relative where
+``c >= 2^-14``. Below that ``c`` is a subnormal, held to ``2^-25`` absolute (half its ulp): a parameter near 0.01
+(ulp 2^-17) keeps its compensation to 6 bits, and an update of size ``d`` per step is carried to within
+``2^-25 / d`` relative (under 1% for ``d >= 3e-6``). fp32 would hold it exactly for 2 more bytes per parameter; fp16
+is enough in practice: fine-tuning the byte MLP with fp16 weights at lr 1e-5 (``bench/bf16_update.py --dtype fp16
+--lr 1e-5``), Kahan's held-out loss equals the fp32-weights run's to 4 digits (1.8669), where round to nearest ends
+1.3% above it.
 
 Indices are taken mod 2^32, so a parameter of more than 4G elements reuses its stream once per 4G elements. ``i`` is
 the element's index in the *whole* parameter: an FSDP2 / tensor-parallel shard hashes its elements' global indices
@@ -46,10 +85,12 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["MODES", "SEED", "KAHAN", "check_mode", "mode_of", "init_state", "step_key", "random_bits",
+__all__ = ["MODES", "DTYPES", "SEED", "KAHAN", "check_mode", "mode_of", "init_state", "step_key", "random_bits",
            "stochastic_round", "kahan_round", "store", "split_state"]
 
 MODES = ("nearest", "stochastic", "kahan")
+#: the parameter dtypes the option applies to
+DTYPES = (torch.bfloat16, torch.float16)
 SEED = "bf16_update.seed"
 KAHAN = "bf16_update.kahan"
 PREFIX = "bf16_update."
@@ -64,8 +105,8 @@ def check_mode(mode: Any) -> None:
 
 
 def mode_of(group: dict[str, Any], p: torch.Tensor) -> str:
-    """The group's ``bf16_update`` where it applies (a bfloat16 ``p``), else ``"nearest"``."""
-    if p.dtype != torch.bfloat16:
+    """The group's ``bf16_update`` where it applies (a bfloat16 or float16 ``p``), else ``"nearest"``."""
+    if p.dtype not in DTYPES:
         return "nearest"
     return group.get("bf16_update", "nearest")
 
@@ -73,14 +114,15 @@ def mode_of(group: dict[str, Any], p: torch.Tensor) -> str:
 def init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
                agree: Callable[[int], int] | None = None) -> dict[str, Any]:
     """Add what ``p``'s mode needs to its state, if missing: the stochastic seed (an int from torch's default
-    generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer. ``agree``: makes a
-    new seed the same on every rank that holds part of the parameter (a collective: every such rank calls it)."""
+    generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer (``p``'s dtype).
+    ``agree``: makes a new seed the same on every rank that holds part of the parameter (a collective: every such rank
+    calls it)."""
     mode = mode_of(group, p)
     if mode == "stochastic" and SEED not in state:
         seed = 0 if p.device.type == "meta" else int(torch.randint(0, 1 << 31, (1,)).item())
         state[SEED] = seed if agree is None else agree(seed)
     elif mode == "kahan" and KAHAN not in state:
-        state[KAHAN] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+        state[KAHAN] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
     return state
 
 
@@ -135,25 +177,49 @@ def random_bits(key: int, lo: int | torch.Tensor, n: int, device: torch.device |
 # the roundings (pure: fp32 in, bf16 out)
 
 
-def stochastic_round(p32: torch.Tensor, key: int, lo: int | torch.Tensor = 0) -> torch.Tensor:
+def stochastic_round(p32: torch.Tensor, key: int, lo: int | torch.Tensor = 0,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``p32`` (fp32, flat elements ``lo ..`` of their parameter, or those at the flat indices ``lo`` holds) rounded
-    stochastically to bfloat16."""
-    bits = p32.reshape(-1).view(torch.int32).to(torch.int64) & M32
-    out = (bits + random_bits(key, lo, bits.numel(), p32.device)) >> 16  # <= 0xFFFF: only a NaN's bits carry out
-    out = torch.where(torch.isnan(p32.reshape(-1)), 0x7FC0, out)
+    stochastically to ``dtype`` (bfloat16 or float16; the rules in the module docstring)."""
+    x = p32.reshape(-1)
+    bits = x.view(torch.int32).to(torch.int64) & M32
+    r = random_bits(key, lo, bits.numel(), p32.device)
+    if dtype == torch.bfloat16:
+        out = (bits + r) >> 16  # <= 0xFFFF: only a NaN's bits carry out
+        out = torch.where(torch.isnan(x), 0x7FC0, out)
+    elif dtype == torch.float16:
+        out = _fp16_stochastic_bits(x, bits, r)
+    else:
+        raise TypeError(f"stochastic_round: dtype must be torch.bfloat16 or torch.float16, not {dtype}")
     out = torch.where(out >= 0x8000, out - 0x10000, out)
-    return out.to(torch.int16).view(torch.bfloat16).view(p32.shape)
+    return out.to(torch.int16).view(dtype).view(p32.shape)
+
+
+#: fp32 patterns of fp16's least normal (2^-14) and largest finite value (65504)
+F16_MIN_NORMAL, F16_MAX = 0x38800000, 0x477FE000
+
+
+def _fp16_stochastic_bits(x: torch.Tensor, bits: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp16 patterns (int64 in [0, 65536)) of fp32 ``x`` (flat; ``bits``: its patterns as int64) rounded with the
+    16 random bits ``r``: normal, subnormal and past-65504 cases of the module docstring."""
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + (r >> 3)) >> 13) - (112 << 10)
+    small = mag.clamp(max=F16_MIN_NORMAL).to(torch.int32).view(torch.float32)  # the subnormal lanes' |x|
+    subnormal = ((small * 2.0 ** 40).to(torch.int64) + r) >> 16  # a < 2^-14: a * 2^40 < 2^26, exact
+    out = torch.where(mag < F16_MIN_NORMAL, subnormal, normal) | ((bits >> 16) & 0x8000)
+    nearest = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    return torch.where(mag > F16_MAX, nearest, out)  # past 65504, Inf, NaN: as the cast rounds
 
 
 def kahan_round(p: torch.Tensor, p32: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One compensated write: ``p`` (the old bf16 parameter), ``p32`` (the fp32 result), ``c`` (the bf16 buffer) ->
-    ``(new p, new c)``, both bf16 (see the module docstring)."""
+    """One compensated write: ``p`` (the old bf16 / fp16 parameter), ``p32`` (the fp32 result), ``c`` (the buffer) ->
+    ``(new p, new c)``, both in ``p``'s dtype (see the module docstring)."""
     old = p.float()
     y = (p32 - old) + c.float()
-    new = (old + y).to(torch.bfloat16)
+    new = (old + y).to(p.dtype)
     comp = y - (new.float() - old)
     comp = torch.where(torch.isfinite(comp), comp, 0.0)
-    return new, comp.to(torch.bfloat16)
+    return new, comp.to(p.dtype)
 
 
 def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], group: dict[str, Any], lo: int = 0,
@@ -170,7 +236,8 @@ def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], group: di
         return
     init_state(state, dst, group)
     if mode == "stochastic":
-        dst.copy_(stochastic_round(p32, step_key(state[SEED], state["step"]), lo if index is None else index))
+        key = step_key(state[SEED], state["step"])
+        dst.copy_(stochastic_round(p32, key, lo if index is None else index, dst.dtype))
     else:
         c = state[KAHAN].view(-1)[lo:lo + dst.numel()].view(dst.shape)
         new, comp = kahan_round(dst, p32, c)

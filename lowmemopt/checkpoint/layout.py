@@ -144,9 +144,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def write_safetensors(fh: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` (CPU, contiguous; F32, BF16 or U8) and ``metadata`` to ``fh`` as a safetensors file, byte for
-    byte what ``safetensors.torch.save_file`` writes (tensors ordered by dtype size, then name; the JSON header padded
-    with spaces to 8 bytes), streamed from the tensors' memory without a copy of the whole file."""
+    """Write ``tensors`` (CPU, contiguous; F32, BF16, F16 or U8) and ``metadata`` to ``fh`` as a safetensors file,
+    byte for byte what ``safetensors.torch.save_file`` writes (tensors ordered by dtype, then name; the JSON header
+    padded with spaces to 8 bytes), streamed from the tensors' memory without a copy of the whole file."""
     items = sorted(tensors.items(), key=lambda kv: (_DTYPE_ORDER[kv[1].dtype], kv[0]))
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
@@ -163,8 +163,10 @@ def write_safetensors(fh: BinaryIO, tensors: dict[str, torch.Tensor], metadata: 
             fh.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}  # the dtypes of state files
-_DTYPE_ORDER = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # safetensors' order: wider dtypes first
+#: the dtypes of state files (F16: an fp16 parameter's bf16_update.kahan buffer)
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
+_DTYPE_ORDER = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}  # safetensors' order: its
+# dtype enum's, descending
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 100_000_000  # as safetensors
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import paging
+from .. import paging, rounding
 from ..distributed.files import rank_path
 from ..distributed.sharding import local_tensor
 from ..optimizer import LowMemOptimizer
@@ -108,8 +108,9 @@ def _allocate(plan: Plan) -> dict[str, Any]:
     device = torch.device("meta") if paging.tier_of(plan.group) else plan.param.device
     for key, value in plan.entry.get("projector", {}).items():  # GaLore: ints as they are, fp32 bases to fill
         state[key] = torch.zeros(value, dtype=torch.float32, device=device) if isinstance(value, list) else value
-    for key, value in plan.entry.get("bf16_update", {}).items():  # a seed; a bf16 Kahan buffer to fill
-        state[key] = torch.zeros(value, dtype=torch.bfloat16, device=device) if isinstance(value, list) else value
+    kahan_dtype = plan.param.dtype if plan.param.dtype in rounding.DTYPES else torch.bfloat16
+    for key, value in plan.entry.get("bf16_update", {}).items():  # a seed; a Kahan buffer to fill (the param's dtype)
+        state[key] = torch.zeros(value, dtype=kahan_dtype, device=device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
         shape = slot_shape(slot, local_tensor(plan.param).shape)
         fmt = target_format(plan.group, slot, format_numel(slot, plan.param.numel()))

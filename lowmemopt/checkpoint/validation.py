@@ -118,9 +118,10 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
                     expected[f"{name}/{key}"] = ("F32", [int(d) for d in value])
                 elif isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"projector entry {key!r}: {value!r}")
-            for key, value in entry.get("bf16_update", {}).items():  # a seed; a bf16 Kahan buffer
+            for key, value in entry.get("bf16_update", {}).items():  # a seed; a Kahan buffer (the param's dtype)
                 if isinstance(value, list):
-                    expected[f"{name}/{key}"] = ("BF16", [int(d) for d in value])
+                    kahan_dtype = "F16" if entry.get("dtype") == "float16" else "BF16"
+                    expected[f"{name}/{key}"] = (kahan_dtype, [int(d) for d in value])
                 elif isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"bf16_update entry {key!r}: {value!r}")
         for key, (dtype, shape) in meta.get("extra", {}).get("tensors", {}).items():  # (file_extra's)

@@ -157,11 +157,11 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
     if grad_mult is not None:
         args.g_mult = grad_mult
-    mode = rounding.mode_of(group, pflat)  # bf16 parameters: nearest / stochastic / Kahan, as the eager path
+    mode = rounding.mode_of(group, pflat)  # bf16 / fp16 parameters: nearest / stochastic / Kahan, as the eager path
     if mode != "nearest":
         rounding.init_state(state, pflat, group)
         kahan = state.get(rounding.KAHAN) if mode == "kahan" else None
-        if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == torch.bfloat16
+        if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == pflat.dtype
                                       and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
             return None, 0
         if mode == "stochastic" and index_base is None:

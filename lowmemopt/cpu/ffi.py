@@ -121,9 +121,9 @@ UPDATES = {"nearest": 0, "stochastic": 1, "kahan": 2}
 
 
 def set_update(a: Args, mode: str, key: int = 0, offset: int = 0, kahan: torch.Tensor | None = None) -> Args:
-    """How the kernel writes a bf16 parameter (:mod:`lowmemopt.rounding`): ``key`` (stochastic: the hash key of this
-    step), ``offset`` (the flat index of the kernel's first element in its parameter), ``kahan`` (the compensation
-    buffer, contiguous bf16, laid out as the kernel's parameter)."""
+    """How the kernel writes a bf16 / fp16 parameter (:mod:`lowmemopt.rounding`): ``key`` (stochastic: the hash key of
+    this step), ``offset`` (the flat index of the kernel's first element in its parameter), ``kahan`` (the
+    compensation buffer, contiguous, in the parameter's dtype, laid out as the kernel's parameter)."""
     a.p_update, a.sr_key, a.p_offset = UPDATES[mode], key, offset
     a.kahan = None if kahan is None else kahan.data_ptr()
     return a

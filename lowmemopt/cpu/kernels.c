@@ -83,11 +83,11 @@ typedef struct {
     int32_t scan_dtype;  /* DT_* */
     int32_t scan_pad;
     float *scan_sumsq;   /* out: fp32 sum of squares (Inf / NaN if it overflows or holds a NaN / Inf) */
-    /* how a bf16 parameter takes its fp32 result (lowmemopt.rounding; fp32 / fp16 parameters: always nearest) */
+    /* how a bf16 / fp16 parameter takes its fp32 result (lowmemopt.rounding; fp32 parameters: always nearest) */
     int32_t p_update;    /* UPD_NEAREST | UPD_STOCHASTIC | UPD_KAHAN */
     uint32_t sr_key;     /* stochastic: the hash key of (seed, step) */
     int64_t p_offset;    /* stochastic: flat index in its parameter of element 0 of p (the hash's counter) */
-    uint16_t *kahan;     /* kahan: bf16 compensation buffer, laid out as p */
+    uint16_t *kahan;     /* kahan: compensation buffer in p's dtype (bf16 / fp16), laid out as p */
     /* loss scaling (torch.amp.GradScaler's native path): the gradient's multiplier 1 / scale, applied where g is
      * loaded (load_grad); 0 or 1: none */
     float g_mult;
@@ -1168,12 +1168,41 @@ static inline uint32_t lmo_mix32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
-/* p[i .. i + 15] <- x (fp32 result); p_old: the parameter's values before the step, as fp32 */
+/* float -> IEEE half by integer arithmetic: round to nearest even, subnormals exact, >= 65520 -> Inf, NaN ->
+ * sign | 0x7E00 (as c10::Half; the vector builds' store_f16 gives the same for every non-NaN value) */
+static inline uint16_t lmo_f16_rne(float f) {
+    const uint32_t u = lmo_f2u(f), sign = (u >> 16) & 0x8000, au = u & 0x7FFFFFFF;
+    uint32_t e, m, s, q, rem, half;
+    if (au > 0x7F800000) return (uint16_t)(sign | 0x7E00);
+    if (au >= 0x477FF000) return (uint16_t)(sign | 0x7C00);
+    if (au >= 0x38800000) return (uint16_t)(sign | ((au + 0xFFF + ((au >> 13) & 1) - (112u << 23)) >> 13));
+    if (au < 0x33000000) return (uint16_t)sign; /* below 2^-25: 0 */
+    e = au >> 23;                               /* a = m * 2^(e - 150); in units of 2^-24: m >> (126 - e) */
+    m = (au & 0x7FFFFF) | 0x800000;
+    s = 126 - e;                                /* 14 .. 24 */
+    q = m >> s;
+    rem = m & ((1u << s) - 1);
+    half = 1u << (s - 1);
+    return (uint16_t)(sign | (q + (rem > half || (rem == half && (q & 1)))));
+}
+/* fp16 stochastic rounding of x with 16 random bits r (lowmemopt.rounding: normal, subnormal, past 65504 as
+ * lmo_f16_rne), without branches so that a loop of it vectorizes */
+static inline uint16_t lmo_f16_sr(float x, uint32_t r) {
+    const uint32_t u = lmo_f2u(x), sign = (u >> 16) & 0x8000, au = u & 0x7FFFFFFF;
+    const uint32_t normal = ((au + (r >> 3)) >> 13) - (112u << 10);
+    const float small = lmo_u2f(au < 0x38800000 ? au : 0x38800000);                  /* the subnormal lanes' |x| */
+    const uint32_t sub = ((uint32_t)(int32_t)(small * 1099511627776.0f) + r) >> 16;  /* |x| * 2^40 <= 2^26 */
+    const uint32_t big = au > 0x7F800000 ? 0x7E00 : au >= 0x477FF000 ? 0x7C00 : 0x7BFF; /* past 65504 */
+    return (uint16_t)(sign | (au > 0x477FE000 ? big : au < 0x38800000 ? sub : normal));
+}
+
+/* p[i .. i + 15] <- x (fp32 result); p_old: the parameter's values before the step, as fp32. A bf16 or fp16
+ * parameter with UPD_STOCHASTIC / UPD_KAHAN: lowmemopt.rounding's rules, lane by lane. */
 static inline __attribute__((always_inline)) void store_param(const lmo_args *a, int64_t i, vf p_old, vf x) {
     float xs[16], ps[16];
     uint16_t *dst;
     int k;
-    if (a->p_update == UPD_NEAREST || a->p_dtype != DT_BF16) {
+    if (a->p_update == UPD_NEAREST || a->p_dtype == DT_F32) {
         store_dt(a->p_dtype, a->p, i, x);
         return;
     }
@@ -1183,12 +1212,26 @@ static inline __attribute__((always_inline)) void store_param(const lmo_args *a,
         const uint32_t key = a->sr_key, base = (uint32_t)(a->p_offset + i); /* indices mod 2^32 */
         for (k = 0; k < 16; k++) {
             const uint32_t r = lmo_mix32((base + (uint32_t)k) ^ key) >> 16;
-            dst[k] = xs[k] != xs[k] ? 0x7FC0 : (uint16_t)((lmo_f2u(xs[k]) + r) >> 16);
+            if (a->p_dtype == DT_BF16)
+                dst[k] = xs[k] != xs[k] ? 0x7FC0 : (uint16_t)((lmo_f2u(xs[k]) + r) >> 16);
+            else
+                dst[k] = lmo_f16_sr(xs[k], r);
         }
         return;
     }
+    /* Kahan: y = (p32 - p) + c; p' = R(p + y); c = R(y - (p' - p)), 0 if not finite */
+    if (a->p_dtype == DT_F16) { /* the build's fp16 conversions, 16 lanes at a time */
+        uint16_t *c = a->kahan + i;
+        const vf y = v_add(v_sub(x, p_old), load_f16(c));
+        float comp[16];
+        store_f16(dst, v_add(p_old, y));
+        v_store(comp, v_sub(y, v_sub(load_f16(dst), p_old)));
+        for (k = 0; k < 16; k++) comp[k] = comp[k] - comp[k] == 0.0f ? comp[k] : 0.0f;
+        store_f16(c, v_load(comp));
+        return;
+    }
     v_store(ps, p_old);
-    for (k = 0; k < 16; k++) { /* y = (p32 - p) + c; p' = bf16(p + y); c = bf16(y - (p' - p)), 0 if not finite */
+    for (k = 0; k < 16; k++) {
         uint16_t *c = a->kahan + i + k;
         const float y = (xs[k] - ps[k]) + lmo_u2f((uint32_t)*c << 16);
         const uint16_t nb = lmo_bf16_rne(ps[k] + y);
