@@ -132,6 +132,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     #: the algorithm the pipeline runs for this class: slots, fp32 math, step scalars, decay rules
     algorithm: Algorithm | None = None
+    #: the communicate stage the plan carries (``Plan.communicate``: the 1-bit optimizers' process-group
+    #: communication around the update, :func:`lowmemopt.pipeline.communicating`), or None
+    _communicate: Any = None
 
     def __init__(
         self,
@@ -221,7 +224,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """The plan handed to the step pipeline: the algorithm, the state dict, the param groups, the fused backend's
         name and the GaLore stage (:mod:`lowmemopt.pipeline.plan`)."""
         alg = self.algorithm
-        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore)
+        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore, self._communicate)
 
     @property
     def galore_refresh_failures(self) -> int:
@@ -302,6 +305,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if pager is not None:
             pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
         plan = self._plan()
+        with pipeline.communicating(plan, work):  # (the 1-bit optimizers' communicate stage; else nothing)
+            self._step_planned(plan, work, pager)
+        return loss
+
+    def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
+        """The non-finite check and the pipeline's pass over ``work`` (what :meth:`step` does once it has a plan)."""
         grads = [local_tensor(p.grad) for p, _ in work]
         # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
         # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks).
@@ -333,7 +342,6 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
             )
-        return loss
 
     @property
     def nonfinite_skips(self) -> int:

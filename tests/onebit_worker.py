@@ -538,7 +538,7 @@ def zero_one_adam_resume_and_quantized(ctx):
                     same(other, value, f"loaded {key}")
                 else:
                     assert value == other, (key, value, other)
-        assert opt2._schedules == opt._schedules, (opt2._schedules, opt._schedules)
+        assert opt2._stage.counters == opt._stage.counters, (opt2._stage.counters, opt._stage.counters)
         for key, (lay, _, w, s) in opt._stage.buckets.items():
             lay2, _, w2, s2 = opt2._stage.buckets[key]
             assert lay == lay2

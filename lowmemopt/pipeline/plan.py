@@ -34,7 +34,9 @@ class Plan:
     """One step's plan. ``state``: parameter -> its state dict (plain named tensors and ints; the optimizer's
     ``state``); ``groups``: the param groups; ``fused``: the algorithm's name in the fused backends' registries, or
     None (no bucketed backend: the per-tensor reference backends only); ``galore``: the projection stage
-    (:mod:`lowmemopt.projection.step`), given where a group may be projected, else None."""
+    (:mod:`lowmemopt.projection.step`), given where a group may be projected, else None; ``communicate``: the
+    communicate stage of the communication-compressed optimizers (:class:`lowmemopt.distributed.onebit.OnebitStage`),
+    which :func:`lowmemopt.pipeline.communicating` runs around the update, else None."""
 
     algorithm: Algorithm
     state: dict[torch.Tensor, dict[str, Any]]
@@ -42,3 +44,4 @@ class Plan:
     fused: str | None
     record: StepRecord = field(default_factory=StepRecord)
     galore: Any = None
+    communicate: Any = None
