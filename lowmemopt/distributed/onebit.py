@@ -28,13 +28,24 @@ import torch.distributed as dist
 from ..quant.formats import choose_format
 from .compression import CompressedAllReduce, Layout
 
-__all__ = ["OnebitStage", "Communicated", "onebit_comm_hook", "broadcast_parameters", "align_of"]
+__all__ = ["OnebitStage", "Communicated", "onebit_comm_hook", "broadcast_parameters", "align_of", "apply_mask"]
 
 
 def align_of(group: dict[str, Any], p: torch.Tensor) -> int:
     """The block size that ``p``'s server chunks are multiples of: its first moment's, where quantized (8 else)."""
     fmt = choose_format(group["state_bits"], p.numel(), group["min_quant_numel"])
     return group["block_size"] if fmt.bits < 16 else 8
+
+
+def apply_mask(group: dict[str, Any], params: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
+    """Multiply each compressed mean of ``group``'s ``params`` in place by the group's ``exp_avg_mask`` (DeepSpeed's
+    group key: a tensor broadcastable to each parameter's shape, e.g. zeros for the rows of an embedding that the
+    data never reaches, so that their momentum stays exactly zero); nothing without one."""
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return
+    for p, r in zip(params, results):
+        r.view(p.shape).mul_(mask.to(r.device, r.dtype))
 
 
 @dataclass
@@ -104,6 +115,8 @@ class OnebitStage:
                 message = lambda i, ps=params, gs=grads, g=group: algorithm.message(  # noqa: E731
                     ps[i], gs[i], state.get(ps[i], {}), g)
                 new = self.communicate(index, phase, grads, message, [align_of(group, p) for p in params])
+                if phase == "compressed":
+                    apply_mask(group, params, new)
                 if new is not None:
                     for p, g in zip(params, new):
                         done.swapped.append((p, p.grad))

@@ -200,6 +200,19 @@ class OnebitOptimizer(LowMemOptimizer):
             if p.dtype != torch.float32:
                 raise ValueError(f"{type(self).__name__} needs fp32 parameters (got {p.dtype}): keep fp32 master "
                                  "weights for mixed precision")
+        mask = group.get("exp_avg_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+                raise TypeError(f"exp_avg_mask must be a floating-point tensor, got {type(mask).__name__}"
+                                + (f" of {mask.dtype}" if isinstance(mask, torch.Tensor) else ""))
+            for p in group.get("params", ()):
+                try:
+                    fits = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
+                except RuntimeError:
+                    fits = False
+                if not fits:
+                    raise ValueError(f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to the group's "
+                                     f"parameter of shape {tuple(p.shape)} (one mask per param group)")
 
     def next_phase(self) -> str:
         """The communication phase of the next step of the first param group ("full", "compressed" or "local"): what
@@ -280,10 +293,16 @@ class OnebitOptimizer(LowMemOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's part, the schedule's counters and this rank's error buffers; at another world size (or
-        without them) the error buffers restart from zero, with a warning."""
+        without them) the error buffers restart from zero, with a warning. Each param group keeps its own
+        ``exp_avg_mask`` (or none), whatever the state dict holds (as DeepSpeed's do)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("onebit", None)
+        masks = [group.get("exp_avg_mask") for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, mask in zip(self.param_groups, masks):  # each keeps its own exp_avg_mask (or none), as DeepSpeed's
+            group.pop("exp_avg_mask", None)
+            if mask is not None:
+                group["exp_avg_mask"] = mask
         self._restore(saved)
 
 

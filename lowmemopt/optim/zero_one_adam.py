@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..distributed.onebit import OnebitStage, align_of
+from ..distributed.onebit import OnebitStage, align_of, apply_mask
 from ..quant.formats import Slot, format_of
 from .onebit import OnebitAdamAlgorithm, OnebitOptimizer, adam_denominator, check_step_count, check_unsupported
 
@@ -162,6 +162,7 @@ def synchronise(stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], i
     messages = [u * d for u, d in zip(accs, denoms)]
     means = stage.communicate(index, "compressed", messages, lambda i: messages[i],
                               [align_of(group, p) for p in params])
+    apply_mask(group, params, means)
     lrs = sched["lrs"]
     for p, u, d, w in zip(params, accs, denoms, means):
         flat = p.data.view(-1)
