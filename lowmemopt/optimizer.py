@@ -222,9 +222,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _plan(self) -> Plan:
         """The plan handed to the step pipeline: the algorithm, the state dict, the param groups, the fused backend's
-        name and the GaLore stage (:mod:`lowmemopt.pipeline.plan`)."""
+        name, the GaLore stage and the communicate stage, if any (:mod:`lowmemopt.pipeline.plan`)."""
         alg = self.algorithm
-        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore, self._communicate)
+        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore,
+                    communicate=self._communicate)
 
     @property
     def galore_refresh_failures(self) -> int:
@@ -305,8 +306,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if pager is not None:
             pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
         plan = self._plan()
-        with pipeline.communicating(plan, work):  # (the 1-bit optimizers' communicate stage; else nothing)
+        if plan.communicate is None:
             self._step_planned(plan, work, pager)
+        else:  # the 1-bit optimizers' communicate stage around the rest
+            with pipeline.communicating(plan, work):
+                self._step_planned(plan, work, pager)
         return loss
 
     def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
