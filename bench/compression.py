@@ -196,7 +196,7 @@ def zero_one_adam(model, args, warmup):
     import lowmemopt
 
     kw = dict(var_freeze_step=warmup, var_update_scaler=args.var_update_scaler,
-              local_step_scaler=args.local_step_scaler, local_step_clipper=16)
+              local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
     opt = lowmemopt.ZeroOneAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                 state_bits=args.state_bits, bias_correction=args.bias_correction, **kw)
     return Setup(model, opt, f"ZeroOneAdam {args.state_bits}-bit, "
@@ -386,8 +386,12 @@ def main(argv=None) -> None:
     ap.add_argument("--sparsified-ratio", type=float, default=0.01)
     ap.add_argument("--var-update-scaler", type=int, default=2,
                     help="0/1 Adam's kappa (DeepSpeed's default, 16, suits runs of ~1e5 steps)")
-    ap.add_argument("--local-step-scaler", type=int, default=16,
-                    help="0/1 Adam's local interval doubling period (DeepSpeed's default is 32678)")
+    ap.add_argument("--local-step-scaler", type=int, default=None,
+                    help="0/1 Adam's local interval doubling period; default 0.22 x --steps (44 for 200 steps: the "
+                         "interval doubles about every quarter of the steps after the freeze, as DeepSpeed's "
+                         "default, 32678, does over runs of ~1e5 steps)")
+    ap.add_argument("--local-step-clipper", type=int, default=16,
+                    help="0/1 Adam's longest interval between synchronisations (1: no local steps)")
     ap.add_argument("--no-bias-correction", dest="bias_correction", action="store_false",
                     help="the 1-bit optimizers without bias correction (DeepSpeed's update)")
     ap.add_argument("--threads", type=int, default=1)
@@ -395,6 +399,8 @@ def main(argv=None) -> None:
     ap.add_argument("--probe-variance", action="store_true",
                     help="instead of the table: AdamW's second moment at the freeze step against later steps")
     args = ap.parse_args(argv)
+    if args.local_step_scaler is None:
+        args.local_step_scaler = max(1, round(0.22 * args.steps))
     if args.probe_variance:
         print(probe_variance(args))
         return

@@ -150,6 +150,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: ``torch.amp.GradScaler`` hands ``step()`` the scale and its Inf check (``grad_scale``, ``found_inf``) instead of
     #: unscaling the gradients itself and reading ``found_inf`` on the host (the module docstring, "Loss scaling")
     _step_supports_amp_scaling = True
+    #: the communicate stage the plan carries (``Plan.communicate``: the 1-bit optimizers' process-group
+    #: communication around the update, :func:`lowmemopt.pipeline.communicating`), or None
+    _communicate: Any = None
 
     def __init__(
         self,
@@ -239,10 +242,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Plan:
         """The plan handed to the step pipeline: the algorithm, the state dict, the param groups, the fused backend's
-        name and the GaLore stage (:mod:`lowmemopt.pipeline.plan`); a loss-scaled step's gradient multiplier and
-        ``found_inf``."""
+        name, the GaLore stage and the communicate stage, if any (:mod:`lowmemopt.pipeline.plan`); a loss-scaled step's
+        gradient multiplier and ``found_inf``."""
         alg = self.algorithm
-        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore, grad_mult, found_inf)
+        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore, grad_mult, found_inf,
+                    communicate=self._communicate)
 
     def _amp_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(gradient multiplier, found_inf)`` that ``torch.amp.GradScaler.step`` set on this optimizer for this
@@ -346,10 +350,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if pager is not None:
             pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
         plan = self._plan(mult, found_inf)
+        if plan.communicate is None:
+            self._step_planned(plan, work, pager)
+        else:  # the 1-bit optimizers' communicate stage around the rest
+            with pipeline.communicating(plan, work):
+                self._step_planned(plan, work, pager)
+        return loss
+
+    def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
+        """The non-finite check and the pipeline's pass over ``work`` (what :meth:`step` does once it has a plan)."""
         grads = [local_tensor(p.grad) for p, _ in work]
-        if found_inf is not None:
-            self._scaled_step(plan, work, grads, pager, found_inf)
-            return loss
+        if plan.found_inf is not None:
+            self._scaled_step(plan, work, grads, pager, plan.found_inf)
+            return
         # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
         # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks).
         pipe = None
@@ -380,7 +393,6 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
             )
-        return loss
 
     @property
     def nonfinite_skips(self) -> int:

@@ -165,9 +165,12 @@ def init_params():
     return [torch.randn(s, generator=gen) for s in SHAPES]
 
 
-def reference_onebit_adam(steps, world, lr, betas, eps, wd, freeze, bias_correction=True, eps_inside_sqrt=False):
+def reference_onebit_adam(steps, world, lr, betas, eps, wd, freeze, bias_correction=True, eps_inside_sqrt=False,
+                          masks=None):
     """Parameters, m and v after each step: warm-up Adam on averaged gradients, then the local momentum averaged by
-    the 1-bit compressed all-reduce with error feedback, variance frozen (Tang et al. 2021, Algorithm 1)."""
+    the 1-bit compressed all-reduce with error feedback, variance frozen (Tang et al. 2021, Algorithm 1). ``masks``:
+    per parameter None or DeepSpeed's ``exp_avg_mask``, which multiplies the compressed mean."""
+    masks = masks or [None] * len(SHAPES)
     b1, b2 = betas
     ps = init_params()
     ms = [torch.zeros(s) for s in SHAPES]
@@ -194,7 +197,7 @@ def reference_onebit_adam(steps, world, lr, betas, eps, wd, freeze, bias_correct
             else:
                 means = msgs[0]
             for i in range(len(SHAPES)):
-                ms[i].copy_(means[i].view(SHAPES[i]))
+                ms[i].copy_(means[i].view(SHAPES[i]) if masks[i] is None else means[i].view(SHAPES[i]) * masks[i])
         bc1 = 1 - b1 ** t if bias_correction else 1.0
         bc2s = math.sqrt(1 - b2 ** min(t, freeze)) if bias_correction else 1.0
         for i in range(len(SHAPES)):
@@ -396,7 +399,7 @@ ZO = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, var_freeze_st
 
 
 def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_freeze_step, var_update_scaler,
-                            local_step_scaler, local_step_clipper, bias_correction=True):
+                            local_step_scaler, local_step_clipper, bias_correction=True, masks=None):
     """Every rank's parameters after each step. Variance steps (t a multiple of an interval that doubles every
     var_update_scaler of them) average the gradients and update v; the other steps up to var_freeze_step move m by the
     1-bit mean gradient; afterwards ranks step locally, accumulate their updates and synchronise them, compressed,
@@ -404,6 +407,11 @@ def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_free
     b1, b2 = betas
     n = len(SHAPES)
     numels = [math.prod(s) for s in SHAPES]
+    masks = [None if m is None else m.reshape(-1) for m in (masks or [None] * n)]  # (exp_avg_mask: on each mean)
+
+    def masked(means):
+        return [x if m is None else x * m for x, m in zip(means, masks)]
+
     ps = [[x.clone() for x in init_params()] for _ in range(world)]
     ms = [[torch.zeros(s) for s in SHAPES] for _ in range(world)]
     us = [[torch.zeros(s) for s in SHAPES] for _ in range(world)]
@@ -433,7 +441,8 @@ def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_free
                 avg.append(a / world)
             feed = [avg for _ in range(world)]
         elif not local:
-            means = sim_allreduce([[x.reshape(-1) for x in g[r]] for r in range(world)], werr, serr, numels, world)
+            means = masked(sim_allreduce([[x.reshape(-1) for x in g[r]] for r in range(world)], werr, serr, numels,
+                                         world))
             feed = [[mm.view(s) for mm, s in zip(means, SHAPES)] for _ in range(world)]
         else:
             feed = g
@@ -462,7 +471,7 @@ def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_free
             lrs += lr / bc1
             if t % local_interval == 0:
                 msgs = [[(us[r][i] * denoms[i]).reshape(-1) for i in range(n)] for r in range(world)]
-                means = sim_allreduce(msgs, werr, serr, numels, world)
+                means = masked(sim_allreduce(msgs, werr, serr, numels, world))
                 for r in range(world):
                     for i in range(n):
                         flat = ps[r][i].view(-1)
@@ -511,6 +520,52 @@ def zero_one_adam_matches_reference(ctx):
 
 
 @case
+def exp_avg_mask_multiplies_the_compressed_mean(ctx):
+    """DeepSpeed's ``exp_avg_mask`` group key: the compressed means of that group (1-bit Adam's momentum, 0/1 Adam's
+    variance-phase gradient and synchronised update) times the mask, against the references; masked momentum stays
+    exactly zero; a loaded state dict leaves each group its own mask; a mask that does not fit is refused."""
+    import io
+
+    import lowmemopt
+
+    mask = torch.ones(16, 16)
+    mask[9:] = 0
+    masks = [None, None, mask]
+    for cls, kw, ref in (
+        (lowmemopt.OnebitAdam, KW, lambda: [ps for ps, _, _ in reference_onebit_adam(
+            7, ctx.world, KW["lr"], KW["betas"], KW["eps"], KW["weight_decay"], KW["freeze_step"], masks=masks)]),
+        (lowmemopt.ZeroOneAdam, ZO, lambda: [ps[ctx.rank] for ps, _, _ in reference_zero_one_adam(
+            12, ctx.world, masks=masks, **ZO)]),
+    ):
+        want = ref()
+        params = [torch.nn.Parameter(p + ctx.rank) for p in init_params()]
+        groups = [{"params": params[:2]}, {"params": params[2:], "exp_avg_mask": mask}]
+        opt, _, out = run_opt(ctx, cls, len(want), params=params, opt=cls(groups, **kw))
+        for t, (got, ps) in enumerate(zip(out, want), 1):
+            for i, (a, b) in enumerate(zip(got, ps)):
+                same(a, b, f"{cls.__name__} step {t} param {i}")
+        if cls is lowmemopt.OnebitAdam:
+            m = opt.state[params[2]]["exp_avg"]
+            assert torch.all(m[9:] == 0) and torch.any(m[:9] != 0), m
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        for own in (None, torch.ones(16)):
+            buf.seek(0)
+            fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
+            other = cls([{"params": fresh[:2]}, dict({"params": fresh[2:]}, **(
+                {} if own is None else {"exp_avg_mask": own}))], **kw)
+            other.load_state_dict(torch.load(buf, weights_only=True))
+            assert other.param_groups[1].get("exp_avg_mask") is own
+    for bad, err in ((torch.ones(3), ValueError), ([1.0], TypeError), (torch.ones(16, 16, dtype=torch.int64), TypeError)):
+        try:
+            lowmemopt.OnebitAdam([{"params": [torch.nn.Parameter(torch.zeros(16, 16))], "exp_avg_mask": bad}])
+        except err as e:
+            assert "exp_avg_mask" in str(e), e
+        else:
+            raise AssertionError(f"exp_avg_mask={bad!r} was accepted")
+
+
+@case
 def zero_one_adam_resume_and_quantized(ctx):
     """Resume in the local phase (counters, accumulators, error buffers) bit for bit; 8- and 4-bit m and v through
     the whole schedule with replicas equal at synchronisations."""
@@ -538,7 +593,7 @@ def zero_one_adam_resume_and_quantized(ctx):
                     same(other, value, f"loaded {key}")
                 else:
                     assert value == other, (key, value, other)
-        assert opt2._schedules == opt._schedules, (opt2._schedules, opt._schedules)
+        assert opt2._stage.counters == opt._stage.counters, (opt2._stage.counters, opt._stage.counters)
         for key, (lay, _, w, s) in opt._stage.buckets.items():
             lay2, _, w2, s2 = opt2._stage.buckets[key]
             assert lay == lay2

@@ -8,20 +8,53 @@ stage replaces each parameter's gradient, before the update stage, by what the a
     phase "compressed"  what the algorithm sends (1-bit Adam: its local momentum ``beta1 m + (1 - beta1) g``), averaged
                         by the compressed all-reduce with error feedback (:mod:`.compression`): one call per param group
 
-The stage sees plain tensors: the param groups' parameters and gradients, the algorithm's ``message`` function and
-the group's phase; the error buffers live here, one pair per param group (the state dict carries them, per rank).
+The optimizer hands the stage to the pipeline as ``Plan.communicate``; :func:`lowmemopt.pipeline.communicating` runs it
+around the update: :meth:`OnebitStage.begin` swaps the gradients, :meth:`OnebitStage.give_back` restores them and
+:meth:`OnebitStage.finish` runs what follows the update (0/1 Adam's synchronisation). The stage sees plain tensors and
+the plan: the param groups, the state dict and the algorithm, which says what each step communicates (its ``phase``
+and ``message``; the hooks ``comm_phase``, ``comm_begin`` and ``comm_after``). The error buffers live here, one pair per
+param group, with the algorithm's schedule counters (``counters``) and its fixed settings (``settings``); the state
+dict carries the buffers and the counters, per rank.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..quant.formats import choose_format
 from .compression import CompressedAllReduce, Layout
 
-__all__ = ["OnebitStage", "onebit_comm_hook", "broadcast_parameters"]
+__all__ = ["OnebitStage", "Communicated", "onebit_comm_hook", "broadcast_parameters", "align_of", "apply_mask"]
+
+
+def align_of(group: dict[str, Any], p: torch.Tensor) -> int:
+    """The block size that ``p``'s server chunks are multiples of: its first moment's, where quantized (8 else)."""
+    fmt = choose_format(group["state_bits"], p.numel(), group["min_quant_numel"])
+    return group["block_size"] if fmt.bits < 16 else 8
+
+
+def apply_mask(group: dict[str, Any], params: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
+    """Multiply each compressed mean of ``group``'s ``params`` in place by the group's ``exp_avg_mask`` (DeepSpeed's
+    group key: a tensor broadcastable to each parameter's shape, e.g. zeros for the rows of an embedding that the
+    data never reaches, so that their momentum stays exactly zero); nothing without one."""
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return
+    for p, r in zip(params, results):
+        r.view(p.shape).mul_(mask.to(r.device, r.dtype))
+
+
+@dataclass
+class Communicated:
+    """What :meth:`OnebitStage.begin` did this step: per param group with gradients ``(index, group, phase, params)``,
+    and the ``(param, its own gradient)`` pairs whose ``.grad`` it replaced."""
+
+    groups: list[tuple[int, dict[str, Any], str, list[torch.Tensor]]] = field(default_factory=list)
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def broadcast_parameters(params: Sequence[torch.Tensor], process_group: Any = None) -> None:
@@ -42,7 +75,7 @@ class OnebitStage:
     group (made at the group's first compressed step, or loaded), and whether a DDP comm hook averages the
     gradients of "full" steps (``ddp_reduces``)."""
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, settings: dict[str, Any] | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("the 1-bit optimizers need torch.distributed initialized (dist.init_process_group) "
                              "before they are constructed")
@@ -53,6 +86,58 @@ class OnebitStage:
         #: param group index -> (layout, collective, worker_error, server_error)
         self.buckets: dict[int, tuple[Layout, CompressedAllReduce, torch.Tensor, torch.Tensor]] = {}
         self.sent_bytes = 0  # (counted by the bench by wrapping the collectives; kept for users' logs)
+        #: the algorithm's fixed schedule settings (0/1 Adam's scalers), and its counters (checkpointed per rank)
+        self.settings: dict[str, Any] = dict(settings or {})
+        self.counters: dict[str, Any] = {}
+
+    # -- the stage around the update ---------------------------------------------------------------------------------
+
+    def phase_of(self, plan: Any, index: int) -> str:
+        """The communication phase of param group ``index``'s next step ("full", "compressed" or "local")."""
+        return plan.algorithm.comm_phase(self, plan.state, index, plan.groups[index])
+
+    def begin(self, plan: Any, work: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> Communicated:
+        """Before the update: for each param group with gradients (in ``work``), its phase, the algorithm's
+        ``comm_begin`` and :meth:`communicate`; each gradient the update must not read as it is is replaced (``.grad``)
+        by what it reads. On an error the gradients are given back before it propagates."""
+        algorithm, state = plan.algorithm, plan.state
+        stepping = {id(p) for p, _ in work}
+        done = Communicated()
+        try:
+            for index, group in enumerate(plan.groups):
+                params = [p for p in group["params"] if id(p) in stepping]
+                if not params:
+                    continue
+                grads = [p.grad for p in params]
+                phase = self.phase_of(plan, index)
+                algorithm.comm_begin(self, plan, index, group, phase)
+                done.groups.append((index, group, phase, params))
+                message = lambda i, ps=params, gs=grads, g=group: algorithm.message(  # noqa: E731
+                    ps[i], gs[i], state.get(ps[i], {}), g)
+                new = self.communicate(index, phase, grads, message, [align_of(group, p) for p in params])
+                if phase == "compressed":
+                    apply_mask(group, params, new)
+                if new is not None:
+                    for p, g in zip(params, new):
+                        done.swapped.append((p, p.grad))
+                        p.grad = g.view_as(p)
+        except BaseException:
+            self.give_back(done)
+            raise
+        return done
+
+    @staticmethod
+    def give_back(done: Communicated) -> None:
+        """Restore the gradients that :meth:`begin` replaced."""
+        for p, g in done.swapped:
+            p.grad = g
+        done.swapped = []
+
+    def finish(self, plan: Any, done: Communicated) -> None:
+        """After the update: the algorithm's ``comm_after`` for each param group that stepped (0/1 Adam's
+        synchronisation; its schedule's counters)."""
+        for index, group, phase, params in done.groups:
+            plan.algorithm.comm_after(self, plan, index, group, phase, params)
 
     # -- the two phases ---------------------------------------------------------------------------------------------
 

@@ -24,13 +24,14 @@ import torch
 
 from ..checks import check_adam_group, sqrt_of
 from ..distributed.compression import Layout
-from ..distributed.onebit import OnebitStage, broadcast_parameters, onebit_comm_hook
+from ..distributed.onebit import OnebitStage, align_of, broadcast_parameters, onebit_comm_hook
 from ..distributed.sharding import is_dtensor
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm
-from ..quant.formats import Slot, choose_format, format_of
+from ..quant.formats import Slot, format_of
 
-__all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "OnebitOptimizer", "onebit_adam_math", "adam_denominator"]
+__all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "OnebitOptimizer", "onebit_adam_math", "adam_denominator",
+           "group_step"]
 
 
 def onebit_adam_math(
@@ -68,8 +69,9 @@ def adam_denominator(v: torch.Tensor, eps: float, eps_inside_sqrt: bool = False,
 
 
 class OnebitAdamAlgorithm(Algorithm):
-    """1-bit Adam for the step pipeline: :func:`onebit_adam_math`; its communication (:meth:`phase`,
-    :meth:`message`) is the communicate stage's (:class:`~lowmemopt.distributed.onebit.OnebitStage`)."""
+    """1-bit Adam for the step pipeline: :func:`onebit_adam_math`; what it communicates (:meth:`phase`,
+    :meth:`message`, and the communicate stage's hooks :meth:`comm_phase`, :meth:`comm_begin`, :meth:`comm_after`) is
+    run by the communicate stage (:class:`~lowmemopt.distributed.onebit.OnebitStage`, ``Plan.communicate``)."""
 
     math = staticmethod(onebit_adam_math)
     hyper = ("lr", "betas", "eps", "eps_inside_sqrt")
@@ -106,14 +108,38 @@ class OnebitAdamAlgorithm(Algorithm):
         m = format_of(state, "exp_avg").decode(state, "exp_avg", 0, p.numel(), True, group["block_size"])
         return m.mul(beta1).add_(g32, alpha=1 - beta1)
 
+    # -- the communicate stage's hooks (plain tensors, the plan's state dict and groups, the stage's counters) -------
+
+    def comm_phase(self, stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], index: int,
+                   group: dict[str, Any]) -> str:
+        """The communication phase of param group ``index``'s next step: :meth:`phase` at its step count + 1."""
+        return self.phase(group, group_step(state, group) + 1)
+
+    def comm_begin(self, stage: OnebitStage, plan: Any, index: int, group: dict[str, Any], phase: str) -> None:
+        """Before param group ``index`` communicates this step (its phase known): nothing, for 1-bit Adam."""
+
+    def comm_after(self, stage: OnebitStage, plan: Any, index: int, group: dict[str, Any], phase: str,
+                   params: list[torch.Tensor]) -> None:
+        """After the update of param group ``index`` (``params``: those that stepped): nothing, for 1-bit Adam."""
+
+
+def group_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> int:
+    """The step count of ``group`` (its first parameter's with state; 0 before its first step)."""
+    for p in group["params"]:
+        st = state.get(p)
+        if st and "step" in st:
+            return int(st["step"])
+    return 0
+
 
 class OnebitOptimizer(LowMemOptimizer):
     """What the communication-compressed optimizers share (:class:`OnebitAdam`, :class:`~.zero_one_adam.ZeroOneAdam`,
-    :class:`~.onebit_lamb.OnebitLAMB`): the communicate stage (:class:`~lowmemopt.distributed.onebit.OnebitStage`)
-    before the ordinary pipeline, the parameters broadcast at construction, a DDP comm hook that follows the phase,
-    and the error buffers in the state dict. A subclass's algorithm says what each step communicates
-    (``phase(group, step)``, ``message(p, g, state, group)``); :meth:`_after_update` runs what follows the update
-    (0/1 Adam's synchronisation)."""
+    :class:`~.onebit_lamb.OnebitLAMB`): the torch.optim contract around the communicate stage
+    (:class:`~lowmemopt.distributed.onebit.OnebitStage`), which the plan carries (``Plan.communicate``) and the
+    pipeline runs around the update (:func:`lowmemopt.pipeline.communicating`); the parameters broadcast at
+    construction, a DDP comm hook that follows the phase, and the error buffers and the schedule's counters in the
+    state dict. A subclass's algorithm says what each step communicates (``phase``, ``message`` and the stage's hooks
+    ``comm_phase``, ``comm_begin``, ``comm_after``: 0/1 Adam's schedule and synchronisation)."""
 
     #: the gradients are compressed and communicated before the update (their error feedback holds the scaled
     #: values): ``torch.amp.GradScaler`` unscales them first, on its generic path
@@ -126,12 +152,15 @@ class OnebitOptimizer(LowMemOptimizer):
     supports_galore = False
     supports_paged = False
 
-    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any, **storage: Any) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any,
+                 settings: dict[str, Any] | None = None, **storage: Any) -> None:
         params = _listed(params)
         #: built on meta parameters only: a layout (``state_nbytes``, ``lowmemopt estimate``), with no process group
         #: needed and nothing communicated; :meth:`step` refuses
         self.layout_only = _all_meta(params)
-        self._stage = None if self.layout_only else OnebitStage(process_group)  # raises unless dist is initialized
+        #: the communicate stage (raises unless dist is initialized); ``settings``: the algorithm's fixed schedule
+        self._stage = None if self.layout_only else OnebitStage(process_group, settings)
+        self._communicate = self._stage
         self.process_group = process_group
         super().__init__(params, defaults, **storage)
         if not self.layout_only:
@@ -155,7 +184,7 @@ class OnebitOptimizer(LowMemOptimizer):
             params = [p for p in group["params"] if p.requires_grad]
             if not params:
                 continue
-            layout = Layout.of([p.numel() for p in params], world_size, [self._align(group, p) for p in params])
+            layout = Layout.of([p.numel() for p in params], world_size, [align_of(group, p) for p in params])
             for p, chunk in zip(params, layout.chunks):
                 out[p] = 4 * (world_size + 1) * chunk
         return out
@@ -175,25 +204,24 @@ class OnebitOptimizer(LowMemOptimizer):
             if p.dtype != torch.float32:
                 raise ValueError(f"{type(self).__name__} needs fp32 parameters (got {p.dtype}): keep fp32 master "
                                  "weights for mixed precision")
-
-    # -- the communicate stage ------------------------------------------------------------------------------------------
-
-    def _group_step(self, group: dict[str, Any]) -> int:
-        """The step count of ``group`` (its first parameter's with state; 0 before its first step)."""
-        for p in group["params"]:
-            st = self.state.get(p)
-            if st and "step" in st:
-                return int(st["step"])
-        return 0
-
-    def _phase(self, index: int, group: dict[str, Any]) -> str:
-        """The communication phase of ``group``'s next step."""
-        return self.algorithm.phase(group, self._group_step(group) + 1)
+        mask = group.get("exp_avg_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+                raise TypeError(f"exp_avg_mask must be a floating-point tensor, got {type(mask).__name__}"
+                                + (f" of {mask.dtype}" if isinstance(mask, torch.Tensor) else ""))
+            for p in group.get("params", ()):
+                try:
+                    fits = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
+                except RuntimeError:
+                    fits = False
+                if not fits:
+                    raise ValueError(f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to the group's "
+                                     f"parameter of shape {tuple(p.shape)} (one mask per param group)")
 
     def next_phase(self) -> str:
         """The communication phase of the next step of the first param group ("full", "compressed" or "local"): what
         a DDP comm hook follows (:func:`~lowmemopt.distributed.onebit.onebit_comm_hook`)."""
-        return self._phase(0, self.param_groups[0])
+        return self._stage.phase_of(self._plan(), 0)
 
     def register_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register :func:`~lowmemopt.distributed.onebit.onebit_comm_hook` on ``ddp``: DDP averages the gradients of
@@ -201,54 +229,16 @@ class OnebitOptimizer(LowMemOptimizer):
         ddp.register_comm_hook(self, onebit_comm_hook)
         self._stage.ddp_reduces = True
 
-    def _align(self, group: dict[str, Any], p: torch.Tensor) -> int:
-        """The block size that ``p``'s server chunks are multiples of: its first moment's, where quantized."""
-        fmt = choose_format(group["state_bits"], p.numel(), group["min_quant_numel"])
-        return group["block_size"] if fmt.bits < 16 else 8
-
-    def _begin(self, index: int, group: dict[str, Any], phase: str) -> None:
-        """Before ``group``'s step (its phase known)."""
-
-    def _after_update(self, index: int, group: dict[str, Any], phase: str, params: list[torch.Tensor]) -> None:
-        """After ``group``'s update: what the algorithm does next (nothing, for 1-bit Adam)."""
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One step: the communicate stage replaces each gradient by what the update reads (see the module
-        docstring), then the ordinary pipeline updates the parameters; the gradients are given back afterwards."""
+        docstring), the pipeline updates the parameters, and the gradients are given back afterwards
+        (:func:`lowmemopt.pipeline.communicating`)."""
         if self._stage is None:
             raise RuntimeError(f"{type(self).__name__} was built on meta parameters (a layout for state_nbytes / "
                                "lowmemopt estimate) and cannot step; build it on the model's parameters with "
                                "torch.distributed initialized")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
-        phases = []
-        try:
-            for index, group in enumerate(self.param_groups):
-                params = [p for p in group["params"] if p.grad is not None]
-                if not params:
-                    continue
-                grads = [p.grad for p in params]
-                phase = self._phase(index, group)
-                self._begin(index, group, phase)
-                phases.append((index, group, phase, params))
-                message = lambda i, ps=params, gs=grads, g=group: self.algorithm.message(  # noqa: E731
-                    ps[i], gs[i], self.state.get(ps[i], {}), g)
-                new = self._stage.communicate(index, phase, grads, message, [self._align(group, p) for p in params])
-                if new is not None:
-                    for p, g in zip(params, new):
-                        swapped.append((p, p.grad))
-                        p.grad = g.view_as(p)
-            super().step()
-        finally:
-            for p, g in swapped:
-                p.grad = g
-        for index, group, phase, params in phases:
-            self._after_update(index, group, phase, params)
-        return loss
+        return super().step(closure)
 
     #: ``lowmemopt.step_in_backward`` refuses these optimizers
     per_layer_updates = False
@@ -260,11 +250,11 @@ class OnebitOptimizer(LowMemOptimizer):
     # -- checkpoints ------------------------------------------------------------------------------------------------
 
     def _extra_state(self) -> dict[str, Any]:
-        """What a subclass keeps beside the state and the error buffers (its schedule's counters)."""
-        return {}
+        """What is kept beside the state and the error buffers: the schedule's counters (the stage's)."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self._stage.counters.items()}
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
-        pass
+        self._stage.counters = {k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}
 
     #: ``lowmemopt.save_state`` writes one file per rank (the error buffers differ per rank)
     per_rank_files = True
@@ -307,10 +297,16 @@ class OnebitOptimizer(LowMemOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's part, the schedule's counters and this rank's error buffers; at another world size (or
-        without them) the error buffers restart from zero, with a warning."""
+        without them) the error buffers restart from zero, with a warning. Each param group keeps its own
+        ``exp_avg_mask`` (or none), whatever the state dict holds (as DeepSpeed's do)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("onebit", None)
+        masks = [group.get("exp_avg_mask") for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, mask in zip(self.param_groups, masks):  # each keeps its own exp_avg_mask (or none), as DeepSpeed's
+            group.pop("exp_avg_mask", None)
+            if mask is not None:
+                group["exp_avg_mask"] = mask
         self._restore(saved)
 
 

@@ -135,6 +135,25 @@ class OnebitLAMBAlgorithm(OnebitAdamAlgorithm):
         """The local momentum times the parameter's scaling coefficient."""
         return super().message(p, g, state, group).mul_(state["scaling_coeff"])
 
+    def comm_begin(self, stage, plan, index, group, phase):
+        """At the first compressed step (the stage's ``counters["scaled"]`` not yet set): each parameter's momentum
+        scaled towards the mean RMS over all parameters (so one compression suits them all), as the paper's scaling
+        coefficients."""
+        if phase != "compressed" or stage.counters.get("scaled", False):
+            return
+        entries = []
+        for g in plan.groups:
+            for p in g["params"]:
+                st = plan.state.get(p)
+                if st and "scaling_coeff" in st:
+                    m = format_of(st, "exp_avg").decode(st, "exp_avg", 0, p.numel(), True, g["block_size"])
+                    entries.append((st, torch.linalg.vector_norm(m) / math.sqrt(max(p.numel(), 1))))
+        if entries:
+            united = torch.stack([rms for _, rms in entries]).mean()
+            for st, rms in entries:
+                st["scaling_coeff"].copy_(torch.where(rms > 0, united / torch.where(rms > 0, rms, 1.0), 1.0))
+        stage.counters["scaled"] = True
+
 
 class OnebitLAMB(OnebitOptimizer):
     """1-bit LAMB with 32/16/8/4-bit m and v (DeepSpeed's ``OnebitLamb`` signature and defaults, less ``deepspeed``,
@@ -168,7 +187,6 @@ class OnebitLAMB(OnebitOptimizer):
         check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
         if eps_inside_sqrt:
             raise ValueError("OnebitLAMB does not support eps_inside_sqrt=True (DeepSpeed accepted and ignored it)")
-        self._scaled = False
         defaults = dict(lr=lr, freeze_step=freeze_step, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
                         factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
@@ -185,32 +203,6 @@ class OnebitLAMB(OnebitOptimizer):
             raise ValueError(f"Invalid coeff_beta: {group['coeff_beta']} (must be in [0, 1))")
         if not 0.0 <= group["factor_threshold"] < 1.0:
             raise ValueError(f"Invalid factor_threshold: {group['factor_threshold']} (must be in [0, 1))")
-
-    def _begin(self, index, group, phase):
-        if phase == "compressed" and not self._scaled:
-            self._set_scaling()
-
-    def _set_scaling(self) -> None:
-        """At the first compressed step: each parameter's momentum scaled towards the mean RMS over all parameters
-        (so one compression suits them all), as the paper's scaling coefficients."""
-        entries = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state.get(p)
-                if st and "scaling_coeff" in st:
-                    m = format_of(st, "exp_avg").decode(st, "exp_avg", 0, p.numel(), True, group["block_size"])
-                    entries.append((st, torch.linalg.vector_norm(m) / math.sqrt(max(p.numel(), 1))))
-        if entries:
-            united = torch.stack([rms for _, rms in entries]).mean()
-            for st, rms in entries:
-                st["scaling_coeff"].copy_(torch.where(rms > 0, united / torch.where(rms > 0, rms, 1.0), 1.0))
-        self._scaled = True
-
-    def _extra_state(self):
-        return {"scaled": self._scaled}
-
-    def _load_extra_state(self, extra):
-        self._scaled = bool(extra.get("scaled", False))
 
 
 #: DeepSpeed's spelling

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..distributed.onebit import OnebitStage, align_of, apply_mask
 from ..quant.formats import Slot, format_of
 from .onebit import OnebitAdamAlgorithm, OnebitOptimizer, adam_denominator, check_step_count, check_unsupported
 
@@ -69,8 +70,10 @@ def zero_one_adam_math(
 
 
 class ZeroOneAdamAlgorithm(OnebitAdamAlgorithm):
-    """0/1 Adam for the step pipeline: :func:`zero_one_adam_math`; the phase of a step is the optimizer's schedule
-    (``group["onebit"]``, set for the step), its synchronisation :meth:`ZeroOneAdam._after_update`."""
+    """0/1 Adam for the step pipeline: :func:`zero_one_adam_math`; its schedule (the phase of each step, the
+    counters in the communicate stage's ``counters`` under each param group's index, the scalers in its
+    ``settings``) and its synchronisation are the communicate stage's hooks (:meth:`comm_phase`, :meth:`comm_begin`,
+    :meth:`comm_after`). The phase of the step being taken is ``group["onebit"]`` while it runs."""
 
     math = staticmethod(zero_one_adam_math)
     hyper = ("lr", "betas", "eps", "eps_inside_sqrt", "weight_decay")
@@ -93,6 +96,83 @@ class ZeroOneAdamAlgorithm(OnebitAdamAlgorithm):
     def message(self, p, g, state, group):
         """A variance-phase compressed step sends the local gradient."""
         return g.reshape(-1).float()
+
+    # -- the schedule and the synchronisation (the communicate stage's hooks) ----------------------------------------
+
+    @staticmethod
+    def schedule(stage: OnebitStage, index: int) -> dict[str, Any]:
+        """Param group ``index``'s counters (made at its first step)."""
+        return stage.counters.setdefault(str(index), new_schedule())
+
+    def comm_phase(self, stage, state, index, group):
+        sched = self.schedule(stage, index)
+        t = sched["step"] + 1
+        if t <= stage.settings["var_freeze_step"]:
+            return "full" if t % sched["var_interval"] == 0 else "compressed"
+        return "local"
+
+    def comm_begin(self, stage, plan, index, group, phase):
+        sched = self.schedule(stage, index)
+        sched["step"] += 1
+        if phase == "full":
+            sched["var_updates"] += 1
+        if phase == "local" and not sched["local"]:  # the error buffers now compress another quantity
+            sched["local"] = True
+            stage.buckets.pop(index, None)
+        group["onebit"] = dict(phase=phase, var_updates=sched["var_updates"])
+
+    def comm_after(self, stage, plan, index, group, phase, params):
+        group.pop("onebit", None)
+        sched = self.schedule(stage, index)
+        settings = stage.settings
+        t = sched["step"]
+        if phase != "local":
+            if phase == "full":
+                sched["var_counter"] += 1
+                if sched["var_counter"] == settings["var_update_scaler"]:
+                    sched["var_counter"] = 0
+                    sched["var_interval"] *= 2
+            return
+        lr = group["lr"]
+        bc1 = 1 - group["betas"][0] ** t if group["bias_correction"] else 1.0
+        sched["lrs"] += float(lr) / bc1
+        if t % sched["local_interval"] == 0:
+            synchronise(stage, plan.state, index, group, params, sched)
+        sched["local_counter"] += 1
+        if sched["local_counter"] == settings["local_step_scaler"]:
+            sched["local_counter"] = 0
+            sched["local_interval"] = min(settings["local_step_clipper"], sched["local_interval"] * 2)
+
+
+def synchronise(stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], index: int, group: dict[str, Any],
+                params: list[torch.Tensor], sched: dict[str, Any]) -> None:
+    """Average the ranks' accumulated updates (in momentum units, compressed), move every replica to the
+    synchronised point and reset the momentum to the averaged one (see the module docstring)."""
+    bs = group["block_size"]
+    eps, inside = group["eps"], group["eps_inside_sqrt"]
+    bc2s = 1.0
+    if group["bias_correction"]:
+        bc2s = math.sqrt(1 - group["betas"][1] ** max(sched["var_updates"], 1))
+    denoms, accs = [], []
+    for p in params:
+        st = state[p]
+        v = format_of(st, "exp_avg_sq").decode(st, "exp_avg_sq", 0, p.numel(), False, bs)
+        denoms.append(adam_denominator(v, eps, inside, bc2s))
+        accs.append(st["momentum_accumulator"].view(-1))
+    messages = [u * d for u, d in zip(accs, denoms)]
+    means = stage.communicate(index, "compressed", messages, lambda i: messages[i],
+                              [align_of(group, p) for p in params])
+    apply_mask(group, params, means)
+    lrs = sched["lrs"]
+    for p, u, d, w in zip(params, accs, denoms, means):
+        flat = p.data.view(-1)
+        flat.sub_(u)
+        flat.add_(w.reshape(-1) / d)
+        st = state[p]
+        m = torch.div(w.reshape(-1), lrs).neg_()
+        format_of(st, "exp_avg").encode(st, "exp_avg", 0, p.numel(), m, True, bs)
+        u.zero_()
+    sched["lrs"] = 0.0
 
 
 def new_schedule() -> dict[str, Any]:
@@ -135,83 +215,11 @@ class ZeroOneAdam(OnebitOptimizer):
             check_step_count(name, value, least)
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        self._schedules: dict[int, dict[str, Any]] = {}
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, eps_inside_sqrt=eps_inside_sqrt,
                         weight_decay=weight_decay)
-        super().__init__(params, defaults, process_group, **storage)
-
-    def _schedule(self, index: int) -> dict[str, Any]:
-        return self._schedules.setdefault(index, new_schedule())
-
-    def _phase(self, index, group):
-        sched = self._schedule(index)
-        t = sched["step"] + 1
-        if t <= self.var_freeze_step:
-            return "full" if t % sched["var_interval"] == 0 else "compressed"
-        return "local"
-
-    def _begin(self, index, group, phase):
-        sched = self._schedule(index)
-        sched["step"] += 1
-        if phase == "full":
-            sched["var_updates"] += 1
-        if phase == "local" and not sched["local"]:  # the error buffers now compress another quantity
-            sched["local"] = True
-            self._stage.buckets.pop(index, None)
-        group["onebit"] = dict(phase=phase, var_updates=sched["var_updates"])
-
-    def _after_update(self, index, group, phase, params):
-        group.pop("onebit", None)
-        sched = self._schedule(index)
-        t = sched["step"]
-        if phase != "local":
-            if phase == "full":
-                sched["var_counter"] += 1
-                if sched["var_counter"] == self.var_update_scaler:
-                    sched["var_counter"] = 0
-                    sched["var_interval"] *= 2
-            return
-        lr = group["lr"]
-        bc1 = 1 - group["betas"][0] ** t if group["bias_correction"] else 1.0
-        sched["lrs"] += float(lr) / bc1
-        if t % sched["local_interval"] == 0:
-            self._synchronise(index, group, params, sched)
-        sched["local_counter"] += 1
-        if sched["local_counter"] == self.local_step_scaler:
-            sched["local_counter"] = 0
-            sched["local_interval"] = min(self.local_step_clipper, sched["local_interval"] * 2)
-
-    def _synchronise(self, index: int, group: dict[str, Any], params: list[torch.Tensor],
-                     sched: dict[str, Any]) -> None:
-        """Average the ranks' accumulated updates (in momentum units, compressed), move every replica to the
-        synchronised point and reset the momentum to the averaged one (see the module docstring)."""
-        bs = group["block_size"]
-        eps, inside = group["eps"], group["eps_inside_sqrt"]
-        bc2s = 1.0
-        if group["bias_correction"]:
-            bc2s = math.sqrt(1 - group["betas"][1] ** max(sched["var_updates"], 1))
-        denoms, accs = [], []
-        for p in params:
-            st = self.state[p]
-            v = format_of(st, "exp_avg_sq").decode(st, "exp_avg_sq", 0, p.numel(), False, bs)
-            denoms.append(adam_denominator(v, eps, inside, bc2s))
-            accs.append(st["momentum_accumulator"].view(-1))
-        messages = [u * d for u, d in zip(accs, denoms)]
-        means = self._stage.communicate(index, "compressed", messages, lambda i: messages[i],
-                                        [self._align(group, p) for p in params])
-        lrs = sched["lrs"]
-        for p, u, d, w in zip(params, accs, denoms, means):
-            flat = p.data.view(-1)
-            flat.sub_(u)
-            flat.add_(w.reshape(-1) / d)
-            st = self.state[p]
-            m = torch.div(w.reshape(-1), lrs).neg_()
-            format_of(st, "exp_avg").encode(st, "exp_avg", 0, p.numel(), m, True, bs)
-            u.zero_()
-        sched["lrs"] = 0.0
-
-    def _extra_state(self):
-        return {str(k): dict(v) for k, v in self._schedules.items()}
+        settings = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+                        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+        super().__init__(params, defaults, process_group, settings, **storage)
 
     def _load_extra_state(self, extra):
-        self._schedules = {int(k): dict(v) for k, v in extra.items()}
+        super()._load_extra_state({str(k): v for k, v in extra.items()})

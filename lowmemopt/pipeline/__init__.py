@@ -1,6 +1,9 @@
 """The step pipeline (``DESIGN.md`` §1.1): one ``step()`` is one pass of buckets of parameters through small stages,
 each of which sees plain tensors and knows nothing of the others::
 
+    communicate  1-bit optimizers: each gradient replaced by its average over the ranks, or the compressed mean of
+               the algorithm's message; after the update, the gradients given back, 0/1 Adam's synchronisation
+                                                                                              (communicating)
     gather     params with finite gradients -> items: local tensors (an FSDP2 shard's local part), initialized state
     stage      paging: bring a batch's state to the device, the next batch's on its way    (Pager.batches, or no-op)
     project    GaLore: low-rank gradients, batched products per shape on CUDA          (projection.step, or no-op)
@@ -17,13 +20,15 @@ through the per-parameter path (:func:`step_param`), which runs the same stages 
 backends (:mod:`.backends`); it is also the eager reference that every combination is tested against.
 
 The optimizer hands the pipeline a :class:`~.plan.Plan` (the algorithm, the state dict, the param groups, the fused
-backend's name, the projection stage) and plain tensors; no stage receives the optimizer or calls back into it.
+backend's name, the projection stage, the communicate stage) and plain tensors; no stage receives the optimizer or
+calls back into it.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -36,7 +41,7 @@ from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
 from .native import step_cpu_bucket
 from .plan import Plan, StepRecord
 
-__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "step_buckets", "step_param", "device_flags",
+__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "step_buckets", "step_param", "device_flags",
            "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
 #: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
 #: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
@@ -60,6 +65,25 @@ def triton_usable(devices: set[torch.device]) -> bool:
         if runtime.device_ok(d):
             return True
     return False
+
+
+@contextmanager
+def communicating(plan: Plan, work: Work) -> Iterator[None]:
+    """The communicate stage around one step of ``work`` ((param, group) with gradients), where ``plan.communicate``
+    is one (:class:`lowmemopt.distributed.onebit.OnebitStage`; nothing otherwise): on entry each gradient is replaced
+    by what the update reads (averaged over the ranks, or the compressed mean of the algorithm's message), so that the
+    non-finite check and the update see it; on exit the gradients are given back, and after an update that raised
+    nothing the stage finishes the step (0/1 Adam's synchronisation)."""
+    stage = plan.communicate
+    if stage is None:
+        yield
+        return
+    done = stage.begin(plan, work)
+    try:
+        yield
+    finally:
+        stage.give_back(done)
+    stage.finish(plan, done)
 
 
 def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],

@@ -59,7 +59,10 @@ class Plan:
     None (no bucketed backend: the per-tensor reference backends only); ``galore``: the projection stage
     (:mod:`lowmemopt.projection.step`), given where a group may be projected, else None. ``grad_mult``: the loss
     scaling multiplier of the gradients (:func:`inv_scale`, a 0-dim fp32 tensor), None: none; ``found_inf``: the
-    scaler's flag (float, 1.0: a gradient had an Inf / NaN, the step is skipped), None: none given."""
+    scaler's flag (float, 1.0: a gradient had an Inf / NaN, the step is skipped), None: none given;
+    ``communicate``: the communicate stage of the communication-compressed optimizers
+    (:class:`lowmemopt.distributed.onebit.OnebitStage`), which :func:`lowmemopt.pipeline.communicating` runs around
+    the update, else None."""
 
     algorithm: Algorithm
     state: dict[torch.Tensor, dict[str, Any]]
@@ -69,6 +72,7 @@ class Plan:
     galore: Any = None
     grad_mult: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
+    communicate: Any = None
     _mults: dict = field(default_factory=dict)
 
     def mult(self, device: torch.device) -> torch.Tensor | None:
