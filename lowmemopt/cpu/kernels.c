@@ -1247,35 +1247,6 @@ static inline __attribute__((always_inline)) void store_param(const lmo_args *a,
 
 /* h: 0 weight_decay (L2, added to g; 0: none)  1 1 - beta1  2 beta2  3 1 - beta2  4 bias_correction2_sqrt  5 eps
  *    6 -lr / bias_correction1  7 decay factor (p *= decay)          flags: 1 maximize  2 amsgrad */
-/* Software prefetch, LMO_PF elements ahead of the 64-element group at element i: the parameter's, the gradient's
- * and each slot's lines of the group that far ahead (0: none, the hardware prefetchers only). */
-#ifndef LMO_PF
-#define LMO_PF 0
-#endif
-static inline __attribute__((always_inline)) void pf_bytes(const void *base, int64_t at, int bytes, int write) {
-    int o;
-    for (o = 0; o < bytes; o += 64) {
-        if (write) __builtin_prefetch((const char *)base + at + o, 1, 3);
-        else __builtin_prefetch((const char *)base + at + o, 0, 3);
-    }
-}
-static inline __attribute__((always_inline)) void pf_group(const lmo_args *a, const int K, const slot_rt *s, int ns,
-                                                             int64_t i, int64_t n) {
-#if LMO_PF > 0
-    const int64_t at = i + LMO_PF;
-    int k;
-    if (at + 64 > n) return;
-    pf_bytes(a->p, at * (int64_t)dt_size(a->p_dtype), 64 * (int)dt_size(a->p_dtype), 1);
-    pf_bytes(a->g, at * (int64_t)dt_size(a->g_dtype), 64 * (int)dt_size(a->g_dtype), 0);
-    for (k = 0; k < ns; k++) {
-        const int es = K == ST_F32 ? 4 : K == ST_BF16 ? 2 : 1; /* q4: half a byte, one line covers it */
-        pf_bytes(s[k].data, K == ST_Q4 ? at / 2 : at * es, K == ST_Q4 ? 32 : 64 * es, 1);
-    }
-#else
-    (void)a; (void)K; (void)s; (void)ns; (void)i; (void)n;
-#endif
-}
-
 static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, const slot_rt *rt, int64_t r0,
                                                               int64_t r1, const int K) {
     const float w1 = (float)a->h[1];
@@ -1296,7 +1267,6 @@ static inline __attribute__((always_inline)) void adam_rows(const lmo_args *a, c
             const int n = bs - j >= 64 ? 4 : (bs - j) / 16;
             vf M[4], V[4], X[4];
             int u;
-            pf_group(a, K, rt, a->nslots, row * bs + j, r1 * (int64_t)bs);
             slot_loadn(K, &sm, row * bs + j, n, &am, M);
             slot_loadn(K, &sv, row * bs + j, n, &av, V);
             if (amsgrad) slot_loadn(K, &sx, row * bs + j, n, &ax, X);
