@@ -105,6 +105,41 @@ def assert_params_close(ours, ref, lr: float, lowbit: bool, what: str) -> None:
             torch.testing.assert_close(o, r, rtol=1e-5, atol=(0.05 if lowbit else 1e-4) * lr, msg=f"{what} param {i}")
 
 
+def assert_runs_same(a, opt_a, b, opt_b) -> None:
+    """Two runs ended alike, bit for bit: every parameter, and its state (keys, tensors, step count)."""
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb), tuple(pa.shape)
+        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+        assert sorted(sa) == sorted(sb)
+        for k in sa:
+            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
+
+
+def spy_native_steps(monkeypatch) -> list:
+    """A list that receives, per parameter the native elementwise CPU kernels set up for a step, how many leading
+    elements the kernel takes (0: declined): ``prepare`` for a parameter new to the kernels (and every one-parameter
+    call), ``refresh`` for one whose arguments are kept from its last step (:mod:`lowmemopt.pipeline.native`)."""
+    from lowmemopt.cpu import elementwise
+
+    done: list = []
+    prepare, refresh = elementwise.prepare, elementwise.refresh
+
+    def spy_prepare(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        done.append(out[1])
+        return out
+
+    def spy_refresh(args, *rest, **kwargs):
+        ok = refresh(args, *rest, **kwargs)
+        if ok:
+            done.append(args.nrows * args.bs + args.tail)
+        return ok
+
+    monkeypatch.setattr(elementwise, "prepare", spy_prepare)
+    monkeypatch.setattr(elementwise, "refresh", spy_refresh)
+    return done
+
+
 def count_device_checks(monkeypatch) -> list:
     """A list that gets one entry per device-side non-finite check (a ``lowmemopt.pipeline.finite.DeviceFlags``) made
     from now on."""

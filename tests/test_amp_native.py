@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_runs_same
 
 import lowmemopt
 from lowmemopt.kernels import runtime
@@ -74,15 +75,6 @@ class _Nothing:
         return False
 
 
-def _assert_same(a, opt_a, b, opt_b) -> None:
-    for pa, pb in zip(a, b):
-        assert torch.equal(pa, pb), tuple(pa.shape)
-        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
-        assert sorted(sa) == sorted(sb)
-        for k in sa:
-            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
-
-
 def _assert_skipped_exactly_the_inf_steps(params, opt) -> None:
     for p in params:
         assert int(opt.state[p]["step"]) == STEPS - len(INF_STEPS)
@@ -94,7 +86,7 @@ def test_native_equals_unscale_then_step(cls, kw, bits, dtype):
     shapes = SHAPES if cls in (lowmemopt.CAME, lowmemopt.Adafactor) else ELEMENTWISE_SHAPES
     native = _run(cls, kw, bits, dtype, True, shapes)
     generic = _run(cls, kw, bits, dtype, False, shapes)
-    _assert_same(*native, *generic)
+    assert_runs_same(*native, *generic)
     _assert_skipped_exactly_the_inf_steps(*native)
     assert native[1].nonfinite_skips == 0  # the scaler skipped them: not the optimizer's own check
 
@@ -102,7 +94,7 @@ def test_native_equals_unscale_then_step(cls, kw, bits, dtype):
 @pytest.mark.parametrize("cls,kw,bits", CASES[:1] + CASES[4:5], ids=IDS[:1] + IDS[4:5])
 def test_unscale_called_first(cls, kw, bits):
     """``scaler.unscale_(opt)`` before ``scaler.step(opt)``: the scaler passes ``grad_scale=None``."""
-    _assert_same(*_run(cls, kw, bits, torch.bfloat16, True, unscale_first=True),
+    assert_runs_same(*_run(cls, kw, bits, torch.bfloat16, True, unscale_first=True),
                  *_run(cls, kw, bits, torch.bfloat16, False, unscale_first=True))
 
 
@@ -137,7 +129,7 @@ def test_fp16_gradients_take_the_native_path():
         clean += 1
         if clean == 2:
             scale, clean = scale * 2, 0
-    _assert_same(params, opt, ref, ropt)
+    assert_runs_same(params, opt, ref, ropt)
 
 
 def _galore(params):
@@ -149,7 +141,7 @@ def test_galore(dtype):
     """GaLore (CPU): the basis refresh and the projection see the unscaled gradient, as after ``unscale_``."""
     kw = dict(lr=1e-2, weight_decay=0.1)
     shapes = [(64, 48), (40, 24), (37,)]
-    _assert_same(*_run(lowmemopt.AdamW, kw, 32, dtype, True, shapes, groups=_galore),
+    assert_runs_same(*_run(lowmemopt.AdamW, kw, 32, dtype, True, shapes, groups=_galore),
                  *_run(lowmemopt.AdamW, kw, 32, dtype, False, shapes, groups=_galore))
 
 
@@ -165,7 +157,7 @@ def test_compiled_path(bits, monkeypatch):
     real = compiled.step_rows
     monkeypatch.setattr(compiled, "step_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     for dtype in (torch.float32, torch.bfloat16):
-        _assert_same(*_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, True, [(64, 64)]),
+        assert_runs_same(*_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, True, [(64, 64)]),
                      *_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, False, [(64, 64)]))
     assert calls and compiled.ENABLED
 
@@ -215,7 +207,7 @@ def test_triton_native_equals_unscale_then_step(cls, kw, bits, monkeypatch):
     count = _Syncs(monkeypatch)
     native = _run(cls, kw, bits, torch.bfloat16, True, SMALL, interpret=True, count=count)
     generic = _run(cls, kw, bits, torch.bfloat16, False, SMALL, interpret=True)
-    _assert_same(*native, *generic)
+    assert_runs_same(*native, *generic)
     assert count.n == 0
 
 
@@ -223,7 +215,7 @@ def test_triton_native_equals_unscale_then_step(cls, kw, bits, monkeypatch):
 def test_capturable_under_the_interpreter():
     native = _run(lowmemopt.AdamW, dict(lr=1e-2), 8, torch.float32, True, SMALL, interpret=True, capturable=True)
     generic = _run(lowmemopt.AdamW, dict(lr=1e-2), 8, torch.float32, False, SMALL, interpret=True, capturable=True)
-    _assert_same(*native, *generic)
+    assert_runs_same(*native, *generic)
     _assert_skipped_exactly_the_inf_steps(*native)
 
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run
+from helpers import clone_params, make_params, run, spy_native_steps
 from optim_info import OPTIMIZERS, STATEFUL
 
 import lowmemopt
@@ -179,9 +179,7 @@ def test_sgd_flag_variants(lib, cls, kwargs, bits, monkeypatch):
     parameters and state bit-identical to the eager path (fp32 parameters at 32 bits, bf16 at 8), and the kernel
     really steps them."""
     dtype = torch.float32 if bits == 32 else torch.bfloat16
-    done = []
-    real = elementwise.prepare  # (both the one-parameter call and the bucket's prepare their arguments here)
-    monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: done.append((r := real(*a, **k))[1]) or r)
+    done = spy_native_steps(monkeypatch)
     monkeypatch.setattr(compiled, "ENABLED", False)
     start = make_params([(64, 80), (33,)], dtype=dtype)
     runs = []
@@ -198,9 +196,7 @@ def test_sgd_flag_variants(lib, cls, kwargs, bits, monkeypatch):
 def test_native_path_runs_and_tensor_lr_falls_back(lib, monkeypatch):
     """Large and small CPU parameters take the kernel (8-bit: the full blocks; fp32 state: every element); a 0-dim
     tensor lr is left to the torch path."""
-    done = []
-    real = elementwise.prepare  # (both the one-parameter call and the bucket's prepare their arguments here)
-    monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: done.append((r := real(*a, **k))[1]) or r)
+    done = spy_native_steps(monkeypatch)
     monkeypatch.setattr(compiled, "ENABLED", False)
     params = make_params([(300, 257), (40,)])
     run(lowmemopt.AdamW(params, lr=1e-3, state_bits=8), params, 1)
@@ -435,9 +431,7 @@ def test_4bit_variants(lib, cls, kwargs, monkeypatch, correctly_rounded_sqrt):
 def test_native_4bit_path_really_runs(lib, monkeypatch):
     """A 4-bit parameter's full blocks take the kernel (and its ragged last block the eager path); a block size the
     kernels cannot take (above their 4096-element row buffers) leaves the whole parameter to the eager path."""
-    done = []
-    real = elementwise.prepare  # (both the one-parameter call and the bucket's prepare their arguments here)
-    monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: done.append((r := real(*a, **k))[1]) or r)
+    done = spy_native_steps(monkeypatch)
     monkeypatch.setattr(compiled, "ENABLED", False)
     params = make_params([(300, 257), (40,)])
     opt = lowmemopt.AdamW(params, lr=1e-3, state_bits=4)

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import count_device_checks
+from helpers import assert_runs_same, count_device_checks
 
 import lowmemopt
 from lowmemopt import optimizer as optimizer_module
@@ -64,16 +64,6 @@ def _run(cls, kw, bits, on_device, monkeypatch):
     return params, opt, _steps(opt, params, BAD, 4, 3), len(checks)
 
 
-def _assert_same(a, opt_a, b, opt_b) -> None:
-    """Two runs ended alike, bit for bit: every parameter, and its state (keys, tensors, step count)."""
-    for pa, pb in zip(a, b):
-        assert torch.equal(pa, pb), tuple(pa.shape)
-        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
-        assert sorted(sa) == sorted(sb)
-        for k in sa:
-            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
-
-
 @pytest.mark.parametrize("bits", [32, 8, 4])
 @pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
 def test_equals_the_host_check(cls, kw, bits, monkeypatch):
@@ -84,7 +74,7 @@ def test_equals_the_host_check(cls, kw, bits, monkeypatch):
     b, opt_b, warned_b, _ = _run(cls, kw, bits, False, monkeypatch)
     assert warned_a == warned_b == [1, 1, 1, 0]
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 4
-    _assert_same(a, opt_a, b, opt_b)
+    assert_runs_same(a, opt_a, b, opt_b)
     steps = [opt_a.state[p]["step"] for p in a]
     assert steps == [3, 3, 3, 3]  # 4 steps, one skipped each (param 3's first: no state then, made at step 2)
 
@@ -97,7 +87,7 @@ def test_came_direct_instability_pass_equals_the_host_check(bits, monkeypatch):
     a, opt_a, warned_a, _ = _run(lowmemopt.CAME, dict(lr=1e-3), bits, True, monkeypatch)
     b, opt_b, warned_b, _ = _run(lowmemopt.CAME, dict(lr=1e-3), bits, False, monkeypatch)
     assert warned_a == warned_b == [1, 1, 1, 0]
-    _assert_same(a, opt_a, b, opt_b)
+    assert_runs_same(a, opt_a, b, opt_b)
 
 
 def test_a_skipped_first_step_leaves_no_state(monkeypatch):
@@ -182,7 +172,7 @@ def test_galore_equals_the_host_check(cls, kw, bits, monkeypatch):
     # delays a parameter's refresh by one)
     assert checks_a == 3 and checks_b == 0
     assert warned_a == warned_b == [0, 1, 1, 1, 1, 1]
-    _assert_same(a, opt_a, b, opt_b)
+    assert_runs_same(a, opt_a, b, opt_b)
     assert [opt_a.state[p]["step"] for p in a] == [5] * 5  # each skipped once
 
 
@@ -196,7 +186,7 @@ def test_galore_per_layer_updates_check_on_the_device(monkeypatch):
     # one check per parameter on the device where no refresh is due: step 0 the bias; steps 1, 2, 5 all five; step 3
     # params 0, 3 and the bias (1, 2 refresh); step 4 param 1 and the bias (0, 2, 3 refresh, a skip later)
     assert checks_a == 1 + 5 + 5 + 3 + 2 + 5 and checks_b == 0
-    _assert_same(a, opt_a, b, opt_b)
+    assert_runs_same(a, opt_a, b, opt_b)
 
 
 def test_galore_on_the_cpu_keeps_the_host_check(monkeypatch):
@@ -255,7 +245,7 @@ def test_per_layer_updates_check_on_the_device_and_read_once_per_backward(bits, 
     for on_device, bucket in [(False, bucket_bytes)] + ([(True, 0)] if bucket_bytes else []):
         b, opt_b, _, _ = _per_layer_run(monkeypatch, on_device, bits, bucket)
         assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
-        _assert_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
+        assert_runs_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
     assert opt_a.state[a[2].weight]["step"] == 2
 
 
@@ -289,5 +279,5 @@ def test_per_layer_updates_of_resident_paged_state_check_on_the_device(monkeypat
                for p in g["params"])
     b, opt_b, _, _ = _per_layer_run(monkeypatch, True, 8)
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
-    _assert_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
+    assert_runs_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)
     opt_a.close()

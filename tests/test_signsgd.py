@@ -76,14 +76,10 @@ def test_cpu_native_kernel_steps_it_as_the_torch_paths(bits, monkeypatch):
     from lowmemopt.cpu import elementwise
 
     seen = []
-    real = elementwise.prepare  # (the one-parameter call's and the bucket's arguments)
-
-    def spy(algorithm, *args, **kwargs):
-        out = real(algorithm, *args, **kwargs)
-        seen.append((algorithm, out[1]))
-        return out
-
-    monkeypatch.setattr(elementwise, "prepare", spy)
+    real = elementwise.step_many  # (the bucket's one call per step: every parameter here)
+    monkeypatch.setattr(elementwise, "step_many",
+                        lambda algorithm, batch: seen.extend((algorithm, a.nrows * a.bs + a.tail) for a in batch)
+                        or real(algorithm, batch))
     kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, state_bits=bits, min_quant_numel=64)
     params, off = make_params(SHAPES), make_params(SHAPES)
     run(lowmemopt.SignSGD(params, **kw), params, 3)

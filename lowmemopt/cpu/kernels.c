@@ -1816,6 +1816,27 @@ static int fact_step_check(const lmo_fact *f, int came) {
     return LMO_OK;
 }
 
+
+/* Passes 1 and 2 of a factored step, called inside its parallel region (the loops share out the segments): 1 g ->
+ * the second moment's EMAs vr, vc and the factors rf, cf (scale: also the sum of squares of p, for RMS(p)); 2 g -> the
+ * clipping denominator. Then sc holds the denominator and beta1's two scalars (h[2], h[3]), the rest zero. */
+static void fact_v_passes(const lmo_fact *f, float eps1, float beta, float omb, int scale, fact_sc *sc) {
+    int s;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, beta, omb, f->vr, scale);
+    fact_factors(f, FW_ROW, beta, omb, f->vr, f->vc, f->rf, f->cf);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (s = 0; s < LMO_NSEG; s++) fact_usq_seg(f, LMO_SEG_BWD(s));
+    memset(sc, 0, sizeof *sc);
+    sc->denom = fact_denom(f, f->h[5]);
+    sc->b1 = (float)f->h[2];
+    sc->omb1 = (float)f->h[3];
+}
+
 /* Adafactor, the whole step of one parameter (h: 0 eps1  1 beta2t  2 beta1  3 1 - beta1  4 sdecay (flag 2: -wd)
  * 5 clip threshold  6 alpha (flag 2: rho)  7 eps2; flags: 1 weight decay, 2 alpha = max(RMS(p), eps2) rho with
  * RMS(p) from pass 1). Passes: 1 g (+ p with flag 2) -> row / column EMAs vr, vc and factors rf, cf;
@@ -1832,19 +1853,7 @@ static int adafactor_step_run(const lmo_fact *f, fact_af_fn apply) {
         fact_sc sc;
         int s;
         if (f->has_m) slot_rt_init(&rt[0], &f->m, buf);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, beta, omb, f->vr, scale);
-        fact_factors(f, FW_ROW, beta, omb, f->vr, f->vc, f->rf, f->cf);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) fact_usq_seg(f, LMO_SEG_BWD(s));
-        memset(&sc, 0, sizeof sc);
-        sc.denom = fact_denom(f, f->h[5]);
-        sc.b1 = (float)f->h[2];
-        sc.omb1 = (float)f->h[3];
+        fact_v_passes(f, eps1, beta, omb, scale, &sc);
         if (scale) { /* step_size: rms_p.clamp(min=eps2) * rho; the decay -wd * alpha, in fp32 as the 0-dim tensors */
             float rms = (float)sqrt(seg_total(FW_SEG(f, FW_PSQ))) / (float)sqrt((double)(f->R * f->C));
             const float eps2 = (float)f->h[7];
@@ -1878,19 +1887,7 @@ static int came_step_run(const lmo_fact *f, fact_res_fn res, fact_came_fn apply)
         fact_sc sc;
         int s;
         slot_rt_init(&rt[0], &f->m, buf);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, beta2, omb2, f->vr, 0);
-        fact_factors(f, FW_ROW, beta2, omb2, f->vr, f->vc, f->rf, f->cf);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) fact_usq_seg(f, LMO_SEG_BWD(s));
-        memset(&sc, 0, sizeof sc);
-        sc.denom = fact_denom(f, f->h[5]);
-        sc.b1 = (float)f->h[2];
-        sc.omb1 = (float)f->h[3];
+        fact_v_passes(f, eps1, beta2, omb2, 0, &sc);
         sc.sdecay = (float)f->h[4];
         sc.lr = (float)f->h[6];
         sc.eps2 = (float)f->h[7];
