@@ -495,9 +495,9 @@ def test_full_tiles_take_the_unmasked_variant(monkeypatch):
     masked = []
     real = adamw._adam_tile
 
-    def spy(*args):
-        masked.append(bool(args[-2]))  # (..., MASKED, COLS)
-        return real(*args)
+    def spy(*args, **kwargs):
+        masked.append(bool(args[-2]))  # (..., MASKED, COLS; the loss scale's gmul by keyword)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(adamw, "_adam_tile", spy)
     check_against_reference(lowmemopt.AdamW, dict(lr=1e-2), 8, steps=1, shapes=[(2 * runtime.TILE + 5,)])

@@ -158,7 +158,8 @@ def test_kernel4_ragged_zero_outliers_and_full_tiles(monkeypatch):
 
     masked = []
     real = adamw._adam_tile
-    monkeypatch.setattr(adamw, "_adam_tile", lambda *a: masked.append(bool(a[-2])) or real(*a))  # (..., MASKED, COLS)
+    monkeypatch.setattr(adamw, "_adam_tile",  # (..., MASKED, COLS; the loss scale's gmul by keyword)
+                        lambda *a, **k: masked.append(bool(a[-2])) or real(*a, **k))
     n = 2 * runtime.TILE + 5
     params = make_params([(n,)])
     ref_params = clone_params(params)
