@@ -1938,12 +1938,9 @@ static inline vf torch_u(const lmo_fact *f, int64_t r, int64_t c, vf g, vf rmean
     return v_mul(v_div(v_set(1.0f), v_sqrt(v_max(var, eps2))), g);
 }
 
-/* result[0] = sum of u^2 over the whole tensor, u = torch_u (h: 0 rmean, 1 eps1^2). Per segment in fp64, then
- * across segments in order. */
-int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
-    const int64_t C = f->C;
-    const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]);
-    if (fact_check(f) || f->has_m) return LMO_EBADARG;
+/* Run fn(f, s) for every row segment s, in one parallel region (the segments shared out dynamically). */
+typedef void (*fact_seg_fn)(const lmo_fact *f, int s);
+static void fact_for_segments(const lmo_fact *f, fact_seg_fn fn) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(fact_threads(f))
 #endif
@@ -1952,15 +1949,26 @@ int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (s = 0; s < LMO_NSEG; s++) {
-            int64_t r0, r1, r, c;
-            vd acc = vd_zero();
-            fact_segment(f, s, &r0, &r1);
-            for (r = r0; r < r1; r++)
-                for (c = 0; c < C; c += 16) acc = vd_add_sq(acc, torch_u(f, r, c, load_grad(f->g_dtype, f->g, r * C + c, f->g_mult), rmean, eps2));
-            f->work[s] = vd_sum(acc);
-        }
+        for (s = 0; s < LMO_NSEG; s++) fn(f, s);
     }
+}
+
+/* work[s] = segment s's sum of u^2 in fp64, u = torch_u (h: 0 rmean, 1 eps1^2) */
+static void adafactor_torch_usq_seg(const lmo_fact *f, int s) {
+    const int64_t C = f->C;
+    const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]);
+    int64_t r0, r1, r, c;
+    vd acc = vd_zero();
+    fact_segment(f, s, &r0, &r1);
+    for (r = r0; r < r1; r++)
+        for (c = 0; c < C; c += 16) acc = vd_add_sq(acc, torch_u(f, r, c, load_grad(f->g_dtype, f->g, r * C + c, f->g_mult), rmean, eps2));
+    f->work[s] = vd_sum(acc);
+}
+
+/* result[0] = sum of u^2 over the whole tensor: per segment in fp64, then across segments in order. */
+int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
+    if (fact_check(f) || f->has_m) return LMO_EBADARG;
+    fact_for_segments(f, adafactor_torch_usq_seg);
     f->result[0] = seg_total(f->work);
     return LMO_OK;
 }
@@ -1984,15 +1992,6 @@ static void adafactor_torch_apply_seg(const lmo_fact *f, int s) {
 
 int lmo_adafactor_torch_apply(const lmo_fact *f) {
     if (fact_check(f) || f->has_m) return LMO_EBADARG;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(fact_threads(f))
-#endif
-    {
-        int s;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) adafactor_torch_apply_seg(f, s);
-    }
+    fact_for_segments(f, adafactor_torch_apply_seg);
     return LMO_OK;
 }
