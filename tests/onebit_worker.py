@@ -284,7 +284,6 @@ def onebit_adam_quantized_state(ctx):
 def onebit_adam_resume_mid_compression(ctx):
     """A state dict saved after a compressed step (m, v and this rank's error buffers) resumes bit for bit; at another
     world size the error buffers restart from zero with a warning."""
-    import io
     import warnings
 
     import lowmemopt
@@ -293,13 +292,7 @@ def onebit_adam_resume_mid_compression(ctx):
         kw = dict(KW, state_bits=bits, min_quant_numel=64, block_size=64)
         _, _, whole = run_onebit(ctx, 8, **kw)
         opt, params, first = run_onebit(ctx, 5, **kw)
-        buf = io.BytesIO()
-        torch.save(opt.state_dict(), buf)
-        buf.seek(0)
-        sd = torch.load(buf, weights_only=True)
-        params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt2 = lowmemopt.OnebitAdam(params2, **kw)
-        opt2.load_state_dict(sd)
+        opt2, params2, sd = reload(opt, params, lowmemopt.OnebitAdam, kw)
         _, _, rest = run_onebit(ctx, 3, opt=opt2, params=params2, start=6)
         for t, (a, b) in enumerate(zip(first + rest, whole), 1):
             for i, (x, y) in enumerate(zip(a, b)):
@@ -501,6 +494,26 @@ def run_opt(ctx, cls, steps, opt=None, params=None, start=1, **kw):
     return opt, params, out
 
 
+def reload(opt, params, cls, kw, own_params: bool = False):
+    """``(opt2, params2, sd)``: a new ``cls(**kw)`` over copies of ``params`` with ``opt``'s state dict ``sd``, through a
+    ``torch.save`` / ``torch.load`` round trip. ``own_params``: each rank's own parameters put back after the
+    constructor's broadcast (between synchronisations the ranks' parameters differ)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = cls(params2, **kw)
+    if own_params:
+        with torch.no_grad():
+            for q, p in zip(params2, params):
+                q.copy_(p)
+    opt2.load_state_dict(sd)
+    return opt2, params2, sd
+
+
 @case
 def zero_one_adam_matches_reference(ctx):
     import lowmemopt
@@ -569,23 +582,13 @@ def exp_avg_mask_multiplies_the_compressed_mean(ctx):
 def zero_one_adam_resume_and_quantized(ctx):
     """Resume in the local phase (counters, accumulators, error buffers) bit for bit; 8- and 4-bit m and v through
     the whole schedule with replicas equal at synchronisations."""
-    import io
-
     import lowmemopt
 
     for bits in (32, 8, 4):
         kw = dict(ZO, state_bits=bits, min_quant_numel=64, block_size=64)
         _, _, whole = run_opt(ctx, lowmemopt.ZeroOneAdam, 14, **kw)
         opt, params, first = run_opt(ctx, lowmemopt.ZeroOneAdam, 9, **kw)
-        buf = io.BytesIO()
-        torch.save(opt.state_dict(), buf)
-        buf.seek(0)
-        params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt2 = lowmemopt.ZeroOneAdam(params2, **kw)  # (broadcasts rank 0's parameters)
-        with torch.no_grad():  # between synchronisations each rank has its own: restored after construction
-            for q, p in zip(params2, params):
-                q.copy_(p)
-        opt2.load_state_dict(torch.load(buf, weights_only=True))
+        opt2, params2, _ = reload(opt, params, lowmemopt.ZeroOneAdam, kw, own_params=True)
         for p, q in zip(params, params2):
             for key, value in opt.state[p].items():
                 other = opt2.state[q][key]
@@ -710,20 +713,13 @@ def onebit_lamb_matches_reference(ctx):
 
 @case
 def onebit_lamb_resume_and_quantized(ctx):
-    import io
-
     import lowmemopt
 
     for bits in (32, 8, 4):
         kw = dict(LB, state_bits=bits, min_quant_numel=64, block_size=64)
         _, _, whole = run_opt(ctx, lowmemopt.OnebitLAMB, 8, **kw)
         opt, params, first = run_opt(ctx, lowmemopt.OnebitLAMB, 5, **kw)
-        buf = io.BytesIO()
-        torch.save(opt.state_dict(), buf)
-        buf.seek(0)
-        params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt2 = lowmemopt.OnebitLAMB(params2, **kw)
-        opt2.load_state_dict(torch.load(buf, weights_only=True))
+        opt2, params2, _ = reload(opt, params, lowmemopt.OnebitLAMB, kw)
         _, _, rest = run_opt(ctx, lowmemopt.OnebitLAMB, 3, opt=opt2, params=params2, start=6)
         for t, (a, b) in enumerate(zip(first + rest, whole), 1):
             for i, (x, y) in enumerate(zip(a, b)):

@@ -81,6 +81,11 @@ def _is_number(v: Any) -> bool:
     return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
 
 
+def _same_slots(names: tuple[str, ...], slots: dict[str, Any]) -> bool:
+    """Are ``names`` (the kernel's slots) exactly the parameter's ``slots``?"""
+    return len(names) == len(slots) and all(k in slots for k in names)
+
+
 def _derived(kernel: Kernel, algorithm: str, kwargs: dict[str, Any], decay: float,
              memo: dict | None) -> tuple[bool, tuple[str, ...], tuple[float, ...], int]:
     """``(numbers, slot names, h, flags)``: whether the hyper-parameters are plain numbers (a tensor is not taken),
@@ -113,7 +118,7 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     numbers, names, h, flags = _derived(kernel, algorithm, kwargs, decay, memo)
     if not numbers:
         return None, 0
-    if len(names) != len(slots) or any(k not in slots for k in names):
+    if not _same_slots(names, slots):
         return None, 0
     kinds = {formats[k] for k in names}
     if len(kinds) > 1:
@@ -180,7 +185,7 @@ def refresh(args: ffi.Args, algorithm: str, kwargs: dict[str, Any], gflat: torch
     now ask for another kernel setup (call :func:`prepare`)."""
     kernel = KERNELS[algorithm]
     numbers, names, h, flags = _derived(kernel, algorithm, kwargs, decay, memo)
-    if not numbers or len(names) != len(slots) or any(k not in slots for k in names):
+    if not numbers or not _same_slots(names, slots):
         return False
     args.g = gflat.data_ptr()
     args.h[:len(h)] = h

@@ -102,7 +102,6 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         kw = kwargs_memo.get(key)
         if kw is None:
             kw = kwargs_memo[key] = algorithm.math_kwargs(group, step)
-        formats = {k: format_of(state, k) for k in slots}
         pflat, gflat = local.view(-1), grad.view(-1)
         decay = algorithm.decay_factor(group)
         index_base = reduce.flat_offset() if reduce.distributed else 0
@@ -116,6 +115,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
                 and refresh(cached[2], name, kw, gflat, state, slots, step, decay, scan, memo, host_mult)):
             args, done = cached[2], cached[3]
         else:
+            formats = {k: format_of(state, k) for k in slots}
             args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay, scan=scan,
                                  index_base=index_base, memo=memo, grad_mult=host_mult)
             if args is not None:
@@ -125,15 +125,16 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             rest.append((i, p, group))
             continue
         batch.append(args)
-        taken.append((i, local, gflat, group, state, slots, formats, step, decay, done, reduce))
+        taken.append((i, local, gflat, group, state, slots, step, decay, done, reduce))
     if not batch:
         return rest
     stepped = step_many(name, batch)
-    for ok, (i, local, gflat, group, state, slots, formats, step, decay, done, reduce) in zip(stepped, taken):
+    for ok, (i, local, gflat, group, state, slots, step, decay, done, reduce) in zip(stepped, taken):
         finite[i] = ok
         if not ok:  # nothing of it was written (a fresh parameter was checked before)
             state["step"] -= 1
         elif done < local.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
+            formats = {k: format_of(state, k) for k in slots}
             update_rest(algorithm, local, local.view(-1), gflat, state, slots, formats, group, step, decay, done,
                         reduce, mult)
     return rest
