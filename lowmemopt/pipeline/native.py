@@ -66,13 +66,15 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     batch, taken = [], []
     kwargs_memo: dict[tuple[int, int], dict[str, Any]] = {}  # (group, step) -> the math's keyword arguments
     memo: dict = {}  # what prepare derives from those alone (kept alive with them: ids stay unique)
-    mult = None if plan.grad_mult is None else plan.mult(torch.device("cpu"))  # loss scaling: applied as g is loaded
-    host_mult = None if mult is None else mult.tolist()
+    mult = host_mult = None  # loss scaling's multiplier (applied as g is loaded), read at the first CPU parameter
     for i, p, group in todo:
         grad = p.grad
         if p.device.type != "cpu" or group.get("rank") is not None or grad is None:
             rest.append((i, p, group))
             continue
+        if plan.grad_mult is not None and mult is None:
+            mult = plan.mult(torch.device("cpu"))
+            host_mult = mult.tolist()
         numel = p.numel()  # a DTensor's whole size: it picks the state format
         local, grad, reduce = local_view(p, grad)  # a DTensor (FSDP2) steps its local shard
         if not (local.is_contiguous() and grad.is_contiguous() and grad.shape == local.shape):
