@@ -594,10 +594,12 @@ def test_native_finite_check_equals_torch_check(lib, dtype, n):
     assert cpu.grad_is_finite(torch.randn(64, 64, generator=gen).t()) is None
 
 
-@pytest.mark.parametrize("bad", [0, 1, 2])
-def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, monkeypatch):
-    """The bucket's native call checks each gradient just before that parameter's update; a NaN in any position
-    (the first, a middle or the last one) skips that parameter, state and values unchanged, and the others step as
+@pytest.mark.parametrize("where", [7, -1], ids=["first-piece", "last-piece"])
+@pytest.mark.parametrize("bad", [0, 1, 2, 3])
+def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, where, monkeypatch):
+    """The bucket's native call checks each gradient (in 64K-element pieces, read among the previous parameter's
+    rows); a NaN in any parameter (the first, one after a parameter too small for rows of its own, one of several
+    pieces, the last one) and in any piece skips that parameter, state and values unchanged, and the others step as
     they would have without it. No gradient needs a check of its own (a separate pass before the step)."""
     from lowmemopt.optimizer import LowMemOptimizer
 
@@ -605,7 +607,7 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, monkey
     alone = []
     real = cpu.grad_is_finite
     monkeypatch.setattr(cpu, "grad_is_finite", lambda g: alone.append(g.numel()) or real(g))
-    shapes = [(300, 256), (128, 257), (5000,)]
+    shapes = [(300, 256), (40,), (520, 300), (5000,)]  # 2, 1, 3 and 1 scan pieces
     start = make_params(shapes)
     runs = []
     for poison in (False, True):
@@ -617,7 +619,7 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, monkey
         for i, p in enumerate(params):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i))
         if poison:
-            params[bad].grad.view(-1)[7] = float("nan")
+            params[bad].grad.view(-1)[where] = float("nan")
         alone.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -230,7 +230,7 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
 def step_many(algorithm: str, batch: list[ffi.Args]) -> list[bool]:
     """Run ``algorithm``'s fused kernel over many parameters (each one's arguments from :func:`prepare`) in one
     parallel region: one fork/join of the threads per bucket instead of one per parameter. An argument set with a
-    ``scan`` of its own gradient is checked just before its update (the update then reads the gradient from the
-    cache); returns per parameter whether it was stepped (False: that check found a NaN / Inf or an overflowing sum
+    ``scan`` of its own gradient is checked before its update (read while the previous parameter is updated);
+    returns per parameter whether it was stepped (False: that check found a NaN / Inf or an overflowing sum
     of squares, and nothing of the parameter or its state was written)."""
     return ffi.call_many(getattr(build.library(), KERNELS[algorithm].name + "_many"), batch)

@@ -893,7 +893,7 @@ static void run_tail(const lmo_args *a, rows_fn fn) {
 
 /* Sum of squares of x[lo, hi) in fp32, 16 lanes of fused multiply-adds: Inf / NaN iff an element is Inf / NaN or
  * the sum overflows fp32 (as torch's fp32 norm does, up to summation order). */
-static float sumsq_range(int dt, const void *x, int64_t lo, int64_t hi) {
+static float sumsq_range1(int dt, const void *x, int64_t lo, int64_t hi) {
     vf acc0 = v_set(0.0f), acc1 = v_set(0.0f);
     float r = 0.0f, lanes[16];
     int64_t i = lo;
@@ -919,11 +919,35 @@ static float sumsq_range(int dt, const void *x, int64_t lo, int64_t hi) {
     return r;
 }
 
+/* The fp32 sum of squares of x[lo, hi): NaN or Inf when x holds a NaN / Inf or the sum overflows. Four quarters of
+ * the range are read side by side, then the rest (sumsq_range1): four streams of reads keep more memory requests in
+ * flight than one. The order of the additions depends on lo and hi alone. */
+static float sumsq_range(int dt, const void *x, int64_t lo, int64_t hi) {
+    const int64_t q = ((hi - lo) / 4) & ~(int64_t)15;
+    vf a0 = v_set(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    float lanes[16], r = 0.0f;
+    int64_t i;
+    int k;
+    if (q < 64) return sumsq_range1(dt, x, lo, hi);
+    for (i = lo; i < lo + q; i += 16) {
+        const vf b0 = load_dt(dt, x, i), b1 = load_dt(dt, x, i + q), b2 = load_dt(dt, x, i + 2 * q);
+        const vf b3 = load_dt(dt, x, i + 3 * q);
+        a0 = v_fma(b0, b0, a0);
+        a1 = v_fma(b1, b1, a1);
+        a2 = v_fma(b2, b2, a2);
+        a3 = v_fma(b3, b3, a3);
+    }
+    v_store(lanes, v_add(v_add(a0, a1), v_add(a2, a3)));
+    for (k = 0; k < 16; k++) r += lanes[k];
+    return lo + 4 * q < hi ? r + sumsq_range1(dt, x, lo + 4 * q, hi) : r;
+}
+
 #define LMO_ROW_CHUNK 16384  /* elements per dynamically scheduled task */
+#define LMO_SCAN_PIECE 65536 /* gradient elements per task of a scan alone (lmo_scan, the bucket's checks) */
 
 /* Run fn over rows [0, nrows) in chunks of ~16K elements handed out dynamically (a thread that the OS preempts does
  * not hold up the others), then the tail; with a->scan, also the scan's sum of squares in pieces of 16K elements,
- * task c doing row chunk c and scan piece c. */
+ * task c doing row chunk c and scan piece c (a scan alone: pieces of LMO_SCAN_PIECE). */
 static int args_ok(const lmo_args *a) {
     int k;
     if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return 0;
@@ -939,7 +963,8 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     const int64_t rows_per_chunk = (LMO_ROW_CHUNK + a->bs - 1) / a->bs;
     const int64_t nchunks = a->bs > 0 ? (a->nrows + rows_per_chunk - 1) / rows_per_chunk : 0;
-    const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK;
+    const int64_t piece = a->nrows > 0 ? LMO_ROW_CHUNK : LMO_SCAN_PIECE; /* beside row chunks: one per chunk */
+    const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + piece - 1) / piece;
     const int64_t ntasks = nchunks > npieces ? nchunks : npieces;
     const int64_t work = a->nrows * a->bs + scan_n;
     float sumsq = 0.0f;
@@ -965,8 +990,8 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
                     fn(a, rt, r0, r0 + rows_per_chunk < a->nrows ? r0 + rows_per_chunk : a->nrows);
                 }
                 if (c < npieces) {
-                    const int64_t lo = c * LMO_ROW_CHUNK;
-                    part += sumsq_range(a->scan_dtype, a->scan, lo, lo + LMO_ROW_CHUNK < scan_n ? lo + LMO_ROW_CHUNK : scan_n);
+                    const int64_t lo = c * piece;
+                    part += sumsq_range(a->scan_dtype, a->scan, lo, lo + piece < scan_n ? lo + piece : scan_n);
                 }
             }
             if (a->scan) {
@@ -1022,15 +1047,20 @@ static int common_kind(const lmo_args *a) {
 
 /* ------------------------------------------------------------------------------------------------------------------ */
 /* Many parameters of one algorithm in one parallel region (the step's CPU bucket): one fork/join per step instead of */
-/* one per parameter, and each gradient's non-finite check just before its own update, so that for all but the      */
-/* largest tensors the update reads the gradient from the cache the check just filled.                              */
+/* one per parameter, and each gradient's non-finite check read while the previous parameter is updated.             */
 /*                                                                                                                    */
-/* The work is one list of tasks, handed out in order from a shared counter: for each tensor t, its scan pieces      */
-/* (LMO_ROW_CHUNK elements of a[t].scan: its own gradient, when the caller asks for the check), then its row chunks, */
-/* then its tail. A row chunk or tail of t waits until every scan piece of t is summed (the thread that finishes the */
-/* last piece adds the pieces up in their order, so the sum does not depend on the threads), and does nothing if the */
-/* sum is not finite. Every piece of t is handed out before any chunk of t, and a piece waits for nothing: no        */
-/* deadlock, and the wait is at most one piece long unless a thread is preempted.                                     */
+/* The work is one list of tasks, handed out in order from a shared counter: the scan pieces of tensor 0 (pieces of  */
+/* LMO_SCAN_PIECE elements of a[t].scan: its own gradient, when the caller asks for the check), then for each tensor  */
+/* t its row chunks with the scan pieces of tensor t + 1 spread evenly among them, then its tail. A row chunk or tail */
+/* of t waits until every scan piece of t is summed (the thread that finishes the last piece adds the pieces up in    */
+/* their order, so the sum does not depend on the threads), and does nothing if the sum is not finite. Every piece   */
+/* of t is handed out before any chunk of t, and a piece waits for nothing: no deadlock. A row chunk seldom waits:   */
+/* the pieces of t were handed out among the rows of t - 1.                                                          */
+/*                                                                                                                    */
+/* Why not each gradient's check just before its own update, so that the update reads the gradient from the cache?   */
+/* Measured on the 148M LLaMA (bench/README.md), that order was the slower one: a thread that scans waits for memory */
+/* with nothing to compute, while a scan beside the previous tensor's rows hides behind the compute of the 8- and    */
+/* 4-bit kernels; and the update of all but the smallest tensors found little of the gradient left in the cache.     */
 
 typedef rows_fn (*pick_fn)(const lmo_args *a);
 typedef struct { int32_t t, kind; int64_t c; } lmo_task; /* kind: TASK_* ; c: the piece or the chunk */
@@ -1054,6 +1084,13 @@ static uint8_t wait_verdict(const uint8_t *v) {
 }
 
 static inline int64_t rows_per_task(int bs) { return (LMO_ROW_CHUNK + bs - 1) / bs; }
+static inline int64_t n_pieces(const lmo_args *a) { return a->scan ? (a->scan_n + LMO_SCAN_PIECE - 1) / LMO_SCAN_PIECE : 0; }
+static inline void put_task(lmo_task *tasks, int64_t *at, int64_t t, int kind, int64_t c) {
+    tasks[*at].t = (int32_t)t;
+    tasks[*at].kind = kind;
+    tasks[*at].c = c;
+    ++*at;
+}
 
 /* ok[t] (out): 1 if tensor t was stepped, 0 if its scan found a non-finite sum of squares (nothing of it written).
  * Each a[t] is what run_rows takes, with scan either NULL (no check) or its own gradient (scan_sumsq: where the sum
@@ -1062,14 +1099,14 @@ static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
     int64_t t, ntasks = 0, work = 0, at = 0, maxbs = 16;
     int nt = n > 0 && a[0].nthreads > 1 ? a[0].nthreads : 1;
     lmo_task *tasks;
-    int64_t *piece_base, *pending, next = 0;
+    int64_t *piece_base, *pending, next = 0, c;
     float *parts;
     uint8_t *verdict;
     rows_fn *fns;
     for (t = 0; t < n; t++) {
         const int64_t chunks = (a[t].nrows + rows_per_task(a[t].bs) - 1) / rows_per_task(a[t].bs);
         if (!args_ok(&a[t]) || !pick(&a[t])) return LMO_EBADARG;
-        ntasks += chunks + (a[t].tail ? 1 : 0) + (a[t].scan ? (a[t].scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK : 0);
+        ntasks += chunks + (a[t].tail ? 1 : 0) + n_pieces(&a[t]);
         work += a[t].nrows * a[t].bs + a[t].tail + (a[t].scan ? a[t].scan_n : 0);
         if (a[t].bs > maxbs) maxbs = a[t].bs;
     }
@@ -1085,10 +1122,10 @@ static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
         return LMO_EBADARG;
     }
     for (t = 0; t < n; t++) {
-        const int64_t per = rows_per_task(a[t].bs), pieces = a[t].scan ? (a[t].scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK : 0;
-        int64_t c;
+        const int64_t pieces = n_pieces(&a[t]);
         fns[t] = pick(&a[t]);
         piece_base[t] = at; /* the pieces' partial sums: parts[at, at + pieces) */
+        at += pieces;
         pending[t] = pieces;
         verdict[t] = VERDICT_FINITE;
         if (a[t].scan) {
@@ -1098,9 +1135,19 @@ static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
                 verdict[t] = VERDICT_FINITE;
             }
         }
-        for (c = 0; c < pieces; c++) { tasks[at].t = (int32_t)t; tasks[at].kind = TASK_SCAN; tasks[at].c = c; at++; }
-        for (c = 0; c * per < a[t].nrows; c++) { tasks[at].t = (int32_t)t; tasks[at].kind = TASK_ROWS; tasks[at].c = c; at++; }
-        if (a[t].tail) { tasks[at].t = (int32_t)t; tasks[at].kind = TASK_TAIL; tasks[at].c = 0; at++; }
+    }
+    at = 0;
+    for (c = 0; c < n_pieces(&a[0]); c++) put_task(tasks, &at, 0, TASK_SCAN, c);
+    for (t = 0; t < n; t++) {
+        const int64_t per = rows_per_task(a[t].bs), chunks = (a[t].nrows + per - 1) / per;
+        const int64_t later = t + 1 < n ? n_pieces(&a[t + 1]) : 0;
+        int64_t done = 0;
+        for (c = 0; c < chunks; c++) {
+            put_task(tasks, &at, t, TASK_ROWS, c);
+            for (; done < later * (c + 1) / chunks; done++) put_task(tasks, &at, t + 1, TASK_SCAN, done);
+        }
+        if (a[t].tail) put_task(tasks, &at, t, TASK_TAIL, 0);
+        for (; done < later; done++) put_task(tasks, &at, t + 1, TASK_SCAN, done);
     }
     if ((int64_t)nt * 65536 > work) nt = work / 65536 > 0 ? (int)(work / 65536) : 1;
 #ifdef _OPENMP
@@ -1118,11 +1165,11 @@ static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
             task = &tasks[i];
             x = &a[task->t];
             if (task->kind == TASK_SCAN) {
-                const int64_t lo = task->c * LMO_ROW_CHUNK;
+                const int64_t lo = task->c * LMO_SCAN_PIECE;
                 parts[piece_base[task->t] + task->c] =
-                    sumsq_range(x->scan_dtype, x->scan, lo, lo + LMO_ROW_CHUNK < x->scan_n ? lo + LMO_ROW_CHUNK : x->scan_n);
+                    sumsq_range(x->scan_dtype, x->scan, lo, lo + LMO_SCAN_PIECE < x->scan_n ? lo + LMO_SCAN_PIECE : x->scan_n);
                 if (__atomic_sub_fetch(&pending[task->t], 1, __ATOMIC_ACQ_REL) == 0) { /* the last piece: add them up */
-                    const int64_t pieces = (x->scan_n + LMO_ROW_CHUNK - 1) / LMO_ROW_CHUNK;
+                    const int64_t pieces = n_pieces(x);
                     float sumsq = 0.0f;
                     for (k = 0; k < pieces; k++) sumsq += parts[piece_base[task->t] + k];
                     *x->scan_sumsq = sumsq;

@@ -4,9 +4,9 @@ kernel (:func:`lowmemopt.cpu.elementwise.step_many`).
 Stepping the parameters one call at a time costs, per parameter, a fork/join of the kernel's threads (on a busy
 machine, a wait for the slowest thread) and the Python around the call; one call per bucket costs that once per step.
 The bucket's non-finite gradient check is in the same call: each gradient that the optimizer left to the pipelined
-check (``finite[i] is None``, :class:`~lowmemopt.pipeline.finite.CpuFiniteChecks`) is scanned just before its own
-update, which then reads it from the cache the scan filled (all but the largest gradients), and a parameter whose
-gradient is not finite is left as it was: its step count advances before the call (the kernel's bias corrections
+check (``finite[i] is None``, :class:`~lowmemopt.pipeline.finite.CpuFiniteChecks`) is read while the parameter before
+it is updated (the 8- and 4-bit kernels' arithmetic hides that read), and a parameter whose gradient is not finite is
+left as it was: its step count advances before the call (the kernel's bias corrections
 read it) and is put back after a skip. A parameter without state yet is checked before its state is made (a skip
 makes none, as the up-front check leaves it).
 
