@@ -663,14 +663,15 @@ def test_a_cpu_step_imports_no_kernels_package():
 def test_bucket_equals_one_call_per_parameter(lib, case, monkeypatch):
     """The bucket's one native call (lowmemopt.pipeline.native) steps every parameter exactly as one call per
     parameter does: values, state and step counts bit for bit, through a step where one gradient has a NaN (that
-    parameter skipped, its fresh state dropped on the first step) and with ragged last blocks; and it is the bucket
-    that steps them (one call per step)."""
+    parameter skipped, its fresh state dropped on the first step), with ragged last blocks and with row chunks of
+    every size (a bucket's chunks shrink towards its end); and it is the bucket that steps them (one call per
+    step)."""
     from lowmemopt.cpu import elementwise
     from lowmemopt.pipeline import native
 
     name, bits, dtype, kw = case
     monkeypatch.setattr(compiled, "ENABLED", False)
-    shapes = [(300, 256), (5000,), (40,), (129, 33)]
+    shapes = [(300, 256), (5000,), (40,), (129, 33), (1024, 1024)]  # (the last: row chunks beyond 16K elements)
     start = make_params(shapes, dtype=dtype)
     runs = []
     for bucket in (True, False):
