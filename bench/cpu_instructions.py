@@ -39,6 +39,9 @@ CONFIGS = {
     "f-afstep": "Adafactor step, no first moment (with RMS(p))",
     "f-afstep-q8": "Adafactor step, 8-bit first moment (with RMS(p))",
     "f-camestep-q8": "CAME step, 8-bit first moment",
+    "f-afstep-check": "Adafactor step, no first moment, checking its own gradient",
+    "f-camestep-q8-check": "CAME step, 8-bit first moment, checking its own gradient",
+    "scan": "non-finite check alone (lmo_scan)",
 }
 
 

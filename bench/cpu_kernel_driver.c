@@ -70,6 +70,14 @@ int main(int argc, char **argv) {
             else { sl[s].kind = ST_Q4; sl[s].book = book4[sg]; sl[s].thr = thr4[sg]; sl[s].packed = packed4[sg]; }
         }
     }
+    if (strcmp(cfg, "scan") == 0) { /* the non-finite check alone: the fp32 sum of squares of g */
+        static float ss;
+        lmo_args a;
+        memset(&a, 0, sizeof a);
+        a.bs = 16; a.nthreads = 1; a.scan = g; a.scan_n = N; a.scan_dtype = DT_F32; a.scan_sumsq = &ss;
+        if (lmo_scan(&a)) return 3;
+        return measure(cfg, (int (*)(const void *))lmo_scan, &a) ? 3 : 0;
+    }
     if (strncmp(cfg, "adam", 4) == 0 || strncmp(cfg, "lion", 4) == 0 || strncmp(cfg, "sgd", 3) == 0) {
         lmo_args a; memset(&a, 0, sizeof a);
         int bf = strstr(cfg, "bf16") != NULL;
@@ -109,6 +117,7 @@ int main(int argc, char **argv) {
         else if (strstr(cfg, "afstep")) { fn = lmo_adafactor_step; fa.flags = 2; fa.h[4] = -1e-2; }
         else fn = lmo_came_step;
         if (bits != 32 || strstr(cfg, "came")) { fa.has_m = 1; fa.m = sl[0]; if (bits == 32) fa.m.kind = ST_F32; }
+        if (strstr(cfg, "check")) fa.flags |= 4; /* the step's own non-finite check in pass 1 */
         if (fn(&fa)) return 3;
         if (measure(cfg, (int (*)(const void *))fn, &fa)) return 3;
     }

@@ -28,9 +28,10 @@ value, its state and its step count stay exactly as they were, so one bad batch 
 would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about. The
 check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),
 except in two cases. CPU parameters stepped by the native kernels: the bucket's one native call checks each gradient
-before that parameter's update, while the previous one is updated (:mod:`lowmemopt.pipeline.native`), and a kernel stepping one parameter at a time
-sums the squares of the next gradient while it steps (:class:`~lowmemopt.pipeline.finite.CpuFiniteChecks`); either
-saves a separate pass over all gradients. Parameters of one
+before that parameter's update, while the previous one is updated (:mod:`lowmemopt.pipeline.native`); Adafactor's and
+CAME's native step checks its own gradient in its first pass, before it writes anything (:mod:`lowmemopt.cpu.factored`);
+and a kernel stepping one parameter at a time sums the squares of the next gradient while it steps
+(:class:`~lowmemopt.pipeline.finite.CpuFiniteChecks`); each saves a separate pass over all gradients. Parameters of one
 GPU that the Triton kernels step (every algorithm; GaLore parameters between basis refreshes), with no state moving
 between host and device and nothing sharded: the skip is decided on the device (:mod:`lowmemopt.pipeline.finite`: the
 kernels read the flags), and the host reads the flags only after every launch, so the GPU never waits for the host to

@@ -516,6 +516,73 @@ def test_factored_native_low_bit(lib, cls, kwargs, bits, monkeypatch):
     assert trajectory_error(p_n, p_e, start) < 0.02
 
 
+@pytest.mark.parametrize("bad", [(3, 5, float("nan")), (-1, -1, float("inf")), (0, 0, 1.4e19)],
+                         ids=["nan", "inf-last-element", "squares-sum-overflows"])
+@pytest.mark.parametrize("cls,kwargs,bits", [
+    (lowmemopt.Adafactor, {}, 32), (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01), 8),
+    (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1), 8), (lowmemopt.CAME, dict(lr=1e-2), 4),
+], ids=["Adafactor", "Adafactor-m-8", "CAME-8", "CAME-4"])
+def test_factored_step_is_its_own_nonfinite_check(lib, cls, kwargs, bits, bad, monkeypatch):
+    """Adafactor's and CAME's native step checks its own gradient in its first pass (no separate read of it): a NaN,
+    an Inf or elements whose squares' sum overflows fp32 leave that parameter, every state tensor and its step count
+    exactly as they were (counted and warned about as any skip), while the others step as they would have; a clean
+    gradient steps exactly as with the separate check (the native step without it)."""
+    from lowmemopt.cpu import factored
+
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    outcomes, scanned = [], []
+    real_step, real_scan = cpu.step_factored, cpu.grad_is_finite
+    monkeypatch.setattr(cpu, "step_factored",
+                        lambda *a, **k: outcomes.append((k.get("check", False), real_step(*a, **k))) or outcomes[-1][1])
+    monkeypatch.setattr(cpu, "grad_is_finite", lambda g: scanned.append(g.numel()) or real_scan(g))
+    start = make_params(FACTORED_SHAPES)
+    runs = []
+    for poison in (False, True):
+        params = clone_params(start)
+        opt = cls(params, state_bits=bits, **kwargs)
+        run(opt, params, 2)
+        before = [p.detach().clone() for p in params]
+        state_before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[params[1]].items()}
+        torch.manual_seed(5)
+        for p in params:
+            p.grad = torch.randn(p.shape) * 1e-2
+        if poison:  # two elements (1.4e19: each square is finite in fp32, their sum is not)
+            params[1].grad[bad[0], bad[1]] = params[1].grad[bad[0], bad[1] - 1] = bad[2]
+        outcomes.clear()
+        scanned.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        assert scanned == [37 * 53]  # only the parameter too small for the native step is checked apart
+        assert [o for o in outcomes if o[1] != factored.NOT_APPLIED] == [
+            (True, factored.STEPPED), (True, factored.SKIPPED if poison else factored.STEPPED)]
+        runs.append((params, opt, before, state_before, [str(w.message) for w in caught]))
+    (clean, clean_opt, _, _, _), (params, opt, before, state_before, messages) = runs
+    assert opt.nonfinite_skips == 1 and any("NaN/Inf" in m for m in messages)
+    assert torch.equal(params[1], before[1])
+    for k, v in opt.state[params[1]].items():
+        assert torch.equal(v, state_before[k]) if isinstance(v, torch.Tensor) else v == state_before[k], k
+    for i in (0, 2):
+        assert torch.equal(params[i], clean[i])
+        for k, v in opt.state[params[i]].items():
+            w = clean_opt.state[clean[i]][k]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, k
+    # the check changes nothing of a clean step: the native step without it (an up-front check) gives the same bits
+    monkeypatch.setattr(cpu, "step_factored", lambda *a, **k: real_step(*a, **{**k, "check": False}))
+    from lowmemopt import pipeline
+
+    monkeypatch.setattr(pipeline, "checks_itself", lambda *a: False)
+    plain = clone_params(start)
+    plain_opt = cls(plain, state_bits=bits, **kwargs)
+    run(plain_opt, plain, 2)
+    torch.manual_seed(5)
+    for p in plain:
+        p.grad = torch.randn(p.shape) * 1e-2
+    plain_opt.step()
+    for a, b in zip(plain, clean):
+        assert torch.equal(a, b)
+
+
 def test_factored_native_same_bits_on_any_thread_count(lib, monkeypatch):
     """The one-call steps add their sums per fixed row segment and the segments in order: 1 and 3 threads give the
     same parameters and state, bit for bit (Adafactor with RMS(p) and an 8-bit first moment, CAME)."""

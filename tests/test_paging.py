@@ -168,8 +168,8 @@ def _seen():
     patch of its own: tests undo their ``monkeypatch`` mid-way)."""
     step_param = pipeline.step_param
 
-    def stepped(plan, p, grad, group, scan=None):
-        result = step_param(plan, p, grad, group, scan)
+    def stepped(plan, p, grad, group, scan=None, **kw):
+        result = step_param(plan, p, grad, group, scan, **kw)
         if isinstance(plan.algorithm, _RenamerMath):
             plan.state[p]["galore.seen"] = torch.arange(plan.state[p]["step"], dtype=torch.float64) * grad.sum().double()
         return result

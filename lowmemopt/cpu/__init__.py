@@ -69,10 +69,11 @@ def step_elementwise(*args, **kwargs) -> tuple[int, bool | None]:
     return step(*args, **kwargs)
 
 
-def step_factored(*args, **kwargs) -> bool:
-    """See :func:`lowmemopt.cpu.factored.step`."""
+def step_factored(*args, **kwargs) -> int:
+    """See :func:`lowmemopt.cpu.factored.step` (0, :data:`~lowmemopt.cpu.factored.NOT_APPLIED`, when the kernels are
+    off)."""
     if not ENABLED:
-        return False
+        return 0
     from .factored import step
 
     return step(*args, **kwargs)

@@ -29,7 +29,7 @@ from pathlib import Path
 __all__ = ["ABI_VERSION", "ISAS", "SOURCE", "build_error", "cache_dir", "compile_library", "cpu_isas", "isa_of", "library",
            "requested_isa"]
 
-ABI_VERSION = 14  # must equal LMO_ABI_VERSION in kernels.c
+ABI_VERSION = 15  # must equal LMO_ABI_VERSION in kernels.c
 #: the kernels' instruction sets, best first: name -> (LMO_ISA in kernels.c, extra compiler flags, CPU flags needed)
 ISAS: dict[str, tuple[int, tuple[str, ...], frozenset[str]]] = {
     "avx512": (2, ("-DLMO_ISA=2",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),

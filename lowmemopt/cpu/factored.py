@@ -19,6 +19,10 @@ segments and in fp64 across them, where torch sums fp32 in its own order. So res
 rounding, not bit for bit, and do not depend on the thread count. Only unsharded parameters of at least
 :data:`MIN_NUMEL` elements take this path (smaller ones stay bit-identical to the references; a sharded one needs the
 distributed reductions).
+
+Adafactor's and CAME's steps can also be the optimizer's non-finite gradient check (:func:`step` with ``check=True``):
+pass 1 sums g^2 in fp32 as well and the step ends before it writes anything if that sum is not finite, so the
+gradient is read once for the check and the step together instead of once more before it.
 """
 
 from __future__ import annotations
@@ -33,10 +37,18 @@ from .. import rounding
 from ..quant.formats import BF16, FP32, Q4, Q8
 from . import applies, build, ffi
 
-__all__ = ["MIN_NUMEL", "STEPS", "step"]
+__all__ = ["CHECKING", "MIN_NUMEL", "NOT_APPLIED", "SKIPPED", "STEPPED", "STEPS", "step"]
 
 MIN_NUMEL = 1 << 16
 NSEG = 16  # LMO_NSEG
+CHECK = 4  # lmo_fact.flags: the step checks its gradient in pass 1
+
+#: the algorithms whose native step can check its own gradient (``check=True``)
+CHECKING = frozenset({"adafactor", "came"})
+
+#: what :func:`step` did: nothing (the caller runs the eager path; state untouched), the step, or (``check=True``)
+#: nothing because the gradient's fp32 sum of squares is not finite
+NOT_APPLIED, STEPPED, SKIPPED = 0, 1, 2
 
 
 class Fact(ctypes.Structure):
@@ -114,6 +126,18 @@ class _Pass:
         _call(name, self.f)
         return row, col
 
+    def run_checked(self, name: str, check: bool) -> int:
+        """Call step kernel ``name``; with ``check``, let its pass 1 check the gradient (:data:`SKIPPED`: it was not
+        finite, and nothing was written)."""
+        if not check:
+            _call(name, self.f)
+            return STEPPED
+        result = ctypes.c_double(0.0)
+        self.f.result = ctypes.addressof(result)
+        self.f.flags |= CHECK
+        _call(name, self.f)
+        return STEPPED if math.isfinite(result.value) else SKIPPED
+
     def clip_denom(self, numel: int, clip_threshold: float, kernel: str) -> torch.Tensor:
         """``(RMS(u) / clip_threshold).clamp(min=1)`` from the sum of squares of u that ``kernel`` computes, as fp32
         0-dim tensors (the eager math's ``rms(u)`` is ``vector_norm(u) / sqrt(numel)``)."""
@@ -146,15 +170,15 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
     return ffi.slot_dense(t), 16
 
 
-def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
+def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None, check=False) -> int:
     if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
-        return False
+        return NOT_APPLIED
     eps1, eps2 = group["eps"]
     m = None
     if group["beta1"] is not None:
         m = _momentum_slot(state, formats["exp_avg"], group["block_size"])
         if m is None:
-            return False
+            return NOT_APPLIED
     rho = group["lr"]
     if group["relative_step"]:
         rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
@@ -176,18 +200,17 @@ def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None,
         f.h[4], f.h[6] = float(-wd * alpha), float(alpha)
     if wd != 0:
         f.flags |= 1
-    _call("lmo_adafactor_step", f)
-    return True
+    return run.run_checked("lmo_adafactor_step", check)
 
 
-def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
+def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None, check=False) -> int:
     if decay != 1.0 or "exp_avg_sq_row" not in state:
-        return False
+        return NOT_APPLIED
     eps1, eps2 = group["eps"]
     beta1, beta2, beta3 = group["betas"]
     m = _momentum_slot(state, formats["exp_avg"], group["block_size"])
     if m is None:
-        return False
+        return NOT_APPLIED
     lr = group["lr"]
 
     run = _Pass(pflat, gflat, p.shape, m[0], m[1], 2 * sum(p.shape), grad_mult)
@@ -199,16 +222,16 @@ def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad
     f.h[5], f.h[6], f.h[7], f.h[8] = group["clip_threshold"], float(lr), eps2, beta3
     if group["weight_decay"] != 0:
         f.flags, f.h[4] = 1, float(-group["weight_decay"] * lr)
-    _call("lmo_came_step", f)
-    return True
+    return run.run_checked("lmo_came_step", check)
 
 
-def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None) -> bool:
+def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None,
+                     check=False) -> int:
     """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
     parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
     sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
-    if "row_var" not in state:
-        return False
+    if "row_var" not in state or check:  # (its scalars are taken in torch between the calls: no check of its own)
+        return NOT_APPLIED
     rows, cols = p.shape
     eps1, eps2 = group["eps"]
     eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
@@ -229,33 +252,35 @@ def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight
     scale = alpha / denom
     f.h[2], f.h[3] = float(-scale if group["maximize"] else scale), float(decay)
     _call("lmo_adafactor_torch_apply", f)
-    return True
+    return STEPPED
 
 
 #: the native step of each algorithm, keyed by the name the optimizer declares on its ``_update``
 #: (:func:`lowmemopt.optimizer.algorithm`; a subclass that overrides ``_update`` runs none)
-STEPS: dict[str, Callable[..., bool]] = {"adafactor": _adafactor, "came": _came, "adafactor_torch": _adafactor_torch}
+STEPS: dict[str, Callable[..., int]] = {"adafactor": _adafactor, "came": _came, "adafactor_torch": _adafactor_torch}
 
 
 def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
          formats: dict[str, Any], group: dict[str, Any], step: int, decay: float,
-         weight: torch.Tensor | None = None, grad_mult: float | None = None) -> bool:
+         weight: torch.Tensor | None = None, grad_mult: float | None = None, check: bool = False) -> int:
     """One native step of ``algorithm`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
-    place). False if it does not apply (the caller runs the eager path); state is untouched then. ``weight``: a
-    GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.step.weights``).
-    ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none)."""
+    place): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
+    ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.step.weights``).
+    ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none). ``check``:
+    the step is also the optimizer's non-finite check of ``gflat`` (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum
+    of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`)."""
     fn = STEPS.get(algorithm)
     if fn is None or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
-        return False
+        return NOT_APPLIED
     if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
-        return False
+        return NOT_APPLIED
     if gflat.device != pflat.device or not gflat.is_contiguous():
-        return False
+        return NOT_APPLIED
     if rounding.mode_of(group, pflat) != "nearest":  # bf16_update: these passes round to nearest only
-        return False
+        return NOT_APPLIED
     stats = [state[k] for k in state if k.endswith(("_row", "_col", "_var"))]
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):
-        return False
+        return NOT_APPLIED
     if isinstance(group.get("lr"), torch.Tensor):
-        return False
-    return fn(p, pflat, gflat, state, formats, group, step, decay, weight, grad_mult)
+        return NOT_APPLIED
+    return fn(p, pflat, gflat, state, formats, group, step, decay, weight, grad_mult, check)

@@ -35,7 +35,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 14
+#define LMO_ABI_VERSION 15
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -1547,7 +1547,7 @@ typedef struct {
     int32_t p_dtype, g_dtype, nthreads;
     int32_t bs;                  /* the momentum slot's block size (q8), else 16 */
     int32_t has_m;               /* the full-size first moment is slot m */
-    int32_t flags;               /* 1: weight decay; lmo_adafactor_step 2: alpha from RMS(p) */
+    int32_t flags;               /* 1: weight decay; lmo_adafactor_step 2: alpha from RMS(p); the steps 4: check g */
     lmo_slot m;
     float *rf, *cf;              /* factors of V^-1/2: u = (rf[r] cf[c]) g (the steps write them) */
     float *rf2, *cf2;            /* CAME: factors of the instability's U^-1/2 */
@@ -1555,7 +1555,7 @@ typedef struct {
     float *vr, *vc;              /* the steps: the second moment's row / column EMAs [R], [C], updated in place */
     float *vr2, *vc2;            /* lmo_came_step: the instability's row / column EMAs */
     double *work;                /* LMO_NSEG * (C + 1) doubles: per-segment partial sums */
-    double *result;              /* sum of squares */
+    double *result;              /* sum of squares (the steps with flag 4: g's, fp32; not finite: nothing written) */
     double h[12];
     float g_mult;                /* the gradient's loss scaling multiplier, as lmo_args.g_mult (0 or 1: none) */
 } lmo_fact;
@@ -1669,13 +1669,15 @@ static inline vf v_rc(const float *rf, const float *cf, int64_t r, int64_t c, vf
  * approx_rsqrt, the clipping denominator, Adafactor's RMS(p)) is computed between passes from per-segment partial sums
  * added in segment order, by every thread alike: results do not depend on the thread count or the schedule.
  * work (doubles): [0, LMO_NSEG C / 2) the segments' column sums (fp32), then LMO_NSEG doubles for each of
- * FW_ROW (sum of a row statistic's new EMA), FW_PSQ (sum of p^2), FW_USQ (sum of u^2), FW_RES (CAME: like FW_ROW). */
+ * FW_ROW (sum of a row statistic's new EMA), FW_PSQ (sum of p^2), FW_USQ (sum of u^2), FW_RES (CAME: like FW_ROW),
+ * FW_GSQ (the non-finite check's fp32 sum of g^2). */
 
 #define FW_COL(f) ((float *)(f)->work)
 #define FW_ROW 0
 #define FW_PSQ 1
 #define FW_USQ 2
 #define FW_RES 3
+#define FW_GSQ 4
 #define FW_SEG(f, k) ((f)->work + (int64_t)LMO_NSEG * (f)->C / 2 + (int64_t)(k) * LMO_NSEG)
 
 typedef struct {
@@ -1690,21 +1692,22 @@ static inline double seg_total(const double *seg) {
     return t;
 }
 
-/* Pass 1 on segment s: x = g^2 + eps1; each row's mean (fp64 sum / C) folds into the row EMA
- * row[r] = beta row[r] + (1 - beta) mean (ema_factored_: mul_, then add_ with alpha, one fma), the new row values'
- * sum into FW_ROW[s], the segment's column sums of x into FW_COL; with psq, the sum of p^2 (RMS(p)) into FW_PSQ[s]. */
-static void fact_sq_seg(const lmo_fact *f, int s, float eps1, float beta, float omb, float *row, int psq) {
+/* Pass 1 on segment s: x = g^2 + eps1; each row's mean (fp64 sum / C) into rf[r] (rf is scratch until
+ * fact_factors), the segment's column sums of x into FW_COL; with psq, the sum of p^2 (RMS(p)) into FW_PSQ[s]; with
+ * check, the fp32 sum of the rows' sums into FW_GSQ[s]: not finite iff an element of g is not, or g's sum of squares
+ * overflows fp32 (the check's condition; eps1, ~1e-30, adds nothing to it). Nothing of the parameter's state is
+ * written: a step that checks its gradient here can still leave everything as it was. */
+static void fact_sq_seg(const lmo_fact *f, int s, float eps1, int psq, int check) {
     const int64_t C = f->C;
     const vf veps1 = v_set(eps1);
     float *colp = FW_COL(f) + (int64_t)s * C;
+    float gsq = 0.0f;
     int64_t r0, r1, r, c;
-    double rows = 0.0;
     vd pacc = vd_zero();
     fact_segment(f, s, &r0, &r1);
     memset(colp, 0, sizeof(float) * C);
     for (r = r0; r < r1; r++) {
         vd acc = vd_zero();
-        float mean;
         for (c = 0; c < C; c += 16) {
             vf g = load_grad(f->g_dtype, f->g, r * C + c, f->g_mult);
             vf x = v_add(v_mul(g, g), veps1);
@@ -1712,12 +1715,35 @@ static void fact_sq_seg(const lmo_fact *f, int s, float eps1, float beta, float 
             v_store(colp + c, v_add(v_load(colp + c), x));
             if (psq) pacc = vd_add_sq(pacc, load_dt(f->p_dtype, f->p, r * C + c));
         }
-        mean = (float)(vd_sum(acc) / (double)C);
-        row[r] = fmaf(mean, omb, row[r] * beta);
+        {
+            const double sum = vd_sum(acc);
+            f->rf[r] = (float)(sum / (double)C);
+            gsq += (float)sum;
+        }
+    }
+    if (psq) FW_SEG(f, FW_PSQ)[s] = vd_sum(pacc);
+    if (check) FW_SEG(f, FW_GSQ)[s] = gsq;
+}
+
+/* The non-finite check of pass 1 (flag 4): the fp32 sum of g^2 over the segments, in their order. */
+static float fact_gsq(const lmo_fact *f) {
+    float t = 0.0f;
+    int s;
+    for (s = 0; s < LMO_NSEG; s++) t += (float)FW_SEG(f, FW_GSQ)[s];
+    return t;
+}
+
+/* After pass 1, segment s: each row's mean (rf[r]) folds into the row EMA row[r] = beta row[r] + (1 - beta) mean
+ * (ema_factored_: mul_, then add_ with alpha, one fma), the new row values' sum into FW_ROW[s]. */
+static void fact_row_ema_seg(const lmo_fact *f, int s, float beta, float omb, float *row) {
+    int64_t r0, r1, r;
+    double rows = 0.0;
+    fact_segment(f, s, &r0, &r1);
+    for (r = r0; r < r1; r++) {
+        row[r] = fmaf(f->rf[r], omb, row[r] * beta);
         rows += (double)row[r];
     }
     FW_SEG(f, FW_ROW)[s] = rows;
-    if (psq) FW_SEG(f, FW_PSQ)[s] = vd_sum(pacc);
 }
 
 /* Between passes (every thread; ends with a barrier): the column means (the segments' sums in fp64, in segment order,
@@ -1881,19 +1907,29 @@ static int fact_step_check(const lmo_fact *f, int came) {
     if (fact_check(f)) return LMO_EBADARG;
     if (!f->vr || !f->vc || !f->rf || !f->cf || !f->work) return LMO_EBADARG;
     if (came && (!f->has_m || !f->vr2 || !f->vc2 || !f->rf2 || !f->cf2)) return LMO_EBADARG;
+    if ((f->flags & 4) && !f->result) return LMO_EBADARG;
     return LMO_OK;
 }
 
 
 /* Passes 1 and 2 of a factored step, called inside its parallel region (the loops share out the segments): 1 g ->
  * the second moment's EMAs vr, vc and the factors rf, cf (scale: also the sum of squares of p, for RMS(p)); 2 g -> the
- * clipping denominator. Then sc holds the denominator and beta1's two scalars (h[2], h[3]), the rest zero. */
-static void fact_v_passes(const lmo_fact *f, float eps1, float beta, float omb, int scale, fact_sc *sc) {
+ * clipping denominator. Then sc holds the denominator and beta1's two scalars (h[2], h[3]), the rest zero.
+ * With flag 4 the optimizer's non-finite gradient check is pass 1's too: if the fp32 sum of g^2 is not finite, it
+ * returns 1 (every thread alike) before anything of the parameter's state is written, and the step ends there; the
+ * gradient is read once for both (a separate check read it once more: ~20 ms a step on the 148M LLaMA). */
+static int fact_v_passes(const lmo_fact *f, float eps1, float beta, float omb, int scale, fact_sc *sc) {
+    const int check = (f->flags & 4) != 0;
     int s;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, beta, omb, f->vr, scale);
+    for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, scale, check);
+    if (check && !isfinite(fact_gsq(f))) return 1; /* every thread alike, after the loop's barrier */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (s = 0; s < LMO_NSEG; s++) fact_row_ema_seg(f, s, beta, omb, f->vr);
     fact_factors(f, FW_ROW, beta, omb, f->vr, f->vc, f->rf, f->cf);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -1903,11 +1939,13 @@ static void fact_v_passes(const lmo_fact *f, float eps1, float beta, float omb, 
     sc->denom = fact_denom(f, f->h[5]);
     sc->b1 = (float)f->h[2];
     sc->omb1 = (float)f->h[3];
+    return 0;
 }
 
 /* Adafactor, the whole step of one parameter (h: 0 eps1  1 beta2t  2 beta1  3 1 - beta1  4 sdecay (flag 2: -wd)
  * 5 clip threshold  6 alpha (flag 2: rho)  7 eps2; flags: 1 weight decay, 2 alpha = max(RMS(p), eps2) rho with
- * RMS(p) from pass 1). Passes: 1 g (+ p with flag 2) -> row / column EMAs vr, vc and factors rf, cf;
+ * RMS(p) from pass 1, 4 check g as in fact_v_passes). Passes: 1 g (+ p with flag 2) -> row / column EMAs vr, vc and
+ * factors rf, cf;
  * 2 g -> denom;  3 g, m, p -> m, p. */
 static int adafactor_step_run(const lmo_fact *f, fact_af_fn apply) {
     const float eps1 = (float)f->h[0], beta = (float)f->h[1], omb = (float)(1.0 - f->h[1]);
@@ -1921,27 +1959,29 @@ static int adafactor_step_run(const lmo_fact *f, fact_af_fn apply) {
         fact_sc sc;
         int s;
         if (f->has_m) slot_rt_init(&rt[0], &f->m, buf);
-        fact_v_passes(f, eps1, beta, omb, scale, &sc);
-        if (scale) { /* step_size: rms_p.clamp(min=eps2) * rho; the decay -wd * alpha, in fp32 as the 0-dim tensors */
-            float rms = (float)sqrt(seg_total(FW_SEG(f, FW_PSQ))) / (float)sqrt((double)(f->R * f->C));
-            const float eps2 = (float)f->h[7];
-            rms = rms < eps2 ? eps2 : rms;
-            sc.alpha = rms * (float)f->h[6];
-            sc.sdecay = sc.alpha * (float)f->h[4];
-        } else {
-            sc.alpha = (float)f->h[6];
-            sc.sdecay = (float)f->h[4];
-        }
+        if (!fact_v_passes(f, eps1, beta, omb, scale, &sc)) { /* else a non-finite g (flag 4): nothing written */
+            if (scale) { /* step_size: rms_p.clamp(min=eps2) * rho; the decay -wd * alpha, in fp32 as 0-dim tensors */
+                float rms = (float)sqrt(seg_total(FW_SEG(f, FW_PSQ))) / (float)sqrt((double)(f->R * f->C));
+                const float eps2 = (float)f->h[7];
+                rms = rms < eps2 ? eps2 : rms;
+                sc.alpha = rms * (float)f->h[6];
+                sc.sdecay = sc.alpha * (float)f->h[4];
+            } else {
+                sc.alpha = (float)f->h[6];
+                sc.sdecay = (float)f->h[4];
+            }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (s = 0; s < LMO_NSEG; s++) apply(f, rt, LMO_SEG_FWD(s), &sc);
+            for (s = 0; s < LMO_NSEG; s++) apply(f, rt, LMO_SEG_FWD(s), &sc);
+        }
     }
+    if (f->flags & 4) *f->result = fact_gsq(f);
     return LMO_OK;
 }
 
 /* CAME, the whole step of one parameter (h: 0 eps1  1 beta2  2 beta1  3 1 - beta1  4 sdecay = -wd lr  5 clip
- * threshold  6 lr  7 eps2  8 beta3; flags: 1 weight decay). Passes: 1 g -> vr, vc, rf, cf;  2 g -> denom;
+ * threshold  6 lr  7 eps2  8 beta3; flags: 1 weight decay, 4 check g as in fact_v_passes). Passes: 1 g -> vr, vc, rf, cf;  2 g -> denom;
  * 3 g, m -> the instability's EMAs vr2, vc2 and factors rf2, cf2;  4 g, m, p -> m, p. */
 static int came_step_run(const lmo_fact *f, fact_res_fn res, fact_came_fn apply) {
     const float eps1 = (float)f->h[0], beta2 = (float)f->h[1], omb2 = (float)(1.0 - f->h[1]);
@@ -1955,20 +1995,22 @@ static int came_step_run(const lmo_fact *f, fact_res_fn res, fact_came_fn apply)
         fact_sc sc;
         int s;
         slot_rt_init(&rt[0], &f->m, buf);
-        fact_v_passes(f, eps1, beta2, omb2, 0, &sc);
-        sc.sdecay = (float)f->h[4];
-        sc.lr = (float)f->h[6];
-        sc.eps2 = (float)f->h[7];
+        if (!fact_v_passes(f, eps1, beta2, omb2, 0, &sc)) { /* else a non-finite g (flag 4): nothing written */
+            sc.sdecay = (float)f->h[4];
+            sc.lr = (float)f->h[6];
+            sc.eps2 = (float)f->h[7];
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (s = 0; s < LMO_NSEG; s++) res(f, rt, LMO_SEG_FWD(s), &sc, beta3, omb3);
-        fact_factors(f, FW_RES, beta3, omb3, f->vr2, f->vc2, f->rf2, f->cf2);
+            for (s = 0; s < LMO_NSEG; s++) res(f, rt, LMO_SEG_FWD(s), &sc, beta3, omb3);
+            fact_factors(f, FW_RES, beta3, omb3, f->vr2, f->vc2, f->rf2, f->cf2);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (s = 0; s < LMO_NSEG; s++) apply(f, rt, LMO_SEG_BWD(s), &sc);
+            for (s = 0; s < LMO_NSEG; s++) apply(f, rt, LMO_SEG_BWD(s), &sc);
+        }
     }
+    if (f->flags & 4) *f->result = fact_gsq(f);
     return LMO_OK;
 }
 

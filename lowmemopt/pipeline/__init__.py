@@ -33,10 +33,11 @@ from typing import Any, Iterator
 import torch
 
 from .. import rounding
+from ..cpu import factored
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import is_dtensor, local_view
 from ..work import Item, Update, capture
-from .backends import CHUNK_NUMEL, init_state, update_flat
+from .backends import CHUNK_NUMEL, init_state, update_checked, update_flat
 from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
 from .native import step_cpu_bucket
 from .plan import Plan, StepRecord
@@ -133,9 +134,13 @@ def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[boo
 def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                   grads: list[torch.Tensor], pipe: CpuFiniteChecks | None) -> None:
     """Step ``todo`` ((index, param, group), in order) through the per-parameter path with the pipelined non-finite
-    check: a gradient not checked yet (``finite[i] is None``) is checked just before its step, unless the kernel that
-    stepped the parameter before it scanned it; ``finite`` is filled in as it goes."""
+    check: a gradient not checked yet (``finite[i] is None``) is checked by its own step where that is a native
+    factored step (:func:`checks_itself`), else just before its step, unless the kernel that stepped the parameter
+    before it scanned it; ``finite`` is filled in as it goes."""
     for k, (i, p, group) in enumerate(todo):
+        if finite[i] is None and checks_itself(plan, p, group):
+            finite[i] = step_param(plan, p, p.grad, group, check=True)
+            continue
         if finite[i] is None:  # a pipelined CPU gradient that the previous kernel did not scan
             finite[i] = pipe.check(i)
         if not finite[i]:  # found by that check, or by the previous kernel's scan
@@ -147,11 +152,23 @@ def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite
             step_param(plan, p, p.grad, group)
 
 
+def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Can ``p``'s step be its gradient's non-finite check (:func:`.backends.update_checked`)? An algorithm with a
+    native factored step that checks (Adafactor, CAME), outside GaLore, for a parameter that has state (a fresh one is
+    checked before its state is made, so that a skip makes none). For the pipelined CPU checks only (unsharded)."""
+    if plan.fused not in factored.CHECKING or plan.algorithm.elementwise:
+        return False
+    state = plan.state[p]
+    return group.get("rank") is None and "step" in state and "galore.side" not in state
+
+
 def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-               scan: torch.Tensor | None = None) -> bool | None:
+               scan: torch.Tensor | None = None, check: bool = False) -> bool | None:
     """Step one parameter through the per-tensor backends (:func:`.backends.update_flat`; GaLore:
     :func:`~lowmemopt.projection.step.step_projected`). ``scan``: another gradient that a native CPU kernel checks
-    for NaN/Inf while it steps this one; returns that check's result (None: not done)."""
+    for NaN/Inf while it steps this one; returns that check's result (None: not done). ``check``
+    (:func:`checks_itself`): the step checks ``grad`` itself (:func:`.backends.update_checked`); returns whether it
+    was finite (False: nothing changed, the step count included)."""
     state = plan.state[p]
     if group.get("rank") is not None or "galore.side" in state:
         plan.galore.step_projected(plan, p, grad, group)
@@ -167,6 +184,14 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     capture.host_count(state)  # (a capturable step's count: back to an int)
     state["step"] += 1
     target = p if p.is_contiguous() else p.contiguous()
+    if check:
+        if not update_checked(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
+                              state["step"], plan.algorithm.decay_factor(group)):
+            state["step"] -= 1
+            return False
+        if target is not p:
+            p.copy_(target)
+        return True
     scanned = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],
                           plan.algorithm.decay_factor(group), reduce, scan, mult)
     if target is not p:

@@ -24,8 +24,8 @@ from ..quant.maps import code_book, encode_table
 from .algorithm import Algorithm
 from .plan import unscaled
 
-__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "update_flat", "update_rest", "run_update",
-           "decode_whole"]
+__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "update_flat", "update_checked", "update_rest",
+           "run_update", "decode_whole"]
 
 #: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
 CHUNK_NUMEL = 1 << 18
@@ -78,6 +78,30 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
         start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, group, step, decay, mult)
     _step_eager(algorithm, like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce, mult)
     return scanned
+
+
+def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
+                   state: dict[str, Any], slots: dict[str, Slot], group: dict[str, Any], step: int,
+                   decay: float) -> bool:
+    """:func:`update_flat` of an unsharded CPU parameter whose gradient's non-finite check is left to the step: the
+    native factored step (Adafactor, CAME: :func:`lowmemopt.cpu.factored.step` with ``check``) checks it in its first
+    pass, which reads the gradient anyway; where that kernel does not apply, :func:`lowmemopt.cpu.grad_is_finite`
+    checks it before the other backends run. Returns whether the parameter was stepped (False: the gradient's fp32
+    sum of squares is not finite, and nothing was written)."""
+    from ..cpu.factored import SKIPPED, STEPPED
+
+    formats = {name: format_of(state, name) for name in slots}
+    outcome = cpu.step_factored(algorithm.fused, like, pflat, gflat, state, formats, group, step, decay, check=True)
+    if outcome in (STEPPED, SKIPPED):
+        return outcome == STEPPED
+    ok = cpu.grad_is_finite(gflat)
+    if ok is None:  # (not a tensor the native check reads)
+        from .finite import host_flags
+
+        ok = host_flags([gflat])[0]
+    if ok:
+        update_flat(algorithm, like, pflat, gflat, state, slots, group, step, decay)
+    return ok
 
 
 def update_rest(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
