@@ -703,6 +703,43 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, where,
             assert torch.equal(params[i], clean[i])
 
 
+@pytest.mark.parametrize("where", [7, -1], ids=["first-piece", "last-piece"])
+@pytest.mark.parametrize("bad", [1, 2, 3])
+def test_per_parameter_kernels_check_the_next_gradient(lib, bad, where, monkeypatch):
+    """With one native call per parameter (the bucket off), each kernel sums the squares of the next parameter's
+    gradient while it steps (pieces spread over its row chunks, more pieces than chunks when the next gradient is
+    larger): a NaN in any piece skips exactly that parameter, and only the first gradient is checked on its own."""
+    from lowmemopt.pipeline import native
+
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    monkeypatch.setattr(native, "takes", lambda plan: False)
+    alone = []
+    real = cpu.grad_is_finite
+    monkeypatch.setattr(cpu, "grad_is_finite", lambda g: alone.append(g.numel()) or real(g))
+    shapes = [(40, 64), (520, 300), (300, 256), (5000,)]  # the 2nd gradient: 3 pieces beside 1 row chunk
+    start = make_params(shapes)
+    runs = []
+    for poison in (False, True):
+        params = clone_params(start)
+        opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8)
+        run(opt, params, 2)
+        before = [p.detach().clone() for p in params]
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i))
+        if poison:
+            params[bad].grad.view(-1)[where] = float("nan")
+        alone.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        # the first gradient alone; after a skipped parameter, the next one is checked alone too
+        assert alone == ([40 * 64] if not poison or bad == 3 else [40 * 64, params[bad + 1].numel()]), alone
+        runs.append((params, opt, before))
+    (clean, _, _), (params, opt, before) = runs
+    assert opt.nonfinite_skips == 1 and torch.equal(params[bad], before[bad])
+    assert all(torch.equal(params[i], clean[i]) for i in range(len(shapes)) if i != bad)
+
+
 def test_a_cpu_step_imports_no_kernels_package():
     """From a source tree (``kernels/`` is installed as ``lowmemopt.kernels`` and absent here), lowmemopt imports and
     steps CPU parameters: nothing on the CPU path imports the Triton kernels package at module level."""

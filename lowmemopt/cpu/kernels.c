@@ -943,12 +943,25 @@ static float sumsq_range(int dt, const void *x, int64_t lo, int64_t hi) {
 }
 
 #define LMO_ROW_CHUNK 16384  /* elements per dynamically scheduled task */
-#define LMO_SCAN_PIECE 65536 /* gradient elements per task of a scan alone (lmo_scan, the bucket's checks) */
-#define LMO_MAX_CHUNK 1048576 /* the bucket's largest row chunk (chunk_end), in elements */
+#define LMO_SCAN_PIECE 65536 /* gradient elements per piece of a non-finite check (a scan) */
+#define LMO_MAX_CHUNK 1048576 /* the largest row chunk (chunk_end), in elements */
 
-/* Run fn over rows [0, nrows) in chunks of ~16K elements handed out dynamically (a thread that the OS preempts does
- * not hold up the others), then the tail; with a->scan, also the scan's sum of squares in pieces of 16K elements,
- * task c doing row chunk c and scan piece c (a scan alone: pieces of LMO_SCAN_PIECE). */
+/* The end of the row chunk from row r when `left` row elements remain from it on (this chunk's included; in a bucket,
+ * the bucket's): an eighth of what is left per thread pair, between LMO_ROW_CHUNK and LMO_MAX_CHUNK elements. Large chunks keep each thread's
+ * reads contiguous over megabytes (the memory-bound fp32 update ran 1.2x faster in 1M-element chunks than in 16K ones,
+ * whose alternation between the threads restarted every stream each 64 KB); chunks that shrink towards the end leave
+ * no thread idle long while another finishes. */
+static inline int64_t chunk_end(const lmo_args *a, int64_t r, int64_t left, int nt) {
+    int64_t e = left / (4 * (int64_t)nt), end;
+    if (e < LMO_ROW_CHUNK) e = LMO_ROW_CHUNK;
+    if (e > LMO_MAX_CHUNK) e = LMO_MAX_CHUNK;
+    end = r + (e + a->bs - 1) / a->bs;
+    return end < a->nrows ? end : a->nrows;
+}
+
+/* Run fn over rows [0, nrows) in chunks (chunk_end: 16K-1M elements, shrinking towards the end) handed out dynamically
+ * (a thread that the OS preempts holds up the others for one chunk at most), then the tail; with a->scan, also the
+ * scan's sum of squares in pieces of LMO_SCAN_PIECE elements, spread evenly over the chunks' tasks. */
 static int args_ok(const lmo_args *a) {
     int k;
     if (a->bs < 16 || a->bs % 16 || a->bs > LMO_MAX_BS || a->nslots < 0 || a->nslots > LMO_MAX_SLOTS) return 0;
@@ -962,15 +975,27 @@ static int args_ok(const lmo_args *a) {
 
 static int run_rows(const lmo_args *a, rows_fn fn) {
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
-    const int64_t rows_per_chunk = (LMO_ROW_CHUNK + a->bs - 1) / a->bs;
-    const int64_t nchunks = a->bs > 0 ? (a->nrows + rows_per_chunk - 1) / rows_per_chunk : 0;
-    const int64_t piece = a->nrows > 0 ? LMO_ROW_CHUNK : LMO_SCAN_PIECE; /* beside row chunks: one per chunk */
-    const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + piece - 1) / piece;
-    const int64_t ntasks = nchunks > npieces ? nchunks : npieces;
+    const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + LMO_SCAN_PIECE - 1) / LMO_SCAN_PIECE;
     const int64_t work = a->nrows * a->bs + scan_n;
+    int64_t nchunks = 0, ntasks, r, left, *ends = NULL;
     float sumsq = 0.0f;
     if (!args_ok(a)) return LMO_EBADARG;
     if ((int64_t)nt * 65536 > work) nt = work / 65536 > 0 ? (int)(work / 65536) : 1; /* below ~64K elements per thread, threads do not pay */
+    for (r = 0, left = a->nrows * a->bs; r < a->nrows; nchunks++) { /* how many row chunks */
+        const int64_t end = chunk_end(a, r, left, nt);
+        left -= (end - r) * a->bs;
+        r = end;
+    }
+    if (nchunks > 0) {
+        ends = malloc(sizeof *ends * nchunks);
+        if (!ends) return LMO_EBADARG;
+        for (r = 0, left = a->nrows * a->bs, nchunks = 0; r < a->nrows; nchunks++) {
+            ends[nchunks] = chunk_end(a, r, left, nt);
+            left -= (ends[nchunks] - r) * a->bs;
+            r = ends[nchunks];
+        }
+    }
+    ntasks = nchunks > 0 ? nchunks : npieces;
     if (ntasks > 0) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
@@ -980,19 +1005,16 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
             slot_rt rt[LMO_MAX_SLOTS];
             float part = 0.0f;
             int j;
-            int64_t c;
+            int64_t c, k;
             for (j = 0; j < a->nslots; j++) slot_rt_init(&rt[j], &a->slot[j], bufs + j * a->bs);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
             for (c = 0; c < ntasks; c++) {
-                if (c < nchunks) {
-                    const int64_t r0 = c * rows_per_chunk;
-                    fn(a, rt, r0, r0 + rows_per_chunk < a->nrows ? r0 + rows_per_chunk : a->nrows);
-                }
-                if (c < npieces) {
-                    const int64_t lo = c * piece;
-                    part += sumsq_range(a->scan_dtype, a->scan, lo, lo + piece < scan_n ? lo + piece : scan_n);
+                if (c < nchunks) fn(a, rt, c > 0 ? ends[c - 1] : 0, ends[c]);
+                for (k = npieces * c / ntasks; k < npieces * (c + 1) / ntasks; k++) { /* the scan's pieces, spread */
+                    const int64_t lo = k * LMO_SCAN_PIECE;
+                    part += sumsq_range(a->scan_dtype, a->scan, lo, lo + LMO_SCAN_PIECE < scan_n ? lo + LMO_SCAN_PIECE : scan_n);
                 }
             }
             if (a->scan) {
@@ -1003,6 +1025,7 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
             }
         }
     }
+    free(ends);
     if (a->scan) *a->scan_sumsq = sumsq;
     if (a->tail) run_tail(a, fn);
     return LMO_OK;
@@ -1086,18 +1109,6 @@ static uint8_t wait_verdict(const uint8_t *v) {
 }
 
 static inline int64_t rows_per_task(int bs) { return (LMO_ROW_CHUNK + bs - 1) / bs; }
-/* The end of the row chunk from row r when `left` row elements of the bucket remain from it on (this one's included): an eighth
- * of what is left per thread pair, between LMO_ROW_CHUNK and LMO_MAX_CHUNK elements. Large chunks keep each thread's
- * reads contiguous over megabytes (the memory-bound fp32 update ran 1.2x faster in 1M-element chunks than in 16K ones,
- * whose alternation between the threads restarted every stream each 64 KB); chunks that shrink towards the end leave
- * no thread idle long while another finishes. */
-static inline int64_t chunk_end(const lmo_args *a, int64_t r, int64_t left, int nt) {
-    int64_t e = left / (4 * (int64_t)nt), end;
-    if (e < LMO_ROW_CHUNK) e = LMO_ROW_CHUNK;
-    if (e > LMO_MAX_CHUNK) e = LMO_MAX_CHUNK;
-    end = r + (e + a->bs - 1) / a->bs;
-    return end < a->nrows ? end : a->nrows;
-}
 static inline int64_t n_pieces(const lmo_args *a) { return a->scan ? (a->scan_n + LMO_SCAN_PIECE - 1) / LMO_SCAN_PIECE : 0; }
 static inline void put_task(lmo_task *tasks, int64_t *at, int64_t t, int kind, int64_t c, int64_t end) {
     tasks[*at].t = (int32_t)t;
