@@ -661,20 +661,14 @@ def test_native_finite_check_equals_torch_check(lib, dtype, n):
     assert cpu.grad_is_finite(torch.randn(64, 64, generator=gen).t()) is None
 
 
-@pytest.mark.parametrize("where", [7, -1], ids=["first-piece", "last-piece"])
-@pytest.mark.parametrize("bad", [0, 1, 2, 3])
-def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, where, monkeypatch):
-    """The bucket's native call checks each gradient (in 64K-element pieces, read among the previous parameter's
-    rows); a NaN in any parameter (the first, one after a parameter too small for rows of its own, one of several
-    pieces, the last one) and in any piece skips that parameter, state and values unchanged, and the others step as
-    they would have without it. No gradient needs a check of its own (a separate pass before the step)."""
-    from lowmemopt.optimizer import LowMemOptimizer
-
-    monkeypatch.setattr(compiled, "ENABLED", False)
+def _runs_with_a_nan(shapes, bad, where, monkeypatch):
+    """8-bit AdamW from one start, two steps, then a step with fresh gradients: once clean, once with a NaN at flat
+    index ``where`` of parameter ``bad``'s gradient. Per run: (params, optimizer, values before the step, ``bad``'s
+    state before it, the step's warning messages, the sizes of the gradients checked on their own)."""
     alone = []
     real = cpu.grad_is_finite
+    monkeypatch.setattr(compiled, "ENABLED", False)
     monkeypatch.setattr(cpu, "grad_is_finite", lambda g: alone.append(g.numel()) or real(g))
-    shapes = [(300, 256), (40,), (520, 300), (5000,)]  # 2, 1, 3 and 1 scan pieces
     start = make_params(shapes)
     runs = []
     for poison in (False, True):
@@ -691,9 +685,21 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, where,
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
-        assert alone == []  # all of them checked inside the bucket's call
-        runs.append((params, opt, before, state_before, [str(w.message) for w in caught]))
-    (clean, _, _, _, _), (params, opt, before, state_before, messages) = runs
+        runs.append((params, opt, before, state_before, [str(w.message) for w in caught], list(alone)))
+    return runs
+
+
+@pytest.mark.parametrize("where", [7, -1], ids=["first-piece", "last-piece"])
+@pytest.mark.parametrize("bad", [0, 1, 2, 3])
+def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, where, monkeypatch):
+    """The bucket's native call checks each gradient (in 64K-element pieces, read among the previous parameter's
+    rows); a NaN in any parameter (the first, one after a parameter too small for rows of its own, one of several
+    pieces, the last one) and in any piece skips that parameter, state and values unchanged, and the others step as
+    they would have without it. No gradient needs a check of its own (a separate pass before the step)."""
+    shapes = [(300, 256), (40,), (520, 300), (5000,)]  # 2, 1, 3 and 1 scan pieces
+    (clean, _, _, _, _, alone_clean), (params, opt, before, state_before, messages, alone) = _runs_with_a_nan(
+        shapes, bad, where, monkeypatch)
+    assert alone_clean == alone == []  # all of them checked inside the bucket's call
     assert opt.nonfinite_skips == 1 and any("NaN/Inf" in m for m in messages)
     assert torch.equal(params[bad], before[bad])
     for k, v in state_before.items():
@@ -708,35 +714,19 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, where,
 def test_per_parameter_kernels_check_the_next_gradient(lib, bad, where, monkeypatch):
     """With one native call per parameter (the bucket off), each kernel sums the squares of the next parameter's
     gradient while it steps (pieces spread over its row chunks, more pieces than chunks when the next gradient is
-    larger): a NaN in any piece skips exactly that parameter, and only the first gradient is checked on its own."""
+    larger): a NaN in any piece skips exactly that parameter, and only the first gradient is checked on its own (and
+    the one after a skipped parameter)."""
     from lowmemopt.pipeline import native
 
-    monkeypatch.setattr(compiled, "ENABLED", False)
     monkeypatch.setattr(native, "takes", lambda plan: False)
-    alone = []
-    real = cpu.grad_is_finite
-    monkeypatch.setattr(cpu, "grad_is_finite", lambda g: alone.append(g.numel()) or real(g))
     shapes = [(40, 64), (520, 300), (300, 256), (5000,)]  # the 2nd gradient: 3 pieces beside 1 row chunk
-    start = make_params(shapes)
-    runs = []
-    for poison in (False, True):
-        params = clone_params(start)
-        opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8)
-        run(opt, params, 2)
-        before = [p.detach().clone() for p in params]
-        for i, p in enumerate(params):
-            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i))
-        if poison:
-            params[bad].grad.view(-1)[where] = float("nan")
-        alone.clear()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            opt.step()
-        # the first gradient alone; after a skipped parameter, the next one is checked alone too
-        assert alone == ([40 * 64] if not poison or bad == 3 else [40 * 64, params[bad + 1].numel()]), alone
-        runs.append((params, opt, before))
-    (clean, _, _), (params, opt, before) = runs
+    (clean, _, _, _, _, alone_clean), (params, opt, before, state_before, _, alone) = _runs_with_a_nan(
+        shapes, bad, where, monkeypatch)
+    assert alone_clean == [40 * 64]
+    assert alone == ([40 * 64] if bad == 3 else [40 * 64, params[bad + 1].numel()]), alone
     assert opt.nonfinite_skips == 1 and torch.equal(params[bad], before[bad])
+    for k, v in state_before.items():
+        assert torch.equal(opt.state[params[bad]][k], v), k
     assert all(torch.equal(params[i], clean[i]) for i in range(len(shapes)) if i != bad)
 
 
