@@ -1593,48 +1593,6 @@ static int fact_threads(const lmo_fact *f) {
     return nt > most ? (int)most : nt;
 }
 
-/* Row and column means of x(g) = g^2 + eps1 (h[0] = eps1) into row_out / col_out. */
-int lmo_fact_sq_means(const lmo_fact *f) {
-    const int64_t R = f->R, C = f->C;
-    const vf eps1 = v_set((float)f->h[0]);
-    if (fact_check(f)) return LMO_EBADARG;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(fact_threads(f))
-#endif
-    {
-        int s;
-        int64_t c;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) {
-            float *colp = (float *)(f->work + (int64_t)s * C);
-            int64_t r0, r1, r;
-            fact_segment(f, s, &r0, &r1);
-            memset(colp, 0, sizeof(float) * C);
-            for (r = r0; r < r1; r++) {
-                vd acc = vd_zero();
-                for (c = 0; c < C; c += 16) {
-                    vf g = load_grad(f->g_dtype, f->g, r * C + c, f->g_mult);
-                    vf x = v_add(v_mul(g, g), eps1);
-                    acc = vd_add(acc, x);
-                    v_store(colp + c, v_add(v_load(colp + c), x));
-                }
-                f->row_out[r] = (float)(vd_sum(acc) / (double)C);
-            }
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (c = 0; c < C; c++) {
-            double t = 0.0;
-            for (s = 0; s < LMO_NSEG; s++) t += ((const float *)(f->work + (int64_t)s * C))[c];
-            f->col_out[c] = (float)(t / (double)R);
-        }
-    }
-    return LMO_OK;
-}
-
 /* Walk segment s in blocks of bs elements (whole rows per segment, C % 16 == 0), in groups of up to 4 vectors (64
  * codes decode at once): GROUP runs first for each group (i_ + g_: its first element, n: its vectors), then the body
  * (the last argument) for each of its vectors, which sees q_ (the vector's index in the group), i (its flat index),
@@ -1703,12 +1661,12 @@ static inline double seg_total(const double *seg) {
     return t;
 }
 
-/* Pass 1 on segment s: x = g^2 + eps1; each row's mean (fp64 sum / C) into rf[r] (rf is scratch until
+/* Pass 1 on segment s: x = g^2 + eps1; each row's mean (fp64 sum / C) into mean[r] (the steps: rf, scratch until
  * fact_factors), the segment's column sums of x into FW_COL; with psq, the sum of p^2 (RMS(p)) into FW_PSQ[s]; with
  * check, the fp32 sum of the rows' sums into FW_GSQ[s]: not finite iff an element of g is not, or g's sum of squares
  * overflows fp32 (the check's condition; eps1, ~1e-30, adds nothing to it). Nothing of the parameter's state is
  * written: a step that checks its gradient here can still leave everything as it was. */
-static void fact_sq_seg(const lmo_fact *f, int s, float eps1, int psq, int check) {
+static void fact_sq_seg(const lmo_fact *f, int s, float eps1, float *mean, int psq, int check) {
     const int64_t C = f->C;
     const vf veps1 = v_set(eps1);
     float *colp = FW_COL(f) + (int64_t)s * C;
@@ -1728,12 +1686,38 @@ static void fact_sq_seg(const lmo_fact *f, int s, float eps1, int psq, int check
         }
         {
             const double sum = vd_sum(acc);
-            f->rf[r] = (float)(sum / (double)C);
+            mean[r] = (float)(sum / (double)C);
             gsq += (float)sum;
         }
     }
     if (psq) FW_SEG(f, FW_PSQ)[s] = vd_sum(pacc);
     if (check) FW_SEG(f, FW_GSQ)[s] = gsq;
+}
+
+/* Row and column means of x(g) = g^2 + eps1 (h[0] = eps1) into row_out / col_out (AdafactorTorch's first pass). */
+int lmo_fact_sq_means(const lmo_fact *f) {
+    const int64_t R = f->R, C = f->C;
+    if (fact_check(f)) return LMO_EBADARG;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(fact_threads(f))
+#endif
+    {
+        int s;
+        int64_t c;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, s, (float)f->h[0], f->row_out, 0, 0);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (c = 0; c < C; c++) {
+            double t = 0.0;
+            for (s = 0; s < LMO_NSEG; s++) t += FW_COL(f)[(int64_t)s * C + c];
+            f->col_out[c] = (float)(t / (double)R);
+        }
+    }
+    return LMO_OK;
 }
 
 /* The non-finite check of pass 1 (flag 4): the fp32 sum of g^2 over the segments, in their order. */
@@ -1935,7 +1919,7 @@ static int fact_v_passes(const lmo_fact *f, float eps1, float beta, float omb, i
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, scale, check);
+    for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, LMO_SEG_FWD(s), eps1, f->rf, scale, check);
     if (check && !isfinite(fact_gsq(f))) return 1; /* every thread alike, after the loop's barrier */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
