@@ -958,6 +958,15 @@ static inline int64_t chunk_end(const lmo_args *a, int64_t r, int64_t left, int 
     end = r + (e + a->bs - 1) / a->bs;
     return end < a->nrows ? end : a->nrows;
 }
+/* How many row chunks (chunk_end) a's rows take when `left` row elements remain from its first row on. */
+static int64_t n_chunks(const lmo_args *a, int64_t left, int nt) {
+    int64_t r = 0, end, n = 0;
+    for (; r < a->nrows; r = end, n++) {
+        end = chunk_end(a, r, left, nt);
+        left -= (end - r) * a->bs;
+    }
+    return n;
+}
 
 /* Run fn over rows [0, nrows) in chunks (chunk_end: 16K-1M elements, shrinking towards the end) handed out dynamically
  * (a thread that the OS preempts holds up the others for one chunk at most), then the tail; with a->scan, also the
@@ -977,22 +986,17 @@ static int run_rows(const lmo_args *a, rows_fn fn) {
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + LMO_SCAN_PIECE - 1) / LMO_SCAN_PIECE;
     const int64_t work = a->nrows * a->bs + scan_n;
-    int64_t nchunks = 0, ntasks, r, left, *ends = NULL;
+    int64_t nchunks, ntasks, r, left = a->nrows * a->bs, k, *ends = NULL;
     float sumsq = 0.0f;
     if (!args_ok(a)) return LMO_EBADARG;
     if ((int64_t)nt * 65536 > work) nt = work / 65536 > 0 ? (int)(work / 65536) : 1; /* below ~64K elements per thread, threads do not pay */
-    for (r = 0, left = a->nrows * a->bs; r < a->nrows; nchunks++) { /* how many row chunks */
-        const int64_t end = chunk_end(a, r, left, nt);
-        left -= (end - r) * a->bs;
-        r = end;
-    }
+    nchunks = n_chunks(a, left, nt);
     if (nchunks > 0) {
         ends = malloc(sizeof *ends * nchunks);
         if (!ends) return LMO_EBADARG;
-        for (r = 0, left = a->nrows * a->bs, nchunks = 0; r < a->nrows; nchunks++) {
-            ends[nchunks] = chunk_end(a, r, left, nt);
-            left -= (ends[nchunks] - r) * a->bs;
-            r = ends[nchunks];
+        for (r = 0, k = 0; k < nchunks; r = ends[k++]) {
+            ends[k] = chunk_end(a, r, left, nt);
+            left -= (ends[k] - r) * a->bs;
         }
     }
     ntasks = nchunks > 0 ? nchunks : npieces;
@@ -1130,7 +1134,7 @@ static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
     uint8_t *verdict;
     rows_fn *fns;
     for (t = 0; t < n; t++) {
-        const int64_t chunks = (a[t].nrows + rows_per_task(a[t].bs) - 1) / rows_per_task(a[t].bs);
+        const int64_t chunks = (a[t].nrows + rows_per_task(a[t].bs) - 1) / rows_per_task(a[t].bs); /* at most */
         if (!args_ok(&a[t]) || !pick(&a[t])) return LMO_EBADARG;
         ntasks += chunks + (a[t].tail ? 1 : 0) + n_pieces(&a[t]);
         work += a[t].nrows * a[t].bs + a[t].tail + (a[t].scan ? a[t].scan_n : 0);
@@ -1168,11 +1172,8 @@ static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
     for (c = 0; c < n_pieces(&a[0]); c++) put_task(tasks, &at, 0, TASK_SCAN, c, 0);
     for (t = 0; t < n; t++) { /* t's row chunks, with the next tensor's scan pieces spread evenly among them */
         const int64_t later = t + 1 < n ? n_pieces(&a[t + 1]) : 0;
-        int64_t chunks = 0, done = 0, r, end, rest = left;
-        for (r = 0; r < a[t].nrows; r = end, chunks++) { /* how many chunks t takes */
-            end = chunk_end(&a[t], r, rest, nt);
-            rest -= (end - r) * a[t].bs;
-        }
+        const int64_t chunks = n_chunks(&a[t], left, nt);
+        int64_t done = 0, r, end;
         for (r = 0, c = 0; r < a[t].nrows; r = end, c++) {
             end = chunk_end(&a[t], r, left, nt);
             put_task(tasks, &at, t, TASK_ROWS, r, end);

@@ -156,7 +156,7 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
     """Can ``p``'s step be its gradient's non-finite check (:func:`.backends.update_checked`)? An algorithm with a
     native factored step that checks (Adafactor, CAME), outside GaLore, for a parameter that has state (a fresh one is
     checked before its state is made, so that a skip makes none). For the pipelined CPU checks only (unsharded)."""
-    if plan.fused not in factored.CHECKING or plan.algorithm.elementwise:
+    if plan.fused not in factored.CHECKING:
         return False
     state = plan.state[p]
     return group.get("rank") is None and "step" in state and "galore.side" not in state
@@ -185,18 +185,16 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     state["step"] += 1
     target = p if p.is_contiguous() else p.contiguous()
     if check:
-        if not update_checked(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
-                              state["step"], plan.algorithm.decay_factor(group)):
+        result = update_checked(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
+                                state["step"], plan.algorithm.decay_factor(group), mult)
+        if not result:
             state["step"] -= 1
-            return False
-        if target is not p:
-            p.copy_(target)
-        return True
-    scanned = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group, state["step"],
-                          plan.algorithm.decay_factor(group), reduce, scan, mult)
+    else:
+        result = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
+                             state["step"], plan.algorithm.decay_factor(group), reduce, scan, mult)
     if target is not p:
         p.copy_(target)
-    return scanned
+    return result
 
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,

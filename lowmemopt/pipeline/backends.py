@@ -82,16 +82,18 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
 
 def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                    state: dict[str, Any], slots: dict[str, Slot], group: dict[str, Any], step: int,
-                   decay: float) -> bool:
+                   decay: float, mult: torch.Tensor | None = None) -> bool:
     """:func:`update_flat` of an unsharded CPU parameter whose gradient's non-finite check is left to the step: the
     native factored step (Adafactor, CAME: :func:`lowmemopt.cpu.factored.step` with ``check``) checks it in its first
     pass, which reads the gradient anyway; where that kernel does not apply, :func:`lowmemopt.cpu.grad_is_finite`
     checks it before the other backends run. Returns whether the parameter was stepped (False: the gradient's fp32
-    sum of squares is not finite, and nothing was written)."""
+    sum of squares is not finite, and nothing was written). ``mult``: as :func:`update_flat`'s."""
     from ..cpu.factored import SKIPPED, STEPPED
 
     formats = {name: format_of(state, name) for name in slots}
-    outcome = cpu.step_factored(algorithm.fused, like, pflat, gflat, state, formats, group, step, decay, check=True)
+    host = None if mult is None else mult.tolist()
+    outcome = cpu.step_factored(algorithm.fused, like, pflat, gflat, state, formats, group, step, decay,
+                                grad_mult=host, check=True)
     if outcome in (STEPPED, SKIPPED):
         return outcome == STEPPED
     ok = cpu.grad_is_finite(gflat)
@@ -100,7 +102,7 @@ def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor
 
         ok = host_flags([gflat])[0]
     if ok:
-        update_flat(algorithm, like, pflat, gflat, state, slots, group, step, decay)
+        update_flat(algorithm, like, pflat, gflat, state, slots, group, step, decay, mult=mult)
     return ok
 
 
