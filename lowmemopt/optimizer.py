@@ -78,6 +78,7 @@ stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from typing import Any, Callable, Iterable
@@ -100,6 +101,7 @@ from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
 from .pipeline.plan import Plan, StepRecord, inv_scale
+from .pipeline.program import Kept, StateDict, StepProgram
 from .projection import step as galore
 from .projection.projector import projector_problem, split_projector_state
 from .quant.convert import CheckpointError, check_group, convert_param_state
@@ -122,6 +124,8 @@ STORAGE_DEFAULTS = dict(
 #: always on the host, before the step (tests compare both)
 DEFER_FINITE_CHECK = True
 
+
+_first, _second, _grad = operator.itemgetter(0), operator.itemgetter(1), operator.attrgetter("grad")
 
 #: the decorator that marks an algorithm's math with its fused backends' name (:func:`lowmemopt.pipeline.algorithm.fused`)
 algorithm = fused
@@ -198,9 +202,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run
         after unpickling or ``copy.deepcopy`` (:meth:`__setstate__`), which torch restores without hooks: a copy would
         otherwise load 8-bit codes cast to the parameter's dtype."""
+        self._versioned_state()
         self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
-        self._pending_skip: PendingSkip | None = None  # a loss-scaled step's skip, read at the next step
+        self._pending_skip: PendingSkip | None = None  # a step's skips decided on the device, read at the next step
+        self._program: StepProgram | None = None  # the buckets of the last steps, launched again while they apply
         if "_record" not in self.__dict__:  # (kept by a copy: its refresh failures so far)
             self._record = StepRecord(owner=type(self).__name__)  # what steps report (GaLore refresh failures)
         self.register_state_dict_pre_hook(_state_dict_pre_hook)
@@ -257,11 +263,25 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return (None if grad_scale is None else inv_scale(grad_scale)), getattr(self, "found_inf", None)
 
     def _resolve_pending(self) -> None:
-        """Settle the previous loss-scaled step's skip (:class:`~lowmemopt.pipeline.finite.PendingSkip`)."""
+        """Settle the previous step's skips decided on the device (:class:`~lowmemopt.pipeline.finite.PendingSkip`):
+        restore the skipped parameters' step counts and, for the optimizer's own check, count and warn about them."""
         pending = self.__dict__.get("_pending_skip")
         if pending is not None:
             self._pending_skip = None
-            pending.resolve()
+            skipped = pending.resolve()
+            if pending.counted:
+                self._count_skips(skipped, "in the previous step")
+
+    def _count_skips(self, skipped: int, when: str) -> None:
+        """Count ``skipped`` parameters of a step ``when`` it was taken, and warn about them."""
+        if skipped:
+            self._nonfinite_skips += skipped
+            warnings.warn(
+                f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients {when} "
+                "(their values and optimizer state are unchanged)",
+                RuntimeWarning,
+                stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
+            )
 
     @property
     def galore_refresh_failures(self) -> int:
@@ -285,6 +305,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)
         if "_load_stash" not in self.__dict__:  # unpickled or deep-copied: __init__ did not run
             self._attach()
+        self._versioned_state()
+
+    def _versioned_state(self) -> None:
+        """``self.state`` as a :class:`~lowmemopt.pipeline.program.StateDict` (the same entries), whose replaced
+        entries a step program sees."""
+        if type(self.state) is not StateDict:
+            self.state = StateDict(dict, self.state)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if (getattr(self, "_default_block_size", False) and isinstance(param_group, dict)
@@ -359,7 +386,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
-        """The non-finite check and the pipeline's pass over ``work`` (what :meth:`step` does once it has a plan)."""
+        """The non-finite check and the pipeline's pass over ``work`` (what :meth:`step` does once it has a plan):
+        the kept :class:`~lowmemopt.pipeline.program.StepProgram` where it still applies, else the pipeline."""
+        if self._program is not None and self._programmed(plan, work, pager):
+            return
+        if DEFER_FINITE_CHECK and pager is None and plan.communicate is None and \
+                type(self.algorithm).step_work is Algorithm.step_work:
+            plan.keep = Kept()  # (a step the kernels take whole keeps its buckets: the program of the next steps)
         grads = [local_tensor(p.grad) for p, _ in work]
         if plan.found_inf is not None:
             self._scaled_step(plan, work, grads, pager, plan.found_inf)
@@ -371,11 +404,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
             pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
         finite: list[bool | None] = [None] * len(work)
         on_device = pipeline.device_flags(plan, work, grads, pager, pipe) if DEFER_FINITE_CHECK else None
-        if on_device is not None:  # no synchronization before the launches
-            finite = [True] * len(work)  # provisionally: the kernels read the device's flags
+        if on_device is not None:  # no synchronization: the kernels read the device's flags
+            finite = [True] * len(work)  # provisionally
             pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], finite, grads, pipe, pager,
                          on_device)
-            on_device.undo_skipped()
+            if not on_device.read:  # settled at the next step, from a copy made without waiting
+                self._pending_skip = on_device.deferred(counted=True)
+                self._keep_program(plan, work)
+                return
+            on_device.undo_skipped()  # (read already: a parameter took a per-tensor backend)
             finite = [on_device.finite(p) for p, _ in work]
         else:
             upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
@@ -385,20 +422,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 finite[i] = ok
             todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
             pipeline.run(plan, todo, finite, grads, pipe, pager)
-        skipped = sum(f is False for f in finite)
-        if skipped:
-            self._nonfinite_skips += skipped
-            warnings.warn(
-                f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients this step "
-                "(their values and optimizer state are unchanged)",
-                RuntimeWarning,
-                stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
-            )
+        self._count_skips(sum(f is False for f in finite), "this step")
 
     @property
     def nonfinite_skips(self) -> int:
         """Parameters skipped for a NaN/Inf gradient so far (see the module docstring). Capturable steps count theirs
         on the device: reading this then waits for the device."""
+        self._resolve_pending()
         n = self._nonfinite_skips
         if self._device_skips is not None:
             n += int(self._device_skips.item())
@@ -406,6 +436,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     @nonfinite_skips.setter
     def nonfinite_skips(self, value: int) -> None:
+        self._resolve_pending()
         self._nonfinite_skips = int(value)
         self._device_skips = None
 
@@ -453,6 +484,29 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return
         pipeline.run(plan, todo, finite, grads, None, pager, flags)
         self._pending_skip = flags.deferred()
+        self._keep_program(plan, work)
+
+    def _keep_program(self, plan: Plan, work: list[tuple[torch.Tensor, dict]]) -> None:
+        """Keep this step's buckets as the program of the next steps where the kernels took it whole
+        (:class:`~lowmemopt.pipeline.program.StepProgram`)."""
+        kept = plan.keep
+        if kept is not None and kept.planned and sum(len(pl.members) for pl in kept.planned) == len(work):
+            self._program = StepProgram(plan, work, kept)
+
+    def _programmed(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], pager: Any) -> bool:
+        """Take this step through the kept program if it still applies (its module docstring says when); True if it
+        did. The step's skips are settled at the next step, as the pipeline's device-side check's."""
+        program = self._program
+        if pager is not None or plan.communicate is not None or not DEFER_FINITE_CHECK:
+            self._program = None
+            return False
+        params = list(map(_first, work))
+        grads = list(map(_grad, params))
+        if not program.matches(self.state, params, list(map(_second, work)), grads):
+            self._program = None
+            return False
+        self._pending_skip = program.step(plan, grads)
+        return True
 
     def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any,
                          mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Any:

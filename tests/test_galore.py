@@ -625,9 +625,9 @@ def test_proj_dtype_param_runs_bf16_products_for_bf16_params_only(dtype, monkeyp
 def test_proj_dtype_param_through_the_fused_batched_path(name, kw, monkeypatch):
     """The CUDA code path (Triton kernels on stand-ins, batched ``torch.bmm`` products) with bf16 products, under
     the interpreter on the CPU: within one bf16 step of the same run with fp32 products."""
-    from lowmemopt.projection import step as galore_step
+    from lowmemopt.projection import batched as galore_batched
 
-    monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
+    monkeypatch.setattr(galore_batched, "BATCH_ON_CPU", True)
     bmm = []
     real_bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda a, b: bmm.append(a.dtype) or real_bmm(a, b))

@@ -73,6 +73,10 @@ class Plan:
     grad_mult: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     communicate: Any = None
+    #: where the step keeps its buckets when the kernels took it whole, for a
+    #: :class:`~lowmemopt.pipeline.program.StepProgram` (a :class:`~lowmemopt.pipeline.program.Kept`, filled by
+    #: :func:`lowmemopt.pipeline.step_buckets`); None: not asked
+    keep: Any = None
     _mults: dict = field(default_factory=dict)
 
     def mult(self, device: torch.device) -> torch.Tensor | None:
