@@ -1,14 +1,16 @@
 """The ``lowmemopt`` command.
 
     lowmemopt demo [--steps N] [--optimizers a,b] [--data PATH] [--out DIR]   train a small LLaMA, compare optimizers
-    lowmemopt estimate CONFIG.json [--optimizer a,b] [--state-bits 8] ...     memory of weights, grads and state
+    lowmemopt estimate CONFIG.json|PRESET [--optimizer a,b] [--state-bits 8]   memory of weights, grads and state
     lowmemopt bench [--full]                                                  step time and state vs other libraries
     lowmemopt inspect opt.safetensors|opt.pt [--params]                       metadata and summary of a state file
     lowmemopt tune [--device cuda:0]                                          measure the kernels' launch shape here
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
 the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``. Only ``func`` imports torch and lowmemopt's
-modules, so parsing (``lowmemopt --help``, a usage error) takes a fraction of a second.
+modules, so parsing (``lowmemopt --help``, a usage error) takes a fraction of a second; ``func`` checks what it can
+(names, paths) before those imports, and first drops the known noise other libraries log while they are imported
+(:data:`_IMPORT_NOISE`).
 """
 
 from __future__ import annotations
