@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import logging
 import os
@@ -126,8 +127,6 @@ def _add_demo(subparsers: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import importlib.util
-
     missing = [pkg for mod, pkg in _DEMO_NEEDS.items() if importlib.util.find_spec(mod) is None]
     if missing:
         print(f"lowmemopt demo needs {', '.join(missing)}: pip install 'lowmemopt[demo]' "
@@ -224,8 +223,6 @@ def _add_bench(subparsers: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import importlib.util
-
     if importlib.util.find_spec("transformers") is None:
         print("lowmemopt bench needs transformers (its LLaMA model): pip install 'lowmemopt[bench]'", file=sys.stderr)
         return 1
@@ -309,6 +306,8 @@ def _estimate(args: argparse.Namespace) -> int:
         problem = missing_config_message(args.config)
     if problem is None and args.galore_rank is not None and args.galore_rank < 1:
         problem = f"--galore-rank must be >= 1, got {args.galore_rank}"
+    if problem is None and importlib.util.find_spec("transformers") is None:
+        problem = "it builds the model with transformers: pip install 'lowmemopt[hf]' (or pip install transformers)"
     if problem is not None:
         print(f"lowmemopt estimate: {problem}", file=sys.stderr)
         return 1

@@ -252,6 +252,15 @@ def test_cli_estimate_argument_errors_come_before_the_slow_imports(tmp_path, arg
     assert message in proc.stderr
 
 
+def test_cli_estimate_names_a_missing_transformers(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert cli_main(["estimate", "llama-7b"]) == 1
+    assert "pip install 'lowmemopt[hf]'" in capsys.readouterr().err
+
+
 def test_declared_optimizer_names_are_the_registrys():
     """The names the command checks without importing torch are exactly the classes the registry resolves."""
     from lowmemopt.registry import declared_class_names, optimizer_names, unknown_names
