@@ -103,9 +103,9 @@ def _describe_state_dict(path: str, key: str, sd: dict[str, Any], list_params: b
     version = sd.get("lowmemopt_format")
     state, groups = sd["state"], sd["param_groups"]
     where = f" (key {key!r})" if key else ""
-    kind = f"lowmemopt state, lowmemopt_format {version}" if version is not None else \
+    kind = f"lowmemopt state, state_dict format version {version}" if version is not None else \
         "bitsandbytes state" if any("state1" in s or "__bnb_optimizer_quant_state__" in s for s in state.values()) \
-        else "no lowmemopt_format: torch.optim or another library's state"
+        else "no lowmemopt format version: torch.optim or another library's state"
     lines = [f"{path}{where}: optimizer state_dict() saved with torch.save ({kind})", "param groups:"]
     group_of = {}
     for g, group in enumerate(groups):
@@ -196,7 +196,7 @@ def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:
     params = meta["params"]
     keyed = "parameter names" if meta["keys"] == "names" else "group/index positions (saved without a model)"
     lines = [
-        f"{path}: lowmemopt optimizer state, format_version {meta['format_version']} "
+        f"{path}: lowmemopt optimizer state file, file format version {meta['format_version']} "
         f"(written by lowmemopt {meta.get('lowmemopt_version', '?')})",
         f"optimizer: {meta['optimizer']}    keys: {keyed}",
     ]
