@@ -630,7 +630,7 @@ def test_proj_dtype_param_through_the_fused_batched_path(name, kw, monkeypatch):
     monkeypatch.setattr(galore_batched, "BATCH_ON_CPU", True)
     bmm = []
     real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda a, b: bmm.append(a.dtype) or real_bmm(a, b))
+    monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: bmm.append(a.dtype) or real_bmm(a, b, **kw))
     runs = {}
     for proj in ("float32", "param"):
         params = make_params([(40, 24)] * 3, dtype=torch.bfloat16)

@@ -251,3 +251,31 @@ def test_galore_steps_between_refreshes_take_the_program(cls, kw, bits, monkeypa
     b, opt_b, skips_b = run(False)
     assert skips_a == skips_b == 1
     assert_runs_same(a, opt_a, b, opt_b)
+
+
+def test_gradients_kept_in_place_and_a_parameter_moved(monkeypatch):
+    """Gradients kept in place from step to step (``zero_grad(set_to_none=False)``): the kept launch tables serve as
+    they are; a parameter whose storage is replaced (``p.data = ...``) makes the program again (its tables would
+    write to the old storage)."""
+    def run(on_device):
+        monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        gen = torch.Generator().manual_seed(1)
+        with runtime.cpu_interpreter():
+            for step in range(5):
+                if step == 3:
+                    params[0].data = params[0].data.clone()
+                for p in params:
+                    p.grad.copy_(torch.randn(p.shape, generator=gen))
+                opt.step()
+        return params, opt
+
+    counts = _spy(monkeypatch)
+    a, opt_a = run(True)
+    assert counts == {"steps": 3, "made": 2}, counts  # steps 1, 2, 4 programmed; made at 0 and 3
+    b, opt_b = run(False)
+    assert_runs_same(a, opt_a, b, opt_b)

@@ -14,7 +14,8 @@ tables (:class:`~lowmemopt.kernels.check.GradCheck`). A later step checks that i
 
 What is checked at each step, and what makes the program be built again:
 
-* the parameters with gradients, in order, and their param groups: the same objects (one identity comparison each);
+* the parameters with gradients, in order, and their param groups: the same objects (one identity comparison each),
+  each parameter's storage where it was and of the same dtype (``p.data = ...`` replaces it);
 * every param group's values (:func:`~lowmemopt.kernels.dispatch.group_values`): equal, or only a number changed
   (``lr``, ``weight_decay``, betas...) in a way that leaves the groups that share a bucket equal: those reach the
   kernels as arguments, read at every launch;
@@ -50,6 +51,7 @@ __all__ = ["StepProgram", "Kept", "StateDict", "update_for"]
 
 _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr
+_dtype = operator.attrgetter("dtype")
 
 
 @dataclass
@@ -120,6 +122,8 @@ class StepProgram:
         self.state = plan.state
         self.version = getattr(plan.state, "version", None)
         self.params = [p for p, _ in work]
+        self.param_ptrs = list(map(_data_ptr, self.params))  # (a parameter whose .data was replaced moved)
+        self.param_dtypes = list(map(_dtype, self.params))
         self.groups = [g for _, g in work]
         self.group_list = list({id(g): g for g in self.groups}.values())
         self.values = [dispatch.group_values(g) for g in self.group_list]
@@ -170,6 +174,8 @@ class StepProgram:
             return False
         if not (all(map(_is, params, self.params)) and all(map(_is, groups, self.groups))):
             return False
+        if list(map(_data_ptr, params)) != self.param_ptrs or list(map(_dtype, params)) != self.param_dtypes:
+            return False  # (p.data replaced: the kept tables hold the old storage's address)
         if not self._groups_match():
             return False
         step_of = operator.itemgetter("step")
