@@ -616,7 +616,7 @@ STATEFUL = {
     "GaLoreAdamW": dict(lr=1e-2, weight_decay=0.1),
     "GaLoreAdafactor": dict(beta1=0.9, weight_decay=0.01),
 }
-STATEFUL["AdEMAMix"] = dict(lr=1e-2, weight_decay=0.1, t_alpha=5, t_beta3=5)
+STATEFUL["AdEMAMix"] = dict(lr=1e-3, weight_decay=0.1, t_alpha=5, t_beta3=5)  # (bitsandbytes' default lr)
 
 BY_NAME = {info.name: info for info in OPTIMIZERS}
 

@@ -84,6 +84,7 @@ RESUME_CASES = {
         marks=pytest.mark.skipif(not HAS_PER_LAYER, reason="lowmemopt.step_in_backward has not landed"),
     ),
 }
+RESUME_CASES["ademamix_8bit"] = lambda: optimizer("ademamix_8bit", t_alpha=4, t_beta3=4, **SMALL_BLOCKS)
 NO_CLIPPING = {"came8bit_per_layer"}  # per-layer updates cannot clip by global norm
 
 
