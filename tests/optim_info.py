@@ -597,6 +597,35 @@ OPTIMIZERS.append(OptimizerInfo(
     reference_cls=_reference_class("bitsandbytes.optim", "AdEMAMix"),
 ))
 
+
+def _adam_mini_reference(params, **kw):
+    """adam-mini's Adam_mini on the table's unnamed tensors, named so that none matches a name rule: one block per
+    tensor in both (the name rules and every block kind: tests/test_adam_mini.py)."""
+    adam_mini = pytest.importorskip("adam_mini")
+    return adam_mini.Adam_mini([(f"t{i}", p) for i, p in enumerate(params)], verbose=False, **kw)
+
+
+OPTIMIZERS.append(OptimizerInfo(
+    "AdamMini",
+    lowmemopt.AdamMini,
+    _adam_mini_reference,
+    [
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    ],
+    slots=None,
+    state_bytes=lambda shape, bits, kw: slot_bytes(math.prod(shape), bits) + 4,  # m, and one fp32 v per tensor
+    bound8=0.03,
+    bad_inputs=_COMMON_BAD + _BAD_BETAS + [
+        (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+        (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+        (dict(dim=0), ValueError, "Invalid dim value"),
+        (dict(n_heads=32, n_kv_heads=5), ValueError, "Invalid n_kv_heads value"),
+        (dict(dim=10, n_heads=3), ValueError, "is not a whole number"),
+    ],
+    reference_cls=_reference_class("adam_mini", "Adam_mini"),
+))
+
 #: the variant each optimizer uses in the storage-format tests (resume, 8-bit bounds): one with state slots.
 STATEFUL = {
     "AdamW": dict(lr=1e-2, weight_decay=0.1),
@@ -617,6 +646,7 @@ STATEFUL = {
     "GaLoreAdafactor": dict(beta1=0.9, weight_decay=0.01),
 }
 STATEFUL["AdEMAMix"] = dict(lr=1e-3, weight_decay=0.1, t_alpha=5, t_beta3=5)  # (bitsandbytes' default lr)
+STATEFUL["AdamMini"] = dict(lr=1e-2, weight_decay=0.1)
 
 BY_NAME = {info.name: info for info in OPTIMIZERS}
 

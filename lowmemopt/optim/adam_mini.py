@@ -21,7 +21,9 @@ parameter plus 4 per block.
 from __future__ import annotations
 
 import math
+import struct
 import sys
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -81,7 +83,7 @@ def adam_mini_math(
         return torch.mul(m, -(lr / bias_correction1)).div_(h)
     vmean = state["exp_avg_sq_mean"]
     if block == "tensor":
-        numel = float(torch.tensor(reduce.numel(g), dtype=torch.float32))  # (the reference's fp32 count)
+        numel = struct.unpack("f", struct.pack("f", reduce.numel(g)))[0]  # (the reference's count, rounded to fp32)
         tmp = reduce.total(torch.sum(g * g)) / numel
         m.lerp_(g, 1 - beta1)
         vmean.mul_(beta2).add_(tmp, alpha=1 - beta2)
@@ -157,12 +159,71 @@ def _check_int(name: str, value: Any, optional: bool = False) -> None:
         raise ValueError(f"Invalid {name} value: {value!r} (a positive int)")
 
 
+def _groups_of(named_parameters: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """One param group per entry of ``named_parameters`` (:func:`_group_of`), with torch's errors for a tensor given
+    alone and for named and unnamed parameters mixed, and torch's warning for a parameter given twice (it is left
+    out the second time: a tied weight is one block)."""
+    if isinstance(named_parameters, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        + torch.typename(named_parameters))
+    groups, seen, forms = [], set(), set()
+    for item in named_parameters:
+        if not isinstance(item, dict):
+            forms.add(isinstance(item, (tuple, list)))
+        if len(forms) > 1:
+            raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+        group = _group_of(item, weight_decay)
+        if group is None:
+            continue
+        if isinstance(item, dict):  # (torch's own check: a parameter in two groups is an error)
+            groups.append(group)
+            continue
+        params = group["params"]
+        if any(id(p) in seen for p in params):
+            warnings.warn("optimizer contains a parameter group with duplicate parameters; the repeated one is left "
+                          "out (each parameter of AdamMini is its own group)", stacklevel=3)
+            continue
+        seen.update(id(p) for p in params)
+        groups.append(group)
+    return groups
+
+
+def _group_of(item: Any, weight_decay: float) -> dict[str, Any] | None:
+    """The param group of one entry of ``named_parameters``: a ``(name, parameter)`` pair (None if the parameter
+    takes no gradient), a dict group (``params`` and optionally ``name`` and other keys), or an unnamed parameter
+    (name ``""``: one block for the whole tensor). No weight decay where the name has ``norm``, ``ln`` or ``bias``,
+    unless a dict group sets its own."""
+    if isinstance(item, dict):
+        group = dict(item)
+        params = group.get("params")
+        if "name" not in group and isinstance(params, list) and len(params) == 1 and isinstance(params[0], tuple):
+            group["name"] = params[0][0]  # (torch reads the pair's name into param_names)
+        name = group.setdefault("name", "")
+    elif isinstance(item, torch.Tensor):
+        group, name = {"params": [item], "name": ""}, ""
+    elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
+        name, param = item
+        if not param.requires_grad:
+            return None
+        group = {"params": [param], "name": name, "param_names": [name]}
+    else:
+        raise TypeError("AdamMini takes named parameters, (name, parameter) pairs such as model.named_parameters() "
+                        f"(its block partition reads the names), or param group dicts: got {type(item).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"Invalid name: expected the parameter's name (a str), got {type(name).__name__}")
+    group["name"] = name = name.lower()
+    if "weight_decay" not in group:
+        group["weight_decay"] = 0.0 if "norm" in name or "ln" in name or "bias" in name else weight_decay
+    return group
+
+
 class AdamMini(LowMemOptimizer):
     """Adam-mini with 32/16/8/4-bit ``m``; same signature, defaults, block partition and 32-bit results as
     ``adam_mini.Adam_mini`` (1.1.1).
 
     ``named_parameters``: ``model.named_parameters()`` (pairs of name and parameter; parameters that do not require
-    a gradient are left out), each its own param group with its (lower-cased) ``name``. ``dim``, ``n_heads``,
+    a gradient are left out), each its own param group with its (lower-cased) ``name``; also param group dicts with a
+    ``name`` key, and unnamed tensors (one block each). ``dim``, ``n_heads``,
     ``n_kv_heads``: the model's hidden size and heads (a query / key head is ``dim * dim / n_heads`` elements).
     The name rules are the sets :attr:`embd_names`, :attr:`output_names`, :attr:`wqk_names`, :attr:`wv_names`,
     :attr:`attn_proj_names`, :attr:`mlp_names`, :attr:`adam_block_names`, as the reference's; add keywords to them
@@ -211,19 +272,7 @@ class AdamMini(LowMemOptimizer):
         self.adam_block_names = {"bias"}
         self._partition: tuple | None = None
         self._counted = False
-        groups = []
-        for item in named_parameters:
-            if isinstance(item, dict) or not (isinstance(item, (tuple, list)) and len(item) == 2
-                                              and isinstance(item[0], str)):
-                raise TypeError("AdamMini takes named parameters, (name, parameter) pairs such as "
-                                f"model.named_parameters(): got {type(item).__name__} (its block partition reads "
-                                "the names)")
-            name, param = item
-            if not param.requires_grad:
-                continue
-            name = name.lower()
-            no_decay = "norm" in name or "ln" in name or "bias" in name
-            groups.append({"params": [param], "name": name, "weight_decay": 0.0 if no_decay else weight_decay})
+        groups = _groups_of(named_parameters, weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, name="", block="tensor",
                         head_numel=self.head_numel, whole_numel=None)
         super().__init__(groups, defaults, **storage)
@@ -293,6 +342,14 @@ class AdamMini(LowMemOptimizer):
                     print(f"Adam-mini: no {kind} parameter found by name; if the model has one, add a keyword of its "
                           f"name to optimizer.{attrs[kind]}", file=sys.stderr)
         return counts
+
+    _OWN = ("dim", "n_heads", "n_kv_heads", "head_numel", "verbose", "embd_names", "output_names", "wqk_names",
+            "wv_names", "attn_proj_names", "mlp_names", "adam_block_names", "_partition", "_counted")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # (pickling, deepcopy: torch's keys and the base class's)
+        state.update({k: getattr(self, k) for k in self._OWN})
+        return state
 
     @torch.no_grad()
     def step(self, closure=None):
