@@ -235,6 +235,16 @@ class AdamMini(LowMemOptimizer):
     (see :class:`~lowmemopt.LowMemOptimizer`)."""
 
     algorithm = AdamMiniAlgorithm()
+    #: its param groups are one per parameter, named (the Trainer integration builds them so)
+    named_groups = True
+
+    @staticmethod
+    def model_keywords(config: Any) -> dict[str, int]:
+        """``dim``, ``n_heads``, ``n_kv_heads`` from a transformers config (``hidden_size``, ``num_attention_heads``,
+        ``num_key_value_heads``), those it has."""
+        keys = dict(dim="hidden_size", n_heads="num_attention_heads", n_kv_heads="num_key_value_heads")
+        return {ours: getattr(config, theirs) for ours, theirs in keys.items()
+                if isinstance(getattr(config, theirs, None), int)}
 
     def __init__(
         self,
