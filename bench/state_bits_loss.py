@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 
 import torch
 from fourbit import gap_table, n_params, table, train
@@ -28,7 +29,17 @@ def _ademamix(bits: int, steps: int):
     return lambda p: lowmemopt.AdEMAMix(p, lr=1e-3, weight_decay=0.01, t_alpha=steps, t_beta3=steps, state_bits=bits)
 
 
-FAMILIES = {"AdEMAMix": _ademamix}
+def _adam_mini(bits: int, steps: int):
+    """Adam-mini on the demo LLaMA's named parameters (the factory gets them in ``named_parameters()`` order)."""
+    from lowmemopt.demo import LLAMA_BYTES, _llama
+
+    names = [n for n, _ in _llama(0).named_parameters()]
+    shape = lowmemopt.AdamMini.model_keywords(types.SimpleNamespace(**LLAMA_BYTES))
+    return lambda p: lowmemopt.AdamMini(list(zip(names, p)), lr=1e-3, weight_decay=0.01, state_bits=bits,
+                                        verbose=False, **shape)
+
+
+FAMILIES = {"AdEMAMix": _ademamix, "Adam-mini": _adam_mini}
 
 
 def optimizers(families: list[str], steps: int) -> dict:
