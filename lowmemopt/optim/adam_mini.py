@@ -292,6 +292,9 @@ class AdamMini(LowMemOptimizer):
         check_adam_group(group)
         if not isinstance(group["name"], str):
             raise TypeError(f"Invalid name: expected the parameter's name (a str), got {type(group['name']).__name__}")
+        if group.get("rank") is not None:
+            raise ValueError("AdamMini does not take GaLore groups (a group with 'rank'): its second-moment blocks are "
+                             "the weight's heads and rows, which a low-rank gradient does not have")
         if group["block"] not in BLOCKS:
             raise ValueError(f"Invalid block: {group['block']!r} (one of {', '.join(BLOCKS)})")
 
@@ -324,10 +327,10 @@ class AdamMini(LowMemOptimizer):
                 group["block"] = block
             if block == "head":
                 for p in group["params"]:
-                    if p.numel() % self.head_numel:
+                    if p.numel() % group["head_numel"]:
                         raise ValueError(f"AdamMini: {group['name']!r} {tuple(p.shape)} is a query / key block but "
                                          f"its {p.numel()} elements are not whole heads of dim * dim / n_heads = "
-                                         f"{self.head_numel}; check dim and n_heads")
+                                         f"{group['head_numel']}; check dim and n_heads")
             group["whole_numel"] = group["params"][0].numel() if len(group["params"]) == 1 else None
         self._partition = rules
 
