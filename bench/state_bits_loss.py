@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(name=name, heldout=r["heldout"], final=r["final"], state_bytes=r["state_bytes"],
                              step_s=r["step_s"]))
             print(f"  seed {seed} {name}: held-out {r['heldout']:.4f}", file=sys.stderr, flush=True)
-        print(f"LLaMA {dict(LLAMA_BYTES, **config)}, {args.steps} steps, seed {seed}, {numel:,} parameters, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads")
+        print(f"LLaMA {dict(LLAMA_BYTES, **config)}, {args.steps} steps, seed {seed}, {numel:,} parameters, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads")
         print(table(rows, numel))
         per_seed.append(rows)
     if len(seeds) > 1:
