@@ -124,7 +124,8 @@ def _named(make: Callable[[list[tuple[str, torch.nn.Parameter]], dict], torch.op
         preset = next(p for p, c in LLAMA_PRESETS.items() if len(llama_names(p)) == len(params)
                       and llama_shapes(p)[0] == tuple(params[0].shape))
         c = LLAMA_PRESETS[preset]
-        return make(list(zip(llama_names(preset), params)), dict(dim=c["hidden_size"], n_heads=c["num_attention_heads"]))
+        shape = dict(dim=c["hidden_size"], n_heads=c["num_attention_heads"])
+        return make(list(zip(llama_names(preset), params)), shape)
 
     return factory
 

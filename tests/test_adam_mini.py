@@ -50,7 +50,8 @@ def test_block_partition_of_a_llama():
     opt = ours(model)
     blocks = {g["name"]: g["block"] for g in opt.param_groups}
     assert blocks["model.embed_tokens.weight"] == blocks["lm_head.weight"] == "neuron"
-    assert blocks["model.layers.0.self_attn.q_proj.weight"] == blocks["model.layers.0.self_attn.k_proj.weight"] == "head"
+    attn = "model.layers.0.self_attn"
+    assert blocks[f"{attn}.q_proj.weight"] == blocks[f"{attn}.k_proj.weight"] == "head"
     for name in ("v_proj", "o_proj"):
         assert blocks[f"model.layers.0.self_attn.{name}.weight"] == "neuron"
     for name in ("gate_proj", "up_proj", "down_proj"):
@@ -85,7 +86,8 @@ def test_name_sets_users_extend():
     blocks as the reference does with the same additions."""
     def model():
         torch.manual_seed(0)
-        return torch.nn.ModuleDict(dict(c_q=torch.nn.Linear(8, 8), c_k=torch.nn.Linear(8, 8), proj=torch.nn.Linear(8, 3)))
+        linear = torch.nn.Linear
+        return torch.nn.ModuleDict(dict(c_q=linear(8, 8), c_k=linear(8, 8), proj=linear(8, 3)))
 
     def steps(m, opt):
         for t in range(4):
