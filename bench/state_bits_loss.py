@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--small", action="store_true", help=f"the smaller LLaMA ({SMALL})")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on shared cores more spin)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     families = args.family or list(FAMILIES)
     seeds = [int(s) for s in args.seeds.split(",")]
     config = SMALL if args.small else {}
