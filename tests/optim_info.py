@@ -578,7 +578,7 @@ OPTIMIZERS.append(OptimizerInfo(
     _ademamix_reference,
     [
         dict(lr=1e-2),
-        dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=2.0, eps=1e-6, weight_decay=0.1),
+        dict(lr=1e-2, betas=(0.8, 0.99, 0.6), alpha=2.0, eps=1e-6, weight_decay=0.1),  # (a slow EMA that moves)
         dict(lr=1e-2, t_alpha=4, t_beta3=3, weight_decay=0.0),
     ],
     slots=lambda kw: 3,
