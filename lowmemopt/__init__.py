@@ -23,6 +23,7 @@ _FUNCTIONS = {
 }
 _CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB",
             "LARS", "Lion", "SGD", "SignSGD"]
+_CLASSES += ["AdEMAMix", "AdamMini"]
 #: the communication-compressed optimizers (docs/onebit.md), by module; built on real parameters they need an
 #: initialized process group (``requires_process_group``, read by ``lowmemopt.registry``)
 _MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, CPUAdam, HFAdamW, Lion
+from .optim import CAME, LAMB, LARS, Adafactor, AdEMAMix, Adam, AdamW, CPUAdam, HFAdamW, Lion
 
 __all__ = [
     "Adafactor4bit",
@@ -46,6 +46,7 @@ __all__ = [
     "PagedAdamW",
     "PagedAdamW8bit",
 ]
+__all__ += ["AdEMAMix4bit", "AdEMAMix8bit", "PagedAdEMAMix", "PagedAdEMAMix4bit", "PagedAdEMAMix8bit"]
 
 
 def _alias(base: type, name: str, **fixed: Any) -> type:
@@ -91,3 +92,10 @@ DeepSpeedCPUAdam = _alias(CPUAdam, "DeepSpeedCPUAdam")
 PagedAdamW = _alias(AdamW, "PagedAdamW", paged=True)
 PagedAdamW8bit = _alias(AdamW, "PagedAdamW8bit", state_bits=8, paged=True)
 PagedAdamW4bit = _alias(AdamW, "PagedAdamW4bit", state_bits=4, paged=True)
+
+# bitsandbytes' AdEMAMix names (bitsandbytes.optim.AdEMAMix8bit, PagedAdEMAMix, PagedAdEMAMix8bit), and 4-bit
+AdEMAMix8bit = _alias(AdEMAMix, "AdEMAMix8bit", state_bits=8)
+AdEMAMix4bit = _alias(AdEMAMix, "AdEMAMix4bit", state_bits=4)
+PagedAdEMAMix = _alias(AdEMAMix, "PagedAdEMAMix", paged=True)
+PagedAdEMAMix8bit = _alias(AdEMAMix, "PagedAdEMAMix8bit", state_bits=8, paged=True)
+PagedAdEMAMix4bit = _alias(AdEMAMix, "PagedAdEMAMix4bit", state_bits=4, paged=True)

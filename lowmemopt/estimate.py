@@ -182,6 +182,9 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
         if not hasattr(lowmemopt, "galore_param_groups"):
             raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
         params: Any = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
+    elif getattr(resolved.cls, "named_groups", False):  # (Adam-mini: its blocks by name, heads from the config)
+        params = [(n, p) for n, p in named if p.requires_grad]
+        optimizer_kwargs = {**resolved.cls.model_keywords(getattr(model, "config", None)), **optimizer_kwargs}
     else:
         params = trainable
     if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group

@@ -565,6 +565,67 @@ OPTIMIZERS: list[OptimizerInfo] = [
     ),
 ]
 
+
+
+def _ademamix_reference(params, **kw):
+    bnb_optim = pytest.importorskip("bitsandbytes.optim")
+    return bnb_optim.AdEMAMix(params, **kw)
+
+
+OPTIMIZERS.append(OptimizerInfo(
+    "AdEMAMix",
+    lowmemopt.AdEMAMix,
+    _ademamix_reference,
+    [
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.99, 0.6), alpha=2.0, eps=1e-6, weight_decay=0.1),  # (a slow EMA that moves)
+        dict(lr=1e-2, t_alpha=4, t_beta3=3, weight_decay=0.0),
+    ],
+    slots=lambda kw: 3,
+    bound8=0.03,
+    bad_inputs=_COMMON_BAD + [
+        (dict(betas=(0.9, 0.999)), ValueError, "Invalid betas"),
+        (dict(betas=(0.9, 0.999, 1.0)), ValueError, "Invalid beta parameter at index 2"),
+        (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+        (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+        (dict(alpha=-1.0), ValueError, "Invalid alpha"),
+        (dict(t_alpha=-5), ValueError, "Invalid t_alpha"),
+        (dict(t_beta3=2.5), TypeError, "Invalid t_beta3"),
+        (dict(betas=(0.0, 0.999, 0.9999), t_beta3=10), ValueError, "beta3 warm-up"),
+        (dict(optim_bits=8, state_bits=4), ValueError, "optim_bits=8 and state_bits=4 disagree"),
+    ],
+    reference_cls=_reference_class("bitsandbytes.optim", "AdEMAMix"),
+))
+
+
+def _adam_mini_reference(params, **kw):
+    """adam-mini's Adam_mini on the table's unnamed tensors, named so that none matches a name rule: one block per
+    tensor in both (the name rules and every block kind: tests/test_adam_mini.py)."""
+    adam_mini = pytest.importorskip("adam_mini")
+    return adam_mini.Adam_mini([(f"t{i}", p) for i, p in enumerate(params)], verbose=False, **kw)
+
+
+OPTIMIZERS.append(OptimizerInfo(
+    "AdamMini",
+    lowmemopt.AdamMini,
+    _adam_mini_reference,
+    [
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    ],
+    slots=None,
+    state_bytes=lambda shape, bits, kw: slot_bytes(math.prod(shape), bits) + 4,  # m, and one fp32 v per tensor
+    bound8=0.03,
+    bad_inputs=_COMMON_BAD + _BAD_BETAS + [
+        (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+        (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+        (dict(dim=0), ValueError, "Invalid dim value"),
+        (dict(n_heads=32, n_kv_heads=5), ValueError, "Invalid n_kv_heads value"),
+        (dict(dim=10, n_heads=3), ValueError, "is not a whole number"),
+    ],
+    reference_cls=_reference_class("adam_mini", "Adam_mini"),
+))
+
 #: the variant each optimizer uses in the storage-format tests (resume, 8-bit bounds): one with state slots.
 STATEFUL = {
     "AdamW": dict(lr=1e-2, weight_decay=0.1),
@@ -584,6 +645,8 @@ STATEFUL = {
     "GaLoreAdamW": dict(lr=1e-2, weight_decay=0.1),
     "GaLoreAdafactor": dict(beta1=0.9, weight_decay=0.01),
 }
+STATEFUL["AdEMAMix"] = dict(lr=1e-3, weight_decay=0.1, t_alpha=5, t_beta3=5)  # (bitsandbytes' default lr)
+STATEFUL["AdamMini"] = dict(lr=1e-2, weight_decay=0.1)
 
 BY_NAME = {info.name: info for info in OPTIMIZERS}
 

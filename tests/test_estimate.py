@@ -37,7 +37,10 @@ def real_model() -> torch.nn.Module:
 
 def state_after_one_step(cls, state_bits: int, **kwargs) -> int:
     model = real_model()
-    opt = instantiate(cls, model.parameters(), state_bits=state_bits, **kwargs)
+    params = model.parameters()
+    if getattr(cls, "named_groups", False):  # (Adam-mini: named parameters, the model's heads)
+        params, kwargs = model.named_parameters(), {**cls.model_keywords(model.config), "verbose": False, **kwargs}
+    opt = instantiate(cls, params, state_bits=state_bits, **kwargs)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -344,3 +347,38 @@ def test_cli_estimate_lists_the_cheapest_combinations_that_fit(tmp_path, capsys)
     assert "does not fit in 100.00 KiB with any combination" in capsys.readouterr().out
     assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "80GB"]) == 0
     assert "cheapest combinations" not in capsys.readouterr().out  # it fits: nothing to suggest
+
+
+def test_estimate_of_ademamix_and_adam_mini(tmp_path, capsys):
+    """AdEMAMix 8-bit: ~3 bytes per parameter (three slots); Adam-mini 8-bit: ~1 byte per parameter plus one fp32 value
+    per block, its blocks by name and heads from the config (one per q / k head, output neuron, norm): both the
+    real optimizer's state after a step, and printed by `lowmemopt estimate`."""
+    meta = model_from_config(CONFIG)
+    model = real_model()
+    n = sum(p.numel() for p in model.parameters())
+    got = estimate(meta, "ademamix8bit", 8)
+    assert got.state == state_after_one_step(lowmemopt.AdEMAMix8bit, 8) and got.state < 4 * n  # (fp32: 12 n)
+    head = torch.nn.Linear(256, 512, bias=False)  # a matrix past min_quant_numel: 3 slots of 1 byte + an absmax per 256
+    opt = lowmemopt.AdEMAMix8bit(head.parameters())
+    head.weight.grad = torch.randn_like(head.weight)
+    opt.step()
+    assert opt.state_nbytes() == 3 * (1 + 4 / 256) * head.weight.numel()
+    mini = estimate(meta, "adam_mini", 8)
+    opt = lowmemopt.AdamMini(model.named_parameters(), state_bits=8, dim=64, n_heads=4, n_kv_heads=2, verbose=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert mini.state == opt.state_nbytes() and mini.state < 1.4 * n  # (small tensors keep fp32 m; AdamW: 8 n)
+    # per layer: q's 4 and k's 2 heads, the rows of v (32), o (64), gate and up (88), down (64), two norms; then
+    # the embedding's and the head's rows, the final norm
+    blocks = 2 * (4 + 2 + 32 + 64 + 88 + 88 + 64 + 2) + 301 + 301 + 1
+    codes = sum(st["exp_avg.codes"].numel() if "exp_avg.codes" in st else 4 * st["exp_avg"].numel()
+                for st in opt.state.values())
+    assert mini.state - codes - 4 * blocks == sum(4 * st["exp_avg.absmax"].numel() for st in opt.state.values()
+                                                  if "exp_avg.absmax" in st)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "ademamix8bit,adam_mini", "--state-bits", "8",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["optimizer"], r["state"]) for r in rows] == [("AdEMAMix8bit", got.state), ("AdamMini", mini.state)]

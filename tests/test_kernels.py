@@ -454,7 +454,7 @@ def test_came_8bit_runs_stay_within_the_confidence_bound(seed, fast_fp64, monkey
 
 
 @interpreted
-@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion", "LAMB", "LARS", "Adafactor", "CAME"])
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion", "LAMB", "LARS", "Adafactor", "CAME", "AdEMAMix"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params(name, dtype):
     """bf16/fp16 parameters: the fp32 working copy is rounded back to nearest even, as torch's copy_ does."""

@@ -24,6 +24,7 @@ from lowmemopt import cpu
 from lowmemopt.kernels import runtime
 
 NAMES = ["AdamW", "Adam", "SGD", "Lion", "LAMB", "LARS", "Adafactor", "AdafactorTorch", "CAME", "GaLoreAdamW"]
+NAMES += ["AdEMAMix"]
 #: 2-D shapes for the projected group (ragged 8-bit blocks at min_quant_numel=64), a 1-D one in a full-rank group
 MATRICES = [(37, 53), (24, 40), (40, 24)]
 VECTOR = (300,)

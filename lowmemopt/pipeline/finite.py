@@ -37,6 +37,7 @@ __all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "PendingSkip", "CpuFiniteChecks
 
 #: fused algorithms whose kernels store nothing of a tensor with element count 0 (its parameter and state untouched)
 DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came"})
+DEFERRED_ALGORITHMS |= {"ademamix"}
 
 
 def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
