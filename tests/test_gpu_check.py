@@ -190,11 +190,11 @@ def test_the_default_plan_fits_one_command(tmp_path):
     assert [n for n, _, _ in plan] == DEFAULT_PLAN
     assert header == ["# deadline: 540 s for the whole check, report included"]
     caps = {n: cap for n, cap, _ in plan}
-    assert sum(caps.values()) <= 540 - 20 and all(cap >= 30 for cap in caps.values())
+    assert sum(caps.values()) <= 540 - 20 - 20 and all(cap >= 30 for cap in caps.values())  # set-up, report
     commands = {n: cmd for n, _, cmd in plan}
-    assert commands["e2e_core"] == ("python bench/e2e.py --optimizers core --steps 9 --warmup 3 --timeout 80 "
+    assert commands["e2e_core"] == ("python bench/e2e.py --optimizers core --steps 9 --warmup 3 --timeout 100 "
                                     "--json $WORK/e2e_core.json")  # 12 steps a row
-    assert commands["fused_1b"] == "python bench/fused_kernels.py --sizes 1B --dtypes bf16,fp32 --json $WORK/fused_1b.json"
+    assert commands["fused_1b"] == "python bench/fused_kernels.py --sizes 1B --dtypes bf16 --json $WORK/fused_1b.json"
     assert commands["gpu_tests"] == 'pytest -n 8 -m "gpu and not slow"'
     assert commands["profile_adamw"] == ("python bench/profile_step.py --optimizers lowmemopt-adamw-8bit --steps 1 "
                                          "--warmup 2")
@@ -412,7 +412,7 @@ def test_gpu_check_deadline_interrupts_a_part_and_keeps_its_results(tmp_path):
     assert 'not run: pytest -n 8 -m "gpu and slow"' in report and "of the 60 s deadline were left" in report
     assert len(elapsed) == 1 and 30 <= elapsed[0] <= 45  # its limit: 60 s less the report's 20 less the start
     lines = report.splitlines()
-    assert '| gpu_tests | `pytest -n 8 -m "gpu and not slow"` | 170 | ' in report
+    assert '| gpu_tests | `pytest -n 8 -m "gpu and not slow"` | 150 | ' in report
     assert any(line.startswith("| gpu_tests |") and line.endswith("| cut at its cap: exit 124 (timed out) |")
                for line in lines)
     assert '| gpu_slow_tests | `pytest -n 8 -m "gpu and slow"` | 900 | — | not run (too little of the deadline left) |' in lines
@@ -466,7 +466,7 @@ def test_gpu_check_runs_the_plan_in_order_and_caps_each_part(tmp_path):
     assert lines.index("## Plan") < lines.index("## Environment")
     table = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and " | `" in line}
     assert table["e2e_core"].endswith("| 4 | 4 | cut at its cap: exit 124 (timed out) |"), table["e2e_core"]
-    assert re.search(r"\| 90 \| \d+ \| ok \|$", table["fused_1b"]), table["fused_1b"]
+    assert re.search(r"\| 70 \| \d+ \| ok \|$", table["fused_1b"]), table["fused_1b"]
     assert table["gpu_tests"].endswith("| ok |") and table["profile_adamw"].endswith("| ok |")
     assert "| e2e | first row |" in report and "| profile | one step |" in report  # the output each part had
     assert "gpu_tests: pytest wrote its results and summary but had not exited 2 s later; stopped" in report
