@@ -22,8 +22,10 @@ alone.
 Figures: ``last N`` (the mean training loss of the last ``--tail`` steps) and ``held-out`` (the final model's loss on
 fixed windows, :func:`lowmemopt.demo.heldout_loss`). Per (optimizer, rank): the mean over seeds at each dtype, the
 paired difference ``bf16 - fp32`` (mean and largest magnitude over seeds) and the seed-to-seed spread (the sample
-standard deviation over seeds of the fp32 runs). The verdict ``within noise`` holds when the largest paired difference
-is smaller than that spread, for both figures.
+standard deviation over seeds of the fp32 runs); ``within noise`` there: the largest paired difference is smaller than
+that spread, for both figures (with 2-3 seeds, a spread is a rough estimate). Then per optimizer and figure over every
+(rank, seed) pair (:func:`pooled`): the mean difference and its standard error, the RMS difference and the pooled seed
+spread; ``within noise``: RMS difference < pooled spread and |mean| < 2 standard errors.
 
 First the script checks the premise: that this CPU's bf16 matmul rounds as a GPU's tensor cores do (bf16 inputs, fp32
 accumulation, one rounding of the result), by comparing ``a @ b`` in bf16 with the fp32 product of the same bf16
@@ -137,6 +139,43 @@ def summarize(runs: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (list(OPTIMIZERS).index(r["optimizer"]), r["rank"]))
 
 
+def pooled(runs: list[dict]) -> list[dict]:
+    """Per optimizer and figure, over every (rank, seed) pair: the pairs' count, the mean ``bf16 - fp32`` difference and
+    its standard error, the root mean square difference, and the pooled seed-to-seed spread (the root of the mean over
+    ranks of the fp32 runs' variance over seeds). ``within``: the rounding moves a run less than a change of seed does
+    (RMS difference < pooled spread) and shifts the loss by no detectable amount (|mean| < 2 standard errors)."""
+    out = []
+    for opt in OPTIMIZERS:
+        by: dict[int, dict[int, dict]] = {}
+        for r in runs:
+            if r["optimizer"] == opt:
+                by.setdefault(r["rank"], {}).setdefault(r["seed"], {})[r["proj"]] = r
+        for fig in ("last", "heldout"):
+            diffs, variances = [], []
+            for seeds in by.values():
+                paired = [s for s in seeds.values() if set(s) == set(PROJ_DTYPES)]
+                diffs += [s["param"][fig] - s["float32"][fig] for s in paired]
+                if len(paired) > 1:
+                    variances.append(statistics.variance([s["float32"][fig] for s in paired]))
+            if len(diffs) < 2 or not variances:
+                continue
+            mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+            rms, spread = math.sqrt(statistics.fmean(d * d for d in diffs)), math.sqrt(statistics.fmean(variances))
+            out.append(dict(optimizer=opt, figure=fig, pairs=len(diffs), diff=mean, se=se, rms=rms, spread=spread,
+                            within=bool(rms < spread and abs(mean) < 2 * se)))
+    return out
+
+
+def pooled_table(rows: list[dict]) -> str:
+    """The Markdown table of :func:`pooled`'s rows."""
+    names = {"last": "last-N", "heldout": "held-out"}
+    out = ["| optimizer | figure | pairs | bf16 - fp32: mean ± s.e. | RMS | pooled seed spread | within noise |",
+           "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    out += [f"| {LABELS[r['optimizer']]} | {names[r['figure']]} | {r['pairs']} | {r['diff']:+.4f} ± {r['se']:.4f} "
+            f"| {r['rms']:.4f} | {r['spread']:.4f} | {'yes' if r['within'] else 'no'} |" for r in rows]
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     """The Markdown table of :func:`summarize`'s rows."""
     out = ["| optimizer | rank | seeds | last-N fp32 | last-N bf16 | bf16 - fp32 (mean / max) | seed spread | "
@@ -156,7 +195,7 @@ def check_table(rows: list[dict]) -> str:
     out = ["| m x k x n | equal to the fp32 product rounded once | at most (bf16 steps) | max error: bf16 matmul "
            "| max error: bf16 accumulation |", "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        out.append(f"| {' x '.join(map(str, r['shape']))} | {100 * r['equal']:.2f}% | {r['steps']} | "
+        out.append(f"| {' x '.join(map(str, r['shape']))} | {100 * r['equal']:.3f}% | {r['steps']} | "
                    f"{r['err']:.2e} | {r['bf16_acc_err']:.2e} |")
     return "\n".join(out)
 
@@ -194,7 +233,7 @@ def report(check: list[dict], runs: list[dict], args: argparse.Namespace, second
     seeds = sorted({r["seed"] for r in runs})
     settings = (f"{args.steps} steps, batch 8 x 64 bytes, bf16 parameters, update_proj_gap {args.gap}, scale 1.0, "
                 f"seeds {','.join(map(str, seeds))}; last-N: mean of the last {args.tail} steps; {seconds:.0f} s")
-    return f"{check_table(check)}\n\n{table(summarize(runs))}\n\n{settings}\n"
+    return f"{check_table(check)}\n\n{table(summarize(runs))}\n\n{pooled_table(pooled(runs))}\n\n{settings}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,3 +36,9 @@ def test_runs_and_table():
     assert row["last"]["spread"] == pytest.approx(abs(fp32[0]["last"] - fp32[1]["last"]) / math.sqrt(2))
     assert row["last"]["within"] == (row["last"]["max_diff"] < row["last"]["spread"])
     assert m.table([row]).splitlines()[2].startswith("| GaLore AdamW 8-bit | 4 | 2 | ")
+    last, held = m.pooled(runs)  # over every (rank, seed) pair: here one rank
+    assert (last["figure"], last["pairs"], held["figure"]) == ("last", 2, "heldout")
+    assert last["diff"] == pytest.approx(row["last"]["diff"]) and last["spread"] == pytest.approx(row["last"]["spread"])
+    assert last["rms"] == pytest.approx(math.sqrt(sum(d * d for d in diffs) / 2))
+    assert last["within"] == (last["rms"] < last["spread"] and abs(last["diff"]) < 2 * last["se"])
+    assert m.pooled_table([last, held]).splitlines()[3].startswith("| GaLore AdamW 8-bit | held-out | 2 | ")
