@@ -40,5 +40,7 @@ def test_runs_and_table():
     assert (last["figure"], last["pairs"], held["figure"]) == ("last", 2, "heldout")
     assert last["diff"] == pytest.approx(row["last"]["diff"]) and last["spread"] == pytest.approx(row["last"]["spread"])
     assert last["rms"] == pytest.approx(math.sqrt(sum(d * d for d in diffs) / 2))
-    assert last["within"] == (last["rms"] < last["spread"] and abs(last["diff"]) < 2 * last["se"])
+    assert last["within"] == (last["rms"] < last["spread"])
+    assert last["shift"] == ("none" if abs(last["diff"]) < 2 * last["se"] else
+                             "bf16 lower" if last["diff"] < 0 else "bf16 higher")
     assert m.pooled_table([last, held]).splitlines()[3].startswith("| GaLore AdamW 8-bit | held-out | 2 | ")
