@@ -566,7 +566,7 @@ def test_defaults_filled_in_and_any_ndim_ge_2():
     opt = lowmemopt.SGD([dict(params=[conv], rank=4)], lr=0.1, momentum=0.9)
     group = opt.param_groups[0]
     assert (group["update_proj_gap"], group["scale"], group["proj_type"], group["proj_moments"]) == (200, 0.25, "std", "keep")
-    assert group["proj_dtype"] == "float32"
+    assert group["proj_dtype"] == "param"  # bf16 products for bf16 parameters (docs/galore.md)
     conv.grad = torch.randn_like(conv)
     opt.step()
     assert opt.state[conv][pj.PROJ].shape == (4, 8) and opt.state[conv][pj.SIDE] == pj.LEFT

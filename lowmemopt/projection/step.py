@@ -33,8 +33,8 @@ the full weight as the math would have. Everything else takes the reference core
 Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_gap=200``, ``scale=0.25``,
 ``proj_type="std"`` as in galore-torch and the HF Trainer, and lowmemopt's ``proj_svd="full" | "randomized"``,
 ``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
-``proj_dtype="float32" | "param"``: the projection and back-projection products in fp32 (default), or in the
-parameter's dtype where it is bf16 (:func:`proj_dtype`; bf16 matmuls with fp32 accumulation).
+``proj_dtype="param" | "float32"``: the projection and back-projection products in the parameter's dtype where it is
+bf16 (default; :func:`proj_dtype`: bf16 matmuls with fp32 accumulation, as galore-torch; docs/galore.md), or in fp32.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ __all__ = [
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
     update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False,
-    proj_dtype="float32",
+    proj_dtype="param",
 )
 SVD_METHODS = ("full", "randomized")
 MOMENT_POLICIES = ("keep", "reset", "project")
@@ -74,11 +74,12 @@ PROJ_DTYPES = ("float32", "param")
 
 
 def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
-    """The dtype of ``p``'s projection products: None (fp32, the default), or bf16 for a bf16 parameter of a group
-    with ``proj_dtype="param"`` (the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
-    low-rank gradient and the update rounded to bf16 once). fp16 and fp32 parameters keep fp32 products (fp16's
-    range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner math stay fp32."""
-    if group.get("proj_dtype", "float32") == "param" and p.dtype == torch.bfloat16:
+    """The dtype of ``p``'s projection products: bf16 for a bf16 parameter of a group with ``proj_dtype="param"``
+    (the default; the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
+    low-rank gradient and the update rounded to bf16 once), else None: fp32 products (``"float32"``; fp16 and fp32
+    parameters: fp16's range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner
+    math stay fp32."""
+    if group.get("proj_dtype", GROUP_DEFAULTS["proj_dtype"]) == "param" and p.dtype == torch.bfloat16:
         return torch.bfloat16
     return None
 
