@@ -45,8 +45,12 @@ __all__ = [
     "Lion8bit",
     "PagedAdamW",
     "PagedAdamW8bit",
+    "AdEMAMix4bit",
+    "AdEMAMix8bit",
+    "PagedAdEMAMix",
+    "PagedAdEMAMix4bit",
+    "PagedAdEMAMix8bit",
 ]
-__all__ += ["AdEMAMix4bit", "AdEMAMix8bit", "PagedAdEMAMix", "PagedAdEMAMix4bit", "PagedAdEMAMix8bit"]
 
 
 def _alias(base: type, name: str, **fixed: Any) -> type:

@@ -3,8 +3,6 @@ TrainingArguments' hyper-parameters, and resume_from_checkpoint restores their e
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,8 +13,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
-
-os.environ.setdefault("LOWMEMOPT_COMPILE", "0")  # the Trainer runs tiny tensors: the eager path is what matters here
 
 # small tensors quantized too: 8-bit state on every matrix of the tiny model, 64-element blocks
 SMALL_BLOCKS = dict(min_quant_numel=256, block_size=64)

@@ -14,6 +14,7 @@ from helpers import clone_params, make_params, run
 from optim_info import OPTIMIZERS, STATEFUL
 
 import lowmemopt
+from lowmemopt import compiled
 from lowmemopt.optimizer import FORMAT_VERSION
 
 SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129), (300, 257)]  # the last takes the compiled fast path
@@ -54,7 +55,10 @@ def resumed(tmp_path_factory):
     cases_file = tmp / "cases.json"
     cases_file.write_text(json.dumps(specs))
     worker = os.path.join(os.path.dirname(__file__), "resume_worker.py")
-    proc = subprocess.run([sys.executable, worker, str(cases_file)], capture_output=True, text=True, cwd=str(tmp))
+    # the worker takes the path this process takes (compiled or eager: they may differ in the last bit)
+    env = dict(os.environ, LOWMEMOPT_COMPILE="1" if compiled.ENABLED else "0")
+    proc = subprocess.run([sys.executable, worker, str(cases_file)], capture_output=True, text=True, cwd=str(tmp),
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {case: (torch.load(out, weights_only=True), full) for case, (full, out) in expected.items()}
 

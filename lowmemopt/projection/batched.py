@@ -277,7 +277,7 @@ def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None
     pass leaves a skipped one as it is. Returns the layout, which a later call with the same items may take back.
     ``projected``, ``stand``: this step's layouts of :func:`project` and :func:`stand_ins` for the same items, whose
     stacked bases and stand-ins serve again (no stacked copies)."""
-    from .step import _decay_rows, finish
+    from .apply import _decay_rows, finish
 
     if layout is None:
         layout = _finish_layout(items)
