@@ -175,7 +175,7 @@ def _state_slots(st: dict[str, Any], block: int) -> list[tuple[str, str, int, in
     return out
 
 
-_DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.float64": "fp64", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:

@@ -113,7 +113,7 @@ def _allocate(plan: Plan) -> dict[str, Any]:
         state[key] = torch.zeros(value, dtype=kahan_dtype, device=device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
         shape = slot_shape(slot, local_tensor(plan.param).shape)
-        fmt = target_format(plan.group, slot, format_numel(slot, plan.param.numel()))
+        fmt = target_format(plan.group, slot, format_numel(slot, plan.param.numel()), plan.param.dtype)
         fmt.init(state, name, shape, device, plan.group["block_size"])
     return state
 
@@ -127,7 +127,7 @@ def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, conve
         shape = slot_shape(slot, p.shape)
         src = FORMATS[info["format"]]
         src_bs = info.get("block_size", 1)
-        dst = target_format(group, slot, format_numel(slot, plan.param.numel()))
+        dst = target_format(group, slot, format_numel(slot, plan.param.numel()), plan.param.dtype)
         dst_bs = group["block_size"]
         sources = {}
         for key in src.keys(name):

@@ -335,7 +335,7 @@ class AdafactorTorchAlgorithm(Algorithm):
             step=step,
             lr=group["lr"],
             beta2_decay=group["beta2_decay"],
-            eps1=torch.finfo(torch.float32).eps if eps1 is None else eps1,
+            eps1=torch.finfo(p.dtype).eps if eps1 is None else eps1,  # (p: fp32, or float64 for float64 params)
             eps2=eps2,
             d=group["d"],
             maximize=group["maximize"],
@@ -347,8 +347,9 @@ class AdafactorTorchAlgorithm(Algorithm):
 class AdafactorTorch(LowMemOptimizer):
     """Adafactor with ``torch.optim.Adafactor``'s signature, defaults and 32-bit results, and 32/16/8-bit state.
 
-    ``eps=(None, 1e-3)``: ``None`` means float32's machine epsilon (the math is fp32 for every parameter dtype; torch
-    uses the parameter dtype's, so bf16 parameters differ). No ``foreach``: there is one implementation.
+    ``eps=(None, 1e-3)``: ``None`` means the machine epsilon of the math's dtype: float32's (the math is fp32 for
+    float32, bf16 and fp16 parameters; torch uses the parameter dtype's, so bf16 parameters differ), float64's for
+    float64 parameters (as torch). No ``foreach``: there is one implementation.
     """
 
     algorithm = AdafactorTorchAlgorithm()

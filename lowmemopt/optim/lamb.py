@@ -202,16 +202,18 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all of ``grads`` together, in fp32, on the first gradient's device: one ``torch._foreach_norm``
-    per device and dtype, summed on the device. A gradient whose squared norm is not finite (a NaN or Inf, or a norm
-    beyond ~1e19) is left out, as the step skips its parameter."""
+    """The L2 norm of all of ``grads`` together, in fp32 (in float64 where every gradient is float64), on the first
+    gradient's device: one ``torch._foreach_norm`` per device and dtype, summed on the device. A gradient whose squared
+    norm is not finite (a NaN or Inf, or a norm beyond ~1e19 in fp32) is left out, as the step skips its parameter."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     device = grads[0].device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for (dev, _), group in by_kind.items():
-        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
+    wide = torch.float64 if all(dtype == torch.float64 for _, dtype in by_kind) else torch.float32
+    total = torch.zeros((), dtype=wide, device=device)
+    for (dev, dtype), group in by_kind.items():
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64 if dtype == torch.float64 else wide))
+        norms = norms.to(wide)
         squares = norms * norms
         part = torch.where(torch.isfinite(squares), squares, 0.0).sum()
         total = total + (part if dev == device else part.to(device, non_blocking=True))

@@ -35,6 +35,10 @@ Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_
 ``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
 ``proj_dtype="float32" | "param"``: the projection and back-projection products in fp32 (default), or in the
 parameter's dtype where it is bf16 (:func:`proj_dtype`; bf16 matmuls with fp32 accumulation).
+
+float64 parameters: the basis is computed (SVD of the gradient rounded to fp32) and stored in fp32, as for every
+parameter and as galore-torch computes it; the products, the low-rank gradient, the inner math and its full-precision
+state are float64 (the basis widened exactly), so a float64 GaLore step follows galore-torch's float64 one.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from ..distributed.sharding import reduction_of
 from ..pipeline.backends import CHUNK_NUMEL, init_state, run_update, update_flat
 from ..work.items import Item
 from ..pipeline.plan import Plan, unscaled
-from ..quant.formats import format_of
+from ..quant.formats import format_of, math_dtype
 from . import projector as pj
 
 if TYPE_CHECKING:
@@ -88,7 +92,10 @@ def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
     """The dtype of ``p``'s projection products: None (fp32, the default), or bf16 for a bf16 parameter of a group
     with ``proj_dtype="param"`` (the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
     low-rank gradient and the update rounded to bf16 once). fp16 and fp32 parameters keep fp32 products (fp16's
-    range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner math stay fp32."""
+    range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner math stay fp32.
+    float64 parameters: float64 (their products and math are float64, the fp32 basis widened; module docstring)."""
+    if p.dtype == torch.float64:
+        return torch.float64
     if group.get("proj_dtype", "float32") == "param" and p.dtype == torch.bfloat16:
         return torch.bfloat16
     return None
@@ -228,9 +235,9 @@ def _carry_moments(state: dict, slots: dict[str, Slot], group: dict[str, Any], n
         numel = math.prod(slot.shape)
         m = fmt.decode(state, name, 0, numel, True, bs).view(slot.shape)
         if left is not None:
-            m = left @ m
+            m = left.to(m.dtype) @ m  # (a float64 parameter's state: the fp32 bases widened)
         if right is not None:
-            m = m @ right
+            m = m @ right.to(m.dtype)
         fmt.encode(state, name, 0, numel, m.reshape(-1).contiguous(), True, bs)
 
 
@@ -308,7 +315,8 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
 
 
 def project(items: list[Item]) -> None:
-    """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32). On CUDA,
+    """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32; float64 for a
+    float64 parameter). On CUDA,
     unsharded matrices of one shape and side take one batched product (``torch.bmm``) per group of
     :data:`BATCH_NUMEL` elements instead of one product each; on the CPU every matrix takes the product galore-torch
     makes (bit-identical results)."""
@@ -320,7 +328,7 @@ def project(items: list[Item]) -> None:
                                 dtype), []).append(it)
             continue
         if shards is None:
-            low = pj.project(g.float() if dtype is None else g, it.state, dtype).float()
+            low = pj.project(g.float() if dtype is None else g, it.state, dtype).to(math_dtype(dtype))
         else:
             low = shards.project(g.float(), it.state, pj.bases)
         it.grad = low.contiguous()
@@ -331,11 +339,11 @@ def project(items: list[Item]) -> None:
             if len(chunk) == 1:
                 g = chunk[0].extra["g"]
                 low = pj.project(g.float() if dtype is None else g, chunk[0].state, dtype)
-                chunk[0].grad = low.float().contiguous()
+                chunk[0].grad = low.to(math_dtype(dtype)).contiguous()
                 continue
             g = _stacked([it.extra["g"] for it in chunk], dtype or torch.float32)  # one cast for the chunk
             basis = _stacked([it.state[pj.PROJ] for it in chunk], dtype or torch.float32)  # P^T or Q^T
-            low = (torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)).float()
+            low = (torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)).to(math_dtype(dtype))
             for it, x in zip(chunk, low.unbind(0)):
                 it.grad = x
 
@@ -374,20 +382,21 @@ def stands_in(plan: Plan, it: Item) -> bool:
 
 
 def stand_ins(items: list[Item]) -> None:
-    """Zeroed low-rank targets for ``items`` (one allocation, 16-byte aligned views)."""
+    """Zeroed low-rank targets for ``items`` (one allocation per device and dtype, 16-byte aligned views), in their
+    low-rank gradients' dtype (fp32; float64 for float64 parameters)."""
     if not items:
         return
     if len(items) == 1:  # (a per-layer hook's one matrix)
         it = items[0]
-        it.target = torch.zeros(it.grad.shape, dtype=torch.float32, device=it.grad.device)
+        it.target = torch.zeros(it.grad.shape, dtype=it.grad.dtype, device=it.grad.device)
         return
-    by_device: dict[torch.device, dict[torch.Size, list[Item]]] = {}
+    by_device: dict[tuple[torch.device, torch.dtype], dict[torch.Size, list[Item]]] = {}
     for it in items:
-        by_device.setdefault(it.grad.device, {}).setdefault(it.grad.shape, []).append(it)
-    for device, shapes in by_device.items():
+        by_device.setdefault((it.grad.device, it.grad.dtype), {}).setdefault(it.grad.shape, []).append(it)
+    for (device, dtype), shapes in by_device.items():
         sizes = {shape: -(-shape.numel() // 4) * 4 for shape in shapes}  # each target 16-byte aligned
         flat = torch.zeros(sum(sizes[shape] * len(members) for shape, members in shapes.items()),
-                           dtype=torch.float32, device=device)
+                           dtype=dtype, device=device)
         offset = 0
         for shape, members in shapes.items():
             size, numel = sizes[shape], shape.numel()
@@ -414,12 +423,12 @@ def weights(plan: Plan, items: list[Item]) -> None:
     for it in items:
         key = (id(it.extra["outer"]), it.state["step"] + 1, it.param.device, it.param.dtype, it.param.numel())
         classes.setdefault(key, []).append(it)
-    for (_, step, _, _, numel), members in classes.items():
+    for (_, step, _, p_dtype, numel), members in classes.items():
         group = members[0].extra["outer"]
         kind = plan.algorithm.weight_statistic(group)
         stat = None
         if kind is not None:
-            stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=torch.float32))
+            stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=math_dtype(p_dtype)))
             if kind == "rms":
                 stat = stat / math.sqrt(numel)  # rms(): the norm over sqrt(numel) rounded to fp32, as for 0-dim
             for it, s in zip(members, stat.unbind(0)):
@@ -452,12 +461,12 @@ def finish(plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float
     target = local if local.is_contiguous() else local.contiguous()
     p2d = target.view(m_local, n)
     if p32 is None:
-        p32 = p2d.float()  # fp32 params: p itself
+        p32 = p2d.to(math_dtype(p2d.dtype))  # fp32 (float64) params: p itself
     rows = m_local if p32.is_cuda else max(1, CHUNK_NUMEL // max(n, 1))
     scale = group["scale"]
     for r0 in range(0, m_local, rows):
         r1 = min(m_local, r0 + rows)
-        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).float().mul_(scale)
+        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).to(p32.dtype).mul_(scale)
         if math_decay is not None:
             _decay_rows(p32[r0:r1], math_decay)
         plan.algorithm.apply_update(p32[r0:r1], update, alpha, decay, group)
@@ -543,8 +552,8 @@ def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None
                 continue
             if flagged:  # (device_checkable sends only what the fused pass takes)
                 raise RuntimeError("GaLore: a parameter checked on the device reached an apply that ignores its flag")
-            update = update.float().mul_(scale)
-            if params[0].dtype == torch.float32:
+            update = update.to(math_dtype(p_dtype)).mul_(scale)
+            if params[0].dtype in (torch.float32, torch.float64):  # (their math's dtype: stepped in place)
                 if c is not None:
                     if isinstance(c, torch.Tensor):
                         torch._foreach_addcmul_(params, params, list(c.unbind(0)))
@@ -598,7 +607,8 @@ def update_alone(plan: Plan, it: Item) -> bool:
     formats = {name: format_of(state, name) for name in it.slots}
     shards = it.extra["shards"]
     local = it.param if shards is None else shards.param
-    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"]).float()
+    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"])
+    p32 = p32.to(math_dtype(p32.dtype))
     reduce = LOCAL if shards is None else shards.reduction(p32)
     g_low = it.grad
     delta, alpha = run_update(plan.algorithm, p32, g_low, state, it.slots, formats, it.extra["core"], state["step"], 0,

@@ -23,7 +23,8 @@ import torch
 
 from . import q4
 from .blockwise import num_blocks
-from .formats import BF16, FP16, FP32, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for, map_for
+from .formats import (BF16, FP16, FP32, FP64, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for,
+                      map_for)
 from .maps import code_book
 
 __all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step",
@@ -83,8 +84,11 @@ def state_map(fmt: StateFormat, slot: Slot) -> str | None:
     return map_for(slot.signed) if fmt is Q8 else q4.map4_for(slot.signed) if fmt is Q4 else None
 
 
-def target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat:
-    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize, slot.dtype)
+def target_format(group: dict[str, Any], slot: Slot, numel: int,
+                  param_dtype: torch.dtype | None = None) -> StateFormat:
+    """The format ``group`` stores a slot of ``numel`` elements in, for a parameter of ``param_dtype`` (float64: its
+    full-precision state is float64)."""
+    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize, slot.dtype, param_dtype)
 
 
 def format_numel(slot: Slot, numel: int) -> int:
@@ -101,6 +105,8 @@ def slot_shape(slot: Slot, shape: torch.Size) -> torch.Size:
 def dense_format(t: torch.Tensor) -> StateFormat:
     if t.dtype == torch.float16:  # torch.optim's state of fp16 params, or fp16 state (Slot.dtype)
         return FP16
+    if t.dtype == torch.float64:  # a float64 parameter's state (torch.optim's or ours): decodes without rounding
+        return FP64
     return BF16 if t.dtype == torch.bfloat16 else FP32  # other floats decode as fp32
 
 
@@ -145,7 +151,7 @@ def convert_param_state(
         check_source(src, src_bs, tensors, name, shape, where, param.shape)
         for key, t in tensors.items():
             check_values(key, t, slot.signed, where)
-        dst = target_format(group, slot, format_numel(slot, numel))
+        dst = target_format(group, slot, format_numel(slot, numel), param.dtype)
         remap = remaps(src, src_map, slot)
         if src is dst and src in QUANTIZED and src_bs != dst_bs and not remap:
             raise CheckpointError(
@@ -206,7 +212,7 @@ def check_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], 
 def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
     if fmt in QUANTIZED:
         return torch.uint8 if key.endswith((".codes", ".nibbles")) else torch.float32
-    return {BF16: torch.bfloat16, FP16: torch.float16}.get(fmt, torch.float32)
+    return {BF16: torch.bfloat16, FP16: torch.float16, FP64: torch.float64}.get(fmt, torch.float32)
 
 
 def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
