@@ -88,6 +88,7 @@ from . import paging, pipeline, rounding
 from ._stacklevel import external_stacklevel
 from .checks import _lr_views_pre_hook, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
+from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .distributed.sharding import (
     agree_finite,
     is_dtensor,
@@ -151,6 +152,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: ``torch.amp.GradScaler`` hands ``step()`` the scale and its Inf check (``grad_scale``, ``found_inf``) instead of
     #: unscaling the gradients itself and reading ``found_inf`` on the host (the module docstring, "Loss scaling")
     _step_supports_amp_scaling = True
+    #: param group keys this class reads beyond its defaults (:mod:`lowmemopt.group_keys`: others are refused)
+    _extra_group_keys: frozenset[str] = frozenset()
     #: the communicate stage the plan carries (``Plan.communicate``: the 1-bit optimizers' process-group
     #: communication around the update, :func:`lowmemopt.pipeline.communicating`), or None
     _communicate: Any = None
@@ -208,6 +211,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
         self.register_step_pre_hook(_lr_views_pre_hook)
+        self._group_keys = GroupKeyWatch(self.param_groups)  # unknown group keys: refused (lowmemopt.group_keys)
+        self.register_step_pre_hook(group_keys_pre_hook)
+        self.register_load_state_dict_post_hook(group_keys_loaded)
 
     # -- what an optimizer class provides -------------------------------------------------------------------------
 
@@ -293,6 +299,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            check_new_group(self, group)
             torch_scalars(group)
             check_storage(group)
             self._check_group(group)
@@ -312,6 +319,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        if "_group_keys" in self.__dict__:  # (constructing: _attach sees every group)
+            self._group_keys.add(group)
 
     # -- the step ----------------------------------------------------------------------------------------------------
 

@@ -141,6 +141,8 @@ class OnebitOptimizer(LowMemOptimizer):
     state dict. A subclass's algorithm says what each step communicates (``phase``, ``message`` and the stage's hooks
     ``comm_phase``, ``comm_begin``, ``comm_after``: 0/1 Adam's schedule and synchronisation)."""
 
+    #: DeepSpeed's group keys: a group's momentum mask, and a group that never freezes its variance
+    _extra_group_keys = frozenset({"exp_avg_mask", "non_freeze"})
     #: the gradients are compressed and communicated before the update (their error feedback holds the scaled
     #: values): ``torch.amp.GradScaler`` unscales them first, on its generic path
     _step_supports_amp_scaling = False

@@ -188,6 +188,8 @@ class ZeroOneAdam(OnebitOptimizer):
     parameters, replicated models; :meth:`register_ddp` for a DDP-wrapped model)."""
 
     algorithm = ZeroOneAdamAlgorithm()
+    #: (``onebit``: the step's phase, held in the group while the step runs)
+    _extra_group_keys = OnebitOptimizer._extra_group_keys | {"onebit"}
 
     def __init__(
         self,
