@@ -17,6 +17,7 @@ from ..quant.convert import (CheckpointError, Reader, check_values, format_numel
                              target_format)
 from ..quant.formats import FORMATS
 from .layout import crc32, open_state_file, sharded_path
+from .sniff import check_state_file_kind
 from .validation import (LoadReport, Plan, check_optimizer, check_same_optimizer, describe_problems, from_json,
                          plan_load, restorable, validated_meta)
 
@@ -38,6 +39,9 @@ def load_state(
     optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
     ...) are always the optimizer's own, and state is converted to them.
 
+    A ``torch.save`` file, a JSON or pickle file raises CheckpointError saying what it is (an optimizer
+    ``state_dict()`` saved with ``torch.save`` loads with ``opt.load_state_dict(torch.load(path, weights_only=True))``).
+
     A file of another optimizer (another algorithm: aliases such as ``AdamW8bit`` count as their base class) is
     refused, also with ``strict=False``. ``from_optimizer``: the class name of the file's optimizer, to load its state
     into this one deliberately; slots that match load, hyper-parameters stay this optimizer's."""
@@ -52,6 +56,7 @@ def load_state(
             f"{sharding['world_size']}; per-rank files load only at the world size that saved them (to change it, "
             "use torch.distributed.checkpoint: docs/distributed.md)"
         )
+    check_state_file_kind(path)  # a torch.save / JSON / pickle file: say what it is and what reads it
     with open_state_file(path) as f:
         meta = validated_meta(f, path)
         if meta.get("sharding", sharding) != sharding and not per_rank:
