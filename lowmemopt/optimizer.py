@@ -103,7 +103,7 @@ from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_fla
 from .pipeline.plan import Plan, StepRecord, inv_scale
 from .projection import step as galore
 from .projection.projector import projector_problem, split_projector_state
-from .quant.convert import CheckpointError, check_group, convert_param_state
+from .quant.convert import CheckpointError, check_group, convert_param_state, foreign_state_hint
 from .quant.formats import Slot, default_block_size
 from .work import capture
 from .work.capture import CAPTURABLE_ALGORITHMS
@@ -583,20 +583,26 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     if len(saved_groups) != len(groups) or sizes_differ:
         return state_dict  # torch raises its own, clear error for this
     id_map, converted, targets = {}, {}, {}
-    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
-        target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
-        target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
-        check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
-        for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
-            id_map[key] = p
-            value = state_dict["state"].get(key)
-            where = f"load_state_dict: parameter {i} of param group {gi}"
-            if value is not None and not isinstance(value, dict):
-                raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
-            if isinstance(value, dict):
-                _, value = localize_state(p, value)  # DTensor state -> the local shard's
-                converted[key] = _convert_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
-                targets[key] = group
+    try:
+        for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
+            target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
+            target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
+            check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
+            for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
+                id_map[key] = p
+                value = state_dict["state"].get(key)
+                where = f"load_state_dict: parameter {i} of param group {gi}"
+                if value is not None and not isinstance(value, dict):
+                    raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
+                if isinstance(value, dict):
+                    _, value = localize_state(p, value)  # DTensor state -> the local shard's
+                    converted[key] = _convert_state(optimizer, p, value, saved, target, where,
+                                                    legacy_maps=version == 1)
+                    targets[key] = group
+    except CheckpointError as e:  # another optimizer's state dict: say whose it looks like
+        slots = lambda: {k for g in groups for p in g["params"] for k in optimizer._state_slots(g, p)}  # noqa: E731
+        hint = foreign_state_hint(state_dict["state"], slots, type(optimizer).__name__)
+        raise CheckpointError(f"{e}{hint}") from None
     # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
     staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
     converted = {k: staged.get(id_map[k], st) for k, st in converted.items()}

@@ -28,7 +28,7 @@ from .formats import (BF16, FP16, FP32, FP64, Q4, Q8, QUANTIZED, Slot, StateForm
 from .maps import code_book
 
 __all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step",
-           "check_group"]
+           "check_group", "slot_names", "state_origin", "foreign_state_hint"]
 
 CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
 _BNB_QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests its 8-bit tensors under this key
@@ -171,6 +171,68 @@ def convert_param_state(
     return out
 
 
+#: the optimizer a state dict's slots show, by a slot name only it uses (first match), for errors that name it
+_ORIGINS = (
+    (("state1", _BNB_QUANT_KEY), "bitsandbytes (slots state1, state2)"),
+    (("exp_avg_res_row", "exp_avg_res"), "CAME"),
+    (("exp_avg_sq_row",), "Adafactor (transformers' or lowmemopt's)"),
+    (("row_var", "variance"), "torch.optim.Adafactor (lowmemopt.AdafactorTorch)"),
+    (("mu_product",), "torch.optim.NAdam"),
+    (("exp_inf",), "torch.optim.Adamax"),
+    (("acc_delta",), "torch.optim.Adadelta"),
+    (("square_avg",), "torch.optim.RMSprop"),
+    (("sum",), "torch.optim.Adagrad"),
+    (("step_size",), "torch.optim.Rprop"),
+    (("ax",), "torch.optim.ASGD"),
+    (("max_exp_avg_sq",), "Adam or AdamW with amsgrad=True"),
+    (("exp_avg_sq",), "Adam, AdamW or LAMB (slots exp_avg, exp_avg_sq)"),
+    (("momentum_buffer",), "SGD with momentum (torch.optim's or lowmemopt's SGD, SignSGD, FusedSGD, LARS)"),
+    (("exp_avg",), "Lion (one slot, exp_avg)"),
+)
+
+
+def slot_names(states: Any) -> set[str]:
+    """The slot names in ``states`` (a state dict's ``"state"``: index -> that parameter's state): keys without their
+    storage suffixes (``.codes``, ``.absmax``, ``.nibbles``), less ``step``, a GaLore projector and bf16_update's."""
+    names: set[str] = set()
+    for state in (states.values() if isinstance(states, dict) else ()):
+        for key in (state if isinstance(state, dict) else ()):
+            key = str(key)
+            if key == "step" or key.startswith(("galore.", "bf16_update.")):
+                continue
+            names.add(key.rsplit(".", 1)[0] if key.endswith((".codes", ".absmax", ".nibbles")) else key)
+    return names
+
+
+def state_origin(states: Any) -> str | None:
+    """The optimizer whose state ``states`` (a state dict's ``"state"``) looks like, in words (``"CAME"``, ``"SGD with
+    momentum (...)"``), or None where no slot tells; a state of step counts only: an optimizer that keeps none."""
+    names = slot_names(states)
+    for keys, origin in _ORIGINS:
+        if names & set(keys):
+            return origin
+    if not names and any(isinstance(s, dict) and s for s in (states.values() if isinstance(states, dict) else ())):
+        return "an optimizer that keeps no state per parameter (SGD or LARS without momentum)"
+    return None
+
+
+def foreign_state_hint(states: Any, slots: Callable[[], set[str]], owner: str) -> str:
+    """The continuation of a load error where a state dict's ``states`` look like another optimizer's than ``owner``
+    (whose slot names ``slots()`` gives): ``". It looks like the state of <optimizer>, not of <owner> ..."``, else
+    ``""``."""
+    origin = state_origin(states)
+    if origin is None:
+        return ""
+    try:
+        ours = slots()
+    except Exception:  # (a group this optimizer cannot describe: the error as it is)
+        return ""
+    if slot_names(states) == ours:
+        return ""
+    return (f". It looks like the state of {origin}, not of {owner} (slots {', '.join(sorted(ours)) or 'none'}): a "
+            f"state dict loads into the optimizer that saved it")
+
+
 def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
     """Raise CheckpointError (naming ``where`` and ``key``) unless the floating-point state tensor ``t`` can be stepped
     from: every value finite, and none negative in an ``absmax`` or a non-negative slot (``signed`` False). Integer
@@ -275,14 +337,23 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
             sources[name] = (Q4, bs, {k: state[k] for k in keys}, q4.map4_for(slot.signed))
         elif name in state:
             keys = (name,)
+            _check_tensors(state, keys, where)
             sources[name] = (dense_format(state[name]), 1, {name: state[name]}, None)
         else:
             raise CheckpointError(f"{where}: the state has no slot '{name}' (has {sorted(state)})")
+        _check_tensors(state, keys, where)
         used.update(keys)
     extra = sorted(set(state) - used)
     if extra:
         raise CheckpointError(f"{where}: unexpected state {extra}; the optimizer's slots are {sorted(slots)}")
     return sources
+
+
+def _check_tensors(state: dict[str, Any], keys: Any, where: str) -> None:
+    """Raise CheckpointError naming ``where`` and the key unless each of ``keys`` in ``state`` is a tensor."""
+    for key in keys:
+        if not isinstance(state[key], torch.Tensor):
+            raise CheckpointError(f"{where}: state '{key}' is a {type(state[key]).__name__}, not a tensor")
 
 
 def _bnb_sources(state, slots, where):
@@ -299,6 +370,7 @@ def _bnb_sources(state, slots, where):
         )
     sources, used = {}, {"step"} | _BNB_SCRATCH
     for i, (name, slot) in enumerate(slots.items(), start=1):
+        _check_tensors(state, [f"state{i}"] + [k for k in (f"absmax{i}", f"qmap{i}") if k in state], where)
         t = state[f"state{i}"]
         used.add(f"state{i}")
         if t.dtype != torch.uint8:
