@@ -70,7 +70,7 @@ State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg
 maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict`` keeps uint8 codes and fp32 state
 exactly as saved (torch would cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook
 and restoring them, moved to the parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
-asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
+asks for, whatever the state dict holds (lowmemopt state at 32/16/8/4 bits, ``torch.optim`` state, bitsandbytes 8-bit
 state; see :func:`lowmemopt.quant.convert.convert_param_state`). Slots already in that format are kept as they are, with no
 copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)
 stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
@@ -89,6 +89,7 @@ from ._stacklevel import external_stacklevel
 from .checks import _lr_views_pre_hook, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
 from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
+from .signature import set_signature
 from .distributed.sharding import (
     agree_finite,
     is_dtensor,
@@ -196,6 +197,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self._nonfinite_skips = 0
         super().__init__(params, defaults)
         self._attach()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        set_signature(cls, LowMemOptimizer.__init__)  # the storage options by name, not **storage (lowmemopt.signature)
 
     def _attach(self) -> None:
         """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run

@@ -25,7 +25,7 @@ the same) by name, signature and defaults, the same math with its flags::
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -37,6 +37,11 @@ from ..pipeline.algorithm import Algorithm, fused
 from ..pipeline.plan import unscaled
 from ..quant.formats import Slot
 from .adamw import GradNoneOnZero
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["LAMB", "FusedLAMB", "lamb_math", "GRAD_DIVISOR"]
 
@@ -119,7 +124,7 @@ class LAMBAlgorithm(Algorithm):
 
 
 class LAMB(LowMemOptimizer):
-    """LAMB with 32/16/8-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
+    """LAMB with 32/16/8/4-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
 
     algorithm = LAMBAlgorithm()
 
@@ -132,7 +137,7 @@ class LAMB(LowMemOptimizer):
         weight_decay: float = 0.0,
         adam: bool = False,
         bias_correction: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam, bias_correction=bias_correction)
         super().__init__(params, defaults, **storage)
@@ -256,7 +261,7 @@ class FusedLAMB(GradNoneOnZero, LAMB):
         set_grad_none: bool = True,
         max_grad_norm: float | None = 1.0,
         use_nvlamb: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")  # Apex's error
