@@ -296,6 +296,8 @@ _BAD_BETAS = [
     (dict(betas=(1.0, 0.0)), ValueError, "Invalid beta parameter at index 0: 1.0"),  # torch's
     (dict(betas=(torch.tensor([0.9, 0.9]), torch.tensor(0.999))), ValueError, r"Tensor betas\[0\] must be 1-element"),
     (dict(betas=(torch.tensor(0.9), torch.tensor([1.0]))), ValueError, "Invalid beta parameter at index 1"),
+    (dict(betas=(0.9, torch.tensor(0.99))), ValueError, "betas must be either both floats or both Tensors"),  # torch's
+    (dict(betas=(torch.tensor(0.9), 0.99)), ValueError, "betas must be either both floats or both Tensors"),
 ]
 
 OPTIMIZERS: list[OptimizerInfo] = [
@@ -567,7 +569,9 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(betas=(0.9, 1.0, 0.9999)), ValueError, "Invalid beta parameter at index 1"),
             (dict(eps=(1e-30, -1.0)), ValueError, "Invalid eps"),
             (dict(clip_threshold=-1.0), ValueError, "Invalid clip_threshold"),
-            (dict(betas=(0.9, torch.tensor([0.9, 0.9]), 0.9)), ValueError, r"Tensor betas\[1\] must be 1-element"),
+            (dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.9]), torch.tensor(0.9))), ValueError,
+             r"Tensor betas\[1\] must be 1-element"),
+            (dict(betas=(0.9, torch.tensor(0.9), 0.9)), ValueError, "betas must be either all floats or all Tensors"),
         ],
         reference_cls=_reference_class("came_pytorch", "CAME"),
     ),
