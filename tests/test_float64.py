@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run_with_reference
+from helpers import clone_params, make_params, run_with_reference, set_grads
 
 import lowmemopt
 
@@ -152,12 +152,22 @@ def test_state_file_float64(tmp_path, bits):
     assert _max_diff(model.parameters(), resumed.parameters()) == 0
 
 
-def test_galore_float64_equals_galore_torch():
+@pytest.mark.parametrize("batched", [False, True], ids=["per-matrix", "batched"])
+def test_galore_float64_equals_galore_torch(batched, monkeypatch):
     """GaLore on float64 matrices: the basis from the fp32 SVD (stored fp32), the products, the inner AdamW and its
-    state in float64: galore-torch's float64 run to 1e-12, over basis refreshes."""
+    state in float64: galore-torch's float64 run to 1e-12, over basis refreshes; also through the batched
+    products and apply that CUDA takes (``BATCH_ON_CPU``)."""
     galore_torch = pytest.importorskip("galore_torch")
-    ours_model, ref_model = _model(), _model()
-    groups = lowmemopt.galore_param_groups(ours_model, target_modules=["0", "2"], rank=4, update_proj_gap=2)
+    from lowmemopt.projection import step as galore_step
+
+    monkeypatch.setattr(galore_step, "BATCH_ON_CPU", batched)
+    def model():  # (two 32 x 32 matrices: one batch of the batched products)
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(24, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)]
+        return torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())][:-1]).to(F64)
+
+    ours_model, ref_model = model(), model()
+    groups = lowmemopt.galore_param_groups(ours_model, target_modules=["0", "2", "4"], rank=4, update_proj_gap=2)
     by_id = {id(p): q for p, q in zip(ours_model.parameters(), ref_model.parameters())}
     ref_groups = [dict(g, params=[by_id[id(p)] for p in g["params"]]) for g in groups]
     ours = lowmemopt.GaLoreAdamW(groups, lr=1e-2)
@@ -228,3 +238,35 @@ def test_large_float64_parameter_equals_torch():
     ref_params = clone_params(params)
     run_with_reference(lowmemopt.AdamW(params, lr=1e-2), params, torch.optim.AdamW(ref_params, lr=1e-2), ref_params, 2)
     assert _max_diff(params, ref_params) <= 1e-12
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)), ("CAME", dict(lr=1e-2))])
+def test_galore_float64_through_the_cuda_code_path(name, kw, monkeypatch):
+    """The path a GPU takes (the Triton dispatcher, batched ``torch.bmm`` products, the batched apply), under the
+    interpreter on the CPU: float64 matrices keep float64 products (the kernels, which take no float64, leave their
+    stand-ins to the eager path), equal to the per-matrix CPU run to 1e-12."""
+    runtime = pytest.importorskip("lowmemopt.kernels.runtime")
+    if not runtime.HAS_TRITON or not runtime.INTERPRET:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+    from lowmemopt.projection import step as galore_step
+
+    bmm = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: bmm.append(a.dtype) or real_bmm(a, b))
+    runs = {}
+    for batched in (False, True):
+        monkeypatch.setattr(galore_step, "BATCH_ON_CPU", batched)
+        params = make_params([(40, 24)] * 3, dtype=F64)
+        groups = [dict(params=params, rank=4, update_proj_gap=2)]
+        opt = getattr(lowmemopt, name)(groups, **kw)
+        for t in range(4):
+            set_grads(params, t)
+            if batched:
+                with runtime.cpu_interpreter():
+                    opt.step()
+            else:
+                opt.step()
+        runs[batched] = params
+        assert opt.state[params[0]]["exp_avg"].dtype == F64
+    assert bmm and set(bmm) == {F64}
+    assert _max_diff(runs[True], runs[False]) <= 1e-12
