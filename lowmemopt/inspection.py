@@ -182,7 +182,7 @@ def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:
     return lines
 
 
-_BYTES = {"F32": 4, "BF16": 2, "U8": 1}
+_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "U8": 1}
 
 
 def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:

@@ -11,7 +11,8 @@ argument checks and its algorithm (slots and fp32 math)::
 
 Storage options (constructor keywords, also settable per param group):
 
-* ``state_bits``: 32 (fp32 state), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
+* ``state_bits``: 32 (fp32 state; float64 for float64 parameters, whose math is float64 as torch's:
+  :mod:`lowmemopt.quant.formats`), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
   state steps through the fused kernels too).
 * ``block_size``: elements per quantization block (a power of two >= 16); default (None) 256, or 128 where
   ``state_bits`` is 4 (a param group that sets ``state_bits`` and no ``block_size`` gets its bits' default).
@@ -23,7 +24,8 @@ Storage options (constructor keywords, also settable per param group):
   ``"stochastic"`` or ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
 
 Non-finite gradients (policy): before updating a parameter, ``step()`` checks its gradient. A parameter whose gradient
-norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its
+norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32; a float64
+gradient's norm is float64) is **skipped**: its
 value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
 would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about. The
 check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),

@@ -133,15 +133,18 @@ def test_torch_state_dict_loads_without_rounding():
 
 
 @pytest.mark.parametrize("bits", [32, 8])
-def test_state_file_float64(tmp_path, bits):
+def test_state_file_float64(tmp_path, bits, capsys):
     """``save_state`` / ``load_state`` keep a float64 parameter's state: float64 tensors (F64) at 32 bits, codes at 8;
-    the resumed run equals the uninterrupted one exactly."""
+    the resumed run equals the uninterrupted one exactly; ``lowmemopt inspect`` describes the file."""
+    from lowmemopt.inspection import inspect
     model, resumed = _model(), _model()
     kw = dict(lr=1e-2, state_bits=bits, min_quant_numel=64)
     opt = lowmemopt.AdamW(model.parameters(), **kw)
     _train(model, opt, 3)
     path = tmp_path / "state.safetensors"
     lowmemopt.save_state(opt, path, model=model)
+    assert inspect(str(path)) == 0
+    assert ("\nfp64 " if bits == 32 else "\nq8 ") in capsys.readouterr().out
     resumed.load_state_dict(model.state_dict())
     opt2 = lowmemopt.AdamW(resumed.parameters(), **kw)
     lowmemopt.load_state(opt2, path, model=resumed)
