@@ -8,9 +8,9 @@ A param group's key is known when it is
 * a GaLore key (``rank``, ``update_proj_gap``, ``scale``, ``proj_type`` and lowmemopt's ``proj_*``);
 * in :data:`ALLOWED_GROUP_KEYS`: what other libraries put in param groups, which an optimizer may ignore: torch.optim's
   (``param_names``, ``foreach``, ``fused``, ``differentiable``), torch's LR schedulers' (``initial_lr``; OneCycleLR's
-  ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum``; SWALR's ``swa_lr``), and ``name`` / ``moe`` (a
-  group's label in PyTorch Lightning, DeepSpeed's MoE groups). The HF Trainer, FSDP / FSDP2, accelerate and
-  unit_scaling (u-muP) add none beyond these and the hyper-parameters;
+  ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum``; SWALR's ``swa_lr``), ``name`` / ``moe`` (a
+  group's label in PyTorch Lightning, DeepSpeed's MoE groups) and timm's ``lr_scale``. The HF Trainer, FSDP / FSDP2,
+  accelerate and unit_scaling (u-muP) add none beyond these and the hyper-parameters;
 * or allowed by :func:`allow_group_keys` (for any other library's keys).
 
 Any other key raises ValueError naming it and the closest known key, when the group is made (the constructor,
@@ -35,6 +35,7 @@ ALLOWED_GROUP_KEYS: set[str] = {
     "param_names", "foreach", "fused", "differentiable",  # torch.optim
     "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr",  # torch.optim.lr_scheduler, swa_utils
     "name", "moe",  # a group's label (PyTorch Lightning, DeepSpeed's MoE groups)
+    "lr_scale",  # timm's layer-wise lr decay groups (its schedulers read it)
 }
 #: keys every lowmemopt param group may hold besides its optimizer's defaults: ``params`` and GaLore's
 BASE_GROUP_KEYS = frozenset({"params", "rank", *GROUP_DEFAULTS})
