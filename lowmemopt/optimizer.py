@@ -90,8 +90,6 @@ from . import paging, pipeline, rounding
 from ._stacklevel import external_stacklevel
 from .checks import _lr_views_pre_hook, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
-from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
-from .signature import set_signature
 from .distributed.sharding import (
     agree_finite,
     is_dtensor,
@@ -100,6 +98,7 @@ from .distributed.sharding import (
     present_state,
     presented_params,
 )
+from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
@@ -108,6 +107,7 @@ from .projection import step as galore
 from .projection.projector import projector_problem, split_projector_state
 from .quant.convert import CheckpointError, check_group, convert_param_state, foreign_state_hint
 from .quant.formats import Slot, default_block_size
+from .signature import set_signature
 from .work import capture
 from .work.capture import CAPTURABLE_ALGORITHMS
 
