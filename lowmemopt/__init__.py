@@ -16,6 +16,7 @@ from .version import __version__
 
 #: the public names besides the optimizer classes and drop-in aliases (which start with a capital letter)
 _FUNCTIONS = {
+    "allow_group_keys": "group_keys",
     "galore_param_groups": "projection",
     "load_state": "checkpoint",
     "save_state": "checkpoint",

@@ -18,9 +18,13 @@ Apex's / DeepSpeed's ``FusedAdam``, ``FusedLAMB``, ``FusedSGD`` are classes of t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from .optim import CAME, LAMB, LARS, Adafactor, AdEMAMix, Adam, AdamW, CPUAdam, HFAdamW, Lion
+from .optimizer import LowMemOptimizer
+from .signature import constructor_signature
+
+T = TypeVar("T", bound=type)
 
 __all__ = [
     "Adafactor4bit",
@@ -53,11 +57,16 @@ __all__ = [
 ]
 
 
-def _alias(base: type, name: str, **fixed: Any) -> type:
+def _alias(base: T, name: str, **fixed: Any) -> T:
+    """``base`` under ``name`` with other defaults for the keywords ``fixed``; its signature is the base's, those
+    defaults changed (:mod:`lowmemopt.signature`)."""
+
     def __init__(self, params, *args, **kwargs):
         for key, value in fixed.items():
             kwargs.setdefault(key, value)
         base.__init__(self, params, *args, **kwargs)
+
+    __init__.__signature__ = constructor_signature(base.__init__, LowMemOptimizer.__init__, fixed)
 
     settings = ", ".join(f"{k}={v!r}" for k, v in fixed.items())
     what = f"``{base.__name__}`` with ``{settings}`` by default" if fixed else f"``{base.__name__}`` under another name"

@@ -45,7 +45,8 @@ RUNTIME_SCALARS = frozenset({"lr", "bias_correction1", "bias_correction2_sqrt", 
 
 
 def applies(param: torch.Tensor) -> bool:
-    return ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL
+    """CPU parameters of :data:`MIN_NUMEL` elements or more, not float64 (whose math is float64: the eager path)."""
+    return ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL and param.dtype != torch.float64
 
 
 # A slot as handed to the compiled function: (name, kind, signed, storage rows, absmax rows or None, book, table).

@@ -11,7 +11,8 @@ argument checks and its algorithm (slots and fp32 math)::
 
 Storage options (constructor keywords, also settable per param group):
 
-* ``state_bits``: 32 (fp32 state), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
+* ``state_bits``: 32 (fp32 state; float64 for float64 parameters, whose math is float64 as torch's:
+  :mod:`lowmemopt.quant.formats`), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
   state steps through the fused kernels too).
 * ``block_size``: elements per quantization block (a power of two >= 16); default (None) 256, or 128 where
   ``state_bits`` is 4 (a param group that sets ``state_bits`` and no ``block_size`` gets its bits' default).
@@ -23,7 +24,8 @@ Storage options (constructor keywords, also settable per param group):
   ``"stochastic"`` or ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
 
 Non-finite gradients (policy): before updating a parameter, ``step()`` checks its gradient. A parameter whose gradient
-norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its
+norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32; a float64
+gradient's norm is float64) is **skipped**: its
 value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
 would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about. The
 check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),
@@ -70,7 +72,7 @@ State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg
 maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict`` keeps uint8 codes and fp32 state
 exactly as saved (torch would cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook
 and restoring them, moved to the parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
-asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
+asks for, whatever the state dict holds (lowmemopt state at 32/16/8/4 bits, ``torch.optim`` state, bitsandbytes 8-bit
 state; see :func:`lowmemopt.quant.convert.convert_param_state`). Slots already in that format are kept as they are, with no
 copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)
 stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
@@ -97,6 +99,7 @@ from .distributed.sharding import (
     present_state,
     presented_params,
 )
+from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
@@ -104,8 +107,9 @@ from .pipeline.plan import Plan, StepRecord, inv_scale
 from .pipeline.program import Kept, StateDict, StepProgram
 from .projection import step as galore
 from .projection.projector import projector_problem, split_projector_state
-from .quant.convert import CheckpointError, check_group, convert_param_state
+from .quant.convert import CheckpointError, check_group, convert_param_state, foreign_state_hint
 from .quant.formats import Slot, default_block_size
+from .signature import set_signature
 from .work import capture
 from .work.capture import CAPTURABLE_ALGORITHMS
 
@@ -155,6 +159,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: ``torch.amp.GradScaler`` hands ``step()`` the scale and its Inf check (``grad_scale``, ``found_inf``) instead of
     #: unscaling the gradients itself and reading ``found_inf`` on the host (the module docstring, "Loss scaling")
     _step_supports_amp_scaling = True
+    #: param group keys this class reads beyond its defaults (:mod:`lowmemopt.group_keys`: others are refused)
+    _extra_group_keys: frozenset[str] = frozenset()
     #: the communicate stage the plan carries (``Plan.communicate``: the 1-bit optimizers' process-group
     #: communication around the update, :func:`lowmemopt.pipeline.communicating`), or None
     _communicate: Any = None
@@ -198,6 +204,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._attach()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        set_signature(cls, LowMemOptimizer.__init__)  # the storage options by name, not **storage (lowmemopt.signature)
+
     def _attach(self) -> None:
         """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run
         after unpickling or ``copy.deepcopy`` (:meth:`__setstate__`), which torch restores without hooks: a copy would
@@ -214,6 +224,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
         self.register_step_pre_hook(_lr_views_pre_hook)
+        self._group_keys = GroupKeyWatch(self.param_groups)  # unknown group keys: refused (lowmemopt.group_keys)
+        self.register_step_pre_hook(group_keys_pre_hook)
+        self.register_load_state_dict_post_hook(group_keys_loaded)
 
     # -- what an optimizer class provides -------------------------------------------------------------------------
 
@@ -320,6 +333,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            check_new_group(self, group)
             torch_scalars(group)
             check_storage(group)
             self._check_group(group)
@@ -339,6 +353,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        if "_group_keys" in self.__dict__:  # (constructing: _attach sees every group)
+            self._group_keys.add(group)
 
     # -- the step ----------------------------------------------------------------------------------------------------
 
@@ -628,20 +644,26 @@ def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, 
     if len(saved_groups) != len(groups) or sizes_differ:
         return state_dict  # torch raises its own, clear error for this
     id_map, converted, targets = {}, {}, {}
-    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
-        target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
-        target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
-        check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
-        for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
-            id_map[key] = p
-            value = state_dict["state"].get(key)
-            where = f"load_state_dict: parameter {i} of param group {gi}"
-            if value is not None and not isinstance(value, dict):
-                raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
-            if isinstance(value, dict):
-                _, value = localize_state(p, value)  # DTensor state -> the local shard's
-                converted[key] = _convert_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
-                targets[key] = group
+    try:
+        for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
+            target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
+            target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
+            check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
+            for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
+                id_map[key] = p
+                value = state_dict["state"].get(key)
+                where = f"load_state_dict: parameter {i} of param group {gi}"
+                if value is not None and not isinstance(value, dict):
+                    raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
+                if isinstance(value, dict):
+                    _, value = localize_state(p, value)  # DTensor state -> the local shard's
+                    converted[key] = _convert_state(optimizer, p, value, saved, target, where,
+                                                    legacy_maps=version == 1)
+                    targets[key] = group
+    except CheckpointError as e:  # another optimizer's state dict: say whose it looks like
+        slots = lambda: {k for g in groups for p in g["params"] for k in optimizer._state_slots(g, p)}  # noqa: E731
+        hint = foreign_state_hint(state_dict["state"], slots, type(optimizer).__name__)
+        raise CheckpointError(f"{e}{hint}") from None
     # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
     staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
     converted = {k: staged.get(id_map[k], st) for k, st in converted.items()}

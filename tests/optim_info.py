@@ -163,7 +163,8 @@ class ApexLAMBReference(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        wide = [g if g.dtype == torch.float64 else g.float() for g in grads]  # fp32 (float64 gradients: float64)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in wide]))
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             wd, maxn = group["weight_decay"], group["max_grad_norm"]
@@ -203,6 +204,11 @@ def _reference_class(module: str, name: str) -> Callable[[], type]:
     return lambda: getattr(pytest.importorskip(module), name)
 
 
+#: the parameter dtypes torch.optim steps, so every optimizer here steps them too (float64: its math and its
+#: full-precision state are float64, and a float64 run equals its reference's to float64 rounding)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def slot_bytes(numel: int, bits: int, block_size: int = 256) -> int:
     """Bytes of one full-size slot of ``numel`` elements (>= min_quant_numel) at ``bits``: 4, 2, 1 + 4/block or
     (4 bits, block 128 by default) 1/2 + 4/128."""
@@ -233,6 +239,8 @@ class OptimizerInfo:
     reference_cls: Callable[[], type] | None = None
     #: the reference steps complex parameters as their ``torch.view_as_real`` views (torch's Adam, AdamW, SGD)
     complex_as_real: bool = False
+    #: the parameter dtypes the common suite steps (every one torch.optim steps; float64 also against the reference)
+    dtypes: tuple[torch.dtype, ...] = DTYPES
 
     def lr_variant(self) -> dict[str, Any]:
         """The first variant that gives a learning rate (Adafactor's relative step takes none)."""
@@ -288,6 +296,8 @@ _BAD_BETAS = [
     (dict(betas=(1.0, 0.0)), ValueError, "Invalid beta parameter at index 0: 1.0"),  # torch's
     (dict(betas=(torch.tensor([0.9, 0.9]), torch.tensor(0.999))), ValueError, r"Tensor betas\[0\] must be 1-element"),
     (dict(betas=(torch.tensor(0.9), torch.tensor([1.0]))), ValueError, "Invalid beta parameter at index 1"),
+    (dict(betas=(0.9, torch.tensor(0.99))), ValueError, "betas must be either both floats or both Tensors"),  # torch's
+    (dict(betas=(torch.tensor(0.9), 0.99)), ValueError, "betas must be either both floats or both Tensors"),
 ]
 
 OPTIMIZERS: list[OptimizerInfo] = [
@@ -559,7 +569,9 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(betas=(0.9, 1.0, 0.9999)), ValueError, "Invalid beta parameter at index 1"),
             (dict(eps=(1e-30, -1.0)), ValueError, "Invalid eps"),
             (dict(clip_threshold=-1.0), ValueError, "Invalid clip_threshold"),
-            (dict(betas=(0.9, torch.tensor([0.9, 0.9]), 0.9)), ValueError, r"Tensor betas\[1\] must be 1-element"),
+            (dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.9]), torch.tensor(0.9))), ValueError,
+             r"Tensor betas\[1\] must be 1-element"),
+            (dict(betas=(0.9, torch.tensor(0.9), 0.9)), ValueError, "betas must be either all floats or all Tensors"),
         ],
         reference_cls=_reference_class("came_pytorch", "CAME"),
     ),

@@ -94,19 +94,21 @@ def test_cli_inspect_says_what_it_expects_of_other_torch_files(tmp_path, capsys)
     assert "torch.load(weights_only=True) cannot read (UnpicklingError: WeightsUnpickler error" in err
     (tmp_path / "cut.pt").write_bytes((tmp_path / "model.pt").read_bytes()[:300])
     assert cli_main(["inspect", str(tmp_path / "cut.pt")]) == 1
-    assert "truncated or corrupt?" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a zip archive cut short (no end record: an interrupted save or an incomplete copy)" in err
+    assert "torch.load fails on it with 'OSError: [Errno 22] Invalid argument'" in err
 
 
 def test_cli_inspect_tells_torch_files_from_safetensors_by_content(tmp_path):
-    from lowmemopt.inspection import _is_torch_file
+    from lowmemopt.checkpoint.sniff import file_kind
 
     torch.save({"a": torch.zeros(2)}, tmp_path / "zip.bin")
     torch.save({"a": torch.zeros(2)}, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
     # a safetensors header of 640 bytes: its length field begins with the bytes of a pickle's protocol 2 opcode
     (tmp_path / "st.bin").write_bytes((640).to_bytes(8, "little") + b"{" + b" " * 639)
-    assert _is_torch_file(str(tmp_path / "zip.bin")) and _is_torch_file(str(tmp_path / "legacy.bin"))
-    assert (tmp_path / "st.bin").read_bytes()[:2] == b"\x80\x02" and not _is_torch_file(str(tmp_path / "st.bin"))
-    assert not _is_torch_file(str(tmp_path / "missing"))
+    assert file_kind(tmp_path / "zip.bin")[0] == "torch" and file_kind(tmp_path / "legacy.bin")[0] == "torch-legacy"
+    assert (tmp_path / "st.bin").read_bytes()[:2] == b"\x80\x02" and file_kind(tmp_path / "st.bin")[0] == "safetensors"
+    assert file_kind(tmp_path / "missing")[0] == "unknown"
 
 
 def test_the_command_drops_only_the_known_import_noise():

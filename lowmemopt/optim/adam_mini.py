@@ -24,7 +24,7 @@ import math
 import struct
 import sys
 import warnings
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -33,6 +33,11 @@ from ..distributed.reduction import LOCAL, Reduction
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm
 from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["AdamMini", "AdamMiniAlgorithm", "BLOCKS", "adam_mini_math"]
 
@@ -259,7 +264,7 @@ class AdamMini(LowMemOptimizer):
         n_heads: int = 32,
         n_kv_heads: int | None = None,
         verbose: bool = True,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         _check_int("dim", dim)
         _check_int("n_heads", n_heads)

@@ -18,7 +18,7 @@ are bitsandbytes' bit for bit. Three full-size slots: ``exp_avg`` (m1, the fast 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -26,6 +26,11 @@ from ..checks import check_betas, check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["AdEMAMix", "AdEMAMixAlgorithm", "ademamix_math", "alpha_schedule", "beta3_schedule"]
 
@@ -132,7 +137,7 @@ class AdEMAMix(LowMemOptimizer):
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
         is_paged: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         for theirs, ours, value, default in (("optim_bits", "state_bits", optim_bits, 32),
                                              ("min_8bit_size", "min_quant_numel", min_8bit_size, 4096),

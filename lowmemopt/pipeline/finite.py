@@ -43,23 +43,30 @@ DEFERRED_ALGORITHMS |= {"ademamix"}
 def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
     """``(order, ok)``: whether each gradient's L2 norm is finite, as a bool tensor on the gradients' (one) device,
     ``ok[k]`` for gradient ``order[k]``. One fused multi-tensor norm per dtype, in fp32 (an fp16 gradient's norm
-    past 65504 is finite, as the native CPU check's fp32 sum of squares): a few launches, whatever the number of
+    past 65504 is finite, as the native CPU check's fp32 sum of squares), float64 gradients' in float64 (their state
+    and math are float64: an element past ~1e19 is no overflow there): a few launches, whatever the number of
     gradients. The condition of the optimizer's
     non-finite check (:func:`host_flags` reads it on the host).
 
     A norm is >= 0, +Inf or NaN, so ``norm < inf`` is ``isfinite(norm)`` in one comparison (``isfinite`` of a float
     tensor is four: ``(x == x) * (x.abs() != inf)``)."""
     if len(grads) == 1:  # one gradient (a per-layer hook's): no stack, no cat
-        return [0], (torch._foreach_norm(list(grads), 2, dtype=torch.float32)[0] < math.inf).view(1)
+        return [0], (torch._foreach_norm(list(grads), 2, dtype=_norm_dtype(grads[0].dtype))[0] < math.inf).view(1)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     order: list[int] = []
     checks = []
-    for members in by_dtype.values():
-        checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members], 2, dtype=torch.float32)) < math.inf)
+    for dtype, members in by_dtype.items():
+        norms = torch._foreach_norm([grads[i] for i in members], 2, dtype=_norm_dtype(dtype))
+        checks.append(torch.stack(norms) < math.inf)
         order += members
     return order, checks[0] if len(checks) == 1 else torch.cat(checks)
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a gradient's norm in the check: float64 for float64 gradients, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class DeviceFlags:

@@ -12,6 +12,7 @@ import torch
 
 from .. import rounding
 from ..pipeline.backends import CHUNK_NUMEL
+from ..quant.formats import math_dtype
 from . import projector as pj
 
 if TYPE_CHECKING:
@@ -44,12 +45,12 @@ def finish(plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float
     target = local if local.is_contiguous() else local.contiguous()
     p2d = target.view(m_local, n)
     if p32 is None:
-        p32 = p2d.float()  # fp32 params: p itself
+        p32 = p2d.to(math_dtype(p2d.dtype))  # fp32 (float64) params: p itself
     rows = m_local if p32.is_cuda else max(1, CHUNK_NUMEL // max(n, 1))
     scale = group["scale"]
     for r0 in range(0, m_local, rows):
         r1 = min(m_local, r0 + rows)
-        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).float().mul_(scale)
+        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).to(p32.dtype).mul_(scale)
         if math_decay is not None:
             _decay_rows(p32[r0:r1], math_decay)
         plan.algorithm.apply_update(p32[r0:r1], update, alpha, decay, group)

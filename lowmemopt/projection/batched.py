@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from ..quant.formats import math_dtype
 from ..work.items import Item
 from . import projector as pj
 
@@ -60,12 +61,14 @@ def _chunks(members: list[Item], numel: int) -> list[list[Item]]:
 class ProjectLayout:
     """How :func:`project` takes its items: ``alone`` (sharded or on the CPU: a product each), ``chunks`` (one
     batched product each, the matrices of one shape, side and product dtype) and their low-rank gradients' places in
-    one fp32 buffer of ``numel`` elements (``offsets``, each chunk's start 16-byte aligned)."""
+    one fp32 buffer of ``numel`` elements (``offsets``, each chunk's start 16-byte aligned; float64 chunks in a float64
+    buffer of ``numel64``)."""
 
     alone: list[Item] = field(default_factory=list)
     chunks: list[tuple[list[Item], int, torch.dtype | None]] = field(default_factory=list)  # (items, side, dtype)
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
+    numel64: int = 0
     #: this step's: the buffer's address, and each chunk's stacked bases (P^T or Q^T, in its product dtype; the back
     #: projection of the same chunk takes them again: :func:`finish_many`)
     base: int = 0
@@ -87,33 +90,43 @@ def _project_layout(items: list[Item]) -> ProjectLayout:
         low = proj[0] * n if side == pj.LEFT else m * proj[1]  # P^T G (r x n) or G Q^T (m x r)
         for chunk in _chunks(members, m * n):
             layout.chunks.append((chunk, side, dtype))
-            layout.offsets.append(layout.numel)
-            layout.numel += -(-len(chunk) * low // 4) * 4
+            size = -(-len(chunk) * low // 4) * 4
+            if dtype == torch.float64:
+                layout.offsets.append(layout.numel64)
+                layout.numel64 += size
+            else:
+                layout.offsets.append(layout.numel)
+                layout.numel += size
     return layout
 
 
 def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLayout:
-    """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32). Unsharded
-    matrices of one shape and side on CUDA take one batched product (``torch.bmm``) per chunk of :data:`BATCH_NUMEL`
+    """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32; float64 for a
+    float64 parameter, in a buffer of its own). Unsharded matrices of one shape and side on CUDA take one batched product (``torch.bmm``) per chunk of :data:`BATCH_NUMEL`
     elements, into one buffer for the step; elsewhere every matrix takes the product galore-torch makes. Returns the
     layout, which a later call with the same items may take back."""
     if layout is None:
         layout = _project_layout(items)
     for it in layout.alone:
         g, shards, dtype = it.extra["g"], it.extra["shards"], it.extra["dtype"]
-        low = pj.project(g.float() if dtype is None else g, it.state, dtype).float() if shards is None else \
-            shards.project(g.float(), it.state, pj.bases)
+        if shards is None:
+            low = pj.project(g.float() if dtype is None else g, it.state, dtype).to(math_dtype(dtype))
+        else:
+            low = shards.project(g.float(), it.state, pj.bases)
         it.grad = low.contiguous()
     if not layout.chunks:
         return layout
-    flat = torch.empty(layout.numel, dtype=torch.float32, device=layout.chunks[0][0][0].extra["g"].device)
+    device = layout.chunks[0][0][0].extra["g"].device
+    flat = torch.empty(layout.numel, dtype=torch.float32, device=device)
+    flat64 = torch.empty(layout.numel64, dtype=torch.float64, device=device) if layout.numel64 else None
     layout.base, layout.bases = flat.data_ptr(), []
     for (chunk, side, dtype), offset in zip(layout.chunks, layout.offsets):
         first = chunk[0]
+        buffer = flat64 if dtype == torch.float64 else flat
         m, n = first.extra["g"].shape
         r = first.state[pj.PROJ].shape[0] if side == pj.LEFT else first.state[pj.PROJ].shape[1]
         shape = (len(chunk), r, n) if side == pj.LEFT else (len(chunk), m, r)
-        out = flat[offset:offset + math.prod(shape)].view(shape)
+        out = buffer[offset:offset + math.prod(shape)].view(shape)
         if len(chunk) == 1:
             out[0].copy_(pj.project(first.extra["g"].float() if dtype is None else first.extra["g"], first.state,
                                     dtype))
@@ -122,7 +135,7 @@ def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLa
             g = stacked([it.extra["g"] for it in chunk], dtype or torch.float32)  # one cast for the chunk
             basis = stacked([it.state[pj.PROJ] for it in chunk], dtype or torch.float32)  # P^T or Q^T
             layout.bases.append(basis)
-            if dtype is None:
+            if dtype is None or dtype == torch.float64:
                 torch.bmm(basis, g, out=out) if side == pj.LEFT else torch.bmm(g, basis, out=out)
             else:
                 out.copy_(torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis))
@@ -136,30 +149,32 @@ class StandInLayout:
     """Where :func:`stand_ins` carves each item's zeroed target: per device, its elements and the classes of one shape
     (the members and each one's 16-byte aligned size) at their offsets."""
 
-    devices: list[tuple[torch.device, int, list[tuple[torch.Size, list[Item], int, int]]]] = field(default_factory=list)
+    devices: list[tuple[torch.device, torch.dtype, int, list[tuple[torch.Size, list[Item], int, int]]]] = \
+        field(default_factory=list)
     bases: list[int] = field(default_factory=list)  # this step's buffers' addresses, per device
     #: this step's stand-ins of each class without padding, stacked: id(first item) -> (members, [len, *shape] view)
     stacks: dict[int, tuple[list[Item], torch.Tensor]] = field(default_factory=dict)
 
 
 def stand_ins(items: list[Item], layout: StandInLayout | None = None) -> StandInLayout:
-    """Zeroed low-rank targets for ``items`` (one allocation per device, 16-byte aligned views); returns the layout,
-    which a later call with the same items (and low-rank shapes) may take back."""
+    """Zeroed low-rank targets for ``items`` (one allocation per device and dtype, 16-byte aligned views) in their
+    low-rank gradients' dtype (fp32; float64 for float64 parameters); returns the layout, which a later call with the
+    same items (and low-rank shapes) may take back."""
     if layout is None:
         layout = StandInLayout()
-        by_device: dict[torch.device, dict[torch.Size, list[Item]]] = {}
+        by_device: dict[tuple[torch.device, torch.dtype], dict[torch.Size, list[Item]]] = {}
         for it in items:
-            by_device.setdefault(it.grad.device, {}).setdefault(it.grad.shape, []).append(it)
-        for device, shapes in by_device.items():
+            by_device.setdefault((it.grad.device, it.grad.dtype), {}).setdefault(it.grad.shape, []).append(it)
+        for (device, dtype), shapes in by_device.items():
             classes, offset = [], 0
             for shape, members in shapes.items():
                 size = -(-shape.numel() // 4) * 4  # each target 16-byte aligned
                 classes.append((shape, members, size, offset))
                 offset += size * len(members)
-            layout.devices.append((device, offset, classes))
+            layout.devices.append((device, dtype, offset, classes))
     layout.bases, layout.stacks = [], {}
-    for device, total, classes in layout.devices:
-        flat = torch.zeros(total, dtype=torch.float32, device=device)
+    for device, dtype, total, classes in layout.devices:
+        flat = torch.zeros(total, dtype=dtype, device=device)
         layout.bases.append(flat.data_ptr())
         for shape, members, size, offset in classes:
             numel = shape.numel()
@@ -252,12 +267,13 @@ def _finish_layout(items: list[Item]) -> FinishLayout:
 def _targets(chunk: list[Item], dtype: torch.dtype, stand: StandInLayout | None) -> torch.Tensor:
     """The chunk's stand-ins stacked in ``dtype``: a view of this step's stand-in buffer where the chunk is a run of
     one class's stand-ins in fp32 (:attr:`StandInLayout.stacks`), else a stacked copy."""
-    if stand is not None and dtype == torch.float32:
+    if stand is not None:
         for members, stack in stand.stacks.values():
             for start, it in enumerate(members):
                 if it is chunk[0]:
                     end = start + len(chunk)
-                    if end <= len(members) and all(map(operator.is_, members[start:end], chunk)):
+                    if end <= len(members) and stack.dtype == dtype and \
+                            all(map(operator.is_, members[start:end], chunk)):
                         return stack[start:end]
                     break
     return stacked([it.target for it in chunk], dtype)
@@ -316,8 +332,8 @@ def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None
             continue
         if flagged:  # (device_checkable sends only what the fused pass takes)
             raise RuntimeError("GaLore: a parameter checked on the device reached an apply that ignores its flag")
-        update = update.float().mul_(scale)
-        if params[0].dtype == torch.float32:
+        update = update.to(math_dtype(params[0].dtype)).mul_(scale)
+        if params[0].dtype in (torch.float32, torch.float64):  # (their math's dtype: stepped in place)
             if c is not None:
                 if isinstance(c, torch.Tensor):
                     torch._foreach_addcmul_(params, params, list(c.unbind(0)))

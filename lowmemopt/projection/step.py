@@ -35,6 +35,10 @@ Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_
 ``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
 ``proj_dtype="param" | "float32"``: the projection and back-projection products in the parameter's dtype where it is
 bf16 (default; :func:`proj_dtype`: bf16 matmuls with fp32 accumulation, as galore-torch; docs/galore.md), or in fp32.
+
+float64 parameters: the basis is computed (SVD of the gradient rounded to fp32) and stored in fp32, as for every
+parameter and as galore-torch computes it; the products, the low-rank gradient, the inner math and its full-precision
+state are float64 (the basis widened exactly), so a float64 GaLore step follows galore-torch's float64 one.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from ..distributed.sharding import reduction_of
 from ..pipeline.backends import init_state, run_update, update_flat
 from ..work.items import Item
 from ..pipeline.plan import Plan, unscaled
-from ..quant.formats import format_of
+from ..quant.formats import format_of, math_dtype
 from . import projector as pj
 from .apply import finish
 from .batched import finish_many, finished_in_batches, fused_apply, project, stand_ins
@@ -79,7 +83,10 @@ def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
     (the default; the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
     low-rank gradient and the update rounded to bf16 once), else None: fp32 products (``"float32"``; fp16 and fp32
     parameters: fp16's range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner
-    math stay fp32."""
+    math stay fp32. float64 parameters: float64 (their products and math are float64, the fp32 basis widened;
+    module docstring)."""
+    if p.dtype == torch.float64:
+        return torch.float64
     if group.get("proj_dtype", GROUP_DEFAULTS["proj_dtype"]) == "param" and p.dtype == torch.bfloat16:
         return torch.bfloat16
     return None
@@ -219,9 +226,9 @@ def _carry_moments(state: dict, slots: dict[str, Slot], group: dict[str, Any], n
         numel = math.prod(slot.shape)
         m = fmt.decode(state, name, 0, numel, True, bs).view(slot.shape)
         if left is not None:
-            m = left @ m
+            m = left.to(m.dtype) @ m  # (a float64 parameter's state: the fp32 bases widened)
         if right is not None:
-            m = m @ right
+            m = m @ right.to(m.dtype)
         fmt.encode(state, name, 0, numel, m.reshape(-1).contiguous(), True, bs)
 
 
@@ -368,12 +375,12 @@ def weights(plan: Plan, items: list[Item]) -> None:
     for it in items:
         key = (id(it.extra["outer"]), it.state["step"] + 1, it.param.device, it.param.dtype, it.param.numel())
         classes.setdefault(key, []).append(it)
-    for (_, step, _, _, numel), members in classes.items():
+    for (_, step, _, p_dtype, numel), members in classes.items():
         group = members[0].extra["outer"]
         kind = plan.algorithm.weight_statistic(group)
         stat = None
         if kind is not None:
-            stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=torch.float32))
+            stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=math_dtype(p_dtype)))
             if kind == "rms":
                 stat = stat / math.sqrt(numel)  # rms(): the norm over sqrt(numel) rounded to fp32, as for 0-dim
             for it, s in zip(members, stat.unbind(0)):
@@ -425,7 +432,8 @@ def update_alone(plan: Plan, it: Item) -> bool:
     formats = {name: format_of(state, name) for name in it.slots}
     shards = it.extra["shards"]
     local = it.param if shards is None else shards.param
-    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"]).float()
+    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"])
+    p32 = p32.to(math_dtype(p32.dtype))
     reduce = LOCAL if shards is None else shards.reduction(p32)
     g_low = it.grad
     delta, alpha = run_update(plan.algorithm, p32, g_low, state, it.slots, formats, it.extra["core"], state["step"], 0,
