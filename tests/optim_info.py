@@ -579,7 +579,45 @@ OPTIMIZERS: list[OptimizerInfo] = [
 
 
 
+class _AdEMAMixFloat64(torch.optim.Optimizer):
+    """AdEMAMix as bitsandbytes' 32-bit step writes it (its schedules and its decoupled decay before the update), in
+    the parameter's dtype: the float64 reference. bitsandbytes keeps fp32 state for a float64 parameter, so its run
+    is not a float64 one (``test_parity_float64``); its fp32 run is the reference at every other dtype."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
+                 weight_decay=1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2, b3), alpha, lr = group["betas"], group["alpha"], group["lr"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, m1=torch.zeros_like(p), m2=torch.zeros_like(p), nu=torch.zeros_like(p))
+                st["step"] += 1
+                t = st["step"]
+                alpha_t = min(t * alpha / group["t_alpha"], alpha) if group["t_alpha"] else alpha
+                beta3_t = b3
+                if group["t_beta3"]:
+                    s_ = t / group["t_beta3"]
+                    ln1, ln3 = math.log(b1), math.log(b3)
+                    beta3_t = min(math.exp(ln1 * ln3 / ((1 - s_) * ln3 + s_ * ln1)), b3)
+                g = p.grad
+                st["m1"].mul_(b1).add_(g, alpha=1 - b1)
+                st["m2"].mul_(beta3_t).add_(g, alpha=1 - beta3_t)
+                st["nu"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                p.mul_(1 - lr * group["weight_decay"])
+                denom = st["nu"].sqrt() / math.sqrt(1 - b2 ** t) + group["eps"]
+                p.add_((st["m1"] / (1 - b1 ** t) + alpha_t * st["m2"]) / denom, alpha=-lr)
+
+
 def _ademamix_reference(params, **kw):
+    params = list(params)
+    if params and params[0].dtype == torch.float64:
+        return _AdEMAMixFloat64(params, **kw)
     bnb_optim = pytest.importorskip("bitsandbytes.optim")
     return bnb_optim.AdEMAMix(params, **kw)
 
