@@ -16,8 +16,9 @@ Storage options (constructor keywords, also settable per param group):
 * ``block_size``: elements per quantization block (a power of two >= 16); default (None) 256, or 128 where
   ``state_bits`` is 4 (a param group that sets ``state_bits`` and no ``block_size`` gets its bits' default).
 * ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
-* ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
-  files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
+* ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` ("auto"), ``page_headroom_bytes`` (None): keep the state
+  in host RAM (``"cpu"``/True) or in files (``"disk"``) between steps, bringing each parameter's state to its device
+  while it updates, except what the budget keeps resident ("auto": what a CUDA device has room for, less the headroom)
   (:mod:`lowmemopt.paging`: the pipeline's stage and write-back stages; the load and state_dict hooks keep it paged).
 * ``bf16_update`` ("nearest"): how a bfloat16 or float16 parameter takes the fp32 result, round to nearest,
   ``"stochastic"`` or ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
@@ -115,8 +116,8 @@ READABLE_FORMATS = (1, 2)
 #: storage and execution options: keyword-only on every optimizer, settable per param group, and this optimizer's
 #: own when a state dict is loaded (not the checkpoint's)
 STORAGE_DEFAULTS = dict(
-    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0,
-    bf16_update="nearest", capturable=False,
+    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes="auto",
+    page_headroom_bytes=None, bf16_update="nearest", capturable=False,
 )
 #: the non-finite check decided on the device where the kernels allow it (:mod:`lowmemopt.pipeline.finite`); False:
 #: always on the host, before the step (tests compare both)
@@ -141,7 +142,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     """Base class: a ``torch.optim.Optimizer`` with lazily created, format-aware state. See the module docstring.
 
     Keyword-only, on every optimizer: the storage options (``state_bits``, ``block_size``, ``min_quant_numel``,
-    ``paged``, ``offload_dir``, ``page_budget_bytes``, ``bf16_update``, ``capturable``; also per param group) and
+    ``paged``, ``offload_dir``, ``page_budget_bytes``, ``page_headroom_bytes``, ``bf16_update``, ``capturable``; also
+    per param group) and
     torch.optim's ``foreach`` / ``fused`` (accepted, choose nothing: the fused kernels always run where they exist) and
     ``differentiable`` (False only)."""
 
@@ -165,7 +167,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         min_quant_numel: int = 4096,
         paged: bool | str = False,
         offload_dir: str | os.PathLike | None = None,
-        page_budget_bytes: int = 0,
+        page_budget_bytes: int | str = "auto",
+        page_headroom_bytes: int | None = None,
         bf16_update: str = "nearest",
         capturable: bool = False,
         foreach: bool | None = None,
@@ -185,6 +188,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             paged=paged,
             offload_dir=offload_dir,
             page_budget_bytes=page_budget_bytes,
+            page_headroom_bytes=page_headroom_bytes,
             bf16_update=bf16_update,
             capturable=capturable,
         )
@@ -521,6 +525,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         the files, described by a ``manifest.json``). The paged state is dropped and the optimizer cannot step again.
         Also done when the optimizer is garbage-collected or Python exits. Nothing to do for an unpaged optimizer."""
         paging.close(self, keep_files=keep_files)
+
+    def paging_report(self) -> paging.PagingReport:
+        """Where the paged state is: per device, what stays resident and what pages (``print`` it for a summary);
+        per parameter, ``(label, where, bytes)``. Empty for an unpaged optimizer (see docs/paging.md)."""
+        return paging.report(self)
 
     # -- introspection -------------------------------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ class Entry:
     nbytes: int = 0  # bytes of its state when placed (what a resident entry takes of the budget)
     state: dict[str, Any] | None = None  # the home state installed in optimizer.state (None before the first step)
     reserved: dict[str, torch.Tensor] | None = None  # homes made ahead of the state's first write-back
-    written: Any = None  # CUDA: event of the last write-back
 
     def home_tensors(self) -> dict[str, torch.Tensor]:
         if self.state is None:
