@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .entry import Entry
-from .homes import Homes, layout_offsets, transfer
+from .homes import ALIGN, Homes, layout_offsets, transfer
 from .schedule import N_SLOTS, N_SLOTS_HOST, N_STAGING, BucketPlan, Op, Schedule
 
 __all__ = ["Mover", "Bucket", "HostLanes", "CudaLanes", "coalesce", "route_for"]
@@ -35,12 +35,13 @@ Tensors = dict[str, torch.Tensor]
 _THREAD_KINDS = ("read", "write")
 
 
-def route_for(tier: str, device: torch.device) -> str:
+def route_for(tier: str, lanes: HostLanes) -> str:
     """The schedule's route of a bucket (:mod:`.schedule`): host RAM homes copy straight to the device; files are
-    read into the slot on the CPU, into pinned staging elsewhere."""
+    read into pinned staging where the device has copy lanes (or is not the host), straight into the slot on the
+    CPU."""
     if tier == "cpu":
         return "copy"
-    return "file" if device.type == "cpu" else "staged"
+    return "staged" if lanes.staged_files else "file"
 
 
 class HostLanes:
@@ -48,6 +49,7 @@ class HostLanes:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.staged_files = device.type != "cpu"  # files are read into the slot only where it is host memory
 
     def compute(self) -> Any:
         return None
@@ -149,8 +151,9 @@ def _byte_view(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
 
 
 def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(dst, src)`` copies of whole tensors, those that continue at the same distance in one buffer on both sides
-    merged into one byte copy (what lies between them is the same layout's padding)."""
+    """``(dst, src)`` copies of whole tensors, merged into one byte copy where the next pair continues the run on
+    both sides at the same distance, less than :data:`~.homes.ALIGN` bytes on (so that what lies between is padding:
+    in the layouts of :func:`~.homes.layout_offsets` no other tensor fits there)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     run: list[Any] | None = None  # [dst, src, dst byte offset, src byte offset, bytes]
     for dst, src in pairs:
@@ -164,7 +167,7 @@ def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch
         s = src.data_ptr() - src.untyped_storage().data_ptr()
         if (run is not None and run[0].untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
                 and run[1].untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
-                and d - run[2] == s - run[3] and d >= run[2] + run[4]):
+                and d - run[2] == s - run[3] and 0 <= d - (run[2] + run[4]) < ALIGN):
             run[4] = d - run[2] + n
             continue
         if run is not None:
@@ -214,7 +217,7 @@ class Mover:
     def prefetch(self, entries: list[Entry]) -> Bucket:
         """Plan the next bucket (``entries``: its paged entries, of one tier) and start its first load."""
         loads = [e for e in entries if e.state is not None]
-        route = route_for(entries[0].tier, self.device)
+        route = route_for(entries[0].tier, self.lanes)
         plan = self.schedule.plan([id(e) for e in entries], route, [id(e) for e in loads])
         bucket = Bucket(plan, entries, loads)
         homes = [(e, k, t) for e in loads for k, t in e.home_tensors().items()]

@@ -406,16 +406,19 @@ class Pager:
             need = self.rooms[device].excess(memory) if memory is not None else 0
             if need <= 0:
                 continue
-            groups = {id(q): g for g in self._opt().param_groups for q in g["params"]
+            opt = self._opt()
+            groups = {id(q): g for g in opt.param_groups for q in g["params"]
                       if g.get("page_budget_bytes", AUTO) == AUTO and tier_of(g) is not None}
-            for p in evictions(self.entries, device, set(groups), need):
-                self.rooms[device].evicted(self.entries[p].nbytes)
+            held = {p: nbytes_of(tensors_of(opt.state[p])) for p, e in self.entries.items()
+                    if e.resident and e.device == device and id(p) in groups and opt.state.get(p)}
+            for p in evictions(list(held.items()), need):
+                self.rooms[device].evicted(held[p])
                 self._evict(p, groups[id(p)])
 
     def _evict(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         """Give resident ``p``'s state homes and page it from now on (a copy to the host that waits for it)."""
         opt, old = self._opt(), self.entries[p]
-        entry = self._place([(p, group, old.tier, old.state)], resident_ok=False)[p]
+        entry = self._place([(p, group, old.tier, opt.state[p])], resident_ok=False)[p]
         self.entries[p] = entry
         opt.state[p] = entry.state
 

@@ -11,7 +11,7 @@ import torch
 from .entry import Entry
 from .homes import Homes, drop_pages, transfer
 from .residency import AUTO, AutoRoom, headroom, probe, smallest_first
-from .schedule import N_SLOTS
+from .schedule import N_SLOTS, N_SLOTS_HOST
 
 __all__ = ["FirstState", "initial_layout", "choose_resident", "make_homes", "fill_homes", "tensors_of", "nbytes_of",
            "on_device", "check_plain"]
@@ -59,8 +59,7 @@ def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, tor
     auto: dict[torch.device, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
     for p, group, _, _ in items:
         if group.get("page_budget_bytes", AUTO) == AUTO:
-            if p.device.type == "cuda":
-                auto.setdefault(p.device, []).append((p, group))
+            auto.setdefault(p.device, []).append((p, group))
         else:
             by_group.setdefault(id(group), []).append((p, group))
     for members in by_group.values():
@@ -72,10 +71,10 @@ def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, tor
         resident.update(smallest_first([(sized[p], p) for p, _ in members], room))
     for device, members in auto.items():
         memory = probe(device)
-        if memory is None:
+        if memory is None:  # (a device without a memory reading: the CPU)
             continue
         largest = max((n for n in sized.values() if n is not None), default=0)
-        in_flight = N_SLOTS * max(bucket_bytes, largest)
+        in_flight = (N_SLOTS if device.type == "cuda" else N_SLOTS_HOST) * max(bucket_bytes, largest)
         room = rooms.setdefault(device, AutoRoom())
         margin = max(headroom(group, memory) for _, group in members)
         resident.update(room.choose(memory, [(sized[p], p) for p, _ in members], in_flight, margin))

@@ -59,9 +59,13 @@ class DeviceMemory:
         return self.free + self.reserved - self.peak
 
 
+#: device types whose memory :func:`probe` reads (through ``torch.cuda``; tests add "cpu" with a mocked reading)
+MEASURED = ("cuda",)
+
+
 def probe(device: torch.device) -> DeviceMemory | None:
     """The memory of a CUDA device now (no synchronization: a driver query and the allocator's counters), else None."""
-    if device.type != "cuda":
+    if device.type not in MEASURED:
         return None
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(int(free), int(total), torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device),
@@ -119,9 +123,9 @@ class AutoRoom:
     def excess(self, memory: DeviceMemory) -> int:
         """Bytes of resident state to evict now: what a peak that grew since the last reading took from the spare,
         or what free memory lacks of the headroom; 0 if none."""
-        if memory.peak > self.peak:
+        if memory.peak > self.peak:  # (a peak under the one expected, or reset since, teaches nothing)
             self.spare -= memory.peak - self.peak
-        self.peak = memory.peak  # (lower after a reset of the peak statistics: nothing to learn from it)
+            self.peak = memory.peak
         return max(0, -self.spare, self.headroom - memory.available)
 
     def evicted(self, nbytes: int) -> None:
@@ -130,18 +134,15 @@ class AutoRoom:
         self.evicted_bytes += nbytes
 
 
-def evictions(entries: dict[torch.Tensor, Any], device: torch.device, auto: set[int], need: int) -> list[torch.Tensor]:
-    """Parameters whose resident state to evict on ``device`` to free ``need`` bytes: the largest first (the fewest
-    that free enough), among those of ``"auto"`` groups (``auto``: their ids) whose state exists."""
-    held = sorted(((e.nbytes, i, p) for i, (p, e) in enumerate(entries.items())
-                   if e.resident and e.device == device and id(p) in auto and e.state is not None),
-                  key=lambda x: (-x[0], x[1]))
+def evictions(held: list[tuple[Any, int]], need: int) -> list[Any]:
+    """Which of ``held`` ((item, bytes) of resident state, in order) to evict to free ``need`` bytes: the largest
+    first (the fewest that free enough; ties in order)."""
     out = []
-    for nbytes, _, p in held:
+    for i in sorted(range(len(held)), key=lambda i: (-held[i][1], i)):
         if need <= 0:
             break
-        out.append(p)
-        need -= nbytes
+        out.append(held[i][0])
+        need -= held[i][1]
     return out
 
 

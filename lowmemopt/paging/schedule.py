@@ -109,8 +109,9 @@ class Schedule:
     ``discard`` when a planned bucket is dropped unused (a prefetch that the next step did not want)."""
 
     def __init__(self, n_slots: int = N_SLOTS, n_staging: int = N_STAGING) -> None:
-        if n_slots < 2 or n_staging < 2:
-            raise ValueError("a schedule needs at least 2 slots and 2 staging buffers")
+        if n_slots < 2 or n_staging < n_slots:
+            # (the buckets planned and not yet written back, at most n_slots in a row, each hold their staging buffer)
+            raise ValueError("a schedule needs at least 2 slots and as many staging buffers")
         self.n_slots, self.n_staging = n_slots, n_staging
         self.next_seq = 0
         self._slot_free: dict[int, tuple[str, int]] = {}  # slot -> the operation after which it may be refilled
