@@ -395,3 +395,23 @@ def test_movers_on_simulated_streams_are_bit_identical(name, tier, tmp_path, mon
     mover = paging.pager_of(opt).movers[torch.device("cpu")]
     assert isinstance(mover.lanes, SimLanes) and mover.schedule.next_seq > 4 * len(SHAPES) // 2
     opt.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_slots_are_reused_across_steps_and_the_next_step_starts_early(tier, tmp_path):
+    """The slots (and staging) are made in the first steps at the size of the largest bucket and never again; when a
+    step ends, the next one's first bucket is already on its way (a bucket planned, its load issued)."""
+    params = make_params(SHAPES)
+    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged=tier, offload_dir=tmp_path)
+    run(opt, params, 2)
+    pager = paging.pager_of(opt)
+    mover = pager.movers[torch.device("cpu")]
+    buffers = [b.data_ptr() for b in mover.slots + mover.stagings if b is not None]
+    assert buffers and mover.pool_bytes() == len(buffers) * mover.slot_bytes
+    for t in range(2, 5):
+        run(opt, params, 1, start=t)
+        assert [b.data_ptr() for b in mover.slots + mover.stagings if b is not None] == buffers
+        early = pager._early
+        assert early is not None and early[0] == [params[0]] and early[1].plan.issued
+    opt.load_state_dict(opt.state_dict())  # a load drops the bucket on its way (its homes are replaced)
+    assert pager._early is None
