@@ -369,10 +369,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
             self._scaled_step(plan, work, grads, pager, plan.found_inf)
             return
         # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
-        # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks).
-        pipe = None
-        if pager is None:
-            pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
+        # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks); paged ones
+        # too (a skipped parameter's state goes home unchanged).
+        pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
         finite: list[bool | None] = [None] * len(work)
         on_device = pipeline.device_flags(plan, work, grads, pager, pipe) if DEFER_FINITE_CHECK else None
         if on_device is not None:  # no synchronization before the launches

@@ -437,7 +437,9 @@ def test_disk_full_is_a_clear_error_and_leaves_everything_unchanged(tmp_path, mo
     assert all(opt.state[p]["step"] == 1 for p in extra)
 
 
-def test_parameter_that_changes_device_is_a_clear_error(tmp_path):
+def test_parameter_that_changes_device_is_a_clear_error(tmp_path, monkeypatch):
+    # (the native kernels' bucket keeps a weak reference to each parameter it steps, which swap_tensors refuses)
+    monkeypatch.setattr(lowmemopt.cpu, "ENABLED", False)
     params = make_params(SHAPES)
     opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
     run(opt, params, 2)
@@ -672,9 +674,10 @@ def test_moving_bytes_counts_what_travels_each_step(tmp_path):
     assert paging.moving_bytes(lowmemopt.AdamW(make_params([(8,)]))) == 0
 
     module = load_bench("paging")
-    copies = dict(h2d=20e9, d2h=10e9)
-    assert module.transfer_floor(10**9, "cpu", copies, None) == pytest.approx(0.1)  # the slower direction
+    copies = dict(h2d=20e9, d2h=10e9, both=25e9)
+    floor = module.transfer_floor(10**9, "cpu", copies, None)
+    assert floor == pytest.approx(dict(serial=0.15, both=0.08))  # one way then the other; both ways at 25 GB/s
     files = module.file_bandwidth(str(tmp_path), nbytes=1 << 20)
     assert files["read"] > 0 and files["write"] > 0 and not os.listdir(tmp_path)
-    disk = module.transfer_floor(10**9, "disk", copies, dict(read=1e9, write=1e9))
-    assert disk == pytest.approx(2.0)
+    disk = module.transfer_floor(10**9, "disk", copies, dict(read=1e9, write=0.5e9))
+    assert disk == pytest.approx(dict(serial=2.0, both=2.0))  # the files' writer thread is the slowest
