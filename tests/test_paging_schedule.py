@@ -379,6 +379,7 @@ def test_movers_on_simulated_streams_are_bit_identical(name, tier, tmp_path, mon
     staged route for files, as on a GPU): the same values and state as unpaged, every step."""
     rng = random.Random(0)
     monkeypatch.setattr(engine, "_lanes_for", lambda device: SimLanes(device, rng))
+    monkeypatch.setattr(paging.pager, "HOST_BUCKET_BYTES", 1)  # a bucket per parameter: slots reused within a step
     info, kwargs = BY_NAME[name], STATEFUL[name]
     paged, plain = make_params(SHAPES), make_params(SHAPES)
     opt = info.cls(paged, state_bits=8, paged=tier, offload_dir=tmp_path, **kwargs)
@@ -398,9 +399,10 @@ def test_movers_on_simulated_streams_are_bit_identical(name, tier, tmp_path, mon
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
-def test_slots_are_reused_across_steps_and_the_next_step_starts_early(tier, tmp_path):
+def test_slots_are_reused_across_steps_and_the_next_step_starts_early(tier, tmp_path, monkeypatch):
     """The slots (and staging) are made in the first steps at the size of the largest bucket and never again; when a
     step ends, the next one's first bucket is already on its way (a bucket planned, its load issued)."""
+    monkeypatch.setattr(paging.pager, "HOST_BUCKET_BYTES", 1)  # a bucket per parameter
     params = make_params(SHAPES)
     opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged=tier, offload_dir=tmp_path)
     run(opt, params, 2)

@@ -43,10 +43,10 @@ import torch
 
 from .engine import Bucket, Mover
 from .entry import Entry
-from .homes import Homes, drop_pages, layout_bytes, transfer
+from .homes import Homes, drop_pages, transfer
 from .options import tier_of
-from .placement import (FirstState, check_plain, choose_resident, fill_homes, initial_layout, make_homes, nbytes_of,
-                        on_device, tensors_of)
+from .placement import (FirstState, buckets_of, check_plain, choose_resident, fill_homes, initial_layout,
+                        largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
 from .residency import AUTO, AutoRoom, PagingReport, build_report, evictions, probe
 
 __all__ = ["Entry", "Pager", "StateOwner", "LOOKAHEAD"]
@@ -56,6 +56,9 @@ __all__ = ["Entry", "Pager", "StateOwner", "LOOKAHEAD"]
 LOOKAHEAD = 2
 #: a bucket of moving state, until a step says (the pipeline's PAGE_BUCKET_BYTES): sizes the in-flight buffers
 _DEFAULT_BUCKET_BYTES = 64 << 20
+#: buckets of CPU parameters hold at most this much state (the host's memory holds two: the one updating and the one
+#: read ahead; smaller ones overlap the files' reads and writes with the update sooner)
+HOST_BUCKET_BYTES = 16 << 20
 
 Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
@@ -152,9 +155,9 @@ class Pager:
         during a batch, every param of that batch keeps in its home the state it had before the step."""
         if bucket_bytes:
             self.bucket_bytes = bucket_bytes
-        chunks = self._chunks(todo, bucket_bytes)
+        chunks = buckets_of(todo, self.entries, bucket_bytes, HOST_BUCKET_BYTES)
         moving = [[p for p, _ in chunk if self._moves(p)] for chunk in chunks]
-        for device, nbytes in self._largest(moving).items():
+        for device, nbytes in largest_buckets(moving, self.entries).items():
             self._mover(device).reserve(nbytes)
         handles = self._adopt_early(moving[0] if moving else [])
         finished = False
@@ -196,38 +199,6 @@ class Pager:
         if passed:
             self._last = tuple(map(id, passed[-1]))
         self._prefetch_next()
-
-    def _chunks(self, todo: Work, bucket_bytes: int) -> list[Work]:
-        """Consecutive batches of ``todo`` (see :meth:`batches`)."""
-        still = [item for item in todo if not self._moves(item[0])]
-        chunks: list[Work] = []
-        size, kind = 0, None
-        for item in todo:
-            if not self._moves(item[0]):
-                continue
-            entry = self.entries[item[0]]
-            nbytes = nbytes_of(entry.home_tensors())
-            if not chunks or size + nbytes > bucket_bytes or kind != (entry.device, entry.tier):
-                chunks.append([])
-                size, kind = 0, (entry.device, entry.tier)
-            chunks[-1].append(item)
-            size += nbytes
-        if still:
-            if chunks:
-                chunks[0] = still + chunks[0]
-            else:
-                chunks.append(still)
-        return chunks
-
-    def _largest(self, moving: list[list[torch.Tensor]]) -> dict[torch.device, int]:
-        """Per device, the bytes of the largest bucket of ``moving``, laid out in a slot."""
-        largest: dict[torch.device, int] = {}
-        for params in moving:
-            if params:
-                device = self.entries[params[0]].device
-                nbytes = layout_bytes([t for p in params for t in self.entries[p].home_tensors().values()])
-                largest[device] = max(largest.get(device, 0), nbytes)
-        return largest
 
     def _adopt_early(self, first: list[torch.Tensor]) -> dict[int, Bucket]:
         """The next pass's first bucket, prefetched when the last one ended: used if it is this pass's first bucket,

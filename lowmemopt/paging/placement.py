@@ -9,12 +9,12 @@ from typing import Any, Callable
 import torch
 
 from .entry import Entry
-from .homes import Homes, drop_pages, transfer
+from .homes import Homes, drop_pages, layout_bytes, transfer
 from .residency import AUTO, AutoRoom, headroom, probe, smallest_first
 from .schedule import N_SLOTS, N_SLOTS_HOST
 
 __all__ = ["FirstState", "initial_layout", "choose_resident", "make_homes", "fill_homes", "tensors_of", "nbytes_of",
-           "on_device", "check_plain"]
+           "on_device", "check_plain", "buckets_of", "largest_buckets"]
 
 #: ``first_state(p, group)``: the state ``p``'s first step makes, in ``state[p]`` (on a meta twin: shapes only)
 FirstState = Callable[[torch.Tensor, dict[str, Any]], dict[str, Any]]
@@ -127,3 +127,46 @@ def on_device(v: Any, device: torch.device) -> Any:
     if v.device.type == "meta":
         return torch.zeros(v.shape, dtype=v.dtype, device=device)
     return v.to(device)
+
+
+Work = list[tuple[torch.Tensor, dict[str, Any]]]
+
+
+def buckets_of(todo: Work, entries: dict[torch.Tensor, Entry], bucket_bytes: int, host_bytes: int) -> list[Work]:
+    """Consecutive batches of ``todo`` (see :meth:`~.pager.Pager.batches`): paged params of one device and tier
+    until their state reaches ``bucket_bytes`` (on the CPU, ``host_bytes`` at most; at least one param each);
+    params whose state does not move ride along in the first."""
+    def moves(p: torch.Tensor) -> bool:
+        return p in entries and not entries[p].resident
+
+    still = [item for item in todo if not moves(item[0])]
+    chunks: list[Work] = []
+    size, kind = 0, None
+    for item in todo:
+        if not moves(item[0]):
+            continue
+        entry = entries[item[0]]
+        nbytes = nbytes_of(entry.home_tensors())
+        limit = bucket_bytes if entry.device.type == "cuda" else min(bucket_bytes, host_bytes)
+        if not chunks or size + nbytes > limit or kind != (entry.device, entry.tier):
+            chunks.append([])
+            size, kind = 0, (entry.device, entry.tier)
+        chunks[-1].append(item)
+        size += nbytes
+    if still:
+        if chunks:
+            chunks[0] = still + chunks[0]
+        else:
+            chunks.append(still)
+    return chunks
+
+
+def largest_buckets(moving: list[list[torch.Tensor]], entries: dict[torch.Tensor, Entry]) -> dict[torch.device, int]:
+    """Per device, the bytes of the largest bucket of ``moving`` (the params of each), laid out in a slot."""
+    largest: dict[torch.device, int] = {}
+    for params in moving:
+        if params:
+            device = entries[params[0]].device
+            nbytes = layout_bytes([t for p in params for t in entries[p].home_tensors().values()])
+            largest[device] = max(largest.get(device, 0), nbytes)
+    return largest
