@@ -200,6 +200,7 @@ class Mover:
         self._done: dict[tuple[str, int], Any] = {}  # (kind, seq) -> CUDA event or future, until known complete
         self._last: dict[Entry, list[tuple[str, int]]] = {}  # entry -> its last load and write-back
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
+        self._view_cache: dict[tuple, list[torch.Tensor]] = {}
         #: write-backs that failed: (entry, {key: the bytes it could not write}), for the residency manager
         self.failed: list[tuple[Entry, Tensors, BaseException]] = []
 
@@ -225,7 +226,7 @@ class Mover:
         if not homes:
             return bucket
         slot = self._buffer(self.slots, plan.slot, bucket.nbytes, self.lanes.buffer)
-        views = _views(slot, [t for _, _, t in homes], offsets)
+        views = self._views_of(slot, [t for _, _, t in homes], offsets)
         for (e, k, _), v in zip(homes, views):
             bucket.working.setdefault(e, {})[k] = v
         if route == "copy":
@@ -234,7 +235,7 @@ class Mover:
             bucket.reads = [(v, t) for v, (_, _, t) in zip(views, homes)]
         else:
             staging = self._buffer(self.stagings, plan.staging, bucket.nbytes, self.lanes.staging)
-            staged = _views(staging, [t for _, _, t in homes], offsets)
+            staged = self._views_of(staging, [t for _, _, t in homes], offsets)
             bucket.reads = [(s, t) for s, (_, _, t) in zip(staged, homes)]
             bucket.inbound = [(v, s) for v, s in zip(views, staged)]
         for e in loads:
@@ -314,6 +315,7 @@ class Mover:
             self._threads.clear()
             self.slots = [None] * len(self.slots)
             self.stagings = [None] * len(self.stagings)
+            self._view_cache.clear()
 
     def pool_bytes(self) -> int:
         """Bytes of the slots (on the device) and staging buffers (pinned host) held now."""
@@ -327,10 +329,22 @@ class Mover:
         if buffer is None or buffer.numel() < nbytes:
             if buffer is not None:
                 self.lanes.retire(buffer)
+                self._view_cache.clear()  # (views of the old one: its id may come back)
             ring[index] = None  # (the old one first: its memory may serve the new one)
             self.slot_bytes = max(self.slot_bytes, nbytes)
             ring[index] = buffer = make(self.slot_bytes)
         return buffer
+
+    def _views_of(self, buffer: torch.Tensor, like: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+        """Views of ``buffer`` shaped like ``like`` at ``offsets``; the same bucket in the same buffer gets the same
+        views every step (made once: a few torch calls per tensor)."""
+        key = (id(buffer), tuple((t.shape, t.dtype) for t in like))
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) > 256:
+                self._view_cache.clear()
+            views = self._view_cache[key] = _views(buffer, like, offsets)
+        return views
 
     def _issue(self, op: Op, bucket: Bucket) -> None:
         bucket.plan.issued.add(op.kind)

@@ -58,7 +58,7 @@ LOOKAHEAD = 2
 _DEFAULT_BUCKET_BYTES = 64 << 20
 #: buckets of CPU parameters hold at most this much state (the host's memory holds two: the one updating and the one
 #: read ahead; smaller ones overlap the files' reads and writes with the update sooner)
-HOST_BUCKET_BYTES = 16 << 20
+HOST_BUCKET_BYTES = 32 << 20
 
 Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
