@@ -78,11 +78,12 @@ class Lanes:
 
 
 def drive(sched: Schedule, passes, route: str, lanes: Lanes, rng: random.Random, early: bool = True,
-          fail: float = 0.0) -> dict:
+          fail: float = 0.0, positions: bool = True) -> dict:
     """Run ``passes`` (each a list of buckets, each a list of keys) as the residency manager does: up to two buckets
     ahead as slots allow, the next one's load completed before the current one's kernels, the write-back after them,
     the next pass's first bucket prefetched at the end (dropped if the pass starts otherwise); ``fail``: the chance
-    that an update fails (its bucket is discarded, its homes keep their version). Returns each key's version."""
+    that an update fails (its bucket is discarded, its homes keep their version); ``positions``: buffers by a
+    bucket's place in its pass (else by its seq). Returns each key's version."""
     expected: dict = {}  # key -> the version its home will hold once every issued write-back is done
     held = None  # (keys, plan) prefetched for the next pass
 
@@ -114,9 +115,9 @@ def drive(sched: Schedule, passes, route: str, lanes: Lanes, rng: random.Random,
                 lanes.write(slot, token, [("kernels", plan.seq)])
         return effect
 
-    def start(keys, fresh):
+    def start(keys, fresh, position):
         loads = [k for k in keys if k not in fresh]
-        plan = sched.plan(keys, route, loads)
+        plan = sched.plan(keys, route, loads, position if positions else None)
         if plan.load:
             issue_loads(plan, loads)
         return plan, loads
@@ -137,7 +138,7 @@ def drive(sched: Schedule, passes, route: str, lanes: Lanes, rng: random.Random,
                 if j not in handles:
                     if not sched.can_plan():
                         break
-                    handles[j] = start(buckets[j], {key for key in buckets[j] if key not in expected})
+                    handles[j] = start(buckets[j], {key for key in buckets[j] if key not in expected}, j)
             if k + 1 in handles:
                 issue_loads(handles[k + 1][0], handles[k + 1][1])
             plan, loads = handles.pop(k)
@@ -180,7 +181,7 @@ def drive(sched: Schedule, passes, route: str, lanes: Lanes, rng: random.Random,
         if early and n + 1 < len(passes) and passes[n + 1]:
             guess = passes[n + 1][0] if rng.random() < 0.7 else passes[n][0]
             if sched.can_plan():
-                held = (guess, start(guess, {key for key in guess if key not in expected}))
+                held = (guess, start(guess, {key for key in guess if key not in expected}, 0))
     if held is not None:
         sched.discard(held[1][0])
         for op in held[1][0].load:
@@ -206,15 +207,16 @@ def _passes(rng, keys=12, n=5):
     return out
 
 
+@pytest.mark.parametrize("positions", [True, False], ids=["by-position", "by-seq"])
 @pytest.mark.parametrize("route", ["copy", "staged", "file"])
 @pytest.mark.parametrize("n_slots", [2, 3])
-def test_schedule_orders_every_copy_whatever_order_the_lanes_run(route, n_slots):
+def test_schedule_orders_every_copy_whatever_order_the_lanes_run(route, n_slots, positions):
     for seed in range(40):
         rng = random.Random(seed)
         sched = Schedule(n_slots=n_slots, n_staging=rng.randint(n_slots, 4))
         lanes = Lanes(rng)
         passes = _passes(rng)
-        expected = drive(sched, passes, route, lanes, rng, fail=0.1 if seed % 4 == 0 else 0.0)
+        expected = drive(sched, passes, route, lanes, rng, fail=0.1 if seed % 4 == 0 else 0.0, positions=positions)
         lanes.drain()
         assert lanes.homes == expected, seed
         assert not sched.plans
@@ -225,8 +227,16 @@ def test_schedule_refuses_a_bucket_beyond_its_slots():
     sched.plan(["a"], "copy")
     sched.plan(["b"], "copy")
     assert not sched.can_plan()
-    with pytest.raises(RuntimeError, match="slots are held"):
+    with pytest.raises(RuntimeError, match="held by a bucket"):
         sched.plan(["c"], "copy")
+    with pytest.raises(RuntimeError, match="slot 1 or staging buffer None is held"):
+        _two_at(1)
+
+
+def _two_at(position):
+    sched = Schedule(n_slots=3)
+    sched.plan(["a"], "copy", position=position)
+    sched.plan(["b"], "copy", position=position)  # the same slot while the first is not written back
 
 
 def test_schedule_waits_for_the_slots_last_write_back_and_the_homes_last_write():
@@ -251,14 +261,14 @@ def test_the_simulation_catches_a_missing_wait(monkeypatch, bug):
     """A schedule that forgets one kind of wait is caught by the simulated lanes (the checks can fail)."""
     real = Schedule.plan
 
-    def forgetful(self, keys, route, loads=None):
+    def forgetful(self, keys, route, loads=None, position=None):
         if bug == "slot":
             self._slot_free.clear()
         elif bug == "home":
             self._home_written.clear()
         else:
             self._staging_free.clear()
-        return real(self, keys, route, loads)
+        return real(self, keys, route, loads, position)
 
     monkeypatch.setattr(Schedule, "plan", forgetful)
     route = "staged" if bug == "staging" else "copy"

@@ -215,11 +215,12 @@ class Mover:
         """Is a slot free for another bucket ahead?"""
         return self.schedule.can_plan()
 
-    def prefetch(self, entries: list[Entry]) -> Bucket:
-        """Plan the next bucket (``entries``: its paged entries, of one tier) and start its first load."""
+    def prefetch(self, entries: list[Entry], position: int | None = None) -> Bucket:
+        """Plan the next bucket (``entries``: its paged entries, of one tier; ``position``: its place in the step,
+        :meth:`~.schedule.Schedule.plan`) and start its first load."""
         loads = [e for e in entries if e.state is not None]
         route = route_for(entries[0].tier, self.lanes)
-        plan = self.schedule.plan([id(e) for e in entries], route, [id(e) for e in loads])
+        plan = self.schedule.plan([id(e) for e in entries], route, [id(e) for e in loads], position)
         bucket = Bucket(plan, entries, loads)
         homes = [(e, k, t) for e in loads for k, t in e.home_tensors().items()]
         offsets, bucket.nbytes = layout_offsets([t.numel() * t.element_size() for _, _, t in homes])

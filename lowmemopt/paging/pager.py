@@ -160,6 +160,11 @@ class Pager:
         for device, nbytes in largest_buckets(moving, self.entries).items():
             self._mover(device).reserve(nbytes)
         handles = self._adopt_early(moving[0] if moving else [])
+        positions, count = [], {}  # each bucket's place among its device's buckets of this pass
+        for params in moving:
+            device = self.entries[params[0]].device if params else None
+            positions.append(count.get(device, 0))
+            count[device] = positions[-1] + 1
         finished = False
         try:
             for k, chunk in enumerate(chunks):
@@ -168,7 +173,7 @@ class Pager:
                         mover = self._mover_of(moving[j])
                         if not mover.can_prefetch():  # (its slots are held by the buckets before: later then)
                             break
-                        handles[j] = mover.prefetch([self.entries[p] for p in moving[j]])
+                        handles[j] = mover.prefetch([self.entries[p] for p in moving[j]], positions[j])
                 if k + 1 in handles:
                     self._mover_of(moving[k + 1]).advance(handles[k + 1])
                 bucket = handles.pop(k, None)
@@ -223,7 +228,7 @@ class Pager:
             return
         if len({(self.entries[p].device, self.entries[p].tier) for p in params}) != 1:
             return
-        self._early = (params, self._mover_of(params).prefetch([self.entries[p] for p in params]))
+        self._early = (params, self._mover_of(params).prefetch([self.entries[p] for p in params], 0))
 
     def _drop_early(self) -> None:
         early, self._early = self._early, None

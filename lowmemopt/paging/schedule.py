@@ -5,8 +5,9 @@ carries it out on simulated lanes that run in any order the waits allow, and che
 is filled or overwritten before it is read.
 
 A *bucket* (a batch of parameters that one fused launch steps) has a sequence number ``seq`` that counts buckets
-across steps, a device *slot* (``seq % n_slots``: the device buffer its working tensors are views into) and, on the
-disk tier with a CUDA device, a pinned host *staging* buffer (``seq % n_staging``). Its operations, in order::
+across steps, a device *slot* (its position in the step modulo ``n_slots``: the device buffer its working tensors are
+views into; the same one every step) and, on the disk tier with a CUDA device, a pinned host *staging* buffer (modulo
+``n_staging``). Its operations, in order::
 
     read(seq)     reader thread  files -> staging (CUDA) or -> slot (CPU)    [the "staged" and "file" routes]
     h2d(seq)      h2d stream     homes or staging -> slot                    [the "copy" and "staged" routes]
@@ -119,17 +120,23 @@ class Schedule:
         self._home_written: dict[Hashable, tuple[str, int]] = {}  # key -> its last write-back's last operation
         self.plans: dict[int, BucketPlan] = {}  # planned and not yet stored or discarded
 
-    def plan(self, keys: Sequence[Hashable], route: str, loads: Sequence[Hashable] | None = None) -> BucketPlan:
+    def plan(self, keys: Sequence[Hashable], route: str, loads: Sequence[Hashable] | None = None,
+             position: int | None = None) -> BucketPlan:
         """The next bucket: ``keys`` (the homes it writes back), ``loads`` (those of them it reads first; default all;
-        a state made by this step is not read)."""
+        a state made by this step is not read). ``position``: its place in its pass (buckets planned one after the
+        other have consecutive positions): it picks the slot and staging buffer, so that a bucket gets the same
+        buffers every step (the same working tensors: launch arguments cached by address stay valid); default: its
+        ``seq``."""
         if route not in ROUTES:
             raise ValueError(f"unknown route {route!r}")
-        if not self.can_plan():
-            raise RuntimeError(f"all {self.n_slots} slots are held by buckets not written back yet")
         seq = self.next_seq
+        where = seq if position is None else position
+        slot = where % self.n_slots
+        staging = where % self.n_staging if route == "staged" else None
+        if not self.can_plan() or any(p.slot == slot or (staging is not None and p.staging == staging)
+                                      for p in self.plans.values()):
+            raise RuntimeError(f"slot {slot} or staging buffer {staging} is held by a bucket not written back yet")
         self.next_seq += 1
-        slot = seq % self.n_slots
-        staging = seq % self.n_staging if route == "staged" else None
         loads = tuple(keys) if loads is None else tuple(loads)
         ops: list[Op] = []
         for i, kind in enumerate(ROUTES[route][0] if loads else ()):
