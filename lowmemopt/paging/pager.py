@@ -259,11 +259,12 @@ class Pager:
         working = self._mover_of(params).load(bucket)
         for p in params:
             entry = self.entries[p]
-            if entry.state is None:  # first step: the optimizer makes the state, in this dict, on the device
-                opt.state[p] = {}
-            else:
+            state = entry.working = entry.working if entry.working is not None else {}
+            state.clear()
+            if entry.state is not None:  # (else the first step: the optimizer makes the state, in this dict)
                 tensors = working.get(entry, {})
-                opt.state[p] = {k: tensors.get(k, v) for k, v in entry.state.items()}
+                state.update({k: tensors.get(k, v) for k, v in entry.state.items()})
+            opt.state[p] = state
 
     def _store(self, params: list[torch.Tensor], bucket: Bucket) -> None:
         """Write a bucket back and install the homes; a param that has no room for a new home keeps its updated
@@ -300,6 +301,8 @@ class Pager:
             state.update({k: homes[k] if k in tensors else v for k, v in working.items()})
             entry.state, entry.reserved = state, None
             opt.state[p] = state
+            if working is entry.working:
+                working.clear()  # (its tensors go: the first step's state, made on the device, is freed)
         if error is not None:
             _reraise(error[0], f"{self._where(error[1])} was updated; its state stays on {error[1].device}, "
                                "no longer paged")
@@ -323,6 +326,8 @@ class Pager:
 
     def _abort(self, p: torch.Tensor) -> None:
         entry, opt = self.entries[p], self._opt()
+        if entry.working is not None:
+            entry.working.clear()
         if entry.state is None:
             opt.state.pop(p, None)
         else:
@@ -332,6 +337,8 @@ class Pager:
         self._free(entry)
         # own copies: working tensors may be views into a buffer the mover reuses for the next bucket
         working = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in working.items()}
+        if entry.working is not None:
+            entry.working.clear()
         entry.state, entry.reserved, entry.resident = working, None, True
         entry.nbytes = nbytes_of(tensors_of(working))
         self._opt().state[p] = working
