@@ -347,7 +347,7 @@ def print_gpu_table(results: list[dict], bits: int) -> None:
     for r in results:
         name = names[r["config"]]
         if "error" in r:
-            print(f"| {name} | — | — | — | — | — | — | FAILED: {r['error']} | — | — | — | — | — |")
+            print(f"| {name} | — | — | — | — | — | — | FAILED: {r['error']} | — | — | — | — | — |")  # noqa: E501
             continue
         ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "—"
         budget = r["budget"] if r["budget"] is None or isinstance(r["budget"], str) else f"{r['budget'] / 1e6:.1f}"
