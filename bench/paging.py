@@ -408,6 +408,7 @@ def disk_floor(args: argparse.Namespace) -> dict:
                 t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 times[name], times[name + "_cpu"] = time.perf_counter() - t0, time.process_time() - c0
+                paging.settle(paged)  # (the next step's first read, started as this one ended: not beside the others)
             rounds.append(times)
         paged.close()
 
