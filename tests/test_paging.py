@@ -273,6 +273,23 @@ def test_state_dict_returns_ordinary_tensors_that_later_steps_do_not_change(tmp_
     assert all(_state_equal(loaded["state"][k], sd["state"][k]) for k in sd["state"])
 
 
+def test_cpu_tier_state_saves_with_torch_and_safetensors(tmp_path):
+    """Host-RAM homes share one arena per placement, but each is a tensor of its own storage: torch.save and
+    safetensors (lowmemopt.save_state) take the state dict as they take any, and it loads back exactly."""
+    params = make_params(SHAPES)
+    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="cpu")
+    run(opt, params, 2)
+    sd = opt.state_dict()
+    torch.save(sd, tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    assert all(_state_equal(loaded["state"][k], sd["state"][k]) for k in sd["state"])
+    lowmemopt.save_state(opt, tmp_path / "opt.safetensors")
+    twin = lowmemopt.AdamW(make_params(SHAPES), lr=1e-2, state_bits=8, paged="cpu")
+    lowmemopt.load_state(twin, tmp_path / "opt.safetensors")
+    for a, b in zip(params, twin.param_groups[0]["params"]):
+        assert _state_equal(opt.state[a], twin.state[b])
+
+
 @pytest.mark.parametrize("source", ["same", "unpaged", "torch", "cpu-tier"])
 def test_state_stays_paged_after_load_state_dict(source, tmp_path):
     """Load into a paged optimizer from: its own state_dict, an unpaged twin's, torch.optim.AdamW's (converted to

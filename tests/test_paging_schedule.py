@@ -295,15 +295,17 @@ def test_coalesce_merges_neighbours_laid_out_alike():
     for s in src:
         s.copy_(torch.randn(s.shape).to(s.dtype))
     pairs = list(zip(dst, src))
-    runs = coalesce(pairs)
+    assert len({s.untyped_storage().data_ptr() for s in src}) == 3  # homes of their own storage each (torch.save)
+    assert len(coalesce(pairs)) == 3  # (not known to be neighbours without the arena)
+    runs = coalesce(pairs, homes.buffer_of)
     assert len(runs) == 1
     for d, s in runs:
         d.copy_(s)
     assert all(torch.equal(d, s) for d, s in pairs)
-    assert len(coalesce([pairs[0], pairs[2]])) == 2  # a gap on one side only: two copies
+    assert len(coalesce([pairs[0], pairs[2]], homes.buffer_of)) == 2  # a gap on one side only: two copies
     for s in src:
         homes.free(s)
-    assert not homes._owned and not homes._refs
+    assert not homes._owned and not homes._refs and not homes._arenas
 
 
 # ---------------------------------------------------------------------------------------------------------------------

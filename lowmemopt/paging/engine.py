@@ -150,12 +150,19 @@ def _byte_view(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), offset, (nbytes,))
 
 
-def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _own_storage(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return t, t.data_ptr() - t.untyped_storage().data_ptr()
+
+
+def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+             locate: Callable[[torch.Tensor], tuple[torch.Tensor, int]] = _own_storage,
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(dst, src)`` copies of whole tensors, merged into one byte copy where the next pair continues the run on
     both sides at the same distance, less than :data:`~.homes.ALIGN` bytes on (so that what lies between is padding:
-    in the layouts of :func:`~.homes.layout_offsets` no other tensor fits there)."""
+    in the layouts of :func:`~.homes.layout_offsets` no other tensor fits there). ``locate(t)``: a tensor whose
+    storage holds ``t`` and its neighbours, and ``t``'s byte offset in it (:meth:`~.homes.Homes.buffer_of`)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    run: list[Any] | None = None  # [dst, src, dst byte offset, src byte offset, bytes]
+    run: list[Any] | None = None  # [dst holder, src holder, dst byte offset, src byte offset, bytes]
     for dst, src in pairs:
         n = dst.numel() * dst.element_size()
         if n == 0:
@@ -163,16 +170,15 @@ def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch
         if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype):
             out.append((dst, src))
             continue
-        d = dst.data_ptr() - dst.untyped_storage().data_ptr()
-        s = src.data_ptr() - src.untyped_storage().data_ptr()
-        if (run is not None and run[0].untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
-                and run[1].untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        (dh, d), (sh, s) = locate(dst), locate(src)
+        if (run is not None and run[0].untyped_storage().data_ptr() == dh.untyped_storage().data_ptr()
+                and run[1].untyped_storage().data_ptr() == sh.untyped_storage().data_ptr()
                 and d - run[2] == s - run[3] and 0 <= d - (run[2] + run[4]) < ALIGN):
             run[4] = d - run[2] + n
             continue
         if run is not None:
             out.append((_byte_view(run[0], run[2], run[4]), _byte_view(run[1], run[3], run[4])))
-        run = [dst, src, d, s, n]
+        run = [dh, sh, d, s, n]
     if run is not None:
         out.append((_byte_view(run[0], run[2], run[4]), _byte_view(run[1], run[3], run[4])))
     return out
@@ -359,7 +365,7 @@ class Mover:
         stream = self.lanes.stream(lane)
         self._stream_wait(stream, op.waits)
         slot = self.slots[op.slot]
-        for dst, src in coalesce(pairs):
+        for dst, src in coalesce(pairs, self.homes.buffer_of):
             self.lanes.copy(stream, dst, src)
         for dst, src in pairs:
             for t in (dst, src):  # device tensors made elsewhere (the first step's state): kept until copied

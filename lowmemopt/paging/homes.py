@@ -89,6 +89,7 @@ class Homes:
         self._owned: dict[int, _Owned] = {}
         self._views: dict[int, int] = {}  # address of a home inside an arena -> the arena's storage address
         self._refs: dict[int, int] = {}  # arena storage address -> its homes not freed yet
+        self._arenas: dict[int, torch.Tensor] = {}  # arena storage address -> the arena's buffer
         self._dirs: dict[str, str] = {}  # offload_dir -> this optimizer's directory in it
         self._count = 0
 
@@ -116,10 +117,11 @@ class Homes:
         return t
 
     def arena(self, layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
-        """Uninitialized host tensors of ``layout`` (shape, dtype), laid out one after the other in one buffer, each at
-        an offset that :func:`aligned` gives (the layout of a device slot, so that a bucket of neighbours moves in one
-        copy); page-locked if ``pin``. Each is freed on its own (:meth:`free`); the buffer is unpinned and dropped with
-        the last one. Empty tensors get no place in it."""
+        """Uninitialized host tensors of ``layout`` (shape, dtype), laid out one after the other in one buffer at the
+        offsets :func:`layout_offsets` gives (a device slot's layout, so that a bucket of neighbours moves in one
+        copy: :meth:`buffer_of`); page-locked if ``pin``. Each is a tensor of its own storage (``torch.save`` and
+        safetensors see separate tensors; each keeps the buffer alive), freed on its own (:meth:`free`); the buffer is
+        unpinned with the last one. Empty tensors get no place in it."""
         offsets, total = layout_offsets([torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout])
         if total == 0:
             return [self.host(shape, dtype, pin=False) for shape, dtype in layout]
@@ -130,17 +132,26 @@ class Homes:
             whole = whole[-whole.data_ptr() % ALIGN :][:total]
             self._owned[whole.untyped_storage().data_ptr()] = _Owned(None, 0, 0)
         base = whole.untyped_storage().data_ptr()
+        self._arenas[base] = whole
+        data = whole.numpy()
         out = []
         for (shape, dtype), offset in zip(layout, offsets):
             numel = torch.Size(shape).numel()
             if numel == 0:
                 out.append(self.host(shape, dtype, pin=False))
                 continue
-            t = whole[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+            t = torch.from_numpy(data[offset : offset + numel * dtype.itemsize]).view(dtype).view(shape)
             self._views[t.data_ptr()] = base
             self._refs[base] = self._refs.get(base, 0) + 1
             out.append(t)
         return out
+
+    def buffer_of(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A tensor whose storage holds ``t``'s bytes and its neighbours' (an arena's buffer, else ``t`` itself), and
+        ``t``'s byte offset in that storage: what a copy of several neighbours at once is cut from."""
+        base = self._views.get(t.data_ptr()) if t.device.type == "cpu" else None
+        holder = t if base is None else self._arenas[base]
+        return holder, t.data_ptr() - holder.untyped_storage().data_ptr()
 
     def file(self, shape: torch.Size, dtype: torch.dtype, offload_dir: str, label: str) -> torch.Tensor:
         """A zero-filled tensor mapped from a new file under ``offload_dir``, its space reserved on the disk.
@@ -219,6 +230,8 @@ class Homes:
             if self._refs[base]:
                 return
             del self._refs[base]
+            del self._arenas[base]
+            ptr = base
         self._drop(ptr, keep_file)
 
     def _drop(self, ptr: int, keep_file: bool = False) -> None:
@@ -247,6 +260,7 @@ class Homes:
             self._drop(base)
         self._refs.clear()
         self._views.clear()
+        self._arenas.clear()
         self._owned.clear()
         for directory in self._dirs.values():
             if keep_files:
