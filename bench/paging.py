@@ -4,15 +4,19 @@ optimizer unpaged and, on a GPU, bitsandbytes' PagedAdamW8bit / PagedAdamW, in o
     cd /tmp && python /path/to/repo/bench/paging.py --small          # CPU, ~11M parameters: RSS and step time
     cd /tmp && python /path/to/repo/bench/paging.py                  # CPU, ~148M parameters
     cd /tmp && python /path/to/repo/bench/paging.py --device cuda    # GPU: device memory and step time
+    cd /tmp && python /path/to/repo/bench/paging.py --disk-floor --offload-dir /scratch   # CPU: disk tier vs its floor
 
 CPU: each configuration runs in its own process (so one's freed memory cannot hide another's peak) on a LLaMA-style
 model with fixed random gradients. Reported: the optimizer state's size, the process's RSS above the model + gradients
 after the warm-up steps, its peak during the timed steps (``VmHWM`` reset by ``/proc/self/clear_refs``), the median
 step time, and the median process CPU time per step (all threads: less sensitive than wall time to other work on a
-shared machine). GPU: the same model on the device; paged configurations get a budget of ``--budget-frac`` of the unpaged
-state, so the state does not fit it. Reported: device memory held between steps by the optimizer (torch's allocator),
-the peak during a step, the device's own used-memory (``cudaMemGetInfo``, which also sees bitsandbytes' managed memory)
-and the median step time. Without CUDA, ``--device cuda`` stops with an error.
+shared machine). ``--disk-floor``: the disk tier against a plain read + write of the same bytes, paired rounds in one
+process (:func:`disk_floor`). GPU: the same model on the device; the ``cpu`` and ``disk`` rows get a budget of
+``--budget-frac`` of the unpaged state (default 0: everything pages), the ``auto`` row ``page_budget_bytes="auto"``.
+Reported: device memory held between steps by the optimizer (torch's allocator), the peak during a step, the device's
+own used-memory (``cudaMemGetInfo``, which also sees bitsandbytes' managed memory), the median step time, and beside
+each paged row its floor: the bytes it moves each way at the copy bandwidth measured at the start of the run, one
+direction at a time and both at once. Without CUDA, ``--device cuda`` stops with an error.
 
 (Run from outside the repository root; see bench/README.md.)
 """
@@ -36,7 +40,7 @@ from lowmemopt.memory import proc_status_bytes, reset_peak_rss
 from common import LLAMA_PRESETS, build_llama, fixed_grads, fresh_params, machine_info, time_steps
 
 CPU_CONFIGS = ["unpaged", "disk", "cpu"]
-GPU_CONFIGS = ["unpaged", "cpu", "disk", "bnb-unpaged", "bnb-paged"]
+GPU_CONFIGS = ["unpaged", "cpu", "disk", "auto", "bnb-unpaged", "bnb-paged"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,8 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + ", ".join(GPU_CONFIGS) + ")")
     parser.add_argument("--offload-dir", help="directory for the disk tier (default: a new one under the system's "
                         "temporary directory; use a real disk: /tmp may be RAM-backed)")
-    parser.add_argument("--budget-frac", type=float, default=0.25,
-                        help="GPU: page_budget_bytes as a fraction of the unpaged state (default 0.25)")
+    parser.add_argument("--budget-frac", type=float, default=0.0,
+                        help="GPU: page_budget_bytes of the cpu and disk rows as a fraction of the unpaged state\n"
+                             "(default 0: everything pages; the auto row has page_budget_bytes='auto')")
+    parser.add_argument("--disk-floor", action="store_true",
+                        help="CPU: the disk tier against its floor, in one process: paired rounds of a paged step,\n"
+                             "an unpaged step and a plain pread + pwrite of the state's files")
+    parser.add_argument("--rounds", type=int, default=7, help="--disk-floor: rounds (default 7)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="CPU: run the configurations this many times, interleaved; report each one's best\n"
                              "median (a shared machine's load changes between runs)")
@@ -67,14 +76,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.config_list if c not in known]
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; choose from {known}")
-    if args.steps < 1 or args.warmup < 0 or args.repeat < 1:
-        parser.error("--steps and --repeat must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeat < 1 or args.rounds < 1:
+        parser.error("--steps, --repeat and --rounds must be >= 1, --warmup >= 0")
     return args
 
 
-def _lowmemopt(params, config: str, bits: int, offload_dir: str | None, budget: int = 0):
+def _lowmemopt(params, config: str, bits: int, offload_dir: str | None, budget: int | str = 0):
     import lowmemopt
 
+    if config == "auto":
+        config, budget = "cpu", "auto"
     paging = {} if config == "unpaged" else dict(paged=config, offload_dir=offload_dir, page_budget_bytes=budget)
     return lowmemopt.AdamW(params, lr=1e-3, weight_decay=1e-2, state_bits=bits, **paging)
 
@@ -192,7 +203,8 @@ def run_gpu(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
         files = file_bandwidth(offload_dir) if "disk" in args.config_list else None
         print(f"- pinned copy bandwidth: host->device {copies['h2d'] / 1e9:.1f} GB/s, device->host "
-              f"{copies['d2h'] / 1e9:.1f} GB/s" + ("" if files is None else f"; offload_dir files: write "
+              f"{copies['d2h'] / 1e9:.1f} GB/s, both at once {copies['both'] / 1e9:.1f} GB/s"
+              + ("" if files is None else f"; offload_dir files: write "
               f"{files['write'] / 1e9:.2f} GB/s, read {files['read'] / 1e9:.2f} GB/s") + "\n")
         for config in args.config_list:
             row: dict = dict(config=config)
@@ -203,14 +215,14 @@ def run_gpu(args: argparse.Namespace) -> list[dict]:
                 torch.cuda.empty_cache()
                 torch.cuda.synchronize(device)
                 base_alloc, base_used = torch.cuda.memory_allocated(device), _device_used(device)
-                budget = int(args.budget_frac * unpaged_state)
+                budget = "auto" if config == "auto" else int(args.budget_frac * unpaged_state)
                 if config.startswith("bnb"):
                     opt = _bnb(params, config, args.bits)
                 else:
                     opt = _lowmemopt(params, config, args.bits, offload_dir, budget)
                 row.update(_measure_gpu(opt, args, device, base_alloc, base_used))
                 row["budget"] = None if config.startswith("bnb") else budget
-                row["floor_s"] = transfer_floor(row["moved"], config, copies, files) if row["moved"] else None
+                row["floor"] = transfer_floor(row["moved"], config, copies, files) if row["moved"] else None
             except Exception as exc:  # noqa: BLE001 - a failing configuration becomes a table row
                 row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             finally:
@@ -225,20 +237,31 @@ def run_gpu(args: argparse.Namespace) -> list[dict]:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
-    """Measured bytes/s of page-locked host -> device and device -> host copies (CUDA events), the floor of paged
-    state's transfers."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """Measured bytes/s of page-locked host -> device (``h2d``) and device -> host (``d2h``) copies, one direction at
+    a time, and of both at once on two streams (``both``: the bytes of both directions over the time they take
+    together; the copy engines of each direction work at the same time): the floors of paged state's transfers."""
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
     out = {}
-    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
-        dst.copy_(src, non_blocking=True)  # warm-up
+    for name, pairs in (("h2d", [(dev[0], host[0])]), ("d2h", [(host[1], dev[1])]),
+                        ("both", [(dev[0], host[0]), (host[1], dev[1])])):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        out[name] = reps * nbytes / (start.elapsed_time(end) / 1e3)
+        for warm in (True, False):
+            start.record()
+            ends = []
+            for stream, (dst, src) in zip(streams, pairs):
+                stream.wait_event(start)
+                with torch.cuda.stream(stream):
+                    for _ in range(1 if warm else reps):
+                        dst.copy_(src, non_blocking=True)
+                ends.append(torch.cuda.Event())
+                ends[-1].record(stream)
+            for e in ends:
+                torch.cuda.current_stream(device).wait_event(e)
+            end.record()
+            end.synchronize()
+        out[name] = reps * nbytes * len(pairs) / (start.elapsed_time(end) / 1e3)
     return out
 
 
@@ -260,14 +283,17 @@ def file_bandwidth(directory: str, nbytes: int = 256 << 20) -> dict[str, float]:
     return dict(write=nbytes / (t1 - t0), read=nbytes / (t2 - t1))
 
 
-def transfer_floor(moved: int, config: str, copies: dict[str, float], files: dict[str, float] | None) -> float:
-    """Seconds a step cannot beat: ``moved`` bytes each way at the measured copy bandwidths (the two directions run
-    on separate copy engines, so the slower one bounds), plus for the disk tier the file read and write, which the
-    host does in turn."""
-    floor = max(moved / copies["h2d"], moved / copies["d2h"])
+def transfer_floor(moved: int, config: str, copies: dict[str, float],
+                   files: dict[str, float] | None) -> dict[str, float]:
+    """Seconds a step cannot beat, ``moved`` bytes each way at the measured bandwidths: ``serial`` one direction at a
+    time (the sum), ``both`` both directions at once (2 x moved at the both-ways rate). For the disk tier, the file
+    read and write (by the reader and writer threads) bound both as well."""
+    serial = moved / copies["h2d"] + moved / copies["d2h"]
+    both = 2 * moved / copies["both"] if "both" in copies else max(moved / copies["h2d"], moved / copies["d2h"])
     if config == "disk" and files is not None:
-        floor = max(floor, moved / files["read"] + moved / files["write"])
-    return floor
+        io = max(moved / files["read"], moved / files["write"])
+        serial, both = max(serial, io), max(both, io)
+    return dict(serial=serial, both=both)
 
 
 def _measure_gpu(opt, args: argparse.Namespace, device: torch.device, base_alloc: int, base_used: int) -> dict:
@@ -311,25 +337,103 @@ def _state_bytes(opt) -> int:
 def print_gpu_table(results: list[dict], bits: int) -> None:
     ref = next((r for r in results if r.get("config") == "unpaged" and "median_s" in r), None)
     names = {"unpaged": "lowmemopt unpaged", "cpu": 'lowmemopt paged="cpu"', "disk": 'lowmemopt paged="disk"',
+             "auto": 'lowmemopt paged="cpu", budget "auto"',
              "bnb-unpaged": f"bnb AdamW{'8bit' if bits == 8 else ''}",
              "bnb-paged": f"bnb PagedAdamW{'8bit' if bits == 8 else ''}"}
     print("| configuration | state (MB) | budget (MB) | held on device between steps (MB) | peak in step (MB) "
           "| device used (MB) | median step (s) | vs unpaged | moved per step, each way (MB) | achieved (GB/s) "
-          "| transfer floor (s) | vs floor |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| floor, one direction at a time (s) | floor, both at once (s) | vs floor (both) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         name = names[r["config"]]
         if "error" in r:
-            print(f"| {name} | — | — | — | — | — | — | FAILED: {r['error']} | — | — | — | — |")
+            print(f"| {name} | — | — | — | — | — | — | FAILED: {r['error']} | — | — | — | — | — |")  # noqa: E501
             continue
         ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "—"
-        budget = "—" if r["budget"] is None else f"{r['budget'] / 1e6:.1f}"
-        moved, floor = r.get("moved", 0), r.get("floor_s")
+        budget = r["budget"] if r["budget"] is None or isinstance(r["budget"], str) else f"{r['budget'] / 1e6:.1f}"
+        moved, floor = r.get("moved", 0), r.get("floor")
         flow = "—" if not moved else f"{2 * moved / r['median_s'] / 1e9:.1f}"
-        vs_floor = "—" if floor is None else f"{r['median_s'] / floor:.2f}x"
-        print(f"| {name} | {r['state_bytes'] / 1e6:.1f} | {budget} | {r['held_between_steps'] / 1e6:.1f} "
+        serial = "—" if floor is None else f"{floor['serial']:.4f}"
+        both = "—" if floor is None else f"{floor['both']:.4f}"
+        vs_floor = "—" if floor is None else f"{r['median_s'] / floor['both']:.2f}x"
+        print(f"| {name} | {r['state_bytes'] / 1e6:.1f} | {budget or '—'} | {r['held_between_steps'] / 1e6:.1f} "
               f"| {r['peak_in_step'] / 1e6:.1f} | {r['device_used'] / 1e6:.1f} | {r['median_s']:.4f} | {ratio} "
-              f"| {moved / 1e6:.1f} | {flow} | {'—' if floor is None else f'{floor:.4f}'} | {vs_floor} |")
+              f"| {moved / 1e6:.1f} | {flow} | {serial} | {both} | {vs_floor} |")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: the disk tier against its floor, paired
+
+
+def disk_floor(args: argparse.Namespace) -> dict:
+    """Paired rounds in one process: a ``paged="disk"`` step, an unpaged step of the same optimizer on a copy of the
+    parameters, and a plain ``pread`` + ``pwrite`` of every file of the paged state (the same bytes the step moves,
+    through the page cache as the step does). Per round: the paging's cost (paged - unpaged) over the floor (the
+    plain read + write), and the paged step over the unpaged step plus the floor (under 1: the reads and writes
+    overlap the update). Medians of the per-round ratios."""
+    preset = "10m" if args.small else "150m"
+    model = build_llama(preset)
+    grads = fixed_grads(model)
+    reference = [p.detach() for p in model.parameters()]
+    del model
+    with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
+        paged = _lowmemopt(fresh_params(reference, grads), "disk", args.bits, offload_dir)
+        plain = _lowmemopt(fresh_params(reference, grads), "unpaged", args.bits, None)
+        for _ in range(max(1, args.warmup)):
+            paged.step()
+            plain.step()
+        from lowmemopt import paging
+
+        pager = paging.pager_of(paged)
+        paths = [pager.homes.path(t) for e in pager.entries.values() for t in e.home_tensors().values()]
+        paths = [p for p in paths if p is not None]
+        moved = paging.moving_bytes(paged)
+        buffer = torch.empty(max(os.path.getsize(p) for p in paths), dtype=torch.uint8).numpy()
+
+        def read_write():
+            for path in paths:
+                n = os.path.getsize(path)
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    view = memoryview(buffer)[:n]
+                    os.preadv(fd, [view], 0)
+                    os.pwrite(fd, view, 0)
+                finally:
+                    os.close(fd)
+
+        rounds = []
+        for _ in range(args.rounds):
+            times = {}
+            for name, fn in (("paged", paged.step), ("unpaged", plain.step), ("floor", read_write)):
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                times[name], times[name + "_cpu"] = time.perf_counter() - t0, time.process_time() - c0
+                paging.settle(paged)  # (the next step's first read, started as this one ended: not beside the others)
+            rounds.append(times)
+        paged.close()
+
+    def ratios(suffix: str) -> dict[str, float]:
+        p, u, f = (f"paged{suffix}", f"unpaged{suffix}", f"floor{suffix}")
+        return dict(cost_over_floor=statistics.median((r[p] - r[u]) / r[f] for r in rounds),
+                    paged_over_serial=statistics.median(r[p] / (r[u] + r[f]) for r in rounds),
+                    paged_over_unpaged=statistics.median(r[p] / r[u] for r in rounds))
+
+    return dict(moved=moved, files=len(paths), rounds=rounds,
+                median={k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+                wall=ratios(""), cpu=ratios("_cpu"))
+
+
+def print_disk_floor(result: dict) -> None:
+    m = result["median"]
+    print(f"- disk tier: {result['moved'] / 1e6:.1f} MB of state each way per step, {result['files']} files\n")
+    print("| clock | paged step (s) | unpaged step (s) | floor: pread + pwrite of the same bytes (s) "
+          "| paging's cost / floor | paged / (unpaged + floor) | paged / unpaged |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for clock, suffix in (("wall", ""), ("process CPU", "_cpu")):
+        r = result["wall" if not suffix else "cpu"]
+        print(f"| {clock} | {m['paged' + suffix]:.3f} | {m['unpaged' + suffix]:.3f} | {m['floor' + suffix]:.3f} "
+              f"| {r['cost_over_floor']:.2f}x | {r['paged_over_serial']:.2f}x | {r['paged_over_unpaged']:.2f}x |")
+    print("\n(times: medians over the rounds; ratios: medians of the per-round ratios; process CPU: all threads)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,7 +451,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.environ.get('LOWMEMOPT_COMPILE', '1')}\n")
     sys.stdout.flush()
     t0 = time.perf_counter()
-    if device.type == "cuda":
+    if args.disk_floor:
+        results = disk_floor(args)
+        print_disk_floor(results)
+    elif device.type == "cuda":
         results = run_gpu(args)
         print_gpu_table(results, args.bits)
     else:

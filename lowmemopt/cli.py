@@ -379,7 +379,8 @@ def _estimate(args: argparse.Namespace) -> int:
                   f"{format_bytes(r.state)} | {format_bytes(r.total)} |")
     if any(fits_of.values()):
         print("state: state_bits=N; GaLore rank R: lowmemopt.galore_param_groups(model, rank=R) as the params; paged: "
-              "paged=True (state in host RAM, the device holds 3 parameters' state at a time); per-layer: "
+              "paged=True (state in host RAM except what the device has room for; page_budget_bytes=0 guarantees the "
+              "device holds only 3 buckets of state at a time); per-layer: "
               "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no global-norm "
               "clipping). See README.md.")
     return 0

@@ -17,8 +17,9 @@ Storage options (constructor keywords, also settable per param group):
 * ``block_size``: elements per quantization block (a power of two >= 16); default (None) 256, or 128 where
   ``state_bits`` is 4 (a param group that sets ``state_bits`` and no ``block_size`` gets its bits' default).
 * ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
-* ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` (0): keep the state in host RAM (``"cpu"``/True) or in
-  files (``"disk"``) between steps, bringing each parameter's state to its device while it updates
+* ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` ("auto"), ``page_headroom_bytes`` (None): keep the state
+  in host RAM (``"cpu"``/True) or in files (``"disk"``) between steps, bringing each parameter's state to its device
+  while it updates, except what the budget keeps resident ("auto": what a CUDA device has room for, less the headroom)
   (:mod:`lowmemopt.paging`: the pipeline's stage and write-back stages; the load and state_dict hooks keep it paged).
 * ``bf16_update`` ("nearest"): how a bfloat16 or float16 parameter takes the fp32 result, round to nearest,
   ``"stochastic"`` or ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
@@ -135,7 +136,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     """Base class: a ``torch.optim.Optimizer`` with lazily created, format-aware state. See the module docstring.
 
     Keyword-only, on every optimizer: the storage options (``state_bits``, ``block_size``, ``min_quant_numel``,
-    ``paged``, ``offload_dir``, ``page_budget_bytes``, ``bf16_update``, ``capturable``; also per param group) and
+    ``paged``, ``offload_dir``, ``page_budget_bytes``, ``page_headroom_bytes``, ``bf16_update``, ``capturable``; also
+    per param group) and
     torch.optim's ``foreach`` / ``fused`` (accepted, choose nothing: the fused kernels always run where they exist) and
     ``differentiable`` (False only)."""
 
@@ -161,7 +163,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         min_quant_numel: int = 4096,
         paged: bool | str = False,
         offload_dir: str | os.PathLike | None = None,
-        page_budget_bytes: int = 0,
+        page_budget_bytes: int | str = "auto",
+        page_headroom_bytes: int | None = None,
         bf16_update: str = "nearest",
         capturable: bool = False,
         foreach: bool | None = None,
@@ -181,6 +184,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             paged=paged,
             offload_dir=offload_dir,
             page_budget_bytes=page_budget_bytes,
+            page_headroom_bytes=page_headroom_bytes,
             bf16_update=bf16_update,
             capturable=capturable,
         )
@@ -400,10 +404,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
             self._scaled_step(plan, work, grads, pager, plan.found_inf)
             return
         # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
-        # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks).
-        pipe = None
-        if pager is None:
-            pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
+        # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks); paged ones
+        # too (a skipped parameter's state goes home unchanged).
+        pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
         finite: list[bool | None] = [None] * len(work)
         on_device = pipeline.device_flags(plan, work, grads, pager, pipe) if DEFER_FINITE_CHECK else None
         if on_device is not None:  # no synchronization: the kernels read the device's flags
@@ -577,6 +580,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         the files, described by a ``manifest.json``). The paged state is dropped and the optimizer cannot step again.
         Also done when the optimizer is garbage-collected or Python exits. Nothing to do for an unpaged optimizer."""
         paging.close(self, keep_files=keep_files)
+
+    def paging_report(self) -> paging.PagingReport:
+        """Where the paged state is: per device, what stays resident and what pages (``print`` it for a summary);
+        per parameter, ``(label, where, bytes)``. Empty for an unpaged optimizer (see docs/paging.md)."""
+        return paging.report(self)
 
     # -- introspection -------------------------------------------------------------------------------------------------
 

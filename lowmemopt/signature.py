@@ -27,7 +27,8 @@ class StorageOptions(TypedDict, total=False):
     min_quant_numel: int
     paged: bool | str
     offload_dir: str | os.PathLike | None
-    page_budget_bytes: int
+    page_budget_bytes: int | str
+    page_headroom_bytes: int | None
     bf16_update: str
     capturable: bool
     foreach: bool | None

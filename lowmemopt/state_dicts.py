@@ -29,8 +29,8 @@ READABLE_FORMATS = (1, 2)
 #: storage and execution options: keyword-only on every optimizer, settable per param group, and this optimizer's
 #: own when a state dict is loaded (not the checkpoint's)
 STORAGE_DEFAULTS = dict(
-    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0,
-    bf16_update="nearest", capturable=False,
+    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes="auto",
+    page_headroom_bytes=None, bf16_update="nearest", capturable=False,
 )
 
 

@@ -273,6 +273,23 @@ def test_state_dict_returns_ordinary_tensors_that_later_steps_do_not_change(tmp_
     assert all(_state_equal(loaded["state"][k], sd["state"][k]) for k in sd["state"])
 
 
+def test_cpu_tier_state_saves_with_torch_and_safetensors(tmp_path):
+    """Host-RAM homes share one arena per placement, but each is a tensor of its own storage: torch.save and
+    safetensors (lowmemopt.save_state) take the state dict as they take any, and it loads back exactly."""
+    params = make_params(SHAPES)
+    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="cpu")
+    run(opt, params, 2)
+    sd = opt.state_dict()
+    torch.save(sd, tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    assert all(_state_equal(loaded["state"][k], sd["state"][k]) for k in sd["state"])
+    lowmemopt.save_state(opt, tmp_path / "opt.safetensors")
+    twin = lowmemopt.AdamW(make_params(SHAPES), lr=1e-2, state_bits=8, paged="cpu")
+    lowmemopt.load_state(twin, tmp_path / "opt.safetensors")
+    for a, b in zip(params, twin.param_groups[0]["params"]):
+        assert _state_equal(opt.state[a], twin.state[b])
+
+
 @pytest.mark.parametrize("source", ["same", "unpaged", "torch", "cpu-tier"])
 def test_state_stays_paged_after_load_state_dict(source, tmp_path):
     """Load into a paged optimizer from: its own state_dict, an unpaged twin's, torch.optim.AdamW's (converted to
@@ -437,7 +454,9 @@ def test_disk_full_is_a_clear_error_and_leaves_everything_unchanged(tmp_path, mo
     assert all(opt.state[p]["step"] == 1 for p in extra)
 
 
-def test_parameter_that_changes_device_is_a_clear_error(tmp_path):
+def test_parameter_that_changes_device_is_a_clear_error(tmp_path, monkeypatch):
+    # (the native kernels' bucket keeps a weak reference to each parameter it steps, which swap_tensors refuses)
+    monkeypatch.setattr(lowmemopt.cpu, "ENABLED", False)
     params = make_params(SHAPES)
     opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
     run(opt, params, 2)
@@ -672,9 +691,10 @@ def test_moving_bytes_counts_what_travels_each_step(tmp_path):
     assert paging.moving_bytes(lowmemopt.AdamW(make_params([(8,)]))) == 0
 
     module = load_bench("paging")
-    copies = dict(h2d=20e9, d2h=10e9)
-    assert module.transfer_floor(10**9, "cpu", copies, None) == pytest.approx(0.1)  # the slower direction
+    copies = dict(h2d=20e9, d2h=10e9, both=25e9)
+    floor = module.transfer_floor(10**9, "cpu", copies, None)
+    assert floor == pytest.approx(dict(serial=0.15, both=0.08))  # one way then the other; both ways at 25 GB/s
     files = module.file_bandwidth(str(tmp_path), nbytes=1 << 20)
     assert files["read"] > 0 and files["write"] > 0 and not os.listdir(tmp_path)
-    disk = module.transfer_floor(10**9, "disk", copies, dict(read=1e9, write=1e9))
-    assert disk == pytest.approx(2.0)
+    disk = module.transfer_floor(10**9, "disk", copies, dict(read=1e9, write=0.5e9))
+    assert disk == pytest.approx(dict(serial=2.0, both=2.0))  # the files' writer thread is the slowest

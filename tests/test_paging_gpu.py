@@ -1,5 +1,7 @@
-"""Paged state with CUDA parameters: side-stream prefetch, asynchronous write-back, page-locked homes, the budget.
-Skipped without a CUDA device (conftest.py skips the ``gpu`` marker)."""
+"""Paged state with CUDA parameters: side-stream prefetch, asynchronous write-back on another stream (both copy
+engines at once), page-locked homes, the slots and staging buffers, the budget and ``page_budget_bytes="auto"``.
+Skipped without a CUDA device (conftest.py skips the ``gpu`` marker). Tests of paging pass ``page_budget_bytes=0``:
+the default ("auto") keeps everything resident on a GPU with room."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from optim_info import BY_NAME, STATEFUL
 
 import lowmemopt
 from lowmemopt import paging
+from lowmemopt.paging.schedule import N_SLOTS
+from lowmemopt.pipeline import PAGE_BUCKET_BYTES
 
 pytestmark = pytest.mark.gpu
 
@@ -50,7 +54,7 @@ def _same(opt_a, pa, opt_b, pb):
 def test_cuda_paged_steps_are_bit_identical(name, bits, tier, tmp_path):
     info, kwargs = BY_NAME[name], STATEFUL[name]
     paged, plain = _cuda_params(), _cuda_params()
-    opt = info.cls(paged, state_bits=bits, paged=tier, offload_dir=tmp_path, **kwargs)
+    opt = info.cls(paged, state_bits=bits, paged=tier, offload_dir=tmp_path, page_budget_bytes=0, **kwargs)
     ref = info.cls(plain, state_bits=bits, **kwargs)
     _run(opt, paged, 4)
     _run(ref, plain, 4)
@@ -66,7 +70,8 @@ def test_cuda_paged_steps_are_bit_identical(name, bits, tier, tmp_path):
 def test_budget_keeps_small_state_resident_and_bounds_device_memory(tmp_path):
     """AdamW 32-bit over 8 matrices of 4M elements (256 MiB of state) and 4 vectors: with a budget of the vectors'
     state plus 16 MiB, the vectors stay resident (smallest first) and no matrix fits. During a step the device holds
-    at most three matrices' state at once (the one updating, the next arriving, the last being written back)."""
+    at most its slots (a bucket each: the one updating, the next arriving, the last being written back) beyond the
+    resident state; between steps the slots stay (reused by the next step, the first one already on its way)."""
     shapes = [(1024, 4096)] * 8 + [(4096,)] * 4
     params = _cuda_params(shapes)
     budget = 4 * 4096 * 8 + (16 << 20)
@@ -74,25 +79,29 @@ def test_budget_keeps_small_state_resident_and_bounds_device_memory(tmp_path):
     _run(opt, params, 1)
     where = [paging.where_state_lives(opt, p) for p in params]
     assert where[8:] == ["device"] * 4 and where[:8] == ["cpu"] * 8
-    one = 1024 * 4096 * 8  # one matrix's state (exp_avg + exp_avg_sq, fp32)
+    mover = paging.pager_of(opt).movers[params[0].device]
+    slots = N_SLOTS * mover.slot_bytes
+    assert mover.slot_bytes <= max(PAGE_BUCKET_BYTES, 1024 * 4096 * 8) + (1 << 20)
     for _ in range(2):
         for p in params:
             p.grad = torch.randn_like(p)
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        base = torch.cuda.memory_allocated() - mover.pool_bytes()
+        ptrs = [s.data_ptr() for s in mover.slots if s is not None]
         torch.cuda.reset_peak_memory_stats()
         opt.step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        assert peak <= 3 * one + (8 << 20), (peak, one)
-    assert torch.cuda.memory_allocated() - base < 1 << 20  # between steps: only the resident vectors' state
+        assert peak <= slots + (8 << 20), (peak, slots)
+        assert [s.data_ptr() for s in mover.slots if s is not None][: len(ptrs)] == ptrs  # reused, never grown
+    assert torch.cuda.memory_allocated() - base <= slots + (1 << 20)  # between steps: the slots
 
 
-def test_no_device_synchronize_per_parameter(monkeypatch, tmp_path):
-    """The cpu tier waits on nothing on the host during a step (streams wait on events); the disk tier waits only
-    when more than MAX_DEFERRED write-backs are outstanding."""
+def test_no_device_synchronize_in_a_paged_step(monkeypatch, tmp_path):
+    """The cpu tier waits on nothing on the host during a step (streams wait on events); reading the state waits for
+    the write-backs' events, never for the whole device."""
     params = _cuda_params([(512, 512)] * 12)
-    opt = lowmemopt.AdamW(params, lr=1e-3, state_bits=8, paged="cpu")
+    opt = lowmemopt.AdamW(params, lr=1e-3, state_bits=8, paged="cpu", page_budget_bytes=0)
     _run(opt, params, 1)
     counts = {"device": 0, "event": 0, "stream": 0}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: counts.__setitem__("device", counts["device"] + 1))
@@ -112,13 +121,58 @@ def test_no_device_synchronize_per_parameter(monkeypatch, tmp_path):
         p.grad = torch.randn_like(p)
     opt.step()
     assert counts == {"device": 0, "event": 0, "stream": 0}
-    opt.state_dict()  # reading homes on the host waits for the write-backs: events, not the device
-    assert counts["device"] == 0 and counts["event"] > 0
+    opt.state_dict()
+    assert counts["device"] == 0
+
+
+def test_both_copy_directions_run_at_once(tmp_path):
+    """A profiled paged step (AdamW 8-bit, 24 matrices of 4M elements, buckets of about PAGE_BUCKET_BYTES): the
+    write-back of a bucket (device to host) overlaps the prefetch of a later one (host to device), so the two copy
+    engines work at the same time; copies are coalesced (about one per bucket each way, not one per tensor)."""
+    params = _cuda_params([(2048, 2048)] * 24)
+    opt = lowmemopt.AdamW(params, lr=1e-3, state_bits=8, paged="cpu", page_budget_bytes=0)
+    _run(opt, params, 2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    copies = {"HtoD": [], "DtoH": []}
+    for e in prof.events():
+        for way in copies:
+            if way in e.name:
+                copies[way].append((e.time_range.start, e.time_range.end))
+    assert copies["HtoD"] and copies["DtoH"], [e.name for e in prof.events()][:50]
+    overlap = sum(max(0, min(a1, b1) - max(a0, b0)) for a0, a1 in copies["HtoD"] for b0, b1 in copies["DtoH"])
+    assert overlap > 0, copies
+    moved = paging.moving_bytes(opt)
+    buckets = -(-moved // PAGE_BUCKET_BYTES)
+    assert len(copies["HtoD"]) <= 2 * buckets + 2 and len(copies["DtoH"]) <= 2 * buckets + 2, (copies, buckets)
+
+
+def test_auto_budget_keeps_the_state_resident_when_it_fits_and_pages_under_a_large_headroom(tmp_path):
+    """page_budget_bytes="auto" (the default): on a GPU with room the whole state stays resident and the step is the
+    unpaged one (bit-identical, nothing moves); with a headroom as large as the device, everything pages."""
+    info, kwargs = BY_NAME["AdamW"], STATEFUL["AdamW"]
+    roomy, tight, plain = _cuda_params(), _cuda_params(), _cuda_params()
+    total = torch.cuda.get_device_properties(0).total_memory
+    opt = info.cls(roomy, state_bits=8, paged="cpu", **kwargs)
+    small = info.cls(tight, state_bits=8, paged="disk", offload_dir=tmp_path, page_headroom_bytes=total, **kwargs)
+    ref = info.cls(plain, state_bits=8, **kwargs)
+    for o, ps in ((opt, roomy), (small, tight), (ref, plain)):
+        _run(o, ps, 3)
+    _same(opt, roomy, ref, plain)
+    _same(small, tight, ref, plain)
+    assert all(paging.where_state_lives(opt, p) == "device" for p in roomy) and paging.moving_bytes(opt) == 0
+    assert all(paging.where_state_lives(small, p) == "disk" for p in tight)
+    report = opt.paging_report().devices[0]
+    assert report.budget == "auto" and report.paged_params == 0 and report.headroom_bytes == int(0.1 * total)
 
 
 def test_cuda_parameter_moved_to_cpu_is_a_clear_error(tmp_path):
     params = _cuda_params()
-    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
+    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path, page_budget_bytes=0)
     _run(opt, params, 2)
     before = {k: v.clone() for k, v in opt.state_dict()["state"][1].items() if isinstance(v, torch.Tensor)}
     params[1].data = params[1].data.cpu()
@@ -134,7 +188,7 @@ def test_cuda_parameter_moved_to_cpu_is_a_clear_error(tmp_path):
 def test_load_state_dict_keeps_cuda_state_paged_and_close_frees_everything(tmp_path):
     params = _cuda_params()
     base = torch.cuda.memory_allocated()
-    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
+    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path, page_budget_bytes=0)
     _run(opt, params, 2)
     sd = opt.state_dict()
     assert all(v.device.type == "cpu" for st in sd["state"].values() for v in st.values() if isinstance(v, torch.Tensor))
@@ -142,7 +196,9 @@ def test_load_state_dict_keeps_cuda_state_paged_and_close_frees_everything(tmp_p
     assert all(paging.where_state_lives(opt, p) == "disk" for p in params)
     _run(opt, params, 1, start=2)
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - base < 1 << 20  # no state stays on the device between steps
+    pool = paging.pager_of(opt).movers[params[0].device].pool_bytes()  # (slots; staging is pinned host memory)
+    staging = sum(b.numel() for b in paging.pager_of(opt).movers[params[0].device].stagings if b is not None)
+    assert torch.cuda.memory_allocated() - base < pool - staging + (1 << 20)  # between steps: the slots only
     opt.close()
     assert [f for _, _, fs in os.walk(tmp_path) for f in fs] == []
     assert not paging.pager_of(opt).homes._owned

@@ -50,7 +50,8 @@ def test_the_defaults_shown_are_the_defaults_taken(name):
         opt = cls([torch.nn.Parameter(torch.zeros(3))])
     except (TypeError, ValueError):  # (an optimizer whose lr is required: CAME, FusedSGD)
         opt = cls([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
-    for key in ("state_bits", "min_quant_numel", "paged", "bf16_update", "capturable"):
+    for key in ("state_bits", "min_quant_numel", "paged", "page_budget_bytes", "page_headroom_bytes", "bf16_update",
+                "capturable"):
         assert opt.defaults[key] == params[key].default, key
 
 

@@ -5,11 +5,14 @@ parameter's device only while that parameter updates.
     opt = lowmemopt.PagedAdamW8bit(model.parameters(), page_budget_bytes=2 << 30)   # paged="cpu", 2 GiB resident
 
 Options (keyword-only on every optimizer, settable per param group): ``paged=False | True | "cpu" | "disk"``,
-``offload_dir=`` (for ``"disk"``), ``page_budget_bytes=0``. See ``docs/paging.md``.
+``offload_dir=`` (for ``"disk"``), ``page_budget_bytes="auto" | int``, ``page_headroom_bytes=None | int``. See
+``docs/paging.md``.
 
-Modules: :mod:`.options` (checks), :mod:`.homes` (host and file homes, page handling), :mod:`.movers` (host and CUDA
-transfers), :mod:`.pager` (the residency manager). The functions below are the hooks the optimizer and the checkpoint
-code call; each is a no-op for an optimizer without paged groups.
+Modules: :mod:`.options` (checks), :mod:`.homes` (host and file homes, page handling), :mod:`.schedule` (which buffer
+each bucket uses and what each copy waits for), :mod:`.engine` (the schedule carried out: streams and events on CUDA,
+I/O threads for files), :mod:`.residency` (what stays on the device: the budget, ``"auto"``, the report),
+:mod:`.placement` (homes and residency of new state), :mod:`.pager` (the residency manager). The functions below are
+the hooks the optimizer and the checkpoint code call; each is a no-op for an optimizer without paged groups.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .options import check_paging, tier_of
 from .entry import Entry
 from .pager import Pager, StateOwner
+from .residency import PagingReport
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Entry",
     "Pager",
+    "PagingReport",
     "StateOwner",
     "check_paging",
     "close",
@@ -36,6 +41,7 @@ __all__ = [
     "moving_bytes",
     "pager_of",
     "reconcile",
+    "report",
     "settle",
     "stage",
     "tier_of",
@@ -120,3 +126,10 @@ def close(optimizer: StateOwner, keep_files: bool = False) -> None:
     pager = _existing(optimizer)
     if pager is not None:
         pager.close(keep_files=keep_files)
+
+
+def report(optimizer: StateOwner) -> PagingReport:
+    """Where the optimizer's paged state is: per device, what stays resident, what pages to each tier and the
+    buffers paging holds; per parameter, where its state is (see :class:`~.residency.PagingReport`)."""
+    pager = _existing(optimizer)
+    return pager.report() if pager is not None else PagingReport([], [])

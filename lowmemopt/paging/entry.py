@@ -22,7 +22,9 @@ class Entry:
     nbytes: int = 0  # bytes of its state when placed (what a resident entry takes of the budget)
     state: dict[str, Any] | None = None  # the home state installed in optimizer.state (None before the first step)
     reserved: dict[str, torch.Tensor] | None = None  # homes made ahead of the state's first write-back
-    written: Any = None  # CUDA: event of the last write-back
+    #: the dict its working state is installed in while it steps: the same object every step (launch arguments
+    #: cached by the state's identity stay valid), emptied after each write-back
+    working: dict[str, Any] | None = None
 
     def home_tensors(self) -> dict[str, torch.Tensor]:
         if self.state is None:

@@ -33,11 +33,29 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Homes", "transfer", "drop_pages", "will_need", "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
+__all__ = ["Homes", "transfer", "drop_pages", "will_need", "layout_offsets", "layout_bytes", "ALIGN",
+           "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
 
 COPY_CHUNK_BYTES = 2 << 20  # copies through a mapping (no pread/pwrite) go this far at a time, dropping pages behind
 IO_CHUNK_BYTES = 1 << 30  # one pread / pwrite call at most (Linux caps a single call near 2 GiB)
 _PAGE = mmap.PAGESIZE
+#: tensors laid out in one buffer (an arena of homes, a device slot, a staging buffer) start at multiples of this
+ALIGN = 256
+
+
+def layout_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of buffers of ``sizes`` bytes laid out one after the other, each at a multiple of :data:`ALIGN`
+    (empty ones take no room), and the bytes of the whole."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    return offsets, total
+
+
+def layout_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes that ``tensors`` take laid out in one buffer (:func:`layout_offsets`)."""
+    return layout_offsets([t.numel() * t.element_size() for t in tensors])[1]
 _MADV_WILLNEED, _MADV_DONTNEED = 3, 4
 
 
@@ -69,6 +87,9 @@ class Homes:
 
     def __init__(self) -> None:
         self._owned: dict[int, _Owned] = {}
+        self._views: dict[int, int] = {}  # address of a home inside an arena -> the arena's storage address
+        self._refs: dict[int, int] = {}  # arena storage address -> its homes not freed yet
+        self._arenas: dict[int, torch.Tensor] = {}  # arena storage address -> the arena's buffer
         self._dirs: dict[str, str] = {}  # offload_dir -> this optimizer's directory in it
         self._count = 0
 
@@ -94,6 +115,43 @@ class Homes:
             raise RuntimeError(f"cudaHostRegister of {locked} bytes of optimizer state failed with CUDA error {code}")
         self._owned[buf.untyped_storage().data_ptr()] = _Owned(None, t.data_ptr(), 0)
         return t
+
+    def arena(self, layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
+        """Uninitialized host tensors of ``layout`` (shape, dtype), laid out one after the other in one buffer at the
+        offsets :func:`layout_offsets` gives (a device slot's layout, so that a bucket of neighbours moves in one
+        copy: :meth:`buffer_of`); page-locked if ``pin``. Each is a tensor of its own storage (``torch.save`` and
+        safetensors see separate tensors; each keeps the buffer alive), freed on its own (:meth:`free`); the buffer is
+        unpinned with the last one. Empty tensors get no place in it."""
+        offsets, total = layout_offsets([torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout])
+        if total == 0:
+            return [self.host(shape, dtype, pin=False) for shape, dtype in layout]
+        if pin:
+            whole = self.host(torch.Size([total]), torch.uint8, pin=True)
+        else:
+            whole = torch.empty(total + ALIGN, dtype=torch.uint8)
+            whole = whole[-whole.data_ptr() % ALIGN :][:total]
+            self._owned[whole.untyped_storage().data_ptr()] = _Owned(None, 0, 0)
+        base = whole.untyped_storage().data_ptr()
+        self._arenas[base] = whole
+        data = whole.numpy()
+        out = []
+        for (shape, dtype), offset in zip(layout, offsets):
+            numel = torch.Size(shape).numel()
+            if numel == 0:
+                out.append(self.host(shape, dtype, pin=False))
+                continue
+            t = torch.from_numpy(data[offset : offset + numel * dtype.itemsize]).view(dtype).view(shape)
+            self._views[t.data_ptr()] = base
+            self._refs[base] = self._refs.get(base, 0) + 1
+            out.append(t)
+        return out
+
+    def buffer_of(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A tensor whose storage holds ``t``'s bytes and its neighbours' (an arena's buffer, else ``t`` itself), and
+        ``t``'s byte offset in that storage: what a copy of several neighbours at once is cut from."""
+        base = self._views.get(t.data_ptr()) if t.device.type == "cpu" else None
+        holder = t if base is None else self._arenas[base]
+        return holder, t.data_ptr() - holder.untyped_storage().data_ptr()
 
     def file(self, shape: torch.Size, dtype: torch.dtype, offload_dir: str, label: str) -> torch.Tensor:
         """A zero-filled tensor mapped from a new file under ``offload_dir``, its space reserved on the disk.
@@ -166,6 +224,17 @@ class Homes:
         """Give back what ``t``'s home holds: its file is deleted (the mapping stays valid for anyone still holding
         the tensor), its page-lock undone. The caller makes sure no copy into or out of it is still in flight."""
         ptr = t.untyped_storage().data_ptr()
+        base = self._views.pop(t.data_ptr(), None) if t.numel() else None
+        if base is not None:  # a home in an arena: the arena goes with its last home
+            self._refs[base] -= 1
+            if self._refs[base]:
+                return
+            del self._refs[base]
+            del self._arenas[base]
+            ptr = base
+        self._drop(ptr, keep_file)
+
+    def _drop(self, ptr: int, keep_file: bool = False) -> None:
         owned = self._owned.pop(ptr, None)
         if owned is None:
             return
@@ -187,6 +256,11 @@ class Homes:
         ``keep_files``: then the files stay, described by ``manifest.json``)."""
         for t in tensors:
             self.free(t, keep_file=keep_files)
+        for base in list(self._refs):  # arenas some of whose homes were not among ``tensors``
+            self._drop(base)
+        self._refs.clear()
+        self._views.clear()
+        self._arenas.clear()
         self._owned.clear()
         for directory in self._dirs.values():
             if keep_files:

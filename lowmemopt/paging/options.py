@@ -4,7 +4,10 @@
   the parameter is on a CUDA device), ``"disk"`` (home: memory-mapped files under ``offload_dir``).
 * ``offload_dir``: a directory for ``paged="disk"`` (required there, created if missing, must be writable).
 * ``page_budget_bytes``: bytes of this group's paged state that may stay resident on the parameter's device (0: all of
-  it pages).
+  it pages), or ``"auto"`` (the default): what a CUDA device has room for at the peak of a step, less
+  ``page_headroom_bytes`` (:mod:`.residency`).
+* ``page_headroom_bytes``: with ``"auto"``, bytes of the device kept free at the peak of a step; None (the default):
+  10% of the device's memory.
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ def check_paging(group: dict[str, Any]) -> None:
     paged = group.get("paged", False)
     if paged is not None and paged is not False and (not isinstance(paged, (bool, str)) or paged not in _TIERS):
         raise ValueError(f"Invalid paged: {paged!r} (supported: False, True, 'cpu', 'disk')")
-    budget = group.get("page_budget_bytes", 0)
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"Invalid page_budget_bytes: {budget!r} (must be an int >= 0)")
+    budget = group.get("page_budget_bytes", "auto")
+    if not (isinstance(budget, str) and budget == "auto") and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"Invalid page_budget_bytes: {budget!r} (must be an int >= 0, or 'auto')")
+    headroom = group.get("page_headroom_bytes")
+    if headroom is not None and (isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0):
+        raise ValueError(f"Invalid page_headroom_bytes: {headroom!r} (must be an int >= 0, or None: 10% of the "
+                         "device's memory)")
     offload_dir = group.get("offload_dir")
     if offload_dir is not None:
         if not isinstance(offload_dir, (str, os.PathLike)):

@@ -4,22 +4,28 @@ Between steps, a paged parameter's entry in ``optimizer.state`` holds its *home*
 see :mod:`~lowmemopt.paging.homes`) and its ints, under the usual keys: the state is still plain named tensors, whatever
 they are called (``exp_avg.codes``, a GaLore projector, ...). Nothing here looks at slot names.
 
-During ``step()`` (see :meth:`Pager.batches`), for each batch of parameters in turn (the step pipeline's *stage*
-and *write back*, :mod:`lowmemopt.pipeline`)::
+During ``step()`` (see :meth:`Pager.batches`), the parameters go through in *buckets* (the step pipeline's *stage*
+and *write back*, :mod:`lowmemopt.pipeline`), each moved by its device's :class:`~.engine.Mover` on the schedule of
+:mod:`.schedule`::
 
-    fetch(batch):   optimizer.state[p] = working copy on p's device (already prefetched, or loaded now);
-                    start prefetching the next batch's state
-    the pipeline's update of the batch: one fused backend call per bucket (or the per-parameter path)
-    release(batch): write the working copies back to their homes (asynchronously on CUDA);
-                    optimizer.state[p] = home state
+    prefetch:  bucket k + 2 on its way (files read ahead), bucket k + 1's copy to the device issued
+    load(k):   optimizer.state[p] = working copies, views into one of the device's slots
+    the pipeline's update of bucket k: one fused backend call per bucket (or the per-parameter path)
+    store(k):  the working copies written back (asynchronously: a side stream, the writer thread);
+               optimizer.state[p] = home state
 
-Before anything changes, :meth:`Pager.begin` checks every parameter (its device is the one its state was made for)
-and makes room for state that does not exist yet (files are created and their space reserved), so a full disk or an
-unwritable ``offload_dir`` raises while the optimizer is still as it was.
+When a step ends, the first bucket of the next pass (the next step's, or with per-layer updates the next layer's, as
+seen the last time round) starts on its way, so its copy overlaps the forward pass; a pass that starts with another
+bucket drops it.
 
-Budget: within a param group, state of up to ``page_budget_bytes`` stays *resident* on the parameter's device (as if
-unpaged). The choice is made once per parameter, when the manager first sees it: a group's new parameters are taken
-smallest first (the most parameters per byte, each one a transfer saved every step) while they fit.
+Before anything changes, :meth:`Pager.begin` checks every parameter (its device is the one its state was made for),
+makes room for state that does not exist yet (files are created and their space reserved), so a full disk or an
+unwritable ``offload_dir`` raises while the optimizer is still as it was, and evicts resident state where the device
+has run short of room (``page_budget_bytes="auto"``, :mod:`.residency`).
+
+Budget (:mod:`.residency`): a group's state of up to ``page_budget_bytes`` (or, with ``"auto"``, what the device has
+room for) stays *resident* on the parameter's device (as if unpaged), decided when the manager first sees each
+parameter.
 
 Loads: ``load_state_dict`` and :func:`lowmemopt.load_state` place loaded state straight into new homes
 (:meth:`Pager.stage`), then swap them in (:meth:`Pager.reconcile`) and free the old ones, so state stays paged after
@@ -31,16 +37,30 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
+from .engine import Bucket, Mover
 from .entry import Entry
 from .homes import Homes, drop_pages, transfer
-from .movers import CudaMover, HostMover, mover_for
 from .options import tier_of
+from .placement import (FirstState, buckets_of, check_plain, choose_resident, fill_homes, initial_layout,
+                        largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
+from .residency import AUTO, AutoRoom, PagingReport, build_report, evictions, probe
 
-__all__ = ["Entry", "Pager", "StateOwner"]
+__all__ = ["Entry", "Pager", "StateOwner", "LOOKAHEAD"]
+
+#: buckets on their way ahead of the one updating, at most (and as the device's slots allow): the next one's copy
+#: issued, the one after read from its files
+LOOKAHEAD = 2
+#: a bucket of moving state, until a step says (the pipeline's PAGE_BUCKET_BYTES): sizes the in-flight buffers
+_DEFAULT_BUCKET_BYTES = 64 << 20
+#: buckets of CPU parameters hold at most this much state (the host's memory holds two: the one updating and the one
+#: read ahead; smaller ones overlap the files' reads and writes with the update sooner)
+HOST_BUCKET_BYTES = 32 << 20
+
+Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
 
 class StateOwner(Protocol):
@@ -51,23 +71,11 @@ class StateOwner(Protocol):
     param_groups: list[dict[str, Any]]
 
 
-#: ``first_state(p, group)``: the state ``p``'s first step makes, in ``state[p]`` (on a meta twin: shapes only)
-FirstState = Callable[[torch.Tensor, dict[str, Any]], dict[str, Any]]
-
-
-def _tensors(state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in (state or {}).items() if isinstance(v, torch.Tensor)}
-
-
 def _reraise(e: BaseException, note: str) -> None:
     """Raise ``e`` again; an OSError gets ``note`` (what happened to the state) added to its message."""
     if isinstance(e, OSError) and e.errno is not None:
         raise type(e)(e.errno, f"{e.strerror}; {note}") from e
     raise e
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class Pager:
@@ -77,18 +85,24 @@ class Pager:
         self._optimizer = weakref.ref(optimizer)  # no strong reference: the finalizer below must not keep it alive
         self.homes = Homes()
         self.entries: dict[torch.Tensor, Entry] = {}
-        self.movers: dict[torch.device, HostMover | CudaMover] = {}
-        self.inflight: dict[torch.Tensor, Any] = {}  # prefetched, not yet fetched
+        self.movers: dict[torch.device, Mover] = {}
+        self.rooms: dict[torch.device, AutoRoom] = {}  # "auto" residency per CUDA device
         self.staged: dict[torch.Tensor, Entry] = {}  # made by a load, installed by reconcile()
+        self.bucket_bytes = _DEFAULT_BUCKET_BYTES
         self.closed = False
+        self._early: tuple[list[torch.Tensor], Bucket] | None = None  # the next pass's first bucket, on its way
+        self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
+        self._last: tuple[int, ...] | None = None  # the last pass's last bucket
         self._finalizer = weakref.finalize(optimizer, self.close)
 
     # -- the step ----------------------------------------------------------------------------------------------------
 
-    def begin(self, work: list[tuple[torch.Tensor, dict[str, Any]]], first_state: FirstState | None = None) -> None:
+    def begin(self, work: Work, first_state: FirstState | None = None) -> None:
         """Check the parameters about to step and make homes for state the manager has not placed yet (a parameter
-        without state: homes laid out by ``first_state`` on a meta twin, or made at its first write-back). Raises
-        (ValueError, TypeError, OSError) before anything is changed."""
+        without state: homes laid out by ``first_state`` on a meta twin, or made at its first write-back); raises
+        (ValueError, TypeError, OSError) before anything is changed. Then raise a write-back that failed since the
+        last step (its state is kept on the device), and evict resident state where ``"auto"`` finds the device short
+        of room."""
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
@@ -115,7 +129,9 @@ class Pager:
                     continue
                 # the state was replaced by a route that bypassed the load hooks: give it a home now
             fresh.append((p, group, tier, current if current else None))
+        self.check_writes()
         if fresh:
+            self._drop_early()
             made = self._place(fresh, first_state)
             for p in made:
                 old = self.entries.pop(p, None)
@@ -124,85 +140,102 @@ class Pager:
                 self.entries[p] = made[p]
                 if made[p].state is not None:
                     opt.state[p] = made[p].state
+        self._evict_where_short(work)
 
-    def steps(self, todo: list[tuple[torch.Tensor, dict[str, Any]]]) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
-        """Yield each (param, group) of ``todo`` with its state on the param's device in ``optimizer.state``, the
-        next one's already on its way; write it back when the caller asks for the next. If the caller fails during a
-        param, that param's home keeps the state it had before the step."""
-        for batch in self.batches(todo, 0):
-            yield from batch
-
-    def batches(self, todo: list[tuple[torch.Tensor, dict[str, Any]]],
-                bucket_bytes: int) -> Iterator[list[tuple[torch.Tensor, dict[str, Any]]]]:
+    def batches(self, todo: Work, bucket_bytes: int) -> Iterator[Work]:
         """Yield ``todo`` in consecutive batches, each with the state of its params on their device in
         ``optimizer.state`` (working copies), so that a backend can step the whole batch at once: the step
-        pipeline's *stage* and *write back*. A batch holds paged params until their state reaches ``bucket_bytes``
-        (at least one; 0: one param per batch); params whose state does not move (resident within the budget, or of an
-        unpaged group) ride along in the first batch. While the caller steps one batch, the next one's state is
-        already on its way (CUDA: on a side stream); a batch is written back when the caller asks for the next.
+        pipeline's *stage* and *write back*. A batch holds paged params of one device and tier until their state
+        reaches ``bucket_bytes`` (at least one; 0: one param per batch); params whose state does not move (resident
+        within the budget, or of an unpaged group) ride along in the first batch. While the caller steps one batch,
+        the next ones are on their way (:data:`LOOKAHEAD`); a batch is written back when the caller asks for the
+        next.
 
-        Device memory for moving state is at most two batches (the one stepping and the one prefetched). If the
-        caller fails during a batch, every param of that batch keeps in its home the state it had before the
-        step."""
-        chunks = self._chunks(todo, bucket_bytes)
+        Device memory for moving state: the device's slots (:data:`~.schedule.N_SLOTS` buckets). If the caller fails
+        during a batch, every param of that batch keeps in its home the state it had before the step."""
+        if bucket_bytes:
+            self.bucket_bytes = bucket_bytes
+        chunks = buckets_of(todo, self.entries, bucket_bytes, HOST_BUCKET_BYTES)
+        moving = [[p for p, _ in chunk if self._moves(p)] for chunk in chunks]
+        for device, nbytes in largest_buckets(moving, self.entries).items():
+            self._mover(device).reserve(nbytes)
+        handles = self._adopt_early(moving[0] if moving else [])
+        positions, count = [], {}  # each bucket's place among its device's buckets of this pass
+        for params in moving:
+            device = self.entries[params[0]].device if params else None
+            positions.append(count.get(device, 0))
+            count[device] = positions[-1] + 1
+        finished = False
         try:
             for k, chunk in enumerate(chunks):
-                moving = [p for p, _ in chunk if self._moves(p)]
-                for slot, p in enumerate(moving):
-                    self._fetch(p, slot)
-                if k + 1 < len(chunks):
-                    for q, _ in chunks[k + 1]:
-                        if self._moves(q) and q not in self.inflight and self.entries[q].state is not None:
-                            self.inflight[q] = self._mover(q).prefetch(self.entries[q])
+                for j in range(k, min(len(chunks), k + LOOKAHEAD + 1)):
+                    if j not in handles and moving[j]:
+                        mover = self._mover_of(moving[j])
+                        if not mover.can_prefetch():  # (its slots are held by the buckets before: later then)
+                            break
+                        handles[j] = mover.prefetch([self.entries[p] for p in moving[j]], positions[j])
+                if k + 1 in handles:
+                    self._mover_of(moving[k + 1]).advance(handles[k + 1])
+                bucket = handles.pop(k, None)
                 done = False
                 try:
+                    if bucket is not None:
+                        self._load(moving[k], bucket)
                     yield chunk
                     done = True
                 finally:
-                    if done:
-                        self._release_all(moving)
-                    else:
-                        for p in moving:
-                            self._abort(p)
-            for mover in self.movers.values():
-                mover.poll()
+                    if bucket is not None:
+                        if done:
+                            self._store(moving[k], bucket)
+                        else:
+                            for p in moving[k]:
+                                self._abort(p)
+                            self._mover_of(moving[k]).discard(bucket)
+            finished = True
         finally:
-            for p, handle in self.inflight.items():
-                self._mover(p).discard(handle)
-            self.inflight.clear()
+            for j, bucket in handles.items():
+                self._mover_of(moving[j]).discard(bucket)
+            for device, mover in self.movers.items():
+                if device.type == "cpu":  # the step's files are written when it returns (no stream to order them)
+                    mover.settle()
+            if finished:  # (after a failure, the first error stands; a failed write-back is raised next time)
+                self.check_writes()
+        passed = [ps for ps in moving if ps]
+        if passed:
+            self._last = tuple(map(id, passed[-1]))
+        self._prefetch_next()
 
-    def _chunks(self, todo: list[tuple[torch.Tensor, dict[str, Any]]],
-                bucket_bytes: int) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
-        """Consecutive batches of ``todo`` (see :meth:`batches`)."""
-        still = [item for item in todo if not self._moves(item[0])]
-        chunks: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []
-        size = 0
-        for item in todo:
-            if not self._moves(item[0]):
-                continue
-            nbytes = _nbytes(self.entries[item[0]].home_tensors())
-            if not chunks or size + nbytes > bucket_bytes:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(item)
-            size += nbytes
-        if still:
-            if chunks:
-                chunks[0] = still + chunks[0]
-            else:
-                chunks.append(still)
-        return chunks
+    def _adopt_early(self, first: list[torch.Tensor]) -> dict[int, Bucket]:
+        """The next pass's first bucket, prefetched when the last one ended: used if it is this pass's first bucket,
+        else dropped. Also learns which bucket follows the last pass's last one."""
+        if self._last is not None and first:
+            if len(self._follows) > 4096:  # (a bound: a pass per layer of a very deep model)
+                self._follows.clear()
+            self._follows[self._last] = list(first)
+        early, self._early = self._early, None
+        if early is None:
+            return {}
+        params, bucket = early
+        if len(params) == len(first) and all(a is b for a, b in zip(params, first)):
+            return {0: bucket}
+        self._mover_of(params).discard(bucket)
+        return {}
 
-    def _release_all(self, moving: list[torch.Tensor]) -> None:
-        """Write back every param of a batch; the first failure is raised after the others are written back."""
-        error: BaseException | None = None
-        for p in moving:
-            try:
-                self._release(p)
-            except BaseException as e:  # noqa: BLE001 - re-raised below, once the rest of the batch is home
-                error = error or e
-        if error is not None:
-            raise error
+    def _prefetch_next(self) -> None:
+        """Start the bucket that followed this pass's last bucket the last time round (see the module docstring)."""
+        params = self._follows.get(self._last) if self._last is not None else None
+        if not params or self.closed or any(not self._moves(p) or self.entries[p].state is None for p in params):
+            return
+        if len({(self.entries[p].device, self.entries[p].tier) for p in params}) != 1:
+            return
+        self._early = (params, self._mover_of(params).prefetch([self.entries[p] for p in params], 0))
+
+    def _drop_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            mover = self._mover_of(early[0])
+            mover.discard(early[1])
+            mover.settle()  # its copies read homes that are about to change
 
     def moves_any(self, work: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> bool:
         """May the state of any (param, group) of ``work`` move this step: paged and not resident within the budget,
@@ -220,50 +253,81 @@ class Pager:
         entry = self.entries.get(p)
         return entry is not None and not entry.resident
 
-    def _fetch(self, p: torch.Tensor, slot: int = 0) -> None:
-        """Install ``p``'s working state (``slot``: its position in the batch, for movers that reuse buffers)."""
-        entry, opt = self.entries[p], self._opt()
-        handle = self.inflight.pop(p, None)
-        if entry.state is None:  # first step: the optimizer makes the state, in this dict, on the device
-            self._mover(p).discard(handle)
-            opt.state[p] = {}
-            return
-        tensors = self._mover(p).load(entry, handle, slot)
-        opt.state[p] = {k: tensors.get(k, v) for k, v in entry.state.items()}
+    def _load(self, params: list[torch.Tensor], bucket: Bucket) -> None:
+        """Install the working state of a bucket's params (a state not made yet: an empty dict, for the optimizer)."""
+        opt = self._opt()
+        working = self._mover_of(params).load(bucket)
+        for p in params:
+            entry = self.entries[p]
+            state = entry.working = entry.working if entry.working is not None else {}
+            state.clear()
+            if entry.state is not None:  # (else the first step: the optimizer makes the state, in this dict)
+                tensors = working.get(entry, {})
+                state.update({k: tensors.get(k, v) for k, v in entry.state.items()})
+            opt.state[p] = state
 
-    def _release(self, p: torch.Tensor) -> None:
-        entry, opt = self.entries[p], self._opt()
-        working = opt.state[p]
-        tensors = _tensors(working)
-        homes = entry.home_tensors()
-        changed = {k: t for k, t in tensors.items() if k not in homes or homes[k].shape != t.shape
-                   or homes[k].dtype != t.dtype}
-        made: dict[str, torch.Tensor] = {}
-        try:
-            for k, t in changed.items():  # tensors new or re-shaped since the last write-back (rare)
-                made[k] = self._alloc(entry, k, t)
-            stale = [homes[k] for k in homes if k not in tensors or k in made]
-            if stale:
-                self._settle(entry)
-                for t in stale:
+    def _store(self, params: list[torch.Tensor], bucket: Bucket) -> None:
+        """Write a bucket back and install the homes; a param that has no room for a new home keeps its updated
+        state on the device (resident); the first such failure is raised once the rest of the bucket is home."""
+        opt = self._opt()
+        items, installs, error = [], [], None
+        for p in params:
+            entry, working = self.entries[p], opt.state[p]
+            tensors, homes = tensors_of(working), entry.home_tensors()
+            changed = {k: t for k, t in tensors.items() if k not in homes or homes[k].shape != t.shape
+                       or homes[k].dtype != t.dtype}
+            made: dict[str, torch.Tensor] = {}
+            try:
+                for k, t in changed.items():  # tensors new or re-shaped since the last write-back (rare)
+                    made[k] = self._alloc(entry, k, t)
+                stale = [homes[k] for k in homes if k not in tensors or k in made]
+                if stale:
+                    self._settle(entry)
+                    for t in stale:
+                        self.homes.free(t)
+            except BaseException as e:  # noqa: BLE001 - no room for a new home (disk full): raised below
+                for t in made.values():
                     self.homes.free(t)
+                self._make_resident(p, entry, working)
+                error = error or (e, p)
+                continue
             homes.update(made)
-            self._mover(p).store(entry, [(t, homes[k]) for k, t in tensors.items()])
-        except BaseException as e:
-            # no room for a new home (disk full) or an I/O error: the updated state stays with the parameter, on its
-            # device, where it is consistent with the parameter's new value
-            for t in made.values():
-                self.homes.free(t)
-            self._make_resident(p, entry, working)
-            _reraise(e, f"{self._where(p)} was updated; its state stays on {p.device}, no longer paged")
-        state = entry.state if entry.state is not None else {}
-        state.clear()
-        state.update({k: homes[k] if k in tensors else v for k, v in working.items()})
-        entry.state, entry.reserved = state, None
-        opt.state[p] = state
+            items.append((entry, [(k, t, homes[k]) for k, t in tensors.items()]))
+            installs.append((p, entry, working, homes, tensors))
+        self._mover_of(params).store(bucket, items)
+        for p, entry, working, homes, tensors in installs:
+            state = entry.state if entry.state is not None else {}
+            state.clear()
+            state.update({k: homes[k] if k in tensors else v for k, v in working.items()})
+            entry.state, entry.reserved = state, None
+            opt.state[p] = state
+            if working is entry.working:
+                working.clear()  # (its tensors go: the first step's state, made on the device, is freed)
+        if error is not None:
+            _reraise(error[0], f"{self._where(error[1])} was updated; its state stays on {error[1].device}, "
+                               "no longer paged")
+
+    def check_writes(self) -> None:
+        """Raise the first write-back that failed (an I/O error on a file), after keeping the state of every param
+        whose write failed on its device (resident), consistent with its updated value."""
+        error = None
+        for mover in self.movers.values():
+            failed, mover.failed = mover.failed, []
+            for entry, tensors, e in failed:
+                p = next((q for q, en in self.entries.items() if en is entry), None)
+                if p is None or entry.state is None:
+                    continue
+                state = {k: tensors[k].to(entry.device) if k in tensors else v for k, v in entry.state.items()}
+                self._make_resident(p, entry, state)
+                error = error or (e, p)
+        if error is not None:
+            _reraise(error[0], f"{self._where(error[1])} was updated; its state stays on {error[1].device}, "
+                               "no longer paged")
 
     def _abort(self, p: torch.Tensor) -> None:
         entry, opt = self.entries[p], self._opt()
+        if entry.working is not None:
+            entry.working.clear()
         if entry.state is None:
             opt.state.pop(p, None)
         else:
@@ -271,115 +335,87 @@ class Pager:
 
     def _make_resident(self, p: torch.Tensor, entry: Entry, working: dict[str, Any]) -> None:
         self._free(entry)
-        # own copies: working tensors may be views into a buffer the mover reuses for the next parameter
+        # own copies: working tensors may be views into a buffer the mover reuses for the next bucket
         working = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in working.items()}
+        if entry.working is not None:
+            entry.working.clear()
         entry.state, entry.reserved, entry.resident = working, None, True
-        entry.nbytes = _nbytes(_tensors(working))
+        entry.nbytes = nbytes_of(tensors_of(working))
         self._opt().state[p] = working
 
-    # -- placement ---------------------------------------------------------------------------------------------------
+    # -- placement and residency -------------------------------------------------------------------------------------
 
     def _place(self, items: list[tuple[torch.Tensor, dict[str, Any], str, dict[str, Any] | None]],
-               first_state: FirstState | None = None) -> dict[
-        torch.Tensor, Entry
-    ]:
+               first_state: FirstState | None = None, resident_ok: bool = True) -> dict[torch.Tensor, Entry]:
         """New entries for ``items`` (param, group, tier, state or None for state not made yet): residency by the
-        budget, homes allocated and filled from the given state (meta tensors: zeros). All or nothing: on error,
-        everything allocated here is freed and the error raised."""
+        budget (none if not ``resident_ok``), homes allocated and filled from the given state (meta tensors: zeros).
+        All or nothing: on error, everything allocated here is freed and the error raised."""
         opt = self._opt()
         index = {id(g): gi for gi, g in enumerate(opt.param_groups)}
         position = {id(q): pi for g in opt.param_groups for pi, q in enumerate(g["params"])}
         layouts = {}
         for p, group, tier, state in items:
-            layouts[p] = _tensors(state) if state is not None else self._initial_layout(opt, p, group, first_state)
-        resident = self._budget(items, layouts, index)
+            layouts[p] = tensors_of(state) if state is not None else initial_layout(opt.state, p, group, first_state)
+        resident = set()
+        if resident_ok:
+            resident = choose_resident(items, layouts, self.entries, self.rooms, self.bucket_bytes)
         made: dict[torch.Tensor, Entry] = {}
         try:
             for p, group, tier, state in items:
                 offload_dir = os.fspath(group["offload_dir"]) if group.get("offload_dir") is not None else None
                 label = f"g{index.get(id(group), -1)}.p{position.get(id(p), -1)}"
-                entry = Entry(tier, p.device, p in resident, offload_dir, label, _nbytes(layouts[p] or {}))
-                made[p] = entry
-                if entry.resident:
-                    if state is not None:
-                        entry.state = {k: self._on_device(v, p.device) for k, v in state.items()}
+                made[p] = Entry(tier, p.device, p in resident, offload_dir, label, nbytes_of(layouts[p] or {}))
+                if made[p].resident and state is not None:
+                    made[p].state = {k: on_device(v, p.device) for k, v in state.items()}
+            paged = [(made[p], layouts[p] or {}) for p, _, _, _ in items if not made[p].resident]
+            make_homes(self.homes, paged, self._alloc)
+            for p, _, _, state in items:
+                entry = made[p]
+                if entry.resident or state is None:
                     continue
-                layout = layouts[p] or {}
-                homes = entry.reserved = {}  # filled one by one, so that a failure frees what was made
-                for k, t in layout.items():
-                    homes[k] = self._alloc(entry, k, t)
-                if state is None:
-                    continue
-                for k, t in layout.items():
-                    if t.device.type == "meta":
-                        if not self.homes.is_file(homes[k]):
-                            homes[k].zero_()
-                    elif t.device.type == "cpu":
-                        transfer(self.homes, homes[k], t)
-                    else:
-                        homes[k].copy_(t)
-                    drop_pages(self.homes, homes[k])
-                entry.state, entry.reserved = {k: homes.get(k, v) for k, v in state.items()}, None
+                fill_homes(self.homes, entry.reserved, layouts[p])
+                entry.state, entry.reserved = {k: entry.reserved.get(k, v) for k, v in state.items()}, None
         except BaseException as e:
             for entry in made.values():
                 self._free(entry)
             _reraise(e, "the optimizer and its state were left as they were")
         return made
 
-    def _budget(self, items, layouts, index) -> set[torch.Tensor]:
-        """Parameters of ``items`` whose state stays resident: per group, smallest first, within what the group's
-        ``page_budget_bytes`` leaves after its resident entries."""
-        resident: set[torch.Tensor] = set()
-        by_group: dict[int, list] = {}
-        for p, group, _, _ in items:
-            by_group.setdefault(id(group), []).append((p, group))
-        for members in by_group.values():
-            group = members[0][1]
-            in_group = {id(q) for q in group["params"]}
-            room = group.get("page_budget_bytes", 0) - sum(
-                e.nbytes for q, e in self.entries.items() if e.resident and id(q) in in_group
-            )
-            sized = sorted(
-                ((_nbytes(layouts[p]) if layouts[p] is not None else None, i, p) for i, (p, _) in enumerate(members)),
-                key=lambda x: (x[0] is None, x[0] or 0, x[1]),
-            )
-            for nbytes, _, p in sized:
-                if nbytes is None or nbytes > room:
-                    break
-                room -= nbytes
-                resident.add(p)
-        return resident
+    def _evict_where_short(self, work: Work) -> None:
+        """``"auto"``: per CUDA device of ``work`` with state resident by it, evict (the largest first) what a grown
+        peak, or free memory under the headroom, asks for (:meth:`AutoRoom.excess`)."""
+        for device in {p.device for p, _ in work if p.device in self.rooms}:
+            memory = probe(device)
+            need = self.rooms[device].excess(memory) if memory is not None else 0
+            if need <= 0:
+                continue
+            opt = self._opt()
+            groups = {id(q): g for g in opt.param_groups for q in g["params"]
+                      if g.get("page_budget_bytes", AUTO) == AUTO and tier_of(g) is not None}
+            held = {p: nbytes_of(tensors_of(opt.state[p])) for p, e in self.entries.items()
+                    if e.resident and e.device == device and id(p) in groups and opt.state.get(p)}
+            for p in evictions(list(held.items()), need):
+                self.rooms[device].evicted(held[p])
+                self._evict(p, groups[id(p)])
 
-    @staticmethod
-    def _initial_layout(opt: StateOwner, p: torch.Tensor, group: dict[str, Any],
-                        first_state: FirstState | None) -> dict[str, torch.Tensor] | None:
-        """The tensors ``p``'s first step will make, as meta tensors (no memory), found by running the optimizer's
-        own initialization on a meta twin of ``p`` (``first_state``: GaLore's for a group with ``rank``). None if
-        that fails (the homes are then made at the first write-back)."""
-        twin = torch.empty_like(p, device="meta")
-        try:
-            if first_state is None:
-                return None
-            return _tensors(first_state(twin, group))
-        except Exception:  # noqa: BLE001 - an algorithm whose state needs more than shapes
-            return None
-        finally:
-            opt.state.pop(twin, None)
+    def _evict(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Give resident ``p``'s state homes and page it from now on (a copy to the host that waits for it)."""
+        opt, old = self._opt(), self.entries[p]
+        entry = self._place([(p, group, old.tier, opt.state[p])], resident_ok=False)[p]
+        self.entries[p] = entry
+        opt.state[p] = entry.state
 
     def _alloc(self, entry: Entry, key: str, like: torch.Tensor) -> torch.Tensor:
-        if like.layout != torch.strided or (type(like) is not torch.Tensor and like.device.type != "meta"):
-            raise TypeError(f"paged optimizer state must be plain dense tensors; '{key}' is {type(like).__name__}")
+        check_plain(key, like)
         if entry.tier == "disk":
             return self.homes.file(like.shape, like.dtype, entry.offload_dir, f"{entry.label}.{key}")
         return self.homes.host(like.shape, like.dtype, pin=entry.device.type == "cuda")
 
-    @staticmethod
-    def _on_device(v: Any, device: torch.device) -> Any:
-        if not isinstance(v, torch.Tensor):
-            return v
-        if v.device.type == "meta":
-            return torch.zeros(v.shape, dtype=v.dtype, device=device)
-        return v.to(device)
+    def report(self) -> PagingReport:
+        """Where each paged parameter's state is, and what each device holds (see :class:`PagingReport`)."""
+        groups = {id(q): g for g in self._opt().param_groups for q in g["params"]}
+        pools = {device: mover.pool_bytes() for device, mover in self.movers.items()}
+        return build_report(self.entries, groups, pools, self.rooms)
 
     # -- loads -------------------------------------------------------------------------------------------------------
 
@@ -391,6 +427,7 @@ class Pager:
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         self.discard_staged()
+        self._drop_early()
         todo = [(p, group, tier_of(group), state) for p, group, state in items if tier_of(group) and state]
         # placed again, their current entries set aside so that their own bytes do not count against the budget
         saved = {p: self.entries.pop(p) for p, _, _, _ in todo if p in self.entries}
@@ -430,9 +467,11 @@ class Pager:
     # -- state_dict, pages, settling ---------------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Wait until every write-back has reached its home (CUDA); host code may then read the homes."""
+        """Wait until every write-back has reached its home; host code may then read the homes. A write-back that
+        failed is raised (its state kept on the device)."""
         for mover in self.movers.values():
             mover.settle()
+        self.check_writes()
 
     def detach_files(self, state_dict: dict[str, Any]) -> None:
         """In a ``state_dict()``: replace file-backed home tensors by ordinary copies (the files are rewritten by
@@ -459,7 +498,7 @@ class Pager:
         """Unmap the file pages of ``state`` (default: of every home) from the process."""
         states = [state] if state is not None else [e.state for e in self.entries.values()]
         for st in states:
-            for t in _tensors(st).values():
+            for t in tensors_of(st).values():
                 drop_pages(self.homes, t)
 
     def where_state_lives(self, p: torch.Tensor) -> str:
@@ -480,6 +519,9 @@ class Pager:
         if entry.resident:
             return
         self._settle(entry)
+        mover = self.movers.get(entry.device)
+        if mover is not None:
+            mover.forget(entry)
         for t in entry.home_tensors().values():
             self.homes.free(t)
         entry.reserved = None
@@ -490,10 +532,12 @@ class Pager:
         if self.closed:
             return
         self.closed = True
-        try:
-            self.settle()
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be torn down
-            pass
+        self._early = None
+        for mover in self.movers.values():
+            try:
+                mover.close()
+            except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be torn down
+                pass
         opt = self._optimizer()
         manifest = []
         tensors = []
@@ -509,8 +553,7 @@ class Pager:
                 opt.state.pop(p, None)
         self.entries.clear()
         self.staged = {}
-        self.inflight.clear()
-        self.movers.clear()  # streams, the CPU working buffer
+        self.movers.clear()  # streams, slots, staging, I/O threads
         self.homes.close(tensors, keep_files=keep_files, manifest=manifest)
         self._finalizer.detach()
 
@@ -522,12 +565,14 @@ class Pager:
             raise RuntimeError("the optimizer of this pager no longer exists")
         return opt
 
-    def _mover(self, p: torch.Tensor) -> HostMover | CudaMover:
-        device = self.entries[p].device
+    def _mover(self, device: torch.device) -> Mover:
         mover = self.movers.get(device)
         if mover is None:
-            mover = self.movers[device] = mover_for(self.homes, device)
+            mover = self.movers[device] = Mover(self.homes, device)
         return mover
+
+    def _mover_of(self, params: list[torch.Tensor]) -> Mover:
+        return self._mover(self.entries[params[0]].device)
 
     def _where(self, p: torch.Tensor) -> str:
         opt = self._optimizer()
@@ -536,4 +581,3 @@ class Pager:
                 if q is p:
                     return f"parameter {pi} of param group {gi}"
         return "a parameter"
-

@@ -39,7 +39,7 @@ from ..distributed.sharding import is_dtensor, local_view
 from ..work import Item, Update, capture
 from .backends import CHUNK_NUMEL, init_state, update_checked, update_flat
 from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
-from .native import step_cpu_bucket
+from .native import step_cpu_bucket, takes as takes_cpu_bucket
 from .plan import Plan, StepRecord
 from .program import update_for
 
@@ -124,10 +124,18 @@ def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[boo
             step_in_order(plan, todo, finite, grads, pipe)
         return
     work = [(p, group) for _, p, group in todo]
+    index = {id(p): i for i, p, _ in todo}
+    cpu_bucket = name is None and takes_cpu_bucket(plan)  # CPU parameters: one native call per batch
     # flags: nothing moves (device_flags: state resident within the budget), so this is the unpaged step
-    for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None else 0):
+    for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None or cpu_bucket else 0):
         left = step_buckets(plan, name, batch, flags) if name is not None else batch
+        if cpu_bucket:  # (it checks the gradients the optimizer left to the pipelined check: finite[i] is None)
+            left = [(p, g) for _, p, g in step_cpu_bucket(plan, [(index[id(p)], p, g) for p, g in left], finite)]
         for p, group in left:
+            if finite[index[id(p)]] is None:  # a pipelined CPU gradient no kernel checked
+                finite[index[id(p)]] = pipe.check(index[id(p)])
+            if finite[index[id(p)]] is False:
+                continue
             if flags is None or flags.finite(p):  # the per-tensor backends need the decision on the host
                 step_param(plan, p, p.grad, group)
 
