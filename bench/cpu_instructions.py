@@ -1,4 +1,4 @@
-"""Instructions per element of the native CPU kernels (``lowmemopt/cpu/kernels.c``), counted by valgrind's callgrind:
+"""Instructions per element of the native CPU kernels (``lowmemopt/cpu/csrc/``), counted by valgrind's callgrind:
 a count that does not depend on what else the machine runs, unlike timings. Also, with ``--time``, each kernel's
 fastest time per element on a parameter that fits in the L2 cache (its compute cost, without memory stalls).
 
@@ -65,8 +65,8 @@ def compile_driver(isa: str, out: Path, numel: int, counting: bool) -> None:
     flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")] + list(build.ISAS[isa][1])
     if counting and "-mno-avx512f" not in flags:
         flags.append("-mno-avx512f")
-    cmd = [os.environ.get("CC", "cc"), *flags, f"-DN={numel}", f'-DKERNELS="{build.SOURCE}"', "-o", str(out),
-           str(HERE / "cpu_kernel_driver.c"), "-lm"]
+    cmd = [os.environ.get("CC", "cc"), *flags, f"-DN={numel}", f"-I{build.CSRC}", "-o", str(out),
+           str(HERE / "cpu_kernel_driver.c"), *map(str, build.SOURCES), "-lm"]
     subprocess.run(cmd, check=True)
 
 

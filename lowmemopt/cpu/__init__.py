@@ -1,6 +1,6 @@
 """Native CPU kernels: each fuses decode -> an algorithm's fp32 math -> encode for one parameter in one pass.
 
-The C source (``kernels.c``) is compiled at first use with the system C compiler and loaded with ctypes
+The C sources (``csrc/``) are compiled at first use with the system C compiler and loaded with ctypes
 (:mod:`lowmemopt.cpu.build`); there is no build step at install time. Each kernel is a fused implementation of one
 algorithm for every (parameter dtype, state format) pair, tested against the eager composition ``StateFormat.decode ->
 math -> StateFormat.encode``, which stays the reference: elementwise results are bit-identical to it (given a correctly

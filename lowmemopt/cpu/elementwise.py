@@ -2,7 +2,7 @@
 hyper-parameters are passed.
 
 Each entry maps an algorithm's name (``"adam"``, ``"lion"``, ``"sgd"``, ``"signsgd"``: what the optimizer declares
-on its pure fp32 math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``kernels.c`` (SignSGD: the SGD
+on its pure fp32 math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``csrc/elementwise.c`` (SignSGD: the SGD
 kernel with its sign flag) and to a function that turns the math's keyword arguments (the group's hyper-parameters
 plus the algorithm's ``step_scalars``) into the kernel's scalars. Scalars are computed here with the same Python
 expressions the math uses (``-lr / bias_correction1``, ``1 - beta1``, ...) and cast to float in C, as torch casts

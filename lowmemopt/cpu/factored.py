@@ -52,7 +52,7 @@ NOT_APPLIED, STEPPED, SKIPPED = 0, 1, 2
 
 
 class Fact(ctypes.Structure):
-    """Mirror of ``lmo_fact`` in ``kernels.c``."""
+    """Mirror of ``lmo_fact`` in ``csrc/lmo.h``."""
 
     _fields_ = [
         ("p", ctypes.c_void_p),

@@ -1,4 +1,4 @@
-"""ctypes mirror of the argument structs in ``kernels.c`` and the helpers that fill them from tensors."""
+"""ctypes mirror of the argument structs in ``csrc/lmo.h`` and the helpers that fill them from tensors."""
 
 from __future__ import annotations
 
