@@ -65,8 +65,8 @@ def compile_driver(isa: str, out: Path, numel: int, counting: bool) -> None:
     flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")] + list(build.ISAS[isa][1])
     if counting and "-mno-avx512f" not in flags:
         flags.append("-mno-avx512f")
-    cmd = [os.environ.get("CC", "cc"), *flags, f"-DN={numel}", f"-I{build.CSRC}", "-o", str(out),
-           str(HERE / "cpu_kernel_driver.c"), *map(str, build.SOURCES), "-lm"]
+    cmd = [os.environ.get("CC", "cc"), *flags, f"-DN={numel}", f'-DKERNELS="{build.SOURCE}"', "-o", str(out),
+           str(HERE / "cpu_kernel_driver.c"), "-lm"]
     subprocess.run(cmd, check=True)
 
 

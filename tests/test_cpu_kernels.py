@@ -314,16 +314,20 @@ def _copy_of_the_sources(tmp_path, monkeypatch):
     copy = tmp_path / "csrc"
     shutil.copytree(build.CSRC, copy)
     monkeypatch.setattr(build, "CSRC", copy)
-    monkeypatch.setattr(build, "SOURCES", tuple(copy / p.name for p in build.SOURCES))
+    monkeypatch.setattr(build, "SOURCE", copy / build.SOURCE.name)
+    monkeypatch.setattr(build, "UNITS", tuple(copy / p.name for p in build.UNITS))
     monkeypatch.setattr(build, "HEADERS", tuple(copy / p.name for p in build.HEADERS))
     return copy
 
 
 def test_the_build_covers_every_source_and_header(tmp_path, monkeypatch):
-    """Every file of csrc/ is a listed unit or header (so the wheel ships it and the build compiles it), and a change
-    to any one of them changes the build's key; the same files give the same key."""
+    """Every file of csrc/ is the compiled source, a listed unit or a header; the source includes every unit, in their
+    order; and a change to any file changes the build's key (the same files give the same key)."""
+    import re
+
     copy = _copy_of_the_sources(tmp_path, monkeypatch)
-    assert {p.name for p in copy.iterdir()} == {p.name for p in build.SOURCES + build.HEADERS}
+    assert {p.name for p in copy.iterdir()} == {p.name for p in (build.SOURCE, *build.UNITS, *build.HEADERS)}
+    assert re.findall(r'^#include "(.+)"$', build.SOURCE.read_text(), re.M) == [p.name for p in build.UNITS]
     base = build.source_key()
     for f in sorted(copy.iterdir()):
         text = f.read_bytes()

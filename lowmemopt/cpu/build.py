@@ -1,9 +1,9 @@
 """Build and load the C kernels (``csrc/``) at first use.
 
-The sources (:data:`SOURCES`: the row runner, the elementwise steps, the codec, the factored steps; their headers
+The sources (:data:`UNITS`: the row runner, the elementwise steps, the codec, the factored steps; their headers
 :data:`HEADERS`: ``lmo.h``, the ABI and what the units share, and the vector code of each instruction set) are compiled
-together into one library, once per (every source and header, compiler, flags, CPU) with the system C compiler -- no
-torch headers, a few seconds -- into ``~/.cache/lowmemopt/cpu-<hash>/`` (``$LOWMEMOPT_CACHE`` overrides the root,
+together as one translation unit (:data:`SOURCE`, ``library.c``, includes the units) into one library, once per
+(every source and header, compiler, flags, CPU) with the system C compiler -- no torch headers, a few seconds -- into ``~/.cache/lowmemopt/cpu-<hash>/`` (``$LOWMEMOPT_CACHE`` overrides the root,
 ``$CC`` the compiler) and loaded with :mod:`ctypes`. ``-march=native`` ties a build to the CPU it was made on, so the
 CPU model and feature flags are part of the hash. The build writes to a temporary name and renames, so concurrent first uses cannot load a half
 written library. ``-fopenmp`` links ``libgomp.so.1``, the OpenMP runtime torch's CPU wheels already loaded: the kernels
@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["ABI_VERSION", "HEADERS", "ISAS", "SOURCES", "build_error", "cache_dir", "compile_library", "cpu_isas",
+__all__ = ["ABI_VERSION", "HEADERS", "ISAS", "SOURCE", "UNITS", "build_error", "cache_dir", "compile_library", "cpu_isas",
            "isa_of", "library", "requested_isa", "source_key"]
 
 ABI_VERSION = 15  # must equal LMO_ABI_VERSION in csrc/lmo.h
@@ -39,9 +39,11 @@ ISAS: dict[str, tuple[int, tuple[str, ...], frozenset[str]]] = {
     "scalar": (0, ("-DLMO_ISA=0",), frozenset()),
 }
 CSRC = Path(__file__).with_name("csrc")
-#: the C units, compiled together into one library
-SOURCES = tuple(CSRC / name for name in ("runner.c", "elementwise.c", "codec.c", "factored.c"))
-#: the headers they include (each a part of the cache key)
+#: what the compiler is given: the units below as one translation unit (it includes them in this order)
+SOURCE = CSRC / "library.c"
+#: the C units, by family
+UNITS = tuple(CSRC / name for name in ("runner.c", "elementwise.c", "codec.c", "factored.c"))
+#: the headers they include
 HEADERS = tuple(CSRC / name for name in ("lmo.h", "vectors_avx512.h", "vectors_avx2.h", "vectors_scalar.h"))
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 OPENMP = ["-fopenmp"]
@@ -111,7 +113,7 @@ def _compiler_version(cc: list[str]) -> str:
 
 def source_key() -> bytes:
     """Every source and header file, name and contents (a change to any one makes a new build)."""
-    files = sorted(set(SOURCES + HEADERS) | set(CSRC.glob("*.[ch]")))
+    files = sorted({SOURCE, *UNITS, *HEADERS} | set(CSRC.glob("*.[ch]")))
     return b"\0".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
 
 
@@ -119,7 +121,7 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> None:
     tmp = tempfile.NamedTemporaryFile(dir=out.parent, prefix=out.name + ".", suffix=".tmp", delete=False)
     tmp.close()
     try:
-        cmd = cc + flags + ["-o", tmp.name, *map(str, SOURCES)]
+        cmd = cc + flags + ["-o", tmp.name, str(SOURCE)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{res.stderr.strip()[-2000:]}")

@@ -3,10 +3,11 @@
  * kernels), the 16-lane vectors of each instruction set (vectors_*.h), the state slots as the row loops see them, and
  * the row runner's interface. The units: runner.c (one parameter's rows, a bucket of parameters, the scan),
  * elementwise.c (Adam / AdamW, Lion, SGD and the parameter write), codec.c (the 8- / 4-bit codec alone), factored.c
- * (Adafactor, CAME).
+ * (Adafactor, CAME). library.c includes them, in that order, into one translation unit: the compiler sees one file
+ * and inlines across the units, so their internals are static and each unit sees what the ones before it define.
  *
- * Built at first use by lowmemopt/cpu/build.py with the system C compiler (no torch headers; all units into one
- * library) and called through ctypes with raw pointers. Each kernel is a fused implementation of one algorithm for any
+ * Built at first use by lowmemopt/cpu/build.py with the system C compiler (no torch headers) and called through
+ * ctypes with raw pointers. Each kernel is a fused implementation of one algorithm for any
  * (parameter dtype, state format) combination; the pure PyTorch composition (StateFormat.decode -> the algorithm's
  * math -> StateFormat.encode) is the reference it is tested against:
  *
@@ -210,7 +211,7 @@ typedef struct {
 
 typedef struct { vf scale, hi, lo, sum; } rowacc; /* sum: NaN if the block may hold a NaN */
 
-static inline void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
+static void slot_rt_init(slot_rt *r, const lmo_slot *s, float *buf) {
     r->data = s->data;
     r->absmax = s->absmax;
     r->packed = s->packed;
@@ -330,19 +331,17 @@ static inline __attribute__((always_inline)) void slot_row_end(const int kind, c
 /* ------------------------------------------------------------------------------------------------------------------ */
 /* the row runner (runner.c), shared by the row kernels (elementwise.c, codec.c)                                       */
 
-#define LMO_INTERNAL __attribute__((visibility("hidden"))) /* shared between the units, not exported */
-
 /* Run rows(args, rt, r0, r1) over [0, nrows) split into one contiguous range per thread. */
 typedef void (*rows_fn)(const lmo_args *a, const slot_rt *rt, int64_t r0, int64_t r1);
 typedef rows_fn (*pick_fn)(const lmo_args *a);
 
 /* fn over a's rows in parallel chunks, then its tail; with a->scan, that sum of squares too (runner.c) */
-LMO_INTERNAL int run_rows(const lmo_args *a, rows_fn fn);
+static int run_rows(const lmo_args *a, rows_fn fn);
 /* n parameters of one algorithm (pick: its rows function per storage kind) in one parallel region (runner.c) */
-LMO_INTERNAL int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick);
+static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick);
 
 /* The slots' storage kind (all slots of a parameter share one: they are chosen by the same rule), or -1. */
-static inline int common_kind(const lmo_args *a) {
+static int common_kind(const lmo_args *a) {
     int k;
     for (k = 1; k < a->nslots; k++)
         if (a->slot[k].kind != a->slot[0].kind) return -1;

@@ -140,7 +140,7 @@ static int args_ok(const lmo_args *a) {
     return 1;
 }
 
-int run_rows(const lmo_args *a, rows_fn fn) {
+static int run_rows(const lmo_args *a, rows_fn fn) {
     int nt = a->nthreads < 1 ? 1 : a->nthreads;
     const int64_t scan_n = a->scan ? a->scan_n : 0, npieces = (scan_n + LMO_SCAN_PIECE - 1) / LMO_SCAN_PIECE;
     const int64_t work = a->nrows * a->bs + scan_n;
@@ -252,7 +252,7 @@ static inline void put_task(lmo_task *tasks, int64_t *at, int64_t t, int kind, i
 /* ok[t] (out): 1 if tensor t was stepped, 0 if its scan found a non-finite sum of squares (nothing of it written).
  * Each a[t] is what run_rows takes, with scan either NULL (no check) or its own gradient (scan_sumsq: where the sum
  * goes); a[0].nthreads threads at most. */
-int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
+static int run_many(const lmo_args *a, int64_t n, uint8_t *ok, pick_fn pick) {
     int64_t t, ntasks = 0, work = 0, at = 0, maxbs = 16;
     int nt = n > 0 && a[0].nthreads > 1 ? a[0].nthreads : 1;
     lmo_task *tasks;
