@@ -31,7 +31,9 @@ import time
 import torch
 
 
-def _optimizer(numel: int, bits: int, fill: bool):
+def random_state(numel: int, bits: int, fill: bool):
+    """An AdamW at ``bits`` over four zero parameters of ``numel / 4`` elements; ``fill``: with a random state (step 7),
+    made without running a step (also the state of ``tests/load_rss_worker.py``)."""
     import lowmemopt
 
     params = [torch.nn.Parameter(torch.zeros(numel // 4)) for _ in range(4)]
@@ -78,14 +80,14 @@ def worker(what: str, numel: int, bits: int, path: str, cold: bool) -> None:
 
     torch.set_num_threads(1)
     if what == "save":
-        opt = _optimizer(numel, bits, fill=True)
+        opt = random_state(numel, bits, fill=True)
         out = _measured(lambda: lowmemopt.save_state(opt, path))
     else:
         warm = path + ".warm"  # code pages and codec tables first: they do not grow with the state
-        lowmemopt.save_state(_optimizer(1 << 16, bits, fill=True), warm)
-        lowmemopt.load_state(_optimizer(1 << 16, bits, fill=False), warm)
+        lowmemopt.save_state(random_state(1 << 16, bits, fill=True), warm)
+        lowmemopt.load_state(random_state(1 << 16, bits, fill=False), warm)
         os.unlink(warm)
-        opt = _optimizer(numel, bits, fill=False)
+        opt = random_state(numel, bits, fill=False)
         out = _measured(lambda: lowmemopt.load_state(opt, path))
     if cold:
         _drop_cache(path)
