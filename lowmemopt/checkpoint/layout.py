@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from ..distributed.files import process_rank, rank_path
 from ..distributed.sharding import is_dtensor
 from ..quant.convert import CheckpointError
-from ..quant.formats import BF16, FP32
+from ..quant.formats import BF16, FP32, FP64
 
 if TYPE_CHECKING:
     from ..optimizer import LowMemOptimizer
@@ -43,7 +43,7 @@ FILE_VERSION = 3
 READABLE_FILE_VERSIONS = (1, 2, 3)
 META_KEY = "lowmemopt"
 META_CRC_KEY = "lowmemopt.crc32"  # the CRC-32 of META_KEY's value (UTF-8), as a decimal string
-DTYPES = {FP32: "F32", BF16: "BF16"}  # safetensors dtype names of the dense formats
+DTYPES = {FP32: "F32", FP64: "F64", BF16: "BF16"}  # safetensors dtype names of the dense formats
 
 
 def param_names(optimizer: LowMemOptimizer, model: torch.nn.Module | None) -> list[tuple[str, int, torch.Tensor]]:

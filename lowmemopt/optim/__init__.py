@@ -1,6 +1,8 @@
 """One module per algorithm: the user-facing class (reference signature) and its fp32 math as a pure function."""
 
 from .adafactor import Adafactor, AdafactorTorch
+from .adam_mini import AdamMini
+from .ademamix import AdEMAMix
 from .adamw import Adam, AdamW, CPUAdam, FusedAdam
 from .came import CAME
 from .hf_adamw import HFAdamW
@@ -12,3 +14,4 @@ from .signsgd import SignSGD
 
 __all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD",
            "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
+__all__ += ["AdEMAMix", "AdamMini"]
