@@ -1,4 +1,4 @@
-"""Instructions per element of the native CPU kernels (``lowmemopt/cpu/kernels.c``), counted by valgrind's callgrind:
+"""Instructions per element of the native CPU kernels (``lowmemopt/cpu/csrc/``), counted by valgrind's callgrind:
 a count that does not depend on what else the machine runs, unlike timings. Also, with ``--time``, each kernel's
 fastest time per element on a parameter that fits in the L2 cache (its compute cost, without memory stalls).
 

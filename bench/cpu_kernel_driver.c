@@ -1,4 +1,4 @@
-/* Driver for bench/cpu_instructions.py: #includes lowmemopt/cpu/kernels.c (path in KERNELS), calls one kernel on one
+/* Driver for bench/cpu_instructions.py: #includes lowmemopt/cpu/csrc/library.c (path in KERNELS), calls one kernel on one
  * parameter of N fp32 elements (N / 1024 rows of 1024 for the factored steps) once to fill its state, then again
  * inside cg_measure (callgrind counts only there); with a third argument, that many more calls, printing the fastest
  * one's time per element. argv: configuration, the tables file the runner wrote, [repeats]. */

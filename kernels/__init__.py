@@ -7,9 +7,10 @@ calls :func:`~lowmemopt.kernels.dispatch.step_items` with the CUDA tensors of a 
 low-rank updates); everything without a kernel takes the reference path. Nothing here imports the optimizer classes.
 Modules:
 
-* ``codec``: block-wise 8- and 4-bit encode/decode device functions; standalone :func:`quantize_blockwise` /
-  :func:`dequantize_blockwise` and :func:`quantize_blockwise4` / :func:`dequantize_blockwise4` kernels (code-for-code
-  twins of :mod:`lowmemopt.quant`'s and :mod:`lowmemopt.quant.q4`'s).
+* ``codec``: block-wise 8- and 4-bit encode/decode device functions (and the parameter loads and stores);
+  ``blockwise``: the standalone :func:`quantize_blockwise` / :func:`dequantize_blockwise` and
+  :func:`quantize_blockwise4` / :func:`dequantize_blockwise4` kernels built on them (code-for-code twins of
+  :mod:`lowmemopt.quant`'s and :mod:`lowmemopt.quant.q4`'s).
 * ``pow2``: the state maps' nearest code by integer arithmetic on the float's bits (no table), and its inverse.
 * ``adamw``, ``sgd``, ``lion``, ``lamb``, ``lars``, ``factored`` (Adafactor, CAME): kernels and their launchers.
 * ``table``, ``launch``: multi-tensor launch tables and buckets; ``registry``: (algorithm, format) -> kernel;
@@ -39,9 +40,9 @@ def available(device: Any = "cuda") -> bool:
 
 def __getattr__(name: str) -> Any:
     if name in ("quantize_blockwise", "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"):
-        from . import codec
+        from . import blockwise
 
-        return getattr(codec, name)
+        return getattr(blockwise, name)
     if name == "registered":
         from .registry import registered
 

@@ -63,84 +63,12 @@ from lowmemopt.work import capture
 from . import runtime
 from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
                     tensor_scalar, tile_coords, typed)
+from .factored_math import (_C, _COFF, _M, _R, _RES, _ROFF, _SQ, _V, clip_denominator, factor_coords,
+                            factored_precondition, full_precondition, sqrt_numel)
 from .launch import TL_DTYPES, Bucket, Update, scalar
 from .table import ceil_div
 
 __all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launch_came"]
-
-# launch-table columns (one row per tensor); constexpr so that kernels may read them
-_M, _V, _R, _C, _SQ, _RES, _ROFF, _COFF = (tl.constexpr(i) for i in (3, 5, 7, 8, 9, 11, 13, 14))
-_W = 15
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# device functions: math
-
-
-@triton.jit
-def sqrt_numel(numel):
-    """fp32(sqrt(numel)) computed in fp64, as the reference's ``math.sqrt(t.numel())``."""
-    return tl.sqrt(numel.to(tl.float64)).to(tl.float32)  # fp64 sqrt is correctly rounded
-
-
-@triton.jit
-def clip_denominator(sums, t, numel, clip_threshold):
-    """``max(RMS(u) / clip_threshold, 1)`` from the tensor's sum(u^2)."""
-    rms = tl.math.div_rn(tl.sqrt_rn(tl.load(sums + 2 * t + 1)), sqrt_numel(numel))
-    return tl.maximum(tl.math.div_rn(rms, clip_threshold), 1.0)
-
-
-@triton.jit
-def factor_coords(row, offs, blocks, bmask, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """Where the row and column factors of the elements at flat offsets ``offs`` of a ``[..., R, C]`` tensor are
-    (row scratch index ``roff + offs // C``, column ``coff + (offs // (R C)) C + offs % C``), for
-    :func:`factored_precondition`. Tile rows are the ``BLOCK``-element segments starting at ``blocks * BLOCK``
-    (``bmask``: inside the tensor). ``WIDE`` (``C >= BLOCK``): a segment crosses at most one matrix row, so the
-    divisions are made once per segment: ``rows`` [ROWS] is each segment's first row, ``wrap`` [ROWS, BLOCK] whether
-    an element is on the next one, ``after`` [ROWS] whether that next row exists; the column index adds a compare and
-    a select per element (three int64 divisions per element, otherwise, cost more instructions than the pass has time
-    for per byte). Else per element: ``rows`` [ROWS, BLOCK] (``wrap``, ``after``: unused)."""
-    roff = tl.load(row + _ROFF)
-    coff = tl.load(row + _COFF)
-    R = tl.load(row + _R)
-    C = tl.load(row + _C)
-    if WIDE:
-        start = blocks.to(tl.int64) * BLOCK  # [ROWS]: each segment's first flat offset
-        q = start // C  # its row in the whole batch of matrices
-        mi = q // R  # its matrix
-        c = (start - q * C)[:, None] + tl.arange(0, BLOCK)[None, :]
-        wrap = c >= C  # past the row's end: the next row (of the next matrix after row R - 1)
-        c = tl.where(wrap, c - C, c)
-        nxt = (q - mi * R)[:, None] + wrap.to(tl.int64) >= R
-        rows = roff + q
-        after = bmask & (q + 1 < tl.load(row + 2) // C)
-        cols = coff + (mi[:, None] + nxt.to(tl.int64)) * C + c
-    else:
-        rows = roff + offs // C
-        wrap = offs < 0  # (unused)
-        after = bmask
-        cols = coff + (offs // (R * C)) * C + offs % C
-    return rows, wrap, after, cols
-
-
-@triton.jit
-def factored_precondition(x, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE: tl.constexpr):
-    """``rfac[row(i)] * cfac[col(i)] * x``: the factored ``x / sqrt(V)`` at :func:`factor_coords`' places (``WIDE``:
-    a segment's row factor and its next row's are loaded once, and each element selects one)."""
-    if WIDE:
-        here = tl.load(rfac + rows, mask=bmask, other=0.0)
-        nxt = tl.load(rfac + rows + 1, mask=after, other=0.0)
-        r = tl.where(wrap, nxt[:, None], here[:, None])
-    else:
-        r = tl.load(rfac + rows, mask=mask, other=0.0)
-    return (r * tl.load(cfac + cols, mask=mask, other=0.0)) * x
-
-
-@triton.jit
-def full_precondition(g, v, eps1, beta2, one_minus_beta2):
-    """1-D params: ``v' = beta2 v + (1 - beta2)(g^2 + eps1)``; returns (v', g / sqrt(v'))."""
-    v = tl.fma(g * g + eps1, one_minus_beta2, v * beta2)
-    return v, tl.math.div_rn(1.0, tl.sqrt_rn(v)) * g
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -615,4 +543,3 @@ def launch_came(u: Update, bucket: Bucket) -> None:
     _launch(bucket, came=True, has_m=True, scale_param=False, decay=wd != 0, eps1=eps1, eps2=eps2, beta1=beta1,
             beta2=beta2, beta3=beta3, clip=scalar(group["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr,
             scal=scal)
-

@@ -3,7 +3,7 @@ bucket table (the generic encoder of :mod:`.codec` gathers one per element from 
 
 The codes of binade ``[2^e, 2^(e+1))`` are the floats there with ``b_e`` mantissa bits (:data:`POW2_BITS`), so the
 nearest code of ``|y|`` is its bit pattern rounded to ``b_e`` bits (the derivation is ``pow2_code`` in
-``lowmemopt/cpu/kernels.c``, the C twin of this encoder)::
+``lowmemopt/cpu/csrc/vectors_*.h``, the C twin of this encoder)::
 
     a = |y|'s bits clamped to [e_lo << 23, 1.0];   code = (a + neg + add_c) >> shift_c        (uint32)
 

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import adamw, codec, factored, lamb, lars, lion, runtime, sgd, unproject
+from . import adamw, blockwise, factored, lamb, lars, lion, runtime, sgd, unproject
 from .codec import BF16, FP32, KAHAN, NEAREST, Q4, Q8, STOCHASTIC
 
 __all__ = ["SM90", "Variant", "VARIANTS", "signature", "tile", "tile4", "compile_variant"]
@@ -159,18 +159,18 @@ VARIANTS = [
     Variant("apply-adafactor-capturable", factored._apply_kernel,
             tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True,
                  DEVICE_SCALARS=True)),
-    Variant("quantize", codec._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256, POW2=True)),
-    Variant("quantize-table", codec._quantize_kernel,
+    Variant("quantize", blockwise._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256, POW2=True)),
+    Variant("quantize-table", blockwise._quantize_kernel,
             dict(SIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256, POW2=False)),
-    Variant("dequantize", codec._dequantize_kernel, dict(ROWS=runtime.TILE // 256, BLOCK=256)),
+    Variant("dequantize", blockwise._dequantize_kernel, dict(ROWS=runtime.TILE // 256, BLOCK=256)),
     # 4-bit state (block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
     Variant("adam-q4", adamw._adam_kernel, tile4(AMSGRAD=True, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST)),
     Variant("stats-q4", factored._stats_kernel, _stats(Q4, Q4_BLOCK, RESIDUAL=True)),
     Variant("moments-q4", factored._moments_kernel, _stats(Q4, Q4_BLOCK)),
     Variant("apply-came-q4", factored._apply_kernel,
             tile4(FACTORED=False, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
-    Variant("quantize4", codec._quantize4_kernel, dict(SIGNED=True, ROWS=runtime.TILE // Q4_BLOCK, BLOCK=Q4_BLOCK)),
-    Variant("dequantize4", codec._dequantize4_kernel, dict(ROWS=runtime.TILE // Q4_BLOCK, BLOCK=Q4_BLOCK)),
+    Variant("quantize4", blockwise._quantize4_kernel, dict(SIGNED=True, ROWS=runtime.TILE // Q4_BLOCK, BLOCK=Q4_BLOCK)),
+    Variant("dequantize4", blockwise._dequantize4_kernel, dict(ROWS=runtime.TILE // Q4_BLOCK, BLOCK=Q4_BLOCK)),
     # GaLore's apply pass after the batched product back: bf16 params, fp32 products, a decay per matrix
     Variant("unproject", unproject._apply_kernel,
             dict(W=3, P_DTYPE=tl.bfloat16, U_DTYPE=tl.float32, ALIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256,

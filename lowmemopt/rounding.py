@@ -3,7 +3,7 @@
 Every backend computes the step in fp32, ``p32 = p * decay + alpha * delta``; this module says how ``p32`` goes back
 into a bfloat16 or float16 parameter (the option is named for its first use, and applies to both). The functions here
 are the reference (eager path, GaLore, the step pipeline's apply stage); the native C kernels
-(``lowmemopt/cpu/kernels.c``, ``store_param``) and the Triton kernels (:func:`lowmemopt.kernels.codec.store_param_as`)
+(``lowmemopt/cpu/csrc/elementwise.c``, ``store_param``) and the Triton kernels (:func:`lowmemopt.kernels.codec.store_param_as`)
 reproduce them bit for bit.
 
 * ``"nearest"`` (default): round to nearest even. An update smaller than half an ulp of ``p`` is lost (at lr 1e-5

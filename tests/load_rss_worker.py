@@ -23,26 +23,12 @@ import lowmemopt
 from lowmemopt.checkpoint import read_metadata
 from lowmemopt.memory import proc_status_bytes, reset_peak_rss
 
-
-def _optimizer(numel: int, bits: int, fill: bool) -> lowmemopt.AdamW:
-    params = [torch.nn.Parameter(torch.zeros(numel // 4)) for _ in range(4)]
-    opt = lowmemopt.AdamW(params, state_bits=bits)
-    if fill:  # random state, made without running a step
-        gen = torch.Generator().manual_seed(0)
-        group = opt.param_groups[0]
-        for p in params:
-            state = opt._init_state(p, group, opt._slots(group, p))
-            state["step"] = 7
-            for t in state.values():
-                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
-                    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
-                elif isinstance(t, torch.Tensor):
-                    t.copy_(torch.rand(t.shape, generator=gen))
-    return opt
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench"))
+from checkpoint_io import random_state  # noqa: E402  (the same state as the checkpoint benchmark's)
 
 
 def save(numel: int, bits: int, path: str) -> None:
-    opt = _optimizer(numel, bits, fill=True)
+    opt = random_state(numel, bits, fill=True)
     t0 = time.perf_counter()
     lowmemopt.save_state(opt, path)
     print(json.dumps(dict(state_bytes=opt.state_nbytes(), save_s=time.perf_counter() - t0)))
@@ -53,10 +39,10 @@ def load(numel: int, bits: int, path: str) -> None:
     # that do not grow with the state)
     src_bits = read_metadata(path)["param_groups"][0]["state_bits"]
     warm = path + ".warm"
-    lowmemopt.save_state(_optimizer(1 << 16, src_bits, fill=True), warm)
-    lowmemopt.load_state(_optimizer(1 << 16, bits, fill=False), warm)
+    lowmemopt.save_state(random_state(1 << 16, src_bits, fill=True), warm)
+    lowmemopt.load_state(random_state(1 << 16, bits, fill=False), warm)
     os.unlink(warm)
-    fresh = _optimizer(numel, bits, fill=False)
+    fresh = random_state(numel, bits, fill=False)
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)  # hand freed heap memory back, so reusing it cannot hide part of the peak
     base = proc_status_bytes("VmRSS")

@@ -593,8 +593,9 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     good = path.read_bytes()
     run(opt, params, 1, start=5)
 
-    def broken_write(fh, tensors, metadata):
-        fh.write(b"partial")
+    def broken_write(path, tensors, metadata):
+        with open(path, "wb") as fh:
+            fh.write(b"partial")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint.layout, "write_safetensors", broken_write)

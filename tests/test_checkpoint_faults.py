@@ -331,7 +331,7 @@ def test_temporary_files_of_killed_saves_are_cleaned_by_the_next_save(tmp_path):
         assert done.returncode == -9, done.stderr.decode()[-2000:]
         left.append(os.listdir(tmp_path))
     assert len(left[0]) == 1 and len(left[1]) == 1 and left[0] != left[1]  # the 2nd save removed the 1st's file
-    assert os.path.getsize(tmp_path / left[1][0]) > 5000  # a full file, killed before its rename
+    assert os.path.getsize(tmp_path / left[1][0] / "s.safetensors") > 5000  # a full file, killed before its rename
     alive = tmp_path / left[1][0].replace(left[1][0].split("-")[-2], str(os.getpid()))  # a save in progress here
     alive.write_bytes(b"")
     opt, _ = _stepped(8)
@@ -364,8 +364,8 @@ def test_finite_state_still_loads_both_ways(tmp_path):
 
 
 def test_the_writer_writes_what_safetensors_writes(tmp_path):
-    """save_state streams its own safetensors file (one descriptor, fsynced, mode kept): byte for byte what
-    safetensors' save_file writes, and any safetensors reader opens lowmemopt's files."""
+    """save_state writes through safetensors' own writer (then fsynced, mode kept): byte for byte what safetensors'
+    save_file writes, and any safetensors reader opens lowmemopt's files."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -373,8 +373,7 @@ def test_the_writer_writes_what_safetensors_writes(tmp_path):
                "c": torch.ones(1, dtype=torch.bfloat16), "\u00e9/w": torch.randn(5)}
     meta = {"lowmemopt": '{"a": "\u00e9\\n\\"", "b": [1]}'}
     save_file(tensors, str(tmp_path / "ref"), metadata=meta)
-    with open(tmp_path / "ours", "wb") as fh:
-        checkpoint.layout.write_safetensors(fh, tensors, meta)
+    checkpoint.layout.write_safetensors(str(tmp_path / "ours"), tensors, meta)
     assert (tmp_path / "ours").read_bytes() == (tmp_path / "ref").read_bytes()
     opt, _ = _stepped(8)
     save_state(opt, tmp_path / "s.safetensors")
@@ -382,3 +381,26 @@ def test_the_writer_writes_what_safetensors_writes(tmp_path):
         assert set(f.metadata()) == {"lowmemopt", "lowmemopt.crc32"} and len(f.keys()) == 6
         codes = opt.state[opt.param_groups[0]["params"][0]]["exp_avg.codes"]
         assert torch.equal(f.get_tensor("0/0/exp_avg.codes"), codes)
+
+
+def test_the_writers_io_errors_are_os_errors(tmp_path):
+    """A write that fails in safetensors' writer (here: no such directory; a full disk likewise) is the OSError that
+    names it, not a safetensors error."""
+    with pytest.raises(FileNotFoundError, match="missing"):
+        checkpoint.layout.write_safetensors(str(tmp_path / "missing" / "s.safetensors"), {"x": torch.zeros(3)}, {})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="drops pages on Linux only")
+def test_releasing_pages_touches_the_files_mapping_only(tmp_path):
+    """load_state drops the pages it has read (StateFile.release); an address range outside the file's mapping (here a
+    tensor of the heap) is left alone, and the file's own pages read back the same after being dropped."""
+    opt, _ = _stepped(8)
+    save_state(opt, tmp_path / "s.safetensors")
+    heap = torch.ones(1 << 18)
+    with checkpoint.layout.open_state_file(str(tmp_path / "s.safetensors")) as f:
+        codes = f.get_tensor("0/0/exp_avg.codes")
+        before = codes.clone()
+        f.release(heap.data_ptr(), heap.data_ptr() + heap.numel() * 4)
+        f.release(codes.data_ptr(), codes.data_ptr() + codes.numel())
+        assert torch.equal(codes, before)
+    assert bool((heap == 1).all())

@@ -307,6 +307,56 @@ def test_without_a_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
     assert torch.equal(a[0], b[0])
 
 
+def _copy_of_the_sources(tmp_path, monkeypatch):
+    """The build's sources and headers copied to ``tmp_path / "csrc"``, and the build pointed at the copy."""
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    monkeypatch.setattr(build, "SOURCE", copy / build.SOURCE.name)
+    monkeypatch.setattr(build, "UNITS", tuple(copy / p.name for p in build.UNITS))
+    monkeypatch.setattr(build, "HEADERS", tuple(copy / p.name for p in build.HEADERS))
+    return copy
+
+
+def test_the_build_covers_every_source_and_header(tmp_path, monkeypatch):
+    """Every file of csrc/ is the compiled source, a listed unit or a header; the source includes every unit, in their
+    order; and a change to any file changes the build's key (the same files give the same key)."""
+    import re
+
+    copy = _copy_of_the_sources(tmp_path, monkeypatch)
+    assert {p.name for p in copy.iterdir()} == {p.name for p in (build.SOURCE, *build.UNITS, *build.HEADERS)}
+    assert re.findall(r'^#include "(.+)"$', build.SOURCE.read_text(), re.M) == [p.name for p in build.UNITS]
+    base = build.source_key()
+    for f in sorted(copy.iterdir()):
+        text = f.read_bytes()
+        f.write_bytes(text + b"\n/* changed */\n")
+        assert build.source_key() != base, f.name
+        f.write_bytes(text)
+    assert build.source_key() == base
+
+
+def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
+    """compile_library caches by that key: after a header changes, it builds into a new cache entry (the compiler is
+    not run here: each build it asks for is recorded)."""
+    copy = _copy_of_the_sources(tmp_path, monkeypatch)
+    monkeypatch.setenv("LOWMEMOPT_CACHE", str(tmp_path / "cache"))
+    asked = []
+
+    def compile_(cc, flags, out):
+        asked.append(out)
+        raise RuntimeError("not compiled in this test")
+
+    monkeypatch.setattr(build, "_compile", compile_)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="not compiled"):
+            build.compile_library(isa="scalar")
+        (copy / "lmo.h").write_text((copy / "lmo.h").read_text() + "\n/* changed */\n")
+    assert len(asked) == 4 and all(tmp_path / "cache" in out.parents for out in asked)
+    assert not set(asked[:2]) & set(asked[2:])  # (two flag sets each: with OpenMP, without)
+
+
 def test_environment_variable_disables():
     code = "import lowmemopt.cpu as c; print(c.ENABLED, c.available())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -140,7 +140,7 @@ def test_encoder_codes_on_blocks_at_the_ends_of_the_range(name):
     brute-force specification for blocks of subnormals, of values near the largest float, spanning 2^150 (an element
     whose quotient rounds to 0 or to the smallest subnormal) and holding an infinity (its NaN quotient takes code 0,
     the others the code of 0)."""
-    from lowmemopt.kernels import codec
+    from lowmemopt.kernels import blockwise
     from lowmemopt.quant import quantize_blockwise
     from lowmemopt.quant.blockwise import quantize_blockwise_reference
 
@@ -164,7 +164,7 @@ def test_encoder_codes_on_blocks_at_the_ends_of_the_range(name):
     with_inf[3] = float("inf")
     blocks.append(with_inf)
     x = torch.cat(blocks)
-    codes, absmax = codec.quantize_blockwise(x, name, BLOCK)
+    codes, absmax = blockwise.quantize_blockwise(x, name, BLOCK)
     for ref_codes, ref_absmax in (quantize_blockwise(x, name, BLOCK), quantize_blockwise_reference(x, name, BLOCK)):
         assert torch.equal(absmax, ref_absmax)
         assert torch.equal(codes, ref_codes), (codes != ref_codes).nonzero().flatten()[:10]

@@ -126,7 +126,7 @@ def check_against_reference(cls, kwargs, bits, *, steps=3, shapes=SHAPES, dtype=
 def test_codec_matches_reference_exactly(name, block_size):
     """Codes and absmax equal :mod:`lowmemopt.quant`'s code for code: ragged last block, all-zero blocks, outliers,
     tiny values, bf16 input; decoding equal too."""
-    from lowmemopt.kernels import codec
+    from lowmemopt.kernels import blockwise
     from lowmemopt.quant import dequantize_blockwise, quantize_blockwise
 
     gen = torch.Generator().manual_seed(1)
@@ -139,10 +139,10 @@ def test_codec_matches_reference_exactly(name, block_size):
             x[block_size + 3] = 1e4 if name.startswith("u") else -1e4  # an outlier
             x[block_size + 4] = 1e-9  # a value the unsigned map must not flush to 0
         for inp in (x, x.bfloat16()):
-            codes, absmax = codec.quantize_blockwise(inp, name, block_size)
+            codes, absmax = blockwise.quantize_blockwise(inp, name, block_size)
             ref_codes, ref_absmax = quantize_blockwise(inp, name, block_size)
             assert torch.equal(codes, ref_codes) and torch.equal(absmax, ref_absmax), (name, n, inp.dtype)
-            out = codec.dequantize_blockwise(codes, absmax, name, block_size)
+            out = blockwise.dequantize_blockwise(codes, absmax, name, block_size)
             assert torch.equal(out, dequantize_blockwise(ref_codes, ref_absmax, name, block_size))
     if name.startswith("u"):
         assert int(codes[block_size + 4]) > 0
@@ -150,20 +150,20 @@ def test_codec_matches_reference_exactly(name, block_size):
 
 @interpreted
 def test_codec_bad_inputs():
-    from lowmemopt.kernels import codec
+    from lowmemopt.kernels import blockwise
 
     x = torch.randn(100)
     with pytest.raises(ValueError, match="unknown quantization map"):
-        codec.quantize_blockwise(x, "linear")
+        blockwise.quantize_blockwise(x, "linear")
     with pytest.raises(ValueError, match="block_size must be a power of two"):
-        codec.quantize_blockwise(x, "dynamic", 100)
+        blockwise.quantize_blockwise(x, "dynamic", 100)
     with pytest.raises(TypeError, match="floating-point"):
-        codec.quantize_blockwise(torch.ones(10, dtype=torch.int32))
-    codes, absmax = codec.quantize_blockwise(x)
+        blockwise.quantize_blockwise(torch.ones(10, dtype=torch.int32))
+    codes, absmax = blockwise.quantize_blockwise(x)
     with pytest.raises(TypeError, match="codes must be uint8"):
-        codec.dequantize_blockwise(codes.int(), absmax)
+        blockwise.dequantize_blockwise(codes.int(), absmax)
     with pytest.raises(ValueError, match="absmax has 2 blocks"):
-        codec.dequantize_blockwise(codes, torch.zeros(2))
+        blockwise.dequantize_blockwise(codes, torch.zeros(2))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -568,9 +568,9 @@ def test_lr_schedule_is_runtime(monkeypatch):
 
 
 def _kernel_functions():
-    from lowmemopt.kernels import adamw, codec, factored, lamb, lars, lion, sgd
+    from lowmemopt.kernels import adamw, blockwise, factored, lamb, lars, lion, sgd
 
-    for module in (adamw, codec, factored, lamb, lars, lion, sgd):
+    for module in (adamw, blockwise, factored, lamb, lars, lion, sgd):
         for name, obj in vars(module).items():
             if name.startswith("_") and name.endswith("_kernel"):
                 yield f"{module.__name__}.{name}", getattr(obj, "fn", obj)
@@ -945,7 +945,7 @@ def test_kernel_resources_finds_the_full_branch_of_a_tile_kernel():
     directives name)."""
     import linecache
 
-    from lowmemopt.kernels import adamw, codec
+    from lowmemopt.kernels import adamw, blockwise
 
     res = _resources_module()
     path, if_line, then_lines, else_lines = res.full_branch_lines(adamw._adam_kernel)
@@ -953,7 +953,7 @@ def test_kernel_resources_finds_the_full_branch_of_a_tile_kernel():
     assert linecache.getline(path, then_lines.stop).strip() == "else:"
     assert "_adam_tile(" in linecache.getline(path, then_lines.start)
     assert "_adam_tile(" in linecache.getline(path, else_lines.start)
-    assert res.full_branch_lines(codec._quantize_kernel) is None
+    assert res.full_branch_lines(blockwise._quantize_kernel) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1025,14 +1025,14 @@ def test_gpu_lr_change_does_not_recompile():
 @pytest.mark.gpu
 @compiled_kernels
 def test_gpu_codec_matches_reference():
-    from lowmemopt.kernels import codec
+    from lowmemopt.kernels import blockwise
     from lowmemopt.quant import quantize_blockwise
 
     x = torch.randn(1 << 20) * torch.rand(1 << 20) ** 6
     x[:256] = 0
     x[1000] = 1e4
     for name, inp in (("pow2", x), ("upow2", x.abs()), ("dynamic", x), ("udynamic", x.abs())):
-        codes, absmax = codec.quantize_blockwise(inp.cuda(), name)
+        codes, absmax = blockwise.quantize_blockwise(inp.cuda(), name)
         ref_codes, ref_absmax = quantize_blockwise(inp, name)
         assert torch.equal(codes.cpu(), ref_codes) and torch.equal(absmax.cpu(), ref_absmax)
 

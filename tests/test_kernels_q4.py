@@ -31,13 +31,13 @@ def _codes(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_codec_exact(x: torch.Tensor, name: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from lowmemopt.kernels import codec
+    from lowmemopt.kernels import blockwise
 
-    nibbles, absmax = codec.quantize_blockwise4(x, name, block_size)
+    nibbles, absmax = blockwise.quantize_blockwise4(x, name, block_size)
     ref_nibbles, ref_absmax = q4.quantize(x, name, block_size)
     what = (name, block_size, x.numel(), x.dtype)
     assert torch.equal(nibbles, ref_nibbles) and torch.equal(absmax, ref_absmax), what
-    out = codec.dequantize_blockwise4(nibbles, absmax, x.numel(), name, block_size)
+    out = blockwise.dequantize_blockwise4(nibbles, absmax, x.numel(), name, block_size)
     assert torch.equal(out, q4.dequantize(ref_nibbles, ref_absmax, x.numel(), name, block_size)), what
     return nibbles, absmax
 
@@ -96,27 +96,27 @@ def test_codec4_rounds_at_the_thresholds(name):
 
 @interpreted
 def test_codec4_bad_inputs():
-    from lowmemopt.kernels import codec
+    from lowmemopt.kernels import blockwise
 
     x = torch.randn(100)
     with pytest.raises(ValueError, match="unknown 4-bit map"):
-        codec.quantize_blockwise4(x, "pow2")
+        blockwise.quantize_blockwise4(x, "pow2")
     with pytest.raises(ValueError, match="block_size must be a power of two"):
-        codec.quantize_blockwise4(x, "pow2x4", 100)
+        blockwise.quantize_blockwise4(x, "pow2x4", 100)
     with pytest.raises(TypeError, match="floating-point"):
-        codec.quantize_blockwise4(torch.ones(10, dtype=torch.int32))
-    nibbles, absmax = codec.quantize_blockwise4(x)
+        blockwise.quantize_blockwise4(torch.ones(10, dtype=torch.int32))
+    nibbles, absmax = blockwise.quantize_blockwise4(x)
     assert nibbles.numel() == 50 and absmax.numel() == 1
     with pytest.raises(ValueError, match="nibbles must be uint8 with 50 bytes"):
-        codec.dequantize_blockwise4(nibbles[:-1], absmax, 100)
+        blockwise.dequantize_blockwise4(nibbles[:-1], absmax, 100)
     with pytest.raises(TypeError, match="absmax must be float32"):
-        codec.dequantize_blockwise4(nibbles, absmax.double(), 100)
+        blockwise.dequantize_blockwise4(nibbles, absmax.double(), 100)
     with pytest.raises(ValueError, match="absmax has 2 blocks"):
-        codec.dequantize_blockwise4(nibbles, torch.zeros(2), 100)
-    empty, empty_absmax = codec.quantize_blockwise4(torch.zeros(0))
+        blockwise.dequantize_blockwise4(nibbles, torch.zeros(2), 100)
+    empty, empty_absmax = blockwise.quantize_blockwise4(torch.zeros(0))
     assert empty.numel() == 0 and empty_absmax.numel() == 0
-    assert codec.dequantize_blockwise4(empty, empty_absmax, 0).numel() == 0
-    assert lowmemopt.kernels.quantize_blockwise4 is codec.quantize_blockwise4
+    assert blockwise.dequantize_blockwise4(empty, empty_absmax, 0).numel() == 0
+    assert lowmemopt.kernels.quantize_blockwise4 is blockwise.quantize_blockwise4
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -221,14 +221,14 @@ def test_kernel4_mixed_formats_in_one_optimizer():
 @pytest.mark.gpu
 @compiled_kernels
 def test_gpu_codec4_matches_reference():
-    from lowmemopt.kernels import codec
+    from lowmemopt.kernels import blockwise
 
     x = torch.randn((1 << 20) + 1) * torch.rand((1 << 20) + 1) ** 6
     x[:128] = 0
     x[1000] = 1e4
     for name, inp in (("pow2x4", x), ("upow2x4", x.abs())):
-        nibbles, absmax = codec.quantize_blockwise4(inp.cuda(), name)
+        nibbles, absmax = blockwise.quantize_blockwise4(inp.cuda(), name)
         ref_nibbles, ref_absmax = q4.quantize(inp, name)
         assert torch.equal(nibbles.cpu(), ref_nibbles) and torch.equal(absmax.cpu(), ref_absmax)
-        out = codec.dequantize_blockwise4(nibbles, absmax, inp.numel(), name)
+        out = blockwise.dequantize_blockwise4(nibbles, absmax, inp.numel(), name)
         assert torch.equal(out.cpu(), q4.dequantize(ref_nibbles, ref_absmax, inp.numel(), name))

@@ -2,26 +2,30 @@
 
 Tensors are keyed ``<param>/<state key>`` (``<param>``: the name in ``model.named_parameters()``, else
 ``<group>/<index>``); the JSON header lives under the safetensors metadata key :data:`META_KEY` with a CRC-32 of every
-tensor (:func:`crc32`). See ``docs/state_format.md``.
+tensor (:func:`crc32`). The safetensors format itself is read and written by the safetensors library
+(:func:`write_safetensors`, :class:`StateFile`); this module adds the atomic replace, the checksums and the release of
+pages already read. See ``docs/state_format.md``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
-import json
 import mmap
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
-import struct
 import sys
 import zlib
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ..distributed.files import process_rank, rank_path
 from ..distributed.sharding import is_dtensor
@@ -78,33 +82,35 @@ def crc32(t: torch.Tensor, value: int = 0) -> int:
 
 
 def atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    """Write a safetensors file (:func:`write_safetensors`) to a temporary file beside ``path``, fsync it, rename it
+    """Write a safetensors file (:func:`write_safetensors`) into a temporary folder beside ``path``, fsync it, rename it
     over ``path``, fsync the directory: an interrupted save leaves the previous file as it was. The file keeps the mode of
     the file it replaces (as ``torch.save``, which writes in place, does); a new file gets the mode a plain
-    ``open(path, "w")`` would give it (0o666 less the umask). Temporary files of saves that were killed (their process
-    gone) are removed first (:func:`_remove_stale_temporaries`)."""
+    ``open(path, "w")`` would give it (0o666 less the umask). Temporary folders of saves that were killed (their process
+    gone) are removed first (:func:`_remove_stale_temporaries`).
+
+    The folder (``.<name>.tmp-<host>-<pid>-<random>/``, mode 0o700) holds everything the save writes, the safetensors
+    writer's own temporary file included, so a killed save leaves one thing behind, named for its process."""
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     _remove_stale_temporaries(directory, base)
-    tmp = os.path.join(directory, f".{base}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # reserve the name; the umask applies
+    folder = os.path.join(directory, f".{base}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(folder, 0o700)
+    tmp = os.path.join(folder, base)
     try:
-        with suppress(FileNotFoundError):
-            existing = os.stat(path)
-            if stat.S_ISREG(existing.st_mode):
-                os.chmod(tmp, stat.S_IMODE(existing.st_mode))  # before any data is written
-        with os.fdopen(fd, "wb") as fh:
-            fd = -1
-            write_safetensors(fh, tensors, metadata)
-            fh.flush()
-            os.fsync(fh.fileno())
+        mode = _mode_for(path, tmp)
+        write_safetensors(tmp, tensors, metadata)
+        os.chmod(tmp, mode)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with suppress(OSError):
-            os.unlink(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
         raise
+    with suppress(OSError):
+        os.rmdir(folder)
     with suppress(OSError):  # make the rename durable (not possible on every platform)
         dfd = os.open(directory, os.O_RDONLY)
         try:
@@ -113,12 +119,27 @@ def atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict
             os.close(dfd)
 
 
+def _mode_for(path: str, tmp: str) -> int:
+    """The mode the saved file gets: that of the regular file at ``path``, else what ``open(path, "w")`` gives (0o666
+    less the umask, read from an empty file created at ``tmp``, which the writer then replaces)."""
+    with suppress(FileNotFoundError):
+        existing = os.stat(path)
+        if stat.S_ISREG(existing.st_mode):
+            return stat.S_IMODE(existing.st_mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
 _HOST = socket.gethostname().replace("-", "_").replace(os.sep, "_")
 
 
 def _remove_stale_temporaries(directory: str, base: str) -> None:
-    """Remove the temporary files that saves to ``base`` killed before their rename left behind: those named for this
-    host and a process that no longer runs. A save in progress (its process alive) is never touched. POSIX only."""
+    """Remove what saves to ``base`` killed before their rename left behind: the temporary folders (and, from earlier
+    versions, files) named for this host and a process that no longer runs. A save in progress (its process alive) is
+    never touched. POSIX only."""
     if os.name != "posix":
         return
     pattern = re.compile(rf"\.{re.escape(base)}\.tmp-{re.escape(_HOST)}-(\d+)-[0-9a-f]{{8}}")
@@ -129,8 +150,12 @@ def _remove_stale_temporaries(directory: str, base: str) -> None:
     for name in names:
         match = pattern.fullmatch(name)
         if match and not _process_alive(int(match.group(1))):
-            with suppress(OSError):
-                os.unlink(os.path.join(directory, name))
+            where = os.path.join(directory, name)
+            if os.path.isdir(where) and not os.path.islink(where):
+                shutil.rmtree(where, ignore_errors=True)
+            else:
+                with suppress(OSError):
+                    os.unlink(where)
 
 
 def _process_alive(pid: int) -> bool:
@@ -143,125 +168,97 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def write_safetensors(fh: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` (CPU, contiguous; F32, BF16, F16 or U8) and ``metadata`` to ``fh`` as a safetensors file,
-    byte for byte what ``safetensors.torch.save_file`` writes (tensors ordered by dtype, then name; the JSON header
-    padded with spaces to 8 bytes), streamed from the tensors' memory without a copy of the whole file."""
-    items = sorted(tensors.items(), key=lambda kv: (_DTYPE_ORDER[kv[1].dtype], kv[0]))
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)
-    fh.write(struct.pack("<Q", len(raw)))
-    fh.write(raw)
-    for _, t in items:
-        if t.numel():
-            fh.write(t.reshape(-1).view(torch.uint8).numpy().data)
-
-
-#: the dtypes of state files (F16: an fp16 parameter's bf16_update.kahan buffer)
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.uint8: "U8"}  # (F64: a float64 parameter's full-precision state)
-#: safetensors' order: its dtype enum's, descending
-_DTYPE_ORDER = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 4}
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
-_MAX_HEADER = 100_000_000  # as safetensors
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (CPU, contiguous, no two overlapping) and ``metadata`` to a safetensors file at ``path`` with
+    safetensors' own writer (``safetensors.torch.save_file``: it streams the tensors from their memory, no copy of the
+    file). An I/O failure (a full disk) is the OSError it reports."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), f"{os.strerror(int(code.group(1)))} (safetensors: {e})", path) from e
 
 
 class StateFile:
-    """A state file opened once: the header is read from the open file and its data memory-mapped from the same
-    descriptor (a private mapping, never written), so a save that replaces the path meanwhile is never half-seen.
+    """A state file opened once, read by safetensors (:class:`safetensors.safe_open`). The header and the data both
+    come from the file that ``fh`` opened (safetensors opens it again through ``/proc/self/fd``), so a save that replaces
+    the path meanwhile is never half-seen. The data is a private memory map, never written; a tensor is a view of it.
 
-    The safetensors header is checked whole on opening (lengths, dtypes, shapes, the tensors' byte ranges tiling the
-    data exactly): a damaged one is a :class:`CheckpointError`, never a misread."""
+    safetensors checks the header whole on opening (its length, JSON, dtypes, shapes, the tensors' byte ranges tiling
+    the data exactly): a damaged one is a :class:`CheckpointError`, never a misread."""
 
     def __init__(self, fh: BinaryIO, path: str):
         self.path = path
-        size = os.fstat(fh.fileno()).st_size
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= min(size - 8, _MAX_HEADER):
-            raise CheckpointError(f"{path}: truncated or corrupt state file (not a safetensors file: a header of "
-                                  f"{n if n >= 0 else 'no'} bytes in {size} bytes)")
+        self._stat = os.fstat(fh.fileno())
         try:
-            header = json.loads(fh.read(n))
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"{path}: truncated or corrupt state file (its safetensors header is not JSON: "
-                                  f"{type(e).__name__})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{path}: corrupt state file (its safetensors header is a {type(header).__name__})")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise CheckpointError(f"{path}: corrupt state file (its safetensors metadata is not a map of strings)")
-        self._metadata: dict[str, str] = meta
-        self._tensors = {key: self._entry(key, value) for key, value in header.items()}
-        end = 0
-        for key, (_, _, a, b) in sorted(self._tensors.items(), key=lambda kv: kv[1][2:]):
-            if a != end:
-                raise CheckpointError(f"{path}: corrupt state file (tensor {key!r} at bytes {a}..{b} of the data, "
-                                      f"expected to start at {end})")
-            end = b
-        self._start = 8 + n
-        if self._start + end != size:
-            raise CheckpointError(f"{path}: truncated or corrupt state file ({size - self._start} bytes of data, the "
-                                  f"header describes {end})")
-        self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # writable to torch, never written
-        self._base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
-
-    def _entry(self, key: str, value: Any) -> tuple[str, list[int], int, int]:
-        try:
-            dtype, shape, (a, b) = value["dtype"], value["shape"], value["data_offsets"]
-            numel = 1
-            for d in shape:
-                if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                    raise ValueError(d)
-                numel *= d
-            ok = dtype in _TORCH_DTYPES and all(type(x) is int for x in (a, b)) and 0 <= a
-            ok = ok and b - a == numel * _TORCH_DTYPES[dtype].itemsize
-        except (TypeError, ValueError, KeyError):
-            ok = False
-        if not ok:
-            raise CheckpointError(f"{self.path}: corrupt state file (tensor {key!r}: {str(value)[:200]})")
-        return dtype, shape, a, b
+            self._file = safe_open(_same_file(fh, path), framework="pt")
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: truncated or corrupt state file ({e})") from None
+        self._metadata: dict[str, str] = self._file.metadata() or {}
+        self._mapped = (0, 0)  # the file's mapping (release), found when first needed
 
     def metadata(self) -> dict[str, str]:
         return self._metadata
 
     def keys(self) -> list[str]:
-        return list(self._tensors)
+        return self._file.keys()
 
     def dtype_shape(self, key: str) -> tuple[str, list[int]]:
-        dtype, shape, _, _ = self._tensors[key]
-        return dtype, shape
+        """The safetensors dtype name (``F32``, ``U8``, ...) and shape of ``key``; reads no data."""
+        view = self._file.get_slice(key)
+        return view.get_dtype(), view.get_shape()
 
     def get_tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key``: a view of the mapping (no bytes read until it is used)."""
-        dtype, shape, a, b = self._tensors[key]
-        if a == b:
-            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
-        flat = torch.frombuffer(self._map, dtype=torch.uint8, count=b - a, offset=self._start + a)
-        return flat.view(_TORCH_DTYPES[dtype]).view(shape)
+        return self._file.get_tensor(key)
 
     def release(self, a: int, b: int) -> None:
-        """Drop the pages of the mapping inside addresses [a, b) from the process (clean file pages: they are re-read
-        from the file if touched again). Linux only; elsewhere a no-op."""
+        """Drop the pages of the file's mapping inside addresses [a, b) from the process (clean file pages: they are
+        re-read from the file if touched again). Only pages that ``/proc/self/maps`` shows as this file's are touched.
+        Linux only; elsewhere a no-op."""
         if _DONTNEED is None:
             return
+        if not self._mapped[0] <= a < self._mapped[1]:
+            self._mapped = _mapping_of(a, self._stat)
         page = mmap.PAGESIZE
-        lo, hi = -(-(a - self._base) // page) * page, (b - self._base) // page * page  # whole pages inside only
+        lo = max(-(-a // page) * page, self._mapped[0])  # whole pages inside only
+        hi = min(b // page * page, self._mapped[1])
         if hi > lo:
-            self._map.madvise(_DONTNEED, lo, hi - lo)
+            _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _DONTNEED)
 
     def close(self) -> None:
-        with suppress(BufferError):  # views still referenced: the mapping closes when they are gone
-            self._map.close()
+        self._file.__exit__(None, None, None)  # the views handed out keep their mapping
+
+
+def _same_file(fh: BinaryIO, path: str) -> str:
+    """A name that opens the very file ``fh`` has open (``/proc/self/fd/<n>``, ``/dev/fd/<n>``), else ``path``."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return f"{folder}/{fh.fileno()}"
+    return path
+
+
+def _mapping_of(address: int, st: os.stat_result) -> tuple[int, int]:
+    """The address range of the mapping of the file ``st`` that holds ``address`` (``/proc/self/maps``), or (0, 0)."""
+    device = (os.major(st.st_dev), os.minor(st.st_dev))
+    with suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                if (major, minor) == device and int(fields[4]) == st.st_ino:
+                    return lo, hi
+                break
+    return 0, 0
 
 
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None) if sys.platform.startswith("linux") else None
+_LIBC = ctypes.CDLL(None, use_errno=True) if _DONTNEED is not None else None
+if _LIBC is not None:
+    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Native CPU kernels: each fuses decode -> an algorithm's fp32 math -> encode for one parameter in one pass.
 
-The C source (``kernels.c``) is compiled at first use with the system C compiler and loaded with ctypes
+The C sources (``csrc/``) are compiled at first use with the system C compiler and loaded with ctypes
 (:mod:`lowmemopt.cpu.build`); there is no build step at install time. Each kernel is a fused implementation of one
 algorithm for every (parameter dtype, state format) pair, tested against the eager composition ``StateFormat.decode ->
 math -> StateFormat.encode``, which stays the reference: elementwise results are bit-identical to it (given a correctly
@@ -62,21 +62,23 @@ def applies(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and available()
 
 
-def step_elementwise(*args, **kwargs) -> tuple[int, bool | None]:
-    """See :func:`lowmemopt.cpu.elementwise.step`."""
+def step_elementwise(algorithm: str | None, kwargs: dict, pflat: torch.Tensor, *args, **kw) -> tuple[int, bool | None]:
+    """See :func:`lowmemopt.cpu.elementwise.step` (``(0, None)``: not done, when the kernels are off or unavailable)."""
+    if not applies(pflat):
+        return 0, None
     from .elementwise import step
 
-    return step(*args, **kwargs)
+    return step(algorithm, kwargs, pflat, *args, **kw)
 
 
-def step_factored(*args, **kwargs) -> int:
+def step_factored(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, *args, **kw) -> int:
     """See :func:`lowmemopt.cpu.factored.step` (0, :data:`~lowmemopt.cpu.factored.NOT_APPLIED`, when the kernels are
-    off)."""
-    if not ENABLED:
+    off or unavailable)."""
+    if not applies(pflat):
         return 0
     from .factored import step
 
-    return step(*args, **kwargs)
+    return step(algorithm, p, pflat, *args, **kw)
 
 
 def grad_is_finite(g: torch.Tensor) -> bool | None:
@@ -97,14 +99,14 @@ def encode_rows_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor,
     maps, or an unsupported layout)."""
     from .ffi import run_codec
 
-    return run_codec("lmo_encode", x, codes, absmax, name)
+    return applies(x) and run_codec("lmo_encode", x, codes, absmax, name)
 
 
 def decode_rows_into(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, name: str) -> bool:
     """Dequantize ``codes`` [nb, bs] with ``absmax`` [nb] into fp32 ``out`` [nb, bs]; False: not done."""
     from .ffi import run_codec
 
-    return run_codec("lmo_decode", out, codes, absmax, name)
+    return applies(out) and run_codec("lmo_decode", out, codes, absmax, name)
 
 
 class _NativeCodec:

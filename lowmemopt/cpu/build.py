@@ -1,9 +1,11 @@
-"""Build and load the C kernels (``kernels.c``) at first use.
+"""Build and load the C kernels (``csrc/``) at first use.
 
-The source is compiled once per (source, compiler, flags, CPU) with the system C compiler -- no torch headers, about a
-second -- into ``~/.cache/lowmemopt/cpu-<hash>/`` (``$LOWMEMOPT_CACHE`` overrides the root, ``$CC`` the compiler) and
-loaded with :mod:`ctypes`. ``-march=native`` ties a build to the CPU it was made on, so the CPU model and feature flags
-are part of the hash. The build writes to a temporary name and renames, so concurrent first uses cannot load a half
+The sources (:data:`UNITS`: the row runner, the elementwise steps, the codec, the factored steps; their headers
+:data:`HEADERS`: ``lmo.h``, the ABI and what the units share, and the vector code of each instruction set) are compiled
+together as one translation unit (:data:`SOURCE`, ``library.c``, includes the units) into one library, once per
+(every source and header, compiler, flags, CPU) with the system C compiler -- no torch headers, a few seconds -- into ``~/.cache/lowmemopt/cpu-<hash>/`` (``$LOWMEMOPT_CACHE`` overrides the root,
+``$CC`` the compiler) and loaded with :mod:`ctypes`. ``-march=native`` ties a build to the CPU it was made on, so the
+CPU model and feature flags are part of the hash. The build writes to a temporary name and renames, so concurrent first uses cannot load a half
 written library. ``-fopenmp`` links ``libgomp.so.1``, the OpenMP runtime torch's CPU wheels already loaded: the kernels
 share torch's thread pool. A compiler without OpenMP gets a second, single-threaded build.
 
@@ -26,17 +28,23 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["ABI_VERSION", "ISAS", "SOURCE", "build_error", "cache_dir", "compile_library", "cpu_isas", "isa_of", "library",
-           "requested_isa"]
+__all__ = ["ABI_VERSION", "HEADERS", "ISAS", "SOURCE", "UNITS", "build_error", "cache_dir", "compile_library", "cpu_isas",
+           "isa_of", "library", "requested_isa", "source_key"]
 
-ABI_VERSION = 15  # must equal LMO_ABI_VERSION in kernels.c
-#: the kernels' instruction sets, best first: name -> (LMO_ISA in kernels.c, extra compiler flags, CPU flags needed)
+ABI_VERSION = 15  # must equal LMO_ABI_VERSION in csrc/lmo.h
+#: the kernels' instruction sets, best first: name -> (LMO_ISA in csrc/lmo.h, extra compiler flags, CPU flags needed)
 ISAS: dict[str, tuple[int, tuple[str, ...], frozenset[str]]] = {
     "avx512": (2, ("-DLMO_ISA=2",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
     "avx2": (1, ("-mno-avx512f", "-DLMO_ISA=1"), frozenset({"avx2", "fma", "f16c"})),
     "scalar": (0, ("-DLMO_ISA=0",), frozenset()),
 }
-SOURCE = Path(__file__).with_name("kernels.c")
+CSRC = Path(__file__).with_name("csrc")
+#: what the compiler is given: the units below as one translation unit (it includes them in this order)
+SOURCE = CSRC / "library.c"
+#: the C units, by family
+UNITS = tuple(CSRC / name for name in ("runner.c", "elementwise.c", "codec.c", "factored.c"))
+#: the headers they include
+HEADERS = tuple(CSRC / name for name in ("lmo.h", "vectors_avx512.h", "vectors_avx2.h", "vectors_scalar.h"))
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 OPENMP = ["-fopenmp"]
 
@@ -103,6 +111,12 @@ def _compiler_version(cc: list[str]) -> str:
     return out.stdout + out.stderr
 
 
+def source_key() -> bytes:
+    """Every source and header file, name and contents (a change to any one makes a new build)."""
+    files = sorted({SOURCE, *UNITS, *HEADERS} | set(CSRC.glob("*.[ch]")))
+    return b"\0".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
+
+
 def _compile(cc: list[str], flags: list[str], out: Path) -> None:
     tmp = tempfile.NamedTemporaryFile(dir=out.parent, prefix=out.name + ".", suffix=".tmp", delete=False)
     tmp.close()
@@ -134,7 +148,7 @@ def compile_library(extra_flags: tuple[str, ...] = (), isa: str | None = None) -
         candidates = [forced]
     else:
         candidates = cpu_isas()
-    source = SOURCE.read_bytes()
+    source = source_key()
     version = _compiler_version(cc)
     errors = []
     for name in candidates:

@@ -8,9 +8,9 @@ force specification), so they are that rule and nothing else; the tests check th
 and its neighbours.
 
 The kernels encode the state maps (``pow2`` / ``upow2``) with integer operations on the float's bits instead of a
-lookup per element (:class:`Pow2Tables`, ``pow2_code`` in ``kernels.c``): the codes of binade ``[2^e, 2^(e+1))`` are the
-floats there with ``b_e`` mantissa bits, so the nearest code is ``(bits + add_e) >> (23 - b_e)``, with two 32-entry
-tables indexed by the exponent. Decoding uses the 256-value book of any map.
+lookup per element (:class:`Pow2Tables`, ``pow2_code`` in ``csrc/vectors_*.h``): the codes of binade
+``[2^e, 2^(e+1))`` are the floats there with ``b_e`` mantissa bits, so the nearest code is ``(bits + add_e) >> (23 -
+b_e)``, with two 32-entry tables indexed by the exponent. Decoding uses the 256-value book of any map.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def decision_thresholds(name: str) -> torch.Tensor:
 
 
 class Pow2Tables(ctypes.Structure):
-    """Mirror of ``struct lmo_pow2`` in ``kernels.c``: with ``b`` = ``|y|``'s bits clamped to ``[e_lo << 23, 1.0]`` and
+    """Mirror of ``struct lmo_pow2`` in ``csrc/lmo.h``: with ``b`` = ``|y|``'s bits clamped to ``[e_lo << 23, 1.0]`` and
     ``e = b >> 23``, ``code = (b + neg + add[e & 31]) >> shift[e & 31]`` (``neg``: 1 for negative ``y``, signed map);
     negative ``y`` takes ``mirror - code``."""
 
@@ -77,7 +77,7 @@ class Pow2Tables(ctypes.Structure):
 
 
 def pow2_tables(name: str) -> Pow2Tables:
-    """The bit encoder's tables for ``pow2`` / ``upow2`` (derivation in ``pow2_code``, ``kernels.c``).
+    """The bit encoder's tables for ``pow2`` / ``upow2`` (derivation in ``pow2_code``, ``csrc/vectors_avx512.h``).
 
     With ``nb`` binades of codes (binade ``k`` = ``[2^-(k+1), 2^-k)``, biased exponent ``126 - k``) the exponent classes
     are: ``e_lo = 125 - nb``, every value that takes the zero code (unsigned: the smallest code); ``e_lo + 1``, where

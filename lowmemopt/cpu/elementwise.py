@@ -2,7 +2,7 @@
 hyper-parameters are passed.
 
 Each entry maps an algorithm's name (``"adam"``, ``"lion"``, ``"sgd"``, ``"signsgd"``: what the optimizer declares
-on its pure fp32 math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``kernels.c`` (SignSGD: the SGD
+on its pure fp32 math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``csrc/elementwise.c`` (SignSGD: the SGD
 kernel with its sign flag) and to a function that turns the math's keyword arguments (the group's hyper-parameters
 plus the algorithm's ``step_scalars``) into the kernel's scalars. Scalars are computed here with the same Python
 expressions the math uses (``-lr / bias_correction1``, ``1 - beta1``, ...) and cast to float in C, as torch casts
@@ -19,7 +19,7 @@ import torch
 from .. import rounding
 from ..quant import q4
 from ..quant.formats import BF16, FP32, Q4, Q8, StateFormat
-from . import applies, build, ffi
+from . import build, ffi
 
 __all__ = ["KERNELS", "Kernel", "prepare", "refresh", "step", "step_many"]
 
@@ -111,7 +111,7 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     while ``kwargs`` and ``decay`` stay the same objects (a bucket's parameters of one group and step), which holds
     what is derived from them alone."""
     kernel = KERNELS.get(algorithm)
-    if kernel is None or not applies(pflat) or gflat.device != pflat.device:
+    if kernel is None or not ffi.usable(pflat) or gflat.device != pflat.device:
         return None, 0
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return None, 0

@@ -35,7 +35,7 @@ import torch
 
 from .. import rounding
 from ..quant.formats import BF16, FP32, Q4, Q8
-from . import applies, build, ffi
+from . import build, ffi
 
 __all__ = ["CHECKING", "MIN_NUMEL", "NOT_APPLIED", "SKIPPED", "STEPPED", "STEPS", "step"]
 
@@ -52,7 +52,7 @@ NOT_APPLIED, STEPPED, SKIPPED = 0, 1, 2
 
 
 class Fact(ctypes.Structure):
-    """Mirror of ``lmo_fact`` in ``kernels.c``."""
+    """Mirror of ``lmo_fact`` in ``csrc/lmo.h``."""
 
     _fields_ = [
         ("p", ctypes.c_void_p),
@@ -272,7 +272,7 @@ def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: tor
     fn = STEPS.get(algorithm)
     if fn is None or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
         return NOT_APPLIED
-    if not applies(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
+    if not ffi.usable(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
         return NOT_APPLIED
     if gflat.device != pflat.device or not gflat.is_contiguous():
         return NOT_APPLIED

@@ -1,4 +1,4 @@
-"""ctypes mirror of the argument structs in ``kernels.c`` and the helpers that fill them from tensors."""
+"""ctypes mirror of the argument structs in ``csrc/lmo.h`` and the helpers that fill them from tensors."""
 
 from __future__ import annotations
 
@@ -160,15 +160,20 @@ def call_many(fn, batch: list[Args]) -> list[bool]:
     return [bool(v) for v in ok]
 
 
+def usable(t: torch.Tensor) -> bool:
+    """``t`` is a CPU tensor and the library is built (built on the first call). The switch
+    (``LOWMEMOPT_CPU_KERNELS``) and the warning when the build fails are the package's (:func:`lowmemopt.cpu.applies`),
+    which every caller from outside checks first."""
+    return t.device.type == "cpu" and build.library() is not None
+
+
 def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
     """``lmo_encode`` (fp32 rows ``x`` -> codes, absmax) or ``lmo_decode`` (codes, absmax -> fp32 rows ``x``) in map
     ``name``; False (not done) for maps other than the state maps, or an unsupported layout."""
-    from . import applies
-
     signed = is_signed_map(name)
     ok = (
         name == map_for(signed)
-        and applies(x)
+        and usable(x)
         and x.dim() == 2
         and x.dtype == torch.float32
         and codes.dtype == torch.uint8

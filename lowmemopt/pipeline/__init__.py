@@ -16,8 +16,8 @@ each of which sees plain tensors and knows nothing of the others::
 
 Whatever a parameter is (plain, paged, projected, a DTensor shard), the fused kernels take it when its device has them:
 a backend is chosen per bucket, never by the feature a parameter uses. Parameters that no bucketed backend takes go
-through the per-parameter path (:func:`step_param`), which runs the same stages for one parameter with the per-tensor
-backends (:mod:`.backends`); it is also the eager reference that every combination is tested against.
+through the per-parameter path (:func:`.per_param.step_param`), which runs the same stages for one parameter with the
+per-tensor backends (:mod:`.backends`); it is also the eager reference that every combination is tested against.
 
 The optimizer hands the pipeline a :class:`~.plan.Plan` (the algorithm, the state dict, the param groups, the fused
 backend's name, the projection stage, the communicate stage) and plain tensors; no stage receives the optimizer or
@@ -37,10 +37,11 @@ from ..cpu import factored
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import is_dtensor, local_view
 from ..work import Item, Update, capture
-from .backends import CHUNK_NUMEL, init_state, update_checked, update_flat
+from .backends import CHUNK_NUMEL, init_state
 from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
 from .native import step_cpu_bucket, takes as takes_cpu_bucket
 from .plan import Plan, StepRecord
+from .per_param import step_param
 from .program import update_for
 
 __all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "step_buckets", "step_param", "device_flags",
@@ -169,41 +170,6 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
         return False
     state = plan.state[p]
     return group.get("rank") is None and "step" in state and "galore.side" not in state
-
-
-def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-               scan: torch.Tensor | None = None, check: bool = False) -> bool | None:
-    """Step one parameter through the per-tensor backends (:func:`.backends.update_flat`; GaLore:
-    :func:`~lowmemopt.projection.step.step_projected`). ``scan``: another gradient that a native CPU kernel checks
-    for NaN/Inf while it steps this one; returns that check's result (None: not done). ``check``
-    (:func:`checks_itself`): the step checks ``grad`` itself (:func:`.backends.update_checked`); returns whether it
-    was finite (False: nothing changed, the step count included)."""
-    state = plan.state[p]
-    if group.get("rank") is not None or "galore.side" in state:
-        plan.galore.step_projected(plan, p, grad, group)
-        return None
-    numel = p.numel()  # a DTensor's whole size: it picks the state format
-    p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
-    mult = None if plan.grad_mult is None else plan.mult(grad.device)  # loss scaling: applied as g is loaded
-    slots = plan.algorithm.slots(group, p)
-    if "step" not in state:
-        state = init_state(p, group, slots, state, numel=numel, reduce=reduce)
-    elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
-        rounding.init_state(state, p, group, reduce.agree)
-    capture.host_count(state)  # (a capturable step's count: back to an int)
-    state["step"] += 1
-    target = p if p.is_contiguous() else p.contiguous()
-    if check:
-        result = update_checked(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
-                                state["step"], plan.algorithm.decay_factor(group), mult)
-        if not result:
-            state["step"] -= 1
-    else:
-        result = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
-                             state["step"], plan.algorithm.decay_factor(group), reduce, scan, mult)
-    if target is not p:
-        p.copy_(target)
-    return result
 
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,

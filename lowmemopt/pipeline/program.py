@@ -45,6 +45,7 @@ import torch
 
 from ..work.items import Item, Update
 from .finite import PendingSkip
+from .per_param import step_param
 from .plan import Plan
 
 __all__ = ["StepProgram", "Kept", "StateDict", "update_for"]
@@ -256,8 +257,6 @@ class StepProgram:
     def _step_left(self, plan: Plan, left: list[Item], flags: torch.Tensor) -> list:
         """Step the items no kernel took (their buckets' launches failed before writing anything) through the
         per-tensor backends, which need the flags on the host (a synchronization); returns the buckets launched."""
-        from . import step_param
-
         ok = flags.tolist()
         for it in left:
             if ok[it.flag]:
