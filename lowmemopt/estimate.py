@@ -25,7 +25,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from .pipeline import PAGE_BUCKET_BYTES
-from .registry import instantiate, needs_process_group, resolve
+from .registry import instantiate, model_params, needs_process_group, resolve
 
 __all__ = ["MemoryEstimate", "cheapest_fits", "config_dtype", "default_state_bits", "estimate", "format_bytes",
            "galore_ranks", "model_from_config", "parse_bytes", "state_nbytes_after_first_step"]
@@ -174,7 +174,7 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
             raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
         params: Any = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
     else:
-        params = trainable
+        params = model_params(resolved.cls, model)  # (Muon: its hidden matrices and the rest)
     if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group
         params = _on_meta(params)
     try:

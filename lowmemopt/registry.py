@@ -5,7 +5,8 @@ is reachable by its name, case-insensitively and ignoring ``_``, ``-`` and space
 ``"adamw_8bit"`` and ``"ADAMW-8BIT"`` all name ``lowmemopt.AdamW8bit``. Names that are not a class may carry the
 prefixes ``galore`` (the optimizer is to run in GaLore's projected subspace: the caller builds GaLore param groups) and
 ``paged`` (``paged=True``), in that order: ``"galore_came8bit"`` is ``CAME8bit`` in GaLore groups,
-``"paged_lion8bit"`` is ``Lion8bit(paged=True)``.
+``"paged_lion8bit"`` is ``Lion8bit(paged=True)``. A class name without a drop-in alias for its bits may end in
+``32bit``, ``16bit``, ``8bit`` or ``4bit`` (``state_bits``): ``"muon_8bit"`` is ``Muon(state_bits=8)``.
 
 Some classes need ``torch.distributed`` initialized to be built on real parameters (the 1-bit optimizers, whose
 class attribute ``requires_process_group`` is True): :func:`needs_process_group` says which, and
@@ -19,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Resolved", "check_process_group", "instantiate", "needs_process_group", "optimizer_classes",
-           "optimizer_names", "resolve"]
+__all__ = ["Resolved", "check_process_group", "instantiate", "model_params", "needs_process_group",
+           "optimizer_classes", "optimizer_names", "resolve"]
 
 
 class Resolved(NamedTuple):
@@ -67,9 +68,14 @@ def resolve(name: str) -> Resolved:
         galore, rest = True, rest[len("galore"):]
     if rest.startswith("paged"):
         paged, rest = True, rest[len("paged"):]
+    kwargs: dict[str, Any] = {"paged": True} if paged else {}
     if (galore or paged) and rest in by_key:
-        return Resolved(by_key[rest], galore or by_key[rest].__name__.lower().startswith("galore"),
-                        {"paged": True} if paged else {})
+        return Resolved(by_key[rest], galore or by_key[rest].__name__.lower().startswith("galore"), kwargs)
+    for bits in (32, 16, 8, 4):
+        base = rest.removesuffix(f"{bits}bit")
+        if base != rest and base in by_key:
+            cls = by_key[base]
+            return Resolved(cls, galore or cls.__name__.lower().startswith("galore"), {**kwargs, "state_bits": bits})
     raise ValueError(
         f"unknown optimizer {name!r}; choose one of {', '.join(optimizer_names())} (case-insensitive; "
         "'_' and '-' are ignored; prefix 'galore_' and/or 'paged_' for GaLore groups / paged state)"
@@ -102,4 +108,18 @@ def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) ->
 
     if "lr" not in kwargs and not (issubclass(cls, Adafactor) and kwargs.get("relative_step", True)):
         kwargs["lr"] = 1e-3
+    groups_of = getattr(cls, "model_param_groups", None)
+    if groups_of is not None:  # (bare tensors: the class's own split of them)
+        params = list(params)
+        if not any(isinstance(p, dict) for p in params):
+            params = groups_of(params)
     return cls(params, **kwargs)
+
+
+def model_params(cls: type, model: torch.nn.Module) -> Any:
+    """What ``cls`` is built on for ``model``: the param groups the class makes of a model where it needs its own
+    (its ``model_param_groups``: Muon's hidden matrices and the rest), else the trainable parameters."""
+    groups_of = getattr(cls, "model_param_groups", None)
+    if groups_of is not None:
+        return groups_of(model)
+    return [p for p in model.parameters() if p.requires_grad]

@@ -198,6 +198,46 @@ def _fused_sgd_reference(params, **kw):
     return torch.optim.SGD(params, foreach=False, **kw)
 
 
+def _split_for_muon(group: dict[str, Any]) -> list[dict[str, Any]]:
+    """A param group without ``use_muon`` as the suite's Muon takes it: its 2-D tensors (or (name, tensor) pairs) in a
+    Muon group, the others in an AdamW group (``use_muon=False``), as ``lowmemopt.muon_param_groups`` splits tensors."""
+    params = group["params"]
+    if "use_muon" in group or not isinstance(params, (list, tuple)):
+        return [group]
+    params = list(params)
+    tensor = lambda p: p[1] if isinstance(p, tuple) else p  # noqa: E731
+    matrices = [p for p in params if isinstance(tensor(p), torch.Tensor) and tensor(p).dim() == 2]
+    rest = [p for p in params if not any(p is m for m in matrices)]
+    parts = [dict(group, params=ps, use_muon=flag) for ps, flag in ((matrices, True), (rest, False)) if ps]
+    return parts or [group]
+
+
+class SuiteMuon(lowmemopt.Muon):
+    """``lowmemopt.Muon`` as the common suite builds it from its flat lists of tensors of any shape: a param group
+    without ``use_muon`` is split into its 2-D tensors (Muon) and the rest (AdamW). The same signature as Muon."""
+
+    def add_param_group(self, param_group):
+        for part in _split_for_muon(param_group):
+            super().add_param_group(part)
+
+
+class MuonReference:
+    """The reference of ``lowmemopt.Muon`` on the suite's tensors: ``torch.optim.Muon`` on the 2-D ones,
+    ``torch.optim.AdamW`` (lowmemopt.Muon's AdamW-group defaults: betas (0.9, 0.95), eps 1e-10, Muon's lr and weight
+    decay unless ``adamw_*`` are given) on the others."""
+
+    def __init__(self, params, **kw):
+        groups = _split_for_muon({"params": list(params)})
+        adamw = dict(lr=kw.pop("adamw_lr", kw.get("lr", 1e-3)), betas=kw.pop("adamw_betas", (0.9, 0.95)),
+                     eps=kw.pop("adamw_eps", 1e-10), weight_decay=kw.pop("adamw_weight_decay", kw.get("weight_decay", 0.1)))
+        self.optimizers = [torch.optim.Muon(g["params"], **kw) if g["use_muon"]
+                           else torch.optim.AdamW(g["params"], foreach=False, **adamw) for g in groups]
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+
 def _reference_class(module: str, name: str) -> Callable[[], type]:
     """The reference class ``module.name`` (skips the test where its library is not installed)."""
     return lambda: getattr(pytest.importorskip(module), name)
@@ -563,6 +603,31 @@ OPTIMIZERS: list[OptimizerInfo] = [
         ],
         reference_cls=_reference_class("came_pytorch", "CAME"),
     ),
+    OptimizerInfo(  # 2-D tensors in Muon groups, the rest AdamW (SuiteMuon); batching, FSDP2: tests/test_muon.py
+        "Muon",
+        SuiteMuon,
+        MuonReference,
+        [
+            dict(lr=0.02),
+            dict(lr=0.02, weight_decay=0.05, momentum=0.9, nesterov=False, adjust_lr_fn="match_rms_adamw"),
+            dict(lr=0.01, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), adjust_lr_fn="original", adamw_lr=3e-3,
+                 adamw_betas=(0.8, 0.99), adamw_eps=1e-8, adamw_weight_decay=0.0),
+        ],
+        slots=None,
+        state_bytes=lambda shape, bits, kw: (1 if len(shape) == 2 else 2) * slot_bytes(math.prod(shape), bits),
+        bound8=0.025,  # measured 0.0106 (8-bit), 0.0017 (16-bit)
+        bad_inputs=_COMMON_BAD + [
+            (dict(momentum=-0.5), ValueError, "Invalid momentum"),
+            (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
+            (dict(adjust_lr_fn="rms"), ValueError, "Adjust learning rate function rms is not supported"),
+            (dict(ns_steps=100), ValueError, "Invalid ns_steps"),
+            (dict(ns_coefficients=(3.0, -4.0)), ValueError, "Invalid ns_coefficients"),
+            (dict(nesterov=1), TypeError, "Invalid nesterov"),
+            (dict(adamw_betas=(1.0, 0.9)), ValueError, "Invalid beta parameter at index 0"),
+            (dict(adamw_eps=-1.0), ValueError, "Invalid adamw_eps"),
+        ],
+        reference_cls=lambda: torch.optim.Muon,
+    ),
 ]
 
 #: the variant each optimizer uses in the storage-format tests (resume, 8-bit bounds): one with state slots.
@@ -583,6 +648,7 @@ STATEFUL = {
     "CAME": dict(lr=1e-2, weight_decay=0.01),
     "GaLoreAdamW": dict(lr=1e-2, weight_decay=0.1),
     "GaLoreAdafactor": dict(beta1=0.9, weight_decay=0.01),
+    "Muon": dict(lr=0.02, weight_decay=0.1),
 }
 
 BY_NAME = {info.name: info for info in OPTIMIZERS}

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..registry import check_process_group, instantiate, needs_process_group, resolve
+from ..registry import check_process_group, instantiate, model_params, needs_process_group, resolve
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -158,6 +158,7 @@ def build(
         decay_names=_decay_names(trainer, model),
         galore=galore,
         embedding_state_bits=embedding_state_bits,
+        base=None if galore is not None or not hasattr(cls, "model_param_groups") else model_params(cls, model),
     )
     opt = cls(groups, **ctor)
     if step_in_backward is not None and step_in_backward is not False:  # ({} and True: on, default options)
@@ -188,6 +189,10 @@ def from_training_args(cls: type, args: Any, explicit: Mapping[str, Any] = ()) -
     out: dict[str, Any] = {"weight_decay": args.weight_decay}
     if not explicit.get("relative_step", False):
         out["lr"] = args.learning_rate
+    renamed = getattr(cls, "adam_keywords", None)  # Adam settings under other names (Muon's AdamW groups)
+    if renamed is not None:
+        out.update({renamed["betas"]: (args.adam_beta1, args.adam_beta2), renamed["eps"]: args.adam_epsilon})
+        return out
     defaults = _probe(cls, {**out, **explicit}).defaults
     betas = defaults.get("betas")
     if isinstance(betas, (tuple, list)) and len(betas) >= 2:
@@ -205,11 +210,13 @@ def param_groups(
     decay_names: set[str] | list[str] | None = None,
     galore: Mapping[str, Any] | None = None,
     embedding_state_bits: int | None = 32,
+    base: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """``model``'s trainable parameters as param groups: GaLore groups first split off (when ``galore`` is given),
     then each group split by (decay, embedding): ``weight_decay`` for the names in ``decay_names`` (default: every
     parameter), 0 for the others; ``state_bits=embedding_state_bits`` for ``nn.Embedding`` weights. Empty groups are
-    dropped; the order is deterministic (model order), so a resumed run's groups match a saved state dict."""
+    dropped; the order is deterministic (model order), so a resumed run's groups match a saved state dict. ``base``:
+    the groups to split instead of one of every parameter (an optimizer's own: Muon's matrices and the rest)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")
@@ -219,7 +226,7 @@ def param_groups(
                  for p in m.parameters(recurse=False)}
     if galore is not None:
         base = _galore_groups(model, dict(galore))
-    else:
+    elif base is None:
         base = [{"params": [p for _, p in named]}]
     groups: list[dict[str, Any]] = []
     for group in base:

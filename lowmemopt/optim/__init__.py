@@ -7,8 +7,10 @@ from .hf_adamw import HFAdamW
 from .lamb import LAMB, FusedLAMB
 from .lars import LARS
 from .lion import Lion
+from .muon import Muon, muon_param_groups
 from .sgd import SGD, FusedSGD
 from .signsgd import SignSGD
 
 __all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD",
-           "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
+           "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD",
+           "Muon", "muon_param_groups"]
