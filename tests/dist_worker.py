@@ -1072,6 +1072,37 @@ def bad_inputs(ctx):
         raise AssertionError("a Partial parameter was optimized")
 
 
+@case
+def muon_fsdp2(ctx):
+    """Muon under FSDP2 (Shard(0); uneven and empty shards) equals one process: each matrix is gathered whole on one
+    rank (dealt out in turn), orthogonalized there and scattered back; 32-bit and 8-bit momentum (blocks aligned with
+    the shards), AdamW groups beside. One matrix per batch: the same products as the one-process run, bit for bit;
+    with two matrices of a shape batched in one process and split over the ranks here, to bf16 rounding."""
+    from lowmemopt.optim import muon_batches
+
+    shapes = [(8, 8), (8, 8), (4, 16), (1, 6), (32,)]
+
+    def groups(ps):
+        return [{"params": [p for p in ps if p.dim() == 2]}, {"params": [p for p in ps if p.dim() != 2],
+                                                              "use_muon": False}]
+
+    default = muon_batches.BATCH_BYTES
+    try:
+        for bits, batch_bytes in ((32, 1), (8, 1), (32, default)):
+            muon_batches.BATCH_BYTES = batch_bytes
+            tensors = full_params(shapes)
+            _, params = fsdp_params(ctx, tensors)
+            ref_params = plain_params(tensors)
+            kw = dict(lr=0.02, weight_decay=0.1, state_bits=bits, min_quant_numel=0, block_size=16)
+            opt, ref_opt = lowmemopt.Muon(groups(params), **kw), lowmemopt.Muon(groups(ref_params), **kw)
+            step_both(opt, params, ref_opt, ref_params, targets(shapes), 3)
+            compare(params, ref_params, f"Muon {bits}-bit, batches of {batch_bytes} B", exact=batch_bytes == 1,
+                    rtol=0, atol=3 * 0.02 * 2 ** -7)
+            compare_state(opt, params, ref_opt, ref_params, f"Muon {bits}-bit state", exact=batch_bytes == 1)
+    finally:
+        muon_batches.BATCH_BYTES = default
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
