@@ -22,6 +22,10 @@ param groups from the model:
 * GaLore: with ``galore=dict(target_modules=..., rank=...)`` (the Trainer's ``optim_target_modules`` syntax, e.g.
   ``"all-linear"`` or a list of names / a regex) the matching Linear weights go into groups with ``rank``, built by
   :func:`lowmemopt.galore_param_groups`.
+* APOLLO (``"apollo_adamw"``): with ``apollo=dict(target_modules=..., rank=...)`` the matching Linear weights go into
+  projected groups built by :func:`lowmemopt.apollo_param_groups`. Muon (``"muon"``, ``"muon_8bit"``): the hidden
+  matrices in Muon groups, the rest in AdamW groups (:func:`lowmemopt.muon_param_groups`); ``adam_beta1``,
+  ``adam_beta2`` and ``adam_epsilon`` go to the AdamW groups.
 
 The Trainer's factory call passes the model only, so the factory reads the ``TrainingArguments`` (and the decay rule,
 honouring a Trainer subclass that overrides ``get_decay_parameter_names``) from the Trainer that called it, found on
@@ -56,6 +60,7 @@ def optimizer(
     embedding_state_bits: int | None = 32,
     step_in_backward: bool | Mapping[str, Any] = False,
     args: TrainingArguments | None = None,
+    apollo: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[type, dict[str, Any]]:
     """What ``Trainer(..., optimizer_cls_and_kwargs=...)`` takes to train with lowmemopt optimizer ``name``.
@@ -76,6 +81,10 @@ def optimizer(
             with :func:`lowmemopt.step_in_backward`'s options: ``dict(bucket_bytes=32 << 20)`` steps the parameters
             in buckets of that many gradient bytes (less host work per parameter).
         args: the ``TrainingArguments`` to read hyper-parameters from; default: those of the calling Trainer.
+        apollo: APOLLO's projected groups, for ``"apollo_adamw"``: ``target_modules`` and ``rank`` (required),
+            optionally ``proj``, ``scale_type``, ``scale``, ``update_proj_gap``, ``proj_type``, the keywords of
+            :func:`lowmemopt.apollo_param_groups` (APOLLO-Mini: ``rank=1, scale_type="tensor", scale=128``).
+            Without it every parameter steps as AdamW.
         **kwargs: any other keyword of the optimizer (``lr``, ``betas``, ``block_size``, ``paged``...); these win over
             ``TrainingArguments``.
 
@@ -89,6 +98,8 @@ def optimizer(
         )
     if galore is not None:
         galore = _check_galore(galore)
+    if apollo is not None:
+        apollo = _check_apollo(resolved.cls, apollo)
     if embedding_state_bits is not None and embedding_state_bits not in (32, 16, 8, 4):
         raise ValueError(f"embedding_state_bits must be 32, 16, 8, 4 or None, got {embedding_state_bits!r}")
     step_in_backward = _check_step_in_backward(step_in_backward)
@@ -106,6 +117,7 @@ def optimizer(
         embedding_state_bits=embedding_state_bits,
         step_in_backward=step_in_backward,
         training_args=args,
+        apollo=apollo,
     )
     return TrainerOptimizerFactory, config
 
@@ -141,6 +153,7 @@ def build(
     step_in_backward: bool | dict[str, Any] | None,
     training_args: TrainingArguments | None,
     trainer: Any = None,
+    apollo: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
     """Make the optimizer for ``model`` (what the factory does; see the module docstring)."""
     args = training_args if training_args is not None else getattr(trainer, "args", None)
@@ -158,7 +171,7 @@ def build(
         decay_names=_decay_names(trainer, model),
         galore=galore,
         embedding_state_bits=embedding_state_bits,
-        base=None if galore is not None or not hasattr(cls, "model_param_groups") else model_params(cls, model),
+        base=_base_groups(cls, model, galore, apollo),
     )
     opt = cls(groups, **ctor)
     if step_in_backward is not None and step_in_backward is not False:  # ({} and True: on, default options)
@@ -261,6 +274,41 @@ def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
     galore = dict(galore)
     _galore_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**galore, "target_modules": "all-linear"})
     return galore
+
+
+def _base_groups(cls: type, model: torch.nn.Module, galore: dict[str, Any] | None,
+                 apollo: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The groups :func:`param_groups` splits when the optimizer needs its own: APOLLO's projected groups, or the
+    groups the class makes of a model (Muon's matrices and the rest); None otherwise (GaLore groups, or one group)."""
+    if apollo is not None:
+        return _apollo_groups(model, apollo)
+    if galore is None and hasattr(cls, "model_param_groups"):
+        return model_params(cls, model)
+    return None
+
+
+def _check_apollo(cls: type, apollo: Mapping[str, Any]) -> dict[str, Any]:
+    """Check APOLLO settings now (on a one-Linear model), for an APOLLO optimizer only."""
+    import lowmemopt
+
+    if not (isinstance(cls, type) and issubclass(cls, lowmemopt.APOLLOAdamW)):
+        raise ValueError(f"apollo=... is for APOLLOAdamW (optimizer 'apollo_adamw'), not {cls.__name__}")
+    if not isinstance(apollo, Mapping):
+        raise TypeError(f"apollo must be a dict of APOLLO settings, got {type(apollo).__name__}")
+    missing = [k for k in ("target_modules", "rank") if k not in apollo]
+    if missing:
+        raise ValueError(f"apollo needs {' and '.join(missing)}, e.g. apollo=dict(target_modules='all-linear', "
+                         "rank=256) (target_modules as in TrainingArguments.optim_target_modules)")
+    apollo = dict(apollo)
+    groups = _apollo_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**apollo, "target_modules": "all-linear"})
+    cls(groups)  # the optimizer's own checks of the group keys
+    return apollo
+
+
+def _apollo_groups(model: torch.nn.Module, apollo: dict[str, Any]) -> list[dict[str, Any]]:
+    import lowmemopt
+
+    return lowmemopt.apollo_param_groups(model, **apollo)
 
 
 def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[str, Any]]:

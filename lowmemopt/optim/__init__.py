@@ -2,6 +2,7 @@
 
 from .adafactor import Adafactor, AdafactorTorch
 from .adamw import Adam, AdamW, CPUAdam, FusedAdam
+from .apollo import APOLLOAdamW, apollo_param_groups
 from .came import CAME
 from .hf_adamw import HFAdamW
 from .lamb import LAMB, FusedLAMB
@@ -13,4 +14,4 @@ from .signsgd import SignSGD
 
 __all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD",
            "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD",
-           "Muon", "muon_param_groups"]
+           "Muon", "muon_param_groups", "APOLLOAdamW", "apollo_param_groups"]
