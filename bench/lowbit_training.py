@@ -1,5 +1,4 @@
-"""8- and 4-bit optimizer state against 32 bits on a real small training run, several seeds: Muon (and any optimizer
-whose groups come from the model, such as APOLLO's).
+"""8- and 4-bit optimizer state against 32 bits on a real small training run, several seeds: Muon, APOLLO, APOLLO-Mini.
 
     cd /tmp && python /path/to/lowmemopt/bench/lowbit_training.py                 # Muon, small LLaMA, 200 steps, seeds 0-2
     python /path/to/lowmemopt/bench/lowbit_training.py --model demo --steps 300   # the demo's 1.9M-parameter LLaMA
@@ -30,6 +29,15 @@ OPTIMIZERS: dict[str, tuple[Callable[[torch.nn.Module, int], torch.optim.Optimiz
     # embeddings, the head and the norms
     "muon": (lambda model, bits: lowmemopt.Muon(lowmemopt.muon_param_groups(model), lr=0.02, weight_decay=0.01,
                                                 adamw_lr=2e-3, state_bits=bits), "Muon"),
+    # APOLLO at a quarter of the hidden size, and APOLLO-Mini (rank 1, tensor-wise, scale 128), on every Linear weight
+    # (the embedding, head and norms as AdamW); low-rank moments quantized from 256 elements (the small model's
+    # 96 x 24 moments are below the default 4096)
+    "apollo": (lambda model, bits: lowmemopt.APOLLOAdamW(
+        lowmemopt.apollo_param_groups(model, rank=24, update_proj_gap=50), lr=2e-3, weight_decay=0.01,
+        state_bits=bits, min_quant_numel=256), "APOLLO (rank 24)"),
+    "apollo_mini": (lambda model, bits: lowmemopt.APOLLOAdamW(
+        lowmemopt.apollo_param_groups(model, rank=1, scale_type="tensor", scale=128.0, update_proj_gap=50),
+        lr=2e-3, weight_decay=0.01, state_bits=bits, min_quant_numel=64), "APOLLO-Mini"),
 }
 
 
@@ -52,7 +60,7 @@ def train(name: str, bits: int, steps: int, seed: int, model_name: str = "small"
 
     r = _fit(model, loss_of, make, steps, seed, 8, 64, None)
     opt = holder["opt"]
-    first = opt.param_groups[0]["params"]  # the optimizer's first group: Muon's matrices
+    first = next(g for g in opt.param_groups if g.get("use_muon") or g.get("apollo_rank"))["params"]  # the matrices
     r["group_bytes_per_param"] = sum(v.numel() * v.element_size() for p in first for v in opt.state[p].values()
                                      if isinstance(v, torch.Tensor)) / sum(p.numel() for p in first)
     return r

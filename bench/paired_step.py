@@ -1,5 +1,5 @@
 """The optimizer step on the CPU beside its reference implementation, paired: lowmemopt's Muon against
-``torch.optim.Muon`` (and any further pair in :data:`PAIRS`).
+``torch.optim.Muon``, its APOLLOAdamW against ``apollo_torch.APOLLOAdamW`` (``--pair apollo``, ``apollo_mini``).
 
     cd /tmp && python /path/to/lowmemopt/bench/paired_step.py                    # Muon, the ~11M LLaMA's matrices
     cd /tmp && python /path/to/lowmemopt/bench/paired_step.py --preset 150m --rounds 9
@@ -37,7 +37,36 @@ PAIRS: dict[str, tuple[str, Factory, dict[str, Factory]]] = {
                                                                                 state_bits=bits))(bits)
          for bits in (32, 8, 4)},
     ),
+    # every matrix projected at a quarter of the hidden size (rank 64 on the 10m preset), channel-wise
+    "apollo": (
+        "apollo_torch.APOLLOAdamW",
+        lambda ps: _apollo_torch(ps, rank=64),
+        {f"lowmemopt.APOLLOAdamW {bits}-bit": (lambda bits: lambda ps: lowmemopt.APOLLOAdamW(
+            [{"params": ps, "rank": 64}], lr=1e-3, state_bits=bits))(bits) for bits in (32, 8)},
+    ),
+    "apollo_mini": (
+        "apollo_torch.APOLLOAdamW",
+        lambda ps: _apollo_torch(ps, rank=1, scale_type="tensor", scale=128.0),
+        {f"lowmemopt.APOLLOAdamW {bits}-bit": (lambda bits: lambda ps: lowmemopt.APOLLOAdamW(
+            [{"params": ps, "rank": 1, "scale_type": "tensor", "scale": 128.0}], lr=1e-3, state_bits=bits,
+            min_quant_numel=256))(bits) for bits in (32, 8)},
+    ),
 }
+
+
+def _apollo_torch(params: list[torch.nn.Parameter], **keys) -> torch.optim.Optimizer:
+    from apollo_torch import APOLLOAdamW
+
+    group = dict(proj="random", scale_type="channel", update_proj_gap=200, scale=1.0, proj_type="std")
+    return APOLLOAdamW([{"params": params, **group, **keys}], lr=1e-3)
+
+
+def held_bytes(opt: torch.optim.Optimizer) -> int:
+    """State bytes, with apollo-torch's projection matrices (kept in a projector object in its state, not as a
+    tensor) counted too."""
+    projections = sum(st["projector"].ortho_matrix.nbytes for st in opt.state.values()
+                      if getattr(st.get("projector"), "ortho_matrix", None) is not None)
+    return state_bytes(opt) + projections
 
 
 def matrices(preset: str, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -92,7 +121,7 @@ def run(pair: str, preset: str, rounds: int, warmup: int) -> str:
     for name in names:
         q = statistics.quantiles(ratios[name], n=4) if len(ratios[name]) >= 4 else None
         spread = f"; {q[0]:.2f}-{q[2]:.2f}" if q else ""
-        lines.append(f"| {name} | {state_bytes(opts[name]) / n:.3f} | {1e3 * statistics.median(times[name]):.0f} | "
+        lines.append(f"| {name} | {held_bytes(opts[name]) / n:.3f} | {1e3 * statistics.median(times[name]):.0f} | "
                      f"{statistics.median(ratios[name]):.2f}x{spread} |")
     return "\n".join(lines)
 
