@@ -202,3 +202,30 @@ def interpreter_fma_rounds_once() -> bool:
     out = torch.zeros(1)
     fma_kernel[(1,)](out)
     return float(out) == 2.0 ** -24
+
+
+def tiny_trainer(out, spec, resume=None):
+    """A HuggingFace Trainer run (4 steps, checkpoints every 2) of a tiny LLaMA built from a config (vocabulary 96,
+    hidden 32, 2 layers) on fixed random tokens, with ``optimizer_cls_and_kwargs=spec``; returns (trainer, the
+    train() output)."""
+    import transformers
+
+    class Tokens(torch.utils.data.Dataset):
+        data = torch.randint(0, 96, (16, 12), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.data[i], "labels": self.data[i]}
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=4, per_device_train_batch_size=4, learning_rate=2e-3, weight_decay=0.1,
+        adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-9, save_steps=2, save_strategy="steps",
+        logging_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=spec)
+    return trainer, trainer.train(resume_from_checkpoint=resume)

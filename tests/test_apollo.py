@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run, set_grads
+from helpers import clone_params, make_params, run, set_grads, tiny_trainer
 
 import lowmemopt
 from lowmemopt.optim import apollo_math
@@ -169,44 +169,21 @@ def test_seeds_follow_apollo_torch():
 
 
 def test_trainer_run(tmp_path):
-    """optimizer("apollo_adamw", apollo=...) with the HF Trainer: projected groups for the Linear weights (their
-    seeds), 8-bit moments, resume_from_checkpoint exact; apollo= is refused for other optimizers."""
+    """optimizer("apollo_adamw_8bit", apollo=...) with the HF Trainer: projected groups for the Linear weights, 8-bit
+    moments, resume_from_checkpoint exact (across a refresh); apollo= is refused for other optimizers."""
     pytest.importorskip("accelerate")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from lowmemopt.integrations.transformers import optimizer
 
-    class Tokens(torch.utils.data.Dataset):
-        data = torch.randint(0, 96, (16, 12), generator=torch.Generator().manual_seed(1))
-
-        def __len__(self):
-            return len(self.data)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.data[i], "labels": self.data[i]}
-
-    def model():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
-
-    def train(out, resume=None):
-        args = transformers.TrainingArguments(
-            output_dir=str(out), max_steps=4, per_device_train_batch_size=4, learning_rate=2e-3, save_steps=2,
-            save_strategy="steps", logging_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
-            disable_tqdm=True)
-        spec = optimizer("apollo_adamw_8bit", apollo=dict(target_modules="all-linear", rank=4, update_proj_gap=3),
-                         min_quant_numel=64, block_size=64)
-        trainer = transformers.Trainer(model=model(), args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=spec)
-        return trainer, trainer.train(resume_from_checkpoint=resume)
-
-    full, result = train(tmp_path / "full")
+    spec = lambda: optimizer("apollo_adamw_8bit", apollo=dict(target_modules="all-linear", rank=4, update_proj_gap=3),  # noqa
+                             min_quant_numel=64, block_size=64)
+    full, result = tiny_trainer(tmp_path / "full", spec())
     opt = full.optimizer.optimizer
     assert type(opt) is lowmemopt.APOLLOAdamW and result.training_loss < 4.6
     projected = [g for g in opt.param_groups if g.get("apollo_rank")]
     assert projected and all(p.dim() == 2 for g in projected for p in g["params"])
     assert any(k.endswith(".codes") for g in projected for p in g["params"] for k in opt.state[p])
-    resumed, _ = train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    resumed, _ = tiny_trainer(tmp_path / "resumed", spec(), resume=str(tmp_path / "full" / "checkpoint-2"))
     for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="apollo=... is for APOLLOAdamW"):

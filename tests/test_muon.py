@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run, set_grads
+from helpers import clone_params, make_params, run, set_grads, tiny_trainer
 
 import lowmemopt
 from lowmemopt.optim import muon_batches
@@ -210,31 +210,11 @@ def test_trainer_run(tmp_path):
     """The HF Trainer with optimizer("muon_8bit"): Muon groups for the hidden matrices, AdamW ones (TrainingArguments'
     betas and eps) for the rest, 8-bit momentum; it trains, and resume_from_checkpoint is exact."""
     pytest.importorskip("accelerate")
-    from transformers import Trainer, TrainingArguments
-
+    pytest.importorskip("transformers")
     from lowmemopt.integrations.transformers import optimizer
 
-    class Tokens(torch.utils.data.Dataset):
-        data = torch.randint(0, 96, (16, 12), generator=torch.Generator().manual_seed(1))
-
-        def __len__(self):
-            return len(self.data)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.data[i], "labels": self.data[i]}
-
-    def train(out, resume=None):
-        args = TrainingArguments(output_dir=str(out), max_steps=4, per_device_train_batch_size=4, learning_rate=2e-3,
-                                 weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-9, save_steps=2,
-                                 save_strategy="steps", logging_strategy="no", report_to=[], use_cpu=True, seed=0,
-                                 data_seed=0, disable_tqdm=True)
-        trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=Tokens(),
-                          optimizer_cls_and_kwargs=optimizer("muon_8bit", adjust_lr_fn="match_rms_adamw",
-                                                             min_quant_numel=256, block_size=64))
-        result = trainer.train(resume_from_checkpoint=resume)
-        return trainer, result
-
-    full, result = train(tmp_path / "full")
+    spec = lambda: optimizer("muon_8bit", adjust_lr_fn="match_rms_adamw", min_quant_numel=256, block_size=64)  # noqa
+    full, result = tiny_trainer(tmp_path / "full", spec())
     opt = full.optimizer.optimizer
     assert type(opt) is lowmemopt.Muon and result.training_loss < 4.6  # ln(96) = 4.56 at the start
     muon = [g for g in opt.param_groups if g["use_muon"]]
@@ -242,6 +222,6 @@ def test_trainer_run(tmp_path):
     assert muon and adamw and all(g["state_bits"] == 8 and g["eps"] == 1e-7 for g in muon)
     assert all(g["betas"] == (0.8, 0.9) and g["eps"] == 1e-9 for g in adamw)
     assert any(k.endswith(".codes") for g in muon for p in g["params"] for k in opt.state[p])
-    resumed, _ = train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    resumed, _ = tiny_trainer(tmp_path / "resumed", spec(), resume=str(tmp_path / "full" / "checkpoint-2"))
     for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), n

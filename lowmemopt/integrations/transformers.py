@@ -263,15 +263,21 @@ def param_groups(
 # helpers
 
 
+def _projection_settings(kind: str, settings: Any, example_rank: int) -> dict[str, Any]:
+    """``settings`` (``galore=`` or ``apollo=``) as a dict that has ``target_modules`` and ``rank``, else a clear
+    TypeError / ValueError naming ``kind``."""
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"{kind} must be a dict of {kind} settings, got {type(settings).__name__}")
+    missing = [k for k in ("target_modules", "rank") if k not in settings]
+    if missing:
+        raise ValueError(f"{kind} needs {' and '.join(missing)}, e.g. {kind}=dict(target_modules='all-linear', "
+                         f"rank={example_rank}) (target_modules as in TrainingArguments.optim_target_modules)")
+    return dict(settings)
+
+
 def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
     """Check GaLore settings now, with :func:`lowmemopt.galore_param_groups`'s own checks (on a one-Linear model)."""
-    if not isinstance(galore, Mapping):
-        raise TypeError(f"galore must be a dict of GaLore settings, got {type(galore).__name__}")
-    missing = [k for k in ("target_modules", "rank") if k not in galore]
-    if missing:
-        raise ValueError(f"galore needs {' and '.join(missing)}, e.g. galore=dict(target_modules='all-linear', "
-                         "rank=128) (target_modules as in TrainingArguments.optim_target_modules)")
-    galore = dict(galore)
+    galore = _projection_settings("galore", galore, 128)
     _galore_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**galore, "target_modules": "all-linear"})
     return galore
 
@@ -293,13 +299,7 @@ def _check_apollo(cls: type, apollo: Mapping[str, Any]) -> dict[str, Any]:
 
     if not (isinstance(cls, type) and issubclass(cls, lowmemopt.APOLLOAdamW)):
         raise ValueError(f"apollo=... is for APOLLOAdamW (optimizer 'apollo_adamw'), not {cls.__name__}")
-    if not isinstance(apollo, Mapping):
-        raise TypeError(f"apollo must be a dict of APOLLO settings, got {type(apollo).__name__}")
-    missing = [k for k in ("target_modules", "rank") if k not in apollo]
-    if missing:
-        raise ValueError(f"apollo needs {' and '.join(missing)}, e.g. apollo=dict(target_modules='all-linear', "
-                         "rank=256) (target_modules as in TrainingArguments.optim_target_modules)")
-    apollo = dict(apollo)
+    apollo = _projection_settings("apollo", apollo, 256)
     groups = _apollo_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**apollo, "target_modules": "all-linear"})
     cls(groups)  # the optimizer's own checks of the group keys
     return apollo
