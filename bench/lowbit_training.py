@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--bits", default="32,8,4")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
     bits = sorted({32, *(int(b) for b in args.bits.split(","))}, reverse=True)
     for name in args.optimizers.split(","):

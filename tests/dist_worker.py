@@ -1103,6 +1103,27 @@ def muon_fsdp2(ctx):
         muon_batches.BATCH_BYTES = default
 
 
+@case
+def apollo_fsdp2(ctx):
+    """APOLLO under FSDP2 (Shard(0); uneven and empty shards) equals one process: side right (rows kept) projects the
+    local rows, side left sums over the shards; the random projection regenerated alike on every rank, an SVD
+    refresh from the gathered gradient; channel- and tensor-wise factors, the limiter's norm over the shards."""
+    shapes = [(8, 6), (6, 10), (7, 5), (1, 6), (5,)]
+    for keys in (dict(rank=2, update_proj_gap=2), dict(rank=2, proj="svd", scale_type="tensor", update_proj_gap=2)):
+        tensors = full_params(shapes)
+        _, params = fsdp_params(ctx, tensors)
+        ref_params = plain_params(tensors)
+
+        def groups(ps):
+            return [{"params": [p for p in ps if p.dim() == 2], **keys}, {"params": [p for p in ps if p.dim() != 2]}]
+
+        opt = lowmemopt.APOLLOAdamW(groups(params), lr=1e-2, weight_decay=0.01)
+        ref_opt = lowmemopt.APOLLOAdamW(groups(ref_params), lr=1e-2, weight_decay=0.01)
+        step_both(opt, params, ref_opt, ref_params, targets(shapes), 4)
+        compare(params, ref_params, f"APOLLO {keys}")
+        compare_state(opt, params, ref_opt, ref_params, f"APOLLO {keys} state")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 

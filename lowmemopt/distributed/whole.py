@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .reduction import Reduction, contiguous_strides, is_shard
 
-__all__ = ["map_whole", "shard_sizes"]
+__all__ = ["map_whole", "row_block", "shard_sizes", "whole_tensor"]
 
 Fn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -118,16 +118,40 @@ def _spread(parts: list[torch.Tensor], reduce: Reduction, mesh_dim: int, dim: in
 
 def _everywhere(parts: list[torch.Tensor], reduce: Reduction, fn: Fn, dtype: torch.dtype) -> list[torch.Tensor]:
     """Several sharded mesh dims: every rank gathers every matrix, runs ``fn`` on all and keeps its own box."""
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape = reduce.shape
-    wholes = [DTensor.from_local(t, reduce.mesh, reduce.placements, run_check=False, shape=shape,
-                                 stride=contiguous_strides(shape)).full_tensor() for t in parts]
-    local, offset = compute_local_shape_and_global_offset(shape, reduce.mesh, reduce.placements)
+    wholes = [whole_tensor(t, reduce) for t in parts]
+    local, offset = compute_local_shape_and_global_offset(reduce.shape, reduce.mesh, reduce.placements)
     out = []
     for r in fn(wholes):
         for d, (n, o) in enumerate(zip(local, offset)):
             r = r.narrow(d, o, n)
         out.append(r.to(dtype))
     return out
+
+
+def whole_tensor(local: torch.Tensor, reduce: Reduction) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's part (laid out like ``reduce``'s parameter), on every rank:
+    an all-gather (``full_tensor``); ``local`` itself in one process."""
+    if not reduce.distributed:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, reduce.mesh, reduce.placements, run_check=False, shape=reduce.shape,
+                              stride=contiguous_strides(reduce.shape)).full_tensor()
+
+
+def row_block(reduce: Reduction, what: str) -> tuple[int, int]:
+    """(first row, number of rows) of this rank's part of a matrix laid out like the parameter of ``reduce`` (a
+    :class:`~lowmemopt.distributed.reduction.ShardedReduction`): sharded by rows (``Shard(0)``, FSDP2's) or
+    replicated; another layout raises NotImplementedError naming ``what``."""
+    for i, placement in enumerate(reduce.placements):
+        if not (placement.is_replicate() or (placement.is_shard() and placement.dim % len(reduce.shape) == 0)):
+            raise NotImplementedError(
+                f"{what} on a parameter {tuple(reduce.shape)} placed {tuple(reduce.placements)}: only row sharding "
+                f"(Shard(0), FSDP2's default) and Replicate are supported (mesh dim {i} is {placement})")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(reduce.shape, reduce.mesh, reduce.placements)
+    return int(offset[0]), int(local[0])
+

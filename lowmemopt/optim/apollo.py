@@ -26,7 +26,9 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..checks import check_adam_group, check_nonneg
-from ..distributed.reduction import LOCAL, Reduction
+from ..distributed.reduction import LOCAL, Reduction, ShardedReduction
+from ..distributed.sharding import local_tensor
+from ..distributed.whole import row_block, whole_tensor
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm
 from ..quant.formats import Slot
@@ -39,8 +41,9 @@ __all__ = ["APOLLOAdamW", "APOLLOAlgorithm", "apollo_param_groups", "GROUP_DEFAU
 GROUP_DEFAULTS = dict(proj="random", scale_type="channel", update_proj_gap=200, scale=1.0, proj_type="std")
 #: a param group's ``rank`` is held under this key: lowmemopt's GaLore stage projects groups with ``rank``
 RANK = "apollo_rank"
-#: the step's view of a param group carries the parameter's seed under this key (:meth:`APOLLOAlgorithm.step_work`)
-SEED = "apollo.seed"
+#: the step's view of a param group carries the parameter's seed and its whole shape (a DTensor's local part has
+#: another) under these keys (:meth:`APOLLOAlgorithm.step_work`)
+SEED, SHAPE = "apollo.seed", "apollo.shape"
 PROJ_TYPES = ("std", "reverse_std", "left", "right")
 
 
@@ -57,10 +60,10 @@ class APOLLOAlgorithm(Algorithm):
     def slots(self, group, param):
         if group.get(RANK) is None:
             return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
-        m, n = param.shape
+        m, n = group.get(SHAPE, param.shape)  # the whole matrix's (param: a shard's local part, or the whole)
         rank = group[RANK]
         side = am.side_of(group["proj_type"], m, n)
-        low = am.low_rank_shape(side, m, n, rank)
+        low = am.low_rank_shape(side, param.shape[0], n, rank)  # (row-sharded: the local rows, side right)
         dims = (None, 1) if side == am.LEFT else (0, None)
         one = Slot(signed=False, quantize=False, shape=(1,), dims=(None,))
         slots = {"exp_avg": Slot(signed=True, shape=low, dims=dims), "exp_avg_sq": Slot(signed=False, shape=low, dims=dims),
@@ -71,14 +74,14 @@ class APOLLOAlgorithm(Algorithm):
         return slots
 
     def step_work(self, work, grad_mult=None):
-        """Each projected parameter with a view of its group that holds its seed: its 1-based position among all of
-        the optimizer's parameters, as apollo-torch numbers them."""
+        """Each projected parameter with a view of its group that holds its seed (its 1-based position among all of
+        the optimizer's parameters, as apollo-torch numbers them) and its whole shape."""
         owner = None if self._owner is None else self._owner()
         if owner is None or not any(group.get(RANK) is not None for _, group in work):
             return work
         index = {id(p): i for i, p in enumerate((p for g in owner.param_groups for p in g["params"]), 1)}
-        return [(p, {**group, SEED: index[id(p)]}) if group.get(RANK) is not None else (p, group)
-                for p, group in work]
+        return [(p, {**group, SEED: index[id(p)], SHAPE: tuple(p.shape)}) if group.get(RANK) is not None
+                else (p, group) for p, group in work]
 
     def update(self, p, g, state, group, step, reduce: Reduction = LOCAL):
         beta1, beta2 = group["betas"]
@@ -87,36 +90,33 @@ class APOLLOAlgorithm(Algorithm):
             step_size = step_size * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
         if group.get(RANK) is None:
             return hf_adamw_math(p, g, state, betas=group["betas"], eps=group["eps"], step_size=step_size)
-        if reduce.distributed:
-            raise NotImplementedError(
-                f"APOLLO on a sharded (DTensor / FSDP2) parameter {tuple(reduce.shape)}: not supported; keep it in a "
-                "group without rank (stepped as AdamW) or train it unsharded")
-        m, n = p.shape
+        m, n = group.get(SHAPE, p.shape)
         rank, side = group[RANK], am.side_of(group["proj_type"], m, n)
-        proj = self._projection(g, state, group, step, side)
-        low = am.project(g, proj, side)
+        proj = self._projection(g, state, group, step, side, reduce)
+        low, low_reduce = _project(g, proj, side, rank, reduce)
         norm_grad, alpha = hf_adamw_math(p, low, state, betas=group["betas"], eps=group["eps"], step_size=step_size)
-        u = g * am.scaling_factor(norm_grad, low, group["scale_type"], 0 if m < n else 1)
+        u = g * am.scaling_factor(norm_grad, low, group["scale_type"], 0 if m < n else 1, low_reduce)
         root = math.sqrt(group["scale"])
         if group["scale_front"]:
             u = u * root
         if not group["disable_nl"]:
-            u = am.limit_norm_growth(u, state["apollo.norm"], step == 1)
+            u = am.limit_norm_growth(u, state["apollo.norm"], step == 1, reduce)
         if not group["scale_front"]:
             u = u * root
         return u, alpha
 
     @staticmethod
     def _projection(g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int,
-                    side: int) -> torch.Tensor:
-        """This step's projection: regenerated from the seed (random), or the stored SVD basis, refreshed when due."""
+                    side: int, reduce: Reduction) -> torch.Tensor:
+        """This step's projection (the whole one, on every rank of a sharded parameter): regenerated from the seed
+        (random), or the stored SVD basis, refreshed when due (from the whole gradient: gathered there)."""
         due, refreshes = am.refresh_due(step, group["update_proj_gap"])
-        m, n = g.shape
+        m, n = group.get(SHAPE, g.shape)
         shape = am.projection_shape(side, m, n, group[RANK])
         if group["proj"] == "svd":
             proj = state["apollo.proj"]
             if due:
-                proj.copy_(am.svd_projection(g, side, group[RANK]))
+                proj.copy_(am.svd_projection(whole_tensor(g, reduce), side, group[RANK]))
             return proj
         seed = group.get(SEED)
         if seed is None:
@@ -128,6 +128,22 @@ class APOLLOAlgorithm(Algorithm):
         p32.add_(delta, alpha=alpha)
         if group["weight_decay"] > 0.0:  # after the update, as transformers' legacy AdamW
             p32.add_(p32, alpha=-group["lr"] * group["weight_decay"])
+
+
+def _project(g: torch.Tensor, proj: torch.Tensor, side: int, rank: int,
+             reduce: Reduction) -> tuple[torch.Tensor, Reduction]:
+    """The projected gradient of ``g`` (a row-sharded parameter's local rows, or the whole matrix) and the reductions
+    of tensors shaped like it: side right keeps the rows (``G_r P^T``, sharded like the parameter), side left sums
+    ``P_r^T G_r`` over the row shards (replicated)."""
+    if not reduce.distributed:
+        return am.project(g, proj, side), LOCAL
+    row0, rows = row_block(reduce, "APOLLO")
+    if side == am.RIGHT:
+        m = reduce.shape[0]
+        return am.project(g, proj, side), ShardedReduction(reduce.mesh, reduce.placements, torch.Size((m, rank)))
+    low = am.project(g, proj[row0:row0 + rows], side)
+    reduce.sum_over(low, 0)
+    return low, LOCAL
 
 
 class APOLLOAdamW(LowMemOptimizer):
@@ -144,7 +160,9 @@ class APOLLOAdamW(LowMemOptimizer):
     optimizer's parameters, as apollo-torch numbers them) and the step count, on the parameter's device (a CUDA
     projection comes from a CUDA generator, as apollo-torch's): the state holds the moments, the step, the limiter's
     last norm and, for ``proj="svd"``, the basis. Storage keywords: ``state_bits`` (the moments), ``block_size``,
-    ``paged``... (:class:`~lowmemopt.LowMemOptimizer`). Projected parameters are stepped unsharded (not DTensors)."""
+    ``paged``... (:class:`~lowmemopt.LowMemOptimizer`). FSDP2 / DTensor parameters sharded by rows (``Shard(0)``) or
+    replicated: side right keeps the local rows, side left sums over the shards; an SVD refresh gathers the whole
+    gradient."""
 
     algorithm = APOLLOAlgorithm()
 
@@ -168,6 +186,15 @@ class APOLLOAdamW(LowMemOptimizer):
     def _attach(self) -> None:
         super()._attach()
         self.algorithm = APOLLOAlgorithm(self)  # gives projected parameters their seeds
+
+    def _slots(self, group, param):
+        """The slots of ``param`` (a DTensor: its local part's, laid out by its whole shape)."""
+        if group.get(RANK) is not None:
+            group = {**group, SHAPE: tuple(param.shape)}
+        return self.algorithm.slots(group, local_tensor(param))
+
+    def _state_slots(self, group, p):
+        return self._slots(group, p)
 
     def _step_some(self, work, flags=None):
         super()._step_some(self.algorithm.step_work(work), flags)  # (per-layer updates: the seeds too)
