@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import re
@@ -229,3 +230,15 @@ def tiny_trainer(out, spec, resume=None):
         logging_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=spec)
     return trainer, trainer.train(resume_from_checkpoint=resume)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread while the block runs (a training run on a busy 2-core machine: no waits for a second
+    core that another process holds; seconds instead of minutes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -76,7 +76,7 @@ def test_batched_matrices_equal_torch(kw):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(muon_batches, "orthogonalize", spy)
-        for t in range(10):
+        for t in range(6):
             set_grads(params, t)
             for p, r in zip(params, ref):
                 r.grad = p.grad.clone()
@@ -85,7 +85,7 @@ def test_batched_matrices_equal_torch(kw):
                 o.step()
     assert shapes[:2] == [[(48, 32)] * 3, [(32, 48)]]  # the batch, then the transposed matrix alone
     for p, r in zip(params, ref):
-        torch.testing.assert_close(p, r, rtol=0, atol=10 * 0.02 * 2 ** -8)
+        torch.testing.assert_close(p, r, rtol=0, atol=6 * 0.02 * 2 ** -8)
 
 
 def test_newton_schulz_batch_equals_one_at_a_time_to_bf16_rounding():
@@ -225,3 +225,32 @@ def test_trainer_run(tmp_path):
     resumed, _ = tiny_trainer(tmp_path / "resumed", spec(), resume=str(tmp_path / "full" / "checkpoint-2"))
     for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_4bit_training_stays_close_to_32bit():
+    """bench/lowbit_training.py's small LLaMA, 60 steps: the 4-bit momentum's held-out loss within 3% of 32 bits
+    (measured +0.9%; 8-bit +0.02%). The 200-step, 3-seed table of docs/muon.md: the slow test below."""
+    pytest.importorskip("transformers")
+    from helpers import load_bench, one_thread
+
+    bench = load_bench("lowbit_training")
+    with one_thread():
+        l32, l4 = (bench.train("muon", bits, 60, 0)["heldout"] for bits in (32, 4))
+    assert abs(l4 - l32) / l32 < 0.03, (l4, l32)
+
+
+@pytest.mark.slow
+def test_low_bit_training_table():
+    """docs/muon.md's table: 200 steps, seeds 0-2; 8- and 4-bit within 2% of 32 bits on average, 4% on each seed
+    (measured: 8-bit +0.53% mean, +1.17% worst; 4-bit +1.22%, +2.60%)."""
+    pytest.importorskip("transformers")
+    from helpers import load_bench, one_thread
+
+    bench = load_bench("lowbit_training")
+    for bits in (8, 4):
+        gaps = []
+        for seed in range(3):
+            with one_thread():
+                l32, low = (bench.train("muon", b, 200, seed)["heldout"] for b in (32, bits))
+            gaps.append((low - l32) / l32)
+        assert abs(sum(gaps) / 3) < 0.02 and max(map(abs, gaps)) < 0.04, (bits, gaps)
