@@ -242,3 +242,15 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def lowbit_gaps(name: str, bits: int, steps: int, seeds) -> list[float]:
+    """``bench/lowbit_training.py``'s runs of optimizer ``name``: the held-out loss of ``bits`` relative to 32 bits,
+    ``(low - l32) / l32``, per seed (on one torch thread)."""
+    bench = load_bench("lowbit_training")
+    gaps = []
+    with one_thread():
+        for seed in seeds:
+            l32, low = (bench.train(name, b, steps, seed)["heldout"] for b in (32, bits))
+            gaps.append((low - l32) / l32)
+    return gaps

@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run, set_grads, tiny_trainer
+from helpers import clone_params, lowbit_gaps, make_params, run, set_grads, tiny_trainer
 
 import lowmemopt
 from lowmemopt.optim import apollo_math
@@ -194,12 +194,8 @@ def test_apollo_mini_4bit_training_stays_close_to_32bit():
     """bench/lowbit_training.py's small LLaMA with APOLLO-Mini, 60 steps: 4-bit moments' held-out loss within 3% of
     32 bits (measured -0.16%; 8-bit -0.8%). The 200-step, 3-seed tables of docs/apollo.md: the slow test below."""
     pytest.importorskip("transformers")
-    from helpers import load_bench, one_thread
-
-    bench = load_bench("lowbit_training")
-    with one_thread():
-        l32, l4 = (bench.train("apollo_mini", bits, 60, 0)["heldout"] for bits in (32, 4))
-    assert abs(l4 - l32) / l32 < 0.03, (l4, l32)
+    gap, = lowbit_gaps("apollo_mini", 4, 60, [0])
+    assert abs(gap) < 0.03, gap
 
 
 @pytest.mark.slow
@@ -208,13 +204,6 @@ def test_low_bit_training_table(name):
     """docs/apollo.md's tables: 200 steps, seeds 0-2; 8- and 4-bit within 2% of 32 bits on average, 4% on each seed
     (measured: APOLLO -0.30% / -1.08% mean, APOLLO-Mini +1.01% / +0.34%, worst seed +2.99%)."""
     pytest.importorskip("transformers")
-    from helpers import load_bench, one_thread
-
-    bench = load_bench("lowbit_training")
     for bits in (8, 4):
-        gaps = []
-        for seed in range(3):
-            with one_thread():
-                l32, low = (bench.train(name, b, 200, seed)["heldout"] for b in (32, bits))
-            gaps.append((low - l32) / l32)
+        gaps = lowbit_gaps(name, bits, 200, range(3))
         assert abs(sum(gaps) / 3) < 0.02 and max(map(abs, gaps)) < 0.04, (name, bits, gaps)

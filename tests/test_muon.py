@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers import clone_params, make_params, run, set_grads, tiny_trainer
+from helpers import clone_params, lowbit_gaps, make_params, run, set_grads, tiny_trainer
 
 import lowmemopt
 from lowmemopt.optim import muon_batches
@@ -231,12 +231,8 @@ def test_4bit_training_stays_close_to_32bit():
     """bench/lowbit_training.py's small LLaMA, 60 steps: the 4-bit momentum's held-out loss within 3% of 32 bits
     (measured +0.9%; 8-bit +0.02%). The 200-step, 3-seed table of docs/muon.md: the slow test below."""
     pytest.importorskip("transformers")
-    from helpers import load_bench, one_thread
-
-    bench = load_bench("lowbit_training")
-    with one_thread():
-        l32, l4 = (bench.train("muon", bits, 60, 0)["heldout"] for bits in (32, 4))
-    assert abs(l4 - l32) / l32 < 0.03, (l4, l32)
+    gap, = lowbit_gaps("muon", 4, 60, [0])
+    assert abs(gap) < 0.03, gap
 
 
 @pytest.mark.slow
@@ -244,13 +240,6 @@ def test_low_bit_training_table():
     """docs/muon.md's table: 200 steps, seeds 0-2; 8- and 4-bit within 2% of 32 bits on average, 4% on each seed
     (measured: 8-bit +0.53% mean, +1.17% worst; 4-bit +1.22%, +2.60%)."""
     pytest.importorskip("transformers")
-    from helpers import load_bench, one_thread
-
-    bench = load_bench("lowbit_training")
     for bits in (8, 4):
-        gaps = []
-        for seed in range(3):
-            with one_thread():
-                l32, low = (bench.train("muon", b, 200, seed)["heldout"] for b in (32, bits))
-            gaps.append((low - l32) / l32)
+        gaps = lowbit_gaps("muon", bits, 200, range(3))
         assert abs(sum(gaps) / 3) < 0.02 and max(map(abs, gaps)) < 0.04, (bits, gaps)
