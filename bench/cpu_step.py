@@ -108,6 +108,64 @@ EXTRA: dict[str, tuple[Factory, str]] = {
     "lowmemopt-adamw-8bit-per-param": (_per_parameter(_lowmemopt("AdamW", 8)),
                                        "lowmemopt.AdamW(state_bits=8), one native call per parameter"),
 }
+
+
+def llama_names(preset: str) -> list[str]:
+    """The parameter names of ``lowmemopt.benchmark.build_llama(preset)``, in :func:`llama_shapes`' order."""
+    layer = [f"self_attn.{n}_proj.weight" for n in "qkvo"] + [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    layers = [f"model.layers.{i}.{n}" for i in range(LLAMA_PRESETS[preset]["num_hidden_layers"]) for n in layer]
+    return ["model.embed_tokens.weight"] + layers + ["model.norm.weight", "lm_head.weight"]
+
+
+def _named(make: Callable[[list[tuple[str, torch.nn.Parameter]], dict], torch.optim.Optimizer]) -> Factory:
+    """A factory of an optimizer that takes named parameters (Adam-mini), with the model's dim and heads."""
+    def factory(params):
+        preset = next(p for p, c in LLAMA_PRESETS.items() if len(llama_names(p)) == len(params)
+                      and llama_shapes(p)[0] == tuple(params[0].shape))
+        c = LLAMA_PRESETS[preset]
+        shape = dict(dim=c["hidden_size"], n_heads=c["num_attention_heads"])
+        return make(list(zip(llama_names(preset), params)), shape)
+
+    return factory
+
+
+def _adam_mini_reference(named, shape):
+    import contextlib
+    import io
+
+    from adam_mini import Adam_mini
+
+    with contextlib.redirect_stdout(io.StringIO()):  # (it prints every block it finds)
+        opt = Adam_mini(named, lr=LR, weight_decay=WD, verbose=False, **shape)
+    return opt
+
+
+def _bnb_ademamix(bits: int) -> Factory:
+    def make(params):
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdEMAMix(params, lr=LR, weight_decay=WD, optim_bits=bits)
+
+    return make
+
+
+#: AdEMAMix and Adam-mini beside their references (run when named); REFERENCES pairs each with its reference, whose
+#: step time in the same round is the denominator of its paired ratio
+NEW: dict[str, tuple[Factory, str]] = {
+    "bnb-ademamix-32bit": (_bnb_ademamix(32), "bitsandbytes.optim.AdEMAMix(optim_bits=32): its CPU step"),
+    "bnb-ademamix-8bit": (_bnb_ademamix(8), "bitsandbytes.optim.AdEMAMix(optim_bits=8): its CPU step"),
+    "lowmemopt-ademamix-32bit": (_lowmemopt("AdEMAMix", 32), "lowmemopt.AdEMAMix(state_bits=32)"),
+    "lowmemopt-ademamix-8bit": (_lowmemopt("AdEMAMix", 8), "lowmemopt.AdEMAMix(state_bits=8)"),
+    "adam-mini": (_named(_adam_mini_reference), "adam_mini.Adam_mini (1.1.1), fp32 state"),
+    "lowmemopt-adam-mini-32bit": (_named(lambda named, shape: __import__("lowmemopt").AdamMini(
+        named, lr=LR, weight_decay=WD, verbose=False, **shape)), "lowmemopt.AdamMini(state_bits=32)"),
+    "lowmemopt-adam-mini-8bit": (_named(lambda named, shape: __import__("lowmemopt").AdamMini(
+        named, lr=LR, weight_decay=WD, verbose=False, state_bits=8, **shape)), "lowmemopt.AdamMini(state_bits=8)"),
+}
+REFERENCES = {"lowmemopt-ademamix-32bit": "bnb-ademamix-32bit", "lowmemopt-ademamix-8bit": "bnb-ademamix-8bit",
+              "lowmemopt-adam-mini-32bit": "adam-mini", "lowmemopt-adam-mini-8bit": "adam-mini"}
+EXTRA.update(NEW)
 OPTIMIZERS.update(EXTRA)
 
 
@@ -288,6 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     bandwidths = measure(opts, rows, args.rounds, args.warmup, int(args.stream_mib * 2**20) // 4)
     bandwidth = statistics.median(bandwidths)
     table([rows[n] for n in args.names], n_params, bandwidth, out)
+    paired = [(n, ref) for n, ref in REFERENCES.items() if rows.get(n) and rows[n].times_s and rows.get(ref)
+              and rows[ref].times_s]
+    if paired:
+        print("\n| optimizer | its reference | step time vs the reference's (median of per-round ratios; quartiles) |\n"
+              "| --- | --- | ---: |", file=out)
+        for n, ref in paired:
+            ratios = [a / b for a, b in zip(rows[n].times_s, rows[ref].times_s)]
+            spread = Row(n, ratios=ratios).spread()
+            print(f"| {n} | {ref} | {statistics.median(ratios):.2f}x{'; ' + spread if spread else ''} |", file=out)
     anchor = rows[ANCHOR]
     print(f"\n{ANCHOR}: median {1e3 * anchor.median_s():.1f} ms per step; memory bandwidth (add_: 2 reads + 1 "
           f"write) median {bandwidth / 1e9:.1f} GB/s (range {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "

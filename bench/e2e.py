@@ -204,9 +204,9 @@ ROWS: dict[str, tuple[float, Callable]] = {
     "lowmemopt-paged-adamw-8bit": (3e-4, _lm_paged),
     "lowmemopt-galore-adamw-8bit": (3e-4, _lm_galore("AdamW", weight_decay=0.0)),
     "lowmemopt-galore-came-8bit": (2e-4, _lm_galore("CAME")),
-    # the projections in the parameters' dtype (bf16 matmuls, fp32 accumulation), as galore-torch does for bf16
-    "lowmemopt-galore-adamw-8bit-bf16proj": (3e-4, _lm_galore("AdamW", dict(proj_dtype="param"), weight_decay=0.0)),
-    "lowmemopt-galore-came-8bit-bf16proj": (2e-4, _lm_galore("CAME", dict(proj_dtype="param"))),
+    # the projections as fp32 matmuls (the GaLore rows above take bf16 ones for bf16 weights: proj_dtype="param")
+    "lowmemopt-galore-adamw-8bit-fp32proj": (3e-4, _lm_galore("AdamW", dict(proj_dtype="float32"), weight_decay=0.0)),
+    "lowmemopt-galore-came-8bit-fp32proj": (2e-4, _lm_galore("CAME", dict(proj_dtype="float32"))),
     # per-layer updates: the finiteness check of each hook stays on the device (no synchronization per parameter)
     "lowmemopt-adamw-8bit-per-layer": (3e-4, _lm_per_layer("AdamW", weight_decay=0.0)),
     "lowmemopt-adamw-8bit-per-layer-32mib": (3e-4, _lm_per_layer("AdamW", bucket_bytes=32 << 20, weight_decay=0.0)),
@@ -379,10 +379,12 @@ TARGETS = [
     ("fused 8-bit step", "lowmemopt-adamw-8bit", "bnb-adamw8bit", 0.5),
     ("paged step", "lowmemopt-paged-adamw-8bit", "bnb-paged-adamw8bit", 1.5),
     ("GaLore step", "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit", 0.8),
-    ("GaLore step", "lowmemopt-galore-adamw-8bit-bf16proj", "galore-torch-adamw8bit", 0.8),
     ("GaLore step", "lowmemopt-galore-came-8bit", "galore-torch-adamw8bit", 1.0),
-    ("GaLore step", "lowmemopt-galore-came-8bit-bf16proj", "galore-torch-adamw8bit", 1.0),
+    ("CAME step", "lowmemopt-came-8bit", "lowmemopt-adamw-8bit", 2.0),
 ]
+#: ``--optimizers core``: the rows ``scripts/gpu-check`` measures first (its default plan), the baseline first
+CORE_ROWS = [BASELINE, "lowmemopt-adamw-8bit", "bnb-adamw8bit", "lowmemopt-came-8bit", "lowmemopt-paged-adamw-8bit",
+             "bnb-paged-adamw8bit", "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit"]
 
 
 def target_lines(rows: list[dict[str, Any]], gpu: bool) -> list[str]:
@@ -419,7 +421,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_args(ap)
     ap.add_argument("--optimizers", default=",".join(ROWS),
                     help="comma-separated rows (default: all); 'targets' stands for the rows the performance "
-                         "targets compare (TARGETS), the first thing to measure when GPU time is short")
+                         "targets compare (TARGETS), 'core' for CORE_ROWS (the optimizers a GPU check measures "
+                         "first: torch fused, bitsandbytes 8-bit and paged, lowmemopt AdamW 8-bit, paged, CAME "
+                         "8-bit, GaLore AdamW 8-bit, galore-torch)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (state allocation, compiles)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per row")
@@ -444,10 +448,12 @@ def target_rows() -> list[str]:
 
 
 def expand_rows(spec: str) -> list[str]:
-    """``--optimizers``' comma-separated names, ``targets`` replaced by :func:`target_rows`, each name once."""
+    """``--optimizers``' comma-separated names, ``targets`` replaced by :func:`target_rows` and ``core`` by
+    :data:`CORE_ROWS`, each name once."""
+    aliases = {"targets": target_rows(), "core": CORE_ROWS}
     names: list[str] = []
     for name in (n.strip() for n in spec.split(",")):
-        names += [n for n in (target_rows() if name == "targets" else [name] if name else []) if n not in names]
+        names += [n for n in aliases.get(name, [name] if name else []) if n not in names]
     return names
 
 
@@ -456,7 +462,7 @@ def checked_rows(spec: str) -> list[str]:
     names = expand_rows(spec)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
-        raise ValueError(f"unknown row(s) {', '.join(unknown)}; known: targets, {', '.join(ROWS)}")
+        raise ValueError(f"unknown row(s) {', '.join(unknown)}; known: targets, core, {', '.join(ROWS)}")
     return names
 
 

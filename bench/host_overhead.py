@@ -22,7 +22,7 @@ handed over in backward order, as its hook does, to :class:`lowmemopt.per_layer.
 with ``--bucket-bytes`` held and stepped in buckets; then the end of the backward pass's one flag read), or ``both``
 (default; their rounds alternate, on one optimizer). ``--galore RANK``:
 the attention and MLP matrices in a GaLore group (basis refreshed on the first step only); on the CPU the batched
-products CUDA takes run there (``lowmemopt.projection.step.BATCH_ON_CPU``), so the host work is CUDA's.
+products CUDA takes run there (``lowmemopt.projection.batched.BATCH_ON_CPU``), so the host work is CUDA's.
 ``--per-parameter-groups``: one param group per parameter with equal values (u-muP's layout): buckets go by the
 groups' values, so the launches are those of one group.
 
@@ -86,20 +86,21 @@ def llama_shapes(layers: int, hidden: int, vocab: int) -> list[tuple[int, ...]]:
 def _stub_launches() -> None:
     """CPU: every kernel launch only builds its launch tables (the host's part of it: with the device-side
     finiteness flags, the masked table too); GaLore's apply pass builds its tables and launches nothing."""
-    from lowmemopt.kernels import launch, unproject
+    from lowmemopt.kernels import check, launch, unproject
 
-    def launch_tables_only(self, kernel, rows, counts, args, *, writes, **meta):
+    def launch_tables_only(self, kernel, rows, counts, args, *, writes, memo_key=None, **meta):
         if sum(counts):
-            self.tables(rows, counts)
+            self.tables(rows, counts, memo_key)
             self.written = self.written or writes
 
     launch.Bucket.launch = launch_tables_only
 
-    class _NoLaunch:  # GaLore's apply pass launches its kernel itself (after building its tables): not the launch
+    class _NoLaunch:  # kernels launched after their tables are built (GaLore's apply pass, the gradients' check)
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
     unproject._apply_kernel = _NoLaunch()
+    check._sumsq_kernel = _NoLaunch()
 
 
 def make_params(shapes, device: str, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -213,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         # OpenMP barriers' spinning of torch's worker threads (GaLore's batched products), 2-6x the host work
         torch.set_num_threads(1)
         if args.galore is not None:  # the batched products CUDA takes (the CPU's own are per matrix)
-            from lowmemopt.projection import step as galore_step
+            from lowmemopt.projection import batched as galore_batched
 
-            galore_step.BATCH_ON_CPU = True
+            galore_batched.BATCH_ON_CPU = True
     modes = ("step", "per-layer") if args.mode == "both" else (args.mode,)
     matrices = sum(len(s) == 2 for s in shapes[1:-1])  # (param_groups' selection: not the embedding and the head)
     galore = "" if args.galore is None else f", GaLore rank {args.galore} on {matrices} matrices"

@@ -7,8 +7,10 @@ folder. Standard library only (``env`` also reads torch and triton if they impor
 ``WORK/parts.tsv`` has one line per part that ran, tab-separated: ``kind name exit_code seconds command``, with kind
 ``tests`` (pytest wrote ``WORK/tests-<name>.xml``, a JUnit file, and ``WORK/tests-<name>.log``) or ``bench`` (the
 script's stdout, already markdown, in ``WORK/bench-<name>.md``, its stderr in ``WORK/bench-<name>.log``) or ``note``
-(the command column is the text). A part that crashed or timed out is reported with its exit code and the end of its
-log; the report is written whatever happened.
+(the command column is the text). ``WORK/plan.tsv`` has one line per part the check meant to run, in order:
+``name cap_seconds command``; the report's plan table gives each its cap, its time and whether it finished, was cut
+at its cap or was not run. A part that crashed or timed out is reported with its exit code and the end of its log; the
+report is written whatever happened.
 """
 
 from __future__ import annotations
@@ -205,6 +207,36 @@ def _triton_row(version: str | None) -> str | None:
     return version
 
 
+def read_plan(work: str) -> list[tuple[str, int, str]]:
+    """``(name, cap in seconds, command)`` of each part the check meant to run, in order (a part planned again by a
+    later run into the same work folder keeps its first place and its last entry)."""
+    plan: dict[str, tuple[str, int, str]] = {}
+    path = os.path.join(work, "plan.tsv")
+    if os.path.exists(path):
+        with open(path) as fh:
+            for line in fh:
+                cols = line.rstrip("\n").split("\t")
+                if len(cols) >= 3 and cols[1].isdigit():
+                    plan[cols[0]] = (cols[0], int(cols[1]), "\t".join(cols[2:]))
+    return list(plan.values())
+
+
+def plan_section(plan: list[tuple[str, int, str]], parts: list[Part]) -> list[str]:
+    """The plan as a table: each part's cap, the seconds it took and how it ended (ok, exit N, cut at its cap, not
+    run: too little of the deadline left)."""
+    ran = {p.name: p for p in parts if p.kind in ("tests", "bench")}
+    lines = ["| part | command | cap (s) | took (s) | result |", "| --- | --- | ---: | ---: | --- |"]
+    for name, cap, command in plan:
+        p = ran.get(name)
+        if p is None:
+            result, took = "not run (too little of the deadline left)", "—"
+        else:
+            result = ("cut at its cap: " if p.rc == 124 else "") + _status(p.rc)
+            took = f"{p.seconds:.0f}"
+        lines.append(f"| {name} | `{command}` | {cap} | {took} | {result} |")
+    return lines
+
+
 def tests_section(work: str, parts: list[Part]) -> tuple[list[str], bool]:
     """The test table and failing ids; True if any test failed or a run gave no result."""
     lines = ["| run | result | passed | failed | errors | skipped | time (s) |",
@@ -282,6 +314,9 @@ def assemble(work: str, title: str = "lowmemopt GPU check") -> tuple[str, bool, 
     head += [f"- result: **{verdict}**", ""]
     if notes:
         head += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    plan = read_plan(work)
+    if plan:
+        head += ["## Plan", ""] + plan_section(plan, parts) + [""]
     text = "\n".join(head + ["## Environment", ""] + env_section(env) + ["", "## Tests", ""] + tests
                      + ["", "## Benchmarks", ""] + benches) + "\n"
     return text, tests_bad, bench_bad

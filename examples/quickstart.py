@@ -1,5 +1,7 @@
 """Quickstart: train a small byte-level language model on the Python standard library's source with a few lowmemopt
-optimizers, and print state memory, step time and final loss next to torch.optim.AdamW. Runs offline in ~1 minute on CPU.
+optimizers, and print state memory, step time and final loss (the mean of the last 20 steps' losses) next to
+torch.optim.AdamW. Runs offline on the CPU in about 10 seconds of CPU time (measured: 9.9 s on one thread of a 2-core
+AMD EPYC VM).
 
     python examples/quickstart.py [--steps 300]
 """
@@ -27,11 +29,11 @@ def main() -> None:
     args = parser.parse_args()
     data = stdlib_bytes()
     print(f"byte-level LM on {data.numel():,} bytes of Python stdlib source, {args.steps} steps, batch 128\n")
-    print(f"| {'optimizer':26} | state KiB | median step ms | final loss |")
-    print(f"| {'-' * 26} | --------: | -------------: | ---------: |")
+    print(f"| {'optimizer':26} | state KiB | median step ms | final loss (mean of last 20 steps) |")
+    print(f"| {'-' * 26} | --------: | -------------: | ---------------------------------: |")
     for name, make in CHOICES.items():
         r = train_bytes(make, args.steps, data=data)
-        print(f"| {name:26} | {r['state_bytes'] / 1024:9.1f} | {r['step_s'] * 1e3:14.2f} | {r['final']:10.4f} |")
+        print(f"| {name:26} | {r['state_bytes'] / 1024:9.1f} | {r['step_s'] * 1e3:14.2f} | {r['final']:33.4f} |")
 
 
 if __name__ == "__main__":

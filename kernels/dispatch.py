@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -42,7 +43,7 @@ from lowmemopt.quant.formats import format_of
 from . import registry, runtime
 from .table import select_flags
 
-__all__ = ["step_items", "stats"]
+__all__ = ["step_items", "plan_buckets", "launch_buckets", "Planned", "group_values", "stats"]
 
 #: buckets stepped by a kernel, per (algorithm, format), since import (tests check that the fused path really ran)
 stats: dict[tuple[str, str], int] = {}
@@ -63,15 +64,40 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
     the flags. ``grad_mult``: loss scaling, device -> the gradients' multiplier there (fp32), which the kernels of
     the full-rank items read where they load a gradient (GaLore items' low-rank gradients are unscaled already).
     Nothing may be left to the per-tensor backends (they need the host's counts and flags): an item no
-    kernel takes raises ValueError before anything is launched, and a failed launch raises."""
+    kernel takes raises ValueError before anything is launched, and a failed launch raises.
+
+    The two halves, :func:`plan_buckets` and :func:`launch_buckets`, are also called apart: a cached step
+    (:mod:`lowmemopt.pipeline.program`) plans once and launches its buckets step after step."""
     if not items or not _usable({it.target.device for it in items}):
         if device_steps and items:
             raise ValueError("capturable=True needs the fused Triton kernels, which this device does not have")
         return items
-    from .launch import Bucket, Unsupported
+    planned, rest = plan_buckets(algorithm, items, device_steps)
+    return rest + launch_buckets(planned, update_for, flags, device_steps, grad_mult)
+
+
+@dataclass(eq=False)
+class Planned:
+    """One bucket as :func:`plan_buckets` resolved it: the kernel, its items (one param group's values, format,
+    dtypes, device, layout and, outside a capturable step, step count), and the :class:`~.launch.Bucket` that
+    launches them, which keeps what it built for its launches from step to step while its tensors stay the same."""
+
+    kernel: Any
+    members: list[Item]
+    step: int | None  # the members' step count before this step (None: a capturable step's, on the device)
+    bucket: Any = None
+    #: the members' rows in the step's finiteness flags where they follow one another (a slice of the flags), set by
+    #: a step program; None: each member's ``flag``
+    flag_rows: range | None = None
+
+
+def plan_buckets(algorithm: str, items: list[Item], device_steps: bool = False) -> tuple[list[Planned], list[Item]]:
+    """``(buckets, rest)``: ``items`` grouped into buckets that one kernel's launches step, and those no kernel takes
+    (see :func:`step_items`; ``rest`` raises ValueError in a capturable step). Nothing is launched."""
+    from .launch import Bucket
 
     rest: list[Item] = []
-    buckets: dict[tuple, tuple[Any, list[Item]]] = {}
+    buckets: dict[tuple, Planned] = {}
     usable: dict[torch.device, bool] = {}  # runtime.device_ok per device
     group_ids: dict[int, int] = {}  # id(param group) -> the number of its values (group_values), one per distinct
     by_values: dict[tuple, int] = {}
@@ -89,11 +115,33 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
         gid = group_ids.get(id(group))
         if gid is None:  # (once per param group and call: per-parameter groups pay it per item)
             gid = group_ids[id(group)] = by_values.setdefault(group_values(group), len(by_values))
-        key = (gid, it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device,
-               None if device_steps else it.state["step"], kernel.layout(t), it.flag is not None, it.weight is not None)
-        buckets.setdefault(key, (kernel, []))[1].append(it)
+        step = None if device_steps else it.state["step"]
+        key = (gid, it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, step, kernel.layout(t),
+               it.flag is not None, it.weight is not None)
+        planned = buckets.get(key)
+        if planned is None:
+            planned = buckets[key] = Planned(kernel, [], step)
+        planned.members.append(it)
+    out = list(buckets.values())
+    for planned in out:
+        members = planned.members
+        planned.bucket = Bucket([it.target for it in members], [it.grad for it in members],
+                                [it.state for it in members], planned.kernel.fmt, members[0].group["block_size"],
+                                index_bases=[it.index_base for it in members])
+    return out, rest
 
-    for key, (kernel, members) in buckets.items():
+
+def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Update],
+                   flags: torch.Tensor | None = None, device_steps: bool = False,
+                   grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
+    """Launch each bucket of ``planned`` (:func:`plan_buckets`) and write its members' step counts; return the items
+    of buckets that did not take the kernels (a launch that failed before writing anything, see :func:`step_items`).
+    The buckets' ``grads`` are the ones to read (a cached step sets them first)."""
+    from .launch import Unsupported
+
+    rest: list[Item] = []
+    for p in planned:
+        kernel, members, bucket = p.kernel, p.members, p.bucket
         if not runtime.ENABLED:  # turned off by a failure in an earlier bucket
             if device_steps:
                 raise RuntimeError("capturable=True: the fused Triton kernels were turned off by an earlier failure")
@@ -103,16 +151,15 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
             counters = [it.state["step"] for it in members]
             step = torch.stack(counters).to(torch.float64) + 1  # the step each tensor takes
         else:
-            step = key[6] + 1
+            step = p.step + 1
         update = update_for(members[0], step)
-        bucket = Bucket([it.target for it in members], [it.grad for it in members], [it.state for it in members],
-                        kernel.fmt, update.block_size, index_bases=[it.index_base for it in members])
-        if key[-1]:  # GaLore stand-ins: the full weights' statistics, read in place of the stand-ins'
-            bucket.weights = torch.stack([it.weight for it in members])
-        if grad_mult is not None and not members[0].projected:
-            bucket.grad_mult = grad_mult(bucket.device)
+        bucket.written = False
+        bucket.weights = None if members[0].weight is None else torch.stack([it.weight for it in members])
+        bucket.grad_mult = grad_mult(bucket.device) if grad_mult is not None and not members[0].projected else None
         if flags is not None and members[0].flag is not None:  # device-side finiteness (pipeline.finite)
-            bucket.flags, bucket.flag_rows = flags, [it.flag for it in members]
+            bucket.set_flags(flags, p.flag_rows if p.flag_rows is not None else [it.flag for it in members])
+        else:
+            bucket.set_flags(None, [])
         try:
             kernel.launch(update, bucket)
         except Unsupported as exc:
@@ -132,6 +179,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
             capture.advance(counters, None if bucket.flags is None else select_flags(flags, bucket.flag_rows,
                                                                                      bucket.device))
         else:
+            p.step = step
             for it in members:
                 it.state["step"] = step
         stats[(kernel.algorithm, kernel.fmt)] = stats.get((kernel.algorithm, kernel.fmt), 0) + 1

@@ -489,6 +489,24 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
     return rows, shapes, n_rows, n_cols
 
 
+def _layout(bucket: Bucket, factored: bool) -> tuple:
+    """What a bucket's passes launch over, made once while its tensors stay the same (:attr:`.launch.Bucket.memo`):
+    the table rows (:func:`_rows`), the row and column scratch sizes, the flat passes' compile-time arguments, and the
+    program counts of the flat, 2-D tile and per-matrix passes."""
+    rows, shapes, n_rows, n_cols = _rows(bucket, factored)
+    bucket.keep_rows(rows)
+    flat = bucket.constexprs(())
+    flat["ALIGNED"] = bucket.aligned(()) and all(
+        t.data_ptr() % 16 == 0 for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor))
+    tile = flat["ROWS"] * flat["BLOCK"]
+    flat_counts = [ceil_div(p.numel(), tile) for p in bucket.params]
+    flat["WIDE"] = factored and wide(bucket.params, flat["BLOCK"])
+    tr, bc = runtime.TILE_2D
+    counts_2d = [b * ceil_div(R, tr) * ceil_div(C, bc) for b, R, C in shapes]
+    counts_mat = [b for b, _, _ in shapes]
+    return rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat
+
+
 def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay: bool, eps1: float, eps2: float,
             beta1: float, beta2: float, beta3: float, clip: float, lr: float, neg_wd: float, neg_wd_lr: float,
             scal: torch.Tensor | None = None) -> None:
@@ -497,13 +515,10 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     device = bucket.scalar_args(scal)
     dev = bucket.device
     factored = bucket.params[0].dim() >= 2
-    rows, shapes, n_rows, n_cols = _rows(bucket, factored)
-    flat = bucket.constexprs(())
-    flat["ALIGNED"] = bucket.aligned(()) and all(
-        t.data_ptr() % 16 == 0 for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor))
-    tile = flat["ROWS"] * flat["BLOCK"]
-    flat_counts = [ceil_div(p.numel(), tile) for p in bucket.params]
-    flat["WIDE"] = factored and wide(bucket.params, flat["BLOCK"])
+    tr, bc = runtime.TILE_2D
+    lay = ("factored", runtime.rows_per_tile(bucket.block_size, dev), tr, bc)  # (the tables are kept by this key too)
+    rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat = bucket._memo(
+        lay, lambda: _layout(bucket, factored))
     sums = bucket.accumulators(2)
     weight = bucket.weights is not None and scale_param and not came
     if weight:
@@ -521,20 +536,18 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
         rsum = csum = rsum2 = csum2 = rfac = cfac = rfac2 = cfac2 = sums
     g_dtype = TL_DTYPES[bucket.grads[0].dtype]
     fmt = FORMAT_CODES[bucket.fmt]
-    tr, bc = runtime.TILE_2D
-    counts_2d = [b * ceil_div(R, tr) * ceil_div(C, bc) for b, R, C in shapes]
-    counts_mat = [b for b, _, _ in shapes]
     tiles_2d = dict(FMT=fmt, G_DTYPE=g_dtype, QBLOCK=bucket.block_size, TR=tr, BC=bc)
     by_matrix = dict(FB=runtime.STATS_BLOCK)
 
     def stats(rs, cs, eps, residual):  # pass 1, or CAME's direct instability pass
         bucket.launch(_stats_kernel, rows, counts_2d, (rs, cs, rfac, cfac, sums, eps, beta1, 1.0 - beta1, clip),
-                      writes=False, RESIDUAL=residual, **tiles_2d)
+                      writes=False, memo_key=lay + ("2-D",), RESIDUAL=residual, **tiles_2d)
 
     def factors_of(rs, cs, rf, cf, stat, beta, eps=0.0, from_moments=False):  # pass 2 / 4
         step_beta = device if stat == _SQ.value else bucket.scalar_args(None)  # (CAME's beta3: a constant)
         bucket.launch(_factors_kernel, rows, counts_mat, (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
-                      writes=True, STAT=stat, MOMENTS=from_moments, **by_matrix, **step_beta)
+                      writes=True, memo_key=lay + ("matrices",), STAT=stat, MOMENTS=from_moments, **by_matrix,
+                      **step_beta)
 
     if factored:
         stats(rsum, csum, eps1, False)
@@ -542,18 +555,21 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     if moments:
         sums_64 = torch.zeros(3 * n, dtype=torch.float64, device=dev)  # [row or column, (u^2, u m, m^2)]
         rmom, cmom = sums_64[:3 * n_rows], sums_64[3 * n_rows:]
-        bucket.launch(_moments_kernel, rows, counts_2d, (rfac, cfac, sums, rmom, cmom), writes=False, **tiles_2d)
+        bucket.launch(_moments_kernel, rows, counts_2d, (rfac, cfac, sums, rmom, cmom), writes=False,
+                      memo_key=lay + ("2-D",), **tiles_2d)
         factors_of(rmom, cmom, rfac2, cfac2, _RES.value, beta3, eps2, True)
     else:
         bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
-                      FACTORED=factored, SUM_P=scale_param and not came and not weight, **flat, **device)
+                      memo_key=lay + ("flat",), FACTORED=factored, SUM_P=scale_param and not came and not weight,
+                      **flat, **device)
         if factored and came:
             stats(rsum2, csum2, eps2, True)
             factors_of(rsum2, csum2, rfac2, cfac2, _RES.value, beta3)
     args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
             neg_wd_lr)
-    bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, FACTORED=factored, CAME=came, HAS_M=has_m,
-                  SCALE_PARAM=scale_param and not came, DECAY=decay, WEIGHT=weight, **flat, **device)
+    bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, memo_key=lay + ("flat",), FACTORED=factored,
+                  CAME=came, HAS_M=has_m, SCALE_PARAM=scale_param and not came, DECAY=decay, WEIGHT=weight, **flat,
+                  **device)
 
 
 def launch_adafactor(u: Update, bucket: Bucket) -> None:

@@ -21,7 +21,7 @@ from . import runtime
 from lowmemopt.work.items import Update
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
-from .table import aligned, ceil_div, device_table, flagged_table, unit_map
+from .table import aligned, ceil_div, device_tables, owned_tables, select_flags, unit_map
 
 __all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES"]
 
@@ -76,15 +76,93 @@ class Bucket:
     #: row in them: a launch multiplies the tensors' element counts by their flags (0: every access masked off)
     flags: torch.Tensor | None = None
     flag_rows: list[int] = field(default_factory=list)
-    #: the flagged tables made so far (:func:`.table.flagged_table`): a bucket's passes share their rows
-    flagged: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: this step's flagged tables by id of the table they mask (:meth:`tables`): a bucket's passes share their rows
+    flagged: dict[int, torch.Tensor] = field(default_factory=dict)
     #: loss scaling: the gradients' multiplier (fp32 on the device), passed to every kernel that loads a gradient
     #: (``gmul``, ``G_MULT``: :func:`.codec.load_grad`)
     grad_mult: torch.Tensor | None = None
+    #: what the launches built from the bucket's tensors (table rows, alignment, program counts, device tables), kept
+    #: while they stay the same: a bucket stepped again (:mod:`lowmemopt.pipeline.program`) builds nothing anew unless
+    #: a gradient moved (:meth:`set_grads`)
+    memo: dict = field(default_factory=dict)
+    _grad_ptrs: list[int] | None = None  # the gradients' addresses that the memo was built for (set_grads)
+    _rows_made: list = field(default_factory=list)  # table rows kept in the memo (keep_rows)
 
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> None:
+        """This step's gradients (of the same parameters, in order) and their addresses. What the launches built is
+        kept if every gradient is where the previous one was, else dropped."""
+        if ptrs != self._grad_ptrs:
+            if self._grad_ptrs is not None or ptrs != [g.data_ptr() for g in self.grads]:
+                self.memo.clear()
+                self._rows_made = []
+            self._grad_ptrs = ptrs
+        self.grads = list(grads)
+
+    def set_tensors(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """This step's targets and gradients, new tensors of the same shapes (GaLore's stand-ins and low-rank
+        gradients, each set carved from one buffer made at every step). What the launches built is kept if every
+        target moved by one offset and every gradient by another (their buffers moved, their layout did not), the
+        tables' address columns moved with them (two adds on the device); else it is dropped."""
+        old_t, old_g = [t.data_ptr() for t in self.params], [g.data_ptr() for g in self.grads]
+        new_t, new_g = [t.data_ptr() for t in params], [g.data_ptr() for g in grads]
+        self.params, self.grads = list(params), list(grads)
+        if new_t == old_t and new_g == old_g:
+            return
+        dt, dg = new_t[0] - old_t[0], new_g[0] - old_g[0]
+        if dt % 16 or dg % 16 or any(a - b != dt for a, b in zip(new_t, old_t)) or \
+                any(a - b != dg for a, b in zip(new_g, old_g)):
+            self.memo.clear()
+            self._rows_made = []
+            return
+        self._relocate(dt, dg)
+
+    def _relocate(self, dt: int, dg: int) -> None:
+        """Move the address columns of what the launches built: targets by ``dt`` bytes, gradients by ``dg``."""
+        if not (dt or dg):
+            return
+        for rows in self._rows_made:  # (kept rows make the tables of launches not made yet)
+            for row in rows:
+                row[0] += dt
+                row[1] += dg
+        for key, value in self.memo.items():
+            if type(key) is tuple and key and key[0] == "tables":
+                both = value[3]
+                if dt:
+                    both[:, :, 0].add_(dt)
+                if dg:
+                    both[:, :, 1].add_(dg)
+
+    def move_tensors(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], dt: int, dg: int) -> None:
+        """:meth:`set_tensors` where the caller knows that every target moved by ``dt`` bytes and every gradient by
+        ``dg`` (they were carved from new buffers of the same layout): no address is compared."""
+        self.params, self.grads = list(params), list(grads)
+        if dt % 16 or dg % 16:
+            self.memo.clear()
+            self._rows_made = []
+            return
+        self._relocate(dt, dg)
+
+    def keep_rows(self, rows: list[list[int]]) -> list[list[int]]:
+        """Register table ``rows`` kept in :attr:`memo` (their address columns move with :meth:`set_tensors`)."""
+        self._rows_made.append(rows)
+        return rows
+
+    def set_flags(self, flags: torch.Tensor | None, rows: Sequence[int]) -> None:
+        """This step's finiteness flags (:attr:`flags`) and each tensor's row in them (a ``range`` of consecutive
+        rows takes a slice of the flags, no gather); None: none."""
+        self.flags, self.flag_rows = flags, rows
+        self.flagged = {}
+
+    def _memo(self, key: Any, make):
+        """``make()``, kept in :attr:`memo` under ``key``."""
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = make()
+        return value
 
     def slot_tensors(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(data, absmax or None) of slot ``name`` for every parameter."""
@@ -153,22 +231,31 @@ class Bucket:
         COLS=..., **flags)``; the table rows are :meth:`rows` ``(slots, extra)``; ``COLS``: the tiles' layout for the
         bucket's state format (:func:`.runtime.column_tiles`). ``writes``: this pass writes params or state (see
         :class:`Unsupported`)."""
-        rows = self.rows(slots, extra)
-        # :meth:`aligned` read off the rows' addresses: param, grad and each slot's data (columns 0, 1, 3, 5, ...)
-        columns = (0, 1, *range(3, 3 + 2 * len(slots), 2))
-        meta = self.constexprs(slots, all(row[c] % 16 == 0 for row in rows for c in columns))
-        tile = meta["ROWS"] * meta["BLOCK"]
-        counts = [ceil_div(row[2], tile) for row in rows]
-        self.launch(kernel, rows, counts, args, writes=writes, **meta, COLS=runtime.column_tiles(self.fmt), **flags)
+        rows_per_tile = runtime.rows_per_tile(self.block_size, self.device)
+
+        def make() -> tuple[list[list[int]], bool, list[int]]:
+            rows = self.rows(slots, extra) if extra is not None else self.keep_rows(self.rows(slots, extra))
+            # :meth:`aligned` read off the rows' addresses: param, grad and each slot's data (columns 0, 1, 3, ...)
+            columns = (0, 1, *range(3, 3 + 2 * len(slots), 2))
+            tile = rows_per_tile * self.block_size
+            is_aligned = all(row[c] % 16 == 0 for row in rows for c in columns)
+            return rows, is_aligned, [ceil_div(row[2], tile) for row in rows]
+
+        # (rows with extra columns, e.g. stochastic rounding's per-step keys, are made anew)
+        key = None if extra is not None else ("tile", tuple(slots), rows_per_tile)
+        rows, is_aligned, counts = make() if key is None else self._memo(key, make)
+        meta = self.constexprs(slots, is_aligned)
+        self.launch(kernel, rows, counts, args, writes=writes, memo_key=key, **meta,
+                    COLS=runtime.column_tiles(self.fmt), **flags)
 
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
-               **meta: Any) -> None:
+               memo_key: Any = None, **meta: Any) -> None:
         """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i`` (table row ``rows[i]``):
         ``kernel(units, table, *maps, *args, W=len(row), **meta)``; ``maps``: the bucket format's books and tables
-        (:func:`.codec.maps`)."""
+        (:func:`.codec.maps`). ``memo_key``: the device tables are kept under it (:meth:`tables`)."""
         if not sum(counts):
             return
-        table, units = self.tables(rows, counts)
+        table, units = self.tables(rows, counts, memo_key)
         if writes:
             self.written = True
         if self.grad_mult is not None and "G_MULT" in getattr(kernel, "arg_names", ()):
@@ -177,15 +264,29 @@ class Bucket:
         kernel[(sum(counts),)](units, table, *maps(self.device, self.fmt), *args, W=len(rows[0]), **meta,
                                num_warps=runtime.tile_shape(self.device)[1], enable_fp_fusion=False)
 
-    def tables(self, rows: list[list[int]], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The launch's ``(table, units)`` on the device (:func:`.table.device_table`, :func:`.table.unit_map`),
-        the table's element counts multiplied by the tensors' finiteness flags where the bucket has them."""
+    def tables(self, rows: list[list[int]], counts: Sequence[int], memo_key: Any = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launch's ``(table, units)`` on the device (:func:`.table.device_tables`, :func:`.table.unit_map`),
+        the table's element counts multiplied by the tensors' finiteness flags where the bucket has them (a
+        non-finite gradient's tensor counts 0 elements: one op on the device). ``memo_key``: keep them in
+        :attr:`memo` under this key (``rows`` and ``counts`` are then the same lists at every launch of the key)."""
         device = self.device
+        if memo_key is None:
+            table, skipped = device_tables(rows, device)
+            units = unit_map(counts, device)
+        else:
+            hit = self.memo.get(("tables", memo_key))
+            if hit is None:  # (tables of the bucket's own: set_tensors moves their addresses in place)
+                both = owned_tables(rows, device)
+                hit = self.memo[("tables", memo_key)] = (both[0], both[1], unit_map(counts, device), both)
+            table, skipped, units, _ = hit
         if self.flags is None:
-            table = device_table(rows, device)
-        else:  # skipped on the device: a non-finite gradient's tensor counts 0 elements (one op on the device)
-            table = flagged_table(rows, device, self.flags, self.flag_rows, self.flagged)
-        return table, unit_map(counts, device)
+            return table, units
+        masked = self.flagged.get(id(table))
+        if masked is None:
+            ok = select_flags(self.flags, self.flag_rows, device)
+            masked = self.flagged[id(table)] = torch.where(ok.view(torch.bool).unsqueeze(1), table, skipped)
+        return masked, units
 
     def scalars(self, *columns: Any) -> torch.Tensor:
         """A capturable step's per-tensor scalars (:func:`.codec.tensor_scalar`): fp32 ``[T, K]`` on the device, column

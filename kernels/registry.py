@@ -23,9 +23,11 @@ __all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS", "FORMATS"
 
 #: every algorithm name a kernel exists for
 ALGORITHMS = ("adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came")
+ALGORITHMS += ("ademamix",)
 #: algorithms whose kernels write bf16 / fp16 parameters with any ``bf16_update`` (:func:`.codec.store_param_as`);
 #: the others round to nearest only, so the dispatcher leaves such a parameter with another mode to the reference path
 UPDATE_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion"})
+UPDATE_ALGORITHMS |= {"ademamix"}
 #: every state format a kernel exists for (:data:`.codec.FORMAT_CODES`)
 FORMATS = ("fp32", "bf16", "q8", "q4")
 
@@ -67,6 +69,10 @@ def _load() -> None:
         register(Kernel("lars", fmt, lambda g, p: lars.slots(g), lars.launch))
         register(Kernel("adafactor", fmt, factored.adafactor_slots, factored.launch_adafactor, factored.layout))
         register(Kernel("came", fmt, factored.came_slots, factored.launch_came, factored.layout))
+    from . import ademamix
+
+    for fmt in FORMATS:
+        register(Kernel("ademamix", fmt, lambda g, p: ademamix.slots(g), ademamix.launch))
     _loaded = True
 
 

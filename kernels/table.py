@@ -24,7 +24,7 @@ import torch
 
 from lowmemopt.work import capture
 
-__all__ = ["upload", "device_tables", "device_table", "flagged_table", "select_flags", "device_index", "unit_map",
+__all__ = ["upload", "device_tables", "owned_tables", "device_table", "flagged_table", "select_flags", "device_index", "unit_map",
            "aligned", "ceil_div"]
 
 
@@ -87,16 +87,17 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W), and the same table with
     every element count (column 2) 0: a launch with finiteness flags picks each row from one or the other (one
-    ``torch.where`` on the device, :func:`flagged_table`). Both in one copy to the device."""
+    ``torch.where`` on the device, :func:`flagged_table`). Both in one copy to the device, cached by content."""
     key = (device, tuple(map(tuple, rows)))
+    return _tables.get(key, lambda: tuple(owned_tables(key[1], device)))
 
-    def make() -> tuple[torch.Tensor, torch.Tensor]:
-        both = torch.tensor(key[1], dtype=torch.int64).expand(2, -1, -1).clone()
-        both[1, :, 2] = 0
-        both = upload(both, device)
-        return both[0], both[1]
 
-    return _tables.get(key, make)
+def owned_tables(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """:func:`device_tables`' two tables as one int64 ``[2, len(rows), W]`` tensor of the caller's own (not cached:
+    the caller may change it in place, e.g. move its addresses with their tensors)."""
+    both = torch.tensor(rows, dtype=torch.int64).expand(2, -1, -1).clone()
+    both[1, :, 2] = 0
+    return upload(both, device)
 
 
 def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -123,9 +124,12 @@ def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: to
 
 
 def select_flags(flags: torch.Tensor, flag_rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``flags[flag_rows]`` on the device: one ``index_select``, none when the rows are the flags in order (a
-    per-layer hook's one tensor: row 0 of 1)."""
+    """``flags[flag_rows]`` on the device: one ``index_select``; a slice where ``flag_rows`` is a ``range`` of
+    consecutive rows, and the flags themselves where the rows are the flags in order (a per-layer hook's one tensor:
+    row 0 of 1)."""
     n = len(flag_rows)
+    if isinstance(flag_rows, range) and flag_rows.step == 1 and flag_rows.stop <= len(flags):
+        return flags[flag_rows.start:flag_rows.stop]
     if n == len(flags) and list(flag_rows) == list(range(n)):
         return flags
     return flags.index_select(0, device_index(flag_rows, device))

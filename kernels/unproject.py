@@ -14,6 +14,7 @@ and a copy back over it: about 40 bytes per element for bf16 parameters; this pa
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -23,7 +24,7 @@ import triton.language as tl
 from . import runtime
 from .codec import load_grad, load_param, store_param, tile_coords
 from .launch import TL_DTYPES
-from .table import aligned, ceil_div, device_table, flagged_table, unit_map
+from .table import aligned, ceil_div, owned_tables, select_flags, unit_map
 
 __all__ = ["DTYPES", "apply_updates"]
 
@@ -63,13 +64,16 @@ def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE
 
 def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: float, decay: float,
                   math_decay: float | torch.Tensor | None, flags: torch.Tensor | None = None,
-                  flag_rows: Sequence[int] = ()) -> None:
+                  flag_rows: Sequence[int] = (), memo: dict | None = None) -> None:
     """``params[i] <- round(((p + c_i p) * decay) + scale * updates[i])`` in one launch (module docstring).
 
     ``params``: contiguous matrices of one shape, dtype and device; ``updates``: ``[len(params), *shape]``, contiguous,
     fp32 or bf16; ``math_decay``: None, a number, or an fp32 tensor ``[len(params)]``. ``flags``: the step's gradient
     finiteness on the device (:mod:`lowmemopt.pipeline.finite`), ``flag_rows[i]`` the row of ``params[i]``'s: a
-    parameter whose flag is 0 is left as it is (decided by the kernel, no synchronization)."""
+    parameter whose flag is 0 is left as it is (decided by the kernel, no synchronization). ``memo``: a dict the
+    caller keeps for the same ``params`` from step to step, where the launch keeps its tables; a later call whose
+    ``updates`` were made elsewhere moves the table's update column by that offset (one add on the device) instead
+    of building it again."""
     device = updates.device
     p_dtype = params[0].dtype
     if isinstance(math_decay, torch.Tensor):
@@ -79,14 +83,30 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
     else:
         math, c_ptr, c = SCALAR_DECAY, updates, float(math_decay)
     updates = updates.contiguous()
-    each = updates.unbind(0)
-    rows = [[p.data_ptr(), u.data_ptr(), p.numel()] for p, u in zip(params, each)]
     block = _BLOCK
     tile_rows = runtime.rows_per_tile(block, device)
-    counts = [ceil_div(p.numel(), tile_rows * block) for p in params]
-    units = unit_map(counts, device)
-    table = device_table(rows, device) if flags is None else flagged_table(rows, device, flags, flag_rows)
-    _apply_kernel[(sum(counts),)](
-        units, table, c_ptr, c, float(scale), float(decay), W=3, P_DTYPE=TL_DTYPES[p_dtype],
-        U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=aligned([*params, *each]), ROWS=tile_rows,
+    kept = None if memo is None else memo.get("launch")
+    if kept is not None and (kept["params"] is not params and (len(kept["params"]) != len(params) or not all(
+            map(operator.is_, kept["params"], params))) or kept["tile_rows"] != tile_rows
+            or kept["shape"] != updates.shape or kept["dtype"] != updates.dtype
+            or (updates.data_ptr() - kept["base"]) % 16):
+        kept = None
+    if kept is None:
+        each = updates.unbind(0)
+        rows = [[p.data_ptr(), u.data_ptr(), p.numel()] for p, u in zip(params, each)]
+        counts = [ceil_div(p.numel(), tile_rows * block) for p in params]
+        kept = dict(params=list(params), tile_rows=tile_rows, shape=updates.shape, dtype=updates.dtype,
+                    base=updates.data_ptr(), both=owned_tables(rows, device), units=unit_map(counts, device),
+                    programs=sum(counts), aligned=aligned([*params, *each]))
+        if memo is not None:
+            memo["launch"] = kept
+    elif updates.data_ptr() != kept["base"]:  # the same layout elsewhere: the update column moves with it
+        kept["both"][:, :, 1].add_(updates.data_ptr() - kept["base"])
+        kept["base"] = updates.data_ptr()
+    table, skipped = kept["both"][0], kept["both"][1]
+    if flags is not None:  # a skipped matrix counts 0 elements
+        table = torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
+    _apply_kernel[(kept["programs"],)](
+        kept["units"], table, c_ptr, c, float(scale), float(decay), W=3, P_DTYPE=TL_DTYPES[p_dtype],
+        U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=kept["aligned"], ROWS=tile_rows,
         BLOCK=block, MATH=math, DECAY=decay != 1.0, num_warps=runtime.tile_shape(device)[1], enable_fp_fusion=False)

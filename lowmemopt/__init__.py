@@ -16,6 +16,7 @@ from .version import __version__
 
 #: the public names besides the optimizer classes and drop-in aliases (which start with a capital letter)
 _FUNCTIONS = {
+    "allow_group_keys": "group_keys",
     "galore_param_groups": "projection",
     "load_state": "checkpoint",
     "save_state": "checkpoint",
@@ -24,8 +25,8 @@ _FUNCTIONS = {
     "apollo_param_groups": "optim",
 }
 _CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB",
-            "LARS", "Lion", "SGD", "SignSGD",
-            "Muon", "APOLLOAdamW"]
+            "LARS", "Lion", "SGD", "SignSGD"]
+_CLASSES += ["AdEMAMix", "AdamMini", "Muon", "APOLLOAdamW"]
 #: the communication-compressed optimizers (docs/onebit.md), by module; built on real parameters they need an
 #: initialized process group (``requires_process_group``, read by ``lowmemopt.registry``)
 _MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam",

@@ -18,9 +18,13 @@ Apex's / DeepSpeed's ``FusedAdam``, ``FusedLAMB``, ``FusedSGD`` are classes of t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from .optim import CAME, LAMB, LARS, Adafactor, Adam, AdamW, CPUAdam, HFAdamW, Lion
+from .optim import CAME, LAMB, LARS, Adafactor, AdEMAMix, Adam, AdamW, CPUAdam, HFAdamW, Lion
+from .optimizer import LowMemOptimizer
+from .signature import constructor_signature
+
+T = TypeVar("T", bound=type)
 
 __all__ = [
     "Adafactor4bit",
@@ -45,14 +49,24 @@ __all__ = [
     "Lion8bit",
     "PagedAdamW",
     "PagedAdamW8bit",
+    "AdEMAMix4bit",
+    "AdEMAMix8bit",
+    "PagedAdEMAMix",
+    "PagedAdEMAMix4bit",
+    "PagedAdEMAMix8bit",
 ]
 
 
-def _alias(base: type, name: str, **fixed: Any) -> type:
+def _alias(base: T, name: str, **fixed: Any) -> T:
+    """``base`` under ``name`` with other defaults for the keywords ``fixed``; its signature is the base's, those
+    defaults changed (:mod:`lowmemopt.signature`)."""
+
     def __init__(self, params, *args, **kwargs):
         for key, value in fixed.items():
             kwargs.setdefault(key, value)
         base.__init__(self, params, *args, **kwargs)
+
+    __init__.__signature__ = constructor_signature(base.__init__, LowMemOptimizer.__init__, fixed)
 
     settings = ", ".join(f"{k}={v!r}" for k, v in fixed.items())
     what = f"``{base.__name__}`` with ``{settings}`` by default" if fixed else f"``{base.__name__}`` under another name"
@@ -91,3 +105,10 @@ DeepSpeedCPUAdam = _alias(CPUAdam, "DeepSpeedCPUAdam")
 PagedAdamW = _alias(AdamW, "PagedAdamW", paged=True)
 PagedAdamW8bit = _alias(AdamW, "PagedAdamW8bit", state_bits=8, paged=True)
 PagedAdamW4bit = _alias(AdamW, "PagedAdamW4bit", state_bits=4, paged=True)
+
+# bitsandbytes' AdEMAMix names (bitsandbytes.optim.AdEMAMix8bit, PagedAdEMAMix, PagedAdEMAMix8bit), and 4-bit
+AdEMAMix8bit = _alias(AdEMAMix, "AdEMAMix8bit", state_bits=8)
+AdEMAMix4bit = _alias(AdEMAMix, "AdEMAMix4bit", state_bits=4)
+PagedAdEMAMix = _alias(AdEMAMix, "PagedAdEMAMix", paged=True)
+PagedAdEMAMix8bit = _alias(AdEMAMix, "PagedAdEMAMix8bit", state_bits=8, paged=True)
+PagedAdEMAMix4bit = _alias(AdEMAMix, "PagedAdEMAMix4bit", state_bits=4, paged=True)

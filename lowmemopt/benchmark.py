@@ -239,9 +239,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: the warning torch's sync debug mode gives for each synchronization; its one-time notice when the mode is first set
+#: ("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations") is not one
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def host_syncs(step: Callable[[], object], device: torch.device) -> int | None:
-    """Host synchronizations in one call of ``step`` on a CUDA device, counted by torch's sync debug mode; None on
-    other devices (nothing to synchronize with)."""
+    """Host synchronizations in one call of ``step`` on a CUDA device, counted by torch's sync debug mode (its
+    :data:`SYNC_WARNING`s); None on other devices (nothing to synchronize with)."""
     if device.type != "cuda":
         return None
     with warnings.catch_warnings(record=True) as seen:
@@ -251,7 +256,7 @@ def host_syncs(step: Callable[[], object], device: torch.device) -> int | None:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in seen)
+    return sum(SYNC_WARNING in str(w.message) for w in seen)
 
 
 def time_steps(

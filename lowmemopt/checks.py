@@ -62,7 +62,8 @@ def torch_scalars(group: dict[str, Any]) -> None:
       captured step that reads it) still sees every change;
     * Tensor ``betas`` (as torch's Adam/AdamW take them) and a Tensor ``weight_decay`` (torch's SGD) are read once,
       here, as Python numbers, on every optimizer: the kernels take them as runtime scalars (a tensor changed in place
-      later is not followed).
+      later is not followed). Tensor betas mixed with numbers raise torch's ValueError ("betas must be either both
+      floats or both Tensors").
 
     A Tensor of more than one element raises torch's ValueError ("Tensor lr must be 1-element")."""
     for key in ("lr", "initial_lr"):  # (initial_lr: Lion's decoupled decay, torch's schedulers)
@@ -71,10 +72,17 @@ def torch_scalars(group: dict[str, Any]) -> None:
             _lr_view(group, key)
     betas = group.get("betas")
     if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
+        if not all(isinstance(b, torch.Tensor) for b in betas):  # (torch's ValueError and message)
+            both = "both" if len(betas) == 2 else "all"
+            raise ValueError(f"betas must be either {both} floats or {both} Tensors (got {_types(betas)})")
         group["betas"] = tuple(_as_number(f"betas[{i}]", b) for i, b in enumerate(betas))
     group_wd = group.get("weight_decay")
     if isinstance(group_wd, torch.Tensor):
         group["weight_decay"] = _as_number("weight_decay", group_wd)
+
+
+def _types(values: Any) -> str:
+    return "(" + ", ".join(type(v).__name__ for v in values) + ")"
 
 
 def _lr_view(group: dict[str, Any], key: str = "lr") -> None:

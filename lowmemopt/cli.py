@@ -1,21 +1,25 @@
 """The ``lowmemopt`` command.
 
     lowmemopt demo [--steps N] [--optimizers a,b] [--data PATH] [--out DIR]   train a small LLaMA, compare optimizers
-    lowmemopt estimate CONFIG.json [--optimizer a,b] [--state-bits 8] ...     memory of weights, grads and state
+    lowmemopt estimate CONFIG.json|PRESET [--optimizer a,b] [--state-bits 8]   memory of weights, grads and state
     lowmemopt bench [--full]                                                  step time and state vs other libraries
     lowmemopt inspect opt.safetensors|opt.pt [--params]                       metadata and summary of a state file
     lowmemopt tune [--device cuda:0]                                          measure the kernels' launch shape here
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
 the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``. Only ``func`` imports torch and lowmemopt's
-modules, so parsing (``lowmemopt --help``, a usage error) takes a fraction of a second.
+modules, so parsing (``lowmemopt --help``, a usage error) takes a fraction of a second; ``func`` checks what it can
+(names, paths) before those imports, and first drops the known noise other libraries log while they are imported
+(:data:`_IMPORT_NOISE`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
+import logging
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -31,6 +35,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         add(subparsers)
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+#: log records that other libraries print while they are imported and that say nothing about a lowmemopt command,
+#: as (logger, text in the message): torchao (imported by transformers' model code when it is installed, as the test
+#: and bench extras install it) cannot load its optional CUDA / mxfp8 extensions built for another torch, and registers
+#: enums with torch's pytree in a way torch now calls deprecated. Only these two, only in the command: a library's
+#: other messages, and lowmemopt used from Python, are left alone.
+_IMPORT_NOISE = (
+    ("torchao", "Failed to load "),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+)
+
+
+class _DropImportNoise(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in str(record.msg)
+
+
+def _quiet_import_noise() -> None:
+    """Drop :data:`_IMPORT_NOISE` from the loggers that print it (before the imports that would print it)."""
+    for name, text in _IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropImportNoise) and f.text == text for f in logger.filters):
+            logger.addFilter(_DropImportNoise(text))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -52,6 +84,7 @@ def _add_inspect(subparsers: Any) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    _quiet_import_noise()
     from .inspection import inspect
 
     return inspect(args.path, args.params)
@@ -94,13 +127,12 @@ def _add_demo(subparsers: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import importlib.util
-
     missing = [pkg for mod, pkg in _DEMO_NEEDS.items() if importlib.util.find_spec(mod) is None]
     if missing:
         print(f"lowmemopt demo needs {', '.join(missing)}: pip install 'lowmemopt[demo]' "
               f"(or pip install {' '.join(missing)})", file=sys.stderr)
         return 1
+    _quiet_import_noise()
     import torch
 
     from . import demo
@@ -128,12 +160,15 @@ def _demo(args: argparse.Namespace) -> int:
                            device=device)
     print()
     print(demo.table(results))
+    print("(the progress bars show one step's loss; \"final loss\" is the mean of the last 20 steps' losses, "
+          "\"held-out loss\" the loss on 64 fixed windows of the data, the same for every optimizer)")
     for r in results:
         if "skipped" in r:
             print(f"note: {r['label']} skipped: {r['skipped']}")
     print(f"\npeak memory: {_PEAK_NOTE[device.split(':')[0]]}")
     png = demo.plot(results, os.path.join(out, "demo.png"),
-                    title=f"{n_params / 1e6:.1f}M-parameter LLaMA, {args.steps} steps on {os.path.basename(source)}")
+                    title=f"{n_params / 1e6:.1f}M-parameter LLaMA, {args.steps} steps on {os.path.basename(source)}; "
+                    "each optimizer with its own settings (legend)")
     with open(os.path.join(out, "demo.json"), "w") as f:
         json.dump(dict(steps=args.steps, batch=args.batch, seq=args.seq, device=device, data=source,
                        params=n_params, results=results), f, indent=1)
@@ -188,11 +223,10 @@ def _add_bench(subparsers: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import importlib.util
-
     if importlib.util.find_spec("transformers") is None:
         print("lowmemopt bench needs transformers (its LLaMA model): pip install 'lowmemopt[bench]'", file=sys.stderr)
         return 1
+    _quiet_import_noise()
     import torch
 
     from . import benchmark
@@ -235,7 +269,9 @@ def _add_estimate(subparsers: Any) -> None:
         "--gpu-memory as asked, the cheapest combinations of state bits, GaLore rank, paged state and per-layer "
         "updates that do fit are listed, each with its total.",
     )
-    p.add_argument("config", help="a transformers config.json (needs the 'model_type' key)")
+    p.add_argument("config", help="a transformers config.json on disk (needs the 'model_type' key; nothing is "
+                   "downloaded), or a preset: llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3-70b (short: "
+                   "llama-7b, llama-8b, llama-13b; their Hub ids, e.g. meta-llama/Llama-2-7b-hf, work too)")
     p.add_argument("--optimizer", default=_ESTIMATE_DEFAULT_OPTIMIZERS,
                    help=f"optimizer name(s), comma-separated (default {_ESTIMATE_DEFAULT_OPTIMIZERS})")
     p.add_argument("--state-bits", type=int, choices=[32, 16, 8, 4], action="append",
@@ -250,7 +286,8 @@ def _add_estimate(subparsers: Any) -> None:
     p.add_argument("--bf16-update", choices=["nearest", "stochastic", "kahan"],
                    help="how bf16 / fp16 weights are updated (kahan: +2 bytes per bf16 / fp16 parameter of state)")
     p.add_argument("--gpu-memory", metavar="SIZE",
-                   help="memory to fit in, e.g. 24GiB or 80GB (default: the CUDA device's, if there is one)")
+                   help="memory to fit in: 24GiB, '24 GiB', 24 (a number alone is GiB) or 80GB (10^9 bytes) "
+                   "(default: the CUDA device's, if there is one)")
     p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an optimizer keyword, e.g. beta1=0.9 or momentum=0.9 (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON (exact bytes) instead of a table")
@@ -258,25 +295,39 @@ def _add_estimate(subparsers: Any) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
+    from .model_presets import hub_ids, missing_config_message, preset
+    from .registry import unknown_names
+
+    # what can be checked without torch first: a typo costs a fraction of a second, not the imports' seconds
+    names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
+    found = None if os.path.exists(args.config) else preset(args.config)
+    problem = "--optimizer: give at least one optimizer name" if not names else unknown_names(names)
+    if problem is None and found is None and not os.path.exists(args.config):
+        problem = missing_config_message(args.config)
+    if problem is None and args.galore_rank is not None and args.galore_rank < 1:
+        problem = f"--galore-rank must be >= 1, got {args.galore_rank}"
+    if problem is None and importlib.util.find_spec("transformers") is None:
+        problem = "it builds the model with transformers: pip install 'lowmemopt[hf]' (or pip install transformers)"
+    if problem is not None:
+        print(f"lowmemopt estimate: {problem}", file=sys.stderr)
+        return 1
+    source = f"preset {found[0]} (the published config of {hub_ids(found[0])[0]})" if found else args.config
+    _quiet_import_noise()
     from .estimate import (DTYPES, cheapest_fits, config_dtype, default_state_bits, estimate, format_bytes,
                            model_from_config, parse_bytes)
 
     try:
-        budget = parse_bytes(args.gpu_memory) if args.gpu_memory else _cuda_memory()
-        if args.galore_rank is not None and args.galore_rank < 1:
-            raise ValueError(f"--galore-rank must be >= 1, got {args.galore_rank}")
+        budget = _gpu_memory(args.gpu_memory, parse_bytes) if args.gpu_memory else _cuda_memory()
         opt_kwargs = dict(_key_value(kv) for kv in args.opt_arg)
         if args.bf16_update:
             opt_kwargs["bf16_update"] = args.bf16_update
-        names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
-        if not names:
-            raise ValueError("--optimizer: give at least one optimizer name")
+        config = found[1] if found else args.config
         dtype, dtype_note = args.dtype, ""
         if dtype is None:
-            dtype = config_dtype(args.config)
+            dtype = config_dtype(config)
             dtype_note = " (the config's torch_dtype)" if dtype else " (the config names no torch_dtype; see --dtype)"
             dtype = dtype or "fp32"
-        model = model_from_config(args.config, DTYPES[dtype])
+        model = model_from_config(config, DTYPES[dtype])
         ranks = [None] if args.galore_rank is None else [None, args.galore_rank]
         target = args.galore_target if args.galore_target == "all-linear" or "," not in args.galore_target \
             else [t.strip() for t in args.galore_target.split(",") if t.strip()]
@@ -302,7 +353,7 @@ def _estimate(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     n = rows[0].params
-    print(f"{type(model).__name__} from {args.config}: {n / 1e9:.3f}B trainable parameters, {dtype}{dtype_note} "
+    print(f"{type(model).__name__} from {source}: {n / 1e9:.3f}B trainable parameters, {dtype}{dtype_note} "
           "weights and gradients")
     fits_head = f" fits in {format_bytes(budget)} |" if budget is not None else ""
     print(f"| optimizer | state | GaLore | weights | grads | optimizer state | total |{fits_head}")
@@ -311,7 +362,7 @@ def _estimate(args: argparse.Namespace) -> int:
         fits = (" yes |" if r.total <= budget else " no |") if budget is not None else ""
         print(f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {format_bytes(r.weights)} | "
               f"{format_bytes(r.grads)} | {format_bytes(r.state)} | {format_bytes(r.total)} |{fits}")
-    print("Not included: activations, temporaries, CUDA context and allocator caching.")
+    print("Not included: activations, temporaries, CUDA context and allocator caching. 1 GiB = 2^30 bytes.")
     for name, fits in fits_of.items():
         optimizer = rows_of[name][0].optimizer
         if not fits:
@@ -332,6 +383,19 @@ def _estimate(args: argparse.Namespace) -> int:
               "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no global-norm "
               "clipping). See README.md.")
     return 0
+
+
+#: a size above this, given as a number without a unit (GiB), is surely a count of bytes typed without its "B"
+_LARGEST_GIB = 2**20
+
+
+def _gpu_memory(text: str, parse_bytes: Callable[..., int]) -> int:
+    """``--gpu-memory``: a size with a unit, or a number of GiB."""
+    size = parse_bytes(text, "GiB")
+    if size > _LARGEST_GIB * 2**30:
+        raise ValueError(f"--gpu-memory {text}: a number without a unit is GiB, and that is more than 1 PiB; "
+                         f"write {text.strip()}B for bytes or add a unit (24GiB, '24 GB')")
+    return size
 
 
 def _bits_for(name: str, asked: list[int] | None, default_state_bits: Callable[[str], int]) -> list[int]:

@@ -40,11 +40,13 @@ ENABLED = os.environ.get("LOWMEMOPT_COMPILE", "1") != "0"
 MIN_NUMEL = 1 << 16
 #: math keyword arguments passed to the compiled graph as 0-dim tensors (they change between steps; the math functions
 #: only compute with them, never branch on them)
-RUNTIME_SCALARS = frozenset({"lr", "bias_correction1", "bias_correction2_sqrt", "lr_scale"})
+RUNTIME_SCALARS = frozenset({"lr", "bias_correction1", "bias_correction2_sqrt", "lr_scale",
+                             "alpha_t", "beta3_t"})  # (AdEMAMix's warm-ups)
 
 
 def applies(param: torch.Tensor) -> bool:
-    return ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL
+    """CPU parameters of :data:`MIN_NUMEL` elements or more, not float64 (whose math is float64: the eager path)."""
+    return ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL and param.dtype != torch.float64
 
 
 # A slot as handed to the compiled function: (name, kind, signed, storage rows, absmax rows or None, book, table).

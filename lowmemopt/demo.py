@@ -205,6 +205,18 @@ class Choice:
             params = model_params(resolved.cls, model)
         return resolved.cls(params, **{**resolved.kwargs, **self.kwargs})
 
+    def settings(self) -> str:
+        """The hyper-parameters this run uses, for the legend and the table: ``lr 2e-3, wd 0.01``, and for GaLore
+        groups ``GaLore rank 48, scale 1, new subspace every 100 steps``."""
+        parts = [f"lr {_short_number(self.kwargs['lr'])}"] if "lr" in self.kwargs else []
+        if self.kwargs.get("weight_decay"):
+            parts.append(f"wd {_short_number(self.kwargs['weight_decay'])}")
+        if self.galore is not None:
+            g = self.galore
+            parts.append(f"GaLore rank {g.get('rank')}, scale {_short_number(g.get('scale', 0.25))}, "
+                         f"new subspace every {g.get('update_proj_gap', 200)} steps")
+        return ", ".join(parts)
+
     def algorithm(self) -> str:
         """The algorithm's class name (``AdamW`` for ``adamw8bit``), ``GaLore-`` in front for GaLore groups: runs with
         the same algorithm differ only in their storage options."""
@@ -215,7 +227,17 @@ class Choice:
         return ("GaLore-" if self.galore is not None else "") + base.__name__
 
 
-#: the demo's default optimizers. CAME's lr: 5e-4 and up are unstable on this model (see tests/test_training.py).
+def _short_number(x: float) -> str:
+    """``0.002`` -> ``2e-3``, ``0.01`` -> ``0.01``, ``1.0`` -> ``1``: a hyper-parameter as a reader writes it."""
+    if x != 0 and abs(x) < 1e-2:
+        mantissa, exponent = f"{x:e}".split("e")
+        return f"{float(mantissa):g}e{int(exponent)}"
+    return f"{x:g}"
+
+
+#: the demo's default optimizers, each with its own learning rate (not a tuned comparison of the algorithms: AdamW
+#: 8-bit against 32-bit is the like-for-like pair). CAME's lr: 5e-4 and up are unstable on this model (see
+#: tests/test_training.py).
 DEMO_CHOICES: dict[str, Choice] = {
     "adamw": Choice("adamw", "AdamW 32-bit", dict(lr=2e-3, weight_decay=0.01)),
     "adamw8bit": Choice("adamw8bit", "AdamW 8-bit", dict(lr=2e-3, weight_decay=0.01)),
@@ -256,7 +278,8 @@ def compare(
 ) -> list[dict[str, Any]]:
     """Train a fresh :data:`LLAMA_BYTES` model (same init, same batches) with each choice for ``steps`` steps.
 
-    Each result: ``label``, ``name``, ``algorithm`` (:meth:`Choice.algorithm`), ``state_bits``, ``losses``, ``final``
+    Each result: ``label``, ``name``, ``algorithm`` (:meth:`Choice.algorithm`), ``settings`` (:meth:`Choice.settings`),
+    ``state_bits``, ``losses``, ``final``
     (mean of the last 20 steps' losses), ``heldout`` (:func:`heldout_loss`),
     ``state_bytes``, ``peak_bytes`` (peak memory in use above what was in use before the model was built: weights,
     gradients, state, activations; None where it cannot be measured), ``step_s`` (median ``optimizer.step()``) and ``train_step_s`` (median whole step), or
@@ -282,7 +305,8 @@ def compare(
         finally:
             if bar is not None:
                 bar.close()
-        results.append(dict(label=c.label, name=c.name, algorithm=c.algorithm(), peak_bytes=memory.peak, **r))
+        results.append(dict(label=c.label, name=c.name, algorithm=c.algorithm(), settings=c.settings(),
+                            peak_bytes=memory.peak, **r))
         gc.collect()
     return results
 
@@ -295,8 +319,8 @@ def _run_choice(c: Choice, steps, data, seed, batch, seq, device, bar, memory) -
 
     def on_step(t: int, loss: float) -> None:
         bar.update(1)
-        if t % 10 == 0 or t == steps - 1:
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if t % 10 == 0 or t == steps - 1:  # one step's loss; the table's final loss is the mean of the last 20
+            bar.set_postfix({"this step's loss": f"{loss:.3f}"}, refresh=False)
 
     return _fit(model, loss_of, lambda params: c.make(model), steps, seed, batch, seq, data,
                 on_step=on_step if bar is not None else None, memory=memory)
@@ -310,16 +334,17 @@ def _progress(steps: int, label: str):
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of :func:`compare`'s results."""
-    lines = ["| optimizer | state memory | peak memory | optimizer step | train step | final loss (mean of last 20 steps) "
-             "| held-out loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| optimizer | settings | state memory | peak memory | optimizer step | train step "
+             "| final loss (mean of last 20 steps) | held-out loss |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['label']} | — | — | — | — | — | skipped: {r['skipped']} |")
+            lines.append(f"| {r['label']} | — | — | — | — | — | — | skipped: {r['skipped']} |")
             continue
         peak = "n/a" if r["peak_bytes"] is None else _mib(r["peak_bytes"])
-        lines.append(f"| {r['label']} | {_mib(r['state_bytes'])} | {peak} | {r['step_s'] * 1e3:.1f} ms | "
-                     f"{r['train_step_s'] * 1e3:.1f} ms | {r['final']:.4f} | {r['heldout']:.4f} |")
+        lines.append(f"| {r['label']} | {r.get('settings', '')} | {_mib(r['state_bytes'])} | {peak} | "
+                     f"{r['step_s'] * 1e3:.1f} ms | {r['train_step_s'] * 1e3:.1f} ms | {r['final']:.4f} | "
+                     f"{r['heldout']:.4f} |")
     return "\n".join(lines)
 
 
@@ -367,7 +392,8 @@ def figure(results: Sequence[dict[str, Any]], title: str = ""):
         style, marker = _STYLES[i % len(_STYLES)]
         x, y = _smooth(r["losses"])
         every = max(1, n // 8)
-        (line,) = ax_loss.plot(x, y, label=r["label"], ls=style, marker=marker, ms=5, lw=max(1.0, 2.6 - 0.35 * i),
+        label = r["label"] + (f"\n({r['settings']})" if r.get("settings") else "")
+        (line,) = ax_loss.plot(x, y, label=label, ls=style, marker=marker, ms=5, lw=max(1.0, 2.6 - 0.35 * i),
                                markevery=(min(len(x) - 1, i * every // max(1, len(ran))), every), zorder=3 + i,
                                markerfacecolor="none" if i % 2 else None)
         colors[r["label"]] = line.get_color()
@@ -376,7 +402,7 @@ def figure(results: Sequence[dict[str, Any]], title: str = ""):
     ax_loss.set_ylabel("training loss (nats/byte)")
     ax_loss.set_title("loss (20-step moving average)")
     ax_loss.grid(alpha=0.3)
-    ax_loss.legend(fontsize=8)
+    ax_loss.legend(fontsize=7, loc="upper right")
     if pairs:
         ax_diff = axes[1]
         ax_diff.axhline(0.0, color="0.3", lw=0.8)

@@ -24,6 +24,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
+from .model_presets import missing_config_message, preset
 from .pipeline import PAGE_BUCKET_BYTES
 from .registry import instantiate, model_params, needs_process_group, resolve
 
@@ -57,10 +58,17 @@ class MemoryEstimate(NamedTuple):
 
 
 def _config_dict(config: str | os.PathLike | Mapping[str, Any]) -> Any:
+    """The config as a dict: ``config`` itself, the JSON file at that path, or a preset (:mod:`.model_presets`) for a
+    name that is not a file."""
     if isinstance(config, Mapping):
         return dict(config)
-    with open(config) as f:
-        return json.load(f)
+    if not os.path.exists(config) and (found := preset(os.fspath(config))) is not None:
+        return found[1]
+    try:
+        with open(config) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(missing_config_message(os.fspath(config))) from None
 
 
 def config_dtype(config: str | os.PathLike | Mapping[str, Any]) -> str | None:
@@ -78,8 +86,9 @@ def config_dtype(config: str | os.PathLike | Mapping[str, Any]) -> str | None:
 
 def model_from_config(config: str | os.PathLike | Mapping[str, Any], dtype: torch.dtype = torch.float32
                       ) -> torch.nn.Module:
-    """A transformers model (``AutoModelForCausalLM``, else ``AutoModel``) built from a ``config.json`` path or dict
-    on the meta device: every parameter has its real shape and ``dtype`` and no storage."""
+    """A transformers model (``AutoModelForCausalLM``, else ``AutoModel``) built from a ``config.json`` path, a dict or
+    a preset name (:mod:`lowmemopt.model_presets`: ``"llama-2-7b"``) on the meta device: every parameter has its real
+    shape and ``dtype`` and no storage."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     data = _config_dict(config)
@@ -173,6 +182,9 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
         if not hasattr(lowmemopt, "galore_param_groups"):
             raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
         params: Any = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
+    elif getattr(resolved.cls, "named_groups", False):  # (Adam-mini: its blocks by name, heads from the config)
+        params = [(n, p) for n, p in named if p.requires_grad]
+        optimizer_kwargs = {**resolved.cls.model_keywords(getattr(model, "config", None)), **optimizer_kwargs}
     else:
         params = model_params(resolved.cls, model)  # (Muon: its hidden matrices and the rest)
     if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group
@@ -260,12 +272,16 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
 
 
-def parse_bytes(text: str) -> int:
-    """``"24GiB"`` -> 25769803776. Units: B; KiB/MiB/GiB/TiB and K/M/G/T (powers of 1024); KB/MB/GB/TB (1000)."""
+def parse_bytes(text: str, number_unit: str = "B") -> int:
+    """``"24GiB"`` -> 25769803776, ``"24 GB"`` -> 24000000000. Units, in any case and after an optional space: B;
+    KiB/MiB/GiB/TiB and K/M/G/T (powers of 1024); KB/MB/GB/TB (powers of 1000). A number without a unit is in
+    ``number_unit`` (bytes unless given: ``lowmemopt estimate --gpu-memory 24`` reads GiB)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a memory size (e.g. 24GiB, 80GB, 16G, 1073741824)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    unit = (m.group(2) or number_unit).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a memory size (e.g. 24GiB, '24 GiB', 80GB, 16G, "
+                         f"or a number of {number_unit})")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def format_bytes(n: int) -> str:

@@ -15,10 +15,17 @@ def inspect(path: str, list_params: bool = False) -> int:
     """Print the description of the state file at ``path`` (every parameter too with ``list_params``); returns the
     exit status: 1, with a one-line error, for a file that is not one."""
     from .checkpoint import CheckpointError, read_metadata
+    from .checkpoint.sniff import TRUNCATED_ADVICE, file_kind
 
     try:
-        if _is_torch_file(path):
+        kind, what = file_kind(path)
+        if kind in ("torch", "torch-legacy", "pickle"):
             text = _describe_torch_file(path, list_params)
+        elif kind == "torch-truncated":
+            raise ValueError(f"{path}: {what}; {TRUNCATED_ADVICE}")
+        elif kind not in ("safetensors", "unknown"):
+            cure = "a model's config.json is what `lowmemopt estimate` reads" if kind == "json" else _EXPECTED
+            raise ValueError(f"{path}: {what}, not an optimizer state file; {cure}")
         else:
             meta = read_metadata(path)
             try:
@@ -42,19 +49,6 @@ def _print(text: str) -> int:
 
 _EXPECTED = ("lowmemopt inspect reads a .safetensors file written by lowmemopt.save_state, or a torch.save file of "
              "optimizer.state_dict()")
-
-
-def _is_torch_file(path: str) -> bool:
-    """A ``torch.save`` file: a zip archive (torch >= 1.6) or a pickle stream (the legacy format). Not a safetensors
-    file, whose 8-byte header length (which may begin like either) is followed by its JSON header's ``{``."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError:
-        return False  # read_metadata names the problem
-    if head[8:9] == b"{":
-        return False
-    return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
 
 
 def _describe_torch_file(path: str, list_params: bool) -> str:
@@ -103,9 +97,9 @@ def _describe_state_dict(path: str, key: str, sd: dict[str, Any], list_params: b
     version = sd.get("lowmemopt_format")
     state, groups = sd["state"], sd["param_groups"]
     where = f" (key {key!r})" if key else ""
-    kind = f"lowmemopt state, lowmemopt_format {version}" if version is not None else \
+    kind = f"lowmemopt state, state_dict format version {version}" if version is not None else \
         "bitsandbytes state" if any("state1" in s or "__bnb_optimizer_quant_state__" in s for s in state.values()) \
-        else "no lowmemopt_format: torch.optim or another library's state"
+        else "no lowmemopt format version: torch.optim or another library's state"
     lines = [f"{path}{where}: optimizer state_dict() saved with torch.save ({kind})", "param groups:"]
     group_of = {}
     for g, group in enumerate(groups):
@@ -175,7 +169,7 @@ def _state_slots(st: dict[str, Any], block: int) -> list[tuple[str, str, int, in
     return out
 
 
-_DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.float64": "fp64", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:
@@ -188,7 +182,7 @@ def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:
     return lines
 
 
-_BYTES = {"F32": 4, "BF16": 2, "U8": 1}
+_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "U8": 1}
 
 
 def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:
@@ -196,7 +190,7 @@ def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:
     params = meta["params"]
     keyed = "parameter names" if meta["keys"] == "names" else "group/index positions (saved without a model)"
     lines = [
-        f"{path}: lowmemopt optimizer state, format_version {meta['format_version']} "
+        f"{path}: lowmemopt optimizer state file, file format version {meta['format_version']} "
         f"(written by lowmemopt {meta.get('lowmemopt_version', '?')})",
         f"optimizer: {meta['optimizer']}    keys: {keyed}",
     ]

@@ -11,7 +11,8 @@ argument checks and its algorithm (slots and fp32 math)::
 
 Storage options (constructor keywords, also settable per param group):
 
-* ``state_bits``: 32 (fp32 state), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
+* ``state_bits``: 32 (fp32 state; float64 for float64 parameters, whose math is float64 as torch's:
+  :mod:`lowmemopt.quant.formats`), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
   state steps through the fused kernels too).
 * ``block_size``: elements per quantization block (a power of two >= 16); default (None) 256, or 128 where
   ``state_bits`` is 4 (a param group that sets ``state_bits`` and no ``block_size`` gets its bits' default).
@@ -23,7 +24,8 @@ Storage options (constructor keywords, also settable per param group):
   ``"stochastic"`` or ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
 
 Non-finite gradients (policy): before updating a parameter, ``step()`` checks its gradient. A parameter whose gradient
-norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32) is **skipped**: its
+norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32; a float64
+gradient's norm is float64) is **skipped**: its
 value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
 would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about. The
 check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),
@@ -70,7 +72,7 @@ State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg
 maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict`` keeps uint8 codes and fp32 state
 exactly as saved (torch would cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook
 and restoring them, moved to the parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
-asks for, whatever the state dict holds (lowmemopt state at 32/16/8 bits, ``torch.optim`` state, bitsandbytes 8-bit
+asks for, whatever the state dict holds (lowmemopt state at 32/16/8/4 bits, ``torch.optim`` state, bitsandbytes 8-bit
 state; see :func:`lowmemopt.quant.convert.convert_param_state`). Slots already in that format are kept as they are, with no
 copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)
 stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
@@ -78,50 +80,42 @@ stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 
-from . import paging, pipeline, rounding
+from . import paging, pipeline
 from ._stacklevel import external_stacklevel
 from .checks import _lr_views_pre_hook, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
-from .distributed.sharding import (
-    agree_finite,
-    is_dtensor,
-    local_tensor,
-    localize_state,
-    present_state,
-    presented_params,
-)
+from .distributed.sharding import agree_finite, is_dtensor, local_tensor
+from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
 from .pipeline.plan import Plan, StepRecord, inv_scale
+from .pipeline.program import Kept, StateDict, StepProgram
 from .projection import step as galore
-from .projection.projector import projector_problem, split_projector_state
-from .quant.convert import CheckpointError, check_group, convert_param_state
 from .quant.formats import Slot, default_block_size
+from .signature import set_signature
+from .state_dicts import (
+    FORMAT_VERSION, STORAGE_DEFAULTS, load_state_dict_post_hook, load_state_dict_pre_hook,
+    state_dict_post_hook, state_dict_pre_hook,
+)
 from .work import capture
 from .work.capture import CAPTURABLE_ALGORITHMS
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
 
-#: 2: 8-bit state in the pow2 maps; 1: in bitsandbytes' dynamic maps (still read: re-encoded on load)
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
-#: storage and execution options: keyword-only on every optimizer, settable per param group, and this optimizer's
-#: own when a state dict is loaded (not the checkpoint's)
-STORAGE_DEFAULTS = dict(
-    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes=0,
-    bf16_update="nearest", capturable=False,
-)
 #: the non-finite check decided on the device where the kernels allow it (:mod:`lowmemopt.pipeline.finite`); False:
 #: always on the host, before the step (tests compare both)
 DEFER_FINITE_CHECK = True
 
+
+_first, _second, _grad = operator.itemgetter(0), operator.itemgetter(1), operator.attrgetter("grad")
 
 #: the decorator that marks an algorithm's math with its fused backends' name (:func:`lowmemopt.pipeline.algorithm.fused`)
 algorithm = fused
@@ -151,6 +145,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: ``torch.amp.GradScaler`` hands ``step()`` the scale and its Inf check (``grad_scale``, ``found_inf``) instead of
     #: unscaling the gradients itself and reading ``found_inf`` on the host (the module docstring, "Loss scaling")
     _step_supports_amp_scaling = True
+    #: param group keys this class reads beyond its defaults (:mod:`lowmemopt.group_keys`: others are refused)
+    _extra_group_keys: frozenset[str] = frozenset()
     #: the communicate stage the plan carries (``Plan.communicate``: the 1-bit optimizers' process-group
     #: communication around the update, :func:`lowmemopt.pipeline.communicating`), or None
     _communicate: Any = None
@@ -194,20 +190,29 @@ class LowMemOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._attach()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        set_signature(cls, LowMemOptimizer.__init__)  # the storage options by name, not **storage (lowmemopt.signature)
+
     def _attach(self) -> None:
         """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run
         after unpickling or ``copy.deepcopy`` (:meth:`__setstate__`), which torch restores without hooks: a copy would
         otherwise load 8-bit codes cast to the parameter's dtype."""
+        self._versioned_state()
         self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
-        self._pending_skip: PendingSkip | None = None  # a loss-scaled step's skip, read at the next step
+        self._pending_skip: PendingSkip | None = None  # a step's skips decided on the device, read at the next step
+        self._program: StepProgram | None = None  # the buckets of the last steps, launched again while they apply
         if "_record" not in self.__dict__:  # (kept by a copy: its refresh failures so far)
             self._record = StepRecord(owner=type(self).__name__)  # what steps report (GaLore refresh failures)
-        self.register_state_dict_pre_hook(_state_dict_pre_hook)
-        self.register_state_dict_post_hook(_state_dict_post_hook)
-        self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
-        self.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+        self.register_state_dict_pre_hook(state_dict_pre_hook)
+        self.register_state_dict_post_hook(state_dict_post_hook)
+        self.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
+        self.register_load_state_dict_post_hook(load_state_dict_post_hook)
         self.register_step_pre_hook(_lr_views_pre_hook)
+        self._group_keys = GroupKeyWatch(self.param_groups)  # unknown group keys: refused (lowmemopt.group_keys)
+        self.register_step_pre_hook(group_keys_pre_hook)
+        self.register_load_state_dict_post_hook(group_keys_loaded)
 
     # -- what an optimizer class provides -------------------------------------------------------------------------
 
@@ -257,11 +262,25 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return (None if grad_scale is None else inv_scale(grad_scale)), getattr(self, "found_inf", None)
 
     def _resolve_pending(self) -> None:
-        """Settle the previous loss-scaled step's skip (:class:`~lowmemopt.pipeline.finite.PendingSkip`)."""
+        """Settle the previous step's skips decided on the device (:class:`~lowmemopt.pipeline.finite.PendingSkip`):
+        restore the skipped parameters' step counts and, for the optimizer's own check, count and warn about them."""
         pending = self.__dict__.get("_pending_skip")
         if pending is not None:
             self._pending_skip = None
-            pending.resolve()
+            skipped = pending.resolve()
+            if pending.counted:
+                self._count_skips(skipped, "in the previous step")
+
+    def _count_skips(self, skipped: int, when: str) -> None:
+        """Count ``skipped`` parameters of a step ``when`` it was taken, and warn about them."""
+        if skipped:
+            self._nonfinite_skips += skipped
+            warnings.warn(
+                f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients {when} "
+                "(their values and optimizer state are unchanged)",
+                RuntimeWarning,
+                stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
+            )
 
     @property
     def galore_refresh_failures(self) -> int:
@@ -285,6 +304,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self.defaults.pop("differentiable", None)
         if "_load_stash" not in self.__dict__:  # unpickled or deep-copied: __init__ did not run
             self._attach()
+        self._versioned_state()
+
+    def _versioned_state(self) -> None:
+        """``self.state`` as a :class:`~lowmemopt.pipeline.program.StateDict` (the same entries), whose replaced
+        entries a step program sees."""
+        if type(self.state) is not StateDict:
+            self.state = StateDict(dict, self.state)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if (getattr(self, "_default_block_size", False) and isinstance(param_group, dict)
@@ -293,6 +319,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            check_new_group(self, group)
             torch_scalars(group)
             check_storage(group)
             self._check_group(group)
@@ -312,6 +339,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        if "_group_keys" in self.__dict__:  # (constructing: _attach sees every group)
+            self._group_keys.add(group)
 
     # -- the step ----------------------------------------------------------------------------------------------------
 
@@ -359,7 +388,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
-        """The non-finite check and the pipeline's pass over ``work`` (what :meth:`step` does once it has a plan)."""
+        """The non-finite check and the pipeline's pass over ``work`` (what :meth:`step` does once it has a plan):
+        the kept :class:`~lowmemopt.pipeline.program.StepProgram` where it still applies, else the pipeline."""
+        if self._program is not None and self._programmed(plan, work, pager):
+            return
+        if DEFER_FINITE_CHECK and pager is None and plan.communicate is None and \
+                type(self.algorithm).step_work is Algorithm.step_work:
+            plan.keep = Kept()  # (a step the kernels take whole keeps its buckets: the program of the next steps)
         grads = [local_tensor(p.grad) for p, _ in work]
         if plan.found_inf is not None:
             self._scaled_step(plan, work, grads, pager, plan.found_inf)
@@ -371,11 +406,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
             pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
         finite: list[bool | None] = [None] * len(work)
         on_device = pipeline.device_flags(plan, work, grads, pager, pipe) if DEFER_FINITE_CHECK else None
-        if on_device is not None:  # no synchronization before the launches
-            finite = [True] * len(work)  # provisionally: the kernels read the device's flags
+        if on_device is not None:  # no synchronization: the kernels read the device's flags
+            finite = [True] * len(work)  # provisionally
             pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], finite, grads, pipe, pager,
                          on_device)
-            on_device.undo_skipped()
+            if not on_device.read:  # settled at the next step, from a copy made without waiting
+                self._pending_skip = on_device.deferred(counted=True)
+                self._keep_program(plan, work)
+                return
+            on_device.undo_skipped()  # (read already: a parameter took a per-tensor backend)
             finite = [on_device.finite(p) for p, _ in work]
         else:
             upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
@@ -385,20 +424,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 finite[i] = ok
             todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
             pipeline.run(plan, todo, finite, grads, pipe, pager)
-        skipped = sum(f is False for f in finite)
-        if skipped:
-            self._nonfinite_skips += skipped
-            warnings.warn(
-                f"{type(self).__name__}: skipped {skipped} parameter(s) with NaN/Inf gradients this step "
-                "(their values and optimizer state are unchanged)",
-                RuntimeWarning,
-                stacklevel=external_stacklevel(),  # the user's step() line, past torch's wrappers
-            )
+        self._count_skips(sum(f is False for f in finite), "this step")
 
     @property
     def nonfinite_skips(self) -> int:
         """Parameters skipped for a NaN/Inf gradient so far (see the module docstring). Capturable steps count theirs
         on the device: reading this then waits for the device."""
+        self._resolve_pending()
         n = self._nonfinite_skips
         if self._device_skips is not None:
             n += int(self._device_skips.item())
@@ -406,6 +438,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     @nonfinite_skips.setter
     def nonfinite_skips(self, value: int) -> None:
+        self._resolve_pending()
         self._nonfinite_skips = int(value)
         self._device_skips = None
 
@@ -453,6 +486,29 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return
         pipeline.run(plan, todo, finite, grads, None, pager, flags)
         self._pending_skip = flags.deferred()
+        self._keep_program(plan, work)
+
+    def _keep_program(self, plan: Plan, work: list[tuple[torch.Tensor, dict]]) -> None:
+        """Keep this step's buckets as the program of the next steps where the kernels took it whole
+        (:class:`~lowmemopt.pipeline.program.StepProgram`)."""
+        kept = plan.keep
+        if kept is not None and kept.planned and sum(len(pl.members) for pl in kept.planned) == len(work):
+            self._program = StepProgram(plan, work, kept)
+
+    def _programmed(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], pager: Any) -> bool:
+        """Take this step through the kept program if it still applies (its module docstring says when); True if it
+        did. The step's skips are settled at the next step, as the pipeline's device-side check's."""
+        program = self._program
+        if pager is not None or plan.communicate is not None or not DEFER_FINITE_CHECK:
+            self._program = None
+            return False
+        params = list(map(_first, work))
+        grads = list(map(_grad, params))
+        if not program.matches(self.state, params, list(map(_second, work)), grads):
+            self._program = None
+            return False
+        self._pending_skip = program.step(plan, grads)
+        return True
 
     def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any,
                          mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Any:
@@ -529,108 +585,3 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return sum(
             v.numel() * v.element_size() for st in self.state.values() for v in st.values() if isinstance(v, torch.Tensor)
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _state_dict_pre_hook(optimizer: LowMemOptimizer) -> None:
-    optimizer._resolve_pending()  # (a skipped loss-scaled step's counts restored first)
-
-
-def _state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    state_dict["lowmemopt_format"] = FORMAT_VERSION
-    paging.detach_files(optimizer, state_dict)  # copies, not views of state files that the next step rewrites
-    presented = presented_params(optimizer)  # DTensor params: state as DTensors (lowmemopt.distributed.sharding)
-    if presented:
-        state = state_dict["state"] = dict(state_dict["state"])
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        for index, p in presented:
-            if index in state:
-                group = group_of[id(p)]
-                state[index] = present_state(p, state[index], group, optimizer._state_slots(group, p))
-    return state_dict
-
-
-def _load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Set the state's tensors aside (torch would cast them to the param dtype), converted to this optimizer's formats.
-
-    Runs before torch changes anything: a state that cannot be converted raises and leaves the optimizer as it was."""
-    optimizer._resolve_pending()
-    optimizer._load_stash = None
-    version = state_dict.get("lowmemopt_format", FORMAT_VERSION)
-    if version not in READABLE_FORMATS:
-        raise ValueError(
-            f"optimizer state has lowmemopt_format={version!r}; this version of lowmemopt reads formats "
-            f"{', '.join(map(str, READABLE_FORMATS))}" + (" (the state is newer: upgrade lowmemopt)"
-                                                         if isinstance(version, int) and version > FORMAT_VERSION else "")
-        )
-    state_dict = dict(state_dict)
-    state_dict.pop("lowmemopt_format", None)
-    saved_groups = state_dict["param_groups"]
-    groups = optimizer.param_groups
-    sizes_differ = any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, groups))
-    if len(saved_groups) != len(groups) or sizes_differ:
-        return state_dict  # torch raises its own, clear error for this
-    id_map, converted, targets = {}, {}, {}
-    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
-        target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
-        target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
-        check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
-        for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
-            id_map[key] = p
-            value = state_dict["state"].get(key)
-            where = f"load_state_dict: parameter {i} of param group {gi}"
-            if value is not None and not isinstance(value, dict):
-                raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
-            if isinstance(value, dict):
-                _, value = localize_state(p, value)  # DTensor state -> the local shard's
-                converted[key] = _convert_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
-                targets[key] = group
-    # paged params: the state goes straight to new homes now (a failure here leaves the optimizer as it was)
-    staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
-    converted = {k: staged.get(id_map[k], st) for k, st in converted.items()}
-    state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in converted}
-    storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
-    optimizer._load_stash = (converted, id_map, storage)
-    return state_dict
-
-
-def _convert_state(optimizer: LowMemOptimizer, p: torch.Tensor, value: dict[str, Any], saved: dict[str, Any],
-                   target: dict[str, Any], where: str, legacy_maps: bool) -> dict[str, Any]:
-    """One parameter's state dict entry in this optimizer's formats (:func:`convert_param_state`); a GaLore projector
-    (``galore.*``: fp32 bases and ints) is checked against the group and kept, as are bf16_update's entries."""
-    value = {k: v for k, v in value.items() if v is not None}  # torch.optim may store None buffers
-    if not value:
-        return {}
-    projector, value = split_projector_state(value)
-    problem = projector_problem(projector, target, p.shape)
-    if problem:
-        raise CheckpointError(f"{where}: {problem}")
-    rounding_state, value = rounding.split_state(value)  # bf16_update: a seed, a Kahan buffer; kept as they are
-    kept = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()}  # fp32: no copy
-    kept.update(rounding_state)
-    return convert_param_state(value, optimizer._state_slots(target, p), saved, target, local_tensor(p), where,
-                               legacy_maps, numel=p.numel(), kept=kept)
-
-
-def _load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
-    stash, optimizer._load_stash = optimizer._load_stash, None
-    if stash is not None:
-        converted, id_map, storage = stash
-        for group, options in zip(optimizer.param_groups, storage):
-            group.update(options)
-    for group in optimizer.param_groups:  # groups from torch.optim optimizers lack our keys
-        for k, v in optimizer.defaults.items():
-            group.setdefault(k, v)
-        torch_scalars(group)  # (a torch.optim state dict's lr of shape [1], say)
-    if stash is None:
-        return
-    for key, state in converted.items():
-        p = id_map[key]
-        if paging.is_staged(optimizer, p, state):  # already where it lives (home or device)
-            optimizer.state[p] = state
-        else:
-            optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    paging.reconcile(optimizer)  # adopt the staged homes, free the replaced ones

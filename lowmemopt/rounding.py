@@ -23,7 +23,8 @@ reproduce them bit for bit.
   ``p32 - p = p * (decay - 1) + alpha * delta``: decoupled weight decay enters as part of the compensated update, so
   a decay too small to move ``p`` accumulates in ``c`` as the gradient's part does.
 
-fp32 parameters need neither and ignore the option.
+fp32 and float64 parameters need neither and ignore the option (a float64 parameter's step is float64, stored as
+it is).
 
 **The hash** (32-bit unsigned arithmetic, which torch int64 ops, C ``uint32_t`` and Triton ``uint32`` all reproduce)::
 

@@ -6,6 +6,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py, tests/optim_info.py
 
+from exit_guard import pytest_unconfigure  # noqa: E402,F401  (a bound on the exit after the session, on CUDA machines)
+
 # Triton picks compiled or interpreted kernels when a kernel is decorated, i.e. when lowmemopt.kernels' modules are
 # first imported: without CUDA, default to the interpreter (as CI does) before any test module imports them.
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():

@@ -1073,6 +1073,39 @@ def bad_inputs(ctx):
 
 
 @case
+def ademamix_and_adam_mini(ctx):
+    """AdEMAMix (element-wise: 32-bit bit for bit on the torch path) and Adam-mini (its block means summed over the
+    shards: per neuron along rows, per head where FSDP2's Shard(0) cuts a head in two, per tensor over both ranks)
+    on FSDP2 parameters, against one process."""
+    with torch_paths_only():
+        opt, params, ref_opt, ref_params = run_pair(
+            ctx, lowmemopt.AdEMAMix, dict(lr=1e-2, t_alpha=4, t_beta3=4, min_quant_numel=0), UNEVEN, 8)
+    compare(params, ref_params, "AdEMAMix 32-bit", exact=True)
+    compare_state(opt, params, ref_opt, ref_params, "AdEMAMix 32-bit", exact=True)
+    # dim 6, 3 heads: a q / k head is 12 elements, 2 rows of the (6, 6) matrices; Shard(0) gives 3 + 3 rows, so head 1
+    # has a row on each rank; the norm and bias are one block and per-element; (1, 6) leaves one rank empty
+    names = ["q_proj.weight", "k_proj.weight", "mlp.weight", "norm.weight", "mlp.bias", "embed.weight"]
+    shapes = [(6, 6), (6, 6), (7, 5), (7,), (7,), (1, 6)]
+    tensors, tgts = full_params(shapes), targets(shapes)
+    for bits in (32, 8):
+        _, params = fsdp_params(ctx, tensors)
+        ref_params = plain_params(tensors)
+        kw = dict(lr=1e-2, weight_decay=0.1, dim=6, n_heads=3, verbose=False, state_bits=bits, min_quant_numel=0,
+                  block_size=16)
+        opt = lowmemopt.AdamMini(list(zip(names, params)), **kw)
+        ref_opt = lowmemopt.AdamMini(list(zip(names, ref_params)), **kw)
+        step_both(opt, params, ref_opt, ref_params, tgts, 6)
+        what = f"AdamMini {bits}-bit"
+        check([g["block"] for g in opt.param_groups] == ["head", "head", "neuron", "tensor", "element", "neuron"],
+              f"{what}: blocks {[g['block'] for g in opt.param_groups]}")
+        if bits == 32:
+            compare(params, ref_params, what)
+            compare_state(opt, params, ref_opt, ref_params, what)
+        else:  # (8-bit blocks of 16 elements lie over each shard: another rounding, the same error)
+            compare(params, ref_params, what, rtol=0, atol=2e-2)
+
+
+@case
 def muon_fsdp2(ctx):
     """Muon under FSDP2 (Shard(0); uneven and empty shards) equals one process: each matrix is gathered whole on one
     rank (dealt out in turn), orthogonalized there and scattered back; 32-bit and 8-bit momentum (blocks aligned with

@@ -142,13 +142,20 @@ def spy_native_steps(monkeypatch) -> list:
 
 
 def count_device_checks(monkeypatch) -> list:
-    """A list that gets one entry per device-side non-finite check (a ``lowmemopt.pipeline.finite.DeviceFlags``) made
-    from now on."""
+    """A list that gets one entry per device-side non-finite check made from now on: a
+    ``lowmemopt.pipeline.finite.DeviceFlags`` (the pipeline's), or a step program's check
+    (``lowmemopt.kernels.check.GradCheck.flags``)."""
     from lowmemopt.pipeline import finite
 
     made: list = []
     real = finite.DeviceFlags.__init__
     monkeypatch.setattr(finite.DeviceFlags, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    try:
+        from lowmemopt.kernels import check
+    except ImportError:  # (no Triton: no programs)
+        return made
+    real_flags = check.GradCheck.flags
+    monkeypatch.setattr(check.GradCheck, "flags", lambda self, *a: made.append(1) or real_flags(self, *a))
     return made
 
 

@@ -164,7 +164,8 @@ class ApexLAMBReference(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        wide = [g if g.dtype == torch.float64 else g.float() for g in grads]  # fp32 (float64 gradients: float64)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in wide]))
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             wd, maxn = group["weight_decay"], group["max_grad_norm"]
@@ -213,6 +214,11 @@ def _reference_class(module: str, name: str) -> Callable[[], type]:
     return lambda: getattr(pytest.importorskip(module), name)
 
 
+#: the parameter dtypes torch.optim steps, so every optimizer here steps them too (float64: its math and its
+#: full-precision state are float64, and a float64 run equals its reference's to float64 rounding)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def slot_bytes(numel: int, bits: int, block_size: int = 256) -> int:
     """Bytes of one full-size slot of ``numel`` elements (>= min_quant_numel) at ``bits``: 4, 2, 1 + 4/block or
     (4 bits, block 128 by default) 1/2 + 4/128."""
@@ -243,6 +249,8 @@ class OptimizerInfo:
     reference_cls: Callable[[], type] | None = None
     #: the reference steps complex parameters as their ``torch.view_as_real`` views (torch's Adam, AdamW, SGD)
     complex_as_real: bool = False
+    #: the parameter dtypes the common suite steps (every one torch.optim steps; float64 also against the reference)
+    dtypes: tuple[torch.dtype, ...] = DTYPES
 
     def lr_variant(self) -> dict[str, Any]:
         """The first variant that gives a learning rate (Adafactor's relative step takes none)."""
@@ -298,6 +306,8 @@ _BAD_BETAS = [
     (dict(betas=(1.0, 0.0)), ValueError, "Invalid beta parameter at index 0: 1.0"),  # torch's
     (dict(betas=(torch.tensor([0.9, 0.9]), torch.tensor(0.999))), ValueError, r"Tensor betas\[0\] must be 1-element"),
     (dict(betas=(torch.tensor(0.9), torch.tensor([1.0]))), ValueError, "Invalid beta parameter at index 1"),
+    (dict(betas=(0.9, torch.tensor(0.99))), ValueError, "betas must be either both floats or both Tensors"),  # torch's
+    (dict(betas=(torch.tensor(0.9), 0.99)), ValueError, "betas must be either both floats or both Tensors"),
 ]
 
 OPTIMIZERS: list[OptimizerInfo] = [
@@ -569,7 +579,9 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(betas=(0.9, 1.0, 0.9999)), ValueError, "Invalid beta parameter at index 1"),
             (dict(eps=(1e-30, -1.0)), ValueError, "Invalid eps"),
             (dict(clip_threshold=-1.0), ValueError, "Invalid clip_threshold"),
-            (dict(betas=(0.9, torch.tensor([0.9, 0.9]), 0.9)), ValueError, r"Tensor betas\[1\] must be 1-element"),
+            (dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.9]), torch.tensor(0.9))), ValueError,
+             r"Tensor betas\[1\] must be 1-element"),
+            (dict(betas=(0.9, torch.tensor(0.9), 0.9)), ValueError, "betas must be either all floats or all Tensors"),
         ],
         reference_cls=_reference_class("came_pytorch", "CAME"),
     ),
@@ -619,6 +631,105 @@ OPTIMIZERS: list[OptimizerInfo] = [
     ),
 ]
 
+
+
+class _AdEMAMixFloat64(torch.optim.Optimizer):
+    """AdEMAMix as bitsandbytes' 32-bit step writes it (its schedules and its decoupled decay before the update), in
+    the parameter's dtype: the float64 reference. bitsandbytes keeps fp32 state for a float64 parameter, so its run
+    is not a float64 one (``test_parity_float64``); its fp32 run is the reference at every other dtype."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
+                 weight_decay=1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2, b3), alpha, lr = group["betas"], group["alpha"], group["lr"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, m1=torch.zeros_like(p), m2=torch.zeros_like(p), nu=torch.zeros_like(p))
+                st["step"] += 1
+                t = st["step"]
+                alpha_t = min(t * alpha / group["t_alpha"], alpha) if group["t_alpha"] else alpha
+                beta3_t = b3
+                if group["t_beta3"]:
+                    s_ = t / group["t_beta3"]
+                    ln1, ln3 = math.log(b1), math.log(b3)
+                    beta3_t = min(math.exp(ln1 * ln3 / ((1 - s_) * ln3 + s_ * ln1)), b3)
+                g = p.grad
+                st["m1"].mul_(b1).add_(g, alpha=1 - b1)
+                st["m2"].mul_(beta3_t).add_(g, alpha=1 - beta3_t)
+                st["nu"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                p.mul_(1 - lr * group["weight_decay"])
+                denom = st["nu"].sqrt() / math.sqrt(1 - b2 ** t) + group["eps"]
+                p.add_((st["m1"] / (1 - b1 ** t) + alpha_t * st["m2"]) / denom, alpha=-lr)
+
+
+def _ademamix_reference(params, **kw):
+    params = list(params)
+    if params and params[0].dtype == torch.float64:
+        return _AdEMAMixFloat64(params, **kw)
+    bnb_optim = pytest.importorskip("bitsandbytes.optim")
+    return bnb_optim.AdEMAMix(params, **kw)
+
+
+OPTIMIZERS.append(OptimizerInfo(
+    "AdEMAMix",
+    lowmemopt.AdEMAMix,
+    _ademamix_reference,
+    [
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.99, 0.6), alpha=2.0, eps=1e-6, weight_decay=0.1),  # (a slow EMA that moves)
+        dict(lr=1e-2, t_alpha=4, t_beta3=3, weight_decay=0.0),
+    ],
+    slots=lambda kw: 3,
+    bound8=0.03,
+    bad_inputs=_COMMON_BAD + [
+        (dict(betas=(0.9, 0.999)), ValueError, "Invalid betas"),
+        (dict(betas=(0.9, 0.999, 1.0)), ValueError, "Invalid beta parameter at index 2"),
+        (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+        (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+        (dict(alpha=-1.0), ValueError, "Invalid alpha"),
+        (dict(t_alpha=-5), ValueError, "Invalid t_alpha"),
+        (dict(t_beta3=2.5), TypeError, "Invalid t_beta3"),
+        (dict(betas=(0.0, 0.999, 0.9999), t_beta3=10), ValueError, "beta3 warm-up"),
+        (dict(optim_bits=8, state_bits=4), ValueError, "optim_bits=8 and state_bits=4 disagree"),
+    ],
+    reference_cls=_reference_class("bitsandbytes.optim", "AdEMAMix"),
+))
+
+
+def _adam_mini_reference(params, **kw):
+    """adam-mini's Adam_mini on the table's unnamed tensors, named so that none matches a name rule: one block per
+    tensor in both (the name rules and every block kind: tests/test_adam_mini.py)."""
+    adam_mini = pytest.importorskip("adam_mini")
+    return adam_mini.Adam_mini([(f"t{i}", p) for i, p in enumerate(params)], verbose=False, **kw)
+
+
+OPTIMIZERS.append(OptimizerInfo(
+    "AdamMini",
+    lowmemopt.AdamMini,
+    _adam_mini_reference,
+    [
+        dict(lr=1e-2),
+        dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    ],
+    slots=None,
+    state_bytes=lambda shape, bits, kw: slot_bytes(math.prod(shape), bits) + 4,  # m, and one fp32 v per tensor
+    bound8=0.03,
+    bad_inputs=_COMMON_BAD + _BAD_BETAS + [
+        (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+        (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+        (dict(dim=0), ValueError, "Invalid dim value"),
+        (dict(n_heads=32, n_kv_heads=5), ValueError, "Invalid n_kv_heads value"),
+        (dict(dim=10, n_heads=3), ValueError, "is not a whole number"),
+    ],
+    reference_cls=_reference_class("adam_mini", "Adam_mini"),
+))
+
 #: the variant each optimizer uses in the storage-format tests (resume, 8-bit bounds): one with state slots.
 STATEFUL = {
     "AdamW": dict(lr=1e-2, weight_decay=0.1),
@@ -640,6 +751,8 @@ STATEFUL = {
     "Muon": dict(lr=0.02, weight_decay=0.1),
     "APOLLOAdamW": dict(lr=1e-2, weight_decay=0.1),
 }
+STATEFUL["AdEMAMix"] = dict(lr=1e-3, weight_decay=0.1, t_alpha=5, t_beta3=5)  # (bitsandbytes' default lr)
+STATEFUL["AdamMini"] = dict(lr=1e-2, weight_decay=0.1)
 
 BY_NAME = {info.name: info for info in OPTIMIZERS}
 

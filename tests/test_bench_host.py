@@ -64,10 +64,10 @@ spec.loader.exec_module(bench)
 import torch
 import triton.runtime.interpreter as interpreter
 from lowmemopt.kernels import runtime
-from lowmemopt.projection import step as galore_step
+from lowmemopt.projection import batched as galore_batched
 
 bench._stub_launches()
-galore_step.BATCH_ON_CPU = True
+galore_batched.BATCH_ON_CPU = True
 ran = []
 interpreter.GridExecutor.__call__ = lambda self, *a, **k: ran.append(self.fn.__name__)
 with runtime.cpu_interpreter():

@@ -140,14 +140,16 @@ def test_progress_lines_are_rounded_as_the_table():
 
 
 def test_host_syncs_are_counted_on_cuda_only(monkeypatch):
-    """``host_syncs`` counts the warnings of torch's sync debug mode during one step and restores the mode; on the CPU
-    there is nothing to count (None)."""
+    """``host_syncs`` counts the warnings of torch's sync debug mode during one step (not its one-time notice, which
+    also speaks of synchronizing operations) and restores the mode; on the CPU there is nothing to count (None)."""
     import warnings
 
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
 
     def step():
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+                      "operations")
         warnings.warn("called a synchronizing CUDA operation")
         warnings.warn("something else")
         warnings.warn("called a synchronizing CUDA operation")

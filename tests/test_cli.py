@@ -34,7 +34,7 @@ def test_cli_inspect_prints_metadata_and_format_summary(tmp_path, capsys):
     lowmemopt.save_state(opt, path, model=net)
     assert cli_main(["inspect", str(path), "--params"]) == 0
     out = capsys.readouterr().out
-    assert "format_version 3" in out and "optimizer: AdamW" in out and "keys: parameter names" in out
+    assert "lowmemopt optimizer state file, file format version 3" in out and "optimizer: AdamW" in out and "keys: parameter names" in out
     assert "lr=0.002" in out and "state_bits=8" in out
     assert "params: 4 (4 with state), step 3" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
@@ -63,7 +63,7 @@ def test_cli_inspect_summarises_a_torch_save_state_dict(tmp_path, capsys):
     torch.save(opt.state_dict(), tmp_path / "opt.pt")  # README's file
     assert cli_main(["inspect", str(tmp_path / "opt.pt"), "--params"]) == 0
     out = capsys.readouterr().out
-    assert "optimizer state_dict() saved with torch.save (lowmemopt state, lowmemopt_format 2)" in out
+    assert "optimizer state_dict() saved with torch.save (lowmemopt state, state_dict format version 2)" in out
     assert "lr=0.002" in out and "state_bits=8" in out and "params: 4 (4 with state), step 3" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     q8 = next(line for line in out.splitlines() if line.startswith("q8 (block 256)")).split()
@@ -77,7 +77,7 @@ def test_cli_inspect_summarises_a_torch_save_state_dict(tmp_path, capsys):
     torch.save({"opt": ref.state_dict(), "epoch": 3}, tmp_path / "ref.pt", _use_new_zipfile_serialization=False)
     assert cli_main(["inspect", str(tmp_path / "ref.pt")]) == 0
     out = capsys.readouterr().out
-    assert "ref.pt (key 'opt'): optimizer state_dict() saved with torch.save (no lowmemopt_format" in out
+    assert "ref.pt (key 'opt'): optimizer state_dict() saved with torch.save (no lowmemopt format version" in out
     assert next(line for line in out.splitlines() if line.startswith("fp32")).split()[1:] == [
         "8", "4", "23,344", "93,376"]  # 2 x 11,672 fp32 elements
 
@@ -94,19 +94,68 @@ def test_cli_inspect_says_what_it_expects_of_other_torch_files(tmp_path, capsys)
     assert "torch.load(weights_only=True) cannot read (UnpicklingError: WeightsUnpickler error" in err
     (tmp_path / "cut.pt").write_bytes((tmp_path / "model.pt").read_bytes()[:300])
     assert cli_main(["inspect", str(tmp_path / "cut.pt")]) == 1
-    assert "truncated or corrupt?" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a zip archive cut short (no end record: an interrupted save or an incomplete copy)" in err
+    assert "torch.load fails on it with 'OSError: [Errno 22] Invalid argument'" in err
 
 
 def test_cli_inspect_tells_torch_files_from_safetensors_by_content(tmp_path):
-    from lowmemopt.inspection import _is_torch_file
+    from lowmemopt.checkpoint.sniff import file_kind
 
     torch.save({"a": torch.zeros(2)}, tmp_path / "zip.bin")
     torch.save({"a": torch.zeros(2)}, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
     # a safetensors header of 640 bytes: its length field begins with the bytes of a pickle's protocol 2 opcode
     (tmp_path / "st.bin").write_bytes((640).to_bytes(8, "little") + b"{" + b" " * 639)
-    assert _is_torch_file(str(tmp_path / "zip.bin")) and _is_torch_file(str(tmp_path / "legacy.bin"))
-    assert (tmp_path / "st.bin").read_bytes()[:2] == b"\x80\x02" and not _is_torch_file(str(tmp_path / "st.bin"))
-    assert not _is_torch_file(str(tmp_path / "missing"))
+    assert file_kind(tmp_path / "zip.bin")[0] == "torch" and file_kind(tmp_path / "legacy.bin")[0] == "torch-legacy"
+    assert (tmp_path / "st.bin").read_bytes()[:2] == b"\x80\x02" and file_kind(tmp_path / "st.bin")[0] == "safetensors"
+    assert file_kind(tmp_path / "missing")[0] == "unknown"
+
+
+def test_the_command_drops_only_the_known_import_noise():
+    import logging
+
+    from lowmemopt.cli import _IMPORT_NOISE, _DropImportNoise, _quiet_import_noise
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.name, record.getMessage()))
+
+    loggers = {name: logging.getLogger(name) for name, _ in _IMPORT_NOISE}
+    before = {name: list(logger.filters) for name, logger in loggers.items()}
+    for logger in loggers.values():  # as in a fresh process (other tests here ran commands)
+        logger.filters[:] = [f for f in logger.filters if not isinstance(f, _DropImportNoise)]
+    others = {name: len(logger.filters) for name, logger in loggers.items()}
+    handler = Keep()
+    logging.getLogger().addHandler(handler)
+    try:
+        _quiet_import_noise()
+        _quiet_import_noise()  # once is enough: no second filter
+        assert all(len(loggers[n].filters) == others[n] + 1 for n in loggers)
+        logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
+        logging.getLogger("torch.utils._pytree").warning("%s is an Enum subclass and is now natively supported by "
+                                                         "torch.compile as an opaque value type.", "<enum 'E'>")
+        logging.getLogger("torchao").warning("something else torchao says")
+        logging.getLogger("elsewhere").warning("Failed to load what the user asked for")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        for name, logger in loggers.items():
+            logger.filters[:] = before[name]
+    assert seen == [("torchao", "something else torchao says"), ("elsewhere", "Failed to load what the user asked for")]
+
+
+def test_the_estimate_command_prints_no_import_noise(tmp_path):
+    """With torchao installed (the test extra), transformers' model code imports it; the command stays quiet."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, '
+                      '"num_hidden_layers": 1, "num_attention_heads": 2}')
+    code = f"from lowmemopt.cli import main; raise SystemExit(main(['estimate', {str(config)!r}, '--optimizer', 'adamw']))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "LlamaForCausalLM from" in proc.stdout and proc.stderr == ""
 
 
 def test_console_script_is_registered():
@@ -132,8 +181,12 @@ def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
                      "--batch", "2", "--seq", "16", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert f"on {text.stat().st_size:,} bytes of {text}" in printed and "4 steps of 2 x 16 bytes" in printed
-    assert ("| optimizer | state memory | peak memory | optimizer step | train step | final loss (mean of last 20 steps) "
-            "| held-out loss |" in printed)
+    assert ("| optimizer | settings | state memory | peak memory | optimizer step | train step "
+            "| final loss (mean of last 20 steps) | held-out loss |" in printed)
+    assert "| AdamW 8-bit | lr 2e-3, wd 0.01 |" in printed and "| CAME 8-bit | lr 2e-4, wd 0.01 |" in printed
+    if hasattr(lowmemopt, "galore_param_groups"):
+        assert "| GaLore-CAME 8-bit | lr 2e-4, wd 0.01, GaLore rank 48, scale 1, new subspace every 100 steps |" in printed
+    assert "the progress bars show one step's loss; \"final loss\" is the mean of the last 20 steps' losses" in printed
     assert f"wrote the plot to {out / 'demo.png'}" in printed
     for label in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit", "GaLore-CAME 8-bit"):
         assert f"| {label} |" in printed
@@ -196,6 +249,11 @@ def test_demo_plot_shows_coinciding_curves_their_difference_and_labelled_memory(
     path = demo.plot(results, tmp_path / "demo.png")
     with Image.open(path) as image:
         assert min(image.info["dpi"]) >= 150 and image.size[0] >= 1500
+    # each curve's legend entry gives its run's settings, where the results have them
+    fig = demo.figure([dict(r, settings="lr 2e-3, wd 0.01") if "skipped" not in r else r for r in results])
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend[:2] == ["AdamW 32-bit\n(lr 2e-3, wd 0.01)", "AdamW 8-bit\n(lr 2e-3, wd 0.01)"]
+    plt.close(fig)
     # without a 32-bit twin there is no difference panel
     fig = demo.figure([r for r in results if r.get("label") != "AdamW 32-bit"])
     assert len(fig.axes) == 2

@@ -100,3 +100,60 @@ def test_the_internal_word_finder_in_scripts():
 def test_scripts_describe_the_project_not_how_its_work_is_planned(script):
     found = [m.group(0) for m in _INTERNAL_IN_SCRIPTS.finditer(script.read_text())]
     assert not found, f"{script.relative_to(ROOT)} speaks of the project's own work: {found}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# README's CPU speed figures are bench/README.md's latest measurement, not a copy that drifts
+
+_LATEST = "<!-- cpu-step-latest"
+
+
+def _table_after_marker(text: str, page: str) -> tuple[str, list[str], dict[str, list[str]]]:
+    """(the prose between the marker and the table, the header cells, {first cell: cells}) of the Markdown table that
+    follows the ``cpu-step-latest`` marker; cells without ``**`` bold."""
+    assert text.count(_LATEST) == 1, f"{page}: expected one {_LATEST} marker"
+    lines = text[text.index(_LATEST):].splitlines()[1:]
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().replace("**", "") for cell in line.strip().strip("|").split("|")])
+    return "\n".join(lines[:start]), rows[0], {row[0]: row for row in rows[2:]}
+
+
+def _measured_on(prose: str, page: str) -> str:
+    dates = re.findall(r"measured (\d{4}-\d{2}-\d{2})", prose)
+    assert len(dates) == 1, f"{page}: the latest CPU table's text must say 'measured YYYY-MM-DD' once, found {dates}"
+    return dates[0]
+
+
+def check_readme_quotes_latest(readme: str, bench: str) -> None:
+    """README's table after the marker: its columns are bench's, its rows bench's rows, cell for cell, and its text
+    names the same date of measurement."""
+    prose, head, rows = _table_after_marker(readme, "README.md")
+    bench_prose, bench_head, bench_rows = _table_after_marker(bench, "bench/README.md")
+    assert _measured_on(prose, "README.md") == _measured_on(bench_prose, "bench/README.md")
+    assert rows, "README.md: the quoted table has no rows"
+    missing = [h for h in head if h not in bench_head]
+    assert not missing, f"README.md quotes columns bench/README.md's latest table does not have: {missing}"
+    for name, row in rows.items():
+        assert name in bench_rows, f"README.md quotes a row bench/README.md's latest table does not have: {name}"
+        theirs = {h: bench_rows[name][bench_head.index(h)] for h in head}
+        assert dict(zip(head, row)) == theirs, f"README.md's {name} row differs from bench/README.md's latest: {theirs}"
+
+
+def test_readme_speed_table_is_bench_readmes_latest():
+    check_readme_quotes_latest((ROOT / "README.md").read_text(), (ROOT / "bench" / "README.md").read_text())
+
+
+def test_the_speed_table_check_catches_drift():
+    readme, bench = (ROOT / "README.md").read_text(), (ROOT / "bench" / "README.md").read_text()
+    row = next(line for line in readme[readme.index(_LATEST):].splitlines() if line.startswith("| lowmemopt-adamw-8bit"))
+    drifted = [readme.replace(row, row.replace("x;", "5x;", 1)),  # a ratio changed
+               readme.replace("| lowmemopt-adamw-8bit", "| lowmemopt-adamw-3bit"),  # a row bench does not have
+               re.sub(r"(?s)(cpu-step-latest.*?measured \d{4}-\d{2}-)\d{2}", r"\g<1>01", readme)]  # another date
+    for text in drifted:
+        assert text != readme
+        with pytest.raises(AssertionError):
+            check_readme_quotes_latest(text, bench)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,7 +37,10 @@ def real_model() -> torch.nn.Module:
 
 def state_after_one_step(cls, state_bits: int, **kwargs) -> int:
     model = real_model()
-    opt = instantiate(cls, model.parameters(), state_bits=state_bits, **kwargs)
+    params = model.parameters()
+    if getattr(cls, "named_groups", False):  # (Adam-mini: named parameters, the model's heads)
+        params, kwargs = model.named_parameters(), {**cls.model_keywords(model.config), "verbose": False, **kwargs}
+    opt = instantiate(cls, params, state_bits=state_bits, **kwargs)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -173,9 +178,101 @@ def test_cli_estimate_bad_input(tmp_path, capsys):
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 1024**3 and parse_bytes("24G") == 24 * 1024**3
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1.5 MiB") == 1.5 * 1024**2 and parse_bytes("512") == 512
-    for bad in ("", "GiB", "12 parsecs", "-1GB"):
+    assert parse_bytes("24 GB") == 24 * 10**9 and parse_bytes(" 24 gib ") == parse_bytes("24", "GiB") == 24 * 1024**3
+    for bad in ("", "GiB", "12 parsecs", "-1GB", "1e9"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+
+
+@pytest.mark.parametrize("text,size", [("24GiB", 24 * 2**30), ("24 GiB", 24 * 2**30), ("24", 24 * 2**30),
+                                       ("24 GB", 24 * 10**9), ("0.5", 2**29), ("24000000000B", 24 * 10**9)])
+def test_cli_gpu_memory_forms(tmp_path, capsys, text, size):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit", "--gpu-memory", text, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["gpu_memory"] == size
+
+
+def test_cli_gpu_memory_refuses_a_byte_count_without_its_unit(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--gpu-memory", "25769803776"]) == 1
+    err = capsys.readouterr().err
+    assert "a number without a unit is GiB" in err and "25769803776B" in err
+
+
+# the published configs' parameter counts (the models' own model cards / safetensors indexes)
+PRESET_PARAMS = {"llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192,
+                 "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_PARAMS))
+def test_presets_have_the_published_models_parameter_counts(name):
+    model = model_from_config(name)
+    assert sum(p.numel() for p in model.parameters()) == PRESET_PARAMS[name]
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_preset_names_short_names_and_hub_ids():
+    from lowmemopt.model_presets import PRESETS, preset, preset_names
+
+    assert set(PRESETS) == set(PRESET_PARAMS) and set(PRESETS) <= set(preset_names())
+    assert preset("LLaMA-7B")[0] == preset("meta-llama/Llama-2-7b-hf")[0] == preset("llama-2-7b")[0] == "llama-2-7b"
+    assert preset("meta-llama/llama-3.1-8b-instruct")[0] == preset("llama-8b")[0] == "llama-3-8b"
+    assert preset("meta-llama/Llama-3.3-70B-Instruct")[0] == "llama-3-70b"
+    assert preset("llama-70b") is None and preset("meta-llama/Llama-2-7b") is None and preset("") is None
+    config = preset("llama-2-13b")[1]
+    config["hidden_size"] = 1  # a copy: the preset stays as published
+    assert preset("llama-2-13b")[1]["hidden_size"] == 5120
+
+
+def test_cli_estimate_takes_a_preset_or_its_hub_id(capsys):
+    assert cli_main(["estimate", "meta-llama/Llama-2-7b-hf", "--optimizer", "adamw8bit", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["params"] == PRESET_PARAMS["llama-2-7b"] and row["dtype"] == "fp16"  # the published torch_dtype
+    assert cli_main(["estimate", "llama-3-8b", "--optimizer", "adamw", "--state-bits", "4", "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("LlamaForCausalLM from preset llama-3-8b (the published config of meta-llama/Meta-Llama-3-8B)")
+    assert "fits in 24.00 GiB" in out and "1 GiB = 2^30 bytes" in out
+
+
+def test_cli_estimate_says_what_it_needs_for_a_hub_id_it_does_not_know(capsys):
+    assert cli_main(["estimate", "some-org/SomeModel-7B"]) == 1
+    err = capsys.readouterr().err
+    assert "some-org/SomeModel-7B: no such file, and not a preset" in err and "downloads nothing" in err
+    assert "config.json" in err and "llama-2-7b" in err and "llama-3-70b" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "llama-7b", "--optimizer", "adamz"], "unknown optimizer 'adamz' (did you mean 'Adam'?)"),
+    (["estimate", "no-such/model", "--optimizer", "adamw"], "no-such/model: no such file, and not a preset"),
+])
+def test_cli_estimate_argument_errors_come_before_the_slow_imports(tmp_path, argv, message):
+    """A typo in the optimizer name or the config fails without importing torch, transformers or the optimizers."""
+    code = ("import sys\nfrom lowmemopt.cli import main\n"
+            f"status = main({argv!r})\n"
+            "print('STATUS', status, sorted(m for m in ('torch', 'transformers', 'lowmemopt.optim') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "STATUS 1 []", proc.stdout + proc.stderr
+    assert message in proc.stderr
+
+
+def test_cli_estimate_names_a_missing_transformers(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert cli_main(["estimate", "llama-7b"]) == 1
+    assert "pip install 'lowmemopt[hf]'" in capsys.readouterr().err
+
+
+def test_declared_optimizer_names_are_the_registrys():
+    """The names the command checks without importing torch are exactly the classes the registry resolves."""
+    from lowmemopt.registry import declared_class_names, optimizer_names, unknown_names
+
+    assert declared_class_names() == optimizer_names()
+    assert unknown_names(["AdamW8bit", "galore_paged_came8bit", "lion-4bit"]) is None
+    assert "unknown optimizer 'paged_galore_came'" in str(unknown_names(["adamw", "paged_galore_came"]))
 
 
 @pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
@@ -252,3 +349,38 @@ def test_cli_estimate_lists_the_cheapest_combinations_that_fit(tmp_path, capsys)
     assert "does not fit in 100.00 KiB with any combination" in capsys.readouterr().out
     assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "80GB"]) == 0
     assert "cheapest combinations" not in capsys.readouterr().out  # it fits: nothing to suggest
+
+
+def test_estimate_of_ademamix_and_adam_mini(tmp_path, capsys):
+    """AdEMAMix 8-bit: ~3 bytes per parameter (three slots); Adam-mini 8-bit: ~1 byte per parameter plus one fp32 value
+    per block, its blocks by name and heads from the config (one per q / k head, output neuron, norm): both the
+    real optimizer's state after a step, and printed by `lowmemopt estimate`."""
+    meta = model_from_config(CONFIG)
+    model = real_model()
+    n = sum(p.numel() for p in model.parameters())
+    got = estimate(meta, "ademamix8bit", 8)
+    assert got.state == state_after_one_step(lowmemopt.AdEMAMix8bit, 8) and got.state < 4 * n  # (fp32: 12 n)
+    head = torch.nn.Linear(256, 512, bias=False)  # a matrix past min_quant_numel: 3 slots of 1 byte + an absmax per 256
+    opt = lowmemopt.AdEMAMix8bit(head.parameters())
+    head.weight.grad = torch.randn_like(head.weight)
+    opt.step()
+    assert opt.state_nbytes() == 3 * (1 + 4 / 256) * head.weight.numel()
+    mini = estimate(meta, "adam_mini", 8)
+    opt = lowmemopt.AdamMini(model.named_parameters(), state_bits=8, dim=64, n_heads=4, n_kv_heads=2, verbose=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert mini.state == opt.state_nbytes() and mini.state < 1.4 * n  # (small tensors keep fp32 m; AdamW: 8 n)
+    # per layer: q's 4 and k's 2 heads, the rows of v (32), o (64), gate and up (88), down (64), two norms; then
+    # the embedding's and the head's rows, the final norm
+    blocks = 2 * (4 + 2 + 32 + 64 + 88 + 88 + 64 + 2) + 301 + 301 + 1
+    codes = sum(st["exp_avg.codes"].numel() if "exp_avg.codes" in st else 4 * st["exp_avg"].numel()
+                for st in opt.state.values())
+    assert mini.state - codes - 4 * blocks == sum(4 * st["exp_avg.absmax"].numel() for st in opt.state.values()
+                                                  if "exp_avg.absmax" in st)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert cli_main(["estimate", str(path), "--optimizer", "ademamix8bit,adam_mini", "--state-bits", "8",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["optimizer"], r["state"]) for r in rows] == [("AdEMAMix8bit", got.state), ("AdamMini", mini.state)]

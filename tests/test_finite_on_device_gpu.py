@@ -2,7 +2,8 @@
 parameter whose gradient has a NaN / Inf keeps its value, state and step count, bit for bit, without any host
 synchronization before the launches; the others step as with the host-side check. (``test_finite_on_device.py`` runs
 the same under the interpreter on the CPU, bit for bit against the host check; here the multi-pass kernels' fp32
-atomics may round their sums differently between two runs, so the stepped parameters are compared within rounding.)
+atomics may round their sums differently between two runs, and GaLore's batched and single products
+(``BATCHED_WITH_A_SKIP``) may too, so those stepped parameters are compared within rounding.)
 Skipped without a CUDA device (conftest.py skips the ``gpu`` marker)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from helpers import count_device_checks
 
 import lowmemopt
 from lowmemopt import optimizer as optimizer_module
+from lowmemopt.benchmark import SYNC_WARNING
 
 pytestmark = pytest.mark.gpu
 
@@ -49,8 +51,9 @@ def _snapshot(opt, p):
 
 
 def _run(cls, kw, bits, on_device, monkeypatch, galore=False):
-    """Six steps on CUDA with the gradients of ``BAD`` non-finite. Checks at each step that a skipped parameter and
-    its state are untouched. Returns (params, optimizer, warnings per step, device-side checks made)."""
+    """Six steps on CUDA with the gradients of ``BAD`` non-finite. Checks at each step (its skips settled by reading
+    ``nonfinite_skips``) that a skipped parameter and its state are untouched. Returns (params, optimizer, warnings
+    per step, device-side checks made)."""
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
     checks = count_device_checks(monkeypatch)
     torch.manual_seed(0)
@@ -69,6 +72,7 @@ def _run(cls, kw, bits, on_device, monkeypatch, galore=False):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             opt.step()
+            opt.nonfinite_skips  # noqa: B018 (settles the step's skips, decided on the device, now)
         caught.append(sum("NaN/Inf" in str(x.message) for x in w))
         for p, (value, state) in bad:
             assert torch.equal(p, value), (step, tuple(p.shape))
@@ -80,11 +84,24 @@ def _run(cls, kw, bits, on_device, monkeypatch, galore=False):
     return params, opt, caught, len(checks)
 
 
-def _compare(cls, a, opt_a, b, opt_b):
-    for pa, pb in zip(a, b):
+#: GaLore's matrices (params 0, 1 and 3 of _groups) that share a shape class with a matrix skipped at some step. On
+#: that step the host-checked run leaves the skipped one out, so its classmate is projected and projected back alone
+#: (one torch.matmul each way), while the device-decided run keeps both in the batch (one torch.bmm each way, the
+#: skipped one masked by its flag). cuBLAS's batched and single products may sum in different orders (on an H100 they
+#: do: the two runs differed bitwise on a (96, 160) matrix), so these are compared within rounding; the CPU's products
+#: are equal either way (test_finite_on_device.py compares them bit for bit). The skipped parameters and their state
+#: are compared bit for bit at each step (_run), and every other parameter here.
+BATCHED_WITH_A_SKIP = {i for i in (0, 1, 3) for j in (0, 1, 3)
+                       if i != j and SHAPES[i] == SHAPES[j] and any(k in (i, j) for _, k in BAD)}
+
+
+def _compare(cls, a, opt_a, b, opt_b, rounded=frozenset()):
+    """Same step counts; the parameters equal bit for bit where the kernels have no atomics (``EXACT``) and the
+    parameter is not in ``rounded``, else within rounding."""
+    for i, (pa, pb) in enumerate(zip(a, b)):
         assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"]
-        if cls in EXACT:
-            assert torch.equal(pa, pb), tuple(pa.shape)
+        if cls in EXACT and i not in rounded:
+            assert torch.equal(pa, pb), (i, tuple(pa.shape))
         else:
             torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
@@ -103,12 +120,14 @@ def test_skipped_parameters_are_untouched_on_cuda(cls, kw, bits, galore, monkeyp
     b, opt_b, warned_b, checks_b = _run(cls, kw, bits, False, monkeypatch, galore)
     assert checks_a == (5 if galore else 6) and checks_b == 0  # every step decided on the device (GaLore's first not)
     assert warned_a == warned_b == [0, 1, 1, 0, 1, 1]
-    _compare(cls, a, opt_a, b, opt_b)
+    _compare(cls, a, opt_a, b, opt_b, BATCHED_WITH_A_SKIP if galore else frozenset())
     assert [opt_a.state[p]["step"] for p in a] == [5, 5, 5, 5, 6]
 
 
 def _synchronizations(fn) -> list[str]:
-    """The host-device synchronizations ``fn()`` makes (torch's sync debug mode, as warnings)."""
+    """The host-device synchronizations ``fn()`` makes (torch's sync debug mode, as warnings). Only its per-sync
+    warning counts (``SYNC_WARNING``), not the notice torch gives once per process when the mode is first set (the
+    first such test in each pytest-xdist worker saw it)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -117,15 +136,16 @@ def _synchronizations(fn) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+    return [str(w.message) for w in caught if SYNC_WARNING in str(w.message)]
 
 
 @pytest.mark.parametrize("galore", [False, True], ids=["full-rank", "galore"])
 @pytest.mark.parametrize("cls,kw", CASES, ids=[c.__name__ for c, _ in CASES])
-def test_a_step_synchronizes_once(cls, kw, galore):
-    """After the warm-up (state made, kernels compiled, GaLore's bases computed), a step synchronizes the host with
-    the device once: the flags read after every launch. Nothing before the launches waits for the GPU, not even a
-    launch table made for new addresses (each step's gradients are fresh tensors, as after zero_grad())."""
+def test_a_steady_step_does_not_synchronize(cls, kw, galore):
+    """After the warm-up (state made, kernels compiled, GaLore's bases computed), a step does not synchronize the host
+    with the device: its flags are copied to the host without waiting and read at the next step (after an event of
+    that step's), and nothing before the launches waits for the GPU, not even a launch table made for new addresses
+    (each step's gradients are fresh tensors, as after zero_grad())."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
     opt = cls(_groups(params, galore), state_bits=8, min_quant_numel=0, **kw)
@@ -139,7 +159,7 @@ def test_a_step_synchronizes_once(cls, kw, galore):
         opt.step()
     fresh_grads()
     syncs = _synchronizations(opt.step)
-    assert len(syncs) == 1, syncs
+    assert len(syncs) == 0, syncs
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 1 << 20])

@@ -566,7 +566,7 @@ def test_defaults_filled_in_and_any_ndim_ge_2():
     opt = lowmemopt.SGD([dict(params=[conv], rank=4)], lr=0.1, momentum=0.9)
     group = opt.param_groups[0]
     assert (group["update_proj_gap"], group["scale"], group["proj_type"], group["proj_moments"]) == (200, 0.25, "std", "keep")
-    assert group["proj_dtype"] == "float32"
+    assert group["proj_dtype"] == "param"  # bf16 products for bf16 parameters (docs/galore.md)
     conv.grad = torch.randn_like(conv)
     opt.step()
     assert opt.state[conv][pj.PROJ].shape == (4, 8) and opt.state[conv][pj.SIDE] == pj.LEFT
@@ -625,12 +625,12 @@ def test_proj_dtype_param_runs_bf16_products_for_bf16_params_only(dtype, monkeyp
 def test_proj_dtype_param_through_the_fused_batched_path(name, kw, monkeypatch):
     """The CUDA code path (Triton kernels on stand-ins, batched ``torch.bmm`` products) with bf16 products, under
     the interpreter on the CPU: within one bf16 step of the same run with fp32 products."""
-    from lowmemopt.projection import step as galore_step
+    from lowmemopt.projection import batched as galore_batched
 
-    monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
+    monkeypatch.setattr(galore_batched, "BATCH_ON_CPU", True)
     bmm = []
     real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda a, b: bmm.append(a.dtype) or real_bmm(a, b))
+    monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: bmm.append(a.dtype) or real_bmm(a, b, **kw))
     runs = {}
     for proj in ("float32", "param"):
         params = make_params([(40, 24)] * 3, dtype=torch.bfloat16)

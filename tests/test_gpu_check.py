@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,37 +152,81 @@ def test_gpu_check_refuses_without_cuda(tmp_path):
     assert os.access(SCRIPT, os.X_OK)
 
 
+def _check(*args, cwd, env=None, timeout=60):
+    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
 def test_gpu_check_rejects_unknown_options(tmp_path):
-    proc = subprocess.run(["bash", SCRIPT, "--bogus"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
-    proc = subprocess.run(["bash", SCRIPT, "--tests", "fast"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=60)
-    assert proc.returncode == 2 and "--tests: unknown part 'fast' (known: all gpu rest)" in proc.stderr
-    proc = subprocess.run(["bash", SCRIPT, "--deadline", "10m"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=60)
-    assert proc.returncode == 2 and "--deadline takes whole seconds, got '10m'" in proc.stderr
+    for args, message in ((["--bogus"], "unknown option --bogus"),
+                          (["--only", "fast"], "unknown part 'fast' (known: e2e_core fused_1b gpu_tests"),
+                          (["--with", "e2e,fast"], "unknown part 'fast'"),
+                          (["--deadline", "10m"], "--deadline takes whole seconds, got '10m'"),
+                          (["--workers", "many"], "--workers takes a whole number, got 'many'"),
+                          (["--caps", "gpu_tests=long"], "--caps takes NAME=SECONDS for known parts, got 'gpu_tests=long'"),
+                          (["--caps", "fast=10"], "--caps takes NAME=SECONDS for known parts, got 'fast=10'"),
+                          (["--only", "e2e", "--full"], "--only selects every part itself: not with --with or --full")):
+        proc = _check(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
 
 
-def test_gpu_check_lists_its_benchmarks_and_selects_with_only(tmp_path):
-    """``--list`` prints the plan without a GPU: every benchmark but the opt-in sweep; ``--only`` selects (the sweep
-    only when named), in the plan's order; an unknown name is refused before anything runs."""
+def _plan(tmp_path, *args) -> tuple[list[str], list[tuple[str, int, str]]]:
+    """``--list``: (its header lines, [(part, cap, command)] in order)."""
+    proc = _check("--list", *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = [line.split("\t") for line in lines if not line.startswith("#")]
+    return [line for line in lines if line.startswith("#")], [(n, int(cap), cmd) for n, cap, cmd in rows]
 
-    def plan(*args):
-        proc = subprocess.run(["bash", SCRIPT, "--list", *args], capture_output=True, text=True, cwd=tmp_path,
-                              timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        return [line.split("\t") for line in proc.stdout.splitlines()]
 
-    full = plan()
-    assert [n for n, _ in full] == ["kernel_resources", "fused_kernels", "e2e", "paging", "galore", "host_overhead",
-                                    "profile_step"]
-    assert dict(full)["e2e"] == "python bench/e2e.py --steps 10 --warmup 3 --json $WORK/e2e.json"
-    picked = plan("--quick", "--only", "sweep,e2e")
-    assert [n for n, _ in picked] == ["e2e", "sweep"] and "--sweep" in dict(picked)["sweep"]
-    assert "--layers 4" in dict(picked)["e2e"]
-    proc = subprocess.run(["bash", SCRIPT, "--only", "e2e,bogus"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=60)
-    assert proc.returncode == 2 and "unknown benchmark 'bogus'" in proc.stderr
+#: the default plan: one command under 9 minutes on an H100, in this order
+DEFAULT_PLAN = ["e2e_core", "fused_1b", "gpu_tests", "profile_adamw"]
+
+
+def test_the_default_plan_fits_one_command(tmp_path):
+    """``--list`` prints the default plan without a GPU: the core end-to-end rows, the fused kernels at 1B, the GPU
+    tests on several processes, a profile of one AdamW 8-bit step, in that order, each with a cap; the caps add up to
+    less than the deadline, which leaves room under 9 minutes for the set-up and the report."""
+    header, plan = _plan(tmp_path)
+    assert [n for n, _, _ in plan] == DEFAULT_PLAN
+    assert header == ["# deadline: 540 s for the whole check, report included"]
+    caps = {n: cap for n, cap, _ in plan}
+    assert sum(caps.values()) <= 540 - 20 - 20 and all(cap >= 30 for cap in caps.values())  # set-up, report
+    commands = {n: cmd for n, _, cmd in plan}
+    assert commands["e2e_core"] == ("python bench/e2e.py --optimizers core --steps 9 --warmup 3 --timeout 100 "
+                                    "--json $WORK/e2e_core.json")  # 12 steps a row
+    assert commands["fused_1b"] == "python bench/fused_kernels.py --sizes 1B --dtypes bf16 --json $WORK/fused_1b.json"
+    assert commands["gpu_tests"] == 'pytest -n 8 -m "gpu and not slow"'
+    assert commands["profile_adamw"] == ("python bench/profile_step.py --optimizers lowmemopt-adamw-8bit --steps 1 "
+                                         "--warmup 2")
+    e2e = load_bench("e2e")  # the rows e2e_core measures
+    assert e2e.expand_rows("core") == ["torch-adamw-fused", "lowmemopt-adamw-8bit", "bnb-adamw8bit",
+                                       "lowmemopt-came-8bit", "lowmemopt-paged-adamw-8bit", "bnb-paged-adamw8bit",
+                                       "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit"]
+    assert set(e2e.CORE_ROWS) <= set(e2e.ROWS)
+
+
+def test_gpu_check_selects_parts(tmp_path):
+    """``--with`` adds opt-in parts after the default plan, ``--only`` runs exactly the parts named and ``--full`` the
+    whole suite and every benchmark, always in the plan's order (the sweep only when named); ``--skip-tests`` and
+    ``--skip-bench`` leave those out; ``--caps``, ``--workers`` and ``--quick`` change the caps and commands; only the
+    default plan has a deadline unless one is given."""
+    header, plan = _plan(tmp_path, "--with", "sweep,tests")
+    assert [n for n, _, _ in plan] == DEFAULT_PLAN + ["tests", "sweep"] and not header
+    _, plan = _plan(tmp_path, "--only", "sweep,e2e,gpu_tests", "--caps", "gpu_tests=300,e2e=100", "--workers", "0")
+    assert plan == [("gpu_tests", 300, 'pytest -m "gpu and not slow"'),
+                    ("e2e", 100, "python bench/e2e.py --steps 10 --warmup 3 --json $WORK/e2e.json"),
+                    ("sweep", 900, "python bench/fused_kernels.py --sweep --sizes 100M --dtypes fp32,bf16 "
+                                   "--json $WORK/sweep.json")]
+    _, plan = _plan(tmp_path, "--full")
+    assert [n for n, _, _ in plan] == ["tests", "gpu_slow_tests", "kernel_resources", "fused_kernels", "e2e", "paging",
+                                       "galore", "host_overhead", "profile_step"]
+    _, plan = _plan(tmp_path, "--full", "--skip-tests")
+    assert [n for n, _, _ in plan][:2] == ["kernel_resources", "fused_kernels"]
+    _, plan = _plan(tmp_path, "--skip-bench", "--deadline", "300")
+    assert [n for n, _, _ in plan] == ["gpu_tests"]
+    header, plan = _plan(tmp_path, "--quick")
+    assert header and "--layers 4" in dict((n, c) for n, _, c in plan)["e2e_core"]
+    assert "--sizes 100M" in dict((n, c) for n, _, c in plan)["fused_1b"]
 
 
 def test_e2e_bench_runs_tiny_on_cpu(tmp_path):
@@ -258,7 +303,7 @@ def test_e2e_targets_names_the_rows_the_targets_compare():
     assert set(rows) == {e2e.BASELINE} | {n for _, name, anchor, _ in e2e.TARGETS for n in (name, anchor)}
     assert set(rows) <= set(e2e.ROWS)
     assert {"bnb-paged-adamw8bit", "galore-torch-adamw8bit", "lowmemopt-adamw-8bit-graph"} <= set(rows)
-    assert e2e.expand_rows("lowmemopt-came-8bit,targets,torch-adamw-fused,") == ["lowmemopt-came-8bit", *rows]
+    assert e2e.expand_rows("lowmemopt-lion-8bit,targets,torch-adamw-fused,") == ["lowmemopt-lion-8bit", *rows]
     assert e2e.parse_args(["--optimizers", "targets"]).optimizers.split(",") == rows
     with pytest.raises(SystemExit):
         e2e.parse_args(["--optimizers", "targets,bogus"])
@@ -267,15 +312,13 @@ def test_e2e_targets_names_the_rows_the_targets_compare():
 def test_gpu_check_e2e_rows(tmp_path):
     """``--e2e-rows`` reaches bench/e2e.py as ``--optimizers``; a misspelt row is refused before anything runs
     (before the CUDA check: here, on a CPU)."""
-    proc = subprocess.run(["bash", SCRIPT, "--list", "--only", "e2e", "--e2e-rows", "targets"], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=60)
+    proc = _check("--list", "--only", "e2e", "--e2e-rows", "targets", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "e2e\tpython bench/e2e.py --steps 10 --warmup 3 --optimizers targets --json $WORK/e2e.json\n"
+    assert proc.stdout == "e2e\t1800\tpython bench/e2e.py --steps 10 --warmup 3 --optimizers targets --json $WORK/e2e.json\n"
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", SCRIPT, "--skip-tests", "--e2e-rows=targets,lowmemopt-adamw-9bit"],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    proc = _check("--skip-tests", "--e2e-rows=targets,lowmemopt-adamw-9bit", cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert "--e2e-rows: unknown row(s) lowmemopt-adamw-9bit; known: targets, torch-adamw-fused" in proc.stderr
+    assert "--e2e-rows: unknown row(s) lowmemopt-adamw-9bit; known: targets, core, torch-adamw-fused" in proc.stderr
 
 
 WHEELS = os.path.join(REPO, "scripts", "gpu-wheels")
@@ -321,10 +364,14 @@ def test_gpu_wheels_checks_the_carry_budget(tmp_path):
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# a stand-in interpreter: a GPU for gpu-check's CUDA check, a pytest that hangs until Ctrl-C (then writes its JUnit
-# file and exits as pytest does when interrupted); everything else goes to the real interpreter
+# a stand-in interpreter: a GPU for gpu-check's CUDA check, pytest-xdist, lowmemopt installed from the checkout, an
+# empty environment (a quick start), a pytest that hangs until Ctrl-C (then writes its JUnit file and exits as pytest
+# does when interrupted); everything else goes to the real interpreter
 case "$*" in
   *torch.cuda.is_available*) echo "Stand-in GPU"; exit 0 ;;
+  *"import xdist"*) exit 0 ;;
+  *"import lowmemopt, lowmemopt.kernels"*) echo "{repo}/lowmemopt/__init__.py"; exit 0 ;;
+  *"report.py env"*) echo "{}"; exit 0 ;;
   *"-m pytest"*)
     junit=""; prev=""
     for a in "$@"; do [ "$prev" = --junitxml ] && junit=$a; prev=$a; done
@@ -339,27 +386,94 @@ esac
 """
 
 
+def _stand_in(tmp_path, script: str) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(script.replace("{python}", sys.executable).replace("{calls}", str(tmp_path / "calls"))
+                    .replace("{repo}", REPO))
+    fake.chmod(0o755)
+
+
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash, timeout")
 def test_gpu_check_deadline_interrupts_a_part_and_keeps_its_results(tmp_path):
     """``--deadline``: a part that would run past it is interrupted with SIGINT in time for the report (pytest still
     writes what it has), a part with too little time left is not started and says so, and the whole check ends
     within the deadline. The paths are relative (the parts run in other folders: they must still mean the same)."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.replace("{python}", sys.executable).replace("{calls}", str(tmp_path / "calls")))
-    fake.chmod(0o755)
+    _stand_in(tmp_path, FAKE_PYTHON)
     keep = tmp_path / "keep"
-    proc = subprocess.run(["bash", SCRIPT, "--python", "./python", "--skip-bench", "--tests", "gpu", "--deadline", "55",
-                           "--report", "r.md", "--keep", "keep"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = _check("--python", "./python", "--only", "gpu_tests,gpu_slow_tests", "--deadline", "60", "--report", "r.md",
+                  "--keep", "keep", cwd=tmp_path, timeout=150)
     parts = [line.split("\t") for line in (keep / "parts.tsv").read_text().splitlines()]
     elapsed = [float(seconds) for kind, _, _, seconds, _ in parts if kind == "tests"]
     report = (tmp_path / "r.md").read_text()
     assert proc.returncode == 1, proc.stderr  # a part that timed out is not a passed check
     assert (tmp_path / "calls").read_text().count("-m pytest") == 1  # the second part was never started
-    assert 'pytest -m "gpu and not slow"' in report and "exit 124 (timed out)" in report
-    assert (keep / "tests-gpu.xml").exists()  # written on the interrupt: the results it had are in the report
-    assert 'not run: pytest -m "gpu and slow"' in report and "of the 55 s deadline were left" in report
-    assert len(elapsed) == 1 and 25 <= elapsed[0] <= 40  # its limit: 55 s less the report's 20 less the start
+    assert 'pytest -n 8 -m "gpu and not slow"' in report and "exit 124 (timed out)" in report
+    assert (keep / "tests-gpu_tests.xml").exists()  # written on the interrupt: the results it had are in the report
+    assert 'not run: pytest -n 8 -m "gpu and slow"' in report and "of the 60 s deadline were left" in report
+    assert len(elapsed) == 1 and 30 <= elapsed[0] <= 45  # its limit: 60 s less the report's 20 less the start
+    lines = report.splitlines()
+    assert '| gpu_tests | `pytest -n 8 -m "gpu and not slow"` | 150 | ' in report
+    assert any(line.startswith("| gpu_tests |") and line.endswith("| cut at its cap: exit 124 (timed out) |")
+               for line in lines)
+    assert '| gpu_slow_tests | `pytest -n 8 -m "gpu and slow"` | 900 | — | not run (too little of the deadline left) |' in lines
+
+
+#: a stand-in for the default plan's parts: e2e runs past its cap; the fused kernels print a table; pytest writes its
+#: results and summary, starts a process and then does not exit; the profile leaves a process running when it ends
+FAKE_PLAN = """#!/usr/bin/env bash
+case "$*" in
+  *torch.cuda.is_available*) echo "Stand-in GPU"; exit 0 ;;
+  *"import xdist"*) exit 0 ;;
+  *"import lowmemopt, lowmemopt.kernels"*) echo "{repo}/lowmemopt/__init__.py"; exit 0 ;;
+  *"report.py env"*) echo "{}"; exit 0 ;;
+  *bench/e2e.py*) echo "e2e $*" >> "{calls}"; echo "| e2e | first row |"; sleep 3001 ;;
+  *bench/fused_kernels.py*) echo "fused $*" >> "{calls}"; echo "| fused | 1B |" ;;
+  *"-m pytest"*)
+    echo "pytest $*" >> "{calls}"
+    junit=""; prev=""
+    for a in "$@"; do [ "$prev" = --junitxml ] && junit=$a; prev=$a; done
+    printf '%s' '<testsuites><testsuite tests="1" failures="0" errors="0" skipped="0"><testcase classname="t" name="ok"/></testsuite></testsuites>' > "$junit"
+    sleep 3002 &
+    echo "1 passed in 0.01s"
+    sleep 3003 ;;
+  *bench/profile_step.py*) echo "profile $*" >> "{calls}"; (sleep 3004 &); echo "| profile | one step |" ;;
+  *) exec "{python}" "$@" ;;
+esac
+"""
+
+
+def _running(marker: str) -> bool:
+    ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout.splitlines()
+    return any(line.strip() == f"sleep {marker}" for line in ps)
+
+
+@pytest.mark.skipif(any(shutil.which(t) is None for t in ("bash", "timeout", "ps")), reason="needs bash, timeout, ps")
+def test_gpu_check_runs_the_plan_in_order_and_caps_each_part(tmp_path):
+    """The default plan on a stand-in GPU: the parts in order; one past its cap is cut and the others still run; a
+    pytest that has written its results and summary but does not exit is stopped after the grace (its results stand)
+    and the report says so; processes a part leaves behind are ended (they would hold the GPU or the output) and noted;
+    the report's plan table gives each part's cap, time and result."""
+    _stand_in(tmp_path, FAKE_PLAN)
+    env = dict(os.environ, GPU_CHECK_EXIT_GRACE="2")
+    proc = _check("--python", "./python", "--caps", "e2e_core=4", "--report", "r.md", "--keep", "keep", cwd=tmp_path,
+                  env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    calls = [line.split()[0] for line in (tmp_path / "calls").read_text().splitlines()]
+    assert calls == ["e2e", "fused", "pytest", "profile"]
+    assert "-n 8 -m gpu and not slow" in (tmp_path / "calls").read_text()
+    report = (tmp_path / "r.md").read_text()
+    lines = report.splitlines()
+    assert lines.index("## Plan") < lines.index("## Environment")
+    table = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and " | `" in line}
+    assert table["e2e_core"].endswith("| 4 | 4 | cut at its cap: exit 124 (timed out) |"), table["e2e_core"]
+    assert re.search(r"\| 70 \| \d+ \| ok \|$", table["fused_1b"]), table["fused_1b"]
+    assert table["gpu_tests"].endswith("| ok |") and table["profile_adamw"].endswith("| ok |")
+    assert "| e2e | first row |" in report and "| profile | one step |" in report  # the output each part had
+    assert "gpu_tests: pytest wrote its results and summary but had not exited 2 s later; stopped" in report
+    assert "profile_adamw left 1 process(es) running after it ended; stopped" in report
+    assert "| `pytest -n 8 -m \"gpu and not slow\"` | passed | 1 | 0 | 0 | 0 |" in report
+    for marker in ("3001", "3002", "3003", "3004"):
+        assert not _running(marker), marker
 
 
 def test_e2e_interrupted_keeps_the_verdicts_of_the_rows_done(monkeypatch, capsys, tmp_path):

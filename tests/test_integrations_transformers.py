@@ -3,8 +3,6 @@ TrainingArguments' hyper-parameters, and resume_from_checkpoint restores their e
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,8 +13,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
-
-os.environ.setdefault("LOWMEMOPT_COMPILE", "0")  # the Trainer runs tiny tensors: the eager path is what matters here
 
 # small tensors quantized too: 8-bit state on every matrix of the tiny model, 64-element blocks
 SMALL_BLOCKS = dict(min_quant_numel=256, block_size=64)
@@ -84,6 +80,8 @@ RESUME_CASES = {
         marks=pytest.mark.skipif(not HAS_PER_LAYER, reason="lowmemopt.step_in_backward has not landed"),
     ),
 }
+RESUME_CASES["ademamix_8bit"] = lambda: optimizer("ademamix_8bit", t_alpha=4, t_beta3=4, **SMALL_BLOCKS)
+RESUME_CASES["adam_mini_8bit"] = lambda: optimizer("adam_mini", state_bits=8, verbose=False, **SMALL_BLOCKS)
 NO_CLIPPING = {"came8bit_per_layer"}  # per-layer updates cannot clip by global norm
 
 
@@ -314,3 +312,14 @@ def test_param_groups_for_a_plain_loop():
         (len(trainable) - 2, 0.0, None),  # everything else but the head
         (1, 0.05, None),  # the head
     ]
+
+
+def test_adam_mini_groups_and_model_shape_from_the_trainer(tmp_path):
+    """optimizer("adam_mini"): one named group per parameter (its blocks by name: q / k per head), the Trainer's
+    decay rule and embedding bits kept, dim and heads from the model's config."""
+    opt, by_name = build_in_trainer(tmp_path, optimizer("adam_mini", verbose=False))
+    assert type(opt) is lowmemopt.AdamMini and (opt.dim, opt.n_heads, opt.n_kv_heads) == (64, 4, 2)
+    blocks = {g["name"]: g["block"] for g in opt.param_groups}
+    assert blocks["model.layers.0.self_attn.k_proj.weight"] == "head" and blocks["lm_head.weight"] == "neuron"
+    assert by_name["model.norm.weight"]["weight_decay"] == 0.0 and by_name["lm_head.weight"]["weight_decay"] == 0.1
+    assert by_name["model.embed_tokens.weight"]["state_bits"] == 32

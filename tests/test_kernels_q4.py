@@ -145,7 +145,7 @@ def test_kernel4_matches_reference(info, variant):
 
 
 @interpreted
-@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion", "LAMB", "LARS", "Adafactor", "CAME"])
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion", "LAMB", "LARS", "Adafactor", "CAME", "AdEMAMix"])
 def test_kernel4_bf16_params(name):
     check_against_reference(BY_NAME[name].cls, STATEFUL[name], 4, steps=2, dtype=torch.bfloat16)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 680  # "no module over ~600 lines": the longest, the bench tool (lowmemopt/benchmark.py), has 664
+MAX_LINES = 680
 
 
 def _package_tree(tmp_path: Path) -> Path:

@@ -12,7 +12,7 @@ from helpers import clone_params, lowbit_gaps, make_params, run, set_grads, tiny
 import lowmemopt
 from lowmemopt.optim import muon_batches
 from lowmemopt.optim.muon_math import newton_schulz
-from lowmemopt.registry import resolve
+from lowmemopt.registry import resolve, unknown_names
 
 SAME = [(48, 32), (48, 32), (48, 32), (32, 48), (40,)]  # three of one shape (a batch), one transposed, a vector
 
@@ -204,6 +204,9 @@ def test_names_for_the_trainer_and_the_command_line():
     assert resolve("adamw8bit").cls is lowmemopt.AdamW8bit  # an alias keeps its own name
     with pytest.raises(ValueError, match="unknown optimizer"):
         resolve("muon_7bit")
+    # the command line's check, made without importing the optimizers, takes the same names
+    assert unknown_names(["muon_8bit", "Muon-4bit", "apollo_adamw_8bit", "paged_muon8bit"]) is None
+    assert "unknown optimizer 'muon_7bit'" in str(unknown_names(["muon_7bit"]))
 
 
 def test_trainer_run(tmp_path):

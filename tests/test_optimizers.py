@@ -30,6 +30,58 @@ def test_parity_32bit(info, variant):
         torch.testing.assert_close(p, r, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("info,variant", PARITY_CASES, ids=[f"{i.name}-v{v}" for i, v in PARITY_CASES])
+def test_parity_float64(info, variant):
+    """float64 parameters step in float64 with float64 state, as torch.optim does: 10 steps equal the reference's
+    float64 run to 1e-12 (every reference computes in the parameter's dtype)."""
+    kwargs = info.variants[variant]
+    params = make_params(SHAPES, dtype=torch.float64)
+    ref_params = clone_params(params)
+    ours = info.cls(params, **kwargs)
+    ref = info.reference(ref_params, **kwargs)
+    run_with_reference(ours, params, ref, ref_params, 10)
+    for p, r in zip(params, ref_params):
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
+    for state in ours.state.values():  # full-precision state: float64 (16/8/4-bit state: tests below)
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor) and not key.startswith("galore."):
+                assert v.dtype == torch.float64, key
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_steps_in_every_dtype(info, dtype):
+    """Every dtype torch.optim steps steps here, at 32- and 8-bit state: the parameters keep their dtype, move, and
+    stay finite; full-precision state is float64 for float64 parameters and fp32 otherwise; 8-bit state is codes
+    (decoded to the math's dtype, float64 for float64, and within the entry's bound of the 32-bit twin)."""
+    if dtype not in info.dtypes:
+        pytest.skip(f"{info.name} does not step {dtype}")
+    kwargs = STATEFUL[info.name]
+    start = make_params([(96, 128), (300,)], dtype=dtype)
+    runs, quantized = {}, False
+    for bits in (32, 8):
+        params = clone_params(start)
+        opt = info.cls(params, state_bits=bits, **kwargs)
+        run(opt, params, 5)
+        runs[bits] = params
+        for p, s in zip(params, start):
+            assert p.dtype == dtype and torch.isfinite(p).all() and not torch.equal(p, s)
+        full = torch.float64 if dtype == torch.float64 else torch.float32
+        for p in params:
+            for key, v in opt.state[p].items():
+                if not isinstance(v, torch.Tensor) or key.startswith(("galore.", "bf16_update.")):
+                    continue
+                if key.endswith(".codes"):
+                    assert bits == 8 and p.numel() >= 4096, key
+                    quantized = True
+                else:
+                    assert v.dtype == (torch.float32 if key.endswith(".absmax") else full), (key, v.dtype)
+    if dtype == torch.float64:
+        err = trajectory_error(runs[8], runs[32], start)
+        assert err < info.bound8 and (err > 0) == quantized, err
+
+
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
 @pytest.mark.parametrize("bits", [16, 8])
 def test_low_bit_close_to_32bit_twin(info, bits):

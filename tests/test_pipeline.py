@@ -24,6 +24,7 @@ from lowmemopt import cpu
 from lowmemopt.kernels import runtime
 
 NAMES = ["AdamW", "Adam", "SGD", "Lion", "LAMB", "LARS", "Adafactor", "AdafactorTorch", "CAME", "GaLoreAdamW"]
+NAMES += ["AdEMAMix"]
 #: 2-D shapes for the projected group (ragged 8-bit blocks at min_quant_numel=64), a 1-D one in a full-rank group
 MATRICES = [(37, 53), (24, 40), (40, 24)]
 VECTOR = (300,)
@@ -279,15 +280,14 @@ def test_batched_projections_equal_the_per_matrix_ones(dtype, name, kw, monkeypa
     within fp32 rounding of the per-matrix reference. (One
     basis, from the first gradient: a refresh from slightly different parameters may rotate the singular vectors of
     near-equal singular values, which says nothing about the products.)"""
-    from lowmemopt.projection import step as galore_step
-
     from lowmemopt.kernels import unproject
+    from lowmemopt.projection import batched as galore_batched
 
     shapes = [(24, 40)] * 3 + [(40, 24)] * 2 + [(37, 53)]
     bmm = []
     real_bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a, **k: bmm.append(1) or real_bmm(*a, **k))
-    monkeypatch.setattr(galore_step, "BATCH_ON_CPU", True)
+    monkeypatch.setattr(galore_batched, "BATCH_ON_CPU", True)
     applied = []
     real_apply = unproject.apply_updates
     monkeypatch.setattr(unproject, "apply_updates", lambda params, *a: applied.append(len(params)) or real_apply(

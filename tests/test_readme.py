@@ -1,9 +1,14 @@
-"""README's usage example runs as written."""
+"""README's examples run as written, and each shows that it worked by printing something."""
 
+import contextlib
+import io
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):
@@ -11,6 +16,21 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "README has no python example"
     monkeypatch.chdir(tmp_path)
+    silent = []
     for code in blocks:
-        exec(compile(code, str(README), "exec"), {})
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, str(README), "exec"), {})
+        if not out.getvalue().strip():
+            silent.append(code.splitlines()[2] if len(code.splitlines()) > 2 else code)
     assert (tmp_path / "opt.pt").exists()
+    assert not silent, f"README examples that print nothing (a reader cannot tell they worked): {silent}"
+
+
+def test_quickstart_example_runs(tmp_path):
+    assert "examples/quickstart.py" in README.read_text()
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "3"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| lowmemopt.") or "torch.optim" in line]
+    assert len(rows) == 6 and "3 steps" in proc.stdout

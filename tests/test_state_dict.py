@@ -14,6 +14,7 @@ from helpers import clone_params, make_params, run
 from optim_info import BY_NAME, OPTIMIZERS, STATEFUL
 
 import lowmemopt
+from lowmemopt import compiled
 from lowmemopt.optimizer import FORMAT_VERSION
 
 SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129), (300, 257)]  # the last takes the compiled fast path
@@ -54,7 +55,10 @@ def resumed(tmp_path_factory):
     cases_file = tmp / "cases.json"
     cases_file.write_text(json.dumps(specs))
     worker = os.path.join(os.path.dirname(__file__), "resume_worker.py")
-    proc = subprocess.run([sys.executable, worker, str(cases_file)], capture_output=True, text=True, cwd=str(tmp))
+    # the worker takes the path this process takes (compiled or eager: they may differ in the last bit)
+    env = dict(os.environ, LOWMEMOPT_COMPILE="1" if compiled.ENABLED else "0")
+    proc = subprocess.run([sys.executable, worker, str(cases_file)], capture_output=True, text=True, cwd=str(tmp),
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {case: (torch.load(out, weights_only=True), full) for case, (full, out) in expected.items()}
 
@@ -150,3 +154,80 @@ def test_lr_scheduler_changes_take_effect():
     before = p[0].detach().clone()
     run(opt, p, 1, start=1)
     assert torch.equal(p[0], before)
+
+
+def _snapshot(opt):
+    """The optimizer's state and groups: the objects and their values, to check a failed load changed nothing."""
+    state = {p: (st, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()})
+             for p, st in opt.state.items()}
+    groups = [(g, {k: (list(v) if k == "params" else v) for k, v in g.items()}) for g in opt.param_groups]
+    return state, groups
+
+
+def _assert_unchanged(opt, snapshot):
+    state, groups = snapshot
+    assert set(opt.state) == set(state)
+    for p, (st, values) in state.items():
+        assert opt.state[p] is st and st.keys() == values.keys()
+        for k, v in values.items():
+            assert torch.equal(st[k], v) if isinstance(v, torch.Tensor) else st[k] == v
+    assert [g for g in opt.param_groups] == [g for g, _ in groups]
+    for (g, values), now in zip(groups, opt.param_groups):
+        assert now is g and {k: (list(v) if k == "params" else v) for k, v in now.items()} == values
+
+
+def _state_dict_of(make, steps=1):
+    params = make_params([(40, 30), (30,)])
+    opt = make(params)
+    run(opt, params, steps)
+    return opt.state_dict()
+
+
+FOREIGN = {  # (state dict, what the error calls it)
+    "torch SGD": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "SGD with momentum"),
+    "SGD": (lambda p: lowmemopt.SGD(p, lr=0.1, momentum=0.9), "SGD with momentum"),
+    "SGD without momentum": (lambda p: lowmemopt.SGD(p, lr=0.1), "an optimizer that keeps no state per parameter"),
+    "Lion": (lambda p: lowmemopt.Lion(p, lr=1e-3), "Lion"),
+    "Lion 8-bit": (lambda p: lowmemopt.Lion(p, lr=1e-3, state_bits=8, min_quant_numel=0), "Lion"),
+    "torch Adafactor": (lambda p: torch.optim.Adafactor(p), r"torch.optim.Adafactor \(lowmemopt.AdafactorTorch\)"),
+    "CAME": (lambda p: lowmemopt.CAME(p, lr=1e-3), "CAME"),
+    "torch RMSprop": (lambda p: torch.optim.RMSprop(p), "torch.optim.RMSprop"),
+}
+
+
+@pytest.mark.parametrize("name", FOREIGN)
+def test_another_optimizers_state_dict_is_named_and_changes_nothing(name):
+    """An SGD, Lion, Adafactor, ... state dict given to AdamW: a ValueError naming the optimizer it looks like; the
+    AdamW is left exactly as it was (its state and groups the same objects, with the same values)."""
+    make, origin = FOREIGN[name]
+    saved = _state_dict_of(make)
+    params = make_params([(40, 30), (30,)])
+    opt = lowmemopt.AdamW(params, lr=1e-2)
+    run(opt, params, 2)
+    snapshot = _snapshot(opt)
+    with pytest.raises(ValueError, match=rf"It looks like the state of {origin}.*, not of AdamW \(slots exp_avg, "
+                                         r"exp_avg_sq\): a state dict loads into the optimizer that saved it"):
+        opt.load_state_dict(saved)
+    _assert_unchanged(opt, snapshot)
+
+
+@pytest.mark.parametrize("slot", ["exp_avg", "exp_avg_sq", "step"])
+def test_a_slot_that_is_not_a_tensor_is_a_value_error_and_changes_nothing(slot):
+    """A Python list where a tensor belongs (a hand-edited or JSON round-tripped state dict): a ValueError naming the
+    parameter and the slot, not an AttributeError; the optimizer unchanged."""
+    saved = _state_dict_of(lambda p: lowmemopt.AdamW(p, lr=1e-2))
+    saved["state"][1][slot] = saved["state"][1][slot].tolist() if slot != "step" else [3]
+    params = make_params([(40, 30), (30,)])
+    opt = lowmemopt.AdamW(params, lr=1e-2)
+    run(opt, params, 2)
+    snapshot = _snapshot(opt)
+    match = ("parameter 1 of param group 0: step" if slot == "step" else
+             f"parameter 1 of param group 0: state '{slot}' is a list, not a tensor")
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    _assert_unchanged(opt, snapshot)
+    saved["state"][1][slot] = torch.tensor([1.0, 2.0]) if slot != "step" else 3  # (a tensor of the wrong size: named)
+    if slot != "step":
+        with pytest.raises(ValueError, match=f"'{slot}' has shape"):
+            opt.load_state_dict(saved)
+        _assert_unchanged(opt, snapshot)

@@ -72,3 +72,13 @@ def test_8bit_training_matches_32bit_llama(name):
     assert runs[8]["state_bytes"] < runs[32]["state_bytes"]  # the 8-bit run really held quantized state
     assert l32 < 0.8 * initial, f"{name} did not train: {initial:.3f} -> {l32:.3f}"
     assert abs(l8 - l32) / l32 < TOLERANCE, f"{name}: 8-bit {l8:.4f} vs 32-bit {l32:.4f}"
+
+
+def test_8bit_training_matches_32bit_ademamix(monkeypatch):
+    """AdEMAMix (warm-ups over most of the run) on the eager path: its compiled path, whose first compile of each
+    state format takes minutes on two busy cores, is checked against the eager one in tests/test_compiled.py."""
+    from lowmemopt import compiled
+
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    monkeypatch.setitem(TRAIN_KW, "AdEMAMix", dict(lr=1e-3, weight_decay=0.01, t_alpha=100, t_beta3=100))
+    _check("AdEMAMix", steps=150)

@@ -26,7 +26,7 @@ import torch
 from ..distributed.files import process_rank, rank_path
 from ..distributed.sharding import is_dtensor
 from ..quant.convert import CheckpointError
-from ..quant.formats import BF16, FP32
+from ..quant.formats import BF16, FP32, FP64
 
 if TYPE_CHECKING:
     from ..optimizer import LowMemOptimizer
@@ -39,7 +39,7 @@ FILE_VERSION = 3
 READABLE_FILE_VERSIONS = (1, 2, 3)
 META_KEY = "lowmemopt"
 META_CRC_KEY = "lowmemopt.crc32"  # the CRC-32 of META_KEY's value (UTF-8), as a decimal string
-DTYPES = {FP32: "F32", BF16: "BF16"}  # safetensors dtype names of the dense formats
+DTYPES = {FP32: "F32", FP64: "F64", BF16: "BF16"}  # safetensors dtype names of the dense formats
 
 
 def param_names(optimizer: LowMemOptimizer, model: torch.nn.Module | None) -> list[tuple[str, int, torch.Tensor]]:
@@ -164,9 +164,10 @@ def write_safetensors(fh: BinaryIO, tensors: dict[str, torch.Tensor], metadata: 
 
 
 #: the dtypes of state files (F16: an fp16 parameter's bf16_update.kahan buffer)
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
-_DTYPE_ORDER = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}  # safetensors' order: its
-# dtype enum's, descending
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.uint8: "U8"}  # (F64: a float64 parameter's full-precision state)
+#: safetensors' order: its dtype enum's, descending
+_DTYPE_ORDER = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 4}
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 100_000_000  # as safetensors
 

@@ -17,6 +17,7 @@ from ..quant.convert import (CheckpointError, Reader, check_values, format_numel
                              target_format)
 from ..quant.formats import FORMATS
 from .layout import crc32, open_state_file, sharded_path
+from .sniff import check_state_file_kind
 from .validation import (LoadReport, Plan, check_optimizer, check_same_optimizer, describe_problems, from_json,
                          plan_load, restorable, validated_meta)
 
@@ -38,6 +39,9 @@ def load_state(
     optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
     ...) are always the optimizer's own, and state is converted to them.
 
+    A ``torch.save`` file, a JSON or pickle file raises CheckpointError saying what it is (an optimizer
+    ``state_dict()`` saved with ``torch.save`` loads with ``opt.load_state_dict(torch.load(path, weights_only=True))``).
+
     A file of another optimizer (another algorithm: aliases such as ``AdamW8bit`` count as their base class) is
     refused, also with ``strict=False``. ``from_optimizer``: the class name of the file's optimizer, to load its state
     into this one deliberately; slots that match load, hyper-parameters stay this optimizer's."""
@@ -52,6 +56,7 @@ def load_state(
             f"{sharding['world_size']}; per-rank files load only at the world size that saved them (to change it, "
             "use torch.distributed.checkpoint: docs/distributed.md)"
         )
+    check_state_file_kind(path)  # a torch.save / JSON / pickle file: say what it is and what reads it
     with open_state_file(path) as f:
         meta = validated_meta(f, path)
         if meta.get("sharding", sharding) != sharding and not per_rank:
@@ -113,7 +118,7 @@ def _allocate(plan: Plan) -> dict[str, Any]:
         state[key] = torch.zeros(value, dtype=kahan_dtype, device=device) if isinstance(value, list) else value
     for name, slot in plan.slots.items():
         shape = slot_shape(slot, local_tensor(plan.param).shape)
-        fmt = target_format(plan.group, slot, format_numel(slot, plan.param.numel()))
+        fmt = target_format(plan.group, slot, format_numel(slot, plan.param.numel()), plan.param.dtype)
         fmt.init(state, name, shape, device, plan.group["block_size"])
     return state
 
@@ -127,7 +132,7 @@ def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, conve
         shape = slot_shape(slot, p.shape)
         src = FORMATS[info["format"]]
         src_bs = info.get("block_size", 1)
-        dst = target_format(group, slot, format_numel(slot, plan.param.numel()))
+        dst = target_format(group, slot, format_numel(slot, plan.param.numel()), plan.param.dtype)
         dst_bs = group["block_size"]
         sources = {}
         for key in src.keys(name):

@@ -260,7 +260,7 @@ def _check_entry(optimizer, entry, group, p) -> str | None:
             return f"slot '{name}' uses the {info['map']} map in the file, expected {map_for(slot.signed)}"
         if src is Q4 and info["map"] != q4.map4_for(slot.signed):
             return f"slot '{name}' uses the {info['map']} map in the file, expected {q4.map4_for(slot.signed)}"
-        dst = target_format(group, slot, format_numel(slot, p.numel()))
+        dst = target_format(group, slot, format_numel(slot, p.numel()), p.dtype)
         remap = remaps(src, info["map"] if src is Q8 else None, slot)
         if src is dst and src in QUANTIZED and info["block_size"] != group["block_size"] and not remap:
             return (

@@ -50,6 +50,11 @@ class Reduction:
         """Global number of elements of a parameter-shaped ``x``."""
         return x.numel()
 
+    def total(self, partial: torch.Tensor) -> torch.Tensor:
+        """``partial``, a sum over this process's elements of the parameter (a tensor of per-block sums, say), summed
+        over every process that holds a part of it (in place). One process: ``partial`` itself."""
+        return partial
+
     def flat_offset(self) -> int | None:
         """The flat (row-major) index in the whole parameter of the local tensor's first element, when the local
         elements are one contiguous range of the whole parameter's; None when they are not (the per-element
@@ -152,6 +157,9 @@ class ShardedReduction(Reduction):
 
     def numel(self, x):
         return self.shape.numel()
+
+    def total(self, partial):
+        return self._sum(partial, self._all)
 
     def _local_box(self) -> tuple[list[int], list[int]] | None:
         """(local shape, its offset in the parameter) of this rank's shard; None for a strided shard (FSDP2 over

@@ -173,6 +173,10 @@ def build(
         embedding_state_bits=embedding_state_bits,
         base=_base_groups(cls, model, galore, apollo),
     )
+    if getattr(cls, "named_groups", False):  # (Adam-mini: a group per parameter, its blocks by the parameter's name)
+        groups = _named_groups(model, groups)
+        for key, value in cls.model_keywords(getattr(model, "config", None)).items():
+            ctor.setdefault(key, value)
     opt = cls(groups, **ctor)
     if step_in_backward is not None and step_in_backward is not False:  # ({} and True: on, default options)
         opt = _step_in_backward(model, opt, args, {} if step_in_backward is True else step_in_backward)
@@ -273,6 +277,13 @@ def _projection_settings(kind: str, settings: Any, example_rank: int) -> dict[st
         raise ValueError(f"{kind} needs {' and '.join(missing)}, e.g. {kind}=dict(target_modules='all-linear', "
                          f"rank={example_rank}) (target_modules as in TrainingArguments.optim_target_modules)")
     return dict(settings)
+
+
+def _named_groups(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` split into one group per parameter with its ``name`` in ``model`` (the other keys kept)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [p], "name": names[id(p)]}
+            for g in groups for p in g["params"]]
 
 
 def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """One module per algorithm: the user-facing class (reference signature) and its fp32 math as a pure function."""
 
 from .adafactor import Adafactor, AdafactorTorch
+from .adam_mini import AdamMini
+from .ademamix import AdEMAMix
 from .adamw import Adam, AdamW, CPUAdam, FusedAdam
 from .apollo import APOLLOAdamW, apollo_param_groups
 from .came import CAME
@@ -13,5 +15,5 @@ from .sgd import SGD, FusedSGD
 from .signsgd import SignSGD
 
 __all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD",
-           "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD",
-           "Muon", "muon_param_groups", "APOLLOAdamW", "apollo_param_groups"]
+           "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
+__all__ += ["AdEMAMix", "AdamMini", "Muon", "muon_param_groups", "APOLLOAdamW", "apollo_param_groups"]

@@ -20,7 +20,7 @@ moment, and the unfactored second moment of 1-D parameters). All math is fp32 an
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -29,6 +29,11 @@ from ..checks import check_eps_pair, check_lr, check_nonneg, check_positive
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["Adafactor", "AdafactorTorch", "adafactor_math", "adafactor_torch_math", "factored_slots"]
 
@@ -238,7 +243,7 @@ class AdafactorAlgorithm(Algorithm):
 
 
 class Adafactor(LowMemOptimizer):
-    """Adafactor with 32/16/8-bit state; same signature, defaults, errors and 32-bit results as
+    """Adafactor with 32/16/8/4-bit state; same signature, defaults, errors and 32-bit results as
     ``transformers.optimization.Adafactor``. See the module docstring for the update and for ``AdafactorTorch``.
 
     ``lr=None`` with ``relative_step=True`` (the default) uses the time-dependent step ``min(1e-2, 1/sqrt(t))``; for an
@@ -260,7 +265,7 @@ class Adafactor(LowMemOptimizer):
         scale_parameter: bool = True,
         relative_step: bool = True,
         warmup_init: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -335,7 +340,7 @@ class AdafactorTorchAlgorithm(Algorithm):
             step=step,
             lr=group["lr"],
             beta2_decay=group["beta2_decay"],
-            eps1=torch.finfo(torch.float32).eps if eps1 is None else eps1,
+            eps1=torch.finfo(p.dtype).eps if eps1 is None else eps1,  # (p: fp32, or float64 for float64 params)
             eps2=eps2,
             d=group["d"],
             maximize=group["maximize"],
@@ -345,10 +350,11 @@ class AdafactorTorchAlgorithm(Algorithm):
 
 
 class AdafactorTorch(LowMemOptimizer):
-    """Adafactor with ``torch.optim.Adafactor``'s signature, defaults and 32-bit results, and 32/16/8-bit state.
+    """Adafactor with ``torch.optim.Adafactor``'s signature, defaults and 32-bit results, and 32/16/8/4-bit state.
 
-    ``eps=(None, 1e-3)``: ``None`` means float32's machine epsilon (the math is fp32 for every parameter dtype; torch
-    uses the parameter dtype's, so bf16 parameters differ). No ``foreach``: there is one implementation.
+    ``eps=(None, 1e-3)``: ``None`` means the machine epsilon of the math's dtype: float32's (the math is fp32 for
+    float32, bf16 and fp16 parameters; torch uses the parameter dtype's, so bf16 parameters differ), float64's for
+    float64 parameters (as torch). No ``foreach``: there is one implementation.
     """
 
     algorithm = AdafactorTorchAlgorithm()
@@ -363,7 +369,7 @@ class AdafactorTorch(LowMemOptimizer):
         weight_decay: float = 0.0,
         *,
         maximize: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **storage)

@@ -15,7 +15,7 @@ and its seed to fp32 rounding.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -23,6 +23,11 @@ from ..checks import check_adam_group, sqrt_of
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["Adam", "AdamW", "AdamAlgorithm", "CPUAdam", "FusedAdam", "GradNoneOnZero", "adam_math"]
 
@@ -89,7 +94,7 @@ class AdamAlgorithm(Algorithm):
 
 
 class Adam(LowMemOptimizer):
-    """Adam with 32/16/8-bit state; same signature and 32-bit results as ``torch.optim.Adam``.
+    """Adam with 32/16/8/4-bit state; same signature and 32-bit results as ``torch.optim.Adam``.
 
     Storage keywords: ``state_bits``, ``block_size``, ``min_quant_numel`` (see :class:`~lowmemopt.LowMemOptimizer`).
     At 8 bits ``exp_avg`` uses the signed ``pow2`` map and ``exp_avg_sq`` / ``max_exp_avg_sq`` the unsigned one.
@@ -109,7 +114,7 @@ class Adam(LowMemOptimizer):
         *,
         maximize: bool = False,
         decoupled_weight_decay: bool | None = None,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
@@ -129,7 +134,7 @@ class Adam(LowMemOptimizer):
 
 
 class AdamW(Adam):
-    """AdamW (decoupled weight decay) with 32/16/8-bit state; same signature, defaults (``weight_decay=1e-2``) and
+    """AdamW (decoupled weight decay) with 32/16/8/4-bit state; same signature, defaults (``weight_decay=1e-2``) and
     32-bit results as ``torch.optim.AdamW``."""
 
     _decoupled_default = True
@@ -144,7 +149,7 @@ class AdamW(Adam):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True, **storage)
 
@@ -199,7 +204,7 @@ class FusedAdam(GradNoneOnZero, Adam):
         *,
         adamw_mode: bool | None = None,
         maximize: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         if adamw_mode is not None:
             _check_flag("adamw_mode", adamw_mode)
@@ -259,7 +264,7 @@ class CPUAdam(Adam):
         fp32_optimizer_states: bool = True,
         *,
         maximize: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         _check_flag("adamw_mode", adamw_mode)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,

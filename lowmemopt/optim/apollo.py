@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
@@ -34,6 +34,11 @@ from ..pipeline.algorithm import Algorithm
 from ..quant.formats import Slot
 from . import apollo_math as am
 from .hf_adamw import hf_adamw_math
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["APOLLOAdamW", "APOLLOAlgorithm", "apollo_param_groups", "GROUP_DEFAULTS"]
 
@@ -109,20 +114,22 @@ class APOLLOAlgorithm(Algorithm):
     def _projection(g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int,
                     side: int, reduce: Reduction) -> torch.Tensor:
         """This step's projection (the whole one, on every rank of a sharded parameter): regenerated from the seed
-        (random), or the stored SVD basis, refreshed when due (from the whole gradient: gathered there)."""
+        (random), or the stored SVD basis, refreshed when due (from the whole gradient: gathered there); fp32 values
+        in the gradient's dtype (a float64 parameter's projection is fp32's widened, as apollo-torch's)."""
         due, refreshes = am.refresh_due(step, group["update_proj_gap"])
         m, n = group.get(SHAPE, g.shape)
         shape = am.projection_shape(side, m, n, group[RANK])
         if group["proj"] == "svd":
             proj = state["apollo.proj"]
-            if due:
-                proj.copy_(am.svd_projection(whole_tensor(g, reduce), side, group[RANK]))
+            if due:  # (in fp32, as apollo-torch: a float64 gradient's basis is fp32's, widened)
+                proj.copy_(am.svd_projection(whole_tensor(g, reduce).float(), side, group[RANK]))
             return proj
         seed = group.get(SEED)
         if seed is None:
             raise RuntimeError("APOLLOAdamW: a projected parameter stepped without its seed (its position among the "
                                "optimizer's parameters): step through optimizer.step() or step_in_backward")
-        return am.random_projection(shape, am.projection_seed(seed, refreshes), group[RANK], g.device)
+        proj = am.random_projection(shape, am.projection_seed(seed, refreshes), group[RANK], g.device)
+        return proj.to(g.dtype)  # (float64: fp32 values widened, as apollo-torch's)
 
     def apply_update(self, p32, delta, alpha, decay, group):
         p32.add_(delta, alpha=alpha)
@@ -165,6 +172,8 @@ class APOLLOAdamW(LowMemOptimizer):
     gradient."""
 
     algorithm = APOLLOAlgorithm()
+    #: a projected group's keys (its rank held as apollo_rank: lowmemopt.group_keys refuses any other)
+    _extra_group_keys = frozenset({RANK, *GROUP_DEFAULTS})
 
     def __init__(
         self,
@@ -177,7 +186,7 @@ class APOLLOAdamW(LowMemOptimizer):
         scale_front: bool = False,
         disable_nl: bool = False,
         no_deprecation_warning: bool = True,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
                         scale_front=scale_front, disable_nl=disable_nl)

@@ -12,7 +12,7 @@ full second moment of 1-D parameters. The update is computed from the fp32 (deco
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -22,6 +22,11 @@ from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_slots
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["CAME", "came_math"]
 
@@ -102,7 +107,7 @@ class CAMEAlgorithm(Algorithm):
 
 
 class CAME(LowMemOptimizer):
-    """CAME with 32/16/8-bit state; same signature, defaults and 32-bit results as ``came_pytorch.CAME``.
+    """CAME with 32/16/8/4-bit state; same signature, defaults and 32-bit results as ``came_pytorch.CAME``.
 
     ``lr`` has no default (``came_pytorch`` asserts one is given): a missing ``lr`` raises a TypeError here. Weight
     decay is ``p -= lr wd p`` before the update, as in the reference.
@@ -118,7 +123,7 @@ class CAME(LowMemOptimizer):
         clip_threshold: float = 1.0,
         betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
         weight_decay: float = 0.0,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(lr=lr, eps=eps, clip_threshold=clip_threshold, betas=betas, weight_decay=weight_decay)
         super().__init__(params, defaults, **storage)

@@ -12,7 +12,7 @@ before. ``lowmemopt.GaLoreAdamW`` is this class.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -20,6 +20,11 @@ from ..checks import check_adam_group
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm
 from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["HFAdamW", "hf_adamw_math"]
 
@@ -64,7 +69,7 @@ class HFAdamWAlgorithm(Algorithm):
 
 
 class HFAdamW(LowMemOptimizer):
-    """AdamW with transformers' legacy semantics (module docstring) and 32/16/8-bit state; same signature, defaults
+    """AdamW with transformers' legacy semantics (module docstring) and 32/16/8/4-bit state; same signature, defaults
     and 32-bit results as galore-torch's ``GaLoreAdamW`` (``no_deprecation_warning`` is taken for code written for
     it; nothing here warns)."""
 
@@ -79,7 +84,7 @@ class HFAdamW(LowMemOptimizer):
         weight_decay: float = 0.0,
         correct_bias: bool = True,
         no_deprecation_warning: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias)
         super().__init__(params, defaults, **storage)

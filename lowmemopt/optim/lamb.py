@@ -25,7 +25,7 @@ the same) by name, signature and defaults, the same math with its flags::
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -37,6 +37,11 @@ from ..pipeline.algorithm import Algorithm, fused
 from ..pipeline.plan import unscaled
 from ..quant.formats import Slot
 from .adamw import GradNoneOnZero
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["LAMB", "FusedLAMB", "lamb_math", "GRAD_DIVISOR"]
 
@@ -119,7 +124,7 @@ class LAMBAlgorithm(Algorithm):
 
 
 class LAMB(LowMemOptimizer):
-    """LAMB with 32/16/8-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
+    """LAMB with 32/16/8/4-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
 
     algorithm = LAMBAlgorithm()
 
@@ -132,7 +137,7 @@ class LAMB(LowMemOptimizer):
         weight_decay: float = 0.0,
         adam: bool = False,
         bias_correction: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam, bias_correction=bias_correction)
         super().__init__(params, defaults, **storage)
@@ -202,16 +207,18 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all of ``grads`` together, in fp32, on the first gradient's device: one ``torch._foreach_norm``
-    per device and dtype, summed on the device. A gradient whose squared norm is not finite (a NaN or Inf, or a norm
-    beyond ~1e19) is left out, as the step skips its parameter."""
+    """The L2 norm of all of ``grads`` together, in fp32 (in float64 where every gradient is float64), on the first
+    gradient's device: one ``torch._foreach_norm`` per device and dtype, summed on the device. A gradient whose squared
+    norm is not finite (a NaN or Inf, or a norm beyond ~1e19 in fp32) is left out, as the step skips its parameter."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     device = grads[0].device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for (dev, _), group in by_kind.items():
-        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
+    wide = torch.float64 if all(dtype == torch.float64 for _, dtype in by_kind) else torch.float32
+    total = torch.zeros((), dtype=wide, device=device)
+    for (dev, dtype), group in by_kind.items():
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64 if dtype == torch.float64 else wide))
+        norms = norms.to(wide)
         squares = norms * norms
         part = torch.where(torch.isfinite(squares), squares, 0.0).sum()
         total = total + (part if dev == device else part.to(device, non_blocking=True))
@@ -254,7 +261,7 @@ class FusedLAMB(GradNoneOnZero, LAMB):
         set_grad_none: bool = True,
         max_grad_norm: float | None = 1.0,
         use_nvlamb: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")  # Apex's error

@@ -12,7 +12,7 @@ ours does not.) Set ``lars=False`` on a param group (biases, norms) to exclude i
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -21,6 +21,11 @@ from ..checks import check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["LARS", "lars_math"]
 
@@ -85,7 +90,7 @@ class LARSAlgorithm(Algorithm):
 
 
 class LARS(LowMemOptimizer):
-    """LARS with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
+    """LARS with 32/16/8/4-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
 
     algorithm = LARSAlgorithm()
 
@@ -97,7 +102,7 @@ class LARS(LowMemOptimizer):
         eeta: float = 1e-3,
         weight_decay: float = 0.0,
         epsilon: float = 0.0,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay, epsilon=epsilon, lars=True)
         super().__init__(params, defaults, **storage)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -14,6 +14,11 @@ from ..checks import check_betas, check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["Lion", "lion_math"]
 
@@ -49,7 +54,7 @@ class LionAlgorithm(Algorithm):
 
 
 class Lion(LowMemOptimizer):
-    """Lion with 32/16/8-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``.
+    """Lion with 32/16/8/4-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``.
 
     ``use_triton`` (lion-pytorch's switch to its Triton kernel) is accepted, like torch's ``fused``: the fused kernels
     run wherever the device has them, whatever it says."""
@@ -64,7 +69,7 @@ class Lion(LowMemOptimizer):
         weight_decay: float = 0.0,
         use_triton: bool = False,
         decoupled_weight_decay: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         if not isinstance(use_triton, bool):
             raise TypeError(f"Invalid use_triton: expected a bool, got {type(use_triton).__name__}")

@@ -22,7 +22,7 @@ for bit (the same operations); batched, its bf16 products round in another order
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
@@ -35,6 +35,11 @@ from ..quant.formats import Slot
 from .adamw import adam_math
 from .muon_batches import BATCHES, INDEX, plan_batches
 from .muon_math import ADJUST_LR_FNS, NS_COEFFICIENTS, adjusted_lr, momentum_input, orthogonalize
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["Muon", "MuonAlgorithm", "muon_param_groups"]
 
@@ -101,6 +106,8 @@ class Muon(LowMemOptimizer):
     algorithm = MuonAlgorithm()
     #: TrainingArguments' Adam settings go to the AdamW groups (lowmemopt.integrations.transformers)
     adam_keywords = {"betas": "adamw_betas", "eps": "adamw_eps"}
+    #: an AdamW group's betas (its other keys are Muon's own: lowmemopt.group_keys)
+    _extra_group_keys = frozenset({"betas"})
     #: the groups it is built on for a model (lowmemopt.registry.model_params: estimate, demo, Trainer)
     model_param_groups = staticmethod(lambda model: muon_param_groups(model))
 
@@ -120,7 +127,7 @@ class Muon(LowMemOptimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-10,
         adamw_weight_decay: float | None = None,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         adamw = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         self._adamw_defaults = {k: v for k, v in adamw.items() if v is not None}

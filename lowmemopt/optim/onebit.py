@@ -18,7 +18,7 @@ quantization blocks, so 8-bit m holds it exactly (4-bit m to within a rounding o
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -29,6 +29,11 @@ from ..distributed.sharding import is_dtensor
 from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm
 from ..quant.formats import Slot, format_of
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "OnebitOptimizer", "onebit_adam_math", "adam_denominator",
            "group_step"]
@@ -141,6 +146,8 @@ class OnebitOptimizer(LowMemOptimizer):
     state dict. A subclass's algorithm says what each step communicates (``phase``, ``message`` and the stage's hooks
     ``comm_phase``, ``comm_begin``, ``comm_after``: 0/1 Adam's schedule and synchronisation)."""
 
+    #: DeepSpeed's group keys: a group's momentum mask, and a group that never freezes its variance
+    _extra_group_keys = frozenset({"exp_avg_mask", "non_freeze"})
     #: the gradients are compressed and communicated before the update (their error feedback holds the scaled
     #: values): ``torch.amp.GradScaler`` unscales them first, on its generic path
     _step_supports_amp_scaling = False
@@ -153,7 +160,7 @@ class OnebitOptimizer(LowMemOptimizer):
     supports_paged = False
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any,
-                 settings: dict[str, Any] | None = None, **storage: Any) -> None:
+                 settings: dict[str, Any] | None = None, **storage: Unpack[StorageOptions]) -> None:
         params = _listed(params)
         #: built on meta parameters only: a layout (``state_nbytes``, ``lowmemopt estimate``), with no process group
         #: needed and nothing communicated; :meth:`step` refuses
@@ -338,7 +345,7 @@ class OnebitAdam(OnebitOptimizer):
         amsgrad: bool = False,
         *,
         process_group: Any = None,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
         defaults = dict(lr=lr, freeze_step=freeze_step, bias_correction=bias_correction, betas=betas, eps=eps,

@@ -24,7 +24,7 @@ synchronisation per parameter.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -32,6 +32,11 @@ from ..checks import check_positive
 from ..distributed.reduction import LOCAL, Reduction
 from ..quant.formats import Slot, format_of
 from .onebit import OnebitAdamAlgorithm, OnebitOptimizer, check_step_count, check_unsupported
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["OnebitLAMB", "OnebitLamb", "OnebitLAMBAlgorithm", "onebit_lamb_math"]
 
@@ -182,7 +187,7 @@ class OnebitLAMB(OnebitOptimizer):
         factor_threshold: float = 0.1,
         *,
         process_group: Any = None,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
         if eps_inside_sqrt:

@@ -10,7 +10,7 @@ it (Apex's ``multi_tensor_sgd``): ``b = mu b + (1 - dampening) g;  d = b (or g +
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch.optim.optimizer import required
@@ -20,6 +20,11 @@ from ..optimizer import LowMemOptimizer
 from ..pipeline.algorithm import Algorithm, fused
 from ..quant.formats import Slot
 from .adamw import GradNoneOnZero
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["SGD", "FusedSGD", "sgd_math"]
 
@@ -74,7 +79,7 @@ class SGDAlgorithm(Algorithm):
 
 
 class SGD(LowMemOptimizer):
-    """SGD with 32/16/8-bit momentum; same signature and 32-bit results as ``torch.optim.SGD``."""
+    """SGD with 32/16/8/4-bit momentum; same signature and 32-bit results as ``torch.optim.SGD``."""
 
     algorithm = SGDAlgorithm()
 
@@ -88,7 +93,7 @@ class SGD(LowMemOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize
@@ -139,7 +144,7 @@ class FusedSGD(GradNoneOnZero, SGD):
         set_grad_none: bool = False,
         *,
         maximize: bool = False,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         if lr is required:
             raise TypeError("FusedSGD: lr is required (as in Apex)")

@@ -26,13 +26,18 @@ from __future__ import annotations
 
 import math
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from ..distributed.onebit import OnebitStage, align_of, apply_mask
 from ..quant.formats import Slot, format_of
 from .onebit import OnebitAdamAlgorithm, OnebitOptimizer, adam_denominator, check_step_count, check_unsupported
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
 
 __all__ = ["ZeroOneAdam", "ZeroOneAdamAlgorithm", "zero_one_adam_math"]
 
@@ -188,6 +193,8 @@ class ZeroOneAdam(OnebitOptimizer):
     parameters, replicated models; :meth:`register_ddp` for a DDP-wrapped model)."""
 
     algorithm = ZeroOneAdamAlgorithm()
+    #: (``onebit``: the step's phase, held in the group while the step runs)
+    _extra_group_keys = OnebitOptimizer._extra_group_keys | {"onebit"}
 
     def __init__(
         self,
@@ -206,7 +213,7 @@ class ZeroOneAdam(OnebitOptimizer):
         amsgrad: bool = False,
         *,
         process_group: Any = None,
-        **storage: Any,
+        **storage: Unpack[StorageOptions],
     ) -> None:
         check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
         for name, value, least in [("var_freeze_step", var_freeze_step, 1), ("var_update_scaler", var_update_scaler, 1),

@@ -41,6 +41,7 @@ from .backends import CHUNK_NUMEL, init_state, update_checked, update_flat
 from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
 from .native import step_cpu_bucket
 from .plan import Plan, StepRecord
+from .program import update_for
 
 __all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "step_buckets", "step_param", "device_flags",
            "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
@@ -238,7 +239,7 @@ def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = 
     bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
     the step's device-side finiteness flags, which the launches (and GaLore's apply pass) read. ``device_steps``: a
     capturable step (:mod:`.capture`: step counts and the step's scalars on the device); it leaves nothing."""
-    from ..kernels.dispatch import step_items
+    from ..kernels.dispatch import launch_buckets, plan_buckets, step_items
 
     rest: Work = []
     plain: list[Item] = []
@@ -279,6 +280,7 @@ def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = 
                 if flags is not None:  # stepped provisionally: the host undoes a skip's count
                     flags.note(p, it.state, fresh)
             plain.append(it)
+    alone: list[Item] = []
     if projected:
         galore.project(projected)
         stands_in = [galore.stands_in(plan, it) for it in projected]
@@ -290,17 +292,19 @@ def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = 
         galore.stand_ins(projected)
         galore.weights(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
-    def update_for(it: Item, step: Any) -> Update:
-        group = it.group
-        if device_steps:  # step: each tensor's, fp64 [T] on the device; a tensor lr is read there too
-            group = dict(group, lr=capture.device_value(group["lr"], it.target.device))
-        decay = 1.0 if it.projected else algorithm.decay_factor(group)
-        return Update(name, algorithm.math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
-                      it.group["block_size"], step if device_steps else None)
+    def hyper(it: Item, step: Any) -> Update:  # (step: each tensor's, fp64 [T] on the device, if device_steps)
+        return update_for(plan, name, it, step, device_steps)
 
     mult = None if plan.grad_mult is None else plan.mult  # loss scaling: the kernels apply it as they load gradients
-    left = step_items(name, plain + projected, update_for, None if flags is None else flags.tensor, device_steps,
-                      mult)
+    items = plain + projected
+    if plan.keep is not None and flags is not None and not rest and not alone and not device_steps and items \
+            and triton_usable({items[0].target.device}):  # a step the kernels take whole: kept for a StepProgram
+        planned, left = plan_buckets(name, items)
+        left += launch_buckets(planned, hyper, flags.tensor, False, mult)
+        if not left:
+            plan.keep.planned, plan.keep.projected = planned, projected
+    else:
+        left = step_items(name, items, hyper, None if flags is None else flags.tensor, device_steps, mult)
     finished: set[int] = set()
     for it in left:
         if not it.projected:

@@ -19,7 +19,7 @@ from .. import compiled, cpu, rounding
 from ..distributed.reduction import LOCAL, Reduction
 from ..distributed.sharding import local_tensor
 from ..quant import q4
-from ..quant.formats import Q4, Q8, Slot, StateFormat, choose_format, format_of, map_for
+from ..quant.formats import Q4, Q8, Slot, StateFormat, choose_format, format_of, map_for, math_dtype
 from ..quant.maps import code_book, encode_table
 from .algorithm import Algorithm
 from .plan import unscaled
@@ -42,7 +42,7 @@ def init_state(p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], s
     for name, slot in slots.items():
         shape = p.shape if slot.shape is None else torch.Size(slot.shape)
         size = (numel if numel is not None else p.numel()) if slot.shape is None else shape.numel()
-        fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize, slot.dtype)
+        fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize, slot.dtype, p.dtype)
         fmt.init(state, name, shape, p.device, group["block_size"])
     rounding.init_state(state, local_tensor(p), group, reduce.agree)  # bf16_update: a seed or a Kahan buffer
     return state
@@ -120,7 +120,8 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
                 state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
                 step: int, decay: float, start: int, reduce: Reduction = LOCAL,
                 mult: torch.Tensor | None = None) -> None:
-    """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise).
+    """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise), in
+    fp32, or in float64 for a float64 parameter (:func:`~lowmemopt.quant.formats.math_dtype`).
     ``mult``: the loss scaling multiplier, applied to each chunk of the gradient as it is loaded
     (:func:`~lowmemopt.pipeline.plan.unscaled`).
     A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
@@ -130,9 +131,10 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
     chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if algorithm.elementwise else max(n, 1)
     stop = 1 if n == 0 and reduce.distributed and not algorithm.elementwise else n
     stochastic = rounding.mode_of(group, pflat) == "stochastic"
+    wide = math_dtype(pflat.dtype)
     for lo in range(start, stop, chunk):
         hi = min(n, lo + chunk)
-        p32 = pflat[lo:hi].float()
+        p32 = pflat[lo:hi].to(wide)  # (fp32 / float64 parameters: a view, updated in place)
         g32 = unscaled(gflat[lo:hi], mult)
         like = None
         if not algorithm.elementwise:
@@ -149,12 +151,15 @@ def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state
                hi: int, like: torch.Tensor | None = None, reduce: Reduction = LOCAL) -> tuple[torch.Tensor, Any]:
     """Decode -> :meth:`Algorithm.update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements
     ``[lo, hi)`` of every slot, flat (elementwise chunks); else whole slots in their declared shapes (``like``'s shape
-    for slots without one). Also the core of the GaLore step, on low-rank slots."""
+    for slots without one). Also the core of the GaLore step, on low-rank slots. The state is decoded in ``p32``'s
+    dtype (fp32, or float64 for a float64 parameter's math)."""
     bs = group["block_size"]
     if like is None:
         st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
     else:
         st = {k: decode_whole(state, k, s, formats[k], like, bs) for k, s in slots.items()}
+    if p32.dtype == torch.float64:  # (a float64 parameter's 16/8/4-bit state: decoded to float64 for the math)
+        st = {k: v.double() for k, v in st.items()}
     delta = algorithm.update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
     delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
     for k, s in slots.items():

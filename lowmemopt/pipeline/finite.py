@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -37,28 +37,36 @@ __all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "PendingSkip", "CpuFiniteChecks
 
 #: fused algorithms whose kernels store nothing of a tensor with element count 0 (its parameter and state untouched)
 DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came"})
+DEFERRED_ALGORITHMS |= {"ademamix"}
 
 
 def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
     """``(order, ok)``: whether each gradient's L2 norm is finite, as a bool tensor on the gradients' (one) device,
     ``ok[k]`` for gradient ``order[k]``. One fused multi-tensor norm per dtype, in fp32 (an fp16 gradient's norm
-    past 65504 is finite, as the native CPU check's fp32 sum of squares): a few launches, whatever the number of
+    past 65504 is finite, as the native CPU check's fp32 sum of squares), float64 gradients' in float64 (their state
+    and math are float64: an element past ~1e19 is no overflow there): a few launches, whatever the number of
     gradients. The condition of the optimizer's
     non-finite check (:func:`host_flags` reads it on the host).
 
     A norm is >= 0, +Inf or NaN, so ``norm < inf`` is ``isfinite(norm)`` in one comparison (``isfinite`` of a float
     tensor is four: ``(x == x) * (x.abs() != inf)``)."""
     if len(grads) == 1:  # one gradient (a per-layer hook's): no stack, no cat
-        return [0], (torch._foreach_norm(list(grads), 2, dtype=torch.float32)[0] < math.inf).view(1)
+        return [0], (torch._foreach_norm(list(grads), 2, dtype=_norm_dtype(grads[0].dtype))[0] < math.inf).view(1)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     order: list[int] = []
     checks = []
-    for members in by_dtype.values():
-        checks.append(torch.stack(torch._foreach_norm([grads[i] for i in members], 2, dtype=torch.float32)) < math.inf)
+    for dtype, members in by_dtype.items():
+        norms = torch._foreach_norm([grads[i] for i in members], 2, dtype=_norm_dtype(dtype))
+        checks.append(torch.stack(norms) < math.inf)
         order += members
     return order, checks[0] if len(checks) == 1 else torch.cat(checks)
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a gradient's norm in the check: float64 for float64 gradients, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class DeviceFlags:
@@ -84,14 +92,24 @@ class DeviceFlags:
         self.provisional = {}
         return self
 
-    def deferred(self) -> "PendingSkip":
-        """A loss-scaled step's undo, decided later: its one flag copied to host memory without waiting
-        (:class:`PendingSkip`)."""
-        return PendingSkip(self.tensor[:1], self.provisional)
+    def deferred(self, counted: bool = False) -> "PendingSkip":
+        """This step's undo, decided later (:class:`PendingSkip`): its flags copied to host memory without waiting.
+        ``counted``: the optimizer's own check (the skips are counted and warned about); else GradScaler's
+        ``found_inf`` (one flag for the whole step)."""
+        provisional, self.provisional = self.provisional, {}
+        if not counted:
+            return PendingSkip(self.tensor[:1], lambda rows: _undo(provisional.values()))
+        by_row = {self.position[pid]: record for pid, record in provisional.items()}
+        return PendingSkip(self.tensor, lambda rows: _undo(by_row[r] for r in rows if r in by_row), counted=True)
 
     def note(self, param: torch.Tensor, state: dict[str, Any], fresh: bool) -> None:
         """Record ``param``'s step count before it is stepped provisionally (``fresh``: its state is made now)."""
         self.provisional[id(param)] = (state, state.get("step", 0), fresh)
+
+    @property
+    def read(self) -> bool:
+        """Have the flags been read on the host (:meth:`host`) in this step?"""
+        return self._host is not None
 
     def host(self) -> list[bool]:
         """The flags on the host, by row (the first call reads them: a synchronization)."""
@@ -108,46 +126,52 @@ class DeviceFlags:
         kernel wrote nothing of it), or no state at all when this step made it (as the host-side check leaves it).
         Returns how many gradients were not finite."""
         flags = self.host()
-        for pid, (state, step, fresh) in self.provisional.items():
-            if not flags[self.position[pid]]:
-                if fresh:
-                    state.clear()
-                else:
-                    state["step"] = step
+        _undo(record for pid, record in self.provisional.items() if not flags[self.position[pid]])
         return flags.count(False)
 
 
 class PendingSkip:
-    """A loss-scaled step whose skip (``found_inf``) is read on the host later, so the host never waits for the
-    device: the flag is copied to pinned host memory with a non-blocking copy and an event recorded after it; the
-    optimizer resolves it at its next ``step()`` (or ``state_dict()`` / ``load_state_dict()``), when the device has
-    long finished that copy, and only then restores the step counts of a skipped step (the kernels stored nothing).
-    Until then a skipped step's host step counts read one too many."""
+    """A step's skips, read on the host later, so the host never waits for the device: the step's flags (uint8, 1:
+    finite) are copied to page-locked host memory by a non-blocking copy with an event recorded after it, and the
+    optimizer settles them at its next ``step()`` (or ``state_dict()``, ``load_state_dict()``, ``nonfinite_skips``),
+    when the device has long finished that copy: ``undo`` restores what the step changed provisionally of the skipped
+    rows' parameters (their step counts: the kernels stored nothing), and for the optimizer's own check (``counted``)
+    the optimizer counts and warns about them. Until then the host's step counts of a skipped parameter read one too
+    many. ``flags`` of one element (GradScaler's ``found_inf``): the whole step, not counted."""
 
-    def __init__(self, flag: torch.Tensor, provisional: dict[int, tuple[dict[str, Any], int, bool]]) -> None:
-        self.provisional = provisional
+    def __init__(self, flags: torch.Tensor, undo: Callable[[list[int]], None], counted: bool = False) -> None:
+        self.undo = undo
+        self.counted = counted
         self.event = None
-        if flag.device.type == "cuda":
-            self.host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
-            self.host.copy_(flag, non_blocking=True)
+        if flags.device.type == "cuda":
+            self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.host.copy_(flags, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:  # (CPU tensors: the interpreter's tests) already on the host
-            self.host = flag.clone()
+            self.host = flags.clone()
 
-    def resolve(self) -> bool:
-        """Wait for the copy (long done by now), undo the step counts if the step was skipped; True if it was."""
+    def resolve(self) -> int:
+        """Wait for the copy (long done by now: a step after the one it belongs to), undo the skipped rows'
+        provisional changes; returns how many rows were skipped."""
         if self.event is not None:
             self.event.synchronize()
-        skipped = self.host.tolist()[0] == 0
-        if skipped:
-            for state, step, fresh in self.provisional.values():
-                if fresh:
-                    state.clear()
-                else:
-                    state["step"] = step
-        self.provisional = {}
-        return skipped
+        values = self.host.tolist()  # (host memory: a copy the device finished, nothing to wait for)
+        if 0 not in values:
+            return 0
+        rows = [i for i, v in enumerate(values) if v == 0]
+        self.undo(rows)
+        return len(rows)
+
+
+def _undo(records: Iterable[tuple[dict[str, Any], int, bool]]) -> None:
+    """Restore provisionally stepped parameters' ``(state, step count before, made by the step)``: the step count
+    it had, or no state at all when the step made it (as the host-side check leaves it)."""
+    for state, step, fresh in records:
+        if fresh:
+            state.clear()
+        else:
+            state["step"] = step
 
 
 def resolve(pending: list[DeviceFlags]) -> int:

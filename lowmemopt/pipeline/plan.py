@@ -32,14 +32,15 @@ def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
 
 
 def unscaled(g: torch.Tensor, mult: torch.Tensor | float | None) -> torch.Tensor:
-    """``g`` as the step sees it, in fp32: ``float(g) * mult`` rounded to ``g``'s dtype and back (what
-    ``GradScaler.unscale_`` stores in a bf16 / fp16 gradient before the step reads it); ``float(g)`` for ``mult``
-    None. ``mult``: a 0-dim fp32 tensor on ``g``'s device, or its value as a Python float."""
-    g32 = g.float()
+    """``g`` as the step sees it, in fp32 (a float64 ``g`` in float64): ``float(g) * mult`` rounded to ``g``'s dtype
+    and back (what ``GradScaler.unscale_`` stores in a bf16 / fp16 gradient before the step reads it); ``float(g)``
+    for ``mult`` None. ``mult``: a 0-dim fp32 tensor on ``g``'s device, or its value as a Python float."""
+    wide = g.dtype in (torch.float32, torch.float64)
+    g32 = g if wide else g.float()
     if mult is None:
         return g32
     g32 = g32 * mult
-    return g32 if g.dtype == torch.float32 else g32.to(g.dtype).float()
+    return g32 if wide else g32.to(g.dtype).float()
 
 
 @dataclass
@@ -73,6 +74,10 @@ class Plan:
     grad_mult: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     communicate: Any = None
+    #: where the step keeps its buckets when the kernels took it whole, for a
+    #: :class:`~lowmemopt.pipeline.program.StepProgram` (a :class:`~lowmemopt.pipeline.program.Kept`, filled by
+    #: :func:`lowmemopt.pipeline.step_buckets`); None: not asked
+    keep: Any = None
     _mults: dict = field(default_factory=dict)
 
     def mult(self, device: torch.device) -> torch.Tensor | None:

@@ -33,8 +33,12 @@ the full weight as the math would have. Everything else takes the reference core
 Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_gap=200``, ``scale=0.25``,
 ``proj_type="std"`` as in galore-torch and the HF Trainer, and lowmemopt's ``proj_svd="full" | "randomized"``,
 ``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
-``proj_dtype="float32" | "param"``: the projection and back-projection products in fp32 (default), or in the
-parameter's dtype where it is bf16 (:func:`proj_dtype`; bf16 matmuls with fp32 accumulation).
+``proj_dtype="param" | "float32"``: the projection and back-projection products in the parameter's dtype where it is
+bf16 (default; :func:`proj_dtype`: bf16 matmuls with fp32 accumulation, as galore-torch; docs/galore.md), or in fp32.
+
+float64 parameters: the basis is computed (SVD of the gradient rounded to fp32) and stored in fp32, as for every
+parameter and as galore-torch computes it; the products, the low-rank gradient, the inner math and its full-precision
+state are float64 (the basis widened exactly), so a float64 GaLore step follows galore-torch's float64 one.
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ from .. import cpu, rounding
 from ..distributed.galore import low_rank_layout, row_shards
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import reduction_of
-from ..pipeline.backends import CHUNK_NUMEL, init_state, run_update, update_flat
+from ..pipeline.backends import init_state, run_update, update_flat
 from ..work.items import Item
 from ..pipeline.plan import Plan, unscaled
-from ..quant.formats import format_of
+from ..quant.formats import format_of, math_dtype
 from . import projector as pj
+from .apply import finish
+from .batched import finish_many, finished_in_batches, fused_apply, project, stand_ins
 
 if TYPE_CHECKING:
     from ..quant.formats import Slot
@@ -60,24 +66,12 @@ if TYPE_CHECKING:
 __all__ = [
     "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
     "param_free", "fused", "stands_in", "stand_ins", "weights", "update_alone", "finish", "finish_many", "inner_group",
-    "device_checkable",
+    "device_checkable", "again", "refresh_due",
 ]
-
-#: CUDA: elements of the stacked gradients in one batched projection (64 MiB of fp32)
-BATCH_NUMEL = 1 << 24
-
-
-def _batches(t: torch.Tensor) -> bool:
-    """Are matrices on ``t``'s device projected in batches? On CUDA (launches cost there; the CPU keeps galore-torch's
-    products, bit for bit). Tests set :data:`BATCH_ON_CPU` to run the batched code on the CPU."""
-    return t.is_cuda or BATCH_ON_CPU
-
-
-BATCH_ON_CPU = False
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
     update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False,
-    proj_dtype="float32",
+    proj_dtype="param",
 )
 SVD_METHODS = ("full", "randomized")
 MOMENT_POLICIES = ("keep", "reset", "project")
@@ -85,11 +79,15 @@ PROJ_DTYPES = ("float32", "param")
 
 
 def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
-    """The dtype of ``p``'s projection products: None (fp32, the default), or bf16 for a bf16 parameter of a group
-    with ``proj_dtype="param"`` (the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
-    low-rank gradient and the update rounded to bf16 once). fp16 and fp32 parameters keep fp32 products (fp16's
-    range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner math stay fp32."""
-    if group.get("proj_dtype", "float32") == "param" and p.dtype == torch.bfloat16:
+    """The dtype of ``p``'s projection products: bf16 for a bf16 parameter of a group with ``proj_dtype="param"``
+    (the default; the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
+    low-rank gradient and the update rounded to bf16 once), else None: fp32 products (``"float32"``; fp16 and fp32
+    parameters: fp16's range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner
+    math stay fp32. float64 parameters: float64 (their products and math are float64, the fp32 basis widened;
+    module docstring)."""
+    if p.dtype == torch.float64:
+        return torch.float64
+    if group.get("proj_dtype", GROUP_DEFAULTS["proj_dtype"]) == "param" and p.dtype == torch.bfloat16:
         return torch.bfloat16
     return None
 
@@ -228,9 +226,9 @@ def _carry_moments(state: dict, slots: dict[str, Slot], group: dict[str, Any], n
         numel = math.prod(slot.shape)
         m = fmt.decode(state, name, 0, numel, True, bs).view(slot.shape)
         if left is not None:
-            m = left @ m
+            m = left.to(m.dtype) @ m  # (a float64 parameter's state: the fp32 bases widened)
         if right is not None:
-            m = m @ right
+            m = m @ right.to(m.dtype)
         fmt.encode(state, name, 0, numel, m.reshape(-1).contiguous(), True, bs)
 
 
@@ -284,11 +282,7 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
     if shards is not None:  # bf16_update changed since: the ranks make the seed together
         rounding.init_state(state, shards.param, group, shards.param_reduce.agree)
     m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)
-    g = grad if shards is None else shards.grad  # in its dtype: project() makes it fp32
-    if plan.grad_mult is not None:  # loss scaling: the gradient unscale_ would leave (in its dtype), once per step
-        g = unscaled(g, plan.mult(g.device)).to(g.dtype)
-    if g.shape != (m_local, n):
-        g = g.reshape(m_local, n)
+    g = _matrix(plan, grad if shards is None else shards.grad, m_local, n)  # in its dtype: project() makes it fp32
     t = state["step"]
     if t >= state[pj.NEXT_REFRESH]:
         full = g.float() if shards is None else shards.full_gradient()  # the basis comes from the whole gradient
@@ -297,57 +291,53 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
         del full
     if inner is None:
         inner = {}
-    if id(group) not in inner:
-        core, decay = inner_group(plan, group)
-        group_in = dict(core, weight_decay=0.0) if plan.algorithm.weight_stat_math and core.get("weight_decay") else core
-        inner[id(group)] = group_in, core, decay
-    group_in, core, decay = inner[id(group)]
+    group_in, core, decay = _inner(plan, group, inner)
     return Item(param=p, group=group_in, target=None, grad=None, state=state, slots=slots, projected=True,
                 extra=dict(g=g, shards=shards, m_local=m_local, n=n, row0=row0, decay=decay, outer=group, core=core,
                            math_decay=None, dtype=None if shards is not None else proj_dtype(group, p)))
 
 
-def project(items: list[Item]) -> None:
-    """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32). On CUDA,
-    unsharded matrices of one shape and side take one batched product (``torch.bmm``) per group of
-    :data:`BATCH_NUMEL` elements instead of one product each; on the CPU every matrix takes the product galore-torch
-    makes (bit-identical results)."""
-    batches: dict[tuple, list[Item]] = {}
-    for it in items:
-        g, shards, dtype = it.extra["g"], it.extra["shards"], it.extra["dtype"]
-        if shards is None and _batches(g) and it.state[pj.SIDE] != pj.BOTH:
-            batches.setdefault((g.device, tuple(g.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
-                                dtype), []).append(it)
-            continue
-        if shards is None:
-            low = pj.project(g.float() if dtype is None else g, it.state, dtype).float()
-        else:
-            low = shards.project(g.float(), it.state, pj.bases)
-        it.grad = low.contiguous()
-    for (_, shape, side, _, dtype), members in batches.items():
-        per = max(1, BATCH_NUMEL // math.prod(shape))
-        for i in range(0, len(members), per):
-            chunk = members[i:i + per]
-            if len(chunk) == 1:
-                g = chunk[0].extra["g"]
-                low = pj.project(g.float() if dtype is None else g, chunk[0].state, dtype)
-                chunk[0].grad = low.float().contiguous()
-                continue
-            g = _stacked([it.extra["g"] for it in chunk], dtype or torch.float32)  # one cast for the chunk
-            basis = _stacked([it.state[pj.PROJ] for it in chunk], dtype or torch.float32)  # P^T or Q^T
-            low = (torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis)).float()
-            for it, x in zip(chunk, low.unbind(0)):
-                it.grad = x
+def _matrix(plan: Plan, g: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """Gradient ``g`` as the ``(m, n)`` matrix the projection reads, in its dtype; under loss scaling the gradient
+    ``unscale_`` would leave (once per step)."""
+    if plan.grad_mult is not None:
+        g = unscaled(g, plan.mult(g.device)).to(g.dtype)
+    return g if g.shape == (m, n) else g.reshape(m, n)
 
 
-def _stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.stack(tensors).to(dtype)`` in one pass: a multi-tensor copy that casts, into the stacked tensor (the
-    values are the cast's; no stacked copy in the source dtype first)."""
-    if tensors[0].dtype == dtype:
-        return torch.stack(tensors)
-    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=tensors[0].device)
-    torch._foreach_copy_(list(out.unbind(0)), tensors)
-    return out
+def _inner(plan: Plan, group: dict[str, Any], inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]]
+           ) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """``(group the stand-in's math runs with, group the reference core runs with, decay factor)`` of a GaLore
+    param group (:func:`inner_group`; no weight decay in the stand-in's math where :func:`finish` applies it to the
+    full weight), made once per group and step in ``inner``."""
+    made = inner.get(id(group))
+    if made is None:
+        core, decay = inner_group(plan, group)
+        group_in = dict(core, weight_decay=0.0) if plan.algorithm.weight_stat_math and core.get("weight_decay") else core
+        made = inner[id(group)] = group_in, core, decay
+    return made
+
+
+def again(plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
+    """The gather of a later step for ``items`` that :func:`prepare` made (unsharded, no refresh due:
+    :func:`refresh_due`), kept by a step program (:mod:`lowmemopt.pipeline.program`): this step's gradients
+    (``grads``, the parameters' in the items' order) and inner groups (a scheduler's learning rate), nothing
+    projected or stood in yet."""
+    inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] = {}
+    outer, made = None, None
+    for it, g in zip(items, grads):
+        extra = it.extra
+        if extra["outer"] is not outer:
+            outer = extra["outer"]
+            made = _inner(plan, outer, inner)
+        group_in, core, decay = made
+        it.group, it.target, it.grad, it.weight = group_in, None, None, None
+        extra.update(g=_matrix(plan, g, extra["m_local"], extra["n"]), core=core, decay=decay, math_decay=None)
+
+
+def refresh_due(states: list[dict[str, Any]]) -> bool:
+    """Is a basis refresh due at this step for any of these projected parameters' states?"""
+    return any(st["step"] >= st[pj.NEXT_REFRESH] for st in states)
 
 
 def param_free(plan: Plan) -> bool:
@@ -373,35 +363,6 @@ def stands_in(plan: Plan, it: Item) -> bool:
     return param_free(plan) or (fused(plan) and it.extra["shards"] is None)
 
 
-def stand_ins(items: list[Item]) -> None:
-    """Zeroed low-rank targets for ``items`` (one allocation, 16-byte aligned views)."""
-    if not items:
-        return
-    if len(items) == 1:  # (a per-layer hook's one matrix)
-        it = items[0]
-        it.target = torch.zeros(it.grad.shape, dtype=torch.float32, device=it.grad.device)
-        return
-    by_device: dict[torch.device, dict[torch.Size, list[Item]]] = {}
-    for it in items:
-        by_device.setdefault(it.grad.device, {}).setdefault(it.grad.shape, []).append(it)
-    for device, shapes in by_device.items():
-        sizes = {shape: -(-shape.numel() // 4) * 4 for shape in shapes}  # each target 16-byte aligned
-        flat = torch.zeros(sum(sizes[shape] * len(members) for shape, members in shapes.items()),
-                           dtype=torch.float32, device=device)
-        offset = 0
-        for shape, members in shapes.items():
-            size, numel = sizes[shape], shape.numel()
-            if size == numel:  # no padding: one view of the class, unbound into its targets (no view per item)
-                views = flat[offset:offset + size * len(members)].view(len(members), *shape).unbind(0)
-                for it, view in zip(members, views):
-                    it.target = view
-                offset += size * len(members)
-                continue
-            for it in members:
-                it.target = flat[offset:offset + numel].view(shape)
-                offset += size
-
-
 def weights(plan: Plan, items: list[Item]) -> None:
     """For an algorithm whose math reads the weight (``weight_stat_math``): each stand-in's full-weight statistic
     (``it.weight``: ``||p||`` or ``RMS(p) = ||p|| / sqrt(numel)``, :meth:`~lowmemopt.pipeline.algorithm.Algorithm.weight_statistic`)
@@ -414,12 +375,12 @@ def weights(plan: Plan, items: list[Item]) -> None:
     for it in items:
         key = (id(it.extra["outer"]), it.state["step"] + 1, it.param.device, it.param.dtype, it.param.numel())
         classes.setdefault(key, []).append(it)
-    for (_, step, _, _, numel), members in classes.items():
+    for (_, step, _, p_dtype, numel), members in classes.items():
         group = members[0].extra["outer"]
         kind = plan.algorithm.weight_statistic(group)
         stat = None
         if kind is not None:
-            stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=torch.float32))
+            stat = torch.stack(torch._foreach_norm([it.param for it in members], 2, dtype=math_dtype(p_dtype)))
             if kind == "rms":
                 stat = stat / math.sqrt(numel)  # rms(): the norm over sqrt(numel) rounded to fp32, as for 0-dim
             for it, s in zip(members, stat.unbind(0)):
@@ -427,44 +388,6 @@ def weights(plan: Plan, items: list[Item]) -> None:
         c = plan.algorithm.math_decay(group, step, stat)
         for i, it in enumerate(members):
             it.extra["math_decay"] = c[i] if isinstance(c, torch.Tensor) and c.dim() else c
-
-
-def _decay_rows(rows: torch.Tensor, c: Any) -> None:
-    """``rows += c * rows`` rounded as the math's ``add_scaled_`` (:mod:`lowmemopt.optim.adafactor`)."""
-    if isinstance(c, torch.Tensor):
-        rows.addcmul_(rows, c)
-    else:
-        rows.add_(rows, alpha=c)
-
-
-def finish(plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float = 1.0,
-           p32: torch.Tensor | None = None) -> None:
-    """The pipeline's *unproject* and *apply*: ``p <- p * decay + alpha * scale * project_back(delta)`` on the full
-    parameter (``delta``: the low-rank update, by default the item's target), in row blocks on the CPU (no
-    full-size temporary) and whole on CUDA. ``p32``: the fp32 working copy the reference core already used. The
-    stand-in's update (no ``delta``) first takes the decay its math would have applied (``p <- p + c p``,
-    :func:`weights`); the reference core's math has applied it already."""
-    math_decay = it.extra["math_decay"] if delta is None else None
-    delta = it.target if delta is None else delta
-    group, state, shards = it.extra["outer"], it.state, it.extra["shards"]
-    m_local, n, row0, decay = it.extra["m_local"], it.extra["n"], it.extra["row0"], it.extra["decay"]
-    local = it.param if shards is None else shards.param
-    target = local if local.is_contiguous() else local.contiguous()
-    p2d = target.view(m_local, n)
-    if p32 is None:
-        p32 = p2d.float()  # fp32 params: p itself
-    rows = m_local if p32.is_cuda else max(1, CHUNK_NUMEL // max(n, 1))
-    scale = group["scale"]
-    for r0 in range(0, m_local, rows):
-        r1 = min(m_local, r0 + rows)
-        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).float().mul_(scale)
-        if math_decay is not None:
-            _decay_rows(p32[r0:r1], math_decay)
-        plan.algorithm.apply_update(p32[r0:r1], update, alpha, decay, group)
-    # bf16 params: the group's bf16_update (a copy unless fp32); a shard of rows hashes its elements' global indices
-    rounding.store(p2d, p32, state, group, index=None if shards is None else row0 * n)
-    if target is not local:
-        local.copy_(target)
 
 
 def device_checkable(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
@@ -475,104 +398,15 @@ def device_checkable(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: 
     batched fused pass (:func:`finish_many`). Elsewhere the host decides first. ``memo``: the answers that depend on
     the plan, device and dtype only, kept by the caller for the parameters of one step."""
     if not ("step" in state and state[pj.REFRESHED_AT] >= 0 and state["step"] < state[pj.NEXT_REFRESH]
-            and _finished_in_batches(p, state, group)):
+            and finished_in_batches(p, state, group)):
         return False
     key = (p.device, p.dtype)
     ok = None if memo is None else memo.get(key)
     if ok is None:
-        ok = fused(plan) and _fused_apply(p.device, p.dtype)
+        ok = fused(plan) and fused_apply(p.device, p.dtype)
         if memo is not None:
             memo[key] = ok
     return ok
-
-
-def _finished_in_batches(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> bool:
-    """Does :func:`finish_many` take unsharded matrix ``p`` in a batch of its shape class (CUDA, contiguous, one
-    side projected, rounded to nearest), rather than alone?"""
-    return _batches(p) and p.is_contiguous() and state[pj.SIDE] != pj.BOTH and rounding.mode_of(group, p) == "nearest"
-
-
-def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None) -> None:
-    """:func:`finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
-    unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
-    elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
-    one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p; a matrix alone in its
-    class too, after one plain product), or without Triton on stacked fp32 copies and one multi-tensor copy into the
-    parameters; so a step's launches grow with the shape classes, not the matrices. (The sums are the per-matrix
-    ones, in another kernel: equal within fp32 rounding.) Elsewhere one by one. ``flags``: the step's finiteness
-    flags on the device, for the items with a ``flag`` row (:func:`device_checkable` sent them here): the fused pass
-    leaves a skipped one as it is."""
-    batches: dict[tuple, list[Item]] = {}
-    for it in items:
-        p = it.param
-        if it.extra["shards"] is None and _finished_in_batches(p, it.state, it.extra["outer"]):
-            key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
-                   id(it.extra["outer"]), it.extra["dtype"])
-            batches.setdefault(key, []).append(it)
-        else:
-            finish(plan, it)
-    for (device, p_dtype, shape, side, _, _, dtype), members in batches.items():
-        per = max(1, BATCH_NUMEL // math.prod(shape))
-        fused_apply = _fused_apply(device, p_dtype)
-        for i in range(0, len(members), per):
-            chunk = members[i:i + per]
-            if len(chunk) == 1 and not fused_apply:
-                finish(plan, chunk[0])
-                continue
-            m, n = chunk[0].extra["m_local"], chunk[0].extra["n"]
-            target = dtype or torch.float32  # proj_dtype="param": bf16 products
-            if len(chunk) == 1:  # one product, no stacked copies (a per-layer hook's matrix, a class of one)
-                basis, low = chunk[0].state[pj.PROJ].to(target).t(), chunk[0].target.to(target)
-                update = (basis @ low if side == pj.LEFT else low @ basis).unsqueeze(0)
-            else:
-                basis = _stacked([it.state[pj.PROJ] for it in chunk], target).transpose(1, 2)  # P (m x k) or Q (k x n)
-                low = _stacked([it.target for it in chunk], target)
-                update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)
-            scale = chunk[0].extra["outer"]["scale"]
-            params = [it.param if it.param.shape == (m, n) else it.param.view(m, n) for it in chunk]
-            decay = chunk[0].extra["decay"]
-            c = chunk[0].extra["math_decay"]  # per matrix (a 0-dim tensor each) or one number for the group
-            if isinstance(c, torch.Tensor):
-                c = torch.stack([it.extra["math_decay"] for it in chunk])
-            flagged = flags is not None and chunk[0].flag is not None
-            if fused_apply:  # one pass: read U and p, write p
-                from ..kernels.unproject import apply_updates
-
-                apply_updates(params, update, scale, decay, c, flags if flagged else None,
-                              [it.flag for it in chunk] if flagged else ())
-                continue
-            if flagged:  # (device_checkable sends only what the fused pass takes)
-                raise RuntimeError("GaLore: a parameter checked on the device reached an apply that ignores its flag")
-            update = update.float().mul_(scale)
-            if params[0].dtype == torch.float32:
-                if c is not None:
-                    if isinstance(c, torch.Tensor):
-                        torch._foreach_addcmul_(params, params, list(c.unbind(0)))
-                    else:
-                        torch._foreach_add_(params, params, alpha=c)
-                if decay != 1.0:
-                    torch._foreach_mul_(params, decay)
-                torch._foreach_add_(params, list(update.unbind(0)))
-            else:
-                p32 = torch.stack(params).float()
-                if c is not None:
-                    _decay_rows(p32, c.view(-1, 1, 1) if isinstance(c, torch.Tensor) else c)
-                if decay != 1.0:
-                    p32.mul_(decay)
-                p32.add_(update)
-                torch._foreach_copy_(params, list(p32.unbind(0)))
-
-
-def _fused_apply(device: torch.device, dtype: torch.dtype) -> bool:
-    """Does the fused apply kernel (:mod:`lowmemopt.kernels.unproject`) take a batch of ``dtype`` matrices on
-    ``device`` (a CUDA device with Triton, or the CPU under a test's interpreter)?"""
-    from ..pipeline import triton_usable
-
-    if not triton_usable({device}):
-        return False
-    from ..kernels.unproject import DTYPES
-
-    return dtype in DTYPES
 
 
 def update_alone(plan: Plan, it: Item) -> bool:
@@ -598,7 +432,8 @@ def update_alone(plan: Plan, it: Item) -> bool:
     formats = {name: format_of(state, name) for name in it.slots}
     shards = it.extra["shards"]
     local = it.param if shards is None else shards.param
-    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"]).float()
+    p32 = (local if local.is_contiguous() else local.contiguous()).view(it.extra["m_local"], it.extra["n"])
+    p32 = p32.to(math_dtype(p32.dtype))
     reduce = LOCAL if shards is None else shards.reduction(p32)
     g_low = it.grad
     delta, alpha = run_update(plan.algorithm, p32, g_low, state, it.slots, formats, it.extra["core"], state["step"], 0,

@@ -1,7 +1,7 @@
 """Optimizer-state storage formats: 8- and 4-bit code books, block-wise codecs, and per-slot StateFormat."""
 
 from .blockwise import dequantize_blockwise, num_blocks, quantize_blockwise, quantize_blockwise_reference
-from .formats import BF16, FORMATS, FP16, FP32, Q4, Q8, StateFormat, choose_format, format_of
+from .formats import BF16, FORMATS, FP16, FP32, FP64, Q4, Q8, StateFormat, choose_format, format_of, math_dtype
 from .maps import code_book, dynamic_map, nearest_code_reference, pow2_map
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "FORMATS",
     "FP16",
     "FP32",
+    "FP64",
     "Q4",
     "Q8",
     "StateFormat",
@@ -17,6 +18,7 @@ __all__ = [
     "dequantize_blockwise",
     "dynamic_map",
     "format_of",
+    "math_dtype",
     "nearest_code_reference",
     "num_blocks",
     "quantize_blockwise",

@@ -23,11 +23,12 @@ import torch
 
 from . import q4
 from .blockwise import num_blocks
-from .formats import BF16, FP16, FP32, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for, map_for
+from .formats import (BF16, FP16, FP32, FP64, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for,
+                      map_for)
 from .maps import code_book
 
 __all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step",
-           "check_group"]
+           "check_group", "slot_names", "state_origin", "foreign_state_hint"]
 
 CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
 _BNB_QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests its 8-bit tensors under this key
@@ -83,8 +84,11 @@ def state_map(fmt: StateFormat, slot: Slot) -> str | None:
     return map_for(slot.signed) if fmt is Q8 else q4.map4_for(slot.signed) if fmt is Q4 else None
 
 
-def target_format(group: dict[str, Any], slot: Slot, numel: int) -> StateFormat:
-    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize, slot.dtype)
+def target_format(group: dict[str, Any], slot: Slot, numel: int,
+                  param_dtype: torch.dtype | None = None) -> StateFormat:
+    """The format ``group`` stores a slot of ``numel`` elements in, for a parameter of ``param_dtype`` (float64: its
+    full-precision state is float64)."""
+    return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize, slot.dtype, param_dtype)
 
 
 def format_numel(slot: Slot, numel: int) -> int:
@@ -101,6 +105,8 @@ def slot_shape(slot: Slot, shape: torch.Size) -> torch.Size:
 def dense_format(t: torch.Tensor) -> StateFormat:
     if t.dtype == torch.float16:  # torch.optim's state of fp16 params, or fp16 state (Slot.dtype)
         return FP16
+    if t.dtype == torch.float64:  # a float64 parameter's state (torch.optim's or ours): decodes without rounding
+        return FP64
     return BF16 if t.dtype == torch.bfloat16 else FP32  # other floats decode as fp32
 
 
@@ -145,7 +151,7 @@ def convert_param_state(
         check_source(src, src_bs, tensors, name, shape, where, param.shape)
         for key, t in tensors.items():
             check_values(key, t, slot.signed, where)
-        dst = target_format(group, slot, format_numel(slot, numel))
+        dst = target_format(group, slot, format_numel(slot, numel), param.dtype)
         remap = remaps(src, src_map, slot)
         if src is dst and src in QUANTIZED and src_bs != dst_bs and not remap:
             raise CheckpointError(
@@ -163,6 +169,68 @@ def convert_param_state(
         reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False,
                  src_map=src_map)
     return out
+
+
+#: the optimizer a state dict's slots show, by a slot name only it uses (first match), for errors that name it
+_ORIGINS = (
+    (("state1", _BNB_QUANT_KEY), "bitsandbytes (slots state1, state2)"),
+    (("exp_avg_res_row", "exp_avg_res"), "CAME"),
+    (("exp_avg_sq_row",), "Adafactor (transformers' or lowmemopt's)"),
+    (("row_var", "variance"), "torch.optim.Adafactor (lowmemopt.AdafactorTorch)"),
+    (("mu_product",), "torch.optim.NAdam"),
+    (("exp_inf",), "torch.optim.Adamax"),
+    (("acc_delta",), "torch.optim.Adadelta"),
+    (("square_avg",), "torch.optim.RMSprop"),
+    (("sum",), "torch.optim.Adagrad"),
+    (("step_size",), "torch.optim.Rprop"),
+    (("ax",), "torch.optim.ASGD"),
+    (("max_exp_avg_sq",), "Adam or AdamW with amsgrad=True"),
+    (("exp_avg_sq",), "Adam, AdamW or LAMB (slots exp_avg, exp_avg_sq)"),
+    (("momentum_buffer",), "SGD with momentum (torch.optim's or lowmemopt's SGD, SignSGD, FusedSGD, LARS)"),
+    (("exp_avg",), "Lion (one slot, exp_avg)"),
+)
+
+
+def slot_names(states: Any) -> set[str]:
+    """The slot names in ``states`` (a state dict's ``"state"``: index -> that parameter's state): keys without their
+    storage suffixes (``.codes``, ``.absmax``, ``.nibbles``), less ``step``, a GaLore projector and bf16_update's."""
+    names: set[str] = set()
+    for state in (states.values() if isinstance(states, dict) else ()):
+        for key in (state if isinstance(state, dict) else ()):
+            key = str(key)
+            if key == "step" or key.startswith(("galore.", "bf16_update.")):
+                continue
+            names.add(key.rsplit(".", 1)[0] if key.endswith((".codes", ".absmax", ".nibbles")) else key)
+    return names
+
+
+def state_origin(states: Any) -> str | None:
+    """The optimizer whose state ``states`` (a state dict's ``"state"``) looks like, in words (``"CAME"``, ``"SGD with
+    momentum (...)"``), or None where no slot tells; a state of step counts only: an optimizer that keeps none."""
+    names = slot_names(states)
+    for keys, origin in _ORIGINS:
+        if names & set(keys):
+            return origin
+    if not names and any(isinstance(s, dict) and s for s in (states.values() if isinstance(states, dict) else ())):
+        return "an optimizer that keeps no state per parameter (SGD or LARS without momentum)"
+    return None
+
+
+def foreign_state_hint(states: Any, slots: Callable[[], set[str]], owner: str) -> str:
+    """The continuation of a load error where a state dict's ``states`` look like another optimizer's than ``owner``
+    (whose slot names ``slots()`` gives): ``". It looks like the state of <optimizer>, not of <owner> ..."``, else
+    ``""``."""
+    origin = state_origin(states)
+    if origin is None:
+        return ""
+    try:
+        ours = slots()
+    except Exception:  # (a group this optimizer cannot describe: the error as it is)
+        return ""
+    if slot_names(states) == ours:
+        return ""
+    return (f". It looks like the state of {origin}, not of {owner} (slots {', '.join(sorted(ours)) or 'none'}): a "
+            f"state dict loads into the optimizer that saved it")
 
 
 def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
@@ -206,7 +274,7 @@ def check_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], 
 def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
     if fmt in QUANTIZED:
         return torch.uint8 if key.endswith((".codes", ".nibbles")) else torch.float32
-    return {BF16: torch.bfloat16, FP16: torch.float16}.get(fmt, torch.float32)
+    return {BF16: torch.bfloat16, FP16: torch.float16, FP64: torch.float64}.get(fmt, torch.float32)
 
 
 def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
@@ -269,14 +337,23 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
             sources[name] = (Q4, bs, {k: state[k] for k in keys}, q4.map4_for(slot.signed))
         elif name in state:
             keys = (name,)
+            _check_tensors(state, keys, where)
             sources[name] = (dense_format(state[name]), 1, {name: state[name]}, None)
         else:
             raise CheckpointError(f"{where}: the state has no slot '{name}' (has {sorted(state)})")
+        _check_tensors(state, keys, where)
         used.update(keys)
     extra = sorted(set(state) - used)
     if extra:
         raise CheckpointError(f"{where}: unexpected state {extra}; the optimizer's slots are {sorted(slots)}")
     return sources
+
+
+def _check_tensors(state: dict[str, Any], keys: Any, where: str) -> None:
+    """Raise CheckpointError naming ``where`` and the key unless each of ``keys`` in ``state`` is a tensor."""
+    for key in keys:
+        if not isinstance(state[key], torch.Tensor):
+            raise CheckpointError(f"{where}: state '{key}' is a {type(state[key]).__name__}, not a tensor")
 
 
 def _bnb_sources(state, slots, where):
@@ -293,6 +370,7 @@ def _bnb_sources(state, slots, where):
         )
     sources, used = {}, {"step"} | _BNB_SCRATCH
     for i, (name, slot) in enumerate(slots.items(), start=1):
+        _check_tensors(state, [f"state{i}"] + [k for k in (f"absmax{i}", f"qmap{i}") if k in state], where)
         t = state[f"state{i}"]
         used.add(f"state{i}")
         if t.dtype != torch.uint8:

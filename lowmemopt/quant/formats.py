@@ -4,6 +4,7 @@
 format   state keys                                  bytes / element
 =======  =========================================  ======================================
 fp32     ``<slot>`` fp32, parameter's shape          4
+fp64     ``<slot>`` fp64, parameter's shape          8   (a float64 parameter's full-precision state)
 bf16     ``<slot>`` bf16, parameter's shape          2   (round to nearest even)
 fp16     ``<slot>`` fp16, parameter's shape          2   (only where a slot asks for it: :attr:`Slot.dtype`)
 q8       ``<slot>.codes`` uint8 [numel]              1 + 4 / block_size
@@ -21,6 +22,12 @@ zero-free ``upow2x4`` (non-negative) maps of :mod:`lowmemopt.quant.q4`, two code
 The optimizer works on contiguous ranges ``[lo, hi)`` of the flattened slot (chunks aligned to the block size):
 :meth:`StateFormat.decode` returns fp32 values the algorithm may update in place (for fp32 storage, a view of the
 storage itself), and :meth:`StateFormat.encode` writes them back.
+
+float64 parameters (:func:`math_dtype`): their math is float64, and the state a float32 parameter keeps in fp32
+(``state_bits=32``, tensors below ``min_quant_numel``, factored statistics) is float64 (``fp64``: :func:`choose_format`
+with ``param_dtype``), as ``torch.optim`` keeps it: a float64 step equals torch's to float64 rounding. At 16, 8 and 4
+bits their state is stored as for any parameter (bf16, q8, q4) and decoded to float64 for the math; it is rounded from
+float64 once when it is encoded (8 and 4 bits: to fp32 first, far below the codes' step).
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ from .blockwise import decode_into, encode_into, num_blocks
 
 __all__ = [
     "Slot",
+    "math_dtype",
     "StateFormat",
     "FP32",
+    "FP64",
     "BF16",
     "FP16",
     "Q8",
@@ -64,6 +73,11 @@ class Slot(NamedTuple):
     dtype: torch.dtype | None = None
 
 
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter of ``dtype`` is stepped in: float64 for float64, fp32 for every other dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def map_for(signed: bool) -> str:
     """The map 8-bit state of a slot of this signedness is stored in."""
     return "pow2" if signed else "upow2"
@@ -87,8 +101,8 @@ class StateFormat:
 
     def decode(self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int,
                qmap: str | None = None) -> torch.Tensor:
-        """fp32 values of elements ``[lo, hi)``; ``qmap``: the 8-bit map the codes are in (default
-        ``map_for(signed)``)."""
+        """fp32 values of elements ``[lo, hi)`` (fp64 storage: fp64 values); ``qmap``: the 8-bit map the codes are
+        in (default ``map_for(signed)``)."""
         raise NotImplementedError
 
     def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int) -> None:
@@ -129,6 +143,13 @@ class _FP32(_Dense):
     name, bits, dtype = "fp32", 32, torch.float32
 
 
+class _FP64(_Dense):
+    name, bits, dtype = "fp64", 64, torch.float64
+
+    def decode(self, state, slot, lo, hi, signed, block_size, qmap=None):
+        return state[slot].view(-1)[lo:hi]  # a view, updated in place by a float64 parameter's math
+
+
 class _BF16(_Dense):
     name, bits, dtype = "bf16", 16, torch.bfloat16
 
@@ -158,7 +179,7 @@ class _Q8(StateFormat):
     def encode(self, state, slot, lo, hi, value, signed, block_size):
         b0, b1 = lo // block_size, num_blocks(hi, block_size)
         codes, absmax = state[slot + ".codes"][lo:hi], state[slot + ".absmax"][b0:b1]
-        encode_into(value, map_for(signed), block_size, codes, absmax)
+        encode_into(value.float(), map_for(signed), block_size, codes, absmax)  # (float64 values: to fp32 first)
 
     def nbytes(self, numel, block_size):
         return numel + 4 * num_blocks(numel, block_size)
@@ -193,7 +214,7 @@ class _Q4(StateFormat):
     def encode(self, state, slot, lo, hi, value, signed, block_size):
         ranges = self.key_ranges(slot, lo, hi, block_size)
         (a, b), (c, d) = ranges[slot + ".nibbles"], ranges[slot + ".absmax"]
-        q4.encode_into(value, q4.map4_for(signed), block_size, state[slot + ".nibbles"][a:b],
+        q4.encode_into(value.float(), q4.map4_for(signed), block_size, state[slot + ".nibbles"][a:b],
                        state[slot + ".absmax"][c:d])
 
     def nbytes(self, numel, block_size):
@@ -206,10 +227,10 @@ class _Q4(StateFormat):
                                                                                      num_blocks(hi, block_size))}
 
 
-FP32, BF16, FP16, Q8, Q4 = _FP32(), _BF16(), _FP16(), _Q8(), _Q4()
-FORMATS = {f.name: f for f in (FP32, BF16, FP16, Q8, Q4)}
+FP32, FP64, BF16, FP16, Q8, Q4 = _FP32(), _FP64(), _BF16(), _FP16(), _Q8(), _Q4()
+FORMATS = {f.name: f for f in (FP32, FP64, BF16, FP16, Q8, Q4)}
 #: the dense format of each floating dtype a slot may ask for (:attr:`Slot.dtype`)
-DENSE = {torch.float32: FP32, torch.bfloat16: BF16, torch.float16: FP16}
+DENSE = {torch.float32: FP32, torch.float64: FP64, torch.bfloat16: BF16, torch.float16: FP16}
 #: the block-wise quantized formats (codes + per-block absmax)
 QUANTIZED = (Q8, Q4)
 
@@ -221,15 +242,16 @@ def default_block_size(state_bits: int) -> int:
 
 
 def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True,
-                  dtype: torch.dtype | None = None) -> StateFormat:
-    """The format a new slot gets: tensors below ``min_quant_numel`` elements and non-quantizable slots stay fp32;
-    ``dtype`` (a quantizable slot's :attr:`Slot.dtype`): the dense format of that dtype, whatever the size."""
+                  dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> StateFormat:
+    """The format a new slot gets: tensors below ``min_quant_numel`` elements and non-quantizable slots stay fp32
+    (fp64 for a float64 ``param_dtype``: the module docstring); ``dtype`` (a quantizable slot's :attr:`Slot.dtype`):
+    the dense format of that dtype, whatever the size."""
     if dtype is not None and quantizable:
         if dtype not in DENSE:
-            raise ValueError(f"a state slot cannot be stored in {dtype} (fp32, bf16 or fp16)")
+            raise ValueError(f"a state slot cannot be stored in {dtype} (fp32, fp64, bf16 or fp16)")
         return DENSE[dtype]
     if not quantizable or state_bits == 32 or numel < min_quant_numel:
-        return FP32
+        return FP64 if param_dtype == torch.float64 else FP32
     return {16: BF16, 8: Q8, 4: Q4}[state_bits]
 
 
@@ -244,7 +266,7 @@ def format_of(state: dict, slot: str) -> StateFormat:
         return BF16
     if t.dtype == torch.float16:
         return FP16
-    return FP32
+    return FP64 if t.dtype == torch.float64 else FP32
 
 
 def slot_keys(state: dict, slot: str) -> tuple[str, ...]:

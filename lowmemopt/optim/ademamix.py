@@ -1,0 +1,166 @@
+"""AdEMAMix (Pagliardini et al. 2024, "The AdEMAMix Optimizer: Better, Faster, Older"), matching
+``bitsandbytes.optim.AdEMAMix``: Adam with a second, slow momentum mixed into the numerator::
+
+    m1 = beta1 m1 + (1 - beta1) g        m2 = beta3_t m2 + (1 - beta3_t) g        nu = beta2 nu + (1 - beta2) g^2
+    p <- p (1 - lr wd)  -  lr (m1 / (1 - beta1^t) + alpha_t m2) / (sqrt(nu) / sqrt(1 - beta2^t) + eps)
+
+with the warm-ups of ``alpha`` (linear over ``t_alpha`` steps) and ``beta3`` (over ``t_beta3`` steps, so that the slow
+EMA's half-life grows linearly from beta1's to beta3's)::
+
+    alpha_t = min(t alpha / t_alpha, alpha)
+    beta3_t = min(exp(ln(beta1) ln(beta3) / ((1 - t / t_beta3) ln(beta3) + (t / t_beta3) ln(beta1))), beta3)
+
+(``t_alpha`` / ``t_beta3`` None or 0: no warm-up). The operation order is bitsandbytes' CPU step's, so 32-bit results
+are bitsandbytes' bit for bit. Three full-size slots: ``exp_avg`` (m1, the fast EMA), ``exp_avg_slow`` (m2) and
+``exp_avg_sq`` (nu); at 8 bits ~3 bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from ..checks import check_betas, check_lr, check_nonneg
+from ..optimizer import LowMemOptimizer
+from ..pipeline.algorithm import Algorithm, fused
+from ..quant.formats import Slot
+
+if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
+    from typing_extensions import Unpack
+
+    from ..signature import StorageOptions
+
+__all__ = ["AdEMAMix", "AdEMAMixAlgorithm", "ademamix_math", "alpha_schedule", "beta3_schedule"]
+
+
+def alpha_schedule(step: int, alpha: float, t_alpha: int | None) -> float:
+    """``alpha_t``: ``alpha`` ramped linearly over ``t_alpha`` steps (bitsandbytes' scheduler; None / 0: none)."""
+    return min(step * alpha / t_alpha, alpha) if t_alpha else alpha
+
+
+def beta3_schedule(step: int, beta1: float, beta3: float, t_beta3: int | None) -> float:
+    """``beta3_t``: from ``beta1`` at step 0 to ``beta3`` at ``t_beta3``, the EMA's half-life growing linearly
+    (bitsandbytes' scheduler; None / 0: ``beta3`` throughout)."""
+    if not t_beta3:
+        return beta3
+    ln_beta1, ln_beta3 = math.log(beta1), math.log(beta3)
+    s = step / t_beta3
+    return min(math.exp((ln_beta1 * ln_beta3) / ((1 - s) * ln_beta3 + s * ln_beta1)), beta3)
+
+
+@fused("ademamix")
+def ademamix_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float, float],
+    eps: float,
+    alpha_t: float,
+    beta3_t: float,
+    bias_correction1: float,
+    bias_correction2_sqrt: float,
+) -> tuple[torch.Tensor, float]:
+    """fp32 AdEMAMix: updates ``exp_avg`` (m1), ``exp_avg_slow`` (m2) and ``exp_avg_sq`` (nu) in place and returns
+    ``(direction, -lr)`` (delta = -lr direction; the caller applies the decay ``p *= 1 - lr wd`` first). ``alpha_t``,
+    ``beta3_t``: the step's scheduled values (:func:`alpha_schedule`, :func:`beta3_schedule`). Op order as
+    bitsandbytes' CPU step, so 32-bit results are bit-identical."""
+    beta1, beta2 = betas[0], betas[1]
+    m1, m2, nu = state["exp_avg"], state["exp_avg_slow"], state["exp_avg_sq"]
+    m1.mul_(beta1).add_(g, alpha=1 - beta1)
+    m2.mul_(beta3_t).add_(g, alpha=1 - beta3_t)
+    nu.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    mixed = torch.div(m1, bias_correction1).add_(torch.mul(m2, alpha_t))
+    denom = nu.sqrt().div_(bias_correction2_sqrt).add_(eps)
+    return mixed.div_(denom), -lr
+
+
+class AdEMAMixAlgorithm(Algorithm):
+    """AdEMAMix for the step pipeline: :func:`ademamix_math`, its schedules, bias corrections and decoupled decay."""
+
+    param_free_math = True  # never reads p (the decay is decoupled)
+    math = staticmethod(ademamix_math)
+    hyper = ("lr", "betas", "eps")
+
+    def slots(self, group, param):
+        return {"exp_avg": Slot(signed=True), "exp_avg_slow": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
+
+    def step_scalars(self, group, step):
+        beta1, beta2, beta3 = group["betas"]
+        return dict(
+            alpha_t=alpha_schedule(step, group["alpha"], group["t_alpha"]),
+            beta3_t=beta3_schedule(step, beta1, beta3, group["t_beta3"]),
+            bias_correction1=1 - beta1**step,
+            bias_correction2_sqrt=math.sqrt(1 - beta2**step),
+        )
+
+    def decay_factor(self, group):
+        wd = group["weight_decay"]
+        return 1 - group["lr"] * wd if wd > 0 else 1.0  # (bitsandbytes decays only for wd > 0)
+
+
+def _check_warmup(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name}: expected an int number of steps or None, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"Invalid {name}: {value} (must be >= 0 steps; None or 0: no warm-up)")
+
+
+class AdEMAMix(LowMemOptimizer):
+    """AdEMAMix with 32/16/8/4-bit state; same signature, defaults and 32-bit results as
+    ``bitsandbytes.optim.AdEMAMix`` (three ``betas``: fast EMA, second moment, slow EMA; ``alpha`` the slow EMA's
+    weight; ``t_alpha`` / ``t_beta3`` their warm-up lengths in steps, None: none).
+
+    bitsandbytes' ``optim_bits`` (32 or 8), ``min_8bit_size`` and ``is_paged`` are other names of ``state_bits``,
+    ``min_quant_numel`` and ``paged``: one set to other than its default decides (an explicit storage keyword that
+    disagrees is a ValueError). Storage keywords: ``state_bits`` (also 16 and 4),
+    ``block_size``, ``paged``, ... (see :class:`~lowmemopt.LowMemOptimizer`). At 8 bits the two EMAs use the signed
+    ``pow2`` map and ``exp_avg_sq`` the unsigned one: ~3 bytes of state per parameter."""
+
+    algorithm = AdEMAMixAlgorithm()
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+        alpha: float = 5.0,
+        t_alpha: int | None = None,
+        t_beta3: int | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+        **storage: Unpack[StorageOptions],
+    ) -> None:
+        for theirs, ours, value, default in (("optim_bits", "state_bits", optim_bits, 32),
+                                             ("min_8bit_size", "min_quant_numel", min_8bit_size, 4096),
+                                             ("is_paged", "paged", is_paged, False)):
+            if value is default or value == default and type(value) is type(default):
+                continue  # (not given: the storage keyword, or its default, decides)
+            if ours in storage and storage[ours] != value:
+                raise ValueError(f"AdEMAMix: {theirs}={value!r} and {ours}={storage[ours]!r} disagree "
+                                 f"({theirs} is bitsandbytes' name for {ours}); give one")
+            storage[ours] = value
+        defaults = dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults, **storage)
+
+    def _check_group(self, group):
+        check_lr(group["lr"])
+        check_nonneg("epsilon value", group["eps"])
+        check_betas(group["betas"], 3)
+        check_nonneg("weight_decay value", group["weight_decay"])
+        check_nonneg("alpha", group["alpha"])
+        _check_warmup("t_alpha", group["t_alpha"])
+        _check_warmup("t_beta3", group["t_beta3"])
+        beta1, _, beta3 = group["betas"]
+        if group["t_beta3"] and not (beta1 > 0 and beta3 > 0):
+            raise ValueError(f"Invalid betas {tuple(group['betas'])} for t_beta3={group['t_beta3']}: the beta3 "
+                             "warm-up interpolates log(beta1) and log(beta3), so both must be > 0")

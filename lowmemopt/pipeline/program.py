@@ -1,0 +1,311 @@
+"""A steady step, resolved once and launched step after step (``DESIGN.md`` §1.3: the host off the critical path).
+
+A step of the pipeline (:func:`lowmemopt.pipeline.step_buckets`) walks every parameter on the host: it gathers an
+item per tensor, finds its kernel, sorts the items into buckets, and every launch builds its table of addresses and
+sizes. None of that changes from one step to the next while the parameters, their param groups and their state stay
+the same. A :class:`StepProgram` keeps that work: the buckets (:class:`~lowmemopt.kernels.dispatch.Planned`), each
+with its :class:`~lowmemopt.kernels.launch.Bucket` holding the launch tables it built, and the non-finite check's own
+tables (:class:`~lowmemopt.kernels.check.GradCheck`). A later step checks that it still applies and launches::
+
+    check      the gradients' finiteness, one multi-tensor launch per dtype, flags stay on the device
+    launch     per bucket: this step's scalars from its param group (a scheduler's lr, the bias corrections), the
+               kept tables masked by the flags (one op), the kernel's launches; the step counts advance
+    settle     the flags copied to the host without waiting; read at the next step (:class:`.finite.PendingSkip`)
+
+What is checked at each step, and what makes the program be built again:
+
+* the parameters with gradients, in order, and their param groups: the same objects (one identity comparison each),
+  each parameter's storage where it was and of the same dtype (``p.data = ...`` replaces it);
+* every param group's values (:func:`~lowmemopt.kernels.dispatch.group_values`): equal, or only a number changed
+  (``lr``, ``weight_decay``, betas...) in a way that leaves the groups that share a bucket equal: those reach the
+  kernels as arguments, read at every launch;
+* the optimizer's state: the same dict (``optimizer.state``, a :class:`StateDict`), no parameter's state dict set,
+  replaced or removed since, every parameter's state tensors the same tensors and its step count the bucket's (a
+  load, a conversion, a skip undone or a hand edit changes one of them);
+* every gradient contiguous (torch keeps its dtype, shape and device those of its parameter); a gradient whose
+  address changed rebuilds the tables of its bucket only.
+
+Those are identity and value comparisons over lists the step walks anyway (its gradients), a few hundred ns per
+parameter, and nothing else on the host grows with the number of parameters. The program covers steps whose every
+parameter the Triton kernels take with the non-finite check on the device: one device, nothing paged or sharded, no
+GaLore group, no capturable group, state already made (not a parameter's first step), an algorithm without a per-step
+view of its groups (:meth:`~lowmemopt.pipeline.algorithm.Algorithm.step_work`). Other steps take the pipeline as
+before.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, Sequence
+
+import torch
+
+from ..work.items import Item, Update
+from .finite import PendingSkip
+from .plan import Plan
+
+__all__ = ["StepProgram", "Kept", "StateDict", "update_for"]
+
+_is = operator.is_
+_data_ptr = torch.Tensor.data_ptr
+_dtype = operator.attrgetter("dtype")
+
+
+@dataclass
+class Kept:
+    """What a step the kernels took whole leaves for a program (:func:`lowmemopt.pipeline.step_buckets`): its
+    buckets, and the GaLore items among their members (their stand-ins, products and apply are made at every step)."""
+
+    planned: list = field(default_factory=list)
+    projected: list[Item] = field(default_factory=list)
+
+
+class StateDict(defaultdict):
+    """An optimizer's ``state`` (``defaultdict(dict)``, as torch.optim makes it) that counts the times a parameter's
+    state dict was set, replaced or removed (:attr:`version`), so that a program sees such a change with one
+    comparison instead of a lookup per parameter. Changes inside a parameter's state dict (a tensor replaced, a step
+    count) are checked by :meth:`StepProgram.matches` itself."""
+
+    version = 0
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def _changed(name: str):  # noqa: N805 (builds the methods below)
+        def method(self, *args, **kwargs):
+            self.version += 1
+            return getattr(defaultdict, name)(self, *args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    pop = _changed("pop")
+    popitem = _changed("popitem")
+    clear = _changed("clear")
+    update = _changed("update")
+    setdefault = _changed("setdefault")
+    __ior__ = _changed("__ior__")
+    del _changed
+
+
+def update_for(plan: Plan, name: str, it: Item, step: Any, device_steps: bool = False) -> Update:
+    """The hyper-parameters of ``it``'s bucket for the step it takes (``step``: an int; a capturable step's fp64
+    steps on the device, and its ``lr`` read there)."""
+    algorithm, group = plan.algorithm, it.group
+    if device_steps:
+        from ..work import capture
+
+        group = dict(group, lr=capture.device_value(group["lr"], it.target.device))
+    decay = 1.0 if it.projected else algorithm.decay_factor(group)
+    return Update(name, algorithm.math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
+                  it.group["block_size"], step if device_steps else None)
+
+
+class StepProgram:
+    """The buckets of a step of ``work`` (``(param, group)`` pairs, in the step's order), as a step that the kernels
+    took whole planned them (``planned``: its :class:`~lowmemopt.kernels.dispatch.Planned` buckets, every member a
+    full-rank item with state). See the module docstring for what :meth:`matches` checks and :meth:`step` does."""
+
+    def __init__(self, plan: Plan, work: Sequence[tuple[torch.Tensor, dict]], kept: Kept) -> None:
+        from ..kernels import dispatch
+        from ..kernels.check import GradCheck
+
+        self.name = plan.fused
+        self.state = plan.state
+        self.version = getattr(plan.state, "version", None)
+        self.params = [p for p, _ in work]
+        self.param_ptrs = list(map(_data_ptr, self.params))  # (a parameter whose .data was replaced moved)
+        self.param_dtypes = list(map(_dtype, self.params))
+        self.groups = [g for _, g in work]
+        self.group_list = list({id(g): g for g in self.groups}.values())
+        self.values = [dispatch.group_values(g) for g in self.group_list]
+        # the buckets in the order of their gradients' dtype (the full-size gradient's, for a GaLore item): the check
+        # launches once per run of one dtype
+        self.planned = sorted(kept.planned, key=lambda pl: str(pl.members[0].param.grad.dtype))
+        position = {id(p): i for i, p in enumerate(self.params)}
+        order = [position[id(it.param)] for pl in self.planned for it in pl.members]
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError("a step program must cover every parameter of its step once")
+        self._pick = operator.itemgetter(*order) if len(order) > 1 else (lambda seq: (seq[order[0]],))
+        self.ranges: list[range] = []
+        self.states: list[list[dict]] = []
+        self.getters = []
+        self.kept: list[list[torch.Tensor]] = []
+        row = 0
+        for pl in self.planned:
+            members = pl.members
+            pl.flag_rows = range(row, row + len(members))
+            for k, it in enumerate(members):
+                it.flag = row + k
+            row += len(members)
+            states = [it.state for it in members]
+            keys = sorted(k for k, v in states[0].items() if isinstance(v, torch.Tensor))
+            if any(sorted(k for k, v in st.items() if isinstance(v, torch.Tensor)) != keys for st in states):
+                raise ValueError("the members of a bucket hold different state keys")
+            getter = operator.itemgetter(*keys) if len(keys) > 1 else (lambda st, k=keys[0]: (st[k],)) if keys \
+                else (lambda st: ())
+            self.ranges.append(pl.flag_rows)
+            self.states.append(states)
+            self.getters.append(getter)
+            self.kept.append(list(chain.from_iterable(map(getter, states))))
+        self.check = GradCheck(self._pick([p.grad for p in self.params]))
+        # GaLore: the projected items (their rows in the program's order), gathered, projected and finished anew
+        self.galore = plan.galore
+        self.projected = [it for pl in self.planned for it in pl.members if it.projected]
+        self.projected_rows = [it.flag for it in self.projected]
+        self.projected_states = [it.state for it in self.projected]
+        self.layouts: list[Any] = [None, None, None]  # GaLore's project, stand-in and finish layouts (kept)
+        self._bases: tuple[int, int] | None = None  # the last step's stand-in and low-rank gradient buffers
+
+    def matches(self, state: Any, params: Sequence[torch.Tensor], groups: Sequence[dict],
+                grads: Sequence[torch.Tensor]) -> bool:
+        """Does this program step ``params`` (with gradients ``grads``, in order) of ``groups`` (their param groups),
+        with the optimizer's ``state``, as it stands (module docstring)? Identity and value comparisons only."""
+        if state is not self.state or self.version is None or state.version != self.version or \
+                len(params) != len(self.params):
+            return False
+        if not (all(map(_is, params, self.params)) and all(map(_is, groups, self.groups))):
+            return False
+        if list(map(_data_ptr, params)) != self.param_ptrs or list(map(_dtype, params)) != self.param_dtypes:
+            return False  # (p.data replaced: the kept tables hold the old storage's address)
+        if not self._groups_match():
+            return False
+        step_of = operator.itemgetter("step")
+        try:
+            for pl, states, getter, kept in zip(self.planned, self.states, self.getters, self.kept):
+                steps = list(map(step_of, states))
+                if steps.count(pl.step) != len(steps) or not all(map(_is, chain.from_iterable(map(getter, states)),
+                                                                     kept)):
+                    return False
+        except KeyError:  # (a state dict emptied: a skipped first step undone)
+            return False
+        if self.projected and self.galore.refresh_due(self.projected_states):  # (the SVD reads the gradient)
+            return False
+        return all(map(torch.Tensor.is_contiguous, grads))
+
+    def _groups_match(self) -> bool:
+        """Are the param groups' values those the buckets were made for, or changed only in numbers that leave the
+        groups of each bucket equal (they reach the kernels as arguments)?"""
+        from ..kernels.dispatch import group_values
+
+        values = [group_values(g) for g in self.group_list]
+        if values == self.values:
+            return True
+        for old, new in zip(self.values, values):
+            if len(old) != len(new) or not all(map(_same_kind, old, new)):
+                return False
+        # the groups that shared a bucket (equal values) must still be equal, and no others newly so
+        if _partition(values) != _partition(self.values):
+            return False
+        self.values = values
+        return True
+
+    def step(self, plan: Plan, grads: Sequence[torch.Tensor]) -> PendingSkip:
+        """Launch one step with ``grads`` (the parameters', in the step's order; :meth:`matches` said yes): the check
+        (or GradScaler's ``found_inf``), every bucket, the step counts; returns the step's skips to settle at the
+        next step. Reads nothing back."""
+        from ..kernels.dispatch import launch_buckets
+
+        grads = self._pick(grads)
+        ptrs = list(map(_data_ptr, grads))
+        n = len(grads)
+        if plan.found_inf is not None:  # the scaler checked every gradient: its one flag for all
+            found = plan.found_inf.to(grads[0].device, non_blocking=True)
+            flags = (found.reshape(1) == 0).view(torch.uint8).expand(n)
+        else:
+            flags = self.check.flags(grads, ptrs)
+        galore = self.galore
+        layouts = self.layouts
+        if self.projected:  # this step's low-rank gradients and stand-ins (new tensors, in buffers of one layout)
+            galore.again(plan, self.projected, [grads[r] for r in self.projected_rows])
+            layouts[0] = galore.project(self.projected, layouts[0])
+            layouts[1] = galore.stand_ins(self.projected, layouts[1])
+            galore.weights(plan, self.projected)
+        moved = self._moved(layouts)
+        for pl, rows in zip(self.planned, self.ranges):
+            members = pl.members
+            if not members[0].projected:
+                pl.bucket.set_grads(grads[rows.start:rows.stop], ptrs[rows.start:rows.stop])
+            elif moved is None:
+                pl.bucket.set_tensors([it.target for it in members], [it.grad for it in members])
+            else:  # carved from buffers of the kept layouts: the tables move with them
+                pl.bucket.move_tensors([it.target for it in members], [it.grad for it in members], *moved)
+        mult = None if plan.grad_mult is None else plan.mult
+        name = self.name
+        left = launch_buckets(self.planned, lambda it, step: update_for(plan, name, it, step), flags, False, mult)
+        launched = self.planned
+        if left:  # the kernels were turned off by a failure that wrote nothing: the rest takes the per-tensor path
+            launched = self._step_left(plan, left, flags)
+        if self.projected and launched is self.planned:
+            layouts[2] = galore.finish_many(plan, self.projected, flags, layouts[2], layouts[0], layouts[1])
+        elif self.projected:
+            finished = {id(it) for pl in launched for it in pl.members}
+            galore.finish_many(plan, [it for it in self.projected if id(it) in finished], flags)
+        if plan.found_inf is not None:  # one flag: the whole step
+            return PendingSkip(flags[:1], lambda rows: self._undo(range(n), launched))
+        return PendingSkip(flags, lambda rows: self._undo(rows, launched), counted=True)
+
+    def _step_left(self, plan: Plan, left: list[Item], flags: torch.Tensor) -> list:
+        """Step the items no kernel took (their buckets' launches failed before writing anything) through the
+        per-tensor backends, which need the flags on the host (a synchronization); returns the buckets launched."""
+        from . import step_param
+
+        ok = flags.tolist()
+        for it in left:
+            if ok[it.flag]:
+                step_param(plan, it.param, it.param.grad, it.group)
+        done = {id(it) for it in left}
+        return [pl for pl in self.planned if id(pl.members[0]) not in done]
+
+    def _moved(self, layouts: list) -> tuple[int, int] | None:
+        """How far this step's GaLore buffers (stand-ins, low-rank gradients) lie from the previous step's, which
+        had the same layouts: ``(targets, gradients)`` in bytes; None the first time (the buckets' tensors then came
+        from the pipeline's own layouts: their addresses are compared one by one)."""
+        if not self.projected or len(layouts[1].bases) != 1:
+            return None
+        now = (layouts[1].bases[0], layouts[0].base)
+        before, self._bases = self._bases, now
+        return None if before is None else (now[0] - before[0], now[1] - before[1])
+
+    def _undo(self, rows: Sequence[int], launched: list) -> None:
+        """The skipped rows' step counts back to what they were (their kernels wrote nothing); rows of buckets
+        that were not launched stay (the per-tensor path stepped only their finite ones)."""
+        for pl, states, rng in zip(self.planned, self.states, self.ranges):
+            if not any(pl is x for x in launched):
+                continue
+            for r in rows:
+                if r in rng:
+                    states[r - rng.start]["step"] = pl.step - 1
+
+
+def _same_kind(old: Any, new: Any) -> bool:
+    """May a group value change from ``old`` to ``new`` without changing the buckets' kernels, slots or formats? A
+    float for a float, or a tuple of floats for one of the same length (a learning rate, betas, a weight decay: the
+    kernels read them as arguments at every launch). Anything else (an int storage option, a flag, a string, None, a
+    tensor replaced by another) counts as a structural change. Entries of :func:`group_values` are keys and values
+    in turn; keys compare equal."""
+    if old == new or (_is_float(old) and _is_float(new)):
+        return True
+    if type(old) is tuple and type(new) is tuple and len(old) == len(new) and old and old[0] == new[0] and \
+            old[0] in ("tuple", "list"):
+        return all(map(_same_kind, old[1:], new[1:]))
+    return False
+
+
+def _is_float(v: Any) -> bool:
+    """A float as :func:`group_values` holds it: itself, or ``("float", hex)`` for 0.0, -0.0 and NaN."""
+    return type(v) is float or (type(v) is tuple and len(v) == 2 and v[0] == "float")
+
+
+def _partition(values: list[tuple]) -> list[int]:
+    """Which groups have equal values: each group's number, the first group with its values."""
+    first: dict[tuple, int] = {}
+    return [first.setdefault(v, i) for i, v in enumerate(values)]

@@ -1,0 +1,77 @@
+"""Every public optimizer class and alias shows its real keyword arguments (``lowmemopt.signature``): what
+``inspect.signature`` and ``help()`` show names the storage options and has no ``*args`` / ``**kwargs``; an alias shows
+the defaults it changes, and those are what it does; editors see the same options (``Unpack[StorageOptions]``)."""
+
+from __future__ import annotations
+
+import inspect
+import pydoc
+import typing
+
+import pytest
+import torch
+
+import lowmemopt
+from lowmemopt.optimizer import LowMemOptimizer
+from lowmemopt.registry import needs_process_group
+from lowmemopt.signature import StorageOptions
+
+#: the storage options: the base class's keyword-only parameters
+STORAGE = [p.name for p in inspect.signature(LowMemOptimizer.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
+PUBLIC = [n for n in lowmemopt.__all__
+          if isinstance(getattr(lowmemopt, n), type) and issubclass(getattr(lowmemopt, n), torch.optim.Optimizer)]
+
+
+def test_every_public_optimizer_is_covered():
+    assert len(PUBLIC) >= 40 and {"AdamW", "AdamW8bit", "DeepSpeedCPUAdam", "OnebitAdam", "CAME4bit"} <= set(PUBLIC)
+    assert {"state_bits", "block_size", "paged", "bf16_update", "foreach", "differentiable"} <= set(STORAGE)
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_signature_names_every_keyword(name):
+    cls = getattr(lowmemopt, name)
+    params = inspect.signature(cls).parameters
+    kinds = {p.kind for p in params.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds and inspect.Parameter.VAR_POSITIONAL not in kinds, params
+    assert next(iter(params)) in ("params", "model_params", "named_parameters")
+    for key in STORAGE:
+        assert params[key].kind is inspect.Parameter.KEYWORD_ONLY, key
+    text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    assert f"{cls.__name__}(" in text and "state_bits: 'int' = " in text and "**storage" not in text and "*args" not in text
+
+
+@pytest.mark.parametrize("name", [n for n in PUBLIC if not needs_process_group(getattr(lowmemopt, n))])
+def test_the_defaults_shown_are_the_defaults_taken(name):
+    """Every storage option's default in the signature is the one the optimizer stores (an alias's too:
+    ``AdamW8bit``'s ``state_bits=8``, ``PagedAdamW``'s ``paged=True``)."""
+    cls = getattr(lowmemopt, name)
+    params = inspect.signature(cls).parameters
+    try:  # (a matrix: Muon's groups take 2-D parameters only)
+        opt = cls([torch.nn.Parameter(torch.zeros(3, 3))])
+    except (TypeError, ValueError):  # (an optimizer whose lr is required: CAME, FusedSGD)
+        opt = cls([torch.nn.Parameter(torch.zeros(3, 3))], lr=1e-3)
+    for key in ("state_bits", "min_quant_numel", "paged", "bf16_update", "capturable"):
+        assert opt.defaults[key] == params[key].default, key
+
+
+def test_an_alias_shows_its_own_defaults():
+    sig = inspect.signature(lowmemopt.PagedAdamW4bit).parameters
+    assert sig["state_bits"].default == 4 and sig["paged"].default is True
+    assert inspect.signature(lowmemopt.AdamW8bit).parameters["state_bits"].default == 8
+    assert inspect.signature(lowmemopt.AdamW).parameters["state_bits"].default == 32
+    assert list(inspect.signature(lowmemopt.DeepSpeedCPUAdam).parameters)[:3] == ["model_params", "lr",
+                                                                                  "bias_correction"]
+
+
+def test_editors_see_the_same_storage_options():
+    """``StorageOptions`` (what ``**storage: Unpack[StorageOptions]`` tells static tools) is the base class's
+    keyword-only parameters, and every optimizer class annotates its ``**storage`` with it."""
+    assert list(typing.get_type_hints(StorageOptions, include_extras=False)) == STORAGE
+    annotated = 0
+    for name in PUBLIC:
+        for c in getattr(lowmemopt, name).__mro__:
+            init = c.__dict__.get("__init__")
+            if init is not None and "storage" in getattr(init, "__annotations__", {}):
+                assert init.__annotations__["storage"] == "Unpack[StorageOptions]", c
+                annotated += 1
+    assert annotated >= len(set(PUBLIC)) // 2
