@@ -261,3 +261,21 @@ def lowbit_gaps(name: str, bits: int, steps: int, seeds) -> list[float]:
             l32, low = (bench.train(name, b, steps, seed)["heldout"] for b in (32, bits))
             gaps.append((low - l32) / l32)
     return gaps
+
+
+def per_layer_and_step(model: torch.nn.Module, make_opt: Callable, steps: int, x: torch.Tensor):
+    """``model`` trained ``steps`` times on ``x`` with ``step_in_backward(model, make_opt(model))``, and a copy of it
+    with ``make_opt(copy)``'s ``step()``: (the model's parameters, the copy's), to compare."""
+    import copy
+
+    import lowmemopt
+
+    twin = copy.deepcopy(model)
+    lowmemopt.step_in_backward(model, make_opt(model))
+    ref = make_opt(twin)
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        twin(x).square().mean().backward()
+        ref.step()
+        ref.zero_grad()
+    return list(model.parameters()), list(twin.parameters())

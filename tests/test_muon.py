@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers import clone_params, lowbit_gaps, make_params, run, set_grads, tiny_trainer
+from helpers import clone_params, lowbit_gaps, make_params, per_layer_and_step, run, set_grads, tiny_trainer
 
 import lowmemopt
 from lowmemopt.optim import muon_batches
@@ -136,17 +136,12 @@ def test_loss_scaling_equals_unscale_then_step():
 def test_per_layer_updates_step_as_step():
     """step_in_backward (one matrix at a time, no batches) gives the same parameters as step()."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
-    twin = copy.deepcopy(model)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-    opt = lowmemopt.Muon(lowmemopt.muon_param_groups(model), lr=0.02, state_bits=8, min_quant_numel=0)
-    lowmemopt.step_in_backward(model, opt)
-    ref = lowmemopt.Muon(lowmemopt.muon_param_groups(twin), lr=0.02, state_bits=8, min_quant_numel=0)
-    for _ in range(3):
-        model(x).square().mean().backward()
-        twin(x).square().mean().backward()
-        ref.step()
-        ref.zero_grad()
-    for p, q in zip(model.parameters(), twin.parameters()):
+
+    def make(m):
+        return lowmemopt.Muon(lowmemopt.muon_param_groups(m), lr=0.02, state_bits=8, min_quant_numel=0)
+
+    for p, q in zip(*per_layer_and_step(model, make, 3, x)):
         torch.testing.assert_close(p, q, rtol=0, atol=3 * 0.02 * 2 ** -7)
 
 
