@@ -21,10 +21,12 @@ _FUNCTIONS = {
     "load_state": "checkpoint",
     "save_state": "checkpoint",
     "step_in_backward": "per_layer",
+    "muon_param_groups": "optim",
+    "apollo_param_groups": "optim",
 }
 _CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB",
             "LARS", "Lion", "SGD", "SignSGD"]
-_CLASSES += ["AdEMAMix", "AdamMini"]
+_CLASSES += ["AdEMAMix", "AdamMini", "Muon", "APOLLOAdamW"]
 #: the communication-compressed optimizers (docs/onebit.md), by module; built on real parameters they need an
 #: initialized process group (``requires_process_group``, read by ``lowmemopt.registry``)
 _MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam",

@@ -196,13 +196,13 @@ class Choice:
 
     def make(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         import lowmemopt
-        from .registry import resolve
+        from .registry import model_params, resolve
 
         resolved = resolve(self.name)
         if self.galore is not None:
             params: Any = lowmemopt.galore_param_groups(model, **self.galore)
         else:
-            params = model.parameters()
+            params = model_params(resolved.cls, model)
         return resolved.cls(params, **{**resolved.kwargs, **self.kwargs})
 
     def settings(self) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from .model_presets import missing_config_message, preset
 from .pipeline import PAGE_BUCKET_BYTES
-from .registry import instantiate, needs_process_group, resolve
+from .registry import instantiate, model_params, needs_process_group, resolve
 
 __all__ = ["MemoryEstimate", "cheapest_fits", "config_dtype", "default_state_bits", "estimate", "format_bytes",
            "galore_ranks", "model_from_config", "parse_bytes", "state_nbytes_after_first_step"]
@@ -186,7 +186,7 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
         params = [(n, p) for n, p in named if p.requires_grad]
         optimizer_kwargs = {**resolved.cls.model_keywords(getattr(model, "config", None)), **optimizer_kwargs}
     else:
-        params = trainable
+        params = model_params(resolved.cls, model)  # (Muon: its hidden matrices and the rest)
     if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group
         params = _on_meta(params)
     try:

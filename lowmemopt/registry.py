@@ -5,7 +5,8 @@ is reachable by its name, case-insensitively and ignoring ``_``, ``-`` and space
 ``"adamw_8bit"`` and ``"ADAMW-8BIT"`` all name ``lowmemopt.AdamW8bit``. Names that are not a class may carry the
 prefixes ``galore`` (the optimizer is to run in GaLore's projected subspace: the caller builds GaLore param groups) and
 ``paged`` (``paged=True``), in that order: ``"galore_came8bit"`` is ``CAME8bit`` in GaLore groups,
-``"paged_lion8bit"`` is ``Lion8bit(paged=True)``.
+``"paged_lion8bit"`` is ``Lion8bit(paged=True)``. A class name without a drop-in alias for its bits may end in
+``32bit``, ``16bit``, ``8bit`` or ``4bit`` (``state_bits``): ``"muon_8bit"`` is ``Muon(state_bits=8)``.
 
 Some classes need ``torch.distributed`` initialized to be built on real parameters (the 1-bit optimizers, whose
 class attribute ``requires_process_group`` is True): :func:`needs_process_group` says which, and
@@ -23,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Resolved", "check_process_group", "declared_class_names", "instantiate", "needs_process_group",
-           "optimizer_classes", "optimizer_names", "resolve", "unknown_names"]
+__all__ = ["Resolved", "check_process_group", "declared_class_names", "instantiate", "model_params",
+           "needs_process_group", "optimizer_classes", "optimizer_names", "resolve", "unknown_names"]
 
 
 class Resolved(NamedTuple):
@@ -58,19 +59,26 @@ def optimizer_names() -> list[str]:
     return sorted(optimizer_classes(), key=str.lower)
 
 
-def _match(name: str, keys: Iterable[str]) -> tuple[str, bool, bool] | None:
-    """The class key ``name`` names, and whether it asks for GaLore groups and paged state; None if it names none."""
+def _match(name: str, keys: Iterable[str]) -> tuple[str, bool, bool, int | None] | None:
+    """The class key ``name`` names, whether it asks for GaLore groups and paged state, and the ``state_bits`` its
+    ``<bits>bit`` ending asks for (None without one); None if it names no class."""
     keys = set(keys)
     key = _key(name)
     if key in keys:
-        return key, False, False
+        return key, False, False, None
     galore = paged = False
     rest = key
     if rest.startswith("galore"):
         galore, rest = True, rest[len("galore"):]
     if rest.startswith("paged"):
         paged, rest = True, rest[len("paged"):]
-    return (rest, galore, paged) if (galore or paged) and rest in keys else None
+    if (galore or paged) and rest in keys:
+        return rest, galore, paged, None
+    for bits in (32, 16, 8, 4):
+        base = rest.removesuffix(f"{bits}bit")
+        if base != rest and base in keys:
+            return base, galore, paged, bits
+    return None
 
 
 def _unknown(name: str, class_names: Iterable[str]) -> ValueError:
@@ -92,9 +100,12 @@ def resolve(name: str) -> Resolved:
     found = _match(name, by_key)
     if found is None:
         raise _unknown(name, optimizer_names())
-    key, galore, paged = found
+    key, galore, paged, bits = found
     cls = by_key[key]
-    return Resolved(cls, galore or cls.__name__.lower().startswith("galore"), {"paged": True} if paged else {})
+    kwargs: dict[str, Any] = {"paged": True} if paged else {}
+    if bits is not None:
+        kwargs["state_bits"] = bits
+    return Resolved(cls, galore or cls.__name__.lower().startswith("galore"), kwargs)
 
 
 def declared_class_names() -> list[str] | None:
@@ -152,4 +163,18 @@ def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) ->
 
     if "lr" not in kwargs and not (issubclass(cls, Adafactor) and kwargs.get("relative_step", True)):
         kwargs["lr"] = 1e-3
+    groups_of = getattr(cls, "model_param_groups", None)
+    if groups_of is not None:  # (bare tensors: the class's own split of them)
+        params = list(params)
+        if not any(isinstance(p, dict) for p in params):
+            params = groups_of(params)
     return cls(params, **kwargs)
+
+
+def model_params(cls: type, model: torch.nn.Module) -> Any:
+    """What ``cls`` is built on for ``model``: the param groups the class makes of a model where it needs its own
+    (its ``model_param_groups``: Muon's hidden matrices and the rest), else the trainable parameters."""
+    groups_of = getattr(cls, "model_param_groups", None)
+    if groups_of is not None:
+        return groups_of(model)
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1105,6 +1105,58 @@ def ademamix_and_adam_mini(ctx):
             compare(params, ref_params, what, rtol=0, atol=2e-2)
 
 
+@case
+def muon_fsdp2(ctx):
+    """Muon under FSDP2 (Shard(0); uneven and empty shards) equals one process: each matrix is gathered whole on one
+    rank (dealt out in turn), orthogonalized there and scattered back; 32-bit and 8-bit momentum (blocks aligned with
+    the shards), AdamW groups beside. One matrix per batch: the same products as the one-process run, bit for bit;
+    with two matrices of a shape batched in one process and split over the ranks here, to bf16 rounding."""
+    from lowmemopt.optim import muon_batches
+
+    shapes = [(8, 8), (8, 8), (4, 16), (1, 6), (32,)]
+
+    def groups(ps):
+        return [{"params": [p for p in ps if p.dim() == 2]}, {"params": [p for p in ps if p.dim() != 2],
+                                                              "use_muon": False}]
+
+    default = muon_batches.BATCH_BYTES
+    try:
+        for bits, batch_bytes in ((32, 1), (8, 1), (32, default)):
+            muon_batches.BATCH_BYTES = batch_bytes
+            tensors = full_params(shapes)
+            _, params = fsdp_params(ctx, tensors)
+            ref_params = plain_params(tensors)
+            kw = dict(lr=0.02, weight_decay=0.1, state_bits=bits, min_quant_numel=0, block_size=16)
+            opt, ref_opt = lowmemopt.Muon(groups(params), **kw), lowmemopt.Muon(groups(ref_params), **kw)
+            step_both(opt, params, ref_opt, ref_params, targets(shapes), 3)
+            compare(params, ref_params, f"Muon {bits}-bit, batches of {batch_bytes} B", exact=batch_bytes == 1,
+                    rtol=0, atol=3 * 0.02 * 2 ** -7)
+            compare_state(opt, params, ref_opt, ref_params, f"Muon {bits}-bit state", exact=batch_bytes == 1)
+    finally:
+        muon_batches.BATCH_BYTES = default
+
+
+@case
+def apollo_fsdp2(ctx):
+    """APOLLO under FSDP2 (Shard(0); uneven and empty shards) equals one process: side right (rows kept) projects the
+    local rows, side left sums over the shards; the random projection regenerated alike on every rank, an SVD
+    refresh from the gathered gradient; channel- and tensor-wise factors, the limiter's norm over the shards."""
+    shapes = [(8, 6), (6, 10), (7, 5), (1, 6), (5,)]
+    for keys in (dict(rank=2, update_proj_gap=2), dict(rank=2, proj="svd", scale_type="tensor", update_proj_gap=2)):
+        tensors = full_params(shapes)
+        _, params = fsdp_params(ctx, tensors)
+        ref_params = plain_params(tensors)
+
+        def groups(ps):
+            return [{"params": [p for p in ps if p.dim() == 2], **keys}, {"params": [p for p in ps if p.dim() != 2]}]
+
+        opt = lowmemopt.APOLLOAdamW(groups(params), lr=1e-2, weight_decay=0.01)
+        ref_opt = lowmemopt.APOLLOAdamW(groups(ref_params), lr=1e-2, weight_decay=0.01)
+        step_both(opt, params, ref_opt, ref_params, targets(shapes), 4)
+        compare(params, ref_params, f"APOLLO {keys}")
+        compare_state(opt, params, ref_opt, ref_params, f"APOLLO {keys} state")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import re
@@ -209,3 +210,72 @@ def interpreter_fma_rounds_once() -> bool:
     out = torch.zeros(1)
     fma_kernel[(1,)](out)
     return float(out) == 2.0 ** -24
+
+
+def tiny_trainer(out, spec, resume=None):
+    """A HuggingFace Trainer run (4 steps, checkpoints every 2) of a tiny LLaMA built from a config (vocabulary 96,
+    hidden 32, 2 layers) on fixed random tokens, with ``optimizer_cls_and_kwargs=spec``; returns (trainer, the
+    train() output)."""
+    import transformers
+
+    class Tokens(torch.utils.data.Dataset):
+        data = torch.randint(0, 96, (16, 12), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.data[i], "labels": self.data[i]}
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=4, per_device_train_batch_size=4, learning_rate=2e-3, weight_decay=0.1,
+        adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-9, save_steps=2, save_strategy="steps",
+        logging_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=spec)
+    return trainer, trainer.train(resume_from_checkpoint=resume)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread while the block runs (a training run on a busy 2-core machine: no waits for a second
+    core that another process holds; seconds instead of minutes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def lowbit_gaps(name: str, bits: int, steps: int, seeds) -> list[float]:
+    """``bench/lowbit_training.py``'s runs of optimizer ``name``: the held-out loss of ``bits`` relative to 32 bits,
+    ``(low - l32) / l32``, per seed (on one torch thread)."""
+    bench = load_bench("lowbit_training")
+    gaps = []
+    with one_thread():
+        for seed in seeds:
+            l32, low = (bench.train(name, b, steps, seed)["heldout"] for b in (32, bits))
+            gaps.append((low - l32) / l32)
+    return gaps
+
+
+def per_layer_and_step(model: torch.nn.Module, make_opt: Callable, steps: int, x: torch.Tensor):
+    """``model`` trained ``steps`` times on ``x`` with ``step_in_backward(model, make_opt(model))``, and a copy of it
+    with ``make_opt(copy)``'s ``step()``: (the model's parameters, the copy's), to compare."""
+    import copy
+
+    import lowmemopt
+
+    twin = copy.deepcopy(model)
+    lowmemopt.step_in_backward(model, make_opt(model))
+    ref = make_opt(twin)
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        twin(x).square().mean().backward()
+        ref.step()
+        ref.zero_grad()
+    return list(model.parameters()), list(twin.parameters())

@@ -46,10 +46,10 @@ def test_the_defaults_shown_are_the_defaults_taken(name):
     ``AdamW8bit``'s ``state_bits=8``, ``PagedAdamW``'s ``paged=True``)."""
     cls = getattr(lowmemopt, name)
     params = inspect.signature(cls).parameters
-    try:
-        opt = cls([torch.nn.Parameter(torch.zeros(3))])
+    try:  # (a matrix: Muon's groups take 2-D parameters only)
+        opt = cls([torch.nn.Parameter(torch.zeros(3, 3))])
     except (TypeError, ValueError):  # (an optimizer whose lr is required: CAME, FusedSGD)
-        opt = cls([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+        opt = cls([torch.nn.Parameter(torch.zeros(3, 3))], lr=1e-3)
     for key in ("state_bits", "min_quant_numel", "paged", "page_budget_bytes", "page_headroom_bytes", "bf16_update",
                 "capturable"):
         assert opt.defaults[key] == params[key].default, key

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from helpers import clone_params, make_params, run
-from optim_info import OPTIMIZERS, STATEFUL
+from optim_info import BY_NAME, OPTIMIZERS, STATEFUL
 
 import lowmemopt
 from lowmemopt import compiled
@@ -37,7 +37,7 @@ def resumed(tmp_path_factory):
     specs, expected = [], {}
     for case in RESUME_CASES:
         name, bits, dtype = case
-        cls, kwargs = lowmemopt.__dict__[name], STATEFUL[name]
+        cls, kwargs = BY_NAME[name].cls, STATEFUL[name]  # (the table's class, as the worker builds it)
         start = make_params(SHAPES, dtype=getattr(torch, dtype))
         full = clone_params(start)
         run(cls(full, state_bits=bits, **kwargs), full, 20)

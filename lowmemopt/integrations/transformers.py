@@ -22,6 +22,10 @@ param groups from the model:
 * GaLore: with ``galore=dict(target_modules=..., rank=...)`` (the Trainer's ``optim_target_modules`` syntax, e.g.
   ``"all-linear"`` or a list of names / a regex) the matching Linear weights go into groups with ``rank``, built by
   :func:`lowmemopt.galore_param_groups`.
+* APOLLO (``"apollo_adamw"``): with ``apollo=dict(target_modules=..., rank=...)`` the matching Linear weights go into
+  projected groups built by :func:`lowmemopt.apollo_param_groups`. Muon (``"muon"``, ``"muon_8bit"``): the hidden
+  matrices in Muon groups, the rest in AdamW groups (:func:`lowmemopt.muon_param_groups`); ``adam_beta1``,
+  ``adam_beta2`` and ``adam_epsilon`` go to the AdamW groups.
 
 The Trainer's factory call passes the model only, so the factory reads the ``TrainingArguments`` (and the decay rule,
 honouring a Trainer subclass that overrides ``get_decay_parameter_names``) from the Trainer that called it, found on
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..registry import check_process_group, instantiate, needs_process_group, resolve
+from ..registry import check_process_group, instantiate, model_params, needs_process_group, resolve
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -56,6 +60,7 @@ def optimizer(
     embedding_state_bits: int | None = 32,
     step_in_backward: bool | Mapping[str, Any] = False,
     args: TrainingArguments | None = None,
+    apollo: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[type, dict[str, Any]]:
     """What ``Trainer(..., optimizer_cls_and_kwargs=...)`` takes to train with lowmemopt optimizer ``name``.
@@ -76,6 +81,10 @@ def optimizer(
             with :func:`lowmemopt.step_in_backward`'s options: ``dict(bucket_bytes=32 << 20)`` steps the parameters
             in buckets of that many gradient bytes (less host work per parameter).
         args: the ``TrainingArguments`` to read hyper-parameters from; default: those of the calling Trainer.
+        apollo: APOLLO's projected groups, for ``"apollo_adamw"``: ``target_modules`` and ``rank`` (required),
+            optionally ``proj``, ``scale_type``, ``scale``, ``update_proj_gap``, ``proj_type``, the keywords of
+            :func:`lowmemopt.apollo_param_groups` (APOLLO-Mini: ``rank=1, scale_type="tensor", scale=128``).
+            Without it every parameter steps as AdamW.
         **kwargs: any other keyword of the optimizer (``lr``, ``betas``, ``block_size``, ``paged``...); these win over
             ``TrainingArguments``.
 
@@ -89,6 +98,8 @@ def optimizer(
         )
     if galore is not None:
         galore = _check_galore(galore)
+    if apollo is not None:
+        apollo = _check_apollo(resolved.cls, apollo)
     if embedding_state_bits is not None and embedding_state_bits not in (32, 16, 8, 4):
         raise ValueError(f"embedding_state_bits must be 32, 16, 8, 4 or None, got {embedding_state_bits!r}")
     step_in_backward = _check_step_in_backward(step_in_backward)
@@ -106,6 +117,7 @@ def optimizer(
         embedding_state_bits=embedding_state_bits,
         step_in_backward=step_in_backward,
         training_args=args,
+        apollo=apollo,
     )
     return TrainerOptimizerFactory, config
 
@@ -141,6 +153,7 @@ def build(
     step_in_backward: bool | dict[str, Any] | None,
     training_args: TrainingArguments | None,
     trainer: Any = None,
+    apollo: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
     """Make the optimizer for ``model`` (what the factory does; see the module docstring)."""
     args = training_args if training_args is not None else getattr(trainer, "args", None)
@@ -158,6 +171,7 @@ def build(
         decay_names=_decay_names(trainer, model),
         galore=galore,
         embedding_state_bits=embedding_state_bits,
+        base=_base_groups(cls, model, galore, apollo),
     )
     if getattr(cls, "named_groups", False):  # (Adam-mini: a group per parameter, its blocks by the parameter's name)
         groups = _named_groups(model, groups)
@@ -192,6 +206,10 @@ def from_training_args(cls: type, args: Any, explicit: Mapping[str, Any] = ()) -
     out: dict[str, Any] = {"weight_decay": args.weight_decay}
     if not explicit.get("relative_step", False):
         out["lr"] = args.learning_rate
+    renamed = getattr(cls, "adam_keywords", None)  # Adam settings under other names (Muon's AdamW groups)
+    if renamed is not None:
+        out.update({renamed["betas"]: (args.adam_beta1, args.adam_beta2), renamed["eps"]: args.adam_epsilon})
+        return out
     defaults = _probe(cls, {**out, **explicit}).defaults
     betas = defaults.get("betas")
     if isinstance(betas, (tuple, list)) and len(betas) >= 2:
@@ -209,11 +227,13 @@ def param_groups(
     decay_names: set[str] | list[str] | None = None,
     galore: Mapping[str, Any] | None = None,
     embedding_state_bits: int | None = 32,
+    base: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """``model``'s trainable parameters as param groups: GaLore groups first split off (when ``galore`` is given),
     then each group split by (decay, embedding): ``weight_decay`` for the names in ``decay_names`` (default: every
     parameter), 0 for the others; ``state_bits=embedding_state_bits`` for ``nn.Embedding`` weights. Empty groups are
-    dropped; the order is deterministic (model order), so a resumed run's groups match a saved state dict."""
+    dropped; the order is deterministic (model order), so a resumed run's groups match a saved state dict. ``base``:
+    the groups to split instead of one of every parameter (an optimizer's own: Muon's matrices and the rest)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")
@@ -223,7 +243,7 @@ def param_groups(
                  for p in m.parameters(recurse=False)}
     if galore is not None:
         base = _galore_groups(model, dict(galore))
-    else:
+    elif base is None:
         base = [{"params": [p for _, p in named]}]
     groups: list[dict[str, Any]] = []
     for group in base:
@@ -247,6 +267,18 @@ def param_groups(
 # helpers
 
 
+def _projection_settings(kind: str, settings: Any, example_rank: int) -> dict[str, Any]:
+    """``settings`` (``galore=`` or ``apollo=``) as a dict that has ``target_modules`` and ``rank``, else a clear
+    TypeError / ValueError naming ``kind``."""
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"{kind} must be a dict of {kind} settings, got {type(settings).__name__}")
+    missing = [k for k in ("target_modules", "rank") if k not in settings]
+    if missing:
+        raise ValueError(f"{kind} needs {' and '.join(missing)}, e.g. {kind}=dict(target_modules='all-linear', "
+                         f"rank={example_rank}) (target_modules as in TrainingArguments.optim_target_modules)")
+    return dict(settings)
+
+
 def _named_groups(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``groups`` split into one group per parameter with its ``name`` in ``model`` (the other keys kept)."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -256,15 +288,38 @@ def _named_groups(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[
 
 def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
     """Check GaLore settings now, with :func:`lowmemopt.galore_param_groups`'s own checks (on a one-Linear model)."""
-    if not isinstance(galore, Mapping):
-        raise TypeError(f"galore must be a dict of GaLore settings, got {type(galore).__name__}")
-    missing = [k for k in ("target_modules", "rank") if k not in galore]
-    if missing:
-        raise ValueError(f"galore needs {' and '.join(missing)}, e.g. galore=dict(target_modules='all-linear', "
-                         "rank=128) (target_modules as in TrainingArguments.optim_target_modules)")
-    galore = dict(galore)
+    galore = _projection_settings("galore", galore, 128)
     _galore_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**galore, "target_modules": "all-linear"})
     return galore
+
+
+def _base_groups(cls: type, model: torch.nn.Module, galore: dict[str, Any] | None,
+                 apollo: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The groups :func:`param_groups` splits when the optimizer needs its own: APOLLO's projected groups, or the
+    groups the class makes of a model (Muon's matrices and the rest); None otherwise (GaLore groups, or one group)."""
+    if apollo is not None:
+        return _apollo_groups(model, apollo)
+    if galore is None and hasattr(cls, "model_param_groups"):
+        return model_params(cls, model)
+    return None
+
+
+def _check_apollo(cls: type, apollo: Mapping[str, Any]) -> dict[str, Any]:
+    """Check APOLLO settings now (on a one-Linear model), for an APOLLO optimizer only."""
+    import lowmemopt
+
+    if not (isinstance(cls, type) and issubclass(cls, lowmemopt.APOLLOAdamW)):
+        raise ValueError(f"apollo=... is for APOLLOAdamW (optimizer 'apollo_adamw'), not {cls.__name__}")
+    apollo = _projection_settings("apollo", apollo, 256)
+    groups = _apollo_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**apollo, "target_modules": "all-linear"})
+    cls(groups)  # the optimizer's own checks of the group keys
+    return apollo
+
+
+def _apollo_groups(model: torch.nn.Module, apollo: dict[str, Any]) -> list[dict[str, Any]]:
+    import lowmemopt
+
+    return lowmemopt.apollo_param_groups(model, **apollo)
 
 
 def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[str, Any]]:
