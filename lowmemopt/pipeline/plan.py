@@ -83,13 +83,18 @@ class Plan:
     keep: Any = None
     _mults: dict = field(default_factory=dict)
     _records: dict = field(default_factory=dict)
+    _last: tuple = (None, None)  # the last (group, record) asked for: the next parameter's, mostly
 
     def record_of(self, group: dict[str, Any]) -> BucketRecord:
         """The options of ``group`` (a param group, or a stage's per-step view of one) for this step, resolved at its
         first item (:class:`~lowmemopt.work.record.BucketRecord`); the stages and backends read them there."""
+        last = self._last
+        if last[0] is group:
+            return last[1]
         made = self._records.get(id(group))
         if made is None or made[0] is not group:  # (the group is kept: its id is not reused within the step)
             made = self._records[id(group)] = (group, BucketRecord.of(group))
+        self._last = made
         return made[1]
 
     def mult(self, device: torch.device) -> torch.Tensor | None:
