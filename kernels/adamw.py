@@ -9,6 +9,8 @@ bytes of absmax per 256-element block): 8-bit AdamW moves 16.06 B/element (18.1 
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import triton
 import triton.language as tl
 
@@ -91,8 +93,8 @@ def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
                    L2_DECAY, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
 
 
-def slots(group: dict) -> tuple[str, ...]:
-    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if hyper["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
 
 def launch(u: Update, bucket: Bucket) -> None:
@@ -108,8 +110,8 @@ def launch(u: Update, bucket: Bucket) -> None:
         stepping = (0.0, 0.0, 0.0)  # read from scal
         scal = bucket.scalars(-kw["lr"] / kw["bias_correction1"], kw["bias_correction2_sqrt"], u.decay)
     args = (1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, *stepping)
-    names = slots(u.group)
-    extra, update = bucket.param_update(u.group, u.step)
+    names = slots(u.hyper)
+    extra, update = bucket.param_update(u.record, u.step)
     bucket.tile_launch(_adam_kernel, names, args, writes=True, extra=extra, UPDATE=update, AMSGRAD=bool(kw["amsgrad"]),
                        **bucket.scalar_args(scal),
                        MAXIMIZE=bool(kw["maximize"]), L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"])

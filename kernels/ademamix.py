@@ -13,6 +13,8 @@ Bytes per element (fp32 params): param read + written 8, grad 4, three slots rea
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import triton
 import triton.language as tl
 
@@ -74,7 +76,7 @@ def _ademamix_kernel(units, table, book_s, lut_s, book_u, lut_u,
                        P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
 
 
-def slots(group: dict) -> tuple[str, ...]:
+def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_slow", "exp_avg_sq")
 
 
@@ -87,5 +89,5 @@ def launch(u: Update, bucket: Bucket) -> None:
     beta3 = kw["beta3_t"]
     args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, beta3, 1.0 - beta3, scalar(kw["alpha_t"]), scalar(kw["eps"]),
             kw["bias_correction1"], kw["bias_correction2_sqrt"], -scalar(kw["lr"]), scalar(u.decay))
-    extra, update = bucket.param_update(u.group, u.step)
-    bucket.tile_launch(_ademamix_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update)
+    extra, update = bucket.param_update(u.record, u.step)
+    bucket.tile_launch(_ademamix_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update)

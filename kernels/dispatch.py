@@ -19,7 +19,8 @@ to four passes, each a single multi-tensor launch). The step count is written on
 fails before writing anything (a Triton compile error, say) turns the kernel path off for the process with a warning
 and its bucket goes back to the caller; a failure after writing is raised.
 
-Buckets go by the *values* of the param groups, not by the group objects (:func:`group_values`): separate groups
+Buckets go by the *values* of the param groups, not by the group objects (an item's record's
+:attr:`~lowmemopt.work.record.BucketRecord.version`, :func:`~lowmemopt.work.record.group_values`): separate groups
 whose hyper-parameters and storage options are all equal (one group per parameter, as u-muP's ``scaled_parameters``
 makes) share a bucket and its launches, as one group would. The step count is part of the key: parameters whose
 counts differ take separate launches (their step scalars differ), except in a capturable step, whose kernels read each
@@ -38,6 +39,7 @@ import torch
 from lowmemopt._stacklevel import external_stacklevel
 from lowmemopt.work import capture
 from lowmemopt.work.items import Item, Update
+from lowmemopt.work.record import group_values
 from lowmemopt.quant.formats import format_of
 
 from . import registry, runtime
@@ -99,7 +101,7 @@ def plan_buckets(algorithm: str, items: list[Item], device_steps: bool = False) 
     rest: list[Item] = []
     buckets: dict[tuple, Planned] = {}
     usable: dict[torch.device, bool] = {}  # runtime.device_ok per device
-    group_ids: dict[int, int] = {}  # id(param group) -> the number of its values (group_values), one per distinct
+    group_ids: dict[int, int] = {}  # id(record) -> the number of its version (its group's values), one per distinct
     by_values: dict[tuple, int] = {}
     for it in items:
         kernel = _kernel_for(algorithm, it, usable, device_steps)
@@ -111,10 +113,10 @@ def plan_buckets(algorithm: str, items: list[Item], device_steps: bool = False) 
                                  "cannot fall back to the per-tensor path")
             rest.append(it)
             continue
-        t, group = it.target, it.group
-        gid = group_ids.get(id(group))
-        if gid is None:  # (once per param group and call: per-parameter groups pay it per item)
-            gid = group_ids[id(group)] = by_values.setdefault(group_values(group), len(by_values))
+        t, record = it.target, it.record
+        gid = group_ids.get(id(record))
+        if gid is None:  # (once per record and call: per-parameter groups pay it per item)
+            gid = group_ids[id(record)] = by_values.setdefault(record.version, len(by_values))
         step = None if device_steps else it.state["step"]
         key = (gid, it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, step, kernel.layout(t),
                it.flag is not None, it.weight is not None)
@@ -126,7 +128,7 @@ def plan_buckets(algorithm: str, items: list[Item], device_steps: bool = False) 
     for planned in out:
         members = planned.members
         planned.bucket = Bucket([it.target for it in members], [it.grad for it in members],
-                                [it.state for it in members], planned.kernel.fmt, members[0].group["block_size"],
+                                [it.state for it in members], planned.kernel.fmt, members[0].record.block_size,
                                 index_bases=[it.index_base for it in members])
     return out, rest
 
@@ -186,47 +188,6 @@ def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Upd
     return rest
 
 
-#: param-group entries that are not values a kernel reads: the parameters themselves (and torch's names of them)
-_NOT_VALUES = frozenset({"params", "param_names"})
-
-
-def group_values(group: dict[str, Any]) -> tuple:
-    """A param group's entries as a hashable, parameters left out: equal for groups whose every hyper-parameter,
-    storage option and other entry is equal, so that they share a bucket (one kernel launch) although they are
-    separate groups (u-muP's ``scaled_parameters`` makes one group per parameter). Numbers compare by value, except
-    that -0.0 and NaN stand apart from other floats; a tensor (a learning rate given as one) or any other unhashable
-    value by identity, so groups share it only if they hold the same object (a scheduler's in-place change then
-    reaches them all). Anything a kernel or the ``update_for`` callback reads of a group is one of these entries."""
-    out = []
-    for k, v in group.items():  # (a loop, not a generator of _frozen calls: per-parameter groups pay it per item)
-        t = type(v)
-        if t in _PLAIN or (t is float and v == v and v != 0.0):
-            out += (k, v)
-        elif k not in _NOT_VALUES:
-            out += (k, _frozen(v))
-    return tuple(out)
-
-
-_PLAIN = frozenset({int, bool, str, type(None)})
-
-
-def _frozen(v: Any) -> Any:
-    t = type(v)
-    if t is float:
-        return v if v == v and v != 0.0 else ("float", v.hex())  # -0.0 is not 0.0 here, NaN equals NaN
-    if t is int or t is bool or t is str or v is None:
-        return v
-    if t is tuple or t is list:
-        return (t.__name__,) + tuple(_frozen(x) for x in v)
-    if isinstance(v, torch.Tensor):
-        return ("tensor", id(v))
-    try:
-        hash(v)
-    except TypeError:
-        return ("id", id(v))
-    return (t.__qualname__, v)
-
-
 def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], device_steps: bool = False):
     """The kernel for this item, or None: it takes a per-tensor backend. ``usable``: a per-call cache of
     ``runtime.device_ok`` by device (host work per item is what a step pays per parameter); ``device_steps``: the
@@ -255,10 +216,10 @@ def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], devi
             elif slot_fmt != fmt:
                 return None
     kernel = registry.lookup(algorithm, fmt or "fp32")
-    if kernel is None or sorted(kernel.slots(it.group, t)) != sorted(it.slots):
+    record = it.record
+    if kernel is None or sorted(kernel.slots(record.hyper, t)) != sorted(it.slots):
         return None
-    if it.group.get("bf16_update", "nearest") != "nearest" and t.dtype in (torch.bfloat16, torch.float16) \
-            and algorithm not in registry.UPDATE_ALGORITHMS:
+    if record.rounding_of(t) != "nearest" and algorithm not in registry.UPDATE_ALGORITHMS:
         return None  # this kernel writes 16-bit parameters rounded to nearest only: the reference path rounds as asked
     for value in state.values():
         if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):

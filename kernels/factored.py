@@ -52,6 +52,8 @@ scalar loads per thread, 248 -> 168 registers (8 -> 12 warps per SM).
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import math
 
 import torch
@@ -364,12 +366,12 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
 # host side
 
 
-def adafactor_slots(group: dict, p: torch.Tensor) -> tuple[str, ...]:
-    first = ("exp_avg",) if group["beta1"] is not None else ()
+def adafactor_slots(hyper: Mapping[str, Any], p: torch.Tensor) -> tuple[str, ...]:
+    first = ("exp_avg",) if hyper["beta1"] is not None else ()
     return first + (("exp_avg_sq_row", "exp_avg_sq_col") if p.dim() >= 2 else ("exp_avg_sq",))
 
 
-def came_slots(group: dict, p: torch.Tensor) -> tuple[str, ...]:
+def came_slots(hyper: Mapping[str, Any], p: torch.Tensor) -> tuple[str, ...]:
     if p.dim() >= 2:
         return ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col")
     return ("exp_avg", "exp_avg_sq")
@@ -503,43 +505,43 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
 def launch_adafactor(u: Update, bucket: Bucket) -> None:
     """Adafactor (transformers semantics): step-dependent scalars as in ``adafactor_math`` (a capturable step: the
     same, per tensor, from its count on the device)."""
-    group, step = u.group, u.step
-    eps1, eps2 = group["eps"]
-    wd = scalar(group["weight_decay"])
-    beta1 = group["beta1"]
+    hyper, step = u.hyper, u.step
+    eps1, eps2 = hyper["eps"]
+    wd = scalar(hyper["weight_decay"])
+    beta1 = hyper["beta1"]
     scal = None
     if u.steps is None:
-        rho = group["lr"]
-        if group["relative_step"]:
-            rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
+        rho = hyper["lr"]
+        if hyper["relative_step"]:
+            rho = min(1e-6 * step if hyper["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
         rho = scalar(rho)
-        beta2 = 1.0 - math.pow(step, group["decay_rate"])
+        beta2 = 1.0 - math.pow(step, hyper["decay_rate"])
     else:
         steps = u.steps
-        rho = capture.device_value(group["lr"], bucket.device)
-        if group["relative_step"]:
-            rho = torch.minimum(1e-6 * steps, 1.0 / steps.sqrt()) if group["warmup_init"] else \
+        rho = capture.device_value(hyper["lr"], bucket.device)
+        if hyper["relative_step"]:
+            rho = torch.minimum(1e-6 * steps, 1.0 / steps.sqrt()) if hyper["warmup_init"] else \
                 (1.0 / steps.sqrt()).clamp(max=1e-2)
-        beta2_t = 1.0 - steps.pow(group["decay_rate"])
+        beta2_t = 1.0 - steps.pow(hyper["decay_rate"])
         scal = bucket.scalars(rho, -wd * rho, beta2_t, 1.0 - beta2_t)
         rho = beta2 = 0.0  # read from scal
-    _launch(bucket, came=False, has_m=beta1 is not None, scale_param=bool(group["scale_parameter"]), decay=wd != 0,
+    _launch(bucket, came=False, has_m=beta1 is not None, scale_param=bool(hyper["scale_parameter"]), decay=wd != 0,
             eps1=eps1, eps2=eps2, beta1=0.0 if beta1 is None else beta1, beta2=beta2, beta3=0.0,
-            clip=scalar(group["clip_threshold"]), lr=rho, neg_wd=-wd, neg_wd_lr=-wd * rho, scal=scal)
+            clip=scalar(hyper["clip_threshold"]), lr=rho, neg_wd=-wd, neg_wd_lr=-wd * rho, scal=scal)
 
 
 def launch_came(u: Update, bucket: Bucket) -> None:
     """CAME (came_pytorch semantics)."""
-    group = u.group
-    eps1, eps2 = group["eps"]
-    beta1, beta2, beta3 = group["betas"]
-    wd = scalar(group["weight_decay"])
+    hyper = u.hyper
+    eps1, eps2 = hyper["eps"]
+    beta1, beta2, beta3 = hyper["betas"]
+    wd = scalar(hyper["weight_decay"])
     if u.steps is None:
-        lr, scal = scalar(group["lr"]), None
+        lr, scal = scalar(hyper["lr"]), None
     else:  # a capturable step: the lr from the device (CAME's other scalars do not change with the step)
-        lr = capture.device_value(group["lr"], bucket.device)
+        lr = capture.device_value(hyper["lr"], bucket.device)
         scal = bucket.scalars(lr, -wd * lr, beta2, 1.0 - beta2)
         lr = 0.0
     _launch(bucket, came=True, has_m=True, scale_param=False, decay=wd != 0, eps1=eps1, eps2=eps2, beta1=beta1,
-            beta2=beta2, beta3=beta3, clip=scalar(group["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr,
+            beta2=beta2, beta3=beta3, clip=scalar(hyper["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr,
             scal=scal)

@@ -20,6 +20,8 @@ device (one scalar per launch, never from the host); ``L2`` adds ``wd p`` to the
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -131,7 +133,7 @@ def _fused_lamb_flags(kw: dict, l2: bool, device_steps: bool, bucket: Bucket) ->
     return out
 
 
-def slots(group: dict) -> tuple[str, ...]:
+def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
@@ -154,5 +156,5 @@ def launch(u: Update, bucket: Bucket) -> None:
     flags = dict(DECAY=wd != 0 and decoupled, WEIGHT=weight, **bucket.scalar_args(scal))
     flags.update(_fused_lamb_flags(kw, wd != 0 and not decoupled, u.steps is not None, bucket))
     if trust:
-        bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=False, TRUST=True, APPLY=False, **flags)
-    bucket.tile_launch(_lamb_kernel, slots(u.group), args, writes=True, TRUST=trust, APPLY=True, **flags)
+        bucket.tile_launch(_lamb_kernel, slots(u.hyper), args, writes=False, TRUST=True, APPLY=False, **flags)
+    bucket.tile_launch(_lamb_kernel, slots(u.hyper), args, writes=True, TRUST=trust, APPLY=True, **flags)

@@ -13,6 +13,8 @@ stand-in (``bucket.weights``, ``WEIGHT``) takes ||p|| of its full weight from th
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import triton
 import triton.language as tl
 
@@ -108,8 +110,8 @@ def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
                          COLS, gmul=gmul, G_MULT=G_MULT)
 
 
-def slots(group: dict) -> tuple[str, ...]:
-    return ("momentum_buffer",) if group["momentum"] != 0 else ()
+def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
 
 
 def launch(u: Update, bucket: Bucket) -> None:
@@ -120,7 +122,7 @@ def launch(u: Update, bucket: Bucket) -> None:
     weight = bucket.weights is not None
     if weight:
         sums[:, 0] = bucket.weights
-    names = slots(u.group)
+    names = slots(u.hyper)
     if trust:
         bucket.tile_launch(_lars_norms_kernel, names, (sums,), writes=False, WEIGHT=weight)
     if u.steps is None:

@@ -19,6 +19,7 @@ from lowmemopt import rounding
 
 from . import runtime
 from lowmemopt.work.items import Update
+from lowmemopt.work.record import BucketRecord
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
 from .table import aligned, ceil_div, device_tables, owned_tables, select_flags, unit_map
@@ -183,18 +184,19 @@ class Bucket:
             out.append(row)
         return out
 
-    def param_update(self, group: dict[str, Any], step: int) -> tuple[list[list[int]] | None, int]:
+    def param_update(self, record: BucketRecord, step: int) -> tuple[list[list[int]] | None, int]:
         """``(extra table columns, UPDATE code)`` for :func:`.codec.store_param_as`: per parameter the row's last two
         columns, its stochastic hash key of this step and its first element's index in the whole parameter, or 0 and
-        its Kahan buffer's address; ``(None, NEAREST)`` when the bucket's parameters round to nearest. Makes missing
-        ``bf16_update`` state (a mode changed since)."""
-        mode = rounding.mode_of(group, self.params[0])
+        its Kahan buffer's address; ``(None, NEAREST)`` when the bucket's parameters round to nearest (``record``: the
+        bucket's options, :attr:`~lowmemopt.work.record.BucketRecord.rounding`). Makes missing ``bf16_update`` state (a
+        mode changed since)."""
+        mode = record.rounding_of(self.params[0])
         if mode == "nearest":
             return None, NEAREST
         cols = []
         bases = self.index_bases or [0] * len(self.params)
         for p, st, base in zip(self.params, self.states, bases):
-            rounding.init_state(st, p, group)
+            rounding.init_state(st, p, mode)
             if mode == "stochastic":
                 if base is None:
                     raise Unsupported("a shard whose elements are not one range of its parameter")

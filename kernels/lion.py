@@ -7,6 +7,8 @@ Bytes per element: param 2x(2|4) + grad (2|4) + m read and written (fp32 8, bf16
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import triton
 import triton.language as tl
 
@@ -56,7 +58,7 @@ def _lion_kernel(units, table, book_s, lut_s, book_u, lut_u,
                    neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
 
 
-def slots(group: dict) -> tuple[str, ...]:
+def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
     return ("exp_avg",)
 
 
@@ -68,6 +70,6 @@ def launch(u: Update, bucket: Bucket) -> None:
     else:  # a capturable step: read from scal
         stepping, scal = (0.0, 0.0), bucket.scalars(-kw["lr"], u.decay)
     args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, *stepping)
-    extra, update = bucket.param_update(u.group, u.step)
-    bucket.tile_launch(_lion_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
+    extra, update = bucket.param_update(u.record, u.step)
+    bucket.tile_launch(_lion_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update,
                        **bucket.scalar_args(scal))

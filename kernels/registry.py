@@ -17,7 +17,7 @@ against them) and launches one bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 __all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS", "FORMATS"]
 
@@ -36,8 +36,9 @@ FORMATS = ("fp32", "bf16", "q8", "q4")
 class Kernel:
     algorithm: str
     fmt: str
-    #: the slot names the kernel reads and writes, in launch-table order, for a param group and parameter
-    slots: Callable[[dict[str, Any], Any], tuple[str, ...]]
+    #: the slot names the kernel reads and writes, in launch-table order, for a bucket's hyper-parameters
+    #: (:attr:`~lowmemopt.work.record.BucketRecord.hyper`) and parameter
+    slots: Callable[[Mapping[str, Any], Any], tuple[str, ...]]
     #: launch(update, bucket): run the fused step for every tensor of the bucket (update: a pipeline ``Update``)
     launch: Callable[..., None]
     #: bucket(p) -> hashable: parameters with different values take separate launches (e.g. factored or not)

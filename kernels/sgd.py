@@ -9,6 +9,8 @@ Bytes per element: param 2x(2|4) + grad (2|4) + momentum read and written (fp32 
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import triton
 import triton.language as tl
 
@@ -84,8 +86,8 @@ def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
                   True, COLS, WD_AFTER, SIGN, gmul=gmul, G_MULT=G_MULT)
 
 
-def slots(group: dict) -> tuple[str, ...]:
-    return ("momentum_buffer",) if group["momentum"] != 0 else ()
+def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
 
 
 def launch(u: Update, bucket: Bucket) -> None:
@@ -97,8 +99,8 @@ def launch(u: Update, bucket: Bucket) -> None:
         neg_lr, first, decay = 0.0, 0, 0.0
         scal = bucket.scalars(-kw["lr"], kw["first_step"], u.decay)
     args = (neg_lr, scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, first, decay)
-    extra, update = bucket.param_update(u.group, u.step)
-    bucket.tile_launch(_sgd_kernel, slots(u.group), args, writes=True, extra=extra, UPDATE=update,
+    extra, update = bucket.param_update(u.record, u.step)
+    bucket.tile_launch(_sgd_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update,
                        MOMENTUM=kw["momentum"] != 0, NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]),
                        DECAY=wd != 0, WD_AFTER=bool(kw.get("wd_after_momentum", False)), SIGN=u.algorithm == "signsgd",
                        **bucket.scalar_args(scal))

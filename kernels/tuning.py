@@ -83,6 +83,8 @@ def adamw_q8_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     Triton backend steps a bucket: one :func:`.adamw.launch` on a :class:`.launch.Bucket` of the plain tensors, with
     :data:`GROUP`'s hyper-parameters and the step's bias corrections; then the step counts advance."""
     from .adamw import launch
+    from lowmemopt.work.record import BucketRecord
+
     from .launch import Bucket, Update
 
     beta1, beta2 = GROUP["betas"]
@@ -92,7 +94,7 @@ def adamw_q8_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     def step() -> None:
         t = states[0]["step"] + 1
         kwargs = dict(hyper, bias_correction1=1 - beta1**t, bias_correction2_sqrt=math.sqrt(1 - beta2**t))
-        launch(Update("adam", kwargs, GROUP, 1.0, t, BLOCK_SIZE),
+        launch(Update("adam", kwargs, BucketRecord.of(GROUP), 1.0, t, BLOCK_SIZE),
                Bucket(params, grads, states, "q8", BLOCK_SIZE, index_bases=[0] * len(params)))
         for state in states:
             state["step"] = t

@@ -108,6 +108,7 @@ from .state_dicts import (
 )
 from .work import capture
 from .work.capture import CAPTURABLE_ALGORITHMS
+from .work.record import BucketRecord
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
 
@@ -241,7 +242,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                     reduce: Reduction = LOCAL) -> dict[str, Any]:
         """Zero state for ``p`` in ``slots``' formats, in ``self.state[p]`` unless ``state`` is given
         (:func:`lowmemopt.pipeline.backends.init_state`)."""
-        return init_state(p, group, slots, self.state[p] if state is None else state, numel, reduce)
+        return init_state(p, BucketRecord.of(group), slots, self.state[p] if state is None else state, numel,
+                          reduce)
 
     def _first_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """Make ``p``'s state as its first step would (a GaLore group: the low-rank slots and an empty projector), in

@@ -86,7 +86,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["MODES", "DTYPES", "SEED", "KAHAN", "check_mode", "mode_of", "init_state", "step_key", "random_bits",
+__all__ = ["MODES", "DTYPES", "SEED", "KAHAN", "check_mode", "applied", "init_state", "step_key", "random_bits",
            "stochastic_round", "kahan_round", "store", "split_state"]
 
 MODES = ("nearest", "stochastic", "kahan")
@@ -105,20 +105,19 @@ def check_mode(mode: Any) -> None:
         raise ValueError(f"Invalid bf16_update: {mode!r} (supported: {', '.join(repr(m) for m in MODES)})")
 
 
-def mode_of(group: dict[str, Any], p: torch.Tensor) -> str:
-    """The group's ``bf16_update`` where it applies (a bfloat16 or float16 ``p``), else ``"nearest"``."""
-    if p.dtype not in DTYPES:
-        return "nearest"
-    return group.get("bf16_update", "nearest")
+def applied(mode: str, p: torch.Tensor) -> str:
+    """``mode`` (a ``bf16_update`` setting) where it applies (a bfloat16 or float16 ``p``), else ``"nearest"``."""
+    return mode if p.dtype in DTYPES else "nearest"
 
 
-def init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
+def init_state(state: dict[str, Any], p: torch.Tensor, mode: str,
                agree: Callable[[int], int] | None = None) -> dict[str, Any]:
-    """Add what ``p``'s mode needs to its state, if missing: the stochastic seed (an int from torch's default
+    """Add what ``p``'s rounding needs to its state, if missing (``mode``: the ``bf16_update`` setting, applied as
+    :func:`applied` says): the stochastic seed (an int from torch's default
     generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer (``p``'s dtype).
     ``agree``: makes a new seed the same on every rank that holds part of the parameter (a collective: every such rank
     calls it)."""
-    mode = mode_of(group, p)
+    mode = applied(mode, p)
     if mode == "stochastic" and SEED not in state:
         seed = 0 if p.device.type == "meta" else int(torch.randint(0, 1 << 31, (1,)).item())
         state[SEED] = seed if agree is None else agree(seed)
@@ -223,19 +222,20 @@ def kahan_round(p: torch.Tensor, p32: torch.Tensor, c: torch.Tensor) -> tuple[to
     return new, comp.to(p.dtype)
 
 
-def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], group: dict[str, Any], lo: int = 0,
+def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], mode: str, lo: int = 0,
           index: int | torch.Tensor | None = None) -> None:
     """Write the fp32 result ``p32`` into ``dst`` (elements ``lo ..`` of the flat tensor whose state is ``state``, in
-    the same shape as ``p32``), rounded as the group's ``bf16_update`` says. ``state["step"]`` is this step's.
+    the same shape as ``p32``), rounded as ``mode`` (the ``bf16_update`` setting) says. ``state["step"]`` is this
+    step's.
     ``index``: where those elements sit in the whole parameter when the tensor is a shard of it (the stochastic
     hash's counter: a first flat index, or one per element; see
     :meth:`lowmemopt.distributed.reduction.Reduction.element_index`); by default ``lo``."""
-    mode = mode_of(group, dst)
+    mode = applied(mode, dst)
     if mode == "nearest" or p32.dtype != torch.float32:
         if dst.data_ptr() != p32.data_ptr():
             dst.copy_(p32)
         return
-    init_state(state, dst, group)
+    init_state(state, dst, mode)
     if mode == "stochastic":
         key = step_key(state[SEED], state["step"])
         dst.copy_(stochastic_round(p32, key, lo if index is None else index, dst.dtype))

@@ -120,3 +120,41 @@ def test_the_size_check_can_fail(tmp_path):
     for n in (600, 601):
         (tmp_path / f"m{n}.py").write_text("x = 1\n" * n)
     assert _too_long(sorted(tmp_path.glob("*.py")), 600) == {str(tmp_path / "m601.py"): 601}
+
+
+# Below the pipeline, a bucket's options come resolved in its record (lowmemopt.work.record.BucketRecord), never as a
+# param group dict: the modules of the update stage's backends name no `group` (an argument, a variable, `.group`).
+# (lowmemopt.work.record resolves groups: the one place that reads them. Still reading groups below the pipeline:
+# the paging stage's tiers and budgets, the 1-bit communicate stage, the checkpoint conversion of quant.convert; and
+# Item.group is carried for the GaLore stage above.)
+_RECORD_ONLY = ["lowmemopt/work/capture.py", "lowmemopt/rounding.py", "lowmemopt/compiled.py", "lowmemopt/cpu",
+                "kernels", "lowmemopt/pipeline/backends.py"]
+
+
+def _group_reads(paths) -> list[str]:
+    """``path:line name`` for each argument, name or attribute called ``group`` in the Python files of ``paths``."""
+    import ast
+
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            name = node.arg if isinstance(node, ast.arg) else node.id if isinstance(node, ast.Name) else \
+                node.attr if isinstance(node, ast.Attribute) else None
+            if name == "group":
+                out.append(f"{Path(path).relative_to(ROOT) if Path(path).is_relative_to(ROOT) else path}:"
+                           f"{node.lineno} {name}")
+    return out
+
+
+def test_no_backend_reads_a_param_group():
+    files = [f for entry in _RECORD_ONLY for f in ([ROOT / entry] if entry.endswith(".py") else
+                                                     sorted((ROOT / entry).rglob("*.py")))]
+    assert len(files) > 30, files
+    assert _group_reads(files) == []
+
+
+def test_the_group_check_can_fail(tmp_path):
+    (tmp_path / "backend.py").write_text("def step(p, group):\n    return group['lr']\n")
+    (tmp_path / "clean.py").write_text("def step(p, record):\n    return record.hyper['lr']\n")
+    assert _group_reads([tmp_path / "backend.py", tmp_path / "clean.py"]) == [f"{tmp_path / 'backend.py'}:1 group",
+                                                                              f"{tmp_path / 'backend.py'}:2 group"]

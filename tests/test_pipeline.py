@@ -183,7 +183,7 @@ def test_groups_with_equal_values_share_a_bucket(name, kw, monkeypatch):
     """N per-parameter groups whose values are equal take the launches of one group of N parameters (buckets go by
     the groups' values), with the same bits as when each group is its own bucket; groups whose lr differs take
     launches of their own; equal values again (a schedule) bring them back together."""
-    from lowmemopt.kernels import dispatch
+    from lowmemopt.work.record import BucketRecord
 
     cls, shapes = getattr(lowmemopt, name), [(8, 12), (12, 8), (9, 9), (100,)]  # all 8-bit state
     storage = dict(state_bits=8, min_quant_numel=MIN_QUANT)
@@ -195,7 +195,7 @@ def test_groups_with_equal_values_share_a_bucket(name, kw, monkeypatch):
         launches = []
         with monkeypatch.context() as m:
             if by_identity:  # each group its own bucket: the launches of separate groups
-                m.setattr(dispatch, "group_values", lambda group: ("id", id(group)))
+                m.setattr(BucketRecord, "version", property(lambda record: ("id", id(record))))
             for t in range(n):
                 set_grads(params, t)
                 seen.clear()
@@ -233,7 +233,7 @@ def test_groups_with_equal_values_share_a_bucket(name, kw, monkeypatch):
 def test_group_values_compare_what_kernels_read():
     """Groups share a bucket when their values are equal: parameters aside; -0.0 apart from 0.0 (``-lr`` differs in
     the sign of a zero step); a tensor (an lr a scheduler changes in place) only when it is the same tensor."""
-    from lowmemopt.kernels.dispatch import group_values
+    from lowmemopt.work.record import group_values
 
     lr = torch.tensor(0.1)
     a = dict(params=[torch.zeros(2)], lr=0.1, betas=(0.9, 0.999), weight_decay=0.0, state_bits=8, paged=False)

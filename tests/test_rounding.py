@@ -14,6 +14,7 @@ from helpers import interpreter_fma_rounds_once, load_bench
 import lowmemopt
 from lowmemopt import cpu, rounding
 from lowmemopt.pipeline.backends import update_flat
+from lowmemopt.work.record import BucketRecord
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -354,14 +355,15 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, dtype, monke
                 item = _plain_item(opt._plan(), shard, group)
                 item.state[rounding.SEED] = seed
                 item.index_base = lo if shifted else 0
-                update = Update("adam", opt.algorithm.math_kwargs(group, 1), group, opt.algorithm.decay_factor(group), 1, 256)
+                update = Update("adam", opt.algorithm.math_kwargs(group, 1), item.record,
+                                opt.algorithm.decay_factor(group), 1, 256)
                 assert dispatch.step_items("adam", [item], lambda it, step: update) == []
         else:
             state = opt._init_state(shard, group, opt._slots(group, shard))
             state[rounding.SEED] = seed
             state["step"] = 1
             update_flat(opt.algorithm, shard, shard.data.view(-1), shard.grad.view(-1), state, opt._slots(group, shard),
-                        group, 1, opt.algorithm.decay_factor(group), _Shard(lo if shifted else 0))
+                        BucketRecord.of(group), 1, opt.algorithm.decay_factor(group), _Shard(lo if shifted else 0))
         same = torch.equal(_bits(shard), _bits(whole[lo:hi]))
         assert same == shifted, f"shifted={shifted}"
 
@@ -369,10 +371,12 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, dtype, monke
 def test_which_params_it_applies_to():
     # bf16 and fp16 take the group's mode (so the compiled path, which rounds to nearest only, leaves them to the
     # eager / native / Triton paths); fp32 always rounds to nearest
-    group = {"bf16_update": "kahan"}
-    assert [rounding.mode_of(group, torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == \
+    record = BucketRecord.of({"bf16_update": "kahan"})  # (the param group's options, resolved once per step)
+    assert [record.rounding_of(torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == \
         ["kahan", "kahan", "nearest"]
-    assert rounding.mode_of({}, torch.zeros(1, dtype=FP16)) == "nearest"  # the default is unchanged
+    assert [rounding.applied("kahan", torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == \
+        ["kahan", "kahan", "nearest"]
+    assert BucketRecord.of({}).rounding_of(torch.zeros(1, dtype=FP16)) == "nearest"  # the default is unchanged
     with pytest.raises(TypeError, match="dtype"):
         rounding.stochastic_round(torch.zeros(2), 1, dtype=torch.float32)
 

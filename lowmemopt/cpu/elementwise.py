@@ -19,6 +19,7 @@ import torch
 from .. import rounding
 from ..quant import q4
 from ..quant.formats import BF16, FP32, Q4, Q8, StateFormat
+from ..work.record import BucketRecord
 from . import build, ffi
 
 __all__ = ["KERNELS", "Kernel", "prepare", "refresh", "step", "step_many"]
@@ -102,7 +103,7 @@ def _derived(kernel: Kernel, algorithm: str, kwargs: dict[str, Any], decay: floa
 
 
 def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
-            state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
+            state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], record: BucketRecord,
             step: int, decay: float, scan: torch.Tensor | None = None,
             index_base: int | None = 0, memo: dict | None = None,
             grad_mult: float | None = None) -> tuple[ffi.Args | None, int]:
@@ -126,7 +127,7 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     fmt = kinds.pop() if kinds else FP32
     quantized = fmt is Q8 or fmt is Q4
     if quantized:
-        block_size = group["block_size"]
+        block_size = record.block_size
         rows, bs = pflat.numel() // block_size, block_size
         if not (16 <= bs <= ffi.MAX_BLOCK and bs % 16 == 0):
             return None, 0
@@ -162,9 +163,9 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     args = ffi.args_for(pflat, gflat, rows, bs, cslots, h, flags, tail, scan)
     if grad_mult is not None:
         args.g_mult = grad_mult
-    mode = rounding.mode_of(group, pflat)  # bf16 / fp16 parameters: nearest / stochastic / Kahan, as the eager path
+    mode = record.rounding_of(pflat)  # bf16 / fp16 parameters: nearest / stochastic / Kahan, as the eager path
     if mode != "nearest":
-        rounding.init_state(state, pflat, group)
+        rounding.init_state(state, pflat, mode)
         kahan = state.get(rounding.KAHAN) if mode == "kahan" else None
         if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == pflat.dtype
                                       and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
@@ -199,11 +200,11 @@ def refresh(args: ffi.Args, algorithm: str, kwargs: dict[str, Any], gflat: torch
 
 
 def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
-         state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], group: dict[str, Any],
+         state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], record: BucketRecord,
          step: int, decay: float, scan: torch.Tensor | None = None,
          index_base: int | None = 0, grad_mult: float | None = None) -> tuple[int, bool | None]:
-    """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``; ``group``: the param
-    group's storage options, ``step``: the step being taken) over the flat tensor
+    """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``; ``record``: the bucket's
+    options, its block size and rounding mode; ``step``: the step being taken) over the flat tensor
     ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
     ``p = p * decay + delta``: all of it for fp32 / bf16 state, the full blocks for 8- and 4-bit state (a ragged
     last block is the caller's, as on the eager path).
@@ -219,7 +220,7 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
 
     Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
     the rest), and whether ``scan`` is finite (None: not scanned)."""
-    args, done = prepare(algorithm, kwargs, pflat, gflat, state, slots, formats, group, step, decay, scan, index_base,
+    args, done = prepare(algorithm, kwargs, pflat, gflat, state, slots, formats, record, step, decay, scan, index_base,
                          grad_mult=grad_mult)
     if args is None:
         return 0, None

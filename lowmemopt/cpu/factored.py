@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from .. import rounding
 from ..quant.formats import BF16, FP32, Q4, Q8
+from ..work.record import BucketRecord
 from . import build, ffi
 
 __all__ = ["CHECKING", "MIN_NUMEL", "NOT_APPLIED", "SKIPPED", "STEPPED", "STEPS", "step"]
@@ -170,31 +170,32 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
     return ffi.slot_dense(t), 16
 
 
-def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None, check=False) -> int:
+def _adafactor(p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None, check=False) -> int:
+    hyper = record.hyper
     if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
         return NOT_APPLIED
-    eps1, eps2 = group["eps"]
+    eps1, eps2 = hyper["eps"]
     m = None
-    if group["beta1"] is not None:
-        m = _momentum_slot(state, formats["exp_avg"], group["block_size"])
+    if hyper["beta1"] is not None:
+        m = _momentum_slot(state, formats["exp_avg"], record.block_size)
         if m is None:
             return NOT_APPLIED
-    rho = group["lr"]
-    if group["relative_step"]:
-        rho = min(1e-6 * step if group["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
+    rho = hyper["lr"]
+    if hyper["relative_step"]:
+        rho = min(1e-6 * step if hyper["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
     alpha = rho
-    if group["scale_parameter"] and weight is not None:  # (else the kernel takes RMS(p) in its first pass)
+    if hyper["scale_parameter"] and weight is not None:  # (else the kernel takes RMS(p) in its first pass)
         alpha = weight.clamp(min=eps2) * rho
-    beta2t = 1.0 - math.pow(step, group["decay_rate"])
+    beta2t = 1.0 - math.pow(step, hyper["decay_rate"])
 
     run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16, sum(p.shape), grad_mult)
     run.set(vr=state["exp_avg_sq_row"], vc=state["exp_avg_sq_col"])
     run.factors("rf", "cf")
-    f, wd = run.f, group["weight_decay"]
-    f.h[0], f.h[1], f.h[5], f.h[7] = eps1, beta2t, group["clip_threshold"], eps2
-    if group["beta1"] is not None:
-        f.h[2], f.h[3] = group["beta1"], 1 - group["beta1"]
-    if group["scale_parameter"] and weight is None:  # RMS(p) from the kernel's first pass
+    f, wd = run.f, hyper["weight_decay"]
+    f.h[0], f.h[1], f.h[5], f.h[7] = eps1, beta2t, hyper["clip_threshold"], eps2
+    if hyper["beta1"] is not None:
+        f.h[2], f.h[3] = hyper["beta1"], 1 - hyper["beta1"]
+    if hyper["scale_parameter"] and weight is None:  # RMS(p) from the kernel's first pass
         f.flags, f.h[4], f.h[6] = 2, -wd, rho
     else:
         f.h[4], f.h[6] = float(-wd * alpha), float(alpha)
@@ -203,15 +204,16 @@ def _adafactor(p, pflat, gflat, state, formats, group, step, decay, weight=None,
     return run.run_checked("lmo_adafactor_step", check)
 
 
-def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None, check=False) -> int:
+def _came(p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None, check=False) -> int:
+    hyper = record.hyper
     if decay != 1.0 or "exp_avg_sq_row" not in state:
         return NOT_APPLIED
-    eps1, eps2 = group["eps"]
-    beta1, beta2, beta3 = group["betas"]
-    m = _momentum_slot(state, formats["exp_avg"], group["block_size"])
+    eps1, eps2 = hyper["eps"]
+    beta1, beta2, beta3 = hyper["betas"]
+    m = _momentum_slot(state, formats["exp_avg"], record.block_size)
     if m is None:
         return NOT_APPLIED
-    lr = group["lr"]
+    lr = hyper["lr"]
 
     run = _Pass(pflat, gflat, p.shape, m[0], m[1], 2 * sum(p.shape), grad_mult)
     run.set(vr=state["exp_avg_sq_row"], vc=state["exp_avg_sq_col"], vr2=state["exp_avg_res_row"],
@@ -219,24 +221,25 @@ def _came(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad
     run.factors("rf", "cf", "rf2", "cf2")
     f = run.f
     f.h[0], f.h[1], f.h[2], f.h[3] = eps1, beta2, beta1, 1 - beta1
-    f.h[5], f.h[6], f.h[7], f.h[8] = group["clip_threshold"], float(lr), eps2, beta3
-    if group["weight_decay"] != 0:
-        f.flags, f.h[4] = 1, float(-group["weight_decay"] * lr)
+    f.h[5], f.h[6], f.h[7], f.h[8] = hyper["clip_threshold"], float(lr), eps2, beta3
+    if hyper["weight_decay"] != 0:
+        f.flags, f.h[4] = 1, float(-hyper["weight_decay"] * lr)
     return run.run_checked("lmo_came_step", check)
 
 
-def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight=None, grad_mult=None,
+def _adafactor_torch(p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None,
                      check=False) -> int:
     """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
     parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
     sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
+    hyper = record.hyper
     if "row_var" not in state or check:  # (its scalars are taken in torch between the calls: no check of its own)
         return NOT_APPLIED
     rows, cols = p.shape
-    eps1, eps2 = group["eps"]
+    eps1, eps2 = hyper["eps"]
     eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
-    one_minus_beta2_t = step ** group["beta2_decay"]
-    rho = min(group["lr"], 1.0 / math.sqrt(step))
+    one_minus_beta2_t = step ** hyper["beta2_decay"]
+    rho = min(hyper["lr"], 1.0 / math.sqrt(step))
     alpha = (_rms(p) if weight is None else weight).clamp(min=eps2) * rho
 
     run = _Pass(pflat, gflat, p.shape, None, 16, grad_mult=grad_mult)
@@ -248,9 +251,9 @@ def _adafactor_torch(p, pflat, gflat, state, formats, group, step, decay, weight
     run.set(rf=row_var, cf=col_var)
     f = run.f
     f.h[0], f.h[1] = float(row_var.mean().clamp_(min=eps1)), eps1 * eps1
-    denom = run.clip_denom(p.numel(), group["d"], "lmo_adafactor_torch_sumsq")
+    denom = run.clip_denom(p.numel(), hyper["d"], "lmo_adafactor_torch_sumsq")
     scale = alpha / denom
-    f.h[2], f.h[3] = float(-scale if group["maximize"] else scale), float(decay)
+    f.h[2], f.h[3] = float(-scale if hyper["maximize"] else scale), float(decay)
     _call("lmo_adafactor_torch_apply", f)
     return STEPPED
 
@@ -261,10 +264,10 @@ STEPS: dict[str, Callable[..., int]] = {"adafactor": _adafactor, "came": _came, 
 
 
 def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
-         formats: dict[str, Any], group: dict[str, Any], step: int, decay: float,
+         formats: dict[str, Any], record: BucketRecord, step: int, decay: float,
          weight: torch.Tensor | None = None, grad_mult: float | None = None, check: bool = False) -> int:
     """One native step of ``algorithm`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
-    place): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
+    place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
     ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.step.weights``).
     ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none). ``check``:
     the step is also the optimizer's non-finite check of ``gflat`` (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum
@@ -276,11 +279,11 @@ def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: tor
         return NOT_APPLIED
     if gflat.device != pflat.device or not gflat.is_contiguous():
         return NOT_APPLIED
-    if rounding.mode_of(group, pflat) != "nearest":  # bf16_update: these passes round to nearest only
+    if record.rounding_of(pflat) != "nearest":  # bf16_update: these passes round to nearest only
         return NOT_APPLIED
     stats = [state[k] for k in state if k.endswith(("_row", "_col", "_var"))]
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):
         return NOT_APPLIED
-    if isinstance(group.get("lr"), torch.Tensor):
+    if isinstance(record.hyper.get("lr"), torch.Tensor):
         return NOT_APPLIED
-    return fn(p, pflat, gflat, state, formats, group, step, decay, weight, grad_mult, check)
+    return fn(p, pflat, gflat, state, formats, record, step, decay, weight, grad_mult, check)

@@ -305,9 +305,11 @@ def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[
     if state is None:
         state = plan.state[p]
     slots = plan.algorithm.slots(group, local)
+    record = plan.record_of(group)
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
-        state = init_state(local, group, slots, state, numel=p.numel(), reduce=reduce)
+        state = init_state(local, record, slots, state, numel=p.numel(), reduce=reduce)
     elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
-        rounding.init_state(state, local, group, reduce.agree)
-    base = reduce.flat_offset() if reduce.distributed and rounding.mode_of(group, local) == "stochastic" else 0
-    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, index_base=base)
+        rounding.init_state(state, local, record.rounding, reduce.agree)
+    base = reduce.flat_offset() if reduce.distributed and record.rounding_of(local) == "stochastic" else 0
+    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, index_base=base,
+                record=record)

@@ -6,7 +6,8 @@ A bucket that the Triton kernels do not take is updated one tensor at a time her
         ->  eager reference: decode -> Algorithm.update (fp32) -> encode, in block-aligned chunks
 
 Each returns the eager path's results (to fp32 rounding; the 8-bit codes are the reference encoder's). A backend sees
-plain tensors, the param group's dict and the :class:`~lowmemopt.pipeline.algorithm.Algorithm`; never the optimizer.
+plain tensors, the bucket's :class:`~lowmemopt.work.record.BucketRecord` (never a param group dict) and the
+:class:`~lowmemopt.pipeline.algorithm.Algorithm`, whose methods read the record's ``hyper``; never the optimizer.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from .. import compiled, cpu, rounding
 from ..distributed.reduction import LOCAL, Reduction
 from ..distributed.sharding import local_tensor
 from ..quant import q4
-from ..quant.formats import Q4, Q8, Slot, StateFormat, choose_format, format_of, map_for, math_dtype
+from ..quant.formats import Q4, Q8, Slot, StateFormat, format_of, map_for, math_dtype
 from ..quant.maps import code_book, encode_table
+from ..work.record import BucketRecord
 from .algorithm import Algorithm
 from .plan import unscaled
 
@@ -32,7 +34,7 @@ CHUNK_NUMEL = 1 << 18
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
 
 
-def init_state(p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], state: dict[str, Any],
+def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], state: dict[str, Any],
                numel: int | None = None, reduce: Reduction = LOCAL) -> dict[str, Any]:
     """Zero state for ``p`` (a DTensor's local shard) in ``slots``' formats, made in ``state`` (returned).
     ``numel``: the whole parameter's size (a DTensor's), which picks the format of slots shaped like it, so that a
@@ -42,14 +44,14 @@ def init_state(p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot], s
     for name, slot in slots.items():
         shape = p.shape if slot.shape is None else torch.Size(slot.shape)
         size = (numel if numel is not None else p.numel()) if slot.shape is None else shape.numel()
-        fmt = choose_format(group["state_bits"], size, group["min_quant_numel"], slot.quantize, slot.dtype, p.dtype)
-        fmt.init(state, name, shape, p.device, group["block_size"])
-    rounding.init_state(state, local_tensor(p), group, reduce.agree)  # bf16_update: a seed or a Kahan buffer
+        fmt = record.format_for(slot, size, p.dtype)
+        fmt.init(state, name, shape, p.device, record.block_size)
+    rounding.init_state(state, local_tensor(p), record.rounding, reduce.agree)  # bf16_update: a seed or a Kahan buffer
     return state
 
 
 def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                state: dict[str, Any], slots: dict[str, Slot], group: dict[str, Any], step: int, decay: float,
+                state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int, decay: float,
                 reduce: Reduction = LOCAL, scan: torch.Tensor | None = None,
                 mult: torch.Tensor | None = None) -> bool | None:
     """``pflat <- pflat * decay + delta`` (``pflat``: contiguous, flat, updated in place; ``like``: a tensor of its
@@ -66,22 +68,22 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
         if name is None:
             pass
         elif algorithm.elementwise:  # (a shard's stochastic rounding hashes its elements' indices in the parameter)
-            start, scanned = cpu.step_elementwise(name, algorithm.math_kwargs(group, step), pflat, gflat, state,
-                                                  slots, formats, group, step, decay, scan,
+            start, scanned = cpu.step_elementwise(name, algorithm.math_kwargs(record.hyper, step), pflat, gflat, state,
+                                                  slots, formats, record, step, decay, scan,
                                                   index_base=reduce.flat_offset() if reduce.distributed else 0,
                                                   grad_mult=host)
-        elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, group, step, decay,
+        elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, record, step, decay,
                                                    grad_mult=host):
             start = pflat.numel()
-    exact = rounding.mode_of(group, like) == "nearest"  # the compiled path rounds to nearest only
+    exact = record.rounding_of(like) == "nearest"  # the compiled path rounds to nearest only
     if start == 0 and exact and algorithm.elementwise and algorithm.math is not None and compiled.applies(like):
-        start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, group, step, decay, mult)
-    _step_eager(algorithm, like, pflat, gflat, state, slots, formats, group, step, decay, start, reduce, mult)
+        start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, record, step, decay, mult)
+    _step_eager(algorithm, like, pflat, gflat, state, slots, formats, record, step, decay, start, reduce, mult)
     return scanned
 
 
 def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                   state: dict[str, Any], slots: dict[str, Slot], group: dict[str, Any], step: int,
+                   state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int,
                    decay: float, mult: torch.Tensor | None = None) -> bool:
     """:func:`update_flat` of an unsharded CPU parameter whose gradient's non-finite check is left to the step: the
     native factored step (Adafactor, CAME: :func:`lowmemopt.cpu.factored.step` with ``check``) checks it in its first
@@ -92,7 +94,7 @@ def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor
 
     formats = {name: format_of(state, name) for name in slots}
     host = None if mult is None else mult.tolist()
-    outcome = cpu.step_factored(algorithm.fused, like, pflat, gflat, state, formats, group, step, decay,
+    outcome = cpu.step_factored(algorithm.fused, like, pflat, gflat, state, formats, record, step, decay,
                                 grad_mult=host, check=True)
     if outcome in (STEPPED, SKIPPED):
         return outcome == STEPPED
@@ -102,22 +104,22 @@ def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor
 
         ok = host_flags([gflat])[0]
     if ok:
-        update_flat(algorithm, like, pflat, gflat, state, slots, group, step, decay, mult=mult)
+        update_flat(algorithm, like, pflat, gflat, state, slots, record, step, decay, mult=mult)
     return ok
 
 
 def update_rest(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
+                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord,
                 step: int, decay: float, start: int, reduce: Reduction = LOCAL,
                 mult: torch.Tensor | None = None) -> None:
     """Elements ``[start, numel)`` of an elementwise step through the eager reference: what a native kernel left (a
     ragged last 8- / 4-bit block). ``reduce``: a shard's (its stochastic rounding hashes indices in the whole
     parameter); ``mult``: the loss scaling multiplier (:func:`update_flat`)."""
-    _step_eager(algorithm, p, pflat, gflat, state, slots, formats, group, step, decay, start, reduce, mult)
+    _step_eager(algorithm, p, pflat, gflat, state, slots, formats, record, step, decay, start, reduce, mult)
 
 
 def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any],
+                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord,
                 step: int, decay: float, start: int, reduce: Reduction = LOCAL,
                 mult: torch.Tensor | None = None) -> None:
     """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise), in
@@ -126,11 +128,11 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
     (:func:`~lowmemopt.pipeline.plan.unscaled`).
     A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
     for this rank's (zero) contribution."""
-    bs = group["block_size"]
+    bs = record.block_size
     n = pflat.numel()
     chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if algorithm.elementwise else max(n, 1)
     stop = 1 if n == 0 and reduce.distributed and not algorithm.elementwise else n
-    stochastic = rounding.mode_of(group, pflat) == "stochastic"
+    mode = record.rounding_of(pflat)
     wide = math_dtype(pflat.dtype)
     for lo in range(start, stop, chunk):
         hi = min(n, lo + chunk)
@@ -139,28 +141,28 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
         like = None
         if not algorithm.elementwise:
             p32, g32, like = p32.view(p.shape), g32.view(p.shape), p
-        delta, alpha = run_update(algorithm, p32, g32, state, slots, formats, group, step, lo, hi, like, reduce)
-        algorithm.apply_update(p32, delta, alpha, decay, group)
+        delta, alpha = run_update(algorithm, p32, g32, state, slots, formats, record, step, lo, hi, like, reduce)
+        algorithm.apply_update(p32, delta, alpha, decay, record.hyper)
         # bf16: nearest / stochastic / Kahan; a shard's stochastic bits are its elements' in the whole parameter
-        index = reduce.element_index(lo, hi - lo, p32.device) if reduce.distributed and stochastic else None
-        rounding.store(pflat[lo:hi], p32.view(-1), state, group, lo, index)
+        index = reduce.element_index(lo, hi - lo, p32.device) if reduce.distributed and mode == "stochastic" else None
+        rounding.store(pflat[lo:hi], p32.view(-1), state, mode, lo, index)
 
 
 def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state: dict[str, Any],
-               slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any], step: int, lo: int,
+               slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord, step: int, lo: int,
                hi: int, like: torch.Tensor | None = None, reduce: Reduction = LOCAL) -> tuple[torch.Tensor, Any]:
     """Decode -> :meth:`Algorithm.update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements
     ``[lo, hi)`` of every slot, flat (elementwise chunks); else whole slots in their declared shapes (``like``'s shape
     for slots without one). Also the core of the GaLore step, on low-rank slots. The state is decoded in ``p32``'s
     dtype (fp32, or float64 for a float64 parameter's math)."""
-    bs = group["block_size"]
+    bs = record.block_size
     if like is None:
         st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}
     else:
         st = {k: decode_whole(state, k, s, formats[k], like, bs) for k, s in slots.items()}
     if p32.dtype == torch.float64:  # (a float64 parameter's 16/8/4-bit state: decoded to float64 for the math)
         st = {k: v.double() for k, v in st.items()}
-    delta = algorithm.update(p32, g32, st, group, step, **({} if reduce is LOCAL else {"reduce": reduce}))
+    delta = algorithm.update(p32, g32, st, record.hyper, step, **({} if reduce is LOCAL else {"reduce": reduce}))
     delta, alpha = delta if isinstance(delta, tuple) else (delta, 1.0)
     for k, s in slots.items():
         value = st[k].reshape(-1)
@@ -169,10 +171,10 @@ def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state
 
 
 def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
-                   slots: dict[str, Slot], formats: dict[str, StateFormat], group: dict[str, Any], step: int,
+                   slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord, step: int,
                    decay: float, mult: torch.Tensor | None = None) -> int:
     """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
-    bs = group["block_size"]
+    bs = record.block_size
     rows_total = pflat.numel() // bs
     rows_per_chunk = max(1, COMPILED_CHUNK_NUMEL // bs)
     for r0 in range(0, rows_total, rows_per_chunk):
@@ -194,7 +196,7 @@ def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tenso
             else:
                 rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
         ok = compiled.step_rows(type(algorithm).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),
-                                tuple(rows), algorithm.math_kwargs(group, step), decay, mult)
+                                tuple(rows), algorithm.math_kwargs(record.hyper, step), decay, mult)
         if not ok:
             return lo
     return rows_total * bs

@@ -85,6 +85,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             rest.append((i, p, group))
             continue
         slots = algorithm.slots(group, local)
+        record = plan.record_of(group)
         if "step" not in state:
             if finite[i] is None:  # checked before its state is made (a skip makes none, and draws no seed)
                 finite[i] = cpu.grad_is_finite(grad)
@@ -93,11 +94,11 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
                     continue
                 if not finite[i]:
                     continue
-            init_state(local, group, slots, state, numel=numel, reduce=reduce)
+            init_state(local, record, slots, state, numel=numel, reduce=reduce)
         else:
             capture.host_count(state)
             if reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
-                rounding.init_state(state, local, group, reduce.agree)
+                rounding.init_state(state, local, record.rounding, reduce.agree)
         state["step"] += 1
         step = state["step"]
         key = (id(group), step)
@@ -110,15 +111,15 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         scan = gflat if finite[i] is None else None
         # the kernel arguments of this parameter's last step, made again only when what they point at changed
         sig = (name, id(state), tuple(state), *(v.data_ptr() for v in state.values() if type(v) is torch.Tensor),
-               pflat.data_ptr(), pflat.dtype, pflat.numel(), gflat.dtype, group["block_size"],
-               rounding.mode_of(group, local), index_base)
+               pflat.data_ptr(), pflat.dtype, pflat.numel(), gflat.dtype, record.block_size,
+               record.rounding_of(local), index_base)
         cached = _ARGS.get(id(p))
         if (cached is not None and cached[0]() is p and cached[1] == sig
                 and refresh(cached[2], name, kw, gflat, state, slots, step, decay, scan, memo, host_mult)):
             args, done = cached[2], cached[3]
         else:
             formats = {k: format_of(state, k) for k in slots}
-            args, done = prepare(name, kw, pflat, gflat, state, slots, formats, group, step, decay, scan=scan,
+            args, done = prepare(name, kw, pflat, gflat, state, slots, formats, record, step, decay, scan=scan,
                                  index_base=index_base, memo=memo, grad_mult=host_mult)
             if args is not None:
                 _ARGS[id(p)] = (weakref.ref(p, _forget(id(p))), sig, args, done)
@@ -127,16 +128,16 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             rest.append((i, p, group))
             continue
         batch.append(args)
-        taken.append((i, local, gflat, group, state, slots, step, decay, done, reduce))
+        taken.append((i, local, gflat, record, state, slots, step, decay, done, reduce))
     if not batch:
         return rest
     stepped = step_many(name, batch)
-    for ok, (i, local, gflat, group, state, slots, step, decay, done, reduce) in zip(stepped, taken):
+    for ok, (i, local, gflat, record, state, slots, step, decay, done, reduce) in zip(stepped, taken):
         finite[i] = ok
         if not ok:  # nothing of it was written (a fresh parameter was checked before)
             state["step"] -= 1
         elif done < local.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
             formats = {k: format_of(state, k) for k in slots}
-            update_rest(algorithm, local, local.view(-1), gflat, state, slots, formats, group, step, decay, done,
+            update_rest(algorithm, local, local.view(-1), gflat, state, slots, formats, record, step, decay, done,
                         reduce, mult)
     return rest

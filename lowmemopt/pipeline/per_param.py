@@ -32,20 +32,21 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
     mult = None if plan.grad_mult is None else plan.mult(grad.device)  # loss scaling: applied as g is loaded
     slots = plan.algorithm.slots(group, p)
+    record = plan.record_of(group)
     if "step" not in state:
-        state = init_state(p, group, slots, state, numel=numel, reduce=reduce)
+        state = init_state(p, record, slots, state, numel=numel, reduce=reduce)
     elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
-        rounding.init_state(state, p, group, reduce.agree)
+        rounding.init_state(state, p, record.rounding, reduce.agree)
     capture.host_count(state)  # (a capturable step's count: back to an int)
     state["step"] += 1
     target = p if p.is_contiguous() else p.contiguous()
     if check:
-        result = update_checked(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
+        result = update_checked(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, record,
                                 state["step"], plan.algorithm.decay_factor(group), mult)
         if not result:
             state["step"] -= 1
     else:
-        result = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, group,
+        result = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, record,
                              state["step"], plan.algorithm.decay_factor(group), reduce, scan, mult)
     if target is not p:
         p.copy_(target)

@@ -4,7 +4,9 @@ The optimizer (the torch.optim contract) builds a :class:`Plan` per ``step()`` a
 receives the optimizer or calls back into it. Per bucket a stage reads the algorithm (its slots, math, step scalars
 and decay rules: :class:`~lowmemopt.pipeline.algorithm.Algorithm`), the bucketed backend it may use (``fused``), the
 state dict that holds each parameter's slots in their formats, and the param groups (storage options and
-hyper-parameters). What a step reports back (GaLore refresh failures) goes into :class:`StepRecord`.
+hyper-parameters), each group resolved once per step into the record its items carry (:meth:`Plan.record_of`, a
+:class:`~lowmemopt.work.record.BucketRecord`: nothing below the pipeline reads a param group). What a step reports
+back (GaLore refresh failures) goes into :class:`StepRecord`.
 
 Loss scaling (``torch.amp.GradScaler``'s native path, :mod:`lowmemopt.optimizer`): the plan carries the step's
 gradient multiplier ``grad_mult`` (``1 / scale`` as GradScaler's ``unscale_`` computes it: the scale in fp64,
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..work.record import BucketRecord
 from .algorithm import Algorithm
 
 __all__ = ["Plan", "StepRecord", "unscaled", "inv_scale"]
@@ -79,6 +82,20 @@ class Plan:
     #: :func:`lowmemopt.pipeline.step_buckets`); None: not asked
     keep: Any = None
     _mults: dict = field(default_factory=dict)
+    _records: dict = field(default_factory=dict)
+    _last: tuple = (None, None)  # the last (group, record) asked for: the next parameter's, mostly
+
+    def record_of(self, group: dict[str, Any]) -> BucketRecord:
+        """The options of ``group`` (a param group, or a stage's per-step view of one) for this step, resolved at its
+        first item (:class:`~lowmemopt.work.record.BucketRecord`); the stages and backends read them there."""
+        last = self._last
+        if last[0] is group:
+            return last[1]
+        made = self._records.get(id(group))
+        if made is None or made[0] is not group:  # (the group is kept: its id is not reused within the step)
+            made = self._records[id(group)] = (group, BucketRecord.of(group))
+        self._last = made
+        return made[1]
 
     def mult(self, device: torch.device) -> torch.Tensor | None:
         """``grad_mult`` on ``device`` (a non-blocking copy, made once per step and device), or None."""

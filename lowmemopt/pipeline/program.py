@@ -16,7 +16,7 @@ What is checked at each step, and what makes the program be built again:
 
 * the parameters with gradients, in order, and their param groups: the same objects (one identity comparison each),
   each parameter's storage where it was and of the same dtype (``p.data = ...`` replaces it);
-* every param group's values (:func:`~lowmemopt.kernels.dispatch.group_values`): equal, or only a number changed
+* every param group's values (:func:`~lowmemopt.work.record.group_values`): equal, or only a number changed
   (``lr``, ``weight_decay``, betas...) in a way that leaves the groups that share a bucket equal: those reach the
   kernels as arguments, read at every launch;
 * the optimizer's state: the same dict (``optimizer.state``, a :class:`StateDict`), no parameter's state dict set,
@@ -44,6 +44,7 @@ from typing import Any, Sequence
 import torch
 
 from ..work.items import Item, Update
+from ..work.record import group_values
 from .finite import PendingSkip
 from .per_param import step_param
 from .plan import Plan
@@ -106,8 +107,9 @@ def update_for(plan: Plan, name: str, it: Item, step: Any, device_steps: bool = 
 
         group = dict(group, lr=capture.device_value(group["lr"], it.target.device))
     decay = 1.0 if it.projected else algorithm.decay_factor(group)
-    return Update(name, algorithm.math_kwargs(group, step), it.group, decay, 0 if device_steps else step,
-                  it.group["block_size"], step if device_steps else None)
+    record = it.record
+    return Update(name, algorithm.math_kwargs(group, step), record, decay, 0 if device_steps else step,
+                  record.block_size, step if device_steps else None)
 
 
 class StepProgram:
@@ -116,7 +118,6 @@ class StepProgram:
     full-rank item with state). See the module docstring for what :meth:`matches` checks and :meth:`step` does."""
 
     def __init__(self, plan: Plan, work: Sequence[tuple[torch.Tensor, dict]], kept: Kept) -> None:
-        from ..kernels import dispatch
         from ..kernels.check import GradCheck
 
         self.name = plan.fused
@@ -127,7 +128,7 @@ class StepProgram:
         self.param_dtypes = list(map(_dtype, self.params))
         self.groups = [g for _, g in work]
         self.group_list = list({id(g): g for g in self.groups}.values())
-        self.values = [dispatch.group_values(g) for g in self.group_list]
+        self.values = [group_values(g) for g in self.group_list]
         # the buckets in the order of their gradients' dtype (the full-size gradient's, for a GaLore item): the check
         # launches once per run of one dtype
         self.planned = sorted(kept.planned, key=lambda pl: str(pl.members[0].param.grad.dtype))
@@ -195,8 +196,6 @@ class StepProgram:
     def _groups_match(self) -> bool:
         """Are the param groups' values those the buckets were made for, or changed only in numbers that leave the
         groups of each bucket equal (they reach the kernels as arguments)?"""
-        from ..kernels.dispatch import group_values
-
         values = [group_values(g) for g in self.group_list]
         if values == self.values:
             return True

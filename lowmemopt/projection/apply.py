@@ -55,6 +55,6 @@ def finish(plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float
             _decay_rows(p32[r0:r1], math_decay)
         plan.algorithm.apply_update(p32[r0:r1], update, alpha, decay, group)
     # bf16 params: the group's bf16_update (a copy unless fp32); a shard of rows hashes its elements' global indices
-    rounding.store(p2d, p32, state, group, index=None if shards is None else row0 * n)
+    rounding.store(p2d, p32, state, plan.record_of(group).rounding, index=None if shards is None else row0 * n)
     if target is not local:
         local.copy_(target)

@@ -189,12 +189,12 @@ def stand_ins(items: list[Item], layout: StandInLayout | None = None) -> StandIn
     return layout
 
 
-def finished_in_batches(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> bool:
+def finished_in_batches(p: torch.Tensor, state: dict[str, Any], mode: str) -> bool:
     """Does :func:`finish_many` take unsharded matrix ``p`` in a batch of its shape class (CUDA, contiguous, one
-    side projected, rounded to nearest), rather than alone?"""
+    side projected, rounded to nearest: ``mode``, its group's ``bf16_update``), rather than alone?"""
     from .. import rounding
 
-    return batches(p) and p.is_contiguous() and state[pj.SIDE] != pj.BOTH and rounding.mode_of(group, p) == "nearest"
+    return batches(p) and p.is_contiguous() and state[pj.SIDE] != pj.BOTH and rounding.applied(mode, p) == "nearest"
 
 
 def fused_apply(device: torch.device, dtype: torch.dtype) -> bool:
@@ -249,7 +249,7 @@ def _finish_layout(items: list[Item]) -> FinishLayout:
     classes: dict[tuple, list[Item]] = {}
     for it in items:
         p = it.param
-        if it.extra["shards"] is None and finished_in_batches(p, it.state, it.extra["outer"]):
+        if it.extra["shards"] is None and finished_in_batches(p, it.state, it.record.rounding):
             key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
                    id(it.extra["outer"]), it.extra["dtype"])
             classes.setdefault(key, []).append(it)

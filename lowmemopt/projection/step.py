@@ -239,7 +239,8 @@ def init_projected_state(plan: Plan, p: torch.Tensor, group: dict[str, Any],
     slots = projected_slots(plan, group, p) if slots is None else slots
     m, n = pj.matrix_shape(p.shape)
     # a DTensor's ranks agree on its stochastic-rounding seed (not the paging layout probe's meta twin)
-    state = init_state(p, group, slots, plan.state[p], reduce=LOCAL if p.device.type == "meta" else reduction_of(p))
+    state = init_state(p, plan.record_of(group), slots, plan.state[p],
+                       reduce=LOCAL if p.device.type == "meta" else reduction_of(p))
     pj.init_projector(state, m, n, group["rank"], pj.choose_side(group["proj_type"], m, n), p.device)
     return state
 
@@ -280,7 +281,7 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
 
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
     if shards is not None:  # bf16_update changed since: the ranks make the seed together
-        rounding.init_state(state, shards.param, group, shards.param_reduce.agree)
+        rounding.init_state(state, shards.param, plan.record_of(group).rounding, shards.param_reduce.agree)
     m_local, row0 = (m, 0) if shards is None else (shards.m_local, shards.row0)
     g = _matrix(plan, grad if shards is None else shards.grad, m_local, n)  # in its dtype: project() makes it fp32
     t = state["step"]
@@ -292,7 +293,8 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
     if inner is None:
         inner = {}
     group_in, core, decay = _inner(plan, group, inner)
-    return Item(param=p, group=group_in, target=None, grad=None, state=state, slots=slots, projected=True,
+    return Item(param=p, group=group_in, record=plan.record_of(group_in), target=None, grad=None, state=state,
+                slots=slots, projected=True,
                 extra=dict(g=g, shards=shards, m_local=m_local, n=n, row0=row0, decay=decay, outer=group, core=core,
                            math_decay=None, dtype=None if shards is not None else proj_dtype(group, p)))
 
@@ -332,6 +334,7 @@ def again(plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
             made = _inner(plan, outer, inner)
         group_in, core, decay = made
         it.group, it.target, it.grad, it.weight = group_in, None, None, None
+        it.record = plan.record_of(group_in)
         extra.update(g=_matrix(plan, g, extra["m_local"], extra["n"]), core=core, decay=decay, math_decay=None)
 
 
@@ -398,7 +401,7 @@ def device_checkable(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: 
     batched fused pass (:func:`finish_many`). Elsewhere the host decides first. ``memo``: the answers that depend on
     the plan, device and dtype only, kept by the caller for the parameters of one step."""
     if not ("step" in state and state[pj.REFRESHED_AT] >= 0 and state["step"] < state[pj.NEXT_REFRESH]
-            and finished_in_batches(p, state, group)):
+            and finished_in_batches(p, state, plan.record_of(group).rounding)):
         return False
     key = (p.device, p.dtype)
     ok = None if memo is None else memo.get(key)
@@ -418,14 +421,14 @@ def update_alone(plan: Plan, it: Item) -> bool:
     state = it.state
     if it.target is not None and param_free(plan):
         state["step"] += 1
-        update_flat(plan.algorithm, it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.group,
+        update_flat(plan.algorithm, it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.record,
                                state["step"], 1.0)
         return True
     if it.target is not None and it.target.device.type == "cpu" and cpu.ENABLED:
         formats = {name: format_of(state, name) for name in it.slots}
         t = state["step"] + 1
         if cpu.step_factored(plan.fused, it.target, it.target.view(-1), it.grad.view(-1), state,
-                             formats, it.group, t, 1.0, weight=it.weight):
+                             formats, it.record, t, 1.0, weight=it.weight):
             state["step"] = t
             return True
     state["step"] += 1
@@ -436,7 +439,8 @@ def update_alone(plan: Plan, it: Item) -> bool:
     p32 = p32.to(math_dtype(p32.dtype))
     reduce = LOCAL if shards is None else shards.reduction(p32)
     g_low = it.grad
-    delta, alpha = run_update(plan.algorithm, p32, g_low, state, it.slots, formats, it.extra["core"], state["step"], 0,
+    delta, alpha = run_update(plan.algorithm, p32, g_low, state, it.slots, formats, plan.record_of(it.extra["core"]),
+                              state["step"], 0,
                                          g_low.numel(), g_low, reduce)
     finish(plan, it, delta, alpha, p32)
     return False

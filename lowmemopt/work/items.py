@@ -2,18 +2,21 @@
 
 An :class:`Item` is one tensor to update: the tensor a backend writes (a parameter's local storage, or for a
 GaLore-projected parameter a low-rank buffer that receives the update), its gradient, its state dict and the slots the
-algorithm declares for it. An :class:`Update` is everything a backend needs to know about the algorithm for one bucket:
-its registered name, its hyper-parameters (the param group's, plus the step-dependent scalars) and the decay factor the
-parameter is multiplied by before the update is added. In a capturable step (``capturable=True``) the step counts
+algorithm declares for it, and its bucket's options resolved once (:class:`~.record.BucketRecord`). An :class:`Update`
+is everything a backend needs to know about the algorithm for one bucket: its registered name, its hyper-parameters
+(the record's, plus the step-dependent scalars) and the decay factor the parameter is multiplied by before the update
+is added. No backend reads a param group dict. In a capturable step (``capturable=True``) the step counts
 live on the device, so the step-dependent values are tensors there (:attr:`Update.steps`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
+
+from .record import BucketRecord
 
 __all__ = ["Item", "Update"]
 
@@ -27,7 +30,7 @@ class Item:
     zeroed low-rank buffer (decay 1), which then holds the low-rank update, and the projected gradient."""
 
     param: torch.Tensor
-    group: dict[str, Any]  # the param group (hyper-parameters, storage options)
+    group: dict[str, Any]  # the param group, for the stages above the backends (GaLore); backends read ``record``
     target: torch.Tensor
     grad: torch.Tensor
     state: dict[str, Any]  # initialized: has "step" and every slot
@@ -43,14 +46,16 @@ class Item:
     #: full weight, a 0-dim fp32 tensor on the target's device, which the backends read in place of the stand-in's
     weight: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # stage-private data (GaLore: projector views, shards)
+    #: the bucket's options (hyper-parameters, storage options, rounding), resolved from ``group`` once per step
+    record: BucketRecord | None = None
 
 
 @dataclass(frozen=True)
 class Update:
     """The algorithm's side of one bucket: ``kwargs`` are the pure math's keyword arguments (hyper-parameters and
-    step scalars, e.g. bias corrections), ``group`` the param group they came from (what kernels read directly:
-    Adafactor's ``relative_step``, ...), ``decay`` the decoupled weight-decay factor, ``step`` the step number being
-    taken (1 on the first step).
+    step scalars, e.g. bias corrections), ``record`` the bucket's options they came from (what kernels read directly:
+    Adafactor's ``relative_step`` in :attr:`hyper`, the rounding mode, ...), ``decay`` the decoupled weight-decay
+    factor, ``step`` the step number being taken (1 on the first step).
 
     ``steps`` (a capturable step): the step each tensor of the bucket takes, fp64 ``[T]`` on the device, and ``step``
     is 0. The step scalars in ``kwargs`` are then ``[T]`` tensors, and ``lr`` and ``decay`` may be tensors on the
@@ -58,8 +63,13 @@ class Update:
 
     algorithm: str
     kwargs: dict[str, Any]
-    group: dict[str, Any]
+    record: BucketRecord
     decay: float
     step: int
     block_size: int
     steps: torch.Tensor | None = None
+
+    @property
+    def hyper(self) -> Mapping[str, Any]:
+        """The bucket's hyper-parameters (:attr:`BucketRecord.hyper`, read-only)."""
+        return self.record.hyper
