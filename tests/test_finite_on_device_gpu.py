@@ -16,7 +16,7 @@ from helpers import count_device_checks
 
 import lowmemopt
 from lowmemopt import optimizer as optimizer_module
-from lowmemopt.benchmark import SYNC_WARNING
+from lowmemopt.benchmark import sync_messages
 
 pytestmark = pytest.mark.gpu
 
@@ -125,18 +125,11 @@ def test_skipped_parameters_are_untouched_on_cuda(cls, kw, bits, galore, monkeyp
 
 
 def _synchronizations(fn) -> list[str]:
-    """The host-device synchronizations ``fn()`` makes (torch's sync debug mode, as warnings). Only its per-sync
-    warning counts (``SYNC_WARNING``), not the notice torch gives once per process when the mode is first set (the
-    first such test in each pytest-xdist worker saw it)."""
+    """The host-device synchronizations ``fn()`` makes (:func:`lowmemopt.benchmark.sync_messages`: only torch's
+    per-sync warning counts, not the notice it gives once per process when the mode is first set, which the first
+    such test in each pytest-xdist worker saw), after the work queued before it."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message) for w in caught if SYNC_WARNING in str(w.message)]
+    return sync_messages(fn)
 
 
 @pytest.mark.parametrize("galore", [False, True], ids=["full-rank", "galore"])

@@ -60,11 +60,9 @@ def _sync(device: torch.device) -> None:
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-def host_syncs(step: Callable[[], object], device: torch.device) -> int | None:
-    """Host synchronizations in one call of ``step`` on a CUDA device, counted by torch's sync debug mode (its
-    :data:`SYNC_WARNING`s); None on other devices (nothing to synchronize with)."""
-    if device.type != "cuda":
-        return None
+def sync_messages(step: Callable[[], object]) -> list[str]:
+    """The warnings torch's sync debug mode gives for the host synchronizations of one call of ``step`` (its
+    :data:`SYNC_WARNING`s only; CUDA)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -72,7 +70,13 @@ def host_syncs(step: Callable[[], object], device: torch.device) -> int | None:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum(SYNC_WARNING in str(w.message) for w in seen)
+    return [str(w.message) for w in seen if SYNC_WARNING in str(w.message)]
+
+
+def host_syncs(step: Callable[[], object], device: torch.device) -> int | None:
+    """Host synchronizations in one call of ``step`` on a CUDA device (:func:`sync_messages`); None on other devices
+    (nothing to synchronize with)."""
+    return None if device.type != "cuda" else len(sync_messages(step))
 
 
 def time_steps(
