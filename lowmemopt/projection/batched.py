@@ -22,6 +22,7 @@ import torch
 from ..quant.formats import math_dtype
 from ..work.items import Item
 from . import projector as pj
+from .apply import _decay_rows, finish
 
 if TYPE_CHECKING:
     from ..pipeline.plan import Plan
@@ -282,7 +283,7 @@ def _targets(chunk: list[Item], dtype: torch.dtype, stand: StandInLayout | None)
 def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None,
                 layout: FinishLayout | None = None, projected: ProjectLayout | None = None,
                 stand: StandInLayout | None = None) -> FinishLayout:
-    """:func:`.step.finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
+    """:func:`.apply.finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
     unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
     elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
     one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p; a matrix alone in its
@@ -293,8 +294,6 @@ def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None
     pass leaves a skipped one as it is. Returns the layout, which a later call with the same items may take back.
     ``projected``, ``stand``: this step's layouts of :func:`project` and :func:`stand_ins` for the same items, whose
     stacked bases and stand-ins serve again (no stacked copies)."""
-    from .apply import _decay_rows, finish
-
     if layout is None:
         layout = _finish_layout(items)
     if projected is not None and layout.projected is not projected:
