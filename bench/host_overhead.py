@@ -54,6 +54,9 @@ OPTIMIZERS: dict[str, Callable] = {
                                                         min_quant_numel=0),
     "lowmemopt Lion 8-bit": lambda ps: lowmemopt.Lion(ps, lr=1e-5, state_bits=8, min_quant_numel=0),
     "lowmemopt CAME 8-bit": lambda ps: lowmemopt.CAME(ps, lr=1e-4, state_bits=8, min_quant_numel=0),
+    # paged state within its budget (all of it resident): what paging costs the host when nothing moves
+    "lowmemopt AdamW 8-bit paged resident": lambda ps: lowmemopt.AdamW(
+        ps, lr=1e-4, weight_decay=0.01, state_bits=8, min_quant_numel=0, paged="cpu", page_budget_bytes=1 << 40),
     # capturable=True taken eagerly (not captured): what the device-side counts and scalars cost the host
     "lowmemopt AdamW 8-bit capturable": lambda ps: lowmemopt.AdamW(
         ps, lr=_lr_tensor(ps, 1e-4), weight_decay=0.01, state_bits=8, min_quant_numel=0, capturable=True),

@@ -385,6 +385,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
             pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
+            if not pager.moves_any(work):  # every state resident: an unpaged step (a kept program may take it)
+                pager = None
         plan = self._plan(mult, found_inf)
         if plan.communicate is None:
             self._step_planned(plan, work, pager)

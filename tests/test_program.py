@@ -279,3 +279,45 @@ def test_gradients_kept_in_place_and_a_parameter_moved(monkeypatch):
     assert counts == {"steps": 3, "made": 2}, counts  # steps 1, 2, 4 programmed; made at 0 and 3
     b, opt_b = run(False)
     assert_runs_same(a, opt_a, b, opt_b)
+
+
+def test_paged_state_resident_takes_the_program_and_an_eviction_drops_it(monkeypatch):
+    """Paged state that stays resident (``paged="cpu"`` within its budget) moves nothing: those steps are unpaged
+    ones and take the program; state that pages never does; "auto" evicting a state (a mocked device whose peak grew)
+    drops the program at that step, which pages from then on. Every run equals the unpaged one bit for bit."""
+    from test_paging_auto import FakeDevice
+
+    from lowmemopt import paging
+
+    def run(paged, fake=None):
+        monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32, **paged)
+        gen = torch.Generator().manual_seed(1)
+        with runtime.cpu_interpreter():
+            for step in range(6):
+                if fake is not None and step == 4:
+                    fake.peak += 2 << 20  # the workload's peak grew beyond the room left: the state pages
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+        return params, opt
+
+    counts = _spy(monkeypatch)
+    b, opt_b = run({})
+    assert counts == {"steps": 5, "made": 1}
+    for paged, expect in [(dict(paged="cpu", page_budget_bytes=1 << 30), {"steps": 5, "made": 1}),
+                          (dict(paged="cpu", page_budget_bytes=0), {"steps": 0, "made": 0})]:
+        counts.update(steps=0, made=0)
+        a, opt_a = run(paged)
+        assert counts == expect, (paged, counts)
+        assert (paging.moving_bytes(opt_a) == 0) == bool(paged["page_budget_bytes"])
+        assert_runs_same(a, opt_a, b, opt_b)
+    fake = FakeDevice(monkeypatch)
+    fake.room(1 << 20, headroom=0)  # everything fits
+    counts.update(steps=0, made=0)
+    a, opt_a = run(dict(paged="cpu", page_headroom_bytes=0), fake)
+    assert counts == {"steps": 3, "made": 1}, counts  # made at step 0 (state placed resident), steps 1-3 programmed
+    assert paging.moving_bytes(opt_a) > 0  # step 4 evicted
+    assert_runs_same(a, opt_a, b, opt_b)

@@ -27,10 +27,11 @@ What is checked at each step, and what makes the program be built again:
 
 Those are identity and value comparisons over lists the step walks anyway (its gradients), a few hundred ns per
 parameter, and nothing else on the host grows with the number of parameters. The program covers steps whose every
-parameter the Triton kernels take with the non-finite check on the device: one device, nothing paged or sharded, no
-GaLore group, no capturable group, state already made (not a parameter's first step), an algorithm without a per-step
-view of its groups (:meth:`~lowmemopt.pipeline.algorithm.Algorithm.step_work`). Other steps take the pipeline as
-before.
+parameter the Triton kernels take with the non-finite check on the device: one device, no state that moves (paged
+state resident within its budget steps as unpaged: ``lowmemopt.paging.Pager.moves_any``), nothing sharded, no GaLore
+basis refresh due, no capturable group, state already made (not a parameter's first step), an algorithm without a
+per-step view of its groups (:meth:`~lowmemopt.pipeline.algorithm.Algorithm.step_work`). Other steps take the
+pipeline as before.
 """
 
 from __future__ import annotations

@@ -266,16 +266,16 @@ def _finish_layout(items: list[Item]) -> FinishLayout:
 
 
 def _targets(chunk: list[Item], dtype: torch.dtype, stand: StandInLayout | None) -> torch.Tensor:
-    """The chunk's stand-ins stacked in ``dtype``: a view of this step's stand-in buffer where the chunk is a run of
-    one class's stand-ins in fp32 (:attr:`StandInLayout.stacks`), else a stacked copy."""
+    """The chunk's stand-ins stacked in ``dtype``: where the chunk is a run of one class's stand-ins
+    (:attr:`StandInLayout.stacks`), a view of this step's stand-in buffer (or its cast to ``dtype``: one pass, as
+    a stacked copy), else a stacked copy."""
     if stand is not None:
         for members, stack in stand.stacks.values():
             for start, it in enumerate(members):
                 if it is chunk[0]:
                     end = start + len(chunk)
-                    if end <= len(members) and stack.dtype == dtype and \
-                            all(map(operator.is_, members[start:end], chunk)):
-                        return stack[start:end]
+                    if end <= len(members) and all(map(operator.is_, members[start:end], chunk)):
+                        return stack[start:end].to(dtype)
                     break
     return stacked([it.target for it in chunk], dtype)
 

@@ -44,6 +44,7 @@ state are float64 (the basis widened exactly), so a float64 GaLore step follows 
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -324,23 +325,30 @@ def again(plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
     """The gather of a later step for ``items`` that :func:`prepare` made (unsharded, no refresh due:
     :func:`refresh_due`), kept by a step program (:mod:`lowmemopt.pipeline.program`): this step's gradients
     (``grads``, the parameters' in the items' order) and inner groups (a scheduler's learning rate), nothing
-    projected or stood in yet."""
+    projected or stood in yet. (Per item only what changes between steps is written: this runs at every step.)"""
     inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] = {}
-    outer, made = None, None
+    outer = group_in = core = decay = record = None
+    plain = plan.grad_mult is None  # (else _matrix unscales each gradient)
     for it, g in zip(items, grads):
         extra = it.extra
         if extra["outer"] is not outer:
             outer = extra["outer"]
-            made = _inner(plan, outer, inner)
-        group_in, core, decay = made
-        it.group, it.target, it.grad, it.weight = group_in, None, None, None
-        it.record = plan.record_of(group_in)
-        extra.update(g=_matrix(plan, g, extra["m_local"], extra["n"]), core=core, decay=decay, math_decay=None)
+            group_in, core, decay = _inner(plan, outer, inner)
+            record = plan.record_of(group_in)
+        it.group, it.record, it.target, it.grad, it.weight = group_in, record, None, None, None
+        extra["g"] = g if plain and g.dim() == 2 else _matrix(plan, g, extra["m_local"], extra["n"])
+        if extra["core"] is not core or extra["decay"] != decay:
+            extra["core"], extra["decay"] = core, decay
+        if extra["math_decay"] is not None:
+            extra["math_decay"] = None
 
 
 def refresh_due(states: list[dict[str, Any]]) -> bool:
     """Is a basis refresh due at this step for any of these projected parameters' states?"""
-    return any(st["step"] >= st[pj.NEXT_REFRESH] for st in states)
+    return any(map(operator.ge, map(_step_of, states), map(_next_refresh_of, states)))
+
+
+_step_of, _next_refresh_of = operator.itemgetter("step"), operator.itemgetter(pj.NEXT_REFRESH)
 
 
 def param_free(plan: Plan) -> bool:
