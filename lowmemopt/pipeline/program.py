@@ -102,14 +102,14 @@ class StateDict(defaultdict):
 def update_for(plan: Plan, name: str, it: Item, step: Any, device_steps: bool = False) -> Update:
     """The hyper-parameters of ``it``'s bucket for the step it takes (``step``: an int; a capturable step's fp64
     steps on the device, and its ``lr`` read there)."""
-    algorithm, group = plan.algorithm, it.group
+    algorithm, record = plan.algorithm, it.record
+    hyper = record.hyper  # (a live view of the group: a scheduler's lr of this step)
     if device_steps:
         from ..work import capture
 
-        group = dict(group, lr=capture.device_value(group["lr"], it.target.device))
-    decay = 1.0 if it.projected else algorithm.decay_factor(group)
-    record = it.record
-    return Update(name, algorithm.math_kwargs(group, step), record, decay, 0 if device_steps else step,
+        hyper = dict(hyper, lr=capture.device_value(hyper["lr"], it.target.device))
+    decay = 1.0 if it.projected else algorithm.decay_factor(hyper)
+    return Update(name, algorithm.math_kwargs(hyper, step), record, decay, 0 if device_steps else step,
                   record.block_size, step if device_steps else None)
 
 
