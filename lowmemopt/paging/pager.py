@@ -93,6 +93,8 @@ class Pager:
         self._early: tuple[list[torch.Tensor], Bucket] | None = None  # the next pass's first bucket, on its way
         self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
         self._last: tuple[int, ...] | None = None  # the last pass's last bucket
+        #: the work list of the last begin() and whether its state moves (None: ask again: state was placed)
+        self._begun: tuple[Any, bool | None] = (None, None)
         self._finalizer = weakref.finalize(optimizer, self.close)
 
     # -- the step ----------------------------------------------------------------------------------------------------
@@ -107,6 +109,8 @@ class Pager:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
         fresh = []
+        moves = False  # (what moves_any(work) answers after this, kept for it)
+        plain = torch.Tensor.__torch_dispatch__
         for p, group in work:
             tier = tier_of(group)
             if tier is None:
@@ -118,17 +122,20 @@ class Pager:
                     "made; the state was left as it was. Move the parameter back, or re-home the state after moving "
                     "it: optimizer.load_state_dict(optimizer.state_dict())"
                 )
-            if type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            if type(p).__torch_dispatch__ is not plain:
                 raise TypeError(
                     f"paged optimizer state needs plain tensors as parameters; {self._where(p)} is a "
                     f"{type(p).__name__} (a tensor subclass such as DTensor): use paged=False for its group"
                 )
+            if entry is not None and entry.resident:  # (the steady case: nothing to place, nothing moves)
+                continue
+            moves = True
             current = opt.state.get(p)
-            if entry is not None:
-                if entry.resident or current is entry.state or (entry.state is None and not current):
-                    continue
-                # the state was replaced by a route that bypassed the load hooks: give it a home now
+            if entry is not None and (current is entry.state or (entry.state is None and not current)):
+                continue
+            # new, or the state was replaced by a route that bypassed the load hooks: give it a home now
             fresh.append((p, group, tier, current if current else None))
+        self._begun = (work, moves if not fresh else None)
         self.check_writes()
         if fresh:
             self._drop_early()
@@ -140,7 +147,8 @@ class Pager:
                 self.entries[p] = made[p]
                 if made[p].state is not None:
                     opt.state[p] = made[p].state
-        self._evict_where_short(work)
+        if self._evict_where_short(work):
+            self._begun = (work, None)
 
     def batches(self, todo: Work, bucket_bytes: int) -> Iterator[Work]:
         """Yield ``todo`` in consecutive batches, each with the state of its params on their device in
@@ -241,6 +249,9 @@ class Pager:
         """May the state of any (param, group) of ``work`` move this step: paged and not resident within the budget,
         or paged and not placed yet (:meth:`begin` decides its residency)? When none does, a step runs exactly as
         unpaged (the pipeline's stage and write-back have nothing to do)."""
+        begun, moves = self._begun
+        if begun is work and moves is not None:  # (begin() just walked the same list and placed nothing)
+            return moves
         for p, group in work:
             if tier_of(group) is None:
                 continue
@@ -381,9 +392,10 @@ class Pager:
             _reraise(e, "the optimizer and its state were left as they were")
         return made
 
-    def _evict_where_short(self, work: Work) -> None:
+    def _evict_where_short(self, work: Work) -> bool:
         """``"auto"``: per CUDA device of ``work`` with state resident by it, evict (the largest first) what a grown
-        peak, or free memory under the headroom, asks for (:meth:`AutoRoom.excess`)."""
+        peak, or free memory under the headroom, asks for (:meth:`AutoRoom.excess`). Returns whether it evicted."""
+        evicted = False
         for device in {p.device for p, _ in work if p.device in self.rooms}:
             memory = probe(device)
             need = self.rooms[device].excess(memory) if memory is not None else 0
@@ -397,6 +409,8 @@ class Pager:
             for p in evictions(list(held.items()), need):
                 self.rooms[device].evicted(held[p])
                 self._evict(p, groups[id(p)])
+                evicted = True
+        return evicted
 
     def _evict(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         """Give resident ``p``'s state homes and page it from now on (a copy to the host that waits for it)."""
