@@ -147,6 +147,13 @@ class Bucket:
             return
         self._relocate(dt, dg)
 
+    def reset_tensors(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """New targets and gradients whose predecessors' memory is gone (given back: their addresses say nothing):
+        what the launches built is dropped and built again from these."""
+        self.params, self.grads = list(params), list(grads)
+        self.memo.clear()
+        self._rows_made = []
+
     def keep_rows(self, rows: list[list[int]]) -> list[list[int]]:
         """Register table ``rows`` kept in :attr:`memo` (their address columns move with :meth:`set_tensors`)."""
         self._rows_made.append(rows)

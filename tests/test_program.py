@@ -253,6 +253,47 @@ def test_galore_steps_between_refreshes_take_the_program(cls, kw, bits, monkeypa
     assert_runs_same(a, opt_a, b, opt_b)
 
 
+@pytest.mark.parametrize("moved", [True, False], ids=["moved", "rebuilt"])
+def test_galore_buffers_hold_no_memory_between_steps(moved, monkeypatch):
+    """A kept GaLore step's low-rank gradients and stand-ins live in buffers that get memory for the step and give it
+    back after it (their views kept); the tables follow the buffers by one offset, or are built again where the
+    buffers do not move as one (``rebuilt``: every step so); bit for bit the host-checked pipeline's."""
+    from lowmemopt.projection import batched
+
+    monkeypatch.setattr(batched, "BATCH_ON_CPU", True)
+    if not moved:
+        monkeypatch.setattr(program.StepProgram, "_moved", lambda self, layouts: None)
+
+    def run(on_device):
+        monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, dtype=torch.bfloat16)) for s in GALORE_SHAPES]
+        matrices = [p for p in params if p.dim() == 2]
+        opt = lowmemopt.AdamW([{"params": matrices, "rank": 4}, {"params": params[4:5]}], lr=1e-2,
+                              weight_decay=0.1, state_bits=8, min_quant_numel=0, block_size=32)
+        gen = torch.Generator().manual_seed(2)
+        held = []
+        with runtime.cpu_interpreter():
+            for _ in range(6):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+                opt.step()
+                kept = opt._program
+                if kept is not None and kept.layouts[0] is not None:
+                    project, stand = kept.layouts[0], kept.layouts[1]
+                    scratch = [*project.scratch, *(c[0] for c in project.cast_bases.values()),
+                               *(c[0] for c in stand.carved)]
+                    held.append(sum(x.tensor.untyped_storage().nbytes() for x in scratch) if scratch else -1)
+        return params, opt, held
+
+    counts = _spy(monkeypatch)
+    a, opt_a, held = run(True)
+    assert counts == {"steps": 4, "made": 1}, counts  # made at step 1 (step 0 refreshes the bases)
+    assert held == [0, 0, 0, 0]  # after each programmed step: buffers made (bf16 bases cast: their own) and empty
+    b, opt_b, _ = run(False)
+    assert_runs_same(a, opt_a, b, opt_b)
+
+
 def test_gradients_kept_in_place_and_a_parameter_moved(monkeypatch):
     """Gradients kept in place from step to step (``zero_grad(set_to_none=False)``): the kept launch tables serve as
     they are; a parameter whose storage is replaced (``p.data = ...``) makes the program again (its tables would

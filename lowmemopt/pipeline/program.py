@@ -167,6 +167,7 @@ class StepProgram:
         self.projected_states = [it.state for it in self.projected]
         self.layouts: list[Any] = [None, None, None]  # GaLore's project, stand-in and finish layouts (kept)
         self._bases: tuple[int, int] | None = None  # the last step's stand-in and low-rank gradient buffers
+        self._given_back = False  # the kept layouts' buffers were given back after a step (:func:`give_back`)
 
     def matches(self, state: Any, params: Sequence[torch.Tensor], groups: Sequence[dict],
                 grads: Sequence[torch.Tensor]) -> bool:
@@ -235,8 +236,9 @@ class StepProgram:
             members = pl.members
             if not members[0].projected:
                 pl.bucket.set_grads(grads[rows.start:rows.stop], ptrs[rows.start:rows.stop])
-            elif moved is None:
-                pl.bucket.set_tensors([it.target for it in members], [it.grad for it in members])
+            elif moved is None:  # (the first time; or buffers of several dtypes, given back after each step)
+                (pl.bucket.reset_tensors if self._given_back else pl.bucket.set_tensors)(
+                    [it.target for it in members], [it.grad for it in members])
             else:  # carved from buffers of the kept layouts: the tables move with them
                 pl.bucket.move_tensors([it.target for it in members], [it.grad for it in members], *moved)
         mult = None if plan.grad_mult is None else plan.mult
@@ -250,6 +252,9 @@ class StepProgram:
         elif self.projected:
             finished = {id(it) for pl in launched for it in pl.members}
             galore.finish_many(plan, [it for it in self.projected if id(it) in finished], flags)
+        if self.projected:  # (the low-rank gradients and stand-ins: memory only while the step runs)
+            galore.give_back(layouts[0], layouts[1])
+            self._given_back = True
         if plan.found_inf is not None:  # one flag: the whole step
             return PendingSkip(flags[:1], lambda rows: self._undo(range(n), launched))
         return PendingSkip(flags, lambda rows: self._undo(rows, launched), counted=True)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..pipeline.plan import Plan
 
 __all__ = ["BATCH_NUMEL", "BATCH_ON_CPU", "batches", "project", "stand_ins", "finish_many", "fused_apply",
-           "finished_in_batches", "stacked"]
+           "finished_in_batches", "stacked", "give_back", "Scratch"]
 
 #: CUDA: elements of the stacked gradients in one batched projection (64 MiB of fp32)
 BATCH_NUMEL = 1 << 24
@@ -50,6 +50,27 @@ def stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=tensors[0].device)
     torch._foreach_copy_(list(out.unbind(0)), tensors)
     return out
+
+
+class Scratch:
+    """A buffer that holds memory only while a step uses it: made once with the views a kept layout carves from it,
+    given storage at each step (:meth:`take`) and its storage handed back to the allocator after the step
+    (:meth:`give_back`, as FSDP frees its unsharded parameters: the views stay valid objects over an empty storage).
+    A kept layout so makes no view per matrix at later steps, and holds no memory between steps."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.nbytes = self.tensor.untyped_storage().nbytes()
+
+    def take(self) -> torch.Tensor:
+        """The buffer, with storage (new memory after :meth:`give_back`: its address moves, its views with it)."""
+        storage = self.tensor.untyped_storage()
+        if storage.nbytes() != self.nbytes:
+            storage.resize_(self.nbytes)
+        return self.tensor
+
+    def give_back(self) -> None:
+        self.tensor.untyped_storage().resize_(0)
 
 
 def _chunks(members: list[Item], numel: int) -> list[list[Item]]:
@@ -74,6 +95,17 @@ class ProjectLayout:
     #: projection of the same chunk takes them again: :func:`finish_many`)
     base: int = 0
     bases: list[torch.Tensor | None] = field(default_factory=list)
+    #: made at the layout's first use: the buffers (fp32, float64), per chunk its output view and its items' views,
+    #: and per chunk whose bases are cast to its product dtype the buffer and views they are stacked into
+    scratch: list[Scratch] = field(default_factory=list)
+    outs: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    cast_bases: dict[int, tuple[Scratch, list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+
+    def give_back(self) -> None:
+        """The step's buffers back to the allocator (:class:`Scratch`); the layout serves again."""
+        for scratch in (*self.scratch, *(c[0] for c in self.cast_bases.values())):
+            scratch.give_back()
+        self.bases = []
 
 
 def _project_layout(items: list[Item]) -> ProjectLayout:
@@ -117,32 +149,64 @@ def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLa
         it.grad = low.contiguous()
     if not layout.chunks:
         return layout
-    device = layout.chunks[0][0][0].extra["g"].device
-    flat = torch.empty(layout.numel, dtype=torch.float32, device=device)
-    flat64 = torch.empty(layout.numel64, dtype=torch.float64, device=device) if layout.numel64 else None
+    if not layout.scratch:
+        _carve_outputs(layout)
+    flat = layout.scratch[0].take()
+    if len(layout.scratch) > 1:
+        flat64 = layout.scratch[1].take()
+        flat = flat if layout.numel else flat64  # (the buffer whose address the step's tables follow)
     layout.base, layout.bases = flat.data_ptr(), []
-    for (chunk, side, dtype), offset in zip(layout.chunks, layout.offsets):
+    for k, ((chunk, side, dtype), (out, views)) in enumerate(zip(layout.chunks, layout.outs)):
         first = chunk[0]
-        buffer = flat64 if dtype == torch.float64 else flat
-        m, n = first.extra["g"].shape
-        r = first.state[pj.PROJ].shape[0] if side == pj.LEFT else first.state[pj.PROJ].shape[1]
-        shape = (len(chunk), r, n) if side == pj.LEFT else (len(chunk), m, r)
-        out = buffer[offset:offset + math.prod(shape)].view(shape)
         if len(chunk) == 1:
             out[0].copy_(pj.project(first.extra["g"].float() if dtype is None else first.extra["g"], first.state,
                                     dtype))
             layout.bases.append(None)
         else:
             g = stacked([it.extra["g"] for it in chunk], dtype or torch.float32)  # one cast for the chunk
-            basis = stacked([it.state[pj.PROJ] for it in chunk], dtype or torch.float32)  # P^T or Q^T
+            basis = _stacked_bases(layout, k, chunk, dtype or torch.float32)  # P^T or Q^T
             layout.bases.append(basis)
             if dtype is None or dtype == torch.float64:
                 torch.bmm(basis, g, out=out) if side == pj.LEFT else torch.bmm(g, basis, out=out)
             else:
                 out.copy_(torch.bmm(basis, g) if side == pj.LEFT else torch.bmm(g, basis))
-        for it, x in zip(chunk, out.unbind(0)):
+        for it, x in zip(chunk, views):
             it.grad = x
     return layout
+
+
+def _carve_outputs(layout: ProjectLayout) -> None:
+    """The layout's buffers (:class:`Scratch`) and the views of each chunk's output and of its items' low-rank
+    gradients, made once."""
+    device = layout.chunks[0][0][0].extra["g"].device
+    layout.scratch = [Scratch(layout.numel, torch.float32, device)]
+    if layout.numel64:
+        layout.scratch.append(Scratch(layout.numel64, torch.float64, device))
+    for (chunk, side, dtype), offset in zip(layout.chunks, layout.offsets):
+        first = chunk[0]
+        buffer = layout.scratch[-1 if dtype == torch.float64 else 0].tensor
+        m, n = first.extra["g"].shape
+        r = first.state[pj.PROJ].shape[0] if side == pj.LEFT else first.state[pj.PROJ].shape[1]
+        shape = (len(chunk), r, n) if side == pj.LEFT else (len(chunk), m, r)
+        out = buffer[offset:offset + math.prod(shape)].view(shape)
+        layout.outs.append((out, out.unbind(0)))
+
+
+def _stacked_bases(layout: ProjectLayout, k: int, chunk: list[Item], dtype: torch.dtype) -> torch.Tensor:
+    """The bases of chunk ``k`` stacked in ``dtype``: one stack where they are stored in it, else cast into a buffer
+    of the layout (:class:`Scratch`) through views made once."""
+    bases = [it.state[pj.PROJ] for it in chunk]
+    if bases[0].dtype == dtype:
+        return torch.stack(bases)
+    made = layout.cast_bases.get(k)
+    if made is None:
+        scratch = Scratch(len(bases) * bases[0].numel(), dtype, bases[0].device)
+        stack = scratch.tensor.view(len(bases), *bases[0].shape)
+        made = layout.cast_bases[k] = (scratch, list(stack.unbind(0)), stack)
+    scratch, views, stack = made
+    scratch.take()
+    torch._foreach_copy_(views, bases)
+    return stack
 
 
 @dataclass(eq=False)
@@ -153,8 +217,15 @@ class StandInLayout:
     devices: list[tuple[torch.device, torch.dtype, int, list[tuple[torch.Size, list[Item], int, int]]]] = \
         field(default_factory=list)
     bases: list[int] = field(default_factory=list)  # this step's buffers' addresses, per device
-    #: this step's stand-ins of each class without padding, stacked: id(first item) -> (members, [len, *shape] view)
+    #: the stand-ins of each class without padding, stacked: id(first item) -> (members, [len, *shape] view)
     stacks: dict[int, tuple[list[Item], torch.Tensor]] = field(default_factory=dict)
+    #: made at the layout's first use: per device its buffer (:class:`Scratch`) and the items' views of it
+    carved: list[tuple[Scratch, list[tuple[Item, torch.Tensor]]]] = field(default_factory=list)
+
+    def give_back(self) -> None:
+        """The step's buffers back to the allocator (:class:`Scratch`); the layout serves again."""
+        for scratch, _ in self.carved:
+            scratch.give_back()
 
 
 def stand_ins(items: list[Item], layout: StandInLayout | None = None) -> StandInLayout:
@@ -173,21 +244,41 @@ def stand_ins(items: list[Item], layout: StandInLayout | None = None) -> StandIn
                 classes.append((shape, members, size, offset))
                 offset += size * len(members)
             layout.devices.append((device, dtype, offset, classes))
-    layout.bases, layout.stacks = [], {}
+    if not layout.carved:
+        _carve_stand_ins(layout)
+    layout.bases = []
+    for scratch, views in layout.carved:
+        layout.bases.append(scratch.take().zero_().data_ptr())
+        for it, view in views:
+            it.target = view
+    return layout
+
+
+def _carve_stand_ins(layout: StandInLayout) -> None:
+    """The layout's buffers (:class:`Scratch`, one per device and dtype) and the views of each class and target,
+    made once: a class without padding is one view, unbound into its targets (no view per item)."""
     for device, dtype, total, classes in layout.devices:
-        flat = torch.zeros(total, dtype=dtype, device=device)
-        layout.bases.append(flat.data_ptr())
+        scratch = Scratch(total, dtype, device)
+        flat, views = scratch.tensor, []
         for shape, members, size, offset in classes:
             numel = shape.numel()
-            if size == numel:  # no padding: one view of the class, unbound into its targets (no view per item)
+            if size == numel:
                 stack = flat[offset:offset + size * len(members)].view(len(members), *shape)
                 layout.stacks[id(members[0])] = (members, stack)
-                for it, view in zip(members, stack.unbind(0)):
-                    it.target = view
+                views += zip(members, stack.unbind(0))
                 continue
-            for k, it in enumerate(members):
-                it.target = flat[offset + k * size:offset + k * size + numel].view(shape)
-    return layout
+            views += ((it, flat[offset + k * size:offset + k * size + numel].view(shape))
+                      for k, it in enumerate(members))
+        layout.carved.append((scratch, views))
+
+
+def give_back(project_layout: ProjectLayout | None, stand_in_layout: StandInLayout | None) -> None:
+    """A kept step's layouts give their buffers back at the end of the step (None: none made): nothing of them is
+    held between steps; the items' low-rank gradients and stand-ins are views of empty storage until the layouts
+    serve the next step (:func:`project`, :func:`stand_ins`)."""
+    for layout in (project_layout, stand_in_layout):
+        if layout is not None:
+            layout.give_back()
 
 
 def finished_in_batches(p: torch.Tensor, state: dict[str, Any], mode: str) -> bool:

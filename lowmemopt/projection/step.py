@@ -59,7 +59,7 @@ from ..pipeline.plan import Plan, unscaled
 from ..quant.formats import format_of, math_dtype
 from . import projector as pj
 from .apply import finish
-from .batched import finish_many, finished_in_batches, fused_apply, project, stand_ins
+from .batched import finish_many, finished_in_batches, fused_apply, give_back, project, stand_ins
 
 if TYPE_CHECKING:
     from ..quant.formats import Slot
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
     "param_free", "fused", "stands_in", "stand_ins", "weights", "update_alone", "finish", "finish_many", "inner_group",
-    "device_checkable", "again", "refresh_due",
+    "device_checkable", "again", "refresh_due", "give_back",
 ]
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
