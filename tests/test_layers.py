@@ -158,3 +158,41 @@ def test_the_group_check_can_fail(tmp_path):
     (tmp_path / "clean.py").write_text("def step(p, record):\n    return record.hyper['lr']\n")
     assert _group_reads([tmp_path / "backend.py", tmp_path / "clean.py"]) == [f"{tmp_path / 'backend.py'}:1 group",
                                                                               f"{tmp_path / 'backend.py'}:2 group"]
+
+
+# Modules that hold a stage (which gathers (param, group) pairs into items) and a backend: the backend's functions
+# take the items and their Update only. (The per-tensor backends' entry is lowmemopt.pipeline.backends.step_items,
+# checked whole above; the native CPU bucket's is native.step_items; plan.update_of makes an Update from a record.)
+_RECORD_ONLY_FUNCTIONS = {"lowmemopt/pipeline/native.py": ["step_items"],
+                          "lowmemopt/pipeline/plan.py": ["update_of"]}
+
+
+def _function_group_reads(path: Path, names: list[str]) -> list[str]:
+    """:func:`_group_reads` of the functions ``names`` of ``path`` (each must exist)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert set(names) <= found.keys(), f"{path}: no function {sorted(set(names) - found.keys())}"
+    out = []
+    for name in names:
+        for node in ast.walk(found[name]):
+            got = node.arg if isinstance(node, ast.arg) else node.id if isinstance(node, ast.Name) else \
+                node.attr if isinstance(node, ast.Attribute) else None
+            if got == "group":
+                out.append(f"{name}:{node.lineno} group")
+    return out
+
+
+def test_no_backend_function_reads_a_param_group():
+    for path, names in _RECORD_ONLY_FUNCTIONS.items():
+        assert _function_group_reads(ROOT / path, names) == [], path
+
+
+def test_the_function_group_check_can_fail(tmp_path):
+    (tmp_path / "mixed.py").write_text("def stage(p, group):\n    return backend(p, group['lr'])\n\n\n"
+                                       "def backend(p, lr, it=None):\n    return p * lr + it.group['wd']\n")
+    assert _function_group_reads(tmp_path / "mixed.py", ["backend"]) == ["backend:6 group"]
+    assert _function_group_reads(tmp_path / "mixed.py", ["stage"]) == ["stage:1 group", "stage:2 group"]
+    with pytest.raises(AssertionError, match="no function"):
+        _function_group_reads(tmp_path / "mixed.py", ["missing"])

@@ -1,6 +1,8 @@
 """The per-tensor backends of the update stage, and state creation.
 
-A bucket that the Triton kernels do not take is updated one tensor at a time here, by the first backend that applies::
+A bucket that the Triton kernels do not take is updated one tensor at a time here (:func:`step_items`: the items of one
+bucket and its :class:`~lowmemopt.work.items.Update`, as the Triton backend's ``step_items`` takes them), by the first
+backend that applies::
 
     native C kernel (CPU, elementwise or factored; lowmemopt.cpu)  ->  torch.compile-d chunks (lowmemopt.compiled)
         ->  eager reference: decode -> Algorithm.update (fp32) -> encode, in block-aligned chunks
@@ -12,7 +14,7 @@ plain tensors, the bucket's :class:`~lowmemopt.work.record.BucketRecord` (never 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,11 +24,12 @@ from ..distributed.sharding import local_tensor
 from ..quant import q4
 from ..quant.formats import Q4, Q8, Slot, StateFormat, format_of, map_for, math_dtype
 from ..quant.maps import code_book, encode_table
+from ..work.items import Item, Update
 from ..work.record import BucketRecord
 from .algorithm import Algorithm
 from .plan import unscaled
 
-__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "update_flat", "update_checked", "update_rest",
+__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "step_items", "update_flat", "update_checked", "update_rest",
            "run_update", "decode_whole"]
 
 #: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
@@ -50,16 +53,47 @@ def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], st
     return state
 
 
+def step_items(algorithm: Algorithm, items: Sequence[Item], update_for: Callable[[Item, Any], Update],
+               grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
+               scans: Sequence[torch.Tensor | None] | None = None, check: bool = False) -> list[bool | None]:
+    """Step every item of ``items`` (full-rank, initialized, step count already advanced) through the per-tensor
+    backends, one tensor at a time: the per-tensor side of the update stage, with the Triton backend's shape
+    (:func:`lowmemopt.kernels.dispatch.step_items`). ``update_for(item, step)``: the item's bucket's
+    :class:`~lowmemopt.work.items.Update` (its math keyword arguments, decay factor, record), asked per item with its
+    step count; ``grad_mult``: loss scaling, device -> the gradients' multiplier there (or None).
+
+    ``scans[k]``: another gradient that the native kernel stepping item ``k`` checks for NaN/Inf; item ``k``'s result
+    is that check's (None: not done). ``check``: each item's step checks its own gradient
+    (:func:`update_checked`, unsharded CPU items); its result is whether it was stepped (False: nothing was written;
+    the caller puts the step count back). Returns one result per item. An item's ``reduce`` (a shard's reductions)
+    is read from ``item.reduce``; its ``target`` is written in place."""
+    out: list[bool | None] = []
+    for k, it in enumerate(items):
+        state = it.state
+        up = update_for(it, state["step"])
+        target, mult = it.target, None if grad_mult is None else grad_mult(it.grad.device)
+        if check:
+            out.append(update_checked(algorithm, target, target.view(-1), it.grad.reshape(-1), state, it.slots,
+                                      up.record, up.step, up.decay, mult, up.kwargs))
+        else:
+            out.append(update_flat(algorithm, target, target.view(-1), it.grad.reshape(-1), state, it.slots,
+                                   up.record, up.step, up.decay, it.reduce or LOCAL,
+                                   None if scans is None else scans[k], mult, up.kwargs))
+    return out
+
+
 def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                 state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int, decay: float,
                 reduce: Reduction = LOCAL, scan: torch.Tensor | None = None,
-                mult: torch.Tensor | None = None) -> bool | None:
+                mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> bool | None:
     """``pflat <- pflat * decay + delta`` (``pflat``: contiguous, flat, updated in place; ``like``: a tensor of its
     logical shape) with the state decoded and encoded around the math: the native C kernel where it applies (CPU),
     else the ``torch.compile``-d function, and the eager reference for whatever they leave (a ragged last 8-bit
     block, say). ``scan``: another gradient that a native kernel checks for NaN/Inf while it steps this one; returns
     that check's result (None: not done). ``mult``: the loss scaling multiplier of ``gflat`` (0-dim fp32 on its
-    device, :attr:`~lowmemopt.pipeline.plan.Plan.grad_mult`), applied as each backend loads the gradient."""
+    device, :attr:`~lowmemopt.pipeline.plan.Plan.grad_mult`), applied as each backend loads the gradient. ``kwargs``:
+    the math's keyword arguments for this step (:meth:`Algorithm.math_kwargs` of ``record.hyper``) where the caller
+    has them."""
     formats = {name: format_of(state, name) for name in slots}
     start, scanned = 0, None
     if pflat.device.type == "cpu" and cpu.ENABLED:  # native C kernels (lowmemopt.cpu)
@@ -68,7 +102,9 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
         if name is None:
             pass
         elif algorithm.elementwise:  # (a shard's stochastic rounding hashes its elements' indices in the parameter)
-            start, scanned = cpu.step_elementwise(name, algorithm.math_kwargs(record.hyper, step), pflat, gflat, state,
+            if kwargs is None:
+                kwargs = algorithm.math_kwargs(record.hyper, step)
+            start, scanned = cpu.step_elementwise(name, kwargs, pflat, gflat, state,
                                                   slots, formats, record, step, decay, scan,
                                                   index_base=reduce.flat_offset() if reduce.distributed else 0,
                                                   grad_mult=host)
@@ -77,19 +113,19 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
             start = pflat.numel()
     exact = record.rounding_of(like) == "nearest"  # the compiled path rounds to nearest only
     if start == 0 and exact and algorithm.elementwise and algorithm.math is not None and compiled.applies(like):
-        start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, record, step, decay, mult)
+        start = _step_compiled(algorithm, pflat, gflat, state, slots, formats, record, step, decay, mult, kwargs)
     _step_eager(algorithm, like, pflat, gflat, state, slots, formats, record, step, decay, start, reduce, mult)
     return scanned
 
 
 def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                    state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int,
-                   decay: float, mult: torch.Tensor | None = None) -> bool:
+                   decay: float, mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> bool:
     """:func:`update_flat` of an unsharded CPU parameter whose gradient's non-finite check is left to the step: the
     native factored step (Adafactor, CAME: :func:`lowmemopt.cpu.factored.step` with ``check``) checks it in its first
     pass, which reads the gradient anyway; where that kernel does not apply, :func:`lowmemopt.cpu.grad_is_finite`
     checks it before the other backends run. Returns whether the parameter was stepped (False: the gradient's fp32
-    sum of squares is not finite, and nothing was written). ``mult``: as :func:`update_flat`'s."""
+    sum of squares is not finite, and nothing was written). ``mult``, ``kwargs``: as :func:`update_flat`'s."""
     from ..cpu.factored import SKIPPED, STEPPED
 
     formats = {name: format_of(state, name) for name in slots}
@@ -104,7 +140,7 @@ def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor
 
         ok = host_flags([gflat])[0]
     if ok:
-        update_flat(algorithm, like, pflat, gflat, state, slots, record, step, decay, mult=mult)
+        update_flat(algorithm, like, pflat, gflat, state, slots, record, step, decay, mult=mult, kwargs=kwargs)
     return ok
 
 
@@ -172,7 +208,7 @@ def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state
 
 def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
                    slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord, step: int,
-                   decay: float, mult: torch.Tensor | None = None) -> int:
+                   decay: float, mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> int:
     """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
     bs = record.block_size
     rows_total = pflat.numel() // bs
@@ -196,7 +232,8 @@ def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tenso
             else:
                 rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
         ok = compiled.step_rows(type(algorithm).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),
-                                tuple(rows), algorithm.math_kwargs(record.hyper, step), decay, mult)
+                                tuple(rows), algorithm.math_kwargs(record.hyper, step) if kwargs is None else kwargs,
+                                decay, mult)
         if not ok:
             return lo
     return rows_total * bs

@@ -18,18 +18,20 @@ formats without a fused kernel) goes on to the per-parameter path, in order.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .. import cpu, rounding
+from ..distributed.reduction import LOCAL
 from ..distributed.sharding import local_view
 from ..quant.formats import format_of
-from ..work import capture
+from ..work import Item, Update, capture
+from .algorithm import Algorithm
 from .backends import init_state, update_rest
 from .plan import Plan
 
-__all__ = ["step_cpu_bucket"]
+__all__ = ["step_cpu_bucket", "step_items"]
 
 #: per parameter: its kernel arguments from the last step and what they were made for (``sig`` in
 #: :func:`step_cpu_bucket`: the state's tensors by address, the parameter, the storage options); a step whose
@@ -55,26 +57,20 @@ def takes(plan: Plan) -> bool:
 
 def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     """Step the CPU parameters of ``todo`` ((index, param, group)) that the native kernels take, in one call; fill in
-    ``finite`` for the ones checked here; return the rest, in order, for the per-parameter path."""
+    ``finite`` for the ones checked here; return the rest, in order, for the per-parameter path. The gather stage
+    (here: items, state made, step counts advanced) and the update (:func:`step_items`, which reads the items and
+    their :class:`~lowmemopt.work.items.Update` only)."""
     if not todo or not takes(plan):
         return todo
-    from ..cpu.elementwise import prepare, refresh, step_many
-
     algorithm, states = plan.algorithm, plan.state
-    name = algorithm.fused
     rest: Todo = []
-    batch, taken = [], []
-    kwargs_memo: dict[tuple[int, int], dict[str, Any]] = {}  # (group, step) -> the math's keyword arguments
-    memo: dict = {}  # what prepare derives from those alone (kept alive with them: ids stay unique)
-    mult = host_mult = None  # loss scaling's multiplier (applied as g is loaded), read at the first CPU parameter
+    items: list[Item] = []
+    index: list[int] = []
     for i, p, group in todo:
         grad = p.grad
         if p.device.type != "cpu" or group.get("rank") is not None or grad is None:
             rest.append((i, p, group))
             continue
-        if plan.grad_mult is not None and mult is None:
-            mult = plan.mult(torch.device("cpu"))
-            host_mult = mult.tolist()
         numel = p.numel()  # a DTensor's whole size: it picks the state format
         local, grad, reduce = local_view(p, grad)  # a DTensor (FSDP2) steps its local shard
         if not (local.is_contiguous() and grad.is_contiguous() and grad.shape == local.shape):
@@ -84,8 +80,8 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         if "galore.side" in state:
             rest.append((i, p, group))
             continue
-        slots = algorithm.slots(group, local)
         record = plan.record_of(group)
+        slots = algorithm.slots(record.hyper, local)
         if "step" not in state:
             if finite[i] is None:  # checked before its state is made (a skip makes none, and draws no seed)
                 finite[i] = cpu.grad_is_finite(grad)
@@ -100,44 +96,81 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             if reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
                 rounding.init_state(state, local, record.rounding, reduce.agree)
         state["step"] += 1
+        items.append(Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, record=record,
+                          index_base=reduce.flat_offset() if reduce.distributed else 0, reduce=reduce))
+        index.append(i)
+    if not items:
+        return rest
+    mult = None if plan.grad_mult is None else plan.mult
+    results = step_items(algorithm, items, plan.update_of, [finite[i] is None for i in index], mult)
+    left = set()
+    for i, it, ok in zip(index, items, results):
+        if ok is None:  # not taken: the per-parameter path steps it
+            it.state["step"] -= 1
+            left.add(i)
+            continue
+        finite[i] = ok
+        if not ok:  # nothing of it was written (a fresh parameter was checked before)
+            it.state["step"] -= 1
+    if left:  # in the step's order
+        left.update(i for i, _, _ in rest)
+        rest = [t for t in todo if t[0] in left]
+    return rest
+
+
+def step_items(algorithm: Algorithm, items: list[Item], update_for: Callable[[Item, Any], Update],
+               check: list[bool], grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None
+               ) -> list[bool | None]:
+    """The native bucket backend: step ``items`` (CPU, contiguous, initialized, step counts advanced) of
+    ``algorithm`` by one call of its many-parameter kernel. ``update_for(item, step)``: the item's bucket's
+    :class:`~lowmemopt.work.items.Update`; ``check[k]``: item ``k``'s gradient is checked for NaN/Inf in the same
+    call; ``grad_mult``: loss scaling (device -> multiplier). Returns per item: True (stepped), False (its gradient
+    was not finite: nothing written), None (the kernel does not take it: untouched, for the per-tensor backends)."""
+    from ..cpu.elementwise import prepare, refresh, step_many
+
+    name = algorithm.fused
+    out: list[bool | None] = [None] * len(items)
+    batch, taken = [], []
+    memo: dict = {}  # what prepare derives from the math's arguments alone (kept alive with them: ids stay unique)
+    mult = host_mult = None  # loss scaling's multiplier (applied as g is loaded), read at the first item
+    for k, it in enumerate(items):
+        if grad_mult is not None and mult is None:
+            mult = grad_mult(torch.device("cpu"))
+            host_mult = mult.tolist()
+        state, slots, record, local = it.state, it.slots, it.record, it.target
         step = state["step"]
-        key = (id(group), step)
-        kw = kwargs_memo.get(key)
-        if kw is None:
-            kw = kwargs_memo[key] = algorithm.math_kwargs(group, step)
-        pflat, gflat = local.view(-1), grad.view(-1)
-        decay = algorithm.decay_factor(group)
-        index_base = reduce.flat_offset() if reduce.distributed else 0
-        scan = gflat if finite[i] is None else None
+        up = update_for(it, step)
+        kw, decay = up.kwargs, up.decay
+        pflat, gflat = local.view(-1), it.grad.view(-1)
+        scan = gflat if check[k] else None
+        index_base = it.index_base or 0
         # the kernel arguments of this parameter's last step, made again only when what they point at changed
         sig = (name, id(state), tuple(state), *(v.data_ptr() for v in state.values() if type(v) is torch.Tensor),
                pflat.data_ptr(), pflat.dtype, pflat.numel(), gflat.dtype, record.block_size,
                record.rounding_of(local), index_base)
+        p = it.param
         cached = _ARGS.get(id(p))
         if (cached is not None and cached[0]() is p and cached[1] == sig
                 and refresh(cached[2], name, kw, gflat, state, slots, step, decay, scan, memo, host_mult)):
             args, done = cached[2], cached[3]
         else:
-            formats = {k: format_of(state, k) for k in slots}
+            formats = {s: format_of(state, s) for s in slots}
             args, done = prepare(name, kw, pflat, gflat, state, slots, formats, record, step, decay, scan=scan,
                                  index_base=index_base, memo=memo, grad_mult=host_mult)
             if args is not None:
                 _ARGS[id(p)] = (weakref.ref(p, _forget(id(p))), sig, args, done)
-        if args is None or (finite[i] is None and args.scan is None):  # the per-parameter path takes it
-            state["step"] -= 1
-            rest.append((i, p, group))
+        if args is None or (check[k] and args.scan is None):  # the per-tensor backends take it
             continue
         batch.append(args)
-        taken.append((i, local, gflat, record, state, slots, step, decay, done, reduce))
+        taken.append((k, done, up))
     if not batch:
-        return rest
+        return out
     stepped = step_many(name, batch)
-    for ok, (i, local, gflat, record, state, slots, step, decay, done, reduce) in zip(stepped, taken):
-        finite[i] = ok
-        if not ok:  # nothing of it was written (a fresh parameter was checked before)
-            state["step"] -= 1
-        elif done < local.numel():  # a ragged last 8- / 4-bit block: the reference path, as after a one-parameter call
-            formats = {k: format_of(state, k) for k in slots}
-            update_rest(algorithm, local, local.view(-1), gflat, state, slots, formats, record, step, decay, done,
-                        reduce, mult)
-    return rest
+    for ok, (k, done, up) in zip(stepped, taken):
+        out[k] = ok
+        it = items[k]
+        if ok and done < it.target.numel():  # a ragged last 8- / 4-bit block: the reference path, as after one call
+            formats = {s: format_of(it.state, s) for s in it.slots}
+            update_rest(algorithm, it.target, it.target.view(-1), it.grad.view(-1), it.state, it.slots, formats,
+                        up.record, up.step, up.decay, done, it.reduce or LOCAL, mult)
+    return out

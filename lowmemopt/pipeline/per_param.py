@@ -1,6 +1,10 @@
 """The per-parameter path (``DESIGN.md`` §1.1): one parameter through the stages with the per-tensor backends (native
 C on the CPU, ``torch.compile``, the eager reference; GaLore through its projection stage). It takes what no bucketed
-backend takes, and it is the eager reference that every combination is tested against."""
+backend takes, and it is the eager reference that every combination is tested against.
+
+The gather stage makes the parameter an :class:`~lowmemopt.work.items.Item` (its local shard, state made on the
+first step, its record), :meth:`.plan.Plan.update_of` its bucket's :class:`~lowmemopt.work.items.Update` from the record's
+``hyper``, and the update stage hands both to :func:`.backends.step_items`, as the Triton backend takes them."""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ import torch
 
 from .. import rounding
 from ..distributed.sharding import local_view
-from ..work import capture
-from .backends import init_state, update_checked, update_flat
+from ..work import Item, capture
+from .backends import init_state, step_items
 from .plan import Plan
 
 __all__ = ["step_param"]
@@ -19,7 +23,7 @@ __all__ = ["step_param"]
 
 def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
                scan: torch.Tensor | None = None, check: bool = False) -> bool | None:
-    """Step one parameter through the per-tensor backends (:func:`.backends.update_flat`; GaLore:
+    """Step one parameter through the per-tensor backends (:func:`.backends.step_items`; GaLore:
     :func:`~lowmemopt.projection.step.step_projected`). ``scan``: another gradient that a native CPU kernel checks
     for NaN/Inf while it steps this one; returns that check's result (None: not done). ``check``
     (:func:`checks_itself`): the step checks ``grad`` itself (:func:`.backends.update_checked`); returns whether it
@@ -29,25 +33,21 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
         plan.galore.step_projected(plan, p, grad, group)
         return None
     numel = p.numel()  # a DTensor's whole size: it picks the state format
-    p, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
-    mult = None if plan.grad_mult is None else plan.mult(grad.device)  # loss scaling: applied as g is loaded
-    slots = plan.algorithm.slots(group, p)
+    local, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
     record = plan.record_of(group)
+    slots = plan.algorithm.slots(record.hyper, local)
     if "step" not in state:
-        state = init_state(p, record, slots, state, numel=numel, reduce=reduce)
+        state = init_state(local, record, slots, state, numel=numel, reduce=reduce)
     elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
-        rounding.init_state(state, p, record.rounding, reduce.agree)
+        rounding.init_state(state, local, record.rounding, reduce.agree)
     capture.host_count(state)  # (a capturable step's count: back to an int)
     state["step"] += 1
-    target = p if p.is_contiguous() else p.contiguous()
-    if check:
-        result = update_checked(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, record,
-                                state["step"], plan.algorithm.decay_factor(group), mult)
-        if not result:
-            state["step"] -= 1
-    else:
-        result = update_flat(plan.algorithm, p, target.view(-1), grad.reshape(-1), state, slots, record,
-                             state["step"], plan.algorithm.decay_factor(group), reduce, scan, mult)
-    if target is not p:
-        p.copy_(target)
+    target = local if local.is_contiguous() else local.contiguous()
+    it = Item(param=p, group=group, target=target, grad=grad, state=state, slots=slots, record=record, reduce=reduce)
+    mult = None if plan.grad_mult is None else plan.mult  # loss scaling: applied as g is loaded
+    result = step_items(plan.algorithm, (it,), plan.update_of, mult, None if scan is None else (scan,), check)[0]
+    if check and not result:
+        state["step"] -= 1
+    if target is not local:
+        local.copy_(target)
     return result

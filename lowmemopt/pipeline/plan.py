@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from ..work.items import Item, Update
 from ..work.record import BucketRecord
 from .algorithm import Algorithm
 
-__all__ = ["Plan", "StepRecord", "unscaled", "inv_scale"]
+__all__ = ["Plan", "StepRecord", "unscaled", "inv_scale", "update_of"]
 
 
 def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
@@ -44,6 +45,16 @@ def unscaled(g: torch.Tensor, mult: torch.Tensor | float | None) -> torch.Tensor
         return g32
     g32 = g32 * mult
     return g32 if wide else g32.to(g.dtype).float()
+
+
+def update_of(algorithm: Algorithm, it: Item, step: int) -> Update:
+    """The :class:`~lowmemopt.work.items.Update` of full-rank ``it``'s bucket at ``step`` for the per-tensor and native
+    CPU backends: the math's keyword arguments and the decay factor, made from ``it.record.hyper`` (never a param
+    group)."""
+    record = it.record
+    hyper = record.hyper
+    return Update(algorithm.fused or "", algorithm.math_kwargs(hyper, step), record, algorithm.decay_factor(hyper),
+                  step, record.block_size)
 
 
 @dataclass
@@ -84,6 +95,7 @@ class Plan:
     _mults: dict = field(default_factory=dict)
     _records: dict = field(default_factory=dict)
     _last: tuple = (None, None)  # the last (group, record) asked for: the next parameter's, mostly
+    _updates: dict = field(default_factory=dict)  # (id(record), step) -> its Update (update_of)
 
     def record_of(self, group: dict[str, Any]) -> BucketRecord:
         """The options of ``group`` (a param group, or a stage's per-step view of one) for this step, resolved at its
@@ -96,6 +108,14 @@ class Plan:
             made = self._records[id(group)] = (group, BucketRecord.of(group))
         self._last = made
         return made[1]
+
+    def update_of(self, it: Item, step: int) -> Update:
+        """:func:`update_of` of ``it`` at ``step``, made once per bucket (record) and step count in this step."""
+        key = (id(it.record), step)
+        up = self._updates.get(key)
+        if up is None:
+            up = self._updates[key] = update_of(self.algorithm, it, step)
+        return up
 
     def mult(self, device: torch.device) -> torch.Tensor | None:
         """``grad_mult`` on ``device`` (a non-blocking copy, made once per step and device), or None."""

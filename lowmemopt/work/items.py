@@ -48,6 +48,9 @@ class Item:
     extra: dict[str, Any] = field(default_factory=dict)  # stage-private data (GaLore: projector views, shards)
     #: the bucket's options (hyper-parameters, storage options, rounding), resolved from ``group`` once per step
     record: BucketRecord | None = None
+    #: a shard's reductions (:class:`lowmemopt.distributed.reduction.Reduction`) for the per-tensor backends, which
+    #: step a sharded parameter's math across its ranks; None: a whole tensor
+    reduce: Any = None
 
 
 @dataclass(frozen=True)
