@@ -29,8 +29,8 @@ from ..work.record import BucketRecord
 from .algorithm import Algorithm
 from .plan import unscaled
 
-__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "step_items", "update_flat", "update_checked", "update_rest",
-           "run_update", "decode_whole"]
+__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "step_items", "update_flat", "update_checked",
+           "update_rest", "run_update", "decode_whole"]
 
 #: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
 CHUNK_NUMEL = 1 << 18
