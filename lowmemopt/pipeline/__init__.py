@@ -305,7 +305,7 @@ def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[
     if state is None:
         state = plan.state[p]
     record = plan.record_of(group)
-    slots = plan.algorithm.slots(record.hyper, local)
+    slots = plan.slots_of(record, local)
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
         state = init_state(local, record, slots, state, numel=p.numel(), reduce=reduce)
     elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together

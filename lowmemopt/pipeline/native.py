@@ -81,7 +81,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             rest.append((i, p, group))
             continue
         record = plan.record_of(group)
-        slots = algorithm.slots(record.hyper, local)
+        slots = plan.slots_of(record, local)
         if "step" not in state:
             if finite[i] is None:  # checked before its state is made (a skip makes none, and draws no seed)
                 finite[i] = cpu.grad_is_finite(grad)

@@ -35,7 +35,7 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     numel = p.numel()  # a DTensor's whole size: it picks the state format
     local, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
     record = plan.record_of(group)
-    slots = plan.algorithm.slots(record.hyper, local)
+    slots = plan.slots_of(record, local)
     if "step" not in state:
         state = init_state(local, record, slots, state, numel=numel, reduce=reduce)
     elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together

@@ -96,6 +96,7 @@ class Plan:
     _records: dict = field(default_factory=dict)
     _last: tuple = (None, None)  # the last (group, record) asked for: the next parameter's, mostly
     _updates: dict = field(default_factory=dict)  # (id(record), step) -> its Update (update_of)
+    _slots: dict = field(default_factory=dict)  # (id(record), shape, dtype) -> the algorithm's slots (slots_of)
 
     def record_of(self, group: dict[str, Any]) -> BucketRecord:
         """The options of ``group`` (a param group, or a stage's per-step view of one) for this step, resolved at its
@@ -108,6 +109,16 @@ class Plan:
             made = self._records[id(group)] = (group, BucketRecord.of(group))
         self._last = made
         return made[1]
+
+    def slots_of(self, record: BucketRecord, p: torch.Tensor) -> dict[str, Any]:
+        """The algorithm's slots for a tensor ``p`` (a parameter, or a shard's local part) of ``record``'s bucket:
+        :meth:`Algorithm.slots` of ``record.hyper``, asked once per bucket, shape and dtype in this step (the slots
+        follow from the group's values and the tensor's shape and dtype only). Read-only: items share the dict."""
+        key = (id(record), p.shape, p.dtype)
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = self.algorithm.slots(record.hyper, p)
+        return slots
 
     def update_of(self, it: Item, step: int) -> Update:
         """:func:`update_of` of ``it`` at ``step``, made once per bucket (record) and step count in this step."""
