@@ -43,8 +43,9 @@ def layer_of(module: str, table: list[list[str]]) -> int:
     return len(table)
 
 
-def walk(step, entry: str = "run") -> list[tuple[int, str, str]]:
-    """``(depth, caller module, callee module.function)`` of each stop of ``step()`` (module docstring)."""
+def walk(step, entry: tuple[str, str] = ("lowmemopt.pipeline", "run")) -> list[tuple[int, str, str]]:
+    """``(depth, caller module, callee module.function)`` of each stop of ``step()`` (module docstring), counted
+    while ``entry`` (module, function) is on the stack."""
     import lowmemopt
 
     files: dict[str, str] = {}
@@ -70,10 +71,10 @@ def walk(step, entry: str = "run") -> list[tuple[int, str, str]]:
             if mod is None:
                 return
             if not active[0]:
-                if mod == "lowmemopt.pipeline" and frame.f_code.co_name == entry:
+                if mod == entry[0] and frame.f_code.co_name == entry[1]:
                     active[0] = True
                     stack.append(mod)
-                    stops.append((0, "", f"{mod}.{entry}"))
+                    stops.append((0, "", f"{mod}.{entry[1]}"))
                 return
             if stack[-1] != mod:
                 stops.append((len(stack), stack[-1], f"{mod}.{frame.f_code.co_name}"))
@@ -120,7 +121,12 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=4, help="parameters (matrices 64x96, default 4)")
     ap.add_argument("--list", action="store_true", help="print each stop")
     ap.add_argument("--tree", help="import lowmemopt from this source tree (e.g. an older checkout) instead")
+    ap.add_argument("--triton", action="store_true",
+                    help="the Triton path (CUDA's) under the interpreter: a steady step's kept program (from the "
+                         "optimizer's _step_planned) and the pipeline's walk of a step without one")
     args = ap.parse_args()
+    if args.triton:  # (before Triton is imported)
+        os.environ["TRITON_INTERPRET"] = "1"
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]  # (the repo's kernels/ folder shadows)
     if args.tree:  # (the editable install's finder would map lowmemopt.kernels to its own tree)
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__ + getattr(f, "__name__", "")]
@@ -131,21 +137,37 @@ def main() -> None:
         lowmemopt.__path__.append(args.tree)
         assert Path(lowmemopt.__file__).resolve().is_relative_to(Path(args.tree).resolve()), lowmemopt.__file__
 
+    import contextlib
+
+    gate = contextlib.nullcontext()
+    if args.triton:  # launches build their tables only, as bench/host_overhead.py gates them (no kernel bodies run)
+        from host_overhead import _stub_launches
+
+        from lowmemopt.kernels import runtime
+
+        _stub_launches()
+        gate = runtime.cpu_interpreter()
     for name in args.optimizer or ["AdamW", "CAME"]:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(64, 96)) for _ in range(args.params)]
         opt = getattr(lowmemopt, name)(params, lr=1e-3, state_bits=args.bits)
         for p in params:
             p.grad = torch.randn_like(p)
-        for _ in range(2):
-            opt.step()
-        stops = walk(opt.step)
-        c = count(stops)
-        print(f"{name} {args.bits}-bit, {args.params} parameters, CPU: {c['stops']} stops, {c['climbs']} climbs back "
-              f"up, {c['returns']} returns to a module already left")
-        if args.list:
-            for depth, caller, callee in stops:
-                print(f"  {'  ' * depth}{callee}   (from {caller})" if caller else f"  {callee}")
+        with gate:
+            for _ in range(2):
+                opt.step()
+            walks = [("CPU", walk(opt.step))]
+            if args.triton:
+                walks = [("Triton, kept program", walk(opt.step, ("lowmemopt.optimizer", "_step_planned")))]
+                opt._program = None  # (the pipeline's walk: a step no program covers)
+                walks.append(("Triton, pipeline", walk(opt.step)))
+        for label, stops in walks:
+            c = count(stops)
+            print(f"{name} {args.bits}-bit, {args.params} parameters, {label}: {c['stops']} stops, {c['climbs']} "
+                  f"climbs back up, {c['returns']} returns to a module already left")
+            if args.list:
+                for depth, caller, callee in stops:
+                    print(f"  {'  ' * depth}{callee}   (from {caller})" if caller else f"  {callee}")
 
 
 if __name__ == "__main__":
