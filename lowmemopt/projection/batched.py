@@ -135,9 +135,10 @@ def _project_layout(items: list[Item]) -> ProjectLayout:
 
 def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLayout:
     """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32; float64 for a
-    float64 parameter, in a buffer of its own). Unsharded matrices of one shape and side on CUDA take one batched product (``torch.bmm``) per chunk of :data:`BATCH_NUMEL`
-    elements, into one buffer for the step; elsewhere every matrix takes the product galore-torch makes. Returns the
-    layout, which a later call with the same items may take back."""
+    float64 parameter, in a buffer of its own). Unsharded matrices of one shape and side on CUDA take one batched
+    product (``torch.bmm``) per chunk of :data:`BATCH_NUMEL` elements, into one buffer for the step; elsewhere every
+    matrix takes the product galore-torch makes. Returns the layout, which a later call with the same items may take
+    back: its buffers and views are made at its first use (:class:`Scratch`), given memory again at each later one."""
     if layout is None:
         layout = _project_layout(items)
     for it in layout.alone:
