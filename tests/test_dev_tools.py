@@ -1,6 +1,6 @@
-"""The maintainers' tools for a refactor, CI-sized: ``bench/walk.py`` counts a step's walk between the layers, and
+"""The maintainers' tools for a refactor, CI-sized: ``bench/walk.py`` counts a step's walk between the layers,
 ``scripts/compare-trees`` compares two source trees bit for bit (here the tree with itself, and with a planted
-change)."""
+change), ``scripts/time-trees`` times their CPU step, paired (its output only: timings are not asserted)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,11 @@ def test_compare_trees_finds_a_planted_difference(tmp_path):
                                              "denom = v.sqrt().div_(bias_correction2_sqrt).add_(eps).add_(eps)"))
     planted = subprocess.run([*args, str(ROOT), str(tree)], capture_output=True, text=True, timeout=600)
     assert planted.returncode == 1 and "0 of 1 identical" in planted.stdout, planted.stdout + planted.stderr
+
+
+def test_time_trees_prints_a_paired_row():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "time-trees"), str(ROOT), str(ROOT), "--rounds", "1",
+                          "--optimizers", "Lion 8-bit"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    row = [line for line in out.stdout.splitlines() if line.startswith("| Lion 8-bit |")]
+    assert len(row) == 1 and float(row[0].split("|")[4]) > 0, out.stdout
