@@ -384,8 +384,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return self._capturable_step(work, groups, loss, mult, found_inf)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
-            pager.begin(work, self._first_state)  # checks devices, makes homes for new state; raises before any change
-            if not pager.moves_any(work):  # every state resident: an unpaged step (a kept program may take it)
+            if not pager.begin(work, self._first_state):  # (checks, homes; False: all resident, an unpaged step)
                 pager = None
         plan = self._plan(mult, found_inf)
         if plan.communicate is None:

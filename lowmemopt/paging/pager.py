@@ -93,23 +93,22 @@ class Pager:
         self._early: tuple[list[torch.Tensor], Bucket] | None = None  # the next pass's first bucket, on its way
         self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
         self._last: tuple[int, ...] | None = None  # the last pass's last bucket
-        #: the work list of the last begin() and whether its state moves (None: ask again: state was placed)
-        self._begun: tuple[Any, bool | None] = (None, None)
         self._finalizer = weakref.finalize(optimizer, self.close)
 
     # -- the step ----------------------------------------------------------------------------------------------------
 
-    def begin(self, work: Work, first_state: FirstState | None = None) -> None:
+    def begin(self, work: Work, first_state: FirstState | None = None) -> bool:
         """Check the parameters about to step and make homes for state the manager has not placed yet (a parameter
         without state: homes laid out by ``first_state`` on a meta twin, or made at its first write-back); raises
         (ValueError, TypeError, OSError) before anything is changed. Then raise a write-back that failed since the
         last step (its state is kept on the device), and evict resident state where ``"auto"`` finds the device short
-        of room."""
+        of room. Returns whether any state of ``work`` moves this step (:meth:`moves_any`); False: the step is an
+        unpaged one."""
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
         fresh = []
-        moves = False  # (what moves_any(work) answers after this, kept for it)
+        moves = False  # (any state of work's that moves this step: begin's answer)
         plain = torch.Tensor.__torch_dispatch__
         for p, group in work:
             tier = tier_of(group)
@@ -135,7 +134,6 @@ class Pager:
                 continue
             # new, or the state was replaced by a route that bypassed the load hooks: give it a home now
             fresh.append((p, group, tier, current if current else None))
-        self._begun = (work, moves if not fresh else None)
         self.check_writes()
         if fresh:
             self._drop_early()
@@ -148,7 +146,8 @@ class Pager:
                 if made[p].state is not None:
                     opt.state[p] = made[p].state
         if self._evict_where_short(work):
-            self._begun = (work, None)
+            return True
+        return self.moves_any(work) if fresh else moves
 
     def batches(self, todo: Work, bucket_bytes: int) -> Iterator[Work]:
         """Yield ``todo`` in consecutive batches, each with the state of its params on their device in
@@ -249,9 +248,6 @@ class Pager:
         """May the state of any (param, group) of ``work`` move this step: paged and not resident within the budget,
         or paged and not placed yet (:meth:`begin` decides its residency)? When none does, a step runs exactly as
         unpaged (the pipeline's stage and write-back have nothing to do)."""
-        begun, moves = self._begun
-        if begun is work and moves is not None:  # (begin() just walked the same list and placed nothing)
-            return moves
         for p, group in work:
             if tier_of(group) is None:
                 continue

@@ -325,22 +325,18 @@ def again(plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
     """The gather of a later step for ``items`` that :func:`prepare` made (unsharded, no refresh due:
     :func:`refresh_due`), kept by a step program (:mod:`lowmemopt.pipeline.program`): this step's gradients
     (``grads``, the parameters' in the items' order) and inner groups (a scheduler's learning rate), nothing
-    projected or stood in yet. (Per item only what changes between steps is written: this runs at every step.)"""
+    projected or stood in yet."""
     inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] = {}
     outer = group_in = core = decay = record = None
-    plain = plan.grad_mult is None  # (else _matrix unscales each gradient)
     for it, g in zip(items, grads):
         extra = it.extra
-        if extra["outer"] is not outer:
+        if extra["outer"] is not outer:  # (the group's inner group and record: once per run of its items)
             outer = extra["outer"]
             group_in, core, decay = _inner(plan, outer, inner)
             record = plan.record_of(group_in)
         it.group, it.record, it.target, it.grad, it.weight = group_in, record, None, None, None
-        extra["g"] = g if plain and g.dim() == 2 else _matrix(plan, g, extra["m_local"], extra["n"])
-        if extra["core"] is not core or extra["decay"] != decay:
-            extra["core"], extra["decay"] = core, decay
-        if extra["math_decay"] is not None:
-            extra["math_decay"] = None
+        extra["g"] = _matrix(plan, g, extra["m_local"], extra["n"])
+        extra["core"], extra["decay"], extra["math_decay"] = core, decay, None
 
 
 def refresh_due(states: list[dict[str, Any]]) -> bool:
