@@ -497,7 +497,34 @@ def test_failure_inside_the_update_keeps_that_parameters_home_state(tmp_path, mo
     assert opt.state[params[1]] is paging.pager_of(opt).entries[params[1]].state  # the home, not a working copy
 
 
-def test_failed_write_back_keeps_the_updated_state_on_the_device(tmp_path, monkeypatch):
+def _fail_file_io(monkeypatch, how: str, write: bool) -> None:
+    """Make the disk tier's file reads (``write`` False) or writes fail with EIO: on the CPU's update threads, all of a
+    bucket's files at once (``how="together"``: lowmemopt.cpu.copy_files, which returns each request's error), or one
+    file after another (``"one by one"``: where the native library is not there, homes._file_io raises)."""
+    if how == "together":
+        real = lowmemopt.cpu.copy_files
+
+        def copy_files(requests):
+            errors = real([r for r in requests if r[2] != write])
+            assert errors is not None
+            errors = iter(errors)
+            return [OSError(errno.EIO, "Input/output error") if r[2] == write else next(errors) for r in requests]
+
+        monkeypatch.setattr(lowmemopt.cpu, "copy_files", copy_files)
+        return
+    real_io, failing_kind = paging.homes._file_io, write
+
+    def failing(path, t, write):
+        if write == failing_kind:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_io(path, t, write)
+
+    monkeypatch.setattr(lowmemopt.cpu, "copy_files", lambda requests: None)
+    monkeypatch.setattr(paging.homes, "_file_io", failing)
+
+
+@pytest.mark.parametrize("how", ["together", "one by one"])
+def test_failed_write_back_keeps_the_updated_state_on_the_device(tmp_path, monkeypatch, how):
     """An I/O error writing a parameter's state back to its file (after its update) raises; the updated state stays
     with the parameter (resident), consistent with its new value, and training can go on."""
     paged, plain = make_params([(70, 91)]), make_params([(70, 91)])
@@ -505,14 +532,7 @@ def test_failed_write_back_keeps_the_updated_state_on_the_device(tmp_path, monke
     ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
     run(opt, paged, 1)
     run(ref, plain, 1)
-    real = paging.homes._file_io
-
-    def failing(path, t, write):
-        if write:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(path, t, write)
-
-    monkeypatch.setattr(paging.homes, "_file_io", failing)
+    _fail_file_io(monkeypatch, how, write=True)
     set_grads(paged, 1)
     with pytest.raises(OSError, match="Input/output error"):
         opt.step()
@@ -523,6 +543,71 @@ def test_failed_write_back_keeps_the_updated_state_on_the_device(tmp_path, monke
     run(opt, paged, 2, start=2)
     run(ref, plain, 2, start=2)
     _assert_same(opt, paged, ref, plain)
+
+
+@pytest.mark.parametrize("how", ["together", "one by one"])
+def test_failed_read_raises_before_the_update_and_changes_nothing(tmp_path, monkeypatch, how):
+    """An I/O error reading a bucket's state from its files raises before that bucket's update: its parameters and
+    their state stay as they were (the files too), and the next step goes on as if the failed one had not run."""
+    paged, plain = make_params([(70, 91)]), make_params([(70, 91)])
+    opt = lowmemopt.AdamW(paged, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
+    ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
+    run(opt, paged, 2)
+    run(ref, plain, 2)
+    snapshot = _snapshot(opt, paged)
+    _fail_file_io(monkeypatch, how, write=False)
+    set_grads(paged, 2)
+    with pytest.raises(OSError, match="Input/output error"):
+        opt.step()
+    monkeypatch.undo()
+    _assert_unchanged(opt, paged, snapshot)
+    assert paging.where_state_lives(opt, paged[0]) == "disk"
+    run(opt, paged, 2, start=2)
+    run(ref, plain, 2, start=2)
+    _assert_same(opt, paged, ref, plain)
+
+
+@pytest.mark.parametrize("threads", ["every core", "one"])
+def test_cpu_disk_tier_copies_files_on_the_update_threads_when_they_take_every_core(tmp_path, monkeypatch, threads):
+    """On a CPU device whose cores torch's threads all take, the disk tier reads a bucket's files when it is loaded and
+    writes them when it is stored, all at once (one lowmemopt.cpu.copy_files call each way per bucket), in the stepping
+    thread: no I/O thread of its own. With a core to spare (torch on one thread), its I/O threads read ahead and write
+    behind on it. Bit for bit the unpaged step either way."""
+    import threading
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if threads == "one" and cpus < 2:
+        pytest.skip("one CPU: torch's one thread takes every core")
+    calls = []
+    real = lowmemopt.cpu.copy_files
+
+    def copy_files(requests):
+        calls.append((threading.current_thread() is threading.main_thread(), {r[2] for r in requests}, len(requests)))
+        return real(requests)
+
+    monkeypatch.setattr(lowmemopt.cpu, "copy_files", copy_files)
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpus if threads == "every core" else 1)
+    try:
+        params, plain = make_params(SHAPES), make_params(SHAPES)
+        opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
+        ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
+        run(opt, params, 3)
+        run(ref, plain, 3)
+        _assert_same(opt, params, ref, plain)
+        io_threads = [t.name for t in threading.enumerate() if t.name.startswith("lowmemopt-")]
+        files = len(_files(tmp_path))
+        opt.close()
+    finally:
+        torch.set_num_threads(before)
+    if threads == "one":
+        assert io_threads and not [c for c in calls if c[2]]
+        return
+    if real([]) is None:
+        pytest.skip("the native CPU library is not available: files are copied one after another")
+    assert calls and all(here for here, _, _ in calls) and not io_threads
+    assert {frozenset(kinds) for _, kinds, _ in calls} == {frozenset({False}), frozenset({True})}  # reads, writes
+    assert sum(n for _, kinds, n in calls[-2:]) == 2 * files  # the last step: one bucket, all its files each way
 
 
 # ---------------------------------------------------------------------------------------------------------------------

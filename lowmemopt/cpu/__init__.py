@@ -38,6 +38,7 @@ __all__ = [
     "grad_is_finite",
     "encode_rows_into",
     "decode_rows_into",
+    "copy_files",
 ]
 
 ENABLED = os.environ.get("LOWMEMOPT_CPU_KERNELS", "1") != "0"
@@ -120,3 +121,12 @@ class _NativeCodec:
 
 
 register_row_codec(_NativeCodec(), priority=0)
+
+
+def copy_files(requests: list[tuple[str, torch.Tensor, bool]]) -> list[OSError | None] | None:
+    """See :func:`lowmemopt.cpu.fileio.copy_files` (None: the kernels are off or unavailable)."""
+    if not available():
+        return None
+    from .fileio import copy_files as copy
+
+    return copy(requests)

@@ -31,7 +31,7 @@ from pathlib import Path
 __all__ = ["ABI_VERSION", "HEADERS", "ISAS", "SOURCE", "UNITS", "build_error", "cache_dir", "compile_library", "cpu_isas",
            "isa_of", "library", "requested_isa", "source_key"]
 
-ABI_VERSION = 15  # must equal LMO_ABI_VERSION in csrc/lmo.h
+ABI_VERSION = 16  # must equal LMO_ABI_VERSION in csrc/lmo.h
 #: the kernels' instruction sets, best first: name -> (LMO_ISA in csrc/lmo.h, extra compiler flags, CPU flags needed)
 ISAS: dict[str, tuple[int, tuple[str, ...], frozenset[str]]] = {
     "avx512": (2, ("-DLMO_ISA=2",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
@@ -42,7 +42,7 @@ CSRC = Path(__file__).with_name("csrc")
 #: what the compiler is given: the units below as one translation unit (it includes them in this order)
 SOURCE = CSRC / "library.c"
 #: the C units, by family
-UNITS = tuple(CSRC / name for name in ("runner.c", "elementwise.c", "codec.c", "factored.c"))
+UNITS = tuple(CSRC / name for name in ("runner.c", "elementwise.c", "codec.c", "factored.c", "fileio.c"))
 #: the headers they include
 HEADERS = tuple(CSRC / name for name in ("lmo.h", "vectors_avx512.h", "vectors_avx2.h", "vectors_scalar.h"))
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]

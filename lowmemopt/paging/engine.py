@@ -3,9 +3,15 @@ out. One :class:`Mover` per device.
 
 * **Lanes.** On a CUDA device (:class:`CudaLanes`) host-to-device copies run on one side stream and device-to-host
   copies on another, beside the stream the update runs on, so both copy engines work at once while the kernels run;
-  streams wait on events, the host does not wait. On any other device (:class:`HostLanes`) the copies run at once, in
-  the calling thread. File reads and writes run on two I/O threads (one reads ahead, one writes behind), on every
-  device; ``pread`` / ``pwrite`` let other threads run meanwhile.
+  streams wait on events, the host does not wait. The files of the disk tier are read into pinned staging and written
+  from it on two I/O threads (one reads ahead, one writes behind), on the host's cores that the update leaves free.
+  On any other device (:class:`HostLanes`) the copies run at once, in the calling thread. The CPU's files (the
+  ``"file"`` route) go on the I/O threads too where the update leaves a core free (torch runs on fewer threads than
+  the process has cores); where it takes every core (:meth:`HostLanes.files_here`), an I/O thread beside it would only
+  compete with it for them (measured in ``docs/paging.md``), so a bucket's files are read when it is loaded and written
+  when it is stored, in the calling thread, all at once on the threads the update runs on (:attr:`Mover.copy_files`,
+  the native library's :func:`lowmemopt.cpu.fileio.copy_files`), while the kernel reads them ahead into the page cache
+  (:func:`~.homes.will_need` when the bucket is planned) and writes them behind (the page cache's write-back).
 * **Buffers.** A bucket's working tensors are views into one of :data:`~.schedule.N_SLOTS` device buffers (*slots*),
   each the size of the largest bucket a step moves (:meth:`Mover.reserve`), reused across steps and never grown per
   step; on a CUDA device the disk tier goes through :data:`~.schedule.N_STAGING` pinned host buffers laid out like the
@@ -20,13 +26,14 @@ out. One :class:`Mover` per device.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .entry import Entry
-from .homes import ALIGN, Homes, layout_offsets, transfer
+from .homes import ALIGN, CopyFiles, Homes, layout_offsets, transfer_all, will_need
 from .schedule import N_SLOTS, N_SLOTS_HOST, N_STAGING, BucketPlan, Op, Schedule
 
 __all__ = ["Mover", "Bucket", "HostLanes", "CudaLanes", "coalesce", "route_for"]
@@ -50,6 +57,11 @@ class HostLanes:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.staged_files = device.type != "cpu"  # files are read into the slot only where it is host memory
+
+    def files_here(self) -> bool:
+        """Are the files of a bucket read and written in the calling thread, on the update's threads (the ``"file"``
+        route, when torch's threads take every core this process may run on), rather than on the I/O threads?"""
+        return not self.staged_files and torch.get_num_threads() >= _cpus()
 
     def compute(self) -> Any:
         return None
@@ -128,6 +140,11 @@ class CudaLanes(HostLanes):
             t.record_stream(stream)
 
 
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _lanes_for(device: torch.device) -> HostLanes:
     return CudaLanes(device) if device.type == "cuda" else HostLanes(device)
 
@@ -144,6 +161,7 @@ class Bucket:
     reads: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, home) of the file reads
     nbytes: int = 0
     error: BaseException | None = None  # a failed read, raised where the bucket is loaded
+    here: bool = False  # its files are read when it is loaded, in the calling thread (HostLanes.files_here)
 
 
 def _byte_view(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
@@ -207,6 +225,9 @@ class Mover:
         self._last: dict[Entry, list[tuple[str, int]]] = {}  # entry -> its last load and write-back
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
         self._view_cache: dict[tuple, list[torch.Tensor]] = {}
+        #: the ``"file"`` route's copies of many files at once, on the threads the update runs on (set by the step
+        #: pipeline: :func:`lowmemopt.cpu.fileio.copy_files`); None: one file after another
+        self.copy_files: CopyFiles | None = None
         #: write-backs that failed: (entry, {key: the bytes it could not write}), for the residency manager
         self.failed: list[tuple[Entry, Tensors, BaseException]] = []
 
@@ -227,7 +248,7 @@ class Mover:
         loads = [e for e in entries if e.state is not None]
         route = route_for(entries[0].tier, self.lanes)
         plan = self.schedule.plan([id(e) for e in entries], route, [id(e) for e in loads], position)
-        bucket = Bucket(plan, entries, loads)
+        bucket = Bucket(plan, entries, loads, here=route == "file" and self.lanes.files_here())
         homes = [(e, k, t) for e in loads for k, t in e.home_tensors().items()]
         offsets, bucket.nbytes = layout_offsets([t.numel() * t.element_size() for _, _, t in homes])
         if not homes:
@@ -247,19 +268,24 @@ class Mover:
             bucket.inbound = [(v, s) for v, s in zip(views, staged)]
         for e in loads:
             self._last.setdefault(e, [("", -1), ("", -1)])[0] = (plan.load[-1].kind, plan.seq)
-        self._issue(plan.load[0], bucket)
+        if bucket.here:  # read when loaded; until then the kernel reads the files ahead into the page cache
+            for _, home in bucket.reads:
+                will_need(self.homes, home)
+        else:
+            self._issue(plan.load[0], bucket)
         return bucket
 
-    def advance(self, bucket: Bucket) -> None:
-        """Issue the rest of ``bucket``'s load (the staged route: its copy to the device, once the files are read)."""
+    def advance(self, bucket: Bucket, now: bool = False) -> None:
+        """Issue the rest of ``bucket``'s load (the staged route: its copy to the device, once the files are read; files
+        read in the calling thread: when it is loaded, ``now``)."""
         for op in bucket.plan.load:
-            if op.kind not in bucket.plan.issued and bucket.error is None:
+            if op.kind not in bucket.plan.issued and bucket.error is None and (now or not bucket.here):
                 self._issue(op, bucket)
 
     def load(self, bucket: Bucket) -> dict[Entry, Tensors]:
         """``bucket``'s working tensors, ready for the update to read once the compute stream gets to it (a read
         that failed raises here)."""
-        self.advance(bucket)
+        self.advance(bucket, now=True)
         if bucket.plan.load:
             self._stream_wait(self.lanes.compute(), bucket.plan.kernels.waits)
         else:  # the update makes the state (the first step): its memory is bounded by the host waiting
@@ -284,7 +310,7 @@ class Mover:
             self._device_copies(ops[0], list(zip(staged, like)), "d2h")
             self._submit(ops[1], "writer", self._writes, [(e, k, s, h) for (e, k, _, h), s in zip(pairs, staged)])
         else:
-            self._submit(ops[0], "writer", self._writes, pairs)
+            self._submit(ops[0], "writer", self._writes, pairs, self.lanes.files_here())
         for e, _ in items:
             self._last.setdefault(e, [("", -1), ("", -1)])[1] = (ops[-1].kind, plan.seq)
         self.poll()
@@ -356,7 +382,7 @@ class Mover:
     def _issue(self, op: Op, bucket: Bucket) -> None:
         bucket.plan.issued.add(op.kind)
         if op.kind == "read":
-            self._submit(op, "reader", self._reads, bucket)
+            self._submit(op, "reader", self._reads, bucket, bucket.here)
         else:
             self._device_copies(op, bucket.inbound, "h2d")
 
@@ -374,7 +400,11 @@ class Mover:
                     self.lanes.use(t, stream)
         self._done[(op.kind, op.seq)] = self.lanes.record(stream)
 
-    def _submit(self, op: Op, thread: str, job: Callable[..., Any], work: Any) -> None:
+    def _submit(self, op: Op, thread: str, job: Callable[..., Any], work: Any, here: bool = False) -> None:
+        if here:  # the file route with every core the update's: now, on its threads (see the module docstring)
+            self._host_wait(list(op.waits))
+            job(work, True)
+            return
         pool = self._threads.get(thread)
         if pool is None:
             pool = self._threads[thread] = cf.ThreadPoolExecutor(1, thread_name_prefix=f"lowmemopt-{thread}")
@@ -392,26 +422,21 @@ class Mover:
                 self.lanes.sync(token)
         job(work)
 
-    def _reads(self, bucket: Bucket) -> None:
-        try:
-            for dst, home in bucket.reads:
-                transfer(self.homes, dst, home)
-        except Exception as e:  # noqa: BLE001 - raised where the bucket is loaded
-            bucket.error = e
+    def _reads(self, bucket: Bucket, here: bool = False) -> None:
+        """Read ``bucket``'s files (``here``: all at once on the update's threads, else one after another)."""
+        errors = transfer_all(self.homes, bucket.reads, self.copy_files if here else None)
+        bucket.error = next((e for e in errors if e is not None), None)  # (raised where the bucket is loaded)
 
-    def _writes(self, pairs: list[tuple[Entry, str, torch.Tensor, torch.Tensor]]) -> None:
-        failed: dict[Entry, tuple[Tensors, BaseException]] = {}
-        for entry, key, src, home in pairs:
-            if entry in failed:
-                failed[entry][0][key] = src.clone()
-                continue
-            try:
-                transfer(self.homes, home, src)
-            except Exception as e:  # noqa: BLE001 - kept with its bytes: the residency manager raises it
-                done = {k: s.clone() for en, k, s, _ in pairs if en is entry}
-                failed[entry] = (done, e)
-        for entry, (tensors, error) in failed.items():
-            self.failed.append((entry, tensors, error))
+    def _writes(self, pairs: list[tuple[Entry, str, torch.Tensor, torch.Tensor]], here: bool = False) -> None:
+        """Write ``(entry, key, working, home)`` back (``here``: as :meth:`_reads`); an entry whose write failed is
+        kept with its bytes (:attr:`failed`), for the residency manager to raise."""
+        errors = transfer_all(self.homes, [(home, src) for _, _, src, home in pairs], self.copy_files if here else None)
+        failed: dict[Entry, BaseException] = {}
+        for (entry, _, _, _), e in zip(pairs, errors):
+            if e is not None and entry not in failed:
+                failed[entry] = e
+        for entry, error in failed.items():
+            self.failed.append((entry, {k: s.clone() for en, k, s, _ in pairs if en is entry}, error))
 
     def _stream_wait(self, stream: Any, waits: tuple[tuple[str, int], ...]) -> None:
         for kind, seq in waits:

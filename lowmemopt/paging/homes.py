@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Homes", "transfer", "drop_pages", "will_need", "layout_offsets", "layout_bytes", "ALIGN",
+__all__ = ["Homes", "CopyFiles", "transfer", "transfer_all", "drop_pages", "will_need", "layout_offsets", "layout_bytes", "ALIGN",
            "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
 
 COPY_CHUNK_BYTES = 2 << 20  # copies through a mapping (no pread/pwrite) go this far at a time, dropping pages behind
@@ -335,6 +335,44 @@ def transfer(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
             _file_io(dst_path, src if src.is_contiguous() else src.contiguous(), write=True)
     else:
         _copy_mapped(homes, dst, src)
+
+
+#: many whole files at once: ``[(path, tensor, write)]`` -> per request None or the OSError it failed with; or None (it
+#: cannot: the caller copies one file after another). The CPU's: :func:`lowmemopt.cpu.fileio.copy_files`
+CopyFiles = Callable[[list[tuple[str, torch.Tensor, bool]]], "list[OSError | None] | None"]
+
+
+def transfer_all(homes: Homes, pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_files: CopyFiles | None = None,
+                 ) -> list[BaseException | None]:
+    """:func:`transfer` of each ``(dst, src)``; per pair, None or the error it failed with (the others are carried out
+    all the same). ``copy_files``: reads and writes of whole file homes go to it, all at once."""
+    errors: list[BaseException | None] = [None] * len(pairs)
+    todo = list(range(len(pairs)))
+    if copy_files is not None and hasattr(os, "pwrite"):
+        files, at = [], []
+        for k, (dst, src) in enumerate(pairs):
+            dst_path, src_path = homes.path(dst), homes.path(src)
+            other = src if src_path is None else dst
+            if (dst_path is None) == (src_path is None) or not other.is_contiguous() or other.device.type != "cpu":
+                continue
+            path, home = (dst_path, dst) if dst_path is not None else (src_path, src)
+            if home.data_ptr() != home.untyped_storage().data_ptr() or home.shape != other.shape \
+                    or home.dtype != other.dtype:
+                continue  # (transfer() says what is wrong)
+            files.append((path, other, dst_path is not None))
+            at.append(k)
+        done = copy_files(files) if files else None
+        if done is not None:
+            for k, e in zip(at, done):
+                errors[k] = e
+            taken = set(at)
+            todo = [k for k in todo if k not in taken]
+    for k in todo:
+        try:
+            transfer(homes, *pairs[k])
+        except Exception as e:  # noqa: BLE001 - returned: the caller decides
+            errors[k] = e
+    return errors
 
 
 def _file_io(path: str, t: torch.Tensor, write: bool) -> None:

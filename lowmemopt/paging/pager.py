@@ -8,10 +8,10 @@ During ``step()`` (see :meth:`Pager.batches`), the parameters go through in *buc
 and *write back*, :mod:`lowmemopt.pipeline`), each moved by its device's :class:`~.engine.Mover` on the schedule of
 :mod:`.schedule`::
 
-    prefetch:  bucket k + 2 on its way (files read ahead), bucket k + 1's copy to the device issued
+    prefetch:  bucket k + 2 on its way (files read ahead: see engine.py for the CPU's), bucket k + 1's copy issued
     load(k):   optimizer.state[p] = working copies, views into one of the device's slots
     the pipeline's update of bucket k: one fused backend call per bucket (or the per-parameter path)
-    store(k):  the working copies written back (asynchronously: a side stream, the writer thread);
+    store(k):  the working copies written back (asynchronously: a side stream, the writer thread; or on the CPU);
                optimizer.state[p] = home state
 
 When a step ends, the first bucket of the next pass (the next step's, or with per-layer updates the next layer's, as
@@ -43,7 +43,7 @@ import torch
 
 from .engine import Bucket, Mover
 from .entry import Entry
-from .homes import Homes, drop_pages, transfer
+from .homes import CopyFiles, Homes, drop_pages, transfer
 from .options import tier_of
 from .placement import (FirstState, buckets_of, check_plain, choose_resident, fill_homes, initial_layout,
                         largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
@@ -89,6 +89,7 @@ class Pager:
         self.rooms: dict[torch.device, AutoRoom] = {}  # "auto" residency per CUDA device
         self.staged: dict[torch.Tensor, Entry] = {}  # made by a load, installed by reconcile()
         self.bucket_bytes = _DEFAULT_BUCKET_BYTES
+        self.copy_files: CopyFiles | None = None  # (the last pass's: batches())
         self.closed = False
         self._early: tuple[list[torch.Tensor], Bucket] | None = None  # the next pass's first bucket, on its way
         self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
@@ -149,7 +150,7 @@ class Pager:
             return True
         return self.moves_any(work) if fresh else moves
 
-    def batches(self, todo: Work, bucket_bytes: int) -> Iterator[Work]:
+    def batches(self, todo: Work, bucket_bytes: int, copy_files: CopyFiles | None = None) -> Iterator[Work]:
         """Yield ``todo`` in consecutive batches, each with the state of its params on their device in
         ``optimizer.state`` (working copies), so that a backend can step the whole batch at once: the step
         pipeline's *stage* and *write back*. A batch holds paged params of one device and tier until their state
@@ -159,9 +160,14 @@ class Pager:
         next.
 
         Device memory for moving state: the device's slots (:data:`~.schedule.N_SLOTS` buckets). If the caller fails
-        during a batch, every param of that batch keeps in its home the state it had before the step."""
+        during a batch, every param of that batch keeps in its home the state it had before the step.
+        ``copy_files``: the disk tier's reads and writes of CPU parameters' state, many files at once on the threads
+        the update runs on (:attr:`~.engine.Mover.copy_files`; None: one file after another)."""
         if bucket_bytes:
             self.bucket_bytes = bucket_bytes
+        self.copy_files = copy_files
+        for mover in self.movers.values():
+            mover.copy_files = copy_files
         chunks = buckets_of(todo, self.entries, bucket_bytes, HOST_BUCKET_BYTES)
         moving = [[p for p, _ in chunk if self._moves(p)] for chunk in chunks]
         for device, nbytes in largest_buckets(moving, self.entries).items():
@@ -579,6 +585,7 @@ class Pager:
         mover = self.movers.get(device)
         if mover is None:
             mover = self.movers[device] = Mover(self.homes, device)
+            mover.copy_files = self.copy_files
         return mover
 
     def _mover_of(self, params: list[torch.Tensor]) -> Mover:

@@ -16,7 +16,9 @@ views into; the same one every step) and, on the disk tier with a CUDA device, a
     write(seq)    writer thread  staging or slot -> files                    [the "staged" and "file" routes]
 
 Routes: ``"copy"`` (pinned host RAM homes: straight between home and slot), ``"staged"`` (files, CUDA device: through
-pinned staging), ``"file"`` (files, CPU device: the slot is the buffer the files are read into and written from).
+pinned staging), ``"file"`` (files, CPU device: the slot is the buffer the files are read into and written from; where
+the update's threads take every core, its reads and writes run in the stepping thread instead of the reader and
+writer threads, when the bucket is loaded and stored: ``engine.HostLanes.files_here``).
 
 What an operation waits for (``Op.waits``; each lane runs its operations in the order they are issued, so a wait for
 ``(kind, s)`` also covers every earlier operation of that lane, and only the latest one per lane is kept):

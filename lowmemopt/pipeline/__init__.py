@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import rounding
+from .. import cpu, rounding
 from ..cpu import factored
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import is_dtensor, local_view
@@ -128,7 +128,7 @@ def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[boo
     index = {id(p): i for i, p, _ in todo}
     cpu_bucket = name is None and takes_cpu_bucket(plan)  # CPU parameters: one native call per batch
     # flags: nothing moves (device_flags: state resident within the budget), so this is the unpaged step
-    for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None or cpu_bucket else 0):
+    for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None or cpu_bucket else 0, cpu.copy_files):
         left = step_buckets(plan, name, batch, flags) if name is not None else batch
         if cpu_bucket:  # (it checks the gradients the optimizer left to the pipelined check: finite[i] is None)
             left = [(p, g) for _, p, g in step_cpu_bucket(plan, [(index[id(p)], p, g) for p, g in left], finite)]

@@ -6,3 +6,4 @@
 #include "elementwise.c"
 #include "codec.c"
 #include "factored.c"
+#include "fileio.c"

@@ -43,7 +43,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 15
+#define LMO_ABI_VERSION 16
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -127,12 +127,24 @@ typedef struct {
     float g_mult;                /* the gradient's loss scaling multiplier, as lmo_args.g_mult (0 or 1: none) */
 } lmo_fact;
 
+/* the ABI's file request (fileio.c): nbytes at buf to or from the file fd at offset; err: 0 or the errno it failed with */
+typedef struct {
+    int32_t fd;
+    int32_t write;       /* 1: buf -> file (pwrite), 0: file -> buf (pread) */
+    int64_t offset;
+    void *buf;
+    int64_t nbytes;
+    int32_t err;         /* out */
+    int32_t pad;
+} lmo_io;
+
 /* exported kernels (lowmemopt/cpu/ffi.py calls them through ctypes); 0 (LMO_OK) or LMO_EBADARG */
 int lmo_abi_version(void);
 int lmo_isa(void);
 int lmo_scan(const lmo_args *a);
 int lmo_adam(const lmo_args *a);
 int lmo_adam_many(const lmo_args *a, int64_t n, uint8_t *ok);
+int lmo_file_io(lmo_io *req, int64_t n, int32_t nthreads);
 int lmo_lion(const lmo_args *a);
 int lmo_lion_many(const lmo_args *a, int64_t n, uint8_t *ok);
 int lmo_sgd(const lmo_args *a);
