@@ -465,7 +465,8 @@ def test_gpu_check_runs_the_plan_in_order_and_caps_each_part(tmp_path):
     lines = report.splitlines()
     assert lines.index("## Plan") < lines.index("## Environment")
     table = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and " | `" in line}
-    assert table["e2e_core"].endswith("| 4 | 4 | cut at its cap: exit 124 (timed out) |"), table["e2e_core"]
+    # (its time in whole seconds: the cap, or one more where the cut and the clock's second boundary fall apart)
+    assert re.search(r"\| 4 \| [45] \| cut at its cap: exit 124 \(timed out\) \|$", table["e2e_core"]), table["e2e_core"]
     assert re.search(r"\| 70 \| \d+ \| ok \|$", table["fused_1b"]), table["fused_1b"]
     assert table["gpu_tests"].endswith("| ok |") and table["profile_adamw"].endswith("| ok |")
     assert "| e2e | first row |" in report and "| profile | one step |" in report  # the output each part had
