@@ -416,6 +416,7 @@ def test_slots_are_reused_across_steps_and_the_next_step_starts_early(tier, tmp_
     step ends, the next one's first bucket is already on its way (a bucket planned, its load issued; or, for files
     read when the bucket is loaded, read ahead into the page cache and nothing issued yet)."""
     monkeypatch.setattr(paging.pager, "HOST_BUCKET_BYTES", 1)  # a bucket per parameter
+    monkeypatch.setattr(paging.contention.CpuShare, "others_busy", lambda self: False)  # (a decision that holds)
     params = make_params(SHAPES)
     opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged=tier, offload_dir=tmp_path)
     run(opt, params, 2)

@@ -7,8 +7,9 @@ out. One :class:`Mover` per device.
   from it on two I/O threads (one reads ahead, one writes behind), on the host's cores that the update leaves free.
   On any other device (:class:`HostLanes`) the copies run at once, in the calling thread. The CPU's files (the
   ``"file"`` route) go on the I/O threads too where the update leaves a core free (torch runs on fewer threads than
-  the process has cores); where it takes every core (:meth:`HostLanes.files_here`), an I/O thread beside it would only
-  compete with it for them (measured in ``docs/paging.md``), so a bucket's files are read when it is loaded and written
+  the process has cores) or other processes are busy on the cores (:mod:`.contention`); where the update has every
+  core to itself (:meth:`HostLanes.files_here`), an I/O thread beside it would only compete with it for them (measured
+  in ``docs/paging.md``), so a bucket's files are read when it is loaded and written
   when it is stored, in the calling thread, all at once on the threads the update runs on (:attr:`Mover.copy_files`,
   the native library's :func:`lowmemopt.cpu.fileio.copy_files`), while the kernel reads them ahead into the page cache
   (:func:`~.homes.will_need` when the bucket is planned) and writes them behind (the page cache's write-back).
@@ -32,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from .contention import CpuShare
 from .entry import Entry
 from .homes import ALIGN, CopyFiles, Homes, layout_offsets, transfer_all, will_need
 from .schedule import N_SLOTS, N_SLOTS_HOST, N_STAGING, BucketPlan, Op, Schedule
@@ -57,11 +59,13 @@ class HostLanes:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.staged_files = device.type != "cpu"  # files are read into the slot only where it is host memory
+        self.share = CpuShare()
 
     def files_here(self) -> bool:
         """Are the files of a bucket read and written in the calling thread, on the update's threads (the ``"file"``
-        route, when torch's threads take every core this process may run on), rather than on the I/O threads?"""
-        return not self.staged_files and torch.get_num_threads() >= _cpus()
+        route, when torch's threads take every core this process may run on and no other process is busy on them:
+        :mod:`.contention`), rather than on the I/O threads?"""
+        return not self.staged_files and torch.get_num_threads() >= _cpus() and not self.share.others_busy()
 
     def compute(self) -> Any:
         return None
