@@ -5,13 +5,14 @@ optimizer unpaged and, on a GPU, bitsandbytes' PagedAdamW8bit / PagedAdamW, in o
     cd /tmp && python /path/to/repo/bench/paging.py                  # CPU, ~148M parameters
     cd /tmp && python /path/to/repo/bench/paging.py --device cuda    # GPU: device memory and step time
     cd /tmp && python /path/to/repo/bench/paging.py --disk-floor --offload-dir /scratch   # CPU: disk tier vs its floor
+    cd /tmp && python /path/to/repo/bench/paging.py --disk-floor --cold --offload-dir /scratch   # ... read from disk
 
 CPU: each configuration runs in its own process (so one's freed memory cannot hide another's peak) on a LLaMA-style
 model with fixed random gradients. Reported: the optimizer state's size, the process's RSS above the model + gradients
 after the warm-up steps, its peak during the timed steps (``VmHWM`` reset by ``/proc/self/clear_refs``), the median
 step time, and the median process CPU time per step (all threads: less sensitive than wall time to other work on a
 shared machine). ``--disk-floor``: the disk tier against a plain read + write of the same bytes, paired rounds in one
-process (:func:`disk_floor`). GPU: the same model on the device; the ``cpu`` and ``disk`` rows get a budget of
+process (:func:`disk_floor`; with ``--cold`` the files are read from the disk, not the page cache). GPU: the same model on the device; the ``cpu`` and ``disk`` rows get a budget of
 ``--budget-frac`` of the unpaged state (default 0: everything pages), the ``auto`` row ``page_budget_bytes="auto"``.
 Reported: device memory held between steps by the optimizer (torch's allocator), the peak during a step, the device's
 own used-memory (``cudaMemGetInfo``, which also sees bitsandbytes' managed memory), the median step time, and beside
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CPU: the disk tier against its floor, in one process: paired rounds of a paged step,\n"
                              "an unpaged step and a plain pread + pwrite of the state's files")
     parser.add_argument("--rounds", type=int, default=7, help="--disk-floor: rounds (default 7)")
+    parser.add_argument("--cold", action="store_true",
+                        help="--disk-floor: the state's files dropped from the page cache (written out first) before\n"
+                             "each paged step and each floor: their reads come from the disk")
     parser.add_argument("--repeat", type=int, default=1,
                         help="CPU: run the configurations this many times, interleaved; report each one's best\n"
                              "median (a shared machine's load changes between runs)")
@@ -370,7 +374,10 @@ def disk_floor(args: argparse.Namespace) -> dict:
     parameters, and a plain ``pread`` + ``pwrite`` of every file of the paged state (the same bytes the step moves,
     through the page cache as the step does). Per round: the paging's cost (paged - unpaged) over the floor (the
     plain read + write), and the paged step over the unpaged step plus the floor (under 1: the reads and writes
-    overlap the update). Medians of the per-round ratios."""
+    overlap the update). Medians of the per-round ratios. ``--cold``: before each paged step and each floor the files
+    are written out and dropped from the page cache, so that their reads come from the disk."""
+    if args.cold and not hasattr(os, "posix_fadvise"):
+        raise SystemExit("--cold needs os.posix_fadvise (Linux)")
     preset = "10m" if args.small else "150m"
     model = build_llama(preset)
     grads = fixed_grads(model)
@@ -390,6 +397,16 @@ def disk_floor(args: argparse.Namespace) -> dict:
         moved = paging.moving_bytes(paged)
         buffer = torch.empty(max(os.path.getsize(p) for p in paths), dtype=torch.uint8).numpy()
 
+        def drop_from_cache():
+            paging.settle(paged)
+            for path in paths:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
         def read_write():
             for path in paths:
                 n = os.path.getsize(path)
@@ -405,6 +422,8 @@ def disk_floor(args: argparse.Namespace) -> dict:
         for _ in range(args.rounds):
             times = {}
             for name, fn in (("paged", paged.step), ("unpaged", plain.step), ("floor", read_write)):
+                if args.cold and name != "unpaged":
+                    drop_from_cache()
                 t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 times[name], times[name + "_cpu"] = time.perf_counter() - t0, time.process_time() - c0
@@ -418,14 +437,15 @@ def disk_floor(args: argparse.Namespace) -> dict:
                     paged_over_serial=statistics.median(r[p] / (r[u] + r[f]) for r in rounds),
                     paged_over_unpaged=statistics.median(r[p] / r[u] for r in rounds))
 
-    return dict(moved=moved, files=len(paths), rounds=rounds,
+    return dict(moved=moved, files=len(paths), rounds=rounds, cold=args.cold,
                 median={k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
                 wall=ratios(""), cpu=ratios("_cpu"))
 
 
 def print_disk_floor(result: dict) -> None:
     m = result["median"]
-    print(f"- disk tier: {result['moved'] / 1e6:.1f} MB of state each way per step, {result['files']} files\n")
+    cached = "dropped from the page cache before each paged step and floor" if result["cold"] else "in the page cache"
+    print(f"- disk tier: {result['moved'] / 1e6:.1f} MB of state each way per step, {result['files']} files ({cached})\n")
     print("| clock | paged step (s) | unpaged step (s) | floor: pread + pwrite of the same bytes (s) "
           "| paging's cost / floor | paged / (unpaged + floor) | paged / unpaged |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -790,3 +790,20 @@ def test_moving_bytes_counts_what_travels_each_step(tmp_path):
     assert files["read"] > 0 and files["write"] > 0 and not os.listdir(tmp_path)
     disk = module.transfer_floor(10**9, "disk", copies, dict(read=1e9, write=0.5e9))
     assert disk == pytest.approx(dict(serial=2.0, both=2.0))  # the files' writer thread is the slowest
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_disk_floor_benchmark_pairs_the_paged_step_with_its_files_read_and_write(tmp_path, cold):
+    """bench/paging.py --disk-floor on the small model, one round: the paged step, the unpaged step and the floor (a
+    plain read + write of the state's files; with --cold, from the disk, the files dropped from the page cache first),
+    and their ratios."""
+    if cold and not hasattr(os, "posix_fadvise"):
+        pytest.skip("--cold needs os.posix_fadvise")
+    module = load_bench("paging")
+    argv = ["--disk-floor", "--small", "--rounds", "1", "--warmup", "1", "--offload-dir", str(tmp_path)]
+    result = module.disk_floor(module.parse_args(argv + (["--cold"] if cold else [])))
+    assert result["cold"] is cold and result["files"] > 0 and result["moved"] > 0
+    (r,) = result["rounds"]
+    assert all(r[k] > 0 for k in ("paged", "unpaged", "floor"))
+    assert result["wall"]["paged_over_unpaged"] == pytest.approx(r["paged"] / r["unpaged"])
+    assert os.listdir(tmp_path) == []  # (its files were in a directory it removed)
