@@ -427,8 +427,8 @@ def test_slots_are_reused_across_steps_and_the_next_step_starts_early(tier, tmp_
     for t in range(2, 5):
         run(opt, params, 1, start=t)
         assert [b.data_ptr() for b in mover.slots + mover.stagings if b is not None] == buffers
-        early = pager._early
+        early = pager.next_pass.early
         assert early is not None and early[0] == [params[0]]
         assert bool(early[1].plan.issued) != early[1].here and early[1].here == (tier == "disk" and mover.lanes.files_here())
     opt.load_state_dict(opt.state_dict())  # a load drops the bucket on its way (its homes are replaced)
-    assert pager._early is None
+    assert pager.next_pass.early is None

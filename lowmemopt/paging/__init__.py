@@ -11,7 +11,8 @@ Options (keyword-only on every optimizer, settable per param group): ``paged=Fal
 Modules: :mod:`.options` (checks), :mod:`.homes` (host and file homes, page handling), :mod:`.schedule` (which buffer
 each bucket uses and what each copy waits for), :mod:`.engine` (the schedule carried out: streams and events on CUDA,
 I/O threads for files, or the update's threads on a CPU of its own: :mod:`.contention`), :mod:`.residency` (what stays on the device: the budget, ``"auto"``, the report),
-:mod:`.placement` (homes and residency of new state), :mod:`.pager` (the residency manager). The functions below are
+:mod:`.placement` (homes and residency of new state), :mod:`.next_pass` (the next pass's first bucket, on its way
+when a pass ends), :mod:`.pager` (the residency manager). The functions below are
 the hooks the optimizer and the checkpoint code call; each is a no-op for an optimizer without paged groups.
 """
 

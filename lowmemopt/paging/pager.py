@@ -44,6 +44,7 @@ import torch
 from .engine import Bucket, Mover
 from .entry import Entry
 from .homes import CopyFiles, Homes, drop_pages, transfer
+from .next_pass import NextPass
 from .options import tier_of
 from .placement import (FirstState, buckets_of, check_plain, choose_resident, fill_homes, initial_layout,
                         largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
@@ -91,9 +92,7 @@ class Pager:
         self.bucket_bytes = _DEFAULT_BUCKET_BYTES
         self.copy_files: CopyFiles | None = None  # (the last pass's: batches())
         self.closed = False
-        self._early: tuple[list[torch.Tensor], Bucket] | None = None  # the next pass's first bucket, on its way
-        self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
-        self._last: tuple[int, ...] | None = None  # the last pass's last bucket
+        self.next_pass = NextPass()  # the next pass's first bucket, on its way
         self._finalizer = weakref.finalize(optimizer, self.close)
 
     # -- the step ----------------------------------------------------------------------------------------------------
@@ -172,7 +171,7 @@ class Pager:
         moving = [[p for p, _ in chunk if self._moves(p)] for chunk in chunks]
         for device, nbytes in largest_buckets(moving, self.entries).items():
             self._mover(device).reserve(nbytes)
-        handles = self._adopt_early(moving[0] if moving else [])
+        handles = self.next_pass.adopt(moving[0] if moving else [], self._discard)
         positions, count = [], {}  # each bucket's place among its device's buckets of this pass
         for params in moving:
             device = self.entries[params[0]].device if params else None
@@ -214,37 +213,21 @@ class Pager:
             if finished:  # (after a failure, the first error stands; a failed write-back is raised next time)
                 self.check_writes()
         passed = [ps for ps in moving if ps]
-        if passed:
-            self._last = tuple(map(id, passed[-1]))
-        self._prefetch_next()
+        self._prefetch_next(self.next_pass.ended(passed[-1] if passed else None))
 
-    def _adopt_early(self, first: list[torch.Tensor]) -> dict[int, Bucket]:
-        """The next pass's first bucket, prefetched when the last one ended: used if it is this pass's first bucket,
-        else dropped. Also learns which bucket follows the last pass's last one."""
-        if self._last is not None and first:
-            if len(self._follows) > 4096:  # (a bound: a pass per layer of a very deep model)
-                self._follows.clear()
-            self._follows[self._last] = list(first)
-        early, self._early = self._early, None
-        if early is None:
-            return {}
-        params, bucket = early
-        if len(params) == len(first) and all(a is b for a, b in zip(params, first)):
-            return {0: bucket}
+    def _discard(self, params: list[torch.Tensor], bucket: Bucket) -> None:
         self._mover_of(params).discard(bucket)
-        return {}
 
-    def _prefetch_next(self) -> None:
-        """Start the bucket that followed this pass's last bucket the last time round (see the module docstring)."""
-        params = self._follows.get(self._last) if self._last is not None else None
+    def _prefetch_next(self, params: list[torch.Tensor] | None) -> None:
+        """Start the bucket of ``params`` (the next pass's first, :class:`~.next_pass.NextPass`) on its way."""
         if not params or self.closed or any(not self._moves(p) or self.entries[p].state is None for p in params):
             return
         if len({(self.entries[p].device, self.entries[p].tier) for p in params}) != 1:
             return
-        self._early = (params, self._mover_of(params).prefetch([self.entries[p] for p in params], 0))
+        self.next_pass.early = (params, self._mover_of(params).prefetch([self.entries[p] for p in params], 0))
 
     def _drop_early(self) -> None:
-        early, self._early = self._early, None
+        early = self.next_pass.take()
         if early is not None:
             mover = self._mover_of(early[0])
             mover.discard(early[1])
@@ -548,7 +531,7 @@ class Pager:
         if self.closed:
             return
         self.closed = True
-        self._early = None
+        self.next_pass.early = None
         for mover in self.movers.values():
             try:
                 mover.close()

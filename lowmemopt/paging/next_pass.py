@@ -1,0 +1,55 @@
+"""The next pass's first bucket, set on its way when a pass ends so that its load overlaps the forward pass
+(:meth:`.pager.Pager.batches`): which bucket followed a pass's last bucket the last time round, and the one on its way
+now. A pass is a step, or with per-layer updates a layer's step."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .engine import Bucket
+
+__all__ = ["NextPass"]
+
+#: last buckets remembered at most (a bound: a pass per layer of a very deep model)
+MAX_FOLLOWS = 4096
+
+
+class NextPass:
+    """What follows which pass, and the bucket prefetched for the next one (:attr:`early`: its params and bucket)."""
+
+    def __init__(self) -> None:
+        self.early: tuple[list[torch.Tensor], Bucket] | None = None
+        self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
+        self._last: tuple[int, ...] | None = None  # the last pass's last bucket
+
+    def adopt(self, first: list[torch.Tensor], discard: Callable[[list[torch.Tensor], Bucket], None],
+              ) -> dict[int, Bucket]:
+        """A pass starts with the bucket of params ``first``: the bucket prefetched for it (``{0: bucket}``) if it
+        is that one, else ``{}`` (the prefetched one is given to ``discard``). Learns that ``first`` follows the last
+        pass's last bucket."""
+        if self._last is not None and first:
+            if len(self._follows) > MAX_FOLLOWS:
+                self._follows.clear()
+            self._follows[self._last] = list(first)
+        early = self.take()
+        if early is None:
+            return {}
+        params, bucket = early
+        if len(params) == len(first) and all(a is b for a, b in zip(params, first)):
+            return {0: bucket}
+        discard(params, bucket)
+        return {}
+
+    def ended(self, last: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """A pass ended with the bucket of params ``last`` (None: it moved nothing): the params of the bucket that
+        followed its last bucket the last time round, if any."""
+        if last:
+            self._last = tuple(map(id, last))
+        return self._follows.get(self._last) if self._last is not None else None
+
+    def take(self) -> tuple[list[torch.Tensor], Bucket] | None:
+        """The bucket on its way (its params and bucket), no longer kept here; None if there is none."""
+        early, self.early = self.early, None
+        return early
