@@ -65,18 +65,9 @@ def _measured(call) -> dict[str, float]:
     return dict(seconds=seconds, cpu_s=cpu, peak_growth=proc_status_bytes("VmHWM") - base)
 
 
-def _drop_cache(path: str) -> None:
-    if hasattr(os, "posix_fadvise"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def worker(what: str, numel: int, bits: int, path: str, cold: bool) -> None:
     import lowmemopt
+    from lowmemopt.benchmark import drop_from_page_cache
 
     torch.set_num_threads(1)
     if what == "save":
@@ -90,7 +81,7 @@ def worker(what: str, numel: int, bits: int, path: str, cold: bool) -> None:
         opt = random_state(numel, bits, fill=False)
         out = _measured(lambda: lowmemopt.load_state(opt, path))
     if cold:
-        _drop_cache(path)
+        drop_from_page_cache(path)
     out.update(state_bytes=opt.state_nbytes(), file_bytes=os.path.getsize(path))
     print(json.dumps(out))
 

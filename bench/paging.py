@@ -38,7 +38,8 @@ import torch
 
 from lowmemopt.memory import proc_status_bytes, reset_peak_rss
 
-from common import LLAMA_PRESETS, build_llama, fixed_grads, fresh_params, machine_info, time_steps
+from common import (LLAMA_PRESETS, build_llama, drop_from_page_cache, fixed_grads, fresh_params, machine_info,
+                    time_steps)
 
 CPU_CONFIGS = ["unpaged", "disk", "cpu"]
 GPU_CONFIGS = ["unpaged", "cpu", "disk", "auto", "bnb-unpaged", "bnb-paged"]
@@ -400,12 +401,7 @@ def disk_floor(args: argparse.Namespace) -> dict:
         def drop_from_cache():
             paging.settle(paged)
             for path in paths:
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+                drop_from_page_cache(path)
 
         def read_write():
             for path in paths:

@@ -23,13 +23,15 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .measure import SYNC_WARNING, Result, _join, host_syncs, run_benchmark, state_bytes, sync_messages, time_steps
+from .measure import (SYNC_WARNING, Result, _join, drop_from_page_cache, host_syncs, run_benchmark, state_bytes,
+                      sync_messages, time_steps)
 from .models import LLAMA_PRESETS, build_llama, fixed_grads, fresh_params
 from .optimizers import BASELINE, FACTORED, OPTIMIZERS, SUITES
 from .report import _load_average, _seconds, _version, machine_info, print_table, progress_line
 
 __all__ = [
-    "BASELINE", "FACTORED", "LLAMA_PRESETS", "OPTIMIZERS", "Result", "SYNC_WARNING", "build_llama", "fixed_grads",
+    "BASELINE", "FACTORED", "LLAMA_PRESETS", "OPTIMIZERS", "Result", "SYNC_WARNING", "build_llama", "drop_from_page_cache",
+    "fixed_grads",
     "fresh_params", "host_syncs", "machine_info", "parse_bench_args", "print_table", "progress_line", "quick",
     "run_benchmark", "run_rows", "run_suite", "script_main", "state_bytes", "sync_messages", "time_steps",
 ]

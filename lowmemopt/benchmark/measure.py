@@ -4,6 +4,7 @@ optimizer's row (:func:`run_benchmark`)."""
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 import warnings
@@ -48,6 +49,18 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for st in optimizer.state.values():
         _tensor_storages(st, storages)
     return sum(storages.values())
+
+
+def drop_from_page_cache(path: str) -> None:
+    """Write the file at ``path`` out and drop its pages from the page cache, so that its next read comes from the
+    disk (``posix_fadvise(POSIX_FADV_DONTNEED)``; a no-op where there is none)."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _sync(device: torch.device) -> None:
