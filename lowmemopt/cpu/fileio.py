@@ -5,7 +5,7 @@ The disk tier of paged state (:mod:`lowmemopt.paging`) copies a bucket's state b
 around the bucket's update. On a CPU device the update keeps every thread torch gives it busy; an I/O thread beside
 it competes with the update for those cores (and with the OpenMP workers, which spin for a while at the end of each
 parallel region), while these copies, on the same threads between two updates, keep every core busy with one thing
-at a time. Requests are cut into 1 MiB pieces handed out to the threads in order.
+at a time. Requests are cut into 1 MiB pieces, handed out to the threads in turns across the files.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Homes", "CopyFiles", "transfer", "transfer_all", "drop_pages", "will_need", "layout_offsets", "layout_bytes", "ALIGN",
-           "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
+__all__ = ["Homes", "CopyFiles", "transfer", "transfer_all", "drop_pages", "will_need", "layout_offsets",
+           "layout_bytes", "ALIGN", "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
 
 COPY_CHUNK_BYTES = 2 << 20  # copies through a mapping (no pread/pwrite) go this far at a time, dropping pages behind
 IO_CHUNK_BYTES = 1 << 30  # one pread / pwrite call at most (Linux caps a single call near 2 GiB)
