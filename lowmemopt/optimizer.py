@@ -96,6 +96,7 @@ from .distributed.sharding import agree_finite, is_dtensor, local_tensor
 from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
+from .pipeline.fits import check_state_fits
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
 from .pipeline.plan import Plan, StepRecord, inv_scale
 from .pipeline.program import Kept, StateDict, StepProgram
@@ -380,6 +381,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return loss  # the scaler found an Inf / NaN: skip the step (on the host: nothing to wait for)
         # (values of the whole step, e.g. a global gradient norm; of the unscaled gradients under loss scaling)
         work = self.algorithm.step_work(work) if mult is None else self.algorithm.step_work(work, mult)
+        if self._program is None:  # (a kept program was made by a checked step, and checks what could change since)
+            check_state_fits(self._plan(), work, type(self).__name__)
         if self._capturable(work, groups):
             return self._capturable_step(work, groups, loss, mult, found_inf)
         pager = paging.pager_of(self)  # None unless a param group is paged
@@ -504,16 +507,14 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def _programmed(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], pager: Any) -> bool:
         """Take this step through the kept program if it still applies (its module docstring says when); True if it
         did. The step's skips are settled at the next step, as the pipeline's device-side check's."""
-        program = self._program
-        if pager is not None or plan.communicate is not None or not DEFER_FINITE_CHECK:
-            self._program = None
-            return False
         params = list(map(_first, work))
         grads = list(map(_grad, params))
-        if not program.matches(self.state, params, list(map(_second, work)), grads):
+        if pager is not None or plan.communicate is not None or not DEFER_FINITE_CHECK or \
+                not self._program.matches(self.state, params, list(map(_second, work)), grads):
             self._program = None
+            check_state_fits(plan, work, type(self).__name__)  # (what changed may be a parameter's shape)
             return False
-        self._pending_skip = program.step(plan, grads)
+        self._pending_skip = self._program.step(plan, grads)
         return True
 
     def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any,

@@ -97,6 +97,7 @@ class Plan:
     _last: tuple = (None, None)  # the last (group, record) asked for: the next parameter's, mostly
     _updates: dict = field(default_factory=dict)  # (id(record), step) -> its Update (update_of)
     _slots: dict = field(default_factory=dict)  # (id(record), shape, dtype) -> the algorithm's slots (slots_of)
+    _layouts: dict = field(default_factory=dict)  # (id(record), shape, dtype, numel) -> stored sizes (.fits)
 
     def record_of(self, group: dict[str, Any]) -> BucketRecord:
         """The options of ``group`` (a param group, or a stage's per-step view of one) for this step, resolved at its

@@ -15,7 +15,7 @@ tables (:class:`~lowmemopt.kernels.check.GradCheck`). A later step checks that i
 What is checked at each step, and what makes the program be built again:
 
 * the parameters with gradients, in order, and their param groups: the same objects (one identity comparison each),
-  each parameter's storage where it was and of the same dtype (``p.data = ...`` replaces it);
+  each parameter's storage where it was, of the same dtype and shape (``p.data = ...`` replaces it);
 * every param group's values (:func:`~lowmemopt.work.record.group_values`): equal, or only a number changed
   (``lr``, ``weight_decay``, betas...) in a way that leaves the groups that share a bucket equal: those reach the
   kernels as arguments, read at every launch;
@@ -55,6 +55,7 @@ __all__ = ["StepProgram", "Kept", "StateDict", "update_for"]
 _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr
 _dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
 
 
 @dataclass
@@ -127,6 +128,7 @@ class StepProgram:
         self.params = [p for p, _ in work]
         self.param_ptrs = list(map(_data_ptr, self.params))  # (a parameter whose .data was replaced moved)
         self.param_dtypes = list(map(_dtype, self.params))
+        self.param_shapes = list(map(_shape, self.params))  # (``p.data = p.data[:n]`` keeps its address)
         self.groups = [g for _, g in work]
         self.group_list = list({id(g): g for g in self.groups}.values())
         self.values = [group_values(g) for g in self.group_list]
@@ -178,8 +180,9 @@ class StepProgram:
             return False
         if not (all(map(_is, params, self.params)) and all(map(_is, groups, self.groups))):
             return False
-        if list(map(_data_ptr, params)) != self.param_ptrs or list(map(_dtype, params)) != self.param_dtypes:
-            return False  # (p.data replaced: the kept tables hold the old storage's address)
+        if list(map(_data_ptr, params)) != self.param_ptrs or list(map(_dtype, params)) != self.param_dtypes or \
+                list(map(_shape, params)) != self.param_shapes:
+            return False  # (p.data replaced: the kept tables hold the old storage's address and size)
         if not self._groups_match():
             return False
         step_of = operator.itemgetter("step")

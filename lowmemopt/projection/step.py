@@ -20,7 +20,8 @@ decay applies to the full-rank parameter and is never projected:
   added to a low-rank tensor, so for projected parameters their weight decay becomes the decoupled
   ``p <- p (1 - lr wd)`` on the full parameter (for SGD without momentum this is the same as L2).
 
-As stages of the step pipeline (:mod:`lowmemopt.pipeline`): :func:`prepare` (gather: state, basis refresh),
+As stages of the step pipeline (:mod:`lowmemopt.pipeline`): :func:`check_fits` (before the step: the state still fits
+the parameter's shape, :mod:`lowmemopt.pipeline.fits`), :func:`prepare` (gather: state, basis refresh),
 :func:`project` (batched ``torch.bmm`` per shape class on CUDA), the update, and :func:`finish` / :func:`finish_many`
 (unproject and apply). Where the inner math reads the parameter only for a coupled decay (:func:`param_free`: AdamW /
 Adam, SGD, Lion), the update runs through the fused backends on a zeroed low-rank stand-in (:func:`stand_ins`) that
@@ -52,11 +53,13 @@ import torch
 from .. import cpu, rounding
 from ..distributed.galore import low_rank_layout, row_shards
 from ..distributed.reduction import LOCAL
-from ..distributed.sharding import reduction_of
+from ..distributed.sharding import local_tensor, reduction_of
 from ..pipeline.backends import init_state, run_update, update_flat
 from ..work.items import Item
+from ..pipeline.fits import check_kahan, check_slots, where
 from ..pipeline.plan import Plan, unscaled
 from ..quant.formats import format_of, math_dtype
+from ..rounding import KAHAN
 from . import projector as pj
 from .apply import finish
 from .batched import finish_many, finished_in_batches, fused_apply, give_back, project, stand_ins
@@ -67,7 +70,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
     "param_free", "fused", "stands_in", "stand_ins", "weights", "update_alone", "finish", "finish_many", "inner_group",
-    "device_checkable", "again", "refresh_due", "give_back",
+    "device_checkable", "again", "refresh_due", "give_back", "check_fits",
 ]
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
@@ -471,3 +474,28 @@ def _native_may_take(plan: Plan, it: Item) -> bool:
     from ..cpu.factored import STEPS
 
     return plan.fused in STEPS
+
+
+def check_fits(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], owner: str) -> None:
+    """Raise ValueError unless GaLore parameter ``p``'s ``state`` fits it (:mod:`lowmemopt.pipeline.fits`): its bases'
+    sides match its matrix shape, and its low-rank state that shape at the group's rank."""
+    kahan = state.get(KAHAN)
+    if kahan is not None:
+        check_kahan(kahan, local_tensor(p).shape, where(plan, p), owner)
+    m, n = pj.matrix_shape(p.shape)
+    side, proj = state[pj.SIDE], state.get(pj.PROJ)
+    right = state.get(pj.PROJ_RIGHT)
+    for name, basis, dim, size in ((pj.PROJ, proj, 0 if side == pj.RIGHT else 1, n if side == pj.RIGHT else m),
+                                   (pj.PROJ_RIGHT, right, 0, n)):
+        if isinstance(basis, torch.Tensor) and (basis.dim() != 2 or basis.shape[dim] != size):  # (none yet: fits)
+            raise ValueError(
+                f"{owner}: the GaLore state of {where(plan, p)} was made for another tensor: its basis '{name}' "
+                f"{tuple(basis.shape)} does not fit the parameter's shape {tuple(p.shape)} ({m} x {n} as a matrix). "
+                "Was the parameter's .data replaced by a tensor of another shape? The state was left as it was: reset "
+                "this parameter's state (del optimizer.state[p]) or give the parameter its shape back"
+            )
+    low = pj.low_rank_shape(m, n, group["rank"], side)
+    check_slots(projected_slots(plan, group, p), torch.Size(low), state, plan.record_of(group).block_size,
+                lambda: where(plan, p), owner,
+                f"the parameter has shape {tuple(p.shape)}, whose low-rank state at rank {group['rank']} is {low[0]} x "
+                f"{low[1]}")

@@ -1,0 +1,155 @@
+"""Does each parameter's optimizer state still fit it? Checked before a step changes anything.
+
+A parameter's state is made at its first step, sized for the tensor it had then (and, at 8 and 4 bits, with one scale
+per ``block_size`` elements of its param group). The kernels read and write it through addresses and sizes taken from
+the parameter *now*, so state made for another tensor would be read and written past its end. That happens when
+
+* ``p.data`` was replaced by a tensor of another shape (model surgery: pruning, a resized vocabulary), or
+* the param group's ``block_size`` changed after the state was made (8- and 4-bit state keeps the block size it was
+  made with: re-quantizing would add error, and ``load_state_dict`` refuses it for the same reason).
+
+:func:`check_state_fits` raises ValueError for either, naming the parameter and what differs, before anything of the
+step is changed. State stored in another format than its group asks for now (``state_bits`` or ``min_quant_numel``
+changed after the state was made) fits: each slot is read in the format it is stored in.
+
+The check compares sizes only: per parameter, a lookup of the layout its group's formats give it (made once per
+step, bucket, shape and dtype) and one ``numel`` per stored tensor; a layout that differs is looked at slot by slot.
+A step taken by a kept :class:`~lowmemopt.pipeline.program.StepProgram` needs no check: the program was made by a
+step that passed it, and is dropped when a parameter's storage, shape or state tensors, or a group's storage
+options, change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..distributed.sharding import local_tensor
+from ..quant.blockwise import num_blocks
+from ..quant.formats import QUANTIZED, format_of
+from ..rounding import KAHAN
+from .plan import Plan
+
+__all__ = ["check_state_fits", "check_slots", "check_kahan", "where"]
+
+GALORE_SIDE = "galore.side"  # (a key of GaLore's state: :mod:`lowmemopt.projection` sits above this layer)
+
+
+def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
+    """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
+    tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (module
+    docstring). Parameters without state yet pass. ``owner``: the optimizer's class name, for the message."""
+    state_of = plan.state.get
+    layouts = plan._layouts
+    for p, group in work:
+        state = state_of(p)
+        if not state or "step" not in state:
+            continue
+        if GALORE_SIDE in state:  # low-rank state: the projection stage knows its shapes
+            if plan.galore is not None and group.get("rank") is not None:  # (no rank: its gather says why not)
+                plan.galore.check_fits(plan, p, group, state, owner)
+            continue
+        local = local_tensor(p)
+        record = plan.record_of(group)
+        key = (id(record), local.shape, local.dtype, p.numel())
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = _layout(record, plan.slots_of(record, local), local.shape, p.numel(),
+                                            local.dtype)
+        kahan = state.get(KAHAN)
+        if kahan is not None and kahan.numel() != local.numel():
+            check_kahan(kahan, local.shape, where(plan, p), owner)
+        try:
+            if all(state[k].numel() == n for k, n in layout):
+                continue
+        except KeyError:
+            pass
+        check_slots(plan.slots_of(record, local), local.shape, state, record.block_size,
+                    lambda: where(plan, p), owner)
+
+
+def _layout(record: Any, slots: dict[str, Any], shape: torch.Size, numel: int, dtype: torch.dtype) -> tuple:
+    """``((stored key, its numel), ...)`` of state made for a tensor of ``shape`` in the formats ``record`` gives
+    it now (``numel``: the whole parameter's, which picks the formats of a shard)."""
+    out = []
+    for name, slot in slots.items():
+        size = slot_numel(slot, shape)
+        fmt = record.format_for(slot, numel if slot.shape is None else size, dtype)
+        out += [(k, hi) for k, (_, hi) in fmt.key_ranges(name, 0, size, record.block_size).items()]
+    return tuple(out)
+
+
+def slot_numel(slot: Any, shape: torch.Size) -> int:
+    """Elements of ``slot`` for a tensor of ``shape`` (its own shape, if it has one)."""
+    return shape.numel() if slot.shape is None else torch.Size(slot.shape).numel()
+
+
+def check_slots(slots: dict[str, Any], shape: torch.Size, state: dict[str, Any], block_size: int, who: Any,
+                 owner: str, needs: str = "") -> None:
+    """Each slot of ``slots`` as stored in ``state`` (whatever its format) holds the elements of a tensor of ``shape``
+    (and, quantized, one scale per ``block_size`` of them); else ValueError. ``who()``: the parameter, in words;
+    ``needs``: what the state should fit, in words (default: the parameter's shape)."""
+    for name, slot in slots.items():
+        size = slot_numel(slot, shape)
+        try:
+            fmt = format_of(state, name)
+        except KeyError:
+            raise ValueError(
+                f"{owner}: the state of {who()} has no '{name}', which its algorithm needs for a tensor of shape "
+                f"{tuple(shape)} with its group's options now: the parameter's shape, or an option that adds state, "
+                "changed after the state was made. The state was left as it was: reset this parameter's state (del "
+                "optimizer.state[p]) or change it back"
+            ) from None
+        ranges = fmt.key_ranges(name, 0, size, block_size)
+        stored = {k: state[k].numel() for k in ranges}
+        if fmt in QUANTIZED:
+            data_key, scales_key = fmt.keys(name)
+            if stored[data_key] == ranges[data_key][1]:
+                if stored[scales_key] != ranges[scales_key][1]:
+                    old = _block_size_of(size, stored[scales_key])
+                    raise ValueError(
+                        f"{owner}: the {fmt.bits}-bit state '{name}' of {who()} was made at block_size "
+                        f"{old if old else '(unknown)'}, but its param group now has block_size {block_size}; the "
+                        "state was left as it was. Quantized state keeps the block size it was made with "
+                        f"(re-quantizing would add error): set the group's block_size back{f' to {old}' if old else ''}"
+                    )
+                continue
+        elif stored[name] == size:
+            continue
+        held = stored[fmt.keys(name)[0]]
+        held = f"{held:,} bytes of 4-bit codes" if fmt.bits == 4 else f"{held:,} elements"
+        raise ValueError(
+            f"{owner}: the optimizer state of {who()} was made for another tensor: its '{name}' holds {held}, "
+            f"{needs or f'the parameter has shape {tuple(shape)}'} ({size:,} elements). Was the parameter's .data "
+            "replaced by a tensor of another shape? The state was left as it was: reset this parameter's state (del "
+            "optimizer.state[p]) or give the parameter its shape back"
+        )
+
+
+def check_kahan(kahan: torch.Tensor, shape: torch.Size, where: str, owner: str) -> None:
+    """A Kahan buffer (``bf16_update="kahan"``) holds the elements of a tensor of ``shape``; else ValueError."""
+    if kahan.numel() != shape.numel():
+        raise ValueError(
+            f"{owner}: the optimizer state of {where} was made for another tensor: its Kahan buffer ('{KAHAN}', "
+            f"{kahan.numel():,} elements) does not fit the parameter's shape {tuple(shape)}. Was the parameter's .data "
+            "replaced by a tensor of another shape? The state was left as it was: reset this parameter's state (del "
+            "optimizer.state[p]) or give it its shape back"
+        )
+
+
+def _block_size_of(numel: int, scales: int) -> int | None:
+    """The power-of-two block size (16 to 2^20) that gives ``numel`` elements ``scales`` blocks, if one does."""
+    for shift in range(4, 21):
+        if num_blocks(numel, 1 << shift) == scales:
+            return 1 << shift
+    return None
+
+
+def where(plan: Plan, p: torch.Tensor) -> str:
+    """``p`` in words: its place among the plan's param groups."""
+    for gi, group in enumerate(plan.groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                return f"parameter {pi} of param group {gi}"
+    return "a parameter"
