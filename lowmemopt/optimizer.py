@@ -294,7 +294,6 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """GaLore basis refreshes whose SVD failed (the previous basis was kept)."""
         return self._record.galore_refresh_failures
 
-
     # -- param groups ----------------------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
@@ -381,9 +380,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return loss  # the scaler found an Inf / NaN: skip the step (on the host: nothing to wait for)
         # (values of the whole step, e.g. a global gradient norm; of the unscaled gradients under loss scaling)
         work = self.algorithm.step_work(work) if mult is None else self.algorithm.step_work(work, mult)
-        if self._program is None:  # (a kept program was made by a checked step, and checks what could change since)
+        capturable = self._capturable(work, groups)
+        if self._program is None or capturable:  # (a kept program was made by a checked step: it checks what changed)
             check_state_fits(self._plan(), work, type(self).__name__)
-        if self._capturable(work, groups):
+        if capturable:
             return self._capturable_step(work, groups, loss, mult, found_inf)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
@@ -561,18 +561,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _step_some(self, work: list[tuple[torch.Tensor, dict[str, Any]]], flags: DeviceFlags | None = None) -> None:
         """Step ``work``'s parameters, whose gradients (``p.grad``) are known to be finite, or whose finiteness
-        ``flags`` holds on the device (:meth:`device_flags`), through the same pipeline as ``step()`` (paged state
-        fetched and written back; the fused kernels where their device has them, one launch set per bucket): the
-        per-layer updates inside ``backward()`` (:func:`lowmemopt.step_in_backward`), one parameter or a bucket of
-        them at a time."""
+        ``flags`` holds on the device (:meth:`device_flags`), through the pipeline as ``step()`` does (state fit
+        check, paging, the fused kernels): the per-layer updates inside ``backward()``
+        (:func:`lowmemopt.step_in_backward`), one parameter or a bucket of them at a time."""
         if any(group.get("capturable") for _, group in work):
             raise ValueError("capturable=True param groups step in optimizer.step() only, not in per-layer updates")
+        plan = self._plan()
+        check_state_fits(plan, work, type(self).__name__)
         pager = None
         if flags is None:  # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
             pager = self._pager_for(work)
             if pager is not None:
                 pager.begin(work, self._first_state)
-        pipeline.run(self._plan(), [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
+        pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
                      [local_tensor(p.grad) for p, _ in work], None, pager, flags)
 
     def _pager_for(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> Any:

@@ -189,3 +189,23 @@ def test_paged_state_of_another_shape_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'exp_avg' holds 561 elements, the parameter has shape \(20, 11\)"):
         opt.step()
     assert opt.state[params[1]]["step"] == 1
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20], ids=["each parameter", "bucketed"])
+def test_per_layer_updates_refuse_a_parameter_given_another_shape(bucket_bytes):
+    """``step_in_backward``: the updates inside ``backward()`` check the state as ``step()`` does; the error comes
+    out of ``backward()`` before that parameter's update."""
+    model = torch.nn.Sequential(torch.nn.Linear(17, 33), torch.nn.Linear(33, 4))
+    opt = lowmemopt.AdamW(model.parameters(), state_bits=8, min_quant_numel=0)
+    lowmemopt.step_in_backward(model, opt, bucket_bytes=bucket_bytes)
+    x = torch.randn(8, 17)
+    model(x).square().mean().backward()
+    first = model[0].weight
+    first.data = first.data[:20]  # (a pruned layer whose optimizer state was not pruned with it)
+    model[0].bias.data = model[0].bias.data[:20]
+    model[1].weight.data = model[1].weight.data[:, :20]
+    before = {k: v.clone() for k, v in opt.state[first].items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"the parameter has shape \("):
+        model(x).square().mean().backward()
+    for k, v in before.items():
+        assert torch.equal(opt.state[first][k], v)
