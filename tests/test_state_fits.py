@@ -209,3 +209,21 @@ def test_per_layer_updates_refuse_a_parameter_given_another_shape(bucket_bytes):
         model(x).square().mean().backward()
     for k, v in before.items():
         assert torch.equal(opt.state[first][k], v)
+
+
+@pytest.mark.parametrize("backend", ["native", pytest.param("triton", marks=needs_interpreter)])
+def test_a_gradient_of_another_shape_than_its_parameter_is_refused(backend):
+    """``p.data`` replaced after the backward pass leaves a gradient of the old shape (torch checks shapes when a
+    gradient is set, not when the parameter changes): refused before anything changes, also on a first step."""
+    params = [torch.nn.Parameter(torch.randn(33, 17)), torch.nn.Parameter(torch.randn(20))]
+    opt = lowmemopt.AdamW(params, state_bits=8, min_quant_numel=0)
+    with _backend(backend):
+        _grads(params, 0)
+        params[0].data = torch.randn(40, 24)
+        with pytest.raises(ValueError, match=r"gradient of parameter 0 of param group 0 has shape \(33, 17\) but the "
+                                             r"parameter \(40, 24\)"):
+            opt.step()
+        assert not opt.state  # (nothing made, nothing stepped)
+        _grads(params, 1)
+        opt.step()
+    assert opt.state[params[0]]["step"] == 1

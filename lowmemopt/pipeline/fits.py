@@ -9,7 +9,8 @@ the parameter *now*, so state made for another tensor would be read and written 
   made with: re-quantizing would add error, and ``load_state_dict`` refuses it for the same reason).
 
 :func:`check_state_fits` raises ValueError for either, naming the parameter and what differs, before anything of the
-step is changed. State stored in another format than its group asks for now (``state_bits`` or ``min_quant_numel``
+step is changed; also for a gradient whose shape is not its parameter's (``p.data`` replaced after the backward pass:
+torch checks a gradient's shape when it is set, not when the parameter changes). State stored in another format than its group asks for now (``state_bits`` or ``min_quant_numel``
 changed after the state was made) fits: each slot is read in the format it is stored in.
 
 The check compares sizes only: per parameter, a lookup of the layout its group's formats give it (made once per
@@ -38,11 +39,17 @@ GALORE_SIDE = "galore.side"  # (a key of GaLore's state: :mod:`lowmemopt.project
 
 def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
     """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
-    tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (module
-    docstring). Parameters without state yet pass. ``owner``: the optimizer's class name, for the message."""
+    tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (module docstring),
+    or if its gradient's shape is not its own. ``owner``: the optimizer's class name, for the message."""
     state_of = plan.state.get
     layouts = plan._layouts
     for p, group in work:
+        if p.grad.shape != p.shape:  # (p.data replaced after the gradient was computed: torch lets it be)
+            raise ValueError(
+                f"{owner}: the gradient of {where(plan, p)} has shape {tuple(p.grad.shape)} but the parameter "
+                f"{tuple(p.shape)}: was its .data replaced by a tensor of another shape after the gradient was "
+                "computed? Nothing was changed: compute the gradient again, or set p.grad = None to skip it"
+            )
         state = state_of(p)
         if not state or "step" not in state:
             continue
