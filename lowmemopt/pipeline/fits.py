@@ -10,8 +10,9 @@ the parameter *now*, so state made for another tensor would be read and written 
 
 :func:`check_state_fits` raises ValueError for either, naming the parameter and what differs, before anything of the
 step is changed; also for a gradient whose shape is not its parameter's (``p.data`` replaced after the backward pass:
-torch checks a gradient's shape when it is set, not when the parameter changes). State stored in another format than its group asks for now (``state_bits`` or ``min_quant_numel``
-changed after the state was made) fits: each slot is read in the format it is stored in.
+torch checks a gradient's shape when it is set, not when the parameter changes). State stored in another format than
+its group asks for now (``state_bits`` or ``min_quant_numel`` changed after the state was made) fits: each slot is
+read in the format it is stored in.
 
 The check compares sizes only: per parameter, a lookup of the layout its group's formats give it (made once per
 step, bucket, shape and dtype) and one ``numel`` per stored tensor; a layout that differs is looked at slot by slot.
@@ -93,7 +94,7 @@ def slot_numel(slot: Any, shape: torch.Size) -> int:
 
 
 def check_slots(slots: dict[str, Any], shape: torch.Size, state: dict[str, Any], block_size: int, who: Any,
-                 owner: str, needs: str = "") -> None:
+                owner: str, needs: str = "") -> None:
     """Each slot of ``slots`` as stored in ``state`` (whatever its format) holds the elements of a tensor of ``shape``
     (and, quantized, one scale per ``block_size`` of them); else ValueError. ``who()``: the parameter, in words;
     ``needs``: what the state should fit, in words (default: the parameter's shape)."""
