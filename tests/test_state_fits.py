@@ -179,7 +179,7 @@ def test_galore_state_of_another_shape_is_refused():
     assert opt.state[p]["step"] == 2
 
 
-def test_paged_state_of_another_shape_is_refused(tmp_path):
+def test_paged_state_of_another_shape_is_refused():
     params = [torch.nn.Parameter(torch.randn(33, 17)), torch.nn.Parameter(torch.randn(300))]
     opt = lowmemopt.AdamW(params, state_bits=8, min_quant_numel=0, paged="cpu", page_budget_bytes=0)
     _grads(params, 0)
