@@ -381,15 +381,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
         # (values of the whole step, e.g. a global gradient norm; of the unscaled gradients under loss scaling)
         work = self.algorithm.step_work(work) if mult is None else self.algorithm.step_work(work, mult)
         capturable = self._capturable(work, groups)
+        plan = self._plan(mult, found_inf)
         if self._program is None or capturable:  # (a kept program was made by a checked step: it checks what changed)
-            check_state_fits(self._plan(), work, type(self).__name__)
+            check_state_fits(plan, work, type(self).__name__)
         if capturable:
             return self._capturable_step(work, groups, loss, mult, found_inf)
         pager = paging.pager_of(self)  # None unless a param group is paged
         if pager is not None:
             if not pager.begin(work, self._first_state):  # (checks, homes; False: all resident, an unpaged step)
                 pager = None
-        plan = self._plan(mult, found_inf)
         if plan.communicate is None:
             self._step_planned(plan, work, pager)
         else:  # the 1-bit optimizers' communicate stage around the rest

@@ -48,6 +48,7 @@ from .next_pass import NextPass
 from .options import tier_of
 from .placement import (FirstState, buckets_of, check_plain, choose_resident, fill_homes, initial_layout,
                         largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
+from ..work.record import param_place
 from .residency import AUTO, AutoRoom, PagingReport, build_report, evictions, probe
 
 __all__ = ["Entry", "Pager", "StateOwner", "LOOKAHEAD"]
@@ -576,8 +577,4 @@ class Pager:
 
     def _where(self, p: torch.Tensor) -> str:
         opt = self._optimizer()
-        for gi, group in enumerate(opt.param_groups if opt is not None else []):
-            for pi, q in enumerate(group["params"]):
-                if q is p:
-                    return f"parameter {pi} of param group {gi}"
-        return "a parameter"
+        return param_place(opt.param_groups if opt is not None else [], p)

@@ -31,6 +31,7 @@ from ..distributed.sharding import local_tensor
 from ..quant.blockwise import num_blocks
 from ..quant.formats import QUANTIZED, format_of
 from ..rounding import KAHAN
+from ..work.record import param_place
 from .plan import Plan
 
 __all__ = ["check_state_fits", "check_slots", "check_kahan", "where"]
@@ -66,8 +67,8 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
             layout = layouts[key] = _layout(record, plan.slots_of(record, local), local.shape, p.numel(),
                                             local.dtype)
         kahan = state.get(KAHAN)
-        if kahan is not None and kahan.numel() != local.numel():
-            check_kahan(kahan, local.shape, where(plan, p), owner)
+        if kahan is not None:
+            check_kahan(kahan, local.shape, lambda: where(plan, p), owner)
         try:
             if all(state[k].numel() == n for k, n in layout):
                 continue
@@ -135,11 +136,12 @@ def check_slots(slots: dict[str, Any], shape: torch.Size, state: dict[str, Any],
         )
 
 
-def check_kahan(kahan: torch.Tensor, shape: torch.Size, where: str, owner: str) -> None:
-    """A Kahan buffer (``bf16_update="kahan"``) holds the elements of a tensor of ``shape``; else ValueError."""
+def check_kahan(kahan: torch.Tensor, shape: torch.Size, who: Any, owner: str) -> None:
+    """A Kahan buffer (``bf16_update="kahan"``) holds the elements of a tensor of ``shape``; else ValueError.
+    ``who()``: the parameter, in words."""
     if kahan.numel() != shape.numel():
         raise ValueError(
-            f"{owner}: the optimizer state of {where} was made for another tensor: its Kahan buffer ('{KAHAN}', "
+            f"{owner}: the optimizer state of {who()} was made for another tensor: its Kahan buffer ('{KAHAN}', "
             f"{kahan.numel():,} elements) does not fit the parameter's shape {tuple(shape)}. Was the parameter's .data "
             "replaced by a tensor of another shape? The state was left as it was: reset this parameter's state (del "
             "optimizer.state[p]) or give it its shape back"
@@ -156,8 +158,4 @@ def _block_size_of(numel: int, scales: int) -> int | None:
 
 def where(plan: Plan, p: torch.Tensor) -> str:
     """``p`` in words: its place among the plan's param groups."""
-    for gi, group in enumerate(plan.groups):
-        for pi, q in enumerate(group["params"]):
-            if q is p:
-                return f"parameter {pi} of param group {gi}"
-    return "a parameter"
+    return param_place(plan.groups, p)

@@ -481,7 +481,7 @@ def check_fits(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[s
     sides match its matrix shape, and its low-rank state that shape at the group's rank."""
     kahan = state.get(KAHAN)
     if kahan is not None:
-        check_kahan(kahan, local_tensor(p).shape, where(plan, p), owner)
+        check_kahan(kahan, local_tensor(p).shape, lambda: where(plan, p), owner)
     m, n = pj.matrix_shape(p.shape)
     side, proj = state[pj.SIDE], state.get(pj.PROJ)
     right = state.get(pj.PROJ_RIGHT)

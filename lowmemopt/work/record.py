@@ -30,7 +30,7 @@ import torch
 from .. import rounding
 from ..quant.formats import Slot, StateFormat, choose_format
 
-__all__ = ["BucketRecord", "group_values"]
+__all__ = ["BucketRecord", "group_values", "param_place"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,3 +105,12 @@ def _frozen(v: Any) -> Any:
     except TypeError:
         return ("id", id(v))
     return (t.__qualname__, v)
+
+
+def param_place(groups: Any, p: torch.Tensor) -> str:
+    """``p`` in words, for messages: its place among ``groups`` (param groups), e.g. "parameter 3 of param group 0"."""
+    for gi, group in enumerate(groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                return f"parameter {pi} of param group {gi}"
+    return "a parameter"
