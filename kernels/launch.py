@@ -210,7 +210,7 @@ class Bucket:
                 cols.append([rounding.step_key(st[rounding.SEED], step), base])
             else:
                 c = st[rounding.KAHAN]
-                if c.dtype != p.dtype or c.shape != p.shape or c.device != p.device or not c.is_contiguous():
+                if c.dtype != p.dtype or c.numel() != p.numel() or c.device != p.device or not c.is_contiguous():
                     raise Unsupported("Kahan buffer not laid out as its parameter")
                 cols.append([0, c.data_ptr()])
         return cols, _UPDATE_CODES[mode]

@@ -408,6 +408,77 @@ def test_fp32_params_ignore_it(monkeypatch):
     assert torch.equal(p, q) and set(o2.state[q]) == set(o1.state[p])
 
 
+@pytest.mark.parametrize("bits", [8, 32])
+def test_kahan_turned_on_after_steps(bits, monkeypatch):
+    """``bf16_update`` set to "kahan" on a group that has stepped: the compensation buffer is made for the whole
+    parameter, in its shape, before any part of it is stepped (the eager path steps a large tensor in chunks), and
+    the three backends agree bit for bit."""
+    from lowmemopt import compiled
+    from lowmemopt.kernels import dispatch, runtime
+    from lowmemopt.pipeline import backends
+
+    monkeypatch.setattr(backends, "CHUNK_NUMEL", 4096)  # (small chunks: small tensors cross them)
+    shape = (4096 // 64 + 3, 64)  # more than one chunk of the eager path
+
+    monkeypatch.setattr(compiled, "ENABLED", False)  # (the first steps round to nearest: the reference, not it)
+
+    def run(backend):
+        monkeypatch.setattr(cpu, "ENABLED", backend == "native")
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(shape, dtype=BF16))
+        opt = lowmemopt.AdamW([p], lr=1e-3, state_bits=bits)
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            if step == 1:
+                opt.param_groups[0]["bf16_update"] = "kahan"
+            p.grad = torch.randn(shape, generator=g).to(BF16)
+            if backend == "triton":
+                with runtime.cpu_interpreter():
+                    opt.step()
+            else:
+                opt.step()
+        kahan = opt.state[p][rounding.KAHAN]
+        assert kahan.shape == p.shape and kahan.dtype == BF16 and kahan.abs().max() > 0
+        return p, kahan
+
+    ref, ref_c = run("eager")
+    runs = ["native"]
+    if runtime.HAS_TRITON and runtime.INTERPRET and interpreter_fma_rounds_once():
+        runs.append("triton")
+    for backend in runs:
+        before = sum(dispatch.stats.values())
+        p, c = run(backend)
+        assert backend != "triton" or sum(dispatch.stats.values()) > before  # the fused kernel really ran
+        assert torch.equal(_bits(p), _bits(ref)) and torch.equal(_bits(c), _bits(ref_c)), backend
+
+
+def test_a_flat_kahan_buffer_takes_the_fused_kernel(monkeypatch):
+    """A Kahan buffer with the parameter's elements in another shape (flat: state saved by earlier versions, whose
+    native CPU path made it so) is stepped by the Triton kernel, as the parameter-shaped one is, to the same bits."""
+    from lowmemopt.kernels import dispatch, runtime
+
+    if not (runtime.HAS_TRITON and runtime.INTERPRET and interpreter_fma_rounds_once()):
+        pytest.skip("needs TRITON_INTERPRET=1 (and an interpreter whose tl.fma rounds once)")
+    monkeypatch.setattr(cpu, "ENABLED", False)
+
+    def run(flat):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(40, 64, dtype=BF16))
+        opt = lowmemopt.AdamW([p], lr=1e-3, state_bits=8, bf16_update="kahan", min_quant_numel=0)
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            p.grad = torch.randn(40, 64, generator=g).to(BF16)
+            if step == 1 and flat:
+                opt.state[p][rounding.KAHAN] = opt.state[p][rounding.KAHAN].reshape(-1).clone()
+            before = sum(dispatch.stats.values())
+            with runtime.cpu_interpreter():
+                opt.step()
+            assert sum(dispatch.stats.values()) > before, f"step {step} left the fused kernel"
+        return p
+
+    assert torch.equal(_bits(run(True)), _bits(run(False)))
+
+
 def test_paged_matches_unpaged(monkeypatch):
     a, _ = _run(lowmemopt.AdamW, dict(lr=1e-4), "stochastic", "native", monkeypatch)
     b, opt = _run(lowmemopt.AdamW, dict(lr=1e-4), "stochastic", "native", monkeypatch, paged="cpu")

@@ -308,7 +308,7 @@ def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[
     slots = plan.slots_of(record, local)
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
         state = init_state(local, record, slots, state, numel=p.numel(), reduce=reduce)
-    elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
+    else:  # bf16_update changed since: its state made for the whole tensor (a shard's ranks agree on a seed)
         rounding.init_state(state, local, record.rounding, reduce.agree)
     base = reduce.flat_offset() if reduce.distributed and record.rounding_of(local) == "stochastic" else 0
     return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, index_base=base,

@@ -93,8 +93,8 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             init_state(local, record, slots, state, numel=numel, reduce=reduce)
         else:
             capture.host_count(state)
-            if reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
-                rounding.init_state(state, local, record.rounding, reduce.agree)
+            # bf16_update changed since: its state made for the whole tensor (a shard's ranks agree on a seed)
+            rounding.init_state(state, local, record.rounding, reduce.agree)
         state["step"] += 1
         items.append(Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, record=record,
                           index_base=reduce.flat_offset() if reduce.distributed else 0, reduce=reduce))

@@ -38,7 +38,7 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     slots = plan.slots_of(record, local)
     if "step" not in state:
         state = init_state(local, record, slots, state, numel=numel, reduce=reduce)
-    elif reduce.distributed:  # bf16_update changed since: the shard's ranks make its seed together
+    else:  # bf16_update changed since: its state made for the whole tensor (a shard's ranks agree on a seed)
         rounding.init_state(state, local, record.rounding, reduce.agree)
     capture.host_count(state)  # (a capturable step's count: back to an int)
     state["step"] += 1
