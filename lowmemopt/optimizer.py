@@ -96,7 +96,7 @@ from .distributed.sharding import agree_finite, is_dtensor, local_tensor
 from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
-from .pipeline.fits import check_state_fits
+from .pipeline.fits import check_grad, check_state_fits
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
 from .pipeline.plan import Plan, StepRecord, inv_scale
 from .pipeline.program import Kept, StateDict, StepProgram
@@ -361,8 +361,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+                check_grad(p, self.param_groups, type(self).__name__)  # (sparse, another dtype: before step_work)
                 work.append((p, group))
             if len(work) > n:
                 groups.append(group)
