@@ -11,7 +11,7 @@ import torch
 
 from . import paging, rounding
 
-__all__ = ["one_element", "check_lr", "check_nonneg", "check_betas", "torch_scalars", "check_torch_flags", "check_adam_group", "sqrt_of", "check_positive", "check_eps_pair", "check_storage"]
+__all__ = ["one_element", "check_lr", "check_nonneg", "check_betas", "torch_scalars", "check_torch_flags", "check_adam_group", "sqrt_of", "check_positive", "check_eps_pair", "check_storage", "check_param"]
 
 
 def one_element(name: str, value: torch.Tensor) -> None:
@@ -176,3 +176,20 @@ def check_storage(group: dict) -> None:
     if capturable and group.get("rank") is not None:
         raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD that "
                          "synchronizes)")
+
+
+def check_param(p: torch.Tensor, owner: str, index: int, group: int) -> None:
+    """A parameter an optimizer can step (TypeError / ValueError otherwise): real floating point, and no two of its
+    elements in one memory location (an expanded tensor: the in-place update of one would be the update of all, and
+    the step would fail half done). ``index``, ``group``: its place among the param groups, for the message."""
+    if p.is_complex():
+        raise TypeError(f"{owner} does not support complex parameters (got {p.dtype}): optimize a real view instead, "
+                        "nn.Parameter(torch.view_as_real(z)), and use torch.view_as_complex(param) in the forward pass "
+                        "(torch.optim's Adam, AdamW and SGD step a complex parameter as exactly that view)")
+    if not p.is_floating_point():
+        raise TypeError(f"{owner} needs floating-point parameters (got {p.dtype})")
+    shared = [d for d, (n, s) in enumerate(zip(p.shape, p.stride())) if s == 0 and n > 1]
+    if shared and p.numel():
+        raise ValueError(f"{owner}: parameter {index} of param group {group} (shape {tuple(p.shape)}) has stride 0 in "
+                         f"dim {shared[0]}: its elements share memory (an expanded tensor), and a step updates each "
+                         "element in place. Give it memory of its own: nn.Parameter(t.clone()) or t.contiguous()")

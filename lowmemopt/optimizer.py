@@ -90,13 +90,13 @@ import torch
 
 from . import paging, pipeline
 from ._stacklevel import external_stacklevel
-from .checks import _lr_views_pre_hook, check_storage, check_torch_flags, torch_scalars
+from .checks import _lr_views_pre_hook, check_param, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
 from .distributed.sharding import agree_finite, is_dtensor, local_tensor
 from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
-from .pipeline.fits import check_state_fits
+from .pipeline.fits import check_grad, check_state_fits
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
 from .pipeline.plan import Plan, StepRecord, inv_scale
 from .pipeline.program import Kept, StateDict, StepProgram
@@ -334,14 +334,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                  "reads the step's scalars on the device)")
             if group.get("rank") is not None:  # a GaLore group: fill its defaults and check them
                 galore.check_group(group)
-            for p in group["params"]:
-                if p.is_complex():
-                    raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype}): "
-                                    "optimize a real view instead, nn.Parameter(torch.view_as_real(z)), and use "
-                                    "torch.view_as_complex(param) in the forward pass (torch.optim's Adam, AdamW "
-                                    "and SGD step a complex parameter as exactly that view)")
-                if not p.is_floating_point():
-                    raise TypeError(f"{type(self).__name__} needs floating-point parameters (got {p.dtype})")
+            for i, p in enumerate(group["params"]):
+                check_param(p, type(self).__name__, i, len(self.param_groups) - 1)
         except Exception:
             self.param_groups.pop()
             raise
@@ -367,8 +361,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+                check_grad(p, self.param_groups, type(self).__name__)  # (sparse, another dtype: before step_work)
                 work.append((p, group))
             if len(work) > n:
                 groups.append(group)

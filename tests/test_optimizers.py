@@ -173,6 +173,41 @@ def test_complex_and_integer_params_rejected(info):
 
 
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_expanded_params_rejected_before_a_step(info):
+    """A parameter whose elements share memory (stride 0: an expanded tensor) is refused when it is given: its step
+    would fail half done (torch's in-place error after other parameters were updated)."""
+    p = torch.nn.Parameter(torch.randn(1, 6).expand(4, 6))
+    with pytest.raises(ValueError, match=r"parameter \d of param group \d \(shape \(4, 6\)\) has stride 0 in dim 0"):
+        info.cls([torch.nn.Parameter(torch.randn(5)), p], **info.variants[0])
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_empty_and_0d_params_step_as_torch_steps_them(info):
+    """Zero-size parameters (a pruned head, an empty embedding) take steps as in torch, and a 0-d one steps as its
+    1-element twin; the other parameters step as they would without them."""
+    kwargs = dict(STATEFUL[info.name], min_quant_numel=0, block_size=32)
+    start = make_params([(5, 4), (7,)])
+    ours, alone = clone_params(start), clone_params(start)
+    empty = [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0, 5)),
+             torch.nn.Parameter(torch.empty(0, 5))]
+    scalar, twin = torch.nn.Parameter(torch.tensor(0.5)), torch.nn.Parameter(torch.tensor([0.5]))
+    opt = info.cls([*ours, *empty, scalar], **kwargs)  # (after the others: APOLLO seeds by position)
+    ref = info.cls([*alone, twin], **kwargs)
+    for t in range(2):
+        set_grads(ours, t)
+        set_grads(alone, t)
+        for p in empty:
+            p.grad = torch.empty(p.shape)
+        scalar.grad, twin.grad = torch.tensor(0.1 * t - 0.3), torch.tensor([0.1 * t - 0.3])
+        opt.step()
+        ref.step()
+    assert all(opt.state[p]["step"] == 2 for p in [*empty, scalar])
+    assert torch.equal(scalar.detach().reshape(1), twin.detach())
+    for a, b in zip(ours, alone):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
 def test_sparse_gradients_rejected(info):
     p = torch.nn.Parameter(torch.zeros(4, 3))
     opt = info.cls([p], **STATEFUL[info.name])

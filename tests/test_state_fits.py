@@ -227,3 +227,52 @@ def test_a_gradient_of_another_shape_than_its_parameter_is_refused(backend):
         _grads(params, 1)
         opt.step()
     assert opt.state[params[0]]["step"] == 1
+
+
+GRAD_EDITS = {  # what replaces the .data of parameter 0's gradient after two steps (torch checks only at p.grad = g)
+    "float64": lambda g: g.double(),
+    "bfloat16": lambda g: g.bfloat16(),
+    "int32": lambda g: g.int(),
+    "complex64": lambda g: g.to(torch.complex64),
+    "shape": lambda g: g[:16],
+}
+
+
+@pytest.mark.parametrize("backend", ["native", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("cls,kw", [(lowmemopt.AdamW, dict(state_bits=8)), (lowmemopt.FusedLAMB, dict(state_bits=32))],
+                         ids=["AdamW-8", "FusedLAMB-32"])
+@pytest.mark.parametrize("edit", GRAD_EDITS)
+def test_a_gradient_of_another_dtype_or_shape_is_refused_and_nothing_changes(edit, cls, kw, backend):
+    """A gradient whose ``.data`` was replaced by one of another dtype (or shape) is refused before anything reads
+    it: a TypeError (ValueError) naming it, nothing changed, the fused kernels still on (a kernel that failed on it
+    would turn them off for the process), and a kept step program does not read it as its old dtype and size."""
+    params = [torch.nn.Parameter(torch.randn(64, 8)), torch.nn.Parameter(torch.randn(40))]
+    opt = cls(params, lr=1e-2, min_quant_numel=0, block_size=32, **kw)
+    with _backend(backend):
+        for step in range(3):
+            _grads(params, step)
+            opt.step()
+        _grads(params, 3)
+        params[0].grad.data = GRAD_EDITS[edit](params[0].grad.data)
+        snap = _snapshot(opt, params)
+        err, match = (ValueError, r"has shape \(16, 8\)") if edit == "shape" else (TypeError, f"is torch.{edit} but")
+        with pytest.raises(err, match=rf"gradient of parameter 0 of param group 0 {match}"):
+            opt.step()
+        _assert_unchanged(opt, params, snap)
+        assert runtime.ENABLED
+        _grads(params, 3)
+        opt.step()
+    assert all(opt.state[p]["step"] == 4 for p in params)
+
+
+def test_a_parameter_made_complex_through_data_is_refused():
+    p = torch.nn.Parameter(torch.randn(6, 5))
+    opt = lowmemopt.AdamW([p], lr=1e-2)
+    _grads([p], 0)
+    opt.step()
+    p.data = torch.randn(6, 5, dtype=torch.complex64)
+    p.grad = torch.randn(6, 5, dtype=torch.complex64)
+    snap = _snapshot(opt, [p])
+    with pytest.raises(TypeError, match=r"parameter 0 of param group 0 is torch.complex64 now.*torch.view_as_real"):
+        opt.step()
+    _assert_unchanged(opt, [p], snap)

@@ -89,6 +89,8 @@ def grad_is_finite(g: torch.Tensor) -> bool | None:
 
     if not (ffi.can_scan(g) and available()):
         return None
+    if not g.numel():  # (nothing to scan: its data pointer is null, which the kernel refuses)
+        return True
     args = ffi.args_for(None, None, 0, 16, [], scan=g)
     ffi.call(build.library().lmo_scan, args)
     return ffi.scan_result(args)

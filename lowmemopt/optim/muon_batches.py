@@ -62,7 +62,7 @@ def plan_batches(work: Work, state: dict, grad_mult: torch.Tensor | None = None)
     batches: list[list[int]] = []
     members: Work = []
     for (_, shape, _, _, _, _), pairs in by_key.items():
-        per_batch = max(1, BATCH_BYTES // (2 * shape[0] * shape[1]))
+        per_batch = max(1, BATCH_BYTES // max(1, 2 * shape[0] * shape[1]))  # (an empty matrix: one batch)
         for lo in range(0, len(pairs), per_batch):
             batches.append(list(range(len(members), len(members) + len(pairs[lo:lo + per_batch]))))
             members.extend(pairs[lo:lo + per_batch])

@@ -10,7 +10,8 @@ the parameter *now*, so state made for another tensor would be read and written 
 
 :func:`check_state_fits` raises ValueError for either, naming the parameter and what differs, before anything of the
 step is changed; also for a gradient whose shape is not its parameter's (``p.data`` replaced after the backward pass:
-torch checks a gradient's shape when it is set, not when the parameter changes). State stored in another format than
+torch checks a gradient's shape when it is set, not when the parameter changes), and (TypeError) for a gradient whose
+dtype is not its parameter's or a parameter made complex or integer through ``.data``. State stored in another format than
 its group asks for now (``state_bits`` or ``min_quant_numel`` changed after the state was made) fits: each slot is
 read in the format it is stored in.
 
@@ -34,7 +35,7 @@ from ..rounding import KAHAN
 from ..work.record import param_place
 from .plan import Plan
 
-__all__ = ["check_state_fits", "check_slots", "check_kahan", "where"]
+__all__ = ["check_state_fits", "check_grad", "check_dtypes", "check_slots", "check_kahan", "where"]
 
 GALORE_SIDE = "galore.side"  # (a key of GaLore's state: :mod:`lowmemopt.projection` sits above this layer)
 
@@ -42,16 +43,19 @@ GALORE_SIDE = "galore.side"  # (a key of GaLore's state: :mod:`lowmemopt.project
 def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
     """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
     tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (module docstring),
-    or if its gradient's shape is not its own. ``owner``: the optimizer's class name, for the message."""
+    or if its gradient's shape or dtype is not its own (TypeError for the dtype). ``owner``: the optimizer's class name, for the message."""
     state_of = plan.state.get
     layouts = plan._layouts
     for p, group in work:
-        if p.grad.shape != p.shape:  # (p.data replaced after the gradient was computed: torch lets it be)
+        grad = p.grad
+        if grad.shape != p.shape:  # (p.data replaced after the gradient was computed: torch lets it be)
             raise ValueError(
-                f"{owner}: the gradient of {where(plan, p)} has shape {tuple(p.grad.shape)} but the parameter "
+                f"{owner}: the gradient of {where(plan, p)} has shape {tuple(grad.shape)} but the parameter "
                 f"{tuple(p.shape)}: was its .data replaced by a tensor of another shape after the gradient was "
                 "computed? Nothing was changed: compute the gradient again, or set p.grad = None to skip it"
             )
+        if grad.dtype != p.dtype or not p.is_floating_point():
+            check_dtypes(p, grad, lambda: where(plan, p), owner)
         state = state_of(p)
         if not state or "step" not in state:
             continue
@@ -76,6 +80,32 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
             pass
         check_slots(plan.slots_of(record, local), local.shape, state, record.block_size,
                     lambda: where(plan, p), owner)
+
+
+def check_grad(p: torch.Tensor, groups: Any, owner: str) -> None:
+    """Raise TypeError, naming the parameter (its place among ``groups``), for a sparse gradient or one that
+    :func:`check_dtypes` refuses; ``step()`` calls it for each gradient before anything reads them."""
+    grad = p.grad
+    if grad.is_sparse:
+        raise TypeError(f"{owner} does not support sparse gradients")
+    if grad.dtype != p.dtype or not p.is_floating_point():
+        check_dtypes(p, grad, lambda: param_place(groups, p), owner)
+
+
+def check_dtypes(p: torch.Tensor, grad: torch.Tensor, who: Any, owner: str) -> None:
+    """Raise TypeError for a parameter that is no longer real floating point, or a gradient ``grad`` whose dtype is
+    not ``p``'s (torch checks both when ``p.grad`` is set, not when the ``.data`` of either is replaced later; the
+    kernels read a gradient in its parameter's dtype). ``who()``: the parameter, in words."""
+    if p.is_complex() or not p.is_floating_point():
+        raise TypeError(f"{owner}: {who()} is {p.dtype} now (its .data was replaced); a parameter must stay real "
+                        "floating point: optimize a real view of a complex tensor (torch.view_as_real). Nothing was "
+                        "changed")
+    raise TypeError(
+        f"{owner}: the gradient of {who()} is {grad.dtype} but the parameter {p.dtype}: a gradient has its "
+        "parameter's dtype (torch refuses another when p.grad is set); was the .data of the parameter or of its "
+        "gradient replaced by a tensor of another dtype? Nothing was changed: compute the gradient again, or set "
+        "p.grad = None to skip it"
+    )
 
 
 def _layout(record: Any, slots: dict[str, Any], shape: torch.Size, numel: int, dtype: torch.dtype) -> tuple:

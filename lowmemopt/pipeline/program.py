@@ -22,8 +22,9 @@ What is checked at each step, and what makes the program be built again:
 * the optimizer's state: the same dict (``optimizer.state``, a :class:`StateDict`), no parameter's state dict set,
   replaced or removed since, every parameter's state tensors the same tensors and its step count the bucket's (a
   load, a conversion, a skip undone or a hand edit changes one of them);
-* every gradient contiguous (torch keeps its dtype, shape and device those of its parameter); a gradient whose
-  address changed rebuilds the tables of its bucket only.
+* every gradient contiguous, of its parameter's dtype and shape (torch keeps them so, except where the ``.data`` of
+  either is replaced: the step's fit check then refuses it); a gradient whose address changed rebuilds the tables of
+  its bucket only.
 
 Those are identity and value comparisons over lists the step walks anyway (its gradients), a few hundred ns per
 parameter, and nothing else on the host grows with the number of parameters. The program covers steps whose every
@@ -183,6 +184,8 @@ class StepProgram:
         if list(map(_data_ptr, params)) != self.param_ptrs or list(map(_dtype, params)) != self.param_dtypes or \
                 list(map(_shape, params)) != self.param_shapes:
             return False  # (p.data replaced: the kept tables hold the old storage's address and size)
+        if list(map(_dtype, grads)) != self.param_dtypes or list(map(_shape, grads)) != self.param_shapes:
+            return False  # (a gradient's .data replaced: the step's fit check refuses it)
         if not self._groups_match():
             return False
         step_of = operator.itemgetter("step")
