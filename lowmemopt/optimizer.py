@@ -359,9 +359,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             n = len(work)
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                check_grad(p, self.param_groups, type(self).__name__)  # (sparse, another dtype: before step_work)
+                if grad.is_sparse or grad.dtype != p.dtype:  # (refused before step_work reads it)
+                    check_grad(p, self.param_groups, type(self).__name__)
                 work.append((p, group))
             if len(work) > n:
                 groups.append(group)

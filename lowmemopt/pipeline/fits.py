@@ -84,7 +84,9 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
 
 def check_grad(p: torch.Tensor, groups: Any, owner: str) -> None:
     """Raise TypeError, naming the parameter (its place among ``groups``), for a sparse gradient or one that
-    :func:`check_dtypes` refuses; ``step()`` calls it for each gradient before anything reads them."""
+    :func:`check_dtypes` refuses; ``step()`` calls it for a sparse gradient or one of another dtype than its
+    parameter, before anything reads them (a parameter and gradient both made complex or integer through ``.data``
+    are refused by :func:`check_state_fits`, which the first step after a change runs)."""
     grad = p.grad
     if grad.is_sparse:
         raise TypeError(f"{owner} does not support sparse gradients")

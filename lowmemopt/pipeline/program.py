@@ -184,7 +184,7 @@ class StepProgram:
         if list(map(_data_ptr, params)) != self.param_ptrs or list(map(_dtype, params)) != self.param_dtypes or \
                 list(map(_shape, params)) != self.param_shapes:
             return False  # (p.data replaced: the kept tables hold the old storage's address and size)
-        if list(map(_dtype, grads)) != self.param_dtypes or list(map(_shape, grads)) != self.param_shapes:
+        if list(map(_shape, grads)) != self.param_shapes:  # (step() refused a gradient of another dtype)
             return False  # (a gradient's .data replaced: the step's fit check refuses it)
         if not self._groups_match():
             return False
