@@ -337,3 +337,71 @@ def test_bad_bucket_bytes(bad):
     model = _model()
     with pytest.raises(ValueError, match="bucket_bytes"):
         lowmemopt.step_in_backward(model, lowmemopt.AdamW(model.parameters()), bucket_bytes=bad)
+
+
+def _edit(name, model, opt):
+    """An edit between steps, as training code makes them."""
+    group = opt.param_groups[0]
+    if name == "lr":
+        group["lr"] *= 0.5
+    elif name == "weight_decay":
+        group["weight_decay"] = 0.2
+    elif name == "freeze":
+        model[2].weight.requires_grad_(False)
+    elif name == "unfreeze":
+        model[2].weight.requires_grad_(True)
+    elif name == "state_bits":
+        group["state_bits"] = 32  # (state made from now on: what exists keeps its format)
+    elif name == "kahan":
+        group["bf16_update"] = "kahan"
+    elif name == "reset":
+        opt.state.pop(model[0].weight, None)
+    elif name == "state_dict":
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        opt.load_state_dict(torch.load(buf, weights_only=True))
+
+
+EDITED_RUNS = {  # optimizer, parameter dtype, accumulation, bucket_bytes, the edit before each step
+    "AdamW8bit": (lambda m: lowmemopt.AdamW(m.parameters(), lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32),
+                  torch.float32, 1, 0, ["lr", "freeze", "state_dict", "unfreeze", "reset", "state_bits"]),
+    "Lion8bit-bf16-bucketed": (lambda m: lowmemopt.Lion(m.parameters(), lr=1e-3, state_bits=8, min_quant_numel=0),
+                               torch.bfloat16, 2, 4096, ["kahan", "weight_decay", "state_dict", "reset", "lr"]),
+    "CAME8bit-galore": (lambda m: lowmemopt.CAME(lowmemopt.galore_param_groups(m, ["0"], rank=4, update_proj_gap=2),
+                                                 lr=1e-2, state_bits=8, min_quant_numel=0),
+                        torch.float32, 2, 0, ["freeze", "lr", "state_dict", "unfreeze", "reset"]),
+    "SGD4bit-float64": (lambda m: lowmemopt.SGD(m.parameters(), lr=1e-2, momentum=0.9, state_bits=4, min_quant_numel=0,
+                                                block_size=16),
+                        torch.float64, 1, 1 << 20, ["state_dict", "weight_decay", "reset", "freeze", "lr"]),
+}
+
+
+@pytest.mark.parametrize("name", EDITED_RUNS)
+def test_edits_between_steps_as_in_ordinary_steps(name):
+    """Group values changed, parameters frozen and unfrozen, a state reset, ``state_bits`` or ``bf16_update`` changed
+    and a state dict round trip between steps: per-layer updates give what backward + ``step()`` give, bit for bit."""
+    make, dtype, accumulation, bucket_bytes, edits = EDITED_RUNS[name]
+    finals = []
+    for per_layer in (False, True):
+        model = _model().to(dtype)
+        opt = make(model)
+        if per_layer:
+            lowmemopt.step_in_backward(model, opt, accumulation_steps=accumulation, bucket_bytes=bucket_bytes)
+        for t in range(len(edits) + 1):
+            if t:
+                _edit(edits[t - 1], model, opt)
+            for micro in range(accumulation):
+                x, y = _batch(t, micro)
+                (torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y) / accumulation).backward()
+            if not per_layer:
+                opt.step()
+                opt.zero_grad()
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
+
+
+def _batch(t, micro):
+    gen = torch.Generator().manual_seed(1000 * t + micro)
+    return torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
