@@ -23,6 +23,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.int16)
 
 
+def _step(opt, backend: str) -> None:
+    """``opt.step()``; on the Triton kernels (the CPU interpreter) for ``backend == "triton"``."""
+    from lowmemopt.kernels import runtime
+
+    if backend == "triton":
+        with runtime.cpu_interpreter():
+            opt.step()
+    else:
+        opt.step()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the pure functions
 
@@ -199,8 +210,6 @@ CASES = [
 
 
 def _run(cls, kw, mode, backend, monkeypatch, n=2048 + 64 + 13, steps=2, state_bits=32, paged=False, dtype=BF16):
-    from lowmemopt.kernels import runtime
-
     monkeypatch.setattr(cpu, "ENABLED", backend == "native")
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(n, dtype=dtype))
@@ -208,11 +217,7 @@ def _run(cls, kw, mode, backend, monkeypatch, n=2048 + 64 + 13, steps=2, state_b
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         p.grad = torch.randn(n, generator=g).to(dtype)
-        if backend == "triton":
-            with runtime.cpu_interpreter():
-                opt.step()
-        else:
-            opt.step()
+        _step(opt, backend)
     return p, opt
 
 
@@ -256,7 +261,6 @@ def _fp16_edge_case(mode, backend, monkeypatch, library=None):
     fraction of an ulp, from subnormals through 1e3, zeros, the least normal) and ``top`` (lr 1: +-65504 moved away
     from zero by up to 40, past the largest fp16 and past 65520)."""
     from lowmemopt.cpu import build
-    from lowmemopt.kernels import runtime
 
     monkeypatch.setattr(cpu, "ENABLED", backend == "native")
     if library is not None:
@@ -275,11 +279,7 @@ def _fp16_edge_case(mode, backend, monkeypatch, library=None):
     opt = lowmemopt.SGD([{"params": [small]}, {"params": [top], "lr": 1.0}], lr=2**-10, bf16_update=mode)
     for _ in range(2):
         small.grad, top.grad = g_small.clone(), g_top.clone()
-        if backend == "triton":
-            with runtime.cpu_interpreter():
-                opt.step()
-        else:
-            opt.step()
+        _step(opt, backend)
     return torch.cat([small.detach(), top.detach()]), opt, (small, top)
 
 
@@ -432,11 +432,7 @@ def test_kahan_turned_on_after_steps(bits, monkeypatch):
             if step == 1:
                 opt.param_groups[0]["bf16_update"] = "kahan"
             p.grad = torch.randn(shape, generator=g).to(BF16)
-            if backend == "triton":
-                with runtime.cpu_interpreter():
-                    opt.step()
-            else:
-                opt.step()
+            _step(opt, backend)
         kahan = opt.state[p][rounding.KAHAN]
         assert kahan.shape == p.shape and kahan.dtype == BF16 and kahan.abs().max() > 0
         return p, kahan
