@@ -390,11 +390,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if pager is not None:
             if not pager.begin(work, self._first_state):  # (checks, homes; False: all resident, an unpaged step)
                 pager = None
-        if plan.communicate is None:
+        # (new seeds in work's order, paged or not; communicating: the 1-bit optimizers' stage around the rest)
+        with pipeline.new_seeds(self.state, work), pipeline.communicating(plan, work):
             self._step_planned(plan, work, pager)
-        else:  # the 1-bit optimizers' communicate stage around the rest
-            with pipeline.communicating(plan, work):
-                self._step_planned(plan, work, pager)
         return loss
 
     def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
@@ -573,8 +571,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
             pager = self._pager_for(work)
             if pager is not None:
                 pager.begin(work, self._first_state)
-        pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
-                     [local_tensor(p.grad) for p, _ in work], None, pager, flags)
+        with pipeline.new_seeds(self.state, work):
+            pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
+                         [local_tensor(p.grad) for p, _ in work], None, pager, flags)
 
     def _pager_for(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> Any:
         """The optimizer's pager if a param group of ``work`` is paged, else None."""

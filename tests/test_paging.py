@@ -131,6 +131,38 @@ def test_mixed_groups_budget_and_skipped_params_match_unpaged(tmp_path):
     assert not any(_is_file_backed(opt, v) for v in opt.state[paged[1]].values() if isinstance(v, torch.Tensor))
 
 
+@pytest.mark.parametrize("batches", ["one", "a parameter each"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_stochastic_rounding_seeds_are_the_unpaged_ones_whatever_order_states_are_made_in(tier, batches, tmp_path,
+                                                                                          monkeypatch):
+    """bf16 parameters with bf16_update="stochastic": a new state's seed is drawn from torch's generator in the step's
+    parameter order, paged or not, though a paged step makes states in another order (state resident within the
+    budget steps in the first batch; batches of one parameter each step the non-contiguous one, which the native
+    bucket leaves to the per-parameter path, before the ones after it); a NaN gradient skips a new parameter (no
+    state) and its draw is not handed to another."""
+    if batches != "one":
+        monkeypatch.setattr(paging.pager, "HOST_BUCKET_BYTES", 1)
+    shapes = [(70, 91), (300,), (53, 37), (5, 7, 129)]
+
+    def build(**paging_kw):
+        params = make_params(shapes, torch.bfloat16)
+        params[2] = torch.nn.Parameter(params[2].detach().t())  # not contiguous
+        return params, lowmemopt.AdamW(params, lr=1e-2, bf16_update="stochastic", **paging_kw)
+
+    paged, opt = build(paged=tier, offload_dir=tmp_path, page_budget_bytes=2 * 300 * 4)  # (300,)'s state: resident
+    plain, ref = build()
+    for t in range(3):
+        for o, ps in ((opt, paged), (ref, plain)):
+            set_grads(ps, t)
+            if t == 0:
+                ps[3].grad[0, 0, 0] = float("nan")
+            torch.manual_seed(t)
+            with pytest.warns(RuntimeWarning, match="NaN/Inf") if t == 0 else _no_warning():
+                o.step()
+    _assert_same(opt, paged, ref, plain)
+    assert [paging.where_state_lives(opt, p) for p in paged] == [tier, "device", tier, tier]
+
+
 class _no_warning:
     def __enter__(self):
         return self

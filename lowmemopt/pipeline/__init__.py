@@ -37,14 +37,14 @@ from ..cpu import factored
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import is_dtensor, local_view
 from ..work import Item, Update, capture
-from .backends import CHUNK_NUMEL, init_state
+from .backends import CHUNK_NUMEL, init_state, new_seeds
 from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
 from .native import step_cpu_bucket, takes as takes_cpu_bucket
 from .plan import Plan, StepRecord
 from .per_param import step_param
 from .program import update_for
 
-__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "step_buckets", "step_param", "device_flags",
+__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "new_seeds", "step_buckets", "step_param", "device_flags",
            "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
 #: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
 #: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
