@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -600,6 +601,38 @@ def test_failed_read_raises_before_the_update_and_changes_nothing(tmp_path, monk
     assert paging.where_state_lives(opt, paged[0]) == "disk"
     run(opt, paged, 2, start=2)
     run(ref, plain, 2, start=2)
+    _assert_same(opt, paged, ref, plain)
+
+
+@pytest.mark.parametrize("how", ["together", "one by one"])
+def test_offload_dir_removed_between_steps_loses_nothing(tmp_path, monkeypatch, how):
+    """The optimizer's directory deleted between steps (by hand, or a cleaner of temporary files): the files are gone,
+    but the process's mappings of them still hold the state, so the step reads it from there, updates, and raises the
+    failed write-back, naming the file (the updated state stays on the device, as for any failed write);
+    ``state_dict()`` works, and training goes on exactly as unpaged."""
+    if how == "together":
+        if lowmemopt.cpu.copy_files([]) is None:
+            pytest.skip("the native CPU library is not available: files are copied one after another")
+        monkeypatch.setattr(paging.engine.HostLanes, "files_here", lambda self: not self.staged_files)
+    else:
+        monkeypatch.setattr(lowmemopt.cpu, "copy_files", lambda requests: None)
+    paged, plain = make_params(SHAPES), make_params(SHAPES)
+    opt = lowmemopt.AdamW(paged, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
+    ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
+    run(opt, paged, 2)
+    run(ref, plain, 2)
+    (directory,) = paging.pager_of(opt).homes.directories()
+    shutil.rmtree(directory)
+    set_grads(paged, 2)
+    with pytest.raises(FileNotFoundError, match=f"updated; its state stays on cpu, no longer paged: .*{directory}"):
+        opt.step()
+    run(ref, plain, 1, start=2)
+    _assert_same(opt, paged, ref, plain)
+    assert [paging.where_state_lives(opt, p) for p in paged] == ["device"] * len(paged)
+    sd = opt.state_dict()
+    assert all(_state_equal(sd["state"][i], ref.state[q]) for i, q in enumerate(plain))
+    run(opt, paged, 2, start=3)
+    run(ref, plain, 2, start=3)
     _assert_same(opt, paged, ref, plain)
 
 

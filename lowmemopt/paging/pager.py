@@ -76,7 +76,7 @@ class StateOwner(Protocol):
 def _reraise(e: BaseException, note: str) -> None:
     """Raise ``e`` again; an OSError gets ``note`` (what happened to the state) added to its message."""
     if isinstance(e, OSError) and e.errno is not None:
-        raise type(e)(e.errno, f"{e.strerror}; {note}") from e
+        raise type(e)(e.errno, f"{e.strerror}; {note}", *([e.filename] if e.filename is not None else [])) from e
     raise e
 
 
