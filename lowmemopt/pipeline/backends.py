@@ -29,8 +29,8 @@ from ..work.record import BucketRecord
 from .algorithm import Algorithm
 from .plan import unscaled
 
-__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "new_seeds", "step_items", "update_flat",
-           "update_checked", "update_rest", "run_update", "decode_whole"]
+__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "step_items", "update_flat", "update_checked",
+           "update_rest", "run_update", "decode_whole"]
 
 #: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
 CHUNK_NUMEL = 1 << 18
@@ -51,19 +51,6 @@ def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], st
         fmt.init(state, name, shape, p.device, record.block_size)
     rounding.init_state(state, local_tensor(p), record.rounding, reduce.agree)  # bf16_update: a seed or a Kahan buffer
     return state
-
-
-def new_seeds(state: dict, work: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> Any:
-    """The context of a step of ``work`` ((param, group), in the step's order) in which the stochastic-rounding seeds
-    of new states are drawn in that order (:func:`lowmemopt.rounding.seeds_in_order`): whatever order the backends
-    and paged batches make the states in, and whichever gradients turn out non-finite, each parameter gets the seed
-    it gets in the unpaged step."""
-    def pending() -> list[torch.Tensor]:
-        locals_ = ((local_tensor(p), group, state.get(p, ())) for p, group in work)
-        return [t for t, group, st in locals_
-                if rounding.applied(group.get("bf16_update", "nearest"), t) == "stochastic" and rounding.SEED not in st]
-
-    return rounding.seeds_in_order(pending)
 
 
 def step_items(algorithm: Algorithm, items: Sequence[Item], update_for: Callable[[Item, Any], Update],
