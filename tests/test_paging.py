@@ -286,6 +286,51 @@ def test_galore_groups_and_per_layer_steps_are_paged_and_bit_identical(tier, buc
         assert any("galore.proj" in f for f in _files(tmp_path))
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["step", "per-layer"])
+@pytest.mark.parametrize("tiers", [("cpu", False, "cpu"), ("disk", False, "disk"), ("cpu", "disk", "cpu")])
+def test_a_group_paged_off_and_on_again_steps_as_unpaged(tiers, per_layer, tmp_path):
+    """A group's ``paged`` changed between steps: turned off, its state comes back to the device (copies; its homes
+    are freed) and steps as unpaged; turned on again, or to the other tier, it is homed again. The first bucket that
+    a paged step sets on its way for the next step is dropped: it holds the state as it was before the unpaged steps
+    changed it."""
+    def build(seed=0):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
+
+    paged_model, plain_model = build(), build()
+    opt = lowmemopt.AdamW(paged_model.parameters(), lr=1e-2, state_bits=8, min_quant_numel=64, offload_dir=tmp_path)
+    ref = lowmemopt.AdamW(plain_model.parameters(), lr=1e-2, state_bits=8, min_quant_numel=64)
+    if per_layer:
+        lowmemopt.step_in_backward(paged_model, opt)
+        lowmemopt.step_in_backward(plain_model, ref)
+    gen = torch.Generator().manual_seed(1)
+    for tier in tiers:
+        opt.param_groups[0]["paged"] = tier
+        for _ in range(2):
+            x = torch.randn(8, 24, generator=gen)
+            for model, o in ((paged_model, opt), (plain_model, ref)):
+                (model(x) - x).pow(2).mean().backward()
+                if not per_layer:
+                    o.step()
+                    o.zero_grad()
+        params = list(paged_model.parameters())
+        _assert_same(opt, params, ref, list(plain_model.parameters()))
+        assert [paging.where_state_lives(opt, p) for p in params] == [tier or "device"] * len(params)
+        assert bool(_files(tmp_path)) == (tier == "disk")
+
+
+def test_paging_options_set_on_a_group_after_construction_are_checked():
+    params = make_params(SHAPES)
+    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8)
+    run(opt, params, 1)
+    snapshot = _snapshot(opt, params)
+    for value, match in [("gpu", "Invalid paged: 'gpu'"), ("disk", "paged='disk' needs offload_dir")]:
+        opt.param_groups[0]["paged"] = value
+        with pytest.raises(ValueError, match=match):
+            run(opt, params, 1, start=1)
+        _assert_unchanged(opt, params, snapshot)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # state_dict, load_state_dict, save_state / load_state
 
