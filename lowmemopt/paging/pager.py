@@ -412,8 +412,8 @@ class Pager:
             held = {p: nbytes_of(tensors_of(opt.state[p])) for p, e in self.entries.items()
                     if e.resident and e.device == device and id(p) in groups and opt.state.get(p)}
             for p in evictions(list(held.items()), need):
+                self._evict(p, groups[id(p)])  # (first: one that fails, a full disk, is tried again next step)
                 self.rooms[device].evicted(held[p])
-                self._evict(p, groups[id(p)])
                 evicted = True
         return evicted
 
