@@ -44,8 +44,8 @@ from .plan import Plan, StepRecord
 from .per_param import step_param
 from .program import update_for
 
-__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "new_seeds", "step_buckets", "step_param", "device_flags",
-           "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
+__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "new_seeds", "step_buckets", "step_param",
+           "device_flags", "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
 #: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
 #: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
 PAGE_BUCKET_BYTES = 64 << 20
