@@ -108,13 +108,14 @@ class Pager:
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
-        fresh = []
-        unpaged = [p for p, group in work if tier_of(group) is None and p in self.entries]  # (paged=False since)
+        fresh, unpaged = [], []  # (unpaged: state of a group paged=False since, coming back to its device)
         moves = False  # (any state of work's that moves this step: begin's answer)
         plain = torch.Tensor.__torch_dispatch__
         for p, group in work:
             tier = tier_of(group)
             if tier is None:
+                if p in self.entries:
+                    unpaged.append(p)
                 continue
             entry = self.entries.get(p)
             if entry is not None and entry.device != p.device:
