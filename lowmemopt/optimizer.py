@@ -385,11 +385,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if pager is not None:
             if not pager.begin(work, self._first_state):  # (checks, homes; False: all resident, an unpaged step)
                 pager = None
-        if plan.communicate is None:
+        # (new seeds in work's order, paged or not; communicating: the 1-bit optimizers' stage around the rest)
+        with pipeline.new_seeds(self.state, work), pipeline.communicating(plan, work):
             self._step_planned(plan, work, pager)
-        else:  # the 1-bit optimizers' communicate stage around the rest
-            with pipeline.communicating(plan, work):
-                self._step_planned(plan, work, pager)
         return loss
 
     def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
@@ -566,14 +564,16 @@ class LowMemOptimizer(torch.optim.Optimizer):
         pager = None
         if flags is None:  # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
             pager = self._pager_for(work)
-            if pager is not None:
-                pager.begin(work, self._first_state)
-        pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
-                     [local_tensor(p.grad) for p, _ in work], None, pager, flags)
+            if pager is not None and not pager.begin(work, self._first_state):
+                pager = None  # (nothing of work moves: the unpaged step, as in step())
+        with pipeline.new_seeds(self.state, work):
+            pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
+                         [local_tensor(p.grad) for p, _ in work], None, pager, flags)
 
     def _pager_for(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> Any:
-        """The optimizer's pager if a param group of ``work`` is paged, else None."""
-        return paging.pager_of(self) if any(paging.tier_of(group) is not None for _, group in work) else None
+        """The optimizer's pager if a param group of ``work`` is paged, or was (its state comes back), else None."""
+        pager = paging.pager_of(self)
+        return pager if pager is not None and any(paging.tier_of(g) or p in pager.entries for p, g in work) else None
 
     def close(self, *, keep_files: bool = False) -> None:
         """Free what paged state holds: its host memory and its files in ``offload_dir`` (``keep_files=True`` keeps

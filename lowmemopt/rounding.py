@@ -12,8 +12,9 @@ reproduce them bit for bit.
 * ``"stochastic"``: round away from zero with probability equal to the fraction of the gap, so
   ``E[round(p32)] = p32``. The random bits are a counter-based hash of (the parameter's ``seed``, the step, the
   element's index in the parameter), so every backend, chunking and tiling gives the same bits; the seed is drawn from
-  torch's generator when the state is made and kept in the state (``bf16_update.seed``, an int), so a resumed run
-  rounds as the uninterrupted one.
+  torch's generator when the state is made (a step's new states draw theirs together, in the step's parameter order:
+  :func:`seeds_in_order`, so the seeds do not depend on the order the backends or paged batches make the states in)
+  and kept in the state (``bf16_update.seed``, an int), so a resumed run rounds as the uninterrupted one.
 * ``"kahan"``: a compensation buffer ``bf16_update.kahan`` (in the parameter's dtype, shaped like ``p``: 2 bytes per
   element) keeps what rounding lost and adds it to the next update (as optimi's Kahan summation), in fp32; ``R`` is
   round to nearest even into the parameter's dtype::
@@ -82,12 +83,15 @@ hashes its local indices.)
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextvars
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["MODES", "DTYPES", "SEED", "KAHAN", "check_mode", "applied", "init_state", "step_key", "random_bits",
-           "stochastic_round", "kahan_round", "store", "split_state"]
+__all__ = ["MODES", "DTYPES", "SEED", "KAHAN", "check_mode", "applied", "init_state", "seeds_in_order", "step_key",
+           "random_bits", "stochastic_round", "kahan_round", "store", "split_state"]
 
 MODES = ("nearest", "stochastic", "kahan")
 #: the parameter dtypes the option applies to
@@ -110,16 +114,56 @@ def applied(mode: str, p: torch.Tensor) -> str:
     return mode if p.dtype in DTYPES else "nearest"
 
 
+def _draw() -> int:
+    return int(torch.randint(0, 1 << 31, (1,)).item())
+
+
+class _Seeds:
+    """The stochastic-rounding seeds of one step (:func:`seeds_in_order`): at the first one asked for, one draw per
+    tensor of ``pending()`` (the step's tensors that need a seed then, in the step's order), handed out by the
+    tensor's address."""
+
+    def __init__(self, pending: Callable[[], list[torch.Tensor]]) -> None:
+        self.pending = pending
+        self.seeds: dict[int, deque[int]] | None = None
+
+    def take(self, p: torch.Tensor) -> int:
+        if self.seeds is None:
+            self.seeds = {}
+            for t in self.pending():
+                self.seeds.setdefault(t.data_ptr(), deque()).append(_draw())
+        drawn = self.seeds.get(p.data_ptr())
+        return drawn.popleft() if drawn else _draw()
+
+
+_SEEDS: contextvars.ContextVar[_Seeds | None] = contextvars.ContextVar("lowmemopt_rounding_seeds", default=None)
+
+
+@contextmanager
+def seeds_in_order(pending: Callable[[], list[torch.Tensor]]) -> Iterator[None]:
+    """Within a step: the seeds :func:`init_state` gives new stochastic-rounding states are drawn from torch's
+    generator together, in the order of ``pending()`` (called once, at the first seed needed: the step's tensors, in
+    its parameter order, whose state has no seed yet), whatever order the backends and paged batches make the states
+    in, so that every parameter gets the seed it would get in any other run of the same step (paged or not)."""
+    token = _SEEDS.set(_Seeds(pending))
+    try:
+        yield
+    finally:
+        _SEEDS.reset(token)
+
+
 def init_state(state: dict[str, Any], p: torch.Tensor, mode: str,
                agree: Callable[[int], int] | None = None) -> dict[str, Any]:
     """Add what ``p``'s rounding needs to its state, if missing (``mode``: the ``bf16_update`` setting, applied as
     :func:`applied` says): the stochastic seed (an int from torch's default
-    generator; none drawn for a meta tensor, the paging layout probe) or the zeroed Kahan buffer (``p``'s dtype).
+    generator, in the step's parameter order within :func:`seeds_in_order`; none drawn for a meta tensor, the paging
+    layout probe) or the zeroed Kahan buffer (``p``'s dtype).
     ``agree``: makes a new seed the same on every rank that holds part of the parameter (a collective: every such rank
     calls it)."""
     mode = applied(mode, p)
     if mode == "stochastic" and SEED not in state:
-        seed = 0 if p.device.type == "meta" else int(torch.randint(0, 1 << 31, (1,)).item())
+        seeds = _SEEDS.get()
+        seed = 0 if p.device.type == "meta" else seeds.take(p) if seeds is not None else _draw()
         state[SEED] = seed if agree is None else agree(seed)
     elif mode == "kahan" and KAHAN not in state:
         state[KAHAN] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)

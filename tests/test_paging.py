@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -131,6 +132,38 @@ def test_mixed_groups_budget_and_skipped_params_match_unpaged(tmp_path):
     assert not any(_is_file_backed(opt, v) for v in opt.state[paged[1]].values() if isinstance(v, torch.Tensor))
 
 
+@pytest.mark.parametrize("batches", ["one", "a parameter each"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_stochastic_rounding_seeds_are_the_unpaged_ones_whatever_order_states_are_made_in(tier, batches, tmp_path,
+                                                                                          monkeypatch):
+    """bf16 parameters with bf16_update="stochastic": a new state's seed is drawn from torch's generator in the step's
+    parameter order, paged or not, though a paged step makes states in another order (state resident within the
+    budget steps in the first batch; batches of one parameter each step the non-contiguous one, which the native
+    bucket leaves to the per-parameter path, before the ones after it); a NaN gradient skips a new parameter (no
+    state) and its draw is not handed to another."""
+    if batches != "one":
+        monkeypatch.setattr(paging.pager, "HOST_BUCKET_BYTES", 1)
+    shapes = [(70, 91), (300,), (53, 37), (5, 7, 129)]
+
+    def build(**paging_kw):
+        params = make_params(shapes, torch.bfloat16)
+        params[2] = torch.nn.Parameter(params[2].detach().t())  # not contiguous
+        return params, lowmemopt.AdamW(params, lr=1e-2, bf16_update="stochastic", **paging_kw)
+
+    paged, opt = build(paged=tier, offload_dir=tmp_path, page_budget_bytes=2 * 300 * 4)  # (300,)'s state: resident
+    plain, ref = build()
+    for t in range(3):
+        for o, ps in ((opt, paged), (ref, plain)):
+            set_grads(ps, t)
+            if t == 0:
+                ps[3].grad[0, 0, 0] = float("nan")
+            torch.manual_seed(t)
+            with pytest.warns(RuntimeWarning, match="NaN/Inf") if t == 0 else _no_warning():
+                o.step()
+    _assert_same(opt, paged, ref, plain)
+    assert [paging.where_state_lives(opt, p) for p in paged] == [tier, "device", tier, tier]
+
+
 class _no_warning:
     def __enter__(self):
         return self
@@ -251,6 +284,51 @@ def test_galore_groups_and_per_layer_steps_are_paged_and_bit_identical(tier, buc
     assert "galore.proj" in opt.state[weight] and paging.where_state_lives(opt, weight) == tier
     if tier == "disk":
         assert any("galore.proj" in f for f in _files(tmp_path))
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["step", "per-layer"])
+@pytest.mark.parametrize("tiers", [("cpu", False, "cpu"), ("disk", False, "disk"), ("cpu", "disk", "cpu")])
+def test_a_group_paged_off_and_on_again_steps_as_unpaged(tiers, per_layer, tmp_path):
+    """A group's ``paged`` changed between steps: turned off, its state comes back to the device (copies; its homes
+    are freed) and steps as unpaged; turned on again, or to the other tier, it is homed again. The first bucket that
+    a paged step sets on its way for the next step is dropped: it holds the state as it was before the unpaged steps
+    changed it."""
+    def build(seed=0):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
+
+    paged_model, plain_model = build(), build()
+    opt = lowmemopt.AdamW(paged_model.parameters(), lr=1e-2, state_bits=8, min_quant_numel=64, offload_dir=tmp_path)
+    ref = lowmemopt.AdamW(plain_model.parameters(), lr=1e-2, state_bits=8, min_quant_numel=64)
+    if per_layer:
+        lowmemopt.step_in_backward(paged_model, opt)
+        lowmemopt.step_in_backward(plain_model, ref)
+    gen = torch.Generator().manual_seed(1)
+    for tier in tiers:
+        opt.param_groups[0]["paged"] = tier
+        for _ in range(2):
+            x = torch.randn(8, 24, generator=gen)
+            for model, o in ((paged_model, opt), (plain_model, ref)):
+                (model(x) - x).pow(2).mean().backward()
+                if not per_layer:
+                    o.step()
+                    o.zero_grad()
+        params = list(paged_model.parameters())
+        _assert_same(opt, params, ref, list(plain_model.parameters()))
+        assert [paging.where_state_lives(opt, p) for p in params] == [tier or "device"] * len(params)
+        assert bool(_files(tmp_path)) == (tier == "disk")
+
+
+def test_paging_options_set_on_a_group_after_construction_are_checked():
+    params = make_params(SHAPES)
+    opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8)
+    run(opt, params, 1)
+    snapshot = _snapshot(opt, params)
+    for value, match in [("gpu", "Invalid paged: 'gpu'"), ("disk", "paged='disk' needs offload_dir")]:
+        opt.param_groups[0]["paged"] = value
+        with pytest.raises(ValueError, match=match):
+            run(opt, params, 1, start=1)
+        _assert_unchanged(opt, params, snapshot)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -568,6 +646,38 @@ def test_failed_read_raises_before_the_update_and_changes_nothing(tmp_path, monk
     assert paging.where_state_lives(opt, paged[0]) == "disk"
     run(opt, paged, 2, start=2)
     run(ref, plain, 2, start=2)
+    _assert_same(opt, paged, ref, plain)
+
+
+@pytest.mark.parametrize("how", ["together", "one by one"])
+def test_offload_dir_removed_between_steps_loses_nothing(tmp_path, monkeypatch, how):
+    """The optimizer's directory deleted between steps (by hand, or a cleaner of temporary files): the files are gone,
+    but the process's mappings of them still hold the state, so the step reads it from there, updates, and raises the
+    failed write-back, naming the file (the updated state stays on the device, as for any failed write);
+    ``state_dict()`` works, and training goes on exactly as unpaged."""
+    if how == "together":
+        if lowmemopt.cpu.copy_files([]) is None:
+            pytest.skip("the native CPU library is not available: files are copied one after another")
+        monkeypatch.setattr(paging.engine.HostLanes, "files_here", lambda self: not self.staged_files)
+    else:
+        monkeypatch.setattr(lowmemopt.cpu, "copy_files", lambda requests: None)
+    paged, plain = make_params(SHAPES), make_params(SHAPES)
+    opt = lowmemopt.AdamW(paged, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
+    ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
+    run(opt, paged, 2)
+    run(ref, plain, 2)
+    (directory,) = paging.pager_of(opt).homes.directories()
+    shutil.rmtree(directory)
+    set_grads(paged, 2)
+    with pytest.raises(FileNotFoundError, match=f"updated; its state stays on cpu, no longer paged: .*{directory}"):
+        opt.step()
+    run(ref, plain, 1, start=2)
+    _assert_same(opt, paged, ref, plain)
+    assert [paging.where_state_lives(opt, p) for p in paged] == ["device"] * len(paged)
+    sd = opt.state_dict()
+    assert all(_state_equal(sd["state"][i], ref.state[q]) for i, q in enumerate(plain))
+    run(opt, paged, 2, start=3)
+    run(ref, plain, 2, start=3)
     _assert_same(opt, paged, ref, plain)
 
 

@@ -4,6 +4,9 @@ falls under the headroom, and the report. CPU parameters stand in for a CUDA dev
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 import torch
 from helpers import make_params, run
@@ -114,6 +117,36 @@ def test_auto_evicts_when_free_memory_falls_under_the_headroom(monkeypatch):
     run(ref, plain, 1, start=1)
     _same(opt, paged, ref, plain)
     assert [paging.where_state_lives(opt, p) for p in paged] == ["device", "cpu"] + ["device"] * 4
+
+
+def test_an_eviction_that_fails_is_tried_again_at_the_next_step(monkeypatch, tmp_path):
+    """An eviction whose files cannot be made (a full disk) raises from the step before anything changed, and is not
+    counted: the next step, with room on the disk again, evicts."""
+    device = FakeDevice(monkeypatch)
+    device.room(sum(STATE) + 1000, headroom=0)
+    paged, plain = make_params(SHAPES), make_params(SHAPES)
+    opt = lowmemopt.AdamW(paged, lr=1e-2, paged="disk", offload_dir=tmp_path, page_headroom_bytes=0)
+    ref = lowmemopt.AdamW(plain, lr=1e-2)
+    run(opt, paged, 1)
+    run(ref, plain, 1)
+    device.peak = paging.pager_of(opt).rooms[torch.device("cpu")].peak + 1000 + 200_000
+    full, reserve = [True], os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with pytest.raises(OSError, match="no space left on the disk"):
+        run(opt, paged, 1, start=1)
+    assert opt.paging_report().devices[0].evictions == 0 and paging.moving_bytes(opt) == 0
+    full[0] = False
+    run(opt, paged, 2, start=1)
+    run(ref, plain, 2, start=1)
+    _same(opt, paged, ref, plain)
+    assert [paging.where_state_lives(opt, p) for p in paged] == ["device", "disk"] + ["device"] * 4
+    assert opt.paging_report().devices[0].evictions == 1
 
 
 def test_auto_on_a_device_without_a_reading_pages_everything():

@@ -328,7 +328,10 @@ def transfer(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
     elif hasattr(os, "pwrite") and (dst_path is None or src_path is None):
         if src_path is not None:
             target = dst if dst.is_contiguous() else torch.empty_like(dst, memory_format=torch.contiguous_format)
-            _file_io(src_path, target, write=False)
+            try:
+                _file_io(src_path, target, write=False)
+            except FileNotFoundError:  # (removed, by hand or a cleaner of its directory: its mapping still holds it)
+                _copy_mapped(homes, target, src)
             if target is not dst:
                 dst.copy_(target)
         else:
@@ -363,9 +366,10 @@ def transfer_all(homes: Homes, pairs: list[tuple[torch.Tensor, torch.Tensor]], c
             at.append(k)
         done = copy_files(files) if files else None
         if done is not None:
+            # (a file removed since it was made: read through its mapping, which still holds it, by transfer())
+            taken = {k for k, (_, _, write), e in zip(at, files, done) if write or not isinstance(e, FileNotFoundError)}
             for k, e in zip(at, done):
-                errors[k] = e
-            taken = set(at)
+                errors[k] = e if k in taken else None
             todo = [k for k in todo if k not in taken]
     for k in todo:
         try:

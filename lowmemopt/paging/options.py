@@ -26,15 +26,16 @@ def tier_of(group: dict[str, Any]) -> str | None:
     paged = group.get("paged", False)
     if paged is None or paged is False:
         return None
+    if not isinstance(paged, (bool, str)) or paged not in _TIERS:  # (set on the group since it was checked)
+        raise ValueError(f"Invalid paged: {paged!r} (supported: False, True, 'cpu', 'disk')")
     return _TIERS[paged]
 
 
-def check_paging(group: dict[str, Any]) -> None:
+def check_paging(group: dict[str, Any], writable: bool = True) -> None:
     """Raise ValueError / TypeError / PermissionError for bad paging options in ``group``. Stores ``offload_dir`` as
-    a ``str`` (state dicts hold plain types only)."""
-    paged = group.get("paged", False)
-    if paged is not None and paged is not False and (not isinstance(paged, (bool, str)) or paged not in _TIERS):
-        raise ValueError(f"Invalid paged: {paged!r} (supported: False, True, 'cpu', 'disk')")
+    a ``str`` (state dicts hold plain types only). ``writable``: also prove that a file can be made in ``offload_dir``
+    (else it is found when the files are made)."""
+    tier_of(group)  # (ValueError for a bad paged)
     budget = group.get("page_budget_bytes", "auto")
     if not (isinstance(budget, str) and budget == "auto") and (
             isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
@@ -52,7 +53,8 @@ def check_paging(group: dict[str, Any]) -> None:
         return
     if offload_dir is None:
         raise ValueError("paged='disk' needs offload_dir=: a directory on a disk with room for the optimizer state")
-    check_writable(offload_dir)
+    if writable:
+        check_writable(offload_dir)
 
 
 def check_writable(path: str) -> None:

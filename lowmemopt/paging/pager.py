@@ -45,9 +45,9 @@ from .engine import Bucket, Mover
 from .entry import Entry
 from .homes import CopyFiles, Homes, drop_pages, transfer
 from .next_pass import NextPass
-from .options import tier_of
-from .placement import (FirstState, buckets_of, check_plain, choose_resident, fill_homes, initial_layout,
-                        largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
+from .options import check_paging, tier_of
+from .placement import (FirstState, brought_back, buckets_of, check_plain, choose_resident, fill_homes,
+                        initial_layout, largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
 from ..work.record import param_place
 from .residency import AUTO, AutoRoom, PagingReport, build_report, evictions, probe
 
@@ -76,7 +76,7 @@ class StateOwner(Protocol):
 def _reraise(e: BaseException, note: str) -> None:
     """Raise ``e`` again; an OSError gets ``note`` (what happened to the state) added to its message."""
     if isinstance(e, OSError) and e.errno is not None:
-        raise type(e)(e.errno, f"{e.strerror}; {note}") from e
+        raise type(e)(e.errno, f"{e.strerror}; {note}", *([e.filename] if e.filename is not None else [])) from e
     raise e
 
 
@@ -108,12 +108,14 @@ class Pager:
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
-        fresh = []
+        fresh, unpaged = [], []  # (unpaged: state of a group paged=False since, coming back to its device)
         moves = False  # (any state of work's that moves this step: begin's answer)
         plain = torch.Tensor.__torch_dispatch__
         for p, group in work:
             tier = tier_of(group)
             if tier is None:
+                if p in self.entries:
+                    unpaged.append(p)
                 continue
             entry = self.entries.get(p)
             if entry is not None and entry.device != p.device:
@@ -131,11 +133,18 @@ class Pager:
                 continue
             moves = True
             current = opt.state.get(p)
-            if entry is not None and (current is entry.state or (entry.state is None and not current)):
+            if entry is not None and entry.tier == tier and (
+                    current is entry.state or (entry.state is None and not current)):
                 continue
-            # new, or the state was replaced by a route that bypassed the load hooks: give it a home now
+            # new, its group's tier changed, or the state was replaced by a route that bypassed the load hooks: home it
             fresh.append((p, group, tier, current if current else None))
+        for group in {id(g): g for _, g, _, _ in fresh}.values():  # (its options may have changed since: checked)
+            check_paging(group, writable=False)
         self.check_writes()
+        if unpaged:
+            self._drop_early()
+            for p in unpaged:
+                self._unpage(p)
         if fresh:
             self._drop_early()
             made = self._place(fresh, first_state)
@@ -239,10 +248,11 @@ class Pager:
         or paged and not placed yet (:meth:`begin` decides its residency)? When none does, a step runs exactly as
         unpaged (the pipeline's stage and write-back have nothing to do)."""
         for p, group in work:
-            if tier_of(group) is None:
-                continue
             entry = self.entries.get(p)
-            if entry is None or not entry.resident:
+            if tier_of(group) is None:
+                if entry is not None:  # (paged=False since: its state comes back to the device, in begin())
+                    return True
+            elif entry is None or not entry.resident:
                 return True
         return False
 
@@ -330,6 +340,16 @@ class Pager:
         else:
             opt.state[p] = entry.state
 
+    def _unpage(self, p: torch.Tensor) -> None:
+        """``p``'s group is no longer paged: its state comes back to its device (copies: a file is read, not mapped),
+        as an unpaged optimizer keeps it, and its homes are freed (paged again later: homed again, as new state)."""
+        opt, entry = self._opt(), self.entries.pop(p)
+        state = opt.state.get(p)
+        if not entry.resident and state is not None and state is entry.state:
+            self._settle(entry)
+            opt.state[p] = brought_back(self.homes, state, p.device)
+        self._free(entry)
+
     def _make_resident(self, p: torch.Tensor, entry: Entry, working: dict[str, Any]) -> None:
         self._free(entry)
         # own copies: working tensors may be views into a buffer the mover reuses for the next bucket
@@ -393,8 +413,8 @@ class Pager:
             held = {p: nbytes_of(tensors_of(opt.state[p])) for p, e in self.entries.items()
                     if e.resident and e.device == device and id(p) in groups and opt.state.get(p)}
             for p in evictions(list(held.items()), need):
+                self._evict(p, groups[id(p)])  # (first: one that fails, a full disk, is tried again next step)
                 self.rooms[device].evicted(held[p])
-                self._evict(p, groups[id(p)])
                 evicted = True
         return evicted
 

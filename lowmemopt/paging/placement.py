@@ -14,7 +14,7 @@ from .residency import AUTO, AutoRoom, headroom, probe, smallest_first
 from .schedule import N_SLOTS, N_SLOTS_HOST
 
 __all__ = ["FirstState", "initial_layout", "choose_resident", "make_homes", "fill_homes", "tensors_of", "nbytes_of",
-           "on_device", "check_plain", "buckets_of", "largest_buckets"]
+           "on_device", "brought_back", "check_plain", "buckets_of", "largest_buckets"]
 
 #: ``first_state(p, group)``: the state ``p``'s first step makes, in ``state[p]`` (on a meta twin: shapes only)
 FirstState = Callable[[torch.Tensor, dict[str, Any]], dict[str, Any]]
@@ -127,6 +127,18 @@ def on_device(v: Any, device: torch.device) -> Any:
     if v.device.type == "meta":
         return torch.zeros(v.shape, dtype=v.dtype, device=device)
     return v.to(device)
+
+
+def brought_back(homes: Homes, state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``state`` (homes) with each tensor copied to ``device``, as unpaged state (a file is read, not mapped)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            copy = torch.empty_like(v)
+            transfer(homes, copy, v)
+            v = copy.to(device)
+        out[k] = v
+    return out
 
 
 Work = list[tuple[torch.Tensor, dict[str, Any]]]

@@ -35,7 +35,7 @@ import torch
 from .. import cpu, rounding
 from ..cpu import factored
 from ..distributed.reduction import LOCAL
-from ..distributed.sharding import is_dtensor, local_view
+from ..distributed.sharding import is_dtensor, local_tensor, local_view
 from ..work import Item, Update, capture
 from .backends import CHUNK_NUMEL, init_state
 from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
@@ -44,8 +44,8 @@ from .plan import Plan, StepRecord
 from .per_param import step_param
 from .program import update_for
 
-__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "step_buckets", "step_param", "device_flags",
-           "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
+__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "new_seeds", "step_buckets", "step_param",
+           "device_flags", "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
 #: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
 #: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
 PAGE_BUCKET_BYTES = 64 << 20
@@ -87,6 +87,19 @@ def communicating(plan: Plan, work: Work) -> Iterator[None]:
     finally:
         stage.give_back(done)
     stage.finish(plan, done)
+
+
+def new_seeds(state: dict, work: Work) -> Any:
+    """The context of a step of ``work`` ((param, group), in the step's order) in which the stochastic-rounding seeds
+    of new states are drawn in that order (:func:`lowmemopt.rounding.seeds_in_order`): whatever order the backends
+    and paged batches make the states in, and whichever gradients turn out non-finite, each parameter gets the seed
+    it gets in the unpaged step."""
+    def pending() -> list[torch.Tensor]:
+        locals_ = ((local_tensor(p), group, state.get(p, ())) for p, group in work)
+        return [t for t, group, st in locals_
+                if rounding.applied(group.get("bf16_update", "nearest"), t) == "stochastic" and rounding.SEED not in st]
+
+    return rounding.seeds_in_order(pending)
 
 
 def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
