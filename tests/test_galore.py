@@ -555,6 +555,78 @@ def test_bad_group_keys(kw, exc, match):
     assert len(opt.param_groups) == 1  # the optimizer is left as it was
 
 
+def _snapshot(opt, params):
+    return [p.detach().clone() for p in params], [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for p in params]
+
+
+def _assert_unchanged(opt, params, snapshot):
+    for p, before, state in zip(params, *snapshot):
+        assert torch.equal(p, before)
+        assert opt.state[p].keys() == state.keys()
+        for k, v in state.items():
+            assert torch.equal(opt.state[p][k], v) if isinstance(v, torch.Tensor) else opt.state[p][k] == v, k
+
+
+EDITED = [
+    ("scale", "big", TypeError, "Invalid scale"),  # (was: raised half-way, the moments and step count advanced)
+    ("scale", -1.0, ValueError, "Invalid scale"),
+    ("update_proj_gap", 2.5, ValueError, "Invalid update_proj_gap"),  # (was: a float next refresh, unloadable)
+    ("rank", -1, ValueError, "Invalid rank: -1"),
+    ("proj_svd", "qr", ValueError, "Invalid proj_svd"),  # (was: a full SVD, silently)
+    ("proj_moments", "forget", ValueError, "Invalid proj_moments"),
+]
+
+
+@pytest.mark.parametrize("key,value,exc,match", EDITED, ids=[f"{k}={v}" for k, v, _, _ in EDITED])
+def test_group_values_set_after_steps_are_refused_before_the_step_changes_anything(key, value, exc, match):
+    """A GaLore key set in the param group after it was added is checked as add_param_group checks it, before the step
+    writes anything (the plain group before it included); set back, the run goes on."""
+    params = make_params([(6, 5), (40, 24)])
+    opt = lowmemopt.AdamW([dict(params=params[:1]), dict(params=params[1:], rank=4, update_proj_gap=2)], lr=1e-2,
+                          state_bits=8, min_quant_numel=16)
+    _train(opt, params, 0, 2)
+    old, opt.param_groups[1][key] = opt.param_groups[1][key], value
+    set_grads(params, 2)
+    before = _snapshot(opt, params)
+    with pytest.raises(exc, match=rf"AdamW: param group 1: {match}.*nothing was changed"):
+        opt.step()
+    _assert_unchanged(opt, params, before)
+    opt.param_groups[1][key] = old
+    _train(opt, params, 2, 4)
+    assert isinstance(opt.state[params[1]][pj.NEXT_REFRESH], int) and opt.state[params[1]]["step"] == 4
+
+
+def test_rank_changed_removed_or_added_after_steps_is_named_and_changes_nothing():
+    """A GaLore group's rank changed, a group's rank removed, or rank added to a plain group after their state was
+    made: a ValueError that says so, before anything of the step is written (the other group's parameter included)."""
+    params = make_params([(6, 5), (40, 24)])
+    opt = lowmemopt.AdamW([dict(params=params[:1]), dict(params=params[1:], rank=4, update_proj_gap=2)], lr=1e-2)
+    _train(opt, params, 0, 2)
+    set_grads(params, 2)
+    before = _snapshot(opt, params)
+    plain, projected = opt.param_groups
+    projected["rank"] = 2
+    with pytest.raises(ValueError, match="made at rank 4 .* now has rank=2: a parameter's rank cannot change"):
+        opt.step()
+    _assert_unchanged(opt, params, before)
+    projected["rank"] = 30  # on a 40 x 24 matrix: a basis of 24 vectors, not 4
+    with pytest.raises(ValueError, match="made at rank 4"):
+        opt.step()
+    del projected["rank"]
+    with pytest.raises(ValueError, match=r"param group 1 has GaLore \(low-rank\) state but its param group has no 'rank'"):
+        opt.step()  # (was: raised after the plain group's parameter had stepped)
+    _assert_unchanged(opt, params, before)
+    projected["rank"] = 4
+    plain["rank"] = 2
+    with pytest.raises(ValueError, match="param group 0 has full-rank optimizer state but its param group has rank=2"):
+        opt.step()  # (was: KeyError 'galore.side')
+    _assert_unchanged(opt, params, before)
+    del plain["rank"]
+    opt.step()
+    assert opt.state[params[1]]["step"] == 3
+
+
 def test_rank_on_a_1d_param_is_refused():
     with pytest.raises(ValueError, match=r"rank=4 on a 1-D parameter .* shape \(6,\)"):
         lowmemopt.AdamW([dict(params=[torch.nn.Parameter(torch.zeros(8, 6)), torch.nn.Parameter(torch.zeros(6))],
