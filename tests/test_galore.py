@@ -92,6 +92,23 @@ def test_reverse_std_with_rank_at_least_rows_works():
         broken.step()
 
 
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+def test_galore_adafactor_on_bf16_params_equals_galore_torch(proj_type):
+    """galore-torch's Adafactor casts a bf16 gradient to fp32 before projecting it (fp32 products, fp32 state, the
+    parameter rounded to nearest): ``GaLoreAdafactor``'s groups default to ``proj_dtype="float32"`` and equal it bit for
+    bit (with bf16 products they drifted from step 1 or 2); a group that sets ``proj_dtype`` keeps it."""
+    params = make_params([(40, 24), (24, 40)], dtype=torch.bfloat16)
+    ref_params = clone_params(params)
+    ours = lowmemopt.GaLoreAdafactor(_groups(params, proj_type=proj_type))
+    ref = galore_torch.GaLoreAdafactor(_groups(ref_params, proj_type=proj_type))
+    assert ours.param_groups[0]["proj_dtype"] == "float32"
+    _run_pair(ours, params, ref, ref_params, 6)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r), (p.float() - r.float()).abs().max()
+    kept = lowmemopt.GaLoreAdafactor(_groups(clone_params(params), proj_dtype="param"))
+    assert kept.param_groups[0]["proj_dtype"] == "param"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # every algorithm, every state format
 

@@ -35,7 +35,8 @@ Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_
 ``proj_type="std"`` as in galore-torch and the HF Trainer, and lowmemopt's ``proj_svd="full" | "randomized"``,
 ``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
 ``proj_dtype="param" | "float32"``: the projection and back-projection products in the parameter's dtype where it is
-bf16 (default; :func:`proj_dtype`: bf16 matmuls with fp32 accumulation, as galore-torch; docs/galore.md), or in fp32.
+bf16 (default; :func:`proj_dtype`: bf16 matmuls with fp32 accumulation, as galore-torch's AdamW; docs/galore.md), or
+in fp32 (``GaLoreAdafactor``'s default, as galore-torch's Adafactor).
 
 float64 parameters: the basis is computed (SVD of the gradient rounded to fp32) and stored in fp32, as for every
 parameter and as galore-torch computes it; the products, the low-rank gradient, the inner math and its full-precision
