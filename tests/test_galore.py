@@ -644,6 +644,27 @@ def test_rank_changed_removed_or_added_after_steps_is_named_and_changes_nothing(
     assert opt.state[params[1]]["step"] == 3
 
 
+@pytest.mark.parametrize("name", ["Adafactor", "CAME"])
+def test_zero_size_matrices_in_a_rank_group_step_and_resume(name):
+    """A zero-size matrix in a GaLore group counts its steps and updates nothing, as in a plain group (its low-rank
+    factored statistics were the means over an empty side, NaN: the state dict then failed to load)."""
+    cls, kw = ALGOS[name]
+    params = make_params([(0, 5), (5, 0), (12, 8)])
+    opt = cls(_groups(params, rank=2), **kw)
+    _train(opt, params, 0, 3)
+    for p in params[:2]:
+        state = opt.state[p]
+        assert state["step"] == 3
+        assert all(torch.isfinite(v).all() for k, v in state.items() if isinstance(v, torch.Tensor)), state
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    resumed = cls(_groups(params, rank=2), **kw)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    _train(resumed, params, 3, 4)
+    assert resumed.state[params[0]]["step"] == 4 and torch.isfinite(params[2]).all()
+
+
 def test_rank_on_a_1d_param_is_refused():
     with pytest.raises(ValueError, match=r"rank=4 on a 1-D parameter .* shape \(6,\)"):
         lowmemopt.AdamW([dict(params=[torch.nn.Parameter(torch.zeros(8, 6)), torch.nn.Parameter(torch.zeros(6))],

@@ -280,7 +280,7 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
     """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when
     due, and an :class:`~lowmemopt.work.items.Item` whose ``grad`` is not projected yet (:func:`project`) and
     whose ``target`` is not set. None: no basis yet (the first refresh failed), the step is skipped as for a
-    non-finite gradient. ``inner``: a cache of the inner groups by group id, so the items of one param group share
+    non-finite gradient; or a zero-size parameter, whose step is counted and has nothing to update. ``inner``: a cache of the inner groups by group id, so the items of one param group share
     one inner group (one bucket). The item's ``group`` is the one its stand-in's math runs with (:func:`inner_group`,
     and no weight decay where the math decays the weight itself: :func:`finish` applies it to the full weight);
     ``extra["core"]`` the one the reference core runs with."""
@@ -299,6 +299,9 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
                 f"rank={group['rank']}; reset this parameter's state to project it"
             )
         init_projected_state(plan, p, group, slots)
+    if p.numel() == 0:  # nothing to project or update, as for a plain zero-size parameter: the step counts; (the
+        state["step"] += 1  # inner math's row / column means over an empty side would store NaN statistics)
+        return None
 
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
     if shards is not None:  # bf16_update changed since: the ranks make the seed together
