@@ -5,7 +5,8 @@
 galore-torch's names: GaLore itself is not a class here but a param-group option (a group with ``rank`` is projected,
 in every optimizer; see :mod:`lowmemopt.projection`), so its aliases name the inner algorithm galore-torch uses:
 ``GaLoreAdamW`` is transformers' legacy AdamW (:class:`~lowmemopt.optim.HFAdamW`: eps added to sqrt(v), weight
-decay after the update), ``GaLoreAdafactor`` transformers' Adafactor, and ``GaLoreAdamW8bit`` bitsandbytes'
+decay after the update), ``GaLoreAdafactor`` transformers' Adafactor (its GaLore groups with ``proj_dtype="float32"``
+by default: galore-torch's Adafactor projects a bf16 gradient cast to fp32), and ``GaLoreAdamW8bit`` bitsandbytes'
 ``AdamW8bit``, i.e. torch's AdamW with 8-bit state (its weight decay is applied before the update, as for every
 ``AdamW``; galore-torch's applies it after the update on projected params, an O(lr^2 wd) difference).
 
@@ -57,9 +58,10 @@ __all__ = [
 ]
 
 
-def _alias(base: T, name: str, **fixed: Any) -> T:
+def _alias(base: T, name: str, galore: dict[str, Any] | None = None, **fixed: Any) -> T:
     """``base`` under ``name`` with other defaults for the keywords ``fixed``; its signature is the base's, those
-    defaults changed (:mod:`lowmemopt.signature`)."""
+    defaults changed (:mod:`lowmemopt.signature`). ``galore``: other defaults for the GaLore keys of its param groups
+    with ``rank`` (filled in where a group added to it does not set them)."""
 
     def __init__(self, params, *args, **kwargs):
         for key, value in fixed.items():
@@ -67,11 +69,21 @@ def _alias(base: T, name: str, **fixed: Any) -> T:
         base.__init__(self, params, *args, **kwargs)
 
     __init__.__signature__ = constructor_signature(base.__init__, LowMemOptimizer.__init__, fixed)
+    members: dict[str, Any] = {"__init__": __init__, "__module__": __name__}
+    if galore:
+        def add_param_group(self, param_group):
+            if isinstance(param_group, dict) and param_group.get("rank") is not None:
+                param_group = {**galore, **param_group}
+            base.add_param_group(self, param_group)
+
+        members["add_param_group"] = add_param_group
 
     settings = ", ".join(f"{k}={v!r}" for k, v in fixed.items())
     what = f"``{base.__name__}`` with ``{settings}`` by default" if fixed else f"``{base.__name__}`` under another name"
-    doc = f"{what} (a drop-in alias).\n\n{base.__doc__}"
-    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+    if galore:
+        what += ", its GaLore groups with " + ", ".join(f"``{k}={v!r}``" for k, v in galore.items()) + " by default"
+    members["__doc__"] = f"{what} (a drop-in alias).\n\n{base.__doc__}"
+    return type(name, (base,), members)
 
 
 Adam8bit = _alias(Adam, "Adam8bit", state_bits=8)
@@ -95,7 +107,8 @@ CAME4bit = _alias(CAME, "CAME4bit", state_bits=4)
 GaLoreAdamW = _alias(HFAdamW, "GaLoreAdamW")
 GaLoreAdamW8bit = _alias(AdamW, "GaLoreAdamW8bit", state_bits=8)
 GaLoreAdamW4bit = _alias(AdamW, "GaLoreAdamW4bit", state_bits=4)
-GaLoreAdafactor = _alias(Adafactor, "GaLoreAdafactor")
+# galore-torch's Adafactor casts a bf16 gradient to fp32 before projecting it: fp32 products (its AdamW: bf16 ones)
+GaLoreAdafactor = _alias(Adafactor, "GaLoreAdafactor", galore=dict(proj_dtype="float32"))
 
 # DeepSpeed's name for its CPU Adam (deepspeed.ops.adam.DeepSpeedCPUAdam)
 DeepSpeedCPUAdam = _alias(CPUAdam, "DeepSpeedCPUAdam")

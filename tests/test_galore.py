@@ -92,6 +92,23 @@ def test_reverse_std_with_rank_at_least_rows_works():
         broken.step()
 
 
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+def test_galore_adafactor_on_bf16_params_equals_galore_torch(proj_type):
+    """galore-torch's Adafactor casts a bf16 gradient to fp32 before projecting it (fp32 products, fp32 state, the
+    parameter rounded to nearest): ``GaLoreAdafactor``'s groups default to ``proj_dtype="float32"`` and equal it bit for
+    bit (with bf16 products they drifted from step 1 or 2); a group that sets ``proj_dtype`` keeps it."""
+    params = make_params([(40, 24), (24, 40)], dtype=torch.bfloat16)
+    ref_params = clone_params(params)
+    ours = lowmemopt.GaLoreAdafactor(_groups(params, proj_type=proj_type))
+    ref = galore_torch.GaLoreAdafactor(_groups(ref_params, proj_type=proj_type))
+    assert ours.param_groups[0]["proj_dtype"] == "float32"
+    _run_pair(ours, params, ref, ref_params, 6)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r), (p.float() - r.float()).abs().max()
+    kept = lowmemopt.GaLoreAdafactor(_groups(clone_params(params), proj_dtype="param"))
+    assert kept.param_groups[0]["proj_dtype"] == "param"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # every algorithm, every state format
 
@@ -553,6 +570,99 @@ def test_bad_group_keys(kw, exc, match):
     with pytest.raises(exc, match=match):
         opt.add_param_group(group)
     assert len(opt.param_groups) == 1  # the optimizer is left as it was
+
+
+def _snapshot(opt, params):
+    return [p.detach().clone() for p in params], [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for p in params]
+
+
+def _assert_unchanged(opt, params, snapshot):
+    for p, before, state in zip(params, *snapshot):
+        assert torch.equal(p, before)
+        assert opt.state[p].keys() == state.keys()
+        for k, v in state.items():
+            assert torch.equal(opt.state[p][k], v) if isinstance(v, torch.Tensor) else opt.state[p][k] == v, k
+
+
+EDITED = [
+    ("scale", "big", TypeError, "Invalid scale"),  # (was: raised half-way, the moments and step count advanced)
+    ("scale", -1.0, ValueError, "Invalid scale"),
+    ("update_proj_gap", 2.5, ValueError, "Invalid update_proj_gap"),  # (was: a float next refresh, unloadable)
+    ("rank", -1, ValueError, "Invalid rank: -1"),
+    ("proj_svd", "qr", ValueError, "Invalid proj_svd"),  # (was: a full SVD, silently)
+    ("proj_moments", "forget", ValueError, "Invalid proj_moments"),
+]
+
+
+@pytest.mark.parametrize("key,value,exc,match", EDITED, ids=[f"{k}={v}" for k, v, _, _ in EDITED])
+def test_group_values_set_after_steps_are_refused_before_the_step_changes_anything(key, value, exc, match):
+    """A GaLore key set in the param group after it was added is checked as add_param_group checks it, before the step
+    writes anything (the plain group before it included); set back, the run goes on."""
+    params = make_params([(6, 5), (40, 24)])
+    opt = lowmemopt.AdamW([dict(params=params[:1]), dict(params=params[1:], rank=4, update_proj_gap=2)], lr=1e-2,
+                          state_bits=8, min_quant_numel=16)
+    _train(opt, params, 0, 2)
+    old, opt.param_groups[1][key] = opt.param_groups[1][key], value
+    set_grads(params, 2)
+    before = _snapshot(opt, params)
+    with pytest.raises(exc, match=rf"AdamW: param group 1: {match}.*nothing was changed"):
+        opt.step()
+    _assert_unchanged(opt, params, before)
+    opt.param_groups[1][key] = old
+    _train(opt, params, 2, 4)
+    assert isinstance(opt.state[params[1]][pj.NEXT_REFRESH], int) and opt.state[params[1]]["step"] == 4
+
+
+def test_rank_changed_removed_or_added_after_steps_is_named_and_changes_nothing():
+    """A GaLore group's rank changed, a group's rank removed, or rank added to a plain group after their state was
+    made: a ValueError that says so, before anything of the step is written (the other group's parameter included)."""
+    params = make_params([(6, 5), (40, 24)])
+    opt = lowmemopt.AdamW([dict(params=params[:1]), dict(params=params[1:], rank=4, update_proj_gap=2)], lr=1e-2)
+    _train(opt, params, 0, 2)
+    set_grads(params, 2)
+    before = _snapshot(opt, params)
+    plain, projected = opt.param_groups
+    projected["rank"] = 2
+    with pytest.raises(ValueError, match="made at rank 4 .* now has rank=2: a parameter's rank cannot change"):
+        opt.step()
+    _assert_unchanged(opt, params, before)
+    projected["rank"] = 30  # on a 40 x 24 matrix: a basis of 24 vectors, not 4
+    with pytest.raises(ValueError, match="made at rank 4"):
+        opt.step()
+    del projected["rank"]
+    with pytest.raises(ValueError, match=r"param group 1 has GaLore \(low-rank\) state but its param group has no 'rank'"):
+        opt.step()  # (was: raised after the plain group's parameter had stepped)
+    _assert_unchanged(opt, params, before)
+    projected["rank"] = 4
+    plain["rank"] = 2
+    with pytest.raises(ValueError, match="param group 0 has full-rank optimizer state but its param group has rank=2"):
+        opt.step()  # (was: KeyError 'galore.side')
+    _assert_unchanged(opt, params, before)
+    del plain["rank"]
+    opt.step()
+    assert opt.state[params[1]]["step"] == 3
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "CAME"])
+def test_zero_size_matrices_in_a_rank_group_step_and_resume(name):
+    """A zero-size matrix in a GaLore group counts its steps and updates nothing, as in a plain group (its low-rank
+    factored statistics were the means over an empty side, NaN: the state dict then failed to load)."""
+    cls, kw = ALGOS[name]
+    params = make_params([(0, 5), (5, 0), (12, 8)])
+    opt = cls(_groups(params, rank=2), **kw)
+    _train(opt, params, 0, 3)
+    for p in params[:2]:
+        state = opt.state[p]
+        assert state["step"] == 3
+        assert all(torch.isfinite(v).all() for k, v in state.items() if isinstance(v, torch.Tensor)), state
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    resumed = cls(_groups(params, rank=2), **kw)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    _train(resumed, params, 3, 4)
+    assert resumed.state[params[0]]["step"] == 4 and torch.isfinite(params[2]).all()
 
 
 def test_rank_on_a_1d_param_is_refused():

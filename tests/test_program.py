@@ -253,6 +253,35 @@ def test_galore_steps_between_refreshes_take_the_program(cls, kw, bits, monkeypa
     assert_runs_same(a, opt_a, b, opt_b)
 
 
+def test_galore_scale_made_invalid_leaves_the_program_for_the_checked_step(monkeypatch):
+    """A GaLore group's ``scale`` changed to a float it does not take (NaN) is a number changed, which a kept program
+    would launch with: the program gives way to the checked step, which refuses it before writing anything."""
+    from lowmemopt.projection import batched
+
+    monkeypatch.setattr(batched, "BATCH_ON_CPU", True)
+    monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
+    counts = _spy(monkeypatch)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, 12)) for _ in range(2)]
+    opt = lowmemopt.AdamW([{"params": params, "rank": 4, "update_proj_gap": 10}], lr=1e-2, state_bits=8,
+                          min_quant_numel=0, block_size=32)
+    with runtime.cpu_interpreter():
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        assert counts == {"steps": 1, "made": 1}, counts  # made at step 1 (step 0 refreshes), programmed at step 2
+        opt.param_groups[0]["scale"] = float("nan")
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(ValueError, match="Invalid scale: nan"):
+            opt.step()
+        assert counts["steps"] == 1 and all(torch.equal(p, b) for p, b in zip(params, before))
+        opt.param_groups[0]["scale"] = 0.5  # a valid number: programmed again
+        opt.step()
+        opt.step()
+    assert counts["steps"] == 2 and all(torch.isfinite(p).all() for p in params), counts
+
+
 @pytest.mark.parametrize("moved", [True, False], ids=["moved", "rebuilt"])
 def test_galore_buffers_hold_no_memory_between_steps(moved, monkeypatch):
     """A kept GaLore step's low-rank gradients and stand-ins live in buffers that get memory for the step and give it

@@ -11,7 +11,10 @@ the parameter *now*, so state made for another tensor would be read and written 
 :func:`check_state_fits` raises ValueError for either, naming the parameter and what differs, before anything of the
 step is changed; also for a gradient whose shape is not its parameter's (``p.data`` replaced after the backward pass:
 torch checks a gradient's shape when it is set, not when the parameter changes), and (TypeError) for a gradient whose
-dtype is not its parameter's or a parameter made complex or integer through ``.data``. State stored in another format than
+dtype is not its parameter's or a parameter made complex or integer through ``.data``; and, through the projection
+stage (``plan.galore.check_step_values``), for a GaLore group key set to a value it does not take after the group was
+added (a ``scale`` of ``"big"``, an ``update_proj_gap`` of 2.5), and for low-rank state in a group without ``rank``
+or full-rank state in one with ``rank`` (the key removed or added after steps). State stored in another format than
 its group asks for now (``state_bits`` or ``min_quant_numel`` changed after the state was made) fits: each slot is
 read in the format it is stored in.
 
@@ -43,10 +46,16 @@ GALORE_SIDE = "galore.side"  # (a key of GaLore's state: :mod:`lowmemopt.project
 def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
     """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
     tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (module docstring),
-    or if its gradient's shape or dtype is not its own (TypeError for the dtype). ``owner``: the optimizer's class name, for the message."""
+    or if its gradient's shape or dtype is not its own (TypeError for the dtype), or a GaLore group holds a value
+    its key does not take. ``owner``: the optimizer's class name, for the message."""
     state_of = plan.state.get
     layouts = plan._layouts
+    last = None
     for p, group in work:
+        if group is not last:  # (a group's parameters come together: one look at each group)
+            last = group
+            if plan.galore is not None and group.get("rank") is not None:
+                plan.galore.check_step_values(plan, group, owner)
         grad = p.grad
         if grad.shape != p.shape:  # (p.data replaced after the gradient was computed: torch lets it be)
             raise ValueError(
@@ -60,9 +69,21 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
         if not state or "step" not in state:
             continue
         if GALORE_SIDE in state:  # low-rank state: the projection stage knows its shapes
-            if plan.galore is not None and group.get("rank") is not None:  # (no rank: its gather says why not)
+            if group.get("rank") is None:
+                raise ValueError(
+                    f"{owner}: {where(plan, p)} has GaLore (low-rank) state but its param group has no 'rank' (was it "
+                    "removed from the group?). Nothing was changed: keep the group's GaLore keys, or reset this "
+                    "parameter's state (del optimizer.state[p])"
+                )
+            if plan.galore is not None:
                 plan.galore.check_fits(plan, p, group, state, owner)
             continue
+        if group.get("rank") is not None:
+            raise ValueError(
+                f"{owner}: {where(plan, p)} has full-rank optimizer state but its param group has rank="
+                f"{group['rank']} (GaLore; was rank added to the group after steps?). Nothing was changed: remove the "
+                "group's rank, or reset this parameter's state (del optimizer.state[p]) to project it"
+            )
         local = local_tensor(p)
         record = plan.record_of(group)
         key = (id(record), local.shape, local.dtype, p.numel())

@@ -18,7 +18,8 @@ What is checked at each step, and what makes the program be built again:
   each parameter's storage where it was, of the same dtype and shape (``p.data = ...`` replaces it);
 * every param group's values (:func:`~lowmemopt.work.record.group_values`): equal, or only a number changed
   (``lr``, ``weight_decay``, betas...) in a way that leaves the groups that share a bucket equal: those reach the
-  kernels as arguments, read at every launch;
+  kernels as arguments, read at every launch (a GaLore group's changed values must also be valid ones: else the
+  checked step refuses them);
 * the optimizer's state: the same dict (``optimizer.state``, a :class:`StateDict`), no parameter's state dict set,
   replaced or removed since, every parameter's state tensors the same tensors and its step count the bucket's (a
   load, a conversion, a skip undone or a hand edit changes one of them);
@@ -213,6 +214,9 @@ class StepProgram:
         # the groups that shared a bucket (equal values) must still be equal, and no others newly so
         if _partition(values) != _partition(self.values):
             return False
+        if self.galore is not None and not all(self.galore.values_ok(g) for g in self.group_list
+                                               if g.get("rank") is not None):
+            return False  # (a GaLore scale made 0 or NaN: the checked step says what is wrong)
         self.values = values
         return True
 

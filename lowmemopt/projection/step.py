@@ -35,7 +35,8 @@ Group keys (defaults filled in by :func:`check_group`): ``rank``, ``update_proj_
 ``proj_type="std"`` as in galore-torch and the HF Trainer, and lowmemopt's ``proj_svd="full" | "randomized"``,
 ``proj_moments="keep" | "reset" | "project"``, ``proj_stagger=False`` (see :mod:`.projector`) and
 ``proj_dtype="param" | "float32"``: the projection and back-projection products in the parameter's dtype where it is
-bf16 (default; :func:`proj_dtype`: bf16 matmuls with fp32 accumulation, as galore-torch; docs/galore.md), or in fp32.
+bf16 (default; :func:`proj_dtype`: bf16 matmuls with fp32 accumulation, as galore-torch's AdamW; docs/galore.md), or
+in fp32 (``GaLoreAdafactor``'s default, as galore-torch's Adafactor).
 
 float64 parameters: the basis is computed (SVD of the gradient rounded to fp32) and stored in fp32, as for every
 parameter and as galore-torch computes it; the products, the low-rank gradient, the inner math and its full-precision
@@ -68,9 +69,9 @@ if TYPE_CHECKING:
     from ..quant.formats import Slot
 
 __all__ = [
-    "GROUP_DEFAULTS", "check_group", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
+    "GROUP_DEFAULTS", "check_group", "check_values", "values_ok", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
     "param_free", "fused", "stands_in", "stand_ins", "weights", "update_alone", "finish", "finish_many", "inner_group",
-    "device_checkable", "again", "refresh_due", "give_back", "check_fits",
+    "device_checkable", "again", "refresh_due", "give_back", "check_fits", "check_step_values",
 ]
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
@@ -98,6 +99,20 @@ def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
 
 def check_group(group: dict[str, Any]) -> None:
     """Fill in a GaLore group's missing keys and validate them and its params (ValueError / TypeError)."""
+    check_values(group)
+    for i, p in enumerate(group["params"]):
+        if p.dim() < 2:
+            raise ValueError(
+                f"rank={group['rank']} on a {p.dim()}-D parameter (param {i} of the group, shape {tuple(p.shape)}): "
+                "GaLore projects matrices; put biases and norm weights in a group without rank "
+                "(lowmemopt.galore_param_groups does this)"
+            )
+
+
+def check_values(group: dict[str, Any]) -> None:
+    """Fill in a GaLore group's missing keys and validate their values (ValueError / TypeError). Also run before
+    each step that may write (:func:`check_fits`, :mod:`lowmemopt.pipeline.program`): a value set in the group after
+    it was added is refused before anything changes, not half-way through the step."""
     for key, value in GROUP_DEFAULTS.items():
         group.setdefault(key, value)
     rank = group["rank"]
@@ -125,13 +140,15 @@ def check_group(group: dict[str, Any]) -> None:
         raise TypeError(f"Invalid proj_stagger: expected a bool, got {type(group['proj_stagger']).__name__}")
     if group["proj_dtype"] not in PROJ_DTYPES:
         raise ValueError(f"Invalid proj_dtype: {group['proj_dtype']!r} (expected one of {', '.join(PROJ_DTYPES)})")
-    for i, p in enumerate(group["params"]):
-        if p.dim() < 2:
-            raise ValueError(
-                f"rank={rank} on a {p.dim()}-D parameter (param {i} of the group, shape {tuple(p.shape)}): GaLore "
-                "projects matrices; put biases and norm weights in a group without rank "
-                "(lowmemopt.galore_param_groups does this)"
-            )
+
+
+def values_ok(group: dict[str, Any]) -> bool:
+    """Does GaLore group ``group`` pass :func:`check_values`? (A kept step program asks when a value changed.)"""
+    try:
+        check_values(group)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _side(plan: Plan, group: dict[str, Any], p: torch.Tensor) -> int:
@@ -263,7 +280,7 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
     """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when
     due, and an :class:`~lowmemopt.work.items.Item` whose ``grad`` is not projected yet (:func:`project`) and
     whose ``target`` is not set. None: no basis yet (the first refresh failed), the step is skipped as for a
-    non-finite gradient. ``inner``: a cache of the inner groups by group id, so the items of one param group share
+    non-finite gradient; or a zero-size parameter, whose step is counted and has nothing to update. ``inner``: a cache of the inner groups by group id, so the items of one param group share
     one inner group (one bucket). The item's ``group`` is the one its stand-in's math runs with (:func:`inner_group`,
     and no weight decay where the math decays the weight itself: :func:`finish` applies it to the full weight);
     ``extra["core"]`` the one the reference core runs with."""
@@ -282,6 +299,9 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
                 f"rank={group['rank']}; reset this parameter's state to project it"
             )
         init_projected_state(plan, p, group, slots)
+    if p.numel() == 0:  # nothing to project or update, as for a plain zero-size parameter: the step counts; (the
+        state["step"] += 1  # inner math's row / column means over an empty side would store NaN statistics)
+        return None
 
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
     if shards is not None:  # bf16_update changed since: the ranks make the seed together
@@ -476,9 +496,21 @@ def _native_may_take(plan: Plan, it: Item) -> bool:
     return plan.fused in STEPS
 
 
+def check_step_values(plan: Plan, group: dict[str, Any], owner: str) -> None:
+    """Before a step writes anything: raise ValueError / TypeError, naming the param group, if a GaLore key of
+    ``group`` was set to a value it does not take after the group was added (:func:`check_values`)."""
+    try:
+        check_values(group)
+    except (TypeError, ValueError) as e:
+        index = next((i for i, g in enumerate(plan.groups) if g is group), "?")
+        raise type(e)(f"{owner}: param group {index}: {e}; nothing was changed (set a valid value before the next "
+                      "step)") from None
+
+
 def check_fits(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], owner: str) -> None:
     """Raise ValueError unless GaLore parameter ``p``'s ``state`` fits it (:mod:`lowmemopt.pipeline.fits`): its bases'
-    sides match its matrix shape, and its low-rank state that shape at the group's rank."""
+    sides match its matrix shape and its group's rank (a rank changed after the state was made is named as such), and
+    its low-rank state that shape at the group's rank."""
     kahan = state.get(KAHAN)
     if kahan is not None:
         check_kahan(kahan, local_tensor(p).shape, lambda: where(plan, p), owner)
@@ -494,6 +526,14 @@ def check_fits(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[s
                 "Was the parameter's .data replaced by a tensor of another shape? The state was left as it was: reset "
                 "this parameter's state (del optimizer.state[p]) or give the parameter its shape back"
             )
+    k = None if not isinstance(proj, torch.Tensor) else proj.shape[1] if side == pj.RIGHT else proj.shape[0]
+    if k is not None and k != min(group["rank"], m, n):
+        raise ValueError(
+            f"{owner}: the GaLore state of {where(plan, p)} was made at rank {k} (a basis of {k} vectors of its {m} x "
+            f"{n} matrix) but its param group now has rank={group['rank']}: a parameter's rank cannot change within "
+            "a run. The state was left as it was: set the group's rank back, or reset this parameter's state (del "
+            "optimizer.state[p]) to start it again at the new rank"
+        )
     low = pj.low_rank_shape(m, n, group["rank"], side)
     check_slots(projected_slots(plan, group, p), torch.Size(low), state, plan.record_of(group).block_size,
                 lambda: where(plan, p), owner,
