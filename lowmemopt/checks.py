@@ -11,7 +11,8 @@ import torch
 
 from . import paging, rounding
 
-__all__ = ["one_element", "check_lr", "check_nonneg", "check_betas", "torch_scalars", "check_torch_flags", "check_adam_group", "sqrt_of", "check_positive", "check_eps_pair", "check_storage", "check_param"]
+__all__ = ["one_element", "check_lr", "check_nonneg", "check_betas", "torch_scalars", "check_torch_flags",
+           "check_adam_group", "sqrt_of", "check_positive", "check_eps_pair", "check_storage", "check_param"]
 
 
 def one_element(name: str, value: torch.Tensor) -> None:

@@ -69,7 +69,8 @@ if TYPE_CHECKING:
     from ..quant.formats import Slot
 
 __all__ = [
-    "GROUP_DEFAULTS", "check_group", "check_values", "values_ok", "init_projected_state", "projected_slots", "step_projected", "prepare", "project",
+    "GROUP_DEFAULTS", "check_group", "check_values", "values_ok", "init_projected_state", "projected_slots",
+    "step_projected", "prepare", "project",
     "param_free", "fused", "stands_in", "stand_ins", "weights", "update_alone", "finish", "finish_many", "inner_group",
     "device_checkable", "again", "refresh_due", "give_back", "check_fits", "check_step_values",
 ]
@@ -280,10 +281,11 @@ def prepare(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, An
     """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when
     due, and an :class:`~lowmemopt.work.items.Item` whose ``grad`` is not projected yet (:func:`project`) and
     whose ``target`` is not set. None: no basis yet (the first refresh failed), the step is skipped as for a
-    non-finite gradient; or a zero-size parameter, whose step is counted and has nothing to update. ``inner``: a cache of the inner groups by group id, so the items of one param group share
-    one inner group (one bucket). The item's ``group`` is the one its stand-in's math runs with (:func:`inner_group`,
-    and no weight decay where the math decays the weight itself: :func:`finish` applies it to the full weight);
-    ``extra["core"]`` the one the reference core runs with."""
+    non-finite gradient; or a zero-size parameter, whose step is counted and has nothing to update. ``inner``: a
+    cache of the inner groups by group id, so the items of one param group share one inner group (one bucket). The
+    item's ``group`` is the one its stand-in's math runs with (:func:`inner_group`, and no weight decay where the
+    math decays the weight itself: :func:`finish` applies it to the full weight); ``extra["core"]`` the one the
+    reference core runs with."""
     state = plan.state[p]
     if group.get("rank") is None:
         raise ValueError(
