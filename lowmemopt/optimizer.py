@@ -386,7 +386,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             if not pager.begin(work, self._first_state):  # (checks, homes; False: all resident, an unpaged step)
                 pager = None
         # (new seeds in work's order, paged or not; communicating: the 1-bit optimizers' stage around the rest)
-        with pipeline.new_seeds(self.state, work), pipeline.communicating(plan, work):
+        with pipeline.new_seeds(plan, work), pipeline.communicating(plan, work):
             self._step_planned(plan, work, pager)
         return loss
 
@@ -566,7 +566,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             pager = self._pager_for(work)
             if pager is not None and not pager.begin(work, self._first_state):
                 pager = None  # (nothing of work moves: the unpaged step, as in step())
-        with pipeline.new_seeds(self.state, work):
+        with pipeline.new_seeds(plan, work):
             pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
                          [local_tensor(p.grad) for p, _ in work], None, pager, flags)
 

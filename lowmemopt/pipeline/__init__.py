@@ -89,15 +89,15 @@ def communicating(plan: Plan, work: Work) -> Iterator[None]:
     stage.finish(plan, done)
 
 
-def new_seeds(state: dict, work: Work) -> Any:
+def new_seeds(plan: Plan, work: Work) -> Any:
     """The context of a step of ``work`` ((param, group), in the step's order) in which the stochastic-rounding seeds
     of new states are drawn in that order (:func:`lowmemopt.rounding.seeds_in_order`): whatever order the backends
     and paged batches make the states in, and whichever gradients turn out non-finite, each parameter gets the seed
     it gets in the unpaged step."""
     def pending() -> list[torch.Tensor]:
-        locals_ = ((local_tensor(p), group, state.get(p, ())) for p, group in work)
+        locals_ = ((local_tensor(p), group, plan.state.get(p, ())) for p, group in work)
         return [t for t, group, st in locals_
-                if rounding.applied(group.get("bf16_update", "nearest"), t) == "stochastic" and rounding.SEED not in st]
+                if plan.record_of(group).rounding_of(t) == "stochastic" and rounding.SEED not in st]
 
     return rounding.seeds_in_order(pending)
 
