@@ -17,8 +17,9 @@ import triton.language as tl
 from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tensor_scalar, tile_coords
 from .divide import div_by, reciprocal
 from .launch import Bucket, Update, scalar
+from .registry import Kernel
 
-__all__ = ["adam_update", "launch", "slots"]
+__all__ = ["TRITON", "adam_update", "launch", "slots"]
 
 
 @triton.jit
@@ -115,3 +116,30 @@ def launch(u: Update, bucket: Bucket) -> None:
     bucket.tile_launch(_adam_kernel, names, args, writes=True, extra=extra, UPDATE=update, AMSGRAD=bool(kw["amsgrad"]),
                        **bucket.scalar_args(scal),
                        MAXIMIZE=bool(kw["maximize"]), L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"])
+
+
+#: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="adamw:TRITON")``)
+TRITON = Kernel(lambda hyper, p: slots(hyper), launch, any_rounding=True)
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+
+        v.Variant("adam", _adam_kernel, v.tile(AMSGRAD=True, MAXIMIZE=True, L2_DECAY=True, UPDATE=v.NEAREST)),
+        v.Variant("adam-stochastic", _adam_kernel,
+                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.STOCHASTIC, W=17)),
+        v.Variant("adam-arith", _adam_kernel,  # v.runtime.Q8_DECODE = "arithmetic": no code books
+                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, book_s=None, book_u=None)),
+        # a capturable step: the step's scalars read per tensor from the device (lowmemopt.work.capture)
+        v.Variant("adam-capturable", _adam_kernel,
+                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, DEVICE_SCALARS=True)),
+        # 8-bit tiles laid out [BLOCK, ROWS] (v.runtime.column_tiles: the default before Triton 3.7)
+        v.Variant("adam-cols", _adam_kernel,
+                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, COLS=True)),
+        v.Variant("adam-fp32-state", _adam_kernel,
+                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, FMT=v.FP32)),
+        # 4-bit state (block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
+        v.Variant("adam-q4", _adam_kernel, v.tile4(AMSGRAD=True, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST)),
+    ]

@@ -21,8 +21,9 @@ import triton.language as tl
 from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tile_coords
 from .divide import div_by, reciprocal
 from .launch import Bucket, Unsupported, Update, scalar
+from .registry import Kernel
 
-__all__ = ["ademamix_update", "launch", "slots"]
+__all__ = ["TRITON", "ademamix_update", "launch", "slots"]
 
 
 @triton.jit
@@ -91,3 +92,7 @@ def launch(u: Update, bucket: Bucket) -> None:
             kw["bias_correction1"], kw["bias_correction2_sqrt"], -scalar(kw["lr"]), scalar(u.decay))
     extra, update = bucket.param_update(u.record, u.step)
     bucket.tile_launch(_ademamix_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update)
+
+
+#: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="ademamix:TRITON")``)
+TRITON = Kernel(lambda hyper, p: slots(hyper), launch, any_rounding=True)

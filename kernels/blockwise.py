@@ -6,6 +6,8 @@ twins of :mod:`lowmemopt.quant.blockwise` and :mod:`lowmemopt.quant.q4`, built o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -192,3 +194,16 @@ def dequantize_blockwise4(
             nibbles.reshape(-1).contiguous(), absmax.contiguous(), out, numel, q4.code_book(name, nibbles.device),
             ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
     return out
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+        v.Variant("quantize", _quantize_kernel, dict(SIGNED=False, ROWS=v.runtime.TILE // 256, BLOCK=256, POW2=True)),
+        v.Variant("quantize-table", _quantize_kernel,
+                dict(SIGNED=True, ROWS=v.runtime.TILE // 256, BLOCK=256, POW2=False)),
+        v.Variant("dequantize", _dequantize_kernel, dict(ROWS=v.runtime.TILE // 256, BLOCK=256)),
+        v.Variant("quantize4", _quantize4_kernel, dict(SIGNED=True, ROWS=v.runtime.TILE // v.Q4_BLOCK, BLOCK=v.Q4_BLOCK)),
+        v.Variant("dequantize4", _dequantize4_kernel, dict(ROWS=v.runtime.TILE // v.Q4_BLOCK, BLOCK=v.Q4_BLOCK)),
+    ]

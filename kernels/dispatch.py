@@ -53,10 +53,11 @@ stats: dict[tuple[str, str], int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, Any], Update],
+def step_items(kernels: Any, items: list[Item], update_for: Callable[[Item, Any], Update],
                flags: torch.Tensor | None = None, device_steps: bool = False,
                grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
-    """Step what the kernels can of ``items`` (all of one optimizer, running ``algorithm``); return the rest.
+    """Step what the kernels can of ``items`` (all of one optimizer, whose algorithm declares ``kernels``: a
+    :class:`~lowmemopt.work.kernel_set.KernelSet`); return the rest.
     ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket. ``flags``: the step's gradient
     finiteness on the device (uint8, :mod:`lowmemopt.pipeline.finite`); an item with a ``flag`` row is stepped only
     where it is 1, decided by the kernels (its step count is written here all the same: the caller undoes a skip's).
@@ -74,7 +75,7 @@ def step_items(algorithm: str, items: list[Item], update_for: Callable[[Item, An
         if device_steps and items:
             raise ValueError("capturable=True needs the fused Triton kernels, which this device does not have")
         return items
-    planned, rest = plan_buckets(algorithm, items, device_steps)
+    planned, rest = plan_buckets(kernels, items, device_steps)
     return rest + launch_buckets(planned, update_for, flags, device_steps, grad_mult)
 
 
@@ -93,7 +94,7 @@ class Planned:
     flag_rows: range | None = None
 
 
-def plan_buckets(algorithm: str, items: list[Item], device_steps: bool = False) -> tuple[list[Planned], list[Item]]:
+def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) -> tuple[list[Planned], list[Item]]:
     """``(buckets, rest)``: ``items`` grouped into buckets that one kernel's launches step, and those no kernel takes
     (see :func:`step_items`; ``rest`` raises ValueError in a capturable step). Nothing is launched."""
     from .launch import Bucket
@@ -104,7 +105,7 @@ def plan_buckets(algorithm: str, items: list[Item], device_steps: bool = False) 
     group_ids: dict[int, int] = {}  # id(record) -> the number of its version (its group's values), one per distinct
     by_values: dict[tuple, int] = {}
     for it in items:
-        kernel = _kernel_for(algorithm, it, usable, device_steps)
+        kernel = _kernel_for(kernels, it, usable, device_steps)
         if kernel is None:
             if device_steps:
                 raise ValueError(f"capturable=True: no fused kernel takes a parameter of shape "
@@ -188,7 +189,7 @@ def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Upd
     return rest
 
 
-def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], device_steps: bool = False):
+def _kernel_for(kernels: Any, it: Item, usable: dict[torch.device, bool], device_steps: bool = False):
     """The kernel for this item, or None: it takes a per-tensor backend. ``usable``: a per-call cache of
     ``runtime.device_ok`` by device (host work per item is what a step pays per parameter); ``device_steps``: the
     step count is a tensor on the device (a capturable step), not an int."""
@@ -215,11 +216,11 @@ def _kernel_for(algorithm: str, it: Item, usable: dict[torch.device, bool], devi
                 fmt = slot_fmt
             elif slot_fmt != fmt:
                 return None
-    kernel = registry.lookup(algorithm, fmt or "fp32")
+    kernel = registry.lookup(kernels, fmt or "fp32")
     record = it.record
     if kernel is None or sorted(kernel.slots(record.hyper, t)) != sorted(it.slots):
         return None
-    if record.rounding_of(t) != "nearest" and algorithm not in registry.UPDATE_ALGORITHMS:
+    if record.rounding_of(t) != "nearest" and not kernel.any_rounding:
         return None  # this kernel writes 16-bit parameters rounded to nearest only: the reference path rounds as asked
     for value in state.values():
         if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):

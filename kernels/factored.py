@@ -68,9 +68,10 @@ from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at
 from .factored_math import (_C, _COFF, _M, _R, _RES, _ROFF, _SQ, _V, clip_denominator, factor_coords,
                             factored_precondition, full_precondition, sqrt_numel)
 from .launch import TL_DTYPES, Bucket, Update, scalar
+from .registry import Kernel
 from .table import ceil_div
 
-__all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launch_came"]
+__all__ = ["ADAFACTOR", "CAME", "adafactor_slots", "came_slots", "layout", "launch_adafactor", "launch_came"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -545,3 +546,40 @@ def launch_came(u: Update, bucket: Bucket) -> None:
     _launch(bucket, came=True, has_m=True, scale_param=False, decay=wd != 0, eps1=eps1, eps2=eps2, beta1=beta1,
             beta2=beta2, beta3=beta3, clip=scalar(hyper["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr,
             scal=scal)
+
+
+#: the kernels as :func:`.registry.lookup` finds them (``KernelSet(triton="factored:ADAFACTOR")``, ``"factored:CAME"``)
+ADAFACTOR = Kernel(adafactor_slots, launch_adafactor, layout)
+CAME = Kernel(came_slots, launch_came, layout)
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+        v.Variant("stats", _stats_kernel, v.stats(v.Q8, 256, G_DTYPE=v.tl.bfloat16, RESIDUAL=False)),
+        v.Variant("stats-residual", _stats_kernel, v.stats(v.Q8, 256, RESIDUAL=True)),
+        v.Variant("moments", _moments_kernel, v.stats(v.Q8, 256)),
+        v.Variant("factors", _factors_kernel, dict(W=15, STAT=9, FB=v.runtime.STATS_BLOCK, MOMENTS=False)),
+        v.Variant("factors-moments", _factors_kernel, dict(W=15, STAT=11, FB=v.runtime.STATS_BLOCK, MOMENTS=True)),
+        v.Variant("factors-capturable", _factors_kernel,
+                dict(W=15, STAT=9, FB=v.runtime.STATS_BLOCK, MOMENTS=False, DEVICE_SCALARS=True)),
+        v.Variant("sumsq", _sumsq_kernel, v.tile(FACTORED=False, WIDE=False, SUM_P=True)),
+        v.Variant("sumsq-factored", _sumsq_kernel, v.tile(FACTORED=True, WIDE=True, SUM_P=True)),
+        # matrices of rows >= the tile's row (WIDE: the factor indices per segment), and narrower ones
+        v.Variant("apply-came", _apply_kernel,
+                v.tile(FACTORED=True, WIDE=True, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
+        v.Variant("apply-came-narrow", _apply_kernel,
+                v.tile(FACTORED=True, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
+        v.Variant("apply-adafactor", _apply_kernel,
+                v.tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
+        v.Variant("apply-adafactor-factored", _apply_kernel,
+                v.tile(FACTORED=True, WIDE=True, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
+        v.Variant("apply-adafactor-capturable", _apply_kernel,
+                v.tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True,
+                     DEVICE_SCALARS=True)),
+        v.Variant("stats-q4", _stats_kernel, v.stats(v.Q4, v.Q4_BLOCK, RESIDUAL=True)),
+        v.Variant("moments-q4", _moments_kernel, v.stats(v.Q4, v.Q4_BLOCK)),
+        v.Variant("apply-came-q4", _apply_kernel,
+                v.tile4(FACTORED=False, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
+    ]

@@ -28,8 +28,9 @@ import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Unsupported, Update, scalar
+from .registry import Kernel
 
-__all__ = ["lamb_direction", "launch", "slots"]
+__all__ = ["TRITON", "lamb_direction", "launch", "slots"]
 
 
 @triton.jit
@@ -158,3 +159,17 @@ def launch(u: Update, bucket: Bucket) -> None:
     if trust:
         bucket.tile_launch(_lamb_kernel, slots(u.hyper), args, writes=False, TRUST=True, APPLY=False, **flags)
     bucket.tile_launch(_lamb_kernel, slots(u.hyper), args, writes=True, TRUST=trust, APPLY=True, **flags)
+
+
+#: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="lamb:TRITON")``)
+TRITON = Kernel(lambda hyper, p: slots(hyper), launch)
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+        v.Variant("lamb-cols", _lamb_kernel, v.tile(DECAY=True, TRUST=True, APPLY=True, COLS=True)),
+        v.Variant("lamb", _lamb_kernel, v.tile(DECAY=True, TRUST=True, APPLY=True)),
+        v.Variant("lamb-capturable", _lamb_kernel, v.tile(DECAY=True, TRUST=True, APPLY=True, DEVICE_SCALARS=True)),
+    ]

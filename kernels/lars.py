@@ -20,8 +20,9 @@ import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Update, scalar
+from .registry import Kernel
 
-__all__ = ["lars_update", "launch", "slots"]
+__all__ = ["TRITON", "lars_update", "launch", "slots"]
 
 
 @triton.jit
@@ -132,3 +133,16 @@ def launch(u: Update, bucket: Bucket) -> None:
     args = (sums, neg_lr, scalar(kw["momentum"]), scalar(kw["eeta"]), wd, scalar(kw["epsilon"]), first)
     bucket.tile_launch(_lars_apply_kernel, names, args, writes=True, MOMENTUM=kw["momentum"] != 0,
                        DECAY=trust and wd != 0, TRUST=trust, WEIGHT=weight, **bucket.scalar_args(scal))
+
+
+#: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="lars:TRITON")``)
+TRITON = Kernel(lambda hyper, p: slots(hyper), launch)
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+        v.Variant("lars-norms", _lars_norms_kernel, v.tile()),
+        v.Variant("lars", _lars_apply_kernel, v.tile(MOMENTUM=True, DECAY=True, TRUST=True)),
+    ]

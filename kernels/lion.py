@@ -14,8 +14,9 @@ import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Update, scalar
+from .registry import Kernel
 
-__all__ = ["lion_update", "launch", "slots"]
+__all__ = ["TRITON", "lion_update", "launch", "slots"]
 
 
 @triton.jit
@@ -73,3 +74,19 @@ def launch(u: Update, bucket: Bucket) -> None:
     extra, update = bucket.param_update(u.record, u.step)
     bucket.tile_launch(_lion_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update,
                        **bucket.scalar_args(scal))
+
+
+#: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="lion:TRITON")``)
+TRITON = Kernel(lambda hyper, p: slots(hyper), launch, any_rounding=True)
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+        v.Variant("lion-cols", _lion_kernel, v.tile(UPDATE=v.NEAREST, COLS=True)),
+        # fp16 parameters: bf16_update's fp16 stochastic rounding and fp16 Kahan buffer (codec.store_param_as)
+        v.Variant("lion-fp16-stochastic", _lion_kernel, v.tile(UPDATE=v.STOCHASTIC, W=17, P_DTYPE=v.tl.float16)),
+        v.Variant("lion-fp16-kahan", _lion_kernel, v.tile(UPDATE=v.KAHAN, W=17, P_DTYPE=v.tl.float16)),
+        v.Variant("lion", _lion_kernel, v.tile(UPDATE=v.NEAREST)),
+    ]

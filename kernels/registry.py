@@ -1,88 +1,64 @@
-"""The dispatch registry: (algorithm, format) -> fused kernel.
+"""The Triton kernel of an algorithm and a state format: :func:`lookup` reads the algorithm's declaration
+(:class:`lowmemopt.work.kernel_set.KernelSet`: ``triton="module:ATTR"`` names a :class:`Kernel` template in this
+package) and keeps the per-format kernel it makes. Nothing here knows the algorithms.
 
-An *algorithm* is a name (``"adam"``, ``"sgd"``, ``"signsgd"`` (SGD's kernel with its ``SIGN`` flag), ``"lion"``,
-``"lamb"``, ``"lars"``, ``"adafactor"``, ``"came"``) that an algorithm marks its pure math with
-(:func:`lowmemopt.pipeline.algorithm.fused`); the algorithm decides which name it runs
-(:func:`lowmemopt.pipeline.algorithm.fused_name`: one that changes the math or how the update is applied runs none).
-Nothing here knows the optimizer classes.
 A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16``, ``q8`` or ``q4`` (a
-parameter without full-size slots, e.g. SGD without momentum, counts as ``fp32``). Every algorithm has a kernel for
-every format: the kernels' slot access (:func:`.codec.load_slot`, :func:`.codec.store_slot`,
-:func:`.codec.load_slot_at`) takes the format as a compile-time code.
-
-A :class:`Kernel` names the state slots it expects for a param group (the dispatcher checks the declared slots
-against them) and launches one bucket.
+parameter without full-size slots, e.g. SGD without momentum, counts as ``fp32``); every kernel takes every format
+(the slot access, :mod:`.codec`, takes it as a compile-time code).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import importlib
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-__all__ = ["Kernel", "register", "lookup", "registered", "ALGORITHMS", "FORMATS"]
+__all__ = ["Kernel", "lookup", "FORMATS"]
 
-#: every algorithm name a kernel exists for
-ALGORITHMS = ("adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came")
-ALGORITHMS += ("ademamix",)
-#: algorithms whose kernels write bf16 / fp16 parameters with any ``bf16_update`` (:func:`.codec.store_param_as`);
-#: the others round to nearest only, so the dispatcher leaves such a parameter with another mode to the reference path
-UPDATE_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion"})
-UPDATE_ALGORITHMS |= {"ademamix"}
 #: every state format a kernel exists for (:data:`.codec.FORMAT_CODES`)
 FORMATS = ("fp32", "bf16", "q8", "q4")
 
 
 @dataclass(frozen=True)
 class Kernel:
-    algorithm: str
-    fmt: str
-    #: the slot names the kernel reads and writes, in launch-table order, for a bucket's hyper-parameters
-    #: (:attr:`~lowmemopt.work.record.BucketRecord.hyper`) and parameter
+    """One algorithm's Triton kernel (a template in its kernel module; :func:`lookup` fills in the name and format).
+
+    Args:
+        slots: ``slots(hyper, p)``, the slot names the kernel reads and writes, in launch-table order.
+        launch: ``launch(update, bucket)``, the fused step of every tensor of a bucket.
+        layout: ``layout(p)``, a hashable: parameters with different values take separate launches.
+        any_rounding: the kernel writes bf16 / fp16 parameters with any ``bf16_update``
+            (:func:`.codec.store_param_as`); otherwise it rounds to nearest only and the dispatcher leaves a
+            parameter with another mode to the reference path.
+        algorithm: the declaration's name (stats, reports); fmt: the state format.
+    """
+
     slots: Callable[[Mapping[str, Any], Any], tuple[str, ...]]
-    #: launch(update, bucket): run the fused step for every tensor of the bucket (update: a pipeline ``Update``)
     launch: Callable[..., None]
-    #: bucket(p) -> hashable: parameters with different values take separate launches (e.g. factored or not)
     layout: Callable[[Any], Any] = lambda p: None
+    any_rounding: bool = False
+    algorithm: str = ""
+    fmt: str = ""
 
 
-_REGISTRY: dict[tuple[str, str], Kernel] = {}
-_loaded = False
+_MADE: dict[tuple[Any, str], Kernel | None] = {}
 
 
-def register(kernel: Kernel) -> Kernel:
-    _REGISTRY[(kernel.algorithm, kernel.fmt)] = kernel
-    return kernel
-
-
-def _load() -> None:
-    """Import the kernel modules (Triton compiles nothing until a launch) and fill the registry."""
-    global _loaded
-    if _loaded:
-        return
-    from . import adamw, factored, lamb, lars, lion, sgd
-
-    for fmt in FORMATS:
-        register(Kernel("adam", fmt, lambda g, p: adamw.slots(g), adamw.launch))
-        register(Kernel("sgd", fmt, lambda g, p: sgd.slots(g), sgd.launch))
-        register(Kernel("signsgd", fmt, lambda g, p: sgd.slots(g), sgd.launch))
-        register(Kernel("lion", fmt, lambda g, p: lion.slots(g), lion.launch))
-        register(Kernel("lamb", fmt, lambda g, p: lamb.slots(g), lamb.launch))
-        register(Kernel("lars", fmt, lambda g, p: lars.slots(g), lars.launch))
-        register(Kernel("adafactor", fmt, factored.adafactor_slots, factored.launch_adafactor, factored.layout))
-        register(Kernel("came", fmt, factored.came_slots, factored.launch_came, factored.layout))
-    from . import ademamix
-
-    for fmt in FORMATS:
-        register(Kernel("ademamix", fmt, lambda g, p: ademamix.slots(g), ademamix.launch))
-    _loaded = True
-
-
-def lookup(algorithm: str, fmt: str) -> Kernel | None:
-    _load()
-    return _REGISTRY.get((algorithm, fmt))
-
-
-def registered() -> list[tuple[str, str]]:
-    """Every (algorithm, format) pair with a kernel."""
-    _load()
-    return sorted(_REGISTRY)
+def lookup(kernels: Any, fmt: str) -> Kernel | None:
+    """The kernel that steps ``kernels``' algorithm (a :class:`~lowmemopt.work.kernel_set.KernelSet`) on state of
+    format ``fmt``, or None (no Triton kernel declared, or a format none takes)."""
+    key = (kernels, fmt)
+    made = _MADE.get(key, False)
+    if made is not False:
+        return made
+    made = None
+    if kernels.triton is not None and fmt in FORMATS:
+        module, attr = kernels.triton.split(":")
+        template: Kernel = getattr(importlib.import_module(f".{module}", __package__), attr)
+        launch = template.launch
+        if kernels.triton_options:
+            launch = functools.partial(launch, **dict(kernels.triton_options))
+        made = replace(template, launch=launch, algorithm=kernels.name, fmt=fmt)
+    _MADE[key] = made
+    return made

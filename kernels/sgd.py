@@ -16,8 +16,9 @@ import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tensor_scalar, tile_coords
 from .launch import Bucket, Update, scalar
+from .registry import Kernel
 
-__all__ = ["sgd_update", "launch", "slots"]
+__all__ = ["TRITON", "sgd_update", "launch", "slots"]
 
 
 @triton.jit
@@ -90,7 +91,8 @@ def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
     return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
 
 
-def launch(u: Update, bucket: Bucket) -> None:
+def launch(u: Update, bucket: Bucket, sign: bool = False) -> None:
+    """Step a bucket; ``sign``: SignSGD, ``p += -lr sign(d)``."""
     kw = u.kwargs
     wd = scalar(kw["weight_decay"])
     if u.steps is None:
@@ -102,5 +104,18 @@ def launch(u: Update, bucket: Bucket) -> None:
     extra, update = bucket.param_update(u.record, u.step)
     bucket.tile_launch(_sgd_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update,
                        MOMENTUM=kw["momentum"] != 0, NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]),
-                       DECAY=wd != 0, WD_AFTER=bool(kw.get("wd_after_momentum", False)), SIGN=u.algorithm == "signsgd",
+                       DECAY=wd != 0, WD_AFTER=bool(kw.get("wd_after_momentum", False)), SIGN=sign,
                        **bucket.scalar_args(scal))
+
+
+#: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="sgd:TRITON")``; SignSGD: ``sign=True``)
+TRITON = Kernel(lambda hyper, p: slots(hyper), launch, any_rounding=True)
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+        v.Variant("sgd", _sgd_kernel,
+                v.tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True, UPDATE=v.KAHAN, W=17, FMT=v.BF16)),
+    ]

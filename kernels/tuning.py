@@ -94,7 +94,7 @@ def adamw_q8_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     def step() -> None:
         t = states[0]["step"] + 1
         kwargs = dict(hyper, bias_correction1=1 - beta1**t, bias_correction2_sqrt=math.sqrt(1 - beta2**t))
-        launch(Update("adam", kwargs, BucketRecord.of(GROUP), 1.0, t, BLOCK_SIZE),
+        launch(Update("", kwargs, BucketRecord.of(GROUP), 1.0, t, BLOCK_SIZE),
                Bucket(params, grads, states, "q8", BLOCK_SIZE, index_bases=[0] * len(params)))
         for state in states:
             state["step"] = t

@@ -15,7 +15,7 @@ and a copy back over it: about 40 bytes per element for bf16 parameters; this pa
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import triton
@@ -110,3 +110,15 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
         kept["units"], table, c_ptr, c, float(scale), float(decay), W=3, P_DTYPE=TL_DTYPES[p_dtype],
         U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=kept["aligned"], ROWS=tile_rows,
         BLOCK=block, MATH=math, DECAY=decay != 1.0, num_warps=runtime.tile_shape(device)[1], enable_fp_fusion=False)
+
+
+def compile_variants(v: Any) -> list[Any]:
+    """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
+    whose ``Variant`` and tile helpers it uses)."""
+    return [
+        # GaLore's apply pass after the batched product back: bf16 params, fp32 products, a decay per matrix
+        v.Variant("unproject", _apply_kernel,
+                dict(W=3, P_DTYPE=v.tl.bfloat16, U_DTYPE=v.tl.float32, ALIGNED=True, ROWS=v.runtime.TILE // 256, BLOCK=256,
+                     MATH=2, DECAY=True)),
+
+    ]

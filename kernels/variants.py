@@ -12,6 +12,9 @@ Tile shapes follow :mod:`.runtime` (``TILE`` elements per program in ``TILE // b
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +23,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import adamw, blockwise, factored, lamb, lars, lion, runtime, sgd, unproject
+from . import runtime
 from .codec import BF16, FP32, KAHAN, NEAREST, Q4, Q8, STOCHASTIC
 
-__all__ = ["SM90", "Variant", "VARIANTS", "signature", "tile", "tile4", "compile_variant"]
+__all__ = ["SM90", "Variant", "VARIANTS", "signature", "stats", "tile", "tile4", "compile_variant"]
 
 #: the target of the ahead-of-time compiles: sm_90 (H100), 32 threads per warp
 SM90 = GPUTarget("cuda", 90, 32)
@@ -105,77 +108,27 @@ def tile4(**flags: Any) -> dict[str, Any]:
     return tile(Q4_BLOCK, **{"FMT": Q4, **flags})
 
 
-def _stats(fmt: int, qblock: int, **flags: Any) -> dict[str, Any]:
+def stats(fmt: int, qblock: int, **flags: Any) -> dict[str, Any]:
     """Constexprs of a 2-D tile kernel of the factored passes (``runtime.TILE_2D``)."""
     tr, bc = runtime.TILE_2D
     return {**dict(W=15, FMT=fmt, G_DTYPE=tl.float32, QBLOCK=qblock, TR=tr, BC=bc), **flags}
 
 
-#: one entry per kernel and code path worth compiling: every kernel, each update mode and state format once
-VARIANTS = [
-    Variant("adam", adamw._adam_kernel, tile(AMSGRAD=True, MAXIMIZE=True, L2_DECAY=True, UPDATE=NEAREST)),
-    Variant("adam-stochastic", adamw._adam_kernel,
-            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=STOCHASTIC, W=17)),
-    Variant("adam-arith", adamw._adam_kernel,  # runtime.Q8_DECODE = "arithmetic": no code books
-            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, book_s=None, book_u=None)),
-    # a capturable step: the step's scalars read per tensor from the device (lowmemopt.work.capture)
-    Variant("adam-capturable", adamw._adam_kernel,
-            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, DEVICE_SCALARS=True)),
-    # 8-bit tiles laid out [BLOCK, ROWS] (runtime.column_tiles: the default before Triton 3.7)
-    Variant("adam-cols", adamw._adam_kernel,
-            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, COLS=True)),
-    Variant("lion-cols", lion._lion_kernel, tile(UPDATE=NEAREST, COLS=True)),
-    Variant("lamb-cols", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True, COLS=True)),
-    Variant("adam-fp32-state", adamw._adam_kernel,
-            tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST, FMT=FP32)),
-    Variant("sgd", sgd._sgd_kernel,
-            tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True, UPDATE=KAHAN, W=17, FMT=BF16)),
-    # fp16 parameters: bf16_update's fp16 stochastic rounding and fp16 Kahan buffer (codec.store_param_as)
-    Variant("lion-fp16-stochastic", lion._lion_kernel, tile(UPDATE=STOCHASTIC, W=17, P_DTYPE=tl.float16)),
-    Variant("lion-fp16-kahan", lion._lion_kernel, tile(UPDATE=KAHAN, W=17, P_DTYPE=tl.float16)),
-    Variant("lion", lion._lion_kernel, tile(UPDATE=NEAREST)),
-    Variant("lamb", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True)),
-    Variant("lamb-capturable", lamb._lamb_kernel, tile(DECAY=True, TRUST=True, APPLY=True, DEVICE_SCALARS=True)),
-    Variant("lars-norms", lars._lars_norms_kernel, tile()),
-    Variant("lars", lars._lars_apply_kernel, tile(MOMENTUM=True, DECAY=True, TRUST=True)),
-    Variant("stats", factored._stats_kernel, _stats(Q8, 256, G_DTYPE=tl.bfloat16, RESIDUAL=False)),
-    Variant("stats-residual", factored._stats_kernel, _stats(Q8, 256, RESIDUAL=True)),
-    Variant("moments", factored._moments_kernel, _stats(Q8, 256)),
-    Variant("factors", factored._factors_kernel, dict(W=15, STAT=9, FB=runtime.STATS_BLOCK, MOMENTS=False)),
-    Variant("factors-moments", factored._factors_kernel, dict(W=15, STAT=11, FB=runtime.STATS_BLOCK, MOMENTS=True)),
-    Variant("factors-capturable", factored._factors_kernel,
-            dict(W=15, STAT=9, FB=runtime.STATS_BLOCK, MOMENTS=False, DEVICE_SCALARS=True)),
-    Variant("sumsq", factored._sumsq_kernel, tile(FACTORED=False, WIDE=False, SUM_P=True)),
-    Variant("sumsq-factored", factored._sumsq_kernel, tile(FACTORED=True, WIDE=True, SUM_P=True)),
-    # matrices of rows >= the tile's row (WIDE: the factor indices per segment), and narrower ones
-    Variant("apply-came", factored._apply_kernel,
-            tile(FACTORED=True, WIDE=True, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
-    Variant("apply-came-narrow", factored._apply_kernel,
-            tile(FACTORED=True, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
-    Variant("apply-adafactor", factored._apply_kernel,
-            tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
-    Variant("apply-adafactor-factored", factored._apply_kernel,
-            tile(FACTORED=True, WIDE=True, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
-    Variant("apply-adafactor-capturable", factored._apply_kernel,
-            tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True,
-                 DEVICE_SCALARS=True)),
-    Variant("quantize", blockwise._quantize_kernel, dict(SIGNED=False, ROWS=runtime.TILE // 256, BLOCK=256, POW2=True)),
-    Variant("quantize-table", blockwise._quantize_kernel,
-            dict(SIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256, POW2=False)),
-    Variant("dequantize", blockwise._dequantize_kernel, dict(ROWS=runtime.TILE // 256, BLOCK=256)),
-    # 4-bit state (block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
-    Variant("adam-q4", adamw._adam_kernel, tile4(AMSGRAD=True, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST)),
-    Variant("stats-q4", factored._stats_kernel, _stats(Q4, Q4_BLOCK, RESIDUAL=True)),
-    Variant("moments-q4", factored._moments_kernel, _stats(Q4, Q4_BLOCK)),
-    Variant("apply-came-q4", factored._apply_kernel,
-            tile4(FACTORED=False, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
-    Variant("quantize4", blockwise._quantize4_kernel, dict(SIGNED=True, ROWS=runtime.TILE // Q4_BLOCK, BLOCK=Q4_BLOCK)),
-    Variant("dequantize4", blockwise._dequantize4_kernel, dict(ROWS=runtime.TILE // Q4_BLOCK, BLOCK=Q4_BLOCK)),
-    # GaLore's apply pass after the batched product back: bf16 params, fp32 products, a decay per matrix
-    Variant("unproject", unproject._apply_kernel,
-            dict(W=3, P_DTYPE=tl.bfloat16, U_DTYPE=tl.float32, ALIGNED=True, ROWS=runtime.TILE // 256, BLOCK=256,
-                 MATH=2, DECAY=True)),
-]
+def _collect() -> list[Variant]:
+    """Every kernel module's ``compile_variants(this module)``, in the package's module order."""
+    out: list[Variant] = []
+    for info in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
+        if info.name == "variants":
+            continue
+        made = getattr(importlib.import_module(f".{info.name}", __package__), "compile_variants", None)
+        if made is not None:
+            out += made(sys.modules[__name__])
+    return out
+
+
+#: one entry per kernel and code path worth compiling (every kernel, each update mode and state format once), each
+#: declared beside its kernel (``compile_variants`` in the kernel's module)
+VARIANTS = _collect()
 
 
 def compile_variant(variant: Variant, target: GPUTarget = SM90) -> Any:

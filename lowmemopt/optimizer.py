@@ -108,7 +108,6 @@ from .state_dicts import (
     state_dict_post_hook, state_dict_pre_hook,
 )
 from .work import capture
-from .work.capture import CAPTURABLE_ALGORITHMS
 from .work.record import BucketRecord
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
@@ -258,7 +257,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         name, the GaLore stage and the communicate stage, if any (:mod:`lowmemopt.pipeline.plan`); a loss-scaled step's
         gradient multiplier and ``found_inf``."""
         alg = self.algorithm
-        return Plan(alg, self.state, self.param_groups, alg.fused, self._record, galore, grad_mult, found_inf,
+        return Plan(alg, self.state, self.param_groups, alg.kernels, self._record, galore, grad_mult, found_inf,
                     communicate=self._communicate)
 
     def _amp_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -329,7 +328,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
             torch_scalars(group)
             check_storage(group)
             self._check_group(group)
-            if group.get("capturable") and kernel_algorithm(self) not in CAPTURABLE_ALGORITHMS:
+            kernels = self.algorithm.kernels if self.algorithm is not None else None
+            if group.get("capturable") and not (kernels is not None and kernels.capturable):
                 raise ValueError(f"{type(self).__name__} does not support capturable=True (it has no fused kernel that "
                                  "reads the step's scalars on the device)")
             if group.get("rank") is not None:  # a GaLore group: fill its defaults and check them

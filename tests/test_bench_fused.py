@@ -116,13 +116,13 @@ def test_kernel_targets(bench, capsys):
 def test_q8_decode_modes_are_bit_identical(bits, monkeypatch):
     """``runtime.Q8_DECODE = "arithmetic"`` (codes decoded from their bits, no code-book gather) gives the table's
     results bit for bit: every 8-bit kernel optimizer, 2 steps, params and state; 4-bit state keeps its books."""
-    from lowmemopt.kernels import codec, registry
-    from lowmemopt.optimizer import kernel_algorithm
+    from lowmemopt.kernels import codec
     from optim_info import OPTIMIZERS, STATEFUL
 
     shapes = [(300,), (47, 53), (3, 5, 70)]
     for info in OPTIMIZERS:
-        if info.name not in STATEFUL or kernel_algorithm(info.cls) not in registry.ALGORITHMS:
+        kernels = info.cls.algorithm.kernels
+        if info.name not in STATEFUL or kernels is None or kernels.triton is None:
             continue
         runs = []
         for mode in ("table", "arithmetic"):

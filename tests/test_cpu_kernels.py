@@ -23,7 +23,8 @@ from lowmemopt.quant import dequantize_blockwise, q4, quantize_blockwise_referen
 from lowmemopt.quant.maps import code_book, is_signed_map, nearest_code_reference
 
 ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.algorithm.elementwise]
-NATIVE = [info for info in ELEMENTWISE if kernel_algorithm(info.cls) in elementwise.KERNELS]
+NATIVE = [info for info in ELEMENTWISE
+          if isinstance(getattr(info.cls.algorithm.kernels, "native", None), elementwise.NativeKernel)]
 SHAPES = [(300, 257), (5000,), (3, 7)]  # full blocks + ragged tails, a 1-D vector, a tensor below one block
 
 

@@ -190,10 +190,8 @@ def test_fused_sgd_weight_decay_after_momentum_on_every_cpu_path(monkeypatch):
     the CPU fast paths: the native C kernel (its flag 16, where it builds) or the compiled / eager paths."""
     from optim_info import ApexSGDReference
 
-    from lowmemopt.cpu import elementwise
-
     kw = dict(lr=1e-2, momentum=0.9, weight_decay=0.05, wd_after_momentum=True)
-    h, flags = elementwise.KERNELS["sgd"].scalars(dict(kw, dampening=0.0, nesterov=False, maximize=False,
+    h, flags = lowmemopt.FusedSGD.algorithm.kernels.native.scalars(dict(kw, dampening=0.0, nesterov=False, maximize=False,
                                                        first_step=False), 1.0)
     assert flags & 16
     ours, theirs = _twins(_params(shapes=((70000,), (33,))))

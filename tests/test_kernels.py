@@ -40,9 +40,8 @@ interpreted = pytest.mark.skipif(
 )
 
 def _has_kernel(cls) -> bool:
-    from lowmemopt.kernels import registry
-
-    return kernel_algorithm(cls) in registry.ALGORITHMS
+    kernels = cls.algorithm.kernels if cls.algorithm is not None else None
+    return kernels is not None and kernels.triton is not None
 
 
 #: the table's optimizers that have kernels (AdafactorTorch and transformers-style AdamW take the reference path)
@@ -600,10 +599,14 @@ def test_hyperparameters_are_not_constexpr():
 def test_registry_covers_every_pair():
     from lowmemopt.kernels import registry
 
-    pairs = set(registry.registered())
-    for algorithm in ("adam", "sgd", "lion", "lamb", "lars", "adafactor", "came"):
+    declared = {cls.algorithm.kernels.name: cls.algorithm.kernels for cls in
+                (lowmemopt.AdamW, lowmemopt.SGD, lowmemopt.SignSGD, lowmemopt.Lion, lowmemopt.LAMB, lowmemopt.LARS,
+                 lowmemopt.Adafactor, lowmemopt.CAME, lowmemopt.AdEMAMix)}
+    for name, kernels in declared.items():
         for fmt in ("fp32", "bf16", "q8", "q4"):
-            assert (algorithm, fmt) in pairs
+            kernel = registry.lookup(kernels, fmt)
+            assert (kernel.algorithm, kernel.fmt) == (name, fmt)
+        assert registry.lookup(kernels, "q2") is None
     p = [torch.nn.Parameter(torch.zeros(2))]
     expect = {lowmemopt.AdamW: "adam", lowmemopt.Adam: "adam", lowmemopt.AdamW8bit: "adam", lowmemopt.SGD: "sgd",
               lowmemopt.Lion8bit: "lion", lowmemopt.LAMB: "lamb", lowmemopt.LARS8bit: "lars",
@@ -621,7 +624,7 @@ def test_registry_covers_every_pair():
         algorithm = CustomMath()
 
     assert kernel_algorithm(Custom(p)) is None
-    assert "adafactor_torch" not in registry.ALGORITHMS  # a native CPU kernel only
+    assert registry.lookup(lowmemopt.AdafactorTorch.algorithm.kernels, "fp32") is None  # a native CPU kernel only
 
 
 @interpreted
@@ -758,9 +761,8 @@ def test_launch_failure_before_writing_falls_back(monkeypatch):
 
     monkeypatch.setattr(runtime, "INTERPRET", True)
     monkeypatch.setattr(runtime, "ENABLED", True)
-    registry._load()
-    monkeypatch.setitem(registry._REGISTRY, ("adam", "fp32"),
-                        registry.Kernel("adam", "fp32", lambda g, p: adamw.slots(g), broken))
+    monkeypatch.setitem(registry._MADE, (lowmemopt.AdamW.algorithm.kernels, "fp32"),
+                        registry.Kernel(lambda g, p: adamw.slots(g), broken, algorithm="adam", fmt="fp32"))
     params = make_params([(50,)])
     ref_params = clone_params(params)
     opt, ref = lowmemopt.AdamW(params), lowmemopt.AdamW(ref_params)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 
@@ -63,23 +64,23 @@ def applies(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and available()
 
 
-def step_elementwise(algorithm: str | None, kwargs: dict, pflat: torch.Tensor, *args, **kw) -> tuple[int, bool | None]:
+def step_elementwise(kernel: Any, kwargs: dict, pflat: torch.Tensor, *args, **kw) -> tuple[int, bool | None]:
     """See :func:`lowmemopt.cpu.elementwise.step` (``(0, None)``: not done, when the kernels are off or unavailable)."""
     if not applies(pflat):
         return 0, None
     from .elementwise import step
 
-    return step(algorithm, kwargs, pflat, *args, **kw)
+    return step(kernel, kwargs, pflat, *args, **kw)
 
 
-def step_factored(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, *args, **kw) -> int:
+def step_factored(native: Any, p: torch.Tensor, pflat: torch.Tensor, *args, **kw) -> int:
     """See :func:`lowmemopt.cpu.factored.step` (0, :data:`~lowmemopt.cpu.factored.NOT_APPLIED`, when the kernels are
     off or unavailable)."""
     if not applies(pflat):
         return 0
     from .factored import step
 
-    return step(algorithm, p, pflat, *args, **kw)
+    return step(native, p, pflat, *args, **kw)
 
 
 def grad_is_finite(g: torch.Tensor) -> bool | None:

@@ -1,14 +1,7 @@
-"""Native kernels for the elementwise algorithms: which C function implements which ``math``, and how its
-hyper-parameters are passed.
-
-Each entry maps an algorithm's name (``"adam"``, ``"lion"``, ``"sgd"``, ``"signsgd"``: what the optimizer declares
-on its pure fp32 math, :func:`lowmemopt.optimizer.algorithm`) to its fused kernel in ``csrc/elementwise.c`` (SignSGD: the SGD
-kernel with its sign flag) and to a function that turns the math's keyword arguments (the group's hyper-parameters
-plus the algorithm's ``step_scalars``) into the kernel's scalars. Scalars are computed here with the same Python
-expressions the math uses (``-lr / bias_correction1``, ``1 - beta1``, ...) and cast to float in C, as torch casts
-Python scalars, so the kernel's results equal the eager path's. A tensor hyper-parameter (a 0-dim ``lr``) is not
-taken: the torch paths run.
-"""
+"""The native C kernels of the elementwise algorithms (``csrc/elementwise.c``): a parameter's kernel arguments
+(:func:`prepare`, :func:`refresh`) and the calls (:func:`step`, :func:`step_many`). Each algorithm declares its
+:class:`NativeKernel` in ``optim/X.py``: the C function and how the math's keyword arguments become its scalars (the
+math's own expressions, so results equal the eager path's; docs/cpu_kernels.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +15,7 @@ from ..quant.formats import BF16, FP32, Q4, Q8, StateFormat
 from ..work.record import BucketRecord
 from . import build, ffi
 
-__all__ = ["KERNELS", "Kernel", "prepare", "refresh", "step", "step_many"]
+__all__ = ["NativeKernel", "prepare", "refresh", "step", "step_many"]
 
 #: rows of this many elements for fp32 / bf16 state (any size works; q8 / q4 rows are the quantization blocks); the
 #: kernel also does the last partial row, so every element of a parameter takes the same arithmetic (a sharded
@@ -30,47 +23,12 @@ __all__ = ["KERNELS", "Kernel", "prepare", "refresh", "step", "step_many"]
 DENSE_ROW = 64
 
 
-class Kernel(NamedTuple):
-    name: str  # exported C function
+class NativeKernel(NamedTuple):
+    """An elementwise algorithm's C kernel, declared in its own module (:class:`lowmemopt.work.kernel_set.KernelSet`)."""
+
+    name: str  # exported C function (its ``_many`` twin steps a bucket)
     scalars: Callable[[dict[str, Any], float], tuple[tuple[float, ...], int]]  # (math kwargs, decay) -> (h, flags)
     slots: Callable[[dict[str, Any]], tuple[str, ...]]  # the slots, in the kernel's order
-
-
-def _adam(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
-    beta1, beta2 = kw["betas"]
-    l2 = kw["weight_decay"] if kw["weight_decay"] != 0 and not kw["decoupled_weight_decay"] else 0.0
-    h = (l2, 1 - beta1, beta2, 1 - beta2, kw["bias_correction2_sqrt"], kw["eps"], -kw["lr"] / kw["bias_correction1"],
-         decay)
-    return h, int(bool(kw["maximize"])) | int(bool(kw["amsgrad"])) << 1
-
-
-def _lion(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
-    beta1, beta2 = kw["betas"]
-    return (beta1, 1 - beta1, beta2, 1 - beta2, -kw["lr"], decay), 0
-
-
-def _sgd(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
-    flags = (int(bool(kw["maximize"])) | int(bool(kw["nesterov"])) << 1 | int(bool(kw["first_step"])) << 2
-             | int(kw["momentum"] != 0) << 3 | int(bool(kw.get("wd_after_momentum", False))) << 4)
-    return (kw["weight_decay"], kw["momentum"], 1 - kw["dampening"], -kw["lr"], decay), flags
-
-
-def _signsgd(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
-    h, flags = _sgd(kw, decay)
-    return h, flags | 32  # lmo_sgd's SignSGD flag: p += -lr sign(d)
-
-
-def _sgd_slots(kw: dict[str, Any]) -> tuple[str, ...]:
-    return ("momentum_buffer",) if kw["momentum"] != 0 else ()
-
-
-KERNELS: dict[str, Kernel] = {
-    "adam": Kernel("lmo_adam", _adam,
-                      lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ())),
-    "lion": Kernel("lmo_lion", _lion, lambda kw: ("exp_avg",)),
-    "sgd": Kernel("lmo_sgd", _sgd, _sgd_slots),
-    "signsgd": Kernel("lmo_sgd", _signsgd, _sgd_slots),
-}
 
 
 _SCALARS = (float, int, bool)
@@ -87,11 +45,11 @@ def _same_slots(names: tuple[str, ...], slots: dict[str, Any]) -> bool:
     return len(names) == len(slots) and all(k in slots for k in names)
 
 
-def _derived(kernel: Kernel, algorithm: str, kwargs: dict[str, Any], decay: float,
+def _derived(kernel: NativeKernel, kwargs: dict[str, Any], decay: float,
              memo: dict | None) -> tuple[bool, tuple[str, ...], tuple[float, ...], int]:
     """``(numbers, slot names, h, flags)``: whether the hyper-parameters are plain numbers (a tensor is not taken),
     the kernel's slots and its scalars; from ``memo`` where this ``kwargs`` object was seen (see :func:`prepare`)."""
-    key = (algorithm, id(kwargs), decay)
+    key = (kernel, id(kwargs), decay)
     derived = None if memo is None else memo.get(key)
     if derived is None:
         numbers = all(map(_is_number, kwargs.values())) and _is_number(decay)
@@ -102,7 +60,7 @@ def _derived(kernel: Kernel, algorithm: str, kwargs: dict[str, Any], decay: floa
     return derived
 
 
-def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
+def prepare(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
             state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], record: BucketRecord,
             step: int, decay: float, scan: torch.Tensor | None = None,
             index_base: int | None = 0, memo: dict | None = None,
@@ -111,12 +69,11 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     will do; ``(None, 0)`` where the kernel does not apply (the caller runs the torch paths). ``memo``: a dict kept
     while ``kwargs`` and ``decay`` stay the same objects (a bucket's parameters of one group and step), which holds
     what is derived from them alone."""
-    kernel = KERNELS.get(algorithm)
-    if kernel is None or not ffi.usable(pflat) or gflat.device != pflat.device:
+    if not isinstance(kernel, NativeKernel) or not ffi.usable(pflat) or gflat.device != pflat.device:
         return None, 0
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
         return None, 0
-    numbers, names, h, flags = _derived(kernel, algorithm, kwargs, decay, memo)
+    numbers, names, h, flags = _derived(kernel, kwargs, decay, memo)
     if not numbers:
         return None, 0
     if not _same_slots(names, slots):
@@ -177,15 +134,14 @@ def prepare(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, 
     return args, rows * bs + tail
 
 
-def refresh(args: ffi.Args, algorithm: str, kwargs: dict[str, Any], gflat: torch.Tensor, state: dict[str, Any],
+def refresh(args: ffi.Args, kernel: NativeKernel, kwargs: dict[str, Any], gflat: torch.Tensor, state: dict[str, Any],
             slots: dict[str, Any], step: int, decay: float, scan: torch.Tensor | None = None, memo: dict | None = None,
             grad_mult: float | None = None) -> bool:
     """Make ``args``, which :func:`prepare` made for this parameter on an earlier step, this step's: the gradient, the
     scalars, the check, the stochastic rounding key, the loss scaling multiplier. The caller vouches that nothing else
     changed (the parameter, its state tensors and their formats, the storage options). False: the hyper-parameters
     now ask for another kernel setup (call :func:`prepare`)."""
-    kernel = KERNELS[algorithm]
-    numbers, names, h, flags = _derived(kernel, algorithm, kwargs, decay, memo)
+    numbers, names, h, flags = _derived(kernel, kwargs, decay, memo)
     if not numbers or not _same_slots(names, slots):
         return False
     args.g = gflat.data_ptr()
@@ -199,11 +155,11 @@ def refresh(args: ffi.Args, algorithm: str, kwargs: dict[str, Any], gflat: torch
     return True
 
 
-def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
+def step(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
          state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], record: BucketRecord,
          step: int, decay: float, scan: torch.Tensor | None = None,
          index_base: int | None = 0, grad_mult: float | None = None) -> tuple[int, bool | None]:
-    """Run the fused kernel of ``algorithm`` (with the math's keyword arguments ``kwargs``; ``record``: the bucket's
+    """Run the fused kernel ``kernel`` (with the math's keyword arguments ``kwargs``; ``record``: the bucket's
     options, its block size and rounding mode; ``step``: the step being taken) over the flat tensor
     ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
     ``p = p * decay + delta``: all of it for fp32 / bf16 state, the full blocks for 8- and 4-bit state (a ragged
@@ -220,18 +176,18 @@ def step(algorithm: str | None, kwargs: dict[str, Any], pflat: torch.Tensor, gfl
 
     Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
     the rest), and whether ``scan`` is finite (None: not scanned)."""
-    args, done = prepare(algorithm, kwargs, pflat, gflat, state, slots, formats, record, step, decay, scan, index_base,
+    args, done = prepare(kernel, kwargs, pflat, gflat, state, slots, formats, record, step, decay, scan, index_base,
                          grad_mult=grad_mult)
     if args is None:
         return 0, None
-    ffi.call(getattr(build.library(), KERNELS[algorithm].name), args)
+    ffi.call(getattr(build.library(), kernel.name), args)
     return done, (None if args.scan is None else ffi.scan_result(args))
 
 
-def step_many(algorithm: str, batch: list[ffi.Args]) -> list[bool]:
-    """Run ``algorithm``'s fused kernel over many parameters (each one's arguments from :func:`prepare`) in one
+def step_many(kernel: NativeKernel, batch: list[ffi.Args]) -> list[bool]:
+    """Run the fused kernel ``kernel`` over many parameters (each one's arguments from :func:`prepare`) in one
     parallel region: one fork/join of the threads per bucket instead of one per parameter. An argument set with a
     ``scan`` of its own gradient is checked before its update (read while the previous parameter is updated);
     returns per parameter whether it was stepped (False: that check found a NaN / Inf or an overflowing sum
     of squares, and nothing of the parameter or its state was written)."""
-    return ffi.call_many(getattr(build.library(), KERNELS[algorithm].name + "_many"), batch)
+    return ffi.call_many(getattr(build.library(), kernel.name + "_many"), batch)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -37,14 +37,12 @@ from ..quant.formats import BF16, FP32, Q4, Q8
 from ..work.record import BucketRecord
 from . import build, ffi
 
-__all__ = ["CHECKING", "MIN_NUMEL", "NOT_APPLIED", "SKIPPED", "STEPPED", "STEPS", "step"]
+__all__ = ["ADAFACTOR", "ADAFACTOR_TORCH", "CAME", "FactoredStep", "MIN_NUMEL", "NOT_APPLIED", "SKIPPED", "STEPPED",
+           "step"]
 
 MIN_NUMEL = 1 << 16
 NSEG = 16  # LMO_NSEG
 CHECK = 4  # lmo_fact.flags: the step checks its gradient in pass 1
-
-#: the algorithms whose native step can check its own gradient (``check=True``)
-CHECKING = frozenset({"adafactor", "came"})
 
 #: what :func:`step` did: nothing (the caller runs the eager path; state untouched), the step, or (``check=True``)
 #: nothing because the gradient's fp32 sum of squares is not finite
@@ -258,22 +256,29 @@ def _adafactor_torch(p, pflat, gflat, state, formats, record, step, decay, weigh
     return STEPPED
 
 
-#: the native step of each algorithm, keyed by the name the optimizer declares on its ``_update``
-#: (:func:`lowmemopt.optimizer.algorithm`; a subclass that overrides ``_update`` runs none)
-STEPS: dict[str, Callable[..., int]] = {"adafactor": _adafactor, "came": _came, "adafactor_torch": _adafactor_torch}
+class FactoredStep(NamedTuple):
+    """A factored algorithm's native step, as its module declares it (:class:`lowmemopt.work.kernel_set.KernelSet`):
+    the function, and whether it can be its gradient's non-finite check (``check=True``)."""
+
+    run: Callable[..., int]
+    checks: bool
 
 
-def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
+ADAFACTOR = FactoredStep(_adafactor, checks=True)
+CAME = FactoredStep(_came, checks=True)
+ADAFACTOR_TORCH = FactoredStep(_adafactor_torch, checks=False)
+
+
+def step(native: FactoredStep | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
          formats: dict[str, Any], record: BucketRecord, step: int, decay: float,
          weight: torch.Tensor | None = None, grad_mult: float | None = None, check: bool = False) -> int:
-    """One native step of ``algorithm`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
+    """One native step ``native`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
     place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
     ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.step.weights``).
     ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none). ``check``:
     the step is also the optimizer's non-finite check of ``gflat`` (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum
     of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`)."""
-    fn = STEPS.get(algorithm)
-    if fn is None or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
+    if not isinstance(native, FactoredStep) or p.dim() != 2 or p.numel() < MIN_NUMEL or p.shape[1] % 16:
         return NOT_APPLIED
     if not ffi.usable(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
         return NOT_APPLIED
@@ -286,4 +291,4 @@ def step(algorithm: str | None, p: torch.Tensor, pflat: torch.Tensor, gflat: tor
         return NOT_APPLIED
     if isinstance(record.hyper.get("lr"), torch.Tensor):
         return NOT_APPLIED
-    return fn(p, pflat, gflat, state, formats, record, step, decay, weight, grad_mult, check)
+    return native.run(p, pflat, gflat, state, formats, record, step, decay, weight, grad_mult, check)

@@ -27,7 +27,8 @@ import torch
 from ..distributed.reduction import LOCAL, Reduction
 from ..checks import check_eps_pair, check_lr, check_nonneg, check_positive
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..cpu import factored as native
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..quant.formats import Slot
 
 if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
@@ -192,6 +193,13 @@ def adafactor_torch_math(
     return u.mul_(alpha / denom)
 
 
+#: Adafactor's fused kernels: Triton (``kernels/factored.py``) and C (``csrc/factored.c``, a step that can be its
+#: gradient's non-finite check)
+KERNELS = KernelSet("adafactor", triton="factored:ADAFACTOR", capturable=True, native=native.ADAFACTOR)
+#: ``torch.optim.Adafactor``'s semantics: a native C step only
+TORCH_KERNELS = KernelSet("adafactor_torch", native=native.ADAFACTOR_TORCH)
+
+
 class AdafactorAlgorithm(Algorithm):
     """Adafactor for the step pipeline: its slots, math, step scalars and decay rules."""
 
@@ -219,7 +227,7 @@ class AdafactorAlgorithm(Algorithm):
                           warmup_init=group["warmup_init"])
         return -group["weight_decay"] * alpha
 
-    @fused("adafactor")
+    @fused(KERNELS)
     def update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         u = adafactor_math(
@@ -330,7 +338,7 @@ class AdafactorTorchAlgorithm(Algorithm):
     def weight_statistic(self, group):
         return "rms"
 
-    @fused("adafactor_torch")
+    @fused(TORCH_KERNELS)
     def update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         u = adafactor_torch_math(

@@ -21,7 +21,8 @@ import torch
 
 from ..checks import check_adam_group, sqrt_of
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..cpu.elementwise import NativeKernel
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..quant.formats import Slot
 
 if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
@@ -32,7 +33,21 @@ if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowme
 __all__ = ["Adam", "AdamW", "AdamAlgorithm", "CPUAdam", "FusedAdam", "GradNoneOnZero", "adam_math"]
 
 
-@fused("adam")
+def _native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    """``lmo_adam``'s scalars and flags from the math's keyword arguments, in the math's own expressions."""
+    beta1, beta2 = kw["betas"]
+    l2 = kw["weight_decay"] if kw["weight_decay"] != 0 and not kw["decoupled_weight_decay"] else 0.0
+    h = (l2, 1 - beta1, beta2, 1 - beta2, kw["bias_correction2_sqrt"], kw["eps"], -kw["lr"] / kw["bias_correction1"],
+         decay)
+    return h, int(bool(kw["maximize"])) | int(bool(kw["amsgrad"])) << 1
+
+
+#: Adam's fused kernels: Triton (``kernels/adamw.py``) and C (``lmo_adam``, ``csrc/elementwise.c``)
+KERNELS = KernelSet("adam", triton="adamw:TRITON", capturable=True, native=NativeKernel(
+    "lmo_adam", _native_scalars, lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ())))
+
+
+@fused(KERNELS)
 def adam_math(
     p: torch.Tensor,
     g: torch.Tensor,

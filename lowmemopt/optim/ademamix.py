@@ -24,7 +24,7 @@ import torch
 
 from ..checks import check_betas, check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..quant.formats import Slot
 
 if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
@@ -50,7 +50,11 @@ def beta3_schedule(step: int, beta1: float, beta3: float, t_beta3: int | None) -
     return min(math.exp((ln_beta1 * ln_beta3) / ((1 - s) * ln_beta3 + s * ln_beta1)), beta3)
 
 
-@fused("ademamix")
+#: AdEMAMix's fused kernels: Triton (``kernels/ademamix.py``)
+KERNELS = KernelSet("ademamix", triton="ademamix:TRITON")
+
+
+@fused(KERNELS)
 def ademamix_math(
     p: torch.Tensor,
     g: torch.Tensor,

@@ -19,7 +19,8 @@ import torch
 from ..distributed.reduction import LOCAL, Reduction
 from ..checks import check_betas, check_eps_pair, check_lr, check_nonneg, check_positive
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..cpu import factored as native
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..quant.formats import Slot
 from .adafactor import add_scaled_, approx_rsqrt, clipped_preconditioned, ema_factored_, factored_slots
 
@@ -66,6 +67,11 @@ def came_math(
     return u.mul_(lr)
 
 
+#: CAME's fused kernels: Triton (``kernels/factored.py``) and C (``csrc/factored.c``, a step that can be its gradient's
+#: non-finite check)
+KERNELS = KernelSet("came", triton="factored:CAME", capturable=True, native=native.CAME)
+
+
 class CAMEAlgorithm(Algorithm):
     """CAME for the step pipeline: its slots, math, step scalars and decay rules."""
 
@@ -85,7 +91,7 @@ class CAMEAlgorithm(Algorithm):
             slots["exp_avg_sq"] = Slot(signed=False)
         return slots
 
-    @fused("came")
+    @fused(KERNELS)
     def update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
         beta1, beta2, beta3 = group["betas"]

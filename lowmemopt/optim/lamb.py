@@ -33,7 +33,7 @@ from ..distributed.reduction import LOCAL, Reduction
 from ..checks import check_adam_group, sqrt_of
 from ..distributed.sharding import is_dtensor
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..pipeline.plan import unscaled
 from ..quant.formats import Slot
 from .adamw import GradNoneOnZero
@@ -49,7 +49,11 @@ __all__ = ["LAMB", "FusedLAMB", "lamb_math", "GRAD_DIVISOR"]
 GRAD_DIVISOR = "grad_divisor"
 
 
-@fused("lamb")
+#: LAMB's fused kernels: Triton (``kernels/lamb.py``)
+KERNELS = KernelSet("lamb", triton="lamb:TRITON", capturable=True)
+
+
+@fused(KERNELS)
 def lamb_math(
     p: torch.Tensor,
     g: torch.Tensor,

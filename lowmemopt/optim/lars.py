@@ -19,7 +19,7 @@ import torch
 from ..distributed.reduction import LOCAL, Reduction
 from ..checks import check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..quant.formats import Slot
 
 if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
@@ -30,7 +30,11 @@ if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowme
 __all__ = ["LARS", "lars_math"]
 
 
-@fused("lars")
+#: LARS's fused kernels: Triton (``kernels/lars.py``)
+KERNELS = KernelSet("lars", triton="lars:TRITON", capturable=True)
+
+
+@fused(KERNELS)
 def lars_math(
     p: torch.Tensor,
     g: torch.Tensor,

@@ -12,7 +12,8 @@ import torch
 
 from ..checks import check_betas, check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..cpu.elementwise import NativeKernel
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..quant.formats import Slot
 
 if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowmemopt.signature)
@@ -23,7 +24,18 @@ if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowme
 __all__ = ["Lion", "lion_math"]
 
 
-@fused("lion")
+def _native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    """``lmo_lion``'s scalars from the math's keyword arguments, in the math's own expressions."""
+    beta1, beta2 = kw["betas"]
+    return (beta1, 1 - beta1, beta2, 1 - beta2, -kw["lr"], decay), 0
+
+
+#: Lion's fused kernels: Triton (``kernels/lion.py``) and C (``lmo_lion``, ``csrc/elementwise.c``)
+KERNELS = KernelSet("lion", triton="lion:TRITON", capturable=True,
+                    native=NativeKernel("lmo_lion", _native_scalars, lambda kw: ("exp_avg",)))
+
+
+@fused(KERNELS)
 def lion_math(
     p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float, betas: tuple[float, float]
 ) -> torch.Tensor:

@@ -17,7 +17,8 @@ from torch.optim.optimizer import required
 
 from ..checks import check_lr, check_nonneg
 from ..optimizer import LowMemOptimizer
-from ..pipeline.algorithm import Algorithm, fused
+from ..cpu.elementwise import NativeKernel
+from ..pipeline.algorithm import Algorithm, KernelSet, fused
 from ..quant.formats import Slot
 from .adamw import GradNoneOnZero
 
@@ -29,7 +30,24 @@ if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowme
 __all__ = ["SGD", "FusedSGD", "sgd_math"]
 
 
-@fused("sgd")
+def native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    """``lmo_sgd``'s scalars and flags from the math's keyword arguments, in the math's own expressions."""
+    flags = (int(bool(kw["maximize"])) | int(bool(kw["nesterov"])) << 1 | int(bool(kw["first_step"])) << 2
+             | int(kw["momentum"] != 0) << 3 | int(bool(kw.get("wd_after_momentum", False))) << 4)
+    return (kw["weight_decay"], kw["momentum"], 1 - kw["dampening"], -kw["lr"], decay), flags
+
+
+def native_slots(kw: dict[str, Any]) -> tuple[str, ...]:
+    """``lmo_sgd``'s slots."""
+    return ("momentum_buffer",) if kw["momentum"] != 0 else ()
+
+
+#: SGD's fused kernels: Triton (``kernels/sgd.py``) and C (``lmo_sgd``, ``csrc/elementwise.c``)
+KERNELS = KernelSet("sgd", triton="sgd:TRITON", capturable=True,
+                    native=NativeKernel("lmo_sgd", native_scalars, native_slots))
+
+
+@fused(KERNELS)
 def sgd_math(
     p: torch.Tensor,
     g: torch.Tensor,

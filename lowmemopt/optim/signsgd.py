@@ -16,13 +16,27 @@ from __future__ import annotations
 
 import torch
 
-from ..pipeline.algorithm import fused
-from .sgd import SGD, SGDAlgorithm, sgd_math
+from typing import Any
+
+from ..cpu.elementwise import NativeKernel
+from ..pipeline.algorithm import KernelSet, fused
+from .sgd import SGD, SGDAlgorithm, native_scalars, native_slots, sgd_math
 
 __all__ = ["SignSGD", "signsgd_math"]
 
 
-@fused("signsgd")
+def _native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
+    """SGD's scalars, with ``lmo_sgd``'s sign flag: ``p += -lr sign(d)``."""
+    h, flags = native_scalars(kw, decay)
+    return h, flags | 32
+
+
+#: SignSGD's fused kernels: SGD's Triton kernel with its sign flag, ``lmo_sgd`` with its sign flag
+KERNELS = KernelSet("signsgd", triton="sgd:TRITON", triton_options=(("sign", True),), capturable=True,
+                    native=NativeKernel("lmo_sgd", _native_scalars, native_slots))
+
+
+@fused(KERNELS)
 def signsgd_math(
     p: torch.Tensor,
     g: torch.Tensor,

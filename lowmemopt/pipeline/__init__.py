@@ -38,8 +38,9 @@ from ..distributed.reduction import LOCAL
 from ..distributed.sharding import is_dtensor, local_tensor, local_view
 from ..work import Item, Update, capture
 from .backends import CHUNK_NUMEL, init_state
-from .finite import DEFERRED_ALGORITHMS, CpuFiniteChecks, DeviceFlags
+from .finite import CpuFiniteChecks, DeviceFlags
 from .native import step_cpu_bucket, takes as takes_cpu_bucket
+from .algorithm import KernelSet
 from .plan import Plan, StepRecord
 from .per_param import step_param
 from .program import update_for
@@ -107,26 +108,21 @@ def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[boo
         device_steps: bool = False) -> None:
     """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
     gradient checked in the native kernels' pipeline (:func:`step_in_order`); ``pager``: the paging manager, or None
-    when nothing is paged; ``plan.fused``: the bucketed backend's algorithm (None: the per-tensor backends only);
+    when nothing is paged; ``plan.kernels``: the algorithm's fused kernels (None: the per-tensor backends only);
     ``plan.galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or None when no param group is projected;
     ``flags``: the gradients' finiteness on the device (:mod:`.finite`; ``finite`` then says True for all,
     provisionally), read on the host only after the kernels are launched. ``device_steps``: a capturable step
     (:mod:`.capture`): everything through the kernels, nothing read back."""
-    name = plan.fused
-    if name is not None and not triton_usable({p.device for _, p, _ in todo}):
-        name = None
-    if name is not None:  # (imported here: lowmemopt imports without its kernels package, e.g. from a source tree)
-        from ..kernels.registry import ALGORITHMS
-
-        if name not in ALGORITHMS:
-            name = None
-    if device_steps and (name is None or pager is not None or flags is None):
+    kernels = plan.kernels  # (None: no Triton kernel, or none usable for this step's devices)
+    if kernels is not None and (kernels.triton is None or not triton_usable({p.device for _, p, _ in todo})):
+        kernels = None
+    if device_steps and (kernels is None or pager is not None or flags is None):
         raise ValueError("capturable=True needs the fused Triton kernels, unpaged state and the device-side "
                          "non-finite check")
     if pager is None:
-        if name is not None:
+        if kernels is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
-            left = {id(p) for p, _ in step_buckets(plan, name, checked, flags, device_steps)}
+            left = {id(p) for p, _ in step_buckets(plan, kernels, checked, flags, device_steps)}
             todo = [t for t in todo if finite[t[0]] is None or id(t[1]) in left]
         if flags is not None and todo:  # the per-tensor backends need the decision on the host (after the launches)
             for i, p, _ in todo:
@@ -139,10 +135,10 @@ def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[boo
         return
     work = [(p, group) for _, p, group in todo]
     index = {id(p): i for i, p, _ in todo}
-    cpu_bucket = name is None and takes_cpu_bucket(plan)  # CPU parameters: one native call per batch
+    cpu_bucket = kernels is None and takes_cpu_bucket(plan)  # CPU parameters: one native call per batch
     # flags: nothing moves (device_flags: state resident within the budget), so this is the unpaged step
-    for batch in pager.batches(work, PAGE_BUCKET_BYTES if name is not None or cpu_bucket else 0, cpu.copy_files):
-        left = step_buckets(plan, name, batch, flags) if name is not None else batch
+    for batch in pager.batches(work, PAGE_BUCKET_BYTES if kernels is not None or cpu_bucket else 0, cpu.copy_files):
+        left = step_buckets(plan, kernels, batch, flags) if kernels is not None else batch
         if cpu_bucket:  # (it checks the gradients the optimizer left to the pipelined check: finite[i] is None)
             left = [(p, g) for _, p, g in step_cpu_bucket(plan, [(index[id(p)], p, g) for p, g in left], finite)]
         for p, group in left:
@@ -179,7 +175,8 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
     """Can ``p``'s step be its gradient's non-finite check (:func:`.backends.update_checked`)? An algorithm with a
     native factored step that checks (Adafactor, CAME), outside GaLore, for a parameter that has state (a fresh one is
     checked before its state is made, so that a skip makes none). For the pipelined CPU checks only (unsharded)."""
-    if plan.fused not in factored.CHECKING:
+    native = None if plan.kernels is None else plan.kernels.native
+    if not (isinstance(native, factored.FactoredStep) and native.checks):
         return False
     state = plan.state[p]
     return group.get("rank") is None and "step" in state and "galore.side" not in state
@@ -198,7 +195,7 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
         return None
     if pager is not None and pager.moves_any(work):
         return None
-    if plan.fused not in DEFERRED_ALGORITHMS:
+    if plan.kernels is None or plan.kernels.triton is None:  # (kernels that store nothing of a flagged tensor)
         return None
     devices = {g.device for g in grads}
     if len(devices) != 1 or not triton_usable(devices):
@@ -220,7 +217,7 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
     return DeviceFlags(params, grads)
 
 
-def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = None,
+def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags | None = None,
                  device_steps: bool = False) -> Work:
     """Gather ``work`` into items, project the GaLore ones, step what the Triton kernels take (one launch set per
     bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
@@ -279,6 +276,8 @@ def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = 
         galore.stand_ins(projected)
         galore.weights(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
+    name = kernels.name
+
     def hyper(it: Item, step: Any) -> Update:  # (step: each tensor's, fp64 [T] on the device, if device_steps)
         return update_for(plan, name, it, step, device_steps)
 
@@ -286,12 +285,12 @@ def step_buckets(plan: Plan, name: str, work: Work, flags: DeviceFlags | None = 
     items = plain + projected
     if plan.keep is not None and flags is not None and not rest and not alone and not device_steps and items \
             and triton_usable({items[0].target.device}):  # a step the kernels take whole: kept for a StepProgram
-        planned, left = plan_buckets(name, items)
+        planned, left = plan_buckets(kernels, items)
         left += launch_buckets(planned, hyper, flags.tensor, False, mult)
         if not left:
             plan.keep.planned, plan.keep.projected = planned, projected
     else:
-        left = step_items(name, items, hyper, None if flags is None else flags.tensor, device_steps, mult)
+        left = step_items(kernels, items, hyper, None if flags is None else flags.tensor, device_steps, mult)
     finished: set[int] = set()
     for it in left:
         if not it.projected:

@@ -20,17 +20,20 @@ import torch
 
 from ..distributed.reduction import LOCAL, Reduction
 from ..quant.formats import Slot
+from ..work.kernel_set import KernelSet
 
-__all__ = ["Algorithm", "fused", "fused_name"]
+__all__ = ["Algorithm", "KernelSet", "fused", "fused_name", "kernel_set"]
 
 
-def fused(name: str) -> Callable[[Callable], Callable]:
+def fused(kernels: KernelSet | str) -> Callable[[Callable], Callable]:
     """Decorator: ``fn`` (an algorithm's pure ``math`` function, or an :meth:`Algorithm.update` override) is the
-    algorithm that the fused backends know as ``name`` (the Triton registry, :mod:`lowmemopt.kernels.registry`; the
-    native CPU kernels, :mod:`lowmemopt.cpu`). The backends key on the name and import no algorithm class."""
+    algorithm whose fused backends ``kernels`` declares (a bare name: none, the reference backends only). The
+    backends read the declaration from the plan and import no algorithm class."""
+    if isinstance(kernels, str):
+        kernels = KernelSet(kernels)
 
     def mark(fn: Callable) -> Callable:
-        fn.fused_algorithm = name
+        fn.fused_algorithm = kernels
         return fn
 
     return mark
@@ -128,10 +131,15 @@ class Algorithm:
         """:func:`fused_name` of this algorithm."""
         return fused_name(self)
 
+    @property
+    def kernels(self) -> KernelSet | None:
+        """:func:`kernel_set` of this algorithm."""
+        return kernel_set(self)
 
-def fused_name(algorithm: Algorithm) -> str | None:
-    """The name of the fused algorithm ``algorithm`` runs, or None: the name its :attr:`~Algorithm.math` is marked
-    with (:func:`fused`), or its marked :meth:`~Algorithm.update` override; None where it overrides how the update is
+
+def kernel_set(algorithm: Algorithm) -> KernelSet | None:
+    """The fused kernels ``algorithm`` runs, or None: the declaration its :attr:`~Algorithm.math` is marked with
+    (:func:`fused`), or its marked :meth:`~Algorithm.update` override's; None where it overrides how the update is
     computed (an unmarked ``update``) or applied (``apply_update``), which no fused backend reproduces."""
     cls = type(algorithm)
     if cls.apply_update is not Algorithm.apply_update:
@@ -140,3 +148,9 @@ def fused_name(algorithm: Algorithm) -> str | None:
     if fn is Algorithm.update:
         fn = algorithm.math
     return getattr(fn, "fused_algorithm", None)
+
+
+def fused_name(algorithm: Algorithm) -> str | None:
+    """The name of the fused algorithm ``algorithm`` runs (:attr:`KernelSet.name` of :func:`kernel_set`), or None."""
+    kernels = kernel_set(algorithm)
+    return None if kernels is None else kernels.name

@@ -97,18 +97,18 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
     formats = {name: format_of(state, name) for name in slots}
     start, scanned = 0, None
     if pflat.device.type == "cpu" and cpu.ENABLED:  # native C kernels (lowmemopt.cpu)
-        name = algorithm.fused
+        kernels = algorithm.kernels
         host = None if mult is None else mult.tolist()  # (a CPU tensor: read directly, no device to wait for)
-        if name is None:
+        if kernels is None or kernels.native is None:
             pass
         elif algorithm.elementwise:  # (a shard's stochastic rounding hashes its elements' indices in the parameter)
             if kwargs is None:
                 kwargs = algorithm.math_kwargs(record.hyper, step)
-            start, scanned = cpu.step_elementwise(name, kwargs, pflat, gflat, state,
+            start, scanned = cpu.step_elementwise(kernels.native, kwargs, pflat, gflat, state,
                                                   slots, formats, record, step, decay, scan,
                                                   index_base=reduce.flat_offset() if reduce.distributed else 0,
                                                   grad_mult=host)
-        elif reduce is LOCAL and cpu.step_factored(name, like, pflat, gflat, state, formats, record, step, decay,
+        elif reduce is LOCAL and cpu.step_factored(kernels.native, like, pflat, gflat, state, formats, record, step, decay,
                                                    grad_mult=host):
             start = pflat.numel()
     exact = record.rounding_of(like) == "nearest"  # the compiled path rounds to nearest only
@@ -130,7 +130,8 @@ def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor
 
     formats = {name: format_of(state, name) for name in slots}
     host = None if mult is None else mult.tolist()
-    outcome = cpu.step_factored(algorithm.fused, like, pflat, gflat, state, formats, record, step, decay,
+    kernels = algorithm.kernels
+    outcome = cpu.step_factored(None if kernels is None else kernels.native, like, pflat, gflat, state, formats, record, step, decay,
                                 grad_mult=host, check=True)
     if outcome in (STEPPED, SKIPPED):
         return outcome == STEPPED

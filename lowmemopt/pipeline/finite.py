@@ -33,11 +33,7 @@ import torch
 
 from .. import cpu
 
-__all__ = ["DEFERRED_ALGORITHMS", "DeviceFlags", "PendingSkip", "CpuFiniteChecks", "finite_norms", "host_flags", "resolve"]
-
-#: fused algorithms whose kernels store nothing of a tensor with element count 0 (its parameter and state untouched)
-DEFERRED_ALGORITHMS = frozenset({"adam", "sgd", "signsgd", "lion", "lamb", "lars", "adafactor", "came"})
-DEFERRED_ALGORITHMS |= {"ademamix"}
+__all__ = ["DeviceFlags", "PendingSkip", "CpuFiniteChecks", "finite_norms", "host_flags", "resolve"]
 
 
 def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:

@@ -50,9 +50,9 @@ def takes(plan: Plan) -> bool:
     algorithm = plan.algorithm
     if not (cpu.ENABLED and algorithm.elementwise and algorithm.fused is not None):
         return False
-    from ..cpu.elementwise import KERNELS
+    from ..cpu.elementwise import NativeKernel
 
-    return algorithm.fused in KERNELS and cpu.available()
+    return isinstance(algorithm.kernels.native, NativeKernel) and cpu.available()
 
 
 def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
@@ -128,7 +128,8 @@ def step_items(algorithm: Algorithm, items: list[Item], update_for: Callable[[It
     was not finite: nothing written), None (the kernel does not take it: untouched, for the per-tensor backends)."""
     from ..cpu.elementwise import prepare, refresh, step_many
 
-    name = algorithm.fused
+    kernel = algorithm.kernels.native
+    name = kernel.name
     out: list[bool | None] = [None] * len(items)
     batch, taken = [], []
     memo: dict = {}  # what prepare derives from the math's arguments alone (kept alive with them: ids stay unique)
@@ -151,11 +152,11 @@ def step_items(algorithm: Algorithm, items: list[Item], update_for: Callable[[It
         p = it.param
         cached = _ARGS.get(id(p))
         if (cached is not None and cached[0]() is p and cached[1] == sig
-                and refresh(cached[2], name, kw, gflat, state, slots, step, decay, scan, memo, host_mult)):
+                and refresh(cached[2], kernel, kw, gflat, state, slots, step, decay, scan, memo, host_mult)):
             args, done = cached[2], cached[3]
         else:
             formats = {s: format_of(state, s) for s in slots}
-            args, done = prepare(name, kw, pflat, gflat, state, slots, formats, record, step, decay, scan=scan,
+            args, done = prepare(kernel, kw, pflat, gflat, state, slots, formats, record, step, decay, scan=scan,
                                  index_base=index_base, memo=memo, grad_mult=host_mult)
             if args is not None:
                 _ARGS[id(p)] = (weakref.ref(p, _forget(id(p))), sig, args, done)
@@ -165,7 +166,7 @@ def step_items(algorithm: Algorithm, items: list[Item], update_for: Callable[[It
         taken.append((k, done, up))
     if not batch:
         return out
-    stepped = step_many(name, batch)
+    stepped = step_many(kernel, batch)
     for ok, (k, done, up) in zip(stepped, taken):
         out[k] = ok
         it = items[k]

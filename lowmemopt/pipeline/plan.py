@@ -24,7 +24,7 @@ import torch
 
 from ..work.items import Item, Update
 from ..work.record import BucketRecord
-from .algorithm import Algorithm
+from .algorithm import Algorithm, KernelSet
 
 __all__ = ["Plan", "StepRecord", "unscaled", "inv_scale", "update_of"]
 
@@ -70,8 +70,8 @@ class StepRecord:
 @dataclass(eq=False)
 class Plan:
     """One step's plan. ``state``: parameter -> its state dict (plain named tensors and ints; the optimizer's
-    ``state``); ``groups``: the param groups; ``fused``: the algorithm's name in the fused backends' registries, or
-    None (no bucketed backend: the per-tensor reference backends only); ``galore``: the projection stage
+    ``state``); ``groups``: the param groups; ``kernels``: the algorithm's fused kernels
+    (:class:`~lowmemopt.work.kernel_set.KernelSet`), or None (the per-tensor reference backends only); ``galore``: the projection stage
     (:mod:`lowmemopt.projection.step`), given where a group may be projected, else None. ``grad_mult``: the loss
     scaling multiplier of the gradients (:func:`inv_scale`, a 0-dim fp32 tensor), None: none; ``found_inf``: the
     scaler's flag (float, 1.0: a gradient had an Inf / NaN, the step is skipped), None: none given;
@@ -82,7 +82,7 @@ class Plan:
     algorithm: Algorithm
     state: dict[torch.Tensor, dict[str, Any]]
     groups: list[dict[str, Any]]
-    fused: str | None
+    kernels: KernelSet | None
     record: StepRecord = field(default_factory=StepRecord)
     galore: Any = None
     grad_mult: torch.Tensor | None = None
@@ -98,6 +98,12 @@ class Plan:
     _updates: dict = field(default_factory=dict)  # (id(record), step) -> its Update (update_of)
     _slots: dict = field(default_factory=dict)  # (id(record), shape, dtype) -> the algorithm's slots (slots_of)
     _layouts: dict = field(default_factory=dict)  # (id(record), shape, dtype, numel) -> stored sizes (.fits)
+
+    @property
+    def fused(self) -> str | None:
+        """The name of the algorithm's fused kernels (:attr:`kernels`), or None."""
+        kernels = self.kernels
+        return None if kernels is None else kernels.name
 
     def record_of(self, group: dict[str, Any]) -> BucketRecord:
         """The options of ``group`` (a param group, or a stage's per-step view of one) for this step, resolved at its

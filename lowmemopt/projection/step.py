@@ -456,7 +456,8 @@ def update_alone(plan: Plan, it: Item) -> bool:
     if it.target is not None and it.target.device.type == "cpu" and cpu.ENABLED:
         formats = {name: format_of(state, name) for name in it.slots}
         t = state["step"] + 1
-        if cpu.step_factored(plan.fused, it.target, it.target.view(-1), it.grad.view(-1), state,
+        native = None if plan.kernels is None else plan.kernels.native
+        if cpu.step_factored(native, it.target, it.target.view(-1), it.grad.view(-1), state,
                              formats, it.record, t, 1.0, weight=it.weight):
             state["step"] = t
             return True
@@ -493,9 +494,9 @@ def _native_may_take(plan: Plan, it: Item) -> bool:
     """Is there a native CPU kernel for this stand-in's algorithm (Adafactor, CAME; it still checks the shape)?"""
     if it.grad.device.type != "cpu" or not cpu.ENABLED:
         return False
-    from ..cpu.factored import STEPS
+    from ..cpu.factored import FactoredStep
 
-    return plan.fused in STEPS
+    return plan.kernels is not None and isinstance(plan.kernels.native, FactoredStep)
 
 
 def check_step_values(plan: Plan, group: dict[str, Any], owner: str) -> None:

@@ -31,11 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAPTURABLE_ALGORITHMS", "capturing", "keep", "device_value", "device_count", "host_count", "advance"]
-
-#: fused algorithms whose kernels read the step's scalars from the device
-#: (:func:`lowmemopt.kernels.codec.tensor_scalar`)
-CAPTURABLE_ALGORITHMS = frozenset({"adam", "lion", "sgd", "signsgd", "lamb", "lars", "adafactor", "came"})
+__all__ = ["capturing", "keep", "device_value", "device_count", "host_count", "advance"]
 
 #: tensors a captured graph reads by address (launch tables, index maps, upload buffers): kept for the process
 _KEPT: list[torch.Tensor] = []
