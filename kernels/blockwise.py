@@ -107,7 +107,7 @@ def quantize_blockwise(
     x: torch.Tensor, name: str = "pow2", block_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`: ``x`` -> (uint8 codes [numel], fp32 absmax
-        [n_blocks])."""
+    [n_blocks])."""
     signed = _check_map(name)
     flat = _values(x, block_size, "quantize_blockwise")
     n = flat.numel()
@@ -155,7 +155,7 @@ def quantize_blockwise4(
     x: torch.Tensor, name: str = "pow2x4", block_size: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowmemopt.quant.q4.quantize`: ``x`` -> (uint8 nibbles [ceil(numel / 2)], fp32
-        absmax [n_blocks])."""
+    absmax [n_blocks])."""
     signed = _check_map4(name)
     flat = _values(x, block_size, "quantize_blockwise4")
     n = flat.numel()

@@ -31,8 +31,8 @@ def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Ten
                                                           torch.Tensor | None]:
     """(signed book, signed table, unsigned book, unsigned table) of ``fmt``'s state maps on ``device`` (cached).
 
-        q4: ``pow2x4`` / ``upow2x4`` and their bucket tables; q8: the ``pow2`` class tables, and no books where
-        :func:`.runtime.q8_decode` is ``"arithmetic"``."""
+    q4: ``pow2x4`` / ``upow2x4`` and their bucket tables; q8: the ``pow2`` class tables, and no books where
+    :func:`.runtime.q8_decode` is ``"arithmetic"``."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
         return (q4.code_book(signed, device), q4.encode_table(signed, device),
@@ -78,7 +78,7 @@ def rounded(x, DTYPE: tl.constexpr):
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
     """fp32 tile [ROWS, BLOCK] of a ``pow2`` / ``upow2`` map -> (uint8 codes, fp32 scale [ROWS]); one reciprocal per
-        block (:mod:`.divide`), ``lut``: the class table or None."""
+    block (:mod:`.divide`), ``lut``: the class table or None."""
     scale = block_scale(x, book, 255, SIGNED, COLS)
     s = tl.where(scale > 0, scale, 1.0)
     y = row_quotients(x, s, COLS)
@@ -99,7 +99,7 @@ def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
 @triton.jit
 def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
     """The scale [ROWS] making a block's extremes representable: signed ``max(max x / book[LAST], min x / book[0])``,
-        unsigned ``max(max x, 0)``; ``COLS``: blocks down the columns."""
+    unsigned ``max(max x, 0)``; ``COLS``: blocks down the columns."""
     if SIGNED:
         if book is None:  # the pow2 map (8-bit state, arithmetic codes)
             first = pow2_value(tl.full([], 0, tl.int32), True)
@@ -248,7 +248,7 @@ def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, 
 def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr, FMT: tl.constexpr,
               ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
     """A state slot's fp32 values at ``offs`` (0 where masked) from column ``COL`` of ``row`` (q8 / q4: absmax at
-        ``COL + 1``)."""
+    ``COL + 1``)."""
     if FMT == 3:
         x = decode_q4(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
                       offs, mask, blocks, block_mask, book, MASKED)
@@ -305,7 +305,7 @@ def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, 
 @triton.jit
 def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr):
     """This program's tensor (``t``, its table ``row``, ``numel``) and tile: offsets, mask, block indices, block
-        mask, and ``full`` (the tile lies inside the tensor: unmasked variant)."""
+    mask, and ``full`` (the tile lies inside the tensor: unmasked variant)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     tile = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -335,7 +335,7 @@ def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASK
 def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, gmul=None,
               G_MULT: tl.constexpr = False):
     """The gradient (column 1) as fp32; ``G_MULT``: times GradScaler's multiplier at ``gmul``, rounded to the
-        gradient's dtype as ``unscale_`` stores it."""
+    gradient's dtype as ``unscale_`` stores it."""
     g = ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     if G_MULT:
         g = (g * tl.load(gmul)).to(DTYPE).to(tl.float32)
@@ -395,8 +395,8 @@ def f16_bits_stochastic(x, r):
 def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
                    UPDATE: tl.constexpr, W: tl.constexpr):
     """:func:`store_param` with ``bf16_update``: ``STOCHASTIC`` hashes (key at column ``W - 2``, the element's
-        index in the whole parameter: offset + column ``W - 1``); ``KAHAN``: buffer at column ``W - 1``. ``p_old``: the
-        parameter before the step (fp32)."""
+    index in the whole parameter: offset + column ``W - 1``); ``KAHAN``: buffer at column ``W - 1``. ``p_old``: the
+    parameter before the step (fp32)."""
     if UPDATE == 0 or DTYPE == tl.float32:  # NEAREST (module globals are not constexpr inside a kernel)
         store_param(p_new, row, offs, mask, DTYPE, ALIGNED, MASKED)
     else:

@@ -35,7 +35,7 @@ __all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launc
 @triton.jit
 def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constexpr):
     """A 2-D tile [TR, BC] of one matrix of a tensor's batch: (tensor, table row, offsets, mask, batch-global rows
-        ``grow``, column scratch index ``cidx``, and their masks)."""
+    ``grow``, column scratch index ``cidx``, and their masks)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     local = tl.load(units + tl.num_programs(0) + pid)
@@ -91,7 +91,7 @@ def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums
                     W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
                     TR: tl.constexpr, BC: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
     """CAME's pass 3: ``sum(u^2)`` per tensor and the fp64 row / column sums of ``u^2``, ``u m``, ``m^2``
-        (``rmom[3 i + k]``, ``cmom[3 j + k]``), ``u = rfac cfac g`` before the clip."""
+    (``rmom[3 i + k]``, ``cmom[3 j + k]``), ``u = rfac cfac g`` before the clip."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
@@ -135,7 +135,7 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
                     eps, beta1, clip_threshold, W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr,
                     MOMENTS: tl.constexpr, scal=None, DEVICE_SCALARS: tl.constexpr = False):
     """Pass 2 / 4, a program per matrix: the row / column EMAs (table columns STAT, STAT + 1) and
-        ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``."""
+    ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     b = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -283,9 +283,9 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
                   DEVICE_SCALARS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
     """Last pass: recompute u, clip, (m), update p; write p, m and (1-D) v.
 
-        Adafactor: ``a = max(eps2, RMS(p)) * lr`` if SCALE_PARAM else lr; ``u *= a``; ``m = b1 m + (1-b1) u; u = m`` if
-        HAS_M; ``p += p * (-wd a)``; ``p -= u``. CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m);
-        ``p += p (-wd lr)``; ``p -= lr u``."""
+    Adafactor: ``a = max(eps2, RMS(p)) * lr`` if SCALE_PARAM else lr; ``u *= a``; ``m = b1 m + (1-b1) u; u = m`` if
+    HAS_M; ``p += p * (-wd a)``; ``p -= u``. CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m);
+    ``p += p (-wd lr)``; ``p -= lr u``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if DEVICE_SCALARS:  # a capturable step: (lr, -wd lr, beta2, 1 - beta2) of this tensor from the device
         lr = tensor_scalar(scal, t, 4, 0)
@@ -362,7 +362,7 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
 
 def _layout(bucket: Bucket, factored: bool) -> tuple:
     """A bucket's launch layout (rows, scratch sizes, compile-time arguments, program counts), kept in
-        ``Bucket.memo``."""
+    ``Bucket.memo``."""
     rows, shapes, n_rows, n_cols = _rows(bucket, factored)
     bucket.keep_rows(rows)
     flat = bucket.constexprs(())

@@ -28,10 +28,10 @@ def clip_denominator(sums, t, numel, clip_threshold):
 @triton.jit
 def factor_coords(row, offs, blocks, bmask, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """Where the row and column factors of flat offsets ``offs`` of a ``[..., R, C]`` tensor are (row index
-        ``roff + offs // C``, column ``coff + (offs // (R C)) C + offs % C``), per ``BLOCK``-element segment.
+    ``roff + offs // C``, column ``coff + (offs // (R C)) C + offs % C``), per ``BLOCK``-element segment.
 
-        ``WIDE`` (``C >= BLOCK``): a segment crosses at most one row, so the divisions are made once per segment
-        (``rows`` [ROWS], ``wrap`` [ROWS, BLOCK]: on the next row, ``after`` [ROWS]: it exists); else ``rows`` per element.
+    ``WIDE`` (``C >= BLOCK``): a segment crosses at most one row, so the divisions are made once per segment
+    (``rows`` [ROWS], ``wrap`` [ROWS, BLOCK]: on the next row, ``after`` [ROWS]: it exists); else ``rows`` per element.
     """
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)

@@ -68,7 +68,7 @@ def encode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
 @functools.lru_cache(maxsize=None)
 def decode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
     """The inverse's classes ``(first magnitude index, bits offset, shift)``: index ``i`` has bits
-        ``offset + (i << shift)``."""
+    ``offset + (i << shift)``."""
     out = []
     for lo, add, shift in encode_classes(name)[1:]:
         if lo == _NEVER:
@@ -83,7 +83,7 @@ def decode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
 @functools.lru_cache(maxsize=None)
 def class_rows(name: str) -> tuple[int, ...]:
     """Per binade ``e_lo`` .. 127 of a clamped ``|y|``, its class as one int64: ``add`` (mod 2^32) low, ``shift``
-        high."""
+    high."""
     classes = [c for c in encode_classes(name) if c[0] != _NEVER]
     e_lo = classes[0][0] >> 23
     rows = []
@@ -140,8 +140,8 @@ def _class(c, table, CLASSES: tl.constexpr, E_LO: tl.constexpr):
 def pow2_code(y, SIGNED: tl.constexpr, positive, table):
     """int32 nearest code of fp32 ``y`` in ``pow2`` (``SIGNED``) or ``upow2``, as :mod:`lowmemopt.quant.maps` rounds.
 
-        ``positive`` (unsigned; None: ``y > 0``): whether ``y`` counts as positive (:func:`.divide.quotient_positive`);
-        ``table``: the :func:`class_table`, or None (compares)."""
+    ``positive`` (unsigned; None: ``y > 0``): whether ``y`` counts as positive (:func:`.divide.quotient_positive`);
+    ``table``: the :func:`class_table`, or None (compares)."""
     u = y.to(tl.int32, bitcast=True)
     a = u & 0x7FFFFFFF
     if SIGNED:

@@ -85,7 +85,7 @@ def _tuned(device: torch.device) -> dict | None:
 
 def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
     """(elements per tile, num_warps) on ``device``: a forced :func:`launch_shape`, else :data:`TILE_SHAPES`, else
-        the tuned shape, else ``(TILE, NUM_WARPS)``."""
+    the tuned shape, else ``(TILE, NUM_WARPS)``."""
     if _forced is not None:
         return _forced[0]
     if device is not None and device.type == "cuda":
@@ -182,7 +182,7 @@ def device_ok(device: torch.device) -> bool:
 class cpu_interpreter:
     """Context manager (tests): send CPU tensors through the kernels under the Triton interpreter.
 
-        Raises RuntimeError unless Triton imports and ``TRITON_INTERPRET=1`` was set before the kernels were imported.
+    Raises RuntimeError unless Triton imports and ``TRITON_INTERPRET=1`` was set before the kernels were imported.
     """
 
     def __enter__(self) -> "cpu_interpreter":

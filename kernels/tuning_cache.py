@@ -78,7 +78,7 @@ def _valid(entry: Any) -> bool:
 
 def tuned(index: int) -> dict[str, Any] | None:
     """The cached measurement of CUDA device ``index`` (``tile``, ``num_warps``, ``decode``), or None; read once per
-        process and device."""
+    process and device."""
     global _loaded
     if index in _by_index:
         return _by_index[index]

@@ -61,13 +61,13 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
                   flag_rows: Sequence[int] = (), memo: dict | None = None) -> None:
     """``params[i] <- round(((p + c_i p) * decay) + scale * updates[i])`` in one launch.
 
-        Args:
-            params: contiguous matrices of one shape, dtype and device.
-            updates: ``[len(params), *shape]``, contiguous, fp32 or bf16.
-            math_decay: None, a number, or an fp32 tensor ``[len(params)]``.
-            flags, flag_rows: the gradients' finiteness on the device; a parameter whose flag is 0 is left as it is.
-            memo: kept by the caller for the same ``params``: the launch tables (an ``updates`` made elsewhere moves the
-                table's update column by one add on the device).
+    Args:
+        params: contiguous matrices of one shape, dtype and device.
+        updates: ``[len(params), *shape]``, contiguous, fp32 or bf16.
+        math_decay: None, a number, or an fp32 tensor ``[len(params)]``.
+        flags, flag_rows: the gradients' finiteness on the device; a parameter whose flag is 0 is left as it is.
+        memo: kept by the caller for the same ``params``: the launch tables (an ``updates`` made elsewhere moves the
+            table's update column by one add on the device).
     """
     device = updates.device
     p_dtype = params[0].dtype
