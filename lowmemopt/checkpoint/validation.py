@@ -52,10 +52,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
-    """Parse the header and check it against the tensors in the file: every problem is a CheckpointError.
-
-    The metadata's own CRC-32 (:data:`META_CRC_KEY`, every file since format 3) is checked before it is parsed, so no
-    changed bit of it (a step, a hyper-parameter, a key) loads; a format-3 file without it is corrupt."""
+    """Parse the header and check it against the file's tensors (every problem a CheckpointError); the metadata's own
+    CRC-32 (:data:`META_CRC_KEY`, format 3) is checked before it is parsed."""
     stored = f.metadata()
     raw = stored.get(META_KEY)
     if raw is None:
@@ -178,9 +176,8 @@ def algorithm_name(cls: type) -> str:
 
 def check_same_optimizer(optimizer: LowMemOptimizer, meta: dict[str, Any], path: str,
                          from_optimizer: str | None) -> bool:
-    """Raise CheckpointError unless the file holds the state of ``optimizer``'s algorithm, or of ``from_optimizer`` (a
-    deliberate conversion, which loads matching slots but no hyper-parameters). Returns whether the hyper-parameters
-    may be restored (the same algorithm)."""
+    """Raise CheckpointError unless the file holds ``optimizer``'s algorithm's state, or ``from_optimizer``'s;
+    returns whether the hyper-parameters may be restored."""
     saved = meta.get("algorithm")
     if saved is None:  # files before format 3 name the class only
         cls = getattr(aliases, meta["optimizer"], None) or getattr(optim, meta["optimizer"], None)
