@@ -1,10 +1,6 @@
 """Fused Triton kernels (installed as ``lowmemopt.kernels``): decode the state, run the fp32 math, encode, in
 registers, one multi-tensor launch per bucket and pass. The pipeline calls ``dispatch.step_items``; what has no kernel
-takes the reference path.
-
-``codec`` / ``blockwise``: the state formats; ``pow2``, ``divide``: exact encoding and division; ``adamw`` ... ``factored``:
-kernels and launchers; ``table``, ``launch``, ``registry``, ``dispatch``, ``runtime``, ``variants``: launching. Importing
-this package does not import Triton. Docs: docs/kernels.md.
+takes the reference path. Importing this package does not import Triton. Docs: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -84,7 +84,6 @@ def _check_device(t: torch.Tensor, what: str) -> None:
 
 
 def _values(x: torch.Tensor, block_size: int, fn: str) -> torch.Tensor:
-    """The flat values ``fn`` encodes, after checking block size, dtype and device."""
     _check_block(block_size)
     if not x.is_floating_point():
         raise TypeError(f"{fn} needs a floating-point tensor, got {x.dtype}")
@@ -93,7 +92,6 @@ def _values(x: torch.Tensor, block_size: int, fn: str) -> torch.Tensor:
 
 
 def _check_absmax(absmax: torch.Tensor, data: torch.Tensor, what: str, blocks: int, of: str) -> None:
-    """A dequantizer's scales: fp32, ``blocks`` of them, on ``data``'s device."""
     if absmax.dtype != torch.float32:
         raise TypeError(f"absmax must be float32, got {absmax.dtype}")
     if absmax.numel() != blocks:
@@ -106,8 +104,7 @@ def _check_absmax(absmax: torch.Tensor, data: torch.Tensor, what: str, blocks: i
 def quantize_blockwise(
     x: torch.Tensor, name: str = "pow2", block_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`: ``x`` -> (uint8 codes [numel], fp32 absmax
-    [n_blocks])."""
+    """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`."""
     signed = _check_map(name)
     flat = _values(x, block_size, "quantize_blockwise")
     n = flat.numel()
@@ -154,8 +151,7 @@ def _check_map4(name: str) -> bool:
 def quantize_blockwise4(
     x: torch.Tensor, name: str = "pow2x4", block_size: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`lowmemopt.quant.q4.quantize`: ``x`` -> (uint8 nibbles [ceil(numel / 2)], fp32
-    absmax [n_blocks])."""
+    """Triton twin of :func:`lowmemopt.quant.q4.quantize`."""
     signed = _check_map4(name)
     flat = _values(x, block_size, "quantize_blockwise4")
     n = flat.numel()

@@ -41,8 +41,7 @@ def _sumsq_kernel(units, table, acc, W: tl.constexpr, G_DTYPE: tl.constexpr, TIL
 
 
 class GradCheck:
-    """The non-finite check of a fixed list of gradients (one device, each dtype's consecutive); ``flags(grads)``
-    returns uint8 ``[len(grads)]`` on the device, 1 where finite. A gradient that moved rebuilds the tables."""
+    """The non-finite check of a fixed list of gradients, launched step after step."""
 
     def __init__(self, grads: Sequence[torch.Tensor]) -> None:
         self.device = grads[0].device

@@ -29,10 +29,7 @@ FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8, "q4": Q4}
 
 def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
                                                           torch.Tensor | None]:
-    """(signed book, signed table, unsigned book, unsigned table) of ``fmt``'s state maps on ``device`` (cached).
-
-    q4: ``pow2x4`` / ``upow2x4`` and their bucket tables; q8: the ``pow2`` class tables, and no books where
-    :func:`.runtime.q8_decode` is ``"arithmetic"``."""
+    """(signed book, signed table, unsigned book, unsigned table) of ``fmt``'s state maps on ``device``."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
         return (q4.code_book(signed, device), q4.encode_table(signed, device),
@@ -77,8 +74,7 @@ def rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
-    """fp32 tile [ROWS, BLOCK] of a ``pow2`` / ``upow2`` map -> (uint8 codes, fp32 scale [ROWS]); one reciprocal per
-    block (:mod:`.divide`), ``lut``: the class table or None."""
+    """fp32 tile of a ``pow2`` / ``upow2`` map -> (uint8 codes, scale [ROWS]); ``lut``: class table or None."""
     scale = block_scale(x, book, 255, SIGNED, COLS)
     s = tl.where(scale > 0, scale, 1.0)
     y = row_quotients(x, s, COLS)
@@ -98,8 +94,7 @@ def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
 
 @triton.jit
 def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
-    """The scale [ROWS] making a block's extremes representable: signed ``max(max x / book[LAST], min x / book[0])``,
-    unsigned ``max(max x, 0)``; ``COLS``: blocks down the columns."""
+    """The scale [ROWS] making each block's extremes representable."""
     if SIGNED:
         if book is None:  # the pow2 map (8-bit state, arithmetic codes)
             first = pow2_value(tl.full([], 0, tl.int32), True)
@@ -232,7 +227,7 @@ def decode_q4(nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MAS
 @triton.jit
 def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
                     MASKED: tl.constexpr):
-    """Encode ``x`` (a block per row) and write nibbles and scales; a byte is written iff its even element is in range."""
+    """Encode ``x`` (a block per row), write nibbles and scales; a byte is written iff its even element is."""
     if MASKED:
         x = tl.where(mask, x, 0.0)
     codes, scale = encode_q4(x, book, lut, SIGNED)
@@ -247,8 +242,7 @@ def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, 
 @triton.jit
 def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr, FMT: tl.constexpr,
               ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
-    """A state slot's fp32 values at ``offs`` (0 where masked) from column ``COL`` of ``row`` (q8 / q4: absmax at
-    ``COL + 1``)."""
+    """A state slot's fp32 values at ``offs`` from column ``COL`` of ``row``; 0 where masked."""
     if FMT == 3:
         x = decode_q4(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
                       offs, mask, blocks, block_mask, book, MASKED)
@@ -304,8 +298,7 @@ def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, 
 
 @triton.jit
 def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr):
-    """This program's tensor (``t``, its table ``row``, ``numel``) and tile: offsets, mask, block indices, block
-    mask, and ``full`` (the tile lies inside the tensor: unmasked variant)."""
+    """This program's tensor (``t``, ``row``, ``numel``) and tile: offsets, masks, blocks, ``full``."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     tile = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -334,8 +327,7 @@ def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASK
 @triton.jit
 def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, gmul=None,
               G_MULT: tl.constexpr = False):
-    """The gradient (column 1) as fp32; ``G_MULT``: times GradScaler's multiplier at ``gmul``, rounded to the
-    gradient's dtype as ``unscale_`` stores it."""
+    """The gradient as fp32; ``G_MULT``: times GradScaler's multiplier, as ``unscale_`` rounds it."""
     g = ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     if G_MULT:
         g = (g * tl.load(gmul)).to(DTYPE).to(tl.float32)

@@ -18,8 +18,7 @@ def reciprocal(b):
 
 @triton.jit
 def div_by(x, b, r):
-    """``RN(x / b)`` with ``r = reciprocal(b)``, finite ``b >= 0``: exact for normal ``b``, ``r`` and ``|x| >= 2^-102``;
-    non-finite ``x r`` is returned as IEEE's answer."""
+    """``RN(x / b)`` with ``r = reciprocal(b)``: exact for normal ``b``, ``r`` and ``|x| >= 2^-102``."""
     q0 = x * r
     return tl.where(tl.abs(q0) < float("inf"), tl.fma(tl.fma(-q0, b, x), r, q0), q0)
 
@@ -36,8 +35,7 @@ def per_block(v, COLS: tl.constexpr):
 
 @triton.jit
 def row_quotients(x, s, COLS: tl.constexpr):
-    """``x / s[:, None]`` for divisors ``s`` in ``(0, inf]`` with ``|x| <= 2 s``: exact wherever ``|x / s| >= 2^-30``
-    (each row first scaled by a power of two); infinite rows as IEEE division gives."""
+    """``x / s[:, None]`` for ``s`` in ``(0, inf]``, ``|x| <= 2 s``: exact where ``|x / s| >= 2^-30``."""
     es = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
     f = (tl.minimum(318 - es, 254) << 23).to(tl.float32, bitcast=True)
     sn = s * f
@@ -51,8 +49,7 @@ def row_quotients(x, s, COLS: tl.constexpr):
 
 @triton.jit
 def quotient_positive(x, s, COLS: tl.constexpr):
-    """Whether ``RN(x / s[:, None]) > 0``, exactly: ``x > s 2^-150`` on the bit patterns (False for ``x <= 0`` and
-    infinite rows; True for a positive NaN, which the caller rejects)."""
+    """Whether ``RN(x / s[:, None]) > 0``, exactly (``x > s 2^-150``)."""
     sb = s.to(tl.int32, bitcast=True)
     es = (sb >> 23) & 0xFF
     t = tl.where(es >= 151, sb - (150 << 23), tl.minimum(s, 16777216.0).to(tl.int32) >> 1)

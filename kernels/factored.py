@@ -34,8 +34,7 @@ __all__ = ["adafactor_slots", "came_slots", "layout", "launch_adafactor", "launc
 
 @triton.jit
 def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constexpr):
-    """A 2-D tile [TR, BC] of one matrix of a tensor's batch: (tensor, table row, offsets, mask, batch-global rows
-    ``grow``, column scratch index ``cidx``, and their masks)."""
+    """A 2-D tile [TR, BC] of one matrix of a tensor's batch, with its scratch indices and masks."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     local = tl.load(units + tl.num_programs(0) + pid)
@@ -90,8 +89,7 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
 def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, rmom, cmom,
                     W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
                     TR: tl.constexpr, BC: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
-    """CAME's pass 3: ``sum(u^2)`` per tensor and the fp64 row / column sums of ``u^2``, ``u m``, ``m^2``
-    (``rmom[3 i + k]``, ``cmom[3 j + k]``), ``u = rfac cfac g`` before the clip."""
+    """CAME's pass 3: ``sum(u^2)`` and fp64 row / column sums of ``u^2``, ``u m``, ``m^2``."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
@@ -134,8 +132,7 @@ def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, MOMENTS: tl.constexpr):
 def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums, beta, one_minus_beta,
                     eps, beta1, clip_threshold, W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr,
                     MOMENTS: tl.constexpr, scal=None, DEVICE_SCALARS: tl.constexpr = False):
-    """Pass 2 / 4, a program per matrix: the row / column EMAs (table columns STAT, STAT + 1) and
-    ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``."""
+    """Pass 2 / 4 (a program per matrix): the row / column EMAs and their factors."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     b = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -361,8 +358,7 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
 
 
 def _layout(bucket: Bucket, factored: bool) -> tuple:
-    """A bucket's launch layout (rows, scratch sizes, compile-time arguments, program counts), kept in
-    ``Bucket.memo``."""
+    """A bucket's launch layout, kept in ``Bucket.memo``."""
     rows, shapes, n_rows, n_cols = _rows(bucket, factored)
     bucket.keep_rows(rows)
     flat = bucket.constexprs(())
@@ -380,7 +376,7 @@ def _layout(bucket: Bucket, factored: bool) -> tuple:
 def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay: bool, eps1: float, eps2: float,
             beta1: float, beta2: float, beta3: float, clip: float, lr: float, neg_wd: float, neg_wd_lr: float,
             scal: torch.Tensor | None = None) -> None:
-    """The passes of one bucket; ``scal`` (capturable): per-tensor ``(lr, neg_wd_lr, beta2, 1 - beta2)`` on the device."""
+    """The passes of one bucket; ``scal`` (capturable): per-tensor step scalars on the device."""
     device = bucket.scalar_args(scal)
     dev = bucket.device
     factored = bucket.params[0].dim() >= 2

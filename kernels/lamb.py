@@ -49,8 +49,7 @@ def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, 
                DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr,
                MASKED: tl.constexpr, COLS: tl.constexpr, CLIP: tl.constexpr, L2: tl.constexpr, BIAS: tl.constexpr,
                gmul=None, G_MULT: tl.constexpr = False):
-    """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums; pass 2: update p, m, v. ``WEIGHT``:
-    ||p|| is given."""
+    """Pass 1 (``APPLY=False``): the tensor's sum(p^2), sum(r^2); pass 2: update p, m, v."""
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)

@@ -67,8 +67,7 @@ def encode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
 
 @functools.lru_cache(maxsize=None)
 def decode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
-    """The inverse's classes ``(first magnitude index, bits offset, shift)``: index ``i`` has bits
-    ``offset + (i << shift)``."""
+    """The inverse's classes ``(first magnitude index, bits offset, shift)``."""
     out = []
     for lo, add, shift in encode_classes(name)[1:]:
         if lo == _NEVER:
@@ -82,8 +81,7 @@ def decode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
 
 @functools.lru_cache(maxsize=None)
 def class_rows(name: str) -> tuple[int, ...]:
-    """Per binade ``e_lo`` .. 127 of a clamped ``|y|``, its class as one int64: ``add`` (mod 2^32) low, ``shift``
-    high."""
+    """Per binade of a clamped ``|y|``, its class as one int64: ``add`` low, ``shift`` high."""
     classes = [c for c in encode_classes(name) if c[0] != _NEVER]
     e_lo = classes[0][0] >> 23
     rows = []

@@ -74,7 +74,6 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _tuned(device: torch.device) -> dict | None:
-    """``lowmemopt tune``'s measurement for CUDA ``device``, or None."""
     index = device.index
     if index is None:
         if not torch.cuda.is_available():
@@ -84,8 +83,7 @@ def _tuned(device: torch.device) -> dict | None:
 
 
 def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
-    """(elements per tile, num_warps) on ``device``: a forced :func:`launch_shape`, else :data:`TILE_SHAPES`, else
-    the tuned shape, else ``(TILE, NUM_WARPS)``."""
+    """(elements per tile, num_warps) on ``device``: forced, configured, tuned or default."""
     if _forced is not None:
         return _forced[0]
     if device is not None and device.type == "cuda":

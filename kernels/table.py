@@ -27,8 +27,7 @@ class _Cache:
         self.nbytes = 0
 
     def get(self, key: tuple, make):
-        """The entry of ``key``, made by ``make()`` if missing; one returned during a graph capture is kept for the
-        process (:func:`lowmemopt.work.capture.keep`)."""
+        """The entry of ``key``, made by ``make()`` if missing (kept for good during a graph capture)."""
         hit = self.entries.get(key)
         if hit is not None:
             self.entries.move_to_end(key)
@@ -59,8 +58,7 @@ _indices = _Cache(_CACHE_SIZE)
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device``; to CUDA from page-locked memory, ``non_blocking`` (a pageable copy would wait
-    for the stream). During a graph capture the page-locked block is kept for the process."""
+    """Host tensor ``t`` on ``device``, to CUDA from page-locked memory without blocking."""
     if device.type == "cuda":
         try:
             t = t.pin_memory()
@@ -72,8 +70,7 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[len(rows), W]`` on ``device`` holding ``rows``, and the same with every element count (column 2) 0
-    (for :func:`flagged_table`); one copy, cached by content."""
+    """``rows`` as an int64 device table, and the same with every element count 0 (cached)."""
     key = (device, tuple(map(tuple, rows)))
     return _tables.get(key, lambda: tuple(owned_tables(key[1], device)))
 
@@ -93,8 +90,7 @@ def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.T
 def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: torch.Tensor,
                   flag_rows: Sequence[int], memo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
                   ) -> torch.Tensor:
-    """:func:`device_table` with row ``i``'s element count times ``flags[flag_rows[i]]`` (a gradient's finiteness),
-    so a skipped tensor's programs touch nothing; no host sync. ``memo``: per set of flags, by table."""
+    """:func:`device_table` with each row's element count times its gradient's finiteness flag."""
     table, skipped = device_tables(rows, device)
     hit = None if memo is None else memo.get(id(table))
     if hit is not None:

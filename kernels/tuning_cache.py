@@ -77,8 +77,7 @@ def _valid(entry: Any) -> bool:
 
 
 def tuned(index: int) -> dict[str, Any] | None:
-    """The cached measurement of CUDA device ``index`` (``tile``, ``num_warps``, ``decode``), or None; read once per
-    process and device."""
+    """The cached measurement of CUDA device ``index``, or None; read once per process."""
     global _loaded
     if index in _by_index:
         return _by_index[index]

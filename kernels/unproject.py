@@ -48,7 +48,6 @@ def _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE: tl.constexp
 def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE: tl.constexpr,
                   U_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   MATH: tl.constexpr, DECAY: tl.constexpr):
-    """One tile of one matrix; table rows ``[p, U, numel]``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if full:
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, False)

@@ -32,8 +32,6 @@ _MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_
 
 
 def _load() -> None:
-    """Import the public names into this module: the optimizer classes, the drop-in aliases (``aliases.__all__``) and
-    the functions of :data:`_FUNCTIONS`."""
     from . import aliases, optim
 
     names: dict[str, Any] = {n: getattr(aliases, n) for n in aliases.__all__}

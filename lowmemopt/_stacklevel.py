@@ -17,8 +17,7 @@ __all__ = ["external_stacklevel", "internal_prefixes"]
 
 
 def internal_prefixes() -> tuple[str, ...]:
-    """The real folders whose frames are skipped: torch's, lowmemopt's and its kernels' (resolved from the module
-    files, so a folder of links resolves too)."""
+    """The real folders of torch, lowmemopt and its kernels, whose frames are skipped."""
     kernels = importlib.util.find_spec("lowmemopt.kernels")  # found, not imported
     folders = {os.path.dirname(os.path.realpath(torch.__file__)), os.path.dirname(os.path.realpath(__file__))}
     folders.update(os.path.realpath(f) for f in (kernels.submodule_search_locations or () if kernels else ()))
@@ -29,8 +28,7 @@ _prefixes: tuple[str, ...] | None = None
 
 
 def external_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside torch and lowmemopt for the caller's ``warnings.warn`` (1:
-    the caller's line); the outermost frame if all are internal."""
+    """The ``stacklevel`` of the first frame outside torch and lowmemopt (1: the caller's line)."""
     global _prefixes
     if _prefixes is None:
         _prefixes = internal_prefixes()

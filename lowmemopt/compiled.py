@@ -51,8 +51,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float,
                mult: torch.Tensor | None = None) -> None:
-    """Phase 1: decode, math, write ``p``; dense slots written back, quantized slots' values to scratch. ``mult``:
-    GradScaler's multiplier, applied as ``unscale_`` does."""
+    """Phase 1: decode, math (gradient times ``mult``), write ``p`` and dense slots."""
     p32, g32 = p.float(), g.float()
     if mult is not None:
         g32 = g32 * mult
@@ -184,7 +183,6 @@ _codec: dict[Callable, Callable] = {}
 
 
 def _run_codec(fn: Callable, rows: tuple[torch.Tensor, ...], *rest: Any) -> bool:
-    """Run the compiled ``fn(*rows, *rest)``; ``rows`` are the block-row tensors (dynamic first dim)."""
     if fn not in _codec:
         _codec[fn] = torch.compile(_fresh(fn, fn.__name__ + "_compiled"), fullgraph=True)
     for t in rows:

@@ -25,8 +25,7 @@ BASE_GROUP_KEYS = frozenset({"params", "rank", *GROUP_DEFAULTS})
 
 
 def allow_group_keys(*keys: str) -> None:
-    """Allow ``keys`` in the param groups of every lowmemopt optimizer (another library's, which the optimizer then
-    ignores): ``lowmemopt.allow_group_keys("my_tag")``."""
+    """Allow ``keys`` in every lowmemopt optimizer's param groups: ``allow_group_keys("my_tag")``."""
     for key in keys:
         if not isinstance(key, str):
             raise TypeError(f"allow_group_keys: a param group key is a str, got {type(key).__name__} {key!r}")
@@ -51,8 +50,7 @@ def check_group_keys(keys: Iterable[Any], known: set[str], owner: str) -> None:
 
 
 class GroupKeyWatch:
-    """The key sets of an optimizer's groups as last checked, and their count, so a step looks at keys only when the
-    count changed."""
+    """The key sets of an optimizer's groups as last checked, so a step rechecks only on change."""
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
         self.seen = [frozenset(group) for group in groups]

@@ -170,7 +170,6 @@ _DTYPE_NAMES = {"torch.float32": "fp32", "torch.float64": "fp64", "torch.bfloat1
 
 
 def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:
-    """The per-format table: rows of format -> [slots, params, elements, bytes], and their total."""
     lines = [f"{'format':<18}{'slots':>7}{'params':>8}{'elements':>16}{'bytes':>16}"]
     for fmt, (slots, nparams, elements, nbytes) in sorted(rows.items()):
         lines.append(f"{fmt:<18}{slots:>7}{nparams:>8}{elements:>16,}{nbytes:>16,}")

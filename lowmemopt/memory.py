@@ -50,8 +50,7 @@ def live_bytes(device: torch.device | str = "cpu") -> int | None:
 
 
 class PeakMemory:
-    """The peak of the memory in use on ``device`` since construction, above what was in use then; ``sample()``
-    records the current figure (CPU), ``peak`` is None where memory cannot be measured."""
+    """The peak memory in use on ``device`` since construction, above that at construction."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

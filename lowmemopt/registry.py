@@ -99,8 +99,7 @@ def resolve(name: str) -> Resolved:
 
 
 def declared_class_names() -> list[str] | None:
-    """:func:`optimizer_names` found without importing torch (the package's class lists and ``aliases.py``'s
-    ``__all__`` read from source); None if that source cannot be read so."""
+    """:func:`optimizer_names` read from the package's sources, without importing torch; None if unreadable."""
     import lowmemopt
 
     spec = importlib.util.find_spec("lowmemopt.aliases")
@@ -116,8 +115,7 @@ def declared_class_names() -> list[str] | None:
 
 
 def unknown_names(names: Iterable[str]) -> ValueError | None:
-    """The error :func:`resolve` would raise for the first unknown of ``names``, decided without importing torch;
-    None if all are known or undecidable so."""
+    """The error :func:`resolve` would raise for the first unknown of ``names``, without importing torch."""
     declared = declared_class_names()
     if declared is None:
         return None
@@ -144,8 +142,7 @@ def check_process_group(cls: type) -> None:
 
 
 def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:
-    """``cls(params, **kwargs)`` with a placeholder ``lr=1e-3`` when none is given: for checking keywords and laying
-    out state, not training."""
+    """``cls(params, **kwargs)``, ``lr=1e-3`` if none is given: for checking keywords and laying out state."""
     from .optim import Adafactor
 
     if "lr" not in kwargs and not (issubclass(cls, Adafactor) and kwargs.get("relative_step", True)):
@@ -159,8 +156,7 @@ def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) ->
 
 
 def model_params(cls: type, model: torch.nn.Module) -> Any:
-    """What ``cls`` is built on for ``model``: its ``model_param_groups`` where it has them (Muon), else the
-    trainable parameters."""
+    """What ``cls`` is built on for ``model``: its ``model_param_groups`` (Muon), else the parameters."""
     groups_of = getattr(cls, "model_param_groups", None)
     if groups_of is not None:
         return groups_of(model)

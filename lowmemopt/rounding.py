@@ -63,8 +63,7 @@ _SEEDS: contextvars.ContextVar[_Seeds | None] = contextvars.ContextVar("lowmemop
 
 @contextmanager
 def seeds_in_order(pending: Callable[[], list[torch.Tensor]]) -> Iterator[None]:
-    """Within it, new stochastic-rounding seeds are drawn together in the order of ``pending()`` (the step's tensors
-    without a seed, in parameter order), whatever order the backends make the states in."""
+    """Within it, a step's new stochastic-rounding seeds are drawn together, in ``pending()``'s order."""
     token = _SEEDS.set(_Seeds(pending))
     try:
         yield

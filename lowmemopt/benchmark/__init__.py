@@ -165,8 +165,7 @@ def quick(
     max_step_s: float = 60.0,
     out=None,
 ) -> dict[str, list[Result]]:
-    """``lowmemopt bench``: each suite on ``preset`` (default ~11M parameters, 2 warm-up and 3 timed steps), a table per
-    suite; ``names`` restricts the optimizers (the baseline always runs)."""
+    """``lowmemopt bench``: each suite on ``preset``, a table per suite."""
     out = out or sys.stdout
     device = torch.device(device)
     info = machine_info(device)

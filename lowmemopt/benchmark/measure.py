@@ -37,8 +37,7 @@ def _tensor_storages(obj, out: dict[tuple, int]) -> None:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state: lowmemopt's ``state_nbytes()``, else each storage under ``optimizer.state`` once
-    (tensor subclasses opened, shared maps counted once)."""
+    """Bytes of optimizer state, each storage once (lowmemopt's own ``state_nbytes()``)."""
     if hasattr(optimizer, "state_nbytes"):
         return int(optimizer.state_nbytes())
     storages: dict[tuple, int] = {}
@@ -169,8 +168,7 @@ def run_benchmark(
     factory: Callable[..., torch.optim.Optimizer] | None = None,
     partner: Callable[[], object] | None = None,
 ) -> Result:
-    """Build optimizer ``name`` on fresh copies of ``reference``, time its steps (``partner`` alternately) and
-    measure its state; any exception is recorded in ``Result.error``."""
+    """One optimizer's row on fresh copies of ``reference``; exceptions go to ``Result.error``."""
     result = Result(name)
     n_params = sum(p.numel() for p in reference)
     params = optimizer = None

@@ -4,8 +4,7 @@ converted to the loading optimizer's formats::
     lowmemopt.save_state(opt, "opt.safetensors", model=model)
     report = lowmemopt.load_state(opt, "opt.safetensors", model=model)
 
-:mod:`.layout` (the file), :mod:`.validation`, :mod:`.save`, :mod:`.load`; conversions in :mod:`lowmemopt.quant.convert`.
-The format and its guarantees: docs/state_format.md.
+Modules: :mod:`.layout` (the file), :mod:`.validation`, :mod:`.save`, :mod:`.load`. Docs: docs/state_format.md.
 """
 
 from ..quant.convert import CheckpointError, convert_param_state

@@ -62,8 +62,7 @@ def param_names(optimizer: LowMemOptimizer, model: torch.nn.Module | None) -> li
 
 
 def sharded_path(optimizer: LowMemOptimizer, path: str | os.PathLike) -> tuple[str, dict[str, int] | None]:
-    """This rank's file and its ``sharding`` record for an optimizer with DTensor parameters or per-rank state
-    (``per_rank_files``); else ``path``."""
+    """This rank's file and ``sharding`` record for sharded or per-rank state; else ``path``."""
     if not (getattr(optimizer, "per_rank_files", False)
             or any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])):
         return os.fspath(path), None
@@ -114,7 +113,7 @@ def atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict
 
 
 def _mode_for(path: str, tmp: str) -> int:
-    """The saved file's mode: that of the file at ``path``, else ``open(path, "w")``'s (read from an empty file at ``tmp``)."""
+    """The saved file's mode: that of the file at ``path``, else what ``open(path, "w")`` gives."""
     with suppress(FileNotFoundError):
         existing = os.stat(path)
         if stat.S_ISREG(existing.st_mode):
@@ -160,8 +159,7 @@ def _process_alive(pid: int) -> bool:
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` (CPU, contiguous, not overlapping) and ``metadata`` with ``safetensors.torch.save_file``
-    (streamed from their memory); a full disk is its OSError."""
+    """Write ``tensors`` and ``metadata`` with ``safetensors.torch.save_file``."""
     try:
         save_file(tensors, path, metadata=metadata)
     except SafetensorError as e:

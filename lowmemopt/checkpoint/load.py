@@ -104,8 +104,7 @@ def load_state(
 
 
 def _allocate(plan: Plan) -> dict[str, Any]:
-    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it). Paged
-    params get meta tensors here: :func:`lowmemopt.paging.stage` then puts them in new homes."""
+    """The param's new state in the target formats, zero-filled (meta tensors for paged params)."""
     if plan.entry["step"] is None:
         return {}
     state: dict[str, Any] = {"step": plan.entry["step"]}
@@ -198,8 +197,7 @@ class _FileTensor:
 
 
 def other_world_path(path: str, sharding: dict[str, int] | None) -> tuple[str, dict[str, int] | None]:
-    """For per-rank files of another world size: the file of this rank modulo that size and its sharding record;
-    else ``path``."""
+    """For per-rank files of another world size: this rank's modulo that size; else ``path``."""
     rank = 0 if sharding is None else sharding["rank"]
     stem, ext = os.path.splitext(os.fspath(path))
     stem = stem.rsplit(".rank", 1)[0]

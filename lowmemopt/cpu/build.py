@@ -58,7 +58,6 @@ def _cpu_signature() -> str:
 
 
 def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags (/proc/cpuinfo), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for ln in f:

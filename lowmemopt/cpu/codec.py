@@ -53,8 +53,7 @@ def decision_thresholds(name: str) -> torch.Tensor:
 
 
 class Pow2Tables(ctypes.Structure):
-    """Mirror of ``struct lmo_pow2`` (``csrc/lmo.h``): ``code = (b + neg + add[e & 31]) >> shift[e & 31]`` for clamped
-    bits ``b``, ``e = b >> 23``; a negative ``y`` takes ``mirror - code``."""
+    """Mirror of ``struct lmo_pow2`` (``csrc/lmo.h``): the bit encoder's addends and shifts."""
 
     _fields_ = [
         ("add", ctypes.c_uint32 * 32),

@@ -84,7 +84,7 @@ def slot_q4(nibbles: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
 
 def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],
              hyper: tuple[float, ...] = (), flags: int = 0, tail: int = 0, scan: torch.Tensor | None = None) -> Args:
-    """The kernel arguments; ``scan``: a tensor whose fp32 sum of squares the kernel also computes (:func:`scan_result`)."""
+    """The kernel arguments; ``scan``: a tensor whose sum of squares the kernel also checks."""
     a = Args()
     a.p = None if p is None else p.data_ptr()
     a.g = None if g is None else g.data_ptr()
@@ -119,8 +119,7 @@ UPDATES = {"nearest": 0, "stochastic": 1, "kahan": 2}
 
 
 def set_update(a: Args, mode: str, key: int = 0, offset: int = 0, kahan: torch.Tensor | None = None) -> Args:
-    """How the kernel writes a bf16 / fp16 parameter: ``key`` (stochastic hash key), ``offset`` (first element's flat
-    index in the parameter), ``kahan`` (the buffer, laid out as the parameter)."""
+    """How the kernel writes a bf16 / fp16 parameter: stochastic ``key``, ``offset``, ``kahan`` buffer."""
     a.p_update, a.sr_key, a.p_offset = UPDATES[mode], key, offset
     a.kahan = None if kahan is None else kahan.data_ptr()
     return a
@@ -143,7 +142,7 @@ def call(fn, args: Args) -> None:
 
 
 def call_many(fn, batch: list[Args]) -> list[bool]:
-    """``fn`` (a ``lmo_*_many`` kernel) over the argument sets ``batch`` in one call; per set: stepped, or skipped (False)."""
+    """``fn`` over the argument sets ``batch`` in one call; per set: stepped, or skipped (False)."""
     n = len(batch)
     if n == 0:
         return []
@@ -156,12 +155,12 @@ def call_many(fn, batch: list[Args]) -> list[bool]:
 
 
 def usable(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a CPU tensor and the library is built (the switch and the warning: :func:`lowmemopt.cpu.applies`)."""
+    """Whether ``t`` is a CPU tensor and the library is built."""
     return t.device.type == "cpu" and build.library() is not None
 
 
 def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
-    """``lmo_encode`` (fp32 rows -> codes, absmax) or ``lmo_decode`` in map ``name``; False for other maps or layouts."""
+    """``lmo_encode`` / ``lmo_decode`` of rows ``x`` in map ``name``; False where not done."""
     signed = is_signed_map(name)
     ok = (
         name == map_for(signed)

@@ -40,8 +40,7 @@ def scales_of(x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
 
 
 def compress(x: torch.Tensor, sizes: Sequence[int], error: torch.Tensor) -> torch.Tensor:
-    """One compression with error feedback of flat ``x``: its per-segment scales, and ``error <- x - scale * sign(x)``
-    in place (kept where a scale is not finite)."""
+    """Error-feedback compression of flat ``x``: per-segment scales; ``error <- x - scale * sign(x)``."""
     scales = scales_of(x, sizes)
     per_element = scales.repeat_interleave(torch.tensor(list(sizes), device=x.device))
     sign = torch.where(x >= 0, 1.0, -1.0)
@@ -53,8 +52,7 @@ def compress(x: torch.Tensor, sizes: Sequence[int], error: torch.Tensor) -> torc
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each tensor of a bucket lies, padded for ``world`` ranks: ``numels[i]`` elements padded to
-    ``world * chunks[i]`` at ``offsets[i]``; each server chunk a multiple of 8 and of ``aligns[i]``."""
+    """Where each tensor of a bucket lies, padded for ``world`` ranks (server chunks of whole blocks)."""
 
     numels: tuple[int, ...]
     aligns: tuple[int, ...]
@@ -112,8 +110,7 @@ class Layout:
 
 
 class CompressedAllReduce:
-    """The compressed average of a bucket over ``process_group`` for ``layout``; the error buffers are the
-    caller's (:meth:`new_errors`), so they can live in optimizer state."""
+    """The compressed average of a bucket over ``process_group``; error buffers are the caller's."""
 
     def __init__(self, layout: Layout, process_group: Any = None) -> None:
         world = dist.get_world_size(process_group)

@@ -37,8 +37,7 @@ def _local_rows(p) -> tuple[int, int]:
 
 
 def low_rank_layout(p, low: tuple[int, int], side: int) -> tuple[tuple[int, int], tuple[int | None, int | None]]:
-    """``(local low-rank shape, dims)`` of ``p``'s low-rank state of global shape ``low``: side right keeps the rows
-    (dim 0), left and both are replicated."""
+    """``(local shape, dims)`` of ``p``'s low-rank state (side right sharded by rows)."""
     dims = (0, None) if side == RIGHT else (None, None)
     if not is_dtensor(p) or side != RIGHT:
         return low, dims

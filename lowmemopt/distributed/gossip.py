@@ -26,7 +26,7 @@ def ring(world_size: int) -> list[list[int]]:
 
 
 def torus(rows: int, cols: int) -> list[list[int]]:
-    """The 2-D torus (``rows x cols`` with wrap-around): rank ``r * cols + c`` neighbours those above, below, left, right."""
+    """The 2-D torus (``rows x cols``, wrapping): each rank neighbours those above, below, left, right."""
     for name, v in (("rows", rows), ("cols", cols)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -69,8 +69,7 @@ def _check_graph(graph: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 def mixing_weights(graph: Sequence[Sequence[int]], rank: int, weights: str = "metropolis") -> dict[int, float]:
-    """Row ``rank`` of ``graph``'s mixing matrix, ``{rank: W_ii, j: W_ij, ...}``: ``"metropolis"``
-    ``1 / (1 + max(d_i, d_j))``, or ``"uniform"`` ``1 / (d_i + 1)`` (regular graphs only, else ValueError)."""
+    """Row ``rank`` of ``graph``'s mixing matrix (``"metropolis"`` or ``"uniform"``)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     graph = _check_graph(graph)

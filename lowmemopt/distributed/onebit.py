@@ -25,8 +25,7 @@ def align_of(group: dict[str, Any], p: torch.Tensor) -> int:
 
 
 def apply_mask(group: dict[str, Any], params: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
-    """Multiply each compressed mean of ``group`` by its ``exp_avg_mask`` (DeepSpeed's key, e.g. zeros for embedding
-    rows the data never reaches), if any."""
+    """Multiply ``group``'s compressed means by its ``exp_avg_mask`` (DeepSpeed's key), if any."""
     mask = group.get("exp_avg_mask")
     if mask is None:
         return
@@ -56,8 +55,7 @@ def broadcast_parameters(params: Sequence[torch.Tensor], process_group: Any = No
 
 
 class OnebitStage:
-    """Communication for one optimizer: process group, compressed all-reduce and error buffers per param group, and
-    whether a DDP comm hook averages "full" steps' gradients (``ddp_reduces``)."""
+    """Communication for one optimizer: process group, compressed all-reduce, error buffers per group."""
 
     def __init__(self, process_group: Any = None, settings: dict[str, Any] | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -81,8 +79,7 @@ class OnebitStage:
         return plan.algorithm.comm_phase(self, plan.state, index, plan.groups[index])
 
     def begin(self, plan: Any, work: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> Communicated:
-        """Before the update: per group with gradients, its phase, ``comm_begin`` and :meth:`communicate`, replacing
-        ``.grad`` where needed (given back on error)."""
+        """Before the update: each group's phase and communication, replacing ``.grad`` where needed."""
         algorithm, state = plan.algorithm, plan.state
         stepping = {id(p) for p, _ in work}
         done = Communicated()
@@ -152,8 +149,7 @@ class OnebitStage:
 
     def communicate(self, index: int, phase: str, grads: list[torch.Tensor],
                     message: Callable[[int], torch.Tensor], aligns: list[int]) -> list[torch.Tensor] | None:
-        """What group ``index``'s update reads instead of ``grads``: averaged gradients ("full"; None under a DDP
-        hook), the compressed messages ("compressed"), or None ("local")."""
+        """What group ``index``'s update reads instead of ``grads`` this step (None: its own)."""
         if phase == "full":
             return None if self.ddp_reduces else self.average(grads)
         if phase == "compressed":
@@ -193,8 +189,7 @@ class OnebitStage:
 
 
 def onebit_comm_hook(state: Any, bucket: "dist.GradBucket") -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook following a 1-bit optimizer's phase (``state``: anything with ``next_phase()``): DDP's average
-    before a "full" step, local gradients otherwise. Register with ``optimizer.register_ddp(ddp)``."""
+    """DDP comm hook: DDP's average before a 1-bit optimizer's "full" step, local gradients otherwise."""
     tensor = bucket.buffer()
     if state.next_phase() != "full":
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -44,13 +44,11 @@ class Reduction:
         return partial
 
     def flat_offset(self) -> int | None:
-        """The flat index in the whole parameter of the local first element when the local elements are one
-        contiguous range, else None. Single process: 0."""
+        """The local first element's flat index in the parameter if contiguous there, else None."""
         return 0
 
     def element_index(self, lo: int, n: int, device: torch.device | str = "cpu") -> int | torch.Tensor:
-        """Where local flat elements ``lo .. lo + n - 1`` sit in the whole parameter (first index, or n indices):
-        what stochastic rounding hashes."""
+        """Where local elements ``lo .. lo + n - 1`` sit in the whole parameter."""
         return lo
 
     def agree(self, value: int) -> int:
@@ -79,8 +77,7 @@ def is_shard(placement) -> bool:
 
 
 class ShardedReduction(Reduction):
-    """Reductions over a tensor laid out like a DTensor parameter (``mesh``, ``placements``, global ``shape``);
-    ``Partial`` parameters are rejected."""
+    """Reductions over a tensor laid out like a DTensor parameter (``mesh``, ``placements``, ``shape``)."""
 
     distributed = True
 

@@ -44,8 +44,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_view(p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Reduction]:
-    """``(p_local, grad_local, reduce)`` for one step; a plain parameter as it is with :data:`LOCAL`. A gradient
-    placed otherwise than its parameter (``Partial``) is redistributed first (a collective)."""
+    """``(p_local, grad_local, reduce)`` for one step (a ``Partial`` gradient redistributed first)."""
     if not is_dtensor(p):
         if is_dtensor(grad):
             raise TypeError("a plain tensor parameter has a DTensor gradient; shard the parameter like its gradient")
@@ -68,8 +67,7 @@ def reduction_of(p: torch.Tensor) -> Reduction:
 
 
 def agree_finite(flags: list[bool], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[bool]:
-    """Make the non-finite skip the same on every rank holding a shard of a parameter (one MIN all-reduce per mesh
-    dim per step, none without DTensors), so shards never step apart."""
+    """Make the non-finite skip the same on every rank holding a shard of a parameter."""
     by_mesh: dict[Any, list[int]] = {}
     for i, p in enumerate(params):
         if is_dtensor(p):
@@ -166,7 +164,7 @@ def _replicated(p, value: torch.Tensor):
 
 
 def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(p_local, state)`` with every DTensor of ``state`` brought to ``p``'s layout and replaced by its local shard."""
+    """``(p_local, state)`` with every DTensor of ``state`` replaced by its local shard in ``p``'s layout."""
     if not is_dtensor(p):
         bad = [k for k, v in state.items() if is_dtensor(v)]
         if bad:
@@ -219,8 +217,7 @@ def presented_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, Any]]:
 
 
 def shard_layout(p) -> dict[str, Any] | None:
-    """Where a DTensor's local shard sits (global shape, offset, local shape, placements, mesh), for per-rank files;
-    None for a plain tensor."""
+    """Where a DTensor's local shard sits (for per-rank files); None for a plain tensor."""
     if not is_dtensor(p):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -55,7 +55,6 @@ def map_whole(parts: Sequence[torch.Tensor], reduce: Reduction, fn: Fn, dtype: t
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` to ``size`` (``t`` itself at that size)."""
     if t.size(dim) == size:
         return t.contiguous()
     shape = list(t.shape)

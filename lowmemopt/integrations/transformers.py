@@ -87,8 +87,7 @@ def optimizer(
 
 
 class TrainerOptimizerFactory:
-    """The first element of :func:`optimizer`'s result: the Trainer calls it with the model and the config (or,
-    transformers < 5.3, the class with param groups: built the same way from the calling Trainer's model)."""
+    """The first element of :func:`optimizer`'s result, which the Trainer calls with the model."""
 
     def __new__(cls, params: Any = None, **config: Any) -> Any:
         if params is None:
@@ -163,8 +162,7 @@ def _check_step_in_backward(value: Any) -> dict[str, Any] | None:
 
 
 def from_training_args(cls: type, args: Any, explicit: Mapping[str, Any] = ()) -> dict[str, Any]:
-    """The keywords of ``cls`` that ``TrainingArguments`` set: ``lr`` (unless ``relative_step=True``),
-    ``weight_decay``, the first two ``betas`` and a scalar ``eps``, where ``cls`` has them."""
+    """The keywords of ``cls`` that ``TrainingArguments`` set (docs/trainer.md)."""
     out: dict[str, Any] = {"weight_decay": args.weight_decay}
     if not explicit.get("relative_step", False):
         out["lr"] = args.learning_rate
@@ -228,8 +226,7 @@ def param_groups(
 
 
 def _projection_settings(kind: str, settings: Any, example_rank: int) -> dict[str, Any]:
-    """``settings`` (``galore=`` / ``apollo=``) as a dict with ``target_modules`` and ``rank``, else an error naming
-    ``kind``."""
+    """``settings`` as a dict with ``target_modules`` and ``rank``, else an error naming ``kind``."""
     if not isinstance(settings, Mapping):
         raise TypeError(f"{kind} must be a dict of {kind} settings, got {type(settings).__name__}")
     missing = [k for k in ("target_modules", "rank") if k not in settings]
@@ -247,7 +244,6 @@ def _named_groups(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[
 
 
 def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
-    """Check GaLore settings now, with :func:`lowmemopt.galore_param_groups`'s own checks (on a one-Linear model)."""
     galore = _projection_settings("galore", galore, 128)
     _galore_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**galore, "target_modules": "all-linear"})
     return galore
@@ -255,8 +251,7 @@ def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
 
 def _base_groups(cls: type, model: torch.nn.Module, galore: dict[str, Any] | None,
                  apollo: dict[str, Any] | None) -> list[dict[str, Any]] | None:
-    """APOLLO's projected groups or the class's own groups of a model (Muon's), for :func:`param_groups` to split;
-    None otherwise."""
+    """The groups :func:`param_groups` splits (APOLLO's, Muon's), or None."""
     if apollo is not None:
         return _apollo_groups(model, apollo)
     if galore is None and hasattr(cls, "model_param_groups"):
@@ -265,7 +260,6 @@ def _base_groups(cls: type, model: torch.nn.Module, galore: dict[str, Any] | Non
 
 
 def _check_apollo(cls: type, apollo: Mapping[str, Any]) -> dict[str, Any]:
-    """Check APOLLO settings now (on a one-Linear model), for an APOLLO optimizer only."""
     import lowmemopt
 
     if not (isinstance(cls, type) and issubclass(cls, lowmemopt.APOLLOAdamW)):
@@ -293,8 +287,7 @@ def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[
 
 def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any,
                       options: Mapping[str, Any] = ()) -> torch.optim.Optimizer:
-    """Attach :func:`lowmemopt.step_in_backward` (accumulating over ``args.gradient_accumulation_steps``) and put
-    the stepper's position in ``opt.state_dict()`` (key ``"step_in_backward"``)."""
+    """Attach :func:`lowmemopt.step_in_backward` and save its position in ``opt.state_dict()``."""
     import lowmemopt
 
     attach = getattr(lowmemopt, "step_in_backward", None)

@@ -19,7 +19,6 @@ WINDOW = 0.5
 
 
 def _busy_seconds(cpus: set[int]) -> float | None:
-    """Busy CPU time of ``cpus`` since boot, or None without ``/proc/stat``."""
     try:
         with open("/proc/stat") as f:
             lines = f.readlines()
@@ -46,7 +45,7 @@ def _cpus() -> set[int]:
 
 
 class CpuShare:
-    """Whether other processes are busy on this process's CPUs (over :data:`BUSY_CORES` cores' time in the last window)."""
+    """Whether other processes are busy on this process's CPUs (over :data:`BUSY_CORES` cores' time)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  busy: Callable[[set[int]], float | None] = _busy_seconds, own: Callable[[], float] = _own_seconds,

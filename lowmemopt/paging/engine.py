@@ -26,8 +26,7 @@ _THREAD_KINDS = ("read", "write")
 
 
 def route_for(tier: str, lanes: HostLanes) -> str:
-    """The schedule's route of a bucket: ``"copy"`` for host-RAM homes, ``"staged"`` for files to a device with copy
-    lanes, ``"file"`` for files on the CPU."""
+    """The schedule's route of a bucket: ``"copy"``, ``"staged"`` or ``"file"``."""
     if tier == "cpu":
         return "copy"
     return "staged" if lanes.staged_files else "file"
@@ -42,8 +41,7 @@ class HostLanes:
         self.share = CpuShare()
 
     def files_here(self) -> bool:
-        """Whether a bucket's files are copied in the calling thread on the update's threads (torch's threads take
-        every core and no other process is busy on them: :mod:`.contention`) rather than on the I/O threads."""
+        """Whether a bucket's files are copied on the update's threads, not on I/O threads."""
         return not self.staged_files and torch.get_num_threads() >= _cpus() and not self.share.others_busy()
 
     def compute(self) -> Any:
@@ -157,8 +155,7 @@ def _own_storage(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]],
              locate: Callable[[torch.Tensor], tuple[torch.Tensor, int]] = _own_storage,
              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(dst, src)`` whole-tensor copies merged into one byte copy where the next pair continues both runs less than
-    :data:`~.homes.ALIGN` bytes on (padding). ``locate(t)``: the storage holding ``t`` and its byte offset."""
+    """``(dst, src)`` copies merged where neighbours continue both runs (across padding only)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     run: list[Any] | None = None  # [dst holder, src holder, dst byte offset, src byte offset, bytes]
     for dst, src in pairs:
@@ -187,8 +184,7 @@ def _views(buffer: torch.Tensor, like: list[torch.Tensor], offsets: list[int]) -
 
 
 class Mover:
-    """The buffers, lanes and schedule of one device; per bucket, in order: :meth:`prefetch`, :meth:`advance`,
-    :meth:`load`, then :meth:`store` (or :meth:`discard`)."""
+    """The buffers, lanes and schedule of one device: prefetch, advance, load, store (or discard)."""
 
     def __init__(self, homes: Homes, device: torch.device, lanes: HostLanes | None = None,
                  n_slots: int | None = None, n_staging: int = N_STAGING) -> None:
@@ -360,7 +356,6 @@ class Mover:
             self._device_copies(op, bucket.inbound, "h2d")
 
     def _device_copies(self, op: Op, pairs: list[tuple[torch.Tensor, torch.Tensor]], lane: str) -> None:
-        """Issue ``op``'s copies on side stream ``lane`` after its waits."""
         stream = self.lanes.stream(lane)
         self._stream_wait(stream, op.waits)
         slot = self.slots[op.slot]
@@ -385,7 +380,6 @@ class Mover:
         self._done[(op.kind, op.seq)] = pool.submit(self._after, tokens, job, work)
 
     def _after(self, tokens: list[tuple[str, Any]], job: Callable[..., Any], work: Any) -> None:
-        """On an I/O thread: wait for ``tokens``, then run ``job``."""
         for kind, token in tokens:
             if token is None:
                 continue
@@ -396,7 +390,6 @@ class Mover:
         job(work)
 
     def _reads(self, bucket: Bucket, here: bool = False) -> None:
-        """Read ``bucket``'s files (``here``: at once on the update's threads)."""
         errors = transfer_all(self.homes, bucket.reads, self.copy_files if here else None)
         bucket.error = next((e for e in errors if e is not None), None)  # (raised where the bucket is loaded)
 

@@ -97,8 +97,7 @@ class Homes:
         return t
 
     def arena(self, layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
-        """Uninitialized host tensors of ``layout`` in one buffer at :func:`layout_offsets` (a slot's layout, so a bucket
-        moves in one copy); page-locked if ``pin``. Each has its own storage and is freed on its own."""
+        """Uninitialized host tensors of ``layout`` in one buffer, laid out as a slot; page-locked if ``pin``."""
         offsets, total = layout_offsets([torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout])
         if total == 0:
             return [self.host(shape, dtype, pin=False) for shape, dtype in layout]
@@ -198,7 +197,7 @@ class Homes:
     # -- release -------------------------------------------------------------------------------------------------
 
     def free(self, t: torch.Tensor, keep_file: bool = False) -> None:
-        """Give back ``t``'s home: file deleted (the mapping stays valid), page-lock undone; no copy may be in flight."""
+        """Give back ``t``'s home (file deleted, page-lock undone); no copy may be in flight."""
         ptr = t.untyped_storage().data_ptr()
         base = self._views.pop(t.data_ptr(), None) if t.numel() else None
         if base is not None:  # a home in an arena: the arena goes with its last home
@@ -228,7 +227,7 @@ class Homes:
                 pass
 
     def close(self, tensors: list[torch.Tensor], keep_files: bool = False, manifest: list[dict] | None = None) -> None:
-        """Free ``tensors`` and anything still owned; delete the directories unless ``keep_files`` (``manifest.json``)."""
+        """Free ``tensors`` and all still owned; delete the directories unless ``keep_files``."""
         for t in tensors:
             self.free(t, keep_file=keep_files)
         for base in list(self._refs):  # arenas some of whose homes were not among ``tensors``
@@ -290,8 +289,7 @@ def will_need(homes: Homes, t: torch.Tensor) -> None:
 
 
 def transfer(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for host tensors where either may be a file home: ``pread`` / ``pwrite``, else through the
-    mapping in :data:`COPY_CHUNK_BYTES` chunks."""
+    """``dst.copy_(src)`` for host tensors where either may be a file home (``pread`` / ``pwrite``)."""
     dst_path, src_path = homes.path(dst), homes.path(src)
     for t, path in ((dst, dst_path), (src, src_path)):
         if path is not None and t.data_ptr() != t.untyped_storage().data_ptr():

@@ -26,8 +26,7 @@ class NextPass:
 
     def adopt(self, first: list[torch.Tensor], discard: Callable[[list[torch.Tensor], Bucket], None],
               ) -> dict[int, Bucket]:
-        """A pass starts with bucket ``first``: ``{0: bucket}`` if it was prefetched, else ``{}`` (the prefetched one to
-        ``discard``); learns that ``first`` follows the last pass."""
+        """A pass starts with bucket ``first``: ``{0: bucket}`` if it was prefetched, else ``{}``."""
         if self._last is not None and first:
             if len(self._follows) > MAX_FOLLOWS:
                 self._follows.clear()

@@ -24,8 +24,7 @@ def tier_of(group: dict[str, Any]) -> str | None:
 
 
 def check_paging(group: dict[str, Any], writable: bool = True) -> None:
-    """Raise ValueError / TypeError / PermissionError for bad paging options in ``group``; stores ``offload_dir`` as a
-    ``str``. ``writable``: also prove a file can be made there."""
+    """Raise for bad paging options in ``group``; ``writable``: prove a file can be made there."""
     tier_of(group)  # (ValueError for a bad paged)
     budget = group.get("page_budget_bytes", "auto")
     if not (isinstance(budget, str) and budget == "auto") and (

@@ -37,14 +37,13 @@ Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
 
 class StateOwner(Protocol):
-    """What the pager reads of the optimizer whose state it keeps (by weak reference): its state dict and param groups."""
+    """What the pager reads of the optimizer it serves (by weak reference): state and param groups."""
 
     state: Any
     param_groups: list[dict[str, Any]]
 
 
 def _reraise(e: BaseException, note: str) -> None:
-    """Raise ``e`` again; an OSError gets ``note`` added."""
     if isinstance(e, OSError) and e.errno is not None:
         raise type(e)(e.errno, f"{e.strerror}; {note}", *([e.filename] if e.filename is not None else [])) from e
     raise e
@@ -194,7 +193,6 @@ class Pager:
         self._mover_of(params).discard(bucket)
 
     def _prefetch_next(self, params: list[torch.Tensor] | None) -> None:
-        """Start the next pass's first bucket (``params``) on its way."""
         if not params or self.closed or any(not self._moves(p) or self.entries[p].state is None for p in params):
             return
         if len({(self.entries[p].device, self.entries[p].tier) for p in params}) != 1:
@@ -209,8 +207,7 @@ class Pager:
             mover.settle()  # its copies read homes that are about to change
 
     def moves_any(self, work: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> bool:
-        """Whether the state of any (param, group) of ``work`` may move this step (paged, and not resident or not placed
-        yet); none: the step runs exactly as unpaged."""
+        """Whether any state of ``work`` may move this step (else the step runs exactly as unpaged)."""
         for p, group in work:
             entry = self.entries.get(p)
             if tier_of(group) is None:
@@ -225,7 +222,6 @@ class Pager:
         return entry is not None and not entry.resident
 
     def _load(self, params: list[torch.Tensor], bucket: Bucket) -> None:
-        """Install a bucket's working state (an empty dict for state not made yet)."""
         opt = self._opt()
         working = self._mover_of(params).load(bucket)
         for p in params:
@@ -238,8 +234,7 @@ class Pager:
             opt.state[p] = state
 
     def _store(self, params: list[torch.Tensor], bucket: Bucket) -> None:
-        """Write a bucket back and install the homes; a param without room for a new home stays resident, the first
-        such failure raised once the rest is home."""
+        """Write a bucket back and install the homes; a param without room for one stays resident."""
         opt = self._opt()
         items, installs, error = [], [], None
         for p in params:
@@ -326,8 +321,7 @@ class Pager:
 
     def _place(self, items: list[tuple[torch.Tensor, dict[str, Any], str, dict[str, Any] | None]],
                first_state: FirstState | None = None, resident_ok: bool = True) -> dict[torch.Tensor, Entry]:
-        """New entries for ``items`` (param, group, tier, state or None): residency by the budget, homes allocated and
-        filled (meta tensors: zeros). All or nothing."""
+        """New entries for ``items``: residency by the budget, homes allocated and filled. All or nothing."""
         opt = self._opt()
         index = {id(g): gi for gi, g in enumerate(opt.param_groups)}
         position = {id(q): pi for g in opt.param_groups for pi, q in enumerate(g["params"])}
@@ -360,8 +354,7 @@ class Pager:
         return made
 
     def _evict_where_short(self, work: Work) -> bool:
-        """``"auto"``: per CUDA device, evict resident state (largest first) as :meth:`AutoRoom.excess` asks; returns
-        whether it evicted."""
+        """``"auto"``: evict resident state where a device is short; returns whether it evicted."""
         evicted = False
         for device in {p.device for p, _ in work if p.device in self.rooms}:
             memory = probe(device)
@@ -380,7 +373,6 @@ class Pager:
         return evicted
 
     def _evict(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """Give resident ``p``'s state homes and page it from now on."""
         opt, old = self._opt(), self.entries[p]
         entry = self._place([(p, group, old.tier, opt.state[p])], resident_ok=False)[p]
         self.entries[p] = entry
@@ -404,7 +396,7 @@ class Pager:
         """New state for the paged params among ``items`` (param, group, loaded state), resident or in new homes.
 
         Returns:
-            {param: state to install}; nothing is installed (:meth:`reconcile` adopts it after the swap). All or nothing.
+            {param: state to install}; nothing is installed (:meth:`reconcile` adopts it). All or nothing.
         """
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
@@ -507,8 +499,7 @@ class Pager:
         entry.reserved = None
 
     def close(self, keep_files: bool = False) -> None:
-        """Free every home (files deleted unless ``keep_files``; pinned memory unregistered) and drop the paged state.
-        Idempotent; also run at garbage collection or exit."""
+        """Free every home and drop the paged state (files kept with ``keep_files``); idempotent."""
         if self.closed:
             return
         self.closed = True

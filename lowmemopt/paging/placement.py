@@ -32,8 +32,7 @@ def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
 
 def initial_layout(state: Any, p: torch.Tensor, group: dict[str, Any],
                    first_state: FirstState | None) -> dict[str, torch.Tensor] | None:
-    """The tensors ``p``'s first step will make, as meta tensors, from the optimizer's own initialization on a meta
-    twin (``first_state``); None if that fails (homes made at the first write-back)."""
+    """The tensors ``p``'s first step will make, as meta tensors (None if that fails)."""
     twin = torch.empty_like(p, device="meta")
     try:
         if first_state is None:
@@ -48,8 +47,7 @@ def initial_layout(state: Any, p: torch.Tensor, group: dict[str, Any],
 def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, torch.Tensor] | None],
                     entries: dict[torch.Tensor, Entry], rooms: dict[torch.device, AutoRoom],
                     bucket_bytes: int) -> set[torch.Tensor]:
-    """Parameters of ``items`` whose state stays resident: an int budget smallest first; ``"auto"`` by
-    :meth:`AutoRoom.choose`."""
+    """Parameters of ``items`` whose state stays resident (an int budget, or ``"auto"``)."""
     resident: set[torch.Tensor] = set()
     sized = {p: (nbytes_of(layouts[p]) if layouts[p] is not None else None) for p, _, _, _ in items}
     by_group: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
@@ -80,8 +78,7 @@ def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, tor
 
 def make_homes(homes: Homes, made: list[tuple[Entry, dict[str, torch.Tensor]]],
                alloc: Callable[[Entry, str, torch.Tensor], torch.Tensor]) -> None:
-    """Homes for each (entry, layout) of ``made``, kept in ``entry.reserved`` as made: files one by one, host RAM of a
-    device in one arena."""
+    """Homes for each (entry, layout) of ``made``: files one by one, host RAM of a device in one arena."""
     arenas: dict[tuple[torch.device, bool], list[tuple[Entry, str, torch.Tensor]]] = {}
     for entry, layout in made:
         entry.reserved = {}

@@ -59,8 +59,7 @@ def headroom(group: dict[str, Any], memory: DeviceMemory) -> int:
 
 
 def smallest_first(sized: list[tuple[int | None, Any]], room: int) -> list[Any]:
-    """The items of ``sized`` ((bytes or None, item)) taken smallest first while they fit ``room`` (ties in order;
-    unknown sizes never)."""
+    """The items of ``sized`` taken smallest first while they fit ``room`` (unknown sizes never)."""
     order = sorted(range(len(sized)), key=lambda i: (sized[i][0] is None, sized[i][0] or 0, i))
     taken = []
     for i in order:
@@ -74,7 +73,7 @@ def smallest_first(sized: list[tuple[int | None, Any]], room: int) -> list[Any]:
 
 @dataclass
 class AutoRoom:
-    """The ``"auto"`` residency of one CUDA device: the spare left at the peak, that peak, the headroom, the evictions."""
+    """The ``"auto"`` residency of one CUDA device: spare at the peak, that peak, headroom, evictions."""
 
     spare: int = 0
     peak: int = 0
@@ -84,8 +83,7 @@ class AutoRoom:
 
     def choose(self, memory: DeviceMemory, sized: list[tuple[int | None, Any]], in_flight: int,
                headroom_bytes: int) -> list[Any]:
-        """The items of ``sized`` to keep resident given ``memory`` now and the in-flight buffers: all if they fit, else
-        smallest first; records the resulting peak and spare."""
+        """The items of ``sized`` to keep resident: all if they fit, else smallest first; records the peak."""
         room = memory.spare_at_peak - headroom_bytes
         if all(n is not None for n, _ in sized) and sum(n for n, _ in sized) <= room:
             taken, in_flight = [item for _, item in sized], 0
@@ -141,8 +139,7 @@ class DeviceResidency:
 
 @dataclass
 class PagingReport:
-    """``optimizer.paging_report()``: per device, where the paged state is; per parameter ``(label, where, bytes)``,
-    ``where`` one of ``"device"``, ``"cpu"``, ``"disk"``."""
+    """``optimizer.paging_report()``: per device and per parameter, where the paged state is."""
 
     devices: list[DeviceResidency]
     params: list[tuple[str, str, int]]

@@ -37,8 +37,7 @@ LANE = {"read": "reader", "h2d": "h2d", "kernels": "compute", "d2h": "d2h", "wri
 
 @dataclass(frozen=True)
 class Op:
-    """One operation of a bucket: ``kind`` on its lane, after each ``(kind, seq)`` of ``waits`` (a lane runs in issue
-    order, so a wait covers that lane's earlier operations)."""
+    """One operation of a bucket: ``kind`` on its lane, after each ``(kind, seq)`` of ``waits``."""
 
     kind: str
     seq: int
@@ -106,8 +105,7 @@ class Schedule:
 
     def plan(self, keys: Sequence[Hashable], route: str, loads: Sequence[Hashable] | None = None,
              position: int | None = None) -> BucketPlan:
-        """The next bucket: ``keys`` (the homes it writes back), ``loads`` (those it reads first; default all).
-        ``position`` (default ``seq``) picks the slot and staging buffer, so a bucket gets the same buffers every step."""
+        """The next bucket: ``keys`` it writes back, ``loads`` it reads; ``position`` picks its buffers."""
         if route not in ROUTES:
             raise ValueError(f"unknown route {route!r}")
         seq = self.next_seq

@@ -57,7 +57,7 @@ def block_scale(x: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tens
 def encode_rows(
     x: torch.Tensor, book: torch.Tensor, packed: torch.Tensor, signed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 blocks [nb, bs] -> (uint8 codes [nb, bs], fp32 scale [nb]): pure tensor ops, one table lookup per element."""
+    """fp32 blocks [nb, bs] -> (uint8 codes [nb, bs], fp32 scale [nb]): pure tensor ops, a table lookup each."""
     scale = block_scale(x, book, signed)
     y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
     u = y.view(torch.int32)
@@ -73,8 +73,7 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, book: torch.Tensor) ->
 
 
 class RowCodec(Protocol):
-    """A faster :func:`encode_rows` / :func:`decode_rows` for some tensors; each returns False where it does not apply
-    and the next one (finally the torch code) runs."""
+    """A faster row codec for some tensors; returns False where it does not apply (the next one runs)."""
 
     def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool: ...
 

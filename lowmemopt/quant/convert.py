@@ -82,8 +82,7 @@ def target_format(group: dict[str, Any], slot: Slot, numel: int,
 
 
 def format_numel(slot: Slot, numel: int) -> int:
-    """The size that picks a slot's format: the whole parameter's ``numel`` (a DTensor's too) for slots shaped like
-    it, so a shard's format does not depend on the world size."""
+    """The size that picks a slot's format: the whole parameter's, so a shard's format is the world's."""
     return numel if slot.shape is None else torch.Size(slot.shape).numel()
 
 
@@ -187,8 +186,7 @@ _ORIGINS = (
 
 
 def slot_names(states: Any) -> set[str]:
-    """The slot names in a state dict's ``"state"``: keys without ``.codes`` / ``.absmax`` / ``.nibbles``, less ``step``,
-    a GaLore projector and bf16_update's."""
+    """The slot names in a state dict's ``"state"``, without storage suffixes, ``step`` and kept entries."""
     names: set[str] = set()
     for state in (states.values() if isinstance(states, dict) else ()):
         for key in (state if isinstance(state, dict) else ()):
@@ -226,8 +224,7 @@ def foreign_state_hint(states: Any, slots: Callable[[], set[str]], owner: str) -
 
 
 def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
-    """Raise CheckpointError unless state tensor ``t`` can be stepped from: finite, and not negative in an ``absmax``
-    or a non-negative slot (``signed`` False). One reduction, no temporary of its size."""
+    """Raise CheckpointError unless ``t`` is finite and, for ``absmax`` or unsigned slots, not negative."""
     if not t.is_floating_point() or t.numel() == 0:
         return
     lo, hi = (float(x) for x in torch.aminmax(t.detach().reshape(-1)))  # NaN propagates to both
@@ -268,8 +265,7 @@ def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
 
 def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
                  where: str, param_shape: torch.Size | None = None, source: str = "the state dict"):
-    """Raise CheckpointError unless ``tensors`` hold slot ``name`` of ``shape`` in format ``src`` (a size mismatch names
-    both shapes)."""
+    """Raise CheckpointError unless ``tensors`` hold slot ``name`` of ``shape`` in format ``src``."""
     numel = shape.numel()
     param_shape = shape if param_shape is None else param_shape
     ours = f"the optimizer's parameter has shape {tuple(param_shape)}"
@@ -338,7 +334,6 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
 
 
 def _check_tensors(state: dict[str, Any], keys: Any, where: str) -> None:
-    """Raise CheckpointError naming ``where`` and the key unless each of ``keys`` in ``state`` is a tensor."""
     for key in keys:
         if not isinstance(state[key], torch.Tensor):
             raise CheckpointError(f"{where}: state '{key}' is a {type(state[key]).__name__}, not a tensor")

@@ -1,5 +1,5 @@
-"""State formats: how one named state slot (``exp_avg``, ...) is stored, as plain tensors whose keys and dtype say
-the format: ``fp32``, ``fp64``, ``bf16``, ``fp16``, ``q8`` (``.codes`` + ``.absmax``), ``q4`` (``.nibbles`` + ``.absmax``).
+"""State formats: how one named state slot (``exp_avg``, ...) is stored, as plain tensors whose keys and dtype say the
+format: ``fp32``, ``fp64``, ``bf16``, ``fp16``, ``q8`` (``.codes``, ``.absmax``), ``q4`` (``.nibbles``, ``.absmax``).
 
 :meth:`StateFormat.decode` / :meth:`StateFormat.encode` work on block-aligned ranges ``[lo, hi)`` of the flat slot.
 Layout, maps and float64 parameters: docs/state_format.md#tensors.
@@ -76,7 +76,7 @@ class StateFormat:
 
     def decode(self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int,
                qmap: str | None = None) -> torch.Tensor:
-        """fp32 values of elements ``[lo, hi)`` (fp64 storage: fp64); ``qmap``: the codes' map (default the state map)."""
+        """fp32 values of elements ``[lo, hi)`` (fp64 storage: fp64); ``qmap``: the codes' map."""
         raise NotImplementedError
 
     def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int) -> None:
@@ -87,8 +87,7 @@ class StateFormat:
         raise NotImplementedError
 
     def key_ranges(self, slot: str, lo: int, hi: int, block_size: int) -> dict[str, tuple[int, int]]:
-        """The flat range of each stored tensor holding elements ``[lo, hi)`` (block-aligned ``lo``), for streaming a
-        slot chunk by chunk."""
+        """The flat range of each stored tensor holding elements ``[lo, hi)``, for streaming a slot."""
         return {slot: (lo, hi)}
 
     def __repr__(self) -> str:
@@ -163,8 +162,7 @@ class _Q8(StateFormat):
 
 
 class _Q4(StateFormat):
-    """Two 4-bit codes per byte and an fp32 scale per block (:mod:`lowmemopt.quant.q4`); a block-aligned range ``[lo, hi)``
-    is bytes ``[lo / 2, ceil(hi / 2))``."""
+    """Two 4-bit codes per byte and an fp32 scale per block (:mod:`lowmemopt.quant.q4`)."""
 
     name, bits = "q4", 4
 
@@ -215,8 +213,7 @@ def default_block_size(state_bits: int) -> int:
 
 def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True,
                   dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> StateFormat:
-    """The format a new slot gets: fp32 (fp64 for a float64 ``param_dtype``) below ``min_quant_numel`` and for
-    non-quantizable slots; a slot's own ``dtype`` whatever the size; else ``state_bits``' format."""
+    """The format a new slot gets (fp32 / fp64 below ``min_quant_numel``; a slot's own ``dtype``)."""
     if dtype is not None and quantizable:
         if dtype not in DENSE:
             raise ValueError(f"a state slot cannot be stored in {dtype} (fp32, fp64, bf16 or fp16)")

@@ -94,8 +94,7 @@ def _never_zero(name: str) -> bool:
 
 
 def nearest_code_reference(y: torch.Tensor, name: str) -> torch.Tensor:
-    """Brute-force nearest code (the specification): argmin of ``|y - code|`` in fp32, ties to the lower code,
-    a positive ``y`` never the zero code of an unsigned map; int64. Tests only."""
+    """Brute-force nearest code (the specification, tests only): argmin of ``|y - code|`` in fp32."""
     book = code_book(name, y.device)
     flat = y.reshape(-1, 1).float()
     dist = (flat - book.reshape(1, -1)).abs()
@@ -129,8 +128,7 @@ def _pack(lo: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(y: torch.Tensor, name: str) -> torch.Tensor:
-    """The rounding rule on a batch by sorted search and neighbour comparison (equal to
-    :func:`nearest_code_reference`: the argmin is one of the two bracketing codes)."""
+    """The rounding rule on a batch: sorted search, then the nearer of the two bracketing codes."""
     book = _cpu_code_book(name)
     hi = torch.searchsorted(book, y).clamp(1, 255)
     lo = hi - 1

@@ -138,8 +138,7 @@ def thresholds(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def nearest_code_reference(y: torch.Tensor, name: str) -> torch.Tensor:
-    """Brute force (the specification): argmin of ``|y - code|`` in fp32, ties to the lower code; int64.
-    Tests only."""
+    """Brute force (the specification): argmin of ``|y - code|`` in fp32, ties to the lower code."""
     book = code_book(name, y.device)
     dist = (y.reshape(-1, 1).float() - book.reshape(1, -1)).abs()
     return dist.argmin(dim=1).reshape(y.shape)  # argmin returns the first minimum: the lower code on a tie
@@ -150,7 +149,6 @@ def packed_len(numel: int) -> int:
 
 
 def _scale(x: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Per-row scale of blocks ``x`` [nb, bs] so that both extremes are representable."""
     low, high = torch.aminmax(x, dim=1)
     if not signed:
         return high.clamp_min(0.0)
@@ -172,7 +170,6 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_table(name: str) -> torch.Tensor:
-    """fp32 [256, 2]: the two values byte ``b`` holds, ``(book[b & 15], book[b >> 4])``."""
     book = _book(name)
     b = torch.arange(256)
     return torch.stack((book[b & 15], book[b >> 4]), dim=1).contiguous()
@@ -186,8 +183,7 @@ def _unpack(nibbles: torch.Tensor, n: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _table(name: str) -> torch.Tensor:
-    """The 8-bit codec's bucket table for a 4-bit map (each bucket holds at most one threshold): one gather per
-    element, 3x faster than ``torch.bucketize`` on the CPU."""
+    """The 8-bit codec's bucket table for a 4-bit map (one threshold per bucket at most)."""
     from .maps import EncodeTable
 
     thr = _thresholds(name)
@@ -208,14 +204,12 @@ def _table(name: str) -> torch.Tensor:
 
 
 def encode_table(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`_table` of map ``name`` on ``device`` (int32 [65536], cached; do not modify), as every backend looks
-    4-bit codes up."""
+    """:func:`_table` of map ``name`` on ``device`` (int32 [65536], cached; do not modify)."""
     return _on("table", name, device, _table)
 
 
 def _encode_rows(x: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
-    """fp32 blocks [nb, bs] -> (uint8 codes, scale [nb]) with the 8-bit codec's table lookup."""
     from .blockwise import encode_rows
 
     codes, scale = encode_rows(x, book, table, signed)
