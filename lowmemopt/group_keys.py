@@ -13,7 +13,7 @@ from .projection.step import GROUP_DEFAULTS
 __all__ = ["ALLOWED_GROUP_KEYS", "allow_group_keys", "known_group_keys", "check_group_keys", "GroupKeyWatch",
            "known_keys_of", "check_new_group", "group_keys_pre_hook", "group_keys_loaded"]
 
-#: keys other libraries put in param groups (module docstring); :func:`allow_group_keys` adds to it
+#: keys other libraries put in param groups (docs/torch_optim.md); :func:`allow_group_keys` adds to it
 ALLOWED_GROUP_KEYS: set[str] = {
     "param_names", "foreach", "fused", "differentiable",  # torch.optim
     "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr",  # torch.optim.lr_scheduler, swa_utils

@@ -136,7 +136,7 @@ def random_bits(key: int, lo: int | torch.Tensor, n: int, device: torch.device |
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the roundings (pure: fp32 in, bf16 out)
+# the roundings (pure: fp32 in, bf16 / fp16 out)
 
 
 def stochastic_round(p32: torch.Tensor, key: int, lo: int | torch.Tensor = 0,

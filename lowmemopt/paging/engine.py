@@ -369,7 +369,7 @@ class Mover:
         self._done[(op.kind, op.seq)] = self.lanes.record(stream)
 
     def _submit(self, op: Op, thread: str, job: Callable[..., Any], work: Any, here: bool = False) -> None:
-        if here:  # the file route with every core the update's: now, on its threads (see the module docstring)
+        if here:  # the file route with every core the update's: now, on its threads (docs/paging.md)
             self._host_wait(list(op.waits))
             job(work, True)
             return

@@ -136,7 +136,7 @@ class Homes:
         """
         numel = torch.Size(shape).numel()
         nbytes = numel * dtype.itemsize
-        if numel == 0:  # nothing to map
+        if numel == 0:
             return self.host(shape, dtype, pin=False)
         directory = self._directory(os.fspath(offload_dir))
         self._count += 1

@@ -24,8 +24,9 @@ __all__ = [
 MAP_NAMES = ("pow2", "upow2", "dynamic", "udynamic")
 _SIGNED = ("pow2", "dynamic")
 
-#: mantissa bits per binade of the ``pow2`` maps, top binade ``[0.5, 1)`` first (module docstring). Chosen on measured
-#: Adam state for the least error in ``m / sqrt(v)``, keeping the smallest code near the dynamic maps' (5.5e-7, 3.3e-7).
+#: mantissa bits per binade of the ``pow2`` maps, top binade ``[0.5, 1)`` first (docs/state_format.md#8-bit-maps).
+#: Chosen on measured Adam state for the least error in ``m / sqrt(v)``, keeping the smallest code near the dynamic
+#: maps' (5.5e-7, 3.3e-7).
 POW2_BITS = {
     "pow2": (5, 4, 4, 4, 4, 3, 3, 1, 1) + (0,) * 11,
     "upow2": (5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 3, 3, 1, 1, 1) + (0,) * 8,

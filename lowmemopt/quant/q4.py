@@ -46,7 +46,7 @@ def signed_codes(magnitudes: list[float]) -> list[float]:
     return [0.0, 1.0] + list(magnitudes) + [-g for g in magnitudes]
 
 
-#: the 16 codes of each 4-bit map (sorted on registration). See the module docstring for the choice.
+#: the 16 codes of each 4-bit map (sorted on registration). The choice: docs/state_format.md#4-bit-maps.
 MAPS: dict[str, tuple[float, ...]] = {}
 SIGNED_MAPS: set[str] = set()
 
@@ -296,6 +296,6 @@ def quantize_reference(x: torch.Tensor, name: str = "pow2x4", block_size: int = 
     return nearest_code_reference(flat / div, name), scale
 
 
-# the state maps (module docstring)
+# the state maps (docs/state_format.md#4-bit-maps)
 register_map("pow2x4", signed_codes(pow2_grid(POW2X4_BITS["pow2x4"])[-7:]), signed=True)
 register_map("upow2x4", pow2_grid(POW2X4_BITS["upow2x4"]) + [1.0], signed=False)
