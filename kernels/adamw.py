@@ -99,8 +99,7 @@ def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def launch(u: Update, bucket: Bucket) -> None:
-    """One multi-tensor launch over the bucket (a capturable step: the step-dependent scalars per tensor, made on the
-    device, :attr:`Update.steps`)."""
+    """One multi-tensor launch over the bucket (capturable: step scalars made on the device)."""
     kw = u.kwargs
     beta1, beta2 = kw["betas"]
     wd = scalar(kw["weight_decay"])

@@ -1,14 +1,10 @@
-"""Fused AdEMAMix step (reference: :func:`lowmemopt.optim.ademamix.ademamix_math`), one pass per tile in registers::
+"""Fused AdEMAMix step (reference: ``optim.ademamix.ademamix_math``), one pass per tile in registers::
 
     m1 = beta1 m1 + (1 - beta1) g;   m2 = beta3_t m2 + (1 - beta3_t) g;   nu = beta2 nu + (1 - beta2) g^2
     p <- p (1 - lr wd)  -  lr (m1 / (1 - beta1^t) + alpha_t m2) / (sqrt(nu) / sqrt(1 - beta2^t) + eps)
 
-``alpha_t``, ``beta3_t`` (the warm-ups) and the bias corrections come from the host as runtime scalars. Each
-operation rounds as the eager math's torch op does (``add_(x, alpha=a)`` and ``addcmul_`` are fused multiply-adds on
-the CPU; divisions are IEEE's), so fp32 results agree to a few ulps.
-
-Bytes per element (fp32 params): param read + written 8, grad 4, three slots read + written: fp32 24, bf16 12, q8 6
-(+ 24 bytes of absmax per 256-element block): 8-bit AdEMAMix moves 18.1 B/element, 32-bit 36.
+``alpha_t``, ``beta3_t`` and the bias corrections come from the host. Bytes per element (fp32 params): 8-bit 18.1,
+32-bit 36.
 """
 
 from __future__ import annotations

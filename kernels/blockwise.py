@@ -1,7 +1,5 @@
-"""Standalone block-wise quantize / dequantize kernels in Triton, 8-bit (:func:`quantize_blockwise`,
-:func:`dequantize_blockwise`) and 4-bit (:func:`quantize_blockwise4`, :func:`dequantize_blockwise4`): code-for-code
-twins of :mod:`lowmemopt.quant.blockwise` and :mod:`lowmemopt.quant.q4`, built on the codec's device functions
-(:mod:`.codec`, where the arithmetic is described). One program encodes or decodes ``ROWS`` quantization blocks.
+"""Standalone block-wise quantize / dequantize kernels, 8-bit and 4-bit: code-for-code twins of
+:mod:`lowmemopt.quant.blockwise` and :mod:`lowmemopt.quant.q4` on :mod:`.codec`'s device functions.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ __all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_blockwise4", 
 
 @triton.jit
 def block_tile(numel, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's ``ROWS`` quantization blocks of a flat tensor: block indices [ROWS], element offsets
-    [ROWS, BLOCK] and their mask."""
+    """This program's ``ROWS`` blocks: block indices [ROWS], offsets [ROWS, BLOCK] and their mask."""
     blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     return blocks, offs, offs < numel
@@ -89,8 +86,6 @@ def _check_device(t: torch.Tensor, what: str) -> None:
 
 
 def _values(x: torch.Tensor, block_size: int, fn: str) -> torch.Tensor:
-    """The flat contiguous values a quantizer ``fn`` encodes, after checking the block size, the dtype and the
-    device."""
     _check_block(block_size)
     if not x.is_floating_point():
         raise TypeError(f"{fn} needs a floating-point tensor, got {x.dtype}")
@@ -99,8 +94,6 @@ def _values(x: torch.Tensor, block_size: int, fn: str) -> torch.Tensor:
 
 
 def _check_absmax(absmax: torch.Tensor, data: torch.Tensor, what: str, blocks: int, of: str) -> None:
-    """A dequantizer's scales: fp32, ``blocks`` of them (for ``of``), on ``data``'s device (which must take the
-    kernels)."""
     if absmax.dtype != torch.float32:
         raise TypeError(f"absmax must be float32, got {absmax.dtype}")
     if absmax.numel() != blocks:
@@ -113,8 +106,7 @@ def _check_absmax(absmax: torch.Tensor, data: torch.Tensor, what: str, blocks: i
 def quantize_blockwise(
     x: torch.Tensor, name: str = "pow2", block_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`: ``x`` (any shape, floating dtype) -> (codes uint8
-    [numel], absmax fp32 [n_blocks]), identical to the reference's."""
+    """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`."""
     signed = _check_map(name)
     flat = _values(x, block_size, "quantize_blockwise")
     n = flat.numel()
@@ -161,8 +153,7 @@ def _check_map4(name: str) -> bool:
 def quantize_blockwise4(
     x: torch.Tensor, name: str = "pow2x4", block_size: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`lowmemopt.quant.q4.quantize`: ``x`` (any shape, floating dtype) -> (nibbles uint8
-    [ceil(numel / 2)], absmax fp32 [n_blocks]), identical to the reference's."""
+    """Triton twin of :func:`lowmemopt.quant.q4.quantize`."""
     signed = _check_map4(name)
     flat = _values(x, block_size, "quantize_blockwise4")
     n = flat.numel()

@@ -1,13 +1,9 @@
-"""The non-finite check of a cached step's gradients on the device: one multi-tensor launch per gradient dtype.
+"""The non-finite check of a kept program's gradients on the device, one multi-tensor launch per gradient dtype::
 
-    ok[t] = (sum_i float32(g_t[i])^2  <  inf)        (False for a NaN or Inf element, or a sum that overflows fp32)
+    ok[t] = (sum_i float32(g_t[i])^2  <  inf)
 
-the condition of the optimizer's non-finite check (:func:`lowmemopt.pipeline.finite.finite_norms`, which computes it
-as a fused multi-tensor norm). Each program sums the squares of one tile of one gradient in fp32 and adds the sum to
-its tensor's accumulator (an atomic add: the order of the tiles' sums varies, which can change a finite sum's last
-bits but not whether it is finite, unless it lies within rounding of fp32's largest value). The launch reads a launch
-table kept from step to step (:class:`GradCheck`), so a step adds no host work per gradient, where the fused norm
-walks the gradient list on the host at every step (and its results are stacked into one tensor, another walk).
+the condition of ``pipeline.finite.finite_norms``. The tiles' atomic sums vary in order, which can change a finite
+sum's last bits but not whether it is finite; the table is kept from step to step, so no host work per gradient.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ TILE = 4096
 @triton.jit
 def _sumsq_kernel(units, table, acc, W: tl.constexpr, G_DTYPE: tl.constexpr, TILE: tl.constexpr,
                   ALIGNED: tl.constexpr):
-    """One tile of one gradient (table rows ``[0, grad, numel]``): ``acc[t] += sum(float32(g)^2)`` over the tile."""
+    """``acc[t] += sum(float32(g)^2)`` over one tile (table rows ``[0, grad, numel]``)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     tile = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -45,10 +41,7 @@ def _sumsq_kernel(units, table, acc, W: tl.constexpr, G_DTYPE: tl.constexpr, TIL
 
 
 class GradCheck:
-    """The non-finite check of a fixed list of gradients (one device), launched step after step: ``flags(grads)``
-    returns uint8 ``[len(grads)]`` on the device, 1 where a gradient is finite (module docstring). ``grads`` must
-    list each dtype's gradients consecutively (one launch per run of a dtype). The launch tables are kept while every
-    gradient is where it was at the previous step; a gradient that moved rebuilds them (one transfer)."""
+    """The non-finite check of a fixed list of gradients, launched step after step."""
 
     def __init__(self, grads: Sequence[torch.Tensor]) -> None:
         self.device = grads[0].device
@@ -73,8 +66,7 @@ class GradCheck:
                                    all(g.data_ptr() % 16 == 0 for g in part)))
 
     def flags(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> torch.Tensor:
-        """uint8 ``[n]`` on the device: 1 where ``grads[i]``'s fp32 sum of squares is finite (``ptrs``: their
-        addresses). No host synchronization; no host work per gradient unless one moved since the previous call."""
+        """uint8 ``[n]`` on the device, 1 where ``grads[i]`` is finite (``ptrs``: their addresses); no host sync."""
         if ptrs != self._ptrs:
             self._build(grads)
             self._ptrs = ptrs

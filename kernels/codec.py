@@ -1,38 +1,8 @@
-"""Block-wise 8-bit codec in Triton: device functions the optimizer kernels call in registers (the standalone
-quantize / dequantize kernels built on them: :mod:`.blockwise`).
+"""Triton device functions of the state formats (fp32, bf16, 8-bit ``Q8``, 4-bit ``Q4``) that the optimizer
+kernels call in registers: block scale, encode, decode, nibble packing, parameter loads and stores.
 
-They reproduce :mod:`lowmemopt.quant.blockwise` code for code (the tests compare them exactly):
-
-    scale_b = max(max_b x / book[-1], min_b x / book[0])   (signed map; unsigned: max(max_b x, 0))
-    y = x / (scale_b if scale_b > 0 else 1);   code = lo[bucket(y)] + (y >= threshold[bucket(y)])
-    decode: x ~= book[code] * scale_b
-
-The state maps (``pow2`` / ``upow2``, every optimizer kernel) find the nearest code by integer arithmetic on ``y``'s
-bits (:mod:`.pow2`: a rounding add and a shift per binade class, read from a 184-byte class table). Other maps (the
-legacy dynamic maps, standalone :func:`quantize_blockwise` only) use the bucket table: ``bucket(y)`` is the top 16 bits
-of ``y``'s fp32 pattern and the packed table (``encode_table(name).packed``, 256 KiB of int32, one L2 gather per
-element) holds the lower code and the threshold's low 16 bits. Both give the exact nearest code, with the unsigned map's
-rule that a positive value never takes code 0 (see :mod:`lowmemopt.quant.maps`). Divisions and square roots in the
-kernels use the IEEE-rounded forms (``div_rn``, ``sqrt_rn``): Triton's plain ``/`` and ``sqrt`` are approximate on
-NVIDIA GPUs. The state maps' ``x / scale`` takes one reciprocal per block and a 3-operation correction per element
-(:mod:`.divide`), the same quotient wherever a code can tell.
-
-A tile is ``[ROWS, BLOCK]``: one quantization block per row, so a block's scale is a row reduction in registers.
-Masked (ragged) elements are zero before the reduction; zeros never change a block's scale (they lie between the
-block's min and max once scaled, and the unsigned scale is clamped at 0), so a ragged last block encodes exactly as
-the reference's shorter block does.
-
-4-bit state (:mod:`lowmemopt.quant.q4`, format ``Q4``) is the same arithmetic with a 16-code map: the scale rule
-with ``book[15]`` as the last code, the same bucket-table lookup (``q4.encode_table(name)``, one threshold per bucket at
-most), then two codes per byte, element ``2i`` in the low nibble of byte ``i``. A tile ``[ROWS, BLOCK]`` of codes is
-packed as bytes ``[ROWS, BLOCK / 2]`` (reshape to ``[ROWS, BLOCK / 2, 2]``, split, ``lo | hi << 4``) and unpacked by the
-inverse join. In a ragged tile a byte is written iff its first (even) element is in range, and a masked element's
-code is forced to 0 first (for the signed map code 0 is -3/4, not 0), so an odd numel leaves the last byte's high
-nibble 0 as the reference does. Strided 2-D gathers (:func:`load_slot_at`) read byte ``offs // 2`` and its nibble
-``offs & 1``.
-
-Slot formats in kernels are compile-time codes: ``FP32`` (0), ``BF16`` (1), ``Q8`` (2), ``Q4`` (3). The launch passes
-the signed and unsigned map (book, table) of the bucket's format: :func:`maps`.
+They reproduce :mod:`lowmemopt.quant.blockwise` and :mod:`lowmemopt.quant.q4` code for code; the standalone codec
+kernels are in :mod:`.blockwise`. Numerics and the 4-bit layout: docs/kernels.md#numerics.
 """
 
 from __future__ import annotations
@@ -59,12 +29,7 @@ FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8, "q4": Q4}
 
 def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
                                                           torch.Tensor | None]:
-    """(signed book, signed encode table, unsigned book, unsigned encode table) of the state maps on ``device``
-    (cached): the 4-bit maps (``pow2x4``, ``upow2x4``) and their packed tables for ``fmt == "q4"``; otherwise the
-    8-bit books and the ``pow2`` maps' class tables (:func:`.pow2.class_table`: the 8-bit state maps are encoded by
-    arithmetic, :func:`encode_q8`; dense formats ignore both). Where :func:`.runtime.q8_decode` is ``"arithmetic"``,
-    q8 gets no books: its codes are decoded from their bits (:func:`code_values`), the same values without the book
-    gather."""
+    """(signed book, signed table, unsigned book, unsigned table) of ``fmt``'s state maps on ``device``."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
         return (q4.code_book(signed, device), q4.encode_table(signed, device),
@@ -82,8 +47,7 @@ def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Ten
 
 @triton.jit
 def typed(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """An int64 address from a launch table as a pointer to ``DTYPE``; ``ALIGNED``: the launcher checked that it is
-    16-byte aligned, so accesses may be vectorized."""
+    """An int64 launch-table address as a pointer to ``DTYPE``; ``ALIGNED``: checked 16-byte aligned."""
     ptr = addr.to(tl.pointer_type(DTYPE))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
@@ -92,8 +56,7 @@ def typed(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def bf16_rne(x):
-    """fp32 -> bf16, round to nearest even, by integer arithmetic on the bits (finite inputs; inf stays inf). The same
-    in compiled and interpreted kernels: the Triton interpreter's own fp32 -> bf16 cast truncates."""
+    """fp32 -> bf16, nearest even, on the bits (the interpreter's own cast truncates)."""
     u = x.to(tl.uint32, bitcast=True)
     u = u + 0x7FFF + ((u >> 16) & 1)
     return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -111,11 +74,7 @@ def rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
-    """fp32 tile ``x`` [ROWS, BLOCK] (``COLS``: [BLOCK, ROWS]; masked elements already 0) of a state map (``pow2`` /
-    ``upow2``) -> (uint8 codes shaped as ``x``, fp32 scale [ROWS]): one reciprocal per block, not a division per
-    element (:mod:`.divide`: the quotients are IEEE's wherever a code can tell), then :func:`.pow2.pow2_code` with
-    ``lut`` the map's class table (:func:`.pow2.class_table`: one small gather per element) or None (compares against
-    the class bounds)."""
+    """fp32 tile of a ``pow2`` / ``upow2`` map -> (uint8 codes, scale [ROWS]); ``lut``: class table or None."""
     scale = block_scale(x, book, 255, SIGNED, COLS)
     s = tl.where(scale > 0, scale, 1.0)
     y = row_quotients(x, s, COLS)
@@ -128,17 +87,14 @@ def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
-    """(``x / scale``, ``scale`` [ROWS]) of a tile [ROWS, BLOCK] whose rows are quantization blocks
-    (:func:`block_scale`); an all-zero row keeps scale 0 and divides by 1."""
+    """(``x / scale``, ``scale`` [ROWS]) of a tile whose rows are blocks; an all-zero row divides by 1."""
     scale = block_scale(x, book, LAST, SIGNED, False)
     return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
 
 
 @triton.jit
 def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
-    """The scale [ROWS] of a tile [ROWS, BLOCK] whose rows are quantization blocks (``COLS``: [BLOCK, ROWS], blocks
-    down the columns): it makes both extremes representable in a book whose last code is ``book[LAST]`` (signed:
-    ``max(max x / book[LAST], min x / book[0])``; unsigned: ``max(max x, 0)``)."""
+    """The scale [ROWS] making each block's extremes representable."""
     if SIGNED:
         if book is None:  # the pow2 map (8-bit state, arithmetic codes)
             first = pow2_value(tl.full([], 0, tl.int32), True)
@@ -155,8 +111,7 @@ def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.cons
 
 @triton.jit
 def block_extreme(x, COLS: tl.constexpr, MAX: tl.constexpr):
-    """Each quantization block's maximum (``MAX``) or minimum [ROWS] of a tile [ROWS, BLOCK] (``COLS``: [BLOCK,
-    ROWS])."""
+    """Each block's maximum (``MAX``) or minimum [ROWS] of a tile."""
     AXIS: tl.constexpr = 0 if COLS else 1
     if MAX:
         m = tl.max(x, axis=AXIS)
@@ -167,8 +122,7 @@ def block_extreme(x, COLS: tl.constexpr, MAX: tl.constexpr):
 
 @triton.jit
 def table_code(y, lut):
-    """The nearest code of scaled ``y`` (int32) from a map's packed bucket table (:mod:`lowmemopt.quant.maps`): the top
-    16 bits of ``y``'s pattern select a bucket holding the lower code and its threshold's low 16 bits."""
+    """The nearest code of scaled ``y`` from a packed bucket table (top 16 bits of its pattern pick the bucket)."""
     u = y.to(tl.int32, bitcast=True)
     entry = tl.load(lut + ((u >> 16) & 0xFFFF))
     t = (u & 0xFFFF) ^ ((u >> 31) & 0xFFFF)
@@ -177,8 +131,7 @@ def table_code(y, lut):
 
 @triton.jit
 def ld(ptrs, mask, MASKED: tl.constexpr):
-    """Load; masked lanes read 0. ``MASKED=False`` (a tile entirely inside its tensor) drops the mask: a launch-table
-    size has no known divisibility, so a mask would keep Triton from vectorizing the accesses."""
+    """Load, masked lanes 0; ``MASKED=False`` drops the mask so the accesses vectorize."""
     if MASKED:
         x = tl.load(ptrs, mask=mask, other=0)
     else:
@@ -196,8 +149,7 @@ def st(ptrs, x, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def code_values(codes, book, SIGNED: tl.constexpr):
-    """fp32 values of int32 8-bit ``codes`` of a state map: gathered from its code ``book``, or with ``book=None``
-    built from the code's bits (:func:`.pow2.pow2_value`, exact for every code of ``pow2`` / ``upow2``)."""
+    """fp32 values of 8-bit ``codes``: from ``book``, or (``book=None``) from the code's bits."""
     if book is None:
         x = pow2_value(codes, SIGNED)
     else:
@@ -208,8 +160,7 @@ def code_values(codes, book, SIGNED: tl.constexpr):
 @triton.jit
 def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr,
               MASKED: tl.constexpr, COLS: tl.constexpr):
-    """fp32 values of the codes at ``offs`` [ROWS, BLOCK] (``COLS``: [BLOCK, ROWS]) whose block indices are ``blocks``
-    [ROWS]; 0 where masked. ``book``: the map's code book, or None (:func:`code_values`)."""
+    """fp32 values of the 8-bit codes at ``offs`` (block indices ``blocks``); 0 where masked."""
     codes = ld(codes_ptr + offs, mask, MASKED)
     scale = ld(absmax_ptr + blocks, block_mask, MASKED)
     x = code_values(codes.to(tl.int32), book, SIGNED) * per_block(scale, COLS)
@@ -220,49 +171,47 @@ def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, SIGNE
 
 @triton.jit
 def encode_q4(x, book, lut, SIGNED: tl.constexpr):
-    """fp32 tile ``x`` [ROWS, BLOCK] (masked elements already 0) -> (int32 4-bit codes [ROWS, BLOCK], fp32 scale
-    [ROWS]): :func:`encode_q8`'s scale with a 16-code ``book``, and the 4-bit map's bucket table ``lut``."""
+    """fp32 tile -> (int32 4-bit codes, fp32 scale [ROWS]) with a 16-code ``book`` and its table ``lut``."""
     y, scale = block_scaled(x, book, 15, SIGNED)
     return table_code(y, lut), scale
 
 
 @triton.jit
 def pairs(x):
-    """A tile ``x`` [ROWS, BLOCK] as its (even, odd) columns, each [ROWS, BLOCK / 2]: the two elements of each byte."""
+    """A tile's (even, odd) columns: the two elements of each byte."""
     return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
 
 
 @triton.jit
 def evens(x):
-    """The even columns of a tile ``x`` [ROWS, BLOCK] -> [ROWS, BLOCK / 2] (the first element of each byte)."""
+    """A tile's even columns (the first element of each byte)."""
     lo, hi = pairs(x)
     return lo
 
 
 @triton.jit
 def pack_nibbles(codes):
-    """int32 codes [ROWS, BLOCK] in 0..15 -> uint8 [ROWS, BLOCK / 2]: byte i = ``codes[2i] | codes[2i + 1] << 4``."""
+    """int32 codes [ROWS, BLOCK] -> uint8 [ROWS, BLOCK / 2]: byte i = ``codes[2i] | codes[2i + 1] << 4``."""
     lo, hi = pairs(codes)
     return (lo | (hi << 4)).to(tl.uint8)
 
 
 @triton.jit
 def unpack_nibbles(packed):
-    """uint8 [ROWS, BLOCK / 2] -> int32 codes [ROWS, BLOCK] (inverse of :func:`pack_nibbles`)."""
+    """Inverse of :func:`pack_nibbles`."""
     b = packed.to(tl.int32)
     return tl.reshape(tl.join(b & 15, b >> 4), [b.shape[0], b.shape[1] * 2])
 
 
 @triton.jit
 def byte_offsets(blocks, BLOCK: tl.constexpr):
-    """Byte offsets [ROWS, BLOCK / 2] of the nibbles of blocks ``blocks`` [ROWS] (a block starts on a byte)."""
+    """Byte offsets [ROWS, BLOCK / 2] of blocks ``blocks`` (a block starts on a byte)."""
     return blocks[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
 
 
 @triton.jit
 def decode_q4(nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MASKED: tl.constexpr):
-    """fp32 values of the 4-bit codes of the elements ``offs`` [ROWS, BLOCK] (blocks ``blocks`` [ROWS]); 0 where
-    masked."""
+    """fp32 values of the 4-bit codes at ``offs``; 0 where masked."""
     ptrs = nibbles_ptr + byte_offsets(blocks, offs.shape[1])
     if MASKED:
         packed = tl.load(ptrs, mask=evens(mask), other=0)
@@ -278,8 +227,7 @@ def decode_q4(nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MAS
 @triton.jit
 def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
                     MASKED: tl.constexpr):
-    """Encode fp32 ``x`` [ROWS, BLOCK] (one block per row) and write its nibbles and scales. Masked elements encode as
-    0 (the scale ignores them) and their code is 0: a byte is written iff its even element is in range."""
+    """Encode ``x`` (a block per row), write nibbles and scales; a byte is written iff its even element is."""
     if MASKED:
         x = tl.where(mask, x, 0.0)
     codes, scale = encode_q4(x, book, lut, SIGNED)
@@ -294,9 +242,7 @@ def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, 
 @triton.jit
 def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr, FMT: tl.constexpr,
               ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
-    """A state slot's fp32 values at ``offs`` (0 where masked). ``row``: the tensor's launch-table row; the slot's
-    address is at column ``COL`` (q8: codes at COL, absmax at COL + 1; q4: nibbles at COL, absmax at COL + 1);
-    ``book``, ``SIGNED``: its map's code book (q8: None decodes by arithmetic) and sign."""
+    """A state slot's fp32 values at ``offs`` from column ``COL`` of ``row``; 0 where masked."""
     if FMT == 3:
         x = decode_q4(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
                       offs, mask, blocks, block_mask, book, MASKED)
@@ -313,9 +259,7 @@ def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGN
 @triton.jit
 def load_slot_at(row, COL: tl.constexpr, offs, mask, book, SIGNED: tl.constexpr, QBLOCK: tl.constexpr,
                  FMT: tl.constexpr):
-    """Like :func:`load_slot` for a tile of any shape that need not align with quantization blocks: the absmax of
-    each element is gathered at ``offs // QBLOCK`` (the factored passes' 2-D tiles); a 4-bit code is the nibble
-    ``offs & 1`` of byte ``offs // 2``."""
+    """:func:`load_slot` for a tile not aligned with blocks (absmax gathered at ``offs // QBLOCK``)."""
     if FMT == 3:
         packed = tl.load(typed(tl.load(row + COL), tl.uint8, False) + offs // 2, mask=mask, other=0).to(tl.int32)
         codes = (packed >> ((offs & 1) * 4).to(tl.int32)) & 15
@@ -335,7 +279,7 @@ def load_slot_at(row, COL: tl.constexpr, offs, mask, book, SIGNED: tl.constexpr,
 @triton.jit
 def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
                FMT: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
-    """Write fp32 ``x`` [ROWS, BLOCK] to a state slot (bf16: round to nearest even; q8, q4: encode each row)."""
+    """Write fp32 ``x`` to a state slot (bf16: nearest even; q8, q4: encode each row)."""
     if FMT == 3:
         encode_store_q4(x, typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32,
                                                                               False),
@@ -354,9 +298,7 @@ def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, 
 
 @triton.jit
 def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr):
-    """This program's tensor (index ``t``, its launch-table ``row`` pointer and ``numel``, at column 2) and its tile:
-    element offsets [ROWS, BLOCK] (int64), their mask, block indices [ROWS], the block mask, and ``full``: the whole
-    tile lies inside the tensor (kernels then take their unmasked, vectorizable variant)."""
+    """This program's tensor (``t``, ``row``, ``numel``) and tile: offsets, masks, blocks, ``full``."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     tile = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -372,9 +314,7 @@ def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.con
 
 @triton.jit
 def tensor_scalar(scal, t, K: tl.constexpr, I: tl.constexpr):
-    """Scalar ``I`` of tensor ``t`` in a launch's device scalars ``scal`` (fp32 ``[T, K]``,
-    :meth:`.launch.Bucket.scalars`): the step's values a captured step cannot take as arguments (learning rate, bias
-    corrections, decay), made on the device by the launcher."""
+    """Scalar ``I`` of tensor ``t`` in the device scalars ``scal`` (fp32 ``[T, K]``, ``launch.Bucket.scalars``)."""
     return tl.load(scal + t.to(tl.int64) * K + I)
 
 
@@ -387,8 +327,7 @@ def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASK
 @triton.jit
 def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, gmul=None,
               G_MULT: tl.constexpr = False):
-    """The gradient (column 1) as fp32. ``G_MULT``: loss scaling (``torch.amp.GradScaler``'s native path), times the
-    fp32 multiplier at ``gmul`` (read on the device) and rounded to the gradient's dtype, as ``unscale_`` stores it."""
+    """The gradient as fp32; ``G_MULT``: times GradScaler's multiplier, as ``unscale_`` rounds it."""
     g = ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     if G_MULT:
         g = (g * tl.load(gmul)).to(DTYPE).to(tl.float32)
@@ -397,13 +336,13 @@ def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKE
 
 @triton.jit
 def store_param(p, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
-    """Write the fp32 working copy back to the parameter (rounded to its dtype, nearest even)."""
+    """Write the fp32 result to the parameter, nearest even."""
     st(typed(tl.load(row), DTYPE, ALIGNED) + offs, rounded(p, DTYPE), mask, MASKED)
 
 
 @triton.jit
 def mix32(x):
-    """murmur3's fmix32 on uint32 (wrapping multiplies), as :mod:`lowmemopt.rounding`."""
+    """murmur3's fmix32 on uint32, as :mod:`lowmemopt.rounding`."""
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
@@ -413,28 +352,26 @@ def mix32(x):
 
 @triton.jit
 def bf16_bits_rne(x):
-    """fp32 -> bf16 bit pattern (uint32), nearest even; NaN -> 0x7FC0 (as torch and the C kernels)."""
+    """fp32 -> bf16 pattern, nearest even; NaN -> 0x7FC0."""
     u = x.to(tl.uint32, bitcast=True)
     return tl.where(x != x, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
 
 @triton.jit
 def f16_bits_rne(x):
-    """fp32 -> fp16 bit pattern (uint32), nearest even (subnormals, Inf past 65519.99, NaN -> 0x7E00 with its sign:
-    the cast, compiled or interpreted)."""
+    """fp32 -> fp16 pattern, nearest even, as the cast (NaN -> 0x7E00 with its sign)."""
     return x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
 
 
 @triton.jit
 def f16_value(h):
-    """fp16 bit pattern (uint16 / uint32) -> fp32, exact."""
+    """fp16 pattern -> fp32, exact."""
     return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def f16_bits_stochastic(x, r):
-    """fp32 -> fp16 bit pattern (uint32), rounded stochastically with the 16 random bits ``r`` (uint32;
-    :mod:`lowmemopt.rounding`: normal range by the bits, subnormals in units of 2^-40, past 65504 to nearest)."""
+    """fp32 -> fp16 pattern rounded stochastically with 16 random bits ``r`` (docs/rounding.md#fp16)."""
     u = x.to(tl.uint32, bitcast=True)
     sign = (u >> 16) & 0x8000
     au = u & 0x7FFFFFFF
@@ -449,11 +386,9 @@ def f16_bits_stochastic(x, r):
 @triton.jit
 def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
                    UPDATE: tl.constexpr, W: tl.constexpr):
-    """:func:`store_param` with a bf16 / fp16 parameter's ``bf16_update`` (:mod:`lowmemopt.rounding`): ``NEAREST``;
-    ``STOCHASTIC``: 16 hash bits of (key at column ``W - 2``, the element's index in the whole parameter: its offset
-    plus column ``W - 1``) added before truncation;
-    ``KAHAN``: the compensation buffer (the parameter's dtype) at column ``W - 1``. ``p_old``: the parameter before
-    the step (fp32)."""
+    """:func:`store_param` with ``bf16_update``: ``STOCHASTIC`` hashes (key at column ``W - 2``, the element's
+    index in the whole parameter: offset + column ``W - 1``); ``KAHAN``: buffer at column ``W - 1``. ``p_old``: the
+    parameter before the step (fp32)."""
     if UPDATE == 0 or DTYPE == tl.float32:  # NEAREST (module globals are not constexpr inside a kernel)
         store_param(p_new, row, offs, mask, DTYPE, ALIGNED, MASKED)
     else:

@@ -1,53 +1,8 @@
-"""Fused Adafactor and CAME steps (references: :func:`lowmemopt.optim.adafactor.adafactor_math`,
-:func:`lowmemopt.optim.came.came_math`), in several multi-tensor passes.
+"""Fused Adafactor and CAME steps in multi-tensor passes (references: ``optim.adafactor.adafactor_math``,
+``optim.came.came_math``): row/column statistics, factors, the clip's sums, the update.
 
-Both precondition the gradient by a second moment ``V`` (factored over a matrix's last two dims, leading dims a batch:
-``V ~ R C / mean(R)``; full-size for 1-D params), clip the result to ``RMS(u) <= clip_threshold``, and CAME adds a
-factored confidence term. Row/column means and whole-tensor RMS values are reductions, hence the passes. Bytes per
-element below are for fp32 params and q8 state (``m``: 1 byte, absmax negligible); bf16 params move 2 bytes less per
-param access.
-
-Factored parameters (shape ``[..., R, C]``, per pass):
-
-=====  ===================  ==============================================================================  ========
-pass   tiles                what                                                                            bytes/el
-=====  ===================  ==============================================================================  ========
-1      2-D [rows, cols]     row and column sums of ``g^2 + eps1`` (fp32 atomics into scratch)                4
-2      one per matrix       V's row/column EMA -> state; factors ``1/sqrt(row/mean(row))``, ``1/sqrt(col)``  ~0
-3      flat (Adafactor)     ``u = factors * g``: sum(u^2) per tensor; sum(p^2) (Adafactor's RMS(p))          4 (+4)
-3      2-D (CAME)           the same sum(u^2), and row/col sums of ``u^2``, ``u m``, ``m^2`` in fp64         5
-4      one per matrix       (CAME only) the instability's row/col means from them, EMA and factors           ~0
-5      flat                 recompute ``u``, ``m'`` (bit-identical), update: write p (and m)                 12 (+2)
-=====  ===================  ==============================================================================  ========
-
-CAME-8bit: 4 + 5 + 14 = 23 B/element (AdamW-8bit: 16). Adafactor without beta1: 4 + 8 + 12 = 24 (20 without
-scale_parameter; + 2 with an 8-bit first moment).
-
-CAME's instability ``(u/c - m')^2`` needs the clip ``c``, known only once the whole tensor's sum(u^2) is: with
-``m' = b1 m + (1 - b1) u/c``, ``u/c - m' = b1 (u/c - m)``, so its row sum is ``b1^2 (S_uu / c^2 - 2 S_um / c + S_mm)``
-over the pass-3 moments. A product of two fp32 values is exact in fp64 and only the fp64 sums round, so this form
-keeps the residual where ``u/c`` and ``m`` nearly cancel (an fp32 one loses it); it saves the pass over g and m that
-the direct form needs after the clip. fp64 is ~9 operations per element: on GPUs whose fp64 runs at 1/32 - 1/64 of
-fp32 (GeForce / RTX, L4 / L40: :func:`.runtime.fast_fp64` is False) that would make the pass compute-bound, so there
-CAME keeps the direct form: pass 3 flat as Adafactor's, then row/col sums of ``(u/c - m')^2 + eps2`` on 2-D tiles
-over g and m (5 B), and the EMA pass (27 B/element in all).
-
-1-D parameters (full-size ``v``, q8 capable): pass A, flat: ``v' = b2 v + (1-b2)(g^2+eps1)``, ``u = g/sqrt(v')``:
-sum(u^2), and sum(p^2) for Adafactor's RMS(p) (reads g, v (, p): 5 or 9 B); pass B, flat: recompute, clip, update,
-write p, v, m (reads 10, writes 6).
-
-Statistics EMAs are written in pass 2/4; p and m only in the last pass, from values recomputed in registers, so the
-update uses the fp32 state before it is re-encoded. The sums are fp32 atomics (CAME's moments fp64): their rounding
-(not their value) can vary between runs. Small matrices with many batch rows (conv kernels ``[O, I, 3, 3]``) use their 2-D tiles poorly.
-A GaLore stand-in (``bucket.weights``, ``WEIGHT``) takes RMS(p) of its full weight from there instead of sum(p^2)
-(pass 3 / A then reads no p).
-
-The flat passes find each element's row and column factors from its flat offset. Where every matrix's rows are at
-least a tile row long (``WIDE``: ``C >= BLOCK``, LLM weights), a tile row crosses at most one matrix row, so the
-divisions are made once per tile row, the row factor is loaded once per tile row (and its next row's), and each
-element selects one (:func:`factor_coords`). Per element they were three int64 divisions and four scalar gathers:
-CAME's last pass had 66 int64 div/rem in its PTX; sm_90, 8x256, 4 warps: 7,080 -> 5,496 SASS instructions, 86 -> 58
-scalar loads per thread, 248 -> 168 registers (8 -> 12 warps per SM).
+The passes, their bytes per element, CAME's fp64 moment form (and the direct form where fp64 is slow) and the wide
+matrices' factor indexing: docs/kernels.md#kernels.
 """
 
 from __future__ import annotations
@@ -80,9 +35,7 @@ __all__ = ["ADAFACTOR", "CAME", "adafactor_slots", "came_slots", "layout", "laun
 
 @triton.jit
 def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constexpr):
-    """A 2-D tile [TR, BC] of one matrix of a tensor's batch: (tensor index, its table row, flat offsets, mask, the
-    tile's batch-global rows ``grow`` (into the row scratch at ``roff + grow``) and its column scratch index
-    ``cidx`` (at ``coff + cidx``), and their masks)."""
+    """A 2-D tile [TR, BC] of one matrix of a tensor's batch, with its scratch indices and masks."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     local = tl.load(units + tl.num_programs(0) + pid)
@@ -105,8 +58,7 @@ def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constex
 
 @triton.jit
 def _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask):
-    """:func:`factored_precondition` on a 2-D tile of :func:`_matrix_tile`: ``rfac[row] cfac[col] g``, each factor
-    loaded once per tile row or column (the tensor's scratch at ``roff`` / ``coff``)."""
+    """``rfac[row] cfac[col] g`` on a :func:`_matrix_tile`, each factor loaded once per tile row or column."""
     return (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
             * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g
 
@@ -116,9 +68,7 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
                   eps, beta1, one_minus_beta1, clip_threshold,
                   W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
                   TR: tl.constexpr, BC: tl.constexpr, RESIDUAL: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
-    """Pass 1 (2-D tiles of one matrix of the batch): row and column sums of ``x`` into ``rsum`` / ``csum``; ``x =
-    g^2 + eps`` or, with ``RESIDUAL`` (CAME's direct instability pass, where fp64 is slow), ``(u - m')^2 + eps`` for
-    the clipped ``u`` and the new ``m'``."""
+    """Pass 1: row and column sums of ``g^2 + eps`` (``RESIDUAL``, CAME's direct form: ``(u - m')^2 + eps``)."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
@@ -140,11 +90,7 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
 def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, rmom, cmom,
                     W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
                     TR: tl.constexpr, BC: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
-    """CAME's pass 3 (2-D tiles): ``u = rfac cfac g`` (the preconditioned gradient, before the clip) and the old
-    first moment ``m``: ``sum(u^2)`` per tensor (the clip's RMS, ``sums[2t + 1]``) and the row and column sums of
-    ``u^2``, ``u m`` and ``m^2`` in fp64 (``rmom[3 i + k]``, ``cmom[3 j + k]``), from which :func:`_residual_sum`
-    forms the residual's sums once the clip is known. A product of two fp32 values is exact in fp64, so only the
-    sums round (fp64)."""
+    """CAME's pass 3: ``sum(u^2)`` and fp64 row / column sums of ``u^2``, ``u m``, ``m^2``."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
@@ -167,9 +113,7 @@ def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums
 
 @triton.jit
 def _residual_sum(mom, i, mask, inv_c, beta1_sq):
-    """fp64 ``sum((u/c - m')^2)`` over a row (or column) from its moment sums ``mom[3 i + (0, 1, 2)]``: with
-    ``m' = b1 m + (1 - b1) u/c``, ``u/c - m' = b1 (u/c - m)``, so the sum is
-    ``b1^2 (sum(u^2) / c^2 - 2 sum(u m) / c + sum(m^2))`` (clamped at 0 against rounding)."""
+    """fp64 ``sum((u/c - m')^2) = b1^2 (S_uu / c^2 - 2 S_um / c + S_mm)`` of a row or column, clamped at 0."""
     uu = tl.load(mom + 3 * i, mask=mask, other=0.0)
     um = tl.load(mom + 3 * i + 1, mask=mask, other=0.0)
     mm = tl.load(mom + 3 * i + 2, mask=mask, other=0.0)
@@ -178,9 +122,7 @@ def _residual_sum(mom, i, mask, inv_c, beta1_sq):
 
 @triton.jit
 def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, MOMENTS: tl.constexpr):
-    """fp32 mean of row (``n = C``) or column (``n = R``) ``i`` of the statistic: ``sum / n`` (the sums of
-    :func:`_stats_kernel` hold the ``+ eps``); ``MOMENTS``: ``sum((u/c - m')^2) / n + eps`` from the fp64 moment sums
-    (:func:`_residual_sum`)."""
+    """fp32 mean of row / column ``i`` of the statistic (``MOMENTS``: of the residual, + eps)."""
     if MOMENTS:
         return (_residual_sum(sum_ptr, i, mask, inv_c, beta1_sq) / n.to(tl.float64) + eps).to(tl.float32)
     else:
@@ -191,10 +133,7 @@ def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, MOMENTS: tl.constexpr):
 def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums, beta, one_minus_beta,
                     eps, beta1, clip_threshold, W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr,
                     MOMENTS: tl.constexpr, scal=None, DEVICE_SCALARS: tl.constexpr = False):
-    """Pass 2 / 4 (one program per matrix of the batch): ``row = beta row + (1-beta) mean_row`` and likewise the
-    columns (state, at table columns STAT, STAT + 1); ``rfac = 1/sqrt(row / mean(row))``, ``cfac = 1/sqrt(col)``.
-    ``mean_row``: see :func:`_mean` (``MOMENTS``: CAME's instability, ``rsum`` / ``csum`` the moment sums of
-    :func:`_moments_kernel`, the clip ``c`` from the tensor's ``sum(u^2)``)."""
+    """Pass 2 / 4 (a program per matrix): the row / column EMAs and their factors."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
     b = tl.load(units + tl.num_programs(0) + pid).to(tl.int64)
@@ -340,11 +279,11 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
                   FACTORED: tl.constexpr, WIDE: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr,
                   SCALE_PARAM: tl.constexpr, DECAY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
                   DEVICE_SCALARS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
-    """Last pass (flat tiles): recompute u, clip, (m), update p; write p, m and (1-D) v.
+    """Last pass: recompute u, clip, (m), update p; write p, m and (1-D) v.
 
-    Adafactor: ``a = max(eps2, RMS(p)) * lr`` (``lr`` is rho) if SCALE_PARAM else lr; ``u *= a``;
-    ``m = b1 m + (1-b1) u; u = m`` if HAS_M; ``p += p * (-wd a)``; ``p -= u``.
-    CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m); ``p += p (-wd lr)``; ``p -= lr u``."""
+    Adafactor: ``a = max(eps2, RMS(p)) * lr`` if SCALE_PARAM else lr; ``u *= a``; ``m = b1 m + (1-b1) u; u = m`` if
+    HAS_M; ``p += p * (-wd a)``; ``p -= u``. CAME: ``m = b1 m + (1-b1) u``; ``u = rfac2 cfac2 m`` (1-D: m);
+    ``p += p (-wd lr)``; ``p -= lr u``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if DEVICE_SCALARS:  # a capturable step: (lr, -wd lr, beta2, 1 - beta2) of this tensor from the device
         lr = tensor_scalar(scal, t, 4, 0)
@@ -384,8 +323,7 @@ def layout(p: torch.Tensor) -> bool:
 
 
 def wide(params: list[torch.Tensor], block: int) -> bool:
-    """Do the flat passes index the factors of every matrix of ``params`` per segment (:func:`factor_coords`'s
-    ``WIDE``: rows of at least ``block`` elements)?"""
+    """Whether every matrix's rows hold at least ``block`` elements (:func:`factor_coords`'s ``WIDE``)."""
     return all(p.shape[-1] >= block for p in params)
 
 
@@ -394,7 +332,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[int, int, int]], int, int]:
-    """Launch-table rows (columns: see ``_M`` ... ``_COFF``), (batch, R, C) per tensor, and the scratch sizes."""
+    """Launch-table rows (columns ``_M`` ... ``_COFF``), (batch, R, C) per tensor, and the scratch sizes."""
     rows, shapes = [], []
     n_rows = n_cols = 0
     for p, g, st in zip(bucket.params, bucket.grads, bucket.states):
@@ -421,9 +359,7 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
 
 
 def _layout(bucket: Bucket, factored: bool) -> tuple:
-    """What a bucket's passes launch over, made once while its tensors stay the same (:attr:`.launch.Bucket.memo`):
-    the table rows (:func:`_rows`), the row and column scratch sizes, the flat passes' compile-time arguments, and the
-    program counts of the flat, 2-D tile and per-matrix passes."""
+    """A bucket's launch layout, kept in ``Bucket.memo``."""
     rows, shapes, n_rows, n_cols = _rows(bucket, factored)
     bucket.keep_rows(rows)
     flat = bucket.constexprs(())
@@ -441,8 +377,7 @@ def _layout(bucket: Bucket, factored: bool) -> tuple:
 def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay: bool, eps1: float, eps2: float,
             beta1: float, beta2: float, beta3: float, clip: float, lr: float, neg_wd: float, neg_wd_lr: float,
             scal: torch.Tensor | None = None) -> None:
-    """The passes of one bucket. ``scal`` (a capturable step): the per-tensor ``(lr, neg_wd_lr, beta2, 1 - beta2)``
-    on the device, read by the passes in place of those arguments (:meth:`.launch.Bucket.scalars`)."""
+    """The passes of one bucket; ``scal`` (capturable): per-tensor step scalars on the device."""
     device = bucket.scalar_args(scal)
     dev = bucket.device
     factored = bucket.params[0].dim() >= 2
@@ -504,8 +439,7 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
 
 
 def launch_adafactor(u: Update, bucket: Bucket) -> None:
-    """Adafactor (transformers semantics): step-dependent scalars as in ``adafactor_math`` (a capturable step: the
-    same, per tensor, from its count on the device)."""
+    """Adafactor (transformers semantics); step scalars as ``adafactor_math``'s."""
     hyper, step = u.hyper, u.step
     eps1, eps2 = hyper["eps"]
     wd = scalar(hyper["weight_decay"])

@@ -27,14 +27,12 @@ def clip_denominator(sums, t, numel, clip_threshold):
 
 @triton.jit
 def factor_coords(row, offs, blocks, bmask, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """Where the row and column factors of the elements at flat offsets ``offs`` of a ``[..., R, C]`` tensor are
-    (row scratch index ``roff + offs // C``, column ``coff + (offs // (R C)) C + offs % C``), for
-    :func:`factored_precondition`. Tile rows are the ``BLOCK``-element segments starting at ``blocks * BLOCK``
-    (``bmask``: inside the tensor). ``WIDE`` (``C >= BLOCK``): a segment crosses at most one matrix row, so the
-    divisions are made once per segment: ``rows`` [ROWS] is each segment's first row, ``wrap`` [ROWS, BLOCK] whether
-    an element is on the next one, ``after`` [ROWS] whether that next row exists; the column index adds a compare and
-    a select per element (three int64 divisions per element, otherwise, cost more instructions than the pass has time
-    for per byte). Else per element: ``rows`` [ROWS, BLOCK] (``wrap``, ``after``: unused)."""
+    """Where the row and column factors of flat offsets ``offs`` of a ``[..., R, C]`` tensor are (row index
+    ``roff + offs // C``, column ``coff + (offs // (R C)) C + offs % C``), per ``BLOCK``-element segment.
+
+    ``WIDE`` (``C >= BLOCK``): a segment crosses at most one row, so the divisions are made once per segment
+    (``rows`` [ROWS], ``wrap`` [ROWS, BLOCK]: on the next row, ``after`` [ROWS]: it exists); else ``rows`` per element.
+    """
     roff = tl.load(row + _ROFF)
     coff = tl.load(row + _COFF)
     R = tl.load(row + _R)
@@ -60,8 +58,7 @@ def factor_coords(row, offs, blocks, bmask, BLOCK: tl.constexpr, WIDE: tl.conste
 
 @triton.jit
 def factored_precondition(x, rfac, cfac, rows, wrap, after, cols, mask, bmask, WIDE: tl.constexpr):
-    """``rfac[row(i)] * cfac[col(i)] * x``: the factored ``x / sqrt(V)`` at :func:`factor_coords`' places (``WIDE``:
-    a segment's row factor and its next row's are loaded once, and each element selects one)."""
+    """``rfac[row(i)] * cfac[col(i)] * x``: the factored ``x / sqrt(V)`` at :func:`factor_coords`' places."""
     if WIDE:
         here = tl.load(rfac + rows, mask=bmask, other=0.0)
         nxt = tl.load(rfac + rows + 1, mask=after, other=0.0)

@@ -1,21 +1,11 @@
-"""Fused LAMB step (reference: :func:`lowmemopt.optim.lamb.lamb_math`, ColossalAI semantics) in two passes:
+"""Fused LAMB step (reference: ``optim.lamb.lamb_math``, ColossalAI semantics) in two passes::
 
     m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2;   r = m / (sqrt(v) + eps) + wd p
     trust = ||p|| / ||r|| (1 if either is 0, or adam=True);        p <- p - lr * lr_scale * trust * r
 
-1. norm pre-pass: decode m, v, compute m', v', r in registers and add sum(p^2), sum(r^2) of the tile to the tensor's
-   accumulators (atomics); writes nothing else. Reads param + grad + state: 4 + 4 + 2 B/element (fp32 params, q8).
-2. apply: recompute the same m', v', r (same code, same inputs: bit-identical), scale by the tensor's trust ratio,
-   write p, m', v'. Reads 10, writes 6 B/element (fp32 params, q8).
-
-Recomputing in pass 2 keeps the update computed from the fp32 state before it is re-encoded (the numerical rule) at
-the cost of reading the inputs twice: 26 B/element against AdamW's 16. With ``adam=True`` there is no trust ratio
-and pass 1 is skipped. The sums are fp32 atomics, so their rounding (not their value) can vary between runs.
-A GaLore stand-in (``bucket.weights``, ``WEIGHT``) takes ||p|| of its full weight from there instead of sum(p^2).
-
-FusedLAMB's flags (Apex's multi_tensor_lamb): ``CLIP`` divides g by the step's global-norm clip ``c``, read from the
-device (one scalar per launch, never from the host); ``L2`` adds ``wd p`` to the clipped gradient instead of to ``r``;
-``BIAS`` takes ``(m / bc1) / (sqrt(v / bc2) + eps)``; ``grad_averaging=False`` is ``one_minus_beta1 = 1``.
+Pass 1 sums p^2 and r^2 per tensor; pass 2 recomputes m', v', r bit-identically and applies (docs/kernels.md#kernels).
+FusedLAMB's flags (Apex's multi_tensor_lamb): ``CLIP`` divides g by the global-norm clip read on the device; ``L2``
+adds ``wd p`` to the gradient instead of ``r``; ``BIAS``: ``(m / bc1) / (sqrt(v / bc2) + eps)``.
 """
 
 from __future__ import annotations
@@ -37,8 +27,7 @@ __all__ = ["TRITON", "lamb_direction", "launch", "slots"]
 def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                    DECAY: tl.constexpr, clip=1.0, bc1=1.0, bc2=1.0, CLIP: tl.constexpr = False,
                    L2: tl.constexpr = False, BIAS: tl.constexpr = False):
-    """fp32 LAMB math on a tile: returns (m, v, r), the update before the trust ratio. ``DECAY``: ``+ wd p`` on
-    ``r`` (decoupled), ``L2``: on the (clipped) gradient; ``CLIP``: ``g / clip``; ``BIAS``: Apex's bias corrections."""
+    """fp32 LAMB math on a tile -> (m, v, r), the update before the trust ratio."""
     if CLIP:
         g = tl.math.div_rn(g, clip)
     if L2:
@@ -61,8 +50,7 @@ def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, 
                DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr,
                MASKED: tl.constexpr, COLS: tl.constexpr, CLIP: tl.constexpr, L2: tl.constexpr, BIAS: tl.constexpr,
                gmul=None, G_MULT: tl.constexpr = False):
-    """Pass 1 (``APPLY=False``): add sum(p^2), sum(r^2) to the tensor's sums. Pass 2: update p, m, v. ``WEIGHT``:
-    the first sum holds ||p|| already (given)."""
+    """Pass 1 (``APPLY=False``): the tensor's sum(p^2), sum(r^2); pass 2: update p, m, v."""
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)

@@ -1,14 +1,9 @@
-"""Fused LARS step (reference: :func:`lowmemopt.optim.lars.lars_math`, ColossalAI semantics) in two passes:
+"""Fused LARS step (reference: ``optim.lars.lars_math``, ColossalAI semantics) in two passes::
 
     trust = clamp(eeta ||p|| / (||g|| + wd ||p|| + epsilon), 0, 50)   (1 if ||p|| or ||g|| is 0, or lars=False)
     d = clamp(g + wd p, -10, 10);   b = d (first step) or momentum b + d;   p <- p - lr * trust * b
 
-1. norm pre-pass: sum(p^2) and sum(g^2) per tensor (atomics). Reads param + grad: 8 B/element (fp32 params).
-2. apply: reads param, grad, momentum; writes param, momentum: 4 + 4 + 1 + 4 + 1 = 14 B/element (fp32 params, q8);
-   22 in all.
-
-The trust ratio depends only on p and g, so pass 1 reads no state. A group with ``lars=False`` skips pass 1. A GaLore
-stand-in (``bucket.weights``, ``WEIGHT``) takes ||p|| of its full weight from there instead of sum(p^2).
+Pass 1 sums p^2 and g^2 per tensor (skipped with ``lars=False``); pass 2 applies (docs/kernels.md#kernels).
 """
 
 from __future__ import annotations

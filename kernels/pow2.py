@@ -1,33 +1,11 @@
-"""Nearest code of the ``pow2`` / ``upow2`` state maps by integer arithmetic on the float's bits, in Triton: no 256 KiB
-bucket table (the generic encoder of :mod:`.codec` gathers one per element from L2), at most a 184-byte one.
-
-The codes of binade ``[2^e, 2^(e+1))`` are the floats there with ``b_e`` mantissa bits (:data:`POW2_BITS`), so the
-nearest code of ``|y|`` is its bit pattern rounded to ``b_e`` bits (the derivation is ``pow2_code`` in
-``lowmemopt/cpu/csrc/vectors_*.h``, the C twin of this encoder)::
+"""Nearest code of the ``pow2`` / ``upow2`` state maps by integer arithmetic on the float's bits (Triton; the C twin
+is ``pow2_code`` in ``lowmemopt/cpu/csrc/vectors_*.h``)::
 
     a = |y|'s bits clamped to [e_lo << 23, 1.0];   code = (a + neg + add_c) >> shift_c        (uint32)
 
-where ``neg`` is 1 for a negative ``y`` (signed map: ties go to the larger magnitude, the lower code), and class ``c``
-is the run of binades that holds ``a``. Consecutive binades with the same ``b`` form one class: their codes are
-consecutive in ``(exponent, top b mantissa bits)``, so one addend and shift serve them all (a rounding carry lands on
-the next binade's first code). Each map has 6 classes (``e_lo`` and ``e_lo + 1``, which decide between the zero code
-and the smallest one, then one per run of equal ``b``; 1.0 continues the top class). The optimizer kernels read a
-value's ``(add, shift)`` from the map's :func:`class_table`, one int64 per binade (23 or 26 rows, 184 or 208 bytes:
-L1-resident), indexed by the clamped exponent: one gather and ~8 integer operations per element. Without a table
-(``pow2_code(..., table=None)``) 5 compares against compile-time constants and 10 selects pick the class: about 11
-more SASS instructions per element and slot (measured on 8-bit AdamW's full tile, sm_90). A negative ``y`` of the
-signed map takes ``mirror - code`` (at least 0: the map has no -1); for the unsigned map ``y <= 0`` takes 0.
-Non-finite ``y`` takes code 0, as the reference's table does (the brute-force rule's argmin over NaN / infinite
-distances).
-
-Exact: ``tests/test_pow2_code.py`` checks every decision threshold +-3 ulp, binade edges, -0, negatives and random
-blocks under the interpreter against :func:`lowmemopt.quant.maps.nearest_code_reference`; ``bench/pow2_exhaustive.py``
-checks every bit pattern a kernel can encode (``|y| <= 1`` of both signs, subnormals, zeros, non-finite: 2^31 + 2^24)
-against the reference table and the brute-force thresholds.
-
-:func:`pow2_value` is the inverse (code -> fp32 code value, by bit construction): the kernels decode with a gather
-from the 1 KiB book (``decode_q8``, L1-resident); this is the table-free alternative, exact over all 256 codes of both
-maps (tested), not wired in until a GPU measurement shows it faster.
+``neg``: 1 for a negative ``y`` (ties to the lower code); class ``c``: the run of binades with equal mantissa bits
+holding ``a``, its ``(add, shift)`` gathered from :func:`class_table`. Negative signed ``y``: ``mirror - code``;
+unsigned ``y <= 0`` and non-finite ``y``: 0. Why and how it is checked: docs/kernels.md#numerics.
 """
 
 from __future__ import annotations
@@ -50,8 +28,7 @@ NCLASSES = 6
 
 @functools.lru_cache(maxsize=None)
 def encode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
-    """The encoder's classes of ``name`` ("pow2" | "upow2"), ascending: ``(first bits, add, shift)``, ``add`` as a
-    wrapped int32; plus derived checks. ``(a + neg + add) >> shift`` (mod 2^32) is the code of clamped bits ``a``."""
+    """The encoder's classes of ``name``, ascending: ``(first bits, add, shift)``, ``add`` a wrapped int32."""
     if name not in POW2_BITS:
         raise ValueError(f"no bit encoder for map {name!r}")
     bits, signed = POW2_BITS[name], is_signed_map(name)
@@ -90,8 +67,7 @@ def encode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
 
 @functools.lru_cache(maxsize=None)
 def decode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
-    """The inverse's classes: ``(first magnitude index, bits offset, shift)``; magnitude index ``i >= 1`` (code
-    ``zero + i``, or ``zero - i``) has the value bits ``offset + (i << shift)``."""
+    """The inverse's classes ``(first magnitude index, bits offset, shift)``."""
     out = []
     for lo, add, shift in encode_classes(name)[1:]:
         if lo == _NEVER:
@@ -105,10 +81,7 @@ def decode_classes(name: str) -> tuple[tuple[int, int, int], ...]:
 
 @functools.lru_cache(maxsize=None)
 def class_rows(name: str) -> tuple[int, ...]:
-    """The encoder's class for each binade a clamped ``|y|`` can lie in (biased exponents ``e_lo`` .. 127; 1.0 is
-    the top class's), as one int64: the class's ``add`` (mod 2^32) in the low 32 bits, its ``shift`` in the high
-    ones. A kernel gathers the row of ``y``'s exponent (:func:`class_table`, 184 bytes: L1-resident) in place of
-    five compares and ten selects."""
+    """Per binade of a clamped ``|y|``, its class as one int64: ``add`` low, ``shift`` high."""
     classes = [c for c in encode_classes(name) if c[0] != _NEVER]
     e_lo = classes[0][0] >> 23
     rows = []
@@ -140,7 +113,7 @@ NCLS: tl.constexpr = tl.constexpr(NCLASSES)
 
 @triton.jit
 def _class_of(a, CLASSES: tl.constexpr, N: tl.constexpr):
-    """(add, shift) of the class holding ``a`` (int32 >= 0): the last of ``CLASSES[:N]`` whose first entry is <= a."""
+    """(add, shift) of the last class of ``CLASSES[:N]`` starting at or below ``a``."""
     add = tl.full(a.shape, CLASSES[0][1], tl.int32)
     shift = tl.full(a.shape, CLASSES[0][2], tl.int32)
     for i in tl.static_range(1, N):
@@ -152,8 +125,7 @@ def _class_of(a, CLASSES: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _class(c, table, CLASSES: tl.constexpr, E_LO: tl.constexpr):
-    """(add, shift) of the class holding ``c`` (clamped bits): the row of its exponent in the map's
-    :func:`class_table`, or, ``table`` None, by compares against the bounds of ``CLASSES`` (:func:`_class_of`)."""
+    """(add, shift) of clamped bits ``c``: from ``table``, or (None) by compares (:func:`_class_of`)."""
     if table is None:
         add, shift = _class_of(c, CLASSES, NCLS)
     else:
@@ -164,12 +136,10 @@ def _class(c, table, CLASSES: tl.constexpr, E_LO: tl.constexpr):
 
 @triton.jit
 def pow2_code(y, SIGNED: tl.constexpr, positive, table):
-    """int32 nearest code of fp32 ``y`` in ``pow2`` (``SIGNED``) or ``upow2``: the rounding rule of
-    :mod:`lowmemopt.quant.maps` (ties to the lower code; unsigned: a positive ``y`` never takes code 0).
-    ``positive`` (unsigned; None: ``y > 0``): whether ``y`` counts as positive, for a quotient whose sign and
-    zeroness were decided exactly but whose subnormal bits may not be (:func:`.divide.quotient_positive`).
-    ``table``: the map's :func:`class_table` (one gather per element), or None (compares against the class
-    bounds)."""
+    """int32 nearest code of fp32 ``y`` in ``pow2`` (``SIGNED``) or ``upow2``, as :mod:`lowmemopt.quant.maps` rounds.
+
+    ``positive`` (unsigned; None: ``y > 0``): whether ``y`` counts as positive (:func:`.divide.quotient_positive`);
+    ``table``: the :func:`class_table`, or None (compares)."""
     u = y.to(tl.int32, bitcast=True)
     a = u & 0x7FFFFFFF
     if SIGNED:
@@ -224,9 +194,7 @@ def _value_kernel(code_ptr, out_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexp
 
 
 def codes(y: torch.Tensor, name: str, block: int = 1024, table: bool = True) -> torch.Tensor:
-    """int32 codes of the fp32 values ``y`` (flat) by :func:`pow2_code` (CUDA, or CPU under the interpreter); its
-    classes gathered from :func:`class_table` (the optimizer kernels' path), or with ``table=False`` found by
-    compares."""
+    """int32 codes of flat fp32 ``y`` by :func:`pow2_code` (``table=False``: by compares)."""
     y = y.reshape(-1).contiguous()
     if y.dtype != torch.float32:
         raise TypeError(f"pow2 codes need fp32 values, got {y.dtype}")

@@ -1,19 +1,6 @@
-"""Where the kernels can run, and how they are launched.
-
-* ``HAS_TRITON``: Triton imports. Without it every step takes the reference path.
-* ``INTERPRET``: ``TRITON_INTERPRET=1`` was set when this module was imported. Triton decides at decoration time
-  (``@triton.jit``) whether a kernel is compiled or interpreted, so the variable must be set before anything imports
-  ``lowmemopt.kernels``' kernel modules (the test suite sets it in ``tests/conftest.py`` on machines without CUDA).
-  The interpreter runs the kernels on CPU tensors with numpy: that is how CI tests them.
-* ``ENABLED``: ``LOWMEMOPT_KERNELS=0`` turns the fused path off (every step takes the reference path).
-
-Launch shapes (tuning facts, not semantics): a program handles one *tile* of ``rows x block`` elements, where ``block``
-is the quantization block size for 8-bit state (a row is one block: its absmax is a row reduction) and a whole tile
-for dense state. 2048 elements per tile with 4 warps keeps 16 fp32 values per thread in flight, enough to saturate
-HBM on A100/H100 class GPUs for these memory-bound kernels (124 registers per thread for 8-bit AdamW at sm_90: four
-programs per SM). A GPU model may take another shape: a :data:`TILE_SHAPES` entry (by compute capability, set in
-code), or the shape ``lowmemopt tune`` measured fastest on that GPU (:mod:`.tuning`, which keeps it in the cache file
-that :mod:`.tuning_cache` reads); the shape changes speed only, never results.
+"""Where the kernels run and how they are launched: ``HAS_TRITON``; ``INTERPRET`` (``TRITON_INTERPRET=1`` before the
+kernel modules are imported: the kernels run on CPU tensors, as CI tests them); ``ENABLED`` (``LOWMEMOPT_KERNELS=0``
+turns them off); tile shapes and the 8-bit decode per device (``lowmemopt tune``: docs/kernels.md#benchmark).
 """
 
 from __future__ import annotations
@@ -42,8 +29,10 @@ except Exception:  # ImportError, or a broken install: the reference path still 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ENABLED = os.environ.get("LOWMEMOPT_KERNELS", "1") != "0"
 
-#: elements per program for elementwise passes. The interpreter uses the same shapes, so that the tests run the
-#: code paths the GPU runs (full tiles take an unmasked variant, the last tile of a tensor a masked one).
+#: elements per program for elementwise passes: with 4 warps, 16 fp32 values per thread in flight, enough to
+#: saturate HBM on A100/H100 class GPUs (8-bit AdamW at sm_90: 124 registers, four programs per SM). A 2-D tile row is
+#: one quantization block for 8-bit state. The interpreter uses the same shapes, so that the tests run the code paths
+#: the GPU runs (full tiles take an unmasked variant, the last tile of a tensor a masked one).
 TILE = 2048
 #: rows x columns of the 2-D tiles of the factored (Adafactor, CAME) reduction passes, and the vector width of their
 #: per-row/column statistics pass
@@ -85,8 +74,6 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _tuned(device: torch.device) -> dict | None:
-    """``lowmemopt tune``'s measurement for CUDA ``device`` (:func:`.tuning_cache.tuned`), or None (none, or no
-    CUDA)."""
     index = device.index
     if index is None:
         if not torch.cuda.is_available():
@@ -96,9 +83,7 @@ def _tuned(device: torch.device) -> dict | None:
 
 
 def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
-    """(elements per tile, num_warps) of the elementwise passes on ``device``: a shape :func:`launch_shape` forces,
-    else its :data:`TILE_SHAPES` entry, else the shape ``lowmemopt tune`` measured on it, else
-    ``(TILE, NUM_WARPS)``."""
+    """(elements per tile, num_warps) on ``device``: forced, configured, tuned or default."""
     if _forced is not None:
         return _forced[0]
     if device is not None and device.type == "cuda":
@@ -114,8 +99,7 @@ def tile_shape(device: torch.device | None = None) -> tuple[int, int]:
 
 
 def column_tiles(fmt: str) -> bool:
-    """Whether a launch over ``fmt`` state (``"q8"``, ``"q4"``, ``"bf16"``, ``"fp32"``) lays its tiles out in columns
-    (:data:`TILE_LAYOUT`): only 8-bit state, whose tiles gather; the 4-bit kernels pack nibbles along rows."""
+    """Whether a launch over ``fmt`` state lays its tiles out in columns (:data:`TILE_LAYOUT`; only ``"q8"``)."""
     if fmt != "q8":
         return False
     layout = TILE_LAYOUT or ("columns" if _triton_before(3, 7) else "rows")
@@ -133,8 +117,7 @@ def _triton_before(major: int, minor: int) -> bool:
 
 
 def q8_decode(device: torch.device | None = None) -> str:
-    """How the kernels on ``device`` decode 8-bit codes: a decode :func:`launch_shape` forces, else :data:`Q8_DECODE`
-    (``LOWMEMOPT_Q8_DECODE``), else what ``lowmemopt tune`` measured on the device, else ``"table"``."""
+    """How 8-bit codes are decoded on ``device``: forced, else ``LOWMEMOPT_Q8_DECODE``, else tuned, else ``"table"``."""
     if _forced is not None:
         return _forced[1]
     if Q8_DECODE is not None:
@@ -147,8 +130,7 @@ def q8_decode(device: torch.device | None = None) -> str:
 
 
 class launch_shape:
-    """Context manager: every launch inside takes ``shape`` (elements per tile, num_warps) and the 8-bit ``decode``,
-    on every device (the tuner's measurements, :mod:`.tuning`)."""
+    """Context manager: every launch inside takes ``shape`` (elements per tile, num_warps) and ``decode``."""
 
     def __init__(self, shape: tuple[int, int], decode: str = "table") -> None:
         if decode not in ("table", "arithmetic"):
@@ -166,7 +148,7 @@ class launch_shape:
 
 
 def rows_per_tile(block: int, device: torch.device | None = None) -> int:
-    """Rows of ``block`` elements per program (at least one) on ``device`` (:func:`tile_shape`)."""
+    """Rows of ``block`` elements per program on ``device`` (at least one)."""
     return max(1, tile_shape(device)[0] // block)
 
 
@@ -179,8 +161,7 @@ INTERPRETER_FAST_FP64 = True
 
 
 def fast_fp64(device: torch.device) -> bool:
-    """Does ``device`` run fp64 arithmetic at a rate that a memory-bound pass can afford (CUDA: its capability is in
-    :data:`FAST_FP64_CAPABILITIES`)? Picks CAME's instability passes (:mod:`.factored`)."""
+    """Whether ``device`` runs fp64 fast enough for a memory-bound pass (picks CAME's instability passes)."""
     if device.type != "cuda":
         return INTERPRETER_FAST_FP64
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -188,8 +169,7 @@ def fast_fp64(device: torch.device) -> bool:
 
 
 def device_ok(device: torch.device) -> bool:
-    """Can a kernel run on tensors of ``device``? CUDA with compiled Triton kernels, or CPU under the interpreter when
-    a test asked for it with :func:`cpu_interpreter`."""
+    """Whether a kernel can run on ``device``: CUDA with compiled kernels, or the CPU under :func:`cpu_interpreter`."""
     if not (HAS_TRITON and ENABLED):
         return False
     if device.type == "cuda":  # the interpreter cannot follow the launch tables' raw device addresses
@@ -198,10 +178,10 @@ def device_ok(device: torch.device) -> bool:
 
 
 class cpu_interpreter:
-    """Context manager (tests): send CPU tensors through the kernels, which the Triton interpreter runs on CPU.
+    """Context manager (tests): send CPU tensors through the kernels under the Triton interpreter.
 
-    Raises RuntimeError unless Triton is importable and ``TRITON_INTERPRET=1`` was set before ``lowmemopt.kernels``
-    was imported."""
+    Raises RuntimeError unless Triton imports and ``TRITON_INTERPRET=1`` was set before the kernels were imported.
+    """
 
     def __enter__(self) -> "cpu_interpreter":
         global _cpu_interpreter

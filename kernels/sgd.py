@@ -24,8 +24,7 @@ __all__ = ["TRITON", "sgd_update", "launch", "slots"]
 @triton.jit
 def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr, WD_AFTER: tl.constexpr = False):
-    """fp32 SGD math on a tile: returns (direction d, momentum buffer); ``p_new = p - lr d``. ``WD_AFTER``: the
-    decay joins ``d`` after the momentum (FusedSGD's ``wd_after_momentum``)."""
+    """fp32 SGD math on a tile -> (direction, momentum); ``WD_AFTER``: FusedSGD's decay."""
     d = g
     if MAXIMIZE:
         d = -g

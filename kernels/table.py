@@ -1,18 +1,8 @@
-"""Multi-tensor launch tables: one kernel launch covers every tensor of a bucket (as Apex's, DeepSpeed's and
-ColossalAI's FusedAdam do), so a model with hundreds of small tensors pays one launch per pass, not hundreds.
+"""Multi-tensor launch tables: one launch covers every tensor of a bucket (as Apex's FusedAdam).
 
-A launch gets two device tensors:
-
-* ``table``: int64 ``[T, W]``, one row per tensor: raw addresses (``data_ptr()``) of the parameter, its gradient and
-  each state tensor, and integers (sizes). A kernel turns an address back into a typed pointer with
-  ``tl.load(table + t * W + col).to(tl.pointer_type(dtype))``.
-* ``units``: int32 ``[2, N]``: for program ``pid``, ``units[0, pid]`` is its tensor's row in ``table`` and
-  ``units[1, pid]`` the index of its unit (tile, row block, ...) inside that tensor.
-
-Both are built on the host and copied to the device with one small transfer each; they are cached by content (the
-addresses), so a training loop whose gradients keep their storage reuses them without any host work beyond the key.
-A transfer to a CUDA device goes from page-locked memory, asynchronously (:func:`upload`): a table made in the middle
-of a step (new addresses: fresh gradients, GaLore's stand-ins and products) never makes the host wait for the GPU.
+``table``: int64 ``[T, W]``, a row per tensor of addresses (parameter, gradient, state) and sizes; ``units``: int32
+``[2, N]``, each program's (tensor row, unit within it). Both are cached by content and uploaded from page-locked
+memory without blocking (docs/kernels.md#dispatch).
 """
 
 from __future__ import annotations
@@ -37,9 +27,7 @@ class _Cache:
         self.nbytes = 0
 
     def get(self, key: tuple, make):
-        """The entry of ``key``, made by ``make()`` if missing. An entry returned while its device's stream captures a
-        CUDA graph is kept for the process (:func:`lowmemopt.work.capture.keep`): the graph reads it by address
-        at every replay, after this cache may have dropped it."""
+        """The entry of ``key``, made by ``make()`` if missing (kept for good during a graph capture)."""
         hit = self.entries.get(key)
         if hit is not None:
             self.entries.move_to_end(key)
@@ -70,10 +58,7 @@ _indices = _Cache(_CACHE_SIZE)
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device``. To a CUDA device from page-locked memory and ``non_blocking``: a copy from
-    pageable memory synchronizes the host with the stream (the host would wait for every kernel queued before it).
-    The page-locked block is not reused before the copy has run (torch's caching host allocator records it), and
-    during a graph capture it is kept for the process: every replay copies from it again."""
+    """Host tensor ``t`` on ``device``, to CUDA from page-locked memory without blocking."""
     if device.type == "cuda":
         try:
             t = t.pin_memory()
@@ -85,34 +70,27 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def device_tables(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (all of the same width W), and the same table with
-    every element count (column 2) 0: a launch with finiteness flags picks each row from one or the other (one
-    ``torch.where`` on the device, :func:`flagged_table`). Both in one copy to the device, cached by content."""
+    """``rows`` as an int64 device table, and the same with every element count 0 (cached)."""
     key = (device, tuple(map(tuple, rows)))
     return _tables.get(key, lambda: tuple(owned_tables(key[1], device)))
 
 
 def owned_tables(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """:func:`device_tables`' two tables as one int64 ``[2, len(rows), W]`` tensor of the caller's own (not cached:
-    the caller may change it in place, e.g. move its addresses with their tensors)."""
+    """:func:`device_tables`' two tables as one ``[2, len(rows), W]`` tensor the caller owns (not cached)."""
     both = torch.tensor(rows, dtype=torch.int64).expand(2, -1, -1).clone()
     both[1, :, 2] = 0
     return upload(both, device)
 
 
 def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """int64 ``[len(rows), W]`` on ``device`` holding ``rows`` (:func:`device_tables`' first)."""
+    """:func:`device_tables`' first table."""
     return device_tables(rows, device)[0]
 
 
 def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: torch.Tensor,
                   flag_rows: Sequence[int], memo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
                   ) -> torch.Tensor:
-    """:func:`device_table` of ``rows`` with the element count (column 2) of row ``i`` multiplied by
-    ``flags[flag_rows[i]]`` (uint8 on ``device``, 0 or 1: a gradient's finiteness, :mod:`lowmemopt.pipeline.finite`):
-    a kernel then masks off every access of a skipped tensor. One ``torch.where`` on the device (and an
-    ``index_select`` unless the rows are the flags in order): no host synchronization. ``memo``: the results of one
-    set of flags so far, by table, so that the passes of one bucket (the same rows) make it once."""
+    """:func:`device_table` with each row's element count times its gradient's finiteness flag."""
     table, skipped = device_tables(rows, device)
     hit = None if memo is None else memo.get(id(table))
     if hit is not None:
@@ -124,9 +102,7 @@ def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: to
 
 
 def select_flags(flags: torch.Tensor, flag_rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``flags[flag_rows]`` on the device: one ``index_select``; a slice where ``flag_rows`` is a ``range`` of
-    consecutive rows, and the flags themselves where the rows are the flags in order (a per-layer hook's one tensor:
-    row 0 of 1)."""
+    """``flags[flag_rows]`` on the device (a slice, or the flags themselves, where the rows allow)."""
     n = len(flag_rows)
     if isinstance(flag_rows, range) and flag_rows.step == 1 and flag_rows.stop <= len(flags):
         return flags[flag_rows.start:flag_rows.stop]
@@ -156,10 +132,10 @@ def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for ints (host side, per tensor: ``triton.cdiv`` is a constexpr function, 25x slower to call)."""
+    """``ceil(a / b)`` on the host (``triton.cdiv`` is 25x slower to call)."""
     return -(-a // b)
 
 
 def aligned(tensors: Sequence[torch.Tensor | None], nbytes: int = 16) -> bool:
-    """True if every tensor's data starts on an ``nbytes`` boundary (lets a kernel promise vectorized accesses)."""
+    """Whether every tensor's data starts on an ``nbytes`` boundary (vectorized accesses)."""
     return all(t is None or t.data_ptr() % nbytes == 0 for t in tensors)

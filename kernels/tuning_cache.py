@@ -1,18 +1,10 @@
-"""The tuning cache: the launch shapes ``lowmemopt tune`` measured, kept per GPU in a JSON file.
-
-:mod:`.runtime` reads it (:func:`tuned`) when it picks a launch's shape and 8-bit decode; :mod:`.tuning` measures and
-writes it (:func:`save`). Both import this module and neither imports the other for it. It imports no Triton and
-nothing of lowmemopt.
-
-The file is ``$LOWMEMOPT_CACHE_DIR/tuning.json`` (default ``~/.cache/lowmemopt/tuning.json``), one entry per GPU
-model, compute capability and Triton version (a new Triton may compile the kernels differently)::
+"""The tuning cache: the launch shapes ``lowmemopt tune`` measured, one entry per GPU model, compute capability and
+Triton version in ``$LOWMEMOPT_CACHE_DIR/tuning.json``::
 
     {"version": 1, "devices": {"NVIDIA H100 80GB HBM3|sm_90|triton 3.6.0":
         {"tile": 2048, "num_warps": 4, "decode": "table", "numel": ..., "measured": [...]}}}
 
-``LOWMEMOPT_TUNING=0`` ignores it. A file that cannot be read is ignored with one warning, an entry that is not one of
-the candidates likewise; the file is written whole to a temporary file and renamed, so a failed write never leaves
-half a file.
+:mod:`.runtime` reads it, :mod:`.tuning` writes it; it imports neither, nor Triton. Policy: docs/kernels.md#benchmark.
 """
 
 from __future__ import annotations
@@ -60,8 +52,7 @@ def forget() -> None:
 
 
 def _read(warn: bool = True) -> dict[str, Any]:
-    """The cache file's ``devices``: empty if there is none, or if it cannot be read (then, with ``warn``, one
-    warning)."""
+    """The cache file's ``devices``: empty if none or unreadable (then, with ``warn``, one warning)."""
     path = cache_path()
     try:
         data = json.loads(path.read_text())
@@ -86,8 +77,7 @@ def _valid(entry: Any) -> bool:
 
 
 def tuned(index: int) -> dict[str, Any] | None:
-    """The cached measurement of CUDA device ``index`` (``tile``, ``num_warps``, ``decode``), or None: none made for
-    this GPU and Triton version, ``LOWMEMOPT_TUNING=0``, or no CUDA. Read once per process and device."""
+    """The cached measurement of CUDA device ``index``, or None; read once per process."""
     global _loaded
     if index in _by_index:
         return _by_index[index]

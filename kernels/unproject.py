@@ -1,15 +1,10 @@
-"""GaLore's apply stage after a batched product back (:func:`lowmemopt.projection.step.finish_many`), one pass per
-tile over every matrix of a shape class (a multi-tensor launch)::
+"""GaLore's apply stage after a batched product back (``projection.step.finish_many``), one multi-tensor pass over
+every matrix of a shape class::
 
     p <- round_p( ((p + c p) * decay) + scale * U )
 
-``U``: the full-size update ``P u`` / ``u Q`` of each matrix (the ``torch.bmm`` result: fp32, or bf16 with
-``proj_dtype="param"``), ``scale``: GaLore's scale, ``decay``: the decoupled weight decay factor, ``c``: the decay the
-inner algorithm's math applies to the weight (CAME's ``-lr wd``, Adafactor's ``-wd a``: one number, or one per matrix
-from its weight statistic), each rounded as the torch path rounds it (``fp32`` working copy, one rounding to the
-parameter's dtype at the end). The torch path makes a stacked fp32 copy of the parameters and runs scale, decay, add
-and a copy back over it: about 40 bytes per element for bf16 parameters; this pass reads ``U`` (4 or 2 bytes) and
-``p`` (2 or 4) and writes ``p``: 8 bytes for bf16 parameters and fp32 products, 12 for fp32 parameters.
+``U``: the full-size update (fp32, or bf16 with ``proj_dtype="param"``); ``c``: the decay the inner math applies to the
+weight (one number, or one per matrix); each operation rounds as the torch path does (docs/kernels.md#kernels).
 """
 
 from __future__ import annotations
@@ -53,8 +48,6 @@ def _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE: tl.constexp
 def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE: tl.constexpr,
                   U_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                   MATH: tl.constexpr, DECAY: tl.constexpr):
-    """One tile of one matrix: ``p <- round(((p + c p) decay) + scale U)`` (module docstring). Table rows:
-    ``[p, U, numel]``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if full:
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, False)
@@ -65,15 +58,16 @@ def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE
 def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: float, decay: float,
                   math_decay: float | torch.Tensor | None, flags: torch.Tensor | None = None,
                   flag_rows: Sequence[int] = (), memo: dict | None = None) -> None:
-    """``params[i] <- round(((p + c_i p) * decay) + scale * updates[i])`` in one launch (module docstring).
+    """``params[i] <- round(((p + c_i p) * decay) + scale * updates[i])`` in one launch.
 
-    ``params``: contiguous matrices of one shape, dtype and device; ``updates``: ``[len(params), *shape]``, contiguous,
-    fp32 or bf16; ``math_decay``: None, a number, or an fp32 tensor ``[len(params)]``. ``flags``: the step's gradient
-    finiteness on the device (:mod:`lowmemopt.pipeline.finite`), ``flag_rows[i]`` the row of ``params[i]``'s: a
-    parameter whose flag is 0 is left as it is (decided by the kernel, no synchronization). ``memo``: a dict the
-    caller keeps for the same ``params`` from step to step, where the launch keeps its tables; a later call whose
-    ``updates`` were made elsewhere moves the table's update column by that offset (one add on the device) instead
-    of building it again."""
+    Args:
+        params: contiguous matrices of one shape, dtype and device.
+        updates: ``[len(params), *shape]``, contiguous, fp32 or bf16.
+        math_decay: None, a number, or an fp32 tensor ``[len(params)]``.
+        flags, flag_rows: the gradients' finiteness on the device; a parameter whose flag is 0 is left as it is.
+        memo: kept by the caller for the same ``params``: the launch tables (an ``updates`` made elsewhere moves the
+            table's update column by one add on the device).
+    """
     device = updates.device
     p_dtype = params[0].dtype
     if isinstance(math_decay, torch.Tensor):

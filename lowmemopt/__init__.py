@@ -1,9 +1,7 @@
 """lowmemopt: memory-efficient PyTorch optimizers (4/8/16/32-bit state) that drop in for torch.optim.
 
-The public names are imported on first use (PEP 562), not by ``import lowmemopt`` itself: the ``lowmemopt`` command
-then parses its arguments (``lowmemopt --help``) without importing torch. ``lowmemopt.AdamW``, ``from lowmemopt import
-AdamW``, ``from lowmemopt import *`` and ``lowmemopt.__all__`` work as with eager imports; the first of them imports
-torch and the optimizers.
+The public names are imported on first use (PEP 562), so the ``lowmemopt`` command parses its arguments without
+importing torch; ``from lowmemopt import AdamW`` and ``import *`` work as usual.
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ _MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_
 
 
 def _load() -> None:
-    """Import the public names into this module: the optimizer classes, the drop-in aliases (``aliases.__all__``) and
-    the functions of :data:`_FUNCTIONS`."""
     from . import aliases, optim
 
     names: dict[str, Any] = {n: getattr(aliases, n) for n in aliases.__all__}

@@ -1,24 +1,6 @@
-"""CPU fast path: ``torch.compile`` of one whole chunk update, decode -> the algorithm's own fp32 math -> encode.
-
-The eager step runs each of those as separate ATen ops over the chunk (about 40 passes for AdamW at 8 bits). Compiled,
-inductor fuses them into a few vectorized loops over 256-element blocks, with no change to the math: the function
-compiled here calls the optimizer's ``math`` (the same pure function the eager path and the tests use) and the same
-:func:`~lowmemopt.quant.blockwise.encode_rows` / ``decode_rows`` codec. Inductor keeps IEEE division and square root
-and does not contract multiply-adds, so results equal the eager path's. 4-bit slots go through the same codec on unpacked nibble rows
-(:func:`unpack_nibbles` / :func:`pack_nibbles`, :mod:`lowmemopt.quant.q4`'s book and bucket table): the same codes from
-the same values.
-
-When it applies: CPU parameters of elementwise algorithms with at least :data:`MIN_NUMEL` elements (smaller tensors
-do not repay the compile). The scalars that change during training (:data:`RUNTIME_SCALARS`: the learning rate, the
-step-dependent bias corrections computed on the host, the decoupled-decay factor) enter the graph as 0-dim float64
-CPU tensors, so an LR schedule never recompiles: a Python float would be guarded on its value, and whether dynamo
-turns a changing float into a symbol (and when) differs between torch releases (torch 2.11 compiled a graph per
-step). float64 keeps the host's double arithmetic on them (``-lr / bias_correction1``), then the ops round to fp32
-as they do for a Python scalar, so results equal the eager path's. The other hyper-parameters (betas, eps, weight
-decay) are constants of the graph: branches test them, and each set of them has a graph of its own (a changed float
-must not recompile into a symbolic input). The row count is dynamic, so one graph serves every tensor size. The first
-step of each (algorithm, formats, constants) set pays a one-time compile (seconds). If compiling fails (no C++ compiler, say), lowmemopt warns once and stays eager.
-Set ``LOWMEMOPT_COMPILE=0`` to turn it off.
+"""CPU fallback of the native kernels: ``torch.compile`` of one whole chunk update, decode -> the algorithm's own fp32
+math -> encode, equal to the eager path's results. Why the scalars are graph inputs and the constants graph keys:
+docs/cpu_kernels.md#the-torchcompile-path.
 """
 
 from __future__ import annotations
@@ -69,9 +51,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float,
                mult: torch.Tensor | None = None) -> None:
-    """Phase 1: decode, math, write ``p``; dense slots are written back, q8 slots' new fp32 values go to scratch.
-    ``mult``: the loss scaling multiplier (a 0-dim fp32 tensor, a graph input), applied to ``g`` as GradScaler's
-    ``unscale_`` does: ``float(g) * mult`` rounded to ``g``'s dtype."""
+    """Phase 1: decode, math (gradient times ``mult``), write ``p`` and dense slots."""
     p32, g32 = p.float(), g.float()
     if mult is not None:
         g32 = g32 * mult
@@ -95,8 +75,7 @@ def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, k
 
 
 def _rows_encode(slots: tuple) -> None:
-    """Phase 2: encode the q8 / q4 slots from scratch (the eager codec's :func:`encode_rows`, then q4's packing). A separate graph, so the decode in phase 1 is not recomputed for
-    the block reductions (inductor lowers every table lookup to a scalar gather: they dominate the cost)."""
+    """Phase 2: encode the q8 / q4 slots from scratch (a separate graph, so phase 1's decode is not recomputed)."""
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
         if kind in QUANTIZED:
             codes, scale = encode_rows(scratch, book, table, signed)
@@ -110,8 +89,7 @@ _warned = False
 
 
 def _fresh(fn: Callable, name: str) -> Callable:
-    """A copy of ``fn`` with its own code object: dynamo caches graphs per code object (at most 8 each), so separate
-    copies keep one optimizer's graphs from evicting another's."""
+    """A copy of ``fn`` with its own code object (dynamo keeps at most 8 graphs per code object)."""
     code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name)
 
@@ -127,8 +105,7 @@ def _kernel(key: tuple) -> tuple[Callable, Callable]:
 
 
 def scratch_rows(index: int, like: torch.Tensor) -> torch.Tensor:
-    """A reused fp32 buffer shaped like ``like`` (rows of blocks) for the ``index``-th quantized slot: allocated once
-    per size, so steps do not pay fresh-page faults."""
+    """A reused fp32 buffer shaped like ``like`` for the ``index``-th quantized slot, one per size."""
     key = (index, like.device)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < like.numel():
@@ -137,10 +114,7 @@ def scratch_rows(index: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _constant_key(x: Any) -> Any:
-    """A graph constant (beta, eps, weight decay, a flag) as part of the compiled function's key: each set of constants
-    gets a graph of its own. Sharing one would make dynamo recompile on a changed float and then turn it into a
-    symbolic input (torch's automatic dynamic floats), which changed results (seen with torch 2.13: two optimizers
-    with different betas in one process)."""
+    """A graph constant (beta, eps, weight decay, a flag) as part of the compiled function's key."""
     try:
         hash(x)
     except TypeError:
@@ -160,9 +134,15 @@ def step_rows(
     mult: torch.Tensor | None = None,
 ) -> bool:
     """Run one compiled chunk update: ``math(p, g, state, **kwargs)`` on rows of blocks, state decoded and encoded
-    around it, then ``p = p * decay + delta``. ``slots``: (name, kind, signed, rows, absmax, book, table) per slot.
-    False if the compiled path is unavailable (the caller then runs eagerly). ``mult``: the gradient's loss scaling
-    multiplier (a 0-dim fp32 tensor: a graph input, so a new scale compiles nothing), or None."""
+    around it, then ``p = p * decay + delta``.
+
+    Args:
+        slots: (name, kind, signed, rows, absmax, book, table) per slot.
+        mult: the gradient's loss-scaling multiplier (0-dim fp32), or None.
+
+    Returns:
+        False if the compiled path is unavailable (the caller runs eagerly).
+    """
     constants = tuple((k, _constant_key(v)) for k, v in sorted(kwargs.items())
                       if k not in RUNTIME_SCALARS and not isinstance(v, bool))  # (a flag's branch: a guard, as usual)
     key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype, constants, mult is not None)
@@ -203,7 +183,6 @@ _codec: dict[Callable, Callable] = {}
 
 
 def _run_codec(fn: Callable, rows: tuple[torch.Tensor, ...], *rest: Any) -> bool:
-    """Run the compiled ``fn(*rows, *rest)``; ``rows`` are the block-row tensors (dynamic first dim)."""
     if fn not in _codec:
         _codec[fn] = torch.compile(_fresh(fn, fn.__name__ + "_compiled"), fullgraph=True)
     for t in rows:
@@ -218,8 +197,7 @@ def _run_codec(fn: Callable, rows: tuple[torch.Tensor, ...], *rest: Any) -> bool
 
 def encode_rows_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, book: torch.Tensor,
                      table: torch.Tensor, signed: bool) -> bool:
-    """Compiled :func:`~lowmemopt.quant.blockwise.encode_rows` of ``x`` [nb, bs] into ``codes`` / ``absmax``.
-    False: not done (disabled, or compiling failed); the caller encodes eagerly."""
+    """Compiled ``encode_rows`` of ``x`` [nb, bs] into ``codes`` / ``absmax``; False: not done."""
     return _run_codec(_encode_into, (x, codes, absmax), book, table, signed)
 
 

@@ -1,23 +1,6 @@
 """The keys a param group may hold, and the check that refuses the others (a typo such as ``state_bit`` would
-otherwise be ignored without a word: 32-bit state, 4x the memory).
-
-A param group's key is known when it is
-
-* one of the optimizer's own: its hyper-parameters and storage options (``optimizer.defaults``), ``params``, and
-  what its class adds (``LowMemOptimizer.extra_group_keys``: the 1-bit optimizers' ``exp_avg_mask``, ...);
-* a GaLore key (``rank``, ``update_proj_gap``, ``scale``, ``proj_type`` and lowmemopt's ``proj_*``);
-* in :data:`ALLOWED_GROUP_KEYS`: what other libraries put in param groups, which an optimizer may ignore: torch.optim's
-  (``param_names``, ``foreach``, ``fused``, ``differentiable``), torch's LR schedulers' (``initial_lr``; OneCycleLR's
-  ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum``; SWALR's ``swa_lr``), ``name`` / ``moe`` (a
-  group's label in PyTorch Lightning, DeepSpeed's MoE groups) and timm's ``lr_scale``. The HF Trainer, FSDP / FSDP2,
-  accelerate and unit_scaling (u-muP) add none beyond these and the hyper-parameters;
-* or allowed by :func:`allow_group_keys` (for any other library's keys).
-
-Any other key raises ValueError naming it and the closest known key, when the group is made (the constructor,
-``add_param_group``) and at the next ``step()`` after a key is added to a group later. That check costs a sum of
-the groups' lengths per step (a step pre-hook: ~5 us for 200 groups); the keys themselves are looked at only when the
-number of groups or of keys changed. Keys that a loaded state dict brings (``load_state_dict``: another library's
-groups) are taken as they are.
+otherwise silently give 32-bit state): the optimizer's own, GaLore's, :data:`ALLOWED_GROUP_KEYS` (other libraries'),
+and :func:`allow_group_keys`. The rule: docs/torch_optim.md#what-differs-and-why.
 """
 
 from __future__ import annotations
@@ -30,7 +13,7 @@ from .projection.step import GROUP_DEFAULTS
 __all__ = ["ALLOWED_GROUP_KEYS", "allow_group_keys", "known_group_keys", "check_group_keys", "GroupKeyWatch",
            "known_keys_of", "check_new_group", "group_keys_pre_hook", "group_keys_loaded"]
 
-#: keys other libraries put in param groups (module docstring); :func:`allow_group_keys` adds to it
+#: keys other libraries put in param groups (docs/torch_optim.md); :func:`allow_group_keys` adds to it
 ALLOWED_GROUP_KEYS: set[str] = {
     "param_names", "foreach", "fused", "differentiable",  # torch.optim
     "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr",  # torch.optim.lr_scheduler, swa_utils
@@ -42,9 +25,7 @@ BASE_GROUP_KEYS = frozenset({"params", "rank", *GROUP_DEFAULTS})
 
 
 def allow_group_keys(*keys: str) -> None:
-    """Allow ``keys`` in the param groups of every lowmemopt optimizer made from now on (and at the next check of
-    those made before): for keys another library puts in param groups, which the optimizer then ignores. Example:
-    ``lowmemopt.allow_group_keys("my_tag")``."""
+    """Allow ``keys`` in every lowmemopt optimizer's param groups: ``allow_group_keys("my_tag")``."""
     for key in keys:
         if not isinstance(key, str):
             raise TypeError(f"allow_group_keys: a param group key is a str, got {type(key).__name__} {key!r}")
@@ -57,8 +38,7 @@ def known_group_keys(defaults: Iterable[str], extra: Iterable[str] = ()) -> set[
 
 
 def check_group_keys(keys: Iterable[Any], known: set[str], owner: str) -> None:
-    """Raise ValueError for the first of ``keys`` not in ``known``: its name, the closest known key, and the
-    escape (:func:`allow_group_keys`)."""
+    """Raise ValueError for the first of ``keys`` not in ``known``, naming the closest known key."""
     for key in keys:
         if key in known:
             continue
@@ -70,8 +50,7 @@ def check_group_keys(keys: Iterable[Any], known: set[str], owner: str) -> None:
 
 
 class GroupKeyWatch:
-    """The key sets of an optimizer's param groups as last checked (or loaded), by group index, and their total
-    count, so that a step looks at keys only when the number of groups or of keys changed (:meth:`check`)."""
+    """The key sets of an optimizer's groups as last checked, so a step rechecks only on change."""
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
         self.seen = [frozenset(group) for group in groups]
@@ -83,8 +62,7 @@ class GroupKeyWatch:
         self.total += len(group)
 
     def check(self, groups: list[dict[str, Any]], known: Any, owner: str) -> None:
-        """Check the keys that groups gained since they were seen; ``known``: a function giving the known keys
-        (called only when something changed)."""
+        """Check the keys groups gained since they were seen; ``known`` is called only when something changed."""
         seen = self.seen
         if len(seen) == len(groups) and sum(map(len, groups)) == self.total:  # (200 groups: ~5 us)
             return
@@ -96,8 +74,7 @@ class GroupKeyWatch:
 
 
 def known_keys_of(optimizer: Any) -> set[str]:
-    """The keys ``optimizer``'s param groups may hold (a lowmemopt optimizer: its defaults, its class's
-    ``_extra_group_keys``)."""
+    """The keys ``optimizer``'s param groups may hold."""
     return known_group_keys(optimizer.defaults, getattr(type(optimizer), "_extra_group_keys", ()))
 
 
@@ -107,7 +84,7 @@ def check_new_group(optimizer: Any, group: dict[str, Any]) -> None:
 
 
 def group_keys_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Before each ``step()``: check the keys added to a param group since it was checked (module docstring)."""
+    """Before each ``step()``: check the keys added to a group since it was checked."""
     optimizer._group_keys.check(optimizer.param_groups, lambda: known_keys_of(optimizer), type(optimizer).__name__)
 
 

@@ -1,6 +1,6 @@
-"""``lowmemopt inspect``: describe a state file (a ``lowmemopt.save_state`` safetensors file from its header, or a
-``torch.save`` file of an optimizer's state dict loaded with ``weights_only=True``): its metadata and a summary per
-state format (slots, parameters, elements, bytes), and with ``--params`` every parameter."""
+"""``lowmemopt inspect``: describe a state file (a ``save_state`` file from its header, or a ``torch.save`` state
+dict): its metadata, a summary per state format, and with ``--params`` every parameter.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ __all__ = ["inspect"]
 
 
 def inspect(path: str, list_params: bool = False) -> int:
-    """Print the description of the state file at ``path`` (every parameter too with ``list_params``); returns the
-    exit status: 1, with a one-line error, for a file that is not one."""
+    """Print the description of the state file at ``path``; returns the exit status (1 for a file that is not one)."""
     from .checkpoint import CheckpointError, read_metadata
     from .checkpoint.sniff import TRUNCATED_ADVICE, file_kind
 
@@ -52,8 +51,7 @@ _EXPECTED = ("lowmemopt inspect reads a .safetensors file written by lowmemopt.s
 
 
 def _describe_torch_file(path: str, list_params: bool) -> str:
-    """A summary of each optimizer ``state_dict()`` in a ``torch.save`` file (the object itself, or the values of a
-    dict that are state dicts); ValueError naming what the file holds otherwise."""
+    """A summary of each optimizer ``state_dict()`` in a ``torch.save`` file; ValueError otherwise."""
     import pickle
     import re
     import zipfile
@@ -141,8 +139,7 @@ def _describe_state_dict(path: str, key: str, sd: dict[str, Any], list_params: b
 
 
 def _state_slots(st: dict[str, Any], block: int) -> list[tuple[str, str, int, int]]:
-    """(format, slot, elements, bytes) of one parameter's state dict entry: lowmemopt 8-bit slots (``X.codes`` +
-    ``X.absmax``), dense slots by dtype, bitsandbytes 8-bit ``stateN`` (+ ``absmaxN``, ``qmapN``), GaLore projectors."""
+    """(format, slot, elements, bytes) of one parameter's state: lowmemopt, dense, bitsandbytes or GaLore slots."""
     import torch
 
     st = dict(st)
@@ -173,7 +170,6 @@ _DTYPE_NAMES = {"torch.float32": "fp32", "torch.float64": "fp64", "torch.bfloat1
 
 
 def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:
-    """The per-format table: rows of format -> [slots, params, elements, bytes], and their total."""
     lines = [f"{'format':<18}{'slots':>7}{'params':>8}{'elements':>16}{'bytes':>16}"]
     for fmt, (slots, nparams, elements, nbytes) in sorted(rows.items()):
         lines.append(f"{fmt:<18}{slots:>7}{nparams:>8}{elements:>16,}{nbytes:>16,}")

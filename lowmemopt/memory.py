@@ -1,13 +1,6 @@
-"""Measuring the memory a training run holds: bytes in use now, and the peak over a run.
-
-* CUDA: the caching allocator's own counters (``torch.cuda.memory_allocated`` / ``max_memory_allocated``): exact.
-* CPU on glibc (Linux): bytes in use in the C heap, ``mallinfo2().uordblks + hblkhd`` (arena chunks in use plus
-  mmap-ed chunks; PyTorch's CPU allocator is ``posix_memalign``). It counts every live CPU tensor exactly (plus a small
-  header each, and whatever else the process mallocs), and, unlike the resident set size, falls as soon as memory is
-  freed, so runs measured one after another in one process do not see each other. There is no allocator hook to catch
-  the exact CPU peak, so :class:`PeakMemory` takes the maximum of the samples it is given (the demo samples after
-  forward, backward and the optimizer step of every step).
-* Elsewhere (macOS, musl): not available; :func:`live_bytes` returns None.
+"""Measuring the memory a run holds, now and at its peak: on CUDA the caching allocator's counters (exact); on the
+CPU with glibc the C heap in use (``mallinfo2().uordblks + hblkhd``: every live tensor, and it falls as soon as memory
+is freed, unlike the RSS), whose peak is the maximum of the samples :class:`PeakMemory` is given; elsewhere None.
 """
 
 from __future__ import annotations
@@ -47,7 +40,7 @@ _heap_in_use = _glibc_heap_reader()
 
 
 def live_bytes(device: torch.device | str = "cpu") -> int | None:
-    """Bytes in use on ``device`` now (see the module docstring), or None where that cannot be measured."""
+    """Bytes in use on ``device`` now, or None where that cannot be measured."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
@@ -57,10 +50,7 @@ def live_bytes(device: torch.device | str = "cpu") -> int | None:
 
 
 class PeakMemory:
-    """The peak of the memory in use on ``device`` since construction, above what was in use at construction.
-
-    ``sample()`` records the current figure (CPU); on CUDA the allocator tracks the true peak and samples are not
-    needed. ``peak`` is None where memory cannot be measured."""
+    """The peak memory in use on ``device`` since construction, above that at construction."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -89,8 +79,7 @@ class PeakMemory:
 
 
 def proc_status_bytes(field: str) -> int:
-    """A memory line of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes. Linux only (OSError elsewhere);
-    KeyError if the field is missing."""
+    """A memory line of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes (Linux; OSError elsewhere)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):

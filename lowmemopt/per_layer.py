@@ -1,38 +1,6 @@
-"""Per-layer updates inside the backward pass (the GaLore paper's "per-layer weight updates"): each parameter is
-stepped as soon as its gradient is complete, in a post-accumulate-grad hook, and its gradient is freed at once, so
-at most one parameter's gradient (plus those autograd is still producing) is alive instead of all of them.
-
-    stepper = lowmemopt.step_in_backward(model, optimizer, accumulation_steps=4)
-    for batch in batches:
-        (model(batch).loss / 4).backward()    # every 4th backward updates the parameters and frees their gradients
-        # no optimizer.step() / zero_grad() needed (at a step boundary optimizer.step() is a no-op: no gradients)
-    torch.save({"opt": optimizer.state_dict(), "stepper": stepper.state_dict()}, path)
-
-Buckets: ``step_in_backward(..., bucket_bytes=N)`` holds completed gradients until they add up to N bytes, then steps
-them together (:class:`PerLayerSteps`, :func:`step_many`): one pass through the step pipeline, so one launch set per
-kernel bucket instead of one per parameter, at the cost of at most about N bytes of gradients waiting. ``bench/
-host_overhead.py --mode per-layer --bucket-bytes N`` measures the host work.
-
-Gradient accumulation: the hooks count backward passes (a callback queued at the end of each one); gradients of the
-first ``accumulation_steps - 1`` accumulate in ``.grad`` as usual and the last one steps. Accumulating gradients keeps
-them all alive, which is what per-layer updates save: with accumulation the memory gain is only on the last
-micro-batch.
-
-Gradient clipping by global norm is refused: it needs every gradient before the first update, and here the first
-update happens before the last gradient exists. Pass ``max_grad_norm`` only as None / 0 (a positive value raises);
-``torch.nn.utils.clip_grad_norm_`` after ``backward()`` would see no gradients (they are freed) and clip nothing.
-
-Non-finite gradients: as in ``optimizer.step()``, a parameter whose gradient has a NaN/Inf is skipped (value and state
-unchanged, counted in ``optimizer.nonfinite_skips``, one warning per backward). Where the Triton kernels step the
-parameter (every algorithm on a GPU; a GaLore parameter between basis refreshes), the skip is decided on the device
-(:mod:`lowmemopt.pipeline.finite`) and the flags are read once, at the end of the backward pass; elsewhere (the CPU,
-state that moves between host and device, FSDP2 shards, a GaLore basis refresh) the check costs one host
-synchronization per parameter (``step()`` batches it per device).
-
-Checkpointing: the optimizer's state is its ``state_dict()``; the stepper's (the micro-batch position) is
-:meth:`BackwardStepper.state_dict`, restored with :meth:`BackwardStepper.load_state_dict`. Save at a step boundary:
-mid-accumulation, the partial gradients live in ``.grad`` and are not part of any state dict, so ``state_dict()``
-raises there.
+"""Per-layer updates inside the backward pass (:func:`step_in_backward`): each parameter is stepped in its
+post-accumulate-grad hook as soon as its gradient is complete, and the gradient freed, alone or in buckets of
+``bucket_bytes``. Accumulation, clipping, non-finite gradients and checkpoints: docs/per_layer.md.
 """
 
 from __future__ import annotations
@@ -52,12 +20,14 @@ __all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_many", 
 
 
 def step_many(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]], pending: list[DeviceFlags]) -> int:
-    """Step ``work``'s parameters with their gradients (``p.grad``, not sparse) as a per-layer hook (one parameter)
-    or bucket does: one pass through the step pipeline (paged state fetched and written back; the fused kernels
-    where their device has them, one launch set per kernel bucket, as ``step()``). The non-finite check: decided on
-    the device where the kernels allow it (the flags are appended to ``pending``, for one :func:`resolve` at the end
-    of the backward pass), else on the host now (a DTensor's ranks agree on it). Returns how many the host skipped
-    for a non-finite gradient. ``bench/host_overhead.py --mode per-layer`` measures this."""
+    """Step ``work``'s parameters with their gradients as a hook or bucket does: one pass through the step pipeline.
+
+    The non-finite check is decided on the device where the kernels allow it (flags appended to ``pending`` for one
+    :func:`resolve` at the end of the backward pass), else on the host now.
+
+    Returns:
+        How many the host skipped for a non-finite gradient.
+    """
     if torch.is_grad_enabled():  # (a hook inside backward() runs with grad mode off already)
         with torch.no_grad():
             return step_many(optimizer, work, pending)
@@ -80,11 +50,9 @@ def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: 
 
 
 class PerLayerSteps:
-    """The per-layer updates of one backward pass: :meth:`add` a parameter when its gradient is complete; it is
-    stepped at once and its gradient freed (``bucket_bytes`` 0), or held with the others until their gradients reach
-    ``bucket_bytes`` and stepped with them (:func:`step_many`: one launch set for the bucket instead of one per
-    parameter). :meth:`finish` at the end of the backward pass steps what is held and reads the device-side
-    finiteness checks once."""
+    """The per-layer updates of one backward pass: :meth:`add` steps a parameter at once (``bucket_bytes`` 0) or
+    holds it until the held gradients reach ``bucket_bytes``; :meth:`finish` steps the rest and reads the device
+    checks once."""
 
     def __init__(self, optimizer: LowMemOptimizer, bucket_bytes: int = 0) -> None:
         self.optimizer = optimizer
@@ -112,8 +80,7 @@ class PerLayerSteps:
             p.grad = None
 
     def finish(self) -> int:
-        """Flush, read the device-side checks (one synchronization), and return how many parameters were skipped
-        for a non-finite gradient in this backward pass."""
+        """Flush, read the device-side checks (one sync), and return how many parameters were skipped."""
         self.flush()
         skipped = self.skipped + resolve(self.pending)
         self.pending, self.skipped = [], 0
@@ -121,8 +88,7 @@ class PerLayerSteps:
 
 
 class BackwardStepper:
-    """The handle :func:`step_in_backward` returns: hook bookkeeping, ``state_dict`` / ``load_state_dict``,
-    ``remove``."""
+    """The handle :func:`step_in_backward` returns: ``state_dict`` / ``load_state_dict``, ``remove``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: LowMemOptimizer, accumulation_steps: int,
                  bucket_bytes: int = 0) -> None:
@@ -194,8 +160,7 @@ class BackwardStepper:
     # -- state -----------------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, int]:
-        """The stepper's position: ``{"accumulation_steps", "micro_step", "steps"}`` (ints). Raises RuntimeError
-        mid-accumulation (see the module docstring)."""
+        """The stepper's position ``{"accumulation_steps", "micro_step", "steps"}``; RuntimeError mid-accumulation."""
         if self.micro_step != 0:
             raise RuntimeError(
                 f"step_in_backward: state_dict() after {self.micro_step} of {self.accumulation_steps} micro-batches; "
@@ -232,16 +197,17 @@ def step_in_backward(
     max_grad_norm: float | None = None,
     bucket_bytes: int = 0,
 ) -> BackwardStepper:
-    """Step every parameter of ``optimizer`` inside ``backward()``, as soon as its gradient is complete, and free the
-    gradient (module docstring). Works with every lowmemopt optimizer and with GaLore groups. Returns the
-    :class:`BackwardStepper` (keep it: its ``state_dict`` belongs in checkpoints; ``remove()`` undoes this).
+    """Step every parameter of ``optimizer`` inside ``backward()`` as soon as its gradient is complete, and free it.
 
-    ``accumulation_steps``: update on every N-th backward pass (gradients of the others accumulate in ``.grad``).
-    ``max_grad_norm``: global-norm gradient clipping cannot be done per layer; a positive value raises ValueError.
-    ``bucket_bytes``: 0 (default) steps each parameter alone as soon as its gradient is complete; a positive value
-    holds completed gradients until they add up to this many bytes and steps them together (one launch set per
-    bucket, as ``step()``: far less host work per parameter), so at most about ``bucket_bytes`` plus one gradient
-    wait for their update."""
+    Args:
+        accumulation_steps: update on every N-th backward pass (the others accumulate in ``.grad``).
+        max_grad_norm: must be None or 0 (global-norm clipping cannot be done per layer; ValueError).
+        bucket_bytes: 0 steps each parameter alone; N > 0 holds completed gradients until they reach N bytes and
+            steps them together (one launch set per bucket, far less host work).
+
+    Returns:
+        The :class:`BackwardStepper` (its ``state_dict`` belongs in checkpoints; ``remove()`` undoes this).
+    """
     if not isinstance(optimizer, LowMemOptimizer):
         raise TypeError(f"step_in_backward needs a lowmemopt optimizer, got {type(optimizer).__name__}")
     if not getattr(optimizer, "per_layer_updates", True):  # (the 1-bit optimizers: one communication per step)
@@ -263,7 +229,7 @@ def step_in_backward(
 
 
 def check_bucket_bytes(value: Any) -> int:
-    """``bucket_bytes`` of :func:`step_in_backward`, checked: an int >= 0 (ValueError otherwise)."""
+    """``bucket_bytes`` checked: an int >= 0 (ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"step_in_backward: bucket_bytes must be an int >= 0, got {value!r}")
     return value

@@ -1,17 +1,8 @@
-"""Optimizers by name, for the Trainer integration and the ``lowmemopt`` command.
-
-Every optimizer class exported by :mod:`lowmemopt` (``AdamW``, ``CAME``, the drop-in aliases such as ``AdamW8bit``...)
-is reachable by its name, case-insensitively and ignoring ``_``, ``-`` and spaces: ``"adamw"``, ``"AdamW8bit"``,
-``"adamw_8bit"`` and ``"ADAMW-8BIT"`` all name ``lowmemopt.AdamW8bit``. Names that are not a class may carry the
-prefixes ``galore`` (the optimizer is to run in GaLore's projected subspace: the caller builds GaLore param groups) and
-``paged`` (``paged=True``), in that order: ``"galore_came8bit"`` is ``CAME8bit`` in GaLore groups,
-``"paged_lion8bit"`` is ``Lion8bit(paged=True)``. A class name without a drop-in alias for its bits may end in
-``32bit``, ``16bit``, ``8bit`` or ``4bit`` (``state_bits``): ``"muon_8bit"`` is ``Muon(state_bits=8)``.
-
-Some classes need ``torch.distributed`` initialized to be built on real parameters (the 1-bit optimizers, whose
-class attribute ``requires_process_group`` is True): :func:`needs_process_group` says which, and
-:func:`check_process_group` raises a clear error where none is initialized. Built on meta parameters they need none
-(a layout: ``lowmemopt estimate``).
+"""Optimizers by name, for the Trainer integration and the ``lowmemopt`` command: every class :mod:`lowmemopt`
+exports, case-insensitively and ignoring ``_``, ``-`` and spaces (``"adamw_8bit"`` is ``AdamW8bit``). A name may carry
+the prefixes ``galore`` (GaLore groups) and ``paged`` (``paged=True``), in that order, and a class without a drop-in
+alias a ``32bit`` ... ``4bit`` ending (``"muon_8bit"`` is ``Muon(state_bits=8)``). :func:`needs_process_group`: the
+classes that need ``torch.distributed`` on real parameters.
 """
 
 from __future__ import annotations
@@ -60,8 +51,7 @@ def optimizer_names() -> list[str]:
 
 
 def _match(name: str, keys: Iterable[str]) -> tuple[str, bool, bool, int | None] | None:
-    """The class key ``name`` names, whether it asks for GaLore groups and paged state, and the ``state_bits`` its
-    ``<bits>bit`` ending asks for (None without one); None if it names no class."""
+    """The class key ``name`` names, its GaLore and paged prefixes and its ``<bits>bit`` ending; None if none."""
     keys = set(keys)
     key = _key(name)
     if key in keys:
@@ -93,7 +83,7 @@ def _unknown(name: str, class_names: Iterable[str]) -> ValueError:
 
 
 def resolve(name: str) -> Resolved:
-    """Look ``name`` up (see the module docstring); raises ValueError, listing the known names, if it names nothing."""
+    """Look ``name`` up; ValueError listing the known names if it names nothing."""
     if not isinstance(name, str):
         raise TypeError(f"optimizer name must be a string, got {type(name).__name__}")
     by_key = {_key(n): cls for n, cls in optimizer_classes().items()}
@@ -109,9 +99,7 @@ def resolve(name: str) -> Resolved:
 
 
 def declared_class_names() -> list[str] | None:
-    """The optimizer class names of :func:`optimizer_names`, found without importing torch or the optimizers (a
-    fraction of a second instead of seconds): the package's own class lists and the drop-in aliases' ``__all__``, read
-    from ``aliases.py``'s source. None if that source cannot be read so; :func:`optimizer_names` is the authority."""
+    """:func:`optimizer_names` read from the package's sources, without importing torch; None if unreadable."""
     import lowmemopt
 
     spec = importlib.util.find_spec("lowmemopt.aliases")
@@ -127,9 +115,7 @@ def declared_class_names() -> list[str] | None:
 
 
 def unknown_names(names: Iterable[str]) -> ValueError | None:
-    """The error :func:`resolve` would raise for the first of ``names`` that names no optimizer, decided without
-    importing torch (:func:`declared_class_names`); None if every name is known, or if the names cannot be listed
-    without the imports (then :func:`resolve` decides)."""
+    """The error :func:`resolve` would raise for the first unknown of ``names``, without importing torch."""
     declared = declared_class_names()
     if declared is None:
         return None
@@ -138,8 +124,7 @@ def unknown_names(names: Iterable[str]) -> ValueError | None:
 
 
 def needs_process_group(cls: type) -> bool:
-    """Whether ``cls`` needs an initialized ``torch.distributed`` process group to be built on real parameters (its
-    class attribute ``requires_process_group``)."""
+    """Whether ``cls`` needs an initialized process group on real parameters (``requires_process_group``)."""
     return bool(getattr(cls, "requires_process_group", False))
 
 
@@ -157,8 +142,7 @@ def check_process_group(cls: type) -> None:
 
 
 def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:
-    """``cls(params, **kwargs)`` with a placeholder ``lr=1e-3`` when none is given (CAME requires one; Adafactor with
-    ``relative_step=True``, its default, takes none). For validating keywords and laying out state, not training."""
+    """``cls(params, **kwargs)``, ``lr=1e-3`` if none is given: for checking keywords and laying out state."""
     from .optim import Adafactor
 
     if "lr" not in kwargs and not (issubclass(cls, Adafactor) and kwargs.get("relative_step", True)):
@@ -172,8 +156,7 @@ def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) ->
 
 
 def model_params(cls: type, model: torch.nn.Module) -> Any:
-    """What ``cls`` is built on for ``model``: the param groups the class makes of a model where it needs its own
-    (its ``model_param_groups``: Muon's hidden matrices and the rest), else the trainable parameters."""
+    """What ``cls`` is built on for ``model``: its ``model_param_groups`` (Muon), else the parameters."""
     groups_of = getattr(cls, "model_param_groups", None)
     if groups_of is not None:
         return groups_of(model)

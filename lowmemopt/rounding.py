@@ -1,84 +1,8 @@
-"""How a 16-bit float parameter takes its fp32 result: the ``bf16_update`` storage option.
+"""How a bf16 / fp16 parameter takes its fp32 result: the ``bf16_update`` option (``"nearest"``, ``"stochastic"``,
+``"kahan"``).
 
-Every backend computes the step in fp32, ``p32 = p * decay + alpha * delta``; this module says how ``p32`` goes back
-into a bfloat16 or float16 parameter (the option is named for its first use, and applies to both). The functions here
-are the reference (eager path, GaLore, the step pipeline's apply stage); the native C kernels
-(``lowmemopt/cpu/csrc/elementwise.c``, ``store_param``) and the Triton kernels (:func:`lowmemopt.kernels.codec.store_param_as`)
-reproduce them bit for bit.
-
-* ``"nearest"`` (default): round to nearest even. An update smaller than half an ulp of ``p`` is lost (at lr 1e-5
-  most of a bf16 fine-tune's updates are; fp16's ulp is 8 times finer, but an fp16 weight near 1 still loses updates
-  below 2^-11 = 4.9e-4).
-* ``"stochastic"``: round away from zero with probability equal to the fraction of the gap, so
-  ``E[round(p32)] = p32``. The random bits are a counter-based hash of (the parameter's ``seed``, the step, the
-  element's index in the parameter), so every backend, chunking and tiling gives the same bits; the seed is drawn from
-  torch's generator when the state is made (a step's new states draw theirs together, in the step's parameter order:
-  :func:`seeds_in_order`, so the seeds do not depend on the order the backends or paged batches make the states in)
-  and kept in the state (``bf16_update.seed``, an int), so a resumed run rounds as the uninterrupted one.
-* ``"kahan"``: a compensation buffer ``bf16_update.kahan`` (in the parameter's dtype, shaped like ``p``: 2 bytes per
-  element) keeps what rounding lost and adds it to the next update (as optimi's Kahan summation), in fp32; ``R`` is
-  round to nearest even into the parameter's dtype::
-
-      y = (p32 - p) + c;   p_new = R(p + y);   c = R(y - (p_new - p))   (0 if not finite)
-
-  ``p32 - p = p * (decay - 1) + alpha * delta``: decoupled weight decay enters as part of the compensated update, so
-  a decay too small to move ``p`` accumulates in ``c`` as the gradient's part does.
-
-fp32 and float64 parameters need neither and ignore the option (a float64 parameter's step is float64, stored as
-it is).
-
-**The hash** (32-bit unsigned arithmetic, which torch int64 ops, C ``uint32_t`` and Triton ``uint32`` all reproduce)::
-
-    mix(x)  = murmur3 fmix32: x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13; x *= 0xC2B2AE35; x ^= x >> 16
-    key     = mix(seed ^ mix(step * 0x9E3779B9 mod 2^32))          (once per parameter and step, on the host)
-    r(i)    = mix((i mod 2^32) ^ key) >> 16                         (per element, i: its flat index; 16 bits)
-
-Both dtypes use one rule: with ``u`` the ulp of the 16-bit grid at ``|p32|`` and ``f = |p32| / u - floor(|p32| / u)``
-the fraction of the gap, ``|p32|`` rounds up iff ``floor(f * 2^16) + r(i) >= 2^16``; the sign is kept. Rounding up
-then happens with probability ``floor(f * 2^16) / 2^16``, which is ``f`` exactly whenever ``f`` has at most 16
-bits below ``u``.
-
-**bf16** (8 exponent bits: no subnormal or overflow concern beyond fp32's own): the 16 bits below the ulp are the low
-half of ``p32``'s pattern, so ``bf16 = (bits(p32) + r(i)) >> 16`` (NaN: ``0x7FC0``). Exact for every fp32 input. Inf
-stays Inf, a finite value never becomes NaN; a value above the largest bf16 may round up to Inf (with the
-probability of its distance to it, as the unbiased rounding of a value in that last gap must).
-
-**fp16** (5 exponent bits, 10 mantissa bits; normal from 2^-14 = 6.1e-5 to 65504, subnormals multiples of 2^-24),
-on ``a = |p32|`` with fp32 pattern ``b``:
-
-* normal range, ``2^-14 <= a <= 65504``: the ulp is ``2^(e - 10)``, 13 bits of ``b`` lie below it, and
-  ``floor(f * 2^16) + r >= 2^16`` is ``low13(b) + (r >> 3) >= 2^13``, so
-  ``h = ((b + (r >> 3)) >> 13) - (112 << 10)`` (fp32's exponent bias 127 less fp16's 15, at fp16's exponent
-  position). A carry into the exponent is the next binade's first value, as it must be. Exactly unbiased.
-* subnormal range, ``a < 2^-14``: the ulp is ``2^-24``; ``t = floor(a * 2^40)`` (exact in fp32, then truncated to an
-  integer: ``t < 2^26``) holds ``a`` in units of ``2^-40``, ``h = (t + r) >> 16``: the subnormal's pattern, or
-  ``0x0400`` (2^-14, the least normal) for a carry. ``f`` of a subnormal result has up to 23 significant bits below
-  the ulp (more for fp32 values below 2^-24); those past the 16th are dropped, so rounding up is less likely than
-  ``f`` by less than ``2^-16`` of the ulp: a bias toward zero of under ``2^-40`` (9.1e-13) in absolute value, per
-  rounding. Values below ``2^-40`` always round to 0 (they would round up with probability under ``2^-16``). Small
-  updates to small fp16 weights therefore survive in expectation down to that floor, where round to nearest drops
-  everything below ``2^-25``.
-* past 65504 (and Inf, NaN): round to nearest, as a cast does: ``65504 < a < 65520`` gives 65504, ``a >= 65520``
-  gives Inf, NaN gives NaN. Rounding stochastically toward the next grid point above 65504 (``2^16``, which fp16
-  cannot hold) would turn a weight just past the largest finite fp16 into Inf with probability ``(a - 65504) / 32``;
-  the cast's rule keeps finite every value that round to nearest keeps finite. This is the one place fp16
-  stochastic rounding is biased (toward zero, by under 16 for values round to nearest keeps at 65504).
-
-The Kahan buffer of an fp16 parameter is fp16 too. ``c`` is the last rounding's error, at most half an ulp of ``p``,
-so it fits fp16's range whenever ``p`` does; fp16's 11 significant bits hold it to ``2^-12`` relative where
-``c >= 2^-14``. Below that ``c`` is a subnormal, held to ``2^-25`` absolute (half its ulp): a parameter near 0.01
-(ulp 2^-17) keeps its compensation to 6 bits, and an update of size ``d`` per step is carried to within
-``2^-25 / d`` relative (under 1% for ``d >= 3e-6``). fp32 would hold it exactly for 2 more bytes per parameter; fp16
-is enough in practice: fine-tuning the byte MLP with fp16 weights at lr 1e-5 (``bench/bf16_update.py --dtype fp16
---lr 1e-5``), Kahan's held-out loss equals the fp32-weights run's to 4 digits (1.8669), where round to nearest ends
-1.3% above it.
-
-Indices are taken mod 2^32, so a parameter of more than 4G elements reuses its stream once per 4G elements. ``i`` is
-the element's index in the *whole* parameter: an FSDP2 / tensor-parallel shard hashes its elements' global indices
-(:meth:`lowmemopt.distributed.reduction.Reduction.element_index`), and the seed is made the same on every rank that
-holds a part or a copy of the parameter (the largest of the ranks' draws), so a sharded run rounds exactly as the
-one-process run with that seed, and replicas (HSDP) stay identical. (A strided shard, FSDP2 over tensor parallelism,
-hashes its local indices.)
+The reference for every backend; the native C kernels (``cpu/csrc/elementwise.c``) and the Triton kernels
+(``kernels/codec.py``) reproduce it bit for bit. The rules, the hash and fp16's ranges: docs/rounding.md.
 """
 
 from __future__ import annotations
@@ -119,9 +43,7 @@ def _draw() -> int:
 
 
 class _Seeds:
-    """The stochastic-rounding seeds of one step (:func:`seeds_in_order`): at the first one asked for, one draw per
-    tensor of ``pending()`` (the step's tensors that need a seed then, in the step's order), handed out by the
-    tensor's address."""
+    """One step's seeds: drawn for all of ``pending()`` at the first one asked for, handed out by tensor address."""
 
     def __init__(self, pending: Callable[[], list[torch.Tensor]]) -> None:
         self.pending = pending
@@ -141,10 +63,7 @@ _SEEDS: contextvars.ContextVar[_Seeds | None] = contextvars.ContextVar("lowmemop
 
 @contextmanager
 def seeds_in_order(pending: Callable[[], list[torch.Tensor]]) -> Iterator[None]:
-    """Within a step: the seeds :func:`init_state` gives new stochastic-rounding states are drawn from torch's
-    generator together, in the order of ``pending()`` (called once, at the first seed needed: the step's tensors, in
-    its parameter order, whose state has no seed yet), whatever order the backends and paged batches make the states
-    in, so that every parameter gets the seed it would get in any other run of the same step (paged or not)."""
+    """Within it, a step's new stochastic-rounding seeds are drawn together, in ``pending()``'s order."""
     token = _SEEDS.set(_Seeds(pending))
     try:
         yield
@@ -154,12 +73,12 @@ def seeds_in_order(pending: Callable[[], list[torch.Tensor]]) -> Iterator[None]:
 
 def init_state(state: dict[str, Any], p: torch.Tensor, mode: str,
                agree: Callable[[int], int] | None = None) -> dict[str, Any]:
-    """Add what ``p``'s rounding needs to its state, if missing (``mode``: the ``bf16_update`` setting, applied as
-    :func:`applied` says): the stochastic seed (an int from torch's default
-    generator, in the step's parameter order within :func:`seeds_in_order`; none drawn for a meta tensor, the paging
-    layout probe) or the zeroed Kahan buffer (``p``'s dtype).
-    ``agree``: makes a new seed the same on every rank that holds part of the parameter (a collective: every such rank
-    calls it)."""
+    """Add the stochastic seed or the zeroed Kahan buffer ``p``'s rounding needs to ``state``, if missing.
+
+    Args:
+        mode: the ``bf16_update`` setting (applied as :func:`applied` says; a meta tensor gets seed 0).
+        agree: makes a new seed equal on every rank holding part of ``p`` (a collective).
+    """
     mode = applied(mode, p)
     if mode == "stochastic" and SEED not in state:
         seeds = _SEEDS.get()
@@ -195,7 +114,7 @@ def step_key(seed: int, step: int) -> int:
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32) without int64 overflow (16-bit halves of ``c``)."""
+    """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32) without overflow (16-bit halves of ``c``)."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
 
 
@@ -208,8 +127,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(key: int, lo: int | torch.Tensor, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """16 random bits (int64 in [0, 65536)) of elements ``lo .. lo + n - 1`` of a parameter, or of the elements whose
-    flat indices ``lo`` (an int64 tensor of ``n``) holds."""
+    """16 random bits (int64) of flat elements ``lo .. lo + n - 1``, or of the flat indices in tensor ``lo``."""
     if isinstance(lo, torch.Tensor):
         idx = lo.to(device=device, dtype=torch.int64).reshape(-1) & M32
     else:
@@ -218,13 +136,12 @@ def random_bits(key: int, lo: int | torch.Tensor, n: int, device: torch.device |
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the roundings (pure: fp32 in, bf16 out)
+# the roundings (pure: fp32 in, bf16 / fp16 out)
 
 
 def stochastic_round(p32: torch.Tensor, key: int, lo: int | torch.Tensor = 0,
                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``p32`` (fp32, flat elements ``lo ..`` of their parameter, or those at the flat indices ``lo`` holds) rounded
-    stochastically to ``dtype`` (bfloat16 or float16; the rules in the module docstring)."""
+    """``p32`` (flat elements ``lo ..``, or at the indices ``lo`` holds) rounded stochastically to bf16 or fp16."""
     x = p32.reshape(-1)
     bits = x.view(torch.int32).to(torch.int64) & M32
     r = random_bits(key, lo, bits.numel(), p32.device)
@@ -244,8 +161,7 @@ F16_MIN_NORMAL, F16_MAX = 0x38800000, 0x477FE000
 
 
 def _fp16_stochastic_bits(x: torch.Tensor, bits: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """fp16 patterns (int64 in [0, 65536)) of fp32 ``x`` (flat; ``bits``: its patterns as int64) rounded with the
-    16 random bits ``r``: normal, subnormal and past-65504 cases of the module docstring."""
+    """fp16 patterns of ``x`` rounded with random bits ``r`` (docs/rounding.md#fp16)."""
     mag = bits & 0x7FFFFFFF
     normal = ((mag + (r >> 3)) >> 13) - (112 << 10)
     small = mag.clamp(max=F16_MIN_NORMAL).to(torch.int32).view(torch.float32)  # the subnormal lanes' |x|
@@ -256,8 +172,7 @@ def _fp16_stochastic_bits(x: torch.Tensor, bits: torch.Tensor, r: torch.Tensor) 
 
 
 def kahan_round(p: torch.Tensor, p32: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One compensated write: ``p`` (the old bf16 / fp16 parameter), ``p32`` (the fp32 result), ``c`` (the buffer) ->
-    ``(new p, new c)``, both in ``p``'s dtype (see the module docstring)."""
+    """One compensated write: old ``p``, fp32 result ``p32``, buffer ``c`` -> ``(new p, new c)`` in ``p``'s dtype."""
     old = p.float()
     y = (p32 - old) + c.float()
     new = (old + y).to(p.dtype)
@@ -268,12 +183,13 @@ def kahan_round(p: torch.Tensor, p32: torch.Tensor, c: torch.Tensor) -> tuple[to
 
 def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], mode: str, lo: int = 0,
           index: int | torch.Tensor | None = None) -> None:
-    """Write the fp32 result ``p32`` into ``dst`` (elements ``lo ..`` of the flat tensor whose state is ``state``, in
-    the same shape as ``p32``), rounded as ``mode`` (the ``bf16_update`` setting) says. ``state["step"]`` is this
-    step's.
-    ``index``: where those elements sit in the whole parameter when the tensor is a shard of it (the stochastic
-    hash's counter: a first flat index, or one per element; see
-    :meth:`lowmemopt.distributed.reduction.Reduction.element_index`); by default ``lo``."""
+    """Write fp32 ``p32`` into ``dst`` rounded as ``mode`` says.
+
+    Args:
+        state: the state of the flat tensor ``dst`` is elements ``lo ..`` of; ``state["step"]`` is this step's.
+        index: the elements' place in the whole parameter for a shard (a first flat index or one per element;
+            ``Reduction.element_index``); by default ``lo``.
+    """
     mode = applied(mode, dst)
     if mode == "nearest" or p32.dtype != torch.float32:
         if dst.data_ptr() != p32.data_ptr():

@@ -1,7 +1,7 @@
-"""The layering of DESIGN.md §1.2 as import-linter contracts (``[tool.importlinter]`` in pyproject.toml): command line
-and integrations -> optimizer classes -> optimizer base -> pipeline -> backends and storage -> quant, nothing below the
-optimizer importing it, no import cycle inside a package, none through a package's ``__init__`` (which
-``acyclic_siblings`` does not see); and no module over the size a newcomer can read."""
+"""The layering of docs/pipeline.md ("The plan, and the layers") as import-linter contracts (``[tool.importlinter]``
+in pyproject.toml): command line and integrations -> optimizer classes -> optimizer base -> pipeline -> backends and
+storage -> quant, nothing below the optimizer importing it, no import cycle inside a package, none through a package's
+``__init__`` (which ``acyclic_siblings`` does not see); and no module over the size a newcomer can read."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Benchmarks of optimizer step time and state size against the libraries lowmemopt replaces, measured in the same run:
-models, fixed gradients, the optimizer registries (``OPTIMIZERS``: AdamW against torch, bitsandbytes and torchao;
-``FACTORED``: Adafactor and CAME against transformers, torch, came-pytorch and pytorch-optimizer), state-size and timing
-helpers, and table output.
-
-Installed with the package so that ``lowmemopt bench`` (:func:`quick`) runs anywhere; the scripts in the repository's
-``bench/`` folder (``step.py``, ``factored.py``: the full-size runs, see ``bench/README.md``) are thin front ends to
-:func:`script_main`. The other libraries are imported inside their factories: a missing one fails only its own rows.
-
-Modules: :mod:`.models` (the LLaMA presets, fixed gradients), :mod:`.optimizers` (the registries), :mod:`.measure`
-(state bytes, host syncs, paired timing, one row), :mod:`.report` (machine info, tables); here, the suites: build the
-model once and run its rows (:func:`run_suite`), the scripts' and ``lowmemopt bench``'s entry points.
+"""Benchmarks of step time and state size against the libraries lowmemopt replaces, in the same run: the suites
+(:func:`run_suite`), ``lowmemopt bench`` (:func:`quick`) and the entry point of ``bench/step.py`` and
+``bench/factored.py`` (:func:`script_main`). Models in :mod:`.models`, registries in :mod:`.optimizers`, timing in
+:mod:`.measure`, tables in :mod:`.report`; other libraries are imported by their rows only (bench/README.md).
 """
 
 from __future__ import annotations
@@ -51,13 +43,16 @@ def run_suite(
     out=None,
     measured: dict[str, Result] | None = None,
 ) -> tuple[list[Result], dict[str, object]]:
-    """Build the ``preset`` model once, make one set of ``grads``, run each optimizer ``names[i]`` of ``registry`` on
-    fresh copies (:func:`run_benchmark`) and set each result's ratio to :data:`BASELINE`. Prints the model and
-    settings to ``out`` and progress to stderr; returns the results and a description of the model.
+    """Build the ``preset`` model once, make one set of ``grads`` and run each optimizer of ``names`` on fresh copies,
+    with its ratio to :data:`BASELINE`.
 
-    ``paired`` (default): a second :data:`BASELINE` optimizer on its own copies stays alive, and each optimizer's
-    timed steps alternate with baseline steps; the ratio is to those. Else the ratio is to the baseline's own row.
-    ``measured``: rows already measured in this run on the same model (:func:`run_rows`)."""
+    Args:
+        paired: time each row's steps alternately with a live baseline optimizer's (else: to the baseline's row).
+        measured: rows already measured in this run on the same model (:func:`run_rows`).
+
+    Returns:
+        The results and a description of the model (printed to ``out``; progress on stderr).
+    """
     out = out or sys.stdout  # looked up per call: a default bound at import would miss a redirected stdout
     model = build_llama(preset, device=device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -90,14 +85,11 @@ def run_rows(
     device: torch.device,
     measured: dict[str, Result] | None = None,
 ) -> list[Result]:
-    """``run_one(name, partner)`` for each name, with progress on stderr, then each result's ratio to
-    :data:`BASELINE`. ``baseline`` (its factory; None: unpaired): a second baseline optimizer on fresh copies of
-    ``reference`` stays alive and its ``step`` is every other row's ``partner`` (:func:`time_steps`), so ratios are to
-    baseline steps timed alternately with the row's; unpaired, to the baseline row's median. Each result's
-    ``baseline_s`` is the median its ratio is to (the baseline row's: its own).
+    """``run_one(name, partner)`` for each name, then each result's ratio to :data:`BASELINE`.
 
-    ``measured``: name -> a result measured earlier in this run on the same model and gradients (the baseline row
-    shared by two suites): that row is not run again, so every table of the run shows the same measurement."""
+    ``baseline`` (a factory; None: unpaired): a live baseline on fresh copies of ``reference`` is every row's
+    ``partner``, timed alternately with it. ``measured``: results measured earlier in this run, not run again.
+    """
     measured = measured or {}
     partner = None
     if baseline is not None and any(n != BASELINE and n not in measured for n in names):
@@ -126,8 +118,7 @@ def run_rows(
 
 
 def script_main(suite: str, argv: list[str] | None = None, description: str | None = None) -> int:
-    """``bench/step.py`` and ``bench/factored.py``: parse the shared options, run the suite, print its table (and
-    write ``--json``)."""
+    """``bench/step.py`` and ``bench/factored.py``: parse the shared options, run the suite, print its table."""
     title, registry, extra_versions = SUITES[suite]
     args = parse_bench_args(description or title, registry, argv)
     device = torch.device(args.device)
@@ -174,8 +165,7 @@ def quick(
     max_step_s: float = 60.0,
     out=None,
 ) -> dict[str, list[Result]]:
-    """``lowmemopt bench``: each suite on the ``preset`` model (default the ~11M-parameter one, 2 warm-up and 3 timed
-    steps), printing a comparison table per suite. ``names`` restricts the optimizers (the baseline always runs)."""
+    """``lowmemopt bench``: each suite on ``preset``, a table per suite."""
     out = out or sys.stdout
     device = torch.device(device)
     info = machine_info(device)
@@ -201,8 +191,7 @@ def quick(
 
 
 def parse_bench_args(description: str, choices: Iterable[str], argv: list[str] | None = None) -> argparse.Namespace:
-    """The options every bench script shares; ``choices``: the optimizer names ``--optimizers`` may pick from.
-    Sets ``args.names`` (the chosen names, with the baseline first)."""
+    """The options every bench script shares; sets ``args.names`` (the chosen names, baseline first)."""
     choices = list(choices)
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer (default 5)")

@@ -37,12 +37,7 @@ def _tensor_storages(obj, out: dict[tuple, int]) -> None:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state.
-
-    lowmemopt optimizers report their own (``optimizer.state_nbytes()``). For others, every tensor in
-    ``optimizer.state`` is counted by its storage, each storage once: tensor subclasses are opened to the tensors
-    they hold, and tensors shared between parameters (bitsandbytes' quantization maps) count once.
-    """
+    """Bytes of optimizer state, each storage once (lowmemopt's own ``state_nbytes()``)."""
     if hasattr(optimizer, "state_nbytes"):
         return int(optimizer.state_nbytes())
     storages: dict[tuple, int] = {}
@@ -52,8 +47,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def drop_from_page_cache(path: str) -> None:
-    """Write the file at ``path`` out and drop its pages from the page cache, so that its next read comes from the
-    disk (``posix_fadvise(POSIX_FADV_DONTNEED)``; a no-op where there is none)."""
+    """Write ``path`` out and drop its pages from the page cache (``POSIX_FADV_DONTNEED``; else a no-op)."""
     if hasattr(os, "posix_fadvise"):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -74,8 +68,7 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def sync_messages(step: Callable[[], object]) -> list[str]:
-    """The warnings torch's sync debug mode gives for the host synchronizations of one call of ``step`` (its
-    :data:`SYNC_WARNING`s only; CUDA)."""
+    """torch's sync-debug warnings for one call of ``step`` (CUDA)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -87,8 +80,7 @@ def sync_messages(step: Callable[[], object]) -> list[str]:
 
 
 def host_syncs(step: Callable[[], object], device: torch.device) -> int | None:
-    """Host synchronizations in one call of ``step`` on a CUDA device (:func:`sync_messages`); None on other devices
-    (nothing to synchronize with)."""
+    """Host synchronizations in one call of ``step`` on CUDA; None elsewhere."""
     return None if device.type != "cuda" else len(sync_messages(step))
 
 
@@ -102,14 +94,11 @@ def time_steps(
     partner: Callable[[], object] | None = None,
     partner_times: list[float] | None = None,
 ) -> tuple[list[float], str]:
-    """Call ``step`` ``warmup`` times, then time it ``steps`` times (``time.perf_counter``, device synchronized).
+    """Call ``step`` ``warmup`` times, then time ``steps`` calls (device synchronized); returns (seconds, note).
 
-    The first call (state allocation, compilation) is never judged; after it, if a call takes longer than
-    ``max_step_s``, the rest of the warm-up is skipped and only one step is timed. Returns (timed seconds, note).
-
-    ``partner`` (the baseline's step): timed right after each timed step, its times appended to ``partner_times``.
-    Alternating the two exposes both to the same machine conditions, so their ratio stays put when other work on a
-    shared machine slows everything down for a while.
+    After the first call, one slower than ``max_step_s`` cuts the warm-up short and only one step is timed.
+    ``partner`` (the baseline's step) is timed right after each timed step into ``partner_times``, so both see the
+    same machine conditions.
     """
 
     def timed() -> float:
@@ -179,13 +168,7 @@ def run_benchmark(
     factory: Callable[..., torch.optim.Optimizer] | None = None,
     partner: Callable[[], object] | None = None,
 ) -> Result:
-    """Build optimizer ``name`` (``factory``, default ``OPTIMIZERS[name]``) on fresh copies of ``reference``, time its
-    steps and measure its state. ``partner``: the baseline's step, timed alternately with this one's
-    (:func:`time_steps`); its median becomes ``Result.baseline_s``.
-
-    Any exception (import, construction, step) is caught and recorded in ``Result.error``. Memory is released
-    before returning.
-    """
+    """One optimizer's row on fresh copies of ``reference``; exceptions go to ``Result.error``."""
     result = Result(name)
     n_params = sum(p.numel() for p in reference)
     params = optimizer = None

@@ -29,11 +29,7 @@ def build_llama(preset: str = "150m", device: str | torch.device = "cpu", seed: 
 
 
 def fixed_grads(model: torch.nn.Module, mode: str = "random", seed: int = 0) -> list[torch.Tensor]:
-    """One gradient per parameter of ``model``, made once and reused for every optimizer.
-
-    ``mode="random"``: ``1e-3 * N(0, 1)`` of each parameter's shape (fast; step time does not depend on the values).
-    ``mode="backward"``: one forward/backward of the language-model loss on a random batch of 2 x 128 tokens.
-    """
+    """One gradient per parameter, made once (``"random"`` or ``"backward"``)."""
     params = list(model.parameters())
     if mode == "random":
         gen = torch.Generator(device=params[0].device).manual_seed(seed)

@@ -61,8 +61,7 @@ def _per_param(r: Result) -> str:
 
 
 def print_table(results: list[Result], out=None) -> None:
-    """Markdown table: optimizer | state bytes/param | median step (s) | the baseline's median it is compared with (s)
-    | ratio (the two medians' quotient) | notes."""
+    """Markdown table: optimizer | state bytes/param | median step (s) | baseline's median (s) | ratio | notes."""
     out = out or sys.stdout
     print(f"| optimizer | state bytes/param | median step (s) | {BASELINE} median (s) | ratio | notes |", file=out)
     print("| --- | ---: | ---: | ---: | ---: | --- |", file=out)

@@ -1,10 +1,6 @@
-"""The state file's layout: one safetensors file, its keys, its per-rank names, writing it atomically and opening it.
-
-Tensors are keyed ``<param>/<state key>`` (``<param>``: the name in ``model.named_parameters()``, else
-``<group>/<index>``); the JSON header lives under the safetensors metadata key :data:`META_KEY` with a CRC-32 of every
-tensor (:func:`crc32`). The safetensors format itself is read and written by the safetensors library
-(:func:`write_safetensors`, :class:`StateFile`); this module adds the atomic replace, the checksums and the release of
-pages already read. See ``docs/state_format.md``.
+"""The state file's layout: keys ``<param>/<state key>``, the JSON header under :data:`META_KEY` with a CRC-32 per
+tensor, per-rank names, the atomic write and the one-time open (the safetensors library reads and writes the format).
+Docs: docs/state_format.md#writing.
 """
 
 from __future__ import annotations
@@ -66,8 +62,7 @@ def param_names(optimizer: LowMemOptimizer, model: torch.nn.Module | None) -> li
 
 
 def sharded_path(optimizer: LowMemOptimizer, path: str | os.PathLike) -> tuple[str, dict[str, int] | None]:
-    """This rank's file for an optimizer with DTensor parameters or per-rank state (``per_rank_files``: the 1-bit
-    optimizers' error buffers), and its ``sharding`` record; else ``path``."""
+    """This rank's file and ``sharding`` record for sharded or per-rank state; else ``path``."""
     if not (getattr(optimizer, "per_rank_files", False)
             or any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])):
         return os.fspath(path), None
@@ -82,14 +77,12 @@ def crc32(t: torch.Tensor, value: int = 0) -> int:
 
 
 def atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    """Write a safetensors file (:func:`write_safetensors`) into a temporary folder beside ``path``, fsync it, rename it
-    over ``path``, fsync the directory: an interrupted save leaves the previous file as it was. The file keeps the mode of
-    the file it replaces (as ``torch.save``, which writes in place, does); a new file gets the mode a plain
-    ``open(path, "w")`` would give it (0o666 less the umask). Temporary folders of saves that were killed (their process
-    gone) are removed first (:func:`_remove_stale_temporaries`).
+    """Write a safetensors file atomically: into a temporary folder beside ``path``
+    (``.<name>.tmp-<host>-<pid>-<random>/``, mode 0o700), fsync, rename over ``path``, fsync the directory.
 
-    The folder (``.<name>.tmp-<host>-<pid>-<random>/``, mode 0o700) holds everything the save writes, the safetensors
-    writer's own temporary file included, so a killed save leaves one thing behind, named for its process."""
+    The file keeps the mode of the one it replaces (a new one: 0o666 less the umask); killed saves' folders are
+    removed first (:func:`_remove_stale_temporaries`).
+    """
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     _remove_stale_temporaries(directory, base)
@@ -120,8 +113,7 @@ def atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict
 
 
 def _mode_for(path: str, tmp: str) -> int:
-    """The mode the saved file gets: that of the regular file at ``path``, else what ``open(path, "w")`` gives (0o666
-    less the umask, read from an empty file created at ``tmp``, which the writer then replaces)."""
+    """The saved file's mode: that of the file at ``path``, else what ``open(path, "w")`` gives."""
     with suppress(FileNotFoundError):
         existing = os.stat(path)
         if stat.S_ISREG(existing.st_mode):
@@ -137,9 +129,7 @@ _HOST = socket.gethostname().replace("-", "_").replace(os.sep, "_")
 
 
 def _remove_stale_temporaries(directory: str, base: str) -> None:
-    """Remove what saves to ``base`` killed before their rename left behind: the temporary folders (and, from earlier
-    versions, files) named for this host and a process that no longer runs. A save in progress (its process alive) is
-    never touched. POSIX only."""
+    """Remove what killed saves to ``base`` left behind (this host, process gone); never a live save's. POSIX only."""
     if os.name != "posix":
         return
     pattern = re.compile(rf"\.{re.escape(base)}\.tmp-{re.escape(_HOST)}-(\d+)-[0-9a-f]{{8}}")
@@ -169,9 +159,7 @@ def _process_alive(pid: int) -> bool:
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` (CPU, contiguous, no two overlapping) and ``metadata`` to a safetensors file at ``path`` with
-    safetensors' own writer (``safetensors.torch.save_file``: it streams the tensors from their memory, no copy of the
-    file). An I/O failure (a full disk) is the OSError it reports."""
+    """Write ``tensors`` and ``metadata`` with ``safetensors.torch.save_file``."""
     try:
         save_file(tensors, path, metadata=metadata)
     except SafetensorError as e:
@@ -182,12 +170,9 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
 
 
 class StateFile:
-    """A state file opened once, read by safetensors (:class:`safetensors.safe_open`). The header and the data both
-    come from the file that ``fh`` opened (safetensors opens it again through ``/proc/self/fd``), so a save that replaces
-    the path meanwhile is never half-seen. The data is a private memory map, never written; a tensor is a view of it.
-
-    safetensors checks the header whole on opening (its length, JSON, dtypes, shapes, the tensors' byte ranges tiling
-    the data exactly): a damaged one is a :class:`CheckpointError`, never a misread."""
+    """A state file opened once and read by ``safetensors.safe_open`` through the same descriptor, so a save that
+    replaces the path meanwhile is never half-seen; tensors are views of a private read-only map. A damaged header is
+    a :class:`CheckpointError`."""
 
     def __init__(self, fh: BinaryIO, path: str):
         self.path = path
@@ -215,9 +200,7 @@ class StateFile:
         return self._file.get_tensor(key)
 
     def release(self, a: int, b: int) -> None:
-        """Drop the pages of the file's mapping inside addresses [a, b) from the process (clean file pages: they are
-        re-read from the file if touched again). Only pages that ``/proc/self/maps`` shows as this file's are touched.
-        Linux only; elsewhere a no-op."""
+        """Drop this file's mapped pages in addresses [a, b) from the process (Linux only)."""
         if _DONTNEED is None:
             return
         if not self._mapped[0] <= a < self._mapped[1]:
@@ -263,8 +246,7 @@ if _LIBC is not None:
 
 @contextmanager
 def open_state_file(path: str) -> Iterator[StateFile]:
-    """The state file at ``path``, opened once (:class:`StateFile`). A missing, unreadable or directory path raises
-    the OSError that says so."""
+    """The state file at ``path`` opened once; a missing, unreadable or directory path raises its OSError."""
     try:
         fh = open(path, "rb")
     except FileNotFoundError:

@@ -32,19 +32,18 @@ def load_state(
 ) -> LoadReport:
     """Load a state file written by :func:`save_state` into ``optimizer``, converting formats as needed.
 
-    Everything is validated before the optimizer is touched; a problem raises :class:`CheckpointError` naming the
-    parameter and leaves the optimizer unchanged. ``strict=True`` also raises for missing / unexpected params and
-    mismatched ones (shape, slots, block size); ``strict=False`` loads what matches and reports the rest. Unreadable,
-    corrupt or unknown-version files always raise. Param groups' hyper-parameters are restored from the file when the
-    optimizer's group layout is the file's (same groups, same params); storage options (``state_bits``, ``block_size``,
-    ...) are always the optimizer's own, and state is converted to them.
+    Everything is validated before the optimizer changes; a problem raises :class:`CheckpointError` naming the
+    parameter. Hyper-parameters are restored when the group layout is the file's; storage options stay the
+    optimizer's. What is refused and why: docs/state_format.md#loading.
 
-    A ``torch.save`` file, a JSON or pickle file raises CheckpointError saying what it is (an optimizer
-    ``state_dict()`` saved with ``torch.save`` loads with ``opt.load_state_dict(torch.load(path, weights_only=True))``).
+    Args:
+        model: names the parameters as the file does (``save_state``'s ``model``).
+        strict: raise for missing, unexpected and mismatched params; False loads what matches and reports the rest.
+        from_optimizer: the class name of another optimizer whose file to load deliberately (matching slots only).
 
-    A file of another optimizer (another algorithm: aliases such as ``AdamW8bit`` count as their base class) is
-    refused, also with ``strict=False``. ``from_optimizer``: the class name of the file's optimizer, to load its state
-    into this one deliberately; slots that match load, hyper-parameters stay this optimizer's."""
+    Returns:
+        A :class:`LoadReport`.
+    """
     check_optimizer(optimizer)
     path, sharding = sharded_path(optimizer, path)
     per_rank = getattr(optimizer, "per_rank_files", False)
@@ -105,8 +104,7 @@ def load_state(
 
 
 def _allocate(plan: Plan) -> dict[str, Any]:
-    """The param's new state in the target formats, zero-filled (empty if the file holds no state for it). Paged
-    params get meta tensors here: :func:`lowmemopt.paging.stage` then puts them in new homes."""
+    """The param's new state in the target formats, zero-filled (meta tensors for paged params)."""
     if plan.entry["step"] is None:
         return {}
     state: dict[str, Any] = {"step": plan.entry["step"]}
@@ -169,8 +167,7 @@ def _checked_reader(sources: dict[str, _FileTensor], signed: bool, where: str) -
 
 
 class _FileTensor:
-    """A memory-mapped tensor of the file, read front to back: checksummed as it goes, and the pages already read are
-    dropped from the process (``release``) so a load never holds the file's pages and the new state at once."""
+    """A memory-mapped tensor of the file read front to back: checksummed, its read pages dropped from the process."""
 
     def __init__(self, view: torch.Tensor, key: str, crc: int, path: str, release: Callable[[int, int], None]):
         self.flat, self.key, self.expected, self.path, self.release = view.reshape(-1), key, crc, path, release
@@ -200,8 +197,7 @@ class _FileTensor:
 
 
 def other_world_path(path: str, sharding: dict[str, int] | None) -> tuple[str, dict[str, int] | None]:
-    """For per-rank files written at another world size: the file of the same rank modulo that world size (the
-    first one found), and its sharding record; else ``path`` unchanged."""
+    """For per-rank files of another world size: this rank's modulo that size; else ``path``."""
     rank = 0 if sharding is None else sharding["rank"]
     stem, ext = os.path.splitext(os.fspath(path))
     stem = stem.rsplit(".rank", 1)[0]

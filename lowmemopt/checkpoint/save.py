@@ -32,16 +32,16 @@ def _to_json(value: Any) -> Any:
 
 
 def save_state(optimizer: LowMemOptimizer, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
-    """Write ``optimizer``'s state to one safetensors file at ``path``, atomically.
+    """Write ``optimizer``'s state, in its stored formats, to one safetensors file at ``path``, atomically (on any
+    failure the previous file is untouched).
 
-    Tensors are keyed ``<param>/<state key>``, where ``<param>`` is the name in ``model.named_parameters()`` when a
-    model is given (the file then survives changes of parameter order and param-group layout), else ``<group>/<index>``.
-    State stays in its stored format (8-bit state is written 8-bit); the metadata records formats, shapes, steps,
-    hyper-parameters and checksums. On any failure the previous file at ``path`` is left untouched.
+    Args:
+        model: key tensors by ``model.named_parameters()`` names (the file then survives a change of parameter order
+            and group layout); else ``<group>/<index>``.
 
-    Sharded (DTensor) parameters: every rank writes its own shards' state to its own file,
-    ``<path stem>.rank<r>-of-<W><suffix>`` (:func:`lowmemopt.distributed.rank_path`), recording where each shard
-    sits; :func:`load_state` reads it back at the same sharding only (``docs/distributed.md``)."""
+    Sharded (DTensor) parameters: each rank writes its own file, ``<stem>.rank<r>-of-<W><suffix>``
+    (docs/distributed.md#lowmemoptsave_state-one-file-per-rank).
+    """
 
     check_optimizer(optimizer)
     paging.settle(optimizer)  # paged state: every write-back has reached its home

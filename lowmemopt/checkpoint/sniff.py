@@ -1,6 +1,6 @@
-"""What a file is, from its first bytes: a safetensors file, a ``torch.save`` file (a zip archive, or torch's legacy
-pickle format), a JSON file, another pickle or zip. ``load_state`` and ``lowmemopt inspect`` use it to say what a file
-that is not a lowmemopt state file is, and what reads it, instead of reporting it as a corrupt safetensors file."""
+"""What a file is from its first bytes (safetensors, ``torch.save``, JSON, pickle, zip), so ``load_state`` and
+``lowmemopt inspect`` can say what reads a file that is not a state file.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ TRUNCATED_ADVICE = ("torch.load fails on it with 'OSError: [Errno 22] Invalid ar
 
 
 def file_kind(path: str | os.PathLike) -> tuple[str, str]:
-    """``(kind, description)`` of the file at ``path`` from its first bytes. Kinds: ``"safetensors"``, ``"torch"``
-    (a ``torch.save`` zip archive), ``"torch-legacy"`` (torch's pickle format), ``"torch-truncated"`` (a zip archive
-    with no end record: cut short), ``"json"``, ``"pickle"``, ``"zip"``, ``"unknown"`` (also: unreadable; the caller's
-    open names the problem). A safetensors file's 8-byte header length may begin like any of these: it is recognised
-    first, by the ``{`` of its JSON header after those 8 bytes."""
+    """``(kind, description)`` of the file at ``path``: ``"safetensors"`` (recognised first, by the ``{`` after its
+    8-byte length), ``"torch"``, ``"torch-legacy"``, ``"torch-truncated"``, ``"json"``, ``"pickle"``, ``"zip"``,
+    ``"unknown"``."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(16)
@@ -53,8 +51,7 @@ def file_kind(path: str | os.PathLike) -> tuple[str, str]:
 
 
 def check_state_file_kind(path: str | os.PathLike) -> None:
-    """Raise CheckpointError for a file that is recognisably not a safetensors file (``torch.save``, JSON, pickle,
-    zip), saying what it is and what reads it; anything else passes to the state file's own checks."""
+    """Raise CheckpointError for a file that is recognisably not safetensors, saying what it is and what reads it."""
     kind, what = file_kind(path)
     if kind in ("safetensors", "unknown"):
         return

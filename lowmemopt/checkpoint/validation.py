@@ -42,8 +42,7 @@ def check_optimizer(optimizer: Any) -> None:
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The validated JSON header of a state file, plus ``"tensors"``: {key: (dtype, shape)} from the safetensors header.
-    Reads no tensor data. Raises CheckpointError for a file that is not a readable lowmemopt state file."""
+    """The validated JSON header of a state file, with ``"tensors"``: {key: (dtype, shape)}."""
     path = os.fspath(path)
     with open_state_file(path) as f:
         meta = validated_meta(f, path)
@@ -52,10 +51,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
-    """Parse the header and check it against the tensors in the file: every problem is a CheckpointError.
-
-    The metadata's own CRC-32 (:data:`META_CRC_KEY`, every file since format 3) is checked before it is parsed, so no
-    changed bit of it (a step, a hyper-parameter, a key) loads; a format-3 file without it is corrupt."""
+    """Parse the header (its CRC-32 first) and check it against the file's tensors."""
     stored = f.metadata()
     raw = stored.get(META_KEY)
     if raw is None:
@@ -171,16 +167,13 @@ class Plan(NamedTuple):
 
 
 def algorithm_name(cls: type) -> str:
-    """The lowmemopt optimizer class whose algorithm ``cls`` runs: itself, or for an alias (``AdamW8bit``) or a user's
-    subclass, the class of :mod:`lowmemopt.optim` it derives from."""
+    """The lowmemopt class whose algorithm ``cls`` runs (itself, or the class an alias derives from)."""
     return next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("lowmemopt.optim.")), cls.__name__)
 
 
 def check_same_optimizer(optimizer: LowMemOptimizer, meta: dict[str, Any], path: str,
                          from_optimizer: str | None) -> bool:
-    """Raise CheckpointError unless the file holds the state of ``optimizer``'s algorithm, or of ``from_optimizer`` (a
-    deliberate conversion, which loads matching slots but no hyper-parameters). Returns whether the hyper-parameters
-    may be restored (the same algorithm)."""
+    """Raise unless the file is ``optimizer``'s algorithm's (or ``from_optimizer``'s)."""
     saved = meta.get("algorithm")
     if saved is None:  # files before format 3 name the class only
         cls = getattr(aliases, meta["optimizer"], None) or getattr(optim, meta["optimizer"], None)

@@ -1,20 +1,7 @@
-"""Build and load the C kernels (``csrc/``) at first use.
-
-The sources (:data:`UNITS`: the row runner, the elementwise steps, the codec, the factored steps; their headers
-:data:`HEADERS`: ``lmo.h``, the ABI and what the units share, and the vector code of each instruction set) are compiled
-together as one translation unit (:data:`SOURCE`, ``library.c``, includes the units) into one library, once per
-(every source and header, compiler, flags, CPU) with the system C compiler -- no torch headers, a few seconds -- into ``~/.cache/lowmemopt/cpu-<hash>/`` (``$LOWMEMOPT_CACHE`` overrides the root,
-``$CC`` the compiler) and loaded with :mod:`ctypes`. ``-march=native`` ties a build to the CPU it was made on, so the
-CPU model and feature flags are part of the hash. The build writes to a temporary name and renames, so concurrent first uses cannot load a half
-written library. ``-fopenmp`` links ``libgomp.so.1``, the OpenMP runtime torch's CPU wheels already loaded: the kernels
-share torch's thread pool. A compiler without OpenMP gets a second, single-threaded build.
-
-The vector code is chosen per CPU (:data:`ISAS`): ``avx512`` (AVX-512 F/BW/VL/DQ), ``avx2`` (AVX2, FMA, F16C) or
-``scalar`` (the plain C reference), each a build of its own (``-DLMO_ISA=...``) with its own cache entry; the best one
-the CPU's feature flags allow is built, or the one ``$LOWMEMOPT_CPU_ISA`` names. All give identical results.
-
-If there is no compiler, or the build or the load fails, :func:`library` returns None and says why in
-:data:`build_error`; the callers then keep to the existing (compiled / eager) paths.
+"""Build and load the C kernels (``csrc/``, one translation unit ``library.c``) at first use with the system C compiler,
+cached in ``~/.cache/lowmemopt/cpu-<hash>/`` and loaded with :mod:`ctypes`; one build per instruction set
+(:data:`ISAS`: ``avx512``, ``avx2``, ``scalar``, identical results). Without a compiler, or on a failed build,
+:func:`library` returns None and :data:`build_error` says why. Flags, cache key and ISAs: docs/cpu_kernels.md#build.
 """
 
 from __future__ import annotations
@@ -71,7 +58,6 @@ def _cpu_signature() -> str:
 
 
 def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags (/proc/cpuinfo), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for ln in f:
@@ -83,15 +69,13 @@ def _cpu_flags() -> set[str] | None:
 
 
 def cpu_isas() -> list[str]:
-    """The instruction sets of :data:`ISAS` this CPU runs, best first (unknown feature flags: all of them, the builds
-    then decide: a build for a target the compiler's ``-march=native`` lacks fails)."""
+    """The instruction sets of :data:`ISAS` this CPU runs, best first (unknown flags: all; the builds decide)."""
     flags = _cpu_flags()
     return [name for name, (_, _, need) in ISAS.items() if flags is None or need <= flags]
 
 
 def requested_isa() -> str | None:
-    """The instruction set ``$LOWMEMOPT_CPU_ISA`` forces (``avx512``, ``avx2``, ``scalar``), None for ``auto`` / unset.
-    Raises ValueError for another value."""
+    """The instruction set ``$LOWMEMOPT_CPU_ISA`` forces, None for ``auto`` / unset; ValueError for another value."""
     name = os.environ.get("LOWMEMOPT_CPU_ISA", "").strip().lower()
     if name in ("", "auto"):
         return None
@@ -112,7 +96,7 @@ def _compiler_version(cc: list[str]) -> str:
 
 
 def source_key() -> bytes:
-    """Every source and header file, name and contents (a change to any one makes a new build)."""
+    """Every source and header file, name and contents (any change makes a new build)."""
     files = sorted({SOURCE, *UNITS, *HEADERS} | set(CSRC.glob("*.[ch]")))
     return b"\0".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
 
@@ -132,9 +116,11 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> None:
 
 
 def compile_library(extra_flags: tuple[str, ...] = (), isa: str | None = None) -> ctypes.CDLL:
-    """Build (or find in the cache) and load the kernels for instruction set ``isa`` (one of :data:`ISAS`; None: the one
-    ``$LOWMEMOPT_CPU_ISA`` forces, else the best this CPU runs), with ``extra_flags`` appended to the compiler flags.
-    Raises RuntimeError if no build works, ValueError for an unknown ``isa``."""
+    """Build (or find in the cache) and load the kernels for ``isa`` (None: forced or best), ``extra_flags`` appended.
+
+    Raises:
+        RuntimeError: no build works. ValueError: an unknown ``isa``.
+    """
     if isa is not None and isa not in ISAS:
         raise ValueError(f"isa={isa!r}: expected one of {', '.join(ISAS)}")
     cc = shlex.split(os.environ.get("CC", "cc"))

@@ -1,16 +1,6 @@
-"""The 8-bit code books in the forms the C kernels use.
-
-lowmemopt's rounding rule (:mod:`lowmemopt.quant.maps`: nearest code in fp32 arithmetic, ties to the lower code, a
-positive value never takes an unsigned map's zero code) is monotone in the value: between neighbouring codes ``i`` and
-``i + 1`` there is one first float that takes ``i + 1``, the decision threshold ``thr[i]``. They are found here by
-bisection over the ordered fp32 bit patterns against :func:`~lowmemopt.quant.maps.nearest_code_reference` (the brute
-force specification), so they are that rule and nothing else; the tests check the kernels' codes at every threshold
-and its neighbours.
-
-The kernels encode the state maps (``pow2`` / ``upow2``) with integer operations on the float's bits instead of a
-lookup per element (:class:`Pow2Tables`, ``pow2_code`` in ``csrc/vectors_*.h``): the codes of binade
-``[2^e, 2^(e+1))`` are the floats there with ``b_e`` mantissa bits, so the nearest code is ``(bits + add_e) >> (23 -
-b_e)``, with two 32-entry tables indexed by the exponent. Decoding uses the 256-value book of any map.
+"""The 8- and 4-bit code books in the forms the C kernels use: decision thresholds found by bisection against
+``quant.maps.nearest_code_reference`` (so they are that rule and nothing else), and the ``pow2`` / ``upow2`` bit
+encoder's tables (``pow2_code`` in ``csrc/vectors_*.h``). How the kernels encode: docs/cpu_kernels.md#exactness.
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ __all__ = ["Pow2Tables", "Tables", "Tables4", "pow2_tables", "decision_threshold
 
 
 def _key(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys that order fp32 values (bit patterns of negatives mirrored; -0 and +0 share key 0)."""
+    """int64 keys that order fp32 values (-0 and +0 share key 0)."""
     bits = x.view(torch.int32).to(torch.int64)
     return torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
 
@@ -42,8 +32,7 @@ def _from_key(k: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def decision_thresholds(name: str) -> torch.Tensor:
-    """fp32 [256]: ``thr[i]`` is the smallest float whose code is > i (``i < 255``); ``thr[255]`` is NaN (never
-    reached). Sorted ascending."""
+    """fp32 [256]: ``thr[i]`` the smallest float whose code is > i; ``thr[255]`` NaN. Ascending."""
     book = code_book(name)
     idx = torch.arange(255)
 
@@ -64,9 +53,7 @@ def decision_thresholds(name: str) -> torch.Tensor:
 
 
 class Pow2Tables(ctypes.Structure):
-    """Mirror of ``struct lmo_pow2`` in ``csrc/lmo.h``: with ``b`` = ``|y|``'s bits clamped to ``[e_lo << 23, 1.0]`` and
-    ``e = b >> 23``, ``code = (b + neg + add[e & 31]) >> shift[e & 31]`` (``neg``: 1 for negative ``y``, signed map);
-    negative ``y`` takes ``mirror - code``."""
+    """Mirror of ``struct lmo_pow2`` (``csrc/lmo.h``): the bit encoder's addends and shifts."""
 
     _fields_ = [
         ("add", ctypes.c_uint32 * 32),
@@ -77,13 +64,12 @@ class Pow2Tables(ctypes.Structure):
 
 
 def pow2_tables(name: str) -> Pow2Tables:
-    """The bit encoder's tables for ``pow2`` / ``upow2`` (derivation in ``pow2_code``, ``csrc/vectors_avx512.h``).
+    """The bit encoder's tables for ``pow2`` / ``upow2``.
 
-    With ``nb`` binades of codes (binade ``k`` = ``[2^-(k+1), 2^-k)``, biased exponent ``126 - k``) the exponent classes
-    are: ``e_lo = 125 - nb``, every value that takes the zero code (unsigned: the smallest code); ``e_lo + 1``, where
-    the mid point of 0 and the smallest code ``2^(e_lo + 2 - 127)`` is the first float; the binades; 127, the code 1.0.
-    Each class's addend folds its first code in: ``code * 2^shift`` plus the rounding addend, so that
-    ``(bits + add) >> shift`` is the code itself (mod 2^32; the true sum stays below ``256 * 2^shift <= 2^32``)."""
+    With ``nb`` binades of codes the exponent classes are ``e_lo = 125 - nb`` (everything that takes the zero or
+    smallest code), ``e_lo + 1`` (split at the mid point of 0 and the smallest code), the binades, and 127 (code 1.0).
+    Each addend folds its class's first code in, so ``(bits + add) >> shift`` is the code (mod 2^32).
+    """
     if name not in POW2_BITS:
         raise ValueError(f"no bit encoder for map {name!r}")
     bits = POW2_BITS[name]
@@ -123,7 +109,7 @@ class Tables(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def tables(signed: bool) -> Tables:
-    """The tables of the map a slot of this signedness uses, kept alive here (the kernels receive their addresses)."""
+    """The tables of the map of a slot of this signedness, kept alive here (the kernels get their addresses)."""
     name = map_for(signed)
     book = code_book(name).contiguous()
     planes = book.view(torch.uint8).view(256, 4).t().contiguous()
@@ -138,7 +124,7 @@ class Tables4(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def tables4(signed: bool) -> Tables4:
-    """The 4-bit map of a slot of this signedness (``q4.map4_for``) in the kernels' forms, kept alive here."""
+    """The 4-bit map of a slot of this signedness in the kernels' forms, kept alive here."""
     name = q4.map4_for(signed)
     thr = torch.cat([q4.thresholds(name), torch.tensor([float("nan")])]).contiguous()
     return Tables4(q4.code_book(name).clone().contiguous(), thr, q4.encode_table(name).contiguous())

@@ -76,8 +76,7 @@ def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
 
 
 def slot_q4(nibbles: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
-    """A 4-bit slot (:mod:`lowmemopt.quant.q4`): ``nibbles`` uint8 (element 2i in the low nibble of byte i) and one
-    fp32 ``absmax`` per block row, in the map ``q4.map4_for(signed)``."""
+    """A 4-bit slot: ``nibbles`` uint8 and an fp32 ``absmax`` per block row, in ``q4.map4_for(signed)``."""
     t = tables4(signed)
     return Slot(nibbles.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), None, t.packed.data_ptr(), None,
                 t.thr.data_ptr(), ST_Q4, int(signed))
@@ -85,8 +84,7 @@ def slot_q4(nibbles: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
 
 def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],
              hyper: tuple[float, ...] = (), flags: int = 0, tail: int = 0, scan: torch.Tensor | None = None) -> Args:
-    """The kernel arguments; ``scan``: a contiguous tensor of a :data:`DTYPES` dtype whose fp32 sum of squares the
-    kernel also computes (read it with :func:`scan_result` after the call)."""
+    """The kernel arguments; ``scan``: a tensor whose sum of squares the kernel also checks."""
     a = Args()
     a.p = None if p is None else p.data_ptr()
     a.g = None if g is None else g.data_ptr()
@@ -121,9 +119,7 @@ UPDATES = {"nearest": 0, "stochastic": 1, "kahan": 2}
 
 
 def set_update(a: Args, mode: str, key: int = 0, offset: int = 0, kahan: torch.Tensor | None = None) -> Args:
-    """How the kernel writes a bf16 / fp16 parameter (:mod:`lowmemopt.rounding`): ``key`` (stochastic: the hash key of
-    this step), ``offset`` (the flat index of the kernel's first element in its parameter), ``kahan`` (the
-    compensation buffer, contiguous, in the parameter's dtype, laid out as the kernel's parameter)."""
+    """How the kernel writes a bf16 / fp16 parameter: stochastic ``key``, ``offset``, ``kahan`` buffer."""
     a.p_update, a.sr_key, a.p_offset = UPDATES[mode], key, offset
     a.kahan = None if kahan is None else kahan.data_ptr()
     return a
@@ -135,8 +131,7 @@ def can_scan(t: torch.Tensor) -> bool:
 
 
 def scan_result(args: Args) -> bool:
-    """After a call with ``scan``: True if the scanned tensor's fp32 sum of squares is finite (no NaN / Inf element,
-    no overflow: the condition of the optimizer's non-finite gradient check)."""
+    """After a call with ``scan``: whether its fp32 sum of squares is finite."""
     return math.isfinite(args._sumsq.value)
 
 
@@ -147,8 +142,7 @@ def call(fn, args: Args) -> None:
 
 
 def call_many(fn, batch: list[Args]) -> list[bool]:
-    """``fn`` (a ``lmo_*_many`` kernel) over the argument sets ``batch`` in one call; per set: stepped (True) or
-    skipped by its own gradient's non-finite check (False)."""
+    """``fn`` over the argument sets ``batch`` in one call; per set: stepped, or skipped (False)."""
     n = len(batch)
     if n == 0:
         return []
@@ -161,15 +155,12 @@ def call_many(fn, batch: list[Args]) -> list[bool]:
 
 
 def usable(t: torch.Tensor) -> bool:
-    """``t`` is a CPU tensor and the library is built (built on the first call). The switch
-    (``LOWMEMOPT_CPU_KERNELS``) and the warning when the build fails are the package's (:func:`lowmemopt.cpu.applies`),
-    which every caller from outside checks first."""
+    """Whether ``t`` is a CPU tensor and the library is built."""
     return t.device.type == "cpu" and build.library() is not None
 
 
 def run_codec(fn: str, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
-    """``lmo_encode`` (fp32 rows ``x`` -> codes, absmax) or ``lmo_decode`` (codes, absmax -> fp32 rows ``x``) in map
-    ``name``; False (not done) for maps other than the state maps, or an unsupported layout."""
+    """``lmo_encode`` / ``lmo_decode`` of rows ``x`` in map ``name``; False where not done."""
     signed = is_signed_map(name)
     ok = (
         name == map_for(signed)

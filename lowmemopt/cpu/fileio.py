@@ -1,11 +1,6 @@
-"""Many files read into tensors or written from them in one call, on the OpenMP threads the CPU kernels run on
-(``csrc/fileio.c``).
-
-The disk tier of paged state (:mod:`lowmemopt.paging`) copies a bucket's state between its files and a working buffer
-around the bucket's update. On a CPU device the update keeps every thread torch gives it busy; an I/O thread beside
-it competes with the update for those cores (and with the OpenMP workers, which spin for a while at the end of each
-parallel region), while these copies, on the same threads between two updates, keep every core busy with one thing
-at a time. Requests are cut into 1 MiB pieces, handed out to the threads in turns across the files.
+"""Many files read into tensors or written from them in one call on the OpenMP threads the CPU kernels run on
+(``csrc/fileio.c``, 1 MiB pieces in turns across the files): the disk tier of paged CPU state, between two updates
+(why: docs/paging.md#how-a-step-runs).
 """
 
 from __future__ import annotations
@@ -36,11 +31,12 @@ class Request(ctypes.Structure):
 
 def copy_files(requests: list[tuple[str, torch.Tensor, bool]], nthreads: int | None = None
                ) -> list[OSError | None] | None:
-    """For each ``(path, t, write)``: write contiguous CPU tensor ``t``'s bytes to the file at ``path`` from offset 0
-    (``write``), or read them from there into ``t``, all at once over ``nthreads`` threads (default: torch's).
+    """For each ``(path, t, write)``: write contiguous CPU ``t``'s bytes to ``path`` from offset 0, or read them into
+    ``t``, all at once over ``nthreads`` threads (default: torch's).
 
-    Returns, per request, None or the OSError it failed with (the other requests are carried out all the same); None
-    instead of the list when the native library is not available (the caller copies another way)."""
+    Returns:
+        Per request None or its OSError (the others still run); None instead of the list without the native library.
+    """
     lib = build.library()
     if lib is None:
         return None

@@ -1,9 +1,6 @@
-"""torch.distributed support: FSDP2 / DTensor parameters (state on the local shard, reductions over the shards),
-DDP (plain replicated parameters: nothing to do), torch.distributed.checkpoint. See ``docs/distributed.md``.
-
-Recipes on DDP and torch's model averagers (``docs/distributed_recipes.md``): ``sparsified_hook`` (a DDP comm hook:
-sparsified gradients with error feedback) and ``GossipAverager`` (decentralized SGD). They are imported on first use:
-the optimizers import this package, and need none of ``torch.distributed.algorithms``."""
+"""torch.distributed support: FSDP2 / DTensor parameters, DDP, torch.distributed.checkpoint (docs/distributed.md);
+recipes on DDP and model averagers, imported on first use (docs/distributed_recipes.md).
+"""
 
 import importlib
 from typing import Any

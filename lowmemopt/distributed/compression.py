@@ -1,31 +1,9 @@
-"""Compressed all-reduce with error feedback: 1 bit per element plus a scale (1-bit Adam, Tang et al. 2021,
-arXiv 2102.02888, section 4; the same collective serves 0/1 Adam and 1-bit LAMB).
+"""Compressed all-reduce with error feedback: 1 bit per element plus a scale per tensor (1-bit Adam, Tang et al.
+2021, arXiv 2102.02888, section 4; also 0/1 Adam and 1-bit LAMB). Two collectives per call (all-to-all of signs and
+scales to the servers, all-gather of the servers' results), plain ``torch.distributed``.
 
-Every rank holds a flat fp32 *bucket* of several tensors (each padded, see :class:`Layout`) and its own error buffers.
-One call averages the buckets of all ranks, each tensor compressed twice::
-
-    worker   x = bucket + worker_error                          (per tensor i: its padded segment)
-             s_i = ||x_i|| / sqrt(len(x_i))                     one fp32 scale per tensor
-             worker_error = x - s_i sign(x)                     sign(x) = +1 where x >= 0, else -1
-             server j gets chunk j of every tensor: its signs (8 per byte) and the scales     (all_to_all_single)
-    server j c = sum over ranks r, in rank order, of sign_r * (s_r,i / N)  +  server_error
-             t_ij = ||c_i|| / sqrt(len(c_i))                    one fp32 scale per tensor and server chunk
-             server_error = c - t_ij sign(c)
-             every rank gets every server's signs and scales                                  (all_gather)
-    result   chunk j of tensor i = t_ij sign(c)                 the same on every rank
-
-Two collectives per call, whatever the number of tensors; signs and scales travel in one byte message each way (the
-scales as the bytes of fp32 numbers). Per rank and call, that sends ``(N - 1) / N`` of the bucket's bits plus
-``4 (N - 1) n`` bytes of scales in the all-to-all, and ``1 / N`` of the bits plus ``4 n`` bytes in the all-gather.
-No cupy and no MPI: plain ``torch.distributed`` (gloo or NCCL).
-
-Padding: tensor i is padded with zeros to ``N * C_i`` elements, its server chunk ``C_i`` a multiple of 8 (whole bytes
-of signs) and of ``align_i`` (the block size of its quantized first moment), so that every quantization block of a
-result lies inside one server chunk: its values are all ``+-t_ij`` and an 8- or 4-bit block-wise code holds them
-exactly. The padding takes part in the scales and keeps error (as in DeepSpeed's ``NcclBackend``).
-
-Non-finite input: a tensor whose worker (or server) scale is not finite keeps its previous worker (server) error, so
-one bad step cannot poison the error buffers; its result is non-finite on every rank, and the optimizer skips it.
+The algorithm, the padding that keeps quantization blocks inside a server chunk, bytes sent and non-finite input:
+docs/onebit.md#the-compressed-all-reduce.
 """
 
 from __future__ import annotations
@@ -43,13 +21,13 @@ _BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """uint8 of ``numel / 8`` bytes: bit 7 - k of byte b is 1 where ``x[8 b + k] >= 0`` (``numel``: a multiple of 8)."""
+    """uint8 of ``numel / 8`` bytes: bit 7 - k of byte b is 1 where ``x[8 b + k] >= 0``."""
     bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
     return (bits * _BITS.to(x.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """fp32 +-1 of ``8 * numel`` elements from :func:`pack_signs`'s bytes (the trailing dims multiplied by 8)."""
+    """fp32 +-1 from :func:`pack_signs`'s bytes."""
     bits = packed.unsqueeze(-1).bitwise_and(_BITS.to(packed.device)).ne(0)
     out = bits.to(torch.float32).mul_(2).sub_(1)
     return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
@@ -62,8 +40,7 @@ def scales_of(x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
 
 
 def compress(x: torch.Tensor, sizes: Sequence[int], error: torch.Tensor) -> torch.Tensor:
-    """One compression with error feedback: ``x`` (flat, already error-compensated) -> its scales, one per segment;
-    ``error <- x - scale * sign(x)`` in place (kept where a segment's scale is not finite)."""
+    """Error-feedback compression of flat ``x``: per-segment scales; ``error <- x - scale * sign(x)``."""
     scales = scales_of(x, sizes)
     per_element = scales.repeat_interleave(torch.tensor(list(sizes), device=x.device))
     sign = torch.where(x >= 0, 1.0, -1.0)
@@ -75,9 +52,7 @@ def compress(x: torch.Tensor, sizes: Sequence[int], error: torch.Tensor) -> torc
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each tensor of a bucket lies, padded for ``world`` ranks: tensor i has ``numels[i]`` elements, padded to
-    ``world * chunks[i]`` at ``offsets[i]`` of the flat bucket; its server chunk ``chunks[i]`` is a multiple of 8 and
-    of ``aligns[i]``. A server's part of the bucket (its server error) is ``sum(chunks)`` elements."""
+    """Where each tensor of a bucket lies, padded for ``world`` ranks (server chunks of whole blocks)."""
 
     numels: tuple[int, ...]
     aligns: tuple[int, ...]
@@ -85,8 +60,7 @@ class Layout:
 
     @staticmethod
     def of(numels: Sequence[int], world: int, aligns: Sequence[int] | None = None) -> "Layout":
-        """The layout of tensors of ``numels`` elements for ``world`` ranks (``aligns``: a block size per tensor that
-        server chunks must be multiples of; None: 8 for all)."""
+        """The layout of tensors of ``numels`` elements for ``world`` ranks (``aligns``: block sizes; None: 8)."""
         if world < 1:
             raise ValueError(f"world must be >= 1 (got {world})")
         aligns = [8] * len(numels) if aligns is None else list(aligns)
@@ -136,9 +110,7 @@ class Layout:
 
 
 class CompressedAllReduce:
-    """The compressed average of a bucket over ``process_group`` (see the module docstring). ``layout``: the
-    bucket's tensors, padded for this group's size. Error buffers are the caller's (one pair per bucket and rank:
-    :meth:`new_errors`), so that they can live in optimizer state and be saved."""
+    """The compressed average of a bucket over ``process_group``; error buffers are the caller's."""
 
     def __init__(self, layout: Layout, process_group: Any = None) -> None:
         world = dist.get_world_size(process_group)
@@ -155,8 +127,7 @@ class CompressedAllReduce:
                 torch.zeros(self.layout.server_numel, device=device))
 
     def __call__(self, bucket: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
-        """Average ``bucket`` (flat fp32, ``layout.numel``; padding zeros) over the group in place; the error buffers
-        are updated in place. Returns ``bucket``."""
+        """Average flat fp32 ``bucket`` over the group in place, updating the error buffers; returns ``bucket``."""
         lay, world = self.layout, self.world
         if bucket.numel() != lay.numel or worker_error.numel() != lay.numel:
             raise ValueError(f"bucket and worker_error need {lay.numel} elements (got {bucket.numel()}, "
@@ -196,6 +167,6 @@ class CompressedAllReduce:
 
 
 def _all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    """``out[r] = tensor`` of rank r (one collective: ``all_gather_single``, or its older name)."""
+    """``out[r] = tensor`` of rank r, in one collective."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out.view(-1), tensor, group=group)

@@ -1,12 +1,6 @@
-"""Per-rank state files: ``lowmemopt.save_state`` on an optimizer with sharded (DTensor) parameters.
-
-Each process writes its own shards' state, in the stored formats (8-bit stays 8-bit), to its own file::
-
-    save_state(opt, "ckpt/opt.safetensors", model)   # rank r of W writes ckpt/opt.rank{r:05d}-of-{W:05d}.safetensors
-
-and ``load_state(opt, "ckpt/opt.safetensors", model)`` reads this rank's file back. The file records where each shard
-sits (global shape, offset, placements, mesh): it loads only into the same sharding. To change the world size, save
-and load through ``torch.distributed.checkpoint`` instead (``docs/distributed.md``), which reshards.
+"""Per-rank state files: ``lowmemopt.save_state`` with sharded (DTensor) parameters writes this rank's shards to
+``opt.rank{r:05d}-of-{W:05d}.safetensors``, loadable only into the same sharding; to change the world size use
+``torch.distributed.checkpoint`` (docs/distributed.md#checkpoints).
 """
 
 from __future__ import annotations

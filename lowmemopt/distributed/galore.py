@@ -1,21 +1,6 @@
-"""GaLore (param groups with ``rank``) on DTensor parameters sharded by rows: FSDP2's ``Shard(0)``, and HSDP's
-``(Replicate, Shard(0))``.
-
-A parameter is projected as the matrix ``(m, n) = (shape[0], prod(shape[1:]))``, so a ``Shard(0)`` rank holds rows
-``[r0, r0 + m_local)`` of ``G``. With ``P`` (m x k) and ``Q`` (k x n) the bases::
-
-    refresh (every update_proj_gap steps):  G = all-gather of the gradient; P, Q = SVD(G)    (the same on every rank)
-    right   (G_low = G Q^T, m x k):  local rows G_r Q^T                      -> the low-rank state is sharded by rows too
-    left    (G_low = P^T G, k x n):  sum over the row shards of P_r^T G_r   -> G_low and its state are replicated
-    both    (G_low = P^T G Q^T):     (sum over the row shards of P_r^T G_r) Q^T
-    update rows: right U_r Q; left P_r U; both P_r U Q                      (P_r: the rows of P this rank holds)
-
-So the projector is computed from the **full** gradient, gathered on refresh steps only, and is replicated (identical
-on every rank: the same input, the same SVD). The inner algorithm runs on the low-rank tensor: for side right through
-a :class:`~lowmemopt.distributed.reduction.ShardedReduction` of the ``(m, k)`` tensor (its rows are sharded like the
-parameter's), for sides left and both locally (every rank holds the same ``G_low`` and does the same step).
-Statistics of the full-rank parameter that the inner math takes (Adafactor's ``RMS(p)``, LAMB's and LARS's ``||p||``)
-are reduced over the parameter's shards: :class:`SplitReduction` routes each reduction by the tensor it is given.
+"""GaLore on DTensor parameters sharded by rows (FSDP2's ``Shard(0)``, HSDP's ``(Replicate, Shard(0))``): the basis
+from the all-gathered gradient on refresh steps; side right keeps the low-rank state sharded by rows, left and both
+replicate it; :class:`SplitReduction` routes the inner math's reductions. The math: docs/distributed.md#galore.
 """
 
 from __future__ import annotations
@@ -52,9 +37,7 @@ def _local_rows(p) -> tuple[int, int]:
 
 
 def low_rank_layout(p, low: tuple[int, int], side: int) -> tuple[tuple[int, int], tuple[int | None, int | None]]:
-    """``(local low-rank shape, dims)`` of the low-rank state of parameter ``p`` whose global low-rank shape is
-    ``low``. ``dims``: the parameter dim each low-rank dim runs along (:class:`~lowmemopt.optimizer.Slot`'s ``dims``):
-    side right keeps the rows (dim 0), which a row-sharded parameter shards; left and both are replicated."""
+    """``(local shape, dims)`` of ``p``'s low-rank state (side right sharded by rows)."""
     dims = (0, None) if side == RIGHT else (None, None)
     if not is_dtensor(p) or side != RIGHT:
         return low, dims
@@ -63,8 +46,7 @@ def low_rank_layout(p, low: tuple[int, int], side: int) -> tuple[tuple[int, int]
 
 
 class SplitReduction(Reduction):
-    """The reductions of a GaLore step: those of the full-rank parameter ``param`` (the very tensor the inner math is
-    given as ``p``) over its shards, every other one (the low-rank gradient, update and state) by ``low``."""
+    """A GaLore step's reductions: those of the full-rank ``param`` over its shards, every other one by ``low``."""
 
     distributed = True
 
@@ -91,7 +73,7 @@ class SplitReduction(Reduction):
 
 
 class RowShards:
-    """One GaLore step's view of a row-sharded DTensor parameter (see the module docstring)."""
+    """One GaLore step's view of a row-sharded DTensor parameter."""
 
     def __init__(self, p, grad, m: int, n: int, side: int, rank: int) -> None:
         _check_placements(p)
@@ -103,12 +85,11 @@ class RowShards:
         self.rows = ShardedReduction(p.device_mesh, p.placements, torch.Size((m, k)))  # low-rank (m, k), side right
 
     def full_gradient(self) -> torch.Tensor:
-        """The whole gradient as an fp32 (m, n) matrix on every rank (an all-gather: refresh steps only)."""
+        """The whole gradient as fp32 (m, n) on every rank (an all-gather; refresh steps only)."""
         return self.dtensor_grad.full_tensor().reshape(self.m, self.n).float()
 
     def project(self, g: torch.Tensor, state: dict[str, Any], bases) -> torch.Tensor:
-        """The low-rank gradient of the local rows ``g`` (m_local x n, fp32): local rows for side right, the whole
-        (replicated) ``G_low`` for left and both."""
+        """The low-rank gradient of local rows ``g``: local rows for side right, the replicated ``G_low`` otherwise."""
         p, q = bases(state)
         if p is None:
             return torch.matmul(g, q.t())

@@ -1,26 +1,7 @@
-"""Decentralized SGD: gossip averaging with neighbours, as a ``torch.distributed`` model averager.
-
-Each rank ``i`` replaces its parameters by a weighted mean of its own and its neighbours' (Lian et al. 2017, D-PSGD;
-Koloskova et al. 2019)::
-
-    x_i <- W_ii x_i + sum_{j in N(i)} W_ij x_j
-
-With ``W`` symmetric and doubly stochastic on a connected undirected graph, every round keeps the mean over ranks
-(``sum_i x_i`` is unchanged) and the ranks converge to it geometrically, at the rate of ``W``'s second largest
-eigenvalue modulus. The default Metropolis-Hastings weights, ``W_ij = 1 / (1 + max(d_i, d_j))`` on each edge and
-``W_ii = 1 - sum_j W_ij``, are doubly stochastic on any undirected graph (Xiao & Boyd 2004). mlbench's
-``DecentralizedSGD`` uses ``1 / (d_i + 1)`` for every neighbour (``weights="uniform"`` here), which is doubly
-stochastic only when every rank has the same degree: on an irregular graph it drifts the mean, so it is accepted
-only on regular graphs.
-
-:class:`GossipAverager` implements torch's ``ModelAverager`` (``average_parameters(params)``, ``step``, a ``period``
-and ``warmup_steps`` as in ``PeriodicModelAverager``), so it plugs into ``PostLocalSGDOptimizer``::
-
-    opt = PostLocalSGDOptimizer(lowmemopt.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                GossipAverager(ring(dist.get_world_size()), period=1))
-
-One round exchanges each rank's parameters with every neighbour in one ``batch_isend_irecv`` (one flat tensor per
-dtype and device), so it holds ``degree`` extra copies of the averaged parameters while it runs.
+"""Decentralized SGD: gossip averaging with neighbours as a ``torch.distributed`` model averager
+(:class:`GossipAverager`, for ``PostLocalSGDOptimizer``): ``x_i <- W_ii x_i + sum_{j in N(i)} W_ij x_j`` (Lian et al.
+2017, D-PSGD), one ``batch_isend_irecv`` per round. Topologies, weights and why Metropolis is the default:
+docs/distributed_recipes.md#decentralized-sgd-gossip.
 """
 
 from __future__ import annotations
@@ -45,8 +26,7 @@ def ring(world_size: int) -> list[list[int]]:
 
 
 def torus(rows: int, cols: int) -> list[list[int]]:
-    """The 2-D torus (a ``rows x cols`` grid with wrap-around): rank ``r * cols + c`` neighbours the ranks above,
-    below, left and right of it. A side of 1 or 2 gives fewer distinct neighbours (a side of 1 is a ring)."""
+    """The 2-D torus (``rows x cols``, wrapping): each rank neighbours those above, below, left, right."""
     for name, v in (("rows", rows), ("cols", cols)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -89,11 +69,7 @@ def _check_graph(graph: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 def mixing_weights(graph: Sequence[Sequence[int]], rank: int, weights: str = "metropolis") -> dict[int, float]:
-    """Row ``rank`` of the mixing matrix of ``graph`` (neighbours of every rank): ``{rank: W_ii, j: W_ij, ...}``.
-
-    ``"metropolis"``: ``W_ij = 1 / (1 + max(d_i, d_j))``, doubly stochastic on any undirected graph. ``"uniform"``:
-    ``1 / (d_i + 1)`` for the rank and each neighbour (mlbench's), doubly stochastic only on a regular graph, so an
-    irregular graph raises ``ValueError``."""
+    """Row ``rank`` of ``graph``'s mixing matrix (``"metropolis"`` or ``"uniform"``)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     graph = _check_graph(graph)
@@ -110,20 +86,17 @@ def mixing_weights(graph: Sequence[Sequence[int]], rank: int, weights: str = "me
 
 
 class GossipAverager(ModelAverager):
-    """Gossip model averaging for decentralized SGD, a torch ``ModelAverager`` (use it with
-    ``torch.distributed.optim.PostLocalSGDOptimizer``, or call ``average_parameters`` after ``optimizer.step()``).
+    """Gossip model averaging for decentralized SGD, a torch ``ModelAverager``.
 
     Args:
-        topology: the neighbours of every rank (``ring(W)``, ``torus(r, c)``, or any list of lists over the group's
-            ranks), or only this rank's neighbours (a list of ints; the ranks then exchange their lists once, here,
-            with ``all_gather_object``). Must be undirected and connected (checked, ``ValueError``).
-        period: gossip every ``period`` steps after the warm-up (1: every step, as D-PSGD and mlbench do).
+        topology: every rank's neighbours (``ring(W)``, ``torus(r, c)``, a list of lists), or this rank's only (a
+            list of ints, exchanged once here). Undirected and connected (ValueError otherwise).
+        period: gossip every ``period`` steps after the warm-up.
         warmup_steps: steps without gossip first (as ``PeriodicModelAverager``).
-        weights: ``"metropolis"`` (default) or ``"uniform"`` (regular graphs only); see :func:`mixing_weights`.
+        weights: ``"metropolis"`` (default) or ``"uniform"`` (regular graphs only).
         process_group: the group whose ranks ``topology`` names (default: the world).
 
-    Like torch's averagers, only parameters that have a gradient are averaged (``get_params_to_average``); ``params``
-    may be parameters or an optimizer's ``param_groups``. Parameters are updated in place.
+    Only parameters with a gradient are averaged, in place; ``params`` may be parameters or ``param_groups``.
     """
 
     def __init__(self, topology: Sequence[Sequence[int]] | Sequence[int], period: int = 1, warmup_steps: int = 0,
@@ -150,8 +123,7 @@ class GossipAverager(ModelAverager):
         self.neighbors = sorted(j for j in self.weights if j != self.rank)
 
     def average_parameters(self, params: Iterable[torch.nn.Parameter] | Iterable[dict]) -> None:
-        """One gossip round on ``params`` if this step is due (``step >= warmup_steps`` and
-        ``(step - warmup_steps) % period == 0``); ``step`` advances on every call."""
+        """One gossip round on ``params`` if this step is due; ``step`` advances on every call."""
         if self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0:
             self.gossip(get_params_to_average(params))
         self.step += 1

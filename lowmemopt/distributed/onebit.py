@@ -1,20 +1,7 @@
-"""The communicate stage of the communication-compressed optimizers (1-bit Adam, :mod:`lowmemopt.optim.onebit`).
-
-Data parallelism without DDP's gradient all-reduce: every rank holds the whole model and its own gradients, and the
-stage replaces each parameter's gradient, before the update stage, by what the algorithm's math reads:
-
-    phase "full"        the gradients averaged over the process group: one all-reduce of one flat fp32 bucket per
-                        param group (skipped where a DDP comm hook, :func:`onebit_comm_hook`, already averaged them)
-    phase "compressed"  what the algorithm sends (1-bit Adam: its local momentum ``beta1 m + (1 - beta1) g``), averaged
-                        by the compressed all-reduce with error feedback (:mod:`.compression`): one call per param group
-
-The optimizer hands the stage to the pipeline as ``Plan.communicate``; :func:`lowmemopt.pipeline.communicating` runs it
-around the update: :meth:`OnebitStage.begin` swaps the gradients, :meth:`OnebitStage.give_back` restores them and
-:meth:`OnebitStage.finish` runs what follows the update (0/1 Adam's synchronisation). The stage sees plain tensors and
-the plan: the param groups, the state dict and the algorithm, which says what each step communicates (its ``phase``
-and ``message``; the hooks ``comm_phase``, ``comm_begin`` and ``comm_after``). The error buffers live here, one pair per
-param group, with the algorithm's schedule counters (``counters``) and its fixed settings (``settings``); the state
-dict carries the buffers and the counters, per rank.
+"""The communicate stage of the 1-bit optimizers (:mod:`lowmemopt.optim.onebit`), ``Plan.communicate``: before the
+update it replaces each gradient by what the algorithm reads (phase ``"full"``: the all-reduced mean; ``"compressed"``:
+the compressed mean of its message, :mod:`.compression`; ``"local"``: nothing), and gives them back after. It keeps the
+error buffers and the schedule counters per param group. Docs: docs/onebit.md.
 """
 
 from __future__ import annotations
@@ -32,15 +19,13 @@ __all__ = ["OnebitStage", "Communicated", "onebit_comm_hook", "broadcast_paramet
 
 
 def align_of(group: dict[str, Any], p: torch.Tensor) -> int:
-    """The block size that ``p``'s server chunks are multiples of: its first moment's, where quantized (8 else)."""
+    """The block size ``p``'s server chunks are multiples of: its quantized first moment's, else 8."""
     fmt = choose_format(group["state_bits"], p.numel(), group["min_quant_numel"])
     return group["block_size"] if fmt.bits < 16 else 8
 
 
 def apply_mask(group: dict[str, Any], params: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
-    """Multiply each compressed mean of ``group``'s ``params`` in place by the group's ``exp_avg_mask`` (DeepSpeed's
-    group key: a tensor broadcastable to each parameter's shape, e.g. zeros for the rows of an embedding that the
-    data never reaches, so that their momentum stays exactly zero); nothing without one."""
+    """Multiply ``group``'s compressed means by its ``exp_avg_mask`` (DeepSpeed's key), if any."""
     mask = group.get("exp_avg_mask")
     if mask is None:
         return
@@ -50,15 +35,14 @@ def apply_mask(group: dict[str, Any], params: Sequence[torch.Tensor], results: S
 
 @dataclass
 class Communicated:
-    """What :meth:`OnebitStage.begin` did this step: per param group with gradients ``(index, group, phase, params)``,
-    and the ``(param, its own gradient)`` pairs whose ``.grad`` it replaced."""
+    """What :meth:`OnebitStage.begin` did: per group ``(index, group, phase, params)``, and the replaced gradients."""
 
     groups: list[tuple[int, dict[str, Any], str, list[torch.Tensor]]] = field(default_factory=list)
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def broadcast_parameters(params: Sequence[torch.Tensor], process_group: Any = None) -> None:
-    """Make every rank's ``params`` equal to those of the group's first rank: one broadcast per dtype and device."""
+    """Make every rank's ``params`` equal to the group's first rank's (one broadcast per dtype and device)."""
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
@@ -71,9 +55,7 @@ def broadcast_parameters(params: Sequence[torch.Tensor], process_group: Any = No
 
 
 class OnebitStage:
-    """Communication for one optimizer: its process group, a compressed all-reduce and error buffers per param
-    group (made at the group's first compressed step, or loaded), and whether a DDP comm hook averages the
-    gradients of "full" steps (``ddp_reduces``)."""
+    """Communication for one optimizer: process group, compressed all-reduce, error buffers per group."""
 
     def __init__(self, process_group: Any = None, settings: dict[str, Any] | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -97,9 +79,7 @@ class OnebitStage:
         return plan.algorithm.comm_phase(self, plan.state, index, plan.groups[index])
 
     def begin(self, plan: Any, work: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> Communicated:
-        """Before the update: for each param group with gradients (in ``work``), its phase, the algorithm's
-        ``comm_begin`` and :meth:`communicate`; each gradient the update must not read as it is is replaced (``.grad``)
-        by what it reads. On an error the gradients are given back before it propagates."""
+        """Before the update: each group's phase and communication, replacing ``.grad`` where needed."""
         algorithm, state = plan.algorithm, plan.state
         stepping = {id(p) for p, _ in work}
         done = Communicated()
@@ -134,16 +114,14 @@ class OnebitStage:
         done.swapped = []
 
     def finish(self, plan: Any, done: Communicated) -> None:
-        """After the update: the algorithm's ``comm_after`` for each param group that stepped (0/1 Adam's
-        synchronisation; its schedule's counters)."""
+        """After the update: the algorithm's ``comm_after`` per group that stepped (0/1 Adam's synchronisation)."""
         for index, group, phase, params in done.groups:
             plan.algorithm.comm_after(self, plan, index, group, phase, params)
 
     # -- the two phases ---------------------------------------------------------------------------------------------
 
     def average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The mean over the group of each of ``grads``, as new fp32 tensors (one all-reduce of their concatenation;
-        summed, then divided by the world size)."""
+        """The mean over the group of each of ``grads``, as new fp32 tensors (one all-reduce)."""
         if not grads:
             return []
         flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -152,8 +130,7 @@ class OnebitStage:
         return [part.view(g.shape) for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads]))]
 
     def compressed(self, index: int, messages: list[torch.Tensor], aligns: list[int]) -> list[torch.Tensor]:
-        """The compressed mean over the group of each of ``messages`` (fp32), as views of the bucket of param group
-        ``index`` (made, with zero error buffers, when its layout changes)."""
+        """The compressed mean of each of ``messages``, as views of group ``index``'s bucket."""
         if self.world == 1:  # (as DeepSpeed: nothing to average, nothing compressed)
             return messages
         numels = [m.numel() for m in messages]
@@ -172,9 +149,7 @@ class OnebitStage:
 
     def communicate(self, index: int, phase: str, grads: list[torch.Tensor],
                     message: Callable[[int], torch.Tensor], aligns: list[int]) -> list[torch.Tensor] | None:
-        """What param group ``index``'s update reads in place of ``grads`` this step: averaged gradients (phase
-        "full"; None where a DDP hook already averaged them), the compressed mean of ``message(i)`` for each
-        parameter i (phase "compressed"), or None ("local": nothing moves)."""
+        """What group ``index``'s update reads instead of ``grads`` this step (None: its own)."""
         if phase == "full":
             return None if self.ddp_reduces else self.average(grads)
         if phase == "compressed":
@@ -186,8 +161,7 @@ class OnebitStage:
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def errors_state(self) -> dict[str, Any]:
-        """This rank's error buffers: ``{"world", "rank", "groups": {index: {"numels", "aligns", "worker_error",
-        "server_error"}}}`` (plain tensors, ints and lists)."""
+        """This rank's error buffers as plain tensors, ints and lists."""
         groups = {}
         for index, (layout, _, w, s) in self.buckets.items():
             groups[str(index)] = dict(numels=list(layout.numels), aligns=list(layout.aligns),
@@ -195,8 +169,7 @@ class OnebitStage:
         return dict(world=self.world, rank=self.rank, groups=groups)
 
     def load_errors(self, saved: dict[str, Any] | None, device: torch.device | str = "cpu") -> str | None:
-        """Restore the error buffers of :meth:`errors_state`; returns why they were reset instead (saved at another
-        world size or rank, or for other tensors), or None."""
+        """Restore :meth:`errors_state`; returns why they were reset instead, or None."""
         self.buckets = {}
         if not saved:
             return None
@@ -216,10 +189,7 @@ class OnebitStage:
 
 
 def onebit_comm_hook(state: Any, bucket: "dist.GradBucket") -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook that follows a 1-bit optimizer's phase (``state``: the optimizer, or anything with a
-    ``next_phase()`` method): the gradients averaged as DDP's default hook does (all-reduce, divided by the world size)
-    where the optimizer's next step is a "full" one, and left local otherwise (the optimizer communicates itself).
-    Register it with ``ddp.register_comm_hook(optimizer, onebit_comm_hook)``, or ``optimizer.register_ddp(ddp)``."""
+    """DDP comm hook: DDP's average before a 1-bit optimizer's "full" step, local gradients otherwise."""
     tensor = bucket.buffer()
     if state.next_phase() != "full":
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

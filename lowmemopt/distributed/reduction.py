@@ -1,18 +1,7 @@
-"""Whole-tensor reductions of the optimizer math, for tensors a process may hold only a shard of.
-
-Algorithms that need more than element-wise math (LAMB and LARS norms; Adafactor and CAME row / column means and RMS)
-take a ``reduce`` argument and do every reduction through it. The math stays one function, whatever the sharding:
-
-* :data:`LOCAL` (a :class:`Reduction`): the single-process case. Each method is exactly the torch call the math made
-  before this interface existed, so single-process results are bit-identical.
-* :class:`ShardedReduction`: the parameter is a DTensor and the math sees its local shard. A reduction over parameter
-  dims that some mesh dims shard is computed as a local partial sum, all-reduced (sum) over the process groups of those
-  mesh dims, then normalized by the *global* size (uneven shards, and ranks holding an empty shard, are exact). A
-  reduction over dims that no mesh dim shards stays local, and is the single-process op.
-
-Tensors passed in are local parts of a tensor whose dims follow the parameter's: ``x`` of the parameter's shape, or a
-statistic whose dim ``dim`` runs along parameter dim ``pdim`` (Adafactor's row statistic ``R[..., i]`` runs along the
-parameter's dim -2). Negative ``pdim`` counts from the parameter's last dim.
+"""Whole-tensor reductions of the optimizer math (LAMB/LARS norms, Adafactor/CAME means and RMS) for tensors a
+process may hold a shard of: :data:`LOCAL` is the single-process torch call, bit for bit; :class:`ShardedReduction`
+sums local partials over the mesh dims that shard the reduced parameter dims and divides by the global size.
+``pdim`` names the parameter dim a tensor's ``dim`` runs along. Docs: docs/distributed.md#whole-tensor-reductions.
 """
 
 from __future__ import annotations
@@ -51,25 +40,19 @@ class Reduction:
         return x.numel()
 
     def total(self, partial: torch.Tensor) -> torch.Tensor:
-        """``partial``, a sum over this process's elements of the parameter (a tensor of per-block sums, say), summed
-        over every process that holds a part of it (in place). One process: ``partial`` itself."""
+        """``partial`` (a sum over this process's elements) summed over every process holding part of the parameter."""
         return partial
 
     def flat_offset(self) -> int | None:
-        """The flat (row-major) index in the whole parameter of the local tensor's first element, when the local
-        elements are one contiguous range of the whole parameter's; None when they are not (the per-element
-        :meth:`element_index` then says where each one is). Single process: 0."""
+        """The local first element's flat index in the parameter if contiguous there, else None."""
         return 0
 
     def element_index(self, lo: int, n: int, device: torch.device | str = "cpu") -> int | torch.Tensor:
-        """Where local flat elements ``lo .. lo + n - 1`` sit in the whole parameter: the first one's flat index (an
-        int: they are consecutive), or an int64 tensor of ``n`` indices. What stochastic rounding hashes, so that a
-        sharded parameter takes the bits the whole one takes in one process (:mod:`lowmemopt.rounding`)."""
+        """Where local elements ``lo .. lo + n - 1`` sit in the whole parameter."""
         return lo
 
     def agree(self, value: int) -> int:
-        """``value`` made the same on every process that holds a part or a copy of the parameter (the largest one).
-        Single process: ``value``."""
+        """``value`` made equal on every process holding part or a copy of the parameter (the largest)."""
         return value
 
     def __repr__(self) -> str:
@@ -89,17 +72,12 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def is_shard(placement) -> bool:
-    """``Shard(d)`` or ``_StridedShard(d, ...)`` (FSDP2 over tensor parallelism): parameter dim ``d`` is split over
-    the mesh dim. For a sum over ``d`` the order of the pieces does not matter, so both reduce the same way."""
+    """``Shard(d)`` or ``_StridedShard(d, ...)``: parameter dim ``d`` split over the mesh dim (sums alike)."""
     return placement.is_shard() or (type(placement).__name__ == "_StridedShard" and hasattr(placement, "dim"))
 
 
 class ShardedReduction(Reduction):
-    """Reductions over a tensor laid out like a DTensor parameter (``mesh``, ``placements``, global ``shape``).
-
-    ``Shard(d)`` on mesh dim ``i``: parameter dim ``d`` is split over mesh dim ``i``'s process group, so a reduction
-    over ``d`` sums over that group. ``Replicate()``: nothing to sum. ``Partial`` parameters are rejected (a parameter
-    is never a pending sum)."""
+    """Reductions over a tensor laid out like a DTensor parameter (``mesh``, ``placements``, ``shape``)."""
 
     distributed = True
 
@@ -162,8 +140,7 @@ class ShardedReduction(Reduction):
         return self._sum(partial, self._all)
 
     def _local_box(self) -> tuple[list[int], list[int]] | None:
-        """(local shape, its offset in the parameter) of this rank's shard; None for a strided shard (FSDP2 over
-        tensor parallelism), whose elements are no box of the parameter."""
+        """(local shape, offset) of this rank's shard; None for a strided shard."""
         if any(type(pl).__name__ == "_StridedShard" for pl in self.placements):
             return None
         if self._box is None:

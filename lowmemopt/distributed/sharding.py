@@ -1,16 +1,7 @@
-"""DTensor parameters (FSDP2 ``fully_shard``, tensor parallelism): state on the local shard.
-
-A DTensor parameter's optimizer state lives on its local shard: every state tensor is a plain tensor shaped like
-``p.to_local()`` (q8 codes and per-block absmax of the local shard's flattening; factored statistics of the local rows
-and columns), and the step runs the single-process code on ``p.to_local()`` and ``p.grad.to_local()``. Whole-tensor
-reductions go through a :class:`~lowmemopt.distributed.reduction.ShardedReduction` built here.
-
-``optimizer.state_dict()`` presents that state as DTensors laid out like the parameter (what
-``torch.distributed.checkpoint`` needs to save shards and to reshard on load), see :func:`present_state`;
-``load_state_dict`` takes DTensor state back to local tensors, see :func:`localize_state`.
-
-``torch.distributed.tensor`` is imported only once some DTensor exists (it costs ~0.7 s to import): a tensor cannot be
-a DTensor before that module is loaded.
+"""DTensor parameters (FSDP2 ``fully_shard``, tensor parallelism): state lives on the local shard as plain tensors and
+the step runs the single-process code on ``p.to_local()``; ``state_dict()`` presents it as DTensors laid out like the
+parameter (:func:`present_state`) and ``load_state_dict`` localizes it back (:func:`localize_state`). Docs:
+docs/distributed.md. ``torch.distributed.tensor`` is imported only once some DTensor exists (~0.7 s).
 """
 
 from __future__ import annotations
@@ -53,10 +44,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_view(p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Reduction]:
-    """``(p_local, grad_local, reduce)`` for one step. A plain parameter is returned as it is with :data:`LOCAL`.
-
-    A DTensor gradient laid out differently from its parameter (e.g. ``Partial`` after a tensor-parallel backward) is
-    redistributed to the parameter's placements first (a collective: every rank steps the same parameters)."""
+    """``(p_local, grad_local, reduce)`` for one step (a ``Partial`` gradient redistributed first)."""
     if not is_dtensor(p):
         if is_dtensor(grad):
             raise TypeError("a plain tensor parameter has a DTensor gradient; shard the parameter like its gradient")
@@ -74,17 +62,12 @@ def local_view(p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def reduction_of(p: torch.Tensor) -> Reduction:
-    """How the math reduces over parameter ``p``: laid out like a DTensor ``p`` (:class:`ShardedReduction`), else
-    :data:`LOCAL`."""
+    """How the math reduces over ``p``: a :class:`ShardedReduction` for a DTensor, else :data:`LOCAL`."""
     return ShardedReduction(p.device_mesh, p.placements, p.shape) if is_dtensor(p) else LOCAL
 
 
 def agree_finite(flags: list[bool], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[bool]:
-    """Make the non-finite-gradient skip decision the same on every rank that holds a shard of a parameter.
-
-    Each rank checked only its shard; a NaN in one shard must skip the whole parameter everywhere (else its shards
-    would step apart, and ranks would disagree on which collectives the step makes). One MIN all-reduce of the flags
-    per mesh dim per step, none when no parameter is a DTensor."""
+    """Make the non-finite skip the same on every rank holding a shard of a parameter."""
     by_mesh: dict[Any, list[int]] = {}
     for i, p in enumerate(params):
         if is_dtensor(p):
@@ -107,12 +90,9 @@ def agree_finite(flags: list[bool], params: Sequence[torch.Tensor], grads: Seque
 
 
 def slot_layout(p, slot: "Slot", local_shape: torch.Size) -> tuple[list, torch.Size]:
-    """``(placements, global shape)`` of a slot of DTensor parameter ``p`` whose local tensor has ``local_shape``.
-
-    A parameter-shaped slot is placed like ``p``. A slot with its own shape (a factored statistic, a low-rank state)
-    has ``slot.dims``: the parameter dim each of its dims runs along (None: none). A mesh dim that shards parameter dim
-    ``d`` shards the slot's dim that runs along ``d`` (whose global size is then ``p``'s), and replicates the slot if
-    none does (it was reduced over ``d``, or does not depend on it: every shard holds the same values)."""
+    """``(placements, global shape)`` of a slot of DTensor ``p`` with local shape ``local_shape``: parameter-shaped
+    slots are placed like ``p``; others follow ``slot.dims`` (sharded where a dim runs along a sharded parameter dim,
+    else replicated)."""
     from torch.distributed.tensor import Replicate, Shard
 
     if slot.shape is None:
@@ -138,14 +118,9 @@ def slot_layout(p, slot: "Slot", local_shape: torch.Size) -> tuple[list, torch.S
 
 
 def present_state(p, state: dict[str, Any], group: dict[str, Any], local_slots: dict[str, "Slot"]) -> dict[str, Any]:
-    """One parameter's state as ``state_dict()`` shows it for ``torch.distributed.checkpoint``: every slot a tensor
-    laid out like the parameter (a DTensor for a DTensor parameter), q8 / q4 slots decoded to fp32, ``step`` an int.
-
-    Why fp32: 8- and 4-bit blocks are laid over each local shard, so codes and per-block absmax mean nothing at another
-    sharding, while fp32 values reshard like any tensor; ``load_state_dict`` re-encodes them into the loading
-    optimizer's blocks. Dense (fp32 / bf16) slots are shown without a copy; q8 slots cost an fp32 copy of the local
-    shard while the state dict lives. ``group``: ``p``'s param group; ``local_slots``: the slots its state holds (a
-    DTensor: its local shard's; GaLore: low-rank)."""
+    """One parameter's state as ``state_dict()`` shows it for ``torch.distributed.checkpoint``: each slot laid out
+    like the parameter, q8 / q4 slots decoded to fp32 (blocks mean nothing at another sharding), ``step`` an int.
+    ``local_slots``: the slots its state holds."""
     from ..quant.formats import QUANTIZED, format_of
 
     local = local_tensor(p)
@@ -173,8 +148,7 @@ def present_state(p, state: dict[str, Any], group: dict[str, Any], local_slots: 
 
 
 def _as_dtensor(p, slot: "Slot | None", local_value: torch.Tensor):
-    """``local_value`` (a slot of ``p``'s local shard; None: a tensor of the local shard's shape) as a DTensor laid
-    out like ``p`` (no copy)."""
+    """``local_value`` (None: a tensor of the local shard's shape) as a DTensor laid out like ``p``, no copy."""
     from torch.distributed.tensor import DTensor
 
     placements, gshape = (list(p.placements), p.shape) if slot is None else slot_layout(p, slot, local_value.shape)
@@ -190,9 +164,7 @@ def _replicated(p, value: torch.Tensor):
 
 
 def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(p_local, state)`` with every DTensor in ``state`` brought to ``p``'s layout and replaced by its local shard.
-    The state may come from :func:`present_state` at any world size: ``torch.distributed.checkpoint`` has already
-    resharded it to this optimizer's layout, which :func:`present_state` gave it."""
+    """``(p_local, state)`` with every DTensor of ``state`` replaced by its local shard in ``p``'s layout."""
     if not is_dtensor(p):
         bad = [k for k, v in state.items() if is_dtensor(v)]
         if bad:
@@ -215,10 +187,8 @@ def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, An
 
 @contextmanager
 def dense_state_dict(optimizer: torch.optim.Optimizer) -> Iterator[torch.optim.Optimizer]:
-    """While active, ``optimizer.state_dict()`` shows the state of *every* parameter as for a sharded one: q8 slots
-    decoded to fp32, each slot a tensor of the parameter's layout. Use it around ``get_optimizer_state_dict`` /
-    ``set_optimizer_state_dict`` and ``torch.distributed.checkpoint`` with an unsharded (plain-tensor) model, so its
-    checkpoint entries match a sharded run's (DTensor parameters are always shown that way)::
+    """While active, ``optimizer.state_dict()`` shows every parameter's state as for a sharded one (q8 decoded to
+    fp32), so an unsharded model's DCP checkpoint matches a sharded run's::
 
         with lowmemopt.distributed.dense_state_dict(opt):
             sd = {"optim": get_optimizer_state_dict(model, opt)}
@@ -247,8 +217,7 @@ def presented_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, Any]]:
 
 
 def shard_layout(p) -> dict[str, Any] | None:
-    """Where a DTensor parameter's local shard sits: global shape, local offset and shape, placements, mesh. None for
-    a plain tensor. Recorded in per-rank state files, whose state is only valid for the same layout."""
+    """Where a DTensor's local shard sits (for per-rank files); None for a plain tensor."""
     if not is_dtensor(p):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -1,27 +1,10 @@
-"""Sparsified gradient exchange with error feedback, as a DDP communication hook.
+"""Sparsified gradient exchange with error feedback as a DDP communication hook (Stich, Cordonnier and Jaggi,
+"Sparsified SGD with memory", NeurIPS 2018)::
 
-Stich, Cordonnier and Jaggi, "Sparsified SGD with memory" (NeurIPS 2018): each worker adds its gradient to a local
-memory, sends only ``k`` coordinates of the sum, and keeps the rest for later steps::
+    a_t = m_{t-1} + g_t;   s_t = comp_k(a_t);   m_t = a_t - s_t;   g_avg_t = (1 / W) sum_r s_t^(r)
 
-    a_t     = m_{t-1} + g_t                      (fp32, fp64 for fp64 gradients; one memory per DDP bucket)
-    s_t     = comp_k(a_t)                        (top-k by magnitude, random-k, or a random block of k)
-    m_t     = a_t - s_t                          (what was not sent, including the rounding to the gradient dtype)
-    g_avg_t = (1 / W) sum_r s_t^(r)              (all-gather of (index, value) pairs, scattered back)
-
-so that, on every rank, ``sum_t s_t + m_T = sum_t g_t``: nothing is lost, only delayed. DDP then hands ``g_avg_t`` to
-the optimizer as the gradient, so any optimizer composes with it (``lowmemopt.AdamW`` at 8 bits, ``SGD``, ``Lion``...).
-
-Differences from the paper and from mlbench's ``SparsifiedSGD``:
-
-* The memory holds un-scaled gradients (``m + g``), not ``m + lr * g`` as in the paper's Algorithm 1: a comm hook sees
-  gradients, not the optimizer's step size. With a constant learning rate and plain SGD the two are the same
-  algorithm; under a schedule the delayed coordinates are applied at the learning rate of the step that sends them.
-* Selection runs over a whole DDP bucket (many parameters flattened), not per parameter: ``k`` is a fraction of the
-  bucket, and top-k picks the largest coordinates across the parameters of the bucket.
-* mlbench's ``SparsifiedSGD`` re-initialises the model's weights with ``N(0, 0.01)`` in its constructor and its
-  selection reads only row 0 of each parameter (``memory[0, index]``), so the rest of the memory is never sent.
-  Neither is part of the method; here every coordinate of every parameter can be selected and the weights are left
-  alone.
+Nothing is lost, only delayed; any optimizer follows. Selection, costs and the differences from the paper and from
+mlbench: docs/distributed_recipes.md#sparsified-sgd-with-memory.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects (dist.GradBucket).
@@ -40,21 +23,18 @@ _INT32_MAX = 2**31 - 1
 
 
 class SparsifiedState:
-    """State of :func:`sparsified_hook`: the compression choice, the error memory of each bucket, the random streams.
+    """State of :func:`sparsified_hook`: the compression choice, each bucket's error memory, the random streams.
 
     Args:
         process_group: the group to average over (default: the world).
         ratio: fraction of each bucket's coordinates sent per step, ``0 < ratio <= 1`` (``k = ceil(ratio * n)``).
-        k: or a fixed number of coordinates per bucket (``min(k, n)``). Exactly one of ``ratio`` and ``k``.
-        method: ``"top"`` (largest ``|a_t|``), ``"random"`` (``k`` distinct coordinates drawn uniformly, independently
-            on each rank) or ``"block"`` (``k`` consecutive coordinates from a random start: one index on the wire).
-        start_iter: iterations of plain all-reduce before compression starts. DDP rebuilds its buckets after the
-            first iteration, so a bucket's memory only exists from then on; as with ``PowerSGDState``, at least 2.
+        k: or a fixed number per bucket (``min(k, n)``). Exactly one of ``ratio`` and ``k``.
+        method: ``"top"`` (largest ``|a_t|``), ``"random"`` (``k`` distinct uniform, per rank) or ``"block"`` (``k``
+            consecutive from a random start).
+        start_iter: iterations of plain all-reduce first (DDP rebuilds its buckets after the first); at least 2.
         seed: seed of the random selection; rank ``r`` draws from ``seed + r``.
 
-    ``error_dict`` maps a bucket index to its memory, the un-sent residual (fp32; fp64 for fp64 gradients), like
-    ``PowerSGDState.error_dict``. ``iter`` counts the iterations seen (one per backward). The state pickles without
-    its process group (memory and random streams included).
+    ``error_dict``: bucket index -> its memory (as ``PowerSGDState``'s); ``iter`` counts backward passes.
     """
 
     __slots__ = ("process_group", "ratio", "k", "method", "start_iter", "seed", "iter", "error_dict", "_generators",
@@ -116,8 +96,7 @@ class SparsifiedState:
 
 
 def select(acc: torch.Tensor, k: int, method: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Indices of the ``k`` coordinates of the flat tensor ``acc`` to send: the ``k`` largest ``|acc|`` (top), ``k``
-    distinct uniform ones (random), or ``[start]`` of a uniform random block ``start .. start + k - 1`` (block)."""
+    """Indices of the ``k`` coordinates of flat ``acc`` to send (top, random, or a block's ``[start]``)."""
     n = acc.numel()
     if method == "top":
         return _top_k(acc.abs(), k)
@@ -132,12 +111,7 @@ _SAMPLE = 1 << 16
 
 
 def _top_k(mag: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest of ``mag``, exactly, without a ``topk`` over the whole bucket when ``k`` is small:
-    a threshold ``t`` from an evenly strided sample of ``2^16`` elements (its ``1 - 2k / n`` quantile) leaves about
-    ``2k`` candidates ``mag >= t``; if at least ``k`` of them, they hold every one of the ``k`` largest, and ``topk``
-    runs over them only; otherwise (a sample that misjudged), over everything. CPU only (``torch.topk`` of 1% of 4.2M
-    elements: 199 ms on one loaded core, this 33 ms); on a GPU ``topk`` is fast and the candidate count would wait for
-    the device."""
+    """Indices of the ``k`` largest of ``mag``, exactly, via ``2k`` candidates from a sample (CPU)."""
     n = mag.numel()
     if mag.device.type == "cpu" and n >= 4 * _SAMPLE and 8 * k <= n:  # on a GPU topk is fast and this would sync
         sample = mag[:: n // _SAMPLE]
@@ -150,11 +124,7 @@ def _top_k(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _random_subset(n: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """``k`` distinct indices of ``range(n)``, every ``k``-subset equally likely, in O(k log k) rather than the O(n)
-    of a whole ``randperm(n)`` when ``k`` is small: draw ``m`` indices with replacement, keep the distinct ones (a set
-    whose law depends only on its size, by symmetry) and take ``k`` of them at random; if fewer than ``k`` are
-    distinct (rare: ``m`` leaves a margin of ``k^2 / n + 64`` over the expected duplicates), fall back to
-    ``randperm``."""
+    """``k`` distinct uniform indices of ``range(n)`` in O(k log k)."""
     if 4 * k <= n:
         m = k + 2 * k * k // n + 64
         distinct = torch.unique(torch.randint(0, n, (m,), generator=generator, device=device))
@@ -174,10 +144,8 @@ def _positions(idx: torch.Tensor, k: int, method: str) -> torch.Tensor:
 def sparsified_hook(state: SparsifiedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: send ``k`` coordinates of ``memory + gradient`` per bucket, keep the rest in memory.
 
-    Use: ``ddp_model.register_comm_hook(SparsifiedState(ratio=0.01, method="top"), sparsified_hook)``.
-    One ``all_gather`` per bucket of each rank's (index, value) pairs packed into one byte tensor (indices int32
-    below 2^31 elements, values in the gradient's dtype; ``block`` sends one index); every rank then adds the ranks'
-    values in rank order (deterministic on every device, so replicas stay identical) and divides by the world size.
+    ``ddp_model.register_comm_hook(SparsifiedState(ratio=0.01, method="top"), sparsified_hook)``: one ``all_gather``
+    of (index, value) pairs per bucket, summed in rank order on every rank and divided by the world size.
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()

@@ -1,16 +1,7 @@
-"""Functions of whole matrices on sharded parameters: each matrix gathered to one rank, the function run there once,
-the result scattered back in slices (Muon's orthogonalization under FSDP2, after microsoft/dion's distributed Muon).
-
-A DTensor parameter sharded over one mesh dim (FSDP2's ``Shard(0)``; HSDP's ``(Replicate, Shard(0))``; any
-``Shard(d)``) holds a slice of each matrix on each of the ``W`` ranks of that mesh dim's group. :func:`map_whole` deals
-the matrices out over those ranks in turn (matrix ``j`` to rank ``j mod W``), gathers each matrix's slices on its rank
-(one ``gather`` per matrix, the slices padded to the largest one as ``torch.chunk`` cuts them), runs ``fn`` once on
-all the matrices a rank owns (a batch of them), and scatters each result's slices back. Each rank so computes about
-``1/W`` of the matrices, and each matrix's bytes cross the network twice (in and out), as a reduce-scatter would.
-
-Parameters sharded over several mesh dims (2-D sharding) take the simple route: every rank gathers every matrix
-(``full_tensor``), runs ``fn`` on all of them and keeps its box. ``_StridedShard`` (FSDP2 over tensor parallelism)
-is refused: its local elements are no box of the matrix. Replicated parameters are whole on every rank already.
+"""Functions of whole matrices on sharded parameters (Muon's orthogonalization under FSDP2, after microsoft/dion):
+:func:`map_whole` deals the matrices over the ranks of the sharding mesh dim, gathers each on its rank, runs ``fn``
+once per rank and scatters the results back; 2-D sharding gathers everything everywhere; ``_StridedShard`` is refused.
+Docs: docs/muon.md.
 """
 
 from __future__ import annotations
@@ -28,8 +19,7 @@ Fn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def shard_sizes(n: int, world: int) -> list[int]:
-    """The sizes of the ``world`` slices ``Shard`` cuts a dim of ``n`` into (``torch.chunk``'s: ceil(n / world)
-    each, the last ones shorter or empty)."""
+    """The sizes of the ``world`` slices ``Shard`` cuts ``n`` into (``torch.chunk``'s)."""
     from torch.distributed.tensor import Shard
 
     return [Shard.local_shard_size_and_offset(n, world, r)[0] for r in range(world)]
@@ -37,13 +27,15 @@ def shard_sizes(n: int, world: int) -> list[int]:
 
 def map_whole(parts: Sequence[torch.Tensor], reduce: Reduction, fn: Fn, dtype: torch.dtype,
               first: int = 0) -> list[torch.Tensor]:
-    """``fn`` applied to the whole matrices whose local parts are ``parts`` (all laid out like the parameter of
-    ``reduce``: a :class:`~lowmemopt.distributed.reduction.ShardedReduction`, or the single-process ``LOCAL``), as
-    the local parts of its results (``fn``: whole matrices in, results of the same shapes out, in order). ``dtype``:
-    the matrices are converted to it before they travel, and so are the results (``fn`` sees ``dtype`` tensors).
-    ``first``: where the dealing starts (matrix ``j`` goes to rank ``(first + j) mod W``), so that successive calls
-    spread over the ranks too. Every rank of the parameter's mesh calls this with the same number of parts (it makes
-    collectives)."""
+    """``fn`` applied to the whole matrices whose local parts are ``parts``, returned as the results' local parts.
+
+    Args:
+        reduce: the parameter's layout (a ``ShardedReduction``, or ``LOCAL``).
+        dtype: what the matrices and results travel and ``fn`` computes in.
+        first: matrix ``j`` goes to rank ``(first + j) mod W``, so successive calls spread.
+
+    Every rank of the mesh calls it with the same number of parts (collectives).
+    """
     parts = [t.to(dtype) for t in parts]
     if not reduce.distributed:
         return [r.to(dtype) for r in fn(parts)] if parts else []
@@ -63,7 +55,6 @@ def map_whole(parts: Sequence[torch.Tensor], reduce: Reduction, fn: Fn, dtype: t
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``t`` padded with zeros along ``dim`` to ``size`` (contiguous; ``t`` itself when it is that size)."""
     if t.size(dim) == size:
         return t.contiguous()
     shape = list(t.shape)
@@ -75,8 +66,7 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def _spread(parts: list[torch.Tensor], reduce: Reduction, mesh_dim: int, dim: int, fn: Fn,
             dtype: torch.dtype, first: int) -> list[torch.Tensor]:
-    """One sharded mesh dim: matrix ``j`` is whole on rank ``(first + j) mod W`` of its group only (module
-    docstring)."""
+    """One sharded mesh dim: matrix ``j`` is whole on rank ``(first + j) mod W`` only."""
     mesh = reduce.mesh
     group = mesh.get_group(mesh_dim)
     world, me = dist.get_world_size(group), mesh.get_local_rank(mesh_dim)
@@ -131,8 +121,7 @@ def _everywhere(parts: list[torch.Tensor], reduce: Reduction, fn: Fn, dtype: tor
 
 
 def whole_tensor(local: torch.Tensor, reduce: Reduction) -> torch.Tensor:
-    """The whole tensor of which ``local`` is this rank's part (laid out like ``reduce``'s parameter), on every rank:
-    an all-gather (``full_tensor``); ``local`` itself in one process."""
+    """The whole tensor of this rank's part ``local``, on every rank (``full_tensor``; ``local`` in one process)."""
     if not reduce.distributed:
         return local
     from torch.distributed.tensor import DTensor
@@ -142,9 +131,7 @@ def whole_tensor(local: torch.Tensor, reduce: Reduction) -> torch.Tensor:
 
 
 def row_block(reduce: Reduction, what: str) -> tuple[int, int]:
-    """(first row, number of rows) of this rank's part of a matrix laid out like the parameter of ``reduce`` (a
-    :class:`~lowmemopt.distributed.reduction.ShardedReduction`): sharded by rows (``Shard(0)``, FSDP2's) or
-    replicated; another layout raises NotImplementedError naming ``what``."""
+    """(first row, rows) of this rank's part of a matrix sharded by rows or replicated; else NotImplementedError."""
     for i, placement in enumerate(reduce.placements):
         if not (placement.is_replicate() or (placement.is_shard() and placement.dim % len(reduce.shape) == 0)):
             raise NotImplementedError(

@@ -1,3 +1,3 @@
-"""Integrations with training frameworks: :mod:`lowmemopt.integrations.transformers` (the HuggingFace Trainer).
-
-Each submodule imports its framework lazily, so ``import lowmemopt.integrations`` needs nothing extra."""
+"""Integrations with training frameworks (:mod:`.transformers`: the HuggingFace Trainer), each importing its
+framework lazily.
+"""

@@ -1,39 +1,11 @@
-"""The HuggingFace ``Trainer`` with lowmemopt optimizers: one argument switches a Trainer script to any of them.
-
-    from lowmemopt.integrations.transformers import optimizer
+"""The Hugging Face ``Trainer`` with lowmemopt optimizers: one argument switches a Trainer script to any of them::
 
     trainer = Trainer(model=model, args=training_args, train_dataset=data,
                       optimizer_cls_and_kwargs=optimizer("came", state_bits=8,
                                                          galore=dict(target_modules="all-linear", rank=64)))
 
-:func:`optimizer` returns ``(TrainerOptimizerFactory, config)``. The Trainer sees a factory (not an Optimizer class)
-and calls ``TrainerOptimizerFactory()(model, **config)`` when it creates its optimizer (transformers >= 5.3; older
-versions call ``TrainerOptimizerFactory(param_groups, **config)``, which is handled the same way). That call builds the
-param groups from the model:
-
-* hyper-parameters from ``TrainingArguments``, wherever the optimizer has them: ``learning_rate`` -> ``lr``,
-  ``weight_decay``, ``adam_beta1``/``adam_beta2`` -> the first two ``betas`` (AdamW, Adam, LAMB, Lion, CAME), and
-  ``adam_epsilon`` -> a scalar ``eps`` (AdamW, Adam, LAMB; Adafactor's and CAME's ``eps`` pairs mean something
-  else). Keywords given to :func:`optimizer` win over them;
-* the Trainer's no-decay rule: parameters that ``Trainer.get_decay_parameter_names`` leaves out (biases, norm
-  weights) get ``weight_decay=0``;
-* embedding weights (``nn.Embedding``) keep 32-bit state (``embedding_state_bits``), as the Trainer does for
-  bitsandbytes' 8-bit optimizers;
-* GaLore: with ``galore=dict(target_modules=..., rank=...)`` (the Trainer's ``optim_target_modules`` syntax, e.g.
-  ``"all-linear"`` or a list of names / a regex) the matching Linear weights go into groups with ``rank``, built by
-  :func:`lowmemopt.galore_param_groups`.
-* APOLLO (``"apollo_adamw"``): with ``apollo=dict(target_modules=..., rank=...)`` the matching Linear weights go into
-  projected groups built by :func:`lowmemopt.apollo_param_groups`. Muon (``"muon"``, ``"muon_8bit"``): the hidden
-  matrices in Muon groups, the rest in AdamW groups (:func:`lowmemopt.muon_param_groups`); ``adam_beta1``,
-  ``adam_beta2`` and ``adam_epsilon`` go to the AdamW groups.
-
-The Trainer's factory call passes the model only, so the factory reads the ``TrainingArguments`` (and the decay rule,
-honouring a Trainer subclass that overrides ``get_decay_parameter_names``) from the Trainer that called it, found on
-the call stack; pass ``args=`` to :func:`optimizer` to give them explicitly (and to use the factory outside a Trainer).
-
-Checkpoints: lowmemopt state is plain tensors and ints, so the Trainer's ``torch.save`` of ``optimizer.pt`` and its
-``torch.load(weights_only=True)`` on ``resume_from_checkpoint`` restore it exactly (uint8 codes and fp32 scales come
-back unchanged); the param groups are rebuilt in the same order from the same model, so they line up.
+How the factory builds the param groups (``TrainingArguments``, no-decay rule, embeddings, GaLore, APOLLO, Muon) and
+why checkpoints resume exactly: docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -69,22 +41,14 @@ def optimizer(
         name: any lowmemopt optimizer, case-insensitive (``"adamw"``, ``"AdamW8bit"``, ``"came"``, ``"lion8bit"``,
             ``"galore_adamw_8bit"``...; see :mod:`lowmemopt.registry`).
         state_bits: 32, 16, 8 or 4; None keeps the name's default (``"adamw4bit"``: 4, ``"adamw"``: 32).
-        galore: GaLore settings: ``target_modules`` and ``rank`` (required), optionally ``update_proj_gap``,
-            ``scale``, ``proj_type``..., the keywords of :func:`lowmemopt.galore_param_groups`. Required for
-            ``galore_*`` names.
+        galore: ``target_modules``, ``rank`` and the other keywords of :func:`lowmemopt.galore_param_groups`
+            (required for ``galore_*`` names).
         embedding_state_bits: state bits for embedding weights (default 32); None: like every other parameter.
-        step_in_backward: step each parameter inside ``backward()`` as soon as its gradient is ready and free that
-            gradient (per-layer updates, :func:`lowmemopt.step_in_backward`: the full set of gradients is never
-            held); the Trainer's ``optimizer.step()`` then finds no gradients and does nothing. Gradient
-            accumulation is honoured; gradient clipping cannot be (set ``TrainingArguments(max_grad_norm=0)``). The
-            stepper's position is saved in the optimizer's state dict, so checkpoints hold it. A mapping turns it on
-            with :func:`lowmemopt.step_in_backward`'s options: ``dict(bucket_bytes=32 << 20)`` steps the parameters
-            in buckets of that many gradient bytes (less host work per parameter).
+        step_in_backward: per-layer updates inside ``backward()`` (:func:`lowmemopt.step_in_backward`; needs
+            ``TrainingArguments(max_grad_norm=0)``); a mapping gives its options (``dict(bucket_bytes=32 << 20)``).
         args: the ``TrainingArguments`` to read hyper-parameters from; default: those of the calling Trainer.
-        apollo: APOLLO's projected groups, for ``"apollo_adamw"``: ``target_modules`` and ``rank`` (required),
-            optionally ``proj``, ``scale_type``, ``scale``, ``update_proj_gap``, ``proj_type``, the keywords of
+        apollo: for ``"apollo_adamw"``: ``target_modules``, ``rank`` and the other keywords of
             :func:`lowmemopt.apollo_param_groups` (APOLLO-Mini: ``rank=1, scale_type="tensor", scale=128``).
-            Without it every parameter steps as AdamW.
         **kwargs: any other keyword of the optimizer (``lr``, ``betas``, ``block_size``, ``paged``...); these win over
             ``TrainingArguments``.
 
@@ -123,9 +87,7 @@ def optimizer(
 
 
 class TrainerOptimizerFactory:
-    """The first element of :func:`optimizer`'s result: the Trainer instantiates it and calls it with the model and
-    :func:`optimizer`'s config. Calling the class with param groups (transformers < 5.3, which treats every
-    ``optimizer_cls`` as a class) builds the optimizer the same way, from the calling Trainer's model."""
+    """The first element of :func:`optimizer`'s result, which the Trainer calls with the model."""
 
     def __new__(cls, params: Any = None, **config: Any) -> Any:
         if params is None:
@@ -155,7 +117,7 @@ def build(
     trainer: Any = None,
     apollo: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
-    """Make the optimizer for ``model`` (what the factory does; see the module docstring)."""
+    """Make the optimizer for ``model`` (docs/trainer.md)."""
     args = training_args if training_args is not None else getattr(trainer, "args", None)
     if args is None:
         raise TypeError(
@@ -200,9 +162,7 @@ def _check_step_in_backward(value: Any) -> dict[str, Any] | None:
 
 
 def from_training_args(cls: type, args: Any, explicit: Mapping[str, Any] = ()) -> dict[str, Any]:
-    """The keywords of ``cls`` that ``TrainingArguments`` set: ``lr`` (unless Adafactor computes its own:
-    ``relative_step=True``) and ``weight_decay``; ``betas`` (first two entries, the rest keep the optimizer's
-    defaults) and a scalar ``eps`` where ``cls`` has them."""
+    """The keywords of ``cls`` that ``TrainingArguments`` set (docs/trainer.md)."""
     out: dict[str, Any] = {"weight_decay": args.weight_decay}
     if not explicit.get("relative_step", False):
         out["lr"] = args.learning_rate
@@ -229,11 +189,9 @@ def param_groups(
     embedding_state_bits: int | None = 32,
     base: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """``model``'s trainable parameters as param groups: GaLore groups first split off (when ``galore`` is given),
-    then each group split by (decay, embedding): ``weight_decay`` for the names in ``decay_names`` (default: every
-    parameter), 0 for the others; ``state_bits=embedding_state_bits`` for ``nn.Embedding`` weights. Empty groups are
-    dropped; the order is deterministic (model order), so a resumed run's groups match a saved state dict. ``base``:
-    the groups to split instead of one of every parameter (an optimizer's own: Muon's matrices and the rest)."""
+    """``model``'s trainable parameters as param groups: GaLore groups split off first, then each group split by
+    (decay: ``decay_names``, embedding: ``embedding_state_bits``), empty ones dropped, in model order. ``base``: the
+    groups to split instead of one of every parameter."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")
@@ -268,8 +226,7 @@ def param_groups(
 
 
 def _projection_settings(kind: str, settings: Any, example_rank: int) -> dict[str, Any]:
-    """``settings`` (``galore=`` or ``apollo=``) as a dict that has ``target_modules`` and ``rank``, else a clear
-    TypeError / ValueError naming ``kind``."""
+    """``settings`` as a dict with ``target_modules`` and ``rank``, else an error naming ``kind``."""
     if not isinstance(settings, Mapping):
         raise TypeError(f"{kind} must be a dict of {kind} settings, got {type(settings).__name__}")
     missing = [k for k in ("target_modules", "rank") if k not in settings]
@@ -287,7 +244,6 @@ def _named_groups(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[
 
 
 def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
-    """Check GaLore settings now, with :func:`lowmemopt.galore_param_groups`'s own checks (on a one-Linear model)."""
     galore = _projection_settings("galore", galore, 128)
     _galore_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {**galore, "target_modules": "all-linear"})
     return galore
@@ -295,8 +251,7 @@ def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
 
 def _base_groups(cls: type, model: torch.nn.Module, galore: dict[str, Any] | None,
                  apollo: dict[str, Any] | None) -> list[dict[str, Any]] | None:
-    """The groups :func:`param_groups` splits when the optimizer needs its own: APOLLO's projected groups, or the
-    groups the class makes of a model (Muon's matrices and the rest); None otherwise (GaLore groups, or one group)."""
+    """The groups :func:`param_groups` splits (APOLLO's, Muon's), or None."""
     if apollo is not None:
         return _apollo_groups(model, apollo)
     if galore is None and hasattr(cls, "model_param_groups"):
@@ -305,7 +260,6 @@ def _base_groups(cls: type, model: torch.nn.Module, galore: dict[str, Any] | Non
 
 
 def _check_apollo(cls: type, apollo: Mapping[str, Any]) -> dict[str, Any]:
-    """Check APOLLO settings now (on a one-Linear model), for an APOLLO optimizer only."""
     import lowmemopt
 
     if not (isinstance(cls, type) and issubclass(cls, lowmemopt.APOLLOAdamW)):
@@ -333,9 +287,7 @@ def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[
 
 def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any,
                       options: Mapping[str, Any] = ()) -> torch.optim.Optimizer:
-    """Attach :func:`lowmemopt.step_in_backward` (accumulating over ``args.gradient_accumulation_steps``; ``options``:
-    its other keywords) and make the stepper's position part of ``opt.state_dict()`` (key ``"step_in_backward"``), so
-    the Trainer's ``optimizer.pt`` holds it and ``resume_from_checkpoint`` restores it."""
+    """Attach :func:`lowmemopt.step_in_backward` and save its position in ``opt.state_dict()``."""
     import lowmemopt
 
     attach = getattr(lowmemopt, "step_in_backward", None)
@@ -382,8 +334,7 @@ def _relative_step_capable(cls: type) -> bool:
 
 
 def _calling_trainer() -> tuple[Any, torch.nn.Module | None]:
-    """The ``transformers.Trainer`` whose method is on the call stack, and the model it is building an optimizer for
-    (``create_optimizer``'s ``opt_model``); (None, None) outside a Trainer."""
+    """The ``transformers.Trainer`` on the call stack and the model it builds an optimizer for; (None, None) outside."""
     try:
         from transformers import Trainer
     except ImportError:

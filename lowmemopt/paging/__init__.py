@@ -1,19 +1,9 @@
-"""Paged optimizer state: between steps, a paged parameter's state lives in host RAM or in files, and comes to the
-parameter's device only while that parameter updates.
+"""Paged optimizer state: between steps a paged parameter's state lives in host RAM or in files, and comes to its
+device only while it updates (``paged=True | "cpu" | "disk"``, ``offload_dir=``, ``page_budget_bytes=``,
+``page_headroom_bytes=`` on every optimizer; docs/paging.md).
 
-    opt = lowmemopt.AdamW(model.parameters(), state_bits=8, paged="disk", offload_dir="/scratch/opt")
-    opt = lowmemopt.PagedAdamW8bit(model.parameters(), page_budget_bytes=2 << 30)   # paged="cpu", 2 GiB resident
-
-Options (keyword-only on every optimizer, settable per param group): ``paged=False | True | "cpu" | "disk"``,
-``offload_dir=`` (for ``"disk"``), ``page_budget_bytes="auto" | int``, ``page_headroom_bytes=None | int``. See
-``docs/paging.md``.
-
-Modules: :mod:`.options` (checks), :mod:`.homes` (host and file homes, page handling), :mod:`.schedule` (which buffer
-each bucket uses and what each copy waits for), :mod:`.engine` (the schedule carried out: streams and events on CUDA,
-I/O threads for files, or the update's threads on a CPU of its own: :mod:`.contention`), :mod:`.residency` (what stays on the device: the budget, ``"auto"``, the report),
-:mod:`.placement` (homes and residency of new state), :mod:`.next_pass` (the next pass's first bucket, on its way
-when a pass ends), :mod:`.pager` (the residency manager). The functions below are
-the hooks the optimizer and the checkpoint code call; each is a no-op for an optimizer without paged groups.
+The functions below are the hooks the optimizer and the checkpoint code call (no-ops without paged groups); the
+residency manager is :mod:`.pager`.
 """
 
 from __future__ import annotations
@@ -108,8 +98,7 @@ def drop_pages(optimizer: StateOwner, state: dict | None = None) -> None:
 
 
 def moving_bytes(optimizer: StateOwner) -> int:
-    """Bytes of paged state that travel between their homes and the device each step, each way (resident state
-    within the budget does not move): what a step's transfers are bounded by."""
+    """Bytes of paged state that travel each way per step (resident state does not move)."""
     pager = _existing(optimizer)
     if pager is None:
         return 0
@@ -130,7 +119,6 @@ def close(optimizer: StateOwner, keep_files: bool = False) -> None:
 
 
 def report(optimizer: StateOwner) -> PagingReport:
-    """Where the optimizer's paged state is: per device, what stays resident, what pages to each tier and the
-    buffers paging holds; per parameter, where its state is (see :class:`~.residency.PagingReport`)."""
+    """Where the optimizer's paged state is, per device and per parameter (:class:`~.residency.PagingReport`)."""
     pager = _existing(optimizer)
     return pager.report() if pager is not None else PagingReport([], [])

@@ -1,14 +1,7 @@
-"""How much of this process's CPUs other processes are using: where the disk tier copies a CPU bucket's files
-(:meth:`~.engine.HostLanes.files_here`).
-
-The update of CPU parameters keeps every thread torch gives it busy. On CPUs of its own, the files are best copied
-between the updates on those same threads; on CPUs that other processes share, an OpenMP team waits at the end of each
-copy for whichever of its threads was preempted, and a reader and a writer thread beside the update do better (more
-threads of ours get more of the CPUs' time). Measured on 2 cores, 148M parameters (``docs/paging.md``): paging's cost
-over its read + write floor 1.02-1.05x against 1.30-1.34x idle, 1.76-2.30x against 1.18-1.32x with one busy process
-beside it. The share of the CPUs other processes used is sampled from ``/proc/stat`` (the CPUs this process may run
-on) less this process's own CPU time, over at least :data:`WINDOW` seconds; elsewhere nothing is known and the files
-go on the update's threads.
+"""How much of this process's CPUs other processes use (``/proc/stat`` less our own CPU time, over :data:`WINDOW`
+seconds): it decides where the disk tier copies a CPU bucket's files (:meth:`~.engine.HostLanes.files_here`). On CPUs
+of its own, the update's threads copy best; beside a busy process, an OpenMP team waits for its preempted threads, and
+reader and writer threads do better (measured: docs/paging.md#measurements).
 """
 
 from __future__ import annotations
@@ -26,8 +19,6 @@ WINDOW = 0.5
 
 
 def _busy_seconds(cpus: set[int]) -> float | None:
-    """CPU time the CPUs ``cpus`` spent busy since boot (user, nice, system, irq, softirq), or None where
-    ``/proc/stat`` is not there."""
     try:
         with open("/proc/stat") as f:
             lines = f.readlines()
@@ -54,8 +45,7 @@ def _cpus() -> set[int]:
 
 
 class CpuShare:
-    """Are other processes busy on this process's CPUs (more than :data:`BUSY_CORES` cores' time over the last
-    window)? The sources are arguments for tests."""
+    """Whether other processes are busy on this process's CPUs (over :data:`BUSY_CORES` cores' time)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  busy: Callable[[set[int]], float | None] = _busy_seconds, own: Callable[[], float] = _own_seconds,

@@ -1,27 +1,8 @@
-"""Moving buckets of paged state between their homes and the device: the copy schedule of :mod:`.schedule`, carried
-out. One :class:`Mover` per device.
-
-* **Lanes.** On a CUDA device (:class:`CudaLanes`) host-to-device copies run on one side stream and device-to-host
-  copies on another, beside the stream the update runs on, so both copy engines work at once while the kernels run;
-  streams wait on events, the host does not wait. The files of the disk tier are read into pinned staging and written
-  from it on two I/O threads (one reads ahead, one writes behind), on the host's cores that the update leaves free.
-  On any other device (:class:`HostLanes`) the copies run at once, in the calling thread. The CPU's files (the
-  ``"file"`` route) go on the I/O threads too where the update leaves a core free (torch runs on fewer threads than
-  the process has cores) or other processes are busy on the cores (:mod:`.contention`); where the update has every
-  core to itself (:meth:`HostLanes.files_here`), an I/O thread beside it would only compete with it for them (measured
-  in ``docs/paging.md``), so a bucket's files are read when it is loaded and written
-  when it is stored, in the calling thread, all at once on the threads the update runs on (:attr:`Mover.copy_files`,
-  the native library's :func:`lowmemopt.cpu.fileio.copy_files`), while the kernel reads them ahead into the page cache
-  (:func:`~.homes.will_need` when the bucket is planned) and writes them behind (the page cache's write-back).
-* **Buffers.** A bucket's working tensors are views into one of :data:`~.schedule.N_SLOTS` device buffers (*slots*),
-  each the size of the largest bucket a step moves (:meth:`Mover.reserve`), reused across steps and never grown per
-  step; on a CUDA device the disk tier goes through :data:`~.schedule.N_STAGING` pinned host buffers laid out like the
-  slots. Tensors sit in a buffer one after another at the offsets :func:`~.homes.layout_offsets` gives, as host-RAM
-  homes do in their arena (:meth:`~.homes.Homes.arena`), so neighbours move in one copy (:func:`coalesce`): a bucket of
-  small tensors costs one copy's latency, not one per tensor.
-* **Failures.** A failed read raises where the bucket is loaded (nothing has changed then). A failed write is kept
-  with a copy of the bytes it could not write (:attr:`Mover.failed`), for the residency manager to keep that state on
-  the device and raise (:meth:`lowmemopt.paging.pager.Pager.check_writes`).
+"""Moving buckets of paged state between their homes and the device, carrying out :mod:`.schedule`'s plan: one
+:class:`Mover` per device. Lanes: :class:`CudaLanes` (two side streams, events, reader and writer threads for files)
+or :class:`HostLanes` (copies at once; the CPU's files on I/O threads, or on the update's threads when it has every
+core: :meth:`HostLanes.files_here`). Buffers: :data:`~.schedule.N_SLOTS` device slots (and pinned staging) laid out as
+the homes, so neighbours move in one copy (:func:`coalesce`). Why: docs/paging.md#how-a-step-runs.
 """
 
 from __future__ import annotations
@@ -45,16 +26,14 @@ _THREAD_KINDS = ("read", "write")
 
 
 def route_for(tier: str, lanes: HostLanes) -> str:
-    """The schedule's route of a bucket (:mod:`.schedule`): host RAM homes copy straight to the device; files are
-    read into pinned staging where the device has copy lanes (or is not the host), straight into the slot on the
-    CPU."""
+    """The schedule's route of a bucket: ``"copy"``, ``"staged"`` or ``"file"``."""
     if tier == "cpu":
         return "copy"
     return "staged" if lanes.staged_files else "file"
 
 
 class HostLanes:
-    """Lanes of a device without streams: every copy runs at once, every event is already complete (None)."""
+    """Lanes of a device without streams: every copy runs at once, every event is complete (None)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -62,9 +41,7 @@ class HostLanes:
         self.share = CpuShare()
 
     def files_here(self) -> bool:
-        """Are the files of a bucket read and written in the calling thread, on the update's threads (the ``"file"``
-        route, when torch's threads take every core this process may run on and no other process is busy on them:
-        :mod:`.contention`), rather than on the I/O threads?"""
+        """Whether a bucket's files are copied on the update's threads, not on I/O threads."""
         return not self.staged_files and torch.get_num_threads() >= _cpus() and not self.share.others_busy()
 
     def compute(self) -> Any:
@@ -145,7 +122,6 @@ class CudaLanes(HostLanes):
 
 
 def _cpus() -> int:
-    """CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -155,7 +131,7 @@ def _lanes_for(device: torch.device) -> HostLanes:
 
 @dataclass(eq=False)
 class Bucket:
-    """One bucket on its way: its plan, its entries, the working tensors of those it loads (views into its slot)."""
+    """One bucket on its way: its plan, entries and working tensors (views into its slot)."""
 
     plan: BucketPlan
     entries: list[Entry]
@@ -179,10 +155,7 @@ def _own_storage(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]],
              locate: Callable[[torch.Tensor], tuple[torch.Tensor, int]] = _own_storage,
              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(dst, src)`` copies of whole tensors, merged into one byte copy where the next pair continues the run on
-    both sides at the same distance, less than :data:`~.homes.ALIGN` bytes on (so that what lies between is padding:
-    in the layouts of :func:`~.homes.layout_offsets` no other tensor fits there). ``locate(t)``: a tensor whose
-    storage holds ``t`` and its neighbours, and ``t``'s byte offset in it (:meth:`~.homes.Homes.buffer_of`)."""
+    """``(dst, src)`` copies merged where neighbours continue both runs (across padding only)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     run: list[Any] | None = None  # [dst holder, src holder, dst byte offset, src byte offset, bytes]
     for dst, src in pairs:
@@ -211,9 +184,7 @@ def _views(buffer: torch.Tensor, like: list[torch.Tensor], offsets: list[int]) -
 
 
 class Mover:
-    """The buffers, lanes and schedule of one device. The residency manager calls, per bucket and in order:
-    :meth:`prefetch` (a bucket or two ahead), :meth:`advance` (the next bucket), :meth:`load`, then :meth:`store`
-    after the update (or :meth:`discard`)."""
+    """The buffers, lanes and schedule of one device: prefetch, advance, load, store (or discard)."""
 
     def __init__(self, homes: Homes, device: torch.device, lanes: HostLanes | None = None,
                  n_slots: int | None = None, n_staging: int = N_STAGING) -> None:
@@ -238,17 +209,15 @@ class Mover:
     # -- the bucket's way ----------------------------------------------------------------------------------------
 
     def reserve(self, nbytes: int) -> None:
-        """Make buffers of at least ``nbytes`` from now on (the largest bucket the coming step moves), so that a step
-        does not grow them bucket by bucket."""
+        """Make buffers of at least ``nbytes`` (the coming step's largest bucket), so a step does not grow them."""
         self.slot_bytes = max(self.slot_bytes, nbytes)
 
     def can_prefetch(self) -> bool:
-        """Is a slot free for another bucket ahead?"""
+        """Whether a slot is free for another bucket ahead."""
         return self.schedule.can_plan()
 
     def prefetch(self, entries: list[Entry], position: int | None = None) -> Bucket:
-        """Plan the next bucket (``entries``: its paged entries, of one tier; ``position``: its place in the step,
-        :meth:`~.schedule.Schedule.plan`) and start its first load."""
+        """Plan the next bucket (``entries`` of one tier, at ``position``) and start its first load."""
         loads = [e for e in entries if e.state is not None]
         route = route_for(entries[0].tier, self.lanes)
         plan = self.schedule.plan([id(e) for e in entries], route, [id(e) for e in loads], position)
@@ -280,15 +249,13 @@ class Mover:
         return bucket
 
     def advance(self, bucket: Bucket, now: bool = False) -> None:
-        """Issue the rest of ``bucket``'s load (the staged route: its copy to the device, once the files are read; files
-        read in the calling thread: when it is loaded, ``now``)."""
+        """Issue the rest of ``bucket``'s load (``now``: files read in the calling thread)."""
         for op in bucket.plan.load:
             if op.kind not in bucket.plan.issued and bucket.error is None and (now or not bucket.here):
                 self._issue(op, bucket)
 
     def load(self, bucket: Bucket) -> dict[Entry, Tensors]:
-        """``bucket``'s working tensors, ready for the update to read once the compute stream gets to it (a read
-        that failed raises here)."""
+        """``bucket``'s working tensors, ready once the compute stream gets to them (a failed read raises here)."""
         self.advance(bucket, now=True)
         if bucket.plan.load:
             self._stream_wait(self.lanes.compute(), bucket.plan.kernels.waits)
@@ -299,7 +266,7 @@ class Mover:
         return bucket.working
 
     def store(self, bucket: Bucket, items: list[tuple[Entry, list[tuple[str, torch.Tensor, torch.Tensor]]]]) -> None:
-        """Write ``bucket`` back after its update: per entry, ``(key, working, home)`` of each tensor."""
+        """Write ``bucket`` back: per entry, ``(key, working, home)`` of each tensor."""
         plan = bucket.plan
         kernels = self.lanes.record(self.lanes.compute())
         self._done[("kernels", plan.seq)] = kernels
@@ -320,7 +287,7 @@ class Mover:
         self.poll()
 
     def discard(self, bucket: Bucket) -> None:
-        """``bucket`` will not be stepped (an unused prefetch, a failed update): its buffers are freed in order."""
+        """``bucket`` will not be stepped: its buffers are freed in order."""
         self.schedule.discard(bucket.plan)
 
     # -- waiting -----------------------------------------------------------------------------------------------------
@@ -331,8 +298,7 @@ class Mover:
             del self._done[key]
 
     def settle(self, entry: Entry | None = None) -> None:
-        """Wait until the loads and write-backs issued so far (of ``entry``, or all) are done: the homes may then be
-        read, changed or freed on the host."""
+        """Wait until the loads and write-backs issued so far (of ``entry``, or all) are done."""
         keys = list(self._done) if entry is None else [k for k in self._last.get(entry, ()) if k in self._done]
         self._host_wait(keys)
         self.poll()
@@ -355,7 +321,7 @@ class Mover:
             self._view_cache.clear()
 
     def pool_bytes(self) -> int:
-        """Bytes of the slots (on the device) and staging buffers (pinned host) held now."""
+        """Bytes of the slots (device) and staging buffers (pinned host) held now."""
         return sum(b.numel() for b in self.slots + self.stagings if b is not None)
 
     # -- internals ---------------------------------------------------------------------------------------------------
@@ -373,8 +339,7 @@ class Mover:
         return buffer
 
     def _views_of(self, buffer: torch.Tensor, like: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
-        """Views of ``buffer`` shaped like ``like`` at ``offsets``; the same bucket in the same buffer gets the same
-        views every step (made once: a few torch calls per tensor)."""
+        """Views of ``buffer`` shaped like ``like`` at ``offsets``, made once per bucket and buffer."""
         key = (id(buffer), tuple((t.shape, t.dtype) for t in like))
         views = self._view_cache.get(key)
         if views is None:
@@ -391,7 +356,6 @@ class Mover:
             self._device_copies(op, bucket.inbound, "h2d")
 
     def _device_copies(self, op: Op, pairs: list[tuple[torch.Tensor, torch.Tensor]], lane: str) -> None:
-        """Issue ``op``: the ``(dst, src)`` copies on the side stream ``lane``, after its waits."""
         stream = self.lanes.stream(lane)
         self._stream_wait(stream, op.waits)
         slot = self.slots[op.slot]
@@ -405,7 +369,7 @@ class Mover:
         self._done[(op.kind, op.seq)] = self.lanes.record(stream)
 
     def _submit(self, op: Op, thread: str, job: Callable[..., Any], work: Any, here: bool = False) -> None:
-        if here:  # the file route with every core the update's: now, on its threads (see the module docstring)
+        if here:  # the file route with every core the update's: now, on its threads (docs/paging.md)
             self._host_wait(list(op.waits))
             job(work, True)
             return
@@ -416,7 +380,6 @@ class Mover:
         self._done[(op.kind, op.seq)] = pool.submit(self._after, tokens, job, work)
 
     def _after(self, tokens: list[tuple[str, Any]], job: Callable[..., Any], work: Any) -> None:
-        """On an I/O thread: wait for ``tokens`` (futures of the other thread, events of the device), then ``job``."""
         for kind, token in tokens:
             if token is None:
                 continue
@@ -427,13 +390,11 @@ class Mover:
         job(work)
 
     def _reads(self, bucket: Bucket, here: bool = False) -> None:
-        """Read ``bucket``'s files (``here``: all at once on the update's threads, else one after another)."""
         errors = transfer_all(self.homes, bucket.reads, self.copy_files if here else None)
         bucket.error = next((e for e in errors if e is not None), None)  # (raised where the bucket is loaded)
 
     def _writes(self, pairs: list[tuple[Entry, str, torch.Tensor, torch.Tensor]], here: bool = False) -> None:
-        """Write ``(entry, key, working, home)`` back (``here``: as :meth:`_reads`); an entry whose write failed is
-        kept with its bytes (:attr:`failed`), for the residency manager to raise."""
+        """Write ``(entry, key, working, home)`` back; a failed entry is kept with its bytes (:attr:`failed`)."""
         errors = transfer_all(self.homes, [(home, src) for _, _, src, home in pairs], self.copy_files if here else None)
         failed: dict[Entry, BaseException] = {}
         for (entry, _, _, _), e in zip(pairs, errors):

@@ -1,21 +1,6 @@
-"""Homes of paged state: where each state tensor lives between steps, and copies that keep the process's memory small.
-
-* Host RAM (``paged="cpu"``): a plain CPU tensor; for a parameter on a CUDA device it is page-locked with
-  ``cudaHostRegister``, so copies to and from the device are asynchronous DMA. Sizes are exact and the registration is
-  undone when the home is freed (torch's pinned allocator rounds every allocation up to a power of two and keeps it
-  cached after it is freed).
-* A file (``paged="disk"``): one file per state tensor in ``<offload_dir>/lowmemopt-<pid>-<random>/``. Its space is
-  reserved with ``posix_fallocate``, so a full disk fails there, while nothing has changed yet, and never later as a
-  SIGBUS on a write through the mapping. The file is mapped shared (``torch.from_file``): the home tensor *is* the file,
-  so ``optimizer.state`` still holds real tensors. The step itself moves data with ``pread`` / ``pwrite``
-  (:func:`transfer`), which copy between the page cache and the working buffer without mapping a single page into the
-  process: measured here, 8 MiB each way in ~5 ms instead of ~100 ms through re-faulted mapped pages, and the
-  process's RSS never holds the file. Pages that other readers of the mapping touch (a ``state_dict()``, a save) count
-  in RSS while mapped; :func:`drop_pages` hands them back to the page cache (``madvise(MADV_DONTNEED)``; dirty pages
-  stay in the page cache and reach the file as usual).
-
-:class:`Homes` allocates and frees them and remembers what it made, so that everything it allocated is freed by
-:meth:`Homes.close` (files deleted, pinned memory unregistered).
+"""Homes of paged state: page-locked host tensors (``paged="cpu"``) or mapped files (``paged="disk"``), allocated and
+freed by :class:`Homes`, and the copies (``pread`` / ``pwrite``, :func:`transfer`) that keep the process's memory
+small. Why: docs/paging.md#how-a-step-runs.
 """
 
 from __future__ import annotations
@@ -44,8 +29,7 @@ ALIGN = 256
 
 
 def layout_offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """Byte offsets of buffers of ``sizes`` bytes laid out one after the other, each at a multiple of :data:`ALIGN`
-    (empty ones take no room), and the bytes of the whole."""
+    """Byte offsets of ``sizes`` laid out one after another at multiples of :data:`ALIGN`, and the total."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
@@ -75,7 +59,6 @@ _madvise = _load_madvise()
 
 
 class _Owned(NamedTuple):
-    """What a home tensor's storage needs when it is freed."""
 
     path: str | None  # its file (disk tier)
     pinned: int  # address registered with cudaHostRegister (0: none)
@@ -83,7 +66,7 @@ class _Owned(NamedTuple):
 
 
 class Homes:
-    """Allocator of home tensors for one optimizer. Tracks each by its storage's address."""
+    """Allocator of home tensors for one optimizer, tracked by storage address."""
 
     def __init__(self) -> None:
         self._owned: dict[int, _Owned] = {}
@@ -96,10 +79,7 @@ class Homes:
     # -- allocation ----------------------------------------------------------------------------------------------
 
     def host(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        """An uninitialized host tensor; page-locked if ``pin`` (unregistered when freed).
-
-        A pinned home is a page-aligned view into its own buffer padded to whole pages: CUDA locks whole pages, and
-        two registrations may not share one (small tensors from the heap would)."""
+        """An uninitialized host tensor; page-locked if ``pin`` (a page-aligned view of its own padded buffer)."""
         numel = torch.Size(shape).numel()
         if not (pin and numel):
             t = torch.empty(shape, dtype=dtype)
@@ -117,11 +97,7 @@ class Homes:
         return t
 
     def arena(self, layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
-        """Uninitialized host tensors of ``layout`` (shape, dtype), laid out one after the other in one buffer at the
-        offsets :func:`layout_offsets` gives (a device slot's layout, so that a bucket of neighbours moves in one
-        copy: :meth:`buffer_of`); page-locked if ``pin``. Each is a tensor of its own storage (``torch.save`` and
-        safetensors see separate tensors; each keeps the buffer alive), freed on its own (:meth:`free`); the buffer is
-        unpinned with the last one. Empty tensors get no place in it."""
+        """Uninitialized host tensors of ``layout`` in one buffer, laid out as a slot; page-locked if ``pin``."""
         offsets, total = layout_offsets([torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout])
         if total == 0:
             return [self.host(shape, dtype, pin=False) for shape, dtype in layout]
@@ -147,20 +123,20 @@ class Homes:
         return out
 
     def buffer_of(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """A tensor whose storage holds ``t``'s bytes and its neighbours' (an arena's buffer, else ``t`` itself), and
-        ``t``'s byte offset in that storage: what a copy of several neighbours at once is cut from."""
+        """The storage holding ``t`` and its neighbours (an arena's buffer, else ``t``), and ``t``'s byte offset."""
         base = self._views.get(t.data_ptr()) if t.device.type == "cpu" else None
         holder = t if base is None else self._arenas[base]
         return holder, t.data_ptr() - holder.untyped_storage().data_ptr()
 
     def file(self, shape: torch.Size, dtype: torch.dtype, offload_dir: str, label: str) -> torch.Tensor:
-        """A zero-filled tensor mapped from a new file under ``offload_dir``, its space reserved on the disk.
+        """A zero-filled tensor mapped from a new file under ``offload_dir``, its space reserved.
 
-        Raises OSError (errno kept) naming the directory and the size when the file cannot be made or the disk has
-        no room; nothing is left behind then."""
+        Raises:
+            OSError: (errno kept) naming the directory and size; nothing is left behind.
+        """
         numel = torch.Size(shape).numel()
         nbytes = numel * dtype.itemsize
-        if numel == 0:  # nothing to map
+        if numel == 0:
             return self.host(shape, dtype, pin=False)
         directory = self._directory(os.fspath(offload_dir))
         self._count += 1
@@ -221,8 +197,7 @@ class Homes:
     # -- release -------------------------------------------------------------------------------------------------
 
     def free(self, t: torch.Tensor, keep_file: bool = False) -> None:
-        """Give back what ``t``'s home holds: its file is deleted (the mapping stays valid for anyone still holding
-        the tensor), its page-lock undone. The caller makes sure no copy into or out of it is still in flight."""
+        """Give back ``t``'s home (file deleted, page-lock undone); no copy may be in flight."""
         ptr = t.untyped_storage().data_ptr()
         base = self._views.pop(t.data_ptr(), None) if t.numel() else None
         if base is not None:  # a home in an arena: the arena goes with its last home
@@ -252,8 +227,7 @@ class Homes:
                 pass
 
     def close(self, tensors: list[torch.Tensor], keep_files: bool = False, manifest: list[dict] | None = None) -> None:
-        """Free ``tensors`` and anything else still owned; delete this optimizer's directories (unless
-        ``keep_files``: then the files stay, described by ``manifest.json``)."""
+        """Free ``tensors`` and all still owned; delete the directories unless ``keep_files``."""
         for t in tensors:
             self.free(t, keep_file=keep_files)
         for base in list(self._refs):  # arenas some of whose homes were not among ``tensors``
@@ -291,8 +265,7 @@ def _reserve(fd: int, nbytes: int) -> None:
 
 
 def _advise(base: int, length: int, lo: int, hi: int, advice: int) -> None:
-    """madvise whole pages of ``[base + lo, base + hi)`` rounded outwards, clamped to the mapping ``[base, base +
-    length)`` (page-aligned, as every mapping is)."""
+    """madvise the whole pages of ``[base + lo, base + hi)``, clamped to the mapping."""
     if _madvise is None or hi <= lo:
         return
     a = max(0, lo // _PAGE * _PAGE)
@@ -316,9 +289,7 @@ def will_need(homes: Homes, t: torch.Tensor) -> None:
 
 
 def transfer(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for host tensors of one shape and dtype, where either may be a file home. A file is read
-    or written with ``pread`` / ``pwrite`` (nothing mapped into the process); elsewhere (no ``os.pwrite``) through
-    the mapping, :data:`COPY_CHUNK_BYTES` at a time with the pages dropped behind."""
+    """``dst.copy_(src)`` for host tensors where either may be a file home (``pread`` / ``pwrite``)."""
     dst_path, src_path = homes.path(dst), homes.path(src)
     for t, path in ((dst, dst_path), (src, src_path)):
         if path is not None and t.data_ptr() != t.untyped_storage().data_ptr():
@@ -347,8 +318,7 @@ CopyFiles = Callable[[list[tuple[str, torch.Tensor, bool]]], "list[OSError | Non
 
 def transfer_all(homes: Homes, pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_files: CopyFiles | None = None,
                  ) -> list[BaseException | None]:
-    """:func:`transfer` of each ``(dst, src)``; per pair, None or the error it failed with (the others are carried out
-    all the same). ``copy_files``: reads and writes of whole file homes go to it, all at once."""
+    """:func:`transfer` of each ``(dst, src)``; per pair None or its error. ``copy_files``: whole file homes at once."""
     errors: list[BaseException | None] = [None] * len(pairs)
     todo = list(range(len(pairs)))
     if copy_files is not None and hasattr(os, "pwrite"):
@@ -380,7 +350,6 @@ def transfer_all(homes: Homes, pairs: list[tuple[torch.Tensor, torch.Tensor]], c
 
 
 def _file_io(path: str, t: torch.Tensor, write: bool) -> None:
-    """Write contiguous ``t`` to the file at ``path`` from offset 0, or read it from there."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return

@@ -1,6 +1,6 @@
-"""The next pass's first bucket, set on its way when a pass ends so that its load overlaps the forward pass
-(:meth:`.pager.Pager.batches`): which bucket followed a pass's last bucket the last time round, and the one on its way
-now. A pass is a step, or with per-layer updates a layer's step."""
+"""The next pass's first bucket (a step's, or a layer's with per-layer updates), set on its way when a pass ends so its
+load overlaps the forward pass.
+"""
 
 from __future__ import annotations
 
@@ -26,9 +26,7 @@ class NextPass:
 
     def adopt(self, first: list[torch.Tensor], discard: Callable[[list[torch.Tensor], Bucket], None],
               ) -> dict[int, Bucket]:
-        """A pass starts with the bucket of params ``first``: the bucket prefetched for it (``{0: bucket}``) if it
-        is that one, else ``{}`` (the prefetched one is given to ``discard``). Learns that ``first`` follows the last
-        pass's last bucket."""
+        """A pass starts with bucket ``first``: ``{0: bucket}`` if it was prefetched, else ``{}``."""
         if self._last is not None and first:
             if len(self._follows) > MAX_FOLLOWS:
                 self._follows.clear()
@@ -43,8 +41,7 @@ class NextPass:
         return {}
 
     def ended(self, last: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        """A pass ended with the bucket of params ``last`` (None: it moved nothing): the params of the bucket that
-        followed its last bucket the last time round, if any."""
+        """A pass ended with bucket ``last``: the params that followed it last time, if any."""
         if last:
             self._last = tuple(map(id, last))
         return self._follows.get(self._last) if self._last is not None else None

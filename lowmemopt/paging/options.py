@@ -1,13 +1,5 @@
-"""The paging options of a param group, checked once when the optimizer (or the group) is created.
-
-* ``paged``: ``False`` / ``None`` (state on the parameter's device), ``True`` or ``"cpu"`` (home: host RAM, pinned when
-  the parameter is on a CUDA device), ``"disk"`` (home: memory-mapped files under ``offload_dir``).
-* ``offload_dir``: a directory for ``paged="disk"`` (required there, created if missing, must be writable).
-* ``page_budget_bytes``: bytes of this group's paged state that may stay resident on the parameter's device (0: all of
-  it pages), or ``"auto"`` (the default): what a CUDA device has room for at the peak of a step, less
-  ``page_headroom_bytes`` (:mod:`.residency`).
-* ``page_headroom_bytes``: with ``"auto"``, bytes of the device kept free at the peak of a step; None (the default):
-  10% of the device's memory.
+"""The paging options of a param group (``paged``, ``offload_dir``, ``page_budget_bytes``, ``page_headroom_bytes``),
+checked once when the optimizer or group is created; what they mean: docs/paging.md.
 """
 
 from __future__ import annotations
@@ -32,9 +24,7 @@ def tier_of(group: dict[str, Any]) -> str | None:
 
 
 def check_paging(group: dict[str, Any], writable: bool = True) -> None:
-    """Raise ValueError / TypeError / PermissionError for bad paging options in ``group``. Stores ``offload_dir`` as
-    a ``str`` (state dicts hold plain types only). ``writable``: also prove that a file can be made in ``offload_dir``
-    (else it is found when the files are made)."""
+    """Raise for bad paging options in ``group``; ``writable``: prove a file can be made there."""
     tier_of(group)  # (ValueError for a bad paged)
     budget = group.get("page_budget_bytes", "auto")
     if not (isinstance(budget, str) and budget == "auto") and (

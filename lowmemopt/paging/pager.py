@@ -1,36 +1,7 @@
-"""The residency manager: one per optimizer that has a paged param group.
-
-Between steps, a paged parameter's entry in ``optimizer.state`` holds its *home* tensors (host RAM or file-backed,
-see :mod:`~lowmemopt.paging.homes`) and its ints, under the usual keys: the state is still plain named tensors, whatever
-they are called (``exp_avg.codes``, a GaLore projector, ...). Nothing here looks at slot names.
-
-During ``step()`` (see :meth:`Pager.batches`), the parameters go through in *buckets* (the step pipeline's *stage*
-and *write back*, :mod:`lowmemopt.pipeline`), each moved by its device's :class:`~.engine.Mover` on the schedule of
-:mod:`.schedule`::
-
-    prefetch:  bucket k + 2 on its way (files read ahead: see engine.py for the CPU's), bucket k + 1's copy issued
-    load(k):   optimizer.state[p] = working copies, views into one of the device's slots
-    the pipeline's update of bucket k: one fused backend call per bucket (or the per-parameter path)
-    store(k):  the working copies written back (asynchronously: a side stream, the writer thread; or on the CPU);
-               optimizer.state[p] = home state
-
-When a step ends, the first bucket of the next pass (the next step's, or with per-layer updates the next layer's, as
-seen the last time round) starts on its way, so its copy overlaps the forward pass; a pass that starts with another
-bucket drops it.
-
-Before anything changes, :meth:`Pager.begin` checks every parameter (its device is the one its state was made for),
-makes room for state that does not exist yet (files are created and their space reserved), so a full disk or an
-unwritable ``offload_dir`` raises while the optimizer is still as it was, and evicts resident state where the device
-has run short of room (``page_budget_bytes="auto"``, :mod:`.residency`).
-
-Budget (:mod:`.residency`): a group's state of up to ``page_budget_bytes`` (or, with ``"auto"``, what the device has
-room for) stays *resident* on the parameter's device (as if unpaged), decided when the manager first sees each
-parameter.
-
-Loads: ``load_state_dict`` and :func:`lowmemopt.load_state` place loaded state straight into new homes
-(:meth:`Pager.stage`), then swap them in (:meth:`Pager.reconcile`) and free the old ones, so state stays paged after
-a load and is never gathered whole on the device. State put in ``optimizer.state`` by any other route is noticed at
-the next step and moved to a home.
+"""The residency manager (:class:`Pager`), one per optimizer with a paged param group: between steps a paged
+parameter's ``optimizer.state`` holds its *homes* (:mod:`.homes`); during ``step()`` :meth:`Pager.batches` hands the
+pipeline its parameters in buckets with working copies on the device, moved by :mod:`.engine` on :mod:`.schedule`'s
+plan; :mod:`.residency` decides what stays resident. How a step runs, loads and errors: docs/paging.md.
 """
 
 from __future__ import annotations
@@ -66,22 +37,20 @@ Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
 
 class StateOwner(Protocol):
-    """What the pager reads of the optimizer whose state it keeps (held by a weak reference): the state dict it
-    installs working copies and homes in, and the param groups (options, labels of files)."""
+    """What the pager reads of the optimizer it serves (by weak reference): state and param groups."""
 
     state: Any
     param_groups: list[dict[str, Any]]
 
 
 def _reraise(e: BaseException, note: str) -> None:
-    """Raise ``e`` again; an OSError gets ``note`` (what happened to the state) added to its message."""
     if isinstance(e, OSError) and e.errno is not None:
         raise type(e)(e.errno, f"{e.strerror}; {note}", *([e.filename] if e.filename is not None else [])) from e
     raise e
 
 
 class Pager:
-    """Residency manager of one optimizer's paged state. See the module docstring."""
+    """Residency manager of one optimizer's paged state (docs/paging.md#how-a-step-runs)."""
 
     def __init__(self, optimizer: StateOwner) -> None:
         self._optimizer = weakref.ref(optimizer)  # no strong reference: the finalizer below must not keep it alive
@@ -99,12 +68,12 @@ class Pager:
     # -- the step ----------------------------------------------------------------------------------------------------
 
     def begin(self, work: Work, first_state: FirstState | None = None) -> bool:
-        """Check the parameters about to step and make homes for state the manager has not placed yet (a parameter
-        without state: homes laid out by ``first_state`` on a meta twin, or made at its first write-back); raises
-        (ValueError, TypeError, OSError) before anything is changed. Then raise a write-back that failed since the
-        last step (its state is kept on the device), and evict resident state where ``"auto"`` finds the device short
-        of room. Returns whether any state of ``work`` moves this step (:meth:`moves_any`); False: the step is an
-        unpaged one."""
+        """Check the parameters about to step and make homes for state not placed yet, raising (ValueError, TypeError,
+        OSError) before anything changes; then raise a failed write-back and let ``"auto"`` evict.
+
+        Returns:
+            Whether any state of ``work`` moves this step (False: an unpaged step).
+        """
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
@@ -160,18 +129,13 @@ class Pager:
         return self.moves_any(work) if fresh else moves
 
     def batches(self, todo: Work, bucket_bytes: int, copy_files: CopyFiles | None = None) -> Iterator[Work]:
-        """Yield ``todo`` in consecutive batches, each with the state of its params on their device in
-        ``optimizer.state`` (working copies), so that a backend can step the whole batch at once: the step
-        pipeline's *stage* and *write back*. A batch holds paged params of one device and tier until their state
-        reaches ``bucket_bytes`` (at least one; 0: one param per batch); params whose state does not move (resident
-        within the budget, or of an unpaged group) ride along in the first batch. While the caller steps one batch,
-        the next ones are on their way (:data:`LOOKAHEAD`); a batch is written back when the caller asks for the
-        next.
+        """Yield ``todo`` in batches whose state is on their device in ``optimizer.state`` (working copies), while the
+        next ones are on their way (:data:`LOOKAHEAD`); a batch is written back when the next is asked for.
 
-        Device memory for moving state: the device's slots (:data:`~.schedule.N_SLOTS` buckets). If the caller fails
-        during a batch, every param of that batch keeps in its home the state it had before the step.
-        ``copy_files``: the disk tier's reads and writes of CPU parameters' state, many files at once on the threads
-        the update runs on (:attr:`~.engine.Mover.copy_files`; None: one file after another)."""
+        A batch holds paged params of one device and tier up to ``bucket_bytes`` (0: one per batch); params whose state
+        does not move ride in the first. If the caller fails, that batch's homes keep the state from before the step.
+        ``copy_files``: the disk tier's file copies of CPU parameters on the update's threads (None: one after another).
+        """
         if bucket_bytes:
             self.bucket_bytes = bucket_bytes
         self.copy_files = copy_files
@@ -229,7 +193,6 @@ class Pager:
         self._mover_of(params).discard(bucket)
 
     def _prefetch_next(self, params: list[torch.Tensor] | None) -> None:
-        """Start the bucket of ``params`` (the next pass's first, :class:`~.next_pass.NextPass`) on its way."""
         if not params or self.closed or any(not self._moves(p) or self.entries[p].state is None for p in params):
             return
         if len({(self.entries[p].device, self.entries[p].tier) for p in params}) != 1:
@@ -244,9 +207,7 @@ class Pager:
             mover.settle()  # its copies read homes that are about to change
 
     def moves_any(self, work: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> bool:
-        """May the state of any (param, group) of ``work`` move this step: paged and not resident within the budget,
-        or paged and not placed yet (:meth:`begin` decides its residency)? When none does, a step runs exactly as
-        unpaged (the pipeline's stage and write-back have nothing to do)."""
+        """Whether any state of ``work`` may move this step (else the step runs exactly as unpaged)."""
         for p, group in work:
             entry = self.entries.get(p)
             if tier_of(group) is None:
@@ -261,7 +222,6 @@ class Pager:
         return entry is not None and not entry.resident
 
     def _load(self, params: list[torch.Tensor], bucket: Bucket) -> None:
-        """Install the working state of a bucket's params (a state not made yet: an empty dict, for the optimizer)."""
         opt = self._opt()
         working = self._mover_of(params).load(bucket)
         for p in params:
@@ -274,8 +234,7 @@ class Pager:
             opt.state[p] = state
 
     def _store(self, params: list[torch.Tensor], bucket: Bucket) -> None:
-        """Write a bucket back and install the homes; a param that has no room for a new home keeps its updated
-        state on the device (resident); the first such failure is raised once the rest of the bucket is home."""
+        """Write a bucket back and install the homes; a param without room for one stays resident."""
         opt = self._opt()
         items, installs, error = [], [], None
         for p in params:
@@ -315,8 +274,7 @@ class Pager:
                                "no longer paged")
 
     def check_writes(self) -> None:
-        """Raise the first write-back that failed (an I/O error on a file), after keeping the state of every param
-        whose write failed on its device (resident), consistent with its updated value."""
+        """Raise the first failed write-back, after keeping each such param's state on its device (resident)."""
         error = None
         for mover in self.movers.values():
             failed, mover.failed = mover.failed, []
@@ -341,8 +299,7 @@ class Pager:
             opt.state[p] = entry.state
 
     def _unpage(self, p: torch.Tensor) -> None:
-        """``p``'s group is no longer paged: its state comes back to its device (copies: a file is read, not mapped),
-        as an unpaged optimizer keeps it, and its homes are freed (paged again later: homed again, as new state)."""
+        """``p``'s group is no longer paged: its state comes back to its device as copies, and its homes are freed."""
         opt, entry = self._opt(), self.entries.pop(p)
         state = opt.state.get(p)
         if not entry.resident and state is not None and state is entry.state:
@@ -364,9 +321,7 @@ class Pager:
 
     def _place(self, items: list[tuple[torch.Tensor, dict[str, Any], str, dict[str, Any] | None]],
                first_state: FirstState | None = None, resident_ok: bool = True) -> dict[torch.Tensor, Entry]:
-        """New entries for ``items`` (param, group, tier, state or None for state not made yet): residency by the
-        budget (none if not ``resident_ok``), homes allocated and filled from the given state (meta tensors: zeros).
-        All or nothing: on error, everything allocated here is freed and the error raised."""
+        """New entries for ``items``: residency by the budget, homes allocated and filled. All or nothing."""
         opt = self._opt()
         index = {id(g): gi for gi, g in enumerate(opt.param_groups)}
         position = {id(q): pi for g in opt.param_groups for pi, q in enumerate(g["params"])}
@@ -399,8 +354,7 @@ class Pager:
         return made
 
     def _evict_where_short(self, work: Work) -> bool:
-        """``"auto"``: per CUDA device of ``work`` with state resident by it, evict (the largest first) what a grown
-        peak, or free memory under the headroom, asks for (:meth:`AutoRoom.excess`). Returns whether it evicted."""
+        """``"auto"``: evict resident state where a device is short; returns whether it evicted."""
         evicted = False
         for device in {p.device for p, _ in work if p.device in self.rooms}:
             memory = probe(device)
@@ -419,7 +373,6 @@ class Pager:
         return evicted
 
     def _evict(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """Give resident ``p``'s state homes and page it from now on (a copy to the host that waits for it)."""
         opt, old = self._opt(), self.entries[p]
         entry = self._place([(p, group, old.tier, opt.state[p])], resident_ok=False)[p]
         self.entries[p] = entry
@@ -432,7 +385,7 @@ class Pager:
         return self.homes.host(like.shape, like.dtype, pin=entry.device.type == "cuda")
 
     def report(self) -> PagingReport:
-        """Where each paged parameter's state is, and what each device holds (see :class:`PagingReport`)."""
+        """Where each paged parameter's state is, and what each device holds (:class:`PagingReport`)."""
         groups = {id(q): g for g in self._opt().param_groups for q in g["params"]}
         pools = {device: mover.pool_bytes() for device, mover in self.movers.items()}
         return build_report(self.entries, groups, pools, self.rooms)
@@ -440,10 +393,11 @@ class Pager:
     # -- loads -------------------------------------------------------------------------------------------------------
 
     def stage(self, items: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]) -> dict[torch.Tensor, dict]:
-        """New state for the paged params among ``items`` (param, group, loaded state: tensors on any device, or meta
-        tensors for zeros), placed where each param's state lives: resident on its device, or in a new home. Returns
-        {param: state to install}. Nothing is installed: after the optimizer's state has been swapped,
-        :meth:`reconcile` adopts the installed ones and frees the homes they replace. All or nothing."""
+        """New state for the paged params among ``items`` (param, group, loaded state), resident or in new homes.
+
+        Returns:
+            {param: state to install}; nothing is installed (:meth:`reconcile` adopts it). All or nothing.
+        """
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         self.discard_staged()
@@ -487,15 +441,13 @@ class Pager:
     # -- state_dict, pages, settling ---------------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Wait until every write-back has reached its home; host code may then read the homes. A write-back that
-        failed is raised (its state kept on the device)."""
+        """Wait until every write-back has reached its home; a failed one is raised."""
         for mover in self.movers.values():
             mover.settle()
         self.check_writes()
 
     def detach_files(self, state_dict: dict[str, Any]) -> None:
-        """In a ``state_dict()``: replace file-backed home tensors by ordinary copies (the files are rewritten by
-        the next step and deleted on close). Entries are new dicts: the optimizer's own state is not touched."""
+        """For ``state_dict()``: file-backed homes replaced by copies, in new dicts."""
         self.settle()
         opt = self._opt()
         for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
@@ -547,8 +499,7 @@ class Pager:
         entry.reserved = None
 
     def close(self, keep_files: bool = False) -> None:
-        """Free every home (delete the files unless ``keep_files``; unregister pinned memory) and drop the paged
-        state from the optimizer. Idempotent; also run when the optimizer is garbage-collected or Python exits."""
+        """Free every home and drop the paged state (files kept with ``keep_files``); idempotent."""
         if self.closed:
             return
         self.closed = True

@@ -1,6 +1,6 @@
-"""Placing a parameter's state: which parameters stay resident (the budget of :mod:`.residency`), the layout of state
-not made yet, and its homes (:mod:`.homes`): host-RAM homes of the parameters placed together share one arena, in
-the order they step, so that a bucket of neighbours moves in one copy."""
+"""Placing a parameter's state: which parameters stay resident, the layout of state not made yet, and its homes
+(one arena per device for host-RAM homes, in step order).
+"""
 
 from __future__ import annotations
 
@@ -32,10 +32,7 @@ def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
 
 def initial_layout(state: Any, p: torch.Tensor, group: dict[str, Any],
                    first_state: FirstState | None) -> dict[str, torch.Tensor] | None:
-    """The tensors ``p``'s first step will make, as meta tensors (no memory), found by running the optimizer's own
-    initialization on a meta twin of ``p`` (``first_state``: GaLore's for a group with ``rank``; ``state``: the
-    optimizer's state dict, where it leaves the twin's entry). None if that fails (the homes are then made at the
-    first write-back)."""
+    """The tensors ``p``'s first step will make, as meta tensors (None if that fails)."""
     twin = torch.empty_like(p, device="meta")
     try:
         if first_state is None:
@@ -50,9 +47,7 @@ def initial_layout(state: Any, p: torch.Tensor, group: dict[str, Any],
 def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, torch.Tensor] | None],
                     entries: dict[torch.Tensor, Entry], rooms: dict[torch.device, AutoRoom],
                     bucket_bytes: int) -> set[torch.Tensor]:
-    """Parameters of ``items`` whose state stays resident. A group with an int ``page_budget_bytes``: smallest first,
-    within what its resident entries leave of it. ``"auto"`` groups on a CUDA device: together, what the device's
-    room allows (:meth:`AutoRoom.choose`; ``bucket_bytes``: a bucket of moving state, for the in-flight buffers)."""
+    """Parameters of ``items`` whose state stays resident (an int budget, or ``"auto"``)."""
     resident: set[torch.Tensor] = set()
     sized = {p: (nbytes_of(layouts[p]) if layouts[p] is not None else None) for p, _, _, _ in items}
     by_group: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
@@ -83,8 +78,7 @@ def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, tor
 
 def make_homes(homes: Homes, made: list[tuple[Entry, dict[str, torch.Tensor]]],
                alloc: Callable[[Entry, str, torch.Tensor], torch.Tensor]) -> None:
-    """Homes for each (entry, layout) of ``made`` in ``entry.reserved`` (filled as they are made, so that a failure
-    frees what was made): files one by one (``alloc``), host RAM of one device in one arena, in order."""
+    """Homes for each (entry, layout) of ``made``: files one by one, host RAM of a device in one arena."""
     arenas: dict[tuple[torch.device, bool], list[tuple[Entry, str, torch.Tensor]]] = {}
     for entry, layout in made:
         entry.reserved = {}
@@ -145,9 +139,7 @@ Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
 
 def buckets_of(todo: Work, entries: dict[torch.Tensor, Entry], bucket_bytes: int, host_bytes: int) -> list[Work]:
-    """Consecutive batches of ``todo`` (see :meth:`~.pager.Pager.batches`): paged params of one device and tier
-    until their state reaches ``bucket_bytes`` (on the CPU, ``host_bytes`` at most; at least one param each);
-    params whose state does not move ride along in the first."""
+    """Consecutive batches of ``todo`` (:meth:`~.pager.Pager.batches`' rule; ``host_bytes``: the CPU's cap)."""
     def moves(p: torch.Tensor) -> bool:
         return p in entries and not entries[p].resident
 

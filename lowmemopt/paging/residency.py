@@ -1,25 +1,7 @@
-"""Which paged state stays *resident* on the device (never moved, as if unpaged), and the report of where it is.
-
-A param group's ``page_budget_bytes`` is either
-
-* an int: bytes of the group's state that may stay resident; the group's smallest states are taken first (the most
-  parameters per byte), once, when the residency manager first sees each parameter;
-* ``"auto"`` (the default): on a CUDA device, as much of the state as the device has room for at the peak of a
-  training step, less a headroom. When a parameter's state is first placed (the first ``step()``, after the first
-  backward pass), the room is measured from the driver and the caching allocator (:func:`probe`)::
-
-      room = free (cudaMemGetInfo) + reserved by torch - peak allocated so far - headroom - in-flight buffers
-
-  where the peak is the allocator's ``max_memory_allocated`` (the first forward and backward included), the headroom
-  the group's ``page_headroom_bytes`` (default 10% of the device) and the in-flight buffers what paging the rest
-  needs (:data:`~.schedule.N_SLOTS` buckets; none when everything fits). States are taken smallest first while they
-  fit the room. At every later step (:class:`AutoRoom`), a peak that grew since, or free memory under the headroom,
-  *evicts* resident states (the largest first) until the room is back: they get homes and page from then on. A
-  resident state is never brought back by ``"auto"`` (a workload whose peak went up once tends to do it again).
-  On any other device ``"auto"`` keeps nothing resident.
-
-The report (:class:`PagingReport`, ``optimizer.paging_report()``) says where each parameter's state is and what the
-device holds for it.
+"""Which paged state stays *resident* on the device (never moved, as if unpaged): an int ``page_budget_bytes`` takes
+the group's smallest states first; ``"auto"`` (:class:`AutoRoom`) measures the room at the step's peak less a headroom
+(:func:`probe`) and evicts, largest first, when the peak grows. And the report of where state is
+(:class:`PagingReport`). Policy: docs/paging.md#what-stays-resident-page_budget_bytes.
 """
 
 from __future__ import annotations
@@ -54,8 +36,7 @@ class DeviceMemory:
 
     @property
     def spare_at_peak(self) -> int:
-        """What was left at the peak so far: the memory not in use then (allocated at the peak) that is free or cached
-        now."""
+        """What was not in use at the peak so far and is free or cached now."""
         return self.free + self.reserved - self.peak
 
 
@@ -78,8 +59,7 @@ def headroom(group: dict[str, Any], memory: DeviceMemory) -> int:
 
 
 def smallest_first(sized: list[tuple[int | None, Any]], room: int) -> list[Any]:
-    """The items of ``sized`` ((bytes or None for unknown, item), in order) taken smallest first while they fit
-    ``room`` (ties: in order); unknown sizes are never taken."""
+    """The items of ``sized`` taken smallest first while they fit ``room`` (unknown sizes never)."""
     order = sorted(range(len(sized)), key=lambda i: (sized[i][0] is None, sized[i][0] or 0, i))
     taken = []
     for i in order:
@@ -93,8 +73,7 @@ def smallest_first(sized: list[tuple[int | None, Any]], room: int) -> list[Any]:
 
 @dataclass
 class AutoRoom:
-    """The ``"auto"`` residency of one CUDA device: what was left at the peak after the resident state was chosen
-    (``spare``), the peak it was measured at, the headroom, and the evictions so far."""
+    """The ``"auto"`` residency of one CUDA device: spare at the peak, that peak, headroom, evictions."""
 
     spare: int = 0
     peak: int = 0
@@ -104,10 +83,7 @@ class AutoRoom:
 
     def choose(self, memory: DeviceMemory, sized: list[tuple[int | None, Any]], in_flight: int,
                headroom_bytes: int) -> list[Any]:
-        """The items of ``sized`` ((bytes, item)) to keep resident, given the device's ``memory`` now (state resident
-        already is in it) and the bytes of the in-flight buffers that paging the others would take: all of them if
-        they fit, else the smallest first. Records the peak this choice leads to (the peak so far, plus the new
-        resident state and the buffers) and the spare left at it."""
+        """The items of ``sized`` to keep resident: all if they fit, else smallest first; records the peak."""
         room = memory.spare_at_peak - headroom_bytes
         if all(n is not None for n, _ in sized) and sum(n for n, _ in sized) <= room:
             taken, in_flight = [item for _, item in sized], 0
@@ -121,8 +97,7 @@ class AutoRoom:
         return taken
 
     def excess(self, memory: DeviceMemory) -> int:
-        """Bytes of resident state to evict now: what a peak that grew since the last reading took from the spare,
-        or what free memory lacks of the headroom; 0 if none."""
+        """Bytes of resident state to evict now (a grown peak, or free memory under the headroom); 0 if none."""
         if memory.peak > self.peak:  # (a peak under the one expected, or reset since, teaches nothing)
             self.spare -= memory.peak - self.peak
             self.peak = memory.peak
@@ -135,8 +110,7 @@ class AutoRoom:
 
 
 def evictions(held: list[tuple[Any, int]], need: int) -> list[Any]:
-    """Which of ``held`` ((item, bytes) of resident state, in order) to evict to free ``need`` bytes: the largest
-    first (the fewest that free enough; ties in order)."""
+    """Which of ``held`` ((item, bytes), in order) to evict to free ``need`` bytes: the fewest, largest first."""
     out = []
     for i in sorted(range(len(held)), key=lambda i: (-held[i][1], i)):
         if need <= 0:
@@ -165,8 +139,7 @@ class DeviceResidency:
 
 @dataclass
 class PagingReport:
-    """``optimizer.paging_report()``: per device, where the paged state is; per parameter, ``(label, where, bytes)``
-    with ``where`` one of ``"device"``, ``"cpu"``, ``"disk"`` (label ``g<group>.p<index>``)."""
+    """``optimizer.paging_report()``: per device and per parameter, where the paged state is."""
 
     devices: list[DeviceResidency]
     params: list[tuple[str, str, int]]
@@ -186,8 +159,7 @@ class PagingReport:
 
 def build_report(entries: dict[torch.Tensor, Any], groups: dict[int, dict[str, Any]], pools: dict[torch.device, int],
                  rooms: dict[torch.device, AutoRoom]) -> PagingReport:
-    """The report of a residency manager's ``entries`` (param -> :class:`~.entry.Entry`); ``groups``: id(param) ->
-    its param group; ``pools``: bytes of each device's buffers; ``rooms``: its ``"auto"`` rooms."""
+    """The report of a manager's ``entries``; ``groups``: id(param) -> group; ``pools``: buffer bytes; ``rooms``."""
     devices: dict[torch.device, DeviceResidency] = {}
     budgets: dict[torch.device, set] = {}
     params = []

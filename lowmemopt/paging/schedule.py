@@ -1,13 +1,5 @@
-"""The copy schedule of paged state: which buffer each bucket of a step uses and what each of its transfers waits for,
-decided on the host as plain data, before anything is issued (:class:`Schedule`). The movers (:mod:`.engine`) carry
-it out with CUDA streams and events, or with plain copies and I/O threads on the CPU; ``tests/test_paging_schedule.py``
-carries it out on simulated lanes that run in any order the waits allow, and checks that no buffer is read before it
-is filled or overwritten before it is read.
-
-A *bucket* (a batch of parameters that one fused launch steps) has a sequence number ``seq`` that counts buckets
-across steps, a device *slot* (its position in the step modulo ``n_slots``: the device buffer its working tensors are
-views into; the same one every step) and, on the disk tier with a CUDA device, a pinned host *staging* buffer (modulo
-``n_staging``). Its operations, in order::
+"""The copy schedule of paged state (:class:`Schedule`): which device slot and pinned staging buffer each bucket uses
+and what each of its operations waits for, decided on the host as plain data before anything is issued::
 
     read(seq)     reader thread  files -> staging (CUDA) or -> slot (CPU)    [the "staged" and "file" routes]
     h2d(seq)      h2d stream     homes or staging -> slot                    [the "copy" and "staged" routes]
@@ -15,19 +7,8 @@ views into; the same one every step) and, on the disk tier with a CUDA device, a
     d2h(seq)      d2h stream     slot -> homes or staging                    [the "copy" and "staged" routes]
     write(seq)    writer thread  staging or slot -> files                    [the "staged" and "file" routes]
 
-Routes: ``"copy"`` (pinned host RAM homes: straight between home and slot), ``"staged"`` (files, CUDA device: through
-pinned staging), ``"file"`` (files, CPU device: the slot is the buffer the files are read into and written from; where
-the update's threads take every core, its reads and writes run in the stepping thread instead of the reader and
-writer threads, when the bucket is loaded and stored: ``engine.HostLanes.files_here``).
-
-What an operation waits for (``Op.waits``; each lane runs its operations in the order they are issued, so a wait for
-``(kind, s)`` also covers every earlier operation of that lane, and only the latest one per lane is kept):
-
-* the first load of a slot or staging buffer waits for the operation that last used it (its previous bucket's
-  write-back, or its last load where that bucket was discarded unused): at most ``n_slots`` buckets hold device
-  memory, at most ``n_staging`` hold staging;
-* a load of a home waits for that home's last write-back (a file read waits for its last write);
-* the kernels wait for the last load, the write-back for the kernels, a file write for its device-to-host copy.
+:mod:`.engine` carries it out; ``tests/test_paging_schedule.py`` runs it on simulated lanes. The waits:
+docs/paging.md#how-a-step-runs.
 """
 
 from __future__ import annotations
@@ -56,7 +37,7 @@ LANE = {"read": "reader", "h2d": "h2d", "kernels": "compute", "d2h": "d2h", "wri
 
 @dataclass(frozen=True)
 class Op:
-    """One operation of a bucket: ``kind`` on its lane (:data:`LANE`), after each ``(kind, seq)`` of ``waits``."""
+    """One operation of a bucket: ``kind`` on its lane, after each ``(kind, seq)`` of ``waits``."""
 
     kind: str
     seq: int
@@ -106,10 +87,10 @@ _STAGING_FREE_AFTER = "write"
 
 
 class Schedule:
-    """The slot and staging rings of one device and the operations of each bucket; see the module docstring.
+    """The slot and staging rings of one device and the operations of each bucket.
 
-    ``plan`` is called for every bucket in the order the buckets load; ``stored`` when its write-back is issued,
-    ``discard`` when a planned bucket is dropped unused (a prefetch that the next step did not want)."""
+    :meth:`plan` is called per bucket in load order; :meth:`stored` when its write-back is issued, :meth:`discard`
+    when it is dropped unused."""
 
     def __init__(self, n_slots: int = N_SLOTS, n_staging: int = N_STAGING) -> None:
         if n_slots < 2 or n_staging < n_slots:
@@ -124,11 +105,7 @@ class Schedule:
 
     def plan(self, keys: Sequence[Hashable], route: str, loads: Sequence[Hashable] | None = None,
              position: int | None = None) -> BucketPlan:
-        """The next bucket: ``keys`` (the homes it writes back), ``loads`` (those of them it reads first; default all;
-        a state made by this step is not read). ``position``: its place in its pass (buckets planned one after the
-        other have consecutive positions): it picks the slot and staging buffer, so that a bucket gets the same
-        buffers every step (the same working tensors: launch arguments cached by address stay valid); default: its
-        ``seq``."""
+        """The next bucket: ``keys`` it writes back, ``loads`` it reads; ``position`` picks its buffers."""
         if route not in ROUTES:
             raise ValueError(f"unknown route {route!r}")
         seq = self.next_seq
@@ -160,11 +137,11 @@ class Schedule:
         return plan
 
     def can_plan(self) -> bool:
-        """Is a slot free for the next bucket (fewer than ``n_slots`` buckets planned and not yet written back)?"""
+        """Whether a slot is free for the next bucket."""
         return len(self.plans) < self.n_slots
 
     def stored(self, plan: BucketPlan) -> tuple[Op, ...]:
-        """The write-back of ``plan``'s bucket (issued after its kernels): its operations, in order."""
+        """The operations of ``plan``'s write-back."""
         ops: list[Op] = []
         for kind in ROUTES[plan.route][1]:
             waits = [(ops[-1].kind, plan.seq) if ops else ("kernels", plan.seq)]
@@ -181,8 +158,7 @@ class Schedule:
         return plan.store
 
     def discard(self, plan: BucketPlan) -> None:
-        """``plan``'s bucket will not run: its buffers are free once the loads already issued are done (a load
-        waited for the buffers' previous users, so it stands for them too)."""
+        """``plan``'s bucket will not run: its buffers are free once its issued loads are done."""
         self.plans.pop(plan.seq, None)
         issued = [o for o in plan.load if o.kind in plan.issued]
         if not issued:
@@ -194,5 +170,5 @@ class Schedule:
             self._staging_free[plan.staging] = last
 
     def forget(self, key: Hashable) -> None:
-        """``key``'s home was freed (or made anew): no later load waits for its old write-backs."""
+        """``key``'s home was freed or remade: no later load waits for its old write-backs."""
         self._home_written.pop(key, None)

@@ -1,21 +1,12 @@
-"""Block-wise 8-bit quantization: one fp32 scale (``absmax``) per block of ``block_size`` consecutive elements of the
-flattened tensor, each element stored as the uint8 index of its nearest code in an 8-bit map (see
-:mod:`lowmemopt.quant.maps`).
+"""Block-wise 8-bit quantization: an fp32 scale (``absmax``) per block of ``block_size`` elements of the flat tensor,
+each element the uint8 index of its nearest code in an 8-bit map (:mod:`lowmemopt.quant.maps`)::
 
     encode:  absmax_b = max(max_b x / book[-1], min_b x / book[0])     (signed map; unsigned: max_b x)
              code_i = nearest(x_i / absmax_b)                           (absmax_b = 0: the block is all 0)
     decode:  x_i ~= book[code_i] * absmax_b
 
-For the signed maps ``book[-1] = 1`` and ``book[0] = -0.984`` (``pow2``) or ``-0.99297`` (``dynamic``; the maps are
-asymmetric), so ``absmax`` is the block's absolute maximum unless the extreme is negative, where it is ``|min| /
-|book[0]|``: both extremes are then representable. With the plain absmax, a block's most negative first moment would
-shrink at every re-encode, a bias that compounds over steps. Decoding is the same formula either way, so
-bitsandbytes' codes decode unchanged.
-
-The last block may be shorter than ``block_size`` (ragged). Inputs of any layout are accepted (non-contiguous ones are
-copied). :func:`quantize_blockwise` is the fast path (two table lookups per element);
-:func:`quantize_blockwise_reference` is the brute-force specification it is tested against, code for code. On CPU the
-full blocks go through the native codec of :mod:`lowmemopt.cpu` where it is built (the same codes).
+Why the scale keeps both extremes: docs/state_format.md#8-bit-maps. On the CPU full blocks go through the native codec
+(:mod:`lowmemopt.cpu`) where it is built; :func:`quantize_blockwise_reference` is the specification.
 """
 
 from __future__ import annotations
@@ -56,7 +47,7 @@ def _block_views(flat: torch.Tensor, block_size: int) -> list[torch.Tensor]:
 
 
 def block_scale(x: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Per-row scale of fp32 blocks ``x`` [nb, bs] so that both extremes are representable (see module docstring)."""
+    """Per-row scale of fp32 blocks ``x`` [nb, bs] so that both extremes are representable."""
     low, high = torch.aminmax(x, dim=1)
     if not signed:
         return high.clamp_min(0.0)
@@ -66,8 +57,7 @@ def block_scale(x: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tens
 def encode_rows(
     x: torch.Tensor, book: torch.Tensor, packed: torch.Tensor, signed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize fp32 blocks ``x`` [nb, bs] -> (codes uint8 [nb, bs], scale fp32 [nb]). Pure tensor ops (traceable by
-    torch.compile), one table lookup per element (see :mod:`lowmemopt.quant.maps`)."""
+    """fp32 blocks [nb, bs] -> (uint8 codes [nb, bs], fp32 scale [nb]): pure tensor ops, a table lookup each."""
     scale = block_scale(x, book, signed)
     y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
     u = y.view(torch.int32)
@@ -83,8 +73,7 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, book: torch.Tensor) ->
 
 
 class RowCodec(Protocol):
-    """A faster implementation of :func:`encode_rows` / :func:`decode_rows` for some tensors (full blocks, rows of
-    ``block_size``); each returns False where it does not apply, and the next one (finally the torch code) runs."""
+    """A faster row codec for some tensors; returns False where it does not apply (the next one runs)."""
 
     def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool: ...
 
@@ -104,7 +93,6 @@ def register_row_codec(codec: RowCodec, priority: int) -> None:
 
 
 def _encode_blocks(x: torch.Tensor, name: str, codes: torch.Tensor, absmax: torch.Tensor) -> None:
-    """x: fp32 [nb, bs]; writes codes (uint8 [nb, bs]) and absmax (fp32 [nb])."""
     for _, codec in ROW_CODECS:
         if codec.encode(x, codes, absmax, name):
             return
@@ -136,7 +124,7 @@ def decode_into(codes: torch.Tensor, absmax: torch.Tensor, name: str, block_size
 
 
 def quantize_blockwise(x: torch.Tensor, name: str = "pow2", block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` (any shape, layout, floating dtype) to (codes: uint8 [numel], absmax: fp32 [n_blocks])."""
+    """``x`` (any shape, layout, floating dtype) -> (codes uint8 [numel], absmax fp32 [n_blocks])."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     flat = x.detach().reshape(-1).float().contiguous()

@@ -1,17 +1,9 @@
-"""State-format conversion: one parameter's state, stored in any format, into the formats a param group asks for.
+"""State-format conversion: one parameter's state, in any format, into the formats a param group asks for, and the
+value checks that keep a load from poisoning the next step.
 
-Both ways of loading state use it: :mod:`lowmemopt.checkpoint` (safetensors files, streamed through :func:`reformat`)
-and the optimizer's ``load_state_dict`` pre-hook (in-memory state dicts of lowmemopt, ``torch.optim`` or bitsandbytes,
-through :func:`convert_param_state`). It sits with the formats, below the optimizer: it takes plain data (a slots dict,
-param group dicts, the parameter tensor) and imports nothing above :mod:`lowmemopt.quant`.
-
-Each slot is decoded and re-encoded with :mod:`lowmemopt.quant.formats`: fp32 / bf16 / q8 / q4 in any direction. One
-exception: q8 (q4) state is never re-quantized to q8 (q4) at a different block size (that would add a second rounding to
-state that is otherwise exact); it is a mismatch.
-
-Nothing that would poison the next step loads (:func:`check_values`, :func:`check_step`, :func:`check_group`): a
-non-finite or negative ``absmax``, non-finite state, negative values in a non-negative slot (``exp_avg_sq``), a step
-that is not a non-negative integer, hyper-parameters the optimizer's own checks refuse (NaN ``lr``, ``betas`` >= 1).
+Used by :mod:`lowmemopt.checkpoint` (files, streamed by :func:`reformat`) and the optimizer's ``load_state_dict``
+pre-hook (:func:`convert_param_state`); it takes plain data and imports nothing above :mod:`lowmemopt.quant`. Policy:
+docs/state_format.md#conversion and #loading.
 """
 
 from __future__ import annotations
@@ -56,9 +48,9 @@ def reformat(
     verbatim: bool,
     src_map: str | None = None,
 ) -> None:
-    """Write slot ``slot``, stored as ``src`` (read through ``read``; 8- or 4-bit codes in map ``src_map``, default the
-    state map), into ``out``'s tensors for it, already made by ``dst.init``; streamed in block-aligned chunks so no full-size
-    fp32 copy is made. ``verbatim``: same format, dtype, block size and map, copy the bytes."""
+    """Write slot ``slot``, stored as ``src`` (read through ``read``; codes in ``src_map``, default the state map), into
+    ``out``'s tensors (made by ``dst.init``), in block-aligned chunks: no full-size fp32 copy. ``verbatim``: copy the
+    bytes."""
     n = shape.numel()
     align = max(src_bs, dst_bs)
     step = max(align, CHUNK_NUMEL // align * align)
@@ -74,8 +66,7 @@ def reformat(
 
 
 def remaps(src: StateFormat, src_map: str | None, slot: Slot) -> bool:
-    """8-bit state in a map other than the state map (bitsandbytes' dynamic maps, as in bitsandbytes state and
-    lowmemopt format 1): it is decoded in its map and encoded into the state map, never copied as it is."""
+    """Whether 8-bit state is in a map other than the state map (bitsandbytes' dynamic maps): re-encoded, not copied."""
     return src is Q8 and src_map != map_for(slot.signed)
 
 
@@ -86,14 +77,12 @@ def state_map(fmt: StateFormat, slot: Slot) -> str | None:
 
 def target_format(group: dict[str, Any], slot: Slot, numel: int,
                   param_dtype: torch.dtype | None = None) -> StateFormat:
-    """The format ``group`` stores a slot of ``numel`` elements in, for a parameter of ``param_dtype`` (float64: its
-    full-precision state is float64)."""
+    """The format ``group`` stores a slot of ``numel`` elements in, for a parameter of ``param_dtype``."""
     return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize, slot.dtype, param_dtype)
 
 
 def format_numel(slot: Slot, numel: int) -> int:
-    """The size that picks a slot's format: the whole parameter's ``numel`` (a DTensor's too) for slots shaped like it,
-    as the optimizer's state creation does, so that a shard's format does not depend on the world size."""
+    """The size that picks a slot's format: the whole parameter's, so a shard's format is the world's."""
     return numel if slot.shape is None else torch.Size(slot.shape).numel()
 
 
@@ -123,15 +112,20 @@ def convert_param_state(
 ) -> dict[str, Any]:
     """One parameter's state from a state dict, in the formats ``group`` asks for ``slots``.
 
-    ``param``: the parameter (a DTensor's local shard); ``numel``: the whole parameter's size, which picks the formats
-    (default ``param.numel()``). ``state`` may be lowmemopt state in any format (q8 needs ``saved_group["block_size"]``),
-    ``torch.optim`` state (``exp_avg``, tensor ``step``, any float dtype) or bitsandbytes state (``state1``/``state2`` +
-    ``absmax``/``qmap``, nested or not), whose N-th state is the N-th slot (AdamW: ``exp_avg``, ``exp_avg_sq``). Slots
-    already in the target format are returned as they are (no copy); others are decoded and re-encoded. 8-bit state in
-    bitsandbytes' dynamic maps (bitsandbytes state, and lowmemopt state with ``legacy_maps``: ``lowmemopt_format`` 1)
-    is re-encoded into the state maps (one rounding to the nearest code of the new map). ``kept``: entries the caller
-    checked (a GaLore projector, bf16_update's), placed after ``step`` as they are. Raises CheckpointError naming
-    ``where`` and the problem."""
+    Args:
+        param: the parameter (a DTensor's local shard).
+        numel: the whole parameter's size, which picks the formats (default ``param.numel()``).
+        state: lowmemopt state in any format (q8 needs ``saved_group["block_size"]``), ``torch.optim`` state, or
+            bitsandbytes state (``state1``/``state2`` + ``absmax``/``qmap``), whose N-th state is the N-th slot.
+        legacy_maps: the 8-bit state is in the dynamic maps (``lowmemopt_format`` 1); re-encoded into the state maps.
+        kept: entries the caller checked (a GaLore projector, bf16_update's), placed after ``step`` as they are.
+
+    Returns:
+        The new state; slots already in the target format are not copied.
+
+    Raises:
+        CheckpointError: naming ``where`` and the problem.
+    """
     numel = param.numel() if numel is None else numel
     if "state1" in state or _BNB_QUANT_KEY in state:
         sources = _bnb_sources(state, slots, where)
@@ -192,8 +186,7 @@ _ORIGINS = (
 
 
 def slot_names(states: Any) -> set[str]:
-    """The slot names in ``states`` (a state dict's ``"state"``: index -> that parameter's state): keys without their
-    storage suffixes (``.codes``, ``.absmax``, ``.nibbles``), less ``step``, a GaLore projector and bf16_update's."""
+    """The slot names in a state dict's ``"state"``, without storage suffixes, ``step`` and kept entries."""
     names: set[str] = set()
     for state in (states.values() if isinstance(states, dict) else ()):
         for key in (state if isinstance(state, dict) else ()):
@@ -205,8 +198,7 @@ def slot_names(states: Any) -> set[str]:
 
 
 def state_origin(states: Any) -> str | None:
-    """The optimizer whose state ``states`` (a state dict's ``"state"``) looks like, in words (``"CAME"``, ``"SGD with
-    momentum (...)"``), or None where no slot tells; a state of step counts only: an optimizer that keeps none."""
+    """The optimizer whose state ``states`` looks like, in words (``"CAME"``), or None."""
     names = slot_names(states)
     for keys, origin in _ORIGINS:
         if names & set(keys):
@@ -217,9 +209,7 @@ def state_origin(states: Any) -> str | None:
 
 
 def foreign_state_hint(states: Any, slots: Callable[[], set[str]], owner: str) -> str:
-    """The continuation of a load error where a state dict's ``states`` look like another optimizer's than ``owner``
-    (whose slot names ``slots()`` gives): ``". It looks like the state of <optimizer>, not of <owner> ..."``, else
-    ``""``."""
+    """``". It looks like the state of <optimizer>, not of <owner> ..."``, or ``""``."""
     origin = state_origin(states)
     if origin is None:
         return ""
@@ -234,9 +224,7 @@ def foreign_state_hint(states: Any, slots: Callable[[], set[str]], owner: str) -
 
 
 def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
-    """Raise CheckpointError (naming ``where`` and ``key``) unless the floating-point state tensor ``t`` can be stepped
-    from: every value finite, and none negative in an ``absmax`` or a non-negative slot (``signed`` False). Integer
-    tensors (codes) pass. One reduction over ``t``, no temporary of its size; chunks of a tensor may come one by one."""
+    """Raise CheckpointError unless ``t`` is finite and, for ``absmax`` or unsigned slots, not negative."""
     if not t.is_floating_point() or t.numel() == 0:
         return
     lo, hi = (float(x) for x in torch.aminmax(t.detach().reshape(-1)))  # NaN propagates to both
@@ -252,8 +240,7 @@ def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
 
 
 def check_step(step: Any, where: str) -> int:
-    """A state's step count as an int (a number, or a one-element tensor as ``torch.optim`` stores it); raise
-    CheckpointError unless it is a non-negative integer."""
+    """A state's step count as an int; raise CheckpointError unless it is a non-negative integer."""
     value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
             or value != int(value)):
@@ -263,8 +250,7 @@ def check_step(step: Any, where: str) -> int:
 
 
 def check_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], where: str) -> None:
-    """Run an optimizer's hyper-parameter check (its ``_check_group``) on a param group about to be loaded; its
-    ValueError or TypeError becomes a CheckpointError: ``"<where> are invalid: <the check's message>"``."""
+    """Run the optimizer's ``_check_group`` on a param group to load; its error becomes a CheckpointError."""
     try:
         check(group)
     except (ValueError, TypeError) as e:
@@ -279,9 +265,7 @@ def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
 
 def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
                  where: str, param_shape: torch.Size | None = None, source: str = "the state dict"):
-    """Raise CheckpointError unless ``tensors`` (from ``source``) hold slot ``name`` of ``shape`` in format ``src``; a
-    size mismatch names the shapes: the parameter's (``param_shape``, where the slot's differs: GaLore) and the
-    slot's."""
+    """Raise CheckpointError unless ``tensors`` hold slot ``name`` of ``shape`` in format ``src``."""
     numel = shape.numel()
     param_shape = shape if param_shape is None else param_shape
     ours = f"the optimizer's parameter has shape {tuple(param_shape)}"
@@ -350,7 +334,6 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
 
 
 def _check_tensors(state: dict[str, Any], keys: Any, where: str) -> None:
-    """Raise CheckpointError naming ``where`` and the key unless each of ``keys`` in ``state`` is a tensor."""
     for key in keys:
         if not isinstance(state[key], torch.Tensor):
             raise CheckpointError(f"{where}: state '{key}' is a {type(state[key]).__name__}, not a tensor")

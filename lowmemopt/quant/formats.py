@@ -1,33 +1,8 @@
-"""State formats: how one named state slot (``exp_avg``, ``exp_avg_sq``, ...) is stored.
+"""State formats: how one named state slot (``exp_avg``, ...) is stored, as plain tensors whose keys and dtype say the
+format: ``fp32``, ``fp64``, ``bf16``, ``fp16``, ``q8`` (``.codes``, ``.absmax``), ``q4`` (``.nibbles``, ``.absmax``).
 
-=======  =========================================  ======================================
-format   state keys                                  bytes / element
-=======  =========================================  ======================================
-fp32     ``<slot>`` fp32, parameter's shape          4
-fp64     ``<slot>`` fp64, parameter's shape          8   (a float64 parameter's full-precision state)
-bf16     ``<slot>`` bf16, parameter's shape          2   (round to nearest even)
-fp16     ``<slot>`` fp16, parameter's shape          2   (only where a slot asks for it: :attr:`Slot.dtype`)
-q8       ``<slot>.codes`` uint8 [numel]              1 + 4 / block_size
-         ``<slot>.absmax`` fp32 [ceil(numel / bs)]
-q4       ``<slot>.nibbles`` uint8 [ceil(numel / 2)]  1/2 + 4 / block_size
-         ``<slot>.absmax`` fp32 [ceil(numel / bs)]
-=======  =========================================  ======================================
-
-The format of a stored slot is read back from its keys and dtype, so state is self-describing plain tensors. Signed slots
-(first moments, momentum) use the ``pow2`` map; non-negative slots (second moments) use ``upow2``
-(:mod:`lowmemopt.quant.maps`). State of ``lowmemopt_format`` 1 used the ``dynamic`` / ``udynamic`` maps
-(:func:`legacy_map_for`); the checkpoint layer re-encodes it on load. 4-bit slots use the ``pow2x4`` (signed) and the
-zero-free ``upow2x4`` (non-negative) maps of :mod:`lowmemopt.quant.q4`, two codes per byte.
-
-The optimizer works on contiguous ranges ``[lo, hi)`` of the flattened slot (chunks aligned to the block size):
-:meth:`StateFormat.decode` returns fp32 values the algorithm may update in place (for fp32 storage, a view of the
-storage itself), and :meth:`StateFormat.encode` writes them back.
-
-float64 parameters (:func:`math_dtype`): their math is float64, and the state a float32 parameter keeps in fp32
-(``state_bits=32``, tensors below ``min_quant_numel``, factored statistics) is float64 (``fp64``: :func:`choose_format`
-with ``param_dtype``), as ``torch.optim`` keeps it: a float64 step equals torch's to float64 rounding. At 16, 8 and 4
-bits their state is stored as for any parameter (bf16, q8, q4) and decoded to float64 for the math; it is rounded from
-float64 once when it is encoded (8 and 4 bits: to fp32 first, far below the codes' step).
+:meth:`StateFormat.decode` / :meth:`StateFormat.encode` work on block-aligned ranges ``[lo, hi)`` of the flat slot.
+Layout, maps and float64 parameters: docs/state_format.md#tensors.
 """
 
 from __future__ import annotations
@@ -101,8 +76,7 @@ class StateFormat:
 
     def decode(self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int,
                qmap: str | None = None) -> torch.Tensor:
-        """fp32 values of elements ``[lo, hi)`` (fp64 storage: fp64 values); ``qmap``: the 8-bit map the codes are
-        in (default ``map_for(signed)``)."""
+        """fp32 values of elements ``[lo, hi)`` (fp64 storage: fp64); ``qmap``: the codes' map."""
         raise NotImplementedError
 
     def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int) -> None:
@@ -113,8 +87,7 @@ class StateFormat:
         raise NotImplementedError
 
     def key_ranges(self, slot: str, lo: int, hi: int, block_size: int) -> dict[str, tuple[int, int]]:
-        """The flat element range of each stored tensor that holds elements ``[lo, hi)`` of the slot (``lo`` aligned
-        to the block size). Lets a converter stream a slot chunk by chunk through :meth:`decode` / :meth:`encode`."""
+        """The flat range of each stored tensor holding elements ``[lo, hi)``, for streaming a slot."""
         return {slot: (lo, hi)}
 
     def __repr__(self) -> str:
@@ -189,9 +162,7 @@ class _Q8(StateFormat):
 
 
 class _Q4(StateFormat):
-    """Two 4-bit codes per byte (element ``2i`` in the low nibble of byte ``i``) and an fp32 scale per block:
-    :mod:`lowmemopt.quant.q4`. A block-aligned element range ``[lo, hi)`` is the byte range ``[lo / 2, ceil(hi /
-    2))``, so chunks, shards and conversions cut bytes where they cut blocks."""
+    """Two 4-bit codes per byte and an fp32 scale per block (:mod:`lowmemopt.quant.q4`)."""
 
     name, bits = "q4", 4
 
@@ -236,16 +207,13 @@ QUANTIZED = (Q8, Q4)
 
 
 def default_block_size(state_bits: int) -> int:
-    """The block size when none is given: 128 for 4-bit state (its scales weigh twice as much per element as at 8 bits
-    for the same block, but 4-bit codes gain more from a local scale), 256 otherwise."""
+    """The block size when none is given: 128 for 4-bit state, 256 otherwise."""
     return 128 if state_bits == 4 else 256
 
 
 def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True,
                   dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> StateFormat:
-    """The format a new slot gets: tensors below ``min_quant_numel`` elements and non-quantizable slots stay fp32
-    (fp64 for a float64 ``param_dtype``: the module docstring); ``dtype`` (a quantizable slot's :attr:`Slot.dtype`):
-    the dense format of that dtype, whatever the size."""
+    """The format a new slot gets (fp32 / fp64 below ``min_quant_numel``; a slot's own ``dtype``)."""
     if dtype is not None and quantizable:
         if dtype not in DENSE:
             raise ValueError(f"a state slot cannot be stored in {dtype} (fp32, fp64, bf16 or fp16)")

@@ -1,42 +1,5 @@
-"""8-bit quantization code books and their fast nearest-code lookup tables.
-
-A code book is a sorted fp32 tensor of 256 values in [-1, 1] (signed) or [0, 1] (unsigned), with 0 and 1 among them. A
-value ``y`` that has already been divided by its block's scale is stored as the index of its nearest code.
-
-Maps
-----
-``pow2`` (signed, for first moments and momentum) and ``upow2`` (unsigned, for second moments) are the maps optimizer
-state is stored in. They are dynamic maps whose regions are binades instead of decades: binade ``k`` (``[2^-(k+1),
-2^-k)``, ``k = 0`` the top one) holds ``2^b_k`` evenly spaced codes ``2^-(k+1) (1 + j / 2^b_k)``, so every code is a
-float with ``b_k`` significant mantissa bits (:data:`POW2_BITS`), plus exact 0 and 1::
-
-    pow2   b = 5, 4, 4, 4, 4, 3, 3, 1, 1, then 11 binades of one code: 127 magnitudes down to 2^-20 (9.5e-7), and
-           the book is -g[127] .. -g[1], 0, g[1] .. g[127], 1 (asymmetric like bitsandbytes': no -1)
-    upow2  b = 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 3, 3, 1, 1, 1, then 8 of one code: 0, 254 codes down to 2^-23 (1.2e-7), 1
-
-On real Adam state (a LLaMA trained on text, at 30, 300 and 600 steps; a byte MLP) they give the update ``m / sqrt(v)``
-15-30% less quantization error than the dynamic maps below, and their nearest code is a few integer operations on
-the float's bits (the C kernels encode them without tables: :mod:`lowmemopt.cpu.codec`).
-
-``dynamic`` / ``udynamic`` are the dynamic-exponent maps of Dettmers (2015, arXiv:1511.04561), value for value the
-maps of bitsandbytes (its ``create_dynamic_map``): decade ``10**-k`` (k = 6..0) holds ``2**(6-k)`` (signed) or
-``2**(7-k)`` (unsigned) linearly spaced values, plus exact 0 and 1. lowmemopt state used them before format 2;
-they are kept to read that state and bitsandbytes' 8-bit state (:mod:`lowmemopt.checkpoint` re-encodes it).
-
-Rounding rule (exact, tested against a brute-force ``argmin``): the nearest code in fp32 arithmetic; on a tie, the lower
-code. One exception for non-negative slots (``upow2``, ``udynamic``): **a positive value never encodes to the zero code**;
-it takes the smallest positive code instead (1.2e-7 of the block scale for ``upow2``). torchao's 8-bit Adam flushes small
-second moments to 0 in any block that holds an outlier and its update becomes m/eps, up to ~1e4 too large; with this
-floor a small v is over-estimated, which can only shrink that element's step. A true 0 still encodes to 0.
-
-Fast encoding for any map (no 256-way search, no binary search): the top 16 bits of ``y``'s fp32 pattern select one of
-65536 buckets, each a contiguous interval of floats. Each bucket holds at most one decision point of the rounding rule,
-the exact first float at which the rule switches (found by bisection over float bit patterns when the table is built),
-so ``code = lo[bucket] + (y >= threshold[bucket])``. The threshold lies in its bucket, so only its low 16 bits matter:
-one int32 per bucket, ``packed = lo << 17 | t_thr``, holds both, and one lookup encodes a value::
-
-    u = bits(y);  t = (u & 0xFFFF) ^ (0xFFFF if y < 0 else 0)      # position inside the bucket, increasing with y
-    e = packed[u >> 16];  code = (e >> 17) + (t >= (e & 0x1FFFF))   # t_thr = 0x10000: no switch in this bucket
+"""8-bit code books (``pow2`` / ``upow2`` for state; bitsandbytes' ``dynamic`` / ``udynamic`` to read old state) and
+their exact nearest-code bucket tables. The maps, the rounding rule and the table: docs/state_format.md#8-bit-maps.
 """
 
 from __future__ import annotations
@@ -61,8 +24,9 @@ __all__ = [
 MAP_NAMES = ("pow2", "upow2", "dynamic", "udynamic")
 _SIGNED = ("pow2", "dynamic")
 
-#: mantissa bits per binade of the ``pow2`` maps, top binade ``[0.5, 1)`` first (module docstring). Chosen on measured
-#: Adam state for the least error in ``m / sqrt(v)``, keeping the smallest code near the dynamic maps' (5.5e-7, 3.3e-7).
+#: mantissa bits per binade of the ``pow2`` maps, top binade ``[0.5, 1)`` first (docs/state_format.md#8-bit-maps).
+#: Chosen on measured Adam state for the least error in ``m / sqrt(v)``, keeping the smallest code near the dynamic
+#: maps' (5.5e-7, 3.3e-7).
 POW2_BITS = {
     "pow2": (5, 4, 4, 4, 4, 3, 3, 1, 1) + (0,) * 11,
     "upow2": (5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 3, 3, 1, 1, 1) + (0,) * 8,
@@ -131,8 +95,7 @@ def _never_zero(name: str) -> bool:
 
 
 def nearest_code_reference(y: torch.Tensor, name: str) -> torch.Tensor:
-    """Brute-force nearest code (the specification): argmin over all 256 codes of ``|y - code|`` in fp32, ties to the
-    lower code; for an unsigned map a positive ``y`` never takes the zero code. Returns int64 codes. Slow: tests only."""
+    """Brute-force nearest code (the specification, tests only): argmin of ``|y - code|`` in fp32."""
     book = code_book(name, y.device)
     flat = y.reshape(-1, 1).float()
     dist = (flat - book.reshape(1, -1)).abs()
@@ -143,7 +106,7 @@ def nearest_code_reference(y: torch.Tensor, name: str) -> torch.Tensor:
 
 
 class EncodeTable:
-    """Bucket tables for exact nearest-code encoding of fp32 values (see module docstring)."""
+    """Bucket tables for exact nearest-code encoding of fp32 values."""
 
     def __init__(self, name: str, lo: torch.Tensor, threshold: torch.Tensor):
         self.name = name
@@ -166,10 +129,7 @@ def _pack(lo: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(y: torch.Tensor, name: str) -> torch.Tensor:
-    """The rounding rule evaluated on a modest batch of values, using a sorted search plus neighbour comparison.
-
-    Equal to :func:`nearest_code_reference` (fp32 distance is monotone in the code for fixed y, so the argmin is one of
-    the two codes bracketing y)."""
+    """The rounding rule on a batch: sorted search, then the nearer of the two bracketing codes."""
     book = _cpu_code_book(name)
     hi = torch.searchsorted(book, y).clamp(1, 255)
     lo = hi - 1

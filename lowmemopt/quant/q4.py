@@ -1,36 +1,11 @@
-"""Block-wise 4-bit quantization: 16-entry code books, exact nearest-code encoding, two codes per byte.
-
-Layout: a slot of ``n`` elements is ``nibbles`` (uint8 ``[ceil(n / 2)]``) and ``absmax`` (fp32 ``[ceil(n / bs)]``).
-Element ``i`` is the low nibble of byte ``i // 2`` when ``i`` is even, the high nibble when odd; an odd ``n`` leaves the
-last byte's high nibble 0. Block sizes are even (powers of two >= 16), so every block starts on a byte and a block-aligned
-range ``[lo, hi)`` of elements is the byte range ``[lo // 2, ceil(hi / 2))``: chunked steps, sharded local state and
-format conversions cut the bytes where they cut the blocks.
+"""Block-wise 4-bit quantization: 16-code maps (``pow2x4`` signed, ``upow2x4`` zero-free), exact nearest-code
+encoding, two codes per byte (element ``2i`` in the low nibble of byte ``i``)::
 
     encode:  absmax_b = max(max_b x / book[-1], min_b x / book[0])      (signed; unsigned: max_b x)
              code_i = nearest(x_i / absmax_b)                            (absmax_b = 0: the block is all 0)
     decode:  x_i ~= book[code_i] * absmax_b
 
-Maps (:data:`MAPS`), chosen on real Adam state (``bench/fourbit.py --maps``; ``docs/state_format.md``):
-
-    pow2x4   signed, for first moments and momentum: 0, +-1/32, +-1/16, +-1/8, +-1/4, +-3/8, +-1/2, +-3/4, 1
-             (asymmetric like the 8-bit ``pow2``: no -1; the block scale makes the most negative value -3/4)
-    upow2x4  unsigned, for second moments, **zero-free**: 2^-10, 2^-9, 2^-8, 2^-7, 2^-6, then 1 and 1.5 times
-             2^-5 .. 2^-1, then 1. No code is 0, so a non-zero value never decodes to 0.
-
-Both are floats of at most one mantissa bit (binades of ``2^b`` codes, ``b`` in :data:`POW2X4_BITS`), like the 8-bit
-``pow2`` maps. On the state of a LLaMA trained with fp32 AdamW (300 steps) they give the update ``m / sqrt(v)`` a
-relative L2 error of 0.156 (m alone; torchao's 4-bit dynamic map: 0.191) and 0.070 (v alone; a linear zero-free map
-as in torchao and lpmm: 0.284, which also over-estimates v by 50% on average).
-
-The rounding rule is the 8-bit one (:mod:`lowmemopt.quant.maps`): the nearest code in fp32 arithmetic, ties to the lower
-code. A zero-free map has no zero code to flush to: a value below its smallest code ``c_0`` takes ``c_0`` (an
-over-estimated second moment can only shrink that element's step); an exact 0 takes ``c_0`` too and decodes to ``c_0 *
-absmax`` (a block of all zeros keeps ``absmax = 0`` and decodes to 0).
-
-Encoding is exact and vectorised: between two adjacent codes the rule switches at one float, found once per map by
-bisection over float bit patterns (:func:`thresholds`), so ``code = #{thresholds <= y}``; the encoder evaluates that
-with one lookup in a 65536-bucket table of the 8-bit codec (:func:`_table`).
-:func:`nearest_code_reference` is the brute-force specification it is tested against.
+The layout, the maps and how they were chosen: docs/state_format.md#4-bit-maps.
 """
 
 from __future__ import annotations
@@ -71,13 +46,13 @@ def signed_codes(magnitudes: list[float]) -> list[float]:
     return [0.0, 1.0] + list(magnitudes) + [-g for g in magnitudes]
 
 
-#: the 16 codes of each 4-bit map (sorted on registration). See the module docstring for the choice.
+#: the 16 codes of each 4-bit map (sorted on registration). The choice: docs/state_format.md#4-bit-maps.
 MAPS: dict[str, tuple[float, ...]] = {}
 SIGNED_MAPS: set[str] = set()
 
 
 def register_map(name: str, codes: list[float], signed: bool) -> None:
-    """Add a 16-code map (``bench/fourbit.py`` measures candidates this way; the state maps are registered below)."""
+    """Add a 16-code map (``bench/fourbit.py`` measures candidates this way)."""
     codes = sorted(float(torch.tensor(c, dtype=torch.float32)) for c in codes)
     if len(codes) != 16 or len(set(codes)) != 16 or codes[-1] != 1.0:
         raise ValueError(f"a 4-bit map needs 16 distinct codes ending in 1, got {codes}")
@@ -158,14 +133,12 @@ def _thresholds(name: str) -> torch.Tensor:
 
 
 def thresholds(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 15 floats ``t_j`` at which the rounding rule switches from code ``j`` to ``j + 1``: ``code(y) = #{t_j <=
-    y}``. Exact for every float (tests check the floats on both sides of each)."""
+    """The 15 floats ``t_j`` where the rule switches from code ``j`` to ``j + 1``: ``code(y) = #{t_j <= y}``, exact."""
     return _on("thr", name, device, _thresholds)
 
 
 def nearest_code_reference(y: torch.Tensor, name: str) -> torch.Tensor:
-    """Brute force (the specification): argmin over the 16 codes of ``|y - code|`` in fp32, ties to the lower code.
-    Returns int64 codes of ``y``'s shape. Slow: tests only."""
+    """Brute force (the specification): argmin of ``|y - code|`` in fp32, ties to the lower code."""
     book = code_book(name, y.device)
     dist = (y.reshape(-1, 1).float() - book.reshape(1, -1)).abs()
     return dist.argmin(dim=1).reshape(y.shape)  # argmin returns the first minimum: the lower code on a tie
@@ -176,7 +149,6 @@ def packed_len(numel: int) -> int:
 
 
 def _scale(x: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Per-row scale of blocks ``x`` [nb, bs] so that both extremes are representable."""
     low, high = torch.aminmax(x, dim=1)
     if not signed:
         return high.clamp_min(0.0)
@@ -184,10 +156,10 @@ def _scale(x: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes (flat, contiguous, any length) -> uint8 [ceil(n / 2)], element 2i in the low nibble of byte i.
+    """uint8 codes -> uint8 [ceil(n / 2)], element 2i in the low nibble of byte i.
 
-    Read as little-endian int16 pairs ``v = c_even + 256 c_odd``, the byte is ``(v | v >> 4) & 0xFF``: contiguous
-    integer ops, no strided gathers (2.5x faster on CPU than packing ``codes[0::2] | codes[1::2] << 4``)."""
+    As little-endian int16 pairs ``v``, the byte is ``(v | v >> 4) & 0xFF``: 2.5x faster on the CPU than strided
+    gathers."""
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
     if sys.byteorder != "little":  # (no big-endian machine runs torch today; the plain form, for completeness)
@@ -198,7 +170,6 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_table(name: str) -> torch.Tensor:
-    """fp32 [256, 2]: the two values byte ``b`` holds, ``(book[b & 15], book[b >> 4])``."""
     book = _book(name)
     b = torch.arange(256)
     return torch.stack((book[b & 15], book[b >> 4]), dim=1).contiguous()
@@ -212,10 +183,7 @@ def _unpack(nibbles: torch.Tensor, n: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _table(name: str) -> torch.Tensor:
-    """The 8-bit codec's bucket table (:mod:`lowmemopt.quant.maps`) for a 4-bit map: the top 16 bits of ``y``'s fp32
-    pattern select a bucket; each holds at most one of :func:`thresholds` (they are far more than 2^-7 apart
-    relatively), so ``code = lo + (low 16 bits, in value order, >= the threshold's)``: one gather per element, 3x
-    faster than ``torch.bucketize`` on CPU."""
+    """The 8-bit codec's bucket table for a 4-bit map (one threshold per bucket at most)."""
     from .maps import EncodeTable
 
     thr = _thresholds(name)
@@ -236,16 +204,12 @@ def _table(name: str) -> torch.Tensor:
 
 
 def encode_table(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`_table` of map ``name`` on ``device`` (int32 [65536], cached; do not modify): what the encoder here and
-    the kernels (Triton, the portable native build, the compiled path) look codes up in, as the 8-bit ones do in
-    :func:`lowmemopt.quant.maps.encode_table`'s ``packed``."""
+    """:func:`_table` of map ``name`` on ``device`` (int32 [65536], cached; do not modify)."""
     return _on("table", name, device, _table)
 
 
 def _encode_rows(x: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
-    """fp32 blocks [nb, bs] -> (uint8 codes [nb * bs], scale [nb]): the block scale here, the 8-bit codec's table
-    lookup (:func:`lowmemopt.quant.blockwise.encode_rows`, the same scale rule) for the codes."""
     from .blockwise import encode_rows
 
     codes, scale = encode_rows(x, book, table, signed)
@@ -253,8 +217,7 @@ def _encode_rows(x: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signe
 
 
 def encode_into(x: torch.Tensor, name: str, block_size: int, nibbles: torch.Tensor, absmax: torch.Tensor) -> None:
-    """Quantize fp32 ``x`` (flat, contiguous, starting at a block boundary) into ``nibbles`` (uint8 [ceil(n / 2)]) and
-    ``absmax`` (fp32 [ceil(n / block_size)])."""
+    """Quantize flat fp32 ``x`` (from a block boundary) into ``nibbles`` and ``absmax``."""
     n = x.numel()
     if n == 0:
         return
@@ -275,7 +238,7 @@ def encode_into(x: torch.Tensor, name: str, block_size: int, nibbles: torch.Tens
 
 
 def decode_into(nibbles: torch.Tensor, absmax: torch.Tensor, name: str, block_size: int, out: torch.Tensor) -> None:
-    """Dequantize ``nibbles`` with per-block ``absmax`` into the flat fp32 ``out`` (its length: the element count)."""
+    """Dequantize ``nibbles`` and ``absmax`` into the flat fp32 ``out``."""
     n = out.numel()
     if n == 0:
         return
@@ -297,8 +260,7 @@ def _check_block(block_size: int) -> None:
 
 
 def quantize(x: torch.Tensor, name: str = "pow2x4", block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` (any shape, layout, floating dtype) to (nibbles: uint8 [ceil(numel / 2)], absmax: fp32
-    [n_blocks])."""
+    """``x`` (any shape or dtype) -> (nibbles uint8 [ceil(numel / 2)], absmax fp32 [n_blocks])."""
     _check_block(block_size)
     flat = x.detach().reshape(-1).float().contiguous()
     nibbles = torch.empty(packed_len(flat.numel()), dtype=torch.uint8, device=x.device)
@@ -323,7 +285,7 @@ def dequantize(nibbles: torch.Tensor, absmax: torch.Tensor, numel: int, name: st
 
 
 def quantize_reference(x: torch.Tensor, name: str = "pow2x4", block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """The specification: per-block scale, then brute-force nearest codes (int64 [numel], unpacked); slow, tests."""
+    """The specification: per-block scale, brute-force nearest codes (int64, unpacked); tests only."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     nb = (n + block_size - 1) // block_size
@@ -334,6 +296,6 @@ def quantize_reference(x: torch.Tensor, name: str = "pow2x4", block_size: int = 
     return nearest_code_reference(flat / div, name), scale
 
 
-# the state maps (module docstring)
+# the state maps (docs/state_format.md#4-bit-maps)
 register_map("pow2x4", signed_codes(pow2_grid(POW2X4_BITS["pow2x4"])[-7:]), signed=True)
 register_map("upow2x4", pow2_grid(POW2X4_BITS["upow2x4"]) + [1.0], signed=False)
