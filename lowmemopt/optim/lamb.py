@@ -1,26 +1,9 @@
-"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), with ColossalAI ``Lamb`` semantics
-(``colossalai.nn.optimizer.Lamb``, from cybertronai/pytorch-lamb):
+"""LAMB (You et al. 2020) with ColossalAI ``Lamb`` semantics, and Apex's :class:`FusedLAMB`; the math is
+:func:`lamb_math`, the kernels ``kernels/lamb.py``. Why the trust ratio is computed at every state format, and the
+FusedLAMB clip: docs/migrating.md#lamb.
 
-    m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
-    r = m / (sqrt(v) + eps) + wd p                                     (no debiasing unless bias_correction=True,
-    trust = ||p|| / ||r||  (1 if either norm is 0, or if adam=True)      which scales lr by sqrt(1-beta2^t)/(1-beta1^t))
-    p <- p - lr * trust * r
-
-The trust ratio is computed from the fp32 (decoded, updated) moments and the fp32 parameter, so it is the same at every
-state format: 8-bit LAMB is still LAMB. (bitsandbytes' LAMB instead caps the Adam update norm at ``max_unorm * ||p||``;
-``lowmemopt.LAMB8bit`` is this LAMB with 8-bit state.) Norms stay on the device: no host synchronization.
-
-:class:`FusedLAMB` is Apex's ``FusedLAMB`` (NVIDIA ``apex.optimizers``, ``csrc/multi_tensor_lamb.cu``; ColossalAI's is
-the same) by name, signature and defaults, the same math with its flags::
-
-    phase 1   N = ||(g_1, ..., g_n)||  over every gradient of the step;  c = max(1, N / max_grad_norm)
-              g = g / c  (+ wd p: adam_w_mode=False)
-              m = beta1 m + beta3 g  (beta3 = 1 - beta1, or 1 without grad_averaging);  v = beta2 v + (1 - beta2) g^2
-              r = (m / bc1) / (sqrt(v / bc2) + eps)  (+ wd p: adam_w_mode=True)      bc = 1 - beta^t, or 1
-    phase 2   trust = ||p|| / ||r|| where wd != 0 or use_nvlamb (1 if either norm is 0; else 1);  p <- p - lr trust r
-
-``N`` is one reduction per step (``torch._foreach_norm`` per device, summed on the device: no host synchronization);
-``c`` stays a device scalar that the math and the kernels divide by.
+    m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2;  r = m / (sqrt(v) + eps) + wd p
+    p <- p - lr * trust * r,  trust = ||p|| / ||r||  (1 if either norm is 0, or if adam=True)
 """
 
 from __future__ import annotations
@@ -72,12 +55,8 @@ def lamb_math(
     bias_correction2: Any = 1.0,
     grad_divisor: Any = 1.0,
 ) -> torch.Tensor:
-    """fp32 LAMB on a whole tensor: updates ``exp_avg`` / ``exp_avg_sq`` in place and returns the delta for ``p``.
-    ``||p||`` and ``||r||`` are norms of the whole parameter (``reduce`` sums them over shards).
-
-    FusedLAMB's flags (the defaults are LAMB's): ``grad_divisor`` (the global-norm clip ``c``: a number or a device
-    scalar), ``grad_averaging`` (False: ``m = beta1 m + g``), ``adam_w_mode`` (False: ``wd p`` joins the gradient,
-    not ``r``), ``bias_correction1/2`` (``m / bc1``, ``v / bc2`` inside the square root, Apex's placement)."""
+    """fp32 LAMB on a whole tensor: updates ``exp_avg`` / ``exp_avg_sq`` in place and returns the delta for ``p``
+    (``reduce`` sums the norms over shards). The other keywords are FusedLAMB's flags; their defaults are LAMB's."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     if isinstance(grad_divisor, torch.Tensor) or grad_divisor != 1.0:
@@ -128,7 +107,11 @@ class LAMBAlgorithm(Algorithm):
 
 
 class LAMB(LowMemOptimizer):
-    """LAMB with 32/16/8/4-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``."""
+    """LAMB with 32/16/8/4-bit state; same signature, defaults and 32-bit results as ColossalAI's ``Lamb``.
+
+    Args:
+        adam: no trust ratio (trust = 1). bias_correction: scale lr by ``sqrt(1 - beta2^t) / (1 - beta1^t)``.
+        **storage: the storage options (``state_bits``, ``paged``, GaLore groups, ...)."""
 
     algorithm = LAMBAlgorithm()
 
@@ -173,12 +156,8 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
 
     def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
                   grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """Phase 1's global gradient norm: every group with a ``max_grad_norm`` > 0 steps with a view of itself that
-        carries ``c = max(1, N / max_grad_norm)`` as a device scalar (:data:`GRAD_DIVISOR`); ``N`` is the norm of all
-        of the step's gradients (Apex: over every param group) that are finite (a non-finite one is skipped, by the
-        optimizer's policy, and left out of ``N``). No host synchronization. Under loss scaling (``grad_mult``) ``N``
-        is the norm of the unscaled gradients as ``GradScaler.unscale_`` leaves them (each rounded to its dtype): a
-        temporary copy of the gradients, the one extra pass this clip costs there."""
+        """The global-norm clip: each group with ``max_grad_norm`` > 0 steps with a view carrying
+        ``c = max(1, N / max_grad_norm)`` as a device scalar (docs/migrating.md#lamb)."""
         clipped = [g for g in {id(g): g for _, g in work}.values() if g["max_grad_norm"]]
         if not clipped:
             return work
@@ -211,9 +190,7 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all of ``grads`` together, in fp32 (in float64 where every gradient is float64), on the first
-    gradient's device: one ``torch._foreach_norm`` per device and dtype, summed on the device. A gradient whose squared
-    norm is not finite (a NaN or Inf, or a norm beyond ~1e19 in fp32) is left out, as the step skips its parameter."""
+    """The L2 norm of all finite ``grads`` together (fp32, or fp64 if all are), on the first gradient's device."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
@@ -230,24 +207,15 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 class FusedLAMB(GradNoneOnZero, LAMB):
-    """Apex's ``FusedLAMB`` (``apex.optimizers``; ColossalAI's ``colossalai.nn.optimizer.FusedLAMB``) by name,
-    signature and defaults; the math is the module docstring's, on every device (the Triton kernels on CUDA, the
-    eager path on the CPU).
+    """Apex's ``FusedLAMB`` (and ColossalAI's) by name, signature and defaults. First ``g = g / c``,
+    ``c = max(1, ||all gradients|| / max_grad_norm)``; then :class:`LAMB`, ``m / (1 - beta1^t)``, ``v / (1 - beta2^t)``.
 
-    * ``max_grad_norm`` (1.0): clip by the global gradient norm of the step, over every param group (Apex reads one
-      value, its default's; here each group may set its own, all against the same norm). ``0`` or None: no clipping
-      (Apex would divide every gradient by infinity there). A step that updates only some parameters (per-layer
-      updates inside ``backward()``) cannot see the global norm: :func:`lowmemopt.step_in_backward` refuses it.
-    * ``use_nvlamb`` (False): the trust ratio also where ``weight_decay == 0`` (NVLAMB).
-    * ``adam_w_mode`` (True): ``wd p`` added to ``r`` (decoupled); False: to the clipped gradient (L2).
-    * ``grad_averaging`` (True): ``m = beta1 m + (1 - beta1) g``; False: ``+ g``.
-    * ``bias_correction`` (True): ``m / (1 - beta1^t)`` and ``v / (1 - beta2^t)``, eps outside the square root.
-    * ``amsgrad=True`` raises, as in Apex. ``set_grad_none`` (True): ``zero_grad()`` sets gradients to None.
-    * ``capturable=True`` (keyword-only) needs ``bias_correction=False``.
-    * Keyword-only: the storage options (``state_bits``, ``paged``, GaLore groups, ...).
-
-    With ``bias_correction=False, max_grad_norm=0, use_nvlamb=True`` (and the defaults above) this is :class:`LAMB`
-    (ColossalAI's ``Lamb``)."""
+    Args:
+        max_grad_norm: clip by the step's global gradient norm (per group, one norm); 0 or None: no clipping.
+        use_nvlamb: the trust ratio also where ``weight_decay == 0``.
+        adam_w_mode: ``wd p`` added to ``r``; False: to the clipped gradient. grad_averaging: False: ``m += g``.
+        amsgrad: True raises, as in Apex. set_grad_none: ``zero_grad()`` sets gradients to None.
+        **storage: the storage options; ``capturable=True`` needs ``bias_correction=False``."""
 
     algorithm = FusedLAMBAlgorithm()
 

@@ -1,18 +1,10 @@
-"""1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
-Speed", arXiv 2102.02888): data parallelism that sends 1 bit per element plus a scale after a full-precision warm-up.
-The hyper-parameters and defaults are DeepSpeed's ``OnebitAdam`` (v0.16.5), on ``torch.distributed`` (gloo, NCCL);
-see ``docs/onebit.md`` for where this follows the paper rather than DeepSpeed's code. Every rank steps the whole
-model; each step's update reads, in place of the local gradient g (:mod:`lowmemopt.distributed.onebit`)::
+"""1-bit Adam (Tang et al. 2021, arXiv 2102.02888) with DeepSpeed's ``OnebitAdam`` (v0.16.5) arguments and defaults,
+on ``torch.distributed``, and :class:`OnebitOptimizer`, what the compressed optimizers share. The compressed all-reduce
+is :mod:`lowmemopt.distributed.compression`; the algorithm and where it follows the paper: docs/onebit.md.
 
-    warm-up, t <= freeze_step      g_avg = mean over ranks of g            (one all-reduce per param group)
-                                   m = beta1 m + (1 - beta1) g_avg;   v = beta2 v + (1 - beta2) g_avg^2
-    compressed, t > freeze_step    m = C[ beta1 m + (1 - beta1) g ]        (C: the compressed mean with error feedback,
-                                   v frozen                                 lowmemopt.distributed.compression)
-    p <- p (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
-         bc1 = 1 - beta1^t, bc2 = 1 - beta2^min(t, freeze_step)   (1 and 1 with bias_correction=False, as DeepSpeed)
-
-Any ``state_bits`` for m and v: the compressed mean is +-scale per server chunk, and chunks are padded to whole
-quantization blocks, so 8-bit m holds it exactly (4-bit m to within a rounding of the scale).
+    t <= freeze_step:  g = mean of the ranks' g;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+    t >  freeze_step:  m = C[b1 m + (1 - b1) g]  (compressed mean, error feedback);  v frozen
+    p <- p (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps),  bc1 = 1 - b1^t,  bc2 = 1 - b2^min(t, freeze_step)
 """
 
 from __future__ import annotations
@@ -52,9 +44,8 @@ def onebit_adam_math(
     bias_correction1: float,
     bias_correction2_sqrt: float,
 ) -> torch.Tensor:
-    """fp32 1-bit Adam: ``g`` is the averaged gradient in the warm-up and the compressed mean momentum afterwards
-    (which becomes ``exp_avg``; ``exp_avg_sq`` stays frozen). Returns the delta for ``p``; the decoupled decay
-    ``p *= 1 - lr wd`` is applied by the caller before adding it."""
+    """fp32 1-bit Adam: ``g`` is the averaged gradient (warm-up) or the compressed mean momentum (which becomes
+    ``exp_avg``). Returns the delta for ``p``; the caller applies ``p *= 1 - lr wd``."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     if compressed:
@@ -74,9 +65,8 @@ def adam_denominator(v: torch.Tensor, eps: float, eps_inside_sqrt: bool = False,
 
 
 class OnebitAdamAlgorithm(Algorithm):
-    """1-bit Adam for the step pipeline: :func:`onebit_adam_math`; what it communicates (:meth:`phase`,
-    :meth:`message`, and the communicate stage's hooks :meth:`comm_phase`, :meth:`comm_begin`, :meth:`comm_after`) is
-    run by the communicate stage (:class:`~lowmemopt.distributed.onebit.OnebitStage`, ``Plan.communicate``)."""
+    """1-bit Adam for the step pipeline; what it communicates is the communicate stage's
+    (:class:`~lowmemopt.distributed.onebit.OnebitStage`)."""
 
     math = staticmethod(onebit_adam_math)
     hyper = ("lr", "betas", "eps", "eps_inside_sqrt")
@@ -85,8 +75,7 @@ class OnebitAdamAlgorithm(Algorithm):
         return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
 
     def phase(self, group: dict[str, Any], step: int) -> str:
-        """What step ``step`` (1, 2, ...) of ``group`` communicates: "full" gradients in the warm-up (and always in a
-        ``non_freeze`` group), then the "compressed" momentum."""
+        """"full" gradients in the warm-up (always in a ``non_freeze`` group), then "compressed"."""
         if group.get("non_freeze") or step <= group["freeze_step"]:
             return "full"
         return "compressed"
@@ -104,8 +93,7 @@ class OnebitAdamAlgorithm(Algorithm):
         return 1 - group["lr"] * group["weight_decay"]
 
     def message(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
-        """What a rank sends in a compressed step: its local momentum ``beta1 m + (1 - beta1) g`` (fp32, flat;
-        ``m`` decoded from its format, left unchanged)."""
+        """What a rank sends in a compressed step: ``beta1 m + (1 - beta1) g`` (fp32, flat)."""
         beta1 = group["betas"][0]
         g32 = g.reshape(-1).float()
         if "exp_avg" not in state and "exp_avg.codes" not in state and "exp_avg.nibbles" not in state:
@@ -117,7 +105,7 @@ class OnebitAdamAlgorithm(Algorithm):
 
     def comm_phase(self, stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], index: int,
                    group: dict[str, Any]) -> str:
-        """The communication phase of param group ``index``'s next step: :meth:`phase` at its step count + 1."""
+        """The phase of param group ``index``'s next step."""
         return self.phase(group, group_step(state, group) + 1)
 
     def comm_begin(self, stage: OnebitStage, plan: Any, index: int, group: dict[str, Any], phase: str) -> None:
@@ -138,13 +126,9 @@ def group_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any])
 
 
 class OnebitOptimizer(LowMemOptimizer):
-    """What the communication-compressed optimizers share (:class:`OnebitAdam`, :class:`~.zero_one_adam.ZeroOneAdam`,
-    :class:`~.onebit_lamb.OnebitLAMB`): the torch.optim contract around the communicate stage
-    (:class:`~lowmemopt.distributed.onebit.OnebitStage`), which the plan carries (``Plan.communicate``) and the
-    pipeline runs around the update (:func:`lowmemopt.pipeline.communicating`); the parameters broadcast at
-    construction, a DDP comm hook that follows the phase, and the error buffers and the schedule's counters in the
-    state dict. A subclass's algorithm says what each step communicates (``phase``, ``message`` and the stage's hooks
-    ``comm_phase``, ``comm_begin``, ``comm_after``: 0/1 Adam's schedule and synchronisation)."""
+    """What :class:`OnebitAdam`, :class:`~.zero_one_adam.ZeroOneAdam` and :class:`~.onebit_lamb.OnebitLAMB` share:
+    the communicate stage (``Plan.communicate``), the broadcast at construction, a DDP comm hook, and the error buffers
+    and schedule counters in the state dict."""
 
     #: DeepSpeed's group keys: a group's momentum mask, and a group that never freezes its variance
     _extra_group_keys = frozenset({"exp_avg_mask", "non_freeze"})
@@ -174,12 +158,8 @@ class OnebitOptimizer(LowMemOptimizer):
             broadcast_parameters([p for group in self.param_groups for p in group["params"]], process_group)
 
     def error_nbytes_per_param(self, world_size: int | None = None) -> dict[torch.Tensor, int]:
-        """Bytes of the compression error buffers (fp32) that each parameter's padded segment takes once compressed
-        steps run at ``world_size`` ranks: its worker error (``world_size * chunk`` elements) and its server error
-        (``chunk`` elements; see :class:`~lowmemopt.distributed.compression.Layout`). ``world_size`` defaults to the
-        process group's; a layout-only optimizer without one counts 2 ranks, the most of any world size but for
-        padding (``(world_size + 1) / world_size`` fp32 per element; a world of 1 sends nothing compressed and keeps
-        no buffers)."""
+        """Bytes of the fp32 error buffers of each parameter at ``world_size`` ranks (default: the process
+        group's, or 2 for a layout on meta parameters, the most but for padding; 1 rank keeps none)."""
         if world_size is None:
             world_size = self._stage.world if self._stage is not None else 2
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -226,21 +206,19 @@ class OnebitOptimizer(LowMemOptimizer):
                                      f"parameter of shape {tuple(p.shape)} (one mask per param group)")
 
     def next_phase(self) -> str:
-        """The communication phase of the next step of the first param group ("full", "compressed" or "local"): what
-        a DDP comm hook follows (:func:`~lowmemopt.distributed.onebit.onebit_comm_hook`)."""
+        """The next step's phase of the first param group: what the DDP comm hook follows."""
         return self._stage.phase_of(self._plan(), 0)
 
     def register_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Register :func:`~lowmemopt.distributed.onebit.onebit_comm_hook` on ``ddp``: DDP averages the gradients of
-        full-precision steps and sends nothing on the others, where this optimizer communicates."""
+        """Register :func:`~lowmemopt.distributed.onebit.onebit_comm_hook` on ``ddp``: DDP averages the full-precision
+        steps' gradients and sends nothing on the others."""
         ddp.register_comm_hook(self, onebit_comm_hook)
         self._stage.ddp_reduces = True
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One step: the communicate stage replaces each gradient by what the update reads (see the module
-        docstring), the pipeline updates the parameters, and the gradients are given back afterwards
-        (:func:`lowmemopt.pipeline.communicating`)."""
+        """One step: the communicate stage replaces each gradient by what the update reads, the pipeline updates, the
+        gradients are given back (:func:`lowmemopt.pipeline.communicating`)."""
         if self._stage is None:
             raise RuntimeError(f"{type(self).__name__} was built on meta parameters (a layout for state_nbytes / "
                                "lowmemopt estimate) and cannot step; build it on the model's parameters with "
@@ -267,8 +245,8 @@ class OnebitOptimizer(LowMemOptimizer):
     per_rank_files = True
 
     def file_extra(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """What ``lowmemopt.save_state`` keeps beside the parameters' state: the error buffers (as tensors), the
-        layouts, world size and rank that made them, and the schedule's counters (as metadata)."""
+        """What ``lowmemopt.save_state`` keeps beside the state: the error buffers, their layouts, world size and rank,
+        and the schedule's counters."""
         errors = self._stage.errors_state()
         tensors, groups = {}, {}
         for key, entry in errors["groups"].items():
@@ -296,16 +274,13 @@ class OnebitOptimizer(LowMemOptimizer):
                           RuntimeWarning, stacklevel=3)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus ``"onebit"``: this rank's error buffers (they differ per rank; save one file per
-        rank, e.g. ``lowmemopt.distributed.rank_path``) and the schedule's counters."""
+        """torch's state dict plus ``"onebit"``: this rank's error buffers (save one file per rank) and the counters."""
         sd = super().state_dict()
         sd["onebit"] = dict(self._stage.errors_state(), extra=self._extra_state())
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's part, the schedule's counters and this rank's error buffers; at another world size (or
-        without them) the error buffers restart from zero, with a warning. Each param group keeps its own
-        ``exp_avg_mask`` (or none), whatever the state dict holds (as DeepSpeed's do)."""
+        """Load torch's part, the counters and this rank's error buffers (reset, warned, at another world size)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("onebit", None)
         masks = [group.get("exp_avg_mask") for group in self.param_groups]
@@ -318,15 +293,15 @@ class OnebitOptimizer(LowMemOptimizer):
 
 
 class OnebitAdam(OnebitOptimizer):
-    """1-bit Adam with 32/16/8/4-bit state (DeepSpeed's ``OnebitAdam`` signature and defaults, less ``deepspeed``,
-    ``cuda_aware`` and ``comm_backend_name``, plus ``process_group``). See the module docstring and
-    ``docs/onebit.md``.
+    """1-bit Adam with 32/16/8/4-bit state; DeepSpeed's ``OnebitAdam`` signature and defaults (docs/onebit.md).
 
-    Needs ``torch.distributed`` initialized. The parameters are broadcast from the group's first rank at
-    construction; do not wrap the model in DDP, or call :meth:`register_ddp` so that DDP averages the warm-up
-    gradients and leaves the compressed steps to the optimizer. fp32 parameters only (keep fp32 master weights for
-    mixed precision); no FSDP2 / DTensor parameters, GaLore groups, paged state, capturable steps or per-layer
-    updates (``step_in_backward``).
+    Args:
+        freeze_step: the warm-up's length; later steps send the compressed momentum and freeze ``v``.
+        bias_correction, eps_inside_sqrt: honoured (DeepSpeed ignores them). max_grad_norm, amsgrad: refused.
+        process_group: the ranks (default: the world). **storage: the storage options.
+
+    Needs ``torch.distributed`` initialized and fp32 parameters; no DDP wrapper (or :meth:`register_ddp`), FSDP2,
+    GaLore, paging, capturable steps or ``step_in_backward``.
     """
 
     algorithm = OnebitAdamAlgorithm()
@@ -358,7 +333,7 @@ class OnebitAdam(OnebitOptimizer):
 
 
 def _listed(params: Any) -> Any:
-    """``params`` as a list (param group dicts with their ``params`` as lists), so it can be read twice."""
+    """``params`` as a list (groups' ``params`` too), to be read twice."""
     if isinstance(params, torch.Tensor):
         return params  # (LowMemOptimizer raises its own TypeError)
     out = []
@@ -370,7 +345,7 @@ def _listed(params: Any) -> Any:
 
 
 def _all_meta(params: Any) -> bool:
-    """Whether ``params`` (tensors or param group dicts) holds at least one tensor, all of them on the meta device."""
+    """Whether ``params`` holds tensors, all on the meta device."""
     if isinstance(params, torch.Tensor):
         return False
     tensors = []
