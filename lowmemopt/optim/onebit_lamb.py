@@ -1,24 +1,8 @@
-"""1-bit LAMB (Li et al. 2021, "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with LAMB's
-Convergence Speed", arXiv 2104.06069), with DeepSpeed's ``OnebitLamb`` (v0.16.5) hyper-parameters and defaults, on
-``torch.distributed``. See ``docs/onebit.md`` for where this follows the paper rather than DeepSpeed's code. Per step
-t and parameter::
-
-    t <= freeze_step  (LAMB on the averaged gradient g)
-        m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2;   v_fresh = v at t = freeze_step
-        u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps) + wd p;   c = clamp(||p|| / ||u||, min_coeff, max_coeff) (1 if a norm is 0)
-        c_frozen = coeff_beta c_frozen + (1 - coeff_beta) c  (where c != 1);    p <- p - lr c u
-    t > freeze_step   (v frozen; the momentum averaged by the 1-bit compressed all-reduce)
-        at the first such step, per parameter: s = mean over all parameters of RMS(m), divided by RMS(m)
-        m' = C[(b1 m + (1 - b1) g_local) s] / s;    g~ = (m' - b1 m) / (1 - b1);   m = m'
-        v_fresh = b2 v_fresh + (1 - b2) g~^2
-        u0 = m / bc1 / d,  d = sqrt(v) / sqrt(bc2) + eps;   u = u0 + wd p
-        f = max(d / (sqrt(v_fresh) / sqrt(1 - b2^t) + eps)),  with wd: r = min(1, ||u0|| / ||u||), f = f r + 1 - r
-        f clamped to [factor_min, factor_max] and to last_f (1 +- factor_threshold);  last_f = f
-        p <- p - lr c_frozen f u
-
-``bc1 = 1 - b1^t``, ``bc2 = 1 - b2^min(t, freeze_step)`` with ``bias_correction=True``, else 1 (DeepSpeed's update).
-The per-parameter numbers (c_frozen, last_f, s) are 0-dim fp32 state tensors, computed on the device: no host
-synchronisation per parameter.
+"""1-bit LAMB (Li et al. 2021, arXiv 2104.06069) with DeepSpeed's ``OnebitLamb`` (v0.16.5) arguments and defaults,
+on ``torch.distributed``: LAMB on the averaged gradients for ``freeze_step`` steps (tracking each trust ratio), then
+the scaled momentum through the compressed all-reduce, a fresh variance and a frozen trust ratio times a clamped
+factor. The per-step math and where it follows the paper: docs/onebit.md ("1-bit LAMB"). The per-parameter numbers
+are 0-dim fp32 state tensors on the device: no host synchronisation.
 """
 
 from __future__ import annotations
@@ -63,8 +47,8 @@ def onebit_lamb_math(
     fresh_correction_sqrt: float,
     reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
-    """fp32 1-bit LAMB on a whole tensor: ``g`` is the averaged gradient in the warm-up and the compressed mean of the
-    scaled momentum afterwards. Updates the state in place and returns the delta for ``p``."""
+    """fp32 1-bit LAMB on a whole tensor: ``g`` is the averaged gradient (warm-up) or the compressed mean of the
+    scaled momentum. Updates the state in place and returns the delta for ``p``."""
     beta1, beta2 = betas
     m, v, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
     frozen, last = state["lamb_coeff_freeze"], state["last_factor"]
@@ -108,8 +92,7 @@ def onebit_lamb_math(
 
 
 class OnebitLAMBAlgorithm(OnebitAdamAlgorithm):
-    """1-bit LAMB for the step pipeline: :func:`onebit_lamb_math` (whole tensors: norms), the phase rule of 1-bit
-    Adam, and the scaled momentum as the message."""
+    """1-bit LAMB for the step pipeline: 1-bit Adam's phases, the scaled momentum as the message."""
 
     elementwise = False
     math = staticmethod(onebit_lamb_math)
@@ -141,9 +124,7 @@ class OnebitLAMBAlgorithm(OnebitAdamAlgorithm):
         return super().message(p, g, state, group).mul_(state["scaling_coeff"])
 
     def comm_begin(self, stage, plan, index, group, phase):
-        """At the first compressed step (the stage's ``counters["scaled"]`` not yet set): each parameter's momentum
-        scaled towards the mean RMS over all parameters (so one compression suits them all), as the paper's scaling
-        coefficients."""
+        """At the first compressed step: scale each momentum towards the mean RMS of all (the paper's coefficients)."""
         if phase != "compressed" or stage.counters.get("scaled", False):
             return
         entries = []
@@ -161,9 +142,15 @@ class OnebitLAMBAlgorithm(OnebitAdamAlgorithm):
 
 
 class OnebitLAMB(OnebitOptimizer):
-    """1-bit LAMB with 32/16/8/4-bit m and v (DeepSpeed's ``OnebitLamb`` signature and defaults, less ``deepspeed``,
-    ``cuda_aware`` and ``comm_backend_name``, plus ``process_group``). See the module docstring, ``docs/onebit.md``
-    and :class:`~lowmemopt.optim.onebit.OnebitAdam` (the same requirements)."""
+    """1-bit LAMB with 32/16/8/4-bit m and v; DeepSpeed's ``OnebitLamb`` signature and defaults (docs/onebit.md).
+
+    Args:
+        freeze_step: the warm-up's length. max_coeff, min_coeff: the trust ratio's clamp; coeff_beta: its average.
+        factor_max, factor_min, factor_threshold: the compressed steps' factor's clamp, and its change per step.
+        eps_inside_sqrt: True raises. process_group: the ranks (default: the world). **storage: the storage options.
+
+    The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`.
+    """
 
     algorithm = OnebitLAMBAlgorithm()
 

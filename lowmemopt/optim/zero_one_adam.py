@@ -1,25 +1,7 @@
-"""0/1 Adam (Lu et al. 2022, "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam",
-arXiv 2202.06009), with DeepSpeed's ``ZeroOneAdam`` (v0.16.5) hyper-parameters and defaults, on ``torch.distributed``.
-See ``docs/onebit.md`` for where this follows the paper rather than DeepSpeed's code.
-
-Two ideas on top of 1-bit Adam: the variance is updated only on an exponentially thinning set of steps, and after it is
-frozen the ranks take local steps and synchronise their accumulated updates only now and then. Per step t::
-
-    t <= var_freeze_step (variance phase; var_interval starts at 1 and doubles every var_update_scaler updates of v)
-      t % var_interval == 0:  g = mean of the gradients (full all-reduce)
-                              v = beta2 v + (1 - beta2) g^2;  m = beta1 m + (1 - beta1) g
-      otherwise:              g = C[local gradient] (1-bit compressed mean, error feedback);  m = beta1 m + (1 - beta1) g
-      p <- p - lr (m / bc1 / (sqrt(v) / sqrt(bc2) + eps) + wd p)
-    t > var_freeze_step (local phase; local_step_interval starts at 1 and doubles, up to local_step_clipper, every
-                         local_step_scaler steps)
-      m = beta1 m + (1 - beta1) g_local;  d = -lr (m / bc1 / denom + wd p);  p += d;  u += d;  s += lr / bc1
-      t % local_step_interval == 0 (a synchronisation):
-          w = C[u * denom]    (compressed mean; the error buffers restart from zero when the local phase begins)
-          p <- p - u + w / denom;   m = -w / s;   u = 0;   s = 0
-
-``bc1 = 1 - beta1^t`` and ``bc2 = 1 - beta2^k`` (k: updates of v so far) with ``bias_correction=True``, else 1.
-``u`` is the ``momentum_accumulator`` slot (fp32 whatever ``state_bits`` is: it sums small updates), ``s`` a number
-per param group.
+"""0/1 Adam (Lu et al. 2022, arXiv 2202.06009) with DeepSpeed's ``ZeroOneAdam`` (v0.16.5) arguments and defaults, on
+``torch.distributed``: 1-bit Adam whose variance is updated on thinning steps, then local steps whose accumulated
+updates ``u`` (the fp32 ``momentum_accumulator`` slot) are synchronised now and then. The per-step math and where it
+follows the paper: docs/onebit.md ("0/1 Adam"); what it shares with 1-bit Adam: :mod:`lowmemopt.optim.onebit`.
 """
 
 from __future__ import annotations
@@ -56,9 +38,8 @@ def zero_one_adam_math(
     bias_correction1: float,
     bias_correction2_sqrt: float,
 ) -> torch.Tensor:
-    """fp32 0/1 Adam, one step before any synchronisation: ``g`` is the averaged gradient ("full": v updated too),
-    the compressed mean gradient ("compressed") or the local one ("local": the delta also goes into the
-    ``momentum_accumulator``). Returns the delta for ``p`` (weight decay included, as a term of the update)."""
+    """fp32 0/1 Adam before any synchronisation: ``g`` is the averaged ("full": v updated too), compressed mean or
+    local gradient ("local": the delta also goes into the accumulator). Returns the delta for ``p``, decay included."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     if phase == "full":
@@ -75,10 +56,8 @@ def zero_one_adam_math(
 
 
 class ZeroOneAdamAlgorithm(OnebitAdamAlgorithm):
-    """0/1 Adam for the step pipeline: :func:`zero_one_adam_math`; its schedule (the phase of each step, the
-    counters in the communicate stage's ``counters`` under each param group's index, the scalers in its
-    ``settings``) and its synchronisation are the communicate stage's hooks (:meth:`comm_phase`, :meth:`comm_begin`,
-    :meth:`comm_after`). The phase of the step being taken is ``group["onebit"]`` while it runs."""
+    """0/1 Adam for the step pipeline; its schedule (the communicate stage's ``counters`` and ``settings``) and its
+    synchronisation are the communicate stage's hooks. ``group["onebit"]`` is the running step's phase."""
 
     math = staticmethod(zero_one_adam_math)
     hyper = ("lr", "betas", "eps", "eps_inside_sqrt", "weight_decay")
@@ -151,8 +130,7 @@ class ZeroOneAdamAlgorithm(OnebitAdamAlgorithm):
 
 def synchronise(stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], index: int, group: dict[str, Any],
                 params: list[torch.Tensor], sched: dict[str, Any]) -> None:
-    """Average the ranks' accumulated updates (in momentum units, compressed), move every replica to the
-    synchronised point and reset the momentum to the averaged one (see the module docstring)."""
+    """Average the ranks' accumulated updates (compressed), move every replica to that point, reset ``m``."""
     bs = group["block_size"]
     eps, inside = group["eps"], group["eps_inside_sqrt"]
     bc2s = 1.0
@@ -187,10 +165,15 @@ def new_schedule() -> dict[str, Any]:
 
 
 class ZeroOneAdam(OnebitOptimizer):
-    """0/1 Adam with 32/16/8/4-bit m and v (DeepSpeed's ``ZeroOneAdam`` signature and defaults, less ``deepspeed``,
-    ``cuda_aware`` and ``comm_backend_name``, plus ``process_group``). See the module docstring, ``docs/onebit.md``
-    and :class:`~lowmemopt.optim.onebit.OnebitAdam` (the same requirements: torch.distributed initialized, fp32
-    parameters, replicated models; :meth:`register_ddp` for a DDP-wrapped model)."""
+    """0/1 Adam with 32/16/8/4-bit m and v; DeepSpeed's ``ZeroOneAdam`` signature and defaults (docs/onebit.md).
+
+    Args:
+        var_freeze_step: the variance phase's length. var_update_scaler: variance updates per doubling of the interval.
+        local_step_scaler, local_step_clipper: steps per doubling of the synchronisation interval, and its cap.
+        process_group: the ranks (default: the world). **storage: the storage options.
+
+    The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`.
+    """
 
     algorithm = ZeroOneAdamAlgorithm()
     #: (``onebit``: the step's phase, held in the group while the step runs)
