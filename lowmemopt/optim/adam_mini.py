@@ -1,21 +1,9 @@
-"""Adam-mini (Zhang et al. 2024, "Adam-mini: Use Fewer Learning Rates To Gain More"), matching ``adam_mini.Adam_mini``
-(version 1.1.1): Adam with one second moment per *block* of a parameter instead of one per element::
+"""Adam-mini (Zhang et al. 2024) matching ``adam_mini.Adam_mini`` 1.1.1: Adam with one second moment per *block* of
+a parameter (a head, an output neuron, a whole tensor, chosen by the parameter's name). The blocks, the state and
+the measurements: docs/adam_mini.md.
 
-    v_b = beta2 v_b + (1 - beta2) mean_{i in b}(g_i^2)            m = lerp(m, g, 1 - beta1)
+    v_b = beta2 v_b + (1 - beta2) mean_{i in b}(g_i^2);   m = lerp(m, g, 1 - beta1)
     p <- p (1 - lr wd)  -  lr m / (1 - beta1^t) / (sqrt(v_b) / sqrt(1 - beta2^t) + eps)
-
-The blocks follow the parameter's name (lower-cased; the first rule that matches):
-
-* ``bias`` (:attr:`AdamMini.adam_block_names`): one ``v`` per element (Adam);
-* query and key (``wqk_names``): one per head, ``dim * dim / n_heads`` consecutive elements;
-* embeddings, output, value, attention projection, MLP (``embd_names``, ``output_names``, ``wv_names``,
-  ``attn_proj_names``, ``mlp_names``): one per output neuron (a mean over dim 1; a 1-D tensor: per element);
-* anything else (norms): one for the whole tensor.
-
-Names containing ``norm``, ``ln`` or ``bias`` get no weight decay. Every operation is the reference's, in its order, so
-32-bit results equal it bit for bit. ``m`` (``exp_avg``) is stored at any ``state_bits``; the block second moments
-(``exp_avg_sq_mean``; ``exp_avg_sq`` for per-element blocks) stay fp32, a few values per row: at 8 bits ~1 byte per
-parameter plus 4 per block.
 """
 
 from __future__ import annotations
@@ -46,9 +34,8 @@ BLOCKS = ("element", "head", "neuron", "tensor")
 
 
 def _head_mean_sq(g: torch.Tensor, head_numel: int, reduce: Reduction) -> torch.Tensor:
-    """``mean(g^2)`` over each run of ``head_numel`` consecutive elements of the whole parameter, ``[heads, 1]``. One
-    process: the reference's ``mean(g.view(-1, head_numel)^2, dim=1)``; a shard: each of its elements added to its
-    head by its index in the whole parameter, summed over the processes that hold parts."""
+    """``mean(g^2)`` per run of ``head_numel`` elements of the whole parameter, ``[heads, 1]`` (a shard's summed over
+    the processes by element index)."""
     if not reduce.distributed:
         gv = g.view(-1, head_numel)
         return torch.mean(gv * gv, dim=1, keepdim=True)
@@ -75,9 +62,8 @@ def adam_mini_math(
     bias_correction2_sqrt: float,
     reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
-    """fp32 Adam-mini on a whole tensor (``block``: its kind, :data:`BLOCKS`): updates ``exp_avg`` and the block second
-    moments in place and returns the delta for ``p`` (the caller applies the decay ``p *= 1 - lr wd`` first).
-    ``reduce``: how a shard's reductions reach the whole parameter (:mod:`lowmemopt.distributed.reduction`)."""
+    """fp32 Adam-mini on a whole tensor (``block``: its kind, :data:`BLOCKS`): updates the state in place and returns
+    the delta for ``p`` (the caller applies ``p *= 1 - lr wd``); ``reduce`` reaches the whole parameter from a shard."""
     beta1, beta2 = betas
     m = state["exp_avg"]
     if block == "element":  # the reference's Adam branch: p.addcdiv_(m, h, value=-lr / bc1)
@@ -118,8 +104,7 @@ def adam_mini_math(
 
 
 def _block_shape(block: str, param: torch.Tensor, head_numel: int, whole_numel: int) -> tuple[tuple[int, ...], tuple]:
-    """``(shape, dims)`` of a block second moment (:class:`~lowmemopt.quant.formats.Slot`'s): per head ``[heads, 1]``
-    (whole, on every shard), per neuron the parameter's shape with dim 1 reduced, per tensor ``()``."""
+    """``(shape, dims)`` of a block second moment: ``[heads, 1]``, dim 1 reduced, or ``()``."""
     if block == "head":
         return (whole_numel // head_numel, 1), (None, None)
     if block == "tensor":
@@ -165,9 +150,8 @@ def _check_int(name: str, value: Any, optional: bool = False) -> None:
 
 
 def _groups_of(named_parameters: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """One param group per entry of ``named_parameters`` (:func:`_group_of`), with torch's errors for a tensor given
-    alone and for named and unnamed parameters mixed, and torch's warning for a parameter given twice (it is left
-    out the second time: a tied weight is one block)."""
+    """One param group per entry of ``named_parameters``, with torch's errors and duplicate warning (a tied weight is
+    one block)."""
     if isinstance(named_parameters, torch.Tensor):
         raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
                         + torch.typename(named_parameters))
@@ -194,10 +178,8 @@ def _groups_of(named_parameters: Any, weight_decay: float) -> list[dict[str, Any
 
 
 def _group_of(item: Any, weight_decay: float) -> dict[str, Any] | None:
-    """The param group of one entry of ``named_parameters``: a ``(name, parameter)`` pair (None if the parameter
-    takes no gradient), a dict group (``params`` and optionally ``name`` and other keys), or an unnamed parameter
-    (name ``""``: one block for the whole tensor). No weight decay where the name has ``norm``, ``ln`` or ``bias``,
-    unless a dict group sets its own."""
+    """The param group of one entry: a ``(name, parameter)`` pair (None without a gradient), a dict, or an unnamed
+    tensor (one block); no decay where the name has ``norm``, ``ln`` or ``bias`` unless a dict sets its own."""
     if isinstance(item, dict):
         group = dict(item)
         params = group.get("params")
@@ -223,21 +205,17 @@ def _group_of(item: Any, weight_decay: float) -> dict[str, Any] | None:
 
 
 class AdamMini(LowMemOptimizer):
-    """Adam-mini with 32/16/8/4-bit ``m``; same signature, defaults, block partition and 32-bit results as
-    ``adam_mini.Adam_mini`` (1.1.1).
+    """Adam-mini with 32/16/8/4-bit ``m``: the signature, defaults, blocks and 32-bit results of ``Adam_mini``.
 
-    ``named_parameters``: ``model.named_parameters()`` (pairs of name and parameter; parameters that do not require
-    a gradient are left out), each its own param group with its (lower-cased) ``name``; also param group dicts with a
-    ``name`` key, and unnamed tensors (one block each). ``dim``, ``n_heads``,
-    ``n_kv_heads``: the model's hidden size and heads (a query / key head is ``dim * dim / n_heads`` elements).
-    The name rules are the sets :attr:`embd_names`, :attr:`output_names`, :attr:`wqk_names`, :attr:`wv_names`,
-    :attr:`attn_proj_names`, :attr:`mlp_names`, :attr:`adam_block_names`, as the reference's; add keywords to them
-    before the first step (``opt.wqk_names.add("attn.qkv")``): each step places a parameter whose state does not exist
-    yet by the sets as they are then. ``verbose`` prints, at the first step, how many blocks each rule found (and
-    warns when none are found), as the reference does; ``model_sharding`` is accepted and ignored (deprecated there).
+    Args:
+        named_parameters: ``model.named_parameters()`` (a named group each), dict groups with ``name``, or tensors.
+        dim, n_heads, n_kv_heads: the model's hidden size and heads (a query / key head is ``dim * dim / n_heads``).
+        verbose: print at the first step how many blocks each name rule found. model_sharding: accepted, ignored.
+        **storage: the storage options; ``state_bits`` is ``m``'s (the block second moments stay fp32).
 
-    Storage keywords: ``state_bits`` (``m`` only: the block second moments stay fp32), ``block_size``, ``paged``, ...
-    (see :class:`~lowmemopt.LowMemOptimizer`)."""
+    The name rules are the sets :attr:`embd_names`, :attr:`wqk_names`, ... (docs/adam_mini.md#the-blocks); add keywords
+    before the first step (``opt.wqk_names.add("attn.qkv")``).
+    """
 
     algorithm = AdamMiniAlgorithm()
     #: its param groups are one per parameter, named (the Trainer integration builds them so)
@@ -245,8 +223,7 @@ class AdamMini(LowMemOptimizer):
 
     @staticmethod
     def model_keywords(config: Any) -> dict[str, int]:
-        """``dim``, ``n_heads``, ``n_kv_heads`` from a transformers config (``hidden_size``, ``num_attention_heads``,
-        ``num_key_value_heads``), those it has."""
+        """``dim``, ``n_heads``, ``n_kv_heads`` from a transformers config, those it has."""
         keys = dict(dim="hidden_size", n_heads="num_attention_heads", n_kv_heads="num_key_value_heads")
         return {ours: getattr(config, theirs) for ours, theirs in keys.items()
                 if isinstance(getattr(config, theirs, None), int)}
@@ -310,7 +287,7 @@ class AdamMini(LowMemOptimizer):
                                             self.wv_names, self.mlp_names, self.attn_proj_names))
 
     def block_of(self, name: str) -> str:
-        """The block kind the name rules give a parameter named ``name`` (lower-cased), in the reference's order."""
+        """The block kind the name rules give ``name`` (lower-cased), in the reference's order."""
         adam, wqk, *neuron = self._rules()
         if any(k in name for k in adam):
             return "element"
@@ -321,8 +298,7 @@ class AdamMini(LowMemOptimizer):
         return "tensor"
 
     def _place_blocks(self) -> None:
-        """Set each group's ``block`` from the name rules (when they changed since the last time), except where the
-        parameter's state already exists (its shapes follow the block it was made for)."""
+        """Set each group's ``block`` from the name rules, except where its state already exists."""
         rules = self._rules()
         if rules == self._partition:
             return
@@ -340,8 +316,7 @@ class AdamMini(LowMemOptimizer):
         self._partition = rules
 
     def count_block(self) -> dict[str, int]:
-        """How many parameters each name rule found (the reference's counts; biases aside); with ``verbose``, printed
-        with the reference's advice where a rule found none."""
+        """How many parameters each name rule found (biases aside); printed with ``verbose``."""
         counts = dict(embedding=0, output=0, query_key=0, value=0, attn_proj=0, mlp=0)
         keys = dict(embedding=self.embd_names, output=self.output_names, query_key=self.wqk_names,
                     value=self.wv_names, attn_proj=self.attn_proj_names, mlp=self.mlp_names)
