@@ -1,20 +1,9 @@
-"""APOLLO (Zhu et al. 2024, "APOLLO: SGD-like memory, AdamW-level performance"), matching ``apollo_torch.APOLLOAdamW``:
-AdamW's moments kept in a random rank-``r`` projection of the gradient, used only to scale the raw gradient channel- or
-tensor-wise, with Fira's norm-growth limiter. For a matrix ``W`` (m x n) of a group with ``rank``::
+"""APOLLO (Zhu et al. 2024) matching ``apollo_torch.APOLLOAdamW``: AdamW's moments kept in a random rank-``r``
+projection ``R`` of the gradient, used only to scale the raw gradient channel- or tensor-wise, with Fira's norm-growth
+limiter; the math is :mod:`.apollo_math`. The update, the seeds, memory and FSDP2: docs/apollo.md.
 
-    P  = randn(r x n) / sqrt(r)  (right: m >= n, proj_type "std")  or  randn(m x r) / sqrt(r)  (left)
-         regenerated from the parameter's seed and the step (refreshed every update_proj_gap steps); proj="svd": the
-         gradient's top-r singular vectors at each refresh (GaLore's basis), stored
-    R  = G P^T  (m x r)   or   P^T G  (r x n)
-    m = b1 m + (1 - b1) R;   v = b2 v + (1 - b2) R^2            (moments at any state_bits, low-rank shaped)
-    s  = ||m / (sqrt(v) + eps)|| / (||R|| + 1e-8)    per row (right) or column (left): scale_type "channel";
-                                                      over the whole tensors: "tensor"
-    U  = G s  (x sqrt(scale) before the limiter if scale_front, else after it)
-    U  = U / (max(||U|| / (||U_prev|| + 1e-8), 1.01) / 1.01)   (the limiter; not with disable_nl)
-    W <- W - lr sqrt(1 - b2^t) / (1 - b1^t) U;   W <- W - lr wd W   (correct_bias; the decay after the update)
-
-Groups without ``rank`` step as transformers' legacy AdamW (:class:`~lowmemopt.optim.HFAdamW`), as in apollo-torch.
-Rank 1 with ``scale_type="tensor"`` is APOLLO-Mini: two low-rank moments of one row or column per matrix.
+    m = b1 m + (1 - b1) R;  v = b2 v + (1 - b2) R^2;  s = ||m / (sqrt(v) + eps)|| / (||R|| + 1e-8)  (channel or tensor)
+    U = limit(G s);  W <- W - lr sqrt(1 - b2^t) / (1 - b1^t) U;  W <- W - lr wd W
 """
 
 from __future__ import annotations
@@ -53,9 +42,8 @@ PROJ_TYPES = ("std", "reverse_std", "left", "right")
 
 
 class APOLLOAlgorithm(Algorithm):
-    """APOLLO for the step pipeline (module docstring); transformers' AdamW for groups without a rank. One bound to
-    an optimizer (``owner``) gives each projected parameter its seed, its position among the optimizer's
-    parameters (:meth:`step_work`)."""
+    """APOLLO for the step pipeline; transformers' AdamW for groups without a rank. Bound to an optimizer
+    (``owner``) it gives each projected parameter its seed (:meth:`step_work`)."""
 
     elementwise = False  # the projection and the scaling factor need the whole matrix
 
@@ -79,8 +67,7 @@ class APOLLOAlgorithm(Algorithm):
         return slots
 
     def step_work(self, work, grad_mult=None):
-        """Each projected parameter with a view of its group that holds its seed (its 1-based position among all of
-        the optimizer's parameters, as apollo-torch numbers them) and its whole shape."""
+        """Each projected parameter with a view of its group holding its seed (its 1-based position) and whole shape."""
         owner = None if self._owner is None else self._owner()
         if owner is None or not any(group.get(RANK) is not None for _, group in work):
             return work
@@ -113,9 +100,8 @@ class APOLLOAlgorithm(Algorithm):
     @staticmethod
     def _projection(g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int,
                     side: int, reduce: Reduction) -> torch.Tensor:
-        """This step's projection (the whole one, on every rank of a sharded parameter): regenerated from the seed
-        (random), or the stored SVD basis, refreshed when due (from the whole gradient: gathered there); fp32 values
-        in the gradient's dtype (a float64 parameter's projection is fp32's widened, as apollo-torch's)."""
+        """This step's whole projection: regenerated from the seed, or the SVD basis (refreshed when due, from the
+        gathered gradient); fp32 values in the gradient's dtype."""
         due, refreshes = am.refresh_due(step, group["update_proj_gap"])
         m, n = group.get(SHAPE, g.shape)
         shape = am.projection_shape(side, m, n, group[RANK])
@@ -139,9 +125,8 @@ class APOLLOAlgorithm(Algorithm):
 
 def _project(g: torch.Tensor, proj: torch.Tensor, side: int, rank: int,
              reduce: Reduction) -> tuple[torch.Tensor, Reduction]:
-    """The projected gradient of ``g`` (a row-sharded parameter's local rows, or the whole matrix) and the reductions
-    of tensors shaped like it: side right keeps the rows (``G_r P^T``, sharded like the parameter), side left sums
-    ``P_r^T G_r`` over the row shards (replicated)."""
+    """The projected gradient of ``g`` (a row shard's or the whole matrix's): side right keeps the rows, side left
+    sums ``P_r^T G_r`` over the row shards."""
     if not reduce.distributed:
         return am.project(g, proj, side), LOCAL
     row0, rows = row_block(reduce, "APOLLO")
@@ -154,22 +139,18 @@ def _project(g: torch.Tensor, proj: torch.Tensor, side: int, rank: int,
 
 
 class APOLLOAdamW(LowMemOptimizer):
-    """APOLLO with 32/16/8/4-bit moments; same signature, group keys, defaults, seeds and 32-bit results as
-    ``apollo_torch.APOLLOAdamW`` (module docstring).
+    """APOLLO with 32/16/8/4-bit moments; the signature, group keys, defaults, seeds and 32-bit results of
+    ``apollo_torch.APOLLOAdamW``.
 
-    A param group with ``rank`` is projected; its keys (defaults as the HF Trainer's ``apollo_adamw``): ``proj``
-    ("random" | "svd"), ``scale_type`` ("channel" | "tensor"), ``update_proj_gap`` (200), ``scale`` (1.0),
-    ``proj_type`` ("std" | "reverse_std" | "left" | "right"). Its ``rank`` is held as ``apollo_rank`` in
-    ``param_groups`` (a ``rank`` key is lowmemopt's GaLore projection, which APOLLO is not). ``scale_front`` and
-    ``disable_nl`` are also per-group keys. :func:`apollo_param_groups` builds the groups from a model.
+    Args:
+        params: param groups; one with ``rank`` is projected, with the keys ``proj`` ("random" | "svd"), ``scale_type``
+            ("channel" | "tensor"), ``update_proj_gap``, ``scale``, ``proj_type`` (:func:`apollo_param_groups`).
+        correct_bias: ``sqrt(1 - b2^t) / (1 - b1^t)``. scale_front: ``sqrt(scale)`` before the limiter. disable_nl: no
+            limiter (both also group keys). no_deprecation_warning: accepted, ignored.
+        **storage: the storage options (``state_bits``: the moments').
 
-    The random projection is regenerated each step from the parameter's seed (its 1-based position among the
-    optimizer's parameters, as apollo-torch numbers them) and the step count, on the parameter's device (a CUDA
-    projection comes from a CUDA generator, as apollo-torch's): the state holds the moments, the step, the limiter's
-    last norm and, for ``proj="svd"``, the basis. Storage keywords: ``state_bits`` (the moments), ``block_size``,
-    ``paged``... (:class:`~lowmemopt.LowMemOptimizer`). FSDP2 / DTensor parameters sharded by rows (``Shard(0)``) or
-    replicated: side right keeps the local rows, side left sums over the shards; an SVD refresh gathers the whole
-    gradient."""
+    A group's ``rank`` is held as ``apollo_rank`` in ``param_groups`` (``rank`` is GaLore's).
+    """
 
     algorithm = APOLLOAlgorithm()
     #: a projected group's keys (its rank held as apollo_rank: lowmemopt.group_keys refuses any other)
@@ -257,10 +238,9 @@ def apollo_param_groups(
     proj_type: str = "std",
     weight_decay: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Param groups for :class:`APOLLOAdamW`: the weights of the selected ``nn.Linear`` modules in one projected group
-    with ``rank`` and the APOLLO keys, every other trainable parameter in plain groups (AdamW). ``target_modules``
-    and ``weight_decay`` as :func:`lowmemopt.galore_param_groups` takes them (``"all-linear"``, a regex, or a list
-    of names). APOLLO-Mini: ``rank=1, scale_type="tensor"`` (with a large ``scale``, e.g. 128)."""
+    """Param groups for :class:`APOLLOAdamW`: the selected ``nn.Linear`` weights in one group with ``rank`` and the
+    APOLLO keys, every other trainable parameter in plain (AdamW) groups. ``target_modules``, ``weight_decay``: as
+    :func:`lowmemopt.galore_param_groups`. APOLLO-Mini: ``rank=1, scale_type="tensor"`` and a large ``scale`` (128)."""
     from ..projection import galore_param_groups
 
     groups = galore_param_groups(model, target_modules, rank=rank, update_proj_gap=update_proj_gap, scale=scale,

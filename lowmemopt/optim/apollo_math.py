@@ -1,12 +1,6 @@
-"""APOLLO's math (``apollo_torch.APOLLOAdamW``; Zhu et al. 2024, "APOLLO: SGD-like memory, AdamW-level performance"):
-the random projection regenerated from a seed, the SVD projection, the channel- or tensor-wise scaling factor and
-Fira's norm-growth limiter. See :mod:`.apollo`.
-
-The random projection of refresh ``k`` (``k = 1, 2, ...``: at steps ``1, 1 + gap, 1 + 2 gap, ...``) is
-``randn(shape, Generator(device).manual_seed(s_k)) / sqrt(rank)`` with ``s_1`` the parameter's seed (its 1-based
-position among the optimizer's parameters) and ``s_{k+1} = next_seed(s_k)``: the last of 15 int64s drawn by a CPU
-generator seeded with ``s_k``, as apollo-torch advances its seeds. So the projection is a function of (seed, step,
-gap) and is regenerated each step instead of stored.
+"""APOLLO's math (``apollo_torch.APOLLOAdamW``): the random projection regenerated from a seed, the SVD projection,
+the scaling factor and Fira's norm-growth limiter; the optimizer is :mod:`.apollo`. The seed chain (``s_{k+1}`` the
+last of 15 int64s drawn by a CPU generator seeded with ``s_k``): docs/apollo.md ("The projection: a seed and a step").
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ _CHAINS: dict[int, list[int]] = {}  # first seed -> [s_1, s_2, ...] computed so 
 
 
 def next_seed(seed: int) -> int:
-    """The seed after ``seed``: the last of :data:`_ADVANCE` int64s in ``[0, 2^63 - 1)`` drawn by a CPU generator
-    seeded with ``seed``."""
+    """The seed after ``seed``: the last of :data:`_ADVANCE` int64s a CPU generator seeded with ``seed`` draws."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, torch.iinfo(torch.int64).max, (_ADVANCE,), generator=gen).tolist()[-1]
 
@@ -44,14 +37,13 @@ def projection_seed(first: int, refresh: int) -> int:
 
 
 def refresh_due(step: int, gap: int) -> tuple[bool, int]:
-    """(is step ``step`` (1-based) a refresh, how many refreshes up to and including it): apollo-torch refreshes
-    where the 0-based step is a multiple of ``gap``."""
+    """(is ``step`` (1-based) a refresh, refreshes so far): where ``step - 1`` is a multiple of ``gap``."""
     return (step - 1) % gap == 0, (step - 1) // gap + 1
 
 
 def side_of(proj_type: str, m: int, n: int) -> int:
-    """The projected side of an ``m x n`` gradient: ``std`` right where ``m >= n`` (the rows kept), else left;
-    ``reverse_std`` the opposite; ``left`` / ``right`` as named."""
+    """The projected side of an ``m x n`` gradient: ``std`` right where ``m >= n``, else left; ``reverse_std`` the
+    opposite; ``left`` / ``right`` as named."""
     if proj_type == "std":
         return RIGHT if m >= n else LEFT
     if proj_type == "reverse_std":
@@ -70,15 +62,13 @@ def low_rank_shape(side: int, m: int, n: int, rank: int) -> tuple[int, int]:
 
 
 def random_projection(shape: tuple[int, int], seed: int, rank: int, device: torch.device) -> torch.Tensor:
-    """``randn(shape) / sqrt(rank)`` in fp32 from a generator on ``device`` seeded with ``seed`` (apollo-torch's
-    ``stable_randn``: a CUDA projection comes from a CUDA generator)."""
+    """``randn(shape) / sqrt(rank)`` in fp32 from a generator on ``device`` seeded with ``seed`` (``stable_randn``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) / math.sqrt(rank)
 
 
 def svd_projection(g: torch.Tensor, side: int, rank: int) -> torch.Tensor:
-    """GaLore's basis of ``g`` (fp32): the first ``rank`` left singular vectors (``m x rank``, side left) or right
-    ones (``rank x n``, side right), as apollo-torch's ``GaLoreProjector`` takes them."""
+    """GaLore's basis of ``g`` (fp32): the first ``rank`` left (side left) or right singular vectors."""
     u, _, vh = torch.linalg.svd(g, full_matrices=False)
     return u[:, :rank] if side == LEFT else vh[:rank, :]
 
@@ -90,10 +80,8 @@ def project(g: torch.Tensor, proj: torch.Tensor, side: int) -> torch.Tensor:
 
 def scaling_factor(norm_grad: torch.Tensor, low: torch.Tensor, scale_type: str, norm_dim: int,
                    reduce: Reduction = LOCAL) -> torch.Tensor:
-    """APOLLO's factor for the raw gradient: ``||norm_grad|| / (||R|| + 1e-8)`` over ``norm_dim`` (``channel``: a
-    column of ``(m, 1)`` for ``norm_dim`` 1, a row ``(n,)`` for 0) or over the whole tensors (``tensor``).
-    ``norm_grad`` is Adam's ``m / (sqrt(v) + eps)`` in the projected space, ``R`` the projected gradient; ``reduce``:
-    theirs, where a sharded parameter holds rows of them."""
+    """``||norm_grad|| / (||R|| + 1e-8)`` over ``norm_dim`` (``channel``) or the whole tensors (``tensor``);
+    ``norm_grad = m / (sqrt(v) + eps)``, ``R`` the projected gradient; ``reduce`` for a row shard."""
     if scale_type == "channel":
         factor = (reduce.norm_along(norm_grad, norm_dim, norm_dim)
                   / (reduce.norm_along(low, norm_dim, norm_dim) + SCALE_EPS))
@@ -103,9 +91,8 @@ def scaling_factor(norm_grad: torch.Tensor, low: torch.Tensor, scale_type: str, 
 
 def limit_norm_growth(update: torch.Tensor, previous: torch.Tensor, first: bool,
                       reduce: Reduction = LOCAL) -> torch.Tensor:
-    """Fira's norm-growth limiter: the update scaled down so that its norm grows by at most 1% a step
-    (``limiter = max(||u|| / (prev + 1e-8), 1.01) / 1.01``); ``previous`` (one element) is updated in place to the
-    norm of what is returned. The first step only records the norm. No host synchronization."""
+    """Fira's limiter: scale ``u`` so its norm grows at most 1% a step; ``previous`` (one element) is updated in
+    place. The first step only records the norm."""
     norm = reduce.norm(update)
     if first:
         previous.copy_(norm.reshape(previous.shape))
@@ -116,8 +103,7 @@ def limit_norm_growth(update: torch.Tensor, previous: torch.Tensor, first: bool,
 
 
 def check_factor_shape(shape: Any, side: int, rank: int, scale_type: str) -> str | None:
-    """Why a channel-wise factor cannot scale a gradient of ``shape`` (None: it can). The factor runs along the
-    projected gradient's kept dim, which must be the gradient's (or have one element, at rank 1)."""
+    """Why a channel-wise factor cannot scale a gradient of ``shape`` (None: it can): its dim must be the kept one."""
     if scale_type != "channel":
         return None
     m, n = shape
