@@ -1,18 +1,8 @@
-"""AdEMAMix (Pagliardini et al. 2024, "The AdEMAMix Optimizer: Better, Faster, Older"), matching
-``bitsandbytes.optim.AdEMAMix``: Adam with a second, slow momentum mixed into the numerator::
+"""AdEMAMix (Pagliardini et al. 2024) matching ``bitsandbytes.optim.AdEMAMix`` (32-bit results bit for bit): Adam with
+a second, slow momentum mixed into the numerator. The warm-ups and the state: docs/ademamix.md.
 
-    m1 = beta1 m1 + (1 - beta1) g        m2 = beta3_t m2 + (1 - beta3_t) g        nu = beta2 nu + (1 - beta2) g^2
+    m1 = beta1 m1 + (1 - beta1) g;   m2 = beta3_t m2 + (1 - beta3_t) g;   nu = beta2 nu + (1 - beta2) g^2
     p <- p (1 - lr wd)  -  lr (m1 / (1 - beta1^t) + alpha_t m2) / (sqrt(nu) / sqrt(1 - beta2^t) + eps)
-
-with the warm-ups of ``alpha`` (linear over ``t_alpha`` steps) and ``beta3`` (over ``t_beta3`` steps, so that the slow
-EMA's half-life grows linearly from beta1's to beta3's)::
-
-    alpha_t = min(t alpha / t_alpha, alpha)
-    beta3_t = min(exp(ln(beta1) ln(beta3) / ((1 - t / t_beta3) ln(beta3) + (t / t_beta3) ln(beta1))), beta3)
-
-(``t_alpha`` / ``t_beta3`` None or 0: no warm-up). The operation order is bitsandbytes' CPU step's, so 32-bit results
-are bitsandbytes' bit for bit. Three full-size slots: ``exp_avg`` (m1, the fast EMA), ``exp_avg_slow`` (m2) and
-``exp_avg_sq`` (nu); at 8 bits ~3 bytes per parameter.
 """
 
 from __future__ import annotations
@@ -41,8 +31,8 @@ def alpha_schedule(step: int, alpha: float, t_alpha: int | None) -> float:
 
 
 def beta3_schedule(step: int, beta1: float, beta3: float, t_beta3: int | None) -> float:
-    """``beta3_t``: from ``beta1`` at step 0 to ``beta3`` at ``t_beta3``, the EMA's half-life growing linearly
-    (bitsandbytes' scheduler; None / 0: ``beta3`` throughout)."""
+    """``beta3_t``: from ``beta1`` at step 0 to ``beta3`` at ``t_beta3``, the half-life growing linearly (None / 0:
+    ``beta3``)."""
     if not t_beta3:
         return beta3
     ln_beta1, ln_beta3 = math.log(beta1), math.log(beta3)
@@ -68,10 +58,8 @@ def ademamix_math(
     bias_correction1: float,
     bias_correction2_sqrt: float,
 ) -> tuple[torch.Tensor, float]:
-    """fp32 AdEMAMix: updates ``exp_avg`` (m1), ``exp_avg_slow`` (m2) and ``exp_avg_sq`` (nu) in place and returns
-    ``(direction, -lr)`` (delta = -lr direction; the caller applies the decay ``p *= 1 - lr wd`` first). ``alpha_t``,
-    ``beta3_t``: the step's scheduled values (:func:`alpha_schedule`, :func:`beta3_schedule`). Op order as
-    bitsandbytes' CPU step, so 32-bit results are bit-identical."""
+    """fp32 AdEMAMix in bitsandbytes' operation order: updates the three slots in place and returns
+    ``(direction, -lr)``; the caller applies ``p *= 1 - lr wd`` first."""
     beta1, beta2 = betas[0], betas[1]
     m1, m2, nu = state["exp_avg"], state["exp_avg_slow"], state["exp_avg_sq"]
     m1.mul_(beta1).add_(g, alpha=1 - beta1)
@@ -116,15 +104,14 @@ def _check_warmup(name: str, value: Any) -> None:
 
 
 class AdEMAMix(LowMemOptimizer):
-    """AdEMAMix with 32/16/8/4-bit state; same signature, defaults and 32-bit results as
-    ``bitsandbytes.optim.AdEMAMix`` (three ``betas``: fast EMA, second moment, slow EMA; ``alpha`` the slow EMA's
-    weight; ``t_alpha`` / ``t_beta3`` their warm-up lengths in steps, None: none).
+    """AdEMAMix with 32/16/8/4-bit state; the signature, defaults and 32-bit results of ``bitsandbytes.optim.AdEMAMix``.
 
-    bitsandbytes' ``optim_bits`` (32 or 8), ``min_8bit_size`` and ``is_paged`` are other names of ``state_bits``,
-    ``min_quant_numel`` and ``paged``: one set to other than its default decides (an explicit storage keyword that
-    disagrees is a ValueError). Storage keywords: ``state_bits`` (also 16 and 4),
-    ``block_size``, ``paged``, ... (see :class:`~lowmemopt.LowMemOptimizer`). At 8 bits the two EMAs use the signed
-    ``pow2`` map and ``exp_avg_sq`` the unsigned one: ~3 bytes of state per parameter."""
+    Args:
+        betas: (fast EMA, second moment, slow EMA). alpha: the slow EMA's weight.
+        t_alpha, t_beta3: the warm-ups of ``alpha`` and ``beta3``, in steps (None: none).
+        optim_bits, min_8bit_size, is_paged: bitsandbytes' names of ``state_bits``, ``min_quant_numel``, ``paged``.
+        **storage: the storage options.
+    """
 
     algorithm = AdEMAMixAlgorithm()
 

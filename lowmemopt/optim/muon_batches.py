@@ -1,20 +1,6 @@
-"""One step's Muon orthogonalizations in batches: the Newton-Schulz iteration of several matrices of one shape as one
-batched product (``torch.bmm`` / ``baddbmm``), and under FSDP2 each matrix on one rank only.
-
-:func:`plan_batches` (the algorithm's ``step_work``, before the step's non-finite check) groups the step's Muon
-matrices by what one batched iteration needs to share (device, shape, sharding layout, the group's Newton-Schulz
-settings), up to :data:`BATCH_BYTES` of bfloat16 matrices per batch, and gives each matrix a view of its param group
-that names its batch (:data:`BATCHES`, :data:`INDEX`). The work is reordered so that a batch's matrices step one
-after another (at most one batch of results is held at a time). When the first of them updates, the algorithm hands
-its momentum-updated matrix to :meth:`MuonBatches.take`, which computes the others' from their gradients and stored
-momentum (read, not written: each matrix still updates its own momentum in its own step, after the non-finite check)
-and orthogonalizes the batch; each later matrix takes its result. Under FSDP2 the batch goes through
-:func:`lowmemopt.distributed.whole.map_whole`, which deals its matrices out over the ranks (continuing the count from
-the previous batch, so that single matrices spread too).
-
-A matrix skipped for a non-finite gradient just leaves its result unused (the batched iteration normalizes each
-matrix by its own norm: one matrix's NaN reaches no other's result). Paged groups, and steps that do not go through
-``step()`` (per-layer updates), orthogonalize one matrix at a time.
+"""One step's Muon orthogonalizations in batches: the Newton-Schulz iteration of matrices of one shape as one batched
+product, and under FSDP2 each matrix on one rank only (docs/muon.md#batches-and-fsdp2). :func:`plan_batches` groups
+the matrices and orders the work; the first matrix of a batch to update runs the batch (:meth:`MuonBatches.take`).
 """
 
 from __future__ import annotations
@@ -48,10 +34,9 @@ def _key(p: torch.Tensor, group: dict[str, Any]) -> tuple:
 
 
 def plan_batches(work: Work, state: dict, grad_mult: torch.Tensor | None = None) -> Work:
-    """``work`` with its Muon matrices in batches (the module docstring): the other pairs first, in order, then the
-    batched matrices batch by batch, each with a view of its group. ``state``: the optimizer's state dict;
-    ``grad_mult``: the step's loss-scaling multiplier of the gradients, or None. Returns ``work`` itself where there
-    is nothing to batch (one matrix per batch, not sharded)."""
+    """``work`` with its Muon matrices in batches: the other pairs first, then each batch's matrices with a view of
+    their group naming the batch. ``grad_mult``: the loss-scaling multiplier, or None. Returns ``work`` itself where
+    there is nothing to batch."""
     rest: Work = []
     by_key: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}  # (first-seen order: the same on every rank)
     for p, group in work:
@@ -76,9 +61,7 @@ def plan_batches(work: Work, state: dict, grad_mult: torch.Tensor | None = None)
 
 
 class MuonBatches:
-    """One step's batches of Muon matrices (the module docstring). ``members``: (param, group) of each matrix;
-    ``batches``: lists of member indices; ``state``: the optimizer's state dict; ``grad_mult``: the loss-scaling
-    multiplier, or None."""
+    """One step's batches: ``members`` (param, group) of each matrix, ``batches`` lists of member indices."""
 
     def __init__(self, members: Work, batches: list[list[int]], state: dict, grad_mult: torch.Tensor | None) -> None:
         self.members, self.batches, self.state, self.grad_mult = members, batches, state, grad_mult
@@ -87,8 +70,8 @@ class MuonBatches:
         self.done: dict[int, torch.Tensor] = {}
 
     def take(self, j: int, u: torch.Tensor) -> torch.Tensor:
-        """Matrix ``j``'s orthogonalized update (its local part, bfloat16), given ``u``, the matrix its step
-        orthogonalizes; the first matrix of a batch to step runs the whole batch."""
+        """Matrix ``j``'s orthogonalized update (local part, bfloat16) given ``u``, its own input; the first to step
+        runs the batch."""
         if j not in self.done:
             b = self.batch_of[j]
             batch = self.batches[b]
@@ -100,8 +83,7 @@ class MuonBatches:
         return self.done.pop(j)
 
     def _input(self, k: int) -> torch.Tensor:
-        """Matrix ``k``'s momentum-updated matrix as its own step will make it (its stored momentum read, not
-        written): the gradient as the pipeline loads it (unscaled, fp32), the momentum decoded whole."""
+        """Matrix ``k``'s momentum-updated matrix as its own step will make it (the momentum read, not written)."""
         p, group = self.members[k]
         local, grad, _ = local_view(p, p.grad)
         mult = self.grad_mult

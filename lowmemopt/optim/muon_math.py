@@ -16,10 +16,8 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
 def newton_schulz(x: torch.Tensor, coefficients: Sequence[float], steps: int, eps: float) -> torch.Tensor:
-    """``steps`` quintic Newton-Schulz iterations towards the orthogonal factor of ``x`` ((m, n), or a batch
-    (B, m, n)), in bfloat16: ``torch.optim.Muon``'s ``_zeropower_via_newtonschulz``, the same operations for one matrix
-    (so the same bits), ``torch.baddbmm`` for a batch (each matrix normalized by its own Frobenius norm). ``x`` is
-    not changed; returns bfloat16."""
+    """``steps`` quintic Newton-Schulz iterations of ``x`` ((m, n) or (B, m, n)) in bfloat16: torch's
+    ``_zeropower_via_newtonschulz`` for one matrix (the same bits), ``baddbmm`` for a batch. Returns bfloat16."""
     a, b, c = coefficients
     y = x.bfloat16()
     tall = x.size(-2) > x.size(-1)
@@ -39,8 +37,7 @@ def newton_schulz(x: torch.Tensor, coefficients: Sequence[float], steps: int, ep
 
 
 def orthogonalize(mats: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
-    """:func:`newton_schulz` of each of ``mats`` (whole matrices of one shape) with ``group``'s settings: one matrix
-    alone, several as one batch."""
+    """:func:`newton_schulz` of ``mats`` (one shape) with ``group``'s settings, several as one batch."""
     args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
     if len(mats) == 1:
         return [newton_schulz(mats[0], *args)]
@@ -62,7 +59,7 @@ def adjusted_lr(lr: Any, adjust_lr_fn: str | None, shape: Sequence[int]) -> Any:
 
 def momentum_input(g: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool,
                    in_place: bool = True) -> torch.Tensor:
-    """``B <- lerp(B, g, 1 - mu)`` (in place unless ``in_place`` is False: then ``buf`` is left as it is) and the
-    matrix Muon orthogonalizes: ``lerp(g, B, mu)`` (nesterov) or ``B``."""
+    """``B <- lerp(B, g, 1 - mu)`` (in place unless ``in_place`` is False) and the matrix to orthogonalize:
+    ``lerp(g, B, mu)`` (nesterov) or ``B``."""
     buf = buf.lerp_(g, 1 - momentum) if in_place else buf.lerp(g, 1 - momentum)
     return g.lerp(buf, momentum) if nesterov else buf
