@@ -1,16 +1,10 @@
-"""Adam and AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), matching ``torch.optim.Adam`` / ``torch.optim.AdamW``.
+"""Adam and AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), matching ``torch.optim.Adam`` / ``AdamW``, and the
+same math under the names of Apex's / DeepSpeed's :class:`FusedAdam` and DeepSpeed's :class:`CPUAdam`, in torch's
+operation order (how they differ from those classes: docs/migrating.md).
 
     m = beta1 m + (1 - beta1) g              v = beta2 v + (1 - beta2) g^2          (v_max = max(v_max, v) if amsgrad)
     p <- p (1 - lr wd) [AdamW]  -  lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     Adam adds ``wd * p`` to ``g`` instead (L2 penalty) unless ``decoupled_weight_decay=True``.
-    ``bias_correction=False`` (a param group key of the fused seeds' classes below): both corrections are 1.
-
-The seeds' names, same math: :class:`FusedAdam` (Apex / DeepSpeed / ColossalAI ``FusedAdam``: ``adam_w_mode``,
-``bias_correction``, ``set_grad_none``) and :class:`CPUAdam` (DeepSpeed's ``DeepSpeedCPUAdam``: ``adamw_mode``,
-``fp32_optimizer_states``). Their seeds compute the same quantities in another order (DeepSpeed multiplies
-``sqrt(v)`` by ``1 / sqrt(1 - beta2^t)`` in fp32 and applies the decoupled decay as ``p + (-lr wd) p``); here the
-op sequence is torch's, so each equals ``torch.optim.Adam`` / ``AdamW`` where the flags coincide, as ``AdamW`` does,
-and its seed to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -63,9 +57,8 @@ def adam_math(
     bias_correction1: float,
     bias_correction2_sqrt: float,
 ) -> torch.Tensor:
-    """fp32 Adam/AdamW: updates ``state['exp_avg']``, ``state['exp_avg_sq']`` (and ``max_exp_avg_sq``) in place and
-    returns the delta for ``p``; decoupled decay (``p *= 1 - lr wd``) is applied by the caller before adding it.
-    Operation order follows torch.optim's single-tensor implementation, so 32-bit results are bit-identical."""
+    """fp32 Adam/AdamW in torch.optim's single-tensor operation order: updates the moments in place and returns the
+    delta for ``p``; the caller applies ``p *= 1 - lr wd`` first."""
     beta1, beta2 = betas
     if maximize:
         g = -g
@@ -109,10 +102,11 @@ class AdamAlgorithm(Algorithm):
 
 
 class Adam(LowMemOptimizer):
-    """Adam with 32/16/8/4-bit state; same signature and 32-bit results as ``torch.optim.Adam``.
+    """Adam with 32/16/8/4-bit state; the signature and 32-bit results of ``torch.optim.Adam``.
 
-    Storage keywords: ``state_bits``, ``block_size``, ``min_quant_numel`` (see :class:`~lowmemopt.LowMemOptimizer`).
-    At 8 bits ``exp_avg`` uses the signed ``pow2`` map and ``exp_avg_sq`` / ``max_exp_avg_sq`` the unsigned one.
+    Args:
+        amsgrad, maximize, decoupled_weight_decay: as torch's.
+        **storage: the storage options (``state_bits``, ``block_size``, ``paged``, ...).
     """
 
     algorithm = AdamAlgorithm()
@@ -170,9 +164,8 @@ class AdamW(Adam):
 
 
 class GradNoneOnZero:
-    """The seeds' ``set_grad_none``: what ``zero_grad()`` does when called without ``set_to_none`` (True: gradients
-    become None, as torch's default; False: zeroed in place, as Apex's ``FusedSGD``). An explicit
-    ``zero_grad(set_to_none=...)`` still decides."""
+    """The seeds' ``set_grad_none``: what ``zero_grad()`` does without ``set_to_none`` (True: None; False: zeroed,
+    as Apex's ``FusedSGD``)."""
 
     set_grad_none: bool = True
 
@@ -191,19 +184,14 @@ def _check_flag(name: str, value: Any) -> None:
 
 
 class FusedAdam(GradNoneOnZero, Adam):
-    """Apex's / DeepSpeed's ``FusedAdam`` (ColossalAI's too) by name, signature and defaults: Adam
-    (``adam_w_mode=False``: L2 penalty added to the gradient) or AdamW (``adam_w_mode=True``, the default: decoupled
-    decay) with optional bias correction, on every device (the Triton kernels on CUDA, the native C kernels on the
-    CPU: ``bias_correction=False`` only changes two step scalars).
+    """Apex's / DeepSpeed's / ColossalAI's ``FusedAdam`` by name, signature and defaults: AdamW
+    (``adam_w_mode=True``) or Adam with L2 penalty, with optional bias correction; torch's results with torch's flags.
 
-    * ``bias_correction=False``: ``p <- p - lr m / (sqrt(v) + eps)`` (no ``1 - beta^t`` corrections).
-    * ``amsgrad=True`` is supported (torch's AMSGrad; the seeds raise).
-    * ``set_grad_none`` (default True): ``zero_grad()`` sets gradients to None (False: zeroes them).
-    * ``adamw_mode``: ColossalAI's spelling of ``adam_w_mode`` (keyword only; give one of them).
-    * Keyword-only: ``maximize`` and the storage options (``state_bits``, ``paged``, GaLore groups, ...).
-
-    With the flags of ``torch.optim.AdamW(weight_decay=wd)`` (or ``Adam`` with ``adam_w_mode=False``) the 32-bit
-    results are torch's, as :class:`AdamW`'s are."""
+    Args:
+        bias_correction: False: ``p <- p - lr m / (sqrt(v) + eps)``. amsgrad: supported (the seeds raise).
+        set_grad_none: ``zero_grad()`` sets gradients to None. adamw_mode: ColossalAI's spelling of ``adam_w_mode``.
+        maximize, **storage: as :class:`AdamW`'s.
+    """
 
     def __init__(
         self,
@@ -249,20 +237,13 @@ class CPUAdamAlgorithm(AdamAlgorithm):
 
 
 class CPUAdam(Adam):
-    """DeepSpeed's ``DeepSpeedCPUAdam`` (``deepspeed.ops.adam``) by name, signature and defaults: Adam / AdamW
-    (``adamw_mode``, default True) with optional bias correction, stepped on the CPU by the native C kernels (and by
-    the Triton kernels wherever the parameters live on a GPU).
+    """DeepSpeed's ``DeepSpeedCPUAdam`` by name, signature and defaults: AdamW (``adamw_mode=True``) or Adam with L2
+    penalty, with optional bias correction, on any device; agrees with DeepSpeed to fp32 rounding (docs/migrating.md).
 
-    * ``weight_decay`` defaults to 0; ``adamw_mode=False``: L2 penalty (``g + wd p``), True: decoupled decay.
-    * ``fp32_optimizer_states=False``: ``exp_avg`` / ``exp_avg_sq`` in the parameter's dtype (bf16 or fp16; fp32
-      for fp32 parameters), whatever their size, as DeepSpeed keeps them; it excludes ``state_bits`` other than 32.
-      fp16 state steps through the torch paths (the fused kernels store fp32, bf16, 8- and 4-bit state).
-    * ``amsgrad=True`` is supported (torch's AMSGrad; DeepSpeed raises).
-    * Keyword-only: ``maximize`` and the storage options (``state_bits``, ``paged``, GaLore groups, ...).
-
-    DeepSpeed rounds differently (``1 / sqrt(1 - beta2^t)`` and ``beta^t`` in fp32, fused multiply-adds): the two
-    agree to fp32 rounding (``tests/test_fused_seeds.py`` states the bound); with its flags matching, this is
-    ``torch.optim.AdamW`` / ``Adam`` as :class:`AdamW` is."""
+    Args:
+        fp32_optimizer_states: False: the moments in the parameter's dtype (excludes ``state_bits`` other than 32).
+        amsgrad: supported (DeepSpeed raises). maximize, **storage: as :class:`AdamW`'s.
+    """
 
     algorithm = CPUAdamAlgorithm()
 

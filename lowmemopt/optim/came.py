@@ -1,13 +1,10 @@
-"""CAME (Luo et al. 2023, "CAME: Confidence-guided Adaptive Memory Efficient Optimization"), matching
-``came_pytorch.CAME``::
+"""CAME (Luo et al. 2023), matching ``came_pytorch.CAME``; row and column statistics stay fp32 at every
+``state_bits`` (the first moment and a 1-D parameter's full second moment take it).
 
     V = b2 V + (1 - b2)(g^2 + eps1)   (factored over the last two dims: V ~ R C / mean(R));   u = g / sqrt(V)
     u /= max(1, RMS(u) / clip_threshold);   m = b1 m + (1 - b1) u
     factored: U = b3 U + (1 - b3)((u - m)^2 + eps2) (factored likewise);  p <- p - lr wd p - lr m / sqrt(U)
     1-D:      p <- p - lr wd p - lr m                                       (the confidence term needs factoring)
-
-Row and column statistics stay fp32 at every ``state_bits``; 16/8-bit storage applies to the first moment and to the
-full second moment of 1-D parameters. The update is computed from the fp32 (decoded, updated) state.
 """
 
 from __future__ import annotations
@@ -47,9 +44,9 @@ def came_math(
     weight_decay: float,
     reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
-    """fp32 CAME on a whole tensor: updates the state in place, applies the weight decay ``p -= lr wd p`` to the fp32
-    working copy ``p`` in place, and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` holds
-    ``exp_avg_sq_row``. Operation order follows ``came_pytorch.CAME``, so 32-bit results are bit-identical."""
+    """fp32 CAME on a whole tensor in ``came_pytorch``'s operation order: updates the state in place, applies
+    ``p -= lr wd p`` to the fp32 working copy, and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` has
+    ``exp_avg_sq_row``."""
     factored = "exp_avg_sq_row" in state
     u = clipped_preconditioned(g, state, eps1, beta2, clip_threshold, reduce)
 
@@ -113,10 +110,12 @@ class CAMEAlgorithm(Algorithm):
 
 
 class CAME(LowMemOptimizer):
-    """CAME with 32/16/8/4-bit state; same signature, defaults and 32-bit results as ``came_pytorch.CAME``.
+    """CAME with 32/16/8/4-bit state; the signature, defaults and 32-bit results of ``came_pytorch.CAME``.
 
-    ``lr`` has no default (``came_pytorch`` asserts one is given): a missing ``lr`` raises a TypeError here. Weight
-    decay is ``p -= lr wd p`` before the update, as in the reference.
+    Args:
+        lr: required (a missing one is a TypeError). eps: (eps1, eps2). betas: (b1, b2, b3).
+        clip_threshold: the RMS clip of ``u``. weight_decay: ``p -= lr wd p`` before the update.
+        **storage: the storage options.
     """
 
     algorithm = CAMEAlgorithm()

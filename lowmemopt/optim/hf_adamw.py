@@ -1,12 +1,8 @@
-"""AdamW as transformers' legacy ``transformers.AdamW`` defined it (and as galore-torch's ``GaLoreAdamW`` copies it)::
+"""AdamW as transformers' legacy ``transformers.AdamW`` (and galore-torch's ``GaLoreAdamW``) defined it; how it
+differs from ``torch.optim.AdamW``: docs/torch_optim.md#hfadamw-transformers-legacy-adamw.
 
     m = beta1 m + (1 - beta1) g;    v = beta2 v + (1 - beta2) g^2
-    p <- p - lr sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps)     (no bias correction: p - lr m / (...))
-    p <- p - lr wd p                                                         (weight decay after the update)
-
-It differs from ``torch.optim.AdamW`` in where eps sits (added to sqrt(v) before the bias correction is folded into the
-step size), in the default eps (1e-6) and weight decay (0), and in decaying the weights after the update instead of
-before. ``lowmemopt.GaLoreAdamW`` is this class.
+    p <- p - lr sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps);   p <- p - lr wd p
 """
 
 from __future__ import annotations
@@ -38,9 +34,8 @@ def hf_adamw_math(
     eps: float,
     step_size: float,
 ) -> tuple[torch.Tensor, float]:
-    """fp32 AdamW (transformers semantics): updates ``exp_avg`` / ``exp_avg_sq`` in place and returns
-    ``(m / (sqrt(v) + eps), -step_size)``; the caller adds it to ``p`` and then applies the weight decay. Operation
-    order follows galore-torch's ``AdamW.step``, so 32-bit results are bit-identical."""
+    """fp32 AdamW (transformers semantics, galore-torch's operation order): updates the moments in place and
+    returns ``(m / (sqrt(v) + eps), -step_size)``; the caller adds it, then applies the decay."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
@@ -69,9 +64,13 @@ class HFAdamWAlgorithm(Algorithm):
 
 
 class HFAdamW(LowMemOptimizer):
-    """AdamW with transformers' legacy semantics (module docstring) and 32/16/8/4-bit state; same signature, defaults
-    and 32-bit results as galore-torch's ``GaLoreAdamW`` (``no_deprecation_warning`` is taken for code written for
-    it; nothing here warns)."""
+    """AdamW with transformers' legacy semantics and 32/16/8/4-bit state; the signature, defaults and 32-bit results
+    of galore-torch's ``GaLoreAdamW``.
+
+    Args:
+        correct_bias: the step size's ``sqrt(1 - beta2^t) / (1 - beta1^t)``. no_deprecation_warning: accepted, ignored.
+        **storage: the storage options.
+    """
 
     algorithm = HFAdamWAlgorithm()
 

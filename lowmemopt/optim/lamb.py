@@ -1,6 +1,6 @@
 """LAMB (You et al. 2020) with ColossalAI ``Lamb`` semantics, and Apex's :class:`FusedLAMB`; the math is
 :func:`lamb_math`, the kernels ``kernels/lamb.py``. Why the trust ratio is computed at every state format, and the
-FusedLAMB clip: docs/migrating.md#lamb.
+FusedLAMB clip: docs/migrating.md#lamb-and-lars.
 
     m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2;  r = m / (sqrt(v) + eps) + wd p
     p <- p - lr * trust * r,  trust = ||p|| / ||r||  (1 if either norm is 0, or if adam=True)
@@ -157,7 +157,7 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
     def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
                   grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The global-norm clip: each group with ``max_grad_norm`` > 0 steps with a view carrying
-        ``c = max(1, N / max_grad_norm)`` as a device scalar (docs/migrating.md#lamb)."""
+        ``c = max(1, N / max_grad_norm)`` as a device scalar (docs/migrating.md#lamb-and-lars)."""
         clipped = [g for g in {id(g): g for _, g in work}.values() if g["max_grad_norm"]]
         if not clipped:
             return work

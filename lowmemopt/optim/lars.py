@@ -1,13 +1,9 @@
-"""LARS (You et al. 2017, "Large Batch Training of Convolutional Networks"), with ColossalAI ``Lars`` semantics
-(``colossalai.nn.optimizer.Lars``, from NUS-HPC-AI-Lab/LARS-ImageNet-PyTorch):
+"""LARS (You et al. 2017) with ColossalAI ``Lars`` semantics; the trust ratio is kept at every state format
+(docs/migrating.md#lamb-and-lars).
 
     trust = clamp(eeta ||p|| / (||g|| + wd ||p|| + epsilon), 0, 50)    (1 if ||p|| or ||g|| is 0, or group lars=False)
     d = clamp(g + wd p, -10, 10);   b = d (first step), else b = momentum b + d   (when momentum != 0)
     p <- p - lr * trust * b
-
-The trust ratio depends only on the parameter and the gradient, never on the stored momentum, so 8-bit LARS keeps it
-exactly. (bitsandbytes' ``LARS8bit`` silently drops it and runs plain momentum SGD; ``tests/test_optimizers.py`` shows
-ours does not.) Set ``lars=False`` on a param group (biases, norms) to exclude it from the trust ratio, as in ColossalAI.
 """
 
 from __future__ import annotations
@@ -49,8 +45,8 @@ def lars_math(
     first_step: bool,
     reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
-    """fp32 LARS on a whole tensor: updates ``momentum_buffer`` (momentum != 0) and returns the delta for ``p``.
-    ``||p||`` and ``||g||`` are norms of the whole parameter (``reduce`` sums them over shards)."""
+    """fp32 LARS on a whole tensor: updates ``momentum_buffer`` (momentum != 0) and returns the delta for ``p``
+    (``reduce`` sums the norms over shards)."""
     scale: torch.Tensor | float = -lr
     d = g
     if lars:
@@ -94,7 +90,12 @@ class LARSAlgorithm(Algorithm):
 
 
 class LARS(LowMemOptimizer):
-    """LARS with 32/16/8/4-bit momentum; same signature, defaults and 32-bit results as ColossalAI's ``Lars``."""
+    """LARS with 32/16/8/4-bit momentum; the signature, defaults and 32-bit results of ColossalAI's ``Lars``.
+
+    Args:
+        eeta: the trust coefficient. epsilon: added to the trust ratio's denominator.
+        **storage: the storage options. A param group with ``lars=False`` (biases, norms) has trust 1.
+    """
 
     algorithm = LARSAlgorithm()
 

@@ -1,4 +1,4 @@
-"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), matching ``lion_pytorch.Lion``.
+"""Lion (Chen et al. 2023), matching ``lion_pytorch.Lion``.
 
     p <- p (1 - lr wd)  -  lr sign(beta1 m + (1 - beta1) g);      m = beta2 m + (1 - beta2) g
     With ``decoupled_weight_decay=True`` the decay is ``wd / initial lr`` (lion-pytorch's convention).
@@ -39,8 +39,7 @@ KERNELS = KernelSet("lion", triton="lion:TRITON", capturable=True,
 def lion_math(
     p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, lr: float, betas: tuple[float, float]
 ) -> torch.Tensor:
-    """fp32 Lion: updates ``state['exp_avg']`` in place and returns the delta for ``p`` (the caller applies the
-    decoupled decay ``p *= 1 - lr wd`` first)."""
+    """fp32 Lion: updates ``exp_avg`` in place and returns the delta (the caller applies ``p *= 1 - lr wd`` first)."""
     beta1, beta2 = betas
     m = state["exp_avg"]
     delta = torch.mul(m, beta1).add_(g, alpha=1 - beta1).sign_().mul_(-lr)
@@ -66,10 +65,13 @@ class LionAlgorithm(Algorithm):
 
 
 class Lion(LowMemOptimizer):
-    """Lion with 32/16/8/4-bit momentum; same signature, defaults and 32-bit results as ``lion_pytorch.Lion``.
+    """Lion with 32/16/8/4-bit momentum; the signature, defaults and 32-bit results of ``lion_pytorch.Lion``.
 
-    ``use_triton`` (lion-pytorch's switch to its Triton kernel) is accepted, like torch's ``fused``: the fused kernels
-    run wherever the device has them, whatever it says."""
+    Args:
+        betas: (the update's interpolation, the momentum's decay). decoupled_weight_decay: decay by ``wd / initial lr``.
+        use_triton: accepted, as torch's ``fused``: the fused kernels run wherever the device has them.
+        **storage: the storage options.
+    """
 
     algorithm = LionAlgorithm()
 

@@ -1,15 +1,8 @@
-"""SignSGD: the direction ``torch.optim.SGD`` computes (momentum, dampening, Nesterov, L2 weight decay), then its sign.
+"""SignSGD: the direction ``torch.optim.SGD`` computes (:func:`lowmemopt.optim.sgd.sgd_math`'s, op for op), then its
+sign, matching mlbench-core's ``SignSGD`` (a ``torch.optim.SGD`` subclass) bit for bit at 32 bits.
 
-Reference: mlbench-core's ``SignSGD`` (``mlbench_core/optim/pytorch/optim.py``), a ``torch.optim.SGD`` subclass
-whose step is, per parameter::
-
-    d = g + wd p                                            (maximize: -g + wd p)
-    b = d (first step), else b = mu b + (1 - dampening) d   (momentum != 0; the buffer is the state)
-    d = d + mu b (nesterov) or b                            (momentum != 0)
-    p <- p - lr sign(d)                                     (sign(0) = 0)
-
-The direction is :func:`lowmemopt.optim.sgd.sgd_math`'s, op for op, so at 32-bit the result equals the reference bit
-for bit (``p.add_(sign(d), alpha=-lr)``, as the reference writes it). The momentum buffer takes any ``state_bits``.
+    d = g + wd p  (maximize: -g + wd p);   b = d (first step), else b = mu b + (1 - dampening) d   (momentum != 0)
+    d = d + mu b (nesterov) or b  (momentum != 0);   p <- p - lr sign(d)   (sign(0) = 0)
 """
 
 from __future__ import annotations
@@ -50,8 +43,7 @@ def signsgd_math(
     maximize: bool,
     first_step: bool,
 ) -> tuple[torch.Tensor, float]:
-    """fp32 SignSGD: SGD's direction ``d`` (updates ``state['momentum_buffer']`` when momentum != 0, as
-    :func:`~lowmemopt.optim.sgd.sgd_math`); returns ``(sign(d), -lr)``, delta = -lr sign(d)."""
+    """fp32 SignSGD: SGD's direction ``d`` (updating ``momentum_buffer``); returns ``(sign(d), -lr)``."""
     d, neg_lr = sgd_math(p, g, state, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, maximize=maximize, first_step=first_step)
     return torch.sign(d), neg_lr
@@ -64,8 +56,7 @@ class SignSGDAlgorithm(SGDAlgorithm):
 
 
 class SignSGD(SGD):
-    """Sign SGD with 32/16/8/4-bit momentum: ``p -= lr * sign(d)``, ``d`` torch SGD's direction. Same signature and
-    argument checks as ``torch.optim.SGD`` (which mlbench's ``SignSGD`` inherits); at 32-bit the same results as
-    mlbench's step."""
+    """SignSGD with 32/16/8/4-bit momentum: ``p -= lr sign(d)``, ``d`` torch SGD's direction; ``torch.optim.SGD``'s
+    signature and checks (see :class:`~lowmemopt.optim.sgd.SGD`), mlbench's results at 32 bits."""
 
     algorithm = SignSGDAlgorithm()
