@@ -1,10 +1,7 @@
 """Host side of a fused step: a *bucket* (the parameters of one param group that share device, dtypes, state format
-and step count) becomes launch tables and kernel launches.
-
-Launch-table layout for tile passes (see :mod:`lowmemopt.kernels.table`): one row per tensor,
-``[param, grad, numel, slot0, slot0_aux, slot1, slot1_aux, ...]``; a q8 slot's two columns are its codes and absmax, a
-q4 slot's its nibbles and absmax, a dense slot's its data and 0. Algorithms may append columns (row/column statistics
-of factored parameters).
+and step count) becomes launch tables and kernel launches. A tile pass's table has one row per tensor,
+``[param, grad, numel, slot0, slot0_aux, ...]`` (a q8 / q4 slot: codes and absmax; dense: data and 0), then the
+algorithm's columns (:mod:`lowmemopt.kernels.table`; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ class Unsupported(Exception):
 
 
 def scalar(x: Any) -> float:
-    """A hyper-parameter as a Python float. A CPU tensor is read (no device sync); a device tensor is Unsupported."""
+    """A hyper-parameter as a float: a CPU tensor is read (no sync); a device tensor is Unsupported."""
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise Unsupported("hyper-parameter is a device tensor (reading it would synchronize)")
@@ -48,8 +45,7 @@ _SLOT_KEYS: dict[tuple[str, tuple[str, ...]], tuple[tuple[str, str | None], ...]
 
 
 def _slot_keys(fmt: str, slots: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
-    """The state keys of each slot's two table columns in format ``fmt`` (as :meth:`Bucket.slot_tensors`), memoized
-    (a few formats x slot lists): the rows of a launch look them up per tensor."""
+    """The state keys of each slot's two table columns in format ``fmt``, memoized."""
     keys = _SLOT_KEYS.get((fmt, slots))
     if keys is None:
         data, aux = {"q8": (".codes", ".absmax"), "q4": (".nibbles", ".absmax")}.get(fmt, ("", None))
@@ -59,8 +55,8 @@ def _slot_keys(fmt: str, slots: tuple[str, ...]) -> tuple[tuple[str, str | None]
 
 @dataclass
 class Bucket:
-    """Tensors stepped by one set of launches: ``params`` (what the kernel updates in place: parameters, or GaLore's
-    low-rank update buffers), their gradients and their optimizer-state dicts (already initialized)."""
+    """Tensors stepped by one set of launches: ``params`` (updated in place: parameters, or GaLore's low-rank
+    buffers), their gradients and their initialized state dicts."""
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -94,8 +90,7 @@ class Bucket:
         return self.params[0].device
 
     def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> None:
-        """This step's gradients (of the same parameters, in order) and their addresses. What the launches built is
-        kept if every gradient is where the previous one was, else dropped."""
+        """This step's gradients; what the launches built is kept if every gradient is where the last one was."""
         if ptrs != self._grad_ptrs:
             if self._grad_ptrs is not None or ptrs != [g.data_ptr() for g in self.grads]:
                 self.memo.clear()
@@ -104,10 +99,8 @@ class Bucket:
         self.grads = list(grads)
 
     def set_tensors(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        """This step's targets and gradients, new tensors of the same shapes (GaLore's stand-ins and low-rank
-        gradients, each set carved from one buffer made at every step). What the launches built is kept if every
-        target moved by one offset and every gradient by another (their buffers moved, their layout did not), the
-        tables' address columns moved with them (two adds on the device); else it is dropped."""
+        """This step's targets and gradients (new tensors of the same shapes): what the launches built is kept, its
+        address columns moved on the device, if every target moved by one offset and every gradient by another."""
         old_t, old_g = [t.data_ptr() for t in self.params], [g.data_ptr() for g in self.grads]
         new_t, new_g = [t.data_ptr() for t in params], [g.data_ptr() for g in grads]
         self.params, self.grads = list(params), list(grads)
@@ -122,7 +115,7 @@ class Bucket:
         self._relocate(dt, dg)
 
     def _relocate(self, dt: int, dg: int) -> None:
-        """Move the address columns of what the launches built: targets by ``dt`` bytes, gradients by ``dg``."""
+        """Move the built address columns: targets by ``dt`` bytes, gradients by ``dg``."""
         if not (dt or dg):
             return
         for rows in self._rows_made:  # (kept rows make the tables of launches not made yet)
@@ -138,8 +131,7 @@ class Bucket:
                     both[:, :, 1].add_(dg)
 
     def move_tensors(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], dt: int, dg: int) -> None:
-        """:meth:`set_tensors` where the caller knows that every target moved by ``dt`` bytes and every gradient by
-        ``dg`` (they were carved from new buffers of the same layout): no address is compared."""
+        """:meth:`set_tensors` where the caller knows the offsets ``dt``, ``dg``: no address is compared."""
         self.params, self.grads = list(params), list(grads)
         if dt % 16 or dg % 16:
             self.memo.clear()
@@ -148,20 +140,18 @@ class Bucket:
         self._relocate(dt, dg)
 
     def reset_tensors(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        """New targets and gradients whose predecessors' memory is gone (given back: their addresses say nothing):
-        what the launches built is dropped and built again from these."""
+        """New targets and gradients whose predecessors' memory is gone: what was built is dropped."""
         self.params, self.grads = list(params), list(grads)
         self.memo.clear()
         self._rows_made = []
 
     def keep_rows(self, rows: list[list[int]]) -> list[list[int]]:
-        """Register table ``rows`` kept in :attr:`memo` (their address columns move with :meth:`set_tensors`)."""
+        """Keep table ``rows`` in :attr:`memo` (their address columns move with :meth:`set_tensors`)."""
         self._rows_made.append(rows)
         return rows
 
     def set_flags(self, flags: torch.Tensor | None, rows: Sequence[int]) -> None:
-        """This step's finiteness flags (:attr:`flags`) and each tensor's row in them (a ``range`` of consecutive
-        rows takes a slice of the flags, no gather); None: none."""
+        """This step's finiteness flags and each tensor's row in them (a ``range``: a slice, no gather); None: none."""
         self.flags, self.flag_rows = flags, rows
         self.flagged = {}
 
@@ -178,7 +168,7 @@ class Bucket:
         return [(st[data], None if aux is None else st[aux]) for st in self.states]
 
     def rows(self, slots: Sequence[str], extra: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
-        """Launch-table rows: param, grad, numel, two columns per slot (:meth:`slot_tensors`), then ``extra[i]``."""
+        """Launch-table rows: param, grad, numel, two columns per slot, then ``extra[i]``."""
         keys = _slot_keys(self.fmt, tuple(slots))
         out = []
         for i, (p, g, st) in enumerate(zip(self.params, self.grads, self.states)):
@@ -192,11 +182,9 @@ class Bucket:
         return out
 
     def param_update(self, record: BucketRecord, step: int) -> tuple[list[list[int]] | None, int]:
-        """``(extra table columns, UPDATE code)`` for :func:`.codec.store_param_as`: per parameter the row's last two
-        columns, its stochastic hash key of this step and its first element's index in the whole parameter, or 0 and
-        its Kahan buffer's address; ``(None, NEAREST)`` when the bucket's parameters round to nearest (``record``: the
-        bucket's options, :attr:`~lowmemopt.work.record.BucketRecord.rounding`). Makes missing ``bf16_update`` state (a
-        mode changed since)."""
+        """``(extra table columns, UPDATE code)`` for :func:`.codec.store_param_as`: per parameter its
+        stochastic hash key and first element's index, or 0 and its Kahan buffer's address; ``(None, NEAREST)`` for
+        round-to-nearest. Makes missing ``bf16_update`` state."""
         mode = record.rounding_of(self.params[0])
         if mode == "nearest":
             return None, NEAREST
@@ -222,8 +210,7 @@ class Bucket:
         return aligned(tensors)
 
     def constexprs(self, slots: Sequence[str], aligned: bool | None = None) -> dict[str, Any]:
-        """Compile-time arguments shared by the tile kernels: formats, dtypes, alignment (``aligned``, or
-        :meth:`aligned` of ``slots``), tile shape."""
+        """Compile-time arguments shared by the tile kernels: formats, dtypes, alignment, tile shape."""
         block = self.block_size
         return dict(
             FMT=FORMAT_CODES[self.fmt],
@@ -236,10 +223,8 @@ class Bucket:
 
     def tile_launch(self, kernel, slots: Sequence[str], args: Sequence[Any], *, writes: bool,
                     extra: Sequence[Sequence[int]] | None = None, **flags: Any) -> None:
-        """Launch ``kernel`` over every tile of every tensor: ``kernel(units, table, *maps, *args, W=..., ...,
-        COLS=..., **flags)``; the table rows are :meth:`rows` ``(slots, extra)``; ``COLS``: the tiles' layout for the
-        bucket's state format (:func:`.runtime.column_tiles`). ``writes``: this pass writes params or state (see
-        :class:`Unsupported`)."""
+        """Launch ``kernel`` over every tile of every tensor (table rows: :meth:`rows`; ``COLS``:
+        :func:`.runtime.column_tiles`). ``writes``: this pass writes params or state."""
         rows_per_tile = runtime.rows_per_tile(self.block_size, self.device)
 
         def make() -> tuple[list[list[int]], bool, list[int]]:
@@ -259,9 +244,8 @@ class Bucket:
 
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
                memo_key: Any = None, **meta: Any) -> None:
-        """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i`` (table row ``rows[i]``):
-        ``kernel(units, table, *maps, *args, W=len(row), **meta)``; ``maps``: the bucket format's books and tables
-        (:func:`.codec.maps`). ``memo_key``: the device tables are kept under it (:meth:`tables`)."""
+        """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i`` (table row ``rows[i]``); ``memo_key``: keep
+        the device tables under it."""
         if not sum(counts):
             return
         table, units = self.tables(rows, counts, memo_key)
@@ -275,10 +259,9 @@ class Bucket:
 
     def tables(self, rows: list[list[int]], counts: Sequence[int], memo_key: Any = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The launch's ``(table, units)`` on the device (:func:`.table.device_tables`, :func:`.table.unit_map`),
-        the table's element counts multiplied by the tensors' finiteness flags where the bucket has them (a
-        non-finite gradient's tensor counts 0 elements: one op on the device). ``memo_key``: keep them in
-        :attr:`memo` under this key (``rows`` and ``counts`` are then the same lists at every launch of the key)."""
+        """The launch's device ``(table, units)``; a tensor with a non-finite gradient counts 0 elements (one
+        device op). ``memo_key``: keep them in :attr:`memo` (``rows`` and ``counts`` then the same at every launch of
+        the key)."""
         device = self.device
         if memo_key is None:
             table, skipped = device_tables(rows, device)
@@ -298,10 +281,8 @@ class Bucket:
         return masked, units
 
     def scalars(self, *columns: Any) -> torch.Tensor:
-        """A capturable step's per-tensor scalars (:func:`.codec.tensor_scalar`): fp32 ``[T, K]`` on the device, column
-        ``k`` ``columns[k]`` for every tensor (a ``[T]`` or 0-dim tensor on the device, or a number), made in fp64 and
-        rounded to fp32 once, as a Python float argument is: the same values as the host's. Device operations only
-        (fills and copies), so a captured graph recomputes them from the step counters and the learning rate."""
+        """A capturable step's per-tensor scalars, fp32 ``[T, K]`` on the device, made in fp64 and rounded once (the
+        host's values) by device operations only, so a captured graph recomputes them."""
         out = torch.empty(len(self.params), len(columns), dtype=torch.float64, device=self.device)
         for k, column in enumerate(columns):
             out[:, k] = column
@@ -309,8 +290,7 @@ class Bucket:
 
     @staticmethod
     def scalar_args(scal: torch.Tensor | None) -> dict[str, Any]:
-        """The launch keywords of a kernel that takes device scalars: ``scal`` (:meth:`scalars`, or None for an
-        ordinary step, whose scalars are arguments) and its ``DEVICE_SCALARS`` flag."""
+        """The launch keywords of a kernel taking device scalars: ``scal`` (None: an ordinary step) and its flag."""
         return dict(scal=scal, DEVICE_SCALARS=scal is not None)
 
     def accumulators(self, n: int) -> torch.Tensor:

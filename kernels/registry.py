@@ -1,10 +1,7 @@
 """The Triton kernel of an algorithm and a state format: :func:`lookup` reads the algorithm's declaration
-(:class:`lowmemopt.work.kernel_set.KernelSet`: ``triton="module:ATTR"`` names a :class:`Kernel` template in this
-package) and keeps the per-format kernel it makes. Nothing here knows the algorithms.
-
-A *format* is the storage format of the parameter's full-size state slots: ``fp32``, ``bf16``, ``q8`` or ``q4`` (a
-parameter without full-size slots, e.g. SGD without momentum, counts as ``fp32``); every kernel takes every format
-(the slot access, :mod:`.codec`, takes it as a compile-time code).
+(``KernelSet(triton="module:ATTR")`` names a :class:`Kernel` template in this package) and keeps the per-format kernel
+it makes. A format (``fp32``, ``bf16``, ``q8``, ``q4``) is that of the full-size state slots (none: ``fp32``); every
+kernel takes every format (:mod:`.codec`).
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ class Kernel:
         slots: ``slots(hyper, p)``, the slot names the kernel reads and writes, in launch-table order.
         launch: ``launch(update, bucket)``, the fused step of every tensor of a bucket.
         layout: ``layout(p)``, a hashable: parameters with different values take separate launches.
-        any_rounding: the kernel writes bf16 / fp16 parameters with any ``bf16_update``
-            (:func:`.codec.store_param_as`); otherwise it rounds to nearest only and the dispatcher leaves a
-            parameter with another mode to the reference path.
-        algorithm: the declaration's name (stats, reports); fmt: the state format.
+        any_rounding: it writes bf16 / fp16 parameters with any ``bf16_update``; else nearest only (others: reference).
+        algorithm: the declaration's name; fmt: the state format.
     """
 
     slots: Callable[[Mapping[str, Any], Any], tuple[str, ...]]
@@ -46,8 +41,7 @@ _MADE: dict[tuple[Any, str], Kernel | None] = {}
 
 
 def lookup(kernels: Any, fmt: str) -> Kernel | None:
-    """The kernel that steps ``kernels``' algorithm (a :class:`~lowmemopt.work.kernel_set.KernelSet`) on state of
-    format ``fmt``, or None (no Triton kernel declared, or a format none takes)."""
+    """The kernel that steps ``kernels``' algorithm on state of format ``fmt``, or None (none declared or taking it)."""
     key = (kernels, fmt)
     made = _MADE.get(key, False)
     if made is not False:

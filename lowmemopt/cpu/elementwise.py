@@ -41,14 +41,12 @@ def _is_number(v: Any) -> bool:
 
 
 def _same_slots(names: tuple[str, ...], slots: dict[str, Any]) -> bool:
-    """Are ``names`` (the kernel's slots) exactly the parameter's ``slots``?"""
     return len(names) == len(slots) and all(k in slots for k in names)
 
 
 def _derived(kernel: NativeKernel, kwargs: dict[str, Any], decay: float,
              memo: dict | None) -> tuple[bool, tuple[str, ...], tuple[float, ...], int]:
-    """``(numbers, slot names, h, flags)``: whether the hyper-parameters are plain numbers (a tensor is not taken),
-    the kernel's slots and its scalars; from ``memo`` where this ``kwargs`` object was seen (see :func:`prepare`)."""
+    """``(all plain numbers?, slot names, scalars h, flags)`` of ``kwargs``, from ``memo`` where it was seen."""
     key = (kernel, id(kwargs), decay)
     derived = None if memo is None else memo.get(key)
     if derived is None:
@@ -65,10 +63,8 @@ def prepare(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Te
             step: int, decay: float, scan: torch.Tensor | None = None,
             index_base: int | None = 0, memo: dict | None = None,
             grad_mult: float | None = None) -> tuple[ffi.Args | None, int]:
-    """The fused kernel's arguments for one parameter (see :func:`step`), and how many leading elements the kernel
-    will do; ``(None, 0)`` where the kernel does not apply (the caller runs the torch paths). ``memo``: a dict kept
-    while ``kwargs`` and ``decay`` stay the same objects (a bucket's parameters of one group and step), which holds
-    what is derived from them alone."""
+    """The fused kernel's arguments for one parameter (see :func:`step`) and how many leading elements it will do;
+    ``(None, 0)``: the kernel does not apply. ``memo``: kept while ``kwargs`` and ``decay`` stay the same objects."""
     if not isinstance(kernel, NativeKernel) or not ffi.usable(pflat) or gflat.device != pflat.device:
         return None, 0
     if pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES or not gflat.is_contiguous():
@@ -137,10 +133,8 @@ def prepare(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Te
 def refresh(args: ffi.Args, kernel: NativeKernel, kwargs: dict[str, Any], gflat: torch.Tensor, state: dict[str, Any],
             slots: dict[str, Any], step: int, decay: float, scan: torch.Tensor | None = None, memo: dict | None = None,
             grad_mult: float | None = None) -> bool:
-    """Make ``args``, which :func:`prepare` made for this parameter on an earlier step, this step's: the gradient, the
-    scalars, the check, the stochastic rounding key, the loss scaling multiplier. The caller vouches that nothing else
-    changed (the parameter, its state tensors and their formats, the storage options). False: the hyper-parameters
-    now ask for another kernel setup (call :func:`prepare`)."""
+    """Make ``args`` (from :func:`prepare` on an earlier step) this step's: gradient, scalars, check, rounding key,
+    loss-scaling multiplier; the caller vouches nothing else changed. False: call :func:`prepare` again."""
     numbers, names, h, flags = _derived(kernel, kwargs, decay, memo)
     if not numbers or not _same_slots(names, slots):
         return False
@@ -159,23 +153,19 @@ def step(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tenso
          state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], record: BucketRecord,
          step: int, decay: float, scan: torch.Tensor | None = None,
          index_base: int | None = 0, grad_mult: float | None = None) -> tuple[int, bool | None]:
-    """Run the fused kernel ``kernel`` (with the math's keyword arguments ``kwargs``; ``record``: the bucket's
-    options, its block size and rounding mode; ``step``: the step being taken) over the flat tensor
-    ``pflat`` (contiguous; updated in place) with gradient ``gflat``, state slots decoded and encoded around it,
-    ``p = p * decay + delta``: all of it for fp32 / bf16 state, the full blocks for 8- and 4-bit state (a ragged
-    last block is the caller's, as on the eager path).
+    """Run ``kernel`` over the flat, contiguous ``pflat`` (in place) with gradient ``gflat``, the slots decoded and
+    encoded around ``p = p * decay + delta``; 8- and 4-bit state: the full blocks only (a ragged last one is the
+    caller's).
 
-    ``scan``: another gradient (the next parameter's) whose finiteness the kernel checks in the same parallel loop
-    (:func:`lowmemopt.cpu.ffi.scan_result`), its reads overlapping this kernel's arithmetic.
+    Args:
+        kwargs: the math's keyword arguments. record: the bucket's options. step: the step being taken.
+        scan: the next parameter's gradient, whose finiteness the kernel checks in the same parallel loop.
+        index_base: ``pflat[0]``'s flat index in its whole parameter (stochastic rounding's hash); None: not one range.
+        grad_mult: the loss-scaling multiplier ``1 / scale`` applied as the gradient is loaded; None: none.
 
-    ``index_base``: the flat index of ``pflat``'s first element in its whole parameter (a shard's offset), which
-    stochastic rounding hashes; None: the elements are not one range of it (the kernel declines stochastic rounding).
-
-    ``grad_mult``: the loss scaling multiplier (``1 / scale``, an fp32 value), applied where the kernel loads the
-    gradient and rounded to its dtype as ``GradScaler.unscale_`` stores it; None: none.
-
-    Returns ``(done, scanned)``: how many leading elements it did (0: the kernel does not apply here; the caller runs
-    the rest), and whether ``scan`` is finite (None: not scanned)."""
+    Returns:
+        ``(done, scanned)``: the leading elements done (0: the caller runs them), whether ``scan`` is finite (None).
+    """
     args, done = prepare(kernel, kwargs, pflat, gflat, state, slots, formats, record, step, decay, scan, index_base,
                          grad_mult=grad_mult)
     if args is None:
@@ -185,9 +175,7 @@ def step(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tenso
 
 
 def step_many(kernel: NativeKernel, batch: list[ffi.Args]) -> list[bool]:
-    """Run the fused kernel ``kernel`` over many parameters (each one's arguments from :func:`prepare`) in one
-    parallel region: one fork/join of the threads per bucket instead of one per parameter. An argument set with a
-    ``scan`` of its own gradient is checked before its update (read while the previous parameter is updated);
-    returns per parameter whether it was stepped (False: that check found a NaN / Inf or an overflowing sum
-    of squares, and nothing of the parameter or its state was written)."""
+    """Run ``kernel`` over many parameters (arguments from :func:`prepare`) in one parallel region (one fork/join per
+    bucket). Returns per parameter whether it stepped (False: its ``scan`` found a NaN / Inf or an overflowing sum
+    of squares; nothing written)."""
     return ffi.call_many(getattr(build.library(), kernel.name + "_many"), batch)
