@@ -211,7 +211,7 @@ class AdamMini(LowMemOptimizer):
         named_parameters: ``model.named_parameters()`` (a named group each), dict groups with ``name``, or tensors.
         dim, n_heads, n_kv_heads: the model's hidden size and heads (a query / key head is ``dim * dim / n_heads``).
         verbose: print at the first step how many blocks each name rule found. model_sharding: accepted, ignored.
-        **storage: the storage options; ``state_bits`` is ``m``'s (the block second moments stay fp32).
+        state_bits, ...: the storage options; ``state_bits`` is ``m``'s (the block second moments stay fp32).
 
     The name rules are the sets :attr:`embd_names`, :attr:`wqk_names`, ... (docs/adam_mini.md#the-blocks); add keywords
     before the first step (``opt.wqk_names.add("attn.qkv")``).

@@ -147,7 +147,7 @@ class APOLLOAdamW(LowMemOptimizer):
             ("channel" | "tensor"), ``update_proj_gap``, ``scale``, ``proj_type`` (:func:`apollo_param_groups`).
         correct_bias: ``sqrt(1 - b2^t) / (1 - b1^t)``. scale_front: ``sqrt(scale)`` before the limiter. disable_nl: no
             limiter (both also group keys). no_deprecation_warning: accepted, ignored.
-        **storage: the storage options (``state_bits``: the moments').
+        state_bits, ...: the storage options (``state_bits``: the moments').
 
     A group's ``rank`` is held as ``apollo_rank`` in ``param_groups`` (``rank`` is GaLore's).
     """

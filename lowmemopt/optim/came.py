@@ -115,7 +115,7 @@ class CAME(LowMemOptimizer):
     Args:
         lr: required (a missing one is a TypeError). eps: (eps1, eps2). betas: (b1, b2, b3).
         clip_threshold: the RMS clip of ``u``. weight_decay: ``p -= lr wd p`` before the update.
-        **storage: the storage options.
+        state_bits, ...: the storage options.
     """
 
     algorithm = CAMEAlgorithm()

@@ -69,7 +69,7 @@ class HFAdamW(LowMemOptimizer):
 
     Args:
         correct_bias: the step size's ``sqrt(1 - beta2^t) / (1 - beta1^t)``. no_deprecation_warning: accepted, ignored.
-        **storage: the storage options.
+        state_bits, ...: the storage options.
     """
 
     algorithm = HFAdamWAlgorithm()

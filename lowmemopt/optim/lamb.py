@@ -111,7 +111,7 @@ class LAMB(LowMemOptimizer):
 
     Args:
         adam: no trust ratio (trust = 1). bias_correction: scale lr by ``sqrt(1 - beta2^t) / (1 - beta1^t)``.
-        **storage: the storage options (``state_bits``, ``paged``, GaLore groups, ...)."""
+        state_bits, paged, ...: the storage options (keyword-only)."""
 
     algorithm = LAMBAlgorithm()
 
@@ -215,7 +215,7 @@ class FusedLAMB(GradNoneOnZero, LAMB):
         use_nvlamb: the trust ratio also where ``weight_decay == 0``.
         adam_w_mode: ``wd p`` added to ``r``; False: to the clipped gradient. grad_averaging: False: ``m += g``.
         amsgrad: True raises, as in Apex. set_grad_none: ``zero_grad()`` sets gradients to None.
-        **storage: the storage options; ``capturable=True`` needs ``bias_correction=False``."""
+        state_bits, ...: the storage options; ``capturable=True`` needs ``bias_correction=False``."""
 
     algorithm = FusedLAMBAlgorithm()
 

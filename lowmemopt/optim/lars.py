@@ -94,7 +94,7 @@ class LARS(LowMemOptimizer):
 
     Args:
         eeta: the trust coefficient. epsilon: added to the trust ratio's denominator.
-        **storage: the storage options. A param group with ``lars=False`` (biases, norms) has trust 1.
+        state_bits, ...: the storage options. A param group with ``lars=False`` (biases, norms) has trust 1.
     """
 
     algorithm = LARSAlgorithm()

@@ -70,7 +70,7 @@ class Lion(LowMemOptimizer):
     Args:
         betas: (the update's interpolation, the momentum's decay). decoupled_weight_decay: decay by ``wd / initial lr``.
         use_triton: accepted, as torch's ``fused``: the fused kernels run wherever the device has them.
-        **storage: the storage options.
+        state_bits, ...: the storage options.
     """
 
     algorithm = LionAlgorithm()

@@ -298,7 +298,7 @@ class OnebitAdam(OnebitOptimizer):
     Args:
         freeze_step: the warm-up's length; later steps send the compressed momentum and freeze ``v``.
         bias_correction, eps_inside_sqrt: honoured (DeepSpeed ignores them). max_grad_norm, amsgrad: refused.
-        process_group: the ranks (default: the world). **storage: the storage options.
+        process_group: the ranks (default: the world). state_bits, ...: the storage options.
 
     Needs ``torch.distributed`` initialized and fp32 parameters; no DDP wrapper (or :meth:`register_ddp`), FSDP2,
     GaLore, paging, capturable steps or ``step_in_backward``.

@@ -147,7 +147,8 @@ class OnebitLAMB(OnebitOptimizer):
     Args:
         freeze_step: the warm-up's length. max_coeff, min_coeff: the trust ratio's clamp; coeff_beta: its average.
         factor_max, factor_min, factor_threshold: the compressed steps' factor's clamp, and its change per step.
-        eps_inside_sqrt: True raises. process_group: the ranks (default: the world). **storage: the storage options.
+        eps_inside_sqrt: True raises. process_group: the ranks (default: the world).
+        state_bits, ...: the storage options.
 
     The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`.
     """

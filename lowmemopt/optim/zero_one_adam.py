@@ -170,7 +170,7 @@ class ZeroOneAdam(OnebitOptimizer):
     Args:
         var_freeze_step: the variance phase's length. var_update_scaler: variance updates per doubling of the interval.
         local_step_scaler, local_step_clipper: steps per doubling of the synchronisation interval, and its cap.
-        process_group: the ranks (default: the world). **storage: the storage options.
+        process_group: the ranks (default: the world). state_bits, ...: the storage options.
 
     The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`.
     """
