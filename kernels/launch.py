@@ -156,7 +156,6 @@ class Bucket:
         self.flagged = {}
 
     def _memo(self, key: Any, make):
-        """``make()``, kept in :attr:`memo` under ``key``."""
         value = self.memo.get(key)
         if value is None:
             value = self.memo[key] = make()

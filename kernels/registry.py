@@ -26,8 +26,7 @@ class Kernel:
         launch: ``launch(update, bucket)``, the fused step of every tensor of a bucket.
         layout: ``layout(p)``, a hashable: parameters with different values take separate launches.
         any_rounding: it writes bf16 / fp16 parameters with any ``bf16_update``; else nearest only (others: reference).
-        algorithm: the declaration's name; fmt: the state format.
-    """
+        algorithm: the declaration's name; fmt: the state format."""
 
     slots: Callable[[Mapping[str, Any], Any], tuple[str, ...]]
     launch: Callable[..., None]

@@ -164,8 +164,7 @@ def step(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tenso
         grad_mult: the loss-scaling multiplier ``1 / scale`` applied as the gradient is loaded; None: none.
 
     Returns:
-        ``(done, scanned)``: the leading elements done (0: the caller runs them), whether ``scan`` is finite (None).
-    """
+        ``(done, scanned)``: the leading elements done (0: the caller runs them), whether ``scan`` is finite (None)."""
     args, done = prepare(kernel, kwargs, pflat, gflat, state, slots, formats, record, step, decay, scan, index_base,
                          grad_mult=grad_mult)
     if args is None:

@@ -214,8 +214,7 @@ class AdamMini(LowMemOptimizer):
         state_bits, ...: the storage options; ``state_bits`` is ``m``'s (the block second moments stay fp32).
 
     The name rules are the sets :attr:`embd_names`, :attr:`wqk_names`, ... (docs/adam_mini.md#the-blocks); add keywords
-    before the first step (``opt.wqk_names.add("attn.qkv")``).
-    """
+    before the first step (``opt.wqk_names.add("attn.qkv")``)."""
 
     algorithm = AdamMiniAlgorithm()
     #: its param groups are one per parameter, named (the Trainer integration builds them so)

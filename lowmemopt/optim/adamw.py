@@ -106,8 +106,7 @@ class Adam(LowMemOptimizer):
 
     Args:
         amsgrad, maximize, decoupled_weight_decay: as torch's.
-        state_bits, block_size, paged, ...: the storage options (keyword-only).
-    """
+        state_bits, block_size, paged, ...: the storage options (keyword-only)."""
 
     algorithm = AdamAlgorithm()
     _decoupled_default = False
@@ -190,8 +189,7 @@ class FusedAdam(GradNoneOnZero, Adam):
     Args:
         bias_correction: False: ``p <- p - lr m / (sqrt(v) + eps)``. amsgrad: supported (the seeds raise).
         set_grad_none: ``zero_grad()`` sets gradients to None. adamw_mode: ColossalAI's spelling of ``adam_w_mode``.
-        maximize, state_bits, ...: as :class:`AdamW`'s.
-    """
+        maximize, state_bits, ...: as :class:`AdamW`'s."""
 
     def __init__(
         self,
@@ -242,8 +240,7 @@ class CPUAdam(Adam):
 
     Args:
         fp32_optimizer_states: False: the moments in the parameter's dtype (excludes ``state_bits`` other than 32).
-        amsgrad: supported (DeepSpeed raises). maximize, state_bits, ...: as :class:`AdamW`'s.
-    """
+        amsgrad: supported (DeepSpeed raises). maximize, state_bits, ...: as :class:`AdamW`'s."""
 
     algorithm = CPUAdamAlgorithm()
 

@@ -110,8 +110,7 @@ class AdEMAMix(LowMemOptimizer):
         betas: (fast EMA, second moment, slow EMA). alpha: the slow EMA's weight.
         t_alpha, t_beta3: the warm-ups of ``alpha`` and ``beta3``, in steps (None: none).
         optim_bits, min_8bit_size, is_paged: bitsandbytes' names of ``state_bits``, ``min_quant_numel``, ``paged``.
-        state_bits, ...: the storage options.
-    """
+        state_bits, ...: the storage options."""
 
     algorithm = AdEMAMixAlgorithm()
 

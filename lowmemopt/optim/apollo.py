@@ -149,8 +149,7 @@ class APOLLOAdamW(LowMemOptimizer):
             limiter (both also group keys). no_deprecation_warning: accepted, ignored.
         state_bits, ...: the storage options (``state_bits``: the moments').
 
-    A group's ``rank`` is held as ``apollo_rank`` in ``param_groups`` (``rank`` is GaLore's).
-    """
+    A group's ``rank`` is held as ``apollo_rank`` in ``param_groups`` (``rank`` is GaLore's)."""
 
     algorithm = APOLLOAlgorithm()
     #: a projected group's keys (its rank held as apollo_rank: lowmemopt.group_keys refuses any other)

@@ -70,8 +70,6 @@ KERNELS = KernelSet("came", triton="factored:CAME", capturable=True, native=nati
 
 
 class CAMEAlgorithm(Algorithm):
-    """CAME for the step pipeline: its slots, math, step scalars and decay rules."""
-
     elementwise = False  # row/column means and RMS clipping need the whole tensor
     weight_stat_math = True  # reads p only for its decay p -= lr wd p
 
@@ -115,8 +113,7 @@ class CAME(LowMemOptimizer):
     Args:
         lr: required (a missing one is a TypeError). eps: (eps1, eps2). betas: (b1, b2, b3).
         clip_threshold: the RMS clip of ``u``. weight_decay: ``p -= lr wd p`` before the update.
-        state_bits, ...: the storage options.
-    """
+        state_bits, ...: the storage options."""
 
     algorithm = CAMEAlgorithm()
 

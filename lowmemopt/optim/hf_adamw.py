@@ -45,8 +45,6 @@ def hf_adamw_math(
 
 
 class HFAdamWAlgorithm(Algorithm):
-    """HFAdamW for the step pipeline: its slots, math, step scalars and decay rules."""
-
     def slots(self, group, param):
         return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
 
@@ -69,8 +67,7 @@ class HFAdamW(LowMemOptimizer):
 
     Args:
         correct_bias: the step size's ``sqrt(1 - beta2^t) / (1 - beta1^t)``. no_deprecation_warning: accepted, ignored.
-        state_bits, ...: the storage options.
-    """
+        state_bits, ...: the storage options."""
 
     algorithm = HFAdamWAlgorithm()
 

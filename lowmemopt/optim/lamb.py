@@ -82,8 +82,6 @@ def lamb_math(
 
 
 class LAMBAlgorithm(Algorithm):
-    """LAMB for the step pipeline: its slots, math, step scalars and decay rules."""
-
     elementwise = False  # the trust ratio needs whole-tensor norms
     weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lamb_math)

@@ -69,8 +69,6 @@ def lars_math(
 
 
 class LARSAlgorithm(Algorithm):
-    """LARS for the step pipeline: its slots, math, step scalars and decay rules."""
-
     elementwise = False  # the trust ratio needs whole-tensor norms
     weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lars_math)
@@ -94,8 +92,7 @@ class LARS(LowMemOptimizer):
 
     Args:
         eeta: the trust coefficient. epsilon: added to the trust ratio's denominator.
-        state_bits, ...: the storage options. A param group with ``lars=False`` (biases, norms) has trust 1.
-    """
+        state_bits, ...: the storage options. A param group with ``lars=False`` (biases, norms) has trust 1."""
 
     algorithm = LARSAlgorithm()
 

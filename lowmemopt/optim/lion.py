@@ -48,8 +48,6 @@ def lion_math(
 
 
 class LionAlgorithm(Algorithm):
-    """Lion for the step pipeline: its slots, math, step scalars and decay rules."""
-
     param_free_math = True  # decay is decoupled (``_decay_factor``)
     math = staticmethod(lion_math)
     hyper = ("lr", "betas")
@@ -70,8 +68,7 @@ class Lion(LowMemOptimizer):
     Args:
         betas: (the update's interpolation, the momentum's decay). decoupled_weight_decay: decay by ``wd / initial lr``.
         use_triton: accepted, as torch's ``fused``: the fused kernels run wherever the device has them.
-        state_bits, ...: the storage options.
-    """
+        state_bits, ...: the storage options."""
 
     algorithm = LionAlgorithm()
 

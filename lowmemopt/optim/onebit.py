@@ -301,8 +301,7 @@ class OnebitAdam(OnebitOptimizer):
         process_group: the ranks (default: the world). state_bits, ...: the storage options.
 
     Needs ``torch.distributed`` initialized and fp32 parameters; no DDP wrapper (or :meth:`register_ddp`), FSDP2,
-    GaLore, paging, capturable steps or ``step_in_backward``.
-    """
+    GaLore, paging, capturable steps or ``step_in_backward``."""
 
     algorithm = OnebitAdamAlgorithm()
 

@@ -150,8 +150,7 @@ class OnebitLAMB(OnebitOptimizer):
         eps_inside_sqrt: True raises. process_group: the ranks (default: the world).
         state_bits, ...: the storage options.
 
-    The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`.
-    """
+    The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`."""
 
     algorithm = OnebitLAMBAlgorithm()
 

@@ -172,8 +172,7 @@ class ZeroOneAdam(OnebitOptimizer):
         local_step_scaler, local_step_clipper: steps per doubling of the synchronisation interval, and its cap.
         process_group: the ranks (default: the world). state_bits, ...: the storage options.
 
-    The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`.
-    """
+    The same requirements as :class:`~lowmemopt.optim.onebit.OnebitAdam`."""
 
     algorithm = ZeroOneAdamAlgorithm()
     #: (``onebit``: the step's phase, held in the group while the step runs)
