@@ -45,7 +45,6 @@ _SLOT_KEYS: dict[tuple[str, tuple[str, ...]], tuple[tuple[str, str | None], ...]
 
 
 def _slot_keys(fmt: str, slots: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
-    """The state keys of each slot's two table columns in format ``fmt``, memoized."""
     keys = _SLOT_KEYS.get((fmt, slots))
     if keys is None:
         data, aux = {"q8": (".codes", ".absmax"), "q4": (".nibbles", ".absmax")}.get(fmt, ("", None))
@@ -99,8 +98,8 @@ class Bucket:
         self.grads = list(grads)
 
     def set_tensors(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        """This step's targets and gradients (new tensors of the same shapes): what the launches built is kept, its
-        address columns moved on the device, if every target moved by one offset and every gradient by another."""
+        """This step's targets and gradients (same shapes): what was built is kept, its addresses moved on the device,
+        if every target moved by one offset and every gradient by another."""
         old_t, old_g = [t.data_ptr() for t in self.params], [g.data_ptr() for g in self.grads]
         new_t, new_g = [t.data_ptr() for t in params], [g.data_ptr() for g in grads]
         self.params, self.grads = list(params), list(grads)
@@ -115,7 +114,6 @@ class Bucket:
         self._relocate(dt, dg)
 
     def _relocate(self, dt: int, dg: int) -> None:
-        """Move the built address columns: targets by ``dt`` bytes, gradients by ``dg``."""
         if not (dt or dg):
             return
         for rows in self._rows_made:  # (kept rows make the tables of launches not made yet)
@@ -222,8 +220,7 @@ class Bucket:
 
     def tile_launch(self, kernel, slots: Sequence[str], args: Sequence[Any], *, writes: bool,
                     extra: Sequence[Sequence[int]] | None = None, **flags: Any) -> None:
-        """Launch ``kernel`` over every tile of every tensor (table rows: :meth:`rows`; ``COLS``:
-        :func:`.runtime.column_tiles`). ``writes``: this pass writes params or state."""
+        """Launch ``kernel`` over every tile of every tensor; ``writes``: this pass writes params or state."""
         rows_per_tile = runtime.rows_per_tile(self.block_size, self.device)
 
         def make() -> tuple[list[list[int]], bool, list[int]]:
@@ -243,8 +240,7 @@ class Bucket:
 
     def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
                memo_key: Any = None, **meta: Any) -> None:
-        """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i`` (table row ``rows[i]``); ``memo_key``: keep
-        the device tables under it."""
+        """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i``; ``memo_key``: keep the device tables."""
         if not sum(counts):
             return
         table, units = self.tables(rows, counts, memo_key)
@@ -280,8 +276,7 @@ class Bucket:
         return masked, units
 
     def scalars(self, *columns: Any) -> torch.Tensor:
-        """A capturable step's per-tensor scalars, fp32 ``[T, K]`` on the device, made in fp64 and rounded once (the
-        host's values) by device operations only, so a captured graph recomputes them."""
+        """A capturable step's per-tensor scalars, fp32 ``[T, K]``, made on the device (fp64, rounded once)."""
         out = torch.empty(len(self.params), len(columns), dtype=torch.float64, device=self.device)
         for k, column in enumerate(columns):
             out[:, k] = column

@@ -35,7 +35,6 @@ _SCALARS = (float, int, bool)
 
 
 def _is_number(v: Any) -> bool:
-    """A Python number, or a tuple / list of them (betas): what the kernels take as runtime scalars."""
     t = type(v)
     return t in _SCALARS or ((t is tuple or t is list) and all(type(x) in _SCALARS for x in v))
 
@@ -46,7 +45,6 @@ def _same_slots(names: tuple[str, ...], slots: dict[str, Any]) -> bool:
 
 def _derived(kernel: NativeKernel, kwargs: dict[str, Any], decay: float,
              memo: dict | None) -> tuple[bool, tuple[str, ...], tuple[float, ...], int]:
-    """``(all plain numbers?, slot names, scalars h, flags)`` of ``kwargs``, from ``memo`` where it was seen."""
     key = (kernel, id(kwargs), decay)
     derived = None if memo is None else memo.get(key)
     if derived is None:

@@ -62,8 +62,7 @@ def adam_mini_math(
     bias_correction2_sqrt: float,
     reduce: Reduction = LOCAL,
 ) -> torch.Tensor:
-    """fp32 Adam-mini on a whole tensor (``block``: its kind, :data:`BLOCKS`): updates the state in place and returns
-    the delta for ``p`` (the caller applies ``p *= 1 - lr wd``); ``reduce`` reaches the whole parameter from a shard."""
+    """fp32 Adam-mini on a whole tensor of kind ``block``: returns the delta (decay: the caller's)."""
     beta1, beta2 = betas
     m = state["exp_avg"]
     if block == "element":  # the reference's Adam branch: p.addcdiv_(m, h, value=-lr / bc1)
@@ -104,7 +103,6 @@ def adam_mini_math(
 
 
 def _block_shape(block: str, param: torch.Tensor, head_numel: int, whole_numel: int) -> tuple[tuple[int, ...], tuple]:
-    """``(shape, dims)`` of a block second moment: ``[heads, 1]``, dim 1 reduced, or ``()``."""
     if block == "head":
         return (whole_numel // head_numel, 1), (None, None)
     if block == "tensor":
@@ -150,8 +148,7 @@ def _check_int(name: str, value: Any, optional: bool = False) -> None:
 
 
 def _groups_of(named_parameters: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """One param group per entry of ``named_parameters``, with torch's errors and duplicate warning (a tied weight is
-    one block)."""
+    """One param group per entry of ``named_parameters``, with torch's errors and warnings."""
     if isinstance(named_parameters, torch.Tensor):
         raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
                         + torch.typename(named_parameters))
@@ -297,7 +294,7 @@ class AdamMini(LowMemOptimizer):
         return "tensor"
 
     def _place_blocks(self) -> None:
-        """Set each group's ``block`` from the name rules, except where its state already exists."""
+        """Set each group's ``block`` from the name rules, unless its state exists."""
         rules = self._rules()
         if rules == self._partition:
             return

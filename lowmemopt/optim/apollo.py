@@ -125,8 +125,7 @@ class APOLLOAlgorithm(Algorithm):
 
 def _project(g: torch.Tensor, proj: torch.Tensor, side: int, rank: int,
              reduce: Reduction) -> tuple[torch.Tensor, Reduction]:
-    """The projected gradient of ``g`` (a row shard's or the whole matrix's): side right keeps the rows, side left
-    sums ``P_r^T G_r`` over the row shards."""
+    """The projected gradient of ``g`` (a row shard: side left sums over the shards)."""
     if not reduce.distributed:
         return am.project(g, proj, side), LOCAL
     row0, rows = row_block(reduce, "APOLLO")
@@ -177,7 +176,6 @@ class APOLLOAdamW(LowMemOptimizer):
         self.algorithm = APOLLOAlgorithm(self)  # gives projected parameters their seeds
 
     def _slots(self, group, param):
-        """The slots of ``param`` (a DTensor: its local part's, laid out by its whole shape)."""
         if group.get(RANK) is not None:
             group = {**group, SHAPE: tuple(param.shape)}
         return self.algorithm.slots(group, local_tensor(param))

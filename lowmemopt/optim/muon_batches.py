@@ -70,8 +70,7 @@ class MuonBatches:
         self.done: dict[int, torch.Tensor] = {}
 
     def take(self, j: int, u: torch.Tensor) -> torch.Tensor:
-        """Matrix ``j``'s orthogonalized update (local part, bfloat16) given ``u``, its own input; the first to step
-        runs the batch."""
+        """Matrix ``j``'s orthogonalized update given its input ``u``; the first to step runs the batch."""
         if j not in self.done:
             b = self.batch_of[j]
             batch = self.batches[b]
@@ -100,5 +99,4 @@ class MuonBatches:
 
 
 def _map(inputs: list[torch.Tensor], reduce: Reduction, group: dict[str, Any], first: int) -> list[torch.Tensor]:
-    """The batch's orthogonalized matrices (local parts), ranks dealt out from ``first``."""
     return map_whole(inputs, reduce, lambda mats: orthogonalize(mats, group), torch.bfloat16, first=first)

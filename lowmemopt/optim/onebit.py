@@ -44,8 +44,7 @@ def onebit_adam_math(
     bias_correction1: float,
     bias_correction2_sqrt: float,
 ) -> torch.Tensor:
-    """fp32 1-bit Adam: ``g`` is the averaged gradient (warm-up) or the compressed mean momentum (which becomes
-    ``exp_avg``). Returns the delta for ``p``; the caller applies ``p *= 1 - lr wd``."""
+    """fp32 1-bit Adam on the averaged gradient or the compressed momentum ``g``; returns the delta (the caller decays)."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     if compressed:
@@ -65,8 +64,7 @@ def adam_denominator(v: torch.Tensor, eps: float, eps_inside_sqrt: bool = False,
 
 
 class OnebitAdamAlgorithm(Algorithm):
-    """1-bit Adam for the step pipeline; what it communicates is the communicate stage's
-    (:class:`~lowmemopt.distributed.onebit.OnebitStage`)."""
+    """1-bit Adam for the step pipeline; the communicate stage (``OnebitStage``) runs its hooks."""
 
     math = staticmethod(onebit_adam_math)
     hyper = ("lr", "betas", "eps", "eps_inside_sqrt")
@@ -126,9 +124,8 @@ def group_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any])
 
 
 class OnebitOptimizer(LowMemOptimizer):
-    """What :class:`OnebitAdam`, :class:`~.zero_one_adam.ZeroOneAdam` and :class:`~.onebit_lamb.OnebitLAMB` share:
-    the communicate stage (``Plan.communicate``), the broadcast at construction, a DDP comm hook, and the error buffers
-    and schedule counters in the state dict."""
+    """What the compressed optimizers share: the communicate stage, the broadcast at construction, a DDP comm hook,
+    the error buffers and counters in the state dict."""
 
     #: DeepSpeed's group keys: a group's momentum mask, and a group that never freezes its variance
     _extra_group_keys = frozenset({"exp_avg_mask", "non_freeze"})
@@ -158,8 +155,7 @@ class OnebitOptimizer(LowMemOptimizer):
             broadcast_parameters([p for group in self.param_groups for p in group["params"]], process_group)
 
     def error_nbytes_per_param(self, world_size: int | None = None) -> dict[torch.Tensor, int]:
-        """Bytes of the fp32 error buffers of each parameter at ``world_size`` ranks (default: the process
-        group's, or 2 for a layout on meta parameters, the most but for padding; 1 rank keeps none)."""
+        """Bytes of each parameter's fp32 error buffers at ``world_size`` ranks (default: the group's; meta: 2)."""
         if world_size is None:
             world_size = self._stage.world if self._stage is not None else 2
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -210,15 +206,13 @@ class OnebitOptimizer(LowMemOptimizer):
         return self._stage.phase_of(self._plan(), 0)
 
     def register_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Register :func:`~lowmemopt.distributed.onebit.onebit_comm_hook` on ``ddp``: DDP averages the full-precision
-        steps' gradients and sends nothing on the others."""
+        """Register :func:`~lowmemopt.distributed.onebit.onebit_comm_hook` on ``ddp`` (it follows the phase)."""
         ddp.register_comm_hook(self, onebit_comm_hook)
         self._stage.ddp_reduces = True
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One step: the communicate stage replaces each gradient by what the update reads, the pipeline updates, the
-        gradients are given back (:func:`lowmemopt.pipeline.communicating`)."""
+        """One step inside :func:`lowmemopt.pipeline.communicating` (gradients replaced, then given back)."""
         if self._stage is None:
             raise RuntimeError(f"{type(self).__name__} was built on meta parameters (a layout for state_nbytes / "
                                "lowmemopt estimate) and cannot step; build it on the model's parameters with "
@@ -245,8 +239,7 @@ class OnebitOptimizer(LowMemOptimizer):
     per_rank_files = True
 
     def file_extra(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """What ``lowmemopt.save_state`` keeps beside the state: the error buffers, their layouts, world size and rank,
-        and the schedule's counters."""
+        """``save_state``'s extra part: the error buffers, their layouts, world size, rank and the counters."""
         errors = self._stage.errors_state()
         tensors, groups = {}, {}
         for key, entry in errors["groups"].items():
@@ -332,7 +325,6 @@ class OnebitAdam(OnebitOptimizer):
 
 
 def _listed(params: Any) -> Any:
-    """``params`` as a list (groups' ``params`` too), to be read twice."""
     if isinstance(params, torch.Tensor):
         return params  # (LowMemOptimizer raises its own TypeError)
     out = []
@@ -344,7 +336,6 @@ def _listed(params: Any) -> Any:
 
 
 def _all_meta(params: Any) -> bool:
-    """Whether ``params`` holds tensors, all on the meta device."""
     if isinstance(params, torch.Tensor):
         return False
     tensors = []
