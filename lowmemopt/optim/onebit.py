@@ -44,7 +44,7 @@ def onebit_adam_math(
     bias_correction1: float,
     bias_correction2_sqrt: float,
 ) -> torch.Tensor:
-    """fp32 1-bit Adam on the averaged gradient or the compressed momentum ``g``; returns the delta (the caller decays)."""
+    """fp32 1-bit Adam on the averaged gradient or compressed momentum ``g``: the delta (the caller decays)."""
     beta1, beta2 = betas
     m, v = state["exp_avg"], state["exp_avg_sq"]
     if compressed:
