@@ -92,7 +92,7 @@ class AdamAlgorithm(Algorithm):
         return slots
 
     def step_scalars(self, group, step):
-        if not group.get("bias_correction", True):  # (the fused seeds' flag: x / 1.0 is exact, so one math serves)
+        if not group.get("bias_correction", True):  # (FusedAdam's / CPUAdam's flag: x / 1.0 is exact, so one math serves)
             return dict(bias_correction1=1.0, bias_correction2_sqrt=1.0)
         beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
         return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=sqrt_of(1 - beta2**step))
@@ -163,7 +163,7 @@ class AdamW(Adam):
 
 
 class GradNoneOnZero:
-    """The seeds' ``set_grad_none``: what ``zero_grad()`` does without ``set_to_none`` (True: None; False: zeroed,
+    """Apex's ``set_grad_none``: what ``zero_grad()`` does without ``set_to_none`` (True: None; False: zeroed,
     as Apex's ``FusedSGD``)."""
 
     set_grad_none: bool = True
@@ -187,7 +187,7 @@ class FusedAdam(GradNoneOnZero, Adam):
     (``adam_w_mode=True``) or Adam with L2 penalty, with optional bias correction; torch's results with torch's flags.
 
     Args:
-        bias_correction: False: ``p <- p - lr m / (sqrt(v) + eps)``. amsgrad: supported (the seeds raise).
+        bias_correction: False: ``p <- p - lr m / (sqrt(v) + eps)``. amsgrad: supported (Apex raises).
         set_grad_none: ``zero_grad()`` sets gradients to None. adamw_mode: ColossalAI's spelling of ``adam_w_mode``.
         maximize, state_bits, ...: as :class:`AdamW`'s."""
 
