@@ -92,7 +92,7 @@ class AdamAlgorithm(Algorithm):
         return slots
 
     def step_scalars(self, group, step):
-        if not group.get("bias_correction", True):  # (FusedAdam's / CPUAdam's flag: x / 1.0 is exact, so one math serves)
+        if not group.get("bias_correction", True):  # (FusedAdam's flag: x / 1.0 is exact, so one math serves)
             return dict(bias_correction1=1.0, bias_correction2_sqrt=1.0)
         beta1, beta2 = group["betas"]  # (step: an int, or a capturable step's fp64 tensor of steps on the device)
         return dict(bias_correction1=1 - beta1**step, bias_correction2_sqrt=sqrt_of(1 - beta2**step))
