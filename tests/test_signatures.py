@@ -76,3 +76,39 @@ def test_editors_see_the_same_storage_options():
                 assert init.__annotations__["storage"] == "Unpack[StorageOptions]", c
                 annotated += 1
     assert annotated >= len(set(PUBLIC)) // 2
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_a_misspelt_keyword_names_the_class_and_the_closest_keyword(name):
+    """``state_bit=8`` is a TypeError in Python's words, naming the class (not ``LowMemOptimizer.__init__``, where
+    ``**storage`` lands) and ``state_bits``."""
+    cls = getattr(lowmemopt, name)
+    with pytest.raises(TypeError, match=rf"^{cls.__name__}\.__init__\(\) got an unexpected keyword argument 'state_bit': "
+                                        r"did you mean 'state_bits'\?"):
+        cls([torch.nn.Parameter(torch.zeros(3, 3))], lr=1e-3, state_bit=8)
+
+
+def test_misspelt_algorithm_keywords():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(TypeError, match=r"^AdamW\.__init__\(\) got .* 'weight_decy': did you mean 'weight_decay'\?"):
+        lowmemopt.AdamW(p, lr=1e-3, weight_decy=0.01)
+    with pytest.raises(TypeError, match=r"^CAME\.__init__\(\) got .* 'beta': did you mean 'betas'\?"):
+        lowmemopt.CAME(p, lr=1e-3, beta=(0.9, 0.999, 0.9999))
+    with pytest.raises(TypeError, match=r"^SGD\.__init__\(\) got .* 'zzz': SGD takes lr, momentum, "):
+        lowmemopt.SGD(p, lr=1e-3, zzz=1)
+
+
+def test_a_users_subclass_keeps_its_own_keywords():
+    """Only lowmemopt's own classes check keywords at their door: a user's subclass that forwards ``**kwargs``
+    still gets to the class it subclasses, which names itself."""
+
+    class Mine(lowmemopt.AdamW):
+        def __init__(self, params, extra=1, **kwargs):
+            self.extra = extra
+            super().__init__(params, **kwargs)
+
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert Mine(p, extra=2, lr=1e-2, state_bits=8).defaults["lr"] == 1e-2
+    with pytest.raises(TypeError, match=r"^AdamW\.__init__\(\) got .* 'state_bit'"):
+        Mine(p, state_bit=8)
+
