@@ -121,7 +121,8 @@ def test_adafactor8bit_alias():
     opt = lowmemopt.Adafactor8bit(p, beta1=0.9)
     assert isinstance(opt, lowmemopt.Adafactor) and opt.defaults["state_bits"] == 8
     assert opt.defaults["relative_step"] and opt.defaults["lr"] is None
-    assert lowmemopt.Adafactor8bit(p, state_bits=32).defaults["state_bits"] == 32
+    with pytest.raises(ValueError, match=r"Adafactor8bit has state_bits=8 \(its name\): state_bits=32 contradicts"):
+        lowmemopt.Adafactor8bit(p, state_bits=32)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

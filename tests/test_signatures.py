@@ -112,3 +112,37 @@ def test_a_users_subclass_keeps_its_own_keywords():
     with pytest.raises(TypeError, match=r"^AdamW\.__init__\(\) got .* 'state_bit'"):
         Mine(p, state_bit=8)
 
+
+BNB_ALIASES = ["Adam8bit", "AdamW8bit", "LAMB8bit", "LARS8bit", "Lion8bit", "GaLoreAdamW8bit", "PagedAdamW",
+               "PagedAdamW8bit"]
+
+
+@pytest.mark.parametrize("name", BNB_ALIASES)
+def test_bitsandbytes_names_take_bitsandbytes_keywords(name):
+    """``min_8bit_size``, ``is_paged``, ``optim_bits`` (32 on the 8-bit names, as bitsandbytes: "for
+    compatibility") and ``args=None`` of bitsandbytes 0.50's classes are lowmemopt's ``min_quant_numel``, ``paged``,
+    ``state_bits``; the keywords it lacks say so."""
+    cls = getattr(lowmemopt, name)
+    p = [torch.nn.Parameter(torch.zeros(3, 3))]
+    opt = cls(p, lr=1e-3, min_8bit_size=100, is_paged=True, optim_bits=32, args=None)
+    bits = 8 if "8bit" in name else 32
+    assert (opt.defaults["min_quant_numel"], opt.defaults["paged"], opt.defaults["state_bits"]) == (100, True, bits)
+    assert type(opt) is cls
+    with pytest.raises(ValueError, match="min_8bit_size=100 and min_quant_numel=50 disagree"):
+        cls(p, lr=1e-3, min_8bit_size=100, min_quant_numel=50)
+    with pytest.raises(TypeError, match=rf"^{name}: percentile_clipping is a bitsandbytes keyword .*clip_grad_norm_"):
+        cls(p, lr=1e-3, percentile_clipping=5)
+    with pytest.raises(TypeError, match=rf"^{name}: args= .*not taken"):
+        cls(p, lr=1e-3, args=object())
+    if bits == 32:
+        assert cls(p, lr=1e-3, optim_bits=8).defaults["state_bits"] == 8
+
+
+@pytest.mark.parametrize("name, given", [("AdamW8bit", dict(state_bits=4)), ("AdamW8bit", dict(optim_bits=4)),
+                                         ("AdamW4bit", dict(state_bits=8)), ("PagedAdamW", dict(paged=False)),
+                                         ("PagedAdamW8bit", dict(is_paged=True, paged=False))])
+def test_an_alias_refuses_what_contradicts_its_name(name, given):
+    with pytest.raises(ValueError, match=rf"^{name}(: .* disagree| has (state_bits|paged)=.*\(its name\))"):
+        getattr(lowmemopt, name)([torch.nn.Parameter(torch.zeros(3, 3))], lr=1e-3, **given)
+    opt = getattr(lowmemopt, name)([{"params": [torch.nn.Parameter(torch.zeros(3, 3))], "state_bits": 32}], lr=1e-3)
+    assert opt.param_groups[0]["state_bits"] == 32  # (a param group may choose its own)
