@@ -14,8 +14,8 @@ The blocks follow the parameter's name (lower-cased; the first rule that matches
 
 Names containing ``norm``, ``ln`` or ``bias`` get no weight decay. Every operation is the reference's, in its order, so
 32-bit results equal it bit for bit. ``m`` (``exp_avg``) is stored at any ``state_bits``; the block second moments
-(``exp_avg_sq_mean``; ``exp_avg_sq`` for per-element blocks) stay fp32, a few values per row: at 8 bits ~1 byte per
-parameter plus 4 per block.
+(``exp_avg_sq_mean``; ``exp_avg_sq`` for per-element blocks) stay unquantized (fp32; float64 for float64
+parameters), a few values per row: at 8 bits ~1 byte per parameter plus 4 per block.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
     factored: U = b3 U + (1 - b3)((u - m)^2 + eps2) (factored likewise);  p <- p - lr wd p - lr m / sqrt(U)
     1-D:      p <- p - lr wd p - lr m                                       (the confidence term needs factoring)
 
-Row and column statistics stay fp32 at every ``state_bits``; 16/8-bit storage applies to the first moment and to the
-full second moment of 1-D parameters. The update is computed from the fp32 (decoded, updated) state.
+Row and column statistics stay unquantized at every ``state_bits`` (fp32; float64 for float64 parameters); 16/8-bit
+storage applies to the first moment and to the full second moment of 1-D parameters. The update is computed from the
+decoded, updated state in the math's dtype (fp32; float64 for float64 parameters).
 """
 
 from __future__ import annotations
