@@ -129,7 +129,7 @@ def _add_demo(subparsers: Any) -> None:
 def _passive_openmp() -> None:
     """``OMP_WAIT_POLICY=PASSIVE`` for this process unless the user chose a policy, before torch (and its OpenMP
     runtime, which the native kernels share) is loaded: by default idle OpenMP threads spin, and on a machine busy
-    with other work the demo then took 6.7x the wall time and 6x the CPU time (docs/cpu_kernels.md, "A busy
+    with other work the demo then took 6.7-9x the wall time and 6-7x the CPU time (docs/cpu_kernels.md, "A busy
     machine"). Too late once torch is imported: then nothing is changed."""
     if "torch" not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
