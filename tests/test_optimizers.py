@@ -372,7 +372,9 @@ def test_aliases_are_default_changes():
     ]:
         opt = alias(p)
         assert isinstance(opt, base) and opt.defaults["state_bits"] == 8
-        assert alias(p, state_bits=32).defaults["state_bits"] == 32
+        assert alias(p, state_bits=8).defaults["state_bits"] == 8
+        with pytest.raises(ValueError, match=rf"{alias.__name__} has state_bits=8 \(its name\)"):
+            alias(p, state_bits=32)  # (the name is the format: lowmemopt.aliases)
     assert math.isclose(lowmemopt.AdamW8bit(p, lr=0.5).defaults["lr"], 0.5)
 
 
