@@ -126,6 +126,15 @@ def _add_demo(subparsers: Any) -> None:
     p.set_defaults(func=_demo)
 
 
+def _passive_openmp() -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` for this process unless the user chose a policy, before torch (and its OpenMP
+    runtime, which the native kernels share) is loaded: by default idle OpenMP threads spin, and on a machine busy
+    with other work the demo then took 6.7-9x the wall time and 6-7x the CPU time (docs/cpu_kernels.md, "A busy
+    machine"). Too late once torch is imported: then nothing is changed."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _demo(args: argparse.Namespace) -> int:
     missing = [pkg for mod, pkg in _DEMO_NEEDS.items() if importlib.util.find_spec(mod) is None]
     if missing:
@@ -133,6 +142,7 @@ def _demo(args: argparse.Namespace) -> int:
               f"(or pip install {' '.join(missing)})", file=sys.stderr)
         return 1
     _quiet_import_noise()
+    _passive_openmp()
     import torch
 
     from . import demo

@@ -6,6 +6,8 @@ docs/cpu_kernels.md#the-torchcompile-path.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import types
 import warnings
 from typing import Any, Callable
@@ -27,8 +29,34 @@ RUNTIME_SCALARS = frozenset({"lr", "bias_correction1", "bias_correction2_sqrt", 
 
 
 def applies(param: torch.Tensor) -> bool:
-    """CPU parameters of :data:`MIN_NUMEL` elements or more, not float64 (whose math is float64: the eager path)."""
-    return ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL and param.dtype != torch.float64
+    """CPU parameters of :data:`MIN_NUMEL` elements or more, not float64 (whose math is float64: the eager path),
+    where inductor has a C++ compiler (:func:`compiler_found`)."""
+    return (ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL and param.dtype != torch.float64
+            and compiler_found())
+
+
+_cxx: bool | None = None  # inductor's C++ compiler found (None: not looked for yet)
+
+
+def compiler_found() -> bool:
+    """Whether inductor finds its C++ compiler (``$CXX``, else g++), looked up once (one ``--version`` run): without
+    one, a compile fails only after ~10 s of tracing on the first step, so lowmemopt stays eager from the start. It
+    warns once, unless there is no C compiler either: then the native kernels' warning (:mod:`lowmemopt.cpu`, on the
+    same first step) already says the step runs the torch paths, and a second warning would add nothing."""
+    global _cxx, _warned
+    if _cxx is None:
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+            _cxx = True
+        except Exception as exc:  # noqa: BLE001 - InvalidCxxCompiler, or an inductor that cannot be imported
+            _cxx = False
+            cc = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+            if shutil.which(cc[0]) is None:
+                _warned = True  # (no C compiler: lowmemopt.cpu's warning covers it)
+            _disable(RuntimeError(f"no C++ compiler for inductor ({type(exc).__name__}; set $CXX)"))
+    return _cxx
 
 
 # A slot as handed to the compiled function: (name, kind, signed, storage rows, absmax rows or None, book, table).

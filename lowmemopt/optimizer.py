@@ -102,7 +102,7 @@ from .pipeline.plan import Plan, StepRecord, inv_scale
 from .pipeline.program import Kept, StateDict, StepProgram
 from .projection import step as galore
 from .quant.formats import Slot, default_block_size
-from .signature import set_signature
+from .signature import checked_init, set_signature
 from .state_dicts import (
     FORMAT_VERSION, STORAGE_DEFAULTS, load_state_dict_post_hook, load_state_dict_pre_hook,
     state_dict_post_hook, state_dict_pre_hook,
@@ -198,6 +198,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         set_signature(cls, LowMemOptimizer.__init__)  # the storage options by name, not **storage (lowmemopt.signature)
+        if "__init__" in cls.__dict__ and cls.__module__.startswith("lowmemopt."):  # (a user's subclass: its own)
+            cls.__init__ = checked_init(cls, cls.__dict__["__init__"])  # a misspelt keyword named as such
 
     def _attach(self) -> None:
         """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run

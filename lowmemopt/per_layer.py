@@ -15,6 +15,7 @@ from .distributed.sharding import agree_finite, local_tensor
 from .optimizer import LowMemOptimizer
 from .pipeline.finite import host_flags as _finite_flags
 from .pipeline.finite import DeviceFlags, resolve
+from .pipeline.fits import SPARSE
 
 __all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_many", "step_one"]
 
@@ -130,7 +131,7 @@ class BackwardStepper:
         if self.micro_step + 1 < self.accumulation_steps or p.grad is None:
             return  # accumulating: the gradient stays in .grad
         if p.grad.is_sparse:
-            raise TypeError(f"{type(self.optimizer).__name__} does not support sparse gradients")
+            raise TypeError(SPARSE.format(owner=type(self.optimizer).__name__))
         self._updates.add(p, self.optimizer.param_groups[self._group_of[p]])
 
     def _end_of_backward(self) -> None:

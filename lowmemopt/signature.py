@@ -7,15 +7,20 @@ parameters: :class:`lowmemopt.optimizer.LowMemOptimizer`). ``LowMemOptimizer.__i
 ``**storage``; an alias shows the defaults it changes (``AdamW8bit``: ``state_bits=8``). For static tools (an editor's
 completion, type checkers) each class annotates ``**storage: Unpack[StorageOptions]`` (PEP 692), the same options as a
 ``TypedDict``; a test keeps :class:`StorageOptions` equal to the base class's keyword-only parameters.
+
+:func:`checked_init` wraps the ``__init__`` of lowmemopt's own classes so that a misspelt keyword is a TypeError naming
+the class and its closest keyword (Python would name ``LowMemOptimizer.__init__``, where ``**storage`` lands).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import inspect
 import os
 from typing import Any, Callable, TypedDict
 
-__all__ = ["StorageOptions", "constructor_signature", "set_signature"]
+__all__ = ["StorageOptions", "checked_init", "constructor_signature", "set_signature"]
 
 
 class StorageOptions(TypedDict, total=False):
@@ -63,3 +68,31 @@ def set_signature(cls: type, base_init: Callable[..., Any]) -> None:
     if init is not None:
         init.__signature__ = sig
     cls.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])  # (without self)
+
+
+def checked_init(cls: type, init: Callable[..., Any]) -> Callable[..., Any]:
+    """``init`` (``cls``'s own ``__init__``, its signature set), first refusing a keyword that ``cls.__signature__``
+    does not name: ``TypeError("AdamW.__init__() got an unexpected keyword argument 'weight_decy': did you mean
+    'weight_decay'? ...")``, before anything is built."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs:
+            owner = type(self) if type(self).__init__ is __init__ else cls  # (a class that inherits this __init__)
+            names = owner.__signature__.parameters  # type: ignore[attr-defined]
+            for key in kwargs:
+                if key not in names:
+                    hint = getattr(owner, "_keyword_hints", {}).get(key)
+                    raise TypeError(f"{owner.__name__}: {hint}" if hint else unexpected_keyword(owner, key, names))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def unexpected_keyword(cls: type, key: str, names: Any) -> str:
+    """Python's words for ``cls(..., key=...)``, with the closest of ``names`` (the keywords ``cls`` takes)."""
+    choices = [n for n in names if n != "self"][1:]  # (not the parameters)
+    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    hint = (f"did you mean {close[0]!r}?" if close else f"{cls.__name__} takes {', '.join(choices)}")
+    return (f"{cls.__name__}.__init__() got an unexpected keyword argument {key!r}: {hint} "
+            f"(inspect.signature(lowmemopt.{cls.__name__}) lists them)")

@@ -58,6 +58,7 @@ def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, A
     Runs before torch changes anything: a state that cannot be converted raises and leaves the optimizer as it was."""
     optimizer._resolve_pending()
     optimizer._load_stash = None
+    _check_is_optimizer_state(optimizer, state_dict)
     version = state_dict.get("lowmemopt_format", FORMAT_VERSION)
     if version not in READABLE_FORMATS:
         raise ValueError(
@@ -100,6 +101,21 @@ def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, A
     storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)
     return state_dict
+
+
+def _check_is_optimizer_state(optimizer: LowMemOptimizer, state_dict: Any) -> None:
+    """Raise ValueError, before anything changes, for what is no optimizer state dict (torch: ``KeyError:
+    'param_groups'``): a model's ``state_dict()`` is the usual one."""
+    if isinstance(state_dict, dict) and "param_groups" in state_dict and "state" in state_dict:
+        return
+    what = (f"a dict with keys {', '.join(map(repr, list(state_dict)[:4]))}{', ...' if len(state_dict) > 4 else ''}"
+            if isinstance(state_dict, dict) else f"a {type(state_dict).__name__}")
+    model = isinstance(state_dict, dict) and state_dict and all(isinstance(v, torch.Tensor)
+                                                                for v in state_dict.values())
+    raise ValueError(f"{type(optimizer).__name__}.load_state_dict: expected an optimizer's state_dict() (with 'state' "
+                     f"and 'param_groups'), got {what}"
+                     + ("; that looks like a model's weights: load them with model.load_state_dict()" if model else "")
+                     + ". Nothing was changed")
 
 
 def _convert_state(optimizer: LowMemOptimizer, p: torch.Tensor, value: dict[str, Any], saved: dict[str, Any],

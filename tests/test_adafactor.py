@@ -4,6 +4,7 @@ and the torch.optim.Adafactor variant (AdafactorTorch). The common suite (tests/
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,7 +122,8 @@ def test_adafactor8bit_alias():
     opt = lowmemopt.Adafactor8bit(p, beta1=0.9)
     assert isinstance(opt, lowmemopt.Adafactor) and opt.defaults["state_bits"] == 8
     assert opt.defaults["relative_step"] and opt.defaults["lr"] is None
-    assert lowmemopt.Adafactor8bit(p, state_bits=32).defaults["state_bits"] == 32
+    with pytest.raises(ValueError, match=r"Adafactor8bit has state_bits=8 \(its name\): state_bits=32 contradicts"):
+        lowmemopt.Adafactor8bit(p, state_bits=32)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -134,6 +136,11 @@ def test_adafactor8bit_alias():
     ids=["defaults", "weight_decay", "decay-d-eps", "maximize"],
 )
 def test_adafactor_torch_matches_torch_on_all_ranks(kwargs):
+    """Equal to rounding, not bit for bit (docs/torch_optim.md says so): torch reads its scale to the host and applies
+    it in one fused multiply-add; ours stays on the device (u * scale, then p - u). Measured: <= 4.8e-7 apart after 20
+    steps on these O(1) parameters."""
+    doc = (Path(__file__).parents[1] / "docs" / "torch_optim.md").read_text()
+    assert "| `AdafactorTorch`'s step at 32 bits |" in doc and "equal to rounding, not bit for bit" in doc
     params = make_params(SHAPES)
     ours, ref, ref_params = _same_trajectory(lowmemopt.AdafactorTorch, torch.optim.Adafactor, kwargs, params)
     for p, r in zip(params, ref_params):

@@ -4,6 +4,9 @@ across a refresh with the projection regenerated, group keys, APOLLO-Mini memory
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,6 +43,21 @@ def test_equals_apollo_torch_across_refreshes(keys):
         theirs.step()
     for p, r in zip(params, ref):
         assert torch.equal(p, r)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's instruction-set paths (x86 builds of torch)")
+def test_equals_apollo_torch_on_other_cpus_gemm_paths():
+    """The same comparison where MKL takes its SSE4.2 GEMM kernels (as on older CPUs): there a
+    GEMM's rounding depends on its operands' layout, so the SVD basis must be multiplied in the column-major layout
+    LAPACK returns it in, as apollo-torch multiplies it (a contiguous copy differed by ~2e-7 from step 1)."""
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_apollo as t\n"
+              "for keys in ({'rank': 2, 'proj': 'svd', 'update_proj_gap': 4}, {'rank': 3, 'proj': 'svd', "
+              "'update_proj_gap': 5, 'proj_type': 'reverse_std', 'scale_type': 'tensor'}):\n"
+              "    t.test_equals_apollo_torch_across_refreshes(keys)\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, MKL_ENABLE_INSTRUCTIONS="SSE4_2", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_the_projection_is_regenerated_not_stored_and_resume_is_exact(tmp_path):

@@ -164,3 +164,33 @@ def test_fused_lamb_row_runs_with_its_clip(monkeypatch):
     grads = [torch.randn_like(p) for p in ref]
     r = benchmark.run_benchmark("lowmemopt-fusedlamb-8bit", ref, grads, steps=2, warmup=1, device=torch.device("cpu"))
     assert not r.error and r.host_syncs is None and len(r.times_s) == 2
+
+
+def test_anchor_libraries_are_imported_without_their_import_notices(tmp_path, monkeypatch, capsys):
+    """bitsandbytes and torchao print notices when imported ("Failed to load CPU gemm_4bit_forward ...", "Failed
+    to load ..._C_mxfp8...so", a torch log line) that say nothing about the benchmark: the bench imports them quietly,
+    and still shows what a failing import printed."""
+    import logging
+    import types
+
+    from lowmemopt.benchmark import optimizers
+
+    (tmp_path / "noisy_anchor.py").write_text(
+        "import logging, sys, warnings\nprint('Failed to load something')\nprint('more', file=sys.stderr)\n"
+        "logging.getLogger('noisy').warning('W1202 a log line')\nwarnings.warn('a warning')\nvalue = 3\n")
+    (tmp_path / "broken_anchor.py").write_text("print('why it broke')\nraise ImportError('broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert optimizers.quiet_import("noisy_anchor").value == 3
+    with pytest.raises(ImportError, match="broken"):
+        optimizers.quiet_import("broken_anchor")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "why it broke\n", (out, err)
+    assert not logging.root.manager.disable  # (logging is back on)
+
+    names = []
+    make = lambda *a, **k: "opt"  # noqa: E731
+    fake = types.SimpleNamespace(optim=types.SimpleNamespace(AdamW8bit=make), AdamW8bit=make)
+    monkeypatch.setattr(optimizers, "quiet_import", lambda name: names.append(name) or fake)
+    assert optimizers.OPTIMIZERS["bnb-adamw8bit"]([], 1e-3, 0.0) == "opt"
+    assert optimizers.OPTIMIZERS["torchao-adamw8bit"]([], 1e-3, 0.0) == "opt"
+    assert names == ["bitsandbytes", "torchao.optim"]

@@ -56,7 +56,9 @@ def test_came8bit_alias():
     p = [torch.nn.Parameter(torch.zeros(3))]
     opt = lowmemopt.CAME8bit(p, lr=1e-3)
     assert isinstance(opt, lowmemopt.CAME) and opt.defaults["state_bits"] == 8 and opt.defaults["lr"] == 1e-3
-    assert lowmemopt.CAME8bit(p, lr=1e-3, state_bits=16).defaults["state_bits"] == 16
+    with pytest.raises(ValueError, match=r"CAME8bit has state_bits=8 \(its name\).*use CAME\(\.\.\., state_bits=16\)"):
+        lowmemopt.CAME8bit(p, lr=1e-3, state_bits=16)
+    assert lowmemopt.CAME8bit(p, lr=1e-3, state_bits=8).defaults["state_bits"] == 8
 
 
 @pytest.mark.parametrize(

@@ -426,3 +426,35 @@ def test_cli_inspect_odd_files_without_a_traceback(tmp_path, what):
         assert status == 0 and "saved with torch.save" in out
     else:
         assert status == 1 and err.startswith("lowmemopt inspect: ") and len(err.splitlines()) == 1, err
+
+
+def test_the_demo_makes_openmp_wait_passively_unless_told_otherwise(monkeypatch):
+    """On a busy machine spinning OpenMP threads cost the demo ~6x its CPU time: before torch is imported it sets
+    OMP_WAIT_POLICY=PASSIVE, unless the user set a policy; with torch already imported it changes nothing."""
+    import lowmemopt.cli as cli
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def record():
+        calls.append(1)
+        raise Stop
+
+    monkeypatch.setattr(cli, "_passive_openmp", record)
+    with pytest.raises(Stop):
+        cli_main(["demo", "--steps", "1"])
+    assert calls == [1]
+    code = ("import os, sys, lowmemopt.cli as c; assert 'torch' not in sys.modules; c._passive_openmp(); "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if given:
+            env["OMP_WAIT_POLICY"] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, out
+    monkeypatch.undo()
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cli._passive_openmp()  # (torch is imported here: too late, nothing changed)
+    assert "OMP_WAIT_POLICY" not in os.environ

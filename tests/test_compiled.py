@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import clone_params, make_params, run
@@ -155,6 +157,36 @@ def test_unavailable_compiler_falls_back_to_eager(monkeypatch):
     assert compiled.ENABLED is False
     run(ELEMENTWISE[0].cls(b, lr=1e-2), b, 2)
     assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("has_cc", [False, True])
+def test_without_a_cxx_compiler_nothing_is_compiled_and_one_warning_at_most(has_cc, monkeypatch):
+    """Without inductor's C++ compiler the compiled path is not tried (a failing compile costs ~10 s of the first
+    step); without a C compiler either, lowmemopt.cpu's warning says it all, so this one stays silent."""
+    import shutil
+
+    import torch._inductor.cpp_builder as cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    def no_cxx():
+        raise InvalidCxxCompiler()
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_cxx)
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: real_which(cmd, *a, **k) if has_cc else None)
+    monkeypatch.setattr(compiled, "ENABLED", True)
+    monkeypatch.setattr(compiled, "_warned", False)
+    monkeypatch.setattr(compiled, "_cxx", None)
+    monkeypatch.setattr(compiled, "_kernel", lambda key: pytest.fail("a compile was tried"))
+    big = torch.zeros(compiled.MIN_NUMEL)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not compiled.applies(big) and not compiled.applies(big)
+        p = make_params([SHAPE])
+        run(ELEMENTWISE[0].cls(p, lr=1e-2, state_bits=8), p, 1)
+    said = [str(w.message) for w in seen if "torch.compile" in str(w.message)]
+    assert said == (["lowmemopt: torch.compile fast path unavailable (RuntimeError: no C++ compiler for inductor "
+                     "(InvalidCxxCompiler; set $CXX)); using eager steps"] if has_cc else []), said
 
 
 @pytest.mark.parametrize("name", ["pow2", "upow2", "dynamic", "udynamic"])

@@ -273,3 +273,23 @@ def test_galore_float64_through_the_cuda_code_path(name, kw, monkeypatch):
         assert opt.state[params[0]]["exp_avg"].dtype == F64
     assert bmm and set(bmm) == {F64}
     assert _max_diff(runs[True], runs[False]) <= 1e-12
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_factored_statistics_of_float64_parameters_are_float64_as_the_docstrings_say(bits):
+    """Adafactor's, AdafactorTorch's and CAME's row and column statistics (and Adam-mini's block means) are float64
+    for float64 parameters, at every state_bits; their module docstrings say so instead of "All math is fp32"."""
+    import lowmemopt.optim.adafactor as adafactor
+    import lowmemopt.optim.adam_mini as adam_mini
+    import lowmemopt.optim.came as came
+
+    for module in (adafactor, came, adam_mini):
+        doc = " ".join(module.__doc__.split())
+        assert "float64 for float64 parameters" in doc and "All math is fp32" not in doc
+    for cls, kw in ((lowmemopt.Adafactor, {}), (lowmemopt.AdafactorTorch, {}), (lowmemopt.CAME, dict(lr=1e-3))):
+        p = torch.nn.Parameter(torch.randn(8, 6, dtype=torch.float64))
+        opt = cls([p], state_bits=bits, min_quant_numel=0, **kw)
+        p.grad = torch.randn_like(p)
+        opt.step()
+        stats = {k: v.dtype for k, v in opt.state[p].items() if k.endswith(("_row", "_col", "row_var", "col_var"))}
+        assert stats and set(stats.values()) == {torch.float64}, (cls.__name__, stats)

@@ -862,8 +862,12 @@ def test_galore_param_groups_errors():
         lowmemopt.galore_param_groups(model, "all-linear", rank=4, proj_type="sideways")
     with pytest.raises(ValueError, match="Invalid update_proj_gap"):
         lowmemopt.galore_param_groups(model, "all-linear", rank=4, update_proj_gap=0)
-    with pytest.raises(TypeError, match="unknown keyword"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'proj_moment': did you mean 'proj_moments'"):
         lowmemopt.galore_param_groups(model, "all-linear", rank=4, proj_moment="reset")
+    with pytest.raises(TypeError, match=r"'update_proj_gab': did you mean 'update_proj_gap'\? its GaLore options are "
+                                        r"rank, update_proj_gap, scale, proj_type, weight_decay, proj_dtype, "
+                                        r"proj_moments, proj_stagger, proj_svd \("):
+        lowmemopt.galore_param_groups(model, "all-linear", rank=4, update_proj_gab=50)
     groups = lowmemopt.galore_param_groups(model, "all-linear", rank=4, proj_moments="reset", proj_svd="randomized")
     assert groups[-1]["proj_moments"] == "reset" and groups[-1]["proj_svd"] == "randomized"
 

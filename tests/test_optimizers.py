@@ -4,6 +4,7 @@ error bounds against the 32-bit twin, exact state bytes, bad inputs, closures, a
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,9 +213,30 @@ def test_sparse_gradients_rejected(info):
     p = torch.nn.Parameter(torch.zeros(4, 3))
     opt = info.cls([p], **STATEFUL[info.name])
     p.grad = torch.eye(4, 3).to_sparse()
-    with pytest.raises(TypeError, match="sparse"):
+    with pytest.raises(TypeError, match=rf"{type(opt).__name__} does not support sparse gradients: .*to_dense"):
         opt.step()
     assert len(opt.state) == 0 and torch.equal(p, torch.zeros(4, 3))
+
+
+def test_sparse_gradients_the_documented_workaround_is_torchs_sgd_step():
+    """docs/torch_optim.md lists the refusal; its workaround (a dense gradient) gives torch's SGD step on a sparse
+    Embedding's gradient, at 32 bits."""
+    doc = (Path(__file__).parents[1] / "docs" / "torch_optim.md").read_text()
+    assert "| a sparse gradient (`nn.Embedding(..., sparse=True)`)" in doc
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Embedding(10, 4, sparse=True)
+    theirs.load_state_dict(ours.state_dict())
+    opt = lowmemopt.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    for t in range(3):
+        idx = torch.tensor([t, 3, 7])
+        for emb, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            emb(idx).pow(2).sum().backward()
+        ours.weight.grad = ours.weight.grad.to_dense()
+        opt.step()
+        ref.step()
+    assert torch.equal(ours.weight, theirs.weight)
 
 
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
@@ -350,7 +372,9 @@ def test_aliases_are_default_changes():
     ]:
         opt = alias(p)
         assert isinstance(opt, base) and opt.defaults["state_bits"] == 8
-        assert alias(p, state_bits=32).defaults["state_bits"] == 32
+        assert alias(p, state_bits=8).defaults["state_bits"] == 8
+        with pytest.raises(ValueError, match=rf"{alias.__name__} has state_bits=8 \(its name\)"):
+            alias(p, state_bits=32)  # (the name is the format: lowmemopt.aliases)
     assert math.isclose(lowmemopt.AdamW8bit(p, lr=0.5).defaults["lr"], 0.5)
 
 

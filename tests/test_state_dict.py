@@ -130,6 +130,32 @@ def test_unknown_format_version_is_rejected_and_state_untouched():
         assert torch.equal(opt.state[params[0]][k], v)
 
 
+@pytest.mark.parametrize("bits", [32, 16])
+def test_another_models_state_of_equal_size_is_refused_and_changes_nothing(bits):
+    """A Linear(64, 128)'s state has as many elements as a Linear(128, 64)'s: refused with both shapes (as
+    lowmemopt.load_state refuses it), not reshaped and stepped on; torch.optim's own state too."""
+    a, b = torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(128, 64, bias=False)
+    for src in (lowmemopt.AdamW(a.parameters(), state_bits=bits), torch.optim.AdamW(a.parameters())):
+        a(torch.randn(2, 64)).sum().backward()
+        src.step()
+        opt = lowmemopt.AdamW(b.parameters(), state_bits=bits)
+        with pytest.raises(ValueError, match=r"'exp_avg' has shape \(128, 64\) .* parameter has shape \(64, 128\); "
+                                             "is it the state of another model"):
+            opt.load_state_dict(src.state_dict())
+        assert len(opt.state) == 0
+
+
+def test_a_models_weights_given_to_load_state_dict_say_so():
+    model = torch.nn.Linear(3, 2)
+    opt = lowmemopt.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"^AdamW.load_state_dict: expected an optimizer's state_dict\(\) .*got a "
+                                         r"dict with keys 'weight', 'bias'; .* model.load_state_dict\(\)"):
+        opt.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="got a list"):
+        opt.load_state_dict([])
+    assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 1e-3
+
+
 def test_load_torch_adamw_state_at_32bit_continues_identically():
     start = make_params(SHAPES)
     ref = clone_params(start)

@@ -4,9 +4,33 @@ missing or broken library fails only its own rows. ``OPTIMIZERS``: AdamW against
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import logging
+import sys
+import warnings
+from types import ModuleType
 from typing import Callable
 
 import torch
+
+
+def quiet_import(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` without the notices some libraries print when imported (bitsandbytes: "Failed
+    to load CPU gemm_4bit_forward from kernels-community ..."; torchao: "Failed to load ..._C_mxfp8...so" and a torch
+    deprecation log line), which say nothing about the benchmark. If the import fails, what it printed is shown."""
+    out = io.StringIO()
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name)
+    except BaseException:
+        sys.stderr.write(out.getvalue())
+        raise
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 
@@ -27,14 +51,12 @@ def _torch_adamw(impl: str) -> Callable[..., torch.optim.Optimizer]:
 
 
 def _bnb_adamw8bit(params, lr, weight_decay):
-    import bitsandbytes as bnb
-
+    bnb = quiet_import("bitsandbytes")
     return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
 
 
 def _torchao_adamw8bit(params, lr, weight_decay):
-    from torchao.optim import AdamW8bit
-
+    AdamW8bit = quiet_import("torchao.optim").AdamW8bit
     return AdamW8bit(params, lr=lr, weight_decay=weight_decay)
 
 

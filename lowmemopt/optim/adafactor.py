@@ -13,8 +13,9 @@ relative (``rho_t = min(lr, 1/sqrt(t))``) and always scaled by ``max(eps2, RMS(p
 ``p *= 1 - lr wd`` (the raw lr, not ``a``); and there is no first moment. Its state keys (``row_var``, ``col_var``,
 ``variance``) and shapes are torch's, so a ``torch.optim.Adafactor`` state dict loads into it.
 
-Row and column statistics stay fp32 at every ``state_bits``; 16/8-bit storage applies to the full-size slots (the first
-moment, and the unfactored second moment of 1-D parameters). All math is fp32 and stays on the device (no host sync).
+Row and column statistics stay unquantized at every ``state_bits`` (fp32; float64 for float64 parameters); 16/8-bit
+storage applies to the full-size slots (the first moment, and the unfactored second moment of 1-D parameters). The
+math is fp32 (float64 for float64 parameters, as torch steps them) and stays on the device (no host sync).
 """
 
 from __future__ import annotations

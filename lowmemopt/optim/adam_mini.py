@@ -1,6 +1,6 @@
 """Adam-mini (Zhang et al. 2024) matching ``adam_mini.Adam_mini`` 1.1.1: Adam with one second moment per *block* of
-a parameter (a head, an output neuron, a whole tensor, chosen by the parameter's name). The blocks, the state and
-the measurements: docs/adam_mini.md.
+a parameter (a head, an output neuron, a whole tensor, chosen by the parameter's name); the block second moments stay
+unquantized (fp32; float64 for float64 parameters). The blocks, the state and the measurements: docs/adam_mini.md.
 
     v_b = beta2 v_b + (1 - beta2) mean_{i in b}(g_i^2);   m = lerp(m, g, 1 - beta1)
     p <- p (1 - lr wd)  -  lr m / (1 - beta1^t) / (sqrt(v_b) / sqrt(1 - beta2^t) + eps)

@@ -109,7 +109,7 @@ class APOLLOAlgorithm(Algorithm):
             proj = state["apollo.proj"]
             if due:  # (in fp32, as apollo-torch: a float64 gradient's basis is fp32's, widened)
                 proj.copy_(am.svd_projection(whole_tensor(g, reduce).float(), side, group[RANK]))
-            return proj
+            return am.lapack_layout(proj)
         seed = group.get(SEED)
         if seed is None:
             raise RuntimeError("APOLLOAdamW: a projected parameter stepped without its seed (its position among the "

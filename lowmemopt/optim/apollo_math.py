@@ -13,7 +13,7 @@ import torch
 from ..distributed.reduction import LOCAL, Reduction
 
 __all__ = ["LEFT", "RIGHT", "SCALE_EPS", "projection_seed", "random_projection", "side_of", "svd_projection",
-           "project", "scaling_factor", "limit_norm_growth", "refresh_due"]
+           "lapack_layout", "project", "scaling_factor", "limit_norm_growth", "refresh_due"]
 
 LEFT, RIGHT = 0, 1  # R = P^T G (P: m x r) | R = G P^T (P: r x n)
 #: added to the low-rank gradient's norm in the scaling factor, and to the previous norm in the limiter
@@ -71,6 +71,14 @@ def svd_projection(g: torch.Tensor, side: int, rank: int) -> torch.Tensor:
     """GaLore's basis of ``g`` (fp32): the first ``rank`` left (side left) or right singular vectors."""
     u, _, vh = torch.linalg.svd(g, full_matrices=False)
     return u[:, :rank] if side == LEFT else vh[:rank, :]
+
+
+def lapack_layout(proj: torch.Tensor) -> torch.Tensor:
+    """A column-major copy of ``proj`` (rank x n or m x rank: small), the layout in which ``torch.linalg.svd``
+    returns its factors and apollo-torch multiplies them. MKL chooses its GEMM kernel by the operands' layout, and
+    on CPUs where it takes its SSE/AVX2 paths the two layouts round differently (measured: up to ~1e-6 on the
+    projected gradient); the stored basis is contiguous, so the product is taken from this copy."""
+    return proj.t().contiguous().t()
 
 
 def project(g: torch.Tensor, proj: torch.Tensor, side: int) -> torch.Tensor:

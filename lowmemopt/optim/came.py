@@ -1,5 +1,6 @@
-"""CAME (Luo et al. 2023), matching ``came_pytorch.CAME``; row and column statistics stay fp32 at every
-``state_bits`` (the first moment and a 1-D parameter's full second moment take it).
+"""CAME (Luo et al. 2023), matching ``came_pytorch.CAME``; row and column statistics stay unquantized at
+every ``state_bits`` (fp32; float64 for float64 parameters); the first moment and a 1-D parameter's full second
+moment take it.
 
     V = b2 V + (1 - b2)(g^2 + eps1)   (factored over the last two dims: V ~ R C / mean(R));   u = g / sqrt(V)
     u /= max(1, RMS(u) / clip_threshold);   m = b1 m + (1 - b1) u

@@ -188,8 +188,8 @@ class Muon(LowMemOptimizer):
         for p in group.get("params", ()):
             if p.dim() != 2:
                 raise ValueError(
-                    f"Muon: a parameter of shape {tuple(p.shape)} is in a Muon group (use_muon=True); Muon "
-                    "orthogonalizes 2-D matrices only. Put embeddings, the output head, norms and biases in groups "
+                    f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} in a "
+                    "Muon group (use_muon=True). Put embeddings, the output head, norms and biases in groups "
                     "with use_muon=False (stepped as AdamW): lowmemopt.muon_param_groups(model) builds both")
 
 

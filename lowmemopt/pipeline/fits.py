@@ -103,6 +103,12 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
                     lambda: where(plan, p), owner)
 
 
+#: step()'s refusal of a sparse gradient (torch's words first, then what to do)
+SPARSE = ("{owner} does not support sparse gradients: give it dense ones (nn.Embedding(..., sparse=False), or "
+          "p.grad = p.grad.to_dense() before step()), or step the sparse parameters with torch.optim.SGD or "
+          "SparseAdam beside it (docs/torch_optim.md). Nothing was changed")
+
+
 def check_grad(p: torch.Tensor, groups: Any, owner: str) -> None:
     """Raise TypeError, naming the parameter (its place among ``groups``), for a sparse gradient or one that
     :func:`check_dtypes` refuses; ``step()`` calls it for a sparse gradient or one of another dtype than its
@@ -110,7 +116,7 @@ def check_grad(p: torch.Tensor, groups: Any, owner: str) -> None:
     are refused by :func:`check_state_fits`, which the first step after a change runs)."""
     grad = p.grad
     if grad.is_sparse:
-        raise TypeError(f"{owner} does not support sparse gradients")
+        raise TypeError(SPARSE.format(owner=owner))
     if grad.dtype != p.dtype or not p.is_floating_point():
         check_dtypes(p, grad, lambda: param_place(groups, p), owner)
 

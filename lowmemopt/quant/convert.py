@@ -292,7 +292,7 @@ def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], na
     t = tensors[name]
     if not t.is_floating_point():
         raise CheckpointError(f"{where}: '{name}' is {t.dtype} in {source}, expected floating-point state")
-    if t.numel() != numel:
+    if t.numel() != numel or t.dim() == len(shape) > 1 and t.shape != shape:  # (same size, other dims: refused too)
         raise CheckpointError(f"{where}: '{name}' has shape {tuple(t.shape)} in {source}; {ours}{hint}")
 
 
