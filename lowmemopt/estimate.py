@@ -172,10 +172,13 @@ def _variant(layout: _Layout, paged: bool, per_layer: bool) -> MemoryEstimate:
                           grads, state, paged, per_layer)
 
 
-def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs) -> _Layout:
+def _optimizer_for(model: torch.nn.Module, optimizer: str, state_bits: int, galore_rank: int | None,
+                   galore_target_modules: Any, optimizer_kwargs: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer`` names, on ``model``'s parameters (GaLore groups for a ``galore_rank``, the class's
+    own groups otherwise; meta copies for a class that needs a process group), no state yet."""
     resolved = resolve(optimizer)
     named = list(model.named_parameters())
-    trainable = [p for _, p in named if p.requires_grad]
+    optimizer_kwargs = dict(optimizer_kwargs)
     if galore_rank is not None:
         import lowmemopt
 
@@ -190,11 +193,17 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
     if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group
         params = _on_meta(params)
     try:
-        opt = instantiate(resolved.cls, params, **{**resolved.kwargs, **optimizer_kwargs, "state_bits": state_bits})
+        return instantiate(resolved.cls, params, **{**resolved.kwargs, **optimizer_kwargs, "state_bits": state_bits})
     except TypeError as e:
         raise TypeError(f"{resolved.cls.__name__}: {e}") from e
+
+
+def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs) -> _Layout:
+    opt = _optimizer_for(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs)
+    named = list(model.named_parameters())
+    trainable = [p for _, p in named if p.requires_grad]
     return _Layout(
-        optimizer=resolved.cls.__name__,
+        optimizer=type(opt).__name__,
         state_bits=state_bits,
         galore_rank=galore_rank,
         params=sum(p.numel() for p in trainable),
