@@ -184,7 +184,11 @@ def _optimizer_for(model: torch.nn.Module, optimizer: str, state_bits: int, galo
 
         if not hasattr(lowmemopt, "galore_param_groups"):
             raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
-        params: Any = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
+        if issubclass(resolved.cls, lowmemopt.APOLLOAdamW):  # APOLLO's groups; rank 1: APOLLO-Mini's tensor scale
+            params: Any = lowmemopt.apollo_param_groups(model, galore_rank, galore_target_modules,
+                                                        scale_type="tensor" if galore_rank == 1 else "channel")
+        else:
+            params = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
     elif getattr(resolved.cls, "named_groups", False):  # (Adam-mini: its blocks by name, heads from the config)
         params = [(n, p) for n, p in named if p.requires_grad]
         optimizer_kwargs = {**resolved.cls.model_keywords(getattr(model, "config", None)), **optimizer_kwargs}

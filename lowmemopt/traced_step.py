@@ -22,7 +22,7 @@ import torch
 
 from .memtrace import CATEGORIES, LiveMemory
 
-__all__ = ["StepPeak", "build_optimizer", "measure_step", "real_model", "step_workspace", "trace_step"]
+__all__ = ["StepPeak", "build_optimizer", "cheaper_steps", "measure_step", "real_model", "step_workspace", "trace_step"]
 
 #: the CUDA caching allocator's smallest block: every allocation there is rounded up to it
 CUDA_BLOCK = 512
@@ -71,11 +71,15 @@ def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: 
     projected side of size s, the other of size t) holds its low-rank gradient and update (r x t, fp32, plus the
     bf16 product for a bf16 weight), the full-size update (m x n fp32 and the bf16 product; on the CPU in row
     chunks) and, for a non-fp32 weight, its fp32 copy; at a basis refresh (every ``update_proj_gap`` steps) the fp32
-    gradient and the SVD's factors (m x k, k x n, k = min(m, n))."""
+    gradient and the SVD's factors (m x k, k x n, k = min(m, n)). An APOLLO matrix: its fp32 gradient, the step's
+    random projection, the low-rank gradient and update, and the scaled full-size update."""
     from .pipeline.backends import CHUNK_NUMEL
     from .projection import projector as pj
     from .projection.step import proj_dtype
 
+    import lowmemopt
+
+    apollo = isinstance(opt, lowmemopt.APOLLOAdamW)
     held: dict[Any, int] = {}
     low_total, largest = 0, 0
     for p, group in _matrices(opt):
@@ -83,15 +87,19 @@ def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: 
         side = pj.choose_side(group.get("proj_type", "std"), m, n)
         k = min(group["rank"], m, n)
         low = k * n if side == pj.LEFT else m * k if side == pj.RIGHT else k * k
-        narrow = proj_dtype(group, p)
-        product = 0 if narrow is None else low * torch.finfo(narrow).bits // 8
-        low_bytes = 2 * low * 4 + product  # low-rank gradient and update in fp32 (+ the narrow product)
-        rows = m if device == "cuda" else max(1, min(m, CHUNK_NUMEL // max(n, 1)))
-        full = rows * n * (4 + (0 if narrow is None else torch.finfo(narrow).bits // 8))
         copy = 0 if p.dtype == torch.float32 else m * n * 4
-        kk = min(m, n)
-        refresh = m * n * 4 + (m * kk + kk * n + kk) * 4
-        one = max(low_bytes + full + copy, refresh)
+        if apollo:  # the fp32 gradient, this step's random projection, low-rank gradient and update, the scaled update
+            low_bytes = 2 * low * 4
+            one = copy + m * n * 4 + k * (m if side == pj.LEFT else n) * 4 + low_bytes + m * n * 4
+        else:
+            narrow = proj_dtype(group, p)
+            product = 0 if narrow is None else low * torch.finfo(narrow).bits // 8
+            low_bytes = 2 * low * 4 + product  # low-rank gradient and update in fp32 (+ the narrow product)
+            rows = m if device == "cuda" else max(1, min(m, CHUNK_NUMEL // max(n, 1)))
+            full = rows * n * (4 + (0 if narrow is None else torch.finfo(narrow).bits // 8))
+            kk = min(m, n)
+            refresh = m * n * 4 + (m * kk + kk * n + kk) * 4
+            one = max(low_bytes + full + copy, refresh)
         if per_layer:
             held[p] = one
         low_total += low_bytes
@@ -262,6 +270,50 @@ def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, st
     trainable = sum(p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad)
     return StepPeak(type(opt).__name__, state_bits, galore_rank, batch, seq, checkpointing, per_layer, trainable,
                     tracker.peak, {c: tracker.at_peak[c] for c in CATEGORIES}, 0.0)
+
+
+def cheaper_steps(config: str | Mapping[str, Any], optimizer: str, state_bits: int, *, budget: int, batch: int,
+                  seq: int, checkpointing: bool = False, per_layer: bool = False, max_traces: int = 8,
+                  **trace_kwargs: Any) -> list[StepPeak]:
+    """Changes to a step that bring its traced peak within ``budget`` bytes, fewest changes first: activation
+    checkpointing, per-layer updates, 8- then 4-bit state, each alone; then all of them; then all of them with the
+    batch halved until it fits (or is 1). At most ``max_traces`` steps are traced (a 7B config: seconds each).
+
+    Args:
+        config, optimizer, state_bits, batch, seq, checkpointing, per_layer, trace_kwargs: the step asked for, as
+            :func:`trace_step` takes it.
+        budget: bytes the peak must fit in (the device's memory less a margin).
+
+    Returns:
+        The traced steps that fit, in the order above.
+    """
+    from .registry import resolve
+
+    singles: list[dict[str, Any]] = []
+    if not checkpointing:
+        singles.append(dict(checkpointing=True))
+    if not per_layer and getattr(resolve(optimizer).cls, "per_layer_updates", True):
+        singles.append(dict(per_layer=True))
+    singles += [dict(state_bits=b) for b in (8, 4) if b < state_bits]
+    every: dict[str, Any] = {}
+    for change in singles:
+        every.update(change)
+    candidates = singles + ([every] if len(singles) > 1 else [])
+    b = batch // 2
+    while b >= 1:
+        candidates.append({**every, "batch": b})
+        b //= 2
+    asked = dict(state_bits=state_bits, batch=batch, seq=seq, checkpointing=checkpointing, per_layer=per_layer)
+    fits = []
+    for change in candidates[:max_traces]:
+        step = {**asked, **change}
+        bits = step.pop("state_bits")
+        peak = trace_step(config, optimizer, bits, **step, **trace_kwargs)
+        if peak.peak <= budget:
+            fits.append(peak)
+            if "batch" in change:  # the largest batch that fits, with everything else on: enough
+                break
+    return fits
 
 
 def _check_input(batch: Any, seq: Any) -> None:
