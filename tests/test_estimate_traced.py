@@ -21,7 +21,7 @@ def _llama(hidden: int, intermediate: int, layers: int, heads: int, vocab: int) 
 
 #: name -> (config, batch, seq); the parameter counts are what the names say, roughly
 CONFIGS = {
-    "10m": (_llama(256, 688, 4, 4, 8000), 4, 128),
+    "10m": (_llama(256, 688, 4, 4, 8000), 2, 128),
     "40m": (_llama(512, 1376, 6, 8, 16000), 4, 256),
     "150m": (_llama(768, 2048, 12, 12, 32000), 2, 256),
 }
@@ -52,8 +52,8 @@ def test_traced_peak_matches_the_real_step(config, opt, checkpointing):
 
 
 def test_the_trace_counts_what_the_layout_estimate_counts():
-    """Weights and optimizer state at the traced peak are the meta layout's (exact, :func:`estimate`), and the
-    activations grow with the batch while the rest does not."""
+    """Weights and optimizer state at the traced peak are the meta layout's (exact, :func:`estimate`), the parts add
+    up to the peak, and what the batch brings grows with it."""
     cfg, batch, seq = CONFIGS["10m"]
     meta = model_from_config(cfg)
     layout = estimate(meta, "adamw", 8)
@@ -62,8 +62,10 @@ def test_the_trace_counts_what_the_layout_estimate_counts():
     large = trace_step(cfg, "adamw", 8, batch=4, seq=seq, device="cpu")
     for t in (small, large):
         assert t.at_peak["weights"] == layout.weights + buffers and t.at_peak["optimizer state"] == layout.state
-    assert large.peak - large.at_peak["weights"] - large.at_peak["optimizer state"] > \
-        3.5 * (small.peak - small.at_peak["weights"] - small.at_peak["optimizer state"])
+        assert sum(t.at_peak.values()) == t.peak
+    # batch 4: the peak is at the loss (the fp32 logits); batch 1: in backward (most of the gradients)
+    assert large.at_peak["activations"] + large.at_peak["temporaries"] > 4 * small.at_peak["temporaries"]
+    assert 0 < small.at_peak["gradients"] <= layout.grads and large.peak > small.peak
 
 
 def test_checkpointing_and_per_layer_updates_lower_the_traced_peak():
@@ -81,14 +83,17 @@ def test_galore_step_workspace_by_construction():
     refresh, the SVD's factors; a per-layer step holds one matrix's, a whole step all the low-rank gradients."""
     cfg = _llama(128, 256, 2, 4, 500)
     model = model_from_config(cfg, torch.bfloat16)
-    opt = build_optimizer(model, "galore_adamw_8bit", 8, 16)
+    opt = build_optimizer(model, "galore_adamw_8bit", 8, 16, ["mlp"])
     each = step_workspace(opt, "cuda", per_layer=True)
     whole = step_workspace(opt, "cuda")
-    m, n = 256, 128  # gate / up: the largest
-    k = min(m, n)
-    refresh = m * n * 4 + (m * k + k * n + k) * 4
-    assert max(each.values()) == refresh  # (rank 16: the refresh holds more than a steady update)
-    assert sum(each.values()) > whole[None] > max(each.values())
+    gate = model.model.layers[0].mlp.gate_proj.weight  # 256 x 128, bf16: projected on the right (256 x 16)
+    low = 256 * 16
+    steady = 2 * low * 4 + low * 2 + 256 * 128 * (4 + 2) + 256 * 128 * 4  # low-rank, full-size, fp32 weight
+    refresh = 256 * 128 * 4 + (256 * 128 + 128 * 128 + 128) * 4  # fp32 gradient, U, Vh, S
+    assert each[gate] == max(steady, refresh) == steady
+    assert len(each) == 2 * 3 and whole[None] == 6 * (2 * low * 4 + low * 2) + steady - (2 * low * 4 + low * 2)
+    cpu = step_workspace(opt, "cpu", per_layer=True)  # the CPU's row chunks hold no more than the whole matrix
+    assert cpu[gate] == each[gate]  # (256 rows of 128 fit one chunk)
     assert step_workspace(build_optimizer(model, "adamw", 8), "cuda") == {}
 
 
@@ -111,3 +116,95 @@ def test_live_memory_counts_a_storage_once_and_forgets_it_when_freed():
         d = torch.empty(3)
     assert rounded.total == 512
     del c, d
+
+
+# -- lowmemopt estimate --batch B --seq S ------------------------------------------------------------------------------
+
+SMALL = _llama(64, 88, 2, 4, 301)
+
+
+def _config_file(tmp_path, config=SMALL):
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_cli_traced_step_json_is_trace_step(tmp_path, capsys):
+    import json
+
+    from lowmemopt.cli import main
+
+    path = _config_file(tmp_path)
+    assert main(["estimate", path, "--optimizer", "adamw8bit", "--batch", "2", "--seq", "16", "--checkpointing",
+                 "--per-layer", "--gpu-memory", "1GiB", "--margin", "0", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    want = trace_step(SMALL, "adamw8bit", 8, batch=2, seq=16, checkpointing=True, per_layer=True)
+    assert row["peak"] == want.peak == sum(row["at_peak"].values()) and row["at_peak"] == want.at_peak
+    assert row["fits"] is True and row["cheapest_fits"] == [] and row["batch"] == 2 and row["per_layer"] is True
+    assert main(["estimate", path, "--optimizer", "adamw8bit", "--batch", "2", "--seq", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "One training step, batch 2 x 16 tokens, no checkpointing; traced on fake tensors" in out
+    assert "| AdamW8bit | 8-bit | — |" in out and "README" not in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch", "0", "--seq", "16"], "--batch must be >= 1, got 0"),
+    (["--batch", "2", "--seq", "-1"], "--seq must be >= 1, got -1"),
+    (["--batch", "2"], "tracing a step needs both --batch B and --seq S"),
+    (["--measure"], "tracing a step needs both --batch B and --seq S"),
+])
+def test_cli_traced_step_bad_input(tmp_path, capsys, argv, message):
+    from lowmemopt.cli import main
+
+    assert main(["estimate", _config_file(tmp_path), *argv]) == 1
+    assert message in capsys.readouterr().err
+    assert main(["estimate", "llama-9z", "--batch", "1", "--seq", "8"]) == 1
+    assert "not a preset" in capsys.readouterr().err
+
+
+def test_cli_traced_step_suggests_changes_that_fit_with_the_margin(tmp_path, capsys):
+    """A budget between the checkpointed and the plain peak: the suggestions fit less the margin, and say so."""
+    import json
+
+    from lowmemopt.cli import main
+
+    config = _llama(64, 88, 4, 4, 301)
+    path = _config_file(tmp_path, config)
+    kw = dict(batch=8, seq=64)
+    plain = trace_step(config, "adamw", 32, **kw)
+    ckpt = trace_step(config, "adamw", 32, checkpointing=True, **kw)
+    assert ckpt.peak < plain.peak
+    margin = 4096
+    budget = (ckpt.peak + plain.peak) // 2 + margin
+    argv = ["estimate", path, "--optimizer", "adamw", "--batch", "8", "--seq", "64", "--gpu-memory",
+            f"{budget}B", "--margin", f"{margin}B"]
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["fits"] is False and row["margin"] == margin
+    fits = row["cheapest_fits"]
+    assert fits and all(f["peak"] <= budget - margin for f in fits)
+    assert fits[0]["checkpointing"] is True and fits[0]["peak"] == ckpt.peak  # one change: checkpointing
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "AdamW does not fit in" in out and "as asked; changes that do (fewest first):" in out
+    assert "pydoc" in out and "README" not in out
+
+
+def test_cli_layout_suggestions_keep_the_margin(tmp_path, capsys):
+    """Without --batch: the cheapest combinations fit the budget less the margin, and --json lists them."""
+    import json
+
+    from lowmemopt.cli import main
+
+    path = _config_file(tmp_path)
+    meta = model_from_config(SMALL)
+    asked = estimate(meta, "adamw", 32).total
+    margin = asked // 4
+    budget = asked  # fits exactly without the margin, not with it
+    assert main(["estimate", path, "--optimizer", "adamw", "--state-bits", "32", "--gpu-memory", f"{budget}B",
+                 "--margin", f"{margin}B", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["fits"] is False and row["cheapest_fits"]
+    assert all(f["total"] <= budget - margin for f in row["cheapest_fits"])
