@@ -208,3 +208,38 @@ def test_cli_layout_suggestions_keep_the_margin(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out)
     assert row["fits"] is False and row["cheapest_fits"]
     assert all(f["total"] <= budget - margin for f in row["cheapest_fits"])
+
+
+def test_gpu_check_part_compares_the_e2e_rows(tmp_path, capsys):
+    """bench/fits.py --e2e-json (scripts/gpu-check's fits_e2e): each lowmemopt e2e row's traced peak against its
+    measured device peak, PASS within 5%, FAIL outside, process RSS and other libraries' rows not compared."""
+    import json
+
+    from helpers import load_bench
+
+    fits = load_bench("fits")
+    args = dict(vocab=301, hidden=64, intermediate=88, layers=2, heads=4, kv_heads=2, seq=16, batch=2, rank=8,
+                dtype="bf16")
+    config = dict(model_type="llama", vocab_size=301, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
+    galore = trace_step(config, "adamw", 8, batch=2, seq=16, dtype=torch.bfloat16, galore_rank=8,
+                        galore_target_modules=["attn", "mlp"], per_layer=True).peak
+    came = trace_step(config, "came", 8, batch=2, seq=16, dtype=torch.bfloat16).peak
+    rows = [dict(name="torch-adamw-fused", peak_bytes=1, peak_kind="device"),
+            dict(name="lowmemopt-galore-adamw-8bit-per-layer", peak_bytes=int(galore * 1.03), peak_kind="device"),
+            dict(name="lowmemopt-came-8bit", peak_bytes=int(came * 1.2), peak_kind="device"),
+            dict(name="lowmemopt-adamw-8bit", peak_bytes=10**9, peak_kind="rss")]
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(dict(args=args, rows=rows)))
+    lines, ok = fits.compare_e2e([str(path), str(tmp_path / "absent.json")])
+    table = "\n".join(lines)
+    assert not ok and "torch-adamw-fused" not in table
+    assert f"| lowmemopt-galore-adamw-8bit-per-layer | {galore * 1.03 / 2**30:.2f} | {galore / 2**30:.2f} | 0.971 | PASS |" \
+        in table
+    assert "| lowmemopt-came-8bit |" in table and "| 0.833 | FAIL |" in table
+    assert "| lowmemopt-adamw-8bit | 0.93 (process RSS, not a device peak) |" in table
+    rows[2]["peak_bytes"] = came
+    path.write_text(json.dumps(dict(args=args, rows=rows)))
+    assert fits.compare_e2e([str(path)])[1]
+    assert fits.main(["--e2e-json", str(path)]) == 0
+    assert "Target (traced within 5% of the measured peak on every row): PASS" in capsys.readouterr().out
