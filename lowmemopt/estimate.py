@@ -5,7 +5,7 @@ meta parameters and asked to create each parameter's state exactly as its first 
 formats, block sizes and ``min_quant_numel``), still on the meta device; the state figure is then the optimizer's own
 ``state_nbytes()``. So the number is exact by construction and follows any optimizer or format change, with no
 per-optimizer formula to keep in step. Activations, temporaries and framework overhead (CUDA context, allocator
-caching) are not included.
+caching) are not included here: :mod:`lowmemopt.traced_step` traces a whole training step for its peak.
 
 Two options change what the device holds rather than what exists: ``paged`` (state in host RAM or files between steps,
 :mod:`lowmemopt.paging`): the device holds at most three batches of state at a time (the one updating, the next

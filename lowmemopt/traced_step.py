@@ -122,7 +122,10 @@ def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, seq: in
          per_layer: bool, tracker: LiveMemory, real: bool, device: str) -> None:
     """One step under ``tracker``: real (the optimizer's own step, or :func:`lowmemopt.step_in_backward`) or traced
     (the state by construction, the update's workspace held for a moment)."""
-    vocab = model.config.vocab_size
+    vocab = getattr(model.config, "vocab_size", None)
+    if vocab is None or not hasattr(model, "lm_head") and not hasattr(model, "get_output_embeddings"):
+        raise ValueError(f"{type(model).__name__}: tracing a step needs a causal language model (a config whose "
+                         "model_type transformers builds as AutoModelForCausalLM)")
     trainable = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     handles = []
 
@@ -214,6 +217,9 @@ def trace_step(
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
         opt = build_optimizer(model, optimizer, state_bits, galore_rank, galore_target_modules, **optimizer_kwargs)
+        if any(g.get("paged") for g in opt.param_groups):
+            raise NotImplementedError(f"{optimizer}: paged state is not traced (the device holds only what is in "
+                                      "flight); the layout estimate (without --batch / --seq) counts it")
         peak = _step_peak(model, opt, optimizer, state_bits, galore_rank, batch, seq, checkpointing, per_layer,
                           real=False, device=device, lay_out=True)
     return peak._replace(seconds=time.perf_counter() - start)

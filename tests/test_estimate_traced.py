@@ -243,3 +243,17 @@ def test_gpu_check_part_compares_the_e2e_rows(tmp_path, capsys):
     assert fits.compare_e2e([str(path)])[1]
     assert fits.main(["--e2e-json", str(path)]) == 0
     assert "Target (traced within 5% of the measured peak on every row): PASS" in capsys.readouterr().out
+
+
+def test_trace_refuses_paged_state_and_models_without_a_loss(tmp_path, capsys):
+    from lowmemopt.cli import main
+
+    with pytest.raises(NotImplementedError, match="paged state is not traced"):
+        trace_step(SMALL, "paged_adamw8bit", 8, batch=1, seq=8)
+    assert main(["estimate", _config_file(tmp_path), "--optimizer", "paged_adamw8bit", "--batch", "1",
+                 "--seq", "8"]) == 1
+    assert "paged state is not traced" in capsys.readouterr().err
+    vit = dict(model_type="vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               image_size=32, patch_size=16)  # (no causal LM: built as AutoModel)
+    with pytest.raises(ValueError, match="needs a causal language model"):
+        trace_step(vit, "adamw", 32, batch=1, seq=8)
