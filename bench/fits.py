@@ -116,9 +116,9 @@ def compare_e2e(paths: list[str]) -> tuple[list[str], bool]:
             data = json.load(fh)
         a = data["args"]
         config = dict(model_type="llama", vocab_size=a["vocab"], hidden_size=a["hidden"],
-                      intermediate_size=a["intermediate"], num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
-                      num_key_value_heads=a["kv_heads"], max_position_embeddings=max(2048, a["seq"]),
-                      tie_word_embeddings=False)
+                      intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
+                      num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
+                      max_position_embeddings=max(2048, a["seq"]), tie_word_embeddings=False)
         dtype = torch.bfloat16 if a["dtype"] == "bf16" else torch.float32
         for row in data["rows"]:
             name = row["name"]

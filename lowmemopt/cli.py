@@ -404,8 +404,8 @@ def _estimate(args: argparse.Namespace) -> int:
         print("state: state_bits=N; GaLore rank R: lowmemopt.galore_param_groups(model, rank=R) as the params; paged: "
               "paged=True (state in host RAM except what the device has room for; page_budget_bytes=0 guarantees the "
               "device holds only 3 buckets of state at a time); per-layer: "
-              "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no global-norm "
-              f"clipping). {_HOW_TO}")
+              "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no "
+              f"global-norm clipping). {_HOW_TO}")
     return 0
 
 

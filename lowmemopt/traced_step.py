@@ -13,10 +13,9 @@ real and measures it the same way (``tests/test_estimate_traced.py`` compares th
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
@@ -77,9 +76,9 @@ def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: 
     from .projection import projector as pj
     from .projection.step import proj_dtype
 
-    import lowmemopt
+    from .optim.apollo import APOLLOAdamW
 
-    apollo = isinstance(opt, lowmemopt.APOLLOAdamW)
+    apollo = isinstance(opt, APOLLOAdamW)
     held: dict[Any, int] = {}
     low_total, largest = 0, 0
     for p, group in _matrices(opt):
@@ -118,8 +117,8 @@ def _checkpointing(model: torch.nn.Module) -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, checkpointing: bool,
-         per_layer: bool, tracker: LiveMemory, real: bool, device: str) -> None:
+def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, per_layer: bool,
+         tracker: LiveMemory, real: bool, device: str) -> None:
     """One step under ``tracker``: real (the optimizer's own step, or :func:`lowmemopt.step_in_backward`) or traced
     (the state by construction, the update's workspace held for a moment)."""
     vocab = getattr(model.config, "vocab_size", None)
@@ -249,7 +248,7 @@ def measure_step(
         _checkpointing(model)
     model.train()
     for _ in range(warmup):
-        _run(model, opt, batch, seq, False, per_layer, LiveMemory(), real=True, device=device)
+        _run(model, opt, batch, seq, per_layer, LiveMemory(), real=True, device=device)
     start = time.perf_counter()
     peak = _step_peak(model, opt, optimizer, state_bits, galore_rank, batch, seq, False, per_layer, real=True,
                       device=device, lay_out=False)
@@ -272,7 +271,7 @@ def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, st
                         opt._first_state(p, group)
     tracker.note(_state_tensors(opt), "optimizer state")
     tracker.reset_peak()
-    _run(model, opt, batch, seq, checkpointing, per_layer, tracker, real, device)
+    _run(model, opt, batch, seq, per_layer, tracker, real, device)
     trainable = sum(p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad)
     return StepPeak(type(opt).__name__, state_bits, galore_rank, batch, seq, checkpointing, per_layer, trainable,
                     tracker.peak, {c: tracker.at_peak[c] for c in CATEGORIES}, 0.0)
