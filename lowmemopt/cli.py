@@ -279,7 +279,7 @@ def _add_estimate(subparsers: Any) -> None:
                    help=f"optimizer name(s), comma-separated (default {_ESTIMATE_DEFAULT_OPTIMIZERS})")
     p.add_argument("--state-bits", type=int, choices=[32, 16, 8, 4], action="append",
                    help="state format(s); repeat for several (default: the name's own, e.g. 8 for adamw8bit, "
-                   "else 32, 16, 8 and 4)")
+                   "else 32, 16, 8 and 4; a traced step: the name's own only)")
     p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R")
     p.add_argument("--galore-target", default="all-linear", metavar="MODULES",
                    help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names "
