@@ -410,8 +410,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 #: where a pip user reads how to apply a suggestion (the docstrings ship with the package)
-_HOW_TO = ("How: python -m pydoc lowmemopt.galore_param_groups, lowmemopt.step_in_backward, lowmemopt.AdamW "
-           "(state_bits, paged).")
+_HOW_TO = ("Details: python -m pydoc lowmemopt.galore_param_groups; python -m pydoc lowmemopt.step_in_backward; "
+           "python -m pydoc lowmemopt.AdamW (state_bits, paged).")
 
 
 def _step_problem(args: argparse.Namespace) -> str | None:
