@@ -63,14 +63,16 @@ def _matrices(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[str, 
     return [(p, g) for g in opt.param_groups if g.get("rank") is not None for p in g["params"]]
 
 
-def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: bool = False) -> dict[Any, int]:
+def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: bool = False,
+                   refresh: bool = True) -> dict[Any, int]:
     """Bytes the optimizer's update holds beyond the state, by construction: ``{param: bytes}`` for a per-layer step
     (each held while that parameter steps), ``{None: bytes}`` for a whole-model step. The fused elementwise and
     factored kernels update the state in place and hold nothing of a tensor's size. A GaLore matrix (m x n, rank r,
     projected side of size s, the other of size t) holds its low-rank gradient and update (r x t, fp32, plus the
     bf16 product for a bf16 weight), the full-size update (m x n fp32 and the bf16 product; on the CPU in row
-    chunks) and, for a non-fp32 weight, its fp32 copy; at a basis refresh (every ``update_proj_gap`` steps) the fp32
-    gradient and the SVD's factors (m x k, k x n, k = min(m, n)). An APOLLO matrix: its fp32 gradient, the step's
+    chunks) and, for a non-fp32 weight, its fp32 copy; at a basis refresh (every ``update_proj_gap`` steps;
+    ``refresh=False``: a step between refreshes) the fp32 copy of a non-fp32 gradient and the SVD's factors (m x k,
+    k x n, k = min(m, n)). An APOLLO matrix: its fp32 gradient, the step's
     random projection, the low-rank gradient and update, and the scaled full-size update."""
     from .pipeline.backends import CHUNK_NUMEL
     from .projection import projector as pj
@@ -97,8 +99,8 @@ def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: 
             rows = m if device == "cuda" else max(1, min(m, CHUNK_NUMEL // max(n, 1)))
             full = rows * n * (4 + (0 if narrow is None else torch.finfo(narrow).bits // 8))
             kk = min(m, n)
-            refresh = m * n * 4 + (m * kk + kk * n + kk) * 4
-            one = max(low_bytes + full + copy, refresh)
+            svd = copy + (m * kk + kk * n + kk) * 4 if refresh else 0
+            one = max(low_bytes + full + copy, svd)
         if per_layer:
             held[p] = one
         low_total += low_bytes
@@ -118,7 +120,7 @@ def _checkpointing(model: torch.nn.Module) -> None:
 
 
 def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, per_layer: bool,
-         tracker: LiveMemory, real: bool, device: str) -> None:
+         tracker: LiveMemory, real: bool, device: str, refresh: bool = True) -> None:
     """One step under ``tracker``: real (the optimizer's own step, or :func:`lowmemopt.step_in_backward`) or traced
     (the state by construction, the update's workspace held for a moment)."""
     vocab = getattr(model.config, "vocab_size", None)
@@ -139,7 +141,7 @@ def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, seq: in
 
         stepper = step_in_backward(model, opt)
     elif per_layer:
-        held = step_workspace(opt, device, per_layer=True)
+        held = step_workspace(opt, device, per_layer=True, refresh=refresh)
 
         def traced_update(p: torch.Tensor) -> None:
             tracker.hold(held.get(p, 0))
@@ -158,7 +160,7 @@ def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, seq: in
                 if real and not per_layer:
                     opt.step()
                 elif not per_layer:
-                    tracker.hold(sum(step_workspace(opt, device).values()))
+                    tracker.hold(sum(step_workspace(opt, device, refresh=refresh).values()))
                 for p in trainable:
                     p.grad = None
     finally:
@@ -185,6 +187,7 @@ def trace_step(
     checkpointing: bool = False,
     per_layer: bool = False,
     device: str = "cuda",
+    refresh: bool = True,
     **optimizer_kwargs: Any,
 ) -> StepPeak:
     """The peak of one training step of the model ``config`` describes, traced on fake tensors (module docstring).
@@ -201,6 +204,8 @@ def trace_step(
             step_in_backward`).
         device: the device to account for: ``"cuda"`` (allocations rounded to the caching allocator's 512-byte
             blocks; GaLore's full-size update in one piece) or ``"cpu"`` (exact bytes; the CPU's row chunks).
+        refresh: count a GaLore basis refresh (the SVD; every ``update_proj_gap`` steps, so part of a run's peak);
+            False: a step between refreshes.
         optimizer_kwargs: more optimizer keywords.
 
     Returns:
@@ -220,7 +225,7 @@ def trace_step(
             raise NotImplementedError(f"{optimizer}: paged state is not traced (the device holds only what is in "
                                       "flight); the layout estimate (without --batch / --seq) counts it")
         peak = _step_peak(model, opt, optimizer, state_bits, galore_rank, batch, seq, checkpointing, per_layer,
-                          real=False, device=device, lay_out=True)
+                          real=False, device=device, lay_out=True, refresh=refresh)
     return peak._replace(seconds=time.perf_counter() - start)
 
 
@@ -257,7 +262,7 @@ def measure_step(
 
 def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, state_bits: int,
                galore_rank: int | None, batch: int, seq: int, checkpointing: bool, per_layer: bool, real: bool,
-               device: str, lay_out: bool) -> StepPeak:
+               device: str, lay_out: bool, refresh: bool = True) -> StepPeak:
     tracker = LiveMemory(round_to=CUDA_BLOCK if device == "cuda" else 1)
     if checkpointing:
         _checkpointing(model)
@@ -271,7 +276,7 @@ def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, st
                         opt._first_state(p, group)
     tracker.note(_state_tensors(opt), "optimizer state")
     tracker.reset_peak()
-    _run(model, opt, batch, seq, per_layer, tracker, real, device)
+    _run(model, opt, batch, seq, per_layer, tracker, real, device, refresh)
     trainable = sum(p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad)
     return StepPeak(type(opt).__name__, state_bits, galore_rank, batch, seq, checkpointing, per_layer, trainable,
                     tracker.peak, {c: tracker.at_peak[c] for c in CATEGORIES}, 0.0)

@@ -42,7 +42,7 @@ def test_traced_peak_matches_the_real_step(config, opt, checkpointing):
     cfg, batch, seq = CONFIGS[config]
     name, bits, rank, per_layer = OPTIMIZERS[opt]
     kw = dict(batch=batch, seq=seq, galore_rank=rank, checkpointing=checkpointing, per_layer=per_layer)
-    traced = trace_step(cfg, name, bits, device="cpu", **kw)
+    traced = trace_step(cfg, name, bits, device="cpu", refresh=False, **kw)  # (the measured step: between refreshes)
     real = measure_step(real_model(cfg), name, bits, **kw)
     assert abs(traced.peak / real.peak - 1) <= 0.05, (traced, real)
     # the parts that are laid out, not traced, are exact
@@ -89,7 +89,7 @@ def test_galore_step_workspace_by_construction():
     gate = model.model.layers[0].mlp.gate_proj.weight  # 256 x 128, bf16: projected on the right (256 x 16)
     low = 256 * 16
     steady = 2 * low * 4 + low * 2 + 256 * 128 * (4 + 2) + 256 * 128 * 4  # low-rank, full-size, fp32 weight
-    refresh = 256 * 128 * 4 + (256 * 128 + 128 * 128 + 128) * 4  # fp32 gradient, U, Vh, S
+    refresh = 256 * 128 * 4 + (256 * 128 + 128 * 128 + 128) * 4  # fp32 copy of the bf16 gradient, U, Vh, S
     assert each[gate] == max(steady, refresh) == steady
     assert len(each) == 2 * 3 and whole[None] == 6 * (2 * low * 4 + low * 2) + steady - (2 * low * 4 + low * 2)
     cpu = step_workspace(opt, "cpu", per_layer=True)  # the CPU's row chunks hold no more than the whole matrix
