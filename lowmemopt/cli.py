@@ -275,9 +275,12 @@ def _add_estimate(subparsers: Any) -> None:
         description="Bytes of weights, gradients and optimizer state of training the model a transformers "
         "config.json describes, for each optimizer x state format (and GaLore), and whether the total fits. The "
         "model is built on the meta device (nothing is allocated); the state figure is exact: each optimizer lays "
-        "out its own state. Activations and framework overhead are not included. When an optimizer does not fit "
-        "--gpu-memory as asked, the cheapest combinations of state bits, GaLore rank, paged state and per-layer "
-        "updates that do fit are listed, each with its total.",
+        "out its own state. With --batch and --seq, one whole training step (forward, loss, backward, the update) "
+        "is traced on fake tensors instead, and its peak is reported with what is live at that moment: weights, "
+        "gradients, optimizer state, activations, temporaries and the update's workspace. When an optimizer does "
+        "not fit --gpu-memory less --margin as asked, the cheapest changes that do fit are listed (state bits, "
+        "GaLore rank, paged state and per-layer updates; traced: checkpointing, per-layer updates, state bits and "
+        "the batch).",
     )
     p.add_argument("config", help="a transformers config.json on disk (needs the 'model_type' key; nothing is "
                    "downloaded), or a preset: llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3-70b (short: "
@@ -286,7 +289,7 @@ def _add_estimate(subparsers: Any) -> None:
                    help=f"optimizer name(s), comma-separated (default {_ESTIMATE_DEFAULT_OPTIMIZERS})")
     p.add_argument("--state-bits", type=int, choices=[32, 16, 8, 4], action="append",
                    help="state format(s); repeat for several (default: the name's own, e.g. 8 for adamw8bit, "
-                   "else 32, 16, 8 and 4)")
+                   "else 32, 16, 8 and 4; a traced step: the name's own only)")
     p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R")
     p.add_argument("--galore-target", default="all-linear", metavar="MODULES",
                    help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names "
@@ -300,6 +303,16 @@ def _add_estimate(subparsers: Any) -> None:
                    "(default: the CUDA device's, if there is one)")
     p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an optimizer keyword, e.g. beta1=0.9 or momentum=0.9 (repeatable)")
+    p.add_argument("--batch", type=int, metavar="B", help="trace one training step of B sequences (with --seq)")
+    p.add_argument("--seq", type=int, metavar="S", help="tokens per sequence of the traced step (with --batch)")
+    p.add_argument("--checkpointing", action="store_true", help="traced step: activation checkpointing on")
+    p.add_argument("--per-layer", action="store_true",
+                   help="traced step: per-layer updates inside backward (lowmemopt.step_in_backward)")
+    p.add_argument("--measure", action="store_true", help="trace the step (the default when --batch and --seq "
+                   "are given; needs them)")
+    p.add_argument("--margin", default="1GiB", metavar="SIZE",
+                   help="memory kept free of what is counted: the CUDA context and the allocator's slack "
+                   "(default 1GiB; a number alone is GiB)")
     p.add_argument("--json", action="store_true", help="print JSON (exact bytes) instead of a table")
     p.set_defaults(func=_estimate)
 
@@ -316,6 +329,9 @@ def _estimate(args: argparse.Namespace) -> int:
         problem = missing_config_message(args.config)
     if problem is None and args.galore_rank is not None and args.galore_rank < 1:
         problem = f"--galore-rank must be >= 1, got {args.galore_rank}"
+    traced = args.measure or args.batch is not None or args.seq is not None
+    if problem is None and traced:
+        problem = _step_problem(args)
     if problem is None and importlib.util.find_spec("transformers") is None:
         problem = "it builds the model with transformers: pip install 'lowmemopt[hf]' (or pip install transformers)"
     if problem is not None:
@@ -328,6 +344,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     try:
         budget = _gpu_memory(args.gpu_memory, parse_bytes) if args.gpu_memory else _cuda_memory()
+        margin = _gpu_memory(args.margin, parse_bytes)
         opt_kwargs = dict(_key_value(kv) for kv in args.opt_arg)
         if args.bf16_update:
             opt_kwargs["bf16_update"] = args.bf16_update
@@ -341,6 +358,9 @@ def _estimate(args: argparse.Namespace) -> int:
         ranks = [None] if args.galore_rank is None else [None, args.galore_rank]
         target = args.galore_target if args.galore_target == "all-linear" or "," not in args.galore_target \
             else [t.strip() for t in args.galore_target.split(",") if t.strip()]
+        if traced:
+            return _estimate_step(args, names, config, source, model, DTYPES[dtype], dtype + dtype_note, target,
+                                  budget, margin, opt_kwargs)
         rows_of = {name: [estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
                           for bits in _bits_for(name, args.state_bits, default_state_bits) for rank in ranks]
                    for name in names}
@@ -348,9 +368,9 @@ def _estimate(args: argparse.Namespace) -> int:
         fits_of = {}  # name -> the cheapest combinations that fit, for a name none of whose rows fits
         if budget is not None:
             for name, its_rows in rows_of.items():
-                if all(r.total > budget for r in its_rows):
+                if all(r.total > budget - margin for r in its_rows):
                     asked = [args.galore_rank] if args.galore_rank is not None else None
-                    fits_of[name] = cheapest_fits(model, name, budget, state_bits=[32, 16, 8, 4] if max(
+                    fits_of[name] = cheapest_fits(model, name, budget - margin, state_bits=[32, 16, 8, 4] if max(
                         r.state_bits for r in its_rows) == 32 else sorted({r.state_bits for r in its_rows}),
                         ranks=asked, galore_target_modules=target, **opt_kwargs)
     except (ValueError, TypeError, OSError, NotImplementedError) as e:
@@ -358,29 +378,32 @@ def _estimate(args: argparse.Namespace) -> int:
         return 1
 
     if args.json:
-        out = [dict(r._asdict(), total=r.total, fits=None if budget is None else r.total <= budget,
-                    dtype=dtype, gpu_memory=budget) for r in rows]
+        out = [dict(r._asdict(), total=r.total, fits=None if budget is None else r.total <= budget - margin,
+                    dtype=dtype, gpu_memory=budget, margin=margin,
+                    cheapest_fits=[dict(f._asdict(), total=f.total) for f in fits_of.get(name, [])])
+               for name in names for r in rows_of[name]]
         print(json.dumps(out, indent=2))
         return 0
     n = rows[0].params
     print(f"{type(model).__name__} from {source}: {n / 1e9:.3f}B trainable parameters, {dtype}{dtype_note} "
           "weights and gradients")
-    fits_head = f" fits in {format_bytes(budget)} |" if budget is not None else ""
+    fits_head = f" fits in {format_bytes(budget)} less {format_bytes(margin)} |" if budget is not None else ""
     print(f"| optimizer | state | GaLore | weights | grads | optimizer state | total |{fits_head}")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |" + (" --- |" if budget is not None else ""))
     for r in rows:
-        fits = (" yes |" if r.total <= budget else " no |") if budget is not None else ""
+        fits = (" yes |" if r.total <= budget - margin else " no |") if budget is not None else ""
         print(f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {format_bytes(r.weights)} | "
               f"{format_bytes(r.grads)} | {format_bytes(r.state)} | {format_bytes(r.total)} |{fits}")
-    print("Not included: activations, temporaries, CUDA context and allocator caching. 1 GiB = 2^30 bytes.")
+    print("Not included: activations and temporaries (give --batch and --seq to trace a whole step), the CUDA "
+          f"context and allocator caching (--margin {format_bytes(margin)} is kept free for them). 1 GiB = 2^30 bytes.")
     for name, fits in fits_of.items():
         optimizer = rows_of[name][0].optimizer
         if not fits:
             print(f"\n{optimizer} does not fit in {format_bytes(budget)} with any combination of state bits, GaLore "
                   f"rank, paged state and per-layer updates (the weights alone: {format_bytes(rows[0].weights)}).")
             continue
-        print(f"\n{optimizer} does not fit in {format_bytes(budget)} as asked; the cheapest combinations that do "
-              "(fewest changes first):")
+        print(f"\n{optimizer} does not fit in {format_bytes(budget)} less a {format_bytes(margin)} margin as asked; "
+              "the cheapest combinations that do (fewest changes first):")
         print("| state | GaLore | paged | per-layer | weights | grads | optimizer state | total |")
         print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
         for r in fits:
@@ -391,9 +414,110 @@ def _estimate(args: argparse.Namespace) -> int:
         print("state: state_bits=N; GaLore rank R: lowmemopt.galore_param_groups(model, rank=R) as the params; paged: "
               "paged=True (state in host RAM except what the device has room for; page_budget_bytes=0 guarantees the "
               "device holds only 3 buckets of state at a time); per-layer: "
-              "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no global-norm "
-              "clipping). See README.md.")
+              "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no "
+              f"global-norm clipping). {_HOW_TO}")
     return 0
+
+
+#: where a pip user reads how to apply a suggestion (the docstrings ship with the package)
+_HOW_TO = ("Details: python -m pydoc lowmemopt.galore_param_groups; python -m pydoc lowmemopt.step_in_backward; "
+           "python -m pydoc lowmemopt.AdamW (state_bits, paged).")
+
+
+def _step_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the traced step's arguments, if anything (checked before the slow imports)."""
+    if args.batch is None or args.seq is None:
+        return "tracing a step needs both --batch B and --seq S (e.g. --batch 16 --seq 256)"
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    return None
+
+
+def _estimate_step(args: argparse.Namespace, names: list[str], config: Any, source: str, model: Any, dtype: Any,
+                   dtype_text: str, target: Any, budget: int | None, margin: int, opt_kwargs: dict) -> int:
+    """``lowmemopt estimate --batch B --seq S``: trace one training step per optimizer x state format (x GaLore),
+    print the peaks and their breakdown, and for an optimizer none of whose rows fits, the cheapest changes that do
+    (:func:`lowmemopt.traced_step.cheaper_steps`)."""
+    from .estimate import default_state_bits, format_bytes
+    from .registry import resolve
+    from .traced_step import cheaper_steps, trace_step
+
+    common = dict(batch=args.batch, seq=args.seq, dtype=dtype, galore_target_modules=target, device="cuda",
+                  **opt_kwargs)
+    rows_of: dict[str, list[Any]] = {}
+    fits_of: dict[str, list[Any]] = {}
+    for name in names:
+        galore_name = resolve(name).galore
+        ranks = [args.galore_rank] if galore_name or args.galore_rank is None else [None, args.galore_rank]
+        if galore_name and args.galore_rank is None:
+            raise_text = f"{name} runs in GaLore groups: give --galore-rank R"
+            print(f"lowmemopt estimate: {raise_text}", file=sys.stderr)
+            return 1
+        bits = list(dict.fromkeys(args.state_bits)) if args.state_bits else [default_state_bits(name)]
+        try:
+            rows_of[name] = [trace_step(config, name, b, galore_rank=r, checkpointing=args.checkpointing,
+                                        per_layer=args.per_layer, **common) for b in bits for r in ranks]
+            if budget is not None and all(r.peak > budget - margin for r in rows_of[name]):
+                first = rows_of[name][0]
+                fits_of[name] = cheaper_steps(config, name, first.state_bits, budget=budget - margin,
+                                              checkpointing=args.checkpointing, per_layer=args.per_layer,
+                                              galore_rank=first.galore_rank, **common)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            print(f"lowmemopt estimate: {e}", file=sys.stderr)
+            return 1
+    parts = ("weights", "gradients", "optimizer state", "activations", "temporaries", "step workspace")
+    if args.json:
+        def row(r: Any, fits: list[Any] | None) -> dict[str, Any]:
+            out = dict(r._asdict(), total=r.peak, dtype=dtype_text.split()[0], gpu_memory=budget, margin=margin,
+                       fits=None if budget is None else r.peak <= budget - margin)
+            if fits is not None:
+                out["cheapest_fits"] = [row(f, None) for f in fits]
+            return out
+
+        print(json.dumps([row(r, fits_of.get(name, [])) for name in names for r in rows_of[name]], indent=2))
+        return 0
+    first = rows_of[names[0]][0]
+    how = ", ".join(x for x in ("checkpointing" if args.checkpointing else "",
+                                "per-layer updates" if args.per_layer else "") if x) or "no checkpointing"
+    seconds = sum(r.seconds for rs in rows_of.values() for r in rs)
+    print(f"{type(model).__name__} from {source}: {first.params / 1e9:.3f}B trainable parameters, {dtype_text} "
+          f"weights and gradients")
+    print(f"One training step, batch {args.batch} x {args.seq} tokens, {how}; traced on fake tensors "
+          f"({seconds:.1f} s). The peak, and what is live at that moment:")
+    fits_head = f" fits in {format_bytes(budget)} less {format_bytes(margin)} |" if budget is not None else ""
+    print("| optimizer | state | GaLore | " + " | ".join(parts) + f" | peak |{fits_head}")
+    print("| --- | --- | --- |" + " ---: |" * (len(parts) + 1) + (" --- |" if budget is not None else ""))
+    for name in names:
+        for r in rows_of[name]:
+            print(_step_row(r, parts, budget, margin, format_bytes))
+    print("Counted as a CUDA device holds it (allocations in 512-byte blocks). Not counted: the CUDA context and the "
+          f"allocator's free cached blocks (--margin {format_bytes(margin)} is kept for them). 1 GiB = 2^30 bytes.")
+    for name, fits in fits_of.items():
+        optimizer = rows_of[name][0].optimizer
+        if not fits:
+            print(f"\n{optimizer} does not fit in {format_bytes(budget)} less {format_bytes(margin)} with "
+                  "checkpointing, per-layer updates, fewer state bits or a smaller batch; try --galore-rank, "
+                  "a shorter --seq, or paged state (without --batch, the layout estimate lists those).")
+            continue
+        print(f"\n{optimizer} does not fit in {format_bytes(budget)} less {format_bytes(margin)} as asked; changes "
+              "that do (fewest first):")
+        print("| state | batch | checkpointing | per-layer | peak | spare |")
+        print("| --- | ---: | --- | --- | ---: | ---: |")
+        for f in fits:
+            print(f"| {f.state_bits}-bit | {f.batch} | {'yes' if f.checkpointing else 'no'} | "
+                  f"{'yes' if f.per_layer else 'no'} | {format_bytes(f.peak)} | "
+                  f"{format_bytes(budget - margin - f.peak)} |")
+        print("checkpointing: model.gradient_checkpointing_enable(); per-layer: lowmemopt.step_in_backward(model, "
+              f"opt); state: state_bits=N. {_HOW_TO}")
+    return 0
+
+
+def _step_row(r: Any, parts: tuple[str, ...], budget: int | None, margin: int, format_bytes: Callable) -> str:
+    fits = ("yes |" if r.peak <= budget - margin else "no |") if budget is not None else ""
+    cells = " | ".join(format_bytes(r.at_peak[p]) for p in parts)
+    return (f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {cells} | {format_bytes(r.peak)} | "
+            f"{fits}")
 
 
 #: a size above this, given as a number without a unit (GiB), is surely a count of bytes typed without its "B"

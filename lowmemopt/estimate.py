@@ -5,7 +5,7 @@ meta parameters and asked to create each parameter's state exactly as its first 
 formats, block sizes and ``min_quant_numel``), still on the meta device; the state figure is then the optimizer's own
 ``state_nbytes()``. So the number is exact by construction and follows any optimizer or format change, with no
 per-optimizer formula to keep in step. Activations, temporaries and framework overhead (CUDA context, allocator
-caching) are not included.
+caching) are not included here: :mod:`lowmemopt.traced_step` traces a whole training step for its peak.
 
 Two options change what the device holds rather than what exists: ``paged`` (state in host RAM or files between steps,
 :mod:`lowmemopt.paging`): the device holds at most three batches of state at a time (the one updating, the next
@@ -172,16 +172,23 @@ def _variant(layout: _Layout, paged: bool, per_layer: bool) -> MemoryEstimate:
                           grads, state, paged, per_layer)
 
 
-def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs) -> _Layout:
+def _optimizer_for(model: torch.nn.Module, optimizer: str, state_bits: int, galore_rank: int | None,
+                   galore_target_modules: Any, optimizer_kwargs: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer`` names, on ``model``'s parameters (GaLore groups for a ``galore_rank``, the class's
+    own groups otherwise; meta copies for a class that needs a process group), no state yet."""
     resolved = resolve(optimizer)
     named = list(model.named_parameters())
-    trainable = [p for _, p in named if p.requires_grad]
+    optimizer_kwargs = dict(optimizer_kwargs)
     if galore_rank is not None:
         import lowmemopt
 
         if not hasattr(lowmemopt, "galore_param_groups"):
             raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
-        params: Any = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
+        if issubclass(resolved.cls, lowmemopt.APOLLOAdamW):  # APOLLO's groups; rank 1: APOLLO-Mini's tensor scale
+            params: Any = lowmemopt.apollo_param_groups(model, galore_rank, galore_target_modules,
+                                                        scale_type="tensor" if galore_rank == 1 else "channel")
+        else:
+            params = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
     elif getattr(resolved.cls, "named_groups", False):  # (Adam-mini: its blocks by name, heads from the config)
         params = [(n, p) for n, p in named if p.requires_grad]
         optimizer_kwargs = {**resolved.cls.model_keywords(getattr(model, "config", None)), **optimizer_kwargs}
@@ -190,11 +197,17 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
     if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group
         params = _on_meta(params)
     try:
-        opt = instantiate(resolved.cls, params, **{**resolved.kwargs, **optimizer_kwargs, "state_bits": state_bits})
+        return instantiate(resolved.cls, params, **{**resolved.kwargs, **optimizer_kwargs, "state_bits": state_bits})
     except TypeError as e:
         raise TypeError(f"{resolved.cls.__name__}: {e}") from e
+
+
+def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs) -> _Layout:
+    opt = _optimizer_for(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs)
+    named = list(model.named_parameters())
+    trainable = [p for _, p in named if p.requires_grad]
     return _Layout(
-        optimizer=resolved.cls.__name__,
+        optimizer=type(opt).__name__,
         state_bits=state_bits,
         galore_rank=galore_rank,
         params=sum(p.numel() for p in trainable),

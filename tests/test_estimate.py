@@ -124,7 +124,7 @@ def test_cli_estimate_json_matches_a_real_step(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
     assert cli_main(["estimate", str(path), "--optimizer", "came8bit,lion", "--state-bits", "8",
-                     "--gpu-memory", "1MiB", "--json"]) == 0
+                     "--gpu-memory", "1MiB", "--margin", "0", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["optimizer"], r["state_bits"]) for r in rows] == [("CAME8bit", 8), ("Lion", 8)]
     assert rows[0]["state"] == state_after_one_step(lowmemopt.CAME8bit, 8)
@@ -336,16 +336,18 @@ def test_cli_estimate_lists_the_cheapest_combinations_that_fit(tmp_path, capsys)
                 assert not (e.state_bits >= f.state_bits and e.paged <= f.paged and e.per_layer <= f.per_layer and
                             (e.galore_rank is None or (f.galore_rank is not None and e.galore_rank >= f.galore_rank)))
 
-    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", f"{budget // 1024}KiB"]) == 0
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", f"{budget // 1024}KiB",
+                     "--margin", "0"]) == 0
     out = capsys.readouterr().out
-    assert f"AdamW does not fit in {format_bytes(budget)} as asked; the cheapest combinations that do" in out
+    assert (f"AdamW does not fit in {format_bytes(budget)} less a 0 B margin as asked; the cheapest combinations "
+            "that do") in out
     listed = [line for line in out.split("fewest changes first):")[1].splitlines() if line.startswith("| ") and "-bit" in line]
     assert listed and len(listed) == len(fits)
     first = fits[0]
     assert listed[0] == (f"| {first.state_bits}-bit | {first.galore_rank or '—'} | {'yes' if first.paged else 'no'} | "
                          f"{'yes' if first.per_layer else 'no'} | {format_bytes(first.weights)} | "
                          f"{format_bytes(first.grads)} | {format_bytes(first.state)} | {format_bytes(first.total)} |")
-    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "100KiB"]) == 0
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "100KiB", "--margin", "0"]) == 0
     assert "does not fit in 100.00 KiB with any combination" in capsys.readouterr().out
     assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "80GB"]) == 0
     assert "cheapest combinations" not in capsys.readouterr().out  # it fits: nothing to suggest

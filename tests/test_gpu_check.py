@@ -218,8 +218,8 @@ def test_gpu_check_selects_parts(tmp_path):
                     ("sweep", 900, "python bench/fused_kernels.py --sweep --sizes 100M --dtypes fp32,bf16 "
                                    "--json $WORK/sweep.json")]
     _, plan = _plan(tmp_path, "--full")
-    assert [n for n, _, _ in plan] == ["tests", "gpu_slow_tests", "kernel_resources", "fused_kernels", "e2e", "paging",
-                                       "galore", "host_overhead", "profile_step"]
+    assert [n for n, _, _ in plan] == ["tests", "gpu_slow_tests", "kernel_resources", "fused_kernels", "e2e",
+                                       "fits_e2e", "paging", "galore", "host_overhead", "profile_step"]
     _, plan = _plan(tmp_path, "--full", "--skip-tests")
     assert [n for n, _, _ in plan][:2] == ["kernel_resources", "fused_kernels"]
     _, plan = _plan(tmp_path, "--skip-bench", "--deadline", "300")
