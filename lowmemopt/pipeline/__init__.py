@@ -346,7 +346,7 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
     projected: list[Item] = []
     inner: dict[int, tuple[dict, dict, float]] = {}
     fused_galore = None  # asked at the first projected parameter
-    galore, algorithm = plan.galore, plan.algorithm
+    galore = plan.galore
     states = plan.state
     for p, group in work:
         state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
