@@ -55,11 +55,9 @@ def triton_usable(devices: set[torch.device]) -> bool:
 
 @contextmanager
 def communicating(plan: Plan, work: Work) -> Iterator[None]:
-    """The communicate stage around one step of ``work`` ((param, group) with gradients), where ``plan.communicate``
-    is one (:class:`lowmemopt.distributed.onebit.OnebitStage`; nothing otherwise): on entry each gradient is replaced
-    by what the update reads (averaged over the ranks, or the compressed mean of the algorithm's message), so that the
-    non-finite check and the update see it; on exit the gradients are given back, and after an update that raised
-    nothing the stage finishes the step (0/1 Adam's synchronisation)."""
+    """``plan.communicate`` (the 1-bit optimizers' stage) around one step of ``work``: each gradient replaced by what
+    the update reads on entry, given back on exit, the step finished after an update that raised nothing
+    (docs/onebit.md)."""
     stage = plan.communicate
     if stage is None:
         yield
@@ -73,10 +71,8 @@ def communicating(plan: Plan, work: Work) -> Iterator[None]:
 
 
 def new_seeds(plan: Plan, work: Work) -> Any:
-    """The context of a step of ``work`` ((param, group), in the step's order) in which the stochastic-rounding seeds
-    of new states are drawn in that order (:func:`lowmemopt.rounding.seeds_in_order`): whatever order the backends
-    and paged batches make the states in, and whichever gradients turn out non-finite, each parameter gets the seed
-    it gets in the unpaged step."""
+    """The context in which new states draw their stochastic-rounding seeds in ``work``'s order, whatever order the
+    backends and paged batches make them in (:func:`lowmemopt.rounding.seeds_in_order`)."""
     def pending() -> list[torch.Tensor]:
         locals_ = ((local_tensor(p), group, plan.state.get(p, ())) for p, group in work)
         return [t for t, group, st in locals_
@@ -86,14 +82,16 @@ def new_seeds(plan: Plan, work: Work) -> Any:
 
 
 def run(plan: Plan) -> StepOutcome:
-    """Step ``plan.work``: the one way through a step, whatever the entry (``step()``, the per-layer hook).
+    """Step ``plan.work``, whatever the entry (``step()``, the per-layer hook): the one way through a step.
 
-    The plan's fields choose the strategy: a capturable step (``plan.capturable``: nothing read back), per-layer
-    updates (``plan.finite_known``: the gradients vouched finite or ``plan.flags``), the kept launch tables
-    (``plan.program``, while they apply), loss scaling (``plan.grad_mult``, ``plan.found_inf``), paging
-    (``plan.pager``), and where the non-finite check is decided (on the device, by the kernels, or on the host:
-    docs/internals.md#non-finite-gradients). Leaves in ``plan.program`` the launch tables to keep; returns the skips
-    to count and settle (:class:`~.plan.StepOutcome`)."""
+    Args:
+        plan: the step's plan; its fields choose the strategy (capturable, per-layer, the kept launch tables, loss
+            scaling, paging, where the non-finite check is decided: docs/architecture.md). The run leaves in
+            ``plan.program`` the launch tables to keep.
+
+    Returns:
+        The skips to count now and to settle at the next step.
+    """
     work = plan.work
     if plan.capturable:
         check_state_fits(plan, work, plan.record.owner)
@@ -222,13 +220,10 @@ def _capturable(plan: Plan) -> StepOutcome:
 def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                grads: list[torch.Tensor], pipe: CpuFiniteChecks | None, pager: Any, flags: DeviceFlags | None = None,
                device_steps: bool = False) -> None:
-    """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
-    gradient checked in the native kernels' pipeline (:func:`step_in_order`); ``pager``: the paging manager, or None
-    when nothing is paged; ``plan.kernels``: the algorithm's fused kernels (None: the per-tensor backends only);
-    ``plan.galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or None when no param group is projected;
-    ``flags``: the gradients' finiteness on the device (:mod:`.finite`; ``finite`` then says True for all,
-    provisionally), read on the host only after the kernels are launched. ``device_steps``: a capturable step
-    (:mod:`.capture`): everything through the kernels, nothing read back."""
+    """The stages over ``todo`` ((index, param, group), gradients not known to be non-finite): buckets for the Triton
+    kernels or the native CPU kernels, the rest one at a time, batch by batch when ``pager`` moves state.
+    ``finite[i] is None``: a CPU gradient the kernels' pipeline checks (:func:`step_in_order`); ``flags``: the
+    finiteness on the device, read only after the launches; ``device_steps``: a capturable step."""
     kernels = plan.kernels  # (None: no Triton kernel, or none usable for this step's devices)
     if kernels is not None and (kernels.triton is None or not triton_usable({p.device for _, p, _ in todo})):
         kernels = None
@@ -300,13 +295,9 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
                  pipe: CpuFiniteChecks | None = None, found_inf: torch.Tensor | None = None) -> DeviceFlags | None:
-    """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
-    (:mod:`.finite`); None where the check must be decided on the host first: anything but one device that the
-    Triton backend takes with kernels that mask by element count, or anything whose state moves (paged beyond the
-    budget: state resident within it steps as unpaged), sharded, or projected where a stage would ignore the flags (a
-    basis refresh due, the first step: :func:`lowmemopt.projection.step.device_checkable`). ``found_inf``: a
-    loss-scaled step's flag (``torch.amp.GradScaler``), which then makes the flags instead of a norm per gradient
-    (:meth:`DeviceFlags.from_found_inf`)."""
+    """The finiteness of ``grads`` as flags on the device for the kernels to read, or None where the host must decide
+    first (several devices, no Triton kernels, state that moves, shards, a GaLore refresh due: docs/internals.md).
+    ``found_inf``: a loss-scaled step's flag, which then makes the flags."""
     if pipe is not None and pipe.indices:
         return None
     if pager is not None and pager.moves_any(work):

@@ -1,16 +1,7 @@
-"""The per-tensor backends of the update stage, and state creation.
-
-A bucket that the Triton kernels do not take is updated one tensor at a time here (:func:`step_per_tensor`: the items of one
-bucket and its :class:`~lowmemopt.work.items.Update`, as the Triton backend's ``step_triton`` takes them), by the first
-backend that applies::
-
-    native C kernel (CPU, elementwise or factored; lowmemopt.cpu)  ->  torch.compile-d chunks (lowmemopt.compiled)
-        ->  eager reference: decode -> Algorithm.update (fp32) -> encode, in block-aligned chunks
-
-Each returns the eager path's results (to fp32 rounding; the 8-bit codes are the reference encoder's). A backend sees
-plain tensors, the bucket's :class:`~lowmemopt.work.record.BucketRecord` (never a param group dict) and the
-:class:`~lowmemopt.pipeline.algorithm.Algorithm`, whose methods read the record's ``hyper``; never the optimizer.
-"""
+"""The per-tensor backends of the update stage (:func:`step_per_tensor`), each item by the first that applies:
+the native C kernel (CPU; :mod:`lowmemopt.cpu`), the ``torch.compile``-d chunks (:mod:`lowmemopt.compiled`), then the
+eager reference (decode -> :meth:`Algorithm.update` in fp32 -> encode, in block-aligned chunks), all with the eager
+results; and state creation (:func:`init_state`). A backend reads the bucket's record, never a param group."""
 
 from __future__ import annotations
 
