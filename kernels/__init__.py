@@ -1,5 +1,5 @@
 """Fused Triton kernels (installed as ``lowmemopt.kernels``): decode the state, run the fp32 math, encode, in
-registers, one multi-tensor launch per bucket and pass. The pipeline calls ``dispatch.step_items``; what has no kernel
+registers, one multi-tensor launch per bucket and pass. The pipeline calls ``dispatch.step_triton``; what has no kernel
 takes the reference path. Importing this package does not import Triton. Docs: docs/kernels.md.
 """
 

@@ -313,7 +313,7 @@ def tile_coords(units, table, W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def tensor_scalar(scal, t, K: tl.constexpr, I: tl.constexpr):
+def tensor_scalar(scal, t, K: tl.constexpr, I: tl.constexpr):  # noqa: E741 (I: the scalar's index)
     """Scalar ``I`` of tensor ``t`` in the device scalars ``scal`` (fp32 ``[T, K]``, ``launch.Bucket.scalars``)."""
     return tl.load(scal + t.to(tl.int64) * K + I)
 

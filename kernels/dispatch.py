@@ -1,31 +1,7 @@
-"""The Triton backend of the step pipeline: which items take a fused kernel, and the launches that step them.
-
-:func:`step_items` is the pipeline's update stage on CUDA (:mod:`lowmemopt.pipeline`): it receives *items* (plain
-tensors: the tensor to update, its gradient, its initialized state dict and declared slots; see
-:class:`~lowmemopt.work.items.Item`) of one optimizer, steps what it can and returns the rest, untouched, for the
-per-tensor backends. It never sees the optimizer: hyper-parameters come as an :class:`~lowmemopt.work.items.Update`
-from the ``update_for`` callback. An item takes the kernel path when all of these hold:
-
-* Triton imports, ``LOWMEMOPT_KERNELS`` is not ``0``, and the tensors are on CUDA (or on the CPU while a test runs the
-  Triton interpreter, see :class:`~lowmemopt.kernels.runtime.cpu_interpreter`);
-* target and gradient are contiguous, of the same shape and device, in fp32, bf16 or fp16;
-* its state has exactly the slots the kernel expects, contiguous on the target's device, and its full-size slots share
-  one format that the registry has a kernel for.
-
-Where the item comes from does not matter: a plain parameter, a paged one whose state the staging stage brought to the
-device, an FSDP2 local shard, or a GaLore low-rank buffer. Items are grouped into *buckets* (param-group values,
-projected or not, format, dtypes, device, step count, layout) and each bucket is stepped by one kernel's launches (one
-to four passes, each a single multi-tensor launch). The step count is written only after the launches. A launch that
-fails before writing anything (a Triton compile error, say) turns the kernel path off for the process with a warning
-and its bucket goes back to the caller; a failure after writing is raised.
-
-Buckets go by the *values* of the param groups, not by the group objects (an item's record's
-:attr:`~lowmemopt.work.record.BucketRecord.version`, :func:`~lowmemopt.work.record.group_values`): separate groups
-whose hyper-parameters and storage options are all equal (one group per parameter, as u-muP's ``scaled_parameters``
-makes) share a bucket and its launches, as one group would. The step count is part of the key: parameters whose
-counts differ take separate launches (their step scalars differ), except in a capturable step, whose kernels read each
-tensor's step scalars from the device.
-"""
+"""The Triton backend of the step pipeline: :func:`step_triton` groups items into buckets (equal param-group values,
+format, dtypes, device, step count, layout), steps each with one kernel's launches and returns what no kernel takes
+for the per-tensor backends; :func:`plan_buckets` and :func:`launch_buckets` are its halves, which a kept step
+program calls apart. Which items a kernel takes, and what a failed launch does: docs/kernels.md#dispatch."""
 
 from __future__ import annotations
 
@@ -45,7 +21,7 @@ from lowmemopt.quant.formats import format_of
 from . import registry, runtime
 from .table import select_flags
 
-__all__ = ["step_items", "plan_buckets", "launch_buckets", "Planned", "group_values", "stats"]
+__all__ = ["step_triton", "plan_buckets", "launch_buckets", "Planned", "group_values", "stats"]
 
 #: buckets stepped by a kernel, per (algorithm, format), since import (tests check that the fused path really ran)
 stats: dict[tuple[str, str], int] = {}
@@ -53,7 +29,7 @@ stats: dict[tuple[str, str], int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def step_items(kernels: Any, items: list[Item], update_for: Callable[[Item, Any], Update],
+def step_triton(kernels: Any, items: list[Item], update_for: Callable[[Item, Any], Update],
                flags: torch.Tensor | None = None, device_steps: bool = False,
                grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
     """Step what the kernels can of ``items`` (all of one optimizer, whose algorithm declares ``kernels``: a
@@ -96,7 +72,7 @@ class Planned:
 
 def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) -> tuple[list[Planned], list[Item]]:
     """``(buckets, rest)``: ``items`` grouped into buckets that one kernel's launches step, and those no kernel takes
-    (see :func:`step_items`; ``rest`` raises ValueError in a capturable step). Nothing is launched."""
+    (see :func:`step_triton`; ``rest`` raises ValueError in a capturable step). Nothing is launched."""
     from .launch import Bucket
 
     rest: list[Item] = []
@@ -138,7 +114,7 @@ def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Upd
                    flags: torch.Tensor | None = None, device_steps: bool = False,
                    grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
     """Launch each bucket of ``planned`` (:func:`plan_buckets`) and write its members' step counts; return the items
-    of buckets that did not take the kernels (a launch that failed before writing anything, see :func:`step_items`).
+    of buckets that did not take the kernels (a launch that failed before writing anything, see :func:`step_triton`).
     The buckets' ``grads`` are the ones to read (a cached step sets them first)."""
     from .launch import Unsupported
 

@@ -1,26 +1,7 @@
-"""Launch shapes measured on the GPU at hand: ``lowmemopt tune`` times the elementwise kernels' tile shapes and the
-two 8-bit decodes and keeps the fastest in the cache file (:mod:`.tuning_cache`) that :mod:`.runtime` reads.
-
-What is tuned: the elements per program and warps per program of the elementwise passes (every algorithm's flat
-tiles, the shape :func:`.runtime.tile_shape` gives), and how 8-bit codes are decoded (:func:`.runtime.q8_decode`:
-the code-book gather or arithmetic on the code's bits). Both change speed only, never results (the same codes and
-values: the tests compare them). The measurement is the 8-bit AdamW kernel (bf16 parameters and gradients, the
-end-to-end case) launched as the Triton backend launches a bucket (:func:`.adamw.launch` on a :class:`.launch.Bucket`
-of plain tensors and 8-bit state, no optimizer object) over :data:`TILES` x :data:`WARPS` x :data:`DECODES`, the
-median of ``steps`` CUDA-event-timed steps each after a warm-up step that compiles it.
-
-The cache (:mod:`.tuning_cache`) is JSON at ``$LOWMEMOPT_CACHE_DIR/tuning.json`` (default
-``~/.cache/lowmemopt/tuning.json``), one entry per GPU model, compute capability and Triton version::
-
-    {"version": 1, "devices": {"NVIDIA H100 80GB HBM3|sm_90|triton 3.6.0":
-        {"tile": 2048, "num_warps": 4, "decode": "table", "numel": ..., "measured": [...]}}}
-
-Precedence, per device: a :data:`.runtime.TILE_SHAPES` entry set in code, then the cache, then the defaults
-(``runtime.TILE``, ``runtime.NUM_WARPS``); for the decode, ``LOWMEMOPT_Q8_DECODE`` (or ``runtime.Q8_DECODE`` set in
-code), then the cache, then ``"table"``. ``LOWMEMOPT_TUNING=0`` ignores the cache. A cache that cannot be read is
-ignored with one warning; it is written whole to a temporary file and renamed, so a failed write never leaves half a
-file.
-"""
+"""``lowmemopt tune``: time the elementwise kernels' tile shapes and the two 8-bit decodes on the GPU at hand (the
+8-bit AdamW kernel launched as the Triton backend launches a bucket) and keep the fastest in the cache file that
+:mod:`.runtime` reads (:mod:`.tuning_cache`). Speed only, never results; the cache and its precedence:
+docs/kernels.md#benchmark."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import runtime
-from .codec import BF16, FP32, KAHAN, NEAREST, Q4, Q8, STOCHASTIC
+from .codec import BF16, FP32, KAHAN, NEAREST, Q4, Q8, STOCHASTIC  # noqa: F401 (read by compile_variants)
 
 __all__ = ["SM90", "Variant", "VARIANTS", "signature", "stats", "tile", "tile4", "compile_variant"]
 

@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-from .version import __version__
+from .version import __version__  # noqa: F401 (lowmemopt.__version__)
 
 #: the public names besides the optimizer classes and drop-in aliases (which start with a capital letter)
 _FUNCTIONS = {

@@ -1,82 +1,11 @@
-"""LowMemOptimizer: the base class every lowmemopt optimizer derives from, the ``torch.optim`` contract.
+"""LowMemOptimizer: the base class of every lowmemopt optimizer, the ``torch.optim`` contract.
 
-It checks arguments, owns the param groups and the state-dict hooks, and its ``step()`` hands the step pipeline a plan
-(:mod:`lowmemopt.pipeline.plan`: the class's :class:`~lowmemopt.pipeline.algorithm.Algorithm`, the state dict, the
-param groups, the fused backend's name, the GaLore stage) with the parameters that have gradients. The pipeline
-(:mod:`lowmemopt.pipeline`, ``docs/pipeline.md``) runs every stage and backend; an optimizer class supplies only its
-argument checks and its algorithm (slots and fp32 math)::
-
-    for each param with a finite gradient:
-        decode state (fp32)  ->  delta = algorithm(p, g, state, group, step)  ->  encode state  ->  p += delta
-
-Storage options (constructor keywords, also settable per param group):
-
-* ``state_bits``: 32 (fp32 state; float64 for float64 parameters, whose math is float64 as torch's:
-  :mod:`lowmemopt.quant.formats`), 16 (bf16), 8 or 4 (block-wise quantization, see :mod:`lowmemopt.quant`; 4-bit
-  state steps through the fused kernels too).
-* ``block_size``: elements per quantization block (a power of two >= 16); default (None) 256, or 128 where
-  ``state_bits`` is 4 (a param group that sets ``state_bits`` and no ``block_size`` gets its bits' default).
-* ``min_quant_numel`` (4096): tensors with fewer elements keep fp32 state.
-* ``paged`` (False), ``offload_dir``, ``page_budget_bytes`` ("auto"), ``page_headroom_bytes`` (None): keep the state
-  in host RAM (``"cpu"``/True) or in files (``"disk"``) between steps, bringing each parameter's state to its device
-  while it updates, except what the budget keeps resident ("auto": what a CUDA device has room for, less the headroom)
-  (:mod:`lowmemopt.paging`: the pipeline's stage and write-back stages; the load and state_dict hooks keep it paged).
-* ``bf16_update`` ("nearest"): how a bfloat16 or float16 parameter takes the fp32 result, round to nearest,
-  ``"stochastic"`` or ``"kahan"`` (:mod:`lowmemopt.rounding`; state ``bf16_update.seed`` / ``bf16_update.kahan``).
-
-Non-finite gradients (policy): before updating a parameter, ``step()`` checks its gradient. A parameter whose gradient
-norm is not finite (a NaN or an Inf element, or elements beyond ~1e19 whose squares overflow fp32; a float64
-gradient's norm is float64) is **skipped**: its
-value, its state and its step count stay exactly as they were, so one bad batch can never write a NaN ``absmax`` that
-would poison a quantization block for good. Skips are counted in ``optimizer.nonfinite_skips`` and warned about. The
-check is one fused multi-tensor L2 norm per device up front (one host synchronization per step, none per parameter),
-except in two cases. CPU parameters stepped by the native kernels: the bucket's one native call checks each gradient
-before that parameter's update, while the previous one is updated (:mod:`lowmemopt.pipeline.native`); Adafactor's and
-CAME's native step checks its own gradient in its first pass, before it writes anything (:mod:`lowmemopt.cpu.factored`);
-and a kernel stepping one parameter at a time sums the squares of the next gradient while it steps
-(:class:`~lowmemopt.pipeline.finite.CpuFiniteChecks`); each saves a separate pass over all gradients. Parameters of one
-GPU that the Triton kernels step (every algorithm; GaLore parameters between basis refreshes), with no state moving
-between host and device and nothing sharded: the skip is decided on the device (:mod:`lowmemopt.pipeline.finite`: the
-kernels read the flags), and the host reads the flags only after every launch, so the GPU never waits for the host to
-build the step.
-
-Loss scaling (``torch.amp.GradScaler``): ``_step_supports_amp_scaling = True``, so ``scaler.step(opt)`` sets
-``opt.grad_scale`` (the scale; None after ``scaler.unscale_(opt)``) and ``opt.found_inf`` (1.0 where a gradient had an
-Inf / NaN) and calls ``step()`` instead of unscaling the gradients in a separate pass and reading ``found_inf`` on the
-host. The plan carries ``grad_scale.double().reciprocal().float()`` (``unscale_``'s multiplier) and ``found_inf``;
-every backend multiplies ``g`` by it as it loads it (the Triton kernels read it through a pointer, the native CPU
-kernels as a scalar argument, the compiled path as a graph input), rounded to ``g``'s dtype as ``unscale_`` stores it,
-so a step equals ``unscale_`` + ``step()`` bit for bit. The optimizer's own non-finite check is not run (the scaler
-checked every gradient). A set ``found_inf`` skips the step: on the CPU it is read directly; on a device the Triton
-kernels read it (the launches masked as by :class:`~lowmemopt.pipeline.finite.DeviceFlags`) and the host restores the
-step counts at the next step (:class:`~lowmemopt.pipeline.finite.PendingSkip`: a non-blocking copy to pinned memory and
-an event), elsewhere it is read before the step. Skipped steps are not counted in :attr:`nonfinite_skips`. fp16
-gradients are accepted. The 1-bit optimizers (:mod:`lowmemopt.optim.onebit`) keep the generic path.
-
-torch.optim's keywords (drop-in): every optimizer also takes ``foreach`` and ``fused`` (None or a bool, not both
-True: torch's RuntimeError), for code written for ``torch.optim``. They choose nothing here: the fused kernels run
-wherever the device has one (Triton on CUDA, native C on CPU) and the eager reference elsewhere, with the same results,
-so neither is stored in the param groups (nor do they change ``_step_supports_amp_scaling``: see "Loss scaling"
-above). ``differentiable=False`` is accepted and ``differentiable=True`` refused (the step writes
-parameters and quantized state in place under ``no_grad``); ``capturable`` is a storage keyword (above). As in torch,
-``lr`` may be a Tensor of one element in any shape (held as its 0-dim view, which an in-place scheduler update
-reaches; one set on a group later is viewed so before the step), and ``betas`` (and ``weight_decay``) one-element Tensors, read once as Python numbers
-(:func:`torch_scalars`). Complex parameters are refused (TypeError): optimize ``torch.view_as_real`` views, which is
-how torch's Adam, AdamW and SGD step them.
-
-GaLore (a param group with ``rank``), paging, FSDP2 shards and the backends (Triton on CUDA, native C on the CPU,
-``torch.compile``, the eager reference) are stages and backends of the pipeline; all give the eager path's results
-(to fp32 rounding).
-
-State: plain named tensors and ints only (``step``, ``exp_avg.codes``, ``exp_avg.absmax``, ...), plus
-``state_dict()["lowmemopt_format"]`` (:data:`FORMAT_VERSION`; format 1, whose 8-bit state is in bitsandbytes' dynamic
-maps, still loads and is re-encoded into the ``pow2`` maps). ``load_state_dict`` keeps uint8 codes and fp32 state
-exactly as saved (torch would cast floating state to the parameter's dtype) by setting the tensors aside in a pre-hook
-and restoring them, moved to the parameter's device, in a post-hook. It also converts: each slot is stored in the format this optimizer's param group
-asks for, whatever the state dict holds (lowmemopt state at 32/16/8/4 bits, ``torch.optim`` state, bitsandbytes 8-bit
-state; see :func:`lowmemopt.quant.convert.convert_param_state`). Slots already in that format are kept as they are, with no
-copy. Hyper-parameters come from the state dict, as in torch; storage options (``state_bits``, ``block_size``, ...)
-stay this optimizer's. For safetensors files see :mod:`lowmemopt.checkpoint`.
+It checks arguments, owns the param groups and the state-dict hooks, and its ``step()`` (and the per-layer hook,
+:meth:`LowMemOptimizer._step_some`) builds one :class:`~lowmemopt.pipeline.plan.Plan` and calls
+:func:`lowmemopt.pipeline.run`, the one way through a step (docs/architecture.md). An optimizer class supplies its
+argument checks and its :class:`~lowmemopt.pipeline.algorithm.Algorithm` (slots, fp32 math, fused kernels).
+Storage options: README's "Choosing an optimizer" and docs/state_format.md; non-finite gradients and
+``torch.amp.GradScaler``: docs/internals.md; torch.optim's keywords and what differs: docs/torch_optim.md.
 """
 
 from __future__ import annotations
@@ -92,14 +21,14 @@ from . import paging, pipeline
 from ._stacklevel import external_stacklevel
 from .checks import _lr_views_pre_hook, check_param, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
-from .distributed.sharding import agree_finite, is_dtensor, local_tensor
+from .distributed.sharding import is_dtensor, local_tensor
 from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
 from .pipeline.backends import init_state
-from .pipeline.fits import check_grad, check_state_fits
-from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
+from .pipeline.fits import check_grad
+from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip
 from .pipeline.plan import Plan, StepRecord, inv_scale
-from .pipeline.program import Kept, StateDict, StepProgram
+from .pipeline.program import StateDict, StepProgram
 from .projection import step as galore
 from .quant.formats import Slot, default_block_size
 from .signature import checked_init, set_signature
@@ -107,7 +36,6 @@ from .state_dicts import (
     FORMAT_VERSION, STORAGE_DEFAULTS, load_state_dict_post_hook, load_state_dict_pre_hook,
     state_dict_post_hook, state_dict_pre_hook,
 )
-from .work import capture
 from .work.record import BucketRecord
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
@@ -134,19 +62,26 @@ def kernel_algorithm(optimizer: "LowMemOptimizer | type") -> str | None:
 
 
 class LowMemOptimizer(torch.optim.Optimizer):
-    """Base class: a ``torch.optim.Optimizer`` with lazily created, format-aware state. See the module docstring.
+    """Base class: a ``torch.optim.Optimizer`` whose state is made lazily in the format its param group asks for.
 
-    Keyword-only, on every optimizer: the storage options (``state_bits``, ``block_size``, ``min_quant_numel``,
-    ``paged``, ``offload_dir``, ``page_budget_bytes``, ``page_headroom_bytes``, ``bf16_update``, ``capturable``; also
-    per param group) and
-    torch.optim's ``foreach`` / ``fused`` (accepted, choose nothing: the fused kernels always run where they exist) and
-    ``differentiable`` (False only)."""
+    Args (keyword-only on every optimizer, also settable per param group):
+        state_bits: 32 (fp32 state; float64 for float64 parameters), 16 (bf16), 8 or 4 (block-wise quantization).
+        block_size: elements per quantization block, a power of two >= 16 (default 256; 128 at 4 bits).
+        min_quant_numel: tensors with fewer elements keep fp32 state.
+        paged: False, True / ``"cpu"`` (host RAM) or ``"disk"`` (files in ``offload_dir``) between steps; with
+            ``page_budget_bytes`` (``"auto"``: what the device has room for, less ``page_headroom_bytes``) kept
+            resident (docs/paging.md).
+        bf16_update: how a bf16 / fp16 parameter takes the fp32 result: ``"nearest"``, ``"stochastic"`` or
+            ``"kahan"`` (docs/rounding.md).
+        capturable: a step that reads nothing back from the GPU (CUDA graphs).
+        foreach, fused, differentiable: torch.optim's, accepted for drop-in use; they choose nothing
+            (``differentiable=True`` is refused; docs/torch_optim.md).
+    """
 
-    #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact).
     #: the algorithm the pipeline runs for this class: slots, fp32 math, step scalars, decay rules
     algorithm: Algorithm | None = None
     #: ``torch.amp.GradScaler`` hands ``step()`` the scale and its Inf check (``grad_scale``, ``found_inf``) instead of
-    #: unscaling the gradients itself and reading ``found_inf`` on the host (the module docstring, "Loss scaling")
+    #: unscaling the gradients itself and reading ``found_inf`` on the host (docs/internals.md)
     _step_supports_amp_scaling = True
     #: param group keys this class reads beyond its defaults (:mod:`lowmemopt.group_keys`: others are refused)
     _extra_group_keys: frozenset[str] = frozenset()
@@ -254,13 +189,15 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return galore.init_projected_state(self._plan(), p, group)
         return self._init_state(p, group, self._slots(group, p))
 
-    def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Plan:
+    def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+              **mode: Any) -> Plan:
         """The plan handed to the step pipeline: the algorithm, the state dict, the param groups, the fused backend's
         name, the GaLore stage and the communicate stage, if any (:mod:`lowmemopt.pipeline.plan`); a loss-scaled step's
         gradient multiplier and ``found_inf``."""
         alg = self.algorithm
         return Plan(alg, self.state, self.param_groups, alg.kernels, self._record, galore, grad_mult, found_inf,
-                    communicate=self._communicate)
+                    communicate=self._communicate, defer_finite=DEFER_FINITE_CHECK, first_state=self._first_state,
+                    **mode)
 
     def _amp_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(gradient multiplier, found_inf)`` that ``torch.amp.GradScaler.step`` set on this optimizer for this
@@ -349,8 +286,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step (optionally re-evaluating the loss with ``closure``). Under
-        ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls it with ``grad_scale`` and ``found_inf`` set (the
-        module docstring, "Loss scaling")."""
+        ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls it with ``grad_scale`` and ``found_inf`` set
+        (docs/internals.md)."""
         self._resolve_pending()
         loss = None
         if closure is not None:
@@ -378,61 +315,32 @@ class LowMemOptimizer(torch.optim.Optimizer):
         # (values of the whole step, e.g. a global gradient norm; of the unscaled gradients under loss scaling)
         work = self.algorithm.step_work(work) if mult is None else self.algorithm.step_work(work, mult)
         capturable = self._capturable(work, groups)
-        plan = self._plan(mult, found_inf)
-        if self._program is None or capturable:  # (a kept program was made by a checked step: it checks what changed)
-            check_state_fits(plan, work, type(self).__name__)
-        if capturable:
-            return self._capturable_step(work, groups, loss, mult, found_inf)
-        pager = paging.pager_of(self)  # None unless a param group is paged
-        if pager is not None:
-            if not pager.begin(work, self._first_state):  # (checks, homes; False: all resident, an unpaged step)
-                pager = None
-        # (new seeds in work's order, paged or not; communicating: the 1-bit optimizers' stage around the rest)
-        with pipeline.new_seeds(plan, work), pipeline.communicating(plan, work):
-            self._step_planned(plan, work, pager)
+        plan = self._plan(mult, found_inf, work=work, capturable=capturable, pager=paging.pager_of(self),
+                          program=self._program)
+        self._run(plan)
         return loss
 
-    def _step_planned(self, plan: Plan, work: list[tuple[torch.Tensor, dict[str, Any]]], pager: Any) -> None:
-        """The non-finite check and the pipeline's pass over ``work`` (what :meth:`step` does once it has a plan):
-        the kept :class:`~lowmemopt.pipeline.program.StepProgram` where it still applies, else the pipeline."""
-        if self._program is not None and self._programmed(plan, work, pager):
-            return
-        if DEFER_FINITE_CHECK and pager is None and plan.communicate is None and \
-                type(self.algorithm).step_work is Algorithm.step_work:
-            plan.keep = Kept()  # (a step the kernels take whole keeps its buckets: the program of the next steps)
-        grads = [local_tensor(p.grad) for p, _ in work]
-        if plan.found_inf is not None:
-            self._scaled_step(plan, work, grads, pager, plan.found_inf)
-            return
-        # Non-finite check (policy in the module docstring). CPU params stepped by the native kernels are checked in a
-        # pipeline instead of up front: each kernel also scans the next such gradient (CpuFiniteChecks); paged ones
-        # too (a skipped parameter's state goes home unchanged).
-        pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
-        finite: list[bool | None] = [None] * len(work)
-        on_device = pipeline.device_flags(plan, work, grads, pager, pipe) if DEFER_FINITE_CHECK else None
-        if on_device is not None:  # no synchronization: the kernels read the device's flags
-            finite = [True] * len(work)  # provisionally
-            pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], finite, grads, pipe, pager,
-                         on_device)
-            if not on_device.read:  # settled at the next step, from a copy made without waiting
-                self._pending_skip = on_device.deferred(counted=True)
-                self._keep_program(plan, work)
-                return
-            on_device.undo_skipped()  # (read already: a parameter took a per-tensor backend)
-            finite = [on_device.finite(p) for p, _ in work]
-        else:
-            upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
-            flags = agree_finite(host_flags([grads[i] for i in upfront]), [work[i][0] for i in upfront],
-                                 [grads[i] for i in upfront])
-            for i, ok in zip(upfront, flags):
-                finite[i] = ok
-            todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
-            pipeline.run(plan, todo, finite, grads, pipe, pager)
-        self._count_skips(sum(f is False for f in finite), "this step")
+    def _run(self, plan: Plan) -> None:
+        """Run ``plan`` and take what it left: the launch tables to keep (also when it raised), the skips to count
+        now or at the next step, a capturable step's count of skips on the device."""
+        try:
+            outcome = pipeline.run(plan)
+        finally:
+            self._program = plan.program
+        if outcome.pending is not None:
+            self._pending_skip = outcome.pending
+        self._count_skips(outcome.skipped, "this step")
+        skipped = outcome.device_skipped
+        if skipped is not None:
+            if self._device_skips is None or self._device_skips.device != skipped.device:
+                if self._device_skips is not None:  # (moved to another device: fold the old count in, once)
+                    self._nonfinite_skips += int(self._device_skips.item())
+                self._device_skips = torch.zeros((), dtype=torch.int64, device=skipped.device)
+            self._device_skips.add_(skipped)
 
     @property
     def nonfinite_skips(self) -> int:
-        """Parameters skipped for a NaN/Inf gradient so far (see the module docstring). Capturable steps count theirs
+        """Parameters skipped for a NaN/Inf gradient so far (docs/internals.md#non-finite-gradients). Capturable steps count theirs
         on the device: reading this then waits for the device."""
         self._resolve_pending()
         n = self._nonfinite_skips
@@ -472,80 +380,6 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
         return True
 
-    def _scaled_step(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
-                     found_inf: torch.Tensor) -> None:
-        """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (a set one on the CPU was read in :meth:`step`,
-        unless the Triton kernels take CPU tensors: the interpreter). The scaler checked every gradient already, so
-        there is no check of the optimizer's own: the
-        kernels read ``found_inf`` on the device and store nothing when it is set, and the host reads it at the next
-        step (:class:`~lowmemopt.pipeline.finite.PendingSkip`) to restore the step counts. Where the kernels cannot
-        decide it on the device (per-tensor backends, state that moves, several devices) it is read now."""
-        todo = [(i, p, group) for i, (p, group) in enumerate(work)]
-        finite: list[bool | None] = [True] * len(work)
-        flags = pipeline.device_flags(plan, work, grads, pager, None, found_inf) if DEFER_FINITE_CHECK else None
-        if flags is None:
-            if found_inf.reshape(-1).tolist()[0] != 0:  # (a device's: a synchronization; a CPU one is read directly)
-                return
-            pipeline.run(plan, todo, finite, grads, None, pager)
-            return
-        pipeline.run(plan, todo, finite, grads, None, pager, flags)
-        self._pending_skip = flags.deferred()
-        self._keep_program(plan, work)
-
-    def _keep_program(self, plan: Plan, work: list[tuple[torch.Tensor, dict]]) -> None:
-        """Keep this step's buckets as the program of the next steps where the kernels took it whole
-        (:class:`~lowmemopt.pipeline.program.StepProgram`)."""
-        kept = plan.keep
-        if kept is not None and kept.planned and sum(len(pl.members) for pl in kept.planned) == len(work):
-            self._program = StepProgram(plan, work, kept)
-
-    def _programmed(self, plan: Plan, work: list[tuple[torch.Tensor, dict]], pager: Any) -> bool:
-        """Take this step through the kept program if it still applies (its module docstring says when); True if it
-        did. The step's skips are settled at the next step, as the pipeline's device-side check's."""
-        params = list(map(_first, work))
-        grads = list(map(_grad, params))
-        if pager is not None or plan.communicate is not None or not DEFER_FINITE_CHECK or \
-                not self._program.matches(self.state, params, list(map(_second, work)), grads):
-            self._program = None
-            check_state_fits(plan, work, type(self).__name__)  # (what changed may be a parameter's shape)
-            return False
-        self._pending_skip = self._program.step(plan, grads)
-        return True
-
-    def _capturable_step(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict], loss: Any,
-                         mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> Any:
-        """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`): the non-finite check,
-        the step counts and the step's scalars stay there, and skips are counted in a device tensor, not warned
-        about. ``groups``: those of ``work``. Under loss scaling (``mult``, ``found_inf``) the scaler's flag replaces
-        the check and a skipped step is not counted (as ``unscale_`` + ``step()``, which skip the call)."""
-        grads = [local_tensor(p.grad) for p, _ in work]
-        device = grads[0].device
-        if capture.capturing(device):
-            for group in groups:
-                lr = group["lr"]
-                if lr is not None and not (isinstance(lr, torch.Tensor) and lr.device == device):
-                    warnings.warn(f"{type(self).__name__}: lr={lr!r} is not a tensor on {device}: the captured step "
-                                  "keeps this value at every replay. Give lr as a tensor on the device (a scheduler "
-                                  "fills it in place) to change it between replays", RuntimeWarning,
-                                  stacklevel=external_stacklevel())
-                    break
-        params = [p for p, _ in work]
-        if found_inf is not None:
-            flags = DeviceFlags.from_found_inf(params, found_inf.to(device, non_blocking=True))
-        else:
-            flags = DeviceFlags(params, grads)
-        pipeline.run(self._plan(mult, found_inf), [(i, p, group) for i, (p, group) in enumerate(work)],
-                     [True] * len(work), grads, None, None, flags, device_steps=True)
-        if found_inf is not None:
-            return loss
-        skipped = (flags.tensor == 0).sum()
-        if self._device_skips is None or self._device_skips.device != skipped.device:
-            if self._device_skips is not None:  # (moved to another device: fold the old count in, once)
-                self._nonfinite_skips += int(self._device_skips.item())
-            self._device_skips = torch.zeros((), dtype=torch.int64, device=skipped.device)
-        self._device_skips.add_(skipped)
-        return loss
-
     def device_flags(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
                      pipe: CpuFiniteChecks | None = None) -> DeviceFlags | None:
         """The finiteness of ``grads`` as flags on the device where the kernels can read them, else None
@@ -561,16 +395,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         (:func:`lowmemopt.step_in_backward`), one parameter or a bucket of them at a time."""
         if any(group.get("capturable") for _, group in work):
             raise ValueError("capturable=True param groups step in optimizer.step() only, not in per-layer updates")
-        plan = self._plan()
-        check_state_fits(plan, work, type(self).__name__)
-        pager = None
-        if flags is None:  # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
-            pager = self._pager_for(work)
-            if pager is not None and not pager.begin(work, self._first_state):
-                pager = None  # (nothing of work moves: the unpaged step, as in step())
-        with pipeline.new_seeds(plan, work):
-            pipeline.run(plan, [(i, p, group) for i, (p, group) in enumerate(work)], [True] * len(work),
-                         [local_tensor(p.grad) for p, _ in work], None, pager, flags)
+        # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
+        plan = self._plan(work=work, finite_known=True, flags=flags,
+                          pager=self._pager_for(work) if flags is None else None, program=self._program)
+        self._run(plan)
 
     def _pager_for(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> Any:
         """The optimizer's pager if a param group of ``work`` is paged, or was (its state comes back), else None."""

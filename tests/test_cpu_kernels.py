@@ -18,7 +18,6 @@ import lowmemopt.compiled as compiled
 import lowmemopt.cpu as cpu
 from lowmemopt.cpu import build, elementwise, ffi
 from lowmemopt.cpu.codec import decision_thresholds
-from lowmemopt.optimizer import kernel_algorithm
 from lowmemopt.quant import dequantize_blockwise, q4, quantize_blockwise_reference
 from lowmemopt.quant.maps import code_book, is_signed_map, nearest_code_reference
 

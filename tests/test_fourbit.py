@@ -169,7 +169,6 @@ def test_state_bits_and_block_size_options():
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
 def test_state_bytes_per_param_exact(info):
     shape = (96, 130)  # 12480 elements: a ragged last block of 64
-    n = math.prod(shape)
     params = make_params([shape])
     kw = dict(info.variants[0])
     opt = info.cls(params, state_bits=4, **kw)

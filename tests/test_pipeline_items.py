@@ -1,6 +1,6 @@
 """The update stage's per-tensor entries take what the Triton backend takes: the items of one bucket and an
-``update_for(item, step)`` giving its Update (``lowmemopt.pipeline.backends.step_items``, the native CPU bucket's
-``lowmemopt.pipeline.native.step_items``), and step exactly as the per-tensor functions they call."""
+``update_for(item, step)`` giving its Update (``lowmemopt.pipeline.backends.step_per_tensor``, the native CPU bucket's
+``lowmemopt.pipeline.native.step_native_bucket``), and step exactly as the per-tensor functions they call."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_step_items_equals_update_flat(cls, bits):
         calls.append(step)
         return update_of(algorithm, it, step)
 
-    assert backends.step_items(algorithm, items, update_for) == [None, None]
+    assert backends.step_per_tensor(algorithm, items, update_for) == [None, None]
     assert calls == [1, 1]
     for it in twins:
         backends.update_flat(algorithm, it.target, it.target.view(-1), it.grad.view(-1), it.state, it.slots,
@@ -72,7 +72,7 @@ def test_step_items_equals_update_flat(cls, bits):
 def test_step_items_check_skips_a_nonfinite_gradient(cls):
     algorithm, items = _items(cls, [(16, 24), (20, 8)], bad=(1,), state_bits=8)
     before = _snapshot(items)
-    ok = backends.step_items(algorithm, items, lambda it, step: update_of(algorithm, it, step), check=True)
+    ok = backends.step_per_tensor(algorithm, items, lambda it, step: update_of(algorithm, it, step), check=True)
     assert ok == [True, False]
     _assert_same(_snapshot(items[1:]), before[1:])  # the skipped one: nothing written
     assert not torch.equal(items[0].target, before[0][0])
@@ -86,8 +86,8 @@ def test_native_step_items_results():
     group = dict(items[2].group, lr=torch.tensor(1e-2))
     items[2].record = twins[2].record = BucketRecord.of(group)
     before = _snapshot(items)
-    out = native.step_items(algorithm, items, lambda it, step: update_of(algorithm, it, step), [True, True, True])
+    out = native.step_native_bucket(algorithm, items, lambda it, step: update_of(algorithm, it, step), [True, True, True])
     assert out == [True, False, None]
     _assert_same(_snapshot(items[1:]), before[1:])  # skipped and not taken: untouched
-    backends.step_items(algorithm, twins[:1], lambda it, step: update_of(algorithm, it, step))
+    backends.step_per_tensor(algorithm, twins[:1], lambda it, step: update_of(algorithm, it, step))
     _assert_same(_snapshot(items[:1]), _snapshot(twins[:1]))  # the native bucket equals the per-tensor step

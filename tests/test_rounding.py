@@ -357,7 +357,7 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, dtype, monke
                 item.index_base = lo if shifted else 0
                 update = Update("adam", opt.algorithm.math_kwargs(group, 1), item.record,
                                 opt.algorithm.decay_factor(group), 1, 256)
-                assert dispatch.step_items(opt.algorithm.kernels, [item], lambda it, step: update) == []
+                assert dispatch.step_triton(opt.algorithm.kernels, [item], lambda it, step: update) == []
         else:
             state = opt._init_state(shard, group, opt._slots(group, shard))
             state[rounding.SEED] = seed

@@ -319,7 +319,7 @@ def test_a_bucket_is_one_pipeline_pass(monkeypatch):
 
     calls = []
     real = pipeline.run
-    monkeypatch.setattr(pipeline, "run", lambda opt, todo, *a, **k: calls.append(len(todo)) or real(opt, todo, *a, **k))
+    monkeypatch.setattr(pipeline, "run", lambda plan: calls.append(len(plan.work)) or real(plan))
     model = _model()
     opt = lowmemopt.AdamW(model.parameters(), lr=1e-2)
     lowmemopt.step_in_backward(model, opt, bucket_bytes=1 << 20)

@@ -1,52 +1,34 @@
-"""The step pipeline (``DESIGN.md`` §1.1): one ``step()`` is one pass of buckets of parameters through small stages,
-each of which sees plain tensors and knows nothing of the others::
-
-    communicate  1-bit optimizers: each gradient replaced by its average over the ranks, or the compressed mean of
-               the algorithm's message; after the update, the gradients given back, 0/1 Adam's synchronisation
-                                                                                              (communicating)
-    gather     params with finite gradients -> items: local tensors (an FSDP2 shard's local part), initialized state
-    stage      paging: bring a batch's state to the device, the next batch's on its way    (Pager.batches, or no-op)
-    project    GaLore: low-rank gradients, batched products per shape on CUDA          (projection.step, or no-op)
-    update     one backend call per bucket: Triton (kernels.dispatch) on CUDA, native C on the CPU (.native, the
-               elementwise algorithms), else per tensor: native C (CPU), torch.compile, the eager reference
-                                                                                          (.backends.update_flat)
-    unproject  GaLore: the full-size update, weight decay on the full weight                 (projection.step.finish)
-    apply      the parameter write
-    write back paging: the batch's state home, asynchronously                                 (Pager.batches)
-
-Whatever a parameter is (plain, paged, projected, a DTensor shard), the fused kernels take it when its device has them:
-a backend is chosen per bucket, never by the feature a parameter uses. Parameters that no bucketed backend takes go
-through the per-parameter path (:func:`.per_param.step_param`), which runs the same stages for one parameter with the
-per-tensor backends (:mod:`.backends`); it is also the eager reference that every combination is tested against.
-
-The optimizer hands the pipeline a :class:`~.plan.Plan` (the algorithm, the state dict, the param groups, the fused
-backend's name, the projection stage, the communicate stage) and plain tensors; no stage receives the optimizer or
-calls back into it.
-"""
+"""The step pipeline: :func:`run`, the one way through a step (docs/architecture.md), and the stages it runs over
+buckets of parameters (:func:`run_stages`: gather, stage, project, update, unproject, apply, write back;
+docs/pipeline.md). Each stage sees plain tensors and the :class:`~.plan.Plan`, never the optimizer. The backends:
+:mod:`.native` (CPU buckets), :mod:`.backends` (per tensor), ``lowmemopt.kernels.dispatch`` (Triton)."""
 
 from __future__ import annotations
 
 import sys
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 
 from .. import cpu, rounding
+from .._stacklevel import external_stacklevel
 from ..cpu import factored
 from ..distributed.reduction import LOCAL
-from ..distributed.sharding import is_dtensor, local_tensor, local_view
+from ..distributed.sharding import agree_finite, is_dtensor, local_tensor, local_view
 from ..work import Item, Update, capture
+from .algorithm import Algorithm, KernelSet
 from .backends import CHUNK_NUMEL, init_state
-from .finite import CpuFiniteChecks, DeviceFlags
+from .finite import CpuFiniteChecks, DeviceFlags, host_flags
+from .fits import check_state_fits
 from .native import step_cpu_bucket, takes as takes_cpu_bucket
-from .algorithm import KernelSet
-from .plan import Plan, StepRecord
+from .plan import Plan, StepOutcome, StepRecord
 from .per_param import step_param
-from .program import update_for
+from .program import Kept, StepProgram, update_for
 
-__all__ = ["Item", "Update", "Plan", "StepRecord", "run", "communicating", "new_seeds", "step_buckets", "step_param",
-           "device_flags", "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
+__all__ = ["Item", "Update", "Plan", "StepOutcome", "StepRecord", "run", "run_stages", "communicating", "new_seeds",
+           "step_buckets", "step_param", "device_flags", "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
 #: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
 #: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
 PAGE_BUCKET_BYTES = 64 << 20
@@ -73,11 +55,9 @@ def triton_usable(devices: set[torch.device]) -> bool:
 
 @contextmanager
 def communicating(plan: Plan, work: Work) -> Iterator[None]:
-    """The communicate stage around one step of ``work`` ((param, group) with gradients), where ``plan.communicate``
-    is one (:class:`lowmemopt.distributed.onebit.OnebitStage`; nothing otherwise): on entry each gradient is replaced
-    by what the update reads (averaged over the ranks, or the compressed mean of the algorithm's message), so that the
-    non-finite check and the update see it; on exit the gradients are given back, and after an update that raised
-    nothing the stage finishes the step (0/1 Adam's synchronisation)."""
+    """``plan.communicate`` (the 1-bit optimizers' stage) around one step of ``work``: each gradient replaced by what
+    the update reads on entry, given back on exit, the step finished after an update that raised nothing
+    (docs/onebit.md)."""
     stage = plan.communicate
     if stage is None:
         yield
@@ -91,10 +71,8 @@ def communicating(plan: Plan, work: Work) -> Iterator[None]:
 
 
 def new_seeds(plan: Plan, work: Work) -> Any:
-    """The context of a step of ``work`` ((param, group), in the step's order) in which the stochastic-rounding seeds
-    of new states are drawn in that order (:func:`lowmemopt.rounding.seeds_in_order`): whatever order the backends
-    and paged batches make the states in, and whichever gradients turn out non-finite, each parameter gets the seed
-    it gets in the unpaged step."""
+    """The context in which new states draw their stochastic-rounding seeds in ``work``'s order, whatever order the
+    backends and paged batches make them in (:func:`lowmemopt.rounding.seeds_in_order`)."""
     def pending() -> list[torch.Tensor]:
         locals_ = ((local_tensor(p), group, plan.state.get(p, ())) for p, group in work)
         return [t for t, group, st in locals_
@@ -103,16 +81,149 @@ def new_seeds(plan: Plan, work: Work) -> Any:
     return rounding.seeds_in_order(pending)
 
 
-def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
-        grads: list[torch.Tensor], pipe: CpuFiniteChecks | None, pager: Any, flags: DeviceFlags | None = None,
-        device_steps: bool = False) -> None:
-    """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
-    gradient checked in the native kernels' pipeline (:func:`step_in_order`); ``pager``: the paging manager, or None
-    when nothing is paged; ``plan.kernels``: the algorithm's fused kernels (None: the per-tensor backends only);
-    ``plan.galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or None when no param group is projected;
-    ``flags``: the gradients' finiteness on the device (:mod:`.finite`; ``finite`` then says True for all,
-    provisionally), read on the host only after the kernels are launched. ``device_steps``: a capturable step
-    (:mod:`.capture`): everything through the kernels, nothing read back."""
+def run(plan: Plan) -> StepOutcome:
+    """Step ``plan.work``, whatever the entry (``step()``, the per-layer hook): the one way through a step.
+
+    Args:
+        plan: the step's plan; its fields choose the strategy (capturable, per-layer, the kept launch tables, loss
+            scaling, paging, where the non-finite check is decided: docs/architecture.md). The run leaves in
+            ``plan.program`` the launch tables to keep.
+
+    Returns:
+        The skips to count now and to settle at the next step.
+    """
+    work = plan.work
+    if plan.capturable:
+        check_state_fits(plan, work, plan.record.owner)
+        return _capturable(plan)
+    if plan.finite_known or plan.program is None:  # (a kept program was made by a checked step: it checks what changed)
+        check_state_fits(plan, work, plan.record.owner)
+    pager = plan.pager
+    if pager is not None and not pager.begin(work, plan.first_state):  # (checks, homes; False: all resident)
+        pager = None
+    if plan.finite_known:
+        with new_seeds(plan, work):
+            run_stages(plan, _indexed(work), [True] * len(work), [local_tensor(p.grad) for p, _ in work], None,
+                       pager, plan.flags)
+        return StepOutcome()
+    # (new seeds in work's order, paged or not; communicating: the 1-bit optimizers' stage around the rest)
+    with new_seeds(plan, work), communicating(plan, work):
+        return _checked(plan, pager)
+
+
+def _indexed(work: Work) -> list[tuple[int, torch.Tensor, dict]]:
+    return [(i, p, group) for i, (p, group) in enumerate(work)]
+
+
+def _checked(plan: Plan, pager: Any) -> StepOutcome:
+    """A step whose gradients are checked for NaN / Inf here (or by the scaler): the kept program where it still
+    applies, else the stages, the check decided on the device where the kernels read it, else on the host."""
+    work = plan.work
+    if plan.program is not None:
+        outcome = _programmed(plan, pager)
+        if outcome is not None:
+            return outcome
+    if plan.defer_finite and pager is None and plan.communicate is None and \
+            type(plan.algorithm).step_work is Algorithm.step_work:
+        plan.keep = Kept()  # (a step the kernels take whole keeps its buckets: the program of the next steps)
+    grads = [local_tensor(p.grad) for p, _ in work]
+    if plan.found_inf is not None:
+        return _scaled(plan, grads, pager)
+    # CPU params stepped by the native kernels are checked in a pipeline instead of up front: each kernel also scans
+    # the next such gradient (CpuFiniteChecks); paged ones too (a skipped parameter's state goes home unchanged).
+    pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
+    finite: list[bool | None] = [None] * len(work)
+    on_device = device_flags(plan, work, grads, pager, pipe) if plan.defer_finite else None
+    if on_device is not None:  # no synchronization: the kernels read the device's flags
+        finite = [True] * len(work)  # provisionally
+        run_stages(plan, _indexed(work), finite, grads, pipe, pager, on_device)
+        if not on_device.read:  # settled at the next step, from a copy made without waiting
+            _keep_program(plan)
+            return StepOutcome(pending=on_device.deferred(counted=True))
+        on_device.undo_skipped()  # (read already: a parameter took a per-tensor backend)
+        finite = [on_device.finite(p) for p, _ in work]
+    else:
+        upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
+        flags = agree_finite(host_flags([grads[i] for i in upfront]), [work[i][0] for i in upfront],
+                             [grads[i] for i in upfront])
+        for i, ok in zip(upfront, flags):
+            finite[i] = ok
+        todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
+        run_stages(plan, todo, finite, grads, pipe, pager)
+    return StepOutcome(skipped=sum(f is False for f in finite))
+
+
+def _programmed(plan: Plan, pager: Any) -> StepOutcome | None:
+    """This step through the kept program if it still applies (its module docstring says when), else None with the
+    program dropped. Its skips are settled at the next step, as the device-side check's."""
+    work = plan.work
+    params = [p for p, _ in work]
+    grads = [p.grad for p in params]
+    if pager is not None or plan.communicate is not None or not plan.defer_finite or \
+            not plan.program.matches(plan.state, params, [group for _, group in work], grads):
+        plan.program = None
+        check_state_fits(plan, work, plan.record.owner)  # (what changed may be a parameter's shape)
+        return None
+    return StepOutcome(pending=plan.program.step(plan, grads))
+
+
+def _scaled(plan: Plan, grads: list[torch.Tensor], pager: Any) -> StepOutcome:
+    """A step under ``torch.amp.GradScaler`` with its ``found_inf``: the scaler checked every gradient, so there is
+    no check of the optimizer's own. The kernels read ``found_inf`` on the device and store nothing when it is set;
+    the host reads it at the next step to restore the step counts. Where the kernels cannot decide it on the device
+    it is read now (docs/internals.md#mixed-precision-gradscalers-native-path)."""
+    work, found_inf = plan.work, plan.found_inf
+    todo = _indexed(work)
+    finite: list[bool | None] = [True] * len(work)
+    flags = device_flags(plan, work, grads, pager, None, found_inf) if plan.defer_finite else None
+    if flags is None:
+        if found_inf.reshape(-1).tolist()[0] != 0:  # (a device's: a synchronization; a CPU one is read directly)
+            return StepOutcome()
+        run_stages(plan, todo, finite, grads, None, pager)
+        return StepOutcome()
+    run_stages(plan, todo, finite, grads, None, pager, flags)
+    _keep_program(plan)
+    return StepOutcome(pending=flags.deferred())
+
+
+def _keep_program(plan: Plan) -> None:
+    """Keep this step's buckets as the program of the next steps where the kernels took it whole."""
+    kept = plan.keep
+    if kept is not None and kept.planned and sum(len(pl.members) for pl in kept.planned) == len(plan.work):
+        plan.program = StepProgram(plan, plan.work, kept)
+
+
+def _capturable(plan: Plan) -> StepOutcome:
+    """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`): the non-finite check, the
+    step counts and the step's scalars stay there; skips are counted in a device tensor. Under loss scaling the
+    scaler's flag replaces the check and a skipped step is not counted (as ``unscale_`` + ``step()``)."""
+    work, found_inf = plan.work, plan.found_inf
+    grads = [local_tensor(p.grad) for p, _ in work]
+    device = grads[0].device
+    if capture.capturing(device):
+        for group in {id(g): g for _, g in work}.values():
+            lr = group["lr"]
+            if lr is not None and not (isinstance(lr, torch.Tensor) and lr.device == device):
+                warnings.warn(f"{plan.record.owner}: lr={lr!r} is not a tensor on {device}: the captured step keeps "
+                              "this value at every replay. Give lr as a tensor on the device (a scheduler fills it in "
+                              "place) to change it between replays", RuntimeWarning, stacklevel=external_stacklevel())
+                break
+    params = [p for p, _ in work]
+    if found_inf is not None:
+        flags = DeviceFlags.from_found_inf(params, found_inf.to(device, non_blocking=True))
+    else:
+        flags = DeviceFlags(params, grads)
+    run_stages(plan, _indexed(work), [True] * len(work), grads, None, None, flags, device_steps=True)
+    return StepOutcome(device_skipped=None if found_inf is not None else (flags.tensor == 0).sum())
+
+
+def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
+               grads: list[torch.Tensor], pipe: CpuFiniteChecks | None, pager: Any, flags: DeviceFlags | None = None,
+               device_steps: bool = False) -> None:
+    """The stages over ``todo`` ((index, param, group), gradients not known to be non-finite): buckets for the Triton
+    kernels or the native CPU kernels, the rest one at a time, batch by batch when ``pager`` moves state.
+    ``finite[i] is None``: a CPU gradient the kernels' pipeline checks (:func:`step_in_order`); ``flags``: the
+    finiteness on the device, read only after the launches; ``device_steps``: a capturable step."""
     kernels = plan.kernels  # (None: no Triton kernel, or none usable for this step's devices)
     if kernels is not None and (kernels.triton is None or not triton_usable({p.device for _, p, _ in todo})):
         kernels = None
@@ -184,13 +295,9 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
                  pipe: CpuFiniteChecks | None = None, found_inf: torch.Tensor | None = None) -> DeviceFlags | None:
-    """The finiteness of ``grads`` (of ``work``'s parameters) as flags on the device, for the kernels to read
-    (:mod:`.finite`); None where the check must be decided on the host first: anything but one device that the
-    Triton backend takes with kernels that mask by element count, or anything whose state moves (paged beyond the
-    budget: state resident within it steps as unpaged), sharded, or projected where a stage would ignore the flags (a
-    basis refresh due, the first step: :func:`lowmemopt.projection.step.device_checkable`). ``found_inf``: a
-    loss-scaled step's flag (``torch.amp.GradScaler``), which then makes the flags instead of a norm per gradient
-    (:meth:`DeviceFlags.from_found_inf`)."""
+    """The finiteness of ``grads`` as flags on the device for the kernels to read, or None where the host must decide
+    first (several devices, no Triton kernels, state that moves, shards, a GaLore refresh due: docs/internals.md).
+    ``found_inf``: a loss-scaled step's flag, which then makes the flags."""
     if pipe is not None and pipe.indices:
         return None
     if pager is not None and pager.moves_any(work):
@@ -223,14 +330,14 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
     bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
     the step's device-side finiteness flags, which the launches (and GaLore's apply pass) read. ``device_steps``: a
     capturable step (:mod:`.capture`: step counts and the step's scalars on the device); it leaves nothing."""
-    from ..kernels.dispatch import launch_buckets, plan_buckets, step_items
+    from ..kernels.dispatch import launch_buckets, plan_buckets, step_triton
 
     rest: Work = []
     plain: list[Item] = []
     projected: list[Item] = []
     inner: dict[int, tuple[dict, dict, float]] = {}
     fused_galore = None  # asked at the first projected parameter
-    galore, algorithm = plan.galore, plan.algorithm
+    galore = plan.galore
     states = plan.state
     for p, group in work:
         state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
@@ -290,7 +397,7 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
         if not left:
             plan.keep.planned, plan.keep.projected = planned, projected
     else:
-        left = step_items(kernels, items, hyper, None if flags is None else flags.tensor, device_steps, mult)
+        left = step_triton(kernels, items, hyper, None if flags is None else flags.tensor, device_steps, mult)
     finished: set[int] = set()
     for it in left:
         if not it.projected:

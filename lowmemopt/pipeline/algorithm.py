@@ -1,15 +1,6 @@
-"""What the step pipeline knows of an algorithm: its slots, its fp32 math and the scalars and decay rules around it.
-
-An optimizer class (:mod:`lowmemopt.optim`) holds one :class:`Algorithm` (its ``algorithm`` class attribute) and hands
-it to the pipeline in the step's :class:`~lowmemopt.pipeline.plan.Plan`; the stages call it, never the optimizer. The
-math is a pure function on fp32 tensors::
-
-    delta = math(p, g, state, **hyper, **step_scalars)        state: decoded fp32 slots, updated in place
-    p <- p * decay_factor(group) + delta                       (apply_update; bf16 rounding is the apply stage's)
-
-The fused backends (Triton kernels, native C kernels) know an algorithm by the name :func:`fused` marks its math (or its
-:meth:`Algorithm.update`) with, and reproduce exactly that composition; an algorithm that overrides how the update is
-computed or applied without such a mark steps through the reference backends only (:func:`fused_name`).
+"""What the pipeline knows of an algorithm (:class:`Algorithm`): its slots, its pure fp32 math
+``delta = math(p, g, state, **hyper, **step_scalars)`` and the decay around it (``p <- p * decay + delta``), and the
+fused kernels that reproduce exactly that composition, declared on the math with :func:`fused` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -40,9 +31,9 @@ def fused(kernels: KernelSet | str) -> Callable[[Callable], Callable]:
 
 
 class Algorithm:
-    """One algorithm as the stages see it. Subclasses set :attr:`math` and :attr:`hyper` (or override
-    :meth:`update`), :meth:`slots`, and the step scalars and decay rules their reference needs. Stateless: one
-    instance serves every optimizer of its class."""
+    """One algorithm as the stages see it (stateless: one instance per optimizer class). Subclasses set :attr:`math`
+    and :attr:`hyper` (or override :meth:`update`), :meth:`slots`, and the step scalars and decay rules of their
+    reference."""
 
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact)
     elementwise: bool = True
@@ -64,16 +55,10 @@ class Algorithm:
 
     def update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any],
                step: Any, reduce: Reduction = LOCAL) -> torch.Tensor | tuple[torch.Tensor, float]:
-        """fp32 math: update ``state`` in place and return the delta to add to ``p``, or ``(direction, alpha)`` meaning
-        ``delta = alpha * direction`` (lets ``p.add_(d, alpha=-lr)`` round as torch does). By default :attr:`math`
-        called with :meth:`math_kwargs` (and ``reduce=`` unless elementwise).
-
-        ``reduce`` (:mod:`lowmemopt.distributed.reduction`): how whole-tensor reductions are taken when ``p`` is the
-        local shard of a sharded parameter; non-elementwise math must take every norm and mean through it.
-
-        ``p`` is the fp32 working copy the step writes back. Leave it unchanged, except for a weight decay that a
-        constant :meth:`decay_factor` cannot express (Adafactor's scales with RMS(p)): that may be applied to ``p`` in
-        place, in the reference's order; the ``decay_factor`` multiply and the delta follow."""
+        """fp32 math: update ``state`` in place; return the delta, or ``(direction, alpha)`` for
+        ``delta = alpha * direction`` (``p.add_(d, alpha=-lr)`` rounds as torch does). ``p``: the fp32 working copy,
+        unchanged except for a decay :meth:`decay_factor` cannot express (Adafactor's, by RMS(p)). ``reduce``: how a
+        sharded parameter's whole-tensor reductions are taken (non-elementwise math takes every norm through it)."""
         if self.elementwise:
             return self.math(p, g, state, **self.math_kwargs(group, step))
         return self.math(p, g, state, **self.math_kwargs(group, step), reduce=reduce)
@@ -85,17 +70,15 @@ class Algorithm:
         return kwargs
 
     def step_scalars(self, group: dict[str, Any], step: Any) -> dict[str, Any]:
-        """Scalars that depend on the step count (bias corrections, first-step flags), made on the host so that the
-        kernels receive plain numbers instead of evaluating ``beta ** step`` per element. ``step``: an int, or a
-        capturable step's fp64 tensor of steps on the device."""
+        """Scalars of the step count (bias corrections, first-step flags) for the kernels, from ``step`` (an int, or
+        a capturable step's fp64 device tensor)."""
         return {}
 
     def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
                   grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """The step's ``(param, group)`` pairs as the stages see them: for values that depend on every gradient of the
-        step (FusedLAMB's global-norm clip), computed once per step on the device before any update and handed to
-        the math as keys of a per-step view (a copy) of the group. By default ``work`` itself. ``grad_mult``: the
-        step's loss scaling multiplier of the gradients (:attr:`~lowmemopt.pipeline.plan.Plan.grad_mult`), or None."""
+        """The step's ``(param, group)`` pairs as the stages see them: values of every gradient of the step
+        (FusedLAMB's global norm, of the unscaled gradients under ``grad_mult``) go to the math as keys of per-step
+        copies of the groups. By default ``work`` itself."""
         return work
 
     def decay_factor(self, group: dict[str, Any]) -> Any:
@@ -103,8 +86,7 @@ class Algorithm:
         return 1.0
 
     def coupled_weight_decay(self, group: dict[str, Any]) -> bool:
-        """Does the math add ``wd * p`` to a gradient-shaped tensor (L2 penalty)? A GaLore step turns that into the
-        decoupled ``p <- p (1 - lr wd)`` on the full parameter (:func:`lowmemopt.projection.step.inner_group`)."""
+        """Does the math add ``wd * p`` to the gradient (L2)? A GaLore step decouples it on the full parameter."""
         return False
 
     def weight_statistic(self, group: dict[str, Any]) -> str | None:
@@ -113,15 +95,13 @@ class Algorithm:
         return None
 
     def math_decay(self, group: dict[str, Any], step: Any, stat: torch.Tensor | None) -> Any:
-        """``c`` of the decay ``p <- p + c p`` that the math applies to the parameter in place before its update
-        (:attr:`weight_stat_math`), rounded as the math rounds it: a number, or a tensor of one ``c`` per parameter
-        given the stacked statistics ``stat``; None: no such decay."""
+        """``c`` of the in-place decay ``p <- p + c p`` the math applies before its update (:attr:`weight_stat_math`),
+        rounded as the math rounds it: a number, or one per parameter of the stacked ``stat``; None: none."""
         return None
 
     def apply_update(self, p32: torch.Tensor, delta: torch.Tensor, alpha: Any, decay: Any,
                      group: dict[str, Any]) -> None:
-        """Write the step into the fp32 working copy: ``p = p * decay + alpha * delta`` (decay first, as torch does).
-        An algorithm whose reference decays after the update overrides this (it then has no fused backend)."""
+        """``p = p * decay + alpha * delta`` (decay first, as torch); an override has no fused kernels."""
         if decay != 1.0:
             p32.mul_(decay)
         p32.add_(delta, alpha=alpha)

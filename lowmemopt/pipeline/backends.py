@@ -1,16 +1,7 @@
-"""The per-tensor backends of the update stage, and state creation.
-
-A bucket that the Triton kernels do not take is updated one tensor at a time here (:func:`step_items`: the items of one
-bucket and its :class:`~lowmemopt.work.items.Update`, as the Triton backend's ``step_items`` takes them), by the first
-backend that applies::
-
-    native C kernel (CPU, elementwise or factored; lowmemopt.cpu)  ->  torch.compile-d chunks (lowmemopt.compiled)
-        ->  eager reference: decode -> Algorithm.update (fp32) -> encode, in block-aligned chunks
-
-Each returns the eager path's results (to fp32 rounding; the 8-bit codes are the reference encoder's). A backend sees
-plain tensors, the bucket's :class:`~lowmemopt.work.record.BucketRecord` (never a param group dict) and the
-:class:`~lowmemopt.pipeline.algorithm.Algorithm`, whose methods read the record's ``hyper``; never the optimizer.
-"""
+"""The per-tensor backends of the update stage (:func:`step_per_tensor`), each item by the first that applies:
+the native C kernel (CPU; :mod:`lowmemopt.cpu`), the ``torch.compile``-d chunks (:mod:`lowmemopt.compiled`), then the
+eager reference (decode -> :meth:`Algorithm.update` in fp32 -> encode, in block-aligned chunks), all with the eager
+results; and state creation (:func:`init_state`). A backend reads the bucket's record, never a param group."""
 
 from __future__ import annotations
 
@@ -29,7 +20,7 @@ from ..work.record import BucketRecord
 from .algorithm import Algorithm
 from .plan import unscaled
 
-__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "step_items", "update_flat", "update_checked",
+__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "step_per_tensor", "update_flat", "update_checked",
            "update_rest", "run_update", "decode_whole"]
 
 #: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
@@ -53,12 +44,12 @@ def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], st
     return state
 
 
-def step_items(algorithm: Algorithm, items: Sequence[Item], update_for: Callable[[Item, Any], Update],
+def step_per_tensor(algorithm: Algorithm, items: Sequence[Item], update_for: Callable[[Item, Any], Update],
                grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
                scans: Sequence[torch.Tensor | None] | None = None, check: bool = False) -> list[bool | None]:
     """Step every item of ``items`` (full-rank, initialized, step count already advanced) through the per-tensor
     backends, one tensor at a time: the per-tensor side of the update stage, with the Triton backend's shape
-    (:func:`lowmemopt.kernels.dispatch.step_items`). ``update_for(item, step)``: the item's bucket's
+    (:func:`lowmemopt.kernels.dispatch.step_triton`). ``update_for(item, step)``: the item's bucket's
     :class:`~lowmemopt.work.items.Update` (its math keyword arguments, decay factor, record), asked per item with its
     step count; ``grad_mult``: loss scaling, device -> the gradients' multiplier there (or None).
 

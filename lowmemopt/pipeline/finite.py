@@ -1,27 +1,7 @@
-"""The non-finite-gradient check with the skip decided on the device: no host synchronization before the kernels.
-
-The policy is the optimizer's (:mod:`lowmemopt.optimizer`): a parameter whose gradient has a NaN / Inf element (or an
-fp32 sum of squares that overflows) is skipped this step, its values and state unchanged, and a warning counts the
-skips. Deciding that on the host means reading the check back before anything is launched: the host then waits for
-the GPU to finish the backward pass, and the GPU waits while the host builds the step (its items and launch tables).
-
-With :class:`DeviceFlags` the check stays on the device. One fused multi-tensor norm per gradient dtype gives a uint8
-flag per gradient; each kernel launch multiplies its tensors' element counts in its launch table by their flags (one
-``index_select`` and one multiply on the device), so a skipped tensor's programs mask off every load and store and
-leave its parameter and state as they were. The host reads the flags once, after every launch of the step: to undo
-the step count of the skipped parameters (the dispatcher counts a bucket's step when it launches), to warn, and
-before any parameter that no kernel took goes to the per-tensor backends (which need the decision first).
-
-It applies when every value a kernel stores in a parameter or its state is masked by the tensor's element count:
-every fused algorithm at every state format. The element-wise passes mask by it; the per-tensor reductions (LAMB's
-and LARS's norms, Adafactor's and CAME's row/column sums, clip RMS and moments) write only the launch's scratch; the
-per-matrix pass that writes Adafactor's and CAME's row/column statistics runs no iteration for a count of 0. A GaLore
-parameter's low-rank update runs on a stand-in through the same kernels and reaches the weight through the batched
-apply pass (:mod:`lowmemopt.kernels.unproject`), which reads the flags too; the projections write nothing but
-temporaries. It needs one device, nothing moving or sharded (FSDP2: the ranks agree on the flags on the host), and for
-a GaLore parameter a basis already made, no refresh due (the SVD would read the gradient) and the batched products
-(CUDA): :func:`lowmemopt.projection.step.device_checkable`. Elsewhere the check stays on the host, as before.
-"""
+"""The non-finite-gradient check: :class:`DeviceFlags` (the skip decided on the device: the kernels mask a flagged
+tensor's loads and stores, the host reads the flags after every launch), :class:`PendingSkip` (a step's skips settled
+at the next step), :class:`CpuFiniteChecks` (CPU gradients checked by the kernel that steps the one before) and the
+host's check (:func:`host_flags`). Policy and when each applies: docs/internals.md#non-finite-gradients."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from .algorithm import Algorithm
 from .backends import init_state, update_rest
 from .plan import Plan
 
-__all__ = ["step_cpu_bucket", "step_items"]
+__all__ = ["step_cpu_bucket", "step_native_bucket"]
 
 #: per parameter: its kernel arguments from the last step and what they were made for (``sig`` in
 #: :func:`step_cpu_bucket`: the state's tensors by address, the parameter, the storage options); a step whose
@@ -58,7 +58,7 @@ def takes(plan: Plan) -> bool:
 def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     """Step the CPU parameters of ``todo`` ((index, param, group)) that the native kernels take, in one call; fill in
     ``finite`` for the ones checked here; return the rest, in order, for the per-parameter path. The gather stage
-    (here: items, state made, step counts advanced) and the update (:func:`step_items`, which reads the items and
+    (here: items, state made, step counts advanced) and the update (:func:`step_native_bucket`, which reads the items and
     their :class:`~lowmemopt.work.items.Update` only)."""
     if not todo or not takes(plan):
         return todo
@@ -102,7 +102,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     if not items:
         return rest
     mult = None if plan.grad_mult is None else plan.mult
-    results = step_items(algorithm, items, plan.update_of, [finite[i] is None for i in index], mult)
+    results = step_native_bucket(algorithm, items, plan.update_of, [finite[i] is None for i in index], mult)
     left = set()
     for i, it, ok in zip(index, items, results):
         if ok is None:  # not taken: the per-parameter path steps it
@@ -118,7 +118,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     return rest
 
 
-def step_items(algorithm: Algorithm, items: list[Item], update_for: Callable[[Item, Any], Update],
+def step_native_bucket(algorithm: Algorithm, items: list[Item], update_for: Callable[[Item, Any], Update],
                check: list[bool], grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None
                ) -> list[bool | None]:
     """The native bucket backend: step ``items`` (CPU, contiguous, initialized, step counts advanced) of

@@ -4,7 +4,7 @@ backend takes, and it is the eager reference that every combination is tested ag
 
 The gather stage makes the parameter an :class:`~lowmemopt.work.items.Item` (its local shard, state made on the
 first step, its record), :meth:`.plan.Plan.update_of` its bucket's :class:`~lowmemopt.work.items.Update` from the record's
-``hyper``, and the update stage hands both to :func:`.backends.step_items`, as the Triton backend takes them."""
+``hyper``, and the update stage hands both to :func:`.backends.step_per_tensor`, as the Triton backend takes them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from .. import rounding
 from ..distributed.sharding import local_view
 from ..work import Item, capture
-from .backends import init_state, step_items
+from .backends import init_state, step_per_tensor
 from .plan import Plan
 
 __all__ = ["step_param"]
@@ -23,7 +23,7 @@ __all__ = ["step_param"]
 
 def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
                scan: torch.Tensor | None = None, check: bool = False) -> bool | None:
-    """Step one parameter through the per-tensor backends (:func:`.backends.step_items`; GaLore:
+    """Step one parameter through the per-tensor backends (:func:`.backends.step_per_tensor`; GaLore:
     :func:`~lowmemopt.projection.step.step_projected`). ``scan``: another gradient that a native CPU kernel checks
     for NaN/Inf while it steps this one; returns that check's result (None: not done). ``check``
     (:func:`checks_itself`): the step checks ``grad`` itself (:func:`.backends.update_checked`); returns whether it
@@ -45,7 +45,7 @@ def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str,
     target = local if local.is_contiguous() else local.contiguous()
     it = Item(param=p, group=group, target=target, grad=grad, state=state, slots=slots, record=record, reduce=reduce)
     mult = None if plan.grad_mult is None else plan.mult  # loss scaling: applied as g is loaded
-    result = step_items(plan.algorithm, (it,), plan.update_of, mult, None if scan is None else (scan,), check)[0]
+    result = step_per_tensor(plan.algorithm, (it,), plan.update_of, mult, None if scan is None else (scan,), check)[0]
     if check and not result:
         state["step"] -= 1
     if target is not local:

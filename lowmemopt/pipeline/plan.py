@@ -1,19 +1,7 @@
-"""The plan of one step: what the optimizer hands the pipeline beside the parameters.
-
-The optimizer (the torch.optim contract) builds a :class:`Plan` per ``step()`` and the stages read it; none of them
-receives the optimizer or calls back into it. Per bucket a stage reads the algorithm (its slots, math, step scalars
-and decay rules: :class:`~lowmemopt.pipeline.algorithm.Algorithm`), the bucketed backend it may use (``fused``), the
-state dict that holds each parameter's slots in their formats, and the param groups (storage options and
-hyper-parameters), each group resolved once per step into the record its items carry (:meth:`Plan.record_of`, a
-:class:`~lowmemopt.work.record.BucketRecord`: nothing below the pipeline reads a param group). What a step reports
-back (GaLore refresh failures) goes into :class:`StepRecord`.
-
-Loss scaling (``torch.amp.GradScaler``'s native path, :mod:`lowmemopt.optimizer`): the plan carries the step's
-gradient multiplier ``grad_mult`` (``1 / scale`` as GradScaler's ``unscale_`` computes it: the scale in fp64,
-reciprocal, rounded to fp32) and ``found_inf``. Every backend multiplies the gradient by it where it loads it, rounded
-to the gradient's dtype as ``unscale_`` stores it (:func:`unscaled`), so a step equals ``unscale_`` + ``step()`` bit for
-bit with no pass of its own over the gradients.
-"""
+"""The plan of one step (:class:`Plan`): what an entry hands :func:`lowmemopt.pipeline.run` beside the parameters,
+each param group resolved once per step into the record its items carry (:meth:`Plan.record_of`); what a run leaves
+(:class:`StepOutcome`, :class:`StepRecord`); and loss scaling's gradient multiplier (:func:`inv_scale`,
+:func:`unscaled`: docs/internals.md#mixed-precision-gradscalers-native-path)."""
 
 from __future__ import annotations
 
@@ -26,7 +14,7 @@ from ..work.items import Item, Update
 from ..work.record import BucketRecord
 from .algorithm import Algorithm, KernelSet
 
-__all__ = ["Plan", "StepRecord", "unscaled", "inv_scale", "update_of"]
+__all__ = ["Plan", "StepOutcome", "StepRecord", "unscaled", "inv_scale", "update_of"]
 
 
 def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
@@ -67,6 +55,17 @@ class StepRecord:
     galore_refresh_warned: bool = False
 
 
+@dataclass
+class StepOutcome:
+    """What a run leaves its optimizer to settle: parameters skipped for a non-finite gradient (counted now), the
+    skips decided on the device (a :class:`~lowmemopt.pipeline.finite.PendingSkip`, settled at the next step), and
+    a capturable step's count of skipped parameters (a device tensor)."""
+
+    skipped: int = 0
+    pending: Any = None
+    device_skipped: torch.Tensor | None = None
+
+
 @dataclass(eq=False)
 class Plan:
     """One step's plan. ``state``: parameter -> its state dict (plain named tensors and ints; the optimizer's
@@ -88,6 +87,23 @@ class Plan:
     grad_mult: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     communicate: Any = None
+    # -- how this run steps: set by the entry (step(), the per-layer hook), read by pipeline.run --------------------
+    #: the (param, group) pairs with gradients this run steps, in the step's order
+    work: list = field(default_factory=list)
+    #: a capturable step (:mod:`lowmemopt.work.capture`): everything through the kernels, nothing read back
+    capturable: bool = False
+    #: per-layer updates: the gradients are known to be finite, or ``flags`` (a
+    #: :class:`~lowmemopt.pipeline.finite.DeviceFlags`) holds their finiteness on the device
+    finite_known: bool = False
+    flags: Any = None
+    #: decide the non-finite check on the device where the kernels allow it (False: on the host, before the step)
+    defer_finite: bool = True
+    #: the paging manager (None: nothing paged) and the function that makes a parameter's first state for it
+    pager: Any = None
+    first_state: Any = None
+    #: the launch tables kept from the last steps (a :class:`~lowmemopt.pipeline.program.StepProgram`): a cache the
+    #: run uses while it still applies; the run leaves here the program to keep (None: none)
+    program: Any = None
     #: where the step keeps its buckets when the kernels took it whole, for a
     #: :class:`~lowmemopt.pipeline.program.StepProgram` (a :class:`~lowmemopt.pipeline.program.Kept`, filled by
     #: :func:`lowmemopt.pipeline.step_buckets`); None: not asked

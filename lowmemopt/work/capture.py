@@ -1,29 +1,6 @@
-"""Capturable steps (``capturable=True``): a ``step()`` that reads nothing back from the device, so a CUDA graph can
-capture it and replay it without the host.
-
-An ordinary step keeps its step counts on the host (Python ints) and hands the kernels the step's scalars as
-arguments (bias corrections, the learning rate, the decay factor). It reads one thing back at its end, the
-non-finite flags, to count skips and warn. Replayed from a graph, none of that host work would run: the counts would
-stay put and the scalars would be those of the captured step. A capturable step therefore
-
-* keeps each parameter's step count on its device (``state["step"]``: a 0-dim fp32 tensor, as ``torch.optim`` does
-  with ``capturable=True``; exact to 2^24 steps) and adds the parameter's finiteness flag to it after the launches
-  (one ``_foreach_add_``): a skipped parameter's count stays;
-* computes the step's scalars on the device from those counts and from ``lr`` (a number, or a tensor on the device
-  that a scheduler changes in place), in fp64 and rounded once to fp32, the values an ordinary step passes
-  (:meth:`lowmemopt.kernels.launch.Bucket.scalars`); the kernels read them per tensor;
-* decides the non-finite skip on the device (:mod:`.finite`) and counts skips in a device tensor
-  (``optimizer.nonfinite_skips`` reads it: a synchronization when asked, never in ``step()``). It does not warn.
-
-So a capturable step gives the same parameters and state as an ordinary one, bit for bit. It takes the fused Triton
-kernels of :data:`CAPTURABLE_ALGORITHMS` only (every fused algorithm), on one device, with nothing paged, projected
-(GaLore) or sharded (DTensor) and no stochastic rounding (its per-step hash key is made on the host); anything else
-raises before the step changes anything (:func:`lowmemopt.optimizer.LowMemOptimizer.step`).
-
-A graph replays device memory by address. Launch tables and index maps come from caches (:mod:`lowmemopt.kernels.table`)
-that may free an entry later; every cached tensor a step uses while its stream is capturing is kept for the life of
-the process (:func:`keep`), and so are the page-locked host buffers of uploads made during a capture.
-"""
+"""Capturable steps (``capturable=True``): step counts kept on the device, the step's scalars made there, skips
+counted in a device tensor, so a CUDA graph can capture a step and replay it without the host
+(docs/pipeline.md#capturable-steps-cuda-graphs). :func:`keep` holds the tensors a captured graph reads by address."""
 
 from __future__ import annotations
 
