@@ -100,7 +100,7 @@ from .pipeline.fits import check_grad, check_state_fits
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip, host_flags
 from .pipeline.plan import Plan, StepRecord, inv_scale
 from .pipeline.program import Kept, StateDict, StepProgram
-from .projection import step as galore
+from .projection.stage import GALORE as galore
 from .quant.formats import Slot, default_block_size
 from .signature import set_signature
 from .state_dicts import (
@@ -108,6 +108,7 @@ from .state_dicts import (
     state_dict_post_hook, state_dict_pre_hook,
 )
 from .work import capture
+from .work.items import LOW_RANK
 from .work.record import BucketRecord
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
@@ -466,7 +467,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         for p, _ in work:
             if is_dtensor(p):
                 raise ValueError("capturable=True does not take DTensor (FSDP2) parameters")
-            if "galore.side" in state.get(p, ()):
+            if LOW_RANK in state.get(p, ()):
                 raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
         return True
 

@@ -6,11 +6,11 @@ each of which sees plain tensors and knows nothing of the others::
                                                                                               (communicating)
     gather     params with finite gradients -> items: local tensors (an FSDP2 shard's local part), initialized state
     stage      paging: bring a batch's state to the device, the next batch's on its way    (Pager.batches, or no-op)
-    project    GaLore: low-rank gradients, batched products per shape on CUDA          (projection.step, or no-op)
+    project    GaLore: low-rank gradients, batched products per shape on CUDA          (plan.galore, or no-op)
     update     one backend call per bucket: Triton (kernels.dispatch) on CUDA, native C on the CPU (.native, the
                elementwise algorithms), else per tensor: native C (CPU), torch.compile, the eager reference
                                                                                           (.backends.update_flat)
-    unproject  GaLore: the full-size update, weight decay on the full weight                 (projection.step.finish)
+    unproject  GaLore: the full-size update, weight decay on the full weight       (plan.galore.apply_back)
     apply      the parameter write
     write back paging: the batch's state home, asynchronously                                 (Pager.batches)
 
@@ -37,6 +37,7 @@ from ..cpu import factored
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import is_dtensor, local_tensor, local_view
 from ..work import Item, Update, capture
+from ..work.items import LOW_RANK
 from .backends import CHUNK_NUMEL, init_state
 from .finite import CpuFiniteChecks, DeviceFlags
 from .native import step_cpu_bucket, takes as takes_cpu_bucket
@@ -109,7 +110,7 @@ def run(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[boo
     """Step ``todo`` ((index, param, group) with gradients not known to be non-finite). ``finite[i] is None``: a CPU
     gradient checked in the native kernels' pipeline (:func:`step_in_order`); ``pager``: the paging manager, or None
     when nothing is paged; ``plan.kernels``: the algorithm's fused kernels (None: the per-tensor backends only);
-    ``plan.galore``: the GaLore stage (:mod:`lowmemopt.projection.step`), or None when no param group is projected;
+    ``plan.galore``: the projection stage (:class:`~.plan.ProjectionStage`), or None when no group is projected;
     ``flags``: the gradients' finiteness on the device (:mod:`.finite`; ``finite`` then says True for all,
     provisionally), read on the host only after the kernels are launched. ``device_steps``: a capturable step
     (:mod:`.capture`): everything through the kernels, nothing read back."""
@@ -179,7 +180,7 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
     if not (isinstance(native, factored.FactoredStep) and native.checks):
         return False
     state = plan.state[p]
-    return group.get("rank") is None and "step" in state and "galore.side" not in state
+    return plan.record_of(group).rank is None and "step" in state and LOW_RANK not in state
 
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
@@ -188,7 +189,7 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
     (:mod:`.finite`); None where the check must be decided on the host first: anything but one device that the
     Triton backend takes with kernels that mask by element count, or anything whose state moves (paged beyond the
     budget: state resident within it steps as unpaged), sharded, or projected where a stage would ignore the flags (a
-    basis refresh due, the first step: :func:`lowmemopt.projection.step.device_checkable`). ``found_inf``: a
+    basis refresh due, the first step: :meth:`~.plan.ProjectionStage.device_may_check`). ``found_inf``: a
     loss-scaled step's flag (``torch.amp.GradScaler``), which then makes the flags instead of a norm per gradient
     (:meth:`DeviceFlags.from_found_inf`)."""
     if pipe is not None and pipe.indices:
@@ -206,10 +207,10 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
         if is_dtensor(p):
             return None
         st = state.get(p)
-        if group.get("rank") is not None:
-            if st is None or not plan.galore.device_checkable(plan, p, group, st, memo):
+        if plan.record_of(group).rank is not None:
+            if st is None or not plan.galore.device_may_check(plan, p, group, st, memo):
                 return None
-        elif st is not None and "galore.side" in st:  # (a group that lost its rank: the step reports it)
+        elif st is not None and LOW_RANK in st:  # (a group that lost its rank: the step reports it)
             return None
     params = [p for p, _ in work]
     if found_inf is not None:
@@ -234,15 +235,15 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
     states = plan.state
     for p, group in work:
         state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
-        if group.get("rank") is not None or (state is not None and "galore.side" in state):
+        if plan.record_of(group).rank is not None or (state is not None and LOW_RANK in state):
             if fused_galore is None:
-                fused_galore = galore is not None and galore.fused(plan)
+                fused_galore = galore is not None and galore.takes_fused(plan)
             if not fused_galore:
                 rest.append((p, group))
                 continue
-            it = galore.prepare(plan, p, p.grad, group, inner)
+            it = galore.gather(plan, p, p.grad, group, inner)
             if it is not None:  # None: no basis yet, the step is skipped
-                if flags is not None:  # (galore.device_checkable: a basis, no refresh due) as a plain item's below
+                if flags is not None:  # (galore.device_may_check: a basis, no refresh due) as a plain item's below
                     it.flag = flags.position[id(p)]
                     flags.note(p, it.state, False)
                 projected.append(it)
@@ -266,15 +267,15 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
             plain.append(it)
     alone: list[Item] = []
     if projected:
-        galore.project(projected)
-        stands_in = [galore.stands_in(plan, it) for it in projected]
-        alone = [it for it, s in zip(projected, stands_in) if not s]  # the reference core
-        projected = [it for it, s in zip(projected, stands_in) if s]
+        galore.project_gradients(projected)
+        on_stand_in = [galore.runs_on_stand_in(plan, it) for it in projected]
+        alone = [it for it, s in zip(projected, on_stand_in) if not s]  # the reference core
+        projected = [it for it, s in zip(projected, on_stand_in) if s]
         for it in alone:
             if it.flag is None or flags.finite(it.param):  # the per-tensor backends need the decision first
-                galore.update_alone(plan, it)
-        galore.stand_ins(projected)
-        galore.weights(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
+                galore.update_per_tensor(plan, it)
+        galore.make_stand_ins(projected)
+        galore.weight_statistics(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
     name = kernels.name
 
@@ -297,11 +298,11 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
             rest.append((it.param, it.group))
         elif it.flag is not None and not flags.finite(it.param):  # the per-tensor backends need the decision first
             finished.add(id(it))  # skipped: nothing to apply
-        elif not galore.update_alone(plan, it):  # no kernel took it: the per-tensor backends, or the core
+        elif not galore.update_per_tensor(plan, it):  # no kernel took it: the per-tensor backends, or the core
             finished.add(id(it))
     if projected:
-        galore.finish_many(plan, [it for it in projected if id(it) not in finished],
-                           None if flags is None else flags.tensor)
+        galore.apply_back(plan, [it for it in projected if id(it) not in finished],
+                          None if flags is None else flags.tensor)
     return rest
 
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .step import check_group
+from .checks import check_group
 
 __all__ = ["galore_param_groups"]
 
