@@ -20,7 +20,7 @@ parameter's low-rank update runs on a stand-in through the same kernels and reac
 apply pass (:mod:`lowmemopt.kernels.unproject`), which reads the flags too; the projections write nothing but
 temporaries. It needs one device, nothing moving or sharded (FSDP2: the ranks agree on the flags on the host), and for
 a GaLore parameter a basis already made, no refresh due (the SVD would read the gradient) and the batched products
-(CUDA): :func:`lowmemopt.projection.step.device_checkable`. Elsewhere the check stays on the host, as before.
+(CUDA): :meth:`~.plan.ProjectionStage.device_may_check`. Elsewhere the check stays on the host, as before.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class ProjectionStage(Protocol):
         update; ``flags``: the device-side finiteness flags. Returns the layout (``projected``, ``stand``: this
         step's layouts of :meth:`project_gradients` and :meth:`make_stand_ins`)."""
 
-    def release_buffers(self, projected: Any, stand: Any) -> None:
+    def release_buffers(self, project_layout: Any, stand_in_layout: Any) -> None:
         """Give back the memory of a step's low-rank gradients and stand-ins (their layouts stay)."""
 
     def step_one(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:

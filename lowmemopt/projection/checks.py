@@ -41,8 +41,8 @@ def check_group(group: dict[str, Any]) -> None:
 
 def check_values(group: dict[str, Any]) -> None:
     """Fill in a GaLore group's missing keys and validate their values (ValueError / TypeError). Also run before
-    each step that may write (:func:`check_low_rank_state`, :mod:`lowmemopt.pipeline.program`): a value set in the group after
-    it was added is refused before anything changes, not half-way through the step."""
+    each step that may write (:func:`check_group_values`, :mod:`lowmemopt.pipeline.program`): a value set in the
+    group after it was added is refused before anything changes, not half-way through the step."""
     for key, value in GROUP_DEFAULTS.items():
         group.setdefault(key, value)
     rank = group["rank"]

@@ -25,7 +25,7 @@ def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
     low-rank gradient and the update rounded to bf16 once), else None: fp32 products (``"float32"``; fp16 and fp32
     parameters: fp16's range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner
     math stay fp32. float64 parameters: float64 (their products and math are float64, the fp32 basis widened;
-    module docstring)."""
+    docs/galore.md)."""
     if p.dtype == torch.float64:
         return torch.float64
     if group.get("proj_dtype", GROUP_DEFAULTS["proj_dtype"]) == "param" and p.dtype == torch.bfloat16:
@@ -36,7 +36,7 @@ def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
 def inner_group(plan: Plan, group: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """``(group the inner math runs with, decay factor of the full-rank parameter)``: an algorithm that adds
     ``wd * p`` to a gradient-shaped tensor gets ``weight_decay=0`` inside and the decoupled ``1 - lr wd`` outside
-    (module docstring); every other algorithm its own group and ``_decay_factor``."""
+    (docs/galore.md); every other algorithm its own group and ``_decay_factor``."""
     if group.get("weight_decay") and plan.algorithm.coupled_weight_decay(group):
         return dict(group, weight_decay=0.0), 1.0 - group["lr"] * group["weight_decay"]
     return group, plan.algorithm.decay_factor(group)
@@ -102,8 +102,8 @@ def _matrix(plan: Plan, g: torch.Tensor, m: int, n: int) -> torch.Tensor:
 def _inner(plan: Plan, group: dict[str, Any], inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]]
            ) -> tuple[dict[str, Any], dict[str, Any], float]:
     """``(group the stand-in's math runs with, group the reference core runs with, decay factor)`` of a GaLore
-    param group (:func:`inner_group`; no weight decay in the stand-in's math where :func:`~.apply.finish` applies it to the
-    full weight), made once per group and step in ``inner``."""
+    param group (:func:`inner_group`; no weight decay in the stand-in's math where :func:`~.apply.finish` applies it
+    to the full weight), made once per group and step in ``inner``."""
     made = inner.get(id(group))
     if made is None:
         core, decay = inner_group(plan, group)
@@ -114,7 +114,7 @@ def _inner(plan: Plan, group: dict[str, Any], inner: dict[int, tuple[dict[str, A
 
 def regather(plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
     """The gather of a later step for ``items`` that :func:`gather` made (unsharded, no refresh due:
-    :func:`refresh_due`), kept by a step program (:mod:`lowmemopt.pipeline.program`): this step's gradients
+    :func:`~.refresh.refresh_due`), kept by a step program (:mod:`lowmemopt.pipeline.program`): this step's gradients
     (``grads``, the parameters' in the items' order) and inner groups (a scheduler's learning rate), nothing
     projected or stood in yet."""
     inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] = {}

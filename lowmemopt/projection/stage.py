@@ -1,5 +1,5 @@
 """GaLore as the pipeline's projection stage: :class:`GaLoreStage` implements
-:class:`lowmemopt.pipeline.stages.ProjectionStage` with the functions of :mod:`.checks`, :mod:`.state`,
+:class:`lowmemopt.pipeline.plan.ProjectionStage` with the functions of :mod:`.checks`, :mod:`.state`,
 :mod:`.gather`, :mod:`.refresh`, :mod:`.update`, :mod:`.batched` and :mod:`.apply`. How a projected step runs and why:
 docs/galore.md."""
 
@@ -25,7 +25,7 @@ __all__ = ["GaLoreStage", "GALORE"]
 
 
 class GaLoreStage:
-    """The projection stage (:class:`~lowmemopt.pipeline.stages.ProjectionStage`; its docstrings say what each
+    """The projection stage (:class:`~lowmemopt.pipeline.plan.ProjectionStage`; its docstrings say what each
     operation does), plus what the optimizer asks of a GaLore group: :meth:`check_group`, :meth:`projected_slots`
     and :meth:`init_projected_state`. Holds nothing: one instance (:data:`GALORE`) serves every optimizer."""
 
