@@ -1,4 +1,4 @@
-"""GaLore's apply stage after a batched product back (``projection.step.finish_many``), one multi-tensor pass over
+"""GaLore's apply stage after a batched product back (``projection.batched.finish_many``), one multi-tensor pass over
 every matrix of a shape class::
 
     p <- round_p( ((p + c p) * decay) + scale * U )

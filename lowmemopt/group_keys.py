@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable
 
-from .projection.step import GROUP_DEFAULTS
+from .projection.checks import GROUP_DEFAULTS
 
 __all__ = ["ALLOWED_GROUP_KEYS", "allow_group_keys", "known_group_keys", "check_group_keys", "GroupKeyWatch",
            "known_keys_of", "check_new_group", "group_keys_pre_hook", "group_keys_loaded"]

@@ -29,13 +29,14 @@ from .pipeline.fits import check_grad
 from .pipeline.finite import CpuFiniteChecks, DeviceFlags, PendingSkip
 from .pipeline.plan import Plan, StepRecord, inv_scale
 from .pipeline.program import StateDict, StepProgram
-from .projection import step as galore
+from .projection.stage import GALORE as galore
 from .quant.formats import Slot, default_block_size
 from .signature import checked_init, set_signature
 from .state_dicts import (
     FORMAT_VERSION, STORAGE_DEFAULTS, load_state_dict_post_hook, load_state_dict_pre_hook,
     state_dict_post_hook, state_dict_pre_hook,
 )
+from .work.items import LOW_RANK
 from .work.record import BucketRecord
 
 __all__ = ["LowMemOptimizer", "Slot", "FORMAT_VERSION", "STORAGE_DEFAULTS", "algorithm", "kernel_algorithm"]
@@ -376,7 +377,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         for p, _ in work:
             if is_dtensor(p):
                 raise ValueError("capturable=True does not take DTensor (FSDP2) parameters")
-            if "galore.side" in state.get(p, ()):
+            if LOW_RANK in state.get(p, ()):
                 raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
         return True
 

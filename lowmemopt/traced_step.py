@@ -76,7 +76,7 @@ def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: 
     random projection, the low-rank gradient and update, and the scaled full-size update."""
     from .pipeline.backends import CHUNK_NUMEL
     from .projection import projector as pj
-    from .projection.step import proj_dtype
+    from .projection.gather import proj_dtype
 
     from .optim.apollo import APOLLOAdamW
 

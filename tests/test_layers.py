@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import pytest
 
@@ -52,6 +54,8 @@ def test_import_contracts_are_kept(tmp_path):
     ("quant/upward.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..optimizer import LowMemOptimizer\n"),
     ("pipeline/upward.py", "def f():\n    from ..optim import AdamW\n"),
     ("kernels/upward.py", "import lowmemopt\n"),
+    ("pipeline/upward.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                           "    from ..projection.stage import GaLoreStage\n"),  # (the projection stage's type)
 ])
 def test_the_contracts_can_fail(tmp_path, where, line):
     """A module that imports upwards (a type hint, a deferred import, the root package) breaks them."""
@@ -196,3 +200,69 @@ def test_the_function_group_check_can_fail(tmp_path):
     assert _function_group_reads(tmp_path / "mixed.py", ["stage"]) == ["stage:1 group", "stage:2 group"]
     with pytest.raises(AssertionError, match="no function"):
         _function_group_reads(tmp_path / "mixed.py", ["missing"])
+
+
+# The projection stage is typed (docs/pipeline.md, "The plan, and the layers"): Plan.galore is annotated with the
+# protocol the pipeline defines, not Any, and GaLore's stage object has each of its operations with its parameters.
+def _stage_problems(plan_cls: type, field_name: str, protocol: type, stage: object) -> list[str]:
+    """What keeps ``plan_cls.<field_name>`` from being a typed stage: its resolved annotation must be ``protocol |
+    None`` with ``protocol`` a ``typing.Protocol``, and ``stage`` must have each public method of ``protocol`` with
+    the same parameters (after ``self``)."""
+    import inspect
+    import types
+    import typing
+
+    problems = []
+    hint = typing.get_type_hints(plan_cls).get(field_name)
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType) or \
+            set(typing.get_args(hint)) != {protocol, type(None)}:
+        problems.append(f"{plan_cls.__name__}.{field_name} is annotated {hint!r}, not {protocol.__name__} | None")
+    if not getattr(protocol, "_is_protocol", False):
+        problems.append(f"{protocol.__name__} is not a typing.Protocol")
+    for name, fn in vars(protocol).items():
+        if name.startswith("_") or not callable(fn):
+            continue
+        want = list(inspect.signature(fn).parameters)[1:]
+        have = getattr(stage, name, None)
+        if have is None:
+            problems.append(f"{type(stage).__name__} has no {name}")
+        elif list(inspect.signature(have).parameters) != want:
+            problems.append(f"{type(stage).__name__}.{name} takes {list(inspect.signature(have).parameters)}, "
+                            f"the protocol {want}")
+    return problems
+
+
+def test_the_projection_stage_is_typed():
+    from lowmemopt.pipeline.plan import Plan, ProjectionStage
+    from lowmemopt.projection.stage import GALORE
+
+    assert _stage_problems(Plan, "galore", ProjectionStage, GALORE) == []
+    assert len([n for n in vars(ProjectionStage) if not n.startswith("_")]) >= 15
+
+
+class _Stage(Protocol):
+    def project(self, items: list) -> None: ...
+
+    def apply(self, items: list, flags: Any = None) -> None: ...
+
+
+@dataclass
+class _Untyped:
+    galore: Any = None
+
+
+@dataclass
+class _Typed:
+    galore: _Stage | None = None
+
+
+class _Partial:
+    def project(self, things: list) -> None: ...
+
+
+def test_the_stage_check_can_fail():
+    assert _stage_problems(_Untyped, "galore", _Stage, _Partial()) == [
+        "_Untyped.galore is annotated typing.Any, not _Stage | None", "_Partial.project takes ['things'], the "
+        "protocol ['items']", "_Partial has no apply"]
+    assert _stage_problems(_Typed, "galore", _Stage, _Partial()) == [
+        "_Partial.project takes ['things'], the protocol ['items']", "_Partial has no apply"]

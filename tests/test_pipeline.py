@@ -369,11 +369,12 @@ def test_galore_weight_reading_algorithms_take_the_triton_kernels(name, kw, bits
     the full weight's ||p|| / RMS(p) (a stand-in's own would be 0): one bucket per step for the three matrices, the
     reference core never, and the result within fp32 rounding (8-bit: one code step) of the reference core's."""
     from lowmemopt.kernels import dispatch
-    from lowmemopt.projection import step as galore_step
+    from lowmemopt.projection.stage import GaLoreStage
 
     core = []
-    real = galore_step.update_alone
-    monkeypatch.setattr(galore_step, "update_alone", lambda opt, it: core.append(it) or real(opt, it))
+    real = GaLoreStage.update_per_tensor
+    monkeypatch.setattr(GaLoreStage, "update_per_tensor",
+                        staticmethod(lambda plan, it: core.append(it) or real(plan, it)))
     monkeypatch.setattr(cpu, "ENABLED", False)
     algorithm = lowmemopt.optimizer.kernel_algorithm(getattr(lowmemopt, name))
     fmt = {32: "fp32", 16: "bf16", 8: "q8"}[bits]

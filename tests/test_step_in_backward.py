@@ -268,7 +268,7 @@ def test_per_parameter_steps_follow_changes_between_steps(name):
 def test_low_rank_slots_with_unhashable_fields():
     """A GaLore parameter's low-rank slots are memoized by value; a slot that cannot be a key is derived anyway."""
     from lowmemopt.optimizer import Slot
-    from lowmemopt.projection import step
+    from lowmemopt.projection import state as step
 
     slot = Slot(signed=True, shape=[3, 2], dims=[0, None])  # lists: unhashable
     assert step._low_rank_slot(slot, (4, 2), (0, None)) == Slot(True, True, [3, 2], (0, None))

@@ -18,6 +18,7 @@ from ..cpu import factored
 from ..distributed.reduction import LOCAL
 from ..distributed.sharding import agree_finite, is_dtensor, local_tensor, local_view
 from ..work import Item, Update, capture
+from ..work.items import LOW_RANK
 from .algorithm import Algorithm, KernelSet
 from .backends import CHUNK_NUMEL, init_state
 from .finite import CpuFiniteChecks, DeviceFlags, host_flags
@@ -290,7 +291,7 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
     if not (isinstance(native, factored.FactoredStep) and native.checks):
         return False
     state = plan.state[p]
-    return group.get("rank") is None and "step" in state and "galore.side" not in state
+    return plan.record_of(group).rank is None and "step" in state and LOW_RANK not in state
 
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
@@ -308,15 +309,15 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
     if len(devices) != 1 or not triton_usable(devices):
         return None
     state = plan.state
-    memo: dict = {}  # (device_checkable's answers per device and dtype)
+    memo: dict = {}  # (device_may_check's answers per device and dtype)
     for p, group in work:
         if is_dtensor(p):
             return None
         st = state.get(p)
-        if group.get("rank") is not None:
-            if st is None or not plan.galore.device_checkable(plan, p, group, st, memo):
+        if plan.record_of(group).rank is not None:
+            if st is None or not plan.galore.device_may_check(plan, p, group, st, memo):
                 return None
-        elif st is not None and "galore.side" in st:  # (a group that lost its rank: the step reports it)
+        elif st is not None and LOW_RANK in st:  # (a group that lost its rank: the step reports it)
             return None
     params = [p for p, _ in work]
     if found_inf is not None:
@@ -341,15 +342,15 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
     states = plan.state
     for p, group in work:
         state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
-        if group.get("rank") is not None or (state is not None and "galore.side" in state):
+        if plan.record_of(group).rank is not None or (state is not None and LOW_RANK in state):
             if fused_galore is None:
-                fused_galore = galore is not None and galore.fused(plan)
+                fused_galore = galore is not None and galore.takes_fused(plan)
             if not fused_galore:
                 rest.append((p, group))
                 continue
-            it = galore.prepare(plan, p, p.grad, group, inner)
+            it = galore.gather(plan, p, p.grad, group, inner)
             if it is not None:  # None: no basis yet, the step is skipped
-                if flags is not None:  # (galore.device_checkable: a basis, no refresh due) as a plain item's below
+                if flags is not None:  # (galore.device_may_check: a basis, no refresh due) as a plain item's below
                     it.flag = flags.position[id(p)]
                     flags.note(p, it.state, False)
                 projected.append(it)
@@ -373,15 +374,15 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
             plain.append(it)
     alone: list[Item] = []
     if projected:
-        galore.project(projected)
-        stands_in = [galore.stands_in(plan, it) for it in projected]
-        alone = [it for it, s in zip(projected, stands_in) if not s]  # the reference core
-        projected = [it for it, s in zip(projected, stands_in) if s]
+        galore.project_gradients(projected)
+        on_stand_in = [galore.runs_on_stand_in(plan, it) for it in projected]
+        alone = [it for it, s in zip(projected, on_stand_in) if not s]  # the reference core
+        projected = [it for it, s in zip(projected, on_stand_in) if s]
         for it in alone:
             if it.flag is None or flags.finite(it.param):  # the per-tensor backends need the decision first
-                galore.update_alone(plan, it)
-        galore.stand_ins(projected)
-        galore.weights(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
+                galore.update_per_tensor(plan, it)
+        galore.make_stand_ins(projected)
+        galore.weight_statistics(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
     name = kernels.name
 
@@ -404,11 +405,11 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
             rest.append((it.param, it.group))
         elif it.flag is not None and not flags.finite(it.param):  # the per-tensor backends need the decision first
             finished.add(id(it))  # skipped: nothing to apply
-        elif not galore.update_alone(plan, it):  # no kernel took it: the per-tensor backends, or the core
+        elif not galore.update_per_tensor(plan, it):  # no kernel took it: the per-tensor backends, or the core
             finished.add(id(it))
     if projected:
-        galore.finish_many(plan, [it for it in projected if id(it) not in finished],
-                           None if flags is None else flags.tensor)
+        galore.apply_back(plan, [it for it in projected if id(it) not in finished],
+                          None if flags is None else flags.tensor)
     return rest
 
 

@@ -38,7 +38,7 @@ class Algorithm:
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact)
     elementwise: bool = True
     #: True: the math reads the parameter only for a coupled weight decay (``g + wd * p``), so a GaLore step can run
-    #: it on a zeroed low-rank stand-in through the fused backends (:func:`lowmemopt.projection.step.param_free`)
+    #: it on a zeroed low-rank stand-in through the fused backends (:func:`lowmemopt.projection.update.param_free`)
     param_free_math: bool = False
     #: True: the math reads the parameter only through one statistic of it (:meth:`weight_statistic`), a decay it
     #: applies to it in place (:meth:`math_decay`) and a coupled weight decay, so a GaLore step can run it on a zeroed

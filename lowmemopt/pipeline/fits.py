@@ -12,7 +12,7 @@ the parameter *now*, so state made for another tensor would be read and written 
 step is changed; also for a gradient whose shape is not its parameter's (``p.data`` replaced after the backward pass:
 torch checks a gradient's shape when it is set, not when the parameter changes), and (TypeError) for a gradient whose
 dtype is not its parameter's or a parameter made complex or integer through ``.data``; and, through the projection
-stage (``plan.galore.check_step_values``), for a GaLore group key set to a value it does not take after the group was
+stage (``plan.galore.check_group_values``), for a GaLore group key set to a value it does not take after the group was
 added (a ``scale`` of ``"big"``, an ``update_proj_gap`` of 2.5), and for low-rank state in a group without ``rank``
 or full-rank state in one with ``rank`` (the key removed or added after steps). State stored in another format than
 its group asks for now (``state_bits`` or ``min_quant_numel`` changed after the state was made) fits: each slot is
@@ -35,13 +35,11 @@ from ..distributed.sharding import local_tensor
 from ..quant.blockwise import num_blocks
 from ..quant.formats import QUANTIZED, format_of
 from ..rounding import KAHAN
+from ..work.items import LOW_RANK
 from ..work.record import param_place
 from .plan import Plan
 
 __all__ = ["check_state_fits", "check_grad", "check_dtypes", "check_slots", "check_kahan", "where"]
-
-GALORE_SIDE = "galore.side"  # (a key of GaLore's state: :mod:`lowmemopt.projection` sits above this layer)
-
 
 def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
     """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
@@ -50,12 +48,12 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
     its key does not take. ``owner``: the optimizer's class name, for the message."""
     state_of = plan.state.get
     layouts = plan._layouts
-    last = None
+    last = rank = None
     for p, group in work:
         if group is not last:  # (a group's parameters come together: one look at each group)
-            last = group
-            if plan.galore is not None and group.get("rank") is not None:
-                plan.galore.check_step_values(plan, group, owner)
+            last, rank = group, plan.record_of(group).rank
+            if plan.galore is not None and rank is not None:
+                plan.galore.check_group_values(plan, group, owner)
         grad = p.grad
         if grad.shape != p.shape:  # (p.data replaced after the gradient was computed: torch lets it be)
             raise ValueError(
@@ -68,17 +66,17 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
         state = state_of(p)
         if not state or "step" not in state:
             continue
-        if GALORE_SIDE in state:  # low-rank state: the projection stage knows its shapes
-            if group.get("rank") is None:
+        if LOW_RANK in state:  # low-rank state: the projection stage knows its shapes
+            if rank is None:
                 raise ValueError(
                     f"{owner}: {where(plan, p)} has GaLore (low-rank) state but its param group has no 'rank' (was it "
                     "removed from the group?). Nothing was changed: keep the group's GaLore keys, or reset this "
                     "parameter's state (del optimizer.state[p])"
                 )
             if plan.galore is not None:
-                plan.galore.check_fits(plan, p, group, state, owner)
+                plan.galore.check_low_rank_state(plan, p, group, state, owner)
             continue
-        if group.get("rank") is not None:
+        if rank is not None:
             raise ValueError(
                 f"{owner}: {where(plan, p)} has full-rank optimizer state but its param group has rank="
                 f"{group['rank']} (GaLore; was rank added to the group after steps?). Nothing was changed: remove the "

@@ -27,6 +27,7 @@ from ..distributed.reduction import LOCAL
 from ..distributed.sharding import local_view
 from ..quant.formats import format_of
 from ..work import Item, Update, capture
+from ..work.items import LOW_RANK
 from .algorithm import Algorithm
 from .backends import init_state, update_rest
 from .plan import Plan
@@ -68,7 +69,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     index: list[int] = []
     for i, p, group in todo:
         grad = p.grad
-        if p.device.type != "cpu" or group.get("rank") is not None or grad is None:
+        if p.device.type != "cpu" or plan.record_of(group).rank is not None or grad is None:
             rest.append((i, p, group))
             continue
         numel = p.numel()  # a DTensor's whole size: it picks the state format
@@ -77,7 +78,7 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             rest.append((i, p, group))
             continue
         state = states[p]
-        if "galore.side" in state:
+        if LOW_RANK in state:
             rest.append((i, p, group))
             continue
         record = plan.record_of(group)

@@ -15,6 +15,7 @@ import torch
 from .. import rounding
 from ..distributed.sharding import local_view
 from ..work import Item, capture
+from ..work.items import LOW_RANK
 from .backends import init_state, step_per_tensor
 from .plan import Plan
 
@@ -24,13 +25,13 @@ __all__ = ["step_param"]
 def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
                scan: torch.Tensor | None = None, check: bool = False) -> bool | None:
     """Step one parameter through the per-tensor backends (:func:`.backends.step_per_tensor`; GaLore:
-    :func:`~lowmemopt.projection.step.step_projected`). ``scan``: another gradient that a native CPU kernel checks
+    :meth:`~.plan.ProjectionStage.step_one`). ``scan``: another gradient that a native CPU kernel checks
     for NaN/Inf while it steps this one; returns that check's result (None: not done). ``check``
     (:func:`checks_itself`): the step checks ``grad`` itself (:func:`.backends.update_checked`); returns whether it
     was finite (False: nothing changed, the step count included)."""
     state = plan.state[p]
-    if group.get("rank") is not None or "galore.side" in state:
-        plan.galore.step_projected(plan, p, grad, group)
+    if plan.record_of(group).rank is not None or LOW_RANK in state:
+        plan.galore.step_one(plan, p, grad, group)
         return None
     numel = p.numel()  # a DTensor's whole size: it picks the state format
     local, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through

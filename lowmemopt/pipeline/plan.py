@@ -6,7 +6,7 @@ each param group resolved once per step into the record its items carry (:meth:`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,7 +14,7 @@ from ..work.items import Item, Update
 from ..work.record import BucketRecord
 from .algorithm import Algorithm, KernelSet
 
-__all__ = ["Plan", "StepOutcome", "StepRecord", "unscaled", "inv_scale", "update_of"]
+__all__ = ["Plan", "ProjectionStage", "StepOutcome", "StepRecord", "unscaled", "inv_scale", "update_of"]
 
 
 def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
@@ -64,6 +64,76 @@ class StepOutcome:
     skipped: int = 0
     pending: Any = None
     device_skipped: torch.Tensor | None = None
+class ProjectionStage(Protocol):
+    """The projection stage of a step: what the pipeline asks of a param group with ``rank`` and its parameters
+    (GaLore's: :class:`lowmemopt.projection.stage.GaLoreStage`; docs/galore.md).
+
+    Before the step: :meth:`check_group_values`, :meth:`check_low_rank_state` (:mod:`.fits`). Per step: :meth:`gather`
+    (state, basis refresh, an item whose gradient is not projected yet), :meth:`project_gradients`, then either the
+    fused path (:meth:`make_stand_ins`, :meth:`weight_statistics`, the kernels, :meth:`apply_back`) or
+    :meth:`update_per_tensor`. A kept step program (:mod:`.program`) calls :meth:`regather` instead of
+    :meth:`gather` while no :meth:`refresh_due`."""
+
+    def check_group_values(self, plan: Plan, group: dict[str, Any], owner: str) -> None:
+        """Raise ValueError / TypeError, naming the group, if a GaLore key of ``group`` holds a value it does not
+        take (set after the group was added); before the step writes anything."""
+
+    def group_values_valid(self, group: dict[str, Any]) -> bool:
+        """Does ``group`` pass :meth:`check_group_values`? (A kept program asks when a value changed.)"""
+
+    def check_low_rank_state(self, plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
+                             owner: str) -> None:
+        """Raise ValueError unless the low-rank ``state`` of ``p`` fits its shape and its group's rank."""
+
+    def takes_fused(self, plan: Plan) -> bool:
+        """May the fused kernels step this plan's projected items (on low-rank stand-ins)?"""
+
+    def device_may_check(self, plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
+                         memo: dict[Any, bool] | None = None) -> bool:
+        """May this step of ``p`` leave its non-finite check to the device (every stage that writes reads the
+        flags; no basis refresh due)? ``memo``: the caller's answers per device and dtype for one step."""
+
+    def gather(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+               inner: dict[int, Any] | None = None) -> Item | None:
+        """``p``'s item: its state (made on the first step), its basis refreshed when due, its gradient as a matrix
+        not yet projected, no target. None: the step is skipped (no basis yet), or counted only (zero size).
+        ``inner``: the per-group inner groups, shared by the items of one step."""
+
+    def regather(self, plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
+        """The gather of a later step for ``items`` that :meth:`gather` made (kept by a step program): this step's
+        gradients ``grads`` (in the items' order) and inner groups."""
+
+    def refresh_due(self, states: list[dict[str, Any]]) -> bool:
+        """Is a basis refresh due at this step for any of these states?"""
+
+    def project_gradients(self, items: list[Item], layout: Any = None) -> Any:
+        """Each item's gradient projected to its low-rank shape (``it.grad``); returns the layout, which a later
+        call with the same items takes back."""
+
+    def runs_on_stand_in(self, plan: Plan, it: Item) -> bool:
+        """Does ``it``'s update run on a zeroed low-rank stand-in (else the reference core steps it alone)?"""
+
+    def make_stand_ins(self, items: list[Item], layout: Any = None) -> Any:
+        """Zeroed low-rank stand-ins as the items' targets; returns the layout (as :meth:`project_gradients`)."""
+
+    def weight_statistics(self, plan: Plan, items: list[Item]) -> None:
+        """The full weights' statistics the math reads on a stand-in (``it.weight``) and the decay it applies."""
+
+    def update_per_tensor(self, plan: Plan, it: Item) -> bool:
+        """Step ``it`` through the per-tensor backends. True: its stand-in holds the low-rank update, which
+        :meth:`apply_back` applies; False: the reference core stepped it and applied the update."""
+
+    def apply_back(self, plan: Plan, items: list[Item], flags: torch.Tensor | None = None, layout: Any = None,
+                   projected: Any = None, stand: Any = None) -> Any:
+        """Unproject and apply: ``p <- p * decay + scale * project_back(target)`` for items whose stand-in holds the
+        update; ``flags``: the device-side finiteness flags. Returns the layout (``projected``, ``stand``: this
+        step's layouts of :meth:`project_gradients` and :meth:`make_stand_ins`)."""
+
+    def release_buffers(self, project_layout: Any, stand_in_layout: Any) -> None:
+        """Give back the memory of a step's low-rank gradients and stand-ins (their layouts stay)."""
+
+    def step_one(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        """One projected step of ``p``, alone, through the per-tensor backends (the eager reference)."""
 
 
 @dataclass(eq=False)
@@ -71,7 +141,7 @@ class Plan:
     """One step's plan. ``state``: parameter -> its state dict (plain named tensors and ints; the optimizer's
     ``state``); ``groups``: the param groups; ``kernels``: the algorithm's fused kernels
     (:class:`~lowmemopt.work.kernel_set.KernelSet`), or None (the per-tensor reference backends only); ``galore``: the projection stage
-    (:mod:`lowmemopt.projection.step`), given where a group may be projected, else None. ``grad_mult``: the loss
+    (:class:`ProjectionStage`), given where a group may be projected, else None. ``grad_mult``: the loss
     scaling multiplier of the gradients (:func:`inv_scale`, a 0-dim fp32 tensor), None: none; ``found_inf``: the
     scaler's flag (float, 1.0: a gradient had an Inf / NaN, the step is skipped), None: none given;
     ``communicate``: the communicate stage of the communication-compressed optimizers
@@ -83,7 +153,7 @@ class Plan:
     groups: list[dict[str, Any]]
     kernels: KernelSet | None
     record: StepRecord = field(default_factory=StepRecord)
-    galore: Any = None
+    galore: ProjectionStage | None = None
     grad_mult: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     communicate: Any = None

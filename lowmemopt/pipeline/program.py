@@ -214,7 +214,7 @@ class StepProgram:
         # the groups that shared a bucket (equal values) must still be equal, and no others newly so
         if _partition(values) != _partition(self.values):
             return False
-        if self.galore is not None and not all(self.galore.values_ok(g) for g in self.group_list
+        if self.galore is not None and not all(self.galore.group_values_valid(g) for g in self.group_list
                                                if g.get("rank") is not None):
             return False  # (a GaLore scale made 0 or NaN: the checked step says what is wrong)
         self.values = values
@@ -237,10 +237,10 @@ class StepProgram:
         galore = self.galore
         layouts = self.layouts
         if self.projected:  # this step's low-rank gradients and stand-ins (new tensors, in buffers of one layout)
-            galore.again(plan, self.projected, [grads[r] for r in self.projected_rows])
-            layouts[0] = galore.project(self.projected, layouts[0])
-            layouts[1] = galore.stand_ins(self.projected, layouts[1])
-            galore.weights(plan, self.projected)
+            galore.regather(plan, self.projected, [grads[r] for r in self.projected_rows])
+            layouts[0] = galore.project_gradients(self.projected, layouts[0])
+            layouts[1] = galore.make_stand_ins(self.projected, layouts[1])
+            galore.weight_statistics(plan, self.projected)
         moved = self._moved(layouts)
         for pl, rows in zip(self.planned, self.ranges):
             members = pl.members
@@ -258,12 +258,12 @@ class StepProgram:
         if left:  # the kernels were turned off by a failure that wrote nothing: the rest takes the per-tensor path
             launched = self._step_left(plan, left, flags)
         if self.projected and launched is self.planned:
-            layouts[2] = galore.finish_many(plan, self.projected, flags, layouts[2], layouts[0], layouts[1])
+            layouts[2] = galore.apply_back(plan, self.projected, flags, layouts[2], layouts[0], layouts[1])
         elif self.projected:
             finished = {id(it) for pl in launched for it in pl.members}
-            galore.finish_many(plan, [it for it in self.projected if id(it) in finished], flags)
+            galore.apply_back(plan, [it for it in self.projected if id(it) in finished], flags)
         if self.projected:  # (the low-rank gradients and stand-ins: memory only while the step runs)
-            galore.give_back(layouts[0], layouts[1])
+            galore.release_buffers(layouts[0], layouts[1])
             self._given_back = True
         if plan.found_inf is not None:  # one flag: the whole step
             return PendingSkip(flags[:1], lambda rows: self._undo(range(n), launched))

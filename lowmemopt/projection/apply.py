@@ -1,4 +1,4 @@
-"""The pipeline's *unproject* and *apply* of one projected parameter (:mod:`.step`), and the decay rule it shares
+"""The pipeline's *unproject* and *apply* of one projected parameter (:mod:`.stage`), and the decay rule it shares
 with the batched pass (:mod:`.batched`)::
 
     p <- p * decay + alpha * scale * project_back(delta_low)        (row blocks on the CPU, whole on CUDA)
@@ -36,7 +36,7 @@ def finish(plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float
     parameter (``delta``: the low-rank update, by default the item's target), in row blocks on the CPU (no
     full-size temporary) and whole on CUDA. ``p32``: the fp32 working copy the reference core already used. The
     stand-in's update (no ``delta``) first takes the decay its math would have applied (``p <- p + c p``,
-    :func:`weights`); the reference core's math has applied it already."""
+    :func:`~.update.weight_statistics`); the reference core's math has applied it already."""
     math_decay = it.extra["math_decay"] if delta is None else None
     delta = it.target if delta is None else delta
     group, state, shards = it.extra["outer"], it.state, it.extra["shards"]

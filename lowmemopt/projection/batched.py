@@ -1,4 +1,4 @@
-"""GaLore's stages in batches of a shape class (:mod:`.step`): the products of the matrices of one shape, side and
+"""GaLore's stages in batches of a shape class (:mod:`.stage`): the products of the matrices of one shape, side and
 product dtype in one ``torch.bmm`` (on CUDA, where launches cost; the CPU keeps galore-torch's per-matrix products, bit
 for bit, unless a test sets :data:`BATCH_ON_CPU`), their zeroed stand-ins carved from one buffer, and the apply pass
 of a class in one launch (:mod:`lowmemopt.kernels.unproject`).
@@ -382,7 +382,7 @@ def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None
     class too, after one plain product), or without Triton on stacked fp32 copies and one multi-tensor copy into the
     parameters; so a step's launches grow with the shape classes, not the matrices. (The sums are the per-matrix
     ones, in another kernel: equal within fp32 rounding.) Elsewhere one by one. ``flags``: the step's finiteness
-    flags on the device, for the items with a ``flag`` row (:func:`.step.device_checkable` sent them here): the fused
+    flags on the device, for the items with a ``flag`` row (:func:`.update.device_may_check` sent them here): the fused
     pass leaves a skipped one as it is. Returns the layout, which a later call with the same items may take back.
     ``projected``, ``stand``: this step's layouts of :func:`project` and :func:`stand_ins` for the same items, whose
     stacked bases and stand-ins serve again (no stacked copies)."""
@@ -421,7 +421,7 @@ def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None
             apply_updates(params, update, scale, decay, c, flags if flagged else None,
                           _rows_of(chunk, memo) if flagged else (), memo)
             continue
-        if flagged:  # (device_checkable sends only what the fused pass takes)
+        if flagged:  # (device_may_check sends only what the fused pass takes)
             raise RuntimeError("GaLore: a parameter checked on the device reached an apply that ignores its flag")
         update = update.to(math_dtype(params[0].dtype)).mul_(scale)
         if params[0].dtype in (torch.float32, torch.float64):  # (their math's dtype: stepped in place)

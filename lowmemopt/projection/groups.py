@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .step import check_group
+from .checks import check_group
 
 __all__ = ["galore_param_groups"]
 
@@ -50,7 +50,7 @@ def galore_param_groups(
     (biases, norm weights), as the Trainer does for its decay / no-decay split.
 
     ``projection``: other GaLore group keys (``proj_svd``, ``proj_moments``, ``proj_stagger``, ``proj_dtype``; see
-    :mod:`lowmemopt.projection.step`). Frozen parameters (``requires_grad=False``) are left out; a parameter shared by
+    :mod:`lowmemopt.projection.checks`). Frozen parameters (``requires_grad=False``) are left out; a parameter shared by
     several modules appears once.
     """
     if isinstance(target_modules, str):

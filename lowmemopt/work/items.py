@@ -18,7 +18,12 @@ import torch
 
 from .record import BucketRecord
 
-__all__ = ["Item", "Update"]
+__all__ = ["Item", "Update", "LOW_RANK"]
+
+#: the key every projected (GaLore) parameter's state holds, its basis's side: how a stage tells low-rank state
+#: from full-rank state before it has an item (an item says it in :attr:`Item.projected`); a group that lost its
+#: ``rank`` keeps such state, which the projection stage refuses (``lowmemopt.projection.projector.SIDE``)
+LOW_RANK = "galore.side"
 
 
 @dataclass(eq=False)
@@ -35,7 +40,7 @@ class Item:
     grad: torch.Tensor
     state: dict[str, Any]  # initialized: has "step" and every slot
     slots: dict[str, Any]  # name -> Slot (signed, quantize, shape, dims)
-    projected: bool = False  # a GaLore item: target is the low-rank update buffer
+    projected: bool = False  # the item's kind: a GaLore item, whose target is the low-rank update buffer
     #: flat index in the whole parameter of ``target``'s first element (an FSDP2 shard's offset; stochastic rounding
     #: hashes it), or None when the target's elements are not one range of the parameter's
     index_base: int | None = 0
