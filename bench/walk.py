@@ -1,12 +1,12 @@
-"""Count the walk of one steady ``step()``: the calls between lowmemopt's modules, from ``lowmemopt.pipeline.run``
-down through the stages and backends, recorded with ``sys.setprofile``.
+"""Count the walk of one steady ``step()``: the calls between lowmemopt's modules, from ``LowMemOptimizer.step`` down
+through the plan, the stages and the backends, recorded with ``sys.setprofile``.
 
     cd /tmp && python /path/to/repo/bench/walk.py                                # AdamW 8-bit (native CPU bucket),
                                                                                  # CAME 8-bit (per-tensor path)
     cd /tmp && python /path/to/repo/bench/walk.py --optimizer Lion --bits 4 --list
 
 Over the step (after two warm-up steps), every Python call from one lowmemopt module into another while
-``pipeline.run`` is on the stack is a *stop*. A stop is a *climb* when the callee lies in a higher layer than the caller
+``LowMemOptimizer.step`` is on the stack is a *stop*. A stop is a *climb* when the callee lies in a higher layer than the caller
 (the layers of the ``layers`` import-linter contract in pyproject.toml, e.g. a callback of the pipeline called from a
 backend), and a *return* when the callee is a module the walk already entered and left (it is not on the stack).
 Calls within one module, into torch or C, and returns from calls are not stops. ``--list``: each stop, indented by depth.
@@ -43,7 +43,7 @@ def layer_of(module: str, table: list[list[str]]) -> int:
     return len(table)
 
 
-def walk(step, entry: tuple[str, str] = ("lowmemopt.pipeline", "run")) -> list[tuple[int, str, str]]:
+def walk(step, entry: tuple[str, str] = ("lowmemopt.optimizer", "step")) -> list[tuple[int, str, str]]:
     """``(depth, caller module, callee module.function)`` of each stop of ``step()`` (module docstring), counted
     while ``entry`` (module, function) is on the stack."""
     import lowmemopt
@@ -122,8 +122,8 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print each stop")
     ap.add_argument("--tree", help="import lowmemopt from this source tree (e.g. an older checkout) instead")
     ap.add_argument("--triton", action="store_true",
-                    help="the Triton path (CUDA's) under the interpreter: a steady step's kept program (from the "
-                         "optimizer's _step_planned) and the pipeline's walk of a step without one")
+                    help="the Triton path (CUDA's) under the interpreter: a steady step that takes the kept program, "
+                         "and one without it")
     args = ap.parse_args()
     if args.triton:  # (before Triton is imported)
         os.environ["TRITON_INTERPRET"] = "1"
@@ -158,7 +158,7 @@ def main() -> None:
                 opt.step()
             walks = [("CPU", walk(opt.step))]
             if args.triton:
-                walks = [("Triton, kept program", walk(opt.step, ("lowmemopt.optimizer", "_step_planned")))]
+                walks = [("Triton, kept program", walk(opt.step))]
                 opt._program = None  # (the pipeline's walk: a step no program covers)
                 walks.append(("Triton, pipeline", walk(opt.step)))
         for label, stops in walks:

@@ -34,7 +34,7 @@ def test_walk_of_a_native_cpu_step():
         p.grad = torch.randn_like(p)
     opt.step()
     stops = walk.walk(opt.step)
-    assert stops[0] == (0, "", "lowmemopt.pipeline.run")
+    assert stops[0] == (0, "", "lowmemopt.optimizer.step")
     counts = walk.count(stops)
     assert 0 < counts["climbs"] <= 8 and counts["stops"] > 10, counts
 
