@@ -1,39 +1,7 @@
-"""A steady step, resolved once and launched step after step (``DESIGN.md`` §1.3: the host off the critical path).
-
-A step of the pipeline (:func:`lowmemopt.pipeline.step_buckets`) walks every parameter on the host: it gathers an
-item per tensor, finds its kernel, sorts the items into buckets, and every launch builds its table of addresses and
-sizes. None of that changes from one step to the next while the parameters, their param groups and their state stay
-the same. A :class:`StepProgram` keeps that work: the buckets (:class:`~lowmemopt.kernels.dispatch.Planned`), each
-with its :class:`~lowmemopt.kernels.launch.Bucket` holding the launch tables it built, and the non-finite check's own
-tables (:class:`~lowmemopt.kernels.check.GradCheck`). A later step checks that it still applies and launches::
-
-    check      the gradients' finiteness, one multi-tensor launch per dtype, flags stay on the device
-    launch     per bucket: this step's scalars from its param group (a scheduler's lr, the bias corrections), the
-               kept tables masked by the flags (one op), the kernel's launches; the step counts advance
-    settle     the flags copied to the host without waiting; read at the next step (:class:`.finite.PendingSkip`)
-
-What is checked at each step, and what makes the program be built again:
-
-* the parameters with gradients, in order, and their param groups: the same objects (one identity comparison each),
-  each parameter's storage where it was, of the same dtype and shape (``p.data = ...`` replaces it);
-* every param group's values (:func:`~lowmemopt.work.record.group_values`): equal, or only a number changed
-  (``lr``, ``weight_decay``, betas...) in a way that leaves the groups that share a bucket equal: those reach the
-  kernels as arguments, read at every launch (a GaLore group's changed values must also be valid ones: else the
-  checked step refuses them);
-* the optimizer's state: the same dict (``optimizer.state``, a :class:`StateDict`), no parameter's state dict set,
-  replaced or removed since, every parameter's state tensors the same tensors and its step count the bucket's (a
-  load, a conversion, a skip undone or a hand edit changes one of them);
-* every gradient contiguous, of its parameter's dtype and shape (torch keeps them so, except where the ``.data`` of
-  either is replaced: the step's fit check then refuses it); a gradient whose address changed rebuilds the tables of
-  its bucket only.
-
-Those are identity and value comparisons over lists the step walks anyway (its gradients), a few hundred ns per
-parameter, and nothing else on the host grows with the number of parameters. The program covers steps whose every
-parameter the Triton kernels take with the non-finite check on the device: one device, no state that moves (paged
-state resident within its budget steps as unpaged: ``lowmemopt.paging.Pager.moves_any``), nothing sharded, no GaLore
-basis refresh due, no capturable group, state already made (not a parameter's first step), an algorithm without a
-per-step view of its groups (:meth:`~lowmemopt.pipeline.algorithm.Algorithm.step_work`). Other steps take the
-pipeline as before.
+"""A steady step, resolved once and launched step after step: :class:`StepProgram` keeps the buckets, their launch
+tables and the non-finite check's tables, and checks at each step that they still apply (identity and value
+comparisons only). What it covers, checks and rebuilds on:
+``docs/pipeline.md#steady-steps-a-kept-program-nothing-read-back``.
 """
 
 from __future__ import annotations
