@@ -98,7 +98,7 @@ def train_llama_bytes(
     data: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> dict:
-    """Train a fresh ``LlamaForCausalLM`` (:data:`LLAMA_BYTES`) on byte windows; returns what :func:`train_bytes` returns."""
+    """Train a fresh ``LlamaForCausalLM`` (:data:`LLAMA_BYTES`) on byte windows, as :func:`train_bytes`."""
     model = _llama(seed, config)
 
     def loss_of(windows: torch.Tensor) -> torch.Tensor:

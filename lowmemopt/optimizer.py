@@ -282,8 +282,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step (optionally re-evaluating the loss with ``closure``); ``GradScaler.step`` calls it
-        with ``grad_scale`` and ``found_inf`` set (docs/internals.md).
+        """Perform one optimization step (optionally re-evaluating the loss with ``closure``); ``GradScaler.step`` calls
+        it with ``grad_scale`` and ``found_inf`` set (docs/internals.md).
         """
         self._resolve_pending()
         loss = None
@@ -383,8 +383,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return pipeline.device_flags(self._plan(), work, grads, pager, pipe)
 
     def _step_some(self, work: list[tuple[torch.Tensor, dict[str, Any]]], flags: DeviceFlags | None = None) -> None:
-        """Step ``work``'s parameters (gradients known finite, or checked by ``flags`` on the device) through the pipeline:
-        the per-layer updates inside ``backward()``.
+        """Step ``work``'s parameters (gradients known finite, or checked by ``flags`` on the device) through the
+        pipeline: the per-layer updates inside ``backward()``.
         """
         if any(group.get("capturable") for _, group in work):
             raise ValueError("capturable=True param groups step in optimizer.step() only, not in per-layer updates")

@@ -65,8 +65,9 @@ def _matrices(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[str, 
 
 def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: bool = False,
                    refresh: bool = True) -> dict[Any, int]:
-    """Bytes the optimizer's update holds beyond the state: ``{param: bytes}`` for a per-layer step, ``{None: bytes}`` for a
-    whole-model step (GaLore's and APOLLO's temporaries; the fused kernels hold none; ``refresh``: count a basis refresh).
+    """Bytes the optimizer's update holds beyond the state: ``{param: bytes}`` for a per-layer step, ``{None: bytes}``
+    for a whole-model step (GaLore's and APOLLO's temporaries; the fused kernels hold none; ``refresh``: count a basis
+    refresh).
     """
     from .pipeline.backends import CHUNK_NUMEL
     from .projection import projector as pj

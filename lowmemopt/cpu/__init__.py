@@ -1,7 +1,7 @@
-"""Native CPU kernels: each fuses decode -> an algorithm's fp32 math -> encode for one parameter in one pass, compiled at
-first use (:mod:`lowmemopt.cpu.build`): :func:`step_elementwise` (Adam/AdamW, Lion, SGD), :func:`step_factored`
-(Adafactor, CAME on large 2-D parameters), the 8-bit codec (:func:`encode_rows_into`, :func:`decode_rows_into`).
-Without a compiler, or with ``LOWMEMOPT_CPU_KERNELS=0``, the compiled / eager paths run. Exactness and the build:
+"""Native CPU kernels: each fuses decode -> an algorithm's fp32 math -> encode for one parameter in one pass, compiled
+at first use (:mod:`lowmemopt.cpu.build`): :func:`step_elementwise` (Adam/AdamW, Lion, SGD), :func:`step_factored`
+(Adafactor, CAME on large 2-D parameters), the 8-bit codec (:func:`encode_rows_into`, :func:`decode_rows_into`). Without
+a compiler, or with ``LOWMEMOPT_CPU_KERNELS=0``, the compiled / eager paths run. Exactness and the build:
 ``docs/cpu_kernels.md``.
 """
 

@@ -167,7 +167,7 @@ def _programmed(plan: Plan, pager: Any) -> StepOutcome | None:
 
 
 def _scaled(plan: Plan, grads: list[torch.Tensor], pager: Any) -> StepOutcome:
-    """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (docs/internals.md#mixed-precision-gradscalers-native-path)."""
+    """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (docs/internals.md, Mixed precision)."""
     work, found_inf = plan.work, plan.found_inf
     todo = _indexed(work)
     finite: list[bool | None] = [True] * len(work)
@@ -190,7 +190,7 @@ def _keep_program(plan: Plan) -> None:
 
 
 def _capturable(plan: Plan) -> StepOutcome:
-    """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`); skips counted in a device tensor."""
+    """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`)."""
     work, found_inf = plan.work, plan.found_inf
     grads = [local_tensor(p.grad) for p, _ in work]
     device = grads[0].device
@@ -214,7 +214,7 @@ def _capturable(plan: Plan) -> StepOutcome:
 def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                grads: list[torch.Tensor], pipe: CpuFiniteChecks | None, pager: Any, flags: DeviceFlags | None = None,
                device_steps: bool = False) -> None:
-    """The stages over ``todo``: buckets for the Triton or native CPU kernels, the rest one at a time, batched when paged."""
+    """The stages over ``todo``: kernel buckets, the rest one at a time, in batches when paged."""
     kernels = plan.kernels  # (None: no Triton kernel, or none usable for this step's devices)
     if kernels is not None and (kernels.triton is None or not triton_usable({p.device for _, p, _ in todo})):
         kernels = None
@@ -254,7 +254,7 @@ def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: l
 
 def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                   grads: list[torch.Tensor], pipe: CpuFiniteChecks | None) -> None:
-    """Step ``todo`` in order through the per-parameter path with the pipelined non-finite check, filling in ``finite``."""
+    """Step ``todo`` in order, per parameter, with the pipelined non-finite check filling in ``finite``."""
     for k, (i, p, group) in enumerate(todo):
         if finite[i] is None and checks_itself(plan, p, group):
             finite[i] = step_param(plan, p, p.grad, group, check=True)
@@ -271,7 +271,7 @@ def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite
 
 
 def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
-    """Can ``p``'s step be its gradient's non-finite check (a native factored step, outside GaLore, state already made)?"""
+    """Can ``p``'s step be its gradient's non-finite check (a native factored step, state made, no GaLore)?"""
     native = None if plan.kernels is None else plan.kernels.native
     if not (isinstance(native, factored.FactoredStep) and native.checks):
         return False
@@ -281,7 +281,7 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
                  pipe: CpuFiniteChecks | None = None, found_inf: torch.Tensor | None = None) -> DeviceFlags | None:
-    """The finiteness of ``grads`` as flags on the device, or None where the host must decide first (docs/internals.md)."""
+    """The finiteness of ``grads`` as device flags, or None where the host must decide first."""
     if pipe is not None and pipe.indices:
         return None
     if pager is not None and pager.moves_any(work):
@@ -396,7 +396,7 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
 
 
 def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any] | None = None) -> Item | None:
-    """A full-rank parameter as an item (a DTensor's local shard), state made on the first step; None if no bucket takes it."""
+    """A full-rank parameter as an item (a DTensor's local shard), state made; None if no bucket takes it."""
     local, grad, reduce = local_view(p, p.grad)
     if reduce is not LOCAL and not plan.algorithm.elementwise:
         return None

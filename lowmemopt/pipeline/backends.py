@@ -30,7 +30,7 @@ COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (eac
 
 def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], state: dict[str, Any],
                numel: int | None = None, reduce: Reduction = LOCAL) -> dict[str, Any]:
-    """Zero state for ``p`` (a DTensor's local shard) in ``slots``' formats, picked by the whole parameter's ``numel``."""
+    """Zero state for ``p`` (a DTensor's local shard) in ``slots``' formats, picked by the whole ``numel``."""
     state["step"] = 0
     for name, slot in slots.items():
         shape = p.shape if slot.shape is None else torch.Size(slot.shape)
@@ -44,9 +44,10 @@ def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], st
 def step_per_tensor(algorithm: Algorithm, items: Sequence[Item], update_for: Callable[[Item, Any], Update],
                grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
                scans: Sequence[torch.Tensor | None] | None = None, check: bool = False) -> list[bool | None]:
-    """Step every item (full-rank, initialized) through the per-tensor backends, one tensor at a time. ``update_for(item,
-    step)``: its :class:`~lowmemopt.work.items.Update`; ``scans[k]``: another gradient item ``k``'s kernel checks;
-    ``check``: each step checks its own gradient. Returns one result per item (a check's, or whether it stepped).
+    """Step every item (full-rank, initialized) through the per-tensor backends, one tensor at a time.
+    ``update_for(item, step)``: its :class:`~lowmemopt.work.items.Update`; ``scans[k]``: another gradient item ``k``'s
+    kernel checks; ``check``: each step checks its own gradient. Returns one result per item (a check's, or whether it
+    stepped).
     """
     out: list[bool | None] = []
     for k, it in enumerate(items):
@@ -129,8 +130,8 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
                 state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord,
                 step: int, decay: float, start: int, reduce: Reduction = LOCAL,
                 mult: torch.Tensor | None = None) -> None:
-    """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise); a sharded
-    step runs its math even on an empty shard, for the other shards' reductions.
+    """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise); a
+    sharded step runs its math even on an empty shard, for the other shards' reductions.
     """
     bs = record.block_size
     n = pflat.numel()
@@ -155,7 +156,7 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
 def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state: dict[str, Any],
                slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord, step: int, lo: int,
                hi: int, like: torch.Tensor | None = None, reduce: Reduction = LOCAL) -> tuple[torch.Tensor, Any]:
-    """Decode -> :meth:`Algorithm.update` -> encode; returns ``(delta, alpha)``: elements ``[lo, hi)`` flat, or whole slots."""
+    """Decode -> :meth:`Algorithm.update` -> encode over ``[lo, hi)`` or whole slots; returns ``(delta, alpha)``."""
     bs = record.block_size
     if like is None:
         st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}

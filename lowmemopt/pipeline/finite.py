@@ -17,8 +17,8 @@ __all__ = ["DeviceFlags", "PendingSkip", "CpuFiniteChecks", "finite_norms", "hos
 
 
 def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
-    """``(order, ok)``: whether each gradient's L2 norm is finite, on the gradients' device, ``ok[k]`` for ``order[k]``: one
-    fused norm per dtype (docs/internals.md#non-finite-gradients).
+    """``(order, ok)``: whether each gradient's L2 norm is finite, on the gradients' device, ``ok[k]`` for ``order[k]``:
+    one fused norm per dtype (docs/internals.md#non-finite-gradients).
     """
     if len(grads) == 1:  # one gradient (a per-layer hook's): no stack, no cat
         return [0], (torch._foreach_norm(list(grads), 2, dtype=_norm_dtype(grads[0].dtype))[0] < math.inf).view(1)
@@ -61,7 +61,7 @@ class DeviceFlags:
         return self
 
     def deferred(self, counted: bool = False) -> "PendingSkip":
-        """This step's undo, decided later (:class:`PendingSkip`); ``counted``: the optimizer's own check, else ``found_inf``."""
+        """This step's undo, decided later (:class:`PendingSkip`); ``counted``: the optimizer's own check."""
         provisional, self.provisional = self.provisional, {}
         if not counted:
             return PendingSkip(self.tensor[:1], lambda rows: _undo(provisional.values()))
@@ -162,7 +162,8 @@ def host_flags(grads: list[torch.Tensor]) -> list[bool]:
 
 class CpuFiniteChecks:
     """The non-finite check of plain CPU gradients, pipelined with the native kernels: the kernel stepping one parameter
-    sums the squares of the next one's gradient; an unscanned gradient is checked just before its step. Off for DTensors.
+    sums the squares of the next one's gradient; an unscanned gradient is checked just before its step. Off for
+    DTensors.
     """
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], sharded: bool):

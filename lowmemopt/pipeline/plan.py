@@ -24,8 +24,8 @@ def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
 
 
 def unscaled(g: torch.Tensor, mult: torch.Tensor | float | None) -> torch.Tensor:
-    """``g`` as the step sees it in fp32 (float64 for float64): ``float(g) * mult`` rounded to ``g``'s dtype and back, as
-    ``GradScaler.unscale_`` stores it; ``float(g)`` for ``mult`` None.
+    """``g`` as the step sees it in fp32 (float64 for float64): ``float(g) * mult`` rounded to ``g``'s dtype and back,
+    as ``GradScaler.unscale_`` stores it; ``float(g)`` for ``mult`` None.
     """
     wide = g.dtype in (torch.float32, torch.float64)
     g32 = g if wide else g.float()
@@ -55,7 +55,7 @@ class StepRecord:
 
 @dataclass
 class StepOutcome:
-    """What a run leaves its optimizer to settle: skipped parameters, a :class:`~.finite.PendingSkip`, a capturable count."""
+    """What a run leaves its optimizer to settle: skips now, a :class:`~.finite.PendingSkip`, a device count."""
 
     skipped: int = 0
     pending: Any = None
@@ -86,7 +86,7 @@ class ProjectionStage(Protocol):
 
     def gather(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
                inner: dict[int, Any] | None = None) -> Item | None:
-        """``p``'s item (state made, basis refreshed when due, gradient not yet projected); None: skipped or counted only."""
+        """``p``'s item (state made, basis refreshed when due, gradient unprojected); None: skipped or counted only."""
 
     def regather(self, plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
         """The gather of a later step for ``items`` that :meth:`gather` made (kept by a step program): this step's
@@ -114,7 +114,7 @@ class ProjectionStage(Protocol):
 
     def apply_back(self, plan: Plan, items: list[Item], flags: torch.Tensor | None = None, layout: Any = None,
                    projected: Any = None, stand: Any = None) -> Any:
-        """``p <- p * decay + scale * project_back(target)`` for items whose stand-in holds the update; returns the layout."""
+        """``p <- p * decay + scale * project_back(target)`` for stand-in items; returns the layout."""
 
     def release_buffers(self, project_layout: Any, stand_in_layout: Any) -> None:
         """Give back the memory of a step's low-rank gradients and stand-ins (their layouts stay)."""
@@ -125,8 +125,9 @@ class ProjectionStage(Protocol):
 
 @dataclass(eq=False)
 class Plan:
-    """One step's plan: the algorithm, its ``state`` and param ``groups``, the fused ``kernels`` (None: reference backends
-    only), the projection stage ``galore``, the loss scaling ``grad_mult`` and ``found_inf``, the ``communicate`` stage.
+    """One step's plan: the algorithm, its ``state`` and param ``groups``, the fused ``kernels`` (None: reference
+    backends only), the projection stage ``galore``, the loss scaling ``grad_mult`` and ``found_inf``, the
+    ``communicate`` stage.
     """
 
     algorithm: Algorithm
@@ -185,7 +186,7 @@ class Plan:
         return made[1]
 
     def slots_of(self, record: BucketRecord, p: torch.Tensor) -> dict[str, Any]:
-        """The algorithm's slots for ``p`` in ``record``'s bucket, asked once per bucket, shape and dtype (read-only, shared)."""
+        """The algorithm's slots for ``p`` in ``record``'s bucket, once per bucket, shape and dtype (read-only)."""
         key = (id(record), p.shape, p.dtype)
         slots = self._slots.get(key)
         if slots is None:

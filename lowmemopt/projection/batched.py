@@ -78,7 +78,7 @@ def _chunks(members: list[Item], numel: int) -> list[list[Item]]:
 
 @dataclass(eq=False)
 class ProjectLayout:
-    """How :func:`project` takes its items: ``alone``, ``chunks`` (one batched product each) and their places in one buffer."""
+    """How :func:`project` takes its items: ``alone``, ``chunks`` (a batched product each), their buffer offsets."""
 
     alone: list[Item] = field(default_factory=list)
     chunks: list[tuple[list[Item], int, torch.dtype | None]] = field(default_factory=list)  # (items, side, dtype)
@@ -128,8 +128,8 @@ def _project_layout(items: list[Item]) -> ProjectLayout:
 
 
 def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLayout:
-    """Each item's ``grad`` becomes its low-rank gradient, one ``torch.bmm`` per chunk on CUDA, else galore-torch's product
-    per matrix. Returns the layout, which a later call with the same items may take back.
+    """Each item's ``grad`` becomes its low-rank gradient, one ``torch.bmm`` per chunk on CUDA, else galore-torch's
+    product per matrix. Returns the layout, which a later call with the same items may take back.
     """
     if layout is None:
         layout = _project_layout(items)
