@@ -38,10 +38,9 @@ class Kept:
 
 
 class StateDict(defaultdict):
-    """An optimizer's ``state`` (``defaultdict(dict)``, as torch.optim makes it) that counts the times a parameter's
-    state dict was set, replaced or removed (:attr:`version`), so that a program sees such a change with one
-    comparison instead of a lookup per parameter. Changes inside a parameter's state dict (a tensor replaced, a step
-    count) are checked by :meth:`StepProgram.matches` itself."""
+    """An optimizer's ``state`` (``defaultdict(dict)``) that counts parameter state dicts set, replaced or removed
+    (:attr:`version`), so a program sees such a change with one comparison.
+    """
 
     version = 0
 
@@ -85,9 +84,9 @@ def update_for(plan: Plan, name: str, it: Item, step: Any, device_steps: bool = 
 
 
 class StepProgram:
-    """The buckets of a step of ``work`` (``(param, group)`` pairs, in the step's order), as a step that the kernels
-    took whole planned them (``planned``: its :class:`~lowmemopt.kernels.dispatch.Planned` buckets, every member a
-    full-rank item with state). See the module docstring for what :meth:`matches` checks and :meth:`step` does."""
+    """The buckets of a step of ``work`` as a step the kernels took whole planned them; what :meth:`matches` checks:
+    docs/pipeline.md ("Steady steps").
+    """
 
     def __init__(self, plan: Plan, work: Sequence[tuple[torch.Tensor, dict]], kept: Kept) -> None:
         from ..kernels.check import GradCheck
@@ -189,9 +188,9 @@ class StepProgram:
         return True
 
     def step(self, plan: Plan, grads: Sequence[torch.Tensor]) -> PendingSkip:
-        """Launch one step with ``grads`` (the parameters', in the step's order; :meth:`matches` said yes): the check
-        (or GradScaler's ``found_inf``), every bucket, the step counts; returns the step's skips to settle at the
-        next step. Reads nothing back."""
+        """Launch one step with ``grads`` (:meth:`matches` said yes): the check, every bucket, the step counts; returns the
+        skips to settle at the next step. Reads nothing back.
+        """
         from ..kernels.dispatch import launch_buckets
 
         grads = self._pick(grads)
@@ -248,9 +247,7 @@ class StepProgram:
         return [pl for pl in self.planned if id(pl.members[0]) not in done]
 
     def _moved(self, layouts: list) -> tuple[int, int] | None:
-        """How far this step's GaLore buffers (stand-ins, low-rank gradients) lie from the previous step's, which
-        had the same layouts: ``(targets, gradients)`` in bytes; None the first time (the buckets' tensors then came
-        from the pipeline's own layouts: their addresses are compared one by one)."""
+        """How far this step's GaLore buffers lie from the previous step's: ``(targets, gradients)`` in bytes; None at first."""
         if not self.projected or len(layouts[1].bases) != 1:
             return None
         now = (layouts[1].bases[0], layouts[0].base)
@@ -269,11 +266,9 @@ class StepProgram:
 
 
 def _same_kind(old: Any, new: Any) -> bool:
-    """May a group value change from ``old`` to ``new`` without changing the buckets' kernels, slots or formats? A
-    float for a float, or a tuple of floats for one of the same length (a learning rate, betas, a weight decay: the
-    kernels read them as arguments at every launch). Anything else (an int storage option, a flag, a string, None, a
-    tensor replaced by another) counts as a structural change. Entries of :func:`group_values` are keys and values
-    in turn; keys compare equal."""
+    """May a group value change from ``old`` to ``new`` keeping the buckets (a float for a float, a tuple of floats of one
+    length: the kernels read them at every launch)? Anything else is a structural change.
+    """
     if old == new or (_is_float(old) and _is_float(new)):
         return True
     if type(old) is tuple and type(new) is tuple and len(old) == len(new) and old and old[0] == new[0] and \
