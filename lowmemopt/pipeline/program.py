@@ -188,8 +188,8 @@ class StepProgram:
         return True
 
     def step(self, plan: Plan, grads: Sequence[torch.Tensor]) -> PendingSkip:
-        """Launch one step with ``grads`` (:meth:`matches` said yes): the check, every bucket, the step counts; returns the
-        skips to settle at the next step. Reads nothing back.
+        """Launch one step with ``grads`` (:meth:`matches` said yes): the check, every bucket, the step counts;
+        returns the skips to settle at the next step. Reads nothing back.
         """
         from ..kernels.dispatch import launch_buckets
 
@@ -247,7 +247,7 @@ class StepProgram:
         return [pl for pl in self.planned if id(pl.members[0]) not in done]
 
     def _moved(self, layouts: list) -> tuple[int, int] | None:
-        """How far this step's GaLore buffers lie from the previous step's: ``(targets, gradients)`` in bytes; None at first."""
+        """How far this step's GaLore buffers lie from the last step's (bytes: targets, gradients); None at first."""
         if not self.projected or len(layouts[1].bases) != 1:
             return None
         now = (layouts[1].bases[0], layouts[0].base)
@@ -266,8 +266,8 @@ class StepProgram:
 
 
 def _same_kind(old: Any, new: Any) -> bool:
-    """May a group value change from ``old`` to ``new`` keeping the buckets (a float for a float, a tuple of floats of one
-    length: the kernels read them at every launch)? Anything else is a structural change.
+    """May a group value change from ``old`` to ``new`` keeping the buckets (a float for a float, a tuple of floats
+    of one length: the kernels read them at every launch)? Anything else is a structural change.
     """
     if old == new or (_is_float(old) and _is_float(new)):
         return True
