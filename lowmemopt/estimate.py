@@ -1,7 +1,8 @@
 """Training memory of a model and optimizer choice, without allocating it: the model is built on the ``meta`` device and
 the optimizer makes each parameter's state there as its first step would, so ``state_nbytes()`` is exact by
-construction. ``paged`` and ``per_layer`` change what the device holds; :func:`cheapest_fits` searches the options
-that fit a budget; :mod:`lowmemopt.traced_step` traces a whole step's peak. See ``docs/estimate.md``.
+construction. ``paged`` (at most three batches of state on the device) and ``per_layer`` (one gradient at a time)
+change what the device holds; :func:`cheapest_fits` searches the options that fit a budget;
+:mod:`lowmemopt.traced_step` traces a whole step's peak. See ``docs/estimate.md``.
 """
 
 from __future__ import annotations

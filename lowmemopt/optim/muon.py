@@ -91,7 +91,7 @@ class Muon(LowMemOptimizer):
     ``betas`` to ``adamw_betas`` (0.9, 0.95) and ``eps`` to ``adamw_eps`` (1e-10), ``MuonWithAuxAdam``'s.
 
     Storage keywords: ``state_bits`` (the momentum, and the AdamW groups' moments), ``block_size``, ``paged``... (see
-    :class:`~lowmemopt.LowMemOptimizer`). GaLore groups (``rank``) are refused: Muon steps whole matrices."""
+    :class:`lowmemopt.optimizer.LowMemOptimizer`). GaLore groups (``rank``) are refused: Muon steps whole matrices."""
 
     algorithm = MuonAlgorithm()
     #: TrainingArguments' Adam settings go to the AdamW groups (lowmemopt.integrations.transformers)

@@ -153,7 +153,7 @@ def _checked(plan: Plan, pager: Any) -> StepOutcome:
 
 
 def _programmed(plan: Plan, pager: Any) -> StepOutcome | None:
-    """This step through the kept program if it still applies (its module docstring says when), else None with the
+    """This step through the kept program if it still applies (docs/pipeline.md says when), else None with the
     program dropped. Its skips are settled at the next step, as the device-side check's."""
     work = plan.work
     params = [p for p, _ in work]

@@ -21,7 +21,7 @@ __all__ = ["check_state_fits", "check_grad", "check_dtypes", "check_slots", "che
 
 def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
     """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
-    tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (module docstring),
+    tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (docs/pipeline.md),
     or if its gradient's shape or dtype is not its own (TypeError for the dtype), or a GaLore group holds a value
     its key does not take. ``owner``: the optimizer's class name, for the message."""
     state_of = plan.state.get

@@ -52,7 +52,7 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
 
 
 def choose_side(proj_type: str, m: int, n: int) -> int:
-    """The projected side of an m x n matrix for ``proj_type`` (module docstring)."""
+    """The projected side of an m x n matrix for ``proj_type`` (docs/galore.md)."""
     if proj_type == "std":
         return RIGHT if m >= n else LEFT
     if proj_type == "reverse_std":
