@@ -32,21 +32,12 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def step_triton(kernels: Any, items: list[Item], update_for: Callable[[Item, Any], Update],
                flags: torch.Tensor | None = None, device_steps: bool = False,
                grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
-    """Step what the kernels can of ``items`` (all of one optimizer, whose algorithm declares ``kernels``: a
-    :class:`~lowmemopt.work.kernel_set.KernelSet`); return the rest.
-    ``update_for(item, step)``: the bucket's hyper-parameters, asked once per bucket. ``flags``: the step's gradient
-    finiteness on the device (uint8, :mod:`lowmemopt.pipeline.finite`); an item with a ``flag`` row is stepped only
-    where it is 1, decided by the kernels (its step count is written here all the same: the caller undoes a skip's).
-
-    ``device_steps`` (a capturable step, :mod:`lowmemopt.work.capture`): the step counts are tensors on the
-    device, ``update_for`` gets each bucket's steps as an fp64 ``[T]`` tensor, and the counts advance on the device by
-    the flags. ``grad_mult``: loss scaling, device -> the gradients' multiplier there (fp32), which the kernels of
-    the full-rank items read where they load a gradient (GaLore items' low-rank gradients are unscaled already).
-    Nothing may be left to the per-tensor backends (they need the host's counts and flags): an item no
-    kernel takes raises ValueError before anything is launched, and a failed launch raises.
-
-    The two halves, :func:`plan_buckets` and :func:`launch_buckets`, are also called apart: a cached step
-    (:mod:`lowmemopt.pipeline.program`) plans once and launches its buckets step after step."""
+    """Step what the kernels can of ``items`` (one optimizer's, its algorithm declaring ``kernels``); return the rest.
+    ``update_for(item, step)``: the bucket's hyper-parameters; ``flags``: device finiteness flags (an item with a
+    ``flag`` row is stepped only where it is 1); ``device_steps``: a capturable step (step counts on the device);
+    ``grad_mult``: loss scaling per device. With ``device_steps`` an item no kernel takes raises ValueError before any
+    launch. :func:`plan_buckets` and :func:`launch_buckets` are its two halves (a kept step program calls them apart).
+    """
     if not items or not _usable({it.target.device for it in items}):
         if device_steps and items:
             raise ValueError("capturable=True needs the fused Triton kernels, which this device does not have")
@@ -57,9 +48,7 @@ def step_triton(kernels: Any, items: list[Item], update_for: Callable[[Item, Any
 
 @dataclass(eq=False)
 class Planned:
-    """One bucket as :func:`plan_buckets` resolved it: the kernel, its items (one param group's values, format,
-    dtypes, device, layout and, outside a capturable step, step count), and the :class:`~.launch.Bucket` that
-    launches them, which keeps what it built for its launches from step to step while its tensors stay the same."""
+    """One bucket as :func:`plan_buckets` resolved it: kernel, items, their :class:`~.launch.Bucket`."""
 
     kernel: Any
     members: list[Item]
@@ -113,9 +102,7 @@ def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) ->
 def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Update],
                    flags: torch.Tensor | None = None, device_steps: bool = False,
                    grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
-    """Launch each bucket of ``planned`` (:func:`plan_buckets`) and write its members' step counts; return the items
-    of buckets that did not take the kernels (a launch that failed before writing anything, see :func:`step_triton`).
-    The buckets' ``grads`` are the ones to read (a cached step sets them first)."""
+    """Launch each bucket of ``planned`` and write its step counts; return the items of buckets whose launch failed."""
     from .launch import Unsupported
 
     rest: list[Item] = []
@@ -166,9 +153,7 @@ def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Upd
 
 
 def _kernel_for(kernels: Any, it: Item, usable: dict[torch.device, bool], device_steps: bool = False):
-    """The kernel for this item, or None: it takes a per-tensor backend. ``usable``: a per-call cache of
-    ``runtime.device_ok`` by device (host work per item is what a step pays per parameter); ``device_steps``: the
-    step count is a tensor on the device (a capturable step), not an int."""
+    """The kernel for this item, or None (a per-tensor backend); ``usable``: a per-call ``runtime.device_ok`` cache."""
     t, g, state = it.target, it.grad, it.state
     device = t.device
     ok = usable.get(device)

@@ -1,26 +1,7 @@
-"""Drop-in names for users migrating from bitsandbytes, galore-torch and friends: each is a change of defaults only.
-
-``AdamW8bit(params, lr=...)`` is exactly ``AdamW(params, lr=..., state_bits=8)``; any other keyword may be given.
-
-galore-torch's names: GaLore itself is not a class here but a param-group option (a group with ``rank`` is projected,
-in every optimizer; see :mod:`lowmemopt.projection`), so its aliases name the inner algorithm galore-torch uses:
-``GaLoreAdamW`` is transformers' legacy AdamW (:class:`~lowmemopt.optim.HFAdamW`: eps added to sqrt(v), weight
-decay after the update), ``GaLoreAdafactor`` transformers' Adafactor (its GaLore groups with ``proj_dtype="float32"``
-by default: galore-torch's Adafactor projects a bf16 gradient cast to fp32), and ``GaLoreAdamW8bit`` bitsandbytes'
-``AdamW8bit``, i.e. torch's AdamW with 8-bit state (its weight decay is applied before the update, as for every
-``AdamW``; galore-torch's applies it after the update on projected params, an O(lr^2 wd) difference).
-
-DeepSpeed's ``DeepSpeedCPUAdam`` is :class:`~lowmemopt.CPUAdam` under its own name (ColossalAI's ``CPUAdam`` and
-Apex's / DeepSpeed's ``FusedAdam``, ``FusedLAMB``, ``FusedSGD`` are classes of these names: ``docs/migrating.md``).
-
-``PagedAdamW`` / ``PagedAdamW8bit`` (bitsandbytes' names) add ``paged=True``: state in host RAM between steps
-(:mod:`lowmemopt.paging`).
-
-An alias's ``state_bits`` (and a ``Paged`` alias's ``paged``) is its name: a keyword that contradicts it is a ValueError
-(``AdamW8bit(..., state_bits=4)``: use ``AdamW4bit`` or ``AdamW(..., state_bits=4)``); a param group may still set
-its own. bitsandbytes' names also take bitsandbytes' storage keywords (:data:`BNB_KEYWORDS`): ``min_8bit_size``,
-``is_paged`` and ``optim_bits`` are other names of ``min_quant_numel``, ``paged`` and ``state_bits``; ``args`` must be
-None; the others that lowmemopt lacks (``percentile_clipping``, ``block_wise``, ``max_unorm``) are a TypeError saying so.
+"""Drop-in names for users migrating from bitsandbytes, galore-torch, DeepSpeed: each is a change of defaults only
+(``AdamW8bit(params, lr=...)`` is ``AdamW(params, lr=..., state_bits=8)``; ``Paged*`` add ``paged=True``). A keyword
+that contradicts the name is a ValueError; bitsandbytes' storage keywords (:data:`BNB_KEYWORDS`) are mapped or refused.
+What each alias is: ``docs/migrating.md``.
 """
 
 from __future__ import annotations

@@ -55,18 +55,10 @@ def check_betas(betas: Any, n: int = 2) -> None:
 
 
 def torch_scalars(group: dict[str, Any]) -> None:
-    """Put the hyper-parameters that torch.optim takes as one-element Tensors into the forms the step reads, in place
-    (the contract boundary: a new param group, the constructor's defaults, a loaded state dict's groups):
-
-    * a Tensor ``lr`` of any one-element shape (``[1]``, ``[1, 1]``) becomes its 0-dim view, as torch's
-      ``_to_scalar`` does at each step. A view shares the tensor's storage, so a scheduler that fills it in place (or a
-      captured step that reads it) still sees every change;
-    * Tensor ``betas`` (as torch's Adam/AdamW take them) and a Tensor ``weight_decay`` (torch's SGD) are read once,
-      here, as Python numbers, on every optimizer: the kernels take them as runtime scalars (a tensor changed in place
-      later is not followed). Tensor betas mixed with numbers raise torch's ValueError ("betas must be either both
-      floats or both Tensors").
-
-    A Tensor of more than one element raises torch's ValueError ("Tensor lr must be 1-element")."""
+    """Put torch.optim's one-element Tensor hyper-parameters into the forms the step reads, in place: a Tensor ``lr``
+    becomes its 0-dim view (a scheduler filling it in place is still seen); Tensor ``betas`` and ``weight_decay`` are
+    read once as numbers. Raises torch's ValueErrors (more than one element; betas mixing Tensors and numbers).
+    """
     for key in ("lr", "initial_lr"):  # (initial_lr: Lion's decoupled decay, torch's schedulers)
         if isinstance(group.get(key), torch.Tensor):
             one_element(key, group[key])
@@ -180,9 +172,9 @@ def check_storage(group: dict) -> None:
 
 
 def check_param(p: torch.Tensor, owner: str, index: int, group: int) -> None:
-    """A parameter an optimizer can step (TypeError / ValueError otherwise): real floating point, and no two of its
-    elements in one memory location (an expanded tensor: the in-place update of one would be the update of all, and
-    the step would fail half done). ``index``, ``group``: its place among the param groups, for the message."""
+    """A parameter an optimizer can step (real floating point, no two elements in one memory location), else TypeError /
+    ValueError; ``index``, ``group``: its place, for the message.
+    """
     if p.is_complex():
         raise TypeError(f"{owner} does not support complex parameters (got {p.dtype}): optimize a real view instead, "
                         "nn.Parameter(torch.view_as_real(z)), and use torch.view_as_complex(param) in the forward pass "

@@ -39,10 +39,10 @@ _cxx: bool | None = None  # inductor's C++ compiler found (None: not looked for 
 
 
 def compiler_found() -> bool:
-    """Whether inductor finds its C++ compiler (``$CXX``, else g++), looked up once (one ``--version`` run): without
-    one, a compile fails only after ~10 s of tracing on the first step, so lowmemopt stays eager from the start. It
-    warns once, unless there is no C compiler either: then the native kernels' warning (:mod:`lowmemopt.cpu`, on the
-    same first step) already says the step runs the torch paths, and a second warning would add nothing."""
+    """Whether inductor finds its C++ compiler (``$CXX``, else g++), looked up once: without one a compile fails only
+    after ~10 s of tracing, so lowmemopt stays eager from the start (warning once, unless the native kernels already
+    did).
+    """
     global _cxx, _warned
     if _cxx is None:
         try:

@@ -98,9 +98,7 @@ def train_llama_bytes(
     data: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> dict:
-    """Train a fresh, randomly initialised ``LlamaForCausalLM`` (:data:`LLAMA_BYTES`, overridden by ``config``) on
-    windows of ``seq`` bytes, next-byte loss at every position. Needs ``transformers``. Returns what
-    :func:`train_bytes` returns."""
+    """Train a fresh ``LlamaForCausalLM`` (:data:`LLAMA_BYTES`) on byte windows, as :func:`train_bytes`."""
     model = _llama(seed, config)
 
     def loss_of(windows: torch.Tensor) -> torch.Tensor:
@@ -118,10 +116,7 @@ def _llama(seed: int, config: dict | None = None, device: str | torch.device = "
 
 def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_step=None, memory=None,
          heldout_windows: int = 64) -> dict:
-    """The training loop: random windows of ``width`` bytes (seeded: every run sees the same batches),
-    ``loss_of(windows)``, one optimizer step each. ``make_optimizer(list of params)``; ``on_step(step, loss)`` after
-    every step; ``memory`` (a :class:`~lowmemopt.memory.PeakMemory`) is sampled after forward, backward and step;
-    ``heldout_windows``: how many windows :func:`heldout_loss` averages over."""
+    """The training loop: seeded random windows, ``loss_of(windows)``, one optimizer step each, ``memory`` sampled."""
     data = stdlib_bytes() if data is None else data
     opt = make_optimizer(list(model.parameters()))
     sample = memory.sample if memory is not None else (lambda: None)
@@ -373,9 +368,7 @@ def _smooth(losses: Sequence[float], k: int = 20) -> tuple[list[int], list[float
 
 
 def figure(results: Sequence[dict[str, Any]], title: str = ""):
-    """The demo's matplotlib figure: loss curves (a 20-step moving average over the faint raw loss), each in its own
-    line style and marker; the 8-bit (16-bit) minus 32-bit loss of each optimizer run at both (:func:`twins`), if
-    any; optimizer state and peak memory per optimizer, each bar labelled with its MiB."""
+    """The demo's figure: smoothed loss curves, 8-bit (16-bit) minus 32-bit loss, state and peak memory bars."""
     import matplotlib
 
     matplotlib.use("Agg")

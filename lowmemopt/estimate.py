@@ -1,18 +1,8 @@
-"""Training memory of a model and optimizer choice, without allocating it: weights, gradients and optimizer state.
-
-The model is built from its config on the ``meta`` device (shapes, no storage). The optimizer is constructed on those
-meta parameters and asked to create each parameter's state exactly as its first step would (its own slot declarations,
-formats, block sizes and ``min_quant_numel``), still on the meta device; the state figure is then the optimizer's own
-``state_nbytes()``. So the number is exact by construction and follows any optimizer or format change, with no
-per-optimizer formula to keep in step. Activations, temporaries and framework overhead (CUDA context, allocator
-caching) are not included here: :mod:`lowmemopt.traced_step` traces a whole training step for its peak.
-
-Two options change what the device holds rather than what exists: ``paged`` (state in host RAM or files between steps,
-:mod:`lowmemopt.paging`): the device holds at most three batches of state at a time (the one updating, the next
-arriving, the last being written back), each ``lowmemopt.pipeline.PAGE_BUCKET_BYTES`` or one parameter's state,
-whichever is larger; ``per_layer`` (:func:`lowmemopt.step_in_backward`): each gradient is applied and
-freed as soon as it is produced, so one gradient (the largest) is held at a time. :func:`cheapest_fits` searches state
-bits, GaLore rank, paging and per-layer updates for the combinations that fit a budget with the fewest changes.
+"""Training memory of a model and optimizer choice, without allocating it: the model is built on the ``meta`` device and
+the optimizer makes each parameter's state there as its first step would, so ``state_nbytes()`` is exact by
+construction. ``paged`` (at most three batches of state on the device) and ``per_layer`` (one gradient at a time)
+change what the device holds; :func:`cheapest_fits` searches the options that fit a budget;
+:mod:`lowmemopt.traced_step` traces a whole step's peak. See ``docs/estimate.md``.
 """
 
 from __future__ import annotations

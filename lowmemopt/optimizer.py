@@ -138,9 +138,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             cls.__init__ = checked_init(cls, cls.__dict__["__init__"])  # a misspelt keyword named as such
 
     def _attach(self) -> None:
-        """What a lowmemopt optimizer has beyond torch's: its state-dict and step hooks and runtime fields. Also run
-        after unpickling or ``copy.deepcopy`` (:meth:`__setstate__`), which torch restores without hooks: a copy would
-        otherwise load 8-bit codes cast to the parameter's dtype."""
+        """Install the state-dict and step hooks and runtime fields; also after unpickling or ``copy.deepcopy``."""
         self._versioned_state()
         self._device_skips: torch.Tensor | None = None  # capturable steps count their skips on the device
         self._load_stash: tuple[dict, dict] | None = None
@@ -192,18 +190,16 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
               **mode: Any) -> Plan:
-        """The plan handed to the step pipeline: the algorithm, the state dict, the param groups, the fused backend's
-        name, the GaLore stage and the communicate stage, if any (:mod:`lowmemopt.pipeline.plan`); a loss-scaled step's
-        gradient multiplier and ``found_inf``."""
+        """The plan handed to the step pipeline (:class:`lowmemopt.pipeline.plan.Plan`)."""
         alg = self.algorithm
         return Plan(alg, self.state, self.param_groups, alg.kernels, self._record, galore, grad_mult, found_inf,
                     communicate=self._communicate, defer_finite=DEFER_FINITE_CHECK, first_state=self._first_state,
                     **mode)
 
     def _amp_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(gradient multiplier, found_inf)`` that ``torch.amp.GradScaler.step`` set on this optimizer for this
-        step (``grad_scale``: the scale, None once ``unscale_`` ran; ``found_inf``: float, nonzero where a gradient had
-        an Inf / NaN), or Nones. The multiplier is ``unscale_``'s own: ``grad_scale.double().reciprocal().float()``."""
+        """``(gradient multiplier, found_inf)`` that ``GradScaler.step`` set for this step, or Nones
+        (docs/internals.md#mixed-precision-gradscalers-native-path).
+        """
         grad_scale = getattr(self, "grad_scale", None)
         return (None if grad_scale is None else inv_scale(grad_scale)), getattr(self, "found_inf", None)
 
@@ -286,9 +282,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step (optionally re-evaluating the loss with ``closure``). Under
-        ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` calls it with ``grad_scale`` and ``found_inf`` set
-        (docs/internals.md)."""
+        """Perform one optimization step (optionally re-evaluating the loss with ``closure``); ``GradScaler.step`` calls
+        it with ``grad_scale`` and ``found_inf`` set (docs/internals.md).
+        """
         self._resolve_pending()
         loss = None
         if closure is not None:
@@ -356,10 +352,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         self._device_skips = None
 
     def _capturable(self, work: list[tuple[torch.Tensor, dict]], groups: list[dict]) -> bool:
-        """Is this a capturable step (``capturable=True``, :mod:`lowmemopt.work.capture`)? ``groups``: those of
-        ``work``. Raises ValueError before anything changes where one cannot be made: some groups capturable and
-        others not, several devices, no fused kernels there, DTensor shards, or a group changed since construction
-        (paged, GaLore)."""
+        """Is this a capturable step? Raises ValueError before anything changes where one cannot be made."""
         modes = {bool(group.get("capturable", False)) for group in groups}
         if modes == {False}:
             return False
@@ -390,10 +383,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return pipeline.device_flags(self._plan(), work, grads, pager, pipe)
 
     def _step_some(self, work: list[tuple[torch.Tensor, dict[str, Any]]], flags: DeviceFlags | None = None) -> None:
-        """Step ``work``'s parameters, whose gradients (``p.grad``) are known to be finite, or whose finiteness
-        ``flags`` holds on the device (:meth:`device_flags`), through the pipeline as ``step()`` does (state fit
-        check, paging, the fused kernels): the per-layer updates inside ``backward()``
-        (:func:`lowmemopt.step_in_backward`), one parameter or a bucket of them at a time."""
+        """Step ``work``'s parameters (gradients known finite, or checked by ``flags`` on the device) through the
+        pipeline: the per-layer updates inside ``backward()``.
+        """
         if any(group.get("capturable") for _, group in work):
             raise ValueError("capturable=True param groups step in optimizer.step() only, not in per-layer updates")
         # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
@@ -407,9 +399,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return pager if pager is not None and any(paging.tier_of(g) or p in pager.entries for p, g in work) else None
 
     def close(self, *, keep_files: bool = False) -> None:
-        """Free what paged state holds: its host memory and its files in ``offload_dir`` (``keep_files=True`` keeps
-        the files, described by a ``manifest.json``). The paged state is dropped and the optimizer cannot step again.
-        Also done when the optimizer is garbage-collected or Python exits. Nothing to do for an unpaged optimizer."""
+        """Free paged state's host memory and files (``keep_files=True`` keeps the files and a ``manifest.json``); the
+        optimizer cannot step again. Also done at garbage collection or exit; nothing to do unpaged.
+        """
         paging.close(self, keep_files=keep_files)
 
     def paging_report(self) -> paging.PagingReport:

@@ -21,13 +21,8 @@ __all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_many", 
 
 
 def step_many(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]], pending: list[DeviceFlags]) -> int:
-    """Step ``work``'s parameters with their gradients as a hook or bucket does: one pass through the step pipeline.
-
-    The non-finite check is decided on the device where the kernels allow it (flags appended to ``pending`` for one
-    :func:`resolve` at the end of the backward pass), else on the host now.
-
-    Returns:
-        How many the host skipped for a non-finite gradient.
+    """Step ``work``'s parameters through the pipeline as a hook or bucket does (device checks appended to ``pending``);
+    returns how many the host skipped.
     """
     if torch.is_grad_enabled():  # (a hook inside backward() runs with grad mode off already)
         with torch.no_grad():
@@ -51,9 +46,7 @@ def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: 
 
 
 class PerLayerSteps:
-    """The per-layer updates of one backward pass: :meth:`add` steps a parameter at once (``bucket_bytes`` 0) or
-    holds it until the held gradients reach ``bucket_bytes``; :meth:`finish` steps the rest and reads the device
-    checks once."""
+    """One backward pass's per-layer updates: :meth:`add` steps or holds (``bucket_bytes``), :meth:`finish` the rest."""
 
     def __init__(self, optimizer: LowMemOptimizer, bucket_bytes: int = 0) -> None:
         self.optimizer = optimizer

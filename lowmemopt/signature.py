@@ -43,9 +43,7 @@ class StorageOptions(TypedDict, total=False):
 
 def constructor_signature(init: Callable[..., Any], base_init: Callable[..., Any],
                           defaults: dict[str, Any] | None = None) -> inspect.Signature:
-    """``init``'s signature (``self`` first) with its ``**storage`` replaced by the keyword-only parameters of
-    ``base_init`` (the storage options) that it does not name itself; ``defaults``: parameters whose defaults differ
-    (an alias's ``state_bits=8``)."""
+    """``init``'s signature, ``**storage`` replaced by ``base_init``'s storage options (``defaults``: changed ones)."""
     sig = inspect.signature(init)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     if len(params) < len(sig.parameters):
@@ -71,9 +69,7 @@ def set_signature(cls: type, base_init: Callable[..., Any]) -> None:
 
 
 def checked_init(cls: type, init: Callable[..., Any]) -> Callable[..., Any]:
-    """``init`` (``cls``'s own ``__init__``, its signature set), first refusing a keyword that ``cls.__signature__``
-    does not name: ``TypeError("AdamW.__init__() got an unexpected keyword argument 'weight_decy': did you mean
-    'weight_decay'? ...")``, before anything is built."""
+    """``init`` (its signature set), refusing first a keyword ``cls.__signature__`` does not name, with a suggestion."""
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

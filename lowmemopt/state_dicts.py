@@ -53,9 +53,7 @@ def state_dict_post_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any])
 
 
 def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Set the state's tensors aside (torch would cast them to the param dtype), converted to this optimizer's formats.
-
-    Runs before torch changes anything: a state that cannot be converted raises and leaves the optimizer as it was."""
+    """Set the state's tensors aside, converted to this optimizer's formats, before torch casts anything."""
     optimizer._resolve_pending()
     optimizer._load_stash = None
     _check_is_optimizer_state(optimizer, state_dict)

@@ -51,9 +51,9 @@ class StepPeak(NamedTuple):
 
 def build_optimizer(model: torch.nn.Module, optimizer: str, state_bits: int, galore_rank: int | None = None,
                     galore_target_modules: Any = "all-linear", **optimizer_kwargs: Any) -> torch.optim.Optimizer:
-    """The optimizer ``optimizer`` (a registry name) on ``model``'s parameters as ``lowmemopt estimate`` builds it:
-    GaLore groups of ``galore_rank`` over ``galore_target_modules`` if a rank is given, the class's own groups
-    otherwise (Muon's matrices, Adam-mini's named blocks)."""
+    """``optimizer`` (a registry name) on ``model``'s parameters as ``lowmemopt estimate`` builds it (GaLore groups if
+    ``galore_rank`` is given, else the class's own groups).
+    """
     from .estimate import _optimizer_for
 
     return _optimizer_for(model, optimizer, state_bits, galore_rank, galore_target_modules, optimizer_kwargs)
@@ -65,15 +65,10 @@ def _matrices(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[str, 
 
 def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: bool = False,
                    refresh: bool = True) -> dict[Any, int]:
-    """Bytes the optimizer's update holds beyond the state, by construction: ``{param: bytes}`` for a per-layer step
-    (each held while that parameter steps), ``{None: bytes}`` for a whole-model step. The fused elementwise and
-    factored kernels update the state in place and hold nothing of a tensor's size. A GaLore matrix (m x n, rank r,
-    projected side of size s, the other of size t) holds its low-rank gradient and update (r x t, fp32, plus the
-    bf16 product for a bf16 weight), the full-size update (m x n fp32 and the bf16 product; on the CPU in row
-    chunks) and, for a non-fp32 weight, its fp32 copy; at a basis refresh (every ``update_proj_gap`` steps;
-    ``refresh=False``: a step between refreshes) the fp32 copy of a non-fp32 gradient and the SVD's factors (m x k,
-    k x n, k = min(m, n)). An APOLLO matrix: its fp32 gradient, the step's
-    random projection, the low-rank gradient and update, and the scaled full-size update."""
+    """Bytes the optimizer's update holds beyond the state: ``{param: bytes}`` for a per-layer step, ``{None: bytes}``
+    for a whole-model step (GaLore's and APOLLO's temporaries; the fused kernels hold none; ``refresh``: count a basis
+    refresh).
+    """
     from .pipeline.backends import CHUNK_NUMEL
     from .projection import projector as pj
     from .projection.gather import proj_dtype
@@ -243,9 +238,7 @@ def measure_step(
     warmup: int = 1,
     **optimizer_kwargs: Any,
 ) -> StepPeak:
-    """The peak of one real training step of ``model`` (real weights, on their device), after ``warmup`` steps
-    that make the state (and GaLore's first basis), counted as :func:`trace_step` counts (exact bytes of torch's
-    storages). Arguments as :func:`trace_step`'s."""
+    """The peak of one real training step of ``model`` after ``warmup`` steps, counted as :func:`trace_step` counts."""
     _check_input(batch, seq)
     device = next(model.parameters()).device.type
     opt = build_optimizer(model, optimizer, state_bits, galore_rank, galore_target_modules, **optimizer_kwargs)

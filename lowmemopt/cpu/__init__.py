@@ -1,21 +1,8 @@
-"""Native CPU kernels: each fuses decode -> an algorithm's fp32 math -> encode for one parameter in one pass.
-
-The C sources (``csrc/``) are compiled at first use with the system C compiler and loaded with ctypes
-(:mod:`lowmemopt.cpu.build`); there is no build step at install time. Each kernel is a fused implementation of one
-algorithm for every (parameter dtype, state format) pair, tested against the eager composition ``StateFormat.decode ->
-math -> StateFormat.encode``, which stays the reference: elementwise results are bit-identical to it (given a correctly
-rounded sqrt, see ``docs/cpu_kernels.md``), 8- and 4-bit codes are the reference encoders', and the factored optimizers agree
-to fp32 rounding. What runs here:
-
-* elementwise algorithms (Adam/AdamW, Lion, SGD; :mod:`lowmemopt.cpu.elementwise`): the step pipeline's per-tensor
-  backend calls :func:`step_elementwise` for CPU tensors before the ``torch.compile`` path (:mod:`lowmemopt.compiled`);
-* the factored optimizers (Adafactor, CAME) on large 2-D parameters: :func:`step_factored`
-  (:mod:`lowmemopt.cpu.factored`), one native call per parameter (a few passes in one parallel region) instead of the
-  eager whole-tensor math;
-* the 8-bit codec alone (:func:`encode_rows_into`, :func:`decode_rows_into`).
-
-If there is no C compiler or the build fails, lowmemopt warns once and keeps to the compiled / eager paths. Set
-``LOWMEMOPT_CPU_KERNELS=0`` to turn the native kernels off.
+"""Native CPU kernels: each fuses decode -> an algorithm's fp32 math -> encode for one parameter in one pass, compiled
+at first use (:mod:`lowmemopt.cpu.build`): :func:`step_elementwise` (Adam/AdamW, Lion, SGD), :func:`step_factored`
+(Adafactor, CAME on large 2-D parameters), the 8-bit codec (:func:`encode_rows_into`, :func:`decode_rows_into`). Without
+a compiler, or with ``LOWMEMOPT_CPU_KERNELS=0``, the compiled / eager paths run. Exactness and the build:
+``docs/cpu_kernels.md``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""Native steps for the factored optimizers (Adafactor, CAME, AdafactorTorch) on large 2-D CPU parameters.
-
-The eager math (:func:`~lowmemopt.optim.adafactor.adafactor_math`, :func:`~lowmemopt.optim.came.came_math`) makes
-about ten full-size passes and a full-size temporary per step. Here Adafactor's and CAME's step of one parameter is one
-C call (``lmo_adafactor_step``, ``lmo_came_step``) and one parallel region: a few passes over the gradient, the first
-moment (decoded and encoded in place) and the parameter, separated by barriers, with the row / column EMAs, the
-factors of approx_rsqrt and the scalars (clipping denominator, Adafactor's RMS(p)) computed in C between them:
-
-    Adafactor:  1: g (+ p for RMS(p)) -> row / column EMAs of g^2 + eps1, factors r, c
-                2: g -> sum of u^2, u = (r c) g          3: g, m, p -> u / max(1, RMS(u)/d) -> m, p
-    CAME:       1, 2 as Adafactor;  3: g, m -> row / column EMAs of (u - m')^2 + eps2, their factors
-                4: g, m, p -> m', p
-    AdafactorTorch (torch.optim.Adafactor): three calls, the scalars in torch between them: row / column means of g^2;
-                sum of u^2, u = g rsqrt(max(r c / mean(r), eps1^2));  p (1 - lr wd) - u alpha / max(1, RMS(u)/d)
-
-Elementwise, every operation is the eager one (same order, same roundings, fused multiply-adds where torch has them);
-the row means, mean(row) and the sums of squares are summed in fp64, the column means in fp32 within 16 fixed row
-segments and in fp64 across them, where torch sums fp32 in its own order. So results equal the eager path to fp32
-rounding, not bit for bit, and do not depend on the thread count. Only unsharded parameters of at least
-:data:`MIN_NUMEL` elements take this path (smaller ones stay bit-identical to the references; a sharded one needs the
-distributed reductions), or of :data:`QUANT_MIN_NUMEL` with an 8- or 4-bit first moment.
-
-Adafactor's and CAME's steps can also be the optimizer's non-finite gradient check (:func:`step` with ``check=True``):
-pass 1 sums g^2 in fp32 as well and the step ends before it writes anything if that sum is not finite, so the
-gradient is read once for the check and the step together instead of once more before it.
+"""Native steps for the factored optimizers (Adafactor, CAME, AdafactorTorch) on large 2-D CPU parameters: one C call
+(``lmo_adafactor_step``, ``lmo_came_step``) and one parallel region per parameter instead of the eager math's ten
+full-size passes; optionally the non-finite check too (:func:`step` with ``check=True``). Equal to the eager path to
+fp32 rounding, independent of the thread count, for unsharded parameters of :data:`MIN_NUMEL` elements or more
+(:data:`QUANT_MIN_NUMEL` with a quantized first moment). Passes, bytes and sums:
+``docs/cpu_kernels.md#the-factored-steps-one-call-one-parallel-region``.
 """
 
 from __future__ import annotations

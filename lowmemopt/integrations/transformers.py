@@ -189,9 +189,7 @@ def param_groups(
     embedding_state_bits: int | None = 32,
     base: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """``model``'s trainable parameters as param groups: GaLore groups split off first, then each group split by
-    (decay: ``decay_names``, embedding: ``embedding_state_bits``), empty ones dropped, in model order. ``base``: the
-    groups to split instead of one of every parameter."""
+    """``model``'s trainable parameters as param groups: GaLore groups first, then split by decay and embedding bits."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")

@@ -1,21 +1,13 @@
-"""Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost").
-
-``Adafactor`` matches ``transformers.optimization.Adafactor`` (same signature, defaults and flags)::
+"""Adafactor (Shazeer & Stern 2018). ``Adafactor`` matches ``transformers.optimization.Adafactor``::
 
     beta2_t = 1 - t^decay_rate;   V = beta2_t V + (1 - beta2_t) (g^2 + eps1)   factored: V ~ R C / mean(R), R, C the row
     u = g / sqrt(V);   u /= max(1, RMS(u) / clip_threshold)                    and column means of V (last two dims)
     a = rho_t * max(eps2, RMS(p)) [scale_parameter],  rho_t = lr or min(1e-2 | 1e-6 t [warmup_init], 1/sqrt(t))
     m = beta1 m + (1 - beta1) a u  [beta1 given];     p <- p - a wd p - (m or a u)
 
-``AdafactorTorch`` matches ``torch.optim.Adafactor``, which differs in four ways: eps1 clamps the variance estimate
-(``V >= eps1^2``, eps1 defaults to the dtype's machine epsilon) instead of being added to g^2; the step is always
-relative (``rho_t = min(lr, 1/sqrt(t))``) and always scaled by ``max(eps2, RMS(p))``; weight decay is
-``p *= 1 - lr wd`` (the raw lr, not ``a``); and there is no first moment. Its state keys (``row_var``, ``col_var``,
-``variance``) and shapes are torch's, so a ``torch.optim.Adafactor`` state dict loads into it.
-
-Row and column statistics stay unquantized at every ``state_bits`` (fp32; float64 for float64 parameters); 16/8-bit
-storage applies to the full-size slots (the first moment, and the unfactored second moment of 1-D parameters). The
-math is fp32 (float64 for float64 parameters, as torch steps them) and stays on the device (no host sync).
+``AdafactorTorch`` matches ``torch.optim.Adafactor`` (its state keys too): eps1 clamps ``V >= eps1^2``, ``rho_t =
+min(lr, 1/sqrt(t))`` always scaled by ``max(eps2, RMS(p))``, ``p *= 1 - lr wd``, no first moment. Row and column
+statistics stay unquantized at every ``state_bits``: fp32, float64 for float64 parameters, as the math is.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers in neural networks"), matching ``torch.optim.Muon``,
-with the non-matrix parameters in the same optimizer as AdamW (``use_muon=False`` groups, as KellerJordan's
-``MuonWithAuxAdam``)::
+"""Muon (Jordan et al. 2024), matching ``torch.optim.Muon``; ``use_muon=False`` groups step as ``torch.optim.AdamW`` in
+the same optimizer (KellerJordan's ``MuonWithAuxAdam``)::
 
-    B <- mu B + (1 - mu) g                                  (torch: B.lerp_(g, 1 - mu); B at any state_bits)
-    U = g + mu (B - g)  if nesterov, else B
-    O = NS(U)   k Newton-Schulz steps in bfloat16, on the whole matrix:
-                X = U / max(||U||_F, eps)   (transposed while it has more rows than columns)
-                k times:  A = X X^T;   X <- a X + (b A + c A A) X
-    p <- p (1 - lr wd) - lr' O,   lr' = lr sqrt(max(1, rows / cols))   adjust_lr_fn None or "original" (Keller Jordan)
-                                  lr' = lr 0.2 sqrt(max(rows, cols))    "match_rms_adamw" (Moonshot: AdamW's lr and wd)
+    B <- mu B + (1 - mu) g;   U = g + mu (B - g) if nesterov, else B
+    O = NS(U): X = U / max(||U||_F, eps);  k times (bf16):  A = X X^T;  X <- a X + (b A + c A A) X
+    p <- p (1 - lr wd) - lr' O,   lr' = lr sqrt(max(1, rows / cols))   adjust_lr_fn None or "original"
+                                  lr' = lr 0.2 sqrt(max(rows, cols))    "match_rms_adamw"
 
-``use_muon=False`` groups step as ``torch.optim.AdamW`` (:func:`~lowmemopt.optim.adamw.adam_math`, decoupled decay):
-their keys are ``lr``, ``betas``, ``eps``, ``weight_decay``.
-
-The orthogonalization of several matrices of one shape runs as one batched iteration (``torch.baddbmm``:
-:mod:`.muon_batches`); under FSDP2 each matrix is gathered whole on one rank, orthogonalized there once and scattered
-back (:mod:`lowmemopt.distributed.whole`). At 32 bits a matrix orthogonalized alone is ``torch.optim.Muon``'s step bit
-for bit (the same operations); batched, its bf16 products round in another order.
+Batched orthogonalization and FSDP2: ``docs/muon.md#batches-and-fsdp2``.
 """
 
 from __future__ import annotations
@@ -101,7 +91,7 @@ class Muon(LowMemOptimizer):
     ``betas`` to ``adamw_betas`` (0.9, 0.95) and ``eps`` to ``adamw_eps`` (1e-10), ``MuonWithAuxAdam``'s.
 
     Storage keywords: ``state_bits`` (the momentum, and the AdamW groups' moments), ``block_size``, ``paged``... (see
-    :class:`~lowmemopt.LowMemOptimizer`). GaLore groups (``rank``) are refused: Muon steps whole matrices."""
+    :class:`lowmemopt.optimizer.LowMemOptimizer`). GaLore groups (``rank``) are refused: Muon steps whole matrices."""
 
     algorithm = MuonAlgorithm()
     #: TrainingArguments' Adam settings go to the AdamW groups (lowmemopt.integrations.transformers)

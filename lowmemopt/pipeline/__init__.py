@@ -56,9 +56,7 @@ def triton_usable(devices: set[torch.device]) -> bool:
 
 @contextmanager
 def communicating(plan: Plan, work: Work) -> Iterator[None]:
-    """``plan.communicate`` (the 1-bit optimizers' stage) around one step of ``work``: each gradient replaced by what
-    the update reads on entry, given back on exit, the step finished after an update that raised nothing
-    (docs/onebit.md)."""
+    """``plan.communicate`` (the 1-bit optimizers' stage) around one step of ``work`` (docs/onebit.md)."""
     stage = plan.communicate
     if stage is None:
         yield
@@ -155,7 +153,7 @@ def _checked(plan: Plan, pager: Any) -> StepOutcome:
 
 
 def _programmed(plan: Plan, pager: Any) -> StepOutcome | None:
-    """This step through the kept program if it still applies (its module docstring says when), else None with the
+    """This step through the kept program if it still applies (docs/pipeline.md says when), else None with the
     program dropped. Its skips are settled at the next step, as the device-side check's."""
     work = plan.work
     params = [p for p, _ in work]
@@ -169,10 +167,7 @@ def _programmed(plan: Plan, pager: Any) -> StepOutcome | None:
 
 
 def _scaled(plan: Plan, grads: list[torch.Tensor], pager: Any) -> StepOutcome:
-    """A step under ``torch.amp.GradScaler`` with its ``found_inf``: the scaler checked every gradient, so there is
-    no check of the optimizer's own. The kernels read ``found_inf`` on the device and store nothing when it is set;
-    the host reads it at the next step to restore the step counts. Where the kernels cannot decide it on the device
-    it is read now (docs/internals.md#mixed-precision-gradscalers-native-path)."""
+    """A step under ``torch.amp.GradScaler`` with its ``found_inf`` (docs/internals.md, Mixed precision)."""
     work, found_inf = plan.work, plan.found_inf
     todo = _indexed(work)
     finite: list[bool | None] = [True] * len(work)
@@ -195,9 +190,7 @@ def _keep_program(plan: Plan) -> None:
 
 
 def _capturable(plan: Plan) -> StepOutcome:
-    """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`): the non-finite check, the
-    step counts and the step's scalars stay there; skips are counted in a device tensor. Under loss scaling the
-    scaler's flag replaces the check and a skipped step is not counted (as ``unscale_`` + ``step()``)."""
+    """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`)."""
     work, found_inf = plan.work, plan.found_inf
     grads = [local_tensor(p.grad) for p, _ in work]
     device = grads[0].device
@@ -221,10 +214,7 @@ def _capturable(plan: Plan) -> StepOutcome:
 def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                grads: list[torch.Tensor], pipe: CpuFiniteChecks | None, pager: Any, flags: DeviceFlags | None = None,
                device_steps: bool = False) -> None:
-    """The stages over ``todo`` ((index, param, group), gradients not known to be non-finite): buckets for the Triton
-    kernels or the native CPU kernels, the rest one at a time, batch by batch when ``pager`` moves state.
-    ``finite[i] is None``: a CPU gradient the kernels' pipeline checks (:func:`step_in_order`); ``flags``: the
-    finiteness on the device, read only after the launches; ``device_steps``: a capturable step."""
+    """The stages over ``todo``: kernel buckets, the rest one at a time, in batches when paged."""
     kernels = plan.kernels  # (None: no Triton kernel, or none usable for this step's devices)
     if kernels is not None and (kernels.triton is None or not triton_usable({p.device for _, p, _ in todo})):
         kernels = None
@@ -264,10 +254,7 @@ def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: l
 
 def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
                   grads: list[torch.Tensor], pipe: CpuFiniteChecks | None) -> None:
-    """Step ``todo`` ((index, param, group), in order) through the per-parameter path with the pipelined non-finite
-    check: a gradient not checked yet (``finite[i] is None``) is checked by its own step where that is a native
-    factored step (:func:`checks_itself`), else just before its step, unless the kernel that stepped the parameter
-    before it scanned it; ``finite`` is filled in as it goes."""
+    """Step ``todo`` in order, per parameter, with the pipelined non-finite check filling in ``finite``."""
     for k, (i, p, group) in enumerate(todo):
         if finite[i] is None and checks_itself(plan, p, group):
             finite[i] = step_param(plan, p, p.grad, group, check=True)
@@ -284,9 +271,7 @@ def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite
 
 
 def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
-    """Can ``p``'s step be its gradient's non-finite check (:func:`.backends.update_checked`)? An algorithm with a
-    native factored step that checks (Adafactor, CAME), outside GaLore, for a parameter that has state (a fresh one is
-    checked before its state is made, so that a skip makes none). For the pipelined CPU checks only (unsharded)."""
+    """Can ``p``'s step be its gradient's non-finite check (a native factored step, state made, no GaLore)?"""
     native = None if plan.kernels is None else plan.kernels.native
     if not (isinstance(native, factored.FactoredStep) and native.checks):
         return False
@@ -296,9 +281,7 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
 
 def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
                  pipe: CpuFiniteChecks | None = None, found_inf: torch.Tensor | None = None) -> DeviceFlags | None:
-    """The finiteness of ``grads`` as flags on the device for the kernels to read, or None where the host must decide
-    first (several devices, no Triton kernels, state that moves, shards, a GaLore refresh due: docs/internals.md).
-    ``found_inf``: a loss-scaled step's flag, which then makes the flags."""
+    """The finiteness of ``grads`` as device flags, or None where the host must decide first."""
     if pipe is not None and pipe.indices:
         return None
     if pager is not None and pager.moves_any(work):
@@ -327,10 +310,9 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
 
 def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags | None = None,
                  device_steps: bool = False) -> Work:
-    """Gather ``work`` into items, project the GaLore ones, step what the Triton kernels take (one launch set per
-    bucket), finish the projected ones; return the (param, group) pairs left for the per-parameter path. ``flags``:
-    the step's device-side finiteness flags, which the launches (and GaLore's apply pass) read. ``device_steps``: a
-    capturable step (:mod:`.capture`: step counts and the step's scalars on the device); it leaves nothing."""
+    """Gather, project, step what the Triton kernels take, finish the projected; return the pairs left for the
+    per-parameter path.
+    """
     from ..kernels.dispatch import launch_buckets, plan_buckets, step_triton
 
     rest: Work = []
@@ -414,9 +396,7 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
 
 
 def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any] | None = None) -> Item | None:
-    """A full-rank parameter as an item (its local shard for a DTensor), state made on the first step; None if no
-    bucketed backend can take it (non-contiguous, or a sharded parameter whose math needs reductions over shards).
-    ``state``: ``plan.state[p]`` when the caller has it already."""
+    """A full-rank parameter as an item (a DTensor's local shard), state made; None if no bucket takes it."""
     local, grad, reduce = local_view(p, p.grad)
     if reduce is not LOCAL and not plan.algorithm.elementwise:
         return None

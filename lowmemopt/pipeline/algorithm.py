@@ -17,9 +17,7 @@ __all__ = ["Algorithm", "KernelSet", "fused", "fused_name", "kernel_set"]
 
 
 def fused(kernels: KernelSet | str) -> Callable[[Callable], Callable]:
-    """Decorator: ``fn`` (an algorithm's pure ``math`` function, or an :meth:`Algorithm.update` override) is the
-    algorithm whose fused backends ``kernels`` declares (a bare name: none, the reference backends only). The
-    backends read the declaration from the plan and import no algorithm class."""
+    """Decorator: ``fn`` (an algorithm's ``math`` or ``update`` override) runs on the fused ``kernels``."""
     if isinstance(kernels, str):
         kernels = KernelSet(kernels)
 
@@ -31,9 +29,9 @@ def fused(kernels: KernelSet | str) -> Callable[[Callable], Callable]:
 
 
 class Algorithm:
-    """One algorithm as the stages see it (stateless: one instance per optimizer class). Subclasses set :attr:`math`
-    and :attr:`hyper` (or override :meth:`update`), :meth:`slots`, and the step scalars and decay rules of their
-    reference."""
+    """One algorithm as the stages see it (stateless): subclasses set :attr:`math`, :attr:`hyper`, :meth:`slots`, and
+    their reference's step scalars and decay rules.
+    """
 
     #: True: the update of element i depends only on element i of p, g and state (chunked execution is exact)
     elementwise: bool = True
@@ -55,10 +53,9 @@ class Algorithm:
 
     def update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any],
                step: Any, reduce: Reduction = LOCAL) -> torch.Tensor | tuple[torch.Tensor, float]:
-        """fp32 math: update ``state`` in place; return the delta, or ``(direction, alpha)`` for
-        ``delta = alpha * direction`` (``p.add_(d, alpha=-lr)`` rounds as torch does). ``p``: the fp32 working copy,
-        unchanged except for a decay :meth:`decay_factor` cannot express (Adafactor's, by RMS(p)). ``reduce``: how a
-        sharded parameter's whole-tensor reductions are taken (non-elementwise math takes every norm through it)."""
+        """fp32 math: update ``state`` in place; return the delta, or ``(direction, alpha)``. ``p``: the fp32 working
+        copy; ``reduce``: a sharded parameter's whole-tensor reductions.
+        """
         if self.elementwise:
             return self.math(p, g, state, **self.math_kwargs(group, step))
         return self.math(p, g, state, **self.math_kwargs(group, step), reduce=reduce)
@@ -76,9 +73,9 @@ class Algorithm:
 
     def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
                   grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """The step's ``(param, group)`` pairs as the stages see them: values of every gradient of the step
-        (FusedLAMB's global norm, of the unscaled gradients under ``grad_mult``) go to the math as keys of per-step
-        copies of the groups. By default ``work`` itself."""
+        """The step's ``(param, group)`` pairs, with per-step values of every gradient (FusedLAMB's global norm);
+        default ``work``.
+        """
         return work
 
     def decay_factor(self, group: dict[str, Any]) -> Any:
@@ -118,9 +115,7 @@ class Algorithm:
 
 
 def kernel_set(algorithm: Algorithm) -> KernelSet | None:
-    """The fused kernels ``algorithm`` runs, or None: the declaration its :attr:`~Algorithm.math` is marked with
-    (:func:`fused`), or its marked :meth:`~Algorithm.update` override's; None where it overrides how the update is
-    computed (an unmarked ``update``) or applied (``apply_update``), which no fused backend reproduces."""
+    """The fused kernels ``algorithm`` runs (its :func:`fused` declaration), or None if it overrides update or apply."""
     cls = type(algorithm)
     if cls.apply_update is not Algorithm.apply_update:
         return None

@@ -30,10 +30,7 @@ COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (eac
 
 def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], state: dict[str, Any],
                numel: int | None = None, reduce: Reduction = LOCAL) -> dict[str, Any]:
-    """Zero state for ``p`` (a DTensor's local shard) in ``slots``' formats, made in ``state`` (returned).
-    ``numel``: the whole parameter's size (a DTensor's), which picks the format of slots shaped like it, so that a
-    shard keeps the format the parameter has in one process (``min_quant_numel``); ``reduce``: the shard's
-    reductions (its ranks agree on a stochastic-rounding seed)."""
+    """Zero state for ``p`` (a DTensor's local shard) in ``slots``' formats, picked by the whole ``numel``."""
     state["step"] = 0
     for name, slot in slots.items():
         shape = p.shape if slot.shape is None else torch.Size(slot.shape)
@@ -47,17 +44,11 @@ def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], st
 def step_per_tensor(algorithm: Algorithm, items: Sequence[Item], update_for: Callable[[Item, Any], Update],
                grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
                scans: Sequence[torch.Tensor | None] | None = None, check: bool = False) -> list[bool | None]:
-    """Step every item of ``items`` (full-rank, initialized, step count already advanced) through the per-tensor
-    backends, one tensor at a time: the per-tensor side of the update stage, with the Triton backend's shape
-    (:func:`lowmemopt.kernels.dispatch.step_triton`). ``update_for(item, step)``: the item's bucket's
-    :class:`~lowmemopt.work.items.Update` (its math keyword arguments, decay factor, record), asked per item with its
-    step count; ``grad_mult``: loss scaling, device -> the gradients' multiplier there (or None).
-
-    ``scans[k]``: another gradient that the native kernel stepping item ``k`` checks for NaN/Inf; item ``k``'s result
-    is that check's (None: not done). ``check``: each item's step checks its own gradient
-    (:func:`update_checked`, unsharded CPU items); its result is whether it was stepped (False: nothing was written;
-    the caller puts the step count back). Returns one result per item. An item's ``reduce`` (a shard's reductions)
-    is read from ``item.reduce``; its ``target`` is written in place."""
+    """Step every item (full-rank, initialized) through the per-tensor backends, one tensor at a time.
+    ``update_for(item, step)``: its :class:`~lowmemopt.work.items.Update`; ``scans[k]``: another gradient item ``k``'s
+    kernel checks; ``check``: each step checks its own gradient. Returns one result per item (a check's, or whether it
+    stepped).
+    """
     out: list[bool | None] = []
     for k, it in enumerate(items):
         state = it.state
@@ -77,14 +68,9 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
                 state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int, decay: float,
                 reduce: Reduction = LOCAL, scan: torch.Tensor | None = None,
                 mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> bool | None:
-    """``pflat <- pflat * decay + delta`` (``pflat``: contiguous, flat, updated in place; ``like``: a tensor of its
-    logical shape) with the state decoded and encoded around the math: the native C kernel where it applies (CPU),
-    else the ``torch.compile``-d function, and the eager reference for whatever they leave (a ragged last 8-bit
-    block, say). ``scan``: another gradient that a native kernel checks for NaN/Inf while it steps this one; returns
-    that check's result (None: not done). ``mult``: the loss scaling multiplier of ``gflat`` (0-dim fp32 on its
-    device, :attr:`~lowmemopt.pipeline.plan.Plan.grad_mult`), applied as each backend loads the gradient. ``kwargs``:
-    the math's keyword arguments for this step (:meth:`Algorithm.math_kwargs` of ``record.hyper``) where the caller
-    has them."""
+    """``pflat <- pflat * decay + delta`` with the state decoded and encoded around the math: native (CPU), compiled, or
+    eager for what they leave. ``scan``: a gradient to check meanwhile (returns its result); ``mult``: loss scaling.
+    """
     formats = {name: format_of(state, name) for name in slots}
     start, scanned = 0, None
     if pflat.device.type == "cpu" and cpu.ENABLED:  # native C kernels (lowmemopt.cpu)
@@ -112,11 +98,7 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
 def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
                    state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int,
                    decay: float, mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> bool:
-    """:func:`update_flat` of an unsharded CPU parameter whose gradient's non-finite check is left to the step: the
-    native factored step (Adafactor, CAME: :func:`lowmemopt.cpu.factored.step` with ``check``) checks it in its first
-    pass, which reads the gradient anyway; where that kernel does not apply, :func:`lowmemopt.cpu.grad_is_finite`
-    checks it before the other backends run. Returns whether the parameter was stepped (False: the gradient's fp32
-    sum of squares is not finite, and nothing was written). ``mult``, ``kwargs``: as :func:`update_flat`'s."""
+    """:func:`update_flat` of an unsharded CPU parameter that checks its own gradient; returns whether it stepped."""
     from ..cpu.factored import SKIPPED, STEPPED
 
     formats = {name: format_of(state, name) for name in slots}
@@ -140,9 +122,7 @@ def update_rest(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
                 state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord,
                 step: int, decay: float, start: int, reduce: Reduction = LOCAL,
                 mult: torch.Tensor | None = None) -> None:
-    """Elements ``[start, numel)`` of an elementwise step through the eager reference: what a native kernel left (a
-    ragged last 8- / 4-bit block). ``reduce``: a shard's (its stochastic rounding hashes indices in the whole
-    parameter); ``mult``: the loss scaling multiplier (:func:`update_flat`)."""
+    """Elements ``[start, numel)`` through the eager reference (a ragged last block a native kernel left)."""
     _step_eager(algorithm, p, pflat, gflat, state, slots, formats, record, step, decay, start, reduce, mult)
 
 
@@ -150,12 +130,9 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
                 state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord,
                 step: int, decay: float, start: int, reduce: Reduction = LOCAL,
                 mult: torch.Tensor | None = None) -> None:
-    """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise), in
-    fp32, or in float64 for a float64 parameter (:func:`~lowmemopt.quant.formats.math_dtype`).
-    ``mult``: the loss scaling multiplier, applied to each chunk of the gradient as it is loaded
-    (:func:`~lowmemopt.pipeline.plan.unscaled`).
-    A sharded non-elementwise step runs its math even on an empty local shard: the other shards' reductions wait
-    for this rank's (zero) contribution."""
+    """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise); a
+    sharded step runs its math even on an empty shard, for the other shards' reductions.
+    """
     bs = record.block_size
     n = pflat.numel()
     chunk = max(bs, (CHUNK_NUMEL // bs) * bs) if algorithm.elementwise else max(n, 1)
@@ -179,10 +156,7 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
 def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state: dict[str, Any],
                slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord, step: int, lo: int,
                hi: int, like: torch.Tensor | None = None, reduce: Reduction = LOCAL) -> tuple[torch.Tensor, Any]:
-    """Decode -> :meth:`Algorithm.update` -> encode; returns ``(delta, alpha)``. ``like is None``: elements
-    ``[lo, hi)`` of every slot, flat (elementwise chunks); else whole slots in their declared shapes (``like``'s shape
-    for slots without one). Also the core of the GaLore step, on low-rank slots. The state is decoded in ``p32``'s
-    dtype (fp32, or float64 for a float64 parameter's math)."""
+    """Decode -> :meth:`Algorithm.update` -> encode over ``[lo, hi)`` or whole slots; returns ``(delta, alpha)``."""
     bs = record.block_size
     if like is None:
         st = {k: formats[k].decode(state, k, lo, hi, s.signed, bs) for k, s in slots.items()}

@@ -17,15 +17,9 @@ __all__ = ["DeviceFlags", "PendingSkip", "CpuFiniteChecks", "finite_norms", "hos
 
 
 def finite_norms(grads: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
-    """``(order, ok)``: whether each gradient's L2 norm is finite, as a bool tensor on the gradients' (one) device,
-    ``ok[k]`` for gradient ``order[k]``. One fused multi-tensor norm per dtype, in fp32 (an fp16 gradient's norm
-    past 65504 is finite, as the native CPU check's fp32 sum of squares), float64 gradients' in float64 (their state
-    and math are float64: an element past ~1e19 is no overflow there): a few launches, whatever the number of
-    gradients. The condition of the optimizer's
-    non-finite check (:func:`host_flags` reads it on the host).
-
-    A norm is >= 0, +Inf or NaN, so ``norm < inf`` is ``isfinite(norm)`` in one comparison (``isfinite`` of a float
-    tensor is four: ``(x == x) * (x.abs() != inf)``)."""
+    """``(order, ok)``: whether each gradient's L2 norm is finite, on the gradients' device, ``ok[k]`` for ``order[k]``:
+    one fused norm per dtype (docs/internals.md#non-finite-gradients).
+    """
     if len(grads) == 1:  # one gradient (a per-layer hook's): no stack, no cat
         return [0], (torch._foreach_norm(list(grads), 2, dtype=_norm_dtype(grads[0].dtype))[0] < math.inf).view(1)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -58,9 +52,7 @@ class DeviceFlags:
 
     @classmethod
     def from_found_inf(cls, params: Sequence[torch.Tensor], found_inf: torch.Tensor) -> "DeviceFlags":
-        """The flags of a loss-scaled step (``torch.amp.GradScaler``'s ``found_inf``, already checked over every
-        gradient by the scaler): every row ``found_inf == 0``, made on its device with no norm and nothing read
-        back. The kernels mask by them as by the optimizer's own check."""
+        """The flags of a loss-scaled step: every row ``found_inf == 0``, made on its device."""
         self = cls.__new__(cls)
         self.tensor = (found_inf.reshape(1) == 0).view(torch.uint8).repeat(len(params))
         self.position = {id(p): i for i, p in enumerate(params)}
@@ -69,9 +61,7 @@ class DeviceFlags:
         return self
 
     def deferred(self, counted: bool = False) -> "PendingSkip":
-        """This step's undo, decided later (:class:`PendingSkip`): its flags copied to host memory without waiting.
-        ``counted``: the optimizer's own check (the skips are counted and warned about); else GradScaler's
-        ``found_inf`` (one flag for the whole step)."""
+        """This step's undo, decided later (:class:`PendingSkip`); ``counted``: the optimizer's own check."""
         provisional, self.provisional = self.provisional, {}
         if not counted:
             return PendingSkip(self.tensor[:1], lambda rows: _undo(provisional.values()))
@@ -98,22 +88,16 @@ class DeviceFlags:
         return self.host()[self.position[id(param)]]
 
     def undo_skipped(self) -> int:
-        """For every provisionally stepped parameter whose gradient was not finite: the step count it had (the
-        kernel wrote nothing of it), or no state at all when this step made it (as the host-side check leaves it).
-        Returns how many gradients were not finite."""
+        """Restore each skipped parameter's step count (or drop state this step made); returns how many were skipped."""
         flags = self.host()
         _undo(record for pid, record in self.provisional.items() if not flags[self.position[pid]])
         return flags.count(False)
 
 
 class PendingSkip:
-    """A step's skips, read on the host later, so the host never waits for the device: the step's flags (uint8, 1:
-    finite) are copied to page-locked host memory by a non-blocking copy with an event recorded after it, and the
-    optimizer settles them at its next ``step()`` (or ``state_dict()``, ``load_state_dict()``, ``nonfinite_skips``),
-    when the device has long finished that copy: ``undo`` restores what the step changed provisionally of the skipped
-    rows' parameters (their step counts: the kernels stored nothing), and for the optimizer's own check (``counted``)
-    the optimizer counts and warns about them. Until then the host's step counts of a skipped parameter read one too
-    many. ``flags`` of one element (GradScaler's ``found_inf``): the whole step, not counted."""
+    """A step's skips, copied to pinned host memory without waiting and settled at the optimizer's next ``step()``
+    (docs/internals.md#non-finite-gradients); ``flags`` of one element: GradScaler's ``found_inf``, not counted.
+    """
 
     def __init__(self, flags: torch.Tensor, undo: Callable[[list[int]], None], counted: bool = False) -> None:
         self.undo = undo
@@ -151,9 +135,7 @@ def _undo(records: Iterable[tuple[dict[str, Any], int, bool]]) -> None:
 
 
 def resolve(pending: list[DeviceFlags]) -> int:
-    """Read the flags of several checks with one synchronization (one host copy of all of them), undo their skipped
-    parameters' provisional steps, and return how many parameters were skipped: the per-layer updates
-    (:mod:`lowmemopt.per_layer`) check each parameter on the device in its hook and resolve once per backward pass."""
+    """Read several checks' flags with one synchronization, undo their skipped steps, return how many were skipped."""
     if not pending:
         return 0
     values = torch.cat([f.tensor for f in pending]).tolist()
@@ -166,9 +148,7 @@ def resolve(pending: list[DeviceFlags]) -> int:
 
 
 def host_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """One bool per gradient: is its L2 norm finite? False for any NaN/Inf element, and for elements so large (~1e19)
-    that their square overflows fp32 (they would turn a second moment into Inf). One fused multi-tensor norm (the
-    cheapest reduction here: 2.3 ms on 16M elements, against 80 ms for an Inf-norm) and one host sync per device."""
+    """One bool per gradient: is its L2 norm finite? One fused norm and one host sync per device."""
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):
         by_device.setdefault(g.device, []).append(i)
@@ -181,14 +161,10 @@ def host_flags(grads: list[torch.Tensor]) -> list[bool]:
 
 
 class CpuFiniteChecks:
-    """The non-finite check of plain CPU gradients, pipelined with the native kernels.
-
-    Checking every gradient up front reads all of them once more before the step (on a 148M-parameter model, 20 ms
-    against a 70 ms fused AdamW step). Instead, the kernel that steps one CPU parameter also sums the squares of the
-    next parameter's gradient, in the same parallel loop, so those reads overlap its arithmetic; a gradient no kernel
-    scanned is checked just before its step (:meth:`check`). The condition is the up-front one (the fp32 sum of
-    squares is finite), and a parameter is still checked before anything of it changes. Off when a parameter is a
-    DTensor (``sharded``: the ranks agree on all flags up front) or without the native kernels."""
+    """The non-finite check of plain CPU gradients, pipelined with the native kernels: the kernel stepping one parameter
+    sums the squares of the next one's gradient; an unscanned gradient is checked just before its step. Off for
+    DTensors.
+    """
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], sharded: bool):
         self.grads = grads

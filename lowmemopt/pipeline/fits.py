@@ -1,28 +1,6 @@
-"""Does each parameter's optimizer state still fit it? Checked before a step changes anything.
-
-A parameter's state is made at its first step, sized for the tensor it had then (and, at 8 and 4 bits, with one scale
-per ``block_size`` elements of its param group). The kernels read and write it through addresses and sizes taken from
-the parameter *now*, so state made for another tensor would be read and written past its end. That happens when
-
-* ``p.data`` was replaced by a tensor of another shape (model surgery: pruning, a resized vocabulary), or
-* the param group's ``block_size`` changed after the state was made (8- and 4-bit state keeps the block size it was
-  made with: re-quantizing would add error, and ``load_state_dict`` refuses it for the same reason).
-
-:func:`check_state_fits` raises ValueError for either, naming the parameter and what differs, before anything of the
-step is changed; also for a gradient whose shape is not its parameter's (``p.data`` replaced after the backward pass:
-torch checks a gradient's shape when it is set, not when the parameter changes), and (TypeError) for a gradient whose
-dtype is not its parameter's or a parameter made complex or integer through ``.data``; and, through the projection
-stage (``plan.galore.check_group_values``), for a GaLore group key set to a value it does not take after the group was
-added (a ``scale`` of ``"big"``, an ``update_proj_gap`` of 2.5), and for low-rank state in a group without ``rank``
-or full-rank state in one with ``rank`` (the key removed or added after steps). State stored in another format than
-its group asks for now (``state_bits`` or ``min_quant_numel`` changed after the state was made) fits: each slot is
-read in the format it is stored in.
-
-The check compares sizes only: per parameter, a lookup of the layout its group's formats give it (made once per
-step, bucket, shape and dtype) and one ``numel`` per stored tensor; a layout that differs is looked at slot by slot.
-A step taken by a kept :class:`~lowmemopt.pipeline.program.StepProgram` needs no check: the program was made by a
-step that passed it, and is dropped when a parameter's storage, shape or state tensors, or a group's storage
-options, change.
+"""Does each parameter's optimizer state still fit it? :func:`check_state_fits` raises before a step changes anything
+(state sized for another shape or ``block_size``, a gradient of another shape or dtype, invalid GaLore group values).
+Why, and what it costs: ``docs/pipeline.md#steady-steps-a-kept-program-nothing-read-back``.
 """
 
 from __future__ import annotations
@@ -43,7 +21,7 @@ __all__ = ["check_state_fits", "check_grad", "check_dtypes", "check_slots", "che
 
 def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
     """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
-    tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (module docstring),
+    tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (docs/pipeline.md),
     or if its gradient's shape or dtype is not its own (TypeError for the dtype), or a GaLore group holds a value
     its key does not take. ``owner``: the optimizer's class name, for the message."""
     state_of = plan.state.get

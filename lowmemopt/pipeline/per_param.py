@@ -1,4 +1,4 @@
-"""The per-parameter path (``DESIGN.md`` §1.1): one parameter through the stages with the per-tensor backends (native
+"""The per-parameter path (docs/pipeline.md): one parameter through the stages with the per-tensor backends (native
 C on the CPU, ``torch.compile``, the eager reference; GaLore through its projection stage). It takes what no bucketed
 backend takes, and it is the eager reference that every combination is tested against.
 

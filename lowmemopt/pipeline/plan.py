@@ -24,9 +24,9 @@ def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
 
 
 def unscaled(g: torch.Tensor, mult: torch.Tensor | float | None) -> torch.Tensor:
-    """``g`` as the step sees it, in fp32 (a float64 ``g`` in float64): ``float(g) * mult`` rounded to ``g``'s dtype
-    and back (what ``GradScaler.unscale_`` stores in a bf16 / fp16 gradient before the step reads it); ``float(g)``
-    for ``mult`` None. ``mult``: a 0-dim fp32 tensor on ``g``'s device, or its value as a Python float."""
+    """``g`` as the step sees it in fp32 (float64 for float64): ``float(g) * mult`` rounded to ``g``'s dtype and back,
+    as ``GradScaler.unscale_`` stores it; ``float(g)`` for ``mult`` None.
+    """
     wide = g.dtype in (torch.float32, torch.float64)
     g32 = g if wide else g.float()
     if mult is None:
@@ -36,9 +36,7 @@ def unscaled(g: torch.Tensor, mult: torch.Tensor | float | None) -> torch.Tensor
 
 
 def update_of(algorithm: Algorithm, it: Item, step: int) -> Update:
-    """The :class:`~lowmemopt.work.items.Update` of full-rank ``it``'s bucket at ``step`` for the per-tensor and native
-    CPU backends: the math's keyword arguments and the decay factor, made from ``it.record.hyper`` (never a param
-    group)."""
+    """The :class:`~lowmemopt.work.items.Update` of full-rank ``it``'s bucket at ``step``, from ``it.record.hyper``."""
     record = it.record
     hyper = record.hyper
     return Update(algorithm.fused or "", algorithm.math_kwargs(hyper, step), record, algorithm.decay_factor(hyper),
@@ -57,22 +55,15 @@ class StepRecord:
 
 @dataclass
 class StepOutcome:
-    """What a run leaves its optimizer to settle: parameters skipped for a non-finite gradient (counted now), the
-    skips decided on the device (a :class:`~lowmemopt.pipeline.finite.PendingSkip`, settled at the next step), and
-    a capturable step's count of skipped parameters (a device tensor)."""
+    """What a run leaves its optimizer to settle: skips now, a :class:`~.finite.PendingSkip`, a device count."""
 
     skipped: int = 0
     pending: Any = None
     device_skipped: torch.Tensor | None = None
 class ProjectionStage(Protocol):
-    """The projection stage of a step: what the pipeline asks of a param group with ``rank`` and its parameters
-    (GaLore's: :class:`lowmemopt.projection.stage.GaLoreStage`; docs/galore.md).
-
-    Before the step: :meth:`check_group_values`, :meth:`check_low_rank_state` (:mod:`.fits`). Per step: :meth:`gather`
-    (state, basis refresh, an item whose gradient is not projected yet), :meth:`project_gradients`, then either the
-    fused path (:meth:`make_stand_ins`, :meth:`weight_statistics`, the kernels, :meth:`apply_back`) or
-    :meth:`update_per_tensor`. A kept step program (:mod:`.program`) calls :meth:`regather` instead of
-    :meth:`gather` while no :meth:`refresh_due`."""
+    """The projection stage of a step: what the pipeline asks of a param group with ``rank`` (GaLore's:
+    :class:`lowmemopt.projection.stage.GaLoreStage`; the order of calls: docs/galore.md).
+    """
 
     def check_group_values(self, plan: Plan, group: dict[str, Any], owner: str) -> None:
         """Raise ValueError / TypeError, naming the group, if a GaLore key of ``group`` holds a value it does not
@@ -95,9 +86,7 @@ class ProjectionStage(Protocol):
 
     def gather(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
                inner: dict[int, Any] | None = None) -> Item | None:
-        """``p``'s item: its state (made on the first step), its basis refreshed when due, its gradient as a matrix
-        not yet projected, no target. None: the step is skipped (no basis yet), or counted only (zero size).
-        ``inner``: the per-group inner groups, shared by the items of one step."""
+        """``p``'s item (state made, basis refreshed when due, gradient unprojected); None: skipped or counted only."""
 
     def regather(self, plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
         """The gather of a later step for ``items`` that :meth:`gather` made (kept by a step program): this step's
@@ -125,9 +114,7 @@ class ProjectionStage(Protocol):
 
     def apply_back(self, plan: Plan, items: list[Item], flags: torch.Tensor | None = None, layout: Any = None,
                    projected: Any = None, stand: Any = None) -> Any:
-        """Unproject and apply: ``p <- p * decay + scale * project_back(target)`` for items whose stand-in holds the
-        update; ``flags``: the device-side finiteness flags. Returns the layout (``projected``, ``stand``: this
-        step's layouts of :meth:`project_gradients` and :meth:`make_stand_ins`)."""
+        """``p <- p * decay + scale * project_back(target)`` for stand-in items; returns the layout."""
 
     def release_buffers(self, project_layout: Any, stand_in_layout: Any) -> None:
         """Give back the memory of a step's low-rank gradients and stand-ins (their layouts stay)."""
@@ -138,15 +125,10 @@ class ProjectionStage(Protocol):
 
 @dataclass(eq=False)
 class Plan:
-    """One step's plan. ``state``: parameter -> its state dict (plain named tensors and ints; the optimizer's
-    ``state``); ``groups``: the param groups; ``kernels``: the algorithm's fused kernels
-    (:class:`~lowmemopt.work.kernel_set.KernelSet`), or None (the per-tensor reference backends only); ``galore``: the projection stage
-    (:class:`ProjectionStage`), given where a group may be projected, else None. ``grad_mult``: the loss
-    scaling multiplier of the gradients (:func:`inv_scale`, a 0-dim fp32 tensor), None: none; ``found_inf``: the
-    scaler's flag (float, 1.0: a gradient had an Inf / NaN, the step is skipped), None: none given;
-    ``communicate``: the communicate stage of the communication-compressed optimizers
-    (:class:`lowmemopt.distributed.onebit.OnebitStage`), which :func:`lowmemopt.pipeline.communicating` runs around
-    the update, else None."""
+    """One step's plan: the algorithm, its ``state`` and param ``groups``, the fused ``kernels`` (None: reference
+    backends only), the projection stage ``galore``, the loss scaling ``grad_mult`` and ``found_inf``, the
+    ``communicate`` stage.
+    """
 
     algorithm: Algorithm
     state: dict[torch.Tensor, dict[str, Any]]
@@ -204,9 +186,7 @@ class Plan:
         return made[1]
 
     def slots_of(self, record: BucketRecord, p: torch.Tensor) -> dict[str, Any]:
-        """The algorithm's slots for a tensor ``p`` (a parameter, or a shard's local part) of ``record``'s bucket:
-        :meth:`Algorithm.slots` of ``record.hyper``, asked once per bucket, shape and dtype in this step (the slots
-        follow from the group's values and the tensor's shape and dtype only). Read-only: items share the dict."""
+        """The algorithm's slots for ``p`` in ``record``'s bucket, once per bucket, shape and dtype (read-only)."""
         key = (id(record), p.shape, p.dtype)
         slots = self._slots.get(key)
         if slots is None:

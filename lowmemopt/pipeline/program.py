@@ -1,39 +1,7 @@
-"""A steady step, resolved once and launched step after step (``DESIGN.md`` §1.3: the host off the critical path).
-
-A step of the pipeline (:func:`lowmemopt.pipeline.step_buckets`) walks every parameter on the host: it gathers an
-item per tensor, finds its kernel, sorts the items into buckets, and every launch builds its table of addresses and
-sizes. None of that changes from one step to the next while the parameters, their param groups and their state stay
-the same. A :class:`StepProgram` keeps that work: the buckets (:class:`~lowmemopt.kernels.dispatch.Planned`), each
-with its :class:`~lowmemopt.kernels.launch.Bucket` holding the launch tables it built, and the non-finite check's own
-tables (:class:`~lowmemopt.kernels.check.GradCheck`). A later step checks that it still applies and launches::
-
-    check      the gradients' finiteness, one multi-tensor launch per dtype, flags stay on the device
-    launch     per bucket: this step's scalars from its param group (a scheduler's lr, the bias corrections), the
-               kept tables masked by the flags (one op), the kernel's launches; the step counts advance
-    settle     the flags copied to the host without waiting; read at the next step (:class:`.finite.PendingSkip`)
-
-What is checked at each step, and what makes the program be built again:
-
-* the parameters with gradients, in order, and their param groups: the same objects (one identity comparison each),
-  each parameter's storage where it was, of the same dtype and shape (``p.data = ...`` replaces it);
-* every param group's values (:func:`~lowmemopt.work.record.group_values`): equal, or only a number changed
-  (``lr``, ``weight_decay``, betas...) in a way that leaves the groups that share a bucket equal: those reach the
-  kernels as arguments, read at every launch (a GaLore group's changed values must also be valid ones: else the
-  checked step refuses them);
-* the optimizer's state: the same dict (``optimizer.state``, a :class:`StateDict`), no parameter's state dict set,
-  replaced or removed since, every parameter's state tensors the same tensors and its step count the bucket's (a
-  load, a conversion, a skip undone or a hand edit changes one of them);
-* every gradient contiguous, of its parameter's dtype and shape (torch keeps them so, except where the ``.data`` of
-  either is replaced: the step's fit check then refuses it); a gradient whose address changed rebuilds the tables of
-  its bucket only.
-
-Those are identity and value comparisons over lists the step walks anyway (its gradients), a few hundred ns per
-parameter, and nothing else on the host grows with the number of parameters. The program covers steps whose every
-parameter the Triton kernels take with the non-finite check on the device: one device, no state that moves (paged
-state resident within its budget steps as unpaged: ``lowmemopt.paging.Pager.moves_any``), nothing sharded, no GaLore
-basis refresh due, no capturable group, state already made (not a parameter's first step), an algorithm without a
-per-step view of its groups (:meth:`~lowmemopt.pipeline.algorithm.Algorithm.step_work`). Other steps take the
-pipeline as before.
+"""A steady step, resolved once and launched step after step: :class:`StepProgram` keeps the buckets, their launch
+tables and the non-finite check's tables, and checks at each step that they still apply (identity and value
+comparisons only). What it covers, checks and rebuilds on:
+``docs/pipeline.md#steady-steps-a-kept-program-nothing-read-back``.
 """
 
 from __future__ import annotations
@@ -70,10 +38,9 @@ class Kept:
 
 
 class StateDict(defaultdict):
-    """An optimizer's ``state`` (``defaultdict(dict)``, as torch.optim makes it) that counts the times a parameter's
-    state dict was set, replaced or removed (:attr:`version`), so that a program sees such a change with one
-    comparison instead of a lookup per parameter. Changes inside a parameter's state dict (a tensor replaced, a step
-    count) are checked by :meth:`StepProgram.matches` itself."""
+    """An optimizer's ``state`` (``defaultdict(dict)``) that counts parameter state dicts set, replaced or removed
+    (:attr:`version`), so a program sees such a change with one comparison.
+    """
 
     version = 0
 
@@ -117,9 +84,9 @@ def update_for(plan: Plan, name: str, it: Item, step: Any, device_steps: bool = 
 
 
 class StepProgram:
-    """The buckets of a step of ``work`` (``(param, group)`` pairs, in the step's order), as a step that the kernels
-    took whole planned them (``planned``: its :class:`~lowmemopt.kernels.dispatch.Planned` buckets, every member a
-    full-rank item with state). See the module docstring for what :meth:`matches` checks and :meth:`step` does."""
+    """The buckets of a step of ``work`` as a step the kernels took whole planned them; what :meth:`matches` checks:
+    docs/pipeline.md ("Steady steps").
+    """
 
     def __init__(self, plan: Plan, work: Sequence[tuple[torch.Tensor, dict]], kept: Kept) -> None:
         from ..kernels.check import GradCheck
@@ -221,9 +188,9 @@ class StepProgram:
         return True
 
     def step(self, plan: Plan, grads: Sequence[torch.Tensor]) -> PendingSkip:
-        """Launch one step with ``grads`` (the parameters', in the step's order; :meth:`matches` said yes): the check
-        (or GradScaler's ``found_inf``), every bucket, the step counts; returns the step's skips to settle at the
-        next step. Reads nothing back."""
+        """Launch one step with ``grads`` (:meth:`matches` said yes): the check, every bucket, the step counts;
+        returns the skips to settle at the next step. Reads nothing back.
+        """
         from ..kernels.dispatch import launch_buckets
 
         grads = self._pick(grads)
@@ -280,9 +247,7 @@ class StepProgram:
         return [pl for pl in self.planned if id(pl.members[0]) not in done]
 
     def _moved(self, layouts: list) -> tuple[int, int] | None:
-        """How far this step's GaLore buffers (stand-ins, low-rank gradients) lie from the previous step's, which
-        had the same layouts: ``(targets, gradients)`` in bytes; None the first time (the buckets' tensors then came
-        from the pipeline's own layouts: their addresses are compared one by one)."""
+        """How far this step's GaLore buffers lie from the last step's (bytes: targets, gradients); None at first."""
         if not self.projected or len(layouts[1].bases) != 1:
             return None
         now = (layouts[1].bases[0], layouts[0].base)
@@ -301,11 +266,9 @@ class StepProgram:
 
 
 def _same_kind(old: Any, new: Any) -> bool:
-    """May a group value change from ``old`` to ``new`` without changing the buckets' kernels, slots or formats? A
-    float for a float, or a tuple of floats for one of the same length (a learning rate, betas, a weight decay: the
-    kernels read them as arguments at every launch). Anything else (an int storage option, a flag, a string, None, a
-    tensor replaced by another) counts as a structural change. Entries of :func:`group_values` are keys and values
-    in turn; keys compare equal."""
+    """May a group value change from ``old`` to ``new`` keeping the buckets (a float for a float, a tuple of floats
+    of one length: the kernels read them at every launch)? Anything else is a structural change.
+    """
     if old == new or (_is_float(old) and _is_float(new)):
         return True
     if type(old) is tuple and type(new) is tuple and len(old) == len(new) and old and old[0] == new[0] and \

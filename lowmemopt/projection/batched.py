@@ -53,10 +53,7 @@ def stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 class Scratch:
-    """A buffer that holds memory only while a step uses it: made once with the views a kept layout carves from it,
-    given storage at each step (:meth:`take`) and its storage handed back to the allocator after the step
-    (:meth:`give_back`, as FSDP frees its unsharded parameters: the views stay valid objects over an empty storage).
-    A kept layout so makes no view per matrix at later steps, and holds no memory between steps."""
+    """A buffer that holds memory only during a step (:meth:`take`, :meth:`give_back`); its views stay valid objects."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.tensor = torch.empty(numel, dtype=dtype, device=device)
@@ -81,10 +78,7 @@ def _chunks(members: list[Item], numel: int) -> list[list[Item]]:
 
 @dataclass(eq=False)
 class ProjectLayout:
-    """How :func:`project` takes its items: ``alone`` (sharded or on the CPU: a product each), ``chunks`` (one
-    batched product each, the matrices of one shape, side and product dtype) and their low-rank gradients' places in
-    one fp32 buffer of ``numel`` elements (``offsets``, each chunk's start 16-byte aligned; float64 chunks in a float64
-    buffer of ``numel64``)."""
+    """How :func:`project` takes its items: ``alone``, ``chunks`` (a batched product each), their buffer offsets."""
 
     alone: list[Item] = field(default_factory=list)
     chunks: list[tuple[list[Item], int, torch.dtype | None]] = field(default_factory=list)  # (items, side, dtype)
@@ -134,11 +128,9 @@ def _project_layout(items: list[Item]) -> ProjectLayout:
 
 
 def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLayout:
-    """The pipeline's *project*: each item's ``grad`` becomes its low-rank gradient (contiguous fp32; float64 for a
-    float64 parameter, in a buffer of its own). Unsharded matrices of one shape and side on CUDA take one batched
-    product (``torch.bmm``) per chunk of :data:`BATCH_NUMEL` elements, into one buffer for the step; elsewhere every
-    matrix takes the product galore-torch makes. Returns the layout, which a later call with the same items may take
-    back: its buffers and views are made at its first use (:class:`Scratch`), given memory again at each later one."""
+    """Each item's ``grad`` becomes its low-rank gradient, one ``torch.bmm`` per chunk on CUDA, else galore-torch's
+    product per matrix. Returns the layout, which a later call with the same items may take back.
+    """
     if layout is None:
         layout = _project_layout(items)
     for it in layout.alone:
@@ -230,9 +222,7 @@ class StandInLayout:
 
 
 def stand_ins(items: list[Item], layout: StandInLayout | None = None) -> StandInLayout:
-    """Zeroed low-rank targets for ``items`` (one allocation per device and dtype, 16-byte aligned views) in their
-    low-rank gradients' dtype (fp32; float64 for float64 parameters); returns the layout, which a later call with the
-    same items (and low-rank shapes) may take back."""
+    """Zeroed low-rank targets for ``items`` (one allocation per device and dtype); returns the layout, reusable."""
     if layout is None:
         layout = StandInLayout()
         by_device: dict[tuple[torch.device, torch.dtype], dict[torch.Size, list[Item]]] = {}
@@ -274,9 +264,7 @@ def _carve_stand_ins(layout: StandInLayout) -> None:
 
 
 def give_back(project_layout: ProjectLayout | None, stand_in_layout: StandInLayout | None) -> None:
-    """A kept step's layouts give their buffers back at the end of the step (None: none made): nothing of them is
-    held between steps; the items' low-rank gradients and stand-ins are views of empty storage until the layouts
-    serve the next step (:func:`project`, :func:`stand_ins`)."""
+    """Give a kept step's layouts' buffers back at the end of the step (None: none made)."""
     for layout in (project_layout, stand_in_layout):
         if layout is not None:
             layout.give_back()
@@ -358,9 +346,7 @@ def _finish_layout(items: list[Item]) -> FinishLayout:
 
 
 def _targets(chunk: list[Item], dtype: torch.dtype, stand: StandInLayout | None) -> torch.Tensor:
-    """The chunk's stand-ins stacked in ``dtype``: where the chunk is a run of one class's stand-ins
-    (:attr:`StandInLayout.stacks`), a view of this step's stand-in buffer (or its cast to ``dtype``: one pass, as
-    a stacked copy), else a stacked copy."""
+    """The chunk's stand-ins stacked in ``dtype``: a view of the stand-in buffer where possible, else a stacked copy."""
     if stand is not None:
         for members, stack in stand.stacks.values():
             for start, it in enumerate(members):
@@ -375,17 +361,11 @@ def _targets(chunk: list[Item], dtype: torch.dtype, stand: StandInLayout | None)
 def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None,
                 layout: FinishLayout | None = None, projected: ProjectLayout | None = None,
                 stand: StandInLayout | None = None) -> FinishLayout:
-    """:func:`.apply.finish` for items whose low-rank update is their target (the fused path, ``alpha`` 1). On CUDA,
-    unsharded matrices of one shape, side, dtype and param group are finished together per :data:`BATCH_NUMEL`
-    elements: one batched product back (``torch.bmm``), then the math's decay, the decay, the scale and the add in
-    one multi-tensor pass (:mod:`lowmemopt.kernels.unproject`: reads the product and p, writes p; a matrix alone in its
-    class too, after one plain product), or without Triton on stacked fp32 copies and one multi-tensor copy into the
-    parameters; so a step's launches grow with the shape classes, not the matrices. (The sums are the per-matrix
-    ones, in another kernel: equal within fp32 rounding.) Elsewhere one by one. ``flags``: the step's finiteness
-    flags on the device, for the items with a ``flag`` row (:func:`.update.device_may_check` sent them here): the fused
-    pass leaves a skipped one as it is. Returns the layout, which a later call with the same items may take back.
-    ``projected``, ``stand``: this step's layouts of :func:`project` and :func:`stand_ins` for the same items, whose
-    stacked bases and stand-ins serve again (no stacked copies)."""
+    """:func:`.apply.finish` for items whose target holds the low-rank update: on CUDA one batched product back and one
+    multi-tensor pass (:mod:`lowmemopt.kernels.unproject`) per shape class (equal to the per-matrix sums within fp32
+    rounding), elsewhere one by one. ``flags``: device finiteness flags (a skipped item is left as it is);
+    ``projected``, ``stand``: this step's layouts of :func:`project` and :func:`stand_ins`. Returns the layout.
+    """
     if layout is None:
         layout = _finish_layout(items)
     if projected is not None and layout.projected is not projected:

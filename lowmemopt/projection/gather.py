@@ -20,12 +20,9 @@ __all__ = ["proj_dtype", "inner_group", "gather", "regather"]
 
 
 def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
-    """The dtype of ``p``'s projection products: bf16 for a bf16 parameter of a group with ``proj_dtype="param"``
-    (the default; the gradient and the basis cast to bf16, fp32 accumulation inside the matmul, the
-    low-rank gradient and the update rounded to bf16 once), else None: fp32 products (``"float32"``; fp16 and fp32
-    parameters: fp16's range is too narrow for products of gradients). The basis, its refresh (SVD) and the inner
-    math stay fp32. float64 parameters: float64 (their products and math are float64, the fp32 basis widened;
-    docs/galore.md)."""
+    """The dtype of ``p``'s projection products: bf16 for a bf16 parameter with ``proj_dtype="param"``, float64 for
+    float64, else None (fp32). See docs/galore.md ("GaLore's projection products").
+    """
     if p.dtype == torch.float64:
         return torch.float64
     if group.get("proj_dtype", GROUP_DEFAULTS["proj_dtype"]) == "param" and p.dtype == torch.bfloat16:
@@ -34,9 +31,7 @@ def proj_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype | None:
 
 
 def inner_group(plan: Plan, group: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """``(group the inner math runs with, decay factor of the full-rank parameter)``: an algorithm that adds
-    ``wd * p`` to a gradient-shaped tensor gets ``weight_decay=0`` inside and the decoupled ``1 - lr wd`` outside
-    (docs/galore.md); every other algorithm its own group and ``_decay_factor``."""
+    """``(inner group, decay factor)``: a coupled decay is taken out of the inner math and applied as ``1 - lr wd``."""
     if group.get("weight_decay") and plan.algorithm.coupled_weight_decay(group):
         return dict(group, weight_decay=0.0), 1.0 - group["lr"] * group["weight_decay"]
     return group, plan.algorithm.decay_factor(group)
@@ -44,14 +39,10 @@ def inner_group(plan: Plan, group: dict[str, Any]) -> tuple[dict[str, Any], floa
 
 def gather(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
             inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] | None = None) -> Item | None:
-    """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when
-    due, and an :class:`~lowmemopt.work.items.Item` whose ``grad`` is not projected yet (:func:`~.batched.project`) and
-    whose ``target`` is not set. None: no basis yet (the first refresh failed), the step is skipped as for a
-    non-finite gradient; or a zero-size parameter, whose step is counted and has nothing to update. ``inner``: a
-    cache of the inner groups by group id, so the items of one param group share one inner group (one bucket). The
-    item's ``group`` is the one its stand-in's math runs with (:func:`inner_group`, and no weight decay where the
-    math decays the weight itself: :func:`~.apply.finish` applies it to the full weight); ``extra["core"]`` the one the
-    reference core runs with."""
+    """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when due,
+    and an :class:`~lowmemopt.work.items.Item` with its gradient not yet projected. None: no basis yet (skipped) or zero
+    size (counted). ``inner``: the inner groups by group id, so one param group's items share a bucket.
+    """
     state = plan.state[p]
     if group.get("rank") is None:
         raise ValueError(
@@ -101,9 +92,7 @@ def _matrix(plan: Plan, g: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
 def _inner(plan: Plan, group: dict[str, Any], inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]]
            ) -> tuple[dict[str, Any], dict[str, Any], float]:
-    """``(group the stand-in's math runs with, group the reference core runs with, decay factor)`` of a GaLore
-    param group (:func:`inner_group`; no weight decay in the stand-in's math where :func:`~.apply.finish` applies it
-    to the full weight), made once per group and step in ``inner``."""
+    """``(stand-in's group, reference core's group, decay factor)`` of a GaLore group, once per step in ``inner``."""
     made = inner.get(id(group))
     if made is None:
         core, decay = inner_group(plan, group)
@@ -113,10 +102,7 @@ def _inner(plan: Plan, group: dict[str, Any], inner: dict[int, tuple[dict[str, A
 
 
 def regather(plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
-    """The gather of a later step for ``items`` that :func:`gather` made (unsharded, no refresh due:
-    :func:`~.refresh.refresh_due`), kept by a step program (:mod:`lowmemopt.pipeline.program`): this step's gradients
-    (``grads``, the parameters' in the items' order) and inner groups (a scheduler's learning rate), nothing
-    projected or stood in yet."""
+    """A kept step program's gather for ``items`` that :func:`gather` made: this step's gradients and inner groups."""
     inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] = {}
     outer = group_in = core = decay = record = None
     for it, g in zip(items, grads):

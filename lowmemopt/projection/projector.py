@@ -1,42 +1,6 @@
-"""The GaLore projector (Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection"):
-which side a matrix is projected on, the projection and its inverse, and the refresh of the basis.
-
-A parameter of shape (m, n) (more dims: (shape[0], rest) as a matrix) with ``rank`` r, k = min(r, m, n)::
-
-    side left  (P = U_k, m x k):          G_low = P^T G      (k x n)    update = scale * P U_low
-    side right (Q = V_k^T, k x n):        G_low = G Q^T      (m x k)    update = scale * U_low Q
-    side both  (P, Q; proj_type "full"):  G_low = P^T G Q^T  (k x k)    update = scale * P U_low Q
-
-``proj_type`` picks the side once, when the state is created, and the side is **stored** (``galore.side``):
-``std`` projects the smaller dimension (right if m >= n, else left), ``reverse_std`` the larger one, ``left`` /
-``right`` / ``full`` as named. galore-torch instead re-infers the side from the low-rank tensor's shape when projecting
-back, which fails for ``reverse_std`` with rank >= rows.
-
-Refresh: the basis is recomputed from the current gradient (fp32, on its device) when the step count (before this
-step) reaches ``galore.next_refresh``: at step 0, then every ``update_proj_gap`` steps, as galore-torch does. With
-``proj_stagger`` the i-th of N projected parameters refreshes next at step ``floor(i * gap / N)`` after its first, then
-every ``gap`` steps, so the SVD cost spreads over the steps instead of landing on one.
-
-A refresh whose gradient or SVD is not finite, or whose SVD raises ``torch.linalg.LinAlgError``, keeps the previous
-basis (warned once per optimizer); a parameter with no basis yet then skips that step (value and state unchanged).
-
-Moments on a subspace switch (group key ``proj_moments``):
-
-* ``"keep"`` (default, galore-torch's behaviour): the low-rank state carries over as it is, although its coordinates
-  now refer to the new basis.
-* ``"reset"``: every slot of the inner algorithm is zeroed (the step count, and so bias correction, continues).
-* ``"project"``: first-moment-like slots (signed, low-rank shaped: ``exp_avg``, ``momentum_buffer``) are rotated into
-  the new basis, ``M <- (P_new^T P_old) M (Q_old Q_new^T)``; non-negative statistics (second moments, factored rows
-  and columns) have no linear change of basis and are kept.
-
-State keys (plain tensors and ints, fp32 at every ``state_bits``): ``galore.proj`` (P for sides left and both, Q for
-side right), ``galore.proj_right`` (Q, side both only), ``galore.side`` (0 left, 1 right, 2 both),
-``galore.next_refresh`` and ``galore.refreshed_at`` (step of the last successful refresh; -1: none yet). The basis
-stays fp32 at every ``proj_dtype`` (with ``"param"``, :func:`project` and :func:`project_back_rows` cast it for the
-products of a bf16 parameter). A basis is
-stored **transposed**: ``galore.proj`` is P^T (k x m) or Q^T (n x k), contiguous. That is the column-major layout LAPACK
-returns the singular vectors in, so the products below run the same BLAS kernels as galore-torch's (which projects
-with views of ``torch.linalg.svd``'s outputs) and give bit-identical results on CPU.
+"""The GaLore projector (Zhao et al. 2024): which side a matrix is projected on, the projection and its inverse, and the
+refresh of the basis. Sides, refresh, ``proj_moments``, state keys and the transposed basis layout:
+``docs/galore.md#the-projector-sides-refresh-moments-state``.
 """
 
 from __future__ import annotations
@@ -88,7 +52,7 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
 
 
 def choose_side(proj_type: str, m: int, n: int) -> int:
-    """The projected side of an m x n matrix for ``proj_type`` (module docstring)."""
+    """The projected side of an m x n matrix for ``proj_type`` (docs/galore.md)."""
     if proj_type == "std":
         return RIGHT if m >= n else LEFT
     if proj_type == "reverse_std":

@@ -23,19 +23,14 @@ __all__ = ["param_free", "takes_fused", "runs_on_stand_in", "weight_statistics",
 
 
 def param_free(plan: Plan) -> bool:
-    """Can the inner algorithm run on a zeroed stand-in for the parameter (the low-rank update then lands in it)?
-    True for a fused algorithm (``plan.fused``) whose math reads the parameter only for a coupled weight decay,
-    which :func:`~.gather.inner_group` takes out (``param_free_math``: AdamW / Adam, SGD, Lion).
-    Algorithms that read statistics of the full parameter (LAMB's and LARS's ``||p||``, Adafactor's ``RMS(p)``) or
-    decay it inside their math (Adafactor, CAME) take the reference core instead."""
+    """Can the inner algorithm run on a zeroed stand-in (``param_free_math``: it reads the parameter only for a coupled
+    decay)? See docs/galore.md ("How a projected step runs").
+    """
     return plan.algorithm.param_free_math and plan.fused is not None
 
 
 def takes_fused(plan: Plan) -> bool:
-    """Can the inner algorithm run on a stand-in through the fused kernels? :func:`param_free` algorithms through
-    every backend; ``weight_stat_math`` ones (LAMB, LARS, Adafactor, CAME), given the full weight's statistic
-    (:func:`weight_statistics`), through the kernels that take it: Triton, and the native CPU kernels of Adafactor
-    and CAME (the per-tensor eager path would read the stand-in: those take the reference core)."""
+    """Can the inner algorithm run on a stand-in through the fused kernels?"""
     return (plan.algorithm.param_free_math or plan.algorithm.weight_stat_math) and plan.fused is not None
 
 
@@ -46,11 +41,9 @@ def runs_on_stand_in(plan: Plan, it: Item) -> bool:
 
 
 def weight_statistics(plan: Plan, items: list[Item]) -> None:
-    """For an algorithm whose math reads the weight (``weight_stat_math``): each stand-in's full-weight statistic
-    (``it.weight``: ``||p||`` or ``RMS(p) = ||p|| / sqrt(numel)``, :meth:`~lowmemopt.pipeline.algorithm.Algorithm.weight_statistic`)
-    and the decay its math applies to the weight (``extra["math_decay"]``: ``c`` of ``p <- p + c p``), per shape class
-    of a param group: one multi-tensor norm (``torch._foreach_norm``: one launch on CUDA; on the CPU the reference's
-    ``vector_norm`` per tensor, so the statistic is bit-identical to the reference core's), one stack, one division."""
+    """Each stand-in's full-weight statistic (``it.weight``: ``||p||`` or ``RMS(p)``) and its math's decay
+    (``extra["math_decay"]``), per shape class: one multi-tensor norm (on the CPU the reference's, bit-identical).
+    """
     if not plan.algorithm.weight_stat_math:
         return
     classes: dict[tuple, list[Item]] = {}
@@ -74,11 +67,7 @@ def weight_statistics(plan: Plan, items: list[Item]) -> None:
 
 def device_may_check(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
                      memo: dict[Any, bool] | None = None) -> bool:
-    """May this step of projected parameter ``p`` leave its non-finite check to the device
-    (:mod:`lowmemopt.pipeline.finite`)? Where every stage that writes is masked by the flags: no basis refresh due
-    (it would take the SVD of the gradient), the update on a stand-in through the kernels, and the apply through the
-    batched fused pass (:func:`~.batched.finish_many`). Elsewhere the host decides first. ``memo``: the answers that
-    depend on the plan, device and dtype only, kept by the caller for the parameters of one step."""
+    """May projected ``p``'s step leave its non-finite check to the device (no refresh due, stand-in, batched apply)?"""
     if not ("step" in state and state[pj.REFRESHED_AT] >= 0 and state["step"] < state[pj.NEXT_REFRESH]
             and finished_in_batches(p, state, plan.record_of(group).rounding)):
         return False
@@ -92,11 +81,9 @@ def device_may_check(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: 
 
 
 def update_per_tensor(plan: Plan, it: Item) -> bool:
-    """The update stage of one projected item (after :func:`~.batched.project`) through the per-tensor backends.
-    With a stand-in (:func:`runs_on_stand_in`): the backends of :func:`~lowmemopt.pipeline.backends.update_flat` for
-    a :func:`param_free` algorithm, the native factored CPU kernels (:func:`lowmemopt.cpu.step_factored`, given the
-    weight's statistic) for the others; returns True, and :func:`~.apply.finish` then applies the stand-in's update.
-    Else the reference core steps the item and finishes it (the math sees the full-rank fp32 parameter): False."""
+    """The update stage of one projected item through the per-tensor backends: True where a stand-in took the update
+    (then :func:`~.apply.finish`), False where the reference core stepped and finished it.
+    """
     state = it.state
     if it.target is not None and param_free(plan):
         state["step"] += 1

@@ -48,9 +48,7 @@ def reformat(
     verbatim: bool,
     src_map: str | None = None,
 ) -> None:
-    """Write slot ``slot``, stored as ``src`` (read through ``read``; codes in ``src_map``, default the state map), into
-    ``out``'s tensors (made by ``dst.init``), in block-aligned chunks: no full-size fp32 copy. ``verbatim``: copy the
-    bytes."""
+    """Write slot ``slot``, stored as ``src``, into ``out``'s tensors in block-aligned chunks (``verbatim``: bytes)."""
     n = shape.numel()
     align = max(src_bs, dst_bs)
     step = max(align, CHUNK_NUMEL // align * align)

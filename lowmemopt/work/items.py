@@ -28,11 +28,9 @@ LOW_RANK = "galore.side"
 
 @dataclass(eq=False)
 class Item:
-    """One tensor a backend updates in place: ``target <- target * decay + delta(grad, state)``.
-
-    ``param``: the optimizer's parameter (the key of its state; a DTensor for FSDP2 shards). ``target`` and ``grad``
-    are plain contiguous tensors of one shape: the parameter's local storage and gradient, or for a GaLore parameter a
-    zeroed low-rank buffer (decay 1), which then holds the low-rank update, and the projected gradient."""
+    """One tensor a backend updates in place: ``target <- target * decay + delta(grad, state)``; for a GaLore parameter
+    ``target`` is a zeroed low-rank stand-in and ``grad`` the projected gradient.
+    """
 
     param: torch.Tensor
     group: dict[str, Any]  # the param group, for the stages above the backends (GaLore); backends read ``record``
@@ -60,14 +58,9 @@ class Item:
 
 @dataclass(frozen=True)
 class Update:
-    """The algorithm's side of one bucket: ``kwargs`` are the pure math's keyword arguments (hyper-parameters and
-    step scalars, e.g. bias corrections), ``record`` the bucket's options they came from (what kernels read directly:
-    Adafactor's ``relative_step`` in :attr:`hyper`, the rounding mode, ...), ``decay`` the decoupled weight-decay
-    factor, ``step`` the step number being taken (1 on the first step).
-
-    ``steps`` (a capturable step): the step each tensor of the bucket takes, fp64 ``[T]`` on the device, and ``step``
-    is 0. The step scalars in ``kwargs`` are then ``[T]`` tensors, and ``lr`` and ``decay`` may be tensors on the
-    device (a learning rate given as one); the kernels read them per tensor (:meth:`Bucket.scalars`)."""
+    """The algorithm's side of one bucket: the math's ``kwargs``, the ``record``, the ``decay`` factor, the ``step``; in
+    a capturable step ``steps`` (fp64 ``[T]`` on the device), with ``step`` 0 and per-tensor scalars.
+    """
 
     algorithm: str
     kwargs: dict[str, Any]

@@ -1,21 +1,7 @@
-"""A bucket's options, resolved once: what every stage and backend below the pipeline reads instead of a param group.
-
-A param group is a dict the user (and torch's schedulers) may change between steps; the options a backend needs of it
-are derived from it at the start of each step, once per group, into a :class:`BucketRecord`
-(:meth:`lowmemopt.pipeline.plan.Plan.record_of`), which the step's items (:class:`~.items.Item`) and updates
-(:class:`~.items.Update`) carry::
-
-    param group ──resolve (once per group and step)──> BucketRecord ──> Item.record / Update.record
-      {"lr", "betas", ..., "block_size",                  hyper        the math's values, read-only
-       "state_bits", "min_quant_numel",                   block_size, state_bits, min_quant_numel (state formats)
-       "bf16_update", "rank", ...}                        rounding     bf16_update as set (:meth:`rounding_of` a tensor)
-                                                          rank         GaLore's rank (None: not projected)
-                                                          version      the group's values (bucket and cache key)
-
-``hyper`` is a read-only view of the group's entries: the algorithm's math, its step scalars and the kernels read the
-hyper-parameters there (a learning rate a scheduler changed is seen at the next step's record); the storage options
-and the rounding mode are fixed in the record. ``version`` (:func:`group_values`) is equal for records whose every
-value is equal: they share a bucket, and a step program's kept launch tables stay valid while it does not change.
+"""A bucket's options, resolved once per group and step (:meth:`lowmemopt.pipeline.plan.Plan.record_of`) into a
+:class:`BucketRecord` that the step's items and updates carry instead of the param group: ``hyper`` (a read-only view
+of the group's values), the storage options and rounding mode, GaLore's ``rank``, and ``version``
+(:func:`group_values`: equal records share a bucket). The diagram: ``docs/pipeline.md`` ("The plan, and the layers").
 """
 
 from __future__ import annotations
