@@ -71,7 +71,7 @@ def test_zero_direction_leaves_the_element_and_its_sign():
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable (no C compiler)")
 @pytest.mark.parametrize("bits", [32, 16, 8, 4])
 def test_cpu_native_kernel_steps_it_as_the_torch_paths(bits, monkeypatch):
-    """The native SGD kernel with its SignSGD flag (``"signsgd"``) steps every parameter (8 / 4 bits: the full
+    """The native SGD kernel with its SignSGD flag (SignSGD's declared ``NativeKernel``) steps every parameter (8 / 4 bits: the full
     blocks), and the steps equal those taken with the native kernels turned off, bit for bit."""
     from lowmemopt.cpu import elementwise
 
@@ -83,7 +83,8 @@ def test_cpu_native_kernel_steps_it_as_the_torch_paths(bits, monkeypatch):
     kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, state_bits=bits, min_quant_numel=64)
     params, off = make_params(SHAPES), make_params(SHAPES)
     run(lowmemopt.SignSGD(params, **kw), params, 3)
-    assert len(seen) == 3 * len(SHAPES) and all(alg == "signsgd" and done > 0 for alg, done in seen), seen
+    native = lowmemopt.SignSGD.algorithm.kernels.native  # (lmo_sgd with its sign flag)
+    assert len(seen) == 3 * len(SHAPES) and all(alg is native and done > 0 for alg, done in seen), seen
     opt_off = lowmemopt.SignSGD(off, **kw)
     with monkeypatch.context() as m:
         m.setattr(cpu, "ENABLED", False)

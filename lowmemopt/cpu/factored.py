@@ -265,7 +265,7 @@ def step(native: FactoredStep | None, p: torch.Tensor, pflat: torch.Tensor, gfla
     of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`)."""
     quantized = any(f is Q8 or f is Q4 for f in formats.values())
     if not isinstance(native, FactoredStep) or p.dim() != 2 or \
-            p.numel() < (QUANT_MIN_NUMEL if quantized else MIN_NUMEL) or p.shape[1] % 16:
+            p.numel() < (min(QUANT_MIN_NUMEL, MIN_NUMEL) if quantized else MIN_NUMEL) or p.shape[1] % 16:
         return NOT_APPLIED
     if not ffi.usable(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
         return NOT_APPLIED
