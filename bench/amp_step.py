@@ -36,7 +36,7 @@ def side(model: torch.nn.Module, make, native: bool, grads: list[torch.Tensor], 
     opt = make(params)
     if not native:
         opt._step_supports_amp_scaling = False  # GradScaler's generic path
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10 ** 9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10**9)
     scaler.scale(torch.ones(()))
     scaled = [g * scale for g in grads]
     for p, g in zip(params, scaled):
@@ -67,11 +67,13 @@ def main() -> None:
     grads = fixed_grads(model)
     n = sum(p.numel() for p in model.parameters())
     info = machine_info(torch.device("cpu"))
-    print(f"{args.preset}: {n / 1e6:.1f}M parameters, {torch.get_num_threads()} threads; torch {torch.__version__}, "
-          f"{info.get('cpu', '')}")
+    print(
+        f"{args.preset}: {n / 1e6:.1f}M parameters, {torch.get_num_threads()} threads; torch {torch.__version__}, "
+        f"{info.get('cpu', '')}"
+    )
     print(f"{'optimizer':<14} {'native ms':>10} {'generic ms':>11} {'generic / native (median of rounds)':>37}")
     for name, make in CONFIGS.items():
-        native, generic = side(model, make, True, grads, 2.0 ** 16), side(model, make, False, grads, 2.0 ** 16)
+        native, generic = side(model, make, True, grads, 2.0**16), side(model, make, False, grads, 2.0**16)
         for _ in range(args.warmup):
             native(), generic()
         tn, tg, ratios = [], [], []
@@ -83,8 +85,10 @@ def main() -> None:
             tn.append(a)
             tg.append(b)
             ratios.append(b / a)
-        print(f"{name:<14} {statistics.median(tn) * 1e3:>10.2f} {statistics.median(tg) * 1e3:>11.2f} "
-              f"{statistics.median(ratios):>36.2f}x")
+        print(
+            f"{name:<14} {statistics.median(tn) * 1e3:>10.2f} {statistics.median(tg) * 1e3:>11.2f} "
+            f"{statistics.median(ratios):>36.2f}x"
+        )
 
 
 if __name__ == "__main__":

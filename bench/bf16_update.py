@@ -62,8 +62,16 @@ def _train(kind, model, width, data, opt, steps, batch, seed):
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def run(kind: str = "mlp", pre_steps: int = 300, steps: int = 300, lr: float = 1e-4, batch: int = 64, seed: int = 0,
-        modes=MODES, dtype: str = "bf16") -> dict:
+def run(
+    kind: str = "mlp",
+    pre_steps: int = 300,
+    steps: int = 300,
+    lr: float = 1e-4,
+    batch: int = 64,
+    seed: int = 0,
+    modes=MODES,
+    dtype: str = "bf16",
+) -> dict:
     """Losses (held-out, fp32 evaluation of the weights) and median step times per mode; ``dtype``: the 16-bit
     weights' (``"bf16"`` or ``"fp16"``)."""
     data = stdlib_bytes()
@@ -75,8 +83,9 @@ def run(kind: str = "mlp", pre_steps: int = 300, steps: int = 300, lr: float = 1
         model = copy.deepcopy(base)
         if mode != "fp32":
             model = model.to(DTYPES[dtype])
-        opt = lowmemopt.AdamW(model.parameters(), lr=lr, weight_decay=0.0,
-                              bf16_update="nearest" if mode == "fp32" else mode)
+        opt = lowmemopt.AdamW(
+            model.parameters(), lr=lr, weight_decay=0.0, bf16_update="nearest" if mode == "fp32" else mode
+        )
         step_s = _train(kind, model, width, data, opt, steps, batch, seed + 2)
         out[mode] = dict(loss=heldout(model.float()), step_s=step_s)
     return out

@@ -87,8 +87,11 @@ def worker(what: str, numel: int, bits: int, path: str, cold: bool) -> None:
 
 
 def _run(what: str, numel: int, bits: int, path: str, cold: bool) -> dict[str, float]:
-    proc = subprocess.run([sys.executable, __file__, "--worker", what, str(numel), str(bits), path, str(int(cold))],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", what, str(numel), str(bits), path, str(int(cold))],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -111,21 +114,30 @@ def main(argv: list[str] | None = None) -> None:
         path = os.path.join(tmp, "state.safetensors")
         rounds = []
         for _ in range(args.rounds):
-            rounds.append((_run("save", numel, args.bits, path, args.cold),
-                           _run("load", numel, args.bits, path, args.cold)))
+            rounds.append(
+                (_run("save", numel, args.bits, path, args.cold), _run("load", numel, args.bits, path, args.cold))
+            )
     save, load = [r[0] for r in rounds], [r[1] for r in rounds]
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     state = save[0]["state_bytes"]
-    print(f"AdamW state_bits={args.bits}, {numel:,} elements: state {state / 1e9:.3f} GB, file "
-          f"{save[0]['file_bytes'] / 1e9:.3f} GB; median of {args.rounds} rounds (each in a fresh process)")
+    print(
+        f"AdamW state_bits={args.bits}, {numel:,} elements: state {state / 1e9:.3f} GB, file "
+        f"{save[0]['file_bytes'] / 1e9:.3f} GB; median of {args.rounds} rounds (each in a fresh process)"
+    )
     print("| call | seconds | CPU seconds | peak RSS growth | growth / state |")
     print("| --- | --- | --- | --- | --- |")
     for name, rows in (("save_state", save), ("load_state", load)):
         growth = med(rows, "peak_growth")
-        print(f"| {name} | {med(rows, 'seconds'):.2f} | {med(rows, 'cpu_s'):.2f} | {growth / 1e9:.3f} GB | "
-              f"{growth / state:.3f}x |")
-    print("rounds:", json.dumps([{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
-                                 for pair in rounds for r in pair]))
+        print(
+            f"| {name} | {med(rows, 'seconds'):.2f} | {med(rows, 'cpu_s'):.2f} | {growth / 1e9:.3f} GB | "
+            f"{growth / state:.3f}x |"
+        )
+    print(
+        "rounds:",
+        json.dumps(
+            [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for pair in rounds for r in pair]
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,22 @@ from lowmemopt.benchmark import (
     time_steps,
 )
 
-__all__ = ["BASELINE", "FACTORED", "LLAMA_PRESETS", "OPTIMIZERS", "Result", "build_llama", "drop_from_page_cache",
-           "fixed_grads",
-           "fresh_params", "machine_info", "parse_bench_args", "print_table", "run_benchmark", "run_rows", "run_suite",
-           "state_bytes", "time_steps"]
+__all__ = [
+    "BASELINE",
+    "FACTORED",
+    "LLAMA_PRESETS",
+    "OPTIMIZERS",
+    "Result",
+    "build_llama",
+    "drop_from_page_cache",
+    "fixed_grads",
+    "fresh_params",
+    "machine_info",
+    "parse_bench_args",
+    "print_table",
+    "run_benchmark",
+    "run_rows",
+    "run_suite",
+    "state_bytes",
+    "time_steps",
+]

@@ -48,8 +48,16 @@ import torch.multiprocessing as mp
 class ByteCounter:
     """Wraps the Python-level collectives of ``torch.distributed`` and adds what each sends per rank."""
 
-    NAMES = ("all_reduce", "all_to_all_single", "all_gather", "all_gather_into_tensor", "all_gather_single",
-             "reduce_scatter_tensor", "broadcast", "batch_isend_irecv")
+    NAMES = (
+        "all_reduce",
+        "all_to_all_single",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "batch_isend_irecv",
+    )
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -137,8 +145,11 @@ def bf16_any_backend(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
-bf16_any_backend.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
-                                    "return": torch.futures.Future[torch.Tensor]}
+bf16_any_backend.__annotations__ = {
+    "state": Any,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 def ddp_bf16(model, args, warmup):
@@ -150,14 +161,22 @@ def ddp_powersgd_one_bucket(rank):
     def make(model, args, warmup):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                       start_powerSGD_iter=max(2, warmup), use_error_feedback=True, warm_start=True)
+        state = powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=max(2, warmup),
+            use_error_feedback=True,
+            warm_start=True,
+        )
         # one bucket (bucket_cap_mb above the model's gradients; an explicit cap applies to the first bucket too):
         # powerSGD_hook's chained all-reduces of several buckets can reach gloo in different orders on the ranks
         ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=1024)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
-        return Setup(ddp, _adamw(ddp.parameters(), args),
-                     f"AdamW {args.state_bits}-bit, rank {rank} from step {max(2, warmup)}, one bucket")
+        return Setup(
+            ddp,
+            _adamw(ddp.parameters(), args),
+            f"AdamW {args.state_bits}-bit, rank {rank} from step {max(2, warmup)}, one bucket",
+        )
 
     return make
 
@@ -168,8 +187,11 @@ def ddp_sparsified(method):
 
         state = SparsifiedState(ratio=args.sparsified_ratio, method=method, start_iter=2, seed=args.seed)
         ddp = _ddp(model, sparsified_hook, state)
-        return Setup(ddp, _adamw(ddp.parameters(), args),
-                     f"AdamW {args.state_bits}-bit, {method}-k ratio {args.sparsified_ratio} from step 2")
+        return Setup(
+            ddp,
+            _adamw(ddp.parameters(), args),
+            f"AdamW {args.state_bits}-bit, {method}-k ratio {args.sparsified_ratio} from step 2",
+        )
 
     return make
 
@@ -179,35 +201,57 @@ def gossip_ring(model, args, warmup):
 
     from lowmemopt.distributed.gossip import GossipAverager, ring
 
-    opt = PostLocalSGDOptimizer(_adamw(model.parameters(), args),
-                                GossipAverager(ring(dist.get_world_size()), period=1))
+    opt = PostLocalSGDOptimizer(_adamw(model.parameters(), args), GossipAverager(ring(dist.get_world_size()), period=1))
     return Setup(model, opt, f"AdamW {args.state_bits}-bit (local), ring gossip every step")
 
 
 def onebit_adam(model, args, warmup):
     import lowmemopt
 
-    opt = lowmemopt.OnebitAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, freeze_step=warmup,
-                               state_bits=args.state_bits, bias_correction=args.bias_correction)
+    opt = lowmemopt.OnebitAdam(
+        model.parameters(),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        freeze_step=warmup,
+        state_bits=args.state_bits,
+        bias_correction=args.bias_correction,
+    )
     return Setup(model, opt, f"OnebitAdam {args.state_bits}-bit, freeze_step={warmup}{_bc(args)}")
 
 
 def zero_one_adam(model, args, warmup):
     import lowmemopt
 
-    kw = dict(var_freeze_step=warmup, var_update_scaler=args.var_update_scaler,
-              local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
-    opt = lowmemopt.ZeroOneAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                state_bits=args.state_bits, bias_correction=args.bias_correction, **kw)
-    return Setup(model, opt, f"ZeroOneAdam {args.state_bits}-bit, "
-                 + ", ".join(f"{k}={v}" for k, v in kw.items()) + _bc(args))
+    kw = dict(
+        var_freeze_step=warmup,
+        var_update_scaler=args.var_update_scaler,
+        local_step_scaler=args.local_step_scaler,
+        local_step_clipper=args.local_step_clipper,
+    )
+    opt = lowmemopt.ZeroOneAdam(
+        model.parameters(),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        state_bits=args.state_bits,
+        bias_correction=args.bias_correction,
+        **kw,
+    )
+    return Setup(
+        model, opt, f"ZeroOneAdam {args.state_bits}-bit, " + ", ".join(f"{k}={v}" for k, v in kw.items()) + _bc(args)
+    )
 
 
 def onebit_lamb(model, args, warmup):
     import lowmemopt
 
-    opt = lowmemopt.OnebitLAMB(model.parameters(), lr=args.lamb_lr, weight_decay=args.weight_decay,
-                               freeze_step=warmup, state_bits=args.state_bits, bias_correction=args.bias_correction)
+    opt = lowmemopt.OnebitLAMB(
+        model.parameters(),
+        lr=args.lamb_lr,
+        weight_decay=args.weight_decay,
+        freeze_step=warmup,
+        state_bits=args.state_bits,
+        bias_correction=args.bias_correction,
+    )
     return Setup(model, opt, f"OnebitLAMB {args.state_bits}-bit, lr={args.lamb_lr}, freeze_step={warmup}{_bc(args)}")
 
 
@@ -294,11 +338,17 @@ def _run(rank: int, world: int, port: int, args: Any, out: str) -> None:
         mean = torch.tensor([statistics.fmean(losses[-20:])])
         dist.all_reduce(mean)
         held = heldout_loss(lambda w: model(input_ids=w, labels=w).loss, data, args.seq)
-        results[name] = dict(label=setup.label, bytes_per_step=statistics.fmean(sent), final=float(mean) / world,
-                             heldout=held, losses=losses)
+        results[name] = dict(
+            label=setup.label,
+            bytes_per_step=statistics.fmean(sent),
+            final=float(mean) / world,
+            heldout=held,
+            losses=losses,
+        )
         if rank == 0:
-            print(f"{name}: {results[name]['bytes_per_step']:.0f} B/step, final {results[name]['final']:.4f}",
-                  flush=True)
+            print(
+                f"{name}: {results[name]['bytes_per_step']:.0f} B/step, final {results[name]['final']:.4f}", flush=True
+            )
     counter.uninstall()
     if rank == 0:
         with open(out, "w") as f:
@@ -324,8 +374,10 @@ def probe_variance(args: Any) -> str:
 
     def v_hat() -> torch.Tensor:
         beta2 = opt.defaults["betas"][1]
-        parts = [opt.state[p]["exp_avg_sq"].reshape(-1) / (1 - beta2 ** float(opt.state[p]["step"]))
-                 for p in model.parameters()]
+        parts = [
+            opt.state[p]["exp_avg_sq"].reshape(-1) / (1 - beta2 ** float(opt.state[p]["step"]))
+            for p in model.parameters()
+        ]
         return torch.cat(parts)
 
     frozen, lines = None, []
@@ -343,26 +395,42 @@ def probe_variance(args: Any) -> str:
             if step + 1 == warmup:
                 frozen = v.clone()
             ratio = (frozen / v.clamp_min(1e-30)).sqrt()
-            q = torch.quantile(ratio[torch.randperm(ratio.numel(), generator=gen)[:1 << 20]],
-                               torch.tensor([0.1, 0.5, 0.9]))
-            lines.append(f"| {step + 1} | {float(loss.detach()):.4f} | {float(v.sqrt().median()):.3e} | "
-                         f"{q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} |")
-    return "\n".join([f"AdamW 32-bit, one process, batch {args.batch * args.world_size}, schedule {args.schedule}, "
-                      f"freeze step {warmup}", "", "| step t | train loss | median sqrt(v_t) | sqrt(v_freeze / v_t): "
-                      "10% / 50% / 90% |", "| --- | --- | --- | --- |", *lines])
+            q = torch.quantile(
+                ratio[torch.randperm(ratio.numel(), generator=gen)[: 1 << 20]], torch.tensor([0.1, 0.5, 0.9])
+            )
+            lines.append(
+                f"| {step + 1} | {float(loss.detach()):.4f} | {float(v.sqrt().median()):.3e} | "
+                f"{q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} |"
+            )
+    return "\n".join(
+        [
+            f"AdamW 32-bit, one process, batch {args.batch * args.world_size}, schedule {args.schedule}, "
+            f"freeze step {warmup}",
+            "",
+            "| step t | train loss | median sqrt(v_t) | sqrt(v_freeze / v_t): 10% / 50% / 90% |",
+            "| --- | --- | --- | --- |",
+            *lines,
+        ]
+    )
 
 
 def table(results: dict[str, dict], world: int, steps: int, warmup: int, schedule: str = "constant") -> str:
     base = results.get(LOSS_BASELINE)
-    lines = [f"{world} gloo ranks, {steps} steps, warm-up {warmup} steps, schedule {schedule}; bytes sent per rank "
-             "per step (mean)", "",
-             "| method | optimizer | bytes / step | x fewer than DDP fp32 | final train loss | held-out loss | "
-             "final vs AdamW |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"{world} gloo ranks, {steps} steps, warm-up {warmup} steps, schedule {schedule}; bytes sent per rank "
+        "per step (mean)",
+        "",
+        "| method | optimizer | bytes / step | x fewer than DDP fp32 | final train loss | held-out loss | "
+        "final vs AdamW |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in results.items():
         fewer = f"{base['bytes_per_step'] / r['bytes_per_step']:.1f}" if base and r["bytes_per_step"] else "-"
         rel = f"{100 * (r['final'] / base['final'] - 1):+.2f}%" if base else "-"
-        lines.append(f"| {name} | {r['label']} | {r['bytes_per_step']:,.0f} | {fewer} | {r['final']:.4f} | "
-                     f"{r['heldout']:.4f} | {rel} |")
+        lines.append(
+            f"| {name} | {r['label']} | {r['bytes_per_step']:,.0f} | {fewer} | {r['final']:.4f} | "
+            f"{r['heldout']:.4f} | {rel} |"
+        )
     return "\n".join(lines)
 
 
@@ -372,10 +440,14 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=float, default=0.15, help="warm-up (freeze step) as a fraction of the steps")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated rows of METHODS")
-    ap.add_argument("--schedule", choices=SCHEDULES, default="warmup-cosine",
-                    help="every row's learning rate: a linear warm-up over --warmup, then a cosine decay to 0.1x (the "
-                         "default, as 0/1 Adam's GPT-2 runs), a linear decay to 0.1x, or constant; 'constant' has no "
-                         "warm-up")
+    ap.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="warmup-cosine",
+        help="every row's learning rate: a linear warm-up over --warmup, then a cosine decay to 0.1x (the "
+        "default, as 0/1 Adam's GPT-2 runs), a linear decay to 0.1x, or constant; 'constant' has no "
+        "warm-up",
+    )
     ap.add_argument("--state-bits", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--lamb-lr", type=float, default=1e-2)
@@ -384,20 +456,39 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sparsified-ratio", type=float, default=0.01)
-    ap.add_argument("--var-update-scaler", type=int, default=2,
-                    help="0/1 Adam's kappa (DeepSpeed's default, 16, suits runs of ~1e5 steps)")
-    ap.add_argument("--local-step-scaler", type=int, default=None,
-                    help="0/1 Adam's local interval doubling period; default 0.22 x --steps (44 for 200 steps: the "
-                         "interval doubles about every quarter of the steps after the freeze, as DeepSpeed's "
-                         "default, 32678, does over runs of ~1e5 steps)")
-    ap.add_argument("--local-step-clipper", type=int, default=16,
-                    help="0/1 Adam's longest interval between synchronisations (1: no local steps)")
-    ap.add_argument("--no-bias-correction", dest="bias_correction", action="store_false",
-                    help="the 1-bit optimizers without bias correction (DeepSpeed's update)")
+    ap.add_argument(
+        "--var-update-scaler",
+        type=int,
+        default=2,
+        help="0/1 Adam's kappa (DeepSpeed's default, 16, suits runs of ~1e5 steps)",
+    )
+    ap.add_argument(
+        "--local-step-scaler",
+        type=int,
+        default=None,
+        help="0/1 Adam's local interval doubling period; default 0.22 x --steps (44 for 200 steps: the "
+        "interval doubles about every quarter of the steps after the freeze, as DeepSpeed's "
+        "default, 32678, does over runs of ~1e5 steps)",
+    )
+    ap.add_argument(
+        "--local-step-clipper",
+        type=int,
+        default=16,
+        help="0/1 Adam's longest interval between synchronisations (1: no local steps)",
+    )
+    ap.add_argument(
+        "--no-bias-correction",
+        dest="bias_correction",
+        action="store_false",
+        help="the 1-bit optimizers without bias correction (DeepSpeed's update)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--probe-variance", action="store_true",
-                    help="instead of the table: AdamW's second moment at the freeze step against later steps")
+    ap.add_argument(
+        "--probe-variance",
+        action="store_true",
+        help="instead of the table: AdamW's second moment at the freeze step against later steps",
+    )
     args = ap.parse_args(argv)
     if args.local_step_scaler is None:
         args.local_step_scaler = max(1, round(0.22 * args.steps))

@@ -65,23 +65,43 @@ def compile_driver(isa: str, out: Path, numel: int, counting: bool) -> None:
     flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")] + list(build.ISAS[isa][1])
     if counting and "-mno-avx512f" not in flags:
         flags.append("-mno-avx512f")
-    cmd = [os.environ.get("CC", "cc"), *flags, f"-DN={numel}", f'-DKERNELS="{build.SOURCE}"', "-o", str(out),
-           str(HERE / "cpu_kernel_driver.c"), "-lm"]
+    cmd = [
+        os.environ.get("CC", "cc"),
+        *flags,
+        f"-DN={numel}",
+        f'-DKERNELS="{build.SOURCE}"',
+        "-o",
+        str(out),
+        str(HERE / "cpu_kernel_driver.c"),
+        "-lm",
+    ]
     subprocess.run(cmd, check=True)
 
 
 def count(binary: Path, config: str, tables_path: Path, numel: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
-        subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--toggle-collect=cg_measure",
-                        str(binary), config, str(tables_path)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                "--toggle-collect=cg_measure",
+                str(binary),
+                config,
+                str(tables_path),
+            ],
+            check=True,
+            capture_output=True,
+        )
         m = re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(), re.M)
     return int(m.group(1)) / numel
 
 
 def fastest(binary: Path, config: str, tables_path: Path, repeats: int) -> float:
-    res = subprocess.run([str(binary), config, str(tables_path), str(repeats)], check=True, capture_output=True,
-                         text=True)
+    res = subprocess.run(
+        [str(binary), config, str(tables_path), str(repeats)], check=True, capture_output=True, text=True
+    )
     return float(res.stdout.split()[1])
 
 

@@ -55,6 +55,7 @@ def _lowmemopt(cls: str, bits: int, **kw) -> Factory:
 def _per_parameter(factory: Factory) -> Factory:
     """``factory``'s optimizer with the bucketed native call turned off during its steps (each CPU parameter its own
     native call, as before the bucket): what the bucket saves, measured in the same run."""
+
     def make(params):
         from lowmemopt.pipeline import native
 
@@ -90,23 +91,31 @@ OPTIMIZERS: dict[str, tuple[Factory, str]] = {
     ANCHOR: (_torch_fused, "torch.optim.AdamW(fused=True), fp32 state: the anchor"),
     "deepspeed-cpuadam": (_deepspeed_cpu_adam, "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True), fp32 state"),
     "lowmemopt-adamw-32bit": (_lowmemopt("AdamW", 32), "lowmemopt.AdamW(state_bits=32)"),
-    "lowmemopt-cpuadam": (_lowmemopt("CPUAdam", 32, adamw_mode=True),
-                          "lowmemopt.CPUAdam(adamw_mode=True): DeepSpeedCPUAdam's signature, fp32 state"),
+    "lowmemopt-cpuadam": (
+        _lowmemopt("CPUAdam", 32, adamw_mode=True),
+        "lowmemopt.CPUAdam(adamw_mode=True): DeepSpeedCPUAdam's signature, fp32 state",
+    ),
     "lowmemopt-adamw-16bit": (_lowmemopt("AdamW", 16), "lowmemopt.AdamW(state_bits=16): bf16 m, v"),
     "lowmemopt-adamw-8bit": (_lowmemopt("AdamW", 8), "lowmemopt.AdamW(state_bits=8)"),
     "lowmemopt-adamw-4bit": (_lowmemopt("AdamW", 4), "lowmemopt.AdamW(state_bits=4)"),
     "lowmemopt-lion-8bit": (_lowmemopt("Lion", 8), "lowmemopt.Lion(state_bits=8)"),
     "lowmemopt-sgd-8bit": (_lowmemopt("SGD", 8, momentum=0.9), "lowmemopt.SGD(momentum=0.9, state_bits=8)"),
     "lowmemopt-came-8bit": (_lowmemopt("CAME", 8), "lowmemopt.CAME(state_bits=8): 8-bit m, fp32 rows/columns"),
-    "lowmemopt-adafactor": (_lowmemopt("Adafactor", 32, relative_step=False, scale_parameter=False),
-                            "lowmemopt.Adafactor(beta1=None): fp32 rows/columns only"),
+    "lowmemopt-adafactor": (
+        _lowmemopt("Adafactor", 32, relative_step=False, scale_parameter=False),
+        "lowmemopt.Adafactor(beta1=None): fp32 rows/columns only",
+    ),
 }
 #: rows that run only when named in --optimizers
 EXTRA: dict[str, tuple[Factory, str]] = {
-    "lowmemopt-adamw-32bit-per-param": (_per_parameter(_lowmemopt("AdamW", 32)),
-                                        "lowmemopt.AdamW(state_bits=32), one native call per parameter"),
-    "lowmemopt-adamw-8bit-per-param": (_per_parameter(_lowmemopt("AdamW", 8)),
-                                       "lowmemopt.AdamW(state_bits=8), one native call per parameter"),
+    "lowmemopt-adamw-32bit-per-param": (
+        _per_parameter(_lowmemopt("AdamW", 32)),
+        "lowmemopt.AdamW(state_bits=32), one native call per parameter",
+    ),
+    "lowmemopt-adamw-8bit-per-param": (
+        _per_parameter(_lowmemopt("AdamW", 8)),
+        "lowmemopt.AdamW(state_bits=8), one native call per parameter",
+    ),
 }
 
 
@@ -120,9 +129,13 @@ def llama_names(preset: str) -> list[str]:
 
 def _named(make: Callable[[list[tuple[str, torch.nn.Parameter]], dict], torch.optim.Optimizer]) -> Factory:
     """A factory of an optimizer that takes named parameters (Adam-mini), with the model's dim and heads."""
+
     def factory(params):
-        preset = next(p for p, c in LLAMA_PRESETS.items() if len(llama_names(p)) == len(params)
-                      and llama_shapes(p)[0] == tuple(params[0].shape))
+        preset = next(
+            p
+            for p, c in LLAMA_PRESETS.items()
+            if len(llama_names(p)) == len(params) and llama_shapes(p)[0] == tuple(params[0].shape)
+        )
         c = LLAMA_PRESETS[preset]
         shape = dict(dim=c["hidden_size"], n_heads=c["num_attention_heads"])
         return make(list(zip(llama_names(preset), params)), shape)
@@ -158,13 +171,27 @@ NEW: dict[str, tuple[Factory, str]] = {
     "lowmemopt-ademamix-32bit": (_lowmemopt("AdEMAMix", 32), "lowmemopt.AdEMAMix(state_bits=32)"),
     "lowmemopt-ademamix-8bit": (_lowmemopt("AdEMAMix", 8), "lowmemopt.AdEMAMix(state_bits=8)"),
     "adam-mini": (_named(_adam_mini_reference), "adam_mini.Adam_mini (1.1.1), fp32 state"),
-    "lowmemopt-adam-mini-32bit": (_named(lambda named, shape: __import__("lowmemopt").AdamMini(
-        named, lr=LR, weight_decay=WD, verbose=False, **shape)), "lowmemopt.AdamMini(state_bits=32)"),
-    "lowmemopt-adam-mini-8bit": (_named(lambda named, shape: __import__("lowmemopt").AdamMini(
-        named, lr=LR, weight_decay=WD, verbose=False, state_bits=8, **shape)), "lowmemopt.AdamMini(state_bits=8)"),
+    "lowmemopt-adam-mini-32bit": (
+        _named(
+            lambda named, shape: __import__("lowmemopt").AdamMini(named, lr=LR, weight_decay=WD, verbose=False, **shape)
+        ),
+        "lowmemopt.AdamMini(state_bits=32)",
+    ),
+    "lowmemopt-adam-mini-8bit": (
+        _named(
+            lambda named, shape: __import__("lowmemopt").AdamMini(
+                named, lr=LR, weight_decay=WD, verbose=False, state_bits=8, **shape
+            )
+        ),
+        "lowmemopt.AdamMini(state_bits=8)",
+    ),
 }
-REFERENCES = {"lowmemopt-ademamix-32bit": "bnb-ademamix-32bit", "lowmemopt-ademamix-8bit": "bnb-ademamix-8bit",
-              "lowmemopt-adam-mini-32bit": "adam-mini", "lowmemopt-adam-mini-8bit": "adam-mini"}
+REFERENCES = {
+    "lowmemopt-ademamix-32bit": "bnb-ademamix-32bit",
+    "lowmemopt-ademamix-8bit": "bnb-ademamix-8bit",
+    "lowmemopt-adam-mini-32bit": "adam-mini",
+    "lowmemopt-adam-mini-8bit": "adam-mini",
+}
 EXTRA.update(NEW)
 OPTIMIZERS.update(EXTRA)
 
@@ -213,8 +240,9 @@ class Row:
         return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
-def build(names: list[str], params: list[torch.nn.Parameter]) -> tuple[dict[str, torch.optim.Optimizer],
-                                                                        dict[str, Row]]:
+def build(
+    names: list[str], params: list[torch.nn.Parameter]
+) -> tuple[dict[str, torch.optim.Optimizer], dict[str, Row]]:
     """Each named optimizer over ``params`` (the anchor first), with its state made by one step; a row that cannot be
     built or stepped says why and leaves the run."""
     opts, rows = {}, {}
@@ -240,8 +268,9 @@ def build(names: list[str], params: list[torch.nn.Parameter]) -> tuple[dict[str,
     return opts, rows
 
 
-def measure(opts: dict[str, torch.optim.Optimizer], rows: dict[str, Row], rounds: int, warmup: int,
-            stream_numel: int) -> list[float]:
+def measure(
+    opts: dict[str, torch.optim.Optimizer], rows: dict[str, Row], rounds: int, warmup: int, stream_numel: int
+) -> list[float]:
     """``warmup`` + ``rounds`` rounds of one step of each optimizer and one in-place ``a.add_(b)`` of two
     ``stream_numel``-element fp32 tensors, the order rotating by one each round. Fills the rows' times and per-round
     ratios; returns the memory bandwidths of the timed rounds: 3 x the tensor's bytes (``a`` and ``b`` read, ``a``
@@ -261,8 +290,12 @@ def measure(opts: dict[str, torch.optim.Optimizer], rows: dict[str, Row], rounds
             fn()
             times[name] = time.perf_counter() - t0
         anchor = f"{ANCHOR} {1e3 * times[ANCHOR]:.1f} ms, " if ANCHOR in times else ""
-        print(f"  round {r + 1}/{warmup + rounds}{' (warm-up)' if r < warmup else ''}: {anchor}"
-              f"add_ {1e3 * times['stream']:.1f} ms", file=sys.stderr, flush=True)
+        print(
+            f"  round {r + 1}/{warmup + rounds}{' (warm-up)' if r < warmup else ''}: {anchor}"
+            f"add_ {1e3 * times['stream']:.1f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
         if r < warmup:
             continue
         bandwidths.append(3 * b.numel() * b.element_size() / times["stream"])
@@ -279,8 +312,11 @@ def floor_s(bytes_per_param: float, n_params: int, bandwidth: float) -> float:
 
 def table(rows: list[Row], n_params: int, bandwidth: float, out) -> None:
     anchor = next((r for r in rows if r.name == ANCHOR and r.times_s), None)
-    print("| optimizer | state B/param | moved B/param | median step (ms) | vs torch fused (median; quartiles) "
-          "| memory floor (ms) | x floor | notes |", file=out)
+    print(
+        "| optimizer | state B/param | moved B/param | median step (ms) | vs torch fused (median; quartiles) "
+        "| memory floor (ms) | x floor | notes |",
+        file=out,
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |", file=out)
     for r in rows:
         if not r.times_s:
@@ -289,28 +325,44 @@ def table(rows: list[Row], n_params: int, bandwidth: float, out) -> None:
         floor = floor_s(r.moved_bytes_per_param, n_params, bandwidth)
         spread = f"; {r.spread()}" if r.spread() else ""
         ratio = f"{r.ratio():.2f}x{spread}" if r.ratios else "—"
-        print(f"| {r.name} | {r.state_bytes_per_param:.3f} | {r.moved_bytes_per_param:.2f} | {1e3 * r.median_s():.4g} "
-              f"| {ratio} | {1e3 * floor:.4g} | {r.median_s() / floor:.2f}x | {r.note} |", file=out)
+        print(
+            f"| {r.name} | {r.state_bytes_per_param:.3f} | {r.moved_bytes_per_param:.2f} | {1e3 * r.median_s():.4g} "
+            f"| {ratio} | {1e3 * floor:.4g} | {r.median_s() / floor:.2f}x | {r.note} |",
+            file=out,
+        )
     floor = floor_s(ADAMW_FP32_BYTES, n_params, bandwidth)
     ratio = f"{floor / anchor.median_s():.2f}x" if anchor else "—"
-    print(f"| {FLOOR} | 8.000 | {ADAMW_FP32_BYTES:.2f} | {1e3 * floor:.4g} | {ratio} | {1e3 * floor:.4g} | 1.00x "
-          f"| {ADAMW_FP32_BYTES} B/param at the add_ bandwidth |", file=out)
+    print(
+        f"| {FLOOR} | 8.000 | {ADAMW_FP32_BYTES:.2f} | {1e3 * floor:.4g} | {ratio} | {1e3 * floor:.4g} | 1.00x "
+        f"| {ADAMW_FP32_BYTES} B/param at the add_ bandwidth |",
+        file=out,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=sorted(LLAMA_PRESETS), default=None,
-                    help="model (default 150m: ~148M parameters; --quick: 10m)")
-    ap.add_argument("--quick", action="store_true",
-                    help="small shapes: the 10m preset, 5 rounds, 16 MiB tensors for the bandwidth")
+    ap.add_argument(
+        "--preset",
+        choices=sorted(LLAMA_PRESETS),
+        default=None,
+        help="model (default 150m: ~148M parameters; --quick: 10m)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="small shapes: the 10m preset, 5 rounds, 16 MiB tensors for the bandwidth"
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15; --quick 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first step (default 2)")
-    ap.add_argument("--stream-mib", type=float, default=None,
-                    help="size of each tensor of the timed add_ (default 512; --quick 16)")
-    ap.add_argument("--optimizers", default=None, help=f"comma-separated subset of: {', '.join(OPTIMIZERS)} "
-                                                        f"({ANCHOR} always runs; the *-per-param rows only when "
-                                                        "named)")
+    ap.add_argument(
+        "--stream-mib", type=float, default=None, help="size of each tensor of the timed add_ (default 512; --quick 16)"
+    )
+    ap.add_argument(
+        "--optimizers",
+        default=None,
+        help=f"comma-separated subset of: {', '.join(OPTIMIZERS)} "
+        f"({ANCHOR} always runs; the *-per-param rows only when "
+        "named)",
+    )
     ap.add_argument("--json", default=None, help="write the settings and every timing here")
     args = ap.parse_args(argv)
     args.preset = args.preset or ("10m" if args.quick else "150m")
@@ -318,8 +370,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.stream_mib = args.stream_mib if args.stream_mib is not None else (16.0 if args.quick else 512.0)
     if args.threads < 1 or args.rounds < 1 or args.warmup < 0 or args.stream_mib <= 0:
         ap.error("--threads and --rounds must be >= 1, --warmup >= 0, --stream-mib > 0")
-    names = [n for n in OPTIMIZERS if n not in EXTRA] if args.optimizers is None else [
-        n for n in args.optimizers.split(",") if n]
+    names = (
+        [n for n in OPTIMIZERS if n not in EXTRA]
+        if args.optimizers is None
+        else [n for n in args.optimizers.split(",") if n]
+    )
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
         ap.error(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")
@@ -334,35 +389,63 @@ def main(argv: list[str] | None = None) -> int:
     params = llama_params(args.preset)
     n_params = sum(p.numel() for p in params)
     info = machine_info(torch.device("cpu"))
-    print(f"# Optimizer step on the CPU\n\n- torch {info['torch']}, {info['cpu']}, {args.threads} thread(s), "
-          f"load average {info['load_avg_1m']}", file=out)
-    print(f"- parameters: LlamaForCausalLM {LLAMA_PRESETS[args.preset]}'s shapes, fp32, {n_params / 1e6:.1f}M "
-          f"parameters in {len(params)} tensors, random gradients; lr {LR}, weight decay {WD}", file=out)
-    print(f"- {args.warmup} + {args.rounds} rounds (untimed + timed), each one step of every optimizer and one "
-          f"in-place add_ of two {args.stream_mib:g} MiB tensors, order rotating; ratio: median of the per-round "
-          "ratios\n", file=out, flush=True)
+    print(
+        f"# Optimizer step on the CPU\n\n- torch {info['torch']}, {info['cpu']}, {args.threads} thread(s), "
+        f"load average {info['load_avg_1m']}",
+        file=out,
+    )
+    print(
+        f"- parameters: LlamaForCausalLM {LLAMA_PRESETS[args.preset]}'s shapes, fp32, {n_params / 1e6:.1f}M "
+        f"parameters in {len(params)} tensors, random gradients; lr {LR}, weight decay {WD}",
+        file=out,
+    )
+    print(
+        f"- {args.warmup} + {args.rounds} rounds (untimed + timed), each one step of every optimizer and one "
+        f"in-place add_ of two {args.stream_mib:g} MiB tensors, order rotating; ratio: median of the per-round "
+        "ratios\n",
+        file=out,
+        flush=True,
+    )
     opts, rows = build(args.names, params)
     gc.collect()
     bandwidths = measure(opts, rows, args.rounds, args.warmup, int(args.stream_mib * 2**20) // 4)
     bandwidth = statistics.median(bandwidths)
     table([rows[n] for n in args.names], n_params, bandwidth, out)
-    paired = [(n, ref) for n, ref in REFERENCES.items() if rows.get(n) and rows[n].times_s and rows.get(ref)
-              and rows[ref].times_s]
+    paired = [
+        (n, ref)
+        for n, ref in REFERENCES.items()
+        if rows.get(n) and rows[n].times_s and rows.get(ref) and rows[ref].times_s
+    ]
     if paired:
-        print("\n| optimizer | its reference | step time vs the reference's (median of per-round ratios; quartiles) |\n"
-              "| --- | --- | ---: |", file=out)
+        print(
+            "\n| optimizer | its reference | step time vs the reference's (median of per-round ratios; quartiles) |\n"
+            "| --- | --- | ---: |",
+            file=out,
+        )
         for n, ref in paired:
             ratios = [a / b for a, b in zip(rows[n].times_s, rows[ref].times_s)]
             spread = Row(n, ratios=ratios).spread()
             print(f"| {n} | {ref} | {statistics.median(ratios):.2f}x{'; ' + spread if spread else ''} |", file=out)
     anchor = rows[ANCHOR]
-    print(f"\n{ANCHOR}: median {1e3 * anchor.median_s():.1f} ms per step; memory bandwidth (add_: 2 reads + 1 "
-          f"write) median {bandwidth / 1e9:.1f} GB/s (range {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
-          f"load average at the end {machine_info(torch.device('cpu'))['load_avg_1m']}", file=out)
+    print(
+        f"\n{ANCHOR}: median {1e3 * anchor.median_s():.1f} ms per step; memory bandwidth (add_: 2 reads + 1 "
+        f"write) median {bandwidth / 1e9:.1f} GB/s (range {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
+        f"load average at the end {machine_info(torch.device('cpu'))['load_avg_1m']}",
+        file=out,
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "settings": vars(args), "n_params": n_params,
-                       "bandwidths": bandwidths, "rows": [asdict(rows[n]) for n in args.names]}, f, indent=1)
+            json.dump(
+                {
+                    "machine": info,
+                    "settings": vars(args),
+                    "n_params": n_params,
+                    "bandwidths": bandwidths,
+                    "rows": [asdict(rows[n]) for n in args.names],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -87,8 +87,9 @@ def _param_groups(name: str, model: torch.nn.Module, params: list) -> list:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOWMEMOPT_COMPILE=os.environ.get(
-        "LOWMEMOPT_COMPILE", "0"))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOWMEMOPT_COMPILE=os.environ.get("LOWMEMOPT_COMPILE", "0")
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(max(1, args.threads))
     from torch.distributed.device_mesh import init_device_mesh
@@ -123,8 +124,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             biggest, total = local.clone(), local.clone()
             dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            row.update(params=n_params, state_bytes_max_rank=int(biggest[0]), state_bytes_total=int(total[0]),
-                       param_bytes_max_rank=int(biggest[1]), median_step_s=statistics.median(times), times_s=times)
+            row.update(
+                params=n_params,
+                state_bytes_max_rank=int(biggest[0]),
+                state_bytes_total=int(total[0]),
+                param_bytes_max_rank=int(biggest[1]),
+                median_step_s=statistics.median(times),
+                times_s=times,
+            )
             del opt, model, params
         except Exception as exc:  # noqa: BLE001 - a failing optimizer is a row, not a crash
             row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
@@ -146,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
     ap.add_argument("--preset", default="10m", choices=sorted(LLAMA_PRESETS), help="model size (default 10m)")
-    ap.add_argument("--optimizers", default=",".join(DEFAULT), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
+    ap.add_argument(
+        "--optimizers", default=",".join(DEFAULT), help="comma-separated subset of: " + ", ".join(OPTIMIZERS)
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
@@ -165,8 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         results += json.load(open(os.path.join(out, f"ws{world}.json")))
     info["load_avg_1m_end"] = machine_info(torch.device("cpu"))["load_avg_1m"]
 
-    print(f"LLaMA preset {args.preset}, gloo on CPU, {args.threads} thread(s) per rank; torch {info['torch']}; "
-          f"load {info['load_avg_1m']} -> {info['load_avg_1m_end']}")
+    print(
+        f"LLaMA preset {args.preset}, gloo on CPU, {args.threads} thread(s) per rank; torch {info['torch']}; "
+        f"load {info['load_avg_1m']} -> {info['load_avg_1m_end']}"
+    )
     head = " | ".join(f"W={w}" for w in sizes)
     print(f"\nOptimizer state per rank, MiB (largest rank); in brackets: sum over ranks / the W={sizes[0]} state\n")
     print(f"| optimizer | {head} |")
@@ -190,12 +201,15 @@ def main(argv: list[str] | None = None) -> None:
         cells = ["—" if "error" in by[(name, w)] else f"{by[(name, w)]['median_step_s']:.3f}" for w in sizes]
         print(f"| {name} | " + " | ".join(cells) + " |")
     params = next((r["params"] for r in results if "params" in r), None)
-    print(f"\n{params} parameters; fp32 parameter shard per rank (largest), MiB: " + ", ".join(
-        f"W={w}: {by[(args.names[0], w)].get('param_bytes_max_rank', 0) / 2**20:.2f}" for w in sizes))
+    print(
+        f"\n{params} parameters; fp32 parameter shard per rank (largest), MiB: "
+        + ", ".join(f"W={w}: {by[(args.names[0], w)].get('param_bytes_max_rank', 0) / 2**20:.2f}" for w in sizes)
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": info, "settings": {k: v for k, v in vars(args).items()}, "results": results}, fh,
-                      indent=1)
+            json.dump(
+                {"machine": info, "settings": {k: v for k, v in vars(args).items()}, "results": results}, fh, indent=1
+            )
 
 
 if __name__ == "__main__":

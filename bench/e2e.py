@@ -71,8 +71,9 @@ def _lm_galore(cls_name: str, projection: dict | None = None, **kw) -> Callable:
     def make(model, lr, args):
         import lowmemopt
 
-        groups = lowmemopt.galore_param_groups(model, target_modules=["attn", "mlp"], rank=args.rank,
-                                               update_proj_gap=200, scale=0.25, **(projection or {}))
+        groups = lowmemopt.galore_param_groups(
+            model, target_modules=["attn", "mlp"], rank=args.rank, update_proj_gap=200, scale=0.25, **(projection or {})
+        )
         return getattr(lowmemopt, cls_name)(groups, lr=lr, state_bits=8, **kw)
 
     return make
@@ -132,8 +133,9 @@ def _lm_capturable(cls_name: str, graph: bool, **kw) -> Callable:
         device = next(model.parameters()).device
         if graph and device.type != "cuda":
             raise RuntimeError("a CUDA graph needs a CUDA device")
-        opt = getattr(lowmemopt, cls_name)(model.parameters(), lr=torch.tensor(lr, device=device), state_bits=8,
-                                           capturable=True, **kw)
+        opt = getattr(lowmemopt, cls_name)(
+            model.parameters(), lr=torch.tensor(lr, device=device), state_bits=8, capturable=True, **kw
+        )
         return _GraphedStep(opt) if graph else opt
 
     return make
@@ -167,8 +169,9 @@ def _galore_torch(model, lr, args):
 
     import lowmemopt
 
-    groups = lowmemopt.galore_param_groups(model, target_modules=["attn", "mlp"], rank=args.rank,
-                                           update_proj_gap=200, scale=0.25)
+    groups = lowmemopt.galore_param_groups(
+        model, target_modules=["attn", "mlp"], rank=args.rank, update_proj_gap=200, scale=0.25
+    )
     for g in groups:  # galore-torch reads these keys from every projected group
         if "rank" in g:
             g.setdefault("proj_type", "std")
@@ -222,9 +225,16 @@ ROWS: dict[str, tuple[float, Callable]] = {
 def build_model(args, device: torch.device) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=max(2048, args.seq), tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(2048, args.seq),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     default = torch.get_default_dtype()
@@ -308,10 +318,21 @@ def run_row(name: str, args) -> dict[str, Any]:
             full_s.append(t1 - t0)
             opt_s.append(start.elapsed_time(stop) / 1e3 if use_events else o1 - o0)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
-    return dict(name=name, n_params=n_params, lr=lr, peak_bytes=peak, peak_kind="device" if use_events else "rss",
-                full_step_s=statistics.median(full_s), opt_step_s=statistics.median(opt_s), full_times_s=full_s,
-                opt_times_s=opt_s, first_loss=losses[0], loss=statistics.fmean(losses[-3:]), steps=len(losses),
-                note=PER_LAYER_NOTE if hasattr(opt, "bench_stepper") else "")
+    return dict(
+        name=name,
+        n_params=n_params,
+        lr=lr,
+        peak_bytes=peak,
+        peak_kind="device" if use_events else "rss",
+        full_step_s=statistics.median(full_s),
+        opt_step_s=statistics.median(opt_s),
+        full_times_s=full_s,
+        opt_times_s=opt_s,
+        first_loss=losses[0],
+        loss=statistics.fmean(losses[-3:]),
+        steps=len(losses),
+        note=PER_LAYER_NOTE if hasattr(opt, "bench_stepper") else "",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -339,13 +360,16 @@ def _fmt(x, spec):
 
 def _table_header(device_memory: bool, steps: int) -> list[str]:
     kind = "peak device memory" if device_memory else "peak RSS"
-    return [f"| optimizer | lr | {kind} (GiB) | vs torch | full step (ms) | vs torch | `opt.step()` (ms) | vs torch "
-            f"| loss after {steps} steps | notes |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    return [
+        f"| optimizer | lr | {kind} (GiB) | vs torch | full step (ms) | vs torch | `opt.step()` (ms) | vs torch "
+        f"| loss after {steps} steps | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
 
 
 def _table_row(r: dict[str, Any], base: dict[str, Any] | None) -> str:
     """One row's markdown line; ratios to ``base`` (the baseline row, when it ran)."""
+
     def ratio(key):
         if base is None or r.get(key) is None or not base.get(key):
             return None
@@ -354,10 +378,12 @@ def _table_row(r: dict[str, Any], base: dict[str, Any] | None) -> str:
     if r.get("error"):
         return f"| {r['name']} | — | — | — | — | — | — | — | — | {r['error'].replace('|', '/')} |"
     gib = r["peak_bytes"] / 2**30
-    return (f"| {r['name']} | {r['lr']:g} | {gib:.2f} | {_fmt(ratio('peak_bytes'), '.2f')}x "
-            f"| {r['full_step_s'] * 1e3:.1f} | {_fmt(ratio('full_step_s'), '.2f')}x "
-            f"| {r['opt_step_s'] * 1e3:.2f} | {_fmt(ratio('opt_step_s'), '.2f')}x "
-            f"| {r['loss']:.3f} (from {r['first_loss']:.2f}) |" + (f" {r['note']} |" if r.get("note") else " |"))
+    return (
+        f"| {r['name']} | {r['lr']:g} | {gib:.2f} | {_fmt(ratio('peak_bytes'), '.2f')}x "
+        f"| {r['full_step_s'] * 1e3:.1f} | {_fmt(ratio('full_step_s'), '.2f')}x "
+        f"| {r['opt_step_s'] * 1e3:.2f} | {_fmt(ratio('opt_step_s'), '.2f')}x "
+        f"| {r['loss']:.3f} (from {r['first_loss']:.2f}) |" + (f" {r['note']} |" if r.get("note") else " |")
+    )
 
 
 def _baseline(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -383,8 +409,16 @@ TARGETS = [
     ("CAME step", "lowmemopt-came-8bit", "lowmemopt-adamw-8bit", 2.0),
 ]
 #: ``--optimizers core``: the rows ``scripts/gpu-check`` measures first (its default plan), the baseline first
-CORE_ROWS = [BASELINE, "lowmemopt-adamw-8bit", "bnb-adamw8bit", "lowmemopt-came-8bit", "lowmemopt-paged-adamw-8bit",
-             "bnb-paged-adamw8bit", "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit"]
+CORE_ROWS = [
+    BASELINE,
+    "lowmemopt-adamw-8bit",
+    "bnb-adamw8bit",
+    "lowmemopt-came-8bit",
+    "lowmemopt-paged-adamw-8bit",
+    "bnb-paged-adamw8bit",
+    "lowmemopt-galore-adamw-8bit",
+    "galore-torch-adamw8bit",
+]
 
 
 def target_lines(rows: list[dict[str, Any]], gpu: bool) -> list[str]:
@@ -419,11 +453,14 @@ def add_model_args(ap: argparse.ArgumentParser, batch: int = 4, seq: int = 1024)
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--optimizers", default=",".join(ROWS),
-                    help="comma-separated rows (default: all); 'targets' stands for the rows the performance "
-                         "targets compare (TARGETS), 'core' for CORE_ROWS (the optimizers a GPU check measures "
-                         "first: torch fused, bitsandbytes 8-bit and paged, lowmemopt AdamW 8-bit, paged, CAME "
-                         "8-bit, GaLore AdamW 8-bit, galore-torch)")
+    ap.add_argument(
+        "--optimizers",
+        default=",".join(ROWS),
+        help="comma-separated rows (default: all); 'targets' stands for the rows the performance "
+        "targets compare (TARGETS), 'core' for CORE_ROWS (the optimizers a GPU check measures "
+        "first: torch fused, bitsandbytes 8-bit and paged, lowmemopt AdamW 8-bit, paged, CAME "
+        "8-bit, GaLore AdamW 8-bit, galore-torch)",
+    )
     ap.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (state allocation, compiles)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per row")
@@ -482,14 +519,23 @@ def main(argv=None) -> int:
         names.remove(BASELINE)
         names.insert(0, BASELINE)
     kv = args.hidden * args.kv_heads // args.heads  # grouped-query attention: k and v project to kv heads
-    n = args.layers * (2 * args.hidden**2 + 2 * args.hidden * kv + 3 * args.hidden * args.intermediate
-                       + 2 * args.hidden) + 2 * args.vocab * args.hidden + args.hidden
-    print(f"# End-to-end step: LLaMA {args.layers} x {args.hidden} (intermediate {args.intermediate}, {args.heads} "
-          f"heads, {args.kv_heads} kv heads, vocab {args.vocab}; ~{n / 1e9:.2f}B parameters), {args.dtype}, batch "
-          f"{args.batch} x {args.seq}, {args.warmup} warm-up + {args.steps} timed steps, device {args.device}\n",
-          flush=True)
-    info = dict(torch=torch.__version__, device=args.device,
-                gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
+    n = (
+        args.layers
+        * (2 * args.hidden**2 + 2 * args.hidden * kv + 3 * args.hidden * args.intermediate + 2 * args.hidden)
+        + 2 * args.vocab * args.hidden
+        + args.hidden
+    )
+    print(
+        f"# End-to-end step: LLaMA {args.layers} x {args.hidden} (intermediate {args.intermediate}, {args.heads} "
+        f"heads, {args.kv_heads} kv heads, vocab {args.vocab}; ~{n / 1e9:.2f}B parameters), {args.dtype}, batch "
+        f"{args.batch} x {args.seq}, {args.warmup} warm-up + {args.steps} timed steps, device {args.device}\n",
+        flush=True,
+    )
+    info = dict(
+        torch=torch.__version__,
+        device=args.device,
+        gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+    )
     steps = args.steps + args.warmup
     print("\n".join(_table_header(args.device.startswith("cuda"), steps)), flush=True)
     rows, rc = [], 0
@@ -500,17 +546,27 @@ def main(argv=None) -> int:
             rows.append(row)
             # each row as it completes (a run cut short keeps the rows done: the table here, and the JSON)
             print(_table_row(row, _baseline(rows)), flush=True)
-            status = row.get("error") or (f"{row['full_step_s'] * 1e3:.1f} ms full step, "
-                                          f"{row['opt_step_s'] * 1e3:.2f} ms opt.step, loss {row['loss']:.3f}")
+            status = row.get("error") or (
+                f"{row['full_step_s'] * 1e3:.1f} ms full step, "
+                f"{row['opt_step_s'] * 1e3:.2f} ms opt.step, loss {row['loss']:.3f}"
+            )
             print(f"  {name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             if args.json:
                 with open(args.json, "w") as fh:
-                    json.dump(dict(machine=info, rows=rows,
-                                   args={k: v for k, v in vars(args).items() if not k.startswith("worker")}),
-                              fh, indent=1)
+                    json.dump(
+                        dict(
+                            machine=info,
+                            rows=rows,
+                            args={k: v for k, v in vars(args).items() if not k.startswith("worker")},
+                        ),
+                        fh,
+                        indent=1,
+                    )
     except KeyboardInterrupt:  # (Ctrl-C, or gpu-check's deadline): the verdicts of the rows done, then stop
-        print(f"\nInterrupted after {len(rows)} of {len(names)} rows; not run: {', '.join(names[len(rows):])}",
-              flush=True)
+        print(
+            f"\nInterrupted after {len(rows)} of {len(names)} rows; not run: {', '.join(names[len(rows) :])}",
+            flush=True,
+        )
         rc = 130
     targets = target_lines(rows, args.device.startswith("cuda"))
     if targets:

@@ -49,8 +49,17 @@ SETUPS = [
     ("LLaMA-3-8B", "llama-3-8b", 1, 2048, ROWS[:5]),
     ("LLaMA-3-8B", "llama-3-8b", 1, 4096, ROWS[:5]),
 ]
-QUICK = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=4, vocab_size=8000, max_position_embeddings=512, tie_word_embeddings=False)
+QUICK = dict(
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=8000,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -64,18 +73,48 @@ def run(quick: bool = False) -> list[dict]:
     records = []
     for model, config, batch, seq, rows in setups:
         print(f"\n{model}, bf16 weights, batch {batch} x {seq} tokens, checkpointing, per-layer updates")
-        print("| optimizer | weights | gradients | optimizer state | activations | temporaries | update workspace "
-              "| peak | peak (GB) | traced in |")
+        print(
+            "| optimizer | weights | gradients | optimizer state | activations | temporaries | update workspace "
+            "| peak | peak (GB) | traced in |"
+        )
         print("| --- |" + " ---: |" * 9)
         for label, name, bits, rank in rows:
-            t = trace_step(config, name, bits, batch=batch, seq=seq, dtype=torch.bfloat16, galore_rank=rank,
-                           galore_target_modules=["attn", "mlp"], checkpointing=True, per_layer=True)
-            parts = [t.at_peak[k] for k in ("weights", "gradients", "optimizer state", "activations", "temporaries",
-                                              "step workspace")]
-            print(f"| {label} | " + " | ".join(format_bytes(x) for x in parts) +
-                  f" | {format_bytes(t.peak)} | {t.peak / 1e9:.2f} | {t.seconds:.1f} s |", flush=True)
-            records.append(dict(model=model, batch=batch, seq=seq, label=label, optimizer=name, state_bits=bits,
-                                rank=rank, peak=t.peak, at_peak=t.at_peak, seconds=t.seconds))
+            t = trace_step(
+                config,
+                name,
+                bits,
+                batch=batch,
+                seq=seq,
+                dtype=torch.bfloat16,
+                galore_rank=rank,
+                galore_target_modules=["attn", "mlp"],
+                checkpointing=True,
+                per_layer=True,
+            )
+            parts = [
+                t.at_peak[k]
+                for k in ("weights", "gradients", "optimizer state", "activations", "temporaries", "step workspace")
+            ]
+            print(
+                f"| {label} | "
+                + " | ".join(format_bytes(x) for x in parts)
+                + f" | {format_bytes(t.peak)} | {t.peak / 1e9:.2f} | {t.seconds:.1f} s |",
+                flush=True,
+            )
+            records.append(
+                dict(
+                    model=model,
+                    batch=batch,
+                    seq=seq,
+                    label=label,
+                    optimizer=name,
+                    state_bits=bits,
+                    rank=rank,
+                    peak=t.peak,
+                    at_peak=t.at_peak,
+                    seconds=t.seconds,
+                )
+            )
     return records
 
 
@@ -106,8 +145,10 @@ def compare_e2e(paths: list[str]) -> tuple[list[str], bool]:
 
     from lowmemopt.traced_step import trace_step
 
-    lines = ["| e2e row | measured peak (GiB) | traced peak (GiB) | traced / measured | within 5% |",
-             "| --- | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| e2e row | measured peak (GiB) | traced peak (GiB) | traced / measured | within 5% |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
     ok, compared, seen = True, 0, set()
     for path in paths:
         if not os.path.exists(path):
@@ -115,10 +156,17 @@ def compare_e2e(paths: list[str]) -> tuple[list[str], bool]:
         with open(path) as fh:
             data = json.load(fh)
         a = data["args"]
-        config = dict(model_type="llama", vocab_size=a["vocab"], hidden_size=a["hidden"],
-                      intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
-                      num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
-                      max_position_embeddings=max(2048, a["seq"]), tie_word_embeddings=False)
+        config = dict(
+            model_type="llama",
+            vocab_size=a["vocab"],
+            hidden_size=a["hidden"],
+            intermediate_size=a["intermediate"],
+            num_hidden_layers=a["layers"],
+            num_attention_heads=a["heads"],
+            num_key_value_heads=a["kv_heads"],
+            max_position_embeddings=max(2048, a["seq"]),
+            tie_word_embeddings=False,
+        )
         dtype = torch.bfloat16 if a["dtype"] == "bf16" else torch.float32
         for row in data["rows"]:
             name = row["name"]
@@ -129,15 +177,27 @@ def compare_e2e(paths: list[str]) -> tuple[list[str], bool]:
                 lines.append(f"| {name} | {row['peak_bytes'] / 2**30:.2f} (process RSS, not a device peak) | | | — |")
                 continue
             opt, bits, galore, per_layer = E2E_ROWS[name]
-            t = trace_step(config, opt, bits, batch=a["batch"], seq=a["seq"], dtype=dtype,
-                           galore_rank=a["rank"] if galore else None, galore_target_modules=["attn", "mlp"],
-                           per_layer=per_layer, device="cuda", **E2E_KWARGS.get(name, {}))
+            t = trace_step(
+                config,
+                opt,
+                bits,
+                batch=a["batch"],
+                seq=a["seq"],
+                dtype=dtype,
+                galore_rank=a["rank"] if galore else None,
+                galore_target_modules=["attn", "mlp"],
+                per_layer=per_layer,
+                device="cuda",
+                **E2E_KWARGS.get(name, {}),
+            )
             ratio = t.peak / row["peak_bytes"]
             good = abs(ratio - 1) <= E2E_TOLERANCE
             ok &= good
             compared += 1
-            lines.append(f"| {name} | {row['peak_bytes'] / 2**30:.2f} | {t.peak / 2**30:.2f} | {ratio:.3f} | "
-                         f"{'PASS' if good else 'FAIL'} |")
+            lines.append(
+                f"| {name} | {row['peak_bytes'] / 2**30:.2f} | {t.peak / 2**30:.2f} | {ratio:.3f} | "
+                f"{'PASS' if good else 'FAIL'} |"
+            )
     if not compared:
         lines.append("| (no lowmemopt row with a device peak in " + ", ".join(paths) + ") | | | | — |")
     return lines, ok and compared > 0
@@ -147,16 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run on a 10M-parameter LLaMA")
     ap.add_argument("--json", metavar="PATH", help="also write the records (exact bytes) here")
-    ap.add_argument("--e2e-json", nargs="+", metavar="PATH",
-                    help="compare the traced peak of bench/e2e.py's lowmemopt rows with their measured device peak "
-                    "(the files that exist among PATH...)")
+    ap.add_argument(
+        "--e2e-json",
+        nargs="+",
+        metavar="PATH",
+        help="compare the traced peak of bench/e2e.py's lowmemopt rows with their measured device peak "
+        "(the files that exist among PATH...)",
+    )
     args = ap.parse_args(argv)
     if args.e2e_json:
         print("# Traced step peak against the measured one (bench/e2e.py's rows, torch.cuda.max_memory_allocated)\n")
         lines, ok = compare_e2e(args.e2e_json)
         print("\n".join(lines))
-        print(f"\nTarget (traced within {E2E_TOLERANCE:.0%} of the measured peak on every row): "
-              f"{'PASS' if ok else 'FAIL'}")
+        print(
+            f"\nTarget (traced within {E2E_TOLERANCE:.0%} of the measured peak on every row): "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
         return 0
     start = time.perf_counter()
     records = run(args.quick)

@@ -95,22 +95,27 @@ def run(model: str, steps: int, seed: int = 0, names: list[str] | None = None, t
         if names and name not in names:
             continue
         r = train(model, make, steps, seed)
-        rows.append(dict(name=name, heldout=r["heldout"], final=r["final"], state_bytes=r["state_bytes"],
-                         step_s=r["step_s"]))
+        rows.append(
+            dict(name=name, heldout=r["heldout"], final=r["final"], state_bytes=r["state_bytes"], step_s=r["step_s"])
+        )
         print(f"  {name}: held-out {r['heldout']:.4f}", file=sys.stderr)
     return rows
 
 
 def table(rows: list[dict], numel: int) -> str:
     base = {r["name"].split()[0]: r["heldout"] for r in rows if r["name"].endswith("32-bit")}
-    lines = ["| optimizer | held-out loss | vs 32-bit | state bytes | B / param | step (ms) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| optimizer | held-out loss | vs 32-bit | state bytes | B / param | step (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         family = "AdamW" if "AdamW" in r["name"] else r["name"].split()[0]
         ref = base.get(family)
         rel = f"{100 * (r['heldout'] - ref) / ref:+.2f}%" if ref else "—"
-        lines.append(f"| {r['name']} | {r['heldout']:.4f} | {rel} | {r['state_bytes']:,} | "
-                     f"{r['state_bytes'] / numel:.3f} | {1e3 * r['step_s']:.2f} |")
+        lines.append(
+            f"| {r['name']} | {r['heldout']:.4f} | {rel} | {r['state_bytes']:,} | "
+            f"{r['state_bytes'] / numel:.3f} | {1e3 * r['step_s']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -128,8 +133,10 @@ def _gaps(rows: list[dict]) -> dict[str, float]:
 def gap_table(per_seed: list[list[dict]], seeds: list[int]) -> str:
     """Loss gap to the 32-bit twin per seed, and the mean over seeds."""
     gaps = [_gaps(rows) for rows in per_seed]
-    lines = ["| optimizer | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
-             "| --- |" + " ---: |" * (len(seeds) + 1)]
+    lines = [
+        "| optimizer | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+        "| --- |" + " ---: |" * (len(seeds) + 1),
+    ]
     for name in gaps[0]:
         vals = [g[name] for g in gaps]
         lines.append(f"| {name} | " + " | ".join(f"{v:+.2f}%" for v in vals) + f" | {sum(vals) / len(vals):+.2f}% |")
@@ -141,11 +148,14 @@ def gap_table(per_seed: list[list[dict]], seeds: list[int]) -> str:
 
 
 def _candidates() -> tuple[dict, dict]:
-    signed = {f"pow2 top7 {bits}": q4.signed_codes(q4.pow2_grid(bits)[-7:])
-              for bits in [(1, 1, 0, 0, 0), (0, 1, 0, 0, 0, 0), (1, 1, 1, 0), (1, 0, 0, 0, 0, 0, 0), (0,) * 7]}
-    unsigned = {f"pow2 {bits}": q4.pow2_grid(bits) + [1.0]
-                for bits in [(1, 1, 1, 1, 1) + (0,) * 5, (1,) * 6 + (0,) * 3, (1,) * 4 + (0,) * 7, (1,) * 7 + (0,),
-                             (0,) * 15]}
+    signed = {
+        f"pow2 top7 {bits}": q4.signed_codes(q4.pow2_grid(bits)[-7:])
+        for bits in [(1, 1, 0, 0, 0), (0, 1, 0, 0, 0, 0), (1, 1, 1, 0), (1, 0, 0, 0, 0, 0, 0), (0,) * 7]
+    }
+    unsigned = {
+        f"pow2 {bits}": q4.pow2_grid(bits) + [1.0]
+        for bits in [(1, 1, 1, 1, 1) + (0,) * 5, (1,) * 6 + (0,) * 3, (1,) * 4 + (0,) * 7, (1,) * 7 + (0,), (0,) * 15]
+    }
     try:
         from torchao.optim.quant_utils import create_dynamic_map
 
@@ -185,9 +195,13 @@ def map_errors(steps: int, model: str = "llama", block_size: int = 128) -> str:
         return q4.dequantize(nib, am, x.numel(), name, block_size)
 
     signed, unsigned = _candidates()
-    lines = [f"fp32 AdamW state of the {model} after {steps} steps ({m.numel():,} elements), block {block_size}: "
-             "relative L2 error of m_hat / (sqrt(v_hat) + eps)", "", "| slot | map | error | mean log(v_q / v) |",
-             "| --- | --- | ---: | ---: |"]
+    lines = [
+        f"fp32 AdamW state of the {model} after {steps} steps ({m.numel():,} elements), block {block_size}: "
+        "relative L2 error of m_hat / (sqrt(v_hat) + eps)",
+        "",
+        "| slot | map | error | mean log(v_q / v) |",
+        "| --- | --- | ---: | ---: |",
+    ]
     for label, codes in signed.items():
         q4.register_map("_cand", codes, signed=True)
         lines.append(f"| m | {label} | {err(update(rt(m, '_cand'), v)):.4f} | |")
@@ -207,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=("llama", "mlp"), default="llama")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--seeds", help="comma-separated seeds (e.g. 0,1,2): a table per seed, then each row's loss gap "
-                                    "to its 32-bit twin per seed and its mean (one seed's gap is mostly the run's noise)")
+    ap.add_argument(
+        "--seeds",
+        help="comma-separated seeds (e.g. 0,1,2): a table per seed, then each row's loss gap "
+        "to its 32-bit twin per seed and its mean (one seed's gap is mostly the run's noise)",
+    )
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--optimizers", help="comma-separated subset of the rows, e.g. 'AdamW 32-bit,AdamW 4-bit'")
     ap.add_argument("--maps", action="store_true", help="measure the 4-bit map candidates instead")
@@ -221,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     per_seed = []
     for seed in seeds:
         rows = run(args.model, args.steps, seed, names, torchao=not args.no_torchao)
-        print(f"{args.model}, {args.steps} steps, seed {seed}, {n_params(args.model):,} parameters, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print(
+            f"{args.model}, {args.steps} steps, seed {seed}, {n_params(args.model):,} parameters, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
         print(table(rows, n_params(args.model)))
         per_seed.append(rows)
     if len(seeds) > 1:

@@ -52,8 +52,16 @@ LR, WD = 1e-3, 1e-2
 
 #: bytes per parameter of one ideal pass with fp32 params and grads: p read + write 8, g read 4, state read + write
 IDEAL_BYTES = {
-    "adamw-32": 8 + 4 + 16, "adamw-16": 8 + 4 + 8, "adamw-8": 8 + 4 + 4, "lion-8": 8 + 4 + 2, "lamb-8": 8 + 4 + 4,
-    "lars-8": 8 + 4 + 2, "sgd-8": 8 + 4 + 2, "came-8": 8 + 4 + 2, "adafactor-8": 8 + 4 + 2, "adafactor": 8 + 4,
+    "adamw-32": 8 + 4 + 16,
+    "adamw-16": 8 + 4 + 8,
+    "adamw-8": 8 + 4 + 4,
+    "lion-8": 8 + 4 + 2,
+    "lamb-8": 8 + 4 + 4,
+    "lars-8": 8 + 4 + 2,
+    "sgd-8": 8 + 4 + 2,
+    "came-8": 8 + 4 + 2,
+    "adafactor-8": 8 + 4 + 2,
+    "adafactor": 8 + 4,
     "adamw-4": 8 + 4 + 2,
 }
 
@@ -75,8 +83,12 @@ def ideal_bytes(key: str, dtype: torch.dtype) -> int:
 def sweep_grid(block: int = 256, max_per_thread: int = 64) -> list[tuple[int, int]]:
     """(rows, num_warps) shapes of the sweep whose tile gives every thread between 1 and ``max_per_thread`` elements
     (fewer leave threads idle, more spill registers)."""
-    return [(rows, warps) for rows in SWEEP_ROWS for warps in SWEEP_WARPS
-            if 1 <= rows * block // (32 * warps) <= max_per_thread]
+    return [
+        (rows, warps)
+        for rows in SWEEP_ROWS
+        for warps in SWEEP_WARPS
+        if 1 <= rows * block // (32 * warps) <= max_per_thread
+    ]
 
 
 def _lowmemopt(cls: str, bits: int, **kw) -> Factory:
@@ -118,8 +130,10 @@ OPTIMIZERS: dict[str, tuple[Factory, str]] = {
     "lowmemopt-lars-8bit": (_lowmemopt("LARS", 8, momentum=0.9), "lars-8"),
     "lowmemopt-sgd-8bit": (_lowmemopt("SGD", 8, momentum=0.9), "sgd-8"),
     "lowmemopt-came-8bit": (_lowmemopt("CAME", 8), "came-8"),
-    "lowmemopt-adafactor-m-8bit": (_lowmemopt("Adafactor", 8, beta1=0.9, relative_step=False, scale_parameter=False),
-                                   "adafactor-8"),
+    "lowmemopt-adafactor-m-8bit": (
+        _lowmemopt("Adafactor", 8, beta1=0.9, relative_step=False, scale_parameter=False),
+        "adafactor-8",
+    ),
     "lowmemopt-adafactor": (_lowmemopt("Adafactor", 32, relative_step=False, scale_parameter=False), "adafactor"),
     "bnb-adamw8bit": (_bnb("AdamW8bit"), "adamw-8"),
     "bnb-lion8bit": (_bnb("Lion8bit"), "lion-8"),
@@ -163,8 +177,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) 
     return 2 * nbytes / best
 
 
-def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int,
-                   dtype: torch.dtype = torch.float32) -> tuple[float, int, str]:
+def time_optimizer(
+    factory: Factory, shapes, device, steps: int, warmup: int, dtype: torch.dtype = torch.float32
+) -> tuple[float, int, str]:
     """Median step time (s), state bytes, and the kernel path taken (lowmemopt: launches per step)."""
     from lowmemopt.kernels.tuning import time_steps
 
@@ -185,8 +200,12 @@ def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int,
         note = f"{sum(dispatch.stats.values()) - before} fused bucket(s)/step"
         state = int(opt.state_nbytes())
     else:
-        state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor))
+        state = sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
     del opt, params
     gc.collect()
     torch.cuda.empty_cache()
@@ -195,16 +214,18 @@ def time_optimizer(factory: Factory, shapes, device, steps: int, warmup: int,
 
 def _row(name: str, t: float, state: int, n: int, ideal: int, bw: float, note: str) -> str:
     gbs = ideal * n / t
-    return (f"| {name} | {1e3 * t:.2f} | {state / n:.3f} | {ideal} | {gbs / 1e9:.0f} | {100 * gbs / bw:.0f}% | "
-            f"{note} |")
+    return f"| {name} | {1e3 * t:.2f} | {state / n:.3f} | {ideal} | {gbs / 1e9:.0f} | {100 * gbs / bw:.0f}% | {note} |"
 
 
-HEADER = ("| optimizer | median step (ms) | state B/param | ideal B/param | GB/s | % of copy bandwidth | notes |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+HEADER = (
+    "| optimizer | median step (ms) | state B/param | ideal B/param | GB/s | % of copy bandwidth | notes |\n"
+    "| --- | ---: | ---: | ---: | ---: | ---: | --- |"
+)
 
 
-def run_optimizers(names: list[str], sizes: list[int], dtypes: list[str], device, bw: float, steps: int,
-                   warmup: int) -> list[dict]:
+def run_optimizers(
+    names: list[str], sizes: list[int], dtypes: list[str], device, bw: float, steps: int, warmup: int
+) -> list[dict]:
     results = []
     for size in sizes:
         shapes = model_shapes(size)
@@ -225,9 +246,20 @@ def run_optimizers(names: list[str], sizes: list[int], dtypes: list[str], device
                     torch.cuda.empty_cache()
                     continue
                 rows[name] = t
-                results.append(dict(size=n, tensors=len(shapes), dtype=dname, optimizer=name, median_s=t,
-                                    state_bytes=state, ideal_bytes_per_param=ideal, gb_per_s=ideal * n / t / 1e9,
-                                    pct_copy_bandwidth=100 * ideal * n / t / bw, note=note))
+                results.append(
+                    dict(
+                        size=n,
+                        tensors=len(shapes),
+                        dtype=dname,
+                        optimizer=name,
+                        median_s=t,
+                        state_bytes=state,
+                        ideal_bytes_per_param=ideal,
+                        gb_per_s=ideal * n / t / 1e9,
+                        pct_copy_bandwidth=100 * ideal * n / t / bw,
+                        note=note,
+                    )
+                )
                 print(_row(name, t, state, n, ideal, bw, note), flush=True)
             print()
             _targets(rows, n, bw, dtype)
@@ -267,10 +299,14 @@ def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int
             n = sum(math.prod(s) for s in shapes)
             for dname in dtypes:
                 ideal = ideal_bytes(key, DTYPES[dname])
-                print(f"### tile sweep: 8-bit AdamW, {n / 1e6:.0f}M {dname} parameters in {len(shapes)} tensors "
-                      f"(current: {saved[0] // block} rows x {saved[1]} warps, {decode_now} decode)\n")
-                print("| rows x block | num_warps | elements/thread | decode | median step (ms) | GB/s | "
-                      "% of copy bandwidth |")
+                print(
+                    f"### tile sweep: 8-bit AdamW, {n / 1e6:.0f}M {dname} parameters in {len(shapes)} tensors "
+                    f"(current: {saved[0] // block} rows x {saved[1]} warps, {decode_now} decode)\n"
+                )
+                print(
+                    "| rows x block | num_warps | elements/thread | decode | median step (ms) | GB/s | "
+                    "% of copy bandwidth |"
+                )
                 print("| ---: | ---: | ---: | --- | ---: | ---: | ---: |")
                 found = []
                 for decode in ("table", "arithmetic"):
@@ -285,15 +321,28 @@ def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int
                             continue
                         gbs = ideal * n / t
                         found.append((t, rows, warps, decode))
-                        results.append(dict(size=n, dtype=dname, rows=rows, block=block, num_warps=warps,
-                                            decode=decode, median_s=t, gb_per_s=gbs / 1e9,
-                                            pct_copy_bandwidth=100 * gbs / bw, note=note))
+                        results.append(
+                            dict(
+                                size=n,
+                                dtype=dname,
+                                rows=rows,
+                                block=block,
+                                num_warps=warps,
+                                decode=decode,
+                                median_s=t,
+                                gb_per_s=gbs / 1e9,
+                                pct_copy_bandwidth=100 * gbs / bw,
+                                note=note,
+                            )
+                        )
                         print(f"{shape} {1e3 * t:.3f} | {gbs / 1e9:.0f} | {100 * gbs / bw:.0f}% |", flush=True)
                 if found:
                     t, rows, warps, decode = min(found)
-                    print(f"\n- best: {rows} rows x {warps} warps, {decode} decode (runtime.TILE_SHAPES[{cap}] = "
-                          f"({rows * block}, {warps})): "
-                          f"{1e3 * t:.3f} ms, {100 * ideal * n / t / bw:.0f}% of copy bandwidth\n")
+                    print(
+                        f"\n- best: {rows} rows x {warps} warps, {decode} decode (runtime.TILE_SHAPES[{cap}] = "
+                        f"({rows * block}, {warps})): "
+                        f"{1e3 * t:.3f} ms, {100 * ideal * n / t / bw:.0f}% of copy bandwidth\n"
+                    )
     finally:
         runtime.Q8_DECODE = decode_saved
         if entry is None:
@@ -306,13 +355,18 @@ def run_sweep(sizes: list[int], dtypes: list[str], device, bw: float, steps: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10M,100M,1B", help="parameter counts (default 10M,100M,1B)")
-    parser.add_argument("--dtypes", default="fp32,bf16",
-                        help="parameter and gradient dtypes: fp32, bf16 (default: both)")
-    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: "
-                        + ", ".join(OPTIMIZERS))
-    parser.add_argument("--sweep", action="store_true",
-                        help="time lowmemopt's 8-bit AdamW over a grid of tile shapes (rows per program x num_warps) "
-                             "instead of the optimizer table")
+    parser.add_argument(
+        "--dtypes", default="fp32,bf16", help="parameter and gradient dtypes: fp32, bf16 (default: both)"
+    )
+    parser.add_argument(
+        "--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS)
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time lowmemopt's 8-bit AdamW over a grid of tile shapes (rows per program x num_warps) "
+        "instead of the optimizer table",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles the kernels)")
     parser.add_argument("--json", metavar="PATH")
@@ -326,13 +380,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--dtypes takes {', '.join(DTYPES)}, got {args.dtypes!r}")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if not torch.cuda.is_available():
-        print("bench/fused_kernels.py needs a CUDA GPU: the fused Triton kernels run only on CUDA tensors "
-              "(CPU tensors take lowmemopt's reference path; see bench/step.py for CPU timings).", file=sys.stderr)
+        print(
+            "bench/fused_kernels.py needs a CUDA GPU: the fused Triton kernels run only on CUDA tensors "
+            "(CPU tensors take lowmemopt's reference path; see bench/step.py for CPU timings).",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
-    print(f"## Fused kernel benchmark\n\n- GPU: {torch.cuda.get_device_name(device)} (capability "
-          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}), torch {torch.__version__}")
+    print(
+        f"## Fused kernel benchmark\n\n- GPU: {torch.cuda.get_device_name(device)} (capability "
+        f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}), torch {torch.__version__}"
+    )
     print(f"- device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (the roofline)\n")
     if args.sweep:
         results = run_sweep(sizes, dtypes, device, bw, args.steps, args.warmup)
@@ -340,8 +399,17 @@ def main(argv: list[str] | None = None) -> int:
         results = run_optimizers(names, sizes, dtypes, device, bw, args.steps, args.warmup)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(device), capability=torch.cuda.get_device_capability(device),
-                           copy_bandwidth=bw, sweep=args.sweep, results=results), f, indent=2)
+            json.dump(
+                dict(
+                    gpu=torch.cuda.get_device_name(device),
+                    capability=torch.cuda.get_device_capability(device),
+                    copy_bandwidth=bw,
+                    sweep=args.sweep,
+                    results=results,
+                ),
+                f,
+                indent=2,
+            )
         print(f"wrote {args.json}")
     return 0
 

@@ -57,8 +57,14 @@ _SETTINGS: dict = {}  # rank and projected parameter indices, set by main() befo
 
 def _groups(params: list[torch.Tensor], **galore_extra) -> list[dict]:
     projected = set(_SETTINGS["projected"])
-    galore = dict(params=[p for i, p in enumerate(params) if i in projected], rank=_SETTINGS["rank"],
-                  update_proj_gap=200, scale=0.25, proj_type="std", **galore_extra)
+    galore = dict(
+        params=[p for i, p in enumerate(params) if i in projected],
+        rank=_SETTINGS["rank"],
+        update_proj_gap=200,
+        scale=0.25,
+        proj_type="std",
+        **galore_extra,
+    )
     return [dict(params=[p for i, p in enumerate(params) if i not in projected]), galore]
 
 
@@ -153,8 +159,17 @@ def _run(name: str, reference, grads, args, device, partner=None) -> Result:
     real_state_bytes = common.state_bytes
     common.time_steps, common.state_bytes = time_steps, galore_state_bytes
     try:
-        r = run_benchmark(name, reference, grads, steps=args.steps, warmup=args.warmup, device=device,
-                          max_step_s=args.max_step_s, factory=GALORE[name], partner=partner)
+        r = run_benchmark(
+            name,
+            reference,
+            grads,
+            steps=args.steps,
+            warmup=args.warmup,
+            device=device,
+            max_step_s=args.max_step_s,
+            factory=GALORE[name],
+            partner=partner,
+        )
     finally:
         common.time_steps, common.state_bytes = real_time_steps, real_state_bytes
     if first and not r.error:
@@ -187,7 +202,7 @@ def svd_table(shapes_grads: list[torch.Tensor], rank: int, repeats: int = 1) -> 
         out[f"{method}_s"] = min(times)
     mean_angles, max_angles, energy, ratios = [], [], [], []
     for g, full, rand in zip(shapes_grads, bases["full"], bases["randomized"]):
-        (key, f), = full.items()
+        ((key, f),) = full.items()
         r = rand[key]
         # stored transposed: P^T (k x m) for the left side, Q^T (n x k) for the right; compare column spans
         f_cols, r_cols = (f.t(), r.t()) if f.shape[0] < f.shape[1] else (f, r)
@@ -241,27 +256,42 @@ def main(argv: list[str] | None = None) -> int:
     _SETTINGS.update(rank=rank, projected=[i for i, p in enumerate(model.parameters()) if id(p) in projected_ids])
     n_params = sum(p.numel() for p in model.parameters())
     n_proj = sum(p.numel() for p in groups[-1]["params"])
-    print(f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32, {n_params / 1e6:.1f}M parameters in "
-          f"{len(names)} tensors; {len(projected_ids)} matrices ({n_proj / 1e6:.1f}M parameters) projected at rank "
-          f"{rank} (target_modules={TARGETS})")
-    print(f"- gradients: {args.grads} (the same for every optimizer); warm-up {args.warmup}, timed {args.steps} steps, "
-          "median reported")
-    print("- ratios: to the baseline's own row\n" if args.unpaired else
-          "- ratios: to the baseline's steps timed alternately with each optimizer's (paired)\n")
+    print(
+        f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32, {n_params / 1e6:.1f}M parameters in "
+        f"{len(names)} tensors; {len(projected_ids)} matrices ({n_proj / 1e6:.1f}M parameters) projected at rank "
+        f"{rank} (target_modules={TARGETS})"
+    )
+    print(
+        f"- gradients: {args.grads} (the same for every optimizer); warm-up {args.warmup}, timed {args.steps} steps, "
+        "median reported"
+    )
+    print(
+        "- ratios: to the baseline's own row\n"
+        if args.unpaired
+        else "- ratios: to the baseline's steps timed alternately with each optimizer's (paired)\n"
+    )
     sys.stdout.flush()
 
     grads = fixed_grads(model, mode=args.grads)
     reference = [p.detach() for p in model.parameters()]
     del model
 
-    results = run_rows(args.names, lambda name, partner: _run(name, reference, grads, args, device, partner),
-                       None if args.unpaired else GALORE[BASELINE], reference, grads, device)
+    results = run_rows(
+        args.names,
+        lambda name, partner: _run(name, reference, grads, args, device, partner),
+        None if args.unpaired else GALORE[BASELINE],
+        reference,
+        grads,
+        device,
+    )
     print_table(results)
     by_name = {r.name: r for r in results}
-    pairs = [("lowmemopt-galore-adamw-32bit", "galore-torch-adamw"),
-             ("lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit"),
-             ("lowmemopt-galore-adafactor-32bit", "galore-torch-adafactor"),
-             ("lowmemopt-galore-came-8bit", "galore-torch-adamw8bit")]
+    pairs = [
+        ("lowmemopt-galore-adamw-32bit", "galore-torch-adamw"),
+        ("lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit"),
+        ("lowmemopt-galore-adafactor-32bit", "galore-torch-adafactor"),
+        ("lowmemopt-galore-came-8bit", "galore-torch-adamw8bit"),
+    ]
     lines = []
     for ours, theirs in pairs:
         a, b = by_name.get(ours), by_name.get(theirs)
@@ -273,24 +303,44 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n### One projector refresh: SVD of all {len(_SETTINGS['projected'])} projected gradients (rank {rank})\n")
     svd = svd_table([grads[i].float() for i in _SETTINGS["projected"]], rank, repeats=3)
-    print("| SVD | time (s), best of 3 | principal angles to the full SVD's subspace (rad): mean, median over "
-          "matrices / largest, median / worst | gradient energy captured: fraction of ||G||^2 (mean) / relative to "
-          "the full SVD, mean / worst |\n| --- | ---: | --- | --- |")
+    print(
+        "| SVD | time (s), best of 3 | principal angles to the full SVD's subspace (rad): mean, median over "
+        "matrices / largest, median / worst | gradient energy captured: fraction of ||G||^2 (mean) / relative to "
+        "the full SVD, mean / worst |\n| --- | ---: | --- | --- |"
+    )
     print(f"| full (torch.linalg.svd) | {svd['full_s']:.2f} | 0 / 0 / 0 | {svd['full_svd_energy_mean']:.4f} / 1 / 1 |")
-    print(f"| randomized (8 oversamples, 2 power iterations) | {svd['randomized_s']:.2f} "
-          f"({svd['speedup']:.2f}x) | {svd['mean_angle_rad_median']:.3g} / {svd['max_angle_rad_median']:.3g} / "
-          f"{svd['max_angle_rad_worst']:.3g} | — / {svd['energy_ratio_mean']:.4f} / {svd['energy_ratio_worst']:.4f} |")
+    print(
+        f"| randomized (8 oversamples, 2 power iterations) | {svd['randomized_s']:.2f} "
+        f"({svd['speedup']:.2f}x) | {svd['mean_angle_rad_median']:.3g} / {svd['max_angle_rad_median']:.3g} / "
+        f"{svd['max_angle_rad_worst']:.3g} | — / {svd['energy_ratio_mean']:.4f} / {svd['energy_ratio_worst']:.4f} |"
+    )
 
     info["load_avg_1m_end"] = machine_info(device)["load_avg_1m"]
-    print(f"\nload average (1 min) at start {info['load_avg_1m']}, at end {info['load_avg_1m_end']} "
-          f"(torch uses {info['torch_threads']} threads; a higher load means contended timings)")
+    print(
+        f"\nload average (1 min) at start {info['load_avg_1m']}, at end {info['load_avg_1m_end']} "
+        f"(torch uses {info['torch_threads']} threads; a higher load means contended timings)"
+    )
     if args.json:
         payload = {
             "machine": info,
-            "model": {"preset": preset, "config": LLAMA_PRESETS[preset], "n_params": n_params,
-                      "projected_params": n_proj, "rank": rank, "target_modules": TARGETS},
-            "settings": {"steps": args.steps, "warmup": args.warmup, "grads": args.grads, "baseline": BASELINE,
-                         "lr": 1e-3, "weight_decay": 1e-2, "update_proj_gap": 200, "scale": 0.25},
+            "model": {
+                "preset": preset,
+                "config": LLAMA_PRESETS[preset],
+                "n_params": n_params,
+                "projected_params": n_proj,
+                "rank": rank,
+                "target_modules": TARGETS,
+            },
+            "settings": {
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "grads": args.grads,
+                "baseline": BASELINE,
+                "lr": 1e-3,
+                "weight_decay": 1e-2,
+                "update_proj_gap": 200,
+                "scale": 0.25,
+            },
             "results": [r.to_dict() for r in results],
             "svd": svd,
         }

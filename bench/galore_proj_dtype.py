@@ -72,12 +72,18 @@ def check_bf16_products(seed: int = 0) -> list[dict]:
         got = a @ b
         bf16_acc = torch.zeros(m, n, dtype=torch.bfloat16)
         for i in range(k):  # a sum rounded to bf16 after every term
-            bf16_acc = bf16_acc + (a[:, i:i + 1].float() * b[i:i + 1].float()).bfloat16()
+            bf16_acc = bf16_acc + (a[:, i : i + 1].float() * b[i : i + 1].float()).bfloat16()
         steps = (got.view(torch.int16).int() - exact.bfloat16().view(torch.int16).int()).abs()  # same sign: steps
         scale = exact.abs().mean()
-        rows.append(dict(shape=(m, k, n), equal=float((steps == 0).float().mean()), steps=int(steps.max()),
-                         err=float((got.float() - exact).abs().max() / scale),
-                         bf16_acc_err=float((bf16_acc.float() - exact).abs().max() / scale)))
+        rows.append(
+            dict(
+                shape=(m, k, n),
+                equal=float((steps == 0).float().mean()),
+                steps=int(steps.max()),
+                err=float((got.float() - exact).abs().max() / scale),
+                bf16_acc_err=float((bf16_acc.float() - exact).abs().max() / scale),
+            )
+        )
     return rows
 
 
@@ -100,8 +106,9 @@ def _train(optimizer: str, rank: int, seed: int, proj: str, steps: int, gap: int
     cls, kw = OPTIMIZERS[optimizer]
 
     def make(_params):
-        groups = lowmemopt.galore_param_groups(model, TARGETS, rank=rank, update_proj_gap=gap, scale=1.0,
-                                               proj_dtype=proj)
+        groups = lowmemopt.galore_param_groups(
+            model, TARGETS, rank=rank, update_proj_gap=gap, scale=1.0, proj_dtype=proj
+        )
         return getattr(lowmemopt, cls)(groups, **kw)
 
     def loss_of(windows: torch.Tensor) -> torch.Tensor:
@@ -110,9 +117,18 @@ def _train(optimizer: str, rank: int, seed: int, proj: str, steps: int, gap: int
     t0 = time.perf_counter()
     r = _fit(model, loss_of, make, steps, seed, 8, 64, None)
     losses = r["losses"]
-    return dict(optimizer=optimizer, rank=rank, seed=seed, proj=proj, steps=steps, first=losses[0],
-                last=sum(losses[-tail:]) / len(losses[-tail:]), heldout=r["heldout"],
-                finite=all(math.isfinite(x) for x in losses), seconds=time.perf_counter() - t0)
+    return dict(
+        optimizer=optimizer,
+        rank=rank,
+        seed=seed,
+        proj=proj,
+        steps=steps,
+        first=losses[0],
+        last=sum(losses[-tail:]) / len(losses[-tail:]),
+        heldout=r["heldout"],
+        finite=all(math.isfinite(x) for x in losses),
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -134,8 +150,14 @@ def summarize(runs: list[dict]) -> list[dict]:
             diffs = [b - f for b, f in zip(bf16, fp32)]
             spread = statistics.stdev(fp32) if len(fp32) > 1 else float("nan")
             worst = max((abs(d) for d in diffs), default=float("nan"))
-            row[fig] = dict(fp32=statistics.fmean(fp32), bf16=statistics.fmean(bf16), diff=statistics.fmean(diffs),
-                            max_diff=worst, spread=spread, within=bool(worst < spread))
+            row[fig] = dict(
+                fp32=statistics.fmean(fp32),
+                bf16=statistics.fmean(bf16),
+                diff=statistics.fmean(diffs),
+                max_diff=worst,
+                spread=spread,
+                within=bool(worst < spread),
+            )
         rows.append(row)
     return sorted(rows, key=lambda r: (list(OPTIMIZERS).index(r["optimizer"]), r["rank"]))
 
@@ -164,48 +186,75 @@ def pooled(runs: list[dict]) -> list[dict]:
             mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
             rms, spread = math.sqrt(statistics.fmean(d * d for d in diffs)), math.sqrt(statistics.fmean(variances))
             shift = "none" if abs(mean) < 2 * se else "bf16 lower" if mean < 0 else "bf16 higher"
-            out.append(dict(optimizer=opt, figure=fig, pairs=len(diffs), diff=mean, se=se, rms=rms, spread=spread,
-                            within=bool(rms < spread), shift=shift))
+            out.append(
+                dict(
+                    optimizer=opt,
+                    figure=fig,
+                    pairs=len(diffs),
+                    diff=mean,
+                    se=se,
+                    rms=rms,
+                    spread=spread,
+                    within=bool(rms < spread),
+                    shift=shift,
+                )
+            )
     return out
 
 
 def pooled_table(rows: list[dict]) -> str:
     """The Markdown table of :func:`pooled`'s rows."""
     names = {"last": "last-N", "heldout": "held-out"}
-    out = ["| optimizer | figure | pairs | bf16 - fp32: mean ± s.e. | RMS | pooled seed spread | RMS < spread | "
-           "systematic shift |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
-    out += [f"| {LABELS[r['optimizer']]} | {names[r['figure']]} | {r['pairs']} | {r['diff']:+.4f} ± {r['se']:.4f} "
-            f"| {r['rms']:.4f} | {r['spread']:.4f} | {'yes' if r['within'] else 'no'} | {r['shift']} |" for r in rows]
+    out = [
+        "| optimizer | figure | pairs | bf16 - fp32: mean ± s.e. | RMS | pooled seed spread | RMS < spread | "
+        "systematic shift |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    out += [
+        f"| {LABELS[r['optimizer']]} | {names[r['figure']]} | {r['pairs']} | {r['diff']:+.4f} ± {r['se']:.4f} "
+        f"| {r['rms']:.4f} | {r['spread']:.4f} | {'yes' if r['within'] else 'no'} | {r['shift']} |"
+        for r in rows
+    ]
     return "\n".join(out)
 
 
 def table(rows: list[dict]) -> str:
     """The Markdown table of :func:`summarize`'s rows."""
-    out = ["| optimizer | rank | seeds | last-N fp32 | last-N bf16 | bf16 - fp32 (mean / max) | seed spread | "
-           "held-out fp32 | held-out bf16 | bf16 - fp32 (mean / max) | seed spread | within noise |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = [
+        "| optimizer | rank | seeds | last-N fp32 | last-N bf16 | bf16 - fp32 (mean / max) | seed spread | "
+        "held-out fp32 | held-out bf16 | bf16 - fp32 (mean / max) | seed spread | within noise |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
         last, held = r["last"], r["heldout"]
         within = "yes" if last["within"] and held["within"] else "no"
-        out.append(f"| {LABELS[r['optimizer']]} | {r['rank']} | {r['seeds']} | {last['fp32']:.4f} | {last['bf16']:.4f} "
-                   f"| {last['diff']:+.4f} / {last['max_diff']:.4f} | {last['spread']:.4f} | {held['fp32']:.4f} "
-                   f"| {held['bf16']:.4f} | {held['diff']:+.4f} / {held['max_diff']:.4f} | {held['spread']:.4f} "
-                   f"| {within} |")
+        out.append(
+            f"| {LABELS[r['optimizer']]} | {r['rank']} | {r['seeds']} | {last['fp32']:.4f} | {last['bf16']:.4f} "
+            f"| {last['diff']:+.4f} / {last['max_diff']:.4f} | {last['spread']:.4f} | {held['fp32']:.4f} "
+            f"| {held['bf16']:.4f} | {held['diff']:+.4f} / {held['max_diff']:.4f} | {held['spread']:.4f} "
+            f"| {within} |"
+        )
     return "\n".join(out)
 
 
 def check_table(rows: list[dict]) -> str:
-    out = ["| m x k x n | equal to the fp32 product rounded once | at most (bf16 steps) | max error: bf16 matmul "
-           "| max error: bf16 accumulation |", "| --- | ---: | ---: | ---: | ---: |"]
+    out = [
+        "| m x k x n | equal to the fp32 product rounded once | at most (bf16 steps) | max error: bf16 matmul "
+        "| max error: bf16 accumulation |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        out.append(f"| {' x '.join(map(str, r['shape']))} | {100 * r['equal']:.3f}% | {r['steps']} | "
-                   f"{r['err']:.2e} | {r['bf16_acc_err']:.2e} |")
+        out.append(
+            f"| {' x '.join(map(str, r['shape']))} | {100 * r['equal']:.3f}% | {r['steps']} | "
+            f"{r['err']:.2e} | {r['bf16_acc_err']:.2e} |"
+        )
     return "\n".join(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--optimizers", default="adamw8bit", help=f"comma-separated, of {', '.join(OPTIMIZERS)}")
     ap.add_argument("--ranks", default="8,16,32,64")
     ap.add_argument("--seeds", default="0,1,2")
@@ -234,8 +283,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def report(check: list[dict], runs: list[dict], args: argparse.Namespace, seconds: float) -> str:
     """The premise check's table, the study's table and its settings, as Markdown."""
     seeds = sorted({r["seed"] for r in runs})
-    settings = (f"{args.steps} steps, batch 8 x 64 bytes, bf16 parameters, update_proj_gap {args.gap}, scale 1.0, "
-                f"seeds {','.join(map(str, seeds))}; last-N: mean of the last {args.tail} steps; {seconds:.0f} s")
+    settings = (
+        f"{args.steps} steps, batch 8 x 64 bytes, bf16 parameters, update_proj_gap {args.gap}, scale 1.0, "
+        f"seeds {','.join(map(str, seeds))}; last-N: mean of the last {args.tail} steps; {seconds:.0f} s"
+    )
     return f"{check_table(check)}\n\n{table(summarize(runs))}\n\n{pooled_table(pooled(runs))}\n\n{settings}\n"
 
 
@@ -247,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         print(report(saved["check"], saved["runs"], argparse.Namespace(**saved["settings"]), saved["seconds"]))
         return 0
     check = check_bf16_products()
-    print("bf16 products on this CPU (errors relative to the mean |exact product|):\n" + check_table(check) + "\n",
-          flush=True)
+    print(
+        "bf16 products on this CPU (errors relative to the mean |exact product|):\n" + check_table(check) + "\n",
+        flush=True,
+    )
     # seed-major: a study cut short still has every rank at its first seeds
     jobs = [(o, r, s, p) for s in args.seeds for o in args.optimizers for r in args.ranks for p in PROJ_DTYPES]
     runs: list[dict] = []
@@ -257,8 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(check=check, runs=runs, rows=summarize(runs), settings=vars(args),
-                               seconds=time.perf_counter() - t0), f, indent=1)
+                json.dump(
+                    dict(
+                        check=check,
+                        runs=runs,
+                        rows=summarize(runs),
+                        settings=vars(args),
+                        seconds=time.perf_counter() - t0,
+                    ),
+                    f,
+                    indent=1,
+                )
 
     threads = 1  # per run: (two threads' SVDs wait on each other on a busy machine; --jobs uses the cores)
     ctx = multiprocessing.get_context("spawn")
@@ -268,9 +330,13 @@ def main(argv: list[str] | None = None) -> int:
             r = f.result()
             runs.append(r)
             save()
-            print(f"[{len(runs)}/{len(jobs)} {time.perf_counter() - t0:6.0f}s] {r['optimizer']} rank {r['rank']} "
-                  f"seed {r['seed']} proj_dtype={r['proj']}: last-{args.tail} {r['last']:.4f}, held-out "
-                  f"{r['heldout']:.4f} ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
+            print(
+                f"[{len(runs)}/{len(jobs)} {time.perf_counter() - t0:6.0f}s] {r['optimizer']} rank {r['rank']} "
+                f"seed {r['seed']} proj_dtype={r['proj']}: last-{args.tail} {r['last']:.4f}, held-out "
+                f"{r['heldout']:.4f} ({r['seconds']:.0f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
     text = report(check, runs, args, time.perf_counter() - t0)
     print(text.split("\n\n", 1)[1])
     if args.markdown:

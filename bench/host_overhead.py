@@ -48,20 +48,25 @@ import lowmemopt  # noqa: E402
 
 OPTIMIZERS: dict[str, Callable] = {
     "lowmemopt AdamW 32-bit": lambda ps: lowmemopt.AdamW(ps, lr=1e-4, weight_decay=0.01),
-    "lowmemopt AdamW 8-bit": lambda ps: lowmemopt.AdamW(ps, lr=1e-4, weight_decay=0.01, state_bits=8,
-                                                        min_quant_numel=0),
-    "lowmemopt AdamW 4-bit": lambda ps: lowmemopt.AdamW(ps, lr=1e-4, weight_decay=0.01, state_bits=4,
-                                                        min_quant_numel=0),
+    "lowmemopt AdamW 8-bit": lambda ps: lowmemopt.AdamW(
+        ps, lr=1e-4, weight_decay=0.01, state_bits=8, min_quant_numel=0
+    ),
+    "lowmemopt AdamW 4-bit": lambda ps: lowmemopt.AdamW(
+        ps, lr=1e-4, weight_decay=0.01, state_bits=4, min_quant_numel=0
+    ),
     "lowmemopt Lion 8-bit": lambda ps: lowmemopt.Lion(ps, lr=1e-5, state_bits=8, min_quant_numel=0),
     "lowmemopt CAME 8-bit": lambda ps: lowmemopt.CAME(ps, lr=1e-4, state_bits=8, min_quant_numel=0),
     # paged state within its budget (all of it resident): what paging costs the host when nothing moves
     "lowmemopt AdamW 8-bit paged resident": lambda ps: lowmemopt.AdamW(
-        ps, lr=1e-4, weight_decay=0.01, state_bits=8, min_quant_numel=0, paged="cpu", page_budget_bytes=1 << 40),
+        ps, lr=1e-4, weight_decay=0.01, state_bits=8, min_quant_numel=0, paged="cpu", page_budget_bytes=1 << 40
+    ),
     # capturable=True taken eagerly (not captured): what the device-side counts and scalars cost the host
     "lowmemopt AdamW 8-bit capturable": lambda ps: lowmemopt.AdamW(
-        ps, lr=_lr_tensor(ps, 1e-4), weight_decay=0.01, state_bits=8, min_quant_numel=0, capturable=True),
+        ps, lr=_lr_tensor(ps, 1e-4), weight_decay=0.01, state_bits=8, min_quant_numel=0, capturable=True
+    ),
     "lowmemopt CAME 8-bit capturable": lambda ps: lowmemopt.CAME(
-        ps, lr=_lr_tensor(ps, 1e-4), state_bits=8, min_quant_numel=0, capturable=True),
+        ps, lr=_lr_tensor(ps, 1e-4), state_bits=8, min_quant_numel=0, capturable=True
+    ),
 }
 #: rows that take opt.step() only (per-layer updates and GaLore groups do not take capturable=True)
 STEP_ONLY = {name for name in OPTIMIZERS if name.endswith("capturable")}
@@ -151,8 +156,18 @@ def per_layer(opt, bucket_bytes: int = 0) -> Callable[[], None]:
     return run
 
 
-def host_ms(make: Callable, shapes, device: str, dtype: torch.dtype, steps: int, repeat: int, modes: tuple[str, ...],
-            rank: int | None = None, bucket_bytes: int = 0, per_parameter: bool = False) -> dict[str, float]:
+def host_ms(
+    make: Callable,
+    shapes,
+    device: str,
+    dtype: torch.dtype,
+    steps: int,
+    repeat: int,
+    modes: tuple[str, ...],
+    rank: int | None = None,
+    bucket_bytes: int = 0,
+    per_parameter: bool = False,
+) -> dict[str, float]:
     """Per mode (``"step"``: ``opt.step()``; ``"per-layer"``: :func:`per_layer`), the median over ``repeat`` rounds of
     the thread's CPU time per step, in ms. The modes' rounds alternate, on one optimizer."""
     opt = make(param_groups(make_params(shapes, device, dtype), rank, per_parameter))
@@ -184,15 +199,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--optimizers", help="comma-separated subset of the rows")
-    ap.add_argument("--mode", choices=("step", "per-layer", "both"), default="both",
-                    help="opt.step(), the per-layer updates of step_in_backward, or both (alternated)")
-    ap.add_argument("--galore", type=int, metavar="RANK",
-                    help="the attention and MLP matrices in a GaLore group of this rank")
-    ap.add_argument("--bucket-bytes", type=int, default=0,
-                    help="per-layer updates held and stepped in buckets of this many gradient bytes "
-                         "(step_in_backward's bucket_bytes; 0: each parameter alone)")
-    ap.add_argument("--per-parameter-groups", action="store_true",
-                    help="one param group per parameter, equal values (u-muP's layout for parameters of one scale)")
+    ap.add_argument(
+        "--mode",
+        choices=("step", "per-layer", "both"),
+        default="both",
+        help="opt.step(), the per-layer updates of step_in_backward, or both (alternated)",
+    )
+    ap.add_argument(
+        "--galore", type=int, metavar="RANK", help="the attention and MLP matrices in a GaLore group of this rank"
+    )
+    ap.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=0,
+        help="per-layer updates held and stepped in buckets of this many gradient bytes "
+        "(step_in_backward's bucket_bytes; 0: each parameter alone)",
+    )
+    ap.add_argument(
+        "--per-parameter-groups",
+        action="store_true",
+        help="one param group per parameter, equal values (u-muP's layout for parameters of one scale)",
+    )
     args = ap.parse_args(argv)
     if args.per_parameter_groups and args.galore is not None:
         print("--per-parameter-groups and --galore: choose one", file=sys.stderr)
@@ -227,22 +254,36 @@ def main(argv: list[str] | None = None) -> int:
         galore += f", per-layer buckets of {args.bucket_bytes} bytes"
     if args.per_parameter_groups:
         galore += ", one param group per parameter"
-    lines = [f"{len(shapes)} tensors ({args.layers} layers, hidden {args.hidden}){galore}, {args.dtype}, "
-             f"{args.device}, torch {torch.__version__}",
-             "| optimizer | mode | host ms / step | µs / parameter | × step() |",
-             "| --- | --- | ---: | ---: | ---: |"]
+    lines = [
+        f"{len(shapes)} tensors ({args.layers} layers, hidden {args.hidden}){galore}, {args.dtype}, "
+        f"{args.device}, torch {torch.__version__}",
+        "| optimizer | mode | host ms / step | µs / parameter | × step() |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
     for name, make in rows.items():
         step_only = name in ANCHORS or name in STEP_ONLY  # (per-layer updates are lowmemopt's: step_in_backward)
         if (step_only and "step" not in modes) or (name in STEP_ONLY and args.galore is not None):
             continue
         row_modes = ("step",) if step_only else modes
         with runtime.cpu_interpreter() if args.device == "cpu" else contextlib.nullcontext():
-            ms = host_ms(make, shapes, args.device, dtype, args.steps, args.repeat, row_modes, args.galore,
-                         args.bucket_bytes, args.per_parameter_groups)
+            ms = host_ms(
+                make,
+                shapes,
+                args.device,
+                dtype,
+                args.steps,
+                args.repeat,
+                row_modes,
+                args.galore,
+                args.bucket_bytes,
+                args.per_parameter_groups,
+            )
         for mode, value in ms.items():
             ratio = f"{value / ms['step']:.2f}" if mode != "step" and "step" in ms else ""
-            lines.append(f"| {name} | {'step()' if mode == 'step' else mode} | {value:.2f} | "
-                         f"{1e3 * value / len(shapes):.1f} | {ratio} |")
+            lines.append(
+                f"| {name} | {'step()' if mode == 'step' else mode} | {value:.2f} | "
+                f"{1e3 * value / len(shapes):.1f} | {ratio} |"
+            )
     print("\n".join(lines))
     return 0
 

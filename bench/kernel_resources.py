@@ -150,8 +150,11 @@ def parse_ptxas_log(log: str, name: str) -> dict[str, int | None]:
     """Registers, barriers, stack frame and spill stores / loads (bytes) of entry function ``name`` from ptxas's ``-v``
     report (None for what it does not state)."""
     out: dict[str, int | None] = dict(registers=None, barriers=None, stack=None, spill_stores=None, spill_loads=None)
-    props = re.search(rf"Function properties for {re.escape(name)}\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
-                      r"stores, (\d+) bytes spill loads", log)
+    props = re.search(
+        rf"Function properties for {re.escape(name)}\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+        r"stores, (\d+) bytes spill loads",
+        log,
+    )
     if props:
         out.update(stack=int(props[1]), spill_stores=int(props[2]), spill_loads=int(props[3]))
     entry = log.find(f"Compiling entry function '{name}'")
@@ -214,7 +217,7 @@ def _numbered_body(ptx: str) -> list[tuple[int, str]]:
     first = ptx.count("\n", 0, start) + 2  # the line after the one holding the "{"
     ids = _file_ids_by_name(ptx)
     lines = []
-    for number, raw in enumerate(ptx[start + 1:].splitlines()[1:], first):
+    for number, raw in enumerate(ptx[start + 1 :].splitlines()[1:], first):
         line, _, comment = raw.partition("//")
         line = line.strip()
         if line == "}":
@@ -241,8 +244,7 @@ def _comment_call_sites(comment: str, ids: dict[str, int]) -> str:
     _, at, chain = comment.partition("@[")
     if not at:
         return ""
-    return "".join(f", inlined_at {ids[name]} {ln} {col}" for name, ln, col in _CALL_SITE.findall(chain)
-                   if name in ids)
+    return "".join(f", inlined_at {ids[name]} {ln} {col}" for name, ln, col in _CALL_SITE.findall(chain) if name in ids)
 
 
 def entry_body(ptx: str) -> list[str]:
@@ -311,8 +313,12 @@ def full_branch_lines(kernel: Any) -> tuple[str, int, range, range] | None:
     if j is None or lines[j].strip() != "else:":
         return None
     end = next((k for k in range(j + 1, len(lines)) if lines[k].strip() and _indent(lines[k]) <= indent), len(lines))
-    return (os.path.realpath(inspect.getsourcefile(fn)), first + i, range(first + i + 1, first + j),
-            range(first + j + 1, first + end))
+    return (
+        os.path.realpath(inspect.getsourcefile(fn)),
+        first + i,
+        range(first + i + 1, first + j),
+        range(first + j + 1, first + end),
+    )
 
 
 def _line_refs(lines: Iterable[str], file_id: int) -> list[int]:
@@ -334,8 +340,9 @@ def _last_loc(lines: list[str]) -> tuple[int, int] | None:
     return None
 
 
-def full_tile_path(ptx: str, branch: tuple[str, int, range, range] | None,
-                   body: list[str] | None = None) -> tuple[str, list[str]]:
+def full_tile_path(
+    ptx: str, branch: tuple[str, int, range, range] | None, body: list[str] | None = None
+) -> tuple[str, list[str]]:
     """("full", the PTX lines a full tile executes) for a tile kernel whose ``if full:`` is ``branch``
     (:func:`full_branch_lines`): every block except those only the branch's masked side reaches (the side whose
     ``.loc`` lines point into the ``else:`` body); ("all", every line) without that branch, or if it cannot be found
@@ -356,8 +363,9 @@ def masked_ptx_lines(ptx: str, branch: tuple[str, int, range, range] | None) -> 
     return None if masked is None else {n for blk in blocks if blk.name in masked for n in blk.numbers}
 
 
-def _masked_blocks(ptx: str, branch: tuple[str, int, range, range] | None, body: list[str],
-                   numbers: list[int] | None = None) -> tuple[list[Block], set[str] | None]:
+def _masked_blocks(
+    ptx: str, branch: tuple[str, int, range, range] | None, body: list[str], numbers: list[int] | None = None
+) -> tuple[list[Block], set[str] | None]:
     """(the body's basic blocks, names of those only the masked side of ``branch`` reaches, or None)."""
     files = {path: int(i) for i, path in _FILE.findall(ptx)}
     file_id = next((i for path, i in files.items() if branch and os.path.realpath(path) == branch[0]), None)
@@ -393,8 +401,15 @@ def memory_counts(lines: Iterable[str]) -> dict[str, Any]:
     """Per-thread static counts of memory instructions in PTX ``lines``: global loads and stores by width class
     (bits: 128, 64, 32, and 16 for <= 16), global atomics, shared loads and stores, ``bar.sync``, and the bytes the
     global loads move."""
-    counts: dict[str, Any] = dict(ld_global={w: 0 for w in WIDTHS}, st_global={w: 0 for w in WIDTHS}, atomics=0,
-                                  ld_shared=0, st_shared=0, bar_sync=0, load_bytes=0)
+    counts: dict[str, Any] = dict(
+        ld_global={w: 0 for w in WIDTHS},
+        st_global={w: 0 for w in WIDTHS},
+        atomics=0,
+        ld_shared=0,
+        st_shared=0,
+        bar_sync=0,
+        load_bytes=0,
+    )
     for line in lines:
         if _BAR.match(line):
             counts["bar_sync"] += 1
@@ -468,12 +483,18 @@ def sweep_variants() -> list[Any]:
     flags = dict(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=NEAREST)
     out = []
     for fmt, shapes in SWEEP_TILES.items():
-        for decode in (("table", "arithmetic") if fmt == "q8" else ("table",)):
+        for decode in ("table", "arithmetic") if fmt == "q8" else ("table",):
             books = dict(book_s=None, book_u=None) if decode == "arithmetic" else {}
             for rows, block in shapes:
                 for warps in SWEEP_WARPS:
-                    constexprs = variants.tile(block, **flags, **books, FMT=Q4 if fmt == "q4" else Q8, ROWS=rows,
-                                               COLS=runtime.column_tiles(fmt))
+                    constexprs = variants.tile(
+                        block,
+                        **flags,
+                        **books,
+                        FMT=Q4 if fmt == "q4" else Q8,
+                        ROWS=rows,
+                        COLS=runtime.column_tiles(fmt),
+                    )
                     label = f"adamw-{fmt}" + ("-arith" if books else "")
                     out.append(variants.Variant(label, adamw._adam_kernel, constexprs, warps))
     return out
@@ -510,8 +531,14 @@ def compile_logged(variant: Any) -> tuple[Any, str]:
 def measure(variant: Any, cuobjdump: str | None, nvdisasm: str | None = None) -> dict[str, Any]:
     """Everything the report shows about one variant (see the module docstring); ``ok`` False and ``error`` if it
     does not compile."""
-    rec: dict[str, Any] = dict(label=variant.label, kernel=variant.kernel.fn.__name__, tile=variant.tile(),
-                               num_warps=variant.num_warps, ok=False, error="")
+    rec: dict[str, Any] = dict(
+        label=variant.label,
+        kernel=variant.kernel.fn.__name__,
+        tile=variant.tile(),
+        num_warps=variant.num_warps,
+        ok=False,
+        error="",
+    )
     try:
         compiled, log = compile_logged(variant)
     except Exception as exc:  # noqa: BLE001 - reported in the table
@@ -533,8 +560,11 @@ def measure(variant: Any, cuobjdump: str | None, nvdisasm: str | None = None) ->
     rec["load_bytes_per_program"] = rec["load_bytes"] * threads
     elements = variant.elements()
     rec["load_bytes_per_element"] = rec["load_bytes_per_program"] / elements if elements else None
-    rec["sass_path"], rec["sass"] = sass_full_path(sass_text(compiled.asm["cubin"], nvdisasm),
-                                                   masked_ptx_lines(ptx, branch)) if nvdisasm else (None, None)
+    rec["sass_path"], rec["sass"] = (
+        sass_full_path(sass_text(compiled.asm["cubin"], nvdisasm), masked_ptx_lines(ptx, branch))
+        if nvdisasm
+        else (None, None)
+    )
     rec["sass_per_element"] = rec["sass"] * threads / elements if elements and rec["sass"] else None
     if rec["registers"] is not None:
         occ = occupancy(rec["registers"], rec["shared_dynamic"] + (rec["shared_static"] or 0), variant.num_warps)
@@ -558,8 +588,20 @@ def worker(index: int, count: int, sweep: bool) -> int:
     from lowmemopt.kernels import variants
 
     cuobjdump, nvdisasm = cuobjdump_path(), nvdisasm_path()
-    print(json.dumps(dict(info=dict(triton=triton.__version__, ptxas=ptxas, cuobjdump=cuobjdump, nvdisasm=nvdisasm,
-                                    target=f"sm_{variants.SM90.arch}"))), flush=True)
+    print(
+        json.dumps(
+            dict(
+                info=dict(
+                    triton=triton.__version__,
+                    ptxas=ptxas,
+                    cuobjdump=cuobjdump,
+                    nvdisasm=nvdisasm,
+                    target=f"sm_{variants.SM90.arch}",
+                )
+            )
+        ),
+        flush=True,
+    )
     for i, variant in enumerate(all_variants(sweep)):
         if i % count == index:
             print(json.dumps(dict(index=i, **measure(variant, cuobjdump, nvdisasm))), flush=True)
@@ -593,8 +635,16 @@ def run_workers(jobs: int, sweep: bool, timeout: float = 900) -> tuple[dict[str,
         for i in range(jobs):
             env = dict(base_env, TRITON_CACHE_DIR=os.path.join(work, f"cache-{i}"))
             with open(os.path.join(work, f"{i}.out"), "w") as out, open(os.path.join(work, f"{i}.err"), "w") as err:
-                procs.append(subprocess.Popen(cmd + [str(i), str(jobs)] + ([] if sweep else ["--no-sweep"]), env=env,
-                                              cwd=work, stdout=out, stderr=err, text=True))
+                procs.append(
+                    subprocess.Popen(
+                        cmd + [str(i), str(jobs)] + ([] if sweep else ["--no-sweep"]),
+                        env=env,
+                        cwd=work,
+                        stdout=out,
+                        stderr=err,
+                        text=True,
+                    )
+                )
         for i, proc in enumerate(procs):
             rc = _wait(proc, timeout)
             with open(os.path.join(work, f"{i}.out")) as out, open(os.path.join(work, f"{i}.err")) as err:
@@ -624,13 +674,29 @@ def table_row(r: dict[str, Any]) -> str:
     occ = r.get("occupancy")
     warps = f"{occ['warps']} ({occ['fraction']:.0%})" if occ else "?"
     per_el = r["load_bytes_per_element"]
-    sass = "?" if r.get("sass") is None else f"{r['sass']:,}" + (
-        f" ({r['sass_per_element']:.1f})" if r.get("sass_per_element") is not None else "")
-    return head + "".join(f" {x} |" for x in (
-        r["registers"] if r["registers"] is not None else "?", spill, smem, warps, occ["limiter"] if occ else "?",
-        r["path"], _widths(r["ld_global"]), _widths(r["st_global"]), r["atomics"],
-        f"{r['ld_shared']}/{r['st_shared']}", r["bar_sync"],
-        f"{r['load_bytes_per_program']:,}" + (f" ({per_el:.1f})" if per_el is not None else ""), sass))
+    sass = (
+        "?"
+        if r.get("sass") is None
+        else f"{r['sass']:,}" + (f" ({r['sass_per_element']:.1f})" if r.get("sass_per_element") is not None else "")
+    )
+    return head + "".join(
+        f" {x} |"
+        for x in (
+            r["registers"] if r["registers"] is not None else "?",
+            spill,
+            smem,
+            warps,
+            occ["limiter"] if occ else "?",
+            r["path"],
+            _widths(r["ld_global"]),
+            _widths(r["st_global"]),
+            r["atomics"],
+            f"{r['ld_shared']}/{r['st_shared']}",
+            r["bar_sync"],
+            f"{r['load_bytes_per_program']:,}" + (f" ({per_el:.1f})" if per_el is not None else ""),
+            sass,
+        )
+    )
 
 
 LEGEND = """\
@@ -662,21 +728,41 @@ LEGEND = """\
 
 def render(info: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """The markdown report: a heading line, the table, the legend."""
-    head = (f"Static resources of lowmemopt's Triton kernels compiled for {info.get('target', 'sm_90')} on the CPU "
-            f"(Triton {info.get('triton', '?')}; occupancy for {H100.name}). No GPU, no timing.\n")
+    head = (
+        f"Static resources of lowmemopt's Triton kernels compiled for {info.get('target', 'sm_90')} on the CPU "
+        f"(Triton {info.get('triton', '?')}; occupancy for {H100.name}). No GPU, no timing.\n"
+    )
     if not info.get("cuobjdump"):
-        head += "\ncuobjdump not found (Triton's bundled one, next to ptxas, or on PATH): static shared memory is " \
-                "not counted.\n"
-    cols = ["variant", "tile", "warps", "regs", "spill st/ld", "smem", "warps/SM", "limiter", "path",
-            "ld.global 128/64/32/16", "st.global 128/64/32/16", "atom", "ld/st.shared", "bar.sync",
-            "load B/program (B/elem)", "SASS (per elem)"]
+        head += (
+            "\ncuobjdump not found (Triton's bundled one, next to ptxas, or on PATH): static shared memory is "
+            "not counted.\n"
+        )
+    cols = [
+        "variant",
+        "tile",
+        "warps",
+        "regs",
+        "spill st/ld",
+        "smem",
+        "warps/SM",
+        "limiter",
+        "path",
+        "ld.global 128/64/32/16",
+        "st.global 128/64/32/16",
+        "atom",
+        "ld/st.shared",
+        "bar.sync",
+        "load B/program (B/elem)",
+        "SASS (per elem)",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * 3 + " ---: |" * 4 + " --- | --- |" + " ---: |" * 7]
     return "\n".join([head, *lines, *(table_row(r) for r in records), "", LEGEND])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--no-sweep", action="store_true", help="only the shared variant table, no AdamW tile sweep")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compile processes")
     parser.add_argument("--json", metavar="PATH", help="write every record (and the tools used) here")

@@ -27,17 +27,35 @@ from lowmemopt.demo import _fit, _llama
 OPTIMIZERS: dict[str, tuple[Callable[[torch.nn.Module, int], torch.optim.Optimizer], str]] = {
     # Keller Jordan's settings for the hidden matrices (lr 0.02, momentum 0.95, Nesterov); AdamW at lr 2e-3 for the
     # embeddings, the head and the norms
-    "muon": (lambda model, bits: lowmemopt.Muon(lowmemopt.muon_param_groups(model), lr=0.02, weight_decay=0.01,
-                                                adamw_lr=2e-3, state_bits=bits), "Muon"),
+    "muon": (
+        lambda model, bits: lowmemopt.Muon(
+            lowmemopt.muon_param_groups(model), lr=0.02, weight_decay=0.01, adamw_lr=2e-3, state_bits=bits
+        ),
+        "Muon",
+    ),
     # APOLLO at a quarter of the hidden size, and APOLLO-Mini (rank 1, tensor-wise, scale 128), on every Linear weight
     # (the embedding, head and norms as AdamW); low-rank moments quantized from 256 elements (the small model's
     # 96 x 24 moments are below the default 4096)
-    "apollo": (lambda model, bits: lowmemopt.APOLLOAdamW(
-        lowmemopt.apollo_param_groups(model, rank=24, update_proj_gap=50), lr=2e-3, weight_decay=0.01,
-        state_bits=bits, min_quant_numel=256), "APOLLO (rank 24)"),
-    "apollo_mini": (lambda model, bits: lowmemopt.APOLLOAdamW(
-        lowmemopt.apollo_param_groups(model, rank=1, scale_type="tensor", scale=128.0, update_proj_gap=50),
-        lr=2e-3, weight_decay=0.01, state_bits=bits, min_quant_numel=64), "APOLLO-Mini"),
+    "apollo": (
+        lambda model, bits: lowmemopt.APOLLOAdamW(
+            lowmemopt.apollo_param_groups(model, rank=24, update_proj_gap=50),
+            lr=2e-3,
+            weight_decay=0.01,
+            state_bits=bits,
+            min_quant_numel=256,
+        ),
+        "APOLLO (rank 24)",
+    ),
+    "apollo_mini": (
+        lambda model, bits: lowmemopt.APOLLOAdamW(
+            lowmemopt.apollo_param_groups(model, rank=1, scale_type="tensor", scale=128.0, update_proj_gap=50),
+            lr=2e-3,
+            weight_decay=0.01,
+            state_bits=bits,
+            min_quant_numel=64,
+        ),
+        "APOLLO-Mini",
+    ),
 }
 
 
@@ -61,15 +79,18 @@ def train(name: str, bits: int, steps: int, seed: int, model_name: str = "small"
     r = _fit(model, loss_of, make, steps, seed, 8, 64, None)
     opt = holder["opt"]
     first = next(g for g in opt.param_groups if g.get("use_muon") or g.get("apollo_rank"))["params"]  # the matrices
-    r["group_bytes_per_param"] = sum(v.numel() * v.element_size() for p in first for v in opt.state[p].values()
-                                     if isinstance(v, torch.Tensor)) / sum(p.numel() for p in first)
+    r["group_bytes_per_param"] = sum(
+        v.numel() * v.element_size() for p in first for v in opt.state[p].values() if isinstance(v, torch.Tensor)
+    ) / sum(p.numel() for p in first)
     return r
 
 
 def table(name: str, results: dict[tuple[int, int], dict[str, Any]], seeds: list[int], bits: list[int]) -> str:
     label = OPTIMIZERS[name][1]
-    lines = [f"| {label} | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap | B / param (matrices) |",
-             "| --- |" + " ---: |" * (len(seeds) + 2)]
+    lines = [
+        f"| {label} | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap | B / param (matrices) |",
+        "| --- |" + " ---: |" * (len(seeds) + 2),
+    ]
     for b in bits:
         cells, gaps = [], []
         for s in seeds:

@@ -38,44 +38,65 @@ import torch
 
 from lowmemopt.memory import proc_status_bytes, reset_peak_rss
 
-from common import (LLAMA_PRESETS, build_llama, drop_from_page_cache, fixed_grads, fresh_params, machine_info,
-                    time_steps)
+from common import LLAMA_PRESETS, build_llama, drop_from_page_cache, fixed_grads, fresh_params, machine_info, time_steps
 
 CPU_CONFIGS = ["unpaged", "disk", "cpu"]
 GPU_CONFIGS = ["unpaged", "cpu", "disk", "auto", "bnb-unpaged", "bnb-paged"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--small", action="store_true", help="~11M-parameter model instead of ~148M")
     parser.add_argument("--bits", type=int, default=8, choices=[32, 16, 8], help="state_bits (default 8)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--configs", help="comma-separated subset (CPU: " + ", ".join(CPU_CONFIGS) + "; GPU: "
-                        + ", ".join(GPU_CONFIGS) + ")")
-    parser.add_argument("--offload-dir", help="directory for the disk tier (default: a new one under the system's "
-                        "temporary directory; use a real disk: /tmp may be RAM-backed)")
-    parser.add_argument("--budget-frac", type=float, default=0.0,
-                        help="GPU: page_budget_bytes of the cpu and disk rows as a fraction of the unpaged state\n"
-                             "(default 0: everything pages; the auto row has page_budget_bytes='auto')")
-    parser.add_argument("--disk-floor", action="store_true",
-                        help="CPU: the disk tier against its floor, in one process: paired rounds of a paged step,\n"
-                             "an unpaged step and a plain pread + pwrite of the state's files")
+    parser.add_argument(
+        "--configs",
+        help="comma-separated subset (CPU: " + ", ".join(CPU_CONFIGS) + "; GPU: " + ", ".join(GPU_CONFIGS) + ")",
+    )
+    parser.add_argument(
+        "--offload-dir",
+        help="directory for the disk tier (default: a new one under the system's "
+        "temporary directory; use a real disk: /tmp may be RAM-backed)",
+    )
+    parser.add_argument(
+        "--budget-frac",
+        type=float,
+        default=0.0,
+        help="GPU: page_budget_bytes of the cpu and disk rows as a fraction of the unpaged state\n"
+        "(default 0: everything pages; the auto row has page_budget_bytes='auto')",
+    )
+    parser.add_argument(
+        "--disk-floor",
+        action="store_true",
+        help="CPU: the disk tier against its floor, in one process: paired rounds of a paged step,\n"
+        "an unpaged step and a plain pread + pwrite of the state's files",
+    )
     parser.add_argument("--rounds", type=int, default=7, help="--disk-floor: rounds (default 7)")
-    parser.add_argument("--cold", action="store_true",
-                        help="--disk-floor: the state's files dropped from the page cache (written out first) before\n"
-                             "each paged step and each floor: their reads come from the disk")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="CPU: run the configurations this many times, interleaved; report each one's best\n"
-                             "median (a shared machine's load changes between runs)")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="--disk-floor: the state's files dropped from the page cache (written out first) before\n"
+        "each paged step and each floor: their reads come from the disk",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="CPU: run the configurations this many times, interleaved; report each one's best\n"
+        "median (a shared machine's load changes between runs)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one CPU configuration, print JSON
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available on this machine; the GPU part needs a CUDA device "
-                     "(run without --device for the CPU part)")
+        parser.error(
+            "--device cuda: CUDA is not available on this machine; the GPU part needs a CUDA device "
+            "(run without --device for the CPU part)"
+        )
     known = GPU_CONFIGS if args.device.startswith("cuda") else CPU_CONFIGS
     args.config_list = [c.strip() for c in (args.configs or ",".join(known)).split(",") if c.strip()]
     unknown = [c for c in args.config_list if c not in known]
@@ -120,9 +141,17 @@ def cpu_worker(args: argparse.Namespace) -> None:
 
     times, note = time_steps(step, steps=args.steps, warmup=0, device=torch.device("cpu"))
     peak = proc_status_bytes("VmHWM")
-    out = dict(config=args.worker, state_bytes=opt.state_nbytes(), n_params=sum(p.numel() for p in params),
-               rss_after_warmup=after_warmup - base, peak_rss=peak - base,
-               times_s=times, median_s=statistics.median(times), cpu_s=statistics.median(cpu_times), note=note)
+    out = dict(
+        config=args.worker,
+        state_bytes=opt.state_nbytes(),
+        n_params=sum(p.numel() for p in params),
+        rss_after_warmup=after_warmup - base,
+        peak_rss=peak - base,
+        times_s=times,
+        median_s=statistics.median(times),
+        cpu_s=statistics.median(cpu_times),
+        note=note,
+    )
     opt.close()
     print(json.dumps(out))
 
@@ -144,8 +173,20 @@ def _run_cpu_once(args: argparse.Namespace) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
         for config in args.config_list:
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--bits", str(args.bits),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--offload-dir", offload_dir]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                config,
+                "--bits",
+                str(args.bits),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--offload-dir",
+                offload_dir,
+            ]
             if args.small:
                 cmd.append("--small")
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -159,8 +200,10 @@ def _run_cpu_once(args: argparse.Namespace) -> list[dict]:
 
 def print_cpu_table(results: list[dict]) -> None:
     ref = next((r for r in results if r.get("config") == "unpaged" and "median_s" in r), None)
-    print("| configuration | state (MB) | RSS above model+grads after warm-up (MB) | peak during steps (MB) "
-          "| median step (s) | vs unpaged | process CPU s / step | vs unpaged |")
+    print(
+        "| configuration | state (MB) | RSS above model+grads after warm-up (MB) | peak during steps (MB) "
+        "| median step (s) | vs unpaged | process CPU s / step | vs unpaged |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         if "error" in r:
@@ -168,8 +211,10 @@ def print_cpu_table(results: list[dict]) -> None:
             continue
         ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if ref else "—"
         cpu_ratio = f"{r['cpu_s'] / ref['cpu_s']:.2f}x" if ref else "—"
-        print(f"| {_cpu_name(r['config'])} | {r['state_bytes'] / 1e6:.1f} | {r['rss_after_warmup'] / 1e6:.1f} "
-              f"| {r['peak_rss'] / 1e6:.1f} | {r['median_s']:.3f} | {ratio} | {r['cpu_s']:.3f} | {cpu_ratio} |")
+        print(
+            f"| {_cpu_name(r['config'])} | {r['state_bytes'] / 1e6:.1f} | {r['rss_after_warmup'] / 1e6:.1f} "
+            f"| {r['peak_rss'] / 1e6:.1f} | {r['median_s']:.3f} | {ratio} | {r['cpu_s']:.3f} | {cpu_ratio} |"
+        )
 
 
 def _cpu_name(config: str) -> str:
@@ -183,8 +228,12 @@ def _cpu_name(config: str) -> str:
 def _bnb(params, config: str, bits: int):
     import bitsandbytes as bnb
 
-    cls = {("bnb-unpaged", 8): bnb.optim.AdamW8bit, ("bnb-paged", 8): bnb.optim.PagedAdamW8bit,
-           ("bnb-unpaged", 32): bnb.optim.AdamW, ("bnb-paged", 32): bnb.optim.PagedAdamW}.get((config, bits))
+    cls = {
+        ("bnb-unpaged", 8): bnb.optim.AdamW8bit,
+        ("bnb-paged", 8): bnb.optim.PagedAdamW8bit,
+        ("bnb-unpaged", 32): bnb.optim.AdamW,
+        ("bnb-paged", 32): bnb.optim.PagedAdamW,
+    }.get((config, bits))
     if cls is None:
         raise ValueError(f"bitsandbytes has no {bits}-bit AdamW")
     return cls(params, lr=1e-3, weight_decay=1e-2)
@@ -207,10 +256,16 @@ def run_gpu(args: argparse.Namespace) -> list[dict]:
     copies = copy_bandwidth(device)
     with tempfile.TemporaryDirectory(prefix="lowmemopt-bench-", dir=args.offload_dir) as offload_dir:
         files = file_bandwidth(offload_dir) if "disk" in args.config_list else None
-        print(f"- pinned copy bandwidth: host->device {copies['h2d'] / 1e9:.1f} GB/s, device->host "
-              f"{copies['d2h'] / 1e9:.1f} GB/s, both at once {copies['both'] / 1e9:.1f} GB/s"
-              + ("" if files is None else f"; offload_dir files: write "
-              f"{files['write'] / 1e9:.2f} GB/s, read {files['read'] / 1e9:.2f} GB/s") + "\n")
+        print(
+            f"- pinned copy bandwidth: host->device {copies['h2d'] / 1e9:.1f} GB/s, device->host "
+            f"{copies['d2h'] / 1e9:.1f} GB/s, both at once {copies['both'] / 1e9:.1f} GB/s"
+            + (
+                ""
+                if files is None
+                else f"; offload_dir files: write {files['write'] / 1e9:.2f} GB/s, read {files['read'] / 1e9:.2f} GB/s"
+            )
+            + "\n"
+        )
         for config in args.config_list:
             row: dict = dict(config=config)
             params = opt = None
@@ -249,8 +304,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5)
     dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
     streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
     out = {}
-    for name, pairs in (("h2d", [(dev[0], host[0])]), ("d2h", [(host[1], dev[1])]),
-                        ("both", [(dev[0], host[0]), (host[1], dev[1])])):
+    for name, pairs in (
+        ("h2d", [(dev[0], host[0])]),
+        ("d2h", [(host[1], dev[1])]),
+        ("both", [(dev[0], host[0]), (host[1], dev[1])]),
+    ):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for warm in (True, False):
             start.record()
@@ -288,8 +346,9 @@ def file_bandwidth(directory: str, nbytes: int = 256 << 20) -> dict[str, float]:
     return dict(write=nbytes / (t1 - t0), read=nbytes / (t2 - t1))
 
 
-def transfer_floor(moved: int, config: str, copies: dict[str, float],
-                   files: dict[str, float] | None) -> dict[str, float]:
+def transfer_floor(
+    moved: int, config: str, copies: dict[str, float], files: dict[str, float] | None
+) -> dict[str, float]:
     """Seconds a step cannot beat, ``moved`` bytes each way at the measured bandwidths: ``serial`` one direction at a
     time (the sum), ``both`` both directions at once (2 x moved at the both-ways rate). For the disk tier, the file
     read and write (by the reader and writer threads) bound both as well."""
@@ -316,9 +375,13 @@ def _measure_gpu(opt, args: argparse.Namespace, device: torch.device, base_alloc
 
     return dict(
         moved=paging.moving_bytes(opt) if hasattr(opt, "state_nbytes") else 0,
-        state_bytes=_state_bytes(opt), held_between_steps=torch.cuda.memory_allocated(device) - base_alloc,
-        peak_in_step=torch.cuda.max_memory_allocated(device) - base_alloc, device_used=max(used) - base_used,
-        times_s=times, median_s=statistics.median(times), note=note,
+        state_bytes=_state_bytes(opt),
+        held_between_steps=torch.cuda.memory_allocated(device) - base_alloc,
+        peak_in_step=torch.cuda.max_memory_allocated(device) - base_alloc,
+        device_used=max(used) - base_used,
+        times_s=times,
+        median_s=statistics.median(times),
+        note=note,
     )
 
 
@@ -327,8 +390,12 @@ def _expected_state_bytes(reference: list[torch.Tensor], bits: int) -> int:
     meta = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in reference]
     opt = _lowmemopt(meta, "unpaged", bits, None)
     group = opt.param_groups[0]
-    return sum(t.nbytes for p in meta for t in opt._init_state(p, group, opt._slots(group, p)).values()
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.nbytes
+        for p in meta
+        for t in opt._init_state(p, group, opt._slots(group, p)).values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def _state_bytes(opt) -> int:
@@ -341,13 +408,19 @@ def _state_bytes(opt) -> int:
 
 def print_gpu_table(results: list[dict], bits: int) -> None:
     ref = next((r for r in results if r.get("config") == "unpaged" and "median_s" in r), None)
-    names = {"unpaged": "lowmemopt unpaged", "cpu": 'lowmemopt paged="cpu"', "disk": 'lowmemopt paged="disk"',
-             "auto": 'lowmemopt paged="cpu", budget "auto"',
-             "bnb-unpaged": f"bnb AdamW{'8bit' if bits == 8 else ''}",
-             "bnb-paged": f"bnb PagedAdamW{'8bit' if bits == 8 else ''}"}
-    print("| configuration | state (MB) | budget (MB) | held on device between steps (MB) | peak in step (MB) "
-          "| device used (MB) | median step (s) | vs unpaged | moved per step, each way (MB) | achieved (GB/s) "
-          "| floor, one direction at a time (s) | floor, both at once (s) | vs floor (both) |")
+    names = {
+        "unpaged": "lowmemopt unpaged",
+        "cpu": 'lowmemopt paged="cpu"',
+        "disk": 'lowmemopt paged="disk"',
+        "auto": 'lowmemopt paged="cpu", budget "auto"',
+        "bnb-unpaged": f"bnb AdamW{'8bit' if bits == 8 else ''}",
+        "bnb-paged": f"bnb PagedAdamW{'8bit' if bits == 8 else ''}",
+    }
+    print(
+        "| configuration | state (MB) | budget (MB) | held on device between steps (MB) | peak in step (MB) "
+        "| device used (MB) | median step (s) | vs unpaged | moved per step, each way (MB) | achieved (GB/s) "
+        "| floor, one direction at a time (s) | floor, both at once (s) | vs floor (both) |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         name = names[r["config"]]
@@ -361,9 +434,11 @@ def print_gpu_table(results: list[dict], bits: int) -> None:
         serial = "—" if floor is None else f"{floor['serial']:.4f}"
         both = "—" if floor is None else f"{floor['both']:.4f}"
         vs_floor = "—" if floor is None else f"{r['median_s'] / floor['both']:.2f}x"
-        print(f"| {name} | {r['state_bytes'] / 1e6:.1f} | {budget or '—'} | {r['held_between_steps'] / 1e6:.1f} "
-              f"| {r['peak_in_step'] / 1e6:.1f} | {r['device_used'] / 1e6:.1f} | {r['median_s']:.4f} | {ratio} "
-              f"| {moved / 1e6:.1f} | {flow} | {serial} | {both} | {vs_floor} |")
+        print(
+            f"| {name} | {r['state_bytes'] / 1e6:.1f} | {budget or '—'} | {r['held_between_steps'] / 1e6:.1f} "
+            f"| {r['peak_in_step'] / 1e6:.1f} | {r['device_used'] / 1e6:.1f} | {r['median_s']:.4f} | {ratio} "
+            f"| {moved / 1e6:.1f} | {flow} | {serial} | {both} | {vs_floor} |"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -429,26 +504,40 @@ def disk_floor(args: argparse.Namespace) -> dict:
 
     def ratios(suffix: str) -> dict[str, float]:
         p, u, f = (f"paged{suffix}", f"unpaged{suffix}", f"floor{suffix}")
-        return dict(cost_over_floor=statistics.median((r[p] - r[u]) / r[f] for r in rounds),
-                    paged_over_serial=statistics.median(r[p] / (r[u] + r[f]) for r in rounds),
-                    paged_over_unpaged=statistics.median(r[p] / r[u] for r in rounds))
+        return dict(
+            cost_over_floor=statistics.median((r[p] - r[u]) / r[f] for r in rounds),
+            paged_over_serial=statistics.median(r[p] / (r[u] + r[f]) for r in rounds),
+            paged_over_unpaged=statistics.median(r[p] / r[u] for r in rounds),
+        )
 
-    return dict(moved=moved, files=len(paths), rounds=rounds, cold=args.cold,
-                median={k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
-                wall=ratios(""), cpu=ratios("_cpu"))
+    return dict(
+        moved=moved,
+        files=len(paths),
+        rounds=rounds,
+        cold=args.cold,
+        median={k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+        wall=ratios(""),
+        cpu=ratios("_cpu"),
+    )
 
 
 def print_disk_floor(result: dict) -> None:
     m = result["median"]
     cached = "dropped from the page cache before each paged step and floor" if result["cold"] else "in the page cache"
-    print(f"- disk tier: {result['moved'] / 1e6:.1f} MB of state each way per step, {result['files']} files ({cached})\n")
-    print("| clock | paged step (s) | unpaged step (s) | floor: pread + pwrite of the same bytes (s) "
-          "| paging's cost / floor | paged / (unpaged + floor) | paged / unpaged |")
+    print(
+        f"- disk tier: {result['moved'] / 1e6:.1f} MB of state each way per step, {result['files']} files ({cached})\n"
+    )
+    print(
+        "| clock | paged step (s) | unpaged step (s) | floor: pread + pwrite of the same bytes (s) "
+        "| paging's cost / floor | paged / (unpaged + floor) | paged / unpaged |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for clock, suffix in (("wall", ""), ("process CPU", "_cpu")):
         r = result["wall" if not suffix else "cpu"]
-        print(f"| {clock} | {m['paged' + suffix]:.3f} | {m['unpaged' + suffix]:.3f} | {m['floor' + suffix]:.3f} "
-              f"| {r['cost_over_floor']:.2f}x | {r['paged_over_serial']:.2f}x | {r['paged_over_unpaged']:.2f}x |")
+        print(
+            f"| {clock} | {m['paged' + suffix]:.3f} | {m['unpaged' + suffix]:.3f} | {m['floor' + suffix]:.3f} "
+            f"| {r['cost_over_floor']:.2f}x | {r['paged_over_serial']:.2f}x | {r['paged_over_unpaged']:.2f}x |"
+        )
     print("\n(times: medians over the rounds; ratios: medians of the per-round ratios; process CPU: all threads)")
 
 
@@ -462,9 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     print("## Paged optimizer state benchmark\n")
     for key, value in machine_info(device).items():
         print(f"- {key}: {value}")
-    print(f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32; AdamW at {args.bits} bits; warm-up "
-          f"{args.warmup}, timed {args.steps} steps, median reported; LOWMEMOPT_COMPILE="
-          f"{os.environ.get('LOWMEMOPT_COMPILE', '1')}\n")
+    print(
+        f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32; AdamW at {args.bits} bits; warm-up "
+        f"{args.warmup}, timed {args.steps} steps, median reported; LOWMEMOPT_COMPILE="
+        f"{os.environ.get('LOWMEMOPT_COMPILE', '1')}\n"
+    )
     sys.stdout.flush()
     t0 = time.perf_counter()
     if args.disk_floor:

@@ -33,23 +33,40 @@ PAIRS: dict[str, tuple[str, Factory, dict[str, Factory]]] = {
     "muon": (
         "torch.optim.Muon",
         lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.01),
-        {f"lowmemopt.Muon {bits}-bit": (lambda bits: lambda ps: lowmemopt.Muon(ps, lr=0.02, weight_decay=0.01,
-                                                                                state_bits=bits))(bits)
-         for bits in (32, 8, 4)},
+        {
+            f"lowmemopt.Muon {bits}-bit": (
+                lambda bits: lambda ps: lowmemopt.Muon(ps, lr=0.02, weight_decay=0.01, state_bits=bits)
+            )(bits)
+            for bits in (32, 8, 4)
+        },
     ),
     # every matrix projected at a quarter of the hidden size (rank 64 on the 10m preset), channel-wise
     "apollo": (
         "apollo_torch.APOLLOAdamW",
         lambda ps: _apollo_torch(ps, rank=64),
-        {f"lowmemopt.APOLLOAdamW {bits}-bit": (lambda bits: lambda ps: lowmemopt.APOLLOAdamW(
-            [{"params": ps, "rank": 64}], lr=1e-3, state_bits=bits))(bits) for bits in (32, 8)},
+        {
+            f"lowmemopt.APOLLOAdamW {bits}-bit": (
+                lambda bits: lambda ps: lowmemopt.APOLLOAdamW([{"params": ps, "rank": 64}], lr=1e-3, state_bits=bits)
+            )(bits)
+            for bits in (32, 8)
+        },
     ),
     "apollo_mini": (
         "apollo_torch.APOLLOAdamW",
         lambda ps: _apollo_torch(ps, rank=1, scale_type="tensor", scale=128.0),
-        {f"lowmemopt.APOLLOAdamW {bits}-bit": (lambda bits: lambda ps: lowmemopt.APOLLOAdamW(
-            [{"params": ps, "rank": 1, "scale_type": "tensor", "scale": 128.0}], lr=1e-3, state_bits=bits,
-            min_quant_numel=256))(bits) for bits in (32, 8)},
+        {
+            f"lowmemopt.APOLLOAdamW {bits}-bit": (
+                lambda bits: (
+                    lambda ps: lowmemopt.APOLLOAdamW(
+                        [{"params": ps, "rank": 1, "scale_type": "tensor", "scale": 128.0}],
+                        lr=1e-3,
+                        state_bits=bits,
+                        min_quant_numel=256,
+                    )
+                )
+            )(bits)
+            for bits in (32, 8)
+        },
     ),
 }
 
@@ -64,8 +81,11 @@ def _apollo_torch(params: list[torch.nn.Parameter], **keys) -> torch.optim.Optim
 def held_bytes(opt: torch.optim.Optimizer) -> int:
     """State bytes, with apollo-torch's projection matrices (kept in a projector object in its state, not as a
     tensor) counted too."""
-    projections = sum(st["projector"].ortho_matrix.nbytes for st in opt.state.values()
-                      if getattr(st.get("projector"), "ortho_matrix", None) is not None)
+    projections = sum(
+        st["projector"].ortho_matrix.nbytes
+        for st in opt.state.values()
+        if getattr(st.get("projector"), "ortho_matrix", None) is not None
+    )
     return state_bytes(opt) + projections
 
 
@@ -108,21 +128,30 @@ def run(pair: str, preset: str, rounds: int, warmup: int) -> str:
             t0 = time.thread_time()
             opts[name].step()
             got[name] = time.thread_time() - t0
-        print(f"  round {r + 1}/{warmup + rounds}{' (warm-up)' if r < warmup else ''}: "
-              + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in got.items()), file=sys.stderr, flush=True)
+        print(
+            f"  round {r + 1}/{warmup + rounds}{' (warm-up)' if r < warmup else ''}: "
+            + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in got.items()),
+            file=sys.stderr,
+            flush=True,
+        )
         if r >= warmup:
             for name in names:
                 times[name].append(got[name])
                 ratios[name].append(got[name] / got[ref_label])
-    lines = [f"{len(params)} matrices of the {preset} LLaMA ({n / 1e6:.1f}M parameters), {rounds} rounds, "
-             f"{torch.get_num_threads()} thread(s)", "",
-             f"| optimizer | state B/param | median step (ms, CPU time) | vs {ref_label} (median; quartiles) |",
-             "| --- | ---: | ---: | ---: |"]
+    lines = [
+        f"{len(params)} matrices of the {preset} LLaMA ({n / 1e6:.1f}M parameters), {rounds} rounds, "
+        f"{torch.get_num_threads()} thread(s)",
+        "",
+        f"| optimizer | state B/param | median step (ms, CPU time) | vs {ref_label} (median; quartiles) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for name in names:
         q = statistics.quantiles(ratios[name], n=4) if len(ratios[name]) >= 4 else None
         spread = f"; {q[0]:.2f}-{q[2]:.2f}" if q else ""
-        lines.append(f"| {name} | {held_bytes(opts[name]) / n:.3f} | {1e3 * statistics.median(times[name]):.0f} | "
-                     f"{statistics.median(ratios[name]):.2f}x{spread} |")
+        lines.append(
+            f"| {name} | {held_bytes(opts[name]) / n:.3f} | {1e3 * statistics.median(times[name]):.0f} | "
+            f"{statistics.median(ratios[name]):.2f}x{spread} |"
+        )
     return "\n".join(lines)
 
 

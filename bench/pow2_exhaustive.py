@@ -114,8 +114,12 @@ def sample(name: str, n: int, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--maps", default="pow2,upow2")
-    parser.add_argument("--chunks", type=int, default=1 << (32 - CHUNK_BITS),
-                        help=f"chunks of 2^{CHUNK_BITS} patterns to check (default: all {1 << (32 - CHUNK_BITS)})")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        default=1 << (32 - CHUNK_BITS),
+        help=f"chunks of 2^{CHUNK_BITS} patterns to check (default: all {1 << (32 - CHUNK_BITS)})",
+    )
     parser.add_argument("--sample", type=int, default=1 << 22, help="values for the interpreted Triton function")
     parser.add_argument("--above-one", action="store_true", help="also the chunks of finite |y| > 1 (counted only)")
     args = parser.parse_args(argv)
@@ -125,14 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         c = exhaustive(name, args.chunks, args.above_one)
         t1 = time.time()
-        print(f"{name}: {c['patterns']:,} bit patterns emulated ({t1 - t0:.0f} s): {c['in_range']:,} with |y| <= 1 "
-              f"or non-finite -> {c['vs_table']} mismatches vs the reference table, {c['vs_thresholds']} vs the "
-              f"brute-force thresholds (|y| <= 1); {c['above_one']:,} finite |y| > 1 (unreachable), "
-              f"{c['above_one_vs_table']:,} of them coded differently from the table", flush=True)
+        print(
+            f"{name}: {c['patterns']:,} bit patterns emulated ({t1 - t0:.0f} s): {c['in_range']:,} with |y| <= 1 "
+            f"or non-finite -> {c['vs_table']} mismatches vs the reference table, {c['vs_thresholds']} vs the "
+            f"brute-force thresholds (|y| <= 1); {c['above_one']:,} finite |y| > 1 (unreachable), "
+            f"{c['above_one_vs_table']:,} of them coded differently from the table",
+            flush=True,
+        )
         s = sample(name, args.sample, seed=17)
         t2 = time.time()
-        print(f"{name}: Triton pow2_code interpreted on {s['values']:,} sampled values ({t2 - t1:.0f} s): "
-              f"{s['triton_vs_table']} mismatches vs the table, {s['triton_vs_emulation']} vs the emulation")
+        print(
+            f"{name}: Triton pow2_code interpreted on {s['values']:,} sampled values ({t2 - t1:.0f} s): "
+            f"{s['triton_vs_table']} mismatches vs the table, {s['triton_vs_emulation']} vs the emulation"
+        )
         bad += c["vs_table"] + c["vs_thresholds"] + s["triton_vs_table"] + s["triton_vs_emulation"]
     print("PASS" if bad == 0 else f"FAIL: {bad} mismatches")
     return 0 if bad == 0 else 1

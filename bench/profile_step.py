@@ -45,8 +45,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402  (the model, batches and optimizer rows)
 
-DEFAULT_ROWS = ("torch-adamw-fused", "lowmemopt-adamw-8bit", "lowmemopt-came-8bit", "lowmemopt-galore-adamw-8bit",
-                "lowmemopt-paged-adamw-8bit")
+DEFAULT_ROWS = (
+    "torch-adamw-fused",
+    "lowmemopt-adamw-8bit",
+    "lowmemopt-came-8bit",
+    "lowmemopt-galore-adamw-8bit",
+    "lowmemopt-paged-adamw-8bit",
+)
 #: the names of lowmemopt's Triton kernels (``_<name>_kernel``), for ``--ncu``'s filter
 LOWMEMOPT_KERNELS = r"regex:_(adam|sgd|lion|lamb|lars_norms|lars_apply|stats|factors|moments|sumsq|apply)_kernel"
 #: Nsight Compute metrics: duration, DRAM bytes/s and % of peak, achieved occupancy, registers per thread
@@ -161,8 +166,12 @@ def profile_row(name: str, args) -> dict[str, Any]:
                 walls.append(time.perf_counter() - w0)
                 cpus.append(time.thread_time() - c0)
     out = summarize(prof.events(), args.steps)
-    out.update(name=name, step_ms=statistics.median(walls) * 1e3, cpu_ms=statistics.median(cpus) * 1e3,
-               n_params=sum(p.numel() for p in model.parameters()))
+    out.update(
+        name=name,
+        step_ms=statistics.median(walls) * 1e3,
+        cpu_ms=statistics.median(cpus) * 1e3,
+        n_params=sum(p.numel() for p in model.parameters()),
+    )
     return out
 
 
@@ -175,9 +184,28 @@ def ncu_command(name: str, argv: list[str], report_csv: str, kernels: str, launc
     NVTX range :data:`NVTX_RANGE`) and writes the metrics of up to ``launches`` matching kernels of that step as
     CSV."""
     worker = [sys.executable, os.path.abspath(__file__), *argv, "--ncu-worker", name]
-    return ["ncu", "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include",
-            f"{NVTX_RANGE}/", "--kernel-name", kernels, "--launch-count", str(launches), "--metrics",
-            ",".join(NCU_METRICS), "--csv", "--page", "raw", "--log-file", report_csv, *worker]
+    return [
+        "ncu",
+        "--clock-control",
+        "none",
+        "--target-processes",
+        "all",
+        "--nvtx",
+        "--nvtx-include",
+        f"{NVTX_RANGE}/",
+        "--kernel-name",
+        kernels,
+        "--launch-count",
+        str(launches),
+        "--metrics",
+        ",".join(NCU_METRICS),
+        "--csv",
+        "--page",
+        "raw",
+        "--log-file",
+        report_csv,
+        *worker,
+    ]
 
 
 def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
@@ -210,16 +238,20 @@ def ncu_table(rows: list[dict[str, Any]]) -> str:
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(r["kernel"], []).append(r)
-    lines = ["| kernel | launches | µs (mean) | DRAM % of peak | DRAM GB/s | occupancy % | registers |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| kernel | launches | µs (mean) | DRAM % of peak | DRAM GB/s | occupancy % | registers |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
 
     def mean(rs, key, scale=1.0):
         vals = [r[key] * scale for r in rs if key in r]
         return f"{statistics.fmean(vals):.1f}" if vals else "—"
 
     for kernel, rs in sorted(by.items(), key=lambda kv: -sum(r.get("duration", 0) for r in kv[1])):
-        lines.append(f"| `{kernel[:60]}` | {len(rs)} | {mean(rs, 'duration', 1e-3)} | {mean(rs, 'dram %')} | "
-                     f"{mean(rs, 'dram B/s', 1e-9)} | {mean(rs, 'occupancy %')} | {mean(rs, 'registers')} |")
+        lines.append(
+            f"| `{kernel[:60]}` | {len(rs)} | {mean(rs, 'duration', 1e-3)} | {mean(rs, 'dram %')} | "
+            f"{mean(rs, 'dram B/s', 1e-9)} | {mean(rs, 'occupancy %')} | {mean(rs, 'registers')} |"
+        )
     return "\n".join(lines)
 
 
@@ -253,16 +285,21 @@ def run_ncu(name: str, argv: list[str], args) -> str:
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| row | opt.step ms | host CPU ms | GPU kernel ms | launches | H2D copies (ms) | D2H copies (ms) | "
-             "syncs | aten ops |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| row | opt.step ms | host CPU ms | GPU kernel ms | launches | H2D copies (ms) | D2H copies (ms) | "
+        "syncs | aten ops |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['name']} | {r['error']} | | | | | | | |")
             continue
         h2d, d2h = r["copies"]["h2d"], r["copies"]["d2h"]
-        lines.append(f"| {r['name']} | {r['step_ms']:.2f} | {r['cpu_ms']:.2f} | {r['kernel_ms']:.2f} | "
-                     f"{r['launches']:.0f} | {h2d[0]:.0f} ({h2d[1] / 1e3:.2f}) | {d2h[0]:.0f} ({d2h[1] / 1e3:.2f}) | "
-                     f"{r['syncs']:.0f} | {r['op_calls']:.0f} |")
+        lines.append(
+            f"| {r['name']} | {r['step_ms']:.2f} | {r['cpu_ms']:.2f} | {r['kernel_ms']:.2f} | "
+            f"{r['launches']:.0f} | {h2d[0]:.0f} ({h2d[1] / 1e3:.2f}) | {d2h[0]:.0f} ({d2h[1] / 1e3:.2f}) | "
+            f"{r['syncs']:.0f} | {r['op_calls']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -290,8 +327,11 @@ def op_table(row: dict[str, Any], top: int) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     e2e.add_model_args(ap, batch=1, seq=256)  # the batch and sequence of the one backward that makes the gradients
-    ap.add_argument("--optimizers", default=",".join(DEFAULT_ROWS),
-                    help=f"comma-separated rows of bench/e2e.py (default: {','.join(DEFAULT_ROWS)})")
+    ap.add_argument(
+        "--optimizers",
+        default=",".join(DEFAULT_ROWS),
+        help=f"comma-separated rows of bench/e2e.py (default: {','.join(DEFAULT_ROWS)})",
+    )
     ap.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before profiling (state, compiles)")
     ap.add_argument("--top", type=int, default=12, help="rows of the kernel and operator tables")
@@ -348,16 +388,20 @@ def main(argv: list[str] | None = None) -> int:
         status = row.get("error") or f"{row['step_ms']:.2f} ms"
         print(f"  {name}: {status} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         if not row.get("error"):
-            sections.append(f"### {name}: kernels by device time\n\n{kernel_table(row, args.top)}\n\n"
-                            f"### {name}: operators by calls\n\n{op_table(row, args.top)}")
+            sections.append(
+                f"### {name}: kernels by device time\n\n{kernel_table(row, args.top)}\n\n"
+                f"### {name}: operators by calls\n\n{op_table(row, args.top)}"
+            )
             if args.ncu:
                 sections.append(f"### {name}: Nsight Compute\n\n{run_ncu(name, _strip_driver_args(argv), args)}")
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     n = rows[0].get("n_params") if rows else None
-    head = (f"## opt.step() profile: LLaMA {args.layers} x {args.hidden}, {args.dtype}, "
-            f"{'' if n is None else f'{n / 1e9:.2f}B parameters, '}{args.steps} profiled steps after {args.warmup}, "
-            f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
+    head = (
+        f"## opt.step() profile: LLaMA {args.layers} x {args.hidden}, {args.dtype}, "
+        f"{'' if n is None else f'{n / 1e9:.2f}B parameters, '}{args.steps} profiled steps after {args.warmup}, "
+        f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
+    )
     report = "\n\n".join([head, summary_table(rows), *sections])
     print(report)
     if args.markdown:

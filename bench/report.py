@@ -45,8 +45,16 @@ def _version(dist: str) -> str | None:
 
 def _nvidia_smi() -> dict[str, str]:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except (OSError, subprocess.SubprocessError):
         return {}
     if not out:
@@ -56,17 +64,22 @@ def _nvidia_smi() -> dict[str, str]:
 
 
 def collect_env() -> dict[str, object]:
-    env: dict[str, object] = dict(python=platform.python_version(), platform=platform.platform(),
-                                  cpu_count=os.cpu_count(), **_nvidia_smi())
+    env: dict[str, object] = dict(
+        python=platform.python_version(), platform=platform.platform(), cpu_count=os.cpu_count(), **_nvidia_smi()
+    )
     try:
         import torch
 
         env.update(torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                       capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
-                       gpu_count=torch.cuda.device_count())
+            env.update(
+                gpu=props.name,
+                gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                capability=f"{props.major}.{props.minor}",
+                sms=props.multi_processor_count,
+                gpu_count=torch.cuda.device_count(),
+            )
     except Exception as exc:  # noqa: BLE001 - the report says what is missing
         env["torch"] = f"not importable ({type(exc).__name__}: {exc})"
     env["triton"] = _version("triton") or "not installed"
@@ -187,13 +200,19 @@ def env_section(env: dict) -> list[str]:
         if env.get("gpu_count", 1) > 1:
             gpu += f" ({env['gpu_count']} GPUs; the check uses one)"
     anchors = env.get("anchors", {})
-    rows = [("GPU", gpu), ("driver", env.get("driver") or "unknown"),
-            ("torch", f"{env.get('torch')} (CUDA {env.get('torch_cuda')})"),
-            ("triton", _triton_row(env.get("triton"))),
-            ("python", f"{env.get('python')} on {env.get('platform')}, {env.get('cpu_count')} CPUs"),
-            ("lowmemopt", env.get("lowmemopt")),
-            ("anchor libraries", "; ".join(f"{k} {v}" if v else f"{k} not installed (its rows are skipped)"
-                                           for k, v in anchors.items()) or "none checked")]
+    rows = [
+        ("GPU", gpu),
+        ("driver", env.get("driver") or "unknown"),
+        ("torch", f"{env.get('torch')} (CUDA {env.get('torch_cuda')})"),
+        ("triton", _triton_row(env.get("triton"))),
+        ("python", f"{env.get('python')} on {env.get('platform')}, {env.get('cpu_count')} CPUs"),
+        ("lowmemopt", env.get("lowmemopt")),
+        (
+            "anchor libraries",
+            "; ".join(f"{k} {v}" if v else f"{k} not installed (its rows are skipped)" for k, v in anchors.items())
+            or "none checked",
+        ),
+    ]
     return ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
 
 
@@ -202,8 +221,10 @@ def _triton_row(version: str | None) -> str | None:
     row tiles there make shared-memory round trips (docs/kernels.md, "Triton versions"): their times are not 3.7's."""
     match = re.match(r"(\d+)\.(\d+)", version or "")
     if match and (int(match[1]), int(match[2])) < (3, 7):
-        return (f"{version} (before 3.7: 8-bit AdamW/SGD/Lion/LAMB/LARS take column tiles; the 4-bit and "
-                "Adafactor/CAME kernels make shared-memory round trips; docs/kernels.md, \"Triton versions\")")
+        return (
+            f"{version} (before 3.7: 8-bit AdamW/SGD/Lion/LAMB/LARS take column tiles; the 4-bit and "
+            'Adafactor/CAME kernels make shared-memory round trips; docs/kernels.md, "Triton versions")'
+        )
     return version
 
 
@@ -239,8 +260,10 @@ def plan_section(plan: list[tuple[str, int, str]], parts: list[Part]) -> list[st
 
 def tests_section(work: str, parts: list[Part]) -> tuple[list[str], bool]:
     """The test table and failing ids; True if any test failed or a run gave no result."""
-    lines = ["| run | result | passed | failed | errors | skipped | time (s) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| run | result | passed | failed | errors | skipped | time (s) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     failing, bad = [], False
     for p in parts:
         xml = os.path.join(work, f"tests-{p.name}.xml")
@@ -255,8 +278,9 @@ def tests_section(work: str, parts: list[Part]) -> tuple[list[str], bool]:
         if s.tests == 0 and p.rc == 5:
             result = "no tests selected"
         bad |= s.failed > 0 or s.errors > 0 or p.rc not in (0, 5)
-        lines.append(f"| `{p.command}` | {result} | {s.passed} | {s.failed} | {s.errors} | {s.skipped} "
-                     f"| {p.seconds:.0f} |")
+        lines.append(
+            f"| `{p.command}` | {result} | {s.passed} | {s.failed} | {s.errors} | {s.skipped} | {p.seconds:.0f} |"
+        )
         for test_id, message in s.failing:
             failing.append((p.name, test_id, message))
     if not parts:
@@ -317,8 +341,18 @@ def assemble(work: str, title: str = "lowmemopt GPU check") -> tuple[str, bool, 
     plan = read_plan(work)
     if plan:
         head += ["## Plan", ""] + plan_section(plan, parts) + [""]
-    text = "\n".join(head + ["## Environment", ""] + env_section(env) + ["", "## Tests", ""] + tests
-                     + ["", "## Benchmarks", ""] + benches) + "\n"
+    text = (
+        "\n".join(
+            head
+            + ["## Environment", ""]
+            + env_section(env)
+            + ["", "## Tests", ""]
+            + tests
+            + ["", "## Benchmarks", ""]
+            + benches
+        )
+        + "\n"
+    )
     return text, tests_bad, bench_bad
 
 
@@ -341,12 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "meta":
         try:
-            commit = subprocess.run(["git", "-C", args.repo, "describe", "--always", "--dirty"], capture_output=True,
-                                    text=True, timeout=10).stdout.strip()
+            commit = subprocess.run(
+                ["git", "-C", args.repo, "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             commit = ""
-        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                    commit=commit or "unknown", mode=args.mode, command=args.command)
+        meta = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            commit=commit or "unknown",
+            mode=args.mode,
+            command=args.command,
+        )
         with open(os.path.join(args.work, "meta.json"), "w") as fh:
             json.dump(meta, fh)
         return 0

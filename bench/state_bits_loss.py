@@ -40,8 +40,9 @@ def _adam_mini(bits: int, steps: int, config: dict):
 
     names = [n for n, _ in _llama(0, config).named_parameters()]
     shape = lowmemopt.AdamMini.model_keywords(types.SimpleNamespace(**{**LLAMA_BYTES, **config}))
-    return lambda p: lowmemopt.AdamMini(list(zip(names, p)), lr=1e-3, weight_decay=0.01, state_bits=bits,
-                                        verbose=False, **shape)
+    return lambda p: lowmemopt.AdamMini(
+        list(zip(names, p)), lr=1e-3, weight_decay=0.01, state_bits=bits, verbose=False, **shape
+    )
 
 
 FAMILIES = {"AdEMAMix": _ademamix, "Adam-mini": _adam_mini}
@@ -63,8 +64,9 @@ def train(make, steps: int, seed: int, config: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", action="append", choices=sorted(FAMILIES),
-                    help="optimizer family (repeatable; default: all)")
+    ap.add_argument(
+        "--family", action="append", choices=sorted(FAMILIES), help="optimizer family (repeatable; default: all)"
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--small", action="store_true", help=f"the smaller LLaMA ({SMALL})")
@@ -82,11 +84,16 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name, make in optimizers(families, args.steps, config).items():
             r = train(make, args.steps, seed, config)
-            rows.append(dict(name=name, heldout=r["heldout"], final=r["final"], state_bytes=r["state_bytes"],
-                             step_s=r["step_s"]))
+            rows.append(
+                dict(
+                    name=name, heldout=r["heldout"], final=r["final"], state_bytes=r["state_bytes"], step_s=r["step_s"]
+                )
+            )
             print(f"  seed {seed} {name}: held-out {r['heldout']:.4f}", file=sys.stderr, flush=True)
-        print(f"LLaMA {dict(LLAMA_BYTES, **config)}, {args.steps} steps, seed {seed}, {numel:,} parameters, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print(
+            f"LLaMA {dict(LLAMA_BYTES, **config)}, {args.steps} steps, seed {seed}, {numel:,} parameters, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
         print(table(rows, numel))
         per_seed.append(rows)
     if len(seeds) > 1:

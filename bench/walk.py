@@ -121,15 +121,20 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=4, help="parameters (matrices 64x96, default 4)")
     ap.add_argument("--list", action="store_true", help="print each stop")
     ap.add_argument("--tree", help="import lowmemopt from this source tree (e.g. an older checkout) instead")
-    ap.add_argument("--triton", action="store_true",
-                    help="the Triton path (CUDA's) under the interpreter: a steady step that takes the kept program, "
-                         "and one without it")
+    ap.add_argument(
+        "--triton",
+        action="store_true",
+        help="the Triton path (CUDA's) under the interpreter: a steady step that takes the kept program, "
+        "and one without it",
+    )
     args = ap.parse_args()
     if args.triton:  # (before Triton is imported)
         os.environ["TRITON_INTERPRET"] = "1"
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]  # (the repo's kernels/ folder shadows)
     if args.tree:  # (the editable install's finder would map lowmemopt.kernels to its own tree)
-        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__ + getattr(f, "__name__", "")]
+        sys.meta_path[:] = [
+            f for f in sys.meta_path if "editable" not in type(f).__module__ + getattr(f, "__name__", "")
+        ]
         sys.path.insert(0, args.tree)
     import lowmemopt
 
@@ -163,8 +168,10 @@ def main() -> None:
                 walks.append(("Triton, pipeline", walk(opt.step)))
         for label, stops in walks:
             c = count(stops)
-            print(f"{name} {args.bits}-bit, {args.params} parameters, {label}: {c['stops']} stops, {c['climbs']} "
-                  f"climbs back up, {c['returns']} returns to a module already left")
+            print(
+                f"{name} {args.bits}-bit, {args.params} parameters, {label}: {c['stops']} stops, {c['climbs']} "
+                f"climbs back up, {c['returns']} returns to a module already left"
+            )
             if args.list:
                 for depth, caller, callee in stops:
                     print(f"  {'  ' * depth}{callee}   (from {caller})" if caller else f"  {callee}")

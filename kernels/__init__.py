@@ -7,8 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["available", "cpu_interpreter", "dequantize_blockwise", "dequantize_blockwise4", "quantize_blockwise",
-           "quantize_blockwise4", "registered"]
+__all__ = [
+    "available",
+    "cpu_interpreter",
+    "dequantize_blockwise",
+    "dequantize_blockwise4",
+    "quantize_blockwise",
+    "quantize_blockwise4",
+    "registered",
+]
 
 
 def available(device: Any = "cuda") -> bool:

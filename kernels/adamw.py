@@ -29,8 +29,23 @@ def lerp(a, b, w):
 
 
 @triton.jit
-def adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt,
-                AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr):
+def adam_update(
+    p,
+    g,
+    m,
+    v,
+    vmax,
+    w1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    step_size,
+    bc2_sqrt,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    L2_DECAY: tl.constexpr,
+):
     """fp32 Adam math on a tile: returns (m, v, v_max, delta), ``p_new = p * decay + delta``."""
     if MAXIMIZE:
         g = -g
@@ -49,11 +64,38 @@ def adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay,
 
 
 @triton.jit
-def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
-               w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
-               FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-               AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _adam_tile(
+    row,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    w1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    step_size,
+    bc2_sqrt,
+    decay,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    L2_DECAY: tl.constexpr,
+    UPDATE: tl.constexpr,
+    W: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
@@ -62,8 +104,23 @@ def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
         vmax = load_slot(row, 7, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
     else:
         vmax = v
-    m, v, vmax, delta = adam_update(p, g, m, v, vmax, w1, beta2, one_minus_beta2, eps, weight_decay, step_size,
-                                    bc2_sqrt, AMSGRAD, MAXIMIZE, L2_DECAY)
+    m, v, vmax, delta = adam_update(
+        p,
+        g,
+        m,
+        v,
+        vmax,
+        w1,
+        beta2,
+        one_minus_beta2,
+        eps,
+        weight_decay,
+        step_size,
+        bc2_sqrt,
+        AMSGRAD,
+        MAXIMIZE,
+        L2_DECAY,
+    )
     store_slot(m, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
     store_slot(v, row, 5, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED, COLS)
     if AMSGRAD:
@@ -72,26 +129,109 @@ def _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
 
 
 @triton.jit
-def _adam_kernel(units, table, book_s, lut_s, book_u, lut_u,
-                 w1, beta2, one_minus_beta2, eps, weight_decay, step_size, bc2_sqrt, decay,
-                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
-                 AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
-                 gmul=None, G_MULT: tl.constexpr = False):
+def _adam_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    w1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    step_size,
+    bc2_sqrt,
+    decay,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UPDATE: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    L2_DECAY: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+    COLS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: each tensor's (step size, bias correction, decay) from the device
         step_size = tensor_scalar(scal, t, 3, 0)
         bc2_sqrt = tensor_scalar(scal, t, 3, 1)
         decay = tensor_scalar(scal, t, 3, 2)
     if full:
-        _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
-                   weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, UPDATE, W, False, COLS, gmul=gmul, G_MULT=G_MULT)
+        _adam_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            w1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            step_size,
+            bc2_sqrt,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            AMSGRAD,
+            MAXIMIZE,
+            L2_DECAY,
+            UPDATE,
+            W,
+            False,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _adam_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, w1, beta2, one_minus_beta2, eps,
-                   weight_decay, step_size, bc2_sqrt, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, AMSGRAD, MAXIMIZE,
-                   L2_DECAY, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
+        _adam_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            w1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            step_size,
+            bc2_sqrt,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            AMSGRAD,
+            MAXIMIZE,
+            L2_DECAY,
+            UPDATE,
+            W,
+            True,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
@@ -112,9 +252,18 @@ def launch(u: Update, bucket: Bucket) -> None:
     args = (1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, *stepping)
     names = slots(u.hyper)
     extra, update = bucket.param_update(u.record, u.step)
-    bucket.tile_launch(_adam_kernel, names, args, writes=True, extra=extra, UPDATE=update, AMSGRAD=bool(kw["amsgrad"]),
-                       **bucket.scalar_args(scal),
-                       MAXIMIZE=bool(kw["maximize"]), L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"])
+    bucket.tile_launch(
+        _adam_kernel,
+        names,
+        args,
+        writes=True,
+        extra=extra,
+        UPDATE=update,
+        AMSGRAD=bool(kw["amsgrad"]),
+        **bucket.scalar_args(scal),
+        MAXIMIZE=bool(kw["maximize"]),
+        L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"],
+    )
 
 
 #: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="adamw:TRITON")``)
@@ -125,20 +274,34 @@ def compile_variants(v: Any) -> list[Any]:
     """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
     whose ``Variant`` and tile helpers it uses)."""
     return [
-
         v.Variant("adam", _adam_kernel, v.tile(AMSGRAD=True, MAXIMIZE=True, L2_DECAY=True, UPDATE=v.NEAREST)),
-        v.Variant("adam-stochastic", _adam_kernel,
-                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.STOCHASTIC, W=17)),
-        v.Variant("adam-arith", _adam_kernel,  # v.runtime.Q8_DECODE = "arithmetic": no code books
-                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, book_s=None, book_u=None)),
+        v.Variant(
+            "adam-stochastic",
+            _adam_kernel,
+            v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.STOCHASTIC, W=17),
+        ),
+        v.Variant(
+            "adam-arith",
+            _adam_kernel,  # v.runtime.Q8_DECODE = "arithmetic": no code books
+            v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, book_s=None, book_u=None),
+        ),
         # a capturable step: the step's scalars read per tensor from the device (lowmemopt.work.capture)
-        v.Variant("adam-capturable", _adam_kernel,
-                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, DEVICE_SCALARS=True)),
+        v.Variant(
+            "adam-capturable",
+            _adam_kernel,
+            v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, DEVICE_SCALARS=True),
+        ),
         # 8-bit tiles laid out [BLOCK, ROWS] (v.runtime.column_tiles: the default before Triton 3.7)
-        v.Variant("adam-cols", _adam_kernel,
-                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, COLS=True)),
-        v.Variant("adam-fp32-state", _adam_kernel,
-                v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, FMT=v.FP32)),
+        v.Variant(
+            "adam-cols",
+            _adam_kernel,
+            v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, COLS=True),
+        ),
+        v.Variant(
+            "adam-fp32-state",
+            _adam_kernel,
+            v.tile(AMSGRAD=False, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST, FMT=v.FP32),
+        ),
         # 4-bit state (block 128): nibble packing (reshape / split / join) and the 2-D nibble gathers
         v.Variant("adam-q4", _adam_kernel, v.tile4(AMSGRAD=True, MAXIMIZE=False, L2_DECAY=False, UPDATE=v.NEAREST)),
     ]

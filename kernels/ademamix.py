@@ -23,8 +23,9 @@ __all__ = ["TRITON", "ademamix_update", "launch", "slots"]
 
 
 @triton.jit
-def ademamix_update(g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha,
-                    eps, bc1, bc2_sqrt):
+def ademamix_update(
+    g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, bc1, bc2_sqrt
+):
     """fp32 AdEMAMix math on a tile: returns (m1, m2, nu, direction); ``p_new = p * decay - lr * direction``."""
     m1 = tl.fma(g, one_minus_beta1, m1 * beta1)
     m2 = tl.fma(g, one_minus_beta3, m2 * beta3)
@@ -36,18 +37,47 @@ def ademamix_update(g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_beta
 
 
 @triton.jit
-def _ademamix_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
-                   beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, bc1, bc2_sqrt,
-                   neg_lr, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                   ALIGNED: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr,
-                   COLS: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _ademamix_tile(
+    row,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    beta3,
+    one_minus_beta3,
+    alpha,
+    eps,
+    bc1,
+    bc2_sqrt,
+    neg_lr,
+    decay,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    UPDATE: tl.constexpr,
+    W: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m1 = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     m2 = load_slot(row, 5, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     nu = load_slot(row, 7, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
-    m1, m2, nu, d = ademamix_update(g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3,
-                                    one_minus_beta3, alpha, eps, bc1, bc2_sqrt)
+    m1, m2, nu, d = ademamix_update(
+        g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, bc1, bc2_sqrt
+    )
     store_slot(m1, row, 3, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
     store_slot(m2, row, 5, offs, mask, blocks, bmask, book_s, lut_s, True, FMT, ALIGNED, MASKED, COLS)
     store_slot(nu, row, 7, offs, mask, blocks, bmask, book_u, lut_u, False, FMT, ALIGNED, MASKED, COLS)
@@ -56,21 +86,106 @@ def _ademamix_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u,
 
 
 @triton.jit
-def _ademamix_kernel(units, table, book_s, lut_s, book_u, lut_u,
-                     beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, bc1,
-                     bc2_sqrt, neg_lr, decay,
-                     W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                     ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
-                     COLS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
+def _ademamix_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    beta3,
+    one_minus_beta3,
+    alpha,
+    eps,
+    bc1,
+    bc2_sqrt,
+    neg_lr,
+    decay,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UPDATE: tl.constexpr,
+    COLS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if full:
-        _ademamix_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, beta1, one_minus_beta1, beta2,
-                       one_minus_beta2, beta3, one_minus_beta3, alpha, eps, bc1, bc2_sqrt, neg_lr, decay, FMT,
-                       P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, False, COLS, gmul=gmul, G_MULT=G_MULT)
+        _ademamix_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            beta3,
+            one_minus_beta3,
+            alpha,
+            eps,
+            bc1,
+            bc2_sqrt,
+            neg_lr,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            UPDATE,
+            W,
+            False,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _ademamix_tile(row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, beta1, one_minus_beta1, beta2,
-                       one_minus_beta2, beta3, one_minus_beta3, alpha, eps, bc1, bc2_sqrt, neg_lr, decay, FMT,
-                       P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
+        _ademamix_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            beta3,
+            one_minus_beta3,
+            alpha,
+            eps,
+            bc1,
+            bc2_sqrt,
+            neg_lr,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            UPDATE,
+            W,
+            True,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
@@ -84,8 +199,20 @@ def launch(u: Update, bucket: Bucket) -> None:
     kw = u.kwargs
     beta1, beta2 = kw["betas"][0], kw["betas"][1]
     beta3 = kw["beta3_t"]
-    args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, beta3, 1.0 - beta3, scalar(kw["alpha_t"]), scalar(kw["eps"]),
-            kw["bias_correction1"], kw["bias_correction2_sqrt"], -scalar(kw["lr"]), scalar(u.decay))
+    args = (
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        beta3,
+        1.0 - beta3,
+        scalar(kw["alpha_t"]),
+        scalar(kw["eps"]),
+        kw["bias_correction1"],
+        kw["bias_correction2_sqrt"],
+        -scalar(kw["lr"]),
+        scalar(u.decay),
+    )
     extra, update = bucket.param_update(u.record, u.step)
     bucket.tile_launch(_ademamix_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update)
 

@@ -21,7 +21,6 @@ from .pow2 import class_table
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"]
 
 
-
 @triton.jit
 def block_tile(numel, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """This program's ``ROWS`` blocks: block indices [ROWS], offsets [ROWS, BLOCK] and their mask."""
@@ -31,8 +30,18 @@ def block_tile(numel, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr, POW2: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    codes_ptr,
+    absmax_ptr,
+    numel,
+    book,
+    lut,
+    SIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    POW2: tl.constexpr,
+):
     """``POW2``: a state map, ``lut`` its class table; otherwise ``lut`` is the map's bucket table."""
     blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -54,8 +63,9 @@ def _dequantize_kernel(codes_ptr, absmax_ptr, out_ptr, numel, book, ROWS: tl.con
 
 
 @triton.jit
-def _quantize4_kernel(x_ptr, nibbles_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _quantize4_kernel(
+    x_ptr, nibbles_ptr, absmax_ptr, numel, book, lut, SIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
     blocks, offs, mask = block_tile(numel, ROWS, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, blocks * BLOCK < numel, book, lut, SIGNED, True)
@@ -103,9 +113,7 @@ def _check_absmax(absmax: torch.Tensor, data: torch.Tensor, what: str, blocks: i
         raise ValueError(f"{what} and absmax must be on one device, got {data.device} and {absmax.device}")
 
 
-def quantize_blockwise(
-    x: torch.Tensor, name: str = "pow2", block_size: int = 256
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, name: str = "pow2", block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`."""
     signed = _check_map(name)
     flat = _values(x, block_size, "quantize_blockwise")
@@ -118,8 +126,19 @@ def quantize_blockwise(
         lut = class_table(name, x.device) if name in POW2_BITS else encode_table(name, x.device).packed
         rows = runtime.rows_per_tile(block_size, x.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
-        _quantize_kernel[grid](flat, codes, absmax, n, book, lut, SIGNED=signed, ROWS=rows, BLOCK=block_size,
-                               POW2=name in POW2_BITS, num_warps=runtime.tile_shape(x.device)[1])
+        _quantize_kernel[grid](
+            flat,
+            codes,
+            absmax,
+            n,
+            book,
+            lut,
+            SIGNED=signed,
+            ROWS=rows,
+            BLOCK=block_size,
+            POW2=name in POW2_BITS,
+            num_warps=runtime.tile_shape(x.device)[1],
+        )
     return codes, absmax
 
 
@@ -131,16 +150,29 @@ def dequantize_blockwise(
     _check_block(block_size)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
-    _check_absmax(absmax, codes, "codes", num_blocks(codes.numel(), block_size),
-                  f"{codes.numel()} codes at block_size={block_size}")
+    _check_absmax(
+        absmax,
+        codes,
+        "codes",
+        num_blocks(codes.numel(), block_size),
+        f"{codes.numel()} codes at block_size={block_size}",
+    )
     flat = codes.reshape(-1).contiguous()
     out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
     if flat.numel():
         book = code_book(name, codes.device)
         rows = runtime.rows_per_tile(block_size, codes.device)
         grid = (triton.cdiv(absmax.numel(), rows),)
-        _dequantize_kernel[grid](flat, absmax.contiguous(), out, flat.numel(), book, ROWS=rows, BLOCK=block_size,
-                                 num_warps=runtime.tile_shape(codes.device)[1])
+        _dequantize_kernel[grid](
+            flat,
+            absmax.contiguous(),
+            out,
+            flat.numel(),
+            book,
+            ROWS=rows,
+            BLOCK=block_size,
+            num_warps=runtime.tile_shape(codes.device)[1],
+        )
     return out if shape is None else out.view(shape)
 
 
@@ -162,8 +194,17 @@ def quantize_blockwise4(
     if n:
         rows = runtime.rows_per_tile(block_size)
         _quantize4_kernel[(triton.cdiv(absmax.numel(), rows),)](
-            flat, nibbles, absmax, n, q4.code_book(name, x.device), q4.encode_table(name, x.device),
-            SIGNED=signed, ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
+            flat,
+            nibbles,
+            absmax,
+            n,
+            q4.code_book(name, x.device),
+            q4.encode_table(name, x.device),
+            SIGNED=signed,
+            ROWS=rows,
+            BLOCK=block_size,
+            num_warps=runtime.NUM_WARPS,
+        )
     return nibbles, absmax
 
 
@@ -174,16 +215,26 @@ def dequantize_blockwise4(
     _check_map4(name)
     _check_block(block_size)
     if nibbles.dtype != torch.uint8 or nibbles.numel() != q4.packed_len(numel):
-        raise ValueError(f"nibbles must be uint8 with {q4.packed_len(numel)} bytes for {numel} elements, got "
-                         f"{nibbles.dtype} with {nibbles.numel()}")
-    _check_absmax(absmax, nibbles, "nibbles", num_blocks(numel, block_size),
-                  f"{numel} elements at block_size={block_size}")
+        raise ValueError(
+            f"nibbles must be uint8 with {q4.packed_len(numel)} bytes for {numel} elements, got "
+            f"{nibbles.dtype} with {nibbles.numel()}"
+        )
+    _check_absmax(
+        absmax, nibbles, "nibbles", num_blocks(numel, block_size), f"{numel} elements at block_size={block_size}"
+    )
     out = torch.empty(numel, dtype=torch.float32, device=nibbles.device)
     if numel:
         rows = runtime.rows_per_tile(block_size)
         _dequantize4_kernel[(triton.cdiv(absmax.numel(), rows),)](
-            nibbles.reshape(-1).contiguous(), absmax.contiguous(), out, numel, q4.code_book(name, nibbles.device),
-            ROWS=rows, BLOCK=block_size, num_warps=runtime.NUM_WARPS)
+            nibbles.reshape(-1).contiguous(),
+            absmax.contiguous(),
+            out,
+            numel,
+            q4.code_book(name, nibbles.device),
+            ROWS=rows,
+            BLOCK=block_size,
+            num_warps=runtime.NUM_WARPS,
+        )
     return out
 
 
@@ -192,9 +243,12 @@ def compile_variants(v: Any) -> list[Any]:
     whose ``Variant`` and tile helpers it uses)."""
     return [
         v.Variant("quantize", _quantize_kernel, dict(SIGNED=False, ROWS=v.runtime.TILE // 256, BLOCK=256, POW2=True)),
-        v.Variant("quantize-table", _quantize_kernel,
-                dict(SIGNED=True, ROWS=v.runtime.TILE // 256, BLOCK=256, POW2=False)),
+        v.Variant(
+            "quantize-table", _quantize_kernel, dict(SIGNED=True, ROWS=v.runtime.TILE // 256, BLOCK=256, POW2=False)
+        ),
         v.Variant("dequantize", _dequantize_kernel, dict(ROWS=v.runtime.TILE // 256, BLOCK=256)),
-        v.Variant("quantize4", _quantize4_kernel, dict(SIGNED=True, ROWS=v.runtime.TILE // v.Q4_BLOCK, BLOCK=v.Q4_BLOCK)),
+        v.Variant(
+            "quantize4", _quantize4_kernel, dict(SIGNED=True, ROWS=v.runtime.TILE // v.Q4_BLOCK, BLOCK=v.Q4_BLOCK)
+        ),
         v.Variant("dequantize4", _dequantize4_kernel, dict(ROWS=v.runtime.TILE // v.Q4_BLOCK, BLOCK=v.Q4_BLOCK)),
     ]

@@ -27,8 +27,7 @@ TILE = 4096
 
 
 @triton.jit
-def _sumsq_kernel(units, table, acc, W: tl.constexpr, G_DTYPE: tl.constexpr, TILE: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+def _sumsq_kernel(units, table, acc, W: tl.constexpr, G_DTYPE: tl.constexpr, TILE: tl.constexpr, ALIGNED: tl.constexpr):
     """``acc[t] += sum(float32(g)^2)`` over one tile (table rows ``[0, grad, numel]``)."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
@@ -61,9 +60,17 @@ class GradCheck:
             part = grads[first:end]
             rows = [[0, g.data_ptr(), g.numel()] for g in part]
             counts = [ceil_div(g.numel(), TILE) for g in part]
-            self._launches.append((first, end, TL_DTYPES[dtype], device_table(rows, self.device),
-                                   unit_map(counts, self.device), sum(counts),
-                                   all(g.data_ptr() % 16 == 0 for g in part)))
+            self._launches.append(
+                (
+                    first,
+                    end,
+                    TL_DTYPES[dtype],
+                    device_table(rows, self.device),
+                    unit_map(counts, self.device),
+                    sum(counts),
+                    all(g.data_ptr() % 16 == 0 for g in part),
+                )
+            )
 
     def flags(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> torch.Tensor:
         """uint8 ``[n]`` on the device, 1 where ``grads[i]`` is finite (``ptrs``: their addresses); no host sync."""
@@ -74,6 +81,7 @@ class GradCheck:
         warps = runtime.tile_shape(self.device)[1]
         for first, end, g_dtype, table, units, programs, aligned in self._launches:
             if programs:
-                _sumsq_kernel[(programs,)](units, table, acc[first:end], W=3, G_DTYPE=g_dtype, TILE=TILE,
-                                           ALIGNED=aligned, num_warps=warps)
+                _sumsq_kernel[(programs,)](
+                    units, table, acc[first:end], W=3, G_DTYPE=g_dtype, TILE=TILE, ALIGNED=aligned, num_warps=warps
+                )
         return (acc < math.inf).view(torch.uint8)

@@ -27,13 +27,18 @@ NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
 FORMAT_CODES = {"fp32": FP32, "bf16": BF16, "q8": Q8, "q4": Q4}
 
 
-def maps(device: torch.device, fmt: str = "q8") -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                          torch.Tensor | None]:
+def maps(
+    device: torch.device, fmt: str = "q8"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(signed book, signed table, unsigned book, unsigned table) of ``fmt``'s state maps on ``device``."""
     if fmt == "q4":
         signed, unsigned = q4.map4_for(True), q4.map4_for(False)
-        return (q4.code_book(signed, device), q4.encode_table(signed, device),
-                q4.code_book(unsigned, device), q4.encode_table(unsigned, device))
+        return (
+            q4.code_book(signed, device),
+            q4.encode_table(signed, device),
+            q4.code_book(unsigned, device),
+            q4.encode_table(unsigned, device),
+        )
     signed, unsigned = map_for(True), map_for(False)
     tables = class_table(signed, device), class_table(unsigned, device)
     if fmt == "q8" and runtime.q8_decode(device) == "arithmetic":
@@ -102,8 +107,9 @@ def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.cons
         else:
             first = tl.load(book)
             last = tl.load(book + LAST)
-        scale = tl.maximum(tl.math.div_rn(block_extreme(x, COLS, True), last),
-                           tl.math.div_rn(block_extreme(x, COLS, False), first))
+        scale = tl.maximum(
+            tl.math.div_rn(block_extreme(x, COLS, True), last), tl.math.div_rn(block_extreme(x, COLS, False), first)
+        )
     else:
         scale = tl.maximum(block_extreme(x, COLS, True), 0.0)
     return scale
@@ -158,8 +164,18 @@ def code_values(codes, book, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def decode_q8(codes_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr,
-              MASKED: tl.constexpr, COLS: tl.constexpr):
+def decode_q8(
+    codes_ptr,
+    absmax_ptr,
+    offs,
+    mask,
+    blocks,
+    block_mask,
+    book,
+    SIGNED: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """fp32 values of the 8-bit codes at ``offs`` (block indices ``blocks``); 0 where masked."""
     codes = ld(codes_ptr + offs, mask, MASKED)
     scale = ld(absmax_ptr + blocks, block_mask, MASKED)
@@ -225,8 +241,9 @@ def decode_q4(nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, MAS
 
 
 @triton.jit
-def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
-                    MASKED: tl.constexpr):
+def encode_store_q4(
+    x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr, MASKED: tl.constexpr
+):
     """Encode ``x`` (a block per row), write nibbles and scales; a byte is written iff its even element is."""
     if MASKED:
         x = tl.where(mask, x, 0.0)
@@ -240,15 +257,45 @@ def encode_store_q4(x, nibbles_ptr, absmax_ptr, offs, mask, blocks, block_mask, 
 
 
 @triton.jit
-def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGNED: tl.constexpr, FMT: tl.constexpr,
-              ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
+def load_slot(
+    row,
+    COL: tl.constexpr,
+    offs,
+    mask,
+    blocks,
+    block_mask,
+    book,
+    SIGNED: tl.constexpr,
+    FMT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """A state slot's fp32 values at ``offs`` from column ``COL`` of ``row``; 0 where masked."""
     if FMT == 3:
-        x = decode_q4(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
-                      offs, mask, blocks, block_mask, book, MASKED)
+        x = decode_q4(
+            typed(tl.load(row + COL), tl.uint8, ALIGNED),
+            typed(tl.load(row + COL + 1), tl.float32, False),
+            offs,
+            mask,
+            blocks,
+            block_mask,
+            book,
+            MASKED,
+        )
     elif FMT == 2:
-        x = decode_q8(typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32, False),
-                      offs, mask, blocks, block_mask, book, SIGNED, MASKED, COLS)
+        x = decode_q8(
+            typed(tl.load(row + COL), tl.uint8, ALIGNED),
+            typed(tl.load(row + COL + 1), tl.float32, False),
+            offs,
+            mask,
+            blocks,
+            block_mask,
+            book,
+            SIGNED,
+            MASKED,
+            COLS,
+        )
     elif FMT == 1:
         x = ld(typed(tl.load(row + COL), tl.bfloat16, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     else:
@@ -257,8 +304,9 @@ def load_slot(row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, SIGN
 
 
 @triton.jit
-def load_slot_at(row, COL: tl.constexpr, offs, mask, book, SIGNED: tl.constexpr, QBLOCK: tl.constexpr,
-                 FMT: tl.constexpr):
+def load_slot_at(
+    row, COL: tl.constexpr, offs, mask, book, SIGNED: tl.constexpr, QBLOCK: tl.constexpr, FMT: tl.constexpr
+):
     """:func:`load_slot` for a tile not aligned with blocks (absmax gathered at ``offs // QBLOCK``)."""
     if FMT == 3:
         packed = tl.load(typed(tl.load(row + COL), tl.uint8, False) + offs // 2, mask=mask, other=0).to(tl.int32)
@@ -277,13 +325,37 @@ def load_slot_at(row, COL: tl.constexpr, offs, mask, book, SIGNED: tl.constexpr,
 
 
 @triton.jit
-def store_slot(x, row, COL: tl.constexpr, offs, mask, blocks, block_mask, book, lut, SIGNED: tl.constexpr,
-               FMT: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr):
+def store_slot(
+    x,
+    row,
+    COL: tl.constexpr,
+    offs,
+    mask,
+    blocks,
+    block_mask,
+    book,
+    lut,
+    SIGNED: tl.constexpr,
+    FMT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """Write fp32 ``x`` to a state slot (bf16: nearest even; q8, q4: encode each row)."""
     if FMT == 3:
-        encode_store_q4(x, typed(tl.load(row + COL), tl.uint8, ALIGNED), typed(tl.load(row + COL + 1), tl.float32,
-                                                                              False),
-                        offs, mask, blocks, block_mask, book, lut, SIGNED, MASKED)
+        encode_store_q4(
+            x,
+            typed(tl.load(row + COL), tl.uint8, ALIGNED),
+            typed(tl.load(row + COL + 1), tl.float32, False),
+            offs,
+            mask,
+            blocks,
+            block_mask,
+            book,
+            lut,
+            SIGNED,
+            MASKED,
+        )
     elif FMT == 2:
         if MASKED:
             x = tl.where(mask, x, 0.0)
@@ -325,8 +397,16 @@ def load_param(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASK
 
 
 @triton.jit
-def load_grad(row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr, gmul=None,
-              G_MULT: tl.constexpr = False):
+def load_grad(
+    row,
+    offs,
+    mask,
+    DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MASKED: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     """The gradient as fp32; ``G_MULT``: times GradScaler's multiplier, as ``unscale_`` rounds it."""
     g = ld(typed(tl.load(row + 1), DTYPE, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     if G_MULT:
@@ -384,8 +464,18 @@ def f16_bits_stochastic(x, r):
 
 
 @triton.jit
-def store_param_as(p_new, p_old, row, offs, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr,
-                   UPDATE: tl.constexpr, W: tl.constexpr):
+def store_param_as(
+    p_new,
+    p_old,
+    row,
+    offs,
+    mask,
+    DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPDATE: tl.constexpr,
+    W: tl.constexpr,
+):
     """:func:`store_param` with ``bf16_update``: ``STOCHASTIC`` hashes (key at column ``W - 2``, the element's
     index in the whole parameter: offset + column ``W - 1``); ``KAHAN``: buffer at column ``W - 1``. ``p_old``: the
     parameter before the step (fp32)."""

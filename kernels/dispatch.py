@@ -29,9 +29,14 @@ stats: dict[tuple[str, str], int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def step_triton(kernels: Any, items: list[Item], update_for: Callable[[Item, Any], Update],
-               flags: torch.Tensor | None = None, device_steps: bool = False,
-               grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
+def step_triton(
+    kernels: Any,
+    items: list[Item],
+    update_for: Callable[[Item, Any], Update],
+    flags: torch.Tensor | None = None,
+    device_steps: bool = False,
+    grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
+) -> list[Item]:
     """Step what the kernels can of ``items`` (one optimizer's, its algorithm declaring ``kernels``); return the rest.
     ``update_for(item, step)``: the bucket's hyper-parameters; ``flags``: device finiteness flags (an item with a
     ``flag`` row is stepped only where it is 1); ``device_steps``: a capturable step (step counts on the device);
@@ -73,10 +78,12 @@ def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) ->
         kernel = _kernel_for(kernels, it, usable, device_steps)
         if kernel is None:
             if device_steps:
-                raise ValueError(f"capturable=True: no fused kernel takes a parameter of shape "
-                                 f"{tuple(it.target.shape)} ({it.target.dtype}, gradient {it.grad.dtype}, contiguous: "
-                                 f"{it.target.is_contiguous() and it.grad.is_contiguous()}); a capturable step "
-                                 "cannot fall back to the per-tensor path")
+                raise ValueError(
+                    f"capturable=True: no fused kernel takes a parameter of shape "
+                    f"{tuple(it.target.shape)} ({it.target.dtype}, gradient {it.grad.dtype}, contiguous: "
+                    f"{it.target.is_contiguous() and it.grad.is_contiguous()}); a capturable step "
+                    "cannot fall back to the per-tensor path"
+                )
             rest.append(it)
             continue
         t, record = it.target, it.record
@@ -84,8 +91,18 @@ def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) ->
         if gid is None:  # (once per record and call: per-parameter groups pay it per item)
             gid = group_ids[id(record)] = by_values.setdefault(record.version, len(by_values))
         step = None if device_steps else it.state["step"]
-        key = (gid, it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, step, kernel.layout(t),
-               it.flag is not None, it.weight is not None)
+        key = (
+            gid,
+            it.projected,
+            kernel.fmt,
+            t.dtype,
+            it.grad.dtype,
+            t.device,
+            step,
+            kernel.layout(t),
+            it.flag is not None,
+            it.weight is not None,
+        )
         planned = buckets.get(key)
         if planned is None:
             planned = buckets[key] = Planned(kernel, [], step)
@@ -93,15 +110,24 @@ def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) ->
     out = list(buckets.values())
     for planned in out:
         members = planned.members
-        planned.bucket = Bucket([it.target for it in members], [it.grad for it in members],
-                                [it.state for it in members], planned.kernel.fmt, members[0].record.block_size,
-                                index_bases=[it.index_base for it in members])
+        planned.bucket = Bucket(
+            [it.target for it in members],
+            [it.grad for it in members],
+            [it.state for it in members],
+            planned.kernel.fmt,
+            members[0].record.block_size,
+            index_bases=[it.index_base for it in members],
+        )
     return out, rest
 
 
-def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Update],
-                   flags: torch.Tensor | None = None, device_steps: bool = False,
-                   grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None) -> list[Item]:
+def launch_buckets(
+    planned: list[Planned],
+    update_for: Callable[[Item, Any], Update],
+    flags: torch.Tensor | None = None,
+    device_steps: bool = False,
+    grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
+) -> list[Item]:
     """Launch each bucket of ``planned`` and write its step counts; return the items of buckets whose launch failed."""
     from .launch import Unsupported
 
@@ -137,13 +163,17 @@ def launch_buckets(planned: list[Planned], update_for: Callable[[Item, Any], Upd
             if bucket.written or device_steps:
                 raise
             runtime.ENABLED = False
-            warnings.warn(f"lowmemopt: fused Triton kernels unavailable ({type(exc).__name__}: {exc}); "
-                          "using the reference step", RuntimeWarning, stacklevel=external_stacklevel())
+            warnings.warn(
+                f"lowmemopt: fused Triton kernels unavailable ({type(exc).__name__}: {exc}); using the reference step",
+                RuntimeWarning,
+                stacklevel=external_stacklevel(),
+            )
             rest += members
             continue
         if device_steps:  # a skipped tensor's count stays: it advances by its flag
-            capture.advance(counters, None if bucket.flags is None else select_flags(flags, bucket.flag_rows,
-                                                                                     bucket.device))
+            capture.advance(
+                counters, None if bucket.flags is None else select_flags(flags, bucket.flag_rows, bucket.device)
+            )
         else:
             p.step = step
             for it in members:

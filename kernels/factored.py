@@ -18,10 +18,33 @@ import triton.language as tl
 from lowmemopt.work import capture
 
 from . import runtime
-from .codec import (FORMAT_CODES, load_grad, load_param, load_slot, load_slot_at, store_param, store_slot,
-                    tensor_scalar, tile_coords, typed)
-from .factored_math import (_C, _COFF, _M, _R, _RES, _ROFF, _SQ, _V, clip_denominator, factor_coords,
-                            factored_precondition, full_precondition, sqrt_numel)
+from .codec import (
+    FORMAT_CODES,
+    load_grad,
+    load_param,
+    load_slot,
+    load_slot_at,
+    store_param,
+    store_slot,
+    tensor_scalar,
+    tile_coords,
+    typed,
+)
+from .factored_math import (
+    _C,
+    _COFF,
+    _M,
+    _R,
+    _RES,
+    _ROFF,
+    _SQ,
+    _V,
+    clip_denominator,
+    factor_coords,
+    factored_precondition,
+    full_precondition,
+    sqrt_numel,
+)
 from .launch import TL_DTYPES, Bucket, Update, scalar
 from .registry import Kernel
 from .table import ceil_div
@@ -59,15 +82,39 @@ def _matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constex
 @triton.jit
 def _matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask):
     """``rfac[row] cfac[col] g`` on a :func:`_matrix_tile`, each factor loaded once per tile row or column."""
-    return (tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
-            * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]) * g
+    return (
+        tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
+        * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]
+    ) * g
 
 
 @triton.jit
-def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums,
-                  eps, beta1, one_minus_beta1, clip_threshold,
-                  W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
-                  TR: tl.constexpr, BC: tl.constexpr, RESIDUAL: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _stats_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    rsum,
+    csum,
+    rfac,
+    cfac,
+    sums,
+    eps,
+    beta1,
+    one_minus_beta1,
+    clip_threshold,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    TR: tl.constexpr,
+    BC: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     """Pass 1: row and column sums of ``g^2 + eps`` (``RESIDUAL``, CAME's direct form: ``(u - m')^2 + eps``)."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
@@ -87,9 +134,27 @@ def _stats_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, 
 
 
 @triton.jit
-def _moments_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, rmom, cmom,
-                    W: tl.constexpr, FMT: tl.constexpr, G_DTYPE: tl.constexpr, QBLOCK: tl.constexpr,
-                    TR: tl.constexpr, BC: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _moments_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    rfac,
+    cfac,
+    sums,
+    rmom,
+    cmom,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    TR: tl.constexpr,
+    BC: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     """CAME's pass 3: ``sum(u^2)`` and fp64 row / column sums of ``u^2``, ``u m``, ``m^2``."""
     t, row, offs, mask, grow, cidx, r_mask, c_mask = _matrix_tile(units, table, W, TR, BC)
     roff = tl.load(row + _ROFF)
@@ -130,9 +195,30 @@ def _mean(sum_ptr, i, mask, n, eps, inv_c, beta1_sq, MOMENTS: tl.constexpr):
 
 
 @triton.jit
-def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac, cfac, sums, beta, one_minus_beta,
-                    eps, beta1, clip_threshold, W: tl.constexpr, STAT: tl.constexpr, FB: tl.constexpr,
-                    MOMENTS: tl.constexpr, scal=None, DEVICE_SCALARS: tl.constexpr = False):
+def _factors_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    rsum,
+    csum,
+    rfac,
+    cfac,
+    sums,
+    beta,
+    one_minus_beta,
+    eps,
+    beta1,
+    clip_threshold,
+    W: tl.constexpr,
+    STAT: tl.constexpr,
+    FB: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+):
     """Pass 2 / 4 (a program per matrix): the row / column EMAs and their factors."""
     pid = tl.program_id(0)
     t = tl.load(units + pid)
@@ -162,8 +248,11 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     for r0 in range(0, R_live, FB):
         i = r0 + tl.arange(0, FB)
         mask = i < R
-        new = tl.fma(_mean(rsum, roff + i, mask, C, eps, inv_c, beta1_sq, MOMENTS), one_minus_beta,
-                     tl.load(row_stat + i, mask=mask, other=0.0) * beta)
+        new = tl.fma(
+            _mean(rsum, roff + i, mask, C, eps, inv_c, beta1_sq, MOMENTS),
+            one_minus_beta,
+            tl.load(row_stat + i, mask=mask, other=0.0) * beta,
+        )
         tl.store(row_stat + i, new, mask=mask)
         acc += tl.where(mask, new, 0.0)
     mean = tl.math.div_rn(tl.sum(acc, axis=0), R.to(tl.float32))
@@ -175,17 +264,42 @@ def _factors_kernel(units, table, book_s, lut_s, book_u, lut_u, rsum, csum, rfac
     for c0 in range(0, C_live, FB):
         i = c0 + tl.arange(0, FB)
         mask = i < C
-        new = tl.fma(_mean(csum, coff + i, mask, R, eps, inv_c, beta1_sq, MOMENTS), one_minus_beta,
-                     tl.load(col_stat + i, mask=mask, other=1.0) * beta)
+        new = tl.fma(
+            _mean(csum, coff + i, mask, R, eps, inv_c, beta1_sq, MOMENTS),
+            one_minus_beta,
+            tl.load(col_stat + i, mask=mask, other=1.0) * beta,
+        )
         tl.store(col_stat + i, new, mask=mask)
         tl.store(cfac + coff + i, tl.math.div_rn(1.0, tl.sqrt_rn(new)), mask=mask)
 
 
 @triton.jit
-def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
-                FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-                BLOCK: tl.constexpr, FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr,
-                MASKED: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _sumsq_tile(
+    t,
+    row,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_u,
+    rfac,
+    cfac,
+    sums,
+    eps1,
+    beta2,
+    one_minus_beta2,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FACTORED: tl.constexpr,
+    WIDE: tl.constexpr,
+    SUM_P: tl.constexpr,
+    MASKED: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if FACTORED:
         rows, wrap, after, cols = factor_coords(row, offs, blocks, bmask, BLOCK, WIDE)
@@ -202,31 +316,139 @@ def _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps
 
 
 @triton.jit
-def _sumsq_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2,
-                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                  FACTORED: tl.constexpr, WIDE: tl.constexpr, SUM_P: tl.constexpr, scal=None,
-                  DEVICE_SCALARS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
+def _sumsq_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    rfac,
+    cfac,
+    sums,
+    eps1,
+    beta2,
+    one_minus_beta2,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FACTORED: tl.constexpr,
+    WIDE: tl.constexpr,
+    SUM_P: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     """Pass 3 / A (flat tiles): sum(u^2) of the preconditioned gradient, and sum(p^2) if ``SUM_P``."""
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if DEVICE_SCALARS:  # a capturable step: this tensor's (beta2, 1 - beta2), columns 2, 3 of _launch's scal
         beta2 = tensor_scalar(scal, t, 4, 2)
         one_minus_beta2 = tensor_scalar(scal, t, 4, 3)
     if full:
-        _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
-                    P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, False, gmul=gmul, G_MULT=G_MULT)
+        _sumsq_tile(
+            t,
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_u,
+            rfac,
+            cfac,
+            sums,
+            eps1,
+            beta2,
+            one_minus_beta2,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            BLOCK,
+            FACTORED,
+            WIDE,
+            SUM_P,
+            False,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _sumsq_tile(t, row, offs, mask, blocks, bmask, book_u, rfac, cfac, sums, eps1, beta2, one_minus_beta2, FMT,
-                    P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, SUM_P, True, gmul=gmul, G_MULT=G_MULT)
+        _sumsq_tile(
+            t,
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_u,
+            rfac,
+            cfac,
+            sums,
+            eps1,
+            beta2,
+            one_minus_beta2,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            BLOCK,
+            FACTORED,
+            WIDE,
+            SUM_P,
+            True,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 @triton.jit
-def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
-                sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
-                neg_wd_lr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-                BLOCK: tl.constexpr, FACTORED: tl.constexpr, WIDE: tl.constexpr, CAME: tl.constexpr,
-                HAS_M: tl.constexpr, SCALE_PARAM: tl.constexpr, DECAY: tl.constexpr, WEIGHT: tl.constexpr,
-                MASKED: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _apply_tile(
+    t,
+    row,
+    numel,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    rfac,
+    cfac,
+    rfac2,
+    cfac2,
+    sums,
+    eps1,
+    eps2,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    clip_threshold,
+    lr,
+    neg_wd,
+    neg_wd_lr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FACTORED: tl.constexpr,
+    WIDE: tl.constexpr,
+    CAME: tl.constexpr,
+    HAS_M: tl.constexpr,
+    SCALE_PARAM: tl.constexpr,
+    DECAY: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    MASKED: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if FACTORED:
@@ -272,13 +494,47 @@ def _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u,
 
 
 @triton.jit
-def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2, sums,
-                  eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd, neg_wd_lr,
-                  W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                  FACTORED: tl.constexpr, WIDE: tl.constexpr, CAME: tl.constexpr, HAS_M: tl.constexpr,
-                  SCALE_PARAM: tl.constexpr, DECAY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
-                  DEVICE_SCALARS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
+def _apply_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    rfac,
+    cfac,
+    rfac2,
+    cfac2,
+    sums,
+    eps1,
+    eps2,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    clip_threshold,
+    lr,
+    neg_wd,
+    neg_wd_lr,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FACTORED: tl.constexpr,
+    WIDE: tl.constexpr,
+    CAME: tl.constexpr,
+    HAS_M: tl.constexpr,
+    SCALE_PARAM: tl.constexpr,
+    DECAY: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     """Last pass: recompute u, clip, (m), update p; write p, m and (1-D) v.
 
     Adafactor: ``a = max(eps2, RMS(p)) * lr`` if SCALE_PARAM else lr; ``u *= a``; ``m = b1 m + (1-b1) u; u = m`` if
@@ -291,15 +547,93 @@ def _apply_kernel(units, table, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2,
         beta2 = tensor_scalar(scal, t, 4, 2)
         one_minus_beta2 = tensor_scalar(scal, t, 4, 3)
     if full:
-        _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
-                    sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
-                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, CAME, HAS_M, SCALE_PARAM, DECAY,
-                    WEIGHT, False, gmul=gmul, G_MULT=G_MULT)
+        _apply_tile(
+            t,
+            row,
+            numel,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            rfac,
+            cfac,
+            rfac2,
+            cfac2,
+            sums,
+            eps1,
+            eps2,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            clip_threshold,
+            lr,
+            neg_wd,
+            neg_wd_lr,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            BLOCK,
+            FACTORED,
+            WIDE,
+            CAME,
+            HAS_M,
+            SCALE_PARAM,
+            DECAY,
+            WEIGHT,
+            False,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _apply_tile(t, row, numel, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, rfac, cfac, rfac2, cfac2,
-                    sums, eps1, eps2, beta1, one_minus_beta1, beta2, one_minus_beta2, clip_threshold, lr, neg_wd,
-                    neg_wd_lr, FMT, P_DTYPE, G_DTYPE, ALIGNED, BLOCK, FACTORED, WIDE, CAME, HAS_M, SCALE_PARAM, DECAY,
-                    WEIGHT, True, gmul=gmul, G_MULT=G_MULT)
+        _apply_tile(
+            t,
+            row,
+            numel,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            rfac,
+            cfac,
+            rfac2,
+            cfac2,
+            sums,
+            eps1,
+            eps2,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            clip_threshold,
+            lr,
+            neg_wd,
+            neg_wd_lr,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            BLOCK,
+            FACTORED,
+            WIDE,
+            CAME,
+            HAS_M,
+            SCALE_PARAM,
+            DECAY,
+            WEIGHT,
+            True,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -336,6 +670,7 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
     rows, shapes = [], []
     n_rows = n_cols = 0
     for p, g, st in zip(bucket.params, bucket.grads, bucket.states):
+
         def slot(name):
             if name + ".codes" in st:
                 return [st[name + ".codes"].data_ptr(), st[name + ".absmax"].data_ptr()]
@@ -346,8 +681,18 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
         row = [p.data_ptr(), g.data_ptr(), p.numel()] + slot("exp_avg")
         if factored:
             batch, R, C = math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]
-            row += [0, 0, R, C, _ptr(st["exp_avg_sq_row"]), _ptr(st["exp_avg_sq_col"]),
-                    _ptr(st.get("exp_avg_res_row")), _ptr(st.get("exp_avg_res_col")), n_rows, n_cols]
+            row += [
+                0,
+                0,
+                R,
+                C,
+                _ptr(st["exp_avg_sq_row"]),
+                _ptr(st["exp_avg_sq_col"]),
+                _ptr(st.get("exp_avg_res_row")),
+                _ptr(st.get("exp_avg_res_col")),
+                n_rows,
+                n_cols,
+            ]
             shapes.append((batch, R, C))
             n_rows += batch * R
             n_cols += batch * C
@@ -364,7 +709,8 @@ def _layout(bucket: Bucket, factored: bool) -> tuple:
     bucket.keep_rows(rows)
     flat = bucket.constexprs(())
     flat["ALIGNED"] = bucket.aligned(()) and all(
-        t.data_ptr() % 16 == 0 for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor))
+        t.data_ptr() % 16 == 0 for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor)
+    )
     tile = flat["ROWS"] * flat["BLOCK"]
     flat_counts = [ceil_div(p.numel(), tile) for p in bucket.params]
     flat["WIDE"] = factored and wide(bucket.params, flat["BLOCK"])
@@ -374,9 +720,24 @@ def _layout(bucket: Bucket, factored: bool) -> tuple:
     return rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat
 
 
-def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay: bool, eps1: float, eps2: float,
-            beta1: float, beta2: float, beta3: float, clip: float, lr: float, neg_wd: float, neg_wd_lr: float,
-            scal: torch.Tensor | None = None) -> None:
+def _launch(
+    bucket: Bucket,
+    *,
+    came: bool,
+    has_m: bool,
+    scale_param: bool,
+    decay: bool,
+    eps1: float,
+    eps2: float,
+    beta1: float,
+    beta2: float,
+    beta3: float,
+    clip: float,
+    lr: float,
+    neg_wd: float,
+    neg_wd_lr: float,
+    scal: torch.Tensor | None = None,
+) -> None:
     """The passes of one bucket; ``scal`` (capturable): per-tensor step scalars on the device."""
     device = bucket.scalar_args(scal)
     dev = bucket.device
@@ -384,7 +745,8 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     tr, bc = runtime.TILE_2D
     lay = ("factored", runtime.rows_per_tile(bucket.block_size, dev), tr, bc)  # (the tables are kept by this key too)
     rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat = bucket._memo(
-        lay, lambda: _layout(bucket, factored))
+        lay, lambda: _layout(bucket, factored)
+    )
     sums = bucket.accumulators(2)
     weight = bucket.weights is not None and scale_param and not came
     if weight:
@@ -395,9 +757,9 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     scratch = torch.zeros((2 if came and not moments else 1) * n, dtype=torch.float32, device=dev)  # row/col sums
     factors = torch.empty((2 if came else 1) * n, dtype=torch.float32, device=dev)
     rsum, csum = scratch[:n_rows], scratch[n_rows:n]
-    rsum2, csum2 = (scratch[n:n + n_rows], scratch[n + n_rows:]) if came and not moments else (rsum, csum)
+    rsum2, csum2 = (scratch[n : n + n_rows], scratch[n + n_rows :]) if came and not moments else (rsum, csum)
     rfac, cfac = factors[:n_rows], factors[n_rows:n]
-    rfac2, cfac2 = (factors[n:n + n_rows], factors[n + n_rows:]) if came else (rfac, cfac)
+    rfac2, cfac2 = (factors[n : n + n_rows], factors[n + n_rows :]) if came else (rfac, cfac)
     if not factored:  # the scratch pointers are unused; any valid tensor will do
         rsum = csum = rsum2 = csum2 = rfac = cfac = rfac2 = cfac2 = sums
     g_dtype = TL_DTYPES[bucket.grads[0].dtype]
@@ -406,36 +768,97 @@ def _launch(bucket: Bucket, *, came: bool, has_m: bool, scale_param: bool, decay
     by_matrix = dict(FB=runtime.STATS_BLOCK)
 
     def stats(rs, cs, eps, residual):  # pass 1, or CAME's direct instability pass
-        bucket.launch(_stats_kernel, rows, counts_2d, (rs, cs, rfac, cfac, sums, eps, beta1, 1.0 - beta1, clip),
-                      writes=False, memo_key=lay + ("2-D",), RESIDUAL=residual, **tiles_2d)
+        bucket.launch(
+            _stats_kernel,
+            rows,
+            counts_2d,
+            (rs, cs, rfac, cfac, sums, eps, beta1, 1.0 - beta1, clip),
+            writes=False,
+            memo_key=lay + ("2-D",),
+            RESIDUAL=residual,
+            **tiles_2d,
+        )
 
     def factors_of(rs, cs, rf, cf, stat, beta, eps=0.0, from_moments=False):  # pass 2 / 4
         step_beta = device if stat == _SQ.value else bucket.scalar_args(None)  # (CAME's beta3: a constant)
-        bucket.launch(_factors_kernel, rows, counts_mat, (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
-                      writes=True, memo_key=lay + ("matrices",), STAT=stat, MOMENTS=from_moments, **by_matrix,
-                      **step_beta)
+        bucket.launch(
+            _factors_kernel,
+            rows,
+            counts_mat,
+            (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
+            writes=True,
+            memo_key=lay + ("matrices",),
+            STAT=stat,
+            MOMENTS=from_moments,
+            **by_matrix,
+            **step_beta,
+        )
 
     if factored:
         stats(rsum, csum, eps1, False)
         factors_of(rsum, csum, rfac, cfac, _SQ.value, beta2)
     if moments:
         sums_64 = torch.zeros(3 * n, dtype=torch.float64, device=dev)  # [row or column, (u^2, u m, m^2)]
-        rmom, cmom = sums_64[:3 * n_rows], sums_64[3 * n_rows:]
-        bucket.launch(_moments_kernel, rows, counts_2d, (rfac, cfac, sums, rmom, cmom), writes=False,
-                      memo_key=lay + ("2-D",), **tiles_2d)
+        rmom, cmom = sums_64[: 3 * n_rows], sums_64[3 * n_rows :]
+        bucket.launch(
+            _moments_kernel,
+            rows,
+            counts_2d,
+            (rfac, cfac, sums, rmom, cmom),
+            writes=False,
+            memo_key=lay + ("2-D",),
+            **tiles_2d,
+        )
         factors_of(rmom, cmom, rfac2, cfac2, _RES.value, beta3, eps2, True)
     else:
-        bucket.launch(_sumsq_kernel, rows, flat_counts, (rfac, cfac, sums, eps1, beta2, 1.0 - beta2), writes=False,
-                      memo_key=lay + ("flat",), FACTORED=factored, SUM_P=scale_param and not came and not weight,
-                      **flat, **device)
+        bucket.launch(
+            _sumsq_kernel,
+            rows,
+            flat_counts,
+            (rfac, cfac, sums, eps1, beta2, 1.0 - beta2),
+            writes=False,
+            memo_key=lay + ("flat",),
+            FACTORED=factored,
+            SUM_P=scale_param and not came and not weight,
+            **flat,
+            **device,
+        )
         if factored and came:
             stats(rsum2, csum2, eps2, True)
             factors_of(rsum2, csum2, rfac2, cfac2, _RES.value, beta3)
-    args = (rfac, cfac, rfac2, cfac2, sums, eps1, eps2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, clip, lr, neg_wd,
-            neg_wd_lr)
-    bucket.launch(_apply_kernel, rows, flat_counts, args, writes=True, memo_key=lay + ("flat",), FACTORED=factored,
-                  CAME=came, HAS_M=has_m, SCALE_PARAM=scale_param and not came, DECAY=decay, WEIGHT=weight, **flat,
-                  **device)
+    args = (
+        rfac,
+        cfac,
+        rfac2,
+        cfac2,
+        sums,
+        eps1,
+        eps2,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        clip,
+        lr,
+        neg_wd,
+        neg_wd_lr,
+    )
+    bucket.launch(
+        _apply_kernel,
+        rows,
+        flat_counts,
+        args,
+        writes=True,
+        memo_key=lay + ("flat",),
+        FACTORED=factored,
+        CAME=came,
+        HAS_M=has_m,
+        SCALE_PARAM=scale_param and not came,
+        DECAY=decay,
+        WEIGHT=weight,
+        **flat,
+        **device,
+    )
 
 
 def launch_adafactor(u: Update, bucket: Bucket) -> None:
@@ -455,14 +878,31 @@ def launch_adafactor(u: Update, bucket: Bucket) -> None:
         steps = u.steps
         rho = capture.device_value(hyper["lr"], bucket.device)
         if hyper["relative_step"]:
-            rho = torch.minimum(1e-6 * steps, 1.0 / steps.sqrt()) if hyper["warmup_init"] else \
-                (1.0 / steps.sqrt()).clamp(max=1e-2)
+            rho = (
+                torch.minimum(1e-6 * steps, 1.0 / steps.sqrt())
+                if hyper["warmup_init"]
+                else (1.0 / steps.sqrt()).clamp(max=1e-2)
+            )
         beta2_t = 1.0 - steps.pow(hyper["decay_rate"])
         scal = bucket.scalars(rho, -wd * rho, beta2_t, 1.0 - beta2_t)
         rho = beta2 = 0.0  # read from scal
-    _launch(bucket, came=False, has_m=beta1 is not None, scale_param=bool(hyper["scale_parameter"]), decay=wd != 0,
-            eps1=eps1, eps2=eps2, beta1=0.0 if beta1 is None else beta1, beta2=beta2, beta3=0.0,
-            clip=scalar(hyper["clip_threshold"]), lr=rho, neg_wd=-wd, neg_wd_lr=-wd * rho, scal=scal)
+    _launch(
+        bucket,
+        came=False,
+        has_m=beta1 is not None,
+        scale_param=bool(hyper["scale_parameter"]),
+        decay=wd != 0,
+        eps1=eps1,
+        eps2=eps2,
+        beta1=0.0 if beta1 is None else beta1,
+        beta2=beta2,
+        beta3=0.0,
+        clip=scalar(hyper["clip_threshold"]),
+        lr=rho,
+        neg_wd=-wd,
+        neg_wd_lr=-wd * rho,
+        scal=scal,
+    )
 
 
 def launch_came(u: Update, bucket: Bucket) -> None:
@@ -477,9 +917,23 @@ def launch_came(u: Update, bucket: Bucket) -> None:
         lr = capture.device_value(hyper["lr"], bucket.device)
         scal = bucket.scalars(lr, -wd * lr, beta2, 1.0 - beta2)
         lr = 0.0
-    _launch(bucket, came=True, has_m=True, scale_param=False, decay=wd != 0, eps1=eps1, eps2=eps2, beta1=beta1,
-            beta2=beta2, beta3=beta3, clip=scalar(hyper["clip_threshold"]), lr=lr, neg_wd=-wd, neg_wd_lr=-wd * lr,
-            scal=scal)
+    _launch(
+        bucket,
+        came=True,
+        has_m=True,
+        scale_param=False,
+        decay=wd != 0,
+        eps1=eps1,
+        eps2=eps2,
+        beta1=beta1,
+        beta2=beta2,
+        beta3=beta3,
+        clip=scalar(hyper["clip_threshold"]),
+        lr=lr,
+        neg_wd=-wd,
+        neg_wd_lr=-wd * lr,
+        scal=scal,
+    )
 
 
 #: the kernels as :func:`.registry.lookup` finds them (``KernelSet(triton="factored:ADAFACTOR")``, ``"factored:CAME"``)
@@ -496,24 +950,46 @@ def compile_variants(v: Any) -> list[Any]:
         v.Variant("moments", _moments_kernel, v.stats(v.Q8, 256)),
         v.Variant("factors", _factors_kernel, dict(W=15, STAT=9, FB=v.runtime.STATS_BLOCK, MOMENTS=False)),
         v.Variant("factors-moments", _factors_kernel, dict(W=15, STAT=11, FB=v.runtime.STATS_BLOCK, MOMENTS=True)),
-        v.Variant("factors-capturable", _factors_kernel,
-                dict(W=15, STAT=9, FB=v.runtime.STATS_BLOCK, MOMENTS=False, DEVICE_SCALARS=True)),
+        v.Variant(
+            "factors-capturable",
+            _factors_kernel,
+            dict(W=15, STAT=9, FB=v.runtime.STATS_BLOCK, MOMENTS=False, DEVICE_SCALARS=True),
+        ),
         v.Variant("sumsq", _sumsq_kernel, v.tile(FACTORED=False, WIDE=False, SUM_P=True)),
         v.Variant("sumsq-factored", _sumsq_kernel, v.tile(FACTORED=True, WIDE=True, SUM_P=True)),
         # matrices of rows >= the tile's row (WIDE: the factor indices per segment), and narrower ones
-        v.Variant("apply-came", _apply_kernel,
-                v.tile(FACTORED=True, WIDE=True, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
-        v.Variant("apply-came-narrow", _apply_kernel,
-                v.tile(FACTORED=True, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
-        v.Variant("apply-adafactor", _apply_kernel,
-                v.tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
-        v.Variant("apply-adafactor-factored", _apply_kernel,
-                v.tile(FACTORED=True, WIDE=True, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True)),
-        v.Variant("apply-adafactor-capturable", _apply_kernel,
-                v.tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True,
-                     DEVICE_SCALARS=True)),
+        v.Variant(
+            "apply-came",
+            _apply_kernel,
+            v.tile(FACTORED=True, WIDE=True, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True),
+        ),
+        v.Variant(
+            "apply-came-narrow",
+            _apply_kernel,
+            v.tile(FACTORED=True, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True),
+        ),
+        v.Variant(
+            "apply-adafactor",
+            _apply_kernel,
+            v.tile(FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True),
+        ),
+        v.Variant(
+            "apply-adafactor-factored",
+            _apply_kernel,
+            v.tile(FACTORED=True, WIDE=True, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True),
+        ),
+        v.Variant(
+            "apply-adafactor-capturable",
+            _apply_kernel,
+            v.tile(
+                FACTORED=False, WIDE=False, CAME=False, HAS_M=True, SCALE_PARAM=True, DECAY=True, DEVICE_SCALARS=True
+            ),
+        ),
         v.Variant("stats-q4", _stats_kernel, v.stats(v.Q4, v.Q4_BLOCK, RESIDUAL=True)),
         v.Variant("moments-q4", _moments_kernel, v.stats(v.Q4, v.Q4_BLOCK)),
-        v.Variant("apply-came-q4", _apply_kernel,
-                v.tile4(FACTORED=False, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True)),
+        v.Variant(
+            "apply-came-q4",
+            _apply_kernel,
+            v.tile4(FACTORED=False, WIDE=False, CAME=True, HAS_M=True, SCALE_PARAM=False, DECAY=True),
+        ),
     ]

@@ -24,9 +24,25 @@ __all__ = ["TRITON", "lamb_direction", "launch", "slots"]
 
 
 @triton.jit
-def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                   DECAY: tl.constexpr, clip=1.0, bc1=1.0, bc2=1.0, CLIP: tl.constexpr = False,
-                   L2: tl.constexpr = False, BIAS: tl.constexpr = False):
+def lamb_direction(
+    p,
+    g,
+    m,
+    v,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    DECAY: tl.constexpr,
+    clip=1.0,
+    bc1=1.0,
+    bc2=1.0,
+    CLIP: tl.constexpr = False,
+    L2: tl.constexpr = False,
+    BIAS: tl.constexpr = False,
+):
     """fp32 LAMB math on a tile -> (m, v, r), the update before the trust ratio."""
     if CLIP:
         g = tl.math.div_rn(g, clip)
@@ -44,19 +60,68 @@ def lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, e
 
 
 @triton.jit
-def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums,
-               beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr, clip, bc1, bc2,
-               FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-               DECAY: tl.constexpr, TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr, CLIP: tl.constexpr, L2: tl.constexpr, BIAS: tl.constexpr,
-               gmul=None, G_MULT: tl.constexpr = False):
+def _lamb_tile(
+    t,
+    row,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    sums,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    neg_lr,
+    clip,
+    bc1,
+    bc2,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    DECAY: tl.constexpr,
+    TRUST: tl.constexpr,
+    APPLY: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+    CLIP: tl.constexpr,
+    L2: tl.constexpr,
+    BIAS: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     """Pass 1 (``APPLY=False``): the tensor's sum(p^2), sum(r^2); pass 2: update p, m, v."""
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     v = load_slot(row, 5, offs, mask, blocks, bmask, book_u, False, FMT, ALIGNED, MASKED, COLS)
-    m, v, r = lamb_direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, DECAY,
-                             clip, bc1, bc2, CLIP, L2, BIAS)
+    m, v, r = lamb_direction(
+        p,
+        g,
+        m,
+        v,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        eps,
+        weight_decay,
+        DECAY,
+        clip,
+        bc1,
+        bc2,
+        CLIP,
+        L2,
+        BIAS,
+    )
     if APPLY:
         coef = neg_lr
         if TRUST:
@@ -80,14 +145,44 @@ def _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, 
 
 
 @triton.jit
-def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
-                 beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, neg_lr,
-                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, DECAY: tl.constexpr,
-                 TRUST: tl.constexpr, APPLY: tl.constexpr, WEIGHT: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False, clip_ptr=None, bc1=1.0, bc2=1.0,
-                 CLIP: tl.constexpr = False, L2: tl.constexpr = False, BIAS: tl.constexpr = False,
-                 gmul=None, G_MULT: tl.constexpr = False):
+def _lamb_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    sums,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    neg_lr,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DECAY: tl.constexpr,
+    TRUST: tl.constexpr,
+    APPLY: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+    COLS: tl.constexpr = False,
+    clip_ptr=None,
+    bc1=1.0,
+    bc2=1.0,
+    CLIP: tl.constexpr = False,
+    L2: tl.constexpr = False,
+    BIAS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     clip = 1.0
     if CLIP:  # FusedLAMB: the step's global-norm clip, a device scalar
@@ -95,13 +190,83 @@ def _lamb_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
     if DEVICE_SCALARS:  # a capturable step: -lr (bias corrections folded in) from the device
         neg_lr = tensor_scalar(scal, t, 1, 0)
     if full:
-        _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
-                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, clip, bc1, bc2, FMT, P_DTYPE, G_DTYPE, ALIGNED,
-                   DECAY, TRUST, APPLY, WEIGHT, False, COLS, CLIP, L2, BIAS, gmul=gmul, G_MULT=G_MULT)
+        _lamb_tile(
+            t,
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            sums,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            neg_lr,
+            clip,
+            bc1,
+            bc2,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            DECAY,
+            TRUST,
+            APPLY,
+            WEIGHT,
+            False,
+            COLS,
+            CLIP,
+            L2,
+            BIAS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _lamb_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, book_u, lut_u, sums, beta1, one_minus_beta1,
-                   beta2, one_minus_beta2, eps, weight_decay, neg_lr, clip, bc1, bc2, FMT, P_DTYPE, G_DTYPE, ALIGNED,
-                   DECAY, TRUST, APPLY, WEIGHT, True, COLS, CLIP, L2, BIAS, gmul=gmul, G_MULT=G_MULT)
+        _lamb_tile(
+            t,
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            book_u,
+            lut_u,
+            sums,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            neg_lr,
+            clip,
+            bc1,
+            bc2,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            DECAY,
+            TRUST,
+            APPLY,
+            WEIGHT,
+            True,
+            COLS,
+            CLIP,
+            L2,
+            BIAS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 def _fused_lamb_flags(kw: dict, l2: bool, device_steps: bool, bucket: Bucket) -> dict:

@@ -34,8 +34,20 @@ def lars_update(p, g, buf, momentum, weight_decay, first_step, MOMENTUM: tl.cons
 
 
 @triton.jit
-def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-                     WEIGHT: tl.constexpr, MASKED: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _lars_norms_tile(
+    t,
+    row,
+    offs,
+    mask,
+    sums,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    MASKED: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     if not WEIGHT:
         p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
         tl.atomic_add(sums + 2 * t, tl.sum(tl.sum(p * p, axis=1), axis=0))
@@ -44,10 +56,26 @@ def _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE: tl.constexpr, G_DTYPE: t
 
 
 @triton.jit
-def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
-                       W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr,
-                       COLS: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
+def _lars_norms_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    sums,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    COLS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if full:
         _lars_norms_tile(t, row, offs, mask, sums, P_DTYPE, G_DTYPE, ALIGNED, WEIGHT, False, gmul=gmul, G_MULT=G_MULT)
@@ -56,11 +84,35 @@ def _lars_norms_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
 
 
 @triton.jit
-def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
-                     epsilon, first_step, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                     ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr,
-                     WEIGHT: tl.constexpr, MASKED: tl.constexpr, COLS: tl.constexpr,
-                     gmul=None, G_MULT: tl.constexpr = False):
+def _lars_apply_tile(
+    t,
+    row,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_s,
+    lut_s,
+    sums,
+    neg_lr,
+    momentum,
+    eeta,
+    weight_decay,
+    epsilon,
+    first_step,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    DECAY: tl.constexpr,
+    TRUST: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if MOMENTUM:
@@ -85,25 +137,101 @@ def _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg
 
 
 @triton.jit(do_not_specialize=["first_step"])
-def _lars_apply_kernel(units, table, book_s, lut_s, book_u, lut_u, sums,
-                       neg_lr, momentum, eeta, weight_decay, epsilon, first_step,
-                       W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                       ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                       MOMENTUM: tl.constexpr, DECAY: tl.constexpr, TRUST: tl.constexpr, WEIGHT: tl.constexpr,
-                       scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
-                       gmul=None, G_MULT: tl.constexpr = False):
+def _lars_apply_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    sums,
+    neg_lr,
+    momentum,
+    eeta,
+    weight_decay,
+    epsilon,
+    first_step,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    DECAY: tl.constexpr,
+    TRUST: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+    COLS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor) from the device
         neg_lr = tensor_scalar(scal, t, 2, 0)
         first_step = tensor_scalar(scal, t, 2, 1)
     if full:
-        _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
-                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, False,
-                         COLS, gmul=gmul, G_MULT=G_MULT)
+        _lars_apply_tile(
+            t,
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            sums,
+            neg_lr,
+            momentum,
+            eeta,
+            weight_decay,
+            epsilon,
+            first_step,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            MOMENTUM,
+            DECAY,
+            TRUST,
+            WEIGHT,
+            False,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _lars_apply_tile(t, row, offs, mask, blocks, bmask, book_s, lut_s, sums, neg_lr, momentum, eeta, weight_decay,
-                         epsilon, first_step, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, DECAY, TRUST, WEIGHT, True,
-                         COLS, gmul=gmul, G_MULT=G_MULT)
+        _lars_apply_tile(
+            t,
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            sums,
+            neg_lr,
+            momentum,
+            eeta,
+            weight_decay,
+            epsilon,
+            first_step,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            MOMENTUM,
+            DECAY,
+            TRUST,
+            WEIGHT,
+            True,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
@@ -126,8 +254,17 @@ def launch(u: Update, bucket: Bucket) -> None:
     else:  # a capturable step: read from scal
         neg_lr, first, scal = 0.0, 0, bucket.scalars(-kw["lr"], kw["first_step"])
     args = (sums, neg_lr, scalar(kw["momentum"]), scalar(kw["eeta"]), wd, scalar(kw["epsilon"]), first)
-    bucket.tile_launch(_lars_apply_kernel, names, args, writes=True, MOMENTUM=kw["momentum"] != 0,
-                       DECAY=trust and wd != 0, TRUST=trust, WEIGHT=weight, **bucket.scalar_args(scal))
+    bucket.tile_launch(
+        _lars_apply_kernel,
+        names,
+        args,
+        writes=True,
+        MOMENTUM=kw["momentum"] != 0,
+        DECAY=trust and wd != 0,
+        TRUST=trust,
+        WEIGHT=weight,
+        **bucket.scalar_args(scal),
+    )
 
 
 #: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="lars:TRITON")``)

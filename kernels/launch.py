@@ -106,8 +106,12 @@ class Bucket:
         if new_t == old_t and new_g == old_g:
             return
         dt, dg = new_t[0] - old_t[0], new_g[0] - old_g[0]
-        if dt % 16 or dg % 16 or any(a - b != dt for a, b in zip(new_t, old_t)) or \
-                any(a - b != dg for a, b in zip(new_g, old_g)):
+        if (
+            dt % 16
+            or dg % 16
+            or any(a - b != dt for a, b in zip(new_t, old_t))
+            or any(a - b != dg for a, b in zip(new_g, old_g))
+        ):
             self.memo.clear()
             self._rows_made = []
             return
@@ -161,7 +165,7 @@ class Bucket:
 
     def slot_tensors(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(data, absmax or None) of slot ``name`` for every parameter."""
-        (data, aux), = _slot_keys(self.fmt, (name,))
+        ((data, aux),) = _slot_keys(self.fmt, (name,))
         return [(st[data], None if aux is None else st[aux]) for st in self.states]
 
     def rows(self, slots: Sequence[str], extra: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
@@ -218,8 +222,16 @@ class Bucket:
             BLOCK=block,
         )
 
-    def tile_launch(self, kernel, slots: Sequence[str], args: Sequence[Any], *, writes: bool,
-                    extra: Sequence[Sequence[int]] | None = None, **flags: Any) -> None:
+    def tile_launch(
+        self,
+        kernel,
+        slots: Sequence[str],
+        args: Sequence[Any],
+        *,
+        writes: bool,
+        extra: Sequence[Sequence[int]] | None = None,
+        **flags: Any,
+    ) -> None:
         """Launch ``kernel`` over every tile of every tensor; ``writes``: this pass writes params or state."""
         rows_per_tile = runtime.rows_per_tile(self.block_size, self.device)
 
@@ -235,11 +247,29 @@ class Bucket:
         key = None if extra is not None else ("tile", tuple(slots), rows_per_tile)
         rows, is_aligned, counts = make() if key is None else self._memo(key, make)
         meta = self.constexprs(slots, is_aligned)
-        self.launch(kernel, rows, counts, args, writes=writes, memo_key=key, **meta,
-                    COLS=runtime.column_tiles(self.fmt), **flags)
+        self.launch(
+            kernel,
+            rows,
+            counts,
+            args,
+            writes=writes,
+            memo_key=key,
+            **meta,
+            COLS=runtime.column_tiles(self.fmt),
+            **flags,
+        )
 
-    def launch(self, kernel, rows: list[list[int]], counts: Sequence[int], args: Sequence[Any], *, writes: bool,
-               memo_key: Any = None, **meta: Any) -> None:
+    def launch(
+        self,
+        kernel,
+        rows: list[list[int]],
+        counts: Sequence[int],
+        args: Sequence[Any],
+        *,
+        writes: bool,
+        memo_key: Any = None,
+        **meta: Any,
+    ) -> None:
         """Launch ``kernel`` with ``counts[i]`` programs for tensor ``i``; ``memo_key``: keep the device tables."""
         if not sum(counts):
             return
@@ -249,11 +279,20 @@ class Bucket:
         if self.grad_mult is not None and "G_MULT" in getattr(kernel, "arg_names", ()):
             meta = dict(meta, gmul=self.grad_mult, G_MULT=True)
         # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
-        kernel[(sum(counts),)](units, table, *maps(self.device, self.fmt), *args, W=len(rows[0]), **meta,
-                               num_warps=runtime.tile_shape(self.device)[1], enable_fp_fusion=False)
+        kernel[(sum(counts),)](
+            units,
+            table,
+            *maps(self.device, self.fmt),
+            *args,
+            W=len(rows[0]),
+            **meta,
+            num_warps=runtime.tile_shape(self.device)[1],
+            enable_fp_fusion=False,
+        )
 
-    def tables(self, rows: list[list[int]], counts: Sequence[int], memo_key: Any = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, rows: list[list[int]], counts: Sequence[int], memo_key: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The launch's device ``(table, units)``; a tensor with a non-finite gradient counts 0 elements (one
         device op). ``memo_key``: keep them in :attr:`memo` (``rows`` and ``counts`` then the same at every launch of
         the key)."""

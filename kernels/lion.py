@@ -28,10 +28,31 @@ def lion_update(g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr):
 
 
 @triton.jit
-def _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr,
-               decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-               UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr, gmul=None, G_MULT: tl.constexpr = False):
+def _lion_tile(
+    row,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_s,
+    lut_s,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    neg_lr,
+    decay,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    UPDATE: tl.constexpr,
+    W: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     m = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
@@ -41,22 +62,89 @@ def _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_b
 
 
 @triton.jit
-def _lion_kernel(units, table, book_s, lut_s, book_u, lut_u,
-                 beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr, decay,
-                 W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                 ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr, scal=None,
-                 DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
-                 gmul=None, G_MULT: tl.constexpr = False):
+def _lion_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    neg_lr,
+    decay,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UPDATE: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+    COLS: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, decay) from the device
         neg_lr = tensor_scalar(scal, t, 2, 0)
         decay = tensor_scalar(scal, t, 2, 1)
     if full:
-        _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, False, COLS, gmul=gmul, G_MULT=G_MULT)
+        _lion_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            neg_lr,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            UPDATE,
+            W,
+            False,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _lion_tile(row, offs, mask, blocks, bmask, book_s, lut_s, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                   neg_lr, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, UPDATE, W, True, COLS, gmul=gmul, G_MULT=G_MULT)
+        _lion_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            neg_lr,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            UPDATE,
+            W,
+            True,
+            COLS,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
@@ -72,8 +160,9 @@ def launch(u: Update, bucket: Bucket) -> None:
         stepping, scal = (0.0, 0.0), bucket.scalars(-kw["lr"], u.decay)
     args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, *stepping)
     extra, update = bucket.param_update(u.record, u.step)
-    bucket.tile_launch(_lion_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update,
-                       **bucket.scalar_args(scal))
+    bucket.tile_launch(
+        _lion_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update, **bucket.scalar_args(scal)
+    )
 
 
 #: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="lion:TRITON")``)

@@ -18,8 +18,17 @@ import triton.language as tl
 
 from lowmemopt.quant.maps import POW2_BITS, is_signed_map
 
-__all__ = ["encode_classes", "decode_classes", "class_rows", "class_table", "pow2_code", "pow2_value", "codes",
-           "values", "NCLASSES"]
+__all__ = [
+    "encode_classes",
+    "decode_classes",
+    "class_rows",
+    "class_table",
+    "pow2_code",
+    "pow2_value",
+    "codes",
+    "values",
+    "NCLASSES",
+]
 
 _ONE = 127 << 23  # fp32 bits of 1.0
 _NEVER = 0x7FFFFFFF  # a class bound that no clamped |y| reaches (padding)

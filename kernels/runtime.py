@@ -14,9 +14,24 @@ import torch
 from . import tuning_cache
 
 __all__ = [
-    "HAS_TRITON", "INTERPRET", "ENABLED", "TILE", "TILE_2D", "STATS_BLOCK", "NUM_WARPS", "TILE_SHAPES", "tile_shape",
-    "rows_per_tile", "fast_fp64", "device_ok", "cpu_interpreter", "Q8_DECODE", "q8_decode", "launch_shape",
-    "TILE_LAYOUT", "column_tiles",
+    "HAS_TRITON",
+    "INTERPRET",
+    "ENABLED",
+    "TILE",
+    "TILE_2D",
+    "STATS_BLOCK",
+    "NUM_WARPS",
+    "TILE_SHAPES",
+    "tile_shape",
+    "rows_per_tile",
+    "fast_fp64",
+    "device_ok",
+    "cpu_interpreter",
+    "Q8_DECODE",
+    "q8_decode",
+    "launch_shape",
+    "TILE_LAYOUT",
+    "column_tiles",
 ]
 
 try:

@@ -22,8 +22,20 @@ __all__ = ["TRITON", "sgd_update", "launch", "slots"]
 
 
 @triton.jit
-def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM: tl.constexpr,
-               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr, WD_AFTER: tl.constexpr = False):
+def sgd_update(
+    p,
+    g,
+    buf,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    first_step,
+    MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    DECAY: tl.constexpr,
+    WD_AFTER: tl.constexpr = False,
+):
     """fp32 SGD math on a tile -> (direction, momentum); ``WD_AFTER``: FusedSGD's decay."""
     d = g
     if MAXIMIZE:
@@ -42,20 +54,57 @@ def sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_ste
 
 
 @triton.jit
-def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
-              first_step, decay, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-              ALIGNED: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-              DECAY: tl.constexpr, UPDATE: tl.constexpr, W: tl.constexpr,
-               MASKED: tl.constexpr, COLS: tl.constexpr, WD_AFTER: tl.constexpr, SIGN: tl.constexpr = False,
-               gmul=None, G_MULT: tl.constexpr = False):
+def _sgd_tile(
+    row,
+    offs,
+    mask,
+    blocks,
+    bmask,
+    book_s,
+    lut_s,
+    neg_lr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    first_step,
+    decay,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    DECAY: tl.constexpr,
+    UPDATE: tl.constexpr,
+    W: tl.constexpr,
+    MASKED: tl.constexpr,
+    COLS: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    SIGN: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     g = load_grad(row, offs, mask, G_DTYPE, ALIGNED, MASKED, gmul, G_MULT)
     if MOMENTUM:
         buf = load_slot(row, 3, offs, mask, blocks, bmask, book_s, True, FMT, ALIGNED, MASKED, COLS)
     else:
         buf = g
-    d, buf = sgd_update(p, g, buf, momentum, one_minus_dampening, weight_decay, first_step, MOMENTUM, NESTEROV,
-                        MAXIMIZE, DECAY, WD_AFTER)
+    d, buf = sgd_update(
+        p,
+        g,
+        buf,
+        momentum,
+        one_minus_dampening,
+        weight_decay,
+        first_step,
+        MOMENTUM,
+        NESTEROV,
+        MAXIMIZE,
+        DECAY,
+        WD_AFTER,
+    )
     if SIGN:  # SignSGD: torch.sign(d) (+0 for +-0 and NaN); -lr * sign is exact, so the fma rounds as p.add_ does
         d = (d > 0).to(tl.float32) - (d < 0).to(tl.float32)
     if MOMENTUM:
@@ -64,26 +113,108 @@ def _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, o
 
 
 @triton.jit(do_not_specialize=["first_step"])  # a runtime flag: step 1 and later steps share one compiled kernel
-def _sgd_kernel(units, table, book_s, lut_s, book_u, lut_u,
-                neg_lr, momentum, one_minus_dampening, weight_decay, first_step, decay,
-                W: tl.constexpr, FMT: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, UPDATE: tl.constexpr,
-                MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr,
-                scal=None, DEVICE_SCALARS: tl.constexpr = False, COLS: tl.constexpr = False,
-                WD_AFTER: tl.constexpr = False, SIGN: tl.constexpr = False, gmul=None, G_MULT: tl.constexpr = False):
+def _sgd_kernel(
+    units,
+    table,
+    book_s,
+    lut_s,
+    book_u,
+    lut_u,
+    neg_lr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    first_step,
+    decay,
+    W: tl.constexpr,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UPDATE: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    DECAY: tl.constexpr,
+    scal=None,
+    DEVICE_SCALARS: tl.constexpr = False,
+    COLS: tl.constexpr = False,
+    WD_AFTER: tl.constexpr = False,
+    SIGN: tl.constexpr = False,
+    gmul=None,
+    G_MULT: tl.constexpr = False,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, COLS)
     if DEVICE_SCALARS:  # a capturable step: (-lr, first step of this tensor, decay) from the device
         neg_lr = tensor_scalar(scal, t, 3, 0)
         first_step = tensor_scalar(scal, t, 3, 1)
         decay = tensor_scalar(scal, t, 3, 2)
     if full:
-        _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
-                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  False, COLS, WD_AFTER, SIGN, gmul=gmul, G_MULT=G_MULT)
+        _sgd_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            neg_lr,
+            momentum,
+            one_minus_dampening,
+            weight_decay,
+            first_step,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            MOMENTUM,
+            NESTEROV,
+            MAXIMIZE,
+            DECAY,
+            UPDATE,
+            W,
+            False,
+            COLS,
+            WD_AFTER,
+            SIGN,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
     else:
-        _sgd_tile(row, offs, mask, blocks, bmask, book_s, lut_s, neg_lr, momentum, one_minus_dampening, weight_decay,
-                  first_step, decay, FMT, P_DTYPE, G_DTYPE, ALIGNED, MOMENTUM, NESTEROV, MAXIMIZE, DECAY, UPDATE, W,
-                  True, COLS, WD_AFTER, SIGN, gmul=gmul, G_MULT=G_MULT)
+        _sgd_tile(
+            row,
+            offs,
+            mask,
+            blocks,
+            bmask,
+            book_s,
+            lut_s,
+            neg_lr,
+            momentum,
+            one_minus_dampening,
+            weight_decay,
+            first_step,
+            decay,
+            FMT,
+            P_DTYPE,
+            G_DTYPE,
+            ALIGNED,
+            MOMENTUM,
+            NESTEROV,
+            MAXIMIZE,
+            DECAY,
+            UPDATE,
+            W,
+            True,
+            COLS,
+            WD_AFTER,
+            SIGN,
+            gmul=gmul,
+            G_MULT=G_MULT,
+        )
 
 
 def slots(hyper: Mapping[str, Any]) -> tuple[str, ...]:
@@ -101,10 +232,21 @@ def launch(u: Update, bucket: Bucket, sign: bool = False) -> None:
         scal = bucket.scalars(-kw["lr"], kw["first_step"], u.decay)
     args = (neg_lr, scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, first, decay)
     extra, update = bucket.param_update(u.record, u.step)
-    bucket.tile_launch(_sgd_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update,
-                       MOMENTUM=kw["momentum"] != 0, NESTEROV=bool(kw["nesterov"]), MAXIMIZE=bool(kw["maximize"]),
-                       DECAY=wd != 0, WD_AFTER=bool(kw.get("wd_after_momentum", False)), SIGN=sign,
-                       **bucket.scalar_args(scal))
+    bucket.tile_launch(
+        _sgd_kernel,
+        slots(u.hyper),
+        args,
+        writes=True,
+        extra=extra,
+        UPDATE=update,
+        MOMENTUM=kw["momentum"] != 0,
+        NESTEROV=bool(kw["nesterov"]),
+        MAXIMIZE=bool(kw["maximize"]),
+        DECAY=wd != 0,
+        WD_AFTER=bool(kw.get("wd_after_momentum", False)),
+        SIGN=sign,
+        **bucket.scalar_args(scal),
+    )
 
 
 #: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="sgd:TRITON")``; SignSGD: ``sign=True``)
@@ -115,6 +257,9 @@ def compile_variants(v: Any) -> list[Any]:
     """This module's kernels in the ahead-of-time compile table (:data:`.variants.VARIANTS`; ``v``: that module,
     whose ``Variant`` and tile helpers it uses)."""
     return [
-        v.Variant("sgd", _sgd_kernel,
-                v.tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True, UPDATE=v.KAHAN, W=17, FMT=v.BF16)),
+        v.Variant(
+            "sgd",
+            _sgd_kernel,
+            v.tile(MOMENTUM=True, NESTEROV=True, MAXIMIZE=False, DECAY=True, UPDATE=v.KAHAN, W=17, FMT=v.BF16),
+        ),
     ]

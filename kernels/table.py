@@ -14,8 +14,18 @@ import torch
 
 from lowmemopt.work import capture
 
-__all__ = ["upload", "device_tables", "owned_tables", "device_table", "flagged_table", "select_flags", "device_index", "unit_map",
-           "aligned", "ceil_div"]
+__all__ = [
+    "upload",
+    "device_tables",
+    "owned_tables",
+    "device_table",
+    "flagged_table",
+    "select_flags",
+    "device_index",
+    "unit_map",
+    "aligned",
+    "ceil_div",
+]
 
 
 class _Cache:
@@ -40,7 +50,8 @@ class _Cache:
             self.entries[key] = (value, size)
             self.nbytes += size
             while len(self.entries) > self.limit or (
-                    self.byte_limit is not None and self.nbytes > self.byte_limit and len(self.entries) > 1):
+                self.byte_limit is not None and self.nbytes > self.byte_limit and len(self.entries) > 1
+            ):
                 self.nbytes -= self.entries.popitem(last=False)[1][1]
         capture.keep(tensors[0].device, *tensors)
         return value
@@ -87,9 +98,13 @@ def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.T
     return device_tables(rows, device)[0]
 
 
-def flagged_table(rows: Sequence[Sequence[int]], device: torch.device, flags: torch.Tensor,
-                  flag_rows: Sequence[int], memo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-                  ) -> torch.Tensor:
+def flagged_table(
+    rows: Sequence[Sequence[int]],
+    device: torch.device,
+    flags: torch.Tensor,
+    flag_rows: Sequence[int],
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
     """:func:`device_table` with each row's element count times its gradient's finiteness flag."""
     table, skipped = device_tables(rows, device)
     hit = None if memo is None else memo.get(id(table))
@@ -105,7 +120,7 @@ def select_flags(flags: torch.Tensor, flag_rows: Sequence[int], device: torch.de
     """``flags[flag_rows]`` on the device (a slice, or the flags themselves, where the rows allow)."""
     n = len(flag_rows)
     if isinstance(flag_rows, range) and flag_rows.step == 1 and flag_rows.stop <= len(flags):
-        return flags[flag_rows.start:flag_rows.stop]
+        return flags[flag_rows.start : flag_rows.stop]
     if n == len(flags) and list(flag_rows) == list(range(n)):
         return flags
     return flags.index_select(0, device_index(flag_rows, device))

@@ -15,8 +15,23 @@ import torch
 from . import runtime
 from .tuning_cache import CACHE_VERSION, DECODES, TILES, WARPS, cache_path, device_key, forget, save, tuned
 
-__all__ = ["TILES", "WARPS", "DECODES", "CACHE_VERSION", "cache_path", "device_key", "tuned", "save", "forget",
-           "adamw_q8_state", "adamw_q8_step", "time_steps", "measure", "best", "tune"]
+__all__ = [
+    "TILES",
+    "WARPS",
+    "DECODES",
+    "CACHE_VERSION",
+    "cache_path",
+    "device_key",
+    "tuned",
+    "save",
+    "forget",
+    "adamw_q8_state",
+    "adamw_q8_step",
+    "time_steps",
+    "measure",
+    "best",
+    "tune",
+]
 
 #: the measurement's default size: 128M bf16 parameters (about 0.8 GB with gradients and 8-bit state)
 DEFAULT_NUMEL = 1 << 27
@@ -24,8 +39,17 @@ DEFAULT_NUMEL = 1 << 27
 BLOCK_SIZE = 256
 #: the measured step's param group: AdamW's defaults, no weight decay (``lowmemopt.AdamW(params, lr=1e-4,
 #: weight_decay=0.0, state_bits=8)``), as the kernels read it
-GROUP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True, amsgrad=False,
-             maximize=False, bf16_update="nearest", block_size=BLOCK_SIZE)
+GROUP = dict(
+    lr=1e-4,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    decoupled_weight_decay=True,
+    amsgrad=False,
+    maximize=False,
+    bf16_update="nearest",
+    block_size=BLOCK_SIZE,
+)
 
 
 def _problem(numel: int, device: torch.device, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -58,8 +82,9 @@ def adamw_q8_state(params: list[torch.Tensor]) -> list[dict[str, Any]]:
     return states
 
 
-def adamw_q8_step(params: list[torch.Tensor], grads: list[torch.Tensor],
-                  states: list[dict[str, Any]]) -> Callable[[], None]:
+def adamw_q8_step(
+    params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict[str, Any]]
+) -> Callable[[], None]:
     """A function that takes the next 8-bit AdamW step of ``params`` (state ``states``, :func:`adamw_q8_state`) as the
     Triton backend steps a bucket: one :func:`.adamw.launch` on a :class:`.launch.Bucket` of the plain tensors, with
     :data:`GROUP`'s hyper-parameters and the step's bias corrections; then the step counts advance."""
@@ -69,14 +94,17 @@ def adamw_q8_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     from .launch import Bucket, Update
 
     beta1, beta2 = GROUP["betas"]
-    hyper = {k: GROUP[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad",
-                                   "maximize")}
+    hyper = {
+        k: GROUP[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad", "maximize")
+    }
 
     def step() -> None:
         t = states[0]["step"] + 1
         kwargs = dict(hyper, bias_correction1=1 - beta1**t, bias_correction2_sqrt=math.sqrt(1 - beta2**t))
-        launch(Update("", kwargs, BucketRecord.of(GROUP), 1.0, t, BLOCK_SIZE),
-               Bucket(params, grads, states, "q8", BLOCK_SIZE, index_bases=[0] * len(params)))
+        launch(
+            Update("", kwargs, BucketRecord.of(GROUP), 1.0, t, BLOCK_SIZE),
+            Bucket(params, grads, states, "q8", BLOCK_SIZE, index_bases=[0] * len(params)),
+        )
         for state in states:
             state["step"] = t
 
@@ -108,8 +136,13 @@ def time_steps(step: Any, device: torch.device, steps: int, warmup: int = 1) -> 
     return statistics.median(times)
 
 
-def measure(device: torch.device, numel: int = DEFAULT_NUMEL, steps: int = 20, dtype: torch.dtype = torch.bfloat16,
-            progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def measure(
+    device: torch.device,
+    numel: int = DEFAULT_NUMEL,
+    steps: int = 20,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
     """Time the 8-bit AdamW kernel (:func:`adamw_q8_step`, fresh state for each candidate) on ``device`` at every candidate
     (tile, warps, decode); one record each: ``tile``, ``num_warps``, ``decode``, ``seconds`` (median step),
     ``bytes_per_s`` (the step's ideal bytes over that), or ``error`` for a configuration that fails to compile or run.
@@ -148,8 +181,13 @@ def best(records: list[dict[str, Any]]) -> dict[str, Any]:
     return min(ran, key=lambda r: r["seconds"])
 
 
-def tune(device: torch.device, numel: int = DEFAULT_NUMEL, steps: int = 20, write: bool = True,
-         progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def tune(
+    device: torch.device,
+    numel: int = DEFAULT_NUMEL,
+    steps: int = 20,
+    write: bool = True,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Measure (:func:`measure`) on CUDA ``device``, pick the fastest and, with ``write``, keep it in the cache for
     this GPU model and Triton version: ``(entry, records)``."""
     if device.type != "cuda":
@@ -157,8 +195,15 @@ def tune(device: torch.device, numel: int = DEFAULT_NUMEL, steps: int = 20, writ
     index = device.index if device.index is not None else torch.cuda.current_device()
     records = measure(torch.device("cuda", index), numel, steps, progress=progress)
     top = best(records)
-    entry = dict(tile=top["tile"], num_warps=top["num_warps"], decode=top["decode"], numel=numel, steps=steps,
-                 measured=records, when=time.strftime("%Y-%m-%d %H:%M:%S"))
+    entry = dict(
+        tile=top["tile"],
+        num_warps=top["num_warps"],
+        decode=top["decode"],
+        numel=numel,
+        steps=steps,
+        measured=records,
+        when=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     if write:
         save(device_key(index), entry)
     return entry, records

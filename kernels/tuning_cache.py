@@ -66,14 +66,21 @@ def _read(warn: bool = True) -> dict[str, Any]:
             return devices
         problem = f"not a version {CACHE_VERSION} cache"
     if warn:
-        warnings.warn(f"lowmemopt: ignoring the tuning cache {path} ({problem}); run `lowmemopt tune` to measure "
-                      "again", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lowmemopt: ignoring the tuning cache {path} ({problem}); run `lowmemopt tune` to measure again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return {}
 
 
 def _valid(entry: Any) -> bool:
-    return (isinstance(entry, dict) and entry.get("tile") in TILES and entry.get("num_warps") in WARPS
-            and entry.get("decode") in DECODES)
+    return (
+        isinstance(entry, dict)
+        and entry.get("tile") in TILES
+        and entry.get("num_warps") in WARPS
+        and entry.get("decode") in DECODES
+    )
 
 
 def tuned(index: int) -> dict[str, Any] | None:
@@ -87,8 +94,11 @@ def tuned(index: int) -> dict[str, Any] | None:
             _loaded = _read()
         entry = _loaded.get(device_key(index))
         if entry is not None and not _valid(entry):
-            warnings.warn(f"lowmemopt: ignoring a malformed tuning entry for {device_key(index)} in {cache_path()}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"lowmemopt: ignoring a malformed tuning entry for {device_key(index)} in {cache_path()}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             entry = None
     _by_index[index] = entry
     return entry

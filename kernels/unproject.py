@@ -31,8 +31,22 @@ DTYPES = frozenset(TL_DTYPES)
 
 
 @triton.jit
-def _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE: tl.constexpr, U_DTYPE: tl.constexpr,
-                ALIGNED: tl.constexpr, MATH: tl.constexpr, DECAY: tl.constexpr, MASKED: tl.constexpr):
+def _apply_tile(
+    row,
+    t,
+    offs,
+    mask,
+    c_ptr,
+    c,
+    scale,
+    decay,
+    P_DTYPE: tl.constexpr,
+    U_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MATH: tl.constexpr,
+    DECAY: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     p = load_param(row, offs, mask, P_DTYPE, ALIGNED, MASKED)
     if MATH == 2:
         p = tl.fma(p, tl.load(c_ptr + t), p)  # _decay_rows: p + c p
@@ -45,9 +59,22 @@ def _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE: tl.constexp
 
 
 @triton.jit
-def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE: tl.constexpr,
-                  U_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                  MATH: tl.constexpr, DECAY: tl.constexpr):
+def _apply_kernel(
+    units,
+    table,
+    c_ptr,
+    c,
+    scale,
+    decay,
+    W: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    U_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MATH: tl.constexpr,
+    DECAY: tl.constexpr,
+):
     t, row, numel, offs, mask, blocks, bmask, full = tile_coords(units, table, W, ROWS, BLOCK, False)
     if full:
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, False)
@@ -55,9 +82,16 @@ def _apply_kernel(units, table, c_ptr, c, scale, decay, W: tl.constexpr, P_DTYPE
         _apply_tile(row, t, offs, mask, c_ptr, c, scale, decay, P_DTYPE, U_DTYPE, ALIGNED, MATH, DECAY, True)
 
 
-def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: float, decay: float,
-                  math_decay: float | torch.Tensor | None, flags: torch.Tensor | None = None,
-                  flag_rows: Sequence[int] = (), memo: dict | None = None) -> None:
+def apply_updates(
+    params: Sequence[torch.Tensor],
+    updates: torch.Tensor,
+    scale: float,
+    decay: float,
+    math_decay: float | torch.Tensor | None,
+    flags: torch.Tensor | None = None,
+    flag_rows: Sequence[int] = (),
+    memo: dict | None = None,
+) -> None:
     """``params[i] <- round(((p + c_i p) * decay) + scale * updates[i])`` in one launch.
 
     Args:
@@ -80,18 +114,30 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
     block = _BLOCK
     tile_rows = runtime.rows_per_tile(block, device)
     kept = None if memo is None else memo.get("launch")
-    if kept is not None and (kept["params"] is not params and (len(kept["params"]) != len(params) or not all(
-            map(operator.is_, kept["params"], params))) or kept["tile_rows"] != tile_rows
-            or kept["shape"] != updates.shape or kept["dtype"] != updates.dtype
-            or (updates.data_ptr() - kept["base"]) % 16):
+    if kept is not None and (
+        kept["params"] is not params
+        and (len(kept["params"]) != len(params) or not all(map(operator.is_, kept["params"], params)))
+        or kept["tile_rows"] != tile_rows
+        or kept["shape"] != updates.shape
+        or kept["dtype"] != updates.dtype
+        or (updates.data_ptr() - kept["base"]) % 16
+    ):
         kept = None
     if kept is None:
         each = updates.unbind(0)
         rows = [[p.data_ptr(), u.data_ptr(), p.numel()] for p, u in zip(params, each)]
         counts = [ceil_div(p.numel(), tile_rows * block) for p in params]
-        kept = dict(params=list(params), tile_rows=tile_rows, shape=updates.shape, dtype=updates.dtype,
-                    base=updates.data_ptr(), both=owned_tables(rows, device), units=unit_map(counts, device),
-                    programs=sum(counts), aligned=aligned([*params, *each]))
+        kept = dict(
+            params=list(params),
+            tile_rows=tile_rows,
+            shape=updates.shape,
+            dtype=updates.dtype,
+            base=updates.data_ptr(),
+            both=owned_tables(rows, device),
+            units=unit_map(counts, device),
+            programs=sum(counts),
+            aligned=aligned([*params, *each]),
+        )
         if memo is not None:
             memo["launch"] = kept
     elif updates.data_ptr() != kept["base"]:  # the same layout elsewhere: the update column moves with it
@@ -101,9 +147,23 @@ def apply_updates(params: Sequence[torch.Tensor], updates: torch.Tensor, scale: 
     if flags is not None:  # a skipped matrix counts 0 elements
         table = torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
     _apply_kernel[(kept["programs"],)](
-        kept["units"], table, c_ptr, c, float(scale), float(decay), W=3, P_DTYPE=TL_DTYPES[p_dtype],
-        U_DTYPE=TL_DTYPES[updates.dtype], ALIGNED=kept["aligned"], ROWS=tile_rows,
-        BLOCK=block, MATH=math, DECAY=decay != 1.0, num_warps=runtime.tile_shape(device)[1], enable_fp_fusion=False)
+        kept["units"],
+        table,
+        c_ptr,
+        c,
+        float(scale),
+        float(decay),
+        W=3,
+        P_DTYPE=TL_DTYPES[p_dtype],
+        U_DTYPE=TL_DTYPES[updates.dtype],
+        ALIGNED=kept["aligned"],
+        ROWS=tile_rows,
+        BLOCK=block,
+        MATH=math,
+        DECAY=decay != 1.0,
+        num_warps=runtime.tile_shape(device)[1],
+        enable_fp_fusion=False,
+    )
 
 
 def compile_variants(v: Any) -> list[Any]:
@@ -111,8 +171,18 @@ def compile_variants(v: Any) -> list[Any]:
     whose ``Variant`` and tile helpers it uses)."""
     return [
         # GaLore's apply pass after the batched product back: bf16 params, fp32 products, a decay per matrix
-        v.Variant("unproject", _apply_kernel,
-                dict(W=3, P_DTYPE=v.tl.bfloat16, U_DTYPE=v.tl.float32, ALIGNED=True, ROWS=v.runtime.TILE // 256, BLOCK=256,
-                     MATH=2, DECAY=True)),
-
+        v.Variant(
+            "unproject",
+            _apply_kernel,
+            dict(
+                W=3,
+                P_DTYPE=v.tl.bfloat16,
+                U_DTYPE=v.tl.float32,
+                ALIGNED=True,
+                ROWS=v.runtime.TILE // 256,
+                BLOCK=256,
+                MATH=2,
+                DECAY=True,
+            ),
+        ),
     ]

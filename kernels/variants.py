@@ -32,12 +32,34 @@ __all__ = ["SM90", "Variant", "VARIANTS", "signature", "stats", "tile", "tile4",
 SM90 = GPUTarget("cuda", 90, 32)
 
 #: launch-table and lookup-table arguments: their pointer types (every other pointer argument is ``*fp32``)
-POINTERS = {"units": "*i32", "table": "*i64", "lut_s": "*i32", "lut_u": "*i32", "lut": "*i32", "codes_ptr": "*u8",
-            "nibbles_ptr": "*u8"}
+POINTERS = {
+    "units": "*i32",
+    "table": "*i64",
+    "lut_s": "*i32",
+    "lut_u": "*i32",
+    "lut": "*i32",
+    "codes_ptr": "*u8",
+    "nibbles_ptr": "*u8",
+}
 #: CAME's fp64 row/column moment sums (and ``rsum`` / ``csum`` of the factors pass that reads them: ``MOMENTS``)
 FP64_POINTERS = {"rmom", "cmom"}
-FP32_POINTERS = {"c_ptr", "book_s", "book_u", "book", "sums", "rsum", "csum", "rfac", "cfac", "rfac2", "cfac2", "absmax_ptr",
-                 "out_ptr", "x_ptr", "scal"}
+FP32_POINTERS = {
+    "c_ptr",
+    "book_s",
+    "book_u",
+    "book",
+    "sums",
+    "rsum",
+    "csum",
+    "rfac",
+    "cfac",
+    "rfac2",
+    "cfac2",
+    "absmax_ptr",
+    "out_ptr",
+    "x_ptr",
+    "scal",
+}
 INTS = {"first_step": "i32", "numel": "i64"}
 #: the encode tables of the dense formats: None (they have none); 8-bit state has the pow2 maps' int64 class tables
 #: (:func:`.codec.maps`), 4-bit state its int32 bucket tables
@@ -99,8 +121,18 @@ def signature(kernel: Any, constexprs: dict[str, Any]) -> dict[str, str]:
 def tile(block: int = 256, **flags: Any) -> dict[str, Any]:
     """Constexprs of a flat-tile kernel at the default tile (``runtime.TILE`` elements in rows of ``block``), 8-bit
     state, bf16 parameters, fp32 gradients, 16-byte aligned tensors; ``flags`` add or override."""
-    return {**dict(W=15, FMT=Q8, P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, ALIGNED=True,
-                   ROWS=max(1, runtime.TILE // block), BLOCK=block), **flags}
+    return {
+        **dict(
+            W=15,
+            FMT=Q8,
+            P_DTYPE=tl.bfloat16,
+            G_DTYPE=tl.float32,
+            ALIGNED=True,
+            ROWS=max(1, runtime.TILE // block),
+            BLOCK=block,
+        ),
+        **flags,
+    }
 
 
 def tile4(**flags: Any) -> dict[str, Any]:

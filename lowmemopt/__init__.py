@@ -22,13 +22,31 @@ _FUNCTIONS = {
     "muon_param_groups": "optim",
     "apollo_param_groups": "optim",
 }
-_CLASSES = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD", "LAMB",
-            "LARS", "Lion", "SGD", "SignSGD"]
+_CLASSES = [
+    "Adafactor",
+    "AdafactorTorch",
+    "Adam",
+    "AdamW",
+    "CAME",
+    "CPUAdam",
+    "FusedAdam",
+    "FusedLAMB",
+    "FusedSGD",
+    "LAMB",
+    "LARS",
+    "Lion",
+    "SGD",
+    "SignSGD",
+]
 _CLASSES += ["AdEMAMix", "AdamMini", "Muon", "APOLLOAdamW"]
 #: the communication-compressed optimizers (docs/onebit.md), by module; built on real parameters they need an
 #: initialized process group (``requires_process_group``, read by ``lowmemopt.registry``)
-_MODULE_CLASSES = {"OnebitAdam": "optim.onebit", "ZeroOneAdam": "optim.zero_one_adam",
-                   "OnebitLAMB": "optim.onebit_lamb", "OnebitLamb": "optim.onebit_lamb"}
+_MODULE_CLASSES = {
+    "OnebitAdam": "optim.onebit",
+    "ZeroOneAdam": "optim.zero_one_adam",
+    "OnebitLAMB": "optim.onebit_lamb",
+    "OnebitLamb": "optim.onebit_lamb",
+}
 
 
 def _load() -> None:

@@ -66,15 +66,19 @@ def _bnb_keywords(name: str, kwargs: dict[str, Any], fixed: dict[str, Any]) -> N
         if value is None:
             continue  # (the signature's default: not given)
         if theirs == "args":
-            raise TypeError(f"{name}: args= (bitsandbytes' object of overrides) is not taken here: give its settings "
-                            "as keywords (state_bits=, min_quant_numel=, block_size=, ...) or as param group keys")
+            raise TypeError(
+                f"{name}: args= (bitsandbytes' object of overrides) is not taken here: give its settings "
+                "as keywords (state_bits=, min_quant_numel=, block_size=, ...) or as param group keys"
+            )
         if theirs == "optim_bits" and value == 32 and "state_bits" in fixed:
             continue  # (bitsandbytes' 8-bit classes take only optim_bits=32, "for compatibility")
         if theirs == "is_paged" and not value:
             value = kwargs.get("paged", fixed.get("paged", False))  # (False: not asked for)
         if ours in kwargs and kwargs[ours] != value:
-            raise ValueError(f"{name}: {theirs}={value!r} and {ours}={kwargs[ours]!r} disagree ({theirs} is "
-                             f"bitsandbytes' name for {ours}); give one")
+            raise ValueError(
+                f"{name}: {theirs}={value!r} and {ours}={kwargs[ours]!r} disagree ({theirs} is "
+                f"bitsandbytes' name for {ours}); give one"
+            )
         kwargs[ours] = value
 
 
@@ -90,23 +94,32 @@ def _alias(base: T, name: str, galore: dict[str, Any] | None = None, bnb: bool =
         for key, value in fixed.items():
             given = kwargs.setdefault(key, value)
             if key == "state_bits" and given != value or key == "paged" and not given:
-                other = {"state_bits": f"{base.__name__}(..., state_bits={given!r})",
-                         "paged": f"{base.__name__}(..., state_bits={fixed.get('state_bits', 32)}, "
-                                  f"paged={given!r})"}[key]
-                raise ValueError(f"{name} has {key}={value!r} (its name): {key}={given!r} contradicts it; use "
-                                 f"{other}, or set {key} in a param group for some parameters")
+                other = {
+                    "state_bits": f"{base.__name__}(..., state_bits={given!r})",
+                    "paged": f"{base.__name__}(..., state_bits={fixed.get('state_bits', 32)}, paged={given!r})",
+                }[key]
+                raise ValueError(
+                    f"{name} has {key}={value!r} (its name): {key}={given!r} contradicts it; use "
+                    f"{other}, or set {key} in a param group for some parameters"
+                )
         base.__init__(self, params, *args, **kwargs)
 
     sig = constructor_signature(base.__init__, LowMemOptimizer.__init__, fixed)
     if bnb:
-        sig = sig.replace(parameters=[*sig.parameters.values(), *(
-            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in BNB_KEYWORDS)])
+        sig = sig.replace(
+            parameters=[
+                *sig.parameters.values(),
+                *(inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in BNB_KEYWORDS),
+            ]
+        )
     __init__.__signature__ = sig
     members: dict[str, Any] = {"__init__": __init__, "__module__": __name__}
     if bnb:
-        members["_keyword_hints"] = {k: f"{k} is a bitsandbytes keyword that lowmemopt does not have: {v}"
-                                     for k, v in BNB_UNSUPPORTED.items()}
+        members["_keyword_hints"] = {
+            k: f"{k} is a bitsandbytes keyword that lowmemopt does not have: {v}" for k, v in BNB_UNSUPPORTED.items()
+        }
     if galore:
+
         def add_param_group(self, param_group):
             if isinstance(param_group, dict) and param_group.get("rank") is not None:
                 param_group = {**galore, **param_group}

@@ -11,8 +11,20 @@ import torch
 
 from . import paging, rounding
 
-__all__ = ["one_element", "check_lr", "check_nonneg", "check_betas", "torch_scalars", "check_torch_flags",
-           "check_adam_group", "sqrt_of", "check_positive", "check_eps_pair", "check_storage", "check_param"]
+__all__ = [
+    "one_element",
+    "check_lr",
+    "check_nonneg",
+    "check_betas",
+    "torch_scalars",
+    "check_torch_flags",
+    "check_adam_group",
+    "sqrt_of",
+    "check_positive",
+    "check_eps_pair",
+    "check_storage",
+    "check_param",
+]
 
 
 def one_element(name: str, value: torch.Tensor) -> None:
@@ -109,9 +121,11 @@ def check_torch_flags(foreach: Any, fused: Any, differentiable: Any) -> None:
     if not isinstance(differentiable, bool):
         raise TypeError(f"Invalid differentiable: expected a bool, got {type(differentiable).__name__}")
     if differentiable:
-        raise ValueError("differentiable=True is not supported: lowmemopt's step runs under torch.no_grad() and "
-                         "writes parameters and (quantized) state in place, so autograd cannot differentiate through "
-                         "it; use torch.optim for a differentiable step")
+        raise ValueError(
+            "differentiable=True is not supported: lowmemopt's step runs under torch.no_grad() and "
+            "writes parameters and (quantized) state in place, so autograd cannot differentiate through "
+            "it; use torch.optim for a differentiable step"
+        )
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
@@ -164,11 +178,14 @@ def check_storage(group: dict) -> None:
     if capturable and paging.tier_of(group) is not None:
         raise ValueError("capturable=True cannot page state: a captured step cannot move it between host and device")
     if capturable and group.get("bf16_update", "nearest") == "stochastic":
-        raise ValueError("capturable=True cannot round bf16 / fp16 parameters stochastically (each step's hash key is "
-                         "made on the host); use bf16_update='nearest' or 'kahan'")
+        raise ValueError(
+            "capturable=True cannot round bf16 / fp16 parameters stochastically (each step's hash key is "
+            "made on the host); use bf16_update='nearest' or 'kahan'"
+        )
     if capturable and group.get("rank") is not None:
-        raise ValueError("capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD that "
-                         "synchronizes)")
+        raise ValueError(
+            "capturable=True does not apply to GaLore param groups (a basis refresh runs an SVD that synchronizes)"
+        )
 
 
 def check_param(p: torch.Tensor, owner: str, index: int, group: int) -> None:
@@ -176,13 +193,17 @@ def check_param(p: torch.Tensor, owner: str, index: int, group: int) -> None:
     ValueError; ``index``, ``group``: its place, for the message.
     """
     if p.is_complex():
-        raise TypeError(f"{owner} does not support complex parameters (got {p.dtype}): optimize a real view instead, "
-                        "nn.Parameter(torch.view_as_real(z)), and use torch.view_as_complex(param) in the forward pass "
-                        "(torch.optim's Adam, AdamW and SGD step a complex parameter as exactly that view)")
+        raise TypeError(
+            f"{owner} does not support complex parameters (got {p.dtype}): optimize a real view instead, "
+            "nn.Parameter(torch.view_as_real(z)), and use torch.view_as_complex(param) in the forward pass "
+            "(torch.optim's Adam, AdamW and SGD step a complex parameter as exactly that view)"
+        )
     if not p.is_floating_point():
         raise TypeError(f"{owner} needs floating-point parameters (got {p.dtype})")
     shared = [d for d, (n, s) in enumerate(zip(p.shape, p.stride())) if s == 0 and n > 1]
     if shared and p.numel():
-        raise ValueError(f"{owner}: parameter {index} of param group {group} (shape {tuple(p.shape)}) has stride 0 in "
-                         f"dim {shared[0]}: its elements share memory (an expanded tensor), and a step updates each "
-                         "element in place. Give it memory of its own: nn.Parameter(t.clone()) or t.contiguous()")
+        raise ValueError(
+            f"{owner}: parameter {index} of param group {group} (shape {tuple(p.shape)}) has stride 0 in "
+            f"dim {shared[0]}: its elements share memory (an expanded tensor), and a step updates each "
+            "element in place. Give it memory of its own: nn.Parameter(t.clone()) or t.contiguous()"
+        )

@@ -77,8 +77,11 @@ def _add_inspect(subparsers: Any) -> None:
         "of a torch.save file of optimizer.state_dict() (lowmemopt's, torch.optim's or bitsandbytes'; loaded with "
         "weights_only=True), and a summary per format: slots, params, elements and bytes.",
     )
-    p.add_argument("path", help="a .safetensors file written by lowmemopt.save_state, or a torch.save file of "
-                   "optimizer.state_dict() (also one level down in a dict, as {'opt': opt.state_dict(), ...})")
+    p.add_argument(
+        "path",
+        help="a .safetensors file written by lowmemopt.save_state, or a torch.save file of "
+        "optimizer.state_dict() (also one level down in a dict, as {'opt': opt.state_dict(), ...})",
+    )
     p.add_argument("--params", action="store_true", help="also list every parameter: shape, step, slot formats")
     p.set_defaults(func=_inspect)
 
@@ -112,12 +115,19 @@ def _add_demo(subparsers: Any) -> None:
         "(pip install 'lowmemopt[demo]').",
     )
     p.add_argument("--steps", type=int, default=300, help="training steps per optimizer (default 300)")
-    p.add_argument("--optimizers", default=",".join(DEMO_CHOICES),
-                   help=f"comma-separated (default {','.join(DEMO_CHOICES)}); any lowmemopt optimizer name works "
-                   "(lr 1e-3 unless --lr)")
+    p.add_argument(
+        "--optimizers",
+        default=",".join(DEMO_CHOICES),
+        help=f"comma-separated (default {','.join(DEMO_CHOICES)}); any lowmemopt optimizer name works "
+        "(lr 1e-3 unless --lr)",
+    )
     p.add_argument("--data", metavar="PATH", help="train on this text file instead of the standard library's source")
-    p.add_argument("--out", metavar="DIR", default=DEMO_OUT,
-                   help=f"where to write demo.png and demo.json (default ./{DEMO_OUT}, which ignores itself in git)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=DEMO_OUT,
+        help=f"where to write demo.png and demo.json (default ./{DEMO_OUT}, which ignores itself in git)",
+    )
     p.add_argument("--lr", type=float, help="learning rate for every optimizer (default: each one's preset)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
@@ -138,8 +148,11 @@ def _passive_openmp() -> None:
 def _demo(args: argparse.Namespace) -> int:
     missing = [pkg for mod, pkg in _DEMO_NEEDS.items() if importlib.util.find_spec(mod) is None]
     if missing:
-        print(f"lowmemopt demo needs {', '.join(missing)}: pip install 'lowmemopt[demo]' "
-              f"(or pip install {' '.join(missing)})", file=sys.stderr)
+        print(
+            f"lowmemopt demo needs {', '.join(missing)}: pip install 'lowmemopt[demo]' "
+            f"(or pip install {' '.join(missing)})",
+            file=sys.stderr,
+        )
         return 1
     _quiet_import_noise()
     _passive_openmp()
@@ -164,27 +177,46 @@ def _demo(args: argparse.Namespace) -> int:
 
     source = args.data or "the Python standard library's source"
     n_params = sum(p.numel() for p in demo._llama(args.seed).parameters())
-    print(f"LLaMA-style byte-level LM, {n_params / 1e6:.2f}M parameters, on {data.numel():,} bytes of {source}; "
-          f"{args.steps} steps of {args.batch} x {args.seq} bytes, {device}; output to {out}\n", flush=True)
-    results = demo.compare(choices, args.steps, data=data, seed=args.seed, batch=args.batch, seq=args.seq,
-                           device=device)
+    print(
+        f"LLaMA-style byte-level LM, {n_params / 1e6:.2f}M parameters, on {data.numel():,} bytes of {source}; "
+        f"{args.steps} steps of {args.batch} x {args.seq} bytes, {device}; output to {out}\n",
+        flush=True,
+    )
+    results = demo.compare(
+        choices, args.steps, data=data, seed=args.seed, batch=args.batch, seq=args.seq, device=device
+    )
     print()
     print(demo.table(results))
-    print("(the progress bars show one step's loss; \"final loss\" is the mean of the last 20 steps' losses, "
-          "\"held-out loss\" the loss on 64 fixed windows of the data, the same for every optimizer)")
+    print(
+        "(the progress bars show one step's loss; \"final loss\" is the mean of the last 20 steps' losses, "
+        '"held-out loss" the loss on 64 fixed windows of the data, the same for every optimizer)'
+    )
     for r in results:
         if "skipped" in r:
             print(f"note: {r['label']} skipped: {r['skipped']}")
     print(f"\npeak memory: {_PEAK_NOTE[device.split(':')[0]]}")
-    png = demo.plot(results, os.path.join(out, "demo.png"),
-                    title=f"{n_params / 1e6:.1f}M-parameter LLaMA, {args.steps} steps on {os.path.basename(source)}; "
-                    "each optimizer with its own settings (legend)")
+    png = demo.plot(
+        results,
+        os.path.join(out, "demo.png"),
+        title=f"{n_params / 1e6:.1f}M-parameter LLaMA, {args.steps} steps on {os.path.basename(source)}; "
+        "each optimizer with its own settings (legend)",
+    )
     with open(os.path.join(out, "demo.json"), "w") as f:
-        json.dump(dict(steps=args.steps, batch=args.batch, seq=args.seq, device=device, data=source,
-                       params=n_params, results=results), f, indent=1)
+        json.dump(
+            dict(
+                steps=args.steps,
+                batch=args.batch,
+                seq=args.seq,
+                device=device,
+                data=source,
+                params=n_params,
+                results=results,
+            ),
+            f,
+            indent=1,
+        )
     print(f"\nwrote the plot to {png}\n  and the numbers to {os.path.join(out, 'demo.json')}")
     return 0
-
 
 
 def _demo_out_dir(out: str) -> str:
@@ -227,8 +259,12 @@ def _add_bench(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, help="timed steps per optimizer (default 3; --full: 5)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 2)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--max-step-s", type=float, default=60.0,
-                   help="an optimizer slower than this per step (after its first) is timed for 1 step only")
+    p.add_argument(
+        "--max-step-s",
+        type=float,
+        default=60.0,
+        help="an optimizer slower than this per step (after its first) is timed for 1 step only",
+    )
     p.set_defaults(func=_bench)
 
 
@@ -257,8 +293,15 @@ def _bench(args: argparse.Namespace) -> int:
         if names and any("optimizer" in p for p in problems):
             print(f"known optimizers: {', '.join(sorted(known))}", file=sys.stderr)
         return 1
-    benchmark.quick(suites, preset="150m" if args.full else benchmark.QUICK["preset"], steps=steps, warmup=warmup,
-                    device=args.device, names=names, max_step_s=args.max_step_s)
+    benchmark.quick(
+        suites,
+        preset="150m" if args.full else benchmark.QUICK["preset"],
+        steps=steps,
+        warmup=warmup,
+        device=args.device,
+        names=names,
+        max_step_s=args.max_step_s,
+    )
     return 0
 
 
@@ -282,37 +325,75 @@ def _add_estimate(subparsers: Any) -> None:
         "GaLore rank, paged state and per-layer updates; traced: checkpointing, per-layer updates, state bits and "
         "the batch).",
     )
-    p.add_argument("config", help="a transformers config.json on disk (needs the 'model_type' key; nothing is "
-                   "downloaded), or a preset: llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3-70b (short: "
-                   "llama-7b, llama-8b, llama-13b; their Hub ids, e.g. meta-llama/Llama-2-7b-hf, work too)")
-    p.add_argument("--optimizer", default=_ESTIMATE_DEFAULT_OPTIMIZERS,
-                   help=f"optimizer name(s), comma-separated (default {_ESTIMATE_DEFAULT_OPTIMIZERS})")
-    p.add_argument("--state-bits", type=int, choices=[32, 16, 8, 4], action="append",
-                   help="state format(s); repeat for several (default: the name's own, e.g. 8 for adamw8bit, "
-                   "else 32, 16, 8 and 4; a traced step: the name's own only)")
+    p.add_argument(
+        "config",
+        help="a transformers config.json on disk (needs the 'model_type' key; nothing is "
+        "downloaded), or a preset: llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3-70b (short: "
+        "llama-7b, llama-8b, llama-13b; their Hub ids, e.g. meta-llama/Llama-2-7b-hf, work too)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default=_ESTIMATE_DEFAULT_OPTIMIZERS,
+        help=f"optimizer name(s), comma-separated (default {_ESTIMATE_DEFAULT_OPTIMIZERS})",
+    )
+    p.add_argument(
+        "--state-bits",
+        type=int,
+        choices=[32, 16, 8, 4],
+        action="append",
+        help="state format(s); repeat for several (default: the name's own, e.g. 8 for adamw8bit, "
+        "else 32, 16, 8 and 4; a traced step: the name's own only)",
+    )
     p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R")
-    p.add_argument("--galore-target", default="all-linear", metavar="MODULES",
-                   help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names "
-                   "(e.g. attn,mlp)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
-                   help="dtype of weights and gradients (default: the config's torch_dtype, else fp32)")
-    p.add_argument("--bf16-update", choices=["nearest", "stochastic", "kahan"],
-                   help="how bf16 / fp16 weights are updated (kahan: +2 bytes per bf16 / fp16 parameter of state)")
-    p.add_argument("--gpu-memory", metavar="SIZE",
-                   help="memory to fit in: 24GiB, '24 GiB', 24 (a number alone is GiB) or 80GB (10^9 bytes) "
-                   "(default: the CUDA device's, if there is one)")
-    p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="an optimizer keyword, e.g. beta1=0.9 or momentum=0.9 (repeatable)")
+    p.add_argument(
+        "--galore-target",
+        default="all-linear",
+        metavar="MODULES",
+        help="GaLore's target modules: 'all-linear' (default), a regex, or comma-separated names (e.g. attn,mlp)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of weights and gradients (default: the config's torch_dtype, else fp32)",
+    )
+    p.add_argument(
+        "--bf16-update",
+        choices=["nearest", "stochastic", "kahan"],
+        help="how bf16 / fp16 weights are updated (kahan: +2 bytes per bf16 / fp16 parameter of state)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="memory to fit in: 24GiB, '24 GiB', 24 (a number alone is GiB) or 80GB (10^9 bytes) "
+        "(default: the CUDA device's, if there is one)",
+    )
+    p.add_argument(
+        "--opt-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an optimizer keyword, e.g. beta1=0.9 or momentum=0.9 (repeatable)",
+    )
     p.add_argument("--batch", type=int, metavar="B", help="trace one training step of B sequences (with --seq)")
     p.add_argument("--seq", type=int, metavar="S", help="tokens per sequence of the traced step (with --batch)")
     p.add_argument("--checkpointing", action="store_true", help="traced step: activation checkpointing on")
-    p.add_argument("--per-layer", action="store_true",
-                   help="traced step: per-layer updates inside backward (lowmemopt.step_in_backward)")
-    p.add_argument("--measure", action="store_true", help="trace the step (the default when --batch and --seq "
-                   "are given; needs them)")
-    p.add_argument("--margin", default="1GiB", metavar="SIZE",
-                   help="memory kept free of what is counted: the CUDA context and the allocator's slack "
-                   "(default 1GiB; a number alone is GiB)")
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="traced step: per-layer updates inside backward (lowmemopt.step_in_backward)",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="trace the step (the default when --batch and --seq are given; needs them)",
+    )
+    p.add_argument(
+        "--margin",
+        default="1GiB",
+        metavar="SIZE",
+        help="memory kept free of what is counted: the CUDA context and the allocator's slack "
+        "(default 1GiB; a number alone is GiB)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (exact bytes) instead of a table")
     p.set_defaults(func=_estimate)
 
@@ -339,8 +420,16 @@ def _estimate(args: argparse.Namespace) -> int:
         return 1
     source = f"preset {found[0]} (the published config of {hub_ids(found[0])[0]})" if found else args.config
     _quiet_import_noise()
-    from .estimate import (DTYPES, cheapest_fits, config_dtype, default_state_bits, estimate, format_bytes,
-                           model_from_config, parse_bytes)
+    from .estimate import (
+        DTYPES,
+        cheapest_fits,
+        config_dtype,
+        default_state_bits,
+        estimate,
+        format_bytes,
+        model_from_config,
+        parse_bytes,
+    )
 
     try:
         budget = _gpu_memory(args.gpu_memory, parse_bytes) if args.gpu_memory else _cuda_memory()
@@ -356,70 +445,120 @@ def _estimate(args: argparse.Namespace) -> int:
             dtype = dtype or "fp32"
         model = model_from_config(config, DTYPES[dtype])
         ranks = [None] if args.galore_rank is None else [None, args.galore_rank]
-        target = args.galore_target if args.galore_target == "all-linear" or "," not in args.galore_target \
+        target = (
+            args.galore_target
+            if args.galore_target == "all-linear" or "," not in args.galore_target
             else [t.strip() for t in args.galore_target.split(",") if t.strip()]
+        )
         if traced:
             from .traced_report import print_traced_steps
 
-            return print_traced_steps(args, names, config, source, model, DTYPES[dtype], dtype + dtype_note, target,
-                                      budget, margin, opt_kwargs)
-        rows_of = {name: [estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
-                          for bits in _bits_for(name, args.state_bits, default_state_bits) for rank in ranks]
-                   for name in names}
+            return print_traced_steps(
+                args,
+                names,
+                config,
+                source,
+                model,
+                DTYPES[dtype],
+                dtype + dtype_note,
+                target,
+                budget,
+                margin,
+                opt_kwargs,
+            )
+        rows_of = {
+            name: [
+                estimate(model, name, bits, galore_rank=rank, galore_target_modules=target, **opt_kwargs)
+                for bits in _bits_for(name, args.state_bits, default_state_bits)
+                for rank in ranks
+            ]
+            for name in names
+        }
         rows = [r for name in names for r in rows_of[name]]
         fits_of = {}  # name -> the cheapest combinations that fit, for a name none of whose rows fits
         if budget is not None:
             for name, its_rows in rows_of.items():
                 if all(r.total > budget - margin for r in its_rows):
                     asked = [args.galore_rank] if args.galore_rank is not None else None
-                    fits_of[name] = cheapest_fits(model, name, budget - margin, state_bits=[32, 16, 8, 4] if max(
-                        r.state_bits for r in its_rows) == 32 else sorted({r.state_bits for r in its_rows}),
-                        ranks=asked, galore_target_modules=target, **opt_kwargs)
+                    fits_of[name] = cheapest_fits(
+                        model,
+                        name,
+                        budget - margin,
+                        state_bits=[32, 16, 8, 4]
+                        if max(r.state_bits for r in its_rows) == 32
+                        else sorted({r.state_bits for r in its_rows}),
+                        ranks=asked,
+                        galore_target_modules=target,
+                        **opt_kwargs,
+                    )
     except (ValueError, TypeError, OSError, NotImplementedError) as e:
         print(f"lowmemopt estimate: {e}", file=sys.stderr)
         return 1
 
     if args.json:
-        out = [dict(r._asdict(), total=r.total, fits=None if budget is None else r.total <= budget - margin,
-                    dtype=dtype, gpu_memory=budget, margin=margin,
-                    cheapest_fits=[dict(f._asdict(), total=f.total) for f in fits_of.get(name, [])])
-               for name in names for r in rows_of[name]]
+        out = [
+            dict(
+                r._asdict(),
+                total=r.total,
+                fits=None if budget is None else r.total <= budget - margin,
+                dtype=dtype,
+                gpu_memory=budget,
+                margin=margin,
+                cheapest_fits=[dict(f._asdict(), total=f.total) for f in fits_of.get(name, [])],
+            )
+            for name in names
+            for r in rows_of[name]
+        ]
         print(json.dumps(out, indent=2))
         return 0
     n = rows[0].params
-    print(f"{type(model).__name__} from {source}: {n / 1e9:.3f}B trainable parameters, {dtype}{dtype_note} "
-          "weights and gradients")
+    print(
+        f"{type(model).__name__} from {source}: {n / 1e9:.3f}B trainable parameters, {dtype}{dtype_note} "
+        "weights and gradients"
+    )
     fits_head = f" fits in {format_bytes(budget)} less {format_bytes(margin)} |" if budget is not None else ""
     print(f"| optimizer | state | GaLore | weights | grads | optimizer state | total |{fits_head}")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |" + (" --- |" if budget is not None else ""))
     for r in rows:
         fits = (" yes |" if r.total <= budget - margin else " no |") if budget is not None else ""
-        print(f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {format_bytes(r.weights)} | "
-              f"{format_bytes(r.grads)} | {format_bytes(r.state)} | {format_bytes(r.total)} |{fits}")
-    print("Not included: activations and temporaries (give --batch and --seq to trace a whole step), the CUDA "
-          f"context and allocator caching (--margin {format_bytes(margin)} is kept free for them). 1 GiB = 2^30 bytes.")
+        print(
+            f"| {r.optimizer} | {r.state_bits}-bit | {r.galore_rank or '—'} | {format_bytes(r.weights)} | "
+            f"{format_bytes(r.grads)} | {format_bytes(r.state)} | {format_bytes(r.total)} |{fits}"
+        )
+    print(
+        "Not included: activations and temporaries (give --batch and --seq to trace a whole step), the CUDA "
+        f"context and allocator caching (--margin {format_bytes(margin)} is kept free for them). 1 GiB = 2^30 bytes."
+    )
     for name, fits in fits_of.items():
         optimizer = rows_of[name][0].optimizer
         if not fits:
-            print(f"\n{optimizer} does not fit in {format_bytes(budget)} with any combination of state bits, GaLore "
-                  f"rank, paged state and per-layer updates (the weights alone: {format_bytes(rows[0].weights)}).")
+            print(
+                f"\n{optimizer} does not fit in {format_bytes(budget)} with any combination of state bits, GaLore "
+                f"rank, paged state and per-layer updates (the weights alone: {format_bytes(rows[0].weights)})."
+            )
             continue
-        print(f"\n{optimizer} does not fit in {format_bytes(budget)} less a {format_bytes(margin)} margin as asked; "
-              "the cheapest combinations that do (fewest changes first):")
+        print(
+            f"\n{optimizer} does not fit in {format_bytes(budget)} less a {format_bytes(margin)} margin as asked; "
+            "the cheapest combinations that do (fewest changes first):"
+        )
         print("| state | GaLore | paged | per-layer | weights | grads | optimizer state | total |")
         print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
         for r in fits:
-            print(f"| {r.state_bits}-bit | {r.galore_rank or '—'} | {'yes' if r.paged else 'no'} | "
-                  f"{'yes' if r.per_layer else 'no'} | {format_bytes(r.weights)} | {format_bytes(r.grads)} | "
-                  f"{format_bytes(r.state)} | {format_bytes(r.total)} |")
+            print(
+                f"| {r.state_bits}-bit | {r.galore_rank or '—'} | {'yes' if r.paged else 'no'} | "
+                f"{'yes' if r.per_layer else 'no'} | {format_bytes(r.weights)} | {format_bytes(r.grads)} | "
+                f"{format_bytes(r.state)} | {format_bytes(r.total)} |"
+            )
     if any(fits_of.values()):
         from .traced_report import HOW_TO
 
-        print("state: state_bits=N; GaLore rank R: lowmemopt.galore_param_groups(model, rank=R) as the params; paged: "
-              "paged=True (state in host RAM except what the device has room for; page_budget_bytes=0 guarantees the "
-              "device holds only 3 buckets of state at a time); per-layer: "
-              "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no "
-              f"global-norm clipping). {HOW_TO}")
+        print(
+            "state: state_bits=N; GaLore rank R: lowmemopt.galore_param_groups(model, rank=R) as the params; paged: "
+            "paged=True (state in host RAM except what the device has room for; page_budget_bytes=0 guarantees the "
+            "device holds only 3 buckets of state at a time); per-layer: "
+            "lowmemopt.step_in_backward(model, opt) (each gradient applied and freed inside backward(); no "
+            f"global-norm clipping). {HOW_TO}"
+        )
     return 0
 
 
@@ -441,8 +580,10 @@ def _gpu_memory(text: str, parse_bytes: Callable[..., int]) -> int:
     """``--gpu-memory``: a size with a unit, or a number of GiB."""
     size = parse_bytes(text, "GiB")
     if size > _LARGEST_GIB * 2**30:
-        raise ValueError(f"--gpu-memory {text}: a number without a unit is GiB, and that is more than 1 PiB; "
-                         f"write {text.strip()}B for bytes or add a unit (24GiB, '24 GB')")
+        raise ValueError(
+            f"--gpu-memory {text}: a number without a unit is GiB, and that is more than 1 PiB; "
+            f"write {text.strip()}B for bytes or add a unit (24GiB, '24 GB')"
+        )
     return size
 
 
@@ -501,14 +642,19 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"lowmemopt tune: --device {args.device!r}: {exc}", file=sys.stderr)
         return 2
     if device.type != "cuda" or not torch.cuda.is_available():
-        print(f"lowmemopt tune: needs a CUDA device (got {args.device}; CUDA available: "
-              f"{torch.cuda.is_available()}). There is nothing to tune on the CPU.", file=sys.stderr)
+        print(
+            f"lowmemopt tune: needs a CUDA device (got {args.device}; CUDA available: "
+            f"{torch.cuda.is_available()}). There is nothing to tune on the CPU.",
+            file=sys.stderr,
+        )
         return 2
     from .kernels import runtime, tuning
 
     if not runtime.HAS_TRITON or runtime.INTERPRET:
-        print("lowmemopt tune: needs Triton's compiled kernels (Triton installed, TRITON_INTERPRET unset)",
-              file=sys.stderr)
+        print(
+            "lowmemopt tune: needs Triton's compiled kernels (Triton installed, TRITON_INTERPRET unset)",
+            file=sys.stderr,
+        )
         return 2
     numel = args.numel if args.numel is not None else tuning.DEFAULT_NUMEL
     if numel < 4096 or args.steps < 1:
@@ -523,17 +669,27 @@ def _tune(args: argparse.Namespace) -> int:
         if "error" in r:
             print(f"| {r['tile']} | {r['num_warps']} | {r['decode']} | — | failed: {r['error'][:80]} |", flush=True)
         else:
-            print(f"| {r['tile']} | {r['num_warps']} | {r['decode']} | {1e3 * r['seconds']:.3f} | "
-                  f"{r['bytes_per_s'] / 1e9:.0f} |", flush=True)
+            print(
+                f"| {r['tile']} | {r['num_warps']} | {r['decode']} | {1e3 * r['seconds']:.3f} | "
+                f"{r['bytes_per_s'] / 1e9:.0f} |",
+                flush=True,
+            )
 
     try:
-        entry, records = tuning.tune(torch.device("cuda", index), numel, args.steps, write=not args.no_save,
-                                     progress=row)
+        entry, records = tuning.tune(
+            torch.device("cuda", index), numel, args.steps, write=not args.no_save, progress=row
+        )
     except ValueError as exc:
         print(f"lowmemopt tune: {exc}", file=sys.stderr)
         return 1
-    default = next((r for r in records if "seconds" in r
-                    and (r["tile"], r["num_warps"], r["decode"]) == (runtime.TILE, runtime.NUM_WARPS, "table")), None)
+    default = next(
+        (
+            r
+            for r in records
+            if "seconds" in r and (r["tile"], r["num_warps"], r["decode"]) == (runtime.TILE, runtime.NUM_WARPS, "table")
+        ),
+        None,
+    )
     gain = f" ({default['seconds'] / tuning.best(records)['seconds']:.2f}x the default's speed)" if default else ""
     print(f"\nfastest: {entry['tile']} elements x {entry['num_warps']} warps, {entry['decode']} decode{gain}")
     print("not saved (--no-save)" if args.no_save else f"kept in {tuning.cache_path()}")

@@ -24,15 +24,21 @@ ENABLED = os.environ.get("LOWMEMOPT_COMPILE", "1") != "0"
 MIN_NUMEL = 1 << 16
 #: math keyword arguments passed to the compiled graph as 0-dim tensors (they change between steps; the math functions
 #: only compute with them, never branch on them)
-RUNTIME_SCALARS = frozenset({"lr", "bias_correction1", "bias_correction2_sqrt", "lr_scale",
-                             "alpha_t", "beta3_t"})  # (AdEMAMix's warm-ups)
+RUNTIME_SCALARS = frozenset(
+    {"lr", "bias_correction1", "bias_correction2_sqrt", "lr_scale", "alpha_t", "beta3_t"}
+)  # (AdEMAMix's warm-ups)
 
 
 def applies(param: torch.Tensor) -> bool:
     """CPU parameters of :data:`MIN_NUMEL` elements or more, not float64 (whose math is float64: the eager path),
     where inductor has a C++ compiler (:func:`compiler_found`)."""
-    return (ENABLED and param.device.type == "cpu" and param.numel() >= MIN_NUMEL and param.dtype != torch.float64
-            and compiler_found())
+    return (
+        ENABLED
+        and param.device.type == "cpu"
+        and param.numel() >= MIN_NUMEL
+        and param.dtype != torch.float64
+        and compiler_found()
+    )
 
 
 _cxx: bool | None = None  # inductor's C++ compiler found (None: not looked for yet)
@@ -77,8 +83,15 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return pairs[:, :, 0] | (pairs[:, :, 1] << 4)
 
 
-def _rows_math(math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict, decay: float,
-               mult: torch.Tensor | None = None) -> None:
+def _rows_math(
+    math: Callable,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    slots: tuple,
+    kwargs: dict,
+    decay: float,
+    mult: torch.Tensor | None = None,
+) -> None:
     """Phase 1: decode, math (gradient times ``mult``), write ``p`` and dense slots."""
     p32, g32 = p.float(), g.float()
     if mult is not None:
@@ -158,7 +171,12 @@ def _runtime_scalar(x: Any) -> Any:
 
 
 def step_rows(
-    math: Callable, p: torch.Tensor, g: torch.Tensor, slots: tuple, kwargs: dict[str, Any], decay: float,
+    math: Callable,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    slots: tuple,
+    kwargs: dict[str, Any],
+    decay: float,
     mult: torch.Tensor | None = None,
 ) -> bool:
     """Run one compiled chunk update: ``math(p, g, state, **kwargs)`` on rows of blocks, state decoded and encoded
@@ -171,8 +189,9 @@ def step_rows(
     Returns:
         False if the compiled path is unavailable (the caller runs eagerly).
     """
-    constants = tuple((k, _constant_key(v)) for k, v in sorted(kwargs.items())
-                      if k not in RUNTIME_SCALARS and not isinstance(v, bool))  # (a flag's branch: a guard, as usual)
+    constants = tuple(
+        (k, _constant_key(v)) for k, v in sorted(kwargs.items()) if k not in RUNTIME_SCALARS and not isinstance(v, bool)
+    )  # (a flag's branch: a guard, as usual)
     key = (math, tuple((s[1], s[2]) for s in slots), p.dtype, g.dtype, constants, mult is not None)
     kwargs = {k: _runtime_scalar(v) if k in RUNTIME_SCALARS else v for k, v in kwargs.items()}
     slots = tuple(s + (scratch_rows(i, p) if s[1] in QUANTIZED else None,) for i, s in enumerate(slots))
@@ -196,8 +215,9 @@ def step_rows(
 # eagerly on whole tensors, but decoding and encoding their full-size slots is one fused pass each instead of ~20 ops.
 
 
-def _encode_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, book: torch.Tensor, table: torch.Tensor,
-                 signed: bool) -> None:
+def _encode_into(
+    x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool
+) -> None:
     c, scale = encode_rows(x, book, table, signed)
     codes.copy_(c)
     absmax.copy_(scale)
@@ -223,8 +243,9 @@ def _run_codec(fn: Callable, rows: tuple[torch.Tensor, ...], *rest: Any) -> bool
     return True
 
 
-def encode_rows_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, book: torch.Tensor,
-                     table: torch.Tensor, signed: bool) -> bool:
+def encode_rows_into(
+    x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool
+) -> bool:
     """Compiled ``encode_rows`` of ``x`` [nb, bs] into ``codes`` / ``absmax``; False: not done."""
     return _run_codec(_encode_into, (x, codes, absmax), book, table, signed)
 
@@ -239,8 +260,11 @@ def _disable(exc: Exception) -> None:
     ENABLED = False
     if not _warned:
         _warned = True
-        warnings.warn(f"lowmemopt: torch.compile fast path unavailable ({type(exc).__name__}: {exc}); using eager steps",
-                      RuntimeWarning, stacklevel=external_stacklevel())
+        warnings.warn(
+            f"lowmemopt: torch.compile fast path unavailable ({type(exc).__name__}: {exc}); using eager steps",
+            RuntimeWarning,
+            stacklevel=external_stacklevel(),
+        )
 
 
 class _CompiledCodec:
@@ -249,8 +273,9 @@ class _CompiledCodec:
     def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
         if not applies(x):
             return False
-        return encode_rows_into(x, codes, absmax, code_book(name, x.device), encode_table(name, x.device).packed,
-                                is_signed_map(name))
+        return encode_rows_into(
+            x, codes, absmax, code_book(name, x.device), encode_table(name, x.device).packed, is_signed_map(name)
+        )
 
     def decode(self, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, name: str) -> bool:
         return applies(out) and decode_rows_into(codes, absmax, out, code_book(name, out.device))

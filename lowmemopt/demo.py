@@ -16,8 +16,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["stdlib_bytes", "file_bytes", "ByteMLP", "LLAMA_BYTES", "train_bytes", "train_llama_bytes", "Choice",
-           "DEMO_CHOICES", "choice", "compare", "table", "figure", "plot", "twins"]
+__all__ = [
+    "stdlib_bytes",
+    "file_bytes",
+    "ByteMLP",
+    "LLAMA_BYTES",
+    "train_bytes",
+    "train_llama_bytes",
+    "Choice",
+    "DEMO_CHOICES",
+    "choice",
+    "compare",
+    "table",
+    "figure",
+    "plot",
+    "twins",
+]
 
 
 def stdlib_bytes(limit: int = 400_000) -> torch.Tensor:
@@ -114,8 +128,19 @@ def _llama(seed: int, config: dict | None = None, device: str | torch.device = "
     return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BYTES, **(config or {})})).to(device)
 
 
-def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_step=None, memory=None,
-         heldout_windows: int = 64) -> dict:
+def _fit(
+    model,
+    loss_of,
+    make_optimizer,
+    steps,
+    seed,
+    batch,
+    width,
+    data,
+    on_step=None,
+    memory=None,
+    heldout_windows: int = 64,
+) -> dict:
     """The training loop: seeded random windows, ``loss_of(windows)``, one optimizer step each, ``memory`` sampled."""
     data = stdlib_bytes() if data is None else data
     opt = make_optimizer(list(model.parameters()))
@@ -143,12 +168,21 @@ def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_ste
             on_step(t, losses[-1])
     tail = losses[-20:]
     heldout = heldout_loss(loss_of, data, width, _device_of(model), heldout_windows)
-    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    state = sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
     # median: the first steps may compile the CPU fast path (seconds, once)
     step_s = statistics.median(step_times) if step_times else 0.0
     train_step_s = statistics.median(times) if times else 0.0
-    return dict(losses=losses, final=sum(tail) / len(tail), heldout=heldout, state_bytes=state, step_s=step_s,
-                train_step_s=train_step_s, state_bits=opt.defaults.get("state_bits"))
+    return dict(
+        losses=losses,
+        final=sum(tail) / len(tail),
+        heldout=heldout,
+        state_bytes=state,
+        step_s=step_s,
+        train_step_s=train_step_s,
+        state_bits=opt.defaults.get("state_bits"),
+    )
 
 
 #: the held-out windows' generator seed: a fixed set of windows, the same for every run and not drawn from the
@@ -156,8 +190,13 @@ def _fit(model, loss_of, make_optimizer, steps, seed, batch, width, data, on_ste
 HELDOUT_SEED = 12345
 
 
-def heldout_loss(loss_of: Callable[[torch.Tensor], torch.Tensor], data: torch.Tensor, width: int,
-                 device: torch.device | str = "cpu", n: int = 64) -> float:
+def heldout_loss(
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    data: torch.Tensor,
+    width: int,
+    device: torch.device | str = "cpu",
+    n: int = 64,
+) -> float:
     """The loss on ``n`` fixed windows of ``width`` bytes (:data:`HELDOUT_SEED`), without gradients: a final loss
     that does not depend on which batches happened to come last in training."""
     gen = torch.Generator().manual_seed(HELDOUT_SEED)
@@ -208,8 +247,10 @@ class Choice:
             parts.append(f"wd {_short_number(self.kwargs['weight_decay'])}")
         if self.galore is not None:
             g = self.galore
-            parts.append(f"GaLore rank {g.get('rank')}, scale {_short_number(g.get('scale', 0.25))}, "
-                         f"new subspace every {g.get('update_proj_gap', 200)} steps")
+            parts.append(
+                f"GaLore rank {g.get('rank')}, scale {_short_number(g.get('scale', 0.25))}, "
+                f"new subspace every {g.get('update_proj_gap', 200)} steps"
+            )
         return ", ".join(parts)
 
     def algorithm(self) -> str:
@@ -237,8 +278,12 @@ DEMO_CHOICES: dict[str, Choice] = {
     "adamw": Choice("adamw", "AdamW 32-bit", dict(lr=2e-3, weight_decay=0.01)),
     "adamw8bit": Choice("adamw8bit", "AdamW 8-bit", dict(lr=2e-3, weight_decay=0.01)),
     "came8bit": Choice("came8bit", "CAME 8-bit", dict(lr=2e-4, weight_decay=0.01)),
-    "galore_came8bit": Choice("came8bit", "GaLore-CAME 8-bit", dict(lr=2e-4, weight_decay=0.01),
-                              galore=dict(target_modules="all-linear", rank=48, update_proj_gap=100, scale=1.0)),
+    "galore_came8bit": Choice(
+        "came8bit",
+        "GaLore-CAME 8-bit",
+        dict(lr=2e-4, weight_decay=0.01),
+        galore=dict(target_modules="all-linear", rank=48, update_proj_gap=100, scale=1.0),
+    ),
 }
 
 
@@ -300,8 +345,11 @@ def compare(
         finally:
             if bar is not None:
                 bar.close()
-        results.append(dict(label=c.label, name=c.name, algorithm=c.algorithm(), settings=c.settings(),
-                            peak_bytes=memory.peak, **r))
+        results.append(
+            dict(
+                label=c.label, name=c.name, algorithm=c.algorithm(), settings=c.settings(), peak_bytes=memory.peak, **r
+            )
+        )
         gc.collect()
     return results
 
@@ -317,8 +365,18 @@ def _run_choice(c: Choice, steps, data, seed, batch, seq, device, bar, memory) -
         if t % 10 == 0 or t == steps - 1:  # one step's loss; the table's final loss is the mean of the last 20
             bar.set_postfix({"this step's loss": f"{loss:.3f}"}, refresh=False)
 
-    return _fit(model, loss_of, lambda params: c.make(model), steps, seed, batch, seq, data,
-                on_step=on_step if bar is not None else None, memory=memory)
+    return _fit(
+        model,
+        loss_of,
+        lambda params: c.make(model),
+        steps,
+        seed,
+        batch,
+        seq,
+        data,
+        on_step=on_step if bar is not None else None,
+        memory=memory,
+    )
 
 
 def _progress(steps: int, label: str):
@@ -329,17 +387,21 @@ def _progress(steps: int, label: str):
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of :func:`compare`'s results."""
-    lines = ["| optimizer | settings | state memory | peak memory | optimizer step | train step "
-             "| final loss (mean of last 20 steps) | held-out loss |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| optimizer | settings | state memory | peak memory | optimizer step | train step "
+        "| final loss (mean of last 20 steps) | held-out loss |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         if "skipped" in r:
             lines.append(f"| {r['label']} | — | — | — | — | — | — | skipped: {r['skipped']} |")
             continue
         peak = "n/a" if r["peak_bytes"] is None else _mib(r["peak_bytes"])
-        lines.append(f"| {r['label']} | {r.get('settings', '')} | {_mib(r['state_bytes'])} | {peak} | "
-                     f"{r['step_s'] * 1e3:.1f} ms | {r['train_step_s'] * 1e3:.1f} ms | {r['final']:.4f} | "
-                     f"{r['heldout']:.4f} |")
+        lines.append(
+            f"| {r['label']} | {r.get('settings', '')} | {_mib(r['state_bytes'])} | {peak} | "
+            f"{r['step_s'] * 1e3:.1f} ms | {r['train_step_s'] * 1e3:.1f} ms | {r['final']:.4f} | "
+            f"{r['heldout']:.4f} |"
+        )
     return "\n".join(lines)
 
 
@@ -386,9 +448,18 @@ def figure(results: Sequence[dict[str, Any]], title: str = ""):
         x, y = _smooth(r["losses"])
         every = max(1, n // 8)
         label = r["label"] + (f"\n({r['settings']})" if r.get("settings") else "")
-        (line,) = ax_loss.plot(x, y, label=label, ls=style, marker=marker, ms=5, lw=max(1.0, 2.6 - 0.35 * i),
-                               markevery=(min(len(x) - 1, i * every // max(1, len(ran))), every), zorder=3 + i,
-                               markerfacecolor="none" if i % 2 else None)
+        (line,) = ax_loss.plot(
+            x,
+            y,
+            label=label,
+            ls=style,
+            marker=marker,
+            ms=5,
+            lw=max(1.0, 2.6 - 0.35 * i),
+            markevery=(min(len(x) - 1, i * every // max(1, len(ran))), every),
+            zorder=3 + i,
+            markerfacecolor="none" if i % 2 else None,
+        )
         colors[r["label"]] = line.get_color()
         ax_loss.plot(range(1, len(r["losses"]) + 1), r["losses"], color=line.get_color(), alpha=0.12, lw=0.8)
     ax_loss.set_xlabel("step")

@@ -18,11 +18,27 @@ from .model_presets import missing_config_message, preset
 from .pipeline import PAGE_BUCKET_BYTES
 from .registry import instantiate, model_params, needs_process_group, resolve
 
-__all__ = ["MemoryEstimate", "cheapest_fits", "config_dtype", "default_state_bits", "estimate", "format_bytes",
-           "galore_ranks", "model_from_config", "parse_bytes", "state_nbytes_after_first_step"]
+__all__ = [
+    "MemoryEstimate",
+    "cheapest_fits",
+    "config_dtype",
+    "default_state_bits",
+    "estimate",
+    "format_bytes",
+    "galore_ranks",
+    "model_from_config",
+    "parse_bytes",
+    "state_nbytes_after_first_step",
+]
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 #: device-resident batches of state when paged: the one updating, the next arriving, the last being written back
@@ -74,8 +90,9 @@ def config_dtype(config: str | os.PathLike | Mapping[str, Any]) -> str | None:
     return None if dtype is None else SHORT_DTYPE_NAMES[dtype]
 
 
-def model_from_config(config: str | os.PathLike | Mapping[str, Any], dtype: torch.dtype = torch.float32
-                      ) -> torch.nn.Module:
+def model_from_config(
+    config: str | os.PathLike | Mapping[str, Any], dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """A transformers model (``AutoModelForCausalLM``, else ``AutoModel``) built from a ``config.json`` path, a dict or
     a preset name (:mod:`lowmemopt.model_presets`: ``"llama-2-7b"``) on the meta device: every parameter has its real
     shape and ``dtype`` and no storage."""
@@ -120,8 +137,10 @@ def _state_nbytes_per_param(optimizer: torch.optim.Optimizer) -> list[int]:
     if hasattr(shadow, "error_nbytes_per_param"):  # the 1-bit optimizers' compression error buffers
         stage = getattr(optimizer, "_stage", None)
         errors = shadow.error_nbytes_per_param(stage.world if stage is not None else None)
-    return [sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor)) + errors.get(p, 0)
-            for p, st in shadow.state.items()]
+    return [
+        sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor)) + errors.get(p, 0)
+        for p, st in shadow.state.items()
+    ]
 
 
 def estimate(
@@ -158,12 +177,27 @@ def _variant(layout: _Layout, paged: bool, per_layer: bool) -> MemoryEstimate:
     if paged:
         state = min(state, PAGED_IN_FLIGHT * max(PAGE_BUCKET_BYTES, max(layout.state, default=0)))
     grads = max(layout.grads, default=0) if per_layer else sum(layout.grads)
-    return MemoryEstimate(layout.optimizer, layout.state_bits, layout.galore_rank, layout.params, layout.weights,
-                          grads, state, paged, per_layer)
+    return MemoryEstimate(
+        layout.optimizer,
+        layout.state_bits,
+        layout.galore_rank,
+        layout.params,
+        layout.weights,
+        grads,
+        state,
+        paged,
+        per_layer,
+    )
 
 
-def _optimizer_for(model: torch.nn.Module, optimizer: str, state_bits: int, galore_rank: int | None,
-                   galore_target_modules: Any, optimizer_kwargs: Mapping[str, Any]) -> torch.optim.Optimizer:
+def _optimizer_for(
+    model: torch.nn.Module,
+    optimizer: str,
+    state_bits: int,
+    galore_rank: int | None,
+    galore_target_modules: Any,
+    optimizer_kwargs: Mapping[str, Any],
+) -> torch.optim.Optimizer:
     """The optimizer ``optimizer`` names, on ``model``'s parameters (GaLore groups for a ``galore_rank``, the class's
     own groups otherwise; meta copies for a class that needs a process group), no state yet."""
     resolved = resolve(optimizer)
@@ -175,8 +209,9 @@ def _optimizer_for(model: torch.nn.Module, optimizer: str, state_bits: int, galo
         if not hasattr(lowmemopt, "galore_param_groups"):
             raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
         if issubclass(resolved.cls, lowmemopt.APOLLOAdamW):  # APOLLO's groups; rank 1: APOLLO-Mini's tensor scale
-            params: Any = lowmemopt.apollo_param_groups(model, galore_rank, galore_target_modules,
-                                                        scale_type="tensor" if galore_rank == 1 else "channel")
+            params: Any = lowmemopt.apollo_param_groups(
+                model, galore_rank, galore_target_modules, scale_type="tensor" if galore_rank == 1 else "channel"
+            )
         else:
             params = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
     elif getattr(resolved.cls, "named_groups", False):  # (Adam-mini: its blocks by name, heads from the config)
@@ -209,6 +244,7 @@ def _layout(model, optimizer, state_bits, galore_rank, galore_target_modules, op
 
 def _on_meta(params: Any) -> list[Any]:
     """``params`` (tensors or param group dicts) with each tensor replaced by a meta copy."""
+
     def meta(p: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
 
@@ -270,9 +306,22 @@ def default_state_bits(optimizer: str) -> int:
     return probe.defaults["state_bits"]
 
 
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
 
 
 def parse_bytes(text: str, number_unit: str = "B") -> int:
@@ -282,8 +331,9 @@ def parse_bytes(text: str, number_unit: str = "B") -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = (m.group(2) or number_unit).lower() if m else ""
     if not m or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a memory size (e.g. 24GiB, '24 GiB', 80GB, 16G, "
-                         f"or a number of {number_unit})")
+        raise ValueError(
+            f"cannot read {text!r} as a memory size (e.g. 24GiB, '24 GiB', 80GB, 16G, or a number of {number_unit})"
+        )
     return int(float(m.group(1)) * _UNITS[unit])
 
 

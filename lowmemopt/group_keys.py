@@ -10,14 +10,32 @@ from typing import Any, Iterable
 
 from .projection.checks import GROUP_DEFAULTS
 
-__all__ = ["ALLOWED_GROUP_KEYS", "allow_group_keys", "known_group_keys", "check_group_keys", "GroupKeyWatch",
-           "known_keys_of", "check_new_group", "group_keys_pre_hook", "group_keys_loaded"]
+__all__ = [
+    "ALLOWED_GROUP_KEYS",
+    "allow_group_keys",
+    "known_group_keys",
+    "check_group_keys",
+    "GroupKeyWatch",
+    "known_keys_of",
+    "check_new_group",
+    "group_keys_pre_hook",
+    "group_keys_loaded",
+]
 
 #: keys other libraries put in param groups (docs/torch_optim.md); :func:`allow_group_keys` adds to it
 ALLOWED_GROUP_KEYS: set[str] = {
-    "param_names", "foreach", "fused", "differentiable",  # torch.optim
-    "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr",  # torch.optim.lr_scheduler, swa_utils
-    "name", "moe",  # a group's label (PyTorch Lightning, DeepSpeed's MoE groups)
+    "param_names",
+    "foreach",
+    "fused",
+    "differentiable",  # torch.optim
+    "initial_lr",
+    "max_lr",
+    "min_lr",
+    "base_momentum",
+    "max_momentum",
+    "swa_lr",  # torch.optim.lr_scheduler, swa_utils
+    "name",
+    "moe",  # a group's label (PyTorch Lightning, DeepSpeed's MoE groups)
     "lr_scale",  # timm's layer-wise lr decay groups (its schedulers read it)
 }
 #: keys every lowmemopt param group may hold besides its optimizer's defaults: ``params`` and GaLore's
@@ -43,10 +61,15 @@ def check_group_keys(keys: Iterable[Any], known: set[str], owner: str) -> None:
         if key in known:
             continue
         close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-        hint = (f"did you mean {close[0]!r}?" if close else
-                f"{owner}'s param groups take {', '.join(sorted(known - ALLOWED_GROUP_KEYS))}.")
-        raise ValueError(f"{owner}: unknown param group key {key!r}: {hint} If another library puts {key!r} in param "
-                         f"groups, allow it with lowmemopt.allow_group_keys({key!r})")
+        hint = (
+            f"did you mean {close[0]!r}?"
+            if close
+            else f"{owner}'s param groups take {', '.join(sorted(known - ALLOWED_GROUP_KEYS))}."
+        )
+        raise ValueError(
+            f"{owner}: unknown param group key {key!r}: {hint} If another library puts {key!r} in param "
+            f"groups, allow it with lowmemopt.allow_group_keys({key!r})"
+        )
 
 
 class GroupKeyWatch:

@@ -46,8 +46,10 @@ def _print(text: str) -> int:
     return 0
 
 
-_EXPECTED = ("lowmemopt inspect reads a .safetensors file written by lowmemopt.save_state, or a torch.save file of "
-             "optimizer.state_dict()")
+_EXPECTED = (
+    "lowmemopt inspect reads a .safetensors file written by lowmemopt.save_state, or a torch.save file of "
+    "optimizer.state_dict()"
+)
 
 
 def _describe_torch_file(path: str, list_params: bool) -> str:
@@ -61,16 +63,27 @@ def _describe_torch_file(path: str, list_params: bool) -> str:
     by_name = not os.fspath(path).endswith(".safetensors")  # torch.load reads those names as safetensors: pass the file
     try:
         with open(path, "rb") as fh:
-            obj = torch.load(path if by_name else fh, map_location="cpu", weights_only=True,
-                             mmap=by_name and zipfile.is_zipfile(path))
+            obj = torch.load(
+                path if by_name else fh,
+                map_location="cpu",
+                weights_only=True,
+                mmap=by_name and zipfile.is_zipfile(path),
+            )
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile) as e:
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(e).splitlines() if line.strip()]
         reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else repr(e))
         damaged = "" if isinstance(e, pickle.UnpicklingError) else ", truncated or corrupt?"
-        raise ValueError(f"{path}: a torch.save file that torch.load(weights_only=True) cannot read "
-                         f"({type(e).__name__}: {reason}{damaged}); {_EXPECTED}") from None
-    found = [("", obj)] if _is_state_dict(obj) else \
-        [(k, v) for k, v in obj.items() if _is_state_dict(v)] if isinstance(obj, dict) else []
+        raise ValueError(
+            f"{path}: a torch.save file that torch.load(weights_only=True) cannot read "
+            f"({type(e).__name__}: {reason}{damaged}); {_EXPECTED}"
+        ) from None
+    found = (
+        [("", obj)]
+        if _is_state_dict(obj)
+        else [(k, v) for k, v in obj.items() if _is_state_dict(v)]
+        if isinstance(obj, dict)
+        else []
+    )
     if not found:
         raise ValueError(f"{path}: a torch.save file holding {_what(obj)}, not an optimizer state_dict(); {_EXPECTED}")
     return "\n\n".join(_describe_state_dict(path, key, sd, list_params) for key, sd in found)
@@ -95,9 +108,13 @@ def _describe_state_dict(path: str, key: str, sd: dict[str, Any], list_params: b
     version = sd.get("lowmemopt_format")
     state, groups = sd["state"], sd["param_groups"]
     where = f" (key {key!r})" if key else ""
-    kind = f"lowmemopt state, state_dict format version {version}" if version is not None else \
-        "bitsandbytes state" if any("state1" in s or "__bnb_optimizer_quant_state__" in s for s in state.values()) \
+    kind = (
+        f"lowmemopt state, state_dict format version {version}"
+        if version is not None
+        else "bitsandbytes state"
+        if any("state1" in s or "__bnb_optimizer_quant_state__" in s for s in state.values())
         else "no lowmemopt format version: torch.optim or another library's state"
+    )
     lines = [f"{path}{where}: optimizer state_dict() saved with torch.save ({kind})", "param groups:"]
     group_of = {}
     for g, group in enumerate(groups):
@@ -124,8 +141,10 @@ def _describe_state_dict(path: str, key: str, sd: dict[str, Any], list_params: b
             names_by_format.setdefault(fmt, set()).add(pid)
             slots.append(f"{slot}={fmt} ({elements:,})")
         step = st.get("step")
-        listing.append(f"  {pid}  group {group_of.get(pid, '?')}  step={'-' if step is None else int(step)}  "
-                       f"{', '.join(slots) or 'no state'}")
+        listing.append(
+            f"  {pid}  group {group_of.get(pid, '?')}  step={'-' if step is None else int(step)}  "
+            f"{', '.join(slots) or 'no state'}"
+        )
     for fmt, names in names_by_format.items():
         rows[fmt][1] = len(names)
     lines += _table_lines(rows, len(state))
@@ -173,8 +192,10 @@ def _table_lines(rows: dict[str, list[int]], stateful: int) -> list[str]:
     lines = [f"{'format':<18}{'slots':>7}{'params':>8}{'elements':>16}{'bytes':>16}"]
     for fmt, (slots, nparams, elements, nbytes) in sorted(rows.items()):
         lines.append(f"{fmt:<18}{slots:>7}{nparams:>8}{elements:>16,}{nbytes:>16,}")
-    lines.append(f"{'total':<18}{sum(r[0] for r in rows.values()):>7}{stateful:>8}"
-                 f"{sum(r[2] for r in rows.values()):>16,}{sum(r[3] for r in rows.values()):>16,}")
+    lines.append(
+        f"{'total':<18}{sum(r[0] for r in rows.values()):>7}{stateful:>8}"
+        f"{sum(r[2] for r in rows.values()):>16,}{sum(r[3] for r in rows.values()):>16,}"
+    )
     return lines
 
 
@@ -192,7 +213,9 @@ def _describe(path: str, meta: dict[str, Any], list_params: bool) -> str:
     ]
     if meta.get("sharding"):  # a per-rank file of a sharded optimizer (docs/distributed.md)
         shard = meta["sharding"]
-        lines.append(f"sharded: rank {shard['rank']} of world size {shard['world_size']} (shapes are this rank's shards)")
+        lines.append(
+            f"sharded: rank {shard['rank']} of world size {shard['world_size']} (shapes are this rank's shards)"
+        )
     lines.append("param groups:")
     for g, group in enumerate(meta["param_groups"]):
         hyper = "  ".join(f"{k}={_short(v)}" for k, v in group.items() if k != "params")

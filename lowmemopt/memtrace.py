@@ -75,6 +75,7 @@ class LiveMemory(TorchDispatchMode):
             if entry is not None and entry[2] is ref:
                 del self._live[key]
                 self.current[entry[1]] -= entry[0]
+
         return forget
 
     def _check_peak(self) -> None:
@@ -108,4 +109,3 @@ class LiveMemory(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.note(tree_flatten(out)[0])
         return out
-

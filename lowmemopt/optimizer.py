@@ -33,8 +33,12 @@ from .projection.stage import GALORE as galore
 from .quant.formats import Slot, default_block_size
 from .signature import checked_init, set_signature
 from .state_dicts import (
-    FORMAT_VERSION, STORAGE_DEFAULTS, load_state_dict_post_hook, load_state_dict_pre_hook,
-    state_dict_post_hook, state_dict_pre_hook,
+    FORMAT_VERSION,
+    STORAGE_DEFAULTS,
+    load_state_dict_post_hook,
+    load_state_dict_pre_hook,
+    state_dict_post_hook,
+    state_dict_pre_hook,
 )
 from .work.items import LOW_RANK
 from .work.record import BucketRecord
@@ -173,13 +177,18 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return galore.projected_slots(self._plan(), group, p)
         return self._slots(group, local_tensor(p))  # a DTensor's state is its local shard's
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot],
-                    state: dict[str, Any] | None = None, numel: int | None = None,
-                    reduce: Reduction = LOCAL) -> dict[str, Any]:
+    def _init_state(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        slots: dict[str, Slot],
+        state: dict[str, Any] | None = None,
+        numel: int | None = None,
+        reduce: Reduction = LOCAL,
+    ) -> dict[str, Any]:
         """Zero state for ``p`` in ``slots``' formats, in ``self.state[p]`` unless ``state`` is given
         (:func:`lowmemopt.pipeline.backends.init_state`)."""
-        return init_state(p, BucketRecord.of(group), slots, self.state[p] if state is None else state, numel,
-                          reduce)
+        return init_state(p, BucketRecord.of(group), slots, self.state[p] if state is None else state, numel, reduce)
 
     def _first_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """Make ``p``'s state as its first step would (a GaLore group: the low-rank slots and an empty projector), in
@@ -188,13 +197,23 @@ class LowMemOptimizer(torch.optim.Optimizer):
             return galore.init_projected_state(self._plan(), p, group)
         return self._init_state(p, group, self._slots(group, p))
 
-    def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-              **mode: Any) -> Plan:
+    def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, **mode: Any) -> Plan:
         """The plan handed to the step pipeline (:class:`lowmemopt.pipeline.plan.Plan`)."""
         alg = self.algorithm
-        return Plan(alg, self.state, self.param_groups, alg.kernels, self._record, galore, grad_mult, found_inf,
-                    communicate=self._communicate, defer_finite=DEFER_FINITE_CHECK, first_state=self._first_state,
-                    **mode)
+        return Plan(
+            alg,
+            self.state,
+            self.param_groups,
+            alg.kernels,
+            self._record,
+            galore,
+            grad_mult,
+            found_inf,
+            communicate=self._communicate,
+            defer_finite=DEFER_FINITE_CHECK,
+            first_state=self._first_state,
+            **mode,
+        )
 
     def _amp_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(gradient multiplier, found_inf)`` that ``GradScaler.step`` set for this step, or Nones
@@ -234,8 +253,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         self._resolve_pending()
         state = super().__getstate__()  # (pickling, deepcopy: torch's keys, and what ours cannot be rebuilt without)
-        state.update(_nonfinite_skips=self.nonfinite_skips, _default_block_size=self._default_block_size,
-                     _record=self._record)
+        state.update(
+            _nonfinite_skips=self.nonfinite_skips, _default_block_size=self._default_block_size, _record=self._record
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -254,8 +274,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
             self.state = StateDict(dict, self.state)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if (getattr(self, "_default_block_size", False) and isinstance(param_group, dict)
-                and "state_bits" in param_group and param_group.get("block_size") is None):
+        if (
+            getattr(self, "_default_block_size", False)
+            and isinstance(param_group, dict)
+            and "state_bits" in param_group
+            and param_group.get("block_size") is None
+        ):
             param_group = {**param_group, "block_size": default_block_size(param_group["state_bits"])}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -266,8 +290,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
             self._check_group(group)
             kernels = self.algorithm.kernels if self.algorithm is not None else None
             if group.get("capturable") and not (kernels is not None and kernels.capturable):
-                raise ValueError(f"{type(self).__name__} does not support capturable=True (it has no fused kernel that "
-                                 "reads the step's scalars on the device)")
+                raise ValueError(
+                    f"{type(self).__name__} does not support capturable=True (it has no fused kernel that "
+                    "reads the step's scalars on the device)"
+                )
             if group.get("rank") is not None:  # a GaLore group: fill its defaults and check them
                 galore.check_group(group)
             for i, p in enumerate(group["params"]):
@@ -306,14 +332,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if not work:
             return loss
         mult, found_inf = self._amp_inputs()
-        if (found_inf is not None and found_inf.device.type == "cpu" and not pipeline.triton_usable({found_inf.device})
-                and found_inf.reshape(-1).tolist()[0] != 0):
+        if (
+            found_inf is not None
+            and found_inf.device.type == "cpu"
+            and not pipeline.triton_usable({found_inf.device})
+            and found_inf.reshape(-1).tolist()[0] != 0
+        ):
             return loss  # the scaler found an Inf / NaN: skip the step (on the host: nothing to wait for)
         # (values of the whole step, e.g. a global gradient norm; of the unscaled gradients under loss scaling)
         work = self.algorithm.step_work(work) if mult is None else self.algorithm.step_work(work, mult)
         capturable = self._capturable(work, groups)
-        plan = self._plan(mult, found_inf, work=work, capturable=capturable, pager=paging.pager_of(self),
-                          program=self._program)
+        plan = self._plan(
+            mult, found_inf, work=work, capturable=capturable, pager=paging.pager_of(self), program=self._program
+        )
         self._run(plan)
         return loss
 
@@ -362,8 +393,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
             check_storage(group)  # (paging, stochastic rounding, GaLore: changed since the group was added)
         devices = {p.device for p, _ in work}
         if len(devices) != 1 or not pipeline.triton_usable(devices):
-            raise ValueError(f"capturable=True needs every parameter on one CUDA device with the fused Triton kernels "
-                             f"(got {sorted(map(str, devices))})")
+            raise ValueError(
+                f"capturable=True needs every parameter on one CUDA device with the fused Triton kernels "
+                f"(got {sorted(map(str, devices))})"
+            )
         if not DEFER_FINITE_CHECK:
             raise ValueError("capturable=True needs the non-finite check on the device (DEFER_FINITE_CHECK)")
         state = self.state
@@ -374,8 +407,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 raise ValueError("capturable=True: a parameter has GaLore state from a projected group")
         return True
 
-    def device_flags(self, work: list[tuple[torch.Tensor, dict]], grads: list[torch.Tensor], pager: Any,
-                     pipe: CpuFiniteChecks | None = None) -> DeviceFlags | None:
+    def device_flags(
+        self,
+        work: list[tuple[torch.Tensor, dict]],
+        grads: list[torch.Tensor],
+        pager: Any,
+        pipe: CpuFiniteChecks | None = None,
+    ) -> DeviceFlags | None:
         """The finiteness of ``grads`` as flags on the device where the kernels can read them, else None
         (:func:`lowmemopt.pipeline.device_flags`; always None with ``DEFER_FINITE_CHECK`` off)."""
         if not DEFER_FINITE_CHECK:
@@ -389,8 +427,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if any(group.get("capturable") for _, group in work):
             raise ValueError("capturable=True param groups step in optimizer.step() only, not in per-layer updates")
         # (with flags, device_flags vouches that nothing moves: resident paged state is unpaged)
-        plan = self._plan(work=work, finite_known=True, flags=flags,
-                          pager=self._pager_for(work) if flags is None else None, program=self._program)
+        plan = self._plan(
+            work=work,
+            finite_known=True,
+            flags=flags,
+            pager=self._pager_for(work) if flags is None else None,
+            program=self._program,
+        )
         self._run(plan)
 
     def _pager_for(self, work: list[tuple[torch.Tensor, dict[str, Any]]]) -> Any:
@@ -414,5 +457,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def state_nbytes(self) -> int:
         """Bytes held by optimizer state tensors (all params)."""
         return sum(
-            v.numel() * v.element_size() for st in self.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+            v.numel() * v.element_size()
+            for st in self.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
         )

@@ -84,8 +84,9 @@ class PerLayerSteps:
 class BackwardStepper:
     """The handle :func:`step_in_backward` returns: ``state_dict`` / ``load_state_dict``, ``remove``."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: LowMemOptimizer, accumulation_steps: int,
-                 bucket_bytes: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: LowMemOptimizer, accumulation_steps: int, bucket_bytes: int = 0
+    ) -> None:
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.micro_step = 0  # backward passes done since the last update (0 .. accumulation_steps - 1)
@@ -205,8 +206,10 @@ def step_in_backward(
     if not isinstance(optimizer, LowMemOptimizer):
         raise TypeError(f"step_in_backward needs a lowmemopt optimizer, got {type(optimizer).__name__}")
     if not getattr(optimizer, "per_layer_updates", True):  # (the 1-bit optimizers: one communication per step)
-        raise ValueError(f"{type(optimizer).__name__} does not support per-layer updates (step_in_backward): "
-                         "call optimizer.step() after backward()")
+        raise ValueError(
+            f"{type(optimizer).__name__} does not support per-layer updates (step_in_backward): "
+            "call optimizer.step() after backward()"
+        )
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (must be an int >= 1)")
     if max_grad_norm:
@@ -217,8 +220,10 @@ def step_in_backward(
             "optimizer.step())"
         )
     if any(group.get("capturable") for group in optimizer.param_groups):
-        raise ValueError("step_in_backward does not take capturable=True param groups: a capturable step is one "
-                         "optimizer.step() (a CUDA graph captures it whole), not updates inside backward()")
+        raise ValueError(
+            "step_in_backward does not take capturable=True param groups: a capturable step is one "
+            "optimizer.step() (a CUDA graph captures it whole), not updates inside backward()"
+        )
     return BackwardStepper(model, optimizer, accumulation_steps, check_bucket_bytes(bucket_bytes))
 
 

@@ -15,8 +15,18 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Resolved", "check_process_group", "declared_class_names", "instantiate", "model_params",
-           "needs_process_group", "optimizer_classes", "optimizer_names", "resolve", "unknown_names"]
+__all__ = [
+    "Resolved",
+    "check_process_group",
+    "declared_class_names",
+    "instantiate",
+    "model_params",
+    "needs_process_group",
+    "optimizer_classes",
+    "optimizer_names",
+    "resolve",
+    "unknown_names",
+]
 
 
 class Resolved(NamedTuple):
@@ -59,9 +69,9 @@ def _match(name: str, keys: Iterable[str]) -> tuple[str, bool, bool, int | None]
     galore = paged = False
     rest = key
     if rest.startswith("galore"):
-        galore, rest = True, rest[len("galore"):]
+        galore, rest = True, rest[len("galore") :]
     if rest.startswith("paged"):
-        paged, rest = True, rest[len("paged"):]
+        paged, rest = True, rest[len("paged") :]
     if (galore or paged) and rest in keys:
         return rest, galore, paged, None
     for bits in (32, 16, 8, 4):
@@ -106,8 +116,11 @@ def declared_class_names() -> list[str] | None:
     try:
         with open(spec.origin) as f:  # type: ignore[union-attr, arg-type]
             tree = ast.parse(f.read())
-        aliases = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                       and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+        aliases = next(
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        )
         names = [*lowmemopt._CLASSES, *lowmemopt._MODULE_CLASSES, *aliases]
     except (AttributeError, OSError, StopIteration, TypeError, ValueError, SyntaxError):
         return None
@@ -138,7 +151,8 @@ def check_process_group(cls: type) -> None:
         raise RuntimeError(
             f"{cls.__name__} needs torch.distributed initialized before it is built: launch with torchrun (the "
             "Trainer then initializes the process group) or call torch.distributed.init_process_group() first; "
-            "it communicates compressed momentum between data-parallel ranks (docs/onebit.md)")
+            "it communicates compressed momentum between data-parallel ranks (docs/onebit.md)"
+        )
 
 
 def instantiate(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:

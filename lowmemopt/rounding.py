@@ -14,8 +14,22 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["MODES", "DTYPES", "SEED", "KAHAN", "check_mode", "applied", "init_state", "seeds_in_order", "step_key",
-           "random_bits", "stochastic_round", "kahan_round", "store", "split_state"]
+__all__ = [
+    "MODES",
+    "DTYPES",
+    "SEED",
+    "KAHAN",
+    "check_mode",
+    "applied",
+    "init_state",
+    "seeds_in_order",
+    "step_key",
+    "random_bits",
+    "stochastic_round",
+    "kahan_round",
+    "store",
+    "split_state",
+]
 
 MODES = ("nearest", "stochastic", "kahan")
 #: the parameter dtypes the option applies to
@@ -71,8 +85,9 @@ def seeds_in_order(pending: Callable[[], list[torch.Tensor]]) -> Iterator[None]:
         _SEEDS.reset(token)
 
 
-def init_state(state: dict[str, Any], p: torch.Tensor, mode: str,
-               agree: Callable[[int], int] | None = None) -> dict[str, Any]:
+def init_state(
+    state: dict[str, Any], p: torch.Tensor, mode: str, agree: Callable[[int], int] | None = None
+) -> dict[str, Any]:
     """Add the stochastic seed or the zeroed Kahan buffer ``p``'s rounding needs to ``state``, if missing.
 
     Args:
@@ -139,8 +154,9 @@ def random_bits(key: int, lo: int | torch.Tensor, n: int, device: torch.device |
 # the roundings (pure: fp32 in, bf16 / fp16 out)
 
 
-def stochastic_round(p32: torch.Tensor, key: int, lo: int | torch.Tensor = 0,
-                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def stochastic_round(
+    p32: torch.Tensor, key: int, lo: int | torch.Tensor = 0, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """``p32`` (flat elements ``lo ..``, or at the indices ``lo`` holds) rounded stochastically to bf16 or fp16."""
     x = p32.reshape(-1)
     bits = x.view(torch.int32).to(torch.int64) & M32
@@ -165,7 +181,7 @@ def _fp16_stochastic_bits(x: torch.Tensor, bits: torch.Tensor, r: torch.Tensor) 
     mag = bits & 0x7FFFFFFF
     normal = ((mag + (r >> 3)) >> 13) - (112 << 10)
     small = mag.clamp(max=F16_MIN_NORMAL).to(torch.int32).view(torch.float32)  # the subnormal lanes' |x|
-    subnormal = ((small * 2.0 ** 40).to(torch.int64) + r) >> 16  # a < 2^-14: a * 2^40 < 2^26, exact
+    subnormal = ((small * 2.0**40).to(torch.int64) + r) >> 16  # a < 2^-14: a * 2^40 < 2^26, exact
     out = torch.where(mag < F16_MIN_NORMAL, subnormal, normal) | ((bits >> 16) & 0x8000)
     nearest = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
     return torch.where(mag > F16_MAX, nearest, out)  # past 65504, Inf, NaN: as the cast rounds
@@ -181,8 +197,14 @@ def kahan_round(p: torch.Tensor, p32: torch.Tensor, c: torch.Tensor) -> tuple[to
     return new, comp.to(p.dtype)
 
 
-def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], mode: str, lo: int = 0,
-          index: int | torch.Tensor | None = None) -> None:
+def store(
+    dst: torch.Tensor,
+    p32: torch.Tensor,
+    state: dict[str, Any],
+    mode: str,
+    lo: int = 0,
+    index: int | torch.Tensor | None = None,
+) -> None:
     """Write fp32 ``p32`` into ``dst`` rounded as ``mode`` says.
 
     Args:
@@ -200,7 +222,7 @@ def store(dst: torch.Tensor, p32: torch.Tensor, state: dict[str, Any], mode: str
         key = step_key(state[SEED], state["step"])
         dst.copy_(stochastic_round(p32, key, lo if index is None else index, dst.dtype))
     else:
-        c = state[KAHAN].view(-1)[lo:lo + dst.numel()].view(dst.shape)
+        c = state[KAHAN].view(-1)[lo : lo + dst.numel()].view(dst.shape)
         new, comp = kahan_round(dst, p32, c)
         dst.copy_(new)
         c.copy_(comp)

@@ -41,15 +41,19 @@ class StorageOptions(TypedDict, total=False):
     differentiable: bool
 
 
-def constructor_signature(init: Callable[..., Any], base_init: Callable[..., Any],
-                          defaults: dict[str, Any] | None = None) -> inspect.Signature:
+def constructor_signature(
+    init: Callable[..., Any], base_init: Callable[..., Any], defaults: dict[str, Any] | None = None
+) -> inspect.Signature:
     """``init``'s signature, ``**storage`` replaced by ``base_init``'s storage options (``defaults``: changed ones)."""
     sig = inspect.signature(init)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     if len(params) < len(sig.parameters):
         named = {p.name for p in params}
-        params += [p for p in inspect.signature(base_init).parameters.values()
-                   if p.kind is p.KEYWORD_ONLY and p.name not in named]
+        params += [
+            p
+            for p in inspect.signature(base_init).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.name not in named
+        ]
     if defaults:
         unknown = set(defaults) - {p.name for p in params}
         if unknown:
@@ -89,6 +93,8 @@ def unexpected_keyword(cls: type, key: str, names: Any) -> str:
     """Python's words for ``cls(..., key=...)``, with the closest of ``names`` (the keywords ``cls`` takes)."""
     choices = [n for n in names if n != "self"][1:]  # (not the parameters)
     close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
-    hint = (f"did you mean {close[0]!r}?" if close else f"{cls.__name__} takes {', '.join(choices)}")
-    return (f"{cls.__name__}.__init__() got an unexpected keyword argument {key!r}: {hint} "
-            f"(inspect.signature(lowmemopt.{cls.__name__}) lists them)")
+    hint = f"did you mean {close[0]!r}?" if close else f"{cls.__name__} takes {', '.join(choices)}"
+    return (
+        f"{cls.__name__}.__init__() got an unexpected keyword argument {key!r}: {hint} "
+        f"(inspect.signature(lowmemopt.{cls.__name__}) lists them)"
+    )

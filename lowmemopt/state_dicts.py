@@ -20,8 +20,15 @@ from .quant.convert import CheckpointError, check_group, convert_param_state, fo
 #: a :class:`~lowmemopt.optimizer.LowMemOptimizer` (not imported: that module imports this one)
 LowMemOptimizer = Any
 
-__all__ = ["FORMAT_VERSION", "READABLE_FORMATS", "STORAGE_DEFAULTS", "load_state_dict_post_hook",
-           "load_state_dict_pre_hook", "state_dict_post_hook", "state_dict_pre_hook"]
+__all__ = [
+    "FORMAT_VERSION",
+    "READABLE_FORMATS",
+    "STORAGE_DEFAULTS",
+    "load_state_dict_post_hook",
+    "load_state_dict_pre_hook",
+    "state_dict_post_hook",
+    "state_dict_pre_hook",
+]
 
 #: 2: 8-bit state in the pow2 maps; 1: in bitsandbytes' dynamic maps (still read: re-encoded on load)
 FORMAT_VERSION = 2
@@ -29,8 +36,15 @@ READABLE_FORMATS = (1, 2)
 #: storage and execution options: keyword-only on every optimizer, settable per param group, and this optimizer's
 #: own when a state dict is loaded (not the checkpoint's)
 STORAGE_DEFAULTS = dict(
-    state_bits=32, block_size=256, min_quant_numel=4096, paged=False, offload_dir=None, page_budget_bytes="auto",
-    page_headroom_bytes=None, bf16_update="nearest", capturable=False,
+    state_bits=32,
+    block_size=256,
+    min_quant_numel=4096,
+    paged=False,
+    offload_dir=None,
+    page_budget_bytes="auto",
+    page_headroom_bytes=None,
+    bf16_update="nearest",
+    capturable=False,
 )
 
 
@@ -61,8 +75,12 @@ def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, A
     if version not in READABLE_FORMATS:
         raise ValueError(
             f"optimizer state has lowmemopt_format={version!r}; this version of lowmemopt reads formats "
-            f"{', '.join(map(str, READABLE_FORMATS))}" + (" (the state is newer: upgrade lowmemopt)"
-                                                         if isinstance(version, int) and version > FORMAT_VERSION else "")
+            f"{', '.join(map(str, READABLE_FORMATS))}"
+            + (
+                " (the state is newer: upgrade lowmemopt)"
+                if isinstance(version, int) and version > FORMAT_VERSION
+                else ""
+            )
         )
     state_dict = dict(state_dict)
     state_dict.pop("lowmemopt_format", None)
@@ -85,8 +103,7 @@ def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, A
                     raise CheckpointError(f"{where}: its state is a {type(value).__name__}, not a dict of named state")
                 if isinstance(value, dict):
                     _, value = localize_state(p, value)  # DTensor state -> the local shard's
-                    converted[key] = _convert_state(optimizer, p, value, saved, target, where,
-                                                    legacy_maps=version == 1)
+                    converted[key] = _convert_state(optimizer, p, value, saved, target, where, legacy_maps=version == 1)
                     targets[key] = group
     except CheckpointError as e:  # another optimizer's state dict: say whose it looks like
         slots = lambda: {k for g in groups for p in g["params"] for k in optimizer._state_slots(g, p)}  # noqa: E731
@@ -106,18 +123,31 @@ def _check_is_optimizer_state(optimizer: LowMemOptimizer, state_dict: Any) -> No
     'param_groups'``): a model's ``state_dict()`` is the usual one."""
     if isinstance(state_dict, dict) and "param_groups" in state_dict and "state" in state_dict:
         return
-    what = (f"a dict with keys {', '.join(map(repr, list(state_dict)[:4]))}{', ...' if len(state_dict) > 4 else ''}"
-            if isinstance(state_dict, dict) else f"a {type(state_dict).__name__}")
-    model = isinstance(state_dict, dict) and state_dict and all(isinstance(v, torch.Tensor)
-                                                                for v in state_dict.values())
-    raise ValueError(f"{type(optimizer).__name__}.load_state_dict: expected an optimizer's state_dict() (with 'state' "
-                     f"and 'param_groups'), got {what}"
-                     + ("; that looks like a model's weights: load them with model.load_state_dict()" if model else "")
-                     + ". Nothing was changed")
+    what = (
+        f"a dict with keys {', '.join(map(repr, list(state_dict)[:4]))}{', ...' if len(state_dict) > 4 else ''}"
+        if isinstance(state_dict, dict)
+        else f"a {type(state_dict).__name__}"
+    )
+    model = (
+        isinstance(state_dict, dict) and state_dict and all(isinstance(v, torch.Tensor) for v in state_dict.values())
+    )
+    raise ValueError(
+        f"{type(optimizer).__name__}.load_state_dict: expected an optimizer's state_dict() (with 'state' "
+        f"and 'param_groups'), got {what}"
+        + ("; that looks like a model's weights: load them with model.load_state_dict()" if model else "")
+        + ". Nothing was changed"
+    )
 
 
-def _convert_state(optimizer: LowMemOptimizer, p: torch.Tensor, value: dict[str, Any], saved: dict[str, Any],
-                   target: dict[str, Any], where: str, legacy_maps: bool) -> dict[str, Any]:
+def _convert_state(
+    optimizer: LowMemOptimizer,
+    p: torch.Tensor,
+    value: dict[str, Any],
+    saved: dict[str, Any],
+    target: dict[str, Any],
+    where: str,
+    legacy_maps: bool,
+) -> dict[str, Any]:
     """One parameter's state dict entry in this optimizer's formats (:func:`convert_param_state`); a GaLore projector
     (``galore.*``: fp32 bases and ints) is checked against the group and kept, as are bf16_update's entries."""
     value = {k: v for k, v in value.items() if v is not None}  # torch.optim may store None buffers
@@ -130,8 +160,17 @@ def _convert_state(optimizer: LowMemOptimizer, p: torch.Tensor, value: dict[str,
     rounding_state, value = rounding.split_state(value)  # bf16_update: a seed, a Kahan buffer; kept as they are
     kept = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()}  # fp32: no copy
     kept.update(rounding_state)
-    return convert_param_state(value, optimizer._state_slots(target, p), saved, target, local_tensor(p), where,
-                               legacy_maps, numel=p.numel(), kept=kept)
+    return convert_param_state(
+        value,
+        optimizer._state_slots(target, p),
+        saved,
+        target,
+        local_tensor(p),
+        where,
+        legacy_maps,
+        numel=p.numel(),
+        kept=kept,
+    )
 
 
 def load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
@@ -151,5 +190,7 @@ def load_state_dict_post_hook(optimizer: LowMemOptimizer) -> None:
         if paging.is_staged(optimizer, p, state):  # already where it lives (home or device)
             optimizer.state[p] = state
         else:
-            optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            optimizer.state[p] = {
+                k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+            }
     paging.reconcile(optimizer)  # adopt the staged homes, free the replaced ones

@@ -49,8 +49,14 @@ class StepPeak(NamedTuple):
         return self.peak
 
 
-def build_optimizer(model: torch.nn.Module, optimizer: str, state_bits: int, galore_rank: int | None = None,
-                    galore_target_modules: Any = "all-linear", **optimizer_kwargs: Any) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module,
+    optimizer: str,
+    state_bits: int,
+    galore_rank: int | None = None,
+    galore_target_modules: Any = "all-linear",
+    **optimizer_kwargs: Any,
+) -> torch.optim.Optimizer:
     """``optimizer`` (a registry name) on ``model``'s parameters as ``lowmemopt estimate`` builds it (GaLore groups if
     ``galore_rank`` is given, else the class's own groups).
     """
@@ -63,8 +69,9 @@ def _matrices(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict[str, 
     return [(p, g) for g in opt.param_groups if g.get("rank") is not None for p in g["params"]]
 
 
-def step_workspace(opt: torch.optim.Optimizer, device: str = "cuda", per_layer: bool = False,
-                   refresh: bool = True) -> dict[Any, int]:
+def step_workspace(
+    opt: torch.optim.Optimizer, device: str = "cuda", per_layer: bool = False, refresh: bool = True
+) -> dict[Any, int]:
     """Bytes the optimizer's update holds beyond the state: ``{param: bytes}`` for a per-layer step, ``{None: bytes}``
     for a whole-model step (GaLore's and APOLLO's temporaries; the fused kernels hold none; ``refresh``: count a basis
     refresh).
@@ -114,14 +121,25 @@ def _checkpointing(model: torch.nn.Module) -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, per_layer: bool,
-         tracker: LiveMemory, real: bool, device: str, refresh: bool = True) -> None:
+def _run(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: int,
+    seq: int,
+    per_layer: bool,
+    tracker: LiveMemory,
+    real: bool,
+    device: str,
+    refresh: bool = True,
+) -> None:
     """One step under ``tracker``: real (the optimizer's own step, or :func:`lowmemopt.step_in_backward`) or traced
     (the state by construction, the update's workspace held for a moment)."""
     vocab = getattr(model.config, "vocab_size", None)
     if vocab is None or not hasattr(model, "lm_head") and not hasattr(model, "get_output_embeddings"):
-        raise ValueError(f"{type(model).__name__}: tracing a step needs a causal language model (a config whose "
-                         "model_type transformers builds as AutoModelForCausalLM)")
+        raise ValueError(
+            f"{type(model).__name__}: tracing a step needs a causal language model (a config whose "
+            "model_type transformers builds as AutoModelForCausalLM)"
+        )
     trainable = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     handles = []
 
@@ -217,10 +235,25 @@ def trace_step(
         model = model.to_empty(device="cpu")
         opt = build_optimizer(model, optimizer, state_bits, galore_rank, galore_target_modules, **optimizer_kwargs)
         if any(g.get("paged") for g in opt.param_groups):
-            raise NotImplementedError(f"{optimizer}: paged state is not traced (the device holds only what is in "
-                                      "flight); the layout estimate (without --batch / --seq) counts it")
-        peak = _step_peak(model, opt, optimizer, state_bits, galore_rank, batch, seq, checkpointing, per_layer,
-                          real=False, device=device, lay_out=True, refresh=refresh)
+            raise NotImplementedError(
+                f"{optimizer}: paged state is not traced (the device holds only what is in "
+                "flight); the layout estimate (without --batch / --seq) counts it"
+            )
+        peak = _step_peak(
+            model,
+            opt,
+            optimizer,
+            state_bits,
+            galore_rank,
+            batch,
+            seq,
+            checkpointing,
+            per_layer,
+            real=False,
+            device=device,
+            lay_out=True,
+            refresh=refresh,
+        )
     return peak._replace(seconds=time.perf_counter() - start)
 
 
@@ -248,14 +281,38 @@ def measure_step(
     for _ in range(warmup):
         _run(model, opt, batch, seq, per_layer, LiveMemory(), real=True, device=device)
     start = time.perf_counter()
-    peak = _step_peak(model, opt, optimizer, state_bits, galore_rank, batch, seq, False, per_layer, real=True,
-                      device=device, lay_out=False)
+    peak = _step_peak(
+        model,
+        opt,
+        optimizer,
+        state_bits,
+        galore_rank,
+        batch,
+        seq,
+        False,
+        per_layer,
+        real=True,
+        device=device,
+        lay_out=False,
+    )
     return peak._replace(seconds=time.perf_counter() - start, checkpointing=checkpointing)
 
 
-def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, state_bits: int,
-               galore_rank: int | None, batch: int, seq: int, checkpointing: bool, per_layer: bool, real: bool,
-               device: str, lay_out: bool, refresh: bool = True) -> StepPeak:
+def _step_peak(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    name: str,
+    state_bits: int,
+    galore_rank: int | None,
+    batch: int,
+    seq: int,
+    checkpointing: bool,
+    per_layer: bool,
+    real: bool,
+    device: str,
+    lay_out: bool,
+    refresh: bool = True,
+) -> StepPeak:
     tracker = LiveMemory(round_to=CUDA_BLOCK if device == "cuda" else 1)
     if checkpointing:
         _checkpointing(model)
@@ -271,13 +328,34 @@ def _step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, st
     tracker.reset_peak()
     _run(model, opt, batch, seq, per_layer, tracker, real, device, refresh)
     trainable = sum(p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad)
-    return StepPeak(type(opt).__name__, state_bits, galore_rank, batch, seq, checkpointing, per_layer, trainable,
-                    tracker.peak, {c: tracker.at_peak[c] for c in CATEGORIES}, 0.0)
+    return StepPeak(
+        type(opt).__name__,
+        state_bits,
+        galore_rank,
+        batch,
+        seq,
+        checkpointing,
+        per_layer,
+        trainable,
+        tracker.peak,
+        {c: tracker.at_peak[c] for c in CATEGORIES},
+        0.0,
+    )
 
 
-def cheaper_steps(config: str | Mapping[str, Any], optimizer: str, state_bits: int, *, budget: int, batch: int,
-                  seq: int, checkpointing: bool = False, per_layer: bool = False, max_traces: int = 8,
-                  **trace_kwargs: Any) -> list[StepPeak]:
+def cheaper_steps(
+    config: str | Mapping[str, Any],
+    optimizer: str,
+    state_bits: int,
+    *,
+    budget: int,
+    batch: int,
+    seq: int,
+    checkpointing: bool = False,
+    per_layer: bool = False,
+    max_traces: int = 8,
+    **trace_kwargs: Any,
+) -> list[StepPeak]:
     """Changes to a step that bring its traced peak within ``budget`` bytes, fewest changes first: activation
     checkpointing, per-layer updates, 8- then 4-bit state, each alone; then all of them; then all of them with the
     batch halved until it fits (or is 1). At most ``max_traces`` steps are traced (a 7B config: seconds each).
@@ -325,8 +403,9 @@ def _check_input(batch: Any, seq: Any) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def real_model(config: Mapping[str, Any], dtype: torch.dtype = torch.float32, device: str = "cpu",
-               seed: int = 0) -> torch.nn.Module:
+def real_model(
+    config: Mapping[str, Any], dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0
+) -> torch.nn.Module:
     """A real transformers causal LM built from the config dict ``config`` on ``device``, initialized from ``seed``
     as transformers initializes it."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -30,11 +30,15 @@ def pytest_report_header(config):
 
     lines = [f"triton {triton.__version__} ({'interpreted' if runtime.INTERPRET else 'compiled'} kernels)"]
     if runtime.INTERPRET and not interpreter_fma_rounds_once():
-        lines.append("  its interpreter rounds tl.fma twice: the bit-for-bit comparisons of interpreted kernels with "
-                     "IEEE arithmetic skip (Triton 3.9 rounds once, as a GPU)")
+        lines.append(
+            "  its interpreter rounds tl.fma twice: the bit-for-bit comparisons of interpreted kernels with "
+            "IEEE arithmetic skip (Triton 3.9 rounds once, as a GPU)"
+        )
     if runtime.INTERPRET and runtime._triton_before(3, 7) and version_of(numpy.__version__) >= (2, 4):
-        lines.append(f"  with numpy {numpy.__version__}, this interpreter fails on loops whose bounds a kernel loads "
-                     "(the factored passes): use triton >= 3.7 or numpy < 2.4")
+        lines.append(
+            f"  with numpy {numpy.__version__}, this interpreter fails on loops whose bounds a kernel loads "
+            "(the factored passes): use triton >= 3.7 or numpy < 2.4"
+        )
     return lines
 
 

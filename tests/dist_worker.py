@@ -119,8 +119,10 @@ def _where(a, b):
     reproduce on: which element, and whether it is one ulp)."""
     d = (a - b).abs()
     j = int(d.flatten().argmax())
-    return (f"{int((d > 0).sum())} of {d.numel()} elements, max |d| {float(d.max()):.3g} at flat index {j}: "
-            f"{float(a.flatten()[j])!r} vs {float(b.flatten()[j])!r}")
+    return (
+        f"{int((d > 0).sum())} of {d.numel()} elements, max |d| {float(d.max()):.3g} at flat index {j}: "
+        f"{float(a.flatten()[j])!r} vs {float(b.flatten()[j])!r}"
+    )
 
 
 def compare(params, ref_params, what, exact=False, rtol=1e-5, atol=1e-6):
@@ -150,7 +152,7 @@ def dense_state(opt, p, ref=False):
 
 
 #: reduction-derived state's absolute slack as a fraction of the slot's largest value (16 fp32 ulps)
-STATE_CANCEL = 2.0 ** -20
+STATE_CANCEL = 2.0**-20
 
 
 def compare_state(opt, params, ref_opt, ref_params, what, exact=False, rtol=1e-5, atol=1e-6):
@@ -167,8 +169,9 @@ def compare_state(opt, params, ref_opt, ref_params, what, exact=False, rtol=1e-5
                 # a sum over shards rounds in another order: a value that cancels (b1 m + (1-b1) u, u from a
                 # reduction) keeps the absolute error of its terms, a few ulps of the slot's scale (STATE_CANCEL)
                 scale = float(b.abs().max()) if b.numel() else 0.0
-                torch.testing.assert_close(a, b, rtol=rtol, atol=max(atol, STATE_CANCEL * scale),
-                                           msg=lambda m: f"{what}: param {i} {k}: {m}")
+                torch.testing.assert_close(
+                    a, b, rtol=rtol, atol=max(atol, STATE_CANCEL * scale), msg=lambda m: f"{what}: param {i} {k}: {m}"
+                )
 
 
 # shapes that shard unevenly over 2 ranks (Shard(0): 4+3, 5+4, 3+2 conv filters, 4+3, and 1+0: an empty shard)
@@ -222,15 +225,18 @@ def elementwise_32_16_exact(ctx):
         for bits, native in ((32, False), (16, False), (32, True), (16, True)):
             what = f"{cls.__name__} {bits}-bit" + (" native CPU kernels" if native else "")
             with contextlib.nullcontext() if native else torch_paths_only():
-                opt, params, ref_opt, ref_params = run_pair(ctx, cls, dict(kw, state_bits=bits, min_quant_numel=0),
-                                                            UNEVEN, 10)
+                opt, params, ref_opt, ref_params = run_pair(
+                    ctx, cls, dict(kw, state_bits=bits, min_quant_numel=0), UNEVEN, 10
+                )
             compare(params, ref_params, what, exact=True)
             compare_state(opt, params, ref_opt, ref_params, what, exact=True)
             local = params[0].to_local()
             st = opt.state[params[0]]
             slot = next(k for k in st if k != "step")
-            check(st[slot].shape == local.shape and not isinstance(st[slot], DTensor),
-                  f"{what}: state is not a plain tensor on the local shard: {type(st[slot])} {tuple(st[slot].shape)}")
+            check(
+                st[slot].shape == local.shape and not isinstance(st[slot], DTensor),
+                f"{what}: state is not a plain tensor on the local shard: {type(st[slot])} {tuple(st[slot].shape)}",
+            )
 
 
 @case
@@ -285,14 +291,13 @@ def elementwise_8bit_block_aligned_exact(ctx):
     shapes = [(8, 32), (6, 48)]  # shards of 128 and 144 elements: 8 and 9 blocks of 16
     for cls, kw in [(c, dict(k, state_bits=b)) for c, k in ELEMENTWISE for b in (8, 4)]:
         what = f"{cls.__name__} {kw['state_bits']}-bit aligned"
-        opt, params, ref_opt, ref_params = run_pair(
-            ctx, cls, dict(kw, block_size=16, min_quant_numel=0), shapes, 10)
+        opt, params, ref_opt, ref_params = run_pair(ctx, cls, dict(kw, block_size=16, min_quant_numel=0), shapes, 10)
         compare(params, ref_params, what, exact=True)
         for p, r in zip(params, ref_params):
             for key, t in opt.state[p].items():
                 if key.endswith((".codes", ".nibbles")):
                     n = t.numel()
-                    ref_codes = ref_opt.state[r][key][ctx.rank * n: (ctx.rank + 1) * n]
+                    ref_codes = ref_opt.state[r][key][ctx.rank * n : (ctx.rank + 1) * n]
                     check(torch.equal(t.cpu(), ref_codes), f"{what}: codes of {key} differ from the reference's")
 
 
@@ -320,8 +325,10 @@ def elementwise_8bit_unaligned_bound(ctx):
         e_single, e_sharded = err(runs["q8"], runs["fp32"]), err(runs["q8 sharded"], runs["fp32"])
         check(e_sharded > 0, f"{cls.__name__}: 8-bit sharded run equals fp32: the blocks were not quantized")
         # measured (20 steps, blocks of 16): sharded / one-process error 0.90 - 1.01; both runs 0.4 - 0.6 % apart
-        check(e_sharded <= 1.5 * e_single,
-              f"{cls.__name__}: 8-bit on split blocks is off fp32 by {e_sharded:.4f}, one process by {e_single:.4f}")
+        check(
+            e_sharded <= 1.5 * e_single,
+            f"{cls.__name__}: 8-bit on split blocks is off fp32 by {e_sharded:.4f}, one process by {e_single:.4f}",
+        )
         check(err(runs["q8 sharded"], runs["q8"]) < 0.02, f"{cls.__name__}: 8-bit sharded vs one process too far")
 
 
@@ -340,7 +347,8 @@ def lamb_lars_norms(ctx):
             what = f"{cls.__name__} {bits}-bit"
             shapes = UNEVEN if bits == 32 else [(8, 32), (6, 48)]
             opt, params, ref_opt, ref_params = run_pair(
-                ctx, cls, dict(kw, state_bits=bits, block_size=16, min_quant_numel=0), shapes, 10)
+                ctx, cls, dict(kw, state_bits=bits, block_size=16, min_quant_numel=0), shapes, 10
+            )
             compare(params, ref_params, what, rtol=1e-5, atol=1e-6)
         # a local-norm trust ratio would not match: make sure the test can tell
         opt, params, ref_opt, ref_params = run_pair(ctx, cls, kw, [(7, 5)], 1)
@@ -432,7 +440,8 @@ def factored_8bit(ctx):
     for cls, kw in [(lowmemopt.Adafactor, dict(beta1=0.9)), (lowmemopt.CAME, dict(lr=2e-3))]:
         what = f"{cls.__name__} 8-bit"
         opt, params, ref_opt, ref_params = run_pair(
-            ctx, cls, dict(kw, state_bits=8, block_size=16, min_quant_numel=0), [(8, 32), (6, 48)], 10)
+            ctx, cls, dict(kw, state_bits=8, block_size=16, min_quant_numel=0), [(8, 32), (6, 48)], 10
+        )
         compare(params, ref_params, what, rtol=1e-4, atol=1e-5)
 
 
@@ -453,8 +462,11 @@ def mesh_2d(ctx):
         compare(params, ref_params, what)
         if cls not in (lowmemopt.LAMB, lowmemopt.LARS):
             compare_state(opt, params, ref_opt, ref_params, what, rtol=1e-5, atol=1e-7)
-    for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2, state_bits=16)), (lowmemopt.Adafactor, dict(beta1=0.9)),
-                    (lowmemopt.CAME, dict(lr=1e-3))]:
+    for cls, kw in [
+        (lowmemopt.AdamW, dict(lr=1e-2, state_bits=16)),
+        (lowmemopt.Adafactor, dict(beta1=0.9)),
+        (lowmemopt.CAME, dict(lr=1e-3)),
+    ]:
         what = f"{cls.__name__} HSDP"
         with torch_paths_only():
             opt, params, ref_opt, ref_params = run_pair(ctx, cls, kw, UNEVEN, 10, mesh=mesh)
@@ -465,8 +477,13 @@ def mesh_2d(ctx):
         _, params, _, ref_params = galore_pair(ctx, cls, kw, 8, mesh=mesh)
         noisy = _sign_noise_params(cls)
         keep = [i for i in range(len(params)) if i not in noisy]
-        compare([params[i] for i in keep], [ref_params[i] for i in keep], f"GaLore {cls.__name__} HSDP", rtol=1e-5,
-                atol=2e-5)
+        compare(
+            [params[i] for i in keep],
+            [ref_params[i] for i in keep],
+            f"GaLore {cls.__name__} HSDP",
+            rtol=1e-5,
+            atol=2e-5,
+        )
         _compare_sign_noise(params, ref_params, noisy, kw.get("lr", 0.0), 8, f"GaLore {cls.__name__} HSDP")
 
 
@@ -488,9 +505,17 @@ GALORE_SHAPES = [(7, 5), (5, 9), (9, 6), (5, 2, 3, 3), (1, 8)]
 
 
 def galore_groups(params, proj_type="std", **kw):
-    groups = [dict(params=[params[0], params[1], params[3], params[4]], rank=3, update_proj_gap=3, scale=0.25,
-                   proj_type=proj_type, **kw),
-              dict(params=[params[2]], rank=2, update_proj_gap=4, scale=0.5, proj_type="full", **kw)]
+    groups = [
+        dict(
+            params=[params[0], params[1], params[3], params[4]],
+            rank=3,
+            update_proj_gap=3,
+            scale=0.25,
+            proj_type=proj_type,
+            **kw,
+        ),
+        dict(params=[params[2]], rank=2, update_proj_gap=4, scale=0.5, proj_type="full", **kw),
+    ]
     return groups
 
 
@@ -536,25 +561,36 @@ def galore_fsdp2(ctx):
         # 8-bit: the side-right low-rank state's shards (12 and 9 elements) split 16-element blocks
         noisy = _sign_noise_params(cls)
         keep = [i for i in range(len(params)) if i not in noisy]
-        compare([params[i] for i in keep], [ref_params[i] for i in keep], what, rtol=1e-5,
-                atol=1e-3 if kw.get("state_bits") == 8 else 2e-5)
+        compare(
+            [params[i] for i in keep],
+            [ref_params[i] for i in keep],
+            what,
+            rtol=1e-5,
+            atol=1e-3 if kw.get("state_bits") == 8 else 2e-5,
+        )
         _compare_sign_noise(params, ref_params, noisy, kw.get("lr", 0.0), 10, what)
         for i, (p, r) in enumerate(zip(params, ref_params)):
             a, b = opt.state[p], ref_opt.state[r]
-            check(a[pj.SIDE] == b[pj.SIDE] and a[pj.REFRESHED_AT] == b[pj.REFRESHED_AT] == (9 if i != 2 else 8),
-                  f"{what}: param {i}: side / refresh {a[pj.SIDE]} {a[pj.REFRESHED_AT]} vs {b[pj.SIDE]}")
+            check(
+                a[pj.SIDE] == b[pj.SIDE] and a[pj.REFRESHED_AT] == b[pj.REFRESHED_AT] == (9 if i != 2 else 8),
+                f"{what}: param {i}: side / refresh {a[pj.SIDE]} {a[pj.REFRESHED_AT]} vs {b[pj.SIDE]}",
+            )
             for key in pj.PROJECTOR_TENSORS:
                 if key in b:
-                    torch.testing.assert_close(a[key].cpu(), b[key], rtol=1e-5, atol=1e-6,
-                                               msg=lambda m: f"{what}: param {i} {key}: {m}")
+                    torch.testing.assert_close(
+                        a[key].cpu(), b[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: param {i} {key}: {m}"
+                    )
         if kw.get("state_bits", 32) == 32:
-            compare_state(opt, [params[i] for i in keep], ref_opt, [ref_params[i] for i in keep], what, rtol=1e-4,
-                          atol=1e-5)
+            compare_state(
+                opt, [params[i] for i in keep], ref_opt, [ref_params[i] for i in keep], what, rtol=1e-4, atol=1e-5
+            )
     # the side-right low-rank state is sharded by rows like its parameter: memory per rank falls with the world size
     opt, params, _, ref_params = galore_pair(ctx, lowmemopt.AdamW, dict(lr=1e-2), 1)
     local_rows = params[0].to_local().shape[0]
-    check(opt.state[params[0]]["exp_avg"].shape == (local_rows, 3),
-          f"side-right state {tuple(opt.state[params[0]]['exp_avg'].shape)}, expected ({local_rows}, 3)")
+    check(
+        opt.state[params[0]]["exp_avg"].shape == (local_rows, 3),
+        f"side-right state {tuple(opt.state[params[0]]['exp_avg'].shape)}, expected ({local_rows}, 3)",
+    )
 
 
 @case
@@ -579,8 +615,10 @@ def galore_checkpoints(ctx):
 
     root = _shared_tmpdir(ctx)
     solo_group = dist.new_group([0])
-    for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0)),
-                    (lowmemopt.Adafactor, dict(beta1=0.9))]:
+    for cls, kw in [
+        (lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0)),
+        (lowmemopt.Adafactor, dict(beta1=0.9)),
+    ]:
         what = f"GaLore {cls.__name__}"
         tensors = full_params(GALORE_SHAPES)
         model, params = fsdp_params(ctx, tensors)
@@ -589,10 +627,19 @@ def galore_checkpoints(ctx):
         ref_opt = cls(galore_groups(ref_params), **kw)
         step_both(opt, params, ref_opt, ref_params, targets(GALORE_SHAPES), 4)
         sd = opt.state_dict()
-        check(all(isinstance(v, DTensor) for st in sd["state"].values() for k, v in st.items()
-                  if isinstance(v, torch.Tensor)), f"{what}: state_dict holds plain tensors")
-        check(sd["state"][0]["exp_avg" if cls is lowmemopt.AdamW else "exp_avg"].placements[0].is_shard(),
-              f"{what}: side-right state not sharded")
+        check(
+            all(
+                isinstance(v, DTensor)
+                for st in sd["state"].values()
+                for k, v in st.items()
+                if isinstance(v, torch.Tensor)
+            ),
+            f"{what}: state_dict holds plain tensors",
+        )
+        check(
+            sd["state"][0]["exp_avg" if cls is lowmemopt.AdamW else "exp_avg"].placements[0].is_shard(),
+            f"{what}: side-right state not sharded",
+        )
         # same world size: load, continue, equal to continuing
         model2, params2 = fsdp_params(ctx, [full(p) for p in params])
         twin = cls(galore_groups(params2), **kw)
@@ -607,8 +654,10 @@ def galore_checkpoints(ctx):
         # DCP: 2 ranks -> 1
         path = os.path.join(root, f"galore-{cls.__name__}")
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-        saved = {k: {s: full(v).clone() if isinstance(v, torch.Tensor) else v for s, v in st.items()}
-                 for k, st in get_optimizer_state_dict(model, opt)["state"].items()}
+        saved = {
+            k: {s: full(v).clone() if isinstance(v, torch.Tensor) else v for s, v in st.items()}
+            for k, st in get_optimizer_state_dict(model, opt)["state"].items()
+        }
         dist.barrier()
         if ctx.rank == 0:
             solo = DeviceMesh.from_group(solo_group, ctx.device.type)
@@ -618,8 +667,10 @@ def galore_checkpoints(ctx):
             sd1 = {"optim": get_optimizer_state_dict(module, opt1)}
             dcp.load(sd1, checkpoint_id=path, process_group=solo_group)
             set_optimizer_state_dict(module, opt1, sd1["optim"])
-            got = {k: {s: full(v) if isinstance(v, torch.Tensor) else v for s, v in st.items()}
-                   for k, st in get_optimizer_state_dict(module, opt1)["state"].items()}
+            got = {
+                k: {s: full(v) if isinstance(v, torch.Tensor) else v for s, v in st.items()}
+                for k, st in get_optimizer_state_dict(module, opt1)["state"].items()
+            }
             for name in saved:
                 for key, v in saved[name].items():
                     w = got[name][key]
@@ -666,8 +717,10 @@ def nonfinite_skip_agrees(ctx):
             opt.step()
         check(torch.equal(full(params[0]), before[0]), f"{cls.__name__}: the NaN parameter moved")
         check(not torch.equal(full(params[1]), before[1]), f"{cls.__name__}: the finite parameter did not move")
-        check(opt.nonfinite_skips == 1 and "step" not in opt.state[params[0]],
-              f"{cls.__name__}: rank {ctx.rank} skips {opt.nonfinite_skips}, state {sorted(opt.state[params[0]])}")
+        check(
+            opt.nonfinite_skips == 1 and "step" not in opt.state[params[0]],
+            f"{cls.__name__}: rank {ctx.rank} skips {opt.nonfinite_skips}, state {sorted(opt.state[params[0]])}",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -687,7 +740,7 @@ def batches(steps, n=8, seed=3):
 def train(model, opt, data, rank=0, world=1, device="cpu"):
     for x, y in data:
         n = x.shape[0] // world
-        x, y = x[rank * n: (rank + 1) * n].to(device), y[rank * n: (rank + 1) * n].to(device)
+        x, y = x[rank * n : (rank + 1) * n].to(device), y[rank * n : (rank + 1) * n].to(device)
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -722,8 +775,9 @@ def fsdp2_training(ctx):
 def mlp3(seed=0):
     """The issue's model: three Linear layers 37 -> 130 -> 75 -> 9 (weights of 4810, 9750 and 675 elements)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(37, 130), torch.nn.Tanh(), torch.nn.Linear(130, 75), torch.nn.Tanh(),
-                               torch.nn.Linear(75, 9))
+    return torch.nn.Sequential(
+        torch.nn.Linear(37, 130), torch.nn.Tanh(), torch.nn.Linear(130, 75), torch.nn.Tanh(), torch.nn.Linear(75, 9)
+    )
 
 
 def mlp3_batches(steps, n=16, seed=5):
@@ -762,16 +816,23 @@ def came_8bit_fsdp2(ctx):
     d_sharded = _max_diff(params["q8 sharded"], params["fp32"])
     d_between = _max_diff(params["q8 sharded"], params["q8"])
     if ctx.rank == 0:
-        print(f"came_8bit_fsdp2: max |8-bit - fp32| one process {d_single:.4g}, sharded {d_sharded:.4g}; "
-              f"sharded vs one process {d_between:.4g}", file=sys.stderr)
+        print(
+            f"came_8bit_fsdp2: max |8-bit - fp32| one process {d_single:.4g}, sharded {d_sharded:.4g}; "
+            f"sharded vs one process {d_between:.4g}",
+            file=sys.stderr,
+        )
     single, sharded = runs["q8"], runs["q8 sharded"]
     for p, r in zip(sharded[0].parameters(), single[0].parameters()):
         for key in single[1].state[r]:
-            check((key in sharded[1].state[p]),
-                  f"slot {key} of a {tuple(r.shape)} parameter: 8-bit in one process, not under FSDP2 "
-                  f"({sorted(sharded[1].state[p])})")
+            check(
+                (key in sharded[1].state[p]),
+                f"slot {key} of a {tuple(r.shape)} parameter: 8-bit in one process, not under FSDP2 "
+                f"({sorted(sharded[1].state[p])})",
+            )
     check(d_sharded <= 1.5 * d_single, f"8-bit CAME sharded is {d_sharded:.4g} from fp32, one process {d_single:.4g}")
-    check(d_between <= 1.5 * d_single, f"8-bit CAME sharded vs one process {d_between:.4g} (8-bit vs fp32 {d_single:.4g})")
+    check(
+        d_between <= 1.5 * d_single, f"8-bit CAME sharded vs one process {d_between:.4g} (8-bit vs fp32 {d_single:.4g})"
+    )
 
 
 @case
@@ -801,8 +862,11 @@ def step_in_backward_fsdp2(ctx):
 
     # bucket_bytes: completed gradients held and stepped together; the buckets are cut by whole-gradient sizes, so
     # every rank cuts them at the same parameters (their finiteness checks are collectives)
-    configs = [(lowmemopt.AdamW, dict(lr=1e-2), False), (lowmemopt.Adafactor, dict(beta1=0.9), False),
-               (lowmemopt.AdamW, dict(lr=1e-2), True)]
+    configs = [
+        (lowmemopt.AdamW, dict(lr=1e-2), False),
+        (lowmemopt.Adafactor, dict(beta1=0.9), False),
+        (lowmemopt.AdamW, dict(lr=1e-2), True),
+    ]
     for bucket, (cls, kw, galore) in itertools.product((0, 600), configs):
         ref = mlp()
         lowmemopt.step_in_backward(ref, cls(groups(ref) if galore else ref.parameters(), **kw))
@@ -816,7 +880,10 @@ def step_in_backward_fsdp2(ctx):
         for i, (x, y) in enumerate(data):
             n = x.shape[0] // ctx.world
             torch.nn.functional.mse_loss(ref(x), y).backward()
-            xs, ys = x[ctx.rank * n:(ctx.rank + 1) * n].to(ctx.device), y[ctx.rank * n:(ctx.rank + 1) * n].to(ctx.device)
+            xs, ys = (
+                x[ctx.rank * n : (ctx.rank + 1) * n].to(ctx.device),
+                y[ctx.rank * n : (ctx.rank + 1) * n].to(ctx.device),
+            )
             torch.nn.functional.mse_loss(model(xs), ys).backward()
         check(stepper.steps == len(data), f"{stepper.steps} per-layer updates, expected {len(data)}")
         check(all(p.grad is None for p in model.parameters()), "gradients were not freed")
@@ -831,8 +898,12 @@ def step_in_backward_fsdp2(ctx):
 @case
 def state_dict_dtensors(ctx):
     """state_dict() shows sharded state as DTensors laid out like the parameter; load_state_dict takes it back."""
-    for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2)), (lowmemopt.Adafactor, dict(beta1=0.9)),
-                    (lowmemopt.AdafactorTorch, dict()), (lowmemopt.CAME, dict(lr=1e-3))]:
+    for cls, kw in [
+        (lowmemopt.AdamW, dict(lr=1e-2)),
+        (lowmemopt.Adafactor, dict(beta1=0.9)),
+        (lowmemopt.AdafactorTorch, dict()),
+        (lowmemopt.CAME, dict(lr=1e-3)),
+    ]:
         for bits in (32, 8, 4):
             kwb = dict(kw, state_bits=bits, block_size=16, min_quant_numel=0)
             opt, params, ref_opt, ref_params = run_pair(ctx, cls, kwb, UNEVEN, 3)
@@ -858,8 +929,14 @@ def state_dict_dtensors(ctx):
                         torch.testing.assert_close(a[k], b[k], rtol=2e-7, atol=0)
             step_both(opt, params, twin, twin_params, targets(UNEVEN), 2, start=3)
             # 8/4-bit: absmax may come back 1 ulp off, so a later re-encode may pick the neighbouring code
-            compare(params, twin_params, f"{cls.__name__} {bits}-bit reloaded", exact=bits == 32, rtol=0,
-                    atol=5e-4 if bits == 8 else 5e-3)
+            compare(
+                params,
+                twin_params,
+                f"{cls.__name__} {bits}-bit reloaded",
+                exact=bits == 32,
+                rtol=0,
+                atol=5e-4 if bits == 8 else 5e-3,
+            )
 
 
 def _dcp_model(mesh, device, tensors):
@@ -884,7 +961,11 @@ def dcp_reshard(ctx):
     blocks are laid over the new shards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     check(ctx.world == 2, "dcp_reshard needs 2 ranks")
     solo_group = dist.new_group([0])  # a world of one inside this job: rank 0 alone
@@ -895,8 +976,10 @@ def dcp_reshard(ctx):
 
     def full_state(model, opt):
         sd = get_optimizer_state_dict(model, opt)
-        return {k: {s: full(v).clone() if isinstance(v, torch.Tensor) else v for s, v in st.items()}
-                for k, st in sd["state"].items()}
+        return {
+            k: {s: full(v).clone() if isinstance(v, torch.Tensor) else v for s, v in st.items()}
+            for k, st in sd["state"].items()
+        }
 
     def fresh(mesh, cls, kw):
         model = _dcp_model(mesh, ctx.device, [t.bfloat16() for t in tensors] if "bf16_update" in kw else tensors)
@@ -968,8 +1051,10 @@ def dcp_reshard(ctx):
                 train_steps(plain, opt_p, 3, 1)
                 saved_plain = full_state(plain, opt_p)
                 save(plain, opt_p, path1 + "-plain", solo_group)
-            check(any(k.endswith(".codes") for k in opt_p.state_dict()["state"][0]) == (kw.get("state_bits") == 8),
-                  f"{what}: outside dense_state_dict an unsharded optimizer's state_dict is compact again")
+            check(
+                any(k.endswith(".codes") for k in opt_p.state_dict()["state"][0]) == (kw.get("state_bits") == 8),
+                f"{what}: outside dense_state_dict an unsharded optimizer's state_dict is compact again",
+            )
         else:
             saved1 = saved_plain = None
         dist.barrier()
@@ -1001,8 +1086,10 @@ def _shared_tmpdir(ctx):
 def save_state_per_rank(ctx):
     """lowmemopt.save_state on a sharded optimizer writes one file per rank; load_state reads this rank's back."""
     root = _shared_tmpdir(ctx)
-    for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0)),
-                    (lowmemopt.CAME, dict(lr=1e-3))]:
+    for cls, kw in [
+        (lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0)),
+        (lowmemopt.CAME, dict(lr=1e-3)),
+    ]:
         tensors = full_params(UNEVEN)
         model, params = fsdp_params(ctx, tensors)
         opt = cls(params, **kw)
@@ -1014,8 +1101,10 @@ def save_state_per_rank(ctx):
         mine = lowmemopt.distributed.rank_path(path, ctx.rank, ctx.world)
         check(os.path.exists(mine), f"no per-rank file {mine}")
         meta = lowmemopt.checkpoint.read_metadata(mine)
-        check(meta["sharding"]["rank"] == ctx.rank and meta["sharding"]["world_size"] == ctx.world,
-              f"sharding metadata {meta.get('sharding')}")
+        check(
+            meta["sharding"]["rank"] == ctx.rank and meta["sharding"]["world_size"] == ctx.world,
+            f"sharding metadata {meta.get('sharding')}",
+        )
         from lowmemopt.inspection import _describe
 
         text = _describe(mine, meta, list_params=True)
@@ -1079,7 +1168,8 @@ def ademamix_and_adam_mini(ctx):
     on FSDP2 parameters, against one process."""
     with torch_paths_only():
         opt, params, ref_opt, ref_params = run_pair(
-            ctx, lowmemopt.AdEMAMix, dict(lr=1e-2, t_alpha=4, t_beta3=4, min_quant_numel=0), UNEVEN, 8)
+            ctx, lowmemopt.AdEMAMix, dict(lr=1e-2, t_alpha=4, t_beta3=4, min_quant_numel=0), UNEVEN, 8
+        )
     compare(params, ref_params, "AdEMAMix 32-bit", exact=True)
     compare_state(opt, params, ref_opt, ref_params, "AdEMAMix 32-bit", exact=True)
     # dim 6, 3 heads: a q / k head is 12 elements, 2 rows of the (6, 6) matrices; Shard(0) gives 3 + 3 rows, so head 1
@@ -1090,14 +1180,24 @@ def ademamix_and_adam_mini(ctx):
     for bits in (32, 8):
         _, params = fsdp_params(ctx, tensors)
         ref_params = plain_params(tensors)
-        kw = dict(lr=1e-2, weight_decay=0.1, dim=6, n_heads=3, verbose=False, state_bits=bits, min_quant_numel=0,
-                  block_size=16)
+        kw = dict(
+            lr=1e-2,
+            weight_decay=0.1,
+            dim=6,
+            n_heads=3,
+            verbose=False,
+            state_bits=bits,
+            min_quant_numel=0,
+            block_size=16,
+        )
         opt = lowmemopt.AdamMini(list(zip(names, params)), **kw)
         ref_opt = lowmemopt.AdamMini(list(zip(names, ref_params)), **kw)
         step_both(opt, params, ref_opt, ref_params, tgts, 6)
         what = f"AdamMini {bits}-bit"
-        check([g["block"] for g in opt.param_groups] == ["head", "head", "neuron", "tensor", "element", "neuron"],
-              f"{what}: blocks {[g['block'] for g in opt.param_groups]}")
+        check(
+            [g["block"] for g in opt.param_groups] == ["head", "head", "neuron", "tensor", "element", "neuron"],
+            f"{what}: blocks {[g['block'] for g in opt.param_groups]}",
+        )
         if bits == 32:
             compare(params, ref_params, what)
             compare_state(opt, params, ref_opt, ref_params, what)
@@ -1116,8 +1216,10 @@ def muon_fsdp2(ctx):
     shapes = [(8, 8), (8, 8), (4, 16), (1, 6), (32,)]
 
     def groups(ps):
-        return [{"params": [p for p in ps if p.dim() == 2]}, {"params": [p for p in ps if p.dim() != 2],
-                                                              "use_muon": False}]
+        return [
+            {"params": [p for p in ps if p.dim() == 2]},
+            {"params": [p for p in ps if p.dim() != 2], "use_muon": False},
+        ]
 
     default = muon_batches.BATCH_BYTES
     try:
@@ -1129,8 +1231,14 @@ def muon_fsdp2(ctx):
             kw = dict(lr=0.02, weight_decay=0.1, state_bits=bits, min_quant_numel=0, block_size=16)
             opt, ref_opt = lowmemopt.Muon(groups(params), **kw), lowmemopt.Muon(groups(ref_params), **kw)
             step_both(opt, params, ref_opt, ref_params, targets(shapes), 3)
-            compare(params, ref_params, f"Muon {bits}-bit, batches of {batch_bytes} B", exact=batch_bytes == 1,
-                    rtol=0, atol=3 * 0.02 * 2 ** -7)
+            compare(
+                params,
+                ref_params,
+                f"Muon {bits}-bit, batches of {batch_bytes} B",
+                exact=batch_bytes == 1,
+                rtol=0,
+                atol=3 * 0.02 * 2**-7,
+            )
             compare_state(opt, params, ref_opt, ref_params, f"Muon {bits}-bit state", exact=batch_bytes == 1)
     finally:
         muon_batches.BATCH_BYTES = default
@@ -1171,7 +1279,6 @@ def _worker(rank, world, port, out, backend, names):
     ctx = Ctx(rank, world, device, out)
     run_cases(CASES, names, ctx, out, rank)
     dist.destroy_process_group()
-
 
 
 def main(argv=None):

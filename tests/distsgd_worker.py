@@ -27,8 +27,13 @@ from lowmemopt.distributed.gossip import GossipAverager, mixing_weights, ring, t
 from lowmemopt.distributed.sparsified import SparsifiedState, sparsified_hook
 
 CASES = {}
-FOUR_RANK_CASES = ["ddp_equals_manual_allreduce", "sparsified_error_feedback", "gossip_ring", "gossip_irregular_graph",
-                   "gossip_post_local_sgd"]
+FOUR_RANK_CASES = [
+    "ddp_equals_manual_allreduce",
+    "sparsified_error_feedback",
+    "gossip_ring",
+    "gossip_irregular_graph",
+    "gossip_post_local_sgd",
+]
 
 
 def case(fn):
@@ -77,7 +82,7 @@ def batches(steps, world, n=4, seed=3):
 def loss_on(model, batch, rank, world):
     x, y = batch
     n = x.shape[0] // world
-    return torch.nn.functional.mse_loss(model(x[rank * n: (rank + 1) * n]), y[rank * n: (rank + 1) * n])
+    return torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
 
 
 def same_on_all_ranks(tensors, what):
@@ -135,7 +140,7 @@ def ddp_equals_manual_allreduce(ctx):
             flat /= ctx.world
             offset = 0
             for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             opt.step()
         for a, b in zip(got, model.parameters()):
@@ -149,15 +154,22 @@ def powersgd_lossless_rank(ctx):
     rounding), with lowmemopt optimizers; a rank-1 PowerSGD run keeps the replicas identical."""
     for cls, kw in [(lowmemopt.SGD, dict(lr=5e-2, momentum=0.9)), (lowmemopt.AdamW, dict(lr=1e-3))]:
         plain = ddp_run(ctx, cls, kw, 6)
-        state = PowerSGDState(process_group=None, matrix_approximation_rank=32, start_powerSGD_iter=2,
-                              min_compression_rate=0, use_error_feedback=True, warm_start=True)
+        state = PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=32,
+            start_powerSGD_iter=2,
+            min_compression_rate=0,
+            use_error_feedback=True,
+            warm_start=True,
+        )
         got = ddp_run(ctx, cls, kw, 6, powerSGD_hook, state)
         for a, b in zip(got, plain):
             check(torch.allclose(a, b, rtol=1e-5, atol=2e-6), f"PowerSGD lossless {cls.__name__}: {_where(a, b)}")
         check(state.iter == 6 and state.error_dict, "PowerSGD never compressed")
     state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-    got = ddp_run(ctx, lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0), 5,
-                  powerSGD_hook, state)
+    got = ddp_run(
+        ctx, lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0), 5, powerSGD_hook, state
+    )
     same_on_all_ranks(got, "PowerSGD rank 1 + AdamW 8-bit")
 
 
@@ -234,17 +246,22 @@ def sparsified_error_feedback(ctx):
             for s in everyone:
                 avg += s.to(dtype)
             avg /= ctx.world
-            check(torch.equal(avg, e["out"]), f"{method}: DDP's gradient is not the average sent: {_where(avg, e['out'])}")
-            t = totals.setdefault(e["index"], dict(sent=torch.zeros(n, dtype=torch.float64),
-                                                   grad=torch.zeros(n, dtype=torch.float64)))
+            check(
+                torch.equal(avg, e["out"]), f"{method}: DDP's gradient is not the average sent: {_where(avg, e['out'])}"
+            )
+            t = totals.setdefault(
+                e["index"], dict(sent=torch.zeros(n, dtype=torch.float64), grad=torch.zeros(n, dtype=torch.float64))
+            )
             t["sent"] += sent.double()
             t["grad"] += e["grad"].double()  # (bf16 gradients: the memory keeps the rounding of what is sent)
             t["memory"] = e["after"]
         check(totals, f"{method}: nothing was compressed")
         for index, t in totals.items():
             lhs = t["sent"] + t["memory"].double()
-            check(torch.allclose(lhs, t["grad"], rtol=0, atol=1e-5),
-                  f"{method} bucket {index}: sum sent + memory != sum of gradients: {_where(lhs, t['grad'])}")
+            check(
+                torch.allclose(lhs, t["grad"], rtol=0, atol=1e-5),
+                f"{method} bucket {index}: sum sent + memory != sum of gradients: {_where(lhs, t['grad'])}",
+            )
         if method.startswith("random"):
             mine = torch.cat(chosen)
             other = mine.clone()
@@ -253,10 +270,13 @@ def sparsified_error_feedback(ctx):
         rate, before_b, sent_b = state.compression_stats()
         size = torch.finfo(dtype).bits // 8
         compressed = [e["grad"].numel() for e in rec.log if e["compressing"]]
-        want_sent = sum((1 if method.startswith("block") else state.k_for(n)) * 4 + state.k_for(n) * size
-                        for n in compressed)
-        check((before_b, sent_b) == (sum(compressed) * size, want_sent) and rate == before_b / sent_b,
-              f"{method}: compression stats {rate:.2f} ({before_b} -> {sent_b} bytes), want {want_sent} sent")
+        want_sent = sum(
+            (1 if method.startswith("block") else state.k_for(n)) * 4 + state.k_for(n) * size for n in compressed
+        )
+        check(
+            (before_b, sent_b) == (sum(compressed) * size, want_sent) and rate == before_b / sent_b,
+            f"{method}: compression stats {rate:.2f} ({before_b} -> {sent_b} bytes), want {want_sent} sent",
+        )
 
 
 @case
@@ -268,8 +288,14 @@ def sparsified_composes(ctx):
         same_on_all_ranks(got, f"sparsified {cls.__name__} {kw}")
     for method in ("top", "random", "block"):
         plain = ddp_run(ctx, lowmemopt.SGD, dict(lr=5e-2, momentum=0.9), 5)
-        got = ddp_run(ctx, lowmemopt.SGD, dict(lr=5e-2, momentum=0.9), 5, sparsified_hook,
-                      SparsifiedState(ratio=1.0, method=method))
+        got = ddp_run(
+            ctx,
+            lowmemopt.SGD,
+            dict(lr=5e-2, momentum=0.9),
+            5,
+            sparsified_hook,
+            SparsifiedState(ratio=1.0, method=method),
+        )
         for a, b in zip(got, plain):
             check(torch.allclose(a, b, rtol=1e-6, atol=1e-7), f"ratio 1 {method} vs DDP: {_where(a, b)}")
         # several buckets (one memory each, all-gathers in flight together)
@@ -310,7 +336,9 @@ def gossip_converges(ctx, topology, what, rounds, **kw):
             continue
         now = mean_over_ranks(params, ctx.world)
         for a, b in zip(now, mean):
-            check(torch.allclose(a, b, rtol=0, atol=1e-6), f"{what}: the mean moved by {float((a - b).abs().max()):.3g}")
+            check(
+                torch.allclose(a, b, rtol=0, atol=1e-6), f"{what}: the mean moved by {float((a - b).abs().max()):.3g}"
+            )
     for p, m in zip(params, mean):
         gap = float((p.detach().double() - m).abs().max())
         check(gap < 1e-5, f"{what}: {gap:.3g} from the mean after {rounds} rounds")
@@ -335,9 +363,11 @@ def gossip_irregular_graph(ctx):
     gossip_converges(ctx, graph, "irregular", 60)
     cols = [sum(mixing_weights(graph, i)[j] for i in range(4) if j in mixing_weights(graph, i)) for j in range(4)]
     check(max(abs(c - 1) for c in cols) < 1e-12, f"Metropolis weights not doubly stochastic: column sums {cols}")
-    for bad, topo in (("uniform weights on an irregular graph", dict(topology=graph, weights="uniform")),
-                      ("a directed graph", dict(topology=[[1], [2], [0, 1], []])),
-                      ("a disconnected graph", dict(topology=[[1], [0], [3], [2]]))):
+    for bad, topo in (
+        ("uniform weights on an irregular graph", dict(topology=graph, weights="uniform")),
+        ("a directed graph", dict(topology=[[1], [2], [0, 1], []])),
+        ("a disconnected graph", dict(topology=[[1], [0], [3], [2]])),
+    ):
         try:
             GossipAverager(**topo)
         except ValueError:
@@ -352,8 +382,10 @@ def gossip_post_local_sgd(ctx):
     round at steps 1, 3, 5, ...; equals local steps + the mixing computed by hand from all-gathered parameters."""
     graph = ring(ctx.world)
     row = mixing_weights(graph, ctx.rank)
-    for cls, kw in [(lowmemopt.SGD, dict(lr=5e-2, momentum=0.9)),
-                    (lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0))][: 2 if ctx.world == 2 else 1]:
+    for cls, kw in [
+        (lowmemopt.SGD, dict(lr=5e-2, momentum=0.9)),
+        (lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0)),
+    ][: 2 if ctx.world == 2 else 1]:
         model, ref = mlp(), mlp()
         opt = PostLocalSGDOptimizer(cls(model.parameters(), **kw), GossipAverager(graph, period=2, warmup_steps=1))
         ref_opt = cls(ref.parameters(), **kw)
@@ -373,7 +405,10 @@ def gossip_post_local_sgd(ctx):
                             mixed.add_(everyone[j], alpha=row[j])
                         p.copy_(mixed)
             for a, b in zip(model.parameters(), ref.parameters()):
-                check(torch.allclose(a, b, rtol=0, atol=1e-7), f"{cls.__name__} step {t}: {_where(a.detach(), b.detach())}")
+                check(
+                    torch.allclose(a, b, rtol=0, atol=1e-7),
+                    f"{cls.__name__} step {t}: {_where(a.detach(), b.detach())}",
+                )
         check(opt.state_dict()["step"] == 6, "PostLocalSGDOptimizer did not record the averager's step")
         if ctx.world == 2:  # one neighbour with weight 1/2: the gossip round is the exact average
             for p in model.parameters():
@@ -390,7 +425,6 @@ def _worker(rank, world, port, out, names):
     ctx = Ctx(rank, world)
     run_cases(CASES, names, ctx, out, rank)
     dist.destroy_process_group()
-
 
 
 def main(argv=None):

@@ -63,11 +63,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     seconds = grace_s()
     if seconds is None:
         return
-    threads = [f"{t.name} ({type(t).__module__}.{type(t).__qualname__})" for t in threading.enumerate()
-               if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    threads = [
+        f"{t.name} ({type(t).__module__}.{type(t).__qualname__})"
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
     children = child_processes()
     if threads or children:
-        print(f"lowmemopt tests: process {os.getpid()} still runs, at the end of its session: non-daemon threads "
-              f"{threads or 'none'}; child processes {children or 'none'}. It gets {seconds:g} s to exit.",
-              file=sys.__stderr__, flush=True)
+        print(
+            f"lowmemopt tests: process {os.getpid()} still runs, at the end of its session: non-daemon threads "
+            f"{threads or 'none'}; child processes {children or 'none'}. It gets {seconds:g} s to exit.",
+            file=sys.__stderr__,
+            flush=True,
+        )
     faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)

@@ -42,10 +42,18 @@ class MuonReference:
 
     def __init__(self, params, **kw):
         groups = _split_for_muon({"params": list(params)})
-        adamw = dict(lr=kw.pop("adamw_lr", kw.get("lr", 1e-3)), betas=kw.pop("adamw_betas", (0.9, 0.95)),
-                     eps=kw.pop("adamw_eps", 1e-10), weight_decay=kw.pop("adamw_weight_decay", kw.get("weight_decay", 0.1)))
-        self.optimizers = [torch.optim.Muon(g["params"], **kw) if g["use_muon"]
-                           else torch.optim.AdamW(g["params"], foreach=False, **adamw) for g in groups]
+        adamw = dict(
+            lr=kw.pop("adamw_lr", kw.get("lr", 1e-3)),
+            betas=kw.pop("adamw_betas", (0.9, 0.95)),
+            eps=kw.pop("adamw_eps", 1e-10),
+            weight_decay=kw.pop("adamw_weight_decay", kw.get("weight_decay", 0.1)),
+        )
+        self.optimizers = [
+            torch.optim.Muon(g["params"], **kw)
+            if g["use_muon"]
+            else torch.optim.AdamW(g["params"], foreach=False, **adamw)
+            for g in groups
+        ]
 
     def step(self):
         for opt in self.optimizers:

@@ -41,8 +41,12 @@ def run(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], steps: int, 
 
 
 def run_with_reference(
-    opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], ref: torch.optim.Optimizer,
-    ref_params: Sequence[torch.Tensor], steps: int, seed: int = 1,
+    opt: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    ref: torch.optim.Optimizer,
+    ref_params: Sequence[torch.Tensor],
+    steps: int,
+    seed: int = 1,
 ) -> None:
     """Step ``opt`` and a reference optimizer side by side; the reference gets copies of ``opt``'s gradients."""
     for t in range(steps):
@@ -53,7 +57,9 @@ def run_with_reference(
         ref.step()
 
 
-def trajectory_error(params: Sequence[torch.Tensor], twin: Sequence[torch.Tensor], start: Sequence[torch.Tensor]) -> float:
+def trajectory_error(
+    params: Sequence[torch.Tensor], twin: Sequence[torch.Tensor], start: Sequence[torch.Tensor]
+) -> float:
     """||p - p_twin|| / ||p_twin - p_0|| over all parameters: the error relative to the distance travelled."""
     num = sum(float((a.detach().float() - b.detach().float()).pow(2).sum()) for a, b in zip(params, twin))
     den = sum(float((b.detach().float() - s.detach().float()).pow(2).sum()) for b, s in zip(twin, start))
@@ -67,7 +73,7 @@ def build(cls: Callable, params, **kwargs) -> torch.optim.Optimizer:
 #: bf16 state's absolute slack, as a fraction of the slot's largest value: 16 fp32 ulps (2^-24 relative each). A value
 #: that cancels (``b1 m + (1-b1) u`` with ``|m'| << |u|``) keeps the absolute error of its terms, so its relative error
 #: has no bound; one bf16 step of the largest values (2^-8) is still 4096 times this.
-BF16_CANCEL = 2.0 ** -20
+BF16_CANCEL = 2.0**-20
 
 
 def assert_state_close(ours: dict, ref: dict, what: str, before: dict | None = None) -> None:
@@ -91,8 +97,9 @@ def assert_state_close(ours: dict, ref: dict, what: str, before: dict | None = N
             scale = float(r.float().abs().max()) if r.numel() else 0.0
             if before is not None and isinstance(before.get(key), torch.Tensor):
                 scale = max(scale, float(before[key].float().abs().max()))
-            torch.testing.assert_close(o.float(), r.float(), rtol=2 ** -7, atol=max(BF16_CANCEL * scale, 1e-30),
-                                       msg=f"{what} {key}")
+            torch.testing.assert_close(
+                o.float(), r.float(), rtol=2**-7, atol=max(BF16_CANCEL * scale, 1e-30), msg=f"{what} {key}"
+            )
         else:
             torch.testing.assert_close(o, r, rtol=2e-5, atol=1e-7, msg=f"{what} {key}")
 
@@ -101,7 +108,7 @@ def assert_params_close(ours, ref, lr: float, lowbit: bool, what: str) -> None:
     """Parameters after fused steps against the reference's (``lowbit``: 8-bit state, whose code steps move them)."""
     for i, (o, r) in enumerate(zip(ours, ref)):
         if o.dtype != torch.float32:
-            torch.testing.assert_close(o.float(), r.float(), rtol=2 ** -7, atol=0.05 * lr, msg=f"{what} param {i}")
+            torch.testing.assert_close(o.float(), r.float(), rtol=2**-7, atol=0.05 * lr, msg=f"{what} param {i}")
         else:
             torch.testing.assert_close(o, r, rtol=1e-5, atol=(0.05 if lowbit else 1e-4) * lr, msg=f"{what} param {i}")
 
@@ -113,7 +120,7 @@ def assert_runs_same(a, opt_a, b, opt_b) -> None:
         sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
         assert sorted(sa) == sorted(sb)
         for k in sa:
-            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
+            assert torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k], k
 
 
 def spy_native_steps(monkeypatch) -> list:
@@ -181,7 +188,6 @@ def load_bench(name: str) -> ModuleType:
     return sys.modules[key]
 
 
-
 def version_of(text: str) -> tuple[int, int]:
     """(major, minor) of a version string such as ``3.6.0``, ``3.10.0rc1`` or ``2.4.6+git1234``."""
     match = re.match(r"(\d+)\.(\d+)", text)
@@ -204,12 +210,12 @@ def interpreter_fma_rounds_once() -> bool:
 
     @triton.jit
     def fma_kernel(out):
-        one = tl.full([1], 1.0 + 2.0 ** -12, tl.float32)
-        tl.store(out + tl.arange(0, 1), tl.fma(one, one, tl.full([1], -(1.0 + 2.0 ** -11), tl.float32)))
+        one = tl.full([1], 1.0 + 2.0**-12, tl.float32)
+        tl.store(out + tl.arange(0, 1), tl.fma(one, one, tl.full([1], -(1.0 + 2.0**-11), tl.float32)))
 
     out = torch.zeros(1)
     fma_kernel[(1,)](out)
-    return float(out) == 2.0 ** -24
+    return float(out) == 2.0**-24
 
 
 def tiny_trainer(out, spec, resume=None):
@@ -228,13 +234,36 @@ def tiny_trainer(out, spec, resume=None):
             return {"input_ids": self.data[i], "labels": self.data[i]}
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            tie_word_embeddings=False,
+        )
+    )
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=4, per_device_train_batch_size=4, learning_rate=2e-3, weight_decay=0.1,
-        adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-9, save_steps=2, save_strategy="steps",
-        logging_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=2e-3,
+        weight_decay=0.1,
+        adam_beta1=0.8,
+        adam_beta2=0.9,
+        adam_epsilon=1e-9,
+        save_steps=2,
+        save_strategy="steps",
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=spec)
     return trainer, trainer.train(resume_from_checkpoint=resume)
 

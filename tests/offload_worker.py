@@ -58,7 +58,7 @@ def train(ctx, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     for x, y in data():
         n = x.shape[0] // ctx.world
         lo = ctx.rank * n
-        loss = torch.nn.functional.mse_loss(m(x[lo:lo + n]), y[lo:lo + n])
+        loss = torch.nn.functional.mse_loss(m(x[lo : lo + n]), y[lo : lo + n])
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -70,12 +70,12 @@ def sim_allreduce(inputs, worker_errors, server_errors, numels, world, aligns=No
         for j in range(world):
             c = None
             for r in range(world):  # rank order
-                term = signs[r][j * chunk:(j + 1) * chunk] * (scales[r] / world)
+                term = signs[r][j * chunk : (j + 1) * chunk] * (scales[r] / world)
                 c = term if c is None else c + term
             c = c + server_errors[j][i]
             t = torch.linalg.vector_norm(c) / math.sqrt(chunk)
             server_errors[j][i].copy_(c - t * sim_sign(c))
-            out[j * chunk:(j + 1) * chunk] = t * sim_sign(c)
+            out[j * chunk : (j + 1) * chunk] = t * sim_sign(c)
         results.append(out[:numel])
     return results
 
@@ -93,10 +93,14 @@ def compressed_allreduce_matches_simulation(ctx):
         layout = Layout.of(numels, world, aligns)
         op = CompressedAllReduce(layout)
         werr, serr = op.new_errors()
-        sim_w = [[torch.zeros(sim_padded(n, world, a)) for n, a in zip(numels, aligns or [8] * len(numels))]
-                 for _ in range(world)]
-        sim_s = [[torch.zeros(sim_padded(n, world, a) // world) for n, a in zip(numels, aligns or [8] * len(numels))]
-                 for _ in range(world)]
+        sim_w = [
+            [torch.zeros(sim_padded(n, world, a)) for n, a in zip(numels, aligns or [8] * len(numels))]
+            for _ in range(world)
+        ]
+        sim_s = [
+            [torch.zeros(sim_padded(n, world, a) // world) for n, a in zip(numels, aligns or [8] * len(numels))]
+            for _ in range(world)
+        ]
         for it in range(4):  # error feedback carries over
             gen = torch.Generator().manual_seed(100 + it)
             inputs = [[torch.randn(n, generator=gen) for n in numels] for _ in range(world)]
@@ -144,7 +148,7 @@ def compressed_allreduce_nonfinite_keeps_errors(ctx):
     pad0 = layout.padded[0]
     if ctx.rank == 0:
         same(werr[:pad0], w0[:pad0], "worker error of the non-finite tensor")
-    same(serr[:layout.chunks[0]], s0[:layout.chunks[0]], "server error of the non-finite tensor")
+    same(serr[: layout.chunks[0]], s0[: layout.chunks[0]], "server error of the non-finite tensor")
     assert torch.isfinite(werr).all() and torch.isfinite(serr).all()
 
 
@@ -165,8 +169,9 @@ def init_params():
     return [torch.randn(s, generator=gen) for s in SHAPES]
 
 
-def reference_onebit_adam(steps, world, lr, betas, eps, wd, freeze, bias_correction=True, eps_inside_sqrt=False,
-                          masks=None):
+def reference_onebit_adam(
+    steps, world, lr, betas, eps, wd, freeze, bias_correction=True, eps_inside_sqrt=False, masks=None
+):
     """Parameters, m and v after each step: warm-up Adam on averaged gradients, then the local momentum averaged by
     the 1-bit compressed all-reduce with error feedback, variance frozen (Tang et al. 2021, Algorithm 1). ``masks``:
     per parameter None or DeepSpeed's ``exp_avg_mask``, which multiplies the compressed mean."""
@@ -190,15 +195,17 @@ def reference_onebit_adam(steps, world, lr, betas, eps, wd, freeze, bias_correct
                 ms[i].mul_(b1).add_(avg, alpha=1 - b1)
                 vs[i].mul_(b2).addcmul_(avg, avg, value=1 - b2)
         else:
-            msgs = [[ms[i].mul(b1).add_(g[r][i], alpha=1 - b1).reshape(-1) for i in range(len(SHAPES))]
-                    for r in range(world)]
+            msgs = [
+                [ms[i].mul(b1).add_(g[r][i], alpha=1 - b1).reshape(-1) for i in range(len(SHAPES))]
+                for r in range(world)
+            ]
             if world > 1:
                 means = sim_allreduce(msgs, werr, serr, numels, world)
             else:
                 means = msgs[0]
             for i in range(len(SHAPES)):
                 ms[i].copy_(means[i].view(SHAPES[i]) if masks[i] is None else means[i].view(SHAPES[i]) * masks[i])
-        bc1 = 1 - b1 ** t if bias_correction else 1.0
+        bc1 = 1 - b1**t if bias_correction else 1.0
         bc2s = math.sqrt(1 - b2 ** min(t, freeze)) if bias_correction else 1.0
         for i in range(len(SHAPES)):
             if eps_inside_sqrt:
@@ -244,8 +251,17 @@ KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, freeze_step=3
 def onebit_adam_matches_reference(ctx):
     for extra in ({}, {"bias_correction": False, "eps_inside_sqrt": True}):
         kw = dict(KW, **extra)
-        ref = reference_onebit_adam(7, ctx.world, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"],
-                                    kw["freeze_step"], kw.get("bias_correction", True), kw.get("eps_inside_sqrt", False))
+        ref = reference_onebit_adam(
+            7,
+            ctx.world,
+            kw["lr"],
+            kw["betas"],
+            kw["eps"],
+            kw["weight_decay"],
+            kw["freeze_step"],
+            kw.get("bias_correction", True),
+            kw.get("eps_inside_sqrt", False),
+        )
         opt, params, out = run_onebit(ctx, 7, **kw)
         for t, (got, (ps, ms, vs)) in enumerate(zip(out, ref), 1):
             for i, (a, b) in enumerate(zip(got, ps)):
@@ -349,17 +365,23 @@ def onebit_adam_bad_inputs(ctx):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     p = [torch.nn.Parameter(torch.zeros(4))]
-    for kw, word in [(dict(amsgrad=True), "amsgrad"), (dict(max_grad_norm=1.0), "max_grad_norm"),
-                     (dict(freeze_step=0), "freeze_step"), (dict(paged=True), "paged"),
-                     (dict(capturable=True), "capturable")]:
+    for kw, word in [
+        (dict(amsgrad=True), "amsgrad"),
+        (dict(max_grad_norm=1.0), "max_grad_norm"),
+        (dict(freeze_step=0), "freeze_step"),
+        (dict(paged=True), "paged"),
+        (dict(capturable=True), "capturable"),
+    ]:
         try:
             lowmemopt.OnebitAdam(p, **kw)
         except ValueError as e:
             assert word in str(e), (kw, e)
         else:
             raise AssertionError(f"{kw} accepted")
-    for params, word in [([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))], "fp32"),
-                         ([{"params": p, "rank": 2}], "GaLore")]:
+    for params, word in [
+        ([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))], "fp32"),
+        ([{"params": p, "rank": 2}], "GaLore"),
+    ]:
         try:
             lowmemopt.OnebitAdam(params)
         except ValueError as e:
@@ -374,8 +396,10 @@ def onebit_adam_bad_inputs(ctx):
         assert "DTensor" in str(e), e
     else:
         raise AssertionError("DTensor accepted")
-    for refuse in (lambda: lowmemopt.step_in_backward(torch.nn.Linear(2, 2), lowmemopt.OnebitAdam(p)),
-                   lambda: lowmemopt.OnebitAdam(p)._step_some([])):
+    for refuse in (
+        lambda: lowmemopt.step_in_backward(torch.nn.Linear(2, 2), lowmemopt.OnebitAdam(p)),
+        lambda: lowmemopt.OnebitAdam(p)._step_some([]),
+    ):
         try:
             refuse()
         except ValueError as e:
@@ -387,12 +411,32 @@ def onebit_adam_bad_inputs(ctx):
 # ---------------------------------------------------------------------------------------------------------------------
 # 0/1 Adam against the paper's algorithm (Lu et al. 2022, Algorithm 1 with DeepSpeed's schedules)
 
-ZO = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, var_freeze_step=6, var_update_scaler=2,
-          local_step_scaler=2, local_step_clipper=4)
+ZO = dict(
+    lr=1e-2,
+    betas=(0.9, 0.99),
+    eps=1e-8,
+    weight_decay=0.01,
+    var_freeze_step=6,
+    var_update_scaler=2,
+    local_step_scaler=2,
+    local_step_clipper=4,
+)
 
 
-def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_freeze_step, var_update_scaler,
-                            local_step_scaler, local_step_clipper, bias_correction=True, masks=None):
+def reference_zero_one_adam(
+    steps,
+    world,
+    lr,
+    betas,
+    eps,
+    weight_decay,
+    var_freeze_step,
+    var_update_scaler,
+    local_step_scaler,
+    local_step_clipper,
+    bias_correction=True,
+    masks=None,
+):
     """Every rank's parameters after each step. Variance steps (t a multiple of an interval that doubles every
     var_update_scaler of them) average the gradients and update v; the other steps up to var_freeze_step move m by the
     1-bit mean gradient; afterwards ranks step locally, accumulate their updates and synchronise them, compressed,
@@ -411,8 +455,10 @@ def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_free
     vs = [torch.zeros(s) for s in SHAPES]
 
     def fresh_errors():
-        return ([[torch.zeros(sim_padded(k, world, 8)) for k in numels] for _ in range(world)],
-                [[torch.zeros(sim_padded(k, world, 8) // world) for k in numels] for _ in range(world)])
+        return (
+            [[torch.zeros(sim_padded(k, world, 8)) for k in numels] for _ in range(world)],
+            [[torch.zeros(sim_padded(k, world, 8) // world) for k in numels] for _ in range(world)],
+        )
 
     werr, serr = fresh_errors()
     var_interval, var_count, k = 1, 0, 0
@@ -434,12 +480,13 @@ def reference_zero_one_adam(steps, world, lr, betas, eps, weight_decay, var_free
                 avg.append(a / world)
             feed = [avg for _ in range(world)]
         elif not local:
-            means = masked(sim_allreduce([[x.reshape(-1) for x in g[r]] for r in range(world)], werr, serr, numels,
-                                         world))
+            means = masked(
+                sim_allreduce([[x.reshape(-1) for x in g[r]] for r in range(world)], werr, serr, numels, world)
+            )
             feed = [[mm.view(s) for mm, s in zip(means, SHAPES)] for _ in range(world)]
         else:
             feed = g
-        bc1 = 1 - b1 ** t if bias_correction else 1.0
+        bc1 = 1 - b1**t if bias_correction else 1.0
         bc2s = math.sqrt(1 - b2 ** max(k, 1)) if bias_correction else 1.0
         denoms = [vs[i].sqrt().div_(bc2s).add_(eps) for i in range(n)]
         for i in range(n):
@@ -545,10 +592,21 @@ def exp_avg_mask_multiplies_the_compressed_mean(ctx):
     mask[9:] = 0
     masks = [None, None, mask]
     for cls, kw, ref in (
-        (lowmemopt.OnebitAdam, KW, lambda: [ps for ps, _, _ in reference_onebit_adam(
-            7, ctx.world, KW["lr"], KW["betas"], KW["eps"], KW["weight_decay"], KW["freeze_step"], masks=masks)]),
-        (lowmemopt.ZeroOneAdam, ZO, lambda: [ps[ctx.rank] for ps, _, _ in reference_zero_one_adam(
-            12, ctx.world, masks=masks, **ZO)]),
+        (
+            lowmemopt.OnebitAdam,
+            KW,
+            lambda: [
+                ps
+                for ps, _, _ in reference_onebit_adam(
+                    7, ctx.world, KW["lr"], KW["betas"], KW["eps"], KW["weight_decay"], KW["freeze_step"], masks=masks
+                )
+            ],
+        ),
+        (
+            lowmemopt.ZeroOneAdam,
+            ZO,
+            lambda: [ps[ctx.rank] for ps, _, _ in reference_zero_one_adam(12, ctx.world, masks=masks, **ZO)],
+        ),
     ):
         want = ref()
         params = [torch.nn.Parameter(p + ctx.rank) for p in init_params()]
@@ -565,11 +623,17 @@ def exp_avg_mask_multiplies_the_compressed_mean(ctx):
         for own in (None, torch.ones(16)):
             buf.seek(0)
             fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
-            other = cls([{"params": fresh[:2]}, dict({"params": fresh[2:]}, **(
-                {} if own is None else {"exp_avg_mask": own}))], **kw)
+            other = cls(
+                [{"params": fresh[:2]}, dict({"params": fresh[2:]}, **({} if own is None else {"exp_avg_mask": own}))],
+                **kw,
+            )
             other.load_state_dict(torch.load(buf, weights_only=True))
             assert other.param_groups[1].get("exp_avg_mask") is own
-    for bad, err in ((torch.ones(3), ValueError), ([1.0], TypeError), (torch.ones(16, 16, dtype=torch.int64), TypeError)):
+    for bad, err in (
+        (torch.ones(3), ValueError),
+        ([1.0], TypeError),
+        (torch.ones(16, 16, dtype=torch.int64), TypeError),
+    ):
         try:
             lowmemopt.OnebitAdam([{"params": [torch.nn.Parameter(torch.zeros(16, 16))], "exp_avg_mask": bad}])
         except err as e:
@@ -618,12 +682,37 @@ def zero_one_adam_resume_and_quantized(ctx):
 # ---------------------------------------------------------------------------------------------------------------------
 # 1-bit LAMB against the paper's algorithm (Li et al. 2021, Algorithm 1, with DeepSpeed's coefficient rules)
 
-LB = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, freeze_step=3, max_coeff=10.0, min_coeff=0.01,
-          coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
+LB = dict(
+    lr=1e-2,
+    betas=(0.9, 0.99),
+    eps=1e-8,
+    weight_decay=0.01,
+    freeze_step=3,
+    max_coeff=10.0,
+    min_coeff=0.01,
+    coeff_beta=0.9,
+    factor_max=4.0,
+    factor_min=0.5,
+    factor_threshold=0.1,
+)
 
 
-def reference_onebit_lamb(steps, world, lr, betas, eps, weight_decay, freeze_step, max_coeff, min_coeff, coeff_beta,
-                          factor_max, factor_min, factor_threshold, bias_correction=True):
+def reference_onebit_lamb(
+    steps,
+    world,
+    lr,
+    betas,
+    eps,
+    weight_decay,
+    freeze_step,
+    max_coeff,
+    min_coeff,
+    coeff_beta,
+    factor_max,
+    factor_min,
+    factor_threshold,
+    bias_correction=True,
+):
     b1, b2 = betas
     n = len(SHAPES)
     numels = [math.prod(s) for s in SHAPES]
@@ -639,9 +728,9 @@ def reference_onebit_lamb(steps, world, lr, betas, eps, weight_decay, freeze_ste
     history = []
     for t in range(1, steps + 1):
         g = grads_of(t, world)
-        bc1 = 1 - b1 ** t if bias_correction else 1.0
+        bc1 = 1 - b1**t if bias_correction else 1.0
         bc2s = math.sqrt(1 - b2 ** min(t, freeze_step)) if bias_correction else 1.0
-        fcs = math.sqrt(1 - b2 ** t) if bias_correction else 1.0
+        fcs = math.sqrt(1 - b2**t) if bias_correction else 1.0
         if t <= freeze_step:
             for i in range(n):
                 avg = g[0][i]
@@ -669,8 +758,10 @@ def reference_onebit_lamb(steps, world, lr, betas, eps, weight_decay, freeze_ste
                 rms = [torch.linalg.vector_norm(m) / math.sqrt(m.numel()) for m in ms]
                 united = torch.stack(rms).mean()
                 scaling = [united / x for x in rms]
-            msgs = [[ms[i].mul(b1).add_(g[r][i], alpha=1 - b1).reshape(-1).mul_(scaling[i]) for i in range(n)]
-                    for r in range(world)]
+            msgs = [
+                [ms[i].mul(b1).add_(g[r][i], alpha=1 - b1).reshape(-1).mul_(scaling[i]) for i in range(n)]
+                for r in range(world)
+            ]
             means = sim_allreduce(msgs, werr, serr, numels, world)
             for i in range(n):
                 new_m = means[i].view(SHAPES[i]) / scaling[i]
@@ -742,9 +833,10 @@ def save_state_one_file_per_rank(ctx):
 
     tmp = os.path.join(ctx.out, "ckpt")
     os.makedirs(tmp, exist_ok=True)
-    for cls, kw, first_steps, total in [(lowmemopt.OnebitAdam, dict(KW, state_bits=8, min_quant_numel=64,
-                                                                     block_size=64), 5, 8),
-                                        (lowmemopt.ZeroOneAdam, ZO, 9, 13)]:
+    for cls, kw, first_steps, total in [
+        (lowmemopt.OnebitAdam, dict(KW, state_bits=8, min_quant_numel=64, block_size=64), 5, 8),
+        (lowmemopt.ZeroOneAdam, ZO, 9, 13),
+    ]:
         path = os.path.join(tmp, f"{cls.__name__}.safetensors")
         _, _, whole = run_opt(ctx, cls, total, **kw)
         opt, params, first = run_opt(ctx, cls, first_steps, **kw)
@@ -771,7 +863,6 @@ def save_state_one_file_per_rank(ctx):
 class Ctx:
     def __init__(self, rank: int, world: int, out: str):
         self.rank, self.world, self.out = rank, world, out
-
 
 
 def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> None:

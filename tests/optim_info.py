@@ -120,10 +120,20 @@ class ApexSGDReference(torch.optim.Optimizer):
     direction): ``g += wd p`` unless ``wd_after_momentum``; ``b = g`` (first step) or ``mu b + (1 - dampening) g``;
     ``g = g + mu b`` (nesterov) or ``b``; ``g += wd p`` if ``wd_after_momentum``; ``p -= lr g``."""
 
-    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                 wd_after_momentum=False):
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, wd_after_momentum=wd_after_momentum))
+    def __init__(
+        self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                dampening=dampening,
+                weight_decay=weight_decay,
+                nesterov=nesterov,
+                wd_after_momentum=wd_after_momentum,
+            ),
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -153,13 +163,35 @@ class ApexLAMBReference(torch.optim.Optimizer):
     or 1); ``r = (m / bc1) / (sqrt(v / bc2) + eps)`` (+ ``wd p`` decoupled); the trust ratio where ``wd != 0`` or
     ``use_nvlamb``."""
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                 amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
-                 use_nvlamb=False):
-        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                                      weight_decay=weight_decay, adam_w_mode=adam_w_mode,
-                                      grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
-                                      use_nvlamb=use_nvlamb))
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.01,
+        amsgrad=False,
+        adam_w_mode=True,
+        grad_averaging=True,
+        set_grad_none=True,
+        max_grad_norm=1.0,
+        use_nvlamb=False,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                bias_correction=bias_correction,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                adam_w_mode=adam_w_mode,
+                grad_averaging=grad_averaging,
+                max_grad_norm=max_grad_norm,
+                use_nvlamb=use_nvlamb,
+            ),
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -323,7 +355,9 @@ OPTIMIZERS: list[OptimizerInfo] = [
         ],
         slots=lambda kw: 3 if kw.get("amsgrad") else 2,
         bound8=0.03,
-        bad_inputs=_COMMON_BAD + _BAD_BETAS + [
+        bad_inputs=_COMMON_BAD
+        + _BAD_BETAS
+        + [
             (dict(eps=-1.0), ValueError, "Invalid epsilon"),
             (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),  # torch's
         ],
@@ -363,8 +397,8 @@ OPTIMIZERS: list[OptimizerInfo] = [
         [dict(lr=1e-2), dict(lr=1e-2, weight_decay=0.1, adamw_mode=False)],
         slots=lambda kw: 2,
         bound8=0.03,
-        bad_inputs=_COMMON_BAD + [(dict(fp32_optimizer_states=False, state_bits=8), ValueError,
-                                   "fp32_optimizer_states=False")],
+        bad_inputs=_COMMON_BAD
+        + [(dict(fp32_optimizer_states=False, state_bits=8), ValueError, "fp32_optimizer_states=False")],
         reference_cls=_reference_class("deepspeed.ops.adam", "DeepSpeedCPUAdam"),
     ),
     OptimizerInfo(
@@ -579,8 +613,11 @@ OPTIMIZERS: list[OptimizerInfo] = [
             (dict(betas=(0.9, 1.0, 0.9999)), ValueError, "Invalid beta parameter at index 1"),
             (dict(eps=(1e-30, -1.0)), ValueError, "Invalid eps"),
             (dict(clip_threshold=-1.0), ValueError, "Invalid clip_threshold"),
-            (dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.9]), torch.tensor(0.9))), ValueError,
-             r"Tensor betas\[1\] must be 1-element"),
+            (
+                dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.9]), torch.tensor(0.9))),
+                ValueError,
+                r"Tensor betas\[1\] must be 1-element",
+            ),
             (dict(betas=(0.9, torch.tensor(0.9), 0.9)), ValueError, "betas must be either all floats or all Tensors"),
         ],
         reference_cls=_reference_class("came_pytorch", "CAME"),
@@ -592,13 +629,22 @@ OPTIMIZERS: list[OptimizerInfo] = [
         [
             dict(lr=0.02),
             dict(lr=0.02, weight_decay=0.05, momentum=0.9, nesterov=False, adjust_lr_fn="match_rms_adamw"),
-            dict(lr=0.01, ns_steps=3, ns_coefficients=(2.0, -1.5, 0.5), adjust_lr_fn="original", adamw_lr=3e-3,
-                 adamw_betas=(0.8, 0.99), adamw_eps=1e-8, adamw_weight_decay=0.0),
+            dict(
+                lr=0.01,
+                ns_steps=3,
+                ns_coefficients=(2.0, -1.5, 0.5),
+                adjust_lr_fn="original",
+                adamw_lr=3e-3,
+                adamw_betas=(0.8, 0.99),
+                adamw_eps=1e-8,
+                adamw_weight_decay=0.0,
+            ),
         ],
         slots=None,
         state_bytes=lambda shape, bits, kw: (1 if len(shape) == 2 else 2) * slot_bytes(math.prod(shape), bits),
         bound8=0.025,  # measured 0.0106 (8-bit), 0.0017 (16-bit)
-        bad_inputs=_COMMON_BAD + [
+        bad_inputs=_COMMON_BAD
+        + [
             (dict(momentum=-0.5), ValueError, "Invalid momentum"),
             (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
             (dict(adjust_lr_fn="rms"), ValueError, "Adjust learning rate function rms is not supported"),
@@ -623,7 +669,9 @@ OPTIMIZERS: list[OptimizerInfo] = [
         slots=None,
         state_bytes=_apollo_bytes,
         bound8=0.025,  # measured 0.0108 (8-bit), 0.0017 (16-bit); rank 64 (quantized low-rank moments): 0.0078
-        bad_inputs=_COMMON_BAD + _BAD_BETAS + [
+        bad_inputs=_COMMON_BAD
+        + _BAD_BETAS
+        + [
             (dict(eps=-1.0), ValueError, "Invalid epsilon"),
             (dict(scale_front=1), TypeError, "Invalid scale_front"),
         ],
@@ -632,16 +680,26 @@ OPTIMIZERS: list[OptimizerInfo] = [
 ]
 
 
-
 class _AdEMAMixFloat64(torch.optim.Optimizer):
     """AdEMAMix as bitsandbytes' 32-bit step writes it (its schedules and its decoupled decay before the update), in
     the parameter's dtype: the float64 reference. bitsandbytes keeps fp32 state for a float64 parameter, so its run
     is not a float64 one (``test_parity_float64``); its fp32 run is the reference at every other dtype."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
-                 weight_decay=1e-2):
-        super().__init__(params, dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
-                                      weight_decay=weight_decay))
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        t_alpha=None,
+        t_beta3=None,
+        eps=1e-8,
+        weight_decay=1e-2,
+    ):
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps, weight_decay=weight_decay),
+        )
 
     @torch.no_grad()
     def step(self):
@@ -664,8 +722,8 @@ class _AdEMAMixFloat64(torch.optim.Optimizer):
                 st["m2"].mul_(beta3_t).add_(g, alpha=1 - beta3_t)
                 st["nu"].mul_(b2).addcmul_(g, g, value=1 - b2)
                 p.mul_(1 - lr * group["weight_decay"])
-                denom = st["nu"].sqrt() / math.sqrt(1 - b2 ** t) + group["eps"]
-                p.add_((st["m1"] / (1 - b1 ** t) + alpha_t * st["m2"]) / denom, alpha=-lr)
+                denom = st["nu"].sqrt() / math.sqrt(1 - b2**t) + group["eps"]
+                p.add_((st["m1"] / (1 - b1**t) + alpha_t * st["m2"]) / denom, alpha=-lr)
 
 
 def _ademamix_reference(params, **kw):
@@ -676,30 +734,33 @@ def _ademamix_reference(params, **kw):
     return bnb_optim.AdEMAMix(params, **kw)
 
 
-OPTIMIZERS.append(OptimizerInfo(
-    "AdEMAMix",
-    lowmemopt.AdEMAMix,
-    _ademamix_reference,
-    [
-        dict(lr=1e-2),
-        dict(lr=1e-2, betas=(0.8, 0.99, 0.6), alpha=2.0, eps=1e-6, weight_decay=0.1),  # (a slow EMA that moves)
-        dict(lr=1e-2, t_alpha=4, t_beta3=3, weight_decay=0.0),
-    ],
-    slots=lambda kw: 3,
-    bound8=0.03,
-    bad_inputs=_COMMON_BAD + [
-        (dict(betas=(0.9, 0.999)), ValueError, "Invalid betas"),
-        (dict(betas=(0.9, 0.999, 1.0)), ValueError, "Invalid beta parameter at index 2"),
-        (dict(eps=-1.0), ValueError, "Invalid epsilon"),
-        (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
-        (dict(alpha=-1.0), ValueError, "Invalid alpha"),
-        (dict(t_alpha=-5), ValueError, "Invalid t_alpha"),
-        (dict(t_beta3=2.5), TypeError, "Invalid t_beta3"),
-        (dict(betas=(0.0, 0.999, 0.9999), t_beta3=10), ValueError, "beta3 warm-up"),
-        (dict(optim_bits=8, state_bits=4), ValueError, "optim_bits=8 and state_bits=4 disagree"),
-    ],
-    reference_cls=_reference_class("bitsandbytes.optim", "AdEMAMix"),
-))
+OPTIMIZERS.append(
+    OptimizerInfo(
+        "AdEMAMix",
+        lowmemopt.AdEMAMix,
+        _ademamix_reference,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, betas=(0.8, 0.99, 0.6), alpha=2.0, eps=1e-6, weight_decay=0.1),  # (a slow EMA that moves)
+            dict(lr=1e-2, t_alpha=4, t_beta3=3, weight_decay=0.0),
+        ],
+        slots=lambda kw: 3,
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD
+        + [
+            (dict(betas=(0.9, 0.999)), ValueError, "Invalid betas"),
+            (dict(betas=(0.9, 0.999, 1.0)), ValueError, "Invalid beta parameter at index 2"),
+            (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+            (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+            (dict(alpha=-1.0), ValueError, "Invalid alpha"),
+            (dict(t_alpha=-5), ValueError, "Invalid t_alpha"),
+            (dict(t_beta3=2.5), TypeError, "Invalid t_beta3"),
+            (dict(betas=(0.0, 0.999, 0.9999), t_beta3=10), ValueError, "beta3 warm-up"),
+            (dict(optim_bits=8, state_bits=4), ValueError, "optim_bits=8 and state_bits=4 disagree"),
+        ],
+        reference_cls=_reference_class("bitsandbytes.optim", "AdEMAMix"),
+    )
+)
 
 
 def _adam_mini_reference(params, **kw):
@@ -709,26 +770,30 @@ def _adam_mini_reference(params, **kw):
     return adam_mini.Adam_mini([(f"t{i}", p) for i, p in enumerate(params)], verbose=False, **kw)
 
 
-OPTIMIZERS.append(OptimizerInfo(
-    "AdamMini",
-    lowmemopt.AdamMini,
-    _adam_mini_reference,
-    [
-        dict(lr=1e-2),
-        dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-    ],
-    slots=None,
-    state_bytes=lambda shape, bits, kw: slot_bytes(math.prod(shape), bits) + 4,  # m, and one fp32 v per tensor
-    bound8=0.03,
-    bad_inputs=_COMMON_BAD + _BAD_BETAS + [
-        (dict(eps=-1.0), ValueError, "Invalid epsilon"),
-        (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
-        (dict(dim=0), ValueError, "Invalid dim value"),
-        (dict(n_heads=32, n_kv_heads=5), ValueError, "Invalid n_kv_heads value"),
-        (dict(dim=10, n_heads=3), ValueError, "is not a whole number"),
-    ],
-    reference_cls=_reference_class("adam_mini", "Adam_mini"),
-))
+OPTIMIZERS.append(
+    OptimizerInfo(
+        "AdamMini",
+        lowmemopt.AdamMini,
+        _adam_mini_reference,
+        [
+            dict(lr=1e-2),
+            dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        ],
+        slots=None,
+        state_bytes=lambda shape, bits, kw: slot_bytes(math.prod(shape), bits) + 4,  # m, and one fp32 v per tensor
+        bound8=0.03,
+        bad_inputs=_COMMON_BAD
+        + _BAD_BETAS
+        + [
+            (dict(eps=-1.0), ValueError, "Invalid epsilon"),
+            (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+            (dict(dim=0), ValueError, "Invalid dim value"),
+            (dict(n_heads=32, n_kv_heads=5), ValueError, "Invalid n_kv_heads value"),
+            (dict(dim=10, n_heads=3), ValueError, "is not a whole number"),
+        ],
+        reference_cls=_reference_class("adam_mini", "Adam_mini"),
+    )
+)
 
 #: the variant each optimizer uses in the storage-format tests (resume, 8-bit bounds): one with state slots.
 STATEFUL = {

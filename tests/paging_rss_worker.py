@@ -59,8 +59,11 @@ def main(paged: str, nparams: int, numel: int, directory: str, steps: int) -> No
     largest = max(sum(v.nbytes for v in st.values() if isinstance(v, torch.Tensor)) for st in opt.state.values())
     files = sum(len(fs) for _, _, fs in os.walk(directory))
     opt.close()
-    print(json.dumps(dict(state_bytes=state_bytes, param_state_bytes=largest, peak_growth=peak - base,
-                          step_s=times, files=files)))
+    print(
+        json.dumps(
+            dict(state_bytes=state_bytes, param_state_bytes=largest, peak_growth=peak - base, step_s=times, files=files)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -44,21 +44,36 @@ def run_cases(cases: dict[str, Callable[[Any], None]], names: list[str], ctx: An
         dist.barrier()
 
 
-def run_job(worker: str, out, world: int, cases: list[str], extra_args: tuple[str, ...] = (),
-            timeout: float = 600) -> dict[str, list[str]]:
+def run_job(
+    worker: str, out, world: int, cases: list[str], extra_args: tuple[str, ...] = (), timeout: float = 600
+) -> dict[str, list[str]]:
     """Run ``worker`` on ``world`` ranks; ``{case: [result of each rank]}`` (a missing result reads as the job's
     output)."""
     env = dict(os.environ, LOWMEMOPT_COMPILE="0")
-    cmd = [sys.executable, worker, "--world-size", str(world), *extra_args, "--out", str(out),
-           "--cases", ",".join(cases)]
+    cmd = [
+        sys.executable,
+        worker,
+        "--world-size",
+        str(world),
+        *extra_args,
+        "--out",
+        str(out),
+        "--cases",
+        ",".join(cases),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(worker))
     results: dict[str, list[str]] = {name: [] for name in cases}
     for rank in range(world):
         path = os.path.join(out, f"rank{rank}.json")
         got = json.load(open(path)) if os.path.exists(path) else {}
         for name in cases:
-            results[name].append(got.get(name, f"rank {rank} reported nothing (exit {proc.returncode}):\n"
-                                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"))
+            results[name].append(
+                got.get(
+                    name,
+                    f"rank {rank} reported nothing (exit {proc.returncode}):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}",
+                )
+            )
     return results
 
 

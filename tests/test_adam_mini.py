@@ -20,9 +20,17 @@ KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, dim=64, n_head
 
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      tie_word_embeddings=False, attention_bias=True)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attention_bias=True,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -84,6 +92,7 @@ def test_equals_adam_mini_bit_for_bit(kw):
 def test_name_sets_users_extend():
     """A model whose attention is named otherwise: adding its keywords to the sets before the first step places the
     blocks as the reference does with the same additions."""
+
     def model():
         torch.manual_seed(0)
         linear = torch.nn.Linear

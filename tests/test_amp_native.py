@@ -30,21 +30,36 @@ STEPS = 5
 INF_STEPS = {1: 0, 3: 2}  # step -> the parameter whose gradient gets an Inf
 
 
-def _run(cls, kw, bits, dtype, native: bool, shapes=SHAPES, unscale_first=False, interpret=False,
-         count=None, groups=None, **extra):
+def _run(
+    cls,
+    kw,
+    bits,
+    dtype,
+    native: bool,
+    shapes=SHAPES,
+    unscale_first=False,
+    interpret=False,
+    count=None,
+    groups=None,
+    **extra,
+):
     """``STEPS`` GradScaler steps (scale 2^12, growing every 2 clean steps, halved on an Inf)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
-    opt = cls(params if groups is None else groups(params), state_bits=bits, min_quant_numel=0, block_size=32, **kw, **extra)
+    opt = cls(
+        params if groups is None else groups(params), state_bits=bits, min_quant_numel=0, block_size=32, **kw, **extra
+    )
     if not native:
         opt._step_supports_amp_scaling = False  # GradScaler's generic path: unscale_, then step() unless Inf
     if count is not None:
         real_step = opt.step
+
         def step(*a, **k):
             with count:
                 return real_step(*a, **k)
+
         opt.step = step
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
     scaler.scale(torch.ones(()))
     gen = torch.Generator().manual_seed(1)
     context = runtime.cpu_interpreter() if interpret else _Nothing()
@@ -94,8 +109,10 @@ def test_native_equals_unscale_then_step(cls, kw, bits, dtype):
 @pytest.mark.parametrize("cls,kw,bits", CASES[:1] + CASES[4:5], ids=IDS[:1] + IDS[4:5])
 def test_unscale_called_first(cls, kw, bits):
     """``scaler.unscale_(opt)`` before ``scaler.step(opt)``: the scaler passes ``grad_scale=None``."""
-    assert_runs_same(*_run(cls, kw, bits, torch.bfloat16, True, unscale_first=True),
-                 *_run(cls, kw, bits, torch.bfloat16, False, unscale_first=True))
+    assert_runs_same(
+        *_run(cls, kw, bits, torch.bfloat16, True, unscale_first=True),
+        *_run(cls, kw, bits, torch.bfloat16, False, unscale_first=True),
+    )
 
 
 def test_fp16_gradients_take_the_native_path():
@@ -110,7 +127,7 @@ def test_fp16_gradients_take_the_native_path():
     ref = [torch.nn.Parameter(torch.randn(s).half()) for s in SHAPES]
     ropt = lowmemopt.AdamW(ref, lr=1e-2, min_quant_numel=0, block_size=32)
     gen = torch.Generator().manual_seed(1)
-    scale = 2.0 ** 12
+    scale = 2.0**12
     clean = 0
     for step in range(STEPS):
         grads = []
@@ -141,8 +158,10 @@ def test_galore(dtype):
     """GaLore (CPU): the basis refresh and the projection see the unscaled gradient, as after ``unscale_``."""
     kw = dict(lr=1e-2, weight_decay=0.1)
     shapes = [(64, 48), (40, 24), (37,)]
-    assert_runs_same(*_run(lowmemopt.AdamW, kw, 32, dtype, True, shapes, groups=_galore),
-                 *_run(lowmemopt.AdamW, kw, 32, dtype, False, shapes, groups=_galore))
+    assert_runs_same(
+        *_run(lowmemopt.AdamW, kw, 32, dtype, True, shapes, groups=_galore),
+        *_run(lowmemopt.AdamW, kw, 32, dtype, False, shapes, groups=_galore),
+    )
 
 
 @pytest.mark.slow
@@ -157,8 +176,10 @@ def test_compiled_path(bits, monkeypatch):
     real = compiled.step_rows
     monkeypatch.setattr(compiled, "step_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     for dtype in (torch.float32, torch.bfloat16):
-        assert_runs_same(*_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, True, [(64, 64)]),
-                     *_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, False, [(64, 64)]))
+        assert_runs_same(
+            *_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, True, [(64, 64)]),
+            *_run(lowmemopt.AdamW, dict(lr=1e-2), bits, dtype, False, [(64, 64)]),
+        )
     assert calls and compiled.ENABLED
 
 
@@ -177,6 +198,7 @@ class _Syncs:
             if self.on:
                 self.n += 1
             return real(t, *a, **k)
+
         return counted
 
     def __enter__(self):

@@ -26,8 +26,14 @@ def groups(params, **keys):
     return [{"params": [p for p in params if p.dim() != 2]}, {"params": [p for p in params if p.dim() == 2], **keys}]
 
 
-@pytest.mark.parametrize("keys", [dict(rank=4, update_proj_gap=3), dict(rank=2, proj="svd", update_proj_gap=4),
-                                  dict(rank=1, scale_type="tensor", scale=64.0, update_proj_gap=2)])
+@pytest.mark.parametrize(
+    "keys",
+    [
+        dict(rank=4, update_proj_gap=3),
+        dict(rank=2, proj="svd", update_proj_gap=4),
+        dict(rank=1, scale_type="tensor", scale=64.0, update_proj_gap=2),
+    ],
+)
 def test_equals_apollo_torch_across_refreshes(keys):
     """12 steps crossing several projection refreshes, the projected group second (its seeds start at 2): the same
     parameters as apollo-torch, bit for bit at 32 bits."""
@@ -50,10 +56,12 @@ def test_equals_apollo_torch_on_other_cpus_gemm_paths():
     """The same comparison where MKL takes its SSE4.2 GEMM kernels (as on older CPUs): there a
     GEMM's rounding depends on its operands' layout, so the SVD basis must be multiplied in the column-major layout
     LAPACK returns it in, as apollo-torch multiplies it (a contiguous copy differed by ~2e-7 from step 1)."""
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_apollo as t\n"
-              "for keys in ({'rank': 2, 'proj': 'svd', 'update_proj_gap': 4}, {'rank': 3, 'proj': 'svd', "
-              "'update_proj_gap': 5, 'proj_type': 'reverse_std', 'scale_type': 'tensor'}):\n"
-              "    t.test_equals_apollo_torch_across_refreshes(keys)\n")
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_apollo as t\n"
+        "for keys in ({'rank': 2, 'proj': 'svd', 'update_proj_gap': 4}, {'rank': 3, 'proj': 'svd', "
+        "'update_proj_gap': 5, 'proj_type': 'reverse_std', 'scale_type': 'tensor'}):\n"
+        "    t.test_equals_apollo_torch_across_refreshes(keys)\n"
+    )
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, MKL_ENABLE_INSTRUCTIONS="SSE4_2", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True, text=True, timeout=300)
@@ -113,12 +121,15 @@ def test_group_keys_are_checked_and_rank_is_held_apart_from_galore():
     group = opt.param_groups[0]
     assert "rank" not in group and group["apollo_rank"] == 2 and group["proj"] == "random"
     assert group["scale_type"] == "channel" and group["update_proj_gap"] == 200 and group["proj_type"] == "std"
-    bad = [(dict(rank=0), ValueError, "Invalid rank"), (dict(rank=2, proj="gauss"), ValueError, "Invalid proj"),
-           (dict(rank=2, scale_type="row"), ValueError, "Invalid scale_type"),
-           (dict(rank=2, proj_type="full"), ValueError, "Invalid proj_type"),
-           (dict(rank=2, update_proj_gap=0), ValueError, "Invalid update_proj_gap"),
-           (dict(rank=2, scale=-1.0), ValueError, "Invalid scale"),
-           (dict(rank=2, proj_type="reverse_std"), ValueError, "use proj_type='std' or scale_type='tensor'")]
+    bad = [
+        (dict(rank=0), ValueError, "Invalid rank"),
+        (dict(rank=2, proj="gauss"), ValueError, "Invalid proj"),
+        (dict(rank=2, scale_type="row"), ValueError, "Invalid scale_type"),
+        (dict(rank=2, proj_type="full"), ValueError, "Invalid proj_type"),
+        (dict(rank=2, update_proj_gap=0), ValueError, "Invalid update_proj_gap"),
+        (dict(rank=2, scale=-1.0), ValueError, "Invalid scale"),
+        (dict(rank=2, proj_type="reverse_std"), ValueError, "use proj_type='std' or scale_type='tensor'"),
+    ]
     for keys, exc, match in bad:
         with pytest.raises(exc, match=match):
             opt.add_param_group({"params": make_params([(8, 6)]), **keys})
@@ -141,8 +152,9 @@ def test_per_layer_updates_step_as_step():
 
 
 def test_apollo_param_groups_of_a_model():
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
-                                torch.nn.Linear(8, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)
+    )
     gs = lowmemopt.apollo_param_groups(model, rank=1, scale_type="tensor", scale=128.0, weight_decay=0.1)
     projected = [g for g in gs if "rank" in g]
     assert len(projected) == 1 and projected[0]["scale_type"] == "tensor" and projected[0]["scale"] == 128.0
@@ -176,8 +188,9 @@ def test_seeds_follow_apollo_torch():
     from apollo_torch.random_projector import next_seed, stable_randn
 
     assert apollo_math.next_seed(7) == next_seed(7)
-    assert torch.equal(apollo_math.random_projection((3, 9), 11, 3, torch.device("cpu")),
-                       stable_randn((3, 9), seed=11) / 3 ** 0.5)
+    assert torch.equal(
+        apollo_math.random_projection((3, 9), 11, 3, torch.device("cpu")), stable_randn((3, 9), seed=11) / 3**0.5
+    )
 
 
 def test_trainer_run(tmp_path):
@@ -187,8 +200,12 @@ def test_trainer_run(tmp_path):
     pytest.importorskip("transformers")
     from lowmemopt.integrations.transformers import optimizer
 
-    spec = lambda: optimizer("apollo_adamw_8bit", apollo=dict(target_modules="all-linear", rank=4, update_proj_gap=3),  # noqa
-                             min_quant_numel=64, block_size=64)
+    spec = lambda: optimizer(
+        "apollo_adamw_8bit",
+        apollo=dict(target_modules="all-linear", rank=4, update_proj_gap=3),  # noqa
+        min_quant_numel=64,
+        block_size=64,
+    )
     full, result = tiny_trainer(tmp_path / "full", spec())
     opt = full.optimizer.optimizer
     assert type(opt) is lowmemopt.APOLLOAdamW and result.training_loss < 4.6
@@ -206,7 +223,7 @@ def test_apollo_mini_4bit_training_stays_close_to_32bit():
     """bench/lowbit_training.py's small LLaMA with APOLLO-Mini, 60 steps: 4-bit moments' held-out loss within 3% of
     32 bits (measured -0.16%; 8-bit -0.8%). The 200-step, 3-seed tables of docs/apollo.md: the slow test below."""
     pytest.importorskip("transformers")
-    gap, = lowbit_gaps("apollo_mini", 4, 60, [0])
+    (gap,) = lowbit_gaps("apollo_mini", 4, 60, [0])
     assert abs(gap) < 0.03, gap
 
 

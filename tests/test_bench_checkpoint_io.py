@@ -36,11 +36,19 @@ def test_random_state_is_the_same_for_the_same_arguments(bits):
 
 
 def test_small_run_prints_its_table(tmp_path):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--numel", "2e6", "--rounds", "1", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--numel", "2e6", "--rounds", "1", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines())
-            if r and r[0] in ("save_state", "load_state")}
+    rows = {
+        r[0]: r[1:]
+        for r in ([c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines())
+        if r and r[0] in ("save_state", "load_state")
+    }
     assert set(rows) == {"save_state", "load_state"}, out.stdout
     assert all(float(v[0]) > 0 and float(v[1]) >= 0 and v[2].endswith(" GB") for v in rows.values())
     assert "2,000,000 elements" in out.stdout and list(tmp_path.iterdir()) == []  # its temporary folder removed

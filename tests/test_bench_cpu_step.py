@@ -23,8 +23,10 @@ def bench(monkeypatch):
 
 
 def _rows(text: str) -> dict[str, list[str]]:
-    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
-                                              for line in text.splitlines() if line.startswith("| "))}
+    return {
+        cells[0]: cells[1:]
+        for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| "))
+    }
 
 
 def test_tiny_run_prints_every_row_and_the_memory_floor(bench, capsys, tmp_path, monkeypatch):
@@ -33,8 +35,27 @@ def test_tiny_run_prints_every_row_and_the_memory_floor(bench, capsys, tmp_path,
 
     monkeypatch.setitem(bench.OPTIMIZERS, "deepspeed-cpuadam", (missing, "DeepSpeedCPUAdam"))
     names = "deepspeed-cpuadam,lowmemopt-adamw-32bit,lowmemopt-adamw-4bit,lowmemopt-came-8bit"
-    assert bench.main(["--preset", "tiny", "--rounds", "3", "--warmup", "0", "--stream-mib", "1", "--threads", "1",
-                       "--optimizers", names, "--json", str(tmp_path / "run.json")]) == 0
+    assert (
+        bench.main(
+            [
+                "--preset",
+                "tiny",
+                "--rounds",
+                "3",
+                "--warmup",
+                "0",
+                "--stream-mib",
+                "1",
+                "--threads",
+                "1",
+                "--optimizers",
+                names,
+                "--json",
+                str(tmp_path / "run.json"),
+            ]
+        )
+        == 0
+    )
     rows = _rows(capsys.readouterr().out)
     assert list(rows)[2:] == ["torch-adamw-fused", *names.split(","), bench.FLOOR]  # header, rule
     assert "not available: ModuleNotFoundError" in rows["deepspeed-cpuadam"][-1]
@@ -79,7 +100,24 @@ def test_per_parameter_rows_run_only_when_named(bench, capsys):
 
     assert not set(bench.EXTRA) & set(bench.parse_args([]).names)
     takes = native.takes
-    assert bench.main(["--preset", "tiny", "--rounds", "2", "--warmup", "0", "--stream-mib", "1", "--threads", "1",
-                       "--optimizers", "lowmemopt-adamw-8bit-per-param"]) == 0
+    assert (
+        bench.main(
+            [
+                "--preset",
+                "tiny",
+                "--rounds",
+                "2",
+                "--warmup",
+                "0",
+                "--stream-mib",
+                "1",
+                "--threads",
+                "1",
+                "--optimizers",
+                "lowmemopt-adamw-8bit-per-param",
+            ]
+        )
+        == 0
+    )
     assert native.takes is takes
     assert float(_rows(capsys.readouterr().out)["lowmemopt-adamw-8bit-per-param"][2]) > 0

@@ -53,14 +53,20 @@ def test_tile_shape_per_capability(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 @pytest.mark.parametrize("extra", [[], ["--sweep", "--dtypes", "bf16"]])
 def test_refuses_without_cuda(tmp_path, extra):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "10M", *extra], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--sizes", "10M", *extra],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]
 
 
 def test_bad_dtype_is_a_usage_error(tmp_path):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--dtypes", "fp8"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dtypes", "fp8"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "--dtypes takes" in out.stderr, out.stderr[-2000:]
 
 
@@ -82,8 +88,9 @@ def test_swept_tile_shapes_give_identical_results(monkeypatch, dtype):
                 set_grads(params, t)
                 opt.step()
         assert dispatch.stats.get(("adam", "q8"), 0) > before  # the kernels ran
-        return [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()
-                                                       if isinstance(v, torch.Tensor)} for p in params]
+        return [p.detach().clone() for p in params], [
+            {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in params
+        ]
 
     base_p, base_s = run(runtime.TILE, runtime.NUM_WARPS)
     for tile, warps in ((256, 1), (1024, 8)):
@@ -98,9 +105,13 @@ def test_kernel_targets(bench, capsys):
     LAMB against 1.2x 8-bit AdamW's time, 8-bit AdamW against bitsandbytes."""
     n, bw = 10**9, 3e12
     assert bench.ideal_bytes("adamw-8", torch.bfloat16) == 10  # B/param: 10 GB per step, as the rows below take
-    rows = {"lowmemopt-adamw-8bit": 10e9 / (0.75 * bw), "lowmemopt-lion-8bit": 8e9 / (0.5 * bw),
-            "lowmemopt-came-8bit": 1.25 * 10e9 / (0.75 * bw), "lowmemopt-lamb-8bit": 1.25 * 10e9 / (0.75 * bw),
-            "bnb-adamw8bit": 1.0}
+    rows = {
+        "lowmemopt-adamw-8bit": 10e9 / (0.75 * bw),
+        "lowmemopt-lion-8bit": 8e9 / (0.5 * bw),
+        "lowmemopt-came-8bit": 1.25 * 10e9 / (0.75 * bw),
+        "lowmemopt-lamb-8bit": 1.25 * 10e9 / (0.75 * bw),
+        "bnb-adamw8bit": 1.0,
+    }
     bench._targets(rows, n, bw, torch.bfloat16)
     out = capsys.readouterr().out
     assert "lowmemopt-adamw-8bit >= 70% of copy bandwidth: 75% -> PASS" in out
@@ -143,4 +154,7 @@ def test_q8_decode_modes_are_bit_identical(bits, monkeypatch):
             assert torch.equal(p, q), info.name
             for key, value in opt_a.state[p].items():
                 other = opt_b.state[q][key]
-                assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (info.name, key)
+                assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (
+                    info.name,
+                    key,
+                )

@@ -14,15 +14,18 @@ def test_this_cpus_bf16_products_accumulate_in_fp32():
     where two fp32 sums in different orders straddle a rounding boundary); a sum kept in bf16 would be far worse."""
     for row in load_bench("galore_proj_dtype").check_bf16_products():
         assert row["steps"] <= 1 and row["equal"] >= 0.99, row
-        assert row["err"] <= 2 ** -7 * 4 and row["bf16_acc_err"] > 5 * row["err"], row
+        assert row["err"] <= 2**-7 * 4 and row["bf16_acc_err"] > 5 * row["err"], row
 
 
 def test_runs_and_table():
     pytest.importorskip("transformers")
     m = load_bench("galore_proj_dtype")
     # one thread: the study's runs, and on a busy machine much faster (two threads' SVDs wait on each other)
-    runs = [m.train("adamw8bit", 4, seed, proj, steps=3, gap=2, tail=2, threads=1)
-            for seed in (0, 1) for proj in m.PROJ_DTYPES]
+    runs = [
+        m.train("adamw8bit", 4, seed, proj, steps=3, gap=2, tail=2, threads=1)
+        for seed in (0, 1)
+        for proj in m.PROJ_DTYPES
+    ]
     assert all(r["finite"] and r["last"] < r["first"] + 1 and math.isfinite(r["heldout"]) for r in runs)
     fp32 = {r["seed"]: r for r in runs if r["proj"] == "float32"}
     bf16 = {r["seed"]: r for r in runs if r["proj"] == "param"}
@@ -41,6 +44,7 @@ def test_runs_and_table():
     assert last["diff"] == pytest.approx(row["last"]["diff"]) and last["spread"] == pytest.approx(row["last"]["spread"])
     assert last["rms"] == pytest.approx(math.sqrt(sum(d * d for d in diffs) / 2))
     assert last["within"] == (last["rms"] < last["spread"])
-    assert last["shift"] == ("none" if abs(last["diff"]) < 2 * last["se"] else
-                             "bf16 lower" if last["diff"] < 0 else "bf16 higher")
+    assert last["shift"] == (
+        "none" if abs(last["diff"]) < 2 * last["se"] else "bf16 lower" if last["diff"] < 0 else "bf16 higher"
+    )
     assert m.pooled_table([last, held]).splitlines()[3].startswith("| GaLore AdamW 8-bit | held-out | 2 | ")

@@ -13,19 +13,58 @@ import torch
 from helpers import load_bench
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "profile_step.py"
-SMALL = ["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads",
-         "2", "--vocab", "256", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1", "--top", "4"]
+SMALL = [
+    "--device",
+    "cpu",
+    "--layers",
+    "1",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "128",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab",
+    "256",
+    "--batch",
+    "2",
+    "--seq",
+    "16",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--top",
+    "4",
+]
 
 
 def test_cpu_run_prints_the_summary_and_operator_tables(tmp_path):
     pytest.importorskip("transformers")
     report = tmp_path / "profile.md"
-    out = subprocess.run([sys.executable, str(SCRIPT), *SMALL, "--optimizers",
-                          "lowmemopt-adamw-8bit,lowmemopt-galore-adamw-8bit", "--markdown", str(report)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            *SMALL,
+            "--optimizers",
+            "lowmemopt-adamw-8bit,lowmemopt-galore-adamw-8bit",
+            "--markdown",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line.split("|") for line in out.stdout.splitlines()
-            if line.startswith("| lowmemopt-")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")
+        for line in out.stdout.splitlines()
+        if line.startswith("| lowmemopt-")
+    }
     assert set(rows) == {"lowmemopt-adamw-8bit", "lowmemopt-galore-adamw-8bit"}
     for cells in rows.values():
         assert float(cells[2]) > 0 and float(cells[3]) > 0  # step wall ms, host CPU ms
@@ -43,9 +82,17 @@ def test_summarize_counts_kernels_copies_syncs_and_operators():
     def ev(name, device=cpu, us=0.0):
         return SimpleNamespace(name=name, device_type=device, self_device_time_total=us)
 
-    events = [ev("aten::add_"), ev("aten::add_"), ev("aten::mul"), ev("cudaStreamSynchronize"),
-              ev("_adam_kernel", cuda, 300.0), ev("_adam_kernel", cuda, 100.0), ev("vectorized_elementwise", cuda, 50.0),
-              ev("Memcpy HtoD (Pinned -> Device)", cuda, 20.0), ev("Memcpy DtoH (Device -> Pinned)", cuda, 10.0)]
+    events = [
+        ev("aten::add_"),
+        ev("aten::add_"),
+        ev("aten::mul"),
+        ev("cudaStreamSynchronize"),
+        ev("_adam_kernel", cuda, 300.0),
+        ev("_adam_kernel", cuda, 100.0),
+        ev("vectorized_elementwise", cuda, 50.0),
+        ev("Memcpy HtoD (Pinned -> Device)", cuda, 20.0),
+        ev("Memcpy DtoH (Device -> Pinned)", cuda, 10.0),
+    ]
     s = m.summarize(events, steps=2)
     assert s["kernels"]["_adam_kernel"] == (1.0, 200.0)
     assert s["launches"] == 1.5 and s["kernel_ms"] == pytest.approx(0.225)
@@ -53,14 +100,14 @@ def test_summarize_counts_kernels_copies_syncs_and_operators():
     assert s["syncs"] == 0.5 and s["op_calls"] == 1.5 and s["ops"]["aten::add_"] == 1.0
 
 
-NCU_CSV = '''==PROF== Connected to process 123 (/usr/bin/python3)
+NCU_CSV = """==PROF== Connected to process 123 (/usr/bin/python3)
 ==PROF== Profiling "_adam_kernel" - 0: 0%....50%....100% - 5 passes
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","dram__bytes.sum.per_second","dram__throughput.avg.pct_of_peak_sustained_elapsed","gpu__time_duration.sum","launch__registers_per_thread","sm__warps_active.avg.pct_of_peak_sustained_active"
 "","","","","","","","","","","","byte/second","%","nsecond","register/thread","%"
 "0","123","python3","h","_adam_kernel","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","2,412,345,678,901","71.3","15,812","40","88.2"
 "1","123","python3","h","_adam_kernel","1","7","(128, 1, 1)","(16, 1, 1)","0","9.0","1,000,000,000,000","20.5","9,000","40","30.0"
 "2","123","python3","h","_apply_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","2,000,000,000,000","60.0","4,000","64","70.0"
-'''
+"""
 
 
 def test_parse_ncu_csv_and_table():
@@ -82,4 +129,6 @@ def test_ncu_command_profiles_one_step_of_the_row():
     assert cmd[cmd.index("--launch-count") + 1] == "7" and cmd[cmd.index("--log-file") + 1] == "out.csv"
     assert cmd[-4:] == ["--layers", "2", "--ncu-worker", "lowmemopt-came-8bit"]
     assert m._strip_driver_args(["--ncu", "--optimizers", "a,b", "--layers", "2", "--markdown=x.md"]) == [
-        "--layers", "2"]
+        "--layers",
+        "2",
+    ]

@@ -16,8 +16,14 @@ from lowmemopt import benchmark
 def test_partner_steps_alternate_with_timed_steps():
     calls: list[str] = []
     partner_times: list[float] = []
-    times, note = benchmark.time_steps(lambda: calls.append("opt"), steps=4, warmup=2, device=torch.device("cpu"),
-                                       partner=lambda: calls.append("base"), partner_times=partner_times)
+    times, note = benchmark.time_steps(
+        lambda: calls.append("opt"),
+        steps=4,
+        warmup=2,
+        device=torch.device("cpu"),
+        partner=lambda: calls.append("base"),
+        partner_times=partner_times,
+    )
     assert calls == ["opt", "opt"] + ["opt", "base"] * 4  # warm-up steps are not paired
     assert len(times) == 4 and len(partner_times) == 4 and note == ""
 
@@ -34,8 +40,16 @@ def test_run_suite_ratios_are_to_the_paired_baseline(monkeypatch):
     }
     names = list(registry)
     for paired in (True, False):
-        results, _ = benchmark.run_suite(names, registry, preset="tiny", steps=3, warmup=1, device=torch.device("cpu"),
-                                         paired=paired, out=io.StringIO())
+        results, _ = benchmark.run_suite(
+            names,
+            registry,
+            preset="tiny",
+            steps=3,
+            warmup=1,
+            device=torch.device("cpu"),
+            paired=paired,
+            out=io.StringIO(),
+        )
         base, other = results
         assert not base.error and not other.error
         assert base.baseline_s == base.median_s and base.ratio == 1.0
@@ -55,8 +69,11 @@ def _tiny(monkeypatch) -> torch.nn.Module:
 
 def _rows(table: str) -> dict[str, list[str]]:
     """A printed table's rows by optimizer name: the cells after the name."""
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
-             if line.startswith("| ") and not line.startswith("| optimizer") and "---" not in line]
+    cells = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| optimizer") and "---" not in line
+    ]
     return {c[0]: c[1:] for c in cells}
 
 
@@ -65,8 +82,9 @@ def test_each_rows_ratio_is_its_median_over_the_baseline_median_in_the_same_row(
     alternately with the row's, not the baseline row's own), so no row's ratio contradicts its medians."""
     _tiny(monkeypatch)
     registry = {n: benchmark.OPTIMIZERS[n] for n in (benchmark.BASELINE, "lowmemopt-adamw-8bit", "torch-adamw-foreach")}
-    results, _ = benchmark.run_suite(list(registry), registry, preset="tiny", steps=3, warmup=1,
-                                     device=torch.device("cpu"), out=io.StringIO())
+    results, _ = benchmark.run_suite(
+        list(registry), registry, preset="tiny", steps=3, warmup=1, device=torch.device("cpu"), out=io.StringIO()
+    )
     out = io.StringIO()
     benchmark.print_table(results, out=out)
     header = out.getvalue().splitlines()[0]
@@ -93,8 +111,10 @@ def test_quick_measures_the_baseline_once_for_every_table(monkeypatch):
     def adam(params, lr, weight_decay):
         return torch.optim.Adam(params, lr=lr)
 
-    suites = {"one": ("one", {benchmark.BASELINE: baseline, "sgd": sgd}, ()),
-              "two": ("two", {benchmark.BASELINE: baseline, "adam": adam}, ())}
+    suites = {
+        "one": ("one", {benchmark.BASELINE: baseline, "sgd": sgd}, ()),
+        "two": ("two", {benchmark.BASELINE: baseline, "adam": adam}, ()),
+    }
     monkeypatch.setattr(benchmark, "SUITES", suites)
     out = io.StringIO()
     tables = benchmark.quick(["one", "two"], preset="tiny", steps=3, warmup=1, out=out)
@@ -102,8 +122,11 @@ def test_quick_measures_the_baseline_once_for_every_table(monkeypatch):
     assert first.times_s == second.times_s and first.median_s == second.median_s
     assert "the same measurement as above" in second.note
     assert made == [1, 1, 1]  # the baseline row once, and one alternating partner per suite
-    medians = [line.split("|")[3].strip() for line in out.getvalue().splitlines()
-               if line.startswith(f"| {benchmark.BASELINE} |")]
+    medians = [
+        line.split("|")[3].strip()
+        for line in out.getvalue().splitlines()
+        if line.startswith(f"| {benchmark.BASELINE} |")
+    ]
     assert len(medians) == 2 and medians[0] == medians[1]
 
 
@@ -131,8 +154,9 @@ def test_a_missing_library_is_reported_as_not_installed(monkeypatch, capsys):
 
 
 def test_progress_lines_are_rounded_as_the_table():
-    r = benchmark.Result("opt", state_bytes=2031, bytes_per_param=2.0312345678, times_s=[0.0412345678],
-                         median_s=0.0412345678)
+    r = benchmark.Result(
+        "opt", state_bytes=2031, bytes_per_param=2.0312345678, times_s=[0.0412345678], median_s=0.0412345678
+    )
     assert benchmark.progress_line(r) == "  opt: median 0.04123 s, 2.031 bytes/param"
     r.note = "slow"
     assert benchmark.progress_line(r).endswith("bytes/param (slow)")
@@ -148,8 +172,9 @@ def test_host_syncs_are_counted_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
 
     def step():
-        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
-                      "operations")
+        warnings.warn(
+            "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+        )
         warnings.warn("called a synchronizing CUDA operation")
         warnings.warn("something else")
         warnings.warn("called a synchronizing CUDA operation")
@@ -177,7 +202,8 @@ def test_anchor_libraries_are_imported_without_their_import_notices(tmp_path, mo
 
     (tmp_path / "noisy_anchor.py").write_text(
         "import logging, sys, warnings\nprint('Failed to load something')\nprint('more', file=sys.stderr)\n"
-        "logging.getLogger('noisy').warning('W1202 a log line')\nwarnings.warn('a warning')\nvalue = 3\n")
+        "logging.getLogger('noisy').warning('W1202 a log line')\nwarnings.warn('a warning')\nvalue = 3\n"
+    )
     (tmp_path / "broken_anchor.py").write_text("print('why it broke')\nraise ImportError('broken')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert optimizers.quiet_import("noisy_anchor").value == 3

@@ -51,8 +51,15 @@ def _run(cls, kw, capturable: bool, bits: int = 8, steps: int = 4, bad=None, dty
     learning rate of each step, written into the group before it (in place into a tensor lr)."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
-    opt = cls(params, state_bits=bits, min_quant_numel=0, block_size=16 if bits == 4 else 32, capturable=capturable,
-              **kw, **opts)
+    opt = cls(
+        params,
+        state_bits=bits,
+        min_quant_numel=0,
+        block_size=16 if bits == 4 else 32,
+        capturable=capturable,
+        **kw,
+        **opts,
+    )
     caught = []
     with runtime.cpu_interpreter():
         for step in range(steps):
@@ -113,8 +120,18 @@ def test_bf16_parameters(update):
     _assert_same(a, opt_a, b, opt_b)
 
 
-LR_CASES = [CASES[0], CASES[2], CASES[3], CASES[4], CASES[5], (lowmemopt.Adafactor, dict(
-    lr=1e-2, relative_step=False, scale_parameter=False, warmup_init=False, weight_decay=0.1)), CASES[7]]
+LR_CASES = [
+    CASES[0],
+    CASES[2],
+    CASES[3],
+    CASES[4],
+    CASES[5],
+    (
+        lowmemopt.Adafactor,
+        dict(lr=1e-2, relative_step=False, scale_parameter=False, warmup_init=False, weight_decay=0.1),
+    ),
+    CASES[7],
+]
 
 
 @pytest.mark.parametrize("cls,kw", LR_CASES, ids=[c.__name__ for c, _ in LR_CASES])
@@ -221,11 +238,14 @@ def test_optimizers_without_such_kernels_refuse_at_construction():
         Custom([torch.nn.Parameter(torch.zeros(4))], capturable=True)
 
 
-@pytest.mark.parametrize("opts,match", [
-    (dict(paged="cpu"), "cannot page state"),
-    (dict(bf16_update="stochastic"), "stochastically"),
-    (dict(capturable=1), "expected a bool"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        (dict(paged="cpu"), "cannot page state"),
+        (dict(bf16_update="stochastic"), "stochastically"),
+        (dict(capturable=1), "expected a bool"),
+    ],
+)
 def test_bad_options(opts, match):
     kw = {"capturable": True, **opts}
     with pytest.raises((ValueError, TypeError), match=match):
@@ -241,15 +261,17 @@ def test_galore_groups_refuse():
 def _unchanged_after(opt, params, match):
     """``opt.step()`` raises ValueError(``match``) and leaves every parameter and state as they were."""
     before = [p.detach().clone() for p in params]
-    states = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state.get(p, {}).items()}
-              for p in params}
+    states = {
+        id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state.get(p, {}).items()}
+        for p in params
+    }
     with runtime.cpu_interpreter(), pytest.raises(ValueError, match=match):
         opt.step()
     for p, b in zip(params, before):
         assert torch.equal(p, b)
         for k, v in states[id(p)].items():
             now = opt.state[p][k]
-            assert (torch.equal(now, v) if isinstance(v, torch.Tensor) else now == v), k
+            assert torch.equal(now, v) if isinstance(v, torch.Tensor) else now == v, k
 
 
 def test_mixed_groups_and_cpu_without_kernels_refuse():
@@ -306,8 +328,15 @@ def test_an_lr_scheduler_fills_the_tensor_in_place():
     for capturable in (False, True):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-        opt = lowmemopt.AdamW(params, lr=torch.tensor(1e-2), weight_decay=0.1, state_bits=8, min_quant_numel=0,
-                              block_size=32, capturable=capturable)
+        opt = lowmemopt.AdamW(
+            params,
+            lr=torch.tensor(1e-2),
+            weight_decay=0.1,
+            state_bits=8,
+            min_quant_numel=0,
+            block_size=32,
+            capturable=capturable,
+        )
         lr = opt.param_groups[0]["lr"]
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.7**epoch)
         with runtime.cpu_interpreter():

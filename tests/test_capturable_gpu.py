@@ -19,8 +19,10 @@ CASES = [
     (lowmemopt.Lion, dict(weight_decay=0.1)),
     (lowmemopt.LAMB, dict(weight_decay=0.1)),
     (lowmemopt.LARS, dict(momentum=0.9, weight_decay=1e-3)),
-    (lowmemopt.Adafactor, dict(beta1=0.9, relative_step=False, scale_parameter=True, warmup_init=False,
-                               weight_decay=0.1)),
+    (
+        lowmemopt.Adafactor,
+        dict(beta1=0.9, relative_step=False, scale_parameter=True, warmup_init=False, weight_decay=0.1),
+    ),
     (lowmemopt.CAME, dict(weight_decay=0.1)),
 ]
 #: kernels without atomics: a replay equals the eager step bit for bit (the others' fp32 atomic sums may round
@@ -45,8 +47,7 @@ def _grads(shapes, k: int, dtype) -> list[torch.Tensor]:
 def _make(cls, kw, bits, dtype):
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device="cuda", dtype=dtype)) for s in SHAPES]
-    opt = cls(params, lr=torch.tensor(LRS[0], device="cuda"), state_bits=bits, min_quant_numel=0, capturable=True,
-              **kw)
+    opt = cls(params, lr=torch.tensor(LRS[0], device="cuda"), state_bits=bits, min_quant_numel=0, capturable=True, **kw)
     for p in params:  # static gradient buffers: a graph reads them by address
         p.grad = torch.zeros_like(p)
     return params, opt

@@ -356,7 +356,10 @@ def test_bitsandbytes_adamw8bit_state_loads(bits):
                 quantized += 1
                 absmax, code = theirs[f"absmax{i}"], theirs[f"qmap{i}"]
                 want = bnb.functional.dequantize_blockwise(t, absmax=absmax, code=code, blocksize=256)
-                assert torch.equal(want.reshape(-1), dequantize_blockwise(t.reshape(-1), absmax, "dynamic" if signed else "udynamic", 256))
+                assert torch.equal(
+                    want.reshape(-1),
+                    dequantize_blockwise(t.reshape(-1), absmax, "dynamic" if signed else "udynamic", 256),
+                )
                 if bits == 8:
                     codes, scale = quantize_blockwise(want, map_for(signed), 256)
                     assert torch.equal(opt.state[q][slot + ".codes"], codes)
@@ -385,7 +388,9 @@ def test_bitsandbytes_state_with_a_foreign_code_book_is_refused():
     quant = sd["state"][0]["__bnb_optimizer_quant_state__"]
     quant["qmap1"] = torch.linspace(-1, 1, 256)
     opt = lowmemopt.AdamW8bit(clone_params(params))
-    with pytest.raises(CheckpointError, match=r"parameter 0 of param group 0: bitsandbytes 'qmap1' is not bitsandbytes' dynamic map"):
+    with pytest.raises(
+        CheckpointError, match=r"parameter 0 of param group 0: bitsandbytes 'qmap1' is not bitsandbytes' dynamic map"
+    ):
         opt.load_state_dict(sd)
     assert not opt.state
 
@@ -479,19 +484,29 @@ def _mismatch_case(kind):
     if kind == "block-size":
         saved, params = _stepped(8, block_size=128)
         target = lowmemopt.AdamW(clone_params(params), state_bits=8, block_size=256)
-        return saved, target, None, [
-            r"'0/0': block-size mismatch: slot 'exp_avg' is 8-bit at block_size 128 in the file, the optimizer uses "
-            r"block_size 256"
-        ]
+        return (
+            saved,
+            target,
+            None,
+            [
+                r"'0/0': block-size mismatch: slot 'exp_avg' is 8-bit at block_size 128 in the file, the optimizer uses "
+                r"block_size 256"
+            ],
+        )
     if kind == "slots":  # new group layout, so the file's amsgrad=True is not restored over the groups' False
         net = Net()
         saved = lowmemopt.AdamW(net.parameters(), state_bits=8, amsgrad=True)
         run(saved, net.params(), 2)
         target = lowmemopt.AdamW([{"params": [net.embed.weight]}, {"params": net.params()[1:]}], state_bits=8)
-        return saved, target, net, [
-            r"'embed.weight': state slots \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'\] in the file, AdamW needs "
-            r"\['exp_avg', 'exp_avg_sq'\]"
-        ]
+        return (
+            saved,
+            target,
+            net,
+            [
+                r"'embed.weight': state slots \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'\] in the file, AdamW needs "
+                r"\['exp_avg', 'exp_avg_sq'\]"
+            ],
+        )
     raise AssertionError(kind)
 
 
@@ -519,9 +534,13 @@ def test_non_strict_loads_what_matches_and_reports_the_rest(tmp_path):
     other = Net(seed=1)
     other.embed = torch.nn.Embedding(65, 80)  # a shape change
     target = lowmemopt.AdamW(
-        [{"params": [other.embed.weight, other.head.weight]}, {"params": [other.proj.weight], "block_size": 256},
-         {"params": [other.proj.bias], "state_bits": 32}],
-        state_bits=8, block_size=128,
+        [
+            {"params": [other.embed.weight, other.head.weight]},
+            {"params": [other.proj.weight], "block_size": 256},
+            {"params": [other.proj.bias], "state_bits": 32},
+        ],
+        state_bits=8,
+        block_size=128,
     )
     report = load_state(target, tmp_path / "s.safetensors", model=other, strict=False)
     assert report.missing == ["head.weight"]
@@ -561,8 +580,11 @@ def test_load_state_dict_of_another_model_names_the_shapes(bits):
     saved, _ = _stepped(bits, shapes=[(128, 96)], steps=1)
     target, _ = _stepped(bits, shapes=[(64, 96)], steps=1)
     before = _snapshot(target)
-    theirs = "has 12,288 elements in the state dict (8-bit codes, stored flat)" if bits == 8 else \
-        "has shape (128, 96) in the state dict"
+    theirs = (
+        "has 12,288 elements in the state dict (8-bit codes, stored flat)"
+        if bits == 8
+        else "has shape (128, 96) in the state dict"
+    )
     ours = "the optimizer's parameter has shape (64, 96)" + (" (6,144 elements)" if bits == 8 else "")
     with pytest.raises(CheckpointError) as e:
         target.load_state_dict(saved.state_dict())
@@ -667,7 +689,9 @@ def _worker(cwd, *args) -> dict:
     # LOWMEMOPT_COMPILE=0: measure the data path. The compiled codec's first use imports and runs inductor (~100 MB
     # resident, a one-time cost that does not grow with the state), which would swamp a bound of 1.2x on ~100 MB.
     env = dict(os.environ, LOWMEMOPT_COMPILE="0")
-    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, cwd=str(cwd), env=env)
+    proc = subprocess.run(
+        [sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, cwd=str(cwd), env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -32,8 +32,11 @@ def _stepped(bits=8, cls=lowmemopt.AdamW, steps=3, **kw):
 
 def _snapshot(opt):
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    state = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state.get(p, {}).items()}
-             for g in opt.param_groups for p in g["params"]]
+    state = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state.get(p, {}).items()}
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
     return groups, state
 
 
@@ -41,7 +44,8 @@ def _unchanged(opt, snapshot) -> bool:
     groups, state = _snapshot(opt)
     same = lambda a, b: torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b  # noqa: E731
     return repr(groups) == repr(snapshot[0]) and all(
-        a.keys() == b.keys() and all(same(a[k], b[k]) for k in a) for a, b in zip(state, snapshot[1]))
+        a.keys() == b.keys() and all(same(a[k], b[k]) for k in a) for a, b in zip(state, snapshot[1])
+    )
 
 
 def _header(path) -> tuple[int, bytes]:
@@ -86,9 +90,9 @@ def test_metadata_checksum_mismatch_names_the_metadata(tmp_path):
     path = tmp_path / "s.safetensors"
     save_state(opt, path)
     n, data = _header(path)
-    header = data[8:8 + n]
+    header = data[8 : 8 + n]
     i = header.index(b'\\"step\\": 3')
-    bad = data[:8 + i] + b'\\"step\\": 7' + data[8 + i + 11:]
+    bad = data[: 8 + i] + b'\\"step\\": 7' + data[8 + i + 11 :]
     path.write_bytes(bad)
     with pytest.raises(CheckpointError, match="metadata fails its CRC-32"):
         load_state(lowmemopt.AdamW(clone_params(params), state_bits=8), path)
@@ -99,12 +103,16 @@ def test_metadata_checksum_mismatch_names_the_metadata(tmp_path):
 
 
 @pytest.mark.parametrize("strict", [True, False])
-@pytest.mark.parametrize("saved, loading", [
-    (lambda p: lowmemopt.AdamW(p, lr=5e-2, weight_decay=0.3), lambda p: lowmemopt.Lion(p, lr=1e-4)),
-    (lambda p: lowmemopt.LAMB(p), lambda p: lowmemopt.AdamW(p)),
-    (lambda p: lowmemopt.SGD(p, lr=0.1, momentum=0.9), lambda p: lowmemopt.LARS(p, lr=0.1, momentum=0.9)),
-    (lambda p: lowmemopt.AdamW(p), lambda p: lowmemopt.CAME(p, lr=1e-3)),
-], ids=["AdamW->Lion", "LAMB->AdamW", "SGD->LARS", "AdamW->CAME"])
+@pytest.mark.parametrize(
+    "saved, loading",
+    [
+        (lambda p: lowmemopt.AdamW(p, lr=5e-2, weight_decay=0.3), lambda p: lowmemopt.Lion(p, lr=1e-4)),
+        (lambda p: lowmemopt.LAMB(p), lambda p: lowmemopt.AdamW(p)),
+        (lambda p: lowmemopt.SGD(p, lr=0.1, momentum=0.9), lambda p: lowmemopt.LARS(p, lr=0.1, momentum=0.9)),
+        (lambda p: lowmemopt.AdamW(p), lambda p: lowmemopt.CAME(p, lr=1e-3)),
+    ],
+    ids=["AdamW->Lion", "LAMB->AdamW", "SGD->LARS", "AdamW->CAME"],
+)
 def test_a_file_of_another_optimizer_is_refused_naming_both(tmp_path, saved, loading, strict):
     params = make_params(SHAPES)
     src = saved(params)
@@ -143,24 +151,28 @@ def test_a_deliberate_conversion_takes_the_state_not_the_hyperparameters(tmp_pat
 def _poison_absmax(value):
     def f(sd):
         sd["state"][0]["exp_avg.absmax"][1] = value
+
     return f
 
 
 def _set_state(key, value):
     def f(sd):
         sd["state"][0][key] = value
+
     return f
 
 
 def _set_group(key, value):
     def f(sd):
         sd["param_groups"][0][key] = value
+
     return f
 
 
 def _set_fp32(key, index, value):
     def f(sd):
         sd["state"][1][key][index] = value
+
     return f
 
 
@@ -233,7 +245,7 @@ def _write_with_meta(path, raw: str):
     save_file({"x": torch.zeros(2)}, str(path), metadata={"lowmemopt": raw})
 
 
-@pytest.mark.parametrize("raw", ["[1, 2]", '"text"', "42", "[" * 100000 + "]" * 100000, "{\"format\": 3}"])
+@pytest.mark.parametrize("raw", ["[1, 2]", '"text"', "42", "[" * 100000 + "]" * 100000, '{"format": 3}'])
 def test_metadata_of_the_wrong_shape_is_a_checkpoint_error(tmp_path, raw):
     path = tmp_path / "s.safetensors"
     _write_with_meta(path, raw)
@@ -369,8 +381,13 @@ def test_the_writer_writes_what_safetensors_writes(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    tensors = {"b/x.codes": torch.arange(7, dtype=torch.uint8), "a/y": torch.randn(3, 2), "z": torch.zeros(0),
-               "c": torch.ones(1, dtype=torch.bfloat16), "\u00e9/w": torch.randn(5)}
+    tensors = {
+        "b/x.codes": torch.arange(7, dtype=torch.uint8),
+        "a/y": torch.randn(3, 2),
+        "z": torch.zeros(0),
+        "c": torch.ones(1, dtype=torch.bfloat16),
+        "\u00e9/w": torch.randn(5),
+    }
     meta = {"lowmemopt": '{"a": "\u00e9\\n\\"", "b": [1]}'}
     save_file(tensors, str(tmp_path / "ref"), metadata=meta)
     checkpoint.layout.write_safetensors(str(tmp_path / "ours"), tensors, meta)

@@ -34,7 +34,11 @@ def test_cli_inspect_prints_metadata_and_format_summary(tmp_path, capsys):
     lowmemopt.save_state(opt, path, model=net)
     assert cli_main(["inspect", str(path), "--params"]) == 0
     out = capsys.readouterr().out
-    assert "lowmemopt optimizer state file, file format version 3" in out and "optimizer: AdamW" in out and "keys: parameter names" in out
+    assert (
+        "lowmemopt optimizer state file, file format version 3" in out
+        and "optimizer: AdamW" in out
+        and "keys: parameter names" in out
+    )
     assert "lr=0.002" in out and "state_bits=8" in out
     assert "params: 4 (4 with state), step 3" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
@@ -79,7 +83,11 @@ def test_cli_inspect_summarises_a_torch_save_state_dict(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ref.pt (key 'opt'): optimizer state_dict() saved with torch.save (no lowmemopt format version" in out
     assert next(line for line in out.splitlines() if line.startswith("fp32")).split()[1:] == [
-        "8", "4", "23,344", "93,376"]  # 2 x 11,672 fp32 elements
+        "8",
+        "4",
+        "23,344",
+        "93,376",
+    ]  # 2 x 11,672 fp32 elements
 
 
 def test_cli_inspect_says_what_it_expects_of_other_torch_files(tmp_path, capsys):
@@ -134,8 +142,10 @@ def test_the_command_drops_only_the_known_import_noise():
         _quiet_import_noise()  # once is enough: no second filter
         assert all(len(loggers[n].filters) == others[n] + 1 for n in loggers)
         logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
-        logging.getLogger("torch.utils._pytree").warning("%s is an Enum subclass and is now natively supported by "
-                                                         "torch.compile as an opaque value type.", "<enum 'E'>")
+        logging.getLogger("torch.utils._pytree").warning(
+            "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type.",
+            "<enum 'E'>",
+        )
         logging.getLogger("torchao").warning("something else torchao says")
         logging.getLogger("elsewhere").warning("Failed to load what the user asked for")
     finally:
@@ -150,9 +160,13 @@ def test_the_estimate_command_prints_no_import_noise(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("torchao")
     config = tmp_path / "config.json"
-    config.write_text('{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, '
-                      '"num_hidden_layers": 1, "num_attention_heads": 2}')
-    code = f"from lowmemopt.cli import main; raise SystemExit(main(['estimate', {str(config)!r}, '--optimizer', 'adamw']))"
+    config.write_text(
+        '{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, '
+        '"num_hidden_layers": 1, "num_attention_heads": 2}'
+    )
+    code = (
+        f"from lowmemopt.cli import main; raise SystemExit(main(['estimate', {str(config)!r}, '--optimizer', 'adamw']))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "LlamaForCausalLM from" in proc.stdout and proc.stderr == ""
@@ -177,15 +191,39 @@ def test_cli_demo_reduced_run(tmp_path, capsys, monkeypatch):
     text.write_text("def f(x):\n    return x + 1\n" * 200)
     out = tmp_path / "out"
     names = "adamw,adamw8bit,came8bit,galore_came8bit"
-    assert cli_main(["demo", "--steps", "4", "--optimizers", names, "--data", str(text), "--out", str(out),
-                     "--batch", "2", "--seq", "16", "--device", "cpu"]) == 0
+    assert (
+        cli_main(
+            [
+                "demo",
+                "--steps",
+                "4",
+                "--optimizers",
+                names,
+                "--data",
+                str(text),
+                "--out",
+                str(out),
+                "--batch",
+                "2",
+                "--seq",
+                "16",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"on {text.stat().st_size:,} bytes of {text}" in printed and "4 steps of 2 x 16 bytes" in printed
-    assert ("| optimizer | settings | state memory | peak memory | optimizer step | train step "
-            "| final loss (mean of last 20 steps) | held-out loss |" in printed)
+    assert (
+        "| optimizer | settings | state memory | peak memory | optimizer step | train step "
+        "| final loss (mean of last 20 steps) | held-out loss |" in printed
+    )
     assert "| AdamW 8-bit | lr 2e-3, wd 0.01 |" in printed and "| CAME 8-bit | lr 2e-4, wd 0.01 |" in printed
     if hasattr(lowmemopt, "galore_param_groups"):
-        assert "| GaLore-CAME 8-bit | lr 2e-4, wd 0.01, GaLore rank 48, scale 1, new subspace every 100 steps |" in printed
+        assert (
+            "| GaLore-CAME 8-bit | lr 2e-4, wd 0.01, GaLore rank 48, scale 1, new subspace every 100 steps |" in printed
+        )
     assert "the progress bars show one step's loss; \"final loss\" is the mean of the last 20 steps' losses" in printed
     assert f"wrote the plot to {out / 'demo.png'}" in printed
     for label in ("AdamW 32-bit", "AdamW 8-bit", "CAME 8-bit", "GaLore-CAME 8-bit"):
@@ -216,13 +254,26 @@ def _fake_results(steps: int = 60) -> list[dict]:
     losses = [3.0 - 0.01 * t for t in range(steps)]
 
     def run(label, algorithm, bits, curve, state, peak):
-        return dict(label=label, name=label, algorithm=algorithm, state_bits=bits, losses=curve, final=curve[-1],
-                    heldout=curve[-1], state_bytes=state, peak_bytes=peak, step_s=0.01, train_step_s=0.02)
+        return dict(
+            label=label,
+            name=label,
+            algorithm=algorithm,
+            state_bits=bits,
+            losses=curve,
+            final=curve[-1],
+            heldout=curve[-1],
+            state_bytes=state,
+            peak_bytes=peak,
+            step_s=0.01,
+            train_step_s=0.02,
+        )
 
-    return [run("AdamW 32-bit", "AdamW", 32, losses, 14 * 2**20, 61 * 2**20),
-            run("AdamW 8-bit", "AdamW", 8, [x + 0.02 for x in losses], int(3.6 * 2**20), 51 * 2**20),
-            run("CAME 8-bit", "CAME", 8, [x + 0.5 for x in losses], int(1.9 * 2**20), 49 * 2**20),
-            dict(label="GaLore-X", skipped="not here")]
+    return [
+        run("AdamW 32-bit", "AdamW", 32, losses, 14 * 2**20, 61 * 2**20),
+        run("AdamW 8-bit", "AdamW", 8, [x + 0.02 for x in losses], int(3.6 * 2**20), 51 * 2**20),
+        run("CAME 8-bit", "CAME", 8, [x + 0.5 for x in losses], int(1.9 * 2**20), 49 * 2**20),
+        dict(label="GaLore-X", skipped="not here"),
+    ]
 
 
 def test_demo_plot_shows_coinciding_curves_their_difference_and_labelled_memory(tmp_path):
@@ -311,16 +362,33 @@ def test_cli_bench_quick_table(monkeypatch, capsys):
     pytest.importorskip("transformers")
     from lowmemopt import benchmark
 
-    monkeypatch.setitem(benchmark.LLAMA_PRESETS, "10m", dict(hidden_size=32, num_hidden_layers=1, intermediate_size=48,
-                                                              num_attention_heads=2, vocab_size=64))
+    monkeypatch.setitem(
+        benchmark.LLAMA_PRESETS,
+        "10m",
+        dict(hidden_size=32, num_hidden_layers=1, intermediate_size=48, num_attention_heads=2, vocab_size=64),
+    )
 
     def missing_library(params, lr, weight_decay):
         raise ModuleNotFoundError("No module named 'came_pytorch'", name="came_pytorch")
 
     monkeypatch.setitem(benchmark.FACTORED, "came-pytorch", missing_library)
     monkeypatch.setattr("lowmemopt.compiled.ENABLED", False)
-    assert cli_main(["bench", "--suite", "factored", "--optimizers", "lowmemopt-came-8bit,came-pytorch",
-                     "--steps", "1", "--warmup", "0"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "--suite",
+                "factored",
+                "--optimizers",
+                "lowmemopt-came-8bit,came-pytorch",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "### Factored optimizers: step time and state" in out and "fp32, 0.0M parameters" in out
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
@@ -344,10 +412,12 @@ def test_cli_parses_arguments_without_importing_torch(tmp_path):
     """`lowmemopt --help` (and each subcommand's) imports neither torch nor lowmemopt's optimizers: only the
     subcommand that runs does."""
     commands = ("demo", "bench", "estimate", "inspect", "tune")
-    code = ("import sys\nfrom lowmemopt.cli import main\n"
-            f"for argv in ([], ['--help'], *([c, '--help'] for c in {commands})):\n"
-            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-            "print('IMPORTED', sorted(m for m in sys.modules if m == 'torch' or m.startswith('lowmemopt.')))")
+    code = (
+        "import sys\nfrom lowmemopt.cli import main\n"
+        f"for argv in ([], ['--help'], *([c, '--help'] for c in {commands})):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print('IMPORTED', sorted(m for m in sys.modules if m == 'torch' or m.startswith('lowmemopt.')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage: lowmemopt" in proc.stdout and "lowmemopt demo" in proc.stdout
@@ -446,8 +516,10 @@ def test_the_demo_makes_openmp_wait_passively_unless_told_otherwise(monkeypatch)
     with pytest.raises(Stop):
         cli_main(["demo", "--steps", "1"])
     assert calls == [1]
-    code = ("import os, sys, lowmemopt.cli as c; assert 'torch' not in sys.modules; c._passive_openmp(); "
-            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    code = (
+        "import os, sys, lowmemopt.cli as c; assert 'torch' not in sys.modules; c._passive_openmp(); "
+        "print(os.environ.get('OMP_WAIT_POLICY'))"
+    )
     for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         if given:

@@ -97,7 +97,9 @@ def test_lr_schedule_does_not_recompile(name, monkeypatch):
             run(opt, params, 1, start=t)
             sched.step()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert compiled.ENABLED and frames == 2 + (name == "SGD"), f"{frames} graphs compiled for 8 steps with a changing lr"
+    assert compiled.ENABLED and frames == 2 + (name == "SGD"), (
+        f"{frames} graphs compiled for 8 steps with a changing lr"
+    )
 
 
 def test_encode_phase_failure_finishes_eagerly(monkeypatch):
@@ -185,8 +187,14 @@ def test_without_a_cxx_compiler_nothing_is_compiled_and_one_warning_at_most(has_
         p = make_params([SHAPE])
         run(ELEMENTWISE[0].cls(p, lr=1e-2, state_bits=8), p, 1)
     said = [str(w.message) for w in seen if "torch.compile" in str(w.message)]
-    assert said == (["lowmemopt: torch.compile fast path unavailable (RuntimeError: no C++ compiler for inductor "
-                     "(InvalidCxxCompiler; set $CXX)); using eager steps"] if has_cc else []), said
+    assert said == (
+        [
+            "lowmemopt: torch.compile fast path unavailable (RuntimeError: no C++ compiler for inductor "
+            "(InvalidCxxCompiler; set $CXX)); using eager steps"
+        ]
+        if has_cc
+        else []
+    ), said
 
 
 @pytest.mark.parametrize("name", ["pow2", "upow2", "dynamic", "udynamic"])

@@ -20,8 +20,15 @@ import lowmemopt
 
 SHAPES = [(6, 5), (7,)]  # small: every test here is about the contract, not the numbers
 TORCH_KEYWORDS = [  # torch.optim's implementation keywords: accepted by every optimizer, nothing stored
-    dict(foreach=None), dict(foreach=False), dict(foreach=True), dict(fused=None), dict(fused=False),
-    dict(fused=True), dict(differentiable=False), dict(capturable=False), dict(fused=True, differentiable=False),
+    dict(foreach=None),
+    dict(foreach=False),
+    dict(foreach=True),
+    dict(fused=None),
+    dict(fused=False),
+    dict(fused=True),
+    dict(differentiable=False),
+    dict(capturable=False),
+    dict(fused=True, differentiable=False),
 ]
 ALIASES = [(name, getattr(lowmemopt, name)) for name in lowmemopt.aliases.__all__]
 
@@ -197,8 +204,11 @@ def test_lion_decoupled_decay_keeps_the_initial_lr_of_a_tensor_lr():
 def test_tensor_betas(info):
     """Tensor betas (torch's Adam/AdamW take them, of any one-element shape, as in its OptimizerInfo inputs
     ``(tensor([[[0.9]]]), tensor([[0.99]]))``) step as their values; where the reference is torch's, as torch does."""
-    kwargs = next(v for v in info.variants if "betas" in v and v.get("lr") is not None) if any(
-        "betas" in v for v in info.variants) else info.lr_variant()
+    kwargs = (
+        next(v for v in info.variants if "betas" in v and v.get("lr") is not None)
+        if any("betas" in v for v in info.variants)
+        else info.lr_variant()
+    )
     betas = kwargs.get("betas", _own_signature(info.cls).parameters["betas"].default)
     shaped = tuple(torch.tensor(b).reshape((1,) * (i + 1)) for i, b in enumerate(betas))  # 0.9: [1], 0.99: [1, 1]
     numbers = tuple(float(b) for b in shaped)  # (the fp32 values)
@@ -218,7 +228,9 @@ def test_tensor_betas(info):
 #: AdamW): lowmemopt has one implementation, so code that works with torch works here and these work too. (Tensor
 #: betas mixed with floats raise torch's ValueError here too: optim_info's _BAD_BETAS.)
 TORCH_ONLY_REFUSALS = [
-    dict(lr=torch.tensor(1e-3), foreach=True),  # "lr as a Tensor is not supported for capturable=False and foreach=True"
+    dict(
+        lr=torch.tensor(1e-3), foreach=True
+    ),  # "lr as a Tensor is not supported for capturable=False and foreach=True"
     dict(betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=True),  # "betas[0] as a Tensor is not supported..."
 ]
 
@@ -249,15 +261,31 @@ def test_sgd_tensor_weight_decay_as_torch():
 _P = torch.nn.Parameter
 #: common_optimizers.get_error_inputs_for_all_optims: (params, kwargs, expected type, message regex)
 GENERIC_ERRORS = [
-    (lambda: _P(torch.randn(2, 2)), {}, TypeError,
-     "params argument given to the optimizer should be an iterable of Tensors or dicts"),
-    (lambda: [{"params": p} for p in [_P(torch.randn(2, 2))] * 2], {}, ValueError,
-     "some parameters appear in more than one parameter group"),
+    (
+        lambda: _P(torch.randn(2, 2)),
+        {},
+        TypeError,
+        "params argument given to the optimizer should be an iterable of Tensors or dicts",
+    ),
+    (
+        lambda: [{"params": p} for p in [_P(torch.randn(2, 2))] * 2],
+        {},
+        ValueError,
+        "some parameters appear in more than one parameter group",
+    ),
     (lambda: [_P(torch.randn(2, 2))], dict(lr=torch.tensor([0.001, 0.001])), ValueError, "Tensor lr must be 1-element"),
-    (lambda: [("weight", _P(torch.randn(2, 2))), _P(torch.randn(2, 2))], {}, ValueError,
-     "all optimizer params should be with/without names. Some param names are missing"),
-    (lambda: [{"params": [_P(torch.randn(2, 2))], "lr": 1e-2}, {"params": [("weight", _P(torch.randn(2, 2)))]}], {},
-     ValueError, "all optimizer param groups should be with/without names. cannot add param group with names"),
+    (
+        lambda: [("weight", _P(torch.randn(2, 2))), _P(torch.randn(2, 2))],
+        {},
+        ValueError,
+        "all optimizer params should be with/without names. Some param names are missing",
+    ),
+    (
+        lambda: [{"params": [_P(torch.randn(2, 2))], "lr": 1e-2}, {"params": [("weight", _P(torch.randn(2, 2)))]}],
+        {},
+        ValueError,
+        "all optimizer param groups should be with/without names. cannot add param group with names",
+    ),
 ]
 
 

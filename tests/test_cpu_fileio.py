@@ -55,8 +55,9 @@ def test_each_request_keeps_its_own_error_and_the_others_are_done(tmp_path):
     assert copy_files([(p, t, True) for p, t in zip(paths, tensors)]) == [None, None]
     past_the_end = torch.empty(11, dtype=torch.uint8)
     good = torch.zeros(PIECE + 5, dtype=torch.uint8)
-    errors = copy_files([(paths[1], past_the_end, False), (paths[0], good, False),
-                         (str(tmp_path / "missing.bin"), good, False)], 2)
+    errors = copy_files(
+        [(paths[1], past_the_end, False), (paths[0], good, False), (str(tmp_path / "missing.bin"), good, False)], 2
+    )
     assert isinstance(errors[0], OSError) and errors[0].errno == errno.EIO and paths[1] in str(errors[0])
     assert errors[1] is None and torch.equal(good, tensors[0])
     assert isinstance(errors[2], FileNotFoundError)

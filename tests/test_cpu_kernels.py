@@ -22,8 +22,11 @@ from lowmemopt.quant import dequantize_blockwise, q4, quantize_blockwise_referen
 from lowmemopt.quant.maps import code_book, is_signed_map, nearest_code_reference
 
 ELEMENTWISE = [info for info in OPTIMIZERS if info.cls.algorithm.elementwise]
-NATIVE = [info for info in ELEMENTWISE
-          if isinstance(getattr(info.cls.algorithm.kernels, "native", None), elementwise.NativeKernel)]
+NATIVE = [
+    info
+    for info in ELEMENTWISE
+    if isinstance(getattr(info.cls.algorithm.kernels, "native", None), elementwise.NativeKernel)
+]
 SHAPES = [(300, 257), (5000,), (3, 7)]  # full blocks + ragged tails, a 1-D vector, a tensor below one block
 
 
@@ -153,7 +156,7 @@ def test_kernel_equals_eager_composition(lib, info, bits, dtype, monkeypatch, co
         sa, sb = opt_n.state[a], opt_e.state[b]
         assert set(sa) == set(sb)
         for k, v in sa.items():
-            assert (torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k]), (k, tuple(a.shape))
+            assert torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k], (k, tuple(a.shape))
 
 
 @pytest.mark.parametrize("variant", [dict(amsgrad=True, maximize=True, betas=(0.6, 0.99)), dict(weight_decay=0.1)])
@@ -168,11 +171,15 @@ def test_adam_variants(lib, variant, monkeypatch, correctly_rounded_sqrt):
             assert not isinstance(v, torch.Tensor) or torch.equal(v, opt_e.state[b][k]), k
 
 
-@pytest.mark.parametrize("cls,kwargs", [
-    (lowmemopt.SignSGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01, maximize=True)),
-    (lowmemopt.SignSGD, dict(lr=1e-2, weight_decay=0.01)),
-    (lowmemopt.FusedSGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.05, wd_after_momentum=True)),
-], ids=["signsgd-momentum-max", "signsgd-plain", "fusedsgd-wd-after-nesterov"])
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (lowmemopt.SignSGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01, maximize=True)),
+        (lowmemopt.SignSGD, dict(lr=1e-2, weight_decay=0.01)),
+        (lowmemopt.FusedSGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.05, wd_after_momentum=True)),
+    ],
+    ids=["signsgd-momentum-max", "signsgd-plain", "fusedsgd-wd-after-nesterov"],
+)
 @pytest.mark.parametrize("bits", [32, 8])
 def test_sgd_flag_variants(lib, cls, kwargs, bits, monkeypatch):
     """lmo_sgd's SignSGD and weight-decay-after-momentum flags with dampened / Nesterov momentum, maximize and none:
@@ -241,8 +248,11 @@ def test_vector_builds_equal_the_scalar_reference(lib, isa, monkeypatch, correct
         assert all(torch.equal(a, b) for a, b in zip(_encode4(vec, v, signed, 128), _encode4(ref, v, signed, 128)))
     adamw = next(i for i in NATIVE if i.cls is lowmemopt.AdamW)
     cases = [(adamw, 32, torch.float32), (adamw, 8, torch.bfloat16), (adamw, 4, torch.float16)]
-    cases += [(i, 8, torch.float32) for i in NATIVE if i.cls in (lowmemopt.Lion, lowmemopt.SGD, lowmemopt.SignSGD,
-                                                                  lowmemopt.FusedSGD)]
+    cases += [
+        (i, 8, torch.float32)
+        for i in NATIVE
+        if i.cls in (lowmemopt.Lion, lowmemopt.SGD, lowmemopt.SignSGD, lowmemopt.FusedSGD)
+    ]
     for info, bits, dtype in cases:
         results = []
         for library in (vec, ref):
@@ -272,8 +282,13 @@ def test_isa_is_chosen_by_the_cpu_and_can_be_forced(monkeypatch):
     have = build.cpu_isas()
     assert have[-1] == "scalar" and have == [i for i in build.ISAS if i in have]
     code = "from lowmemopt.cpu import build; print(build.isa_of(build.library()))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "LOWMEMOPT_CPU_ISA": "scalar"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "LOWMEMOPT_CPU_ISA": "scalar"},
+    )
     assert out.stdout.split()[-1] == "scalar", out.stderr[-2000:]
     if cpu.available() and build.requested_isa() is None:
         assert build.isa_of(build.library()) == have[0]
@@ -359,8 +374,13 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
 
 def test_environment_variable_disables():
     code = "import lowmemopt.cpu as c; print(c.ENABLED, c.available())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "LOWMEMOPT_CPU_KERNELS": "0"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "LOWMEMOPT_CPU_KERNELS": "0"},
+    )
     assert out.stdout.split() == ["False", "False"]
 
 
@@ -444,7 +464,7 @@ def _assert_runs_identical(p_n, opt_n, p_e, opt_e, dtype=None):
         sa, sb = opt_n.state[a], opt_e.state[b]
         assert set(sa) == set(sb)
         for k, v in sa.items():
-            assert (torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k]), (k, tuple(a.shape))
+            assert torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k], (k, tuple(a.shape))
 
 
 @pytest.mark.parametrize("info", NATIVE, ids=repr)
@@ -458,12 +478,16 @@ def test_kernel_equals_eager_composition_4bit(lib, info, dtype, monkeypatch, cor
     _assert_runs_identical(p_n, opt_n, p_e, opt_e, dtype)
 
 
-@pytest.mark.parametrize("cls,kwargs", [
-    (lowmemopt.Adam, dict(lr=1e-2, amsgrad=True, maximize=True, betas=(0.6, 0.99))),
-    (lowmemopt.Adam, dict(lr=1e-2, weight_decay=0.1)),
-    (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01)),
-    (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, maximize=True)),
-], ids=["adam-amsgrad-max", "adam-l2", "sgd-momentum", "sgd-nesterov"])
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (lowmemopt.Adam, dict(lr=1e-2, amsgrad=True, maximize=True, betas=(0.6, 0.99))),
+        (lowmemopt.Adam, dict(lr=1e-2, weight_decay=0.1)),
+        (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+        (lowmemopt.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, maximize=True)),
+    ],
+    ids=["adam-amsgrad-max", "adam-l2", "sgd-momentum", "sgd-nesterov"],
+)
 def test_4bit_variants(lib, cls, kwargs, monkeypatch, correctly_rounded_sqrt):
     """amsgrad (three 4-bit slots), maximize, lerp weights >= 0.5, L2 weight decay, dampened and nesterov momentum."""
     monkeypatch.setattr(compiled, "ENABLED", False)
@@ -594,12 +618,21 @@ def test_factored_native_steps_small_matrices_with_quantized_state(lib, monkeypa
             assert torch.equal(out[0], out[1])
 
 
-@pytest.mark.parametrize("bad", [(3, 5, float("nan")), (-1, -1, float("inf")), (0, 0, 1.4e19)],
-                         ids=["nan", "inf-last-element", "squares-sum-overflows"])
-@pytest.mark.parametrize("cls,kwargs,bits", [
-    (lowmemopt.Adafactor, {}, 32), (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01), 8),
-    (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1), 8), (lowmemopt.CAME, dict(lr=1e-2), 4),
-], ids=["Adafactor", "Adafactor-m-8", "CAME-8", "CAME-4"])
+@pytest.mark.parametrize(
+    "bad",
+    [(3, 5, float("nan")), (-1, -1, float("inf")), (0, 0, 1.4e19)],
+    ids=["nan", "inf-last-element", "squares-sum-overflows"],
+)
+@pytest.mark.parametrize(
+    "cls,kwargs,bits",
+    [
+        (lowmemopt.Adafactor, {}, 32),
+        (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01), 8),
+        (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1), 8),
+        (lowmemopt.CAME, dict(lr=1e-2), 4),
+    ],
+    ids=["Adafactor", "Adafactor-m-8", "CAME-8", "CAME-4"],
+)
 def test_factored_step_is_its_own_nonfinite_check(lib, cls, kwargs, bits, bad, monkeypatch):
     """Adafactor's and CAME's native step checks its own gradient in its first pass (no separate read of it): a NaN,
     an Inf or elements whose squares' sum overflows fp32 leave that parameter, every state tensor and its step count
@@ -610,8 +643,11 @@ def test_factored_step_is_its_own_nonfinite_check(lib, cls, kwargs, bits, bad, m
     monkeypatch.setattr(compiled, "ENABLED", False)
     outcomes, scanned = [], []
     real_step, real_scan = cpu.step_factored, cpu.grad_is_finite
-    monkeypatch.setattr(cpu, "step_factored",
-                        lambda *a, **k: outcomes.append((k.get("check", False), real_step(*a, **k))) or outcomes[-1][1])
+    monkeypatch.setattr(
+        cpu,
+        "step_factored",
+        lambda *a, **k: outcomes.append((k.get("check", False), real_step(*a, **k))) or outcomes[-1][1],
+    )
     monkeypatch.setattr(cpu, "grad_is_finite", lambda g: scanned.append(g.numel()) or real_scan(g))
     start = make_params(FACTORED_SHAPES)
     runs = []
@@ -633,7 +669,9 @@ def test_factored_step_is_its_own_nonfinite_check(lib, cls, kwargs, bits, bad, m
             opt.step()
         assert scanned == [37 * 53]  # only the parameter too small for the native step is checked apart
         assert [o for o in outcomes if o[1] != factored.NOT_APPLIED] == [
-            (True, factored.STEPPED), (True, factored.SKIPPED if poison else factored.STEPPED)]
+            (True, factored.STEPPED),
+            (True, factored.SKIPPED if poison else factored.STEPPED),
+        ]
         runs.append((params, opt, before, state_before, [str(w.message) for w in caught]))
     (clean, clean_opt, _, _, _), (params, opt, before, state_before, messages) = runs
     assert opt.nonfinite_skips == 1 and any("NaN/Inf" in m for m in messages)
@@ -667,8 +705,10 @@ def test_factored_native_same_bits_on_any_thread_count(lib, monkeypatch):
     monkeypatch.setattr(compiled, "ENABLED", False)
     start = make_params([(520, 256)])
     threads = torch.get_num_threads()
-    for cls, kwargs in ((lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01)),
-                        (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1))):
+    for cls, kwargs in (
+        (lowmemopt.Adafactor, dict(beta1=0.9, weight_decay=0.01)),
+        (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1)),
+    ):
         results = []
         for n in (1, 3):
             torch.set_num_threads(n)
@@ -690,11 +730,14 @@ def test_factored_native_bf16_params(lib, monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0.02)
 
 
-@pytest.mark.parametrize("cls,ref,kwargs", [
-    (lowmemopt.Adafactor, "transformers.optimization:Adafactor", dict(beta1=0.9, weight_decay=0.01)),
-    (lowmemopt.CAME, "came_pytorch:CAME", dict(lr=1e-2, weight_decay=0.01)),
-    (lowmemopt.AdafactorTorch, "torch.optim:Adafactor", dict(lr=1e-2, weight_decay=0.01)),
-])
+@pytest.mark.parametrize(
+    "cls,ref,kwargs",
+    [
+        (lowmemopt.Adafactor, "transformers.optimization:Adafactor", dict(beta1=0.9, weight_decay=0.01)),
+        (lowmemopt.CAME, "came_pytorch:CAME", dict(lr=1e-2, weight_decay=0.01)),
+        (lowmemopt.AdafactorTorch, "torch.optim:Adafactor", dict(lr=1e-2, weight_decay=0.01)),
+    ],
+)
 def test_factored_native_matches_reference(lib, cls, ref, kwargs):
     """The native path against the reference library over 20 steps, to fp32 rounding (as the common parity test)."""
     module, name = ref.split(":")
@@ -776,7 +819,8 @@ def test_pipelined_finite_check_skips_exactly_the_bad_parameter(lib, bad, where,
     they would have without it. No gradient needs a check of its own (a separate pass before the step)."""
     shapes = [(300, 256), (40,), (520, 300), (5000,)]  # 2, 1, 3 and 1 scan pieces
     (clean, _, _, _, _, alone_clean), (params, opt, before, state_before, messages, alone) = _runs_with_a_nan(
-        shapes, bad, where, monkeypatch)
+        shapes, bad, where, monkeypatch
+    )
     assert alone_clean == alone == []  # all of them checked inside the bucket's call
     assert opt.nonfinite_skips == 1 and any("NaN/Inf" in m for m in messages)
     assert torch.equal(params[bad], before[bad])
@@ -799,7 +843,8 @@ def test_per_parameter_kernels_check_the_next_gradient(lib, bad, where, monkeypa
     monkeypatch.setattr(native, "takes", lambda plan: False)
     shapes = [(40, 64), (520, 300), (300, 256), (5000,)]  # the 2nd gradient: 3 pieces beside 1 row chunk
     (clean, _, _, _, _, alone_clean), (params, opt, before, state_before, _, alone) = _runs_with_a_nan(
-        shapes, bad, where, monkeypatch)
+        shapes, bad, where, monkeypatch
+    )
     assert alone_clean == [40 * 64]
     assert alone == ([40 * 64] if bad == 3 else [40 * 64, params[bad + 1].numel()]), alone
     assert opt.nonfinite_skips == 1 and torch.equal(params[bad], before[bad])
@@ -815,23 +860,40 @@ def test_a_cpu_step_imports_no_kernels_package():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    code = ("import torch, lowmemopt\n"
-            "p = torch.nn.Parameter(torch.randn(300)); p.grad = torch.randn(300)\n"
-            "lowmemopt.AdamW([p], lr=1e-3, state_bits=8, min_quant_numel=0).step()\n"
-            "import sys; print(lowmemopt.__file__, 'lowmemopt.kernels' in sys.modules)")
+    code = (
+        "import torch, lowmemopt\n"
+        "p = torch.nn.Parameter(torch.randn(300)); p.grad = torch.randn(300)\n"
+        "lowmemopt.AdamW([p], lr=1e-3, state_bits=8, min_quant_numel=0).step()\n"
+        "import sys; print(lowmemopt.__file__, 'lowmemopt.kernels' in sys.modules)"
+    )
     # the source tree is the working folder, which PYTHONSAFEPATH (set by scripts/gpu-check) would leave off sys.path
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     path, imported = out.stdout.split()
     assert Path(path).resolve() == root / "lowmemopt" / "__init__.py" and imported == "False"
 
 
-@pytest.mark.parametrize("case", [
-    ("AdamW", 32, torch.float32, {}), ("AdamW", 8, torch.float32, {}), ("AdamW", 4, torch.float32, {}),
-    ("AdamW", 16, torch.bfloat16, dict(bf16_update="stochastic")), ("AdamW", 8, torch.bfloat16, dict(bf16_update="kahan")),
-    ("Lion", 8, torch.float32, {}), ("SGD", 8, torch.float32, dict(momentum=0.9)), ("SignSGD", 32, torch.float32, {}),
-], ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{c[3].get('bf16_update', '')}")
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("AdamW", 32, torch.float32, {}),
+        ("AdamW", 8, torch.float32, {}),
+        ("AdamW", 4, torch.float32, {}),
+        ("AdamW", 16, torch.bfloat16, dict(bf16_update="stochastic")),
+        ("AdamW", 8, torch.bfloat16, dict(bf16_update="kahan")),
+        ("Lion", 8, torch.float32, {}),
+        ("SGD", 8, torch.float32, dict(momentum=0.9)),
+        ("SignSGD", 32, torch.float32, {}),
+    ],
+    ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{c[3].get('bf16_update', '')}",
+)
 def test_bucket_equals_one_call_per_parameter(lib, case, monkeypatch):
     """The bucket's one native call (lowmemopt.pipeline.native) steps every parameter exactly as one call per
     parameter does: values, state and step counts bit for bit, through a step where one gradient has a NaN (that

@@ -39,9 +39,14 @@ def _named(paths: list[Path], names: set[str], root: Path) -> list[str]:
     out = []
     for path in paths:
         tree = ast.parse(path.read_text())
-        docs = {id(n.body[0].value) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
-                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and node.value in names and id(node) not in docs:
                 out.append(f"{path.relative_to(root)}:{node.lineno} {node.value!r}")
@@ -50,8 +55,11 @@ def _named(paths: list[Path], names: set[str], root: Path) -> list[str]:
 
 def _outside(root: Path, own: set[str]) -> list[Path]:
     files = [*(root / "lowmemopt").rglob("*.py"), *(root / "kernels").glob("*.py")]
-    return sorted(f for f in files if not str(f.relative_to(root)).startswith("lowmemopt/optim/")
-                  and str(f.relative_to(root)) not in own)
+    return sorted(
+        f
+        for f in files
+        if not str(f.relative_to(root)).startswith("lowmemopt/optim/") and str(f.relative_to(root)) not in own
+    )
 
 
 def test_no_module_outside_an_algorithms_files_names_it():

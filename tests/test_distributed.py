@@ -20,9 +20,6 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.p
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-
-
-
 TWO_RANK_CASES = [c for c in dist_worker.CASES if c not in dist_worker.FOUR_RANK_CASES]
 
 

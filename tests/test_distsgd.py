@@ -27,9 +27,6 @@ needs_dist = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 TWO_RANK_CASES = [c for c in distsgd_worker.CASES if c != "gossip_irregular_graph"]  # a 4-node graph
 
 
-
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     return run_job(WORKER, tmp_path_factory.mktemp("distsgd2"), 2, TWO_RANK_CASES)
@@ -107,9 +104,16 @@ def test_sparsified_state():
     assert SparsifiedState(ratio=0.01).k_for(1000) == 10
     assert SparsifiedState(ratio=0.01).k_for(50) == 1
     assert SparsifiedState(k=20).k_for(7) == 7
-    for kw, word in [(dict(), "exactly one"), (dict(ratio=0.1, k=3), "exactly one"), (dict(ratio=0), "ratio"),
-                     (dict(ratio=1.5), "ratio"), (dict(k=0), "k must"), (dict(k=2.5), "k must"),
-                     (dict(ratio=0.1, method="topk"), "method"), (dict(ratio=0.1, start_iter=1), "start_iter")]:
+    for kw, word in [
+        (dict(), "exactly one"),
+        (dict(ratio=0.1, k=3), "exactly one"),
+        (dict(ratio=0), "ratio"),
+        (dict(ratio=1.5), "ratio"),
+        (dict(k=0), "k must"),
+        (dict(k=2.5), "k must"),
+        (dict(ratio=0.1, method="topk"), "method"),
+        (dict(ratio=0.1, start_iter=1), "start_iter"),
+    ]:
         with pytest.raises(ValueError, match=word):
             SparsifiedState(**kw)
     state = SparsifiedState(ratio=0.5, method="random")
@@ -131,8 +135,13 @@ def test_graphs():
     assert torch.allclose(matrix, matrix.T) and torch.allclose(matrix.sum(0), torch.ones(4, dtype=torch.float64))
     assert (matrix >= 0).all() and torch.allclose(matrix.sum(1), torch.ones(4, dtype=torch.float64))
     assert mixing_weights(ring(5), 0, "uniform") == {4: 1 / 3, 1: 1 / 3, 0: 1 - 2 / 3}
-    for graph, word in [([[1], [0, 2], [1], [0]], "undirected"), ([[0]], "itself"), ([[1], [0], [3], [2]], "connected"),
-                        ([[5], []], "not a rank"), ([[1, 1], [0]], "twice")]:
+    for graph, word in [
+        ([[1], [0, 2], [1], [0]], "undirected"),
+        ([[0]], "itself"),
+        ([[1], [0], [3], [2]], "connected"),
+        ([[5], []], "not a rank"),
+        ([[1, 1], [0]], "twice"),
+    ]:
         with pytest.raises(ValueError, match=word):
             mixing_weights(graph, 0)
     with pytest.raises(ValueError, match="regular"):
@@ -173,8 +182,9 @@ def test_grad_scaler_replaces_mlbench_fp16_scaler():
     overflows = [False] * 7 + [True, False, True, True] + [False] * 9 + [True] + [False] * 4
     p = torch.nn.Parameter(torch.ones(3))
     opt = lowmemopt.SGD([p], lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=factor, backoff_factor=1 / factor,
-                                  growth_interval=window)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=init, growth_factor=factor, backoff_factor=1 / factor, growth_interval=window
+    )
     ref = MlbenchScaler(init, factor, window, max_scale)
     clamped = 0
     for t, overflow in enumerate(overflows):

@@ -13,12 +13,15 @@ from helpers import interpreter_fma_rounds_once
 
 from lowmemopt.kernels import runtime
 
-pytestmark = pytest.mark.skipif(not runtime.INTERPRET,
-                                reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)")
+pytestmark = pytest.mark.skipif(
+    not runtime.INTERPRET, reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)"
+)
 #: the Markstein quotients are IEEE's only with an fma that rounds once, as a GPU's (and Triton 3.9's interpreter's)
-exact_fma = pytest.mark.skipif(runtime.INTERPRET and not interpreter_fma_rounds_once(),
-                               reason="this Triton's interpreter rounds tl.fma twice (before Triton 3.9): quotients "
-                                      "cannot be compared bit for bit with IEEE division")
+exact_fma = pytest.mark.skipif(
+    runtime.INTERPRET and not interpreter_fma_rounds_once(),
+    reason="this Triton's interpreter rounds tl.fma twice (before Triton 3.9): quotients "
+    "cannot be compared bit for bit with IEEE division",
+)
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
@@ -74,15 +77,15 @@ def test_row_quotients_equal_ieee_division_where_codes_can_tell():
     s = divisors(gen, n_rows)
     y = 2.0 ** (-40 * torch.rand(n_rows, BLOCK, generator=gen, dtype=torch.float64))
     y = y * torch.where(torch.rand(n_rows, BLOCK, generator=gen) < 0.5, -1.0, 1.0)
-    y[:, :4] = torch.tensor([1.0, -1.0, 0.0, 2.0 ** -30])  # the extremes a block holds, and the threshold
+    y[:, :4] = torch.tensor([1.0, -1.0, 0.0, 2.0**-30])  # the extremes a block holds, and the threshold
     x = (s.double()[:, None] * y).float()  # |x| <= s: a block's values against its scale
     q, _ = rows(x, s)
     ref = x / s[:, None]
-    exact = ref.abs() >= 2.0 ** -30
+    exact = ref.abs() >= 2.0**-30
     assert exact.float().mean() > 0.7
     assert torch.equal(q[exact].view(torch.int32), ref[exact].view(torch.int32))
     small = ~exact
-    assert ((q[small] - ref[small]).abs() <= 2.0 ** -50).all()
+    assert ((q[small] - ref[small]).abs() <= 2.0**-50).all()
     assert (q[small] * ref[small] >= 0).all()
 
 
@@ -91,8 +94,8 @@ def test_quotient_positive_is_exact_at_half_the_smallest_subnormal():
     multiple is normal (compared as patterns) and below (against floor(s / 2)), x a few ulps either side."""
     gen = torch.Generator().manual_seed(1)
     s = divisors(gen, 2048)
-    s[:4] = torch.tensor([1.0, 2.0, 3.0, 2.0 ** 24])  # floor(s / 2) exact: 2^-150 ties, the first normal multiple
-    bound = s.double() * 2.0 ** -150  # the real x at which the quotient is exactly 2^-150
+    s[:4] = torch.tensor([1.0, 2.0, 3.0, 2.0**24])  # floor(s / 2) exact: 2^-150 ties, the first normal multiple
+    bound = s.double() * 2.0**-150  # the real x at which the quotient is exactly 2^-150
     near = torch.nextafter(bound.float(), torch.tensor(0.0)).view(torch.int32)[:, None]
     x = f32(torch.clamp(near + torch.arange(-2, BLOCK - 2)[None, :], min=0))
     x[:, -1] = 0.0
@@ -120,13 +123,13 @@ def test_row_quotients_of_infinite_and_non_finite_values():
 
 
 @exact_fma
-@pytest.mark.parametrize("b", [1.0, math.sqrt(1 - 0.999), math.sqrt(1 - 0.999 ** 7), 0.7071, 1e-20, 0.0])
+@pytest.mark.parametrize("b", [1.0, math.sqrt(1 - 0.999), math.sqrt(1 - 0.999**7), 0.7071, 1e-20, 0.0])
 def test_div_by_equals_ieee_division(b):
     """``div_by`` is ``x / b`` bit for bit over square roots of every binade (Adam's ``sqrt(v) / sqrt(1 - beta2^t)``),
     zero, infinity and NaN, for the divisors the bias corrections take, one that overflows the largest roots, and 0."""
     gen = torch.Generator().manual_seed(2)
     v = f32(torch.randint(1, 0x7F800000, (1 << 16,), generator=gen))
-    x = torch.cat([v.sqrt(), torch.tensor([0.0, float("inf"), float("nan"), 1.0, 2.0 ** -75])])
+    x = torch.cat([v.sqrt(), torch.tensor([0.0, float("inf"), float("nan"), 1.0, 2.0**-75])])
     out = torch.empty_like(x)
     _shared_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, b, x.numel(), BLOCK=1024)
     ref = x / torch.tensor(b, dtype=torch.float32)
@@ -147,7 +150,7 @@ def test_encoder_codes_on_blocks_at_the_ends_of_the_range(name):
     gen = torch.Generator().manual_seed(3)
     signed = name == "pow2"
     blocks = []
-    for scale in (1e-45, 1e-40, 2.0 ** -126, 1e-20, 1.0, 1e20, 2.0 ** 127, 3.4e38):
+    for scale in (1e-45, 1e-40, 2.0**-126, 1e-20, 1.0, 1e20, 2.0**127, 3.4e38):
         b = torch.randn(BLOCK, generator=gen, dtype=torch.float64) * scale * 0.3
         b = b.clamp(-3.4e38, 3.4e38).float()
         b[0] = scale
@@ -155,10 +158,10 @@ def test_encoder_codes_on_blocks_at_the_ends_of_the_range(name):
     wide = torch.zeros(BLOCK)
     wide[0] = 3.0
     wide[1:9] = f32(torch.arange(1, 9))  # subnormal x: x / 3 is 2^-150-ish
-    wide[9] = 2.0 ** -125
+    wide[9] = 2.0**-125
     blocks.append(wide)
-    big = torch.full((BLOCK,), 2.0 ** 100)
-    big[1:6] = torch.tensor([2.0 ** -50, 2.0 ** -49, 1.5 * 2.0 ** -50, 1e-38, 2.0 ** -40])
+    big = torch.full((BLOCK,), 2.0**100)
+    big[1:6] = torch.tensor([2.0**-50, 2.0**-49, 1.5 * 2.0**-50, 1e-38, 2.0**-40])
     blocks.append(big)
     with_inf = torch.linspace(-1 if signed else 0, 1, BLOCK)
     with_inf[3] = float("inf")

@@ -31,11 +31,15 @@ def anchors(text: str) -> set[str]:
 
 
 def test_the_link_finder_sees_links_images_and_references_but_not_code():
-    text = ("![plot](docs/demo.png) [a](x.md#part \"title\")\n[b]: ref.md\n<img src=\"pic.png\">\n"
-            "`[no](skip.md)`\n```\n[no](skip2.md)\n```\n[web](https://example.org)")
+    text = (
+        '![plot](docs/demo.png) [a](x.md#part "title")\n[b]: ref.md\n<img src="pic.png">\n'
+        "`[no](skip.md)`\n```\n[no](skip2.md)\n```\n[web](https://example.org)"
+    )
     assert targets(text) == ["docs/demo.png", "x.md#part", "https://example.org", "ref.md", "pic.png"]
     assert anchors("# Set up\n## GaLore: low-rank gradient projection\n") == {
-        "set-up", "galore-low-rank-gradient-projection"}
+        "set-up",
+        "galore-low-rank-gradient-projection",
+    }
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -61,9 +65,12 @@ def test_readme_demo_image_is_a_small_png():
 
 #: how the project's own work is organised, which user-facing pages do not describe: issue numbers, work sessions,
 #: machines lent for a time ("issue" as in a GPU issuing instructions is fine)
-_INTERNAL = re.compile(r"\bissues? #?\d+(?:'s|,| and\b| or\b|\)|\.)|\bissue #\d|\bissues'|"
-                       r"\b(?:the|this|an|open) issues?\b(?!\s+(?:budget|order|slots?|rate|width))|"
-                       r"\bsessions?\b|\blease\b|\blent\b|\bdevice tool\b", flags=re.I)
+_INTERNAL = re.compile(
+    r"\bissues? #?\d+(?:'s|,| and\b| or\b|\)|\.)|\bissue #\d|\bissues'|"
+    r"\b(?:the|this|an|open) issues?\b(?!\s+(?:budget|order|slots?|rate|width))|"
+    r"\bsessions?\b|\blease\b|\blent\b|\bdevice tool\b",
+    flags=re.I,
+)
 
 
 def test_the_internal_word_finder():
@@ -112,7 +119,7 @@ def _table_after_marker(text: str, page: str) -> tuple[str, list[str], dict[str,
     """(the prose between the marker and the table, the header cells, {first cell: cells}) of the Markdown table that
     follows the ``cpu-step-latest`` marker; cells without ``**`` bold."""
     assert text.count(_LATEST) == 1, f"{page}: expected one {_LATEST} marker"
-    lines = text[text.index(_LATEST):].splitlines()[1:]
+    lines = text[text.index(_LATEST) :].splitlines()[1:]
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = []
     for line in lines[start:]:
@@ -149,10 +156,14 @@ def test_readme_speed_table_is_bench_readmes_latest():
 
 def test_the_speed_table_check_catches_drift():
     readme, bench = (ROOT / "README.md").read_text(), (ROOT / "bench" / "README.md").read_text()
-    row = next(line for line in readme[readme.index(_LATEST):].splitlines() if line.startswith("| lowmemopt-adamw-8bit"))
-    drifted = [readme.replace(row, row.replace("x;", "5x;", 1)),  # a ratio changed
-               readme.replace("| lowmemopt-adamw-8bit", "| lowmemopt-adamw-3bit"),  # a row bench does not have
-               re.sub(r"(?s)(cpu-step-latest.*?measured \d{4}-\d{2}-)\d{2}", r"\g<1>01", readme)]  # another date
+    row = next(
+        line for line in readme[readme.index(_LATEST) :].splitlines() if line.startswith("| lowmemopt-adamw-8bit")
+    )
+    drifted = [
+        readme.replace(row, row.replace("x;", "5x;", 1)),  # a ratio changed
+        readme.replace("| lowmemopt-adamw-8bit", "| lowmemopt-adamw-3bit"),  # a row bench does not have
+        re.sub(r"(?s)(cpu-step-latest.*?measured \d{4}-\d{2}-)\d{2}", r"\g<1>01", readme),
+    ]  # another date
     for text in drifted:
         assert text != readme
         with pytest.raises(AssertionError):

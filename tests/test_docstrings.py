@@ -28,7 +28,9 @@ def test_the_docstring_count_can_fail(tmp_path):
     for root in ("lowmemopt", "kernels"):
         (tmp_path / root).mkdir()
     (tmp_path / "kernels" / "k.py").write_text("x = 1\n")
-    essay = '"""' + "\n".join(f"line {i}" for i in range(20)) + '\n"""\n\n\ndef f():\n    """One line."""\n    return 1\n'
+    essay = (
+        '"""' + "\n".join(f"line {i}" for i in range(20)) + '\n"""\n\n\ndef f():\n    """One line."""\n    return 1\n'
+    )
     (tmp_path / "lowmemopt" / "m.py").write_text(essay)
     doc, other, long = _counter().count(tmp_path)
     assert doc == 21 and long == [(20, "lowmemopt/m.py")]

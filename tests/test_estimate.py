@@ -12,19 +12,40 @@ import torch
 
 import lowmemopt
 from lowmemopt.cli import main as cli_main
-from lowmemopt.estimate import cheapest_fits, estimate, format_bytes, model_from_config, parse_bytes, state_nbytes_after_first_step
+from lowmemopt.estimate import (
+    cheapest_fits,
+    estimate,
+    format_bytes,
+    model_from_config,
+    parse_bytes,
+    state_nbytes_after_first_step,
+)
 from lowmemopt.registry import instantiate, needs_process_group, optimizer_classes
 
 pytest.importorskip("transformers")
 
 # ragged shapes: vocab 301 x 64 = 19264 elements (75.25 blocks of 256), q/k/v/o 64 x 64 = 4096 (min_quant_numel,
 # the boundary), MLP 64 x 88 = 5632, norms 64 (fp32 state at every state_bits)
-CONFIG = dict(model_type="llama", vocab_size=301, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+CONFIG = dict(
+    model_type="llama",
+    vocab_size=301,
+    hidden_size=64,
+    intermediate_size=88,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    tie_word_embeddings=False,
+)
 
 # keywords that give an optimizer all of its slots (momentum buffers, Adafactor's first moment, AMSGrad's v_max)
-FULL_STATE = {"SGD": dict(momentum=0.9), "SignSGD": dict(momentum=0.9), "LARS": dict(momentum=0.9), "Adafactor": dict(beta1=0.9),
-              "Adam": dict(amsgrad=True)}
+FULL_STATE = {
+    "SGD": dict(momentum=0.9),
+    "SignSGD": dict(momentum=0.9),
+    "LARS": dict(momentum=0.9),
+    "Adafactor": dict(beta1=0.9),
+    "Adam": dict(amsgrad=True),
+}
 
 
 def real_model() -> torch.nn.Module:
@@ -127,8 +148,24 @@ def test_estimate_is_exact_with_galore(name):
 def test_cli_estimate_json_matches_a_real_step(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
-    assert cli_main(["estimate", str(path), "--optimizer", "came8bit,lion", "--state-bits", "8",
-                     "--gpu-memory", "1MiB", "--margin", "0", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "estimate",
+                str(path),
+                "--optimizer",
+                "came8bit,lion",
+                "--state-bits",
+                "8",
+                "--gpu-memory",
+                "1MiB",
+                "--margin",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert [(r["optimizer"], r["state_bits"]) for r in rows] == [("CAME8bit", 8), ("Lion", 8)]
     assert rows[0]["state"] == state_after_one_step(lowmemopt.CAME8bit, 8)
@@ -141,8 +178,22 @@ def test_cli_estimate_json_matches_a_real_step(tmp_path, capsys):
 def test_cli_estimate_galore_rows(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
-    assert cli_main(["estimate", str(path), "--optimizer", "came8bit", "--galore-rank", "8", "--galore-target",
-                     "self_attn,mlp", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "estimate",
+                str(path),
+                "--optimizer",
+                "came8bit",
+                "--galore-rank",
+                "8",
+                "--galore-target",
+                "self_attn,mlp",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert [r["galore_rank"] for r in rows] == [None, 8]
     model = real_model()
@@ -156,8 +207,7 @@ def test_cli_estimate_galore_rows(tmp_path, capsys):
 def test_cli_estimate_table(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
-    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit", "--dtype", "bf16",
-                     "--gpu-memory", "80GB"]) == 0
+    assert cli_main(["estimate", str(path), "--optimizer", "adamw8bit", "--dtype", "bf16", "--gpu-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     state = estimate(model_from_config(CONFIG, torch.bfloat16), "adamw8bit", 8).state
     row = next(line for line in out.splitlines() if line.startswith("| AdamW8bit"))
@@ -188,8 +238,17 @@ def test_parse_bytes():
             parse_bytes(bad)
 
 
-@pytest.mark.parametrize("text,size", [("24GiB", 24 * 2**30), ("24 GiB", 24 * 2**30), ("24", 24 * 2**30),
-                                       ("24 GB", 24 * 10**9), ("0.5", 2**29), ("24000000000B", 24 * 10**9)])
+@pytest.mark.parametrize(
+    "text,size",
+    [
+        ("24GiB", 24 * 2**30),
+        ("24 GiB", 24 * 2**30),
+        ("24", 24 * 2**30),
+        ("24 GB", 24 * 10**9),
+        ("0.5", 2**29),
+        ("24000000000B", 24 * 10**9),
+    ],
+)
 def test_cli_gpu_memory_forms(tmp_path, capsys, text, size):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
@@ -206,8 +265,13 @@ def test_cli_gpu_memory_refuses_a_byte_count_without_its_unit(tmp_path, capsys):
 
 
 # the published configs' parameter counts (the models' own model cards / safetensors indexes)
-PRESET_PARAMS = {"llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192,
-                 "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496}
+PRESET_PARAMS = {
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+}
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_PARAMS))
@@ -236,7 +300,9 @@ def test_cli_estimate_takes_a_preset_or_its_hub_id(capsys):
     assert row["params"] == PRESET_PARAMS["llama-2-7b"] and row["dtype"] == "fp16"  # the published torch_dtype
     assert cli_main(["estimate", "llama-3-8b", "--optimizer", "adamw", "--state-bits", "4", "--gpu-memory", "24"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("LlamaForCausalLM from preset llama-3-8b (the published config of meta-llama/Meta-Llama-3-8B)")
+    assert out.startswith(
+        "LlamaForCausalLM from preset llama-3-8b (the published config of meta-llama/Meta-Llama-3-8B)"
+    )
     assert "fits in 24.00 GiB" in out and "1 GiB = 2^30 bytes" in out
 
 
@@ -247,15 +313,20 @@ def test_cli_estimate_says_what_it_needs_for_a_hub_id_it_does_not_know(capsys):
     assert "config.json" in err and "llama-2-7b" in err and "llama-3-70b" in err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["estimate", "llama-7b", "--optimizer", "adamz"], "unknown optimizer 'adamz' (did you mean 'Adam'?)"),
-    (["estimate", "no-such/model", "--optimizer", "adamw"], "no-such/model: no such file, and not a preset"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["estimate", "llama-7b", "--optimizer", "adamz"], "unknown optimizer 'adamz' (did you mean 'Adam'?)"),
+        (["estimate", "no-such/model", "--optimizer", "adamw"], "no-such/model: no such file, and not a preset"),
+    ],
+)
 def test_cli_estimate_argument_errors_come_before_the_slow_imports(tmp_path, argv, message):
     """A typo in the optimizer name or the config fails without importing torch, transformers or the optimizers."""
-    code = ("import sys\nfrom lowmemopt.cli import main\n"
-            f"status = main({argv!r})\n"
-            "print('STATUS', status, sorted(m for m in ('torch', 'transformers', 'lowmemopt.optim') if m in sys.modules))")
+    code = (
+        "import sys\nfrom lowmemopt.cli import main\n"
+        f"status = main({argv!r})\n"
+        "print('STATUS', status, sorted(m for m in ('torch', 'transformers', 'lowmemopt.optim') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.stdout.splitlines()[-1] == "STATUS 1 []", proc.stdout + proc.stderr
     assert message in proc.stderr
@@ -265,7 +336,9 @@ def test_cli_estimate_names_a_missing_transformers(tmp_path, monkeypatch, capsys
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
     assert cli_main(["estimate", "llama-7b"]) == 1
     assert "pip install 'lowmemopt[hf]'" in capsys.readouterr().err
 
@@ -324,8 +397,13 @@ def test_cli_estimate_lists_the_cheapest_combinations_that_fit(tmp_path, capsys)
     fits = cheapest_fits(meta, "adamw", budget, ranks=[16, 8])
     assert fits and all(f.total <= budget for f in fits)
     # brute force: every combination, and which fit
-    combos = {(b, r, pg, pl): estimate(meta, "adamw", b, galore_rank=r, paged=pg, per_layer=pl)
-              for b in (32, 16, 8, 4) for r in (None, 16, 8) for pg in (False, True) for pl in (False, True)}
+    combos = {
+        (b, r, pg, pl): estimate(meta, "adamw", b, galore_rank=r, paged=pg, per_layer=pl)
+        for b in (32, 16, 8, 4)
+        for r in (None, 16, 8)
+        for pg in (False, True)
+        for pl in (False, True)
+    }
     assert not any(e.total <= budget for (b, r, pg, pl), e in combos.items() if (r, pg, pl) == (None, False, False))
 
     def changes(e):
@@ -337,20 +415,33 @@ def test_cli_estimate_lists_the_cheapest_combinations_that_fit(tmp_path, capsys)
         assert combos[(f.state_bits, f.galore_rank, f.paged, f.per_layer)] == f
         for e in combos.values():
             if e.total <= budget and e != f:
-                assert not (e.state_bits >= f.state_bits and e.paged <= f.paged and e.per_layer <= f.per_layer and
-                            (e.galore_rank is None or (f.galore_rank is not None and e.galore_rank >= f.galore_rank)))
+                assert not (
+                    e.state_bits >= f.state_bits
+                    and e.paged <= f.paged
+                    and e.per_layer <= f.per_layer
+                    and (e.galore_rank is None or (f.galore_rank is not None and e.galore_rank >= f.galore_rank))
+                )
 
-    assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", f"{budget // 1024}KiB",
-                     "--margin", "0"]) == 0
+    assert (
+        cli_main(
+            ["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", f"{budget // 1024}KiB", "--margin", "0"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert (f"AdamW does not fit in {format_bytes(budget)} less a 0 B margin as asked; the cheapest combinations "
-            "that do") in out
-    listed = [line for line in out.split("fewest changes first):")[1].splitlines() if line.startswith("| ") and "-bit" in line]
+    assert (
+        f"AdamW does not fit in {format_bytes(budget)} less a 0 B margin as asked; the cheapest combinations that do"
+    ) in out
+    listed = [
+        line for line in out.split("fewest changes first):")[1].splitlines() if line.startswith("| ") and "-bit" in line
+    ]
     assert listed and len(listed) == len(fits)
     first = fits[0]
-    assert listed[0] == (f"| {first.state_bits}-bit | {first.galore_rank or '—'} | {'yes' if first.paged else 'no'} | "
-                         f"{'yes' if first.per_layer else 'no'} | {format_bytes(first.weights)} | "
-                         f"{format_bytes(first.grads)} | {format_bytes(first.state)} | {format_bytes(first.total)} |")
+    assert listed[0] == (
+        f"| {first.state_bits}-bit | {first.galore_rank or '—'} | {'yes' if first.paged else 'no'} | "
+        f"{'yes' if first.per_layer else 'no'} | {format_bytes(first.weights)} | "
+        f"{format_bytes(first.grads)} | {format_bytes(first.state)} | {format_bytes(first.total)} |"
+    )
     assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "100KiB", "--margin", "0"]) == 0
     assert "does not fit in 100.00 KiB with any combination" in capsys.readouterr().out
     assert cli_main(["estimate", str(path), "--optimizer", "adamw", "--gpu-memory", "80GB"]) == 0
@@ -380,13 +471,16 @@ def test_estimate_of_ademamix_and_adam_mini(tmp_path, capsys):
     # per layer: q's 4 and k's 2 heads, the rows of v (32), o (64), gate and up (88), down (64), two norms; then
     # the embedding's and the head's rows, the final norm
     blocks = 2 * (4 + 2 + 32 + 64 + 88 + 88 + 64 + 2) + 301 + 301 + 1
-    codes = sum(st["exp_avg.codes"].numel() if "exp_avg.codes" in st else 4 * st["exp_avg"].numel()
-                for st in opt.state.values())
-    assert mini.state - codes - 4 * blocks == sum(4 * st["exp_avg.absmax"].numel() for st in opt.state.values()
-                                                  if "exp_avg.absmax" in st)
+    codes = sum(
+        st["exp_avg.codes"].numel() if "exp_avg.codes" in st else 4 * st["exp_avg"].numel() for st in opt.state.values()
+    )
+    assert mini.state - codes - 4 * blocks == sum(
+        4 * st["exp_avg.absmax"].numel() for st in opt.state.values() if "exp_avg.absmax" in st
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
-    assert cli_main(["estimate", str(path), "--optimizer", "ademamix8bit,adam_mini", "--state-bits", "8",
-                     "--json"]) == 0
+    assert (
+        cli_main(["estimate", str(path), "--optimizer", "ademamix8bit,adam_mini", "--state-bits", "8", "--json"]) == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert [(r["optimizer"], r["state"]) for r in rows] == [("AdEMAMix8bit", got.state), ("AdamMini", mini.state)]

@@ -14,9 +14,17 @@ from lowmemopt.traced_step import build_optimizer, measure_step, real_model, ste
 
 
 def _llama(hidden: int, intermediate: int, layers: int, heads: int, vocab: int) -> dict:
-    return dict(model_type="llama", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=1024,
-                tie_word_embeddings=False)
+    return dict(
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
 
 
 #: name -> (config, batch, seq); the parameter counts are what the names say, roughly
@@ -32,9 +40,12 @@ OPTIMIZERS = {
     "galore_adamw8_per_layer": ("galore_adamw_8bit", 8, 32, True),
     "came8": ("came", 8, None, False),
 }
-CELLS = [pytest.param(c, o, ck, id=f"{c}-{o}-{'ckpt' if ck else 'full'}",
-                      marks=[pytest.mark.slow] if c != "10m" else [])
-         for c in CONFIGS for o in OPTIMIZERS for ck in (False, True)]
+CELLS = [
+    pytest.param(c, o, ck, id=f"{c}-{o}-{'ckpt' if ck else 'full'}", marks=[pytest.mark.slow] if c != "10m" else [])
+    for c in CONFIGS
+    for o in OPTIMIZERS
+    for ck in (False, True)
+]
 
 
 @pytest.mark.parametrize("config,opt,checkpointing", CELLS)
@@ -137,8 +148,28 @@ def test_cli_traced_step_json_is_trace_step(tmp_path, capsys):
     from lowmemopt.cli import main
 
     path = _config_file(tmp_path)
-    assert main(["estimate", path, "--optimizer", "adamw8bit", "--batch", "2", "--seq", "16", "--checkpointing",
-                 "--per-layer", "--gpu-memory", "1GiB", "--margin", "0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                path,
+                "--optimizer",
+                "adamw8bit",
+                "--batch",
+                "2",
+                "--seq",
+                "16",
+                "--checkpointing",
+                "--per-layer",
+                "--gpu-memory",
+                "1GiB",
+                "--margin",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(capsys.readouterr().out)
     want = trace_step(SMALL, "adamw8bit", 8, batch=2, seq=16, checkpointing=True, per_layer=True)
     assert row["peak"] == want.peak == sum(row["at_peak"].values()) and row["at_peak"] == want.at_peak
@@ -149,12 +180,15 @@ def test_cli_traced_step_json_is_trace_step(tmp_path, capsys):
     assert "| AdamW8bit | 8-bit | — |" in out and "README" not in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--batch", "0", "--seq", "16"], "--batch must be >= 1, got 0"),
-    (["--batch", "2", "--seq", "-1"], "--seq must be >= 1, got -1"),
-    (["--batch", "2"], "tracing a step needs both --batch B and --seq S"),
-    (["--measure"], "tracing a step needs both --batch B and --seq S"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--batch", "0", "--seq", "16"], "--batch must be >= 1, got 0"),
+        (["--batch", "2", "--seq", "-1"], "--seq must be >= 1, got -1"),
+        (["--batch", "2"], "tracing a step needs both --batch B and --seq S"),
+        (["--measure"], "tracing a step needs both --batch B and --seq S"),
+    ],
+)
 def test_cli_traced_step_bad_input(tmp_path, capsys, argv, message):
     from lowmemopt.cli import main
 
@@ -178,8 +212,20 @@ def test_cli_traced_step_suggests_changes_that_fit_with_the_margin(tmp_path, cap
     assert ckpt.peak < plain.peak
     margin = 4096
     budget = (ckpt.peak + plain.peak) // 2 + margin
-    argv = ["estimate", path, "--optimizer", "adamw", "--batch", "8", "--seq", "64", "--gpu-memory",
-            f"{budget}B", "--margin", f"{margin}B"]
+    argv = [
+        "estimate",
+        path,
+        "--optimizer",
+        "adamw",
+        "--batch",
+        "8",
+        "--seq",
+        "64",
+        "--gpu-memory",
+        f"{budget}B",
+        "--margin",
+        f"{margin}B",
+    ]
     assert main([*argv, "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["fits"] is False and row["margin"] == margin
@@ -203,8 +249,24 @@ def test_cli_layout_suggestions_keep_the_margin(tmp_path, capsys):
     asked = estimate(meta, "adamw", 32).total
     margin = asked // 4
     budget = asked  # fits exactly without the margin, not with it
-    assert main(["estimate", path, "--optimizer", "adamw", "--state-bits", "32", "--gpu-memory", f"{budget}B",
-                 "--margin", f"{margin}B", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                path,
+                "--optimizer",
+                "adamw",
+                "--state-bits",
+                "32",
+                "--gpu-memory",
+                f"{budget}B",
+                "--margin",
+                f"{margin}B",
+                "--json",
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(capsys.readouterr().out)
     assert row["fits"] is False and row["cheapest_fits"]
     assert all(f["total"] <= budget - margin for f in row["cheapest_fits"])
@@ -218,23 +280,46 @@ def test_gpu_check_part_compares_the_e2e_rows(tmp_path, capsys):
     from helpers import load_bench
 
     fits = load_bench("fits")
-    args = dict(vocab=301, hidden=64, intermediate=88, layers=2, heads=4, kv_heads=2, seq=16, batch=2, rank=8,
-                dtype="bf16")
-    config = dict(model_type="llama", vocab_size=301, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
-    galore = trace_step(config, "adamw", 8, batch=2, seq=16, dtype=torch.bfloat16, galore_rank=8,
-                        galore_target_modules=["attn", "mlp"], per_layer=True).peak
+    args = dict(
+        vocab=301, hidden=64, intermediate=88, layers=2, heads=4, kv_heads=2, seq=16, batch=2, rank=8, dtype="bf16"
+    )
+    config = dict(
+        model_type="llama",
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=88,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    galore = trace_step(
+        config,
+        "adamw",
+        8,
+        batch=2,
+        seq=16,
+        dtype=torch.bfloat16,
+        galore_rank=8,
+        galore_target_modules=["attn", "mlp"],
+        per_layer=True,
+    ).peak
     came = trace_step(config, "came", 8, batch=2, seq=16, dtype=torch.bfloat16).peak
-    rows = [dict(name="torch-adamw-fused", peak_bytes=1, peak_kind="device"),
-            dict(name="lowmemopt-galore-adamw-8bit-per-layer", peak_bytes=int(galore * 1.03), peak_kind="device"),
-            dict(name="lowmemopt-came-8bit", peak_bytes=int(came * 1.2), peak_kind="device"),
-            dict(name="lowmemopt-adamw-8bit", peak_bytes=10**9, peak_kind="rss")]
+    rows = [
+        dict(name="torch-adamw-fused", peak_bytes=1, peak_kind="device"),
+        dict(name="lowmemopt-galore-adamw-8bit-per-layer", peak_bytes=int(galore * 1.03), peak_kind="device"),
+        dict(name="lowmemopt-came-8bit", peak_bytes=int(came * 1.2), peak_kind="device"),
+        dict(name="lowmemopt-adamw-8bit", peak_bytes=10**9, peak_kind="rss"),
+    ]
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps(dict(args=args, rows=rows)))
     lines, ok = fits.compare_e2e([str(path), str(tmp_path / "absent.json")])
     table = "\n".join(lines)
     assert not ok and "torch-adamw-fused" not in table
-    row = f"| lowmemopt-galore-adamw-8bit-per-layer | {galore * 1.03 / 2**30:.2f} | {galore / 2**30:.2f} | 0.971 | PASS |"
+    row = (
+        f"| lowmemopt-galore-adamw-8bit-per-layer | {galore * 1.03 / 2**30:.2f} | {galore / 2**30:.2f} | 0.971 | PASS |"
+    )
     assert row in table
     assert "| lowmemopt-came-8bit |" in table and "| 0.833 | FAIL |" in table
     assert "| lowmemopt-adamw-8bit | 0.93 (process RSS, not a device peak) |" in table
@@ -250,10 +335,18 @@ def test_trace_refuses_paged_state_and_models_without_a_loss(tmp_path, capsys):
 
     with pytest.raises(NotImplementedError, match="paged state is not traced"):
         trace_step(SMALL, "paged_adamw8bit", 8, batch=1, seq=8)
-    assert main(["estimate", _config_file(tmp_path), "--optimizer", "paged_adamw8bit", "--batch", "1",
-                 "--seq", "8"]) == 1
+    assert (
+        main(["estimate", _config_file(tmp_path), "--optimizer", "paged_adamw8bit", "--batch", "1", "--seq", "8"]) == 1
+    )
     assert "paged state is not traced" in capsys.readouterr().err
-    vit = dict(model_type="vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               image_size=32, patch_size=16)  # (no causal LM: built as AutoModel)
+    vit = dict(
+        model_type="vit",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=16,
+    )  # (no causal LM: built as AutoModel)
     with pytest.raises(ValueError, match="needs a causal language model"):
         trace_step(vit, "adamw", 32, batch=1, seq=8)

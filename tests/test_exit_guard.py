@@ -31,9 +31,15 @@ def test_a_process_that_hangs_after_its_session_is_ended_with_its_stacks(tmp_pat
     (tmp_path / "test_hang.py").write_text(TEST)
     env = dict(os.environ, LOWMEMOPT_TEST_EXIT_GRACE_S="2")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_hang.py"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_hang.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=150)
     finally:

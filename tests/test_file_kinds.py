@@ -42,8 +42,10 @@ def _files(tmp_path, opt) -> dict[str, tuple[str, list[str]]]:
     return {
         "opt.pt": ("torch", ["a torch.save file (a zip archive), not an optimizer state file"] + torch_advice),
         "legacy.pt": ("torch-legacy", ["a torch.save file in torch's legacy (pickle) format"] + torch_advice),
-        "cut.pt": ("torch-truncated", ["a zip archive cut short (no end record", "OSError: [Errno 22]",
-                                       "save the state again"]),
+        "cut.pt": (
+            "torch-truncated",
+            ["a zip archive cut short (no end record", "OSError: [Errno 22]", "save the state again"],
+        ),
         "config.json": ("json", ["a JSON file (a model's config.json?)", "lowmemopt estimate"]),
         "list.json": ("json", ["a JSON file"]),
         "plain.pkl": ("pickle", ["a Python pickle file", LOAD_STATE_DICT]),
@@ -72,9 +74,14 @@ def test_inspect_names_each_kind_of_file(tmp_path, capsys):
     for name in ("opt.pt", "legacy.pt"):  # torch.save files of a state_dict(): described
         assert inspect(str(tmp_path / name)) == 0
         assert "optimizer state_dict() saved with torch.save (lowmemopt state" in capsys.readouterr().out
-    expected = {"cut.pt": files["cut.pt"][1], "config.json": files["config.json"][1],
-                "other.zip": ["a zip archive (not a torch.save file), not an optimizer state file",
-                              "lowmemopt inspect reads a .safetensors file"]}
+    expected = {
+        "cut.pt": files["cut.pt"][1],
+        "config.json": files["config.json"][1],
+        "other.zip": [
+            "a zip archive (not a torch.save file), not an optimizer state file",
+            "lowmemopt inspect reads a .safetensors file",
+        ],
+    }
     for name, phrases in expected.items():
         assert inspect(str(tmp_path / name)) == 1
         err = capsys.readouterr().err

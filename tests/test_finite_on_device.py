@@ -116,7 +116,9 @@ def test_the_host_reads_the_flags_at_the_next_step(monkeypatch):
     monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", True)
     log = []
     real_launch, real_read = launch.Bucket.launch, finite.DeviceFlags.host
-    monkeypatch.setattr(launch.Bucket, "launch", lambda self, *a, **k: log.append("launch") or real_launch(self, *a, **k))
+    monkeypatch.setattr(
+        launch.Bucket, "launch", lambda self, *a, **k: log.append("launch") or real_launch(self, *a, **k)
+    )
     monkeypatch.setattr(finite.DeviceFlags, "host", lambda self: log.append("read") or real_read(self))
     real_resolve = finite.PendingSkip.resolve
     monkeypatch.setattr(finite.PendingSkip, "resolve", lambda self: log.append("settle") or real_resolve(self))
@@ -141,8 +143,13 @@ def test_the_host_reads_the_flags_at_the_next_step(monkeypatch):
 
 GALORE_SHAPES = [(16, 12), (16, 12), (16, 12), (20, 8), (12,)]  # a class of 3 matrices, one alone, a bias
 #: (step, param): non-finite gradients of the GaLore runs (step 3 refreshes the bases: checked on the host)
-GALORE_BAD = {(1, 0): float("nan"), (2, 3): float("inf"), (3, 2): float("nan"), (4, 4): float("nan"),
-              (5, 1): -float("inf")}
+GALORE_BAD = {
+    (1, 0): float("nan"),
+    (2, 3): float("inf"),
+    (3, 2): float("nan"),
+    (4, 4): float("nan"),
+    (5, 1): -float("inf"),
+}
 GALORE_CASES = [
     (lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     (lowmemopt.Lion, dict(lr=1e-3, weight_decay=0.1)),
@@ -165,8 +172,13 @@ def _galore_run(cls, kw, bits, on_device, monkeypatch, per_layer=False):
     checks = count_device_checks(monkeypatch)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in GALORE_SHAPES]
-    opt = cls([{"params": params[:4], "rank": 4, "update_proj_gap": 3}, {"params": params[4:]}], state_bits=bits,
-              min_quant_numel=0, block_size=32, **kw)
+    opt = cls(
+        [{"params": params[:4], "rank": 4, "update_proj_gap": 3}, {"params": params[4:]}],
+        state_bits=bits,
+        min_quant_numel=0,
+        block_size=32,
+        **kw,
+    )
 
     def hooks() -> int:  # every parameter alone, then the end of the backward pass's read
         pending: list = []
@@ -196,10 +208,12 @@ def test_galore_equals_the_host_check(cls, kw, bits, monkeypatch):
 
 def test_galore_per_layer_updates_check_on_the_device(monkeypatch):
     # step_in_backward's hooks: a projected parameter's step is decided on the device too (no refresh due)
-    a, opt_a, skipped_a, checks_a = _galore_run(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, True,
-                                                monkeypatch, per_layer=True)
-    b, opt_b, skipped_b, checks_b = _galore_run(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, False,
-                                                monkeypatch, per_layer=True)
+    a, opt_a, skipped_a, checks_a = _galore_run(
+        lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, True, monkeypatch, per_layer=True
+    )
+    b, opt_b, skipped_b, checks_b = _galore_run(
+        lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, False, monkeypatch, per_layer=True
+    )
     assert skipped_a == skipped_b == [0, 1, 1, 1, 1, 1]
     # one check per parameter on the device where no refresh is due: step 0 the bias; steps 1, 2, 5 all five; step 3
     # params 0, 3 and the bias (1, 2 refresh); step 4 param 1 and the bias (0, 2, 3 refresh, a skip later)
@@ -294,8 +308,9 @@ def test_per_layer_updates_of_resident_paged_state_check_on_the_device(monkeypat
     the unpaged one bit for bit (a NaN gradient in the second backward)."""
     a, opt_a, reads, host_checks = _per_layer_run(monkeypatch, True, 8, paged=True, page_budget_bytes=1 << 30)
     assert len(host_checks) == 4 and [n for n in reads if n] == [4, 4]  # backward 1 on the host, then the device
-    assert all(opt_a._pager_for([(p, g)]).where_state_lives(p) == "device" for g in opt_a.param_groups
-               for p in g["params"])
+    assert all(
+        opt_a._pager_for([(p, g)]).where_state_lives(p) == "device" for g in opt_a.param_groups for p in g["params"]
+    )
     b, opt_b, _, _ = _per_layer_run(monkeypatch, True, 8)
     assert opt_a.nonfinite_skips == opt_b.nonfinite_skips == 1
     assert_runs_same(list(a.parameters()), opt_a, list(b.parameters()), opt_b)

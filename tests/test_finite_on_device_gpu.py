@@ -41,8 +41,10 @@ def _groups(params, galore: bool) -> list[dict]:
     first step only)."""
     if not galore:
         return [{"params": params}]
-    return [{"params": [params[0], params[1], params[3]], "rank": 8, "update_proj_gap": 100},
-            {"params": [params[2], params[4]]}]
+    return [
+        {"params": [params[0], params[1], params[3]], "rank": 8, "update_proj_gap": 100},
+        {"params": [params[2], params[4]]},
+    ]
 
 
 def _snapshot(opt, p):
@@ -79,7 +81,7 @@ def _run(cls, kw, bits, on_device, monkeypatch, galore=False):
             now = opt.state.get(p, {})
             assert sorted(now) == sorted(state), (step, tuple(p.shape))
             for k, v in state.items():
-                assert (torch.equal(now[k], v) if isinstance(v, torch.Tensor) else now[k] == v), (step, k)
+                assert torch.equal(now[k], v) if isinstance(v, torch.Tensor) else now[k] == v, (step, k)
     torch.cuda.synchronize()
     return params, opt, caught, len(checks)
 
@@ -91,8 +93,9 @@ def _run(cls, kw, bits, on_device, monkeypatch, galore=False):
 #: do: the two runs differed bitwise on a (96, 160) matrix), so these are compared within rounding; the CPU's products
 #: are equal either way (test_finite_on_device.py compares them bit for bit). The skipped parameters and their state
 #: are compared bit for bit at each step (_run), and every other parameter here.
-BATCHED_WITH_A_SKIP = {i for i in (0, 1, 3) for j in (0, 1, 3)
-                       if i != j and SHAPES[i] == SHAPES[j] and any(k in (i, j) for _, k in BAD)}
+BATCHED_WITH_A_SKIP = {
+    i for i in (0, 1, 3) for j in (0, 1, 3) if i != j and SHAPES[i] == SHAPES[j] and any(k in (i, j) for _, k in BAD)
+}
 
 
 def _compare(cls, a, opt_a, b, opt_b, rounded=frozenset()):
@@ -108,11 +111,14 @@ def _compare(cls, a, opt_a, b, opt_b, rounded=frozenset()):
 
 #: (cls, kw, bits, galore): every algorithm at 32 and 8 bits; GaLore (AdamW, CAME) at 8
 SKIP_CASES = [(cls, kw, bits, False) for cls, kw in CASES for bits in (32, 8)] + [
-    (CASES[0][0], CASES[0][1], 8, True), (CASES[6][0], CASES[6][1], 8, True)]
+    (CASES[0][0], CASES[0][1], 8, True),
+    (CASES[6][0], CASES[6][1], 8, True),
+]
 
 
-@pytest.mark.parametrize("cls,kw,bits,galore", SKIP_CASES,
-                         ids=[f"{c.__name__}-{b}{'-galore' if g else ''}" for c, _, b, g in SKIP_CASES])
+@pytest.mark.parametrize(
+    "cls,kw,bits,galore", SKIP_CASES, ids=[f"{c.__name__}-{b}{'-galore' if g else ''}" for c, _, b, g in SKIP_CASES]
+)
 def test_skipped_parameters_are_untouched_on_cuda(cls, kw, bits, galore, monkeypatch):
     # GaLore: the projected matrices' low-rank kernels and the batched apply pass read the flags; the first step (the
     # bases are made) takes the host check

@@ -15,8 +15,12 @@ import lowmemopt
 
 F64 = torch.float64
 #: our class for each torch.optim class that torch's optimizer database covers
-TORCH_TWINS = {"Adam": lowmemopt.Adam, "AdamW": lowmemopt.AdamW, "SGD": lowmemopt.SGD,
-               "Adafactor": lowmemopt.AdafactorTorch}
+TORCH_TWINS = {
+    "Adam": lowmemopt.Adam,
+    "AdamW": lowmemopt.AdamW,
+    "SGD": lowmemopt.SGD,
+    "Adafactor": lowmemopt.AdafactorTorch,
+}
 
 
 def _torch_inputs():
@@ -137,6 +141,7 @@ def test_state_file_float64(tmp_path, bits, capsys):
     """``save_state`` / ``load_state`` keep a float64 parameter's state: float64 tensors (F64) at 32 bits, codes at 8;
     the resumed run equals the uninterrupted one exactly; ``lowmemopt inspect`` describes the file."""
     from lowmemopt.inspection import inspect
+
     model, resumed = _model(), _model()
     kw = dict(lr=1e-2, state_bits=bits, min_quant_numel=64)
     opt = lowmemopt.AdamW(model.parameters(), **kw)
@@ -164,6 +169,7 @@ def test_galore_float64_equals_galore_torch(batched, monkeypatch):
     from lowmemopt.projection import batched as galore_batched
 
     monkeypatch.setattr(galore_batched, "BATCH_ON_CPU", batched)
+
     def model():  # (two 32 x 32 matrices: one batch of the batched products)
         torch.manual_seed(0)
         layers = [torch.nn.Linear(24, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)]

@@ -46,8 +46,13 @@ def test_thresholds_match_the_brute_force_rule_on_every_decision_float(name):
     thr = q4.thresholds(name)
     near = torch.cat([_neighbours(thr, k) for k in range(-3, 4)] + [q4.code_book(name)])
     gen = torch.Generator().manual_seed(0)
-    rand = torch.cat([torch.rand(20000, generator=gen) * 2.2 - 1.1, torch.rand(2000, generator=gen) * 1e-3,
-                      torch.tensor([0.0, -0.0, 1.0, -1.0, 5.0, -5.0, 1e-30, -1e-30])])
+    rand = torch.cat(
+        [
+            torch.rand(20000, generator=gen) * 2.2 - 1.1,
+            torch.rand(2000, generator=gen) * 1e-3,
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 5.0, -5.0, 1e-30, -1e-30]),
+        ]
+    )
     y = torch.cat([near, rand])
     got = torch.bucketize(y, thr, right=True)
     assert torch.equal(got, q4.nearest_code_reference(y, name))
@@ -137,7 +142,7 @@ def test_state_format_q4_chunks_cut_bytes_where_they_cut_blocks():
     Q4.init(parts, "m", torch.Size([1000]), torch.device("cpu"), 64)
     Q4.encode(whole, "m", 0, 1000, x, True, 64)
     for lo in range(0, 1000, 256):
-        Q4.encode(parts, "m", lo, min(1000, lo + 256), x[lo: lo + 256].contiguous(), True, 64)
+        Q4.encode(parts, "m", lo, min(1000, lo + 256), x[lo : lo + 256].contiguous(), True, 64)
     assert all(torch.equal(whole[k], parts[k]) for k in whole)
     assert torch.equal(Q4.decode(whole, "m", 256, 1000, True, 64), Q4.decode(whole, "m", 0, 1000, True, 64)[256:])
     assert Q4.nbytes(1000, 64) == 500 + 4 * 16 == sum(t.numel() * t.element_size() for t in whole.values())
@@ -157,8 +162,10 @@ def test_state_bits_and_block_size_options():
     assert lowmemopt.AdamW(p, state_bits=8).defaults["block_size"] == 256
     assert lowmemopt.AdamW(p, state_bits=4, block_size=64).defaults["block_size"] == 64
     a, b, c = make_params([(8,), (8,), (8,)])
-    opt = lowmemopt.AdamW([{"params": [a]}, {"params": [b], "state_bits": 4}, {"params": [c], "state_bits": 4,
-                                                                             "block_size": 32}], state_bits=8)
+    opt = lowmemopt.AdamW(
+        [{"params": [a]}, {"params": [b], "state_bits": 4}, {"params": [c], "state_bits": 4, "block_size": 32}],
+        state_bits=8,
+    )
     assert [g["block_size"] for g in opt.param_groups] == [256, 128, 32]
     opt = lowmemopt.AdamW([{"params": [a]}, {"params": [b], "state_bits": 4}], state_bits=8, block_size=512)
     assert [g["block_size"] for g in opt.param_groups] == [512, 512]  # an explicit block size stays
@@ -229,8 +236,10 @@ def test_conversion_to_and_from_4_bits_on_load(src_bits, tmp_path):
         dst = lowmemopt.AdamW(dst_params, state_bits=4, min_quant_numel=0, weight_decay=0.1)
         if how == "file":
             report = lowmemopt.load_state(dst, tmp_path / "src.safetensors")
-            assert sorted(report.converted) == [f"0/0/exp_avg: {_name(src_bits)} -> q4",
-                                                f"0/0/exp_avg_sq: {_name(src_bits)} -> q4"]
+            assert sorted(report.converted) == [
+                f"0/0/exp_avg: {_name(src_bits)} -> q4",
+                f"0/0/exp_avg_sq: {_name(src_bits)} -> q4",
+            ]
         else:
             dst.load_state_dict(src.state_dict())
         st = dst.state[dst_params[0]]
@@ -301,8 +310,12 @@ def test_galore_low_rank_state_at_4_bits(tmp_path):
     st = opt.state[model[0].weight]
     assert "galore.proj" in st and st["exp_avg.nibbles"].numel() == 128 * 16 // 2  # (128, rank 16), packed
     lowmemopt.save_state(opt, tmp_path / "g.safetensors", model=model)
-    again = lowmemopt.AdamW(lowmemopt.galore_param_groups(model, target_modules=["0", "1"], rank=16,
-                                                          update_proj_gap=2), lr=1e-2, state_bits=4, min_quant_numel=0)
+    again = lowmemopt.AdamW(
+        lowmemopt.galore_param_groups(model, target_modules=["0", "1"], rank=16, update_proj_gap=2),
+        lr=1e-2,
+        state_bits=4,
+        min_quant_numel=0,
+    )
     assert not lowmemopt.load_state(again, tmp_path / "g.safetensors", model=model).converted
     assert torch.equal(again.state[model[0].weight]["exp_avg.nibbles"], st["exp_avg.nibbles"])
 
@@ -344,8 +357,16 @@ def test_trainer_factory_and_aliases():
     assert resolve("paged_lion4bit").kwargs == {"paged": True}
     p = make_params([(8, 8)])
     assert lowmemopt.PagedAdamW4bit(p).defaults["paged"] is True
-    for alias in ("Adam4bit", "AdamW4bit", "LAMB4bit", "LARS4bit", "Lion4bit", "Adafactor4bit", "CAME4bit",
-                  "GaLoreAdamW4bit"):
+    for alias in (
+        "Adam4bit",
+        "AdamW4bit",
+        "LAMB4bit",
+        "LARS4bit",
+        "Lion4bit",
+        "Adafactor4bit",
+        "CAME4bit",
+        "GaLoreAdamW4bit",
+    ):
         opt = getattr(lowmemopt, alias)(p, **({"lr": 1e-3} if alias == "CAME4bit" else {}))
         assert opt.defaults["state_bits"] == 4 and opt.defaults["block_size"] == 128
     cls, kwargs = optimizer("adamw4bit", embedding_state_bits=4)
@@ -416,8 +437,10 @@ def test_4bit_training_matches_32bit_llama(name):
         runs = {bits: train_llama_bytes(lambda p: cls(p, state_bits=bits, **kw), 300, seed=seed) for bits in (32, 4)}
         l32, l4 = runs[32]["heldout"], runs[4]["heldout"]
         rel.append((l4 - l32) / l32)
-        print(f"{name} LLaMA seed {seed}: held-out 32-bit {l32:.4f}, 4-bit {l4:.4f} ({100 * rel[-1]:+.2f}%), "
-              f"state {runs[32]['state_bytes']} -> {runs[4]['state_bytes']} B")
+        print(
+            f"{name} LLaMA seed {seed}: held-out 32-bit {l32:.4f}, 4-bit {l4:.4f} ({100 * rel[-1]:+.2f}%), "
+            f"state {runs[32]['state_bytes']} -> {runs[4]['state_bytes']} B"
+        )
         assert runs[4]["state_bytes"] < runs[32]["state_bytes"] / 3
     assert abs(sum(rel) / len(rel)) < 0.02 and max(map(abs, rel)) < 0.04, rel
 
@@ -432,8 +455,11 @@ def test_another_models_4bit_state_is_refused_naming_the_shapes():
         params[0].grad = torch.randn_like(params[0])
         opt.step()
     before = {k: v.clone() for k, v in dst.state[b[0]].items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError, match=r"'exp_avg' has 3,072 bytes in the state dict \(4-bit codes, two per byte, "
-                                         r"stored flat\); the optimizer's parameter has shape \(32, 48\) \(1,536 "
-                                         r"elements, 768 bytes\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'exp_avg' has 3,072 bytes in the state dict \(4-bit codes, two per byte, "
+        r"stored flat\); the optimizer's parameter has shape \(32, 48\) \(1,536 "
+        r"elements, 768 bytes\)",
+    ):
         dst.load_state_dict(src.state_dict())
     assert all(torch.equal(dst.state[b[0]][k], v) for k, v in before.items())

@@ -30,6 +30,7 @@ def _same_grads(a, b, seed):
 
 # -- CPUAdam vs DeepSpeed's DeepSpeedCPUAdam -----------------------------------------------------------------------
 
+
 def _deepspeed_cpu_adam():
     """DeepSpeed's CPU Adam class with its op built (a JIT C++ build at first use), or skip."""
     try:
@@ -64,8 +65,9 @@ def test_cpu_adam_matches_deepspeed(dtype, monkeypatch):
     rel2 = abs((1 - _f32(betas[1])) - (1 - betas[1])) / (1 - betas[1])
     ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-7
     for adamw, bc, wd, fp32_states in itertools.product([True, False], [True, False], [0.0, 0.1], [True, False]):
-        kw = dict(lr=lr, betas=betas, bias_correction=bc, weight_decay=wd, adamw_mode=adamw,
-                  fp32_optimizer_states=fp32_states)
+        kw = dict(
+            lr=lr, betas=betas, bias_correction=bc, weight_decay=wd, adamw_mode=adamw, fp32_optimizer_states=fp32_states
+        )
         ours, theirs = _twins(_params(dtype))
         opt, ref = lowmemopt.CPUAdam(ours, **kw), DeepSpeedCPUAdam(theirs, **kw)
         state_ulp = ulp if not fp32_states else 2.0**-23
@@ -80,11 +82,13 @@ def test_cpu_adam_matches_deepspeed(dtype, monkeypatch):
                 assert sx["exp_avg"].dtype == sy["exp_avg"].dtype, where
                 # p: the update off by rel2 / 2 (and the decay's few ulps), plus the rounding of p itself
                 moved = (y.detach().float() - y0).abs().max().item()
-                torch.testing.assert_close(x.detach(), y.detach(), rtol=2 * ulp, atol=moved * (rel2 + 16 * 2.0**-23),
-                                           msg=where)
+                torch.testing.assert_close(
+                    x.detach(), y.detach(), rtol=2 * ulp, atol=moved * (rel2 + 16 * 2.0**-23), msg=where
+                )
                 torch.testing.assert_close(sx["exp_avg"], sy["exp_avg"], rtol=3 * state_ulp, atol=1e-7, msg=where)
-                torch.testing.assert_close(sx["exp_avg_sq"], sy["exp_avg_sq"], rtol=rel2 + 3 * state_ulp, atol=1e-12,
-                                           msg=where)
+                torch.testing.assert_close(
+                    sx["exp_avg_sq"], sy["exp_avg_sq"], rtol=rel2 + 3 * state_ulp, atol=1e-12, msg=where
+                )
                 with torch.no_grad():
                     x.copy_(y)
                     sx["exp_avg"].copy_(sy["exp_avg"])
@@ -133,6 +137,7 @@ def test_cpu_adam_fp16_state_matches_the_eager_reference():
 
 # -- FusedAdam ------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_fused_adam_is_torch_adam_where_flags_coincide(adam_w_mode):
     ours, theirs = _twins(_params())
@@ -178,6 +183,7 @@ def test_fused_adam_names_and_flags():
     opt.zero_grad(set_to_none=True)
     assert p[0].grad is None
     import copy
+
     assert copy.deepcopy(opt).set_grad_none is False
     assert lowmemopt.registry.resolve("fused_adam").cls is lowmemopt.FusedAdam
     assert lowmemopt.registry.resolve("deepspeedcpuadam").cls is lowmemopt.DeepSpeedCPUAdam
@@ -185,14 +191,16 @@ def test_fused_adam_names_and_flags():
 
 # -- FusedSGD --------------------------------------------------------------------------------------------------------
 
+
 def test_fused_sgd_weight_decay_after_momentum_on_every_cpu_path(monkeypatch):
     """wd_after_momentum against Apex's step written out (optim_info.ApexSGDReference), on a tensor large enough for
     the CPU fast paths: the native C kernel (its flag 16, where it builds) or the compiled / eager paths."""
     from optim_info import ApexSGDReference
 
     kw = dict(lr=1e-2, momentum=0.9, weight_decay=0.05, wd_after_momentum=True)
-    h, flags = lowmemopt.FusedSGD.algorithm.kernels.native.scalars(dict(kw, dampening=0.0, nesterov=False, maximize=False,
-                                                       first_step=False), 1.0)
+    h, flags = lowmemopt.FusedSGD.algorithm.kernels.native.scalars(
+        dict(kw, dampening=0.0, nesterov=False, maximize=False, first_step=False), 1.0
+    )
     assert flags & 16
     ours, theirs = _twins(_params(shapes=((70000,), (33,))))
     opt, ref = lowmemopt.FusedSGD(ours, **kw), ApexSGDReference(theirs, **kw)
@@ -212,8 +220,23 @@ def test_fused_sgd_weight_decay_after_momentum_on_every_cpu_path(monkeypatch):
 
 # -- FusedLAMB -------------------------------------------------------------------------------------------------------
 
-def apex_lamb_reference(params, grads, states, step, *, lr, betas, eps, weight_decay, bias_correction=True,
-                        adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False):
+
+def apex_lamb_reference(
+    params,
+    grads,
+    states,
+    step,
+    *,
+    lr,
+    betas,
+    eps,
+    weight_decay,
+    bias_correction=True,
+    adam_w_mode=True,
+    grad_averaging=True,
+    max_grad_norm=1.0,
+    use_nvlamb=False,
+):
     """Apex's multi_tensor_lamb written out, in float64 (the published algorithm, not its rounding): the global norm of
     all gradients; phase 1 per element; phase 2 the per-tensor trust ratio. Updates ``params`` and ``states``."""
     beta1, beta2 = betas
@@ -250,8 +273,9 @@ LAMB_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", LAMB_CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) or "defaults"
-                                                  for c in LAMB_CASES])
+@pytest.mark.parametrize(
+    "case", LAMB_CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) or "defaults" for c in LAMB_CASES]
+)
 def test_fused_lamb_matches_apex_algorithm(case):
     kw = dict(dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01), **case)
     params = [torch.nn.Parameter(v) for v in _params(shapes=((300,), (37, 53), (7,)))]
@@ -275,8 +299,9 @@ def test_fused_lamb_is_colossalai_lamb_where_flags_coincide():
     Lamb = _colossalai_module("lamb").Lamb
     for wd in (0.0, 0.1):
         ours, theirs = _twins(_params())
-        opt = lowmemopt.FusedLAMB(ours, lr=1e-2, weight_decay=wd, bias_correction=False, max_grad_norm=0,
-                                  use_nvlamb=True)
+        opt = lowmemopt.FusedLAMB(
+            ours, lr=1e-2, weight_decay=wd, bias_correction=False, max_grad_norm=0, use_nvlamb=True
+        )
         ref = Lamb(theirs, lr=1e-2, weight_decay=wd, eps=1e-6)
         for step in range(5):
             _same_grads(ours, theirs, step)

@@ -20,8 +20,10 @@ from lowmemopt.projection import captured_energy, principal_angles, randomized_s
 from lowmemopt.projection import projector as pj
 
 galore_torch = pytest.importorskip("galore_torch")
-interpreted = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET),
-                                 reason="needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported")
+interpreted = pytest.mark.skipif(
+    not (runtime.HAS_TRITON and runtime.INTERPRET),
+    reason="needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported",
+)
 
 GAP = 3
 SHAPES = [(40, 24), (24, 40), (30,)]  # m >= n, m < n, and a 1-D param in a plain group
@@ -574,7 +576,8 @@ def test_bad_group_keys(kw, exc, match):
 
 def _snapshot(opt, params):
     return [p.detach().clone() for p in params], [
-        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for p in params]
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for p in params
+    ]
 
 
 def _assert_unchanged(opt, params, snapshot):
@@ -600,8 +603,12 @@ def test_group_values_set_after_steps_are_refused_before_the_step_changes_anythi
     """A GaLore key set in the param group after it was added is checked as add_param_group checks it, before the step
     writes anything (the plain group before it included); set back, the run goes on."""
     params = make_params([(6, 5), (40, 24)])
-    opt = lowmemopt.AdamW([dict(params=params[:1]), dict(params=params[1:], rank=4, update_proj_gap=2)], lr=1e-2,
-                          state_bits=8, min_quant_numel=16)
+    opt = lowmemopt.AdamW(
+        [dict(params=params[:1]), dict(params=params[1:], rank=4, update_proj_gap=2)],
+        lr=1e-2,
+        state_bits=8,
+        min_quant_numel=16,
+    )
     _train(opt, params, 0, 2)
     old, opt.param_groups[1][key] = opt.param_groups[1][key], value
     set_grads(params, 2)
@@ -631,7 +638,9 @@ def test_rank_changed_removed_or_added_after_steps_is_named_and_changes_nothing(
     with pytest.raises(ValueError, match="made at rank 4"):
         opt.step()
     del projected["rank"]
-    with pytest.raises(ValueError, match=r"param group 1 has GaLore \(low-rank\) state but its param group has no 'rank'"):
+    with pytest.raises(
+        ValueError, match=r"param group 1 has GaLore \(low-rank\) state but its param group has no 'rank'"
+    ):
         opt.step()  # (was: raised after the plain group's parameter had stepped)
     _assert_unchanged(opt, params, before)
     projected["rank"] = 4
@@ -667,15 +676,21 @@ def test_zero_size_matrices_in_a_rank_group_step_and_resume(name):
 
 def test_rank_on_a_1d_param_is_refused():
     with pytest.raises(ValueError, match=r"rank=4 on a 1-D parameter .* shape \(6,\)"):
-        lowmemopt.AdamW([dict(params=[torch.nn.Parameter(torch.zeros(8, 6)), torch.nn.Parameter(torch.zeros(6))],
-                              rank=4)])
+        lowmemopt.AdamW(
+            [dict(params=[torch.nn.Parameter(torch.zeros(8, 6)), torch.nn.Parameter(torch.zeros(6))], rank=4)]
+        )
 
 
 def test_defaults_filled_in_and_any_ndim_ge_2():
     conv = torch.nn.Parameter(torch.randn(8, 3, 3, 3))  # projected as an 8 x 27 matrix
     opt = lowmemopt.SGD([dict(params=[conv], rank=4)], lr=0.1, momentum=0.9)
     group = opt.param_groups[0]
-    assert (group["update_proj_gap"], group["scale"], group["proj_type"], group["proj_moments"]) == (200, 0.25, "std", "keep")
+    assert (group["update_proj_gap"], group["scale"], group["proj_type"], group["proj_moments"]) == (
+        200,
+        0.25,
+        "std",
+        "keep",
+    )
     assert group["proj_dtype"] == "param"  # bf16 products for bf16 parameters (docs/galore.md)
     conv.grad = torch.randn_like(conv)
     opt.step()
@@ -691,6 +706,7 @@ def _dtypes_of_projections(monkeypatch) -> list:
     """The dtypes of the products' results, as the projections are made."""
     seen = []
     for fn in ("project", "project_back_rows"):
+
         def spy(*a, _real=getattr(pj, fn), **k):
             out = _real(*a, **k)
             seen.append(out.dtype)
@@ -722,7 +738,7 @@ def test_proj_dtype_param_runs_bf16_products_for_bf16_params_only(dtype, monkeyp
         if dtype == torch.float32:
             assert torch.equal(p, r)
         else:  # 2 steps of lr 1e-2: the products' rounding moves a value by at most one bf16 step of it
-            torch.testing.assert_close(p.float(), r.float(), rtol=2 ** -7, atol=1e-2)
+            torch.testing.assert_close(p.float(), r.float(), rtol=2**-7, atol=1e-2)
     sd = opt.state_dict()
     assert sd["param_groups"][0]["proj_dtype"] == "param"
     twin = lowmemopt.AdamW(_groups(clone_params(ours)), lr=1e-2)
@@ -753,7 +769,7 @@ def test_proj_dtype_param_through_the_fused_batched_path(name, kw, monkeypatch):
         assert bmm == [torch.bfloat16 if proj == "param" else torch.float32] * 4  # 2 steps x (project, back)
         runs[proj] = params
     for p, r in zip(runs["param"], runs["float32"]):
-        torch.testing.assert_close(p.float(), r.float(), rtol=2 ** -7, atol=1e-2)
+        torch.testing.assert_close(p.float(), r.float(), rtol=2**-7, atol=1e-2)
 
 
 def test_bf16_products_train_like_fp32_products():
@@ -768,8 +784,12 @@ def test_bf16_products_train_like_fp32_products():
                 p.data = p.data.to(torch.bfloat16)  # the model in bf16
             mats = [p for p in params if p.dim() == 2 and tuple(p.shape) != (256, 48)]  # not the embedding
             rest = [p for p in params if all(p is not q for q in mats)]
-            return lowmemopt.AdamW([dict(params=rest), dict(params=mats, rank=32, update_proj_gap=50,
-                                                              proj_dtype=proj)], lr=3e-3, weight_decay=0.01)
+            return lowmemopt.AdamW(
+                [dict(params=rest), dict(params=mats, rank=32, update_proj_gap=50, proj_dtype=proj)],
+                lr=3e-3,
+                weight_decay=0.01,
+            )
+
         return make_optimizer
 
     fp32, bf16 = (train_bytes(make(proj), 150, seed=0) for proj in ("float32", "param"))
@@ -807,8 +827,10 @@ def _names(model, params):
 @pytest.mark.parametrize(
     "target,expected",
     [
-        (r".*\.(q|k)_proj", ["layers.0.k_proj.weight", "layers.0.q_proj.weight", "layers.1.k_proj.weight",
-                             "layers.1.q_proj.weight"]),
+        (
+            r".*\.(q|k)_proj",
+            ["layers.0.k_proj.weight", "layers.0.q_proj.weight", "layers.1.k_proj.weight", "layers.1.q_proj.weight"],
+        ),
         (r"layers\.1\.mlp\.\d", ["layers.1.mlp.0.weight", "layers.1.mlp.2.weight"]),
         (["mlp"], [f"layers.{i}.mlp.{j}.weight" for i in (0, 1) for j in (0, 2)]),
         (["q_proj", "lm_head"], ["layers.0.q_proj.weight", "layers.1.q_proj.weight", "lm_head.weight"]),
@@ -820,10 +842,16 @@ def test_galore_param_groups_selects_linear_weights(target, expected):
     model = _model()
     if expected is None:
         expected = sorted(n + ".weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
-    groups = lowmemopt.galore_param_groups(model, target_modules=target, rank=4, update_proj_gap=50, scale=0.5,
-                                           proj_type="reverse_std")
+    groups = lowmemopt.galore_param_groups(
+        model, target_modules=target, rank=4, update_proj_gap=50, scale=0.5, proj_type="reverse_std"
+    )
     galore = groups[-1]
-    assert (galore["rank"], galore["update_proj_gap"], galore["scale"], galore["proj_type"]) == (4, 50, 0.5, "reverse_std")
+    assert (galore["rank"], galore["update_proj_gap"], galore["scale"], galore["proj_type"]) == (
+        4,
+        50,
+        0.5,
+        "reverse_std",
+    )
     assert _names(model, galore["params"]) == expected
     others = [p for g in groups[:-1] for p in g["params"]]
     assert len(others) + len(galore["params"]) == len(list(model.parameters()))
@@ -840,8 +868,11 @@ def test_galore_param_groups_weight_decay_split_frozen_and_tied():
     groups = lowmemopt.galore_param_groups(model, ".*_proj", rank=2, weight_decay=0.1)
     decay, no_decay, galore = groups
     assert galore["weight_decay"] == 0.1 and decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert _names(model, galore["params"]) == ["layers.0.k_proj.weight", "layers.0.q_proj.weight",
-                                               "layers.1.k_proj.weight"]
+    assert _names(model, galore["params"]) == [
+        "layers.0.k_proj.weight",
+        "layers.0.q_proj.weight",
+        "layers.1.k_proj.weight",
+    ]
     assert all(p.dim() < 2 for p in no_decay["params"]) and all(p.dim() >= 2 for p in decay["params"])
     all_params = [p for g in groups for p in g["params"]]
     assert len(all_params) == len({id(p) for p in all_params}) == sum(p.requires_grad for p in model.parameters())
@@ -851,8 +882,11 @@ def test_galore_param_groups_errors():
     model = _model()
     with pytest.raises(ValueError, match="no nn.Linear module matches"):
         lowmemopt.galore_param_groups(model, "nothing", rank=4)
-    with pytest.raises(ValueError, match=r"no nn.Linear module matches .* matched but are not nn.Linear: "
-                                         r"layers.0.norm, layers.1.norm"):
+    with pytest.raises(
+        ValueError,
+        match=r"no nn.Linear module matches .* matched but are not nn.Linear: "
+        r"layers.0.norm, layers.1.norm",
+    ):
         lowmemopt.galore_param_groups(model, ["norm"], rank=4)
     with pytest.raises(TypeError, match="target_modules"):
         lowmemopt.galore_param_groups(model, 3, rank=4)
@@ -864,9 +898,12 @@ def test_galore_param_groups_errors():
         lowmemopt.galore_param_groups(model, "all-linear", rank=4, update_proj_gap=0)
     with pytest.raises(TypeError, match="unexpected keyword argument 'proj_moment': did you mean 'proj_moments'"):
         lowmemopt.galore_param_groups(model, "all-linear", rank=4, proj_moment="reset")
-    with pytest.raises(TypeError, match=r"'update_proj_gab': did you mean 'update_proj_gap'\? its GaLore options are "
-                                        r"rank, update_proj_gap, scale, proj_type, weight_decay, proj_dtype, "
-                                        r"proj_moments, proj_stagger, proj_svd \("):
+    with pytest.raises(
+        TypeError,
+        match=r"'update_proj_gab': did you mean 'update_proj_gap'\? its GaLore options are "
+        r"rank, update_proj_gap, scale, proj_type, weight_decay, proj_dtype, "
+        r"proj_moments, proj_stagger, proj_svd \(",
+    ):
         lowmemopt.galore_param_groups(model, "all-linear", rank=4, update_proj_gab=50)
     groups = lowmemopt.galore_param_groups(model, "all-linear", rank=4, proj_moments="reset", proj_svd="randomized")
     assert groups[-1]["proj_moments"] == "reset" and groups[-1]["proj_svd"] == "randomized"

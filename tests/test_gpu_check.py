@@ -44,20 +44,43 @@ def _fixture_work(tmp_path, bench_rc=0, with_xml=True):
     (work / "parts.tsv").write_text(
         "note\t-\t0\t0\tinstalled 3 wheel(s) from .whl into a temporary folder (offline)\n"
         'tests\tnot-slow\t1\t301\tpytest -m "not slow"\n'
-        f"bench\tfused_kernels\t{bench_rc}\t42\tpython bench/fused_kernels.py --sizes 10M\n")
+        f"bench\tfused_kernels\t{bench_rc}\t42\tpython bench/fused_kernels.py --sizes 10M\n"
+    )
     if with_xml:
         (work / "tests-not-slow.xml").write_text(JUNIT)
     (work / "tests-not-slow.log").write_text("... 3 failed, 2 passed, 1 skipped\n")
     (work / "bench-fused_kernels.md").write_text(
         "## Fused kernel benchmark\n\n### 10M parameters in 42 tensors\n\n| optimizer | median step (ms) |\n"
-        "| --- | ---: |\n| lowmemopt-adamw-8bit | 0.11 |\n")
-    (work / "bench-fused_kernels.log").write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
-    (work / "env.json").write_text(json.dumps(dict(
-        gpu="NVIDIA H100 80GB HBM3", gpu_memory_gib=79.2, capability="9.0", sms=132, gpu_count=1, driver="580.159.04",
-        torch="2.11.0+cu130", torch_cuda="13.0", triton="3.6.0", python="3.12.3", platform="Linux", cpu_count=16,
-        lowmemopt="0.1.0", anchors={"bitsandbytes": "0.50.2", "torchao": None})))
-    (work / "meta.json").write_text(json.dumps(dict(date="2026-11-23 10:00 UTC", commit="abc1234", mode="quick",
-                                                    command="scripts/gpu-check --quick")))
+        "| --- | ---: |\n| lowmemopt-adamw-8bit | 0.11 |\n"
+    )
+    (work / "bench-fused_kernels.log").write_text(
+        "Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n"
+    )
+    (work / "env.json").write_text(
+        json.dumps(
+            dict(
+                gpu="NVIDIA H100 80GB HBM3",
+                gpu_memory_gib=79.2,
+                capability="9.0",
+                sms=132,
+                gpu_count=1,
+                driver="580.159.04",
+                torch="2.11.0+cu130",
+                torch_cuda="13.0",
+                triton="3.6.0",
+                python="3.12.3",
+                platform="Linux",
+                cpu_count=16,
+                lowmemopt="0.1.0",
+                anchors={"bitsandbytes": "0.50.2", "torchao": None},
+            )
+        )
+    )
+    (work / "meta.json").write_text(
+        json.dumps(
+            dict(date="2026-11-23 10:00 UTC", commit="abc1234", mode="quick", command="scripts/gpu-check --quick")
+        )
+    )
     return work
 
 
@@ -67,10 +90,14 @@ def test_junit_counts_and_ids(tmp_path):
     s = report.parse_junit(str(path))
     assert (s.tests, s.passed, s.failed, s.errors, s.skipped) == (6, 2, 2, 1, 1)
     assert s.failing == [
-        ("tests/test_kernels.py::test_gpu_kernels_match_cpu_reference[bf16-16-Adafactor]",
-         "AssertionError: Adafactor bits=16 step 2 exp_avg"),
-        ("tests/test_compiled.py::test_lr_schedule_does_not_recompile[AdamW]",
-         "AssertionError: 9 graphs compiled for 8 steps with a changing lr"),
+        (
+            "tests/test_kernels.py::test_gpu_kernels_match_cpu_reference[bf16-16-Adafactor]",
+            "AssertionError: Adafactor bits=16 step 2 exp_avg",
+        ),
+        (
+            "tests/test_compiled.py::test_lr_schedule_does_not_recompile[AdamW]",
+            "AssertionError: 9 graphs compiled for 8 steps with a changing lr",
+        ),
         ("tests/test_paging.py::TestResume::test_resume", "fixture 'tmp_path' failed"),
     ]
 
@@ -122,8 +149,11 @@ def test_a_part_run_again_replaces_its_entry(tmp_path):
     with open(work / "parts.tsv", "a") as fh:
         fh.write("bench\tfused_kernels\t0\t40\tpython bench/fused_kernels.py --sizes 10M\n")
     parts = report.read_parts(str(work))
-    assert [(p.kind, p.name, p.rc) for p in parts] == [("note", "-", 0), ("tests", "not-slow", 1),
-                                                         ("bench", "fused_kernels", 0)]
+    assert [(p.kind, p.name, p.rc) for p in parts] == [
+        ("note", "-", 0),
+        ("tests", "not-slow", 1),
+        ("bench", "fused_kernels", 0),
+    ]
 
 
 def test_report_records_a_failed_benchmark_and_a_crashed_test_run(tmp_path):
@@ -144,8 +174,9 @@ def test_report_records_a_failed_benchmark_and_a_crashed_test_run(tmp_path):
 def test_gpu_check_refuses_without_cuda(tmp_path):
     out = tmp_path / "r.md"
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", SCRIPT, "--report", str(out)], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        ["bash", SCRIPT, "--report", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     assert proc.returncode == 2, proc.stderr
     assert "gpu-check: no CUDA GPU: torch" in proc.stderr and "sees no CUDA device" in proc.stderr
     assert not out.exists()  # nothing ran, nothing reported
@@ -157,14 +188,16 @@ def _check(*args, cwd, env=None, timeout=60):
 
 
 def test_gpu_check_rejects_unknown_options(tmp_path):
-    for args, message in ((["--bogus"], "unknown option --bogus"),
-                          (["--only", "fast"], "unknown part 'fast' (known: e2e_core fused_1b gpu_tests"),
-                          (["--with", "e2e,fast"], "unknown part 'fast'"),
-                          (["--deadline", "10m"], "--deadline takes whole seconds, got '10m'"),
-                          (["--workers", "many"], "--workers takes a whole number, got 'many'"),
-                          (["--caps", "gpu_tests=long"], "--caps takes NAME=SECONDS for known parts, got 'gpu_tests=long'"),
-                          (["--caps", "fast=10"], "--caps takes NAME=SECONDS for known parts, got 'fast=10'"),
-                          (["--only", "e2e", "--full"], "--only selects every part itself: not with --with or --full")):
+    for args, message in (
+        (["--bogus"], "unknown option --bogus"),
+        (["--only", "fast"], "unknown part 'fast' (known: e2e_core fused_1b gpu_tests"),
+        (["--with", "e2e,fast"], "unknown part 'fast'"),
+        (["--deadline", "10m"], "--deadline takes whole seconds, got '10m'"),
+        (["--workers", "many"], "--workers takes a whole number, got 'many'"),
+        (["--caps", "gpu_tests=long"], "--caps takes NAME=SECONDS for known parts, got 'gpu_tests=long'"),
+        (["--caps", "fast=10"], "--caps takes NAME=SECONDS for known parts, got 'fast=10'"),
+        (["--only", "e2e", "--full"], "--only selects every part itself: not with --with or --full"),
+    ):
         proc = _check(*args, cwd=tmp_path)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
 
@@ -192,16 +225,25 @@ def test_the_default_plan_fits_one_command(tmp_path):
     caps = {n: cap for n, cap, _ in plan}
     assert sum(caps.values()) <= 540 - 20 - 20 and all(cap >= 30 for cap in caps.values())  # set-up, report
     commands = {n: cmd for n, _, cmd in plan}
-    assert commands["e2e_core"] == ("python bench/e2e.py --optimizers core --steps 9 --warmup 3 --timeout 100 "
-                                    "--json $WORK/e2e_core.json")  # 12 steps a row
+    assert commands["e2e_core"] == (
+        "python bench/e2e.py --optimizers core --steps 9 --warmup 3 --timeout 100 --json $WORK/e2e_core.json"
+    )  # 12 steps a row
     assert commands["fused_1b"] == "python bench/fused_kernels.py --sizes 1B --dtypes bf16 --json $WORK/fused_1b.json"
     assert commands["gpu_tests"] == 'pytest -n 8 -m "gpu and not slow"'
-    assert commands["profile_adamw"] == ("python bench/profile_step.py --optimizers lowmemopt-adamw-8bit --steps 1 "
-                                         "--warmup 2")
+    assert commands["profile_adamw"] == (
+        "python bench/profile_step.py --optimizers lowmemopt-adamw-8bit --steps 1 --warmup 2"
+    )
     e2e = load_bench("e2e")  # the rows e2e_core measures
-    assert e2e.expand_rows("core") == ["torch-adamw-fused", "lowmemopt-adamw-8bit", "bnb-adamw8bit",
-                                       "lowmemopt-came-8bit", "lowmemopt-paged-adamw-8bit", "bnb-paged-adamw8bit",
-                                       "lowmemopt-galore-adamw-8bit", "galore-torch-adamw8bit"]
+    assert e2e.expand_rows("core") == [
+        "torch-adamw-fused",
+        "lowmemopt-adamw-8bit",
+        "bnb-adamw8bit",
+        "lowmemopt-came-8bit",
+        "lowmemopt-paged-adamw-8bit",
+        "bnb-paged-adamw8bit",
+        "lowmemopt-galore-adamw-8bit",
+        "galore-torch-adamw8bit",
+    ]
     assert set(e2e.CORE_ROWS) <= set(e2e.ROWS)
 
 
@@ -213,13 +255,24 @@ def test_gpu_check_selects_parts(tmp_path):
     header, plan = _plan(tmp_path, "--with", "sweep,tests")
     assert [n for n, _, _ in plan] == DEFAULT_PLAN + ["tests", "sweep"] and not header
     _, plan = _plan(tmp_path, "--only", "sweep,e2e,gpu_tests", "--caps", "gpu_tests=300,e2e=100", "--workers", "0")
-    assert plan == [("gpu_tests", 300, 'pytest -m "gpu and not slow"'),
-                    ("e2e", 100, "python bench/e2e.py --steps 10 --warmup 3 --json $WORK/e2e.json"),
-                    ("sweep", 900, "python bench/fused_kernels.py --sweep --sizes 100M --dtypes fp32,bf16 "
-                                   "--json $WORK/sweep.json")]
+    assert plan == [
+        ("gpu_tests", 300, 'pytest -m "gpu and not slow"'),
+        ("e2e", 100, "python bench/e2e.py --steps 10 --warmup 3 --json $WORK/e2e.json"),
+        ("sweep", 900, "python bench/fused_kernels.py --sweep --sizes 100M --dtypes fp32,bf16 --json $WORK/sweep.json"),
+    ]
     _, plan = _plan(tmp_path, "--full")
-    assert [n for n, _, _ in plan] == ["tests", "gpu_slow_tests", "kernel_resources", "fused_kernels", "e2e",
-                                       "fits_e2e", "paging", "galore", "host_overhead", "profile_step"]
+    assert [n for n, _, _ in plan] == [
+        "tests",
+        "gpu_slow_tests",
+        "kernel_resources",
+        "fused_kernels",
+        "e2e",
+        "fits_e2e",
+        "paging",
+        "galore",
+        "host_overhead",
+        "profile_step",
+    ]
     _, plan = _plan(tmp_path, "--full", "--skip-tests")
     assert [n for n, _, _ in plan][:2] == ["kernel_resources", "fused_kernels"]
     _, plan = _plan(tmp_path, "--skip-bench", "--deadline", "300")
@@ -232,10 +285,36 @@ def test_gpu_check_selects_parts(tmp_path):
 def test_e2e_bench_runs_tiny_on_cpu(tmp_path):
     """Two rows, each in its own process, on a 1-layer model: the table, ratios to torch's fused AdamW, JSON."""
     js = tmp_path / "e2e.json"
-    cmd = [sys.executable, os.path.join(REPO, "bench", "e2e.py"), "--device", "cpu", "--layers", "1", "--hidden", "32",
-           "--intermediate", "64", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--batch", "2", "--seq", "16",
-           "--steps", "2", "--warmup", "1", "--optimizers",
-           "lowmemopt-adamw-8bit,torch-adamw-fused,lowmemopt-adamw-8bit-per-layer", "--json", str(js)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "bench", "e2e.py"),
+        "--device",
+        "cpu",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--intermediate",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--vocab",
+        "64",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--optimizers",
+        "lowmemopt-adamw-8bit,torch-adamw-fused,lowmemopt-adamw-8bit-per-layer",
+        "--json",
+        str(js),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(js.read_text())["rows"]}
@@ -256,12 +335,25 @@ def test_e2e_bench_runs_tiny_on_cpu(tmp_path):
 
 def test_e2e_missing_library_row():
     e2e = load_bench("e2e")
-    rows = [dict(name="torch-adamw-fused", lr=3e-4, peak_bytes=2**30, full_step_s=0.2, opt_step_s=0.01, loss=1.0,
-                 first_loss=5.0, peak_kind="device"),
-            dict(name="torchao-adamw8bit", error="not installed (torchao)")]
+    rows = [
+        dict(
+            name="torch-adamw-fused",
+            lr=3e-4,
+            peak_bytes=2**30,
+            full_step_s=0.2,
+            opt_step_s=0.01,
+            loss=1.0,
+            first_loss=5.0,
+            peak_kind="device",
+        ),
+        dict(name="torchao-adamw8bit", error="not installed (torchao)"),
+    ]
     table = e2e.markdown_table(rows, 10).splitlines()
     assert "peak device memory (GiB)" in table[0] and "loss after 10 steps" in table[0]
-    assert table[2] == "| torch-adamw-fused | 0.0003 | 1.00 | 1.00x | 200.0 | 1.00x | 10.00 | 1.00x | 1.000 (from 5.00) | |"
+    assert (
+        table[2]
+        == "| torch-adamw-fused | 0.0003 | 1.00 | 1.00x | 200.0 | 1.00x | 10.00 | 1.00x | 1.000 (from 5.00) | |"
+    )
     assert table[3] == "| torchao-adamw8bit | — | — | — | — | — | — | — | — | not installed (torchao) |"
 
 
@@ -281,10 +373,14 @@ def test_e2e_target_verdicts():
     """The performance targets on opt.step(): judged on a GPU run where both rows ran, shown unjudged on a CPU run,
     left out where a row is missing or failed."""
     e2e = load_bench("e2e")
-    rows = [dict(name="torch-adamw-fused", opt_step_s=0.010), dict(name="lowmemopt-adamw-8bit", opt_step_s=0.012),
-            dict(name="lowmemopt-adamw-8bit-graph", opt_step_s=0.008), dict(name="bnb-adamw8bit", opt_step_s=0.030),
-            dict(name="galore-torch-adamw8bit", error="not installed (galore_torch)"),
-            dict(name="lowmemopt-galore-adamw-8bit", opt_step_s=0.05)]
+    rows = [
+        dict(name="torch-adamw-fused", opt_step_s=0.010),
+        dict(name="lowmemopt-adamw-8bit", opt_step_s=0.012),
+        dict(name="lowmemopt-adamw-8bit-graph", opt_step_s=0.008),
+        dict(name="bnb-adamw8bit", opt_step_s=0.030),
+        dict(name="galore-torch-adamw8bit", error="not installed (galore_torch)"),
+        dict(name="lowmemopt-galore-adamw-8bit", opt_step_s=0.05),
+    ]
     lines = e2e.target_lines(rows, gpu=True)
     assert lines == [
         "- fused 8-bit step: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 1.20x -> FAIL",
@@ -314,7 +410,10 @@ def test_gpu_check_e2e_rows(tmp_path):
     (before the CUDA check: here, on a CPU)."""
     proc = _check("--list", "--only", "e2e", "--e2e-rows", "targets", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "e2e\t1800\tpython bench/e2e.py --steps 10 --warmup 3 --optimizers targets --json $WORK/e2e.json\n"
+    assert (
+        proc.stdout
+        == "e2e\t1800\tpython bench/e2e.py --steps 10 --warmup 3 --optimizers targets --json $WORK/e2e.json\n"
+    )
     env = dict(os.environ, PYTHON=sys.executable)
     proc = _check("--skip-tests", "--e2e-rows=targets,lowmemopt-adamw-9bit", cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -334,8 +433,15 @@ def test_gpu_wheels_lists_what_it_would_fetch(tmp_path):
     proc = _wheels("--list", "--dest", str(tmp_path / "w"), "--python-version", "3.13", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = {name: (kind, cmd) for name, kind, cmd in (line.split("\t") for line in proc.stdout.splitlines())}
-    assert set(rows) == {"bitsandbytes", "torchao", "galore-torch", "came-pytorch", "lion-pytorch",
-                         "pytorch-optimizer", "colossalai"}
+    assert set(rows) == {
+        "bitsandbytes",
+        "torchao",
+        "galore-torch",
+        "came-pytorch",
+        "lion-pytorch",
+        "pytorch-optimizer",
+        "colossalai",
+    }
     kind, cmd = rows["bitsandbytes"]
     assert kind == "binary" and "--only-binary=:all: --python-version 3.13" in cmd and "--no-deps" in cmd
     assert cmd.endswith(f"-d {tmp_path / 'w'} bitsandbytes")
@@ -357,8 +463,11 @@ def test_gpu_wheels_checks_the_carry_budget(tmp_path):
     assert proc.returncode == 1 and "over the budget" in proc.stderr
     proc = _wheels("--check", "--dest", str(tmp_path / "empty"), cwd=tmp_path)
     assert proc.returncode == 1 and "no wheels in" in proc.stderr
-    for bad, message in ((["--budget", "lots"], "--budget takes whole MiB"),
-                         (["--python-version", "312"], "--python-version takes X.Y"), (["--bogus"], "unknown option")):
+    for bad, message in (
+        (["--budget", "lots"], "--budget takes whole MiB"),
+        (["--python-version", "312"], "--python-version takes X.Y"),
+        (["--bogus"], "unknown option"),
+    ):
         proc = _wheels(*bad, cwd=tmp_path)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
@@ -388,8 +497,9 @@ esac
 
 def _stand_in(tmp_path, script: str) -> None:
     fake = tmp_path / "python"
-    fake.write_text(script.replace("{python}", sys.executable).replace("{calls}", str(tmp_path / "calls"))
-                    .replace("{repo}", REPO))
+    fake.write_text(
+        script.replace("{python}", sys.executable).replace("{calls}", str(tmp_path / "calls")).replace("{repo}", REPO)
+    )
     fake.chmod(0o755)
 
 
@@ -400,8 +510,20 @@ def test_gpu_check_deadline_interrupts_a_part_and_keeps_its_results(tmp_path):
     within the deadline. The paths are relative (the parts run in other folders: they must still mean the same)."""
     _stand_in(tmp_path, FAKE_PYTHON)
     keep = tmp_path / "keep"
-    proc = _check("--python", "./python", "--only", "gpu_tests,gpu_slow_tests", "--deadline", "60", "--report", "r.md",
-                  "--keep", "keep", cwd=tmp_path, timeout=150)
+    proc = _check(
+        "--python",
+        "./python",
+        "--only",
+        "gpu_tests,gpu_slow_tests",
+        "--deadline",
+        "60",
+        "--report",
+        "r.md",
+        "--keep",
+        "keep",
+        cwd=tmp_path,
+        timeout=150,
+    )
     parts = [line.split("\t") for line in (keep / "parts.tsv").read_text().splitlines()]
     elapsed = [float(seconds) for kind, _, _, seconds, _ in parts if kind == "tests"]
     report = (tmp_path / "r.md").read_text()
@@ -413,9 +535,13 @@ def test_gpu_check_deadline_interrupts_a_part_and_keeps_its_results(tmp_path):
     assert len(elapsed) == 1 and 30 <= elapsed[0] <= 45  # its limit: 60 s less the report's 20 less the start
     lines = report.splitlines()
     assert '| gpu_tests | `pytest -n 8 -m "gpu and not slow"` | 150 | ' in report
-    assert any(line.startswith("| gpu_tests |") and line.endswith("| cut at its cap: exit 124 (timed out) |")
-               for line in lines)
-    assert '| gpu_slow_tests | `pytest -n 8 -m "gpu and slow"` | 900 | — | not run (too little of the deadline left) |' in lines
+    assert any(
+        line.startswith("| gpu_tests |") and line.endswith("| cut at its cap: exit 124 (timed out) |") for line in lines
+    )
+    assert (
+        '| gpu_slow_tests | `pytest -n 8 -m "gpu and slow"` | 900 | — | not run (too little of the deadline left) |'
+        in lines
+    )
 
 
 #: a stand-in for the default plan's parts: e2e runs past its cap; the fused kernels print a table; pytest writes its
@@ -455,8 +581,19 @@ def test_gpu_check_runs_the_plan_in_order_and_caps_each_part(tmp_path):
     the report's plan table gives each part's cap, time and result."""
     _stand_in(tmp_path, FAKE_PLAN)
     env = dict(os.environ, GPU_CHECK_EXIT_GRACE="2")
-    proc = _check("--python", "./python", "--caps", "e2e_core=4", "--report", "r.md", "--keep", "keep", cwd=tmp_path,
-                  env=env, timeout=240)
+    proc = _check(
+        "--python",
+        "./python",
+        "--caps",
+        "e2e_core=4",
+        "--report",
+        "r.md",
+        "--keep",
+        "keep",
+        cwd=tmp_path,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     calls = [line.split()[0] for line in (tmp_path / "calls").read_text().splitlines()]
     assert calls == ["e2e", "fused", "pytest", "profile"]
@@ -466,13 +603,15 @@ def test_gpu_check_runs_the_plan_in_order_and_caps_each_part(tmp_path):
     assert lines.index("## Plan") < lines.index("## Environment")
     table = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and " | `" in line}
     # (its time in whole seconds: the cap, or one more where the cut and the clock's second boundary fall apart)
-    assert re.search(r"\| 4 \| [45] \| cut at its cap: exit 124 \(timed out\) \|$", table["e2e_core"]), table["e2e_core"]
+    assert re.search(r"\| 4 \| [45] \| cut at its cap: exit 124 \(timed out\) \|$", table["e2e_core"]), table[
+        "e2e_core"
+    ]
     assert re.search(r"\| 70 \| \d+ \| ok \|$", table["fused_1b"]), table["fused_1b"]
     assert table["gpu_tests"].endswith("| ok |") and table["profile_adamw"].endswith("| ok |")
     assert "| e2e | first row |" in report and "| profile | one step |" in report  # the output each part had
     assert "gpu_tests: pytest wrote its results and summary but had not exited 2 s later; stopped" in report
     assert "profile_adamw left 1 process(es) running after it ended; stopped" in report
-    assert "| `pytest -n 8 -m \"gpu and not slow\"` | passed | 1 | 0 | 0 | 0 |" in report
+    assert '| `pytest -n 8 -m "gpu and not slow"` | passed | 1 | 0 | 0 | 0 |' in report
     for marker in ("3001", "3002", "3003", "3004"):
         assert not _running(marker), marker
 
@@ -486,8 +625,16 @@ def test_e2e_interrupted_keeps_the_verdicts_of_the_rows_done(monkeypatch, capsys
     def row(name, argv, timeout):
         if name not in done:
             raise KeyboardInterrupt
-        return dict(name=name, lr=3e-4, peak_bytes=2**20, full_step_s=0.1, opt_step_s=done[name], loss=1.0,
-                    first_loss=2.0, peak_kind="rss")
+        return dict(
+            name=name,
+            lr=3e-4,
+            peak_bytes=2**20,
+            full_step_s=0.1,
+            opt_step_s=done[name],
+            loss=1.0,
+            first_loss=2.0,
+            peak_kind="rss",
+        )
 
     monkeypatch.setattr(e2e, "_subprocess_row", row)
     js = tmp_path / "e.json"
@@ -495,6 +642,8 @@ def test_e2e_interrupted_keeps_the_verdicts_of_the_rows_done(monkeypatch, capsys
     out = capsys.readouterr().out
     rest = e2e.target_rows()[2:]
     assert f"Interrupted after 2 of {len(rest) + 2} rows; not run: {', '.join(rest)}" in out
-    assert ("- fused 8-bit step: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 0.80x -> not judged (CPU)"
-            in out)
+    assert (
+        "- fused 8-bit step: lowmemopt-adamw-8bit opt.step() <= 1.0x torch-adamw-fused: 0.80x -> not judged (CPU)"
+        in out
+    )
     assert [r["name"] for r in json.loads(js.read_text())["rows"]] == list(done)

@@ -32,9 +32,12 @@ def test_typo_in_a_group_is_refused_with_the_closest_key(info):
 
 def test_unknown_key_without_a_close_one_lists_the_known_keys():
     p = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match=r"'zzz': SGD's param groups take bf16_update, .*, momentum, .*weight_decay\. If another "
-                                         r"library puts 'zzz' in param groups, allow it with "
-                                         r"lowmemopt.allow_group_keys\('zzz'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'zzz': SGD's param groups take bf16_update, .*, momentum, .*weight_decay\. If another "
+        r"library puts 'zzz' in param groups, allow it with "
+        r"lowmemopt.allow_group_keys\('zzz'\)",
+    ):
         lowmemopt.SGD([{"params": [p], "zzz": 1}], lr=0.1)
 
 
@@ -93,12 +96,16 @@ def test_allow_group_keys(allowed):
         lowmemopt.allow_group_keys(3)
 
 
-@pytest.mark.parametrize("make", [
-    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10),  # max_lr, min_lr, *_momentum
-    lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2),
-    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),  # initial_lr
-    lambda opt: torch.optim.swa_utils.SWALR(opt, swa_lr=0.05),
-], ids=["OneCycleLR", "CyclicLR", "CosineAnnealingLR", "SWALR"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10),  # max_lr, min_lr, *_momentum
+        lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=1e-2),
+        lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),  # initial_lr
+        lambda opt: torch.optim.swa_utils.SWALR(opt, swa_lr=0.05),
+    ],
+    ids=["OneCycleLR", "CyclicLR", "CosineAnnealingLR", "SWALR"],
+)
 @pytest.mark.parametrize("cls", [lowmemopt.AdamW, lowmemopt.SGD])
 def test_torch_schedulers_keys_pass(make, cls):
     params = make_params([(8, 6)])

@@ -24,8 +24,14 @@ HAS_PER_LAYER = hasattr(lowmemopt, "step_in_backward")
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
@@ -44,18 +50,33 @@ class Tokens(torch.utils.data.Dataset):
 
 def training_args(out, **overrides) -> TrainingArguments:
     kw = dict(
-        output_dir=str(out), max_steps=6, per_device_train_batch_size=4, learning_rate=3e-3, weight_decay=0.1,
-        adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7, save_strategy="steps", save_steps=3,
-        logging_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0,
-        disable_tqdm=True, lr_scheduler_type="linear",
+        output_dir=str(out),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-7,
+        save_strategy="steps",
+        save_steps=3,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        lr_scheduler_type="linear",
     )
     kw.update(overrides)
     return TrainingArguments(**kw)
 
 
 def train(out, spec, resume=None, **overrides) -> tuple[Trainer, dict[str, torch.Tensor]]:
-    trainer = Trainer(model=tiny_llama(), args=training_args(out, **overrides), train_dataset=Tokens(),
-                      optimizer_cls_and_kwargs=spec)
+    trainer = Trainer(
+        model=tiny_llama(), args=training_args(out, **overrides), train_dataset=Tokens(), optimizer_cls_and_kwargs=spec
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -67,8 +88,9 @@ def train(out, spec, resume=None, **overrides) -> tuple[Trainer, dict[str, torch
 RESUME_CASES = {
     "came8bit": lambda: optimizer("came8bit", **SMALL_BLOCKS),
     "galore_adamw8bit": pytest.param(
-        lambda: optimizer("galore_adamw_8bit", galore=dict(target_modules="all-linear", rank=8, update_proj_gap=2),
-                          **SMALL_BLOCKS),
+        lambda: optimizer(
+            "galore_adamw_8bit", galore=dict(target_modules="all-linear", rank=8, update_proj_gap=2), **SMALL_BLOCKS
+        ),
         marks=pytest.mark.skipif(not HAS_GALORE, reason="GaLore (lowmemopt.galore_param_groups) has not landed"),
     ),
     "paged_adamw": pytest.param(
@@ -117,23 +139,45 @@ def test_per_layer_mode_in_the_trainer(tmp_path):
     """step_in_backward=True: the same parameters as ordinary stepping (no clipping in either), the stepper's position
     saved in optimizer.pt, gradient accumulation honoured, and clipping refused with a clear message."""
     _, plain = train(tmp_path / "plain", optimizer("adamw8bit", **SMALL_BLOCKS), max_grad_norm=0.0, save_steps=6)
-    trainer, per_layer = train(tmp_path / "per_layer", optimizer("adamw8bit", step_in_backward=True, **SMALL_BLOCKS),
-                               max_grad_norm=0.0, save_steps=6)
+    trainer, per_layer = train(
+        tmp_path / "per_layer",
+        optimizer("adamw8bit", step_in_backward=True, **SMALL_BLOCKS),
+        max_grad_norm=0.0,
+        save_steps=6,
+    )
     for name in plain:
         assert torch.equal(per_layer[name], plain[name]), name
     assert all(p.grad is None for p in trainer.model.parameters())  # freed inside backward
-    trainer, bucketed = train(tmp_path / "bucketed", optimizer("adamw8bit", step_in_backward=dict(bucket_bytes=1 << 14),
-                                                               **SMALL_BLOCKS), max_grad_norm=0.0, save_steps=6)
+    trainer, bucketed = train(
+        tmp_path / "bucketed",
+        optimizer("adamw8bit", step_in_backward=dict(bucket_bytes=1 << 14), **SMALL_BLOCKS),
+        max_grad_norm=0.0,
+        save_steps=6,
+    )
     for name in plain:  # held in buckets of 16 KiB of gradients, stepped together: the same parameters
         assert torch.equal(bucketed[name], plain[name]), name
     assert trainer.optimizer.optimizer.backward_stepper._updates.bucket_bytes == 1 << 14
     saved = torch.load(tmp_path / "per_layer" / "checkpoint-6" / "optimizer.pt", weights_only=True)
     assert saved["step_in_backward"]["steps"] == 6 and saved["step_in_backward"]["micro_step"] == 0
 
-    _, acc_plain = train(tmp_path / "acc_plain", optimizer("adamw8bit", **SMALL_BLOCKS), max_grad_norm=0.0,
-                         save_steps=6, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
-    _, acc = train(tmp_path / "acc", optimizer("adamw8bit", step_in_backward=True, **SMALL_BLOCKS), max_grad_norm=0.0,
-                   save_steps=6, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    _, acc_plain = train(
+        tmp_path / "acc_plain",
+        optimizer("adamw8bit", **SMALL_BLOCKS),
+        max_grad_norm=0.0,
+        save_steps=6,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+    )
+    _, acc = train(
+        tmp_path / "acc",
+        optimizer("adamw8bit", step_in_backward=True, **SMALL_BLOCKS),
+        max_grad_norm=0.0,
+        save_steps=6,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+    )
     for name in acc_plain:
         torch.testing.assert_close(acc[name], acc_plain[name], rtol=1e-5, atol=1e-7)  # loss scaling order may differ
 
@@ -152,8 +196,12 @@ def _same_param(full: Trainer, resumed: Trainer, p: torch.Tensor) -> torch.Tenso
 
 def build_in_trainer(tmp_path, spec, **overrides) -> tuple[torch.optim.Optimizer, dict[str, dict]]:
     """The optimizer a Trainer makes from ``spec``, and each parameter's group by parameter name."""
-    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path, **overrides), train_dataset=Tokens(),
-                      optimizer_cls_and_kwargs=spec)
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path, **overrides),
+        train_dataset=Tokens(),
+        optimizer_cls_and_kwargs=spec,
+    )
     opt = trainer.create_optimizer()
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     by_name = {names[id(p)]: g for g in opt.param_groups for p in g["params"]}
@@ -202,8 +250,12 @@ def test_decay_rule_follows_a_trainer_subclass(tmp_path):
         def get_decay_parameter_names(self, model):
             return [n for n in super().get_decay_parameter_names(model) if not n.startswith("lm_head")]
 
-    trainer = NoDecayOnHead(model=tiny_llama(), args=training_args(tmp_path), train_dataset=Tokens(),
-                            optimizer_cls_and_kwargs=optimizer("adamw"))
+    trainer = NoDecayOnHead(
+        model=tiny_llama(),
+        args=training_args(tmp_path),
+        train_dataset=Tokens(),
+        optimizer_cls_and_kwargs=optimizer("adamw"),
+    )
     opt = trainer.create_optimizer()
     head = trainer.model.lm_head.weight
     assert next(g for g in opt.param_groups if any(p is head for p in g["params"]))["weight_decay"] == 0.0
@@ -214,8 +266,9 @@ def test_class_call_path_of_older_transformers(tmp_path, monkeypatch):
     import transformers.trainer
 
     asked = []
-    monkeypatch.setattr(transformers.trainer, "is_optimizer_factory", lambda cls: asked.append(cls) and False,
-                        raising=False)
+    monkeypatch.setattr(
+        transformers.trainer, "is_optimizer_factory", lambda cls: asked.append(cls) and False, raising=False
+    )
     opt, by_name = build_in_trainer(tmp_path, optimizer("came8bit", **SMALL_BLOCKS))
     assert asked == [TrainerOptimizerFactory]
     assert type(opt) is lowmemopt.CAME8bit
@@ -246,8 +299,15 @@ def test_every_optimizer_is_reachable_by_name(tmp_path):
         if needs_process_group(cls):
             continue  # see test_onebit_optimizers_need_a_process_group
         for name in (class_name, class_name.lower(), class_name.upper()):
-            factory, config = optimizer(name, args=args, **({"galore": dict(target_modules="all-linear", rank=4)}
-                                                             if class_name.lower().startswith("galore") else {}))
+            factory, config = optimizer(
+                name,
+                args=args,
+                **(
+                    {"galore": dict(target_modules="all-linear", rank=4)}
+                    if class_name.lower().startswith("galore")
+                    else {}
+                ),
+            )
             assert type(factory()(model, **config)) is cls, name
 
 
@@ -262,10 +322,16 @@ def test_onebit_optimizers_need_a_process_group(tmp_path):
         optimizer("onebit_adam", args=args)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)  # as torchrun does
     try:
-        for name, cls in (("onebit_adam", lowmemopt.OnebitAdam), ("ZeroOneAdam", lowmemopt.ZeroOneAdam),
-                          ("onebit-lamb", lowmemopt.OnebitLAMB)):
-            factory, config = optimizer(name, args=args, freeze_step=5) if cls is not lowmemopt.ZeroOneAdam else \
-                optimizer(name, args=args)
+        for name, cls in (
+            ("onebit_adam", lowmemopt.OnebitAdam),
+            ("ZeroOneAdam", lowmemopt.ZeroOneAdam),
+            ("onebit-lamb", lowmemopt.OnebitLAMB),
+        ):
+            factory, config = (
+                optimizer(name, args=args, freeze_step=5)
+                if cls is not lowmemopt.ZeroOneAdam
+                else optimizer(name, args=args)
+            )
             opt = factory()(tiny_llama(), **config)
             assert type(opt) is cls and opt.defaults["lr"] == args.learning_rate
     finally:

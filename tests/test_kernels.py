@@ -39,6 +39,7 @@ interpreted = pytest.mark.skipif(
     "on a GPU machine the gpu tests cover the kernels",
 )
 
+
 def _has_kernel(cls) -> bool:
     kernels = cls.algorithm.kernels if cls.algorithm is not None else None
     return kernels is not None and kernels.triton is not None
@@ -85,8 +86,9 @@ def _lr(kwargs: dict) -> float:
     return 1e-2 if lr is None else float(lr)
 
 
-def check_against_reference(cls, kwargs, bits, *, steps=3, shapes=SHAPES, dtype=torch.float32, seed=0,
-                            opt_kwargs=None, lr_schedule=None):
+def check_against_reference(
+    cls, kwargs, bits, *, steps=3, shapes=SHAPES, dtype=torch.float32, seed=0, opt_kwargs=None, lr_schedule=None
+):
     """Step ``steps`` times with the kernels; before each step, a reference optimizer copies the kernel's params and
     state and takes the same step on the reference path. Returns (kernel params, kernel optimizer)."""
     opt_kwargs = dict(state_bits=bits, min_quant_numel=MIN_QUANT, **(opt_kwargs or {}))
@@ -198,8 +200,13 @@ def _column_launches(monkeypatch) -> list:
 
 
 # (SGD and LARS without momentum keep no state: nothing to lay out)
-COLUMN_CASES = [(info, i) for info in KERNEL_OPTIMIZERS if info.name in ("AdamW", "Adam", "SGD", "Lion", "LAMB", "LARS")
-                for i, kw in enumerate(info.variants) if info.name not in ("SGD", "LARS") or kw.get("momentum", 0)]
+COLUMN_CASES = [
+    (info, i)
+    for info in KERNEL_OPTIMIZERS
+    if info.name in ("AdamW", "Adam", "SGD", "Lion", "LAMB", "LARS")
+    for i, kw in enumerate(info.variants)
+    if info.name not in ("SGD", "LARS") or kw.get("momentum", 0)
+]
 
 
 @interpreted
@@ -272,7 +279,7 @@ def test_bf16_first_moment_under_cancellation(name):
         opt.step()
     ref.step()
     r = ref.state[ref_params[0]]["exp_avg"].float()
-    assert float(r.abs().max()) < 2 ** -6 * float(start["exp_avg"].float().abs().max()), "m' did not cancel"
+    assert float(r.abs().max()) < 2**-6 * float(start["exp_avg"].float().abs().max()), "m' did not cancel"
     assert_state_close(opt.state[params[0]], ref.state[ref_params[0]], f"{name} cancelling m'", start)
 
 
@@ -355,7 +362,7 @@ def test_came_residual_under_cancellation(delta, fast_fp64, monkeypatch):
     for p, r, u2 in zip(params, ref_params, scale):
         for key in ("exp_avg_res_row", "exp_avg_res_col"):
             got, want = opt.state[p][key], ref.state[r][key]
-            assert 0.3 < float(want.mean()) / (0.81 * delta ** 2 * u2) < 3, "the residual did not cancel as set up"
+            assert 0.3 < float(want.mean()) / (0.81 * delta**2 * u2) < 3, "the residual did not cancel as set up"
             torch.testing.assert_close(got, want, rtol=1e-3, atol=0, msg=lambda m: f"{key}: {m}")
     assert ("_moments_kernel" in seen) == fast_fp64, seen
 
@@ -392,8 +399,11 @@ def test_came_8bit_steps_from_a_flipped_code_match_the_reference():
 
 
 @interpreted
-@pytest.mark.parametrize("seed,fast_fp64", [(74, True), (0, True), (1, True), (0, False)],
-                         ids=["74-moments", "0-moments", "1-moments", "0-direct"])
+@pytest.mark.parametrize(
+    "seed,fast_fp64",
+    [(74, True), (0, True), (1, True), (0, False)],
+    ids=["74-moments", "0-moments", "1-moments", "0-direct"],
+)
 def test_came_8bit_runs_stay_within_the_confidence_bound(seed, fast_fp64, monkeypatch):
     """Two CAME 8-bit runs that keep their own state (kernels, eager reference; same gradients) differ by more than
     one step's rule (``check_against_reference``: from the same state, parameters within 5% of lr): a code that
@@ -437,7 +447,8 @@ def test_came_8bit_runs_stay_within_the_confidence_bound(seed, fast_fp64, monkey
             assert dp_new[worst] <= allowed[worst], (
                 f"{what}: element {worst} {float(dp_new[worst]) / lr:.3f} lr apart, bound "
                 f"{float(allowed[worst]) / lr:.3f} lr (dp {float(dp[worst]) / lr:.3f} lr, dm {float(dm[worst]):.2e}, "
-                f"F {float(F[worst]):.1f})")
+                f"F {float(F[worst]):.1f})"
+            )
             if t == 1 and i == 0:  # the flip's step: the amplification is there, as predicted
                 j = int((dm * F).argmax())
                 predicted = b1 * float(dm[j] * F[j])
@@ -509,8 +520,11 @@ def test_multi_tensor_launch_counts(monkeypatch):
     where fp64 is slow: ``runtime.fast_fp64``).
     (The interpreter runs ~25 ms per program, so the multi-pass ones use fewer tensors.)"""
     seen = _launches(monkeypatch)
-    cases = [(lowmemopt.AdamW, dict(lr=1e-3), 200, 1), (lowmemopt.LAMB, dict(lr=1e-3), 20, 2),
-             (lowmemopt.LARS, dict(lr=1e-3, momentum=0.9), 20, 2)]
+    cases = [
+        (lowmemopt.AdamW, dict(lr=1e-3), 200, 1),
+        (lowmemopt.LAMB, dict(lr=1e-3), 20, 2),
+        (lowmemopt.LARS, dict(lr=1e-3, momentum=0.9), 20, 2),
+    ]
     for cls, kw, n, passes in cases:
         params = make_params([(1 + (7 * i) % 61,) for i in range(n)])
         opt = cls(params, **kw)
@@ -520,10 +534,13 @@ def test_multi_tensor_launch_counts(monkeypatch):
             opt.step()
         assert len(seen) == passes, (cls.__name__, seen)
         assert all(opt.state[p]["step"] == 1 for p in params)
-    for fast_fp64, passes in ((True, ["_stats_kernel", "_factors_kernel", "_moments_kernel", "_factors_kernel",
-                                      "_apply_kernel"]),
-                              (False, ["_stats_kernel", "_factors_kernel", "_sumsq_kernel", "_stats_kernel",
-                                       "_factors_kernel", "_apply_kernel"])):
+    for fast_fp64, passes in (
+        (True, ["_stats_kernel", "_factors_kernel", "_moments_kernel", "_factors_kernel", "_apply_kernel"]),
+        (
+            False,
+            ["_stats_kernel", "_factors_kernel", "_sumsq_kernel", "_stats_kernel", "_factors_kernel", "_apply_kernel"],
+        ),
+    ):
         monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", fast_fp64)
         params = make_params([(5 + i % 3, 7 + i % 5) for i in range(12)])
         opt = lowmemopt.CAME(params, lr=1e-3)
@@ -560,8 +577,9 @@ def test_mixed_formats_dtypes_and_groups(monkeypatch):
 @interpreted
 def test_lr_schedule_is_runtime(monkeypatch):
     """Changing lr every step is honoured (the kernels read it at launch; nothing is baked in)."""
-    check_against_reference(lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, steps=4,
-                            lr_schedule=lambda t: 1e-2 * 0.5 ** t)
+    check_against_reference(
+        lowmemopt.AdamW, dict(lr=1e-2, weight_decay=0.1), 8, steps=4, lr_schedule=lambda t: 1e-2 * 0.5**t
+    )
     check_against_reference(lowmemopt.Lion, dict(lr=1e-3), 32, steps=3, lr_schedule=lambda t: 1e-3 * (t + 1))
     check_against_reference(lowmemopt.SGD, dict(lr=torch.tensor(1e-2), momentum=0.9), 8, steps=2)  # CPU-tensor lr
 
@@ -599,19 +617,39 @@ def test_hyperparameters_are_not_constexpr():
 def test_registry_covers_every_pair():
     from lowmemopt.kernels import registry
 
-    declared = {cls.algorithm.kernels.name: cls.algorithm.kernels for cls in
-                (lowmemopt.AdamW, lowmemopt.SGD, lowmemopt.SignSGD, lowmemopt.Lion, lowmemopt.LAMB, lowmemopt.LARS,
-                 lowmemopt.Adafactor, lowmemopt.CAME, lowmemopt.AdEMAMix)}
+    declared = {
+        cls.algorithm.kernels.name: cls.algorithm.kernels
+        for cls in (
+            lowmemopt.AdamW,
+            lowmemopt.SGD,
+            lowmemopt.SignSGD,
+            lowmemopt.Lion,
+            lowmemopt.LAMB,
+            lowmemopt.LARS,
+            lowmemopt.Adafactor,
+            lowmemopt.CAME,
+            lowmemopt.AdEMAMix,
+        )
+    }
     for name, kernels in declared.items():
         for fmt in ("fp32", "bf16", "q8", "q4"):
             kernel = registry.lookup(kernels, fmt)
             assert (kernel.algorithm, kernel.fmt) == (name, fmt)
         assert registry.lookup(kernels, "q2") is None
     p = [torch.nn.Parameter(torch.zeros(2))]
-    expect = {lowmemopt.AdamW: "adam", lowmemopt.Adam: "adam", lowmemopt.AdamW8bit: "adam", lowmemopt.SGD: "sgd",
-              lowmemopt.Lion8bit: "lion", lowmemopt.LAMB: "lamb", lowmemopt.LARS8bit: "lars",
-              lowmemopt.Adafactor: "adafactor", lowmemopt.CAME8bit: "came",
-              lowmemopt.AdafactorTorch: "adafactor_torch", lowmemopt.GaLoreAdamW: None}
+    expect = {
+        lowmemopt.AdamW: "adam",
+        lowmemopt.Adam: "adam",
+        lowmemopt.AdamW8bit: "adam",
+        lowmemopt.SGD: "sgd",
+        lowmemopt.Lion8bit: "lion",
+        lowmemopt.LAMB: "lamb",
+        lowmemopt.LARS8bit: "lars",
+        lowmemopt.Adafactor: "adafactor",
+        lowmemopt.CAME8bit: "came",
+        lowmemopt.AdafactorTorch: "adafactor_torch",
+        lowmemopt.GaLoreAdamW: None,
+    }
     for cls, algorithm in expect.items():
         opt = cls(p, lr=1e-3) if cls is not lowmemopt.Adafactor else cls(p)
         assert kernel_algorithm(opt) == algorithm, cls
@@ -683,8 +721,19 @@ def test_fast_fp64_by_capability(monkeypatch):
     """Data-centre GPUs (fp64 at half the fp32 rate) take CAME's fp64 moments pass; GeForce / RTX, L4 / L40 and Jetson
     (1/32 to 1/64) keep the direct pass."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    for cap, fast in {(6, 0): True, (7, 0): True, (8, 0): True, (9, 0): True, (10, 0): True, (6, 1): False,
-                      (7, 5): False, (8, 6): False, (8, 7): False, (8, 9): False, (12, 0): False}.items():
+    for cap, fast in {
+        (6, 0): True,
+        (7, 0): True,
+        (8, 0): True,
+        (9, 0): True,
+        (10, 0): True,
+        (6, 1): False,
+        (7, 5): False,
+        (8, 6): False,
+        (8, 7): False,
+        (8, 9): False,
+        (12, 0): False,
+    }.items():
         monkeypatch.setattr(runtime, "_capability", lambda index, cap=cap: cap)
         assert runtime.fast_fp64(torch.device("cuda")) is fast, cap
         assert runtime.fast_fp64(torch.device("cuda", 1)) is fast, cap
@@ -726,8 +775,9 @@ def test_tables_reach_a_cuda_device_without_blocking(monkeypatch):
 
     calls = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: calls.append(
-        (str(device), non_blocking)) or self)
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda self, device, non_blocking=False: calls.append((str(device), non_blocking)) or self
+    )
     rows = torch.tensor([[1, 2, 3]])
     assert table.upload(rows, torch.device("cuda")) is rows
     assert calls == ["pin", ("cuda", True)]
@@ -761,8 +811,11 @@ def test_launch_failure_before_writing_falls_back(monkeypatch):
 
     monkeypatch.setattr(runtime, "INTERPRET", True)
     monkeypatch.setattr(runtime, "ENABLED", True)
-    monkeypatch.setitem(registry._MADE, (lowmemopt.AdamW.algorithm.kernels, "fp32"),
-                        registry.Kernel(lambda g, p: adamw.slots(g), broken, algorithm="adam", fmt="fp32"))
+    monkeypatch.setitem(
+        registry._MADE,
+        (lowmemopt.AdamW.algorithm.kernels, "fp32"),
+        registry.Kernel(lambda g, p: adamw.slots(g), broken, algorithm="adam", fmt="fp32"),
+    )
     params = make_params([(50,)])
     ref_params = clone_params(params)
     opt, ref = lowmemopt.AdamW(params), lowmemopt.AdamW(ref_params)
@@ -801,8 +854,13 @@ def test_kernels_compile_for_gpu(tmp_path):
 
     from lowmemopt.kernels.variants import VARIANTS
 
-    out = subprocess.run([sys.executable, str(RESOURCES_SCRIPT), "--no-sweep", "--json", str(tmp_path / "r.json")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, str(RESOURCES_SCRIPT), "--no-sweep", "--json", str(tmp_path / "r.json")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| variant | tile | warps | regs | spill st/ld |" in out.stdout
     records = json.loads((tmp_path / "r.json").read_text())["variants"]
@@ -818,7 +876,8 @@ def test_kernels_compile_for_gpu(tmp_path):
         assert r["num_warps"] == runtime.NUM_WARPS and r["registers"] is not None, r
         assert (r["spill_stores"], r["spill_loads"]) == (0, 0), (
             f"{name} spills at tile {r['tile']}, {r['num_warps']} warps: {r['registers']} registers, "
-            f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads")
+            f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads"
+        )
     # the instruction budget of the 8-bit update (SASS per element on the full-tile path; issue-bound with bf16
     # parameters): 8-bit AdamW with amsgrad took 218 with a division per element and class compares, 150 without.
     # Triton before 3.7 lays the tile's gathers (code book, class table) out with its rows fastest and converts the
@@ -882,8 +941,9 @@ def test_kernel_resources_ptx_paths_counts_and_occupancy():
     assert res.full_tile_path(_PTX, None)[0] == "all"  # a kernel without `if full:`
     assert res.full_tile_path(_PTX, ("/src/other.py", 11, range(12, 13), range(14, 15)))[0] == "all"
     # Triton 3.6 and older write the call sites only in the .loc comment: the same path and counts
-    old_style = (_PTX.replace(", function_name $L__info_string0, inlined_at 1 14 9", "  // codec.py:7:3 @[ k.py:14:9 ]")
-                 .replace(", function_name $L__info_string0, inlined_at 1 12 9", "  // codec.py:7:3 @[ k.py:12:9 ]"))
+    old_style = _PTX.replace(
+        ", function_name $L__info_string0, inlined_at 1 14 9", "  // codec.py:7:3 @[ k.py:14:9 ]"
+    ).replace(", function_name $L__info_string0, inlined_at 1 12 9", "  // codec.py:7:3 @[ k.py:12:9 ]")
     assert "inlined_at" not in old_style
     path_old, lines_old = res.full_tile_path(old_style, branch)
     assert path_old == "full" and res.memory_counts(lines_old) == full
@@ -898,13 +958,16 @@ def test_kernel_resources_ptx_paths_counts_and_occupancy():
     assert res.occupancy(32, 100 * 1024, 4).limiter == "smem"  # 2 blocks of 101 KiB in 228 KiB
     assert res.occupancy(16, 0, 1).limiter == "blocks"
 
-    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
-           "    368 bytes stack frame, 648 bytes spill stores, 804 bytes spill loads\n"
-           "ptxas info    : Used 64 registers, used 1 barriers, 368 bytes cumulative stack size\n")
-    assert res.parse_ptxas_log(log, "k") == dict(registers=64, barriers=1, stack=368, spill_stores=648,
-                                                 spill_loads=804)
-    usage = ("Resource usage:\n Common:\n  GLOBAL:0\n Function k:\n  REG:160 STACK:0 SHARED:1024 LOCAL:0 "
-             "CONSTANT[0]:608 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    log = (
+        "ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
+        "    368 bytes stack frame, 648 bytes spill stores, 804 bytes spill loads\n"
+        "ptxas info    : Used 64 registers, used 1 barriers, 368 bytes cumulative stack size\n"
+    )
+    assert res.parse_ptxas_log(log, "k") == dict(registers=64, barriers=1, stack=368, spill_stores=648, spill_loads=804)
+    usage = (
+        "Resource usage:\n Common:\n  GLOBAL:0\n Function k:\n  REG:160 STACK:0 SHARED:1024 LOCAL:0 "
+        "CONSTANT[0]:608 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+    )
     assert res.parse_resource_usage(usage, "k") == dict(reg=160, stack=0, shared=1024, local=0)
 
 
@@ -1014,7 +1077,7 @@ def test_gpu_lr_change_does_not_recompile():
 
     params = [torch.nn.Parameter(torch.randn(5000, device="cuda"))]
     opt = lowmemopt.AdamW8bit(params, lr=1e-3, min_quant_numel=0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9 ** t)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9**t)
     counts = []
     for _ in range(6):
         params[0].grad = torch.randn_like(params[0])
@@ -1075,12 +1138,15 @@ def test_gpu_unproject_apply_matches_the_torch_path(p_dtype):
         params = [torch.randn(shape, generator=gen).to(p_dtype).cuda() for _ in range(4)]
         updates = (torch.randn((4, *shape), generator=gen) * 1e-2).to(u_dtype).cuda()
         c = torch.tensor([-0.01, -0.02, 0.0, 0.03], device="cuda")
-        want = [(((p.float() + c[i] * p.float()) * 0.999) + updates[i].float() * 0.25).to(p_dtype)
-                for i, p in enumerate(params)]
+        want = [
+            (((p.float() + c[i] * p.float()) * 0.999) + updates[i].float() * 0.25).to(p_dtype)
+            for i, p in enumerate(params)
+        ]
         apply_updates(params, updates, 0.25, 0.999, c)
         for got, ref in zip(params, want):
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7 if p_dtype == torch.bfloat16 else 2e-7,
-                                       atol=1e-6)
+            torch.testing.assert_close(
+                got.float(), ref.float(), rtol=2**-7 if p_dtype == torch.bfloat16 else 2e-7, atol=1e-6
+            )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -1091,8 +1157,9 @@ def test_bench_refuses_without_cuda(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "bench" / "fused_kernels.py"
-    out = subprocess.run([sys.executable, str(script), "--sizes", "10M"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script), "--sizes", "10M"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stderr[-2000:]
 
 
@@ -1130,4 +1197,4 @@ def test_unproject_apply_matches_the_torch_path(p_dtype, u_dtype, math_decay, de
                 torch.testing.assert_close(got, ref, rtol=2e-7, atol=1e-8)
             else:
                 diff = (got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)
-                assert float(diff.max()) <= 2 ** -8 and int((got != ref).sum()) <= 2, (shape, int((got != ref).sum()))
+                assert float(diff.max()) <= 2**-8 and int((got != ref).sum()) <= 2, (shape, int((got != ref).sum()))

@@ -85,8 +85,15 @@ def test_codec4_rounds_at_the_thresholds(name):
     from lowmemopt.quant.q4 import nearest_code_reference
 
     t = q4.thresholds(name)
-    values = torch.cat([t, torch.nextafter(t, torch.full_like(t, -1.0)), torch.nextafter(t, torch.full_like(t, 2.0)),
-                        q4.code_book(name), torch.zeros(1)])
+    values = torch.cat(
+        [
+            t,
+            torch.nextafter(t, torch.full_like(t, -1.0)),
+            torch.nextafter(t, torch.full_like(t, 2.0)),
+            q4.code_book(name),
+            torch.zeros(1),
+        ]
+    )
     for x in (values, values[1:]):  # (both byte positions of each value)
         x = torch.cat([torch.ones(1), x])
         nibbles, absmax = _assert_codec_exact(x, name, 128)
@@ -158,8 +165,11 @@ def test_kernel4_ragged_zero_outliers_and_full_tiles(monkeypatch):
 
     masked = []
     real = adamw._adam_tile
-    monkeypatch.setattr(adamw, "_adam_tile",  # (..., MASKED, COLS; the loss scale's gmul by keyword)
-                        lambda *a, **k: masked.append(bool(a[-2])) or real(*a, **k))
+    monkeypatch.setattr(
+        adamw,
+        "_adam_tile",  # (..., MASKED, COLS; the loss scale's gmul by keyword)
+        lambda *a, **k: masked.append(bool(a[-2])) or real(*a, **k),
+    )
     n = 2 * runtime.TILE + 5
     params = make_params([(n,)])
     ref_params = clone_params(params)

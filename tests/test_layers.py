@@ -39,8 +39,14 @@ def _lint(tree: Path) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = str(tree)
     lint = Path(sys.executable).with_name("lint-imports")
     cmd = [str(lint)] if lint.exists() else [sys.executable, "-m", "importlinter.cli"]
-    return subprocess.run(cmd + [str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        cmd + [str(ROOT / "pyproject.toml"), "--no-cache"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_import_contracts_are_kept(tmp_path):
@@ -50,13 +56,21 @@ def test_import_contracts_are_kept(tmp_path):
     assert "0 broken" in out.stdout
 
 
-@pytest.mark.parametrize("where,line", [
-    ("quant/upward.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..optimizer import LowMemOptimizer\n"),
-    ("pipeline/upward.py", "def f():\n    from ..optim import AdamW\n"),
-    ("kernels/upward.py", "import lowmemopt\n"),
-    ("pipeline/upward.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                           "    from ..projection.stage import GaLoreStage\n"),  # (the projection stage's type)
-])
+@pytest.mark.parametrize(
+    "where,line",
+    [
+        (
+            "quant/upward.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..optimizer import LowMemOptimizer\n",
+        ),
+        ("pipeline/upward.py", "def f():\n    from ..optim import AdamW\n"),
+        ("kernels/upward.py", "import lowmemopt\n"),
+        (
+            "pipeline/upward.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..projection.stage import GaLoreStage\n",
+        ),  # (the projection stage's type)
+    ],
+)
 def test_the_contracts_can_fail(tmp_path, where, line):
     """A module that imports upwards (a type hint, a deferred import, the root package) breaks them."""
     pytest.importorskip("importlinter")
@@ -86,8 +100,9 @@ def _init_cycles(tree: Path) -> list[str]:
     as ``package -> module -> ... -> package``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     env["PYTHONPATH"] = str(tree)
-    out = subprocess.run([sys.executable, "-c", _INIT_CYCLES], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _INIT_CYCLES], cwd=tree, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.splitlines()
 
@@ -104,9 +119,13 @@ def test_the_init_cycle_check_can_fail(tmp_path):
     tree = _package_tree(tmp_path)
     planted = tree / "lowmemopt" / "quant" / "planted"
     planted.mkdir()
-    (planted / "__init__.py").write_text("ON = True\n\n\ndef run():\n    from .worker import work\n\n    return work()\n")
+    (planted / "__init__.py").write_text(
+        "ON = True\n\n\ndef run():\n    from .worker import work\n\n    return work()\n"
+    )
     (planted / "worker.py").write_text("from . import ON\n\n\ndef work():\n    return ON\n")
-    assert _init_cycles(tree) == ["lowmemopt.quant.planted -> lowmemopt.quant.planted.worker -> lowmemopt.quant.planted"]
+    assert _init_cycles(tree) == [
+        "lowmemopt.quant.planted -> lowmemopt.quant.planted.worker -> lowmemopt.quant.planted"
+    ]
 
 
 def _too_long(paths, limit: int) -> dict[str, int]:
@@ -115,8 +134,10 @@ def _too_long(paths, limit: int) -> dict[str, int]:
 
 
 def test_no_module_is_too_long():
-    long = _too_long([*(ROOT / "lowmemopt").rglob("*.py"), *(ROOT / "kernels").glob("*.py"),
-                      *(ROOT / "lowmemopt").rglob("*.[ch]")], MAX_LINES)  # the C kernels' sources too
+    long = _too_long(
+        [*(ROOT / "lowmemopt").rglob("*.py"), *(ROOT / "kernels").glob("*.py"), *(ROOT / "lowmemopt").rglob("*.[ch]")],
+        MAX_LINES,
+    )  # the C kernels' sources too
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
@@ -131,8 +152,14 @@ def test_the_size_check_can_fail(tmp_path):
 # (lowmemopt.work.record resolves groups: the one place that reads them. Still reading groups below the pipeline:
 # the paging stage's tiers and budgets, the 1-bit communicate stage, the checkpoint conversion of quant.convert; and
 # Item.group is carried for the GaLore stage above.)
-_RECORD_ONLY = ["lowmemopt/work/capture.py", "lowmemopt/rounding.py", "lowmemopt/compiled.py", "lowmemopt/cpu",
-                "kernels", "lowmemopt/pipeline/backends.py"]
+_RECORD_ONLY = [
+    "lowmemopt/work/capture.py",
+    "lowmemopt/rounding.py",
+    "lowmemopt/compiled.py",
+    "lowmemopt/cpu",
+    "kernels",
+    "lowmemopt/pipeline/backends.py",
+]
 
 
 def _group_reads(paths) -> list[str]:
@@ -142,17 +169,28 @@ def _group_reads(paths) -> list[str]:
     out = []
     for path in paths:
         for node in ast.walk(ast.parse(Path(path).read_text())):
-            name = node.arg if isinstance(node, ast.arg) else node.id if isinstance(node, ast.Name) else \
-                node.attr if isinstance(node, ast.Attribute) else None
+            name = (
+                node.arg
+                if isinstance(node, ast.arg)
+                else node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else None
+            )
             if name == "group":
-                out.append(f"{Path(path).relative_to(ROOT) if Path(path).is_relative_to(ROOT) else path}:"
-                           f"{node.lineno} {name}")
+                out.append(
+                    f"{Path(path).relative_to(ROOT) if Path(path).is_relative_to(ROOT) else path}:{node.lineno} {name}"
+                )
     return out
 
 
 def test_no_backend_reads_a_param_group():
-    files = [f for entry in _RECORD_ONLY for f in ([ROOT / entry] if entry.endswith(".py") else
-                                                     sorted((ROOT / entry).rglob("*.py")))]
+    files = [
+        f
+        for entry in _RECORD_ONLY
+        for f in ([ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py")))
+    ]
     assert len(files) > 30, files
     assert _group_reads(files) == []
 
@@ -160,15 +198,19 @@ def test_no_backend_reads_a_param_group():
 def test_the_group_check_can_fail(tmp_path):
     (tmp_path / "backend.py").write_text("def step(p, group):\n    return group['lr']\n")
     (tmp_path / "clean.py").write_text("def step(p, record):\n    return record.hyper['lr']\n")
-    assert _group_reads([tmp_path / "backend.py", tmp_path / "clean.py"]) == [f"{tmp_path / 'backend.py'}:1 group",
-                                                                              f"{tmp_path / 'backend.py'}:2 group"]
+    assert _group_reads([tmp_path / "backend.py", tmp_path / "clean.py"]) == [
+        f"{tmp_path / 'backend.py'}:1 group",
+        f"{tmp_path / 'backend.py'}:2 group",
+    ]
 
 
 # Modules that hold a stage (which gathers (param, group) pairs into items) and a backend: the backend's functions
 # take the items and their Update only. (The per-tensor backends' entry is lowmemopt.pipeline.backends.step_per_tensor,
 # checked whole above; the native CPU bucket's is native.step_native_bucket; plan.update_of makes an Update from a record.)
-_RECORD_ONLY_FUNCTIONS = {"lowmemopt/pipeline/native.py": ["step_native_bucket"],
-                          "lowmemopt/pipeline/plan.py": ["update_of"]}
+_RECORD_ONLY_FUNCTIONS = {
+    "lowmemopt/pipeline/native.py": ["step_native_bucket"],
+    "lowmemopt/pipeline/plan.py": ["update_of"],
+}
 
 
 def _function_group_reads(path: Path, names: list[str]) -> list[str]:
@@ -181,8 +223,15 @@ def _function_group_reads(path: Path, names: list[str]) -> list[str]:
     out = []
     for name in names:
         for node in ast.walk(found[name]):
-            got = node.arg if isinstance(node, ast.arg) else node.id if isinstance(node, ast.Name) else \
-                node.attr if isinstance(node, ast.Attribute) else None
+            got = (
+                node.arg
+                if isinstance(node, ast.arg)
+                else node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else None
+            )
             if got == "group":
                 out.append(f"{name}:{node.lineno} group")
     return out
@@ -194,8 +243,10 @@ def test_no_backend_function_reads_a_param_group():
 
 
 def test_the_function_group_check_can_fail(tmp_path):
-    (tmp_path / "mixed.py").write_text("def stage(p, group):\n    return backend(p, group['lr'])\n\n\n"
-                                       "def backend(p, lr, it=None):\n    return p * lr + it.group['wd']\n")
+    (tmp_path / "mixed.py").write_text(
+        "def stage(p, group):\n    return backend(p, group['lr'])\n\n\n"
+        "def backend(p, lr, it=None):\n    return p * lr + it.group['wd']\n"
+    )
     assert _function_group_reads(tmp_path / "mixed.py", ["backend"]) == ["backend:6 group"]
     assert _function_group_reads(tmp_path / "mixed.py", ["stage"]) == ["stage:1 group", "stage:2 group"]
     with pytest.raises(AssertionError, match="no function"):
@@ -214,8 +265,10 @@ def _stage_problems(plan_cls: type, field_name: str, protocol: type, stage: obje
 
     problems = []
     hint = typing.get_type_hints(plan_cls).get(field_name)
-    if typing.get_origin(hint) not in (typing.Union, types.UnionType) or \
-            set(typing.get_args(hint)) != {protocol, type(None)}:
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType) or set(typing.get_args(hint)) != {
+        protocol,
+        type(None),
+    }:
         problems.append(f"{plan_cls.__name__}.{field_name} is annotated {hint!r}, not {protocol.__name__} | None")
     if not getattr(protocol, "_is_protocol", False):
         problems.append(f"{protocol.__name__} is not a typing.Protocol")
@@ -227,8 +280,9 @@ def _stage_problems(plan_cls: type, field_name: str, protocol: type, stage: obje
         if have is None:
             problems.append(f"{type(stage).__name__} has no {name}")
         elif list(inspect.signature(have).parameters) != want:
-            problems.append(f"{type(stage).__name__}.{name} takes {list(inspect.signature(have).parameters)}, "
-                            f"the protocol {want}")
+            problems.append(
+                f"{type(stage).__name__}.{name} takes {list(inspect.signature(have).parameters)}, the protocol {want}"
+            )
     return problems
 
 
@@ -262,7 +316,11 @@ class _Partial:
 
 def test_the_stage_check_can_fail():
     assert _stage_problems(_Untyped, "galore", _Stage, _Partial()) == [
-        "_Untyped.galore is annotated typing.Any, not _Stage | None", "_Partial.project takes ['things'], the "
-        "protocol ['items']", "_Partial has no apply"]
+        "_Untyped.galore is annotated typing.Any, not _Stage | None",
+        "_Partial.project takes ['things'], the protocol ['items']",
+        "_Partial has no apply",
+    ]
     assert _stage_problems(_Typed, "galore", _Stage, _Partial()) == [
-        "_Partial.project takes ['things'], the protocol ['items']", "_Partial has no apply"]
+        "_Partial.project takes ['things'], the protocol ['items']",
+        "_Partial has no apply",
+    ]

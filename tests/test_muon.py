@@ -18,21 +18,32 @@ SAME = [(48, 32), (48, 32), (48, 32), (32, 48), (40,)]  # three of one shape (a 
 
 
 def groups(params, **adamw):
-    return [{"params": [p for p in params if p.dim() == 2]},
-            {"params": [p for p in params if p.dim() != 2], "use_muon": False, **adamw}]
+    return [
+        {"params": [p for p in params if p.dim() == 2]},
+        {"params": [p for p in params if p.dim() != 2], "use_muon": False, **adamw},
+    ]
 
 
 def torch_reference(params, lr=0.02, weight_decay=0.1, **kw):
     muon = torch.optim.Muon([p for p in params if p.dim() == 2], lr=lr, weight_decay=weight_decay, **kw)
-    adamw = torch.optim.AdamW([p for p in params if p.dim() != 2], lr=lr, betas=(0.9, 0.95), eps=1e-10,
-                              weight_decay=weight_decay, foreach=False)
+    adamw = torch.optim.AdamW(
+        [p for p in params if p.dim() != 2],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-10,
+        weight_decay=weight_decay,
+        foreach=False,
+    )
     return muon, adamw
 
 
 def test_a_non_matrix_in_a_muon_group_is_refused_with_the_helper_named():
     """torch's words first (its suite and code written for torch.optim.Muon match them), then ours."""
-    with pytest.raises(ValueError, match=r"^Muon only supports 2D parameters whereas we found a parameter with size: "
-                                         r"torch.Size\(\[40\]\) in a Muon group.*muon_param_groups"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Muon only supports 2D parameters whereas we found a parameter with size: "
+        r"torch.Size\(\[40\]\) in a Muon group.*muon_param_groups",
+    ):
         lowmemopt.Muon(make_params([(4, 5), (40,)]))
     opt = lowmemopt.Muon(make_params([(4, 5)]))
     with pytest.raises(ValueError, match=r"size: torch.Size\(\[2, 3, 4\]\)"):
@@ -46,9 +57,16 @@ def test_a_non_matrix_in_a_muon_group_is_refused_with_the_helper_named():
 
 def test_adamw_groups_take_their_own_defaults():
     params = make_params([(4, 5), (5,), (6,)])
-    opt = lowmemopt.Muon([{"params": params[:1]}, {"params": params[1:2], "use_muon": False},
-                          {"params": params[2:], "use_muon": False, "lr": 1e-4, "betas": (0.8, 0.9)}],
-                         lr=0.02, weight_decay=0.05, adamw_lr=3e-4)
+    opt = lowmemopt.Muon(
+        [
+            {"params": params[:1]},
+            {"params": params[1:2], "use_muon": False},
+            {"params": params[2:], "use_muon": False, "lr": 1e-4, "betas": (0.8, 0.9)},
+        ],
+        lr=0.02,
+        weight_decay=0.05,
+        adamw_lr=3e-4,
+    )
     muon, adamw, own = opt.param_groups
     assert muon["use_muon"] and muon["lr"] == 0.02 and muon["eps"] == 1e-7 and "betas" not in muon
     assert not adamw["use_muon"] and adamw["lr"] == 3e-4 and adamw["betas"] == (0.9, 0.95)
@@ -87,7 +105,7 @@ def test_batched_matrices_equal_torch(kw):
                 o.step()
     assert shapes[:2] == [[(48, 32)] * 3, [(32, 48)]]  # the batch, then the transposed matrix alone
     for p, r in zip(params, ref):
-        torch.testing.assert_close(p, r, rtol=0, atol=6 * 0.02 * 2 ** -8)
+        torch.testing.assert_close(p, r, rtol=0, atol=6 * 0.02 * 2**-8)
 
 
 def test_newton_schulz_batch_equals_one_at_a_time_to_bf16_rounding():
@@ -97,7 +115,7 @@ def test_newton_schulz_batch_equals_one_at_a_time_to_bf16_rounding():
     batched = newton_schulz(x, *args)
     for i in range(4):
         alone = newton_schulz(x[i], *args)
-        torch.testing.assert_close(batched[i].float(), alone.float(), rtol=0, atol=2 ** -7)
+        torch.testing.assert_close(batched[i].float(), alone.float(), rtol=0, atol=2**-7)
     # what it computes: singular values pulled into roughly [0.5, 1.5] (Keller Jordan's quintic), not 0
     s = torch.linalg.svdvals(batched.float())
     assert s.min() > 0.3 and s.max() < 1.6
@@ -144,14 +162,21 @@ def test_per_layer_updates_step_as_step():
         return lowmemopt.Muon(lowmemopt.muon_param_groups(m), lr=0.02, state_bits=8, min_quant_numel=0)
 
     for p, q in zip(*per_layer_and_step(model, make, 3, x)):
-        torch.testing.assert_close(p, q, rtol=0, atol=3 * 0.02 * 2 ** -7)
+        torch.testing.assert_close(p, q, rtol=0, atol=3 * 0.02 * 2**-7)
 
 
 def _tiny_llama(tie: bool = False):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                      tie_word_embeddings=tie)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -169,8 +194,10 @@ def test_muon_param_groups_of_a_model():
     assert all(p.dim() == 2 for p in muon["params"])
     tied = _tiny_llama(tie=True)  # the head is the embedding: once, in the AdamW group
     muon, adamw = lowmemopt.muon_param_groups(tied, exclude=("down_proj",))
-    assert all(".down_proj." not in names for names in (n for n, p in tied.named_parameters()
-                                                       if any(p is q for q in muon["params"])))
+    assert all(
+        ".down_proj." not in names
+        for names in (n for n, p in tied.named_parameters() if any(p is q for q in muon["params"]))
+    )
     assert sum(p is tied.lm_head.weight for p in adamw["params"]) == 1
     assert lowmemopt.muon_param_groups(make_params([(3, 4), (4,)]))[0]["params"][0].shape == (3, 4)
 
@@ -187,8 +214,9 @@ def test_state_bytes_per_parameter_and_estimate():
             p.grad = torch.randn_like(p)
         opt.step()
         matrices = opt.param_groups[0]["params"]
-        per_param = sum(v.numel() * v.element_size() for p in matrices for v in opt.state[p].values()
-                        if isinstance(v, torch.Tensor)) / sum(p.numel() for p in matrices)
+        per_param = sum(
+            v.numel() * v.element_size() for p in matrices for v in opt.state[p].values() if isinstance(v, torch.Tensor)
+        ) / sum(p.numel() for p in matrices)
         assert per_param == pytest.approx({32: 4, 8: 1 + 4 / 256, 4: 0.5 + 4 / 128}[bits], rel=0.02), bits
         got = estimate(model, "muon", bits, min_quant_numel=0)
         assert got.state == opt.state_nbytes() and got.optimizer == "Muon"
@@ -197,7 +225,9 @@ def test_state_bytes_per_parameter_and_estimate():
 def test_names_for_the_trainer_and_the_command_line():
     assert resolve("muon_8bit").cls is lowmemopt.Muon and resolve("muon_8bit").kwargs == {"state_bits": 8}
     assert resolve("Muon-4bit").kwargs == {"state_bits": 4} and resolve("paged_muon8bit").kwargs == {
-        "paged": True, "state_bits": 8}
+        "paged": True,
+        "state_bits": 8,
+    }
     assert resolve("adamw8bit").cls is lowmemopt.AdamW8bit  # an alias keeps its own name
     with pytest.raises(ValueError, match="unknown optimizer"):
         resolve("muon_7bit")
@@ -231,7 +261,7 @@ def test_4bit_training_stays_close_to_32bit():
     """bench/lowbit_training.py's small LLaMA, 60 steps: the 4-bit momentum's held-out loss within 3% of 32 bits
     (measured +0.9%; 8-bit +0.02%). The 200-step, 3-seed table of docs/muon.md: the slow test below."""
     pytest.importorskip("transformers")
-    gap, = lowbit_gaps("muon", 4, 60, [0])
+    (gap,) = lowbit_gaps("muon", 4, 60, [0])
     assert abs(gap) < 0.03, gap
 
 

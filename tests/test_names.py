@@ -15,11 +15,35 @@ ROOT = Path(__file__).resolve().parents[1]
 INTERFACES = {"launch", "slots", "compile_variants"}
 #: defined in two modules today, each to get a name of its own (never add to this list)
 TO_RENAME = {
-    "Bucket", "Plan", "Slot", "applies", "available", "block_scale", "check_group", "check_values", "code_book",
-    "copy_files", "decode_into", "decode_rows_into", "dequantize_blockwise", "drop_pages", "encode_into",
-    "encode_rows_into", "encode_table", "init_state", "low_rank_shape", "nearest_code_reference",
-    "pack_nibbles", "project", "quantize_blockwise", "refresh_due", "resolve", "step", "step_many",
-    "time_steps", "unpack_nibbles",
+    "Bucket",
+    "Plan",
+    "Slot",
+    "applies",
+    "available",
+    "block_scale",
+    "check_group",
+    "check_values",
+    "code_book",
+    "copy_files",
+    "decode_into",
+    "decode_rows_into",
+    "dequantize_blockwise",
+    "drop_pages",
+    "encode_into",
+    "encode_rows_into",
+    "encode_table",
+    "init_state",
+    "low_rank_shape",
+    "nearest_code_reference",
+    "pack_nibbles",
+    "project",
+    "quantize_blockwise",
+    "refresh_due",
+    "resolve",
+    "step",
+    "step_many",
+    "time_steps",
+    "unpack_nibbles",
 }
 
 
@@ -28,7 +52,9 @@ def shared_names(files: list[Path]) -> dict[str, list[str]]:
     where: dict[str, list[str]] = defaultdict(list)
     for path in files:
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith(
+                "_"
+            ):
                 where[node.name].append(str(path))
     return {name: paths for name, paths in where.items() if len(paths) > 1}
 
@@ -46,4 +72,5 @@ def test_the_name_check_can_fail(tmp_path):
     (tmp_path / "a.py").write_text("def step_items():\n    pass\n\n\ndef _private():\n    pass\n")
     (tmp_path / "b.py").write_text("class step_items:\n    pass\n\n\ndef _private():\n    pass\n")
     assert shared_names([tmp_path / "a.py", tmp_path / "b.py"]) == {
-        "step_items": [str(tmp_path / "a.py"), str(tmp_path / "b.py")]}
+        "step_items": [str(tmp_path / "a.py"), str(tmp_path / "b.py")]
+    }

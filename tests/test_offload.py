@@ -33,16 +33,24 @@ def results(request, tmp_path_factory) -> list[dict[str, str]]:
     world = request.param
     out = tmp_path_factory.mktemp(f"offload{world}")
     cmd = [sys.executable, WORKER, "--world-size", str(world), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, LOWMEMOPT_COMPILE="0"),
-                          cwd=os.path.dirname(WORKER))
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, LOWMEMOPT_COMPILE="0"),
+        cwd=os.path.dirname(WORKER),
+    )
     ranks = []
     for rank in range(world):
         path = out / f"rank{rank}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else {})
-    missing = [f"rank {r}: {name}" for r, got in enumerate(ranks) for name in offload_worker.OFFLOAD_CASES
-               if name not in got]
-    assert not missing, (f"no result for {missing} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-6000:]}")
+    missing = [
+        f"rank {r}: {name}" for r, got in enumerate(ranks) for name in offload_worker.OFFLOAD_CASES if name not in got
+    ]
+    assert not missing, (
+        f"no result for {missing} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return ranks
 
 
@@ -51,7 +59,6 @@ def test_offload(results, name):
     problems = [f"rank {r}:\n{got[name]}" for r, got in enumerate(results) if got[name] != "ok"]
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
-
 
 
 def test_docs_examples_run(tmp_path):
@@ -63,6 +70,7 @@ def test_docs_examples_run(tmp_path):
     script = tmp_path / "examples.py"
     script.write_text("\n".join(blocks) + "\nassert all(int(s['step']) == 10 for s in opt.state.values())\n")
     env = dict(os.environ, MASTER_PORT=str(dist_worker.free_port()), LOWMEMOPT_COMPILE="0")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,9 +23,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 FOUR_RANK_CASES = ["compressed_allreduce_matches_simulation", "onebit_adam_matches_reference"]
 
 
-
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     return run_job(WORKER, tmp_path_factory.mktemp("onebit2"), 2, list(onebit_worker.CASES))
@@ -91,13 +88,23 @@ def test_zero_one_adam_math_traces_with_tensor_scalars():
     from lowmemopt.optim.zero_one_adam import zero_one_adam_math
 
     def fresh_state():
-        return {"exp_avg": torch.full((8,), 0.1), "exp_avg_sq": torch.full((8,), 0.2),
-                "momentum_accumulator": torch.zeros(8)}
+        return {
+            "exp_avg": torch.full((8,), 0.1),
+            "exp_avg_sq": torch.full((8,), 0.2),
+            "momentum_accumulator": torch.zeros(8),
+        }
 
     p, g = torch.linspace(-1, 1, 8), torch.linspace(1, -1, 8)
     kw = dict(betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.01, phase="local")
     traced = torch.compile(zero_one_adam_math, backend="eager", fullgraph=True)
-    got = traced(p, g, fresh_state(), lr=torch.tensor(1e-2), bias_correction1=torch.tensor(0.19),
-                 bias_correction2_sqrt=torch.tensor(0.3), **kw)
+    got = traced(
+        p,
+        g,
+        fresh_state(),
+        lr=torch.tensor(1e-2),
+        bias_correction1=torch.tensor(0.19),
+        bias_correction2_sqrt=torch.tensor(0.3),
+        **kw,
+    )
     want = zero_one_adam_math(p, g, fresh_state(), lr=1e-2, bias_correction1=0.19, bias_correction2_sqrt=0.3, **kw)
     torch.testing.assert_close(got, want)

@@ -148,7 +148,9 @@ def test_small_tensors_keep_fp32_state():
 BAD_CASES = [(info, case) for info in OPTIMIZERS for case in info.bad_inputs]
 
 
-@pytest.mark.parametrize("info,case", BAD_CASES, ids=[f"{i.name}-{list(c[0])[0]}={list(c[0].values())[0]}" for i, c in BAD_CASES])
+@pytest.mark.parametrize(
+    "info,case", BAD_CASES, ids=[f"{i.name}-{list(c[0])[0]}={list(c[0].values())[0]}" for i, c in BAD_CASES]
+)
 def test_bad_hyperparameters(info, case):
     kwargs, exc, match = case
     base = dict(info.variants[0])
@@ -189,8 +191,11 @@ def test_empty_and_0d_params_step_as_torch_steps_them(info):
     kwargs = dict(STATEFUL[info.name], min_quant_numel=0, block_size=32)
     start = make_params([(5, 4), (7,)])
     ours, alone = clone_params(start), clone_params(start)
-    empty = [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0, 5)),
-             torch.nn.Parameter(torch.empty(0, 5))]
+    empty = [
+        torch.nn.Parameter(torch.empty(0)),
+        torch.nn.Parameter(torch.empty(0, 5)),
+        torch.nn.Parameter(torch.empty(0, 5)),
+    ]
     scalar, twin = torch.nn.Parameter(torch.tensor(0.5)), torch.nn.Parameter(torch.tensor([0.5]))
     opt = info.cls([*ours, *empty, scalar], **kwargs)  # (after the others: APOLLO seeds by position)
     ref = info.cls([*alone, twin], **kwargs)
@@ -273,7 +278,7 @@ def test_nonfinite_gradient_skips_param_and_keeps_state(info, bits):
         opt.step()
     assert torch.equal(params[0], before[0])
     for k, v in opt.state[params[0]].items():
-        assert (torch.equal(v, state_before[k]) if isinstance(v, torch.Tensor) else v == state_before[k]), k
+        assert torch.equal(v, state_before[k]) if isinstance(v, torch.Tensor) else v == state_before[k], k
     assert not torch.equal(params[1], before[1])
     assert opt.nonfinite_skips == 1
     run(opt, params, 2, start=4)
@@ -396,11 +401,15 @@ def test_lamb_trust_ratio_is_a_tensor_without_sync():
 def test_info_table_covers_every_public_optimizer():
     classes = {n for n in lowmemopt.__all__ if isinstance(getattr(lowmemopt, n), type)}
     aliases = set(lowmemopt.aliases.__all__)  # drop-in names: a change of defaults of a class in the table
-    public = {n for n in classes if issubclass(getattr(lowmemopt, n), torch.optim.Optimizer) and n not in aliases
-              and not needs_process_group(getattr(lowmemopt, n))}  # 1-bit optimizers: tests/test_onebit.py
+    public = {
+        n
+        for n in classes
+        if issubclass(getattr(lowmemopt, n), torch.optim.Optimizer)
+        and n not in aliases
+        and not needs_process_group(getattr(lowmemopt, n))
+    }  # 1-bit optimizers: tests/test_onebit.py
     assert {"AdamW", "SGD", "Lion"} <= public
     assert public <= set(BY_NAME), public - set(BY_NAME)
-
 
 
 class _NoScalarReads(TorchDispatchMode):

@@ -134,8 +134,9 @@ def test_mixed_groups_budget_and_skipped_params_match_unpaged(tmp_path):
 
 @pytest.mark.parametrize("batches", ["one", "a parameter each"])
 @pytest.mark.parametrize("tier", TIERS)
-def test_stochastic_rounding_seeds_are_the_unpaged_ones_whatever_order_states_are_made_in(tier, batches, tmp_path,
-                                                                                          monkeypatch):
+def test_stochastic_rounding_seeds_are_the_unpaged_ones_whatever_order_states_are_made_in(
+    tier, batches, tmp_path, monkeypatch
+):
     """bf16 parameters with bf16_update="stochastic": a new state's seed is drawn from torch's generator in the step's
     parameter order, paged or not, though a paged step makes states in another order (state resident within the
     budget steps in the first batch; batches of one parameter each step the non-contiguous one, which the native
@@ -204,7 +205,9 @@ def _seen():
     def stepped(plan, p, grad, group, scan=None, **kw):
         result = step_param(plan, p, grad, group, scan, **kw)
         if isinstance(plan.algorithm, _RenamerMath):
-            plan.state[p]["galore.seen"] = torch.arange(plan.state[p]["step"], dtype=torch.float64) * grad.sum().double()
+            plan.state[p]["galore.seen"] = (
+                torch.arange(plan.state[p]["step"], dtype=torch.float64) * grad.sum().double()
+            )
         return result
 
     with pytest.MonkeyPatch.context() as patch:
@@ -261,6 +264,7 @@ def test_galore_groups_and_per_layer_steps_are_paged_and_bit_identical(tier, buc
     """GaLore (low-rank slots + projector, made ahead on a meta twin) under step_in_backward (one parameter at a time
     from backward hooks, or in buckets of 4 KiB of gradients: three parameters, then the last one): paged like any
     state, and the same results as unpaged."""
+
     def build(seed=0):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
@@ -293,6 +297,7 @@ def test_a_group_paged_off_and_on_again_steps_as_unpaged(tiers, per_layer, tmp_p
     are freed) and steps as unpaged; turned on again, or to the other tier, it is homed again. The first bucket that
     a paged step sets on its way for the next step is dropped: it holds the state as it was before the unpaged steps
     changed it."""
+
     def build(seed=0):
         torch.manual_seed(seed)
         return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
@@ -842,7 +847,10 @@ def _rss_run(tmp_path, paged: str, nparams: int, numel: int, steps: int = 2) -> 
     env = dict(os.environ, LOWMEMOPT_COMPILE="0")  # the eager data path: inductor's one-time memory is not state
     proc = subprocess.run(
         [sys.executable, WORKER, paged, str(nparams), str(numel), str(tmp_path), str(steps)],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -886,8 +894,13 @@ def test_moving_bytes_counts_what_travels_each_step(tmp_path):
     run(opt, params, 1)
     per = {p: sum(t.nbytes for t in opt.state[p].values() if isinstance(t, torch.Tensor)) for p in params}
     assert paging.moving_bytes(opt) == sum(per.values())
-    small = lowmemopt.AdamW(make_params([(64, 64), (32, 32)]), state_bits=8, min_quant_numel=16, paged="cpu",
-                            page_budget_bytes=per[params[1]])  # the smaller parameter's state stays resident
+    small = lowmemopt.AdamW(
+        make_params([(64, 64), (32, 32)]),
+        state_bits=8,
+        min_quant_numel=16,
+        paged="cpu",
+        page_budget_bytes=per[params[1]],
+    )  # the smaller parameter's state stays resident
     run(small, small.param_groups[0]["params"], 1)
     assert paging.moving_bytes(small) == per[params[0]]
     assert paging.moving_bytes(lowmemopt.AdamW(make_params([(8,)]))) == 0

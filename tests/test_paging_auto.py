@@ -157,12 +157,15 @@ def test_auto_on_a_device_without_a_reading_pages_everything():
     assert str(lowmemopt.AdamW(make_params(SHAPES)).paging_report()) == "no paged state"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(page_budget_bytes="all"), "Invalid page_budget_bytes"),
-    (dict(page_headroom_bytes=-1), "Invalid page_headroom_bytes"),
-    (dict(page_headroom_bytes=0.5), "Invalid page_headroom_bytes"),
-    (dict(page_headroom_bytes=True), "Invalid page_headroom_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(page_budget_bytes="all"), "Invalid page_budget_bytes"),
+        (dict(page_headroom_bytes=-1), "Invalid page_headroom_bytes"),
+        (dict(page_headroom_bytes=0.5), "Invalid page_headroom_bytes"),
+        (dict(page_headroom_bytes=True), "Invalid page_headroom_bytes"),
+    ],
+)
 def test_bad_auto_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         lowmemopt.AdamW(make_params(SHAPES), paged=True, **kwargs)

@@ -55,31 +55,42 @@ class _Sequence:
         cuts = sorted(self.rng.sample(range(1, n), self.rng.randint(0, min(2, n - 1))))
         bounds = [0, *cuts, n]
         groups = [self._options() for _ in cuts + [n]]
-        self.opt = self.cls([dict(params=self.paged[lo:hi], **s, **pg)
-                             for (lo, hi), (s, pg) in zip(zip(bounds, bounds[1:]), groups)], **self.kw)
-        self.ref = self.cls([dict(params=self.plain[lo:hi], **s)
-                             for (lo, hi), (s, _) in zip(zip(bounds, bounds[1:]), groups)], **self.kw)
+        self.opt = self.cls(
+            [dict(params=self.paged[lo:hi], **s, **pg) for (lo, hi), (s, pg) in zip(zip(bounds, bounds[1:]), groups)],
+            **self.kw,
+        )
+        self.ref = self.cls(
+            [dict(params=self.plain[lo:hi], **s) for (lo, hi), (s, _) in zip(zip(bounds, bounds[1:]), groups)],
+            **self.kw,
+        )
 
     def _options(self) -> tuple[dict, dict]:
         rng = self.rng
         bits = rng.choice([32, 16, 8, 4])
-        storage = dict(state_bits=bits, min_quant_numel=rng.choice([16, 4096]),
-                       bf16_update=rng.choice(["nearest", "stochastic", "stochastic", "kahan"]))
+        storage = dict(
+            state_bits=bits,
+            min_quant_numel=rng.choice([16, 4096]),
+            bf16_update=rng.choice(["nearest", "stochastic", "stochastic", "kahan"]),
+        )
         if bits < 16 and rng.random() < 0.5:
             storage["block_size"] = rng.choice([16, 64])
         return storage, self._paging()
 
     def _paging(self) -> dict:
         tier = self.rng.choice(["cpu", "disk", False])
-        return dict(paged=tier, offload_dir=os.path.join(self.tmp, self.rng.choice("ab")),
-                    page_budget_bytes=self.rng.choice([0, self.rng.randint(1, 8000), "auto"]),
-                    page_headroom_bytes=self.rng.choice([None, 0, 5000]))
+        return dict(
+            paged=tier,
+            offload_dir=os.path.join(self.tmp, self.rng.choice("ab")),
+            page_budget_bytes=self.rng.choice([0, self.rng.randint(1, 8000), "auto"]),
+            page_headroom_bytes=self.rng.choice([None, 0, 5000]),
+        )
 
     def check(self, what: str) -> None:
         for i, (a, b) in enumerate(zip(self.paged, self.plain)):
             assert torch.equal(a, b), f"seed {self.seed}, after {what}: parameter {i}"
-            assert _state_equal(dict(self.opt.state.get(a, {})), dict(self.ref.state.get(b, {}))), \
+            assert _state_equal(dict(self.opt.state.get(a, {})), dict(self.ref.state.get(b, {}))), (
                 f"seed {self.seed}, after {what}: state of parameter {i}"
+            )
         str(self.opt.paging_report())
 
     def step(self) -> None:
@@ -98,8 +109,10 @@ class _Sequence:
         self.opt.load_state_dict(self.opt.state_dict())
 
     def _replace(self, load) -> None:
-        groups = [dict({k: v for k, v in g.items() if k != "params"}, params=g["params"], **self._paging())
-                  for g in self.opt.param_groups]
+        groups = [
+            dict({k: v for k, v in g.items() if k != "params"}, params=g["params"], **self._paging())
+            for g in self.opt.param_groups
+        ]
         new = self.cls(groups, **self.kw)
         load(new)
         self.opt.close()

@@ -191,7 +191,9 @@ def test_load_state_dict_keeps_cuda_state_paged_and_close_frees_everything(tmp_p
     opt = lowmemopt.AdamW(params, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path, page_budget_bytes=0)
     _run(opt, params, 2)
     sd = opt.state_dict()
-    assert all(v.device.type == "cpu" for st in sd["state"].values() for v in st.values() if isinstance(v, torch.Tensor))
+    assert all(
+        v.device.type == "cpu" for st in sd["state"].values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
     opt.load_state_dict(sd)
     assert all(paging.where_state_lives(opt, p) == "disk" for p in params)
     _run(opt, params, 1, start=2)

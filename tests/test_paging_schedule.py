@@ -77,8 +77,16 @@ class Lanes:
             raise Violation(f"{buffer} holds {found}, expected {token}")
 
 
-def drive(sched: Schedule, passes, route: str, lanes: Lanes, rng: random.Random, early: bool = True,
-          fail: float = 0.0, positions: bool = True) -> dict:
+def drive(
+    sched: Schedule,
+    passes,
+    route: str,
+    lanes: Lanes,
+    rng: random.Random,
+    early: bool = True,
+    fail: float = 0.0,
+    positions: bool = True,
+) -> dict:
     """Run ``passes`` (each a list of buckets, each a list of keys) as the residency manager does: up to two buckets
     ahead as slots allow, the next one's load completed before the current one's kernels, the write-back after them,
     the next pass's first bucket prefetched at the end (dropped if the pass starts otherwise); ``fail``: the chance
@@ -113,6 +121,7 @@ def drive(sched: Schedule, passes, route: str, lanes: Lanes, rng: random.Random,
                     if lanes.homes.get(k, 0) != v:
                         raise Violation(f"{op.kind}({plan.seq}) of {k}: version {lanes.homes.get(k, 0)}, expected {v}")
                 lanes.write(slot, token, [("kernels", plan.seq)])
+
         return effect
 
     def start(keys, fresh, position):
@@ -165,6 +174,7 @@ def drive(sched: Schedule, passes, route: str, lanes: Lanes, rng: random.Random,
             ops = sched.stored(plan)
             source = slot if plan.load else fresh
             for i, op in enumerate(ops):
+
                 def store(lanes, op=op, i=i, plan=plan, out=out, source=source, staging=staging, last=len(ops) - 1):
                     src = staging if (plan.route == "staged" and op.kind == "write") else source
                     lanes.read(src, out)
@@ -203,7 +213,7 @@ def _passes(rng, keys=12, n=5):
         i += size
     out = []
     for _ in range(n):
-        out.append(buckets if rng.random() < 0.8 else buckets[rng.randint(0, len(buckets) - 1):])
+        out.append(buckets if rng.random() < 0.8 else buckets[rng.randint(0, len(buckets) - 1) :])
     return out
 
 
@@ -429,6 +439,8 @@ def test_slots_are_reused_across_steps_and_the_next_step_starts_early(tier, tmp_
         assert [b.data_ptr() for b in mover.slots + mover.stagings if b is not None] == buffers
         early = pager.next_pass.early
         assert early is not None and early[0] == [params[0]]
-        assert bool(early[1].plan.issued) != early[1].here and early[1].here == (tier == "disk" and mover.lanes.files_here())
+        assert bool(early[1].plan.issued) != early[1].here and early[1].here == (
+            tier == "disk" and mover.lanes.files_here()
+        )
     opt.load_state_dict(opt.state_dict())  # a load drops the bucket on its way (its homes are replaced)
     assert pager.next_pass.early is None

@@ -15,8 +15,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import (assert_params_close, assert_state_close, interpreter_fma_rounds_once, make_params,
-                     set_grads)
+from helpers import assert_params_close, assert_state_close, interpreter_fma_rounds_once, make_params, set_grads
 from optim_info import BY_NAME, STATEFUL
 
 import lowmemopt
@@ -31,16 +30,25 @@ VECTOR = (300,)
 MIN_QUANT = 64
 STEPS = 3
 #: (algorithm, projected) pairs whose native CPU step equals the eager one bit for bit
-NATIVE_EXACT = {("AdamW", False), ("Adam", False), ("SGD", False), ("Lion", False), ("AdamW", True), ("Adam", True),
-                ("Lion", True)}
+NATIVE_EXACT = {
+    ("AdamW", False),
+    ("Adam", False),
+    ("SGD", False),
+    ("Lion", False),
+    ("AdamW", True),
+    ("Adam", True),
+    ("Lion", True),
+}
 #: GaLore algorithms whose math reads the weight (its norm, its RMS, a decay inside the math): their stand-ins take the
 #: Triton kernels given the full weight's statistic, within fp32 rounding of the reference core (norms summed in
 #: another order), so their Triton runs keep one basis: a refresh from parameters an ulp apart may rotate the singular
 #: vectors (the cross test's other runs refresh at step 2)
 WEIGHT_STAT = {"LAMB", "LARS", "Adafactor", "CAME"}
 
-interpreted = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET),
-                                 reason="needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported")
+interpreted = pytest.mark.skipif(
+    not (runtime.HAS_TRITON and runtime.INTERPRET),
+    reason="needs Triton and TRITON_INTERPRET=1 before lowmemopt.kernels is imported",
+)
 
 
 def _groups(params, rank, gap=2):
@@ -92,23 +100,28 @@ def _assert_identical(a_params, a_opt, b_params, b_opt, what):
 @pytest.mark.parametrize("rank", [None, 4], ids=["full", "galore"])
 @pytest.mark.parametrize("bits", [32, 16, 8, 4])
 @pytest.mark.parametrize("name", NAMES)
-def test_every_combination_equals_the_eager_reference(name, bits, rank, backend, tmp_path, monkeypatch,
-                                                      correctly_rounded_sqrt):
+def test_every_combination_equals_the_eager_reference(
+    name, bits, rank, backend, tmp_path, monkeypatch, correctly_rounded_sqrt
+):
     """(``correctly_rounded_sqrt``: the eager reference's sqrt rounds as the kernels' does, so that exact backends
     compare bit for bit.)"""
     if backend == "triton":
         from lowmemopt.kernels import dispatch
 
         if rank is not None and not interpreter_fma_rounds_once():
-            pytest.skip("this Triton's interpreter rounds tl.fma twice (before Triton 3.9): the parameters drift "
-                        "from the reference by an ulp, and GaLore's SVD of the next gradient magnifies it")
+            pytest.skip(
+                "this Triton's interpreter rounds tl.fma twice (before Triton 3.9): the parameters drift "
+                "from the reference by an ulp, and GaLore's SVD of the next gradient magnifies it"
+            )
         before = dict(dispatch.stats)
     native_steps = []  # elements each native elementwise kernel call stepped
     if backend == "native":
         from lowmemopt.cpu import elementwise
 
         real = elementwise.prepare  # (the one-parameter call's and the bucket's arguments)
-        monkeypatch.setattr(elementwise, "prepare", lambda *a, **k: native_steps.append((r := real(*a, **k))[::-1]) or r)
+        monkeypatch.setattr(
+            elementwise, "prepare", lambda *a, **k: native_steps.append((r := real(*a, **k))[::-1]) or r
+        )
     gap = STEPS + 1 if backend == "triton" and name in WEIGHT_STAT else 2
     plain, plain_opt = _run(name, bits, rank, backend, False, tmp_path, monkeypatch, gap)
     if backend == "native" and (name, rank is not None) in NATIVE_EXACT and cpu.available():
@@ -206,8 +219,9 @@ def test_groups_with_equal_values_share_a_bucket(name, kw, monkeypatch):
 
     one, one_opt, one_launches = steps(lambda ps: [dict(params=ps, lr=1e-2, **kw)])
     per, per_opt, per_launches = steps(lambda ps: _per_parameter_groups(ps, [1e-2] * len(ps), **kw))
-    alone, alone_opt, alone_launches = steps(lambda ps: _per_parameter_groups(ps, [1e-2] * len(ps), **kw),
-                                             by_identity=True)
+    alone, alone_opt, alone_launches = steps(
+        lambda ps: _per_parameter_groups(ps, [1e-2] * len(ps), **kw), by_identity=True
+    )
     assert per_launches == one_launches, (per_launches, one_launches)
     passes = len(one_launches[-1])  # launches per bucket (LAMB: norms, apply)
     assert one_launches[-1] == [len(shapes)] * passes  # one launch per pass, its table holding every parameter
@@ -266,9 +280,11 @@ def test_paged_batches_keep_to_the_bucket_size(tmp_path, monkeypatch):
     assert seen == [2, 2, 2]
 
 
-BATCHED = [("AdamW", dict(lr=1e-2, weight_decay=0.1)),  # decay: the factor 1 - lr wd
-           ("Adafactor", dict(beta1=0.9, weight_decay=0.1)),  # p += c p, c per matrix (from its RMS(p))
-           ("CAME", dict(lr=1e-2, weight_decay=0.1))]  # p += c p, one c for the group
+BATCHED = [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),  # decay: the factor 1 - lr wd
+    ("Adafactor", dict(beta1=0.9, weight_decay=0.1)),  # p += c p, c per matrix (from its RMS(p))
+    ("CAME", dict(lr=1e-2, weight_decay=0.1)),
+]  # p += c p, one c for the group
 
 
 @interpreted
@@ -290,8 +306,9 @@ def test_batched_projections_equal_the_per_matrix_ones(dtype, name, kw, monkeypa
     monkeypatch.setattr(galore_batched, "BATCH_ON_CPU", True)
     applied = []
     real_apply = unproject.apply_updates
-    monkeypatch.setattr(unproject, "apply_updates", lambda params, *a: applied.append(len(params)) or real_apply(
-        params, *a))
+    monkeypatch.setattr(
+        unproject, "apply_updates", lambda params, *a: applied.append(len(params)) or real_apply(params, *a)
+    )
     runs = []
     for fused in (True, False):
         params = make_params(shapes, dtype=dtype)
@@ -320,8 +337,14 @@ def test_finite_flags_of_mixed_dtypes_keep_their_order():
     order, whatever dtypes are interleaved."""
     from lowmemopt.pipeline.finite import host_flags as _finite_flags
 
-    grads = [torch.ones(5), torch.ones(7, dtype=torch.bfloat16), torch.tensor([1.0, float("nan")]),
-             torch.tensor([float("inf")], dtype=torch.bfloat16), torch.full((3,), 3e19), torch.ones(2)]
+    grads = [
+        torch.ones(5),
+        torch.ones(7, dtype=torch.bfloat16),
+        torch.tensor([1.0, float("nan")]),
+        torch.tensor([float("inf")], dtype=torch.bfloat16),
+        torch.full((3,), 3e19),
+        torch.ones(2),
+    ]
     assert _finite_flags(grads) == [True, True, False, False, False, True]  # 3e19 squared overflows fp32
 
 
@@ -343,8 +366,9 @@ def _stand_in_run(name, kw, bits, shapes, fused, dtype=torch.float32):
     Triton interpreter when the ``runtime.cpu_interpreter`` context is given, else the native CPU kernels) or the
     reference core (native kernels off)."""
     params = make_params(shapes, dtype=dtype)
-    opt = getattr(lowmemopt, name)([dict(params=params, rank=16 if shapes[0][0] > 40 else 4)], state_bits=bits,
-                                   min_quant_numel=MIN_QUANT, **kw)
+    opt = getattr(lowmemopt, name)(
+        [dict(params=params, rank=16 if shapes[0][0] > 40 else 4)], state_bits=bits, min_quant_numel=MIN_QUANT, **kw
+    )
     for t in range(STEPS):
         set_grads(params, t)
         with fused():
@@ -373,8 +397,9 @@ def test_galore_weight_reading_algorithms_take_the_triton_kernels(name, kw, bits
 
     core = []
     real = GaLoreStage.update_per_tensor
-    monkeypatch.setattr(GaLoreStage, "update_per_tensor",
-                        staticmethod(lambda plan, it: core.append(it) or real(plan, it)))
+    monkeypatch.setattr(
+        GaLoreStage, "update_per_tensor", staticmethod(lambda plan, it: core.append(it) or real(plan, it))
+    )
     monkeypatch.setattr(cpu, "ENABLED", False)
     algorithm = lowmemopt.optimizer.kernel_algorithm(getattr(lowmemopt, name))
     fmt = {32: "fp32", 16: "bf16", 8: "q8"}[bits]
@@ -393,8 +418,11 @@ NATIVE_SHAPES = [(64, 48), (48, 80), (64, 48)]
 
 
 @pytest.mark.parametrize("bits", [32, 16, 8])
-@pytest.mark.parametrize("name,kw", STAND_IN[2:] + [("AdafactorTorch", dict(lr=1e-2, weight_decay=0.1))],
-                         ids=["Adafactor", "CAME", "AdafactorTorch"])
+@pytest.mark.parametrize(
+    "name,kw",
+    STAND_IN[2:] + [("AdafactorTorch", dict(lr=1e-2, weight_decay=0.1))],
+    ids=["Adafactor", "CAME", "AdafactorTorch"],
+)
 def test_galore_factored_stand_ins_take_the_native_kernels(name, kw, bits, monkeypatch):
     """On the CPU, Adafactor, CAME and AdafactorTorch GaLore stand-ins take the native factored kernels (given the
     full weight's RMS(p); the decay applied to the full weight), within fp32 rounding of the reference core."""

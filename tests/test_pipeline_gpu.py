@@ -73,8 +73,13 @@ def test_galore_kept_step_holds_no_buffers_between_steps(monkeypatch):
         torch.manual_seed(0)
         shapes = [(96, 160)] * 3 + [(64, 160), (160,)]
         params = [torch.nn.Parameter(torch.randn(s, device="cuda").bfloat16()) for s in shapes]
-        opt = lowmemopt.AdamW([{"params": params[:4], "rank": 8}, {"params": params[4:]}], lr=1e-2,
-                              weight_decay=0.1, state_bits=8, min_quant_numel=0)
+        opt = lowmemopt.AdamW(
+            [{"params": params[:4], "rank": 8}, {"params": params[4:]}],
+            lr=1e-2,
+            weight_decay=0.1,
+            state_bits=8,
+            min_quant_numel=0,
+        )
         gen = torch.Generator(device="cuda").manual_seed(1)
         for _ in range(6):
             for p in params:
@@ -93,8 +98,14 @@ def test_galore_kept_step_holds_no_buffers_between_steps(monkeypatch):
     del program, project, stand, scratch
     kept, opt_kept, held_kept = run(True, keep=True)
     layouts = opt_kept._program.layouts
-    nbytes = sum(s.nbytes for s in [*layouts[0].scratch, *(c[0] for c in layouts[0].cast_bases.values()),
-                                     *(c[0] for c in layouts[1].carved)])
+    nbytes = sum(
+        s.nbytes
+        for s in [
+            *layouts[0].scratch,
+            *(c[0] for c in layouts[0].cast_bases.values()),
+            *(c[0] for c in layouts[1].carved),
+        ]
+    )
     del layouts, kept, opt_kept
     assert held_kept - held_a >= nbytes > 0  # (the same parameters, gradients and state in both)
     b, opt_b, _ = run(False)

@@ -30,8 +30,9 @@ def _items(cls, shapes, bad=(), **kw):
         slots = opt.algorithm.slots(record.hyper, p)
         state = backends.init_state(p.data, record, slots, {})
         state["step"] = 1
-        items.append(Item(param=p, group=opt.param_groups[0], target=p.data, grad=g, state=state, slots=slots,
-                          record=record))
+        items.append(
+            Item(param=p, group=opt.param_groups[0], target=p.data, grad=g, state=state, slots=slots, record=record)
+        )
     return opt.algorithm, items
 
 
@@ -44,11 +45,12 @@ def _assert_same(a, b):
         assert torch.equal(pa, pb)
         assert sa.keys() == sb.keys()
         for k in sa:
-            assert (torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k]), k
+            assert torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k], k
 
 
-@pytest.mark.parametrize("cls,bits", [(lowmemopt.AdamW, 8), (lowmemopt.CAME, 8), (lowmemopt.Lion, 4),
-                                      (lowmemopt.LAMB, 32)])
+@pytest.mark.parametrize(
+    "cls,bits", [(lowmemopt.AdamW, 8), (lowmemopt.CAME, 8), (lowmemopt.Lion, 4), (lowmemopt.LAMB, 32)]
+)
 def test_step_items_equals_update_flat(cls, bits):
     algorithm, items = _items(cls, [(16, 24), (40,)], state_bits=bits)
     twins = _items(cls, [(16, 24), (40,)], state_bits=bits)[1]
@@ -61,8 +63,17 @@ def test_step_items_equals_update_flat(cls, bits):
     assert backends.step_per_tensor(algorithm, items, update_for) == [None, None]
     assert calls == [1, 1]
     for it in twins:
-        backends.update_flat(algorithm, it.target, it.target.view(-1), it.grad.view(-1), it.state, it.slots,
-                             it.record, 1, algorithm.decay_factor(it.record.hyper))
+        backends.update_flat(
+            algorithm,
+            it.target,
+            it.target.view(-1),
+            it.grad.view(-1),
+            it.state,
+            it.slots,
+            it.record,
+            1,
+            algorithm.decay_factor(it.record.hyper),
+        )
     _assert_same(_snapshot(items), _snapshot(twins))
     assert not torch.equal(items[0].target, _items(cls, [(16, 24), (40,)], state_bits=bits)[1][0].target)
 
@@ -86,7 +97,9 @@ def test_native_step_items_results():
     group = dict(items[2].group, lr=torch.tensor(1e-2))
     items[2].record = twins[2].record = BucketRecord.of(group)
     before = _snapshot(items)
-    out = native.step_native_bucket(algorithm, items, lambda it, step: update_of(algorithm, it, step), [True, True, True])
+    out = native.step_native_bucket(
+        algorithm, items, lambda it, step: update_of(algorithm, it, step), [True, True, True]
+    )
     assert out == [True, False, None]
     _assert_same(_snapshot(items[1:]), before[1:])  # skipped and not taken: untouched
     backends.step_per_tensor(algorithm, twins[:1], lambda it, step: update_of(algorithm, it, step))

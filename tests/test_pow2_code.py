@@ -13,8 +13,9 @@ from lowmemopt.cpu.codec import decision_thresholds
 from lowmemopt.kernels import runtime
 from lowmemopt.quant.maps import code_book, encode_table, is_signed_map, nearest_code_reference
 
-pytestmark = pytest.mark.skipif(not runtime.INTERPRET,
-                                reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)")
+pytestmark = pytest.mark.skipif(
+    not runtime.INTERPRET, reason="needs TRITON_INTERPRET=1 (conftest sets it without CUDA)"
+)
 MAPS = ["pow2", "upow2"]
 
 
@@ -34,8 +35,30 @@ def _adversarial(name: str) -> torch.Tensor:
     edges = torch.tensor([2.0**-k for k in range(0, 150)])
     vals = [thr, book, (book[1:] + book[:-1]) / 2, edges, -edges]
     vals += [_ulps(t, k) for t in (thr, book, edges, -edges) for k in (-3, -2, -1, 1, 2, 3)]
-    vals.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 1e-30, 1.0, -1.0, 1.5, -1.5, 1e3, -1e3, 2e-7, -2e-7,
-                              float("inf"), float("-inf"), float("nan"), -float("nan")]))
+    vals.append(
+        torch.tensor(
+            [
+                0.0,
+                -0.0,
+                1e-45,
+                -1e-45,
+                1e-40,
+                1e-30,
+                1.0,
+                -1.0,
+                1.5,
+                -1.5,
+                1e3,
+                -1e3,
+                2e-7,
+                -2e-7,
+                float("inf"),
+                float("-inf"),
+                float("nan"),
+                -float("nan"),
+            ]
+        )
+    )
     y = torch.cat(vals)
     return torch.cat([y, -y]) if not is_signed_map(name) else y
 

@@ -99,11 +99,23 @@ def test_a_bf16_model_with_a_scheduler_keeps_its_program(monkeypatch):
     assert_runs_same(a, opt_a, b, opt_b)
 
 
-@pytest.mark.parametrize("change", ["maximize", "bf16_update", "state tensor", "state dict", "step count",
-                                    "groups split", "load_state_dict", "no grad"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "maximize",
+        "bf16_update",
+        "state tensor",
+        "state dict",
+        "step count",
+        "groups split",
+        "load_state_dict",
+        "no grad",
+    ],
+)
 def test_a_change_makes_the_program_again(change, monkeypatch):
     """What a program was made for changes before step 3: that step takes the pipeline and makes a new program,
     and the results are the host-checked pipeline's."""
+
     def edit(opt, params, step):
         if step != 3:
             return
@@ -163,11 +175,11 @@ class _Reads:
             if self.on and id(t) not in self.exempt:
                 self.n += 1
             return real(t, *a, **k)
+
         return counted
 
 
-STEADY = CASES + [(lowmemopt.SignSGD, dict(lr=1e-2, momentum=0.9), 8),
-                  (lowmemopt.Adafactor, dict(weight_decay=0.1), 8)]
+STEADY = CASES + [(lowmemopt.SignSGD, dict(lr=1e-2, momentum=0.9), 8), (lowmemopt.Adafactor, dict(weight_decay=0.1), 8)]
 
 
 @pytest.mark.parametrize("cls,kw,bits", STEADY, ids=[f"{c.__name__}-{b}" for c, _, b in STEADY])
@@ -225,8 +237,13 @@ def test_galore_steps_between_refreshes_take_the_program(cls, kw, bits, monkeypa
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s)) for s in GALORE_SHAPES]
         matrices = [p for p in params if p.dim() == 2]
-        opt = cls([{"params": matrices, "rank": 4, "update_proj_gap": 4}, {"params": params[4:5]}],
-                  state_bits=bits, min_quant_numel=0, block_size=32, **kw)
+        opt = cls(
+            [{"params": matrices, "rank": 4, "update_proj_gap": 4}, {"params": params[4:5]}],
+            state_bits=bits,
+            min_quant_numel=0,
+            block_size=32,
+            **kw,
+        )
         gen = torch.Generator().manual_seed(2)
         with runtime.cpu_interpreter(), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -263,8 +280,9 @@ def test_galore_scale_made_invalid_leaves_the_program_for_the_checked_step(monke
     counts = _spy(monkeypatch)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(16, 12)) for _ in range(2)]
-    opt = lowmemopt.AdamW([{"params": params, "rank": 4, "update_proj_gap": 10}], lr=1e-2, state_bits=8,
-                          min_quant_numel=0, block_size=32)
+    opt = lowmemopt.AdamW(
+        [{"params": params, "rank": 4, "update_proj_gap": 10}], lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32
+    )
     with runtime.cpu_interpreter():
         for _ in range(3):
             for p in params:
@@ -298,8 +316,14 @@ def test_galore_buffers_hold_no_memory_between_steps(moved, monkeypatch):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, dtype=torch.bfloat16)) for s in GALORE_SHAPES]
         matrices = [p for p in params if p.dim() == 2]
-        opt = lowmemopt.AdamW([{"params": matrices, "rank": 4}, {"params": params[4:5]}], lr=1e-2,
-                              weight_decay=0.1, state_bits=8, min_quant_numel=0, block_size=32)
+        opt = lowmemopt.AdamW(
+            [{"params": matrices, "rank": 4}, {"params": params[4:5]}],
+            lr=1e-2,
+            weight_decay=0.1,
+            state_bits=8,
+            min_quant_numel=0,
+            block_size=32,
+        )
         gen = torch.Generator().manual_seed(2)
         held = []
         with runtime.cpu_interpreter():
@@ -310,8 +334,11 @@ def test_galore_buffers_hold_no_memory_between_steps(moved, monkeypatch):
                 kept = opt._program
                 if kept is not None and kept.layouts[0] is not None:
                     project, stand = kept.layouts[0], kept.layouts[1]
-                    scratch = [*project.scratch, *(c[0] for c in project.cast_bases.values()),
-                               *(c[0] for c in stand.carved)]
+                    scratch = [
+                        *project.scratch,
+                        *(c[0] for c in project.cast_bases.values()),
+                        *(c[0] for c in stand.carved),
+                    ]
                     held.append(sum(x.tensor.untyped_storage().nbytes() for x in scratch) if scratch else -1)
         return params, opt, held
 
@@ -327,6 +354,7 @@ def test_gradients_kept_in_place_and_a_parameter_moved(monkeypatch):
     """Gradients kept in place from step to step (``zero_grad(set_to_none=False)``): the kept launch tables serve as
     they are; a parameter whose storage is replaced (``p.data = ...``) makes the program again (its tables would
     write to the old storage)."""
+
     def run(on_device):
         monkeypatch.setattr(optimizer_module, "DEFER_FINITE_CHECK", on_device)
         torch.manual_seed(0)
@@ -377,8 +405,10 @@ def test_paged_state_resident_takes_the_program_and_an_eviction_drops_it(monkeyp
     counts = _spy(monkeypatch)
     b, opt_b = run({})
     assert counts == {"steps": 5, "made": 1}
-    for paged, expect in [(dict(paged="cpu", page_budget_bytes=1 << 30), {"steps": 5, "made": 1}),
-                          (dict(paged="cpu", page_budget_bytes=0), {"steps": 0, "made": 0})]:
+    for paged, expect in [
+        (dict(paged="cpu", page_budget_bytes=1 << 30), {"steps": 5, "made": 1}),
+        (dict(paged="cpu", page_budget_bytes=0), {"steps": 0, "made": 0}),
+    ]:
         counts.update(steps=0, made=0)
         a, opt_a = run(paged)
         assert counts == expect, (paged, counts)

@@ -61,15 +61,19 @@ EDITS = {  # name -> edit(opt, params, rnd, gen), between the gradients and the 
     "state bits": lambda opt, ps, rnd, gen: opt.param_groups[0].update(state_bits=rnd.choice([4, 8, 16, 32])),
     "bf16_update": lambda opt, ps, rnd, gen: opt.param_groups[0].update(bf16_update=rnd.choice(["kahan", "nearest"])),
     "no grad": lambda opt, ps, rnd, gen: setattr(ps[rnd.randrange(len(ps))], "grad", None),
-    "transposed grad": lambda opt, ps, rnd, gen: setattr(ps[0], "grad", torch.randn(
-        tuple(reversed(ps[0].shape)), generator=gen).t().to(ps[0].dtype)),
+    "transposed grad": lambda opt, ps, rnd, gen: setattr(
+        ps[0], "grad", torch.randn(tuple(reversed(ps[0].shape)), generator=gen).t().to(ps[0].dtype)
+    ),
     "flat grads": _flat_grads,
     "nan": _nan,
     "state dict": lambda opt, ps, rnd, gen: opt.load_state_dict(copy.deepcopy(opt.state_dict())),
     "state tensors": _state_tensors_cloned,
     "state reset": lambda opt, ps, rnd, gen: opt.state.pop(ps[2], None),
-    "step count": lambda opt, ps, rnd, gen: opt.state[ps[3]].__setitem__("step", opt.state[ps[3]]["step"] + 1)
-    if "step" in opt.state.get(ps[3], {}) else None,
+    "step count": lambda opt, ps, rnd, gen: (
+        opt.state[ps[3]].__setitem__("step", opt.state[ps[3]]["step"] + 1)
+        if "step" in opt.state.get(ps[3], {})
+        else None
+    ),
     "params reversed": lambda opt, ps, rnd, gen: opt.param_groups[0]["params"].reverse(),
     "data cloned": lambda opt, ps, rnd, gen: setattr(ps[1], "data", ps[1].data.clone()),
     "data scaled": lambda opt, ps, rnd, gen: ps[0].data.mul_(0.5),

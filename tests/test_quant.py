@@ -72,7 +72,9 @@ def test_every_bucket_boundary_exact(name):
     """Values right at and around every decision point of the rounding rule (code midpoints, ties)."""
     book = code_book(name)
     mids = (book[1:] + book[:-1]) / 2
-    around = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)), book])
+    around = torch.cat(
+        [mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)), book]
+    )
     if not is_signed_map(name):
         around = around[around >= 0]
     table = encode_table(name)

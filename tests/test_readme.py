@@ -29,8 +29,13 @@ def test_readme_example_runs(tmp_path, monkeypatch):
 
 def test_quickstart_example_runs(tmp_path):
     assert "examples/quickstart.py" in README.read_text()
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "3"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| lowmemopt.") or "torch.optim" in line]
     assert len(rows) == 6 and "3 steps" in proc.stdout

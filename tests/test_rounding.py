@@ -68,7 +68,7 @@ def test_stochastic_round_picks_a_neighbour_and_is_chunk_invariant():
     assert torch.all((y == trunc) | (y == away))
     assert torch.equal(y[exact], x[exact])
     assert 0.2 < (y == away).float().mean() < 0.8  # both neighbours happen
-    parts = torch.cat([rounding.stochastic_round(x[a:a + 777], key, a) for a in range(0, 5000, 777)])
+    parts = torch.cat([rounding.stochastic_round(x[a : a + 777], key, a) for a in range(0, 5000, 777)])
     assert torch.equal(_bits(parts), _bits(rounding.stochastic_round(x, key)))
 
 
@@ -134,12 +134,24 @@ def test_fp16_stochastic_round_picks_a_neighbour_and_is_chunk_invariant():
     sub = x.abs() < 2**-14
     for part in (sub, ~sub):  # both neighbours happen, in the subnormal and the normal range
         assert 0.2 < (y.float() == away)[part & (trunc != away)].float().mean() < 0.8
-    parts = torch.cat([rounding.stochastic_round(x[a:a + 777], key, a, FP16) for a in range(0, x.numel(), 777)])
+    parts = torch.cat([rounding.stochastic_round(x[a : a + 777], key, a, FP16) for a in range(0, x.numel(), 777)])
     assert torch.equal(_bits(parts), _bits(y))
 
 
-@pytest.mark.parametrize("value", [1.0 + 2**-12, -3.0 - 2**-9 * 0.3, 1e-3 * (1 + 2**-8 * 0.9), 2.0**-14 + 2**-30,
-                                   40000.3, 3e-5, -1.3e-7, 2.0**-14 - 2**-27, 1e-9])
+@pytest.mark.parametrize(
+    "value",
+    [
+        1.0 + 2**-12,
+        -3.0 - 2**-9 * 0.3,
+        1e-3 * (1 + 2**-8 * 0.9),
+        2.0**-14 + 2**-30,
+        40000.3,
+        3e-5,
+        -1.3e-7,
+        2.0**-14 - 2**-27,
+        1e-9,
+    ],
+)
 def test_fp16_stochastic_round_is_unbiased_over_every_random_value(value):
     # all 2^16 values of the random bits: the mean of the roundings is the value exactly in the normal range, and
     # within 2^-16 of a subnormal ulp (2^-40) below it in magnitude for a subnormal result
@@ -153,10 +165,11 @@ def test_fp16_stochastic_round_is_unbiased_over_every_random_value(value):
     if abs(value) >= 2**-14:
         assert err == 0.0
     else:
-        assert -2**-40 < math.copysign(1, value) * err <= 0.0
+        assert -(2**-40) < math.copysign(1, value) * err <= 0.0
     # the hash's bits over many elements and steps: the same mean within a few standard errors
-    means = torch.stack([rounding.stochastic_round(x[:4096], rounding.step_key(5, s), 0, FP16).double().mean()
-                         for s in range(25)])
+    means = torch.stack(
+        [rounding.stochastic_round(x[:4096], rounding.step_key(5, s), 0, FP16).double().mean() for s in range(25)]
+    )
     se = abs(away.item() - trunc.item()) * 0.5 / math.sqrt(4096 * 25)
     assert abs(means.mean().item() - float(x[0])) < 5 * se + 2**-40
 
@@ -164,8 +177,27 @@ def test_fp16_stochastic_round_is_unbiased_over_every_random_value(value):
 def test_fp16_stochastic_round_special_values():
     # past 65504: as round to nearest (65504 below 65520, Inf from it); NaN stays NaN; zeros keep their sign; the
     # smallest subnormal and the least normal are exact; a value below 2^-40 rounds to zero
-    x = torch.tensor([65504.0, 65505.0, 65519.99, 65520.0, 7e4, -65519.0, -65521.0, math.inf, -math.inf, math.nan,
-                      0.0, -0.0, 2.0**-24, -(2.0**-14), 2.0**-41, 1e-45, 3.4e38])
+    x = torch.tensor(
+        [
+            65504.0,
+            65505.0,
+            65519.99,
+            65520.0,
+            7e4,
+            -65519.0,
+            -65521.0,
+            math.inf,
+            -math.inf,
+            math.nan,
+            0.0,
+            -0.0,
+            2.0**-24,
+            -(2.0**-14),
+            2.0**-41,
+            1e-45,
+            3.4e38,
+        ]
+    )
     want = x.to(FP16)
     for key in range(50):
         y = rounding.stochastic_round(x, rounding.step_key(key, 1), 0, FP16)
@@ -237,7 +269,7 @@ def test_backends_bit_identical(cls, kw, mode, dtype, monkeypatch):
     near, _ = _run(cls, kw, "nearest", "eager", monkeypatch, dtype=dtype)
     assert not torch.equal(_bits(ref), _bits(near))
     # (an interpreter whose tl.fma rounds twice, before Triton 3.9, cannot give the kernels' bits: native C only)
-    for p, opt in ((tri, topt), (nat, nopt))[0 if interpreter_fma_rounds_once() else 1:]:
+    for p, opt in ((tri, topt), (nat, nopt))[0 if interpreter_fma_rounds_once() else 1 :]:
         assert torch.equal(_bits(p), _bits(ref))
         if mode == "kahan":
             assert torch.equal(_bits(opt.state[p][rounding.KAHAN]), _bits(ropt.state[ref][rounding.KAHAN]))
@@ -355,15 +387,26 @@ def test_a_shard_rounds_as_its_part_of_the_whole_parameter(backend, dtype, monke
                 item = _plain_item(opt._plan(), shard, group)
                 item.state[rounding.SEED] = seed
                 item.index_base = lo if shifted else 0
-                update = Update("adam", opt.algorithm.math_kwargs(group, 1), item.record,
-                                opt.algorithm.decay_factor(group), 1, 256)
+                update = Update(
+                    "adam", opt.algorithm.math_kwargs(group, 1), item.record, opt.algorithm.decay_factor(group), 1, 256
+                )
                 assert dispatch.step_triton(opt.algorithm.kernels, [item], lambda it, step: update) == []
         else:
             state = opt._init_state(shard, group, opt._slots(group, shard))
             state[rounding.SEED] = seed
             state["step"] = 1
-            update_flat(opt.algorithm, shard, shard.data.view(-1), shard.grad.view(-1), state, opt._slots(group, shard),
-                        BucketRecord.of(group), 1, opt.algorithm.decay_factor(group), _Shard(lo if shifted else 0))
+            update_flat(
+                opt.algorithm,
+                shard,
+                shard.data.view(-1),
+                shard.grad.view(-1),
+                state,
+                opt._slots(group, shard),
+                BucketRecord.of(group),
+                1,
+                opt.algorithm.decay_factor(group),
+                _Shard(lo if shifted else 0),
+            )
         same = torch.equal(_bits(shard), _bits(whole[lo:hi]))
         assert same == shifted, f"shifted={shifted}"
 
@@ -372,10 +415,16 @@ def test_which_params_it_applies_to():
     # bf16 and fp16 take the group's mode (so the compiled path, which rounds to nearest only, leaves them to the
     # eager / native / Triton paths); fp32 always rounds to nearest
     record = BucketRecord.of({"bf16_update": "kahan"})  # (the param group's options, resolved once per step)
-    assert [record.rounding_of(torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == \
-        ["kahan", "kahan", "nearest"]
-    assert [rounding.applied("kahan", torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == \
-        ["kahan", "kahan", "nearest"]
+    assert [record.rounding_of(torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == [
+        "kahan",
+        "kahan",
+        "nearest",
+    ]
+    assert [rounding.applied("kahan", torch.zeros(1, dtype=d)) for d in (BF16, FP16, torch.float32)] == [
+        "kahan",
+        "kahan",
+        "nearest",
+    ]
     assert BucketRecord.of({}).rounding_of(torch.zeros(1, dtype=FP16)) == "nearest"  # the default is unchanged
     with pytest.raises(TypeError, match="dtype"):
         rounding.stochastic_round(torch.zeros(2), 1, dtype=torch.float32)
@@ -579,8 +628,11 @@ def _fit(dtype, mode, steps=60, lr=1e-4):
     y = x @ torch.randn(32, 8, generator=g)
     w = torch.nn.Parameter((torch.randn(32, 8, generator=g) * 2).to(FP16).to(dtype))
     start = w.detach().double().clone()
-    opt = torch.optim.AdamW([w], lr=lr, weight_decay=0.0, foreach=False) if mode is None else \
-        lowmemopt.AdamW([w], lr=lr, weight_decay=0.0, bf16_update=mode)
+    opt = (
+        torch.optim.AdamW([w], lr=lr, weight_decay=0.0, foreach=False)
+        if mode is None
+        else lowmemopt.AdamW([w], lr=lr, weight_decay=0.0, bf16_update=mode)
+    )
     for _ in range(steps):
         idx = torch.randint(0, 256, (32,), generator=g)
         loss = ((x[idx] @ w.float() - y[idx]) ** 2).mean()
@@ -601,6 +653,7 @@ def test_fp16_weights_track_the_fp32_master_run():
     assert gap["nearest"] > 0.8, gap
     assert gap["kahan"] < 0.25 and gap["kahan"] < gap["nearest"] / 4, gap
     assert gap["stochastic"] < 0.8, gap
+
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_estimate_counts_the_kahan_buffer(dtype):

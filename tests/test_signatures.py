@@ -18,8 +18,11 @@ from lowmemopt.signature import StorageOptions
 
 #: the storage options: the base class's keyword-only parameters
 STORAGE = [p.name for p in inspect.signature(LowMemOptimizer.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
-PUBLIC = [n for n in lowmemopt.__all__
-          if isinstance(getattr(lowmemopt, n), type) and issubclass(getattr(lowmemopt, n), torch.optim.Optimizer)]
+PUBLIC = [
+    n
+    for n in lowmemopt.__all__
+    if isinstance(getattr(lowmemopt, n), type) and issubclass(getattr(lowmemopt, n), torch.optim.Optimizer)
+]
 
 
 def test_every_public_optimizer_is_covered():
@@ -37,7 +40,12 @@ def test_signature_names_every_keyword(name):
     for key in STORAGE:
         assert params[key].kind is inspect.Parameter.KEYWORD_ONLY, key
     text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
-    assert f"{cls.__name__}(" in text and "state_bits: 'int' = " in text and "**storage" not in text and "*args" not in text
+    assert (
+        f"{cls.__name__}(" in text
+        and "state_bits: 'int' = " in text
+        and "**storage" not in text
+        and "*args" not in text
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in PUBLIC if not needs_process_group(getattr(lowmemopt, n))])
@@ -50,8 +58,15 @@ def test_the_defaults_shown_are_the_defaults_taken(name):
         opt = cls([torch.nn.Parameter(torch.zeros(3, 3))])
     except (TypeError, ValueError):  # (an optimizer whose lr is required: CAME, FusedSGD)
         opt = cls([torch.nn.Parameter(torch.zeros(3, 3))], lr=1e-3)
-    for key in ("state_bits", "min_quant_numel", "paged", "page_budget_bytes", "page_headroom_bytes", "bf16_update",
-                "capturable"):
+    for key in (
+        "state_bits",
+        "min_quant_numel",
+        "paged",
+        "page_budget_bytes",
+        "page_headroom_bytes",
+        "bf16_update",
+        "capturable",
+    ):
         assert opt.defaults[key] == params[key].default, key
 
 
@@ -60,8 +75,11 @@ def test_an_alias_shows_its_own_defaults():
     assert sig["state_bits"].default == 4 and sig["paged"].default is True
     assert inspect.signature(lowmemopt.AdamW8bit).parameters["state_bits"].default == 8
     assert inspect.signature(lowmemopt.AdamW).parameters["state_bits"].default == 32
-    assert list(inspect.signature(lowmemopt.DeepSpeedCPUAdam).parameters)[:3] == ["model_params", "lr",
-                                                                                  "bias_correction"]
+    assert list(inspect.signature(lowmemopt.DeepSpeedCPUAdam).parameters)[:3] == [
+        "model_params",
+        "lr",
+        "bias_correction",
+    ]
 
 
 def test_editors_see_the_same_storage_options():
@@ -83,8 +101,11 @@ def test_a_misspelt_keyword_names_the_class_and_the_closest_keyword(name):
     """``state_bit=8`` is a TypeError in Python's words, naming the class (not ``LowMemOptimizer.__init__``, where
     ``**storage`` lands) and ``state_bits``."""
     cls = getattr(lowmemopt, name)
-    with pytest.raises(TypeError, match=rf"^{cls.__name__}\.__init__\(\) got an unexpected keyword argument 'state_bit': "
-                                        r"did you mean 'state_bits'\?"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^{cls.__name__}\.__init__\(\) got an unexpected keyword argument 'state_bit': "
+        r"did you mean 'state_bits'\?",
+    ):
         cls([torch.nn.Parameter(torch.zeros(3, 3))], lr=1e-3, state_bit=8)
 
 
@@ -113,8 +134,16 @@ def test_a_users_subclass_keeps_its_own_keywords():
         Mine(p, state_bit=8)
 
 
-BNB_ALIASES = ["Adam8bit", "AdamW8bit", "LAMB8bit", "LARS8bit", "Lion8bit", "GaLoreAdamW8bit", "PagedAdamW",
-               "PagedAdamW8bit"]
+BNB_ALIASES = [
+    "Adam8bit",
+    "AdamW8bit",
+    "LAMB8bit",
+    "LARS8bit",
+    "Lion8bit",
+    "GaLoreAdamW8bit",
+    "PagedAdamW",
+    "PagedAdamW8bit",
+]
 
 
 @pytest.mark.parametrize("name", BNB_ALIASES)
@@ -138,9 +167,16 @@ def test_bitsandbytes_names_take_bitsandbytes_keywords(name):
         assert cls(p, lr=1e-3, optim_bits=8).defaults["state_bits"] == 8
 
 
-@pytest.mark.parametrize("name, given", [("AdamW8bit", dict(state_bits=4)), ("AdamW8bit", dict(optim_bits=4)),
-                                         ("AdamW4bit", dict(state_bits=8)), ("PagedAdamW", dict(paged=False)),
-                                         ("PagedAdamW8bit", dict(is_paged=True, paged=False))])
+@pytest.mark.parametrize(
+    "name, given",
+    [
+        ("AdamW8bit", dict(state_bits=4)),
+        ("AdamW8bit", dict(optim_bits=4)),
+        ("AdamW4bit", dict(state_bits=8)),
+        ("PagedAdamW", dict(paged=False)),
+        ("PagedAdamW8bit", dict(is_paged=True, paged=False)),
+    ],
+)
 def test_an_alias_refuses_what_contradicts_its_name(name, given):
     with pytest.raises(ValueError, match=rf"^{name}(: .* disagree| has (state_bits|paged)=.*\(its name\))"):
         getattr(lowmemopt, name)([torch.nn.Parameter(torch.zeros(3, 3))], lr=1e-3, **given)

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (assert_params_close, clone_params, interpreter_fma_rounds_once, make_params, run,
-                     run_with_reference, set_grads)
+from helpers import (
+    assert_params_close,
+    clone_params,
+    interpreter_fma_rounds_once,
+    make_params,
+    run,
+    run_with_reference,
+    set_grads,
+)
 from optim_info import BY_NAME, SignSGDReference
 
 import lowmemopt
@@ -77,9 +84,13 @@ def test_cpu_native_kernel_steps_it_as_the_torch_paths(bits, monkeypatch):
 
     seen = []
     real = elementwise.step_many  # (the bucket's one call per step: every parameter here)
-    monkeypatch.setattr(elementwise, "step_many",
-                        lambda algorithm, batch: seen.extend((algorithm, a.nrows * a.bs + a.tail) for a in batch)
-                        or real(algorithm, batch))
+    monkeypatch.setattr(
+        elementwise,
+        "step_many",
+        lambda algorithm, batch: (
+            seen.extend((algorithm, a.nrows * a.bs + a.tail) for a in batch) or real(algorithm, batch)
+        ),
+    )
     kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, state_bits=bits, min_quant_numel=64)
     params, off = make_params(SHAPES), make_params(SHAPES)
     run(lowmemopt.SignSGD(params, **kw), params, 3)

@@ -18,12 +18,14 @@ from lowmemopt import compiled
 from lowmemopt.optimizer import FORMAT_VERSION
 
 SHAPES = [(70, 91), (4099,), (300,), (5, 7, 129), (300, 257)]  # the last takes the compiled fast path
-RESUME_CASES = [
-    (info.name, bits, dtype) for info in OPTIMIZERS for bits in (32, 16, 8) for dtype in ("float32",)
-] + [  # bf16 params: one elementwise optimizer and every whole-tensor one (they take a different path)
-    (info.name, bits, "bfloat16") for info in OPTIMIZERS[:1] + [i for i in OPTIMIZERS if not i.cls.algorithm.elementwise]
-    for bits in (32, 8)
-]
+RESUME_CASES = (
+    [(info.name, bits, dtype) for info in OPTIMIZERS for bits in (32, 16, 8) for dtype in ("float32",)]
+    + [  # bf16 params: one elementwise optimizer and every whole-tensor one (they take a different path)
+        (info.name, bits, "bfloat16")
+        for info in OPTIMIZERS[:1] + [i for i in OPTIMIZERS if not i.cls.algorithm.elementwise]
+        for bits in (32, 8)
+    ]
+)
 
 
 def _case_id(case):
@@ -48,8 +50,16 @@ def resumed(tmp_path_factory):
         torch.save(opt.state_dict(), f"{stem}.opt.pt")
         torch.save([p.detach() for p in half], f"{stem}.params.pt")
         specs.append(
-            dict(optimizer=name, bits=bits, kwargs=kwargs, state=f"{stem}.opt.pt", params=f"{stem}.params.pt",
-                 out=f"{stem}.out.pt", start=10, steps=10)
+            dict(
+                optimizer=name,
+                bits=bits,
+                kwargs=kwargs,
+                state=f"{stem}.opt.pt",
+                params=f"{stem}.params.pt",
+                out=f"{stem}.out.pt",
+                start=10,
+                steps=10,
+            )
         )
         expected[case] = ([p.detach() for p in full], f"{stem}.out.pt")
     cases_file = tmp / "cases.json"
@@ -57,8 +67,9 @@ def resumed(tmp_path_factory):
     worker = os.path.join(os.path.dirname(__file__), "resume_worker.py")
     # the worker takes the path this process takes (compiled or eager: they may differ in the last bit)
     env = dict(os.environ, LOWMEMOPT_COMPILE="1" if compiled.ENABLED else "0")
-    proc = subprocess.run([sys.executable, worker, str(cases_file)], capture_output=True, text=True, cwd=str(tmp),
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, worker, str(cases_file)], capture_output=True, text=True, cwd=str(tmp), env=env
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {case: (torch.load(out, weights_only=True), full) for case, (full, out) in expected.items()}
 
@@ -139,8 +150,11 @@ def test_another_models_state_of_equal_size_is_refused_and_changes_nothing(bits)
         a(torch.randn(2, 64)).sum().backward()
         src.step()
         opt = lowmemopt.AdamW(b.parameters(), state_bits=bits)
-        with pytest.raises(ValueError, match=r"'exp_avg' has shape \(128, 64\) .* parameter has shape \(64, 128\); "
-                                             "is it the state of another model"):
+        with pytest.raises(
+            ValueError,
+            match=r"'exp_avg' has shape \(128, 64\) .* parameter has shape \(64, 128\); "
+            "is it the state of another model",
+        ):
             opt.load_state_dict(src.state_dict())
         assert len(opt.state) == 0
 
@@ -148,8 +162,11 @@ def test_another_models_state_of_equal_size_is_refused_and_changes_nothing(bits)
 def test_a_models_weights_given_to_load_state_dict_say_so():
     model = torch.nn.Linear(3, 2)
     opt = lowmemopt.AdamW(model.parameters())
-    with pytest.raises(ValueError, match=r"^AdamW.load_state_dict: expected an optimizer's state_dict\(\) .*got a "
-                                         r"dict with keys 'weight', 'bias'; .* model.load_state_dict\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^AdamW.load_state_dict: expected an optimizer's state_dict\(\) .*got a "
+        r"dict with keys 'weight', 'bias'; .* model.load_state_dict\(\)",
+    ):
         opt.load_state_dict(model.state_dict())
     with pytest.raises(ValueError, match="got a list"):
         opt.load_state_dict([])
@@ -184,8 +201,10 @@ def test_lr_scheduler_changes_take_effect():
 
 def _snapshot(opt):
     """The optimizer's state and groups: the objects and their values, to check a failed load changed nothing."""
-    state = {p: (st, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()})
-             for p, st in opt.state.items()}
+    state = {
+        p: (st, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()})
+        for p, st in opt.state.items()
+    }
     groups = [(g, {k: (list(v) if k == "params" else v) for k, v in g.items()}) for g in opt.param_groups]
     return state, groups
 
@@ -231,8 +250,11 @@ def test_another_optimizers_state_dict_is_named_and_changes_nothing(name):
     opt = lowmemopt.AdamW(params, lr=1e-2)
     run(opt, params, 2)
     snapshot = _snapshot(opt)
-    with pytest.raises(ValueError, match=rf"It looks like the state of {origin}.*, not of AdamW \(slots exp_avg, "
-                                         r"exp_avg_sq\): a state dict loads into the optimizer that saved it"):
+    with pytest.raises(
+        ValueError,
+        match=rf"It looks like the state of {origin}.*, not of AdamW \(slots exp_avg, "
+        r"exp_avg_sq\): a state dict loads into the optimizer that saved it",
+    ):
         opt.load_state_dict(saved)
     _assert_unchanged(opt, snapshot)
 
@@ -247,8 +269,11 @@ def test_a_slot_that_is_not_a_tensor_is_a_value_error_and_changes_nothing(slot):
     opt = lowmemopt.AdamW(params, lr=1e-2)
     run(opt, params, 2)
     snapshot = _snapshot(opt)
-    match = ("parameter 1 of param group 0: step" if slot == "step" else
-             f"parameter 1 of param group 0: state '{slot}' is a list, not a tensor")
+    match = (
+        "parameter 1 of param group 0: step"
+        if slot == "step"
+        else f"parameter 1 of param group 0: state '{slot}' is a list, not a tensor"
+    )
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(saved)
     _assert_unchanged(opt, snapshot)

@@ -14,8 +14,9 @@ import torch
 import lowmemopt
 from lowmemopt.kernels import runtime
 
-needs_interpreter = pytest.mark.skipif(not (runtime.HAS_TRITON and runtime.INTERPRET),
-                                       reason="needs TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.skipif(
+    not (runtime.HAS_TRITON and runtime.INTERPRET), reason="needs TRITON_INTERPRET=1"
+)
 
 
 def _backend(name: str):
@@ -25,7 +26,8 @@ def _backend(name: str):
 
 def _snapshot(opt, params):
     return [p.detach().clone() for p in params], [
-        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for p in params]
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for p in params
+    ]
 
 
 def _assert_unchanged(opt, params, snap):
@@ -102,6 +104,7 @@ def test_a_kept_program_sees_a_parameter_sliced_in_place():
 def test_a_block_size_changed_under_quantized_state_is_refused_until_put_back(bits, backend):
     """The step with the group's new block size raises (the state keeps the block size it was made with) and
     changes nothing; with the block size put back the run goes on as one that never changed it, bit for bit."""
+
     def run(change: bool):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(33, 17)), torch.nn.Parameter(torch.randn(300))]
@@ -112,9 +115,12 @@ def test_a_block_size_changed_under_quantized_state_is_refused_until_put_back(bi
                 if change and step == 2:
                     opt.param_groups[0]["block_size"] = 64  # (fewer scales than stored: no overrun without a check)
                     snap = _snapshot(opt, params)
-                    with pytest.raises(ValueError, match=rf"{bits}-bit state 'exp_avg' of parameter 0 of param group "
-                                                         r"0 was made at block_size 32, but its param group now has "
-                                                         r"block_size 64.*set the group's block_size back to 32"):
+                    with pytest.raises(
+                        ValueError,
+                        match=rf"{bits}-bit state 'exp_avg' of parameter 0 of param group "
+                        r"0 was made at block_size 32, but its param group now has "
+                        r"block_size 64.*set the group's block_size back to 32",
+                    ):
                         opt.step()
                     _assert_unchanged(opt, params, snap)
                     opt.param_groups[0]["block_size"] = 32
@@ -163,9 +169,14 @@ def test_galore_state_of_another_shape_is_refused():
     opt = lowmemopt.AdamW([{"params": [p], "rank": 4}], state_bits=8, min_quant_numel=0)
     _grads([p], 0)
     opt.step()
-    for shape, match in [((40, 30), r"basis 'galore.proj' \(24, 4\) does not fit the parameter's shape \(40, 30\)"),
-                         ((48, 24), r"'exp_avg' holds 160 elements, the parameter has shape \(48, 24\), whose "
-                                    r"low-rank state at rank 4 is 48 x 4 \(192 elements\)")]:
+    for shape, match in [
+        ((40, 30), r"basis 'galore.proj' \(24, 4\) does not fit the parameter's shape \(40, 30\)"),
+        (
+            (48, 24),
+            r"'exp_avg' holds 160 elements, the parameter has shape \(48, 24\), whose "
+            r"low-rank state at rank 4 is 48 x 4 \(192 elements\)",
+        ),
+    ]:
         old = p.data
         p.data = torch.randn(shape)
         _grads([p], 1)
@@ -220,8 +231,11 @@ def test_a_gradient_of_another_shape_than_its_parameter_is_refused(backend):
     with _backend(backend):
         _grads(params, 0)
         params[0].data = torch.randn(40, 24)
-        with pytest.raises(ValueError, match=r"gradient of parameter 0 of param group 0 has shape \(33, 17\) but the "
-                                             r"parameter \(40, 24\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"gradient of parameter 0 of param group 0 has shape \(33, 17\) but the "
+            r"parameter \(40, 24\)",
+        ):
             opt.step()
         assert not opt.state  # (nothing made, nothing stepped)
         _grads(params, 1)
@@ -239,8 +253,11 @@ GRAD_EDITS = {  # what replaces the .data of parameter 0's gradient after two st
 
 
 @pytest.mark.parametrize("backend", ["native", pytest.param("triton", marks=needs_interpreter)])
-@pytest.mark.parametrize("cls,kw", [(lowmemopt.AdamW, dict(state_bits=8)), (lowmemopt.FusedLAMB, dict(state_bits=32))],
-                         ids=["AdamW-8", "FusedLAMB-32"])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [(lowmemopt.AdamW, dict(state_bits=8)), (lowmemopt.FusedLAMB, dict(state_bits=32))],
+    ids=["AdamW-8", "FusedLAMB-32"],
+)
 @pytest.mark.parametrize("edit", GRAD_EDITS)
 def test_a_gradient_of_another_dtype_or_shape_is_refused_and_nothing_changes(edit, cls, kw, backend):
     """A gradient whose ``.data`` was replaced by one of another dtype (or shape) is refused before anything reads

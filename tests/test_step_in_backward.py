@@ -24,9 +24,11 @@ def _loss(model, t, micro=0):
 
 OPTIMIZERS = {
     "GaLoreAdamW": lambda m: lowmemopt.GaLoreAdamW(
-        lowmemopt.galore_param_groups(m, "all-linear", rank=4, update_proj_gap=3, weight_decay=0.1), lr=1e-2),
+        lowmemopt.galore_param_groups(m, "all-linear", rank=4, update_proj_gap=3, weight_decay=0.1), lr=1e-2
+    ),
     "CAME8bit-galore": lambda m: lowmemopt.CAME(
-        lowmemopt.galore_param_groups(m, ["0"], rank=4, update_proj_gap=2), lr=1e-2, state_bits=8, min_quant_numel=32),
+        lowmemopt.galore_param_groups(m, ["0"], rank=4, update_proj_gap=2), lr=1e-2, state_bits=8, min_quant_numel=32
+    ),
     "AdamW8bit": lambda m: lowmemopt.AdamW8bit(m.parameters(), lr=1e-2, min_quant_numel=32),
 }
 
@@ -191,8 +193,10 @@ def _host_work_optimizer(name, params):
     """An 8-bit optimizer over ``params`` (GaLore: the matrices in a rank-4 group) for the per-parameter tests."""
     kw = dict(lr=1e-2, weight_decay=0.1, state_bits=8, min_quant_numel=0, block_size=32)
     if name == "GaLoreAdamW8bit":
-        groups = [{"params": [p for p in params if p.dim() == 2], "rank": 4, "update_proj_gap": 2},
-                  {"params": [p for p in params if p.dim() != 2]}]
+        groups = [
+            {"params": [p for p in params if p.dim() == 2], "rank": 4, "update_proj_gap": 2},
+            {"params": [p for p in params if p.dim() != 2]},
+        ]
     else:
         groups = [{"params": list(params)}]
     cls = lowmemopt.CAME if name == "CAME8bit" else lowmemopt.AdamW
@@ -364,16 +368,36 @@ def _edit(name, model, opt):
 
 
 EDITED_RUNS = {  # optimizer, parameter dtype, accumulation, bucket_bytes, the edit before each step
-    "AdamW8bit": (lambda m: lowmemopt.AdamW(m.parameters(), lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32),
-                  torch.float32, 1, 0, ["lr", "freeze", "state_dict", "unfreeze", "reset", "state_bits"]),
-    "Lion8bit-bf16-bucketed": (lambda m: lowmemopt.Lion(m.parameters(), lr=1e-3, state_bits=8, min_quant_numel=0),
-                               torch.bfloat16, 2, 4096, ["kahan", "weight_decay", "state_dict", "reset", "lr"]),
-    "CAME8bit-galore": (lambda m: lowmemopt.CAME(lowmemopt.galore_param_groups(m, ["0"], rank=4, update_proj_gap=2),
-                                                 lr=1e-2, state_bits=8, min_quant_numel=0),
-                        torch.float32, 2, 0, ["freeze", "lr", "state_dict", "unfreeze", "reset"]),
-    "SGD4bit-float64": (lambda m: lowmemopt.SGD(m.parameters(), lr=1e-2, momentum=0.9, state_bits=4, min_quant_numel=0,
-                                                block_size=16),
-                        torch.float64, 1, 1 << 20, ["state_dict", "weight_decay", "reset", "freeze", "lr"]),
+    "AdamW8bit": (
+        lambda m: lowmemopt.AdamW(m.parameters(), lr=1e-2, state_bits=8, min_quant_numel=0, block_size=32),
+        torch.float32,
+        1,
+        0,
+        ["lr", "freeze", "state_dict", "unfreeze", "reset", "state_bits"],
+    ),
+    "Lion8bit-bf16-bucketed": (
+        lambda m: lowmemopt.Lion(m.parameters(), lr=1e-3, state_bits=8, min_quant_numel=0),
+        torch.bfloat16,
+        2,
+        4096,
+        ["kahan", "weight_decay", "state_dict", "reset", "lr"],
+    ),
+    "CAME8bit-galore": (
+        lambda m: lowmemopt.CAME(
+            lowmemopt.galore_param_groups(m, ["0"], rank=4, update_proj_gap=2), lr=1e-2, state_bits=8, min_quant_numel=0
+        ),
+        torch.float32,
+        2,
+        0,
+        ["freeze", "lr", "state_dict", "unfreeze", "reset"],
+    ),
+    "SGD4bit-float64": (
+        lambda m: lowmemopt.SGD(m.parameters(), lr=1e-2, momentum=0.9, state_bits=4, min_quant_numel=0, block_size=16),
+        torch.float64,
+        1,
+        1 << 20,
+        ["state_dict", "weight_decay", "reset", "freeze", "lr"],
+    ),
 }
 
 

@@ -66,9 +66,11 @@ def test_8bit_training_matches_32bit_llama(name):
     # (seeds 0, 1, 2, CAME 8- vs 32-bit: held-out +0.8%, +1.6%, +1.0%; last 20 batches +2.3%, +1.5%, +1.4%)
     l32, l8 = runs[32]["heldout"], runs[8]["heldout"]
     initial = runs[32]["losses"][0]
-    print(f"{name} LLaMA {LLAMA_BYTES}: first {initial:.4f}, held-out 32-bit {l32:.4f}, 8-bit {l8:.4f} (last 20 "
-          f"batches {runs[32]['final']:.4f}, {runs[8]['final']:.4f}), "
-          f"state {runs[32]['state_bytes']} -> {runs[8]['state_bytes']} B")
+    print(
+        f"{name} LLaMA {LLAMA_BYTES}: first {initial:.4f}, held-out 32-bit {l32:.4f}, 8-bit {l8:.4f} (last 20 "
+        f"batches {runs[32]['final']:.4f}, {runs[8]['final']:.4f}), "
+        f"state {runs[32]['state_bytes']} -> {runs[8]['state_bytes']} B"
+    )
     assert runs[8]["state_bytes"] < runs[32]["state_bytes"]  # the 8-bit run really held quantized state
     assert l32 < 0.8 * initial, f"{name} did not train: {initial:.3f} -> {l32:.3f}"
     assert abs(l8 - l32) / l32 < TOLERANCE, f"{name}: 8-bit {l8:.4f} vs 32-bit {l32:.4f}"

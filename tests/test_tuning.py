@@ -42,8 +42,9 @@ def _records(best_tile=4096, best_warps=8, best_decode="arithmetic"):
         for tile in tuning.TILES:
             for warps in tuning.WARPS:
                 fast = (tile, warps, decode) == (best_tile, best_warps, best_decode)
-                out.append(dict(tile=tile, num_warps=warps, decode=decode, seconds=1e-3 if fast else 2e-3,
-                                bytes_per_s=1e12))
+                out.append(
+                    dict(tile=tile, num_warps=warps, decode=decode, seconds=1e-3 if fast else 2e-3, bytes_per_s=1e12)
+                )
     out[0] = dict(out[0], error="RuntimeError: out of resources")  # a configuration that failed is skipped
     del out[0]["seconds"]
     return out
@@ -57,11 +58,19 @@ def test_the_measurement_runs_every_candidate(monkeypatch):
 
     def spy(self, kernel, rows, counts, args, *, writes, **meta):
         assert kernel is adamw._adam_kernel and self.fmt == "q8" and len(self.params) == 8
-        assert all(p.dtype == torch.bfloat16 and set(st) == {"step", "exp_avg.codes", "exp_avg.absmax",
-                                                              "exp_avg_sq.codes", "exp_avg_sq.absmax"}
-                   for p, st in zip(self.params, self.states))
-        seen.append((meta["ROWS"] * meta["BLOCK"], runtime.tile_shape(self.device)[1], runtime.q8_decode(self.device),
-                     self.states[0]["step"]))
+        assert all(
+            p.dtype == torch.bfloat16
+            and set(st) == {"step", "exp_avg.codes", "exp_avg.absmax", "exp_avg_sq.codes", "exp_avg_sq.absmax"}
+            for p, st in zip(self.params, self.states)
+        )
+        seen.append(
+            (
+                meta["ROWS"] * meta["BLOCK"],
+                runtime.tile_shape(self.device)[1],
+                runtime.q8_decode(self.device),
+                self.states[0]["step"],
+            )
+        )
         return real(self, kernel, rows, counts, args, writes=writes, **meta)
 
     def no_optimizer(*args, **kwargs):
@@ -144,16 +153,20 @@ def test_tune_with_nothing_that_ran(fake_gpu, monkeypatch):
         tuning.tune(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("content,match", [
-    ("{not json", "ignoring the tuning cache"),
-    (json.dumps({"version": 99, "devices": {}}), "not a version 1 cache"),
-    (None, "malformed tuning entry"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("{not json", "ignoring the tuning cache"),
+        (json.dumps({"version": 99, "devices": {}}), "not a version 1 cache"),
+        (None, "malformed tuning entry"),
+    ],
+)
 def test_a_bad_cache_is_ignored_with_a_warning(fake_gpu, content, match):
     path = fake_gpu / "tuning.json"
     if content is None:  # an entry whose shape is not a candidate
-        content = json.dumps({"version": 1, "devices": {tuning.device_key(0): {"tile": 3, "num_warps": 4,
-                                                                                 "decode": "table"}}})
+        content = json.dumps(
+            {"version": 1, "devices": {tuning.device_key(0): {"tile": 3, "num_warps": 4, "decode": "table"}}}
+        )
     path.write_text(content)
     with pytest.warns(RuntimeWarning, match=match):
         assert runtime.tile_shape(CUDA0) == (runtime.TILE, runtime.NUM_WARPS)
@@ -175,6 +188,7 @@ def test_the_command_without_cuda(capsys, monkeypatch):
 
 def test_the_command_prints_and_keeps(fake_gpu, monkeypatch, capsys):
     """The command's table, its choice and the cache (the measurement mocked: no GPU here)."""
+
     def fake_tune(device, numel, steps, write=True, progress=None):
         records = _records(2048, 4, "table")
         for r in records:
@@ -183,8 +197,23 @@ def test_the_command_prints_and_keeps(fake_gpu, monkeypatch, capsys):
 
     monkeypatch.setattr(runtime, "INTERPRET", False)
     monkeypatch.setattr(tuning, "tune", fake_tune)
-    assert cli.main(["tune", "--device", "cuda:0", "--steps", "2", "--numel", "8192", "--no-save", "--json",
-                     str(fake_gpu / "t.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "tune",
+                "--device",
+                "cuda:0",
+                "--steps",
+                "2",
+                "--numel",
+                "8192",
+                "--no-save",
+                "--json",
+                str(fake_gpu / "t.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| 2048 | 4 | table |" in out and "failed: RuntimeError" in out
     assert "fastest: 2048 elements x 4 warps, table decode (1.00x the default's speed)" in out
@@ -217,7 +246,8 @@ def test_the_tuner_and_its_cache_import_nothing_above_the_kernels():
 
     for module in (tuning, runtime, tuning_cache):
         mine = {m for m in _imports(module) if m == "lowmemopt" or m.startswith("lowmemopt.")}
-        assert all(m.startswith(("lowmemopt.quant", "lowmemopt.kernels")) or m == "lowmemopt.work.record"
-                   for m in mine), (module.__name__, mine)
+        assert all(
+            m.startswith(("lowmemopt.quant", "lowmemopt.kernels")) or m == "lowmemopt.work.record" for m in mine
+        ), (module.__name__, mine)
     assert "lowmemopt.kernels.tuning" not in _imports(runtime) | _imports(tuning_cache)
     assert {"lowmemopt.kernels.runtime", "lowmemopt.kernels.tuning"}.isdisjoint(_imports(tuning_cache))

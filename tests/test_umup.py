@@ -19,8 +19,9 @@ LR, WD = 1e-2, 0.1
 
 def model(seed=0):
     torch.manual_seed(seed)
-    m = torch.nn.ModuleList([uu.TransformerDecoder(hidden_size=8, vocab_size=16, layers=2, heads=2),
-                             uu.Linear(8, 8, bias=True)])  # a bias: another lr rule
+    m = torch.nn.ModuleList(
+        [uu.TransformerDecoder(hidden_size=8, vocab_size=16, layers=2, heads=2), uu.Linear(8, 8, bias=True)]
+    )  # a bias: another lr rule
     return m
 
 
@@ -33,12 +34,15 @@ def run(params, opt, steps=5, seed=1):
     return [p.detach().clone() for p in params]
 
 
-@pytest.mark.parametrize("ours,theirs,scale,kw", [
-    (lowmemopt.AdamW, uo.AdamW, uo.lr_scale_func_adam, dict(betas=(0.9, 0.95), eps=1e-8)),
-    (lowmemopt.Adam, uo.Adam, uo.lr_scale_func_adam, dict()),
-    (lowmemopt.SGD, uo.SGD, uo.lr_scale_func_sgd(None), dict(momentum=0.9)),
-    (lowmemopt.SGD, uo.SGD, uo.lr_scale_func_sgd("to_output_scale"), dict(momentum=0.9)),
-])
+@pytest.mark.parametrize(
+    "ours,theirs,scale,kw",
+    [
+        (lowmemopt.AdamW, uo.AdamW, uo.lr_scale_func_adam, dict(betas=(0.9, 0.95), eps=1e-8)),
+        (lowmemopt.Adam, uo.Adam, uo.lr_scale_func_adam, dict()),
+        (lowmemopt.SGD, uo.SGD, uo.lr_scale_func_sgd(None), dict(momentum=0.9)),
+        (lowmemopt.SGD, uo.SGD, uo.lr_scale_func_sgd("to_output_scale"), dict(momentum=0.9)),
+    ],
+)
 def test_scaled_groups_match_unit_scaling(ours, theirs, scale, kw):
     a, b = model(), model()
     pa, pb = list(a.parameters()), list(b.parameters())
@@ -54,9 +58,16 @@ def test_scaled_groups_match_unit_scaling(ours, theirs, scale, kw):
 
 
 EVERY = [  # every lowmemopt optimizer with an explicit lr (a name this build lacks is left out)
-    ("AdamW", dict(state_bits=8, block_size=16, min_quant_numel=0)), ("Adam", {}), ("SGD", dict(momentum=0.9)),
-    ("Lion", {}), ("LAMB", {}), ("LARS", dict(momentum=0.9)), ("CAME", dict(lr=LR)), ("AdafactorTorch", {}),
-    ("Adafactor", dict(lr=LR, relative_step=False, scale_parameter=False, warmup_init=False)), ("SignSGD", {}),
+    ("AdamW", dict(state_bits=8, block_size=16, min_quant_numel=0)),
+    ("Adam", {}),
+    ("SGD", dict(momentum=0.9)),
+    ("Lion", {}),
+    ("LAMB", {}),
+    ("LARS", dict(momentum=0.9)),
+    ("CAME", dict(lr=LR)),
+    ("AdafactorTorch", {}),
+    ("Adafactor", dict(lr=LR, relative_step=False, scale_parameter=False, warmup_init=False)),
+    ("SignSGD", {}),
 ]
 
 

@@ -26,8 +26,11 @@ def _here() -> int:
     return sys._getframe(1).f_lineno + 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(state_bits=8), dict(state_bits=8, paged="cpu"),
-                                    dict(state_bits=8, rank=8)], ids=["fp32", "q8", "paged", "galore"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(state_bits=8), dict(state_bits=8, paged="cpu"), dict(state_bits=8, rank=8)],
+    ids=["fp32", "q8", "paged", "galore"],
+)
 def test_nonfinite_skip_warning_points_at_the_step_call(kwargs):
     params = make_params([(80, 64), (64,)])
     rank = kwargs.pop("rank", None)
@@ -118,7 +121,8 @@ def test_warnings_point_at_the_user_through_a_folder_of_links(tmp_path):
     script.write_text(LINKED_USER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     env["PYTHONPATH"] = os.pathsep.join([str(links.parent), *filter(None, [env.get("PYTHONPATH")])])
-    out = subprocess.run([sys.executable, str(script), str(links)], capture_output=True, text=True, cwd=tmp_path,
-                         env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script), str(links)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(script), "8"]

@@ -15,17 +15,45 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .measure import (SYNC_WARNING, Result, _join, drop_from_page_cache, host_syncs, run_benchmark, state_bytes,
-                      sync_messages, time_steps)
+from .measure import (
+    SYNC_WARNING,
+    Result,
+    _join,
+    drop_from_page_cache,
+    host_syncs,
+    run_benchmark,
+    state_bytes,
+    sync_messages,
+    time_steps,
+)
 from .models import LLAMA_PRESETS, build_llama, fixed_grads, fresh_params
 from .optimizers import BASELINE, FACTORED, OPTIMIZERS, SUITES
 from .report import _load_average, _seconds, _version, machine_info, print_table, progress_line
 
 __all__ = [
-    "BASELINE", "FACTORED", "LLAMA_PRESETS", "OPTIMIZERS", "Result", "SYNC_WARNING", "build_llama", "drop_from_page_cache",
+    "BASELINE",
+    "FACTORED",
+    "LLAMA_PRESETS",
+    "OPTIMIZERS",
+    "Result",
+    "SYNC_WARNING",
+    "build_llama",
+    "drop_from_page_cache",
     "fixed_grads",
-    "fresh_params", "host_syncs", "machine_info", "parse_bench_args", "print_table", "progress_line", "quick",
-    "run_benchmark", "run_rows", "run_suite", "script_main", "state_bytes", "sync_messages", "time_steps",
+    "fresh_params",
+    "host_syncs",
+    "machine_info",
+    "parse_bench_args",
+    "print_table",
+    "progress_line",
+    "quick",
+    "run_benchmark",
+    "run_rows",
+    "run_suite",
+    "script_main",
+    "state_bytes",
+    "sync_messages",
+    "time_steps",
 ]
 
 
@@ -56,20 +84,39 @@ def run_suite(
     out = out or sys.stdout  # looked up per call: a default bound at import would miss a redirected stdout
     model = build_llama(preset, device=device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32, {n_params / 1e6:.1f}M parameters "
-          f"in {len(list(model.parameters()))} tensors", file=out)
-    print(f"- gradients: {grads} (the same for every optimizer); warm-up {warmup}, timed {steps} steps, "
-          "median reported", file=out)
-    print(f"- ratio: each row's median over the {BASELINE} median in that row, the median of baseline steps timed "
-          "alternately with the row's steps (paired)\n" if paired else
-          f"- ratio: each row's median over the {BASELINE} row's median\n", file=out, flush=True)
+    print(
+        f"- model: LlamaForCausalLM {LLAMA_PRESETS[preset]}, fp32, {n_params / 1e6:.1f}M parameters "
+        f"in {len(list(model.parameters()))} tensors",
+        file=out,
+    )
+    print(
+        f"- gradients: {grads} (the same for every optimizer); warm-up {warmup}, timed {steps} steps, median reported",
+        file=out,
+    )
+    print(
+        f"- ratio: each row's median over the {BASELINE} median in that row, the median of baseline steps timed "
+        "alternately with the row's steps (paired)\n"
+        if paired
+        else f"- ratio: each row's median over the {BASELINE} row's median\n",
+        file=out,
+        flush=True,
+    )
     fixed = fixed_grads(model, mode=grads)
     reference = [p.detach() for p in model.parameters()]
     del model
 
     def run_one(name: str, partner: Callable[[], object] | None) -> Result:
-        return run_benchmark(name, reference, fixed, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s,
-                             factory=registry[name], partner=partner)
+        return run_benchmark(
+            name,
+            reference,
+            fixed,
+            steps=steps,
+            warmup=warmup,
+            device=device,
+            max_step_s=max_step_s,
+            factory=registry[name],
+            partner=partner,
+        )
 
     baseline = registry.get(BASELINE) if paired else None
     results = run_rows(names, run_one, baseline, reference, fixed, device, measured=measured)
@@ -129,19 +176,36 @@ def script_main(suite: str, argv: list[str] | None = None, description: str | No
     print(f"## {title}\n")
     for key, value in info.items():
         print(f"- {key}: {value}")
-    results, model = run_suite(args.names, registry, preset=preset, steps=args.steps, warmup=args.warmup,
-                               device=device, grads=args.grads, max_step_s=args.max_step_s, paired=not args.unpaired)
+    results, model = run_suite(
+        args.names,
+        registry,
+        preset=preset,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=device,
+        grads=args.grads,
+        max_step_s=args.max_step_s,
+        paired=not args.unpaired,
+    )
     print_table(results)
     info["load_avg_1m_end"] = _load_average()
-    print(f"\nload average (1 min) at start {info['load_avg_1m']}, at end {info['load_avg_1m_end']} "
-          f"(torch uses {info['torch_threads']} threads; a higher load means contended timings)")
+    print(
+        f"\nload average (1 min) at start {info['load_avg_1m']}, at end {info['load_avg_1m_end']} "
+        f"(torch uses {info['torch_threads']} threads; a higher load means contended timings)"
+    )
     if args.json:
         payload = {
             "machine": info,
             "model": model,
-            "settings": {"steps": args.steps, "warmup": args.warmup, "grads": args.grads, "baseline": BASELINE,
-                         "paired": not args.unpaired,
-                         "lr": 1e-3, "weight_decay": 1e-2},
+            "settings": {
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "grads": args.grads,
+                "baseline": BASELINE,
+                "paired": not args.unpaired,
+                "lr": 1e-3,
+                "weight_decay": 1e-2,
+            },
             "results": [r.to_dict() for r in results],
         }
         with open(args.json, "w") as f:
@@ -180,13 +244,25 @@ def quick(
         title, registry, _ = SUITES[suite]
         chosen = [n for n in registry if names is None or n in names or n == BASELINE]
         print(f"\n### {title}\n", file=out)
-        results, _ = run_suite(chosen, registry, preset=preset, steps=steps, warmup=warmup, device=device,
-                               max_step_s=max_step_s, out=out, measured=measured)
+        results, _ = run_suite(
+            chosen,
+            registry,
+            preset=preset,
+            steps=steps,
+            warmup=warmup,
+            device=device,
+            max_step_s=max_step_s,
+            out=out,
+            measured=measured,
+        )
         print_table(results, out=out)
         tables[suite] = results
         measured.update({r.name: r for r in results if r.name == BASELINE and r.median_s is not None})
-    print(f"\nload average (1 min) at start {info['load_avg_1m']}, at end {_load_average()} "
-          f"(torch uses {info['torch_threads']} threads; a higher load means contended timings)", file=out)
+    print(
+        f"\nload average (1 min) at start {info['load_avg_1m']}, at end {_load_average()} "
+        f"(torch uses {info['torch_threads']} threads; a higher load means contended timings)",
+        file=out,
+    )
     return tables
 
 
@@ -203,13 +279,24 @@ def parse_bench_args(description: str, choices: Iterable[str], argv: list[str] |
         help="comma-separated subset of: " + ", ".join(choices) + f"\n({BASELINE} is always run: it is the baseline)",
     )
     parser.add_argument("--small", action="store_true", help="~11M-parameter model instead of ~148M, for a quick run")
-    parser.add_argument("--grads", choices=["random", "backward"], default="random",
-                        help="fixed gradients: random normal (default) or one forward/backward on random tokens")
-    parser.add_argument("--max-step-s", type=float, default=60.0,
-                        help="an optimizer slower than this per step (after its first) is timed for 1 step only")
-    parser.add_argument("--unpaired", action="store_true",
-                        help="ratios to the baseline's own row, instead of to baseline steps timed alternately with "
-                             "each optimizer's (which needs a second copy of the model's parameters and AdamW state)")
+    parser.add_argument(
+        "--grads",
+        choices=["random", "backward"],
+        default="random",
+        help="fixed gradients: random normal (default) or one forward/backward on random tokens",
+    )
+    parser.add_argument(
+        "--max-step-s",
+        type=float,
+        default=60.0,
+        help="an optimizer slower than this per step (after its first) is timed for 1 step only",
+    )
+    parser.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="ratios to the baseline's own row, instead of to baseline steps timed alternately with "
+        "each optimizer's (which needs a second copy of the model's parameters and AdamW state)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:

@@ -16,6 +16,7 @@ import torch
 from .models import fresh_params
 from .optimizers import OPTIMIZERS
 
+
 def _tensor_storages(obj, out: dict[tuple, int]) -> None:
     """Collect the real storages under ``obj`` (tensors, wrapper subclasses, containers) as {(device, ptr): nbytes}."""
     if isinstance(obj, torch.Tensor):
@@ -177,7 +178,12 @@ def run_benchmark(
         optimizer = (factory or OPTIMIZERS[name])(params, lr=lr, weight_decay=weight_decay)
         partner_times: list[float] = []
         result.times_s, result.note = time_steps(
-            optimizer.step, steps=steps, warmup=warmup, device=device, max_step_s=max_step_s, partner=partner,
+            optimizer.step,
+            steps=steps,
+            warmup=warmup,
+            device=device,
+            max_step_s=max_step_s,
+            partner=partner,
             partner_times=partner_times,
         )
         result.median_s = statistics.median(result.times_s)

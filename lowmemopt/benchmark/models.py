@@ -13,9 +13,7 @@ LLAMA_PRESETS: dict[str, dict[str, int]] = {
     "150m": dict(
         hidden_size=768, num_hidden_layers=14, intermediate_size=2048, num_attention_heads=12, vocab_size=32000
     ),
-    "10m": dict(
-        hidden_size=256, num_hidden_layers=6, intermediate_size=688, num_attention_heads=4, vocab_size=12000
-    ),
+    "10m": dict(hidden_size=256, num_hidden_layers=6, intermediate_size=688, num_attention_heads=4, vocab_size=12000),
 }
 
 

@@ -33,7 +33,6 @@ def quiet_import(name: str) -> ModuleType:
         logging.disable(logging.NOTSET)
 
 
-
 def _lowmemopt_adamw(bits: int) -> Callable[..., torch.optim.Optimizer]:
     def make(params, lr, weight_decay):
         import lowmemopt

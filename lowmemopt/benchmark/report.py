@@ -12,6 +12,7 @@ import torch
 from .measure import Result
 from .optimizers import BASELINE
 
+
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -69,8 +70,10 @@ def print_table(results: list[Result], out=None) -> None:
         ratio = "—" if r.ratio is None else f"{r.ratio:.2f}x"
         note = f"FAILED: {r.error}" if r.error else r.note
         note = note.replace("|", "\\|")
-        print(f"| {r.name} | {_per_param(r)} | {_seconds(r.median_s)} | {_seconds(r.baseline_s)} | {ratio} | {note} |",
-              file=out)
+        print(
+            f"| {r.name} | {_per_param(r)} | {_seconds(r.median_s)} | {_seconds(r.baseline_s)} | {ratio} | {note} |",
+            file=out,
+        )
 
 
 def progress_line(r: Result) -> str:

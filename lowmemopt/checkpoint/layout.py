@@ -63,8 +63,10 @@ def param_names(optimizer: LowMemOptimizer, model: torch.nn.Module | None) -> li
 
 def sharded_path(optimizer: LowMemOptimizer, path: str | os.PathLike) -> tuple[str, dict[str, int] | None]:
     """This rank's file and ``sharding`` record for sharded or per-rank state; else ``path``."""
-    if not (getattr(optimizer, "per_rank_files", False)
-            or any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])):
+    if not (
+        getattr(optimizer, "per_rank_files", False)
+        or any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])
+    ):
         return os.fspath(path), None
     rank, world = process_rank()
     return rank_path(path, rank, world), {"rank": rank, "world_size": world}

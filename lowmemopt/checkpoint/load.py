@@ -13,13 +13,30 @@ from .. import paging, rounding
 from ..distributed.files import rank_path
 from ..distributed.sharding import local_tensor
 from ..optimizer import LowMemOptimizer
-from ..quant.convert import (CheckpointError, Reader, check_values, format_numel, reformat, remaps, slot_shape,
-                             target_format)
+from ..quant.convert import (
+    CheckpointError,
+    Reader,
+    check_values,
+    format_numel,
+    reformat,
+    remaps,
+    slot_shape,
+    target_format,
+)
 from ..quant.formats import FORMATS
 from .layout import crc32, open_state_file, sharded_path
 from .sniff import check_state_file_kind
-from .validation import (LoadReport, Plan, check_optimizer, check_same_optimizer, describe_problems, from_json,
-                         plan_load, restorable, validated_meta)
+from .validation import (
+    LoadReport,
+    Plan,
+    check_optimizer,
+    check_same_optimizer,
+    describe_problems,
+    from_json,
+    plan_load,
+    restorable,
+    validated_meta,
+)
 
 
 def load_state(
@@ -139,8 +156,20 @@ def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, conve
         read = _checked_reader(sources, slot.signed, f"{path}: parameter '{plan.name}'")
         src_map = info.get("map")  # 8-bit: the file's map (files before format 2 of the state: the dynamic maps)
         remap = remaps(src, src_map, slot)
-        reformat(read, state, name, shape, slot.signed, src, src_bs, dst, dst_bs, device,
-                 verbatim=src is dst and not remap, src_map=src_map)
+        reformat(
+            read,
+            state,
+            name,
+            shape,
+            slot.signed,
+            src,
+            src_bs,
+            dst,
+            dst_bs,
+            device,
+            verbatim=src is dst and not remap,
+            src_map=src_map,
+        )
         for source in sources.values():
             source.finish()
         if src is not dst or remap:
@@ -202,6 +231,6 @@ def other_world_path(path: str, sharding: dict[str, int] | None) -> tuple[str, d
     stem, ext = os.path.splitext(os.fspath(path))
     stem = stem.rsplit(".rank", 1)[0]
     for found in sorted(glob.glob(f"{glob.escape(stem)}.rank00000-of-*{glob.escape(ext)}")):
-        world = int(found[len(stem) + len(".rank00000-of-"):len(found) - len(ext)])
+        world = int(found[len(stem) + len(".rank00000-of-") : len(found) - len(ext)])
         return rank_path(f"{stem}{ext}", rank % world, world), dict(rank=rank % world, world_size=world)
     return path, sharding

@@ -16,8 +16,16 @@ from ..projection.projector import projector_problem, split_projector_state
 from ..quant.convert import CheckpointError, check_source, check_step, slot_shape, state_map, storage_dtype
 from ..quant.formats import QUANTIZED, format_of
 from ..version import __version__
-from .layout import (FILE_FORMAT, FILE_VERSION, META_CRC_KEY, META_KEY, atomic_save_file, crc32, param_names,
-                     sharded_path)
+from .layout import (
+    FILE_FORMAT,
+    FILE_VERSION,
+    META_CRC_KEY,
+    META_KEY,
+    atomic_save_file,
+    crc32,
+    param_names,
+    sharded_path,
+)
 from .validation import algorithm_name, check_optimizer
 
 
@@ -104,7 +112,9 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
     rounding_state, _ = rounding.split_state(state)  # bf16_update: ints in the metadata, the Kahan buffer as a tensor
     if rounding_state:
         used |= set(rounding_state)
-        entry["bf16_update"] = {k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in rounding_state.items()}
+        entry["bf16_update"] = {
+            k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in rounding_state.items()
+        }
         for key, t in rounding_state.items():
             if isinstance(t, torch.Tensor):
                 tensors[f"{name}/{key}"] = t.detach().cpu().contiguous()

@@ -17,8 +17,10 @@ _LEGACY_TORCH_HEAD = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 TORCH_KINDS = ("torch", "torch-legacy", "torch-truncated")
 _LOAD_STATE_DICT = "opt.load_state_dict(torch.load(path, weights_only=True))"
 #: what to do about a ``torch-truncated`` file
-TRUNCATED_ADVICE = ("torch.load fails on it with 'OSError: [Errno 22] Invalid argument' (or 'PytorchStreamReader "
-                    "failed'); nothing can load it: save the state again, or copy the whole file again")
+TRUNCATED_ADVICE = (
+    "torch.load fails on it with 'OSError: [Errno 22] Invalid argument' (or 'PytorchStreamReader "
+    "failed'); nothing can load it: save the state again, or copy the whole file again"
+)
 
 
 def file_kind(path: str | os.PathLike) -> tuple[str, str]:
@@ -35,8 +37,10 @@ def file_kind(path: str | os.PathLike) -> tuple[str, str]:
         return "safetensors", "a safetensors file"
     if head.startswith(b"PK\x03\x04"):
         if not zipfile.is_zipfile(path):
-            return "torch-truncated", ("a zip archive cut short (no end record: an interrupted save or an incomplete "
-                                       "copy), most likely a torch.save file")
+            return "torch-truncated", (
+                "a zip archive cut short (no end record: an interrupted save or an incomplete "
+                "copy), most likely a torch.save file"
+            )
         with zipfile.ZipFile(path) as archive:
             if any(name.endswith("/data.pkl") for name in archive.namelist()):
                 return "torch", "a torch.save file (a zip archive)"
@@ -59,11 +63,15 @@ def check_state_file_kind(path: str | os.PathLike) -> None:
     if kind == "torch-truncated":
         raise CheckpointError(f"{path}: {what}; {TRUNCATED_ADVICE}")
     if kind in TORCH_KINDS:
-        advice = (f"an optimizer.state_dict() saved with torch.save loads with {_LOAD_STATE_DICT}; "
-                  f"`lowmemopt inspect {path}` shows what the file holds")
+        advice = (
+            f"an optimizer.state_dict() saved with torch.save loads with {_LOAD_STATE_DICT}; "
+            f"`lowmemopt inspect {path}` shows what the file holds"
+        )
     elif kind == "json":
         advice = "a model's config.json is what `lowmemopt estimate` reads"
     else:
         advice = f"a torch.save file of optimizer.state_dict() loads with {_LOAD_STATE_DICT}"
-    raise CheckpointError(f"{path}: {what}, not an optimizer state file written by lowmemopt.save_state "
-                          f"(load_state reads those); {advice}")
+    raise CheckpointError(
+        f"{path}: {what}, not an optimizer state file written by lowmemopt.save_state "
+        f"(load_state reads those); {advice}"
+    )

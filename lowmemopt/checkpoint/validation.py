@@ -19,8 +19,17 @@ from ..quant.blockwise import num_blocks
 from ..quant.convert import CheckpointError, check_group, format_numel, remaps, slot_shape, target_format
 from ..quant.formats import FORMATS, Q4, Q8, QUANTIZED, Slot, legacy_map_for, map_for
 from ..quant.maps import MAP_NAMES
-from .layout import (DTYPES, FILE_FORMAT, FILE_VERSION, META_CRC_KEY, META_KEY, READABLE_FILE_VERSIONS, StateFile,
-                     open_state_file, param_names)
+from .layout import (
+    DTYPES,
+    FILE_FORMAT,
+    FILE_VERSION,
+    META_CRC_KEY,
+    META_KEY,
+    READABLE_FILE_VERSIONS,
+    StateFile,
+    open_state_file,
+    param_names,
+)
 
 
 class LoadReport(NamedTuple):
@@ -67,8 +76,9 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: corrupt metadata ({type(e).__name__}: {e})"[:300]) from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: not a lowmemopt state file (its metadata is a {type(meta).__name__}, not an "
-                              "object)")
+        raise CheckpointError(
+            f"{path}: not a lowmemopt state file (its metadata is a {type(meta).__name__}, not an object)"
+        )
     if meta.get("format") != FILE_FORMAT:
         raise CheckpointError(f"{path}: not a lowmemopt state file (format {meta.get('format')!r})")
     version = meta.get("format_version")
@@ -79,8 +89,9 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
             + (" (the file is newer: upgrade lowmemopt)" if isinstance(version, int) and version > FILE_VERSION else "")
         )
     if meta_crc is None and version >= 3:
-        raise CheckpointError(f"{path}: the metadata has no CRC-32 (format_version {version} files have one): the file "
-                              "is corrupt")
+        raise CheckpointError(
+            f"{path}: the metadata has no CRC-32 (format_version {version} files have one): the file is corrupt"
+        )
     try:
         if not isinstance(meta["optimizer"], str) or not isinstance(meta.get("algorithm", ""), str):
             raise TypeError(f"optimizer {meta['optimizer']!r}, algorithm {meta.get('algorithm')!r}")
@@ -140,8 +151,7 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
             param, _, skey = key.rpartition("/")
             raise CheckpointError(
                 f"{path}: parameter '{param}': tensor '{skey}' is {got_dtype} {got_shape} in the file, "
-                f"the metadata needs {dtype} {shape}"
-                + (" (block-size mismatch)" if skey.endswith(".absmax") else "")
+                f"the metadata needs {dtype} {shape}" + (" (block-size mismatch)" if skey.endswith(".absmax") else "")
             )
     return meta
 
@@ -171,8 +181,9 @@ def algorithm_name(cls: type) -> str:
     return next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("lowmemopt.optim.")), cls.__name__)
 
 
-def check_same_optimizer(optimizer: LowMemOptimizer, meta: dict[str, Any], path: str,
-                         from_optimizer: str | None) -> bool:
+def check_same_optimizer(
+    optimizer: LowMemOptimizer, meta: dict[str, Any], path: str, from_optimizer: str | None
+) -> bool:
     """Raise unless the file is ``optimizer``'s algorithm's (or ``from_optimizer``'s)."""
     saved = meta.get("algorithm")
     if saved is None:  # files before format 3 name the class only
@@ -199,8 +210,10 @@ def plan_load(optimizer, meta, model, path, restore=True):
     missing = [n for n, _, _ in names if n not in saved]
     unexpected = [n for n in saved if n not in current]
     groups = meta["param_groups"]
-    same_layout = restore and len(groups) == len(optimizer.param_groups) and all(
-        set(sg["params"]) == {n for n, gi, _ in names if gi == g} for g, sg in enumerate(groups)
+    same_layout = (
+        restore
+        and len(groups) == len(optimizer.param_groups)
+        and all(set(sg["params"]) == {n for n, gi, _ in names if gi == g} for g, sg in enumerate(groups))
     )
     effective = []
     for g, group in enumerate(optimizer.param_groups):

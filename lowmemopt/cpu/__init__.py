@@ -41,8 +41,11 @@ def available() -> bool:
     if build.library() is None:
         if not _warned:
             _warned = True
-            warnings.warn(f"lowmemopt: native CPU kernels unavailable ({build.build_error}); using the torch paths",
-                          RuntimeWarning, stacklevel=external_stacklevel())
+            warnings.warn(
+                f"lowmemopt: native CPU kernels unavailable ({build.build_error}); using the torch paths",
+                RuntimeWarning,
+                stacklevel=external_stacklevel(),
+            )
         return False
     return True
 

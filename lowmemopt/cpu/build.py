@@ -15,8 +15,21 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["ABI_VERSION", "HEADERS", "ISAS", "SOURCE", "UNITS", "build_error", "cache_dir", "compile_library", "cpu_isas",
-           "isa_of", "library", "requested_isa", "source_key"]
+__all__ = [
+    "ABI_VERSION",
+    "HEADERS",
+    "ISAS",
+    "SOURCE",
+    "UNITS",
+    "build_error",
+    "cache_dir",
+    "compile_library",
+    "cpu_isas",
+    "isa_of",
+    "library",
+    "requested_isa",
+    "source_key",
+]
 
 ABI_VERSION = 16  # must equal LMO_ABI_VERSION in csrc/lmo.h
 #: the kernels' instruction sets, best first: name -> (LMO_ISA in csrc/lmo.h, extra compiler flags, CPU flags needed)
@@ -139,9 +152,16 @@ def compile_library(extra_flags: tuple[str, ...] = (), isa: str | None = None) -
     errors = []
     for name in candidates:
         code, isa_flags, _ = ISAS[name]
-        for flags in (FLAGS + OPENMP + list(isa_flags) + list(extra_flags), FLAGS + list(isa_flags) + list(extra_flags)):
-            key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in
-                                            (source, " ".join(cc), version, " ".join(flags), _cpu_signature())))
+        for flags in (
+            FLAGS + OPENMP + list(isa_flags) + list(extra_flags),
+            FLAGS + list(isa_flags) + list(extra_flags),
+        ):
+            key = hashlib.sha256(
+                b"\0".join(
+                    x.encode() if isinstance(x, str) else x
+                    for x in (source, " ".join(cc), version, " ".join(flags), _cpu_signature())
+                )
+            )
             out = cache_dir() / f"cpu-{key.hexdigest()[:20]}" / "lowmemopt_cpu.so"
             try:
                 if not out.exists():

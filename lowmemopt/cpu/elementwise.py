@@ -43,8 +43,9 @@ def _same_slots(names: tuple[str, ...], slots: dict[str, Any]) -> bool:
     return len(names) == len(slots) and all(k in slots for k in names)
 
 
-def _derived(kernel: NativeKernel, kwargs: dict[str, Any], decay: float,
-             memo: dict | None) -> tuple[bool, tuple[str, ...], tuple[float, ...], int]:
+def _derived(
+    kernel: NativeKernel, kwargs: dict[str, Any], decay: float, memo: dict | None
+) -> tuple[bool, tuple[str, ...], tuple[float, ...], int]:
     key = (kernel, id(kwargs), decay)
     derived = None if memo is None else memo.get(key)
     if derived is None:
@@ -56,11 +57,22 @@ def _derived(kernel: NativeKernel, kwargs: dict[str, Any], decay: float,
     return derived
 
 
-def prepare(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
-            state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], record: BucketRecord,
-            step: int, decay: float, scan: torch.Tensor | None = None,
-            index_base: int | None = 0, memo: dict | None = None,
-            grad_mult: float | None = None) -> tuple[ffi.Args | None, int]:
+def prepare(
+    kernel: NativeKernel | None,
+    kwargs: dict[str, Any],
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Any],
+    formats: dict[str, StateFormat],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    scan: torch.Tensor | None = None,
+    index_base: int | None = 0,
+    memo: dict | None = None,
+    grad_mult: float | None = None,
+) -> tuple[ffi.Args | None, int]:
     """The fused kernel's arguments for one parameter (see :func:`step`) and how many leading elements it will do;
     ``(None, 0)``: the kernel does not apply. ``memo``: kept while ``kwargs`` and ``decay`` stay the same objects."""
     if not isinstance(kernel, NativeKernel) or not ffi.usable(pflat) or gflat.device != pflat.device:
@@ -99,9 +111,14 @@ def prepare(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Te
             cslots.append(ffi.slot_q8(codes, absmax, signed))
         elif fmt is Q4:
             nibbles, absmax = state[k + ".nibbles"], state[k + ".absmax"]
-            if not (nibbles.is_contiguous() and nibbles.dtype == torch.uint8 and absmax.is_contiguous()
-                    and absmax.dtype == torch.float32 and nibbles.numel() >= q4.packed_len(rows * bs)
-                    and absmax.numel() >= rows):
+            if not (
+                nibbles.is_contiguous()
+                and nibbles.dtype == torch.uint8
+                and absmax.is_contiguous()
+                and absmax.dtype == torch.float32
+                and nibbles.numel() >= q4.packed_len(rows * bs)
+                and absmax.numel() >= rows
+            ):
                 return None, 0
             cslots.append(ffi.slot_q4(nibbles, absmax, signed))
         else:
@@ -118,8 +135,12 @@ def prepare(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Te
     if mode != "nearest":
         rounding.init_state(state, pflat, mode)
         kahan = state.get(rounding.KAHAN) if mode == "kahan" else None
-        if kahan is not None and not (kahan.is_contiguous() and kahan.dtype == pflat.dtype
-                                      and kahan.numel() == pflat.numel() and kahan.device == pflat.device):
+        if kahan is not None and not (
+            kahan.is_contiguous()
+            and kahan.dtype == pflat.dtype
+            and kahan.numel() == pflat.numel()
+            and kahan.device == pflat.device
+        ):
             return None, 0
         if mode == "stochastic" and index_base is None:
             return None, 0
@@ -128,16 +149,26 @@ def prepare(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Te
     return args, rows * bs + tail
 
 
-def refresh(args: ffi.Args, kernel: NativeKernel, kwargs: dict[str, Any], gflat: torch.Tensor, state: dict[str, Any],
-            slots: dict[str, Any], step: int, decay: float, scan: torch.Tensor | None = None, memo: dict | None = None,
-            grad_mult: float | None = None) -> bool:
+def refresh(
+    args: ffi.Args,
+    kernel: NativeKernel,
+    kwargs: dict[str, Any],
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Any],
+    step: int,
+    decay: float,
+    scan: torch.Tensor | None = None,
+    memo: dict | None = None,
+    grad_mult: float | None = None,
+) -> bool:
     """Make ``args`` (from :func:`prepare` on an earlier step) this step's: gradient, scalars, check, rounding key,
     loss-scaling multiplier; the caller vouches nothing else changed. False: call :func:`prepare` again."""
     numbers, names, h, flags = _derived(kernel, kwargs, decay, memo)
     if not numbers or not _same_slots(names, slots):
         return False
     args.g = gflat.data_ptr()
-    args.h[:len(h)] = h
+    args.h[: len(h)] = h
     args.flags = flags
     args.nthreads = torch.get_num_threads()
     ffi.set_scan(args, scan)
@@ -147,10 +178,21 @@ def refresh(args: ffi.Args, kernel: NativeKernel, kwargs: dict[str, Any], gflat:
     return True
 
 
-def step(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tensor, gflat: torch.Tensor,
-         state: dict[str, Any], slots: dict[str, Any], formats: dict[str, StateFormat], record: BucketRecord,
-         step: int, decay: float, scan: torch.Tensor | None = None,
-         index_base: int | None = 0, grad_mult: float | None = None) -> tuple[int, bool | None]:
+def step(
+    kernel: NativeKernel | None,
+    kwargs: dict[str, Any],
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Any],
+    formats: dict[str, StateFormat],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    scan: torch.Tensor | None = None,
+    index_base: int | None = 0,
+    grad_mult: float | None = None,
+) -> tuple[int, bool | None]:
     """Run ``kernel`` over the flat, contiguous ``pflat`` (in place) with gradient ``gflat``, the slots decoded and
     encoded around ``p = p * decay + delta``; 8- and 4-bit state: the full blocks only (a ragged last one is the
     caller's).
@@ -163,8 +205,9 @@ def step(kernel: NativeKernel | None, kwargs: dict[str, Any], pflat: torch.Tenso
 
     Returns:
         ``(done, scanned)``: the leading elements done (0: the caller runs them), whether ``scan`` is finite (None)."""
-    args, done = prepare(kernel, kwargs, pflat, gflat, state, slots, formats, record, step, decay, scan, index_base,
-                         grad_mult=grad_mult)
+    args, done = prepare(
+        kernel, kwargs, pflat, gflat, state, slots, formats, record, step, decay, scan, index_base, grad_mult=grad_mult
+    )
     if args is None:
         return 0, None
     ffi.call(getattr(build.library(), kernel.name), args)

@@ -18,8 +18,17 @@ from ..quant.formats import BF16, FP32, Q4, Q8
 from ..work.record import BucketRecord
 from . import build, ffi
 
-__all__ = ["ADAFACTOR", "ADAFACTOR_TORCH", "CAME", "FactoredStep", "MIN_NUMEL", "NOT_APPLIED", "SKIPPED", "STEPPED",
-           "step"]
+__all__ = [
+    "ADAFACTOR",
+    "ADAFACTOR_TORCH",
+    "CAME",
+    "FactoredStep",
+    "MIN_NUMEL",
+    "NOT_APPLIED",
+    "SKIPPED",
+    "STEPPED",
+    "step",
+]
 
 MIN_NUMEL = 1 << 16
 #: the size from which a 2-D parameter with quantized state (an 8- or 4-bit first moment) takes this path: its steps
@@ -74,8 +83,16 @@ class _Pass:
     """One parameter's argument struct and its small buffers: ``work`` (doubles) holds the kernels' per-segment sums
     (``NSEG * (C + 1)`` doubles) followed by ``scratch`` fp32 values (the factors a one-call step writes)."""
 
-    def __init__(self, p: torch.Tensor, g: torch.Tensor, shape: torch.Size, m: ffi.Slot | None, bs: int,
-                 scratch: int = 0, grad_mult: float | None = None):
+    def __init__(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        shape: torch.Size,
+        m: ffi.Slot | None,
+        bs: int,
+        scratch: int = 0,
+        grad_mult: float | None = None,
+    ):
         rows, cols = shape
         self.work = torch.empty(NSEG * (cols + 1) + (scratch + 1) // 2, dtype=torch.float64)
         self.f = f = Fact()
@@ -140,8 +157,13 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
     """The first moment as a kernel slot, and the walk's block size; None if its storage is not supported."""
     if fmt is Q8 or fmt is Q4:
         codes, absmax = state["exp_avg" + (".codes" if fmt is Q8 else ".nibbles")], state["exp_avg.absmax"]
-        if not (16 <= block_size <= ffi.MAX_BLOCK and block_size % 16 == 0 and codes.is_contiguous()
-                and absmax.is_contiguous() and absmax.dtype == torch.float32):
+        if not (
+            16 <= block_size <= ffi.MAX_BLOCK
+            and block_size % 16 == 0
+            and codes.is_contiguous()
+            and absmax.is_contiguous()
+            and absmax.dtype == torch.float32
+        ):
             return None
         return (ffi.slot_q8 if fmt is Q8 else ffi.slot_q4)(codes, absmax, True), block_size
     want = {FP32: torch.float32, BF16: torch.bfloat16}.get(fmt)
@@ -199,8 +221,12 @@ def _came(p, pflat, gflat, state, formats, record, step, decay, weight=None, gra
     lr = hyper["lr"]
 
     run = _Pass(pflat, gflat, p.shape, m[0], m[1], 2 * sum(p.shape), grad_mult)
-    run.set(vr=state["exp_avg_sq_row"], vc=state["exp_avg_sq_col"], vr2=state["exp_avg_res_row"],
-            vc2=state["exp_avg_res_col"])
+    run.set(
+        vr=state["exp_avg_sq_row"],
+        vc=state["exp_avg_sq_col"],
+        vr2=state["exp_avg_res_row"],
+        vc2=state["exp_avg_res_col"],
+    )
     run.factors("rf", "cf", "rf2", "cf2")
     f = run.f
     f.h[0], f.h[1], f.h[2], f.h[3] = eps1, beta2, beta1, 1 - beta1
@@ -210,8 +236,9 @@ def _came(p, pflat, gflat, state, formats, record, step, decay, weight=None, gra
     return run.run_checked("lmo_came_step", check)
 
 
-def _adafactor_torch(p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None,
-                     check=False) -> int:
+def _adafactor_torch(
+    p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None, check=False
+) -> int:
     """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
     parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
     sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
@@ -254,9 +281,20 @@ CAME = FactoredStep(_came, checks=True)
 ADAFACTOR_TORCH = FactoredStep(_adafactor_torch, checks=False)
 
 
-def step(native: FactoredStep | None, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
-         formats: dict[str, Any], record: BucketRecord, step: int, decay: float,
-         weight: torch.Tensor | None = None, grad_mult: float | None = None, check: bool = False) -> int:
+def step(
+    native: FactoredStep | None,
+    p: torch.Tensor,
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    formats: dict[str, Any],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    weight: torch.Tensor | None = None,
+    grad_mult: float | None = None,
+    check: bool = False,
+) -> int:
     """One native step ``native`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
     place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
     ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.update.weight_statistics``).
@@ -264,8 +302,12 @@ def step(native: FactoredStep | None, p: torch.Tensor, pflat: torch.Tensor, gfla
     the step is also the optimizer's non-finite check of ``gflat`` (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum
     of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`)."""
     quantized = any(f is Q8 or f is Q4 for f in formats.values())
-    if not isinstance(native, FactoredStep) or p.dim() != 2 or \
-            p.numel() < (min(QUANT_MIN_NUMEL, MIN_NUMEL) if quantized else MIN_NUMEL) or p.shape[1] % 16:
+    if (
+        not isinstance(native, FactoredStep)
+        or p.dim() != 2
+        or p.numel() < (min(QUANT_MIN_NUMEL, MIN_NUMEL) if quantized else MIN_NUMEL)
+        or p.shape[1] % 16
+    ):
         return NOT_APPLIED
     if not ffi.usable(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
         return NOT_APPLIED

@@ -12,8 +12,22 @@ from ..quant.maps import is_signed_map
 from . import build
 from .codec import tables, tables4
 
-__all__ = ["Slot", "Args", "DTYPES", "MAX_BLOCK", "slot_dense", "slot_q8", "slot_q4", "args_for", "set_scan", "call", "call_many", "can_scan", "scan_result",
-           "run_codec"]
+__all__ = [
+    "Slot",
+    "Args",
+    "DTYPES",
+    "MAX_BLOCK",
+    "slot_dense",
+    "slot_q8",
+    "slot_q4",
+    "args_for",
+    "set_scan",
+    "call",
+    "call_many",
+    "can_scan",
+    "scan_result",
+    "run_codec",
+]
 
 MAX_SLOTS = 4
 MAX_BLOCK = 4096  # LMO_MAX_BS
@@ -71,19 +85,46 @@ def slot_dense(values: torch.Tensor) -> Slot:
 
 def slot_q8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
     t = tables(signed)
-    return Slot(codes.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), t.planes.data_ptr(), t.packed.data_ptr(),
-                ctypes.addressof(t.pow2), None, ST_Q8, int(signed))
+    return Slot(
+        codes.data_ptr(),
+        absmax.data_ptr(),
+        t.book.data_ptr(),
+        t.planes.data_ptr(),
+        t.packed.data_ptr(),
+        ctypes.addressof(t.pow2),
+        None,
+        ST_Q8,
+        int(signed),
+    )
 
 
 def slot_q4(nibbles: torch.Tensor, absmax: torch.Tensor, signed: bool) -> Slot:
     """A 4-bit slot: ``nibbles`` uint8 and an fp32 ``absmax`` per block row, in ``q4.map4_for(signed)``."""
     t = tables4(signed)
-    return Slot(nibbles.data_ptr(), absmax.data_ptr(), t.book.data_ptr(), None, t.packed.data_ptr(), None,
-                t.thr.data_ptr(), ST_Q4, int(signed))
+    return Slot(
+        nibbles.data_ptr(),
+        absmax.data_ptr(),
+        t.book.data_ptr(),
+        None,
+        t.packed.data_ptr(),
+        None,
+        t.thr.data_ptr(),
+        ST_Q4,
+        int(signed),
+    )
 
 
-def args_for(p: torch.Tensor | None, g: torch.Tensor | None, nrows: int, bs: int, slots: list[Slot],
-             hyper: tuple[float, ...] = (), flags: int = 0, tail: int = 0, scan: torch.Tensor | None = None) -> Args:
+def args_for(
+    p: torch.Tensor | None,
+    g: torch.Tensor | None,
+    nrows: int,
+    bs: int,
+    slots: list[Slot],
+    hyper: tuple[float, ...] = (),
+    flags: int = 0,
+    tail: int = 0,
+    scan: torch.Tensor | None = None,
+) -> Args:
     """The kernel arguments; ``scan``: a tensor whose sum of squares the kernel also checks."""
     a = Args()
     a.p = None if p is None else p.data_ptr()

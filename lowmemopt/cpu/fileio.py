@@ -29,8 +29,9 @@ class Request(ctypes.Structure):
     ]
 
 
-def copy_files(requests: list[tuple[str, torch.Tensor, bool]], nthreads: int | None = None
-               ) -> list[OSError | None] | None:
+def copy_files(
+    requests: list[tuple[str, torch.Tensor, bool]], nthreads: int | None = None
+) -> list[OSError | None] | None:
     """For each ``(path, t, write)``: write contiguous CPU ``t``'s bytes to ``path`` from offset 0, or read them into
     ``t``, all at once over ``nthreads`` threads (default: torch's).
 

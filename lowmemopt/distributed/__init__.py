@@ -9,8 +9,14 @@ from .files import process_rank, rank_path
 from .reduction import LOCAL, Reduction, ShardedReduction
 from .sharding import dense_state_dict, is_dtensor, local_tensor
 
-_RECIPES = {"GossipAverager": "gossip", "mixing_weights": "gossip", "ring": "gossip", "torus": "gossip",
-            "SparsifiedState": "sparsified", "sparsified_hook": "sparsified"}
+_RECIPES = {
+    "GossipAverager": "gossip",
+    "mixing_weights": "gossip",
+    "ring": "gossip",
+    "torus": "gossip",
+    "SparsifiedState": "sparsified",
+    "sparsified_hook": "sparsified",
+}
 
 __all__ = [
     "GossipAverager",

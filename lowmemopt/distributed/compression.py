@@ -35,8 +35,7 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 
 def scales_of(x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """fp32 ``[len(sizes)]``: ``||seg|| / sqrt(len(seg))`` of each consecutive segment of ``x`` (of ``sizes``)."""
-    return torch.stack([torch.linalg.vector_norm(seg) / math.sqrt(seg.numel())
-                        for seg in torch.split(x, list(sizes))])
+    return torch.stack([torch.linalg.vector_norm(seg) / math.sqrt(seg.numel()) for seg in torch.split(x, list(sizes))])
 
 
 def compress(x: torch.Tensor, sizes: Sequence[int], error: torch.Tensor) -> torch.Tensor:
@@ -101,7 +100,7 @@ class Layout:
 
     def views(self, bucket: torch.Tensor) -> list[torch.Tensor]:
         """The unpadded flat view of each tensor in ``bucket``."""
-        return [bucket[o:o + n] for o, n in zip(self.offsets, self.numels)]
+        return [bucket[o : o + n] for o, n in zip(self.offsets, self.numels)]
 
     def message_bytes(self) -> tuple[int, int]:
         """Bytes of one rank's message to one server (all-to-all) and of one server's message (all-gather)."""
@@ -123,15 +122,15 @@ class CompressedAllReduce:
 
     def new_errors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Zero (worker_error, server_error) buffers for this layout."""
-        return (torch.zeros(self.layout.numel, device=device),
-                torch.zeros(self.layout.server_numel, device=device))
+        return (torch.zeros(self.layout.numel, device=device), torch.zeros(self.layout.server_numel, device=device))
 
     def __call__(self, bucket: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
         """Average flat fp32 ``bucket`` over the group in place, updating the error buffers; returns ``bucket``."""
         lay, world = self.layout, self.world
         if bucket.numel() != lay.numel or worker_error.numel() != lay.numel:
-            raise ValueError(f"bucket and worker_error need {lay.numel} elements (got {bucket.numel()}, "
-                             f"{worker_error.numel()})")
+            raise ValueError(
+                f"bucket and worker_error need {lay.numel} elements (got {bucket.numel()}, {worker_error.numel()})"
+            )
         if server_error.numel() != lay.server_numel:
             raise ValueError(f"server_error needs {lay.server_numel} elements (got {server_error.numel()})")
         n = len(lay.numels)

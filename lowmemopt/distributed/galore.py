@@ -93,7 +93,7 @@ class RowShards:
         p, q = bases(state)
         if p is None:
             return torch.matmul(g, q.t())
-        low = torch.matmul(p[self.row0: self.row0 + self.m_local].t(), g)
+        low = torch.matmul(p[self.row0 : self.row0 + self.m_local].t(), g)
         self.rows.sum_over(low, 0)
         return low if q is None else low @ q.t()
 

@@ -33,8 +33,12 @@ def torus(rows: int, cols: int) -> list[list[int]]:
     graph = []
     for r in range(rows):
         for c in range(cols):
-            near = {((r - 1) % rows) * cols + c, ((r + 1) % rows) * cols + c,
-                    r * cols + (c - 1) % cols, r * cols + (c + 1) % cols}
+            near = {
+                ((r - 1) % rows) * cols + c,
+                ((r + 1) % rows) * cols + c,
+                r * cols + (c - 1) % cols,
+                r * cols + (c + 1) % cols,
+            }
             graph.append(sorted(near - {r * cols + c}))
     return graph
 
@@ -63,8 +67,10 @@ def _check_graph(graph: Sequence[Sequence[int]]) -> list[list[int]]:
                 seen.add(j)
                 todo.append(j)
     if len(seen) != world:
-        raise ValueError(f"topology is not connected (ranks {sorted(set(range(world)) - seen)} cannot be reached from "
-                         "rank 0): gossip would average each component separately")
+        raise ValueError(
+            f"topology is not connected (ranks {sorted(set(range(world)) - seen)} cannot be reached from "
+            "rank 0): gossip would average each component separately"
+        )
     return out
 
 
@@ -76,8 +82,10 @@ def mixing_weights(graph: Sequence[Sequence[int]], rank: int, weights: str = "me
     deg = [len(n) for n in graph]
     if weights == "uniform":
         if len(set(deg)) > 1:
-            raise ValueError(f"weights='uniform' (1 / (degree + 1)) is doubly stochastic only on a regular graph; "
-                             f"the degrees here are {deg}, so the mean would drift: use weights='metropolis'")
+            raise ValueError(
+                f"weights='uniform' (1 / (degree + 1)) is doubly stochastic only on a regular graph; "
+                f"the degrees here are {deg}, so the mean would drift: use weights='metropolis'"
+            )
         row = {j: 1.0 / (deg[rank] + 1) for j in graph[rank]}
     else:
         row = {j: 1.0 / (1 + max(deg[rank], deg[j])) for j in graph[rank]}
@@ -99,8 +107,14 @@ class GossipAverager(ModelAverager):
     Only parameters with a gradient are averaged, in place; ``params`` may be parameters or ``param_groups``.
     """
 
-    def __init__(self, topology: Sequence[Sequence[int]] | Sequence[int], period: int = 1, warmup_steps: int = 0,
-                 weights: str = "metropolis", process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        topology: Sequence[Sequence[int]] | Sequence[int],
+        period: int = 1,
+        warmup_steps: int = 0,
+        weights: str = "metropolis",
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__(process_group)
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"period must be a positive int, got {period!r}")
@@ -152,5 +166,5 @@ class GossipAverager(ModelAverager):
                 mixed.add_(received[j].float(), alpha=self.weights[j])
             offset = 0
             for p in members:
-                p.detach().copy_(mixed[offset: offset + p.numel()].view_as(p))
+                p.detach().copy_(mixed[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()

@@ -59,8 +59,10 @@ class OnebitStage:
 
     def __init__(self, process_group: Any = None, settings: dict[str, Any] | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("the 1-bit optimizers need torch.distributed initialized (dist.init_process_group) "
-                             "before they are constructed")
+            raise ValueError(
+                "the 1-bit optimizers need torch.distributed initialized (dist.init_process_group) "
+                "before they are constructed"
+            )
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -93,7 +95,8 @@ class OnebitStage:
                 algorithm.comm_begin(self, plan, index, group, phase)
                 done.groups.append((index, group, phase, params))
                 message = lambda i, ps=params, gs=grads, g=group: algorithm.message(  # noqa: E731
-                    ps[i], gs[i], state.get(ps[i], {}), g)
+                    ps[i], gs[i], state.get(ps[i], {}), g
+                )
                 new = self.communicate(index, phase, grads, message, [align_of(group, p) for p in params])
                 if phase == "compressed":
                     apply_mask(group, params, new)
@@ -147,8 +150,14 @@ class OnebitStage:
         op(flat, worker_error, server_error)
         return [view.view(m.shape) for view, m in zip(layout.views(flat), messages)]
 
-    def communicate(self, index: int, phase: str, grads: list[torch.Tensor],
-                    message: Callable[[int], torch.Tensor], aligns: list[int]) -> list[torch.Tensor] | None:
+    def communicate(
+        self,
+        index: int,
+        phase: str,
+        grads: list[torch.Tensor],
+        message: Callable[[int], torch.Tensor],
+        aligns: list[int],
+    ) -> list[torch.Tensor] | None:
         """What group ``index``'s update reads instead of ``grads`` this step (None: its own)."""
         if phase == "full":
             return None if self.ddp_reduces else self.average(grads)
@@ -164,8 +173,9 @@ class OnebitStage:
         """This rank's error buffers as plain tensors, ints and lists."""
         groups = {}
         for index, (layout, _, w, s) in self.buckets.items():
-            groups[str(index)] = dict(numels=list(layout.numels), aligns=list(layout.aligns),
-                                      worker_error=w.clone(), server_error=s.clone())
+            groups[str(index)] = dict(
+                numels=list(layout.numels), aligns=list(layout.aligns), worker_error=w.clone(), server_error=s.clone()
+            )
         return dict(world=self.world, rank=self.rank, groups=groups)
 
     def load_errors(self, saved: dict[str, Any] | None, device: torch.device | str = "cpu") -> str | None:
@@ -174,8 +184,10 @@ class OnebitStage:
         if not saved:
             return None
         if saved.get("world") != self.world or saved.get("rank") != self.rank:
-            return (f"they were saved by rank {saved.get('rank')} of {saved.get('world')} and this is rank "
-                    f"{self.rank} of {self.world}")
+            return (
+                f"they were saved by rank {saved.get('rank')} of {saved.get('world')} and this is rank "
+                f"{self.rank} of {self.world}"
+            )
         for key, entry in saved.get("groups", {}).items():
             layout = Layout(tuple(entry["numels"]), tuple(entry["aligns"]), self.world)
             w, s = entry["worker_error"], entry["server_error"]
@@ -183,8 +195,12 @@ class OnebitStage:
                 self.buckets = {}
                 return f"param group {key}'s buffers do not match its tensors"
             op = CompressedAllReduce(layout, self.group)
-            self.buckets[int(key)] = (layout, op, w.detach().to(device, torch.float32, copy=True).reshape(-1),
-                                      s.detach().to(device, torch.float32, copy=True).reshape(-1))
+            self.buckets[int(key)] = (
+                layout,
+                op,
+                w.detach().to(device, torch.float32, copy=True).reshape(-1),
+                s.detach().to(device, torch.float32, copy=True).reshape(-1),
+            )
         return None
 
 
@@ -202,5 +218,8 @@ def onebit_comm_hook(state: Any, bucket: "dist.GradBucket") -> torch.futures.Fut
 
 
 # DDP checks a hook's annotations as objects (this module's are strings: ``from __future__ import annotations``)
-onebit_comm_hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
-                                    "return": torch.futures.Future[torch.Tensor]}
+onebit_comm_hook.__annotations__ = {
+    "state": Any,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}

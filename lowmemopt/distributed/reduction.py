@@ -187,5 +187,3 @@ class ShardedReduction(Reduction):
     def __repr__(self) -> str:
         sharded = {d: [dist.get_world_size(g) for g in gs] for d, gs in self._by_dim.items()}
         return f"ShardedReduction(shape={tuple(self.shape)}, sharded dims -> group sizes {sharded})"
-
-

@@ -176,7 +176,12 @@ def localize_state(p, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, An
             if value.device_mesh != p.device_mesh:
                 raise ValueError(f"state '{key}' is on mesh {value.device_mesh}, its parameter on {p.device_mesh}")
             value = value.to_local()
-        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape and p.shape != p.to_local().shape:
+        elif (
+            isinstance(value, torch.Tensor)
+            and value.dim() > 0
+            and value.shape == p.shape
+            and p.shape != p.to_local().shape
+        ):
             raise TypeError(
                 f"state '{key}' is a full-size plain tensor {tuple(value.shape)} for a sharded parameter: load "
                 "optimizer state through torch.distributed.checkpoint (get/set_optimizer_state_dict), which shards it"
@@ -210,8 +215,6 @@ def presented_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, Any]]:
     return [(i, p) for i, p in enumerate(params) if dense or is_dtensor(p)]
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # per-rank files
 
@@ -230,4 +233,3 @@ def shard_layout(p) -> dict[str, Any] | None:
         "placements": [str(pl) for pl in p.placements],
         "mesh": list(p.device_mesh.shape),
     }
-

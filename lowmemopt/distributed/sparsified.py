@@ -37,11 +37,30 @@ class SparsifiedState:
     ``error_dict``: bucket index -> its memory (as ``PowerSGDState``'s); ``iter`` counts backward passes.
     """
 
-    __slots__ = ("process_group", "ratio", "k", "method", "start_iter", "seed", "iter", "error_dict", "_generators",
-                 "bytes_before", "bytes_sent")
+    __slots__ = (
+        "process_group",
+        "ratio",
+        "k",
+        "method",
+        "start_iter",
+        "seed",
+        "iter",
+        "error_dict",
+        "_generators",
+        "bytes_before",
+        "bytes_sent",
+    )
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, *, ratio: float | None = None,
-                 k: int | None = None, method: str = "top", start_iter: int = 2, seed: int = 0) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        ratio: float | None = None,
+        k: int | None = None,
+        method: str = "top",
+        start_iter: int = 2,
+        seed: int = 0,
+    ) -> None:
         if (ratio is None) == (k is None):
             raise ValueError("give exactly one of ratio= (a fraction of each bucket) and k= (coordinates per bucket)")
         if ratio is not None and not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
@@ -51,8 +70,10 @@ class SparsifiedState:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
-            raise ValueError(f"start_iter must be an int >= 2 (DDP rebuilds its buckets after the first iteration, "
-                             f"and the error memory is kept per bucket), got {start_iter!r}")
+            raise ValueError(
+                f"start_iter must be an int >= 2 (DDP rebuilds its buckets after the first iteration, "
+                f"and the error memory is kept per bucket), got {start_iter!r}"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.process_group = process_group
@@ -157,8 +178,11 @@ def sparsified_hook(state: SparsifiedState, bucket: dist.GradBucket) -> torch.fu
     n, dtype, device = buffer.numel(), buffer.dtype, buffer.device
     memory = state.error_dict.get(bucket.index())
     if memory is not None and memory.numel() != n:
-        warnings.warn(f"sparsified_hook: DDP bucket {bucket.index()} changed size ({memory.numel()} -> {n} elements); "
-                      "its error memory starts again from zero", stacklevel=2)
+        warnings.warn(
+            f"sparsified_hook: DDP bucket {bucket.index()} changed size ({memory.numel()} -> {n} elements); "
+            "its error memory starts again from zero",
+            stacklevel=2,
+        )
         memory = None
     if memory is None:
         wide = torch.promote_types(torch.float32, dtype)  # fp32, or fp64 for fp64 gradients

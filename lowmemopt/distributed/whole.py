@@ -25,8 +25,9 @@ def shard_sizes(n: int, world: int) -> list[int]:
     return [Shard.local_shard_size_and_offset(n, world, r)[0] for r in range(world)]
 
 
-def map_whole(parts: Sequence[torch.Tensor], reduce: Reduction, fn: Fn, dtype: torch.dtype,
-              first: int = 0) -> list[torch.Tensor]:
+def map_whole(
+    parts: Sequence[torch.Tensor], reduce: Reduction, fn: Fn, dtype: torch.dtype, first: int = 0
+) -> list[torch.Tensor]:
     """``fn`` applied to the whole matrices whose local parts are ``parts``, returned as the results' local parts.
 
     Args:
@@ -45,7 +46,8 @@ def map_whole(parts: Sequence[torch.Tensor], reduce: Reduction, fn: Fn, dtype: t
         raise NotImplementedError(
             f"a parameter {tuple(reduce.shape)} placed {tuple(reduce.placements)} (FSDP2 over tensor parallelism): "
             "its local elements are no box of the matrix, so it cannot be gathered whole here; shard it with "
-            "Shard(d) placements only")
+            "Shard(d) placements only"
+        )
     if not sharded:
         return [r.to(dtype) for r in fn(parts)] if parts else []
     if len(sharded) == 1:
@@ -64,8 +66,9 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return out
 
 
-def _spread(parts: list[torch.Tensor], reduce: Reduction, mesh_dim: int, dim: int, fn: Fn,
-            dtype: torch.dtype, first: int) -> list[torch.Tensor]:
+def _spread(
+    parts: list[torch.Tensor], reduce: Reduction, mesh_dim: int, dim: int, fn: Fn, dtype: torch.dtype, first: int
+) -> list[torch.Tensor]:
     """One sharded mesh dim: matrix ``j`` is whole on rank ``(first + j) mod W`` only."""
     mesh = reduce.mesh
     group = mesh.get_group(mesh_dim)
@@ -75,8 +78,10 @@ def _spread(parts: list[torch.Tensor], reduce: Reduction, mesh_dim: int, dim: in
     offsets = [sum(sizes[:k]) for k in range(world)]
     for t in parts:
         if t.size(dim) != sizes[me]:
-            raise ValueError(f"a local part {tuple(t.shape)} of a parameter {tuple(reduce.shape)}: expected "
-                             f"{sizes[me]} along dim {dim} (torch.chunk's slices over {world} ranks)")
+            raise ValueError(
+                f"a local part {tuple(t.shape)} of a parameter {tuple(reduce.shape)}: expected "
+                f"{sizes[me]} along dim {dim} (torch.chunk's slices over {world} ranks)"
+            )
     owner = [(first + j) % world for j in range(len(parts))]
     received: dict[int, list[torch.Tensor]] = {}
     works = []
@@ -126,8 +131,14 @@ def whole_tensor(local: torch.Tensor, reduce: Reduction) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, reduce.mesh, reduce.placements, run_check=False, shape=reduce.shape,
-                              stride=contiguous_strides(reduce.shape)).full_tensor()
+    return DTensor.from_local(
+        local,
+        reduce.mesh,
+        reduce.placements,
+        run_check=False,
+        shape=reduce.shape,
+        stride=contiguous_strides(reduce.shape),
+    ).full_tensor()
 
 
 def row_block(reduce: Reduction, what: str) -> tuple[int, int]:
@@ -136,9 +147,9 @@ def row_block(reduce: Reduction, what: str) -> tuple[int, int]:
         if not (placement.is_replicate() or (placement.is_shard() and placement.dim % len(reduce.shape) == 0)):
             raise NotImplementedError(
                 f"{what} on a parameter {tuple(reduce.shape)} placed {tuple(reduce.placements)}: only row sharding "
-                f"(Shard(0), FSDP2's default) and Replicate are supported (mesh dim {i} is {placement})")
+                f"(Shard(0), FSDP2's default) and Replicate are supported (mesh dim {i} is {placement})"
+            )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local, offset = compute_local_shape_and_global_offset(reduce.shape, reduce.mesh, reduce.placements)
     return int(offset[0]), int(local[0])
-

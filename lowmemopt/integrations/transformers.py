@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["TrainerOptimizerFactory", "optimizer", "param_groups"]
 
 
-
 def optimizer(
     name: str,
     *,
@@ -153,8 +152,10 @@ def _check_step_in_backward(value: Any) -> dict[str, Any] | None:
         raise TypeError(f"step_in_backward must be a bool or a dict of options, got {type(value).__name__}")
     unknown = sorted(set(value) - {"bucket_bytes"})
     if unknown:
-        raise TypeError(f"step_in_backward: unknown options {unknown} (known: 'bucket_bytes'; accumulation_steps and "
-                        "max_grad_norm come from the TrainingArguments)")
+        raise TypeError(
+            f"step_in_backward: unknown options {unknown} (known: 'bucket_bytes'; accumulation_steps and "
+            "max_grad_norm come from the TrainingArguments)"
+        )
     from ..per_layer import check_bucket_bytes
 
     check_bucket_bytes(value.get("bucket_bytes", 0))
@@ -195,8 +196,12 @@ def param_groups(
         raise ValueError("the model has no trainable parameters")
     names = {id(p): n for n, p in named}
     decay = set(names.values()) if decay_names is None else set(decay_names)
-    embedding = {id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-                 for p in m.parameters(recurse=False)}
+    embedding = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        for p in m.parameters(recurse=False)
+    }
     if galore is not None:
         base = _galore_groups(model, dict(galore))
     elif base is None:
@@ -229,16 +234,21 @@ def _projection_settings(kind: str, settings: Any, example_rank: int) -> dict[st
         raise TypeError(f"{kind} must be a dict of {kind} settings, got {type(settings).__name__}")
     missing = [k for k in ("target_modules", "rank") if k not in settings]
     if missing:
-        raise ValueError(f"{kind} needs {' and '.join(missing)}, e.g. {kind}=dict(target_modules='all-linear', "
-                         f"rank={example_rank}) (target_modules as in TrainingArguments.optim_target_modules)")
+        raise ValueError(
+            f"{kind} needs {' and '.join(missing)}, e.g. {kind}=dict(target_modules='all-linear', "
+            f"rank={example_rank}) (target_modules as in TrainingArguments.optim_target_modules)"
+        )
     return dict(settings)
 
 
 def _named_groups(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``groups`` split into one group per parameter with its ``name`` in ``model`` (the other keys kept)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [p], "name": names[id(p)]}
-            for g in groups for p in g["params"]]
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [p], "name": names[id(p)]}
+        for g in groups
+        for p in g["params"]
+    ]
 
 
 def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
@@ -247,8 +257,9 @@ def _check_galore(galore: Mapping[str, Any]) -> dict[str, Any]:
     return galore
 
 
-def _base_groups(cls: type, model: torch.nn.Module, galore: dict[str, Any] | None,
-                 apollo: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+def _base_groups(
+    cls: type, model: torch.nn.Module, galore: dict[str, Any] | None, apollo: dict[str, Any] | None
+) -> list[dict[str, Any]] | None:
     """The groups :func:`param_groups` splits (APOLLO's, Muon's), or None."""
     if apollo is not None:
         return _apollo_groups(model, apollo)
@@ -283,8 +294,9 @@ def _galore_groups(model: torch.nn.Module, galore: dict[str, Any]) -> list[dict[
     return make(model, **galore)
 
 
-def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any,
-                      options: Mapping[str, Any] = ()) -> torch.optim.Optimizer:
+def _step_in_backward(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, args: Any, options: Mapping[str, Any] = ()
+) -> torch.optim.Optimizer:
     """Attach :func:`lowmemopt.step_in_backward` and save its position in ``opt.state_dict()``."""
     import lowmemopt
 
@@ -292,8 +304,13 @@ def _step_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer, args: 
     if attach is None:
         raise NotImplementedError("per-layer stepping (step_in_backward) is not available in this version of lowmemopt")
     try:
-        stepper = attach(model, opt, accumulation_steps=args.gradient_accumulation_steps,
-                         max_grad_norm=args.max_grad_norm, **dict(options))
+        stepper = attach(
+            model,
+            opt,
+            accumulation_steps=args.gradient_accumulation_steps,
+            max_grad_norm=args.max_grad_norm,
+            **dict(options),
+        )
     except ValueError as e:
         if args.max_grad_norm:
             raise ValueError(f"step_in_backward=True needs TrainingArguments(max_grad_norm=0): {e}") from e

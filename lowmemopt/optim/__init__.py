@@ -14,6 +14,21 @@ from .muon import Muon, muon_param_groups
 from .sgd import SGD, FusedSGD
 from .signsgd import SignSGD
 
-__all__ = ["Adafactor", "AdafactorTorch", "Adam", "AdamW", "CAME", "CPUAdam", "FusedAdam", "FusedLAMB", "FusedSGD",
-           "HFAdamW", "LAMB", "LARS", "Lion", "SGD", "SignSGD"]
+__all__ = [
+    "Adafactor",
+    "AdafactorTorch",
+    "Adam",
+    "AdamW",
+    "CAME",
+    "CPUAdam",
+    "FusedAdam",
+    "FusedLAMB",
+    "FusedSGD",
+    "HFAdamW",
+    "LAMB",
+    "LARS",
+    "Lion",
+    "SGD",
+    "SignSGD",
+]
 __all__ += ["AdEMAMix", "AdamMini", "Muon", "muon_param_groups", "APOLLOAdamW", "apollo_param_groups"]

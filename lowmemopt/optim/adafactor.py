@@ -52,7 +52,9 @@ def add_scaled_(out: torch.Tensor, t: torch.Tensor, s: Scalar) -> torch.Tensor:
     return out.addcmul_(t, s) if isinstance(s, torch.Tensor) else out.add_(t, alpha=s)
 
 
-def ema_factored_(row: torch.Tensor, col: torch.Tensor, x: torch.Tensor, beta: float, reduce: Reduction = LOCAL) -> None:
+def ema_factored_(
+    row: torch.Tensor, col: torch.Tensor, x: torch.Tensor, beta: float, reduce: Reduction = LOCAL
+) -> None:
     """Row/column statistics of ``x`` (means over the last and second-to-last dims) as EMAs, in place."""
     row.mul_(beta).add_(reduce.mean(x, dim=-1, pdim=-1), alpha=1.0 - beta)
     col.mul_(beta).add_(reduce.mean(x, dim=-2, pdim=-2), alpha=1.0 - beta)
@@ -97,8 +99,16 @@ def factored_slots(shape: torch.Size, prefix: str) -> dict[str, Slot]:
     }
 
 
-def step_size(rms_p: torch.Tensor | None, *, step: int, lr: Scalar | None, eps2: float, scale_parameter: bool,
-              relative_step: bool, warmup_init: bool) -> Scalar:
+def step_size(
+    rms_p: torch.Tensor | None,
+    *,
+    step: int,
+    lr: Scalar | None,
+    eps2: float,
+    scale_parameter: bool,
+    relative_step: bool,
+    warmup_init: bool,
+) -> Scalar:
     """Adafactor's step size ``a = rho_t * max(eps2, RMS(p))`` (``rho_t`` alone without ``scale_parameter``; then
     ``rms_p`` is not read). ``rms_p`` is not modified."""
     rho = lr
@@ -129,8 +139,15 @@ def adafactor_math(
     ``p -= a wd p`` to the fp32 working copy ``p`` in place (``a`` depends on RMS(p), so it is not a constant factor),
     and returns ``u`` with ``p_new = p - u``. Factored iff ``state`` holds ``exp_avg_sq_row``; momentum iff ``exp_avg``.
     Operation order follows transformers, so 32-bit results are bit-identical."""
-    alpha = step_size(rms(p, reduce) if scale_parameter else None, step=step, lr=lr, eps2=eps2,
-                      scale_parameter=scale_parameter, relative_step=relative_step, warmup_init=warmup_init)
+    alpha = step_size(
+        rms(p, reduce) if scale_parameter else None,
+        step=step,
+        lr=lr,
+        eps2=eps2,
+        scale_parameter=scale_parameter,
+        relative_step=relative_step,
+        warmup_init=warmup_init,
+    )
 
     beta2t = 1.0 - math.pow(step, decay_rate)
     u = clipped_preconditioned(g, state, eps1, beta2t, clip_threshold, reduce)
@@ -215,9 +232,15 @@ class AdafactorAlgorithm(Algorithm):
     def math_decay(self, group, step, stat):
         if group["weight_decay"] == 0:
             return None
-        alpha = step_size(stat, step=step, lr=group["lr"], eps2=group["eps"][1],
-                          scale_parameter=group["scale_parameter"], relative_step=group["relative_step"],
-                          warmup_init=group["warmup_init"])
+        alpha = step_size(
+            stat,
+            step=step,
+            lr=group["lr"],
+            eps2=group["eps"][1],
+            scale_parameter=group["scale_parameter"],
+            relative_step=group["relative_step"],
+            warmup_init=group["warmup_init"],
+        )
         return -group["weight_decay"] * alpha
 
     @fused(KERNELS)
@@ -302,9 +325,6 @@ class Adafactor(LowMemOptimizer):
                 raise TypeError(f"Invalid beta1: expected a number or None, got {type(beta1).__name__}")
             if not 0.0 <= beta1 < 1.0:
                 raise ValueError(f"Invalid beta1: {beta1} (must be in [0, 1) or None)")
-
-
-
 
 
 class AdafactorTorchAlgorithm(Algorithm):

@@ -150,8 +150,10 @@ def _check_int(name: str, value: Any, optional: bool = False) -> None:
 def _groups_of(named_parameters: Any, weight_decay: float) -> list[dict[str, Any]]:
     """One param group per entry of ``named_parameters``, with torch's errors and warnings."""
     if isinstance(named_parameters, torch.Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
-                        + torch.typename(named_parameters))
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+            + torch.typename(named_parameters)
+        )
     groups, seen, forms = [], set(), set()
     for item in named_parameters:
         if not isinstance(item, dict):
@@ -166,8 +168,11 @@ def _groups_of(named_parameters: Any, weight_decay: float) -> list[dict[str, Any
             continue
         params = group["params"]
         if any(id(p) in seen for p in params):
-            warnings.warn("optimizer contains a parameter group with duplicate parameters; the repeated one is left "
-                          "out (each parameter of AdamMini is its own group)", stacklevel=3)
+            warnings.warn(
+                "optimizer contains a parameter group with duplicate parameters; the repeated one is left "
+                "out (each parameter of AdamMini is its own group)",
+                stacklevel=3,
+            )
             continue
         seen.update(id(p) for p in params)
         groups.append(group)
@@ -191,8 +196,10 @@ def _group_of(item: Any, weight_decay: float) -> dict[str, Any] | None:
             return None
         group = {"params": [param], "name": name, "param_names": [name]}
     else:
-        raise TypeError("AdamMini takes named parameters, (name, parameter) pairs such as model.named_parameters() "
-                        f"(its block partition reads the names), or param group dicts: got {type(item).__name__}")
+        raise TypeError(
+            "AdamMini takes named parameters, (name, parameter) pairs such as model.named_parameters() "
+            f"(its block partition reads the names), or param group dicts: got {type(item).__name__}"
+        )
     if not isinstance(name, str):
         raise TypeError(f"Invalid name: expected the parameter's name (a str), got {type(name).__name__}")
     group["name"] = name = name.lower()
@@ -221,8 +228,11 @@ class AdamMini(LowMemOptimizer):
     def model_keywords(config: Any) -> dict[str, int]:
         """``dim``, ``n_heads``, ``n_kv_heads`` from a transformers config, those it has."""
         keys = dict(dim="hidden_size", n_heads="num_attention_heads", n_kv_heads="num_key_value_heads")
-        return {ours: getattr(config, theirs) for ours, theirs in keys.items()
-                if isinstance(getattr(config, theirs, None), int)}
+        return {
+            ours: getattr(config, theirs)
+            for ours, theirs in keys.items()
+            if isinstance(getattr(config, theirs, None), int)
+        }
 
     def __init__(
         self,
@@ -245,8 +255,10 @@ class AdamMini(LowMemOptimizer):
         if n_kv_heads is not None and n_heads % n_kv_heads:
             raise ValueError(f"Invalid n_kv_heads value: {n_kv_heads} (n_heads={n_heads} must be a multiple of it)")
         if (dim * dim) % n_heads:
-            raise ValueError(f"Invalid dim / n_heads: a head of dim * dim / n_heads = {dim * dim} / {n_heads} "
-                             "elements is not a whole number")
+            raise ValueError(
+                f"Invalid dim / n_heads: a head of dim * dim / n_heads = {dim * dim} / {n_heads} "
+                "elements is not a whole number"
+            )
         self.dim, self.n_heads = dim, n_heads
         self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.head_numel = dim * dim // n_heads
@@ -261,8 +273,16 @@ class AdamMini(LowMemOptimizer):
         self._partition: tuple | None = None
         self._counted = False
         groups = _groups_of(named_parameters, weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, name="", block="tensor",
-                        head_numel=self.head_numel, whole_numel=None)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            name="",
+            block="tensor",
+            head_numel=self.head_numel,
+            whole_numel=None,
+        )
         super().__init__(groups, defaults, **storage)
         self._place_blocks()
 
@@ -271,16 +291,28 @@ class AdamMini(LowMemOptimizer):
         if not isinstance(group["name"], str):
             raise TypeError(f"Invalid name: expected the parameter's name (a str), got {type(group['name']).__name__}")
         if group.get("rank") is not None:
-            raise ValueError("AdamMini does not take GaLore groups (a group with 'rank'): its second-moment blocks are "
-                             "the weight's heads and rows, which a low-rank gradient does not have")
+            raise ValueError(
+                "AdamMini does not take GaLore groups (a group with 'rank'): its second-moment blocks are "
+                "the weight's heads and rows, which a low-rank gradient does not have"
+            )
         if group["block"] not in BLOCKS:
             raise ValueError(f"Invalid block: {group['block']!r} (one of {', '.join(BLOCKS)})")
 
     # -- the block partition ----------------------------------------------------------------------------------------
 
     def _rules(self) -> tuple[frozenset, ...]:
-        return tuple(frozenset(s) for s in (self.adam_block_names, self.wqk_names, self.embd_names, self.output_names,
-                                            self.wv_names, self.mlp_names, self.attn_proj_names))
+        return tuple(
+            frozenset(s)
+            for s in (
+                self.adam_block_names,
+                self.wqk_names,
+                self.embd_names,
+                self.output_names,
+                self.wv_names,
+                self.mlp_names,
+                self.attn_proj_names,
+            )
+        )
 
     def block_of(self, name: str) -> str:
         """The block kind the name rules give ``name`` (lower-cased), in the reference's order."""
@@ -305,17 +337,25 @@ class AdamMini(LowMemOptimizer):
             if block == "head":
                 for p in group["params"]:
                     if p.numel() % group["head_numel"]:
-                        raise ValueError(f"AdamMini: {group['name']!r} {tuple(p.shape)} is a query / key block but "
-                                         f"its {p.numel()} elements are not whole heads of dim * dim / n_heads = "
-                                         f"{group['head_numel']}; check dim and n_heads")
+                        raise ValueError(
+                            f"AdamMini: {group['name']!r} {tuple(p.shape)} is a query / key block but "
+                            f"its {p.numel()} elements are not whole heads of dim * dim / n_heads = "
+                            f"{group['head_numel']}; check dim and n_heads"
+                        )
             group["whole_numel"] = group["params"][0].numel() if len(group["params"]) == 1 else None
         self._partition = rules
 
     def count_block(self) -> dict[str, int]:
         """How many parameters each name rule found (biases aside); printed with ``verbose``."""
         counts = dict(embedding=0, output=0, query_key=0, value=0, attn_proj=0, mlp=0)
-        keys = dict(embedding=self.embd_names, output=self.output_names, query_key=self.wqk_names,
-                    value=self.wv_names, attn_proj=self.attn_proj_names, mlp=self.mlp_names)
+        keys = dict(
+            embedding=self.embd_names,
+            output=self.output_names,
+            query_key=self.wqk_names,
+            value=self.wv_names,
+            attn_proj=self.attn_proj_names,
+            mlp=self.mlp_names,
+        )
         for group in self.param_groups:
             name = group["name"]
             if "bias" in name:
@@ -324,16 +364,39 @@ class AdamMini(LowMemOptimizer):
                 counts[kind] += any(k in name for k in names)
         if self.verbose:
             print("Adam-mini found " + ", ".join(f"{n} {k}" for k, n in counts.items()), file=sys.stderr)
-            attrs = dict(embedding="embd_names", output="output_names", query_key="wqk_names", value="wv_names",
-                         attn_proj="attn_proj_names", mlp="mlp_names")
+            attrs = dict(
+                embedding="embd_names",
+                output="output_names",
+                query_key="wqk_names",
+                value="wv_names",
+                attn_proj="attn_proj_names",
+                mlp="mlp_names",
+            )
             for kind, n in counts.items():
                 if n == 0:
-                    print(f"Adam-mini: no {kind} parameter found by name; if the model has one, add a keyword of its "
-                          f"name to optimizer.{attrs[kind]}", file=sys.stderr)
+                    print(
+                        f"Adam-mini: no {kind} parameter found by name; if the model has one, add a keyword of its "
+                        f"name to optimizer.{attrs[kind]}",
+                        file=sys.stderr,
+                    )
         return counts
 
-    _OWN = ("dim", "n_heads", "n_kv_heads", "head_numel", "verbose", "embd_names", "output_names", "wqk_names",
-            "wv_names", "attn_proj_names", "mlp_names", "adam_block_names", "_partition", "_counted")
+    _OWN = (
+        "dim",
+        "n_heads",
+        "n_kv_heads",
+        "head_numel",
+        "verbose",
+        "embd_names",
+        "output_names",
+        "wqk_names",
+        "wv_names",
+        "attn_proj_names",
+        "mlp_names",
+        "adam_block_names",
+        "_partition",
+        "_counted",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # (pickling, deepcopy: torch's keys and the base class's)

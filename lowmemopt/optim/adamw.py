@@ -31,14 +31,30 @@ def _native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...]
     """``lmo_adam``'s scalars and flags from the math's keyword arguments, in the math's own expressions."""
     beta1, beta2 = kw["betas"]
     l2 = kw["weight_decay"] if kw["weight_decay"] != 0 and not kw["decoupled_weight_decay"] else 0.0
-    h = (l2, 1 - beta1, beta2, 1 - beta2, kw["bias_correction2_sqrt"], kw["eps"], -kw["lr"] / kw["bias_correction1"],
-         decay)
+    h = (
+        l2,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        kw["bias_correction2_sqrt"],
+        kw["eps"],
+        -kw["lr"] / kw["bias_correction1"],
+        decay,
+    )
     return h, int(bool(kw["maximize"])) | int(bool(kw["amsgrad"])) << 1
 
 
 #: Adam's fused kernels: Triton (``kernels/adamw.py``) and C (``lmo_adam``, ``csrc/elementwise.c``)
-KERNELS = KernelSet("adam", triton="adamw:TRITON", capturable=True, native=NativeKernel(
-    "lmo_adam", _native_scalars, lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ())))
+KERNELS = KernelSet(
+    "adam",
+    triton="adamw:TRITON",
+    capturable=True,
+    native=NativeKernel(
+        "lmo_adam",
+        _native_scalars,
+        lambda kw: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw["amsgrad"] else ()),
+    ),
+)
 
 
 @fused(KERNELS)
@@ -159,7 +175,9 @@ class AdamW(Adam):
         maximize: bool = False,
         **storage: Unpack[StorageOptions],
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True, **storage)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True, **storage
+        )
 
 
 class GradNoneOnZero:
@@ -215,8 +233,16 @@ class FusedAdam(GradNoneOnZero, Adam):
         _check_flag("adam_w_mode", adam_w_mode)
         _check_flag("set_grad_none", set_grad_none)
         self.set_grad_none = set_grad_none
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=adam_w_mode)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled_weight_decay=adam_w_mode,
+        )
         LowMemOptimizer.__init__(self, params, defaults, **storage)
 
     def _check_group(self, group):
@@ -260,15 +286,25 @@ class CPUAdam(Adam):
         **storage: Unpack[StorageOptions],
     ) -> None:
         _check_flag("adamw_mode", adamw_mode)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=adamw_mode,
-                        fp32_optimizer_states=fp32_optimizer_states)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled_weight_decay=adamw_mode,
+            fp32_optimizer_states=fp32_optimizer_states,
+        )
         LowMemOptimizer.__init__(self, model_params, defaults, **storage)
 
     def _check_group(self, group):
         for key in ("bias_correction", "fp32_optimizer_states"):
             _check_flag(key, group[key])
         if not group["fp32_optimizer_states"] and group["state_bits"] != 32:
-            raise ValueError(f"Invalid state_bits: {group['state_bits']} with fp32_optimizer_states=False (the state "
-                             "is kept in the parameter's dtype; leave state_bits at 32)")
+            raise ValueError(
+                f"Invalid state_bits: {group['state_bits']} with fp32_optimizer_states=False (the state "
+                "is kept in the parameter's dtype; leave state_bits at 32)"
+            )
         super()._check_group(group)

@@ -129,17 +129,22 @@ class AdEMAMix(LowMemOptimizer):
         is_paged: bool = False,
         **storage: Unpack[StorageOptions],
     ) -> None:
-        for theirs, ours, value, default in (("optim_bits", "state_bits", optim_bits, 32),
-                                             ("min_8bit_size", "min_quant_numel", min_8bit_size, 4096),
-                                             ("is_paged", "paged", is_paged, False)):
+        for theirs, ours, value, default in (
+            ("optim_bits", "state_bits", optim_bits, 32),
+            ("min_8bit_size", "min_quant_numel", min_8bit_size, 4096),
+            ("is_paged", "paged", is_paged, False),
+        ):
             if value is default or value == default and type(value) is type(default):
                 continue  # (not given: the storage keyword, or its default, decides)
             if ours in storage and storage[ours] != value:
-                raise ValueError(f"AdEMAMix: {theirs}={value!r} and {ours}={storage[ours]!r} disagree "
-                                 f"({theirs} is bitsandbytes' name for {ours}); give one")
+                raise ValueError(
+                    f"AdEMAMix: {theirs}={value!r} and {ours}={storage[ours]!r} disagree "
+                    f"({theirs} is bitsandbytes' name for {ours}); give one"
+                )
             storage[ours] = value
-        defaults = dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
-                        weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps, weight_decay=weight_decay
+        )
         super().__init__(params, defaults, **storage)
 
     def _check_group(self, group):
@@ -152,5 +157,7 @@ class AdEMAMix(LowMemOptimizer):
         _check_warmup("t_beta3", group["t_beta3"])
         beta1, _, beta3 = group["betas"]
         if group["t_beta3"] and not (beta1 > 0 and beta3 > 0):
-            raise ValueError(f"Invalid betas {tuple(group['betas'])} for t_beta3={group['t_beta3']}: the beta3 "
-                             "warm-up interpolates log(beta1) and log(beta3), so both must be > 0")
+            raise ValueError(
+                f"Invalid betas {tuple(group['betas'])} for t_beta3={group['t_beta3']}: the beta3 "
+                "warm-up interpolates log(beta1) and log(beta3), so both must be > 0"
+            )

@@ -59,8 +59,11 @@ class APOLLOAlgorithm(Algorithm):
         low = am.low_rank_shape(side, param.shape[0], n, rank)  # (row-sharded: the local rows, side right)
         dims = (None, 1) if side == am.LEFT else (0, None)
         one = Slot(signed=False, quantize=False, shape=(1,), dims=(None,))
-        slots = {"exp_avg": Slot(signed=True, shape=low, dims=dims), "exp_avg_sq": Slot(signed=False, shape=low, dims=dims),
-                 "apollo.norm": one}
+        slots = {
+            "exp_avg": Slot(signed=True, shape=low, dims=dims),
+            "exp_avg_sq": Slot(signed=False, shape=low, dims=dims),
+            "apollo.norm": one,
+        }
         if group["proj"] == "svd":
             shape = am.projection_shape(side, m, n, rank)
             slots["apollo.proj"] = Slot(signed=True, quantize=False, shape=shape, dims=(None, None))
@@ -72,8 +75,10 @@ class APOLLOAlgorithm(Algorithm):
         if owner is None or not any(group.get(RANK) is not None for _, group in work):
             return work
         index = {id(p): i for i, p in enumerate((p for g in owner.param_groups for p in g["params"]), 1)}
-        return [(p, {**group, SEED: index[id(p)], SHAPE: tuple(p.shape)}) if group.get(RANK) is not None
-                else (p, group) for p, group in work]
+        return [
+            (p, {**group, SEED: index[id(p)], SHAPE: tuple(p.shape)}) if group.get(RANK) is not None else (p, group)
+            for p, group in work
+        ]
 
     def update(self, p, g, state, group, step, reduce: Reduction = LOCAL):
         beta1, beta2 = group["betas"]
@@ -98,8 +103,9 @@ class APOLLOAlgorithm(Algorithm):
         return u, alpha
 
     @staticmethod
-    def _projection(g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int,
-                    side: int, reduce: Reduction) -> torch.Tensor:
+    def _projection(
+        g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], step: int, side: int, reduce: Reduction
+    ) -> torch.Tensor:
         """This step's whole projection: regenerated from the seed, or the SVD basis (refreshed when due, from the
         gathered gradient); fp32 values in the gradient's dtype."""
         due, refreshes = am.refresh_due(step, group["update_proj_gap"])
@@ -112,8 +118,10 @@ class APOLLOAlgorithm(Algorithm):
             return am.lapack_layout(proj)
         seed = group.get(SEED)
         if seed is None:
-            raise RuntimeError("APOLLOAdamW: a projected parameter stepped without its seed (its position among the "
-                               "optimizer's parameters): step through optimizer.step() or step_in_backward")
+            raise RuntimeError(
+                "APOLLOAdamW: a projected parameter stepped without its seed (its position among the "
+                "optimizer's parameters): step through optimizer.step() or step_in_backward"
+            )
         proj = am.random_projection(shape, am.projection_seed(seed, refreshes), group[RANK], g.device)
         return proj.to(g.dtype)  # (float64: fp32 values widened, as apollo-torch's)
 
@@ -123,8 +131,9 @@ class APOLLOAlgorithm(Algorithm):
             p32.add_(p32, alpha=-group["lr"] * group["weight_decay"])
 
 
-def _project(g: torch.Tensor, proj: torch.Tensor, side: int, rank: int,
-             reduce: Reduction) -> tuple[torch.Tensor, Reduction]:
+def _project(
+    g: torch.Tensor, proj: torch.Tensor, side: int, rank: int, reduce: Reduction
+) -> tuple[torch.Tensor, Reduction]:
     """The projected gradient of ``g`` (a row shard: side left sums over the shards)."""
     if not reduce.distributed:
         return am.project(g, proj, side), LOCAL
@@ -132,7 +141,7 @@ def _project(g: torch.Tensor, proj: torch.Tensor, side: int, rank: int,
     if side == am.RIGHT:
         m = reduce.shape[0]
         return am.project(g, proj, side), ShardedReduction(reduce.mesh, reduce.placements, torch.Size((m, rank)))
-    low = am.project(g, proj[row0:row0 + rows], side)
+    low = am.project(g, proj[row0 : row0 + rows], side)
     reduce.sum_over(low, 0)
     return low, LOCAL
 
@@ -167,8 +176,15 @@ class APOLLOAdamW(LowMemOptimizer):
         no_deprecation_warning: bool = True,
         **storage: Unpack[StorageOptions],
     ) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
-                        scale_front=scale_front, disable_nl=disable_nl)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            correct_bias=correct_bias,
+            scale_front=scale_front,
+            disable_nl=disable_nl,
+        )
         super().__init__(params, defaults, **storage)
 
     def _attach(self) -> None:
@@ -214,11 +230,14 @@ class APOLLOAdamW(LowMemOptimizer):
             raise ValueError(f"Invalid proj_type: {group['proj_type']!r} (one of {', '.join(PROJ_TYPES)})")
         for p in group.get("params", ()):
             if p.dim() != 2:
-                raise ValueError(f"APOLLO: rank={rank} on a parameter of shape {tuple(p.shape)}: projected groups "
-                                 "hold 2-D matrices; put the others in a group without rank "
-                                 "(lowmemopt.apollo_param_groups does this)")
-            problem = am.check_factor_shape(tuple(p.shape), am.side_of(group["proj_type"], *p.shape), rank,
-                                            group["scale_type"])
+                raise ValueError(
+                    f"APOLLO: rank={rank} on a parameter of shape {tuple(p.shape)}: projected groups "
+                    "hold 2-D matrices; put the others in a group without rank "
+                    "(lowmemopt.apollo_param_groups does this)"
+                )
+            problem = am.check_factor_shape(
+                tuple(p.shape), am.side_of(group["proj_type"], *p.shape), rank, group["scale_type"]
+            )
             if problem:
                 raise ValueError(f"APOLLO: {problem}")
 
@@ -240,8 +259,15 @@ def apollo_param_groups(
     :func:`lowmemopt.galore_param_groups`. APOLLO-Mini: ``rank=1, scale_type="tensor"`` and a large ``scale`` (128)."""
     from ..projection import galore_param_groups
 
-    groups = galore_param_groups(model, target_modules, rank=rank, update_proj_gap=update_proj_gap, scale=scale,
-                                 proj_type=proj_type, weight_decay=weight_decay)
+    groups = galore_param_groups(
+        model,
+        target_modules,
+        rank=rank,
+        update_proj_gap=update_proj_gap,
+        scale=scale,
+        proj_type=proj_type,
+        weight_decay=weight_decay,
+    )
     for group in groups:
         if "rank" in group:
             group.update(proj=proj, scale_type=scale_type)

@@ -12,8 +12,20 @@ import torch
 
 from ..distributed.reduction import LOCAL, Reduction
 
-__all__ = ["LEFT", "RIGHT", "SCALE_EPS", "projection_seed", "random_projection", "side_of", "svd_projection",
-           "lapack_layout", "project", "scaling_factor", "limit_norm_growth", "refresh_due"]
+__all__ = [
+    "LEFT",
+    "RIGHT",
+    "SCALE_EPS",
+    "projection_seed",
+    "random_projection",
+    "side_of",
+    "svd_projection",
+    "lapack_layout",
+    "project",
+    "scaling_factor",
+    "limit_norm_growth",
+    "refresh_due",
+]
 
 LEFT, RIGHT = 0, 1  # R = P^T G (P: m x r) | R = G P^T (P: r x n)
 #: added to the low-rank gradient's norm in the scaling factor, and to the previous norm in the limiter
@@ -86,19 +98,22 @@ def project(g: torch.Tensor, proj: torch.Tensor, side: int) -> torch.Tensor:
     return torch.matmul(proj.t(), g) if side == LEFT else torch.matmul(g, proj.t())
 
 
-def scaling_factor(norm_grad: torch.Tensor, low: torch.Tensor, scale_type: str, norm_dim: int,
-                   reduce: Reduction = LOCAL) -> torch.Tensor:
+def scaling_factor(
+    norm_grad: torch.Tensor, low: torch.Tensor, scale_type: str, norm_dim: int, reduce: Reduction = LOCAL
+) -> torch.Tensor:
     """``||norm_grad|| / (||R|| + 1e-8)`` over ``norm_dim`` (``channel``) or the whole tensors (``tensor``);
     ``norm_grad = m / (sqrt(v) + eps)``, ``R`` the projected gradient; ``reduce`` for a row shard."""
     if scale_type == "channel":
-        factor = (reduce.norm_along(norm_grad, norm_dim, norm_dim)
-                  / (reduce.norm_along(low, norm_dim, norm_dim) + SCALE_EPS))
+        factor = reduce.norm_along(norm_grad, norm_dim, norm_dim) / (
+            reduce.norm_along(low, norm_dim, norm_dim) + SCALE_EPS
+        )
         return factor.unsqueeze(1) if norm_dim == 1 else factor
     return reduce.norm(norm_grad) / (reduce.norm(low) + SCALE_EPS)
 
 
-def limit_norm_growth(update: torch.Tensor, previous: torch.Tensor, first: bool,
-                      reduce: Reduction = LOCAL) -> torch.Tensor:
+def limit_norm_growth(
+    update: torch.Tensor, previous: torch.Tensor, first: bool, reduce: Reduction = LOCAL
+) -> torch.Tensor:
     """Fira's limiter: scale ``u`` so its norm grows at most 1% a step; ``previous`` (one element) is updated in
     place. The first step only records the norm."""
     norm = reduce.norm(update)
@@ -121,5 +136,7 @@ def check_factor_shape(shape: Any, side: int, rank: int, scale_type: str) -> str
     want = n if norm_dim == 0 else m
     if length in (want, 1):
         return None
-    return (f"scale_type='channel' on a {m}x{n} matrix projected to {low[0]}x{low[1]}: the factor has {length} "
-            f"channels, the gradient {want}; use proj_type='std' or scale_type='tensor'")
+    return (
+        f"scale_type='channel' on a {m}x{n} matrix projected to {low[0]}x{low[1]}: the factor has {length} "
+        f"channels, the gradient {want}; use proj_type='std' or scale_type='tensor'"
+    )

@@ -124,7 +124,9 @@ class LAMB(LowMemOptimizer):
         bias_correction: bool = False,
         **storage: Unpack[StorageOptions],
     ) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam, bias_correction=bias_correction)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam, bias_correction=bias_correction
+        )
         super().__init__(params, defaults, **storage)
 
     def _check_group(self, group):
@@ -152,8 +154,9 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
     def weight_statistic(self, group):
         return "norm" if self._trust(group) else None
 
-    def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
-                  grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    def step_work(
+        self, work: list[tuple[torch.Tensor, dict[str, Any]]], grad_mult: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The global-norm clip: each group with ``max_grad_norm`` > 0 steps with a view carrying
         ``c = max(1, N / max_grad_norm)`` as a device scalar (docs/migrating.md#lamb-and-lars)."""
         clipped = [g for g in {id(g): g for _, g in work}.values() if g["max_grad_norm"]]
@@ -161,12 +164,16 @@ class FusedLAMBAlgorithm(LAMBAlgorithm):
             return work
         grads = [p.grad for p, _ in work]
         if any(is_dtensor(g) for g in grads):
-            raise ValueError("FusedLAMB: max_grad_norm with DTensor (FSDP2) parameters is not supported; clip with "
-                             "torch.nn.utils.clip_grad_norm_ before step() and set max_grad_norm=0")
+            raise ValueError(
+                "FusedLAMB: max_grad_norm with DTensor (FSDP2) parameters is not supported; clip with "
+                "torch.nn.utils.clip_grad_norm_ before step() and set max_grad_norm=0"
+            )
         if grad_mult is not None:
             mults: dict[torch.device, torch.Tensor] = {}
-            grads = [unscaled(g, mults.setdefault(g.device, grad_mult.to(g.device, non_blocking=True))).to(g.dtype)
-                     for g in grads]
+            grads = [
+                unscaled(g, mults.setdefault(g.device, grad_mult.to(g.device, non_blocking=True))).to(g.dtype)
+                for g in grads
+            ]
         norm = global_grad_norm(grads)
         views = {}
         for group in clipped:
@@ -237,9 +244,17 @@ class FusedLAMB(GradNoneOnZero, LAMB):
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")  # Apex's error
         _flag("set_grad_none", set_grad_none)
         self.set_grad_none = set_grad_none
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
-                        max_grad_norm=0.0 if max_grad_norm is None else max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            adam_w_mode=adam_w_mode,
+            use_nvlamb=use_nvlamb,
+            max_grad_norm=0.0 if max_grad_norm is None else max_grad_norm,
+        )
         LowMemOptimizer.__init__(self, params, defaults, **storage)
 
     def _check_group(self, group):
@@ -250,13 +265,17 @@ class FusedLAMB(GradNoneOnZero, LAMB):
         if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm >= 0:
             raise ValueError(f"Invalid max_grad_norm: {norm!r} (a number >= 0; 0 or None: no clipping)")
         if group.get("capturable") and group["bias_correction"]:
-            raise ValueError("FusedLAMB: capturable=True needs bias_correction=False (its bias corrections are made "
-                             "on the host each step)")
+            raise ValueError(
+                "FusedLAMB: capturable=True needs bias_correction=False (its bias corrections are made "
+                "on the host each step)"
+            )
 
     def _step_some(self, work, flags=None):
         if any(group["max_grad_norm"] for _, group in work):
-            raise ValueError("FusedLAMB: max_grad_norm clips by the norm of every gradient of the step, which "
-                             "per-layer updates cannot see; set max_grad_norm=0 (or clip before step())")
+            raise ValueError(
+                "FusedLAMB: max_grad_norm clips by the norm of every gradient of the step, which "
+                "per-layer updates cannot see; set max_grad_norm=0 (or clip before step())"
+            )
         super()._step_some(work, flags)
 
 

@@ -1,7 +1,7 @@
 """Lion (Chen et al. 2023), matching ``lion_pytorch.Lion``.
 
-    p <- p (1 - lr wd)  -  lr sign(beta1 m + (1 - beta1) g);      m = beta2 m + (1 - beta2) g
-    With ``decoupled_weight_decay=True`` the decay is ``wd / initial lr`` (lion-pytorch's convention).
+p <- p (1 - lr wd)  -  lr sign(beta1 m + (1 - beta1) g);      m = beta2 m + (1 - beta2) g
+With ``decoupled_weight_decay=True`` the decay is ``wd / initial lr`` (lion-pytorch's convention).
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ def _native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...]
 
 
 #: Lion's fused kernels: Triton (``kernels/lion.py``) and C (``lmo_lion``, ``csrc/elementwise.c``)
-KERNELS = KernelSet("lion", triton="lion:TRITON", capturable=True,
-                    native=NativeKernel("lmo_lion", _native_scalars, lambda kw: ("exp_avg",)))
+KERNELS = KernelSet(
+    "lion",
+    triton="lion:TRITON",
+    capturable=True,
+    native=NativeKernel("lmo_lion", _native_scalars, lambda kw: ("exp_avg",)),
+)
 
 
 @fused(KERNELS)
@@ -85,8 +89,13 @@ class Lion(LowMemOptimizer):
         if not isinstance(use_triton, bool):
             raise TypeError(f"Invalid use_triton: expected a bool, got {type(use_triton).__name__}")
         initial_lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr  # (not a scheduler's later lr)
-        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
-                        initial_lr=initial_lr)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            initial_lr=initial_lr,
+        )
         super().__init__(params, defaults, **storage)
 
     def _check_group(self, group):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowme
 
 __all__ = ["Muon", "MuonAlgorithm", "muon_param_groups"]
 
+
 class MuonAlgorithm(Algorithm):
     """Muon for the step pipeline: the momentum and orthogonalized update of ``use_muon`` groups, AdamW for the
     others. One bound to an optimizer (``owner``) batches the step's orthogonalizations (:meth:`step_work`)."""
@@ -67,9 +68,19 @@ class MuonAlgorithm(Algorithm):
 
     def update(self, p, g, state, group, step, reduce: Reduction = LOCAL):
         if not group["use_muon"]:
-            return adam_math(p, g, state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                             weight_decay=group["weight_decay"], decoupled_weight_decay=True, amsgrad=False,
-                             maximize=False, **self.step_scalars(group, step))
+            return adam_math(
+                p,
+                g,
+                state,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                maximize=False,
+                **self.step_scalars(group, step),
+            )
         u = momentum_input(g, state["momentum_buffer"], group["momentum"], group["nesterov"])
         batches = group.get(BATCHES)
         if batches is not None:
@@ -127,9 +138,17 @@ class Muon(LowMemOptimizer):
         check_nonneg("adamw_eps", adamw_eps)
         if adamw_weight_decay is not None:
             check_nonneg("adamw_weight_decay", adamw_weight_decay)
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list) else ns_coefficients,
-                        eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, use_muon=True)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list) else ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            use_muon=True,
+        )
         super().__init__(params, defaults, **storage)
 
     def _attach(self) -> None:
@@ -151,8 +170,10 @@ class Muon(LowMemOptimizer):
         if not isinstance(use_muon, bool):
             raise TypeError(f"Invalid use_muon: expected a bool, got {type(use_muon).__name__}")
         if group.get("rank") is not None:
-            raise ValueError("Muon does not take GaLore groups (rank=...): it orthogonalizes whole matrices; leave "
-                             "rank out (its state is one momentum per matrix element, 1 byte at state_bits=8)")
+            raise ValueError(
+                "Muon does not take GaLore groups (rank=...): it orthogonalizes whole matrices; leave "
+                "rank out (its state is one momentum per matrix element, 1 byte at state_bits=8)"
+            )
         if not use_muon:
             check_adam_group(group)
             return
@@ -163,24 +184,33 @@ class Muon(LowMemOptimizer):
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"Invalid nesterov: expected a bool, got {type(group['nesterov']).__name__}")
         coefficients = group["ns_coefficients"]
-        if (not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in coefficients)):
-            raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (Coefficients must be a tuple of exactly 3 "
-                             "values)")
+        if (
+            not isinstance(coefficients, (tuple, list))
+            or len(coefficients) != 3
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in coefficients)
+        ):
+            raise ValueError(
+                f"Invalid ns_coefficients: {coefficients!r} (Coefficients must be a tuple of exactly 3 values)"
+            )
         check_nonneg("epsilon value", group["eps"])
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
-            raise ValueError(f"Invalid ns_steps: {steps!r} (an int in [0, 100): Number of steps must be less than "
-                             "100 for computational efficiency)")
+            raise ValueError(
+                f"Invalid ns_steps: {steps!r} (an int in [0, 100): Number of steps must be less than "
+                "100 for computational efficiency)"
+            )
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-            raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (None, "
-                             "'original' or 'match_rms_adamw')")
+            raise ValueError(
+                f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (None, "
+                "'original' or 'match_rms_adamw')"
+            )
         for p in group.get("params", ()):
             if p.dim() != 2:
                 raise ValueError(
                     f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} in a "
                     "Muon group (use_muon=True). Put embeddings, the output head, norms and biases in groups "
-                    "with use_muon=False (stepped as AdamW): lowmemopt.muon_param_groups(model) builds both")
+                    "with use_muon=False (stepped as AdamW): lowmemopt.muon_param_groups(model) builds both"
+                )
 
 
 def muon_param_groups(
@@ -204,8 +234,12 @@ def muon_param_groups(
 
     if isinstance(model, torch.nn.Module):
         named = list(model.named_parameters())
-        skip = {id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-                for p in m.parameters(recurse=False)}
+        skip = {
+            id(p)
+            for m in model.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            for p in m.parameters(recurse=False)
+        }
         head = getattr(model, "get_output_embeddings", None)
         head = head() if callable(head) else None
         if isinstance(head, torch.nn.Module):

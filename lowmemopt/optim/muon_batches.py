@@ -49,8 +49,8 @@ def plan_batches(work: Work, state: dict, grad_mult: torch.Tensor | None = None)
     for (_, shape, _, _, _, _), pairs in by_key.items():
         per_batch = max(1, BATCH_BYTES // max(1, 2 * shape[0] * shape[1]))  # (an empty matrix: one batch)
         for lo in range(0, len(pairs), per_batch):
-            batches.append(list(range(len(members), len(members) + len(pairs[lo:lo + per_batch]))))
-            members.extend(pairs[lo:lo + per_batch])
+            batches.append(list(range(len(members), len(members) + len(pairs[lo : lo + per_batch]))))
+            members.extend(pairs[lo : lo + per_batch])
     if not any(len(b) > 1 or is_dtensor(members[b[0]][0]) for b in batches):
         return work
     plan = MuonBatches(members, batches, state, grad_mult)
@@ -93,8 +93,9 @@ class MuonBatches:
         if st is None or "step" not in st:  # no momentum yet: zeros, as its first step makes them
             buf = torch.zeros_like(g)
         else:
-            buf = decode_whole(st, "momentum_buffer", Slot(signed=True), format_of(st, "momentum_buffer"), local,
-                               group["block_size"])
+            buf = decode_whole(
+                st, "momentum_buffer", Slot(signed=True), format_of(st, "momentum_buffer"), local, group["block_size"]
+            )
         return momentum_input(g, buf, group["momentum"], group["nesterov"], in_place=False)
 
 

@@ -57,8 +57,9 @@ def adjusted_lr(lr: Any, adjust_lr_fn: str | None, shape: Sequence[int]) -> Any:
     return lr * ratio
 
 
-def momentum_input(g: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool,
-                   in_place: bool = True) -> torch.Tensor:
+def momentum_input(
+    g: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool, in_place: bool = True
+) -> torch.Tensor:
     """``B <- lerp(B, g, 1 - mu)`` (in place unless ``in_place`` is False) and the matrix to orthogonalize:
     ``lerp(g, B, mu)`` (nesterov) or ``B``."""
     buf = buf.lerp_(g, 1 - momentum) if in_place else buf.lerp(g, 1 - momentum)

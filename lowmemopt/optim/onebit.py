@@ -27,8 +27,7 @@ if TYPE_CHECKING:  # (the storage keywords, for editors and type checkers: lowme
 
     from ..signature import StorageOptions
 
-__all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "OnebitOptimizer", "onebit_adam_math", "adam_denominator",
-           "group_step"]
+__all__ = ["OnebitAdam", "OnebitAdamAlgorithm", "OnebitOptimizer", "onebit_adam_math", "adam_denominator", "group_step"]
 
 
 def onebit_adam_math(
@@ -55,8 +54,9 @@ def onebit_adam_math(
     return torch.mul(m, -lr / bias_correction1).div_(adam_denominator(v, eps, eps_inside_sqrt, bias_correction2_sqrt))
 
 
-def adam_denominator(v: torch.Tensor, eps: float, eps_inside_sqrt: bool = False,
-                     bias_correction2_sqrt: float = 1.0) -> torch.Tensor:
+def adam_denominator(
+    v: torch.Tensor, eps: float, eps_inside_sqrt: bool = False, bias_correction2_sqrt: float = 1.0
+) -> torch.Tensor:
     """``sqrt(v) / sqrt(bc2) + eps``, or ``sqrt(v / bc2 + eps)`` with ``eps_inside_sqrt`` (a new tensor)."""
     if eps_inside_sqrt:
         return v.div(bias_correction2_sqrt * bias_correction2_sqrt).add_(eps).sqrt_()
@@ -73,7 +73,7 @@ class OnebitAdamAlgorithm(Algorithm):
         return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False)}
 
     def phase(self, group: dict[str, Any], step: int) -> str:
-        """"full" gradients in the warm-up (always in a ``non_freeze`` group), then "compressed"."""
+        """ "full" gradients in the warm-up (always in a ``non_freeze`` group), then "compressed"."""
         if group.get("non_freeze") or step <= group["freeze_step"]:
             return "full"
         return "compressed"
@@ -84,8 +84,9 @@ class OnebitAdamAlgorithm(Algorithm):
             return dict(compressed=compressed, bias_correction1=1.0, bias_correction2_sqrt=1.0)
         beta1, beta2 = group["betas"]
         frozen = step if group.get("non_freeze") else min(step, group["freeze_step"])
-        return dict(compressed=compressed, bias_correction1=1 - beta1**step,
-                    bias_correction2_sqrt=sqrt_of(1 - beta2**frozen))
+        return dict(
+            compressed=compressed, bias_correction1=1 - beta1**step, bias_correction2_sqrt=sqrt_of(1 - beta2**frozen)
+        )
 
     def decay_factor(self, group):
         return 1 - group["lr"] * group["weight_decay"]
@@ -101,16 +102,18 @@ class OnebitAdamAlgorithm(Algorithm):
 
     # -- the communicate stage's hooks (plain tensors, the plan's state dict and groups, the stage's counters) -------
 
-    def comm_phase(self, stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], index: int,
-                   group: dict[str, Any]) -> str:
+    def comm_phase(
+        self, stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], index: int, group: dict[str, Any]
+    ) -> str:
         """The phase of param group ``index``'s next step."""
         return self.phase(group, group_step(state, group) + 1)
 
     def comm_begin(self, stage: OnebitStage, plan: Any, index: int, group: dict[str, Any], phase: str) -> None:
         """Before param group ``index`` communicates this step (its phase known): nothing, for 1-bit Adam."""
 
-    def comm_after(self, stage: OnebitStage, plan: Any, index: int, group: dict[str, Any], phase: str,
-                   params: list[torch.Tensor]) -> None:
+    def comm_after(
+        self, stage: OnebitStage, plan: Any, index: int, group: dict[str, Any], phase: str, params: list[torch.Tensor]
+    ) -> None:
         """After the update of param group ``index`` (``params``: those that stepped): nothing, for 1-bit Adam."""
 
 
@@ -140,8 +143,14 @@ class OnebitOptimizer(LowMemOptimizer):
     supports_galore = False
     supports_paged = False
 
-    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any,
-                 settings: dict[str, Any] | None = None, **storage: Unpack[StorageOptions]) -> None:
+    def __init__(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        process_group: Any,
+        settings: dict[str, Any] | None = None,
+        **storage: Unpack[StorageOptions],
+    ) -> None:
         params = _listed(params)
         #: built on meta parameters only: a layout (``state_nbytes``, ``lowmemopt estimate``), with no process group
         #: needed and nothing communicated; :meth:`step` refuses
@@ -182,24 +191,32 @@ class OnebitOptimizer(LowMemOptimizer):
             raise ValueError(f"{type(self).__name__} does not support capturable=True")
         for p in group.get("params", ()):
             if is_dtensor(p):
-                raise ValueError(f"{type(self).__name__} does not support FSDP2 / DTensor parameters: it replicates "
-                                 "the model on every rank (data parallelism); shard with a plain optimizer instead")
+                raise ValueError(
+                    f"{type(self).__name__} does not support FSDP2 / DTensor parameters: it replicates "
+                    "the model on every rank (data parallelism); shard with a plain optimizer instead"
+                )
             if p.dtype != torch.float32:
-                raise ValueError(f"{type(self).__name__} needs fp32 parameters (got {p.dtype}): keep fp32 master "
-                                 "weights for mixed precision")
+                raise ValueError(
+                    f"{type(self).__name__} needs fp32 parameters (got {p.dtype}): keep fp32 master "
+                    "weights for mixed precision"
+                )
         mask = group.get("exp_avg_mask")
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
-                raise TypeError(f"exp_avg_mask must be a floating-point tensor, got {type(mask).__name__}"
-                                + (f" of {mask.dtype}" if isinstance(mask, torch.Tensor) else ""))
+                raise TypeError(
+                    f"exp_avg_mask must be a floating-point tensor, got {type(mask).__name__}"
+                    + (f" of {mask.dtype}" if isinstance(mask, torch.Tensor) else "")
+                )
             for p in group.get("params", ()):
                 try:
                     fits = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
                 except RuntimeError:
                     fits = False
                 if not fits:
-                    raise ValueError(f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to the group's "
-                                     f"parameter of shape {tuple(p.shape)} (one mask per param group)")
+                    raise ValueError(
+                        f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to the group's "
+                        f"parameter of shape {tuple(p.shape)} (one mask per param group)"
+                    )
 
     def next_phase(self) -> str:
         """The next step's phase of the first param group: what the DDP comm hook follows."""
@@ -214,17 +231,21 @@ class OnebitOptimizer(LowMemOptimizer):
     def step(self, closure: Any = None) -> Any:
         """One step inside :func:`lowmemopt.pipeline.communicating` (gradients replaced, then given back)."""
         if self._stage is None:
-            raise RuntimeError(f"{type(self).__name__} was built on meta parameters (a layout for state_nbytes / "
-                               "lowmemopt estimate) and cannot step; build it on the model's parameters with "
-                               "torch.distributed initialized")
+            raise RuntimeError(
+                f"{type(self).__name__} was built on meta parameters (a layout for state_nbytes / "
+                "lowmemopt estimate) and cannot step; build it on the model's parameters with "
+                "torch.distributed initialized"
+            )
         return super().step(closure)
 
     #: ``lowmemopt.step_in_backward`` refuses these optimizers
     per_layer_updates = False
 
     def _step_some(self, work, flags=None):
-        raise ValueError(f"{type(self).__name__} does not support per-layer updates (step_in_backward): its "
-                         "communication moves the whole model's momentum in one bucketed call per step")
+        raise ValueError(
+            f"{type(self).__name__} does not support per-layer updates (step_in_backward): its "
+            "communication moves the whole model's momentum in one bucketed call per step"
+        )
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
 
@@ -252,9 +273,14 @@ class OnebitOptimizer(LowMemOptimizer):
         """Restore :meth:`file_extra`'s part of a state file (``lowmemopt.load_state``)."""
         saved = None
         if info is not None:
-            groups = {key: dict(entry, worker_error=tensors[f"__onebit__/{key}/worker_error"],
-                                server_error=tensors[f"__onebit__/{key}/server_error"])
-                      for key, entry in info.get("groups", {}).items()}
+            groups = {
+                key: dict(
+                    entry,
+                    worker_error=tensors[f"__onebit__/{key}/worker_error"],
+                    server_error=tensors[f"__onebit__/{key}/server_error"],
+                )
+                for key, entry in info.get("groups", {}).items()
+            }
             saved = dict(world=info.get("world"), rank=info.get("rank"), groups=groups, extra=info.get("extra", {}))
         self._restore(saved)
 
@@ -263,8 +289,11 @@ class OnebitOptimizer(LowMemOptimizer):
         device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
         why = self._stage.load_errors(saved, device)
         if why is not None:
-            warnings.warn(f"{type(self).__name__}: the compression error buffers restart from zero: {why}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{type(self).__name__}: the compression error buffers restart from zero: {why}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"onebit"``: this rank's error buffers (save one file per rank) and the counters."""
@@ -315,8 +344,15 @@ class OnebitAdam(OnebitOptimizer):
         **storage: Unpack[StorageOptions],
     ) -> None:
         check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
-        defaults = dict(lr=lr, freeze_step=freeze_step, bias_correction=bias_correction, betas=betas, eps=eps,
-                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr,
+            freeze_step=freeze_step,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+        )
         super().__init__(params, defaults, process_group, **storage)
 
     def _check_group(self, group):
@@ -353,8 +389,10 @@ def check_unsupported(name: str, amsgrad: bool, max_grad_norm: float) -> None:
     if amsgrad:
         raise ValueError(f"{name} does not support amsgrad=True (the variance is frozen after the warm-up)")
     if max_grad_norm:
-        raise ValueError(f"{name}: max_grad_norm={max_grad_norm!r} is not supported (DeepSpeed accepted and "
-                         "ignored it); clip the gradients before step(), e.g. torch.nn.utils.clip_grad_norm_")
+        raise ValueError(
+            f"{name}: max_grad_norm={max_grad_norm!r} is not supported (DeepSpeed accepted and "
+            "ignored it); clip the gradients before step(), e.g. torch.nn.utils.clip_grad_norm_"
+        )
 
 
 def check_step_count(name: str, value: Any, least: int = 1) -> None:

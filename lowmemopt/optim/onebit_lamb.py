@@ -63,8 +63,9 @@ def onebit_lamb_math(
             update.add_(p, alpha=weight_decay)
         weight_norm, update_norm = reduce.norm(p), reduce.norm(update)
         usable = (weight_norm > 0) & (update_norm > 0)
-        coeff = torch.where(usable, (weight_norm / torch.where(usable, update_norm, 1.0)).clamp(min_coeff, max_coeff),
-                            1.0)
+        coeff = torch.where(
+            usable, (weight_norm / torch.where(usable, update_norm, 1.0)).clamp(min_coeff, max_coeff), 1.0
+        )
         frozen.copy_(torch.where(coeff != 1.0, frozen * coeff_beta + coeff * (1 - coeff_beta), frozen))
         return update.mul_(coeff * -lr)
     scaling = state["scaling_coeff"]
@@ -96,14 +97,29 @@ class OnebitLAMBAlgorithm(OnebitAdamAlgorithm):
 
     elementwise = False
     math = staticmethod(onebit_lamb_math)
-    hyper = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
-             "factor_threshold")
+    hyper = (
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "max_coeff",
+        "min_coeff",
+        "coeff_beta",
+        "factor_max",
+        "factor_min",
+        "factor_threshold",
+    )
 
     def slots(self, group, param):
         scalar = Slot(signed=True, quantize=False, shape=())
-        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False),
-                "exp_avg_sq_fresh": Slot(signed=False), "lamb_coeff_freeze": scalar, "last_factor": scalar,
-                "scaling_coeff": scalar}
+        return {
+            "exp_avg": Slot(signed=True),
+            "exp_avg_sq": Slot(signed=False),
+            "exp_avg_sq_fresh": Slot(signed=False),
+            "lamb_coeff_freeze": scalar,
+            "last_factor": scalar,
+            "scaling_coeff": scalar,
+        }
 
     def step_scalars(self, group, step):
         compressed = self.phase(group, step) == "compressed"
@@ -111,10 +127,14 @@ class OnebitLAMBAlgorithm(OnebitAdamAlgorithm):
         if not group["bias_correction"]:
             return dict(out, bias_correction1=1.0, bias_correction2_sqrt=1.0, fresh_correction_sqrt=1.0)
         beta1, beta2 = group["betas"]
-        return dict(out, bias_correction1=1 - beta1**step,
-                    bias_correction2_sqrt=math.sqrt(1 - beta2 ** (step if group.get("non_freeze")
-                                                                  else min(step, group["freeze_step"]))),
-                    fresh_correction_sqrt=math.sqrt(1 - beta2**step))
+        return dict(
+            out,
+            bias_correction1=1 - beta1**step,
+            bias_correction2_sqrt=math.sqrt(
+                1 - beta2 ** (step if group.get("non_freeze") else min(step, group["freeze_step"]))
+            ),
+            fresh_correction_sqrt=math.sqrt(1 - beta2**step),
+        )
 
     def decay_factor(self, group):
         return 1.0
@@ -179,9 +199,20 @@ class OnebitLAMB(OnebitOptimizer):
         check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
         if eps_inside_sqrt:
             raise ValueError("OnebitLAMB does not support eps_inside_sqrt=True (DeepSpeed accepted and ignored it)")
-        defaults = dict(lr=lr, freeze_step=freeze_step, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
-                        factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
+        defaults = dict(
+            lr=lr,
+            freeze_step=freeze_step,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
+        )
         super().__init__(params, defaults, process_group, **storage)
 
     def _check_group(self, group):

@@ -32,8 +32,13 @@ __all__ = ["SGD", "FusedSGD", "sgd_math"]
 
 def native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...], int]:
     """``lmo_sgd``'s scalars and flags from the math's keyword arguments, in the math's own expressions."""
-    flags = (int(bool(kw["maximize"])) | int(bool(kw["nesterov"])) << 1 | int(bool(kw["first_step"])) << 2
-             | int(kw["momentum"] != 0) << 3 | int(bool(kw.get("wd_after_momentum", False))) << 4)
+    flags = (
+        int(bool(kw["maximize"]))
+        | int(bool(kw["nesterov"])) << 1
+        | int(bool(kw["first_step"])) << 2
+        | int(kw["momentum"] != 0) << 3
+        | int(bool(kw.get("wd_after_momentum", False))) << 4
+    )
     return (kw["weight_decay"], kw["momentum"], 1 - kw["dampening"], -kw["lr"], decay), flags
 
 
@@ -43,8 +48,9 @@ def native_slots(kw: dict[str, Any]) -> tuple[str, ...]:
 
 
 #: SGD's fused kernels: Triton (``kernels/sgd.py``) and C (``lmo_sgd``, ``csrc/elementwise.c``)
-KERNELS = KernelSet("sgd", triton="sgd:TRITON", capturable=True,
-                    native=NativeKernel("lmo_sgd", native_scalars, native_slots))
+KERNELS = KernelSet(
+    "sgd", triton="sgd:TRITON", capturable=True, native=NativeKernel("lmo_sgd", native_scalars, native_slots)
+)
 
 
 @fused(KERNELS)
@@ -114,7 +120,12 @@ class SGD(LowMemOptimizer):
         **storage: Unpack[StorageOptions],
     ) -> None:
         defaults = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
         )
         super().__init__(params, defaults, **storage)
 
@@ -166,17 +177,28 @@ class FusedSGD(GradNoneOnZero, SGD):
     ) -> None:
         if lr is required:
             raise TypeError("FusedSGD: lr is required (as in Apex)")
-        for name, value in (("wd_after_momentum", wd_after_momentum), ("set_grad_none", set_grad_none),
-                            ("materialize_master_grads", materialize_master_grads)):
+        for name, value in (
+            ("wd_after_momentum", wd_after_momentum),
+            ("set_grad_none", set_grad_none),
+            ("materialize_master_grads", materialize_master_grads),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"Invalid {name}: expected a bool, got {type(value).__name__}")
         self.set_grad_none = set_grad_none
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                        maximize=maximize, wd_after_momentum=wd_after_momentum)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            wd_after_momentum=wd_after_momentum,
+        )
         LowMemOptimizer.__init__(self, params, defaults, **storage)
 
     def _check_group(self, group):
         if not isinstance(group["wd_after_momentum"], bool):
-            raise TypeError(f"Invalid wd_after_momentum: expected a bool, got "
-                            f"{type(group['wd_after_momentum']).__name__}")
+            raise TypeError(
+                f"Invalid wd_after_momentum: expected a bool, got {type(group['wd_after_momentum']).__name__}"
+            )
         super()._check_group(group)

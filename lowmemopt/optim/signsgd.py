@@ -25,8 +25,13 @@ def _native_scalars(kw: dict[str, Any], decay: float) -> tuple[tuple[float, ...]
 
 
 #: SignSGD's fused kernels: SGD's Triton kernel with its sign flag, ``lmo_sgd`` with its sign flag
-KERNELS = KernelSet("signsgd", triton="sgd:TRITON", triton_options=(("sign", True),), capturable=True,
-                    native=NativeKernel("lmo_sgd", _native_scalars, native_slots))
+KERNELS = KernelSet(
+    "signsgd",
+    triton="sgd:TRITON",
+    triton_options=(("sign", True),),
+    capturable=True,
+    native=NativeKernel("lmo_sgd", _native_scalars, native_slots),
+)
 
 
 @fused(KERNELS)
@@ -44,8 +49,18 @@ def signsgd_math(
     first_step: bool,
 ) -> tuple[torch.Tensor, float]:
     """fp32 SignSGD: SGD's direction ``d`` (updating ``momentum_buffer``); returns ``(sign(d), -lr)``."""
-    d, neg_lr = sgd_math(p, g, state, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                         nesterov=nesterov, maximize=maximize, first_step=first_step)
+    d, neg_lr = sgd_math(
+        p,
+        g,
+        state,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+        first_step=first_step,
+    )
     return torch.sign(d), neg_lr
 
 

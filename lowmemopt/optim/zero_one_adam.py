@@ -63,16 +63,22 @@ class ZeroOneAdamAlgorithm(OnebitAdamAlgorithm):
     hyper = ("lr", "betas", "eps", "eps_inside_sqrt", "weight_decay")
 
     def slots(self, group, param):
-        return {"exp_avg": Slot(signed=True), "exp_avg_sq": Slot(signed=False),
-                "momentum_accumulator": Slot(signed=True, quantize=False)}
+        return {
+            "exp_avg": Slot(signed=True),
+            "exp_avg_sq": Slot(signed=False),
+            "momentum_accumulator": Slot(signed=True, quantize=False),
+        }
 
     def step_scalars(self, group, step):
         sched = group["onebit"]
         if not group["bias_correction"]:
             return dict(phase=sched["phase"], bias_correction1=1.0, bias_correction2_sqrt=1.0)
         beta1, beta2 = group["betas"]
-        return dict(phase=sched["phase"], bias_correction1=1 - beta1**step,
-                    bias_correction2_sqrt=math.sqrt(1 - beta2 ** max(sched["var_updates"], 1)))
+        return dict(
+            phase=sched["phase"],
+            bias_correction1=1 - beta1**step,
+            bias_correction2_sqrt=math.sqrt(1 - beta2 ** max(sched["var_updates"], 1)),
+        )
 
     def decay_factor(self, group):
         return 1.0  # (the decay is a term of the update, which the accumulator sums)
@@ -128,8 +134,14 @@ class ZeroOneAdamAlgorithm(OnebitAdamAlgorithm):
             sched["local_interval"] = min(settings["local_step_clipper"], sched["local_interval"] * 2)
 
 
-def synchronise(stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], index: int, group: dict[str, Any],
-                params: list[torch.Tensor], sched: dict[str, Any]) -> None:
+def synchronise(
+    stage: OnebitStage,
+    state: dict[torch.Tensor, dict[str, Any]],
+    index: int,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    sched: dict[str, Any],
+) -> None:
     """Average the ranks' accumulated updates (compressed), move every replica to that point, reset ``m``."""
     bs = group["block_size"]
     eps, inside = group["eps"], group["eps_inside_sqrt"]
@@ -143,8 +155,9 @@ def synchronise(stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], i
         denoms.append(adam_denominator(v, eps, inside, bc2s))
         accs.append(st["momentum_accumulator"].view(-1))
     messages = [u * d for u, d in zip(accs, denoms)]
-    means = stage.communicate(index, "compressed", messages, lambda i: messages[i],
-                              [align_of(group, p) for p in params])
+    means = stage.communicate(
+        index, "compressed", messages, lambda i: messages[i], [align_of(group, p) for p in params]
+    )
     apply_mask(group, params, means)
     lrs = sched["lrs"]
     for p, u, d, w in zip(params, accs, denoms, means):
@@ -160,8 +173,9 @@ def synchronise(stage: OnebitStage, state: dict[torch.Tensor, dict[str, Any]], i
 
 def new_schedule() -> dict[str, Any]:
     """A param group's 0/1 Adam counters before its first step."""
-    return dict(step=0, var_interval=1, var_counter=0, var_updates=0, local_interval=1, local_counter=0, lrs=0.0,
-                local=False)
+    return dict(
+        step=0, var_interval=1, var_counter=0, var_updates=0, local_interval=1, local_counter=0, lrs=0.0, local=False
+    )
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -198,16 +212,29 @@ class ZeroOneAdam(OnebitOptimizer):
         **storage: Unpack[StorageOptions],
     ) -> None:
         check_unsupported(type(self).__name__, amsgrad, max_grad_norm)
-        for name, value, least in [("var_freeze_step", var_freeze_step, 1), ("var_update_scaler", var_update_scaler, 1),
-                                   ("local_step_scaler", local_step_scaler, 1),
-                                   ("local_step_clipper", local_step_clipper, 1)]:
+        for name, value, least in [
+            ("var_freeze_step", var_freeze_step, 1),
+            ("var_update_scaler", var_update_scaler, 1),
+            ("local_step_scaler", local_step_scaler, 1),
+            ("local_step_clipper", local_step_clipper, 1),
+        ]:
             check_step_count(name, value, least)
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, eps_inside_sqrt=eps_inside_sqrt,
-                        weight_decay=weight_decay)
-        settings = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
-                        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+        )
+        settings = dict(
+            var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+        )
         super().__init__(params, defaults, process_group, settings, **storage)
 
     def _load_extra_state(self, extra):

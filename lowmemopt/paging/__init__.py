@@ -102,8 +102,12 @@ def moving_bytes(optimizer: StateOwner) -> int:
     pager = _existing(optimizer)
     if pager is None:
         return 0
-    return sum(t.numel() * t.element_size() for e in pager.entries.values() if not e.resident
-               for t in e.home_tensors().values())
+    return sum(
+        t.numel() * t.element_size()
+        for e in pager.entries.values()
+        if not e.resident
+        for t in e.home_tensors().values()
+    )
 
 
 def where_state_lives(optimizer: StateOwner, p: torch.Tensor) -> str:

@@ -47,9 +47,13 @@ def _cpus() -> set[int]:
 class CpuShare:
     """Whether other processes are busy on this process's CPUs (over :data:`BUSY_CORES` cores' time)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 busy: Callable[[set[int]], float | None] = _busy_seconds, own: Callable[[], float] = _own_seconds,
-                 cpus: Callable[[], set[int]] = _cpus) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        busy: Callable[[set[int]], float | None] = _busy_seconds,
+        own: Callable[[], float] = _own_seconds,
+        cpus: Callable[[], set[int]] = _cpus,
+    ) -> None:
         self._clock, self._busy, self._own, self._cpus = clock, busy, own, cpus
         self._last: tuple[float, float, float] | None = None  # (clock, busy, own) at the last sample
         self.others = 0.0  # cores' time other processes used over the last window

@@ -152,9 +152,10 @@ def _own_storage(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, t.data_ptr() - t.untyped_storage().data_ptr()
 
 
-def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]],
-             locate: Callable[[torch.Tensor], tuple[torch.Tensor, int]] = _own_storage,
-             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def coalesce(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    locate: Callable[[torch.Tensor], tuple[torch.Tensor, int]] = _own_storage,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(dst, src)`` copies merged where neighbours continue both runs (across padding only)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     run: list[Any] | None = None  # [dst holder, src holder, dst byte offset, src byte offset, bytes]
@@ -166,9 +167,13 @@ def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]],
             out.append((dst, src))
             continue
         (dh, d), (sh, s) = locate(dst), locate(src)
-        if (run is not None and run[0].untyped_storage().data_ptr() == dh.untyped_storage().data_ptr()
-                and run[1].untyped_storage().data_ptr() == sh.untyped_storage().data_ptr()
-                and d - run[2] == s - run[3] and 0 <= d - (run[2] + run[4]) < ALIGN):
+        if (
+            run is not None
+            and run[0].untyped_storage().data_ptr() == dh.untyped_storage().data_ptr()
+            and run[1].untyped_storage().data_ptr() == sh.untyped_storage().data_ptr()
+            and d - run[2] == s - run[3]
+            and 0 <= d - (run[2] + run[4]) < ALIGN
+        ):
             run[4] = d - run[2] + n
             continue
         if run is not None:
@@ -186,8 +191,14 @@ def _views(buffer: torch.Tensor, like: list[torch.Tensor], offsets: list[int]) -
 class Mover:
     """The buffers, lanes and schedule of one device: prefetch, advance, load, store (or discard)."""
 
-    def __init__(self, homes: Homes, device: torch.device, lanes: HostLanes | None = None,
-                 n_slots: int | None = None, n_staging: int = N_STAGING) -> None:
+    def __init__(
+        self,
+        homes: Homes,
+        device: torch.device,
+        lanes: HostLanes | None = None,
+        n_slots: int | None = None,
+        n_staging: int = N_STAGING,
+    ) -> None:
         self.homes, self.device = homes, device
         self.lanes = lanes if lanes is not None else _lanes_for(device)
         if n_slots is None:
@@ -326,8 +337,9 @@ class Mover:
 
     # -- internals ---------------------------------------------------------------------------------------------------
 
-    def _buffer(self, ring: list[torch.Tensor | None], index: int, nbytes: int,
-                make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    def _buffer(
+        self, ring: list[torch.Tensor | None], index: int, nbytes: int, make: Callable[[int], torch.Tensor]
+    ) -> torch.Tensor:
         buffer = ring[index]
         if buffer is None or buffer.numel() < nbytes:
             if buffer is not None:
@@ -363,8 +375,9 @@ class Mover:
             self.lanes.copy(stream, dst, src)
         for dst, src in pairs:
             for t in (dst, src):  # device tensors made elsewhere (the first step's state): kept until copied
-                if t.device.type != "cpu" and (slot is None or t.untyped_storage().data_ptr()
-                                               != slot.untyped_storage().data_ptr()):
+                if t.device.type != "cpu" and (
+                    slot is None or t.untyped_storage().data_ptr() != slot.untyped_storage().data_ptr()
+                ):
                     self.lanes.use(t, stream)
         self._done[(op.kind, op.seq)] = self.lanes.record(stream)
 

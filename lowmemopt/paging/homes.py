@@ -18,8 +18,19 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Homes", "CopyFiles", "transfer", "transfer_all", "drop_pages", "will_need", "layout_offsets",
-           "layout_bytes", "ALIGN", "COPY_CHUNK_BYTES", "IO_CHUNK_BYTES"]
+__all__ = [
+    "Homes",
+    "CopyFiles",
+    "transfer",
+    "transfer_all",
+    "drop_pages",
+    "will_need",
+    "layout_offsets",
+    "layout_bytes",
+    "ALIGN",
+    "COPY_CHUNK_BYTES",
+    "IO_CHUNK_BYTES",
+]
 
 COPY_CHUNK_BYTES = 2 << 20  # copies through a mapping (no pread/pwrite) go this far at a time, dropping pages behind
 IO_CHUNK_BYTES = 1 << 30  # one pread / pwrite call at most (Linux caps a single call near 2 GiB)
@@ -40,6 +51,8 @@ def layout_offsets(sizes: list[int]) -> tuple[list[int], int]:
 def layout_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes that ``tensors`` take laid out in one buffer (:func:`layout_offsets`)."""
     return layout_offsets([t.numel() * t.element_size() for t in tensors])[1]
+
+
 _MADV_WILLNEED, _MADV_DONTNEED = 3, 4
 
 
@@ -59,7 +72,6 @@ _madvise = _load_madvise()
 
 
 class _Owned(NamedTuple):
-
     path: str | None  # its file (disk tier)
     pinned: int  # address registered with cudaHostRegister (0: none)
     mapped_bytes: int  # bytes of its file mapping (disk tier), 0 otherwise
@@ -316,8 +328,11 @@ def transfer(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
 CopyFiles = Callable[[list[tuple[str, torch.Tensor, bool]]], "list[OSError | None] | None"]
 
 
-def transfer_all(homes: Homes, pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_files: CopyFiles | None = None,
-                 ) -> list[BaseException | None]:
+def transfer_all(
+    homes: Homes,
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    copy_files: CopyFiles | None = None,
+) -> list[BaseException | None]:
     """:func:`transfer` of each ``(dst, src)``; per pair None or its error. ``copy_files``: whole file homes at once."""
     errors: list[BaseException | None] = [None] * len(pairs)
     todo = list(range(len(pairs)))
@@ -329,8 +344,11 @@ def transfer_all(homes: Homes, pairs: list[tuple[torch.Tensor, torch.Tensor]], c
             if (dst_path is None) == (src_path is None) or not other.is_contiguous() or other.device.type != "cpu":
                 continue
             path, home = (dst_path, dst) if dst_path is not None else (src_path, src)
-            if home.data_ptr() != home.untyped_storage().data_ptr() or home.shape != other.shape \
-                    or home.dtype != other.dtype:
+            if (
+                home.data_ptr() != home.untyped_storage().data_ptr()
+                or home.shape != other.shape
+                or home.dtype != other.dtype
+            ):
                 continue  # (transfer() says what is wrong)
             files.append((path, other, dst_path is not None))
             at.append(k)
@@ -377,5 +395,6 @@ def _copy_mapped(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
         for mapping, t in ((dst_map, d), (src_map, s)):
             if mapping is not None:
                 off = t.data_ptr() - mapping[0]
-                _advise(mapping[0], mapping[1], off + lo * t.element_size(), off + hi * t.element_size(),
-                        _MADV_DONTNEED)
+                _advise(
+                    mapping[0], mapping[1], off + lo * t.element_size(), off + hi * t.element_size(), _MADV_DONTNEED
+                )

@@ -24,8 +24,11 @@ class NextPass:
         self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
         self._last: tuple[int, ...] | None = None  # the last pass's last bucket
 
-    def adopt(self, first: list[torch.Tensor], discard: Callable[[list[torch.Tensor], Bucket], None],
-              ) -> dict[int, Bucket]:
+    def adopt(
+        self,
+        first: list[torch.Tensor],
+        discard: Callable[[list[torch.Tensor], Bucket], None],
+    ) -> dict[int, Bucket]:
         """A pass starts with bucket ``first``: ``{0: bucket}`` if it was prefetched, else ``{}``."""
         if self._last is not None and first:
             if len(self._follows) > MAX_FOLLOWS:

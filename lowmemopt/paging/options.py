@@ -28,12 +28,14 @@ def check_paging(group: dict[str, Any], writable: bool = True) -> None:
     tier_of(group)  # (ValueError for a bad paged)
     budget = group.get("page_budget_bytes", "auto")
     if not (isinstance(budget, str) and budget == "auto") and (
-            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
+    ):
         raise ValueError(f"Invalid page_budget_bytes: {budget!r} (must be an int >= 0, or 'auto')")
     headroom = group.get("page_headroom_bytes")
     if headroom is not None and (isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0):
-        raise ValueError(f"Invalid page_headroom_bytes: {headroom!r} (must be an int >= 0, or None: 10% of the "
-                         "device's memory)")
+        raise ValueError(
+            f"Invalid page_headroom_bytes: {headroom!r} (must be an int >= 0, or None: 10% of the device's memory)"
+        )
     offload_dir = group.get("offload_dir")
     if offload_dir is not None:
         if not isinstance(offload_dir, (str, os.PathLike)):

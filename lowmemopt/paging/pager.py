@@ -17,8 +17,20 @@ from .entry import Entry
 from .homes import CopyFiles, Homes, drop_pages, transfer
 from .next_pass import NextPass
 from .options import check_paging, tier_of
-from .placement import (FirstState, brought_back, buckets_of, check_plain, choose_resident, fill_homes,
-                        initial_layout, largest_buckets, make_homes, nbytes_of, on_device, tensors_of)
+from .placement import (
+    FirstState,
+    brought_back,
+    buckets_of,
+    check_plain,
+    choose_resident,
+    fill_homes,
+    initial_layout,
+    largest_buckets,
+    make_homes,
+    nbytes_of,
+    on_device,
+    tensors_of,
+)
 from ..work.record import param_place
 from .residency import AUTO, AutoRoom, PagingReport, build_report, evictions, probe
 
@@ -102,8 +114,11 @@ class Pager:
                 continue
             moves = True
             current = opt.state.get(p)
-            if entry is not None and entry.tier == tier and (
-                    current is entry.state or (entry.state is None and not current)):
+            if (
+                entry is not None
+                and entry.tier == tier
+                and (current is entry.state or (entry.state is None and not current))
+            ):
                 continue
             # new, its group's tier changed, or the state was replaced by a route that bypassed the load hooks: home it
             fresh.append((p, group, tier, current if current else None))
@@ -240,8 +255,11 @@ class Pager:
         for p in params:
             entry, working = self.entries[p], opt.state[p]
             tensors, homes = tensors_of(working), entry.home_tensors()
-            changed = {k: t for k, t in tensors.items() if k not in homes or homes[k].shape != t.shape
-                       or homes[k].dtype != t.dtype}
+            changed = {
+                k: t
+                for k, t in tensors.items()
+                if k not in homes or homes[k].shape != t.shape or homes[k].dtype != t.dtype
+            }
             made: dict[str, torch.Tensor] = {}
             try:
                 for k, t in changed.items():  # tensors new or re-shaped since the last write-back (rare)
@@ -270,8 +288,9 @@ class Pager:
             if working is entry.working:
                 working.clear()  # (its tensors go: the first step's state, made on the device, is freed)
         if error is not None:
-            _reraise(error[0], f"{self._where(error[1])} was updated; its state stays on {error[1].device}, "
-                               "no longer paged")
+            _reraise(
+                error[0], f"{self._where(error[1])} was updated; its state stays on {error[1].device}, no longer paged"
+            )
 
     def check_writes(self) -> None:
         """Raise the first failed write-back, after keeping each such param's state on its device (resident)."""
@@ -286,8 +305,9 @@ class Pager:
                 self._make_resident(p, entry, state)
                 error = error or (e, p)
         if error is not None:
-            _reraise(error[0], f"{self._where(error[1])} was updated; its state stays on {error[1].device}, "
-                               "no longer paged")
+            _reraise(
+                error[0], f"{self._where(error[1])} was updated; its state stays on {error[1].device}, no longer paged"
+            )
 
     def _abort(self, p: torch.Tensor) -> None:
         entry, opt = self.entries[p], self._opt()
@@ -319,8 +339,12 @@ class Pager:
 
     # -- placement and residency -------------------------------------------------------------------------------------
 
-    def _place(self, items: list[tuple[torch.Tensor, dict[str, Any], str, dict[str, Any] | None]],
-               first_state: FirstState | None = None, resident_ok: bool = True) -> dict[torch.Tensor, Entry]:
+    def _place(
+        self,
+        items: list[tuple[torch.Tensor, dict[str, Any], str, dict[str, Any] | None]],
+        first_state: FirstState | None = None,
+        resident_ok: bool = True,
+    ) -> dict[torch.Tensor, Entry]:
         """New entries for ``items``: residency by the budget, homes allocated and filled. All or nothing."""
         opt = self._opt()
         index = {id(g): gi for gi, g in enumerate(opt.param_groups)}
@@ -362,10 +386,17 @@ class Pager:
             if need <= 0:
                 continue
             opt = self._opt()
-            groups = {id(q): g for g in opt.param_groups for q in g["params"]
-                      if g.get("page_budget_bytes", AUTO) == AUTO and tier_of(g) is not None}
-            held = {p: nbytes_of(tensors_of(opt.state[p])) for p, e in self.entries.items()
-                    if e.resident and e.device == device and id(p) in groups and opt.state.get(p)}
+            groups = {
+                id(q): g
+                for g in opt.param_groups
+                for q in g["params"]
+                if g.get("page_budget_bytes", AUTO) == AUTO and tier_of(g) is not None
+            }
+            held = {
+                p: nbytes_of(tensors_of(opt.state[p]))
+                for p, e in self.entries.items()
+                if e.resident and e.device == device and id(p) in groups and opt.state.get(p)
+            }
             for p in evictions(list(held.items()), need):
                 self._evict(p, groups[id(p)])  # (first: one that fails, a full disk, is tried again next step)
                 self.rooms[device].evicted(held[p])
@@ -518,8 +549,16 @@ class Pager:
                 path = self.homes.path(t)
                 if keep_files and path is not None:
                     step = (entry.state or {}).get("step")
-                    manifest.append(dict(file=path, param=entry.label, key=key, step=step,
-                                         dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape)))
+                    manifest.append(
+                        dict(
+                            file=path,
+                            param=entry.label,
+                            key=key,
+                            step=step,
+                            dtype=str(t.dtype).replace("torch.", ""),
+                            shape=list(t.shape),
+                        )
+                    )
             if opt is not None and not entry.resident:
                 opt.state.pop(p, None)
         self.entries.clear()

@@ -13,8 +13,20 @@ from .homes import Homes, drop_pages, layout_bytes, transfer
 from .residency import AUTO, AutoRoom, headroom, probe, smallest_first
 from .schedule import N_SLOTS, N_SLOTS_HOST
 
-__all__ = ["FirstState", "initial_layout", "choose_resident", "make_homes", "fill_homes", "tensors_of", "nbytes_of",
-           "on_device", "brought_back", "check_plain", "buckets_of", "largest_buckets"]
+__all__ = [
+    "FirstState",
+    "initial_layout",
+    "choose_resident",
+    "make_homes",
+    "fill_homes",
+    "tensors_of",
+    "nbytes_of",
+    "on_device",
+    "brought_back",
+    "check_plain",
+    "buckets_of",
+    "largest_buckets",
+]
 
 #: ``first_state(p, group)``: the state ``p``'s first step makes, in ``state[p]`` (on a meta twin: shapes only)
 FirstState = Callable[[torch.Tensor, dict[str, Any]], dict[str, Any]]
@@ -30,8 +42,9 @@ def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def initial_layout(state: Any, p: torch.Tensor, group: dict[str, Any],
-                   first_state: FirstState | None) -> dict[str, torch.Tensor] | None:
+def initial_layout(
+    state: Any, p: torch.Tensor, group: dict[str, Any], first_state: FirstState | None
+) -> dict[str, torch.Tensor] | None:
     """The tensors ``p``'s first step will make, as meta tensors (None if that fails)."""
     twin = torch.empty_like(p, device="meta")
     try:
@@ -44,9 +57,13 @@ def initial_layout(state: Any, p: torch.Tensor, group: dict[str, Any],
         state.pop(twin, None)
 
 
-def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, torch.Tensor] | None],
-                    entries: dict[torch.Tensor, Entry], rooms: dict[torch.device, AutoRoom],
-                    bucket_bytes: int) -> set[torch.Tensor]:
+def choose_resident(
+    items: list[Item],
+    layouts: dict[torch.Tensor, dict[str, torch.Tensor] | None],
+    entries: dict[torch.Tensor, Entry],
+    rooms: dict[torch.device, AutoRoom],
+    bucket_bytes: int,
+) -> set[torch.Tensor]:
     """Parameters of ``items`` whose state stays resident (an int budget, or ``"auto"``)."""
     resident: set[torch.Tensor] = set()
     sized = {p: (nbytes_of(layouts[p]) if layouts[p] is not None else None) for p, _, _, _ in items}
@@ -76,8 +93,11 @@ def choose_resident(items: list[Item], layouts: dict[torch.Tensor, dict[str, tor
     return resident
 
 
-def make_homes(homes: Homes, made: list[tuple[Entry, dict[str, torch.Tensor]]],
-               alloc: Callable[[Entry, str, torch.Tensor], torch.Tensor]) -> None:
+def make_homes(
+    homes: Homes,
+    made: list[tuple[Entry, dict[str, torch.Tensor]]],
+    alloc: Callable[[Entry, str, torch.Tensor], torch.Tensor],
+) -> None:
     """Homes for each (entry, layout) of ``made``: files one by one, host RAM of a device in one arena."""
     arenas: dict[tuple[torch.device, bool], list[tuple[Entry, str, torch.Tensor]]] = {}
     for entry, layout in made:
@@ -140,6 +160,7 @@ Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
 def buckets_of(todo: Work, entries: dict[torch.Tensor, Entry], bucket_bytes: int, host_bytes: int) -> list[Work]:
     """Consecutive batches of ``todo`` (:meth:`~.pager.Pager.batches`' rule; ``host_bytes``: the CPU's cap)."""
+
     def moves(p: torch.Tensor) -> bool:
         return p in entries and not entries[p].resident
 

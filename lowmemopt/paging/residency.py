@@ -11,8 +11,18 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["AUTO", "HEADROOM_FRACTION", "DeviceMemory", "probe", "AutoRoom", "smallest_first", "DeviceResidency",
-           "PagingReport", "build_report", "evictions"]
+__all__ = [
+    "AUTO",
+    "HEADROOM_FRACTION",
+    "DeviceMemory",
+    "probe",
+    "AutoRoom",
+    "smallest_first",
+    "DeviceResidency",
+    "PagingReport",
+    "build_report",
+    "evictions",
+]
 
 AUTO = "auto"
 #: the default headroom of ``"auto"``: this fraction of the device's memory stays free at the peak of a step
@@ -49,8 +59,13 @@ def probe(device: torch.device) -> DeviceMemory | None:
     if device.type not in MEASURED:
         return None
     free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(int(free), int(total), torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device),
-                        torch.cuda.max_memory_allocated(device))
+    return DeviceMemory(
+        int(free),
+        int(total),
+        torch.cuda.memory_reserved(device),
+        torch.cuda.memory_allocated(device),
+        torch.cuda.max_memory_allocated(device),
+    )
 
 
 def headroom(group: dict[str, Any], memory: DeviceMemory) -> int:
@@ -81,8 +96,9 @@ class AutoRoom:
     evictions: int = 0
     evicted_bytes: int = 0
 
-    def choose(self, memory: DeviceMemory, sized: list[tuple[int | None, Any]], in_flight: int,
-               headroom_bytes: int) -> list[Any]:
+    def choose(
+        self, memory: DeviceMemory, sized: list[tuple[int | None, Any]], in_flight: int, headroom_bytes: int
+    ) -> list[Any]:
         """The items of ``sized`` to keep resident: all if they fit, else smallest first; records the peak."""
         room = memory.spare_at_peak - headroom_bytes
         if all(n is not None for n, _ in sized) and sum(n for n, _ in sized) <= room:
@@ -149,16 +165,24 @@ class PagingReport:
         lines = []
         for d in self.devices:
             paged = ", ".join(f"{mib(n)} in {tier}" for tier, n in sorted(d.paged_bytes.items())) or "nothing"
-            lines.append(f"{d.device}: budget {d.budget}; resident {mib(d.resident_bytes)} ({d.resident_params} "
-                         f"params), paged {paged} ({d.paged_params} params); buffers {mib(d.pool_bytes)}")
+            lines.append(
+                f"{d.device}: budget {d.budget}; resident {mib(d.resident_bytes)} ({d.resident_params} "
+                f"params), paged {paged} ({d.paged_params} params); buffers {mib(d.pool_bytes)}"
+            )
             if d.headroom_bytes is not None:
-                lines.append(f"  auto: headroom {mib(d.headroom_bytes)}, spare at the peak {mib(d.spare_bytes or 0)}, "
-                             f"{d.evictions} evictions ({mib(d.evicted_bytes)})")
+                lines.append(
+                    f"  auto: headroom {mib(d.headroom_bytes)}, spare at the peak {mib(d.spare_bytes or 0)}, "
+                    f"{d.evictions} evictions ({mib(d.evicted_bytes)})"
+                )
         return "\n".join(lines) if lines else "no paged state"
 
 
-def build_report(entries: dict[torch.Tensor, Any], groups: dict[int, dict[str, Any]], pools: dict[torch.device, int],
-                 rooms: dict[torch.device, AutoRoom]) -> PagingReport:
+def build_report(
+    entries: dict[torch.Tensor, Any],
+    groups: dict[int, dict[str, Any]],
+    pools: dict[torch.device, int],
+    rooms: dict[torch.device, AutoRoom],
+) -> PagingReport:
     """The report of a manager's ``entries``; ``groups``: id(param) -> group; ``pools``: buffer bytes; ``rooms``."""
     devices: dict[torch.device, DeviceResidency] = {}
     budgets: dict[torch.device, set] = {}

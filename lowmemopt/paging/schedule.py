@@ -103,8 +103,9 @@ class Schedule:
         self._home_written: dict[Hashable, tuple[str, int]] = {}  # key -> its last write-back's last operation
         self.plans: dict[int, BucketPlan] = {}  # planned and not yet stored or discarded
 
-    def plan(self, keys: Sequence[Hashable], route: str, loads: Sequence[Hashable] | None = None,
-             position: int | None = None) -> BucketPlan:
+    def plan(
+        self, keys: Sequence[Hashable], route: str, loads: Sequence[Hashable] | None = None, position: int | None = None
+    ) -> BucketPlan:
         """The next bucket: ``keys`` it writes back, ``loads`` it reads; ``position`` picks its buffers."""
         if route not in ROUTES:
             raise ValueError(f"unknown route {route!r}")
@@ -112,8 +113,9 @@ class Schedule:
         where = seq if position is None else position
         slot = where % self.n_slots
         staging = where % self.n_staging if route == "staged" else None
-        if not self.can_plan() or any(p.slot == slot or (staging is not None and p.staging == staging)
-                                      for p in self.plans.values()):
+        if not self.can_plan() or any(
+            p.slot == slot or (staging is not None and p.staging == staging) for p in self.plans.values()
+        ):
             raise RuntimeError(f"slot {slot} or staging buffer {staging} is held by a bucket not written back yet")
         self.next_seq += 1
         loads = tuple(keys) if loads is None else tuple(loads)

@@ -28,8 +28,23 @@ from .plan import Plan, StepOutcome, StepRecord
 from .per_param import step_param
 from .program import Kept, StepProgram, update_for
 
-__all__ = ["Item", "Update", "Plan", "StepOutcome", "StepRecord", "run", "run_stages", "communicating", "new_seeds",
-           "step_buckets", "step_param", "device_flags", "triton_usable", "CHUNK_NUMEL", "PAGE_BUCKET_BYTES"]
+__all__ = [
+    "Item",
+    "Update",
+    "Plan",
+    "StepOutcome",
+    "StepRecord",
+    "run",
+    "run_stages",
+    "communicating",
+    "new_seeds",
+    "step_buckets",
+    "step_param",
+    "device_flags",
+    "triton_usable",
+    "CHUNK_NUMEL",
+    "PAGE_BUCKET_BYTES",
+]
 #: paged state moves through the device in batches of about this many bytes when a bucketed backend steps them (two
 #: batches are on the device at a time: the one stepping and the one prefetched); one parameter per batch otherwise
 PAGE_BUCKET_BYTES = 64 << 20
@@ -72,10 +87,14 @@ def communicating(plan: Plan, work: Work) -> Iterator[None]:
 def new_seeds(plan: Plan, work: Work) -> Any:
     """The context in which new states draw their stochastic-rounding seeds in ``work``'s order, whatever order the
     backends and paged batches make them in (:func:`lowmemopt.rounding.seeds_in_order`)."""
+
     def pending() -> list[torch.Tensor]:
         locals_ = ((local_tensor(p), group, plan.state.get(p, ())) for p, group in work)
-        return [t for t, group, st in locals_
-                if plan.record_of(group).rounding_of(t) == "stochastic" and rounding.SEED not in st]
+        return [
+            t
+            for t, group, st in locals_
+            if plan.record_of(group).rounding_of(t) == "stochastic" and rounding.SEED not in st
+        ]
 
     return rounding.seeds_in_order(pending)
 
@@ -102,8 +121,15 @@ def run(plan: Plan) -> StepOutcome:
         pager = None
     if plan.finite_known:
         with new_seeds(plan, work):
-            run_stages(plan, _indexed(work), [True] * len(work), [local_tensor(p.grad) for p, _ in work], None,
-                       pager, plan.flags)
+            run_stages(
+                plan,
+                _indexed(work),
+                [True] * len(work),
+                [local_tensor(p.grad) for p, _ in work],
+                None,
+                pager,
+                plan.flags,
+            )
         return StepOutcome()
     # (new seeds in work's order, paged or not; communicating: the 1-bit optimizers' stage around the rest)
     with new_seeds(plan, work), communicating(plan, work):
@@ -122,8 +148,12 @@ def _checked(plan: Plan, pager: Any) -> StepOutcome:
         outcome = _programmed(plan, pager)
         if outcome is not None:
             return outcome
-    if plan.defer_finite and pager is None and plan.communicate is None and \
-            type(plan.algorithm).step_work is Algorithm.step_work:
+    if (
+        plan.defer_finite
+        and pager is None
+        and plan.communicate is None
+        and type(plan.algorithm).step_work is Algorithm.step_work
+    ):
         plan.keep = Kept()  # (a step the kernels take whole keeps its buckets: the program of the next steps)
     grads = [local_tensor(p.grad) for p, _ in work]
     if plan.found_inf is not None:
@@ -143,8 +173,9 @@ def _checked(plan: Plan, pager: Any) -> StepOutcome:
         finite = [on_device.finite(p) for p, _ in work]
     else:
         upfront = [i for i in range(len(work)) if pipe is None or i not in pipe.indices]
-        flags = agree_finite(host_flags([grads[i] for i in upfront]), [work[i][0] for i in upfront],
-                             [grads[i] for i in upfront])
+        flags = agree_finite(
+            host_flags([grads[i] for i in upfront]), [work[i][0] for i in upfront], [grads[i] for i in upfront]
+        )
         for i, ok in zip(upfront, flags):
             finite[i] = ok
         todo = [(i, p, group) for i, (p, group) in enumerate(work) if finite[i] is not False]
@@ -158,8 +189,12 @@ def _programmed(plan: Plan, pager: Any) -> StepOutcome | None:
     work = plan.work
     params = [p for p, _ in work]
     grads = [p.grad for p in params]
-    if pager is not None or plan.communicate is not None or not plan.defer_finite or \
-            not plan.program.matches(plan.state, params, [group for _, group in work], grads):
+    if (
+        pager is not None
+        or plan.communicate is not None
+        or not plan.defer_finite
+        or not plan.program.matches(plan.state, params, [group for _, group in work], grads)
+    ):
         plan.program = None
         check_state_fits(plan, work, plan.record.owner)  # (what changed may be a parameter's shape)
         return None
@@ -198,9 +233,13 @@ def _capturable(plan: Plan) -> StepOutcome:
         for group in {id(g): g for _, g in work}.values():
             lr = group["lr"]
             if lr is not None and not (isinstance(lr, torch.Tensor) and lr.device == device):
-                warnings.warn(f"{plan.record.owner}: lr={lr!r} is not a tensor on {device}: the captured step keeps "
-                              "this value at every replay. Give lr as a tensor on the device (a scheduler fills it in "
-                              "place) to change it between replays", RuntimeWarning, stacklevel=external_stacklevel())
+                warnings.warn(
+                    f"{plan.record.owner}: lr={lr!r} is not a tensor on {device}: the captured step keeps "
+                    "this value at every replay. Give lr as a tensor on the device (a scheduler fills it in "
+                    "place) to change it between replays",
+                    RuntimeWarning,
+                    stacklevel=external_stacklevel(),
+                )
                 break
     params = [p for p, _ in work]
     if found_inf is not None:
@@ -211,16 +250,24 @@ def _capturable(plan: Plan) -> StepOutcome:
     return StepOutcome(device_skipped=None if found_inf is not None else (flags.tensor == 0).sum())
 
 
-def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
-               grads: list[torch.Tensor], pipe: CpuFiniteChecks | None, pager: Any, flags: DeviceFlags | None = None,
-               device_steps: bool = False) -> None:
+def run_stages(
+    plan: Plan,
+    todo: list[tuple[int, torch.Tensor, dict]],
+    finite: list[bool | None],
+    grads: list[torch.Tensor],
+    pipe: CpuFiniteChecks | None,
+    pager: Any,
+    flags: DeviceFlags | None = None,
+    device_steps: bool = False,
+) -> None:
     """The stages over ``todo``: kernel buckets, the rest one at a time, in batches when paged."""
     kernels = plan.kernels  # (None: no Triton kernel, or none usable for this step's devices)
     if kernels is not None and (kernels.triton is None or not triton_usable({p.device for _, p, _ in todo})):
         kernels = None
     if device_steps and (kernels is None or pager is not None or flags is None):
-        raise ValueError("capturable=True needs the fused Triton kernels, unpaged state and the device-side "
-                         "non-finite check")
+        raise ValueError(
+            "capturable=True needs the fused Triton kernels, unpaged state and the device-side non-finite check"
+        )
     if pager is None:
         if kernels is not None:
             checked = [(p, group) for i, p, group in todo if finite[i]]  # pipelined CPU ones (None) stay per tensor
@@ -252,8 +299,13 @@ def run_stages(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: l
                 step_param(plan, p, p.grad, group)
 
 
-def step_in_order(plan: Plan, todo: list[tuple[int, torch.Tensor, dict]], finite: list[bool | None],
-                  grads: list[torch.Tensor], pipe: CpuFiniteChecks | None) -> None:
+def step_in_order(
+    plan: Plan,
+    todo: list[tuple[int, torch.Tensor, dict]],
+    finite: list[bool | None],
+    grads: list[torch.Tensor],
+    pipe: CpuFiniteChecks | None,
+) -> None:
     """Step ``todo`` in order, per parameter, with the pipelined non-finite check filling in ``finite``."""
     for k, (i, p, group) in enumerate(todo):
         if finite[i] is None and checks_itself(plan, p, group):
@@ -279,8 +331,14 @@ def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
     return plan.record_of(group).rank is None and "step" in state and LOW_RANK not in state
 
 
-def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
-                 pipe: CpuFiniteChecks | None = None, found_inf: torch.Tensor | None = None) -> DeviceFlags | None:
+def device_flags(
+    plan: Plan,
+    work: Work,
+    grads: list[torch.Tensor],
+    pager: Any,
+    pipe: CpuFiniteChecks | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> DeviceFlags | None:
     """The finiteness of ``grads`` as device flags, or None where the host must decide first."""
     if pipe is not None and pipe.indices:
         return None
@@ -308,8 +366,9 @@ def device_flags(plan: Plan, work: Work, grads: list[torch.Tensor], pager: Any,
     return DeviceFlags(params, grads)
 
 
-def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags | None = None,
-                 device_steps: bool = False) -> Work:
+def step_buckets(
+    plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags | None = None, device_steps: bool = False
+) -> Work:
     """Gather, project, step what the Triton kernels take, finish the projected; return the pairs left for the
     per-parameter path.
     """
@@ -341,8 +400,10 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
         it = _plain_item(plan, p, group, state)
         if it is None:
             if device_steps:
-                raise ValueError(f"capturable=True: a parameter of shape {tuple(p.shape)} cannot take the fused "
-                                 "kernels (not contiguous, or a shard whose math needs the whole tensor)")
+                raise ValueError(
+                    f"capturable=True: a parameter of shape {tuple(p.shape)} cannot take the fused "
+                    "kernels (not contiguous, or a shard whose math needs the whole tensor)"
+                )
             rest.append((p, group))
         else:
             if flags is not None:  # the kernels read the flag
@@ -373,8 +434,15 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
 
     mult = None if plan.grad_mult is None else plan.mult  # loss scaling: the kernels apply it as they load gradients
     items = plain + projected
-    if plan.keep is not None and flags is not None and not rest and not alone and not device_steps and items \
-            and triton_usable({items[0].target.device}):  # a step the kernels take whole: kept for a StepProgram
+    if (
+        plan.keep is not None
+        and flags is not None
+        and not rest
+        and not alone
+        and not device_steps
+        and items
+        and triton_usable({items[0].target.device})
+    ):  # a step the kernels take whole: kept for a StepProgram
         planned, left = plan_buckets(kernels, items)
         left += launch_buckets(planned, hyper, flags.tensor, False, mult)
         if not left:
@@ -390,8 +458,9 @@ def step_buckets(plan: Plan, kernels: KernelSet, work: Work, flags: DeviceFlags 
         elif not galore.update_per_tensor(plan, it):  # no kernel took it: the per-tensor backends, or the core
             finished.add(id(it))
     if projected:
-        galore.apply_back(plan, [it for it in projected if id(it) not in finished],
-                          None if flags is None else flags.tensor)
+        galore.apply_back(
+            plan, [it for it in projected if id(it) not in finished], None if flags is None else flags.tensor
+        )
     return rest
 
 
@@ -411,5 +480,4 @@ def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[
     else:  # bf16_update changed since: its state made for the whole tensor (a shard's ranks agree on a seed)
         rounding.init_state(state, local, record.rounding, reduce.agree)
     base = reduce.flat_offset() if reduce.distributed and record.rounding_of(local) == "stochastic" else 0
-    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, index_base=base,
-                record=record)
+    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, index_base=base, record=record)

@@ -51,8 +51,15 @@ class Algorithm:
         low-rank stand-in, a meta twin)."""
         raise NotImplementedError
 
-    def update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any],
-               step: Any, reduce: Reduction = LOCAL) -> torch.Tensor | tuple[torch.Tensor, float]:
+    def update(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        group: dict[str, Any],
+        step: Any,
+        reduce: Reduction = LOCAL,
+    ) -> torch.Tensor | tuple[torch.Tensor, float]:
         """fp32 math: update ``state`` in place; return the delta, or ``(direction, alpha)``. ``p``: the fp32 working
         copy; ``reduce``: a sharded parameter's whole-tensor reductions.
         """
@@ -71,8 +78,9 @@ class Algorithm:
         a capturable step's fp64 device tensor)."""
         return {}
 
-    def step_work(self, work: list[tuple[torch.Tensor, dict[str, Any]]],
-                  grad_mult: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    def step_work(
+        self, work: list[tuple[torch.Tensor, dict[str, Any]]], grad_mult: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The step's ``(param, group)`` pairs, with per-step values of every gradient (FusedLAMB's global norm);
         default ``work``.
         """
@@ -96,8 +104,9 @@ class Algorithm:
         rounded as the math rounds it: a number, or one per parameter of the stacked ``stat``; None: none."""
         return None
 
-    def apply_update(self, p32: torch.Tensor, delta: torch.Tensor, alpha: Any, decay: Any,
-                     group: dict[str, Any]) -> None:
+    def apply_update(
+        self, p32: torch.Tensor, delta: torch.Tensor, alpha: Any, decay: Any, group: dict[str, Any]
+    ) -> None:
         """``p = p * decay + alpha * delta`` (decay first, as torch); an override has no fused kernels."""
         if decay != 1.0:
             p32.mul_(decay)

@@ -20,16 +20,31 @@ from ..work.record import BucketRecord
 from .algorithm import Algorithm
 from .plan import unscaled
 
-__all__ = ["CHUNK_NUMEL", "COMPILED_CHUNK_NUMEL", "init_state", "step_per_tensor", "update_flat", "update_checked",
-           "update_rest", "run_update", "decode_whole"]
+__all__ = [
+    "CHUNK_NUMEL",
+    "COMPILED_CHUNK_NUMEL",
+    "init_state",
+    "step_per_tensor",
+    "update_flat",
+    "update_checked",
+    "update_rest",
+    "run_update",
+    "decode_whole",
+]
 
 #: elements per chunk of the eager path and of GaLore's CPU row blocks (1 MiB of fp32 per temporary)
 CHUNK_NUMEL = 1 << 18
 COMPILED_CHUNK_NUMEL = 1 << 20  # compiled path: bigger chunks, fewer calls (each call checks guards)
 
 
-def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], state: dict[str, Any],
-               numel: int | None = None, reduce: Reduction = LOCAL) -> dict[str, Any]:
+def init_state(
+    p: torch.Tensor,
+    record: BucketRecord,
+    slots: dict[str, Slot],
+    state: dict[str, Any],
+    numel: int | None = None,
+    reduce: Reduction = LOCAL,
+) -> dict[str, Any]:
     """Zero state for ``p`` (a DTensor's local shard) in ``slots``' formats, picked by the whole ``numel``."""
     state["step"] = 0
     for name, slot in slots.items():
@@ -41,9 +56,14 @@ def init_state(p: torch.Tensor, record: BucketRecord, slots: dict[str, Slot], st
     return state
 
 
-def step_per_tensor(algorithm: Algorithm, items: Sequence[Item], update_for: Callable[[Item, Any], Update],
-               grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
-               scans: Sequence[torch.Tensor | None] | None = None, check: bool = False) -> list[bool | None]:
+def step_per_tensor(
+    algorithm: Algorithm,
+    items: Sequence[Item],
+    update_for: Callable[[Item, Any], Update],
+    grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
+    scans: Sequence[torch.Tensor | None] | None = None,
+    check: bool = False,
+) -> list[bool | None]:
     """Step every item (full-rank, initialized) through the per-tensor backends, one tensor at a time.
     ``update_for(item, step)``: its :class:`~lowmemopt.work.items.Update`; ``scans[k]``: another gradient item ``k``'s
     kernel checks; ``check``: each step checks its own gradient. Returns one result per item (a check's, or whether it
@@ -55,19 +75,57 @@ def step_per_tensor(algorithm: Algorithm, items: Sequence[Item], update_for: Cal
         up = update_for(it, state["step"])
         target, mult = it.target, None if grad_mult is None else grad_mult(it.grad.device)
         if check:
-            out.append(update_checked(algorithm, target, target.view(-1), it.grad.reshape(-1), state, it.slots,
-                                      up.record, up.step, up.decay, mult, up.kwargs))
+            out.append(
+                update_checked(
+                    algorithm,
+                    target,
+                    target.view(-1),
+                    it.grad.reshape(-1),
+                    state,
+                    it.slots,
+                    up.record,
+                    up.step,
+                    up.decay,
+                    mult,
+                    up.kwargs,
+                )
+            )
         else:
-            out.append(update_flat(algorithm, target, target.view(-1), it.grad.reshape(-1), state, it.slots,
-                                   up.record, up.step, up.decay, it.reduce or LOCAL,
-                                   None if scans is None else scans[k], mult, up.kwargs))
+            out.append(
+                update_flat(
+                    algorithm,
+                    target,
+                    target.view(-1),
+                    it.grad.reshape(-1),
+                    state,
+                    it.slots,
+                    up.record,
+                    up.step,
+                    up.decay,
+                    it.reduce or LOCAL,
+                    None if scans is None else scans[k],
+                    mult,
+                    up.kwargs,
+                )
+            )
     return out
 
 
-def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int, decay: float,
-                reduce: Reduction = LOCAL, scan: torch.Tensor | None = None,
-                mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> bool | None:
+def update_flat(
+    algorithm: Algorithm,
+    like: torch.Tensor,
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Slot],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    reduce: Reduction = LOCAL,
+    scan: torch.Tensor | None = None,
+    mult: torch.Tensor | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> bool | None:
     """``pflat <- pflat * decay + delta`` with the state decoded and encoded around the math: native (CPU), compiled, or
     eager for what they leave. ``scan``: a gradient to check meanwhile (returns its result); ``mult``: loss scaling.
     """
@@ -81,12 +139,24 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
         elif algorithm.elementwise:  # (a shard's stochastic rounding hashes its elements' indices in the parameter)
             if kwargs is None:
                 kwargs = algorithm.math_kwargs(record.hyper, step)
-            start, scanned = cpu.step_elementwise(kernels.native, kwargs, pflat, gflat, state,
-                                                  slots, formats, record, step, decay, scan,
-                                                  index_base=reduce.flat_offset() if reduce.distributed else 0,
-                                                  grad_mult=host)
-        elif reduce is LOCAL and cpu.step_factored(kernels.native, like, pflat, gflat, state, formats, record, step, decay,
-                                                   grad_mult=host):
+            start, scanned = cpu.step_elementwise(
+                kernels.native,
+                kwargs,
+                pflat,
+                gflat,
+                state,
+                slots,
+                formats,
+                record,
+                step,
+                decay,
+                scan,
+                index_base=reduce.flat_offset() if reduce.distributed else 0,
+                grad_mult=host,
+            )
+        elif reduce is LOCAL and cpu.step_factored(
+            kernels.native, like, pflat, gflat, state, formats, record, step, decay, grad_mult=host
+        ):
             start = pflat.numel()
     exact = record.rounding_of(like) == "nearest"  # the compiled path rounds to nearest only
     if start == 0 and exact and algorithm.elementwise and algorithm.math is not None and compiled.applies(like):
@@ -95,17 +165,38 @@ def update_flat(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, g
     return scanned
 
 
-def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                   state: dict[str, Any], slots: dict[str, Slot], record: BucketRecord, step: int,
-                   decay: float, mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> bool:
+def update_checked(
+    algorithm: Algorithm,
+    like: torch.Tensor,
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Slot],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    mult: torch.Tensor | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> bool:
     """:func:`update_flat` of an unsharded CPU parameter that checks its own gradient; returns whether it stepped."""
     from ..cpu.factored import SKIPPED, STEPPED
 
     formats = {name: format_of(state, name) for name in slots}
     host = None if mult is None else mult.tolist()
     kernels = algorithm.kernels
-    outcome = cpu.step_factored(None if kernels is None else kernels.native, like, pflat, gflat, state, formats, record, step, decay,
-                                grad_mult=host, check=True)
+    outcome = cpu.step_factored(
+        None if kernels is None else kernels.native,
+        like,
+        pflat,
+        gflat,
+        state,
+        formats,
+        record,
+        step,
+        decay,
+        grad_mult=host,
+        check=True,
+    )
     if outcome in (STEPPED, SKIPPED):
         return outcome == STEPPED
     ok = cpu.grad_is_finite(gflat)
@@ -118,18 +209,40 @@ def update_checked(algorithm: Algorithm, like: torch.Tensor, pflat: torch.Tensor
     return ok
 
 
-def update_rest(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord,
-                step: int, decay: float, start: int, reduce: Reduction = LOCAL,
-                mult: torch.Tensor | None = None) -> None:
+def update_rest(
+    algorithm: Algorithm,
+    p: torch.Tensor,
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Slot],
+    formats: dict[str, StateFormat],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    start: int,
+    reduce: Reduction = LOCAL,
+    mult: torch.Tensor | None = None,
+) -> None:
     """Elements ``[start, numel)`` through the eager reference (a ragged last block a native kernel left)."""
     _step_eager(algorithm, p, pflat, gflat, state, slots, formats, record, step, decay, start, reduce, mult)
 
 
-def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gflat: torch.Tensor,
-                state: dict[str, Any], slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord,
-                step: int, decay: float, start: int, reduce: Reduction = LOCAL,
-                mult: torch.Tensor | None = None) -> None:
+def _step_eager(
+    algorithm: Algorithm,
+    p: torch.Tensor,
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Slot],
+    formats: dict[str, StateFormat],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    start: int,
+    reduce: Reduction = LOCAL,
+    mult: torch.Tensor | None = None,
+) -> None:
     """Decode -> math -> encode over ``[start, numel)`` in block-aligned chunks (whole tensor if not elementwise); a
     sharded step runs its math even on an empty shard, for the other shards' reductions.
     """
@@ -153,9 +266,20 @@ def _step_eager(algorithm: Algorithm, p: torch.Tensor, pflat: torch.Tensor, gfla
         rounding.store(pflat[lo:hi], p32.view(-1), state, mode, lo, index)
 
 
-def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state: dict[str, Any],
-               slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord, step: int, lo: int,
-               hi: int, like: torch.Tensor | None = None, reduce: Reduction = LOCAL) -> tuple[torch.Tensor, Any]:
+def run_update(
+    algorithm: Algorithm,
+    p32: torch.Tensor,
+    g32: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Slot],
+    formats: dict[str, StateFormat],
+    record: BucketRecord,
+    step: int,
+    lo: int,
+    hi: int,
+    like: torch.Tensor | None = None,
+    reduce: Reduction = LOCAL,
+) -> tuple[torch.Tensor, Any]:
     """Decode -> :meth:`Algorithm.update` -> encode over ``[lo, hi)`` or whole slots; returns ``(delta, alpha)``."""
     bs = record.block_size
     if like is None:
@@ -172,9 +296,19 @@ def run_update(algorithm: Algorithm, p32: torch.Tensor, g32: torch.Tensor, state
     return delta, alpha
 
 
-def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tensor, state: dict[str, Any],
-                   slots: dict[str, Slot], formats: dict[str, StateFormat], record: BucketRecord, step: int,
-                   decay: float, mult: torch.Tensor | None = None, kwargs: dict[str, Any] | None = None) -> int:
+def _step_compiled(
+    algorithm: Algorithm,
+    pflat: torch.Tensor,
+    gflat: torch.Tensor,
+    state: dict[str, Any],
+    slots: dict[str, Slot],
+    formats: dict[str, StateFormat],
+    record: BucketRecord,
+    step: int,
+    decay: float,
+    mult: torch.Tensor | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> int:
     """The fused fast path (:mod:`lowmemopt.compiled`) over the full blocks; returns how many elements it did."""
     bs = record.block_size
     rows_total = pflat.numel() // bs
@@ -187,26 +321,49 @@ def _step_compiled(algorithm: Algorithm, pflat: torch.Tensor, gflat: torch.Tenso
             fmt = formats[k]
             if fmt is Q8:
                 name = map_for(s.signed)
-                rows.append((k, "q8", s.signed, state[k + ".codes"][lo:hi].view(-1, bs),
-                             state[k + ".absmax"][r0:r1], code_book(name, pflat.device),
-                             encode_table(name, pflat.device).packed))
+                rows.append(
+                    (
+                        k,
+                        "q8",
+                        s.signed,
+                        state[k + ".codes"][lo:hi].view(-1, bs),
+                        state[k + ".absmax"][r0:r1],
+                        code_book(name, pflat.device),
+                        encode_table(name, pflat.device).packed,
+                    )
+                )
             elif fmt is Q4:  # nibble rows: a block of bs elements is bs / 2 bytes
                 name = q4.map4_for(s.signed)
-                rows.append((k, "q4", s.signed, state[k + ".nibbles"][lo // 2 : hi // 2].view(-1, bs // 2),
-                             state[k + ".absmax"][r0:r1], q4.code_book(name, pflat.device),
-                             q4.encode_table(name, pflat.device)))
+                rows.append(
+                    (
+                        k,
+                        "q4",
+                        s.signed,
+                        state[k + ".nibbles"][lo // 2 : hi // 2].view(-1, bs // 2),
+                        state[k + ".absmax"][r0:r1],
+                        q4.code_book(name, pflat.device),
+                        q4.encode_table(name, pflat.device),
+                    )
+                )
             else:
                 rows.append((k, fmt.name, s.signed, state[k].view(-1)[lo:hi].view(-1, bs), None, None, None))
-        ok = compiled.step_rows(type(algorithm).math, pflat[lo:hi].view(-1, bs), gflat[lo:hi].view(-1, bs),
-                                tuple(rows), algorithm.math_kwargs(record.hyper, step) if kwargs is None else kwargs,
-                                decay, mult)
+        ok = compiled.step_rows(
+            type(algorithm).math,
+            pflat[lo:hi].view(-1, bs),
+            gflat[lo:hi].view(-1, bs),
+            tuple(rows),
+            algorithm.math_kwargs(record.hyper, step) if kwargs is None else kwargs,
+            decay,
+            mult,
+        )
         if not ok:
             return lo
     return rows_total * bs
 
 
-def decode_whole(state: dict[str, Any], name: str, slot: Slot, fmt: StateFormat, p: torch.Tensor,
-                 bs: int) -> torch.Tensor:
+def decode_whole(
+    state: dict[str, Any], name: str, slot: Slot, fmt: StateFormat, p: torch.Tensor, bs: int
+) -> torch.Tensor:
     """Slot ``name`` decoded whole, in its declared shape (``p``'s for slots without one)."""
     shape = p.shape if slot.shape is None else torch.Size(slot.shape)
     return fmt.decode(state, name, 0, shape.numel(), slot.signed, bs).view(shape)

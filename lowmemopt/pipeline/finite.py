@@ -142,7 +142,7 @@ def resolve(pending: list[DeviceFlags]) -> int:
     at = 0
     for f in pending:
         n = f.tensor.numel()
-        f._host = [bool(v) for v in values[at:at + n]]
+        f._host = [bool(v) for v in values[at : at + n]]
         at += n
     return sum(f.undo_skipped() for f in pending)
 

@@ -19,6 +19,7 @@ from .plan import Plan
 
 __all__ = ["check_state_fits", "check_grad", "check_dtypes", "check_slots", "check_kahan", "where"]
 
+
 def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, Any]]], owner: str = "optimizer") -> None:
     """Raise ValueError if the state of a parameter of ``work`` ((parameter, param group) pairs) was made for a
     tensor of another shape or, for 8- and 4-bit state, at another block size than its group's (docs/pipeline.md),
@@ -65,8 +66,7 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
         key = (id(record), local.shape, local.dtype, p.numel())
         layout = layouts.get(key)
         if layout is None:
-            layout = layouts[key] = _layout(record, plan.slots_of(record, local), local.shape, p.numel(),
-                                            local.dtype)
+            layout = layouts[key] = _layout(record, plan.slots_of(record, local), local.shape, p.numel(), local.dtype)
         kahan = state.get(KAHAN)
         if kahan is not None:
             check_kahan(kahan, local.shape, lambda: where(plan, p), owner)
@@ -75,14 +75,15 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
                 continue
         except KeyError:
             pass
-        check_slots(plan.slots_of(record, local), local.shape, state, record.block_size,
-                    lambda: where(plan, p), owner)
+        check_slots(plan.slots_of(record, local), local.shape, state, record.block_size, lambda: where(plan, p), owner)
 
 
 #: step()'s refusal of a sparse gradient (torch's words first, then what to do)
-SPARSE = ("{owner} does not support sparse gradients: give it dense ones (nn.Embedding(..., sparse=False), or "
-          "p.grad = p.grad.to_dense() before step()), or step the sparse parameters with torch.optim.SGD or "
-          "SparseAdam beside it (docs/torch_optim.md). Nothing was changed")
+SPARSE = (
+    "{owner} does not support sparse gradients: give it dense ones (nn.Embedding(..., sparse=False), or "
+    "p.grad = p.grad.to_dense() before step()), or step the sparse parameters with torch.optim.SGD or "
+    "SparseAdam beside it (docs/torch_optim.md). Nothing was changed"
+)
 
 
 def check_grad(p: torch.Tensor, groups: Any, owner: str) -> None:
@@ -102,9 +103,11 @@ def check_dtypes(p: torch.Tensor, grad: torch.Tensor, who: Any, owner: str) -> N
     not ``p``'s (torch checks both when ``p.grad`` is set, not when the ``.data`` of either is replaced later; the
     kernels read a gradient in its parameter's dtype). ``who()``: the parameter, in words."""
     if p.is_complex() or not p.is_floating_point():
-        raise TypeError(f"{owner}: {who()} is {p.dtype} now (its .data was replaced); a parameter must stay real "
-                        "floating point: optimize a real view of a complex tensor (torch.view_as_real). Nothing was "
-                        "changed")
+        raise TypeError(
+            f"{owner}: {who()} is {p.dtype} now (its .data was replaced); a parameter must stay real "
+            "floating point: optimize a real view of a complex tensor (torch.view_as_real). Nothing was "
+            "changed"
+        )
     raise TypeError(
         f"{owner}: the gradient of {who()} is {grad.dtype} but the parameter {p.dtype}: a gradient has its "
         "parameter's dtype (torch refuses another when p.grad is set); was the .data of the parameter or of its "
@@ -129,8 +132,15 @@ def slot_numel(slot: Any, shape: torch.Size) -> int:
     return shape.numel() if slot.shape is None else torch.Size(slot.shape).numel()
 
 
-def check_slots(slots: dict[str, Any], shape: torch.Size, state: dict[str, Any], block_size: int, who: Any,
-                owner: str, needs: str = "") -> None:
+def check_slots(
+    slots: dict[str, Any],
+    shape: torch.Size,
+    state: dict[str, Any],
+    block_size: int,
+    who: Any,
+    owner: str,
+    needs: str = "",
+) -> None:
     """Each slot of ``slots`` as stored in ``state`` (whatever its format) holds the elements of a tensor of ``shape``
     (and, quantized, one scale per ``block_size`` of them); else ValueError. ``who()``: the parameter, in words;
     ``needs``: what the state should fit, in words (default: the parameter's shape)."""

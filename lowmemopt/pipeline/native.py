@@ -43,6 +43,7 @@ _ARGS: dict[int, tuple[weakref.ref, tuple, Any, int]] = {}  # id(param) -> (para
 def _forget(key: int) -> Any:
     return lambda ref: _ARGS.pop(key, None) if _ARGS.get(key, (None,))[0] is ref else None
 
+
 Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
 
 
@@ -97,8 +98,19 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
             # bf16_update changed since: its state made for the whole tensor (a shard's ranks agree on a seed)
             rounding.init_state(state, local, record.rounding, reduce.agree)
         state["step"] += 1
-        items.append(Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, record=record,
-                          index_base=reduce.flat_offset() if reduce.distributed else 0, reduce=reduce))
+        items.append(
+            Item(
+                param=p,
+                group=group,
+                target=local,
+                grad=grad,
+                state=state,
+                slots=slots,
+                record=record,
+                index_base=reduce.flat_offset() if reduce.distributed else 0,
+                reduce=reduce,
+            )
+        )
         index.append(i)
     if not items:
         return rest
@@ -119,9 +131,13 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     return rest
 
 
-def step_native_bucket(algorithm: Algorithm, items: list[Item], update_for: Callable[[Item, Any], Update],
-               check: list[bool], grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None
-               ) -> list[bool | None]:
+def step_native_bucket(
+    algorithm: Algorithm,
+    items: list[Item],
+    update_for: Callable[[Item, Any], Update],
+    check: list[bool],
+    grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
+) -> list[bool | None]:
     """The native bucket backend: step ``items`` (CPU, contiguous, initialized, step counts advanced) of
     ``algorithm`` by one call of its many-parameter kernel. ``update_for(item, step)``: the item's bucket's
     :class:`~lowmemopt.work.items.Update`; ``check[k]``: item ``k``'s gradient is checked for NaN/Inf in the same
@@ -147,18 +163,46 @@ def step_native_bucket(algorithm: Algorithm, items: list[Item], update_for: Call
         scan = gflat if check[k] else None
         index_base = it.index_base or 0
         # the kernel arguments of this parameter's last step, made again only when what they point at changed
-        sig = (name, id(state), tuple(state), *(v.data_ptr() for v in state.values() if type(v) is torch.Tensor),
-               pflat.data_ptr(), pflat.dtype, pflat.numel(), gflat.dtype, record.block_size,
-               record.rounding_of(local), index_base)
+        sig = (
+            name,
+            id(state),
+            tuple(state),
+            *(v.data_ptr() for v in state.values() if type(v) is torch.Tensor),
+            pflat.data_ptr(),
+            pflat.dtype,
+            pflat.numel(),
+            gflat.dtype,
+            record.block_size,
+            record.rounding_of(local),
+            index_base,
+        )
         p = it.param
         cached = _ARGS.get(id(p))
-        if (cached is not None and cached[0]() is p and cached[1] == sig
-                and refresh(cached[2], kernel, kw, gflat, state, slots, step, decay, scan, memo, host_mult)):
+        if (
+            cached is not None
+            and cached[0]() is p
+            and cached[1] == sig
+            and refresh(cached[2], kernel, kw, gflat, state, slots, step, decay, scan, memo, host_mult)
+        ):
             args, done = cached[2], cached[3]
         else:
             formats = {s: format_of(state, s) for s in slots}
-            args, done = prepare(kernel, kw, pflat, gflat, state, slots, formats, record, step, decay, scan=scan,
-                                 index_base=index_base, memo=memo, grad_mult=host_mult)
+            args, done = prepare(
+                kernel,
+                kw,
+                pflat,
+                gflat,
+                state,
+                slots,
+                formats,
+                record,
+                step,
+                decay,
+                scan=scan,
+                index_base=index_base,
+                memo=memo,
+                grad_mult=host_mult,
+            )
             if args is not None:
                 _ARGS[id(p)] = (weakref.ref(p, _forget(id(p))), sig, args, done)
         if args is None or (check[k] and args.scan is None):  # the per-tensor backends take it
@@ -173,6 +217,19 @@ def step_native_bucket(algorithm: Algorithm, items: list[Item], update_for: Call
         it = items[k]
         if ok and done < it.target.numel():  # a ragged last 8- / 4-bit block: the reference path, as after one call
             formats = {s: format_of(it.state, s) for s in it.slots}
-            update_rest(algorithm, it.target, it.target.view(-1), it.grad.view(-1), it.state, it.slots, formats,
-                        up.record, up.step, up.decay, done, it.reduce or LOCAL, mult)
+            update_rest(
+                algorithm,
+                it.target,
+                it.target.view(-1),
+                it.grad.view(-1),
+                it.state,
+                it.slots,
+                formats,
+                up.record,
+                up.step,
+                up.decay,
+                done,
+                it.reduce or LOCAL,
+                mult,
+            )
     return out

@@ -22,8 +22,14 @@ from .plan import Plan
 __all__ = ["step_param"]
 
 
-def step_param(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-               scan: torch.Tensor | None = None, check: bool = False) -> bool | None:
+def step_param(
+    plan: Plan,
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    group: dict[str, Any],
+    scan: torch.Tensor | None = None,
+    check: bool = False,
+) -> bool | None:
     """Step one parameter through the per-tensor backends (:func:`.backends.step_per_tensor`; GaLore:
     :meth:`~.plan.ProjectionStage.step_one`). ``scan``: another gradient that a native CPU kernel checks
     for NaN/Inf while it steps this one; returns that check's result (None: not done). ``check``

@@ -39,8 +39,14 @@ def update_of(algorithm: Algorithm, it: Item, step: int) -> Update:
     """The :class:`~lowmemopt.work.items.Update` of full-rank ``it``'s bucket at ``step``, from ``it.record.hyper``."""
     record = it.record
     hyper = record.hyper
-    return Update(algorithm.fused or "", algorithm.math_kwargs(hyper, step), record, algorithm.decay_factor(hyper),
-                  step, record.block_size)
+    return Update(
+        algorithm.fused or "",
+        algorithm.math_kwargs(hyper, step),
+        record,
+        algorithm.decay_factor(hyper),
+        step,
+        record.block_size,
+    )
 
 
 @dataclass
@@ -60,6 +66,8 @@ class StepOutcome:
     skipped: int = 0
     pending: Any = None
     device_skipped: torch.Tensor | None = None
+
+
 class ProjectionStage(Protocol):
     """The projection stage of a step: what the pipeline asks of a param group with ``rank`` (GaLore's:
     :class:`lowmemopt.projection.stage.GaLoreStage`; the order of calls: docs/galore.md).
@@ -72,20 +80,33 @@ class ProjectionStage(Protocol):
     def group_values_valid(self, group: dict[str, Any]) -> bool:
         """Does ``group`` pass :meth:`check_group_values`? (A kept program asks when a value changed.)"""
 
-    def check_low_rank_state(self, plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
-                             owner: str) -> None:
+    def check_low_rank_state(
+        self, plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], owner: str
+    ) -> None:
         """Raise ValueError unless the low-rank ``state`` of ``p`` fits its shape and its group's rank."""
 
     def takes_fused(self, plan: Plan) -> bool:
         """May the fused kernels step this plan's projected items (on low-rank stand-ins)?"""
 
-    def device_may_check(self, plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
-                         memo: dict[Any, bool] | None = None) -> bool:
+    def device_may_check(
+        self,
+        plan: Plan,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        memo: dict[Any, bool] | None = None,
+    ) -> bool:
         """May this step of ``p`` leave its non-finite check to the device (every stage that writes reads the
         flags; no basis refresh due)? ``memo``: the caller's answers per device and dtype for one step."""
 
-    def gather(self, plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-               inner: dict[int, Any] | None = None) -> Item | None:
+    def gather(
+        self,
+        plan: Plan,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        inner: dict[int, Any] | None = None,
+    ) -> Item | None:
         """``p``'s item (state made, basis refreshed when due, gradient unprojected); None: skipped or counted only."""
 
     def regather(self, plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
@@ -112,8 +133,15 @@ class ProjectionStage(Protocol):
         """Step ``it`` through the per-tensor backends. True: its stand-in holds the low-rank update, which
         :meth:`apply_back` applies; False: the reference core stepped it and applied the update."""
 
-    def apply_back(self, plan: Plan, items: list[Item], flags: torch.Tensor | None = None, layout: Any = None,
-                   projected: Any = None, stand: Any = None) -> Any:
+    def apply_back(
+        self,
+        plan: Plan,
+        items: list[Item],
+        flags: torch.Tensor | None = None,
+        layout: Any = None,
+        projected: Any = None,
+        stand: Any = None,
+    ) -> Any:
         """``p <- p * decay + scale * project_back(target)`` for stand-in items; returns the layout."""
 
     def release_buffers(self, project_layout: Any, stand_in_layout: Any) -> None:

@@ -79,8 +79,15 @@ def update_for(plan: Plan, name: str, it: Item, step: Any, device_steps: bool = 
 
         hyper = dict(hyper, lr=capture.device_value(hyper["lr"], it.target.device))
     decay = 1.0 if it.projected else algorithm.decay_factor(hyper)
-    return Update(name, algorithm.math_kwargs(hyper, step), record, decay, 0 if device_steps else step,
-                  record.block_size, step if device_steps else None)
+    return Update(
+        name,
+        algorithm.math_kwargs(hyper, step),
+        record,
+        decay,
+        0 if device_steps else step,
+        record.block_size,
+        step if device_steps else None,
+    )
 
 
 class StepProgram:
@@ -124,8 +131,13 @@ class StepProgram:
             keys = sorted(k for k, v in states[0].items() if isinstance(v, torch.Tensor))
             if any(sorted(k for k, v in st.items() if isinstance(v, torch.Tensor)) != keys for st in states):
                 raise ValueError("the members of a bucket hold different state keys")
-            getter = operator.itemgetter(*keys) if len(keys) > 1 else (lambda st, k=keys[0]: (st[k],)) if keys \
+            getter = (
+                operator.itemgetter(*keys)
+                if len(keys) > 1
+                else (lambda st, k=keys[0]: (st[k],))
+                if keys
                 else (lambda st: ())
+            )
             self.ranges.append(pl.flag_rows)
             self.states.append(states)
             self.getters.append(getter)
@@ -140,17 +152,25 @@ class StepProgram:
         self._bases: tuple[int, int] | None = None  # the last step's stand-in and low-rank gradient buffers
         self._given_back = False  # the kept layouts' buffers were given back after a step (:func:`give_back`)
 
-    def matches(self, state: Any, params: Sequence[torch.Tensor], groups: Sequence[dict],
-                grads: Sequence[torch.Tensor]) -> bool:
+    def matches(
+        self, state: Any, params: Sequence[torch.Tensor], groups: Sequence[dict], grads: Sequence[torch.Tensor]
+    ) -> bool:
         """Does this program step ``params`` (with gradients ``grads``, in order) of ``groups`` (their param groups),
         with the optimizer's ``state``, as it stands (module docstring)? Identity and value comparisons only."""
-        if state is not self.state or self.version is None or state.version != self.version or \
-                len(params) != len(self.params):
+        if (
+            state is not self.state
+            or self.version is None
+            or state.version != self.version
+            or len(params) != len(self.params)
+        ):
             return False
         if not (all(map(_is, params, self.params)) and all(map(_is, groups, self.groups))):
             return False
-        if list(map(_data_ptr, params)) != self.param_ptrs or list(map(_dtype, params)) != self.param_dtypes or \
-                list(map(_shape, params)) != self.param_shapes:
+        if (
+            list(map(_data_ptr, params)) != self.param_ptrs
+            or list(map(_dtype, params)) != self.param_dtypes
+            or list(map(_shape, params)) != self.param_shapes
+        ):
             return False  # (p.data replaced: the kept tables hold the old storage's address and size)
         if list(map(_shape, grads)) != self.param_shapes:  # (step() refused a gradient of another dtype)
             return False  # (a gradient's .data replaced: the step's fit check refuses it)
@@ -160,8 +180,9 @@ class StepProgram:
         try:
             for pl, states, getter, kept in zip(self.planned, self.states, self.getters, self.kept):
                 steps = list(map(step_of, states))
-                if steps.count(pl.step) != len(steps) or not all(map(_is, chain.from_iterable(map(getter, states)),
-                                                                     kept)):
+                if steps.count(pl.step) != len(steps) or not all(
+                    map(_is, chain.from_iterable(map(getter, states)), kept)
+                ):
                     return False
         except KeyError:  # (a state dict emptied: a skipped first step undone)
             return False
@@ -181,8 +202,9 @@ class StepProgram:
         # the groups that shared a bucket (equal values) must still be equal, and no others newly so
         if _partition(values) != _partition(self.values):
             return False
-        if self.galore is not None and not all(self.galore.group_values_valid(g) for g in self.group_list
-                                               if g.get("rank") is not None):
+        if self.galore is not None and not all(
+            self.galore.group_values_valid(g) for g in self.group_list if g.get("rank") is not None
+        ):
             return False  # (a GaLore scale made 0 or NaN: the checked step says what is wrong)
         self.values = values
         return True
@@ -212,10 +234,11 @@ class StepProgram:
         for pl, rows in zip(self.planned, self.ranges):
             members = pl.members
             if not members[0].projected:
-                pl.bucket.set_grads(grads[rows.start:rows.stop], ptrs[rows.start:rows.stop])
+                pl.bucket.set_grads(grads[rows.start : rows.stop], ptrs[rows.start : rows.stop])
             elif moved is None:  # (the first time; or buffers of several dtypes, given back after each step)
                 (pl.bucket.reset_tensors if self._given_back else pl.bucket.set_tensors)(
-                    [it.target for it in members], [it.grad for it in members])
+                    [it.target for it in members], [it.grad for it in members]
+                )
             else:  # carved from buffers of the kept layouts: the tables move with them
                 pl.bucket.move_tensors([it.target for it in members], [it.grad for it in members], *moved)
         mult = None if plan.grad_mult is None else plan.mult
@@ -271,8 +294,14 @@ def _same_kind(old: Any, new: Any) -> bool:
     """
     if old == new or (_is_float(old) and _is_float(new)):
         return True
-    if type(old) is tuple and type(new) is tuple and len(old) == len(new) and old and old[0] == new[0] and \
-            old[0] in ("tuple", "list"):
+    if (
+        type(old) is tuple
+        and type(new) is tuple
+        and len(old) == len(new)
+        and old
+        and old[0] == new[0]
+        and old[0] in ("tuple", "list")
+    ):
         return all(map(_same_kind, old[1:], new[1:]))
     return False
 

@@ -30,8 +30,9 @@ def _decay_rows(rows: torch.Tensor, c: Any) -> None:
         rows.add_(rows, alpha=c)
 
 
-def finish(plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float = 1.0,
-           p32: torch.Tensor | None = None) -> None:
+def finish(
+    plan: Plan, it: Item, delta: torch.Tensor | None = None, alpha: float = 1.0, p32: torch.Tensor | None = None
+) -> None:
     """The pipeline's *unproject* and *apply*: ``p <- p * decay + alpha * scale * project_back(delta)`` on the full
     parameter (``delta``: the low-rank update, by default the item's target), in row blocks on the CPU (no
     full-size temporary) and whole on CUDA. ``p32``: the fp32 working copy the reference core already used. The

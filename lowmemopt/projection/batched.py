@@ -27,8 +27,19 @@ from .apply import _decay_rows, finish
 if TYPE_CHECKING:
     from ..pipeline.plan import Plan
 
-__all__ = ["BATCH_NUMEL", "BATCH_ON_CPU", "batches", "project", "stand_ins", "finish_many", "fused_apply",
-           "finished_in_batches", "stacked", "give_back", "Scratch"]
+__all__ = [
+    "BATCH_NUMEL",
+    "BATCH_ON_CPU",
+    "batches",
+    "project",
+    "stand_ins",
+    "finish_many",
+    "fused_apply",
+    "finished_in_batches",
+    "stacked",
+    "give_back",
+    "Scratch",
+]
 
 #: CUDA: elements of the stacked gradients in one batched projection (64 MiB of fp32)
 BATCH_NUMEL = 1 << 24
@@ -73,7 +84,7 @@ class Scratch:
 def _chunks(members: list[Item], numel: int) -> list[list[Item]]:
     """``members`` in chunks of at most :data:`BATCH_NUMEL` elements of matrices of ``numel`` elements."""
     per = max(1, BATCH_NUMEL // numel)
-    return [members[i:i + per] for i in range(0, len(members), per)]
+    return [members[i : i + per] for i in range(0, len(members), per)]
 
 
 @dataclass(eq=False)
@@ -152,8 +163,9 @@ def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLa
     for k, ((chunk, side, dtype), (out, views)) in enumerate(zip(layout.chunks, layout.outs)):
         first = chunk[0]
         if len(chunk) == 1:
-            out[0].copy_(pj.project(first.extra["g"].float() if dtype is None else first.extra["g"], first.state,
-                                    dtype))
+            out[0].copy_(
+                pj.project(first.extra["g"].float() if dtype is None else first.extra["g"], first.state, dtype)
+            )
             layout.bases.append(None)
         else:
             g = stacked([it.extra["g"] for it in chunk], dtype or torch.float32)  # one cast for the chunk
@@ -181,7 +193,7 @@ def _carve_outputs(layout: ProjectLayout) -> None:
         m, n = first.extra["g"].shape
         r = first.state[pj.PROJ].shape[0] if side == pj.LEFT else first.state[pj.PROJ].shape[1]
         shape = (len(chunk), r, n) if side == pj.LEFT else (len(chunk), m, r)
-        out = buffer[offset:offset + math.prod(shape)].view(shape)
+        out = buffer[offset : offset + math.prod(shape)].view(shape)
         layout.outs.append((out, out.unbind(0)))
 
 
@@ -207,8 +219,9 @@ class StandInLayout:
     """Where :func:`stand_ins` carves each item's zeroed target: per device, its elements and the classes of one shape
     (the members and each one's 16-byte aligned size) at their offsets."""
 
-    devices: list[tuple[torch.device, torch.dtype, int, list[tuple[torch.Size, list[Item], int, int]]]] = \
-        field(default_factory=list)
+    devices: list[tuple[torch.device, torch.dtype, int, list[tuple[torch.Size, list[Item], int, int]]]] = field(
+        default_factory=list
+    )
     bases: list[int] = field(default_factory=list)  # this step's buffers' addresses, per device
     #: the stand-ins of each class without padding, stacked: id(first item) -> (members, [len, *shape] view)
     stacks: dict[int, tuple[list[Item], torch.Tensor]] = field(default_factory=dict)
@@ -254,12 +267,13 @@ def _carve_stand_ins(layout: StandInLayout) -> None:
         for shape, members, size, offset in classes:
             numel = shape.numel()
             if size == numel:
-                stack = flat[offset:offset + size * len(members)].view(len(members), *shape)
+                stack = flat[offset : offset + size * len(members)].view(len(members), *shape)
                 layout.stacks[id(members[0])] = (members, stack)
                 views += zip(members, stack.unbind(0))
                 continue
-            views += ((it, flat[offset + k * size:offset + k * size + numel].view(shape))
-                      for k, it in enumerate(members))
+            views += (
+                (it, flat[offset + k * size : offset + k * size + numel].view(shape)) for k, it in enumerate(members)
+            )
         layout.carved.append((scratch, views))
 
 
@@ -297,8 +311,9 @@ class FinishLayout:
 
     alone: list[Item] = field(default_factory=list)
     #: (items, side, product dtype, fused apply, their parameters as matrices, the apply pass's memo)
-    chunks: list[tuple[list[Item], int, torch.dtype | None, bool, list[torch.Tensor], dict]] = \
-        field(default_factory=list)
+    chunks: list[tuple[list[Item], int, torch.dtype | None, bool, list[torch.Tensor], dict]] = field(
+        default_factory=list
+    )
     #: per chunk, the chunk of a project layout with the same items and product dtype (its stacked bases serve
     #: again), or None; made for the project layout ``projected`` (by identity)
     same: list[int | None] = field(default_factory=list)
@@ -320,8 +335,7 @@ def _rows_of(chunk: list[Item], memo: dict) -> Sequence[int]:
     kept = memo.get("rows")
     if kept is None or len(kept) != len(rows) or list(kept) != rows:
         first = rows[0]
-        kept = memo["rows"] = range(first, first + len(rows)) if rows == list(range(first, first + len(rows))) \
-            else rows
+        kept = memo["rows"] = range(first, first + len(rows)) if rows == list(range(first, first + len(rows))) else rows
     return kept
 
 
@@ -331,8 +345,15 @@ def _finish_layout(items: list[Item]) -> FinishLayout:
     for it in items:
         p = it.param
         if it.extra["shards"] is None and finished_in_batches(p, it.state, it.record.rounding):
-            key = (p.device, p.dtype, tuple(p.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape),
-                   id(it.extra["outer"]), it.extra["dtype"])
+            key = (
+                p.device,
+                p.dtype,
+                tuple(p.shape),
+                it.state[pj.SIDE],
+                tuple(it.state[pj.PROJ].shape),
+                id(it.extra["outer"]),
+                it.extra["dtype"],
+            )
             classes.setdefault(key, []).append(it)
         else:
             layout.alone.append(it)
@@ -358,9 +379,14 @@ def _targets(chunk: list[Item], dtype: torch.dtype, stand: StandInLayout | None)
     return stacked([it.target for it in chunk], dtype)
 
 
-def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None,
-                layout: FinishLayout | None = None, projected: ProjectLayout | None = None,
-                stand: StandInLayout | None = None) -> FinishLayout:
+def finish_many(
+    plan: Plan,
+    items: list[Item],
+    flags: torch.Tensor | None = None,
+    layout: FinishLayout | None = None,
+    projected: ProjectLayout | None = None,
+    stand: StandInLayout | None = None,
+) -> FinishLayout:
     """:func:`.apply.finish` for items whose target holds the low-rank update: on CUDA one batched product back and one
     multi-tensor pass (:mod:`lowmemopt.kernels.unproject`) per shape class (equal to the per-matrix sums within fp32
     rounding), elsewhere one by one. ``flags``: device finiteness flags (a skipped item is left as it is);
@@ -398,8 +424,16 @@ def finish_many(plan: Plan, items: list[Item], flags: torch.Tensor | None = None
         if apply:  # one pass: read U and p, write p
             from ..kernels.unproject import apply_updates
 
-            apply_updates(params, update, scale, decay, c, flags if flagged else None,
-                          _rows_of(chunk, memo) if flagged else (), memo)
+            apply_updates(
+                params,
+                update,
+                scale,
+                decay,
+                c,
+                flags if flagged else None,
+                _rows_of(chunk, memo) if flagged else (),
+                memo,
+            )
             continue
         if flagged:  # (device_may_check sends only what the fused pass takes)
             raise RuntimeError("GaLore: a parameter checked on the device reached an apply that ignores its flag")

@@ -15,11 +15,22 @@ from ..rounding import KAHAN
 from . import projector as pj
 from .state import projected_slots
 
-__all__ = ["GROUP_DEFAULTS", "check_group", "check_values", "group_values_valid", "check_group_values",
-           "check_low_rank_state"]
+__all__ = [
+    "GROUP_DEFAULTS",
+    "check_group",
+    "check_values",
+    "group_values_valid",
+    "check_group_values",
+    "check_low_rank_state",
+]
 
 GROUP_DEFAULTS: dict[str, Any] = dict(
-    update_proj_gap=200, scale=0.25, proj_type="std", proj_svd="full", proj_moments="keep", proj_stagger=False,
+    update_proj_gap=200,
+    scale=0.25,
+    proj_type="std",
+    proj_svd="full",
+    proj_moments="keep",
+    proj_stagger=False,
     proj_dtype="param",
 )
 SVD_METHODS = ("full", "randomized")
@@ -88,8 +99,9 @@ def check_group_values(plan: Plan, group: dict[str, Any], owner: str) -> None:
         check_values(group)
     except (TypeError, ValueError) as e:
         index = next((i for i, g in enumerate(plan.groups) if g is group), "?")
-        raise type(e)(f"{owner}: param group {index}: {e}; nothing was changed (set a valid value before the next "
-                      "step)") from None
+        raise type(e)(
+            f"{owner}: param group {index}: {e}; nothing was changed (set a valid value before the next step)"
+        ) from None
 
 
 def check_low_rank_state(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], owner: str) -> None:
@@ -102,8 +114,10 @@ def check_low_rank_state(plan: Plan, p: torch.Tensor, group: dict[str, Any], sta
     m, n = pj.matrix_shape(p.shape)
     side, proj = state[pj.SIDE], state.get(pj.PROJ)
     right = state.get(pj.PROJ_RIGHT)
-    for name, basis, dim, size in ((pj.PROJ, proj, 0 if side == pj.RIGHT else 1, n if side == pj.RIGHT else m),
-                                   (pj.PROJ_RIGHT, right, 0, n)):
+    for name, basis, dim, size in (
+        (pj.PROJ, proj, 0 if side == pj.RIGHT else 1, n if side == pj.RIGHT else m),
+        (pj.PROJ_RIGHT, right, 0, n),
+    ):
         if isinstance(basis, torch.Tensor) and (basis.dim() != 2 or basis.shape[dim] != size):  # (none yet: fits)
             raise ValueError(
                 f"{owner}: the GaLore state of {where(plan, p)} was made for another tensor: its basis '{name}' "
@@ -120,7 +134,13 @@ def check_low_rank_state(plan: Plan, p: torch.Tensor, group: dict[str, Any], sta
             "optimizer.state[p]) to start it regather at the new rank"
         )
     low = pj.low_rank_shape(m, n, group["rank"], side)
-    check_slots(projected_slots(plan, group, p), torch.Size(low), state, plan.record_of(group).block_size,
-                lambda: where(plan, p), owner,
-                f"the parameter has shape {tuple(p.shape)}, whose low-rank state at rank {group['rank']} is {low[0]} x "
-                f"{low[1]}")
+    check_slots(
+        projected_slots(plan, group, p),
+        torch.Size(low),
+        state,
+        plan.record_of(group).block_size,
+        lambda: where(plan, p),
+        owner,
+        f"the parameter has shape {tuple(p.shape)}, whose low-rank state at rank {group['rank']} is {low[0]} x "
+        f"{low[1]}",
+    )

@@ -37,8 +37,13 @@ def inner_group(plan: Plan, group: dict[str, Any]) -> tuple[dict[str, Any], floa
     return group, plan.algorithm.decay_factor(group)
 
 
-def gather(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-            inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] | None = None) -> Item | None:
+def gather(
+    plan: Plan,
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    group: dict[str, Any],
+    inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]] | None = None,
+) -> Item | None:
     """The pipeline's *gather* for a GaLore parameter: its state (made on the first step), the basis refreshed when due,
     and an :class:`~lowmemopt.work.items.Item` with its gradient not yet projected. None: no basis yet (skipped) or zero
     size (counted). ``inner``: the inner groups by group id, so one param group's items share a bucket.
@@ -76,10 +81,28 @@ def gather(plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any
     if inner is None:
         inner = {}
     group_in, core, decay = _inner(plan, group, inner)
-    return Item(param=p, group=group_in, record=plan.record_of(group_in), target=None, grad=None, state=state,
-                slots=slots, projected=True,
-                extra=dict(g=g, shards=shards, m_local=m_local, n=n, row0=row0, decay=decay, outer=group, core=core,
-                           math_decay=None, dtype=None if shards is not None else proj_dtype(group, p)))
+    return Item(
+        param=p,
+        group=group_in,
+        record=plan.record_of(group_in),
+        target=None,
+        grad=None,
+        state=state,
+        slots=slots,
+        projected=True,
+        extra=dict(
+            g=g,
+            shards=shards,
+            m_local=m_local,
+            n=n,
+            row0=row0,
+            decay=decay,
+            outer=group,
+            core=core,
+            math_decay=None,
+            dtype=None if shards is not None else proj_dtype(group, p),
+        ),
+    )
 
 
 def _matrix(plan: Plan, g: torch.Tensor, m: int, n: int) -> torch.Tensor:
@@ -90,13 +113,16 @@ def _matrix(plan: Plan, g: torch.Tensor, m: int, n: int) -> torch.Tensor:
     return g if g.shape == (m, n) else g.reshape(m, n)
 
 
-def _inner(plan: Plan, group: dict[str, Any], inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]]
-           ) -> tuple[dict[str, Any], dict[str, Any], float]:
+def _inner(
+    plan: Plan, group: dict[str, Any], inner: dict[int, tuple[dict[str, Any], dict[str, Any], float]]
+) -> tuple[dict[str, Any], dict[str, Any], float]:
     """``(stand-in's group, reference core's group, decay factor)`` of a GaLore group, once per step in ``inner``."""
     made = inner.get(id(group))
     if made is None:
         core, decay = inner_group(plan, group)
-        group_in = dict(core, weight_decay=0.0) if plan.algorithm.weight_stat_math and core.get("weight_decay") else core
+        group_in = (
+            dict(core, weight_decay=0.0) if plan.algorithm.weight_stat_math and core.get("weight_decay") else core
+        )
         made = inner[id(group)] = group_in, core, decay
     return made
 
@@ -114,4 +140,3 @@ def regather(plan: Plan, items: list[Item], grads: list[torch.Tensor]) -> None:
         it.group, it.record, it.target, it.grad, it.weight = group_in, record, None, None, None
         extra["g"] = _matrix(plan, g, extra["m_local"], extra["n"])
         extra["core"], extra["decay"], extra["math_decay"] = core, decay, None
-

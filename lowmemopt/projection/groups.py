@@ -67,8 +67,10 @@ def galore_param_groups(
         options = ["rank", "update_proj_gap", "scale", "proj_type", "weight_decay", *sorted(_EXTRA_KEYS)]
         close = difflib.get_close_matches(unknown[0], options, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise TypeError(f"galore_param_groups() got an unexpected keyword argument {unknown[0]!r}: {hint}its GaLore "
-                        f"options are {', '.join(options)} (target_modules selects the modules)")
+        raise TypeError(
+            f"galore_param_groups() got an unexpected keyword argument {unknown[0]!r}: {hint}its GaLore "
+            f"options are {', '.join(options)} (target_modules selects the modules)"
+        )
     galore = dict(params=[], rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type)
     galore.update(projection)
     check_group(dict(galore))  # the optimizer checks again; fail here, before walking the model

@@ -122,8 +122,9 @@ def project(g: torch.Tensor, state: dict[str, Any], dtype: torch.dtype | None = 
     return torch.matmul(p.t(), g) @ q.t()
 
 
-def project_back_rows(u: torch.Tensor, state: dict[str, Any], r0: int, r1: int, row0: int = 0,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:
+def project_back_rows(
+    u: torch.Tensor, state: dict[str, Any], r0: int, r1: int, row0: int = 0, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Rows ``[r0, r1)`` of the full-rank update ``P u`` / ``u Q`` / ``P u Q`` (unscaled), so that the full-size
     update is never materialized at once. (Row blocks of a product are the product's rows: bit-identical on CPU.)
     ``row0``: the matrix is a row shard starting at row ``row0`` of the whole one (rows of ``P`` are offset by it;
@@ -131,15 +132,13 @@ def project_back_rows(u: torch.Tensor, state: dict[str, Any], r0: int, r1: int, 
     :func:`project` (the result in ``dtype``)."""
     p, q = bases(state)
     if q is None:
-        return torch.matmul(_cast(p[row0 + r0:row0 + r1], dtype), _cast(u, dtype))
+        return torch.matmul(_cast(p[row0 + r0 : row0 + r1], dtype), _cast(u, dtype))
     if p is None:
         return torch.matmul(_cast(u[r0:r1], dtype), _cast(q, dtype))
-    return torch.matmul(_cast(p[row0 + r0:row0 + r1], dtype), _cast(u, dtype)) @ _cast(q, dtype)
+    return torch.matmul(_cast(p[row0 + r0 : row0 + r1], dtype), _cast(u, dtype)) @ _cast(q, dtype)
 
 
-def compute_basis(
-    g: torch.Tensor, rank: int, side: int, method: str, seed: int
-) -> dict[str, torch.Tensor] | None:
+def compute_basis(g: torch.Tensor, rank: int, side: int, method: str, seed: int) -> dict[str, torch.Tensor] | None:
     """A new basis for the fp32 matrix ``g``, as stored: ``{galore.proj: P^T or Q^T, [galore.proj_right: Q^T]}``
     (views; the caller copies them into the state), or None if the
     gradient or its SVD is not finite or the SVD fails to converge. One host synchronization (the finiteness check)."""
@@ -216,8 +215,11 @@ def projector_problem(projector: dict[str, Any], group: dict[str, Any], shape: t
         return f"projector side {side} (expected 0 left, 1 right or 2 both)"
     m, n = matrix_shape(shape)
     expected = basis_shapes(m, n, group["rank"], side)
-    got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in projector.items()
-           if k in PROJECTOR_TENSORS}
+    got = {
+        k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v)
+        for k, v in projector.items()
+        if k in PROJECTOR_TENSORS
+    }
     if got != expected:
         return f"projector bases {got}, rank {group['rank']} on a {m}x{n} matrix (side {SIDE_NAMES[side]}) needs {expected}"
     for key in expected:

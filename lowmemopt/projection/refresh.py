@@ -26,8 +26,9 @@ def _stagger_offset(plan: Plan, p: torch.Tensor, gap: int) -> int:
     return i * gap // len(projected)
 
 
-def refresh_basis(plan: Plan, p: torch.Tensor, g: torch.Tensor, state: dict, slots: dict[str, Slot],
-             group: dict[str, Any], t: int) -> bool:
+def refresh_basis(
+    plan: Plan, p: torch.Tensor, g: torch.Tensor, state: dict, slots: dict[str, Slot], group: dict[str, Any], t: int
+) -> bool:
     """Recompute the basis from the fp32 matrix ``g`` at step ``t`` (before increment). Returns False if the
     parameter has no usable basis (its first refresh failed): the caller then skips the step."""
     gap = group["update_proj_gap"]

@@ -17,7 +17,12 @@ from .gather import gather, regather
 from .refresh import refresh_due
 from .state import init_projected_state, projected_slots
 from .update import (
-    device_may_check, native_takes_stand_in, param_free, runs_on_stand_in, takes_fused, update_per_tensor,
+    device_may_check,
+    native_takes_stand_in,
+    param_free,
+    runs_on_stand_in,
+    takes_fused,
+    update_per_tensor,
     weight_statistics,
 )
 

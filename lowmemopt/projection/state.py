@@ -59,21 +59,26 @@ def _low_rank_slot(s: Slot, low: tuple[int, ...], dims: tuple[int | None, ...]) 
     except TypeError:  # an algorithm's slot with unhashable fields (a list shape): not memoized
         key = shaped = None
     if shaped is None:
-        shaped = s._replace(shape=low, dims=dims) if s.shape is None else s._replace(
-            dims=None if s.dims is None else tuple(None if d is None else dims[d] for d in s.dims))
+        shaped = (
+            s._replace(shape=low, dims=dims)
+            if s.shape is None
+            else s._replace(dims=None if s.dims is None else tuple(None if d is None else dims[d] for d in s.dims))
+        )
         if key is not None:
             _LOW_RANK_SLOTS[key] = shaped
     return shaped
 
 
-def init_projected_state(plan: Plan, p: torch.Tensor, group: dict[str, Any],
-                         slots: dict[str, Slot] | None = None) -> dict[str, Any]:
+def init_projected_state(
+    plan: Plan, p: torch.Tensor, group: dict[str, Any], slots: dict[str, Slot] | None = None
+) -> dict[str, Any]:
     """Make ``p``'s first GaLore state in ``plan.state[p]``: the inner algorithm's low-rank slots and an empty
     projector (also used, on a meta twin of ``p``, by :mod:`lowmemopt.paging` to learn the layout ahead)."""
     slots = projected_slots(plan, group, p) if slots is None else slots
     m, n = pj.matrix_shape(p.shape)
     # a DTensor's ranks agree on its stochastic-rounding seed (not the paging layout probe's meta twin)
-    state = init_state(p, plan.record_of(group), slots, plan.state[p],
-                       reduce=LOCAL if p.device.type == "meta" else reduction_of(p))
+    state = init_state(
+        p, plan.record_of(group), slots, plan.state[p], reduce=LOCAL if p.device.type == "meta" else reduction_of(p)
+    )
     pj.init_projector(state, m, n, group["rank"], pj.choose_side(group["proj_type"], m, n), p.device)
     return state

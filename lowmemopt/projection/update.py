@@ -18,8 +18,15 @@ from . import projector as pj
 from .apply import finish
 from .batched import finished_in_batches, fused_apply
 
-__all__ = ["param_free", "takes_fused", "runs_on_stand_in", "weight_statistics", "device_may_check",
-           "update_per_tensor", "native_takes_stand_in"]
+__all__ = [
+    "param_free",
+    "takes_fused",
+    "runs_on_stand_in",
+    "weight_statistics",
+    "device_may_check",
+    "update_per_tensor",
+    "native_takes_stand_in",
+]
 
 
 def param_free(plan: Plan) -> bool:
@@ -65,11 +72,16 @@ def weight_statistics(plan: Plan, items: list[Item]) -> None:
             it.extra["math_decay"] = c[i] if isinstance(c, torch.Tensor) and c.dim() else c
 
 
-def device_may_check(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
-                     memo: dict[Any, bool] | None = None) -> bool:
+def device_may_check(
+    plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], memo: dict[Any, bool] | None = None
+) -> bool:
     """May projected ``p``'s step leave its non-finite check to the device (no refresh due, stand-in, batched apply)?"""
-    if not ("step" in state and state[pj.REFRESHED_AT] >= 0 and state["step"] < state[pj.NEXT_REFRESH]
-            and finished_in_batches(p, state, plan.record_of(group).rounding)):
+    if not (
+        "step" in state
+        and state[pj.REFRESHED_AT] >= 0
+        and state["step"] < state[pj.NEXT_REFRESH]
+        and finished_in_batches(p, state, plan.record_of(group).rounding)
+    ):
         return False
     key = (p.device, p.dtype)
     ok = None if memo is None else memo.get(key)
@@ -87,15 +99,25 @@ def update_per_tensor(plan: Plan, it: Item) -> bool:
     state = it.state
     if it.target is not None and param_free(plan):
         state["step"] += 1
-        update_flat(plan.algorithm, it.target, it.target.view(-1), it.grad.view(-1), state, it.slots, it.record,
-                               state["step"], 1.0)
+        update_flat(
+            plan.algorithm,
+            it.target,
+            it.target.view(-1),
+            it.grad.view(-1),
+            state,
+            it.slots,
+            it.record,
+            state["step"],
+            1.0,
+        )
         return True
     if it.target is not None and it.target.device.type == "cpu" and cpu.ENABLED:
         formats = {name: format_of(state, name) for name in it.slots}
         t = state["step"] + 1
         native = None if plan.kernels is None else plan.kernels.native
-        if cpu.step_factored(native, it.target, it.target.view(-1), it.grad.view(-1), state,
-                             formats, it.record, t, 1.0, weight=it.weight):
+        if cpu.step_factored(
+            native, it.target, it.target.view(-1), it.grad.view(-1), state, formats, it.record, t, 1.0, weight=it.weight
+        ):
             state["step"] = t
             return True
     state["step"] += 1
@@ -106,9 +128,20 @@ def update_per_tensor(plan: Plan, it: Item) -> bool:
     p32 = p32.to(math_dtype(p32.dtype))
     reduce = LOCAL if shards is None else shards.reduction(p32)
     g_low = it.grad
-    delta, alpha = run_update(plan.algorithm, p32, g_low, state, it.slots, formats, plan.record_of(it.extra["core"]),
-                              state["step"], 0,
-                                         g_low.numel(), g_low, reduce)
+    delta, alpha = run_update(
+        plan.algorithm,
+        p32,
+        g_low,
+        state,
+        it.slots,
+        formats,
+        plan.record_of(it.extra["core"]),
+        state["step"],
+        0,
+        g_low.numel(),
+        g_low,
+        reduce,
+    )
     finish(plan, it, delta, alpha, p32)
     return False
 
@@ -120,4 +153,3 @@ def native_takes_stand_in(plan: Plan, it: Item) -> bool:
     from ..cpu.factored import FactoredStep
 
     return plan.kernels is not None and isinstance(plan.kernels.native, FactoredStep)
-

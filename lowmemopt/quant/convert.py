@@ -15,12 +15,34 @@ import torch
 
 from . import q4
 from .blockwise import num_blocks
-from .formats import (BF16, FP16, FP32, FP64, Q4, Q8, QUANTIZED, Slot, StateFormat, choose_format, legacy_map_for,
-                      map_for)
+from .formats import (
+    BF16,
+    FP16,
+    FP32,
+    FP64,
+    Q4,
+    Q8,
+    QUANTIZED,
+    Slot,
+    StateFormat,
+    choose_format,
+    legacy_map_for,
+    map_for,
+)
 from .maps import code_book
 
-__all__ = ["CheckpointError", "convert_param_state", "reformat", "check_source", "check_values", "check_step",
-           "check_group", "slot_names", "state_origin", "foreign_state_hint"]
+__all__ = [
+    "CheckpointError",
+    "convert_param_state",
+    "reformat",
+    "check_source",
+    "check_values",
+    "check_step",
+    "check_group",
+    "slot_names",
+    "state_origin",
+    "foreign_state_hint",
+]
 
 CHUNK_NUMEL = 1 << 16  # elements per conversion chunk (rounded to the block sizes): bounds the temporaries
 _BNB_QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests its 8-bit tensors under this key
@@ -73,8 +95,7 @@ def state_map(fmt: StateFormat, slot: Slot) -> str | None:
     return map_for(slot.signed) if fmt is Q8 else q4.map4_for(slot.signed) if fmt is Q4 else None
 
 
-def target_format(group: dict[str, Any], slot: Slot, numel: int,
-                  param_dtype: torch.dtype | None = None) -> StateFormat:
+def target_format(group: dict[str, Any], slot: Slot, numel: int, param_dtype: torch.dtype | None = None) -> StateFormat:
     """The format ``group`` stores a slot of ``numel`` elements in, for a parameter of ``param_dtype``."""
     return choose_format(group["state_bits"], numel, group["min_quant_numel"], slot.quantize, slot.dtype, param_dtype)
 
@@ -158,8 +179,7 @@ def convert_param_state(
         read = lambda key, a, b, flat=flat: flat[key][a:b]  # noqa: E731
         device = next(iter(tensors.values())).device
         dst.init(out, name, shape, device, dst_bs)
-        reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False,
-                 src_map=src_map)
+        reformat(read, out, name, shape, slot.signed, src, src_bs, dst, dst_bs, device, verbatim=False, src_map=src_map)
     return out
 
 
@@ -186,8 +206,8 @@ _ORIGINS = (
 def slot_names(states: Any) -> set[str]:
     """The slot names in a state dict's ``"state"``, without storage suffixes, ``step`` and kept entries."""
     names: set[str] = set()
-    for state in (states.values() if isinstance(states, dict) else ()):
-        for key in (state if isinstance(state, dict) else ()):
+    for state in states.values() if isinstance(states, dict) else ():
+        for key in state if isinstance(state, dict) else ():
             key = str(key)
             if key == "step" or key.startswith(("galore.", "bf16_update.")):
                 continue
@@ -217,8 +237,10 @@ def foreign_state_hint(states: Any, slots: Callable[[], set[str]], owner: str) -
         return ""
     if slot_names(states) == ours:
         return ""
-    return (f". It looks like the state of {origin}, not of {owner} (slots {', '.join(sorted(ours)) or 'none'}): a "
-            f"state dict loads into the optimizer that saved it")
+    return (
+        f". It looks like the state of {origin}, not of {owner} (slots {', '.join(sorted(ours)) or 'none'}): a "
+        f"state dict loads into the optimizer that saved it"
+    )
 
 
 def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
@@ -240,8 +262,13 @@ def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
 def check_step(step: Any, where: str) -> int:
     """A state's step count as an int; raise CheckpointError unless it is a non-negative integer."""
     value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
-            or value != int(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or value != int(value)
+    ):
         shown = value if isinstance(value, (int, float)) else f"of type {type(step).__name__}"
         raise CheckpointError(f"{where}: step {shown} (the step count must be a non-negative integer)")
     return int(value)
@@ -261,8 +288,16 @@ def storage_dtype(fmt: StateFormat, key: str) -> torch.dtype:
     return {BF16: torch.bfloat16, FP16: torch.float16, FP64: torch.float64}.get(fmt, torch.float32)
 
 
-def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], name: str, shape: torch.Size,
-                 where: str, param_shape: torch.Size | None = None, source: str = "the state dict"):
+def check_source(
+    src: StateFormat,
+    bs: int,
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    shape: torch.Size,
+    where: str,
+    param_shape: torch.Size | None = None,
+    source: str = "the state dict",
+):
     """Raise CheckpointError unless ``tensors`` hold slot ``name`` of ``shape`` in format ``src``."""
     numel = shape.numel()
     param_shape = shape if param_shape is None else param_shape
@@ -271,8 +306,11 @@ def check_source(src: StateFormat, bs: int, tensors: dict[str, torch.Tensor], na
         ours += f" and its '{name}' {tuple(shape)}"
     hint = "; is it the state of another model, or of the parameters in another order?"
     if src is Q8 or src is Q4:
-        key, stored, unit, kind = ((".codes", numel, "elements", "8-bit codes") if src is Q8 else
-                                   (".nibbles", q4.packed_len(numel), "bytes", "4-bit codes, two per byte"))
+        key, stored, unit, kind = (
+            (".codes", numel, "elements", "8-bit codes")
+            if src is Q8
+            else (".nibbles", q4.packed_len(numel), "bytes", "4-bit codes, two per byte")
+        )
         codes, absmax = tensors[name + key], tensors[name + ".absmax"]
         if codes.dtype != torch.uint8:
             raise CheckpointError(f"{where}: '{name}{key}' is {codes.dtype} in {source}, expected uint8 {kind}")
@@ -304,8 +342,9 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
                 raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
             bs = saved_group.get("block_size")
             if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-                raise CheckpointError(f"{where}: 8-bit state '{name}' but the saved param group has no block_size "
-                                      f"(block_size {bs!r})")
+                raise CheckpointError(
+                    f"{where}: 8-bit state '{name}' but the saved param group has no block_size (block_size {bs!r})"
+                )
             qmap = legacy_map_for(slot.signed) if legacy_maps else map_for(slot.signed)
             sources[name] = (Q8, bs, {k: state[k] for k in keys}, qmap)
         elif name + ".nibbles" in state:
@@ -314,8 +353,10 @@ def _lowmemopt_sources(state, slots, saved_group, where, legacy_maps=False):
                 raise CheckpointError(f"{where}: '{keys[0]}' without '{keys[1]}'")
             bs = saved_group.get("block_size")
             if isinstance(bs, bool) or not isinstance(bs, int) or bs < 2 or bs % 2:
-                raise CheckpointError(f"{where}: 4-bit state '{name}' but the saved param group has no even block_size "
-                                      f"(block_size {bs!r})")
+                raise CheckpointError(
+                    f"{where}: 4-bit state '{name}' but the saved param group has no even block_size "
+                    f"(block_size {bs!r})"
+                )
             sources[name] = (Q4, bs, {k: state[k] for k in keys}, q4.map4_for(slot.signed))
         elif name in state:
             keys = (name,)

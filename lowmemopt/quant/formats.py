@@ -74,12 +74,15 @@ class StateFormat:
         """Create the slot's zero state (``shape``: the slot's logical shape)."""
         raise NotImplementedError
 
-    def decode(self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int,
-               qmap: str | None = None) -> torch.Tensor:
+    def decode(
+        self, state: dict, slot: str, lo: int, hi: int, signed: bool, block_size: int, qmap: str | None = None
+    ) -> torch.Tensor:
         """fp32 values of elements ``[lo, hi)`` (fp64 storage: fp64); ``qmap``: the codes' map."""
         raise NotImplementedError
 
-    def encode(self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int) -> None:
+    def encode(
+        self, state: dict, slot: str, lo: int, hi: int, value: torch.Tensor, signed: bool, block_size: int
+    ) -> None:
         """Write ``value`` as elements ``[lo, hi)`` (8-bit: in the state map ``map_for(signed)``)."""
         raise NotImplementedError
 
@@ -178,15 +181,17 @@ class _Q4(StateFormat):
         out = torch.empty(hi - lo, dtype=torch.float32, device=state[slot + ".nibbles"].device)
         ranges = self.key_ranges(slot, lo, hi, block_size)
         (a, b), (c, d) = ranges[slot + ".nibbles"], ranges[slot + ".absmax"]
-        q4.decode_into(state[slot + ".nibbles"][a:b], state[slot + ".absmax"][c:d], qmap or q4.map4_for(signed),
-                       block_size, out)
+        q4.decode_into(
+            state[slot + ".nibbles"][a:b], state[slot + ".absmax"][c:d], qmap or q4.map4_for(signed), block_size, out
+        )
         return out
 
     def encode(self, state, slot, lo, hi, value, signed, block_size):
         ranges = self.key_ranges(slot, lo, hi, block_size)
         (a, b), (c, d) = ranges[slot + ".nibbles"], ranges[slot + ".absmax"]
-        q4.encode_into(value.float(), q4.map4_for(signed), block_size, state[slot + ".nibbles"][a:b],
-                       state[slot + ".absmax"][c:d])
+        q4.encode_into(
+            value.float(), q4.map4_for(signed), block_size, state[slot + ".nibbles"][a:b], state[slot + ".absmax"][c:d]
+        )
 
     def nbytes(self, numel, block_size):
         return q4.packed_len(numel) + 4 * num_blocks(numel, block_size)
@@ -194,8 +199,10 @@ class _Q4(StateFormat):
     def key_ranges(self, slot, lo, hi, block_size):
         if lo % 2:
             raise ValueError(f"a 4-bit range must start on a byte (an even element), got {lo}")
-        return {slot + ".nibbles": (lo // 2, q4.packed_len(hi)), slot + ".absmax": (lo // block_size,
-                                                                                     num_blocks(hi, block_size))}
+        return {
+            slot + ".nibbles": (lo // 2, q4.packed_len(hi)),
+            slot + ".absmax": (lo // block_size, num_blocks(hi, block_size)),
+        }
 
 
 FP32, FP64, BF16, FP16, Q8, Q4 = _FP32(), _FP64(), _BF16(), _FP16(), _Q8(), _Q4()
@@ -211,8 +218,14 @@ def default_block_size(state_bits: int) -> int:
     return 128 if state_bits == 4 else 256
 
 
-def choose_format(state_bits: int, numel: int, min_quant_numel: int, quantizable: bool = True,
-                  dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> StateFormat:
+def choose_format(
+    state_bits: int,
+    numel: int,
+    min_quant_numel: int,
+    quantizable: bool = True,
+    dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> StateFormat:
     """The format a new slot gets (fp32 / fp64 below ``min_quant_numel``; a slot's own ``dtype``)."""
     if dtype is not None and quantizable:
         if dtype not in DENSE:

@@ -58,7 +58,7 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     """The 256-entry dynamic code book, sorted ascending (fp32, CPU)."""
     values: list[float] = [0.0, 1.0]
     for k in range(7):  # decade 10**(k - 6)
-        n = 2 ** k if signed else 2 ** (k + 1)
+        n = 2**k if signed else 2 ** (k + 1)
         edges = torch.linspace(0.1, 1.0, n + 1, dtype=torch.float32)
         mids = (edges[:-1] + edges[1:]) / 2.0
         scaled = ((10.0 ** (k - 6)) * mids).tolist()

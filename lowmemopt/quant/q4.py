@@ -208,8 +208,9 @@ def encode_table(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
     return _on("table", name, device, _table)
 
 
-def _encode_rows(x: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
+def _encode_rows(
+    x: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     from .blockwise import encode_rows
 
     codes, scale = encode_rows(x, book, table, signed)
@@ -269,29 +270,44 @@ def quantize(x: torch.Tensor, name: str = "pow2x4", block_size: int = 128) -> tu
     return nibbles, absmax
 
 
-def dequantize(nibbles: torch.Tensor, absmax: torch.Tensor, numel: int, name: str = "pow2x4",
-               block_size: int = 128) -> torch.Tensor:
+def dequantize(
+    nibbles: torch.Tensor, absmax: torch.Tensor, numel: int, name: str = "pow2x4", block_size: int = 128
+) -> torch.Tensor:
     """Inverse of :func:`quantize` (up to rounding): fp32 [numel]."""
     _check_block(block_size)
     if nibbles.dtype != torch.uint8 or nibbles.numel() != packed_len(numel):
-        raise ValueError(f"nibbles must be uint8 with {packed_len(numel)} bytes for {numel} elements, got "
-                         f"{nibbles.dtype} with {nibbles.numel()}")
+        raise ValueError(
+            f"nibbles must be uint8 with {packed_len(numel)} bytes for {numel} elements, got "
+            f"{nibbles.dtype} with {nibbles.numel()}"
+        )
     if absmax.numel() != (numel + block_size - 1) // block_size:
-        raise ValueError(f"absmax has {absmax.numel()} blocks; {numel} elements at block_size {block_size} need "
-                         f"{(numel + block_size - 1) // block_size}")
+        raise ValueError(
+            f"absmax has {absmax.numel()} blocks; {numel} elements at block_size {block_size} need "
+            f"{(numel + block_size - 1) // block_size}"
+        )
     out = torch.empty(numel, dtype=torch.float32, device=nibbles.device)
     decode_into(nibbles.reshape(-1), absmax.float(), name, block_size, out)
     return out
 
 
-def quantize_reference(x: torch.Tensor, name: str = "pow2x4", block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(
+    x: torch.Tensor, name: str = "pow2x4", block_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The specification: per-block scale, brute-force nearest codes (int64, unpacked); tests only."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     nb = (n + block_size - 1) // block_size
     book = code_book(name, x.device)
-    scale = torch.stack([_scale(flat[b * block_size : (b + 1) * block_size].view(1, -1), book, is_signed(name))[0]
-                         for b in range(nb)]) if nb else torch.zeros(0)
+    scale = (
+        torch.stack(
+            [
+                _scale(flat[b * block_size : (b + 1) * block_size].view(1, -1), book, is_signed(name))[0]
+                for b in range(nb)
+            ]
+        )
+        if nb
+        else torch.zeros(0)
+    )
     div = torch.where(scale > 0, scale, torch.ones_like(scale)).repeat_interleave(block_size)[:n]
     return nearest_code_reference(flat / div, name), scale
 

@@ -37,8 +37,14 @@ class BucketRecord:
     def of(cls, group: Mapping[str, Any]) -> BucketRecord:
         """The record of ``group`` as it stands (the one place a param group's options are read)."""
         get = group.get
-        return cls(MappingProxyType(group), get("block_size"), get("state_bits"), get("min_quant_numel"),
-                   get("bf16_update", "nearest"), get("rank"))
+        return cls(
+            MappingProxyType(group),
+            get("block_size"),
+            get("state_bits"),
+            get("min_quant_numel"),
+            get("bf16_update", "nearest"),
+            get("rank"),
+        )
 
     def rounding_of(self, p: torch.Tensor) -> str:
         """How ``p``'s fp32 result is stored: :attr:`rounding` for a bfloat16 / float16 ``p``, else ``"nearest"``."""
