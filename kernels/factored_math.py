@@ -73,3 +73,35 @@ def full_precondition(g, v, eps1, beta2, one_minus_beta2):
     """1-D params: ``v' = beta2 v + (1 - beta2)(g^2 + eps1)``; returns (v', g / sqrt(v'))."""
     v = tl.fma(g * g + eps1, one_minus_beta2, v * beta2)
     return v, tl.math.div_rn(1.0, tl.sqrt_rn(v)) * g
+
+
+@triton.jit
+def matrix_tile(units, table, W: tl.constexpr, TR: tl.constexpr, BC: tl.constexpr):
+    """A 2-D tile [TR, BC] of one matrix of a tensor's batch, with its scratch indices and masks."""
+    pid = tl.program_id(0)
+    t = tl.load(units + pid)
+    local = tl.load(units + tl.num_programs(0) + pid)
+    row = table + t.to(tl.int64) * W
+    R = tl.load(row + _R)
+    C = tl.load(row + _C)
+    n_rt = tl.cdiv(R, TR)
+    n_ct = tl.cdiv(C, BC)
+    b = local // (n_rt * n_ct)
+    rest = local % (n_rt * n_ct)
+    r = (rest // n_ct) * TR + tl.arange(0, TR)
+    c = (rest % n_ct) * BC + tl.arange(0, BC)
+    r_mask = r < R
+    c_mask = c < C
+    mask = r_mask[:, None] & c_mask[None, :]
+    grow = b * R + r
+    offs = grow[:, None] * C + c[None, :]
+    return t, row, offs, mask, grow, b * C + c, r_mask, c_mask
+
+
+@triton.jit
+def matrix_precondition(g, rfac, cfac, roff, coff, grow, cidx, r_mask, c_mask):
+    """``rfac[row] cfac[col] g`` on a :func:`matrix_tile`, each factor loaded once per tile row or column."""
+    return (
+        tl.load(rfac + roff + grow, mask=r_mask, other=0.0)[:, None]
+        * tl.load(cfac + coff + cidx, mask=c_mask, other=0.0)[None, :]
+    ) * g

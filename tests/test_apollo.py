@@ -200,12 +200,14 @@ def test_trainer_run(tmp_path):
     pytest.importorskip("transformers")
     from lowmemopt.integrations.transformers import optimizer
 
-    spec = lambda: optimizer(
-        "apollo_adamw_8bit",
-        apollo=dict(target_modules="all-linear", rank=4, update_proj_gap=3),  # noqa
-        min_quant_numel=64,
-        block_size=64,
-    )
+    def spec():
+        return optimizer(
+            "apollo_adamw_8bit",
+            apollo=dict(target_modules="all-linear", rank=4, update_proj_gap=3),
+            min_quant_numel=64,
+            block_size=64,
+        )
+
     full, result = tiny_trainer(tmp_path / "full", spec())
     opt = full.optimizer.optimizer
     assert type(opt) is lowmemopt.APOLLOAdamW and result.training_loss < 4.6

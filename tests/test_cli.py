@@ -122,7 +122,11 @@ def test_cli_inspect_tells_torch_files_from_safetensors_by_content(tmp_path):
 def test_the_command_drops_only_the_known_import_noise():
     import logging
 
-    from lowmemopt.cli import _IMPORT_NOISE, _DropImportNoise, _quiet_import_noise
+    from lowmemopt.cli.noise import (
+        IMPORT_NOISE as _IMPORT_NOISE,
+        DropImportNoise as _DropImportNoise,
+        quiet_import_noise as _quiet_import_noise,
+    )
 
     seen = []
 
