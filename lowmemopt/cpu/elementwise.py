@@ -161,9 +161,11 @@ def refresh(
     scan: torch.Tensor | None = None,
     memo: dict | None = None,
     grad_mult: float | None = None,
+    set_scan: bool = True,
 ) -> bool:
-    """Make ``args`` (from :func:`prepare` on an earlier step) this step's: gradient, scalars, check, rounding key,
-    loss-scaling multiplier; the caller vouches nothing else changed. False: call :func:`prepare` again."""
+    """Make ``args`` (from :func:`prepare` on an earlier step) this step's: gradient, scalars, check (unless not
+    ``set_scan``), rounding key, loss-scaling multiplier; the caller vouches nothing else changed. False: call
+    :func:`prepare` again."""
     numbers, names, h, flags = _derived(kernel, kwargs, decay, memo)
     if not numbers or not _same_slots(names, slots):
         return False
@@ -171,11 +173,24 @@ def refresh(
     args.h[: len(h)] = h
     args.flags = flags
     args.nthreads = torch.get_num_threads()
-    ffi.set_scan(args, scan)
+    if set_scan:
+        ffi.set_scan(args, scan)
     if args.p_update == ffi.UPDATES["stochastic"]:
         args.sr_key = rounding.step_key(state[rounding.SEED], step)
     args.g_mult = 0.0 if grad_mult is None else grad_mult
     return True
+
+
+def refresh_many(
+    kernel: NativeKernel, entries: list[tuple], memo: dict | None = None, grad_mult: float | None = None
+) -> list[bool]:
+    """:func:`refresh` of each ``(args, kwargs, gflat, state, slots, step, decay, scan)`` of ``entries``, the checks
+    set in one pass: True where ``args`` now hold this step's."""
+    done = [
+        refresh(a, kernel, kw, g, st, sl, n, d, sc, memo, grad_mult, False) for a, kw, g, st, sl, n, d, sc in entries
+    ]
+    ffi.set_scans([(e[0], e[7]) for e, ok in zip(entries, done) if ok])
+    return done
 
 
 def step(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import Sequence
 
 import torch
 
@@ -155,6 +156,12 @@ def set_scan(a: Args, scan: torch.Tensor | None) -> None:
     a.scan_sumsq = ctypes.addressof(a._sumsq)
 
 
+def set_scans(pairs: Sequence[tuple[Args, torch.Tensor | None]]) -> None:
+    """:func:`set_scan` of each ``(args, scan)``."""
+    for a, scan in pairs:
+        set_scan(a, scan)
+
+
 #: ``bf16_update`` -> the kernels' UPD_* code
 UPDATES = {"nearest": 0, "stochastic": 1, "kahan": 2}
 
@@ -169,6 +176,11 @@ def set_update(a: Args, mode: str, key: int = 0, offset: int = 0, kahan: torch.T
 def can_scan(t: torch.Tensor) -> bool:
     """Whether a kernel can scan ``t`` (a contiguous CPU tensor of a supported dtype)."""
     return not t.is_sparse and t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous()
+
+
+def scannable(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The indices of the ``tensors`` that :func:`can_scan` takes."""
+    return [i for i, t in enumerate(tensors) if can_scan(t)]
 
 
 def scan_result(args: Args) -> bool:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..quant.formats import Slot
 
 __all__ = [
+    "any_dtensor",
     "is_dtensor",
     "local_tensor",
     "local_view",
@@ -36,6 +37,16 @@ __all__ = [
 def is_dtensor(t: Any) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def any_dtensor(work: Sequence[tuple[torch.Tensor, Any]]) -> bool:
+    """Is a parameter or a gradient of ``work`` ((parameter, group) pairs) a DTensor? (once per step: the stages
+    take every tensor as it is when none is)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return False
+    dtensor = module.DTensor
+    return any(isinstance(p, dtensor) or isinstance(p.grad, dtensor) for p, _ in work)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

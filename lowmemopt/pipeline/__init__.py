@@ -16,7 +16,7 @@ from .. import cpu, rounding
 from .._stacklevel import external_stacklevel
 from ..cpu import factored
 from ..distributed.reduction import LOCAL
-from ..distributed.sharding import agree_finite, is_dtensor, local_tensor, local_view
+from ..distributed.sharding import agree_finite, any_dtensor, is_dtensor, local_tensor, local_view
 from ..work import Item, Update, capture
 from ..work.items import LOW_RANK
 from .algorithm import Algorithm, KernelSet
@@ -89,12 +89,15 @@ def new_seeds(plan: Plan, work: Work) -> Any:
     backends and paged batches make them in (:func:`lowmemopt.rounding.seeds_in_order`)."""
 
     def pending() -> list[torch.Tensor]:
-        locals_ = ((local_tensor(p), group, plan.state.get(p, ())) for p, group in work)
-        return [
-            t
-            for t, group, st in locals_
-            if plan.record_of(group).rounding_of(t) == "stochastic" and rounding.SEED not in st
-        ]
+        out, last, record, state = [], None, None, plan.state
+        for p, group in work:
+            if group is not last:  # (a group's parameters come together)
+                last, record = group, plan.record_of(group)
+            if record.rounding == "stochastic" and rounding.SEED not in state.get(p, ()):
+                t = local_tensor(p) if plan.sharded else p
+                if record.rounding_of(t) == "stochastic":
+                    out.append(t)
+        return out
 
     return rounding.seeds_in_order(pending)
 
@@ -111,6 +114,7 @@ def run(plan: Plan) -> StepOutcome:
         The skips to count now and to settle at the next step.
     """
     work = plan.work
+    plan.sharded = any_dtensor(work)
     if plan.capturable:
         check_state_fits(plan, work, plan.record.owner)
         return _capturable(plan)
@@ -125,7 +129,7 @@ def run(plan: Plan) -> StepOutcome:
                 plan,
                 _indexed(work),
                 [True] * len(work),
-                [local_tensor(p.grad) for p, _ in work],
+                _grads(plan),
                 None,
                 pager,
                 plan.flags,
@@ -138,6 +142,13 @@ def run(plan: Plan) -> StepOutcome:
 
 def _indexed(work: Work) -> list[tuple[int, torch.Tensor, dict]]:
     return [(i, p, group) for i, (p, group) in enumerate(work)]
+
+
+def _grads(plan: Plan) -> list[torch.Tensor]:
+    """The gradients of ``plan.work`` as the stages step them (a DTensor's local shard)."""
+    if plan.sharded:
+        return [local_tensor(p.grad) for p, _ in plan.work]
+    return [p.grad for p, _ in plan.work]
 
 
 def _checked(plan: Plan, pager: Any) -> StepOutcome:
@@ -155,12 +166,12 @@ def _checked(plan: Plan, pager: Any) -> StepOutcome:
         and type(plan.algorithm).step_work is Algorithm.step_work
     ):
         plan.keep = Kept()  # (a step the kernels take whole keeps its buckets: the program of the next steps)
-    grads = [local_tensor(p.grad) for p, _ in work]
+    grads = _grads(plan)
     if plan.found_inf is not None:
         return _scaled(plan, grads, pager)
     # CPU params stepped by the native kernels are checked in a pipeline instead of up front: each kernel also scans
     # the next such gradient (CpuFiniteChecks); paged ones too (a skipped parameter's state goes home unchanged).
-    pipe = CpuFiniteChecks([p for p, _ in work], grads, any(is_dtensor(p) for p, _ in work))
+    pipe = CpuFiniteChecks([p for p, _ in work], grads, plan.sharded and any(is_dtensor(p) for p, _ in work))
     finite: list[bool | None] = [None] * len(work)
     on_device = device_flags(plan, work, grads, pager, pipe) if plan.defer_finite else None
     if on_device is not None:  # no synchronization: the kernels read the device's flags
@@ -227,7 +238,7 @@ def _keep_program(plan: Plan) -> None:
 def _capturable(plan: Plan) -> StepOutcome:
     """A step that reads nothing back from the device (:mod:`lowmemopt.work.capture`)."""
     work, found_inf = plan.work, plan.found_inf
-    grads = [local_tensor(p.grad) for p, _ in work]
+    grads = _grads(plan)
     device = grads[0].device
     if capture.capturing(device):
         for group in {id(g): g for _, g in work}.values():

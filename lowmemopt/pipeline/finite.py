@@ -174,7 +174,7 @@ class CpuFiniteChecks:
             if cpu.available() and not getattr(runtime, "_cpu_interpreter", False):  # (tests: Triton on CPU)
                 from ..cpu import ffi
 
-                self.indices = {i for i, p in enumerate(params) if p.device.type == "cpu" and ffi.can_scan(grads[i])}
+                self.indices = {i for i in ffi.scannable(grads) if params[i].device.type == "cpu"}
 
     def check(self, i: int) -> bool:
         ok = cpu.grad_is_finite(self.grads[i])

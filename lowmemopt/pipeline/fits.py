@@ -27,10 +27,12 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
     its key does not take. ``owner``: the optimizer's class name, for the message."""
     state_of = plan.state.get
     layouts = plan._layouts
-    last = rank = None
+    last = rank = record = None
+    sharded = plan.sharded
     for p, group in work:
         if group is not last:  # (a group's parameters come together: one look at each group)
-            last, rank = group, plan.record_of(group).rank
+            last, record = group, plan.record_of(group)
+            rank = record.rank
             if plan.galore is not None and rank is not None:
                 plan.galore.check_group_values(plan, group, owner)
         grad = p.grad
@@ -61,8 +63,7 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
                 f"{group['rank']} (GaLore; was rank added to the group after steps?). Nothing was changed: remove the "
                 "group's rank, or reset this parameter's state (del optimizer.state[p]) to project it"
             )
-        local = local_tensor(p)
-        record = plan.record_of(group)
+        local = local_tensor(p) if sharded else p
         key = (id(record), local.shape, local.dtype, p.numel())
         layout = layouts.get(key)
         if layout is None:

@@ -49,12 +49,12 @@ Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
 
 def takes(plan: Plan) -> bool:
     """Does a native many-parameter kernel implement ``plan``'s algorithm here?"""
-    algorithm = plan.algorithm
-    if not (cpu.ENABLED and algorithm.elementwise and algorithm.fused is not None):
+    kernels = plan.kernels  # (the algorithm's)
+    if not (cpu.ENABLED and plan.algorithm.elementwise and kernels is not None):
         return False
     from ..cpu.elementwise import NativeKernel
 
-    return isinstance(algorithm.kernels.native, NativeKernel) and cpu.available()
+    return isinstance(kernels.native, NativeKernel) and cpu.available()
 
 
 def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
@@ -64,17 +64,26 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     their :class:`~lowmemopt.work.items.Update` only)."""
     if not todo or not takes(plan):
         return todo
-    algorithm, states = plan.algorithm, plan.state
+    algorithm, states, sharded = plan.algorithm, plan.state, plan.sharded
     rest: Todo = []
     items: list[Item] = []
     index: list[int] = []
+    last = record = None
+    slots_of: dict = {}  # (shape, dtype) -> the slots, in the group of the parameters at hand
     for i, p, group in todo:
+        if group is not last:  # (a group's parameters come together)
+            last, record = group, plan.record_of(group)
+            slots_of.clear()
         grad = p.grad
-        if p.device.type != "cpu" or plan.record_of(group).rank is not None or grad is None:
+        if p.device.type != "cpu" or record.rank is not None or grad is None:
             rest.append((i, p, group))
             continue
         numel = p.numel()  # a DTensor's whole size: it picks the state format
-        local, grad, reduce = local_view(p, grad)  # a DTensor (FSDP2) steps its local shard
+        reduce = LOCAL
+        if sharded:  # a DTensor (FSDP2) steps its local shard
+            local, grad, reduce = local_view(p, grad)
+        else:
+            local = p
         if not (local.is_contiguous() and grad.is_contiguous() and grad.shape == local.shape):
             rest.append((i, p, group))
             continue
@@ -82,8 +91,9 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
         if LOW_RANK in state:
             rest.append((i, p, group))
             continue
-        record = plan.record_of(group)
-        slots = plan.slots_of(record, local)
+        slots = slots_of.get((local.shape, local.dtype))
+        if slots is None:
+            slots = slots_of[local.shape, local.dtype] = plan.slots_of(record, local)
         if "step" not in state:
             if finite[i] is None:  # checked before its state is made (a skip makes none, and draws no seed)
                 finite[i] = cpu.grad_is_finite(grad)
@@ -94,9 +104,10 @@ def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
                     continue
             init_state(local, record, slots, state, numel=numel, reduce=reduce)
         else:
-            capture.host_count(state)
-            # bf16_update changed since: its state made for the whole tensor (a shard's ranks agree on a seed)
-            rounding.init_state(state, local, record.rounding, reduce.agree)
+            if type(state["step"]) is not int:  # a capturable step's count
+                capture.host_count(state)
+            if record.rounding != "nearest":  # bf16_update changed since: its state made for the whole tensor
+                rounding.init_state(state, local, record.rounding, reduce.agree)  # (a shard's ranks agree on a seed)
         state["step"] += 1
         items.append(
             Item(
@@ -143,22 +154,25 @@ def step_native_bucket(
     :class:`~lowmemopt.work.items.Update`; ``check[k]``: item ``k``'s gradient is checked for NaN/Inf in the same
     call; ``grad_mult``: loss scaling (device -> multiplier). Returns per item: True (stepped), False (its gradient
     was not finite: nothing written), None (the kernel does not take it: untouched, for the per-tensor backends)."""
-    from ..cpu.elementwise import prepare, refresh, step_many
+    from ..cpu.elementwise import prepare, refresh_many, step_many
 
     kernel = algorithm.kernels.native
     name = kernel.name
     out: list[bool | None] = [None] * len(items)
-    batch, taken = [], []
     memo: dict = {}  # what prepare derives from the math's arguments alone (kept alive with them: ids stay unique)
     mult = host_mult = None  # loss scaling's multiplier (applied as g is loaded), read at the first item
+    if grad_mult is not None and items:
+        mult = grad_mult(torch.device("cpu"))
+        host_mult = mult.tolist()
+    up = rounds = None  # the last item's Update and (record, dtype, rounding): the next item's, mostly
+    steps, kept, again = [], [], []  # per item: (up, pflat, gflat, scan, index_base, sig); kept arguments to refresh
     for k, it in enumerate(items):
-        if grad_mult is not None and mult is None:
-            mult = grad_mult(torch.device("cpu"))
-            host_mult = mult.tolist()
-        state, slots, record, local = it.state, it.slots, it.record, it.target
+        state, record, local = it.state, it.record, it.target
         step = state["step"]
-        up = update_for(it, step)
-        kw, decay = up.kwargs, up.decay
+        if up is None or up.record is not record or up.step != step:
+            up = update_for(it, step)
+        if rounds is None or rounds[0] is not record or rounds[1] is not local.dtype:
+            rounds = (record, local.dtype, record.rounding_of(local))
         pflat, gflat = local.view(-1), it.grad.view(-1)
         scan = gflat if check[k] else None
         index_base = it.index_base or 0
@@ -173,31 +187,35 @@ def step_native_bucket(
             pflat.numel(),
             gflat.dtype,
             record.block_size,
-            record.rounding_of(local),
+            rounds[2],
             index_base,
         )
+        steps.append((up, pflat, gflat, scan, index_base, sig))
         p = it.param
         cached = _ARGS.get(id(p))
-        if (
-            cached is not None
-            and cached[0]() is p
-            and cached[1] == sig
-            and refresh(cached[2], kernel, kw, gflat, state, slots, step, decay, scan, memo, host_mult)
-        ):
-            args, done = cached[2], cached[3]
+        if cached is not None and cached[0]() is p and cached[1] == sig:
+            kept.append(k)
+            again.append((cached[2], up.kwargs, gflat, state, it.slots, step, up.decay, scan))
+    refreshed = dict(zip(kept, refresh_many(kernel, again, memo, host_mult)))
+    batch, taken = [], []
+    for k, it in enumerate(items):
+        up, pflat, gflat, scan, index_base, sig = steps[k]
+        p, state, slots = it.param, it.state, it.slots
+        if refreshed.get(k):
+            args, done = _ARGS[id(p)][2:]
         else:
             formats = {s: format_of(state, s) for s in slots}
             args, done = prepare(
                 kernel,
-                kw,
+                up.kwargs,
                 pflat,
                 gflat,
                 state,
                 slots,
                 formats,
-                record,
-                step,
-                decay,
+                it.record,
+                state["step"],
+                up.decay,
                 scan=scan,
                 index_base=index_base,
                 memo=memo,

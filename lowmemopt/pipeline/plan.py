@@ -170,6 +170,8 @@ class Plan:
     # -- how this run steps: set by the entry (step(), the per-layer hook), read by pipeline.run --------------------
     #: the (param, group) pairs with gradients this run steps, in the step's order
     work: list = field(default_factory=list)
+    #: a parameter or gradient of ``work`` is a DTensor (set by the run): the stages step local shards
+    sharded: bool = False
     #: a capturable step (:mod:`lowmemopt.work.capture`): everything through the kernels, nothing read back
     capturable: bool = False
     #: per-layer updates: the gradients are known to be finite, or ``flags`` (a
