@@ -21,10 +21,14 @@ __all__ = [
     "device_table",
     "flagged_table",
     "select_flags",
+    "masked_table",
+    "launch_tables",
     "device_index",
     "unit_map",
     "aligned",
     "ceil_div",
+    "tile_counts",
+    "grid_counts",
 ]
 
 
@@ -110,10 +114,37 @@ def flagged_table(
     hit = None if memo is None else memo.get(id(table))
     if hit is not None:
         return hit[1]
-    out = torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
+    out = masked_table(table, skipped, flags, flag_rows, device)
     if memo is not None:
         memo[id(table)] = (table, out)  # (the table kept alive with its id)
     return out
+
+
+def masked_table(
+    table: torch.Tensor, skipped: torch.Tensor, flags: torch.Tensor, flag_rows: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """``table`` with each row's element count times its gradient's finiteness flag (``skipped``: the table with
+    every count 0): one device op."""
+    return torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
+
+
+def launch_tables(
+    rows: Sequence[Sequence[int]],
+    device: torch.device,
+    counts: Sequence[Sequence[int]] | None = None,
+    tile: int = 0,
+    flags: torch.Tensor | None = None,
+    flag_rows: Sequence[int] = (),
+) -> tuple[list[Sequence[int]], torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    """A bucket's own tables for its passes over ``rows``, in one call: ``(counts, both, units, masked)``, each
+    pass's programs per tensor (``counts``; None: one pass of ``tile`` elements a program), the table
+    (:func:`owned_tables`), each pass's :func:`unit_map` and, with ``flags``, the :func:`masked_table`."""
+    if counts is None:
+        counts = [tile_counts([row[2] for row in rows], tile)]
+    both = owned_tables(rows, device)
+    units = [unit_map(c, device) for c in counts]
+    masked = None if flags is None else masked_table(both[0], both[1], flags, flag_rows, device)
+    return list(counts), both, units, masked
 
 
 def select_flags(flags: torch.Tensor, flag_rows: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -149,6 +180,16 @@ def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` on the host (``triton.cdiv`` is 25x slower to call)."""
     return -(-a // b)
+
+
+def tile_counts(sizes: Sequence[int], tile: int) -> list[int]:
+    """Programs per tensor of ``sizes[i]`` elements, ``tile`` per program (:func:`ceil_div` of each)."""
+    return [ceil_div(n, tile) for n in sizes]
+
+
+def grid_counts(shapes: Sequence[tuple[int, int, int]], rows: int, cols: int) -> list[int]:
+    """Programs per ``(batch, R, C)`` stack of matrices in tiles of ``rows`` x ``cols``."""
+    return [b * ceil_div(r, rows) * ceil_div(c, cols) for b, r, c in shapes]
 
 
 def aligned(tensors: Sequence[torch.Tensor | None], nbytes: int = 16) -> bool:
