@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "is_dtensor",
+    "any_dtensor",
     "local_tensor",
     "local_view",
     "agree_finite",
@@ -36,6 +37,18 @@ __all__ = [
 def is_dtensor(t: Any) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def any_dtensor(tensors: Iterable[Any]) -> bool:
+    """Is any of ``tensors`` a DTensor? (One call for a step's tensors: False at once where none was ever made.)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return False
+    dtensor = module.DTensor
+    for t in tensors:
+        if isinstance(t, dtensor):
+            return True
+    return False
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
