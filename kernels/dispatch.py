@@ -131,8 +131,18 @@ def plan_buckets(
                 gid = by_values.setdefault(record.version, len(by_values))
             group_ids[id(record)] = gid
         step = None if device_steps else it.state["step"]
-        key = (gid, it.projected, kernel.fmt, t.dtype, it.grad.dtype, t.device, step, layout, it.flag is not None)
-        key += (it.weight is not None,)
+        key = (
+            gid,
+            it.projected,
+            kernel.fmt,
+            t.dtype,
+            it.grad.dtype,
+            t.device,
+            step,
+            layout,
+            it.flag is not None,
+            it.weight is not None,
+        )
         planned = buckets.get(key)
         if planned is None:
             planned = buckets[key] = Planned(kernel, [], step, rounding=mode)
@@ -232,8 +242,8 @@ def _full_size_slots(slots: dict[str, Any], numel: int) -> tuple[str, ...]:
 
 
 def _kernel_of(kernels: Any, fmt: str, record: Any, t: torch.Tensor, slots: dict[str, Any]) -> tuple | None:
-    """``(kernel, layout: a bucket key, rounding mode)`` for targets like ``t`` of ``record``'s bucket with state of format ``fmt``
-    and these ``slots``, or None (a per-tensor backend)."""
+    """``(kernel, layout, rounding mode)`` for targets like ``t`` of ``record``'s bucket, state of format ``fmt`` and
+    these ``slots`` (``layout``: part of the bucket key), or None (a per-tensor backend)."""
     kernel = registry.lookup(kernels, fmt)
     if kernel is None or sorted(kernel.slots(record.hyper, t)) != sorted(slots):
         return None

@@ -21,7 +21,7 @@ from .factored_math import _RES, _SQ
 from .factored_passes import apply_kernel, factors_kernel, moments_kernel, stats_kernel, sumsq_kernel
 from .launch import TL_DTYPES, Bucket, Update, scalar, scalars
 from .registry import Kernel
-from .table import aligned, grid_counts, tile_counts
+from .table import aligned
 
 
 def adafactor_slots(hyper: Mapping[str, Any], p: torch.Tensor) -> tuple[str, ...]:
@@ -89,15 +89,17 @@ def _layout(bucket: Bucket, factored: bool, rows_per_tile: int, lay: tuple) -> t
     tensors = list(bucket.params) + bucket.grads
     tensors += [t for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor)]
     flat = bucket.constexprs((), aligned(tensors), rows_per_tile)
-    tile = flat["ROWS"] * flat["BLOCK"]
-    flat_counts = tile_counts([p.numel() for p in bucket.params], tile)
     flat["WIDE"] = factored and wide(bucket.params, flat["BLOCK"])
-    counts_2d = grid_counts(shapes, *runtime.TILE_2D)
-    counts_mat = [b for b, _, _ in shapes]
+    # programs per tensor: flat tiles, 2-D tiles of its matrices, one per matrix (the tables of the passes kept)
+    by_flat = ([p.numel() for p in bucket.params], flat["ROWS"] * flat["BLOCK"])
     if factored:
-        bucket.keep_tables(rows, [lay + _TILES_2D, lay + _MATRICES, lay + _FLAT], [counts_2d, counts_mat, flat_counts])
+        passes = (by_flat, (shapes, runtime.TILE_2D), ([b for b, _, _ in shapes], 1))
+        flat_counts, counts_2d, counts_mat = bucket.keep_tables(
+            rows, [lay + _FLAT, lay + _TILES_2D, lay + _MATRICES], passes
+        )
     else:
-        bucket.keep_tables(rows, [lay + _FLAT], [flat_counts])
+        (flat_counts,) = bucket.keep_tables(rows, [lay + _FLAT], [by_flat])
+        counts_2d = counts_mat = []  # (no 2-D passes)
     return rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat
 
 

@@ -272,7 +272,8 @@ class Bucket:
             if key is None:
                 made = rows, is_aligned, tile_counts([row[2] for row in rows], tile)
             else:  # (the device tables too, kept with the rows)
-                made = self.memo[key] = rows, is_aligned, self.keep_tables(rows, [key], tile=tile)[0]
+                counts = self.keep_tables(rows, [key], [([row[2] for row in rows], tile)])[0]
+                made = self.memo[key] = rows, is_aligned, counts
         rows, is_aligned, counts = made
         meta = self.constexprs(slots, is_aligned, rows_per_tile)
         self.launch(kernel, rows, counts, args, writes=writes, memo_key=key, **meta, COLS=cols, **flags)
@@ -325,7 +326,7 @@ class Bucket:
             if hit is None:  # (tables of the bucket's own: set_tensors moves their addresses in place)
                 shared = self.memo.get(("table", id(rows)))
                 if shared is None or shared[0] is not rows:
-                    self.keep_tables(rows, [memo_key], [counts])
+                    self._make_tables(rows, [memo_key], [(counts, 1)])
                 else:  # (another pass's over the same rows)
                     self.memo[("tables", memo_key)] = (shared[2], shared[3], unit_map(counts, device))
                 hit = self.memo[("tables", memo_key)]
@@ -337,14 +338,15 @@ class Bucket:
             masked = self.flagged[id(table)] = masked_table(table, skipped, self.flags, self.flag_rows, device)
         return masked, units
 
-    def keep_tables(
-        self, rows: list[list[int]], keys: Sequence[Any], counts: Sequence[Sequence[int]] | None = None, tile: int = 0
-    ) -> list[Sequence[int]]:
+    def keep_tables(self, rows: list[list[int]], keys: Sequence[Any], passes: Sequence[tuple]) -> list[list[int]]:
         """Keep ``rows`` and the device tables of the passes over them in :attr:`memo`, built in one call: the
-        launches of ``keys[i]`` with ``counts[i]`` programs per tensor (None: one pass of ``tile`` elements a
-        program). The passes share the table (and this step's flagged copy). Returns the counts."""
+        launches of ``keys[i]``, programs per tensor as ``passes[i]`` says (:func:`.table.launch_tables`). The
+        passes share the table (and this step's flagged copy). Returns each pass's counts."""
         self.keep_rows(rows)
-        counts, both, units, masked = launch_tables(rows, self.device, counts, tile, self.flags, self.flag_rows)
+        return self._make_tables(rows, keys, passes)
+
+    def _make_tables(self, rows: list[list[int]], keys: Sequence[Any], passes: Sequence[tuple]) -> list[list[int]]:
+        counts, both, units, masked = launch_tables(rows, self.device, passes, self.flags, self.flag_rows)
         table, skipped = both[0], both[1]
         self.memo[("table", id(rows))] = (rows, both, table, skipped)
         for key, pass_units in zip(keys, units):

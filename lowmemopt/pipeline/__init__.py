@@ -352,7 +352,8 @@ def device_flags(
     if len(devices) != 1 or not triton_usable(devices):
         return None
     params = [p for p, _ in work]
-    if any_dtensor(params):
+    sharded = any_dtensor(params + [p.grad for p in params])  # (a parameter's, or a gradient's)
+    if sharded and any_dtensor(params):
         return None
     state = plan.state
     memo: dict = {}  # (device_may_check's answers per device and dtype)
@@ -367,8 +368,11 @@ def device_flags(
         elif st is not None and LOW_RANK in st:  # (a group that lost its rank: the step reports it)
             return None
     if found_inf is not None:
-        return DeviceFlags.from_found_inf(params, found_inf.to(grads[0].device, non_blocking=True))
-    return DeviceFlags(params, grads)
+        flags = DeviceFlags.from_found_inf(params, found_inf.to(grads[0].device, non_blocking=True))
+    else:
+        flags = DeviceFlags(params, grads)
+    flags.whole = not sharded
+    return flags
 
 
 def step_buckets(
@@ -387,9 +391,10 @@ def step_buckets(
     fused_galore = None  # asked at the first projected parameter
     galore = plan.galore
     states = plan.state
-    tensors = [p for p, _ in work]
-    tensors += [p.grad for p in tensors]
-    whole = not any_dtensor(tensors)  # (no DTensor among the parameters and gradients: each its own local view)
+    whole = flags is not None and flags.whole  # (no DTensor among the parameters and gradients: each its own view)
+    if not whole:
+        tensors = [p for p, _ in work]
+        whole = not any_dtensor(tensors + [p.grad for p in tensors])
     slots: dict = {}  # the slots per record, shape and dtype, asked once per step_buckets
     last = record = None
     for p, group in work:

@@ -49,6 +49,9 @@ class DeviceFlags:
         self._host: list[bool] | None = None
         #: have the flags been read on the host (:meth:`host`) in this step?
         self.read = False
+        #: no parameter of the step and no gradient is a DTensor (``pipeline.device_flags`` checked: the gather
+        #: takes each tensor as its own local view)
+        self.whole = False
         #: params stepped provisionally: id -> (state, its step count before this step, made by this step)
         self.provisional: dict[int, tuple[dict[str, Any], int, bool]] = {}
 
@@ -59,7 +62,7 @@ class DeviceFlags:
         self.tensor = (found_inf.reshape(1) == 0).view(torch.uint8).repeat(len(params))
         self.position = {id(p): i for i, p in enumerate(params)}
         self._host = None
-        self.read = False
+        self.read = self.whole = False
         self.provisional = {}
         return self
 
