@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .codec import load_grad, load_param, load_slot, store_param_as, store_slot, tensor_scalar, tile_coords
 from .divide import div_by, reciprocal
-from .launch import Bucket, Update, scalar
+from .launch import Bucket, Update, scalars
 from .registry import Kernel
 
 __all__ = ["TRITON", "adam_update", "launch", "slots"]
@@ -242,25 +242,23 @@ def launch(u: Update, bucket: Bucket) -> None:
     """One multi-tensor launch over the bucket (capturable: step scalars made on the device)."""
     kw = u.kwargs
     beta1, beta2 = kw["betas"]
-    wd = scalar(kw["weight_decay"])
     if u.steps is None:
-        stepping = (-scalar(kw["lr"]) / kw["bias_correction1"], kw["bias_correction2_sqrt"], scalar(u.decay))
+        wd, lr, eps, decay = scalars(kw["weight_decay"], kw["lr"], kw["eps"], u.decay)
+        stepping = (-lr / kw["bias_correction1"], kw["bias_correction2_sqrt"], decay)
         scal = None
     else:
+        wd, eps = scalars(kw["weight_decay"], kw["eps"])
         stepping = (0.0, 0.0, 0.0)  # read from scal
         scal = bucket.scalars(-kw["lr"] / kw["bias_correction1"], kw["bias_correction2_sqrt"], u.decay)
-    args = (1.0 - beta1, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, *stepping)
-    names = slots(u.hyper)
-    extra, update = bucket.param_update(u.record, u.step)
+    args = (1.0 - beta1, beta2, 1.0 - beta2, eps, wd, *stepping)
     bucket.tile_launch(
         _adam_kernel,
-        names,
+        slots(u.record.hyper),
         args,
         writes=True,
-        extra=extra,
-        UPDATE=update,
+        update=u,
         AMSGRAD=bool(kw["amsgrad"]),
-        **bucket.scalar_args(scal),
+        scal=scal,
         MAXIMIZE=bool(kw["maximize"]),
         L2_DECAY=wd != 0 and not kw["decoupled_weight_decay"],
     )

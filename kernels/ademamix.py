@@ -213,8 +213,7 @@ def launch(u: Update, bucket: Bucket) -> None:
         -scalar(kw["lr"]),
         scalar(u.decay),
     )
-    extra, update = bucket.param_update(u.record, u.step)
-    bucket.tile_launch(_ademamix_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update)
+    bucket.tile_launch(_ademamix_kernel, slots(u.record.hyper), args, writes=True, update=u)
 
 
 #: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="ademamix:TRITON")``)

@@ -18,7 +18,7 @@ import triton.language as tl
 from . import runtime
 from .codec import typed
 from .launch import TL_DTYPES
-from .table import ceil_div, device_table, unit_map
+from .table import device_table, tile_counts, unit_map
 
 __all__ = ["GradCheck", "TILE"]
 
@@ -59,7 +59,7 @@ class GradCheck:
         for first, end, dtype in self.runs:
             part = grads[first:end]
             rows = [[0, g.data_ptr(), g.numel()] for g in part]
-            counts = [ceil_div(g.numel(), TILE) for g in part]
+            counts = tile_counts([g.numel() for g in part], TILE)
             self._launches.append(
                 (
                     first,

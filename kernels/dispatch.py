@@ -16,7 +16,7 @@ from lowmemopt._stacklevel import external_stacklevel
 from lowmemopt.work import capture
 from lowmemopt.work.items import Item, Update
 from lowmemopt.work.record import group_values
-from lowmemopt.quant.formats import format_of
+from lowmemopt.quant.formats import common_formats
 
 from . import registry, runtime
 from .table import select_flags
@@ -36,19 +36,26 @@ def step_triton(
     flags: torch.Tensor | None = None,
     device_steps: bool = False,
     grad_mult: Callable[[torch.device], torch.Tensor | None] | None = None,
+    planned: list[Planned] | None = None,
 ) -> list[Item]:
     """Step what the kernels can of ``items`` (one optimizer's, its algorithm declaring ``kernels``); return the rest.
     ``update_for(item, step)``: the bucket's hyper-parameters; ``flags``: device finiteness flags (an item with a
     ``flag`` row is stepped only where it is 1); ``device_steps``: a capturable step (step counts on the device);
-    ``grad_mult``: loss scaling per device. With ``device_steps`` an item no kernel takes raises ValueError before any
-    launch. :func:`plan_buckets` and :func:`launch_buckets` are its two halves (a kept step program calls them apart).
+    ``grad_mult``: loss scaling per device; ``planned``: a list that receives the buckets (a step program keeps them).
+    With ``device_steps`` an item no kernel takes raises ValueError before any launch. :func:`plan_buckets` and
+    :func:`launch_buckets` are its two halves (a kept step program calls them apart).
     """
-    if not items or not _usable({it.target.device for it in items}):
-        if device_steps and items:
+    if not items:
+        return items
+    usable = {d: runtime.device_ok(d) for d in {it.target.device for it in items}}
+    if not any(usable.values()):
+        if device_steps:
             raise ValueError("capturable=True needs the fused Triton kernels, which this device does not have")
         return items
-    planned, rest = plan_buckets(kernels, items, device_steps)
-    return rest + launch_buckets(planned, update_for, flags, device_steps, grad_mult)
+    buckets, rest = plan_buckets(kernels, items, device_steps, usable)
+    if planned is not None:
+        planned += buckets
+    return rest + launch_buckets(buckets, update_for, flags, device_steps, grad_mult)
 
 
 @dataclass(eq=False)
@@ -62,21 +69,48 @@ class Planned:
     #: the members' rows in the step's finiteness flags where they follow one another (a slice of the flags), set by
     #: a step program; None: each member's ``flag``
     flag_rows: range | None = None
+    rounding: str = "nearest"  # how the kernel stores 16-bit targets (the members' ``bf16_update``)
 
 
-def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) -> tuple[list[Planned], list[Item]]:
+def plan_buckets(
+    kernels: Any, items: list[Item], device_steps: bool = False, usable: dict[torch.device, bool] | None = None
+) -> tuple[list[Planned], list[Item]]:
     """``(buckets, rest)``: ``items`` grouped into buckets that one kernel's launches step, and those no kernel takes
-    (see :func:`step_triton`; ``rest`` raises ValueError in a capturable step). Nothing is launched."""
+    (see :func:`step_triton`; ``rest`` raises ValueError in a capturable step); ``usable``: ``runtime.device_ok``
+    per device, where known. Nothing is launched."""
     from .launch import Bucket
 
+    if usable is None:
+        usable = {}
+    # what each item's own tensors allow, then the formats of the candidates' states, read in one call
+    candidates = [it for it in items if _tensors_take(it, usable, device_steps)]
+    names: dict[tuple[int, int], tuple[str, ...]] = {}  # (id(slots), numel) -> the full-size quantized slots
+    wanted = []
+    for it in candidates:
+        key = (id(it.slots), it.target.numel())
+        found = names.get(key)
+        if found is None:
+            found = names[key] = _full_size_slots(it.slots, key[1])
+        wanted.append(found)
+    formats = dict(zip(map(id, candidates), common_formats([it.state for it in candidates], wanted)))
+    classes: dict[tuple, tuple | None] = {}  # (format, record, slots, shape, dtype) -> _kernel_of's answer
     rest: list[Item] = []
     buckets: dict[tuple, Planned] = {}
-    usable: dict[torch.device, bool] = {}  # runtime.device_ok per device
+    first = None  # the first record: its values are asked only when a second record comes (a bucket key)
     group_ids: dict[int, int] = {}  # id(record) -> the number of its version (its group's values), one per distinct
     by_values: dict[tuple, int] = {}
     for it in items:
-        kernel = _kernel_for(kernels, it, usable, device_steps)
-        if kernel is None:
+        fmt = formats.get(id(it))
+        found = None
+        if fmt is not None:
+            t, record = it.target, it.record
+            key = (fmt, id(record), id(it.slots), t.shape, t.dtype)
+            found = classes.get(key, False)
+            if found is False:
+                found = classes[key] = _kernel_of(kernels, fmt, record, t, it.slots)
+            if found is not None and not _state_takes(it.state, t.device):
+                found = None
+        if found is None:
             if device_steps:
                 raise ValueError(
                     f"capturable=True: no fused kernel takes a parameter of shape "
@@ -86,10 +120,16 @@ def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) ->
                 )
             rest.append(it)
             continue
-        t, record = it.target, it.record
+        kernel, layout, mode = found
         gid = group_ids.get(id(record))
         if gid is None:  # (once per record and call: per-parameter groups pay it per item)
-            gid = group_ids[id(record)] = by_values.setdefault(record.version, len(by_values))
+            if first is None:
+                first, gid = record, 0
+            else:
+                if not by_values:
+                    by_values[first.version] = 0
+                gid = by_values.setdefault(record.version, len(by_values))
+            group_ids[id(record)] = gid
         step = None if device_steps else it.state["step"]
         key = (
             gid,
@@ -99,13 +139,13 @@ def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) ->
             it.grad.dtype,
             t.device,
             step,
-            kernel.layout(t),
+            layout,
             it.flag is not None,
             it.weight is not None,
         )
         planned = buckets.get(key)
         if planned is None:
-            planned = buckets[key] = Planned(kernel, [], step)
+            planned = buckets[key] = Planned(kernel, [], step, rounding=mode)
         planned.members.append(it)
     out = list(buckets.values())
     for planned in out:
@@ -117,6 +157,7 @@ def plan_buckets(kernels: Any, items: list[Item], device_steps: bool = False) ->
             planned.kernel.fmt,
             members[0].record.block_size,
             index_bases=[it.index_base for it in members],
+            rounding=planned.rounding,
         )
     return out, rest
 
@@ -145,15 +186,12 @@ def launch_buckets(
         else:
             step = p.step + 1
         update = update_for(members[0], step)
-        bucket.written = False
-        bucket.weights = None if members[0].weight is None else torch.stack([it.weight for it in members])
-        bucket.grad_mult = grad_mult(bucket.device) if grad_mult is not None and not members[0].projected else None
-        if flags is not None and members[0].flag is not None:  # device-side finiteness (pipeline.finite)
-            bucket.set_flags(flags, p.flag_rows if p.flag_rows is not None else [it.flag for it in members])
-        else:
-            bucket.set_flags(None, [])
+        weights = None if members[0].weight is None else torch.stack([it.weight for it in members])
+        mult = grad_mult(bucket.device) if grad_mult is not None and not members[0].projected else None
+        flagged = flags is not None and members[0].flag is not None  # device-side finiteness (pipeline.finite)
+        rows = (p.flag_rows if p.flag_rows is not None else [it.flag for it in members]) if flagged else []
         try:
-            kernel.launch(update, bucket)
+            bucket.run(kernel.launch, update, flags if flagged else None, rows, weights, mult)
         except Unsupported as exc:
             if device_steps:
                 raise ValueError(f"capturable=True: {exc}") from None
@@ -182,44 +220,42 @@ def launch_buckets(
     return rest
 
 
-def _kernel_for(kernels: Any, it: Item, usable: dict[torch.device, bool], device_steps: bool = False):
-    """The kernel for this item, or None (a per-tensor backend); ``usable``: a per-call ``runtime.device_ok`` cache."""
-    t, g, state = it.target, it.grad, it.state
+def _tensors_take(it: Item, usable: dict[torch.device, bool], device_steps: bool) -> bool:
+    """May a kernel take this item as its tensors are (device, dtypes, shapes, layout, an int step count)?
+    ``usable``: a per-call ``runtime.device_ok`` cache."""
+    t, g = it.target, it.grad
     device = t.device
     ok = usable.get(device)
     if ok is None:
         ok = usable[device] = runtime.device_ok(device)
     if not ok or t.dtype not in _DTYPES or g.dtype not in _DTYPES:
-        return None
+        return False
     if g.shape != t.shape or g.device != device or not (t.is_contiguous() and g.is_contiguous()):
+        return False
+    # (a tensor step: e.g. from a foreign state dict)
+    return device_steps or isinstance(it.state.get("step"), int)
+
+
+def _full_size_slots(slots: dict[str, Any], numel: int) -> tuple[str, ...]:
+    """The quantized slots of a target of ``numel`` elements that are its size: their format is the bucket's."""
+    return tuple(name for name, s in slots.items() if s.quantize and (s.shape is None or math.prod(s.shape) == numel))
+
+
+def _kernel_of(kernels: Any, fmt: str, record: Any, t: torch.Tensor, slots: dict[str, Any]) -> tuple | None:
+    """``(kernel, layout, rounding mode)`` for targets like ``t`` of ``record``'s bucket, state of format ``fmt`` and
+    these ``slots`` (``layout``: part of the bucket key), or None (a per-tensor backend)."""
+    kernel = registry.lookup(kernels, fmt)
+    if kernel is None or sorted(kernel.slots(record.hyper, t)) != sorted(slots):
         return None
-    if not device_steps and not isinstance(state.get("step"), int):  # e.g. a tensor step from a foreign state dict
-        return None
-    # the format of the target-sized slots, all one (a target without any counts as fp32)
-    numel, fmt = t.numel(), None
-    for name, s in it.slots.items():
-        if s.quantize and (s.shape is None or math.prod(s.shape) == numel):
-            try:
-                slot_fmt = format_of(state, name).name
-            except KeyError:  # a slot is missing: the reference path reports it
-                return None
-            if fmt is None:
-                fmt = slot_fmt
-            elif slot_fmt != fmt:
-                return None
-    kernel = registry.lookup(kernels, fmt or "fp32")
-    record = it.record
-    if kernel is None or sorted(kernel.slots(record.hyper, t)) != sorted(it.slots):
-        return None
-    if record.rounding_of(t) != "nearest" and not kernel.any_rounding:
+    mode = record.rounding_of(t)
+    if mode != "nearest" and not kernel.any_rounding:
         return None  # this kernel writes 16-bit parameters rounded to nearest only: the reference path rounds as asked
+    return kernel, kernel.matrices_apart and t.dim() >= 2, mode
+
+
+def _state_takes(state: dict[str, Any], device: torch.device) -> bool:
+    """Is every state tensor on ``device`` and contiguous?"""
     for value in state.values():
         if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):
-            return None
-    return kernel
-
-
-def _usable(devices: set[torch.device]) -> bool:
-    """May these kernels take tensors on ``devices``? Triton enabled and one device it runs on (a CUDA device, or the
-    CPU under the interpreter: :func:`~lowmemopt.kernels.runtime.device_ok`)."""
-    return any(runtime.device_ok(d) for d in devices)
+            return False
+    return True

@@ -19,9 +19,9 @@ from . import runtime
 from .codec import FORMAT_CODES
 from .factored_math import _RES, _SQ
 from .factored_passes import apply_kernel, factors_kernel, moments_kernel, stats_kernel, sumsq_kernel
-from .launch import TL_DTYPES, Bucket, Update, scalar
+from .launch import TL_DTYPES, Bucket, Update, scalar, scalars
 from .registry import Kernel
-from .table import ceil_div
+from .table import aligned
 
 
 def adafactor_slots(hyper: Mapping[str, Any], p: torch.Tensor) -> tuple[str, ...]:
@@ -33,11 +33,6 @@ def came_slots(hyper: Mapping[str, Any], p: torch.Tensor) -> tuple[str, ...]:
     if p.dim() >= 2:
         return ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col")
     return ("exp_avg", "exp_avg_sq")
-
-
-def layout(p: torch.Tensor) -> bool:
-    """Factored (>= 2 dims) and 1-D parameters take separate launches."""
-    return p.dim() >= 2
 
 
 def wide(params: list[torch.Tensor], block: int) -> bool:
@@ -87,21 +82,29 @@ def _rows(bucket: Bucket, factored: bool) -> tuple[list[list[int]], list[tuple[i
     return rows, shapes, n_rows, n_cols
 
 
-def _layout(bucket: Bucket, factored: bool) -> tuple:
-    """A bucket's launch layout, kept in ``Bucket.memo``."""
+def _layout(bucket: Bucket, factored: bool, rows_per_tile: int, lay: tuple) -> tuple:
+    """A bucket's launch layout, kept in ``Bucket.memo`` (with the device tables of its passes, keys ``lay + ...``)."""
     rows, shapes, n_rows, n_cols = _rows(bucket, factored)
-    bucket.keep_rows(rows)
-    flat = bucket.constexprs(())
-    flat["ALIGNED"] = bucket.aligned(()) and all(
-        t.data_ptr() % 16 == 0 for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor)
-    )
-    tile = flat["ROWS"] * flat["BLOCK"]
-    flat_counts = [ceil_div(p.numel(), tile) for p in bucket.params]
+    # (every tensor's data aligned: the parameters, the gradients and every state tensor)
+    tensors = list(bucket.params) + bucket.grads
+    tensors += [t for st in bucket.states for t in st.values() if isinstance(t, torch.Tensor)]
+    flat = bucket.constexprs((), aligned(tensors), rows_per_tile)
     flat["WIDE"] = factored and wide(bucket.params, flat["BLOCK"])
-    tr, bc = runtime.TILE_2D
-    counts_2d = [b * ceil_div(R, tr) * ceil_div(C, bc) for b, R, C in shapes]
-    counts_mat = [b for b, _, _ in shapes]
+    # programs per tensor: flat tiles, 2-D tiles of its matrices, one per matrix (the tables of the passes kept)
+    by_flat = ([p.numel() for p in bucket.params], flat["ROWS"] * flat["BLOCK"])
+    if factored:
+        passes = (by_flat, (shapes, runtime.TILE_2D), ([b for b, _, _ in shapes], 1))
+        flat_counts, counts_2d, counts_mat = bucket.keep_tables(
+            rows, [lay + _FLAT, lay + _TILES_2D, lay + _MATRICES], passes
+        )
+    else:
+        (flat_counts,) = bucket.keep_tables(rows, [lay + _FLAT], [by_flat])
+        counts_2d = counts_mat = []  # (no 2-D passes)
     return rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat
+
+
+#: the launch-table keys of the passes (after the layout's): 2-D tiles, one program per matrix, flat tiles
+_TILES_2D, _MATRICES, _FLAT = ("2-D",), ("matrices",), ("flat",)
 
 
 def _launch(
@@ -123,21 +126,22 @@ def _launch(
     scal: torch.Tensor | None = None,
 ) -> None:
     """The passes of one bucket; ``scal`` (capturable): per-tensor step scalars on the device."""
-    device = bucket.scalar_args(scal)
-    dev = bucket.device
+    sums = bucket.accumulators(2)
+    dev = sums.device  # (the bucket's)
     factored = bucket.params[0].dim() >= 2
     tr, bc = runtime.TILE_2D
-    lay = ("factored", runtime.rows_per_tile(bucket.block_size, dev), tr, bc)  # (the tables are kept by this key too)
-    rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat = bucket._memo(
-        lay, lambda: _layout(bucket, factored)
-    )
-    sums = bucket.accumulators(2)
+    rows_per_tile, _, fast_fp64 = runtime.launch_settings(bucket.block_size, dev, None)
+    lay = ("factored", rows_per_tile, tr, bc)  # (the tables are kept by this key too)
+    layout = bucket.memo.get(lay)
+    if layout is None:
+        layout = bucket.memo[lay] = _layout(bucket, factored, rows_per_tile, lay)
+    rows, n_rows, n_cols, flat, flat_counts, counts_2d, counts_mat = layout
     weight = bucket.weights is not None and scale_param and not came
     if weight:
         sums[:, 0] = bucket.weights
     n = n_rows + n_cols
     # CAME's instability from fp64 moments in the clip pass (one pass over g and m fewer), where fp64 is fast
-    moments = factored and came and runtime.fast_fp64(dev)
+    moments = factored and came and fast_fp64
     scratch = torch.zeros((2 if came and not moments else 1) * n, dtype=torch.float32, device=dev)  # row/col sums
     factors = torch.empty((2 if came else 1) * n, dtype=torch.float32, device=dev)
     rsum, csum = scratch[:n_rows], scratch[n_rows:n]
@@ -158,24 +162,23 @@ def _launch(
             counts_2d,
             (rs, cs, rfac, cfac, sums, eps, beta1, 1.0 - beta1, clip),
             writes=False,
-            memo_key=lay + ("2-D",),
+            memo_key=lay + _TILES_2D,
             RESIDUAL=residual,
             **tiles_2d,
         )
 
     def factors_of(rs, cs, rf, cf, stat, beta, eps=0.0, from_moments=False):  # pass 2 / 4
-        step_beta = device if stat == _SQ.value else bucket.scalar_args(None)  # (CAME's beta3: a constant)
         bucket.launch(
             factors_kernel,
             rows,
             counts_mat,
             (rs, cs, rf, cf, sums, beta, 1.0 - beta, eps, beta1, clip),
             writes=True,
-            memo_key=lay + ("matrices",),
+            memo_key=lay + _MATRICES,
             STAT=stat,
             MOMENTS=from_moments,
             **by_matrix,
-            **step_beta,
+            scal=scal if stat == _SQ.value else None,  # (CAME's beta3: a constant)
         )
 
     if factored:
@@ -190,7 +193,7 @@ def _launch(
             counts_2d,
             (rfac, cfac, sums, rmom, cmom),
             writes=False,
-            memo_key=lay + ("2-D",),
+            memo_key=lay + _TILES_2D,
             **tiles_2d,
         )
         factors_of(rmom, cmom, rfac2, cfac2, _RES.value, beta3, eps2, True)
@@ -201,11 +204,11 @@ def _launch(
             flat_counts,
             (rfac, cfac, sums, eps1, beta2, 1.0 - beta2),
             writes=False,
-            memo_key=lay + ("flat",),
+            memo_key=lay + _FLAT,
             FACTORED=factored,
             SUM_P=scale_param and not came and not weight,
             **flat,
-            **device,
+            scal=scal,
         )
         if factored and came:
             stats(rsum2, csum2, eps2, True)
@@ -233,7 +236,7 @@ def _launch(
         flat_counts,
         args,
         writes=True,
-        memo_key=lay + ("flat",),
+        memo_key=lay + _FLAT,
         FACTORED=factored,
         CAME=came,
         HAS_M=has_m,
@@ -241,13 +244,13 @@ def _launch(
         DECAY=decay,
         WEIGHT=weight,
         **flat,
-        **device,
+        scal=scal,
     )
 
 
 def launch_adafactor(u: Update, bucket: Bucket) -> None:
     """Adafactor (transformers semantics); step scalars as ``adafactor_math``'s."""
-    hyper, step = u.hyper, u.step
+    hyper, step = u.record.hyper, u.step
     eps1, eps2 = hyper["eps"]
     wd = scalar(hyper["weight_decay"])
     beta1 = hyper["beta1"]
@@ -291,13 +294,14 @@ def launch_adafactor(u: Update, bucket: Bucket) -> None:
 
 def launch_came(u: Update, bucket: Bucket) -> None:
     """CAME (came_pytorch semantics)."""
-    hyper = u.hyper
+    hyper = u.record.hyper
     eps1, eps2 = hyper["eps"]
     beta1, beta2, beta3 = hyper["betas"]
-    wd = scalar(hyper["weight_decay"])
     if u.steps is None:
-        lr, scal = scalar(hyper["lr"]), None
+        wd, lr, clip = scalars(hyper["weight_decay"], hyper["lr"], hyper["clip_threshold"])
+        scal = None
     else:  # a capturable step: the lr from the device (CAME's other scalars do not change with the step)
+        wd, clip = scalars(hyper["weight_decay"], hyper["clip_threshold"])
         lr = capture.device_value(hyper["lr"], bucket.device)
         scal = bucket.scalars(lr, -wd * lr, beta2, 1.0 - beta2)
         lr = 0.0
@@ -312,7 +316,7 @@ def launch_came(u: Update, bucket: Bucket) -> None:
         beta1=beta1,
         beta2=beta2,
         beta3=beta3,
-        clip=scalar(hyper["clip_threshold"]),
+        clip=clip,
         lr=lr,
         neg_wd=-wd,
         neg_wd_lr=-wd * lr,
@@ -321,8 +325,8 @@ def launch_came(u: Update, bucket: Bucket) -> None:
 
 
 #: the kernels as :func:`.registry.lookup` finds them (``KernelSet(triton="factored:ADAFACTOR")``, ``"factored:CAME"``)
-ADAFACTOR = Kernel(adafactor_slots, launch_adafactor, layout)
-CAME = Kernel(came_slots, launch_came, layout)
+ADAFACTOR = Kernel(adafactor_slots, launch_adafactor, matrices_apart=True)
+CAME = Kernel(came_slots, launch_came, matrices_apart=True)
 
 
 def compile_variants(v: Any) -> list[Any]:

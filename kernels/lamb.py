@@ -307,11 +307,11 @@ def launch(u: Update, bucket: Bucket) -> None:
     args = (sums, beta1, 1.0 - beta1 if averaging else 1.0, beta2, 1.0 - beta2, scalar(kw["eps"]), wd, neg_lr)
     trust = not kw["adam"]
     decoupled = kw.get("adam_w_mode", True)
-    flags = dict(DECAY=wd != 0 and decoupled, WEIGHT=weight, **bucket.scalar_args(scal))
+    flags = dict(DECAY=wd != 0 and decoupled, WEIGHT=weight, scal=scal)
     flags.update(_fused_lamb_flags(kw, wd != 0 and not decoupled, u.steps is not None, bucket))
     if trust:
-        bucket.tile_launch(_lamb_kernel, slots(u.hyper), args, writes=False, TRUST=True, APPLY=False, **flags)
-    bucket.tile_launch(_lamb_kernel, slots(u.hyper), args, writes=True, TRUST=trust, APPLY=True, **flags)
+        bucket.tile_launch(_lamb_kernel, slots(u.record.hyper), args, writes=False, TRUST=True, APPLY=False, **flags)
+    bucket.tile_launch(_lamb_kernel, slots(u.record.hyper), args, writes=True, TRUST=trust, APPLY=True, **flags)
 
 
 #: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="lamb:TRITON")``)

@@ -246,7 +246,7 @@ def launch(u: Update, bucket: Bucket) -> None:
     weight = bucket.weights is not None
     if weight:
         sums[:, 0] = bucket.weights
-    names = slots(u.hyper)
+    names = slots(u.record.hyper)
     if trust:
         bucket.tile_launch(_lars_norms_kernel, names, (sums,), writes=False, WEIGHT=weight)
     if u.steps is None:
@@ -263,7 +263,7 @@ def launch(u: Update, bucket: Bucket) -> None:
         DECAY=trust and wd != 0,
         TRUST=trust,
         WEIGHT=weight,
-        **bucket.scalar_args(scal),
+        scal=scal,
     )
 
 

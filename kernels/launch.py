@@ -19,9 +19,9 @@ from lowmemopt.work.items import Update
 from lowmemopt.work.record import BucketRecord
 
 from .codec import FORMAT_CODES, KAHAN, NEAREST, STOCHASTIC, maps
-from .table import aligned, ceil_div, device_tables, owned_tables, select_flags, unit_map
+from .table import aligned, device_tables, launch_tables, masked_table, tile_counts, unit_map
 
-__all__ = ["Bucket", "Unsupported", "Update", "scalar", "TL_DTYPES"]
+__all__ = ["Bucket", "Unsupported", "Update", "scalar", "scalars", "TL_DTYPES"]
 
 _UPDATE_CODES = {"nearest": NEAREST, "stochastic": STOCHASTIC, "kahan": KAHAN}
 
@@ -39,6 +39,11 @@ def scalar(x: Any) -> float:
             raise Unsupported("hyper-parameter is a device tensor (reading it would synchronize)")
         return float(x)
     return float(x)
+
+
+def scalars(*values: Any) -> tuple[float, ...]:
+    """:func:`scalar` of each of ``values`` (a launch's hyper-parameters, in one call)."""
+    return tuple(map(scalar, values))
 
 
 _SLOT_KEYS: dict[tuple[str, tuple[str, ...]], tuple[tuple[str, str | None], ...]] = {}
@@ -83,10 +88,30 @@ class Bucket:
     memo: dict = field(default_factory=dict)
     _grad_ptrs: list[int] | None = None  # the gradients' addresses that the memo was built for (set_grads)
     _rows_made: list = field(default_factory=list)  # table rows kept in the memo (keep_rows)
+    #: how the kernels store 16-bit params (the bucket's ``bf16_update`` as its dtype applies it: dispatch resolves
+    #: it); None: read off the update's record (:meth:`param_update`)
+    rounding: str | None = None
 
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def run(
+        self,
+        launch: Any,
+        update: Update,
+        flags: torch.Tensor | None,
+        flag_rows: Sequence[int],
+        weights: torch.Tensor | None = None,
+        grad_mult: torch.Tensor | None = None,
+    ) -> None:
+        """One step of the bucket: this step's inputs (finiteness ``flags`` and each tensor's row in them, GaLore's
+        ``weights``, loss scaling's ``grad_mult``), then the kernel's ``launch(update, bucket)``."""
+        self.written = False
+        self.weights = weights
+        self.grad_mult = grad_mult
+        self.set_flags(flags, flag_rows)
+        launch(update, self)
 
     def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> None:
         """This step's gradients; what the launches built is kept if every gradient is where the last one was."""
@@ -125,8 +150,8 @@ class Bucket:
                 row[0] += dt
                 row[1] += dg
         for key, value in self.memo.items():
-            if type(key) is tuple and key and key[0] == "tables":
-                both = value[3]
+            if type(key) is tuple and key and key[0] == "table":
+                both = value[1]
                 if dt:
                     both[:, :, 0].add_(dt)
                 if dg:
@@ -157,12 +182,6 @@ class Bucket:
         self.flags, self.flag_rows = flags, rows
         self.flagged = {}
 
-    def _memo(self, key: Any, make):
-        value = self.memo.get(key)
-        if value is None:
-            value = self.memo[key] = make()
-        return value
-
     def slot_tensors(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(data, absmax or None) of slot ``name`` for every parameter."""
         ((data, aux),) = _slot_keys(self.fmt, (name,))
@@ -186,7 +205,7 @@ class Bucket:
         """``(extra table columns, UPDATE code)`` for :func:`.codec.store_param_as`: per parameter its
         stochastic hash key and first element's index, or 0 and its Kahan buffer's address; ``(None, NEAREST)`` for
         round-to-nearest. Makes missing ``bf16_update`` state."""
-        mode = record.rounding_of(self.params[0])
+        mode = self.rounding if self.rounding is not None else record.rounding_of(self.params[0])
         if mode == "nearest":
             return None, NEAREST
         cols = []
@@ -210,15 +229,16 @@ class Bucket:
             tensors += [data for data, _ in self.slot_tensors(name)]
         return aligned(tensors)
 
-    def constexprs(self, slots: Sequence[str], aligned: bool | None = None) -> dict[str, Any]:
-        """Compile-time arguments shared by the tile kernels: formats, dtypes, alignment, tile shape."""
+    def constexprs(self, slots: Sequence[str], aligned: bool | None = None, rows: int | None = None) -> dict[str, Any]:
+        """Compile-time arguments shared by the tile kernels: formats, dtypes, alignment, tile shape (``rows``: rows
+        per tile, where the caller asked)."""
         block = self.block_size
         return dict(
             FMT=FORMAT_CODES[self.fmt],
             P_DTYPE=TL_DTYPES[self.params[0].dtype],
             G_DTYPE=TL_DTYPES[self.grads[0].dtype],
             ALIGNED=self.aligned(slots) if aligned is None else aligned,
-            ROWS=runtime.rows_per_tile(block, self.device),
+            ROWS=runtime.rows_per_tile(block, self.device) if rows is None else rows,
             BLOCK=block,
         )
 
@@ -229,35 +249,34 @@ class Bucket:
         args: Sequence[Any],
         *,
         writes: bool,
-        extra: Sequence[Sequence[int]] | None = None,
+        update: Update | None = None,
         **flags: Any,
     ) -> None:
-        """Launch ``kernel`` over every tile of every tensor; ``writes``: this pass writes params or state."""
-        rows_per_tile = runtime.rows_per_tile(self.block_size, self.device)
+        """Launch ``kernel`` over every tile of every tensor; ``writes``: this pass writes params or state;
+        ``update``: this pass stores the params as :meth:`param_update` says for its step; ``scal`` among
+        ``flags``: a capturable step's device scalars, or None (:meth:`launch`)."""
+        rows_per_tile, cols, _ = runtime.launch_settings(self.block_size, self.device, self.fmt)
+        extra = None
+        if update is not None:
+            extra, flags["UPDATE"] = self.param_update(update.record, update.step)
 
-        def make() -> tuple[list[list[int]], bool, list[int]]:
-            rows = self.rows(slots, extra) if extra is not None else self.keep_rows(self.rows(slots, extra))
-            # :meth:`aligned` read off the rows' addresses: param, grad and each slot's data (columns 0, 1, 3, ...)
-            columns = (0, 1, *range(3, 3 + 2 * len(slots), 2))
-            tile = rows_per_tile * self.block_size
-            is_aligned = all(row[c] % 16 == 0 for row in rows for c in columns)
-            return rows, is_aligned, [ceil_div(row[2], tile) for row in rows]
-
+        tile = rows_per_tile * self.block_size
         # (rows with extra columns, e.g. stochastic rounding's per-step keys, are made anew)
         key = None if extra is not None else ("tile", tuple(slots), rows_per_tile)
-        rows, is_aligned, counts = make() if key is None else self._memo(key, make)
-        meta = self.constexprs(slots, is_aligned)
-        self.launch(
-            kernel,
-            rows,
-            counts,
-            args,
-            writes=writes,
-            memo_key=key,
-            **meta,
-            COLS=runtime.column_tiles(self.fmt),
-            **flags,
-        )
+        made = None if key is None else self.memo.get(key)
+        if made is None:
+            rows = self.rows(slots, extra)
+            # :meth:`aligned` read off the rows' addresses: param, grad and each slot's data (columns 0, 1, 3, ...)
+            columns = (0, 1, *range(3, 3 + 2 * len(slots), 2))
+            is_aligned = all(row[c] % 16 == 0 for row in rows for c in columns)
+            if key is None:
+                made = rows, is_aligned, tile_counts([row[2] for row in rows], tile)
+            else:  # (the device tables too, kept with the rows)
+                counts = self.keep_tables(rows, [key], [([row[2] for row in rows], tile)])[0]
+                made = self.memo[key] = rows, is_aligned, counts
+        rows, is_aligned, counts = made
+        meta = self.constexprs(slots, is_aligned, rows_per_tile)
+        self.launch(kernel, rows, counts, args, writes=writes, memo_key=key, **meta, COLS=cols, **flags)
 
     def launch(
         self,
@@ -276,6 +295,8 @@ class Bucket:
         table, units = self.tables(rows, counts, memo_key)
         if writes:
             self.written = True
+        if "scal" in meta:  # a kernel taking device scalars (capturable steps): told whether it has them
+            meta["DEVICE_SCALARS"] = meta["scal"] is not None
         if self.grad_mult is not None and "G_MULT" in getattr(kernel, "arg_names", ()):
             meta = dict(meta, gmul=self.grad_mult, G_MULT=True)
         # no FP contraction: the reference's roundings, and bit-identical recomputation across passes
@@ -303,16 +324,36 @@ class Bucket:
         else:
             hit = self.memo.get(("tables", memo_key))
             if hit is None:  # (tables of the bucket's own: set_tensors moves their addresses in place)
-                both = owned_tables(rows, device)
-                hit = self.memo[("tables", memo_key)] = (both[0], both[1], unit_map(counts, device), both)
-            table, skipped, units, _ = hit
+                shared = self.memo.get(("table", id(rows)))
+                if shared is None or shared[0] is not rows:
+                    self._make_tables(rows, [memo_key], [(counts, 1)])
+                else:  # (another pass's over the same rows)
+                    self.memo[("tables", memo_key)] = (shared[2], shared[3], unit_map(counts, device))
+                hit = self.memo[("tables", memo_key)]
+            table, skipped, units = hit
         if self.flags is None:
             return table, units
         masked = self.flagged.get(id(table))
         if masked is None:
-            ok = select_flags(self.flags, self.flag_rows, device)
-            masked = self.flagged[id(table)] = torch.where(ok.view(torch.bool).unsqueeze(1), table, skipped)
+            masked = self.flagged[id(table)] = masked_table(table, skipped, self.flags, self.flag_rows, device)
         return masked, units
+
+    def keep_tables(self, rows: list[list[int]], keys: Sequence[Any], passes: Sequence[tuple]) -> list[list[int]]:
+        """Keep ``rows`` and the device tables of the passes over them in :attr:`memo`, built in one call: the
+        launches of ``keys[i]``, programs per tensor as ``passes[i]`` says (:func:`.table.launch_tables`). The
+        passes share the table (and this step's flagged copy). Returns each pass's counts."""
+        self.keep_rows(rows)
+        return self._make_tables(rows, keys, passes)
+
+    def _make_tables(self, rows: list[list[int]], keys: Sequence[Any], passes: Sequence[tuple]) -> list[list[int]]:
+        counts, both, units, masked = launch_tables(rows, self.device, passes, self.flags, self.flag_rows)
+        table, skipped = both[0], both[1]
+        self.memo[("table", id(rows))] = (rows, both, table, skipped)
+        for key, pass_units in zip(keys, units):
+            self.memo[("tables", key)] = (table, skipped, pass_units)
+        if masked is not None:
+            self.flagged[id(table)] = masked
+        return counts
 
     def scalars(self, *columns: Any) -> torch.Tensor:
         """A capturable step's per-tensor scalars, fp32 ``[T, K]``, made on the device (fp64, rounded once)."""
@@ -320,11 +361,6 @@ class Bucket:
         for k, column in enumerate(columns):
             out[:, k] = column
         return out.to(torch.float32)
-
-    @staticmethod
-    def scalar_args(scal: torch.Tensor | None) -> dict[str, Any]:
-        """The launch keywords of a kernel taking device scalars: ``scal`` (None: an ordinary step) and its flag."""
-        return dict(scal=scal, DEVICE_SCALARS=scal is not None)
 
     def accumulators(self, n: int) -> torch.Tensor:
         """Zeroed fp32 [T, n] per-tensor sums (norms) for a reduction pre-pass."""

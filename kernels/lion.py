@@ -159,10 +159,7 @@ def launch(u: Update, bucket: Bucket) -> None:
     else:  # a capturable step: read from scal
         stepping, scal = (0.0, 0.0), bucket.scalars(-kw["lr"], u.decay)
     args = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, *stepping)
-    extra, update = bucket.param_update(u.record, u.step)
-    bucket.tile_launch(
-        _lion_kernel, slots(u.hyper), args, writes=True, extra=extra, UPDATE=update, **bucket.scalar_args(scal)
-    )
+    bucket.tile_launch(_lion_kernel, slots(u.record.hyper), args, writes=True, update=u, scal=scal)
 
 
 #: the kernel as :func:`.registry.lookup` finds it (``KernelSet(triton="lion:TRITON")``)

@@ -24,13 +24,14 @@ class Kernel:
     Args:
         slots: ``slots(hyper, p)``, the slot names the kernel reads and writes, in launch-table order.
         launch: ``launch(update, bucket)``, the fused step of every tensor of a bucket.
-        layout: ``layout(p)``, a hashable: parameters with different values take separate launches.
+        matrices_apart: parameters of two or more dimensions and 1-D ones take separate launches (the factored
+            kernels).
         any_rounding: it writes bf16 / fp16 parameters with any ``bf16_update``; else nearest only (others: reference).
         algorithm: the declaration's name; fmt: the state format."""
 
     slots: Callable[[Mapping[str, Any], Any], tuple[str, ...]]
     launch: Callable[..., None]
-    layout: Callable[[Any], Any] = lambda p: None
+    matrices_apart: bool = False
     any_rounding: bool = False
     algorithm: str = ""
     fmt: str = ""

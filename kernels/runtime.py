@@ -24,6 +24,7 @@ __all__ = [
     "TILE_SHAPES",
     "tile_shape",
     "rows_per_tile",
+    "launch_settings",
     "fast_fp64",
     "device_ok",
     "cpu_interpreter",
@@ -165,6 +166,12 @@ class launch_shape:
 def rows_per_tile(block: int, device: torch.device | None = None) -> int:
     """Rows of ``block`` elements per program on ``device`` (at least one)."""
     return max(1, tile_shape(device)[0] // block)
+
+
+def launch_settings(block: int, device: torch.device, fmt: str | None) -> tuple[int, bool, bool]:
+    """What a bucket's launches read at each launch, in one call: :func:`rows_per_tile`, :func:`column_tiles` of a
+    tile launch's state format ``fmt`` (None: no tile launch, False) and :func:`fast_fp64`."""
+    return rows_per_tile(block, device), fmt is not None and column_tiles(fmt), fast_fp64(device)
 
 
 #: compute capabilities whose fp64 arithmetic runs at half the fp32 rate (the data-centre GPUs: P100, V100, A100, H100,

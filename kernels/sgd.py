@@ -231,21 +231,19 @@ def launch(u: Update, bucket: Bucket, sign: bool = False) -> None:
         neg_lr, first, decay = 0.0, 0, 0.0
         scal = bucket.scalars(-kw["lr"], kw["first_step"], u.decay)
     args = (neg_lr, scalar(kw["momentum"]), 1.0 - scalar(kw["dampening"]), wd, first, decay)
-    extra, update = bucket.param_update(u.record, u.step)
     bucket.tile_launch(
         _sgd_kernel,
-        slots(u.hyper),
+        slots(u.record.hyper),
         args,
         writes=True,
-        extra=extra,
-        UPDATE=update,
+        update=u,
         MOMENTUM=kw["momentum"] != 0,
         NESTEROV=bool(kw["nesterov"]),
         MAXIMIZE=bool(kw["maximize"]),
         DECAY=wd != 0,
         WD_AFTER=bool(kw.get("wd_after_momentum", False)),
         SIGN=sign,
-        **bucket.scalar_args(scal),
+        scal=scal,
     )
 
 

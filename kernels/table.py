@@ -8,7 +8,7 @@ memory without blocking (docs/kernels.md#dispatch).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -21,10 +21,13 @@ __all__ = [
     "device_table",
     "flagged_table",
     "select_flags",
+    "masked_table",
+    "launch_tables",
     "device_index",
     "unit_map",
     "aligned",
     "ceil_div",
+    "tile_counts",
 ]
 
 
@@ -36,8 +39,9 @@ class _Cache:
         self.entries: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
         self.nbytes = 0
 
-    def get(self, key: tuple, make):
-        """The entry of ``key``, made by ``make()`` if missing (kept for good during a graph capture)."""
+    def get(self, key: tuple, make, keep: bool = True):
+        """The entry of ``key``, made by ``make()`` if missing (kept for good during a graph capture; ``keep``
+        False: by the caller)."""
         hit = self.entries.get(key)
         if hit is not None:
             self.entries.move_to_end(key)
@@ -53,7 +57,8 @@ class _Cache:
                 self.byte_limit is not None and self.nbytes > self.byte_limit and len(self.entries) > 1
             ):
                 self.nbytes -= self.entries.popitem(last=False)[1][1]
-        capture.keep(tensors[0].device, *tensors)
+        if keep:
+            capture.keep(tensors[0].device, *tensors)
         return value
 
 
@@ -110,10 +115,37 @@ def flagged_table(
     hit = None if memo is None else memo.get(id(table))
     if hit is not None:
         return hit[1]
-    out = torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
+    out = masked_table(table, skipped, flags, flag_rows, device)
     if memo is not None:
         memo[id(table)] = (table, out)  # (the table kept alive with its id)
     return out
+
+
+def masked_table(
+    table: torch.Tensor, skipped: torch.Tensor, flags: torch.Tensor, flag_rows: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """``table`` with each row's element count times its gradient's finiteness flag (``skipped``: the table with
+    every count 0): one device op."""
+    return torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
+
+
+def launch_tables(
+    rows: Sequence[Sequence[int]],
+    device: torch.device,
+    passes: Sequence[tuple[Sequence[Any], Any]],
+    flags: torch.Tensor | None = None,
+    flag_rows: Sequence[int] = (),
+) -> tuple[list[list[int]], torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    """A bucket's own tables for its passes over ``rows``, in one call: ``(counts, both, units, masked)``, each
+    pass's programs per tensor, the table (:func:`owned_tables`), each pass's :func:`unit_map` and, with ``flags``,
+    the :func:`masked_table`. ``passes``: per pass, ``(sizes, tile)``: each tensor's elements and a program's
+    (:func:`tile_counts`), or its ``(batch, R, C)`` and a ``(rows, cols)`` tile of its matrices."""
+    counts = [tile_counts(sizes, tile) if type(tile) is int else _grid_counts(sizes, *tile) for sizes, tile in passes]
+    both = owned_tables(rows, device)
+    units = [unit_map(c, device, keep=False) for c in counts]
+    capture.keep(device, *units)
+    masked = None if flags is None else masked_table(both[0], both[1], flags, flag_rows, device)
+    return counts, both, units, masked
 
 
 def select_flags(flags: torch.Tensor, flag_rows: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -132,8 +164,9 @@ def device_index(index: Sequence[int], device: torch.device) -> torch.Tensor:
     return _indices.get(key, lambda: upload(torch.tensor(key[1], dtype=torch.int64), device))
 
 
-def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
-    """int32 ``[2, sum(counts)]``: (tensor index, unit index within the tensor) of every program, tensors in order."""
+def unit_map(counts: Sequence[int], device: torch.device, keep: bool = True) -> torch.Tensor:
+    """int32 ``[2, sum(counts)]``: (tensor index, unit index within the tensor) of every program, tensors in order
+    (``keep``: :func:`~lowmemopt.work.capture.keep` it here; False: the caller does)."""
     key = (device, tuple(counts))
 
     def make() -> torch.Tensor:
@@ -143,12 +176,22 @@ def unit_map(counts: Sequence[int], device: torch.device) -> torch.Tensor:
         local = torch.arange(sum(counts)) - torch.repeat_interleave(first, n)
         return upload(torch.stack([tensor, local]).to(torch.int32), device)
 
-    return _units.get(key, make)
+    return _units.get(key, make, keep)
 
 
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` on the host (``triton.cdiv`` is 25x slower to call)."""
     return -(-a // b)
+
+
+def tile_counts(sizes: Sequence[int], tile: int) -> list[int]:
+    """Programs per tensor of ``sizes[i]`` elements, ``tile`` per program (:func:`ceil_div` of each)."""
+    return [ceil_div(n, tile) for n in sizes]
+
+
+def _grid_counts(shapes: Sequence[tuple[int, int, int]], rows: int, cols: int) -> list[int]:
+    """Programs per ``(batch, R, C)`` stack of matrices in tiles of ``rows`` x ``cols``."""
+    return [b * ceil_div(r, rows) * ceil_div(c, cols) for b, r, c in shapes]
 
 
 def aligned(tensors: Sequence[torch.Tensor | None], nbytes: int = 16) -> bool:

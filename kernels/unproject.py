@@ -19,7 +19,7 @@ import triton.language as tl
 from . import runtime
 from .codec import load_grad, load_param, store_param, tile_coords
 from .launch import TL_DTYPES
-from .table import aligned, ceil_div, owned_tables, select_flags, unit_map
+from .table import aligned, masked_table, owned_tables, tile_counts, unit_map
 
 __all__ = ["DTYPES", "apply_updates"]
 
@@ -126,7 +126,7 @@ def apply_updates(
     if kept is None:
         each = updates.unbind(0)
         rows = [[p.data_ptr(), u.data_ptr(), p.numel()] for p, u in zip(params, each)]
-        counts = [ceil_div(p.numel(), tile_rows * block) for p in params]
+        counts = tile_counts([p.numel() for p in params], tile_rows * block)
         kept = dict(
             params=list(params),
             tile_rows=tile_rows,
@@ -145,7 +145,7 @@ def apply_updates(
         kept["base"] = updates.data_ptr()
     table, skipped = kept["both"][0], kept["both"][1]
     if flags is not None:  # a skipped matrix counts 0 elements
-        table = torch.where(select_flags(flags, flag_rows, device).view(torch.bool).unsqueeze(1), table, skipped)
+        table = masked_table(table, skipped, flags, flag_rows, device)
     _apply_kernel[(kept["programs"],)](
         kept["units"],
         table,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ..quant.formats import Slot
 
 __all__ = [
-    "any_dtensor",
     "is_dtensor",
+    "any_dtensor",
     "local_tensor",
     "local_view",
     "agree_finite",
@@ -39,14 +39,16 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def any_dtensor(work: Sequence[tuple[torch.Tensor, Any]]) -> bool:
-    """Is a parameter or a gradient of ``work`` ((parameter, group) pairs) a DTensor? (once per step: the stages
-    take every tensor as it is when none is)"""
+def any_dtensor(tensors: Iterable[Any]) -> bool:
+    """Is any of ``tensors`` a DTensor? (One call for a step's tensors: False at once where none was ever made.)"""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
         return False
     dtensor = module.DTensor
-    return any(isinstance(p, dtensor) or isinstance(p.grad, dtensor) for p, _ in work)
+    for t in tensors:
+        if isinstance(t, dtensor):
+            return True
+    return False
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -19,6 +20,7 @@ from ..distributed.reduction import LOCAL
 from ..distributed.sharding import agree_finite, any_dtensor, is_dtensor, local_tensor, local_view
 from ..work import Item, Update, capture
 from ..work.items import LOW_RANK
+from ..work.record import BucketRecord
 from .algorithm import Algorithm, KernelSet
 from .backends import CHUNK_NUMEL, init_state
 from .finite import CpuFiniteChecks, DeviceFlags, host_flags
@@ -114,7 +116,7 @@ def run(plan: Plan) -> StepOutcome:
         The skips to count now and to settle at the next step.
     """
     work = plan.work
-    plan.sharded = any_dtensor(work)
+    plan.sharded = any_dtensor([t for p, _ in work for t in (p, p.grad)])
     if plan.capturable:
         check_state_fits(plan, work, plan.record.owner)
         return _capturable(plan)
@@ -360,21 +362,28 @@ def device_flags(
     devices = {g.device for g in grads}
     if len(devices) != 1 or not triton_usable(devices):
         return None
+    params = [p for p, _ in work]
+    sharded = any_dtensor(params + [p.grad for p in params])  # (a parameter's, or a gradient's)
+    if sharded and any_dtensor(params):
+        return None
     state = plan.state
     memo: dict = {}  # (device_may_check's answers per device and dtype)
+    last = rank = None
     for p, group in work:
-        if is_dtensor(p):
-            return None
         st = state.get(p)
-        if plan.record_of(group).rank is not None:
+        if group is not last:  # (the record once per run of parameters of one group)
+            last, rank = group, plan.record_of(group).rank
+        if rank is not None:
             if st is None or not plan.galore.device_may_check(plan, p, group, st, memo):
                 return None
         elif st is not None and LOW_RANK in st:  # (a group that lost its rank: the step reports it)
             return None
-    params = [p for p, _ in work]
     if found_inf is not None:
-        return DeviceFlags.from_found_inf(params, found_inf.to(grads[0].device, non_blocking=True))
-    return DeviceFlags(params, grads)
+        flags = DeviceFlags.from_found_inf(params, found_inf.to(grads[0].device, non_blocking=True))
+    else:
+        flags = DeviceFlags(params, grads)
+    flags.whole = not sharded
+    return flags
 
 
 def step_buckets(
@@ -383,18 +392,27 @@ def step_buckets(
     """Gather, project, step what the Triton kernels take, finish the projected; return the pairs left for the
     per-parameter path.
     """
-    from ..kernels.dispatch import launch_buckets, plan_buckets, step_triton
+    from ..kernels.dispatch import step_triton
 
     rest: Work = []
     plain: list[Item] = []
+    fresh: list[bool] = []  # per plain item: its state made by this step
     projected: list[Item] = []
     inner: dict[int, tuple[dict, dict, float]] = {}
     fused_galore = None  # asked at the first projected parameter
     galore = plan.galore
     states = plan.state
+    whole = flags is not None and flags.whole  # (no DTensor among the parameters and gradients: each its own view)
+    if not whole:
+        tensors = [p for p, _ in work]
+        whole = not any_dtensor(tensors + [p.grad for p in tensors])
+    slots: dict = {}  # the slots per record, shape and dtype, asked once per step_buckets
+    last = record = None
     for p, group in work:
         state = states.get(p)  # (one lookup per parameter: a tensor's hash is a Python call)
-        if plan.record_of(group).rank is not None or (state is not None and LOW_RANK in state):
+        if group is not last:  # (the record once per run of parameters of one group)
+            last, record = group, plan.record_of(group)
+        if record.rank is not None or (state is not None and LOW_RANK in state):
             if fused_galore is None:
                 fused_galore = galore is not None and galore.takes_fused(plan)
             if not fused_galore:
@@ -407,8 +425,8 @@ def step_buckets(
                     flags.note(p, it.state, False)
                 projected.append(it)
             continue
-        fresh = flags is not None and (state is None or "step" not in state)
-        it = _plain_item(plan, p, group, state)
+        made = flags is not None and (state is None or "step" not in state)
+        it = _plain_item(plan, p, group, state, record, whole, slots)
         if it is None:
             if device_steps:
                 raise ValueError(
@@ -416,16 +434,17 @@ def step_buckets(
                     "kernels (not contiguous, or a shard whose math needs the whole tensor)"
                 )
             rest.append((p, group))
-        else:
-            if flags is not None:  # the kernels read the flag
-                it.flag = flags.position[id(p)]
-            if device_steps:  # the count stays on the device and advances by the flag (capture.advance)
-                capture.device_count(it.state, it.target.device)
-            else:
-                capture.host_count(it.state)
-                if flags is not None:  # stepped provisionally: the host undoes a skip's count
-                    flags.note(p, it.state, fresh)
-            plain.append(it)
+            continue
+        if flags is not None:  # the kernels read the flag
+            it.flag = flags.position[id(p)]
+        if device_steps:  # the count stays on the device and advances by the flag (capture.advance)
+            capture.device_count(it.state, it.target.device)
+        plain.append(it)
+        fresh.append(made)
+    if plain and not device_steps:
+        capture.host_counts([it.state for it in plain])
+        if flags is not None:  # stepped provisionally: the host undoes a skip's count
+            flags.note_all(plain, fresh)
     alone: list[Item] = []
     if projected:
         galore.project_gradients(projected)
@@ -438,28 +457,18 @@ def step_buckets(
         galore.make_stand_ins(projected)
         galore.weight_statistics(plan, projected)  # the full weights' statistics the math reads (LAMB, Adafactor, ...)
 
-    name = kernels.name
-
-    def hyper(it: Item, step: Any) -> Update:  # (step: each tensor's, fp64 [T] on the device, if device_steps)
-        return update_for(plan, name, it, step, device_steps)
-
+    # (step: each tensor's, fp64 [T] on the device, if device_steps)
+    hyper = partial(update_for, plan, kernels.name, device_steps=device_steps)
     mult = None if plan.grad_mult is None else plan.mult  # loss scaling: the kernels apply it as they load gradients
     items = plain + projected
-    if (
-        plan.keep is not None
-        and flags is not None
-        and not rest
-        and not alone
-        and not device_steps
-        and items
-        and triton_usable({items[0].target.device})
-    ):  # a step the kernels take whole: kept for a StepProgram
-        planned, left = plan_buckets(kernels, items)
-        left += launch_buckets(planned, hyper, flags.tensor, False, mult)
+    on_device = None if flags is None else flags.tensor
+    if plan.keep is not None and flags is not None and not rest and not alone and not device_steps and items:
+        planned: list = []  # a step the kernels take whole: its buckets kept for a StepProgram
+        left = step_triton(kernels, items, hyper, on_device, False, mult, planned)
         if not left:
             plan.keep.planned, plan.keep.projected = planned, projected
     else:
-        left = step_triton(kernels, items, hyper, None if flags is None else flags.tensor, device_steps, mult)
+        left = step_triton(kernels, items, hyper, on_device, device_steps, mult)
     finished: set[int] = set()
     for it in left:
         if not it.projected:
@@ -469,26 +478,42 @@ def step_buckets(
         elif not galore.update_per_tensor(plan, it):  # no kernel took it: the per-tensor backends, or the core
             finished.add(id(it))
     if projected:
-        galore.apply_back(
-            plan, [it for it in projected if id(it) not in finished], None if flags is None else flags.tensor
-        )
+        galore.apply_back(plan, [it for it in projected if id(it) not in finished], on_device)
     return rest
 
 
-def _plain_item(plan: Plan, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any] | None = None) -> Item | None:
-    """A full-rank parameter as an item (a DTensor's local shard), state made; None if no bucket takes it."""
-    local, grad, reduce = local_view(p, p.grad)
+def _plain_item(
+    plan: Plan,
+    p: torch.Tensor,
+    group: dict[str, Any],
+    state: dict[str, Any] | None = None,
+    record: BucketRecord | None = None,
+    whole: bool = False,
+    slots: dict | None = None,
+) -> Item | None:
+    """A full-rank parameter as an item (a DTensor's local shard), state made; None if no bucket takes it.
+    ``record``: ``group``'s (None: asked here); ``whole``: ``p`` and its gradient are known to be no DTensors;
+    ``slots``: the caller's memo of the slots per record, shape and dtype."""
+    local, grad, reduce = (p, p.grad, LOCAL) if whole else local_view(p, p.grad)
     if reduce is not LOCAL and not plan.algorithm.elementwise:
         return None
     if not (local.is_contiguous() and grad.is_contiguous()) or grad.shape != local.shape:
         return None
     if state is None:
         state = plan.state[p]
-    record = plan.record_of(group)
-    slots = plan.slots_of(record, local)
+    if record is None:
+        record = plan.record_of(group)
+    key = (id(record), local.shape, local.dtype)
+    item_slots = None if slots is None else slots.get(key)
+    if item_slots is None:
+        item_slots = plan.slots_of(record, local)
+        if slots is not None:
+            slots[key] = item_slots
     if "step" not in state:  # the whole parameter's size picks the format (a shard keeps the one-process format)
-        state = init_state(local, record, slots, state, numel=p.numel(), reduce=reduce)
-    else:  # bf16_update changed since: its state made for the whole tensor (a shard's ranks agree on a seed)
-        rounding.init_state(state, local, record.rounding, reduce.agree)
+        state = init_state(local, record, item_slots, state, numel=p.numel(), reduce=reduce)
+    elif record.rounding != "nearest":  # bf16_update changed since: its state made for the whole tensor (a shard's
+        rounding.init_state(state, local, record.rounding, reduce.agree)  # ranks agree on a seed); nearest needs none
     base = reduce.flat_offset() if reduce.distributed and record.rounding_of(local) == "stochastic" else 0
-    return Item(param=p, group=group, target=local, grad=grad, state=state, slots=slots, index_base=base, record=record)
+    return Item(
+        param=p, group=group, target=local, grad=grad, state=state, slots=item_slots, index_base=base, record=record
+    )

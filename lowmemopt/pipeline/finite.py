@@ -47,6 +47,11 @@ class DeviceFlags:
         self.tensor = ok.view(torch.uint8)  # bool is one byte, 0 or 1: a view, no copy
         self.position = {id(params[i]): pos for pos, i in enumerate(order)}
         self._host: list[bool] | None = None
+        #: have the flags been read on the host (:meth:`host`) in this step?
+        self.read = False
+        #: no parameter of the step and no gradient is a DTensor (``pipeline.device_flags`` checked: the gather
+        #: takes each tensor as its own local view)
+        self.whole = False
         #: params stepped provisionally: id -> (state, its step count before this step, made by this step)
         self.provisional: dict[int, tuple[dict[str, Any], int, bool]] = {}
 
@@ -57,6 +62,7 @@ class DeviceFlags:
         self.tensor = (found_inf.reshape(1) == 0).view(torch.uint8).repeat(len(params))
         self.position = {id(p): i for i, p in enumerate(params)}
         self._host = None
+        self.read = self.whole = False
         self.provisional = {}
         return self
 
@@ -72,15 +78,17 @@ class DeviceFlags:
         """Record ``param``'s step count before it is stepped provisionally (``fresh``: its state is made now)."""
         self.provisional[id(param)] = (state, state.get("step", 0), fresh)
 
-    @property
-    def read(self) -> bool:
-        """Have the flags been read on the host (:meth:`host`) in this step?"""
-        return self._host is not None
+    def note_all(self, items: Sequence[Any], fresh: Sequence[bool]) -> None:
+        """:meth:`note` of each item (``param``, ``state``) of a bucket, ``fresh[i]`` for ``items[i]``."""
+        note = self.note
+        for it, made in zip(items, fresh):
+            note(it.param, it.state, made)
 
     def host(self) -> list[bool]:
         """The flags on the host, by row (the first call reads them: a synchronization)."""
         if self._host is None:
             self._host = [bool(f) for f in self.tensor.tolist()]
+            self.read = True
         return self._host
 
     def finite(self, param: torch.Tensor) -> bool:
@@ -143,6 +151,7 @@ def resolve(pending: list[DeviceFlags]) -> int:
     for f in pending:
         n = f.tensor.numel()
         f._host = [bool(v) for v in values[at : at + n]]
+        f.read = True
         at += n
     return sum(f.undo_skipped() for f in pending)
 

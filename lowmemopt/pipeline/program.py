@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from typing import Any, Sequence
 
@@ -98,7 +99,7 @@ class StepProgram:
     def __init__(self, plan: Plan, work: Sequence[tuple[torch.Tensor, dict]], kept: Kept) -> None:
         from ..kernels.check import GradCheck
 
-        self.name = plan.fused
+        self.name = plan.kernels.name  # (a program's step took the kernels)
         self.state = plan.state
         self.version = getattr(plan.state, "version", None)
         self.params = [p for p, _ in work]
@@ -243,7 +244,7 @@ class StepProgram:
                 pl.bucket.move_tensors([it.target for it in members], [it.grad for it in members], *moved)
         mult = None if plan.grad_mult is None else plan.mult
         name = self.name
-        left = launch_buckets(self.planned, lambda it, step: update_for(plan, name, it, step), flags, False, mult)
+        left = launch_buckets(self.planned, partial(update_for, plan, name), flags, False, mult)
         launched = self.planned
         if left:  # the kernels were turned off by a failure that wrote nothing: the rest takes the per-tensor path
             launched = self._step_left(plan, left, flags)

@@ -7,7 +7,7 @@ Layout, maps and float64 parameters: docs/state_format.md#tensors.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ __all__ = [
     "FORMATS",
     "choose_format",
     "format_of",
+    "common_formats",
     "slot_keys",
     "map_for",
     "legacy_map_for",
@@ -248,6 +249,29 @@ def format_of(state: dict, slot: str) -> StateFormat:
     if t.dtype == torch.float16:
         return FP16
     return FP64 if t.dtype == torch.float64 else FP32
+
+
+def common_formats(states: Sequence[dict], slots: Sequence[Sequence[str]]) -> list[str | None]:
+    """Per state, the name of the one format its ``slots[i]`` are stored in: ``"fp32"`` for no slots, None where a
+    slot is missing or two differ (a bucket's states read in one call)."""
+    out: list[str | None] = []
+    for state, names in zip(states, slots):
+        fmt = None
+        for name in names:
+            try:
+                name_fmt = format_of(state, name).name
+            except KeyError:  # a slot is missing
+                fmt = None
+                break
+            if fmt is None:
+                fmt = name_fmt
+            elif name_fmt != fmt:
+                fmt = None
+                break
+        else:
+            fmt = fmt or "fp32"
+        out.append(fmt)
+    return out
 
 
 def slot_keys(state: dict, slot: str) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capturing", "keep", "device_value", "device_count", "host_count", "advance"]
+__all__ = ["capturing", "keep", "device_value", "device_count", "host_count", "host_counts", "advance"]
 
 #: tensors a captured graph reads by address (launch tables, index maps, upload buffers): kept for the process
 _KEPT: list[torch.Tensor] = []
@@ -64,6 +64,13 @@ def host_count(state: dict[str, Any]) -> None:
     takes the parameter again)."""
     if isinstance(state["step"], torch.Tensor):
         state["step"] = int(state["step"].item())
+
+
+def host_counts(states: list[dict[str, Any]]) -> None:
+    """:func:`host_count` of each of ``states`` (a bucket's: one call)."""
+    for state in states:
+        if isinstance(state["step"], torch.Tensor):
+            host_count(state)
 
 
 def advance(steps: list[torch.Tensor], flags: torch.Tensor | None) -> None:
