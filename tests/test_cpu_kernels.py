@@ -599,8 +599,15 @@ def test_factored_native_steps_small_matrices_with_quantized_state(lib, monkeypa
     assert factored.QUANT_MIN_NUMEL <= 192 * 192 < factored.MIN_NUMEL
     monkeypatch.setattr(compiled, "ENABLED", False)
     calls = []
-    real = cpu.step_factored
+    real, real_bucket = cpu.step_factored, factored.step_bucket
     monkeypatch.setattr(cpu, "step_factored", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+
+    def bucket(*a, **k):  # the steps after the first (state made: each its gradient's check); 32-bit: not taken
+        done = real_bucket(*a, **k)
+        calls.extend(done or [factored.NOT_APPLIED])
+        return done
+
+    monkeypatch.setattr(factored, "step_bucket", bucket)
     start = make_params([(192, 192)])
     for bits, native in ((8, True), (32, False)):
         out = []
@@ -642,12 +649,19 @@ def test_factored_step_is_its_own_nonfinite_check(lib, cls, kwargs, bits, bad, m
 
     monkeypatch.setattr(compiled, "ENABLED", False)
     outcomes, scanned = [], []
-    real_step, real_scan = cpu.step_factored, cpu.grad_is_finite
+    real_step, real_bucket, real_scan = cpu.step_factored, factored.step_bucket, cpu.grad_is_finite
     monkeypatch.setattr(
         cpu,
         "step_factored",
         lambda *a, **k: outcomes.append((k.get("check", False), real_step(*a, **k))) or outcomes[-1][1],
     )
+
+    def bucket(*a, **k):  # the steps that check their gradients: one bucket, in order
+        done = real_bucket(*a, **k)
+        outcomes.extend((True, o) for o in done)
+        return done
+
+    monkeypatch.setattr(factored, "step_bucket", bucket)
     monkeypatch.setattr(cpu, "grad_is_finite", lambda g: scanned.append(g.numel()) or real_scan(g))
     start = make_params(FACTORED_SHAPES)
     runs = []

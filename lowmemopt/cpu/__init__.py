@@ -35,19 +35,23 @@ _warned = False
 
 def available() -> bool:
     """True if the native kernels are enabled and built (building them on first call)."""
+    return _library() is not None
+
+
+def _library() -> Any:
+    """The kernel library if the kernels are enabled and built (building them on first call; warned once if not)."""
     global _warned
     if not ENABLED:
-        return False
-    if build.library() is None:
-        if not _warned:
-            _warned = True
-            warnings.warn(
-                f"lowmemopt: native CPU kernels unavailable ({build.build_error}); using the torch paths",
-                RuntimeWarning,
-                stacklevel=external_stacklevel(),
-            )
-        return False
-    return True
+        return None
+    lib = build.library()
+    if lib is None and not _warned:
+        _warned = True
+        warnings.warn(
+            f"lowmemopt: native CPU kernels unavailable ({build.build_error}); using the torch paths",
+            RuntimeWarning,
+            stacklevel=external_stacklevel(),
+        )
+    return lib
 
 
 def applies(t: torch.Tensor) -> bool:
@@ -78,13 +82,10 @@ def grad_is_finite(g: torch.Tensor) -> bool | None:
     finite? None: not done here (kernels unavailable, or ``g`` is not a contiguous fp32 / bf16 / fp16 CPU tensor)."""
     from . import ffi
 
-    if not (ffi.can_scan(g) and available()):
+    if not ffi.can_scan(g):
         return None
-    if not g.numel():  # (nothing to scan: its data pointer is null, which the kernel refuses)
-        return True
-    args = ffi.args_for(None, None, 0, 16, [], scan=g)
-    ffi.call(build.library().lmo_scan, args)
-    return ffi.scan_result(args)
+    lib = _library()
+    return None if lib is None else ffi.scan_is_finite(lib, g)
 
 
 def encode_rows_into(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:

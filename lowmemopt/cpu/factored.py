@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..quant.formats import BF16, FP32, Q4, Q8
+from ..work.items import Item, Update
 from ..work.record import BucketRecord
 from . import build, ffi
 
@@ -28,6 +28,7 @@ __all__ = [
     "SKIPPED",
     "STEPPED",
     "step",
+    "step_bucket",
 ]
 
 MIN_NUMEL = 1 << 16
@@ -75,8 +76,12 @@ class Fact(ctypes.Structure):
     ]
 
 
-def _call(name: str, f: Fact) -> None:
-    ffi.call(getattr(build.library(), name), f)
+def _library(memo: dict) -> Any:
+    """The kernel library (None: not built), looked up once per ``memo`` (a :func:`step` or :func:`step_bucket`)."""
+    lib = memo.get("library")
+    if lib is None:
+        lib = memo["library"] = build.library()
+    return lib
 
 
 class _Pass:
@@ -90,10 +95,12 @@ class _Pass:
         shape: torch.Size,
         m: ffi.Slot | None,
         bs: int,
+        memo: dict,
         scratch: int = 0,
         grad_mult: float | None = None,
     ):
         rows, cols = shape
+        self.lib = _library(memo)
         self.work = torch.empty(NSEG * (cols + 1) + (scratch + 1) // 2, dtype=torch.float64)
         self.f = f = Fact()
         f.p, f.g, f.R, f.C = p.data_ptr(), g.data_ptr(), rows, cols
@@ -105,6 +112,13 @@ class _Pass:
         if grad_mult is not None:  # loss scaling: every pass reads g times it, rounded to g's dtype
             f.g_mult = grad_mult
         self.keep: list[torch.Tensor] = []  # tensors whose addresses the struct holds
+
+    def call(self, name: str) -> None:
+        """Call kernel ``name`` of the library on the struct."""
+        fn = getattr(self.lib, name)
+        rc = fn(ctypes.byref(self.f))
+        if rc != 0:
+            raise ffi.rejected(fn, rc)
 
     def set(self, **tensors: torch.Tensor) -> None:
         for k, t in tensors.items():
@@ -123,19 +137,19 @@ class _Pass:
     def means(self, name: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
         row, col = torch.empty(rows), torch.empty(cols)
         self.set(row_out=row, col_out=col)
-        _call(name, self.f)
+        self.call(name)
         return row, col
 
     def run_checked(self, name: str, check: bool) -> int:
         """Call step kernel ``name``; with ``check``, let its pass 1 check the gradient (:data:`SKIPPED`: it was not
         finite, and nothing was written)."""
         if not check:
-            _call(name, self.f)
+            self.call(name)
             return STEPPED
         result = ctypes.c_double(0.0)
         self.f.result = ctypes.addressof(result)
         self.f.flags |= CHECK
-        _call(name, self.f)
+        self.call(name)
         return STEPPED if math.isfinite(result.value) else SKIPPED
 
     def clip_denom(self, numel: int, clip_threshold: float, kernel: str) -> torch.Tensor:
@@ -143,7 +157,7 @@ class _Pass:
         0-dim tensors (the eager math's ``rms(u)`` is ``vector_norm(u) / sqrt(numel)``)."""
         result = torch.zeros(1, dtype=torch.float64)
         self.f.result = result.data_ptr()
-        _call(kernel, self.f)
+        self.call(kernel)
         norm = torch.tensor(math.sqrt(float(result[0])), dtype=torch.float32)
         return (norm / math.sqrt(numel) / clip_threshold).clamp_(min=1.0)
 
@@ -153,10 +167,29 @@ def _rms(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(p.float()) / math.sqrt(p.numel())
 
 
-def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slot, int] | None:
-    """The first moment as a kernel slot, and the walk's block size; None if its storage is not supported."""
-    if fmt is Q8 or fmt is Q4:
-        codes, absmax = state["exp_avg" + (".codes" if fmt is Q8 else ".nibbles")], state["exp_avg.absmax"]
+def _slot(memo: dict, make: Callable[..., ffi.Slot], *tensors: Any) -> ffi.Slot:
+    """``make(*tensors)`` (``ffi.slot_dense``, ``slot_q8``, ``slot_q4``): made once per ``memo`` and kind, then copied
+    with the tensors' addresses (the code book's tables are the same for every parameter)."""
+    key = (make, tensors[0].dtype)
+    made = memo.get(key)
+    if made is None:
+        made = memo[key] = make(*tensors)
+        return made
+    slot = ffi.Slot.from_buffer_copy(made)
+    slot.data = tensors[0].data_ptr()
+    if slot.absmax:
+        slot.absmax = tensors[1].data_ptr()
+    return slot
+
+
+def _momentum_slot(state: dict[str, Any], block_size: int, memo: dict) -> tuple[ffi.Slot, int, bool] | None:
+    """The first moment as a kernel slot, the walk's block size and whether it is quantized (8- or 4-bit codes); None
+    if its storage is not supported (a format without a native codec: the eager path steps it)."""
+    for suffix, make in ((".codes", ffi.slot_q8), (".nibbles", ffi.slot_q4)):
+        codes = state.get("exp_avg" + suffix)
+        if codes is None:
+            continue
+        absmax = state["exp_avg.absmax"]
         if not (
             16 <= block_size <= ffi.MAX_BLOCK
             and block_size % 16 == 0
@@ -165,26 +198,41 @@ def _momentum_slot(state: dict[str, Any], fmt, block_size: int) -> tuple[ffi.Slo
             and absmax.dtype == torch.float32
         ):
             return None
-        return (ffi.slot_q8 if fmt is Q8 else ffi.slot_q4)(codes, absmax, True), block_size
-    want = {FP32: torch.float32, BF16: torch.bfloat16}.get(fmt)
-    if want is None:  # a format without a native codec: the eager path steps it
-        return None
+        return _slot(memo, make, codes, absmax, True), block_size, True
     t = state["exp_avg"]
-    if t.dtype != want or not t.is_contiguous():
+    if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
         return None
-    return ffi.slot_dense(t), 16
+    return _slot(memo, ffi.slot_dense, t), 16, False
 
 
-def _adafactor(p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None, check=False) -> int:
+def _fits(p, pflat, gflat, state, record: BucketRecord, quantized: bool, memo: dict) -> bool:
+    """Do the native passes take this parameter (``quantized``: its first moment is 8- or 4-bit)?"""
+    if p.dim() != 2 or p.numel() < (min(QUANT_MIN_NUMEL, MIN_NUMEL) if quantized else MIN_NUMEL) or p.shape[1] % 16:
+        return False
+    if pflat.device.type != "cpu" or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
+        return False
+    if gflat.device != pflat.device or not gflat.is_contiguous() or _library(memo) is None:
+        return False
+    if record.rounding != "nearest" and record.rounding_of(pflat) != "nearest":  # bf16_update: nearest only here
+        return False
+    stats = [state[k] for k in state if k.endswith(("_row", "_col", "_var"))]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):
+        return False
+    return not isinstance(record.hyper.get("lr"), torch.Tensor)
+
+
+def _adafactor(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check, memo) -> int:
     hyper = record.hyper
     if decay != 1.0 or "exp_avg_sq_row" not in state:  # (its weight decay is part of the math)
         return NOT_APPLIED
     eps1, eps2 = hyper["eps"]
     m = None
     if hyper["beta1"] is not None:
-        m = _momentum_slot(state, formats["exp_avg"], record.block_size)
+        m = _momentum_slot(state, record.block_size, memo)
         if m is None:
             return NOT_APPLIED
+    if not _fits(p, pflat, gflat, state, record, m is not None and m[2], memo):
+        return NOT_APPLIED
     rho = hyper["lr"]
     if hyper["relative_step"]:
         rho = min(1e-6 * step if hyper["warmup_init"] else 1e-2, 1.0 / math.sqrt(step))
@@ -193,7 +241,7 @@ def _adafactor(p, pflat, gflat, state, formats, record, step, decay, weight=None
         alpha = weight.clamp(min=eps2) * rho
     beta2t = 1.0 - math.pow(step, hyper["decay_rate"])
 
-    run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16, sum(p.shape), grad_mult)
+    run = _Pass(pflat, gflat, p.shape, m[0] if m else None, m[1] if m else 16, memo, sum(p.shape), grad_mult)
     run.set(vr=state["exp_avg_sq_row"], vc=state["exp_avg_sq_col"])
     run.factors("rf", "cf")
     f, wd = run.f, hyper["weight_decay"]
@@ -209,18 +257,18 @@ def _adafactor(p, pflat, gflat, state, formats, record, step, decay, weight=None
     return run.run_checked("lmo_adafactor_step", check)
 
 
-def _came(p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None, check=False) -> int:
+def _came(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check, memo) -> int:
     hyper = record.hyper
     if decay != 1.0 or "exp_avg_sq_row" not in state:
         return NOT_APPLIED
+    m = _momentum_slot(state, record.block_size, memo)
+    if m is None or not _fits(p, pflat, gflat, state, record, m[2], memo):
+        return NOT_APPLIED
     eps1, eps2 = hyper["eps"]
     beta1, beta2, beta3 = hyper["betas"]
-    m = _momentum_slot(state, formats["exp_avg"], record.block_size)
-    if m is None:
-        return NOT_APPLIED
     lr = hyper["lr"]
 
-    run = _Pass(pflat, gflat, p.shape, m[0], m[1], 2 * sum(p.shape), grad_mult)
+    run = _Pass(pflat, gflat, p.shape, m[0], m[1], memo, 2 * sum(p.shape), grad_mult)
     run.set(
         vr=state["exp_avg_sq_row"],
         vc=state["exp_avg_sq_col"],
@@ -236,14 +284,14 @@ def _came(p, pflat, gflat, state, formats, record, step, decay, weight=None, gra
     return run.run_checked("lmo_came_step", check)
 
 
-def _adafactor_torch(
-    p, pflat, gflat, state, formats, record, step, decay, weight=None, grad_mult=None, check=False
-) -> int:
+def _adafactor_torch(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check, memo) -> int:
     """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
     parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
     sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
     hyper = record.hyper
     if "row_var" not in state or check:  # (its scalars are taken in torch between the calls: no check of its own)
+        return NOT_APPLIED
+    if not _fits(p, pflat, gflat, state, record, False, memo):
         return NOT_APPLIED
     rows, cols = p.shape
     eps1, eps2 = hyper["eps"]
@@ -252,7 +300,7 @@ def _adafactor_torch(
     rho = min(hyper["lr"], 1.0 / math.sqrt(step))
     alpha = (_rms(p) if weight is None else weight).clamp(min=eps2) * rho
 
-    run = _Pass(pflat, gflat, p.shape, None, 16, grad_mult=grad_mult)
+    run = _Pass(pflat, gflat, p.shape, None, 16, memo, grad_mult=grad_mult)
     run.f.h[0] = 0.0
     row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
     row_var, col_var = state["row_var"].view(-1), state["col_var"].view(-1)
@@ -264,7 +312,7 @@ def _adafactor_torch(
     denom = run.clip_denom(p.numel(), hyper["d"], "lmo_adafactor_torch_sumsq")
     scale = alpha / denom
     f.h[2], f.h[3] = float(-scale if hyper["maximize"] else scale), float(decay)
-    _call("lmo_adafactor_torch_apply", f)
+    run.call("lmo_adafactor_torch_apply")
     return STEPPED
 
 
@@ -287,37 +335,47 @@ def step(
     pflat: torch.Tensor,
     gflat: torch.Tensor,
     state: dict[str, Any],
-    formats: dict[str, Any],
     record: BucketRecord,
     step: int,
     decay: float,
     weight: torch.Tensor | None = None,
     grad_mult: float | None = None,
     check: bool = False,
+    memo: dict | None = None,
 ) -> int:
     """One native step ``native`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
     place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
     ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.update.weight_statistics``).
     ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none). ``check``:
     the step is also the optimizer's non-finite check of ``gflat`` (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum
-    of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`)."""
-    quantized = any(f is Q8 or f is Q4 for f in formats.values())
-    if (
-        not isinstance(native, FactoredStep)
-        or p.dim() != 2
-        or p.numel() < (min(QUANT_MIN_NUMEL, MIN_NUMEL) if quantized else MIN_NUMEL)
-        or p.shape[1] % 16
-    ):
+    of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`). ``memo``: what the
+    parameters of one :func:`step_bucket` share."""
+    if not isinstance(native, FactoredStep):
         return NOT_APPLIED
-    if not ffi.usable(pflat) or pflat.dtype not in ffi.DTYPES or gflat.dtype not in ffi.DTYPES:
-        return NOT_APPLIED
-    if gflat.device != pflat.device or not gflat.is_contiguous():
-        return NOT_APPLIED
-    if record.rounding_of(pflat) != "nearest":  # bf16_update: these passes round to nearest only
-        return NOT_APPLIED
-    stats = [state[k] for k in state if k.endswith(("_row", "_col", "_var"))]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in stats):
-        return NOT_APPLIED
-    if isinstance(record.hyper.get("lr"), torch.Tensor):
-        return NOT_APPLIED
-    return native.run(p, pflat, gflat, state, formats, record, step, decay, weight, grad_mult, check)
+    return native.run(
+        p, pflat, gflat, state, record, step, decay, weight, grad_mult, check, {} if memo is None else memo
+    )
+
+
+def step_bucket(
+    native: FactoredStep, items: list[Item], update_for: Callable[[Item, Any], Update], grad_mult: float | None = None
+) -> list[int]:
+    """Step ``items`` (CPU, full rank, initialized, step counts advanced) with ``native`` in order, each step its
+    gradient's non-finite check (Adafactor, CAME), up to the first one it does not take; returns the outcome of each
+    one stepped (:data:`STEPPED`, or :data:`SKIPPED`: nothing written). ``update_for(item, step)``: the item's bucket's
+    :class:`~lowmemopt.work.items.Update`, asked once per bucket and step count; ``grad_mult``: loss scaling. The
+    library and the code books' kernel slots are looked up once per call."""
+    memo: dict = {}
+    out: list[int] = []
+    up = None
+    for it in items:
+        state, target = it.state, it.target
+        count = state["step"]
+        if up is None or up.record is not it.record or up.step != count:
+            up = update_for(it, count)
+        flat, grad = target.view(-1), it.grad.reshape(-1)
+        outcome = native.run(target, flat, grad, state, up.record, count, up.decay, None, grad_mult, True, memo)
+        if outcome == NOT_APPLIED:
+            break
+        out.append(outcome)
+    return out

@@ -25,8 +25,10 @@ __all__ = [
     "set_scan",
     "call",
     "call_many",
+    "rejected",
     "can_scan",
     "scan_result",
+    "scan_is_finite",
     "run_codec",
 ]
 
@@ -188,10 +190,24 @@ def scan_result(args: Args) -> bool:
     return math.isfinite(args._sumsq.value)
 
 
+def scan_is_finite(lib, g: torch.Tensor) -> bool:
+    """Whether the fp32 sum of squares of ``g`` (:func:`can_scan`) is finite, by ``lib``'s ``lmo_scan``."""
+    if not g.numel():  # (nothing to scan: its data pointer is null, which the kernel refuses)
+        return True
+    args = args_for(None, None, 0, 16, [], scan=g)
+    call(lib.lmo_scan, args)
+    return scan_result(args)
+
+
 def call(fn, args: Args) -> None:
     rc = fn(ctypes.byref(args))
     if rc != 0:
-        raise RuntimeError(f"lowmemopt C kernel {fn.__name__} rejected its arguments (code {rc})")
+        raise rejected(fn, rc)
+
+
+def rejected(fn, rc: int) -> RuntimeError:
+    """The error of kernel ``fn`` returning ``rc`` (not 0: it refused its arguments)."""
+    return RuntimeError(f"lowmemopt C kernel {fn.__name__} rejected its arguments (code {rc})")
 
 
 def call_many(fn, batch: list[Args]) -> list[bool]:
@@ -203,7 +219,7 @@ def call_many(fn, batch: list[Args]) -> list[bool]:
     ok = (ctypes.c_uint8 * n)()
     rc = fn(arr, ctypes.c_int64(n), ok)
     if rc != 0:
-        raise RuntimeError(f"lowmemopt C kernel {fn.__name__} rejected its arguments (code {rc})")
+        raise rejected(fn, rc)
     return [bool(v) for v in ok]
 
 

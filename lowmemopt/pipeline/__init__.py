@@ -27,7 +27,7 @@ from .finite import CpuFiniteChecks, DeviceFlags, host_flags
 from .fits import check_state_fits
 from .native import step_cpu_bucket, takes as takes_cpu_bucket
 from .plan import Plan, StepOutcome, StepRecord
-from .per_param import step_param
+from .per_param import checks_itself, step_checked, step_param
 from .program import Kept, StepProgram, update_for
 
 __all__ = [
@@ -319,29 +319,27 @@ def step_in_order(
     grads: list[torch.Tensor],
     pipe: CpuFiniteChecks | None,
 ) -> None:
-    """Step ``todo`` in order, per parameter, with the pipelined non-finite check filling in ``finite``."""
-    for k, (i, p, group) in enumerate(todo):
-        if finite[i] is None and checks_itself(plan, p, group):
-            finite[i] = step_param(plan, p, p.grad, group, check=True)
+    """Step ``todo`` in order, per parameter, with the pipelined non-finite check filling in ``finite``; a run of
+    parameters whose native factored steps check their own gradients (:func:`checks_itself`) at once
+    (:func:`.per_param.step_checked`)."""
+    native = None if plan.kernels is None else plan.kernels.native
+    checking = isinstance(native, factored.FactoredStep) and native.checks
+    k = 0
+    while k < len(todo):
+        i, p, group = todo[k]
+        if checking and finite[i] is None and checks_itself(plan, p, plan.record_of(group)):
+            k = step_checked(plan, todo, k, finite)
             continue
+        k += 1
         if finite[i] is None:  # a pipelined CPU gradient that the previous kernel did not scan
             finite[i] = pipe.check(i)
         if not finite[i]:  # found by that check, or by the previous kernel's scan
             continue
-        nxt = todo[k + 1][0] if k + 1 < len(todo) else None
+        nxt = todo[k][0] if k < len(todo) else None
         if nxt is not None and finite[nxt] is None:
             finite[nxt] = step_param(plan, p, p.grad, group, scan=grads[nxt])
         else:
             step_param(plan, p, p.grad, group)
-
-
-def checks_itself(plan: Plan, p: torch.Tensor, group: dict[str, Any]) -> bool:
-    """Can ``p``'s step be its gradient's non-finite check (a native factored step, state made, no GaLore)?"""
-    native = None if plan.kernels is None else plan.kernels.native
-    if not (isinstance(native, factored.FactoredStep) and native.checks):
-        return False
-    state = plan.state[p]
-    return plan.record_of(group).rank is None and "step" in state and LOW_RANK not in state
 
 
 def device_flags(

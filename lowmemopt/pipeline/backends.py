@@ -66,8 +66,8 @@ def step_per_tensor(
 ) -> list[bool | None]:
     """Step every item (full-rank, initialized) through the per-tensor backends, one tensor at a time.
     ``update_for(item, step)``: its :class:`~lowmemopt.work.items.Update`; ``scans[k]``: another gradient item ``k``'s
-    kernel checks; ``check``: each step checks its own gradient. Returns one result per item (a check's, or whether it
-    stepped).
+    kernel checks; ``check``: items the native factored step that checks its own gradient did not take, each gradient
+    checked first (:func:`update_checked`). Returns one result per item (a check's, or whether it stepped).
     """
     out: list[bool | None] = []
     for k, it in enumerate(items):
@@ -87,7 +87,6 @@ def step_per_tensor(
                     up.step,
                     up.decay,
                     mult,
-                    up.kwargs,
                 )
             )
         else:
@@ -155,7 +154,7 @@ def update_flat(
                 grad_mult=host,
             )
         elif reduce is LOCAL and cpu.step_factored(
-            kernels.native, like, pflat, gflat, state, formats, record, step, decay, grad_mult=host
+            kernels.native, like, pflat, gflat, state, record, step, decay, grad_mult=host
         ):
             start = pflat.numel()
     exact = record.rounding_of(like) == "nearest"  # the compiled path rounds to nearest only
@@ -176,36 +175,18 @@ def update_checked(
     step: int,
     decay: float,
     mult: torch.Tensor | None = None,
-    kwargs: dict[str, Any] | None = None,
 ) -> bool:
-    """:func:`update_flat` of an unsharded CPU parameter that checks its own gradient; returns whether it stepped."""
-    from ..cpu.factored import SKIPPED, STEPPED
-
-    formats = {name: format_of(state, name) for name in slots}
-    host = None if mult is None else mult.tolist()
-    kernels = algorithm.kernels
-    outcome = cpu.step_factored(
-        None if kernels is None else kernels.native,
-        like,
-        pflat,
-        gflat,
-        state,
-        formats,
-        record,
-        step,
-        decay,
-        grad_mult=host,
-        check=True,
-    )
-    if outcome in (STEPPED, SKIPPED):
-        return outcome == STEPPED
+    """The eager reference of an unsharded CPU parameter whose native factored step, the one that checks its own
+    gradient, does not take it (:func:`lowmemopt.cpu.factored.step_bucket`): ``gflat`` checked first; returns whether
+    it stepped (what :func:`update_flat` does then: a factored algorithm has no compiled path)."""
     ok = cpu.grad_is_finite(gflat)
     if ok is None:  # (not a tensor the native check reads)
         from .finite import host_flags
 
         ok = host_flags([gflat])[0]
     if ok:
-        update_flat(algorithm, like, pflat, gflat, state, slots, record, step, decay, mult=mult, kwargs=kwargs)
+        formats = {name: format_of(state, name) for name in slots}
+        _step_eager(algorithm, like, pflat, gflat, state, slots, formats, record, step, decay, 0, LOCAL, mult)
     return ok
 
 

@@ -4,7 +4,8 @@ backend takes, and it is the eager reference that every combination is tested ag
 
 The gather stage makes the parameter an :class:`~lowmemopt.work.items.Item` (its local shard, state made on the
 first step, its record), :meth:`.plan.Plan.update_of` its bucket's :class:`~lowmemopt.work.items.Update` from the record's
-``hyper``, and the update stage hands both to :func:`.backends.step_per_tensor`, as the Triton backend takes them."""
+``hyper``, and the update stage hands both to :func:`.backends.step_per_tensor`, as the Triton backend takes them.
+Parameters whose native factored step is also their gradient's check go as one bucket (:func:`step_checked`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ from typing import Any
 import torch
 
 from .. import rounding
+from ..cpu import factored
 from ..distributed.sharding import local_view
 from ..work import Item, capture
 from ..work.items import LOW_RANK
+from ..work.record import BucketRecord
 from .backends import init_state, step_per_tensor
 from .plan import Plan
 
-__all__ = ["step_param"]
+__all__ = ["checks_itself", "step_checked", "step_param"]
+
+Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
 
 
 def step_param(
@@ -33,15 +38,16 @@ def step_param(
     """Step one parameter through the per-tensor backends (:func:`.backends.step_per_tensor`; GaLore:
     :meth:`~.plan.ProjectionStage.step_one`). ``scan``: another gradient that a native CPU kernel checks
     for NaN/Inf while it steps this one; returns that check's result (None: not done). ``check``
-    (:func:`checks_itself`): the step checks ``grad`` itself (:func:`.backends.update_checked`); returns whether it
-    was finite (False: nothing changed, the step count included)."""
+    (a parameter :func:`step_checked`'s native step does not take): the eager step checks ``grad`` first
+    (:func:`.backends.update_checked`); returns whether it was finite (False: nothing changed, the step count
+    included)."""
     state = plan.state[p]
-    if plan.record_of(group).rank is not None or LOW_RANK in state:
+    record = plan.record_of(group)
+    if record.rank is not None or LOW_RANK in state:
         plan.galore.step_one(plan, p, grad, group)
         return None
     numel = p.numel()  # a DTensor's whole size: it picks the state format
     local, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
-    record = plan.record_of(group)
     slots = plan.slots_of(record, local)
     if "step" not in state:
         state = init_state(local, record, slots, state, numel=numel, reduce=reduce)
@@ -58,3 +64,50 @@ def step_param(
     if target is not local:
         local.copy_(target)
     return result
+
+
+def checks_itself(plan: Plan, p: torch.Tensor, record: BucketRecord) -> bool:
+    """Can ``p``'s step (``record``: its bucket's), in a plan whose native factored step can be its gradients'
+    non-finite check, be its gradient's check (state made, full rank)?"""
+    state = plan.state[p]
+    return record.rank is None and "step" in state and LOW_RANK not in state
+
+
+def step_checked(plan: Plan, todo: Todo, k: int, finite: list[bool | None]) -> int:
+    """Step ``todo[k]`` and the parameters after it whose steps check their own gradients (:func:`checks_itself`,
+    ``finite[i]`` None: plain CPU tensors left to the pipelined check) with the plan's native factored step, as one
+    bucket (:func:`lowmemopt.cpu.factored.step_bucket`), in order; one it does not take goes through
+    :func:`step_param` in its place. Fills in ``finite``; returns the index after them."""
+    states = plan.state
+    run: Todo = []
+    items: list[Item] = []
+    seen = record = None
+    for i, p, group in todo[k:]:
+        if group is not seen:  # (the record once per group)
+            seen, record = group, plan.record_of(group)
+        if run and (finite[i] is not None or not checks_itself(plan, p, record)):
+            break
+        state = states[p]
+        if not isinstance(state["step"], int):
+            capture.host_count(state)  # (a capturable step's count: back to an int)
+        state["step"] += 1
+        target = p if p.is_contiguous() else p.contiguous()
+        run.append((i, p, group))  # (the native step reads the state's tensors, not the slots)
+        items.append(Item(param=p, group=group, target=target, grad=p.grad, state=state, slots={}, record=record))
+    mult = None if plan.grad_mult is None else plan.mult(torch.device("cpu")).tolist()
+    start = 0
+    while start < len(items):
+        outcomes = factored.step_bucket(plan.kernels.native, items[start:], plan.update_of, mult)
+        for (i, p, _), it, outcome in zip(run[start:], items[start:], outcomes):
+            finite[i] = outcome == factored.STEPPED
+            if not finite[i]:  # nothing was written
+                it.state["step"] -= 1
+            elif it.target is not p:
+                p.copy_(it.target)
+        start += len(outcomes)
+        if start < len(items):  # not taken: the eager step, which checks its gradient first
+            i, p, group = run[start]
+            items[start].state["step"] -= 1
+            finite[i] = step_param(plan, p, p.grad, group, check=True)
+            start += 1
+    return k + len(items)

@@ -112,11 +112,10 @@ def update_per_tensor(plan: Plan, it: Item) -> bool:
         )
         return True
     if it.target is not None and it.target.device.type == "cpu" and cpu.ENABLED:
-        formats = {name: format_of(state, name) for name in it.slots}
         t = state["step"] + 1
         native = None if plan.kernels is None else plan.kernels.native
         if cpu.step_factored(
-            native, it.target, it.target.view(-1), it.grad.view(-1), state, formats, it.record, t, 1.0, weight=it.weight
+            native, it.target, it.target.view(-1), it.grad.view(-1), state, it.record, t, 1.0, weight=it.weight
         ):
             state["step"] = t
             return True
