@@ -11,7 +11,7 @@ import torch
 
 from ..distributed.sharding import local_tensor
 from ..quant.blockwise import num_blocks
-from ..quant.formats import QUANTIZED, format_of
+from ..quant.formats import QUANTIZED, format_of, stored_sizes
 from ..rounding import KAHAN
 from ..work.items import LOW_RANK
 from ..work.record import param_place
@@ -67,7 +67,10 @@ def check_state_fits(plan: Plan, work: Sequence[tuple[torch.Tensor, dict[str, An
         key = (id(record), local.shape, local.dtype, p.numel())
         layout = layouts.get(key)
         if layout is None:
-            layout = layouts[key] = _layout(record, plan.slots_of(record, local), local.shape, p.numel(), local.dtype)
+            slots = plan.slots_of(record, local)
+            layout = layouts[key] = stored_sizes(
+                slots, local.shape, p.numel(), local.dtype, record.state_bits, record.min_quant_numel, record.block_size
+            )
         kahan = state.get(KAHAN)
         if kahan is not None:
             check_kahan(kahan, local.shape, lambda: where(plan, p), owner)
@@ -115,17 +118,6 @@ def check_dtypes(p: torch.Tensor, grad: torch.Tensor, who: Any, owner: str) -> N
         "gradient replaced by a tensor of another dtype? Nothing was changed: compute the gradient again, or set "
         "p.grad = None to skip it"
     )
-
-
-def _layout(record: Any, slots: dict[str, Any], shape: torch.Size, numel: int, dtype: torch.dtype) -> tuple:
-    """``((stored key, its numel), ...)`` of state made for a tensor of ``shape`` in the formats ``record`` gives
-    it now (``numel``: the whole parameter's, which picks the formats of a shard)."""
-    out = []
-    for name, slot in slots.items():
-        size = slot_numel(slot, shape)
-        fmt = record.format_for(slot, numel if slot.shape is None else size, dtype)
-        out += [(k, hi) for k, (_, hi) in fmt.key_ranges(name, 0, size, record.block_size).items()]
-    return tuple(out)
 
 
 def slot_numel(slot: Any, shape: torch.Size) -> int:

@@ -27,6 +27,7 @@ __all__ = [
     "QUANTIZED",
     "FORMATS",
     "choose_format",
+    "stored_sizes",
     "format_of",
     "common_formats",
     "slot_keys",
@@ -235,6 +236,27 @@ def choose_format(
     if not quantizable or state_bits == 32 or numel < min_quant_numel:
         return FP64 if param_dtype == torch.float64 else FP32
     return {16: BF16, 8: Q8, 4: Q4}[state_bits]
+
+
+def stored_sizes(
+    slots: dict[str, Slot],
+    shape: torch.Size,
+    numel: int,
+    dtype: torch.dtype,
+    state_bits: int,
+    min_quant_numel: int,
+    block_size: int,
+) -> tuple[tuple[str, int], ...]:
+    """``((stored key, its numel), ...)`` of new state of ``slots`` for a ``dtype`` tensor of ``shape`` (``numel``:
+    the whole parameter's, which picks a shard's formats), in the formats :func:`choose_format` gives them."""
+    out: list[tuple[str, int]] = []
+    for name, slot in slots.items():
+        size = shape.numel() if slot.shape is None else torch.Size(slot.shape).numel()
+        fmt = choose_format(
+            state_bits, numel if slot.shape is None else size, min_quant_numel, slot.quantize, slot.dtype, dtype
+        )
+        out += [(k, hi) for k, (_, hi) in fmt.key_ranges(name, 0, size, block_size).items()]
+    return tuple(out)
 
 
 def format_of(state: dict, slot: str) -> StateFormat:
