@@ -100,21 +100,25 @@ int main(int argc, char **argv) {
         if (measure(cfg, (int (*)(const void *))fn, &a)) return 3;
     } else {
         lmo_fact fa; memset(&fa, 0, sizeof fa);
-        float *rf = malloc(4 * NR), *cf = malloc(4 * NC), *ro = malloc(4 * NR), *co = malloc(4 * NC);
+        float *rf = malloc(4 * NR), *cf = malloc(4 * NC), *u = malloc(4 * (size_t)N);
         float *vr = malloc(4 * NR), *vc = malloc(4 * NC), *vr2 = malloc(4 * NR), *vc2 = malloc(4 * NC);
         float *rf2 = malloc(4 * NR), *cf2 = malloc(4 * NC);
         double *work = malloc(8 * LMO_NSEG * (NC + 1)), res[1];
         for (i = 0; i < NR; i++) { vr[i] = 1e-6f * (1.5f + frand()); vr2[i] = 1e-9f * (1.5f + frand()); }
         for (i = 0; i < NC; i++) { vc[i] = 1e-6f * (1.5f + frand()); vc2[i] = 1e-9f * (1.5f + frand()); }
         fa.p = p; fa.g = g; fa.R = NR; fa.C = NC; fa.p_dtype = fa.g_dtype = DT_F32; fa.nthreads = 1; fa.bs = bits == 32 ? 16 : bs;
-        fa.rf = rf; fa.cf = cf; fa.rf2 = rf2; fa.cf2 = cf2; fa.row_out = ro; fa.col_out = co; fa.work = work; fa.result = res;
+        fa.rf = rf; fa.cf = cf; fa.rf2 = rf2; fa.cf2 = cf2; fa.u = u; fa.work = work; fa.result = res;
         fa.vr = vr; fa.vc = vc; fa.vr2 = vr2; fa.vc2 = vc2;
         /* eps1, beta2, beta1, 1 - beta1, decay (-wd lr; Adafactor: -wd with flag 2), clip, lr (Adafactor: rho), eps2, beta3 */
         double h[12] = {1e-30, 0.999, 0.9, 0.1, -1e-6, 1.0, 1e-4, 1e-3, 0.9999, 0, 0, 0};
         memcpy(fa.h, h, sizeof h);
         int (*fn)(const lmo_fact *);
-        if (strstr(cfg, "sqmeans")) fn = lmo_fact_sq_means;
-        else if (strstr(cfg, "afstep")) { fn = lmo_adafactor_step; fa.flags = 2; fa.h[4] = -1e-2; }
+        if (strstr(cfg, "torch")) { /* AdafactorTorch's passes: rf, cf its row / column EMAs; rmean, eps1^2, s, decay */
+            memcpy(rf, vr, 4 * NR); memcpy(cf, vc, 4 * NC);
+            fa.h[0] = 1e-6; fa.h[1] = 1.4e-14; fa.h[2] = -1e-4; fa.h[3] = 1 - 1e-6;
+            if (lmo_adafactor_torch_u(&fa)) return 3;
+            fn = strstr(cfg, "apply") ? lmo_adafactor_torch_apply : lmo_adafactor_torch_u;
+        } else if (strstr(cfg, "afstep")) { fn = lmo_adafactor_step; fa.flags = 2; fa.h[4] = -1e-2; }
         else fn = lmo_came_step;
         if (bits != 32 || strstr(cfg, "came")) { fa.has_m = 1; fa.m = sl[0]; if (bits == 32) fa.m.kind = ST_F32; }
         if (strstr(cfg, "check")) fa.flags |= 4; /* the step's own non-finite check in pass 1 */

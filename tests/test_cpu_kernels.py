@@ -231,8 +231,8 @@ def _state_tensors(opt, p):
 def test_vector_builds_equal_the_scalar_reference(lib, isa, monkeypatch, correctly_rounded_sqrt):
     """Each vector build (AVX-512, AVX2) gives the scalar C reference's codes (8- and 4-bit, signed and unsigned, at
     every decision threshold and its neighbours) and its steps (parameters and every state tensor), bit for bit:
-    elementwise kernels at 32, 8 and 4 bits with fp32 / bf16 / fp16 parameters, and the factored passes. The default
-    build equals the eager composition (the tests above), so every build does."""
+    elementwise kernels at 32, 8 and 4 bits with fp32 / bf16 / fp16 parameters, and the factored passes (AdafactorTorch
+    too). The default build equals the eager composition (the tests above), so every build does."""
     vec, ref = _isa_library(isa), _isa_library("scalar")
     assert (build.isa_of(vec), build.isa_of(ref)) == (isa, "scalar")
     gen = torch.Generator().manual_seed(0)
@@ -264,7 +264,12 @@ def test_vector_builds_equal_the_scalar_reference(lib, isa, monkeypatch, correct
             assert all(torch.equal(v, sb[k]) for k, v in sa.items()), (info.name, bits, dtype)
     monkeypatch.setattr(compiled, "ENABLED", False)
     start = make_params([(256, 272)])
-    for cls, kwargs in ((lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1)), (lowmemopt.Adafactor, dict(beta1=0.9))):
+    factored = [
+        (lowmemopt.CAME, dict(lr=1e-2, weight_decay=0.1)),
+        (lowmemopt.Adafactor, dict(beta1=0.9)),
+        (lowmemopt.AdafactorTorch, dict(weight_decay=0.1, maximize=True)),
+    ]
+    for cls, kwargs in factored:
         results = []
         for library in (vec, ref):
             monkeypatch.setattr(build, "_lib", library)
@@ -548,7 +553,8 @@ FACTORED_VARIANTS = [
 @pytest.mark.parametrize("cls,kwargs", FACTORED_VARIANTS, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_factored_native_equals_eager_32bit(lib, cls, kwargs, monkeypatch):
     """32-bit state: parameters and statistics equal the eager path to fp32 rounding (the row / column means and the
-    RMS are summed in another order); the parameter the native path skips (37 x 53) stays bit-identical."""
+    RMS are summed in another order; AdafactorTorch's are torch's own: bit for bit); the parameter the native path
+    skips (37 x 53) stays bit-identical."""
     calls = []
     real = cpu.step_factored
     monkeypatch.setattr(cpu, "step_factored", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
@@ -560,6 +566,8 @@ def test_factored_native_equals_eager_32bit(lib, cls, kwargs, monkeypatch):
             if isinstance(v, torch.Tensor):  # relative to the tensor's scale: a moment near 0 has no relative precision
                 w = opt_e.state[b][k]
                 assert float((v - w).abs().max()) <= 1e-5 * float(w.abs().max()), k
+                assert cls is not lowmemopt.AdafactorTorch or torch.equal(v, w), k
+        assert cls is not lowmemopt.AdafactorTorch or torch.equal(a, b)
     assert torch.equal(p_n[2], p_e[2])
 
 

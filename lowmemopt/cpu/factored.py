@@ -1,8 +1,9 @@
 """Native steps for the factored optimizers (Adafactor, CAME, AdafactorTorch) on large 2-D CPU parameters: one C call
 (``lmo_adafactor_step``, ``lmo_came_step``) and one parallel region per parameter instead of the eager math's ten
 full-size passes; optionally the non-finite check too (:func:`step` with ``check=True``). Equal to the eager path to
-fp32 rounding, independent of the thread count, for unsharded parameters of :data:`MIN_NUMEL` elements or more
-(:data:`QUANT_MIN_NUMEL` with a quantized first moment). Passes, bytes and sums:
+fp32 rounding (AdafactorTorch: bit for bit, its reductions in torch), independent of the thread count, for unsharded
+parameters of :data:`MIN_NUMEL` elements or more (:data:`QUANT_MIN_NUMEL` with a quantized first moment). Passes,
+bytes and sums:
 ``docs/cpu_kernels.md#the-factored-steps-one-call-one-parallel-region``.
 """
 
@@ -63,8 +64,7 @@ class Fact(ctypes.Structure):
         ("cf", ctypes.c_void_p),
         ("rf2", ctypes.c_void_p),
         ("cf2", ctypes.c_void_p),
-        ("row_out", ctypes.c_void_p),
-        ("col_out", ctypes.c_void_p),
+        ("u", ctypes.c_void_p),
         ("vr", ctypes.c_void_p),
         ("vc", ctypes.c_void_p),
         ("vr2", ctypes.c_void_p),
@@ -134,12 +134,6 @@ class _Pass:
             setattr(self.f, k, addr)
             addr += 4 * int(self.f.R if k.startswith("r") else self.f.C)
 
-    def means(self, name: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        row, col = torch.empty(rows), torch.empty(cols)
-        self.set(row_out=row, col_out=col)
-        self.call(name)
-        return row, col
-
     def run_checked(self, name: str, check: bool) -> int:
         """Call step kernel ``name``; with ``check``, let its pass 1 check the gradient (:data:`SKIPPED`: it was not
         finite, and nothing was written)."""
@@ -151,20 +145,6 @@ class _Pass:
         self.f.flags |= CHECK
         self.call(name)
         return STEPPED if math.isfinite(result.value) else SKIPPED
-
-    def clip_denom(self, numel: int, clip_threshold: float, kernel: str) -> torch.Tensor:
-        """``(RMS(u) / clip_threshold).clamp(min=1)`` from the sum of squares of u that ``kernel`` computes, as fp32
-        0-dim tensors (the eager math's ``rms(u)`` is ``vector_norm(u) / sqrt(numel)``)."""
-        result = torch.zeros(1, dtype=torch.float64)
-        self.f.result = result.data_ptr()
-        self.call(kernel)
-        norm = torch.tensor(math.sqrt(float(result[0])), dtype=torch.float32)
-        return (norm / math.sqrt(numel) / clip_threshold).clamp_(min=1.0)
-
-
-def _rms(p: torch.Tensor) -> torch.Tensor:
-    """RMS(p) as the eager math's ``rms``: ``vector_norm(p) / sqrt(numel)``, fp32."""
-    return torch.linalg.vector_norm(p.float()) / math.sqrt(p.numel())
 
 
 def _slot(memo: dict, make: Callable[..., ffi.Slot], *tensors: Any) -> ffi.Slot:
@@ -285,9 +265,10 @@ def _came(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check,
 
 
 def _adafactor_torch(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check, memo) -> int:
-    """torch.optim.Adafactor's semantics (:func:`~lowmemopt.optim.adafactor.adafactor_torch_math`) on a 2-D
-    parameter: row / column means of g^2, their EMAs and the scalars in torch as the eager math, then two passes (the
-    sum of squares of u, and the update with the decay ``p * (1 - lr wd)``)."""
+    """torch.optim.Adafactor's step on a 2-D parameter, bit for bit (as
+    :func:`~lowmemopt.optim.adafactor.adafactor_torch_math`): the reductions in torch, as the eager math and torch take
+    them (RMS(p), the row / column norms of g, mean(row_var), RMS(u); the scalars from them in float64), and two C
+    passes for the rest: ``u`` into a buffer, then ``p = fma(u, s, p decay)`` (CPU tensors: a read is no sync)."""
     hyper = record.hyper
     if "row_var" not in state or check:  # (its scalars are taken in torch between the calls: no check of its own)
         return NOT_APPLIED
@@ -296,22 +277,27 @@ def _adafactor_torch(p, pflat, gflat, state, record, step, decay, weight, grad_m
     rows, cols = p.shape
     eps1, eps2 = hyper["eps"]
     eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
-    one_minus_beta2_t = step ** hyper["beta2_decay"]
-    rho = min(hyper["lr"], 1.0 / math.sqrt(step))
-    alpha = (_rms(p) if weight is None else weight).clamp(min=eps2) * rho
+    rho = min(hyper["lr"], 1 / step**0.5)
+    p32 = pflat.view(p.shape).float()  # (the eager math's fp32 working copy; fp32: pflat itself)
+    rms = torch.linalg.vector_norm(p32).double() / p.numel() ** 0.5 if weight is None else weight.double()
+    alpha = rms.clamp_(min=eps2) * rho
+    g = gflat.view(p.shape).float()  # the eager math's fp32 gradient (lowmemopt.pipeline.plan.unscaled)
+    if grad_mult is not None:
+        g = g * grad_mult if gflat.dtype == torch.float32 else (g * grad_mult).to(gflat.dtype).float()
 
-    run = _Pass(pflat, gflat, p.shape, None, 16, memo, grad_mult=grad_mult)
-    run.f.h[0] = 0.0
-    row_mean, col_mean = run.means("lmo_fact_sq_means", rows, cols)
-    row_var, col_var = state["row_var"].view(-1), state["col_var"].view(-1)
-    row_var.lerp_(row_mean, one_minus_beta2_t)
-    col_var.lerp_(col_mean, one_minus_beta2_t)
-    run.set(rf=row_var, cf=col_var)
+    one_minus_beta2_t = step ** hyper["beta2_decay"]
+    row_var, col_var = state["row_var"], state["col_var"]  # [R, 1], [1, C]
+    row_var.lerp_(torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_().div_(cols), one_minus_beta2_t)
+    col_var.lerp_(torch.linalg.vector_norm(g, dim=-2, keepdim=True).square_().div_(rows), one_minus_beta2_t)
+    u = torch.empty(p.shape, dtype=torch.float32)
+    run = _Pass(pflat, g, p.shape, None, 16, memo)
+    run.set(rf=row_var, cf=col_var, u=u)
     f = run.f
-    f.h[0], f.h[1] = float(row_var.mean().clamp_(min=eps1)), eps1 * eps1
-    denom = run.clip_denom(p.numel(), hyper["d"], "lmo_adafactor_torch_sumsq")
-    scale = alpha / denom
-    f.h[2], f.h[3] = float(-scale if hyper["maximize"] else scale), float(decay)
+    f.h[0], f.h[1] = float(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)), eps1 * eps1
+    run.call("lmo_adafactor_torch_u")
+    denom = (torch.linalg.vector_norm(u).double() / (p.numel() ** 0.5 * hyper["d"])).clamp_(min=1.0)
+    scale = float(alpha / denom)  # torch's -alpha / denom (its update is -u with maximize)
+    f.h[2], f.h[3] = scale if hyper["maximize"] else -scale, float(decay)
     run.call("lmo_adafactor_torch_apply")
     return STEPPED
 

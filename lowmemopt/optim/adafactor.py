@@ -5,9 +5,10 @@
     a = rho_t * max(eps2, RMS(p)) [scale_parameter],  rho_t = lr or min(1e-2 | 1e-6 t [warmup_init], 1/sqrt(t))
     m = beta1 m + (1 - beta1) a u  [beta1 given];     p <- p - a wd p - (m or a u)
 
-``AdafactorTorch`` matches ``torch.optim.Adafactor`` (its state keys too): eps1 clamps ``V >= eps1^2``, ``rho_t =
-min(lr, 1/sqrt(t))`` always scaled by ``max(eps2, RMS(p))``, ``p *= 1 - lr wd``, no first moment. Row and column
-statistics stay unquantized at every ``state_bits``: fp32, float64 for float64 parameters, as the math is.
+``AdafactorTorch`` matches ``torch.optim.Adafactor`` (state keys too; 32-bit results bit for bit): eps1 clamps
+``V >= eps1^2``, ``rho_t = min(lr, 1/sqrt(t))`` always scaled by ``max(eps2, RMS(p))``, ``p *= 1 - lr wd``, no first
+moment. Row and column statistics stay unquantized at every ``state_bits``: fp32, float64 for float64 parameters, as
+the math is.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ Scalar = float | torch.Tensor  # a Python number or a 0-dim tensor on the parame
 def rms(t: torch.Tensor, reduce: Reduction = LOCAL) -> torch.Tensor:
     """Root mean square of the whole (global) tensor, as a 0-dim tensor (no host sync)."""
     return reduce.norm(t) / math.sqrt(reduce.numel(t))
+
+
+def rms64(t: torch.Tensor, reduce: Reduction = LOCAL) -> torch.Tensor:
+    """``||t|| / numel ** 0.5`` in float64 from the norm in ``t``'s dtype: torch.optim.Adafactor's
+    ``t.norm(2).item() / (t.numel() ** 0.5)``, as a 0-dim device tensor (no host sync)."""
+    return reduce.norm(t).double() / reduce.numel(t) ** 0.5
 
 
 def approx_rsqrt(row: torch.Tensor, col: torch.Tensor, out: torch.Tensor, reduce: Reduction = LOCAL) -> torch.Tensor:
@@ -175,15 +182,17 @@ def adafactor_torch_math(
     d: float,
     maximize: bool,
     reduce: Reduction = LOCAL,
-) -> torch.Tensor:
-    """fp32 Adafactor (``torch.optim.Adafactor`` semantics): updates the state in place and returns ``u`` with
-    ``p_new = p * (1 - lr wd) - u`` (the caller applies the decay). Factored iff ``state`` holds ``row_var``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 Adafactor (``torch.optim.Adafactor`` semantics, bit for bit): updates the state in place; returns ``(u, s)``,
+    ``p_new = p (1 - lr wd) + s u`` added in one rounding (torch's ``add_(u, alpha=s)``; the caller decays and adds),
+    ``s = -rho max(eps2, RMS(p)) / max(1, RMS(u) / d)`` in float64 as torch's host scalars, but a 0-dim tensor (no host
+    read) rounded to ``p``'s dtype. Factored iff ``state`` holds ``row_var``."""
     if maximize:
         g = -g
     one_minus_beta2_t = step**beta2_decay
-    bound = 1.0 / math.sqrt(step)
-    rho = lr.clamp(max=bound) if isinstance(lr, torch.Tensor) else min(lr, bound)
-    alpha = rms(p, reduce).clamp_(min=eps2) * rho
+    bound = 1 / step**0.5  # (torch's expressions: ``** 0.5``, not math.sqrt)
+    rho = lr.double().clamp(max=bound) if isinstance(lr, torch.Tensor) else min(lr, bound)
+    alpha = rms64(p, reduce).clamp_(min=eps2) * rho
 
     if "row_var" in state:
         row_var, col_var = state["row_var"], state["col_var"]  # [..., R, 1] and [..., 1, C]
@@ -199,8 +208,8 @@ def adafactor_torch_math(
         variance.lerp_(var, one_minus_beta2_t)
         var.copy_(variance)
     u = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
-    denom = (rms(u, reduce) / d).clamp_(min=1.0)
-    return u.mul_(alpha / denom)
+    denom = (reduce.norm(u).double() / (reduce.numel(u) ** 0.5 * d)).clamp_(min=1.0)
+    return u, (-alpha / denom).to(p.dtype)
 
 
 #: Adafactor's fused kernels: Triton (``kernels/factored.py``) and C (``csrc/factored.c``, a step that can be its
@@ -354,7 +363,7 @@ class AdafactorTorchAlgorithm(Algorithm):
     @fused(TORCH_KERNELS)
     def update(self, p, g, state, group, step, reduce=LOCAL):
         eps1, eps2 = group["eps"]
-        u = adafactor_torch_math(
+        return adafactor_torch_math(
             p,
             g,
             state,
@@ -367,7 +376,6 @@ class AdafactorTorchAlgorithm(Algorithm):
             maximize=group["maximize"],
             reduce=reduce,
         )
-        return u, -1.0
 
 
 class AdafactorTorch(LowMemOptimizer):

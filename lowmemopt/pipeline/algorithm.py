@@ -107,10 +107,14 @@ class Algorithm:
     def apply_update(
         self, p32: torch.Tensor, delta: torch.Tensor, alpha: Any, decay: Any, group: dict[str, Any]
     ) -> None:
-        """``p = p * decay + alpha * delta`` (decay first, as torch); an override has no fused kernels."""
+        """``p = p * decay + alpha * delta`` (decay first, as torch), ``alpha`` a number or a 0-dim tensor (one rounding
+        either way: ``addcmul_`` rounds as ``add_(alpha=)``, no host read); an override has no fused kernels."""
         if decay != 1.0:
             p32.mul_(decay)
-        p32.add_(delta, alpha=alpha)
+        if isinstance(alpha, torch.Tensor):
+            p32.addcmul_(delta, alpha)
+        else:
+            p32.add_(delta, alpha=alpha)
 
     @property
     def fused(self) -> str | None:

@@ -130,32 +130,6 @@ static void fact_sq_seg(const lmo_fact *f, int s, float eps1, float *mean, int p
     if (check) FW_SEG(f, FW_GSQ)[s] = gsq;
 }
 
-/* Row and column means of x(g) = g^2 + eps1 (h[0] = eps1) into row_out / col_out (AdafactorTorch's first pass). */
-int lmo_fact_sq_means(const lmo_fact *f) {
-    const int64_t R = f->R, C = f->C;
-    if (fact_check(f)) return LMO_EBADARG;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(fact_threads(f))
-#endif
-    {
-        int s;
-        int64_t c;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (s = 0; s < LMO_NSEG; s++) fact_sq_seg(f, s, (float)f->h[0], f->row_out, 0, 0);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (c = 0; c < C; c++) {
-            double t = 0.0;
-            for (s = 0; s < LMO_NSEG; s++) t += FW_COL(f)[(int64_t)s * C + c];
-            f->col_out[c] = (float)(t / (double)R);
-        }
-    }
-    return LMO_OK;
-}
-
 /* The non-finite check of pass 1 (flag 4): the fp32 sum of g^2 over the segments, in their order. */
 static float fact_gsq(const lmo_fact *f) {
     float t = 0.0f;
@@ -468,16 +442,13 @@ int lmo_came_step(const lmo_fact *f) {
 }
 
 /* ------------------------------------------------------------------------------------------------------------------ */
-/* Adafactor with torch.optim.Adafactor's semantics (lowmemopt.optim.adafactor.adafactor_torch_math), no first moment:
- *   u = g rsqrt(max((rv[r] cv[c]) / rmean, eps1^2))        (rf = row_var, cf = col_var; h: 0 rmean  1 eps1^2)
- * lmo_adafactor_torch_sumsq: result[0] = sum of u^2.
- * lmo_adafactor_torch_apply: p = p decay - u scale         (h: 2 scale = +-alpha / denom  3 decay)
- * torch's CPU rsqrt is 1 / sqrt (two roundings), repeated here. */
-
-static inline vf torch_u(const lmo_fact *f, int64_t r, int64_t c, vf g, vf rmean, vf eps2) {
-    const vf var = v_div(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), rmean);
-    return v_mul(v_div(v_set(1.0f), v_sqrt(v_max(var, eps2))), g);
-}
+/* Adafactor with torch.optim.Adafactor's semantics (lowmemopt.optim.adafactor.adafactor_torch_math), no first moment,
+ * bit for bit: the caller takes every reduction in torch, as torch does (their summation orders are torch's), and
+ * these two passes the elementwise rest, each operation rounded as torch's CPU kernel rounds it:
+ * lmo_adafactor_torch_u:     u = g rsqrt(max((rf[r] cf[c]) / rmean, eps1^2))   (rf = row_var, cf = col_var;
+ *                            h: 0 rmean  1 eps1^2; torch's CPU rsqrt is 1 / sqrt, two roundings)
+ * lmo_adafactor_torch_apply: p = fma(u, s, p decay)   (h: 2 s  3 decay: torch's mul_(decay), then add_(u, alpha=s),
+ *                            one fused multiply-add; both scalars rounded to fp32 from double, as torch's are) */
 
 /* Run fn(f, s) for every row segment s, in one parallel region (the segments shared out dynamically). */
 typedef void (*fact_seg_fn)(const lmo_fact *f, int s);
@@ -494,40 +465,37 @@ static void fact_for_segments(const lmo_fact *f, fact_seg_fn fn) {
     }
 }
 
-/* work[s] = segment s's sum of u^2 in fp64, u = torch_u (h: 0 rmean, 1 eps1^2) */
-static void adafactor_torch_usq_seg(const lmo_fact *f, int s) {
+static void adafactor_torch_u_seg(const lmo_fact *f, int s) {
     const int64_t C = f->C;
-    const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]);
-    int64_t r0, r1, r, c;
-    vd acc = vd_zero();
-    fact_segment(f, s, &r0, &r1);
-    for (r = r0; r < r1; r++)
-        for (c = 0; c < C; c += 16) acc = vd_add_sq(acc, torch_u(f, r, c, load_grad(f->g_dtype, f->g, r * C + c, f->g_mult), rmean, eps2));
-    f->work[s] = vd_sum(acc);
-}
-
-/* result[0] = sum of u^2 over the whole tensor: per segment in fp64, then across segments in order. */
-int lmo_adafactor_torch_sumsq(const lmo_fact *f) {
-    if (fact_check(f) || f->has_m) return LMO_EBADARG;
-    fact_for_segments(f, adafactor_torch_usq_seg);
-    f->result[0] = seg_total(f->work);
-    return LMO_OK;
-}
-
-static void adafactor_torch_apply_seg(const lmo_fact *f, int s) {
-    const int64_t C = f->C;
-    const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]), scale = v_set((float)f->h[2]);
-    const vf decay = v_set((float)f->h[3]);
-    const int pdt = f->p_dtype, gdt = f->g_dtype, decays = (float)f->h[3] != 1.0f;
+    const vf rmean = v_set((float)f->h[0]), eps2 = v_set((float)f->h[1]), one = v_set(1.0f);
     int64_t r0, r1, r, c;
     fact_segment(f, s, &r0, &r1);
     for (r = r0; r < r1; r++)
         for (c = 0; c < C; c += 16) {
             const int64_t i = r * C + c;
-            const vf u = v_mul(torch_u(f, r, c, load_grad(gdt, f->g, i, f->g_mult), rmean, eps2), scale);
+            const vf var = v_div(v_mul(v_set(f->rf[r]), v_load(f->cf + c)), rmean);
+            v_store(f->u + i, v_mul(v_div(one, v_sqrt(v_max(var, eps2))), load_grad(f->g_dtype, f->g, i, f->g_mult)));
+        }
+}
+
+int lmo_adafactor_torch_u(const lmo_fact *f) {
+    if (fact_check(f) || f->has_m) return LMO_EBADARG;
+    fact_for_segments(f, adafactor_torch_u_seg);
+    return LMO_OK;
+}
+
+static void adafactor_torch_apply_seg(const lmo_fact *f, int s) {
+    const int64_t C = f->C;
+    const vf scale = v_set((float)f->h[2]), decay = v_set((float)f->h[3]);
+    const int pdt = f->p_dtype, decays = (float)f->h[3] != 1.0f;
+    int64_t r0, r1, r, c;
+    fact_segment(f, s, &r0, &r1);
+    for (r = r0; r < r1; r++)
+        for (c = 0; c < C; c += 16) {
+            const int64_t i = r * C + c;
             vf p = load_dt(pdt, f->p, i);
             if (decays) p = v_mul(p, decay);
-            store_dt(pdt, f->p, i, v_sub(p, u));
+            store_dt(pdt, f->p, i, v_fma(v_load(f->u + i), scale, p));
         }
 }
 

@@ -43,7 +43,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 16
+#define LMO_ABI_VERSION 17
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -118,7 +118,7 @@ typedef struct {
     lmo_slot m;
     float *rf, *cf;              /* factors of V^-1/2: u = (rf[r] cf[c]) g (the steps write them) */
     float *rf2, *cf2;            /* CAME: factors of the instability's U^-1/2 */
-    float *row_out, *col_out;    /* lmo_fact_sq_means: means [R], [C] */
+    float *u;                    /* lmo_adafactor_torch_u / _apply: the update direction [R, C] */
     float *vr, *vc;              /* the steps: the second moment's row / column EMAs [R], [C], updated in place */
     float *vr2, *vc2;            /* lmo_came_step: the instability's row / column EMAs */
     double *work;                /* LMO_NSEG * (C + 1) doubles: per-segment partial sums */
@@ -151,10 +151,9 @@ int lmo_sgd(const lmo_args *a);
 int lmo_sgd_many(const lmo_args *a, int64_t n, uint8_t *ok);
 int lmo_encode(const lmo_args *a);
 int lmo_decode(const lmo_args *a);
-int lmo_fact_sq_means(const lmo_fact *f);
 int lmo_adafactor_step(const lmo_fact *f);
 int lmo_came_step(const lmo_fact *f);
-int lmo_adafactor_torch_sumsq(const lmo_fact *f);
+int lmo_adafactor_torch_u(const lmo_fact *f);
 int lmo_adafactor_torch_apply(const lmo_fact *f);
 
 /* ------------------------------------------------------------------------------------------------------------------ */
