@@ -2,8 +2,8 @@
 
 On CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set by CI and by ``conftest.py`` on
 machines without CUDA): each test sends CPU tensors through them with ``runtime.cpu_interpreter()``. The reference is
-the same optimizer's eager path (``lowmemopt.pipeline.step_param``) started from an exact copy of the kernel's params and state, so
-every check is one step of decode -> math -> encode. Rules checked (docs/kernels.md):
+the same optimizer's eager path (``lowmemopt.pipeline.step_param``) started from an exact copy of the kernel's params
+and state, so every check is one step of decode -> math -> encode. Rules checked (docs/kernels.md):
 
 * fp32 state and params: equal to fp32 rounding (a few ulps: torch's AVX-512 ``sqrt`` is not correctly rounded,
   atomics sum norms in another order);

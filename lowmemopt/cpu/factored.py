@@ -296,11 +296,12 @@ def step(
     check: bool = False,
 ) -> int:
     """One native step ``native`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
-    place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
-    ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.update.weight_statistics``).
-    ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none). ``check``:
-    the step is also the optimizer's non-finite check of ``gflat`` (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum
-    of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`)."""
+    place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path;
+    state is untouched then). ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s
+    (``lowmemopt.projection.update.weight_statistics``). ``grad_mult``: the loss scaling multiplier, applied wherever a
+    pass loads the gradient (None: none). ``check``: the step is also the optimizer's non-finite check of ``gflat``
+    (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum of squares is not finite, with nothing written (AdafactorTorch:
+    :data:`NOT_APPLIED`)."""
     quantized = any(f is Q8 or f is Q4 for f in formats.values())
     if (
         not isinstance(native, FactoredStep)

@@ -168,8 +168,8 @@ def convert_param_state(
         remap = remaps(src, src_map, slot)
         if src is dst and src in QUANTIZED and src_bs != dst_bs and not remap:
             raise CheckpointError(
-                f"{where}: '{name}' is {src.bits}-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
-                "(re-quantizing would add error); construct the optimizer with the saved block_size"
+                f"{where}: '{name}' is {src.bits}-bit at block_size {src_bs} but the optimizer uses block_size "
+                f"{dst_bs} (re-quantizing would add error); construct the optimizer with the saved block_size"
             )
         if src is dst and not remap and all(t.dtype == storage_dtype(dst, k) for k, t in tensors.items()):
             for key, t in tensors.items():  # already in place: keep the very tensors (views for bitsandbytes codes)
