@@ -535,10 +535,10 @@ def test_multi_tensor_launch_counts(monkeypatch):
         assert len(seen) == passes, (cls.__name__, seen)
         assert all(opt.state[p]["step"] == 1 for p in params)
     for fast_fp64, passes in (
-        (True, ["stats_kernel", "_factors_kernel", "moments_kernel", "_factors_kernel", "_apply_kernel"]),
+        (True, ["stats_kernel", "factors_kernel", "moments_kernel", "factors_kernel", "apply_kernel"]),
         (
             False,
-            ["stats_kernel", "_factors_kernel", "_sumsq_kernel", "stats_kernel", "_factors_kernel", "_apply_kernel"],
+            ["stats_kernel", "factors_kernel", "sumsq_kernel", "stats_kernel", "factors_kernel", "apply_kernel"],
         ),
     ):
         monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", fast_fp64)
