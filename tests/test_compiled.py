@@ -267,7 +267,7 @@ def test_compiled_4bit_codec_equals_eager(signed, monkeypatch):
     assert torch.equal(nibbles.view(-1), ref_nibbles) and torch.equal(absmax, ref_absmax)
 
     def decode(rows, scale):
-        return compiled.decode_rows(compiled.unpack_nibbles(rows), scale, book)
+        return compiled.decode_rows(compiled.unpack_nibble_rows(rows), scale, book)
 
     out = torch.compile(decode, fullgraph=True)(nibbles, absmax)
     assert torch.equal(out.view(-1), q4.dequantize(ref_nibbles, ref_absmax, nb * bs, name, bs))

@@ -17,28 +17,19 @@ INTERFACES = {"launch", "slots", "compile_variants"}
 TO_RENAME = {
     "Slot",
     "applies",
-    "available",
-    "block_scale",
     "code_book",
     "copy_files",
     "decode_into",
-    "decode_rows_into",
-    "dequantize_blockwise",
     "encode_into",
-    "encode_rows_into",
     "encode_table",
     "init_state",
     "low_rank_shape",
-    "nearest_code_reference",
-    "pack_nibbles",
     "project",
-    "quantize_blockwise",
     "refresh_due",
     "resolve",
     "step",
     "step_many",
     "time_steps",
-    "unpack_nibbles",
 }
 
 
