@@ -3,7 +3,8 @@
 Every method trains the same randomly initialised byte-level ``LlamaForCausalLM`` (``lowmemopt.demo``, 1.9M
 parameters) on gloo ranks, each rank on its own batches of the standard library's sources, and reports one row:
 
-    method | optimizer | bytes sent per rank per step | x fewer than DDP fp32 | final train loss | held-out loss | vs AdamW
+    method | optimizer | bytes sent per rank per step | x fewer than DDP fp32 | final train loss | held-out loss |
+    vs AdamW
 
 Bytes are counted by wrapping the ``torch.distributed`` collectives that the methods call from Python (DDP's
 reduction goes through an explicit comm hook, ``allreduce_hook``, so that it is counted too), each as a ring moves

@@ -10,9 +10,9 @@ Training: a fresh, randomly initialised model of :mod:`lowmemopt.demo` (``llama`
 final model's loss on fixed held-out windows (:func:`lowmemopt.demo.heldout_loss`). Each 4-bit run is compared with its
 32-bit twin (target: within 2%). Step time is the median ``opt.step()`` (torchao's first steps compile).
 
-``--maps``: trains fp32 AdamW, then quantizes its state with each candidate 4-bit map (block 128) and prints the relative
-L2 error of the update ``m_hat / (sqrt(v_hat) + eps)`` rebuilt from it: how the maps of :mod:`lowmemopt.quant.q4`
-were chosen.
+``--maps``: trains fp32 AdamW, then quantizes its state with each candidate 4-bit map (block 128) and prints the
+relative L2 error of the update ``m_hat / (sqrt(v_hat) + eps)`` rebuilt from it: how the maps of
+:mod:`lowmemopt.quant.q4` were chosen.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ every ``state_bits``), so a launch covers hundreds of tensors of mixed sizes. Gr
 
 Bandwidth: each optimizer is credited with the bytes a single ideal pass moves per parameter (:func:`ideal_bytes`:
 read p, g and the state, write p and the state; 8-bit state 1 byte per slot, 4-bit half a byte, absmax ignored;
-2-byte parameters and gradients move 3 bytes less than fp32 ones), times the parameter count, divided by its median step time: the achieved
-GB/s of each row, also as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``, measured at the start
-of the same run). lowmemopt's multi-pass kernels move more than that (docs/kernels.md lists the bytes per pass), which
-this metric charges them for.
+2-byte parameters and gradients move 3 bytes less than fp32 ones), times the parameter count, divided by its median step
+time: the achieved GB/s of each row, also as a % of the copy bandwidth (``2 x bytes / time`` of a large ``copy_``,
+measured at the start of the same run). lowmemopt's multi-pass kernels move more than that (docs/kernels.md lists the
+bytes per pass), which this metric charges them for.
 
 Tile sweep (``--sweep``): lowmemopt's 8-bit AdamW over a grid of tile shapes, quantization blocks (rows) per program x
 ``num_warps`` (:mod:`lowmemopt.kernels.runtime`: the GPU's ``TILE_SHAPES`` entry, set for the run), and over the two

@@ -1,7 +1,7 @@
 """GaLore on a LLaMA-style model: lowmemopt's GaLore (AdamW 32/8-bit, Adafactor, CAME, LAMB, LARS 8-bit) against
-galore-torch's GaLoreAdamW, GaLoreAdamW8bit and GaLoreAdafactor in one run: state bytes and step time (ratios to torch's fused AdamW
-measured in the same run), then the SVD cost of one projector refresh of every layer, full against randomized SVD,
-with the randomized subspace's quality (principal angles, captured gradient energy).
+galore-torch's GaLoreAdamW, GaLoreAdamW8bit and GaLoreAdafactor in one run: state bytes and step time (ratios to torch's
+fused AdamW measured in the same run), then the SVD cost of one projector refresh of every layer, full against
+randomized SVD, with the randomized subspace's quality (principal angles, captured gradient energy).
 
 The attention and MLP weights (``target_modules=["attn", "mlp"]``) are projected at ``--rank`` (GaLore's setting for
 its 130M LLaMA: 256; 64 with ``--small``), ``update_proj_gap=200``, ``scale=0.25``; embeddings, norms and the LM head
@@ -79,9 +79,9 @@ def _lowmemopt(cls_name: str, bits: int | None = None, **fixed) -> Factory:
 
 
 class _GaLoreTorch8bit:
-    """galore-torch's ``GaLoreAdamW8bit`` for a benchmark: it replaces each projected ``p.grad`` by the low-rank gradient
-    (a training loop makes a new one each step), so the fixed gradients are re-attached before every step; on a CPU
-    run its ``torch.cuda.synchronize()`` calls are made no-ops."""
+    """galore-torch's ``GaLoreAdamW8bit`` for a benchmark: it replaces each projected ``p.grad`` by the low-rank
+    gradient (a training loop makes a new one each step), so the fixed gradients are re-attached before every step; on a
+    CPU run its ``torch.cuda.synchronize()`` calls are made no-ops."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer, self.state = optimizer, optimizer.state

@@ -15,9 +15,9 @@ freshly initialised per seed and cast to **bf16** parameters, trained on the sta
 batches for every run of a seed). GaLore on the attention and MLP weights (``target_modules=["attn", "mlp"]``: 28
 matrices of 192x192, 192x512 and 512x192) at ``--ranks``, ``update_proj_gap=--gap`` (75: bases made at steps 0, 75,
 150 and 225 of 300), ``scale=1.0`` (the demo's GaLore settings); embeddings, norms and the LM head step as plain
-parameters. Optimizers: AdamW 8-bit (lr 2e-3) and CAME 8-bit (lr 2e-4), weight decay 0.01, as in ``lowmemopt demo``. Every (optimizer, rank, seed) trains twice, once per
-``proj_dtype``: the two runs share the initial weights and the batches, so their difference is the products' rounding
-alone.
+parameters. Optimizers: AdamW 8-bit (lr 2e-3) and CAME 8-bit (lr 2e-4), weight decay 0.01, as in ``lowmemopt demo``.
+Every (optimizer, rank, seed) trains twice, once per ``proj_dtype``: the two runs share the initial weights and the
+batches, so their difference is the products' rounding alone.
 
 Figures: ``last N`` (the mean training loss of the last ``--tail`` steps) and ``held-out`` (the final model's loss on
 fixed windows, :func:`lowmemopt.demo.heldout_loss`). Per (optimizer, rank): the mean over seeds at each dtype, the

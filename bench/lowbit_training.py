@@ -1,6 +1,6 @@
 """8- and 4-bit optimizer state against 32 bits on a real small training run, several seeds: Muon, APOLLO, APOLLO-Mini.
 
-    cd /tmp && python /path/to/lowmemopt/bench/lowbit_training.py                 # Muon, small LLaMA, 200 steps, seeds 0-2
+    cd /tmp && python /path/to/lowmemopt/bench/lowbit_training.py   # Muon, small LLaMA, 200 steps, seeds 0-2
     python /path/to/lowmemopt/bench/lowbit_training.py --model demo --steps 300   # the demo's 1.9M-parameter LLaMA
 
 The model is :mod:`lowmemopt.demo`'s LLaMA (``--model demo``: ``LLAMA_BYTES``, 1.9M parameters; ``small``, the default:

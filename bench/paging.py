@@ -12,12 +12,13 @@ model with fixed random gradients. Reported: the optimizer state's size, the pro
 after the warm-up steps, its peak during the timed steps (``VmHWM`` reset by ``/proc/self/clear_refs``), the median
 step time, and the median process CPU time per step (all threads: less sensitive than wall time to other work on a
 shared machine). ``--disk-floor``: the disk tier against a plain read + write of the same bytes, paired rounds in one
-process (:func:`disk_floor`; with ``--cold`` the files are read from the disk, not the page cache). GPU: the same model on the device; the ``cpu`` and ``disk`` rows get a budget of
-``--budget-frac`` of the unpaged state (default 0: everything pages), the ``auto`` row ``page_budget_bytes="auto"``.
-Reported: device memory held between steps by the optimizer (torch's allocator), the peak during a step, the device's
-own used-memory (``cudaMemGetInfo``, which also sees bitsandbytes' managed memory), the median step time, and beside
-each paged row its floor: the bytes it moves each way at the copy bandwidth measured at the start of the run, one
-direction at a time and both at once. Without CUDA, ``--device cuda`` stops with an error.
+process (:func:`disk_floor`; with ``--cold`` the files are read from the disk, not the page cache). GPU: the same model
+on the device; the ``cpu`` and ``disk`` rows get a budget of ``--budget-frac`` of the unpaged state (default 0:
+everything pages), the ``auto`` row ``page_budget_bytes="auto"``. Reported: device memory held between steps by the
+optimizer (torch's allocator), the peak during a step, the device's own used-memory (``cudaMemGetInfo``, which also sees
+bitsandbytes' managed memory), the median step time, and beside each paged row its floor: the bytes it moves each way at
+the copy bandwidth measured at the start of the run, one direction at a time and both at once. Without CUDA,
+``--device cuda`` stops with an error.
 
 (Run from outside the repository root; see bench/README.md.)
 """

@@ -6,11 +6,11 @@ through the plan, the stages and the backends, recorded with ``sys.setprofile``.
     cd /tmp && python /path/to/repo/bench/walk.py --optimizer Lion --bits 4 --list
 
 Over the step (after two warm-up steps), every Python call from one lowmemopt module into another while
-``LowMemOptimizer.step`` is on the stack is a *stop*. A stop is a *climb* when the callee lies in a higher layer than the caller
-(the layers of the ``layers`` import-linter contract in pyproject.toml, e.g. a callback of the pipeline called from a
-backend), and a *return* when the callee is a module the walk already entered and left (it is not on the stack).
-Calls within one module, into torch or C, and returns from calls are not stops. ``--list``: each stop, indented by depth.
-(Run from outside the repository root; see bench/README.md.)
+``LowMemOptimizer.step`` is on the stack is a *stop*. A stop is a *climb* when the callee lies in a higher layer than
+the caller (the layers of the ``layers`` import-linter contract in pyproject.toml, e.g. a callback of the pipeline
+called from a backend), and a *return* when the callee is a module the walk already entered and left (it is not on the
+stack). Calls within one module, into torch or C, and returns from calls are not stops. ``--list``: each stop, indented
+by depth. (Run from outside the repository root; see bench/README.md.)
 """
 
 from __future__ import annotations

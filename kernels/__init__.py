@@ -8,17 +8,17 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "available",
     "cpu_interpreter",
-    "dequantize_blockwise",
     "dequantize_blockwise4",
-    "quantize_blockwise",
+    "dequantize_blockwise_triton",
+    "fused_available",
     "quantize_blockwise4",
+    "quantize_blockwise_triton",
     "registered",
 ]
 
 
-def available(device: Any = "cuda") -> bool:
+def fused_available(device: Any = "cuda") -> bool:
     """Would tensors on ``device`` take the fused kernels (Triton importable, kernels enabled, a CUDA device)?"""
     import torch
 
@@ -28,7 +28,12 @@ def available(device: Any = "cuda") -> bool:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("quantize_blockwise", "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"):
+    if name in (
+        "quantize_blockwise_triton",
+        "dequantize_blockwise_triton",
+        "quantize_blockwise4",
+        "dequantize_blockwise4",
+    ):
         from . import blockwise
 
         return getattr(blockwise, name)

@@ -18,7 +18,7 @@ from . import runtime
 from .codec import block_scaled, decode_q4, decode_q8, encode_q8, encode_store_q4, table_code
 from .pow2 import class_table
 
-__all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_blockwise4", "dequantize_blockwise4"]
+__all__ = ["quantize_blockwise_triton", "dequantize_blockwise_triton", "quantize_blockwise4", "dequantize_blockwise4"]
 
 
 @triton.jit
@@ -113,10 +113,12 @@ def _check_absmax(absmax: torch.Tensor, data: torch.Tensor, what: str, blocks: i
         raise ValueError(f"{what} and absmax must be on one device, got {data.device} and {absmax.device}")
 
 
-def quantize_blockwise(x: torch.Tensor, name: str = "pow2", block_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise_triton(
+    x: torch.Tensor, name: str = "pow2", block_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`lowmemopt.quant.quantize_blockwise`."""
     signed = _check_map(name)
-    flat = _values(x, block_size, "quantize_blockwise")
+    flat = _values(x, block_size, "quantize_blockwise_triton")
     n = flat.numel()
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
@@ -142,7 +144,7 @@ def quantize_blockwise(x: torch.Tensor, name: str = "pow2", block_size: int = 25
     return codes, absmax
 
 
-def dequantize_blockwise(
+def dequantize_blockwise_triton(
     codes: torch.Tensor, absmax: torch.Tensor, name: str = "pow2", block_size: int = 256, shape=None
 ) -> torch.Tensor:
     """Triton twin of :func:`lowmemopt.quant.dequantize_blockwise`: fp32 values ``book[code] * absmax[block]``."""

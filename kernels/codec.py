@@ -80,7 +80,7 @@ def rounded(x, DTYPE: tl.constexpr):
 @triton.jit
 def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
     """fp32 tile of a ``pow2`` / ``upow2`` map -> (uint8 codes, scale [ROWS]); ``lut``: class table or None."""
-    scale = block_scale(x, book, 255, SIGNED, COLS)
+    scale = tile_scale(x, book, 255, SIGNED, COLS)
     s = tl.where(scale > 0, scale, 1.0)
     y = row_quotients(x, s, COLS)
     if SIGNED:
@@ -93,12 +93,12 @@ def encode_q8(x, book, lut, SIGNED: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def block_scaled(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr):
     """(``x / scale``, ``scale`` [ROWS]) of a tile whose rows are blocks; an all-zero row divides by 1."""
-    scale = block_scale(x, book, LAST, SIGNED, False)
+    scale = tile_scale(x, book, LAST, SIGNED, False)
     return tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None]), scale
 
 
 @triton.jit
-def block_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
+def tile_scale(x, book, LAST: tl.constexpr, SIGNED: tl.constexpr, COLS: tl.constexpr):
     """The scale [ROWS] making each block's extremes representable."""
     if SIGNED:
         if book is None:  # the pow2 map (8-bit state, arithmetic codes)

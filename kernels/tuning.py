@@ -143,8 +143,8 @@ def measure(
     dtype: torch.dtype = torch.bfloat16,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time the 8-bit AdamW kernel (:func:`adamw_q8_step`, fresh state for each candidate) on ``device`` at every candidate
-    (tile, warps, decode); one record each: ``tile``, ``num_warps``, ``decode``, ``seconds`` (median step),
+    """Time the 8-bit AdamW kernel (:func:`adamw_q8_step`, fresh state for each candidate) on ``device`` at every
+    candidate (tile, warps, decode); one record each: ``tile``, ``num_warps``, ``decode``, ``seconds`` (median step),
     ``bytes_per_s`` (the step's ideal bytes over that), or ``error`` for a configuration that fails to compile or run.
     ``progress(record)`` is called as each is made. On the CPU (tests, under the Triton interpreter) the same loop
     runs, timed by the wall clock."""

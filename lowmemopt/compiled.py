@@ -18,7 +18,15 @@ from ._stacklevel import external_stacklevel
 from .quant.blockwise import decode_rows, encode_rows, register_row_codec
 from .quant.maps import code_book, encode_table, is_signed_map
 
-__all__ = ["ENABLED", "MIN_NUMEL", "RUNTIME_SCALARS", "applies", "step_rows", "encode_rows_into", "decode_rows_into"]
+__all__ = [
+    "ENABLED",
+    "MIN_NUMEL",
+    "RUNTIME_SCALARS",
+    "applies",
+    "step_rows",
+    "encode_rows_compiled",
+    "decode_rows_compiled",
+]
 
 ENABLED = os.environ.get("LOWMEMOPT_COMPILE", "1") != "0"
 MIN_NUMEL = 1 << 16
@@ -72,13 +80,13 @@ SlotRows = tuple[str, str, bool, torch.Tensor, "torch.Tensor | None", "torch.Ten
 QUANTIZED = ("q8", "q4")
 
 
-def unpack_nibbles(rows: torch.Tensor) -> torch.Tensor:
+def unpack_nibble_rows(rows: torch.Tensor) -> torch.Tensor:
     """uint8 [nb, bs / 2] -> uint8 codes [nb, bs]: element 2i is the low nibble of byte i, 2i + 1 the high one."""
     return torch.stack((rows & 15, rows >> 4), dim=2).reshape(rows.shape[0], -1)
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [nb, bs] (each < 16) -> uint8 [nb, bs / 2], the inverse of :func:`unpack_nibbles`."""
+def pack_nibble_rows(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [nb, bs] (each < 16) -> uint8 [nb, bs / 2], the inverse of :func:`unpack_nibble_rows`."""
     pairs = codes.reshape(codes.shape[0], -1, 2)
     return pairs[:, :, 0] | (pairs[:, :, 1] << 4)
 
@@ -101,7 +109,7 @@ def _rows_math(
     state = {}
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
         if kind in QUANTIZED:
-            state[name] = decode_rows(rows if kind == "q8" else unpack_nibbles(rows), absmax, book)
+            state[name] = decode_rows(rows if kind == "q8" else unpack_nibble_rows(rows), absmax, book)
         else:
             state[name] = rows.float()
     out = math(p32, g32, state, **kwargs)
@@ -120,7 +128,7 @@ def _rows_encode(slots: tuple) -> None:
     for name, kind, signed, rows, absmax, book, table, scratch in slots:
         if kind in QUANTIZED:
             codes, scale = encode_rows(scratch, book, table, signed)
-            rows.copy_(codes if kind == "q8" else pack_nibbles(codes))
+            rows.copy_(codes if kind == "q8" else pack_nibble_rows(codes))
             absmax.copy_(scale)
 
 
@@ -243,14 +251,14 @@ def _run_codec(fn: Callable, rows: tuple[torch.Tensor, ...], *rest: Any) -> bool
     return True
 
 
-def encode_rows_into(
+def encode_rows_compiled(
     x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, book: torch.Tensor, table: torch.Tensor, signed: bool
 ) -> bool:
     """Compiled ``encode_rows`` of ``x`` [nb, bs] into ``codes`` / ``absmax``; False: not done."""
     return _run_codec(_encode_into, (x, codes, absmax), book, table, signed)
 
 
-def decode_rows_into(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, book: torch.Tensor) -> bool:
+def decode_rows_compiled(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, book: torch.Tensor) -> bool:
     """Compiled :func:`~lowmemopt.quant.blockwise.decode_rows` into ``out`` [nb, bs]; False: not done."""
     return _run_codec(_decode_into, (codes, absmax, out), book)
 
@@ -273,12 +281,12 @@ class _CompiledCodec:
     def encode(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, name: str) -> bool:
         if not applies(x):
             return False
-        return encode_rows_into(
+        return encode_rows_compiled(
             x, codes, absmax, code_book(name, x.device), encode_table(name, x.device).packed, is_signed_map(name)
         )
 
     def decode(self, codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, name: str) -> bool:
-        return applies(out) and decode_rows_into(codes, absmax, out, code_book(name, out.device))
+        return applies(out) and decode_rows_compiled(codes, absmax, out, code_book(name, out.device))
 
 
 register_row_codec(_CompiledCodec(), priority=10)

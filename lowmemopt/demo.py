@@ -322,9 +322,10 @@ def compare(
     ``state_bits``, ``losses``, ``final``
     (mean of the last 20 steps' losses), ``heldout`` (:func:`heldout_loss`),
     ``state_bytes``, ``peak_bytes`` (peak memory in use above what was in use before the model was built: weights,
-    gradients, state, activations; None where it cannot be measured), ``step_s`` (median ``optimizer.step()``) and ``train_step_s`` (median whole step), or
-    ``skipped`` (a reason) for a choice this lowmemopt cannot run (GaLore before it is available). Before measuring,
-    each choice takes three steps on a throw-away model, so one-time compilation stays out of the time and memory."""
+    gradients, state, activations; None where it cannot be measured), ``step_s`` (median ``optimizer.step()``) and
+    ``train_step_s`` (median whole step), or ``skipped`` (a reason) for a choice this lowmemopt cannot run (GaLore
+    before it is available). Before measuring, each choice takes three steps on a throw-away model, so one-time
+    compilation stays out of the time and memory."""
     import lowmemopt
     from .memory import PeakMemory
 

@@ -52,7 +52,8 @@ DEFER_FINITE_CHECK = True
 
 _first, _second, _grad = operator.itemgetter(0), operator.itemgetter(1), operator.attrgetter("grad")
 
-#: the decorator that marks an algorithm's math with its fused backends' name (:func:`lowmemopt.pipeline.algorithm.fused`)
+#: the decorator that marks an algorithm's math with its fused backends' name
+#: (:func:`lowmemopt.pipeline.algorithm.fused`)
 algorithm = fused
 
 
@@ -368,8 +369,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     @property
     def nonfinite_skips(self) -> int:
-        """Parameters skipped for a NaN/Inf gradient so far (docs/internals.md#non-finite-gradients). Capturable steps count theirs
-        on the device: reading this then waits for the device."""
+        """Parameters skipped for a NaN/Inf gradient so far (docs/internals.md#non-finite-gradients). Capturable steps
+        count theirs on the device: reading this then waits for the device."""
         self._resolve_pending()
         n = self._nonfinite_skips
         if self._device_skips is not None:

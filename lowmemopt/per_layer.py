@@ -152,7 +152,7 @@ class BackwardStepper:
                 "last backward pass; do not call step() (or zero_grad()) in between"
             )
 
-    # -- state -----------------------------------------------------------------------------------------------------------
+    # -- state ---------------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, int]:
         """The stepper's position ``{"accumulation_steps", "micro_step", "steps"}``; RuntimeError mid-accumulation."""

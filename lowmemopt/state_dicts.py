@@ -15,7 +15,7 @@ from . import paging, rounding
 from .checks import torch_scalars
 from .distributed.sharding import local_tensor, localize_state, present_state, presented_params
 from .projection.projector import projector_problem, split_projector_state
-from .quant.convert import CheckpointError, check_group, convert_param_state, foreign_state_hint
+from .quant.convert import CheckpointError, check_loaded_group, convert_param_state, foreign_state_hint
 
 #: a :class:`~lowmemopt.optimizer.LowMemOptimizer` (not imported: that module imports this one)
 LowMemOptimizer = Any
@@ -94,7 +94,7 @@ def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, A
         for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
             target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
             target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
-            check_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
+            check_loaded_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
             for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 id_map[key] = p
                 value = state_dict["state"].get(key)

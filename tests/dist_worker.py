@@ -394,7 +394,8 @@ def factored_shard_columns(ctx):
 @case
 def partial_gradients(ctx):
     """Tensor-parallel style: a replicated parameter whose gradient is a pending sum (Partial) over the ranks; the
-    optimizer reduces it to the parameter's placement first, and the step equals one process's on the summed gradient."""
+    optimizer reduces it to the parameter's placement first, and the step equals one process's on the summed
+    gradient."""
     from torch.distributed.tensor import Partial
 
     for cls, kw in [(lowmemopt.AdamW, dict(lr=1e-2)), (lowmemopt.CAME, dict(lr=1e-3))]:

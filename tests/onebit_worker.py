@@ -542,8 +542,8 @@ def run_opt(ctx, cls, steps, opt=None, params=None, start=1, **kw):
 
 
 def reload(opt, params, cls, kw, own_params: bool = False):
-    """``(opt2, params2, sd)``: a new ``cls(**kw)`` over copies of ``params`` with ``opt``'s state dict ``sd``, through a
-    ``torch.save`` / ``torch.load`` round trip. ``own_params``: each rank's own parameters put back after the
+    """``(opt2, params2, sd)``: a new ``cls(**kw)`` over copies of ``params`` with ``opt``'s state dict ``sd``, through
+    a ``torch.save`` / ``torch.load`` round trip. ``own_params``: each rank's own parameters put back after the
     constructor's broadcast (between synchronisations the ranks' parameters differ)."""
     import io
 

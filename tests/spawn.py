@@ -2,8 +2,8 @@
 
 A worker (``dist_worker.py``, ``onebit_worker.py``, ``distsgd_worker.py``) takes ``--world-size``, ``--out`` and
 ``--cases``, spawns its ranks, runs every named case on each and writes ``rank{r}.json``: ``{case: "ok" | what went
-wrong}``. One spawn per world size serves all of a module's cases (a process group costs seconds to start). The workers use
-:func:`free_port` and :func:`run_cases`; the tests :func:`run_job` and :func:`check_ranks`."""
+wrong}``. One spawn per world size serves all of a module's cases (a process group costs seconds to start). The
+workers use :func:`free_port` and :func:`run_cases`; the tests :func:`run_job` and :func:`check_ranks`."""
 
 from __future__ import annotations
 

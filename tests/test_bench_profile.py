@@ -100,14 +100,20 @@ def test_summarize_counts_kernels_copies_syncs_and_operators():
     assert s["syncs"] == 0.5 and s["op_calls"] == 1.5 and s["ops"]["aten::add_"] == 1.0
 
 
-NCU_CSV = """==PROF== Connected to process 123 (/usr/bin/python3)
-==PROF== Profiling "_adam_kernel" - 0: 0%....50%....100% - 5 passes
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","dram__bytes.sum.per_second","dram__throughput.avg.pct_of_peak_sustained_elapsed","gpu__time_duration.sum","launch__registers_per_thread","sm__warps_active.avg.pct_of_peak_sustained_active"
-"","","","","","","","","","","","byte/second","%","nsecond","register/thread","%"
-"0","123","python3","h","_adam_kernel","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","2,412,345,678,901","71.3","15,812","40","88.2"
-"1","123","python3","h","_adam_kernel","1","7","(128, 1, 1)","(16, 1, 1)","0","9.0","1,000,000,000,000","20.5","9,000","40","30.0"
-"2","123","python3","h","_apply_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","2,000,000,000,000","60.0","4,000","64","70.0"
-"""
+NCU_CSV = (
+    "==PROF== Connected to process 123 (/usr/bin/python3)\n"
+    '==PROF== Profiling "_adam_kernel" - 0: 0%....50%....100% - 5 passes\n'
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+    '"Device","CC","dram__bytes.sum.per_second","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
+    '"gpu__time_duration.sum","launch__registers_per_thread","sm__warps_active.avg.pct_of_peak_sustained_active"\n'
+    '"","","","","","","","","","","","byte/second","%","nsecond","register/thread","%"\n'
+    '"0","123","python3","h","_adam_kernel","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","2,412,345,678,901",'
+    '"71.3","15,812","40","88.2"\n'
+    '"1","123","python3","h","_adam_kernel","1","7","(128, 1, 1)","(16, 1, 1)","0","9.0","1,000,000,000,000",'
+    '"20.5","9,000","40","30.0"\n'
+    '"2","123","python3","h","_apply_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","2,000,000,000,000",'
+    '"60.0","4,000","64","70.0"\n'
+)
 
 
 def test_parse_ncu_csv_and_table():

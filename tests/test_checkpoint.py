@@ -489,8 +489,8 @@ def _mismatch_case(kind):
             target,
             None,
             [
-                r"'0/0': block-size mismatch: slot 'exp_avg' is 8-bit at block_size 128 in the file, the optimizer uses "
-                r"block_size 256"
+                r"'0/0': block-size mismatch: slot 'exp_avg' is 8-bit at block_size 128 in the file, the optimizer "
+                r"uses block_size 256"
             ],
         )
     if kind == "slots":  # new group layout, so the file's amsgrad=True is not restored over the groups' False

@@ -80,8 +80,9 @@ def test_compiled_path_really_runs(monkeypatch):
 def test_lr_schedule_does_not_recompile(name, monkeypatch):
     """A changing lr (and AdamW's bias corrections, and the decay factor) compile nothing after the first step, also
     where dynamo guards on Python floats' values (``specialize_float=True``; torch 2.11 compiled 9 graphs for 8 steps
-    here, torch 2.13 3: one more after the first change makes a float symbolic). Graphs: the math and the encode phase of this optimizer's key, compiled afresh here, and SGD's first step
-    (``first_step``: the momentum buffer is copied, a branch)."""
+    here, torch 2.13 3: one more after the first change makes a float symbolic). Graphs: the math and the encode phase
+    of this optimizer's key, compiled afresh here, and SGD's first step (``first_step``: the momentum buffer is copied,
+    a branch)."""
     from optim_info import BY_NAME
 
     monkeypatch.setattr(compiled, "ENABLED", True)
@@ -266,7 +267,7 @@ def test_compiled_4bit_codec_equals_eager(signed, monkeypatch):
     assert torch.equal(nibbles.view(-1), ref_nibbles) and torch.equal(absmax, ref_absmax)
 
     def decode(rows, scale):
-        return compiled.decode_rows(compiled.unpack_nibbles(rows), scale, book)
+        return compiled.decode_rows(compiled.unpack_nibble_rows(rows), scale, book)
 
     out = torch.compile(decode, fullgraph=True)(nibbles, absmax)
     assert torch.equal(out.view(-1), q4.dequantize(ref_nibbles, ref_absmax, nb * bs, name, bs))

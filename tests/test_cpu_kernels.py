@@ -574,8 +574,9 @@ def test_factored_native_equals_eager_32bit(lib, cls, kwargs, monkeypatch):
 @pytest.mark.parametrize("cls,kwargs", FACTORED_VARIANTS[1:2] + FACTORED_VARIANTS[3:4], ids=["Adafactor-m", "CAME"])
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_factored_native_low_bit(lib, cls, kwargs, bits, monkeypatch):
-    """bf16 / q8 / q4 first moment (the q4 one stepped natively too): after one step equal to the eager path to fp32 rounding, with at most a rare one-step
-    difference of the stored moment (a value at a rounding boundary); over more steps the trajectories stay close."""
+    """bf16 / q8 / q4 first moment (the q4 one stepped natively too): after one step equal to the eager path to fp32
+    rounding, with at most a rare one-step difference of the stored moment (a value at a rounding boundary); over more
+    steps the trajectories stay close."""
     (p_n, opt_n), (p_e, opt_e) = _factored_pair(cls, kwargs, bits, monkeypatch, steps=1)
     for a, b in zip(p_n, p_e):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

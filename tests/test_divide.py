@@ -167,7 +167,7 @@ def test_encoder_codes_on_blocks_at_the_ends_of_the_range(name):
     with_inf[3] = float("inf")
     blocks.append(with_inf)
     x = torch.cat(blocks)
-    codes, absmax = blockwise.quantize_blockwise(x, name, BLOCK)
+    codes, absmax = blockwise.quantize_blockwise_triton(x, name, BLOCK)
     for ref_codes, ref_absmax in (quantize_blockwise(x, name, BLOCK), quantize_blockwise_reference(x, name, BLOCK)):
         assert torch.equal(absmax, ref_absmax)
         assert torch.equal(codes, ref_codes), (codes != ref_codes).nonzero().flatten()[:10]

@@ -55,7 +55,7 @@ def test_thresholds_match_the_brute_force_rule_on_every_decision_float(name):
     )
     y = torch.cat([near, rand])
     got = torch.bucketize(y, thr, right=True)
-    assert torch.equal(got, q4.nearest_code_reference(y, name))
+    assert torch.equal(got, q4.nearest_code4_reference(y, name))
     # just below each threshold: code j; at it: code j + 1
     assert torch.equal(torch.bucketize(thr, thr, right=True), torch.arange(1, 16))
     assert torch.equal(torch.bucketize(_neighbours(thr, -1), thr, right=True), torch.arange(0, 15))

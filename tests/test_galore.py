@@ -404,8 +404,8 @@ def _randomized_angle_bound(s: torch.Tensor, k: int, p: int, q: int, n: int) -> 
     """What the two bases may differ by, from the spectrum ``s`` alone (not from one machine's result):
 
     * randomized subspace iteration (Saibaba 2019, "Randomized subspace iteration: analysis of canonical angles",
-      Thm 1): ``tan theta <= (s[k+p] / s[k-1])^(2q+1) ||W2 W1^+||``, with the Gaussian factor's expectation bounded as in
-      Halko, Martinsson & Tropp (2011, Prop. 10.1-10.2) by ``sqrt(k / (p-1)) + e sqrt(k+p) / p sqrt(n-k)``;
+      Thm 1): ``tan theta <= (s[k+p] / s[k-1])^(2q+1) ||W2 W1^+||``, with the Gaussian factor's expectation bounded as
+      in Halko, Martinsson & Tropp (2011, Prop. 10.1-10.2) by ``sqrt(k / (p-1)) + e sqrt(k+p) / p sqrt(n-k)``;
     * each fp32 SVD's own subspace error (Wedin): a few ``eps * s[0] / (s[k-1] - s[k])``; 10 of them here."""
     eps = torch.finfo(torch.float32).eps
     gaussian = math.sqrt(k / (p - 1)) + math.e * math.sqrt(k + p) / p * math.sqrt(n - k)

@@ -472,7 +472,8 @@ def test_gpu_wheels_checks_the_carry_budget(tmp_path):
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-FAKE_PYTHON = """#!/usr/bin/env bash
+FAKE_PYTHON = (
+    """#!/usr/bin/env bash
 # a stand-in interpreter: a GPU for gpu-check's CUDA check, pytest-xdist, lowmemopt installed from the checkout, an
 # empty environment (a quick start), a pytest that hangs until Ctrl-C (then writes its JUnit file and exits as pytest
 # does when interrupted); everything else goes to the real interpreter
@@ -485,7 +486,8 @@ case "$*" in
     junit=""; prev=""
     for a in "$@"; do [ "$prev" = --junitxml ] && junit=$a; prev=$a; done
     echo "$*" >> "{calls}"
-    trap 'kill $sleeper 2>/dev/null; printf "%s" "<testsuites><testsuite tests=\\"1\\" failures=\\"0\\" errors=\\"0\\" \\
+    trap 'kill $sleeper 2>/dev/null; printf "%s" "<testsuites><testsuite tests=\\"1\\" failures=\\"0\\" """
+    """errors=\\"0\\" \\
 skipped=\\"0\\"><testcase classname=\\"t\\" name=\\"ok\\"/></testsuite></testsuites>" > "$junit"; \\
 echo "1 passed (interrupted)"; exit 2' INT
     sleep 600 & sleeper=$!
@@ -493,6 +495,7 @@ echo "1 passed (interrupted)"; exit 2' INT
   *) exec "{python}" "$@" ;;
 esac
 """
+)
 
 
 def _stand_in(tmp_path, script: str) -> None:
@@ -546,7 +549,8 @@ def test_gpu_check_deadline_interrupts_a_part_and_keeps_its_results(tmp_path):
 
 #: a stand-in for the default plan's parts: e2e runs past its cap; the fused kernels print a table; pytest writes its
 #: results and summary, starts a process and then does not exit; the profile leaves a process running when it ends
-FAKE_PLAN = """#!/usr/bin/env bash
+FAKE_PLAN = (
+    """#!/usr/bin/env bash
 case "$*" in
   *torch.cuda.is_available*) echo "Stand-in GPU"; exit 0 ;;
   *"import xdist"*) exit 0 ;;
@@ -558,7 +562,8 @@ case "$*" in
     echo "pytest $*" >> "{calls}"
     junit=""; prev=""
     for a in "$@"; do [ "$prev" = --junitxml ] && junit=$a; prev=$a; done
-    printf '%s' '<testsuites><testsuite tests="1" failures="0" errors="0" skipped="0"><testcase classname="t" name="ok"/></testsuite></testsuites>' > "$junit"
+    printf '%s' '<testsuites><testsuite tests="1" failures="0" errors="0" skipped="0">"""
+    """<testcase classname="t" name="ok"/></testsuite></testsuites>' > "$junit"
     sleep 3002 &
     echo "1 passed in 0.01s"
     sleep 3003 ;;
@@ -566,6 +571,7 @@ case "$*" in
   *) exec "{python}" "$@" ;;
 esac
 """
+)
 
 
 def _running(marker: str) -> bool:

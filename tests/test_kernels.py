@@ -2,8 +2,8 @@
 
 On CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set by CI and by ``conftest.py`` on
 machines without CUDA): each test sends CPU tensors through them with ``runtime.cpu_interpreter()``. The reference is
-the same optimizer's eager path (``lowmemopt.pipeline.step_param``) started from an exact copy of the kernel's params and state, so
-every check is one step of decode -> math -> encode. Rules checked (docs/kernels.md):
+the same optimizer's eager path (``lowmemopt.pipeline.step_param``) started from an exact copy of the kernel's params
+and state, so every check is one step of decode -> math -> encode. Rules checked (docs/kernels.md):
 
 * fp32 state and params: equal to fp32 rounding (a few ulps: torch's AVX-512 ``sqrt`` is not correctly rounded,
   atomics sum norms in another order);
@@ -140,10 +140,10 @@ def test_codec_matches_reference_exactly(name, block_size):
             x[block_size + 3] = 1e4 if name.startswith("u") else -1e4  # an outlier
             x[block_size + 4] = 1e-9  # a value the unsigned map must not flush to 0
         for inp in (x, x.bfloat16()):
-            codes, absmax = blockwise.quantize_blockwise(inp, name, block_size)
+            codes, absmax = blockwise.quantize_blockwise_triton(inp, name, block_size)
             ref_codes, ref_absmax = quantize_blockwise(inp, name, block_size)
             assert torch.equal(codes, ref_codes) and torch.equal(absmax, ref_absmax), (name, n, inp.dtype)
-            out = blockwise.dequantize_blockwise(codes, absmax, name, block_size)
+            out = blockwise.dequantize_blockwise_triton(codes, absmax, name, block_size)
             assert torch.equal(out, dequantize_blockwise(ref_codes, ref_absmax, name, block_size))
     if name.startswith("u"):
         assert int(codes[block_size + 4]) > 0
@@ -155,16 +155,16 @@ def test_codec_bad_inputs():
 
     x = torch.randn(100)
     with pytest.raises(ValueError, match="unknown quantization map"):
-        blockwise.quantize_blockwise(x, "linear")
+        blockwise.quantize_blockwise_triton(x, "linear")
     with pytest.raises(ValueError, match="block_size must be a power of two"):
-        blockwise.quantize_blockwise(x, "dynamic", 100)
+        blockwise.quantize_blockwise_triton(x, "dynamic", 100)
     with pytest.raises(TypeError, match="floating-point"):
-        blockwise.quantize_blockwise(torch.ones(10, dtype=torch.int32))
-    codes, absmax = blockwise.quantize_blockwise(x)
+        blockwise.quantize_blockwise_triton(torch.ones(10, dtype=torch.int32))
+    codes, absmax = blockwise.quantize_blockwise_triton(x)
     with pytest.raises(TypeError, match="codes must be uint8"):
-        blockwise.dequantize_blockwise(codes.int(), absmax)
+        blockwise.dequantize_blockwise_triton(codes.int(), absmax)
     with pytest.raises(ValueError, match="absmax has 2 blocks"):
-        blockwise.dequantize_blockwise(codes, torch.zeros(2))
+        blockwise.dequantize_blockwise_triton(codes, torch.zeros(2))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -535,10 +535,10 @@ def test_multi_tensor_launch_counts(monkeypatch):
         assert len(seen) == passes, (cls.__name__, seen)
         assert all(opt.state[p]["step"] == 1 for p in params)
     for fast_fp64, passes in (
-        (True, ["stats_kernel", "_factors_kernel", "moments_kernel", "_factors_kernel", "_apply_kernel"]),
+        (True, ["stats_kernel", "factors_kernel", "moments_kernel", "factors_kernel", "apply_kernel"]),
         (
             False,
-            ["stats_kernel", "_factors_kernel", "_sumsq_kernel", "stats_kernel", "_factors_kernel", "_apply_kernel"],
+            ["stats_kernel", "factors_kernel", "sumsq_kernel", "stats_kernel", "factors_kernel", "apply_kernel"],
         ),
     ):
         monkeypatch.setattr(runtime, "INTERPRETER_FAST_FP64", fast_fp64)
@@ -585,12 +585,13 @@ def test_lr_schedule_is_runtime(monkeypatch):
 
 
 def _kernel_functions():
-    from lowmemopt.kernels import adamw, blockwise, factored, lamb, lars, lion, sgd
+    from lowmemopt.kernels import adamw, blockwise, factored_passes, lamb, lars, lion, sgd
 
-    for module in (adamw, blockwise, factored, lamb, lars, lion, sgd):
+    for module in (adamw, blockwise, factored_passes, lamb, lars, lion, sgd):
         for name, obj in vars(module).items():
-            if name.startswith("_") and name.endswith("_kernel"):
-                yield f"{module.__name__}.{name}", getattr(obj, "fn", obj)
+            fn = getattr(obj, "fn", obj)
+            if name.endswith("_kernel") and getattr(fn, "__module__", None) == module.__name__:  # (defined there)
+                yield f"{module.__name__}.{name}", fn
 
 
 def test_hyperparameters_are_not_constexpr():
@@ -1097,7 +1098,7 @@ def test_gpu_codec_matches_reference():
     x[:256] = 0
     x[1000] = 1e4
     for name, inp in (("pow2", x), ("upow2", x.abs()), ("dynamic", x), ("udynamic", x.abs())):
-        codes, absmax = blockwise.quantize_blockwise(inp.cuda(), name)
+        codes, absmax = blockwise.quantize_blockwise_triton(inp.cuda(), name)
         ref_codes, ref_absmax = quantize_blockwise(inp, name)
         assert torch.equal(codes.cpu(), ref_codes) and torch.equal(absmax.cpu(), ref_absmax)
 

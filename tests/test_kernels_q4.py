@@ -82,7 +82,7 @@ def test_codec4_matches_reference_exactly(name, block_size):
 def test_codec4_rounds_at_the_thresholds(name):
     """The floats on both sides of every rounding threshold (``q4.thresholds``) take the specification's codes; the
     block holds 1.0, so its scale is 1 and the values are encoded as they are."""
-    from lowmemopt.quant.q4 import nearest_code_reference
+    from lowmemopt.quant.q4 import nearest_code4_reference
 
     t = q4.thresholds(name)
     values = torch.cat(
@@ -98,7 +98,7 @@ def test_codec4_rounds_at_the_thresholds(name):
         x = torch.cat([torch.ones(1), x])
         nibbles, absmax = _assert_codec_exact(x, name, 128)
         assert absmax.tolist() == [1.0]
-        assert torch.equal(_codes(nibbles)[: x.numel()], nearest_code_reference(x, name))
+        assert torch.equal(_codes(nibbles)[: x.numel()], nearest_code4_reference(x, name))
 
 
 @interpreted

@@ -206,7 +206,8 @@ def test_the_group_check_can_fail(tmp_path):
 
 # Modules that hold a stage (which gathers (param, group) pairs into items) and a backend: the backend's functions
 # take the items and their Update only. (The per-tensor backends' entry is lowmemopt.pipeline.backends.step_per_tensor,
-# checked whole above; the native CPU bucket's is native.step_native_bucket; plan.update_of makes an Update from a record.)
+# checked whole above; the native CPU bucket's is native.step_native_bucket; plan.update_of makes an Update from a
+# record.)
 _RECORD_ONLY_FUNCTIONS = {
     "lowmemopt/pipeline/native.py": ["step_native_bucket"],
     "lowmemopt/pipeline/plan.py": ["update_of"],

@@ -15,35 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 INTERFACES = {"launch", "slots", "compile_variants"}
 #: defined in two modules today, each to get a name of its own (never add to this list)
 TO_RENAME = {
-    "Bucket",
-    "Plan",
     "Slot",
     "applies",
-    "available",
-    "block_scale",
-    "check_group",
-    "check_values",
     "code_book",
     "copy_files",
     "decode_into",
-    "decode_rows_into",
-    "dequantize_blockwise",
-    "drop_pages",
     "encode_into",
-    "encode_rows_into",
     "encode_table",
     "init_state",
     "low_rank_shape",
-    "nearest_code_reference",
-    "pack_nibbles",
     "project",
-    "quantize_blockwise",
     "refresh_due",
     "resolve",
     "step",
     "step_many",
     "time_steps",
-    "unpack_nibbles",
 }
 
 

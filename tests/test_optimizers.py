@@ -86,7 +86,8 @@ def test_steps_in_every_dtype(info, dtype):
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
 @pytest.mark.parametrize("bits", [16, 8])
 def test_low_bit_close_to_32bit_twin(info, bits):
-    """50 steps at 16/8-bit state stay within the entry's bound of the 32-bit trajectory (relative to distance moved)."""
+    """50 steps at 16/8-bit state stay within the entry's bound of the 32-bit trajectory (relative to distance
+    moved)."""
     kwargs = STATEFUL[info.name]
     shapes = [(96, 128), (4099,), (300,)]  # two quantized (one with a ragged block), one small (fp32 state)
     start = make_params(shapes)

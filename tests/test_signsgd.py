@@ -78,8 +78,8 @@ def test_zero_direction_leaves_the_element_and_its_sign():
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels unavailable (no C compiler)")
 @pytest.mark.parametrize("bits", [32, 16, 8, 4])
 def test_cpu_native_kernel_steps_it_as_the_torch_paths(bits, monkeypatch):
-    """The native SGD kernel with its SignSGD flag (SignSGD's declared ``NativeKernel``) steps every parameter (8 / 4 bits: the full
-    blocks), and the steps equal those taken with the native kernels turned off, bit for bit."""
+    """The native SGD kernel with its SignSGD flag (SignSGD's declared ``NativeKernel``) steps every parameter (8 / 4
+    bits: the full blocks), and the steps equal those taken with the native kernels turned off, bit for bit."""
     from lowmemopt.cpu import elementwise
 
     seen = []

@@ -107,8 +107,8 @@ def test_state_dict_holds_plain_types_and_version(info):
 
 @pytest.mark.parametrize("bits", [32, 16, 8])
 def test_load_keeps_dtypes_with_bf16_params_and_makes_no_copies(bits):
-    """torch casts floating state to the param dtype on load; ours keeps uint8 codes, fp32 absmax and fp32 state exactly,
-    and (same device) loads the very tensors given, so no transient fp32 copy of the state is made."""
+    """torch casts floating state to the param dtype on load; ours keeps uint8 codes, fp32 absmax and fp32 state
+    exactly, and (same device) loads the very tensors given, so no transient fp32 copy of the state is made."""
     params = make_params(SHAPES, dtype=torch.bfloat16)
     opt = lowmemopt.AdamW(params, state_bits=bits)
     run(opt, params, 3)

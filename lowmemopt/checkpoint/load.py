@@ -16,7 +16,7 @@ from ..optimizer import LowMemOptimizer
 from ..quant.convert import (
     CheckpointError,
     Reader,
-    check_values,
+    check_state_values,
     format_numel,
     reformat,
     remaps,
@@ -27,8 +27,8 @@ from ..quant.formats import FORMATS
 from .layout import crc32, open_state_file, sharded_path
 from .sniff import check_state_file_kind
 from .validation import (
+    LoadPlan,
     LoadReport,
-    Plan,
     check_optimizer,
     check_same_optimizer,
     describe_problems,
@@ -120,7 +120,7 @@ def load_state(
     return report
 
 
-def _allocate(plan: Plan) -> dict[str, Any]:
+def _allocate(plan: LoadPlan) -> dict[str, Any]:
     """The param's new state in the target formats, zero-filled (meta tensors for paged params)."""
     if plan.entry["step"] is None:
         return {}
@@ -138,7 +138,7 @@ def _allocate(plan: Plan) -> dict[str, Any]:
     return state
 
 
-def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, converted: list[str]) -> None:
+def _read_param(f, plan: LoadPlan, state: dict[str, Any], crcs, path, release, converted: list[str]) -> None:
     """Fill ``state`` (from :func:`_allocate`) from the file, converting formats; checks every tensor's CRC-32."""
     entry, p, group = plan.entry, local_tensor(plan.param), plan.group
     device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), p.device)  # paged: the home's
@@ -185,11 +185,11 @@ def _read_param(f, plan: Plan, state: dict[str, Any], crcs, path, release, conve
 
 
 def _checked_reader(sources: dict[str, _FileTensor], signed: bool, where: str) -> Reader:
-    """Read chunks of ``sources``, refusing values that would poison the next step (:func:`check_values`)."""
+    """Read chunks of ``sources``, refusing values that would poison the next step (:func:`check_state_values`)."""
 
     def read(key: str, a: int, b: int) -> torch.Tensor:
         chunk = sources[key].read(a, b)
-        check_values(key, chunk, signed, where)
+        check_state_values(key, chunk, signed, where)
         return chunk
 
     return read

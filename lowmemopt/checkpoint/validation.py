@@ -16,7 +16,7 @@ from ..optimizer import STORAGE_DEFAULTS, LowMemOptimizer
 from ..projection.projector import projector_problem
 from ..quant import q4
 from ..quant.blockwise import num_blocks
-from ..quant.convert import CheckpointError, check_group, format_numel, remaps, slot_shape, target_format
+from ..quant.convert import CheckpointError, check_loaded_group, format_numel, remaps, slot_shape, target_format
 from ..quant.formats import FORMATS, Q4, Q8, QUANTIZED, Slot, legacy_map_for, map_for
 from ..quant.maps import MAP_NAMES
 from .layout import (
@@ -168,7 +168,7 @@ def restorable(key: str, value: Any) -> bool:
     return key != "params" and key not in STORAGE_DEFAULTS and not (isinstance(value, dict) and "__repr__" in value)
 
 
-class Plan(NamedTuple):
+class LoadPlan(NamedTuple):
     name: str
     param: torch.Tensor
     entry: dict[str, Any]
@@ -220,7 +220,7 @@ def plan_load(optimizer, meta, model, path, restore=True):
         eff = dict(group)
         if same_layout:
             eff.update({k: from_json(v, group.get(k)) for k, v in groups[g].items() if restorable(k, v)})
-            check_group(optimizer._check_group, eff, f"{path}: param group {g}'s saved hyper-parameters")
+            check_loaded_group(optimizer._check_group, eff, f"{path}: param group {g}'s saved hyper-parameters")
         effective.append(eff)
     plans, mismatched = [], {}
     for name, g, p in names:
@@ -232,7 +232,7 @@ def plan_load(optimizer, meta, model, path, restore=True):
             mismatched[name] = problem
         else:
             slots = optimizer._state_slots(group, p) if entry["step"] is not None else {}
-            plans.append(Plan(name, p, entry, group, slots))
+            plans.append(LoadPlan(name, p, entry, group, slots))
     return plans, LoadReport(missing, unexpected, mismatched, [], same_layout)
 
 

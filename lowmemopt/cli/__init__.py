@@ -9,8 +9,8 @@
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and sets ``func`` (called with
 the parsed arguments, returns the exit status); add it to ``_SUBCOMMANDS``. Only ``func`` imports torch and lowmemopt's
 modules, so parsing (``lowmemopt --help``, a usage error) takes a fraction of a second; ``func`` checks what it can
-(names, paths) before those imports (``estimate``: :mod:`.estimate`), and first drops the known noise other libraries log while they are imported
-(:data:`.noise.IMPORT_NOISE`).
+(names, paths) before those imports (``estimate``: :mod:`.estimate`), and first drops the known noise other libraries
+log while they are imported (:data:`.noise.IMPORT_NOISE`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ DENSE_ROW = 64
 
 
 class NativeKernel(NamedTuple):
-    """An elementwise algorithm's C kernel, declared in its own module (:class:`lowmemopt.work.kernel_set.KernelSet`)."""
+    """An elementwise algorithm's C kernel, declared in its own module
+    (:class:`lowmemopt.work.kernel_set.KernelSet`)."""
 
     name: str  # exported C function (its ``_many`` twin steps a bucket)
     scalars: Callable[[dict[str, Any], float], tuple[tuple[float, ...], int]]  # (math kwargs, decay) -> (h, flags)

@@ -330,12 +330,12 @@ def step(
     memo: dict | None = None,
 ) -> int:
     """One native step ``native`` for parameter ``p`` (``pflat``: its contiguous flat storage, updated in
-    place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path; state is untouched then).
-    ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s (``lowmemopt.projection.update.weight_statistics``).
-    ``grad_mult``: the loss scaling multiplier, applied wherever a pass loads the gradient (None: none). ``check``:
-    the step is also the optimizer's non-finite check of ``gflat`` (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum
-    of squares is not finite, with nothing written (AdafactorTorch: :data:`NOT_APPLIED`). ``memo``: what the
-    parameters of one :func:`step_bucket` share."""
+    place; ``record``: its bucket's options): :data:`STEPPED`, or :data:`NOT_APPLIED` (the caller runs the eager path;
+    state is untouched then). ``weight``: a GaLore stand-in's full-weight RMS(p), read instead of ``p``'s
+    (``lowmemopt.projection.update.weight_statistics``). ``grad_mult``: the loss scaling multiplier, applied wherever a
+    pass loads the gradient (None: none). ``check``: the step is also the optimizer's non-finite check of ``gflat``
+    (Adafactor, CAME): :data:`SKIPPED` if its fp32 sum of squares is not finite, with nothing written (AdafactorTorch:
+    :data:`NOT_APPLIED`). ``memo``: what the parameters of one :func:`step_bucket` share."""
     if not isinstance(native, FactoredStep):
         return NOT_APPLIED
     return native.run(

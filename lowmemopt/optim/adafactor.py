@@ -183,10 +183,10 @@ def adafactor_torch_math(
     maximize: bool,
     reduce: Reduction = LOCAL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 Adafactor (``torch.optim.Adafactor`` semantics, bit for bit): updates the state in place; returns ``(u, s)``,
-    ``p_new = p (1 - lr wd) + s u`` added in one rounding (torch's ``add_(u, alpha=s)``; the caller decays and adds),
-    ``s = -rho max(eps2, RMS(p)) / max(1, RMS(u) / d)`` in float64 as torch's host scalars, but a 0-dim tensor (no host
-    read) rounded to ``p``'s dtype. Factored iff ``state`` holds ``row_var``."""
+    """fp32 Adafactor (``torch.optim.Adafactor`` semantics, bit for bit): updates the state in place; returns
+    ``(u, s)``, ``p_new = p (1 - lr wd) + s u`` added in one rounding (torch's ``add_(u, alpha=s)``; the caller decays
+    and adds), ``s = -rho max(eps2, RMS(p)) / max(1, RMS(u) / d)`` in float64 as torch's host scalars, but a 0-dim
+    tensor (no host read) rounded to ``p``'s dtype. Factored iff ``state`` holds ``row_var``."""
     if maximize:
         g = -g
     one_minus_beta2_t = step**beta2_decay

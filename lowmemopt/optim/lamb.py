@@ -135,7 +135,8 @@ class LAMB(LowMemOptimizer):
 
 class FusedLAMBAlgorithm(LAMBAlgorithm):
     """Apex's LAMB for the step pipeline: :func:`lamb_math` with FusedLAMB's flags, the bias corrections inside the
-    moments, the trust ratio where ``wd != 0`` or ``use_nvlamb``, and the global gradient-norm clip (:meth:`step_work`)."""
+    moments, the trust ratio where ``wd != 0`` or ``use_nvlamb``, and the global gradient-norm clip
+    (:meth:`step_work`)."""
 
     hyper = ("lr", "betas", "eps", "weight_decay", "grad_averaging", "adam_w_mode")
 

@@ -155,8 +155,8 @@ class FusedSGD(GradNoneOnZero, SGD):
     * ``set_grad_none`` (False, Apex's default): ``zero_grad()`` zeroes gradients in place; True sets them to None.
       An explicit ``zero_grad(set_to_none=...)`` decides.
 
-    ``lr`` is required, as in Apex (its default is torch's ``required`` marker). Keyword-only: ``maximize`` and the storage options (``state_bits``, ``paged``,
-    GaLore groups, ...)."""
+    ``lr`` is required, as in Apex (its default is torch's ``required`` marker). Keyword-only: ``maximize`` and the
+    storage options (``state_bits``, ``paged``, GaLore groups, ...)."""
 
     algorithm = FusedSGDAlgorithm()
 

@@ -19,7 +19,7 @@ from .entry import Entry
 from .homes import ALIGN, CopyFiles, Homes, layout_offsets, transfer_all, will_need
 from .schedule import N_SLOTS, N_SLOTS_HOST, N_STAGING, BucketPlan, Op, Schedule
 
-__all__ = ["Mover", "Bucket", "HostLanes", "CudaLanes", "coalesce", "route_for"]
+__all__ = ["Mover", "BucketInFlight", "HostLanes", "CudaLanes", "coalesce", "route_for"]
 
 Tensors = dict[str, torch.Tensor]
 _THREAD_KINDS = ("read", "write")
@@ -130,7 +130,7 @@ def _lanes_for(device: torch.device) -> HostLanes:
 
 
 @dataclass(eq=False)
-class Bucket:
+class BucketInFlight:
     """One bucket on its way: its plan, entries and working tensors (views into its slot)."""
 
     plan: BucketPlan
@@ -227,12 +227,12 @@ class Mover:
         """Whether a slot is free for another bucket ahead."""
         return self.schedule.can_plan()
 
-    def prefetch(self, entries: list[Entry], position: int | None = None) -> Bucket:
+    def prefetch(self, entries: list[Entry], position: int | None = None) -> BucketInFlight:
         """Plan the next bucket (``entries`` of one tier, at ``position``) and start its first load."""
         loads = [e for e in entries if e.state is not None]
         route = route_for(entries[0].tier, self.lanes)
         plan = self.schedule.plan([id(e) for e in entries], route, [id(e) for e in loads], position)
-        bucket = Bucket(plan, entries, loads, here=route == "file" and self.lanes.files_here())
+        bucket = BucketInFlight(plan, entries, loads, here=route == "file" and self.lanes.files_here())
         homes = [(e, k, t) for e in loads for k, t in e.home_tensors().items()]
         offsets, bucket.nbytes = layout_offsets([t.numel() * t.element_size() for _, _, t in homes])
         if not homes:
@@ -259,13 +259,13 @@ class Mover:
             self._issue(plan.load[0], bucket)
         return bucket
 
-    def advance(self, bucket: Bucket, now: bool = False) -> None:
+    def advance(self, bucket: BucketInFlight, now: bool = False) -> None:
         """Issue the rest of ``bucket``'s load (``now``: files read in the calling thread)."""
         for op in bucket.plan.load:
             if op.kind not in bucket.plan.issued and bucket.error is None and (now or not bucket.here):
                 self._issue(op, bucket)
 
-    def load(self, bucket: Bucket) -> dict[Entry, Tensors]:
+    def load(self, bucket: BucketInFlight) -> dict[Entry, Tensors]:
         """``bucket``'s working tensors, ready once the compute stream gets to them (a failed read raises here)."""
         self.advance(bucket, now=True)
         if bucket.plan.load:
@@ -276,7 +276,9 @@ class Mover:
             raise bucket.error
         return bucket.working
 
-    def store(self, bucket: Bucket, items: list[tuple[Entry, list[tuple[str, torch.Tensor, torch.Tensor]]]]) -> None:
+    def store(
+        self, bucket: BucketInFlight, items: list[tuple[Entry, list[tuple[str, torch.Tensor, torch.Tensor]]]]
+    ) -> None:
         """Write ``bucket`` back: per entry, ``(key, working, home)`` of each tensor."""
         plan = bucket.plan
         kernels = self.lanes.record(self.lanes.compute())
@@ -297,7 +299,7 @@ class Mover:
             self._last.setdefault(e, [("", -1), ("", -1)])[1] = (ops[-1].kind, plan.seq)
         self.poll()
 
-    def discard(self, bucket: Bucket) -> None:
+    def discard(self, bucket: BucketInFlight) -> None:
         """``bucket`` will not be stepped: its buffers are freed in order."""
         self.schedule.discard(bucket.plan)
 
@@ -360,7 +362,7 @@ class Mover:
             views = self._view_cache[key] = _views(buffer, like, offsets)
         return views
 
-    def _issue(self, op: Op, bucket: Bucket) -> None:
+    def _issue(self, op: Op, bucket: BucketInFlight) -> None:
         bucket.plan.issued.add(op.kind)
         if op.kind == "read":
             self._submit(op, "reader", self._reads, bucket, bucket.here)
@@ -402,7 +404,7 @@ class Mover:
                 self.lanes.sync(token)
         job(work)
 
-    def _reads(self, bucket: Bucket, here: bool = False) -> None:
+    def _reads(self, bucket: BucketInFlight, here: bool = False) -> None:
         errors = transfer_all(self.homes, bucket.reads, self.copy_files if here else None)
         bucket.error = next((e for e in errors if e is not None), None)  # (raised where the bucket is loaded)
 

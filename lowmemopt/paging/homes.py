@@ -23,7 +23,7 @@ __all__ = [
     "CopyFiles",
     "transfer",
     "transfer_all",
-    "drop_pages",
+    "drop_tensor_pages",
     "will_need",
     "layout_offsets",
     "layout_bytes",
@@ -286,7 +286,7 @@ def _advise(base: int, length: int, lo: int, hi: int, advice: int) -> None:
         _madvise(base + a, b - a, advice)
 
 
-def drop_pages(homes: Homes, t: torch.Tensor) -> None:
+def drop_tensor_pages(homes: Homes, t: torch.Tensor) -> None:
     """Unmap the pages of ``t``'s file from this process (they stay in the page cache). No-op unless file-backed."""
     mapping = homes.mapping_of(t)
     if mapping is not None:

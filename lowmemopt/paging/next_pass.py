@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .engine import Bucket
+from .engine import BucketInFlight
 
 __all__ = ["NextPass"]
 
@@ -20,15 +20,15 @@ class NextPass:
     """What follows which pass, and the bucket prefetched for the next one (:attr:`early`: its params and bucket)."""
 
     def __init__(self) -> None:
-        self.early: tuple[list[torch.Tensor], Bucket] | None = None
+        self.early: tuple[list[torch.Tensor], BucketInFlight] | None = None
         self._follows: dict[tuple[int, ...], list[torch.Tensor]] = {}  # last bucket of a pass -> first of the next
         self._last: tuple[int, ...] | None = None  # the last pass's last bucket
 
     def adopt(
         self,
         first: list[torch.Tensor],
-        discard: Callable[[list[torch.Tensor], Bucket], None],
-    ) -> dict[int, Bucket]:
+        discard: Callable[[list[torch.Tensor], BucketInFlight], None],
+    ) -> dict[int, BucketInFlight]:
         """A pass starts with bucket ``first``: ``{0: bucket}`` if it was prefetched, else ``{}``."""
         if self._last is not None and first:
             if len(self._follows) > MAX_FOLLOWS:
@@ -49,7 +49,7 @@ class NextPass:
             self._last = tuple(map(id, last))
         return self._follows.get(self._last) if self._last is not None else None
 
-    def take(self) -> tuple[list[torch.Tensor], Bucket] | None:
+    def take(self) -> tuple[list[torch.Tensor], BucketInFlight] | None:
         """The bucket on its way (its params and bucket), no longer kept here; None if there is none."""
         early, self.early = self.early, None
         return early

@@ -12,9 +12,9 @@ from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
-from .engine import Bucket, Mover
+from .engine import BucketInFlight, Mover
 from .entry import Entry
-from .homes import CopyFiles, Homes, drop_pages, transfer
+from .homes import CopyFiles, Homes, drop_tensor_pages, transfer
 from .next_pass import NextPass
 from .options import check_paging, tier_of
 from .placement import (
@@ -204,7 +204,7 @@ class Pager:
         passed = [ps for ps in moving if ps]
         self._prefetch_next(self.next_pass.ended(passed[-1] if passed else None))
 
-    def _discard(self, params: list[torch.Tensor], bucket: Bucket) -> None:
+    def _discard(self, params: list[torch.Tensor], bucket: BucketInFlight) -> None:
         self._mover_of(params).discard(bucket)
 
     def _prefetch_next(self, params: list[torch.Tensor] | None) -> None:
@@ -236,7 +236,7 @@ class Pager:
         entry = self.entries.get(p)
         return entry is not None and not entry.resident
 
-    def _load(self, params: list[torch.Tensor], bucket: Bucket) -> None:
+    def _load(self, params: list[torch.Tensor], bucket: BucketInFlight) -> None:
         opt = self._opt()
         working = self._mover_of(params).load(bucket)
         for p in params:
@@ -248,7 +248,7 @@ class Pager:
                 state.update({k: tensors.get(k, v) for k, v in entry.state.items()})
             opt.state[p] = state
 
-    def _store(self, params: list[torch.Tensor], bucket: Bucket) -> None:
+    def _store(self, params: list[torch.Tensor], bucket: BucketInFlight) -> None:
         """Write a bucket back and install the homes; a param without room for one stays resident."""
         opt = self._opt()
         items, installs, error = [], [], None
@@ -502,7 +502,7 @@ class Pager:
         states = [state] if state is not None else [e.state for e in self.entries.values()]
         for st in states:
             for t in tensors_of(st).values():
-                drop_pages(self.homes, t)
+                drop_tensor_pages(self.homes, t)
 
     def where_state_lives(self, p: torch.Tensor) -> str:
         """``"device"`` (unpaged or resident), ``"cpu"`` or ``"disk"``: where ``p``'s state is between steps."""

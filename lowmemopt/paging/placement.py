@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from .entry import Entry
-from .homes import Homes, drop_pages, layout_bytes, transfer
+from .homes import Homes, drop_tensor_pages, layout_bytes, transfer
 from .residency import AUTO, AutoRoom, headroom, probe, smallest_first
 from .schedule import N_SLOTS, N_SLOTS_HOST
 
@@ -131,7 +131,7 @@ def fill_homes(homes: Homes, reserved: dict[str, torch.Tensor], layout: dict[str
             transfer(homes, reserved[k], t.cpu())
         else:
             reserved[k].copy_(t)
-        drop_pages(homes, reserved[k])
+        drop_tensor_pages(homes, reserved[k])
 
 
 def on_device(v: Any, device: torch.device) -> Any:

@@ -60,8 +60,8 @@ def takes(plan: Plan) -> bool:
 def step_cpu_bucket(plan: Plan, todo: Todo, finite: list[bool | None]) -> Todo:
     """Step the CPU parameters of ``todo`` ((index, param, group)) that the native kernels take, in one call; fill in
     ``finite`` for the ones checked here; return the rest, in order, for the per-parameter path. The gather stage
-    (here: items, state made, step counts advanced) and the update (:func:`step_native_bucket`, which reads the items and
-    their :class:`~lowmemopt.work.items.Update` only)."""
+    (here: items, state made, step counts advanced) and the update (:func:`step_native_bucket`, which reads the items
+    and their :class:`~lowmemopt.work.items.Update` only)."""
     if not todo or not takes(plan):
         return todo
     algorithm, states, sharded = plan.algorithm, plan.state, plan.sharded

@@ -3,9 +3,9 @@ C on the CPU, ``torch.compile``, the eager reference; GaLore through its project
 backend takes, and it is the eager reference that every combination is tested against.
 
 The gather stage makes the parameter an :class:`~lowmemopt.work.items.Item` (its local shard, state made on the
-first step, its record), :meth:`.plan.Plan.update_of` its bucket's :class:`~lowmemopt.work.items.Update` from the record's
-``hyper``, and the update stage hands both to :func:`.backends.step_per_tensor`, as the Triton backend takes them.
-Parameters whose native factored step is also their gradient's check go as one bucket (:func:`step_checked`)."""
+first step, its record), :meth:`.plan.Plan.update_of` its bucket's :class:`~lowmemopt.work.items.Update` from the
+record's ``hyper``, and the update stage hands both to :func:`.backends.step_per_tensor`, as the Triton backend takes
+them. Parameters whose native factored step is also their gradient's check go as one bucket (:func:`step_checked`)."""
 
 from __future__ import annotations
 

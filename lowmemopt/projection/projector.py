@@ -221,7 +221,10 @@ def projector_problem(projector: dict[str, Any], group: dict[str, Any], shape: t
         if k in PROJECTOR_TENSORS
     }
     if got != expected:
-        return f"projector bases {got}, rank {group['rank']} on a {m}x{n} matrix (side {SIDE_NAMES[side]}) needs {expected}"
+        return (
+            f"projector bases {got}, rank {group['rank']} on a {m}x{n} matrix (side {SIDE_NAMES[side]}) "
+            f"needs {expected}"
+        )
     for key in expected:
         t = projector[key]
         if isinstance(t, torch.Tensor) and not t.is_floating_point():

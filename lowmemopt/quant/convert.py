@@ -36,9 +36,9 @@ __all__ = [
     "convert_param_state",
     "reformat",
     "check_source",
-    "check_values",
+    "check_state_values",
     "check_step",
-    "check_group",
+    "check_loaded_group",
     "slot_names",
     "state_origin",
     "foreign_state_hint",
@@ -155,7 +155,7 @@ def convert_param_state(
     out: dict[str, Any] = {"step": check_step(state["step"], where)}
     for key, value in (kept or {}).items():
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            check_values(key, value, True, where)
+            check_state_values(key, value, True, where)
         out[key] = value
     dst_bs = group["block_size"]
     for name, slot in slots.items():
@@ -163,13 +163,13 @@ def convert_param_state(
         shape = slot_shape(slot, param.shape)
         check_source(src, src_bs, tensors, name, shape, where, param.shape)
         for key, t in tensors.items():
-            check_values(key, t, slot.signed, where)
+            check_state_values(key, t, slot.signed, where)
         dst = target_format(group, slot, format_numel(slot, numel), param.dtype)
         remap = remaps(src, src_map, slot)
         if src is dst and src in QUANTIZED and src_bs != dst_bs and not remap:
             raise CheckpointError(
-                f"{where}: '{name}' is {src.bits}-bit at block_size {src_bs} but the optimizer uses block_size {dst_bs} "
-                "(re-quantizing would add error); construct the optimizer with the saved block_size"
+                f"{where}: '{name}' is {src.bits}-bit at block_size {src_bs} but the optimizer uses block_size "
+                f"{dst_bs} (re-quantizing would add error); construct the optimizer with the saved block_size"
             )
         if src is dst and not remap and all(t.dtype == storage_dtype(dst, k) for k, t in tensors.items()):
             for key, t in tensors.items():  # already in place: keep the very tensors (views for bitsandbytes codes)
@@ -243,7 +243,7 @@ def foreign_state_hint(states: Any, slots: Callable[[], set[str]], owner: str) -
     )
 
 
-def check_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
+def check_state_values(key: str, t: torch.Tensor, signed: bool, where: str) -> None:
     """Raise CheckpointError unless ``t`` is finite and, for ``absmax`` or unsigned slots, not negative."""
     if not t.is_floating_point() or t.numel() == 0:
         return
@@ -274,7 +274,7 @@ def check_step(step: Any, where: str) -> int:
     return int(value)
 
 
-def check_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], where: str) -> None:
+def check_loaded_group(check: Callable[[dict[str, Any]], None], group: dict[str, Any], where: str) -> None:
     """Run the optimizer's ``_check_group`` on a param group to load; its error becomes a CheckpointError."""
     try:
         check(group)

@@ -21,7 +21,7 @@ __all__ = [
     "code_book",
     "encode_table",
     "thresholds",
-    "nearest_code_reference",
+    "nearest_code4_reference",
     "packed_len",
     "encode_into",
     "decode_into",
@@ -137,7 +137,7 @@ def thresholds(name: str, device: torch.device | str = "cpu") -> torch.Tensor:
     return _on("thr", name, device, _thresholds)
 
 
-def nearest_code_reference(y: torch.Tensor, name: str) -> torch.Tensor:
+def nearest_code4_reference(y: torch.Tensor, name: str) -> torch.Tensor:
     """Brute force (the specification): argmin of ``|y - code|`` in fp32, ties to the lower code."""
     book = code_book(name, y.device)
     dist = (y.reshape(-1, 1).float() - book.reshape(1, -1)).abs()
@@ -309,7 +309,7 @@ def quantize_reference(
         else torch.zeros(0)
     )
     div = torch.where(scale > 0, scale, torch.ones_like(scale)).repeat_interleave(block_size)[:n]
-    return nearest_code_reference(flat / div, name), scale
+    return nearest_code4_reference(flat / div, name), scale
 
 
 # the state maps (docs/state_format.md#4-bit-maps)
