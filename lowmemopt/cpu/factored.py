@@ -346,9 +346,9 @@ def step(
 def step_bucket(
     native: FactoredStep, items: list[Item], update_for: Callable[[Item, Any], Update], grad_mult: float | None = None
 ) -> list[int]:
-    """Step ``items`` (CPU, full rank, initialized, step counts advanced) with ``native`` in order, each step its
-    gradient's non-finite check (Adafactor, CAME), up to the first one it does not take; returns the outcome of each
-    one stepped (:data:`STEPPED`, or :data:`SKIPPED`: nothing written). ``update_for(item, step)``: the item's bucket's
+    """Step ``items`` (CPU, full rank, initialized) with ``native`` in order, each step its gradient's non-finite check
+    (Adafactor, CAME), up to the first one it does not take; returns the outcome of each one stepped (:data:`STEPPED`:
+    its step count advanced, or :data:`SKIPPED`: nothing written). ``update_for(item, step)``: the item's bucket's
     :class:`~lowmemopt.work.items.Update`, asked once per bucket and step count; ``grad_mult``: loss scaling. The
     library and the code books' kernel slots are looked up once per call."""
     memo: dict = {}
@@ -356,12 +356,14 @@ def step_bucket(
     up = None
     for it in items:
         state, target = it.state, it.target
-        count = state["step"]
+        count = state["step"] + 1
         if up is None or up.record is not it.record or up.step != count:
             up = update_for(it, count)
         flat, grad = target.view(-1), it.grad.reshape(-1)
         outcome = native.run(target, flat, grad, state, up.record, count, up.decay, None, grad_mult, True, memo)
         if outcome == NOT_APPLIED:
             break
+        if outcome == STEPPED:
+            state["step"] = count
         out.append(outcome)
     return out

@@ -90,24 +90,20 @@ def step_checked(plan: Plan, todo: Todo, k: int, finite: list[bool | None]) -> i
         state = states[p]
         if not isinstance(state["step"], int):
             capture.host_count(state)  # (a capturable step's count: back to an int)
-        state["step"] += 1
         target = p if p.is_contiguous() else p.contiguous()
-        run.append((i, p, group))  # (the native step reads the state's tensors, not the slots)
-        items.append(Item(param=p, group=group, target=target, grad=p.grad, state=state, slots={}, record=record))
+        run.append((i, p, group))
+        items.append(Item(p, group, target, p.grad, state, {}, record=record))  # (slots: the state's tensors say)
     mult = None if plan.grad_mult is None else plan.mult(torch.device("cpu")).tolist()
     start = 0
     while start < len(items):
         outcomes = factored.step_bucket(plan.kernels.native, items[start:], plan.update_of, mult)
         for (i, p, _), it, outcome in zip(run[start:], items[start:], outcomes):
-            finite[i] = outcome == factored.STEPPED
-            if not finite[i]:  # nothing was written
-                it.state["step"] -= 1
-            elif it.target is not p:
+            finite[i] = outcome == factored.STEPPED  # (False: nothing was written)
+            if finite[i] and it.target is not p:
                 p.copy_(it.target)
         start += len(outcomes)
         if start < len(items):  # not taken: the eager step, which checks its gradient first
             i, p, group = run[start]
-            items[start].state["step"] -= 1
             finite[i] = step_param(plan, p, p.grad, group, check=True)
             start += 1
     return k + len(items)
