@@ -181,7 +181,7 @@ def time_optimizer(
     factory: Factory, shapes, device, steps: int, warmup: int, dtype: torch.dtype = torch.float32
 ) -> tuple[float, int, str]:
     """Median step time (s), state bytes, and the kernel path taken (lowmemopt: launches per step)."""
-    from lowmemopt.kernels.tuning import time_steps
+    from lowmemopt.kernels.tuning import median_step_time
 
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
@@ -190,7 +190,7 @@ def time_optimizer(
         p.grad = torch.randn(s, generator=gen, device=device).mul_(1e-3).to(dtype)
         params.append(p)
     opt = factory(params)
-    median = time_steps(opt, device, steps, warmup)
+    median = median_step_time(opt, device, steps, warmup)
     note = ""
     if hasattr(opt, "state_nbytes"):
         from lowmemopt.kernels import dispatch

@@ -27,7 +27,7 @@ __all__ = [
     "forget",
     "adamw_q8_state",
     "adamw_q8_step",
-    "time_steps",
+    "median_step_time",
     "measure",
     "best",
     "tune",
@@ -111,7 +111,7 @@ def adamw_q8_step(
     return step
 
 
-def time_steps(step: Any, device: torch.device, steps: int, warmup: int = 1) -> float:
+def median_step_time(step: Any, device: torch.device, steps: int, warmup: int = 1) -> float:
     """Median seconds of ``steps`` calls of ``step`` (a function of no arguments, or an optimizer: its ``step()``)
     after ``warmup`` untimed ones: CUDA events on a GPU, the wall clock elsewhere."""
     run = getattr(step, "step", step)
@@ -162,7 +162,7 @@ def measure(
                 try:
                     with runtime.launch_shape((tile, warps), decode):
                         states = adamw_q8_state(params)
-                        seconds = time_steps(adamw_q8_step(params, grads, states), device, steps)
+                        seconds = median_step_time(adamw_q8_step(params, grads, states), device, steps)
                     record.update(seconds=seconds, bytes_per_s=ideal / seconds)
                 except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is a record, not the end
                     record["error"] = f"{type(exc).__name__}: {exc}"[:300]

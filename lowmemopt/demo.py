@@ -230,9 +230,9 @@ class Choice:
 
     def make(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         import lowmemopt
-        from .registry import model_params, resolve
+        from .registry import model_params, resolve_optimizer
 
-        resolved = resolve(self.name)
+        resolved = resolve_optimizer(self.name)
         if self.galore is not None:
             params: Any = lowmemopt.galore_param_groups(model, **self.galore)
         else:
@@ -256,9 +256,9 @@ class Choice:
     def algorithm(self) -> str:
         """The algorithm's class name (``AdamW`` for ``adamw8bit``), ``GaLore-`` in front for GaLore groups: runs with
         the same algorithm differ only in their storage options."""
-        from .registry import resolve
+        from .registry import resolve_optimizer
 
-        cls = resolve(self.name).cls
+        cls = resolve_optimizer(self.name).cls
         base = next((k for k in cls.__mro__ if k.__module__.startswith("lowmemopt.optim.")), cls)
         return ("GaLore-" if self.galore is not None else "") + base.__name__
 
@@ -290,14 +290,14 @@ DEMO_CHOICES: dict[str, Choice] = {
 def choice(name: str, lr: float | None = None) -> Choice:
     """The demo's preset for ``name`` (see :data:`DEMO_CHOICES`), else any lowmemopt optimizer by name with
     ``lr=1e-3``; ``lr`` overrides the learning rate. Raises ValueError for unknown names."""
-    from .registry import resolve
+    from .registry import resolve_optimizer
 
     key = name.strip().lower().replace("-", "_")
     if key in DEMO_CHOICES:
         c = DEMO_CHOICES[key]
         c = Choice(c.name, c.label, dict(c.kwargs), None if c.galore is None else dict(c.galore))
     else:
-        resolved = resolve(name)
+        resolved = resolve_optimizer(name)
         galore = dict(target_modules="all-linear", rank=48, update_proj_gap=100, scale=1.0) if resolved.galore else None
         c = Choice(name, name, dict(lr=1e-3), galore)
     if lr is not None:

@@ -16,7 +16,7 @@ import torch
 
 from .model_presets import missing_config_message, preset
 from .pipeline import PAGE_BUCKET_BYTES
-from .registry import instantiate, model_params, needs_process_group, resolve
+from .registry import instantiate, model_params, needs_process_group, resolve_optimizer
 
 __all__ = [
     "MemoryEstimate",
@@ -200,7 +200,7 @@ def _optimizer_for(
 ) -> torch.optim.Optimizer:
     """The optimizer ``optimizer`` names, on ``model``'s parameters (GaLore groups for a ``galore_rank``, the class's
     own groups otherwise; meta copies for a class that needs a process group), no state yet."""
-    resolved = resolve(optimizer)
+    resolved = resolve_optimizer(optimizer)
     named = list(model.named_parameters())
     optimizer_kwargs = dict(optimizer_kwargs)
     if galore_rank is not None:
@@ -277,7 +277,7 @@ def cheapest_fits(
     paging and per-layer updates whose total fits ``budget`` bytes with the fewest changes: a combination is left out
     when another that fits gives up no more on every count (more state bits, a larger or no GaLore rank, unpaged,
     whole-model steps are each better). Sorted by the number of changes, then by total; at most ``limit``."""
-    cls = resolve(optimizer).cls
+    cls = resolve_optimizer(optimizer).cls
     ranks = galore_ranks(model, galore_target_modules) if ranks is None else sorted(set(ranks), reverse=True)
     if not getattr(cls, "supports_galore", True):  # (class attributes: what the optimizer refuses)
         ranks = []
@@ -301,7 +301,7 @@ def cheapest_fits(
 
 def default_state_bits(optimizer: str) -> int:
     """The ``state_bits`` an optimizer name implies: 8 for ``"adamw8bit"``, 32 for ``"adamw"``."""
-    resolved = resolve(optimizer)
+    resolved = resolve_optimizer(optimizer)
     probe = instantiate(resolved.cls, [torch.nn.Parameter(torch.zeros(1, device="meta"))], **resolved.kwargs)
     return probe.defaults["state_bits"]
 

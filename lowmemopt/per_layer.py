@@ -17,16 +17,16 @@ from .pipeline.finite import host_flags as _finite_flags
 from .pipeline.finite import DeviceFlags, resolve
 from .pipeline.fits import SPARSE
 
-__all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_many", "step_one"]
+__all__ = ["BackwardStepper", "PerLayerSteps", "step_in_backward", "step_batch", "step_one"]
 
 
-def step_many(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]], pending: list[DeviceFlags]) -> int:
+def step_batch(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]], pending: list[DeviceFlags]) -> int:
     """Step ``work``'s parameters through the pipeline as a hook or bucket does (device checks appended to ``pending``);
     returns how many the host skipped.
     """
     if torch.is_grad_enabled():  # (a hook inside backward() runs with grad mode off already)
         with torch.no_grad():
-            return step_many(optimizer, work, pending)
+            return step_batch(optimizer, work, pending)
     grads = [local_tensor(p.grad) for p, _ in work]  # a DTensor (FSDP2): check the local shard, then agree
     flags = optimizer.device_flags(work, grads, optimizer._pager_for(work))
     if flags is not None:  # decided by the kernels on the device; read at the end of the backward pass
@@ -41,8 +41,8 @@ def step_many(optimizer: LowMemOptimizer, work: list[tuple[torch.Tensor, dict]],
 
 
 def step_one(optimizer: LowMemOptimizer, p: torch.Tensor, group: dict, pending: list[DeviceFlags]) -> bool:
-    """:func:`step_many` of one parameter, ``p``: False when the host skipped it for a non-finite gradient."""
-    return step_many(optimizer, [(p, group)], pending) == 0
+    """:func:`step_batch` of one parameter, ``p``: False when the host skipped it for a non-finite gradient."""
+    return step_batch(optimizer, [(p, group)], pending) == 0
 
 
 class PerLayerSteps:
@@ -69,7 +69,7 @@ class PerLayerSteps:
         if not self.held:
             return
         held, self.held, self.held_bytes = self.held, [], 0
-        self.skipped += step_many(self.optimizer, held, self.pending)
+        self.skipped += step_batch(self.optimizer, held, self.pending)
         for p, _ in held:
             p.grad = None
 

@@ -24,7 +24,7 @@ __all__ = [
     "needs_process_group",
     "optimizer_classes",
     "optimizer_names",
-    "resolve",
+    "resolve_optimizer",
     "unknown_names",
 ]
 
@@ -56,7 +56,7 @@ def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
 
 
 def optimizer_names() -> list[str]:
-    """The class names :func:`resolve` accepts (prefixed forms aside), sorted."""
+    """The class names :func:`resolve_optimizer` accepts (prefixed forms aside), sorted."""
     return sorted(optimizer_classes(), key=str.lower)
 
 
@@ -92,7 +92,7 @@ def _unknown(name: str, class_names: Iterable[str]) -> ValueError:
     )
 
 
-def resolve(name: str) -> Resolved:
+def resolve_optimizer(name: str) -> Resolved:
     """Look ``name`` up; ValueError listing the known names if it names nothing."""
     if not isinstance(name, str):
         raise TypeError(f"optimizer name must be a string, got {type(name).__name__}")
@@ -128,7 +128,7 @@ def declared_class_names() -> list[str] | None:
 
 
 def unknown_names(names: Iterable[str]) -> ValueError | None:
-    """The error :func:`resolve` would raise for the first unknown of ``names``, without importing torch."""
+    """The error :func:`resolve_optimizer` would raise for the first unknown of ``names``, without importing torch."""
     declared = declared_class_names()
     if declared is None:
         return None

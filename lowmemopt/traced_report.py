@@ -34,7 +34,7 @@ def print_traced_steps(
     print the peaks and their breakdown, and for an optimizer none of whose rows fits, the cheapest changes that do
     (:func:`lowmemopt.traced_step.cheaper_steps`)."""
     from .estimate import default_state_bits, format_bytes
-    from .registry import resolve
+    from .registry import resolve_optimizer
     from .traced_step import cheaper_steps, trace_step
 
     common = dict(
@@ -43,7 +43,7 @@ def print_traced_steps(
     rows_of: dict[str, list[Any]] = {}
     fits_of: dict[str, list[Any]] = {}
     for name in names:
-        galore_name = resolve(name).galore
+        galore_name = resolve_optimizer(name).galore
         ranks = [args.galore_rank] if galore_name or args.galore_rank is None else [None, args.galore_rank]
         if galore_name and args.galore_rank is None:
             raise_text = f"{name} runs in GaLore groups: give --galore-rank R"

@@ -368,12 +368,12 @@ def cheaper_steps(
     Returns:
         The traced steps that fit, in the order above.
     """
-    from .registry import resolve
+    from .registry import resolve_optimizer
 
     singles: list[dict[str, Any]] = []
     if not checkpointing:
         singles.append(dict(checkpointing=True))
-    if not per_layer and getattr(resolve(optimizer).cls, "per_layer_updates", True):
+    if not per_layer and getattr(resolve_optimizer(optimizer).cls, "per_layer_updates", True):
         singles.append(dict(per_layer=True))
     singles += [dict(state_bits=b) for b in (8, 4) if b < state_bits]
     every: dict[str, Any] = {}

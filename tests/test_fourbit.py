@@ -351,10 +351,13 @@ def test_triton_interpreter_steps_4bit_params_with_the_kernels():
 def test_trainer_factory_and_aliases():
     pytest.importorskip("transformers")
     from lowmemopt.integrations.transformers import optimizer
-    from lowmemopt.registry import resolve
+    from lowmemopt.registry import resolve_optimizer
 
-    assert resolve("adamw4bit").cls is lowmemopt.AdamW4bit and resolve("came_4bit").cls is lowmemopt.CAME4bit
-    assert resolve("paged_lion4bit").kwargs == {"paged": True}
+    assert (
+        resolve_optimizer("adamw4bit").cls is lowmemopt.AdamW4bit
+        and resolve_optimizer("came_4bit").cls is lowmemopt.CAME4bit
+    )
+    assert resolve_optimizer("paged_lion4bit").kwargs == {"paged": True}
     p = make_params([(8, 8)])
     assert lowmemopt.PagedAdamW4bit(p).defaults["paged"] is True
     for alias in (

@@ -185,8 +185,8 @@ def test_fused_adam_names_and_flags():
     import copy
 
     assert copy.deepcopy(opt).set_grad_none is False
-    assert lowmemopt.registry.resolve("fused_adam").cls is lowmemopt.FusedAdam
-    assert lowmemopt.registry.resolve("deepspeedcpuadam").cls is lowmemopt.DeepSpeedCPUAdam
+    assert lowmemopt.registry.resolve_optimizer("fused_adam").cls is lowmemopt.FusedAdam
+    assert lowmemopt.registry.resolve_optimizer("deepspeedcpuadam").cls is lowmemopt.DeepSpeedCPUAdam
 
 
 # -- FusedSGD --------------------------------------------------------------------------------------------------------

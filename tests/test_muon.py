@@ -12,7 +12,7 @@ from helpers import clone_params, lowbit_gaps, make_params, per_layer_and_step, 
 import lowmemopt
 from lowmemopt.optim import muon_batches
 from lowmemopt.optim.muon_math import newton_schulz
-from lowmemopt.registry import resolve, unknown_names
+from lowmemopt.registry import resolve_optimizer, unknown_names
 
 SAME = [(48, 32), (48, 32), (48, 32), (32, 48), (40,)]  # three of one shape (a batch), one transposed, a vector
 
@@ -223,14 +223,18 @@ def test_state_bytes_per_parameter_and_estimate():
 
 
 def test_names_for_the_trainer_and_the_command_line():
-    assert resolve("muon_8bit").cls is lowmemopt.Muon and resolve("muon_8bit").kwargs == {"state_bits": 8}
-    assert resolve("Muon-4bit").kwargs == {"state_bits": 4} and resolve("paged_muon8bit").kwargs == {
+    assert resolve_optimizer("muon_8bit").cls is lowmemopt.Muon and resolve_optimizer("muon_8bit").kwargs == {
+        "state_bits": 8
+    }
+    assert resolve_optimizer("Muon-4bit").kwargs == {"state_bits": 4} and resolve_optimizer(
+        "paged_muon8bit"
+    ).kwargs == {
         "paged": True,
         "state_bits": 8,
     }
-    assert resolve("adamw8bit").cls is lowmemopt.AdamW8bit  # an alias keeps its own name
+    assert resolve_optimizer("adamw8bit").cls is lowmemopt.AdamW8bit  # an alias keeps its own name
     with pytest.raises(ValueError, match="unknown optimizer"):
-        resolve("muon_7bit")
+        resolve_optimizer("muon_7bit")
     # the command line's check, made without importing the optimizers, takes the same names
     assert unknown_names(["muon_8bit", "Muon-4bit", "apollo_adamw_8bit", "paged_muon8bit"]) is None
     assert "unknown optimizer 'muon_7bit'" in str(unknown_names(["muon_7bit"]))

@@ -23,13 +23,7 @@ TO_RENAME = {
     "encode_into",
     "encode_table",
     "init_state",
-    "low_rank_shape",
-    "project",
-    "refresh_due",
-    "resolve",
     "step",
-    "step_many",
-    "time_steps",
 }
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..registry import check_process_group, instantiate, model_params, needs_process_group, resolve
+from ..registry import check_process_group, instantiate, model_params, needs_process_group, resolve_optimizer
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -53,7 +53,7 @@ def optimizer(
 
     The name, bits and keywords are checked now (ValueError / TypeError), so a typo fails before training starts.
     """
-    resolved = resolve(name)
+    resolved = resolve_optimizer(name)
     if galore is None and resolved.galore:
         raise ValueError(
             f"optimizer {name!r} runs in GaLore groups: pass galore=dict(target_modules=..., rank=...) "
@@ -123,7 +123,7 @@ def build(
             "lowmemopt optimizer factory called outside a transformers Trainer: pass args=TrainingArguments(...) "
             "to lowmemopt.integrations.transformers.optimizer()"
         )
-    cls = resolve(name).cls
+    cls = resolve_optimizer(name).cls
     ctor = {**from_training_args(cls, args, optimizer_kwargs), **optimizer_kwargs}
     weight_decay = ctor.pop("weight_decay", args.weight_decay)
     groups = param_groups(

@@ -56,7 +56,7 @@ class APOLLOAlgorithm(Algorithm):
         m, n = group.get(SHAPE, param.shape)  # the whole matrix's (param: a shard's local part, or the whole)
         rank = group[RANK]
         side = am.side_of(group["proj_type"], m, n)
-        low = am.low_rank_shape(side, param.shape[0], n, rank)  # (row-sharded: the local rows, side right)
+        low = am.projected_shape(side, param.shape[0], n, rank)  # (row-sharded: the local rows, side right)
         dims = (None, 1) if side == am.LEFT else (0, None)
         one = Slot(signed=False, quantize=False, shape=(1,), dims=(None,))
         slots = {
@@ -108,7 +108,7 @@ class APOLLOAlgorithm(Algorithm):
     ) -> torch.Tensor:
         """This step's whole projection: regenerated from the seed, or the SVD basis (refreshed when due, from the
         gathered gradient); fp32 values in the gradient's dtype."""
-        due, refreshes = am.refresh_due(step, group["update_proj_gap"])
+        due, refreshes = am.refresh_due_at(step, group["update_proj_gap"])
         m, n = group.get(SHAPE, g.shape)
         shape = am.projection_shape(side, m, n, group[RANK])
         if group["proj"] == "svd":
@@ -136,12 +136,14 @@ def _project(
 ) -> tuple[torch.Tensor, Reduction]:
     """The projected gradient of ``g`` (a row shard: side left sums over the shards)."""
     if not reduce.distributed:
-        return am.project(g, proj, side), LOCAL
+        return am.apply_projection(g, proj, side), LOCAL
     row0, rows = row_block(reduce, "APOLLO")
     if side == am.RIGHT:
         m = reduce.shape[0]
-        return am.project(g, proj, side), ShardedReduction(reduce.mesh, reduce.placements, torch.Size((m, rank)))
-    low = am.project(g, proj[row0 : row0 + rows], side)
+        return am.apply_projection(g, proj, side), ShardedReduction(
+            reduce.mesh, reduce.placements, torch.Size((m, rank))
+        )
+    low = am.apply_projection(g, proj[row0 : row0 + rows], side)
     reduce.sum_over(low, 0)
     return low, LOCAL
 

@@ -21,10 +21,10 @@ __all__ = [
     "side_of",
     "svd_projection",
     "lapack_layout",
-    "project",
+    "apply_projection",
     "scaling_factor",
     "limit_norm_growth",
-    "refresh_due",
+    "refresh_due_at",
 ]
 
 LEFT, RIGHT = 0, 1  # R = P^T G (P: m x r) | R = G P^T (P: r x n)
@@ -48,7 +48,7 @@ def projection_seed(first: int, refresh: int) -> int:
     return chain[refresh - 1]
 
 
-def refresh_due(step: int, gap: int) -> tuple[bool, int]:
+def refresh_due_at(step: int, gap: int) -> tuple[bool, int]:
     """(is ``step`` (1-based) a refresh, refreshes so far): where ``step - 1`` is a multiple of ``gap``."""
     return (step - 1) % gap == 0, (step - 1) // gap + 1
 
@@ -68,7 +68,7 @@ def projection_shape(side: int, m: int, n: int, rank: int) -> tuple[int, int]:
     return (m, rank) if side == LEFT else (rank, n)
 
 
-def low_rank_shape(side: int, m: int, n: int, rank: int) -> tuple[int, int]:
+def projected_shape(side: int, m: int, n: int, rank: int) -> tuple[int, int]:
     """The projected gradient's (and the moments') shape: ``(rank, n)`` (left) or ``(m, rank)`` (right)."""
     return (rank, n) if side == LEFT else (m, rank)
 
@@ -93,7 +93,7 @@ def lapack_layout(proj: torch.Tensor) -> torch.Tensor:
     return proj.t().contiguous().t()
 
 
-def project(g: torch.Tensor, proj: torch.Tensor, side: int) -> torch.Tensor:
+def apply_projection(g: torch.Tensor, proj: torch.Tensor, side: int) -> torch.Tensor:
     """``P^T G`` (left) or ``G P^T`` (right)."""
     return torch.matmul(proj.t(), g) if side == LEFT else torch.matmul(g, proj.t())
 
@@ -131,7 +131,7 @@ def check_factor_shape(shape: Any, side: int, rank: int, scale_type: str) -> str
         return None
     m, n = shape
     norm_dim = 0 if m < n else 1
-    low = low_rank_shape(side, m, n, rank)
+    low = projected_shape(side, m, n, rank)
     length = low[1 - norm_dim]
     want = n if norm_dim == 0 else m
     if length in (want, 1):

@@ -31,7 +31,7 @@ __all__ = [
     "BATCH_NUMEL",
     "BATCH_ON_CPU",
     "batches",
-    "project",
+    "project_gradients",
     "stand_ins",
     "finish_many",
     "fused_apply",
@@ -89,7 +89,8 @@ def _chunks(members: list[Item], numel: int) -> list[list[Item]]:
 
 @dataclass(eq=False)
 class ProjectLayout:
-    """How :func:`project` takes its items: ``alone``, ``chunks`` (a batched product each), their buffer offsets."""
+    """How :func:`project_gradients` takes its items: ``alone``, ``chunks`` (a batched product each), their buffer
+    offsets."""
 
     alone: list[Item] = field(default_factory=list)
     chunks: list[tuple[list[Item], int, torch.dtype | None]] = field(default_factory=list)  # (items, side, dtype)
@@ -138,7 +139,7 @@ def _project_layout(items: list[Item]) -> ProjectLayout:
     return layout
 
 
-def project(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLayout:
+def project_gradients(items: list[Item], layout: ProjectLayout | None = None) -> ProjectLayout:
     """Each item's ``grad`` becomes its low-rank gradient, one ``torch.bmm`` per chunk on CUDA, else galore-torch's
     product per matrix. Returns the layout, which a later call with the same items may take back.
     """
@@ -390,7 +391,8 @@ def finish_many(
     """:func:`.apply.finish` for items whose target holds the low-rank update: on CUDA one batched product back and one
     multi-tensor pass (:mod:`lowmemopt.kernels.unproject`) per shape class (equal to the per-matrix sums within fp32
     rounding), elsewhere one by one. ``flags``: device finiteness flags (a skipped item is left as it is);
-    ``projected``, ``stand``: this step's layouts of :func:`project` and :func:`stand_ins`. Returns the layout.
+    ``projected``, ``stand``: this step's layouts of :func:`project_gradients` and :func:`stand_ins`. Returns the
+    layout.
     """
     if layout is None:
         layout = _finish_layout(items)

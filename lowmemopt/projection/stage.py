@@ -11,7 +11,7 @@ import torch
 
 from ..pipeline.plan import Plan
 from .apply import finish
-from .batched import finish_many, give_back, project, stand_ins
+from .batched import finish_many, give_back, project_gradients, stand_ins
 from .checks import check_group, check_group_values, check_low_rank_state, group_values_valid
 from .gather import gather, regather
 from .refresh import refresh_due
@@ -42,7 +42,7 @@ class GaLoreStage:
     gather = staticmethod(gather)
     regather = staticmethod(regather)
     refresh_due = staticmethod(refresh_due)
-    project_gradients = staticmethod(project)
+    project_gradients = staticmethod(project_gradients)
     runs_on_stand_in = staticmethod(runs_on_stand_in)
     make_stand_ins = staticmethod(stand_ins)
     weight_statistics = staticmethod(weight_statistics)
