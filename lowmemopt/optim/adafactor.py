@@ -95,15 +95,16 @@ def factored_shapes(shape: torch.Size) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(shape[:-1]), tuple(shape[:-2]) + (shape[-1],)
 
 
-def factored_slots(shape: torch.Size, prefix: str) -> dict[str, Slot]:
+def factored_slots(shape: torch.Size, *prefixes: str) -> dict[str, Slot]:
     """fp32 row (``<prefix>_row``, the mean over the last dim) and column (``<prefix>_col``, over dim -2) statistic
-    slots of a parameter of >= 2 dims, each dim tagged with the parameter dim it runs along."""
+    slots of a parameter of >= 2 dims for each of ``prefixes``, each dim tagged with the parameter dim it runs along."""
     row, col = factored_shapes(shape)
     n = len(shape)
-    return {
-        prefix + "_row": Slot(signed=False, quantize=False, shape=row, dims=tuple(range(n - 1))),
-        prefix + "_col": Slot(signed=False, quantize=False, shape=col, dims=tuple(range(n - 2)) + (n - 1,)),
-    }
+    slots = {}
+    for prefix in prefixes:
+        slots[prefix + "_row"] = Slot(signed=False, quantize=False, shape=row, dims=tuple(range(n - 1)))
+        slots[prefix + "_col"] = Slot(signed=False, quantize=False, shape=col, dims=tuple(range(n - 2)) + (n - 1,))
+    return slots
 
 
 def step_size(

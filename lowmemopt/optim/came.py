@@ -81,8 +81,7 @@ class CAMEAlgorithm(Algorithm):
     def slots(self, group, param):
         slots = {"exp_avg": Slot(signed=True)}
         if param.dim() >= 2:
-            slots.update(factored_slots(param.shape, "exp_avg_sq"))
-            slots.update(factored_slots(param.shape, "exp_avg_res"))
+            slots.update(factored_slots(param.shape, "exp_avg_sq", "exp_avg_res"))
         else:
             slots["exp_avg_sq"] = Slot(signed=False)
         return slots
