@@ -1,16 +1,15 @@
 """``lowmemopt demo`` on an idle and on a loaded machine: wall and CPU time under each OpenMP wait policy, and CAME
 8-bit's step against AdamW 8-bit's on the demo LLaMA, paired.
 
-    cd /tmp && python /path/to/lowmemopt/bench/demo_load.py                     # demo, idle and loaded, both policies
+    cd /tmp && python /path/to/lowmemopt/bench/demo_load.py                     # demo, idle and loaded, each policy
     cd /tmp && python /path/to/lowmemopt/bench/demo_load.py --part step --rounds 16
 
-``--part demo``: runs ``lowmemopt demo --steps N --optimizers adamw8bit,came8bit`` in a fresh process per run, with
-``OMP_WAIT_POLICY`` as the demo sets it (``PASSIVE``) and as libgomp's default (the variable set empty: idle threads
-spin, then sleep), idle and beside ``--busy`` processes that each keep one core busy (default: one per core), the
-policies alternating, ``--repeat`` times. Wall time, and the demo process's own CPU time (user + system, from its
-``wait4`` rusage: the busy processes are not counted). ``--part step``: CAME 8-bit and AdamW 8-bit on the parameters of
-the demo's LLaMA (``lowmemopt.demo.LLAMA_BYTES``), fixed gradients, stepped alternately, ``--rounds`` rounds of 5 steps
-each; the median of the per-round ratios of wall time. Prints Markdown tables.
+``--part demo``: runs ``lowmemopt demo --steps N --optimizers LIST`` in a fresh process per run under each of
+:data:`POLICIES` (OpenMP's waiting), idle and beside ``--busy`` processes that each keep one core busy (default: one
+per core), the policies alternating, ``--repeat`` times. Wall time, and the demo process's own CPU time (user +
+system, from its ``wait4`` rusage: the busy processes are not counted). ``--part step``: CAME 8-bit and AdamW 8-bit
+on the parameters of the demo's LLaMA (``lowmemopt.demo.LLAMA_BYTES``), fixed gradients, stepped alternately,
+``--rounds`` rounds of 5 steps each; the median of the per-round ratios of wall time. Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -23,7 +22,14 @@ import sys
 import tempfile
 import time
 
-POLICIES = (("PASSIVE (the demo's)", "PASSIVE"), ("libgomp's default (unset)", ""))
+#: (label, the OpenMP variables of the run; None: unset): the demo's own choice, sleep at once, libgomp's default
+#: (spin ~300k rounds, then sleep), a short spin (GOMP_SPINCOUNT: the rounds a waiting thread spins before it sleeps)
+POLICIES = (
+    ("the demo's choice (by the load it finds)", {"OMP_WAIT_POLICY": None}),
+    ("`OMP_WAIT_POLICY=PASSIVE`", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ("libgomp's default (unset)", {"OMP_WAIT_POLICY": ""}),
+    ("`GOMP_SPINCOUNT=20000`", {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "20000"}),
+)
 
 
 def busy(n: int) -> list[subprocess.Popen]:
@@ -31,12 +37,13 @@ def busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def run_demo(steps: int, policy: str, out: str) -> tuple[float, float]:
-    """``(wall s, CPU s)`` of one ``lowmemopt demo`` run with ``OMP_WAIT_POLICY=policy``."""
-    env = {**os.environ, "OMP_WAIT_POLICY": policy}
+def run_demo(steps: int, optimizers: str, policy: dict[str, str], out: str) -> tuple[float, float]:
+    """``(wall s, CPU s)`` of one ``lowmemopt demo`` run with the OpenMP variables ``policy``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", *policy)}
+    env |= {k: v for k, v in policy.items() if v is not None}
     cmd = [sys.executable, "-c", "import sys; from lowmemopt.cli import main; sys.exit(main(sys.argv[1:]))"]
     cmd += ["demo", "--steps", str(steps)]
-    cmd += ["--optimizers", "adamw8bit,came8bit", "--out", out]
+    cmd += ["--optimizers", optimizers, "--out", out]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -46,26 +53,26 @@ def run_demo(steps: int, policy: str, out: str) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
-def demo_table(steps: int, repeat: int, loads: list[int]) -> None:
+def demo_table(steps: int, optimizers: str, repeat: int, loads: list[int], policies=POLICIES) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for load in loads:
-            times: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in POLICIES}
+            times: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in policies}
             for r in range(repeat):
                 hogs = busy(load)
                 try:
-                    for label, policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
-                        times[label].append(run_demo(steps, policy, out))
+                    for label, policy in policies if r % 2 == 0 else policies[::-1]:
+                        times[label].append(run_demo(steps, optimizers, policy, out))
                 finally:
                     for h in hogs:
                         h.kill()
                         h.wait()
-            for label, _ in POLICIES:
+            for label, _ in policies:
                 walls = ", ".join(f"{w:.0f} s" for w, _ in times[label])
                 cpus = ", ".join(f"{c:.0f} s" for _, c in times[label])
                 rows.append(f"| {'idle' if not load else f'{load} busy processes'} | {label} | {walls} | {cpus} |")
-    print(f"\n`lowmemopt demo --steps {steps} --optimizers adamw8bit,came8bit`, {os.cpu_count()} CPUs\n")
-    print("| machine | `OMP_WAIT_POLICY` | wall time | CPU time (the demo's) |\n| --- | --- | --- | --- |")
+    print(f"\n`lowmemopt demo --steps {steps} --optimizers {optimizers}`, {os.cpu_count()} CPUs\n")
+    print("| machine | OpenMP's waiting | wall time | CPU time (the demo's) |\n| --- | --- | --- | --- |")
     print("\n".join(rows))
 
 
@@ -112,13 +119,16 @@ def step_table(rounds: int, steps: int = 5) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=["demo", "step", "both"], default="both")
-    ap.add_argument("--steps", type=int, default=20, help="demo training steps per optimizer (default 20)")
-    ap.add_argument("--repeat", type=int, default=2, help="demo runs per policy and load (default 2)")
+    ap.add_argument("--policies", default="", help="comma-separated indices into POLICIES (default: all)")
+    ap.add_argument("--steps", type=int, default=100, help="demo training steps per optimizer (default 100)")
+    ap.add_argument("--optimizers", default="adamw,adamw8bit,came8bit,galore_came8bit", help="the demo's (default)")
+    ap.add_argument("--repeat", type=int, default=1, help="demo runs per policy and load (default 1)")
     ap.add_argument("--busy", type=int, default=os.cpu_count(), help="busy processes of the loaded runs")
     ap.add_argument("--rounds", type=int, default=16, help="paired rounds of the step ratio (default 16)")
     args = ap.parse_args()
     if args.part in ("demo", "both"):
-        demo_table(args.steps, args.repeat, [0, args.busy])
+        chosen = [POLICIES[int(i)] for i in args.policies.split(",")] if args.policies else POLICIES
+        demo_table(args.steps, args.optimizers, args.repeat, [0, args.busy], chosen)
     if args.part in ("step", "both"):
         step_table(args.rounds)
 

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from typing import Any, Callable, Sequence
 
 from .estimate import add_estimate
@@ -109,13 +110,39 @@ def _add_demo(subparsers: Any) -> None:
     p.set_defaults(func=_demo)
 
 
-def _passive_openmp() -> None:
-    """``OMP_WAIT_POLICY=PASSIVE`` for this process unless the user chose a policy, before torch (and its OpenMP
-    runtime, which the native kernels share) is loaded: by default idle OpenMP threads spin, and on a machine busy
-    with other work the demo then took 6.7-9x the wall time and 6-7x the CPU time (docs/cpu_kernels.md, "A busy
-    machine"). Too late once torch is imported: then nothing is changed."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def _others_running(samples: int = 5, gap: float = 0.01) -> float:
+    """How many other threads are running or waiting for a core now: the median over ``samples`` reads of Linux's
+    ``procs_running`` less this process's own one (elsewhere the 1-minute load average)."""
+    try:
+        counts = []
+        for i in range(samples):
+            with open("/proc/stat") as f:
+                line = next(x for x in f if x.startswith("procs_running"))
+            counts.append(int(line.split()[1]) - 1)
+            if i + 1 < samples:
+                time.sleep(gap)
+        return float(sorted(counts)[len(counts) // 2])
+    except (OSError, StopIteration, ValueError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def _openmp_wait_policy() -> str | None:
+    """Unless the user chose a policy, and before torch (and its OpenMP runtime, which the native kernels share) is
+    loaded: ``OMP_WAIT_POLICY=PASSIVE`` where other work leaves fewer free cores than the threads torch will run, else
+    libgomp's default. Idle OpenMP threads spin before they sleep: on an idle machine that saves a wake-up per parallel
+    region (the 100-step demo: 23 s against 40 s passive), on a busy one each region then waits for its threads to be
+    scheduled (220 s against 49 s). Returns the policy set (None: none; also once torch is imported)."""
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ:
+        return None
+    cores = os.cpu_count() or 1
+    try:
+        threads = min(cores, max(1, int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0] or cores)))
+    except ValueError:
+        threads = cores
+    if cores - _others_running() >= threads - 0.5:  # a free core for every thread: spinning pays
+        return None
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "PASSIVE"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -128,7 +155,7 @@ def _demo(args: argparse.Namespace) -> int:
         )
         return 1
     quiet_import_noise()
-    _passive_openmp()
+    _openmp_wait_policy()
     import torch
 
     from .. import demo

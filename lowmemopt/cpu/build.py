@@ -31,7 +31,7 @@ __all__ = [
     "source_key",
 ]
 
-ABI_VERSION = 17  # must equal LMO_ABI_VERSION in csrc/lmo.h
+ABI_VERSION = 18  # must equal LMO_ABI_VERSION in csrc/lmo.h
 #: the kernels' instruction sets, best first: name -> (LMO_ISA in csrc/lmo.h, extra compiler flags, CPU flags needed)
 ISAS: dict[str, tuple[int, tuple[str, ...], frozenset[str]]] = {
     "avx512": (2, ("-DLMO_ISA=2",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),

@@ -41,8 +41,13 @@ NSEG = 16  # LMO_NSEG
 CHECK = 4  # lmo_fact.flags: the step checks its gradient in pass 1
 
 #: what :func:`step` did: nothing (the caller runs the eager path; state untouched), the step, or (``check=True``)
-#: nothing because the gradient's fp32 sum of squares is not finite
-NOT_APPLIED, STEPPED, SKIPPED = 0, 1, 2
+#: nothing because the gradient's fp32 sum of squares is not finite; (inside :func:`step_bucket`) left to its one call
+NOT_APPLIED, STEPPED, SKIPPED, DEFERRED = 0, 1, 2, 3
+#: a bucket's matrices below this many elements step one per thread in one call (``lmo_factored_steps``): a matrix's
+#: own parallel region pays a wake-up at each pass's barrier, more than a second thread saves below ~1M elements
+#: under ``OMP_WAIT_POLICY=PASSIVE`` (docs/cpu_kernels.md, "A busy machine")
+ALONE_NUMEL = 1 << 20
+KINDS = {"lmo_adafactor_step": 0, "lmo_came_step": 1}  # lmo_factored_steps' kinds
 
 
 class Fact(ctypes.Structure):
@@ -134,17 +139,25 @@ class _Pass:
             setattr(self.f, k, addr)
             addr += 4 * int(self.f.R if k.startswith("r") else self.f.C)
 
-    def run_checked(self, name: str, check: bool) -> int:
+    def run_checked(self, name: str, check: bool, memo: dict | None = None) -> int:
         """Call step kernel ``name``; with ``check``, let its pass 1 check the gradient (:data:`SKIPPED`: it was not
-        finite, and nothing was written)."""
-        if not check:
-            self.call(name)
-            return STEPPED
-        result = ctypes.c_double(0.0)
-        self.f.result = ctypes.addressof(result)
-        self.f.flags |= CHECK
+        finite, and nothing was written). A matrix of fewer than :data:`ALONE_NUMEL` elements in a :func:`step_bucket`
+        (``memo["deferred"]``) is :data:`DEFERRED` to that bucket's one call instead."""
+        self.result = None
+        if check:
+            self.result = ctypes.c_double(0.0)
+            self.f.result = ctypes.addressof(self.result)
+            self.f.flags |= CHECK
+        deferred = None if memo is None else memo.get("deferred")
+        if deferred is not None and self.f.R * self.f.C < ALONE_NUMEL:
+            deferred.append((self, name))
+            return DEFERRED
         self.call(name)
-        return STEPPED if math.isfinite(result.value) else SKIPPED
+        return self.outcome()
+
+    def outcome(self) -> int:
+        """:data:`STEPPED`, or :data:`SKIPPED` where the step's check found its gradient not finite."""
+        return STEPPED if self.result is None or math.isfinite(self.result.value) else SKIPPED
 
 
 def _slot(memo: dict, make: Callable[..., ffi.Slot], *tensors: Any) -> ffi.Slot:
@@ -234,7 +247,7 @@ def _adafactor(p, pflat, gflat, state, record, step, decay, weight, grad_mult, c
         f.h[4], f.h[6] = float(-wd * alpha), float(alpha)
     if wd != 0:
         f.flags |= 1
-    return run.run_checked("lmo_adafactor_step", check)
+    return run.run_checked("lmo_adafactor_step", check, memo)
 
 
 def _came(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check, memo) -> int:
@@ -261,7 +274,7 @@ def _came(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check,
     f.h[5], f.h[6], f.h[7], f.h[8] = hyper["clip_threshold"], float(lr), eps2, beta3
     if hyper["weight_decay"] != 0:
         f.flags, f.h[4] = 1, float(-hyper["weight_decay"] * lr)
-    return run.run_checked("lmo_came_step", check)
+    return run.run_checked("lmo_came_step", check, memo)
 
 
 def _adafactor_torch(p, pflat, gflat, state, record, step, decay, weight, grad_mult, check, memo) -> int:
@@ -351,8 +364,10 @@ def step_bucket(
     its step count advanced, or :data:`SKIPPED`: nothing written). ``update_for(item, step)``: the item's bucket's
     :class:`~lowmemopt.work.items.Update`, asked once per bucket and step count; ``grad_mult``: loss scaling. The
     library and the code books' kernel slots are looked up once per call."""
-    memo: dict = {}
+    deferred: list[tuple[_Pass, str]] = []
+    memo: dict = {"deferred": deferred}
     out: list[int] = []
+    waiting: list[tuple[int, dict, int]] = []  # (index in out, state, step count) of the deferred steps
     up = None
     for it in items:
         state, target = it.state, it.target
@@ -363,7 +378,39 @@ def step_bucket(
         outcome = native.run(target, flat, grad, state, up.record, count, up.decay, None, grad_mult, True, memo)
         if outcome == NOT_APPLIED:
             break
-        if outcome == STEPPED:
+        if outcome == DEFERRED:
+            waiting.append((len(out), state, count))
+        elif outcome == STEPPED:
             state["step"] = count
         out.append(outcome)
+    if deferred:
+        outcomes, error = _run_deferred(deferred)
+        for (k, state, count), outcome in zip(waiting, outcomes):
+            out[k] = outcome
+            if outcome == STEPPED:
+                state["step"] = count
+        if error is not None:
+            raise error
     return out
+
+
+def _run_deferred(deferred: list[tuple[_Pass, str]]) -> tuple[list[int], RuntimeError | None]:
+    """The deferred steps of a bucket in one ``lmo_factored_steps`` call (one alone: its own call, its threads):
+    their outcomes in order, and the error of the first one the kernel refused (it wrote nothing; None: none)."""
+    if len(deferred) == 1:
+        run, name = deferred[0]
+        run.call(name)
+        return [run.outcome()], None
+    n = len(deferred)
+    lib = deferred[0][0].lib
+    structs = (ctypes.POINTER(Fact) * n)(*(ctypes.pointer(run.f) for run, _ in deferred))
+    kinds = (ctypes.c_int32 * n)(*(KINDS[name] for _, name in deferred))
+    rcs = (ctypes.c_int32 * n)()
+    fn = lib.lmo_factored_steps
+    rc = fn(structs, kinds, rcs, ctypes.c_int64(n), ctypes.c_int32(torch.get_num_threads()))
+    if rc != 0:
+        raise ffi.rejected(fn, rc)
+    outcomes = [run.outcome() if code == 0 else NOT_APPLIED for (run, _), code in zip(deferred, rcs)]
+    refused = next((i for i, code in enumerate(rcs) if code != 0), None)
+    error = None if refused is None else ffi.rejected(getattr(lib, deferred[refused][1]), rcs[refused])
+    return outcomes, error

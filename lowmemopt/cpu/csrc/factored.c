@@ -441,6 +441,24 @@ int lmo_came_step(const lmo_fact *f) {
     }
 }
 
+/* Steps n parameters in one parallel region of nthreads threads, each parameter on one thread (the parameters shared
+ * out dynamically; kinds[i]: 0 lmo_adafactor_step, 1 lmo_came_step; rcs[i]: its return code). A bucket's small
+ * matrices take this call: one parameter's own region pays a thread wake-up at each of its passes' barriers, which
+ * under OMP_WAIT_POLICY=PASSIVE costs more than a second thread saves below ~1M elements (docs/cpu_kernels.md). Each
+ * step is the same as alone: its results do not depend on the thread count. */
+int lmo_factored_steps(lmo_fact *const *fs, const int32_t *kinds, int32_t *rcs, int64_t n, int32_t nthreads) {
+    int64_t i;
+    int nt = nthreads < 1 ? 1 : nthreads;
+    if (n < 0) return LMO_EBADARG;
+    if (nt > n) nt = n > 0 ? (int)n : 1;
+    for (i = 0; i < n; i++) fs[i]->nthreads = 1; /* a team of one inside (a nested region would get one anyway) */
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+#endif
+    for (i = 0; i < n; i++) rcs[i] = kinds[i] ? lmo_came_step(fs[i]) : lmo_adafactor_step(fs[i]);
+    return LMO_OK;
+}
+
 /* ------------------------------------------------------------------------------------------------------------------ */
 /* Adafactor with torch.optim.Adafactor's semantics (lowmemopt.optim.adafactor.adafactor_torch_math), no first moment,
  * bit for bit: the caller takes every reduction in torch, as torch does (their summation orders are torch's), and

@@ -43,7 +43,7 @@
 #include <omp.h>
 #endif
 
-#define LMO_ABI_VERSION 17
+#define LMO_ABI_VERSION 18
 #define LMO_MAX_BS 4096   /* largest block size a row buffer holds */
 #define LMO_MAX_SLOTS 4
 
@@ -153,6 +153,7 @@ int lmo_encode(const lmo_args *a);
 int lmo_decode(const lmo_args *a);
 int lmo_adafactor_step(const lmo_fact *f);
 int lmo_came_step(const lmo_fact *f);
+int lmo_factored_steps(lmo_fact *const *fs, const int32_t *kinds, int32_t *rcs, int64_t n, int32_t nthreads);
 int lmo_adafactor_torch_u(const lmo_fact *f);
 int lmo_adafactor_torch_apply(const lmo_fact *f);
 
