@@ -31,14 +31,18 @@ import time
 
 import torch
 
-#: (label, registry name, state_bits, GaLore / APOLLO rank): the paper's rows, then lowmemopt's cheaper settings
+#: (label, registry name, state_bits, GaLore / APOLLO rank[, GaLore group keys]): the paper's rows, then lowmemopt's
+#: cheaper settings
 ROWS = [
     ("AdamW 32-bit", "adamw", 32, None),
     ("AdamW 8-bit", "adamw", 8, None),
     ("GaLore-AdamW 8-bit, rank 1024", "galore_adamw_8bit", 8, 1024),
     ("APOLLO-Mini 8-bit (rank 1)", "apolloadamw", 8, 1),
     ("Adafactor", "adafactor", 32, None),
+    ("GaLore-AdamW 8-bit, rank 1024, 8-bit bases", "galore_adamw_8bit", 8, 1024, dict(proj_bits=8)),
+    ("GaLore-AdamW 8-bit, rank 1024, 4-bit bases", "galore_adamw_8bit", 8, 1024, dict(proj_bits=4)),
     ("GaLore-AdamW 4-bit, rank 1024", "galore_adamw_8bit", 4, 1024),
+    ("GaLore-AdamW 4-bit, rank 1024, 4-bit bases", "galore_adamw_8bit", 4, 1024, dict(proj_bits=4)),
     ("GaLore-AdamW 8-bit, rank 512", "galore_adamw_8bit", 8, 512),
     ("CAME 8-bit", "came", 8, None),
     ("AdamW 4-bit", "adamw", 4, None),
@@ -78,7 +82,7 @@ def run(quick: bool = False) -> list[dict]:
             "| peak | peak (GB) | traced in |"
         )
         print("| --- |" + " ---: |" * 9)
-        for label, name, bits, rank in rows:
+        for label, name, bits, rank, *keys in rows:
             t = trace_step(
                 config,
                 name,
@@ -90,6 +94,7 @@ def run(quick: bool = False) -> list[dict]:
                 galore_target_modules=["attn", "mlp"],
                 checkpointing=True,
                 per_layer=True,
+                **(keys[0] if keys else {}),
             )
             parts = [
                 t.at_peak[k]
@@ -110,6 +115,7 @@ def run(quick: bool = False) -> list[dict]:
                     optimizer=name,
                     state_bits=bits,
                     rank=rank,
+                    proj_bits=(keys[0] if keys else {}).get("proj_bits", 32),
                     peak=t.peak,
                     at_peak=t.at_peak,
                     seconds=t.seconds,

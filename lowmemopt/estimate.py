@@ -16,6 +16,7 @@ import torch
 
 from .model_presets import missing_config_message, preset
 from .pipeline import PAGE_BUCKET_BYTES
+from .projection.checks import GROUP_DEFAULTS
 from .registry import instantiate, model_params, needs_process_group, resolve_optimizer
 
 __all__ = [
@@ -41,6 +42,8 @@ DTYPES = {
 }
 SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+#: GaLore's group keys, which ``optimizer_kwargs`` may hold for the GaLore groups (``proj_bits=8``)
+GALORE_GROUP_KEYS = frozenset(GROUP_DEFAULTS)
 #: device-resident batches of state when paged: the one updating, the next arriving, the last being written back
 PAGED_IN_FLIGHT = 3
 
@@ -200,25 +203,31 @@ def _optimizer_for(
 ) -> torch.optim.Optimizer:
     """The optimizer ``optimizer`` names, on ``model``'s parameters (GaLore groups for a ``galore_rank``, the class's
     own groups otherwise; meta copies for a class that needs a process group), no state yet."""
+    import lowmemopt
+
     resolved = resolve_optimizer(optimizer)
     named = list(model.named_parameters())
     optimizer_kwargs = dict(optimizer_kwargs)
     if galore_rank is not None:
-        import lowmemopt
-
         if not hasattr(lowmemopt, "galore_param_groups"):
             raise NotImplementedError("GaLore is not available in this version of lowmemopt (no galore_param_groups)")
         if issubclass(resolved.cls, lowmemopt.APOLLOAdamW):  # APOLLO's groups; rank 1: APOLLO-Mini's tensor scale
             params: Any = lowmemopt.apollo_param_groups(
                 model, galore_rank, galore_target_modules, scale_type="tensor" if galore_rank == 1 else "channel"
             )
-        else:
-            params = lowmemopt.galore_param_groups(model, target_modules=galore_target_modules, rank=galore_rank)
+        else:  # GaLore's group keys among the keywords (proj_bits, ...) go to its groups
+            keys = {k: optimizer_kwargs.pop(k) for k in list(optimizer_kwargs) if k in GALORE_GROUP_KEYS}
+            params = lowmemopt.galore_param_groups(
+                model, target_modules=galore_target_modules, rank=galore_rank, **keys
+            )
     elif getattr(resolved.cls, "named_groups", False):  # (Adam-mini: its blocks by name, heads from the config)
         params = [(n, p) for n, p in named if p.requires_grad]
         optimizer_kwargs = {**resolved.cls.model_keywords(getattr(model, "config", None)), **optimizer_kwargs}
     else:
         params = model_params(resolved.cls, model)  # (Muon: its hidden matrices and the rest)
+    if galore_rank is None or issubclass(resolved.cls, lowmemopt.APOLLOAdamW):
+        for k in GALORE_GROUP_KEYS:  # (no basis to store: GaLore's own keys say nothing here)
+            optimizer_kwargs.pop(k, None)
     if needs_process_group(resolved.cls):  # built on meta copies: a layout, without a process group
         params = _on_meta(params)
     try:

@@ -3,7 +3,7 @@ and the hooks torch's ``state_dict`` / ``load_state_dict`` run. Saving adds ``lo
 DTensor parameter's state as DTensors; loading converts each parameter's saved state to this optimizer's formats
 (:func:`~lowmemopt.quant.convert.convert_param_state`) *before* torch changes anything, so a state that cannot be
 converted raises and leaves the optimizer as it was, and keeps this optimizer's storage options
-(:data:`STORAGE_DEFAULTS`), not the checkpoint's."""
+(:data:`KEPT_ON_LOAD`), not the checkpoint's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from . import paging, rounding
 from .checks import torch_scalars
 from .distributed.sharding import local_tensor, localize_state, present_state, presented_params
-from .projection.projector import projector_problem, split_projector_state
+from .projection.projector import projector_at, projector_problem, split_projector_state
 from .quant.convert import CheckpointError, check_loaded_group, convert_param_state, foreign_state_hint
 
 #: a :class:`~lowmemopt.optimizer.LowMemOptimizer` (not imported: that module imports this one)
@@ -24,6 +24,7 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_FORMATS",
     "STORAGE_DEFAULTS",
+    "KEPT_ON_LOAD",
     "load_state_dict_post_hook",
     "load_state_dict_pre_hook",
     "state_dict_post_hook",
@@ -46,6 +47,9 @@ STORAGE_DEFAULTS = dict(
     bf16_update="nearest",
     capturable=False,
 )
+#: the group keys a loaded state dict or file does not change (stored state converts to them instead): the storage
+#: options and GaLore's ``proj_bits``
+KEPT_ON_LOAD = frozenset(STORAGE_DEFAULTS) | {"proj_bits"}
 
 
 def state_dict_pre_hook(optimizer: LowMemOptimizer) -> None:
@@ -93,7 +97,7 @@ def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, A
     try:
         for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
             target = dict(group)  # hyper-parameters as torch will load them; storage options stay this optimizer's
-            target.update({k: v for k, v in saved.items() if k != "params" and k not in STORAGE_DEFAULTS})
+            target.update({k: v for k, v in saved.items() if k != "params" and k not in KEPT_ON_LOAD})
             check_loaded_group(optimizer._check_group, target, f"load_state_dict: param group {gi}'s hyper-parameters")
             for i, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 id_map[key] = p
@@ -113,7 +117,7 @@ def load_state_dict_pre_hook(optimizer: LowMemOptimizer, state_dict: dict[str, A
     staged = paging.stage(optimizer, [(id_map[k], targets[k], st) for k, st in converted.items()])
     converted = {k: staged.get(id_map[k], st) for k, st in converted.items()}
     state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in converted}
-    storage = [{k: g[k] for k in STORAGE_DEFAULTS if k in g} for g in groups]
+    storage = [{k: g[k] for k in KEPT_ON_LOAD if k in g} for g in groups]
     optimizer._load_stash = (converted, id_map, storage)
     return state_dict
 
@@ -149,7 +153,8 @@ def _convert_state(
     legacy_maps: bool,
 ) -> dict[str, Any]:
     """One parameter's state dict entry in this optimizer's formats (:func:`convert_param_state`); a GaLore projector
-    (``galore.*``: fp32 bases and ints) is checked against the group and kept, as are bf16_update's entries."""
+    (``galore.*``: bases and ints) is checked against the group and kept, its bases at the group's ``proj_bits``, as
+    are bf16_update's entries."""
     value = {k: v for k, v in value.items() if v is not None}  # torch.optim may store None buffers
     if not value:
         return {}
@@ -158,7 +163,7 @@ def _convert_state(
     if problem:
         raise CheckpointError(f"{where}: {problem}")
     rounding_state, value = rounding.split_state(value)  # bf16_update: a seed, a Kahan buffer; kept as they are
-    kept = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in projector.items()}  # fp32: no copy
+    kept = projector_at(projector, target, p.shape) if projector else {}  # at the group's proj_bits
     kept.update(rounding_state)
     return convert_param_state(
         value,

@@ -109,6 +109,8 @@ def print_traced_steps(
         f"One training step, batch {args.batch} x {args.seq} tokens, {how}; traced on fake tensors "
         f"({seconds:.1f} s). The peak, and what is live at that moment:"
     )
+    if getattr(args, "proj_bits", None) is not None:
+        print(f"GaLore's bases stored at {args.proj_bits} bits (--proj-bits)")
     fits_head = f" fits in {format_bytes(budget)} less {format_bytes(margin)} |" if budget is not None else ""
     print("| optimizer | state | GaLore | " + " | ".join(parts) + f" | peak |{fits_head}")
     print("| --- | --- | --- |" + " ---: |" * (len(parts) + 1) + (" --- |" if budget is not None else ""))

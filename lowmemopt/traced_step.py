@@ -13,6 +13,8 @@ real and measures it the same way (``tests/test_estimate_traced.py`` compares th
 
 from __future__ import annotations
 
+import math
+
 import time
 import warnings
 from typing import Any, Mapping, NamedTuple
@@ -102,7 +104,13 @@ def step_workspace(
             full = rows * n * (4 + (0 if narrow is None else torch.finfo(narrow).bits // 8))
             kk = min(m, n)
             svd = copy + (m * kk + kk * n + kk) * 4 if refresh else 0
-            one = max(low_bytes + full + copy, svd)
+            # proj_bits < 32: the basis decoded to fp32 for the products (one matrix's at a time)
+            basis = (
+                0
+                if group.get("proj_bits", 32) == 32
+                else sum(map(math.prod, pj.basis_shapes(m, n, k, side).values())) * 4
+            )
+            one = max(low_bytes + full + copy, svd) + basis
         if per_layer:
             held[p] = one
         low_total += low_bytes

@@ -901,7 +901,7 @@ def test_galore_param_groups_errors():
     with pytest.raises(
         TypeError,
         match=r"'update_proj_gab': did you mean 'update_proj_gap'\? its GaLore options are "
-        r"rank, update_proj_gap, scale, proj_type, weight_decay, proj_dtype, "
+        r"rank, update_proj_gap, scale, proj_type, weight_decay, proj_bits, proj_dtype, "
         r"proj_moments, proj_stagger, proj_svd \(",
     ):
         lowmemopt.galore_param_groups(model, "all-linear", rank=4, update_proj_gab=50)

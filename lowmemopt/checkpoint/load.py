@@ -4,6 +4,7 @@ it streams, swapped in at the end (:func:`load_state`)."""
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any, Callable
 
@@ -13,6 +14,8 @@ from .. import paging, rounding
 from ..distributed.files import rank_path
 from ..distributed.sharding import local_tensor
 from ..optimizer import LowMemOptimizer
+from ..projection import projector as pj
+from ..projection import storage
 from ..quant.convert import (
     CheckpointError,
     Reader,
@@ -126,8 +129,13 @@ def _allocate(plan: LoadPlan) -> dict[str, Any]:
         return {}
     state: dict[str, Any] = {"step": plan.entry["step"]}
     device = torch.device("meta") if paging.tier_of(plan.group) else plan.param.device
-    for key, value in plan.entry.get("projector", {}).items():  # GaLore: ints as they are, fp32 bases to fill
-        state[key] = torch.zeros(value, dtype=torch.float32, device=device) if isinstance(value, list) else value
+    projector = plan.entry.get("projector", {})
+    for key, value in projector.items():  # GaLore: ints as they are, bases to fill at the group's proj_bits
+        if not isinstance(value, list):
+            state[key] = value
+    if projector:
+        for key, shape in _basis_shapes(plan).items():
+            storage.init_basis(state, key, shape, plan.group.get("proj_bits", 32), device)
     kahan_dtype = plan.param.dtype if plan.param.dtype in rounding.DTYPES else torch.bfloat16
     for key, value in plan.entry.get("bf16_update", {}).items():  # a seed; a Kahan buffer to fill (the param's dtype)
         state[key] = torch.zeros(value, dtype=kahan_dtype, device=device) if isinstance(value, list) else value
@@ -175,13 +183,40 @@ def _read_param(f, plan: LoadPlan, state: dict[str, Any], crcs, path, release, c
         if src is not dst or remap:
             where = f" ({src_map} map)" if remap else ""
             converted.append(f"{plan.name}/{name}: {src.name}{where} -> {dst.name}")
-    for key, value in list(entry.get("projector", {}).items()) + list(entry.get("bf16_update", {}).items()):
+    projector = entry.get("projector", {})
+    shapes = _basis_shapes(plan) if projector else {}
+    # a basis the file stores at another proj_bits than the group's: read, then converted
+    other = {k for b in shapes if not _same_format(projector, state, b) for k in projector if k.startswith(b + ".")}
+    other |= {b for b in shapes if not _same_format(projector, state, b) and b in projector}
+    saved: dict[str, Any] = {}
+    for key, value in list(projector.items()) + list(entry.get("bf16_update", {}).items()):
         if isinstance(value, list):
             fkey = f"{plan.name}/{key}"
             source = _FileTensor(f.get_tensor(fkey), fkey, crcs[fkey], path, release)
             read = _checked_reader({key: source}, True, f"{path}: parameter '{plan.name}'")
-            state[key].view(-1).copy_(read(key, 0, state[key].numel()))
+            if key in other:
+                saved[key] = read(key, 0, math.prod(value)).view(value).clone()
+            else:
+                state[key].view(-1).copy_(read(key, 0, state[key].numel()))
             source.finish()
+    for key, shape in shapes.items():
+        if not _same_format(projector, state, key):
+            storage.encode_basis(state, key, storage.decode_basis(saved, key, shape).to(device))
+            converted.append(
+                f"{plan.name}/{key}: proj_bits {storage.stored_bits(saved, key)} -> {storage.stored_bits(state, key)}"
+            )
+
+
+def _same_format(projector: dict[str, Any], state: dict[str, Any], key: str) -> bool:
+    """Is basis ``key`` stored under the same keys in the file's ``projector`` entry and in ``state`` (fp32 and bf16
+    share theirs: copied, rounded, as they are)?"""
+    return (key in projector) == (key in state) and all(k in projector for k in state if k.startswith(key + "."))
+
+
+def _basis_shapes(plan: LoadPlan) -> dict[str, tuple[int, int]]:
+    """The shapes of a GaLore parameter's bases (:func:`~lowmemopt.projection.projector.basis_shapes`)."""
+    m, n = pj.matrix_shape(plan.param.shape)
+    return pj.basis_shapes(m, n, plan.group["rank"], plan.entry["projector"][pj.SIDE])
 
 
 def _checked_reader(sources: dict[str, _FileTensor], signed: bool, where: str) -> Reader:

@@ -118,11 +118,12 @@ def _save_entry(optimizer: LowMemOptimizer, name: str, g: int, p: torch.Tensor, 
         for key, t in rounding_state.items():
             if isinstance(t, torch.Tensor):
                 tensors[f"{name}/{key}"] = t.detach().cpu().contiguous()
-    if projector:  # GaLore: fp32 bases as tensors, the ints in the metadata
+    if projector:  # GaLore: bases as tensors (fp32, or 8 / 4-bit codes and scales), the ints in the metadata
         entry["projector"] = {k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in projector.items()}
         for key, t in projector.items():
             if isinstance(t, torch.Tensor):
-                tensors[f"{name}/{key}"] = t.detach().float().cpu().contiguous()
+                t = t.detach()
+                tensors[f"{name}/{key}"] = (t.float() if t.is_floating_point() else t).cpu().contiguous()
     for slot_name, slot in slots.items():
         if not any(k in state for k in (slot_name, slot_name + ".codes", slot_name + ".nibbles")):
             raise CheckpointError(f"{where}: its state has no slot '{slot_name}'")

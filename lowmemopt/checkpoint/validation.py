@@ -12,7 +12,8 @@ import torch
 
 from .. import aliases, optim
 from ..distributed.sharding import local_tensor, shard_layout
-from ..optimizer import STORAGE_DEFAULTS, LowMemOptimizer
+from ..optimizer import LowMemOptimizer
+from ..state_dicts import KEPT_ON_LOAD
 from ..projection.projector import projector_problem
 from ..quant import q4
 from ..quant.blockwise import num_blocks
@@ -121,8 +122,9 @@ def validated_meta(f: StateFile, path: str) -> dict[str, Any]:
                 else:
                     expected[f"{name}/{slot}"] = (DTYPES[fmt], list(info["shape"]))
             for key, value in entry.get("projector", {}).items():
-                if isinstance(value, list):
-                    expected[f"{name}/{key}"] = ("F32", [int(d) for d in value])
+                if isinstance(value, list):  # a basis: fp32, or codes (uint8) and their fp32 scales
+                    dtype = "U8" if key.endswith((".codes", ".nibbles")) else "F32"
+                    expected[f"{name}/{key}"] = (dtype, [int(d) for d in value])
                 elif isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"projector entry {key!r}: {value!r}")
             for key, value in entry.get("bf16_update", {}).items():  # a seed; a Kahan buffer (the param's dtype)
@@ -165,7 +167,7 @@ def from_json(value: Any, current: Any) -> Any:
 
 
 def restorable(key: str, value: Any) -> bool:
-    return key != "params" and key not in STORAGE_DEFAULTS and not (isinstance(value, dict) and "__repr__" in value)
+    return key != "params" and key not in KEPT_ON_LOAD and not (isinstance(value, dict) and "__repr__" in value)
 
 
 class LoadPlan(NamedTuple):

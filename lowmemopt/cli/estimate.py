@@ -53,6 +53,12 @@ def add_estimate(subparsers: Any) -> None:
     )
     p.add_argument("--galore-rank", type=int, metavar="R", help="also estimate GaLore with rank R")
     p.add_argument(
+        "--proj-bits",
+        type=int,
+        choices=[32, 16, 8, 4],
+        help="with --galore-rank: GaLore's bases stored at 32 (default), 16, 8 or 4 bits (the group key proj_bits)",
+    )
+    p.add_argument(
         "--galore-target",
         default="all-linear",
         metavar="MODULES",
@@ -117,6 +123,8 @@ def _estimate(args: argparse.Namespace) -> int:
         problem = missing_config_message(args.config)
     if problem is None and args.galore_rank is not None and args.galore_rank < 1:
         problem = f"--galore-rank must be >= 1, got {args.galore_rank}"
+    if problem is None and args.proj_bits is not None and args.galore_rank is None:
+        problem = "--proj-bits sets how GaLore's bases are stored: give --galore-rank R too"
     traced = args.measure or args.batch is not None or args.seq is not None
     if problem is None and traced:
         problem = _step_problem(args)
@@ -144,6 +152,8 @@ def _estimate(args: argparse.Namespace) -> int:
         opt_kwargs = dict(_key_value(kv) for kv in args.opt_arg)
         if args.bf16_update:
             opt_kwargs["bf16_update"] = args.bf16_update
+        if args.proj_bits is not None:
+            opt_kwargs["proj_bits"] = args.proj_bits
         config = found[1] if found else args.config
         dtype, dtype_note = args.dtype, ""
         if dtype is None:
@@ -224,6 +234,8 @@ def _estimate(args: argparse.Namespace) -> int:
         "weights and gradients"
     )
     fits_head = f" fits in {format_bytes(budget)} less {format_bytes(margin)} |" if budget is not None else ""
+    if args.proj_bits is not None:
+        print(f"GaLore's bases stored at {args.proj_bits} bits (--proj-bits)")
     print(f"| optimizer | state | GaLore | weights | grads | optimizer state | total |{fits_head}")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |" + (" --- |" if budget is not None else ""))
     for r in rows:

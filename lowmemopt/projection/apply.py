@@ -49,9 +49,10 @@ def finish(
         p32 = p2d.to(math_dtype(p2d.dtype))  # fp32 (float64) params: p itself
     rows = m_local if p32.is_cuda else max(1, CHUNK_NUMEL // max(n, 1))
     scale = group["scale"]
+    basis = pj.decoded(state, it.extra["shapes"])  # (proj_bits < 32: decoded once for the row blocks)
     for r0 in range(0, m_local, rows):
         r1 = min(m_local, r0 + rows)
-        update = pj.project_back_rows(delta, state, r0, r1, row0, it.extra["dtype"]).to(p32.dtype).mul_(scale)
+        update = pj.project_back_rows(delta, basis, r0, r1, row0, it.extra["dtype"]).to(p32.dtype).mul_(scale)
         if math_decay is not None:
             _decay_rows(p32[r0:r1], math_decay)
         plan.algorithm.apply_update(p32[r0:r1], update, alpha, decay, group)

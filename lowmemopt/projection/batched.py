@@ -22,6 +22,7 @@ import torch
 from ..quant.formats import math_dtype
 from ..work.items import Item
 from . import projector as pj
+from . import storage
 from .apply import _decay_rows, finish
 
 if TYPE_CHECKING:
@@ -120,11 +121,12 @@ def _project_layout(items: list[Item]) -> ProjectLayout:
     for it in items:
         g, dtype = it.extra["g"], it.extra["dtype"]
         if it.extra["shards"] is None and batches(g) and it.state[pj.SIDE] != pj.BOTH:
-            key = (g.device, tuple(g.shape), it.state[pj.SIDE], tuple(it.state[pj.PROJ].shape), dtype)
+            bits = storage.stored_bits(it.state, pj.PROJ)
+            key = (g.device, tuple(g.shape), it.state[pj.SIDE], it.extra["shapes"][pj.PROJ], dtype, bits)
             classes.setdefault(key, []).append(it)
         else:
             layout.alone.append(it)
-    for (_, shape, side, proj, dtype), members in classes.items():
+    for (_, shape, side, proj, dtype, _), members in classes.items():
         m, n = shape
         low = proj[0] * n if side == pj.LEFT else m * proj[1]  # P^T G (r x n) or G Q^T (m x r)
         for chunk in _chunks(members, m * n):
@@ -147,10 +149,11 @@ def project_gradients(items: list[Item], layout: ProjectLayout | None = None) ->
         layout = _project_layout(items)
     for it in layout.alone:
         g, shards, dtype = it.extra["g"], it.extra["shards"], it.extra["dtype"]
+        basis = pj.decoded(it.state, it.extra["shapes"])
         if shards is None:
-            low = pj.project(g.float() if dtype is None else g, it.state, dtype).to(math_dtype(dtype))
+            low = pj.project(g.float() if dtype is None else g, basis, dtype).to(math_dtype(dtype))
         else:
-            low = shards.project(g.float(), it.state, pj.bases)
+            low = shards.project(g.float(), basis, pj.bases)
         it.grad = low.contiguous()
     if not layout.chunks:
         return layout
@@ -164,9 +167,8 @@ def project_gradients(items: list[Item], layout: ProjectLayout | None = None) ->
     for k, ((chunk, side, dtype), (out, views)) in enumerate(zip(layout.chunks, layout.outs)):
         first = chunk[0]
         if len(chunk) == 1:
-            out[0].copy_(
-                pj.project(first.extra["g"].float() if dtype is None else first.extra["g"], first.state, dtype)
-            )
+            basis = pj.decoded(first.state, first.extra["shapes"])
+            out[0].copy_(pj.project(first.extra["g"].float() if dtype is None else first.extra["g"], basis, dtype))
             layout.bases.append(None)
         else:
             g = stacked([it.extra["g"] for it in chunk], dtype or torch.float32)  # one cast for the chunk
@@ -192,27 +194,43 @@ def _carve_outputs(layout: ProjectLayout) -> None:
         first = chunk[0]
         buffer = layout.scratch[-1 if dtype == torch.float64 else 0].tensor
         m, n = first.extra["g"].shape
-        r = first.state[pj.PROJ].shape[0] if side == pj.LEFT else first.state[pj.PROJ].shape[1]
+        proj = first.extra["shapes"][pj.PROJ]
+        r = proj[0] if side == pj.LEFT else proj[1]
         shape = (len(chunk), r, n) if side == pj.LEFT else (len(chunk), m, r)
         out = buffer[offset : offset + math.prod(shape)].view(shape)
         layout.outs.append((out, out.unbind(0)))
 
 
 def _stacked_bases(layout: ProjectLayout, k: int, chunk: list[Item], dtype: torch.dtype) -> torch.Tensor:
-    """The bases of chunk ``k`` stacked in ``dtype``: one stack where they are stored in it, else cast into a buffer
-    of the layout (:class:`Scratch`) through views made once."""
-    bases = [it.state[pj.PROJ] for it in chunk]
-    if bases[0].dtype == dtype:
-        return torch.stack(bases)
+    """The bases of chunk ``k`` stacked in ``dtype``: one stack where they are stored in it, else cast (or decoded,
+    ``proj_bits`` 8 or 4) into a buffer of the layout (:class:`Scratch`) through views made once."""
+    dense = chunk[0].state.get(pj.PROJ)
+    if dense is not None and dense.dtype == dtype:
+        return torch.stack([it.state[pj.PROJ] for it in chunk])
     made = layout.cast_bases.get(k)
     if made is None:
-        scratch = Scratch(len(bases) * bases[0].numel(), dtype, bases[0].device)
-        stack = scratch.tensor.view(len(bases), *bases[0].shape)
+        shape = chunk[0].extra["shapes"][pj.PROJ]
+        scratch = Scratch(len(chunk) * math.prod(shape), dtype, chunk[0].extra["g"].device)
+        stack = scratch.tensor.view(len(chunk), *shape)
         made = layout.cast_bases[k] = (scratch, list(stack.unbind(0)), stack)
     scratch, views, stack = made
     scratch.take()
-    torch._foreach_copy_(views, bases)
+    if dense is not None:
+        torch._foreach_copy_(views, [it.state[pj.PROJ] for it in chunk])
+    else:
+        for it, view in zip(chunk, views):
+            storage.decode_basis_into(it.state, pj.PROJ, view)
     return stack
+
+
+def _bases_of(chunk: list[Item], dtype: torch.dtype) -> torch.Tensor:
+    """The bases of ``chunk`` stacked in ``dtype`` (a stacked copy; decoded where stored at 8 or 4 bits)."""
+    if pj.PROJ in chunk[0].state:
+        return stacked([it.state[pj.PROJ] for it in chunk], dtype)
+    out = torch.empty((len(chunk), *chunk[0].extra["shapes"][pj.PROJ]), dtype=dtype, device=chunk[0].param.device)
+    for it, view in zip(chunk, out.unbind(0)):
+        storage.decode_basis_into(it.state, pj.PROJ, view)
+    return out
 
 
 @dataclass(eq=False)
@@ -351,14 +369,15 @@ def _finish_layout(items: list[Item]) -> FinishLayout:
                 p.dtype,
                 tuple(p.shape),
                 it.state[pj.SIDE],
-                tuple(it.state[pj.PROJ].shape),
+                it.extra["shapes"][pj.PROJ],
+                storage.stored_bits(it.state, pj.PROJ),
                 id(it.extra["outer"]),
                 it.extra["dtype"],
             )
             classes.setdefault(key, []).append(it)
         else:
             layout.alone.append(it)
-    for (device, p_dtype, shape, side, _, _, dtype), members in classes.items():
+    for (device, p_dtype, shape, side, _, _, _, dtype), members in classes.items():
         apply = fused_apply(device, p_dtype)
         m, n = members[0].extra["m_local"], members[0].extra["n"]
         for chunk in _chunks(members, math.prod(shape)):
@@ -407,13 +426,14 @@ def finish_many(
             continue
         target = dtype or torch.float32  # proj_dtype="param": bf16 products
         if len(chunk) == 1:  # one product, no stacked copies (a per-layer hook's matrix, a class of one)
-            basis, low = first.state[pj.PROJ].to(target).t(), first.target.to(target)
+            basis = pj.decoded(first.state, first.extra["shapes"])[pj.PROJ].to(target).t()
+            low = first.target.to(target)
             update = (basis @ low if side == pj.LEFT else low @ basis).unsqueeze(0)
         else:
             same = layout.same[k] if projected is not None else None
             basis = projected.bases[same] if same is not None else None
             if basis is None:
-                basis = stacked([it.state[pj.PROJ] for it in chunk], target)
+                basis = _bases_of(chunk, target)
             basis = basis.transpose(1, 2)  # P (m x k) or Q (k x n)
             low = _targets(chunk, target, stand)
             update = torch.bmm(basis, low) if side == pj.LEFT else torch.bmm(low, basis)

@@ -13,6 +13,7 @@ from ..pipeline.fits import check_kahan, check_slots, where
 from ..pipeline.plan import Plan
 from ..rounding import KAHAN
 from . import projector as pj
+from . import storage
 from .state import projected_slots
 
 __all__ = [
@@ -32,6 +33,7 @@ GROUP_DEFAULTS: dict[str, Any] = dict(
     proj_moments="keep",
     proj_stagger=False,
     proj_dtype="param",
+    proj_bits=32,
 )
 SVD_METHODS = ("full", "randomized")
 MOMENT_POLICIES = ("keep", "reset", "project")
@@ -81,6 +83,9 @@ def check_values(group: dict[str, Any]) -> None:
         raise TypeError(f"Invalid proj_stagger: expected a bool, got {type(group['proj_stagger']).__name__}")
     if group["proj_dtype"] not in PROJ_DTYPES:
         raise ValueError(f"Invalid proj_dtype: {group['proj_dtype']!r} (expected one of {', '.join(PROJ_DTYPES)})")
+    bits = group["proj_bits"]
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in storage.PROJ_BITS:
+        raise ValueError(f"Invalid proj_bits: {bits!r} (expected one of {', '.join(map(str, storage.PROJ_BITS))})")
 
 
 def group_values_valid(group: dict[str, Any]) -> bool:
@@ -124,6 +129,14 @@ def check_low_rank_state(plan: Plan, p: torch.Tensor, group: dict[str, Any], sta
                 f"{tuple(basis.shape)} does not fit the parameter's shape {tuple(p.shape)} ({m} x {n} as a matrix). "
                 "Was the parameter's .data replaced by a tensor of another shape? The state was left as it was: reset "
                 "this parameter's state (del optimizer.state[p]) or give the parameter its shape back"
+            )
+    if proj is None:  # stored at 8 or 4 bits: the codes' sizes
+        problem = pj.projector_problem(pj.split_projector_state(state)[0], group, p.shape)
+        if problem is not None:
+            raise ValueError(
+                f"{owner}: the GaLore state of {where(plan, p)} does not fit the parameter's shape {tuple(p.shape)} "
+                f"at rank={group['rank']}: {problem}. Was the parameter's .data replaced, or the group's rank changed? "
+                "The state was left as it was: reset this parameter's state (del optimizer.state[p])"
             )
     k = None if not isinstance(proj, torch.Tensor) else proj.shape[1] if side == pj.RIGHT else proj.shape[0]
     if k is not None and k != min(group["rank"], m, n):

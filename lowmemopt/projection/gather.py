@@ -12,6 +12,7 @@ from ..distributed.galore import row_shards
 from ..pipeline.plan import Plan, unscaled
 from ..work.items import Item
 from . import projector as pj
+from . import storage
 from .checks import GROUP_DEFAULTS
 from .refresh import refresh_basis
 from .state import init_projected_state, projected_slots
@@ -67,6 +68,10 @@ def gather(
         state["step"] += 1  # inner math's row / column means over an empty side would store NaN statistics)
         return None
 
+    shapes = pj.basis_shapes(m, n, group["rank"], state[pj.SIDE])
+    bits = group.get("proj_bits", 32)
+    if not storage.stored_at(state, pj.PROJ, bits):  # proj_bits changed since the basis was stored
+        storage.store_at(state, shapes, bits)
     shards = row_shards(p, grad, m, n, state[pj.SIDE], group["rank"])  # a DTensor: its rows (distributed.galore)
     if shards is not None:  # bf16_update changed since: the ranks make the seed together
         rounding.init_state(state, shards.param, plan.record_of(group).rounding, shards.param_reduce.agree)
@@ -101,6 +106,7 @@ def gather(
             core=core,
             math_decay=None,
             dtype=None if shards is not None else proj_dtype(group, p),
+            shapes=shapes,
         ),
     )
 

@@ -13,7 +13,7 @@ from .checks import check_group
 
 __all__ = ["galore_param_groups"]
 
-_EXTRA_KEYS = {"proj_svd", "proj_moments", "proj_stagger", "proj_dtype"}
+_EXTRA_KEYS = {"proj_svd", "proj_moments", "proj_stagger", "proj_dtype", "proj_bits"}
 
 
 def _matches(target: str | Sequence[str], name: str) -> tuple[bool, bool]:
@@ -49,9 +49,9 @@ def galore_param_groups(
     a number sets it on the projected group and on the other parameters of >= 2 dims, and sets 0.0 on the 1-D ones
     (biases, norm weights), as the Trainer does for its decay / no-decay split.
 
-    ``projection``: other GaLore group keys (``proj_svd``, ``proj_moments``, ``proj_stagger``, ``proj_dtype``; see
-    :mod:`lowmemopt.projection.checks`). Frozen parameters (``requires_grad=False``) are left out; a parameter shared by
-    several modules appears once.
+    ``projection``: other GaLore group keys (``proj_svd``, ``proj_moments``, ``proj_stagger``, ``proj_dtype``,
+    ``proj_bits``; see :mod:`lowmemopt.projection.checks`). Frozen parameters (``requires_grad=False``) are left out;
+    a parameter shared by several modules appears once.
     """
     if isinstance(target_modules, str):
         all_linear = target_modules.replace("_", "-") == "all-linear"

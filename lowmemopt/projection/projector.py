@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from .._stacklevel import external_stacklevel
+from ..quant.formats import FORMATS
+from . import storage
 from .basis import randomized_svd_basis, svd_basis
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "choose_side",
     "low_rank_shape",
     "init_projector",
+    "decoded",
     "bases",
     "project",
     "project_back_rows",
@@ -85,18 +88,33 @@ def basis_shapes(m: int, n: int, rank: int, side: int) -> dict[str, tuple[int, i
     return {PROJ: (k, m), PROJ_RIGHT: (n, k)}
 
 
-def init_projector(state: dict[str, Any], m: int, n: int, rank: int, side: int, device: torch.device) -> None:
-    """Add an empty projector (zero basis, refresh due at step 0) to a parameter's state."""
+def init_projector(
+    state: dict[str, Any], m: int, n: int, rank: int, side: int, device: torch.device, bits: int = 32
+) -> None:
+    """Add an empty projector (zero basis stored at ``bits``: :mod:`.storage`, refresh due at step 0) to a
+    parameter's state."""
     for key, shape in basis_shapes(m, n, rank, side).items():
-        state[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+        storage.init_basis(state, key, shape, bits, device)
     state[SIDE] = side
     state[NEXT_REFRESH] = 0
     state[REFRESHED_AT] = -1
 
 
+def decoded(state: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """A projector whose bases (of ``shapes``: :func:`basis_shapes`) are fp32 tensors, for :func:`bases`: ``state``
+    itself where they are stored so, else the side and decoded copies (``proj_bits`` < 32)."""
+    first = state.get(PROJ)
+    if first is not None and first.dtype == torch.float32:
+        return state
+    out: dict[str, Any] = {SIDE: state[SIDE]}
+    for key, shape in shapes.items():
+        out[key] = storage.decode_basis(state, key, shape)
+    return out
+
+
 def bases(state: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(P, Q)``: the left basis (m x k) and the right basis (k x n) as views of the stored tensors (None: that side
-    is not projected)."""
+    """``(P, Q)``: the left basis (m x k) and the right basis (k x n) as views of the fp32 bases of ``state`` (stored
+    so, or :func:`decoded`; None: that side is not projected)."""
     side = state[SIDE]
     if side == LEFT:
         return state[PROJ].t(), None
@@ -195,15 +213,32 @@ def split_projector_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return projector, {k: v for k, v in state.items() if not k.startswith("galore.")}
 
 
+def projector_at(projector: dict[str, Any], group: dict[str, Any], shape: torch.Size) -> dict[str, Any]:
+    """A copy of ``projector`` (one that :func:`projector_problem` takes) with its bases stored at ``group``'s
+    ``proj_bits``: those stored otherwise are converted (fp32 <-> bf16 <-> 8 / 4-bit), the rest kept as they are."""
+    m, n = matrix_shape(shape)
+    out = dict(projector)
+    storage.store_at(out, basis_shapes(m, n, group["rank"], out[SIDE]), group.get("proj_bits", 32))
+    return out
+
+
+def _stored_keys(key: str) -> tuple[str, ...]:
+    """Every key basis ``key`` may be stored under (:mod:`.storage`)."""
+    return tuple(dict.fromkeys(k for f in FORMATS.values() for k in f.keys(key)))
+
+
+_STORED_KEYS = frozenset(k for key in PROJECTOR_TENSORS for k in _stored_keys(key))
+
+
 def projector_problem(projector: dict[str, Any], group: dict[str, Any], shape: torch.Size) -> str | None:
-    """Why ``projector`` (a parameter's ``galore.*`` state, tensors or ``(dtype, shape)`` descriptions) cannot be the
-    projector of a parameter of ``shape`` in ``group`` (None: it can). Tensors are described by their shape only."""
+    """Why ``projector`` (a parameter's ``galore.*`` state, tensors or shape descriptions) cannot be the projector of
+    a parameter of ``shape`` in ``group`` (None: it can). Its bases may be stored at any ``proj_bits``."""
     projected = group.get("rank") is not None
     if not projector:
         return "its param group has rank (GaLore) but the state has no projector" if projected else None
     if not projected:
         return f"the state has a GaLore projector ({sorted(projector)}) but its param group has no rank"
-    unknown = sorted(set(projector) - set(PROJECTOR_KEYS))
+    unknown = sorted(set(projector) - set(PROJECTOR_INTS) - _STORED_KEYS)
     if unknown:
         return f"unknown projector state {unknown}"
     for key in PROJECTOR_INTS:
@@ -218,15 +253,22 @@ def projector_problem(projector: dict[str, Any], group: dict[str, Any], shape: t
     got = {
         k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v)
         for k, v in projector.items()
-        if k in PROJECTOR_TENSORS
+        if k not in PROJECTOR_INTS
     }
-    if got != expected:
+    matched: set[str] = set()
+    for key, want in expected.items():
+        layouts = ({k: tuple(s) for k, (_, s) in storage.stored_entries(key, want, b).items()} for b in (32, 8, 4))
+        layout = next((lay for lay in layouts if all(got.get(k) == s for k, s in lay.items())), None)
+        if layout is None:
+            break
+        matched |= set(layout)
+    if len(matched) != len(got) or not matched:
         return (
             f"projector bases {got}, rank {group['rank']} on a {m}x{n} matrix (side {SIDE_NAMES[side]}) "
             f"needs {expected}"
         )
     for key in expected:
-        t = projector[key]
+        t = projector.get(key)
         if isinstance(t, torch.Tensor) and not t.is_floating_point():
             return f"projector basis '{key}' is {t.dtype}, expected float"
     return None

@@ -12,6 +12,7 @@ import torch
 from ..pipeline.plan import Plan
 from ..quant.formats import format_of
 from . import projector as pj
+from . import storage
 
 if TYPE_CHECKING:
     from ..quant.formats import Slot
@@ -41,10 +42,13 @@ def refresh_basis(
             return False
         state[pj.NEXT_REFRESH] = t + gap
         return True
-    if had_basis and group["proj_moments"] != "keep":
-        _carry_moments(state, slots, group, new)
+    bits = group.get("proj_bits", 32)
+    if had_basis and group["proj_moments"] != "keep":  # into the new basis as stored (rounded at proj_bits < 32)
+        m, n = pj.matrix_shape(p.shape)
+        old = pj.decoded(state, pj.basis_shapes(m, n, group["rank"], state[pj.SIDE]))
+        _carry_moments(state, old, slots, group, {k: storage.round_trip(v, bits) for k, v in new.items()})
     for key, value in new.items():
-        state[key].copy_(value)
+        storage.encode_basis(state, key, value)
     if not had_basis and group["proj_stagger"]:
         offset = _stagger_offset(plan, p, gap)
         state[pj.NEXT_REFRESH] = t + (offset if offset > 0 else gap)
@@ -54,15 +58,18 @@ def refresh_basis(
     return True
 
 
-def _carry_moments(state: dict, slots: dict[str, Slot], group: dict[str, Any], new: dict[str, torch.Tensor]) -> None:
-    """Apply the ``proj_moments`` policy ("reset" or "project") before the basis changes to ``new``."""
+def _carry_moments(
+    state: dict, old: dict, slots: dict[str, Slot], group: dict[str, Any], new: dict[str, torch.Tensor]
+) -> None:
+    """Apply the ``proj_moments`` policy ("reset" or "project") before the basis changes from ``old`` (the state's
+    projector with fp32 bases: :func:`~.projector.decoded`) to ``new``."""
     bs = group["block_size"]
     if group["proj_moments"] == "reset":
         for name in slots:
             for key in format_of(state, name).keys(name):
                 state[key].zero_()
         return
-    left, right = pj.change_of_basis(state, dict(new, **{pj.SIDE: state[pj.SIDE]}))
+    left, right = pj.change_of_basis(old, dict(new, **{pj.SIDE: state[pj.SIDE]}))
     for name, slot in slots.items():
         if not slot.signed:
             continue  # non-negative statistics have no linear change of basis

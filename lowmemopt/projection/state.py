@@ -80,5 +80,6 @@ def init_projected_state(
     state = init_state(
         p, plan.record_of(group), slots, plan.state[p], reduce=LOCAL if p.device.type == "meta" else reduction_of(p)
     )
-    pj.init_projector(state, m, n, group["rank"], pj.choose_side(group["proj_type"], m, n), p.device)
+    side = pj.choose_side(group["proj_type"], m, n)
+    pj.init_projector(state, m, n, group["rank"], side, p.device, group.get("proj_bits", 32))
     return state
