@@ -191,7 +191,7 @@ def case(fn):
 
 @case
 def train(ctx):
-    """Every run uninterrupted for 6 steps, the Trainer saving its checkpoints at steps 3 and 6."""
+    """Every run uninterrupted for 6 steps, the Trainer saving its checkpoint at step 3."""
     for name in runs():
         params = full_params(run_trainer(ctx, name, resume=False).model)
         if ctx.rank == 0:
@@ -224,8 +224,9 @@ def resume(ctx):
 
 
 def _muon_model() -> torch.nn.Sequential:
-    """Three Linear layers of distinct shapes; rows shard unevenly over 2 ranks (37 = 19 + 18, 11 = 6 + 5), and every
-    row holds a multiple of 16 elements, so 16-element blocks tile any row range as one process's do."""
+    """Three Linear layers of distinct shapes whose rows shard unevenly over 2 ranks (37 = 19 + 18, 11 = 6 + 5); every
+    weight shard holds a multiple of 16 elements (19 x 16, 16 x 37, 6 x 32...), so 16-element blocks tile it as one
+    process's blocks tile the whole weight."""
     torch.manual_seed(0)
     layers = [
         torch.nn.Linear(16, 37),
