@@ -446,6 +446,100 @@ def factored_8bit(ctx):
         compare(params, ref_params, what, rtol=1e-4, atol=1e-5)
 
 
+BATCHED = [
+    (lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1)),
+    (lowmemopt.LARS, dict(lr=1e-1, momentum=0.9, weight_decay=1e-3)),
+    (lowmemopt.Adafactor, dict(beta1=0.9)),
+    (lowmemopt.CAME, dict(lr=2e-3, weight_decay=0.01)),
+]
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "gather")
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """Count the calls of torch.distributed's collectives (by name) while active."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+@case
+def reductions_batched(ctx):
+    """A step's whole-tensor reductions go out in a number of collectives that does not grow with the parameter count
+    (8 and 64 FSDP2 parameters, uneven and empty shards), and the batched step equals the per-parameter one bit for bit
+    (parameters and state), and one process to fp32 tolerance."""
+    from lowmemopt.pipeline import per_param
+
+    def local(t, like):  # ``t``'s shard laid out like DTensor ``like``, made here (no communication)
+        return distribute_tensor(t, like.device_mesh, like.placements, src_data_rank=None)
+
+    def run(cls, kw, n, per_parameter):
+        shapes = [[(7, 5), (9, 3), (1, 6), (6,)][i % 4] for i in range(n)]
+        default = per_param.REDUCTION_BUCKET_STEPS
+        per_param.REDUCTION_BUCKET_STEPS = 1 if per_parameter else default
+        try:
+            tensors, tgts = full_params(shapes), targets(shapes)
+            _, params = fsdp_params(ctx, tensors)
+            ref_params = plain_params(tensors)
+            opt, ref_opt = cls(params, **kw), cls(ref_params, **kw)
+            for t in range(2):
+                for i, (p, r, tg) in enumerate(zip(params, ref_params, tgts)):
+                    r.grad = grad_for(r, tg, t, i)
+                    p.grad = local(r.grad, p)
+                if t == 0:
+                    opt.step()
+                else:
+                    with counting_collectives() as counts:
+                        opt.step()
+                ref_opt.step()
+        finally:
+            per_param.REDUCTION_BUCKET_STEPS = default
+        for i, (p, r) in enumerate(zip(params, ref_params)):
+            torch.testing.assert_close(
+                p.to_local(), local(r.detach(), p).to_local(), rtol=1e-5, atol=1e-6, msg=lambda m: f"param {i}: {m}"
+            )
+        return opt, params, counts["all_reduce"], sum(counts.values())
+
+    report = []
+    for cls, kw in BATCHED:
+        got = {}
+        for n in (8, 64):
+            what = f"{cls.__name__} {n} parameters"
+            opt, params, batched, total = run(cls, kw, n, False)
+            check(total == batched, f"{what}: collectives other than all_reduce in the step ({total} vs {batched})")
+            got[n] = batched
+            if n == 64 and cls is not lowmemopt.LAMB:
+                continue  # (the per-parameter path's count at 64: LAMB's shows that it grows)
+            old, old_params, got[n, "per parameter"], _ = run(cls, kw, n, True)
+            for i, (p, q) in enumerate(zip(params, old_params)):
+                check(torch.equal(p.to_local(), q.to_local()), f"{what}: param {i}: batched vs per-parameter differ")
+                mine, theirs = opt.state[p], old.state[q]
+                check(mine.keys() == theirs.keys(), f"{what}: param {i}: slots {sorted(mine)} vs {sorted(theirs)}")
+                for k, v in theirs.items():
+                    same = torch.equal(mine[k], v) if isinstance(v, torch.Tensor) else mine[k] == v
+                    check(same, f"{what}: param {i} {k}: batched vs per-parameter differ")
+        report.append(f"{cls.__name__}: {got}")
+        check(got[8] == got[64], f"{cls.__name__}: the batched count grows with the parameters: {got}")
+        if cls is lowmemopt.LAMB:
+            check(got[64, "per parameter"] > got[8, "per parameter"], f"the per-parameter count does not grow: {got}")
+    if ctx.rank == 0:
+        print("all_reduce calls per step: " + "; ".join(report), file=sys.stderr)
+
+
 FOUR_RANK_CASES = ["mesh_2d"]
 
 
