@@ -183,8 +183,12 @@ class ShardedReduction(Reduction):
         if base is not None:
             return base + lo
         box = self._local_box()
-        if box is None:  # a strided shard: local indices (its stochastic rounding differs from the one-process run's)
-            return lo
+        if box is None:  # a strided shard: the whole parameter's flat indices, cut as DTensor cuts the parameter
+            from torch.distributed.tensor import distribute_tensor
+
+            whole = torch.arange(self.shape.numel(), dtype=torch.int64, device=device).view(self.shape)
+            cut = distribute_tensor(whole, self.mesh, self.placements, src_data_rank=None).to_local()
+            return cut.reshape(-1)[lo : lo + n]
         local, offset = box
         flat = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
         index = torch.zeros_like(flat)
