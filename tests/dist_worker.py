@@ -487,10 +487,11 @@ def reductions_batched(ctx):
     def local(t, like):  # ``t``'s shard laid out like DTensor ``like``, made here (no communication)
         return distribute_tensor(t, like.device_mesh, like.placements, src_data_rank=None)
 
-    def run(cls, kw, n, per_parameter):
+    def run(cls, kw, n, per_parameter, bucket_numel=per_param.REDUCTION_BUCKET_NUMEL):
         shapes = [[(7, 5), (9, 3), (1, 6), (6,)][i % 4] for i in range(n)]
-        default = per_param.REDUCTION_BUCKET_STEPS
+        default, default_numel = per_param.REDUCTION_BUCKET_STEPS, per_param.REDUCTION_BUCKET_NUMEL
         per_param.REDUCTION_BUCKET_STEPS = 1 if per_parameter else default
+        per_param.REDUCTION_BUCKET_NUMEL = bucket_numel
         try:
             tensors, tgts = full_params(shapes), targets(shapes)
             _, params = fsdp_params(ctx, tensors)
@@ -507,7 +508,7 @@ def reductions_batched(ctx):
                         opt.step()
                 ref_opt.step()
         finally:
-            per_param.REDUCTION_BUCKET_STEPS = default
+            per_param.REDUCTION_BUCKET_STEPS, per_param.REDUCTION_BUCKET_NUMEL = default, default_numel
         for i, (p, r) in enumerate(zip(params, ref_params)):
             torch.testing.assert_close(
                 p.to_local(), local(r.detach(), p).to_local(), rtol=1e-5, atol=1e-6, msg=lambda m: f"param {i}: {m}"
@@ -525,6 +526,8 @@ def reductions_batched(ctx):
             if n == 64 and cls is not lowmemopt.LAMB:
                 continue  # (the per-parameter path's count at 64: LAMB's shows that it grows)
             old, old_params, got[n, "per parameter"], _ = run(cls, kw, n, True)
+            if n == 8:
+                per_parameter_params = old_params
             for i, (p, q) in enumerate(zip(params, old_params)):
                 check(torch.equal(p.to_local(), q.to_local()), f"{what}: param {i}: batched vs per-parameter differ")
                 mine, theirs = opt.state[p], old.state[q]
@@ -532,6 +535,11 @@ def reductions_batched(ctx):
                 for k, v in theirs.items():
                     same = torch.equal(mine[k], v) if isinstance(v, torch.Tensor) else mine[k] == v
                     check(same, f"{what}: param {i} {k}: batched vs per-parameter differ")
+        if cls is lowmemopt.LAMB:  # buckets of ~2 parameters (uneven shards: the same buckets on both ranks)
+            small, small_params, got["buckets of 40"], _ = run(cls, kw, 8, False, bucket_numel=40)
+            for i, (p, q) in enumerate(zip(small_params, per_parameter_params)):
+                check(torch.equal(p.to_local(), q.to_local()), f"{cls.__name__} buckets of 40: param {i} differs")
+            check(got[8] < got["buckets of 40"] < got[8, "per parameter"], f"buckets of 40: {got}")
         report.append(f"{cls.__name__}: {got}")
         check(got[8] == got[64], f"{cls.__name__}: the batched count grows with the parameters: {got}")
         if cls is lowmemopt.LAMB:

@@ -18,7 +18,7 @@ import torch
 
 from .. import rounding
 from ..cpu import factored
-from ..distributed.sharding import is_dtensor, local_tensor, local_view
+from ..distributed.sharding import is_dtensor, local_view
 from ..work import Item, capture
 from ..work.items import LOW_RANK
 from ..work.record import BucketRecord
@@ -37,7 +37,7 @@ __all__ = [
 
 Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
 
-#: a bucket of sharded parameters whose reductions go out together holds at most this many local elements (its
+#: a bucket of sharded parameters whose reductions go out together holds at most this many elements per rank (its
 #: steps' decoded state and temporaries are alive at once) and this many parameters (a thread each)
 REDUCTION_BUCKET_NUMEL = 1 << 24
 REDUCTION_BUCKET_STEPS = 256
@@ -105,13 +105,13 @@ def batches_reductions(plan: Plan, p: torch.Tensor, record: BucketRecord) -> boo
 
 def step_batched(plan: Plan, todo: Todo, k: int, finite: list[bool | None]) -> int:
     """Step ``todo[k]`` and the finite parameters after it that :func:`batches_reductions` takes, up to
-    :data:`REDUCTION_BUCKET_NUMEL` local elements and :data:`REDUCTION_BUCKET_STEPS` parameters, as one bucket whose
+    :data:`REDUCTION_BUCKET_NUMEL` elements per rank and :data:`REDUCTION_BUCKET_STEPS` parameters, as one bucket whose
     whole-tensor reductions go out together (``plan.reductions``); returns the index after them. The results are
     those of :func:`step_param` on each in turn (docs/distributed.md#batched-reductions)."""
     run: Todo = []
     numel = 0
     for i, p, group in todo[k:]:
-        size = local_tensor(p).numel()
+        size = p.numel() // p.device_mesh.size()  # (the same on every rank: the buckets must be the same)
         if run and (
             not finite[i]
             or len(run) >= REDUCTION_BUCKET_STEPS
