@@ -21,6 +21,7 @@ from . import paging, pipeline
 from ._stacklevel import external_stacklevel
 from .checks import _lr_views_pre_hook, check_param, check_storage, check_torch_flags, torch_scalars
 from .distributed.reduction import LOCAL, Reduction
+from .distributed.rounds import ReductionRounds
 from .distributed.sharding import is_dtensor, local_tensor
 from .group_keys import GroupKeyWatch, check_new_group, group_keys_loaded, group_keys_pre_hook
 from .pipeline.algorithm import Algorithm, fused
@@ -211,6 +212,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             grad_mult,
             found_inf,
             communicate=self._communicate,
+            reductions=ReductionRounds(),
             defer_finite=DEFER_FINITE_CHECK,
             first_state=self._first_state,
             **mode,

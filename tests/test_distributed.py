@@ -66,3 +66,55 @@ def test_local_reduction_is_the_plain_torch_op():
 def test_rank_path():
     assert rank_path("ckpt/opt.safetensors", 1, 8) == "ckpt/opt.rank00001-of-00008.safetensors"
     assert rank_path("opt", 0, 2) == "opt.rank00000-of-00002"
+
+
+def test_reduction_rounds_take_turns_in_order():
+    """ReductionRounds (no process group: sums over no groups): each step runs alone up to its next sum, the steps in
+    order; a round per dependent sum; results in order; the caller's grad mode; tensors handed back in place."""
+    from lowmemopt.distributed.reduction import all_reduce
+    from lowmemopt.distributed.rounds import ReductionRounds
+
+    events = []
+
+    def step(k):
+        def run():
+            events.append((k, "start", torch.is_grad_enabled()))
+            t = torch.full((k + 1,), float(k))
+            for r in range(k):  # step k asks for k sums, each after the last
+                out = all_reduce(t, [])
+                assert out is t
+                events.append((k, r))
+            return t.sum().item()
+
+        return run
+
+    rounds = ReductionRounds()
+    with torch.no_grad():
+        results = rounds.run([step(k) for k in range(4)])
+    assert results == [0.0, 2.0, 6.0, 12.0]
+    assert rounds.rounds == 3
+    starts = [e for e in events if e[1] == "start"]
+    assert starts == [(k, "start", False) for k in range(4)]
+    # round by round, each step's part runs whole and in order: the starts, then step 1..3's first sums, ...
+    assert [e[0] for e in events] == [0, 1, 2, 3, 1, 2, 3, 2, 3, 3]
+
+
+def test_reduction_rounds_raise_the_first_error():
+    """A failing step: its error is raised, the others stop at their next sum (nothing hangs)."""
+    from lowmemopt.distributed.reduction import all_reduce
+    from lowmemopt.distributed.rounds import ReductionRounds
+
+    done = []
+
+    def ok():
+        for _ in range(3):
+            all_reduce(torch.zeros(2), [])
+        done.append(True)
+
+    def bad():
+        all_reduce(torch.zeros(1), [])
+        raise ValueError("bad step")
+
+    with pytest.raises(ValueError, match="bad step"):
+        ReductionRounds().run([ok, bad, ok])
+    assert not done

@@ -1,17 +1,34 @@
 """Whole-tensor reductions of the optimizer math (LAMB/LARS norms, Adafactor/CAME means and RMS) for tensors a
 process may hold a shard of: :data:`LOCAL` is the single-process torch call, bit for bit; :class:`ShardedReduction`
 sums local partials over the mesh dims that shard the reduced parameter dims and divides by the global size.
-``pdim`` names the parameter dim a tensor's ``dim`` runs along. Docs: docs/distributed.md#whole-tensor-reductions.
+``pdim`` names the parameter dim a tensor's ``dim`` runs along; :func:`all_reduce` is where every sum goes out (in a
+step that :class:`~.rounds.ReductionRounds` runs, in its next round). Docs: docs/distributed.md#whole-tensor-reductions.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Reduction", "ShardedReduction", "LOCAL", "is_shard", "contiguous_strides"]
+__all__ = ["Reduction", "ShardedReduction", "LOCAL", "is_shard", "contiguous_strides", "all_reduce", "ROUND"]
+
+#: the calling thread's reduction rounds: ``ROUND.rounds`` is set inside the steps a
+#: :class:`~.rounds.ReductionRounds` runs (their sums wait for its next round), absent elsewhere
+ROUND = threading.local()
+
+
+def all_reduce(t: torch.Tensor, groups: Sequence, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``t`` all-reduced in place with ``op`` over each of ``groups`` in turn; returns ``t``. Inside a step that
+    :class:`~.rounds.ReductionRounds` runs, it waits for the round that reduces every waiting step's tensors at once."""
+    rounds = getattr(ROUND, "rounds", None)
+    if rounds is not None:
+        return rounds.wait(t, tuple(groups), op)
+    for group in groups:
+        dist.all_reduce(t, op=op, group=group)
+    return t
 
 
 class Reduction:
@@ -105,9 +122,7 @@ class ShardedReduction(Reduction):
 
     @staticmethod
     def _sum(t: torch.Tensor, groups: list) -> torch.Tensor:
-        for group in groups:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        return t
+        return all_reduce(t, groups)
 
     def sum_over(self, t: torch.Tensor, pdim: int) -> torch.Tensor:
         """All-reduce (sum, in place) a partial sum ``t`` over the process groups that shard parameter dim ``pdim``."""
@@ -168,8 +183,12 @@ class ShardedReduction(Reduction):
         if base is not None:
             return base + lo
         box = self._local_box()
-        if box is None:  # a strided shard: local indices (its stochastic rounding differs from the one-process run's)
-            return lo
+        if box is None:  # a strided shard: the whole parameter's flat indices, cut as DTensor cuts the parameter
+            from torch.distributed.tensor import distribute_tensor
+
+            whole = torch.arange(self.shape.numel(), dtype=torch.int64, device=device).view(self.shape)
+            cut = distribute_tensor(whole, self.mesh, self.placements, src_data_rank=None).to_local()
+            return cut.reshape(-1)[lo : lo + n]
         local, offset = box
         flat = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
         index = torch.zeros_like(flat)
@@ -180,8 +199,7 @@ class ShardedReduction(Reduction):
 
     def agree(self, value):
         t = torch.tensor([value], dtype=torch.int64, device=self.mesh.device_type)
-        for i in range(self.mesh.ndim):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.get_group(i))
+        all_reduce(t, [self.mesh.get_group(i) for i in range(self.mesh.ndim)], dist.ReduceOp.MAX)
         return int(t.item())
 
     def __repr__(self) -> str:

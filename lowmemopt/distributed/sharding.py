@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import rounding
-from .reduction import LOCAL, Reduction, ShardedReduction, contiguous_strides
+from .reduction import LOCAL, Reduction, ShardedReduction, contiguous_strides, is_shard
 
 if TYPE_CHECKING:
     from ..quant.formats import Slot
@@ -118,13 +118,18 @@ def slot_layout(p, slot: "Slot", local_shape: torch.Size) -> tuple[list, torch.S
     for placement in p.placements:
         if placement.is_replicate():
             placements.append(Replicate())
-        elif placement.is_shard():
+        elif is_shard(placement):
             d = placement.dim % ndim
-            if d in dims:
-                placements.append(Shard(dims.index(d)))
-                shape[dims.index(d)] = p.shape[d]
-            else:
+            if d not in dims:
                 placements.append(Replicate())
+                continue
+            if placement.is_shard():
+                placements.append(Shard(dims.index(d)))
+            else:  # FSDP2 over tensor parallelism: the statistic's rows are strided as the parameter's
+                from torch.distributed.tensor.placement_types import _StridedShard
+
+                placements.append(_StridedShard(dims.index(d), split_factor=placement.split_factor))
+            shape[dims.index(d)] = p.shape[d]
         else:
             raise ValueError(f"cannot lay out optimizer state for a parameter placed {placement}")
     return placements, torch.Size(shape)

@@ -1,7 +1,7 @@
 """Functions of whole matrices on sharded parameters (Muon's orthogonalization under FSDP2, after microsoft/dion):
 :func:`map_whole` deals the matrices over the ranks of the sharding mesh dim, gathers each on its rank, runs ``fn``
-once per rank and scatters the results back; 2-D sharding gathers everything everywhere; ``_StridedShard`` is refused.
-Docs: docs/muon.md.
+once per rank and scatters the results back; 2-D sharding and ``_StridedShard`` (FSDP2 over tensor parallelism)
+gather everything everywhere. Docs: docs/muon.md.
 """
 
 from __future__ import annotations
@@ -43,11 +43,7 @@ def map_whole(
     ndim = len(reduce.shape)
     sharded = [(i, pl.dim % ndim) for i, pl in enumerate(reduce.placements) if is_shard(pl)]
     if any(type(pl).__name__ == "_StridedShard" for pl in reduce.placements):
-        raise NotImplementedError(
-            f"a parameter {tuple(reduce.shape)} placed {tuple(reduce.placements)} (FSDP2 over tensor parallelism): "
-            "its local elements are no box of the matrix, so it cannot be gathered whole here; shard it with "
-            "Shard(d) placements only"
-        )
+        return _everywhere(parts, reduce, fn, dtype)  # (FSDP2 over tensor parallelism: no box of the matrix)
     if not sharded:
         return [r.to(dtype) for r in fn(parts)] if parts else []
     if len(sharded) == 1:
@@ -112,10 +108,17 @@ def _spread(
 
 
 def _everywhere(parts: list[torch.Tensor], reduce: Reduction, fn: Fn, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Several sharded mesh dims: every rank gathers every matrix, runs ``fn`` on all and keeps its own box."""
+    """Several sharded mesh dims: every rank gathers every matrix, runs ``fn`` on all and keeps its own part (a box;
+    a ``_StridedShard``'s strided rows cut as DTensor cuts them)."""
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     wholes = [whole_tensor(t, reduce) for t in parts]
+    if any(type(pl).__name__ == "_StridedShard" for pl in reduce.placements):
+        return [
+            distribute_tensor(r, reduce.mesh, reduce.placements, src_data_rank=None).to_local().to(dtype)
+            for r in fn(wholes)
+        ]
     local, offset = compute_local_shape_and_global_offset(reduce.shape, reduce.mesh, reduce.placements)
     out = []
     for r in fn(wholes):

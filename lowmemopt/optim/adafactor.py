@@ -224,6 +224,7 @@ class AdafactorAlgorithm(Algorithm):
     """Adafactor for the step pipeline: its slots, math, step scalars and decay rules."""
 
     elementwise = False  # row/column means and RMS clipping need the whole tensor
+    batched_reductions = True  # (its math communicates through reduce only)
     weight_stat_math = True  # reads p for RMS(p) and its decay p -= a wd p
 
     def slots(self, group, param):
@@ -341,6 +342,7 @@ class AdafactorTorchAlgorithm(Algorithm):
     """AdafactorTorch for the step pipeline: its slots, math, step scalars and decay rules."""
 
     elementwise = False
+    batched_reductions = True
     weight_stat_math = True  # reads p for RMS(p); its decay is the factor 1 - lr wd
 
     def slots(self, group, param):

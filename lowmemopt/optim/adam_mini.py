@@ -118,6 +118,7 @@ class AdamMiniAlgorithm(Algorithm):
     """Adam-mini for the step pipeline: its slots by block kind (the group's ``block``), math and decay rule."""
 
     elementwise = False  # the block means reduce over heads, rows and whole tensors
+    batched_reductions = True  # (its math communicates through reduce only)
     math = staticmethod(adam_mini_math)
     hyper = ("lr", "betas", "eps", "block", "head_numel")
 

@@ -72,6 +72,7 @@ KERNELS = KernelSet("came", triton="factored:CAME", capturable=True, native=nati
 
 class CAMEAlgorithm(Algorithm):
     elementwise = False  # row/column means and RMS clipping need the whole tensor
+    batched_reductions = True  # (its math communicates through reduce only)
     weight_stat_math = True  # reads p only for its decay p -= lr wd p
 
     def math_decay(self, group, step, stat):

@@ -83,6 +83,7 @@ def lamb_math(
 
 class LAMBAlgorithm(Algorithm):
     elementwise = False  # the trust ratio needs whole-tensor norms
+    batched_reductions = True  # (its math communicates through reduce only)
     weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lamb_math)
     hyper = ("lr", "betas", "eps", "weight_decay", "adam")

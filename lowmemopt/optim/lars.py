@@ -70,6 +70,7 @@ def lars_math(
 
 class LARSAlgorithm(Algorithm):
     elementwise = False  # the trust ratio needs whole-tensor norms
+    batched_reductions = True  # (its math communicates through reduce only)
     weight_stat_math = True  # reads p for ||p|| (and the coupled decay)
     math = staticmethod(lars_math)
     hyper = ("lr", "momentum", "eeta", "weight_decay", "epsilon", "lars")

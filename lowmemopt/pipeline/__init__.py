@@ -27,7 +27,7 @@ from .finite import CpuFiniteChecks, DeviceFlags, host_flags
 from .fits import check_state_fits
 from .native import step_cpu_bucket, takes as takes_cpu_bucket
 from .plan import Plan, StepOutcome, StepRecord
-from .per_param import checks_itself, step_checked, step_param
+from .per_param import batches_reductions, checks_itself, step_batched, step_checked, step_param
 from .program import Kept, StepProgram, update_for
 
 __all__ = [
@@ -321,12 +321,17 @@ def step_in_order(
 ) -> None:
     """Step ``todo`` in order, per parameter, with the pipelined non-finite check filling in ``finite``; a run of
     parameters whose native factored steps check their own gradients (:func:`checks_itself`) at once
-    (:func:`.per_param.step_checked`)."""
+    (:func:`.per_param.step_checked`), and a run of sharded ones whose reductions batch as one bucket
+    (:func:`.per_param.step_batched`)."""
     native = None if plan.kernels is None else plan.kernels.native
     checking = isinstance(native, factored.FactoredStep) and native.checks
+    batching = plan.sharded and plan.reductions is not None and plan.algorithm.batched_reductions
     k = 0
     while k < len(todo):
         i, p, group = todo[k]
+        if batching and finite[i] and batches_reductions(plan, p, plan.record_of(group)):
+            k = step_batched(plan, todo, k, finite)
+            continue
         if checking and finite[i] is None and checks_itself(plan, p, plan.record_of(group)):
             k = step_checked(plan, todo, k, finite)
             continue

@@ -42,6 +42,9 @@ class Algorithm:
     #: applies to it in place (:meth:`math_decay`) and a coupled weight decay, so a GaLore step can run it on a zeroed
     #: stand-in through the fused kernels, given the full weight's statistic (LAMB, LARS, Adafactor, CAME)
     weight_stat_math: bool = False
+    #: True: the math communicates only through its ``reduce`` argument, so a bucket of sharded parameters may step
+    #: together with their reductions batched (:class:`~.plan.ReductionStage`; LAMB, LARS, Adafactor, CAME, Adam-mini)
+    batched_reductions: bool = False
     #: the pure fp32 function ``math(p, g, state, **hyper, **step_scalars)`` and the group keys it takes
     math: Callable[..., Any] | None = None
     hyper: tuple[str, ...] = ()

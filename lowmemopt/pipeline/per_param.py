@@ -5,26 +5,42 @@ backend takes, and it is the eager reference that every combination is tested ag
 The gather stage makes the parameter an :class:`~lowmemopt.work.items.Item` (its local shard, state made on the
 first step, its record), :meth:`.plan.Plan.update_of` its bucket's :class:`~lowmemopt.work.items.Update` from the
 record's ``hyper``, and the update stage hands both to :func:`.backends.step_per_tensor`, as the Triton backend takes
-them. Parameters whose native factored step is also their gradient's check go as one bucket (:func:`step_checked`)."""
+them. Parameters whose native factored step is also their gradient's check go as one bucket (:func:`step_checked`);
+sharded parameters whose math reduces over their shards go as buckets whose reductions are batched
+(:func:`step_batched`)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from .. import rounding
 from ..cpu import factored
-from ..distributed.sharding import local_view
+from ..distributed.sharding import is_dtensor, local_view
 from ..work import Item, capture
 from ..work.items import LOW_RANK
 from ..work.record import BucketRecord
 from .backends import init_state, step_per_tensor
 from .plan import Plan
 
-__all__ = ["checks_itself", "step_checked", "step_param"]
+__all__ = [
+    "REDUCTION_BUCKET_NUMEL",
+    "REDUCTION_BUCKET_STEPS",
+    "batches_reductions",
+    "checks_itself",
+    "step_batched",
+    "step_checked",
+    "step_param",
+]
 
 Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
+
+#: a bucket of sharded parameters whose reductions go out together holds at most this many elements per rank (its
+#: steps' decoded state and temporaries are alive at once) and this many parameters (a thread each)
+REDUCTION_BUCKET_NUMEL = 1 << 24
+REDUCTION_BUCKET_STEPS = 256
 
 
 def step_param(
@@ -46,6 +62,21 @@ def step_param(
     if record.rank is not None or LOW_RANK in state:
         plan.galore.step_one(plan, p, grad, group)
         return None
+    it, local = _gather(plan, p, grad, group, record)
+    mult = None if plan.grad_mult is None else plan.mult  # loss scaling: applied as g is loaded
+    result = step_per_tensor(plan.algorithm, (it,), plan.update_of, mult, None if scan is None else (scan,), check)[0]
+    if check and not result:
+        it.state["step"] -= 1
+    if it.target is not local:
+        local.copy_(it.target)
+    return result
+
+
+def _gather(
+    plan: Plan, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], record: BucketRecord
+) -> tuple[Item, torch.Tensor]:
+    """The gather stage of a full-rank parameter: its item (state made, step count advanced) and its local shard."""
+    state = plan.state[p]
     numel = p.numel()  # a DTensor's whole size: it picks the state format
     local, grad, reduce = local_view(p, grad)  # a DTensor steps its local shard; plain tensors pass through
     slots = plan.slots_of(record, local)
@@ -57,13 +88,51 @@ def step_param(
     state["step"] += 1
     target = local if local.is_contiguous() else local.contiguous()
     it = Item(param=p, group=group, target=target, grad=grad, state=state, slots=slots, record=record, reduce=reduce)
-    mult = None if plan.grad_mult is None else plan.mult  # loss scaling: applied as g is loaded
-    result = step_per_tensor(plan.algorithm, (it,), plan.update_of, mult, None if scan is None else (scan,), check)[0]
-    if check and not result:
-        state["step"] -= 1
-    if target is not local:
-        local.copy_(target)
-    return result
+    return it, local
+
+
+def batches_reductions(plan: Plan, p: torch.Tensor, record: BucketRecord) -> bool:
+    """May ``p`` (``record``: its bucket's) step in a bucket whose reductions are batched (:func:`step_batched`)? A
+    full-rank DTensor parameter of an algorithm that declares :attr:`~.algorithm.Algorithm.batched_reductions`."""
+    return (
+        plan.reductions is not None
+        and plan.algorithm.batched_reductions
+        and record.rank is None
+        and is_dtensor(p)
+        and LOW_RANK not in plan.state[p]
+    )
+
+
+def step_batched(plan: Plan, todo: Todo, k: int, finite: list[bool | None]) -> int:
+    """Step ``todo[k]`` and the finite parameters after it that :func:`batches_reductions` takes, up to
+    :data:`REDUCTION_BUCKET_NUMEL` elements per rank and :data:`REDUCTION_BUCKET_STEPS` parameters, as one bucket whose
+    whole-tensor reductions go out together (``plan.reductions``); returns the index after them. The results are
+    those of :func:`step_param` on each in turn (docs/distributed.md#batched-reductions)."""
+    run: Todo = []
+    numel = 0
+    for i, p, group in todo[k:]:
+        size = p.numel() // p.device_mesh.size()  # (the same on every rank: the buckets must be the same)
+        if run and (
+            not finite[i]
+            or len(run) >= REDUCTION_BUCKET_STEPS
+            or numel + size > REDUCTION_BUCKET_NUMEL
+            or not batches_reductions(plan, p, plan.record_of(group))
+        ):
+            break
+        run.append((i, p, group))
+        numel += size
+    if len(run) == 1:
+        _, p, group = run[0]
+        step_param(plan, p, p.grad, group)
+        return k + 1
+    gathered = [_gather(plan, p, p.grad, group, plan.record_of(group)) for _, p, group in run]
+    mult = None if plan.grad_mult is None else plan.mult
+    algorithm, update_of = plan.algorithm, plan.update_of
+    plan.reductions.run([partial(step_per_tensor, algorithm, (it,), update_of, mult) for it, _ in gathered])
+    for it, local in gathered:
+        if it.target is not local:
+            local.copy_(it.target)
+    return k + len(run)
 
 
 def checks_itself(plan: Plan, p: torch.Tensor, record: BucketRecord) -> bool:

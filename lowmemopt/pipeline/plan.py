@@ -6,7 +6,7 @@ each param group resolved once per step into the record its items carry (:meth:`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -14,7 +14,16 @@ from ..work.items import Item, Update
 from ..work.record import BucketRecord
 from .algorithm import Algorithm, KernelSet
 
-__all__ = ["Plan", "ProjectionStage", "StepOutcome", "StepRecord", "unscaled", "inv_scale", "update_of"]
+__all__ = [
+    "Plan",
+    "ProjectionStage",
+    "ReductionStage",
+    "StepOutcome",
+    "StepRecord",
+    "unscaled",
+    "inv_scale",
+    "update_of",
+]
 
 
 def inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
@@ -151,11 +160,20 @@ class ProjectionStage(Protocol):
         """One projected step of ``p``, alone, through the per-tensor backends (the eager reference)."""
 
 
+class ReductionStage(Protocol):
+    """The sharded reductions of a step: runs a bucket's per-parameter steps so that their whole-tensor reductions
+    go out together, with the results of calling them one by one (:class:`lowmemopt.distributed.rounds.ReductionRounds`;
+    docs/distributed.md#batched-reductions)."""
+
+    def run(self, steps: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Call every step and return their results in order (the first error raised)."""
+
+
 @dataclass(eq=False)
 class Plan:
     """One step's plan: the algorithm, its ``state`` and param ``groups``, the fused ``kernels`` (None: reference
     backends only), the projection stage ``galore``, the loss scaling ``grad_mult`` and ``found_inf``, the
-    ``communicate`` stage.
+    ``communicate`` stage, the sharded ``reductions`` stage.
     """
 
     algorithm: Algorithm
@@ -167,6 +185,8 @@ class Plan:
     grad_mult: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     communicate: Any = None
+    #: the sharded reductions' stage (None: each sharded parameter's reductions go out as its step makes them)
+    reductions: ReductionStage | None = None
     # -- how this run steps: set by the entry (step(), the per-layer hook), read by pipeline.run --------------------
     #: the (param, group) pairs with gradients this run steps, in the step's order
     work: list = field(default_factory=list)
