@@ -29,6 +29,7 @@ from .placement import (
     make_homes,
     nbytes_of,
     on_device,
+    pageable,
     tensors_of,
 )
 from ..work.record import param_place
@@ -91,7 +92,6 @@ class Pager:
         opt = self._opt()
         fresh, unpaged = [], []  # (unpaged: state of a group paged=False since, coming back to its device)
         moves = False  # (any state of work's that moves this step: begin's answer)
-        plain = torch.Tensor.__torch_dispatch__
         for p, group in work:
             tier = tier_of(group)
             if tier is None:
@@ -105,10 +105,10 @@ class Pager:
                     "made; the state was left as it was. Move the parameter back, or re-home the state after moving "
                     "it: optimizer.load_state_dict(optimizer.state_dict())"
                 )
-            if type(p).__torch_dispatch__ is not plain:
+            if not pageable(p):
                 raise TypeError(
-                    f"paged optimizer state needs plain tensors as parameters; {self._where(p)} is a "
-                    f"{type(p).__name__} (a tensor subclass such as DTensor): use paged=False for its group"
+                    f"paged optimizer state needs plain tensors or DTensors as parameters; {self._where(p)} is a "
+                    f"{type(p).__name__} (another tensor subclass): use paged=False for its group"
                 )
             if entry is not None and entry.resident:  # (the steady case: nothing to place, nothing moves)
                 continue

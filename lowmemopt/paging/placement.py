@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,8 @@ __all__ = [
     "on_device",
     "brought_back",
     "check_plain",
+    "pageable",
+    "meta_twin",
     "buckets_of",
     "largest_buckets",
 ]
@@ -42,11 +45,33 @@ def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _dtensor(p: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # (imported only once some DTensor exists)
+    return module is not None and isinstance(p, module.DTensor)
+
+
+def pageable(p: torch.Tensor) -> bool:
+    """Can ``p``'s state page? A plain tensor, or a DTensor (FSDP2; its state is its local shard's); no other
+    tensor subclass."""
+    return type(p).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ or _dtensor(p)
+
+
+def meta_twin(p: torch.Tensor) -> torch.Tensor:
+    """``p`` as a tensor without storage: a meta tensor, or for a DTensor one laid out like it over a meta shard."""
+    if not _dtensor(p):
+        return torch.empty_like(p, device="meta")
+    from torch.distributed.tensor import DTensor
+
+    shard = torch.empty_like(p.to_local(), device="meta")
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def initial_layout(
     state: Any, p: torch.Tensor, group: dict[str, Any], first_state: FirstState | None
 ) -> dict[str, torch.Tensor] | None:
-    """The tensors ``p``'s first step will make, as meta tensors (None if that fails)."""
-    twin = torch.empty_like(p, device="meta")
+    """The tensors ``p``'s first step will make, as meta tensors (None if that fails); a DTensor's twin is a DTensor
+    on the same mesh whose local shard is a meta tensor."""
+    twin = meta_twin(p)
     try:
         if first_state is None:
             return None
