@@ -1220,6 +1220,38 @@ def paged_fsdp2(ctx):
             for _, _, opt in (run, twin, again):
                 opt.close()
             dist.barrier()
+    # what stays resident is each rank's choice (an int budget of the local shards' bytes; rank 1's are smaller, and
+    # its empty shard fits any budget), batches of a few parameters: the ranks still step the same parameters in the
+    # same batches (cut by the whole tensors' sizes), so the steps' collectives pair up: bit for bit as unpaged
+    from lowmemopt.paging import pager as pager_module
+    from lowmemopt.paging.placement import buckets_of
+
+    host_bytes = pager_module.HOST_BUCKET_BYTES
+    pager_module.HOST_BUCKET_BYTES = 64  # (bytes: a few parameters' state per batch)
+    try:
+        lamb = ("LAMB", lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1), 0)
+        for what, cls, kw, galore in [lamb, *PAGED_CONFIGS[1:]]:
+            differs = False
+            for budget in (0, 160):
+                label = f"{what} page_budget_bytes={budget}"
+                ref = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, {})
+                run = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, dict(paged="cpu", page_budget_bytes=budget))
+                _paged_steps([ref, run], 0, 3)
+                _same_run(run, ref, label)
+                opt = run[2]
+                work = [(p, g) for g in opt.param_groups for p in g["params"]]
+                index = {id(p): i for i, (p, _) in enumerate(work)}
+                cuts = [[index[id(p)] for p, _ in b] for b in buckets_of(work, opt._pager.entries, 1 << 26, 64)]
+                kept = [lowmemopt.paging.where_state_lives(opt, p) for p in run[1]]
+                everyone = [None] * ctx.world
+                dist.all_gather_object(everyone, (cuts, kept))
+                check(all(c == cuts for c, _ in everyone), f"{label}: batches differ between ranks: {everyone}")
+                check(len(cuts) > 1, f"{label}: one batch {cuts}")
+                differs = differs or len({tuple(k) for _, k in everyone}) > 1
+                opt.close()
+            check(differs, f"{what}: the same residency on every rank at every budget")  # (else this proves little)
+    finally:
+        pager_module.HOST_BUCKET_BYTES = host_bytes
     # FSDP2 CPU offload (parameters and gradients in host RAM): the state pages like any CPU parameter's
     offload = CPUOffloadPolicy(pin_memory=False)
     what, cls, kw, galore = PAGED_CONFIGS[0]
