@@ -1076,7 +1076,7 @@ def dcp_reshard(ctx):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# paged state under FSDP2: each rank pages its own shard's state (docs/distributed.md#paged-state)
+# paged state under FSDP2: each rank pages its own shard's state (docs/distributed.md#paged-state-under-fsdp2)
 
 #: (what, optimizer, kwargs, with a GaLore group): 8-bit AdamW, 8-bit CAME (factored statistics), a GaLore group
 PAGED_CONFIGS = [
@@ -1130,7 +1130,7 @@ def _same_run(run, ref, what):
         check(sorted(a) == sorted(b), f"{what}: param {i} keys {sorted(a)} vs {sorted(b)}")
         for k, v in b.items():
             if isinstance(v, torch.Tensor):
-                check(a[k].dtype == v.dtype and torch.equal(a[k], v), f"{what}: param {i} {k} differs")
+                check(a[k].dtype == v.dtype and torch.equal(a[k].cpu(), v.cpu()), f"{what}: param {i} {k} differs")
             else:
                 check(a[k] == v, f"{what}: param {i} {k}: {a[k]} vs {v}")
 
@@ -1174,7 +1174,8 @@ def _same_sd(a, b, what):
 @case
 def paged_fsdp2(ctx):
     """paged="cpu" / "disk" on FSDP2 parameters: each rank pages its own shard's state (its files in its own
-    directory), bit for bit the unpaged FSDP2 run, params and state; state_dict() round trip; CPUOffloadPolicy."""
+    directory), bit for bit the unpaged FSDP2 run, params and state; state_dict() and save_state round trips;
+    residency that differs between ranks; CPUOffloadPolicy; a model in training, per-layer updates too."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     root = _shared_tmpdir(ctx)
@@ -1223,11 +1224,12 @@ def paged_fsdp2(ctx):
     # what stays resident is each rank's choice (an int budget of the local shards' bytes; rank 1's are smaller, and
     # its empty shard fits any budget), batches of a few parameters: the ranks still step the same parameters in the
     # same batches (cut by the whole tensors' sizes), so the steps' collectives pair up: bit for bit as unpaged
+    from lowmemopt import pipeline
     from lowmemopt.paging import pager as pager_module
     from lowmemopt.paging.placement import buckets_of
 
-    host_bytes = pager_module.HOST_BUCKET_BYTES
-    pager_module.HOST_BUCKET_BYTES = 64  # (bytes: a few parameters' state per batch)
+    sizes = pager_module.HOST_BUCKET_BYTES, pipeline.PAGE_BUCKET_BYTES
+    pager_module.HOST_BUCKET_BYTES = pipeline.PAGE_BUCKET_BYTES = 64  # (bytes: a few parameters' state per batch)
     try:
         lamb = ("LAMB", lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1), 0)
         for what, cls, kw, galore in [lamb, *PAGED_CONFIGS[1:]]:
@@ -1241,7 +1243,7 @@ def paged_fsdp2(ctx):
                 opt = run[2]
                 work = [(p, g) for g in opt.param_groups for p in g["params"]]
                 index = {id(p): i for i, (p, _) in enumerate(work)}
-                cuts = [[index[id(p)] for p, _ in b] for b in buckets_of(work, opt._pager.entries, 1 << 26, 64)]
+                cuts = [[index[id(p)] for p, _ in b] for b in buckets_of(work, opt._pager.entries, 64, 64)]
                 kept = [lowmemopt.paging.where_state_lives(opt, p) for p in run[1]]
                 everyone = [None] * ctx.world
                 dist.all_gather_object(everyone, (cuts, kept))
@@ -1251,11 +1253,12 @@ def paged_fsdp2(ctx):
                 opt.close()
             check(differs, f"{what}: the same residency on every rank at every budget")  # (else this proves little)
     finally:
-        pager_module.HOST_BUCKET_BYTES = host_bytes
-    # FSDP2 CPU offload (parameters and gradients in host RAM): the state pages like any CPU parameter's
+        pager_module.HOST_BUCKET_BYTES, pipeline.PAGE_BUCKET_BYTES = sizes
+    # FSDP2 CPU offload (parameters and gradients in host RAM): the state pages like any CPU parameter's (gloo jobs:
+    # an NCCL-only job has no CPU backend for the offloaded gradients' collectives)
     offload = CPUOffloadPolicy(pin_memory=False)
     what, cls, kw, galore = PAGED_CONFIGS[0]
-    for tier in ("cpu", "disk"):
+    for tier in ("cpu", "disk") if ctx.device.type == "cpu" else ():
         paging = dict(paged=tier, offload_dir=os.path.join(root, "paged-offload") if tier == "disk" else None)
         label = f"{what} CPUOffloadPolicy paged={tier}"
         ref = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, {}, offload)
@@ -1278,7 +1281,8 @@ def paged_fsdp2(ctx):
         for x, y in batches(3):
             n = x.shape[0] // ctx.world
             for model, opt in models:
-                torch.nn.functional.mse_loss(model(x[ctx.rank * n :][:n]), y[ctx.rank * n :][:n]).backward()
+                xs, ys = x[ctx.rank * n :][:n].to(ctx.device), y[ctx.rank * n :][:n].to(ctx.device)
+                torch.nn.functional.mse_loss(model(xs), ys).backward()
                 if not per_layer:
                     opt.step()
                     opt.zero_grad()
