@@ -32,6 +32,7 @@ from .placement import (
     on_device,
     on_mesh,
     pageable,
+    remember,
     tensors_of,
 )
 from ..work.record import param_place
@@ -78,7 +79,7 @@ class Pager:
         self.copy_files: CopyFiles | None = None  # (the last pass's: batches())
         self.closed = False
         self.next_pass = NextPass()  # the next pass's first bucket, on its way
-        self.first_state: FirstState | None = None  # (the last step's: layouts of state loaded before a step)
+        self._first_state = remember(None)  # the last step's first_state (for layouts of state loaded later)
         self._finalizer = weakref.finalize(optimizer, self.close)
 
     # -- the step ----------------------------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ class Pager:
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
-        self.first_state = first_state or self.first_state
+        self._first_state = remember(first_state) if first_state is not None else self._first_state
         fresh, unpaged = [], []  # (unpaged: state of a group paged=False since, coming back to its device)
         moves = False  # (any state of work's that moves this step: begin's answer)
         alike = False  # (a DTensor in a paged group: every rank steps through the batches)
@@ -367,7 +368,7 @@ class Pager:
             for p, group, tier, state in items:
                 offload_dir = os.fspath(group["offload_dir"]) if group.get("offload_dir") is not None else None
                 label = f"g{index.get(id(group), -1)}.p{position.get(id(p), -1)}"
-                weight = mesh_weight(opt.state, p, group, first_state or self.first_state)
+                weight = mesh_weight(opt.state, p, group, first_state or self._first_state())
                 made[p] = Entry(tier, p.device, p in resident, offload_dir, label, nbytes_of(layouts[p] or {}), weight)
                 if made[p].resident and state is not None:
                     made[p].state = {k: on_device(v, p.device) for k, v in state.items()}

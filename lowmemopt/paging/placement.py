@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "pageable",
     "on_mesh",
     "mesh_weight",
+    "remember",
     "meta_twin",
     "buckets_of",
     "largest_buckets",
@@ -98,6 +100,14 @@ def mesh_weight(state: Any, p: torch.Tensor, group: dict[str, Any], first_state:
     layout = initial_layout(state, torch.empty(p.shape, dtype=p.dtype, device="meta"), group, first_state)
     nbytes = nbytes_of(layout) if layout else 2 * p.numel() * p.element_size()  # (no layout: two slots' worth)
     return -(-nbytes // shards)
+
+
+def remember(first_state: FirstState | None) -> Callable[[], FirstState | None]:
+    """``first_state`` to call again later, held weakly if it is a bound method (of the optimizer the pager serves:
+    a strong reference would keep it alive)."""
+    if hasattr(first_state, "__self__"):
+        return weakref.WeakMethod(first_state)
+    return lambda: first_state
 
 
 def choose_resident(
