@@ -197,7 +197,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         ``self.state[p]``; the paging manager calls it on a meta twin of ``p`` to learn the layout ahead."""
         if group.get("rank") is not None:
             return galore.init_projected_state(self._plan(), p, group)
-        return self._init_state(p, group, self._slots(group, p))
+        local = local_tensor(p)  # a DTensor's state is its local shard's, its formats picked by the whole size
+        return self._init_state(local, group, self._slots(group, local), self.state[p], numel=p.numel())
 
     def _plan(self, grad_mult: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, **mode: Any) -> Plan:
         """The plan handed to the step pipeline (:class:`lowmemopt.pipeline.plan.Plan`)."""

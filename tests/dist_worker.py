@@ -1352,6 +1352,285 @@ def dcp_reshard(ctx):
     dist.barrier()
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# paged state under FSDP2: each rank pages its own shard's state (docs/distributed.md#paged-state-under-fsdp2)
+
+#: (what, optimizer, kwargs, with a GaLore group): 8-bit AdamW, 8-bit CAME (factored statistics), a GaLore group
+PAGED_CONFIGS = [
+    # min_quant_numel=30: the whole (7, 5) and (5, 9) quantize, their shards (20 + 15, 27 + 18 elements) would not
+    (
+        "AdamW 8-bit",
+        lowmemopt.AdamW,
+        dict(lr=1e-2, weight_decay=0.1, state_bits=8, block_size=16, min_quant_numel=30),
+        0,
+    ),
+    ("CAME 8-bit", lowmemopt.CAME, dict(lr=1e-3, state_bits=8, block_size=16, min_quant_numel=0), 0),
+    ("GaLore AdamW 8-bit", lowmemopt.AdamW, dict(lr=1e-2, state_bits=8, block_size=16, min_quant_numel=0), 1),
+]
+# rows shard 4 + 3, 3 + 2, 5 + 4 and 1 + 0 (an empty shard on rank 1); GaLore: (7, 5) side right, (5, 9) side left
+PAGED_SHAPES = [(7, 5), (5, 9), (9,), (1, 6)]
+
+
+def _paged_groups(params, galore):
+    if not galore:
+        return params
+    return [dict(params=params[:2], rank=2, update_proj_gap=2, scale=0.25), dict(params=params[2:])]
+
+
+def _paged_run(ctx, mesh, tensors, cls, kw, galore, paging, policy=None):
+    """(module, params, optimizer): ``tensors`` under ``fully_shard`` on ``mesh``, the optimizer with ``paging``."""
+    module = Holder([t.to(ctx.device) for t in tensors])
+    fully_shard(module, mesh=mesh, **({} if policy is None else dict(offload_policy=policy)))
+    params = list(module.parameters())
+    return module, params, cls(_paged_groups(params, galore), **kw, **paging)
+
+
+def _paged_steps(runs, start, steps):
+    """``steps`` steps of every run with the same gradients (computed from the first run's parameters)."""
+    tgts = targets(PAGED_SHAPES)
+    for t in range(start, start + steps):
+        for i, ps in enumerate(zip(*[params for _, params, _ in runs])):
+            g = grad_for(full(ps[0]), tgts[i], t, i)
+            for p in ps:
+                set_grad(p, g)
+        for _, _, opt in runs:
+            opt.step()
+
+
+def _same_run(run, ref, what):
+    """Parameters and every local state tensor of ``run`` equal ``ref``'s bit for bit."""
+    _, params, opt = run
+    _, ref_params, ref_opt = ref
+    compare(params, ref_params, what, exact=True)
+    for i, (p, r) in enumerate(zip(params, ref_params)):
+        a, b = opt.state[p], ref_opt.state[r]
+        check(sorted(a) == sorted(b), f"{what}: param {i} keys {sorted(a)} vs {sorted(b)}")
+        for k, v in b.items():
+            if isinstance(v, torch.Tensor):
+                check(a[k].dtype == v.dtype and torch.equal(a[k].cpu(), v.cpu()), f"{what}: param {i} {k} differs")
+            else:
+                check(a[k] == v, f"{what}: param {i} {k}: {a[k]} vs {v}")
+
+
+def _pages_to(opt, params, tier, what):
+    for i, p in enumerate(params):
+        where = lowmemopt.paging.where_state_lives(opt, p)
+        check(where == tier, f"{what}: param {i}'s state lives on {where}, not {tier}")
+
+
+def _homes_made_ahead(opt, params, what):
+    """The layout the pager learns before a first step (homes made ahead, on a meta twin of the DTensor) is the one
+    the step makes: the local shard's shapes, the formats the whole tensor's size picks."""
+    from lowmemopt.paging.placement import initial_layout
+
+    for i, p in enumerate(params):
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        ahead = initial_layout(opt.state, p, group, opt._first_state) or {}
+        made = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+        got = {k: (tuple(v.shape), v.dtype) for k, v in ahead.items()}
+        want = {k: (tuple(v.shape), v.dtype) for k, v in made.items()}
+        check(got == want, f"{what}: param {i}: layout made ahead {got}, the step's {want}")
+
+
+def _full_sd(sd):
+    return {
+        k: {s: full(v).clone() if isinstance(v, torch.Tensor) else v for s, v in st.items()} for k, st in sd.items()
+    }
+
+
+def _same_sd(a, b, what):
+    check(sorted(a) == sorted(b), f"{what}: params {sorted(a)} vs {sorted(b)}")
+    for name in a:
+        check(sorted(a[name]) == sorted(b[name]), f"{what}: {name} keys {sorted(a[name])} vs {sorted(b[name])}")
+        for k, v in a[name].items():
+            w = b[name][k]
+            same = torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
+            check(same, f"{what}: {name}/{k} differs")
+
+
+@case
+def paged_fsdp2(ctx):
+    """paged="cpu" / "disk" on FSDP2 parameters: each rank pages its own shard's state (its files in its own
+    directory), bit for bit the unpaged FSDP2 run, params and state; state_dict() and save_state round trips;
+    residency that differs between ranks; CPUOffloadPolicy; a model in training, per-layer updates too."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    root = _shared_tmpdir(ctx)
+    tensors = full_params(PAGED_SHAPES)
+    for n, (what, cls, kw, galore) in enumerate(PAGED_CONFIGS):
+        for tier in ("cpu", "disk"):
+            where = os.path.join(root, f"paged-{n}-{tier}")
+            paging = dict(paged=tier, offload_dir=where if tier == "disk" else None)
+            label = f"{what} paged={tier}"
+            ref = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, {})
+            run = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, paging)
+            _paged_steps([ref, run], 0, 3)
+            _same_run(run, ref, label)
+            _pages_to(run[2], run[1], tier, label)
+            _homes_made_ahead(run[2], run[1], label)
+            if tier == "disk":  # one directory per rank, named by it
+                dist.barrier()
+                mine = f"lowmemopt-rank{ctx.rank:05d}-of-{ctx.world:05d}-"
+                dirs = run[2]._pager.homes.directories()
+                check(dirs and all(os.path.basename(d).startswith(mine) for d in dirs), f"{label}: directories {dirs}")
+                names = sorted(os.listdir(where))
+                check(len(names) == ctx.world, f"{label}: {names} in offload_dir, not one directory per rank")
+            # state_dict(): what the unpaged optimizer shows; loaded back into a paged and an unpaged optimizer
+            sd = run[2].state_dict()
+            _same_sd(_full_sd(sd["state"]), _full_sd(ref[2].state_dict()["state"]), f"{label} state_dict")
+            current = [full(p) for p in run[1]]
+            twin = _paged_run(ctx, ctx.mesh, current, cls, kw, galore, paging)
+            twin_ref = _paged_run(ctx, ctx.mesh, current, cls, kw, galore, {})
+            twin[2].load_state_dict(copy.deepcopy(sd))
+            twin_ref[2].load_state_dict(copy.deepcopy(sd))
+            _pages_to(twin[2], twin[1], tier, f"{label} loaded")
+            _same_run(twin, twin_ref, f"{label} loaded")
+            _paged_steps([ref, run, twin_ref, twin], 3, 2)
+            _same_run(run, ref, f"{label} continued")
+            _same_run(twin, twin_ref, f"{label} loaded and continued")
+            # per-rank files (lowmemopt.save_state): this rank's shards as stored, loaded back into paged homes
+            path = os.path.join(root, f"paged-{n}-{tier}.safetensors")
+            lowmemopt.save_state(run[2], path, model=run[0])
+            again = _paged_run(ctx, ctx.mesh, [full(p) for p in run[1]], cls, kw, galore, paging)
+            lowmemopt.load_state(again[2], path, model=again[0])
+            _pages_to(again[2], again[1], tier, f"{label} save_state")
+            _same_run(again, run, f"{label} save_state / load_state")
+            for _, _, opt in (run, twin, again):
+                opt.close()
+            dist.barrier()
+    # what stays resident is each rank's choice (an int budget of the local shards' bytes; rank 1's are smaller, and
+    # its empty shard fits any budget), batches of a few parameters: the ranks still step the same parameters in the
+    # same batches (cut by the whole tensors' sizes), so the steps' collectives pair up: bit for bit as unpaged
+    from lowmemopt import pipeline
+    from lowmemopt.paging import pager as pager_module
+    from lowmemopt.paging.placement import buckets_of
+
+    sizes = pager_module.HOST_BUCKET_BYTES, pipeline.PAGE_BUCKET_BYTES
+    pager_module.HOST_BUCKET_BYTES = pipeline.PAGE_BUCKET_BYTES = 64  # (bytes: a few parameters' state per batch)
+    try:
+        lamb = ("LAMB", lowmemopt.LAMB, dict(lr=1e-2, weight_decay=0.1), 0)
+        for what, cls, kw, galore in [lamb, *PAGED_CONFIGS[1:]]:
+            differs = False
+            for budget in (0, 160):
+                label = f"{what} page_budget_bytes={budget}"
+                ref = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, {})
+                run = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, dict(paged="cpu", page_budget_bytes=budget))
+                _paged_steps([ref, run], 0, 3)
+                _same_run(run, ref, label)
+                opt = run[2]
+                work = [(p, g) for g in opt.param_groups for p in g["params"]]
+                index = {id(p): i for i, (p, _) in enumerate(work)}
+                cuts = [[index[id(p)] for p, _ in b] for b in buckets_of(work, opt._pager.entries, 64, 64)]
+                kept = [lowmemopt.paging.where_state_lives(opt, p) for p in run[1]]
+                everyone = [None] * ctx.world
+                dist.all_gather_object(everyone, (cuts, kept))
+                check(all(c == cuts for c, _ in everyone), f"{label}: batches differ between ranks: {everyone}")
+                check(len(cuts) > 1, f"{label}: one batch {cuts}")
+                differs = differs or len({tuple(k) for _, k in everyone}) > 1
+                opt.close()
+            # (else this proves little; one rank: the NCCL job on one GPU)
+            check(differs or ctx.world == 1, f"{what}: the same residency on every rank at every budget")
+    finally:
+        pager_module.HOST_BUCKET_BYTES, pipeline.PAGE_BUCKET_BYTES = sizes
+    # FSDP2 CPU offload (parameters and gradients in host RAM): the state pages like any CPU parameter's (gloo jobs:
+    # an NCCL-only job has no CPU backend for the offloaded gradients' collectives)
+    offload = CPUOffloadPolicy(pin_memory=False)
+    what, cls, kw, galore = PAGED_CONFIGS[0]
+    for tier in ("cpu", "disk") if ctx.device.type == "cpu" else ():
+        paging = dict(paged=tier, offload_dir=os.path.join(root, "paged-offload") if tier == "disk" else None)
+        label = f"{what} CPUOffloadPolicy paged={tier}"
+        ref = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, {}, offload)
+        run = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, paging, offload)
+        _paged_steps([ref, run], 0, 3)
+        _same_run(run, ref, label)
+        _pages_to(run[2], run[1], tier, label)
+        run[2].close()
+    # a model in training (reduce-scattered gradients), stepped by step() and per layer in the backward pass
+    for per_layer in (False, True):
+        models = []
+        for paging in ({}, dict(paged="disk", offload_dir=os.path.join(root, f"paged-training-{per_layer}"))):
+            model = mlp()
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=ctx.mesh)
+            models.append((fully_shard(model, mesh=ctx.mesh), cls(model.parameters(), **kw, **paging)))
+            if per_layer:
+                lowmemopt.step_in_backward(*models[-1])
+        for x, y in batches(3):
+            n = x.shape[0] // ctx.world
+            for model, opt in models:
+                xs, ys = x[ctx.rank * n :][:n].to(ctx.device), y[ctx.rank * n :][:n].to(ctx.device)
+                torch.nn.functional.mse_loss(model(xs), ys).backward()
+                if not per_layer:
+                    opt.step()
+                    opt.zero_grad()
+        (model, opt), (ref_model, ref_opt) = models[1], models[0]
+        label = f"{what} paged=disk in training, {'per layer' if per_layer else 'step()'}"
+        _same_run((model, list(model.parameters()), opt), (ref_model, list(ref_model.parameters()), ref_opt), label)
+        _pages_to(opt, list(model.parameters()), "disk", label)
+        opt.close()
+
+
+@case
+def paged_fsdp2_dcp(ctx):
+    """Paged FSDP2 state through torch.distributed.checkpoint: saved as the unpaged optimizer saves it, loaded at 2
+    ranks and resharded to 1 into paged and unpaged optimizers alike, which then step bit for bit the same."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    check(ctx.world == 2, "paged_fsdp2_dcp needs 2 ranks")
+    root = _shared_tmpdir(ctx)
+    solo_group = dist.new_group([0])
+    solo_mesh = DeviceMesh.from_group(solo_group, ctx.device.type) if ctx.rank == 0 else None
+    tensors = full_params(PAGED_SHAPES)
+
+    def load(run, path, group=None):
+        module, _, opt = run
+        sd = {"optim": get_optimizer_state_dict(module, opt)}
+        dcp.load(sd, checkpoint_id=path, process_group=group)
+        set_optimizer_state_dict(module, opt, sd["optim"])
+
+    for n, (what, cls, kw, galore) in enumerate(PAGED_CONFIGS):
+        tier = ("disk", "cpu", "disk")[n]
+        paging = dict(paged=tier, offload_dir=os.path.join(root, f"dcp-{n}") if tier == "disk" else None)
+        label = f"{what} paged={tier}"
+        ref = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, {})
+        run = _paged_run(ctx, ctx.mesh, tensors, cls, kw, galore, paging)
+        _paged_steps([ref, run], 0, 3)
+        saved = get_optimizer_state_dict(run[0], run[2])
+        _same_sd(_full_sd(saved["state"]), _full_sd(get_optimizer_state_dict(ref[0], ref[2])["state"]), label)
+        path = os.path.join(root, f"paged-dcp-{n}")
+        dcp.save({"optim": saved}, checkpoint_id=path)
+        current = [full(p) for p in run[1]]
+        # 2 -> 2
+        twin = _paged_run(ctx, ctx.mesh, current, cls, kw, galore, paging)
+        twin_ref = _paged_run(ctx, ctx.mesh, current, cls, kw, galore, {})
+        for r in (twin, twin_ref):
+            load(r, path)
+        _pages_to(twin[2], twin[1], tier, f"{label} 2->2")
+        _paged_steps([twin_ref, twin], 3, 1)
+        _same_run(twin, twin_ref, f"{label} 2->2 continued")
+        # 2 -> 1: rank 0 alone, its own directory
+        if ctx.rank == 0:
+            solo_paging = dict(paging, offload_dir=paging["offload_dir"] and paging["offload_dir"] + "-solo")
+            one = _paged_run(ctx, solo_mesh, current, cls, kw, galore, solo_paging)
+            one_ref = _paged_run(ctx, solo_mesh, current, cls, kw, galore, {})
+            for r in (one, one_ref):
+                load(r, path, solo_group)
+            _pages_to(one[2], one[1], tier, f"{label} 2->1")
+            _same_sd(
+                _full_sd(get_optimizer_state_dict(one[0], one[2])["state"]),
+                _full_sd(get_optimizer_state_dict(one_ref[0], one_ref[2])["state"]),
+                f"{label} 2->1",
+            )
+            _paged_steps([one_ref, one], 3, 1)
+            _same_run(one, one_ref, f"{label} 2->1 continued")
+            one[2].close()
+        for _, _, opt in (run, twin):
+            opt.close()
+        dist.barrier()
+
+
 def _shared_tmpdir(ctx):
     path = os.path.join(ctx.out, "tmp")
     if ctx.rank == 0:

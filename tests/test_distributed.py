@@ -41,7 +41,7 @@ def test_gloo_four_ranks_2d_mesh(tmp_path):
 
 
 # cases that need two ranks to mean anything (reshard 2 <-> 1, a reduction that must differ, a foreign layout)
-_TWO_RANKS_ONLY = {"dcp_reshard", "factored_column_reduction_matters", "save_state_per_rank"}
+_TWO_RANKS_ONLY = {"dcp_reshard", "factored_column_reduction_matters", "save_state_per_rank", "paged_fsdp2_dcp"}
 
 
 @pytest.mark.gpu

@@ -838,6 +838,20 @@ def test_bad_paging_options(kwargs, error, match):
         lowmemopt.AdamW(make_params(SHAPES), **kwargs)
 
 
+def test_tensor_subclass_other_than_dtensor_refused():
+    """Paged state is made for plain tensors and DTensors' local shards (FSDP2, tests/dist_worker.py); another tensor
+    subclass is refused at the first step, with nothing changed."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    p = torch.nn.Parameter(TwoTensor(torch.randn(4, 3), torch.randn(4, 3)))
+    before = p.detach().clone()
+    opt = lowmemopt.AdamW([p], lr=1e-2, paged="cpu")
+    p.grad = TwoTensor(torch.randn(4, 3), torch.randn(4, 3))
+    with pytest.raises(TypeError, match="plain tensors or DTensors as parameters; parameter 0 of param group 0 is a "):
+        opt.step()
+    assert not opt.state and torch.equal(p.detach(), before)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the disk tier bounds memory
 

@@ -20,6 +20,7 @@ class Entry:
     offload_dir: str | None
     label: str  # "g0.p3": param group and position, for file names and messages
     nbytes: int = 0  # bytes of its state when placed (what a resident entry takes of the budget)
+    weight: int | None = None  # a DTensor's: what it weighs in a batch on every rank (placement.mesh_weight)
     state: dict[str, Any] | None = None  # the home state installed in optimizer.state (None before the first step)
     reserved: dict[str, torch.Tensor] | None = None  # homes made ahead of the state's first write-back
     #: the dict its working state is installed in while it steps: the same object every step (launch arguments

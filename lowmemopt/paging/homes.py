@@ -180,7 +180,8 @@ class Homes:
         if directory is None or not os.path.isdir(directory):
             try:
                 os.makedirs(offload_dir, exist_ok=True)
-                directory = os.path.join(offload_dir, f"lowmemopt-{os.getpid()}-{secrets.token_hex(4)}")
+                name = f"lowmemopt-{_rank_tag()}{os.getpid()}-{secrets.token_hex(4)}"
+                directory = os.path.join(offload_dir, name)
                 os.mkdir(directory, 0o700)
             except OSError as e:
                 raise PermissionError(
@@ -398,3 +399,11 @@ def _copy_mapped(homes: Homes, dst: torch.Tensor, src: torch.Tensor) -> None:
                 _advise(
                     mapping[0], mapping[1], off + lo * t.element_size(), off + hi * t.element_size(), _MADV_DONTNEED
                 )
+
+
+def _rank_tag() -> str:
+    """``"rank00001-of-00002-"`` in a torch.distributed job (each rank's files in a directory of its own), else ""."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return ""
+    return f"rank{dist.get_rank():05d}-of-{dist.get_world_size():05d}-"

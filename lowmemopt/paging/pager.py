@@ -27,8 +27,12 @@ from .placement import (
     initial_layout,
     largest_buckets,
     make_homes,
+    mesh_weight,
     nbytes_of,
     on_device,
+    on_mesh,
+    pageable,
+    remember,
     tensors_of,
 )
 from ..work.record import param_place
@@ -75,6 +79,7 @@ class Pager:
         self.copy_files: CopyFiles | None = None  # (the last pass's: batches())
         self.closed = False
         self.next_pass = NextPass()  # the next pass's first bucket, on its way
+        self._first_state = remember(None)  # the last step's first_state (for layouts of state loaded later)
         self._finalizer = weakref.finalize(optimizer, self.close)
 
     # -- the step ----------------------------------------------------------------------------------------------------
@@ -84,20 +89,23 @@ class Pager:
         OSError) before anything changes; then raise a failed write-back and let ``"auto"`` evict.
 
         Returns:
-            Whether any state of ``work`` moves this step (False: an unpaged step).
+            Whether any state of ``work`` moves this step (False: an unpaged step); with a DTensor in a paged group,
+            True on every rank (what stays resident is each rank's choice, the way through the step must be common).
         """
         if self.closed:
             raise RuntimeError("this optimizer was closed (close() freed its paged state); create a new one")
         opt = self._opt()
+        self._first_state = remember(first_state) if first_state is not None else self._first_state
         fresh, unpaged = [], []  # (unpaged: state of a group paged=False since, coming back to its device)
         moves = False  # (any state of work's that moves this step: begin's answer)
-        plain = torch.Tensor.__torch_dispatch__
+        alike = False  # (a DTensor in a paged group: every rank steps through the batches)
         for p, group in work:
             tier = tier_of(group)
             if tier is None:
                 if p in self.entries:
                     unpaged.append(p)
                 continue
+            alike = alike or on_mesh(p)
             entry = self.entries.get(p)
             if entry is not None and entry.device != p.device:
                 raise ValueError(
@@ -105,10 +113,10 @@ class Pager:
                     "made; the state was left as it was. Move the parameter back, or re-home the state after moving "
                     "it: optimizer.load_state_dict(optimizer.state_dict())"
                 )
-            if type(p).__torch_dispatch__ is not plain:
+            if not pageable(p):
                 raise TypeError(
-                    f"paged optimizer state needs plain tensors as parameters; {self._where(p)} is a "
-                    f"{type(p).__name__} (a tensor subclass such as DTensor): use paged=False for its group"
+                    f"paged optimizer state needs plain tensors or DTensors as parameters; {self._where(p)} is a "
+                    f"{type(p).__name__} (another tensor subclass): use paged=False for its group"
                 )
             if entry is not None and entry.resident:  # (the steady case: nothing to place, nothing moves)
                 continue
@@ -139,7 +147,7 @@ class Pager:
                 self.entries[p] = made[p]
                 if made[p].state is not None:
                     opt.state[p] = made[p].state
-        if self._evict_where_short(work):
+        if self._evict_where_short(work) or alike:
             return True
         return self.moves_any(work) if fresh else moves
 
@@ -360,7 +368,8 @@ class Pager:
             for p, group, tier, state in items:
                 offload_dir = os.fspath(group["offload_dir"]) if group.get("offload_dir") is not None else None
                 label = f"g{index.get(id(group), -1)}.p{position.get(id(p), -1)}"
-                made[p] = Entry(tier, p.device, p in resident, offload_dir, label, nbytes_of(layouts[p] or {}))
+                weight = mesh_weight(opt.state, p, group, first_state or self._first_state())
+                made[p] = Entry(tier, p.device, p in resident, offload_dir, label, nbytes_of(layouts[p] or {}), weight)
                 if made[p].resident and state is not None:
                     made[p].state = {k: on_device(v, p.device) for k, v in state.items()}
             paged = [(made[p], layouts[p] or {}) for p, _, _, _ in items if not made[p].resident]

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -24,6 +26,11 @@ __all__ = [
     "on_device",
     "brought_back",
     "check_plain",
+    "pageable",
+    "on_mesh",
+    "mesh_weight",
+    "remember",
+    "meta_twin",
     "buckets_of",
     "largest_buckets",
 ]
@@ -42,11 +49,34 @@ def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def on_mesh(p: torch.Tensor) -> bool:
+    """Is ``p`` a DTensor (FSDP2, tensor parallelism: laid out over a device mesh)?"""
+    module = sys.modules.get("torch.distributed.tensor")  # (imported only once some DTensor exists)
+    return module is not None and isinstance(p, module.DTensor)
+
+
+def pageable(p: torch.Tensor) -> bool:
+    """Can ``p``'s state page? A plain tensor, or a DTensor (FSDP2; its state is its local shard's); no other
+    tensor subclass."""
+    return type(p).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ or on_mesh(p)
+
+
+def meta_twin(p: torch.Tensor) -> torch.Tensor:
+    """``p`` as a tensor without storage: a meta tensor, or for a DTensor one laid out like it over a meta shard."""
+    if not on_mesh(p):
+        return torch.empty_like(p, device="meta")
+    from torch.distributed.tensor import DTensor
+
+    shard = torch.empty_like(p.to_local(), device="meta")
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def initial_layout(
     state: Any, p: torch.Tensor, group: dict[str, Any], first_state: FirstState | None
 ) -> dict[str, torch.Tensor] | None:
-    """The tensors ``p``'s first step will make, as meta tensors (None if that fails)."""
-    twin = torch.empty_like(p, device="meta")
+    """The tensors ``p``'s first step will make, as meta tensors (None if that fails); a DTensor's twin is a DTensor
+    on the same mesh whose local shard is a meta tensor."""
+    twin = meta_twin(p)
     try:
         if first_state is None:
             return None
@@ -55,6 +85,29 @@ def initial_layout(
         return None
     finally:
         state.pop(twin, None)
+
+
+def mesh_weight(state: Any, p: torch.Tensor, group: dict[str, Any], first_state: FirstState | None) -> int | None:
+    """A DTensor's share of its whole state's bytes (the state one process would make for the whole tensor, over its
+    number of shards): the same number on every rank, by which batches are cut (:func:`buckets_of`); None for a
+    plain tensor."""
+    if not on_mesh(p):
+        return None
+    shards = 1
+    for d, placement in enumerate(p.placements):
+        if placement.is_shard():
+            shards *= p.device_mesh.size(d)
+    layout = initial_layout(state, torch.empty(p.shape, dtype=p.dtype, device="meta"), group, first_state)
+    nbytes = nbytes_of(layout) if layout else 2 * p.numel() * p.element_size()  # (no layout: two slots' worth)
+    return -(-nbytes // shards)
+
+
+def remember(first_state: FirstState | None) -> Callable[[], FirstState | None]:
+    """``first_state`` to call again later, held weakly if it is a bound method (of the optimizer the pager serves:
+    a strong reference would keep it alive)."""
+    if hasattr(first_state, "__self__"):
+        return weakref.WeakMethod(first_state)
+    return lambda: first_state
 
 
 def choose_resident(
@@ -159,7 +212,10 @@ Work = list[tuple[torch.Tensor, dict[str, Any]]]
 
 
 def buckets_of(todo: Work, entries: dict[torch.Tensor, Entry], bucket_bytes: int, host_bytes: int) -> list[Work]:
-    """Consecutive batches of ``todo`` (:meth:`~.pager.Pager.batches`' rule; ``host_bytes``: the CPU's cap)."""
+    """Consecutive batches of ``todo`` (:meth:`~.pager.Pager.batches`' rule; ``host_bytes``: the CPU's cap); with
+    DTensors among them, cut where every rank cuts them (:func:`_cut_alike`)."""
+    if any(e.weight is not None for e in (entries.get(p) for p, _ in todo) if e is not None):
+        return _cut_alike(todo, entries, bucket_bytes, host_bytes)
 
     def moves(p: torch.Tensor) -> bool:
         return p in entries and not entries[p].resident
@@ -184,6 +240,25 @@ def buckets_of(todo: Work, entries: dict[torch.Tensor, Entry], bucket_bytes: int
         else:
             chunks.append(still)
     return chunks
+
+
+def _cut_alike(todo: Work, entries: dict[torch.Tensor, Entry], bucket_bytes: int, host_bytes: int) -> list[Work]:
+    """Batches of ``todo`` in its order, cut by what is the same on every rank (a DTensor's :func:`mesh_weight`, a
+    plain tensor's state bytes), resident state counted as if it moved: the ranks step the same parameters in the
+    same batches, so the collectives of their steps pair up (docs/distributed.md#paged-state-under-fsdp2)."""
+    chunks: list[Work] = [[]]
+    size, kind = 0, None
+    for item in todo:
+        entry = entries.get(item[0])
+        if entry is not None:  # (unpaged: rides along where it is)
+            nbytes = entry.weight if entry.weight is not None else nbytes_of(entry.home_tensors())
+            limit = bucket_bytes if entry.device.type == "cuda" else min(bucket_bytes, host_bytes)
+            if kind is not None and (size + nbytes > limit or kind != (entry.device, entry.tier)):
+                chunks.append([])
+                size = 0
+            size, kind = size + nbytes, (entry.device, entry.tier)
+        chunks[-1].append(item)
+    return chunks if chunks[0] else []
 
 
 def largest_buckets(moving: list[list[torch.Tensor]], entries: dict[torch.Tensor, Entry]) -> dict[torch.device, int]:
