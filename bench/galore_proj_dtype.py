@@ -102,16 +102,25 @@ def train(optimizer: str, rank: int, seed: int, proj: str, steps: int, gap: int,
 
 
 def _train(optimizer: str, rank: int, seed: int, proj: str, steps: int, gap: int, tail: int) -> dict:
-    import lowmemopt
-    from lowmemopt.demo import _fit, _llama
+    from lowmemopt.demo import _llama
 
-    model = _llama(seed).to(torch.bfloat16)
     cls, kw = OPTIMIZERS[optimizer]
+    run = galore_run(_llama(seed).to(torch.bfloat16), cls, kw, rank, gap, steps, seed, tail, proj_dtype=proj)
+    return dict(optimizer=optimizer, rank=rank, seed=seed, proj=proj, steps=steps, **run)
+
+
+def galore_run(
+    model: torch.nn.Module, cls: str, kw: dict, rank: int, gap: int, steps: int, seed: int, tail: int, **keys
+) -> dict:
+    """Train ``model`` (a :mod:`lowmemopt.demo` LLaMA) for ``steps`` with ``lowmemopt.<cls>(**kw)`` on GaLore groups
+    of its attention and MLP weights (``rank``, ``update_proj_gap=gap``, scale 1.0, other group ``keys``), on the
+    demo's batches of seed ``seed``: the first loss, the mean of the last ``tail``, the held-out loss, whether every
+    loss was finite, and the seconds it took."""
+    import lowmemopt
+    from lowmemopt.demo import _fit
 
     def make(_params):
-        groups = lowmemopt.galore_param_groups(
-            model, TARGETS, rank=rank, update_proj_gap=gap, scale=1.0, proj_dtype=proj
-        )
+        groups = lowmemopt.galore_param_groups(model, TARGETS, rank=rank, update_proj_gap=gap, scale=1.0, **keys)
         return getattr(lowmemopt, cls)(groups, **kw)
 
     def loss_of(windows: torch.Tensor) -> torch.Tensor:
@@ -121,11 +130,6 @@ def _train(optimizer: str, rank: int, seed: int, proj: str, steps: int, gap: int
     r = _fit(model, loss_of, make, steps, seed, 8, 64, None)
     losses = r["losses"]
     return dict(
-        optimizer=optimizer,
-        rank=rank,
-        seed=seed,
-        proj=proj,
-        steps=steps,
         first=losses[0],
         last=sum(losses[-tail:]) / len(losses[-tail:]),
         heldout=r["heldout"],

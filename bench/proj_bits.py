@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import math
 import multiprocessing
 import statistics
 import sys
 import time
 
 import torch
+from galore_proj_dtype import galore_run
 
 WIDTHS = (32, 16, 8, 4)
-TARGETS = ["attn", "mlp"]
 OPTIMIZER = ("AdamW", dict(lr=2e-3, weight_decay=0.01, state_bits=8))
 
 
@@ -48,35 +47,11 @@ def train(rank: int, seed: int, bits: int, steps: int, gap: int, tail: int, thre
 
 
 def _train(rank: int, seed: int, bits: int, steps: int, gap: int, tail: int) -> dict:
-    import lowmemopt
-    from lowmemopt.demo import _fit, _llama
+    from lowmemopt.demo import _llama
 
-    model = _llama(seed)
     cls, kw = OPTIMIZER
-
-    def make(_params):
-        groups = lowmemopt.galore_param_groups(
-            model, TARGETS, rank=rank, update_proj_gap=gap, scale=1.0, proj_bits=bits
-        )
-        return getattr(lowmemopt, cls)(groups, **kw)
-
-    def loss_of(windows: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=windows, labels=windows).loss
-
-    t0 = time.perf_counter()
-    r = _fit(model, loss_of, make, steps, seed, 8, 64, None)
-    losses = r["losses"]
-    return dict(
-        rank=rank,
-        seed=seed,
-        bits=bits,
-        steps=steps,
-        first=losses[0],
-        last=sum(losses[-tail:]) / len(losses[-tail:]),
-        heldout=r["heldout"],
-        finite=all(math.isfinite(x) for x in losses),
-        seconds=time.perf_counter() - t0,
-    )
+    run = galore_run(_llama(seed), cls, kw, rank, gap, steps, seed, tail, proj_bits=bits)
+    return dict(rank=rank, seed=seed, bits=bits, steps=steps, **run)
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -580,6 +580,16 @@ def test_failure_inside_the_update_keeps_that_parameters_home_state(tmp_path, mo
     assert opt.state[params[1]] is paging.pager_of(opt).entries[params[1]].state  # the home, not a working copy
 
 
+def _pin_file_lanes(monkeypatch, how: str) -> None:
+    """The disk tier's files copied on the update's threads for the whole test, all of a bucket's at once (``how=
+    "together"``, lowmemopt.cpu.copy_files) or one after another (``"one by one"``: as without the native library).
+    Otherwise a step plans the next one's reads at its end, on I/O threads or not as the machine's load and thread
+    count say (``files_here``), and reads on I/O threads may run before a test makes them fail."""
+    monkeypatch.setattr(paging.engine.HostLanes, "files_here", lambda self: not self.staged_files)
+    if how == "one by one":
+        monkeypatch.setattr(lowmemopt.cpu, "copy_files", lambda requests: None)
+
+
 def _fail_file_io(monkeypatch, how: str, write: bool) -> None:
     """Make the disk tier's file reads (``write`` False) or writes fail with EIO: on the CPU's update threads, all of a
     bucket's files at once (``how="together"``, as where the update has the cores to itself: lowmemopt.cpu.copy_files,
@@ -614,6 +624,7 @@ def _fail_file_io(monkeypatch, how: str, write: bool) -> None:
 def test_failed_write_back_keeps_the_updated_state_on_the_device(tmp_path, monkeypatch, how):
     """An I/O error writing a parameter's state back to its file (after its update) raises; the updated state stays
     with the parameter (resident), consistent with its new value, and training can go on."""
+    _pin_file_lanes(monkeypatch, how)
     paged, plain = make_params([(70, 91)]), make_params([(70, 91)])
     opt = lowmemopt.AdamW(paged, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
     ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
@@ -636,6 +647,7 @@ def test_failed_write_back_keeps_the_updated_state_on_the_device(tmp_path, monke
 def test_failed_read_raises_before_the_update_and_changes_nothing(tmp_path, monkeypatch, how):
     """An I/O error reading a bucket's state from its files raises before that bucket's update: its parameters and
     their state stay as they were (the files too), and the next step goes on as if the failed one had not run."""
+    _pin_file_lanes(monkeypatch, how)
     paged, plain = make_params([(70, 91)]), make_params([(70, 91)])
     opt = lowmemopt.AdamW(paged, lr=1e-2, state_bits=8, paged="disk", offload_dir=tmp_path)
     ref = lowmemopt.AdamW(plain, lr=1e-2, state_bits=8)
