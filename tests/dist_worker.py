@@ -490,8 +490,10 @@ def reductions_batched(ctx):
     def run(cls, kw, n, per_parameter, bucket_numel=per_param.REDUCTION_BUCKET_NUMEL):
         shapes = [[(7, 5), (9, 3), (1, 6), (6,)][i % 4] for i in range(n)]
         default, default_numel = per_param.REDUCTION_BUCKET_STEPS, per_param.REDUCTION_BUCKET_NUMEL
+        devices = per_param.BATCHED_DEVICES
         per_param.REDUCTION_BUCKET_STEPS = 1 if per_parameter else default
         per_param.REDUCTION_BUCKET_NUMEL = bucket_numel
+        per_param.BATCHED_DEVICES = ("cpu", "cuda")  # (NCCL: the rounds run there too, for their results)
         try:
             tensors, tgts = full_params(shapes), targets(shapes)
             _, params = fsdp_params(ctx, tensors)
@@ -509,6 +511,7 @@ def reductions_batched(ctx):
                 ref_opt.step()
         finally:
             per_param.REDUCTION_BUCKET_STEPS, per_param.REDUCTION_BUCKET_NUMEL = default, default_numel
+            per_param.BATCHED_DEVICES = devices
         for i, (p, r) in enumerate(zip(params, ref_params)):
             torch.testing.assert_close(
                 p.to_local(), local(r.detach(), p).to_local(), rtol=1e-5, atol=1e-6, msg=lambda m: f"param {i}: {m}"

@@ -28,6 +28,7 @@ from .plan import Plan
 __all__ = [
     "REDUCTION_BUCKET_NUMEL",
     "REDUCTION_BUCKET_STEPS",
+    "BATCHED_DEVICES",
     "batches_reductions",
     "checks_itself",
     "step_batched",
@@ -41,6 +42,10 @@ Todo = list[tuple[int, torch.Tensor, dict[str, Any]]]
 #: steps' decoded state and temporaries are alive at once) and this many parameters (a thread each)
 REDUCTION_BUCKET_NUMEL = 1 << 24
 REDUCTION_BUCKET_STEPS = 256
+#: device types whose sharded steps batch their reductions: the CPU's (gloo: each blocking all-reduce a network round
+#: trip). CUDA's stay per parameter until measured there: the rounds' thread switches cost host time (measured on the
+#: CPU: docs/distributed.md#batched-reductions) that an NCCL launch may not
+BATCHED_DEVICES: tuple[str, ...] = ("cpu",)
 
 
 def step_param(
@@ -93,12 +98,14 @@ def _gather(
 
 def batches_reductions(plan: Plan, p: torch.Tensor, record: BucketRecord) -> bool:
     """May ``p`` (``record``: its bucket's) step in a bucket whose reductions are batched (:func:`step_batched`)? A
-    full-rank DTensor parameter of an algorithm that declares :attr:`~.algorithm.Algorithm.batched_reductions`."""
+    full-rank DTensor parameter, on a device of :data:`BATCHED_DEVICES`, of an algorithm that declares
+    :attr:`~.algorithm.Algorithm.batched_reductions`."""
     return (
         plan.reductions is not None
         and plan.algorithm.batched_reductions
         and record.rank is None
         and is_dtensor(p)
+        and p.device.type in BATCHED_DEVICES
         and LOW_RANK not in plan.state[p]
     )
 
