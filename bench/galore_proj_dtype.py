@@ -152,21 +152,34 @@ def summarize(runs: list[dict]) -> list[dict]:
             continue
         row = dict(optimizer=opt, rank=rank, seeds=len(paired))
         for fig in ("last", "heldout"):
-            fp32 = [s["float32"][fig] for s in paired]
-            bf16 = [s["param"][fig] for s in paired]
-            diffs = [b - f for b, f in zip(bf16, fp32)]
-            spread = statistics.stdev(fp32) if len(fp32) > 1 else float("nan")
-            worst = max((abs(d) for d in diffs), default=float("nan"))
-            row[fig] = dict(
-                fp32=statistics.fmean(fp32),
-                bf16=statistics.fmean(bf16),
-                diff=statistics.fmean(diffs),
-                max_diff=worst,
-                spread=spread,
-                within=bool(worst < spread),
-            )
+            row[fig] = paired_figures([s["float32"][fig] for s in paired], [s["param"][fig] for s in paired])
         rows.append(row)
     return sorted(rows, key=lambda r: (list(OPTIMIZERS).index(r["optimizer"]), r["rank"]))
+
+
+def paired_figures(base: list[float], other: list[float]) -> dict:
+    """One figure of paired runs (the same seeds' ``base`` and ``other`` values): their means (``fp32``, ``value``), the
+    differences' mean and largest magnitude, the base runs' seed-to-seed standard deviation and ``within`` (largest
+    difference < that spread; False with fewer than two seeds)."""
+    diffs = [o - b for b, o in zip(base, other)]
+    spread = statistics.stdev(base) if len(base) > 1 else float("nan")
+    worst = max((abs(d) for d in diffs), default=float("nan"))
+    return dict(
+        fp32=statistics.fmean(base),
+        value=statistics.fmean(other),
+        diff=statistics.fmean(diffs),
+        max_diff=worst,
+        spread=spread,
+        within=bool(worst < spread),
+    )
+
+
+def run_in_processes(fn, jobs: list[tuple], workers: int):
+    """``fn(*job)`` of every job in ``workers`` spawned processes, yielded as each ends."""
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for f in cf.as_completed([pool.submit(fn, *job) for job in jobs]):
+            yield f.result()
 
 
 def pooled(runs: list[dict]) -> list[dict]:
@@ -236,9 +249,9 @@ def table(rows: list[dict]) -> str:
         last, held = r["last"], r["heldout"]
         within = "yes" if last["within"] and held["within"] else "no"
         out.append(
-            f"| {LABELS[r['optimizer']]} | {r['rank']} | {r['seeds']} | {last['fp32']:.4f} | {last['bf16']:.4f} "
+            f"| {LABELS[r['optimizer']]} | {r['rank']} | {r['seeds']} | {last['fp32']:.4f} | {last['value']:.4f} "
             f"| {last['diff']:+.4f} / {last['max_diff']:.4f} | {last['spread']:.4f} | {held['fp32']:.4f} "
-            f"| {held['bf16']:.4f} | {held['diff']:+.4f} / {held['max_diff']:.4f} | {held['spread']:.4f} "
+            f"| {held['value']:.4f} | {held['diff']:+.4f} / {held['max_diff']:.4f} | {held['spread']:.4f} "
             f"| {within} |"
         )
     return "\n".join(out)
@@ -330,20 +343,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
 
     threads = 1  # per run: (two threads' SVDs wait on each other on a busy machine; --jobs uses the cores)
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(train, o, r, s, p, args.steps, args.gap, args.tail, threads) for o, r, s, p in jobs]
-        for f in cf.as_completed(futures):
-            r = f.result()
-            runs.append(r)
-            save()
-            print(
-                f"[{len(runs)}/{len(jobs)} {time.perf_counter() - t0:6.0f}s] {r['optimizer']} rank {r['rank']} "
-                f"seed {r['seed']} proj_dtype={r['proj']}: last-{args.tail} {r['last']:.4f}, held-out "
-                f"{r['heldout']:.4f} ({r['seconds']:.0f}s)",
-                file=sys.stderr,
-                flush=True,
-            )
+    args_of = [(o, r, s, p, args.steps, args.gap, args.tail, threads) for o, r, s, p in jobs]
+    for r in run_in_processes(train, args_of, args.jobs):
+        runs.append(r)
+        save()
+        print(
+            f"[{len(runs)}/{len(jobs)} {time.perf_counter() - t0:6.0f}s] {r['optimizer']} rank {r['rank']} "
+            f"seed {r['seed']} proj_dtype={r['proj']}: last-{args.tail} {r['last']:.4f}, held-out "
+            f"{r['heldout']:.4f} ({r['seconds']:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
     text = report(check, runs, args, time.perf_counter() - t0)
     print(text.split("\n\n", 1)[1])
     if args.markdown:

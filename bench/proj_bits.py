@@ -21,15 +21,12 @@ difference from fp32 (mean and largest magnitude over seeds), the fp32 runs' see
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
-import multiprocessing
-import statistics
 import sys
 import time
 
 import torch
-from galore_proj_dtype import galore_run
+from galore_proj_dtype import galore_run, paired_figures, run_in_processes
 
 WIDTHS = (32, 16, 8, 4)
 OPTIMIZER = ("AdamW", dict(lr=2e-3, weight_decay=0.01, state_bits=8))
@@ -69,18 +66,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 continue
             row = dict(rank=rank, bits=bits, seeds=len(paired))
             for fig in ("last", "heldout"):
-                base = [s[32][fig] for s in paired]
-                diffs = [s[bits][fig] - s[32][fig] for s in paired]
-                spread = statistics.stdev(base) if len(base) > 1 else float("nan")
-                worst = max(abs(d) for d in diffs)
-                row[fig] = dict(
-                    fp32=statistics.fmean(base),
-                    value=statistics.fmean(s[bits][fig] for s in paired),
-                    diff=statistics.fmean(diffs),
-                    max_diff=worst,
-                    spread=spread,
-                    within=bool(worst < spread),
-                )
+                row[fig] = paired_figures([s[32][fig] for s in paired], [s[bits][fig] for s in paired])
             rows.append(row)
     return rows
 
@@ -152,22 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(r, s, b) for s in args.seeds for r in args.ranks for b in args.bits]
     runs: list[dict] = []
     t0 = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(train, r, s, b, args.steps, args.gap, args.tail) for r, s, b in jobs]
-        for f in cf.as_completed(futures):
-            r = f.result()
-            runs.append(r)
-            if args.json:
-                with open(args.json, "w") as out:
-                    json.dump(dict(runs=runs, settings=vars(args), seconds=time.perf_counter() - t0), out, indent=1)
-            print(
-                f"[{len(runs)}/{len(jobs)} {time.perf_counter() - t0:6.0f}s] rank {r['rank']} seed {r['seed']} "
-                f"proj_bits={r['bits']}: last-{args.tail} {r['last']:.4f}, held-out {r['heldout']:.4f} "
-                f"({r['seconds']:.0f}s)",
-                file=sys.stderr,
-                flush=True,
-            )
+    for r in run_in_processes(train, [(*job, args.steps, args.gap, args.tail) for job in jobs], args.jobs):
+        runs.append(r)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(dict(runs=runs, settings=vars(args), seconds=time.perf_counter() - t0), out, indent=1)
+        print(
+            f"[{len(runs)}/{len(jobs)} {time.perf_counter() - t0:6.0f}s] rank {r['rank']} seed {r['seed']} "
+            f"proj_bits={r['bits']}: last-{args.tail} {r['last']:.4f}, held-out {r['heldout']:.4f} "
+            f"({r['seconds']:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(report(runs, vars(args), time.perf_counter() - t0))
     return 0 if all(r["finite"] for r in runs) else 1
 

@@ -185,9 +185,9 @@ def _read_param(f, plan: LoadPlan, state: dict[str, Any], crcs, path, release, c
             converted.append(f"{plan.name}/{name}: {src.name}{where} -> {dst.name}")
     projector = entry.get("projector", {})
     shapes = _basis_shapes(plan) if projector else {}
-    # a basis the file stores at another proj_bits than the group's: read, then converted
-    other = {k for b in shapes if not _same_format(projector, state, b) for k in projector if k.startswith(b + ".")}
-    other |= {b for b in shapes if not _same_format(projector, state, b) and b in projector}
+    # the bases the file stores at another proj_bits than the group's: read, then converted
+    converting = [b for b in shapes if not _same_format(projector, state, b)]
+    other = {k for k in projector for b in converting if k == b or k.startswith(b + ".")}
     saved: dict[str, Any] = {}
     for key, value in list(projector.items()) + list(entry.get("bf16_update", {}).items()):
         if isinstance(value, list):
@@ -199,12 +199,11 @@ def _read_param(f, plan: LoadPlan, state: dict[str, Any], crcs, path, release, c
             else:
                 state[key].view(-1).copy_(read(key, 0, state[key].numel()))
             source.finish()
-    for key, shape in shapes.items():
-        if not _same_format(projector, state, key):
-            storage.encode_basis(state, key, storage.decode_basis(saved, key, shape).to(device))
-            converted.append(
-                f"{plan.name}/{key}: proj_bits {storage.stored_bits(saved, key)} -> {storage.stored_bits(state, key)}"
-            )
+    for key in converting:
+        storage.encode_basis(state, key, storage.decode_basis(saved, key, shapes[key]).to(device))
+        converted.append(
+            f"{plan.name}/{key}: proj_bits {storage.stored_bits(saved, key)} -> {storage.stored_bits(state, key)}"
+        )
 
 
 def _same_format(projector: dict[str, Any], state: dict[str, Any], key: str) -> bool:

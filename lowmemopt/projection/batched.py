@@ -215,12 +215,17 @@ def _stacked_bases(layout: ProjectLayout, k: int, chunk: list[Item], dtype: torc
         made = layout.cast_bases[k] = (scratch, list(stack.unbind(0)), stack)
     scratch, views, stack = made
     scratch.take()
-    if dense is not None:
-        torch._foreach_copy_(views, [it.state[pj.PROJ] for it in chunk])
-    else:
-        for it, view in zip(chunk, views):
-            storage.decode_basis_into(it.state, pj.PROJ, view)
+    _fill_bases(chunk, views)
     return stack
+
+
+def _fill_bases(chunk: list[Item], views: Sequence[torch.Tensor]) -> None:
+    """Copy (cast) or decode (``proj_bits`` 8 or 4) each item's basis into its view of a stack."""
+    if pj.PROJ in chunk[0].state:
+        torch._foreach_copy_(views, [it.state[pj.PROJ] for it in chunk])
+        return
+    for it, view in zip(chunk, views):
+        storage.decode_basis_into(it.state, pj.PROJ, view)
 
 
 def _bases_of(chunk: list[Item], dtype: torch.dtype) -> torch.Tensor:
@@ -228,8 +233,7 @@ def _bases_of(chunk: list[Item], dtype: torch.dtype) -> torch.Tensor:
     if pj.PROJ in chunk[0].state:
         return stacked([it.state[pj.PROJ] for it in chunk], dtype)
     out = torch.empty((len(chunk), *chunk[0].extra["shapes"][pj.PROJ]), dtype=dtype, device=chunk[0].param.device)
-    for it, view in zip(chunk, out.unbind(0)):
-        storage.decode_basis_into(it.state, pj.PROJ, view)
+    _fill_bases(chunk, out.unbind(0))
     return out
 
 

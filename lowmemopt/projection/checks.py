@@ -130,7 +130,9 @@ def check_low_rank_state(plan: Plan, p: torch.Tensor, group: dict[str, Any], sta
                 "Was the parameter's .data replaced by a tensor of another shape? The state was left as it was: reset "
                 "this parameter's state (del optimizer.state[p]) or give the parameter its shape back"
             )
-    if proj is None:  # stored at 8 or 4 bits: the codes' sizes
+    if proj is None and not all(  # stored at 8 or 4 bits: the codes' sizes
+        storage.fits(state, key, shape) for key, shape in pj.basis_shapes(m, n, group["rank"], side).items()
+    ):
         problem = pj.projector_problem(pj.split_projector_state(state)[0], group, p.shape)
         if problem is not None:
             raise ValueError(

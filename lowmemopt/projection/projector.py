@@ -5,6 +5,7 @@ refresh of the basis. Sides, refresh, ``proj_moments``, state keys and the trans
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -78,8 +79,10 @@ def low_rank_shape(m: int, n: int, rank: int, side: int) -> tuple[int, int]:
     raise KeyError(side)
 
 
+@functools.lru_cache(maxsize=4096)
 def basis_shapes(m: int, n: int, rank: int, side: int) -> dict[str, tuple[int, int]]:
-    """Shapes of the stored (transposed) basis tensors."""
+    """Shapes of the stored (transposed) basis tensors (one dict per shape, asked for at every step: not to be
+    changed)."""
     k = min(rank, m, n)
     if side == LEFT:
         return {PROJ: (k, m)}

@@ -19,6 +19,7 @@ __all__ = [
     "format_for",
     "stored_bits",
     "stored_at",
+    "fits",
     "init_basis",
     "decode_basis",
     "decode_basis_into",
@@ -51,6 +52,18 @@ def stored_bits(state: dict[str, Any], key: str) -> int:
 def stored_at(state: dict[str, Any], key: str, bits: int) -> bool:
     """Is basis ``key`` of ``state`` stored as ``proj_bits=bits`` stores it?"""
     return format_of(state, key) is _FORMATS[bits]
+
+
+def fits(state: dict[str, Any], key: str, shape: tuple[int, int]) -> bool:
+    """Are basis ``key``'s stored tensors in ``state`` the sizes a basis of ``shape`` has in its format?"""
+    try:
+        fmt = format_of(state, key)
+    except KeyError:
+        return False
+    if fmt in (FP32, BF16):
+        return tuple(state[key].shape) == tuple(shape)
+    ranges = fmt.key_ranges(key, 0, math.prod(shape), _block(fmt))
+    return all(k in state and state[k].numel() == hi - lo for k, (lo, hi) in ranges.items())
 
 
 def init_basis(state: dict[str, Any], key: str, shape: tuple[int, int], bits: int, device: torch.device) -> None:
